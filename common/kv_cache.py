@@ -1,0 +1,70 @@
+"""The paged KV pool: one contiguous buffer, addressed by block id.
+
+Layout ``[num_blocks, num_layers, 2 (K, V), block_size, kv_heads, head_dim]``:
+block-major, so every byte of one block (all layers, K and V) is one
+contiguous range, and a run of consecutive block ids is one contiguous range
+too. That is what the disaggregated path needs: the buffer is registered
+once with the transfer agent and a request's pages travel as a few merged
+descriptors instead of one per layer per block. Each layer still sees the
+usual ``[num_blocks, block_size, kv_heads, head_dim]`` K and V (strided views).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What two workers must agree on before KV pages can move between them."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # "float32" | "bfloat16"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def blocks_for_budget(self, budget_bytes: int) -> int:
+        return budget_bytes // self.bytes_per_block
+
+
+class KVCache:
+    def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu") -> None:
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV budget holds no block of {layout.bytes_per_block} bytes; "
+                "raise kv_cache_memory_bytes"
+            )
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.buffer = torch.zeros(
+            num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim,
+            dtype=layout.torch_dtype, device=device,
+        )
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer, each ``[num_blocks, block_size, kv_heads, head_dim]``."""
+        return self.buffer[:, index, 0], self.buffer[:, index, 1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def block_range(self, first_block: int, num_blocks: int) -> tuple[int, int]:
+        """(address, length) of a run of consecutive blocks, for transfer descriptors."""
+        per = self.layout.bytes_per_block
+        return self.buffer.data_ptr() + first_block * per, num_blocks * per
+
+    def copy_blocks_in(self, block_ids: torch.Tensor, data: torch.Tensor) -> None:
+        """Write whole blocks (``data`` shaped like ``buffer[block_ids]``)."""
+        self.buffer.index_copy_(0, block_ids, data)

@@ -1,0 +1,50 @@
+"""Tiny random decoder models, built in code and saved as safetensors, for unit tests."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+COMMON = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
+
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**COMMON, tie_word_embeddings=False),
+    "llama3-scaled": lambda: LlamaConfig(
+        **COMMON,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+        },
+    ),
+    "mistral": lambda: MistralConfig(**COMMON, sliding_window=None, tie_word_embeddings=False),
+    "qwen2": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True),
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True),
+}
+
+
+def build_tiny_model(kind: str, directory: Path, seed: int = 0) -> Path:
+    """Save a random model of ``kind`` into ``directory``; returns it."""
+    torch.manual_seed(seed)
+    config = CONFIGS[kind]()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        # Random init leaves biases at zero; make them matter.
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
