@@ -6,16 +6,22 @@ the new tokens). Which rows are decodes and which are prompt chunks comes
 from the step context (see ``common.step_context``); the runner places all
 decode rows first, so they form one contiguous slice.
 
-- ``TorchAttention`` (CPU, and GPU without flash-attn): decode rows in one
-  padded, masked batch over gathered pages; each chunk in one SDPA call.
+- ``CpuAttention``: decode rows through a small C kernel that reads the
+  pages in place (``common/kernels/paged_attention.c``); chunks as below.
+- ``TorchAttention`` (GPU without flash-attn, or CPU without a C compiler):
+  decode rows in one padded, masked batch over gathered pages; each chunk in
+  one SDPA call.
 - ``FlashAttention`` (GPU with flash-attn installed): flash-attn's paged
   ``flash_attn_with_kvcache`` reads the pool in place through block tables.
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 
+from common.native import load_kernel
 from common.step_context import PrefillChunk, StepContext, get_step_context
 
 
@@ -73,6 +79,38 @@ class TorchAttention:
         return out.squeeze(0).transpose(0, 1)
 
 
+class CpuAttention(TorchAttention):
+    name = "cpu_paged"
+
+    def __init__(self, kernel: ctypes.CDLL) -> None:
+        self._kernel = kernel.tessera_paged_attention
+        self._kernel.restype = ctypes.c_int
+        self._kernel.argtypes = (
+            [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+            + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int]
+        )
+
+    def _decode(self, q, k_cache, v_cache, ctx: StepContext, scale: float) -> torch.Tensor:
+        rows, num_heads, head_dim = q.shape
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        pool = ctx.kv_cache.buffer
+        itemsize = pool.element_size()
+        tables = ctx.decode_block_tables
+        status = self._kernel(
+            q.data_ptr(), pool.data_ptr(), pool.stride(0),
+            (k_cache.data_ptr() - pool.data_ptr()) // itemsize,
+            (v_cache.data_ptr() - pool.data_ptr()) // itemsize,
+            tables.data_ptr(), tables.shape[1], ctx.decode_context_lens.data_ptr(), out.data_ptr(),
+            rows, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale,
+            int(q.dtype == torch.bfloat16),
+        )
+        if status != 0:
+            raise RuntimeError("paged attention kernel refused the shapes (group, head_dim or block size too large)")
+        return out
+
+
 class FlashAttention:
     """flash-attn's paged kernel; needs a block size that is a multiple of 256."""
 
@@ -128,4 +166,10 @@ def select_backend(name: str, device: str, block_size: int):
                 raise RuntimeError(f"attention_backend 'flash_attn' needs block_size % 256 == 0, got {block_size}")
             return TorchAttention()
         return FlashAttention()
+    if name in ("auto", "cpu_paged") and device == "cpu":
+        kernel = load_kernel("paged_attention")
+        if kernel is not None:
+            return CpuAttention(kernel)
+        if name == "cpu_paged":
+            raise RuntimeError("attention_backend 'cpu_paged' needs a C compiler (gcc) to build its kernel")
     return TorchAttention()

@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch", "flash_attn")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu_paged", "flash_attn")
 
 
 class ConfigError(ValueError):

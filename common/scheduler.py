@@ -103,14 +103,16 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             seq = self.waiting[0]
-            if not seq.block_table:
-                self._take_cached_prefix(seq)
+            took_hits = not seq.block_table and self._take_cached_prefix(seq)
             num_new = seq.num_tokens - seq.num_computed_tokens
-            if num_new > budget:
-                if not self.config.enable_chunked_prefill and self.running:
-                    break
-                num_new = budget
-            if not self._allocate_slots(seq, num_new):
+            if num_new > budget and not self.config.enable_chunked_prefill and self.running:
+                num_new = 0
+            num_new = min(num_new, budget)
+            if num_new == 0 or not self._allocate_slots(seq, num_new):
+                if took_hits:
+                    # A waiting sequence must not pin blocks that running ones need.
+                    self._release(seq)
+                    seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -120,7 +122,7 @@ class Scheduler:
             budget -= num_new
         return plan
 
-    def _take_cached_prefix(self, seq: Sequence) -> None:
+    def _take_cached_prefix(self, seq: Sequence) -> bool:
         # Always leave at least one token to compute: the step that computes
         # the last token is the one that produces logits to sample from.
         max_blocks = (seq.num_tokens - 1) // self.block_size
@@ -132,6 +134,7 @@ class Scheduler:
             seq.num_cached_blocks = len(hits)
             if seq.num_preemptions == 0:
                 seq.num_prefix_cached_tokens = seq.num_computed_tokens
+        return bool(hits)
 
     def _allocate_slots(self, seq: Sequence, num_new: int) -> bool:
         needed = -(-(seq.num_computed_tokens + num_new) // self.block_size) - len(seq.block_table)

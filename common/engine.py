@@ -1,0 +1,137 @@
+"""The in-process engine: scheduler + model runner + output processor.
+
+This is the offline API (``LLMEngine.generate``), the aggregated serving
+mode, and the reference the disaggregated cluster is compared against.
+
+Request life cycle: add_request -> the scheduler's waiting queue -> running
+(prompt computed in one or more chunks, then one token per step) ->
+finished (EOS, stop token/string, max_tokens, context limit, or abort), at
+which point its KV blocks go back to the pool. Each ``step()`` is
+plan -> execute -> apply, on three different objects.
+"""
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterable, Sequence as Seq
+
+from common.block_manager import BlockManager
+from common.config import EngineConfig
+from common.model_runner import ModelRunner
+from common.model_store import resolve_model
+from common.outputs import OutputProcessor, RequestOutput
+from common.sampling_params import SamplingParams
+from common.scheduler import Scheduler
+from common.sequence import Sequence
+from common.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (prompt too long, duplicate id, ...)."""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_dir = resolve_model(config.model, config.dtype)
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.runner = ModelRunner(config, self.model_dir)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.max_model_len = self.runner.max_model_len
+        self.scheduler = Scheduler(
+            config, self.block_manager, self.max_model_len, frozenset(self.tokenizer.eos_token_ids)
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.requests: dict[str, list[Sequence]] = {}
+        self._seed_source = random.Random(config.seed)
+        self._aborted: list[str] = []  # reported (as finished) by the next step
+
+    # ---- requests -----------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate_prompt(prompt_ids)
+        base_seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
+        seqs = [
+            Sequence(request_id, prompt_ids, params, seed=(base_seed + i) & (2**63 - 1), index=i)
+            for i in range(params.n)
+        ]
+        for seq in seqs:
+            self.output_processor.start(seq)
+        self.requests[request_id] = seqs
+        self.scheduler.add_sequences(seqs)
+
+    def _validate_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(prompt_ids)} tokens; this model's context limit is "
+                f"{self.max_model_len} tokens, prompt plus at least one generated token"
+            )
+        needed = -(-(len(prompt_ids) + 1) // self.config.block_size)
+        if needed > self.block_manager.num_blocks:
+            raise RequestError(
+                f"the prompt needs {needed} KV blocks but the pool holds {self.block_manager.num_blocks}"
+            )
+        bad = [t for t in prompt_ids if not 0 <= t < self.runner.vocab_size]
+        if bad:
+            raise RequestError(f"token ids out of the vocabulary [0, {self.runner.vocab_size}): {bad[:5]}")
+
+    def abort_request(self, request_id: str) -> None:
+        if request_id in self.requests:
+            self.scheduler.abort_request(request_id)
+            self._aborted.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -----------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        advanced: list[Sequence] = []
+        if plan:
+            sampled_seqs, sampled = self.runner.execute(plan)
+            tokens = {}
+            for i, seq in enumerate(sampled_seqs):
+                tokens[seq.seq_id] = sampled.token_ids[i]
+                if seq.params.logprobs is not None:
+                    seq.logprobs.append(sampled.logprobs[i])
+                    seq.top_logprobs.append(sampled.top_logprobs[i])
+            advanced = self.scheduler.update(plan, tokens)
+            self.output_processor.process(advanced, self.scheduler.finish)
+        return self._collect_outputs(advanced)
+
+    def _collect_outputs(self, advanced: list[Sequence]) -> list[RequestOutput]:
+        touched = dict.fromkeys(s.request_id for s in advanced)
+        touched.update(dict.fromkeys(self._aborted))
+        self._aborted.clear()
+        outputs = []
+        for request_id in touched:
+            seqs = self.requests[request_id]
+            outputs.append(self.output_processor.report(request_id, seqs))
+            if all(s.is_finished for s in seqs):
+                del self.requests[request_id]
+        return outputs
+
+    # ---- offline API --------------------------------------------------------
+    def generate(
+        self, prompts: Iterable[str | Seq[int]], params: SamplingParams | Seq[SamplingParams]
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; returns final outputs in prompt order."""
+        prompts = list(prompts)
+        param_list = list(params) if not isinstance(params, SamplingParams) else [params] * len(prompts)
+        if len(param_list) != len(prompts):
+            raise ValueError("give one SamplingParams or one per prompt")
+        ids = [f"gen-{i}-{id(prompts)}" for i in range(len(prompts))]
+        for request_id, prompt, p in zip(ids, prompts, param_list):
+            self.add_request(request_id, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]

@@ -1,0 +1,138 @@
+"""Block manager: allocation, ref counts, chained hashes, LRU eviction, no leaks."""
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from common.block_manager import BlockManager, OutOfBlocks, chain_hash, prefix_block_hashes
+
+
+def test_allocate_and_free_returns_every_block():
+    bm = BlockManager(8, 4)
+    a = bm.allocate(3)
+    b = bm.allocate(5)
+    assert sorted(a + b) == list(range(8))
+    assert bm.num_free_blocks == 0
+    with pytest.raises(OutOfBlocks):
+        bm.allocate(1)
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_free_blocks == 8
+
+
+def test_double_free_is_an_error():
+    bm = BlockManager(4, 4)
+    ids = bm.allocate(1)
+    bm.free(ids)
+    with pytest.raises(RuntimeError, match="double free"):
+        bm.free(ids)
+
+
+def test_ref_counts_keep_shared_blocks_alive():
+    bm = BlockManager(4, 4)
+    ids = bm.allocate(2)
+    bm.acquire(ids)
+    bm.free(ids)
+    assert bm.num_free_blocks == 2
+    assert [bm.blocks[i].ref_count for i in ids] == [1, 1]
+    bm.free(ids)
+    assert bm.num_free_blocks == 4
+
+
+def test_chain_hash_depends_on_parent_and_is_stable():
+    assert chain_hash(None, [1, 2, 3]) == chain_hash(None, [1, 2, 3])
+    assert chain_hash(None, [1, 2, 3]) != chain_hash(chain_hash(None, [9]), [1, 2, 3])
+    assert chain_hash(None, [1, 2, 3]) != chain_hash(None, [1, 2, 4])
+    hashes = prefix_block_hashes(list(range(10)), 4)
+    assert hashes == [chain_hash(None, [0, 1, 2, 3]), chain_hash(hashes[0], [4, 5, 6, 7])]
+
+
+def _cache_sequence(bm, tokens):
+    n = len(tokens) // bm.block_size
+    ids = bm.allocate(-(-len(tokens) // bm.block_size))
+    bm.cache_full_blocks(ids, tokens, 0, n)
+    return ids
+
+
+def test_prefix_hit_finds_full_blocks_and_compares_tokens():
+    bm = BlockManager(16, 4)
+    tokens = list(range(11))
+    ids = _cache_sequence(bm, tokens)
+    assert bm.find_cached_prefix(tokens, 10) == ids[:2]
+    assert bm.find_cached_prefix(tokens[:4] + [99] * 7, 10) == ids[:1]
+    assert bm.find_cached_prefix([99] + tokens[1:], 10) == []
+    assert bm.find_cached_prefix(tokens, 1) == ids[:1]
+    # A hash collision must not return a block whose tokens differ.
+    block = bm.blocks[ids[0]]
+    block.token_ids = (7, 7, 7, 7)
+    assert bm.find_cached_prefix(tokens, 10) == []
+
+
+def test_freed_cached_blocks_stay_reusable_until_evicted_lru():
+    bm = BlockManager(4, 2)
+    first = _cache_sequence(bm, [1, 2, 3, 4])
+    bm.free(first)
+    assert bm.find_cached_prefix([1, 2, 3, 4, 5], 2) == first
+    # Freed in reverse: the tail block is the first to be evicted.
+    other = bm.allocate(3)
+    assert first[1] in other and first[0] not in other
+    assert bm.find_cached_prefix([1, 2, 3, 4, 5], 2) == first[:1]
+    bm.acquire(first[:1])  # a hit takes the block off the free queue
+    assert bm.num_free_blocks == 0
+    bm.free(first[:1])
+    bm.free(other)
+    assert bm.num_free_blocks == 4
+
+
+def test_duplicate_content_keeps_first_mapping():
+    bm = BlockManager(8, 2)
+    a = _cache_sequence(bm, [5, 6])
+    b = _cache_sequence(bm, [5, 6])
+    assert bm.find_cached_prefix([5, 6, 7], 1) == a
+    bm.free(a)
+    bm.allocate(bm.num_free_blocks)  # evicts a; b's copy is not mapped
+    assert bm.find_cached_prefix([5, 6, 7], 1) == []
+    assert b
+
+
+def test_disabled_prefix_caching_never_hits():
+    bm = BlockManager(8, 2, enable_prefix_caching=False)
+    _cache_sequence(bm, [1, 2, 3, 4])
+    assert bm.find_cached_prefix([1, 2, 3, 4, 5], 2) == []
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["alloc", "free", "share", "cache"]), st.integers(0, 5), st.integers(0, 3)),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops)
+def test_random_alloc_free_sequences_never_leak(operations):
+    bm = BlockManager(12, 2)
+    owners: list[list[int]] = []  # each owner holds one reference to each of its blocks
+    for op, a, b in operations:
+        if op == "alloc" and bm.can_allocate(a):
+            owners.append(bm.allocate(a))
+        elif op == "free" and owners:
+            bm.free(owners.pop(a % len(owners)))
+        elif op == "share" and owners:
+            src = owners[a % len(owners)]
+            bm.acquire(src)
+            owners.append(list(src))
+        elif op == "cache" and owners:
+            ids = owners[a % len(owners)]
+            tokens = [b] * (2 * len(ids))
+            hits = bm.find_cached_prefix(tokens, len(ids))
+            bm.acquire(hits)
+            owners.append(hits)
+            bm.cache_full_blocks(ids, tokens, 0, len(ids))
+        held = {}
+        for ids in owners:
+            for i in ids:
+                held[i] = held.get(i, 0) + 1
+        for block in bm.blocks:
+            assert block.ref_count == held.get(block.block_id, 0)
+        assert bm.num_free_blocks == 12 - len(held)
+    for ids in owners:
+        bm.free(ids)
+    assert bm.num_free_blocks == 12
