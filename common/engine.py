@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import random
+from dataclasses import dataclass
 from collections.abc import Iterable, Sequence as Seq
 
 from common.block_manager import BlockManager
@@ -26,6 +27,16 @@ from common.sequence import Sequence
 from common.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """Monotonic counters since start (the metrics exporter reads these)."""
+
+    num_steps: int = 0
+    num_computed_tokens: int = 0  # prompt, recompute and decode tokens run through the model
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
 
 
 class RequestError(ValueError):
@@ -47,6 +58,7 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}
         self._seed_source = random.Random(config.seed)
         self._aborted: list[str] = []  # reported (as finished) by the next step
+        self.stats = EngineStats()
 
     # ---- requests -----------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams) -> None:
@@ -102,6 +114,10 @@ class LLMEngine:
                     seq.logprobs.append(sampled.logprobs[i])
                     seq.top_logprobs.append(sampled.top_logprobs[i])
             advanced = self.scheduler.update(plan, tokens)
+            self.stats.num_steps += 1
+            self.stats.num_computed_tokens += plan.total_tokens
+            self.stats.num_generated_tokens += len(advanced)
+            self.stats.num_preemptions += len(plan.preempted)
             self.output_processor.process(advanced, self.scheduler.finish)
         return self._collect_outputs(advanced)
 
