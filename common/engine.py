@@ -23,7 +23,7 @@ from common.model_store import resolve_model
 from common.outputs import OutputProcessor, RequestOutput
 from common.sampling_params import SamplingParams
 from common.scheduler import Scheduler
-from common.sequence import Sequence
+from common.sequence import FinishReason, Sequence
 from common.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -61,20 +61,87 @@ class LLMEngine:
         self.stats = EngineStats()
 
     # ---- requests -----------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        seed: int | None = None,
+        prefill_only: bool = False,
+    ) -> list[Sequence]:
+        """Queue a request. ``prefill_only``: stop after the first token and keep the KV blocks."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(prompt_ids)
-        base_seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
+        seqs = self._new_sequences(request_id, prompt_ids, params, seed)
+        for seq in seqs:
+            seq.prefill_only = prefill_only
+        self.scheduler.add_sequences(seqs)
+        return seqs
+
+    def _new_sequences(self, request_id, prompt_ids, params, seed) -> list[Sequence]:
+        if seed is None:
+            seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         seqs = [
-            Sequence(request_id, prompt_ids, params, seed=(base_seed + i) & (2**63 - 1), index=i)
+            Sequence(request_id, prompt_ids, params, seed=(seed + i) & (2**63 - 1), index=i)
             for i in range(params.n)
         ]
         for seq in seqs:
             self.output_processor.start(seq)
         self.requests[request_id] = seqs
-        self.scheduler.add_sequences(seqs)
+        return seqs
+
+    def add_prefilled_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        first_token: int,
+        params: SamplingParams,
+        seed: int,
+        first_logprob: float | None = None,
+        first_top_logprobs: list[tuple[int, float]] | None = None,
+    ) -> Sequence:
+        """A request whose prompt was computed elsewhere; its KV arrives into ``seq.block_table``.
+
+        The caller pulls the pages into those blocks and then calls
+        ``kv_ready`` (or ``kv_failed``, which recomputes the prompt here).
+        When the pool is too full to take the pages, no blocks are given and
+        the caller calls ``kv_failed`` at once: recomputing is always possible.
+        """
+        if params.n != 1:
+            raise RequestError("a prefilled request carries one sample (n=1)")
+        self._validate_prompt(prompt_ids)
+        (seq,) = self._new_sequences(request_id, prompt_ids, params, seed)
+        seq.token_ids.append(first_token)
+        if first_logprob is not None:
+            seq.logprobs.append(first_logprob)
+            seq.top_logprobs.append(first_top_logprobs or [])
+        # The first token's text went to the client from the prefill worker;
+        # replay it so held-back text and stop strings carry on seamlessly.
+        seq.text_state.update([first_token])
+        seq.text_state.take_delta()
+        seq.reported_tokens = 1
+        needed = -(-len(prompt_ids) // self.config.block_size)
+        if self.block_manager.can_allocate(needed):
+            seq.block_table = self.block_manager.allocate(needed)
+        return seq
+
+    def kv_ready(self, seq: Sequence) -> None:
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.scheduler.add_prefilled(seq)
+
+    def kv_failed(self, seq: Sequence) -> None:
+        """The pages never arrived: free what was reserved and recompute locally."""
+        if seq.block_table:
+            self.block_manager.free(seq.block_table)
+            seq.block_table = []
+        seq.num_computed_tokens = 0
+        self.scheduler.add_prefilled(seq)
+
+    def release_held(self, seq: Sequence) -> None:
+        """Free the KV blocks a prefill-only sequence kept after finishing."""
+        self.scheduler.release_held(seq)
 
     def _validate_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -94,9 +161,15 @@ class LLMEngine:
             raise RequestError(f"token ids out of the vocabulary [0, {self.runner.vocab_size}): {bad[:5]}")
 
     def abort_request(self, request_id: str) -> None:
-        if request_id in self.requests:
-            self.scheduler.abort_request(request_id)
-            self._aborted.append(request_id)
+        """Stop a request wherever it is; a sequence still waiting for its KV is freed too."""
+        seqs = self.requests.get(request_id)
+        if seqs is None:
+            return
+        self.scheduler.abort_request(request_id)
+        for seq in seqs:
+            if not seq.is_finished:  # waiting for pages: the scheduler never saw it
+                self.scheduler.finish(seq, FinishReason.ABORT)
+        self._aborted.append(request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)

@@ -55,14 +55,16 @@ class OutputProcessor:
             state: TextState = seq.text_state
             new = seq.token_ids[seq.num_prompt_tokens + state.num_tokens:]
             _, stop = state.update(new)
-            if stop is not None and not seq.is_finished:
+            if stop is not None:
                 finish(seq, FinishReason.STOP, stop)
 
     def report(self, request_id: str, seqs: list[Sequence]) -> RequestOutput:
         out = RequestOutput(request_id, seqs[0].prompt_token_ids, num_cached_tokens=seqs[0].num_prefix_cached_tokens)
         for seq in seqs:
             state: TextState = seq.text_state
-            if seq.is_finished and not state.flushed:
+            # A handed-off sequence continues on a decode worker, which replays
+            # its first token: text held back for a possible stop string stays held.
+            if seq.is_finished and not state.flushed and seq.finish_reason is not FinishReason.HANDOFF:
                 state.flush()
             tokens = seq.output_token_ids[: state.num_tokens]
             new_tokens = tokens[seq.reported_tokens:]

@@ -189,6 +189,8 @@ class Scheduler:
             seq.token_ids.append(token)
             advanced.append(seq)
             self._check_token_stop(seq, token)
+            if seq.prefill_only and not seq.is_finished:
+                self.finish(seq, FinishReason.HANDOFF)
         return advanced
 
     def _check_token_stop(self, seq: Sequence, token: int) -> None:
@@ -219,13 +221,28 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         if seq.is_finished:
+            # A stop string found in the first token's text ends a handed-off
+            # prefill for good; its held blocks are still the lease owner's.
+            if seq.finish_reason is FinishReason.HANDOFF and reason is FinishReason.STOP:
+                seq.finish_reason, seq.stop_reason = reason, stop_reason
             return
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
-        self._release(seq)
+        if not (seq.prefill_only and reason is not FinishReason.ABORT):
+            self._release(seq)
         if seq in self.running:
             self.running.remove(seq)
+
+    def release_held(self, seq: Sequence) -> None:
+        """Free the blocks a finished prefill-only sequence kept for its decode worker."""
+        if seq.is_finished and seq.block_table:
+            self._release(seq)
+
+    def add_prefilled(self, seq: Sequence) -> None:
+        """Queue a sequence whose prompt KV is already in its blocks (pulled from a prefill worker)."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
 
     def abort_request(self, request_id: str) -> list[Sequence]:
         """Finish every sequence of a request wherever it is; returns them."""

@@ -27,6 +27,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, stop token or stop string
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"
+    HANDOFF = "handoff"  # prefill-only: first token sampled, KV kept for a decode worker
 
 
 _seq_ids = itertools.count()
@@ -62,6 +63,9 @@ class Sequence:
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.text_state: Any = None  # detokenizer state, owned by the output processor
+        # Prefill-only sequences stop after their first token and keep their
+        # blocks at finish; the lease owner frees them (Scheduler.release_held).
+        self.prefill_only = False
 
     @property
     def num_tokens(self) -> int:

@@ -18,3 +18,11 @@ def embedded_model_dir() -> Path:
 def embedded_model_dir_bf16() -> Path:
     """The embedded SmolLM2-135M-Instruct in bfloat16, prepared in the default cache on first use."""
     return resolve_model("embedded", "bfloat16")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model_dir(tmp_path_factory, embedded_model_dir) -> Path:
+    """A tiny random Llama with the embedded model's tokenizer: the whole engine in milliseconds."""
+    from tests.tiny_models import build_tiny_model
+
+    return build_tiny_model("llama", tmp_path_factory.mktemp("tiny-chat"), tokenizer_from=embedded_model_dir)

@@ -1,6 +1,7 @@
 """Tiny random decoder models, built in code and saved as safetensors, for unit tests."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -33,10 +34,22 @@ CONFIGS = {
 }
 
 
-def build_tiny_model(kind: str, directory: Path, seed: int = 0) -> Path:
-    """Save a random model of ``kind`` into ``directory``; returns it."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def build_tiny_model(kind: str, directory: Path, seed: int = 0, tokenizer_from: Path | None = None) -> Path:
+    """Save a random model of ``kind`` into ``directory``; returns it.
+
+    With ``tokenizer_from`` (a model directory), the tokenizer files are copied
+    in and the vocabulary sized to match, so the whole engine (text in, text
+    out) runs on a model that computes in milliseconds.
+    """
     torch.manual_seed(seed)
     config = CONFIGS[kind]()
+    if tokenizer_from is not None:
+        config.vocab_size = 49152
+        config.eos_token_id = 2
+        config.bos_token_id = 1
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         # Random init leaves biases at zero; make them matter.
@@ -46,5 +59,9 @@ def build_tiny_model(kind: str, directory: Path, seed: int = 0) -> Path:
             elif "norm" in name:
                 p.uniform_(0.5, 1.5)
     directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory, safe_serialization=True)
+    model.save_pretrained(directory)
+    if tokenizer_from is not None:
+        for name in TOKENIZER_FILES:
+            if (tokenizer_from / name).exists():
+                shutil.copy(tokenizer_from / name, directory / name)
     return directory

@@ -1,0 +1,86 @@
+"""What the prefill and decode handlers share: the engine, the KV transfer agent, identity.
+
+A worker's identity is ``(worker_id, epoch)``: the epoch is its start time,
+so a restarted worker under the same id is recognisably a new process whose
+pages and requests have nothing to do with the old one's.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from pathlib import Path
+
+from common import wire
+from common.engine import LLMEngine
+from common.role_config import WorkerConfig
+from common.worker_runtime import Load
+from kv_transfer.base import default_backend_name, make_backend
+
+log = logging.getLogger(__name__)
+
+
+def model_version(model_dir: Path, dtype: str) -> str:
+    """Short digest of the model's config and weight files: equal digests, same model."""
+    h = hashlib.sha256(dtype.encode())
+    h.update((model_dir / "config.json").read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        h.update(f"{path.name}:{path.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+class WorkerBase:
+    role = "both"
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.epoch = time.time_ns()
+        self.draining = False
+        self.engine = LLMEngine(config.engine)
+        name = config.transfer_backend
+        if name == "auto":
+            name = default_backend_name()
+        options = {"host": config.transfer_host} if name == "zmq" else {}
+        self.transfer = make_backend(name, **options)
+        self.transfer_metadata = self.transfer.register_pool(self.engine.runner.kv_cache)
+        self.transfer_name = name
+        self._send = None
+        log.info("worker %s: KV transfer over %s", config.worker_id, name)
+
+    def bind(self, send) -> None:
+        self._send = send
+
+    def send(self, msg) -> None:
+        self._send(msg)
+
+    def registration(self) -> wire.Register:
+        layout = self.engine.runner.layout
+        return wire.Register(
+            worker_id=self.config.worker_id,
+            role=self.role,
+            epoch=self.epoch,
+            model=self.config.model_name,
+            model_version=model_version(self.engine.model_dir, self.config.engine.dtype),
+            kv_layout=wire.KVLayoutInfo(
+                layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim, layout.dtype
+            ),
+            num_blocks=self.engine.block_manager.num_blocks,
+            max_model_len=self.engine.max_model_len,
+            transfer_backend=self.transfer_name,
+            transfer_metadata=self.transfer_metadata,
+        )
+
+    def load(self) -> Load:
+        scheduler = self.engine.scheduler
+        return Load(
+            free_blocks=self.engine.block_manager.num_free_blocks,
+            num_running=len(scheduler.running),
+            num_waiting=scheduler.num_waiting,
+            outstanding_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens for s in scheduler.waiting),
+        )
+
+    def refuse(self, request_id: str, message: str, retryable: bool) -> None:
+        self.send(wire.RequestFailed(request_id, self.config.worker_id, message, retryable))
+
+    def close(self) -> None:
+        self.transfer.close()

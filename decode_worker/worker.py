@@ -1,0 +1,186 @@
+"""The decode worker: pulls prompt pages, then generates with continuous batching.
+
+Request life cycle:
+  DecodeRequest with pages -> local blocks reserved -> one-sided pull from
+  the prefill worker's pool (kv_transfer, polled each turn, with a deadline)
+  -> KVPulled to the proxy (which tells the prefill worker to release) ->
+  the sequence joins the running batch at position len(prompt), its first
+  token already known -> TokenDelta per step -> the last delta carries
+  finish_reason; its blocks go back to the pool.
+  A pull that fails or times out frees the reserved blocks and the prompt is
+  recomputed here (the KV-load failure policy), so the request still
+  completes. A DecodeRequest without pages (short prompt, no prefill worker,
+  or role ``both``) is prefilled here from the start.
+  Abort during a pull waits for the transfer to stop before the blocks are
+  freed, so no transfer ever writes into a reused block.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from common import wire
+from common.engine import RequestError
+from common.sampling_params import SamplingParams
+from common.sequence import Sequence
+from common.worker_base import WorkerBase
+from kv_transfer.base import TransferStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Pull:
+    seq: Sequence
+    handle: object
+    source: str
+    started: float
+    num_bytes: int
+    aborted: bool = False
+
+
+class DecodeHandler(WorkerBase):
+    role = "decode"
+
+    def __init__(self, config, role: str = "decode") -> None:
+        super().__init__(config)
+        self.role = role
+        self.pulls: dict[str, Pull] = {}
+        self.peers: dict[str, int] = {}  # prefill worker id -> epoch known to the transfer agent
+
+    # ---- inbound --------------------------------------------------------------
+    def handle(self, msg) -> None:
+        if isinstance(msg, wire.DecodeRequest):
+            self._start(msg)
+        elif isinstance(msg, wire.Abort):
+            pull = self.pulls.get(msg.request_id)
+            if pull is not None:
+                self.transfer.abort(pull.handle)
+                pull.aborted = True
+            else:
+                self.engine.abort_request(msg.request_id)
+        elif isinstance(msg, wire.Peers):
+            self._update_peers(msg.peers)
+        else:
+            log.warning("decode worker ignores %s", type(msg).__name__)
+
+    def _update_peers(self, peers: list[wire.PeerInfo]) -> None:
+        listed = {p.worker_id for p in peers}
+        for worker_id in [w for w in self.peers if w not in listed]:
+            self.transfer.remove_peer(worker_id)
+            del self.peers[worker_id]
+        for peer in peers:
+            if self.peers.get(peer.worker_id) == peer.epoch:
+                continue
+            if peer.worker_id in self.peers:
+                self.transfer.remove_peer(peer.worker_id)
+            try:
+                self.transfer.add_peer(peer.worker_id, peer.transfer_metadata)
+                self.peers[peer.worker_id] = peer.epoch
+            except Exception:
+                log.exception("cannot reach prefill worker %s for KV transfer", peer.worker_id)
+
+    def _start(self, msg: wire.DecodeRequest) -> None:
+        if self.draining:
+            self.refuse(msg.request_id, "worker is draining", retryable=True)
+            return
+        try:
+            params = SamplingParams.from_dict({**msg.params, "n": 1})
+            if msg.first_token is None:
+                self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, seed=msg.seed)
+                return
+            top = [(int(t), float(lp)) for t, lp in msg.first_top_logprobs or []]
+            seq = self.engine.add_prefilled_request(
+                msg.request_id, msg.prompt_token_ids, msg.first_token, params, msg.seed,
+                msg.first_logprob, top,
+            )
+        except (RequestError, ValueError, TypeError) as exc:
+            self.refuse(msg.request_id, str(exc), retryable=False)
+            return
+        self._pull(msg, seq)
+
+    def _pull(self, msg: wire.DecodeRequest, seq: Sequence) -> None:
+        problem = None
+        if not seq.block_table:
+            problem = "no free KV blocks to receive the pages"
+        elif len(msg.source_block_ids) != len(seq.block_table):
+            problem = f"{len(msg.source_block_ids)} pages offered for {len(seq.block_table)} blocks"
+        elif msg.source_worker_id not in self.peers:
+            problem = f"prefill worker {msg.source_worker_id!r} is not a known transfer peer"
+        if problem is None:
+            try:
+                handle = self.transfer.start_pull(
+                    msg.request_id, msg.source_worker_id, msg.source_block_ids, seq.block_table,
+                    self.config.kv_pull_timeout_s,
+                )
+            except Exception as exc:  # a backend refusing a pull must not take the worker down
+                problem = f"pull failed to start: {exc}"
+        if problem is not None:
+            log.warning("request %s: %s; recomputing the prompt here", msg.request_id, problem)
+            self.engine.kv_failed(seq)
+            self.send(wire.KVPulled(msg.request_id, msg.source_worker_id or "", False, error=problem))
+            return
+        nbytes = len(seq.block_table) * self.engine.runner.layout.bytes_per_block
+        self.pulls[msg.request_id] = Pull(seq, handle, msg.source_worker_id, time.monotonic(), nbytes)
+
+    # ---- the turn ---------------------------------------------------------------
+    def tick(self) -> None:
+        for request_id, pull in list(self.pulls.items()):
+            status = self.transfer.poll(pull.handle)
+            if status in (TransferStatus.DONE, TransferStatus.FAILED):
+                self._finish_pull(request_id, pull, status is TransferStatus.DONE)
+        if self.engine.has_unfinished():
+            for out in self.engine.step():
+                self._emit(out)
+
+    def _finish_pull(self, request_id: str, pull: Pull, ok: bool) -> None:
+        del self.pulls[request_id]
+        self.transfer.release(pull.handle)
+        seconds = time.monotonic() - pull.started
+        self.send(wire.KVPulled(
+            request_id, pull.source, ok, pull.num_bytes if ok else 0, seconds,
+            "" if ok else "transfer failed or timed out",
+        ))
+        if pull.aborted:
+            self.engine.abort_request(request_id)
+        elif ok:
+            self.engine.kv_ready(pull.seq)
+        else:
+            log.warning("request %s: KV pull from %s failed; recomputing the prompt here", request_id, pull.source)
+            self.engine.kv_failed(pull.seq)
+
+    def _emit(self, out) -> None:
+        o = out.outputs[0]
+        if o.finish_reason == "abort":
+            return
+        n = len(o.token_ids_delta)
+        if n == 0 and not o.text_delta and o.finish_reason is None:
+            return
+        wants = o.logprobs is not None
+        self.send(wire.TokenDelta(
+            request_id=out.request_id, token_ids=o.token_ids_delta, text=o.text_delta,
+            finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+            logprobs=o.logprobs[len(o.logprobs) - n:] if wants else None,
+            top_logprobs=[[[t, lp] for t, lp in top] for top in o.top_logprobs[len(o.top_logprobs) - n:]]
+            if wants else None,
+            num_cached_tokens=out.num_cached_tokens,
+        ))
+
+    # ---- drain --------------------------------------------------------------------
+    def busy(self) -> bool:
+        return bool(self.pulls) or self.engine.has_unfinished()
+
+    def fail_all(self, reason: str) -> None:
+        for request_id, pull in self.pulls.items():
+            self.transfer.abort(pull.handle)
+            pull.aborted = True
+        deadline = time.monotonic() + self.config.kv_pull_timeout_s
+        while self.pulls and time.monotonic() < deadline:
+            self.tick()
+            time.sleep(0.001)
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)
+            self.refuse(request_id, reason, retryable=True)
+        if self.engine.has_unfinished():
+            self.engine.step()

@@ -1,0 +1,112 @@
+"""The prefill worker: computes prompts, samples the first token, lends the pages.
+
+Request life cycle:
+  PrefillRequest -> engine waiting queue (prefill_only) -> prompt computed
+  (batched with other prompts under the step token budget, chunked when
+  long) -> first token sampled -> PrefillDone(first token, block ids) to the
+  proxy -> pages held under a lease -> ReleaseKV (the decode worker pulled
+  them, or the request ended) frees them; a lease not released within
+  ``kv_lease_s`` expires and frees them anyway.
+  A request whose first token already ends it (EOS, stop, max_tokens=1)
+  reports its finish_reason and frees its pages at once.
+  Abort frees the request wherever it is.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from common import wire
+from common.engine import RequestError
+from common.outputs import RequestOutput
+from common.sampling_params import SamplingParams
+from common.sequence import FinishReason, Sequence
+from common.worker_base import WorkerBase
+
+log = logging.getLogger(__name__)
+
+
+class PrefillHandler(WorkerBase):
+    role = "prefill"
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.computing: dict[str, tuple[Sequence, float]] = {}  # request id -> (seq, lease seconds)
+        self.leases: dict[str, tuple[Sequence, float]] = {}  # request id -> (seq, expiry)
+
+    # ---- inbound ------------------------------------------------------------
+    def handle(self, msg) -> None:
+        if isinstance(msg, wire.PrefillRequest):
+            self._start(msg)
+        elif isinstance(msg, wire.ReleaseKV):
+            self._release(msg.request_id)
+        elif isinstance(msg, wire.Abort):
+            if msg.request_id in self.computing:
+                self.engine.abort_request(msg.request_id)
+                self.computing.pop(msg.request_id)
+            self._release(msg.request_id)
+        elif not isinstance(msg, wire.Peers):
+            log.warning("prefill worker ignores %s", type(msg).__name__)
+
+    def _start(self, msg: wire.PrefillRequest) -> None:
+        if self.draining:
+            self.refuse(msg.request_id, "worker is draining", retryable=True)
+            return
+        try:
+            params = SamplingParams.from_dict({**msg.params, "n": 1})
+            (seq,) = self.engine.add_request(
+                msg.request_id, msg.prompt_token_ids, params, seed=msg.seed, prefill_only=True
+            )
+        except (RequestError, ValueError, TypeError) as exc:
+            self.refuse(msg.request_id, str(exc), retryable=False)
+            return
+        self.computing[msg.request_id] = (seq, msg.lease_s)
+
+    def _release(self, request_id: str) -> None:
+        lease = self.leases.pop(request_id, None)
+        if lease is not None:
+            self.engine.release_held(lease[0])
+
+    # ---- the turn -------------------------------------------------------------
+    def tick(self) -> None:
+        now = time.monotonic()
+        for request_id in [r for r, (_, expiry) in self.leases.items() if expiry <= now]:
+            log.warning("KV lease of %s expired unpulled; pages freed", request_id)
+            self._release(request_id)
+        if not self.engine.has_unfinished():
+            return
+        for out in self.engine.step():
+            if out.finished and out.request_id in self.computing:
+                self._report(*self.computing.pop(out.request_id), out)
+
+    def _report(self, seq: Sequence, lease_s: float, out: RequestOutput) -> None:
+        o = out.outputs[0]
+        if o.finish_reason == FinishReason.ABORT.value:
+            return
+        handoff = o.finish_reason == FinishReason.HANDOFF.value
+        top = [[t, lp] for t, lp in o.top_logprobs[0]] if o.top_logprobs else None
+        self.send(wire.PrefillDone(
+            request_id=out.request_id, worker_id=self.config.worker_id, epoch=self.epoch,
+            first_token=o.token_ids[0], text=o.text_delta, block_ids=list(seq.block_table) if handoff else [],
+            num_cached_tokens=out.num_cached_tokens,
+            finish_reason=None if handoff else o.finish_reason, stop_reason=o.stop_reason,
+            logprob=o.logprobs[0] if o.logprobs else None, top_logprobs=top,
+        ))
+        if handoff:
+            self.leases[out.request_id] = (seq, time.monotonic() + lease_s)
+        else:
+            self.engine.release_held(seq)
+
+    # ---- drain ------------------------------------------------------------------
+    def busy(self) -> bool:
+        return bool(self.computing or self.leases)
+
+    def fail_all(self, reason: str) -> None:
+        for request_id in list(self.computing):
+            self.engine.abort_request(request_id)
+            self.computing.pop(request_id)
+            self.refuse(request_id, reason, retryable=True)
+        for request_id in list(self.leases):
+            self._release(request_id)
+        if self.engine.has_unfinished():
+            self.engine.step()  # reports the aborts, so the engine forgets them

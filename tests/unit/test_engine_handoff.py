@@ -1,0 +1,118 @@
+"""Prefill on one engine, decode on another: the engine side of disaggregation.
+
+The pages are copied between the two pools directly here (the transfer
+backends have their own tests); what is checked is that a prefill-only
+request keeps its blocks for its lease, that a prefilled request continues
+exactly where the one-process engine would, and that no block leaks.
+"""
+import pytest
+
+from common.config import EngineConfig
+from common.engine import LLMEngine
+from common.sampling_params import SamplingParams
+
+PROMPTS = ["Hello there, how are you today?", "Count to five:", "x " * 40, "The end."]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_chat_model_dir):
+    cfg = dict(model=str(tiny_chat_model_dir), num_kv_blocks=64, block_size=16)
+    return LLMEngine(EngineConfig(**cfg)), LLMEngine(EngineConfig(**cfg)), LLMEngine(EngineConfig(**cfg))
+
+
+def run_prefill(prefill, request_id, prompt, params, seed):
+    (seq,) = prefill.add_request(request_id, prompt, params, seed=seed, prefill_only=True)
+    final = None
+    while prefill.has_unfinished():
+        for out in prefill.step():
+            final = out
+    return seq, final
+
+
+def run_decode(decode, prefill, seq, out, params, seed):
+    o = out.outputs[0]
+    dseq = decode.add_prefilled_request(
+        "d-" + out.request_id, seq.prompt_token_ids, o.token_ids[0], params, seed,
+        o.logprobs[0] if o.logprobs else None, o.top_logprobs[0] if o.top_logprobs else None,
+    )
+    src = prefill.runner.kv_cache.buffer
+    dst = decode.runner.kv_cache.buffer
+    dst[dseq.block_table] = src[seq.block_table]
+    prefill.release_held(seq)
+    decode.kv_ready(dseq)
+    text, tokens, final = o.text_delta, list(o.token_ids), None
+    while decode.has_unfinished():
+        for d in decode.step():
+            text += d.outputs[0].text_delta
+            tokens += d.outputs[0].token_ids_delta
+            final = d
+    return text, tokens, final
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=["e"]),
+], ids=["greedy", "sampled", "stop-string"])
+def test_handoff_equals_single_engine(engines, params):
+    reference, prefill, decode = engines
+    for i, prompt in enumerate(PROMPTS):
+        seed = 1000 + i
+        reference.add_request(f"ref-{i}-{id(params)}", prompt, params, seed=seed)
+        ref = None
+        while reference.has_unfinished():
+            for o in reference.step():
+                ref = o
+        seq, out = run_prefill(prefill, f"p-{i}-{id(params)}", prompt, params, seed)
+        if out.outputs[0].finish_reason != "handoff":
+            assert out.outputs[0].text == ref.outputs[0].text
+            prefill.release_held(seq)
+            continue
+        assert seq.block_table, "the prefill keeps its pages until released"
+        text, tokens, final = run_decode(decode, prefill, seq, out, params, seed)
+        assert tokens == ref.outputs[0].token_ids
+        assert text == ref.outputs[0].text
+        assert final.outputs[0].finish_reason == ref.outputs[0].finish_reason, (prompt, ref.outputs[0], final.outputs[0])
+        if params.logprobs:
+            assert final.outputs[0].logprobs == pytest.approx(ref.outputs[0].logprobs, abs=1e-5)
+    for engine in engines:
+        assert engine.block_manager.num_used_blocks == 0
+
+
+def test_first_token_that_ends_the_request_is_reported_not_handed_off(engines):
+    _, prefill, _ = engines
+    seq, out = run_prefill(prefill, "one", "Hi", SamplingParams(max_tokens=1), 5)
+    assert out.outputs[0].finish_reason == "length"
+    prefill.release_held(seq)
+    assert prefill.block_manager.num_used_blocks == 0
+
+
+def test_failed_pull_recomputes_and_still_matches(engines):
+    reference, prefill, decode = engines
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    reference.add_request("ref-fail", PROMPTS[0], params, seed=1)
+    ref = None
+    while reference.has_unfinished():
+        for o in reference.step():
+            ref = o
+    seq, out = run_prefill(prefill, "p-fail", PROMPTS[0], params, 1)
+    prefill.release_held(seq)  # as if the lease expired
+    o = out.outputs[0]
+    dseq = decode.add_prefilled_request("d-fail", seq.prompt_token_ids, o.token_ids[0], params, 1)
+    decode.kv_failed(dseq)
+    tokens = list(o.token_ids)
+    while decode.has_unfinished():
+        for d in decode.step():
+            tokens += d.outputs[0].token_ids_delta
+    assert tokens == ref.outputs[0].token_ids
+    assert decode.block_manager.num_used_blocks == 0 and prefill.block_manager.num_used_blocks == 0
+
+
+def test_abort_while_waiting_for_pages_frees_them(engines):
+    _, _, decode = engines
+    dseq = decode.add_prefilled_request("d-abort", [5] * 40, 7, SamplingParams(max_tokens=5), 1)
+    assert decode.block_manager.num_used_blocks == 3
+    decode.abort_request("d-abort")
+    (out,) = decode.step()
+    assert out.finished and decode.block_manager.num_used_blocks == 0
+    assert not decode.has_unfinished() and dseq.is_finished
