@@ -6,6 +6,7 @@ BIN := $(VENV)/bin
 # The CPU build of this version is what the development and CI machines carry;
 # installing it before the project keeps pip from pulling CUDA torch.
 TORCH_VERSION := 2.13.0
+NIXL_VERSION := 1.5.1
 # Which dtype(s) of the embedded model `make prepare` makes: float32, bfloat16 or both.
 DTYPE ?= float32
 PYTEST_ARGS ?=
@@ -22,6 +23,9 @@ $(SETUP_STAMP): pyproject.toml
 	$(PIP) install --upgrade pip
 	$(PIP) install torch==$(TORCH_VERSION)
 	$(PIP) install -e '.[dev]'
+	# NIXL the lean way: its own dependencies would pull CUDA torch (pip check
+	# then reports nixl-cu13 and torch as missing; both are unneeded on CPU).
+	$(PIP) install --no-deps nixl==$(NIXL_VERSION) nixl-cu12==$(NIXL_VERSION)
 	touch $@
 
 prepare: setup

@@ -1,0 +1,391 @@
+"""The KV data path contract: how a decode worker pulls prompt pages.
+
+A prefill worker computes a prompt's KV into blocks of its pool and holds
+them under a lease. The decode worker reserves its own blocks and PULLS the
+pages (one-sided read) from the prefill worker's registered pool, then the
+proxy tells the prefill worker to drop the lease. Control messages travel
+through the proxy; only page bytes travel here, and never inline in a
+control message.
+
+Life cycle of one pull (the decode worker owns it from start to release):
+  start_pull -> PENDING -> TRANSFERRING -> DONE | FAILED -> release
+  The decode loop polls without blocking each turn. A pull past its deadline
+  is aborted and reads FAILED. A FAILED pull's local blocks are the caller's
+  again once abort() or release() has returned: no byte lands in them later.
+
+Hooks, who calls them, and what a failure does:
+  register_pool(kv_cache) -> bytes   both roles, once at start-up. Registers the
+      whole pool; returns this side's metadata for the proxy to publish.
+      Raises if the pool cannot be registered: the worker cannot start.
+  add_peer(peer_id, metadata)        decode side, when the proxy lists a prefill
+      worker. Re-adding a known id replaces it (a restarted worker). Raises
+      ValueError for metadata that is malformed, of another backend, or of an
+      incompatible layout; the caller treats that peer as unreachable.
+  remove_peer(peer_id)               decode side, when a peer leaves, dies or
+      restarts. Every in-flight pull from it becomes FAILED; unknown ids are
+      ignored.
+  start_pull(transfer_id, peer_id, remote_block_ids, local_block_ids,
+             deadline_s) -> TransferHandle
+                                     decode side. ``deadline_s`` is seconds from
+      now. Raises ValueError only for the caller's own mistakes (lengths differ,
+      duplicate or out-of-range local ids, a transfer id already in flight).
+      Anything about the peer (unknown, remote ids out of its range, a refused
+      post) returns a handle that is already FAILED, so there is one path.
+  poll(handle) -> TransferStatus     decode loop, every turn; never blocks.
+  abort(handle)                      decode side (client abort, drain). On return
+      the pull is FAILED unless it was already DONE, and nothing more is
+      written into its local blocks.
+  release(handle)                    decode side, exactly once per handle on every
+      path (done, failed, timed out, aborted, peer gone); aborts first if still
+      in flight. A second call does nothing.
+  close()                            both roles at shutdown: aborts and releases
+      what is in flight, stops I/O threads, deregisters the pool.
+  counters()                         metrics: a snapshot of bytes, seconds, pulls.
+
+Subclasses implement the backend half (``_publish``, ``_connect``,
+``_disconnect``, ``_submit``, ``_progress``, ``_cancel``, ``_free``,
+``_shutdown``); the ladder, deadlines and release-once rules live here only.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, replace
+from enum import IntEnum
+from typing import Any, ClassVar, NamedTuple
+
+import msgpack
+
+log = logging.getLogger(__name__)
+
+METADATA_VERSION = 1
+BACKENDS = ("nixl", "zmq", "fake")
+
+
+class TransferStatus(IntEnum):
+    """Ordered ladder: a pull only climbs it. FAILED is sticky and terminal."""
+
+    FAILED = 0
+    PENDING = 1  # accepted, not yet posted to the wire
+    TRANSFERRING = 2  # posted; bytes may be moving
+    DONE = 3  # every byte is in the local blocks
+
+    @property
+    def terminal(self) -> bool:
+        return self in (TransferStatus.FAILED, TransferStatus.DONE)
+
+
+class BlockRun(NamedTuple):
+    """``count`` consecutive blocks from ``remote_start`` land at ``local_start``: one descriptor."""
+
+    remote_start: int
+    local_start: int
+    count: int
+
+
+def merge_block_runs(remote_block_ids: list[int], local_block_ids: list[int]) -> list[BlockRun]:
+    """Pair remote with local ids and merge pairs contiguous on BOTH sides into runs.
+
+    Sorting by remote id puts each pair's only possible successor, (r + 1, l + 1),
+    right after it, so one pass gives the fewest runs. Fewer descriptors is what
+    keeps a NIXL read fast (many small ones had erratic latency).
+    """
+    if len(remote_block_ids) != len(local_block_ids):
+        raise ValueError(f"{len(remote_block_ids)} remote block ids for {len(local_block_ids)} local ones")
+    if not remote_block_ids:
+        raise ValueError("a pull needs at least one block")
+    for side, ids in (("remote", remote_block_ids), ("local", local_block_ids)):
+        if any(type(b) is not int or b < 0 for b in ids):
+            raise ValueError(f"{side} block ids must be non-negative ints")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"{side} block ids repeat")
+    runs: list[BlockRun] = []
+    for remote, local in sorted(zip(remote_block_ids, local_block_ids)):
+        if runs and runs[-1].remote_start + runs[-1].count == remote and runs[-1].local_start + runs[-1].count == local:
+            runs[-1] = runs[-1]._replace(count=runs[-1].count + 1)
+        else:
+            runs.append(BlockRun(remote, local, 1))
+    return runs
+
+
+@dataclass(frozen=True)
+class PageSpec:
+    """Where a prompt's pages wait: a worker's pool, its block ids, how many tokens they hold."""
+
+    worker_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+    def to_wire(self) -> dict:
+        return {"worker_id": self.worker_id, "block_ids": list(self.block_ids), "num_tokens": self.num_tokens}
+
+    @classmethod
+    def from_wire(cls, data: Any) -> "PageSpec":
+        if not isinstance(data, dict) or set(data) != {"worker_id", "block_ids", "num_tokens"}:
+            raise ValueError("page spec must be a map of worker_id, block_ids, num_tokens")
+        if not isinstance(data["worker_id"], str) or not data["worker_id"]:
+            raise ValueError("page spec field 'worker_id' must be a non-empty string")
+        ids = data["block_ids"]
+        if not isinstance(ids, (list, tuple)) or any(type(b) is not int or b < 0 for b in ids):
+            raise ValueError("page spec field 'block_ids' must be a list of non-negative ints")
+        if type(data["num_tokens"]) is not int or data["num_tokens"] < 0:
+            raise ValueError("page spec field 'num_tokens' must be a non-negative int")
+        return cls(data["worker_id"], tuple(ids), data["num_tokens"])
+
+
+@dataclass(eq=False)
+class TransferHandle:
+    """One pull. Backends subclass it to carry their own in-flight state."""
+
+    transfer_id: str
+    peer_id: str
+    runs: list[BlockRun]
+    num_bytes: int
+    started: float  # time.monotonic()
+    deadline: float  # time.monotonic()
+    status: TransferStatus = TransferStatus.PENDING
+    error: str = ""
+    released: bool = False
+    # Serialises status changes against an I/O thread writing local blocks.
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+@dataclass
+class TransferCounters:
+    pulls_done: int = 0
+    pulls_failed: int = 0
+    bytes_pulled: int = 0
+    pull_seconds: float = 0.0  # summed over DONE pulls
+
+
+class KVTransferBackend(ABC):
+    name: ClassVar[str]
+    handle_type: ClassVar[type[TransferHandle]] = TransferHandle
+
+    def __init__(self) -> None:
+        self._pool = None
+        self._peers: dict[str, tuple[int, Any]] = {}  # peer id -> (its pool's blocks, backend connection)
+        self._inflight: dict[str, TransferHandle] = {}
+        self._counters = TransferCounters()
+        self._counters_lock = threading.Lock()
+        self._closed = False
+
+    # ---- both roles ---------------------------------------------------------------
+    def register_pool(self, kv_cache) -> bytes:
+        if self._pool is not None:
+            raise RuntimeError(f"{self.name} backend: register_pool() called twice")
+        if kv_cache.buffer.device.type != "cpu" or not kv_cache.buffer.is_contiguous():
+            raise ValueError(f"{self.name} backend moves one contiguous host buffer; got {kv_cache.buffer.device}")
+        self._pool = kv_cache
+        envelope = {
+            "v": METADATA_VERSION,
+            "backend": self.name,
+            "bytes_per_block": kv_cache.layout.bytes_per_block,
+            "num_blocks": kv_cache.num_blocks,
+            **self._publish(kv_cache),
+        }
+        return msgpack.packb(envelope, use_bin_type=True)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for handle in list(self._inflight.values()):
+            self.release(handle)
+        for peer_id in list(self._peers):
+            self.remove_peer(peer_id)
+        self._shutdown()
+
+    def counters(self) -> TransferCounters:
+        with self._counters_lock:
+            return replace(self._counters)
+
+    # ---- decode side ------------------------------------------------------------------
+    def add_peer(self, peer_id: str, metadata: bytes) -> None:
+        self._require_pool("add_peer")
+        fields = self._decode_metadata(peer_id, metadata)
+        self.remove_peer(peer_id)
+        self._peers[peer_id] = (fields["num_blocks"], self._connect(peer_id, fields))
+
+    def remove_peer(self, peer_id: str) -> None:
+        peer = self._peers.pop(peer_id, None)
+        if peer is None:
+            return
+        for handle in [h for h in self._inflight.values() if h.peer_id == peer_id]:
+            self.abort(handle, reason=f"peer {peer_id!r} was removed")
+        try:
+            self._disconnect(peer_id, peer[1])
+        except Exception:
+            log.exception("%s backend could not disconnect peer %r cleanly", self.name, peer_id)
+
+    def start_pull(
+        self,
+        transfer_id: str,
+        peer_id: str,
+        remote_block_ids: list[int],
+        local_block_ids: list[int],
+        deadline_s: float,
+    ) -> TransferHandle:
+        self._require_pool("start_pull")
+        if not deadline_s > 0:
+            raise ValueError(f"deadline_s must be > 0 seconds, got {deadline_s!r}")
+        if transfer_id in self._inflight:
+            raise ValueError(f"transfer {transfer_id!r} is already in flight")
+        runs = merge_block_runs(remote_block_ids, local_block_ids)
+        last_local = max(r.local_start + r.count for r in runs)
+        if last_local > self._pool.num_blocks:
+            raise ValueError(f"local block id {last_local - 1} is outside the pool of {self._pool.num_blocks}")
+        now = time.monotonic()
+        handle = self.handle_type(
+            transfer_id, peer_id, runs, len(local_block_ids) * self._pool.layout.bytes_per_block,
+            started=now, deadline=now + deadline_s,
+        )
+        self._inflight[transfer_id] = handle
+        peer = self._peers.get(peer_id)
+        last_remote = max(r.remote_start + r.count for r in runs)
+        if peer is None:
+            self._fail(handle, f"unknown peer {peer_id!r}")
+        elif last_remote > peer[0]:
+            self._fail(handle, f"remote block id {last_remote - 1} is outside peer {peer_id!r}'s pool")
+        else:
+            try:
+                self._submit(handle, peer[1])
+            except Exception as exc:  # the backend refused the post: this pull fails, the worker goes on
+                self.abort(handle, reason=f"{self.name} could not post the pull: {exc}")
+        return handle
+
+    def poll(self, handle: TransferHandle) -> TransferStatus:
+        if handle.status.terminal:
+            return handle.status
+        if time.monotonic() >= handle.deadline:
+            self.abort(handle, reason=f"deadline of {handle.deadline - handle.started:.3g}s passed")
+            return handle.status
+        try:
+            self._progress(handle)
+        except Exception as exc:
+            self.abort(handle, reason=f"{self.name} reported an error: {exc}")
+        return handle.status
+
+    def abort(self, handle: TransferHandle, reason: str = "aborted by the caller") -> None:
+        if not self._fail(handle, reason):
+            return
+        try:
+            self._cancel(handle)
+        except Exception:
+            log.exception("KV pull %s: %s could not cancel it cleanly", handle.transfer_id, self.name)
+
+    def release(self, handle: TransferHandle) -> None:
+        if handle.released:
+            return
+        self.abort(handle, reason="released while still in flight")
+        handle.released = True
+        self._inflight.pop(handle.transfer_id, None)
+        try:
+            self._free(handle)
+        except Exception:
+            log.exception("KV pull %s: %s could not free its resources", handle.transfer_id, self.name)
+
+    # ---- status changes, shared with backend I/O threads ------------------------------
+    def _advance_locked(self, handle: TransferHandle, status: TransferStatus, error: str = "") -> bool:
+        """Move ``handle`` up the ladder (caller holds ``handle.lock``); False if it may not move."""
+        if handle.status.terminal or (status != TransferStatus.FAILED and status <= handle.status):
+            return False
+        handle.status = status
+        handle.error = error
+        if status == TransferStatus.FAILED:
+            log.warning("KV pull %s from %s failed: %s", handle.transfer_id, handle.peer_id, error)
+        if status.terminal:
+            with self._counters_lock:
+                if status == TransferStatus.DONE:
+                    self._counters.pulls_done += 1
+                    self._counters.bytes_pulled += handle.num_bytes
+                    self._counters.pull_seconds += time.monotonic() - handle.started
+                else:
+                    self._counters.pulls_failed += 1
+        return True
+
+    def _advance(self, handle: TransferHandle, status: TransferStatus, error: str = "") -> bool:
+        with handle.lock:
+            return self._advance_locked(handle, status, error)
+
+    def _fail(self, handle: TransferHandle, reason: str) -> bool:
+        return self._advance(handle, TransferStatus.FAILED, reason)
+
+    def _require_pool(self, hook: str) -> None:
+        if self._pool is None:
+            raise RuntimeError(f"{self.name} backend: register_pool() must come before {hook}()")
+
+    def _decode_metadata(self, peer_id: str, metadata: bytes) -> dict:
+        try:
+            fields = msgpack.unpackb(metadata, raw=False)
+        except Exception as exc:
+            raise ValueError(f"peer {peer_id!r}: transfer metadata is not msgpack: {exc}") from exc
+        if not isinstance(fields, dict) or fields.get("v") != METADATA_VERSION:
+            raise ValueError(f"peer {peer_id!r}: transfer metadata is not version {METADATA_VERSION}")
+        if fields.get("backend") != self.name:
+            raise ValueError(
+                f"peer {peer_id!r} publishes {fields.get('backend')!r} metadata, this side runs {self.name!r}"
+            )
+        for key in ("bytes_per_block", "num_blocks"):
+            if type(fields.get(key)) is not int or fields[key] < 1:
+                raise ValueError(f"peer {peer_id!r}: metadata field {key!r} must be a positive int")
+        if fields["bytes_per_block"] != self._pool.layout.bytes_per_block:
+            raise ValueError(
+                f"peer {peer_id!r} has {fields['bytes_per_block']} bytes per block, this pool "
+                f"{self._pool.layout.bytes_per_block}: the KV layouts differ"
+            )
+        return fields
+
+    # ---- the backend half -------------------------------------------------------------
+    @abstractmethod
+    def _publish(self, kv_cache) -> dict:
+        """Register the pool; return the backend's fields of the published metadata."""
+
+    @abstractmethod
+    def _connect(self, peer_id: str, fields: dict) -> Any:
+        """Validate a peer's metadata fields and connect; return the connection (raises ValueError)."""
+
+    def _disconnect(self, peer_id: str, conn: Any) -> None:
+        """Forget a peer whose pulls have all been aborted."""
+
+    @abstractmethod
+    def _submit(self, handle: TransferHandle, conn: Any) -> None:
+        """Post the pull (runs are merged); raise to fail it."""
+
+    def _progress(self, handle: TransferHandle) -> None:
+        """Advance an in-flight pull from the polling thread; raise to fail it."""
+
+    @abstractmethod
+    def _cancel(self, handle: TransferHandle) -> None:
+        """Stop a pull already marked FAILED; on return no byte may land in its local blocks."""
+
+    def _free(self, handle: TransferHandle) -> None:
+        """Free what the pull still holds once it is terminal."""
+
+    @abstractmethod
+    def _shutdown(self) -> None:
+        """Stop threads and deregister the pool; peers and pulls are already gone."""
+
+
+def make_backend(name: str, **options) -> KVTransferBackend:
+    """Build a backend by name (``nixl``, ``zmq``, ``fake``); options go to its constructor."""
+    if name == "nixl":
+        from kv_transfer.nixl_backend import NixlBackend as backend
+    elif name == "zmq":
+        from kv_transfer.zmq_backend import ZmqBackend as backend
+    elif name == "fake":
+        from kv_transfer.fake_backend import FakeBackend as backend
+    else:
+        raise ValueError(f"unknown KV transfer backend {name!r}: one of {BACKENDS}")
+    return backend(**options)
+
+
+def default_backend_name() -> str:
+    """``nixl`` where its native library loads, else the ZeroMQ fallback."""
+    try:
+        import nixl._api  # noqa: F401
+    except ImportError:
+        return "zmq"
+    return "nixl"

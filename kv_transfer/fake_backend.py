@@ -1,0 +1,81 @@
+"""In-process fake backend for tests and warm-up: a pull is a direct block copy.
+
+Pools are found through a module-level registry keyed by a per-pool id, so
+both "workers" must live in one process. A pull copies its blocks on the
+first poll that finds it due, so tests see PENDING -> TRANSFERRING -> DONE the
+way the real backends report it. A closed pool looks like a dead peer: pulls
+from it fail.
+
+Failure injection (constructor options, so a test or a config can set them):
+  fail_every=N   every Nth pull this backend starts fails when posted
+                 (N = 1 fails all of them; 0, the default, none).
+  delay_s=S      a pull's bytes land only S seconds after it started, so a
+                 deadline shorter than S turns it FAILED (the timeout path).
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from kv_transfer.base import KVTransferBackend, TransferHandle, TransferStatus
+
+_POOLS: dict[str, object] = {}  # pool id -> KVCache, for every live FakeBackend in this process
+
+
+@dataclass(eq=False)
+class FakePull(TransferHandle):
+    pool_id: str = ""
+
+
+class FakeBackend(KVTransferBackend):
+    name = "fake"
+    handle_type = FakePull
+
+    def __init__(self, fail_every: int = 0, delay_s: float = 0.0) -> None:
+        if fail_every < 0:
+            raise ValueError(f"fake backend option 'fail_every' = {fail_every!r}: must be >= 0")
+        if delay_s < 0:
+            raise ValueError(f"fake backend option 'delay_s' = {delay_s!r}: must be >= 0")
+        super().__init__()
+        self.fail_every = fail_every
+        self.delay_s = delay_s
+        self._pool_id = ""
+        self._pulls_started = 0
+
+    def _publish(self, kv_cache) -> dict:
+        self._pool_id = uuid.uuid4().hex
+        _POOLS[self._pool_id] = kv_cache
+        return {"pool": self._pool_id}
+
+    def _connect(self, peer_id: str, fields: dict) -> str:
+        if not isinstance(fields.get("pool"), str):
+            raise ValueError(f"peer {peer_id!r}: fake metadata needs a 'pool' id")
+        return fields["pool"]
+
+    def _submit(self, handle: FakePull, pool_id: str) -> None:
+        self._pulls_started += 1
+        if self.fail_every and self._pulls_started % self.fail_every == 0:
+            raise RuntimeError(f"injected failure (fail_every={self.fail_every})")
+        handle.pool_id = pool_id
+        self._advance(handle, TransferStatus.TRANSFERRING)
+
+    def _progress(self, handle: FakePull) -> None:
+        if time.monotonic() - handle.started < self.delay_s:
+            return
+        source = _POOLS.get(handle.pool_id)
+        if source is None:
+            raise RuntimeError(f"peer {handle.peer_id!r}'s pool is gone")
+        target = self._pool.buffer
+        for run in handle.runs:
+            target[run.local_start:run.local_start + run.count].copy_(
+                source.buffer[run.remote_start:run.remote_start + run.count]
+            )
+        self._advance(handle, TransferStatus.DONE)
+
+    def _cancel(self, handle: FakePull) -> None:
+        # Bytes are copied only inside poll(), on the caller's thread, so nothing is in flight.
+        pass
+
+    def _shutdown(self) -> None:
+        _POOLS.pop(self._pool_id, None)

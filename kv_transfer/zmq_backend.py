@@ -1,0 +1,326 @@
+"""ZeroMQ fallback backend: pages over TCP where NIXL is absent or only TCP joins two hosts.
+
+One I/O thread per backend owns every socket: a ROUTER bound to
+``host:port`` that serves this pool, and one DEALER per peer for pulls. The
+caller's thread never touches a socket; it hands the I/O thread commands
+through a queue and wakes it through a pipe whose fd the thread polls next
+to its sockets.
+
+Data-plane frames (this backend's own; control messages live in common/wire.py):
+  pull     DEALER -> ROUTER  [PULL,    msgpack {v, id, runs: [[first_block, count], ...]}]
+  pages    ROUTER -> DEALER  [PAGES,   msgpack {v, id}, one frame per run]
+  refused  ROUTER -> DEALER  [REFUSED, msgpack {v, id, error}]
+Page frames leave zero-copy: memoryviews of the pool's storage sent with
+``copy=False``, one per merged run. The puller copies each frame into its
+local blocks while holding the pull's lock, so an abort never races a late
+copy, and only then marks the pull DONE.
+
+Failures: a malformed request is logged and dropped (the puller's deadline
+covers it); a well-formed one naming blocks outside the pool is refused with
+the reason. A dead server never answers, so its pulls fail at their
+deadline. Late pages for a pull already failed are dropped. If the I/O
+thread itself dies, every pull in flight fails with its error and new pulls
+fail when posted.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import re
+import socket
+import threading
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+import torch
+import zmq
+
+from kv_transfer.base import KVTransferBackend, TransferHandle, TransferStatus
+
+log = logging.getLogger(__name__)
+
+PULL, PAGES, REFUSED = b"\x01", b"\x02", b"\x03"
+WIRE_VERSION = 1
+
+
+def pool_bytes(kv_cache) -> np.ndarray:
+    """The pool's storage as one flat uint8 array (no copy)."""
+    return kv_cache.buffer.view(-1).view(torch.uint8).numpy()
+
+
+@dataclass
+class _SocketState:
+    """What only the I/O thread touches."""
+
+    router: zmq.Socket
+    dealers: dict[str, zmq.Socket] = field(default_factory=dict)  # peer id -> socket
+    pending: dict[str, TransferHandle] = field(default_factory=dict)  # transfer id -> pull
+
+
+class ZmqBackend(KVTransferBackend):
+    name = "zmq"
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        startup_timeout_s: float = 10.0,
+        close_timeout_s: float = 5.0,
+        io_poll_interval_s: float = 1.0,
+    ) -> None:
+        for option, value in (("startup_timeout_s", startup_timeout_s), ("close_timeout_s", close_timeout_s),
+                              ("io_poll_interval_s", io_poll_interval_s)):
+            if not value > 0:
+                raise ValueError(f"zmq backend option {option!r} = {value!r}: must be > 0")
+        super().__init__()
+        self.host = host
+        self.port = port
+        wildcard = host in ("0.0.0.0", "*", "::")
+        self.advertise_host = advertise_host or (socket.gethostname() if wildcard else host)
+        self.startup_timeout_s = startup_timeout_s
+        self.close_timeout_s = close_timeout_s
+        self.io_poll_interval_s = io_poll_interval_s
+        self._context: zmq.Context | None = None
+        self._thread: threading.Thread | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+        self._stopping = False
+        self._io_error = ""
+        self._bytes: np.ndarray | None = None
+
+    # ---- the caller's thread ------------------------------------------------------------
+    def _publish(self, kv_cache) -> dict:
+        self._bytes = pool_bytes(kv_cache)
+        self._context = zmq.Context(io_threads=1)
+        ready: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name="kv-transfer-zmq", daemon=True)
+        self._thread.start()
+        try:
+            started = ready.get(timeout=self.startup_timeout_s)
+        except queue.Empty:
+            raise TimeoutError(
+                f"zmq transfer server did not start within startup_timeout_s={self.startup_timeout_s}"
+            ) from None
+        if isinstance(started, Exception):
+            raise RuntimeError(f"zmq transfer server could not bind {self.host}:{self.port}: {started}")
+        return {"address": f"tcp://{self.advertise_host}:{started}"}
+
+    def _connect(self, peer_id: str, fields: dict) -> str:
+        address = fields.get("address")
+        if not isinstance(address, str) or not re.fullmatch(r"tcp://\S+:\d+", address):
+            raise ValueError(f"peer {peer_id!r}: zmq metadata needs a 'tcp://host:port' address, got {address!r}")
+        self._command("connect", peer_id, address)
+        return address
+
+    def _disconnect(self, peer_id: str, address: str) -> None:
+        self._command("disconnect", peer_id)
+
+    def _submit(self, handle: TransferHandle, address: str) -> None:
+        if self._io_error or not self._thread.is_alive():
+            raise RuntimeError(f"the zmq I/O thread is not running: {self._io_error or 'stopped'}")
+        self._command("pull", handle)
+
+    def _cancel(self, handle: TransferHandle) -> None:
+        # The pull is FAILED already, so late pages are dropped; this only frees the I/O thread's entry.
+        self._command("forget", handle.transfer_id)
+
+    def _shutdown(self) -> None:
+        if self._thread is not None:
+            self._stopping = True
+            self._wake()
+            self._thread.join(self.close_timeout_s)
+            if self._thread.is_alive():
+                # Terminating the context under a live socket would block; leak it and say so.
+                log.error("zmq I/O thread did not stop within close_timeout_s=%s", self.close_timeout_s)
+                return
+            self._context.term()
+        os.close(self._wake_read)
+        os.close(self._wake_write)
+
+    def _command(self, *command) -> None:
+        self._commands.put(command)
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_write, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already
+
+    # ---- the I/O thread -------------------------------------------------------------------
+    def _run(self, ready: queue.Queue) -> None:
+        router = self._context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished puller raises instead of silently dropping
+        router.setsockopt(zmq.SNDHWM, 0)  # replies are zero-copy views; do not drop them at a watermark
+        try:
+            router.bind(f"tcp://{self.host}:{self.port}")  # port 0: the OS picks a free one
+        except zmq.ZMQError as exc:
+            router.close(linger=0)
+            ready.put(exc)
+            return
+        state = _SocketState(router)
+        ready.put(int(router.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]))
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(self._wake_read, zmq.POLLIN)
+        try:
+            while not self._stopping:
+                events = dict(poller.poll(self.io_poll_interval_s * 1000))
+                if self._wake_read in events:
+                    self._drain_wake_pipe()
+                self._run_commands(state, poller)
+                if router in events:
+                    self._serve(router)
+                for peer_id, dealer in list(state.dealers.items()):
+                    if dealer in events:
+                        self._receive(peer_id, dealer, state.pending)
+        except Exception as exc:
+            log.exception("zmq KV transfer I/O thread died")
+            self._io_error = f"{type(exc).__name__}: {exc}"
+            for handle in state.pending.values():
+                self._fail(handle, f"zmq I/O thread died: {self._io_error}")
+        finally:
+            for dealer in state.dealers.values():
+                dealer.close(linger=0)
+            router.close(linger=0)
+
+    def _drain_wake_pipe(self) -> None:
+        try:
+            while os.read(self._wake_read, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _run_commands(self, state: _SocketState, poller: zmq.Poller) -> None:
+        while True:
+            try:
+                kind, *args = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "connect":
+                peer_id, address = args
+                dealer = self._context.socket(zmq.DEALER)
+                dealer.setsockopt(zmq.LINGER, 0)
+                dealer.setsockopt(zmq.RCVHWM, 0)
+                try:
+                    dealer.connect(address)
+                except zmq.ZMQError as exc:  # its pulls then fail as "not connected"
+                    log.error("zmq KV puller cannot connect to peer %s at %s: %s", peer_id, address, exc)
+                    dealer.close(linger=0)
+                    continue
+                poller.register(dealer, zmq.POLLIN)
+                state.dealers[peer_id] = dealer
+            elif kind == "disconnect":
+                dealer = state.dealers.pop(args[0], None)
+                if dealer is not None:
+                    poller.unregister(dealer)
+                    dealer.close(linger=0)
+            elif kind == "pull":
+                self._send_pull(args[0], state)
+            elif kind == "forget":
+                state.pending.pop(args[0], None)
+
+    def _send_pull(self, handle: TransferHandle, state: _SocketState) -> None:
+        dealer = state.dealers.get(handle.peer_id)
+        if dealer is None:
+            self._fail(handle, f"peer {handle.peer_id!r} is not connected")
+            return
+        body = {"v": WIRE_VERSION, "id": handle.transfer_id, "runs": [[r.remote_start, r.count] for r in handle.runs]}
+        try:
+            dealer.send_multipart([PULL, msgpack.packb(body)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self._fail(handle, f"could not send the pull request: {exc}")
+            return
+        if self._advance(handle, TransferStatus.TRANSFERRING):
+            state.pending[handle.transfer_id] = handle
+
+    def _serve(self, router: zmq.Socket) -> None:
+        while True:
+            try:
+                parts = router.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            request = _parse_pull(parts)
+            if request is None:
+                log.warning("zmq KV server dropped a malformed request of %d frames", len(parts))
+                continue
+            identity, transfer_id, runs = request
+            bpb, num_blocks = self._pool.layout.bytes_per_block, self._pool.num_blocks
+            if any(first + count > num_blocks for first, count in runs):
+                reply = [identity, REFUSED, msgpack.packb(
+                    {"v": WIRE_VERSION, "id": transfer_id, "error": f"blocks outside a pool of {num_blocks}"})]
+            else:
+                pages = [memoryview(self._bytes[first * bpb:(first + count) * bpb]) for first, count in runs]
+                reply = [identity, PAGES, msgpack.packb({"v": WIRE_VERSION, "id": transfer_id}), *pages]
+            try:
+                router.send_multipart(reply, copy=False, flags=zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                log.warning("zmq KV server could not answer pull %s: %s", transfer_id, exc)
+
+    def _receive(self, peer_id: str, dealer: zmq.Socket, pending: dict[str, TransferHandle]) -> None:
+        while True:
+            try:
+                parts = dealer.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            header = _parse_header(parts)
+            handle = pending.get(header.get("id")) if header else None
+            if handle is None or handle.peer_id != peer_id:
+                log.debug("zmq KV puller dropped a reply from %s for no pull in flight", peer_id)
+                continue
+            del pending[handle.transfer_id]
+            if parts[0].bytes == REFUSED:
+                self._fail(handle, f"peer refused the pull: {header.get('error')}")
+            else:
+                self._land(handle, parts[2:])
+
+    def _land(self, handle: TransferHandle, frames: list[zmq.Frame]) -> None:
+        bpb = self._pool.layout.bytes_per_block
+        if len(frames) != len(handle.runs) or any(
+            len(frame) != run.count * bpb for frame, run in zip(frames, handle.runs)
+        ):
+            self._fail(handle, "peer sent pages that do not match the request")
+            return
+        with handle.lock:
+            if handle.status.terminal:
+                return
+            for frame, run in zip(frames, handle.runs):
+                start = run.local_start * bpb
+                self._bytes[start:start + len(frame)] = np.frombuffer(frame.buffer, dtype=np.uint8)
+            self._advance_locked(handle, TransferStatus.DONE)
+
+
+def _parse_pull(parts: list[bytes]) -> tuple[bytes, str, list[tuple[int, int]]] | None:
+    """(identity, transfer id, runs) of a well-formed pull request, else None."""
+    if len(parts) != 3 or parts[1] != PULL:
+        return None
+    try:
+        body = msgpack.unpackb(parts[2], raw=False)
+    except Exception:
+        return None
+    if not isinstance(body, dict) or body.get("v") != WIRE_VERSION or not isinstance(body.get("id"), str):
+        return None
+    runs = body.get("runs")
+    if not isinstance(runs, list) or not runs:
+        return None
+    for run in runs:
+        if not (isinstance(run, list) and len(run) == 2 and all(type(x) is int for x in run)
+                and run[0] >= 0 and run[1] >= 1):
+            return None
+    return parts[0], body["id"], [(first, count) for first, count in runs]
+
+
+def _parse_header(parts: list[zmq.Frame]) -> dict | None:
+    if len(parts) < 2 or parts[0].bytes not in (PAGES, REFUSED):
+        return None
+    try:
+        header = msgpack.unpackb(parts[1].bytes, raw=False)
+    except Exception:
+        return None
+    return header if isinstance(header, dict) and header.get("v") == WIRE_VERSION else None
