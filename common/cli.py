@@ -14,6 +14,9 @@ import sys
 from common.cli_options import add_model_options
 from common.generate_command import add_generate_command
 from common.model_store import prepare_embedded_model
+from common.up_command import add_up_command
+from common.worker_command import add_worker_commands
+from proxy.main import add_command as add_proxy_command
 
 
 def add_model_command(subparsers) -> None:
@@ -48,7 +51,9 @@ def _print_embedded_model_dir(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = (add_model_command, add_generate_command)
+COMMANDS = (
+    add_model_command, add_generate_command, add_proxy_command, add_worker_commands, add_up_command,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

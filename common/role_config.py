@@ -37,10 +37,12 @@ class ProxyConfig:
     max_prompt_bytes: int = 4 << 20
     max_tokens_default: int = 256
     retry_after_s: int = 1
+    drain_timeout_s: float = 30.0  # on SIGTERM, how long requests in flight may run on
 
     def __post_init__(self) -> None:
         _positive(self, "port", "heartbeat_timeout_s", "kv_lease_s", "first_token_timeout_s",
-                  "token_timeout_s", "max_prompt_bytes", "max_tokens_default", "retry_after_s")
+                  "token_timeout_s", "max_prompt_bytes", "max_tokens_default", "retry_after_s",
+                  "drain_timeout_s")
         if self.local_prefill_threshold < 0:
             raise ConfigError("config field 'local_prefill_threshold' must be >= 0")
 

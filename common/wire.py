@@ -11,8 +11,8 @@ are named by block ids and moved by ``kv_transfer``.
 
 Conversations (all through the proxy; workers never talk to each other on
 this channel):
-- worker -> proxy: Register, then Heartbeat every ``heartbeat_interval_s``;
-  Goodbye when draining. The proxy answers RegisterAck, and sends decode
+- worker -> proxy: Register, then Heartbeat every ``heartbeat_interval_s``
+  (``draining=True`` once it stops taking work); Goodbye as it exits. The proxy answers RegisterAck, and sends decode
   workers Peers whenever the set of prefill workers changes.
 - proxy -> prefill: PrefillRequest; prefill -> proxy: PrefillDone (first
   token + the pages it holds under a lease).

@@ -1,0 +1,137 @@
+"""The proxy's FastAPI application: one ``Services`` object per process, and the small endpoints.
+
+``create_app`` builds everything the process needs (tokenizer, metrics,
+cluster, worker link) into ``app.state.services``. Its lifespan binds the
+ROUTER and starts the link's I/O tasks and the heartbeat watchdog in the
+server's event loop; at shutdown it cancels whatever is still in flight
+(Abort to the workers), then closes the socket and its context.
+
+Endpoints here: /v1/models, /tokenize, /detokenize, /healthz, /readyz,
+/version, /metrics. The generation endpoints live in ``openai_api``.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from common.model_store import resolve_model
+from common.role_config import ProxyConfig
+from common.tokenizer import Tokenizer
+from common.wire import PROTOCOL_VERSION
+from proxy import openai_api
+from proxy.cluster import Cluster
+from proxy.errors import ApiError, install_error_handlers
+from proxy.http_io import read_model
+from proxy.metrics import CONTENT_TYPE, ProxyMetrics
+from proxy.protocol import DetokenizeRequest, TokenizeRequest, check_token_ids
+from proxy.routing import PrefixAwareRouting, RoutingPolicy
+from proxy.token_text import TokenText
+from proxy.worker_link import WorkerLink
+
+
+def _tessera_version() -> str:
+    try:
+        return version("tessera")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+@dataclass
+class Services:
+    config: ProxyConfig
+    tokenizer: Tokenizer
+    token_text: TokenText
+    metrics: ProxyMetrics
+    cluster: Cluster
+    link: WorkerLink
+    started_at: int
+
+    def model_names(self) -> set[str]:
+        """The served name, and the workers' own model name once one has registered."""
+        names = {self.config.served_model_name}
+        if self.cluster.registry.cluster_model is not None:
+            names.add(self.cluster.registry.cluster_model.model)
+        return names
+
+
+def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
+               policy: RoutingPolicy | None = None) -> FastAPI:
+    tokenizer = tokenizer or Tokenizer(resolve_model(config.model, config.dtype))
+    metrics = ProxyMetrics()
+    cluster = Cluster(config, policy or PrefixAwareRouting(config.local_prefill_threshold), metrics)
+    link = WorkerLink(config.worker_bind, cluster.on_frames, send_timeout_s=config.heartbeat_timeout_s)
+    cluster.attach(link.send)
+    services = Services(config, tokenizer, TokenText(tokenizer), metrics, cluster, link, int(time.time()))
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await link.start()
+        watchdog = asyncio.create_task(cluster.watch_heartbeats(), name="heartbeat-watchdog")
+        try:
+            yield
+        finally:
+            watchdog.cancel()
+            cluster.cancel_all("the proxy is shutting down")
+            await link.close()
+
+    app = FastAPI(title="Tessera proxy", version=_tessera_version(), lifespan=lifespan)
+    app.state.services = services
+    install_error_handlers(app)
+    app.include_router(openai_api.router)
+    _add_service_routes(app, services)
+    return app
+
+
+def _add_service_routes(app: FastAPI, services: Services) -> None:
+    config, cluster = services.config, services.cluster
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        identity = cluster.registry.cluster_model
+        return {"object": "list", "data": [{
+            "id": config.served_model_name, "object": "model", "created": services.started_at,
+            "owned_by": "tessera", "root": identity.model if identity else None,
+            "max_model_len": cluster.registry.max_model_len,
+            "tessera_model_version": identity.model_version if identity else None,
+        }]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        body = await read_model(request, TokenizeRequest, config.max_prompt_bytes)
+        tokens = await asyncio.to_thread(body.token_ids, services.tokenizer)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": cluster.registry.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        body = await read_model(request, DetokenizeRequest, config.max_prompt_bytes)
+        if body.tokens:
+            check_token_ids(services.tokenizer, body.tokens, "tokens")
+        return {"prompt": services.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        ready, reason = cluster.readiness()
+        if ready:
+            return JSONResponse({"status": "ready", "reason": reason, "workers": cluster.registry.count_by_role()})
+        return ApiError(503, f"not ready: {reason}", code="not_ready", retry_after_s=config.retry_after_s).response()
+
+    @app.get("/version")
+    async def version_() -> dict:
+        identity = cluster.registry.cluster_model
+        return {"version": _tessera_version(), "protocol_version": PROTOCOL_VERSION,
+                "model": identity.model if identity else None,
+                "model_version": identity.model_version if identity else None}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(services.metrics.render(), media_type=CONTENT_TYPE)

@@ -1,0 +1,48 @@
+"""``tessera proxy``: run the OpenAI-compatible proxy in front of the workers.
+
+One process, one event loop (uvloop): uvicorn serves the FastAPI app, and
+the app's lifespan runs the ZeroMQ link and the heartbeat watchdog in the
+same loop. SIGTERM or SIGINT drains first (see ``proxy.server``): /readyz
+turns 503, requests in flight finish for up to the drain timeout, then the
+server stops and the ZeroMQ socket is closed before its context.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+
+from common.role_config import ProxyConfig, load_config, parse_overrides
+
+
+def add_command(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "proxy",
+        help="run the OpenAI-compatible proxy the workers register with",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", metavar="FILE", help="YAML file of proxy settings (ProxyConfig fields)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one setting, e.g. --set port=8080; repeatable")
+    parser.set_defaults(handler=_run_command)
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    run(load_config(ProxyConfig, args.config, parse_overrides(args.overrides)))
+    return 0
+
+
+def run(config: ProxyConfig) -> None:
+    # Imported here so that `tessera --help` answers without loading the server stack.
+    import uvicorn
+
+    from proxy.app import create_app
+    from proxy.server import DrainingServer
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(config)
+    drain_timeout_s = config.drain_timeout_s
+    server_config = uvicorn.Config(app, host=config.host, port=config.port, loop="uvloop", log_level="info",
+                                   timeout_graceful_shutdown=int(drain_timeout_s) + 1)
+    DrainingServer(server_config, app.state.services.cluster, drain_timeout_s).run()

@@ -1,0 +1,66 @@
+"""The proxy's Prometheus metrics, in a registry of its own.
+
+Names are stable and prefixed ``tessera_proxy_``; dashboards depend on them.
+``requests_total`` is labelled by endpoint and status: the HTTP status for
+answers given before streaming started, ``stream_error`` for a stream that
+ended with an error event, and ``client_closed`` when the client went away.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_TRANSFER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("tessera_proxy_requests", "Generation requests by endpoint and outcome",
+                                ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("tessera_proxy_time_to_first_token_seconds",
+                              "Arrival to first token, per choice", buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("tessera_proxy_time_per_output_token_seconds",
+                              "Mean time per output token after the first, per choice",
+                              buckets=_TOKEN_BUCKETS, registry=r)
+        self.itl = Histogram("tessera_proxy_inter_token_latency_seconds",
+                             "Gap between consecutive output tokens", buckets=_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("tessera_proxy_e2e_request_latency_seconds",
+                             "Arrival to last token, per choice", buckets=_E2E_BUCKETS, registry=r)
+        self.queue_depth = Gauge("tessera_proxy_requests_waiting_first_token",
+                                 "Choices sent to a worker and still waiting for their first token", registry=r)
+        self.in_flight = Gauge("tessera_proxy_requests_in_flight", "Choices running on workers", registry=r)
+        self.workers_alive = Gauge("tessera_proxy_workers_alive", "Registered workers by role", ["role"],
+                                   registry=r)
+        self.kv_pages_used = Gauge("tessera_proxy_kv_pages_used", "KV pages in use, from heartbeats",
+                                   ["worker_id"], registry=r)
+        self.kv_pages_free = Gauge("tessera_proxy_kv_pages_free", "KV pages free, from heartbeats",
+                                   ["worker_id"], registry=r)
+        self.kv_transfer_bytes = Counter("tessera_proxy_kv_transfer_bytes", "KV bytes pulled by decode workers",
+                                         registry=r)
+        self.kv_transfer_seconds = Histogram("tessera_proxy_kv_transfer_seconds", "KV pull duration",
+                                             buckets=_TRANSFER_BUCKETS, registry=r)
+        self.kv_transfer_failures = Counter("tessera_proxy_kv_transfer_failures", "KV pulls that failed",
+                                            registry=r)
+        self.malformed_messages = Counter("tessera_proxy_malformed_messages",
+                                          "Worker messages dropped as malformed", registry=r)
+
+    def set_worker_kv(self, worker_id: str, num_blocks: int, free_blocks: int) -> None:
+        self.kv_pages_free.labels(worker_id).set(free_blocks)
+        self.kv_pages_used.labels(worker_id).set(max(num_blocks - free_blocks, 0))
+
+    def forget_worker(self, worker_id: str) -> None:
+        for gauge in (self.kv_pages_free, self.kv_pages_used):
+            try:
+                gauge.remove(worker_id)
+            except KeyError:
+                pass
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,167 @@
+"""POST /v1/completions and /v1/chat/completions.
+
+A request's way through this module:
+
+    read body (413) -> parse (422) -> model name (404) -> SamplingParams (422)
+    -> cluster accepting and sized (503) -> tokenize in a thread (400)
+    -> context length (400) -> cluster.submit (503) -> events
+    -> streaming: wait for the first event, so a failure before any token is
+       still a plain HTTP error (503 + Retry-After, 504, ...); then SSE chunks,
+       an error event if a choice fails midway, the usage chunk, [DONE]
+    -> otherwise: gather every choice, one JSON body (or the first failure).
+
+A ``DisconnectWatcher`` runs from submission to the last byte; a client that
+leaves cancels the group, which aborts the work on every worker involved.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from proxy.errors import ApiError
+from proxy.http_io import DisconnectWatcher, read_model
+from proxy.protocol import ChatCompletionRequest, CompletionRequest
+from proxy.requests import Event, FailureEvent, RequestGroup
+from proxy.responses import ChatFormat, ChoiceState, CompletionFormat, envelope, usage
+
+log = logging.getLogger("tessera.proxy")
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    return await _serve(request, CompletionRequest, CompletionFormat, "completions")
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return await _serve(request, ChatCompletionRequest, ChatFormat, "chat")
+
+
+@dataclasses.dataclass
+class _Generation:
+    """One admitted request: what the response needs to be built."""
+    response_id: str
+    created: int
+    model: str
+    prompts: list[list[int]]
+    choices: list[ChoiceState]
+    fmt: CompletionFormat | ChatFormat
+    include_usage: bool
+
+    def chunk(self, choices: list[dict], usage_: dict | None = None) -> str:
+        body = envelope(self.response_id, self.fmt.chunk_object, self.created, self.model, choices, usage_,
+                        with_usage_field=self.include_usage)
+        return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _serve(request: Request, request_model, format_cls, endpoint: str) -> Response:
+    services = request.app.state.services
+    metrics = services.metrics
+    try:
+        body = await read_model(request, request_model, services.config.max_prompt_bytes)
+        generation, group = await _admit(services, body, format_cls)
+    except ApiError as error:
+        metrics.requests.labels(endpoint, str(error.status)).inc()
+        return error.response()
+    if body.user:
+        log.info("request %s from user %r", generation.response_id, body.user)
+    watcher = DisconnectWatcher(request, group)
+    events = group.events()
+    streaming = False  # once True, the stream owns the watcher and the group
+    try:
+        if body.stream:
+            first = await anext(events)
+            if not isinstance(first, FailureEvent):
+                streaming = True
+                return StreamingResponse(_stream(generation, group, first, events, watcher, metrics, endpoint),
+                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            response, status = first.error.response(), str(first.error.status)
+        else:
+            response, status = await _collect(generation, events)
+    finally:
+        if not streaming:  # also when this handler is cancelled
+            watcher.stop()
+            group.cancel("the request ended")  # the other choices, after one failed; otherwise a no-op
+    metrics.requests.labels(endpoint, "client_closed" if watcher.disconnected else status).inc()
+    return response
+
+
+async def _admit(services, body, format_cls) -> tuple[_Generation, RequestGroup]:
+    config, cluster = services.config, services.cluster
+    if body.model not in services.model_names():
+        raise ApiError(404, f"model {body.model!r} does not exist; this server serves "
+                       f"{config.served_model_name!r}", code="model_not_found", param="model")
+    params = body.sampling_params(config.max_tokens_default)
+    max_model_len = cluster.registry.max_model_len
+    if cluster.draining or max_model_len is None:
+        why = "the proxy is shutting down" if cluster.draining else "no worker is registered"
+        raise ApiError(503, f"cannot serve now: {why}", code="no_worker_available",
+                       retry_after_s=config.retry_after_s)
+    prompts = await asyncio.to_thread(body.prompt_token_ids, services.tokenizer)
+    longest = max(prompts, key=len)
+    if len(longest) >= max_model_len:
+        raise ApiError(400, f"the prompt has {len(longest)} tokens; this model's maximum context length is "
+                       f"{max_model_len} tokens, which must also leave room for at least one generated token",
+                       code="context_length_exceeded",
+                       param="messages" if isinstance(body, ChatCompletionRequest) else "prompt")
+    room = max_model_len - len(longest)
+    requested = body.requested_max_tokens()
+    if requested is not None and requested > room:
+        raise ApiError(400, f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+                       f"{len(longest)} tokens and max_tokens asks for {requested} more (at most {room} fit)",
+                       code="context_length_exceeded", param="max_tokens")
+    params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+    fmt = format_cls(services.token_text, params.logprobs is not None)
+    response_id = f"{fmt.id_prefix}{uuid.uuid4().hex}"
+    base_seed = params.seed if params.seed is not None else secrets.randbits(63)
+    group = cluster.submit(response_id, prompts, params, base_seed)
+    choices = [ChoiceState(i, i // params.n) for i in range(len(prompts) * params.n)]
+    return _Generation(response_id, int(time.time()), body.model, prompts, choices, fmt, body.include_usage), group
+
+
+async def _collect(gen: _Generation, events: AsyncIterator[Event]) -> tuple[Response, str]:
+    async for event in events:
+        if isinstance(event, FailureEvent):
+            return event.error.response(), str(event.error.status)
+        gen.choices[event.index].add(event, gen.fmt.logprob_text)
+    body = envelope(gen.response_id, gen.fmt.object_name, gen.created, gen.model,
+                    [gen.fmt.final_choice(c) for c in gen.choices], usage(gen.prompts, gen.choices))
+    return JSONResponse(body), "200"
+
+
+async def _stream(gen: _Generation, group: RequestGroup, first: Event, events: AsyncIterator[Event],
+                  watcher: DisconnectWatcher, metrics, endpoint: str) -> AsyncIterator[str]:
+    status = "200"
+    try:
+        prelude = gen.fmt.stream_prelude(len(gen.choices))
+        if prelude:
+            yield gen.chunk(prelude)
+        event: Event | None = first
+        while event is not None and not isinstance(event, FailureEvent):
+            state = gen.choices[event.index]
+            choice = gen.fmt.chunk_choice(state, event)
+            state.add(event, gen.fmt.logprob_text)
+            if choice is not None:
+                yield gen.chunk([choice])
+            event = await anext(events, None)
+        if isinstance(event, FailureEvent):
+            status = "stream_error"
+            group.cancel("another choice failed")
+            yield f"data: {json.dumps(event.error.body())}\n\n"
+        elif gen.include_usage:
+            yield gen.chunk([], usage(gen.prompts, gen.choices))
+        yield "data: [DONE]\n\n"
+    finally:
+        watcher.stop()
+        group.cancel("the response stream closed")  # a no-op unless the client left early
+        metrics.requests.labels(endpoint, "client_closed" if watcher.disconnected else status).inc()

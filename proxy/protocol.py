@@ -1,0 +1,214 @@
+"""OpenAI request bodies, and what they become: prompts of token ids and SamplingParams.
+
+Fields follow OpenAI's API plus vLLM's sampling extensions (``top_k``,
+``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``).
+Unknown fields are ignored, as OpenAI's clients send some of their own;
+fields whose meaning the proxy cannot honour (``echo``, ``suffix``,
+``logit_bias``, ``best_of`` other than n, tools, a non-text
+``response_format``, image content) are refused with 422 instead of being
+silently dropped. A completions ``prompt`` may be a string, a list of token
+ids, or a batch of either; a batch answers with ``len(prompt) * n`` choices,
+choice ``i * n + j`` being the j-th sample of prompt i, as OpenAI does.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from common.sampling_params import MAX_LOGPROBS, SamplingParams
+from common.tokenizer import Tokenizer
+from proxy.errors import ApiError, unprocessable
+
+MAX_CHOICES = 128  # choices per request, all prompts of a batch together
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    # None (sent as null by some clients) means the default, as with OpenAI.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def logprobs_k(self) -> int | None:
+        raise NotImplementedError
+
+    def check_supported(self) -> None:
+        if self.logit_bias:
+            raise unprocessable("logit_bias is not supported", "logit_bias")
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """Validated parameters; ``max_tokens`` is the default when not given (fitted to the prompt later)."""
+        self.check_supported()
+        given = {name: value for name in _OPTIONAL_SAMPLING_FIELDS if (value := getattr(self, name)) is not None}
+        try:
+            return SamplingParams(
+                n=self.n, seed=self.seed, max_tokens=self.requested_max_tokens() or default_max_tokens,
+                stop=self.stop or [], stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
+                logprobs=self.logprobs_k(), include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens, **given,
+            )
+        except ValueError as exc:
+            named = re.match(r"sampling parameter '(\w+)'", str(exc))
+            raise unprocessable(str(exc), named.group(1) if named else None) from None
+
+
+_OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                             "repetition_penalty")
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise unprocessable("echo=true is not supported; only echo=false", "echo")
+        if self.suffix:
+            raise unprocessable("suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise unprocessable("best_of is not supported (other than best_of = n)", "best_of")
+
+    def prompt_token_ids(self, tokenizer: Tokenizer) -> list[list[int]]:
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            batch: list = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            batch = [prompt]
+        else:
+            batch = list(prompt)
+        if not batch:
+            raise ApiError(400, "prompt is empty", code="invalid_prompt", param="prompt")
+        if len(batch) * self.n > MAX_CHOICES:
+            raise unprocessable(f"{len(batch)} prompts x n={self.n} is more than {MAX_CHOICES} choices", "n")
+        prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in batch]
+        for ids in prompts:
+            check_token_ids(tokenizer, ids, "prompt")
+        return prompts
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        if self.content is None or isinstance(self.content, str):
+            text = self.content or ""
+        else:
+            if any(part.type != "text" for part in self.content):
+                raise unprocessable("only text content parts are supported", "messages.content")
+            text = "\n".join(part.text or "" for part in self.content)
+        # "developer" is OpenAI's newer name for the system message.
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise unprocessable("top_logprobs needs logprobs=true", "top_logprobs")
+        if self.tools:
+            raise unprocessable("tools are not supported", "tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise unprocessable("only response_format type 'text' is supported", "response_format")
+
+    def prompt_token_ids(self, tokenizer: Tokenizer) -> list[list[int]]:
+        return [chat_prompt_ids(tokenizer, self.messages)]
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[ChatMessage]) -> list[int]:
+    try:
+        return tokenizer.apply_chat_template([m.template_dict() for m in messages])
+    except ApiError:
+        raise
+    except Exception as exc:  # jinja raises its own types for templates that reject the messages
+        raise ApiError(400, f"the chat template rejected the messages: {exc}", code="invalid_messages",
+                       param="messages") from None
+
+
+def check_token_ids(tokenizer: Tokenizer, ids: list[int], param: str) -> None:
+    if not ids:
+        raise ApiError(400, f"{param} has no tokens", code="invalid_prompt", param=param)
+    bad = next((t for t in ids if not 0 <= t < tokenizer.vocab_size), None)
+    if bad is not None:
+        raise ApiError(400, f"token id {bad} in {param} is outside the vocabulary (0..{tokenizer.vocab_size - 1})",
+                       code="invalid_token_id", param=param)
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+    def token_ids(self, tokenizer: Tokenizer) -> list[int]:
+        if (self.prompt is None) == (self.messages is None):
+            raise unprocessable("give exactly one of prompt or messages")
+        if self.messages is not None:
+            return chat_prompt_ids(tokenizer, self.messages)
+        return tokenizer.encode(self.prompt, add_special_tokens=self.add_special_tokens)
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,210 @@
+"""Which workers are alive, what they serve, and how loaded they are.
+
+Pure bookkeeping, no sockets: the cluster feeds it the messages and sends
+whatever the outcome says.
+
+- ``register`` validates a Register. The first accepted worker fixes the
+  cluster's model (name + version) and KV layout; a worker that differs is
+  refused with a reason naming both values. The identity is kept while at
+  least one worker is registered, so replacing the whole fleet with a new
+  model version needs no proxy restart. A Register with the same id and a
+  newer epoch replaces the old entry (the caller fails its requests); an
+  older epoch is refused as stale; the same epoch is a retry and is accepted.
+- ``heartbeat`` updates load; one from an unknown worker or a wrong epoch is
+  ignored. ``expire`` removes workers silent for ``heartbeat_timeout_s``;
+  ``remove`` handles Goodbye.
+
+Roles: ``prefill`` serves PrefillRequests; ``decode`` serves DecodeRequests
+(with pages to pull, or without: it prefills locally); ``both`` is an
+aggregated worker, decode-capable and counted as prefill-capable for
+readiness, but never sent a PrefillRequest.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from common.wire import Goodbye, Heartbeat, KVLayoutInfo, PeerInfo, Peers, Register, RegisterAck, Role
+
+log = logging.getLogger("tessera.proxy")
+
+
+@dataclass
+class WorkerState:
+    worker_id: str
+    role: Role
+    epoch: int
+    model: str
+    model_version: str
+    kv_layout: KVLayoutInfo
+    num_blocks: int
+    max_model_len: int
+    transfer_backend: str
+    transfer_metadata: bytes
+    last_seen: float
+    free_blocks: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    outstanding_prefill_tokens: int = 0
+    draining: bool = False
+
+    @property
+    def serves_prefill(self) -> bool:
+        """Takes PrefillRequests (the prefill side of a disaggregated request)."""
+        return self.role is Role.PREFILL
+
+    @property
+    def prefill_capable(self) -> bool:
+        return self.role in (Role.PREFILL, Role.BOTH)
+
+    @property
+    def decode_capable(self) -> bool:
+        return self.role in (Role.DECODE, Role.BOTH)
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_layout.block_size
+
+    def peer_info(self) -> PeerInfo:
+        return PeerInfo(self.worker_id, self.epoch, self.transfer_backend, self.transfer_metadata)
+
+
+@dataclass(frozen=True)
+class ClusterModel:
+    """What every worker must agree on."""
+    model: str
+    model_version: str
+    kv_layout: KVLayoutInfo
+
+
+@dataclass
+class Registration:
+    """What a Register led to; the cluster acts on it."""
+    ack: RegisterAck
+    worker: WorkerState | None = None  # the accepted entry
+    replaced: WorkerState | None = None  # an older epoch of the same worker, now gone
+    prefill_set_changed: bool = False
+
+
+@dataclass
+class WorkerRegistry:
+    heartbeat_timeout_s: float
+    workers: dict[str, WorkerState] = field(default_factory=dict)
+
+    @property
+    def cluster_model(self) -> ClusterModel | None:
+        return self._identity(exclude=None)
+
+    def register(self, msg: Register, now: float) -> Registration:
+        def refuse(reason: str) -> Registration:
+            log.warning("refused worker %r: %s", msg.worker_id, reason)
+            return Registration(RegisterAck(msg.worker_id, False, reason))
+
+        try:
+            role = Role(msg.role)
+        except ValueError:
+            return refuse(f"unknown role {msg.role!r}; one of {[r.value for r in Role]}")
+        if not msg.worker_id:
+            return refuse("empty worker_id")
+        if msg.num_blocks < 1 or msg.max_model_len < 2 or msg.kv_layout.block_size < 1:
+            return refuse(f"num_blocks={msg.num_blocks}, max_model_len={msg.max_model_len} and "
+                          f"kv_layout.block_size={msg.kv_layout.block_size} must be positive")
+        old = self.workers.get(msg.worker_id)
+        if old is not None and msg.epoch < old.epoch:
+            return refuse(f"stale epoch {msg.epoch}: epoch {old.epoch} of this worker is registered")
+        mismatch = self._mismatch(msg, self._identity(exclude=msg.worker_id))
+        if mismatch:
+            return refuse(mismatch)
+
+        worker = WorkerState(
+            msg.worker_id, role, msg.epoch, msg.model, msg.model_version, msg.kv_layout, msg.num_blocks,
+            msg.max_model_len, msg.transfer_backend, msg.transfer_metadata, last_seen=now,
+            free_blocks=msg.num_blocks,
+        )
+        replaced = old if old is not None and old.epoch != msg.epoch else None
+        if old is not None and replaced is None:  # a retried Register: keep the load we know
+            for name in ("free_blocks", "num_running", "num_waiting", "outstanding_prefill_tokens", "draining"):
+                setattr(worker, name, getattr(old, name))
+        self.workers[msg.worker_id] = worker
+        prefill_changed = worker.serves_prefill or (old is not None and old.serves_prefill)
+        log.info("registered %s worker %r epoch %d (%s %s, %d blocks, max_model_len %d)%s",
+                 role.value, msg.worker_id, msg.epoch, msg.model, msg.model_version, msg.num_blocks,
+                 msg.max_model_len, f", replacing epoch {replaced.epoch}" if replaced else "")
+        return Registration(RegisterAck(msg.worker_id, True), worker, replaced, prefill_changed)
+
+    def heartbeat(self, msg: Heartbeat, now: float) -> WorkerState | None:
+        worker = self.workers.get(msg.worker_id)
+        if worker is None or worker.epoch != msg.epoch:
+            return None
+        worker.last_seen = now
+        worker.free_blocks = msg.free_blocks
+        worker.num_running = msg.num_running
+        worker.num_waiting = msg.num_waiting
+        worker.outstanding_prefill_tokens = msg.outstanding_prefill_tokens
+        if msg.draining and not worker.draining:
+            log.info("worker %r is draining: no new requests go to it", msg.worker_id)
+        worker.draining = msg.draining
+        return worker
+
+    def goodbye(self, msg: Goodbye) -> WorkerState | None:
+        worker = self.workers.get(msg.worker_id)
+        if worker is None or worker.epoch != msg.epoch:
+            return None
+        return self.workers.pop(msg.worker_id)
+
+    def expire(self, now: float) -> list[WorkerState]:
+        dead = [w for w in self.workers.values() if now - w.last_seen > self.heartbeat_timeout_s]
+        for worker in dead:
+            del self.workers[worker.worker_id]
+        return dead
+
+    def touch(self, worker_id: str, now: float) -> None:
+        """Any message is a sign of life, not only heartbeats."""
+        worker = self.workers.get(worker_id)
+        if worker is not None:
+            worker.last_seen = now
+
+    def prefill_side(self) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.serves_prefill]
+
+    def decode_side(self) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.decode_capable]
+
+    def peers(self) -> Peers:
+        return Peers([w.peer_info() for w in self.prefill_side()])
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The longest context every worker accepts; None with no workers."""
+        return min((w.max_model_len for w in self.workers.values()), default=None)
+
+    def readiness(self) -> tuple[bool, str]:
+        active = [w for w in self.workers.values() if not w.draining]
+        if not any(w.prefill_capable for w in active):
+            return False, "no prefill-capable worker (role prefill or both) is registered"
+        if not any(w.decode_capable for w in active):
+            return False, "no decode-capable worker (role decode or both) is registered"
+        return True, f"{len(active)} worker(s) ready"
+
+    def count_by_role(self) -> dict[str, int]:
+        counts = {role.value: 0 for role in Role}
+        for worker in self.workers.values():
+            counts[worker.role.value] += 1
+        return counts
+
+    def _identity(self, exclude: str | None) -> ClusterModel | None:
+        for worker in self.workers.values():
+            if worker.worker_id != exclude:
+                return ClusterModel(worker.model, worker.model_version, worker.kv_layout)
+        return None
+
+    @staticmethod
+    def _mismatch(msg: Register, cluster: ClusterModel | None) -> str:
+        if cluster is None:
+            return ""
+        if (msg.model, msg.model_version) != (cluster.model, cluster.model_version):
+            return (f"model {msg.model!r} version {msg.model_version!r} differs from the cluster's "
+                    f"model {cluster.model!r} version {cluster.model_version!r}")
+        if msg.kv_layout != cluster.kv_layout:
+            return f"KV layout {msg.kv_layout} differs from the cluster's {cluster.kv_layout}"
+        return ""

@@ -1,0 +1,310 @@
+"""The request state machine: one ``SubRequest`` per choice on the wire.
+
+A client request with n choices (times the prompts of a batch) becomes one
+``RequestGroup`` of independent sub-requests, each with its own request id
+and seed, all writing to the group's event queue. A sub-request's life:
+
+    CREATED --route--> PREFILLING --PrefillDone--> DECODING --TokenDelta(finish)--> FINISHED
+          \\--route (local)-------------------------^        \\
+           PrefillDone with finish_reason ----------------------------------------> FINISHED
+           RequestFailed / worker lost / timeout / client gone (any live phase) --> FAILED
+
+- PREFILLING: PrefillRequest sent; deadline ``first_token_timeout_s``.
+  PrefillDone streams the first token, then a DecodeRequest naming the
+  pages goes to the decode worker the policy picks; the prefill worker
+  holds the pages until ReleaseKV.
+- DECODING: TokenDeltas stream; KVPulled (ok or not) releases the pages on
+  the prefill worker. Deadline: ``token_timeout_s`` after the last message
+  (``first_token_timeout_s`` until the first token for local prefill).
+- Every way out releases what is held: Abort to each live worker involved,
+  ReleaseKV to the page holder, ``prefill_ended`` to the policy, and exactly
+  one terminal event (a finishing ``TokenEvent`` or a ``FailureEvent``) to
+  the group, whose consumer is the HTTP handler.
+
+No sockets here: messages go out through ``port.send``, which only queues.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from common.role_config import ProxyConfig
+from common.wire import (
+    Abort, DecodeRequest, KVPulled, PrefillDone, PrefillRequest, ReleaseKV, RequestFailed, TokenDelta,
+)
+from proxy.errors import ApiError
+from proxy.metrics import ProxyMetrics
+from proxy.registry import WorkerState
+from proxy.routing import Route, RoutingPolicy
+
+log = logging.getLogger("tessera.proxy")
+
+
+class Phase(enum.IntEnum):
+    CREATED = 0
+    PREFILLING = 1
+    DECODING = 2
+    FINISHED = 3
+    FAILED = 4
+
+
+@dataclass
+class TokenEvent:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[list]] | None = None  # per token: [[token_id, logprob], ...]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class FailureEvent:
+    index: int
+    error: ApiError
+
+
+Event = TokenEvent | FailureEvent
+
+
+class ClusterPort(Protocol):
+    """What a sub-request needs from the cluster."""
+    config: ProxyConfig
+    policy: RoutingPolicy
+    metrics: ProxyMetrics
+
+    def send(self, worker_id: str, msg) -> None: ...
+    def pick_decode(self, prompt: Sequence[int]) -> WorkerState | None: ...
+    def forget(self, sub: SubRequest) -> None: ...
+
+
+class SubRequest:
+    def __init__(self, request_id: str, index: int, prompt: list[int], params: dict, seed: int,
+                 port: ClusterPort, sink: asyncio.Queue, now: float) -> None:
+        self.request_id = request_id
+        self.index = index
+        self.prompt = prompt
+        self.params = params
+        self.seed = seed
+        self.phase = Phase.CREATED
+        self.prefill_worker: str | None = None
+        self.decode_worker: str | None = None
+        self.kv_holder: str | None = None  # prefill worker still holding this request's pages
+        self.num_tokens = 0
+        self.arrival = now
+        self.first_token_at: float | None = None
+        self.last_token_at = now
+        self.deadline = now + port.config.first_token_timeout_s
+        self._port = port
+        self._sink = sink
+
+    @property
+    def done(self) -> bool:
+        return self.phase >= Phase.FINISHED
+
+    def involves(self, worker_id: str) -> bool:
+        """Whether ``worker_id`` holds state of this request (its loss or failure ends it)."""
+        return worker_id in self._holders()
+
+    def _holders(self) -> set[str]:
+        """Workers with something of this request: a running prefill or decode, or pages not yet pulled."""
+        holders = set()
+        if self.phase is Phase.PREFILLING or self.kv_holder is not None:
+            holders.add(self.prefill_worker)
+        if self.phase is Phase.DECODING:
+            holders.add(self.decode_worker)
+        return holders - {None}
+
+    def start(self, route: Route) -> None:
+        port = self._port
+        port.metrics.queue_depth.inc()
+        port.metrics.in_flight.inc()
+        if route.local:
+            self._send_decode(route.worker, DecodeRequest(self.request_id, self.prompt, self.params, self.seed))
+            return
+        self.phase = Phase.PREFILLING
+        self.prefill_worker = route.worker.worker_id
+        port.policy.prefill_sent(self.request_id, route.worker, self.prompt)
+        port.send(self.prefill_worker, PrefillRequest(
+            self.request_id, self.prompt, self.params, self.seed, port.config.kv_lease_s))
+
+    def on_prefill_done(self, msg: PrefillDone, sender: str, now: float) -> bool:
+        if self.phase is not Phase.PREFILLING or sender != self.prefill_worker:
+            return False
+        self._port.policy.prefill_ended(self.request_id)
+        self.kv_holder = sender
+        top = [msg.top_logprobs] if msg.top_logprobs is not None else None
+        self._emit_tokens(TokenEvent(
+            self.index, msg.text, [msg.first_token], [msg.logprob] if msg.logprob is not None else None, top,
+            msg.finish_reason, msg.stop_reason, msg.num_cached_tokens), now)
+        if msg.finish_reason is not None:
+            self._finish(now)
+            return True
+        decoder = self._port.pick_decode(self.prompt)
+        if decoder is None:
+            self._fail(ApiError(503, "no decode worker is available to continue the request",
+                                code="no_worker_available", retry_after_s=self._port.config.retry_after_s))
+            return True
+        self._send_decode(decoder, DecodeRequest(
+            self.request_id, self.prompt, self.params, self.seed, first_token=msg.first_token,
+            source_worker_id=sender, source_block_ids=msg.block_ids, first_logprob=msg.logprob,
+            first_top_logprobs=msg.top_logprobs))
+        self.deadline = now + self._port.config.token_timeout_s
+        return True
+
+    def on_kv_pulled(self, msg: KVPulled, sender: str, now: float) -> bool:
+        if self.phase is not Phase.DECODING or sender != self.decode_worker:
+            return False
+        metrics = self._port.metrics
+        if msg.ok:
+            metrics.kv_transfer_bytes.inc(msg.num_bytes)
+            metrics.kv_transfer_seconds.observe(msg.seconds)
+        else:
+            metrics.kv_transfer_failures.inc()
+            log.warning("request %s: decode worker %r could not pull the pages from %r: %s",
+                        self.request_id, sender, msg.source_worker_id, msg.error or "no reason given")
+        self._release_kv()
+        self.deadline = now + self._port.config.token_timeout_s
+        return True
+
+    def on_token_delta(self, msg: TokenDelta, sender: str, now: float) -> bool:
+        if self.phase is not Phase.DECODING or sender != self.decode_worker:
+            return False
+        self._emit_tokens(TokenEvent(self.index, msg.text, msg.token_ids, msg.logprobs, msg.top_logprobs,
+                                     msg.finish_reason, msg.stop_reason, msg.num_cached_tokens), now)
+        if msg.finish_reason is not None:
+            self._finish(now)
+        else:
+            self.deadline = now + self._port.config.token_timeout_s
+        return True
+
+    def on_failed(self, msg: RequestFailed, sender: str) -> bool:
+        if not self.involves(sender):
+            return False
+        status, code = (503, "worker_unavailable") if msg.retryable else (500, "worker_error")
+        self._fail(ApiError(status, f"worker {sender!r} failed the request: {msg.message}", code=code,
+                            retry_after_s=self._port.config.retry_after_s if msg.retryable else None),
+                   gone=sender)
+        return True
+
+    def on_worker_lost(self, worker_id: str, reason: str) -> None:
+        if self.involves(worker_id):
+            self._fail(ApiError(503, f"worker {worker_id!r} serving the request is gone: {reason}",
+                                code="worker_unavailable", retry_after_s=self._port.config.retry_after_s),
+                       gone=worker_id)
+
+    def check_deadline(self, now: float) -> None:
+        if self.done or now < self.deadline:
+            return
+        if self.first_token_at is None:
+            why = f"no first token within first_token_timeout_s={self._port.config.first_token_timeout_s}s"
+        else:
+            why = f"no message from the worker within token_timeout_s={self._port.config.token_timeout_s}s"
+        self._fail(ApiError(504, f"request timed out: {why}", code="timeout"))
+
+    def cancel(self, reason: str, status: int = 499) -> None:
+        """The client is gone (499) or the proxy is closing (503): free everything on the workers."""
+        if not self.done:
+            self._fail(ApiError(status, f"request cancelled: {reason}", code="cancelled"))
+
+    def _send_decode(self, worker: WorkerState, msg: DecodeRequest) -> None:
+        self.phase = Phase.DECODING
+        self.decode_worker = worker.worker_id
+        self._port.policy.decode_sent(worker, self.prompt, local=msg.first_token is None)
+        self._port.send(worker.worker_id, msg)
+
+    def _emit_tokens(self, event: TokenEvent, now: float) -> None:
+        metrics = self._port.metrics
+        if event.token_ids:
+            if self.first_token_at is None:
+                self.first_token_at = now
+                metrics.queue_depth.dec()
+                metrics.ttft.observe(now - self.arrival)
+            elif self.num_tokens:
+                gap = (now - self.last_token_at) / len(event.token_ids)
+                for _ in event.token_ids:
+                    metrics.itl.observe(gap)
+            self.num_tokens += len(event.token_ids)
+            self.last_token_at = now
+        self._sink.put_nowait(event)
+
+    def _finish(self, now: float) -> None:
+        self.phase = Phase.FINISHED
+        self._release_kv()
+        metrics = self._port.metrics
+        metrics.e2e.observe(now - self.arrival)
+        if self.first_token_at is not None and self.num_tokens > 1:
+            metrics.tpot.observe((now - self.first_token_at) / (self.num_tokens - 1))
+        self._leave()
+
+    def _fail(self, error: ApiError, gone: str | None = None) -> None:
+        started = self.phase is not Phase.CREATED
+        if self.phase is Phase.PREFILLING:
+            self._port.policy.prefill_ended(self.request_id)
+        if self.first_token_at is None and started:
+            self._port.metrics.queue_depth.dec()
+        holders = self._holders() - {gone}
+        self.phase = Phase.FAILED
+        for worker_id in sorted(holders):
+            self._port.send(worker_id, Abort(self.request_id))
+        if self.kv_holder == gone:
+            self.kv_holder = None
+        self._release_kv()
+        if error.status != 499:
+            log.warning("request %s failed: %s", self.request_id, error.message)
+        self._leave(started)
+        self._sink.put_nowait(FailureEvent(self.index, error))
+
+    def _release_kv(self) -> None:
+        if self.kv_holder is not None:
+            self._port.send(self.kv_holder, ReleaseKV(self.request_id))
+            self.kv_holder = None
+
+    def _leave(self, started: bool = True) -> None:
+        if started:
+            self._port.metrics.in_flight.dec()
+        self._port.forget(self)
+
+
+class RequestGroup:
+    """The sub-requests of one client request, merged back into one event stream."""
+
+    def __init__(self, subs: list[SubRequest], sink: asyncio.Queue, clock=time.monotonic) -> None:
+        self.subs = subs
+        self._sink = sink
+        self._clock = clock
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Every sub-request's events, in arrival order, until each has sent its terminal one.
+
+        The wait is bounded by the earliest deadline of the live ones; a
+        sub-request past its deadline fails itself, which ends its stream.
+        """
+        live = {sub.index for sub in self.subs}
+        while live:
+            try:
+                event = self._sink.get_nowait()
+            except asyncio.QueueEmpty:
+                deadline = min((s.deadline for s in self.subs if not s.done), default=self._clock())
+                try:
+                    async with asyncio.timeout(max(deadline - self._clock(), 0.0)):
+                        event = await self._sink.get()
+                except TimeoutError:
+                    now = self._clock()
+                    for sub in self.subs:
+                        sub.check_deadline(now)
+                    continue
+            if isinstance(event, FailureEvent) or event.finish_reason is not None:
+                live.discard(event.index)
+            yield event
+
+    def cancel(self, reason: str) -> None:
+        for sub in self.subs:
+            sub.cancel(reason)

@@ -1,0 +1,174 @@
+"""Routing policies: which worker gets a request.
+
+A policy is an object; the cluster calls its hooks and never decides itself.
+
+Hooks (all called by the cluster, in the event loop):
+- ``route(prompt, workers)`` at admission: a ``Route`` that is either
+  disaggregated (the prefill worker; the decode worker is picked later) or
+  local (a decode-capable worker that prefills itself), or None when no
+  worker can take the request.
+- ``pick_decode(prompt, workers)`` when PrefillDone arrives: the decode
+  worker that pulls the pages, or None.
+- ``prefill_sent`` / ``prefill_ended`` bracket a PrefillRequest, on every
+  path out (PrefillDone, failure, abort, worker loss).
+- ``decode_sent`` when a DecodeRequest goes out; ``heartbeat`` when a
+  worker reports its load; ``worker_removed`` when it is gone.
+
+``PrefixAwareRouting`` (the default):
+- Conditional disaggregation: prompts shorter than ``local_prefill_threshold``
+  tokens, and every prompt when no prefill-role worker is available, prefill
+  locally on a decode-capable worker.
+- Prefill: the worker whose prefix cache most likely holds the prompt's
+  leading blocks (per worker, a bounded LRU set of the chained block hashes
+  of prompts recently sent to it; score = leading hashes present), ties
+  broken by least outstanding prefill tokens (proxy-tracked tokens of
+  prompts sent and not yet done, plus the heartbeat's value).
+- Decode: most free blocks, then fewest running. Both counts add what the
+  proxy sent since the worker's last heartbeat, so a burst between two
+  heartbeats spreads instead of piling onto one worker. Local prefill
+  prefers a prefix hit first, as prefill does.
+- Draining workers get nothing new.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from common.block_manager import prefix_block_hashes
+from proxy.registry import WorkerState
+
+
+@dataclass(frozen=True)
+class Route:
+    worker: WorkerState
+    local: bool  # True: DecodeRequest without pages; False: PrefillRequest to ``worker``
+
+
+class RoutingPolicy(Protocol):
+    def route(self, prompt: Sequence[int], workers: Sequence[WorkerState]) -> Route | None: ...
+    def pick_decode(self, prompt: Sequence[int], workers: Sequence[WorkerState]) -> WorkerState | None: ...
+    def prefill_sent(self, request_id: str, worker: WorkerState, prompt: Sequence[int]) -> None: ...
+    def prefill_ended(self, request_id: str) -> None: ...
+    def decode_sent(self, worker: WorkerState, prompt: Sequence[int], local: bool) -> None: ...
+    def heartbeat(self, worker: WorkerState) -> None: ...
+    def worker_removed(self, worker_id: str) -> None: ...
+
+
+class PrefixLRU:
+    """A bounded set of block hashes, least recently sent evicted first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(capacity, 1)
+        self._hashes: OrderedDict[int, None] = OrderedDict()
+
+    def add(self, hashes: Sequence[int]) -> None:
+        for h in hashes:
+            self._hashes[h] = None
+            self._hashes.move_to_end(h)
+        while len(self._hashes) > self.capacity:
+            self._hashes.popitem(last=False)
+
+    def leading_hits(self, hashes: Sequence[int]) -> int:
+        """How many of ``hashes`` from the start are present (chained: the first miss ends it)."""
+        hits = 0
+        for h in hashes:
+            if h not in self._hashes:
+                break
+            hits += 1
+        return hits
+
+    def __len__(self) -> int:
+        return len(self._hashes)
+
+
+@dataclass
+class _Pending:
+    """What this proxy sent a worker since its last heartbeat."""
+    blocks: int = 0
+    requests: int = 0
+
+
+class PrefixAwareRouting:
+    def __init__(self, local_prefill_threshold: int = 0) -> None:
+        self.local_prefill_threshold = local_prefill_threshold
+        self._prefixes: dict[str, PrefixLRU] = {}
+        self._prefill_tokens: dict[str, int] = defaultdict(int)  # worker -> tokens sent, not yet done
+        self._prefill_of: dict[str, tuple[str, int]] = {}  # request -> (worker, tokens)
+        self._pending: dict[str, _Pending] = defaultdict(_Pending)
+
+    def route(self, prompt: Sequence[int], workers: Sequence[WorkerState]) -> Route | None:
+        active = [w for w in workers if not w.draining]
+        decoders = [w for w in active if w.decode_capable]
+        if not decoders:
+            return None
+        prefillers = [w for w in active if w.serves_prefill]
+        if not prefillers or len(prompt) < self.local_prefill_threshold:
+            return Route(self._best_by_prefix(prompt, decoders, self._decode_load), local=True)
+        return Route(self._best_by_prefix(prompt, prefillers, self._prefill_load), local=False)
+
+    def pick_decode(self, prompt: Sequence[int], workers: Sequence[WorkerState]) -> WorkerState | None:
+        decoders = [w for w in workers if w.decode_capable and not w.draining]
+        return min(decoders, key=self._decode_load, default=None)
+
+    def prefill_sent(self, request_id: str, worker: WorkerState, prompt: Sequence[int]) -> None:
+        self._remember_prefix(worker, prompt)
+        self._prefill_tokens[worker.worker_id] += len(prompt)
+        self._prefill_of[request_id] = (worker.worker_id, len(prompt))
+
+    def prefill_ended(self, request_id: str) -> None:
+        sent = self._prefill_of.pop(request_id, None)
+        if sent is not None:
+            worker_id, tokens = sent
+            self._prefill_tokens[worker_id] = max(self._prefill_tokens[worker_id] - tokens, 0)
+
+    def decode_sent(self, worker: WorkerState, prompt: Sequence[int], local: bool) -> None:
+        if local:
+            self._remember_prefix(worker, prompt)
+        pending = self._pending[worker.worker_id]
+        pending.blocks += -(-len(prompt) // worker.block_size)
+        pending.requests += 1
+
+    def heartbeat(self, worker: WorkerState) -> None:
+        self._pending.pop(worker.worker_id, None)
+
+    def worker_removed(self, worker_id: str) -> None:
+        self._prefixes.pop(worker_id, None)
+        self._prefill_tokens.pop(worker_id, None)
+        self._pending.pop(worker_id, None)
+        for request_id in [r for r, (w, _) in self._prefill_of.items() if w == worker_id]:
+            del self._prefill_of[request_id]
+
+    def outstanding_prefill_tokens(self, worker_id: str) -> int:
+        """Proxy-tracked tokens of prompts sent to ``worker_id`` and not yet done."""
+        return self._prefill_tokens.get(worker_id, 0)
+
+    def _best_by_prefix(self, prompt: Sequence[int], candidates: list[WorkerState], load) -> WorkerState:
+        hashes_by_block_size: dict[int, list[int]] = {}
+
+        def score(worker: WorkerState):
+            lru = self._prefixes.get(worker.worker_id)
+            if lru is None:
+                return (0, load(worker))
+            hashes = hashes_by_block_size.get(worker.block_size)
+            if hashes is None:
+                hashes = hashes_by_block_size[worker.block_size] = prefix_block_hashes(prompt, worker.block_size)
+            return (-lru.leading_hits(hashes), load(worker))
+
+        return min(candidates, key=score)
+
+    def _prefill_load(self, worker: WorkerState) -> tuple:
+        return (self._prefill_tokens.get(worker.worker_id, 0) + worker.outstanding_prefill_tokens,)
+
+    def _decode_load(self, worker: WorkerState) -> tuple:
+        pending = self._pending.get(worker.worker_id, _Pending())
+        return (-(worker.free_blocks - pending.blocks), worker.num_running + pending.requests)
+
+    def _remember_prefix(self, worker: WorkerState, prompt: Sequence[int]) -> None:
+        lru = self._prefixes.get(worker.worker_id)
+        if lru is None:
+            # The worker cannot cache more blocks than it has.
+            lru = self._prefixes[worker.worker_id] = PrefixLRU(worker.num_blocks)
+        lru.add(prefix_block_hashes(prompt, worker.block_size))
+

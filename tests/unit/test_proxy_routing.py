@@ -1,0 +1,256 @@
+"""Proxy routing policy and worker registry: pure logic, no sockets."""
+from __future__ import annotations
+
+import pytest
+
+from common.wire import Goodbye, Heartbeat, KVLayoutInfo, Register
+from proxy.registry import WorkerRegistry
+from proxy.routing import PrefixAwareRouting, PrefixLRU
+
+LAYOUT = KVLayoutInfo(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")
+
+
+def register_msg(worker_id: str, role: str, epoch: int = 1, model: str = "m", version: str = "v1",
+                 layout: KVLayoutInfo = LAYOUT, num_blocks: int = 100, max_model_len: int = 2048) -> Register:
+    return Register(worker_id, role, epoch, model, version, layout, num_blocks, max_model_len, "fake", b"meta")
+
+
+def heartbeat(worker_id: str, epoch: int = 1, free: int = 100, running: int = 0, prefill_tokens: int = 0,
+              draining: bool = False) -> Heartbeat:
+    return Heartbeat(worker_id, epoch, free, running, 0, prefill_tokens, draining)
+
+
+@pytest.fixture
+def registry() -> WorkerRegistry:
+    return WorkerRegistry(heartbeat_timeout_s=5.0)
+
+
+def add(registry: WorkerRegistry, *roles: tuple[str, str]):
+    for worker_id, role in roles:
+        assert registry.register(register_msg(worker_id, role), now=0.0).ack.accepted
+    return list(registry.workers.values())
+
+
+def prompt(length: int, start: int = 0) -> list[int]:
+    return list(range(start, start + length))
+
+
+# -- registry -----------------------------------------------------------------------------------
+
+
+def test_first_worker_fixes_the_model_and_a_different_model_is_refused(registry, caplog):
+    assert registry.register(register_msg("a", "prefill"), 0.0).ack.accepted
+    outcome = registry.register(register_msg("b", "decode", model="other"), 0.0)
+    assert not outcome.ack.accepted
+    assert "'other'" in outcome.ack.reason and "'m'" in outcome.ack.reason
+    assert "'other'" in caplog.text and "'m'" in caplog.text
+    assert not registry.register(register_msg("c", "decode", version="v2"), 0.0).ack.accepted
+    assert set(registry.workers) == {"a"}
+
+
+def test_a_different_kv_layout_is_refused(registry):
+    add(registry, ("a", "prefill"))
+    other = KVLayoutInfo(30, 32, 3, 64, "float32")
+    outcome = registry.register(register_msg("b", "decode", layout=other), 0.0)
+    assert not outcome.ack.accepted and "KV layout" in outcome.ack.reason and "block_size=32" in outcome.ack.reason
+
+
+def test_unknown_role_is_refused(registry):
+    outcome = registry.register(register_msg("a", "router"), 0.0)
+    assert not outcome.ack.accepted and "unknown role" in outcome.ack.reason
+
+
+def test_the_identity_resets_once_every_worker_is_gone(registry):
+    add(registry, ("a", "both"))
+    registry.goodbye(Goodbye("a", 1))
+    assert registry.register(register_msg("b", "both", version="v2"), 0.0).ack.accepted
+
+
+def test_newer_epoch_replaces_the_entry_older_is_refused_same_is_a_retry(registry):
+    add(registry, ("a", "prefill"))
+    registry.heartbeat(heartbeat("a", free=42), now=1.0)
+    retry = registry.register(register_msg("a", "prefill", epoch=1), 2.0)
+    assert retry.ack.accepted and retry.replaced is None and registry.workers["a"].free_blocks == 42
+    newer = registry.register(register_msg("a", "prefill", epoch=2), 3.0)
+    assert newer.ack.accepted and newer.replaced.epoch == 1 and registry.workers["a"].epoch == 2
+    assert newer.prefill_set_changed
+    stale = registry.register(register_msg("a", "prefill", epoch=1), 4.0)
+    assert not stale.ack.accepted and "stale epoch" in stale.ack.reason
+
+
+def test_the_only_worker_may_come_back_with_a_new_model_version(registry):
+    add(registry, ("a", "both"))
+    assert registry.register(register_msg("a", "both", epoch=2, version="v2"), 1.0).ack.accepted
+
+
+def test_heartbeat_timeout_removes_silent_workers(registry):
+    add(registry, ("a", "prefill"), ("b", "decode"))
+    registry.heartbeat(heartbeat("b"), now=4.0)
+    assert registry.expire(now=4.9) == []
+    dead = registry.expire(now=6.0)
+    assert [w.worker_id for w in dead] == ["a"] and set(registry.workers) == {"b"}
+
+
+def test_heartbeat_of_a_wrong_epoch_or_unknown_worker_is_ignored(registry):
+    add(registry, ("a", "prefill"))
+    assert registry.heartbeat(heartbeat("a", epoch=7, free=1), 1.0) is None
+    assert registry.heartbeat(heartbeat("zz"), 1.0) is None
+    assert registry.workers["a"].free_blocks == 100
+
+
+def test_readiness_needs_prefill_and_decode_capable_workers(registry):
+    assert not registry.readiness()[0]
+    add(registry, ("p", "prefill"))
+    ready, reason = registry.readiness()
+    assert not ready and "decode-capable" in reason
+    add(registry, ("d", "decode"))
+    assert registry.readiness()[0]
+    registry.heartbeat(heartbeat("d", draining=True), 1.0)
+    assert not registry.readiness()[0]
+
+
+def test_a_both_worker_alone_is_ready(registry):
+    add(registry, ("x", "both"))
+    assert registry.readiness()[0]
+    assert registry.peers().peers == []  # a both worker never serves PrefillRequests
+
+
+def test_peers_list_the_prefill_side(registry):
+    add(registry, ("p1", "prefill"), ("p2", "prefill"), ("d", "decode"))
+    assert sorted(p.worker_id for p in registry.peers().peers) == ["p1", "p2"]
+    assert registry.max_model_len == 2048
+
+
+# -- routing ------------------------------------------------------------------------------------
+
+
+def test_prefill_prefers_the_worker_holding_the_prompt_prefix():
+    registry = WorkerRegistry(5.0)
+    workers = add(registry, ("p1", "prefill"), ("p2", "prefill"), ("d", "decode"))
+    policy = PrefixAwareRouting()
+    shared = prompt(64)
+    first = policy.route(shared + [1000], workers)
+    assert not first.local
+    policy.prefill_sent("r1", first.worker, shared + [1000])
+    # The other worker is now less loaded, but the prefix wins.
+    again = policy.route(shared + [2000, 2001], workers)
+    assert again.worker is first.worker
+    # An unrelated prompt goes to the less loaded one.
+    other = policy.route(prompt(64, start=5000), workers)
+    assert other.worker is not first.worker
+
+
+def test_prefill_without_prefix_hits_takes_the_least_outstanding_tokens():
+    registry = WorkerRegistry(5.0)
+    workers = add(registry, ("p1", "prefill"), ("p2", "prefill"), ("d", "decode"))
+    p1, p2 = registry.workers["p1"], registry.workers["p2"]
+    policy = PrefixAwareRouting()
+    policy.prefill_sent("r1", p1, prompt(10))
+    assert policy.route(prompt(10, 900), workers).worker is p2
+    registry.heartbeat(heartbeat("p2", prefill_tokens=50), 1.0)  # the worker's own count adds to the proxy's
+    assert policy.route(prompt(10, 900), workers).worker is p1
+    policy.prefill_ended("r1")
+    assert policy.outstanding_prefill_tokens("p1") == 0
+
+
+def test_longer_prefix_beats_shorter():
+    registry = WorkerRegistry(5.0)
+    workers = add(registry, ("p1", "prefill"), ("p2", "prefill"), ("d", "decode"))
+    p1, p2 = registry.workers["p1"], registry.workers["p2"]
+    policy = PrefixAwareRouting()
+    base = prompt(96)
+    policy.prefill_sent("r1", p1, base[:32])
+    policy.prefill_sent("r2", p2, base)
+    assert policy.route(base + [7], workers).worker is p2
+
+
+def test_decode_takes_most_free_blocks_then_fewest_running():
+    registry = WorkerRegistry(5.0)
+    workers = add(registry, ("d1", "decode"), ("d2", "decode"), ("d3", "both"))
+    registry.heartbeat(heartbeat("d1", free=50, running=1), 1.0)
+    registry.heartbeat(heartbeat("d2", free=80, running=9), 1.0)
+    registry.heartbeat(heartbeat("d3", free=80, running=3), 1.0)
+    policy = PrefixAwareRouting()
+    assert policy.pick_decode(prompt(8), workers).worker_id == "d3"
+
+
+def test_requests_sent_since_the_last_heartbeat_count_against_a_decode_worker():
+    registry = WorkerRegistry(5.0)
+    workers = add(registry, ("d1", "decode"), ("d2", "decode"))
+    policy = PrefixAwareRouting()
+    chosen = policy.pick_decode(prompt(160), workers)
+    policy.decode_sent(chosen, prompt(160), local=False)  # 10 blocks
+    assert policy.pick_decode(prompt(160), workers) is not chosen
+    policy.heartbeat(chosen)
+    assert policy.pick_decode(prompt(160), workers) is chosen  # equal again: the first in order
+
+
+def test_draining_workers_get_nothing_new():
+    registry = WorkerRegistry(5.0)
+    workers = add(registry, ("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"), ("d2", "decode"))
+    registry.heartbeat(heartbeat("p1", draining=True), 1.0)
+    registry.heartbeat(heartbeat("d1", draining=True, free=1000), 1.0)
+    policy = PrefixAwareRouting()
+    for start in range(0, 400, 40):
+        assert policy.route(prompt(40, start), workers).worker.worker_id == "p2"
+    assert policy.pick_decode(prompt(40), workers).worker_id == "d2"
+    registry.heartbeat(heartbeat("d2", draining=True), 1.0)
+    assert policy.route(prompt(40), workers) is None and policy.pick_decode(prompt(40), workers) is None
+
+
+def test_short_prompts_prefill_locally():
+    registry = WorkerRegistry(5.0)
+    workers = add(registry, ("p", "prefill"), ("d", "decode"))
+    policy = PrefixAwareRouting(local_prefill_threshold=32)
+    short = policy.route(prompt(31), workers)
+    assert short.local and short.worker.worker_id == "d"
+    long = policy.route(prompt(32), workers)
+    assert not long.local and long.worker.worker_id == "p"
+
+
+def test_without_a_prefill_worker_everything_prefills_locally():
+    registry = WorkerRegistry(5.0)
+    workers = add(registry, ("x1", "both"), ("x2", "both"))
+    policy = PrefixAwareRouting()
+    route = policy.route(prompt(500), workers)
+    assert route.local and route.worker.role.value == "both"
+    registry.heartbeat(heartbeat("x1", draining=True), 1.0)
+    registry.heartbeat(heartbeat("x2", draining=True), 1.0)
+    assert policy.route(prompt(500), workers) is None
+
+
+def test_a_prefill_only_cluster_cannot_route():
+    registry = WorkerRegistry(5.0)
+    workers = add(registry, ("p", "prefill"))
+    assert PrefixAwareRouting().route(prompt(100), workers) is None
+
+
+def test_local_prefill_prefers_the_decode_worker_with_the_prefix():
+    registry = WorkerRegistry(5.0)
+    workers = add(registry, ("x1", "both"), ("x2", "both"))
+    policy = PrefixAwareRouting()
+    shared = prompt(48)
+    route = policy.route(shared, workers)
+    policy.decode_sent(route.worker, shared, local=True)
+    policy.heartbeat(route.worker)
+    registry.heartbeat(heartbeat(route.worker.worker_id, free=10), 1.0)  # fuller, but holds the prefix
+    assert policy.route(shared + [9] * 20, workers).worker is route.worker
+
+
+def test_worker_removed_forgets_its_state():
+    registry = WorkerRegistry(5.0)
+    add(registry, ("p", "prefill"))
+    policy = PrefixAwareRouting()
+    policy.prefill_sent("r1", registry.workers["p"], prompt(32))
+    policy.worker_removed("p")
+    assert policy.outstanding_prefill_tokens("p") == 0
+    policy.prefill_ended("r1")  # a late end is harmless
+
+
+def test_prefix_lru_is_bounded_and_counts_only_leading_hits():
+    lru = PrefixLRU(capacity=3)
+    lru.add([1, 2, 3])
+    assert lru.leading_hits([1, 2, 3, 4]) == 3
+    assert lru.leading_hits([9, 2, 3]) == 0
+    lru.add([4])  # evicts 1, the least recently sent
+    assert len(lru) == 3 and lru.leading_hits([1, 2]) == 0 and lru.leading_hits([2, 3, 4]) == 3
