@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 from common.role_config import ProxyConfig
 from common.sampling_params import SamplingParams
 from common.wire import (
-    Abort, Goodbye, Heartbeat, KVPulled, PrefillDone, Register, RegisterAck, ReleaseKV, RequestFailed,
-    TokenDelta, WireError, decode,
+    Abort, DecodeRequest, Goodbye, Heartbeat, KVPulled, PrefillDone, PrefillRequest, Register, RegisterAck,
+    ReleaseKV, RequestFailed, TokenDelta, WireError, decode,
 )
 from proxy.errors import ApiError
 from proxy.metrics import ProxyMetrics
@@ -66,6 +66,10 @@ class Cluster:
     def send(self, worker_id: str, msg) -> None:
         if self._outbox is None:
             raise RuntimeError("the cluster has no worker link attached")
+        if isinstance(msg, PrefillRequest):
+            self.metrics.worker_requests.labels(worker_id, "prefill").inc()
+        elif isinstance(msg, DecodeRequest):
+            self.metrics.worker_requests.labels(worker_id, "decode").inc()
         self._outbox(worker_id, msg)
 
     def pick_decode(self, prompt: Sequence[int]) -> WorkerState | None:

@@ -38,6 +38,8 @@ class ProxyMetrics:
         self.in_flight = Gauge("tessera_proxy_requests_in_flight", "Choices running on workers", registry=r)
         self.workers_alive = Gauge("tessera_proxy_workers_alive", "Registered workers by role", ["role"],
                                    registry=r)
+        self.worker_requests = Counter("tessera_proxy_worker_requests", "Requests sent to each worker, by stage",
+                                       ["worker_id", "stage"], registry=r)
         self.kv_pages_used = Gauge("tessera_proxy_kv_pages_used", "KV pages in use, from heartbeats",
                                    ["worker_id"], registry=r)
         self.kv_pages_free = Gauge("tessera_proxy_kv_pages_free", "KV pages free, from heartbeats",

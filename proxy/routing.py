@@ -18,11 +18,13 @@ Hooks (all called by the cluster, in the event loop):
 - Conditional disaggregation: prompts shorter than ``local_prefill_threshold``
   tokens, and every prompt when no prefill-role worker is available, prefill
   locally on a decode-capable worker.
-- Prefill: the worker whose prefix cache most likely holds the prompt's
-  leading blocks (per worker, a bounded LRU set of the chained block hashes
-  of prompts recently sent to it; score = leading hashes present), ties
-  broken by least outstanding prefill tokens (proxy-tracked tokens of
-  prompts sent and not yet done, plus the heartbeat's value).
+- Prefill: the worker that would finish the prompt soonest: least
+  (outstanding prefill tokens + the prompt's tokens its prefix cache likely
+  lacks). Outstanding = proxy-tracked tokens of prompts sent and not yet
+  done, plus the heartbeat's value; the cache is estimated per worker by a
+  bounded LRU set of the chained block hashes of prompts recently sent to
+  it. An idle cluster thus keeps a shared prefix on one worker, and a busy
+  one spills to the others instead of queueing behind the cache.
 - Decode: most free blocks, then fewest running. Both counts add what the
   proxy sent since the worker's last heartbeat, so a burst between two
   heartbeats spreads instead of piling onto one worker. Local prefill
@@ -97,6 +99,7 @@ class PrefixAwareRouting:
         self._prefill_tokens: dict[str, int] = defaultdict(int)  # worker -> tokens sent, not yet done
         self._prefill_of: dict[str, tuple[str, int]] = {}  # request -> (worker, tokens)
         self._pending: dict[str, _Pending] = defaultdict(_Pending)
+        self._prefills_sent: dict[str, int] = defaultdict(int)
 
     def route(self, prompt: Sequence[int], workers: Sequence[WorkerState]) -> Route | None:
         active = [w for w in workers if not w.draining]
@@ -106,7 +109,7 @@ class PrefixAwareRouting:
         prefillers = [w for w in active if w.serves_prefill]
         if not prefillers or len(prompt) < self.local_prefill_threshold:
             return Route(self._best_by_prefix(prompt, decoders, self._decode_load), local=True)
-        return Route(self._best_by_prefix(prompt, prefillers, self._prefill_load), local=False)
+        return Route(min(prefillers, key=lambda w: self._prefill_cost(prompt, w)), local=False)
 
     def pick_decode(self, prompt: Sequence[int], workers: Sequence[WorkerState]) -> WorkerState | None:
         decoders = [w for w in workers if w.decode_capable and not w.draining]
@@ -115,6 +118,7 @@ class PrefixAwareRouting:
     def prefill_sent(self, request_id: str, worker: WorkerState, prompt: Sequence[int]) -> None:
         self._remember_prefix(worker, prompt)
         self._prefill_tokens[worker.worker_id] += len(prompt)
+        self._prefills_sent[worker.worker_id] += 1
         self._prefill_of[request_id] = (worker.worker_id, len(prompt))
 
     def prefill_ended(self, request_id: str) -> None:
@@ -136,6 +140,7 @@ class PrefixAwareRouting:
     def worker_removed(self, worker_id: str) -> None:
         self._prefixes.pop(worker_id, None)
         self._prefill_tokens.pop(worker_id, None)
+        self._prefills_sent.pop(worker_id, None)
         self._pending.pop(worker_id, None)
         for request_id in [r for r, (w, _) in self._prefill_of.items() if w == worker_id]:
             del self._prefill_of[request_id]
@@ -158,8 +163,14 @@ class PrefixAwareRouting:
 
         return min(candidates, key=score)
 
-    def _prefill_load(self, worker: WorkerState) -> tuple:
-        return (self._prefill_tokens.get(worker.worker_id, 0) + worker.outstanding_prefill_tokens,)
+    def _prefill_cost(self, prompt: Sequence[int], worker: WorkerState) -> tuple[int, int, int]:
+        outstanding = self._prefill_tokens.get(worker.worker_id, 0) + worker.outstanding_prefill_tokens
+        lru = self._prefixes.get(worker.worker_id)
+        cached = 0
+        if lru is not None:
+            cached = lru.leading_hits(prefix_block_hashes(prompt, worker.block_size)) * worker.block_size
+        # Equal costs rotate by how many prompts each worker was given.
+        return outstanding + len(prompt) - cached, outstanding, self._prefills_sent[worker.worker_id]
 
     def _decode_load(self, worker: WorkerState) -> tuple:
         pending = self._pending.get(worker.worker_id, _Pending())

@@ -132,7 +132,10 @@ def test_prefill_prefers_the_worker_holding_the_prompt_prefix():
     first = policy.route(shared + [1000], workers)
     assert not first.local
     policy.prefill_sent("r1", first.worker, shared + [1000])
-    # The other worker is now less loaded, but the prefix wins.
+    # While r1 runs, the prefix holder is busier than the cache saves: spill over.
+    assert policy.route(shared + [2000, 2001], workers).worker is not first.worker
+    policy.prefill_ended("r1")
+    # Idle again: the 64 cached tokens win.
     again = policy.route(shared + [2000, 2001], workers)
     assert again.worker is first.worker
     # An unrelated prompt goes to the less loaded one.
@@ -161,6 +164,8 @@ def test_longer_prefix_beats_shorter():
     base = prompt(96)
     policy.prefill_sent("r1", p1, base[:32])
     policy.prefill_sent("r2", p2, base)
+    policy.prefill_ended("r1")
+    policy.prefill_ended("r2")
     assert policy.route(base + [7], workers).worker is p2
 
 

@@ -1,0 +1,170 @@
+"""The whole cluster over real sockets: proxy + prefill + decode processes on loopback.
+
+Greedy output through the cluster must equal the single-process engine token
+for token; streaming, concurrency, client disconnects and worker loss must
+leave no KV page allocated on any worker.
+"""
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from common.config import EngineConfig
+from common.engine import LLMEngine
+from common.sampling_params import SamplingParams
+from kv_transfer.base import default_backend_name
+from tests.e2e.cluster import Cluster, post_json
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "def fibonacci(n):",
+    "Explain what a hash table is.", "Once upon a time,", "List three primary colors.",
+    "Translate 'good morning' into Spanish.", "What is 12 times 7?", "Name a pet turtle.",
+    "Summarize Romeo and Juliet.", "Why is the sky blue?", "Write a SQL query counting users.",
+    "What is photosynthesis?", "Give me a synonym for happy.", "How many legs does a spider have?",
+    "Describe a sunset in one sentence.", "What is the boiling point of water?", "Tell me a joke.",
+    "What is the largest planet?", "Suggest a name for a bakery.", "What does CPU stand for?",
+]
+MAX_TOKENS = 16
+BACKENDS = ["zmq"] + (["nixl"] if default_backend_name() == "nixl" else [])
+
+
+def nixl_or_skip(backend):
+    if backend == "nixl" and default_backend_name() != "nixl":
+        pytest.skip("NIXL cannot be imported here")
+
+
+@pytest.fixture(scope="module")
+def reference(embedded_model_dir):
+    engine = LLMEngine(EngineConfig(model=str(embedded_model_dir), num_kv_blocks=256))
+    chats = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+    outs = engine.generate(chats, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    return [o.outputs[0].text for o in outs]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def cluster(request, embedded_model_dir, tmp_path_factory):
+    c = Cluster(embedded_model_dir, tmp_path_factory.mktemp(f"logs-{request.param}"),
+                transfer_backend=request.param).start()
+    yield c
+    codes = c.stop()
+    assert all(code == 0 for code in codes.values()), codes
+
+
+def chat(url, content, **kw):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
+            "temperature": 0.0, **kw}
+    return post_json(url + "/v1/chat/completions", body)
+
+
+def pages_in_use(cluster, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        used = cluster.metric("tessera_proxy_kv_pages_used")
+        if all(v == 0 for v in used.values()) or time.monotonic() > deadline:
+            return used
+        time.sleep(0.2)
+
+
+def test_greedy_output_equals_the_single_process_engine(cluster, reference):
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as client:
+            bodies = [{"model": MODEL, "messages": [{"role": "user", "content": p}], "max_tokens": MAX_TOKENS,
+                       "temperature": 0.0} for p in PROMPTS]
+            return await asyncio.gather(*(client.post(cluster.url + "/v1/chat/completions", json=b) for b in bodies))
+    responses = asyncio.run(run())  # all 21 at once: the workers batch them
+    texts = [r.json()["choices"][0]["message"]["content"] for r in responses]
+    assert texts == reference
+    assert all(v == 0 for v in pages_in_use(cluster).values())
+    transferred = cluster.metric("tessera_proxy_kv_transfer_bytes_total")
+    assert sum(transferred.values()) > 0, "prompts went through the prefill worker's pages"
+
+
+def test_stream_deltas_concatenate_to_the_full_text(cluster, reference):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": MAX_TOKENS,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    text, usage = "", None
+    with httpx.stream("POST", cluster.url + "/v1/chat/completions", json=body, timeout=120) as resp:
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk["choices"]:
+                text += choice["delta"].get("content") or ""
+    assert text == reference[1]
+    assert usage["completion_tokens"] > 0
+
+
+def test_client_disconnect_frees_pages_on_every_worker(cluster):
+    body = {"model": MODEL, "prompt": "Tell me a very long story about dragons.", "max_tokens": 400,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=120) as resp:
+        for i, _ in enumerate(resp.iter_lines()):
+            if i > 6:
+                break  # hang up mid-stream
+    used = pages_in_use(cluster)
+    assert all(v == 0 for v in used.values()), used
+
+
+def test_openai_client_works_unmodified(cluster):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=cluster.url + "/v1", api_key="unused")
+    chat_resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_tokens=8, temperature=0)
+    assert chat_resp.choices[0].message.content
+    comp = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=6, n=2, temperature=1.0, seed=3)
+    assert sorted(c.index for c in comp.choices) == [0, 1]
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count to three"}], max_tokens=8, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+
+def test_bad_requests_get_openai_errors(cluster):
+    status, body = post_json(cluster.url + "/v1/completions", {"model": MODEL, "prompt": "x " * 9000})
+    assert status == 400 and "tokens" in body["error"]["message"]
+    status, body = post_json(cluster.url + "/v1/completions", {"model": "nope", "prompt": "hi"})
+    assert status == 404
+    status, body = post_json(cluster.url + "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1})
+    assert status in (400, 422) and body["error"]["message"]
+
+
+def test_sixteen_concurrent_requests_complete(cluster):
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as client:
+            bodies = [{"model": MODEL, "prompt": f"Request {i}: the number after {i} is", "max_tokens": 8,
+                       "ignore_eos": True} for i in range(16)]
+            return await asyncio.gather(*(client.post(cluster.url + "/v1/completions", json=b) for b in bodies))
+    responses = asyncio.run(run())
+    assert [r.status_code for r in responses] == [200] * 16
+    assert all(r.json()["usage"]["completion_tokens"] == 8 for r in responses)
+    assert all(v == 0 for v in pages_in_use(cluster).values())
+
+
+def test_two_prefill_two_decode_spread_and_survive_a_worker_stopping(embedded_model_dir, tmp_path):
+    cluster = Cluster(embedded_model_dir, tmp_path, prefill=2, decode=2, transfer_backend=BACKENDS[-1]).start()
+    try:
+        async def burst():
+            async with httpx.AsyncClient(timeout=300) as client:
+                bodies = [{"model": MODEL, "max_tokens": 4, "prompt": f"{i} {chr(65 + i)} is for"}
+                          for i in range(16)]
+                return await asyncio.gather(*(client.post(cluster.url + "/v1/completions", json=b)
+                                              for b in bodies))
+        assert [r.status_code for r in asyncio.run(burst())] == [200] * 16
+        counts = cluster.metric("tessera_proxy_worker_requests_total")
+        assert {k for k, v in counts.items() if v > 0} >= {
+            '{stage="prefill",worker_id="prefill-0"}', '{stage="prefill",worker_id="prefill-1"}',
+            '{stage="decode",worker_id="decode-0"}', '{stage="decode",worker_id="decode-1"}',
+        }, counts
+        assert cluster.stop_worker("prefill-0") == 0
+        assert cluster.stop_worker("decode-1") == 0
+        for i in range(6):
+            status, body = chat(cluster.url, f"After the stop {i}: say a color.", max_tokens=4)
+            assert status == 200, body
+        assert all(v == 0 for v in pages_in_use(cluster).values())
+    finally:
+        cluster.stop()
