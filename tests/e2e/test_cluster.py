@@ -15,7 +15,7 @@ from common.config import EngineConfig
 from common.engine import LLMEngine
 from common.sampling_params import SamplingParams
 from kv_transfer.base import default_backend_name
-from tests.e2e.cluster import Cluster, post_json
+from bench.local_cluster import Cluster, post_json
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = [

@@ -1,4 +1,4 @@
-"""Start a real local cluster (proxy + workers as separate processes) for end-to-end tests."""
+"""Start a real local cluster (proxy + workers as separate processes) for tests and benchmarks."""
 from __future__ import annotations
 
 import json
