@@ -10,6 +10,7 @@ NIXL_VERSION := 1.5.1
 # Which dtype(s) of the embedded model `make prepare` makes: float32, bfloat16 or both.
 DTYPE ?= float32
 PYTEST_ARGS ?=
+PORT ?= 8000
 PIP := $(BIN)/python -m pip --quiet
 # Reinstalls when the dependencies change; an existing venv without it is reused, not rebuilt.
 SETUP_STAMP := $(VENV)/.tessera-setup
@@ -32,7 +33,7 @@ prepare: setup
 	for dtype in $(DTYPE); do $(BIN)/tessera model prepare --dtype $$dtype || exit 1; done
 
 run: setup prepare
-	$(BIN)/tessera generate --dtype $(firstword $(DTYPE))
+	$(BIN)/tessera up --dtype $(firstword $(DTYPE)) --port $(PORT)
 
 test: setup prepare
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
