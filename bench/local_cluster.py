@@ -83,7 +83,9 @@ class Cluster:
             if dead:
                 raise RuntimeError(f"cluster processes exited: {dead}; logs in {self.log_dir}")
             try:
-                if self.get("/readyz")[0] == 200:
+                expected = self.prefill + self.decode + self.both
+                alive = sum(self.metric("tessera_proxy_workers_alive").values())
+                if self.get("/readyz")[0] == 200 and alive >= expected:
                     return
             except OSError:
                 pass

@@ -168,3 +168,14 @@ def test_two_prefill_two_decode_spread_and_survive_a_worker_stopping(embedded_mo
         assert all(v == 0 for v in pages_in_use(cluster).values())
     finally:
         cluster.stop()
+
+
+def test_aggregated_worker_serves_alone_and_matches(embedded_model_dir, tmp_path, reference):
+    cluster = Cluster(embedded_model_dir, tmp_path, prefill=0, decode=0, both=1).start()
+    try:
+        for i in (0, 2, 4):
+            status, body = chat(cluster.url, PROMPTS[i])
+            assert status == 200 and body["choices"][0]["message"]["content"] == reference[i]
+        assert sum(cluster.metric("tessera_proxy_kv_transfer_bytes_total").values()) == 0
+    finally:
+        assert all(code == 0 for code in cluster.stop().values())
