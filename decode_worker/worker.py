@@ -108,6 +108,7 @@ class DecodeHandler(WorkerBase):
             problem = f"{len(msg.source_block_ids)} pages offered for {len(seq.block_table)} blocks"
         elif msg.source_worker_id not in self.peers:
             problem = f"prefill worker {msg.source_worker_id!r} is not a known transfer peer"
+        started = time.monotonic()  # a shared-memory pull may complete inside start_pull
         if problem is None:
             try:
                 handle = self.transfer.start_pull(
@@ -122,7 +123,7 @@ class DecodeHandler(WorkerBase):
             self.send(wire.KVPulled(msg.request_id, msg.source_worker_id or "", False, error=problem))
             return
         nbytes = len(seq.block_table) * self.engine.runner.layout.bytes_per_block
-        self.pulls[msg.request_id] = Pull(seq, handle, msg.source_worker_id, time.monotonic(), nbytes)
+        self.pulls[msg.request_id] = Pull(seq, handle, msg.source_worker_id, started, nbytes)
 
     # ---- the turn ---------------------------------------------------------------
     def tick(self) -> None:
