@@ -7,6 +7,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
+from common.sampling_params import SamplingParams
+from common.scheduler import StepPlan
+from common.sequence import Sequence
+
 COMMON = dict(
     vocab_size=320,
     hidden_size=64,
@@ -65,3 +69,15 @@ def build_tiny_model(kind: str, directory: Path, seed: int = 0, tokenizer_from: 
             if (tokenizer_from / name).exists():
                 shutil.copy(tokenizer_from / name, directory / name)
     return directory
+
+
+def run_steps(runner, ids, steps, block_table):
+    """Feed ``ids`` through the runner in the given step sizes; logits of every row."""
+    seq = Sequence("r", ids, SamplingParams(), seed=0)
+    seq.block_table = block_table
+    outs = []
+    for n in steps:
+        prepared = runner.prepare(StepPlan([seq], [n]))
+        outs.append(runner.model.compute_logits(runner.forward(prepared)).float().cpu())
+        seq.num_computed_tokens += n
+    return torch.cat(outs)

@@ -10,25 +10,12 @@ from common.attention import flash_attn_available
 from common.config import EngineConfig
 from common.model_runner import ModelRunner
 from common.sampling_params import SamplingParams
-from common.scheduler import StepPlan
-from common.sequence import Sequence
-from tests.tiny_models import build_tiny_model
+from tests.tiny_models import build_tiny_model, run_steps
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is present on this machine"),
 ]
-
-
-def logits_for(runner, ids, steps, block_table):
-    seq = Sequence("r", ids, SamplingParams(), seed=0)
-    seq.block_table = block_table
-    outs = []
-    for n in steps:
-        prepared = runner.prepare(StepPlan([seq], [n]))
-        outs.append(runner.model.compute_logits(runner.forward(prepared)).float().cpu())
-        seq.num_computed_tokens += n
-    return torch.cat(outs)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
@@ -45,7 +32,7 @@ def test_gpu_logits_match_cpu(tmp_path, kind, backend):
     gpu = ModelRunner(EngineConfig(model=str(path), num_kv_blocks=16, block_size=block_size, device="cuda",
                                    attention_backend=backend), path)
     assert gpu.attention.name == backend
-    diff = (logits_for(gpu, ids, steps, table) - logits_for(cpu, ids, steps, table)).abs().max().item()
+    diff = (run_steps(gpu, ids, steps, table) - run_steps(cpu, ids, steps, table)).abs().max().item()
     assert diff <= 2e-3  # TF32/kernel accumulation order differs from the CPU
 
 

@@ -8,7 +8,7 @@ from common.model_runner import ModelRunner
 from common.sampling_params import SamplingParams
 from common.scheduler import StepPlan
 from common.sequence import Sequence
-from tests.tiny_models import CONFIGS, build_tiny_model
+from tests.tiny_models import CONFIGS, build_tiny_model, run_steps
 
 TOL = 1e-4
 
@@ -17,18 +17,6 @@ def reference_logits(model_dir, ids):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0]
-
-
-def run_steps(runner, ids, steps, block_table):
-    """Feed ``ids`` through the runner in the given step sizes; logits of every row."""
-    seq = Sequence("r", ids, SamplingParams(), seed=0)
-    seq.block_table = block_table
-    outs = []
-    for n in steps:
-        prepared = runner.prepare(StepPlan([seq], [n]))
-        outs.append(runner.model.compute_logits(runner.forward(prepared)))
-        seq.num_computed_tokens += n
-    return torch.cat(outs)
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
