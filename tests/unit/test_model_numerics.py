@@ -60,3 +60,27 @@ def test_mixed_batch_of_decodes_and_chunks_matches_separate_runs(tiny):
     by_seq = dict(zip((s.request_id for s in prepared.sample_seqs), logits))
     assert (by_seq["a"] - ref_a[-1]).abs().max().item() <= TOL
     assert (by_seq["b"] - ref_b[-1]).abs().max().item() <= TOL
+
+
+def test_sharded_checkpoint_with_index_loads(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_model("qwen2", tmp_path / "single")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    runner = ModelRunner(EngineConfig(model=str(tmp_path / "sharded"), num_kv_blocks=8), tmp_path / "sharded")
+    ids = list(range(1, 30))
+    ours = run_steps(runner, ids, [29], [0, 1])
+    assert (ours - reference_logits(path, ids)).abs().max().item() <= TOL
+
+
+def test_checkpoint_missing_a_tensor_is_refused_by_name(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = build_tiny_model("llama", tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ValueError, match="layers.1.self_attn.qkv_proj.weight"):
+        ModelRunner(EngineConfig(model=str(path), num_kv_blocks=8), path)
