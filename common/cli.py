@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from bench.loadgen.command import add_bench_command
 from common.cli_options import add_model_options
 from common.generate_command import add_generate_command
 from common.model_store import prepare_embedded_model
@@ -53,6 +54,7 @@ def _print_embedded_model_dir(args: argparse.Namespace) -> int:
 
 COMMANDS = (
     add_model_command, add_generate_command, add_proxy_command, add_worker_commands, add_up_command,
+    add_bench_command,
 )
 
 
