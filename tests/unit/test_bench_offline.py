@@ -55,6 +55,11 @@ def test_prompts_avoid_special_tokens_and_are_seeded():
     assert all(len(p) == 16 and all(3 <= t < 50 for t in p) for p in a)
 
 
+def test_reproduce_command_drops_only_the_json_path():
+    argv = ["--dtypes", "float32", "--out", "r.json", "--doc", "docs/b.md", "--out=x.json"]
+    assert offline.reproduce_command(argv) == "python -m bench.offline --dtypes float32 --doc docs/b.md"
+
+
 def test_every_system_ran_with_exact_output_counts(results):
     res = results["dtypes"]["float32"]
     assert set(res["runs"]) == set(SYSTEMS)
@@ -74,6 +79,7 @@ def test_parity_and_roofline_sections(results):
     assert set(res["parity"]) == {"tessera_vs_hf_generate", "hf_cb_vs_hf_generate"}
     assert all(p["prompts"] == 1 for p in res["parity"].values())
     assert res["batch1"]["output_len"] == OUTPUT_LEN and res["batch1"]["bandwidth_bound_tokens_per_s"] > 0
+    assert res["batch1"]["gemv_bound_tokens_per_s"] > 0
     assert res["saturation"]["model_flops"] > 0 and 0 < res["saturation"]["attention_share"] < 1
     assert [m["rows"] for m in res["roofline"]["matmul"]] == [1, NUM_PROMPTS, 16, 32]
 
