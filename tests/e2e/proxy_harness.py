@@ -1,0 +1,125 @@
+"""Harness for the proxy tests: HTTP in front, scripted fake workers on real ZeroMQ DEALERs behind.
+
+Each test starts its own proxy (uvicorn on uvloop in a thread, the ROUTER on
+a free port) with the embedded model's tokenizer; the workers are
+``proxy.fake_worker.FakeWorker``s that answer from a script of known text.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from common.role_config import ProxyConfig
+from common.tokenizer import Tokenizer
+from common.wire import Abort, DecodeRequest, Peers, PrefillRequest, RegisterAck, ReleaseKV
+from proxy.app import create_app
+from proxy.fake_worker import FakeWorker
+from proxy.server import DrainingServer
+
+MODEL = "SmolLM2-135M-Instruct"
+SCRIPT_TEXT = " The quick brown fox jumps over the lazy dog."
+MESSAGES = [{"role": "user", "content": "Tell me about foxes."}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(embedded_model_dir) -> Tokenizer:
+    return Tokenizer(embedded_model_dir)
+
+
+@pytest.fixture(scope="module")
+def script(tokenizer) -> list[tuple[int, str]]:
+    ids = tokenizer.encode(SCRIPT_TEXT, add_special_tokens=False)
+    texts = [tokenizer.decode(ids[:i]) for i in range(len(ids) + 1)]
+    return [(t, texts[i + 1][len(texts[i]):]) for i, t in enumerate(ids)]
+
+
+class RunningProxy:
+    def __init__(self, config: ProxyConfig, tokenizer: Tokenizer) -> None:
+        self.app = create_app(config, tokenizer=tokenizer)
+        self.services = self.app.state.services
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        self.server = DrainingServer(uvicorn.Config(self.app, loop="uvloop", log_level="warning"),
+                                     self.services.cluster, drain_timeout_s=5.0)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [listener]}, daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.server.started, what="the proxy to start")
+        self.endpoint = self.services.link.endpoint
+        self.http = httpx.Client(base_url=self.url, timeout=30)
+
+    def stop(self) -> None:
+        self.http.close()
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+def wait_until(condition, timeout: float = 10.0, what: str = "the condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def make_proxy(tokenizer, embedded_model_dir):
+    started: list[RunningProxy] = []
+
+    def make(**overrides) -> RunningProxy:
+        settings = dict(model=str(embedded_model_dir), worker_bind="tcp://127.0.0.1:*", heartbeat_timeout_s=1.0,
+                        first_token_timeout_s=20.0, token_timeout_s=20.0, max_prompt_bytes=4096, retry_after_s=3)
+        proxy = RunningProxy(ProxyConfig(**{**settings, **overrides}), tokenizer)
+        started.append(proxy)
+        return proxy
+
+    yield make
+    for proxy in started:
+        proxy.stop()
+
+
+@pytest.fixture
+def make_worker(script):
+    started: list[FakeWorker] = []
+
+    def make(proxy: RunningProxy, worker_id: str, role: str, **options) -> FakeWorker:
+        worker = FakeWorker(proxy.endpoint, worker_id, role, options.pop("script", script), **options)
+        started.append(worker.start_and_wait())
+        return worker
+
+    yield make
+    for worker in started:
+        worker.stop(goodbye=False)
+
+
+@pytest.fixture
+def cluster(make_proxy, make_worker):
+    """A proxy with one prefill and one decode worker, ready."""
+    proxy = make_proxy()
+    prefill = make_worker(proxy, "p0", "prefill")
+    decode = make_worker(proxy, "d0", "decode")
+    wait_until(lambda: proxy.http.get("/readyz").status_code == 200, what="/readyz")
+    return proxy, prefill, decode
+
+
+def sse_payloads(raw: str) -> list[str]:
+    assert raw.endswith("data: [DONE]\n\n"), raw[-200:]
+    events = raw.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), events
+    return [e[len("data: "):] for e in events[:-1]]
+
+
+def assert_openai_error(response: httpx.Response, status: int, *words: str) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    for word in words:
+        assert word in error["message"], error
+    return error

@@ -1,0 +1,147 @@
+"""The proxy over real sockets when things go wrong: errors, timeouts, lost workers, disconnects."""
+from __future__ import annotations
+
+from tests.e2e.proxy_harness import *  # noqa: F401,F403 -- fixtures, helpers and wire types
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+def test_error_bodies(make_proxy, make_worker):
+    proxy = make_proxy()
+    no_worker = proxy.http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})
+    assert_openai_error(no_worker, 503, "no worker")
+    assert no_worker.headers["retry-after"] == "3"
+    make_worker(proxy, "x0", "both", max_model_len=64)
+    post = proxy.http.post
+    assert_openai_error(post("/v1/completions", json={"model": "gpt-4", "prompt": "Hi"}), 404, "gpt-4")
+    error = assert_openai_error(post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "temperature": -1}),
+                                422, "temperature")
+    assert error["param"] == "temperature"
+    assert_openai_error(post("/v1/completions", json={"model": MODEL}), 422, "prompt")
+    assert_openai_error(post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "n": 0}), 422, "n")
+    assert_openai_error(post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "echo": True}), 422, "echo")
+    assert_openai_error(post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}),
+                        422)
+    assert_openai_error(post("/v1/chat/completions", json={"model": MODEL, "messages": []}), 422, "messages")
+    long_prompt = " ".join(["word"] * 100)
+    error = assert_openai_error(post("/v1/completions", json={"model": MODEL, "prompt": long_prompt}), 400, "64")
+    assert error["code"] == "context_length_exceeded"
+    assert_openai_error(post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 100}),
+                        400, "max_tokens")
+    assert_openai_error(post("/v1/completions", json={"model": MODEL, "prompt": [10 ** 9]}), 400, "vocabulary")
+    assert_openai_error(post("/v1/completions", json={"model": MODEL, "prompt": "x" * 5000}), 413, "max_prompt_bytes")
+
+
+def test_fastapi_validation_errors_come_out_in_openai_shape(make_proxy):
+    proxy = make_proxy()
+    assert_openai_error(proxy.http.get("/v1/nope"), 404)
+    assert_openai_error(proxy.http.get("/v1/completions"), 405)
+
+
+def test_first_token_timeout_aborts_and_answers_504(make_proxy, make_worker):
+    proxy = make_proxy(first_token_timeout_s=0.5)
+    prefill = make_worker(proxy, "p0", "prefill", stall=True)
+    make_worker(proxy, "d0", "decode")
+    r = proxy.http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})
+    assert_openai_error(r, 504, "first_token_timeout_s")
+    prefill.wait_for(lambda m: isinstance(m, Abort))
+
+
+def test_a_silent_decode_worker_times_out_the_stream(make_proxy, make_worker):
+    proxy = make_proxy(token_timeout_s=0.5)
+    prefill = make_worker(proxy, "p0", "prefill")
+    decode = make_worker(proxy, "d0", "decode", stall=True)
+    with proxy.http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "Hi", "stream": True}) as r:
+        rest = r.read().decode()
+    assert "token_timeout_s=0.5" in rest and rest.endswith("data: [DONE]\n\n")
+    decode.wait_for(lambda m: isinstance(m, Abort))
+    prefill.wait_for(lambda m: isinstance(m, ReleaseKV))
+
+
+def test_a_restarted_worker_replaces_its_old_epoch_and_fails_its_requests(make_proxy, make_worker):
+    proxy = make_proxy()
+    old = make_worker(proxy, "p0", "prefill", stall=True, epoch=1)
+    make_worker(proxy, "d0", "decode")
+    old.heartbeats = False
+    threading.Timer(0.3, lambda: make_worker(proxy, "p0", "prefill", epoch=2)).start()
+    r = proxy.http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})
+    assert_openai_error(r, 503, "re-registered with epoch 2")
+    body = proxy.http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 50}).json()
+    assert body["choices"][0]["text"] == SCRIPT_TEXT  # served by the new epoch over the handed-over identity
+
+
+def test_worker_loss_before_any_token_is_a_503(make_proxy, make_worker):
+    proxy = make_proxy()
+    prefill = make_worker(proxy, "p0", "prefill", stall=True)
+    make_worker(proxy, "d0", "decode")
+    threading.Timer(0.3, prefill.stop).start()
+    r = proxy.http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})
+    assert_openai_error(r, 503, "p0")
+    assert r.headers["retry-after"] == "3"
+
+
+def test_worker_loss_mid_stream_is_an_error_event(make_proxy, make_worker):
+    proxy = make_proxy()
+    prefill = make_worker(proxy, "p0", "prefill")
+    decode = make_worker(proxy, "d0", "decode", stall=True)
+    request = {"model": MODEL, "prompt": "Hi", "stream": True}
+    with proxy.http.stream("POST", "/v1/completions", json=request) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")  # the first token, from prefill
+        decode.wait_for(lambda m: isinstance(m, DecodeRequest))
+        decode.stop()
+        rest = "\n".join(lines)
+    assert '"error"' in rest and "d0" in rest and rest.rstrip().endswith("data: [DONE]")
+    prefill.wait_for(lambda m: isinstance(m, ReleaseKV))
+
+
+def test_losing_the_prefill_worker_after_the_pull_does_not_matter(make_proxy, make_worker):
+    proxy = make_proxy()
+    prefill = make_worker(proxy, "p0", "prefill")
+    make_worker(proxy, "d0", "decode", token_interval_s=0.05)
+    with proxy.http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "Hi", "stream": True}) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        prefill.wait_for(lambda m: isinstance(m, ReleaseKV))
+        prefill.stop()
+        rest = "\n".join(lines)
+    assert '"finish_reason":"stop"' in rest and '"error"' not in rest
+
+
+def test_malformed_worker_frames_are_dropped(cluster):
+    proxy, prefill, decode = cluster
+    decode.send_raw([b"\x0d", b"\xc1 not msgpack"])
+    decode.send_raw([b"\xff", b""])
+    decode.send_raw([b"only one frame"])
+    prefill.send_raw([bytes([13]), json.dumps({"v": 1, "request_id": 5}).encode()])
+    wait_until(lambda: "tessera_proxy_malformed_messages_total 4.0" in proxy.http.get("/metrics").text)
+    body = proxy.http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 50}).json()
+    assert body["choices"][0]["text"] == SCRIPT_TEXT
+
+
+# -- client disconnect --------------------------------------------------------------------------
+
+
+def test_streaming_client_disconnect_aborts_both_workers_and_releases_pages(make_proxy, make_worker):
+    proxy = make_proxy()
+    prefill = make_worker(proxy, "p0", "prefill")
+    decode = make_worker(proxy, "d0", "decode", stall=True)
+    with httpx.Client(base_url=proxy.url, timeout=30) as client:
+        with client.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "Hi", "stream": True}) as r:
+            assert next(r.iter_lines()).startswith("data: ")
+            decode.wait_for(lambda m: isinstance(m, DecodeRequest))
+    decode.wait_for(lambda m: isinstance(m, Abort))
+    prefill.wait_for(lambda m: isinstance(m, Abort))
+    prefill.wait_for(lambda m: isinstance(m, ReleaseKV))
+    wait_until(lambda: not proxy.services.cluster.inflight, what="the request to leave")
+
+
+def test_non_streaming_client_disconnect_aborts_the_prefill(make_proxy, make_worker):
+    proxy = make_proxy()
+    prefill = make_worker(proxy, "p0", "prefill", stall=True)
+    make_worker(proxy, "d0", "decode")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{proxy.url}/v1/completions", json={"model": MODEL, "prompt": "Hi"}, timeout=1.0)
+    prefill.wait_for(lambda m: isinstance(m, Abort))
+    wait_until(lambda: not proxy.services.cluster.inflight, what="the request to leave")
