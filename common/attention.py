@@ -55,10 +55,22 @@ class TorchAttention:
         values = v_cache[tables].view(bsz, -1, num_kv_heads, head_dim)
         qg = q.view(bsz, num_kv_heads, group, head_dim)
         scores = torch.einsum("bkgd,blkd->bkgl", qg, keys).float()
-        scores.mul_(scale).add_(ctx.decode_mask)
+        scores.mul_(scale).add_(TorchAttention._decode_mask(ctx, keys.shape[1]))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         out = torch.einsum("bkgl,blkd->bkgd", probs, values)
         return out.reshape(bsz, num_heads, head_dim)
+
+    @staticmethod
+    def _decode_mask(ctx: StepContext, num_keys: int) -> torch.Tensor:
+        """Additive mask hiding the padded keys past each row's context; built once per step."""
+        mask = ctx.backend_state.get("decode_mask")
+        if mask is None:
+            key_pos = torch.arange(num_keys, device=ctx.decode_context_lens.device)
+            hidden = key_pos[None, :] >= ctx.decode_context_lens[:, None]
+            mask = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+            mask.masked_fill_(hidden, float("-inf"))
+            mask = ctx.backend_state["decode_mask"] = mask[:, None, None, :]
+        return mask
 
     @staticmethod
     def _chunk(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: float) -> torch.Tensor:

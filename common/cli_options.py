@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 from common.model_store import DTYPES, EMBEDDED_NAMES, default_cache_root
 
@@ -29,4 +30,19 @@ def add_model_options(parser: argparse.ArgumentParser, *, with_model: bool) -> N
         "--cache-dir",
         help="where prepared models are kept (default: $TESSERA_CACHE_DIR, else ~/.cache/tessera; "
         f"now {default_cache_root()})",
+    )
+
+
+def add_config_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML config file (see configs/)")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config field, e.g. --set engine.dtype=bfloat16 (repeatable)",
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s"
     )

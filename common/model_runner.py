@@ -117,12 +117,9 @@ class ModelRunner:
         for i, (seq, _) in enumerate(decode):
             used = -(-int(lens[i]) // bs)
             tables[i, :used] = seq.block_table[:used]
-        key_pos = np.arange(max_blocks * bs)
-        mask = np.where(key_pos[None, :] < lens[:, None], 0.0, -np.inf).astype(np.float32)
         ctx.decode_rows = self._tensor(np.arange(len(decode)))
         ctx.decode_block_tables = self._tensor(tables)
         ctx.decode_context_lens = self._tensor(lens)
-        ctx.decode_mask = self._tensor(mask[:, None, None, :])
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)

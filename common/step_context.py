@@ -40,7 +40,6 @@ class StepContext:
     decode_rows: torch.Tensor | None = None  # [Bd] rows of the flat batch
     decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks], padded with 0
     decode_context_lens: torch.Tensor | None = None  # [Bd], the new token included
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, max_blocks*block_size] additive
     chunks: list[PrefillChunk] = field(default_factory=list)
     # Filled lazily by a backend that needs its own form (e.g. flash-attn's cu_seqlens).
     backend_state: dict = field(default_factory=dict)

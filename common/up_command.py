@@ -19,7 +19,7 @@ import time
 import urllib.error
 import urllib.request
 
-from common.worker_command import configure_logging
+from common.cli_options import configure_logging
 
 READY_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 40

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import logging
 
+from common.cli_options import add_config_options, configure_logging
 from common.role_config import WorkerConfig, load_config, parse_overrides
 
 ROLE_HELP = {
@@ -18,21 +18,6 @@ def add_worker_commands(subparsers) -> None:
         parser = subparsers.add_parser(role, help=text, description=text + ".")
         add_config_options(parser)
         parser.set_defaults(handler=_run, role=role)
-
-
-def add_config_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML config file (see configs/)")
-    parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override a config field, e.g. --set engine.dtype=bfloat16 (repeatable)",
-    )
-    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s"
-    )
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from common.cli_options import add_config_options, configure_logging
 from common.role_config import ProxyConfig, load_config, parse_overrides
 
 
@@ -21,13 +22,12 @@ def add_command(subparsers) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", metavar="FILE", help="YAML file of proxy settings (ProxyConfig fields)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one setting, e.g. --set port=8080; repeatable")
+    add_config_options(parser)
     parser.set_defaults(handler=_run_command)
 
 
 def _run_command(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level)
     run(load_config(ProxyConfig, args.config, parse_overrides(args.overrides)))
     return 0
 

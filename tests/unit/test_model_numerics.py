@@ -19,11 +19,14 @@ def reference_logits(model_dir, ids):
         return hf(torch.tensor([ids])).logits[0]
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module", params=[(k, b) for k in sorted(CONFIGS) for b in ("auto", "torch")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
 def tiny(request, tmp_path_factory):
-    kind = request.param
+    kind, backend = request.param  # auto takes the C decode kernel on CPU; torch is the GPU fallback path
     path = build_tiny_model(kind, tmp_path_factory.mktemp(kind))
-    runner = ModelRunner(EngineConfig(model=str(path), num_kv_blocks=32, block_size=16), path)
+    runner = ModelRunner(
+        EngineConfig(model=str(path), num_kv_blocks=32, block_size=16, attention_backend=backend), path
+    )
     return kind, path, runner
 
 
