@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections.abc import Iterable, Sequence as Seq
 
 from common.block_manager import BlockManager
@@ -24,6 +24,7 @@ from common.outputs import OutputProcessor, RequestOutput
 from common.sampling_params import SamplingParams
 from common.scheduler import Scheduler
 from common.sequence import FinishReason, Sequence
+from common.speculator import make_speculator
 from common.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,12 @@ class EngineStats:
     num_computed_tokens: int = 0  # prompt, recompute and decode tokens run through the model
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    # Speculative decoding: proposals verified, tokens proposed, proposed
+    # tokens accepted, and accepted counts by position within a proposal.
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
 
 
 class RequestError(ValueError):
@@ -55,6 +62,7 @@ class LLMEngine:
             config, self.block_manager, self.max_model_len, frozenset(self.tokenizer.eos_token_ids)
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.speculator = make_speculator(config, self.runner)
         self.requests: dict[str, list[Sequence]] = {}
         self._seed_source = random.Random(config.seed)
         self._aborted: list[str] = []  # reported (as finished) by the next step
@@ -74,6 +82,8 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(prompt_ids)
+        if not prefill_only:
+            self._validate_speculative(params)
         seqs = self._new_sequences(request_id, prompt_ids, params, seed)
         for seq in seqs:
             seq.prefill_only = prefill_only
@@ -112,6 +122,7 @@ class LLMEngine:
         if params.n != 1:
             raise RequestError("a prefilled request carries one sample (n=1)")
         self._validate_prompt(prompt_ids)
+        self._validate_speculative(params)
         (seq,) = self._new_sequences(request_id, prompt_ids, params, seed)
         seq.token_ids.append(first_token)
         if first_logprob is not None:
@@ -160,6 +171,12 @@ class LLMEngine:
         if bad:
             raise RequestError(f"token ids out of the vocabulary [0, {self.runner.vocab_size}): {bad[:5]}")
 
+    def _validate_speculative(self, params: SamplingParams) -> None:
+        try:
+            self.speculator.check_request(params.speculative)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
+
     def abort_request(self, request_id: str) -> None:
         """Stop a request wherever it is; a sequence still waiting for its KV is freed too."""
         seqs = self.requests.get(request_id)
@@ -176,23 +193,39 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.speculator.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
         advanced: list[Sequence] = []
         if plan:
-            sampled_seqs, sampled = self.runner.execute(plan)
-            tokens = {}
-            for i, seq in enumerate(sampled_seqs):
-                tokens[seq.seq_id] = sampled.token_ids[i]
-                if seq.params.logprobs is not None:
-                    seq.logprobs.append(sampled.logprobs[i])
-                    seq.top_logprobs.append(sampled.top_logprobs[i])
-            advanced = self.scheduler.update(plan, tokens)
-            self.stats.num_steps += 1
-            self.stats.num_computed_tokens += plan.total_tokens
-            self.stats.num_generated_tokens += len(advanced)
-            self.stats.num_preemptions += len(plan.preempted)
+            sample = self.runner.execute(plan)
+            for i, seq in enumerate(sample.seqs):
+                if seq.params.logprobs is not None and sample.logprobs is not None:
+                    seq.logprobs.extend(sample.logprobs[i])
+                    seq.top_logprobs.extend(sample.top_logprobs[i])
+            before = {seq.seq_id: seq.num_tokens for seq in sample.seqs}
+            advanced = self.scheduler.update(plan, dict(zip((s.seq_id for s in sample.seqs), sample.token_ids)))
+            self._count(plan, sample, sum(s.num_tokens - before[s.seq_id] for s in advanced))
+            self.speculator.observe(sample)
             self.output_processor.process(advanced, self.scheduler.finish)
+            self.speculator.retain(self.scheduler.running)
         return self._collect_outputs(advanced)
+
+    def _count(self, plan, sample, num_generated: int) -> None:
+        stats = self.stats
+        stats.num_steps += 1
+        stats.num_computed_tokens += plan.total_tokens
+        stats.num_generated_tokens += num_generated
+        stats.num_preemptions += len(plan.preempted)
+        for drafted, accepted in zip(sample.num_drafts, sample.num_accepted):
+            if not drafted:
+                continue
+            stats.num_spec_drafts += 1
+            stats.num_spec_draft_tokens += drafted
+            stats.num_spec_accepted_tokens += accepted
+            per_pos = stats.spec_accepted_per_position
+            per_pos.extend([0] * (drafted - len(per_pos)))
+            for pos in range(accepted):
+                per_pos[pos] += 1
 
     def _collect_outputs(self, advanced: list[Sequence]) -> list[RequestOutput]:
         touched = dict.fromkeys(s.request_id for s in advanced)

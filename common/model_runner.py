@@ -9,7 +9,7 @@ over tokens.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +19,10 @@ from common.attention import select_backend
 from common.config import EngineConfig
 from common.kv_cache import KVCache, KVLayout
 from common.models.loader import load_model
-from common.sampler import Sampler, SamplerOutput, SamplingRow
+from common.sampler import Sampler, SamplingRow
 from common.scheduler import StepPlan
 from common.sequence import Sequence
+from common.spec_verify import verify_drafts
 from common.step_context import PrefillChunk, StepContext, step_context
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,20 @@ class PreparedStep:
     positions: torch.Tensor
     context: StepContext
     sample_seqs: list[Sequence]  # sequences that sample this step, in row order
-    sample_rows: torch.Tensor  # their rows in the flat batch
+    sample_rows: torch.Tensor  # their rows in the flat batch (1 + drafts rows for a verifying one)
+    drafts: list[list[int]]  # per sample sequence, the draft tokens it verifies
+
+
+@dataclass
+class StepSample:
+    """What one step emitted, per sequence that sampled (in ``seqs`` order)."""
+
+    seqs: list[Sequence]
+    token_ids: list[list[int]]  # one token, or accepted drafts plus one
+    logprobs: list[list[float]] | None = None
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+    num_drafts: list[int] = field(default_factory=list)  # proposed, per sequence
+    num_accepted: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -66,31 +80,40 @@ class ModelRunner:
 
     # ---- batch preparation -------------------------------------------------
     def prepare(self, plan: StepPlan) -> PreparedStep:
+        """Flat batch: single-query rows first (decodes, and each draft being verified), then chunks.
+
+        A verifying sequence's rows are decode rows too: row i attends to the
+        context up to its own position, which the step writes before any
+        attention runs, so drafts need no chunk path.
+        """
         bs = self.config.block_size
-        decode = [(s, n) for s, n in zip(plan.seqs, plan.num_new_tokens) if n == 1]
-        chunked = [(s, n) for s, n in zip(plan.seqs, plan.num_new_tokens) if n > 1]
-        ordered = decode + chunked
+        entries = list(zip(plan.seqs, plan.num_new_tokens, plan.spec_token_ids))
+        decode = [e for e in entries if e[1] == 1 or e[2]]
+        chunked = [e for e in entries if e[1] > 1 and not e[2]]
 
         tokens: list[int] = []
         positions: list[np.ndarray] = []
         slot_blocks: list[np.ndarray] = []
         sample_seqs: list[Sequence] = []
-        sample_rows: list[int] = []
+        sample_rows: list[np.ndarray] = []
+        drafts: list[list[int]] = []
         chunks: list[PrefillChunk] = []
         row = 0
-        for seq, n in ordered:
+        for seq, n, spec in decode + chunked:
             start = seq.num_computed_tokens
             pos = np.arange(start, start + n)
             table = np.asarray(seq.block_table, dtype=np.int64)
-            tokens.extend(seq.token_ids[start:start + n])
+            tokens.extend(seq.token_ids[start:start + n - len(spec)])
+            tokens.extend(spec)
             positions.append(pos)
             slot_blocks.append(table[pos // bs])
-            if n > 1:
+            if n > 1 and not spec:
                 chunks.append(PrefillChunk(row, row + n, start, self._tensor(table[: -(-(start + n) // bs)])))
             row += n
-            if start + n == seq.num_tokens:
+            if start + n == seq.num_tokens + len(spec):
                 sample_seqs.append(seq)
-                sample_rows.append(row - 1)
+                sample_rows.append(np.arange(row - 1 - len(spec), row))
+                drafts.append(spec)
 
         pos_all = np.concatenate(positions)
         ctx = StepContext(
@@ -106,19 +129,26 @@ class ModelRunner:
             positions=self._tensor(pos_all),
             context=ctx,
             sample_seqs=sample_seqs,
-            sample_rows=self._tensor(np.asarray(sample_rows, dtype=np.int64)),
+            sample_rows=self._tensor(np.concatenate(sample_rows) if sample_rows else np.zeros(0, np.int64)),
+            drafts=drafts,
         )
 
-    def _fill_decode(self, ctx: StepContext, decode: list[tuple[Sequence, int]]) -> None:
+    def _fill_decode(self, ctx: StepContext, decode: list[tuple[Sequence, int, list[int]]]) -> None:
+        """Per decode row: its context length and its sequence's block table."""
         bs = self.config.block_size
-        lens = np.fromiter((s.num_computed_tokens + 1 for s, _ in decode), dtype=np.int64, count=len(decode))
-        max_blocks = int(-(-lens.max() // bs))
+        rows_per_seq = np.fromiter((n for _, n, _ in decode), dtype=np.int64, count=len(decode))
+        first_len = np.fromiter((s.num_computed_tokens + 1 for s, _, _ in decode), dtype=np.int64, count=len(decode))
+        seq_of_row = np.repeat(np.arange(len(decode)), rows_per_seq)
+        row_in_seq = np.arange(len(seq_of_row)) - np.repeat(np.cumsum(rows_per_seq) - rows_per_seq, rows_per_seq)
+        lens = first_len[seq_of_row] + row_in_seq
+        last_len = first_len + rows_per_seq - 1
+        max_blocks = int(-(-last_len.max() // bs))
         tables = np.zeros((len(decode), max_blocks), dtype=np.int64)
-        for i, (seq, _) in enumerate(decode):
-            used = -(-int(lens[i]) // bs)
+        for i, (seq, _, _) in enumerate(decode):
+            used = -(-int(last_len[i]) // bs)
             tables[i, :used] = seq.block_table[:used]
-        ctx.decode_rows = self._tensor(np.arange(len(decode)))
-        ctx.decode_block_tables = self._tensor(tables)
+        ctx.decode_rows = self._tensor(np.arange(len(seq_of_row)))
+        ctx.decode_block_tables = self._tensor(tables[seq_of_row] if len(seq_of_row) > len(decode) else tables)
         ctx.decode_context_lens = self._tensor(lens)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
@@ -132,12 +162,50 @@ class ModelRunner:
             return self.model(prepared.input_ids, prepared.positions)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> tuple[list[Sequence], SamplerOutput | None]:
-        """Run one step; returns the sequences that sampled and what they sampled."""
+    def execute(self, plan: StepPlan) -> StepSample:
+        """Run one step; returns what each sampling sequence emitted."""
         prepared = self.prepare(plan)
         hidden = self.forward(prepared)
         if not prepared.sample_seqs:
-            return [], None
+            return StepSample([], [])
         logits = self.model.compute_logits(hidden[prepared.sample_rows]).float()
-        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.seed) for s in prepared.sample_seqs]
-        return prepared.sample_seqs, self.sampler(logits, rows)
+        return self.sample(logits, prepared.sample_seqs, prepared.drafts)
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> StepSample:
+        """Plain sequences through the sampler, verifying ones through ``verify_drafts``."""
+        plain = [i for i, d in enumerate(drafts) if not d]
+        verifying = [i for i, d in enumerate(drafts) if d]
+        out = StepSample(seqs, [[] for _ in seqs], num_drafts=[len(d) for d in drafts], num_accepted=[0] * len(seqs))
+        wants_logprobs = any(s.params.logprobs is not None for s in seqs)
+        if wants_logprobs:
+            out.logprobs, out.top_logprobs = [[] for _ in seqs], [[] for _ in seqs]
+        if not verifying:
+            rows_of = list(range(len(seqs)))
+        else:
+            counts = np.asarray([len(d) + 1 for d in drafts])
+            starts = np.cumsum(counts) - counts
+            rows_of = starts[plain].tolist()
+        if plain:
+            picked = [seqs[i] for i in plain]
+            rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.seed) for s in picked]
+            sampled = self.sampler(logits[rows_of] if verifying else logits, rows)
+            for j, i in enumerate(plain):
+                out.token_ids[i] = [sampled.token_ids[j]]
+                if sampled.logprobs is not None and seqs[i].params.logprobs is not None:
+                    out.logprobs[i] = [sampled.logprobs[j]]
+                    out.top_logprobs[i] = [sampled.top_logprobs[j]]
+        if verifying:
+            row_index = np.concatenate([np.arange(starts[i], starts[i] + counts[i]) for i in verifying])
+            verified = verify_drafts(
+                logits[torch.from_numpy(row_index).to(logits.device)],
+                [seqs[i] for i in verifying],
+                [drafts[i] for i in verifying],
+                [seqs[i].spec_draft_probs for i in verifying],
+            )
+            for j, i in enumerate(verifying):
+                out.token_ids[i] = verified.token_ids[j]
+                out.num_accepted[i] = verified.num_accepted[j]
+                if verified.logprobs is not None and seqs[i].params.logprobs is not None:
+                    out.logprobs[i] = verified.logprobs[j]
+                    out.top_logprobs[i] = verified.top_logprobs[j]
+        return out

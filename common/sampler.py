@@ -211,7 +211,7 @@ class Sampler:
             steps = torch.tensor([r.generation_index for r in picked], device=logits.device)
             token_ids[chunk] = draw(processed_probs(logits[chunk], picked), seeds, steps)
 
-        logprobs, top_logprobs = _logprobs(logits, rows, token_ids)
+        logprobs, top_logprobs = token_logprobs(logits, rows, token_ids)
         return SamplerOutput(token_ids.tolist(), logprobs, top_logprobs)
 
 
@@ -225,7 +225,7 @@ def _argmax_suffices(params: SamplingParams) -> bool:
     return params.greedy and not params.needs_penalties and params.logprobs is None
 
 
-def _logprobs(
+def token_logprobs(
     raw_logits: torch.Tensor, rows: list[SamplingRow], token_ids: torch.Tensor
 ) -> tuple[list[float] | None, list[list[tuple[int, float]]] | None]:
     """Chosen-token logprob and top-k alternatives from the raw logits, as vLLM."""

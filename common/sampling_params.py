@@ -29,6 +29,10 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k >= 0: sampled token's logprob + top-k alternatives
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Speculative decoding for this request: None takes the deployment's
+    # method, "off" opts out; num_speculative_tokens caps k (None: the deployment's).
+    speculative: str | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,6 +71,12 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if self.speculative not in (None, "off", "ngram", "draft"):
+            bad("speculative", 'must be null, "off", "ngram" or "draft"')
+        if self.num_speculative_tokens is not None and not (
+            isinstance(self.num_speculative_tokens, int) and 0 <= self.num_speculative_tokens <= 16
+        ):
+            bad("num_speculative_tokens", "must be an integer in [0, 16]")
         if self.logprobs is not None and not (
             isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS
         ):

@@ -13,6 +13,17 @@ sequence cannot fit the whole pool, which is rejected when it is added.
 Life cycle: add_sequences -> waiting -> (schedule) running -> (update) ... ->
 finished, blocks freed. Samples 2..n of a request wait in WAITING_FOR_FORK
 until sample 1 has computed the prompt, then share its full prompt blocks.
+
+Speculative tokens are just more tokens in the plan: a decoding sequence
+with draft tokens in ``seq.spec_token_ids`` computes its last token plus
+the drafts in one step (trimmed to the budget, the context limit and the
+free pool). ``update`` then takes the tokens the verifier emitted and rolls
+the rest back: the computed count covers only the accepted drafts, and
+blocks that held nothing but rejected positions go back to the pool.
+
+Preemption picks the running sequence with the largest (priority lane,
+fairness counter, admission order): the lowest lane's most-served request,
+and among equals the most recently admitted one.
 """
 from __future__ import annotations
 
@@ -30,7 +41,25 @@ class StepPlan:
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    # Draft tokens each sequence verifies this step (empty for most); they
+    # are counted in num_new_tokens after the sequence's last known token.
+    spec_token_ids: list[list[int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.spec_token_ids += [[] for _ in range(len(self.seqs) - len(self.spec_token_ids))]
+
+    def add(self, seq: Sequence, num_new: int, spec: list[int] | None = None) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new)
+        self.spec_token_ids.append(spec or [])
+
+    def remove(self, seq: Sequence) -> int:
+        """Take a sequence back out of the plan; returns the tokens it had."""
+        i = self.seqs.index(seq)
+        self.seqs.pop(i)
+        self.spec_token_ids.pop(i)
+        return self.num_new_tokens.pop(i)
 
     @property
     def total_tokens(self) -> int:
@@ -39,7 +68,7 @@ class StepPlan:
     def samples(self, i: int) -> bool:
         """Whether sequence i reaches its last known token this step (and so samples)."""
         seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens + len(self.spec_token_ids[i])
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
@@ -88,12 +117,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._make_room(seq, num_new, plan):
-                break  # seq itself was preempted; everything after it too
-            plan.seqs.append(seq)
-            plan.num_new_tokens.append(num_new)
-            budget -= num_new
-            i += 1
+            spec = self._spec_tokens(seq, num_new, budget)
+            if spec and not self._allocate_slots(seq, num_new + len(spec)):
+                spec = []  # drafts are the first thing to give up under memory pressure
+            budget += self._make_room(seq, num_new, plan)
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # seq itself was preempted; the next one moved into slot i
+            plan.add(seq, num_new + len(spec), spec)
+            budget -= num_new + len(spec)
+            i = self.running.index(seq) + 1
 
         # Admit new work only when nothing had to be preempted this step.
         while (
@@ -117,10 +149,16 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            plan.seqs.append(seq)
-            plan.num_new_tokens.append(num_new)
+            plan.add(seq, num_new)
             budget -= num_new
         return plan
+
+    def _spec_tokens(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
+        """The drafts a decoding sequence can verify this step, trimmed to fit."""
+        if not seq.spec_token_ids or num_new != 1 or seq.num_tokens - seq.num_computed_tokens != 1:
+            return []
+        room = min(budget - 1, self.max_model_len - seq.num_tokens)
+        return seq.spec_token_ids[: max(room, 0)]
 
     def _take_cached_prefix(self, seq: Sequence) -> bool:
         # Always leave at least one token to compute: the step that computes
@@ -145,15 +183,25 @@ class Scheduler:
         seq.block_table.extend(self.blocks.allocate(needed))
         return True
 
-    def _make_room(self, seq: Sequence, num_new: int, plan: StepPlan) -> bool:
-        """Allocate slots for a running sequence, preempting from the back until it fits."""
+    def _make_room(self, seq: Sequence, num_new: int, plan: StepPlan) -> int:
+        """Allocate slots for a running sequence, preempting victims until it fits.
+
+        Returns the budget handed back by victims already in this step's plan.
+        ``seq`` may be the victim itself (then it is no longer RUNNING).
+        """
+        refund = 0
         while not self._allocate_slots(seq, num_new):
-            victim = self.running.pop()
+            victim = max(
+                enumerate(self.running), key=lambda item: (item[1].priority, item[1].fairness_counter, item[0])
+            )[1]
+            self.running.remove(victim)
+            if victim in plan.seqs:
+                refund += plan.remove(victim)
             self._preempt(victim)
             plan.preempted.append(victim)
             if victim is seq:
-                return False
-        return True
+                break
+        return refund
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
@@ -168,30 +216,50 @@ class Scheduler:
         seq.num_cached_blocks = 0
 
     # ---- applying results --------------------------------------------------
-    def update(self, plan: StepPlan, sampled: dict[int, int]) -> list[Sequence]:
-        """Advance computed counts and append sampled tokens (seq_id -> token).
+    def update(self, plan: StepPlan, sampled: dict[int, list[int]]) -> list[Sequence]:
+        """Advance computed counts and append emitted tokens (seq_id -> tokens).
 
-        Returns the sequences that received a new token. Token-level stop
-        conditions are applied here; stop strings are the output processor's.
+        A sequence that verified drafts emits the accepted ones plus one token
+        from the target; its computed count then covers its last token and the
+        accepted drafts only. Token-level stops (EOS, stop ids, max_tokens,
+        context limit) end the run at the token that hits them, so nothing
+        past a stop is appended. Stop strings are the output processor's.
+        Returns the sequences that received tokens.
         """
         advanced = []
-        for seq, num_new in zip(plan.seqs, plan.num_new_tokens):
-            seq.num_computed_tokens += num_new
+        for seq, num_new, spec in zip(plan.seqs, plan.num_new_tokens, plan.spec_token_ids):
+            tokens = sampled.get(seq.seq_id)
+            known = seq.token_ids
+            if spec:
+                seq.num_computed_tokens += len(tokens)  # last token + accepted drafts
+                self._roll_back_blocks(seq)
+                known = known + tokens[:-1]  # accepted drafts are computed, so cacheable
+            else:
+                seq.num_computed_tokens += num_new
             seq.num_cached_blocks = self.blocks.cache_full_blocks(
-                seq.block_table, seq.token_ids, seq.num_cached_blocks,
+                seq.block_table, known, seq.num_cached_blocks,
                 seq.num_computed_tokens // self.block_size,
             )
-            token = sampled.get(seq.seq_id)
-            if token is None:
+            if not tokens:
                 continue
             if seq.num_output_tokens == 0 and seq.request_id in self._fork_waiters:
                 self._fork(seq)
-            seq.token_ids.append(token)
+            for token in tokens:
+                seq.token_ids.append(token)
+                self._check_token_stop(seq, token)
+                if seq.is_finished:
+                    break
             advanced.append(seq)
-            self._check_token_stop(seq, token)
             if seq.prefill_only and not seq.is_finished:
                 self.finish(seq, FinishReason.HANDOFF)
         return advanced
+
+    def _roll_back_blocks(self, seq: Sequence) -> None:
+        """Free trailing blocks that hold only rejected draft positions."""
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        if len(seq.block_table) > keep:
+            self.blocks.free(seq.block_table[keep:])
+            del seq.block_table[keep:]
 
     def _check_token_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params

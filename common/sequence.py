@@ -66,6 +66,16 @@ class Sequence:
         # Prefill-only sequences stop after their first token and keep their
         # blocks at finish; the lease owner frees them (Scheduler.release_held).
         self.prefill_only = False
+        # Fairness: the lane (0 = p0, served first) and the tenant's virtual
+        # counter when the request was dispatched. Under memory pressure the
+        # scheduler preempts the largest (priority, fairness_counter) first.
+        self.priority = 0
+        self.fairness_counter = 0.0
+        # Speculative decoding: draft tokens proposed for the next step, and
+        # the draft distribution each was sampled from ([k, vocab]; None
+        # when proposals are deterministic, as n-gram lookups are).
+        self.spec_token_ids: list[int] = []
+        self.spec_draft_probs: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -52,6 +52,10 @@ class _GenerationRequest(BaseModel):
     skip_special_tokens: bool = True
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    # Tessera extensions: speculative decoding method ("off", "ngram", "draft")
+    # and the most draft tokens per step, for this request.
+    speculative: str | None = None
+    num_speculative_tokens: int | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -84,7 +88,7 @@ class _GenerationRequest(BaseModel):
 
 
 _OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                             "repetition_penalty")
+                             "repetition_penalty", "speculative", "num_speculative_tokens")
 
 
 class CompletionRequest(_GenerationRequest):

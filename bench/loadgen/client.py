@@ -37,6 +37,7 @@ class RequestOptions:
     ignore_eos: bool = True
     include_usage: bool = True
     headers: dict[str, str] = field(default_factory=dict)
+    extra_body: dict = field(default_factory=dict)  # merged into every request body (--extra-body)
 
     @property
     def chat(self) -> bool:
@@ -54,6 +55,7 @@ def request_body(options: RequestOptions, spec: RequestSpec) -> dict:
         body["ignore_eos"] = True
     if options.include_usage:
         body["stream_options"] = {"include_usage": True}
+    body.update(options.extra_body)
     return body
 
 

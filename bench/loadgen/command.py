@@ -37,6 +37,8 @@ def add_bench_command(subparsers) -> None:
     target.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' when no --tenant is given")
     target.add_argument("--header", action="append", default=[], metavar="KEY=VALUE",
                         help="an extra HTTP header on every request (repeatable)")
+    target.add_argument("--extra-body", action="append", default=[], metavar="KEY=JSON",
+                        help="an extra field in every request body, e.g. speculative=off (repeatable)")
     target.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
     target.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="ask the server to generate exactly max_tokens (vLLM/SGLang/Tessera extension; "

@@ -8,6 +8,7 @@ list of rates or of concurrencies makes a sweep (one list at most);
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +83,19 @@ def _headers(pairs: list[str]) -> dict[str, str]:
     return headers
 
 
+def _extra_body(pairs: list[str]) -> dict:
+    body = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--extra-body takes KEY=JSON, got {pair!r}")
+        try:
+            body[key] = json.loads(value)
+        except json.JSONDecodeError:
+            body[key] = value  # a bare word is a string
+    return body
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     rates = _numbers(args.request_rate, "--request-rate", float)
     concurrencies = _numbers(args.max_concurrency, "--max-concurrency", int) if args.max_concurrency else (None,)
@@ -117,7 +131,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     request = RequestOptions(
         base_url=args.base_url.rstrip("/"), endpoint=args.endpoint, model=args.model,
         temperature=args.temperature, ignore_eos=args.ignore_eos, include_usage=args.stream_usage,
-        headers=_headers(args.header),
+        headers=_headers(args.header), extra_body=_extra_body(args.extra_body),
     )
     return BenchConfig(
         request=request, workload=workload, tokenizer=args.tokenizer, num_prompts=args.num_prompts,

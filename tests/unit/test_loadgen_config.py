@@ -23,6 +23,16 @@ def test_defaults_and_a_rate_sweep():
     assert config().points() == [LoadPoint(math.inf, None)]
 
 
+def test_extra_body_fields_reach_every_request():
+    from bench.loadgen.client import request_body
+    from bench.loadgen.workloads import RequestSpec
+
+    c = config("--extra-body", "speculative=off", "--extra-body", "num_speculative_tokens=2", "--model", "m")
+    assert c.request.extra_body == {"speculative": "off", "num_speculative_tokens": 2}
+    body = request_body(c.request, RequestSpec("hi", None, 4))
+    assert body["speculative"] == "off" and body["num_speculative_tokens"] == 2 and body["max_tokens"] == 4
+
+
 def test_a_concurrency_sweep():
     c = config("--max-concurrency", "1,4", "--workload", "realistic", "--endpoint", "/v1/chat/completions")
     assert [p.label for p in c.points()] == ["rate=inf,concurrency=1", "rate=inf,concurrency=4"]
@@ -41,6 +51,7 @@ def test_a_concurrency_sweep():
     (["--max-duration", "0"], "--max-duration"),
     (["--input-len", "9-3"], "--input-len"),
     (["--header", "novalue"], "--header"),
+    (["--extra-body", "novalue"], "--extra-body"),
 ])
 def test_bad_flags_name_the_flag(flags, message):
     with pytest.raises(ValueError, match=message):

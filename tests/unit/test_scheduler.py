@@ -21,7 +21,7 @@ def seq(rid, n_prompt, max_tokens=4, n=1, start=1):
 
 def run_step(s, token=7):
     plan = s.schedule()
-    sampled = {q.seq_id: token for i, q in enumerate(plan.seqs) if plan.samples(i)}
+    sampled = {q.seq_id: [token] for i, q in enumerate(plan.seqs) if plan.samples(i)}
     s.update(plan, sampled)
     return plan
 
