@@ -13,11 +13,14 @@ import sys
 
 from bench.loadgen.command import add_bench_command
 from common.cli_options import add_model_options
+from common.config_command import add_config_command
 from common.generate_command import add_generate_command
+from common.keys_command import add_keys_command
 from common.model_store import prepare_embedded_model
 from common.up_command import add_up_command
 from common.worker_command import add_worker_commands
 from proxy.main import add_command as add_proxy_command
+from proxy.tenants_command import add_tenants_command
 
 
 def add_model_command(subparsers) -> None:
@@ -54,7 +57,7 @@ def _print_embedded_model_dir(args: argparse.Namespace) -> int:
 
 COMMANDS = (
     add_model_command, add_generate_command, add_proxy_command, add_worker_commands, add_up_command,
-    add_bench_command,
+    add_bench_command, add_config_command, add_keys_command, add_tenants_command,
 )
 
 

@@ -14,7 +14,8 @@ Adaptive k: each request keeps a decayed count of draft positions tried
 and accepted (a position is tried when every draft before it was
 accepted), so ``rate`` estimates the chance one more draft is accepted.
 Draft position i is worth verifying while ``rate ** i`` (the chance of
-reaching and accepting it) is at least ``spec_min_acceptance``; a request
+reaching and accepting it) is at least what verifying one more token costs
+(``spec_min_acceptance``, by default measured per dtype); a request
 whose rate falls low enough proposes nothing, and re-probes with one draft
 every ``PROBE_INTERVAL`` steps so it can recover when its text turns
 repetitive. Separately, no sequence speculates while more than
@@ -110,7 +111,7 @@ class Speculator:
         if k <= 0 or not self.config.spec_adaptive:
             return max(k, 0)
         estimate = self.acceptance.setdefault(seq.seq_id, Acceptance())
-        worth = _positions_worth_verifying(estimate.rate, self.config.spec_min_acceptance)
+        worth = _positions_worth_verifying(estimate.rate, self.config.spec_draft_cost)
         if worth == 0:
             estimate.idle_steps += 1
             if estimate.idle_steps < PROBE_INTERVAL:

@@ -15,6 +15,15 @@ Page frames leave zero-copy: memoryviews of the pool's storage sent with
 local blocks while holding the pull's lock, so an abort never races a late
 copy, and only then marks the pull DONE.
 
+CURVE (``common.zmq_security``): given a worker's ``curve`` keys, the ROUTER
+is a CURVE server whose ZAP authenticator admits only the peers' public keys
+(``curve_authorized_keys_dir``), the published metadata carries this
+worker's public key, and each DEALER pins the public key its peer published.
+That metadata travels only over the authenticated control channel (Register
+to the proxy, Peers back), so a puller trusts the key it pins. A worker with
+CURVE refuses a peer that publishes no key, and one without refuses a peer
+that does: either pairing could only time out.
+
 Failures: a malformed request is logged and dropped (the puller's deadline
 covers it); a well-formed one naming blocks outside the pool is refused with
 the reason. A dead server never answers, so its pulls fail at their
@@ -37,6 +46,7 @@ import numpy as np
 import torch
 import zmq
 
+from common.zmq_security import WorkerCurve, apply_curve_client, apply_curve_server, start_authenticator
 from kv_transfer.base import KVTransferBackend, TransferHandle, TransferStatus
 
 log = logging.getLogger(__name__)
@@ -70,6 +80,7 @@ class ZmqBackend(KVTransferBackend):
         startup_timeout_s: float = 10.0,
         close_timeout_s: float = 5.0,
         io_poll_interval_s: float = 1.0,
+        curve: WorkerCurve | None = None,
     ) -> None:
         for option, value in (("startup_timeout_s", startup_timeout_s), ("close_timeout_s", close_timeout_s),
                               ("io_poll_interval_s", io_poll_interval_s)):
@@ -83,6 +94,9 @@ class ZmqBackend(KVTransferBackend):
         self.startup_timeout_s = startup_timeout_s
         self.close_timeout_s = close_timeout_s
         self.io_poll_interval_s = io_poll_interval_s
+        self._curve = curve
+        self._kv_server = curve.kv_server() if curve is not None else None
+        self._authenticator = None
         self._context: zmq.Context | None = None
         self._thread: threading.Thread | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -97,6 +111,8 @@ class ZmqBackend(KVTransferBackend):
     def _publish(self, kv_cache) -> dict:
         self._bytes = pool_bytes(kv_cache)
         self._context = zmq.Context(io_threads=1)
+        if self._kv_server is not None:
+            self._authenticator = start_authenticator(self._context, self._kv_server, "the zmq KV server")
         ready: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, args=(ready,), name="kv-transfer-zmq", daemon=True)
         self._thread.start()
@@ -108,13 +124,22 @@ class ZmqBackend(KVTransferBackend):
             ) from None
         if isinstance(started, Exception):
             raise RuntimeError(f"zmq transfer server could not bind {self.host}:{self.port}: {started}")
-        return {"address": f"tcp://{self.advertise_host}:{started}"}
+        address = f"tcp://{self.advertise_host}:{started}"
+        if self._curve is None:
+            return {"address": address}
+        return {"address": address, "curve_public_key": self._curve.keys.public.decode()}
 
     def _connect(self, peer_id: str, fields: dict) -> str:
         address = fields.get("address")
         if not isinstance(address, str) or not re.fullmatch(r"tcp://\S+:\d+", address):
             raise ValueError(f"peer {peer_id!r}: zmq metadata needs a 'tcp://host:port' address, got {address!r}")
-        self._command("connect", peer_id, address)
+        server_key = fields.get("curve_public_key")
+        if self._curve is not None and not (isinstance(server_key, str) and len(server_key) == 40):
+            raise ValueError(f"peer {peer_id!r} publishes no CURVE public key but this worker has CURVE on "
+                             "(curve_secret_key_file): refusing a plaintext KV channel")
+        if self._curve is None and server_key is not None:
+            raise ValueError(f"peer {peer_id!r} requires CURVE but this worker has no curve_secret_key_file")
+        self._command("connect", peer_id, address, server_key)
         return address
 
     def _disconnect(self, peer_id: str, address: str) -> None:
@@ -138,6 +163,8 @@ class ZmqBackend(KVTransferBackend):
                 # Terminating the context under a live socket would block; leak it and say so.
                 log.error("zmq I/O thread did not stop within close_timeout_s=%s", self.close_timeout_s)
                 return
+            if self._authenticator is not None:
+                self._authenticator.stop()
             self._context.term()
         os.close(self._wake_read)
         os.close(self._wake_write)
@@ -158,6 +185,8 @@ class ZmqBackend(KVTransferBackend):
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished puller raises instead of silently dropping
         router.setsockopt(zmq.SNDHWM, 0)  # replies are zero-copy views; do not drop them at a watermark
+        if self._kv_server is not None:
+            apply_curve_server(router, self._kv_server.keys)
         try:
             router.bind(f"tcp://{self.host}:{self.port}")  # port 0: the OS picks a free one
         except zmq.ZMQError as exc:
@@ -204,10 +233,12 @@ class ZmqBackend(KVTransferBackend):
             except queue.Empty:
                 return
             if kind == "connect":
-                peer_id, address = args
+                peer_id, address, server_key = args
                 dealer = self._context.socket(zmq.DEALER)
                 dealer.setsockopt(zmq.LINGER, 0)
                 dealer.setsockopt(zmq.RCVHWM, 0)
+                if self._curve is not None:
+                    apply_curve_client(dealer, self._curve.keys, server_key.encode())
                 try:
                     dealer.connect(address)
                 except zmq.ZMQError as exc:  # its pulls then fail as "not connected"

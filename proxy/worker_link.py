@@ -12,8 +12,12 @@ touches the socket.
 - A send that cannot complete within ``heartbeat_timeout_s`` is dropped and
   logged: a worker that takes no message for that long is treated as dead by
   the heartbeat watchdog anyway, and one slow worker must not stall the rest.
+- CURVE (``common.zmq_security``): with a ``curve`` server config the socket
+  is a CURVE server and the context's ZAP authenticator lets in only the
+  authorized worker keys; without one it is plaintext and says so at start.
 - ``close`` stops the receiver, flushes the outbox (Aborts sent while
-  shutting down), closes the socket with that same linger, then the context.
+  shutting down), closes the socket with that same linger, stops the
+  authenticator, then terminates the context.
 """
 from __future__ import annotations
 
@@ -25,13 +29,17 @@ import zmq
 import zmq.asyncio
 
 from common.wire import encode
+from common.zmq_security import CurveServer, apply_curve_server, start_authenticator
 
 log = logging.getLogger("tessera.proxy")
 
 
 class WorkerLink:
-    def __init__(self, bind: str, on_frames: Callable[[bytes, list[bytes]], None], send_timeout_s: float) -> None:
+    def __init__(self, bind: str, on_frames: Callable[[bytes, list[bytes]], None], send_timeout_s: float,
+                 curve: CurveServer | None = None) -> None:
         self._bind = bind
+        self._curve = curve
+        self._authenticator = None
         self._on_frames = on_frames
         self._send_timeout_s = send_timeout_s
         self._outbox: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
@@ -49,10 +57,17 @@ class WorkerLink:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.LINGER, int(self._send_timeout_s * 1000))
+        if self._curve is not None:
+            self._authenticator = start_authenticator(self._context, self._curve, "the proxy's worker link")
+            apply_curve_server(sock, self._curve.keys)
+        else:
+            log.warning("CURVE is off (curve_secret_key_file is empty): any process that reaches %s can "
+                        "register as a worker, and control traffic is unencrypted", self._bind)
         try:
             sock.bind(self._bind)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
+            self._stop_authenticator()
             self._context.term()
             raise RuntimeError(f"cannot bind worker_bind={self._bind!r}: {exc}") from exc
         self._socket = sock
@@ -71,9 +86,15 @@ class WorkerLink:
                 await self._send_one(self._socket, *self._outbox.get_nowait())
             self._socket.close()
             self._socket = None
+        self._stop_authenticator()
         if self._context is not None:
             self._context.term()
             self._context = None
+
+    def _stop_authenticator(self) -> None:
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
 
     async def _receive(self, sock: zmq.asyncio.Socket) -> None:
         while True:

@@ -14,13 +14,13 @@ import time
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from common.role_config import ProxyConfig
 from common.tokenizer import Tokenizer
 from common.wire import Abort, DecodeRequest, Peers, PrefillRequest, RegisterAck, ReleaseKV
 from proxy.app import create_app
 from proxy.fake_worker import FakeWorker
+from proxy.listener import listener_config
 from proxy.server import DrainingServer
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -46,8 +46,9 @@ class RunningProxy:
         self.services = self.app.state.services
         listener = socket.socket()
         listener.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-        self.server = DrainingServer(uvicorn.Config(self.app, loop="uvloop", log_level="warning"),
+        scheme = "https" if config.tls_cert_file else "http"
+        self.url = f"{scheme}://127.0.0.1:{listener.getsockname()[1]}"
+        self.server = DrainingServer(listener_config(self.app, config, loop="uvloop", log_level="warning"),
                                      self.services.cluster, drain_timeout_s=5.0)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [listener]}, daemon=True)
         self.thread.start()

@@ -1,0 +1,170 @@
+"""Config validation messages, ``tessera config check`` and ``tessera keys generate``."""
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+import zmq
+import zmq.auth
+
+from common.cli import main
+from common.config import ConfigError, EngineConfig
+from common.role_config import ProxyConfig, WorkerConfig, build, load_config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").rglob("*.yaml"))
+needs_curve = pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE support")
+
+
+def error_of(cls, data: dict) -> str:
+    with pytest.raises(ConfigError) as caught:
+        build(cls, data)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("cls, data, words", [
+    (ProxyConfig, {"prot": 1}, ["unknown proxy config field 'prot'", "did you mean 'port'?"]),
+    (WorkerConfig, {"engine": {"max_num_seq": 2}}, ["'max_num_seq'", "did you mean 'max_num_seqs'?"]),
+    (ProxyConfig, {"tenants": [{"name": "a", "wieght": 2}]}, ["'wieght'", "did you mean 'weight'?"]),
+    (ProxyConfig, {"zzzz": 1}, ["unknown proxy config field 'zzzz'", "known fields:", "worker_bind"]),
+])
+def test_unknown_keys_name_the_closest_known_field(cls, data, words):
+    message = error_of(cls, data)
+    for word in words:
+        assert word in message
+
+
+@pytest.mark.parametrize("cls, data, words", [
+    (WorkerConfig, {"role": "mixed"}, ["'role' = 'mixed'", "one of 'prefill', 'decode', 'both'"]),
+    (WorkerConfig, {"transfer_backend": "rdma"}, ["'transfer_backend'", "'nixl'", "'zmq'"]),
+    (WorkerConfig, {"engine": {"dtype": "float16"}}, ["engine section", "'dtype'", "'bfloat16'"]),
+    (WorkerConfig, {"engine": {"block_size": 12}}, ["'block_size' = 12", "one of 8, 16, 32"]),
+    (ProxyConfig, {"heartbeat_timeout_s": 0}, ["'heartbeat_timeout_s' = 0", "> 0"]),
+    (WorkerConfig, {"engine": {"num_kv_blocks": 1}}, ["'num_kv_blocks' = 1", ">= 2 (or null)"]),
+    (ProxyConfig, {"port": "http"}, ["'port' = 'http'", "expected int"]),
+    (ProxyConfig, {"max_connections": True}, ["'max_connections' = True", "expected int"]),
+    (ProxyConfig, {"fairness_policy": "lifo"}, ["'fairness_policy'", "'vtc'"]),
+    (ProxyConfig, {"max_tokens_limit": 100}, ["'max_tokens_default' = 256", "<= max_tokens_limit (100)"]),
+])
+def test_bad_values_name_the_field_and_what_it_allows(cls, data, words):
+    message = error_of(cls, data)
+    for word in words:
+        assert word in message
+
+
+@pytest.mark.parametrize("cls, data, words", [
+    (ProxyConfig, {"tls_cert_file": "c.pem"}, ["'tls_key_file' is empty", "'tls_cert_file' is set"]),
+    (ProxyConfig, {"tls_ca_file": "ca.pem"}, ["'tls_ca_file' needs tls_cert_file"]),
+    (ProxyConfig, {"curve_secret_key_file": "k"}, ["'curve_authorized_keys_dir' is empty"]),
+    (WorkerConfig, {"curve_secret_key_file": "k", "curve_authorized_keys_dir": "d"},
+     ["'curve_proxy_public_key_file' is empty"]),
+    (WorkerConfig, {"curve_secret_key_file": "k", "curve_proxy_public_key_file": "p"},
+     ["'curve_authorized_keys_dir' is empty", "zmq backend"]),
+])
+def test_fields_that_go_together(cls, data, words):
+    message = error_of(cls, data)
+    for word in words:
+        assert word in message
+
+
+def test_a_nixl_worker_needs_no_peer_keys_directory():
+    config = build(WorkerConfig, {"transfer_backend": "nixl", "curve_secret_key_file": "k",
+                                  "curve_proxy_public_key_file": "p"})
+    assert config.curve_authorized_keys_dir == ""
+
+
+def test_integers_are_accepted_for_float_fields():
+    config = build(ProxyConfig, {"heartbeat_timeout_s": 3})
+    assert config.heartbeat_timeout_s == 3.0 and type(config.heartbeat_timeout_s) is float
+    assert EngineConfig(model="m").max_model_len is None  # null stays null
+
+
+def test_loading_checks_that_named_files_exist(tmp_path):
+    with pytest.raises(ConfigError, match=r"'tls_cert_file' = '.*nope.pem': no such file"):
+        load_config(ProxyConfig, None, {"tls_cert_file": str(tmp_path / "nope.pem"),
+                                        "tls_key_file": str(tmp_path / "nope.key")})
+    with pytest.raises(ConfigError, match="'curve_authorized_keys_dir' = .*: no such dir"):
+        load_config(ProxyConfig, None, {"curve_secret_key_file": __file__,
+                                        "curve_authorized_keys_dir": str(tmp_path / "none")})
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(p.parents[1])) for p in CONFIGS])
+def test_every_shipped_config_file_checks_out(path, capsys):
+    role = ["--role", "proxy"] if path.stem == "proxy" else []
+    assert main(["config", "check", str(path), *role]) == 0, capsys.readouterr().err
+    assert f"{path}: OK" in capsys.readouterr().out
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("text, args, words", [
+    ("port: 8001\n", [], ["has no 'role:' key", "--role proxy"]),
+    ("role: decode\n", ["--role", "prefill"], ["says role: 'decode' but --role is 'prefill'"]),
+    ("role: decode\nengine: {max_num_seq: 4}\n", [], ["did you mean 'max_num_seqs'?"]),
+    ("port: [1\n", ["--role", "proxy"], ["invalid"]),
+    ("- a\n", ["--role", "proxy"], ["expected a mapping"]),
+    ("tls_cert_file: {f}\ntls_key_file: {f}\n", ["--role", "proxy"],
+     ["'tls_cert_file'", "'tls_key_file'", "not a matching PEM certificate and key"]),
+])
+def test_check_fails_with_exit_2_and_the_reason(tmp_path, capsys, text, args, words):
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    assert main(["config", "check", write(tmp_path, text.replace("{f}", str(garbage))), *args]) == 2
+    err = capsys.readouterr().err
+    for word in words:
+        assert word in err
+
+
+def test_check_applies_overrides_and_summarizes(tmp_path, capsys):
+    path = write(tmp_path, "role: prefill\ntransfer_backend: zmq\n")
+    assert main(["config", "check", path, "--set", "engine.dtype=bfloat16", "--set", "port=1"]) == 2
+    assert "unknown worker config field 'port'" in capsys.readouterr().err
+    assert main(["config", "check", path, "--set", "engine.dtype=bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "role: prefill" in out and "(bfloat16)" in out and "KV transfer zmq" in out
+    assert "CURVE: off" in out
+
+
+@needs_curve
+def test_keys_generate_writes_a_private_pair_and_never_overwrites(tmp_path, capsys):
+    out = tmp_path / "keys"
+    assert main(["keys", "generate", "--out", str(out), "--name", "prefill-0"]) == 0
+    public, secret = out / "prefill-0.key", out / "prefill-0.key_secret"
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert stat.S_IMODE(out.stat().st_mode) == 0o700
+    public_key, secret_key = zmq.auth.load_certificate(secret)
+    assert zmq.auth.load_certificate(public) == (public_key, None) and secret_key is not None
+    assert main(["keys", "generate", "--out", str(out), "--name", "prefill-0"]) == 2
+    assert "refusing to overwrite" in capsys.readouterr().err
+    assert zmq.auth.load_certificate(secret) == (public_key, secret_key)
+    assert main(["keys", "generate", "--out", str(out), "--name", "../escape"]) == 2
+
+
+@needs_curve
+def test_check_opens_the_curve_key_files(tmp_path, capsys):
+    keys = tmp_path / "keys"
+    for name in ("proxy", "w0"):
+        assert main(["keys", "generate", "--out", str(keys), "--name", name]) == 0
+    authorized = tmp_path / "authorized"
+    authorized.mkdir()
+    proxy = write(tmp_path, f"curve_secret_key_file: {keys / 'proxy.key_secret'}\n"
+                            f"curve_authorized_keys_dir: {authorized}\n")
+    assert main(["config", "check", proxy, "--role", "proxy"]) == 2
+    assert "holds no public key (*.key) file" in capsys.readouterr().err
+    (authorized / "w0.key").write_bytes((keys / "w0.key").read_bytes())
+    assert main(["config", "check", proxy, "--role", "proxy"]) == 0
+    assert "CURVE: on" in capsys.readouterr().out
+    swapped = ["--set", f"curve_secret_key_file={keys / 'proxy.key'}"]
+    assert main(["config", "check", proxy, "--role", "proxy", *swapped]) == 2
+    assert "'curve_secret_key_file'" in (err := capsys.readouterr().err) and "holds no secret key" in err
+    worker = ["--role", "decode", "--set", f"curve_secret_key_file={keys / 'w0.key_secret'}",
+              "--set", f"curve_proxy_public_key_file={keys / 'proxy.key'}",
+              "--set", f"curve_authorized_keys_dir={authorized}"]
+    assert main(["config", "check", write(tmp_path, "{}\n"), *worker]) == 0
+    not_a_key = ["--set", f"curve_proxy_public_key_file={__file__}"]
+    assert main(["config", "check", write(tmp_path, "{}\n"), *worker, *not_a_key]) == 2
+    assert "'curve_proxy_public_key_file'" in capsys.readouterr().err
