@@ -35,25 +35,32 @@ class Cluster:
     port: int = field(default_factory=free_port)
     worker_port: int = field(default_factory=free_port)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    metrics_ports: dict[str, int] = field(default_factory=dict)  # worker name -> its /metrics port
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "Cluster":
-        self._spawn("proxy", ["proxy", "--set", f"port={self.port}",
-                              "--set", f"worker_bind=tcp://127.0.0.1:{self.worker_port}",
-                              "--set", f"model={self.model_dir}", "--set", "heartbeat_timeout_s=3"]
-                    + [a for kv in self.proxy_overrides for a in ("--set", kv)])
+        self.start_proxy()
         for role, count in (("prefill", self.prefill), ("decode", self.decode), ("both", self.both)):
             for i in range(count):
                 self.start_worker(role, i)
         self.wait_ready()
         return self
 
+    def start_proxy(self) -> None:
+        """Start the proxy on this cluster's ports; once more after it died, it starts knowing no worker."""
+        self._spawn("proxy", ["proxy", "--set", f"port={self.port}",
+                              "--set", f"worker_bind=tcp://127.0.0.1:{self.worker_port}",
+                              "--set", f"model={self.model_dir}", "--set", "heartbeat_timeout_s=3"]
+                    + [a for kv in self.proxy_overrides for a in ("--set", kv)])
+
     def start_worker(self, role: str, index: int) -> str:
         name = f"{role}-{index}"
+        self.metrics_ports[name] = free_port()
         self._spawn(name, [role, "--set", f"worker_id={name}",
+                           "--set", f"metrics_port={self.metrics_ports[name]}",
                            "--set", f"proxy_address=tcp://127.0.0.1:{self.worker_port}",
                            "--set", f"engine.model={self.model_dir}", "--set", "engine.num_threads=1",
                            "--set", "engine.kv_cache_memory_bytes=268435456",
@@ -69,9 +76,13 @@ class Cluster:
             [sys.executable, "-m", "common.cli", *args], stdout=log, stderr=subprocess.STDOUT, env=env,
         )
 
-    def get(self, path: str) -> tuple[int, str]:
+    def worker_url(self, name: str) -> str:
+        """Where worker ``name`` serves /metrics, /healthz and /readyz."""
+        return f"http://127.0.0.1:{self.metrics_ports[name]}"
+
+    def get(self, path: str, base: str | None = None) -> tuple[int, str]:
         try:
-            with urllib.request.urlopen(self.url + path, timeout=10) as resp:
+            with urllib.request.urlopen((base or self.url) + path, timeout=10) as resp:
                 return resp.status, resp.read().decode()
         except urllib.error.HTTPError as err:
             return err.code, err.read().decode()

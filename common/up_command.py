@@ -51,7 +51,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cluster_commands(args: argparse.Namespace, worker_port: int) -> list[tuple[str, list[str]]]:
+def cluster_commands(args: argparse.Namespace, worker_port: int,
+                     metrics_ports: dict[str, int]) -> list[tuple[str, list[str]]]:
+    """One command per process; each worker's /metrics port is chosen here and recorded in ``metrics_ports``."""
     workers = args.prefill_workers + args.decode_workers
     threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, workers))
     base = [sys.executable, "-m", "common.cli"]
@@ -61,7 +63,9 @@ def cluster_commands(args: argparse.Namespace, worker_port: int) -> list[tuple[s
     commands = [("proxy", proxy)]
     for role, count in (("prefill", args.prefill_workers), ("decode", args.decode_workers)):
         for i in range(count):
+            metrics_ports[f"{role}-{i}"] = free_port()
             cmd = base + [role, "--set", f"worker_id={role}-{i}",
+                          "--set", f"metrics_port={metrics_ports[f'{role}-{i}']}",
                           "--set", f"proxy_address=tcp://127.0.0.1:{worker_port}",
                           "--set", f"engine.model={args.model}", "--set", f"engine.dtype={args.dtype}",
                           "--set", f"engine.num_threads={threads}",
@@ -77,7 +81,8 @@ def cluster_commands(args: argparse.Namespace, worker_port: int) -> list[tuple[s
 
 def _run(args: argparse.Namespace) -> int:
     configure_logging("INFO")
-    commands = cluster_commands(args, free_port())
+    metrics_ports: dict[str, int] = {}
+    commands = cluster_commands(args, free_port(), metrics_ports)
     procs: dict[str, subprocess.Popen] = {}
     stopping = False
 
@@ -94,6 +99,10 @@ def _run(args: argparse.Namespace) -> int:
         if not _wait_ready(url, procs, lambda: stopping):
             return 1
         print(f"\nTessera is ready at {url}  (Ctrl-C stops it)\n", flush=True)
+        print(f"  metrics: proxy {url}/metrics", flush=True)
+        for name, port in metrics_ports.items():
+            print(f"           {name} http://127.0.0.1:{port}/metrics  (/healthz, /readyz)", flush=True)
+        print(flush=True)
         print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\", flush=True)
         print("    -d '{\"model\": \"SmolLM2-135M-Instruct\", \"messages\": "
               "[{\"role\": \"user\", \"content\": \"Say hello\"}], \"max_tokens\": 32}'\n", flush=True)

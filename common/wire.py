@@ -14,6 +14,10 @@ this channel):
 - worker -> proxy: Register, then Heartbeat every ``heartbeat_interval_s``
   (``draining=True`` once it stops taking work); Goodbye as it exits. The proxy answers RegisterAck, and sends decode
   workers Peers whenever the set of prefill workers changes.
+- proxy -> worker: Reregister, answering a Heartbeat from a worker id or
+  epoch it does not know (it restarted, or expired the worker). The worker
+  drops the requests it ran for the old proxy, frees their pages, and sends
+  its Register again (same id and epoch: the same process rejoins).
 - proxy -> prefill: PrefillRequest; prefill -> proxy: PrefillDone (first
   token + the pages it holds under a lease).
 - proxy -> decode: DecodeRequest (pages to pull, or none: prefill locally);
@@ -44,6 +48,7 @@ class MsgType(enum.IntEnum):
     HEARTBEAT = 3
     GOODBYE = 4
     PEERS = 5
+    REREGISTER = 6
     PREFILL_REQUEST = 10
     PREFILL_DONE = 11
     DECODE_REQUEST = 12
@@ -81,6 +86,7 @@ class Register:
     max_model_len: int
     transfer_backend: str
     transfer_metadata: bytes
+    max_num_seqs: int = 0  # sequences its engine runs at once (decode slots); 0: not reported
 
 
 @dataclass
@@ -109,6 +115,13 @@ class Goodbye:
 
 
 @dataclass
+class Reregister:
+    worker_id: str
+    epoch: int  # the epoch of the heartbeat the proxy did not recognise
+    reason: str = ""
+
+
+@dataclass
 class PeerInfo:
     worker_id: str
     epoch: int
@@ -128,6 +141,10 @@ class PrefillRequest:
     params: dict  # SamplingParams.to_dict()
     seed: int
     lease_s: float
+    tenant: str = ""  # who sent it; priority (lane, 0 first) and the tenant's service counter at dispatch
+    priority: int = 0
+    fairness_counter: float = 0.0
+    trace_context: dict | None = None  # W3C trace context ({"traceparent": ...}) when tracing is on
 
 
 @dataclass
@@ -156,6 +173,10 @@ class DecodeRequest:
     source_block_ids: list[int] = field(default_factory=list)
     first_logprob: float | None = None
     first_top_logprobs: list[list] | None = None
+    tenant: str = ""  # as on PrefillRequest: decode preempts the lowest lane, highest counter first
+    priority: int = 0
+    fairness_counter: float = 0.0
+    trace_context: dict | None = None
 
 
 @dataclass
@@ -196,6 +217,7 @@ class RequestFailed:
     worker_id: str
     message: str
     retryable: bool = False
+    invalid_request: bool = False  # the request itself is unacceptable (the client gets a 400)
 
 
 MESSAGES: dict[MsgType, type] = {
@@ -204,6 +226,7 @@ MESSAGES: dict[MsgType, type] = {
     MsgType.HEARTBEAT: Heartbeat,
     MsgType.GOODBYE: Goodbye,
     MsgType.PEERS: Peers,
+    MsgType.REREGISTER: Reregister,
     MsgType.PREFILL_REQUEST: PrefillRequest,
     MsgType.PREFILL_DONE: PrefillDone,
     MsgType.DECODE_REQUEST: DecodeRequest,

@@ -13,8 +13,12 @@ from pathlib import Path
 
 from common import wire
 from common.engine import LLMEngine
+from common.health_server import HealthServer
 from common.role_config import WorkerConfig
+from common.tracing import make_tracing
+from common.worker_metrics import WorkerMetrics
 from common.worker_runtime import Load
+from common.zmq_security import worker_curve
 from kv_transfer.base import default_backend_name, make_backend
 
 log = logging.getLogger(__name__)
@@ -36,11 +40,17 @@ class WorkerBase:
         self.config = config
         self.epoch = time.time_ns()
         self.draining = False
+        self.metrics = WorkerMetrics(config)
+        # Started before the model loads, so that probes see "loading" rather than a refused connection.
+        self.health = HealthServer(config, self.metrics).start() if config.metrics_port else None
+        self.tracing = make_tracing(config.otel_endpoint, config.otel_service_name)
+        self._spans: dict[tuple[str, str], object] = {}  # (request id, span name) -> open span
         self.engine = LLMEngine(config.engine)
+        self.metrics.status.model_loaded = True
         name = config.transfer_backend
         if name == "auto":
             name = default_backend_name()
-        options = {"host": config.transfer_host} if name == "zmq" else {}
+        options = {"host": config.transfer_host, "curve": worker_curve(config)} if name == "zmq" else {}
         self.transfer = make_backend(name, **options)
         self.transfer_metadata = self.transfer.register_pool(self.engine.runner.kv_cache)
         self.transfer_name = name
@@ -68,6 +78,7 @@ class WorkerBase:
             max_model_len=self.engine.max_model_len,
             transfer_backend=self.transfer_name,
             transfer_metadata=self.transfer_metadata,
+            max_num_seqs=self.config.engine.max_num_seqs,
         )
 
     def load(self) -> Load:
@@ -79,8 +90,25 @@ class WorkerBase:
             outstanding_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens for s in scheduler.waiting),
         )
 
-    def refuse(self, request_id: str, message: str, retryable: bool) -> None:
-        self.send(wire.RequestFailed(request_id, self.config.worker_id, message, retryable))
+    def publish_metrics(self) -> None:
+        self.metrics.publish(self.engine)
+
+    def trace_start(self, request_id: str, name: str, trace_context: dict | None) -> None:
+        """Open span ``name`` of a request, a child of the proxy's span when the message carried one."""
+        if self.tracing.enabled and trace_context:
+            self._spans[request_id, name] = self.tracing.start(
+                name, parent=trace_context, attributes={"tessera.request_id": request_id,
+                                                         "tessera.worker_id": self.config.worker_id})
+
+    def trace_end(self, request_id: str, name: str, error: str | None = None) -> None:
+        if self._spans:
+            self.tracing.end(self._spans.pop((request_id, name), None), error)
+
+    def refuse(self, request_id: str, message: str, retryable: bool, invalid_request: bool = False) -> None:
+        self.send(wire.RequestFailed(request_id, self.config.worker_id, message, retryable, invalid_request))
 
     def close(self) -> None:
         self.transfer.close()
+        self.tracing.shutdown()
+        if self.health is not None:
+            self.health.close()

@@ -21,10 +21,10 @@ def add_worker_commands(subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    configure_logging(args.log_level)
     overrides = parse_overrides(args.overrides)
     overrides["role"] = args.role
     config = load_config(WorkerConfig, args.config, overrides)
+    configure_logging(args.log_level, args.log_format, role=config.role, worker_id=config.worker_id)
     if config.engine.num_threads:
         import torch
 

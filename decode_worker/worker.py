@@ -28,6 +28,8 @@ from common.worker_base import WorkerBase
 from kv_transfer.base import TransferStatus
 
 log = logging.getLogger(__name__)
+DECODE_SPAN = "decode_worker.decode"
+TRANSFER_SPAN = "decode_worker.kv_transfer"
 
 
 @dataclass
@@ -83,12 +85,16 @@ class DecodeHandler(WorkerBase):
 
     def _start(self, msg: wire.DecodeRequest) -> None:
         if self.draining:
+            self.metrics.request_done("decode", "refused")
             self.refuse(msg.request_id, "worker is draining", retryable=True)
             return
         try:
             params = SamplingParams.from_dict({**msg.params, "n": 1})
             if msg.first_token is None:
-                self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, seed=msg.seed)
+                for seq in self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, seed=msg.seed):
+                    _set_fairness(seq, msg)
+                self.metrics.prompt_tokens.inc(len(msg.prompt_token_ids))
+                self.trace_start(msg.request_id, DECODE_SPAN, msg.trace_context)
                 return
             top = [(int(t), float(lp)) for t, lp in msg.first_top_logprobs or []]
             seq = self.engine.add_prefilled_request(
@@ -96,8 +102,11 @@ class DecodeHandler(WorkerBase):
                 msg.first_logprob, top,
             )
         except (RequestError, ValueError, TypeError) as exc:
-            self.refuse(msg.request_id, str(exc), retryable=False)
+            self.metrics.request_done("decode", "refused")
+            self.refuse(msg.request_id, str(exc), retryable=False, invalid_request=True)
             return
+        _set_fairness(seq, msg)
+        self.trace_start(msg.request_id, DECODE_SPAN, msg.trace_context)
         self._pull(msg, seq)
 
     def _pull(self, msg: wire.DecodeRequest, seq: Sequence) -> None:
@@ -119,11 +128,13 @@ class DecodeHandler(WorkerBase):
                 problem = f"pull failed to start: {exc}"
         if problem is not None:
             log.warning("request %s: %s; recomputing the prompt here", msg.request_id, problem)
+            self.metrics.kv_pulled(False, 0, 0.0)
             self.engine.kv_failed(seq)
             self.send(wire.KVPulled(msg.request_id, msg.source_worker_id or "", False, error=problem))
             return
         nbytes = len(seq.block_table) * self.engine.runner.layout.bytes_per_block
         self.pulls[msg.request_id] = Pull(seq, handle, msg.source_worker_id, started, nbytes)
+        self.trace_start(msg.request_id, TRANSFER_SPAN, msg.trace_context)
 
     # ---- the turn ---------------------------------------------------------------
     def tick(self) -> None:
@@ -139,6 +150,8 @@ class DecodeHandler(WorkerBase):
         del self.pulls[request_id]
         self.transfer.release(pull.handle)
         seconds = time.monotonic() - pull.started
+        self.metrics.kv_pulled(ok, pull.num_bytes, seconds)
+        self.trace_end(request_id, TRANSFER_SPAN, None if ok else "transfer failed or timed out")
         self.send(wire.KVPulled(
             request_id, pull.source, ok, pull.num_bytes if ok else 0, seconds,
             "" if ok else "transfer failed or timed out",
@@ -154,7 +167,12 @@ class DecodeHandler(WorkerBase):
     def _emit(self, out) -> None:
         o = out.outputs[0]
         if o.finish_reason == "abort":
+            self.metrics.request_done("decode", "aborted")
+            self.trace_end(out.request_id, DECODE_SPAN, "aborted")
             return
+        if o.finish_reason is not None:
+            self.metrics.request_done("decode", "completed")
+            self.trace_end(out.request_id, DECODE_SPAN)
         n = len(o.token_ids_delta)
         if n == 0 and not o.text_delta and o.finish_reason is None:
             return
@@ -182,6 +200,14 @@ class DecodeHandler(WorkerBase):
             time.sleep(0.001)
         for request_id in list(self.engine.requests):
             self.engine.abort_request(request_id)
+            self.metrics.request_done("decode", "failed")
+            self.trace_end(request_id, DECODE_SPAN, reason)
             self.refuse(request_id, reason, retryable=True)
         if self.engine.has_unfinished():
             self.engine.step()
+
+
+def _set_fairness(seq: Sequence, msg: wire.DecodeRequest) -> None:
+    """Under KV pressure the scheduler preempts the lowest lane (largest number), highest counter first."""
+    seq.priority = msg.priority
+    seq.fairness_counter = msg.fairness_counter

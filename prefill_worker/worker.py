@@ -24,6 +24,7 @@ from common.sequence import FinishReason, Sequence
 from common.worker_base import WorkerBase
 
 log = logging.getLogger(__name__)
+SPAN = "prefill_worker.prefill"
 
 
 class PrefillHandler(WorkerBase):
@@ -44,12 +45,15 @@ class PrefillHandler(WorkerBase):
             if msg.request_id in self.computing:
                 self.engine.abort_request(msg.request_id)
                 self.computing.pop(msg.request_id)
+                self.metrics.request_done("prefill", "aborted")
+                self.trace_end(msg.request_id, SPAN, "aborted")
             self._release(msg.request_id)
         elif not isinstance(msg, wire.Peers):
             log.warning("prefill worker ignores %s", type(msg).__name__)
 
     def _start(self, msg: wire.PrefillRequest) -> None:
         if self.draining:
+            self.metrics.request_done("prefill", "refused")
             self.refuse(msg.request_id, "worker is draining", retryable=True)
             return
         try:
@@ -58,8 +62,13 @@ class PrefillHandler(WorkerBase):
                 msg.request_id, msg.prompt_token_ids, params, seed=msg.seed, prefill_only=True
             )
         except (RequestError, ValueError, TypeError) as exc:
-            self.refuse(msg.request_id, str(exc), retryable=False)
+            self.metrics.request_done("prefill", "refused")
+            self.refuse(msg.request_id, str(exc), retryable=False, invalid_request=True)
             return
+        self.metrics.prompt_tokens.inc(len(msg.prompt_token_ids))
+        self.trace_start(msg.request_id, SPAN, msg.trace_context)
+        seq.priority = msg.priority  # the scheduler's preemption order: lowest lane, highest counter first
+        seq.fairness_counter = msg.fairness_counter
         self.computing[msg.request_id] = (seq, msg.lease_s)
 
     def _release(self, request_id: str) -> None:
@@ -72,6 +81,7 @@ class PrefillHandler(WorkerBase):
         now = time.monotonic()
         for request_id in [r for r, (_, expiry) in self.leases.items() if expiry <= now]:
             log.warning("KV lease of %s expired unpulled; pages freed", request_id)
+            self.metrics.kv_lease_expirations.inc()
             self._release(request_id)
         if not self.engine.has_unfinished():
             return
@@ -82,7 +92,11 @@ class PrefillHandler(WorkerBase):
     def _report(self, seq: Sequence, lease_s: float, out: RequestOutput) -> None:
         o = out.outputs[0]
         if o.finish_reason == FinishReason.ABORT.value:
+            self.metrics.request_done("prefill", "aborted")
+            self.trace_end(out.request_id, SPAN, "aborted")
             return
+        self.metrics.request_done("prefill", "completed")
+        self.trace_end(out.request_id, SPAN)
         handoff = o.finish_reason == FinishReason.HANDOFF.value
         top = [[t, lp] for t, lp in o.top_logprobs[0]] if o.top_logprobs else None
         self.send(wire.PrefillDone(
@@ -105,6 +119,8 @@ class PrefillHandler(WorkerBase):
         for request_id in list(self.computing):
             self.engine.abort_request(request_id)
             self.computing.pop(request_id)
+            self.metrics.request_done("prefill", "failed")
+            self.trace_end(request_id, SPAN, reason)
             self.refuse(request_id, reason, retryable=True)
         for request_id in list(self.leases):
             self._release(request_id)

@@ -4,6 +4,9 @@ Names are stable and prefixed ``tessera_proxy_``; dashboards depend on them.
 ``requests_total`` is labelled by endpoint and status: the HTTP status for
 answers given before streaming started, ``stream_error`` for a stream that
 ended with an error event, and ``client_closed`` when the client went away.
+``tenant_requests_total`` counts choices (sub-requests) by tenant, model and
+outcome: ``ok``, or the error code that ended it (``timeout``,
+``worker_unavailable``, ``cancelled``, ...). docs/observability.md lists all.
 """
 from __future__ import annotations
 
@@ -52,6 +55,27 @@ class ProxyMetrics:
                                             registry=r)
         self.malformed_messages = Counter("tessera_proxy_malformed_messages",
                                           "Worker messages dropped as malformed", registry=r)
+        self.tenant_requests = Counter("tessera_proxy_tenant_requests",
+                                       "Choices by tenant, model and outcome (ok, or the error code)",
+                                       ["tenant", "model", "status"], registry=r)
+        self.prompt_tokens = Counter("tessera_proxy_prompt_tokens", "Prompt tokens of choices sent to workers",
+                                     ["tenant", "model"], registry=r)
+        self.generation_tokens = Counter("tessera_proxy_generation_tokens", "Tokens streamed back to clients",
+                                         ["tenant", "model"], registry=r)
+        self.queue_time = Histogram("tessera_proxy_queue_time_seconds",
+                                    "Arrival until the choice is sent to a worker", buckets=_LATENCY_BUCKETS,
+                                    registry=r)
+        self.heartbeats_missed = Counter("tessera_proxy_heartbeats_missed",
+                                         "Workers dropped for missing heartbeats (heartbeat_timeout_s)",
+                                         ["worker_id"], registry=r)
+        self.tenant_waiting = Gauge("tessera_proxy_tenant_waiting", "Choices waiting for admission, by tenant",
+                                    ["tenant"], registry=r)
+        self.tenant_service = Gauge("tessera_proxy_tenant_service",
+                                    "Each tenant's virtual token counter (weighted tokens served / weight)",
+                                    ["tenant"], registry=r)
+        self.tenant_rejections = Counter("tessera_proxy_tenant_rejections",
+                                         "Requests refused or dropped by admission control, by tenant and limit",
+                                         ["tenant", "reason"], registry=r)
 
     def set_worker_kv(self, worker_id: str, num_blocks: int, free_blocks: int) -> None:
         self.kv_pages_free.labels(worker_id).set(free_blocks)

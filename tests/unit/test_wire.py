@@ -14,6 +14,9 @@ SAMPLES = [
     DecodeRequest("r1", [1, 2, 3], {"temperature": 0.0}, 9, first_token=4, source_worker_id="w1", source_block_ids=[1]),
     TokenDelta("r1", [5, 6], "hi", finish_reason="stop", stop_reason="\n", logprobs=[-0.1, -0.2]),
     wire.Abort("r1"),
+    wire.Reregister("w1", 123, "this proxy does not know worker 'w1' epoch 123"),
+    wire.PrefillRequest("r2", [1, 2], {}, 7, 30.0,
+                        trace_context={"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"}),
 ]
 
 
@@ -36,8 +39,11 @@ def _frames(type_byte, body):
     (_frames(wire.MsgType.ABORT, {"v": 1}), "missing field 'request_id'"),
     (_frames(wire.MsgType.ABORT, {"v": 1, "request_id": 5}), "expected str"),
     (_frames(wire.MsgType.ABORT, {"v": 1, "request_id": "r", "evil": 1}), "unknown fields"),
+    (_frames(wire.MsgType.REREGISTER, {"v": 1, "worker_id": "w1", "epoch": "1"}), r"Reregister.epoch"),
     (_frames(wire.MsgType.TOKEN_DELTA, {"v": 1, "request_id": "r", "token_ids": [1, "x"], "text": ""}), r"token_ids\[\]"),
     (_frames(wire.MsgType.TOKEN_DELTA, {"v": 1, "request_id": "r", "token_ids": [True], "text": ""}), "bool"),
+    (_frames(wire.MsgType.DECODE_REQUEST, {"v": 1, "request_id": "r", "prompt_token_ids": [1], "params": {},
+                                           "seed": 1, "trace_context": "00-abc"}), "trace_context"),
     (_frames(wire.MsgType.REGISTER, {**{k: v for k, v in msgpack.unpackb(encode(SAMPLES[0])[1]).items()},
                                      "kv_layout": {"num_layers": "x"}}), "kv_layout"),
 ])

@@ -1,0 +1,114 @@
+"""A real Prometheus scrapes a real local cluster with the shipped config.
+
+The shipped ``deploy/prometheus/prometheus.yml`` is copied with only its
+scrape interval shortened; the targets go into its file_sd files. After one
+completion through the proxy, Prometheus's query API must return the
+proxy's request counter and the workers' request counters, which proves
+every role's endpoint is scrapeable by the config operators will use. The
+same Prometheus then evaluates every query of the shipped Grafana dashboard.
+Skipped only when the ``prometheus`` binary is absent (.ci/run installs it).
+"""
+import json
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bench.local_cluster import Cluster, free_port, post_json
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+SHIPPED = DEPLOY / "prometheus"
+PROMETHEUS = shutil.which("prometheus")
+QUERY_TIMEOUT_S = 60
+pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="the prometheus binary is not installed "
+                                "(Debian package 'prometheus'; .ci/run installs it)")
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_chat_model_dir, tmp_path_factory):
+    c = Cluster(tiny_chat_model_dir, tmp_path_factory.mktemp("prom-cluster-logs"), transfer_backend="zmq").start()
+    yield c
+    codes = c.stop()
+    assert all(code == 0 for code in codes.values()), codes
+
+
+@pytest.fixture(scope="module")
+def prometheus(cluster, tmp_path_factory):
+    home = tmp_path_factory.mktemp("prometheus")
+    config = yaml.safe_load((SHIPPED / "prometheus.yml").read_text())
+    config["global"]["scrape_interval"] = "1s"
+    config["global"]["scrape_timeout"] = "1s"
+    (home / "prometheus.yml").write_text(yaml.safe_dump(config))
+    (home / "targets").mkdir()
+    (home / "targets" / "proxy.json").write_text(json.dumps([{"targets": [f"127.0.0.1:{cluster.port}"]}]))
+    workers = [f"127.0.0.1:{port}" for port in cluster.metrics_ports.values()]
+    (home / "targets" / "workers.json").write_text(json.dumps([{"targets": workers}]))
+    port = free_port()
+    log = open(home / "prometheus.log", "w")
+    proc = subprocess.Popen([PROMETHEUS, f"--config.file={home / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={home / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    yield f"http://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def query(base: str, expr: str) -> list[dict]:
+    url = f"{base}/api/v1/query?{urllib.parse.urlencode({'query': expr})}"
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        body = json.loads(resp.read())
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def wait_for(base: str, expr: str, minimum: float) -> list[dict]:
+    deadline = time.monotonic() + QUERY_TIMEOUT_S
+    result: list[dict] = []
+    while time.monotonic() < deadline:
+        try:
+            result = query(base, expr)
+        except OSError:  # Prometheus still starting
+            result = []
+        if result and sum(float(r["value"][1]) for r in result) >= minimum:
+            return result
+        time.sleep(0.5)
+    raise AssertionError(f"{expr} did not reach {minimum} within {QUERY_TIMEOUT_S}s; last answer {result}")
+
+
+def test_workers_serve_health_and_readiness(cluster):
+    for name in cluster.metrics_ports:
+        assert cluster.get("/healthz", cluster.worker_url(name))[0] == 200
+        status, body = cluster.get("/readyz", cluster.worker_url(name))
+        assert (status, json.loads(body)["status"]) == (200, "ready")
+
+
+def test_prometheus_scrapes_every_role(cluster, prometheus):
+    base = prometheus
+    body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Say hi"}],
+            "max_tokens": 4, "temperature": 0.0}
+    status, answer = post_json(cluster.url + "/v1/chat/completions", body)
+    assert status == 200, answer
+
+    proxy = wait_for(base, 'sum(tessera_proxy_requests_total{job="tessera-proxy",status="200"})', 1)
+    assert float(proxy[0]["value"][1]) == 1.0
+    by_tenant = wait_for(base, 'tessera_proxy_tenant_requests_total{status="ok"}', 1)
+    assert by_tenant[0]["metric"]["tenant"] == "default"
+    stages = wait_for(base, 'sum by (stage) (tessera_worker_requests_total{status="completed"})', 2)
+    assert {r["metric"]["stage"]: float(r["value"][1]) for r in stages} == {"prefill": 1.0, "decode": 1.0}
+    up = query(base, "up")
+    assert len(up) == 1 + len(cluster.metrics_ports), up
+    assert all(r["value"][1] == "1" for r in up), up
+    assert {r["metric"]["job"] for r in up} == {"tessera-proxy", "tessera-workers"}
+
+
+def test_every_dashboard_query_is_valid_promql(prometheus):
+    dashboard = json.loads((DEPLOY / "grafana" / "tessera.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert exprs
+    for expr in exprs:
+        query(prometheus, expr.replace("$__rate_interval", "1m"))  # raises on a syntax error (HTTP 400)

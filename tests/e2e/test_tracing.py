@@ -1,0 +1,110 @@
+"""OpenTelemetry tracing across processes: one request, one trace, proxy and worker spans.
+
+A small OTLP/HTTP collector runs in the test (a real HTTP server decoding
+the real protobuf export requests); the proxy and both workers export to
+it over the network. One disaggregated request must yield a single trace
+id whose spans come from all three services, with the worker spans
+children of the proxy's phase spans (the context travelled on the wire).
+"""
+import gzip
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from bench.local_cluster import Cluster, post_json
+
+trace_service = pytest.importorskip(
+    "opentelemetry.proto.collector.trace.v1.trace_service_pb2",
+    reason="the 'otel' extra (opentelemetry-sdk, OTLP exporter) is not installed")
+EXPECTED = {
+    "tessera.request": "tessera-proxy", "proxy.queue": "tessera-proxy", "proxy.prefill": "tessera-proxy",
+    "proxy.decode": "tessera-proxy", "prefill_worker.prefill": "tessera-prefill",
+    "decode_worker.kv_transfer": "tessera-decode", "decode_worker.decode": "tessera-decode",
+}
+WAIT_S = 30
+
+
+class Collector:
+    """Receives OTLP/HTTP protobuf trace exports; keeps (service, name, trace id, span id, parent id)."""
+
+    def __init__(self) -> None:
+        self.spans: list[dict] = []
+        self._lock = threading.Lock()
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                if self.headers.get("Content-Encoding") == "gzip":
+                    body = gzip.decompress(body)
+                owner.receive(body)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+
+    def receive(self, body: bytes) -> None:
+        request = trace_service.ExportTraceServiceRequest.FromString(body)
+        for resource_spans in request.resource_spans:
+            attrs = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+            for scope in resource_spans.scope_spans:
+                for span in scope.spans:
+                    with self._lock:
+                        self.spans.append({"service": attrs.get("service.name"), "name": span.name,
+                                           "trace_id": span.trace_id.hex(), "span_id": span.span_id.hex(),
+                                           "parent": span.parent_span_id.hex(),
+                                           "error": span.status.code == 2})
+
+    def by_name(self) -> dict[str, dict]:
+        with self._lock:
+            return {s["name"]: s for s in self.spans}
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture()
+def collector():
+    c = Collector()
+    yield c
+    c.close()
+
+
+def test_one_request_is_one_trace_across_processes(tiny_chat_model_dir, tmp_path, collector):
+    tracing = [f"otel_endpoint={collector.endpoint}"]
+    cluster = Cluster(tiny_chat_model_dir, tmp_path, transfer_backend="zmq",
+                      proxy_overrides=tracing, worker_overrides=tracing).start()
+    try:
+        body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Say hi"}],
+                "max_tokens": 4, "temperature": 0.0}
+        status, answer = post_json(cluster.url + "/v1/chat/completions", body)
+        assert status == 200, answer
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline and not EXPECTED.keys() <= collector.by_name().keys():
+            time.sleep(0.2)
+    finally:
+        codes = cluster.stop()
+    spans = collector.by_name()
+    assert EXPECTED.keys() <= spans.keys(), f"spans received: {sorted(spans)}"
+    assert codes and all(code == 0 for code in codes.values()), codes
+    assert {name: spans[name]["service"] for name in EXPECTED} == EXPECTED
+    assert len({spans[name]["trace_id"] for name in EXPECTED}) == 1
+    root = spans["tessera.request"]
+    assert root["parent"] == ""
+    for name in ("proxy.queue", "proxy.prefill", "proxy.decode"):
+        assert spans[name]["parent"] == root["span_id"], name
+    assert spans["prefill_worker.prefill"]["parent"] == spans["proxy.prefill"]["span_id"]
+    for name in ("decode_worker.kv_transfer", "decode_worker.decode"):
+        assert spans[name]["parent"] == spans["proxy.decode"]["span_id"], name
+    assert not any(spans[name]["error"] for name in EXPECTED)
