@@ -6,7 +6,15 @@ the requests in flight run to completion, for up to ``drain_timeout_s``;
 whatever is left then is cancelled (Abort to its workers). Only then does
 uvicorn's own shutdown run: listeners close, connections finish, and the
 app's lifespan closes the ZeroMQ socket before its context. A second
-signal during the drain skips the rest of it, as uvicorn's second Ctrl-C does.
+signal during the drain skips the rest of it; later ones are ignored (uvicorn's
+force exit would skip the lifespan's shutdown, and with it the Aborts and the
+socket's close), as its shutdown is bounded by ``timeout_graceful_shutdown``.
+The handler only sets flags and schedules onto the loop: no lock is taken in
+a signal handler, and the signal is not handed on to uvicorn, which would
+raise it again once the server stopped and so turn a clean drain into a death
+by SIGTERM (exit -15) or a KeyboardInterrupt.
+Under systemd (``Type=notify``) the server reports READY=1 once it listens and
+STOPPING=1 when the drain starts (``common.sd_notify``).
 """
 from __future__ import annotations
 
@@ -15,6 +23,7 @@ import logging
 
 import uvicorn
 
+from common import sd_notify
 from proxy.cluster import Cluster
 
 log = logging.getLogger("tessera.proxy")
@@ -27,17 +36,28 @@ class DrainingServer(uvicorn.Server):
         self._drain_timeout_s = drain_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
+        self._drain_requested = False
+        self._drain_cut = False  # a second signal: the requests still in flight are cancelled now
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:  # uvicorn sets it once every listener is bound
+            sd_notify.ready(f"proxy serving on {self.config.host}:{self.config.port}")
+
     def handle_exit(self, sig, frame) -> None:
-        # Runs in the signal handler: only schedule, never touch the loop's objects directly.
-        if self._drain_task is not None or self._loop is None:
-            super().handle_exit(sig, frame)
-            return
-        self._loop.call_soon_threadsafe(self.start_drain)
+        # Runs in the signal handler: plain assignments and call_soon_threadsafe (a deque append and a
+        # wake-up write), never a lock or the loop's objects.
+        if self._loop is None:
+            self.should_exit = True
+        elif not self._drain_requested:
+            self._drain_requested = True
+            self._loop.call_soon_threadsafe(self.start_drain)
+        else:
+            self._drain_cut = True
 
     def start_drain(self) -> None:
         if self._drain_task is None:
@@ -46,12 +66,13 @@ class DrainingServer(uvicorn.Server):
     async def _drain(self) -> None:
         cluster = self._cluster
         cluster.start_draining()
+        sd_notify.stopping(f"draining {len(cluster.inflight)} request(s) for up to {self._drain_timeout_s}s")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._drain_timeout_s
-        while cluster.inflight and loop.time() < deadline:
+        while cluster.inflight and loop.time() < deadline and not self._drain_cut:
             await asyncio.sleep(0.05)
         if cluster.inflight:
-            log.warning("drain timeout (%ss) reached: cancelling %d request(s) still in flight",
-                        self._drain_timeout_s, len(cluster.inflight))
+            why = "a second signal came" if self._drain_cut else f"drain timeout ({self._drain_timeout_s}s) reached"
+            log.warning("%s: cancelling %d request(s) still in flight", why, len(cluster.inflight))
             cluster.cancel_all("the proxy is shutting down")
         self.should_exit = True
