@@ -11,7 +11,11 @@ whatever the outcome says.
   newer epoch replaces the old entry (the caller fails its requests); an
   older epoch is refused as stale; the same epoch is a retry and is accepted.
 - ``heartbeat`` updates load; one from an unknown worker or a wrong epoch is
-  ignored. ``expire`` removes workers silent for ``heartbeat_timeout_s``;
+  not applied, and ``ask_to_rejoin`` says whether to answer it with
+  Reregister: at most once per worker id every ``heartbeat_timeout_s / 4``
+  (the watchdog's period), so a flood of heartbeats gets few replies while
+  the worker still rejoins well before it could count as dead.
+  ``expire`` removes workers silent for ``heartbeat_timeout_s``;
   ``remove`` handles Goodbye.
 
 Roles: ``prefill`` serves PrefillRequests; ``decode`` serves DecodeRequests
@@ -24,6 +28,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from common.config import EngineConfig
 from common.wire import Goodbye, Heartbeat, KVLayoutInfo, PeerInfo, Peers, Register, RegisterAck, Role
 
 log = logging.getLogger("tessera.proxy")
@@ -47,6 +52,7 @@ class WorkerState:
     num_waiting: int = 0
     outstanding_prefill_tokens: int = 0
     draining: bool = False
+    max_num_seqs: int = EngineConfig.max_num_seqs  # decode slots; the engine's default when not reported
 
     @property
     def serves_prefill(self) -> bool:
@@ -90,6 +96,7 @@ class Registration:
 class WorkerRegistry:
     heartbeat_timeout_s: float
     workers: dict[str, WorkerState] = field(default_factory=dict)
+    _rejoin_asked: dict[str, float] = field(default_factory=dict)  # worker id -> when last asked
 
     @property
     def cluster_model(self) -> ClusterModel | None:
@@ -119,13 +126,14 @@ class WorkerRegistry:
         worker = WorkerState(
             msg.worker_id, role, msg.epoch, msg.model, msg.model_version, msg.kv_layout, msg.num_blocks,
             msg.max_model_len, msg.transfer_backend, msg.transfer_metadata, last_seen=now,
-            free_blocks=msg.num_blocks,
+            free_blocks=msg.num_blocks, max_num_seqs=msg.max_num_seqs or EngineConfig.max_num_seqs,
         )
         replaced = old if old is not None and old.epoch != msg.epoch else None
         if old is not None and replaced is None:  # a retried Register: keep the load we know
             for name in ("free_blocks", "num_running", "num_waiting", "outstanding_prefill_tokens", "draining"):
                 setattr(worker, name, getattr(old, name))
         self.workers[msg.worker_id] = worker
+        self._rejoin_asked.pop(msg.worker_id, None)
         prefill_changed = worker.serves_prefill or (old is not None and old.serves_prefill)
         log.info("registered %s worker %r epoch %d (%s %s, %d blocks, max_model_len %d)%s",
                  role.value, msg.worker_id, msg.epoch, msg.model, msg.model_version, msg.num_blocks,
@@ -146,6 +154,14 @@ class WorkerRegistry:
         worker.draining = msg.draining
         return worker
 
+    def ask_to_rejoin(self, worker_id: str, now: float) -> bool:
+        """Whether to answer a heartbeat that ``heartbeat`` did not apply with Reregister now; counts as asked."""
+        last = self._rejoin_asked.get(worker_id)
+        if last is not None and now - last < self.heartbeat_timeout_s / 4:
+            return False
+        self._rejoin_asked[worker_id] = now
+        return True
+
     def goodbye(self, msg: Goodbye) -> WorkerState | None:
         worker = self.workers.get(msg.worker_id)
         if worker is None or worker.epoch != msg.epoch:
@@ -156,6 +172,9 @@ class WorkerRegistry:
         dead = [w for w in self.workers.values() if now - w.last_seen > self.heartbeat_timeout_s]
         for worker in dead:
             del self.workers[worker.worker_id]
+        # A sender that never rejoined is forgotten like a dead worker, so the map stays small.
+        for worker_id in [w for w, t in self._rejoin_asked.items() if now - t > self.heartbeat_timeout_s]:
+            del self._rejoin_asked[worker_id]
         return dead
 
     def touch(self, worker_id: str, now: float) -> None:
@@ -169,6 +188,10 @@ class WorkerRegistry:
 
     def decode_side(self) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.decode_capable]
+
+    def decode_slots(self) -> int:
+        """Sequences the decode-capable workers that take new work can run at once."""
+        return sum(w.max_num_seqs for w in self.decode_side() if not w.draining)
 
     def peers(self) -> Peers:
         return Peers([w.peer_info() for w in self.prefill_side()])

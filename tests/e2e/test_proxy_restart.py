@@ -1,0 +1,180 @@
+"""A proxy that dies and comes back on the same ports gets its workers back.
+
+The workers keep heartbeating into the new proxy, which does not know them
+and answers with Reregister; each worker drops what it ran for the dead
+proxy (nobody can receive those tokens), frees the pages, releases the
+prefill leases, and registers again under the same id and epoch.
+
+The model is the tiny random Llama with its context stretched, so that one
+request with ``ignore_eos`` outlives the restart by far: pages still in use
+afterwards could only be a leak.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import zmq
+
+from bench.local_cluster import Cluster
+from common.wire import Heartbeat, Reregister, decode, encode
+from tests.e2e.proxy_harness import make_proxy, tokenizer  # noqa: F401 -- fixtures
+
+MODEL = "SmolLM2-135M-Instruct"
+LONG_CONTEXT = 16384
+REJOIN_S = 5.0  # heartbeats every 0.2 s, Reregister at most every 0.75 s (heartbeat_timeout_s=3 / 4)
+
+
+@pytest.fixture(scope="module")
+def long_model_dir(tiny_chat_model_dir, tmp_path_factory):
+    """The tiny chat model with a context long enough for a request that runs for a minute."""
+    directory = tmp_path_factory.mktemp("tiny-long")
+    for path in tiny_chat_model_dir.iterdir():
+        (directory / path.name).symlink_to(path)
+    (directory / "config.json").unlink()
+    config = json.loads((tiny_chat_model_dir / "config.json").read_text())
+    config["max_position_embeddings"] = LONG_CONTEXT
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def cluster(long_model_dir, tmp_path_factory):
+    # One decode slot: a second request is prefilled and then waits, its pages under a prefill lease.
+    c = Cluster(long_model_dir, tmp_path_factory.mktemp("restart-logs"), transfer_backend="zmq",
+                worker_overrides=["engine.max_num_seqs=1"]).start()
+    yield c
+    codes = c.stop()
+    assert all(code == 0 for code in codes.values()), codes
+
+
+def worker_metric(cluster: Cluster, worker: str, name: str, *labels: str) -> float:
+    """The sum of one metric's samples on one worker's /metrics that carry every one of ``labels``."""
+    _, text = cluster.get("/metrics", base=cluster.worker_url(worker))
+    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+               if line.startswith((name + " ", name + "{")) and all(label in line for label in labels))
+
+
+def wait_for(condition, timeout: float, what: str) -> float:
+    """Seconds until ``condition()`` held; fails the test after ``timeout``."""
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"{what} did not happen within {timeout}s")
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def kill_proxy(cluster: Cluster) -> None:
+    proxy = cluster.procs["proxy"]
+    proxy.send_signal(signal.SIGKILL)
+    proxy.wait(timeout=10)
+
+
+def start_new_proxy(cluster: Cluster) -> float:
+    """Start a proxy on the dead one's ports; seconds from its first answer until both workers rejoined."""
+    cluster.start_proxy()
+
+    def answers() -> bool:
+        try:
+            return cluster.get("/healthz")[0] == 200
+        except OSError:
+            return False
+
+    wait_for(answers, 60, "the new proxy answering /healthz")
+    return wait_for(lambda: cluster.get("/readyz")[0] == 200
+                    and sum(cluster.metric("tessera_proxy_workers_alive").values()) == 2,
+                    REJOIN_S, "both workers rejoining the new proxy")
+
+
+def chat(cluster: Cluster, content: str, **extra) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 8,
+            "temperature": 0.0, **extra}
+    return httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def test_workers_rejoin_a_restarted_proxy(cluster):
+    assert chat(cluster, "Hello").status_code == 200
+    kill_proxy(cluster)
+    rejoined_s = start_new_proxy(cluster)
+    print(f"workers rejoined {rejoined_s:.2f}s after the new proxy answered")
+    response = chat(cluster, "Hello again")
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"]
+    for worker in ("prefill-0", "decode-0"):
+        assert cluster.get("/readyz", base=cluster.worker_url(worker))[0] == 200
+
+
+def test_requests_of_the_dead_proxy_free_their_pages(cluster):
+    long_request = {"model": MODEL, "messages": [{"role": "user", "content": "Count forever"}],
+                    "max_tokens": LONG_CONTEXT // 2, "ignore_eos": True, "stream": True}
+    failures: list[BaseException] = []
+
+    def waiting_request() -> None:  # its connection dies with the proxy
+        try:
+            chat(cluster, "Wait for a slot", max_tokens=4)
+        except httpx.HTTPError as exc:
+            failures.append(exc)
+
+    def decode_outcomes() -> tuple[float, float]:
+        """(completed, dropped): dropped by the Reregister or by an Abort the new proxy sent for a stray token."""
+        def count(*statuses: str) -> float:
+            return sum(worker_metric(cluster, "decode-0", "tessera_worker_requests_total", 'stage="decode"',
+                                     f'status="{status}"') for status in statuses)
+        return count("completed"), count("failed", "aborted")
+
+    completed_before, dropped_before = decode_outcomes()
+    with httpx.Client(timeout=60) as client, \
+            client.stream("POST", cluster.url + "/v1/chat/completions", json=long_request) as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: ")  # decoding on decode-0, which now has no free slot
+        waiter = threading.Thread(target=waiting_request)
+        waiter.start()
+        wait_for(lambda: worker_metric(cluster, "prefill-0", "tessera_worker_kv_pages_used") > 0, 10,
+                 "the waiting request's pages held under a lease on prefill-0")
+        kill_proxy(cluster)
+        time.sleep(0.5)
+        for worker in ("prefill-0", "decode-0"):  # nobody will ever ask for these pages again
+            assert worker_metric(cluster, worker, "tessera_worker_kv_pages_used") > 0, worker
+        rejoined_s = start_new_proxy(cluster)
+    waiter.join(timeout=10)
+    assert failures, "the waiting request should have lost its connection with the proxy"
+    print(f"workers rejoined {rejoined_s:.2f}s after the new proxy answered")
+    for worker in ("prefill-0", "decode-0"):
+        wait_for(lambda w=worker: worker_metric(cluster, w, "tessera_worker_kv_pages_used") == 0, REJOIN_S,
+                 f"{worker} freeing the pages of the dead proxy's requests")
+    # Dropped, not run to the end: the long request had thousands of tokens to go.
+    assert decode_outcomes() == (completed_before, dropped_before + 1)
+    response = chat(cluster, "Are you still there?")
+    assert response.status_code == 200, response.text
+
+
+def test_a_flood_of_unknown_heartbeats_gets_a_few_reregisters(make_proxy):  # noqa: F811 -- the fixture
+    proxy = make_proxy()  # heartbeat_timeout_s=1: one Reregister per worker id every 0.25 s at most
+    interval = 0.25
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"ghost")
+    sock.connect(proxy.endpoint)
+    try:
+        start = time.monotonic()
+        for _ in range(200):
+            sock.send_multipart(encode(Heartbeat("ghost", 7, 0, 0, 0, 0)))
+        replies = []
+        while sock.poll(timeout=int(interval * 1000 / 2)):
+            replies.append(decode(sock.recv_multipart()))
+        elapsed = time.monotonic() - start
+        assert replies and all(r == Reregister("ghost", 7, "the proxy does not know worker 'ghost' epoch 7")
+                               for r in replies)
+        assert len(replies) <= 1 + elapsed / interval, (len(replies), elapsed)
+        time.sleep(interval)
+        sock.send_multipart(encode(Heartbeat("ghost", 7, 0, 0, 0, 0)))
+        assert sock.poll(timeout=5000), "a later heartbeat should be answered again"
+        assert isinstance(decode(sock.recv_multipart()), Reregister)
+    finally:
+        sock.close(linger=0)
+        context.term()
