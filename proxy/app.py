@@ -24,10 +24,12 @@ from common.model_store import resolve_model
 from common.role_config import ProxyConfig
 from common.tokenizer import Tokenizer
 from common.wire import PROTOCOL_VERSION
+from common.zmq_security import proxy_curve
 from proxy import openai_api
 from proxy.cluster import Cluster
 from proxy.errors import ApiError, install_error_handlers
 from proxy.http_io import read_model
+from proxy.listener import BodyDeadline
 from proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from proxy.protocol import DetokenizeRequest, TokenizeRequest, check_token_ids
 from proxy.routing import PrefixAwareRouting, RoutingPolicy
@@ -65,7 +67,8 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
     tokenizer = tokenizer or Tokenizer(resolve_model(config.model, config.dtype))
     metrics = ProxyMetrics()
     cluster = Cluster(config, policy or PrefixAwareRouting(config.local_prefill_threshold), metrics)
-    link = WorkerLink(config.worker_bind, cluster.on_frames, send_timeout_s=config.heartbeat_timeout_s)
+    link = WorkerLink(config.worker_bind, cluster.on_frames, send_timeout_s=config.heartbeat_timeout_s,
+                      curve=proxy_curve(config))
     cluster.attach(link.send)
     services = Services(config, tokenizer, TokenText(tokenizer), metrics, cluster, link, int(time.time()))
 
@@ -83,6 +86,7 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
     app = FastAPI(title="Tessera proxy", version=_tessera_version(), lifespan=lifespan)
     app.state.services = services
     install_error_handlers(app)
+    app.add_middleware(BodyDeadline, timeout_s=config.request_body_timeout_s)
     app.include_router(openai_api.router)
     _add_service_routes(app, services)
     return app

@@ -2,9 +2,9 @@
 
 Request life cycle, as queues and hops (one sub-request per choice):
 
-    HTTP handler --submit--> policy.route --> SubRequest.start --> outbox --> worker
+    HTTP handler --submit--> admission queue --dispatch--> policy.route --> SubRequest.start --> outbox --> worker
     worker --frames--> WorkerLink (I/O task) --on_frames--> decode --> handle
-        Register/Heartbeat/Goodbye --> registry (+ RegisterAck, Peers)
+        Register/Heartbeat/Goodbye --> registry (+ RegisterAck, Peers; Reregister to an unknown heartbeat)
         PrefillDone/KVPulled/TokenDelta/RequestFailed --> that SubRequest
     SubRequest --events--> RequestGroup queue --> HTTP handler (stream or collect)
 
@@ -22,17 +22,21 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from common.log_format import bind_request, request_scope
 from common.role_config import ProxyConfig
+from common.tracing import make_tracing
 from common.sampling_params import SamplingParams
 from common.wire import (
     Abort, DecodeRequest, Goodbye, Heartbeat, KVPulled, PrefillDone, PrefillRequest, Register, RegisterAck,
-    ReleaseKV, RequestFailed, TokenDelta, WireError, decode,
+    Reregister, ReleaseKV, RequestFailed, TokenDelta, WireError, decode,
 )
+from proxy.admission import AdmissionController
 from proxy.errors import ApiError
 from proxy.metrics import ProxyMetrics
 from proxy.registry import WorkerRegistry, WorkerState
-from proxy.requests import RequestGroup, SubRequest
-from proxy.routing import RoutingPolicy
+from proxy.requests import Phase, RequestGroup, SubRequest
+from proxy.routing import Route, RoutingPolicy
+from proxy.tenants import Tenant, TenantRegistry
 
 log = logging.getLogger("tessera.proxy")
 
@@ -46,11 +50,14 @@ class Cluster:
         self.policy = policy
         self.metrics = metrics
         self.registry = WorkerRegistry(config.heartbeat_timeout_s)
+        self.tracing = make_tracing(config.otel_endpoint, config.otel_service_name)
+        self.tenants = TenantRegistry(config, clock)
+        self.admission = AdmissionController(config, self.tenants, self._decode_slots,
+                                             self._start_prefill, self._start_decode, metrics)
         self.inflight: dict[str, SubRequest] = {}
         self.draining = False
         self._clock = clock
         self._outbox: Outbox | None = None
-        self._unknown_senders: set[str] = set()  # warned once each
         self._handlers = {
             Register: self._on_register, Heartbeat: self._on_heartbeat, Goodbye: self._on_goodbye,
             PrefillDone: self._on_prefill_done, KVPulled: self._on_kv_pulled,
@@ -77,12 +84,33 @@ class Cluster:
 
     def forget(self, sub: SubRequest) -> None:
         self.inflight.pop(sub.request_id, None)
+        self.admission.leave(sub.request_id)
+
+    def _decode_slots(self) -> int:
+        """This proxy's share of the decode slots (at least one while there are any)."""
+        slots = self.registry.decode_slots()
+        return max(int(slots * self.config.decode_slot_share), 1) if slots else 0
+
+    def service_counter(self, tenant: str) -> float:
+        return self.admission.counters[tenant]
+
+    def charge_output(self, sub: SubRequest, num_tokens: int) -> None:
+        """Tokens a worker emitted for ``sub``: its tenant's service counter and token bucket."""
+        self.admission.charge_output(sub.tenant, num_tokens)
+        tenant = self.tenants.get(sub.tenant)
+        if tenant is not None:
+            tenant.limiter.charge_tokens(num_tokens, self._clock())
 
     # -- admission ------------------------------------------------------------------------------
 
-    def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-               base_seed: int) -> RequestGroup:
-        """Route and start ``len(prompts) * params.n`` sub-requests; ApiError(503) when none can run."""
+    def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams, base_seed: int,
+               tenant: Tenant | None = None, timeout_s: float | None = None) -> RequestGroup:
+        """Queue ``len(prompts) * params.n`` sub-requests for admission; they start as capacity allows.
+
+        ApiError 503 when no worker could ever run them or the queue is full,
+        429 when ``tenant`` is over its concurrency or queue limit.
+        ``timeout_s``: the client's deadline for being admitted.
+        """
         if self.draining:
             raise self._unavailable("the proxy is shutting down and accepts no new requests")
         workers = list(self.registry.workers.values())
@@ -91,19 +119,74 @@ class Cluster:
             why = "all of them are draining" if decoders else "none is registered"
             raise self._unavailable(f"no worker can take the request: it needs a decode-capable worker "
                                     f"(role decode or both), and {why}")
+        tenant = tenant or self.tenants.default
+        bind_request(request_id, tenant.name)  # the HTTP handler's later lines are about this request
+        if self.config.log_prompts:
+            log.info("request %s prompt token ids: %s", request_id, prompts)
+        self.admission.check_room(tenant, len(prompts) * params.n)
         sink: asyncio.Queue = asyncio.Queue()
         now = self._clock()
+        client_deadline = None if timeout_s is None else now + timeout_s
+        queue_deadline = min(now + self.config.queue_timeout_s, client_deadline or float("inf"))
         subs = []
         for p, prompt in enumerate(prompts):
             for j in range(params.n):
                 index = p * params.n + j
                 seed = (base_seed + j) % (1 << 63)
                 wire_params = dataclasses.replace(params, n=1, seed=seed).to_dict()
-                sub = SubRequest(f"{request_id}-{index}", index, prompt, wire_params, seed, self, sink, now)
+                sub = SubRequest(f"{request_id}-{index}", index, prompt, wire_params, seed, self, sink, now,
+                                 tenant=tenant.name, lane=tenant.lane)
+                sub.wait_for_admission(queue_deadline, client_deadline)
                 self.inflight[sub.request_id] = sub
-                sub.start(self.policy.route(prompt, list(self.registry.workers.values())))
+                tenant.limiter.charge_tokens(len(prompt), now)
+                self.admission.enqueue(sub.request_id, tenant, len(prompt), sub)
                 subs.append(sub)
+        self.admission.dispatch()
         return RequestGroup(subs, sink, self._clock)
+
+    def _start_prefill(self, sub: SubRequest) -> bool:
+        """Admitted to prefill: send it to a prefill worker, or mark it ready to prefill on a decode worker.
+
+        False when it is dropped instead: its deadline passed while it waited, or no worker can take it.
+        """
+        now = self._clock()
+        if now >= sub.deadline:
+            sub.check_deadline(now)
+            return False
+        route = self.policy.route(sub.prompt, list(self.registry.workers.values()))
+        if route is None:
+            sub.reject(self._unavailable("no worker can take the request any more: every decode-capable "
+                                         "worker left or is draining"))
+            return False
+        if route.local:
+            self.admission.ready_for_decode(sub.request_id)
+        else:
+            with request_scope(sub.request_id, sub.tenant):
+                sub.start(route, now)
+        return True
+
+    def _start_decode(self, sub: SubRequest) -> bool:
+        """Given a decode slot: pull its pages to a decode worker, or prefill it there (a local route)."""
+        now = self._clock()
+        if now >= sub.deadline:
+            sub.check_deadline(now)
+            return False
+        prefilled = sub.phase is Phase.PREFILLED
+        route = None if prefilled else self.policy.route(sub.prompt, list(self.registry.workers.values()))
+        # A local request stays local even if a prefill worker has joined since: it already holds its slot.
+        decoder = route.worker if route is not None and route.local else self.pick_decode(sub.prompt)
+        if decoder is None:
+            sub.reject(self._unavailable("no decode worker is available to continue the request"))
+            return False
+        with request_scope(sub.request_id, sub.tenant):
+            if prefilled:
+                sub.continue_decode(decoder, now)
+            else:
+                sub.start(Route(decoder, local=True), now)
+        return True
+
+    def ready_for_decode(self, sub: SubRequest) -> None:
+        self.admission.ready_for_decode(sub.request_id)
 
     def readiness(self) -> tuple[bool, str]:
         if self.draining:
@@ -132,7 +215,10 @@ class Cluster:
         now = self._clock()
         if not isinstance(msg, Register):
             self.registry.touch(sender, now)
-        handler(sender, msg, now)
+        request_id = getattr(msg, "request_id", None)
+        sub = self.inflight.get(request_id) if request_id is not None else None
+        with request_scope(request_id, sub.tenant if sub is not None else None):
+            handler(sender, msg, now)
 
     def _on_register(self, sender: str, msg: Register, now: float) -> None:
         if sender != msg.worker_id:
@@ -147,24 +233,30 @@ class Cluster:
         worker = outcome.worker
         if worker is None:
             return
-        self._unknown_senders.discard(sender)
         self.metrics.set_worker_kv(worker.worker_id, worker.num_blocks, worker.free_blocks)
         self._update_worker_gauges()
         if outcome.prefill_set_changed:
             self._broadcast_peers()
         elif worker.decode_capable:
             self.send(worker.worker_id, self.registry.peers())
+        self.admission.dispatch()  # more decode slots
 
     def _on_heartbeat(self, sender: str, msg: Heartbeat, now: float) -> None:
         worker = self.registry.heartbeat(msg, now) if sender == msg.worker_id else None
         if worker is None:
-            if sender not in self._unknown_senders:
-                self._unknown_senders.add(sender)
-                log.warning("ignoring heartbeats from %r epoch %d: not registered with that epoch "
-                            "(it must send Register again)", sender, msg.epoch)
+            # Only heartbeats get this answer: a worker sends them only while it believes itself registered
+            # and stops on the first Reregister; the rate limit covers those already on the way, so no late
+            # Reregister makes a rejoined worker drop the new work. Stray request messages get their own
+            # answers below (ReleaseKV, Abort).
+            if self.registry.ask_to_rejoin(sender, now):
+                log.warning("heartbeat from %r epoch %d, which is not registered with that epoch: asking it "
+                            "to register again", sender, msg.epoch)
+                self.send(sender, Reregister(msg.worker_id, msg.epoch,
+                                             f"the proxy does not know worker {msg.worker_id!r} epoch {msg.epoch}"))
             return
         self.policy.heartbeat(worker)
         self.metrics.set_worker_kv(worker.worker_id, worker.num_blocks, worker.free_blocks)
+        self.admission.dispatch()  # a worker that stopped draining brings its decode slots back
 
     def _on_goodbye(self, sender: str, msg: Goodbye, now: float) -> None:
         worker = self.registry.goodbye(msg) if sender == msg.worker_id else None
@@ -207,6 +299,7 @@ class Cluster:
 
     def expire_workers(self) -> None:
         for worker in self.registry.expire(self._clock()):
+            self.metrics.heartbeats_missed.labels(worker.worker_id).inc()
             self._worker_gone(worker, f"no heartbeat for heartbeat_timeout_s={self.config.heartbeat_timeout_s}s",
                               expected=False)
 
@@ -226,7 +319,8 @@ class Cluster:
 
     def cancel_all(self, reason: str) -> None:
         self.start_draining()
-        for sub in list(self.inflight.values()):
+        # Waiting ones first: each running one that ends would otherwise admit a waiting one, only to abort it.
+        for sub in sorted(self.inflight.values(), key=lambda s: s.phase is not Phase.CREATED):
             sub.cancel(reason, status=503)
 
     def _worker_gone(self, worker: WorkerState, reason: str, expected: bool) -> None:

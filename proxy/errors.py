@@ -6,7 +6,7 @@ turn it, FastAPI's own validation errors and unexpected exceptions into
 
     {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
 
-with the matching status and, for 503, a ``Retry-After`` header.
+with the matching status and, for 429 and 503, a ``Retry-After`` header.
 """
 from __future__ import annotations
 
@@ -22,10 +22,12 @@ log = logging.getLogger("tessera.proxy")
 
 _TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
+    429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
     504: "timeout_error",

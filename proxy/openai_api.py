@@ -2,9 +2,13 @@
 
 A request's way through this module:
 
-    read body (413) -> parse (422) -> model name (404) -> SamplingParams (422)
-    -> cluster accepting and sized (503) -> tokenize in a thread (400)
-    -> context length (400) -> cluster.submit (503) -> events
+    API key (401, with auth_enabled) -> read body (413) -> parse (422)
+    -> tenant (key, else the body's user or the default) -> model name (404)
+    -> SamplingParams (422) -> cluster accepting and sized (503)
+    -> tenant's rate limits (429) -> tokenize in a thread (400)
+    -> context length (400) -> cluster.submit: tenant's concurrency and queue
+       limits (429), queue full (503); then the admission queue, which may
+       drop it unrun after queue_timeout_s (503) or X-Request-Timeout (504) -> events
     -> streaming: wait for the first event, so a failure before any token is
        still a plain HTTP error (503 + Retry-After, 504, ...); then SSE chunks,
        an error event if a choice fails midway, the usage chunk, [DONE]
@@ -27,14 +31,17 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from proxy.auth import tenant_from_body, tenant_from_header
 from proxy.errors import ApiError
 from proxy.http_io import DisconnectWatcher, read_model
 from proxy.protocol import ChatCompletionRequest, CompletionRequest
 from proxy.requests import Event, FailureEvent, RequestGroup
 from proxy.responses import ChatFormat, ChoiceState, CompletionFormat, envelope, usage
+from proxy.tenants import Tenant
 
 log = logging.getLogger("tessera.proxy")
 router = APIRouter()
+TIMEOUT_HEADER = "x-request-timeout"  # seconds the client will wait for admission
 
 
 @router.post("/v1/completions")
@@ -68,8 +75,11 @@ async def _serve(request: Request, request_model, format_cls, endpoint: str) -> 
     services = request.app.state.services
     metrics = services.metrics
     try:
+        tenant = tenant_from_header(services.config, services.cluster.tenants, request.headers.get("authorization"))
+        timeout_s = _timeout(request.headers.get(TIMEOUT_HEADER))
         body = await read_model(request, request_model, services.config.max_prompt_bytes)
-        generation, group = await _admit(services, body, format_cls)
+        tenant = tenant or tenant_from_body(services.config, services.cluster.tenants, body.user)
+        generation, group = await _admit(services, body, format_cls, tenant, timeout_s)
     except ApiError as error:
         metrics.requests.labels(endpoint, str(error.status)).inc()
         return error.response()
@@ -96,17 +106,39 @@ async def _serve(request: Request, request_model, format_cls, endpoint: str) -> 
     return response
 
 
-async def _admit(services, body, format_cls) -> tuple[_Generation, RequestGroup]:
+def _timeout(raw: str | None) -> float | None:
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ApiError(400, f"header X-Request-Timeout must be a positive number of seconds, got {raw!r}",
+                       code="invalid_value", param="X-Request-Timeout")
+    return value
+
+
+async def _admit(services, body, format_cls, tenant: Tenant,
+                 timeout_s: float | None) -> tuple[_Generation, RequestGroup]:
     config, cluster = services.config, services.cluster
     if body.model not in services.model_names():
         raise ApiError(404, f"model {body.model!r} does not exist; this server serves "
                        f"{config.served_model_name!r}", code="model_not_found", param="model")
     params = body.sampling_params(config.max_tokens_default)
+    if params.max_tokens > config.max_tokens_limit:
+        raise ApiError(400, f"max_tokens is {params.max_tokens}; this server generates at most "
+                       f"{config.max_tokens_limit} tokens per request", code="invalid_value", param="max_tokens")
     max_model_len = cluster.registry.max_model_len
     if cluster.draining or max_model_len is None:
         why = "the proxy is shutting down" if cluster.draining else "no worker is registered"
         raise ApiError(503, f"cannot serve now: {why}", code="no_worker_available",
                        retry_after_s=config.retry_after_s)
+    try:
+        tenant.limiter.admit(time.monotonic())
+    except ApiError:
+        services.metrics.tenant_rejections.labels(tenant.name, "rate_limit").inc()
+        raise
     prompts = await asyncio.to_thread(body.prompt_token_ids, services.tokenizer)
     longest = max(prompts, key=len)
     if len(longest) >= max_model_len:
@@ -124,7 +156,7 @@ async def _admit(services, body, format_cls) -> tuple[_Generation, RequestGroup]
     fmt = format_cls(services.token_text, params.logprobs is not None)
     response_id = f"{fmt.id_prefix}{uuid.uuid4().hex}"
     base_seed = params.seed if params.seed is not None else secrets.randbits(63)
-    group = cluster.submit(response_id, prompts, params, base_seed)
+    group = cluster.submit(response_id, prompts, params, base_seed, tenant, timeout_s)
     choices = [ChoiceState(i, i // params.n) for i in range(len(prompts) * params.n)]
     return _Generation(response_id, int(time.time()), body.model, prompts, choices, fmt, body.include_usage), group
 

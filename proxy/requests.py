@@ -4,15 +4,21 @@ A client request with n choices (times the prompts of a batch) becomes one
 ``RequestGroup`` of independent sub-requests, each with its own request id
 and seed, all writing to the group's event queue. A sub-request's life:
 
-    CREATED --route--> PREFILLING --PrefillDone--> DECODING --TokenDelta(finish)--> FINISHED
-          \\--route (local)-------------------------^        \\
-           PrefillDone with finish_reason ----------------------------------------> FINISHED
-           RequestFailed / worker lost / timeout / client gone (any live phase) --> FAILED
+    CREATED --admitted, route--> PREFILLING --PrefillDone--> PREFILLED --decode slot--> DECODING
+       \\--admitted, route (local), decode slot ------------------------------------^       |
+                                                   TokenDelta(finish) / PrefillDone(finish) --> FINISHED
+       RequestFailed / worker lost / timeout / client gone (any live phase) -----------------> FAILED
 
+- CREATED: waiting for admission (``proxy.admission``) until
+  ``queue_timeout_s`` or the client's own deadline, whichever is first;
+  past it the request is dropped, never run: 503 (queue timeout) or 504
+  (``deadline_exceeded``). Admission routes and starts it.
 - PREFILLING: PrefillRequest sent; deadline ``first_token_timeout_s``.
-  PrefillDone streams the first token, then a DecodeRequest naming the
-  pages goes to the decode worker the policy picks; the prefill worker
-  holds the pages until ReleaseKV.
+  PrefillDone streams the first token; the prefill worker holds the pages
+  until ReleaseKV.
+- PREFILLED: waiting for a decode slot (at most ``queue_timeout_s``, then
+  503); admission then sends a DecodeRequest naming the pages to the
+  decode worker the policy picks.
 - DECODING: TokenDeltas stream; KVPulled (ok or not) releases the pages on
   the prefill worker. Deadline: ``token_timeout_s`` after the last message
   (``first_token_timeout_s`` until the first token for local prefill).
@@ -34,6 +40,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from common.role_config import ProxyConfig
+from common.tracing import NoTracing, RequestTrace
 from common.wire import (
     Abort, DecodeRequest, KVPulled, PrefillDone, PrefillRequest, ReleaseKV, RequestFailed, TokenDelta,
 )
@@ -48,9 +55,10 @@ log = logging.getLogger("tessera.proxy")
 class Phase(enum.IntEnum):
     CREATED = 0
     PREFILLING = 1
-    DECODING = 2
-    FINISHED = 3
-    FAILED = 4
+    PREFILLED = 2
+    DECODING = 3
+    FINISHED = 4
+    FAILED = 5
 
 
 @dataclass
@@ -79,16 +87,25 @@ class ClusterPort(Protocol):
     config: ProxyConfig
     policy: RoutingPolicy
     metrics: ProxyMetrics
+    tracing: NoTracing
 
     def send(self, worker_id: str, msg) -> None: ...
     def pick_decode(self, prompt: Sequence[int]) -> WorkerState | None: ...
     def forget(self, sub: SubRequest) -> None: ...
+    def ready_for_decode(self, sub: SubRequest) -> None: ...
+    def service_counter(self, tenant: str) -> float: ...
+    def charge_output(self, sub: SubRequest, num_tokens: int) -> None: ...
 
 
 class SubRequest:
+    trace: RequestTrace | None = None  # only while tracing is on
+
     def __init__(self, request_id: str, index: int, prompt: list[int], params: dict, seed: int,
-                 port: ClusterPort, sink: asyncio.Queue, now: float) -> None:
+                 port: ClusterPort, sink: asyncio.Queue, now: float, tenant: str = "default", lane: int = 0) -> None:
         self.request_id = request_id
+        self.tenant = tenant
+        self.lane = lane  # priority lane, 0 (p0) first
+        self.client_deadline: float | None = None  # the client's own deadline, while it waits for admission
         self.index = index
         self.prompt = prompt
         self.params = params
@@ -97,6 +114,7 @@ class SubRequest:
         self.prefill_worker: str | None = None
         self.decode_worker: str | None = None
         self.kv_holder: str | None = None  # prefill worker still holding this request's pages
+        self._handoff: PrefillDone | None = None  # the prefill's result, while it waits for a decode slot
         self.num_tokens = 0
         self.arrival = now
         self.first_token_at: float | None = None
@@ -122,18 +140,38 @@ class SubRequest:
             holders.add(self.decode_worker)
         return holders - {None}
 
-    def start(self, route: Route) -> None:
+    def wait_for_admission(self, deadline: float, client_deadline: float | None) -> None:
+        self.deadline = deadline
+        self.client_deadline = client_deadline
+
+    def start(self, route: Route, now: float) -> None:
         port = self._port
         port.metrics.queue_depth.inc()
         port.metrics.in_flight.inc()
+        self.deadline = now + port.config.first_token_timeout_s
+        queued_s = max(now - self.arrival, 0.0)
+        port.metrics.queue_time.observe(queued_s)
+        model = port.config.served_model_name
+        port.metrics.prompt_tokens.labels(self.tenant, model).inc(len(self.prompt))
+        self._generation_tokens = port.metrics.generation_tokens.labels(self.tenant, model)
+        if port.tracing.enabled:
+            self.trace = RequestTrace(port.tracing, self.request_id, self.tenant, queued_s)
         if route.local:
-            self._send_decode(route.worker, DecodeRequest(self.request_id, self.prompt, self.params, self.seed))
+            self._send_decode(route.worker, DecodeRequest(self.request_id, self.prompt, self.params, self.seed,
+                                                          **self._fairness_fields()))
             return
         self.phase = Phase.PREFILLING
         self.prefill_worker = route.worker.worker_id
         port.policy.prefill_sent(self.request_id, route.worker, self.prompt)
         port.send(self.prefill_worker, PrefillRequest(
-            self.request_id, self.prompt, self.params, self.seed, port.config.kv_lease_s))
+            self.request_id, self.prompt, self.params, self.seed, port.config.kv_lease_s, **self._fairness_fields(),
+            trace_context=self.trace.enter("proxy.prefill", {"tessera.worker_id": self.prefill_worker})
+            if self.trace else None))
+
+    def _fairness_fields(self) -> dict:
+        """What a worker's scheduler preempts by: lane, then the tenant's counter now."""
+        return {"tenant": self.tenant, "priority": self.lane,
+                "fairness_counter": self._port.service_counter(self.tenant)}
 
     def on_prefill_done(self, msg: PrefillDone, sender: str, now: float) -> bool:
         if self.phase is not Phase.PREFILLING or sender != self.prefill_worker:
@@ -147,17 +185,20 @@ class SubRequest:
         if msg.finish_reason is not None:
             self._finish(now)
             return True
-        decoder = self._port.pick_decode(self.prompt)
-        if decoder is None:
-            self._fail(ApiError(503, "no decode worker is available to continue the request",
-                                code="no_worker_available", retry_after_s=self._port.config.retry_after_s))
-            return True
+        self.phase = Phase.PREFILLED
+        self._handoff = msg
+        self.deadline = now + self._port.config.queue_timeout_s
+        self._port.ready_for_decode(self)
+        return True
+
+    def continue_decode(self, decoder: WorkerState, now: float) -> None:
+        """Admission gave the prefilled request a decode slot on ``decoder``: it pulls the pages there."""
+        msg = self._handoff
         self._send_decode(decoder, DecodeRequest(
             self.request_id, self.prompt, self.params, self.seed, first_token=msg.first_token,
-            source_worker_id=sender, source_block_ids=msg.block_ids, first_logprob=msg.logprob,
-            first_top_logprobs=msg.top_logprobs))
+            source_worker_id=msg.worker_id, source_block_ids=msg.block_ids, first_logprob=msg.logprob,
+            first_top_logprobs=msg.top_logprobs, **self._fairness_fields()))
         self.deadline = now + self._port.config.token_timeout_s
-        return True
 
     def on_kv_pulled(self, msg: KVPulled, sender: str, now: float) -> bool:
         if self.phase is not Phase.DECODING or sender != self.decode_worker:
@@ -189,6 +230,8 @@ class SubRequest:
         if not self.involves(sender):
             return False
         status, code = (503, "worker_unavailable") if msg.retryable else (500, "worker_error")
+        if msg.invalid_request:
+            status, code = 400, "invalid_request"
         self._fail(ApiError(status, f"worker {sender!r} failed the request: {msg.message}", code=code,
                             retry_after_s=self._port.config.retry_after_s if msg.retryable else None),
                    gone=sender)
@@ -203,11 +246,39 @@ class SubRequest:
     def check_deadline(self, now: float) -> None:
         if self.done or now < self.deadline:
             return
+        if self.phase is Phase.CREATED:
+            self._drop_unadmitted(now)
+            return
+        if self.phase is Phase.PREFILLED:
+            self._port.metrics.tenant_rejections.labels(self.tenant, "queue_timeout").inc()
+            self._fail(ApiError(503, f"the cluster is saturated: no decode slot freed up within "
+                                f"queue_timeout_s={self._port.config.queue_timeout_s:g}s after the prefill",
+                                code="queue_timeout", retry_after_s=self._port.config.retry_after_s))
+            return
         if self.first_token_at is None:
             why = f"no first token within first_token_timeout_s={self._port.config.first_token_timeout_s}s"
         else:
             why = f"no message from the worker within token_timeout_s={self._port.config.token_timeout_s}s"
         self._fail(ApiError(504, f"request timed out: {why}", code="timeout"))
+
+    def _drop_unadmitted(self, now: float) -> None:
+        config = self._port.config
+        if self.client_deadline is not None and now >= self.client_deadline:
+            reason, error = "deadline", ApiError(
+                504, "the request's deadline (X-Request-Timeout) passed while it waited for admission; "
+                "it was dropped without running", code="deadline_exceeded")
+        else:
+            reason, error = "queue_timeout", ApiError(
+                503, f"the cluster is saturated: the request waited queue_timeout_s={config.queue_timeout_s:g}s "
+                "for admission and was dropped without running", code="queue_timeout",
+                retry_after_s=config.retry_after_s)
+        self._port.metrics.tenant_rejections.labels(self.tenant, reason).inc()
+        self._fail(error)
+
+    def reject(self, error: ApiError) -> None:
+        """Admission could not start it (no worker left to route to): fail it unstarted."""
+        if not self.done:
+            self._fail(error)
 
     def cancel(self, reason: str, status: int = 499) -> None:
         """The client is gone (499) or the proxy is closing (503): free everything on the workers."""
@@ -217,12 +288,15 @@ class SubRequest:
     def _send_decode(self, worker: WorkerState, msg: DecodeRequest) -> None:
         self.phase = Phase.DECODING
         self.decode_worker = worker.worker_id
+        if self.trace:
+            msg.trace_context = self.trace.enter("proxy.decode", {"tessera.worker_id": worker.worker_id})
         self._port.policy.decode_sent(worker, self.prompt, local=msg.first_token is None)
         self._port.send(worker.worker_id, msg)
 
     def _emit_tokens(self, event: TokenEvent, now: float) -> None:
         metrics = self._port.metrics
         if event.token_ids:
+            self._port.charge_output(self, len(event.token_ids))
             if self.first_token_at is None:
                 self.first_token_at = now
                 metrics.queue_depth.dec()
@@ -232,6 +306,7 @@ class SubRequest:
                 for _ in event.token_ids:
                     metrics.itl.observe(gap)
             self.num_tokens += len(event.token_ids)
+            self._generation_tokens.inc(len(event.token_ids))
             self.last_token_at = now
         self._sink.put_nowait(event)
 
@@ -240,6 +315,9 @@ class SubRequest:
         self._release_kv()
         metrics = self._port.metrics
         metrics.e2e.observe(now - self.arrival)
+        metrics.tenant_requests.labels(self.tenant, self._port.config.served_model_name, "ok").inc()
+        if self.trace:
+            self.trace.close()
         if self.first_token_at is not None and self.num_tokens > 1:
             metrics.tpot.observe((now - self.first_token_at) / (self.num_tokens - 1))
         self._leave()
@@ -259,6 +337,10 @@ class SubRequest:
         self._release_kv()
         if error.status != 499:
             log.warning("request %s failed: %s", self.request_id, error.message)
+        self._port.metrics.tenant_requests.labels(self.tenant, self._port.config.served_model_name,
+                                                  error.code or str(error.status)).inc()
+        if self.trace:
+            self.trace.close(error.message)
         self._leave(started)
         self._sink.put_nowait(FailureEvent(self.index, error))
 

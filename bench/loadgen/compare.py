@@ -4,7 +4,8 @@ Either file may be a run (``result.json``, several points) or a single point
 file, ours or one written by ``vllm bench serve``. Points are paired by their
 label (``rate=2``, ``rate=inf,concurrency=8``) when both files have the same
 labels, otherwise in order. A ratio above 1 means B has more of it: better
-for throughputs, worse for latencies.
+for throughputs, worse for latencies. ``--plot PNG`` draws the first paired
+points' per-tenant service side by side (runs with two tenants or more).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ METRICS = (
     "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
     "mean_itl_ms", "median_itl_ms", "p99_itl_ms",
     "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms",
+    "tenant_fairness_jain", "tenant_service_gap",
 )
 
 
@@ -30,6 +32,8 @@ def add_compare_command(actions) -> None:
     )
     parser.add_argument("a", metavar="A.json", type=Path, help="the baseline result file")
     parser.add_argument("b", metavar="B.json", type=Path, help="the result file compared with it")
+    parser.add_argument("--plot", type=Path, metavar="PNG",
+                        help="draw the per-tenant service of A's and B's first points side by side")
     parser.set_defaults(handler=run_compare)
 
 
@@ -73,5 +77,19 @@ def compare_table(a: list[dict], b: list[dict]) -> str:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    print(compare_table(load_points(args.a), load_points(args.b)))
+    a, b = load_points(args.a), load_points(args.b)
+    print(compare_table(a, b))
+    if args.plot is not None:
+        if not (a and b and len(a[0].get("tenants") or {}) > 1 and len(b[0].get("tenants") or {}) > 1):
+            raise ValueError("--plot needs two runs with two tenants or more (tessera bench --tenant ...)")
+        from bench.loadgen.plots import tenant_service_panels
+
+        runs = [(_title(path, point), point) for path, point in ((args.a, a[0]), (args.b, b[0]))]
+        print(f"wrote {tenant_service_panels(runs, args.plot)}")
     return 0
+
+
+def _title(path: Path, point: dict) -> str:
+    """The run's --label, else its directory's name, and the point."""
+    name = point.get("label") if point.get("label") != point.get("point") else path.parent.name
+    return f"{name}: {point.get('point')}"

@@ -7,7 +7,9 @@
   concurrency;
 - ``tenant_service-NN.png`` (two tenants or more): each tenant's cumulative
   weighted tokens served over the point, divided by its weight, so that fair
-  service shows as lines that rise together.
+  service shows as lines that rise together;
+- ``tenant_service_panels`` (``tessera bench compare --plot``): the same for
+  several runs side by side on one scale, e.g. ``fcfs`` against ``vtc``.
 """
 from __future__ import annotations
 
@@ -91,17 +93,32 @@ def sweep(points: list[dict], path: Path) -> Path:
     return path
 
 
-def tenant_service(point: dict, path: Path) -> Path:
-    plt = _pyplot()
+def _service_axes(ax, point: dict, title: str) -> None:
     service = point["tenant_service"]
-    fig, ax = plt.subplots(figsize=(7, 4))
     for name, series in service["series"].items():
         weight = point["tenants"][name]["weight"]
         ax.plot(service["times_s"], np.asarray(series) / weight, label=f"{name} (weight {weight:g})")
-    ax.set(title=f"service per unit weight, {point['point']}", xlabel="time since the first request (s)",
-           ylabel="weighted tokens / weight")
+    ax.set(title=title, xlabel="time since the first request (s)", ylabel="weighted tokens / weight")
     ax.grid(alpha=0.3)
     ax.legend()
+
+
+def tenant_service(point: dict, path: Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    _service_axes(ax, point, f"service per unit weight, {point['point']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def tenant_service_panels(runs: list[tuple[str, dict]], path: Path) -> Path:
+    """One panel per (title, point) with tenants, side by side on a shared y axis."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4), sharey=True, squeeze=False)
+    for ax, (title, point) in zip(axes[0], runs):
+        _service_axes(ax, point, title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

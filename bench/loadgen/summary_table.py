@@ -66,6 +66,7 @@ def tenant_table(point: dict) -> str:
         lines.append(f"{name[:12]:<12}{t['weight']:>7g}{t['completed']:>6}{t['failed']:>6}{t['output_tokens']:>9}"
                      f"{t['service_per_weight']:>11.0f}{_num(t['mean_ttft_ms'], 1):>11}")
     lines.append(_row("Jain fairness (service per weight):", point["tenant_fairness_jain"], 3))
+    lines.append(_row("service gap per weight (max window):", point.get("tenant_service_gap"), 0))
     return "\n".join(lines)
 
 

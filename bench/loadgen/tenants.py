@@ -10,7 +10,10 @@ token when its first token arrives (the prefill is done then), and each
 content chunk counts ``output_weight`` per output token when it arrives. The
 cumulative series per tenant, sampled every ``bin_s``, shows who was served
 when; Jain's index over service per unit of weight (1 = shares exactly in
-proportion to the weights, 1/n = one tenant got everything) sums it up.
+proportion to the weights, 1/n = one tenant got everything) sums it up, and
+the service gap is the VTC paper's measure: the largest difference, over any
+window of the point, between two tenants' service per unit of weight (it
+stays below 2 max(w_in L_input, w_out M) under VTC while both are backlogged).
 """
 from __future__ import annotations
 
@@ -90,6 +93,17 @@ def jain_index(values: Sequence[float]) -> float | None:
     return sum(values) ** 2 / (len(values) * total_sq) if total_sq > 0 else None
 
 
+def service_gap(service: dict, weights: dict[str, float]) -> float | None:
+    """max over tenant pairs and windows [t1, t2] of |service_a / w_a - service_b / w_b| gained in the window."""
+    names = list(service["series"])
+    gaps = []
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            diff = (np.asarray(service["series"][a]) / weights[a]) - (np.asarray(service["series"][b]) / weights[b])
+            gaps.append(float(diff.max() - diff.min()) if diff.size else 0.0)
+    return max(gaps) if gaps else None
+
+
 def tenant_summary(records: Sequence[RequestRecord], tenants: Sequence[Tenant], percentiles: Sequence[float],
                    service: dict) -> dict:
     per_tenant = {}
@@ -105,4 +119,6 @@ def tenant_summary(records: Sequence[RequestRecord], tenants: Sequence[Tenant], 
             **latency_stats("ttft", [r.ttft_s for r in done], percentiles),
         }
     fairness = jain_index([t["service_per_weight"] for t in per_tenant.values()])
-    return {"tenants": per_tenant, "tenant_fairness_jain": fairness, "tenant_service": service}
+    gap = service_gap(service, {t.name: t.weight for t in tenants})
+    return {"tenants": per_tenant, "tenant_fairness_jain": fairness, "tenant_service_gap": gap,
+            "tenant_service": service}

@@ -1,0 +1,193 @@
+"""Admission control: requests wait here for prefill, then for a decode slot, in the policy's order.
+
+Two admission points share the tenants' service counters (``fairness``):
+
+    check_room (429 / 503) --enqueue--> waiting --dispatch: prefill--> ahead --ready_for_decode-->
+        ready --dispatch: decode--> decoding --leave--> gone
+    (``leave`` from any state: deadline passed, client gone, request failed or finished)
+
+- waiting -> ahead (prefill admission): the policy's next choice, as long
+  as the decode slots are not all spoken for (decoding, or ahead: admitted
+  but holding no decode slot yet); once they are, the next choice among the
+  tenants with fewer than ``prefill_ahead_per_tenant`` choices ahead, so
+  that a saturated cluster still prefills a few requests of every tenant
+  (and no more). ``start_prefill`` routes it: to a prefill
+  worker (it reports ``ready_for_decode`` when PrefillDone arrives), or
+  local (ready at once: the decode worker prefills it). Its tenant is
+  charged the prompt here.
+- ready -> decoding (decode admission): while the decode-capable workers
+  have a free slot (their ``max_num_seqs`` summed, from Register), the
+  ready choice of the tenant with the smallest counter (or first, for fcfs)
+  gets it through ``start_decode``. It holds the slot until it leaves.
+
+A tenant is backlogged while it has a choice waiting, ahead or ready (not
+yet decoding); as it becomes backlogged its counter is lifted
+(``BacklogLift``), so a tenant between two requests of a closed loop keeps
+its place while one that was idle banks no credit.
+
+Because a tenant's prefills run ahead of its decode slots only by a few, a
+light tenant's request is prefilled (and gets its first token) at once even
+while a heavy tenant keeps every decode slot busy, and it takes the next
+free decode slot. ``start_*`` may refuse (a deadline passed while waiting,
+no worker left); they then fail the choice, which leaves.
+
+``check_room``: a tenant over ``max_concurrent`` (choices anywhere here) or
+``max_queued`` (choices waiting) gets 429, a full queue
+(``max_queued_requests``) 503, both with Retry-After.
+
+Everything runs in the event loop. ``dispatch`` runs after each enqueue and
+whenever capacity may have freed (a choice left or became ready, a worker
+registered); it is not re-entered by a choice it starts that fails at once.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Callable
+
+from common.role_config import ProxyConfig
+from proxy.errors import ApiError
+from proxy.fairness import BacklogLift, ServiceCounters, Waiting, make_queue
+from proxy.metrics import ProxyMetrics
+from proxy.tenants import Tenant, TenantRegistry
+
+WAITING, AHEAD, READY, DECODING = "waiting", "ahead", "ready", "decoding"
+
+
+class AdmissionController:
+    def __init__(self, config: ProxyConfig, tenants: TenantRegistry, decode_slots: Callable[[], int],
+                 start_prefill: Callable[[object], bool], start_decode: Callable[[object], bool],
+                 metrics: ProxyMetrics | None = None) -> None:
+        self.config = config
+        self.counters = ServiceCounters(config.vtc_input_weight, config.vtc_output_weight, tenants.weight)
+        self.prefill_queue = make_queue(config.fairness_policy, self.counters)
+        self.decode_queue = make_queue(config.fairness_policy, self.counters)
+        self.lift = BacklogLift(self.counters)
+        self._decode_slots = decode_slots
+        self._start_prefill = start_prefill
+        self._start_decode = start_decode
+        self._metrics = metrics
+        self._orders = itertools.count()
+        self._items: dict[str, Waiting] = {}
+        self._state: dict[str, str] = {}
+        self.count: dict[str, Counter[str]] = {s: Counter() for s in (WAITING, AHEAD, READY, DECODING)}
+        self._dispatching = False
+
+    def total(self, state: str) -> int:
+        return sum(self.count[state].values())
+
+    def active(self, tenant: str) -> int:
+        return sum(c[tenant] for c in self.count.values())
+
+    def check_room(self, tenant: Tenant, count: int) -> None:
+        """ApiError 429 / 503 when ``count`` more choices of ``tenant`` must not be taken in."""
+        limits, name = tenant.config, tenant.name
+        if limits.max_concurrent and self.active(name) + count > limits.max_concurrent:
+            raise self._refuse(tenant, "max_concurrent", 429, (
+                f"tenant {name!r} has {self.active(name)} choice(s) waiting or running and asks for "
+                f"{count} more; its limit is tenants[{name!r}].max_concurrent={limits.max_concurrent}"))
+        if limits.max_queued and self.count[WAITING][name] + count > limits.max_queued:
+            raise self._refuse(tenant, "max_queued", 429, (
+                f"tenant {name!r} has {self.count[WAITING][name]} choice(s) waiting for admission and asks "
+                f"for {count} more; its limit is tenants[{name!r}].max_queued={limits.max_queued}"))
+        if self.total(WAITING) + count > self.config.max_queued_requests:
+            raise self._refuse(tenant, "queue_full", 503, (
+                f"the cluster is saturated and its admission queue is full ({self.total(WAITING)} waiting, "
+                f"max_queued_requests={self.config.max_queued_requests})"))
+
+    def enqueue(self, request_id: str, tenant: Tenant, input_tokens: int, payload: object) -> None:
+        item = Waiting(tenant.name, tenant.lane, next(self._orders), input_tokens, request_id, payload)
+        self._items[request_id] = item
+        self._move(item, WAITING)
+        self.prefill_queue.push(item)
+
+    def ready_for_decode(self, request_id: str) -> None:
+        """Its prefill is done (or it prefills on the decode worker): it wants a decode slot."""
+        item = self._items.get(request_id)
+        if item is not None and self._state[request_id] == AHEAD:
+            self._move(item, READY)
+            self.decode_queue.push(item)
+            self.dispatch()
+
+    def dispatch(self) -> None:
+        if self._dispatching:
+            return
+        self._dispatching = True
+        try:
+            while self._admit_decode() or self._admit_prefill():
+                pass
+        finally:
+            self._dispatching = False
+
+    def _admit_decode(self) -> bool:
+        if self.total(DECODING) >= self._decode_slots():
+            return False
+        item = self.decode_queue.pop_next()
+        if item is None:
+            return False
+        self._move(item, DECODING)
+        self._start_decode(item.payload)
+        return True
+
+    def _admit_prefill(self) -> bool:
+        spoken_for = self.total(DECODING) + self.total(AHEAD) + self.total(READY)
+        if spoken_for < self._decode_slots():
+            item = self.prefill_queue.pop_next()
+        else:
+            limit = self.config.prefill_ahead_per_tenant
+            item = self.prefill_queue.pop_next(lambda t: self.count[AHEAD][t] + self.count[READY][t] < limit)
+        if item is None:
+            return False
+        self._move(item, AHEAD)
+        if self._start_prefill(item.payload):
+            self.counters.charge(item.tenant, input_tokens=item.input_tokens)
+            self._update_gauges(item.tenant)
+        return True
+
+    def leave(self, request_id: str) -> None:
+        """The choice ended, wherever it was: its place in a queue or its slot frees up."""
+        item = self._items.pop(request_id, None)
+        if item is None:
+            return
+        state = self._state[request_id]
+        if state == WAITING:
+            self.prefill_queue.remove(item)
+        elif state == READY:
+            self.decode_queue.remove(item)
+        self._move(item, None)
+        self.dispatch()
+
+    def charge_output(self, tenant: str, num_tokens: int) -> None:
+        self.counters.charge(tenant, output_tokens=num_tokens)
+        if self._metrics is not None:
+            self._metrics.tenant_service.labels(tenant).set(self.counters[tenant])
+
+    def _move(self, item: Waiting, state: str | None) -> None:
+        """Into ``state`` (None: gone); the tenant is backlogged while it has a choice not yet decoding."""
+        was_backlogged = self.backlogged(item.tenant)
+        old = self._state.pop(item.key, None)
+        if old is not None:
+            self.count[old][item.tenant] -= 1
+        if state is not None:
+            self._state[item.key] = state
+            self.count[state][item.tenant] += 1
+        if was_backlogged != self.backlogged(item.tenant):
+            if was_backlogged:
+                self.lift.stopped_being_backlogged(item.tenant, item.lane)
+            else:
+                self.lift.became_backlogged(item.tenant, item.lane)
+        self._update_gauges(item.tenant)
+
+    def backlogged(self, tenant: str) -> bool:
+        return any(self.count[state][tenant] for state in (WAITING, AHEAD, READY))
+
+    def _refuse(self, tenant: Tenant, reason: str, status: int, message: str) -> ApiError:
+        if self._metrics is not None:
+            self._metrics.tenant_rejections.labels(tenant.name, reason).inc()
+        code = "rate_limit_exceeded" if status == 429 else "queue_full"
+        return ApiError(status, message, code=code, retry_after_s=self.config.retry_after_s)
+
+    def _update_gauges(self, tenant: str) -> None:
+        if self._metrics is not None:
+            self._metrics.tenant_waiting.labels(tenant).set(self.count[WAITING][tenant])
+            self._metrics.tenant_service.labels(tenant).set(self.counters[tenant])

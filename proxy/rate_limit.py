@@ -1,0 +1,83 @@
+"""Per-tenant rate limits: token buckets on requests per second and on tokens per second.
+
+A bucket holds up to ``burst`` and refills at ``rate`` per second.
+
+- Requests: each request takes one; with less than one left it is refused
+  (429) with ``Retry-After`` = the seconds until one has refilled.
+- Tokens (prompt + generated): a request is admitted while the bucket is
+  not in debt; its prompt is taken at admission and each generated token as
+  the worker emits it, into debt if need be (output length is unknown up
+  front). A tenant in debt is refused until the debt is repaid at
+  ``tokens_per_s``: over time it gets ``tokens_per_s``, and a request larger
+  than the burst is never refused outright.
+
+Refusals raise ``ApiError(429)`` whose message names the limit
+(``tenants[NAME].requests_per_s`` ...). Time comes from the caller (a
+monotonic clock); nothing here sleeps.
+"""
+from __future__ import annotations
+
+import math
+
+from common.role_config import TenantConfig
+from proxy.errors import ApiError
+
+
+class TokenBucket:
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.level = burst
+        self._updated = now
+
+    def _refill(self, now: float) -> None:
+        self.level = min(self.burst, self.level + (now - self._updated) * self.rate)
+        self._updated = now
+
+    def wait_for(self, amount: float, now: float) -> float:
+        """Seconds until ``amount`` is available (0: now)."""
+        self._refill(now)
+        return max(0.0, (amount - self.level) / self.rate)
+
+    def take(self, amount: float, now: float) -> None:
+        """Take ``amount``, into debt if the bucket holds less."""
+        self._refill(now)
+        self.level -= amount
+
+
+class TenantLimiter:
+    """The request and token buckets of one tenant; a limit of 0 is no limit."""
+
+    def __init__(self, tenant: TenantConfig, now: float) -> None:
+        self.tenant = tenant
+        self.requests = None
+        self.tokens = None
+        if tenant.requests_per_s > 0:
+            burst = tenant.request_burst or max(1.0, tenant.requests_per_s)
+            self.requests = TokenBucket(tenant.requests_per_s, burst, now)
+        if tenant.tokens_per_s > 0:
+            self.tokens = TokenBucket(tenant.tokens_per_s, tenant.token_burst or tenant.tokens_per_s, now)
+
+    def admit(self, now: float) -> None:
+        """Count one request against the limits; ApiError(429) naming the limit it is over."""
+        if self.tokens is not None:
+            wait = self.tokens.wait_for(0.0, now)
+            if wait > 0:
+                raise self._refusal(f"tokens_per_s={self.tenant.tokens_per_s:g} (prompt + generated tokens; "
+                                    f"burst {self.tokens.burst:g})", wait)
+        if self.requests is not None:
+            wait = self.requests.wait_for(1.0, now)
+            if wait > 0:
+                raise self._refusal(f"requests_per_s={self.tenant.requests_per_s:g} "
+                                    f"(burst {self.requests.burst:g})", wait)
+            self.requests.take(1.0, now)
+
+    def charge_tokens(self, count: int, now: float) -> None:
+        """Prompt tokens at admission, generated tokens as they arrive."""
+        if self.tokens is not None and count:
+            self.tokens.take(count, now)
+
+    def _refusal(self, limit: str, wait_s: float) -> ApiError:
+        return ApiError(429, f"rate limit reached for tenant {self.tenant.name!r}: {limit}; "
+                        f"retry in {wait_s:.2f}s (config field tenants[{self.tenant.name!r}])",
+                        code="rate_limit_exceeded", retry_after_s=max(1, math.ceil(wait_s)))

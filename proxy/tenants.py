@@ -1,0 +1,57 @@
+"""The proxy's tenants: who they are, how to find one from an API key, and their live limits.
+
+Built once from ``ProxyConfig`` at start-up. Each configured tenant
+(``tenants``) keeps its settings and a ``TenantLimiter``; API keys are
+known only by their sha256 (hex), so the config never holds a usable key.
+The default tenant (``default_tenant``) takes its settings from the tenant
+of that name when one is configured, and otherwise has weight 1, lane p1 and
+no limits. ``hash_key`` is what ``tessera tenants hash-key`` prints.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from common.role_config import ProxyConfig, TenantConfig
+from proxy.rate_limit import TenantLimiter
+from proxy.tenants_command import hash_key
+
+
+@dataclass
+class Tenant:
+    config: TenantConfig
+    limiter: TenantLimiter
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def weight(self) -> float:
+        return self.config.weight
+
+    @property
+    def lane(self) -> int:
+        return self.config.lane
+
+
+class TenantRegistry:
+    def __init__(self, config: ProxyConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        now = clock()
+        configured = list(config.tenants)
+        if not any(t.name == config.default_tenant for t in configured):
+            configured.append(TenantConfig(config.default_tenant))
+        self.tenants = {t.name: Tenant(t, TenantLimiter(t, now)) for t in configured}
+        self.default = self.tenants[config.default_tenant]
+        self._by_key_hash = {key: self.tenants[t.name] for t in configured for key in t.api_key_sha256}
+
+    def by_key(self, api_key: str) -> Tenant | None:
+        return self._by_key_hash.get(hash_key(api_key))
+
+    def get(self, name: str) -> Tenant | None:
+        return self.tenants.get(name)
+
+    def weight(self, name: str) -> float:
+        tenant = self.tenants.get(name)
+        return tenant.weight if tenant is not None else 1.0

@@ -1,0 +1,172 @@
+"""Tenants through the real proxy over HTTP, with scripted workers on real ZeroMQ sockets.
+
+FakeWorkers (``proxy.fake_worker``) stand in for the model: what is tested is
+the proxy's admission (auth, limits, queues, fairness), and a worker that
+emits a token every ``token_interval_s`` makes a decode slot a known, steady
+resource, so a few seconds show the policies apart, which a model on two
+shared CPU cores would not.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+from proxy.tenants import hash_key
+from tests.e2e.proxy_harness import *  # noqa: F401,F403 -- fixtures, helpers and wire types
+
+TENANTS = [
+    {"name": "alpha", "api_key_sha256": [hash_key("sk-alpha")]},
+    {"name": "beta", "api_key_sha256": [hash_key("sk-beta")], "requests_per_s": 0.2, "request_burst": 1},
+]
+
+
+def start_worker(proxy, worker_id: str, role: str, script, max_num_seqs: int = 0, **options) -> FakeWorker:
+    worker = FakeWorker(proxy.endpoint, worker_id, role, script, **options)
+    worker.register_msg = dataclasses.replace(worker.register_msg, max_num_seqs=max_num_seqs)
+    return worker.start_and_wait()
+
+
+@pytest.fixture
+def workers():
+    started: list[FakeWorker] = []
+    yield started
+    for worker in started:
+        worker.stop(goodbye=False)
+
+
+def ready(proxy) -> None:
+    wait_until(lambda: proxy.http.get("/readyz").status_code == 200, what="/readyz")
+
+
+def complete(proxy, key: str | None = None, headers: dict | None = None, **body):
+    auth = {"Authorization": f"Bearer {key}"} if key else {}
+    return proxy.http.post("/v1/completions", headers={**auth, **(headers or {})},
+                           json={"model": MODEL, "prompt": "Tell me about foxes.", "max_tokens": 8, **body})
+
+
+def test_auth_errors_are_401_in_openai_shape(make_proxy, script, workers):
+    proxy = make_proxy(auth_enabled=True, tenants=[{**TENANTS[0], "priority": "p0"}, TENANTS[1]])
+    prefill, decode = start_worker(proxy, "p0", "prefill", script), start_worker(proxy, "d0", "decode", script)
+    workers += [prefill, decode]
+    ready(proxy)
+    missing = assert_openai_error(complete(proxy), 401, "no API key")
+    assert missing["code"] == "invalid_api_key"
+    assert_openai_error(complete(proxy, "sk-nope-nope-nope"), 401, "incorrect API key")
+    assert_openai_error(proxy.http.post("/v1/chat/completions", headers={"Authorization": "Basic eDp5"},
+                                        json={"model": MODEL, "messages": MESSAGES}), 401, "Bearer")
+    assert complete(proxy, "sk-alpha").status_code == 200
+    assert proxy.http.get("/v1/models").status_code == 200  # only generation is guarded
+    assert not prefill.messages(PrefillRequest)[1:]  # the refused ones never reached a worker
+    sent_prefill, sent_decode = prefill.messages(PrefillRequest)[0], decode.messages(DecodeRequest)[0]
+    assert (sent_prefill.tenant, sent_prefill.priority, sent_prefill.fairness_counter) == ("alpha", 0, 0.0)
+    assert (sent_decode.tenant, sent_decode.priority) == ("alpha", 0)
+    assert sent_decode.fairness_counter > 0  # the prompt and the first token were charged by then
+
+
+def test_rate_limited_tenant_gets_429_while_another_is_unaffected(make_proxy, script, workers):
+    proxy = make_proxy(auth_enabled=True, tenants=TENANTS)
+    workers += [start_worker(proxy, "p0", "prefill", script, token_interval_s=0.01),
+                start_worker(proxy, "d0", "decode", script, token_interval_s=0.01)]
+    ready(proxy)
+
+    def alpha_latency() -> float:
+        start = time.monotonic()
+        assert complete(proxy, "sk-alpha").status_code == 200
+        return time.monotonic() - start
+
+    baseline = sorted(alpha_latency() for _ in range(5))[2]
+    assert complete(proxy, "sk-beta").status_code == 200
+    limited = assert_openai_error(complete(proxy, "sk-beta"), 429, "requests_per_s=0.2", "beta")
+    assert limited["code"] == "rate_limit_exceeded"
+    assert int(complete(proxy, "sk-beta").headers["retry-after"]) >= 1
+    during = []
+    for _ in range(5):
+        assert complete(proxy, "sk-beta").status_code == 429
+        during.append(alpha_latency())
+    print(f"alpha median latency {baseline * 1000:.0f} ms alone, {sorted(during)[2] * 1000:.0f} ms beside beta's 429s")
+    assert sorted(during)[2] <= 1.5 * baseline + 0.05
+    metrics = proxy.http.get("/metrics").text
+    assert 'tessera_proxy_tenant_rejections_total{reason="rate_limit",tenant="beta"}' in metrics
+
+
+def test_saturated_cluster_times_out_the_queue_with_503(make_proxy, script, workers):
+    proxy = make_proxy(queue_timeout_s=0.5, prefill_ahead_per_tenant=1)
+    prefill = start_worker(proxy, "p0", "prefill", script)
+    workers += [prefill, start_worker(proxy, "d0", "decode", script, max_num_seqs=1, token_interval_s=0.5)]
+    ready(proxy)
+
+    async def three() -> list:
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as client:
+            async def one(delay: float):
+                await asyncio.sleep(delay)
+                return await client.post("/v1/completions", json={
+                    "model": MODEL, "prompt": "Tell me about foxes.", "max_tokens": 4})
+            return await asyncio.gather(one(0), one(0.1), one(0.2))
+
+    running, second, third = asyncio.run(three())
+    assert running.status_code == 200
+    for response in (second, third):  # each waited queue_timeout_s for a decode slot after its prefill
+        error = assert_openai_error(response, 503, "queue_timeout_s=0.5")
+        assert error["code"] == "queue_timeout" and response.headers["retry-after"] == "3"
+    released = {m.request_id for m in prefill.messages(ReleaseKV)}
+    assert {m.request_id for m in prefill.messages(PrefillRequest)} <= released  # no pages left held
+
+
+def test_expired_client_deadline_drops_the_request_unrun(make_proxy, script, workers):
+    proxy = make_proxy(prefill_ahead_per_tenant=1)
+    prefill = start_worker(proxy, "p0", "prefill", script)
+    workers += [prefill, start_worker(proxy, "d0", "decode", script, max_num_seqs=1, token_interval_s=0.3)]
+    ready(proxy)
+
+    async def two() -> list:
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as client:
+            async def one(delay: float, headers: dict):
+                await asyncio.sleep(delay)
+                return await client.post("/v1/completions", headers=headers, json={
+                    "model": MODEL, "prompt": "Tell me about foxes.", "max_tokens": 3})
+            return await asyncio.gather(one(0, {}), one(0.05, {}), one(0.1, {"X-Request-Timeout": "0.3"}))
+
+    first, second, hurried = asyncio.run(two())
+    assert first.status_code == 200 and second.status_code == 200
+    error = assert_openai_error(hurried, 504, "X-Request-Timeout", "without running")
+    assert error["code"] == "deadline_exceeded"
+    assert len(prefill.messages(PrefillRequest)) == 2
+    assert_openai_error(complete(proxy, headers={"X-Request-Timeout": "soon"}), 400, "X-Request-Timeout")
+
+
+async def _closed_loop(url: str, key: str, concurrency: int, until: float, served: dict) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=30, headers={"Authorization": f"Bearer {key}"}) as client:
+        async def worker() -> None:
+            while time.monotonic() < until:
+                response = await client.post("/v1/completions", json={
+                    "model": MODEL, "prompt": "Tell me about foxes.", "max_tokens": 10})
+                assert response.status_code == 200, response.text
+                if time.monotonic() < until:  # the drain afterwards is the heavy tenant's backlog alone
+                    usage = response.json()["usage"]
+                    served[key] += usage["prompt_tokens"] + 2 * usage["completion_tokens"]
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+
+@pytest.mark.parametrize("policy", ["vtc", "fcfs"])
+def test_two_tenants_four_to_one_load(make_proxy, script, workers, policy):
+    tenants = [{"name": "heavy", "api_key_sha256": [hash_key("sk-heavy")]},
+               {"name": "light", "api_key_sha256": [hash_key("sk-light")]}]
+    proxy = make_proxy(auth_enabled=True, tenants=tenants, fairness_policy=policy, prefill_ahead_per_tenant=2)
+    workers += [start_worker(proxy, "p0", "prefill", script),
+                start_worker(proxy, "d0", "decode", script, max_num_seqs=4, token_interval_s=0.02)]
+    ready(proxy)
+    served = {"sk-heavy": 0, "sk-light": 0}
+
+    async def load() -> None:
+        until = time.monotonic() + 3.0
+        await asyncio.gather(_closed_loop(proxy.url, "sk-heavy", 24, until, served),
+                             _closed_loop(proxy.url, "sk-light", 6, until, served))
+
+    asyncio.run(load())
+    share = served["sk-light"] / sum(served.values())
+    print(f"{policy}: light tenant's share of the weighted tokens served {share:.1%} ({served})")
+    if policy == "vtc":
+        assert share >= 0.4
+    else:
+        assert share <= 0.33  # its 20% share of the load, give or take a few requests
