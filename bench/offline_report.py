@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench.doc_sections import replace_section
 from bench.offline_systems import WARMUP_OUTPUT_LEN, WARMUP_PROMPTS
 from bench.roofline import COPY_BYTES, REPEATS
 
@@ -212,13 +213,4 @@ def render_markdown(results: dict, heading_level: int = 2) -> str:
 
 def write_doc(results: dict, path: Path) -> None:
     """Put the section into ``path`` between its markers, replacing a previous one and keeping the rest."""
-    section = f"{BEGIN_MARKER}\n{render_markdown(results)}\n{END_MARKER}\n"
-    text = path.read_text() if path.exists() else DOC_HEADER
-    if BEGIN_MARKER in text and END_MARKER in text:
-        before, _, rest = text.partition(BEGIN_MARKER)
-        _, _, after = rest.partition(END_MARKER + "\n")
-        text = before + section + after
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    replace_section(path, BEGIN_MARKER, END_MARKER, render_markdown(results), empty=DOC_HEADER)

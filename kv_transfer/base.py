@@ -163,6 +163,7 @@ class TransferCounters:
 class KVTransferBackend(ABC):
     name: ClassVar[str]
     handle_type: ClassVar[type[TransferHandle]] = TransferHandle
+    device_types: ClassVar[tuple[str, ...]] = ("cpu",)  # where the registered pool may live
 
     def __init__(self) -> None:
         self._pool = None
@@ -176,8 +177,13 @@ class KVTransferBackend(ABC):
     def register_pool(self, kv_cache) -> bytes:
         if self._pool is not None:
             raise RuntimeError(f"{self.name} backend: register_pool() called twice")
-        if kv_cache.buffer.device.type != "cpu" or not kv_cache.buffer.is_contiguous():
-            raise ValueError(f"{self.name} backend moves one contiguous host buffer; got {kv_cache.buffer.device}")
+        device = kv_cache.buffer.device.type
+        if device not in self.device_types or not kv_cache.buffer.is_contiguous():
+            raise ValueError(
+                f"transfer_backend {self.name!r} moves one contiguous buffer in {' or '.join(self.device_types)} "
+                f"memory; the KV pool is on {kv_cache.buffer.device}"
+                + (" (use transfer_backend 'nixl' for a GPU pool)" if device == "cuda" else "")
+            )
         self._pool = kv_cache
         envelope = {
             "v": METADATA_VERSION,

@@ -30,6 +30,7 @@ class FakePull(TransferHandle):
 
 class FakeBackend(KVTransferBackend):
     name = "fake"
+    device_types = ("cpu", "cuda")  # copies between tensors in one process
     handle_type = FakePull
 
     def __init__(self, fail_every: int = 0, delay_s: float = 0.0) -> None:

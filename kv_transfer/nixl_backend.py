@@ -1,8 +1,9 @@
 """NIXL backend: the decode side READs pages one-sidedly from the peer's registered pool.
 
-Each side registers its whole KV buffer once as DRAM and publishes NIXL's
-agent metadata together with the pool's base address; with the bytes per
-block and block count the contract already publishes, the puller can
+Each side registers its whole KV buffer once (DRAM, or VRAM for a GPU pool)
+and publishes NIXL's agent metadata together with the pool's base address
+and memory type; with the bytes per block and block count the contract
+already publishes, the puller can
 address any block of the peer as ``base + block * bytes_per_block``. A pull
 is ONE READ request built from the merged runs (batches of many small
 descriptors had erratic latency), polled with ``check_xfer_state`` from the
@@ -57,6 +58,8 @@ class NixlPull(TransferHandle):
 class NixlPeer:
     agent_name: str
     base: int  # address of the peer's block 0
+    mem: str = "DRAM"  # DRAM (host) or VRAM (GPU) pool
+    device_id: int = 0
 
 
 def make_agent(name: str, progress_thread: bool, progress_delay_us: int) -> nixl_agent:
@@ -79,6 +82,9 @@ def make_agent(name: str, progress_thread: bool, progress_delay_us: int) -> nixl
 class NixlBackend(KVTransferBackend):
     name = "nixl"
     handle_type = NixlPull
+    # A GPU pool registers as VRAM: UCX reads it with GPUDirect RDMA where the
+    # NIC supports it, else through host staging; both sides publish their type.
+    device_types = ("cpu", "cuda")
 
     def __init__(
         self,
@@ -93,11 +99,15 @@ class NixlBackend(KVTransferBackend):
         self._agent = make_agent(self.agent_name, progress_thread, progress_delay_us)
         self._registered = None
         self._base = 0
+        self._mem, self._device_id = "DRAM", 0
 
     def _publish(self, kv_cache) -> dict:
         self._base, nbytes = kv_cache.block_range(0, kv_cache.num_blocks)
-        self._registered = self._agent.register_memory([(self._base, nbytes, 0, "")], "DRAM")
-        return {"agent": self._agent.get_agent_metadata(), "base": self._base}
+        device = kv_cache.buffer.device
+        self._mem, self._device_id = ("VRAM", device.index or 0) if device.type == "cuda" else ("DRAM", 0)
+        self._registered = self._agent.register_memory([(self._base, nbytes, self._device_id, "")], self._mem)
+        return {"agent": self._agent.get_agent_metadata(), "base": self._base, "mem": self._mem,
+                "device_id": self._device_id}
 
     def _connect(self, peer_id: str, fields: dict) -> NixlPeer:
         if not isinstance(fields.get("agent"), bytes) or type(fields.get("base")) is not int:
@@ -106,19 +116,22 @@ class NixlBackend(KVTransferBackend):
             name = self._agent.add_remote_agent(fields["agent"])
         except Exception as exc:
             raise ValueError(f"peer {peer_id!r}: NIXL refused its agent metadata: {exc}") from exc
-        return NixlPeer(name.decode() if isinstance(name, bytes) else name, fields["base"])
+        mem, device_id = fields.get("mem", "DRAM"), fields.get("device_id", 0)
+        if mem not in ("DRAM", "VRAM") or type(device_id) is not int:
+            raise ValueError(f"peer {peer_id!r}: nixl metadata 'mem' must be DRAM or VRAM with an int 'device_id'")
+        return NixlPeer(name.decode() if isinstance(name, bytes) else name, fields["base"], mem, device_id)
 
     def _disconnect(self, peer_id: str, peer: NixlPeer) -> None:
         self._agent.remove_remote_agent(peer.agent_name)
 
     def _submit(self, handle: NixlPull, peer: NixlPeer) -> None:
         bpb = self._pool.layout.bytes_per_block
-        local = [(self._base + r.local_start * bpb, r.count * bpb, 0) for r in handle.runs]
-        remote = [(peer.base + r.remote_start * bpb, r.count * bpb, 0) for r in handle.runs]
+        local = [(self._base + r.local_start * bpb, r.count * bpb, self._device_id) for r in handle.runs]
+        remote = [(peer.base + r.remote_start * bpb, r.count * bpb, peer.device_id) for r in handle.runs]
         handle.xfer = self._agent.initialize_xfer(
             "READ",
-            self._agent.get_xfer_descs(local, "DRAM"),
-            self._agent.get_xfer_descs(remote, "DRAM"),
+            self._agent.get_xfer_descs(local, self._mem),
+            self._agent.get_xfer_descs(remote, peer.mem),
             peer.agent_name,
         )
         self._apply(handle, self._agent.transfer(handle.xfer))

@@ -1,4 +1,6 @@
 """Scheduler planning without a model: budgets, chunking, preemption, prefix hits, forks."""
+import pytest
+
 from common.block_manager import BlockManager
 from common.config import EngineConfig
 from common.sampling_params import SamplingParams
@@ -63,6 +65,67 @@ def test_preemption_frees_blocks_and_recomputes_later():
     assert a.finish_reason is FinishReason.LENGTH and b.finish_reason is FinishReason.LENGTH
     assert a.num_output_tokens == 12 and b.num_output_tokens == 12
     assert bm.num_free_blocks == 6
+
+
+@pytest.mark.parametrize("lanes, counters, victim", [
+    ((0, 0, 0), (0.0, 0.0, 0.0), "c"),  # all equal: the latest admission
+    ((0, 2, 1), (0.0, 0.0, 0.0), "b"),  # the lowest lane (p2) first
+    ((1, 1, 0), (50.0, 10.0, 99.0), "a"),  # within the lowest lane, the most-served tenant
+])
+def test_preemption_picks_the_lowest_lane_then_the_highest_counter(lanes, counters, victim):
+    s, bm = make(num_blocks=7, block_size=4, budget=64)
+    seqs = {}
+    for name, lane, counter, start in zip("abc", lanes, counters, (1, 50, 100)):
+        (q,) = seq(name, 7, max_tokens=20, start=start)
+        q.priority, q.fairness_counter = lane, counter
+        s.add_sequences([q])
+        seqs[name] = q
+    run_step(s)  # 3 x 2 blocks of 7
+    preempted = []
+    for _ in range(5):
+        preempted += run_step(s).preempted
+        if preempted:
+            break
+    assert [q.request_id for q in preempted[:1]] == [victim]
+    assert seqs[victim].num_computed_tokens == 0 and not seqs[victim].block_table
+    assert all(q not in s.running for q in preempted)
+
+
+def test_speculative_tokens_are_planned_and_rolled_back():
+    s, bm = make(num_blocks=16, block_size=4, budget=64)
+    (a,) = seq("a", 6, max_tokens=20)
+    s.add_sequences([a])
+    run_step(s)  # prefill + first token: 7 tokens, 6 computed
+    a.spec_token_ids = [11, 12, 13, 14, 15]
+    plan = s.schedule()
+    assert plan.num_new_tokens == [6] and plan.spec_token_ids == [[11, 12, 13, 14, 15]]
+    assert len(a.block_table) == 3  # positions 6..11 need blocks up to index 2
+    s.update(plan, {a.seq_id: [11, 99]})  # one draft accepted, then the target's own token
+    assert a.output_token_ids[-3:] == [7, 11, 99] and a.num_computed_tokens == 8
+    assert len(a.block_table) == 2 and bm.num_free_blocks == 14  # the block of rejected positions is back
+    a.spec_token_ids = [1, 2, 3]
+    plan = s.schedule()
+    s.update(plan, {a.seq_id: [1, 2, 3, 0]})  # all accepted, then EOS (id 0) as the bonus token
+    assert a.finish_reason is FinishReason.STOP and a.output_token_ids[-4:] == [1, 2, 3, 0]
+    assert bm.num_free_blocks == 16
+
+
+def test_drafts_give_way_to_the_budget_and_the_pool():
+    s, bm = make(num_blocks=4, block_size=4, budget=3)
+    (a,) = seq("a", 3, max_tokens=20)
+    s.add_sequences([a])
+    run_step(s)
+    a.spec_token_ids = [5, 6, 7, 8]
+    plan = s.schedule()
+    assert plan.spec_token_ids == [[5, 6]]  # budget 3: the last token and two drafts
+    s, bm = make(num_blocks=3, block_size=4, budget=64)
+    (b,) = seq("b", 6, max_tokens=20)
+    s.add_sequences([b])
+    run_step(s)
+    b.spec_token_ids = list(range(20, 40))
+    plan = s.schedule()
+    assert plan.spec_token_ids == [[]] and not plan.preempted  # no pool room for the drafts: plain decode
+    assert plan.num_new_tokens == [1] and len(b.block_table) == 2
 
 
 def test_prefix_hit_skips_cached_blocks_but_leaves_one_token():
