@@ -120,12 +120,14 @@ class Scheduler:
             spec = self._spec_tokens(seq, num_new, budget)
             if spec and not self._allocate_slots(seq, num_new + len(spec)):
                 spec = []  # drafts are the first thing to give up under memory pressure
+            num_preempted = len(plan.preempted)
             budget += self._make_room(seq, num_new, plan)
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # seq itself was preempted; the next one moved into slot i
             plan.add(seq, num_new + len(spec), spec)
             budget -= num_new + len(spec)
-            i = self.running.index(seq) + 1
+            # Victims may have come from before slot i; find seq again only then.
+            i = i + 1 if len(plan.preempted) == num_preempted else self.running.index(seq) + 1
 
         # Admit new work only when nothing had to be preempted this step.
         while (
