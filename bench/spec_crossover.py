@@ -61,9 +61,8 @@ def time_step(engine: LLMEngine, k: int, reps: int) -> float:
     """Median seconds of one decode step in which every sequence verifies k drafts."""
     plan = StepPlan()
     for seq in engine.scheduler.running:
-        needed = -(-(seq.num_tokens + k) // engine.config.block_size) - len(seq.block_table)
-        if needed > 0:
-            seq.block_table.extend(engine.block_manager.allocate(needed))
+        if not engine.block_manager.grow(seq.block_table, seq.num_tokens + k):
+            raise RuntimeError("the KV pool is too small for this batch and k")
         plan.add(seq, 1 + k, [seq.token_ids[-1]] * k)
     times = []
     for _ in range(reps):

@@ -101,6 +101,23 @@ class BlockManager:
             ids.append(block_id)
         return ids
 
+    def grow(self, block_table: list[int], num_positions: int) -> bool:
+        """Extend ``block_table`` in place to cover ``num_positions`` tokens; False (unchanged) if the pool is short."""
+        needed = -(-num_positions // self.block_size) - len(block_table)
+        if needed <= 0:
+            return True
+        if not self.can_allocate(needed):
+            return False
+        block_table.extend(self.allocate(needed))
+        return True
+
+    def shrink(self, block_table: list[int], num_positions: int) -> None:
+        """Free the trailing blocks of ``block_table`` past the first ``num_positions`` tokens, in place."""
+        keep = -(-num_positions // self.block_size)
+        if len(block_table) > keep:
+            self.free(block_table[keep:])
+            del block_table[keep:]
+
     def acquire(self, block_ids: Sequence[int]) -> None:
         """Add a reference to blocks already holding data (prefix hits, forks)."""
         for block_id in block_ids:

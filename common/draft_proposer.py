@@ -53,7 +53,6 @@ class DraftProposer:
                 f"config field 'spec_draft_model': the draft's vocabulary ({self.runner.vocab_size} tokens) "
                 f"differs from the target's ({target.vocab_size}); a draft must share the tokenizer"
             )
-        self.block_size = config.block_size
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, enable_prefix_caching=False)
         self.shadows: dict[int, Sequence] = {}
         self.proposed_at: dict[int, int] = {}  # target length when drafts were last proposed
@@ -67,7 +66,7 @@ class DraftProposer:
         for seq, k in items:
             k = min(k, self.runner.max_model_len - seq.num_tokens)
             shadow = self._sync(seq)
-            if k > 0 and self._reserve(shadow, seq.num_tokens + k - 1):
+            if k > 0 and self.blocks.grow(shadow.block_table, seq.num_tokens + k - 1):
                 ready.append((seq, shadow, k))
             elif k > 0:
                 self._drop(seq.seq_id)
@@ -110,20 +109,8 @@ class DraftProposer:
         self.proposed_at[seq.seq_id] = seq.num_tokens
         shadow.token_ids = list(seq.token_ids)
         shadow.num_computed_tokens = valid
-        keep = -(-valid // self.block_size)
-        if len(shadow.block_table) > keep:
-            self.blocks.free(shadow.block_table[keep:])
-            del shadow.block_table[keep:]
+        self.blocks.shrink(shadow.block_table, valid)
         return shadow
-
-    def _reserve(self, shadow: Sequence, num_positions: int) -> bool:
-        needed = -(-num_positions // self.block_size) - len(shadow.block_table)
-        if needed <= 0:
-            return True
-        if not self.blocks.can_allocate(needed):
-            return False
-        shadow.block_table.extend(self.blocks.allocate(needed))
-        return True
 
     def _drop(self, seq_id: int) -> None:
         shadow = self.shadows.pop(seq_id, None)

@@ -177,13 +177,7 @@ class Scheduler:
         return bool(hits)
 
     def _allocate_slots(self, seq: Sequence, num_new: int) -> bool:
-        needed = -(-(seq.num_computed_tokens + num_new) // self.block_size) - len(seq.block_table)
-        if needed <= 0:
-            return True
-        if not self.blocks.can_allocate(needed):
-            return False
-        seq.block_table.extend(self.blocks.allocate(needed))
-        return True
+        return self.blocks.grow(seq.block_table, seq.num_computed_tokens + num_new)
 
     def _make_room(self, seq: Sequence, num_new: int, plan: StepPlan) -> int:
         """Allocate slots for a running sequence, preempting victims until it fits.
@@ -234,7 +228,8 @@ class Scheduler:
             known = seq.token_ids
             if spec:
                 seq.num_computed_tokens += len(tokens)  # last token + accepted drafts
-                self._roll_back_blocks(seq)
+                # Blocks that held only rejected draft positions go back to the pool.
+                self.blocks.shrink(seq.block_table, seq.num_computed_tokens)
                 known = known + tokens[:-1]  # accepted drafts are computed, so cacheable
             else:
                 seq.num_computed_tokens += num_new
@@ -255,13 +250,6 @@ class Scheduler:
             if seq.prefill_only and not seq.is_finished:
                 self.finish(seq, FinishReason.HANDOFF)
         return advanced
-
-    def _roll_back_blocks(self, seq: Sequence) -> None:
-        """Free trailing blocks that hold only rejected draft positions."""
-        keep = -(-seq.num_computed_tokens // self.block_size)
-        if len(seq.block_table) > keep:
-            self.blocks.free(seq.block_table[keep:])
-            del seq.block_table[keep:]
 
     def _check_token_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params

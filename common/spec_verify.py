@@ -23,6 +23,7 @@ uniform that decided an earlier emitted token.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -49,21 +50,20 @@ def verify_drafts(
     counts = [len(d) + 1 for d in drafts]
     if sum(counts) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} logit rows for {sum(counts)} verification rows")
+    starts = [total - count for total, count in zip(itertools.accumulate(counts), counts)]
     if all(_plain_greedy(seq) for seq in seqs):
         targets = logits.argmax(-1).tolist()
-        accepted = _accepted_greedy(targets, drafts, counts)
-        emitted = [
-            d[:a] + [targets[start + a]] for d, a, start in zip(drafts, accepted, _starts(counts))
-        ]
+        accepted = _accepted_greedy(targets, drafts, starts)
+        emitted = [d[:a] + [targets[start + a]] for d, a, start in zip(drafts, accepted, starts)]
         return Verified(emitted, accepted)
 
     rows = _rows(seqs, drafts)
     probs = processed_probs(logits, rows)
-    accepted, final = _accept_sampled(probs, rows, drafts, draft_probs, counts)
+    accepted, final = _accept_sampled(probs, rows, drafts, draft_probs, starts)
     emitted = [d[:a] + [t] for d, a, t in zip(drafts, accepted, final)]
     out = Verified(emitted, accepted)
     if any(seq.params.logprobs is not None for seq in seqs):
-        _attach_logprobs(out, logits, rows, counts)
+        _attach_logprobs(out, logits, rows, counts, starts)
     return out
 
 
@@ -72,17 +72,9 @@ def _plain_greedy(seq: Sequence) -> bool:
     return p.greedy and not p.needs_penalties and p.logprobs is None
 
 
-def _starts(counts: list[int]) -> list[int]:
-    starts, at = [], 0
-    for c in counts:
-        starts.append(at)
-        at += c
-    return starts
-
-
-def _accepted_greedy(targets: list[int], drafts: list[list[int]], counts: list[int]) -> list[int]:
+def _accepted_greedy(targets: list[int], drafts: list[list[int]], starts: list[int]) -> list[int]:
     accepted = []
-    for d, start in zip(drafts, _starts(counts)):
+    for d, start in zip(drafts, starts):
         a = 0
         while a < len(d) and d[a] == targets[start + a]:
             a += 1
@@ -105,7 +97,7 @@ def _accept_sampled(
     rows: list[SamplingRow],
     drafts: list[list[int]],
     draft_probs: list[torch.Tensor | None],
-    counts: list[int],
+    starts: list[int],
 ) -> tuple[list[int], list[int]]:
     device, vocab = probs.device, probs.shape[1]
     seeds = torch.tensor([as_int64(r.seed) for r in rows], device=device)
@@ -114,14 +106,14 @@ def _accept_sampled(
     row_drafts = torch.tensor([t for d in drafts for t in (*d, 0)], device=device)
     p_draft = probs.gather(1, row_drafts[:, None]).squeeze(1)
     q_draft = torch.ones_like(p_draft)
-    for d, q, start in zip(drafts, draft_probs, _starts(counts)):
+    for d, q, start in zip(drafts, draft_probs, starts):
         if q is not None and d:
             q_draft[start:start + len(d)] = q[: len(d)].gather(1, torch.tensor(d, device=device)[:, None]).squeeze(1)
     uniforms = counter_uniforms(seeds, steps, torch.tensor([vocab], device=device)).squeeze(1)
     passes = (uniforms * q_draft <= p_draft).tolist()
 
     accepted, final_rows = [], []
-    for d, start in zip(drafts, _starts(counts)):
+    for d, start in zip(drafts, starts):
         a = 0
         while a < len(d) and passes[start + a]:
             a += 1
@@ -147,7 +139,9 @@ def _one_hot(token: int, vocab: int, device) -> torch.Tensor:
     return out
 
 
-def _attach_logprobs(out: Verified, logits: torch.Tensor, rows: list[SamplingRow], counts: list[int]) -> None:
+def _attach_logprobs(
+    out: Verified, logits: torch.Tensor, rows: list[SamplingRow], counts: list[int], starts: list[int]
+) -> None:
     """Logprobs of each emitted token at its own row, from the raw logits (as plain sampling)."""
     row_tokens = []
     for emitted, count in zip(out.token_ids, counts):
@@ -156,6 +150,6 @@ def _attach_logprobs(out: Verified, logits: torch.Tensor, rows: list[SamplingRow
     if chosen is None:
         return
     out.logprobs, out.top_logprobs = [], []
-    for emitted, start in zip(out.token_ids, _starts(counts)):
+    for emitted, start in zip(out.token_ids, starts):
         out.logprobs.append(chosen[start:start + len(emitted)])
         out.top_logprobs.append(top[start:start + len(emitted)])

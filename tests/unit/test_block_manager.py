@@ -136,3 +136,16 @@ def test_random_alloc_free_sequences_never_leak(operations):
     for ids in owners:
         bm.free(ids)
     assert bm.num_free_blocks == 12
+
+
+def test_grow_and_shrink_a_block_table_in_place():
+    bm = BlockManager(4, 4, enable_prefix_caching=False)
+    table: list[int] = []
+    assert bm.grow(table, 5) and len(table) == 2  # 5 positions need 2 blocks of 4
+    assert bm.grow(table, 8) and len(table) == 2  # still covered
+    assert not bm.grow(table, 17) and len(table) == 2  # 5 blocks: the pool is short, nothing taken
+    assert bm.grow(table, 16) and bm.num_free_blocks == 0
+    bm.shrink(table, 5)
+    assert len(table) == 2 and bm.num_free_blocks == 2
+    bm.shrink(table, 0)
+    assert table == [] and bm.num_free_blocks == 4
