@@ -186,6 +186,7 @@ class LLMEngine:
         for seq in seqs:
             if not seq.is_finished:  # waiting for pages: the scheduler never saw it
                 self.scheduler.finish(seq, FinishReason.ABORT)
+        self.speculator.retain(self.scheduler.running)  # its draft KV too, even if no step follows
         self._aborted.append(request_id)
 
     def has_unfinished(self) -> bool:

@@ -144,6 +144,18 @@ def test_requests_choose_their_method_or_opt_out(tiny_chat_model_dir):
     assert len(engine.stats.spec_accepted_per_position) == 2
 
 
+def test_abort_frees_the_draft_kv_at_once(tiny_chat_model_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_chat_model_dir), num_kv_blocks=64, spec_method="draft",
+                                    spec_draft_model=str(tiny_chat_model_dir), spec_max_batch_size=64))
+    engine.add_request("a", prompts(2)[1], GREEDY)
+    for _ in range(3):
+        engine.step()
+    draft = engine.speculator.proposers["draft"]
+    assert draft.num_blocks_in_use > 0
+    engine.abort_request("a")
+    assert draft.num_blocks_in_use == 0 and engine.block_manager.num_used_blocks == 0
+
+
 def test_no_speculation_above_the_batch_switch(tiny_chat_model_dir):
     ids = prompts(8)
     # All 8 decode side by side until they finish together: above a switch of 4, none speculates.
