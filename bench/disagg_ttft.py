@@ -35,9 +35,9 @@ from pathlib import Path
 import httpx
 
 from bench.local_cluster import Cluster
-from common.model_store import resolve_model
-from common.tokenizer import Tokenizer
-from kv_transfer.base import default_backend_name
+from common.storage.model_store import resolve_model
+from common.text.tokenizer import Tokenizer
+from kv_transfer.factory import default_backend_name
 
 MODEL = "SmolLM2-135M-Instruct"  # the proxy's served name
 MAX_TOKENS = 8

@@ -27,8 +27,9 @@ import time
 
 import torch
 
-from common.kv_cache import KVCache, KVLayout
-from kv_transfer.base import TransferStatus, default_backend_name, make_backend
+from common.engine.kv_cache import KVCache, KVLayout
+from kv_transfer.base import TransferStatus
+from kv_transfer.factory import default_backend_name, make_backend
 
 LAYOUT = KVLayout(num_layers=16, block_size=16, num_kv_heads=4, head_dim=64, dtype="float32")  # 1 MiB a block
 PULLER_OPTIONS = {"nixl": {"progress_thread": False}, "zmq": {}}

@@ -73,7 +73,7 @@ class Cluster:
         log = open(self.log_dir / f"{name}.log", "w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "common.cli", *args], stdout=log, stderr=subprocess.STDOUT, env=env,
+            [sys.executable, "-m", "common.cli.main", *args], stdout=log, stderr=subprocess.STDOUT, env=env,
         )
 
     def worker_url(self, name: str) -> str:

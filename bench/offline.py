@@ -41,7 +41,7 @@ from bench import roofline
 from bench.machine import describe_machine
 from bench.offline_report import render_summary, write_doc
 from bench.offline_systems import SYSTEMS, WARMUP_OUTPUT_LEN, WARMUP_PROMPTS, SystemRun, Tuning, Workload
-from common.model_store import resolve_model
+from common.storage.model_store import resolve_model
 
 log = logging.getLogger("bench.offline")
 

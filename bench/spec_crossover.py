@@ -3,7 +3,7 @@
 For each batch size B, B sequences with prompts of ``--prompt-len`` tokens are
 prefilled, then one decode step is timed two ways on the same model runner:
 plain (one token per sequence) and verifying k drafts per sequence (1 + k
-tokens each, as ``common.spec_verify`` sees them). The ratio
+tokens each, as ``common.engine.spec_verify`` sees them). The ratio
 ``cost(B, k) = t_verify / t_plain`` is what one speculative step costs in
 plain steps. With a per-draft acceptance rate a, a step emits on average
 ``E(a, k) = (1 - a^(k+1)) / (1 - a)`` tokens, so speculation wins while
@@ -21,10 +21,10 @@ import time
 
 import numpy as np
 
-from common.config import EngineConfig
-from common.engine import LLMEngine
-from common.sampling_params import SamplingParams
-from common.scheduler import StepPlan
+from common.config.base import EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.protocol.sampling_params import SamplingParams
+from common.engine.scheduler import StepPlan
 
 
 def expected_tokens(rate: float, k: int) -> float:

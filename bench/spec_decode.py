@@ -29,8 +29,8 @@ from bench.local_cluster import Cluster
 from bench.loadgen.benchmark import run_benchmark
 from bench.loadgen.config import config_from_args
 from bench.loadgen.server_metrics import parse_prometheus
-from common.cli import build_parser
-from common.model_store import resolve_model
+from common.cli.main import build_parser
+from common.storage.model_store import resolve_model
 
 BEGIN_MARKER = "<!-- bench.spec_decode: generated, re-run the command below instead of editing -->"
 END_MARKER = "<!-- /bench.spec_decode -->"

@@ -20,11 +20,11 @@ import logging
 import time
 from dataclasses import dataclass
 
-from common import wire
-from common.engine import RequestError
-from common.sampling_params import SamplingParams
-from common.sequence import Sequence
-from common.worker_base import WorkerBase
+from common.protocol import wire
+from common.engine.llm_engine import RequestError
+from common.protocol.sampling_params import SamplingParams
+from common.engine.sequence import Sequence
+from common.runtime.worker_base import WorkerBase
 from kv_transfer.base import TransferStatus
 
 log = logging.getLogger(__name__)
@@ -45,8 +45,8 @@ class Pull:
 class DecodeHandler(WorkerBase):
     role = "decode"
 
-    def __init__(self, config, role: str = "decode") -> None:
-        super().__init__(config)
+    def __init__(self, config, transfer, role: str = "decode") -> None:
+        super().__init__(config, transfer)
         self.role = role
         self.pulls: dict[str, Pull] = {}
         self.peers: dict[str, int] = {}  # prefill worker id -> epoch known to the transfer agent

@@ -61,7 +61,7 @@ import msgpack
 log = logging.getLogger(__name__)
 
 METADATA_VERSION = 1
-BACKENDS = ("nixl", "zmq", "fake")
+BACKENDS = ("nixl", "zmq")
 
 
 class TransferStatus(IntEnum):
@@ -373,25 +373,3 @@ class KVTransferBackend(ABC):
     @abstractmethod
     def _shutdown(self) -> None:
         """Stop threads and deregister the pool; peers and pulls are already gone."""
-
-
-def make_backend(name: str, **options) -> KVTransferBackend:
-    """Build a backend by name (``nixl``, ``zmq``, ``fake``); options go to its constructor."""
-    if name == "nixl":
-        from kv_transfer.nixl_backend import NixlBackend as backend
-    elif name == "zmq":
-        from kv_transfer.zmq_backend import ZmqBackend as backend
-    elif name == "fake":
-        from kv_transfer.fake_backend import FakeBackend as backend
-    else:
-        raise ValueError(f"unknown KV transfer backend {name!r}: one of {BACKENDS}")
-    return backend(**options)
-
-
-def default_backend_name() -> str:
-    """``nixl`` where its native library loads, else the ZeroMQ fallback."""
-    try:
-        import nixl._api  # noqa: F401
-    except ImportError:
-        return "zmq"
-    return "nixl"

@@ -6,7 +6,7 @@ caller's thread never touches a socket; it hands the I/O thread commands
 through a queue and wakes it through a pipe whose fd the thread polls next
 to its sockets.
 
-Data-plane frames (this backend's own; control messages live in common/wire.py):
+Data-plane frames (this backend's own; control messages live in common/protocol/wire.py):
   pull     DEALER -> ROUTER  [PULL,    msgpack {v, id, runs: [[first_block, count], ...]}]
   pages    ROUTER -> DEALER  [PAGES,   msgpack {v, id}, one frame per run]
   refused  ROUTER -> DEALER  [REFUSED, msgpack {v, id, error}]
@@ -15,7 +15,7 @@ Page frames leave zero-copy: memoryviews of the pool's storage sent with
 local blocks while holding the pull's lock, so an abort never races a late
 copy, and only then marks the pull DONE.
 
-CURVE (``common.zmq_security``): given a worker's ``curve`` keys, the ROUTER
+CURVE (``common.runtime.zmq_security``): given a worker's ``curve`` keys, the ROUTER
 is a CURVE server whose ZAP authenticator admits only the peers' public keys
 (``curve_authorized_keys_dir``), the published metadata carries this
 worker's public key, and each DEALER pins the public key its peer published.
@@ -46,7 +46,7 @@ import numpy as np
 import torch
 import zmq
 
-from common.zmq_security import WorkerCurve, apply_curve_client, apply_curve_server, start_authenticator
+from common.runtime.zmq_security import WorkerCurve, apply_curve_client, apply_curve_server, start_authenticator
 from kv_transfer.base import KVTransferBackend, TransferHandle, TransferStatus
 
 log = logging.getLogger(__name__)

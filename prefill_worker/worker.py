@@ -16,12 +16,12 @@ from __future__ import annotations
 import logging
 import time
 
-from common import wire
-from common.engine import RequestError
-from common.outputs import RequestOutput
-from common.sampling_params import SamplingParams
-from common.sequence import FinishReason, Sequence
-from common.worker_base import WorkerBase
+from common.protocol import wire
+from common.engine.llm_engine import RequestError
+from common.engine.outputs import RequestOutput
+from common.protocol.sampling_params import SamplingParams
+from common.engine.sequence import FinishReason, Sequence
+from common.runtime.worker_base import WorkerBase
 
 log = logging.getLogger(__name__)
 SPAN = "prefill_worker.prefill"
@@ -30,8 +30,8 @@ SPAN = "prefill_worker.prefill"
 class PrefillHandler(WorkerBase):
     role = "prefill"
 
-    def __init__(self, config) -> None:
-        super().__init__(config)
+    def __init__(self, config, transfer) -> None:
+        super().__init__(config, transfer)
         self.computing: dict[str, tuple[Sequence, float]] = {}  # request id -> (seq, lease seconds)
         self.leases: dict[str, tuple[Sequence, float]] = {}  # request id -> (seq, expiry)
 

@@ -45,7 +45,7 @@ import itertools
 from collections import Counter
 from collections.abc import Callable
 
-from common.role_config import ProxyConfig
+from common.config.roles import ProxyConfig
 from proxy.errors import ApiError
 from proxy.fairness import BacklogLift, ServiceCounters, Waiting, make_queue
 from proxy.metrics import ProxyMetrics

@@ -20,11 +20,11 @@ from importlib.metadata import PackageNotFoundError, version
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from common.model_store import resolve_model
-from common.role_config import ProxyConfig
-from common.tokenizer import Tokenizer
-from common.wire import PROTOCOL_VERSION
-from common.zmq_security import proxy_curve
+from common.storage.model_store import resolve_model
+from common.config.roles import ProxyConfig
+from common.text.tokenizer import Tokenizer
+from common.protocol.wire import PROTOCOL_VERSION
+from common.runtime.zmq_security import proxy_curve
 from proxy import openai_api
 from proxy.cluster import Cluster
 from proxy.errors import ApiError, install_error_handlers

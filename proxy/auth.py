@@ -12,7 +12,7 @@ and metrics stay open (they run nothing on the workers).
 """
 from __future__ import annotations
 
-from common.role_config import ProxyConfig
+from common.config.roles import ProxyConfig
 from proxy.errors import ApiError
 from proxy.tenants import Tenant, TenantRegistry
 

@@ -22,11 +22,11 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from common.log_format import bind_request, request_scope
-from common.role_config import ProxyConfig
-from common.tracing import make_tracing
-from common.sampling_params import SamplingParams
-from common.wire import (
+from common.runtime.log_format import bind_request, request_scope
+from common.config.roles import ProxyConfig
+from common.runtime.tracing import make_tracing
+from common.protocol.sampling_params import SamplingParams
+from common.protocol.wire import (
     Abort, DecodeRequest, Goodbye, Heartbeat, KVPulled, PrefillDone, PrefillRequest, Register, RegisterAck,
     Reregister, ReleaseKV, RequestFailed, TokenDelta, WireError, decode,
 )

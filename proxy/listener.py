@@ -28,8 +28,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from common.config import ConfigError
-from common.role_config import ProxyConfig
+from common.config.roles import ProxyConfig
 from proxy.errors import ApiError
 
 
@@ -108,24 +107,6 @@ class BodyDeadline:
             await send(message)
 
         await self.app(scope, timed_receive, closing_send)
-
-
-def check_tls_files(config: ProxyConfig) -> None:
-    """Open the TLS certificate, key and CA files the way the HTTPS listener will."""
-    if not config.tls_cert_file:
-        return
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    try:
-        context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
-    except (ssl.SSLError, OSError) as exc:
-        raise ConfigError(f"config fields 'tls_cert_file' = {config.tls_cert_file!r} and 'tls_key_file' = "
-                          f"{config.tls_key_file!r} are not a matching PEM certificate and key: {exc}") from None
-    if config.tls_ca_file:
-        try:
-            context.load_verify_locations(config.tls_ca_file)
-        except (ssl.SSLError, OSError) as exc:
-            raise ConfigError(f"config field 'tls_ca_file' = {config.tls_ca_file!r} is not a PEM CA bundle: "
-                              f"{exc}") from None
 
 
 def listener_config(app, config: ProxyConfig, **settings) -> uvicorn.Config:

@@ -6,7 +6,7 @@ same loop. SIGTERM or SIGINT drains first (see ``proxy.server``): /readyz
 turns 503, requests in flight finish for up to the drain timeout, then the
 server stops and the ZeroMQ socket is closed before its context. The HTTP
 listener's TLS, connection limits and timeouts come from the config
-(``proxy.listener``); CURVE on the worker socket from ``common.zmq_security``.
+(``proxy.listener``); CURVE on the worker socket from ``common.runtime.zmq_security``.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import argparse
 import gc
 import logging
 
-from common.cli_options import add_config_options, configure_logging
-from common.role_config import ProxyConfig, load_config, parse_overrides
+from common.cli.options import add_config_options, configure_logging
+from common.config.roles import ProxyConfig, load_config, parse_overrides
 
 
 def add_command(subparsers) -> None:
@@ -38,7 +38,8 @@ def _run_command(args: argparse.Namespace) -> int:
 def run(config: ProxyConfig) -> None:
     # Imported here so that `tessera --help` answers without loading the server stack.
     from proxy.app import create_app
-    from proxy.listener import check_tls_files, listener_config
+    from common.config.tls import check_tls_files
+    from proxy.listener import listener_config
     from proxy.server import DrainingServer
 
     if not logging.getLogger().handlers:

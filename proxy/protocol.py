@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from common.sampling_params import MAX_LOGPROBS, SamplingParams
-from common.tokenizer import Tokenizer
+from common.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
+from common.text.tokenizer import Tokenizer
 from proxy.errors import ApiError, unprocessable
 
 MAX_CHOICES = 128  # choices per request, all prompts of a batch together

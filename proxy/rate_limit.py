@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from common.role_config import TenantConfig
+from common.config.roles import TenantConfig
 from proxy.errors import ApiError
 
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from common.config import EngineConfig
-from common.wire import Goodbye, Heartbeat, KVLayoutInfo, PeerInfo, Peers, Register, RegisterAck, Role
+from common.config.base import EngineConfig
+from common.protocol.wire import Goodbye, Heartbeat, KVLayoutInfo, PeerInfo, Peers, Register, RegisterAck, Role
 
 log = logging.getLogger("tessera.proxy")
 

@@ -39,9 +39,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from common.role_config import ProxyConfig
-from common.tracing import NoTracing, RequestTrace
-from common.wire import (
+from common.config.roles import ProxyConfig
+from common.runtime.tracing import NoTracing, RequestTrace
+from common.protocol.wire import (
     Abort, DecodeRequest, KVPulled, PrefillDone, PrefillRequest, ReleaseKV, RequestFailed, TokenDelta,
 )
 from proxy.errors import ApiError

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from common.block_manager import prefix_block_hashes
+from common.protocol.block_hash import prefix_block_hashes
 from proxy.registry import WorkerState
 
 

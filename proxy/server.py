@@ -14,7 +14,7 @@ a signal handler, and the signal is not handed on to uvicorn, which would
 raise it again once the server stopped and so turn a clean drain into a death
 by SIGTERM (exit -15) or a KeyboardInterrupt.
 Under systemd (``Type=notify``) the server reports READY=1 once it listens and
-STOPPING=1 when the drain starts (``common.sd_notify``).
+STOPPING=1 when the drain starts (``common.runtime.sd_notify``).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import logging
 
 import uvicorn
 
-from common import sd_notify
+from common.runtime import sd_notify
 from proxy.cluster import Cluster
 
 log = logging.getLogger("tessera.proxy")

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from common.role_config import ProxyConfig, TenantConfig
+from common.config.roles import ProxyConfig, TenantConfig
 from proxy.rate_limit import TenantLimiter
 from proxy.tenants_command import hash_key
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from common.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 
 
 def _unicode_to_byte() -> dict[str, int]:

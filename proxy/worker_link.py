@@ -12,7 +12,7 @@ touches the socket.
 - A send that cannot complete within ``heartbeat_timeout_s`` is dropped and
   logged: a worker that takes no message for that long is treated as dead by
   the heartbeat watchdog anyway, and one slow worker must not stall the rest.
-- CURVE (``common.zmq_security``): with a ``curve`` server config the socket
+- CURVE (``common.runtime.zmq_security``): with a ``curve`` server config the socket
   is a CURVE server and the context's ZAP authenticator lets in only the
   authorized worker keys; without one it is plaintext and says so at start.
 - ``close`` stops the receiver, flushes the outbox (Aborts sent while
@@ -28,8 +28,8 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
-from common.wire import encode
-from common.zmq_security import CurveServer, apply_curve_server, start_authenticator
+from common.protocol.wire import encode
+from common.runtime.zmq_security import CurveServer, apply_curve_server, start_authenticator
 
 log = logging.getLogger("tessera.proxy")
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from common.model_store import resolve_model
+from common.storage.model_store import resolve_model
 
 
 @pytest.fixture(scope="session")

@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from common.sampling_params import SamplingParams
-from common.scheduler import StepPlan
-from common.sequence import Sequence
+from common.protocol.sampling_params import SamplingParams
+from common.engine.scheduler import StepPlan
+from common.engine.sequence import Sequence
 
 COMMON = dict(
     vocab_size=320,

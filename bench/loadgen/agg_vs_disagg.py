@@ -30,8 +30,8 @@ from bench.loadgen.config import config_from_args
 from bench.loadgen.plots import write_plots
 from bench.loadgen.results import write_results
 from bench.loadgen.summary_table import sweep_table
-from common.cli import build_parser
-from common.model_store import resolve_model
+from common.cli.main import build_parser
+from common.storage.model_store import resolve_model
 
 COLUMNS = (("request_throughput", "req/s", 2), ("output_throughput", "out tok/s", 1),
            ("median_ttft_ms", "TTFT p50 ms", 0), ("p99_ttft_ms", "TTFT p99 ms", 0),

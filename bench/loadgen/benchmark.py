@@ -53,8 +53,8 @@ def load_tokens(config: BenchConfig) -> TokenSource | None:
     name = config.tokenizer or ("embedded" if config.workload.name in TOKEN_WORKLOADS else None)
     if name is None:
         return None
-    from common.model_store import EMBEDDED_NAMES, resolve_model
-    from common.tokenizer import Tokenizer
+    from common.storage.model_store import EMBEDDED_NAMES, resolve_model
+    from common.text.tokenizer import Tokenizer
 
     if name.lower() in {n.lower() for n in EMBEDDED_NAMES}:
         return TokenSource(Tokenizer(resolve_model(name, "float32")))

@@ -15,9 +15,9 @@ import httpx
 import openai
 import pytest
 
-from common.role_config import ProxyConfig
-from common.tokenizer import Tokenizer
-from common.wire import Abort, DecodeRequest, Peers, PrefillRequest, RegisterAck, ReleaseKV
+from common.config.roles import ProxyConfig
+from common.text.tokenizer import Tokenizer
+from common.protocol.wire import Abort, DecodeRequest, Peers, PrefillRequest, RegisterAck, ReleaseKV
 from proxy.app import create_app
 from proxy.fake_worker import FakeWorker
 from proxy.listener import listener_config

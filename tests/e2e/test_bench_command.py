@@ -9,7 +9,7 @@ import pytest
 
 from bench.local_cluster import Cluster
 from bench.loadgen.results import check_point
-from common.cli import main
+from common.cli.main import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

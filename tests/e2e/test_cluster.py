@@ -11,10 +11,10 @@ import time
 import httpx
 import pytest
 
-from common.config import EngineConfig
-from common.engine import LLMEngine
-from common.sampling_params import SamplingParams
-from kv_transfer.base import default_backend_name
+from common.config.base import EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.protocol.sampling_params import SamplingParams
+from kv_transfer.factory import default_backend_name
 from bench.local_cluster import Cluster, post_json
 
 MODEL = "SmolLM2-135M-Instruct"

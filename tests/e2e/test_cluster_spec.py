@@ -14,10 +14,10 @@ import httpx
 import pytest
 
 from bench.local_cluster import Cluster
-from common.config import EngineConfig
-from common.engine import LLMEngine
-from common.sampling_params import SamplingParams
-from kv_transfer.base import default_backend_name
+from common.config.base import EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.protocol.sampling_params import SamplingParams
+from kv_transfer.factory import default_backend_name
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 48

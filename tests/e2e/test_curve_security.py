@@ -21,12 +21,13 @@ import torch
 import zmq
 
 from bench.local_cluster import Cluster, post_json
-from common.kv_cache import KVCache, KVLayout
-from common.keys_command import generate_key_pair
-from common.wire import Register, RegisterAck, decode, encode
-from common.zmq_security import KeyPair, WorkerCurve, apply_curve_client, load_key_pair, load_public_key
-from kv_transfer.base import TransferStatus, make_backend
-from proxy.fake_worker import DEFAULT_LAYOUT
+from common.engine.kv_cache import KVCache, KVLayout
+from common.cli.keys_command import generate_key_pair
+from common.protocol.wire import Register, RegisterAck, decode, encode
+from common.runtime.zmq_security import KeyPair, WorkerCurve, apply_curve_client, load_key_pair, load_public_key
+from kv_transfer.base import TransferStatus
+from kv_transfer.factory import make_backend
+from tests.scripted_worker import DEFAULT_LAYOUT
 from tests.e2e.proxy_harness import MODEL, make_proxy, tokenizer  # noqa: F401
 
 REFUSAL_WINDOW_S = 2.0  # how long a refused worker is watched for any sign of getting in

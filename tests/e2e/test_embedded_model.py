@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common.model_store import MARKER_FILE, validate_model_dir
+from common.storage.model_store import MARKER_FILE, validate_model_dir
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ GREEDY = ["--temperature", "0", "--max-tokens", "30"]
 
 def tessera(*args: str, stdin=subprocess.DEVNULL, input: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "common.cli", *args],
+        [sys.executable, "-m", "common.cli.main", *args],
         cwd=REPO_ROOT,
         stdin=None if input is not None else stdin,
         input=input,
@@ -46,7 +46,7 @@ def test_interactive_chat_on_a_terminal(embedded_model_dir):
     # A pseudo-terminal on stdin is what makes the command chat instead of reading prompt lines.
     terminal, stdin = os.openpty()
     process = subprocess.Popen(
-        [sys.executable, "-m", "common.cli", "generate", *GREEDY],
+        [sys.executable, "-m", "common.cli.main", "generate", *GREEDY],
         cwd=REPO_ROOT,
         stdin=stdin,
         stdout=subprocess.PIPE,

@@ -15,8 +15,9 @@ import pytest
 import torch
 import zmq
 
-from common.kv_cache import KVCache, KVLayout
-from kv_transfer.base import TransferStatus, make_backend
+from common.engine.kv_cache import KVCache, KVLayout
+from kv_transfer.base import TransferStatus
+from kv_transfer.factory import make_backend
 
 LAYOUT = KVLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=64, dtype="bfloat16")
 NUM_BLOCKS = 32

@@ -40,11 +40,11 @@ from pathlib import Path
 import pytest
 
 from bench.local_cluster import post_json
-from common.config import EngineConfig
-from common.engine import LLMEngine
-from common.model_store import default_cache_root
-from common.sampling_params import SamplingParams
-from kv_transfer.base import default_backend_name
+from common.config.base import EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.storage.model_store import default_cache_root
+from common.protocol.sampling_params import SamplingParams
+from kv_transfer.factory import default_backend_name
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "deploy" / "launch"

@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from bench.local_cluster import Cluster
-from common.wire import Heartbeat, Reregister, decode, encode
+from common.protocol.wire import Heartbeat, Reregister, decode, encode
 from tests.e2e.proxy_harness import make_proxy, tokenizer  # noqa: F401 -- fixtures
 
 MODEL = "SmolLM2-135M-Instruct"

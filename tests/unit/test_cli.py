@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from common import generate_command
-from common.cli import main
-from common.model_store import prepare_embedded_model
-from common.sampling_params import SamplingParams
+from common.cli import generate_command
+from common.cli.main import main
+from common.storage.model_store import prepare_embedded_model
+from common.protocol.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,9 @@ import pytest
 import zmq
 import zmq.auth
 
-from common.cli import main
-from common.config import ConfigError, EngineConfig
-from common.role_config import ProxyConfig, WorkerConfig, build, load_config
+from common.cli.main import main
+from common.config.base import ConfigError, EngineConfig
+from common.config.roles import ProxyConfig, WorkerConfig, build, load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").rglob("*.yaml"))
 needs_curve = pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE support")

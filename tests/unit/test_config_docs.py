@@ -4,10 +4,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from common.cli import main
-from common.config import EngineConfig
-from common.config_docs import REGENERATE, missing_docs, render, sections
-from common.role_config import ProxyConfig, TenantConfig, WorkerConfig
+from common.cli.main import main
+from common.config.base import EngineConfig
+from common.config.docs import REGENERATE, missing_docs, render, sections
+from common.config.roles import ProxyConfig, TenantConfig, WorkerConfig
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
@@ -16,7 +16,7 @@ def test_every_config_field_has_a_doc():
     missing = missing_docs()
     assert not missing, (
         f"config fields without a doc: {', '.join(missing)}. Declare each with "
-        "common.config.option(default, \"one-line doc\", choices=/ge=/gt=/path= as it allows), then run "
+        "common.config.base.option(default, \"one-line doc\", choices=/ge=/gt=/path= as it allows), then run "
         f"`{REGENERATE}`."
     )
 

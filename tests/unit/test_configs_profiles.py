@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from common.config import ConfigError
-from common.role_config import ProxyConfig, WorkerConfig, load_config, parse_overrides
+from common.config.base import ConfigError
+from common.config.roles import ProxyConfig, WorkerConfig, load_config, parse_overrides
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 CLASSES = {"proxy": ProxyConfig, "prefill": WorkerConfig, "decode": WorkerConfig, "both": WorkerConfig}

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from common.cli import build_parser
-from common.role_config import ProxyConfig, WorkerConfig, load_config, parse_overrides
+from common.cli.main import build_parser
+from common.config.roles import ProxyConfig, WorkerConfig, load_config, parse_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "deploy" / "launch"

@@ -3,9 +3,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from common.config import EngineConfig
-from common.engine import LLMEngine, RequestError
-from common.sampling_params import SamplingParams
+from common.config.base import EngineConfig
+from common.engine.llm_engine import LLMEngine, RequestError
+from common.protocol.sampling_params import SamplingParams
 
 PROMPTS = [
     "The capital of France is",
@@ -58,8 +58,8 @@ def _matches(ours: list[int], ref: list[int]) -> bool:
 
 
 def test_prompt_logits_match_transformers(engine, hf_model, chat_prompts):
-    from common.scheduler import StepPlan
-    from common.sequence import Sequence
+    from common.engine.scheduler import StepPlan
+    from common.engine.sequence import Sequence
 
     runner = engine.runner
     for ids in chat_prompts[:3]:

@@ -7,9 +7,9 @@ exactly where the one-process engine would, and that no block leaks.
 """
 import pytest
 
-from common.config import EngineConfig
-from common.engine import LLMEngine
-from common.sampling_params import SamplingParams
+from common.config.base import EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.protocol.sampling_params import SamplingParams
 
 PROMPTS = ["Hello there, how are you today?", "Count to five:", "x " * 40, "The end."]
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from common.role_config import ProxyConfig, TenantConfig
+from common.config.roles import ProxyConfig, TenantConfig
 from proxy.admission import AdmissionController
 from proxy.tenants import TenantRegistry
 

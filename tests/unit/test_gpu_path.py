@@ -6,10 +6,10 @@ Skipped with the reason on machines without a CUDA GPU; run on a GPU host
 import pytest
 import torch
 
-from common.attention import flash_attn_available
-from common.config import EngineConfig
-from common.model_runner import ModelRunner
-from common.sampling_params import SamplingParams
+from common.engine.attention import flash_attn_available
+from common.config.base import EngineConfig
+from common.engine.model_runner import ModelRunner
+from common.protocol.sampling_params import SamplingParams
 from tests.tiny_models import build_tiny_model, run_steps
 
 pytestmark = [
@@ -37,7 +37,7 @@ def test_gpu_logits_match_cpu(tmp_path, kind, backend):
 
 
 def test_gpu_engine_greedy_matches_cpu(tiny_chat_model_dir):
-    from common.engine import LLMEngine
+    from common.engine.llm_engine import LLMEngine
 
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = ["Hello there", "Count to five:", "x " * 30]

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from common.role_config import WorkerConfig
-from common.worker_metrics import WorkerMetrics
+from common.config.roles import WorkerConfig
+from common.runtime.worker_metrics import WorkerMetrics
 from proxy.metrics import ProxyMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "tessera.json"

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common.role_config import ProxyConfig, WorkerConfig, load_config, parse_overrides
+from common.config.roles import ProxyConfig, WorkerConfig, load_config, parse_overrides
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (dev extra) is missing")
 
@@ -34,7 +34,7 @@ K8S_VERSIONS = ("1.31.0", "1.37.0")
 WORKER_ROLES = ("prefill", "decode")
 # What the downward API would give a pod, for loading the configs with the pod's overrides.
 POD_FIELDS = {"metadata.name": "tessera-decode-7d9c5b7f6-x2x8q", "status.podIP": "10.42.1.17"}
-# After the drain: a worker's goodbye (the I/O thread's join in common/worker_runtime.py), then
+# After the drain: a worker's goodbye (the I/O thread's join in common/runtime/worker_runtime.py), then
 # the process exit of either role (up to 10 s measured on the 2-core development machine).
 WORKER_GOODBYE_S = 5
 PROCESS_EXIT_S = 10

@@ -8,15 +8,10 @@ import msgpack
 import pytest
 import torch
 
-from common.kv_cache import KVCache, KVLayout
-from kv_transfer.base import (
-    BlockRun,
-    PageSpec,
-    TransferStatus,
-    default_backend_name,
-    make_backend,
-    merge_block_runs,
-)
+from common.engine.kv_cache import KVCache, KVLayout
+from kv_transfer.base import BlockRun, PageSpec, TransferStatus, merge_block_runs
+from kv_transfer.factory import default_backend_name, make_backend
+from tests.fake_transfer import FakeBackend
 
 LAYOUT = KVLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 DEADLINE_S = 5.0
@@ -30,7 +25,7 @@ def filled_cache(num_blocks: int, seed: int) -> KVCache:
 
 def pair(**decode_options):
     """A prefill pool with random KV and a decode backend that knows it as peer 'p'."""
-    prefill, decode = make_backend("fake"), make_backend("fake", **decode_options)
+    prefill, decode = FakeBackend(), FakeBackend(**decode_options)
     source = filled_cache(16, seed=1)
     metadata = prefill.register_pool(source)
     target = KVCache(LAYOUT, 8)
@@ -195,12 +190,12 @@ def test_caller_mistakes_raise():
         decode.start_pull("r", "p", [1], [1], DEADLINE_S)
     decode.release(handle)
     with pytest.raises(RuntimeError, match="register_pool"):
-        make_backend("fake").start_pull("r", "p", [0], [0], DEADLINE_S)
+        FakeBackend().start_pull("r", "p", [0], [0], DEADLINE_S)
 
 
 def test_incompatible_metadata_is_refused():
     _, decode, _, _ = pair()
-    other_layout = make_backend("fake")
+    other_layout = FakeBackend()
     metadata = other_layout.register_pool(KVCache(KVLayout(2, 8, 2, 8, "float32"), 4))
     with pytest.raises(ValueError, match="layouts differ"):
         decode.add_peer("q", metadata)

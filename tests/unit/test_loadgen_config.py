@@ -8,7 +8,7 @@ import pytest
 from bench.loadgen.benchmark import search_max_rate
 from bench.loadgen.config import LoadPoint, config_from_args
 from bench.loadgen.workloads import WorkloadOptions, build_workload, load_sharegpt, parse_length
-from common.cli import build_parser, main
+from common.cli.main import build_parser, main
 
 
 def config(*flags):

@@ -3,11 +3,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from common.config import EngineConfig
-from common.model_runner import ModelRunner
-from common.sampling_params import SamplingParams
-from common.scheduler import StepPlan
-from common.sequence import Sequence
+from common.config.base import EngineConfig
+from common.engine.model_runner import ModelRunner
+from common.protocol.sampling_params import SamplingParams
+from common.engine.scheduler import StepPlan
+from common.engine.sequence import Sequence
 from tests.tiny_models import CONFIGS, build_tiny_model, run_steps
 
 TOL = 1e-4

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from common import model_store
-from common.model_store import (
+from common.storage import model_store
+from common.storage.model_store import (
     EMBEDDED_NAMES,
     MARKER_FILE,
     embedded_model_dir,

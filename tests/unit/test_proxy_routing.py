@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.wire import Goodbye, Heartbeat, KVLayoutInfo, Register
+from common.protocol.wire import Goodbye, Heartbeat, KVLayoutInfo, Register
 from proxy.registry import WorkerRegistry
 from proxy.routing import PrefixAwareRouting, PrefixLRU
 

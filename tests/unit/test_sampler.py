@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from common import sampler as sampler_module
-from common.counter_rng import counter_uniforms
-from common.sampler import Sampler, SamplingRow, apply_penalties, draw, processed_probs
-from common.sampling_params import SamplingParams
+from common.engine import sampler as sampler_module
+from common.engine.counter_rng import counter_uniforms
+from common.engine.sampler import Sampler, SamplingRow, apply_penalties, draw, processed_probs
+from common.protocol.sampling_params import SamplingParams
 
 
 def row(seed: int = 0, output: list[int] | None = None, prompt: list[int] | None = None, **params) -> SamplingRow:

@@ -1,11 +1,11 @@
 """Scheduler planning without a model: budgets, chunking, preemption, prefix hits, forks."""
 import pytest
 
-from common.block_manager import BlockManager
-from common.config import EngineConfig
-from common.sampling_params import SamplingParams
-from common.scheduler import Scheduler
-from common.sequence import FinishReason, Sequence, SequenceStatus
+from common.engine.block_manager import BlockManager
+from common.config.base import EngineConfig
+from common.protocol.sampling_params import SamplingParams
+from common.engine.scheduler import Scheduler
+from common.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 def make(num_blocks=64, block_size=4, budget=16, max_seqs=8, **kw):

@@ -5,7 +5,7 @@ import uuid
 
 import pytest
 
-from common import sd_notify
+from common.runtime import sd_notify
 
 
 @pytest.fixture

@@ -13,11 +13,11 @@ import random
 import numpy as np
 import pytest
 
-from common.config import ConfigError, EngineConfig
-from common.engine import LLMEngine, RequestError
-from common.ngram_proposer import lookup
-from common.sampling_params import SamplingParams
-from common.speculator import Acceptance, _positions_worth_verifying
+from common.config.base import ConfigError, EngineConfig
+from common.engine.llm_engine import LLMEngine, RequestError
+from common.engine.ngram_proposer import lookup
+from common.protocol.sampling_params import SamplingParams
+from common.engine.speculator import Acceptance, _positions_worth_verifying
 from tests.tiny_models import build_tiny_model
 
 K = 4

@@ -19,11 +19,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.config import EngineConfig
-from common.engine import LLMEngine
-from common.sampling_params import SamplingParams
-from common.sequence import Sequence
-from common.spec_verify import verify_drafts
+from common.config.base import EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.protocol.sampling_params import SamplingParams
+from common.engine.sequence import Sequence
+from common.engine.spec_verify import verify_drafts
 from tests.tiny_models import build_tiny_model
 
 ALPHA = 1e-3

@@ -5,8 +5,8 @@ import io
 
 import pytest
 
-from common.config import ConfigError
-from common.role_config import ProxyConfig, TenantConfig, load_config
+from common.config.base import ConfigError
+from common.config.roles import ProxyConfig, TenantConfig, load_config
 from proxy.admission import AdmissionController
 from proxy.auth import tenant_from_body, tenant_from_header
 from proxy.errors import ApiError
@@ -145,7 +145,7 @@ def test_concurrency_queue_and_global_limits():
 
 
 def test_hash_key_command(capsys, monkeypatch):
-    from common.cli import main
+    from common.cli.main import main
 
     assert main(["tenants", "hash-key", "sk-gold"]) == 0
     assert capsys.readouterr().out.strip() == hash_key("sk-gold")

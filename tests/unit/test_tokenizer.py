@@ -16,8 +16,8 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from common.sampling_params import SamplingParams
-from common.tokenizer import IncrementalDetokenizer, StopChecker, TextState, Tokenizer
+from common.protocol.sampling_params import SamplingParams
+from common.text.tokenizer import IncrementalDetokenizer, StopChecker, TextState, Tokenizer
 
 SPECIALS = ["<|eos|>", "<|user|>", "<|assistant|>", "<|end|>"]  # ids 0..3
 EOS, END = 0, 3

@@ -4,14 +4,14 @@ import sys
 
 import pytest
 
-from common.tracing import NO_TRACING, RequestTrace, make_tracing
+from common.runtime.tracing import NO_TRACING, RequestTrace, make_tracing
 
 in_memory = pytest.importorskip("opentelemetry.sdk.trace.export.in_memory_span_exporter",
                                 reason="the 'otel' extra (opentelemetry-sdk) is not installed")
 
 
 def test_off_means_no_opentelemetry_import():
-    code = ("import sys; from common.tracing import make_tracing, RequestTrace; "
+    code = ("import sys; from common.runtime.tracing import make_tracing, RequestTrace; "
             "t = make_tracing('', 'tessera-proxy'); "
             "assert not t.enabled and t.start('x') is None and t.carrier(None) is None; "
             "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))")

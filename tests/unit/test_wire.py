@@ -2,8 +2,8 @@
 import msgpack
 import pytest
 
-from common import wire
-from common.wire import (
+from common.protocol import wire
+from common.protocol.wire import (
     DecodeRequest, KVLayoutInfo, Peers, PeerInfo, PrefillDone, Register, TokenDelta, WireError, decode, encode,
 )
 

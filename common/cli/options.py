@@ -1,0 +1,49 @@
+"""Command-line options that several ``tessera`` subcommands share."""
+from __future__ import annotations
+
+import argparse
+
+from common.runtime import log_format
+from common.storage.model_store import DTYPES, EMBEDDED_NAMES, default_cache_root
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 (got {text})")
+    return value
+
+
+def add_model_options(parser: argparse.ArgumentParser, *, with_model: bool) -> None:
+    """Add --dtype and --cache-dir, and --model when the command takes any model."""
+    if with_model:
+        parser.add_argument(
+            "--model",
+            default="embedded",
+            help=f"a Hugging Face model directory, or one of {', '.join(EMBEDDED_NAMES)} "
+            "for the embedded SmolLM2-135M-Instruct (default: embedded)",
+        )
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default="float32", help="weight and compute dtype (default: float32)"
+    )
+    parser.add_argument(
+        "--cache-dir",
+        help="where prepared models are kept (default: $TESSERA_CACHE_DIR, else ~/.cache/tessera; "
+        f"now {default_cache_root()})",
+    )
+
+
+def add_config_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML config file (see configs/)")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config field, e.g. --set engine.dtype=bfloat16 (repeatable)",
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    parser.add_argument("--log-format", default="text", choices=log_format.LOG_FORMATS,
+                        help="text lines, or one JSON object per line with request_id and tenant (default: text)")
+
+
+def configure_logging(level: str, fmt: str = "text", **process_fields: str) -> None:
+    """``process_fields`` (role, worker_id) go on every JSON line."""
+    log_format.install(level, fmt, **process_fields)

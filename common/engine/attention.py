@@ -1,0 +1,187 @@
+"""Paged attention backends.
+
+Every backend first writes the step's new K/V into the paged pool, then
+attends each query row to its sequence's cached context (which now includes
+the new tokens). Which rows are decodes and which are prompt chunks comes
+from the step context (see ``common.engine.step_context``); the runner places all
+decode rows first, so they form one contiguous slice.
+
+- ``CpuAttention``: decode rows through a small C kernel that reads the
+  pages in place (``common/engine/kernels/paged_attention.c``); chunks as below.
+- ``TorchAttention`` (GPU without flash-attn, or CPU without a C compiler):
+  decode rows in one padded, masked batch over gathered pages; each chunk in
+  one SDPA call.
+- ``FlashAttention`` (GPU with flash-attn installed): flash-attn's paged
+  ``flash_attn_with_kvcache`` reads the pool in place through block tables.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from common.engine.native import load_kernel
+from common.engine.step_context import PrefillChunk, StepContext, get_step_context
+
+
+class TorchAttention:
+    name = "torch"
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+        """q ``[T, H, D]``, k/v ``[T, Hkv, D]`` -> ``[T, H, D]``."""
+        ctx = get_step_context()
+        k_cache, v_cache = ctx.kv_cache.layer(layer)
+        k_cache[ctx.slot_blocks, ctx.slot_offsets] = k
+        v_cache[ctx.slot_blocks, ctx.slot_offsets] = v
+        if not ctx.chunks:
+            return self._decode(q, k_cache, v_cache, ctx, scale)
+        out = torch.empty_like(q)
+        if ctx.decode_rows is not None:
+            n = ctx.decode_rows.shape[0]
+            out[:n] = self._decode(q[:n], k_cache, v_cache, ctx, scale)
+        for chunk in ctx.chunks:
+            s, e = chunk.token_start, chunk.token_end
+            out[s:e] = self._chunk(q[s:e], k[s:e], v[s:e], k_cache, v_cache, chunk, scale)
+        return out
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, ctx: StepContext, scale: float) -> torch.Tensor:
+        bsz, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[2]
+        group = num_heads // num_kv_heads
+        tables = ctx.decode_block_tables
+        keys = k_cache[tables].view(bsz, -1, num_kv_heads, head_dim)
+        values = v_cache[tables].view(bsz, -1, num_kv_heads, head_dim)
+        qg = q.view(bsz, num_kv_heads, group, head_dim)
+        scores = torch.einsum("bkgd,blkd->bkgl", qg, keys).float()
+        scores.mul_(scale).add_(TorchAttention._decode_mask(ctx, keys.shape[1]))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        out = torch.einsum("bkgl,blkd->bkgd", probs, values)
+        return out.reshape(bsz, num_heads, head_dim)
+
+    @staticmethod
+    def _decode_mask(ctx: StepContext, num_keys: int) -> torch.Tensor:
+        """Additive mask hiding the padded keys past each row's context; built once per step."""
+        mask = ctx.backend_state.get("decode_mask")
+        if mask is None:
+            key_pos = torch.arange(num_keys, device=ctx.decode_context_lens.device)
+            hidden = key_pos[None, :] >= ctx.decode_context_lens[:, None]
+            mask = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+            mask.masked_fill_(hidden, float("-inf"))
+            mask = ctx.backend_state["decode_mask"] = mask[:, None, None, :]
+        return mask
+
+    @staticmethod
+    def _chunk(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: float) -> torch.Tensor:
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        qt = q.transpose(0, 1).unsqueeze(0)
+        if chunk.num_computed == 0:
+            # The chunk is its own whole context: no need to read the pool back.
+            kt = k.transpose(0, 1).unsqueeze(0)
+            vt = v.transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            n = chunk.context_len
+            kt = k_cache[chunk.block_table].view(-1, num_kv_heads, head_dim)[:n].transpose(0, 1).unsqueeze(0)
+            vt = v_cache[chunk.block_table].view(-1, num_kv_heads, head_dim)[:n].transpose(0, 1).unsqueeze(0)
+            q_pos = torch.arange(chunk.num_computed, n, device=q.device)
+            mask = torch.arange(n, device=q.device)[None, :] <= q_pos[:, None]
+            out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)
+
+
+class CpuAttention(TorchAttention):
+    name = "cpu_paged"
+
+    def __init__(self, kernel: ctypes.CDLL) -> None:
+        self._kernel = kernel.tessera_paged_attention
+        self._kernel.restype = ctypes.c_int
+        self._kernel.argtypes = (
+            [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+            + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int]
+        )
+
+    def _decode(self, q, k_cache, v_cache, ctx: StepContext, scale: float) -> torch.Tensor:
+        rows, num_heads, head_dim = q.shape
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        pool = ctx.kv_cache.buffer
+        itemsize = pool.element_size()
+        tables = ctx.decode_block_tables
+        status = self._kernel(
+            q.data_ptr(), pool.data_ptr(), pool.stride(0),
+            (k_cache.data_ptr() - pool.data_ptr()) // itemsize,
+            (v_cache.data_ptr() - pool.data_ptr()) // itemsize,
+            tables.data_ptr(), tables.shape[1], ctx.decode_context_lens.data_ptr(), out.data_ptr(),
+            rows, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale,
+            int(q.dtype == torch.bfloat16),
+        )
+        if status != 0:
+            raise RuntimeError("paged attention kernel refused the shapes (group, head_dim or block size too large)")
+        return out
+
+
+class FlashAttention:
+    """flash-attn's paged kernel; needs a block size that is a multiple of 256."""
+
+    name = "flash_attn"
+
+    def __init__(self) -> None:
+        from flash_attn import flash_attn_with_kvcache
+
+        self._kernel = flash_attn_with_kvcache
+
+    def __call__(self, q, k, v, layer: int, scale: float) -> torch.Tensor:
+        ctx = get_step_context()
+        k_cache, v_cache = ctx.kv_cache.layer(layer)
+        k_cache[ctx.slot_blocks, ctx.slot_offsets] = k
+        v_cache[ctx.slot_blocks, ctx.slot_offsets] = v
+        out = torch.empty_like(q)
+        if ctx.decode_rows is not None:
+            n = ctx.decode_rows.shape[0]
+            state = ctx.backend_state
+            if "tables" not in state:
+                state["tables"] = ctx.decode_block_tables.to(torch.int32)
+                state["lens"] = ctx.decode_context_lens.to(torch.int32)
+            out[:n] = self._kernel(
+                q[:n].unsqueeze(1), k_cache, v_cache, cache_seqlens=state["lens"],
+                block_table=state["tables"], softmax_scale=scale, causal=True,
+            ).squeeze(1)
+        for chunk in ctx.chunks:
+            s, e = chunk.token_start, chunk.token_end
+            lens = torch.tensor([chunk.context_len], dtype=torch.int32, device=q.device)
+            out[s:e] = self._kernel(
+                q[s:e].unsqueeze(0), k_cache, v_cache, cache_seqlens=lens,
+                block_table=chunk.block_table.to(torch.int32).unsqueeze(0),
+                softmax_scale=scale, causal=True,
+            ).squeeze(0)
+        return out
+
+
+def flash_attn_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def select_backend(name: str, device: str, block_size: int):
+    """Pick the attention backend named in config ("auto" prefers flash-attn on GPU)."""
+    if name == "flash_attn" or (name == "auto" and device == "cuda" and flash_attn_available()):
+        if not flash_attn_available():
+            raise RuntimeError("attention_backend 'flash_attn' needs a CUDA GPU and the flash-attn package")
+        if block_size % 256:
+            if name == "flash_attn":
+                raise RuntimeError(f"attention_backend 'flash_attn' needs block_size % 256 == 0, got {block_size}")
+            return TorchAttention()
+        return FlashAttention()
+    if name in ("auto", "cpu_paged") and device == "cpu":
+        kernel = load_kernel("paged_attention")
+        if kernel is not None:
+            return CpuAttention(kernel)
+        if name == "cpu_paged":
+            raise RuntimeError("attention_backend 'cpu_paged' needs a C compiler (gcc) to build its kernel")
+    return TorchAttention()

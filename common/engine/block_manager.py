@@ -1,0 +1,169 @@
+"""Paged-KV block bookkeeping: ref counts, a free queue, and a prefix cache.
+
+Pure Python on purpose (no torch): it is the part of the engine whose
+invariants (no leak, no double free, LRU eviction) matter most, and it is
+tested on its own.
+
+A block holds ``block_size`` token positions of every layer's K and V. The
+prefix cache maps a chained hash of a *full* block's tokens (the hash of the
+block before it folded in) to the block id, so a hit for block i implies the
+whole prefix up to i matches. A hit also compares the tokens, so a hash
+collision can never return wrong KV.
+
+Freed blocks keep their cached contents and stay findable until they are
+handed out again; the free queue is in LRU order (front is evicted first),
+and a sequence frees its blocks in reverse so that its tail (least likely to
+be shared) goes first.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from common.protocol.block_hash import chain_hash
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+class OutOfBlocks(RuntimeError):
+    """Raised when an allocation asks for more blocks than are free."""
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Insertion-ordered set: front = least recently freed = next evicted.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[int, int] = {}  # chained hash -> block id
+        self.prefix_queries = 0  # blocks looked up
+        self.prefix_hits = 0  # blocks found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Hand out ``n`` blocks with ref count 1, evicting cached contents LRU."""
+        if n > len(self._free):
+            raise OutOfBlocks(f"asked for {n} blocks, {len(self._free)} free")
+        ids = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None:
+                if self._cached.get(block.hash) == block_id:
+                    del self._cached[block.hash]
+                block.hash = None
+                block.token_ids = ()
+            block.ref_count = 1
+            ids.append(block_id)
+        return ids
+
+    def grow(self, block_table: list[int], num_positions: int) -> bool:
+        """Extend ``block_table`` in place to cover ``num_positions`` tokens; False (unchanged) if the pool is short."""
+        needed = -(-num_positions // self.block_size) - len(block_table)
+        if needed <= 0:
+            return True
+        if not self.can_allocate(needed):
+            return False
+        block_table.extend(self.allocate(needed))
+        return True
+
+    def shrink(self, block_table: list[int], num_positions: int) -> None:
+        """Free the trailing blocks of ``block_table`` past the first ``num_positions`` tokens, in place."""
+        keep = -(-num_positions // self.block_size)
+        if len(block_table) > keep:
+            self.free(block_table[keep:])
+            del block_table[keep:]
+
+    def acquire(self, block_ids: Sequence[int]) -> None:
+        """Add a reference to blocks already holding data (prefix hits, forks)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference to each block; a block reaching zero joins the free queue."""
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"double free of block {block_id}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+
+    def find_cached_prefix(self, token_ids: Sequence[int], max_blocks: int) -> list[int]:
+        """Block ids of the longest cached run of full blocks at the start of ``token_ids``.
+
+        Does not take references; call ``acquire`` on the result to keep it.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        hits: list[int] = []
+        parent = None
+        for i in range(min(max_blocks, len(token_ids) // bs)):
+            chunk = token_ids[i * bs:(i + 1) * bs]
+            parent = chain_hash(parent, chunk)
+            self.prefix_queries += 1
+            block_id = self._cached.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(chunk):
+                break
+            self.prefix_hits += 1
+            hits.append(block_id)
+        return hits
+
+    def cache_full_blocks(
+        self, block_ids: Sequence[int], token_ids: Sequence[int], num_cached: int, num_full: int
+    ) -> int:
+        """Register blocks ``num_cached .. num_full-1`` of a sequence as cached.
+
+        ``block_ids`` is the sequence's block table and ``token_ids`` its tokens.
+        Returns the new count of cached blocks for the sequence. A block whose
+        hash is already mapped (another sequence computed the same prefix) is
+        left unmapped; the earlier copy keeps serving hits.
+        """
+        if not self.enable_prefix_caching or num_full <= num_cached:
+            return max(num_cached, num_full)
+        bs = self.block_size
+        parent = self.blocks[block_ids[num_cached - 1]].hash if num_cached > 0 else None
+        for i in range(num_cached, num_full):
+            block = self.blocks[block_ids[i]]
+            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
+            if block.hash is None:
+                h = chain_hash(parent, chunk)
+                if h not in self._cached:
+                    self._cached[h] = block.block_id
+                block.hash = h
+                block.token_ids = chunk
+            parent = block.hash
+        return num_full
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached mapping (used when weights change)."""
+        self._cached.clear()
+        for block in self.blocks:
+            block.hash = None
+            block.token_ids = ()

@@ -1,0 +1,260 @@
+"""The in-process engine: scheduler + model runner + output processor.
+
+This is the offline API (``LLMEngine.generate``), the aggregated serving
+mode, and the reference the disaggregated cluster is compared against.
+
+Request life cycle: add_request -> the scheduler's waiting queue -> running
+(prompt computed in one or more chunks, then one token per step) ->
+finished (EOS, stop token/string, max_tokens, context limit, or abort), at
+which point its KV blocks go back to the pool. Each ``step()`` is
+plan -> execute -> apply, on three different objects.
+"""
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence as Seq
+
+from common.engine.block_manager import BlockManager
+from common.config.base import EngineConfig
+from common.engine.model_runner import ModelRunner
+from common.storage.model_store import resolve_model
+from common.engine.outputs import OutputProcessor, RequestOutput
+from common.protocol.sampling_params import SamplingParams
+from common.engine.scheduler import Scheduler
+from common.engine.sequence import FinishReason, Sequence
+from common.engine.speculator import make_speculator
+from common.text.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """Monotonic counters since start (the metrics exporter reads these)."""
+
+    num_steps: int = 0
+    num_computed_tokens: int = 0  # prompt, recompute and decode tokens run through the model
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    # Speculative decoding: proposals verified, tokens proposed, proposed
+    # tokens accepted, and accepted counts by position within a proposal.
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (prompt too long, duplicate id, ...)."""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_dir = resolve_model(config.model, config.dtype)
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.runner = ModelRunner(config, self.model_dir)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.max_model_len = self.runner.max_model_len
+        self.scheduler = Scheduler(
+            config, self.block_manager, self.max_model_len, frozenset(self.tokenizer.eos_token_ids)
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.speculator = make_speculator(config, self.runner)
+        self.requests: dict[str, list[Sequence]] = {}
+        self._seed_source = random.Random(config.seed)
+        self._aborted: list[str] = []  # reported (as finished) by the next step
+        self.stats = EngineStats()
+
+    # ---- requests -----------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        seed: int | None = None,
+        prefill_only: bool = False,
+    ) -> list[Sequence]:
+        """Queue a request. ``prefill_only``: stop after the first token and keep the KV blocks."""
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate_prompt(prompt_ids)
+        if not prefill_only:
+            self._validate_speculative(params)
+        seqs = self._new_sequences(request_id, prompt_ids, params, seed)
+        for seq in seqs:
+            seq.prefill_only = prefill_only
+        self.scheduler.add_sequences(seqs)
+        return seqs
+
+    def _new_sequences(self, request_id, prompt_ids, params, seed) -> list[Sequence]:
+        if seed is None:
+            seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
+        seqs = [
+            Sequence(request_id, prompt_ids, params, seed=(seed + i) & (2**63 - 1), index=i)
+            for i in range(params.n)
+        ]
+        for seq in seqs:
+            self.output_processor.start(seq)
+        self.requests[request_id] = seqs
+        return seqs
+
+    def add_prefilled_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        first_token: int,
+        params: SamplingParams,
+        seed: int,
+        first_logprob: float | None = None,
+        first_top_logprobs: list[tuple[int, float]] | None = None,
+    ) -> Sequence:
+        """A request whose prompt was computed elsewhere; its KV arrives into ``seq.block_table``.
+
+        The caller pulls the pages into those blocks and then calls
+        ``kv_ready`` (or ``kv_failed``, which recomputes the prompt here).
+        When the pool is too full to take the pages, no blocks are given and
+        the caller calls ``kv_failed`` at once: recomputing is always possible.
+        """
+        if params.n != 1:
+            raise RequestError("a prefilled request carries one sample (n=1)")
+        self._validate_prompt(prompt_ids)
+        self._validate_speculative(params)
+        (seq,) = self._new_sequences(request_id, prompt_ids, params, seed)
+        seq.token_ids.append(first_token)
+        if first_logprob is not None:
+            seq.logprobs.append(first_logprob)
+            seq.top_logprobs.append(first_top_logprobs or [])
+        # The first token's text went to the client from the prefill worker;
+        # replay it so held-back text and stop strings carry on seamlessly.
+        seq.text_state.update([first_token])
+        seq.text_state.take_delta()
+        seq.reported_tokens = 1
+        needed = -(-len(prompt_ids) // self.config.block_size)
+        if self.block_manager.can_allocate(needed):
+            seq.block_table = self.block_manager.allocate(needed)
+        return seq
+
+    def kv_ready(self, seq: Sequence) -> None:
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.scheduler.add_prefilled(seq)
+
+    def kv_failed(self, seq: Sequence) -> None:
+        """The pages never arrived: free what was reserved and recompute locally."""
+        if seq.block_table:
+            self.block_manager.free(seq.block_table)
+            seq.block_table = []
+        seq.num_computed_tokens = 0
+        self.scheduler.add_prefilled(seq)
+
+    def release_held(self, seq: Sequence) -> None:
+        """Free the KV blocks a prefill-only sequence kept after finishing."""
+        self.scheduler.release_held(seq)
+
+    def _validate_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(prompt_ids)} tokens; this model's context limit is "
+                f"{self.max_model_len} tokens, prompt plus at least one generated token"
+            )
+        needed = -(-(len(prompt_ids) + 1) // self.config.block_size)
+        if needed > self.block_manager.num_blocks:
+            raise RequestError(
+                f"the prompt needs {needed} KV blocks but the pool holds {self.block_manager.num_blocks}"
+            )
+        bad = [t for t in prompt_ids if not 0 <= t < self.runner.vocab_size]
+        if bad:
+            raise RequestError(f"token ids out of the vocabulary [0, {self.runner.vocab_size}): {bad[:5]}")
+
+    def _validate_speculative(self, params: SamplingParams) -> None:
+        try:
+            self.speculator.check_request(params.speculative)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request wherever it is; a sequence still waiting for its KV is freed too."""
+        seqs = self.requests.get(request_id)
+        if seqs is None:
+            return
+        self.scheduler.abort_request(request_id)
+        for seq in seqs:
+            if not seq.is_finished:  # waiting for pages: the scheduler never saw it
+                self.scheduler.finish(seq, FinishReason.ABORT)
+        self.speculator.retain(self.scheduler.running)  # its draft KV too, even if no step follows
+        self._aborted.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -----------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        self.speculator.propose(self.scheduler.running)
+        plan = self.scheduler.schedule()
+        advanced: list[Sequence] = []
+        if plan:
+            sample = self.runner.execute(plan)
+            for i, seq in enumerate(sample.seqs):
+                if seq.params.logprobs is not None and sample.logprobs is not None:
+                    seq.logprobs.extend(sample.logprobs[i])
+                    seq.top_logprobs.extend(sample.top_logprobs[i])
+            before = {seq.seq_id: seq.num_tokens for seq in sample.seqs}
+            advanced = self.scheduler.update(plan, dict(zip((s.seq_id for s in sample.seqs), sample.token_ids)))
+            self._count(plan, sample, sum(s.num_tokens - before[s.seq_id] for s in advanced))
+            self.speculator.observe(sample)
+            self.output_processor.process(advanced, self.scheduler.finish)
+            self.speculator.retain(self.scheduler.running)
+        return self._collect_outputs(advanced)
+
+    def _count(self, plan, sample, num_generated: int) -> None:
+        stats = self.stats
+        stats.num_steps += 1
+        stats.num_computed_tokens += plan.total_tokens
+        stats.num_generated_tokens += num_generated
+        stats.num_preemptions += len(plan.preempted)
+        for drafted, accepted in zip(sample.num_drafts, sample.num_accepted):
+            if not drafted:
+                continue
+            stats.num_spec_drafts += 1
+            stats.num_spec_draft_tokens += drafted
+            stats.num_spec_accepted_tokens += accepted
+            per_pos = stats.spec_accepted_per_position
+            per_pos.extend([0] * (drafted - len(per_pos)))
+            for pos in range(accepted):
+                per_pos[pos] += 1
+
+    def _collect_outputs(self, advanced: list[Sequence]) -> list[RequestOutput]:
+        touched = dict.fromkeys(s.request_id for s in advanced)
+        touched.update(dict.fromkeys(self._aborted))
+        self._aborted.clear()
+        outputs = []
+        for request_id in touched:
+            seqs = self.requests[request_id]
+            outputs.append(self.output_processor.report(request_id, seqs))
+            if all(s.is_finished for s in seqs):
+                del self.requests[request_id]
+        return outputs
+
+    # ---- offline API --------------------------------------------------------
+    def generate(
+        self, prompts: Iterable[str | Seq[int]], params: SamplingParams | Seq[SamplingParams]
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; returns final outputs in prompt order."""
+        prompts = list(prompts)
+        param_list = list(params) if not isinstance(params, SamplingParams) else [params] * len(prompts)
+        if len(param_list) != len(prompts):
+            raise ValueError("give one SamplingParams or one per prompt")
+        ids = [f"gen-{i}-{id(prompts)}" for i in range(len(prompts))]
+        for request_id, prompt, p in zip(ids, prompts, param_list):
+            self.add_request(request_id, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]

@@ -1,0 +1,116 @@
+"""Build a model from a Hugging Face model directory and load its safetensors.
+
+Accepts a single ``model.safetensors`` or a sharded checkpoint with
+``model.safetensors.index.json``. Separate q/k/v and gate/up tensors are
+copied into the fused projections. Every parameter must be filled exactly
+once; anything missing or unexpected is an error naming the tensors.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+
+from common.engine.models.llama import LlamaForCausalLM
+
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_FUSED_RE = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+
+
+def load_hf_config(model_dir: str | Path):
+    return AutoConfig.from_pretrained(str(model_dir))
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise FileNotFoundError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, backend) -> LlamaForCausalLM:
+    cfg = load_hf_config(model_dir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, backend)
+    model.to_empty(device=device)
+    model.to(dtype)
+    model.rope.build_table(device)
+    params = dict(model.named_parameters())
+    filled: dict[str, int] = {name: 0 for name in params}
+    unexpected = []
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                target, part = _target(name, model)
+                if target is None:
+                    continue
+                if target not in params:
+                    unexpected.append(name)
+                    continue
+                _copy_into(params[target], target, part, f.get_tensor(name), model)
+                filled[target] += 1
+    missing = [n for n, count in filled.items() if count != _parts_of(n)]
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint in {model_dir} does not match the model: "
+            f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+            f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
+        )
+    return model.eval()
+
+
+def _parts_of(param_name: str) -> int:
+    if ".qkv_proj." in param_name:
+        return 3
+    if ".gate_up_proj." in param_name:
+        return 2
+    return 1
+
+
+def _target(name: str, model: LlamaForCausalLM) -> tuple[str | None, int | None]:
+    """Map a checkpoint tensor name to (parameter name, part of a fused parameter)."""
+    if name.startswith("lm_head.") and model.tie_word_embeddings:
+        return None, None
+    if "rotary_emb" in name:
+        return None, None
+    name = name.removeprefix("model.")
+    m = _FUSED_RE.match(name)
+    if m:
+        prefix, proj, kind = m.groups()
+        fused, part = _FUSED[proj]
+        return f"{prefix}.{fused}.{kind}", part
+    return name, None
+
+
+def _copy_into(param: torch.Tensor, target: str, part: int | None, tensor: torch.Tensor,
+               model: LlamaForCausalLM) -> None:
+    if part is None:
+        dest = param
+    else:
+        if ".qkv_proj." in target:
+            attn = model.layers[0].self_attn
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        else:
+            sizes = [model.layers[0].mlp.intermediate] * 2
+        dest = param.narrow(0, sum(sizes[:part]), sizes[part])
+    if dest.shape != tensor.shape:
+        raise ValueError(
+            f"shape mismatch for {target}: checkpoint {tuple(tensor.shape)} vs model {tuple(dest.shape)}"
+        )
+    with torch.no_grad():
+        dest.copy_(tensor.to(dest.dtype))

@@ -1,0 +1,67 @@
+"""Build and load the engine's small C kernels (``common/engine/kernels/*.c``) with ctypes.
+
+The kernels are plain C with OpenMP, compiled once per source version and CPU
+into the Tessera cache (a second or two with gcc), then loaded with ctypes.
+No torch headers are involved, which keeps the build fast. The library links
+``libgomp.so.1``; torch has already loaded its own copy under that name, so
+the kernel shares torch's thread pool instead of starting a second one.
+
+When no compiler is available the loader returns None and callers use their
+pure-torch path; the log says so once.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from common.storage.model_store import default_cache_root
+
+log = logging.getLogger(__name__)
+
+KERNEL_DIR = Path(__file__).parent / "kernels"
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC", "-shared"]
+
+
+def _cpu_signature() -> str:
+    try:
+        flags = next(
+            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return flags
+
+
+@functools.cache
+def load_kernel(name: str) -> ctypes.CDLL | None:
+    """Compile (if needed) and load ``kernels/<name>.c``; None when that is impossible."""
+    source = KERNEL_DIR / f"{name}.c"
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        log.warning("no C compiler found; %s runs on the slower pure-torch path", name)
+        return None
+    digest = hashlib.sha256(
+        source.read_bytes() + " ".join(CFLAGS).encode() + _cpu_signature().encode()
+    ).hexdigest()[:16]
+    target = default_cache_root() / "kernels" / f"{name}-{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            result = subprocess.run(
+                [compiler, *CFLAGS, str(source), "-o", str(built), "-lm"],
+                capture_output=True, text=True,
+            )
+            if result.returncode != 0:
+                log.warning("building %s failed; using the pure-torch path:\n%s", name, result.stderr[-2000:])
+                return None
+            os.replace(built, target)  # atomic: concurrent builders never see half a file
+    return ctypes.CDLL(str(target))

@@ -1,0 +1,267 @@
+"""What every worker process shares: its I/O thread, registration, heartbeats, drain.
+
+Sockets live only in the I/O thread. It connects a DEALER (identity = worker
+id; with curve_* keys, a CURVE client that pins the proxy's public key) to
+the proxy, registers, heartbeats with the latest load snapshot, and moves
+messages between the socket and two queues. The compute loop (the
+main thread, ``serve``) never touches a socket: each turn it takes inbound
+messages, lets the role's handler act on them, steps the engine, and queues
+what the handler wants sent.
+
+SIGTERM or SIGINT starts a drain: the next heartbeat says ``draining`` so the
+proxy routes nothing new here, running requests get ``drain_timeout_s`` to
+finish, then whatever is left is failed back to the proxy (retryable), KV
+held for others is released, a Goodbye is sent and the sockets closed.
+Under systemd (``Type=notify``) a worker reports READY=1 once its model is
+loaded and the proxy acknowledged its registration, STOPPING=1 when it drains.
+The signal handler only appends to a list (no lock: a threading.Event's
+lock, taken again by a second signal that interrupts the first handler,
+deadlocked); the loop looks at it once per turn, at most ``idle_poll_s`` apart.
+Further signals change nothing: the drain runs its course.
+
+A proxy that does not know this worker (it restarted, or it expired the
+worker) answers its heartbeats with Reregister. The I/O thread stops
+heartbeating and hands the message to the compute loop, which fails every
+request it holds (their client is gone with the old proxy: aborted, their
+pages and prefill leases freed) and only then lets the I/O thread send the
+Register again, so nothing of the old proxy's runs once the new one routes
+work here. A proxy that refuses that Register stops the worker.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import zmq
+
+from common.runtime import sd_notify
+
+from common.protocol import wire
+from common.runtime.log_format import request_scope
+from common.config.roles import WorkerConfig
+from common.runtime.worker_metrics import WorkerMetrics
+from common.runtime.zmq_security import apply_curve_client, worker_curve
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Load:
+    free_blocks: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    outstanding_prefill_tokens: int = 0
+
+
+class RoleHandler(Protocol):
+    """A role's behaviour; ``serve`` calls these from the compute loop only."""
+
+    draining: bool
+    metrics: WorkerMetrics
+
+    def bind(self, send: Callable[[object], None]) -> None: ...  # where outbound messages go
+    def registration(self) -> wire.Register: ...
+    def handle(self, msg) -> None: ...
+    def tick(self) -> None: ...  # one turn of work: poll transfers, step the engine, emit results
+    def busy(self) -> bool: ...
+    def load(self) -> Load: ...
+    def fail_all(self, reason: str) -> None: ...  # drain deadline passed or proxy lost: drop everything, free its KV
+    def publish_metrics(self) -> None: ...  # after each turn: the numbers /metrics and /healthz read
+
+
+class WorkerIO:
+    """The worker's one socket, owned by a background thread."""
+
+    def __init__(self, config: WorkerConfig, registration: wire.Register, metrics: WorkerMetrics) -> None:
+        self.config = config
+        self.registration = registration
+        self._curve = worker_curve(config)  # bad key files fail here, before the I/O thread starts
+        self.metrics = metrics
+        self.inbox: queue.Queue = queue.Queue()
+        self._outbox: queue.Queue = queue.Queue()
+        self.load = Load()
+        self.draining = False
+        self.registered = threading.Event()
+        self.refused: str | None = None
+        self._may_register = threading.Event()  # cleared by Reregister until the compute loop calls rejoin()
+        self._may_register.set()
+        self._next_register = 0.0  # when the I/O thread (re)sends the Register while unacknowledged
+        self._started = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="worker-io", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        if not self.registered.wait(self.config.register_timeout_s):
+            curve = (" or refused this worker's CURVE key (is its public key in the proxy's "
+                     "curve_authorized_keys_dir? the proxy logs refusals)" if self._curve is not None else "")
+            raise TimeoutError(
+                f"the proxy at {self.config.proxy_address} did not acknowledge registration within "
+                f"{self.config.register_timeout_s}s (setting register_timeout_s){curve}"
+            )
+        if self.refused is not None:
+            raise RuntimeError(f"the proxy refused this worker: {self.refused}")
+        self._started = True
+
+    def send(self, msg) -> None:
+        self._outbox.put(msg)
+
+    def rejoin(self) -> None:
+        """After a Reregister: the old proxy's requests are gone, register again (retried until acknowledged)."""
+        self._may_register.set()
+
+    def stop(self, goodbye: str) -> None:
+        self._outbox.put(wire.Goodbye(self.config.worker_id, self.registration.epoch, goodbye))
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.config.worker_id.encode())
+        sock.setsockopt(zmq.LINGER, 1000)
+        if self._curve is not None:
+            apply_curve_client(sock, self._curve.keys, self._curve.proxy_public)
+        sock.connect(self.config.proxy_address)
+        try:
+            self._loop(sock)
+        except Exception:
+            log.exception("worker I/O thread failed")
+            self.inbox.put(None)  # wakes the compute loop, which then exits
+        finally:
+            sock.close()
+            ctx.term()
+
+    def _loop(self, sock) -> None:
+        next_beat = time.monotonic() + self.config.heartbeat_interval_s
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while True:
+            self._flush_outbox(sock)
+            if self._stop.is_set():
+                return
+            if dict(poller.poll(timeout=10)):
+                self._receive(sock)
+            now = time.monotonic()
+            if not self.registered.is_set() and self._may_register.is_set() and now >= self._next_register:
+                self._flush_outbox(sock)  # what the compute loop queued before rejoin() goes first
+                sock.send_multipart(wire.encode(self.registration))  # retried: the proxy may not be up yet
+                self._next_register = now + self.config.heartbeat_interval_s
+            if self.registered.is_set() and now >= next_beat:
+                load = self.load
+                sock.send_multipart(wire.encode(wire.Heartbeat(
+                    self.config.worker_id, self.registration.epoch, load.free_blocks, load.num_running,
+                    load.num_waiting, load.outstanding_prefill_tokens, self.draining,
+                )))
+                self.metrics.heartbeats_sent.inc()
+                next_beat = now + self.config.heartbeat_interval_s
+
+    def _flush_outbox(self, sock) -> None:
+        while True:
+            try:
+                msg = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            sock.send_multipart(wire.encode(msg))
+
+    def _receive(self, sock) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = wire.decode(frames)
+            except wire.WireError as exc:
+                self.metrics.malformed_messages.inc()
+                log.warning("dropped a malformed message from the proxy: %s", exc)
+                continue
+            if isinstance(msg, wire.RegisterAck):
+                if not msg.accepted:
+                    self.refused = msg.reason
+                    if self._started:
+                        log.error("the proxy refused this worker's new registration: %s; stopping", msg.reason)
+                        self._stop.set()
+                        self.inbox.put(None)
+                        return
+                self.registered.set()
+            elif isinstance(msg, wire.Reregister):
+                # Repeats while rejoining are the proxy's answers to heartbeats that were already on the way.
+                if msg.epoch == self.registration.epoch and self.registered.is_set():
+                    self._may_register.clear()
+                    self.registered.clear()
+                    self._next_register = 0.0
+                    self.inbox.put(msg)
+            else:
+                self.inbox.put(msg)
+
+
+def serve(config: WorkerConfig, handler: RoleHandler) -> None:
+    """Run a worker until SIGTERM/SIGINT (then drain) or until its I/O fails."""
+    io = WorkerIO(config, handler.registration(), handler.metrics)
+    handler.bind(io.send)
+    signalled: list[int] = []
+    # Left in place after serve returns: a late signal must not cut the process's own cleanup short
+    # (a KeyboardInterrupt, or death by SIGTERM, while the transfer agent closes).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _: signalled.append(signum))
+    io.start()
+    handler.metrics.status.registered = True
+    log.info("worker %s registered as %s", config.worker_id, config.role)
+    sd_notify.ready(f"worker {config.worker_id} registered as {config.role}")
+    drain_deadline = None
+    try:
+        while True:
+            if signalled and drain_deadline is None:
+                log.info("draining: no new work; %.0fs for running requests", config.drain_timeout_s)
+                sd_notify.stopping(f"draining for up to {config.drain_timeout_s}s")
+                io.draining = handler.draining = handler.metrics.status.draining = True
+                drain_deadline = time.monotonic() + config.drain_timeout_s
+            if drain_deadline is not None and (not handler.busy() or time.monotonic() > drain_deadline):
+                break
+            if not _take_messages(io, handler, config, block=not handler.busy()):
+                log.error("worker I/O stopped; exiting")
+                break
+            handler.tick()
+            io.load = handler.load()
+            handler.metrics.status.registered = io.registered.is_set()
+            handler.publish_metrics()
+    finally:
+        handler.fail_all("worker is shutting down")
+        handler.tick()  # lets the handler queue its last messages
+        io.stop("drained" if signalled else "I/O failure")
+        log.info("worker %s stopped", config.worker_id)
+
+
+def _take_messages(io: WorkerIO, handler: RoleHandler, config: WorkerConfig, block: bool) -> bool:
+    """Hand every queued message to the handler; False when the I/O thread died."""
+    try:
+        msg = io.inbox.get(timeout=config.idle_poll_s) if block else io.inbox.get_nowait()
+    except queue.Empty:
+        return True
+    while True:
+        if msg is None:
+            return False
+        if isinstance(msg, wire.Reregister):
+            _rejoin(io, handler, msg)
+        else:
+            with request_scope(getattr(msg, "request_id", None), getattr(msg, "tenant", None)):
+                handler.handle(msg)
+        try:
+            msg = io.inbox.get_nowait()
+        except queue.Empty:
+            return True
+
+
+def _rejoin(io: WorkerIO, handler: RoleHandler, msg: wire.Reregister) -> None:
+    """The proxy lost this worker: whoever asked for the running requests can no longer get their tokens."""
+    log.warning("the proxy does not know this worker (%s): dropping its requests and registering again",
+                msg.reason)
+    handler.metrics.status.registered = False
+    handler.fail_all("the proxy that sent this request lost this worker")
+    io.rejoin()

