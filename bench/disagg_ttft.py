@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.local_cluster import Cluster
+from common.cli.local_cluster import LocalCluster
 from common.storage.model_store import resolve_model
 from common.text.tokenizer import Tokenizer
 from kv_transfer.factory import default_backend_name
@@ -88,7 +88,7 @@ def timed_completion(client: httpx.Client, url: str, prompt: list[int]) -> dict:
             "text": "".join(text)}
 
 
-def transfer_counters(cluster: Cluster) -> dict[str, float]:
+def transfer_counters(cluster: LocalCluster) -> dict[str, float]:
     return {key: sum(cluster.metric(name).values()) for key, name in TRANSFER_COUNTERS.items()}
 
 
@@ -112,7 +112,7 @@ def summarize(samples: list[dict], before: dict[str, float], after: dict[str, fl
 def run_mode(model_dir: Path, log_dir: Path, backend: str, threshold: int,
              prompts: dict[int, list[list[int]]]) -> dict:
     log_dir.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(model_dir, log_dir, prefill=1, decode=1, transfer_backend=backend,
+    cluster = LocalCluster.for_tests(model_dir, log_dir, prefill=1, decode=1, transfer_backend=backend,
                       proxy_overrides=[f"local_prefill_threshold={threshold}"]).start()
     by_length = {}
     try:

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from bench.doc_sections import replace_section
-from bench.local_cluster import Cluster
+from common.cli.local_cluster import LocalCluster
 from bench.loadgen.benchmark import run_benchmark
 from bench.loadgen.config import config_from_args
 from bench.loadgen.server_metrics import parse_prometheus
@@ -38,13 +38,13 @@ COUNTERS = ("tessera_spec_decode_num_drafts_total", "tessera_spec_decode_num_dra
             "tessera_spec_decode_num_accepted_tokens_total")
 
 
-def spec_counters(cluster: Cluster) -> dict[str, float]:
+def spec_counters(cluster: LocalCluster) -> dict[str, float]:
     _, text = cluster.get("/metrics", base=cluster.worker_url("decode-0"))
     values = parse_prometheus(text)
     return {name: values.get(name, 0.0) for name in COUNTERS}
 
 
-def run_point(cluster: Cluster, result_dir: Path, workload: str, concurrency: int, mode: str, args) -> dict:
+def run_point(cluster: LocalCluster, result_dir: Path, workload: str, concurrency: int, mode: str, args) -> dict:
     before, load = spec_counters(cluster), os.getloadavg()[0]
     label = f"{workload}-c{concurrency}-{mode}"
     bench = build_parser().parse_args([
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"engine.spec_max_batch_size={args.spec_max_batch_size}")
     logs = args.result_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(resolve_model(args.model, "float32"), logs, worker_overrides=overrides).start()
+    cluster = LocalCluster.for_tests(resolve_model(args.model, "float32"), logs, worker_overrides=overrides).start()
     rows = []
     try:
         for workload in args.workloads.split(","):

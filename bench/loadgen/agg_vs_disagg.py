@@ -24,7 +24,7 @@ import os
 import sys
 from pathlib import Path
 
-from bench.local_cluster import Cluster
+from common.cli.local_cluster import LocalCluster
 from bench.loadgen.benchmark import run_benchmark
 from bench.loadgen.config import config_from_args
 from bench.loadgen.plots import write_plots
@@ -49,7 +49,7 @@ def run_layout(name: str, roles: dict[str, int], model_dir: Path, result_dir: Pa
     logs = result_dir / name / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
-    cluster = Cluster(model_dir, logs, transfer_backend="zmq", **roles).start()
+    cluster = LocalCluster.for_tests(model_dir, logs, transfer_backend="zmq", **roles).start()
     try:
         args = build_parser().parse_args(["bench", *bench_args, "--base-url", cluster.url,
                                           "--result-dir", str(result_dir / name), "--label", name])

@@ -19,6 +19,8 @@ import statistics
 
 import httpx
 
+from common.runtime.prometheus_text import totals
+
 GAUGES = {
     "kv_pages_used": ("tessera_proxy_kv_pages_used",),
     "kv_pages_free": ("tessera_proxy_kv_pages_free",),
@@ -37,23 +39,8 @@ SCRAPE_TIMEOUT_S = 5.0
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
-    """Metric name -> value summed over its label sets; comments and unreadable lines are skipped."""
-    totals: dict[str, float] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        name_end = line.find("{")
-        if name_end >= 0:
-            name, rest = line[:name_end], line[line.rfind("}") + 1:]
-        else:
-            name, _, rest = line.partition(" ")
-        try:
-            value = float(rest.split()[0])
-        except (IndexError, ValueError):
-            continue
-        totals[name] = totals.get(name, 0.0) + value
-    return totals
+    """Sample name -> value summed over its label sets (``prometheus_client``'s parser)."""
+    return totals(text)
 
 
 def snapshot(totals: dict[str, float]) -> dict[str, float]:

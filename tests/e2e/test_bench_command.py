@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench.local_cluster import Cluster
+from common.cli.local_cluster import LocalCluster
 from bench.loadgen.results import check_point
 from common.cli.main import main
 
@@ -16,7 +16,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def cluster(tiny_chat_model_dir, tmp_path_factory):
-    c = Cluster(tiny_chat_model_dir, tmp_path_factory.mktemp("bench-logs"), prefill=1, decode=1,
+    c = LocalCluster.for_tests(tiny_chat_model_dir, tmp_path_factory.mktemp("bench-logs"), prefill=1, decode=1,
                 transfer_backend="zmq").start()
     yield c
     codes = c.stop()

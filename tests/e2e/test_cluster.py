@@ -15,7 +15,7 @@ from common.config.base import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.protocol.sampling_params import SamplingParams
 from kv_transfer.factory import default_backend_name
-from bench.local_cluster import Cluster, post_json
+from common.cli.local_cluster import LocalCluster, post_json
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = [
@@ -46,7 +46,7 @@ def reference(embedded_model_dir):
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def cluster(request, embedded_model_dir, tmp_path_factory):
-    c = Cluster(embedded_model_dir, tmp_path_factory.mktemp(f"logs-{request.param}"),
+    c = LocalCluster.for_tests(embedded_model_dir, tmp_path_factory.mktemp(f"logs-{request.param}"),
                 transfer_backend=request.param).start()
     yield c
     codes = c.stop()
@@ -146,7 +146,7 @@ def test_sixteen_concurrent_requests_complete(cluster):
 
 
 def test_two_prefill_two_decode_spread_and_survive_a_worker_stopping(embedded_model_dir, tmp_path):
-    cluster = Cluster(embedded_model_dir, tmp_path, prefill=2, decode=2, transfer_backend=BACKENDS[-1]).start()
+    cluster = LocalCluster.for_tests(embedded_model_dir, tmp_path, prefill=2, decode=2, transfer_backend=BACKENDS[-1]).start()
     try:
         async def burst():
             async with httpx.AsyncClient(timeout=300) as client:
@@ -171,7 +171,7 @@ def test_two_prefill_two_decode_spread_and_survive_a_worker_stopping(embedded_mo
 
 
 def test_aggregated_worker_serves_alone_and_matches(embedded_model_dir, tmp_path, reference):
-    cluster = Cluster(embedded_model_dir, tmp_path, prefill=0, decode=0, both=1).start()
+    cluster = LocalCluster.for_tests(embedded_model_dir, tmp_path, prefill=0, decode=0, both=1).start()
     try:
         for i in (0, 2, 4):
             status, body = chat(cluster.url, PROMPTS[i])

@@ -13,7 +13,7 @@ from importlib import resources
 import httpx
 import pytest
 
-from bench.local_cluster import Cluster
+from common.cli.local_cluster import LocalCluster
 from common.config.base import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.protocol.sampling_params import SamplingParams
@@ -41,7 +41,7 @@ def reference(embedded_model_dir, prompts):
 @pytest.fixture(scope="module")
 def cluster(embedded_model_dir, tmp_path_factory):
     backend = default_backend_name()
-    c = Cluster(embedded_model_dir, tmp_path_factory.mktemp("logs-spec"), transfer_backend=backend,
+    c = LocalCluster.for_tests(embedded_model_dir, tmp_path_factory.mktemp("logs-spec"), transfer_backend=backend,
                 worker_overrides=["engine.spec_method=ngram", "engine.spec_max_batch_size=16"]).start()
     yield c
     codes = c.stop()
@@ -49,9 +49,7 @@ def cluster(embedded_model_dir, tmp_path_factory):
 
 
 def worker_metric(cluster, worker, name):
-    _, text = cluster.get("/metrics", base=cluster.worker_url(worker))
-    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
-               if line.startswith(name + " ") or line.startswith(name + "{"))
+    return sum(cluster.metric(name, base=cluster.worker_url(worker)).values())
 
 
 def test_greedy_output_with_speculation_equals_the_plain_engine(cluster, prompts, reference):

@@ -20,7 +20,7 @@ import pytest
 import torch
 import zmq
 
-from bench.local_cluster import Cluster, post_json
+from common.cli.local_cluster import LocalCluster, post_json
 from common.engine.kv_cache import KVCache, KVLayout
 from common.cli.keys_command import generate_key_pair
 from common.protocol.wire import Register, RegisterAck, decode, encode
@@ -156,7 +156,7 @@ def test_the_zmq_kv_server_serves_only_authorized_peers(keys):
 
 def test_a_keyed_cluster_serves_a_request_end_to_end(embedded_model_dir, keys, tmp_path):
     secret = keys["secret"]
-    cluster = Cluster(
+    cluster = LocalCluster.for_tests(
         embedded_model_dir, tmp_path, transfer_backend="zmq",
         proxy_overrides=[f"curve_secret_key_file={secret / 'proxy.key_secret'}",
                          f"curve_authorized_keys_dir={keys['authorized']}"],

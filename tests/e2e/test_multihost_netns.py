@@ -39,7 +39,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.local_cluster import post_json
+from common.cli.local_cluster import post_json
+from common.runtime.prometheus_text import samples
 from common.config.base import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.storage.model_store import default_cache_root
@@ -166,13 +167,7 @@ class NotifySocket:
 
 def _metric(url: str, name: str) -> dict[str, float]:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line.startswith((name + "{", name + " ")):
-            key, _, value = line.rpartition(" ")
-            samples[key[len(name):]] = float(value)
-    return samples
+        return samples(resp.read().decode(), name)
 
 
 class Hosts:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench.local_cluster import Cluster, free_port, post_json
+from common.cli.local_cluster import LocalCluster, free_port, post_json
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SHIPPED = DEPLOY / "prometheus"
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="the prometheus binar
 
 @pytest.fixture(scope="module")
 def cluster(tiny_chat_model_dir, tmp_path_factory):
-    c = Cluster(tiny_chat_model_dir, tmp_path_factory.mktemp("prom-cluster-logs"), transfer_backend="zmq").start()
+    c = LocalCluster.for_tests(tiny_chat_model_dir, tmp_path_factory.mktemp("prom-cluster-logs"), transfer_backend="zmq").start()
     yield c
     codes = c.stop()
     assert all(code == 0 for code in codes.values()), codes

@@ -20,7 +20,8 @@ import httpx
 import pytest
 import zmq
 
-from bench.local_cluster import Cluster
+from common.cli.local_cluster import LocalCluster
+from common.runtime.prometheus_text import total
 from common.protocol.wire import Heartbeat, Reregister, decode, encode
 from tests.e2e.proxy_harness import make_proxy, tokenizer  # noqa: F401 -- fixtures
 
@@ -45,18 +46,16 @@ def long_model_dir(tiny_chat_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(long_model_dir, tmp_path_factory):
     # One decode slot: a second request is prefilled and then waits, its pages under a prefill lease.
-    c = Cluster(long_model_dir, tmp_path_factory.mktemp("restart-logs"), transfer_backend="zmq",
+    c = LocalCluster.for_tests(long_model_dir, tmp_path_factory.mktemp("restart-logs"), transfer_backend="zmq",
                 worker_overrides=["engine.max_num_seqs=1"]).start()
     yield c
     codes = c.stop()
     assert all(code == 0 for code in codes.values()), codes
 
 
-def worker_metric(cluster: Cluster, worker: str, name: str, *labels: str) -> float:
+def worker_metric(cluster: LocalCluster, worker: str, name: str, **labels: str) -> float:
     """The sum of one metric's samples on one worker's /metrics that carry every one of ``labels``."""
-    _, text = cluster.get("/metrics", base=cluster.worker_url(worker))
-    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
-               if line.startswith((name + " ", name + "{")) and all(label in line for label in labels))
+    return total(cluster.get("/metrics", base=cluster.worker_url(worker))[1], name, **labels)
 
 
 def wait_for(condition, timeout: float, what: str) -> float:
@@ -69,13 +68,13 @@ def wait_for(condition, timeout: float, what: str) -> float:
     return time.monotonic() - start
 
 
-def kill_proxy(cluster: Cluster) -> None:
+def kill_proxy(cluster: LocalCluster) -> None:
     proxy = cluster.procs["proxy"]
     proxy.send_signal(signal.SIGKILL)
     proxy.wait(timeout=10)
 
 
-def start_new_proxy(cluster: Cluster) -> float:
+def start_new_proxy(cluster: LocalCluster) -> float:
     """Start a proxy on the dead one's ports; seconds from its first answer until both workers rejoined."""
     cluster.start_proxy()
 
@@ -91,7 +90,7 @@ def start_new_proxy(cluster: Cluster) -> float:
                     REJOIN_S, "both workers rejoining the new proxy")
 
 
-def chat(cluster: Cluster, content: str, **extra) -> httpx.Response:
+def chat(cluster: LocalCluster, content: str, **extra) -> httpx.Response:
     body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 8,
             "temperature": 0.0, **extra}
     return httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=60)
@@ -123,8 +122,8 @@ def test_requests_of_the_dead_proxy_free_their_pages(cluster):
     def decode_outcomes() -> tuple[float, float]:
         """(completed, dropped): dropped by the Reregister or by an Abort the new proxy sent for a stray token."""
         def count(*statuses: str) -> float:
-            return sum(worker_metric(cluster, "decode-0", "tessera_worker_requests_total", 'stage="decode"',
-                                     f'status="{status}"') for status in statuses)
+            return sum(worker_metric(cluster, "decode-0", "tessera_worker_requests_total", stage="decode",
+                                     status=status) for status in statuses)
         return count("completed"), count("failed", "aborted")
 
     completed_before, dropped_before = decode_outcomes()

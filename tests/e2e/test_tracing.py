@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from bench.local_cluster import Cluster, post_json
+from common.cli.local_cluster import LocalCluster, post_json
 
 trace_service = pytest.importorskip(
     "opentelemetry.proto.collector.trace.v1.trace_service_pb2",
@@ -83,7 +83,7 @@ def collector():
 
 def test_one_request_is_one_trace_across_processes(tiny_chat_model_dir, tmp_path, collector):
     tracing = [f"otel_endpoint={collector.endpoint}"]
-    cluster = Cluster(tiny_chat_model_dir, tmp_path, transfer_backend="zmq",
+    cluster = LocalCluster.for_tests(tiny_chat_model_dir, tmp_path, transfer_backend="zmq",
                       proxy_overrides=tracing, worker_overrides=tracing).start()
     try:
         body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Say hi"}],

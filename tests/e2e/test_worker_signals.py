@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from bench.local_cluster import Cluster
+from common.cli.local_cluster import LocalCluster
 
 PATTERNS = {"sigterm-sigterm": (signal.SIGTERM, signal.SIGTERM), "sigint-sigterm": (signal.SIGINT, signal.SIGTERM)}
 WORKERS_PER_PATTERN = 2
@@ -32,7 +32,7 @@ EXIT_MARGIN_S = 15.0  # closing the transfer agent and the interpreter's exit, o
 
 @pytest.fixture(scope="module")
 def cluster(tiny_chat_model_dir, tmp_path_factory):
-    c = Cluster(tiny_chat_model_dir, tmp_path_factory.mktemp("signal-logs"), prefill=0, decode=0,
+    c = LocalCluster.for_tests(tiny_chat_model_dir, tmp_path_factory.mktemp("signal-logs"), prefill=0, decode=0,
                 both=len(PATTERNS) * WORKERS_PER_PATTERN, worker_overrides=[f"drain_timeout_s={DRAIN_S}"]).start()
     yield c
     codes = c.stop()
@@ -73,7 +73,7 @@ def test_quick_successive_signals_still_drain_and_exit_cleanly(cluster, pattern)
 @pytest.mark.parametrize("pattern", list(PATTERNS))
 def test_the_proxy_exits_cleanly_after_two_quick_signals(tiny_chat_model_dir, tmp_path, pattern):
     first, second = PATTERNS[pattern]
-    proxy = Cluster(tiny_chat_model_dir, tmp_path, prefill=0, decode=0)
+    proxy = LocalCluster.for_tests(tiny_chat_model_dir, tmp_path, prefill=0, decode=0)
     proxy.start_proxy()
     deadline = time.monotonic() + 60
     while True:

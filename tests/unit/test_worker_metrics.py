@@ -6,7 +6,7 @@ import urllib.request
 
 import pytest
 
-from bench.local_cluster import free_port
+from common.cli.local_cluster import free_port
 from bench.loadgen.server_metrics import parse_prometheus
 from common.config.base import ConfigError, EngineConfig
 from common.engine.llm_engine import LLMEngine

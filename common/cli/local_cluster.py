@@ -1,0 +1,190 @@
+"""One launcher for a local cluster: ``tessera up``, the benchmarks and the end-to-end tests all use it.
+
+Each role runs as its own process, exactly as on separate hosts, started with
+``python -m common.cli.main proxy|prefill|decode|both`` and ``--set``
+overrides. Workers are stopped before the proxy, so that they can hand back
+their requests to a live proxy.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from common.runtime.prometheus_text import samples
+
+READY_TIMEOUT_S = 600
+STOP_TIMEOUT_S = 60
+ROLES = ("prefill", "decode", "both")
+# Failures found in seconds and a small KV pool: what tests and benchmarks start with (``for_tests``).
+TEST_PROXY_OVERRIDES = ("heartbeat_timeout_s=3",)
+TEST_WORKER_OVERRIDES = ("engine.kv_cache_memory_bytes=268435456", "heartbeat_interval_s=0.2")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LocalCluster:
+    model_dir: Path | str = "embedded"  # a model directory, or an embedded model name
+    log_dir: Path | None = None  # None: the processes write to this process' terminal
+    prefill: int = 1
+    decode: int = 1
+    both: int = 0
+    transfer_backend: str = "zmq"
+    dtype: str | None = None  # None: the config's default
+    threads: int = 1  # torch threads per worker; 0: the machine's cores split between the workers
+    proxy_overrides: list[str] = field(default_factory=list)
+    worker_overrides: list[str] = field(default_factory=list)
+    role_overrides: list[str] = field(default_factory=list)  # ROLE:KEY=VALUE, ROLE a role or a process name
+    port: int = field(default_factory=free_port)
+    worker_port: int = field(default_factory=free_port)
+    own_session: bool = False  # start the processes in their own session (a terminal's Ctrl-C skips them)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    metrics_ports: dict[str, int] = field(default_factory=dict)  # worker name -> its /metrics port
+
+    @classmethod
+    def for_tests(cls, model_dir: Path | str, log_dir: Path | None = None, **options) -> "LocalCluster":
+        cluster = cls(model_dir, log_dir, **options)
+        cluster.proxy_overrides[:0] = TEST_PROXY_OVERRIDES
+        cluster.worker_overrides[:0] = TEST_WORKER_OVERRIDES
+        return cluster
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def num_workers(self) -> int:
+        return self.prefill + self.decode + self.both
+
+    def start(self, timeout: float = READY_TIMEOUT_S) -> "LocalCluster":
+        self.start_proxy()
+        for role, count in (("prefill", self.prefill), ("decode", self.decode), ("both", self.both)):
+            for i in range(count):
+                self.start_worker(role, i)
+        self.wait_ready(timeout)
+        return self
+
+    def start_proxy(self) -> None:
+        """Start the proxy on this cluster's ports; once more after it died, it starts knowing no worker."""
+        args = ["proxy", "--set", f"port={self.port}", "--set", f"worker_bind=tcp://127.0.0.1:{self.worker_port}",
+                "--set", f"model={self.model_dir}"]
+        if self.dtype:
+            args += ["--set", f"dtype={self.dtype}"]
+        self._spawn("proxy", args + self._overrides("proxy", self.proxy_overrides))
+
+    def start_worker(self, role: str, index: int) -> str:
+        name = f"{role}-{index}"
+        self.metrics_ports[name] = free_port()
+        threads = self.threads or max(1, (os.cpu_count() or 1) // max(1, self.num_workers))
+        args = [role, "--set", f"worker_id={name}", "--set", f"metrics_port={self.metrics_ports[name]}",
+                "--set", f"proxy_address=tcp://127.0.0.1:{self.worker_port}",
+                "--set", f"engine.model={self.model_dir}", "--set", f"engine.num_threads={threads}",
+                "--set", f"transfer_backend={self.transfer_backend}"]
+        if self.dtype:
+            args += ["--set", f"engine.dtype={self.dtype}"]
+        self._spawn(name, args + self._overrides(name, self.worker_overrides))
+        return name
+
+    def _overrides(self, name: str, general: list[str]) -> list[str]:
+        pairs = list(general)
+        for item in self.role_overrides:
+            role, _, pair = item.partition(":")
+            if name == role or name.startswith(role + "-"):
+                pairs.append(pair)
+        return [arg for pair in pairs for arg in ("--set", pair)]
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        log: IO | None = None
+        if self.log_dir is not None:
+            log = open(Path(self.log_dir) / f"{name}.log", "w")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self.threads:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "common.cli.main", *args], stdout=log, stderr=subprocess.STDOUT if log else None,
+            env=env, start_new_session=self.own_session,
+        )
+        if log is not None:
+            log.close()  # the child holds its own descriptor
+
+    def worker_url(self, name: str) -> str:
+        """Where worker ``name`` serves /metrics, /healthz and /readyz."""
+        return f"http://127.0.0.1:{self.metrics_ports[name]}"
+
+    def get(self, path: str, base: str | None = None) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen((base or self.url) + path, timeout=10) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode()
+
+    def dead(self) -> dict[str, int]:
+        """Processes that exited, with their exit codes."""
+        return {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S, stopping=lambda: False) -> None:
+        """Until /readyz answers 200 and the proxy counts every worker; raises when a process exits first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not stopping():
+            if dead := self.dead():
+                where = f"; logs in {self.log_dir}" if self.log_dir else ""
+                raise RuntimeError(f"cluster processes exited: {dead}{where}")
+            try:
+                alive = sum(self.metric("tessera_proxy_workers_alive").values())
+                if self.get("/readyz")[0] == 200 and alive >= self.num_workers:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        if not stopping():
+            raise TimeoutError(f"cluster not ready in {timeout}s" + (f"; logs in {self.log_dir}" if self.log_dir else ""))
+
+    def metric(self, name: str, base: str | None = None) -> dict[str, float]:
+        """Samples of one Prometheus metric on the proxy (or at ``base``), keyed by their label string."""
+        return samples(self.get("/metrics", base)[1], name)
+
+    def stop_worker(self, name: str, timeout: float = STOP_TIMEOUT_S) -> int:
+        proc = self.procs.pop(name)
+        proc.send_signal(signal.SIGTERM)
+        return proc.wait(timeout=timeout)
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> dict[str, int]:
+        """SIGTERM to the workers, then the proxy; each gets ``timeout`` seconds to drain before it is killed."""
+        order = [n for n in self.procs if n != "proxy"] + [n for n in self.procs if n == "proxy"]
+        for name in order:
+            if self.procs[name].poll() is None:
+                self.procs[name].send_signal(signal.SIGTERM)
+        codes = {}
+        deadline = time.monotonic() + timeout
+        for name in order:
+            proc = self.procs[name]
+            try:
+                codes[name] = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes[name] = proc.wait()
+        self.procs.clear()
+        return codes
+
+
+def post_json(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
