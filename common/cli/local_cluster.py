@@ -52,6 +52,8 @@ class LocalCluster:
     port: int = field(default_factory=free_port)
     worker_port: int = field(default_factory=free_port)
     own_session: bool = False  # start the processes in their own session (a terminal's Ctrl-C skips them)
+    entry_module: str = "common.cli.main"  # what ``python -m`` runs for each role (tests wrap it)
+    cwd: Path | None = None  # the processes' working directory (``python -m`` imports from there first)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     metrics_ports: dict[str, int] = field(default_factory=dict)  # worker name -> its /metrics port
 
@@ -115,8 +117,8 @@ class LocalCluster:
         if self.threads:
             env["OMP_NUM_THREADS"] = str(self.threads)
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "common.cli.main", *args], stdout=log, stderr=subprocess.STDOUT if log else None,
-            env=env, start_new_session=self.own_session,
+            [sys.executable, "-m", self.entry_module, *args], stdout=log, stderr=subprocess.STDOUT if log else None,
+            env=env, start_new_session=self.own_session, cwd=self.cwd,
         )
         if log is not None:
             log.close()  # the child holds its own descriptor

@@ -1,0 +1,71 @@
+"""How many project files one streamed chat request runs code in, across the proxy and both workers.
+
+The count is the budget a newcomer reads to follow a request: the files
+whose functions run while one streamed chat request is served (from the
+request to its last byte) in the proxy, the prefill worker and the decode
+worker together, optional features off (no tenants, tracing or
+speculation). The idle machinery that runs meanwhile (heartbeats, the
+workers' loops) counts too, since a reader meets it on the way.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from common.cli.local_cluster import LocalCluster
+
+FILE_BUDGET = 25
+MODEL = "tiny"
+
+
+@pytest.fixture()
+def traced_cluster(tiny_chat_model_dir, tmp_path, monkeypatch):
+    trace_dir = tmp_path / "trace"
+    trace_dir.mkdir()
+    monkeypatch.setenv("TESSERA_FILE_TRACE_DIR", str(trace_dir))
+    cluster = LocalCluster.for_tests(tiny_chat_model_dir, tmp_path, transfer_backend="zmq",
+                                     entry_module="tests.file_trace",
+                                     proxy_overrides=[f"served_model_name={MODEL}"]).start()
+    yield cluster, trace_dir
+    cluster.stop()
+
+
+def stream_chat(url: str, text: str) -> str:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 8, "stream": True,
+            "temperature": 0}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        return "".join(response.iter_text())
+
+
+def signal_all(cluster: LocalCluster, signum: int) -> None:
+    for proc in cluster.procs.values():
+        os.kill(proc.pid, signum)
+
+
+def test_one_streamed_request_runs_code_in_few_files(traced_cluster):
+    cluster, trace_dir = traced_cluster
+    assert "[DONE]" in stream_chat(cluster.url, "Warm every lazy import up.")
+    time.sleep(0.5)  # the warm-up's last messages (ReleaseKV, heartbeats) settle
+    signal_all(cluster, signal.SIGUSR1)
+    time.sleep(0.3)
+    assert "[DONE]" in stream_chat(cluster.url, "Which files does this request touch?")
+    signal_all(cluster, signal.SIGUSR2)
+    deadline = time.monotonic() + 30
+    while len(list(trace_dir.glob("*.txt"))) < len(cluster.procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(list(trace_dir.glob("*.txt"))) == len(cluster.procs), "every process wrote its files"
+    functions: dict[str, set[str]] = {}
+    for dump in trace_dir.glob("*.txt"):
+        for line in dump.read_text().splitlines():
+            path, _, function = line.partition("\t")
+            if not path.startswith("tests/"):
+                functions.setdefault(path, set()).add(function)
+    files = set(functions)
+    listing = "\n".join(f"{path}: {', '.join(sorted(functions[path]))}" for path in sorted(files))
+    print(f"{len(files)} project files:\n{listing}")
+    assert len(files) <= FILE_BUDGET, f"{len(files)} files > {FILE_BUDGET}:\n{listing}"
