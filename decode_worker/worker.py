@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 from common.protocol import wire
 from common.engine.llm_engine import RequestError
-from common.protocol.sampling_params import SamplingParams
 from common.engine.sequence import Sequence
 from common.runtime.worker_base import WorkerBase
 from kv_transfer.base import TransferStatus
@@ -89,14 +88,14 @@ class DecodeHandler(WorkerBase):
             self.refuse(msg.request_id, "worker is draining", retryable=True)
             return
         try:
-            params = SamplingParams.from_dict({**msg.params, "n": 1})
+            params = msg.params.replace(n=1)
             if msg.first_token is None:
                 for seq in self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, seed=msg.seed):
                     _set_fairness(seq, msg)
                 self.metrics.prompt_tokens.inc(len(msg.prompt_token_ids))
                 self.trace_start(msg.request_id, DECODE_SPAN, msg.trace_context)
                 return
-            top = [(int(t), float(lp)) for t, lp in msg.first_top_logprobs or []]
+            top = list(msg.first_top_logprobs or [])
             seq = self.engine.add_prefilled_request(
                 msg.request_id, msg.prompt_token_ids, msg.first_token, params, msg.seed,
                 msg.first_logprob, top,
@@ -181,7 +180,7 @@ class DecodeHandler(WorkerBase):
             request_id=out.request_id, token_ids=o.token_ids_delta, text=o.text_delta,
             finish_reason=o.finish_reason, stop_reason=o.stop_reason,
             logprobs=o.logprobs[len(o.logprobs) - n:] if wants else None,
-            top_logprobs=[[[t, lp] for t, lp in top] for top in o.top_logprobs[len(o.top_logprobs) - n:]]
+            top_logprobs=o.top_logprobs[len(o.top_logprobs) - n:]
             if wants else None,
             num_cached_tokens=out.num_cached_tokens,
         ))

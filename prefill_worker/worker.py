@@ -19,7 +19,6 @@ import time
 from common.protocol import wire
 from common.engine.llm_engine import RequestError
 from common.engine.outputs import RequestOutput
-from common.protocol.sampling_params import SamplingParams
 from common.engine.sequence import FinishReason, Sequence
 from common.runtime.worker_base import WorkerBase
 
@@ -57,7 +56,7 @@ class PrefillHandler(WorkerBase):
             self.refuse(msg.request_id, "worker is draining", retryable=True)
             return
         try:
-            params = SamplingParams.from_dict({**msg.params, "n": 1})
+            params = msg.params.replace(n=1)
             (seq,) = self.engine.add_request(
                 msg.request_id, msg.prompt_token_ids, params, seed=msg.seed, prefill_only=True
             )
@@ -98,7 +97,7 @@ class PrefillHandler(WorkerBase):
         self.metrics.request_done("prefill", "completed")
         self.trace_end(out.request_id, SPAN)
         handoff = o.finish_reason == FinishReason.HANDOFF.value
-        top = [[t, lp] for t, lp in o.top_logprobs[0]] if o.top_logprobs else None
+        top = o.top_logprobs[0] if o.top_logprobs else None
         self.send(wire.PrefillDone(
             request_id=out.request_id, worker_id=self.config.worker_id, epoch=self.epoch,
             first_token=o.token_ids[0], text=o.text_delta, block_ids=list(seq.block_table) if handoff else [],

@@ -17,7 +17,6 @@ a KVPulled releases the source's pages.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -133,7 +132,7 @@ class Cluster:
             for j in range(params.n):
                 index = p * params.n + j
                 seed = (base_seed + j) % (1 << 63)
-                wire_params = dataclasses.replace(params, n=1, seed=seed).to_dict()
+                wire_params = params.replace(n=1, seed=seed)
                 sub = SubRequest(f"{request_id}-{index}", index, prompt, wire_params, seed, self, sink, now,
                                  tenant=tenant.name, lane=tenant.lane)
                 sub.wait_for_admission(queue_deadline, client_deadline)

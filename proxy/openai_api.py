@@ -152,7 +152,7 @@ async def _admit(services, body, format_cls, tenant: Tenant,
         raise ApiError(400, f"this model's maximum context length is {max_model_len} tokens; the prompt has "
                        f"{len(longest)} tokens and max_tokens asks for {requested} more (at most {room} fit)",
                        code="context_length_exceeded", param="max_tokens")
-    params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+    params = params.replace(max_tokens=min(params.max_tokens, room))
     fmt = format_cls(services.token_text, params.logprobs is not None)
     response_id = f"{fmt.id_prefix}{uuid.uuid4().hex}"
     base_seed = params.seed if params.seed is not None else secrets.randbits(63)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from common.config.roles import ProxyConfig
+from common.protocol.sampling_params import SamplingParams
 from common.runtime.tracing import NoTracing, RequestTrace
 from common.protocol.wire import (
     Abort, DecodeRequest, KVPulled, PrefillDone, PrefillRequest, ReleaseKV, RequestFailed, TokenDelta,
@@ -100,7 +101,7 @@ class ClusterPort(Protocol):
 class SubRequest:
     trace: RequestTrace | None = None  # only while tracing is on
 
-    def __init__(self, request_id: str, index: int, prompt: list[int], params: dict, seed: int,
+    def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams, seed: int,
                  port: ClusterPort, sink: asyncio.Queue, now: float, tenant: str = "default", lane: int = 0) -> None:
         self.request_id = request_id
         self.tenant = tenant

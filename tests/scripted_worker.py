@@ -155,7 +155,7 @@ class FakeWorker:
     def _prefill(self, msg: PrefillRequest) -> None:
         token, text = self.script[0]
         logprob, top = self._logprobs(msg.params, 0, token)
-        done = msg.params["max_tokens"] <= 1 or len(self.script) == 1
+        done = msg.params.max_tokens <= 1 or len(self.script) == 1
         self.held_pages.add(msg.request_id)
         blocks = list(range(-(-len(msg.prompt_token_ids) // self.register_msg.kv_layout.block_size)))
         self.send(PrefillDone(msg.request_id, self.worker_id, self.epoch, token, text, blocks, 0,
@@ -168,7 +168,7 @@ class FakeWorker:
             start = 1
             self.send(KVPulled(msg.request_id, msg.source_worker_id or "", True,
                                num_bytes=4096 * len(msg.source_block_ids), seconds=0.002))
-        end = min(len(self.script), msg.params["max_tokens"])
+        end = min(len(self.script), msg.params.max_tokens)
         due = time.monotonic()
         for i in range(start, end):
             token, text = self.script[i]
@@ -179,12 +179,12 @@ class FakeWorker:
                 msg.request_id, [token], text, finish_reason=finish,
                 logprobs=None if logprob is None else [logprob], top_logprobs=None if top is None else [top])))
 
-    def _finish_reason(self, params: dict, produced: int) -> str:
-        return "length" if produced >= params["max_tokens"] and produced < len(self.script) else "stop"
+    def _finish_reason(self, params, produced: int) -> str:
+        return "length" if produced >= params.max_tokens and produced < len(self.script) else "stop"
 
     @staticmethod
-    def _logprobs(params: dict, position: int, token: int) -> tuple[float | None, list | None]:
-        if params.get("logprobs") is None:
+    def _logprobs(params, position: int, token: int) -> tuple[float | None, list | None]:
+        if params.logprobs is None:
             return None, None
         logprob = -(position + 1) / 10
-        return logprob, [[token + j, logprob - j] for j in range(params["logprobs"])]
+        return logprob, [[token + j, logprob - j] for j in range(params.logprobs)]

@@ -1,38 +1,50 @@
-"""Per-request sampling parameters, validated when built.
+"""Per-request sampling parameters: one typed struct from the HTTP edge to the sampler.
 
-The same structure travels on the wire (issue "disaggregated path"), so it is
-plain data: numbers, strings and lists, convertible with ``to_dict`` /
-``from_dict``.
+``SamplingParams`` is a msgspec Struct, so it travels on the wire as itself
+(``PrefillRequest.params``, ``DecodeRequest.params``) and the wire decoder
+checks each field's type and bounds on arrival; what bounds cannot say is
+checked in ``__post_init__``, which runs both when the proxy builds one and
+when a worker decodes one. Every error names the field.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from typing import Annotated, Literal
+
+import msgspec
 
 MAX_LOGPROBS = 20
+MAX_SPECULATIVE_TOKENS = 16
+INT64_MAX = (1 << 63) - 1
+TOKEN_ID_MAX = (1 << 31) - 1  # no vocabulary comes near; bounds ids before they index a tensor
+SPEC_METHODS = ("off", "ngram", "draft")
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=TOKEN_ID_MAX)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 
 
-@dataclass
-class SamplingParams:
-    n: int = 1
-    temperature: float = 1.0
-    top_k: int = 0  # 0 or -1: disabled
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    max_tokens: int = 16
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    n: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=TOKEN_ID_MAX)] = 0  # 0 or -1: disabled
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    seed: NonNegInt | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=2.0)] = 1.0
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=TOKEN_ID_MAX)] = 16
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[TokenId] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int | None = None  # None: off; k >= 0: sampled token's logprob + top-k alternatives
+    # None: off; k >= 0: the sampled token's logprob plus the top-k alternatives.
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # Speculative decoding for this request: None takes the deployment's
-    # method, "off" opts out; num_speculative_tokens caps k (None: the deployment's).
-    speculative: str | None = None
-    num_speculative_tokens: int | None = None
+    # Speculative decoding for this request: None takes the deployment's method, "off" opts out;
+    # num_speculative_tokens caps k (None: the deployment's).
+    speculative: Literal["off", "ngram", "draft"] | None = None
+    num_speculative_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_SPECULATIVE_TOKENS)] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -44,43 +56,51 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        """What the proxy's own construction needs checked (the wire decoder checks the annotations too)."""
         def bad(name: str, why: str) -> None:
             raise ValueError(f"sampling parameter {name!r} {why} (got {getattr(self, name)!r})")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            bad("n", "must be an integer >= 1")
-        if self.temperature < 0:
+        def integer(value, low: int, high: int = INT64_MAX) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+        def number(value) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+        if not integer(self.n, 1, 1024):
+            bad("n", "must be an integer in [1, 1024]")
+        if not number(self.temperature) or self.temperature < 0:
             bad("temperature", "must be >= 0")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not integer(self.top_k, 0, TOKEN_ID_MAX):
             bad("top_k", "must be an integer >= 0 (0 or -1 disables it)")
-        if not 0.0 < self.top_p <= 1.0:
+        if not number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             bad("top_p", "must be in (0, 1]")
-        if not 0.0 <= self.min_p <= 1.0:
+        if not number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            bad("seed", "must be a non-negative integer")
-        if not -2.0 <= self.presence_penalty <= 2.0:
+        if self.seed is not None and not integer(self.seed, 0):
+            bad("seed", "must be a non-negative 64-bit integer")
+        if not number(self.presence_penalty) or not -2.0 <= self.presence_penalty <= 2.0:
             bad("presence_penalty", "must be in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
+        if not number(self.frequency_penalty) or not -2.0 <= self.frequency_penalty <= 2.0:
             bad("frequency_penalty", "must be in [-2, 2]")
-        if not 0.0 < self.repetition_penalty <= 2.0:
+        if not number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
             bad("repetition_penalty", "must be in (0, 2]")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not integer(self.max_tokens, 1, TOKEN_ID_MAX):
             bad("max_tokens", "must be an integer >= 1")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not integer(t, 0, TOKEN_ID_MAX) for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
-        if self.speculative not in (None, "off", "ngram", "draft"):
+        if self.speculative not in (None, *SPEC_METHODS):
             bad("speculative", 'must be null, "off", "ngram" or "draft"')
-        if self.num_speculative_tokens is not None and not (
-            isinstance(self.num_speculative_tokens, int) and 0 <= self.num_speculative_tokens <= 16
-        ):
-            bad("num_speculative_tokens", "must be an integer in [0, 16]")
-        if self.logprobs is not None and not (
-            isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
+        if self.num_speculative_tokens is not None and not integer(self.num_speculative_tokens, 0,
+                                                                  MAX_SPECULATIVE_TOKENS):
+            bad("num_speculative_tokens", f"must be an integer in [0, {MAX_SPECULATIVE_TOKENS}]")
+        if self.logprobs is not None and not integer(self.logprobs, 0, MAX_LOGPROBS):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+
+    def replace(self, **changes) -> "SamplingParams":
+        """A copy with ``changes``, validated again."""
+        return msgspec.structs.replace(self, **changes)
 
     @property
     def greedy(self) -> bool:
@@ -93,14 +113,3 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "SamplingParams":
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f"unknown sampling parameters: {sorted(unknown)}")
-        return cls(**data)

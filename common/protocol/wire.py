@@ -1,13 +1,16 @@
 """The wire protocol between the proxy and the workers.
 
-A message is ZeroMQ multipart: ``[type byte, msgpack body]`` (a ROUTER adds
-the peer identity in front). Every message type is a dataclass declared
-once here, with the type of each field; the body is a msgpack map that also
-carries the protocol version. Decoding checks the version, the field names
-and every field's type, and raises ``WireError`` for anything that does not
-fit, so a malformed message is logged and dropped by the receiver instead of
-surfacing as a KeyError deep in a worker. KV bytes never travel here: pages
-are named by block ids and moved by ``kv_transfer``.
+A message is ZeroMQ multipart: ``[header, msgpack body]`` (a ROUTER adds the
+peer identity in front). The header is two bytes, the message type and the
+protocol version; the body is a msgpack map of the message's fields. Every
+message type is a msgspec Struct declared once here, with each field's type
+and bounds (token ids, block ids and counts are non-negative and bounded, so
+an out-of-range integer is refused here rather than crashing a worker later).
+Decoding checks the header, the field names, every field's type and bound,
+and raises ``WireError`` naming the field by its path (``$.params.top_k``)
+for anything that does not fit; the receiver logs, counts and drops it. KV
+bytes never travel here: pages are named by block ids and moved by
+``kv_transfer``.
 
 Conversations (all through the proxy; workers never talk to each other on
 this channel):
@@ -27,15 +30,19 @@ this channel):
 """
 from __future__ import annotations
 
-import dataclasses
 import enum
-import types
-import typing
-from dataclasses import dataclass, field
+from typing import Annotated, Literal
 
-import msgpack
+import msgspec
 
-PROTOCOL_VERSION = 1
+from common.protocol.sampling_params import INT64_MAX, TOKEN_ID_MAX, SamplingParams
+
+PROTOCOL_VERSION = 2
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=TOKEN_ID_MAX)]
+Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
+TopLogprobs = list[tuple[TokenId, float]]  # [(token_id, logprob), ...]
 
 
 class WireError(ValueError):
@@ -65,154 +72,142 @@ class Role(str, enum.Enum):
     BOTH = "both"  # aggregated: prefills and decodes its own requests
 
 
-@dataclass
-class KVLayoutInfo:
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
+class _Struct(msgspec.Struct, forbid_unknown_fields=True):
+    """Every message and part of one: unknown fields are refused."""
+
+
+class KVLayoutInfo(_Struct):
+    num_layers: Annotated[int, msgspec.Meta(ge=1, le=4096)]
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
+    num_kv_heads: Annotated[int, msgspec.Meta(ge=1, le=4096)]
+    head_dim: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
     dtype: str
 
 
-@dataclass
-class Register:
+class Register(_Struct):
     worker_id: str
-    role: str
-    epoch: int  # start time in ns: a restarted worker with the same id is a new epoch
+    role: Literal["prefill", "decode", "both"]
+    epoch: NonNegInt  # start time in ns: a restarted worker with the same id is a new epoch
     model: str
     model_version: str
     kv_layout: KVLayoutInfo
-    num_blocks: int
-    max_model_len: int
+    num_blocks: NonNegInt
+    max_model_len: Annotated[int, msgspec.Meta(ge=1, le=TOKEN_ID_MAX)]
     transfer_backend: str
     transfer_metadata: bytes
-    max_num_seqs: int = 0  # sequences its engine runs at once (decode slots); 0: not reported
+    max_num_seqs: NonNegInt = 0  # sequences its engine runs at once (decode slots); 0: not reported
 
 
-@dataclass
-class RegisterAck:
+class RegisterAck(_Struct):
     worker_id: str
     accepted: bool
     reason: str = ""
 
 
-@dataclass
-class Heartbeat:
+class Heartbeat(_Struct):
     worker_id: str
-    epoch: int
-    free_blocks: int
-    num_running: int
-    num_waiting: int
-    outstanding_prefill_tokens: int
+    epoch: NonNegInt
+    free_blocks: NonNegInt
+    num_running: NonNegInt
+    num_waiting: NonNegInt
+    outstanding_prefill_tokens: NonNegInt
     draining: bool = False
 
 
-@dataclass
-class Goodbye:
+class Goodbye(_Struct):
     worker_id: str
-    epoch: int
+    epoch: NonNegInt
     reason: str = ""
 
 
-@dataclass
-class Reregister:
+class Reregister(_Struct):
     worker_id: str
-    epoch: int  # the epoch of the heartbeat the proxy did not recognise
+    epoch: NonNegInt  # the epoch of the heartbeat the proxy did not recognise
     reason: str = ""
 
 
-@dataclass
-class PeerInfo:
+class PeerInfo(_Struct):
     worker_id: str
-    epoch: int
+    epoch: NonNegInt
     transfer_backend: str
     transfer_metadata: bytes
 
 
-@dataclass
-class Peers:
+class Peers(_Struct):
     peers: list[PeerInfo]
 
 
-@dataclass
-class PrefillRequest:
+class PrefillRequest(_Struct):
     request_id: str
-    prompt_token_ids: list[int]
-    params: dict  # SamplingParams.to_dict()
-    seed: int
-    lease_s: float
+    prompt_token_ids: list[TokenId]
+    params: SamplingParams
+    seed: NonNegInt
+    lease_s: Seconds
     tenant: str = ""  # who sent it; priority (lane, 0 first) and the tenant's service counter at dispatch
-    priority: int = 0
+    priority: NonNegInt = 0
     fairness_counter: float = 0.0
-    trace_context: dict | None = None  # W3C trace context ({"traceparent": ...}) when tracing is on
+    trace_context: dict[str, str] | None = None  # W3C trace context ({"traceparent": ...}) when tracing is on
 
 
-@dataclass
-class PrefillDone:
+class PrefillDone(_Struct):
     request_id: str
     worker_id: str
-    epoch: int
-    first_token: int
+    epoch: NonNegInt
+    first_token: TokenId
     text: str  # the first token's text delta (held-back text follows from the decode side)
-    block_ids: list[int]
-    num_cached_tokens: int
+    block_ids: list[NonNegInt]
+    num_cached_tokens: NonNegInt
     finish_reason: str | None = None  # set when the first token already ends the request
     stop_reason: int | str | None = None
     logprob: float | None = None
-    top_logprobs: list[list] | None = None  # [[token_id, logprob], ...]
+    top_logprobs: TopLogprobs | None = None
 
 
-@dataclass
-class DecodeRequest:
+class DecodeRequest(_Struct):
     request_id: str
-    prompt_token_ids: list[int]
-    params: dict
-    seed: int
-    first_token: int | None = None  # None: no pages, prefill on this worker
+    prompt_token_ids: list[TokenId]
+    params: SamplingParams
+    seed: NonNegInt
+    first_token: TokenId | None = None  # None: no pages, prefill on this worker
     source_worker_id: str | None = None
-    source_block_ids: list[int] = field(default_factory=list)
+    source_block_ids: list[NonNegInt] = msgspec.field(default_factory=list)
     first_logprob: float | None = None
-    first_top_logprobs: list[list] | None = None
+    first_top_logprobs: TopLogprobs | None = None
     tenant: str = ""  # as on PrefillRequest: decode preempts the lowest lane, highest counter first
-    priority: int = 0
+    priority: NonNegInt = 0
     fairness_counter: float = 0.0
-    trace_context: dict | None = None
+    trace_context: dict[str, str] | None = None
 
 
-@dataclass
-class TokenDelta:
+class TokenDelta(_Struct):
     request_id: str
-    token_ids: list[int]
+    token_ids: list[TokenId]
     text: str
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[float] | None = None
-    top_logprobs: list[list[list]] | None = None
-    num_cached_tokens: int = 0
+    top_logprobs: list[TopLogprobs] | None = None
+    num_cached_tokens: NonNegInt = 0
 
 
-@dataclass
-class KVPulled:
+class KVPulled(_Struct):
     request_id: str
     source_worker_id: str
     ok: bool
-    num_bytes: int = 0
-    seconds: float = 0.0
+    num_bytes: NonNegInt = 0
+    seconds: Seconds = 0.0
     error: str = ""
 
 
-@dataclass
-class ReleaseKV:
+class ReleaseKV(_Struct):
     request_id: str
 
 
-@dataclass
-class Abort:
+class Abort(_Struct):
     request_id: str
 
 
-@dataclass
-class RequestFailed:
+class RequestFailed(_Struct):
     request_id: str
     worker_id: str
     message: str
@@ -236,80 +231,31 @@ MESSAGES: dict[MsgType, type] = {
     MsgType.ABORT: Abort,
     MsgType.REQUEST_FAILED: RequestFailed,
 }
-TYPE_OF = {cls: t for t, cls in MESSAGES.items()}
+_HEADERS = {cls: bytes([t, PROTOCOL_VERSION]) for t, cls in MESSAGES.items()}
+_DECODERS = {t: msgspec.msgpack.Decoder(cls) for t, cls in MESSAGES.items()}
+_ENCODER = msgspec.msgpack.Encoder()
 
 
 def encode(msg) -> list[bytes]:
-    """A message as ``[type byte, body]`` frames."""
-    body = dataclasses.asdict(msg)
-    body["v"] = PROTOCOL_VERSION
-    return [bytes([TYPE_OF[type(msg)]]), msgpack.packb(body, use_bin_type=True)]
+    """A message as ``[header, body]`` frames."""
+    return [_HEADERS[type(msg)], _ENCODER.encode(msg)]
 
 
 def decode(frames: list[bytes]):
-    """Parse ``[type byte, body]``; raises WireError on anything malformed."""
-    if len(frames) != 2 or len(frames[0]) != 1:
-        raise WireError(f"expected [type, body] frames, got {len(frames)} frame(s)")
+    """Parse ``[header, body]``; raises WireError on anything malformed."""
+    if len(frames) != 2 or len(frames[0]) != 2:
+        raise WireError(f"expected [header, body] frames with a 2-byte header, got {len(frames)} frame(s)")
+    kind, version = frames[0]
     try:
-        cls = MESSAGES[MsgType(frames[0][0])]
+        decoder = _DECODERS[MsgType(kind)]
     except ValueError:
-        raise WireError(f"unknown message type {frames[0][0]}") from None
-    try:
-        body = msgpack.unpackb(frames[1], raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise WireError(f"{cls.__name__}: body is not msgpack: {exc}") from None
-    if not isinstance(body, dict):
-        raise WireError(f"{cls.__name__}: body is not a map")
-    version = body.pop("v", None)
+        raise WireError(f"unknown message type {kind}") from None
+    name = MESSAGES[MsgType(kind)].__name__
     if version != PROTOCOL_VERSION:
-        raise WireError(f"{cls.__name__}: protocol version {version!r}, expected {PROTOCOL_VERSION}")
-    return _build(cls, body, cls.__name__)
-
-
-def _build(cls, data, where: str):
-    if not isinstance(data, dict):
-        raise WireError(f"{where}: expected a map")
-    hints = typing.get_type_hints(cls)
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = set(data) - set(known)
-    if unknown:
-        raise WireError(f"{where}: unknown fields {sorted(unknown)}")
-    values = {}
-    for name, f in known.items():
-        if name not in data:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise WireError(f"{where}: missing field {name!r}")
-            continue
-        values[name] = _check(hints[name], data[name], f"{where}.{name}")
-    return cls(**values)
-
-
-def _check(tp, value, where: str):
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(tp):
-            try:
-                return _check(option, value, where)
-            except WireError:
-                continue
-        raise WireError(f"{where}: {type(value).__name__} fits none of {tp}")
-    if tp is type(None):
-        if value is not None:
-            raise WireError(f"{where}: expected null")
-        return None
-    if origin is list:
-        if not isinstance(value, list):
-            raise WireError(f"{where}: expected a list, got {type(value).__name__}")
-        (item,) = typing.get_args(tp) or (typing.Any,)
-        return [_check(item, v, f"{where}[]") for v in value]
-    if tp is typing.Any:
-        return value
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, where)
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is int and isinstance(value, bool):
-        raise WireError(f"{where}: expected int, got bool")
-    if tp in (int, float, str, bool, bytes, dict, list) and isinstance(value, tp):
-        return value
-    raise WireError(f"{where}: expected {getattr(tp, '__name__', tp)}, got {type(value).__name__}")
+        raise WireError(f"{name}: protocol version {version}, expected {PROTOCOL_VERSION}")
+    try:
+        return decoder.decode(frames[1])
+    except msgspec.ValidationError as exc:
+        raise WireError(f"{name}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise WireError(f"{name}: body is not msgpack: {exc}") from None

@@ -2,7 +2,7 @@
 
 Each test starts its own proxy (uvicorn on uvloop in a thread, the ROUTER on
 a free port) with the embedded model's tokenizer; the workers are
-``proxy.fake_worker.FakeWorker``s that answer from a script of known text.
+``tests.scripted_worker.FakeWorker``s that answer from a script of known text.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from common.config.roles import ProxyConfig
 from common.text.tokenizer import Tokenizer
 from common.protocol.wire import Abort, DecodeRequest, Peers, PrefillRequest, RegisterAck, ReleaseKV
 from proxy.app import create_app
-from proxy.fake_worker import FakeWorker
+from tests.scripted_worker import FakeWorker
 from proxy.listener import listener_config
 from proxy.server import DrainingServer
 

@@ -1,6 +1,7 @@
 """The proxy's API over real sockets: generation, service endpoints, the official client."""
 from __future__ import annotations
 
+from common.protocol.wire import PROTOCOL_VERSION
 from tests.e2e.proxy_harness import *  # noqa: F401,F403 -- fixtures, helpers and wire types
 
 
@@ -22,7 +23,7 @@ def test_completion_goes_prefill_then_decode_and_releases_the_pages(cluster, tok
     assert body["usage"]["completion_tokens"] == n_script
     assert body["usage"]["total_tokens"] == prompt_tokens + n_script
     sent = prefill.wait_for(lambda m: isinstance(m, PrefillRequest))
-    assert sent.request_id == f"{body['id']}-0" and sent.params["n"] == 1 and sent.lease_s == 30.0
+    assert sent.request_id == f"{body['id']}-0" and sent.params.n == 1 and sent.lease_s == 30.0
     handed = decode.wait_for(lambda m: isinstance(m, DecodeRequest))
     assert handed.source_worker_id == "p0" and handed.first_token == prefill.script[0][0]
     assert handed.seed == sent.seed and handed.source_block_ids
@@ -93,7 +94,7 @@ def test_n_fans_out_with_consecutive_seeds_and_own_request_ids(cluster):
     wait_until(lambda: len(prefill.messages(PrefillRequest)) == 2)
     sent = sorted(prefill.messages(PrefillRequest), key=lambda m: m.request_id)
     assert [m.request_id for m in sent] == [f"{body['id']}-0", f"{body['id']}-1"]
-    assert [m.seed for m in sent] == [7, 8] and [m.params["seed"] for m in sent] == [7, 8]
+    assert [m.seed for m in sent] == [7, 8] and [m.params.seed for m in sent] == [7, 8]
 
 
 def test_a_batch_of_prompts_answers_prompt_major(cluster, tokenizer):
@@ -191,7 +192,7 @@ def test_models_version_tokenize_detokenize(cluster, tokenizer):
     proxy, _, _ = cluster
     (model,) = proxy.http.get("/v1/models").json()["data"]
     assert model["id"] == MODEL and model["tessera_model_version"] == "test" and model["max_model_len"] == 8192
-    assert proxy.http.get("/version").json()["protocol_version"] == 1
+    assert proxy.http.get("/version").json()["protocol_version"] == PROTOCOL_VERSION
     tokens = proxy.http.post("/tokenize", json={"prompt": "Hello world"}).json()
     assert tokens == {"tokens": tokenizer.encode("Hello world"), "count": len(tokenizer.encode("Hello world")),
                       "max_model_len": 8192}

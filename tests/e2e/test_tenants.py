@@ -1,6 +1,6 @@
 """Tenants through the real proxy over HTTP, with scripted workers on real ZeroMQ sockets.
 
-FakeWorkers (``proxy.fake_worker``) stand in for the model: what is tested is
+FakeWorkers (``tests.scripted_worker``) stand in for the model: what is tested is
 the proxy's admission (auth, limits, queues, fairness), and a worker that
 emits a token every ``token_interval_s`` makes a decode slot a known, steady
 resource, so a few seconds show the policies apart, which a model on two
