@@ -54,14 +54,24 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
-from typing import Any, ClassVar, NamedTuple
+from typing import Annotated, Any, ClassVar, NamedTuple
 
-import msgpack
+import msgspec
 
 log = logging.getLogger(__name__)
 
-METADATA_VERSION = 1
+METADATA_VERSION = 2
 BACKENDS = ("nixl", "zmq")
+
+
+class PoolMetadata(msgspec.Struct, forbid_unknown_fields=True):
+    """What a worker publishes about its pool (``register_pool``); ``fields`` are its backend's ``Metadata``."""
+
+    v: int
+    backend: str
+    bytes_per_block: Annotated[int, msgspec.Meta(ge=1)]
+    num_blocks: Annotated[int, msgspec.Meta(ge=1)]
+    fields: msgspec.Raw
 
 
 class TransferStatus(IntEnum):
@@ -110,31 +120,6 @@ def merge_block_runs(remote_block_ids: list[int], local_block_ids: list[int]) ->
     return runs
 
 
-@dataclass(frozen=True)
-class PageSpec:
-    """Where a prompt's pages wait: a worker's pool, its block ids, how many tokens they hold."""
-
-    worker_id: str
-    block_ids: tuple[int, ...]
-    num_tokens: int
-
-    def to_wire(self) -> dict:
-        return {"worker_id": self.worker_id, "block_ids": list(self.block_ids), "num_tokens": self.num_tokens}
-
-    @classmethod
-    def from_wire(cls, data: Any) -> "PageSpec":
-        if not isinstance(data, dict) or set(data) != {"worker_id", "block_ids", "num_tokens"}:
-            raise ValueError("page spec must be a map of worker_id, block_ids, num_tokens")
-        if not isinstance(data["worker_id"], str) or not data["worker_id"]:
-            raise ValueError("page spec field 'worker_id' must be a non-empty string")
-        ids = data["block_ids"]
-        if not isinstance(ids, (list, tuple)) or any(type(b) is not int or b < 0 for b in ids):
-            raise ValueError("page spec field 'block_ids' must be a list of non-negative ints")
-        if type(data["num_tokens"]) is not int or data["num_tokens"] < 0:
-            raise ValueError("page spec field 'num_tokens' must be a non-negative int")
-        return cls(data["worker_id"], tuple(ids), data["num_tokens"])
-
-
 @dataclass(eq=False)
 class TransferHandle:
     """One pull. Backends subclass it to carry their own in-flight state."""
@@ -162,6 +147,7 @@ class TransferCounters:
 
 class KVTransferBackend(ABC):
     name: ClassVar[str]
+    Metadata: ClassVar[type[msgspec.Struct]]  # the backend's own fields of the published metadata
     handle_type: ClassVar[type[TransferHandle]] = TransferHandle
     device_types: ClassVar[tuple[str, ...]] = ("cpu",)  # where the registered pool may live
 
@@ -185,14 +171,9 @@ class KVTransferBackend(ABC):
                 + (" (use transfer_backend 'nixl' for a GPU pool)" if device == "cuda" else "")
             )
         self._pool = kv_cache
-        envelope = {
-            "v": METADATA_VERSION,
-            "backend": self.name,
-            "bytes_per_block": kv_cache.layout.bytes_per_block,
-            "num_blocks": kv_cache.num_blocks,
-            **self._publish(kv_cache),
-        }
-        return msgpack.packb(envelope, use_bin_type=True)
+        fields = msgspec.Raw(msgspec.msgpack.encode(self._publish(kv_cache)))
+        return msgspec.msgpack.encode(PoolMetadata(METADATA_VERSION, self.name, kv_cache.layout.bytes_per_block,
+                                                   kv_cache.num_blocks, fields))
 
     def close(self) -> None:
         if self._closed:
@@ -211,9 +192,9 @@ class KVTransferBackend(ABC):
     # ---- decode side ------------------------------------------------------------------
     def add_peer(self, peer_id: str, metadata: bytes) -> None:
         self._require_pool("add_peer")
-        fields = self._decode_metadata(peer_id, metadata)
+        envelope, fields = self._decode_metadata(peer_id, metadata)
         self.remove_peer(peer_id)
-        self._peers[peer_id] = (fields["num_blocks"], self._connect(peer_id, fields))
+        self._peers[peer_id] = (envelope.num_blocks, self._connect(peer_id, fields))
 
     def remove_peer(self, peer_id: str) -> None:
         peer = self._peers.pop(peer_id, None)
@@ -323,35 +304,37 @@ class KVTransferBackend(ABC):
         if self._pool is None:
             raise RuntimeError(f"{self.name} backend: register_pool() must come before {hook}()")
 
-    def _decode_metadata(self, peer_id: str, metadata: bytes) -> dict:
+    def _decode_metadata(self, peer_id: str, metadata: bytes) -> tuple[PoolMetadata, Any]:
+        """The peer's envelope and its backend fields (this backend's ``Metadata``); ValueError names the field."""
         try:
-            fields = msgpack.unpackb(metadata, raw=False)
-        except Exception as exc:
-            raise ValueError(f"peer {peer_id!r}: transfer metadata is not msgpack: {exc}") from exc
-        if not isinstance(fields, dict) or fields.get("v") != METADATA_VERSION:
-            raise ValueError(f"peer {peer_id!r}: transfer metadata is not version {METADATA_VERSION}")
-        if fields.get("backend") != self.name:
+            envelope = msgspec.msgpack.decode(metadata, type=PoolMetadata)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"peer {peer_id!r}: transfer metadata: {exc}") from None
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"peer {peer_id!r}: transfer metadata is not msgpack: {exc}") from None
+        if envelope.v != METADATA_VERSION:
+            raise ValueError(f"peer {peer_id!r}: transfer metadata is version {envelope.v}, not {METADATA_VERSION}")
+        if envelope.backend != self.name:
+            raise ValueError(f"peer {peer_id!r} publishes {envelope.backend!r} metadata, this side runs {self.name!r}")
+        if envelope.bytes_per_block != self._pool.layout.bytes_per_block:
             raise ValueError(
-                f"peer {peer_id!r} publishes {fields.get('backend')!r} metadata, this side runs {self.name!r}"
-            )
-        for key in ("bytes_per_block", "num_blocks"):
-            if type(fields.get(key)) is not int or fields[key] < 1:
-                raise ValueError(f"peer {peer_id!r}: metadata field {key!r} must be a positive int")
-        if fields["bytes_per_block"] != self._pool.layout.bytes_per_block:
-            raise ValueError(
-                f"peer {peer_id!r} has {fields['bytes_per_block']} bytes per block, this pool "
+                f"peer {peer_id!r} has {envelope.bytes_per_block} bytes per block, this pool "
                 f"{self._pool.layout.bytes_per_block}: the KV layouts differ"
             )
-        return fields
+        try:
+            fields = msgspec.msgpack.decode(envelope.fields, type=self.Metadata)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise ValueError(f"peer {peer_id!r}: {self.name} metadata: {exc}") from None
+        return envelope, fields
 
     # ---- the backend half -------------------------------------------------------------
     @abstractmethod
-    def _publish(self, kv_cache) -> dict:
-        """Register the pool; return the backend's fields of the published metadata."""
+    def _publish(self, kv_cache) -> msgspec.Struct:
+        """Register the pool; return the backend's published fields, a ``Metadata``."""
 
     @abstractmethod
-    def _connect(self, peer_id: str, fields: dict) -> Any:
-        """Validate a peer's metadata fields and connect; return the connection (raises ValueError)."""
+    def _connect(self, peer_id: str, fields: Any) -> Any:
+        """Connect to a peer given its ``Metadata`` (already type-checked); return the connection (ValueError)."""
 
     def _disconnect(self, peer_id: str, conn: Any) -> None:
         """Forget a peer whose pulls have all been aborted."""

@@ -43,11 +43,22 @@ from __future__ import annotations
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
+
+import msgspec
 
 from nixl._api import nixl_agent, nixl_agent_config, nixlBind
 
 from kv_transfer.base import KVTransferBackend, TransferHandle, TransferStatus
+
+
+class NixlMetadata(msgspec.Struct, forbid_unknown_fields=True):
+    """A NIXL pool as published: the agent's metadata and where block 0 lives."""
+
+    agent: bytes
+    base: Annotated[int, msgspec.Meta(ge=0)]
+    mem: Literal["DRAM", "VRAM"] = "DRAM"
+    device_id: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 @dataclass(eq=False)
 class NixlPull(TransferHandle):
@@ -81,6 +92,7 @@ def make_agent(name: str, progress_thread: bool, progress_delay_us: int) -> nixl
 
 class NixlBackend(KVTransferBackend):
     name = "nixl"
+    Metadata = NixlMetadata
     handle_type = NixlPull
     # A GPU pool registers as VRAM: UCX reads it with GPUDirect RDMA where the
     # NIC supports it, else through host staging; both sides publish their type.
@@ -101,25 +113,19 @@ class NixlBackend(KVTransferBackend):
         self._base = 0
         self._mem, self._device_id = "DRAM", 0
 
-    def _publish(self, kv_cache) -> dict:
+    def _publish(self, kv_cache) -> NixlMetadata:
         self._base, nbytes = kv_cache.block_range(0, kv_cache.num_blocks)
         device = kv_cache.buffer.device
         self._mem, self._device_id = ("VRAM", device.index or 0) if device.type == "cuda" else ("DRAM", 0)
         self._registered = self._agent.register_memory([(self._base, nbytes, self._device_id, "")], self._mem)
-        return {"agent": self._agent.get_agent_metadata(), "base": self._base, "mem": self._mem,
-                "device_id": self._device_id}
+        return NixlMetadata(self._agent.get_agent_metadata(), self._base, self._mem, self._device_id)
 
-    def _connect(self, peer_id: str, fields: dict) -> NixlPeer:
-        if not isinstance(fields.get("agent"), bytes) or type(fields.get("base")) is not int:
-            raise ValueError(f"peer {peer_id!r}: nixl metadata needs 'agent' bytes and a 'base' address")
+    def _connect(self, peer_id: str, fields: NixlMetadata) -> NixlPeer:
         try:
-            name = self._agent.add_remote_agent(fields["agent"])
+            name = self._agent.add_remote_agent(fields.agent)
         except Exception as exc:
             raise ValueError(f"peer {peer_id!r}: NIXL refused its agent metadata: {exc}") from exc
-        mem, device_id = fields.get("mem", "DRAM"), fields.get("device_id", 0)
-        if mem not in ("DRAM", "VRAM") or type(device_id) is not int:
-            raise ValueError(f"peer {peer_id!r}: nixl metadata 'mem' must be DRAM or VRAM with an int 'device_id'")
-        return NixlPeer(name.decode() if isinstance(name, bytes) else name, fields["base"], mem, device_id)
+        return NixlPeer(name.decode() if isinstance(name, bytes) else name, fields.base, fields.mem, fields.device_id)
 
     def _disconnect(self, peer_id: str, peer: NixlPeer) -> None:
         self._agent.remove_remote_agent(peer.agent_name)

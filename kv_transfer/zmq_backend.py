@@ -6,10 +6,11 @@ caller's thread never touches a socket; it hands the I/O thread commands
 through a queue and wakes it through a pipe whose fd the thread polls next
 to its sockets.
 
-Data-plane frames (this backend's own; control messages live in common/protocol/wire.py):
-  pull     DEALER -> ROUTER  [PULL,    msgpack {v, id, runs: [[first_block, count], ...]}]
-  pages    ROUTER -> DEALER  [PAGES,   msgpack {v, id}, one frame per run]
-  refused  ROUTER -> DEALER  [REFUSED, msgpack {v, id, error}]
+Data-plane frames (this backend's own; control messages live in common/protocol/wire.py),
+each body a msgspec Struct below, checked on arrival:
+  pull     DEALER -> ROUTER  [PULL,    PullRequest {v, id, runs: [[first_block, count], ...]}]
+  pages    ROUTER -> DEALER  [PAGES,   PullReply {v, id}, one frame per run]
+  refused  ROUTER -> DEALER  [REFUSED, PullReply {v, id, error}]
 Page frames leave zero-copy: memoryviews of the pool's storage sent with
 ``copy=False``, one per merged run. The puller copies each frame into its
 local blocks while holding the pull's lock, so an abort never races a late
@@ -36,12 +37,12 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import re
 import socket
 import threading
 from dataclasses import dataclass, field
+from typing import Annotated, Literal
 
-import msgpack
+import msgspec
 import numpy as np
 import torch
 import zmq
@@ -52,7 +53,33 @@ from kv_transfer.base import KVTransferBackend, TransferHandle, TransferStatus
 log = logging.getLogger(__name__)
 
 PULL, PAGES, REFUSED = b"\x01", b"\x02", b"\x03"
-WIRE_VERSION = 1
+WIRE_VERSION = 2
+Address = Annotated[str, msgspec.Meta(pattern=r"^tcp://\S+:\d+$")]
+
+
+class ZmqMetadata(msgspec.Struct, forbid_unknown_fields=True):
+    """This backend's published fields: where its KV server listens, and its CURVE key when on."""
+
+    address: Address
+    curve_public_key: Annotated[str, msgspec.Meta(min_length=40, max_length=40)] | None = None
+
+
+class PullRequest(msgspec.Struct, forbid_unknown_fields=True):
+    v: Literal[2]
+    id: str
+    runs: Annotated[list[tuple[Annotated[int, msgspec.Meta(ge=0)], Annotated[int, msgspec.Meta(ge=1)]]],
+                    msgspec.Meta(min_length=1)]
+
+
+class PullReply(msgspec.Struct, forbid_unknown_fields=True):
+    v: Literal[2]
+    id: str
+    error: str = ""
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_PULL_DECODER = msgspec.msgpack.Decoder(PullRequest)
+_REPLY_DECODER = msgspec.msgpack.Decoder(PullReply)
 
 
 def pool_bytes(kv_cache) -> np.ndarray:
@@ -71,6 +98,7 @@ class _SocketState:
 
 class ZmqBackend(KVTransferBackend):
     name = "zmq"
+    Metadata = ZmqMetadata
 
     def __init__(
         self,
@@ -108,7 +136,7 @@ class ZmqBackend(KVTransferBackend):
         self._bytes: np.ndarray | None = None
 
     # ---- the caller's thread ------------------------------------------------------------
-    def _publish(self, kv_cache) -> dict:
+    def _publish(self, kv_cache) -> ZmqMetadata:
         self._bytes = pool_bytes(kv_cache)
         self._context = zmq.Context(io_threads=1)
         if self._kv_server is not None:
@@ -125,16 +153,11 @@ class ZmqBackend(KVTransferBackend):
         if isinstance(started, Exception):
             raise RuntimeError(f"zmq transfer server could not bind {self.host}:{self.port}: {started}")
         address = f"tcp://{self.advertise_host}:{started}"
-        if self._curve is None:
-            return {"address": address}
-        return {"address": address, "curve_public_key": self._curve.keys.public.decode()}
+        return ZmqMetadata(address, None if self._curve is None else self._curve.keys.public.decode())
 
-    def _connect(self, peer_id: str, fields: dict) -> str:
-        address = fields.get("address")
-        if not isinstance(address, str) or not re.fullmatch(r"tcp://\S+:\d+", address):
-            raise ValueError(f"peer {peer_id!r}: zmq metadata needs a 'tcp://host:port' address, got {address!r}")
-        server_key = fields.get("curve_public_key")
-        if self._curve is not None and not (isinstance(server_key, str) and len(server_key) == 40):
+    def _connect(self, peer_id: str, fields: ZmqMetadata) -> str:
+        address, server_key = fields.address, fields.curve_public_key
+        if self._curve is not None and server_key is None:
             raise ValueError(f"peer {peer_id!r} publishes no CURVE public key but this worker has CURVE on "
                              "(curve_secret_key_file): refusing a plaintext KV channel")
         if self._curve is None and server_key is not None:
@@ -262,9 +285,9 @@ class ZmqBackend(KVTransferBackend):
         if dealer is None:
             self._fail(handle, f"peer {handle.peer_id!r} is not connected")
             return
-        body = {"v": WIRE_VERSION, "id": handle.transfer_id, "runs": [[r.remote_start, r.count] for r in handle.runs]}
+        body = PullRequest(WIRE_VERSION, handle.transfer_id, [(r.remote_start, r.count) for r in handle.runs])
         try:
-            dealer.send_multipart([PULL, msgpack.packb(body)], flags=zmq.NOBLOCK)
+            dealer.send_multipart([PULL, _ENCODER.encode(body)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             self._fail(handle, f"could not send the pull request: {exc}")
             return
@@ -284,11 +307,11 @@ class ZmqBackend(KVTransferBackend):
             identity, transfer_id, runs = request
             bpb, num_blocks = self._pool.layout.bytes_per_block, self._pool.num_blocks
             if any(first + count > num_blocks for first, count in runs):
-                reply = [identity, REFUSED, msgpack.packb(
-                    {"v": WIRE_VERSION, "id": transfer_id, "error": f"blocks outside a pool of {num_blocks}"})]
+                reply = [identity, REFUSED, _ENCODER.encode(
+                    PullReply(WIRE_VERSION, transfer_id, f"blocks outside a pool of {num_blocks}"))]
             else:
                 pages = [memoryview(self._bytes[first * bpb:(first + count) * bpb]) for first, count in runs]
-                reply = [identity, PAGES, msgpack.packb({"v": WIRE_VERSION, "id": transfer_id}), *pages]
+                reply = [identity, PAGES, _ENCODER.encode(PullReply(WIRE_VERSION, transfer_id)), *pages]
             try:
                 router.send_multipart(reply, copy=False, flags=zmq.NOBLOCK)
             except zmq.ZMQError as exc:
@@ -301,13 +324,13 @@ class ZmqBackend(KVTransferBackend):
             except zmq.Again:
                 return
             header = _parse_header(parts)
-            handle = pending.get(header.get("id")) if header else None
+            handle = pending.get(header.id) if header else None
             if handle is None or handle.peer_id != peer_id:
                 log.debug("zmq KV puller dropped a reply from %s for no pull in flight", peer_id)
                 continue
             del pending[handle.transfer_id]
             if parts[0].bytes == REFUSED:
-                self._fail(handle, f"peer refused the pull: {header.get('error')}")
+                self._fail(handle, f"peer refused the pull: {header.error}")
             else:
                 self._land(handle, parts[2:])
 
@@ -332,26 +355,17 @@ def _parse_pull(parts: list[bytes]) -> tuple[bytes, str, list[tuple[int, int]]] 
     if len(parts) != 3 or parts[1] != PULL:
         return None
     try:
-        body = msgpack.unpackb(parts[2], raw=False)
-    except Exception:
+        body = _PULL_DECODER.decode(parts[2])
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        log.debug("zmq KV server: malformed pull request: %s", exc)
         return None
-    if not isinstance(body, dict) or body.get("v") != WIRE_VERSION or not isinstance(body.get("id"), str):
-        return None
-    runs = body.get("runs")
-    if not isinstance(runs, list) or not runs:
-        return None
-    for run in runs:
-        if not (isinstance(run, list) and len(run) == 2 and all(type(x) is int for x in run)
-                and run[0] >= 0 and run[1] >= 1):
-            return None
-    return parts[0], body["id"], [(first, count) for first, count in runs]
+    return parts[0], body.id, body.runs
 
 
-def _parse_header(parts: list[zmq.Frame]) -> dict | None:
+def _parse_header(parts: list[zmq.Frame]) -> PullReply | None:
     if len(parts) < 2 or parts[0].bytes not in (PAGES, REFUSED):
         return None
     try:
-        header = msgpack.unpackb(parts[1].bytes, raw=False)
-    except Exception:
+        return _REPLY_DECODER.decode(parts[1].bytes)
+    except (msgspec.ValidationError, msgspec.DecodeError):
         return None
-    return header if isinstance(header, dict) and header.get("v") == WIRE_VERSION else None

@@ -18,9 +18,15 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import msgspec
+
 from kv_transfer.base import KVTransferBackend, TransferHandle, TransferStatus
 
 _POOLS: dict[str, object] = {}  # pool id -> KVCache, for every live FakeBackend in this process
+
+
+class FakeMetadata(msgspec.Struct, forbid_unknown_fields=True):
+    pool: str  # the pool's id in this process' registry
 
 
 @dataclass(eq=False)
@@ -30,6 +36,7 @@ class FakePull(TransferHandle):
 
 class FakeBackend(KVTransferBackend):
     name = "fake"
+    Metadata = FakeMetadata
     device_types = ("cpu", "cuda")  # copies between tensors in one process
     handle_type = FakePull
 
@@ -44,15 +51,13 @@ class FakeBackend(KVTransferBackend):
         self._pool_id = ""
         self._pulls_started = 0
 
-    def _publish(self, kv_cache) -> dict:
+    def _publish(self, kv_cache) -> FakeMetadata:
         self._pool_id = uuid.uuid4().hex
         _POOLS[self._pool_id] = kv_cache
-        return {"pool": self._pool_id}
+        return FakeMetadata(self._pool_id)
 
-    def _connect(self, peer_id: str, fields: dict) -> str:
-        if not isinstance(fields.get("pool"), str):
-            raise ValueError(f"peer {peer_id!r}: fake metadata needs a 'pool' id")
-        return fields["pool"]
+    def _connect(self, peer_id: str, fields: FakeMetadata) -> str:
+        return fields.pool
 
     def _submit(self, handle: FakePull, pool_id: str) -> None:
         self._pulls_started += 1

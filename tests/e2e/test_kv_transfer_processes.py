@@ -172,7 +172,7 @@ def test_zmq_server_drops_malformed_requests_and_keeps_serving():
     server = make_backend("zmq")
     pool = source_pool()
     metadata = server.register_pool(pool)
-    address = msgpack.unpackb(metadata)["address"]
+    address = msgpack.unpackb(metadata)["fields"]["address"]
     context = zmq.Context()
     raw = context.socket(zmq.DEALER)
     raw.connect(address)
@@ -181,9 +181,9 @@ def test_zmq_server_drops_malformed_requests_and_keeps_serving():
     puller.register_pool(local)
     try:
         raw.send_multipart([b"\x01", b"not msgpack"])
-        raw.send_multipart([b"\x01", msgpack.packb({"v": 1, "id": "x", "runs": [[0, "1"]]})])
+        raw.send_multipart([b"\x01", msgpack.packb({"v": 2, "id": "x", "runs": [[0, "1"]]})])
         raw.send(b"one frame")
-        raw.send_multipart([b"\x01", msgpack.packb({"v": 1, "id": "y", "runs": [[NUM_BLOCKS, 1]]})])
+        raw.send_multipart([b"\x01", msgpack.packb({"v": 2, "id": "y", "runs": [[NUM_BLOCKS, 1]]})])
         assert raw.poll(WAIT_S * 1000), "a well-formed request outside the pool got no answer"
         kind, header = raw.recv_multipart()
         assert kind == b"\x03" and msgpack.unpackb(header)["id"] == "y"

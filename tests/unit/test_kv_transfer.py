@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common.engine.kv_cache import KVCache, KVLayout
-from kv_transfer.base import BlockRun, PageSpec, TransferStatus, merge_block_runs
+from kv_transfer.base import BlockRun, TransferStatus, merge_block_runs
 from kv_transfer.factory import default_backend_name, make_backend
 from tests.fake_transfer import FakeBackend
 
@@ -97,27 +97,26 @@ def test_bad_block_id_lists_are_refused(remote, local, message):
         merge_block_runs(remote, local)
 
 
-# ---- page specs on the wire -----------------------------------------------------------
-def test_page_spec_survives_msgpack():
-    spec = PageSpec("prefill-0", (4, 2, 9), 37)
-    decoded = msgpack.unpackb(msgpack.packb(spec.to_wire()))
-    assert PageSpec.from_wire(decoded) == spec
+# ---- published metadata ----------------------------------------------------------------------
+@pytest.mark.parametrize("envelope, message", [
+    ({"v": 2, "backend": "fake", "bytes_per_block": 0, "num_blocks": 1, "fields": {"pool": "p"}},
+     r"\$.bytes_per_block"),
+    ({"v": 2, "backend": "fake", "bytes_per_block": 1, "num_blocks": 1}, "missing required field `fields`"),
+    ({"v": 1, "backend": "fake", "bytes_per_block": 1, "num_blocks": 1, "fields": {}}, "version 1"),
+])
+def test_malformed_metadata_is_refused_naming_the_field(envelope, message):
+    _, decode, _, _ = pair()
+    with pytest.raises(ValueError, match=message):
+        decode.add_peer("q", msgpack.packb(envelope))
 
 
-@pytest.mark.parametrize(
-    "data",
-    [
-        [],
-        {"worker_id": "w", "block_ids": [1]},
-        {"worker_id": "", "block_ids": [1], "num_tokens": 1},
-        {"worker_id": "w", "block_ids": ["1"], "num_tokens": 1},
-        {"worker_id": "w", "block_ids": [1], "num_tokens": -1},
-        {"worker_id": "w", "block_ids": [1], "num_tokens": 1, "extra": 0},
-    ],
-)
-def test_page_spec_rejects_what_does_not_fit(data):
-    with pytest.raises(ValueError, match="page spec"):
-        PageSpec.from_wire(data)
+def test_backend_fields_are_checked_by_the_backend():
+    _, decode, _, _ = pair()
+    bytes_per_block = LAYOUT.bytes_per_block
+    envelope = {"v": 2, "backend": "fake", "bytes_per_block": bytes_per_block, "num_blocks": 4,
+                "fields": {"pool": 7}}
+    with pytest.raises(ValueError, match=r"fake metadata: Expected `str`, got `int` - at `\$.pool`"):
+        decode.add_peer("q", msgpack.packb(envelope))
 
 
 # ---- factory -------------------------------------------------------------------------------
@@ -201,7 +200,7 @@ def test_incompatible_metadata_is_refused():
         decode.add_peer("q", metadata)
     with pytest.raises(ValueError, match="not msgpack"):
         decode.add_peer("q", b"\xc1")
-    zmq_like = msgpack.packb({"v": 1, "backend": "zmq", "bytes_per_block": 1, "num_blocks": 1})
+    zmq_like = msgpack.packb({"v": 2, "backend": "zmq", "bytes_per_block": 1, "num_blocks": 1, "fields": {}})
     with pytest.raises(ValueError, match="runs 'fake'"):
         decode.add_peer("q", zmq_like)
 
