@@ -55,9 +55,7 @@ TTFT_TARGET = 1.10  # disaggregated TTFT / local TTFT
 
 def make_prompts(model_dir: Path, lengths: list[int], requests: int) -> dict[int, list[list[int]]]:
     """Per length, the warm-up prompt then the timed ones."""
-    hf = Tokenizer(model_dir).hf
-    special = set(hf.all_special_ids) | set(hf.added_tokens_decoder)
-    allowed = [t for t in range(len(hf)) if t not in special]
+    allowed = Tokenizer(model_dir).ordinary_token_ids()
     rng = random.Random(SEED)
     return {length: [rng.choices(allowed, k=length) for _ in range(requests + 1)] for length in lengths}
 

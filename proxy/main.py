@@ -11,7 +11,6 @@ listener's TLS, connection limits and timeouts come from the config
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 
 from common.cli.options import add_config_options, configure_logging
@@ -51,10 +50,3 @@ def run(config: ProxyConfig) -> None:
     server_config = listener_config(app, config, loop="uvloop", log_level="info", log_config=None,
                                     timeout_graceful_shutdown=int(drain_timeout_s) + 1)
     DrainingServer(server_config, app.state.services.cluster, drain_timeout_s).run()
-    # The drain is over and the lifespan has closed the socket and its context; no thread is left.
-    # What remains is the interpreter's teardown, whose garbage collections walk every object the
-    # process holds (~370k, most of them torch and transformers, which the tokenizer imports): 1-1.5 s
-    # on an idle 2-core machine, far more when it is busy. Frozen objects are skipped by those
-    # collections; nothing is lost, as the process is about to give all its memory back anyway, while
-    # atexit handlers and the flushing of logs and streams still run (os._exit would skip them).
-    gc.freeze()

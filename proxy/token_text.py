@@ -37,7 +37,7 @@ class TokenText:
         return self.bytes_of(token_id).decode("utf-8", errors="replace")
 
     def _bytes_of(self, token_id: int) -> bytes:
-        piece = self._tokenizer.hf.convert_ids_to_tokens(token_id)
+        piece = self._tokenizer.token_piece(token_id)
         if isinstance(piece, str) and piece and all(ch in _BYTE_OF for ch in piece):
             return bytes(_BYTE_OF[ch] for ch in piece)
         return self._tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")

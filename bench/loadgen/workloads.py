@@ -75,10 +75,8 @@ class TokenSource:
     """A tokenizer's ordinary (non-special) vocabulary, to draw prompts from and to count text."""
 
     def __init__(self, tokenizer) -> None:
-        hf = tokenizer.hf
-        special = set(hf.all_special_ids) | set(hf.added_tokens_decoder)
         self.tokenizer = tokenizer
-        self.allowed = np.array([t for t in range(len(hf)) if t not in special])
+        self.allowed = np.array(tokenizer.ordinary_token_ids())
 
     def random_ids(self, rng: np.random.Generator, length: int) -> list[int]:
         return [int(t) for t in rng.choice(self.allowed, size=length)]

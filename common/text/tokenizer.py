@@ -1,6 +1,10 @@
-"""The text side of a request: token ids <-> text, streaming deltas, stop strings.
+"""The text side of a request: token ids <-> text, chat templates, streaming deltas, stop strings.
 
-``Tokenizer`` wraps the model directory's Hugging Face tokenizer. The output
+``Tokenizer`` reads a model directory's ``tokenizer.json`` with the
+``tokenizers`` library and renders its chat template with Jinja2 the way
+transformers' ``apply_chat_template`` does (a sandboxed environment with the
+same filters and globals; tests/unit/test_chat_template.py holds the two
+equal), so the proxy needs neither transformers nor torch. The output
 processor keeps one ``TextState`` per output sequence and, once per step,
 hands it the new token ids:
 
@@ -16,10 +20,15 @@ with what could be the beginning of a stop string.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 
-from transformers import AutoTokenizer
+import jinja2
+import jinja2.ext
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _Backend
 
 from common.protocol.sampling_params import SamplingParams
 
@@ -27,36 +36,141 @@ from common.protocol.sampling_params import SamplingParams
 # it would mid-text (a SentencePiece leading space, say); vLLM uses the same 5.
 _PROMPT_CONTEXT_TOKENS = 5
 _INCOMPLETE_CHARACTER = "\ufffd"
+# The named special tokens a chat template sees as variables, as transformers passes them.
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 class Tokenizer:
-    """A model directory's tokenizer plus the end-of-sequence ids it implies."""
+    """A model directory's tokenizer, its chat template and the end-of-sequence ids it implies."""
 
     def __init__(self, model_dir: str | Path) -> None:
         model_dir = Path(model_dir)
-        self.hf = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        self.eos_token_ids: set[int] = _eos_token_ids(self.hf.eos_token_id, model_dir)
-        self.vocab_size = len(self.hf)  # every id it can produce, added tokens included
+        self.backend = _Backend.from_file(str(model_dir / "tokenizer.json"))
+        config_path = model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.special_tokens = {name: _token_text(config[name]) for name in _SPECIAL_TOKEN_NAMES
+                               if config.get(name) is not None}
+        eos = self.special_tokens.get("eos_token")
+        eos_id = self.backend.token_to_id(eos) if eos is not None else None
+        self.eos_token_ids: set[int] = _eos_token_ids(eos_id, model_dir)
+        self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)  # every id it can produce
+        self.chat_template = _chat_template(model_dir, config)
+        self._template: jinja2.Template | None = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # No clean-up of spaces before punctuation: it would make a window's
         # decode differ from the same tokens' decode inside the full text.
-        return self.hf.decode(
-            list(token_ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
-        )
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        if not self.hf.chat_template:
+    def token_piece(self, token_id: int) -> str | None:
+        """The vocabulary string of one token (byte-level BPE shows bytes as printable characters)."""
+        return self.backend.id_to_token(token_id)
+
+    def ordinary_token_ids(self) -> list[int]:
+        """Every id but the added (special or control) tokens: what random prompts are drawn from."""
+        added = set(self.backend.get_added_tokens_decoder())
+        return [t for t in range(self.vocab_size) if t not in added]
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> str:
+        """The chat template's text for ``messages``, as transformers' ``apply_chat_template`` renders it.
+
+        ``template_kwargs``: more variables for the template (``enable_thinking``, say).
+        """
+        if not self.chat_template:
             raise ValueError(
                 "the tokenizer has no chat template (chat_template in tokenizer_config.json "
                 "or chat_template.jinja); send a plain prompt instead of chat messages"
             )
-        ids = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-        # transformers 5 returns a BatchEncoding where 4 returned the ids.
-        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+        if self._template is None:
+            self._template = _environment().from_string(self.chat_template)
+        # As transformers: keys holding None are dropped (templates test for presence), reasoning gets its aliases.
+        chat = [_alias_reasoning({k: v for k, v in m.items() if v is not None}) for m in messages]
+        return self._template.render(**{**self.special_tokens, **(template_kwargs or {})}, messages=chat,
+                                     tools=tools, documents=None, add_generation_prompt=add_generation_prompt)
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> list[int]:
+        """The token ids of the rendered chat; the template writes its own special tokens."""
+        text = self.render_chat(messages, tools, add_generation_prompt, template_kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+
+def _token_text(value) -> str:
+    """A special token as tokenizer_config.json holds it: a string, or an AddedToken's map."""
+    return value["content"] if isinstance(value, dict) else str(value)
+
+
+def _chat_template(model_dir: Path, config: dict) -> str | None:
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one serves chat
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template
+
+
+def _alias_reasoning(message: dict) -> dict:
+    reasoning = next((message[key] for key in _REASONING_FIELDS if message.get(key) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """``namespace()`` for templates, refusing underscore attributes (no reach into CPython internals)."""
+
+    def __init__(*args, **kwargs):
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attributes ({name!r})")
+
+
+class _Generation(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` renders its body (transformers marks assistant spans with it)."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller) -> str:
+        return caller()
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                       extensions=[_Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, namespace=_Namespace,
+                       strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    return env
 
 
 def _eos_token_ids(tokenizer_eos: int | None, model_dir: Path) -> set[int]:

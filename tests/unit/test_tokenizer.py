@@ -278,3 +278,39 @@ def test_smollm2_streaming_is_exact_and_stops(smollm2):
     state = TextState(smollm2, prompt, SamplingParams(stop=["中文"]))
     assert [s for t in ids if (s := state.update([t])[1])] == ["中文"]
     assert state.text == UNICODE_TEXT.split("中文")[0]
+
+
+# ---- equal to transformers on the embedded model ----------------------------------------------
+TEXTS = ["Hello, world!", "  leading and trailing spaces  ", "ünïcödé ÿ 你好 🐱‍👤 \u200b", "line\nbreaks\r\n\ttabs",
+         "<|im_start|>user\nhi<|im_end|>", "numbers 1234567890 3.14159", "", "a" * 300, "emoji 👋🏽 and  double  spaces"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_pair(embedded_model_dir):
+    from transformers import AutoTokenizer
+
+    return Tokenizer(embedded_model_dir), AutoTokenizer.from_pretrained(embedded_model_dir)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_encode_equals_transformers(smollm2_pair, text, add_special_tokens):
+    ours, hf = smollm2_pair
+    assert ours.encode(text, add_special_tokens) == hf.encode(text, add_special_tokens=add_special_tokens)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decode_equals_transformers(smollm2_pair, text, skip_special_tokens):
+    ours, hf = smollm2_pair
+    ids = hf.encode(text) + [0, 1, 2]  # special tokens too
+    assert ours.decode(ids, skip_special_tokens) == hf.decode(
+        ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+
+def test_vocabulary_and_eos_equal_transformers(smollm2_pair):
+    ours, hf = smollm2_pair
+    assert ours.vocab_size == len(hf)
+    assert hf.eos_token_id in ours.eos_token_ids
+    assert [ours.token_piece(t) for t in range(0, ours.vocab_size, 997)] == \
+        hf.convert_ids_to_tokens(list(range(0, ours.vocab_size, 997)))
