@@ -25,13 +25,16 @@ from common.config.roles import ProxyConfig
 from common.text.tokenizer import Tokenizer
 from common.protocol.wire import PROTOCOL_VERSION
 from common.runtime.zmq_security import proxy_curve
-from proxy import openai_api
+from proxy import openai_api, openapi
 from proxy.cluster import Cluster
 from proxy.errors import ApiError, install_error_handlers
-from proxy.http_io import read_model
 from proxy.listener import BodyDeadline
 from proxy.metrics import CONTENT_TYPE, ProxyMetrics
-from proxy.protocol import DetokenizeRequest, TokenizeRequest, check_token_ids
+from proxy.openai_api import read_model
+from proxy.openapi import DetokenizeResponse, TokenizeResponse, error_responses, request_body
+from proxy.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, check_token_ids,
+)
 from proxy.routing import PrefixAwareRouting, RoutingPolicy
 from proxy.token_text import TokenText
 from proxy.worker_link import WorkerLink
@@ -89,6 +92,7 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
     app.add_middleware(BodyDeadline, timeout_s=config.request_body_timeout_s)
     app.include_router(openai_api.router)
     _add_service_routes(app, services)
+    openapi.install(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     return app
 
 
@@ -105,14 +109,18 @@ def _add_service_routes(app: FastAPI, services: Services) -> None:
             "tessera_model_version": identity.model_version if identity else None,
         }]}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=request_body(TokenizeRequest), response_model=TokenizeResponse,
+              responses=error_responses(400, 413, 422))
     async def tokenize(request: Request) -> dict:
+        """Token ids of a prompt, or of chat messages through the chat template."""
         body = await read_model(request, TokenizeRequest, config.max_prompt_bytes)
         tokens = await asyncio.to_thread(body.token_ids, services.tokenizer)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": cluster.registry.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest), response_model=DetokenizeResponse,
+              responses=error_responses(400, 413, 422))
     async def detokenize(request: Request) -> dict:
+        """The text of token ids (special tokens shown)."""
         body = await read_model(request, DetokenizeRequest, config.max_prompt_bytes)
         if body.tokens:
             check_token_ids(services.tokenizer, body.tokens, "tokens")

@@ -16,6 +16,12 @@ A request's way through this module:
 
 A ``DisconnectWatcher`` runs from submission to the last byte; a client that
 leaves cancels the group, which aborts the work on every worker involved.
+
+The body is read here, not by FastAPI: ``read_model`` refuses one over
+``max_prompt_bytes`` with 413 before reading it whole (Content-Length first,
+then the running count for chunked uploads), then validates it against the
+request model, 422 naming the field. ``proxy.openapi`` declares the models
+in the OpenAPI document.
 """
 from __future__ import annotations
 
@@ -27,13 +33,15 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 
 from proxy.auth import tenant_from_body, tenant_from_header
-from proxy.errors import ApiError
-from proxy.http_io import DisconnectWatcher, read_model
+from proxy.errors import ApiError, from_validation_error
+from proxy.openapi import ChatCompletionResponse, CompletionResponse, error_responses, request_body
 from proxy.protocol import ChatCompletionRequest, CompletionRequest
 from proxy.requests import Event, FailureEvent, RequestGroup
 from proxy.responses import ChatFormat, ChoiceState, CompletionFormat, envelope, usage
@@ -44,13 +52,23 @@ router = APIRouter()
 TIMEOUT_HEADER = "x-request-timeout"  # seconds the client will wait for admission
 
 
-@router.post("/v1/completions")
+_ERRORS = error_responses(400, 401, 404, 413, 422, 429, 503, 504)
+
+
+@router.post("/v1/completions", openapi_extra=request_body(CompletionRequest), response_model=None,
+             responses={200: {"model": CompletionResponse, "description": "the completion; with stream=true, "
+                              "server-sent events of text_completion chunks ending in data: [DONE]"}, **_ERRORS})
 async def completions(request: Request) -> Response:
+    """OpenAI's legacy completions, with vLLM's sampling extensions."""
     return await _serve(request, CompletionRequest, CompletionFormat, "completions")
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest), response_model=None,
+             responses={200: {"model": ChatCompletionResponse, "description": "the chat completion; with "
+                              "stream=true, server-sent events of chat.completion.chunk ending in data: [DONE]"},
+                        **_ERRORS})
 async def chat_completions(request: Request) -> Response:
+    """OpenAI's chat completions: the model's chat template renders the messages."""
     return await _serve(request, ChatCompletionRequest, ChatFormat, "chat")
 
 
@@ -197,3 +215,52 @@ async def _stream(gen: _Generation, group: RequestGroup, first: Event, events: A
         watcher.stop()
         group.cancel("the response stream closed")  # a no-op unless the client left early
         metrics.requests.labels(endpoint, "client_closed" if watcher.disconnected else status).inc()
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"request body is larger than max_prompt_bytes={limit}", code="request_too_large")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_model(request: Request, model: type[M], limit: int) -> M:
+    body = await read_body(request, limit)
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+class DisconnectWatcher:
+    """Cancels ``group`` when the client disconnects; ``stop`` once the response is done."""
+
+    def __init__(self, request: Request, group: RequestGroup) -> None:
+        self.disconnected = False
+        self._receive = request.receive
+        self._group = group
+        self._task = asyncio.create_task(self._watch(), name="client-disconnect-watch")
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                break
+        self.disconnected = True
+        self._group.cancel("the client disconnected")
+
+    def stop(self) -> None:
+        self._task.cancel()

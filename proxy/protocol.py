@@ -12,50 +12,65 @@ choice ``i * n + j`` being the j-th sample of prompt i, as OpenAI does.
 """
 from __future__ import annotations
 
-import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from common.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
+from common.protocol.sampling_params import (
+    INT64_MAX, MAX_LOGPROBS, MAX_SPECULATIVE_TOKENS, TOKEN_ID_MAX, SamplingParams,
+)
 from common.text.tokenizer import Tokenizer
 from proxy.errors import ApiError, unprocessable
 
 MAX_CHOICES = 128  # choices per request, all prompts of a batch together
+TokenIdField = Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]
+MaxTokens = Annotated[int, Field(ge=1, le=TOKEN_ID_MAX)]
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: bool = Field(False, description="send a last chunk with the usage of the whole request")
+
+
+def _number(description: str, **bounds):
+    return Field(None, description=description, allow_inf_nan=False, **bounds)
 
 
 class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
-    stream: bool = False
+    model: str = Field(description="the served model name (GET /v1/models)")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices to generate for each prompt")
+    stream: bool = Field(False, description="stream the response as server-sent events")
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: MaxTokens | None = Field(None, description="most tokens to generate; default: the server's "
+                                         "max_tokens_default, fitted to the context")
     # None (sent as null by some clients) means the default, as with OpenAI.
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    user: str | None = None
-    logit_bias: dict[str, float] | None = None
-    # Tessera extensions: speculative decoding method ("off", "ngram", "draft")
-    # and the most draft tokens per step, for this request.
-    speculative: str | None = None
-    num_speculative_tokens: int | None = None
+    temperature: float | None = _number("sampling temperature; 0 is greedy", ge=0.0)
+    top_p: float | None = _number("nucleus sampling: keep the smallest set of tokens with this much mass",
+                                  gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=TOKEN_ID_MAX,
+                              description="extension: keep the k most likely tokens; 0 or -1 disables it")
+    min_p: float | None = _number("extension: drop tokens below this fraction of the most likely one's "
+                                  "probability", ge=0.0, le=1.0)
+    presence_penalty: float | None = _number("penalise tokens that already appeared", ge=-2.0, le=2.0)
+    frequency_penalty: float | None = _number("penalise tokens by how often they appeared", ge=-2.0, le=2.0)
+    repetition_penalty: float | None = _number("extension: multiplicative penalty on repeated tokens; 1 is off",
+                                               gt=0.0, le=2.0)
+    seed: int | None = Field(None, ge=0, le=INT64_MAX, description="seed for reproducible sampling")
+    stop: str | list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, description="strings that end the generation (not included in the output)")
+    stop_token_ids: list[TokenIdField] | None = Field(
+        None, description="extension: token ids that end the generation")
+    ignore_eos: bool = Field(False, description="extension: keep generating past the end-of-sequence token")
+    include_stop_str_in_output: bool = Field(False, description="extension: keep the matched stop string")
+    skip_special_tokens: bool = Field(True, description="extension: leave special tokens out of the text")
+    user: str | None = Field(None, description="the end user; names the tenant with tenant_from_user_field")
+    logit_bias: dict[str, float] | None = Field(None, description="not supported: refused when non-empty")
+    speculative: Literal["off", "ngram", "draft"] | None = Field(
+        None, description="extension: speculative decoding method for this request; null takes the "
+        "deployment's, off opts out")
+    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS,
+                                               description="extension: most draft tokens per step")
 
     @property
     def include_usage(self) -> bool:
@@ -75,16 +90,13 @@ class _GenerationRequest(BaseModel):
         """Validated parameters; ``max_tokens`` is the default when not given (fitted to the prompt later)."""
         self.check_supported()
         given = {name: value for name in _OPTIONAL_SAMPLING_FIELDS if (value := getattr(self, name)) is not None}
-        try:
-            return SamplingParams(
-                n=self.n, seed=self.seed, max_tokens=self.requested_max_tokens() or default_max_tokens,
-                stop=self.stop or [], stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
-                logprobs=self.logprobs_k(), include_stop_str_in_output=self.include_stop_str_in_output,
-                skip_special_tokens=self.skip_special_tokens, **given,
-            )
-        except ValueError as exc:
-            named = re.match(r"sampling parameter '(\w+)'", str(exc))
-            raise unprocessable(str(exc), named.group(1) if named else None) from None
+        # Every field was checked against the same bounds when the body was parsed.
+        return SamplingParams(
+            n=self.n, seed=self.seed, max_tokens=self.requested_max_tokens() or default_max_tokens,
+            stop=self.stop or [], stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs_k(), include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens, **given,
+        )
 
 
 _OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -92,11 +104,14 @@ _OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    suffix: str | None = None
-    best_of: int | None = None
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="a string, a list of token ids, or a batch of either; token ids must lie in the "
+        "model's vocabulary (400 otherwise)")
+    echo: bool = Field(False, description="not supported: only false")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                 description="the sampled token's logprob plus this many alternatives")
+    suffix: str | None = Field(None, description="not supported: refused when non-empty")
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, description="supported only equal to n")
 
     def logprobs_k(self) -> int | None:
         return self.logprobs
@@ -152,12 +167,13 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_GenerationRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    messages: list[ChatMessage] = Field(min_length=1, description="the conversation so far")
+    logprobs: bool = Field(False, description="return the logprobs of the generated tokens")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                     description="alternatives per token, with logprobs=true")
+    max_completion_tokens: MaxTokens | None = Field(None, description="OpenAI's newer name for max_tokens")
+    tools: list[Any] | None = Field(None, description="not supported: refused when non-empty")
+    response_format: dict[str, Any] | None = Field(None, description="only type 'text' is supported")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

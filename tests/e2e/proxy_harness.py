@@ -33,11 +33,22 @@ def tokenizer(embedded_model_dir) -> Tokenizer:
     return Tokenizer(embedded_model_dir)
 
 
-@pytest.fixture(scope="module")
-def script(tokenizer) -> list[tuple[int, str]]:
+def script_for(tokenizer: Tokenizer) -> list[tuple[int, str]]:
+    """What the scripted workers answer: SCRIPT_TEXT, token by token, with each token's text."""
     ids = tokenizer.encode(SCRIPT_TEXT, add_special_tokens=False)
     texts = [tokenizer.decode(ids[:i]) for i in range(len(ids) + 1)]
     return [(t, texts[i + 1][len(texts[i]):]) for i, t in enumerate(ids)]
+
+
+@pytest.fixture(scope="module")
+def script(tokenizer) -> list[tuple[int, str]]:
+    return script_for(tokenizer)
+
+
+def proxy_config(model_dir, **overrides) -> ProxyConfig:
+    settings = dict(model=str(model_dir), worker_bind="tcp://127.0.0.1:*", heartbeat_timeout_s=1.0,
+                    first_token_timeout_s=20.0, token_timeout_s=20.0, max_prompt_bytes=4096, retry_after_s=3)
+    return ProxyConfig(**{**settings, **overrides})
 
 
 class RunningProxy:
@@ -75,9 +86,7 @@ def make_proxy(tokenizer, embedded_model_dir):
     started: list[RunningProxy] = []
 
     def make(**overrides) -> RunningProxy:
-        settings = dict(model=str(embedded_model_dir), worker_bind="tcp://127.0.0.1:*", heartbeat_timeout_s=1.0,
-                        first_token_timeout_s=20.0, token_timeout_s=20.0, max_prompt_bytes=4096, retry_after_s=3)
-        proxy = RunningProxy(ProxyConfig(**{**settings, **overrides}), tokenizer)
+        proxy = RunningProxy(proxy_config(embedded_model_dir, **overrides), tokenizer)
         started.append(proxy)
         return proxy
 
