@@ -11,14 +11,14 @@ Two admission points share the tenants' service counters (``fairness``):
   but holding no decode slot yet); once they are, the next choice among the
   tenants with fewer than ``prefill_ahead_per_tenant`` choices ahead, so
   that a saturated cluster still prefills a few requests of every tenant
-  (and no more). ``start_prefill`` routes it: to a prefill
-  worker (it reports ``ready_for_decode`` when PrefillDone arrives), or
-  local (ready at once: the decode worker prefills it). Its tenant is
-  charged the prompt here.
+  (and no more). The owner starts its prefill: on a prefill worker (it
+  reports ``ready_for_decode`` when PrefillDone arrives), or local (ready at
+  once: the decode worker prefills it); once started, ``prefill_started``
+  charges its tenant the prompt.
 - ready -> decoding (decode admission): while the decode-capable workers
   have a free slot (their ``max_num_seqs`` summed, from Register), the
   ready choice of the tenant with the smallest counter (or first, for fcfs)
-  gets it through ``start_decode``. It holds the slot until it leaves.
+  gets it. It holds the slot until it leaves.
 
 A tenant is backlogged while it has a choice waiting, ahead or ready (not
 yet decoding); as it becomes backlogged its counter is lifted
@@ -28,22 +28,27 @@ its place while one that was idle banks no credit.
 Because a tenant's prefills run ahead of its decode slots only by a few, a
 light tenant's request is prefilled (and gets its first token) at once even
 while a heavy tenant keeps every decode slot busy, and it takes the next
-free decode slot. ``start_*`` may refuse (a deadline passed while waiting,
-no worker left); they then fail the choice, which leaves.
+free decode slot. The owner may fail to start an admitted choice (a
+deadline passed while waiting, no worker left); the choice then leaves.
 
 ``check_room``: a tenant over ``max_concurrent`` (choices anywhere here) or
 ``max_queued`` (choices waiting) gets 429, a full queue
 (``max_queued_requests``) 503, both with Retry-After.
 
-Everything runs in the event loop. ``dispatch`` runs after each enqueue and
-whenever capacity may have freed (a choice left or became ready, a worker
-registered); it is not re-entered by a choice it starts that fails at once.
+Admission decides and its owner acts: ``next_admission`` returns the next
+choice to start now (an ``Admit``), already moved to its new state; it
+calls nothing back. The owner (``proxy.cluster``) starts it and asks again
+until it returns None, after each enqueue and whenever capacity may have
+freed (a choice left or became ready, a worker registered). One at a time,
+so that a started prefill's charge counts before the next choice is made.
+Everything runs in the event loop.
 """
 from __future__ import annotations
 
 import itertools
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from common.config.roles import ProxyConfig
 from proxy.errors import ApiError
@@ -54,9 +59,16 @@ from proxy.tenants import Tenant, TenantRegistry
 WAITING, AHEAD, READY, DECODING = "waiting", "ahead", "ready", "decoding"
 
 
+@dataclass(frozen=True)
+class Admit:
+    """A decision: start ``payload``'s prefill (``stage`` AHEAD) or give it a decode slot (DECODING)."""
+    stage: str
+    key: str
+    payload: object
+
+
 class AdmissionController:
     def __init__(self, config: ProxyConfig, tenants: TenantRegistry, decode_slots: Callable[[], int],
-                 start_prefill: Callable[[object], bool], start_decode: Callable[[object], bool],
                  metrics: ProxyMetrics | None = None) -> None:
         self.config = config
         self.counters = ServiceCounters(config.vtc_input_weight, config.vtc_output_weight, tenants.weight)
@@ -64,14 +76,11 @@ class AdmissionController:
         self.decode_queue = make_queue(config.fairness_policy, self.counters)
         self.lift = BacklogLift(self.counters)
         self._decode_slots = decode_slots
-        self._start_prefill = start_prefill
-        self._start_decode = start_decode
         self._metrics = metrics
         self._orders = itertools.count()
         self._items: dict[str, Waiting] = {}
         self._state: dict[str, str] = {}
         self.count: dict[str, Counter[str]] = {s: Counter() for s in (WAITING, AHEAD, READY, DECODING)}
-        self._dispatching = False
 
     def total(self, state: str) -> int:
         return sum(self.count[state].values())
@@ -107,42 +116,37 @@ class AdmissionController:
         if item is not None and self._state[request_id] == AHEAD:
             self._move(item, READY)
             self.decode_queue.push(item)
-            self.dispatch()
 
-    def dispatch(self) -> None:
-        if self._dispatching:
-            return
-        self._dispatching = True
-        try:
-            while self._admit_decode() or self._admit_prefill():
-                pass
-        finally:
-            self._dispatching = False
+    def next_admission(self) -> Admit | None:
+        """The next choice to start now (a decode slot before a prefill), moved to its new state; None: none."""
+        item = self._next_decode() or self._next_prefill()
+        return None if item is None else Admit(self._state[item.key], item.key, item.payload)
 
-    def _admit_decode(self) -> bool:
+    def _next_decode(self) -> Waiting | None:
         if self.total(DECODING) >= self._decode_slots():
-            return False
+            return None
         item = self.decode_queue.pop_next()
-        if item is None:
-            return False
-        self._move(item, DECODING)
-        self._start_decode(item.payload)
-        return True
+        if item is not None:
+            self._move(item, DECODING)
+        return item
 
-    def _admit_prefill(self) -> bool:
+    def _next_prefill(self) -> Waiting | None:
         spoken_for = self.total(DECODING) + self.total(AHEAD) + self.total(READY)
         if spoken_for < self._decode_slots():
             item = self.prefill_queue.pop_next()
         else:
             limit = self.config.prefill_ahead_per_tenant
             item = self.prefill_queue.pop_next(lambda t: self.count[AHEAD][t] + self.count[READY][t] < limit)
-        if item is None:
-            return False
-        self._move(item, AHEAD)
-        if self._start_prefill(item.payload):
+        if item is not None:
+            self._move(item, AHEAD)
+        return item
+
+    def prefill_started(self, request_id: str) -> None:
+        """The owner started an admitted prefill: its tenant is charged the prompt."""
+        item = self._items.get(request_id)
+        if item is not None:
             self.counters.charge(item.tenant, input_tokens=item.input_tokens)
             self._update_gauges(item.tenant)
-        return True
 
     def leave(self, request_id: str) -> None:
         """The choice ended, wherever it was: its place in a queue or its slot frees up."""
@@ -155,7 +159,6 @@ class AdmissionController:
         elif state == READY:
             self.decode_queue.remove(item)
         self._move(item, None)
-        self.dispatch()
 
     def charge_output(self, tenant: str, num_tokens: int) -> None:
         self.counters.charge(tenant, output_tokens=num_tokens)

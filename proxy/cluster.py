@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from common.runtime.log_format import bind_request, request_scope
 from common.config.roles import ProxyConfig
@@ -29,12 +29,12 @@ from common.protocol.wire import (
     Abort, DecodeRequest, Goodbye, Heartbeat, KVPulled, PrefillDone, PrefillRequest, Register, RegisterAck,
     Reregister, ReleaseKV, RequestFailed, TokenDelta, WireError, decode,
 )
-from proxy.admission import AdmissionController
+from proxy.admission import AHEAD, Admit, AdmissionController
 from proxy.errors import ApiError
 from proxy.metrics import ProxyMetrics
 from proxy.registry import WorkerRegistry, WorkerState
-from proxy.requests import Phase, RequestGroup, SubRequest
-from proxy.routing import Route, RoutingPolicy
+from proxy.requests import Phase, RequestGroup, Sends, SubRequest
+from proxy.routing import RoutingPolicy
 from proxy.tenants import Tenant, TenantRegistry
 
 log = logging.getLogger("tessera.proxy")
@@ -51,8 +51,7 @@ class Cluster:
         self.registry = WorkerRegistry(config.heartbeat_timeout_s)
         self.tracing = make_tracing(config.otel_endpoint, config.otel_service_name)
         self.tenants = TenantRegistry(config, clock)
-        self.admission = AdmissionController(config, self.tenants, self._decode_slots,
-                                             self._start_prefill, self._start_decode, metrics)
+        self.admission = AdmissionController(config, self.tenants, self._decode_slots, metrics)
         self.inflight: dict[str, SubRequest] = {}
         self.draining = False
         self._clock = clock
@@ -67,7 +66,7 @@ class Cluster:
     def attach(self, outbox: Outbox) -> None:
         self._outbox = outbox
 
-    # -- the port sub-requests use ------------------------------------------------------------
+    # -- the one place that sends -------------------------------------------------------------
 
     def send(self, worker_id: str, msg) -> None:
         if self._outbox is None:
@@ -78,22 +77,37 @@ class Cluster:
             self.metrics.worker_requests.labels(worker_id, "decode").inc()
         self._outbox(worker_id, msg)
 
-    def pick_decode(self, prompt: Sequence[int]) -> WorkerState | None:
-        return self.policy.pick_decode(prompt, list(self.registry.workers.values()))
+    def _act(self, sub: SubRequest, before: Phase, sends: Sends) -> None:
+        """Send what a sub-request's handler returned, and follow its stage change in admission and routing."""
+        for worker_id, msg in sends:
+            self.send(worker_id, msg)
+        if sub.new_tokens:
+            self._charge_output(sub, sub.new_tokens)
+            sub.new_tokens = 0
+        if before is Phase.PREFILLING and sub.phase is not Phase.PREFILLING:
+            self.policy.prefill_ended(sub.prefill_worker, len(sub.prompt))
+        if sub.done:
+            self.inflight.pop(sub.request_id, None)
+            self.admission.leave(sub.request_id)
+        elif before is Phase.PREFILLING and sub.phase is Phase.PREFILLED:
+            self.admission.ready_for_decode(sub.request_id)
 
-    def forget(self, sub: SubRequest) -> None:
-        self.inflight.pop(sub.request_id, None)
-        self.admission.leave(sub.request_id)
+    def check_deadline(self, sub: SubRequest, now: float) -> None:
+        before = sub.phase
+        self._act(sub, before, sub.check_deadline(now))
+        self._dispatch()
+
+    def cancel(self, sub: SubRequest, reason: str, status: int = 499) -> None:
+        before = sub.phase
+        self._act(sub, before, sub.cancel(reason, status))
+        self._dispatch()
 
     def _decode_slots(self) -> int:
         """This proxy's share of the decode slots (at least one while there are any)."""
         slots = self.registry.decode_slots()
         return max(int(slots * self.config.decode_slot_share), 1) if slots else 0
 
-    def service_counter(self, tenant: str) -> float:
-        return self.admission.counters[tenant]
-
-    def charge_output(self, sub: SubRequest, num_tokens: int) -> None:
+    def _charge_output(self, sub: SubRequest, num_tokens: int) -> None:
         """Tokens a worker emitted for ``sub``: its tenant's service counter and token bucket."""
         self.admission.charge_output(sub.tenant, num_tokens)
         tenant = self.tenants.get(sub.tenant)
@@ -112,10 +126,8 @@ class Cluster:
         """
         if self.draining:
             raise self._unavailable("the proxy is shutting down and accepts no new requests")
-        workers = list(self.registry.workers.values())
-        if any(self.policy.route(prompt, workers) is None for prompt in prompts):
-            decoders = self.registry.decode_side()
-            why = "all of them are draining" if decoders else "none is registered"
+        if not any(not w.draining for w in self.registry.decode_side()):
+            why = "all of them are draining" if self.registry.decode_side() else "none is registered"
             raise self._unavailable(f"no worker can take the request: it needs a decode-capable worker "
                                     f"(role decode or both), and {why}")
         tenant = tenant or self.tenants.default
@@ -133,59 +145,58 @@ class Cluster:
                 index = p * params.n + j
                 seed = (base_seed + j) % (1 << 63)
                 wire_params = params.replace(n=1, seed=seed)
-                sub = SubRequest(f"{request_id}-{index}", index, prompt, wire_params, seed, self, sink, now,
-                                 tenant=tenant.name, lane=tenant.lane)
+                sub = SubRequest(f"{request_id}-{index}", index, prompt, wire_params, seed, self.config, self.metrics,
+                                 self.tracing, sink, now, tenant=tenant.name, lane=tenant.lane)
                 sub.wait_for_admission(queue_deadline, client_deadline)
                 self.inflight[sub.request_id] = sub
                 tenant.limiter.charge_tokens(len(prompt), now)
                 self.admission.enqueue(sub.request_id, tenant, len(prompt), sub)
                 subs.append(sub)
-        self.admission.dispatch()
-        return RequestGroup(subs, sink, self._clock)
+        self._dispatch()
+        return RequestGroup(subs, sink, self, self._clock)
 
-    def _start_prefill(self, sub: SubRequest) -> bool:
-        """Admitted to prefill: send it to a prefill worker, or mark it ready to prefill on a decode worker.
+    def _dispatch(self) -> None:
+        """Start what admission admits, one at a time, until it admits nothing more."""
+        while (admit := self.admission.next_admission()) is not None:
+            sub = admit.payload
+            before = sub.phase
+            with request_scope(sub.request_id, sub.tenant):
+                sends = self._start_prefill(sub, admit) if admit.stage == AHEAD else self._start_decode(sub)
+            if sends is not None:
+                self._act(sub, before, sends)
 
-        False when it is dropped instead: its deadline passed while it waited, or no worker can take it.
-        """
+    def _start_prefill(self, sub: SubRequest, admit: Admit) -> Sends | None:
+        """Admitted to prefill: route it once, to a prefill worker or (local) to the decode worker that prefills it."""
         now = self._clock()
         if now >= sub.deadline:
-            sub.check_deadline(now)
-            return False
+            return sub.check_deadline(now)
         route = self.policy.route(sub.prompt, list(self.registry.workers.values()))
         if route is None:
-            sub.reject(self._unavailable("no worker can take the request any more: every decode-capable "
-                                         "worker left or is draining"))
-            return False
+            return sub.reject(self._unavailable("no worker can take the request any more: every decode-capable "
+                                                "worker left or is draining"))
+        sub.route = route
+        counter = self.admission.counters[sub.tenant]  # before this prompt is charged, as the worker sees it
+        self.admission.prefill_started(admit.key)
         if route.local:
             self.admission.ready_for_decode(sub.request_id)
-        else:
-            with request_scope(sub.request_id, sub.tenant):
-                sub.start(route, now)
-        return True
+            return None
+        self.policy.prefill_sent(route.worker, sub.prompt)
+        return sub.start_prefill(route.worker, counter, now)
 
-    def _start_decode(self, sub: SubRequest) -> bool:
-        """Given a decode slot: pull its pages to a decode worker, or prefill it there (a local route)."""
+    def _start_decode(self, sub: SubRequest) -> Sends:
+        """Given a decode slot: the worker it was routed to (local), else the policy's pick, pulls or prefills it."""
         now = self._clock()
         if now >= sub.deadline:
-            sub.check_deadline(now)
-            return False
-        prefilled = sub.phase is Phase.PREFILLED
-        route = None if prefilled else self.policy.route(sub.prompt, list(self.registry.workers.values()))
-        # A local request stays local even if a prefill worker has joined since: it already holds its slot.
-        decoder = route.worker if route is not None and route.local else self.pick_decode(sub.prompt)
+            return sub.check_deadline(now)
+        decoder = None
+        if sub.local and sub.route is not None:
+            routed = self.registry.workers.get(sub.route.worker.worker_id)
+            decoder = routed if routed is sub.route.worker and not routed.draining else None
+        decoder = decoder or self.policy.pick_decode(sub.prompt, list(self.registry.workers.values()))
         if decoder is None:
-            sub.reject(self._unavailable("no decode worker is available to continue the request"))
-            return False
-        with request_scope(sub.request_id, sub.tenant):
-            if prefilled:
-                sub.continue_decode(decoder, now)
-            else:
-                sub.start(Route(decoder, local=True), now)
-        return True
-
-    def ready_for_decode(self, sub: SubRequest) -> None:
-        self.admission.ready_for_decode(sub.request_id)
+            return sub.reject(self._unavailable("no decode worker is available to continue the request"))
+        self.policy.decode_sent(decoder, sub.prompt, local=sub.local)
+        return sub.start_decode(decoder, self.admission.counters[sub.tenant], now)
 
     def readiness(self) -> tuple[bool, str]:
         if self.draining:
@@ -238,7 +249,7 @@ class Cluster:
             self._broadcast_peers()
         elif worker.decode_capable:
             self.send(worker.worker_id, self.registry.peers())
-        self.admission.dispatch()  # more decode slots
+        self._dispatch()  # more decode slots
 
     def _on_heartbeat(self, sender: str, msg: Heartbeat, now: float) -> None:
         worker = self.registry.heartbeat(msg, now) if sender == msg.worker_id else None
@@ -255,7 +266,7 @@ class Cluster:
             return
         self.policy.heartbeat(worker)
         self.metrics.set_worker_kv(worker.worker_id, worker.num_blocks, worker.free_blocks)
-        self.admission.dispatch()  # a worker that stopped draining brings its decode slots back
+        self._dispatch()  # a worker that stopped draining brings its decode slots back
 
     def _on_goodbye(self, sender: str, msg: Goodbye, now: float) -> None:
         worker = self.registry.goodbye(msg) if sender == msg.worker_id else None
@@ -265,9 +276,21 @@ class Cluster:
     # A stray message (no such request, or not from the worker serving it) is answered so that
     # the sender frees what it holds; pages the request still relies on are never touched.
 
+    def _on_request_message(self, sub: SubRequest | None, handler) -> bool:
+        """Run ``handler`` (a sub-request's) and act on what it returns; False when it was not for ``sub``."""
+        if sub is None:
+            return False
+        before = sub.phase
+        sends = handler()
+        if sends is None:
+            return False
+        self._act(sub, before, sends)
+        self._dispatch()  # what it freed or readied
+        return True
+
     def _on_prefill_done(self, sender: str, msg: PrefillDone, now: float) -> None:
         sub = self.inflight.get(msg.request_id)
-        if sub is not None and sub.on_prefill_done(msg, sender, now):
+        if self._on_request_message(sub, lambda: sub.on_prefill_done(msg, sender, now)):
             return
         if sub is None or sender != sub.kv_holder:
             log.debug("releasing pages of stray PrefillDone %s from %r", msg.request_id, sender)
@@ -275,7 +298,7 @@ class Cluster:
 
     def _on_kv_pulled(self, sender: str, msg: KVPulled, now: float) -> None:
         sub = self.inflight.get(msg.request_id)
-        if sub is not None and sub.on_kv_pulled(msg, sender, now):
+        if self._on_request_message(sub, lambda: sub.on_kv_pulled(msg, sender, now)):
             return
         if sub is None and msg.source_worker_id in self.registry.workers:
             log.debug("releasing pages of stray KVPulled %s on %r", msg.request_id, msg.source_worker_id)
@@ -283,7 +306,7 @@ class Cluster:
 
     def _on_token_delta(self, sender: str, msg: TokenDelta, now: float) -> None:
         sub = self.inflight.get(msg.request_id)
-        if sub is not None and sub.on_token_delta(msg, sender, now):
+        if self._on_request_message(sub, lambda: sub.on_token_delta(msg, sender, now)):
             return
         if msg.finish_reason is None and (sub is None or sender != sub.decode_worker):
             log.debug("aborting stray request %s on %r", msg.request_id, sender)
@@ -291,7 +314,7 @@ class Cluster:
 
     def _on_request_failed(self, sender: str, msg: RequestFailed, now: float) -> None:
         sub = self.inflight.get(msg.request_id)
-        if sub is None or not sub.on_failed(msg, sender):
+        if not self._on_request_message(sub, lambda: sub.on_failed(msg, sender)):
             log.debug("ignoring RequestFailed for unknown request %s from %r", msg.request_id, sender)
 
     # -- worker loss and shutdown ----------------------------------------------------------------
@@ -320,14 +343,16 @@ class Cluster:
         self.start_draining()
         # Waiting ones first: each running one that ends would otherwise admit a waiting one, only to abort it.
         for sub in sorted(self.inflight.values(), key=lambda s: s.phase is not Phase.CREATED):
-            sub.cancel(reason, status=503)
+            self.cancel(sub, reason, status=503)
 
     def _worker_gone(self, worker: WorkerState, reason: str, expected: bool) -> None:
         """``worker`` has left the registry: fail its requests and tell the decode side."""
         log.log(logging.INFO if expected else logging.WARNING, "worker %r (%s, epoch %d) removed: %s",
                 worker.worker_id, worker.role.value, worker.epoch, reason)
         for sub in [s for s in self.inflight.values() if s.involves(worker.worker_id)]:
-            sub.on_worker_lost(worker.worker_id, reason)
+            before = sub.phase
+            self._act(sub, before, sub.on_worker_lost(worker.worker_id, reason))
+        self._dispatch()
         self.policy.worker_removed(worker.worker_id)
         if worker.worker_id not in self.registry.workers:
             self.metrics.forget_worker(worker.worker_id)

@@ -49,7 +49,6 @@ class WorkerState:
     last_seen: float
     free_blocks: int = 0
     num_running: int = 0
-    num_waiting: int = 0
     outstanding_prefill_tokens: int = 0
     draining: bool = False
     max_num_seqs: int = EngineConfig.max_num_seqs  # decode slots; the engine's default when not reported
@@ -130,7 +129,7 @@ class WorkerRegistry:
         )
         replaced = old if old is not None and old.epoch != msg.epoch else None
         if old is not None and replaced is None:  # a retried Register: keep the load we know
-            for name in ("free_blocks", "num_running", "num_waiting", "outstanding_prefill_tokens", "draining"):
+            for name in ("free_blocks", "num_running", "outstanding_prefill_tokens", "draining"):
                 setattr(worker, name, getattr(old, name))
         self.workers[msg.worker_id] = worker
         self._rejoin_asked.pop(msg.worker_id, None)
@@ -147,7 +146,6 @@ class WorkerRegistry:
         worker.last_seen = now
         worker.free_blocks = msg.free_blocks
         worker.num_running = msg.num_running
-        worker.num_waiting = msg.num_waiting
         worker.outstanding_prefill_tokens = msg.outstanding_prefill_tokens
         if msg.draining and not worker.draining:
             log.info("worker %r is draining: no new requests go to it", msg.worker_id)

@@ -27,7 +27,9 @@ and seed, all writing to the group's event queue. A sub-request's life:
   one terminal event (a finishing ``TokenEvent`` or a ``FailureEvent``) to
   the group, whose consumer is the HTTP handler.
 
-No sockets here: messages go out through ``port.send``, which only queues.
+No sockets and no calls back into the cluster: every handler returns what
+the cluster must send (``Sends``), and the cluster reads the stage change
+(``phase`` before and after) to update admission and routing.
 """
 from __future__ import annotations
 
@@ -35,9 +37,8 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
 
 from common.config.roles import ProxyConfig
 from common.protocol.sampling_params import SamplingParams
@@ -48,7 +49,7 @@ from common.protocol.wire import (
 from proxy.errors import ApiError
 from proxy.metrics import ProxyMetrics
 from proxy.registry import WorkerState
-from proxy.routing import Route, RoutingPolicy
+from proxy.routing import Route
 
 log = logging.getLogger("tessera.proxy")
 
@@ -81,28 +82,15 @@ class FailureEvent:
 
 
 Event = TokenEvent | FailureEvent
-
-
-class ClusterPort(Protocol):
-    """What a sub-request needs from the cluster."""
-    config: ProxyConfig
-    policy: RoutingPolicy
-    metrics: ProxyMetrics
-    tracing: NoTracing
-
-    def send(self, worker_id: str, msg) -> None: ...
-    def pick_decode(self, prompt: Sequence[int]) -> WorkerState | None: ...
-    def forget(self, sub: SubRequest) -> None: ...
-    def ready_for_decode(self, sub: SubRequest) -> None: ...
-    def service_counter(self, tenant: str) -> float: ...
-    def charge_output(self, sub: SubRequest, num_tokens: int) -> None: ...
+Sends = list[tuple[str, object]]  # (worker id, message) for the cluster to send, in order
 
 
 class SubRequest:
     trace: RequestTrace | None = None  # only while tracing is on
 
     def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams, seed: int,
-                 port: ClusterPort, sink: asyncio.Queue, now: float, tenant: str = "default", lane: int = 0) -> None:
+                 config: ProxyConfig, metrics: ProxyMetrics, tracing: NoTracing, sink: asyncio.Queue, now: float,
+                 tenant: str = "default", lane: int = 0) -> None:
         self.request_id = request_id
         self.tenant = tenant
         self.lane = lane  # priority lane, 0 (p0) first
@@ -116,12 +104,17 @@ class SubRequest:
         self.decode_worker: str | None = None
         self.kv_holder: str | None = None  # prefill worker still holding this request's pages
         self._handoff: PrefillDone | None = None  # the prefill's result, while it waits for a decode slot
+        self.route: Route | None = None  # chosen once, when admitted to prefill
+        self.started = False  # sent to a worker (it left the admission queue)
         self.num_tokens = 0
+        self.new_tokens = 0  # tokens the last handler emitted (the cluster charges the tenant for them)
         self.arrival = now
         self.first_token_at: float | None = None
         self.last_token_at = now
-        self.deadline = now + port.config.first_token_timeout_s
-        self._port = port
+        self.deadline = now + config.first_token_timeout_s
+        self._config = config
+        self._metrics = metrics
+        self._tracing = tracing
         self._sink = sink
 
     @property
@@ -145,66 +138,72 @@ class SubRequest:
         self.deadline = deadline
         self.client_deadline = client_deadline
 
-    def start(self, route: Route, now: float) -> None:
-        port = self._port
-        port.metrics.queue_depth.inc()
-        port.metrics.in_flight.inc()
-        self.deadline = now + port.config.first_token_timeout_s
+    def _begin(self, now: float) -> None:
+        """It leaves the admission queue for a worker: the queue's metrics, its trace, the first-token clock."""
+        metrics, config = self._metrics, self._config
+        self.started = True
+        metrics.queue_depth.inc()
+        metrics.in_flight.inc()
+        self.deadline = now + config.first_token_timeout_s
         queued_s = max(now - self.arrival, 0.0)
-        port.metrics.queue_time.observe(queued_s)
-        model = port.config.served_model_name
-        port.metrics.prompt_tokens.labels(self.tenant, model).inc(len(self.prompt))
-        self._generation_tokens = port.metrics.generation_tokens.labels(self.tenant, model)
-        if port.tracing.enabled:
-            self.trace = RequestTrace(port.tracing, self.request_id, self.tenant, queued_s)
-        if route.local:
-            self._send_decode(route.worker, DecodeRequest(self.request_id, self.prompt, self.params, self.seed,
-                                                          **self._fairness_fields()))
-            return
+        metrics.queue_time.observe(queued_s)
+        metrics.prompt_tokens.labels(self.tenant, config.served_model_name).inc(len(self.prompt))
+        self._generation_tokens = metrics.generation_tokens.labels(self.tenant, config.served_model_name)
+        if self._tracing.enabled:
+            self.trace = RequestTrace(self._tracing, self.request_id, self.tenant, queued_s)
+
+    def start_prefill(self, worker: WorkerState, counter: float, now: float) -> Sends:
+        """Admitted to prefill on ``worker``; ``counter``: the tenant's service counter, which workers preempt by."""
+        self._begin(now)
         self.phase = Phase.PREFILLING
-        self.prefill_worker = route.worker.worker_id
-        port.policy.prefill_sent(self.request_id, route.worker, self.prompt)
-        port.send(self.prefill_worker, PrefillRequest(
-            self.request_id, self.prompt, self.params, self.seed, port.config.kv_lease_s, **self._fairness_fields(),
+        self.prefill_worker = worker.worker_id
+        return [(self.prefill_worker, PrefillRequest(
+            self.request_id, self.prompt, self.params, self.seed, self._config.kv_lease_s, **self._fairness(counter),
             trace_context=self.trace.enter("proxy.prefill", {"tessera.worker_id": self.prefill_worker})
-            if self.trace else None))
+            if self.trace else None))]
 
-    def _fairness_fields(self) -> dict:
-        """What a worker's scheduler preempts by: lane, then the tenant's counter now."""
-        return {"tenant": self.tenant, "priority": self.lane,
-                "fairness_counter": self._port.service_counter(self.tenant)}
+    def _fairness(self, counter: float) -> dict:
+        """What a worker's scheduler preempts by: lane, then the tenant's counter."""
+        return {"tenant": self.tenant, "priority": self.lane, "fairness_counter": counter}
 
-    def on_prefill_done(self, msg: PrefillDone, sender: str, now: float) -> bool:
+    def on_prefill_done(self, msg: PrefillDone, sender: str, now: float) -> Sends | None:
+        """None: not this request's (a stray); else what to send."""
         if self.phase is not Phase.PREFILLING or sender != self.prefill_worker:
-            return False
-        self._port.policy.prefill_ended(self.request_id)
+            return None
         self.kv_holder = sender
         top = [msg.top_logprobs] if msg.top_logprobs is not None else None
         self._emit_tokens(TokenEvent(
             self.index, msg.text, [msg.first_token], [msg.logprob] if msg.logprob is not None else None, top,
             msg.finish_reason, msg.stop_reason, msg.num_cached_tokens), now)
         if msg.finish_reason is not None:
-            self._finish(now)
-            return True
+            return self._finish(now)
         self.phase = Phase.PREFILLED
         self._handoff = msg
-        self.deadline = now + self._port.config.queue_timeout_s
-        self._port.ready_for_decode(self)
-        return True
+        self.deadline = now + self._config.queue_timeout_s
+        return []
 
-    def continue_decode(self, decoder: WorkerState, now: float) -> None:
-        """Admission gave the prefilled request a decode slot on ``decoder``: it pulls the pages there."""
+    def start_decode(self, decoder: WorkerState, counter: float, now: float) -> Sends:
+        """Admission gave it a decode slot on ``decoder``: it pulls the pages there, or prefills there (local)."""
         msg = self._handoff
-        self._send_decode(decoder, DecodeRequest(
-            self.request_id, self.prompt, self.params, self.seed, first_token=msg.first_token,
-            source_worker_id=msg.worker_id, source_block_ids=msg.block_ids, first_logprob=msg.logprob,
-            first_top_logprobs=msg.top_logprobs, **self._fairness_fields()))
-        self.deadline = now + self._port.config.token_timeout_s
+        if msg is None:
+            self._begin(now)
+            decode = DecodeRequest(self.request_id, self.prompt, self.params, self.seed, **self._fairness(counter))
+        else:
+            decode = DecodeRequest(
+                self.request_id, self.prompt, self.params, self.seed, first_token=msg.first_token,
+                source_worker_id=msg.worker_id, source_block_ids=msg.block_ids, first_logprob=msg.logprob,
+                first_top_logprobs=msg.top_logprobs, **self._fairness(counter))
+            self.deadline = now + self._config.token_timeout_s
+        self.phase = Phase.DECODING
+        self.decode_worker = decoder.worker_id
+        if self.trace:
+            decode.trace_context = self.trace.enter("proxy.decode", {"tessera.worker_id": decoder.worker_id})
+        return [(decoder.worker_id, decode)]
 
-    def on_kv_pulled(self, msg: KVPulled, sender: str, now: float) -> bool:
+    def on_kv_pulled(self, msg: KVPulled, sender: str, now: float) -> Sends | None:
         if self.phase is not Phase.DECODING or sender != self.decode_worker:
-            return False
-        metrics = self._port.metrics
+            return None
+        metrics = self._metrics
         if msg.ok:
             metrics.kv_transfer_bytes.inc(msg.num_bytes)
             metrics.kv_transfer_seconds.observe(msg.seconds)
@@ -212,58 +211,55 @@ class SubRequest:
             metrics.kv_transfer_failures.inc()
             log.warning("request %s: decode worker %r could not pull the pages from %r: %s",
                         self.request_id, sender, msg.source_worker_id, msg.error or "no reason given")
-        self._release_kv()
-        self.deadline = now + self._port.config.token_timeout_s
-        return True
+        sends = self._release_kv()
+        self.deadline = now + self._config.token_timeout_s
+        return sends
 
-    def on_token_delta(self, msg: TokenDelta, sender: str, now: float) -> bool:
+    def on_token_delta(self, msg: TokenDelta, sender: str, now: float) -> Sends | None:
         if self.phase is not Phase.DECODING or sender != self.decode_worker:
-            return False
+            return None
         self._emit_tokens(TokenEvent(self.index, msg.text, msg.token_ids, msg.logprobs, msg.top_logprobs,
                                      msg.finish_reason, msg.stop_reason, msg.num_cached_tokens), now)
         if msg.finish_reason is not None:
-            self._finish(now)
-        else:
-            self.deadline = now + self._port.config.token_timeout_s
-        return True
+            return self._finish(now)
+        self.deadline = now + self._config.token_timeout_s
+        return []
 
-    def on_failed(self, msg: RequestFailed, sender: str) -> bool:
+    def on_failed(self, msg: RequestFailed, sender: str) -> Sends | None:
         if not self.involves(sender):
-            return False
+            return None
         status, code = (503, "worker_unavailable") if msg.retryable else (500, "worker_error")
         if msg.invalid_request:
             status, code = 400, "invalid_request"
-        self._fail(ApiError(status, f"worker {sender!r} failed the request: {msg.message}", code=code,
-                            retry_after_s=self._port.config.retry_after_s if msg.retryable else None),
-                   gone=sender)
-        return True
+        return self._fail(ApiError(status, f"worker {sender!r} failed the request: {msg.message}", code=code,
+                                   retry_after_s=self._config.retry_after_s if msg.retryable else None),
+                          gone=sender)
 
-    def on_worker_lost(self, worker_id: str, reason: str) -> None:
-        if self.involves(worker_id):
-            self._fail(ApiError(503, f"worker {worker_id!r} serving the request is gone: {reason}",
-                                code="worker_unavailable", retry_after_s=self._port.config.retry_after_s),
-                       gone=worker_id)
+    def on_worker_lost(self, worker_id: str, reason: str) -> Sends:
+        if not self.involves(worker_id):
+            return []
+        return self._fail(ApiError(503, f"worker {worker_id!r} serving the request is gone: {reason}",
+                                   code="worker_unavailable", retry_after_s=self._config.retry_after_s),
+                          gone=worker_id)
 
-    def check_deadline(self, now: float) -> None:
+    def check_deadline(self, now: float) -> Sends:
         if self.done or now < self.deadline:
-            return
+            return []
         if self.phase is Phase.CREATED:
-            self._drop_unadmitted(now)
-            return
+            return self._drop_unadmitted(now)
         if self.phase is Phase.PREFILLED:
-            self._port.metrics.tenant_rejections.labels(self.tenant, "queue_timeout").inc()
-            self._fail(ApiError(503, f"the cluster is saturated: no decode slot freed up within "
-                                f"queue_timeout_s={self._port.config.queue_timeout_s:g}s after the prefill",
-                                code="queue_timeout", retry_after_s=self._port.config.retry_after_s))
-            return
+            self._metrics.tenant_rejections.labels(self.tenant, "queue_timeout").inc()
+            return self._fail(ApiError(503, f"the cluster is saturated: no decode slot freed up within "
+                                       f"queue_timeout_s={self._config.queue_timeout_s:g}s after the prefill",
+                                       code="queue_timeout", retry_after_s=self._config.retry_after_s))
         if self.first_token_at is None:
-            why = f"no first token within first_token_timeout_s={self._port.config.first_token_timeout_s}s"
+            why = f"no first token within first_token_timeout_s={self._config.first_token_timeout_s}s"
         else:
-            why = f"no message from the worker within token_timeout_s={self._port.config.token_timeout_s}s"
-        self._fail(ApiError(504, f"request timed out: {why}", code="timeout"))
+            why = f"no message from the worker within token_timeout_s={self._config.token_timeout_s}s"
+        return self._fail(ApiError(504, f"request timed out: {why}", code="timeout"))
 
-    def _drop_unadmitted(self, now: float) -> None:
-        config = self._port.config
+    def _drop_unadmitted(self, now: float) -> Sends:
+        config = self._config
         if self.client_deadline is not None and now >= self.client_deadline:
             reason, error = "deadline", ApiError(
                 504, "the request's deadline (X-Request-Timeout) passed while it waited for admission; "
@@ -273,31 +269,21 @@ class SubRequest:
                 503, f"the cluster is saturated: the request waited queue_timeout_s={config.queue_timeout_s:g}s "
                 "for admission and was dropped without running", code="queue_timeout",
                 retry_after_s=config.retry_after_s)
-        self._port.metrics.tenant_rejections.labels(self.tenant, reason).inc()
-        self._fail(error)
+        self._metrics.tenant_rejections.labels(self.tenant, reason).inc()
+        return self._fail(error)
 
-    def reject(self, error: ApiError) -> None:
+    def reject(self, error: ApiError) -> Sends:
         """Admission could not start it (no worker left to route to): fail it unstarted."""
-        if not self.done:
-            self._fail(error)
+        return [] if self.done else self._fail(error)
 
-    def cancel(self, reason: str, status: int = 499) -> None:
+    def cancel(self, reason: str, status: int = 499) -> Sends:
         """The client is gone (499) or the proxy is closing (503): free everything on the workers."""
-        if not self.done:
-            self._fail(ApiError(status, f"request cancelled: {reason}", code="cancelled"))
-
-    def _send_decode(self, worker: WorkerState, msg: DecodeRequest) -> None:
-        self.phase = Phase.DECODING
-        self.decode_worker = worker.worker_id
-        if self.trace:
-            msg.trace_context = self.trace.enter("proxy.decode", {"tessera.worker_id": worker.worker_id})
-        self._port.policy.decode_sent(worker, self.prompt, local=msg.first_token is None)
-        self._port.send(worker.worker_id, msg)
+        return [] if self.done else self._fail(ApiError(status, f"request cancelled: {reason}", code="cancelled"))
 
     def _emit_tokens(self, event: TokenEvent, now: float) -> None:
-        metrics = self._port.metrics
+        metrics = self._metrics
+        self.new_tokens = len(event.token_ids)
         if event.token_ids:
-            self._port.charge_output(self, len(event.token_ids))
             if self.first_token_at is None:
                 self.first_token_at = now
                 metrics.queue_depth.dec()
@@ -311,57 +297,61 @@ class SubRequest:
             self.last_token_at = now
         self._sink.put_nowait(event)
 
-    def _finish(self, now: float) -> None:
+    def _finish(self, now: float) -> Sends:
         self.phase = Phase.FINISHED
-        self._release_kv()
-        metrics = self._port.metrics
+        sends = self._release_kv()
+        metrics = self._metrics
         metrics.e2e.observe(now - self.arrival)
-        metrics.tenant_requests.labels(self.tenant, self._port.config.served_model_name, "ok").inc()
+        metrics.tenant_requests.labels(self.tenant, self._config.served_model_name, "ok").inc()
         if self.trace:
             self.trace.close()
         if self.first_token_at is not None and self.num_tokens > 1:
             metrics.tpot.observe((now - self.first_token_at) / (self.num_tokens - 1))
-        self._leave()
+        metrics.in_flight.dec()
+        return sends
 
-    def _fail(self, error: ApiError, gone: str | None = None) -> None:
-        started = self.phase is not Phase.CREATED
-        if self.phase is Phase.PREFILLING:
-            self._port.policy.prefill_ended(self.request_id)
+    @property
+    def local(self) -> bool:
+        """Prefilled on its decode worker: routed there, with no pages to pull."""
+        return self._handoff is None
+
+    def _fail(self, error: ApiError, gone: str | None = None) -> Sends:
+        started = self.started
         if self.first_token_at is None and started:
-            self._port.metrics.queue_depth.dec()
+            self._metrics.queue_depth.dec()
         holders = self._holders() - {gone}
         self.phase = Phase.FAILED
-        for worker_id in sorted(holders):
-            self._port.send(worker_id, Abort(self.request_id))
+        sends: Sends = [(worker_id, Abort(self.request_id)) for worker_id in sorted(holders)]
         if self.kv_holder == gone:
             self.kv_holder = None
-        self._release_kv()
+        sends += self._release_kv()
         if error.status != 499:
             log.warning("request %s failed: %s", self.request_id, error.message)
-        self._port.metrics.tenant_requests.labels(self.tenant, self._port.config.served_model_name,
-                                                  error.code or str(error.status)).inc()
+        self._metrics.tenant_requests.labels(self.tenant, self._config.served_model_name,
+                                             error.code or str(error.status)).inc()
         if self.trace:
             self.trace.close(error.message)
-        self._leave(started)
-        self._sink.put_nowait(FailureEvent(self.index, error))
-
-    def _release_kv(self) -> None:
-        if self.kv_holder is not None:
-            self._port.send(self.kv_holder, ReleaseKV(self.request_id))
-            self.kv_holder = None
-
-    def _leave(self, started: bool = True) -> None:
         if started:
-            self._port.metrics.in_flight.dec()
-        self._port.forget(self)
+            self._metrics.in_flight.dec()
+        self._sink.put_nowait(FailureEvent(self.index, error))
+        return sends
+
+    def _release_kv(self) -> Sends:
+        holder, self.kv_holder = self.kv_holder, None
+        return [] if holder is None else [(holder, ReleaseKV(self.request_id))]
 
 
 class RequestGroup:
-    """The sub-requests of one client request, merged back into one event stream."""
+    """The sub-requests of one client request, merged back into one event stream.
 
-    def __init__(self, subs: list[SubRequest], sink: asyncio.Queue, clock=time.monotonic) -> None:
+    ``owner`` (the cluster) acts for it: ``owner.check_deadline(sub, now)`` and ``owner.cancel(sub, reason)``
+    run the sub-request's handler and send what it returns.
+    """
+
+    def __init__(self, subs: list[SubRequest], sink: asyncio.Queue, owner, clock=time.monotonic) -> None:
         self.subs = subs
         self._sink = sink
+        self._owner = owner
         self._clock = clock
 
     async def events(self) -> AsyncIterator[Event]:
@@ -382,7 +372,7 @@ class RequestGroup:
                 except TimeoutError:
                     now = self._clock()
                     for sub in self.subs:
-                        sub.check_deadline(now)
+                        self._owner.check_deadline(sub, now)
                     continue
             if isinstance(event, FailureEvent) or event.finish_reason is not None:
                 live.discard(event.index)
@@ -390,4 +380,4 @@ class RequestGroup:
 
     def cancel(self, reason: str) -> None:
         for sub in self.subs:
-            sub.cancel(reason)
+            self._owner.cancel(sub, reason)

@@ -7,10 +7,12 @@ Hooks (all called by the cluster, in the event loop):
   disaggregated (the prefill worker; the decode worker is picked later) or
   local (a decode-capable worker that prefills itself), or None when no
   worker can take the request.
-- ``pick_decode(prompt, workers)`` when PrefillDone arrives: the decode
-  worker that pulls the pages, or None.
-- ``prefill_sent`` / ``prefill_ended`` bracket a PrefillRequest, on every
-  path out (PrefillDone, failure, abort, worker loss).
+- ``pick_decode(prompt, workers)`` when a prefilled request gets its
+  decode slot: the decode worker that pulls the pages, or None.
+- ``prefill_sent(worker, prompt)`` / ``prefill_ended(worker_id, num_tokens)``
+  bracket a PrefillRequest, on every path out (PrefillDone, failure, abort,
+  worker loss); the cluster says which worker and how many tokens, so the
+  policy keeps no per-request state.
 - ``decode_sent`` when a DecodeRequest goes out; ``heartbeat`` when a
   worker reports its load; ``worker_removed`` when it is gone.
 
@@ -51,8 +53,8 @@ class Route:
 class RoutingPolicy(Protocol):
     def route(self, prompt: Sequence[int], workers: Sequence[WorkerState]) -> Route | None: ...
     def pick_decode(self, prompt: Sequence[int], workers: Sequence[WorkerState]) -> WorkerState | None: ...
-    def prefill_sent(self, request_id: str, worker: WorkerState, prompt: Sequence[int]) -> None: ...
-    def prefill_ended(self, request_id: str) -> None: ...
+    def prefill_sent(self, worker: WorkerState, prompt: Sequence[int]) -> None: ...
+    def prefill_ended(self, worker_id: str, num_tokens: int) -> None: ...
     def decode_sent(self, worker: WorkerState, prompt: Sequence[int], local: bool) -> None: ...
     def heartbeat(self, worker: WorkerState) -> None: ...
     def worker_removed(self, worker_id: str) -> None: ...
@@ -97,7 +99,6 @@ class PrefixAwareRouting:
         self.local_prefill_threshold = local_prefill_threshold
         self._prefixes: dict[str, PrefixLRU] = {}
         self._prefill_tokens: dict[str, int] = defaultdict(int)  # worker -> tokens sent, not yet done
-        self._prefill_of: dict[str, tuple[str, int]] = {}  # request -> (worker, tokens)
         self._pending: dict[str, _Pending] = defaultdict(_Pending)
         self._prefills_sent: dict[str, int] = defaultdict(int)
 
@@ -115,17 +116,14 @@ class PrefixAwareRouting:
         decoders = [w for w in workers if w.decode_capable and not w.draining]
         return min(decoders, key=self._decode_load, default=None)
 
-    def prefill_sent(self, request_id: str, worker: WorkerState, prompt: Sequence[int]) -> None:
+    def prefill_sent(self, worker: WorkerState, prompt: Sequence[int]) -> None:
         self._remember_prefix(worker, prompt)
         self._prefill_tokens[worker.worker_id] += len(prompt)
         self._prefills_sent[worker.worker_id] += 1
-        self._prefill_of[request_id] = (worker.worker_id, len(prompt))
 
-    def prefill_ended(self, request_id: str) -> None:
-        sent = self._prefill_of.pop(request_id, None)
-        if sent is not None:
-            worker_id, tokens = sent
-            self._prefill_tokens[worker_id] = max(self._prefill_tokens[worker_id] - tokens, 0)
+    def prefill_ended(self, worker_id: str, num_tokens: int) -> None:
+        if worker_id in self._prefill_tokens:  # a removed worker's count is gone already
+            self._prefill_tokens[worker_id] = max(self._prefill_tokens[worker_id] - num_tokens, 0)
 
     def decode_sent(self, worker: WorkerState, prompt: Sequence[int], local: bool) -> None:
         if local:
@@ -142,8 +140,6 @@ class PrefixAwareRouting:
         self._prefill_tokens.pop(worker_id, None)
         self._prefills_sent.pop(worker_id, None)
         self._pending.pop(worker_id, None)
-        for request_id in [r for r, (w, _) in self._prefill_of.items() if w == worker_id]:
-            del self._prefill_of[request_id]
 
     def outstanding_prefill_tokens(self, worker_id: str) -> int:
         """Proxy-tracked tokens of prompts sent to ``worker_id`` and not yet done."""

@@ -27,7 +27,11 @@ from common.storage.model_store import default_cache_root
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC", "-shared"]
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC"]
+# Linked apart from the fast-math compile: with -ffast-math on its link line, gcc adds crtfastmath.o, whose
+# constructor turns on flush-to-zero for the whole process that loads the library (numpy and every other
+# library in it would then lose subnormal floats).
+LDFLAGS = ["-shared", "-fopenmp"]
 
 
 def _cpu_signature() -> str:
@@ -49,17 +53,18 @@ def load_kernel(name: str) -> ctypes.CDLL | None:
         log.warning("no C compiler found; %s runs on the slower pure-torch path", name)
         return None
     digest = hashlib.sha256(
-        source.read_bytes() + " ".join(CFLAGS).encode() + _cpu_signature().encode()
+        source.read_bytes() + " ".join(CFLAGS + LDFLAGS).encode() + _cpu_signature().encode()
     ).hexdigest()[:16]
     target = default_cache_root() / "kernels" / f"{name}-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            result = subprocess.run(
-                [compiler, *CFLAGS, str(source), "-o", str(built), "-lm"],
-                capture_output=True, text=True,
-            )
+            built, obj = Path(tmp) / target.name, Path(tmp) / f"{name}.o"
+            result = subprocess.run([compiler, *CFLAGS, "-c", str(source), "-o", str(obj)],
+                                    capture_output=True, text=True)
+            if result.returncode == 0:
+                result = subprocess.run([compiler, *LDFLAGS, str(obj), "-o", str(built), "-lm"],
+                                        capture_output=True, text=True)
             if result.returncode != 0:
                 log.warning("building %s failed; using the pure-torch path:\n%s", name, result.stderr[-2000:])
                 return None

@@ -9,8 +9,9 @@ shared CPU cores would not.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
+
+import msgspec
 
 from proxy.tenants import hash_key
 from tests.e2e.proxy_harness import *  # noqa: F401,F403 -- fixtures, helpers and wire types
@@ -23,7 +24,7 @@ TENANTS = [
 
 def start_worker(proxy, worker_id: str, role: str, script, max_num_seqs: int = 0, **options) -> FakeWorker:
     worker = FakeWorker(proxy.endpoint, worker_id, role, script, **options)
-    worker.register_msg = dataclasses.replace(worker.register_msg, max_num_seqs=max_num_seqs)
+    worker.register_msg = msgspec.structs.replace(worker.register_msg, max_num_seqs=max_num_seqs)
     return worker.start_and_wait()
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from common.config.roles import ProxyConfig, TenantConfig
-from proxy.admission import AdmissionController
+from proxy.admission import AHEAD, AdmissionController
 from proxy.tenants import TenantRegistry
 
 W_IN, W_OUT = 1.0, 2.0
@@ -86,7 +86,16 @@ class Server:
             self.decode_starts.append((req.tenant, dict(admission.count["ready"])))
             return True
 
-        admission = AdmissionController(config, tenants, lambda: self.decode_slots, start_prefill, start_decode)
+        admission = AdmissionController(config, tenants, lambda: self.decode_slots)
+
+        def dispatch() -> None:
+            while (admit := admission.next_admission()) is not None:
+                if admit.stage == AHEAD:
+                    start_prefill(admit.payload)
+                    admission.prefill_started(admit.key)
+                else:
+                    start_decode(admit.payload)
+
         arrivals = self._arrivals()
         totals = {load.tenant: 0.0 for load in self.loads}
         self.served = {name: [] for name in totals}
@@ -96,7 +105,7 @@ class Server:
                 tenant = tenants.get(req.tenant)
                 admission.check_room(tenant, 1)
                 admission.enqueue(req.key, tenant, req.input_len, req)
-                admission.dispatch()
+                dispatch()
             done, ready = [], []
             for req in batch:
                 req.emitted += 1
@@ -120,8 +129,10 @@ class Server:
                 batch.remove(req)
                 self.finished.append(req)
                 admission.leave(req.key)
+                dispatch()
             for req in ready:
                 admission.ready_for_decode(req.key)
+                dispatch()
             for name, total in totals.items():
                 self.served[name].append(total)
         return self

@@ -131,10 +131,10 @@ def test_prefill_prefers_the_worker_holding_the_prompt_prefix():
     shared = prompt(64)
     first = policy.route(shared + [1000], workers)
     assert not first.local
-    policy.prefill_sent("r1", first.worker, shared + [1000])
+    policy.prefill_sent(first.worker, shared + [1000])
     # While r1 runs, the prefix holder is busier than the cache saves: spill over.
     assert policy.route(shared + [2000, 2001], workers).worker is not first.worker
-    policy.prefill_ended("r1")
+    policy.prefill_ended(first.worker.worker_id, len(shared) + 1)
     # Idle again: the 64 cached tokens win.
     again = policy.route(shared + [2000, 2001], workers)
     assert again.worker is first.worker
@@ -148,11 +148,11 @@ def test_prefill_without_prefix_hits_takes_the_least_outstanding_tokens():
     workers = add(registry, ("p1", "prefill"), ("p2", "prefill"), ("d", "decode"))
     p1, p2 = registry.workers["p1"], registry.workers["p2"]
     policy = PrefixAwareRouting()
-    policy.prefill_sent("r1", p1, prompt(10))
+    policy.prefill_sent(p1, prompt(10))
     assert policy.route(prompt(10, 900), workers).worker is p2
     registry.heartbeat(heartbeat("p2", prefill_tokens=50), 1.0)  # the worker's own count adds to the proxy's
     assert policy.route(prompt(10, 900), workers).worker is p1
-    policy.prefill_ended("r1")
+    policy.prefill_ended("p1", 10)
     assert policy.outstanding_prefill_tokens("p1") == 0
 
 
@@ -162,10 +162,10 @@ def test_longer_prefix_beats_shorter():
     p1, p2 = registry.workers["p1"], registry.workers["p2"]
     policy = PrefixAwareRouting()
     base = prompt(96)
-    policy.prefill_sent("r1", p1, base[:32])
-    policy.prefill_sent("r2", p2, base)
-    policy.prefill_ended("r1")
-    policy.prefill_ended("r2")
+    policy.prefill_sent(p1, base[:32])
+    policy.prefill_sent(p2, base)
+    policy.prefill_ended("p1", 32)
+    policy.prefill_ended("p2", len(base))
     assert policy.route(base + [7], workers).worker is p2
 
 
@@ -246,10 +246,11 @@ def test_worker_removed_forgets_its_state():
     registry = WorkerRegistry(5.0)
     add(registry, ("p", "prefill"))
     policy = PrefixAwareRouting()
-    policy.prefill_sent("r1", registry.workers["p"], prompt(32))
+    policy.prefill_sent(registry.workers["p"], prompt(32))
     policy.worker_removed("p")
     assert policy.outstanding_prefill_tokens("p") == 0
-    policy.prefill_ended("r1")  # a late end is harmless
+    policy.prefill_ended("p", 32)  # a late end is harmless
+    assert policy.outstanding_prefill_tokens("p") == 0
 
 
 def test_prefix_lru_is_bounded_and_counts_only_leading_hits():

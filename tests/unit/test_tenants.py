@@ -123,12 +123,16 @@ def test_concurrency_queue_and_global_limits():
     registry = TenantRegistry(cfg)
     tenant, other = registry.get("t"), registry.default
     started = []
-    admission = AdmissionController(cfg, registry, lambda: 0, lambda p: started.append(p) or True,
-                                    lambda p: True)
+    admission = AdmissionController(cfg, registry, lambda: 0)
+
+    def dispatch():
+        while (admit := admission.next_admission()) is not None:
+            started.append(admit.payload)
+
     for key in ("r1", "r2"):
         admission.check_room(tenant, 1)
         admission.enqueue(key, tenant, 10, key)
-        admission.dispatch()
+        dispatch()
     assert started == ["r1"]  # no decode slot: it runs ahead by prefill_ahead_per_tenant only
     with pytest.raises(ApiError, match="max_queued=1") as caught:
         admission.check_room(tenant, 1)
@@ -140,6 +144,7 @@ def test_concurrency_queue_and_global_limits():
         admission.check_room(other, 1)
     assert caught.value.status == 503
     admission.leave("r1")
+    dispatch()
     assert started == ["r1", "r2"]
     admission.check_room(other, 1)
 
