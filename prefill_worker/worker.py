@@ -18,7 +18,7 @@ import time
 
 from common.protocol import wire
 from common.engine.llm_engine import RequestError
-from common.engine.outputs import RequestOutput
+from common.engine.llm_engine import RequestOutput
 from common.engine.sequence import FinishReason, Sequence
 from common.runtime.worker_base import WorkerBase
 

@@ -71,7 +71,7 @@ class AdmissionController:
     def __init__(self, config: ProxyConfig, tenants: TenantRegistry, decode_slots: Callable[[], int],
                  metrics: ProxyMetrics | None = None) -> None:
         self.config = config
-        self.counters = ServiceCounters(config.vtc_input_weight, config.vtc_output_weight, tenants.weight)
+        self.counters = ServiceCounters(config.vtc_input_weight, config.vtc_output_weight, tenants.weights)
         self.prefill_queue = make_queue(config.fairness_policy, self.counters)
         self.decode_queue = make_queue(config.fairness_policy, self.counters)
         self.lift = BacklogLift(self.counters)

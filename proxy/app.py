@@ -57,13 +57,6 @@ class Services:
     link: WorkerLink
     started_at: int
 
-    def model_names(self) -> set[str]:
-        """The served name, and the workers' own model name once one has registered."""
-        names = {self.config.served_model_name}
-        if self.cluster.registry.cluster_model is not None:
-            names.add(self.cluster.registry.cluster_model.model)
-        return names
-
 
 def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
                policy: RoutingPolicy | None = None) -> FastAPI:

@@ -110,9 +110,8 @@ class Cluster:
     def _charge_output(self, sub: SubRequest, num_tokens: int) -> None:
         """Tokens a worker emitted for ``sub``: its tenant's service counter and token bucket."""
         self.admission.charge_output(sub.tenant, num_tokens)
-        tenant = self.tenants.get(sub.tenant)
-        if tenant is not None:
-            tenant.limiter.charge_tokens(num_tokens, self._clock())
+        if sub.tenant in self.tenants.limited:
+            self.tenants.tenants[sub.tenant].limiter.charge_tokens(num_tokens, self._clock())
 
     # -- admission ------------------------------------------------------------------------------
 
@@ -149,7 +148,8 @@ class Cluster:
                                  self.tracing, sink, now, tenant=tenant.name, lane=tenant.lane)
                 sub.wait_for_admission(queue_deadline, client_deadline)
                 self.inflight[sub.request_id] = sub
-                tenant.limiter.charge_tokens(len(prompt), now)
+                if tenant.limited:
+                    tenant.limiter.charge_tokens(len(prompt), now)
                 self.admission.enqueue(sub.request_id, tenant, len(prompt), sub)
                 subs.append(sub)
         self._dispatch()

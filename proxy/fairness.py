@@ -59,10 +59,11 @@ class Waiting:
 class ServiceCounters:
     """Each tenant's weighted service, divided by its weight (the VTC counter)."""
 
-    def __init__(self, input_weight: float, output_weight: float, weight_of: Callable[[str], float]) -> None:
+    def __init__(self, input_weight: float, output_weight: float, weights: dict[str, float]) -> None:
+        """``weights``: each tenant's weight; a tenant not in it weighs 1."""
         self.input_weight = input_weight
         self.output_weight = output_weight
-        self._weight_of = weight_of
+        self._weights = weights
         self.values: dict[str, float] = defaultdict(float)
 
     def __getitem__(self, tenant: str) -> float:
@@ -71,7 +72,7 @@ class ServiceCounters:
     def charge(self, tenant: str, input_tokens: int = 0, output_tokens: int = 0) -> float:
         """Add the service of ``input_tokens`` prompt and ``output_tokens`` generated tokens; the new counter."""
         cost = input_tokens * self.input_weight + output_tokens * self.output_weight
-        self.values[tenant] += cost / self._weight_of(tenant)
+        self.values[tenant] += cost / self._weights.get(tenant, 1.0)
         return self.values[tenant]
 
     def lift(self, tenant: str, floor: float) -> None:

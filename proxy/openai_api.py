@@ -93,10 +93,15 @@ async def _serve(request: Request, request_model, format_cls, endpoint: str) -> 
     services = request.app.state.services
     metrics = services.metrics
     try:
-        tenant = tenant_from_header(services.config, services.cluster.tenants, request.headers.get("authorization"))
+        config = services.config
+        tenant = None
+        if config.auth_enabled:
+            tenant = tenant_from_header(config, services.cluster.tenants, request.headers.get("authorization"))
         timeout_s = _timeout(request.headers.get(TIMEOUT_HEADER))
         body = await read_model(request, request_model, services.config.max_prompt_bytes)
-        tenant = tenant or tenant_from_body(services.config, services.cluster.tenants, body.user)
+        if tenant is None:
+            tenant = (tenant_from_body(config, services.cluster.tenants, body.user) if config.tenant_from_user_field
+                      else services.cluster.tenants.default)
         generation, group = await _admit(services, body, format_cls, tenant, timeout_s)
     except ApiError as error:
         metrics.requests.labels(endpoint, str(error.status)).inc()
@@ -140,7 +145,8 @@ def _timeout(raw: str | None) -> float | None:
 async def _admit(services, body, format_cls, tenant: Tenant,
                  timeout_s: float | None) -> tuple[_Generation, RequestGroup]:
     config, cluster = services.config, services.cluster
-    if body.model not in services.model_names():
+    identity = cluster.registry.cluster_model
+    if body.model != config.served_model_name and (identity is None or body.model != identity.model):
         raise ApiError(404, f"model {body.model!r} does not exist; this server serves "
                        f"{config.served_model_name!r}", code="model_not_found", param="model")
     params = body.sampling_params(config.max_tokens_default)
@@ -152,11 +158,12 @@ async def _admit(services, body, format_cls, tenant: Tenant,
         why = "the proxy is shutting down" if cluster.draining else "no worker is registered"
         raise ApiError(503, f"cannot serve now: {why}", code="no_worker_available",
                        retry_after_s=config.retry_after_s)
-    try:
-        tenant.limiter.admit(time.monotonic())
-    except ApiError:
-        services.metrics.tenant_rejections.labels(tenant.name, "rate_limit").inc()
-        raise
+    if tenant.limited:
+        try:
+            tenant.limiter.admit(time.monotonic())
+        except ApiError:
+            services.metrics.tenant_rejections.labels(tenant.name, "rate_limit").inc()
+            raise
     prompts = await asyncio.to_thread(body.prompt_token_ids, services.tokenizer)
     longest = max(prompts, key=len)
     if len(longest) >= max_model_len:

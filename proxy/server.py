@@ -39,11 +39,10 @@ class DrainingServer(uvicorn.Server):
         self._drain_requested = False
         self._drain_cut = False  # a second signal: the requests still in flight are cancelled now
 
-    async def serve(self, sockets=None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-
     async def startup(self, sockets=None) -> None:
+        # Captured here, not in an overridden serve(): that coroutine would be resumed on every tick of
+        # uvicorn's main loop for nothing.
+        self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
         if self.started:  # uvicorn sets it once every listener is bound
             sd_notify.ready(f"proxy serving on {self.config.host}:{self.config.port}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.config.roles import ProxyConfig, TenantConfig
 from proxy.rate_limit import TenantLimiter
@@ -20,20 +20,17 @@ from proxy.tenants_command import hash_key
 
 @dataclass
 class Tenant:
+    """A tenant as the request path reads it: plain values, taken from its config once."""
     config: TenantConfig
     limiter: TenantLimiter
+    name: str = field(init=False)
+    weight: float = field(init=False)
+    lane: int = field(init=False)  # priority lane, 0 (p0) first
+    limited: bool = field(init=False)  # has a request or token rate limit: the limiter must see its traffic
 
-    @property
-    def name(self) -> str:
-        return self.config.name
-
-    @property
-    def weight(self) -> float:
-        return self.config.weight
-
-    @property
-    def lane(self) -> int:
-        return self.config.lane
+    def __post_init__(self) -> None:
+        self.name, self.weight, self.lane = self.config.name, self.config.weight, self.config.lane
+        self.limited = self.limiter.requests is not None or self.limiter.tokens is not None
 
 
 class TenantRegistry:
@@ -45,6 +42,8 @@ class TenantRegistry:
         self.tenants = {t.name: Tenant(t, TenantLimiter(t, now)) for t in configured}
         self.default = self.tenants[config.default_tenant]
         self._by_key_hash = {key: self.tenants[t.name] for t in configured for key in t.api_key_sha256}
+        self.limited = {name for name, tenant in self.tenants.items() if tenant.limited}
+        self.weights = {name: tenant.weight for name, tenant in self.tenants.items()}  # an unknown tenant weighs 1
 
     def by_key(self, api_key: str) -> Tenant | None:
         return self._by_key_hash.get(hash_key(api_key))
@@ -52,6 +51,4 @@ class TenantRegistry:
     def get(self, name: str) -> Tenant | None:
         return self.tenants.get(name)
 
-    def weight(self, name: str) -> float:
-        tenant = self.tenants.get(name)
-        return tenant.weight if tenant is not None else 1.0
+

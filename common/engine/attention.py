@@ -1,11 +1,20 @@
-"""Paged attention backends.
+"""Paged attention: the per-step context the runner sets, and the backends that read it.
 
-Every backend first writes the step's new K/V into the paged pool, then
-attends each query row to its sequence's cached context (which now includes
-the new tokens). Which rows are decodes and which are prompt chunks comes
-from the step context (see ``common.engine.step_context``); the runner places all
-decode rows first, so they form one contiguous slice.
+Models take only ``(input_ids, positions)`` and know nothing about batching;
+everything about where each token's K/V lives and what it may attend to is
+in the ``StepContext``, which the runner builds once per step and every
+layer reuses. Every backend first writes the step's new K/V into the paged
+pool, then attends each query row to its sequence's cached context (which
+now includes the new tokens); the runner places all decode rows first, so
+they form one contiguous slice.
 
+The flat token batch is split into two groups that attend differently:
+- *decode rows*: sequences computing exactly one token. They are attended in
+  one padded batch against their gathered pages (no Python loop).
+- *chunks*: sequences computing several tokens (a prompt, a prompt chunk, a
+  recompute). A step holds few of them; each is one SDPA call.
+
+Backends:
 - ``CpuAttention``: decode rows through a small C kernel that reads the
   pages in place (``common/engine/kernels/paged_attention.c``); chunks as below.
 - ``TorchAttention`` (GPU without flash-attn, or CPU without a C compiler):
@@ -16,13 +25,63 @@ decode rows first, so they form one contiguous slice.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from common.engine.kv_cache import KVCache
 from common.engine.native import load_kernel
-from common.engine.step_context import PrefillChunk, StepContext, get_step_context
+
+
+# ---- per-step metadata: set by the model runner, read by every attention layer --------------------
+@dataclass
+class PrefillChunk:
+    token_start: int  # rows [token_start, token_end) of the flat batch
+    token_end: int
+    num_computed: int  # tokens already in the cache before this chunk
+    block_table: torch.Tensor  # [num_blocks_needed] long, covers the whole context
+
+    @property
+    def context_len(self) -> int:
+        return self.num_computed + self.token_end - self.token_start
+
+
+@dataclass
+class StepContext:
+    kv_cache: KVCache
+    slot_blocks: torch.Tensor  # [T] block id each new token's K/V is written to
+    slot_offsets: torch.Tensor  # [T] position inside that block
+    decode_rows: torch.Tensor | None = None  # [Bd] rows of the flat batch
+    decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks], padded with 0
+    decode_context_lens: torch.Tensor | None = None  # [Bd], the new token included
+    chunks: list[PrefillChunk] = field(default_factory=list)
+    # Filled lazily by a backend that needs its own form (e.g. flash-attn's cu_seqlens).
+    backend_state: dict = field(default_factory=dict)
+
+
+_current: StepContext | None = None
+
+
+def get_step_context() -> StepContext:
+    if _current is None:
+        raise RuntimeError("attention ran outside a step: the model runner sets the step context")
+    return _current
+
+
+@contextlib.contextmanager
+def step_context(ctx: StepContext):
+    global _current
+    previous, _current = _current, ctx
+    try:
+        yield ctx
+    finally:
+        _current = previous
+
+
+# ---- backends ----------------------------------------------------------------------------
 
 
 class TorchAttention:
@@ -31,7 +90,7 @@ class TorchAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
         """q ``[T, H, D]``, k/v ``[T, Hkv, D]`` -> ``[T, H, D]``."""
         ctx = get_step_context()
-        k_cache, v_cache = ctx.kv_cache.layer(layer)
+        k_cache, v_cache = ctx.kv_cache.layers[layer]
         k_cache[ctx.slot_blocks, ctx.slot_offsets] = k
         v_cache[ctx.slot_blocks, ctx.slot_offsets] = v
         if not ctx.chunks:
@@ -135,7 +194,7 @@ class FlashAttention:
 
     def __call__(self, q, k, v, layer: int, scale: float) -> torch.Tensor:
         ctx = get_step_context()
-        k_cache, v_cache = ctx.kv_cache.layer(layer)
+        k_cache, v_cache = ctx.kv_cache.layers[layer]
         k_cache[ctx.slot_blocks, ctx.slot_offsets] = k
         v_cache[ctx.slot_blocks, ctx.slot_offsets] = v
         out = torch.empty_like(q)

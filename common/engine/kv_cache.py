@@ -10,7 +10,7 @@ usual ``[num_blocks, block_size, kv_heads, head_dim]`` K and V (strided views).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,15 +24,16 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str  # "float32" | "bfloat16"
+    # Derived once here: the runner, the attention layers and the transfer backends read them every step.
+    torch_dtype: torch.dtype = field(init=False, compare=False)
+    bytes_per_block: int = field(init=False, compare=False)
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    @property
-    def bytes_per_block(self) -> int:
-        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+    def __post_init__(self) -> None:
+        torch_dtype = getattr(torch, self.dtype)
+        itemsize = torch.empty((), dtype=torch_dtype).element_size()
+        object.__setattr__(self, "torch_dtype", torch_dtype)
+        object.__setattr__(self, "bytes_per_block",
+                           self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize)
 
     def blocks_for_budget(self, budget_bytes: int) -> int:
         return budget_bytes // self.bytes_per_block
@@ -51,10 +52,9 @@ class KVCache:
             num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim,
             dtype=layout.torch_dtype, device=device,
         )
+        # K and V of each layer, each ``[num_blocks, block_size, kv_heads, head_dim]`` (views, made once).
+        self.layers = [(self.buffer[:, i, 0], self.buffer[:, i, 1]) for i in range(layout.num_layers)]
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer, each ``[num_blocks, block_size, kv_heads, head_dim]``."""
-        return self.buffer[:, index, 0], self.buffer[:, index, 1]
 
     @property
     def nbytes(self) -> int:
@@ -64,7 +64,3 @@ class KVCache:
         """(address, length) of a run of consecutive blocks, for transfer descriptors."""
         per = self.layout.bytes_per_block
         return self.buffer.data_ptr() + first_block * per, num_blocks * per
-
-    def copy_blocks_in(self, block_ids: torch.Tensor, data: torch.Tensor) -> None:
-        """Write whole blocks (``data`` shaped like ``buffer[block_ids]``)."""
-        self.buffer.index_copy_(0, block_ids, data)

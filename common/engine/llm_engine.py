@@ -1,4 +1,4 @@
-"""The in-process engine: scheduler + model runner + output processor.
+"""The in-process engine: scheduler + model runner + output processor (below).
 
 This is the offline API (``LLMEngine.generate``), the aggregated serving
 mode, and the reference the disaggregated cluster is compared against.
@@ -20,14 +20,90 @@ from common.engine.block_manager import BlockManager
 from common.config.base import EngineConfig
 from common.engine.model_runner import ModelRunner
 from common.storage.model_store import resolve_model
-from common.engine.outputs import OutputProcessor, RequestOutput
 from common.protocol.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.engine.sequence import FinishReason, Sequence
 from common.engine.speculator import make_speculator
-from common.text.tokenizer import Tokenizer
+from common.text.tokenizer import TextState, Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+# ---- outputs: What the engine returns per request, and the output processor that builds it.
+#
+# The processor turns newly appended tokens into text deltas (incremental
+# detokenization that never splits a UTF-8 character), applies stop strings
+# (which may span tokens and are held back until resolved), and reports each
+# touched request once per step.
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str  # all text so far
+    text_delta: str  # text added since the previous report
+    token_ids: list[int]
+    token_ids_delta: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finished for o in self.outputs)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def start(self, seq: Sequence) -> None:
+        seq.text_state = TextState(self.tokenizer, seq.prompt_token_ids, seq.params)
+
+    def process(self, seqs: list[Sequence], finish) -> None:
+        """Detokenize new tokens of ``seqs``; ``finish(seq, reason, stop)`` ends a stop-string hit."""
+        for seq in seqs:
+            state: TextState = seq.text_state
+            new = seq.token_ids[seq.num_prompt_tokens + state.num_tokens:]
+            _, stop = state.update(new)
+            if stop is not None:
+                finish(seq, FinishReason.STOP, stop)
+
+    def report(self, request_id: str, seqs: list[Sequence]) -> RequestOutput:
+        out = RequestOutput(request_id, seqs[0].prompt_token_ids, num_cached_tokens=seqs[0].num_prefix_cached_tokens)
+        for seq in seqs:
+            state: TextState = seq.text_state
+            # A handed-off sequence continues on a decode worker, which replays
+            # its first token: text held back for a possible stop string stays held.
+            if seq.is_finished and not state.flushed and seq.finish_reason is not FinishReason.HANDOFF:
+                state.flush()
+            tokens = seq.output_token_ids[: state.num_tokens]
+            new_tokens = tokens[seq.reported_tokens:]
+            wants_logprobs = seq.params.logprobs is not None
+            out.outputs.append(CompletionOutput(
+                index=seq.index,
+                text=state.text,
+                text_delta=state.take_delta(),
+                token_ids=tokens,
+                token_ids_delta=new_tokens,
+                logprobs=seq.logprobs[: len(tokens)] if wants_logprobs else None,
+                top_logprobs=seq.top_logprobs[: len(tokens)] if wants_logprobs else None,
+                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+                stop_reason=seq.stop_reason,
+            ))
+            seq.reported_tokens = len(tokens)
+        return out
 
 
 @dataclass
@@ -63,6 +139,9 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.speculator = make_speculator(config, self.runner)
+        # The speculator runs once speculation is on for the deployment or any request has asked for it;
+        # until then (the default) a step never calls it.
+        self._speculating = config.spec_method != "off"
         self.requests: dict[str, list[Sequence]] = {}
         self._seed_source = random.Random(config.seed)
         self._aborted: list[str] = []  # reported (as finished) by the next step
@@ -172,10 +251,13 @@ class LLMEngine:
             raise RequestError(f"token ids out of the vocabulary [0, {self.runner.vocab_size}): {bad[:5]}")
 
     def _validate_speculative(self, params: SamplingParams) -> None:
+        if params.speculative in (None, "off"):
+            return
         try:
             self.speculator.check_request(params.speculative)
         except ValueError as exc:
             raise RequestError(str(exc)) from None
+        self._speculating = True
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request wherever it is; a sequence still waiting for its KV is freed too."""
@@ -186,7 +268,8 @@ class LLMEngine:
         for seq in seqs:
             if not seq.is_finished:  # waiting for pages: the scheduler never saw it
                 self.scheduler.finish(seq, FinishReason.ABORT)
-        self.speculator.retain(self.scheduler.running)  # its draft KV too, even if no step follows
+        if self._speculating:
+            self.speculator.retain(self.scheduler.running)  # its draft KV too, even if no step follows
         self._aborted.append(request_id)
 
     def has_unfinished(self) -> bool:
@@ -194,7 +277,8 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self.speculator.propose(self.scheduler.running)
+        if self._speculating:
+            self.speculator.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
         advanced: list[Sequence] = []
         if plan:
@@ -206,9 +290,10 @@ class LLMEngine:
             before = {seq.seq_id: seq.num_tokens for seq in sample.seqs}
             advanced = self.scheduler.update(plan, dict(zip((s.seq_id for s in sample.seqs), sample.token_ids)))
             self._count(plan, sample, sum(s.num_tokens - before[s.seq_id] for s in advanced))
-            self.speculator.observe(sample)
             self.output_processor.process(advanced, self.scheduler.finish)
-            self.speculator.retain(self.scheduler.running)
+            if self._speculating:
+                self.speculator.observe(sample)
+                self.speculator.retain(self.scheduler.running)
         return self._collect_outputs(advanced)
 
     def _count(self, plan, sample, num_generated: int) -> None:

@@ -23,7 +23,7 @@ from common.engine.sampler import Sampler, SamplingRow
 from common.engine.scheduler import StepPlan
 from common.engine.sequence import Sequence
 from common.engine.spec_verify import verify_drafts
-from common.engine.step_context import PrefillChunk, StepContext, step_context
+from common.engine.attention import PrefillChunk, StepContext, step_context
 
 log = logging.getLogger(__name__)
 

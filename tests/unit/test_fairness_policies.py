@@ -7,7 +7,7 @@ from proxy.fairness import BacklogLift, FcfsQueue, PriorityQueue, ServiceCounter
 
 
 def counters(weights: dict[str, float] | None = None) -> ServiceCounters:
-    return ServiceCounters(1.0, 2.0, lambda tenant: (weights or {}).get(tenant, 1.0))
+    return ServiceCounters(1.0, 2.0, weights or {})
 
 
 def drain(queue) -> list[str]:
