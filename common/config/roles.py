@@ -10,6 +10,7 @@ must exist. Field docs, allowed values and bounds are declared with
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ import yaml
 from common.config.base import (
     DTYPES, ConfigError, EngineConfig, check_paths, option, reject_unknown, validate_options,
 )
+
+log = logging.getLogger("tessera.config")
 
 ROLES = ("prefill", "decode", "both")
 TRANSFER_BACKENDS = ("auto", "nixl", "zmq")
@@ -165,7 +168,6 @@ class WorkerConfig:
     transfer_host: str = option("127.0.0.1", "address the zmq KV transfer server listens on")
     heartbeat_interval_s: float = option(1.0, "how often the worker reports its load to the proxy", gt=0)
     register_timeout_s: float = option(30.0, "longest wait for the proxy to acknowledge registration", gt=0)
-    kv_lease_s: float = option(30.0, "prefill pages not pulled within this are freed", gt=0)
     kv_pull_timeout_s: float = option(30.0, "deadline of one KV pull from a prefill worker", gt=0)
     drain_timeout_s: float = option(30.0, "on SIGTERM, how long running requests may run on", gt=0)
     idle_poll_s: float = option(0.05, "how long the loop waits for work when it has none", gt=0)
@@ -275,7 +277,17 @@ def load_config(cls, path: str | Path | None = None, overrides: dict | None = No
     return config
 
 
+# Keys a config may still carry from an older release: accepted, ignored, and logged once per load.
+DEPRECATED = {"WorkerConfig": {"kv_lease_s": "the proxy's kv_lease_s sets the prefill lease (the worker's was "
+                                               "never read)"}}
+
+
 def build(cls, data: dict):
+    data = dict(data)
+    for key, why in DEPRECATED.get(cls.__name__, {}).items():
+        if key in data:
+            del data[key]
+            log.warning("config field %r is deprecated and ignored: %s", key, why)
     reject_unknown(SECTIONS.get(cls, cls.__name__), data, cls)
     values = dict(data)
     if "engine" in values and cls is WorkerConfig:

@@ -160,10 +160,3 @@ class BlockManager:
                 block.token_ids = chunk
             parent = block.hash
         return num_full
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached mapping (used when weights change)."""
-        self._cached.clear()
-        for block in self.blocks:
-            block.hash = None
-            block.token_ids = ()

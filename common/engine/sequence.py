@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import time
 from typing import Any
 
 from common.protocol.sampling_params import SamplingParams
@@ -41,7 +40,6 @@ class Sequence:
         params: SamplingParams,
         seed: int,
         index: int = 0,
-        arrival_time: float | None = None,
     ) -> None:
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
@@ -50,7 +48,6 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.seed = seed
-        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that matched
@@ -92,10 +89,6 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def last_token_id(self) -> int:
-        return self.token_ids[-1]
 
     @property
     def is_finished(self) -> bool:

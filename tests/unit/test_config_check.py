@@ -168,3 +168,14 @@ def test_check_opens_the_curve_key_files(tmp_path, capsys):
     not_a_key = ["--set", f"curve_proxy_public_key_file={__file__}"]
     assert main(["config", "check", write(tmp_path, "{}\n"), *worker, *not_a_key]) == 2
     assert "'curve_proxy_public_key_file'" in capsys.readouterr().err
+
+
+def test_a_deprecated_key_still_loads_with_a_warning(tmp_path, caplog):
+    from common.config.roles import WorkerConfig, load_config
+
+    path = tmp_path / "prefill.yaml"
+    path.write_text("role: prefill\nkv_lease_s: 30.0\n")
+    with caplog.at_level("WARNING", logger="tessera.config"):
+        config = load_config(WorkerConfig, path)
+    assert config.role == "prefill" and not hasattr(config, "kv_lease_s")
+    assert "kv_lease_s" in caplog.text and "deprecated" in caplog.text
