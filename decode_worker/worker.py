@@ -21,8 +21,7 @@ import time
 from dataclasses import dataclass
 
 from common.protocol import wire
-from common.engine.llm_engine import RequestError
-from common.engine.sequence import Sequence
+from common.engine.sequence import FinishReason, Sequence
 from common.runtime.worker_base import WorkerBase
 from kv_transfer.base import TransferStatus
 
@@ -83,26 +82,19 @@ class DecodeHandler(WorkerBase):
                 log.exception("cannot reach prefill worker %s for KV transfer", peer.worker_id)
 
     def _start(self, msg: wire.DecodeRequest) -> None:
-        if self.draining:
-            self.metrics.request_done("decode", "refused")
-            self.refuse(msg.request_id, "worker is draining", retryable=True)
-            return
-        try:
-            params = msg.params.replace(n=1)
-            if msg.first_token is None:
-                for seq in self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, seed=msg.seed):
+        if msg.first_token is None:  # no pages: the prompt is computed here
+            seqs = self.intake(msg, "decode", lambda params: self.engine.add_request(
+                msg.request_id, msg.prompt_token_ids, params, seed=msg.seed))
+            if seqs is not None:
+                for seq in seqs:
                     _set_fairness(seq, msg)
                 self.metrics.prompt_tokens.inc(len(msg.prompt_token_ids))
                 self.trace_start(msg.request_id, DECODE_SPAN, msg.trace_context)
-                return
-            top = list(msg.first_top_logprobs or [])
-            seq = self.engine.add_prefilled_request(
-                msg.request_id, msg.prompt_token_ids, msg.first_token, params, msg.seed,
-                msg.first_logprob, top,
-            )
-        except (RequestError, ValueError, TypeError) as exc:
-            self.metrics.request_done("decode", "refused")
-            self.refuse(msg.request_id, str(exc), retryable=False, invalid_request=True)
+            return
+        seq = self.intake(msg, "decode", lambda params: self.engine.add_prefilled_request(
+            msg.request_id, msg.prompt_token_ids, msg.first_token, params, msg.seed, msg.first_logprob,
+            list(msg.first_top_logprobs or [])))
+        if seq is None:
             return
         _set_fairness(seq, msg)
         self.trace_start(msg.request_id, DECODE_SPAN, msg.trace_context)
@@ -165,7 +157,7 @@ class DecodeHandler(WorkerBase):
 
     def _emit(self, out) -> None:
         o = out.outputs[0]
-        if o.finish_reason == "abort":
+        if o.finish_reason == FinishReason.ABORT.value:
             self.metrics.request_done("decode", "aborted")
             self.trace_end(out.request_id, DECODE_SPAN, "aborted")
             return
@@ -198,10 +190,7 @@ class DecodeHandler(WorkerBase):
             self.tick()
             time.sleep(0.001)
         for request_id in list(self.engine.requests):
-            self.engine.abort_request(request_id)
-            self.metrics.request_done("decode", "failed")
-            self.trace_end(request_id, DECODE_SPAN, reason)
-            self.refuse(request_id, reason, retryable=True)
+            self.fail(request_id, "decode", DECODE_SPAN, reason)
         if self.engine.has_unfinished():
             self.engine.step()
 

@@ -17,7 +17,6 @@ import logging
 import time
 
 from common.protocol import wire
-from common.engine.llm_engine import RequestError
 from common.engine.llm_engine import RequestOutput
 from common.engine.sequence import FinishReason, Sequence
 from common.runtime.worker_base import WorkerBase
@@ -51,19 +50,11 @@ class PrefillHandler(WorkerBase):
             log.warning("prefill worker ignores %s", type(msg).__name__)
 
     def _start(self, msg: wire.PrefillRequest) -> None:
-        if self.draining:
-            self.metrics.request_done("prefill", "refused")
-            self.refuse(msg.request_id, "worker is draining", retryable=True)
+        seqs = self.intake(msg, "prefill", lambda params: self.engine.add_request(
+            msg.request_id, msg.prompt_token_ids, params, seed=msg.seed, prefill_only=True))
+        if seqs is None:
             return
-        try:
-            params = msg.params.replace(n=1)
-            (seq,) = self.engine.add_request(
-                msg.request_id, msg.prompt_token_ids, params, seed=msg.seed, prefill_only=True
-            )
-        except (RequestError, ValueError, TypeError) as exc:
-            self.metrics.request_done("prefill", "refused")
-            self.refuse(msg.request_id, str(exc), retryable=False, invalid_request=True)
-            return
+        (seq,) = seqs
         self.metrics.prompt_tokens.inc(len(msg.prompt_token_ids))
         self.trace_start(msg.request_id, SPAN, msg.trace_context)
         seq.priority = msg.priority  # the scheduler's preemption order: lowest lane, highest counter first
@@ -116,11 +107,8 @@ class PrefillHandler(WorkerBase):
 
     def fail_all(self, reason: str) -> None:
         for request_id in list(self.computing):
-            self.engine.abort_request(request_id)
             self.computing.pop(request_id)
-            self.metrics.request_done("prefill", "failed")
-            self.trace_end(request_id, SPAN, reason)
-            self.refuse(request_id, reason, retryable=True)
+            self.fail(request_id, "prefill", SPAN, reason)
         for request_id in list(self.leases):
             self._release(request_id)
         if self.engine.has_unfinished():

@@ -212,22 +212,15 @@ class LLMEngine:
         seq.text_state.update([first_token])
         seq.text_state.take_delta()
         seq.reported_tokens = 1
-        needed = -(-len(prompt_ids) // self.config.block_size)
-        if self.block_manager.can_allocate(needed):
-            seq.block_table = self.block_manager.allocate(needed)
+        self.scheduler.await_remote_kv(seq)
         return seq
 
     def kv_ready(self, seq: Sequence) -> None:
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        self.scheduler.add_prefilled(seq)
+        self.scheduler.remote_kv_arrived(seq)
 
     def kv_failed(self, seq: Sequence) -> None:
-        """The pages never arrived: free what was reserved and recompute locally."""
-        if seq.block_table:
-            self.block_manager.free(seq.block_table)
-            seq.block_table = []
-        seq.num_computed_tokens = 0
-        self.scheduler.add_prefilled(seq)
+        """The pages never arrived: recompute the prompt here."""
+        self.scheduler.remote_kv_failed(seq)
 
     def release_held(self, seq: Sequence) -> None:
         """Free the KV blocks a prefill-only sequence kept after finishing."""

@@ -297,8 +297,30 @@ class Scheduler:
         if seq.is_finished and seq.block_table:
             self._release(seq)
 
-    def add_prefilled(self, seq: Sequence) -> None:
-        """Queue a sequence whose prompt KV is already in its blocks (pulled from a prefill worker)."""
+    def await_remote_kv(self, seq: Sequence) -> bool:
+        """A prompt computed elsewhere: give it the blocks its pages are pulled into, and wait for them.
+
+        False when the pool cannot take them now: the caller recomputes (``remote_kv_failed``) at once.
+        The sequence is in no queue while it waits, so no step runs it; a finish (abort) frees its blocks.
+        """
+        needed = -(-seq.num_prompt_tokens // self.blocks.block_size)
+        if not self.blocks.can_allocate(needed):
+            return False
+        seq.block_table = self.blocks.allocate(needed)
+        seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
+        return True
+
+    def remote_kv_arrived(self, seq: Sequence) -> None:
+        """Its pages are in its blocks: it decodes from here."""
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def remote_kv_failed(self, seq: Sequence) -> None:
+        """The pages never arrived (or never could): free what was reserved and compute the prompt here."""
+        if seq.block_table:
+            self._release(seq)
+        seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 

@@ -18,6 +18,7 @@ from common.protocol.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no blocks (or only prefix hits not yet taken)
     WAITING_FOR_FORK = "waiting_for_fork"  # a sibling sample waiting for its prompt's KV
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # its prompt's pages are being pulled into its blocks
     RUNNING = "running"
     FINISHED = "finished"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Protocol
 
 from common.protocol import wire
-from common.engine.llm_engine import LLMEngine
+from common.engine.llm_engine import LLMEngine, RequestError
 from common.runtime.health_server import HealthServer
 from common.config.roles import WorkerConfig
 from common.runtime.tracing import make_tracing
@@ -107,6 +107,29 @@ class WorkerBase:
     def trace_end(self, request_id: str, name: str, error: str | None = None) -> None:
         if self._spans:
             self.tracing.end(self._spans.pop((request_id, name), None), error)
+
+    def intake(self, msg, stage: str, add):
+        """Take a Prefill/DecodeRequest: ``add(params)`` puts it in the engine; its result, or None when refused.
+
+        Refused while draining (retryable), or when the engine rejects the request (the client's 400).
+        """
+        if self.draining:
+            self.metrics.request_done(stage, "refused")
+            self.refuse(msg.request_id, "worker is draining", retryable=True)
+            return None
+        try:
+            return add(msg.params.replace(n=1))
+        except (RequestError, ValueError, TypeError) as exc:
+            self.metrics.request_done(stage, "refused")
+            self.refuse(msg.request_id, str(exc), retryable=False, invalid_request=True)
+            return None
+
+    def fail(self, request_id: str, stage: str, span: str, reason: str) -> None:
+        """Drop a request this worker holds (draining, the proxy lost): the proxy may retry it elsewhere."""
+        self.engine.abort_request(request_id)
+        self.metrics.request_done(stage, "failed")
+        self.trace_end(request_id, span, reason)
+        self.refuse(request_id, reason, retryable=True)
 
     def refuse(self, request_id: str, message: str, retryable: bool, invalid_request: bool = False) -> None:
         self.send(wire.RequestFailed(request_id, self.config.worker_id, message, retryable, invalid_request))

@@ -116,3 +116,17 @@ def test_abort_while_waiting_for_pages_frees_them(engines):
     (out,) = decode.step()
     assert out.finished and decode.block_manager.num_used_blocks == 0
     assert not decode.has_unfinished() and dseq.is_finished
+
+
+def test_a_pull_is_a_request_state_the_scheduler_never_runs(engines):
+    _, _, decode = engines
+    from common.engine.sequence import SequenceStatus
+
+    dseq = decode.add_prefilled_request("d-wait", [5] * 40, 7, SamplingParams(max_tokens=5), 1)
+    assert dseq.status is SequenceStatus.WAITING_FOR_REMOTE_KV and len(dseq.block_table) == 3
+    assert dseq not in decode.scheduler.waiting and not decode.step()  # nothing runs while the pages travel
+    decode.kv_failed(dseq)  # the pull failed: its blocks go back, the prompt is recomputed here
+    assert dseq.status is SequenceStatus.WAITING and decode.block_manager.num_used_blocks == 0
+    while decode.has_unfinished():
+        decode.step()
+    assert dseq.is_finished and decode.block_manager.num_used_blocks == 0
