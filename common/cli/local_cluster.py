@@ -60,8 +60,9 @@ class LocalCluster:
     @classmethod
     def for_tests(cls, model_dir: Path | str, log_dir: Path | None = None, **options) -> "LocalCluster":
         cluster = cls(model_dir, log_dir, **options)
-        cluster.proxy_overrides[:0] = TEST_PROXY_OVERRIDES
-        cluster.worker_overrides[:0] = TEST_WORKER_OVERRIDES
+        # New lists: the caller's (one list may serve both sides) stay as they were.
+        cluster.proxy_overrides = [*TEST_PROXY_OVERRIDES, *cluster.proxy_overrides]
+        cluster.worker_overrides = [*TEST_WORKER_OVERRIDES, *cluster.worker_overrides]
         return cluster
 
     @property
