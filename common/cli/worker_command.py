@@ -24,9 +24,12 @@ def run_worker(args: argparse.Namespace, make_handler: Callable[[WorkerConfig], 
     overrides["role"] = args.role
     config = load_config(WorkerConfig, args.config, overrides)
     configure_logging(args.log_level, args.log_format, role=config.role, worker_id=config.worker_id)
-    if config.engine.num_threads:
-        import torch
+    import torch
 
+    # Subnormal floats are flushed to zero in a worker process (as inference engines do): their slow path
+    # costs steps, and the model's numbers do not depend on them. Set here, for this process alone.
+    torch.set_flush_denormal(True)
+    if config.engine.num_threads:
         torch.set_num_threads(config.engine.num_threads)
     from common.runtime.worker_runtime import serve
 

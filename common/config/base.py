@@ -12,6 +12,9 @@ it allows.
 from __future__ import annotations
 
 import difflib
+import functools
+import types
+import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 
@@ -52,20 +55,35 @@ def allowed_values(f) -> str:
 
 
 _BOUNDS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
-_SCALARS = {"int": (int,), "float": (float, int), "str": (str,), "bool": (bool,), "None": (type(None),)}
 
 
-def validate_options(cfg) -> None:
-    """Check every field of a config dataclass against its type, choices and bounds.
+@functools.cache
+def _field_types(cls) -> dict[str, tuple[type, ...] | None]:
+    """Per field, the types a scalar annotation (``int``, ``float | None``, ...) admits; None for richer ones."""
+    admitted = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        if all(option in (int, float, str, bool, type(None)) for option in options):
+            admitted[name] = tuple({*options, *((int,) if float in options else ())})
+        else:
+            admitted[name] = None
+    return admitted
 
-    An integer given for a float field (``timeout: 5`` in YAML) becomes a float.
+
+def validate_options(cfg, section: str = "") -> None:
+    """Check every field of a config dataclass against its declared type, choices and bounds.
+
+    An integer given for a float field (``timeout: 5`` in YAML) becomes a float. ``section`` prefixes
+    the field's name in errors (``tenants['a'].``).
     """
+    admitted = _field_types(type(cfg))
     for f in fields(cfg):
         value = getattr(cfg, f.name)
-        expected = _scalar_types(str(f.type))
+        where = f"{section}{f.name}"
+        expected = admitted[f.name]
         if expected is not None:
             if not isinstance(value, expected) or (isinstance(value, bool) and bool not in expected):
-                raise ConfigError(f"config field {f.name!r} = {value!r} is invalid: expected {f.type}")
+                raise ConfigError(f"config field {where!r} = {value!r} is invalid: expected {f.type}")
             if float in expected and type(value) is int:
                 object.__setattr__(cfg, f.name, float(value))
         if value is None:
@@ -74,7 +92,7 @@ def validate_options(cfg) -> None:
         out_of_bounds = ("gt" in meta and not value > meta["gt"]) or ("ge" in meta and not value >= meta["ge"]) or \
             ("lt" in meta and not value < meta["lt"]) or ("le" in meta and not value <= meta["le"])
         if out_of_bounds or ("choices" in meta and value not in meta["choices"]):
-            raise ConfigError(f"config field {f.name!r} = {value!r} is invalid: {allowed_values(f)}")
+            raise ConfigError(f"config field {where!r} = {value!r} is invalid: {allowed_values(f)}")
 
 
 def check_paths(cfg) -> None:
@@ -88,14 +106,6 @@ def check_paths(cfg) -> None:
         kind = f.metadata.get("path")
         if kind and value and not (Path(value).is_file() if kind == "file" else Path(value).is_dir()):
             raise ConfigError(f"config field {f.name!r} = {value!r}: no such {kind}")
-
-
-def _scalar_types(annotation: str) -> tuple[type, ...] | None:
-    """The Python types a ``int | None``-style annotation admits; None for anything richer."""
-    parts = [part.strip() for part in annotation.split("|")]
-    if not all(part in _SCALARS for part in parts):
-        return None
-    return tuple(t for part in parts for t in _SCALARS[part])
 
 
 def reject_unknown(section: str, data: dict, cls) -> None:

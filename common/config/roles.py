@@ -46,24 +46,16 @@ class TenantConfig:
     max_queued: int = option(0, "choices waiting for admission at once; 0: no limit", ge=0)
 
     def __post_init__(self) -> None:
-        where = f"tenants[{self.name!r}]"
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError("config field 'tenants[].name' must be a non-empty string")
+        where = f"tenants[{self.name!r}]"
+        validate_options(self, f"{where}.")  # types, choices and bounds, as declared above
         keys = (self.api_key_sha256,) if isinstance(self.api_key_sha256, str) else tuple(self.api_key_sha256)
         for key in keys:
             if not (isinstance(key, str) and len(key) == 64 and all(c in "0123456789abcdef" for c in key.lower())):
                 raise ConfigError(f"config field '{where}.api_key_sha256' holds {key!r}: each entry must be "
                                   "64 hex digits (`tessera tenants hash-key` prints one)")
         object.__setattr__(self, "api_key_sha256", tuple(k.lower() for k in keys))
-        if self.priority not in PRIORITY_LANES:
-            raise ConfigError(f"config field '{where}.priority' = {self.priority!r} is invalid: one of {PRIORITY_LANES}")
-        if not self.weight > 0:
-            raise ConfigError(f"config field '{where}.weight' = {self.weight!r} is invalid: must be > 0")
-        for name in ("tokens_per_s", "token_burst", "requests_per_s", "request_burst", "max_concurrent",
-                     "max_queued"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"config field '{where}.{name}' = {getattr(self, name)!r} is invalid: "
-                                  "must be >= 0 (0: no limit)")
 
     @property
     def lane(self) -> int:
