@@ -171,7 +171,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace, command: str) -> dict:
     torch.set_num_threads(args.threads)
-    torch.set_flush_denormal(True)  # as a worker process does (common/cli/worker_command.py)
     results = {
         "command": command,
         "machine": describe_machine(),

@@ -120,7 +120,7 @@ def test_sampling_params_travel_as_a_typed_struct():
 
 
 _json = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-(2 ** 63), max_value=2 ** 64 - 1) | st.floats()
+    st.none() | st.booleans() | st.integers(min_value=-(2 ** 63), max_value=2 ** 64 - 1) | st.floats(allow_subnormal=False)
     | st.text(max_size=8) | st.binary(max_size=8),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=6),
     max_leaves=20,
