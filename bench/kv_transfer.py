@@ -28,7 +28,7 @@ import time
 import torch
 
 from common.engine.kv_cache import KVCache, KVLayout
-from kv_transfer.base import TransferStatus
+from kv_transfer.base import BACKENDS, TransferStatus
 from kv_transfer.factory import default_backend_name, make_backend
 
 LAYOUT = KVLayout(num_layers=16, block_size=16, num_kv_heads=4, head_dim=64, dtype="float32")  # 1 MiB a block
@@ -123,13 +123,13 @@ def bench_backend(name: str, sizes: list[int], repeats: int) -> list[tuple]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=("nixl", "zmq", "both"), default="both")
+    parser.add_argument("--backend", choices=(*BACKENDS, "both"), default="both")
     parser.add_argument("--mib", default="1,16,64", help="comma-separated pull sizes in MiB")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--idle-cpu", action="store_true", help="also measure each backend's idle CPU cost")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.mib.split(",")]
-    names = ["nixl", "zmq"] if args.backend == "both" else [args.backend]
+    names = list(BACKENDS) if args.backend == "both" else [args.backend]
     if "nixl" in names and default_backend_name() != "nixl":
         raise SystemExit("NIXL does not load here: pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1")
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")

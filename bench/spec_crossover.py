@@ -23,6 +23,7 @@ import numpy as np
 
 from common.config.base import EngineConfig
 from common.engine.llm_engine import LLMEngine
+from common.protocol.names import DTYPES
 from common.protocol.sampling_params import SamplingParams
 from common.engine.scheduler import StepPlan
 
@@ -75,7 +76,7 @@ def time_step(engine: LLMEngine, k: int, reps: int) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="embedded")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--batch-sizes", default="1,2,4,8,16,32")

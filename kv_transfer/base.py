@@ -58,10 +58,12 @@ from typing import Annotated, Any, ClassVar, NamedTuple
 
 import msgspec
 
+from common.protocol.names import TRANSFER_BACKENDS
+
 log = logging.getLogger(__name__)
 
 METADATA_VERSION = 2
-BACKENDS = ("nixl", "zmq")
+BACKENDS = tuple(name for name in TRANSFER_BACKENDS if name != "auto")  # what make_backend builds
 
 
 class PoolMetadata(msgspec.Struct, forbid_unknown_fields=True):

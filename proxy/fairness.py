@@ -41,6 +41,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from common.protocol.names import FAIRNESS_POLICIES
+
 NUM_LANES = 3
 Eligible = Callable[[str], bool]
 
@@ -186,7 +188,6 @@ class VtcQueue:
         return sum(len(q) for lane in self._lanes for q in lane.values())
 
 
-POLICIES = ("fcfs", "priority", "vtc")
 
 
 def make_queue(policy: str, counters: ServiceCounters) -> FairnessQueue:
@@ -196,4 +197,4 @@ def make_queue(policy: str, counters: ServiceCounters) -> FairnessQueue:
         return PriorityQueue(counters)
     if policy == "vtc":
         return VtcQueue(counters)
-    raise ValueError(f"config field 'fairness_policy' = {policy!r} is invalid: one of {POLICIES}")
+    raise ValueError(f"config field 'fairness_policy' = {policy!r} is invalid: one of {FAIRNESS_POLICIES}")

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from common.protocol.names import SpecMethod
 from common.protocol.sampling_params import (
     INT64_MAX, MAX_LOGPROBS, MAX_SPECULATIVE_TOKENS, TOKEN_ID_MAX, SamplingParams,
 )
@@ -66,7 +67,7 @@ class _GenerationRequest(BaseModel):
     skip_special_tokens: bool = Field(True, description="extension: leave special tokens out of the text")
     user: str | None = Field(None, description="the end user; names the tenant with tenant_from_user_field")
     logit_bias: dict[str, float] | None = Field(None, description="not supported: refused when non-empty")
-    speculative: Literal["off", "ngram", "draft"] | None = Field(
+    speculative: SpecMethod | None = Field(
         None, description="extension: speculative decoding method for this request; null takes the "
         "deployment's, off opts out")
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS,

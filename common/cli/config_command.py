@@ -7,26 +7,29 @@ and the TLS certificate and key. A file with a ``role:`` key is a worker
 config; any other needs ``--role``. On success it prints a summary and exits
 0; on failure it prints the error, which names the field, and exits 2.
 
-``docs`` prints docs/configuration.md, generated from the config definitions
-(``common.config.docs``).
+``docs`` prints docs/configuration.md and ``schema proxy|worker`` the JSON
+Schema of a config file; both come from the pydantic schema that validates
+the config (``common.config.base``), as ``check`` does.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 import yaml
 
-from common.config.base import ConfigError
-from common.config.roles import ROLES, ProxyConfig, WorkerConfig, load_config, parse_overrides
+from common.config.base import ConfigError, json_schema
+from common.config.roles import ProxyConfig, WorkerConfig, load_config, parse_overrides
 from common.config.tls import check_tls_files
+from common.protocol.names import ROLES
 from common.runtime.zmq_security import proxy_curve, worker_curve
 
 
 def add_config_command(subparsers) -> None:
     config = subparsers.add_parser(
-        "config", help="check a config file without starting anything, or print the config reference",
+        "config", help="check a config file without starting anything, or print the config reference or schema",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     actions = config.add_subparsers(dest="action", metavar="ACTION", required=True)
@@ -44,6 +47,10 @@ def add_config_command(subparsers) -> None:
     check.set_defaults(handler=_check_command)
     docs = actions.add_parser("docs", help="print docs/configuration.md, generated from the config definitions")
     docs.set_defaults(handler=_docs_command)
+    schema = actions.add_parser(
+        "schema", help="print the JSON Schema of a proxy or worker config file (for editors' YAML validation)")
+    schema.add_argument("role", choices=("proxy", "worker"), help="which file's schema")
+    schema.set_defaults(handler=_schema_command)
 
 
 def check_config(path: str, role: str | None, overrides: list[str]) -> ProxyConfig | WorkerConfig:
@@ -98,6 +105,11 @@ def _check_command(args: argparse.Namespace) -> int:
     print(f"{args.file}: OK")
     for line in summary(config, {**data, **dict.fromkeys(overridden)}):
         print(f"  {line}")
+    return 0
+
+
+def _schema_command(args: argparse.Namespace) -> int:
+    print(json.dumps(json_schema(ProxyConfig if args.role == "proxy" else WorkerConfig), indent=2))
     return 0
 
 

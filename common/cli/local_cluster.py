@@ -24,7 +24,6 @@ from common.runtime.prometheus_text import samples
 
 READY_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 60
-ROLES = ("prefill", "decode", "both")
 # Failures found in seconds and a small KV pool: what tests and benchmarks start with (``for_tests``).
 TEST_PROXY_OVERRIDES = ("heartbeat_timeout_s=3",)
 TEST_WORKER_OVERRIDES = ("engine.kv_cache_memory_bytes=268435456", "heartbeat_interval_s=0.2")

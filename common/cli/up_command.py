@@ -16,6 +16,7 @@ import time
 
 from common.cli.local_cluster import LocalCluster
 from common.cli.options import configure_logging
+from common.protocol.names import DTYPES
 
 READY_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 40
@@ -31,7 +32,7 @@ def add_up_command(subparsers) -> None:
     parser.add_argument("--prefill-workers", type=int, default=1, help="number of prefill workers (default 1)")
     parser.add_argument("--decode-workers", type=int, default=1, help="number of decode workers (default 1)")
     parser.add_argument("--model", default="embedded", help="model directory or embedded name")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--transfer-backend", default="auto", choices=("auto", "nixl", "zmq"))
     parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: cores / workers)")
     parser.add_argument(

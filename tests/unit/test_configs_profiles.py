@@ -52,5 +52,5 @@ def test_overrides_reach_nested_fields_of_a_profile(profile):
 def test_a_bad_override_of_a_profile_names_the_field():
     with pytest.raises(ConfigError, match="'dtyp'"):
         load_config(WorkerConfig, CONFIGS / "multi-node" / "prefill.yaml", parse_overrides(["engine.dtyp=float32"]))
-    with pytest.raises(ConfigError, match="'dtype'"):
+    with pytest.raises(ConfigError, match="'engine.dtype'"):
         load_config(WorkerConfig, CONFIGS / "multi-node" / "prefill.yaml", parse_overrides(["engine.dtype=int3"]))

@@ -1,0 +1,26 @@
+"""The closed sets of names the cluster speaks, each defined once.
+
+Each set is a ``Literal`` type, so config models, HTTP models and wire structs
+annotate fields with it and their validators, the OpenAPI document and
+docs/configuration.md all read the same list; the tuple beside it serves
+argparse ``choices`` and messages. Adding a name here adds it everywhere.
+"""
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+Role = Literal["prefill", "decode", "both"]
+Dtype = Literal["float32", "bfloat16"]
+Device = Literal["cpu", "cuda"]
+AttentionBackend = Literal["auto", "torch", "cpu_paged", "flash_attn"]
+SpecMethod = Literal["off", "ngram", "draft"]
+TransferBackend = Literal["auto", "nixl", "zmq"]
+FairnessPolicy = Literal["fcfs", "priority", "vtc"]
+PriorityLane = Literal["p0", "p1", "p2"]  # p0 is served first
+
+ROLES: tuple[str, ...] = get_args(Role)
+DTYPES: tuple[str, ...] = get_args(Dtype)
+SPEC_METHODS: tuple[str, ...] = get_args(SpecMethod)
+TRANSFER_BACKENDS: tuple[str, ...] = get_args(TransferBackend)
+FAIRNESS_POLICIES: tuple[str, ...] = get_args(FairnessPolicy)
+PRIORITY_LANES: tuple[str, ...] = get_args(PriorityLane)
