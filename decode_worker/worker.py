@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from common.protocol import wire
 from common.engine.sequence import FinishReason, Sequence
-from common.runtime.worker_base import WorkerBase
+from common.runtime.worker_runtime import WorkerBase
 from kv_transfer.base import TransferStatus
 
 log = logging.getLogger(__name__)

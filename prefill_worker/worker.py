@@ -19,7 +19,7 @@ import time
 from common.protocol import wire
 from common.engine.llm_engine import RequestOutput
 from common.engine.sequence import FinishReason, Sequence
-from common.runtime.worker_base import WorkerBase
+from common.runtime.worker_runtime import WorkerBase
 
 log = logging.getLogger(__name__)
 SPAN = "prefill_worker.prefill"

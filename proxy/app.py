@@ -37,7 +37,7 @@ from proxy.protocol import (
 )
 from proxy.routing import PrefixAwareRouting, RoutingPolicy
 from proxy.token_text import TokenText
-from proxy.worker_link import WorkerLink
+from proxy.workers import WorkerLink
 
 
 def _tessera_version() -> str:

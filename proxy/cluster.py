@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from common.runtime.log_format import bind_request, request_scope
+from common.runtime.telemetry import bind_request, request_scope
 from common.config.roles import ProxyConfig
 from common.runtime.tracing import make_tracing
 from common.protocol.sampling_params import SamplingParams
@@ -32,7 +32,7 @@ from common.protocol.wire import (
 from proxy.admission import AHEAD, Admit, AdmissionController
 from proxy.errors import ApiError
 from proxy.metrics import ProxyMetrics
-from proxy.registry import WorkerRegistry, WorkerState
+from proxy.workers import WorkerRegistry, WorkerState
 from proxy.requests import Phase, RequestGroup, Sends, SubRequest
 from proxy.routing import RoutingPolicy
 from proxy.tenants import Tenant, TenantRegistry

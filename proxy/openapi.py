@@ -4,7 +4,7 @@ The generation endpoints read their body themselves (the size limit answers
 413 before a byte is parsed), so FastAPI cannot see their request models;
 ``request_body`` declares them, and ``install`` merges every model's schema
 into the document's components. The response models here document the
-shapes ``proxy.responses`` builds (as plain dicts, for speed); nothing on a
+shapes ``proxy.openai_api`` builds (as plain dicts, for speed); nothing on a
 request's path imports this module.
 """
 from __future__ import annotations

@@ -48,7 +48,7 @@ from common.protocol.wire import (
 )
 from proxy.errors import ApiError
 from proxy.metrics import ProxyMetrics
-from proxy.registry import WorkerState
+from proxy.workers import WorkerState
 from proxy.routing import Route
 
 log = logging.getLogger("tessera.proxy")

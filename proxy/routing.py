@@ -40,8 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from common.protocol.block_hash import prefix_block_hashes
-from proxy.registry import WorkerState
+from common.protocol.wire import prefix_block_hashes
+from proxy.workers import WorkerState
 
 
 @dataclass(frozen=True)

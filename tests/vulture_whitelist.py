@@ -6,7 +6,7 @@ Each is used from outside the Python call graph; anything else vulture reports i
 
 # Registered by name: entry-point commands, FastAPI routes and exception handlers, pydantic config.
 add_bench_command  # unused function (bench/loadgen/command.py:27)
-_.request_tag  # unused attribute (common/runtime/log_format.py:60)
+_.request_tag  # unused attribute (common/runtime/telemetry.py:60)
 add_decode_command  # unused function (decode_worker/command.py:14)
 add_both_command  # unused function (decode_worker/command.py:20)
 add_command  # unused function (prefill_worker/command.py:14)
@@ -34,7 +34,7 @@ _.daemon_threads  # unused attribute (common/runtime/health_server.py:48)
 protocol_version  # unused variable (common/runtime/health_server.py:89)
 _.do_GET  # unused method (common/runtime/health_server.py:91)
 _.log_message  # unused method (common/runtime/health_server.py:99)
-_.describe  # unused method (common/runtime/worker_metrics.py:138)
+_.describe  # unused method (common/runtime/telemetry.py:138)
 _.curve_secretkey  # unused attribute (common/runtime/zmq_security.py:131)
 _.curve_publickey  # unused attribute (common/runtime/zmq_security.py:132)
 _.curve_server  # unused attribute (common/runtime/zmq_security.py:133)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from common.runtime import log_format
+from common.runtime import telemetry
 from common.storage.model_store import DTYPES, EMBEDDED_NAMES, default_cache_root
 
 
@@ -40,10 +40,10 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
         help="override a config field, e.g. --set engine.dtype=bfloat16 (repeatable)",
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
-    parser.add_argument("--log-format", default="text", choices=log_format.LOG_FORMATS,
+    parser.add_argument("--log-format", default="text", choices=telemetry.LOG_FORMATS,
                         help="text lines, or one JSON object per line with request_id and tenant (default: text)")
 
 
 def configure_logging(level: str, fmt: str = "text", **process_fields: str) -> None:
     """``process_fields`` (role, worker_id) go on every JSON line."""
-    log_format.install(level, fmt, **process_fields)
+    telemetry.install(level, fmt, **process_fields)

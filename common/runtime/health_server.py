@@ -3,7 +3,7 @@
 Runs only when ``metrics_port`` is set, in a daemon thread of its own
 (``http.server``), so no socket is ever touched by the compute loop. It
 reads two things the loop publishes: the metrics registry and the
-``WorkerStatus`` (see ``common.runtime.worker_metrics``).
+``WorkerStatus`` (see ``common.runtime.telemetry``).
 
 - ``/metrics``: Prometheus text exposition of the worker's registry.
 - ``/healthz``: 200 while the process starts up and while the main loop
@@ -26,7 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from common.config.roles import WorkerConfig
-from common.runtime.worker_metrics import WorkerMetrics
+from common.runtime.telemetry import WorkerMetrics
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,7 @@
-"""What every worker process shares: its I/O thread, registration, heartbeats, drain.
+"""What every worker process shares: its I/O thread, registration, heartbeats, drain, and the
+base of the role handlers (``WorkerBase``: the engine, the KV transfer agent, one intake and one
+failure path). A worker's identity is ``(worker_id, epoch)``; the epoch is its start time, so a
+restarted worker under the same id is recognisably a new process.
 
 Sockets live only in the I/O thread. It connects a DEALER (identity = worker
 id; with curve_* keys, a CURVE client that pins the proxy's public key) to
@@ -27,24 +30,29 @@ pages and prefill leases freed) and only then lets the I/O thread send the
 Register again, so nothing of the old proxy's runs once the new one routes
 work here. A proxy that refuses that Register stops the worker.
 """
+
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import signal
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Protocol
 
 import zmq
 
-from common.runtime import sd_notify
-
-from common.protocol import wire
-from common.runtime.log_format import request_scope
 from common.config.roles import WorkerConfig
-from common.runtime.worker_metrics import WorkerMetrics
+from common.engine.llm_engine import LLMEngine, RequestError
+from common.protocol import wire
+from common.runtime import sd_notify
+from common.runtime.health_server import HealthServer
+from common.runtime.telemetry import request_scope
+from common.runtime.tracing import make_tracing
+from common.runtime.telemetry import WorkerMetrics
 from common.runtime.zmq_security import apply_curve_client, worker_curve
 
 log = logging.getLogger(__name__)
@@ -265,3 +273,124 @@ def _rejoin(io: WorkerIO, handler: RoleHandler, msg: wire.Reregister) -> None:
     handler.metrics.status.registered = False
     handler.fail_all("the proxy that sent this request lost this worker")
     io.rejoin()
+
+
+log = logging.getLogger(__name__)
+
+
+class KVTransfer(Protocol):
+    """What a worker needs of its KV transfer backend here (``kv_transfer.base`` has the full contract)."""
+    name: str
+
+    def register_pool(self, kv_cache) -> bytes: ...
+    def close(self) -> None: ...
+
+
+def model_version(model_dir: Path, dtype: str) -> str:
+    """Short digest of the model's config and weight files: equal digests, same model."""
+    h = hashlib.sha256(dtype.encode())
+    h.update((model_dir / "config.json").read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        h.update(f"{path.name}:{path.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+class WorkerBase:
+    role = "both"
+
+    def __init__(self, config: WorkerConfig, transfer: KVTransfer) -> None:
+        """``transfer``: the KV transfer backend the role's command built; this worker owns and closes it."""
+        self.config = config
+        self.epoch = time.time_ns()
+        self.draining = False
+        self.metrics = WorkerMetrics(config)
+        # Started before the model loads, so that probes see "loading" rather than a refused connection.
+        self.health = HealthServer(config, self.metrics).start() if config.metrics_port else None
+        self.tracing = make_tracing(config.otel_endpoint, config.otel_service_name)
+        self._spans: dict[tuple[str, str], object] = {}  # (request id, span name) -> open span
+        self.engine = LLMEngine(config.engine)
+        self.metrics.status.model_loaded = True
+        self.transfer = transfer
+        self.transfer_metadata = transfer.register_pool(self.engine.runner.kv_cache)
+        self.transfer_name = transfer.name
+        self._send = None
+        log.info("worker %s: KV transfer over %s", config.worker_id, transfer.name)
+
+    def bind(self, send) -> None:
+        self._send = send
+
+    def send(self, msg) -> None:
+        self._send(msg)
+
+    def registration(self) -> wire.Register:
+        layout = self.engine.runner.layout
+        return wire.Register(
+            worker_id=self.config.worker_id,
+            role=self.role,
+            epoch=self.epoch,
+            model=self.config.model_name,
+            model_version=model_version(self.engine.model_dir, self.config.engine.dtype),
+            kv_layout=wire.KVLayoutInfo(
+                layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim, layout.dtype
+            ),
+            num_blocks=self.engine.block_manager.num_blocks,
+            max_model_len=self.engine.max_model_len,
+            transfer_backend=self.transfer_name,
+            transfer_metadata=self.transfer_metadata,
+            max_num_seqs=self.config.engine.max_num_seqs,
+        )
+
+    def load(self) -> Load:
+        scheduler = self.engine.scheduler
+        return Load(
+            free_blocks=self.engine.block_manager.num_free_blocks,
+            num_running=len(scheduler.running),
+            num_waiting=scheduler.num_waiting,
+            outstanding_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens for s in scheduler.waiting),
+        )
+
+    def publish_metrics(self) -> None:
+        self.metrics.publish(self.engine)
+
+    def trace_start(self, request_id: str, name: str, trace_context: dict | None) -> None:
+        """Open span ``name`` of a request, a child of the proxy's span when the message carried one."""
+        if self.tracing.enabled and trace_context:
+            self._spans[request_id, name] = self.tracing.start(
+                name, parent=trace_context, attributes={"tessera.request_id": request_id,
+                                                         "tessera.worker_id": self.config.worker_id})
+
+    def trace_end(self, request_id: str, name: str, error: str | None = None) -> None:
+        if self._spans:
+            self.tracing.end(self._spans.pop((request_id, name), None), error)
+
+    def intake(self, msg, stage: str, add):
+        """Take a Prefill/DecodeRequest: ``add(params)`` puts it in the engine; its result, or None when refused.
+
+        Refused while draining (retryable), or when the engine rejects the request (the client's 400).
+        """
+        if self.draining:
+            self.metrics.request_done(stage, "refused")
+            self.refuse(msg.request_id, "worker is draining", retryable=True)
+            return None
+        try:
+            return add(msg.params.replace(n=1))
+        except (RequestError, ValueError, TypeError) as exc:
+            self.metrics.request_done(stage, "refused")
+            self.refuse(msg.request_id, str(exc), retryable=False, invalid_request=True)
+            return None
+
+    def fail(self, request_id: str, stage: str, span: str, reason: str) -> None:
+        """Drop a request this worker holds (draining, the proxy lost): the proxy may retry it elsewhere."""
+        self.engine.abort_request(request_id)
+        self.metrics.request_done(stage, "failed")
+        self.trace_end(request_id, span, reason)
+        self.refuse(request_id, reason, retryable=True)
+
+    def refuse(self, request_id: str, message: str, retryable: bool, invalid_request: bool = False) -> None:
+        self.send(wire.RequestFailed(request_id, self.config.worker_id, message, retryable, invalid_request))
+
+    def close(self) -> None:
+        self.transfer.close()
+        self.tracing.shutdown()
+        if self.health is not None:
+            self.health.close()

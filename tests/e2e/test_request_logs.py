@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from common.runtime.log_format import make_handler
+from common.runtime.telemetry import make_handler
 from common.protocol.wire import RequestFailed, encode
 from tests.e2e.proxy_harness import *  # noqa: F401,F403 -- fixtures, helpers and wire types
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from common.config.roles import WorkerConfig
-from common.runtime.worker_metrics import WorkerMetrics
+from common.runtime.telemetry import WorkerMetrics
 from proxy.metrics import ProxyMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "tessera.json"

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from common.runtime.log_format import bind_request, make_handler, request_scope
+from common.runtime.telemetry import bind_request, make_handler, request_scope
 
 
 @pytest.fixture()

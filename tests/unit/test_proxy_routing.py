@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from common.protocol.wire import Goodbye, Heartbeat, KVLayoutInfo, Register
-from proxy.registry import WorkerRegistry
+from proxy.workers import WorkerRegistry
 from proxy.routing import PrefixAwareRouting, PrefixLRU
 
 LAYOUT = KVLayoutInfo(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")

@@ -13,7 +13,7 @@ from common.engine.llm_engine import LLMEngine
 from common.runtime.health_server import HealthServer
 from common.config.roles import WorkerConfig
 from common.protocol.sampling_params import SamplingParams
-from common.runtime.worker_metrics import Snapshot, WorkerMetrics
+from common.runtime.telemetry import Snapshot, WorkerMetrics
 
 
 def get(url: str) -> tuple[int, str]:
