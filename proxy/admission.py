@@ -2,11 +2,14 @@
 
 Two admission points share the tenants' service counters (``fairness``):
 
-    check_room (429 / 503) --enqueue--> waiting --dispatch: prefill--> ahead --ready_for_decode-->
-        ready --dispatch: decode--> decoding --leave--> gone
-    (``leave`` from any state: deadline passed, client gone, request failed or finished)
+    check_room (429 / 503) --enqueue--> QUEUED --admit to prefill--> PREFILLING --ready_for_decode-->
+        READY --admit to decode--> DECODING --leave--> gone
+    (``leave`` from any stage: deadline passed, client gone, request failed or finished)
 
-- waiting -> ahead (prefill admission): the policy's next choice, as long
+The stage is the request's own (``Stage``, on ``SubRequest.stage``); admission keeps only how
+many choices of each tenant are in each stage, and its two queues.
+
+- QUEUED -> PREFILLING (prefill admission): the policy's next choice, as long
   as the decode slots are not all spoken for (decoding, or ahead: admitted
   but holding no decode slot yet); once they are, the next choice among the
   tenants with fewer than ``prefill_ahead_per_tenant`` choices ahead, so
@@ -15,13 +18,13 @@ Two admission points share the tenants' service counters (``fairness``):
   reports ``ready_for_decode`` when PrefillDone arrives), or local (ready at
   once: the decode worker prefills it); once started, ``prefill_started``
   charges its tenant the prompt.
-- ready -> decoding (decode admission): while the decode-capable workers
+- READY -> DECODING (decode admission): while the decode-capable workers
   have a free slot (their ``max_num_seqs`` summed, from Register), the
   ready choice of the tenant with the smallest counter (or first, for fcfs)
   gets it. It holds the slot until it leaves.
 
-A tenant is backlogged while it has a choice waiting, ahead or ready (not
-yet decoding); as it becomes backlogged its counter is lifted
+A tenant is backlogged while it has a choice queued, prefilling or ready
+(not yet decoding); as it becomes backlogged its counter is lifted
 (``BacklogLift``), so a tenant between two requests of a closed loop keeps
 its place while one that was idle banks no credit.
 
@@ -62,6 +65,7 @@ idle time banks no credit. A queue's hooks: ``push``, ``pop_next(eligible)``
 from __future__ import annotations
 
 import bisect
+import enum
 import itertools
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable
@@ -231,13 +235,28 @@ def make_queue(policy: str, counters: ServiceCounters) -> FairnessQueue:
     raise ValueError(f"config field 'fairness_policy' = {policy!r} is invalid: one of {FAIRNESS_POLICIES}")
 
 
-WAITING, AHEAD, READY, DECODING = "waiting", "ahead", "ready", "decoding"
+class Stage(enum.IntEnum):
+    """Where a choice is, from submission to its end: kept on the request alone (``SubRequest.stage``).
+
+    Admission counts choices per stage and tenant; it moves a choice QUEUED -> PREFILLING (admitted to
+    prefill) and READY -> DECODING (given a decode slot), and is told the rest (``ready_for_decode``,
+    ``leave``) with the stage the choice was counted in.
+    """
+    QUEUED = 0  # waiting for admission to prefill
+    PREFILLING = 1  # admitted: its prefill runs (on a prefill worker; a local one is READY at once)
+    READY = 2  # prefilled, or to be prefilled on its decode worker: waiting for a decode slot
+    DECODING = 3  # holds a decode slot
+    FINISHED = 4
+    FAILED = 5
+
+
+LIVE = (Stage.QUEUED, Stage.PREFILLING, Stage.READY, Stage.DECODING)
 
 
 @dataclass(frozen=True)
 class Admit:
-    """A decision: start ``payload``'s prefill (``stage`` AHEAD) or give it a decode slot (DECODING)."""
-    stage: str
+    """A decision: start ``payload``'s prefill (``stage`` PREFILLING) or give it a decode slot (DECODING)."""
+    stage: Stage
     key: str
     payload: object
 
@@ -254,11 +273,10 @@ class AdmissionController:
         self._metrics = metrics
         self._orders = itertools.count()
         self._items: dict[str, Waiting] = {}
-        self._state: dict[str, str] = {}
-        self.count: dict[str, Counter[str]] = {s: Counter() for s in (WAITING, AHEAD, READY, DECODING)}
+        self.count: dict[Stage, Counter[str]] = {s: Counter() for s in LIVE}
 
-    def total(self, state: str) -> int:
-        return sum(self.count[state].values())
+    def total(self, stage: Stage) -> int:
+        return sum(self.count[stage].values())
 
     def active(self, tenant: str) -> int:
         return sum(c[tenant] for c in self.count.values())
@@ -270,50 +288,53 @@ class AdmissionController:
             raise self._refuse(tenant, "max_concurrent", 429, (
                 f"tenant {name!r} has {self.active(name)} choice(s) waiting or running and asks for "
                 f"{count} more; its limit is tenants[{name!r}].max_concurrent={limits.max_concurrent}"))
-        if limits.max_queued and self.count[WAITING][name] + count > limits.max_queued:
+        if limits.max_queued and self.count[Stage.QUEUED][name] + count > limits.max_queued:
             raise self._refuse(tenant, "max_queued", 429, (
-                f"tenant {name!r} has {self.count[WAITING][name]} choice(s) waiting for admission and asks "
+                f"tenant {name!r} has {self.count[Stage.QUEUED][name]} choice(s) waiting for admission and asks "
                 f"for {count} more; its limit is tenants[{name!r}].max_queued={limits.max_queued}"))
-        if self.total(WAITING) + count > self.config.max_queued_requests:
+        if self.total(Stage.QUEUED) + count > self.config.max_queued_requests:
             raise self._refuse(tenant, "queue_full", 503, (
-                f"the cluster is saturated and its admission queue is full ({self.total(WAITING)} waiting, "
+                f"the cluster is saturated and its admission queue is full ({self.total(Stage.QUEUED)} waiting, "
                 f"max_queued_requests={self.config.max_queued_requests})"))
 
     def enqueue(self, request_id: str, tenant: Tenant, input_tokens: int, payload: object) -> None:
         item = Waiting(tenant.name, tenant.lane, next(self._orders), input_tokens, request_id, payload)
         self._items[request_id] = item
-        self._move(item, WAITING)
+        self._move(item, None, Stage.QUEUED)
         self.prefill_queue.push(item)
 
     def ready_for_decode(self, request_id: str) -> None:
-        """Its prefill is done (or it prefills on the decode worker): it wants a decode slot."""
+        """Its prefill is done (or it prefills on the decode worker): PREFILLING -> READY, it wants a decode slot."""
         item = self._items.get(request_id)
-        if item is not None and self._state[request_id] == AHEAD:
-            self._move(item, READY)
+        if item is not None:
+            self._move(item, Stage.PREFILLING, Stage.READY)
             self.decode_queue.push(item)
 
     def next_admission(self) -> Admit | None:
-        """The next choice to start now (a decode slot before a prefill), moved to its new state; None: none."""
-        item = self._next_decode() or self._next_prefill()
-        return None if item is None else Admit(self._state[item.key], item.key, item.payload)
+        """The next choice to start now (a decode slot before a prefill), counted in its new stage; None: none."""
+        if (item := self._next_decode()) is not None:
+            return Admit(Stage.DECODING, item.key, item.payload)
+        if (item := self._next_prefill()) is not None:
+            return Admit(Stage.PREFILLING, item.key, item.payload)
+        return None
 
     def _next_decode(self) -> Waiting | None:
-        if self.total(DECODING) >= self._decode_slots():
+        if self.total(Stage.DECODING) >= self._decode_slots():
             return None
         item = self.decode_queue.pop_next()
         if item is not None:
-            self._move(item, DECODING)
+            self._move(item, Stage.READY, Stage.DECODING)
         return item
 
     def _next_prefill(self) -> Waiting | None:
-        spoken_for = self.total(DECODING) + self.total(AHEAD) + self.total(READY)
-        if spoken_for < self._decode_slots():
+        ahead, ready = self.count[Stage.PREFILLING], self.count[Stage.READY]
+        if self.total(Stage.DECODING) + sum(ahead.values()) + sum(ready.values()) < self._decode_slots():
             item = self.prefill_queue.pop_next()
         else:
             limit = self.config.prefill_ahead_per_tenant
-            item = self.prefill_queue.pop_next(lambda t: self.count[AHEAD][t] + self.count[READY][t] < limit)
+            item = self.prefill_queue.pop_next(lambda t: ahead[t] + ready[t] < limit)
         if item is not None:
-            self._move(item, AHEAD)
+            self._move(item, Stage.QUEUED, Stage.PREFILLING)
         return item
 
     def prefill_started(self, request_id: str) -> None:
@@ -323,32 +344,30 @@ class AdmissionController:
             self.counters.charge(item.tenant, input_tokens=item.input_tokens)
             self._update_gauges(item.tenant)
 
-    def leave(self, request_id: str) -> None:
-        """The choice ended, wherever it was: its place in a queue or its slot frees up."""
+    def leave(self, request_id: str, stage: Stage) -> None:
+        """The choice ended in ``stage`` (the one it was counted in): its place in a queue or its slot frees up."""
         item = self._items.pop(request_id, None)
         if item is None:
             return
-        state = self._state[request_id]
-        if state == WAITING:
+        if stage is Stage.QUEUED:
             self.prefill_queue.remove(item)
-        elif state == READY:
+        elif stage is Stage.READY:
             self.decode_queue.remove(item)
-        self._move(item, None)
+        self._move(item, stage, None)
 
     def charge_output(self, tenant: str, num_tokens: int) -> None:
         self.counters.charge(tenant, output_tokens=num_tokens)
         if self._metrics is not None:
             self._metrics.tenant_service.labels(tenant).set(self.counters[tenant])
 
-    def _move(self, item: Waiting, state: str | None) -> None:
-        """Into ``state`` (None: gone); the tenant is backlogged while it has a choice not yet decoding."""
+    def _move(self, item: Waiting, old: Stage | None, new: Stage | None) -> None:
+        """Count it in ``new`` instead of ``old`` (None: not counted); a tenant is backlogged while it has a
+        choice not yet decoding."""
         was_backlogged = self.backlogged(item.tenant)
-        old = self._state.pop(item.key, None)
         if old is not None:
             self.count[old][item.tenant] -= 1
-        if state is not None:
-            self._state[item.key] = state
-            self.count[state][item.tenant] += 1
+        if new is not None:
+            self.count[new][item.tenant] += 1
         if was_backlogged != self.backlogged(item.tenant):
             if was_backlogged:
                 self.lift.stopped_being_backlogged(item.tenant, item.lane)
@@ -357,7 +376,7 @@ class AdmissionController:
         self._update_gauges(item.tenant)
 
     def backlogged(self, tenant: str) -> bool:
-        return any(self.count[state][tenant] for state in (WAITING, AHEAD, READY))
+        return any(self.count[stage][tenant] for stage in (Stage.QUEUED, Stage.PREFILLING, Stage.READY))
 
     def _refuse(self, tenant: Tenant, reason: str, status: int, message: str) -> ApiError:
         if self._metrics is not None:
@@ -367,5 +386,5 @@ class AdmissionController:
 
     def _update_gauges(self, tenant: str) -> None:
         if self._metrics is not None:
-            self._metrics.tenant_waiting.labels(tenant).set(self.count[WAITING][tenant])
+            self._metrics.tenant_waiting.labels(tenant).set(self.count[Stage.QUEUED][tenant])
             self._metrics.tenant_service.labels(tenant).set(self.counters[tenant])

@@ -29,11 +29,11 @@ from common.protocol.wire import (
     Abort, DecodeRequest, Goodbye, Heartbeat, KVPulled, PrefillDone, PrefillRequest, Register, RegisterAck,
     Reregister, ReleaseKV, RequestFailed, TokenDelta, WireError, decode,
 )
-from proxy.admission import AHEAD, Admit, AdmissionController
+from proxy.admission import Admit, AdmissionController, Stage
 from proxy.errors import ApiError
 from proxy.metrics import ProxyMetrics
 from proxy.workers import WorkerRegistry, WorkerState
-from proxy.requests import Phase, RequestGroup, Sends, SubRequest
+from proxy.requests import RequestGroup, Sends, SubRequest
 from proxy.routing import RoutingPolicy
 from proxy.tenants import Tenant, TenantRegistry
 
@@ -77,28 +77,31 @@ class Cluster:
             self.metrics.worker_requests.labels(worker_id, "decode").inc()
         self._outbox(worker_id, msg)
 
-    def _act(self, sub: SubRequest, before: Phase, sends: Sends) -> None:
-        """Send what a sub-request's handler returned, and follow its stage change in admission and routing."""
+    def _act(self, sub: SubRequest, before: Stage, sends: Sends) -> None:
+        """Send what a sub-request's handler returned, and follow its stage change in admission and routing.
+
+        ``before``: the stage admission counted it in when the handler ran.
+        """
         for worker_id, msg in sends:
             self.send(worker_id, msg)
         if sub.new_tokens:
             self._charge_output(sub, sub.new_tokens)
             sub.new_tokens = 0
-        if before is Phase.PREFILLING and sub.phase is not Phase.PREFILLING:
+        if before is Stage.PREFILLING and sub.stage is not Stage.PREFILLING and sub.prefill_worker is not None:
             self.policy.prefill_ended(sub.prefill_worker, len(sub.prompt))
         if sub.done:
             self.inflight.pop(sub.request_id, None)
-            self.admission.leave(sub.request_id)
-        elif before is Phase.PREFILLING and sub.phase is Phase.PREFILLED:
+            self.admission.leave(sub.request_id, before)
+        elif before is Stage.PREFILLING and sub.stage is Stage.READY:
             self.admission.ready_for_decode(sub.request_id)
 
     def check_deadline(self, sub: SubRequest, now: float) -> None:
-        before = sub.phase
+        before = sub.stage
         self._act(sub, before, sub.check_deadline(now))
         self._dispatch()
 
     def cancel(self, sub: SubRequest, reason: str, status: int = 499) -> None:
-        before = sub.phase
+        before = sub.stage
         self._act(sub, before, sub.cancel(reason, status))
         self._dispatch()
 
@@ -159,13 +162,11 @@ class Cluster:
         """Start what admission admits, one at a time, until it admits nothing more."""
         while (admit := self.admission.next_admission()) is not None:
             sub = admit.payload
-            before = sub.phase
             with request_scope(sub.request_id, sub.tenant):
-                sends = self._start_prefill(sub, admit) if admit.stage == AHEAD else self._start_decode(sub)
-            if sends is not None:
-                self._act(sub, before, sends)
+                sends = self._start_prefill(sub, admit) if admit.stage is Stage.PREFILLING else self._start_decode(sub)
+            self._act(sub, admit.stage, sends)
 
-    def _start_prefill(self, sub: SubRequest, admit: Admit) -> Sends | None:
+    def _start_prefill(self, sub: SubRequest, admit: Admit) -> Sends:
         """Admitted to prefill: route it once, to a prefill worker or (local) to the decode worker that prefills it."""
         now = self._clock()
         if now >= sub.deadline:
@@ -178,8 +179,7 @@ class Cluster:
         counter = self.admission.counters[sub.tenant]  # before this prompt is charged, as the worker sees it
         self.admission.prefill_started(admit.key)
         if route.local:
-            self.admission.ready_for_decode(sub.request_id)
-            return None
+            return sub.prefill_locally()
         self.policy.prefill_sent(route.worker, sub.prompt)
         return sub.start_prefill(route.worker, counter, now)
 
@@ -280,7 +280,7 @@ class Cluster:
         """Run ``handler`` (a sub-request's) and act on what it returns; False when it was not for ``sub``."""
         if sub is None:
             return False
-        before = sub.phase
+        before = sub.stage
         sends = handler()
         if sends is None:
             return False
@@ -342,7 +342,7 @@ class Cluster:
     def cancel_all(self, reason: str) -> None:
         self.start_draining()
         # Waiting ones first: each running one that ends would otherwise admit a waiting one, only to abort it.
-        for sub in sorted(self.inflight.values(), key=lambda s: s.phase is not Phase.CREATED):
+        for sub in sorted(self.inflight.values(), key=lambda s: s.stage is not Stage.QUEUED):
             self.cancel(sub, reason, status=503)
 
     def _worker_gone(self, worker: WorkerState, reason: str, expected: bool) -> None:
@@ -350,7 +350,7 @@ class Cluster:
         log.log(logging.INFO if expected else logging.WARNING, "worker %r (%s, epoch %d) removed: %s",
                 worker.worker_id, worker.role.value, worker.epoch, reason)
         for sub in [s for s in self.inflight.values() if s.involves(worker.worker_id)]:
-            before = sub.phase
+            before = sub.stage
             self._act(sub, before, sub.on_worker_lost(worker.worker_id, reason))
         self._dispatch()
         self.policy.worker_removed(worker.worker_id)

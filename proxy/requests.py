@@ -4,20 +4,22 @@ A client request with n choices (times the prompts of a batch) becomes one
 ``RequestGroup`` of independent sub-requests, each with its own request id
 and seed, all writing to the group's event queue. A sub-request's life:
 
-    CREATED --admitted, route--> PREFILLING --PrefillDone--> PREFILLED --decode slot--> DECODING
-       \\--admitted, route (local), decode slot ------------------------------------^       |
+    QUEUED --admitted, route--> PREFILLING --PrefillDone--> READY --decode slot--> DECODING
+       \\--admitted, route (local)--------------------------^                        |
                                                    TokenDelta(finish) / PrefillDone(finish) --> FINISHED
-       RequestFailed / worker lost / timeout / client gone (any live phase) -----------------> FAILED
+       RequestFailed / worker lost / timeout / client gone (any live stage) -----------------> FAILED
 
-- CREATED: waiting for admission (``proxy.admission``) until
+The stage (``proxy.admission.Stage``) lives here alone, in ``SubRequest.stage``.
+
+- QUEUED: waiting for admission (``proxy.admission``) until
   ``queue_timeout_s`` or the client's own deadline, whichever is first;
   past it the request is dropped, never run: 503 (queue timeout) or 504
   (``deadline_exceeded``). Admission routes and starts it.
 - PREFILLING: PrefillRequest sent; deadline ``first_token_timeout_s``.
   PrefillDone streams the first token; the prefill worker holds the pages
   until ReleaseKV.
-- PREFILLED: waiting for a decode slot (at most ``queue_timeout_s``, then
-  503); admission then sends a DecodeRequest naming the pages to the
+- READY: waiting for a decode slot (at most ``queue_timeout_s``, then
+  503; a local one keeps its admission deadline); admission then sends a DecodeRequest naming the pages to the
   decode worker the policy picks.
 - DECODING: TokenDeltas stream; KVPulled (ok or not) releases the pages on
   the prefill worker. Deadline: ``token_timeout_s`` after the last message
@@ -29,12 +31,11 @@ and seed, all writing to the group's event queue. A sub-request's life:
 
 No sockets and no calls back into the cluster: every handler returns what
 the cluster must send (``Sends``), and the cluster reads the stage change
-(``phase`` before and after) to update admission and routing.
+(``stage`` before and after) to update admission and routing.
 """
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -46,21 +47,13 @@ from common.runtime.tracing import NoTracing, RequestTrace
 from common.protocol.wire import (
     Abort, DecodeRequest, KVPulled, PrefillDone, PrefillRequest, ReleaseKV, RequestFailed, TokenDelta,
 )
+from proxy.admission import Stage
 from proxy.errors import ApiError
 from proxy.metrics import ProxyMetrics
 from proxy.workers import WorkerState
 from proxy.routing import Route
 
 log = logging.getLogger("tessera.proxy")
-
-
-class Phase(enum.IntEnum):
-    CREATED = 0
-    PREFILLING = 1
-    PREFILLED = 2
-    DECODING = 3
-    FINISHED = 4
-    FAILED = 5
 
 
 @dataclass
@@ -99,7 +92,7 @@ class SubRequest:
         self.prompt = prompt
         self.params = params
         self.seed = seed
-        self.phase = Phase.CREATED
+        self.stage = Stage.QUEUED
         self.prefill_worker: str | None = None
         self.decode_worker: str | None = None
         self.kv_holder: str | None = None  # prefill worker still holding this request's pages
@@ -119,7 +112,7 @@ class SubRequest:
 
     @property
     def done(self) -> bool:
-        return self.phase >= Phase.FINISHED
+        return self.stage >= Stage.FINISHED
 
     def involves(self, worker_id: str) -> bool:
         """Whether ``worker_id`` holds state of this request (its loss or failure ends it)."""
@@ -128,9 +121,9 @@ class SubRequest:
     def _holders(self) -> set[str]:
         """Workers with something of this request: a running prefill or decode, or pages not yet pulled."""
         holders = set()
-        if self.phase is Phase.PREFILLING or self.kv_holder is not None:
+        if self.stage is Stage.PREFILLING or self.kv_holder is not None:
             holders.add(self.prefill_worker)
-        if self.phase is Phase.DECODING:
+        if self.stage is Stage.DECODING:
             holders.add(self.decode_worker)
         return holders - {None}
 
@@ -155,12 +148,17 @@ class SubRequest:
     def start_prefill(self, worker: WorkerState, counter: float, now: float) -> Sends:
         """Admitted to prefill on ``worker``; ``counter``: the tenant's service counter, which workers preempt by."""
         self._begin(now)
-        self.phase = Phase.PREFILLING
+        self.stage = Stage.PREFILLING
         self.prefill_worker = worker.worker_id
         return [(self.prefill_worker, PrefillRequest(
             self.request_id, self.prompt, self.params, self.seed, self._config.kv_lease_s, **self._fairness(counter),
             trace_context=self.trace.enter("proxy.prefill", {"tessera.worker_id": self.prefill_worker})
             if self.trace else None))]
+
+    def prefill_locally(self) -> Sends:
+        """Admitted and routed to the decode worker that prefills it: it waits for a decode slot as it is."""
+        self.stage = Stage.READY
+        return []
 
     def _fairness(self, counter: float) -> dict:
         """What a worker's scheduler preempts by: lane, then the tenant's counter."""
@@ -168,7 +166,7 @@ class SubRequest:
 
     def on_prefill_done(self, msg: PrefillDone, sender: str, now: float) -> Sends | None:
         """None: not this request's (a stray); else what to send."""
-        if self.phase is not Phase.PREFILLING or sender != self.prefill_worker:
+        if self.stage is not Stage.PREFILLING or sender != self.prefill_worker:
             return None
         self.kv_holder = sender
         top = [msg.top_logprobs] if msg.top_logprobs is not None else None
@@ -177,7 +175,7 @@ class SubRequest:
             msg.finish_reason, msg.stop_reason, msg.num_cached_tokens), now)
         if msg.finish_reason is not None:
             return self._finish(now)
-        self.phase = Phase.PREFILLED
+        self.stage = Stage.READY
         self._handoff = msg
         self.deadline = now + self._config.queue_timeout_s
         return []
@@ -194,14 +192,14 @@ class SubRequest:
                 source_worker_id=msg.worker_id, source_block_ids=msg.block_ids, first_logprob=msg.logprob,
                 first_top_logprobs=msg.top_logprobs, **self._fairness(counter))
             self.deadline = now + self._config.token_timeout_s
-        self.phase = Phase.DECODING
+        self.stage = Stage.DECODING
         self.decode_worker = decoder.worker_id
         if self.trace:
             decode.trace_context = self.trace.enter("proxy.decode", {"tessera.worker_id": decoder.worker_id})
         return [(decoder.worker_id, decode)]
 
     def on_kv_pulled(self, msg: KVPulled, sender: str, now: float) -> Sends | None:
-        if self.phase is not Phase.DECODING or sender != self.decode_worker:
+        if self.stage is not Stage.DECODING or sender != self.decode_worker:
             return None
         metrics = self._metrics
         if msg.ok:
@@ -216,7 +214,7 @@ class SubRequest:
         return sends
 
     def on_token_delta(self, msg: TokenDelta, sender: str, now: float) -> Sends | None:
-        if self.phase is not Phase.DECODING or sender != self.decode_worker:
+        if self.stage is not Stage.DECODING or sender != self.decode_worker:
             return None
         self._emit_tokens(TokenEvent(self.index, msg.text, msg.token_ids, msg.logprobs, msg.top_logprobs,
                                      msg.finish_reason, msg.stop_reason, msg.num_cached_tokens), now)
@@ -245,9 +243,9 @@ class SubRequest:
     def check_deadline(self, now: float) -> Sends:
         if self.done or now < self.deadline:
             return []
-        if self.phase is Phase.CREATED:
+        if self.stage is Stage.QUEUED or (self.stage is Stage.READY and self.local):
             return self._drop_unadmitted(now)
-        if self.phase is Phase.PREFILLED:
+        if self.stage is Stage.READY:
             self._metrics.tenant_rejections.labels(self.tenant, "queue_timeout").inc()
             return self._fail(ApiError(503, f"the cluster is saturated: no decode slot freed up within "
                                        f"queue_timeout_s={self._config.queue_timeout_s:g}s after the prefill",
@@ -298,7 +296,7 @@ class SubRequest:
         self._sink.put_nowait(event)
 
     def _finish(self, now: float) -> Sends:
-        self.phase = Phase.FINISHED
+        self.stage = Stage.FINISHED
         sends = self._release_kv()
         metrics = self._metrics
         metrics.e2e.observe(now - self.arrival)
@@ -320,7 +318,7 @@ class SubRequest:
         if self.first_token_at is None and started:
             self._metrics.queue_depth.dec()
         holders = self._holders() - {gone}
-        self.phase = Phase.FAILED
+        self.stage = Stage.FAILED
         sends: Sends = [(worker_id, Abort(self.request_id)) for worker_id in sorted(holders)]
         if self.kv_holder == gone:
             self.kv_holder = None

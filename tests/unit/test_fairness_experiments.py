@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from common.config.roles import ProxyConfig, TenantConfig
-from proxy.admission import AHEAD, AdmissionController
+from proxy.admission import AdmissionController, Stage
 from proxy.tenants import TenantRegistry
 
 W_IN, W_OUT = 1.0, 2.0
@@ -83,14 +83,14 @@ class Server:
 
         def start_decode(req: Req) -> bool:
             batch.append(req)
-            self.decode_starts.append((req.tenant, dict(admission.count["ready"])))
+            self.decode_starts.append((req.tenant, dict(admission.count[Stage.READY])))
             return True
 
         admission = AdmissionController(config, tenants, lambda: self.decode_slots)
 
         def dispatch() -> None:
             while (admit := admission.next_admission()) is not None:
-                if admit.stage == AHEAD:
+                if admit.stage is Stage.PREFILLING:
                     start_prefill(admit.payload)
                     admission.prefill_started(admit.key)
                 else:
@@ -128,7 +128,7 @@ class Server:
             for req in done:
                 batch.remove(req)
                 self.finished.append(req)
-                admission.leave(req.key)
+                admission.leave(req.key, Stage.DECODING)
                 dispatch()
             for req in ready:
                 admission.ready_for_decode(req.key)

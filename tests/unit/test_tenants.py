@@ -7,7 +7,7 @@ import pytest
 
 from common.config.base import ConfigError
 from common.config.roles import ProxyConfig, TenantConfig, load_config
-from proxy.admission import AdmissionController
+from proxy.admission import AdmissionController, Stage
 from proxy.auth import tenant_from_body, tenant_from_header
 from proxy.errors import ApiError
 from proxy.rate_limit import TenantLimiter, TokenBucket
@@ -143,7 +143,7 @@ def test_concurrency_queue_and_global_limits():
     with pytest.raises(ApiError, match="max_queued_requests=2") as caught:
         admission.check_room(other, 1)
     assert caught.value.status == 503
-    admission.leave("r1")
+    admission.leave("r1", Stage.PREFILLING)  # it ran ahead to prefill
     dispatch()
     assert started == ["r1", "r2"]
     admission.check_room(other, 1)
