@@ -24,7 +24,6 @@ import typing
 from pathlib import Path
 from typing import Annotated, Literal
 
-import annotated_types
 import pydantic
 from pydantic import ConfigDict, Strict, ValidationError
 from pydantic.fields import FieldInfo
@@ -39,8 +38,7 @@ BlockSize = Literal[8, 16, 32, 64, 128, 256]
 # Verifying one more draft token, in plain decode steps, at batch 1 (bench/spec_crossover.py).
 SPEC_DRAFT_COST = {"float32": 0.5, "bfloat16": 0.15, "cuda": 0.1}
 PATH_KINDS = ("file", "dir")
-_BOUNDS = {annotated_types.Gt: ("gt", ">"), annotated_types.Ge: ("ge", ">="),
-           annotated_types.Lt: ("lt", "<"), annotated_types.Le: ("le", "<=")}
+_BOUNDS = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))  # pydantic's bound metadata, in words
 
 
 class ConfigError(ValueError):
@@ -137,8 +135,8 @@ def allowed_values(info: FieldInfo) -> str:
     inner, nullable = _unwrap(info.annotation)
     if typing.get_origin(inner) is Literal:
         return "one of " + ", ".join(repr(c) for c in typing.get_args(inner))
-    text = " and ".join(f"{_BOUNDS[type(m)][1]} {getattr(m, _BOUNDS[type(m)][0])}"
-                        for m in info.metadata if type(m) in _BOUNDS)
+    text = " and ".join(f"{symbol} {getattr(m, key)}" for m in info.metadata
+                        for key, symbol in _BOUNDS if getattr(m, key, None) is not None)
     if text and nullable:
         text += " (or null)"
     return text
