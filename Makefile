@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # installing it before the project keeps pip from pulling CUDA torch.
 TORCH_VERSION := 2.13.0
 NIXL_VERSION := 1.5.1
-# Which dtype(s) of the embedded model `make prepare` makes: float32, bfloat16 or both.
+# Which dtype(s) of the embedded model `make prepare` (and so `make test`) makes: float32, bfloat16 or both.
 DTYPE ?= float32
 PYTEST_ARGS ?=
 PORT ?= 8000
@@ -32,8 +32,12 @@ $(SETUP_STAMP): pyproject.toml
 prepare: setup
 	for dtype in $(DTYPE); do $(BIN)/tessera model prepare --dtype $$dtype || exit 1; done
 
-run: setup prepare
-	$(BIN)/tessera up --dtype $(firstword $(DTYPE)) --port $(PORT)
+# The fastest dtype this machine computes (bfloat16 with AVX512-BF16 or AMX, else float32); RUN_DTYPE=float32 overrides.
+RUN_DTYPE ?= auto
+
+run: setup
+	$(BIN)/tessera model prepare --dtype $(RUN_DTYPE)
+	$(BIN)/tessera up --dtype $(RUN_DTYPE) --port $(PORT)
 
 test: setup prepare
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from common.runtime import telemetry
-from common.storage.model_store import DTYPES, EMBEDDED_NAMES, default_cache_root
+from common.storage.model_store import DTYPES, EMBEDDED_NAMES, default_cache_root, fastest_dtype
 
 
 def positive_int(text: str) -> int:
@@ -12,6 +13,17 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1 (got {text})")
     return value
+
+
+def dtype_option(text: str) -> str:
+    """``--dtype``: a dtype, or ``auto``, which picks the fastest this CPU runs and says which and why."""
+    if text == "auto":
+        dtype, why = fastest_dtype()
+        print(f"tessera: --dtype auto: {dtype}: {why}", file=sys.stderr)
+        return dtype
+    if text not in DTYPES:
+        raise argparse.ArgumentTypeError(f"one of {', '.join((*DTYPES, 'auto'))} (got {text!r})")
+    return text
 
 
 def add_model_options(parser: argparse.ArgumentParser, *, with_model: bool) -> None:
@@ -24,7 +36,9 @@ def add_model_options(parser: argparse.ArgumentParser, *, with_model: bool) -> N
             "for the embedded SmolLM2-135M-Instruct (default: embedded)",
         )
     parser.add_argument(
-        "--dtype", choices=DTYPES, default="float32", help="weight and compute dtype (default: float32)"
+        "--dtype", type=dtype_option, default="float32", metavar="{float32,bfloat16,auto}",
+        help="weight and compute dtype; auto: bfloat16 where the CPU computes it natively, else float32 "
+        "(default: float32)"
     )
     parser.add_argument(
         "--cache-dir",

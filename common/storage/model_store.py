@@ -48,6 +48,29 @@ GgufFetcher = Callable[[Path, Log], None]  # writes the GGUF file to the given p
 Converter = Callable[[Path, Path, str, Log], None]  # (gguf file, output dir, dtype, log)
 
 
+# CPU features with native bfloat16 dot products; without them torch emulates bf16 matmuls, about 2x
+# slower than float32 on the CPUs measured (docs/benchmarks.md).
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def fastest_dtype(cpu_flags: set[str] | None = None) -> tuple[str, str]:
+    """(the dtype that serves fastest on this CPU, why): bfloat16 with AVX512-BF16 or AMX, else float32."""
+    if cpu_flags is None:
+        cpu_flags = set()
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("flags"):
+                    cpu_flags = set(line.partition(":")[2].split())
+                    break
+        except OSError:
+            pass
+    found = [flag for flag in BF16_CPU_FLAGS if flag in cpu_flags]
+    if found:
+        return "bfloat16", f"this CPU computes bfloat16 natively ({', '.join(found)})"
+    return "float32", ("this CPU has neither AVX512-BF16 nor AMX (or they cannot be read): bfloat16 would be "
+                       "emulated and slower than float32")
+
+
 def default_cache_root() -> Path:
     """The cache root when none is given: ``$TESSERA_CACHE_DIR``, else ``~/.cache/tessera``.
 

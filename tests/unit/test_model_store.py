@@ -204,3 +204,22 @@ def test_explicit_cache_dir_wins_over_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv(model_store.CACHE_DIR_ENV, str(tmp_path / "from-env"))
     path = embedded_model_dir("bfloat16", tmp_path / "explicit")
     assert path.parent == tmp_path / "explicit" / "models"
+
+
+def test_the_fastest_dtype_follows_the_cpu_features():
+    from common.storage.model_store import fastest_dtype
+
+    assert fastest_dtype({"avx2", "avx512f", "avx512_bf16"})[0] == "bfloat16"
+    assert fastest_dtype({"amx_bf16", "amx_tile"})[0] == "bfloat16"
+    dtype, why = fastest_dtype({"avx2", "avx512f"})
+    assert dtype == "float32" and "AVX512-BF16" in why
+    assert fastest_dtype(set())[0] == "float32"
+
+
+def test_dtype_auto_resolves_and_says_why(capsys):
+    from common.cli.options import dtype_option
+    from common.storage.model_store import fastest_dtype
+
+    assert dtype_option("auto") == fastest_dtype()[0]
+    assert "--dtype auto:" in capsys.readouterr().err
+    assert dtype_option("float32") == "float32"
