@@ -207,6 +207,9 @@ def main(argv: list[str] | None = None) -> None:
     transformers.logging.set_verbosity_error()
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    # As a worker process does (common/cli/worker_command.py): subnormals flushed to zero. Set in main, not
+    # in run(), which tests call in their own process.
+    torch.set_flush_denormal(True)
     results = run(args, reproduce_command(argv))
     if args.out:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
