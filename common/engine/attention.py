@@ -169,14 +169,15 @@ class CpuAttention(TorchAttention):
         pool = ctx.kv_cache.buffer
         itemsize = pool.element_size()
         tables = ctx.decode_block_tables
-        status = self._kernel(
-            q.data_ptr(), pool.data_ptr(), pool.stride(0),
-            (k_cache.data_ptr() - pool.data_ptr()) // itemsize,
-            (v_cache.data_ptr() - pool.data_ptr()) // itemsize,
-            tables.data_ptr(), tables.shape[1], ctx.decode_context_lens.data_ptr(), out.data_ptr(),
-            rows, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale,
-            int(q.dtype == torch.bfloat16),
-        )
+        with torch.profiler.record_function("tessera::paged_attention"):
+            status = self._kernel(
+                q.data_ptr(), pool.data_ptr(), pool.stride(0),
+                (k_cache.data_ptr() - pool.data_ptr()) // itemsize,
+                (v_cache.data_ptr() - pool.data_ptr()) // itemsize,
+                tables.data_ptr(), tables.shape[1], ctx.decode_context_lens.data_ptr(), out.data_ptr(),
+                rows, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale,
+                int(q.dtype == torch.bfloat16),
+            )
         if status != 0:
             raise RuntimeError("paged attention kernel refused the shapes (group, head_dim or block size too large)")
         return out

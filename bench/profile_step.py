@@ -1,0 +1,112 @@
+"""Where one engine step's time goes: a prefill chunk, and decode steps at several batch sizes.
+
+    .venv/bin/python -m bench.profile_step --dtype bfloat16 --threads 2
+
+For each scenario the engine (in this process, the embedded model) is brought
+to the state the scenario names, then ``--steps`` steps run under
+``torch.profiler``. The table gives the step's wall time and, per group of
+operators, their share of it: the matmuls (``aten::addmm``/``mm``/``linear``,
+with their achieved GFLOP/s), attention (the paged kernels and SDPA),
+normalisation and RoPE elementwise work, sampling, and what is left: Python
+in the scheduler, the runner's batch preparation and output processing,
+between the kernels. Prompts are random token ids, each scenario its own.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from common.config.base import EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.protocol.sampling_params import SamplingParams
+
+GROUPS = (
+    ("matmul", ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "aten::bmm")),
+    ("attention", ("tessera", "paged", "scaled_dot_product", "attention", "aten::_scaled_dot")),
+    ("sampling", ("argmax", "softmax", "topk", "multinomial", "sort", "log_softmax", "aten::max")),
+    ("copies and casts", ("aten::copy_", "aten::to", "aten::_to_copy", "aten::index", "aten::cat",
+                          "aten::contiguous", "aten::clone", "aten::embedding", "aten::index_select")),
+    ("elementwise (norm, rope, silu)", ("aten::mul", "aten::add", "aten::pow", "aten::mean", "aten::rsqrt",
+                                        "aten::silu", "aten::sub", "aten::neg", "aten::rms_norm")),
+)
+
+
+def group_of(name: str) -> str:
+    for group, keys in GROUPS:
+        if any(key in name for key in keys):
+            return group
+    return "other operators"
+
+
+def scenario(engine: LLMEngine, name: str, batch: int, prompt_len: int, decode: bool, steps: int,
+             rng: random.Random, flops_per_token: float) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    vocab = engine.runner.vocab_size
+    ids = []
+    for i in range(batch):
+        rid = f"{name}-{i}"
+        engine.add_request(rid, [rng.randrange(100, vocab - 1) for _ in range(prompt_len)], params)
+        ids.append(rid)
+    if decode:  # run the prefills first: every step profiled is a pure decode step
+        while any(seq.num_computed_tokens < seq.num_prompt_tokens for rid in ids for seq in engine.requests[rid]):
+            engine.step()
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps if decode else 1):
+            engine.step()
+        wall = time.perf_counter() - start
+    for rid in ids:
+        engine.abort_request(rid)
+    engine.step()
+    shares: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        shares[group_of(event.key)] += event.self_cpu_time_total / 1e6
+    computed = batch * steps if decode else min(batch * prompt_len, engine.config.max_num_batched_tokens)
+    op_total = sum(shares.values())
+    shares["Python and glue (wall minus operators)"] = max(wall - op_total, 0.0)
+    row = {"scenario": name, "step_ms": 1000 * wall / (steps if decode else 1), "tokens": computed,
+           "matmul_gflops": flops_per_token * computed / shares["matmul"] / 1e9 if shares["matmul"] else 0.0,
+           "shares": {k: v / wall for k, v in sorted(shares.items(), key=lambda kv: -kv[1])}}
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20, help="decode steps profiled per scenario")
+    parser.add_argument("--seed", type=int, default=7)
+    args = parser.parse_args(argv)
+    torch.set_flush_denormal(True)  # as in a worker process (common/cli/worker_command.py)
+    torch.set_num_threads(args.threads)
+    engine = LLMEngine(EngineConfig(model="embedded", dtype=args.dtype, num_threads=args.threads,
+                                    kv_cache_memory_bytes=2 << 30))
+    cfg = engine.runner.model.config
+    params = sum(p.numel() for p in engine.runner.model.parameters()) - cfg.vocab_size * cfg.hidden_size
+    flops_per_token = 2.0 * params
+    rng = random.Random(args.seed)
+    scenario(engine, "warm-up", 2, 64, True, 3, rng, flops_per_token)
+    rows = [scenario(engine, "prefill 256 x 1", 1, 256, False, 1, rng, flops_per_token),
+            scenario(engine, "prefill 256 x 4", 4, 256, False, 1, rng, flops_per_token)]
+    rows += [scenario(engine, f"decode batch {b}", b, 256, True, args.steps, rng, flops_per_token)
+             for b in (1, 8, 64)]
+    print(f"{args.dtype}, {args.threads} threads; matmul GFLOP/s counts 2 x non-embedding parameters per token "
+          "(the LM head's FLOPs are in the time but not the count)\n")
+    groups = [g for g, _ in GROUPS] + ["other operators", "Python and glue (wall minus operators)"]
+    print("| scenario | step ms | tokens | matmul GFLOP/s | " + " | ".join(groups) + " |")
+    print("|---|---|---|---|" + "---|" * len(groups))
+    for row in rows:
+        cells = [f"{100 * row['shares'].get(g, 0.0):.0f}%" for g in groups]
+        print(f"| {row['scenario']} | {row['step_ms']:.1f} | {row['tokens']} | {row['matmul_gflops']:.0f} | "
+              + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
