@@ -19,6 +19,7 @@ from common.engine.attention import select_backend
 from common.config.base import EngineConfig
 from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.models.loader import load_model
+from common.engine.native import gemv_bf16_kernel
 from common.engine.sampler import Sampler, SamplingRow
 from common.engine.scheduler import StepPlan
 from common.engine.sequence import Sequence
@@ -59,6 +60,8 @@ class ModelRunner:
         self.dtype = getattr(torch, config.dtype)
         self.attention = select_backend(config.attention_backend, config.device, config.block_size)
         self.model = load_model(model_dir, self.dtype, config.device, self.attention)
+        if self.dtype is torch.bfloat16 and self.device.type == "cpu":
+            gemv_bf16_kernel()  # built now, not on the first batch-1 decode step (models/llama.py ``linear``)
         hf = self.model.config
         attn = self.model.layers[0].self_attn
         self.layout = KVLayout(hf.num_hidden_layers, config.block_size, attn.num_kv_heads, attn.head_dim, config.dtype)

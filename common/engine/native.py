@@ -70,3 +70,16 @@ def load_kernel(name: str) -> ctypes.CDLL | None:
                 return None
             os.replace(built, target)  # atomic: concurrent builders never see half a file
     return ctypes.CDLL(str(target))
+
+
+
+@functools.cache
+def gemv_bf16_kernel():
+    """``tessera_gemv_bf16(x, w, bias, y, m, n, k)`` (``kernels/gemv_bf16.c``), or None without a compiler."""
+    kernel = load_kernel("gemv_bf16")
+    if kernel is None:
+        return None
+    fn = kernel.tessera_gemv_bf16
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
+    return fn

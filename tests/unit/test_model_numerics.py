@@ -87,3 +87,25 @@ def test_checkpoint_missing_a_tensor_is_refused_by_name(tmp_path):
     save_file(tensors, path / "model.safetensors")
     with pytest.raises(ValueError, match="layers.1.self_attn.qkv_proj.weight"):
         ModelRunner(EngineConfig(model=str(path), num_kv_blocks=8), path)
+
+
+def test_the_bf16_gemv_kernel_matches_torch_linear_for_one_row():
+    import torch.nn.functional as F
+
+    from common.engine.models.llama import linear
+    from common.engine.native import gemv_bf16_kernel
+
+    if gemv_bf16_kernel() is None:
+        pytest.skip("no C compiler: linear() takes torch's path, nothing to compare")
+    torch.manual_seed(3)
+    for n, k, with_bias in ((960, 576, True), (49152, 576, False), (576, 1536, False), (7, 5, True)):
+        x = torch.randn(1, k).to(torch.bfloat16)
+        w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
+        b = torch.randn(n).to(torch.bfloat16) if with_bias else None
+        ours, ref = linear(x, w, b).float(), F.linear(x, w, b).float()
+        # Both sum in float32 and round once to bf16; only the order of the sums differs: one bf16 step at most.
+        assert torch.allclose(ours, ref, rtol=2 ** -7, atol=1e-3), (n, k, (ours - ref).abs().max())
+    x4 = torch.randn(4, 64).to(torch.bfloat16)
+    w = torch.randn(32, 64).to(torch.bfloat16)
+    assert torch.equal(linear(x4, w), F.linear(x4, w))  # more rows: torch's matmul, unchanged
+    assert torch.equal(linear(x4[:1].float(), w.float()), F.linear(x4[:1].float(), w.float()))

@@ -17,6 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.engine.native import gemv_bf16_kernel
+
+GEMV_MAX_K = 16384  # kernels/gemv_bf16.c's limit on the input width
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -85,6 +89,29 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, except that one bfloat16 row on the CPU (a batch-1 decode step) takes the GEMV kernel,
+    which streams the weights at memory speed where torch's bf16 matmul does not (docs/benchmarks.md)."""
+    if (x.dtype is torch.bfloat16 and x.shape[0] == 1 and x.dim() == 2 and x.device.type == "cpu"
+            and weight.dtype is torch.bfloat16 and x.shape[1] <= GEMV_MAX_K and weight.is_contiguous()
+            and (bias is None or bias.dtype is torch.bfloat16)):
+        kernel = gemv_bf16_kernel()
+        if kernel is not None:
+            x = x.contiguous()
+            out = torch.empty((1, weight.shape[0]), dtype=torch.bfloat16)
+            bias_ptr = None if bias is None else bias.contiguous().data_ptr()
+            if kernel(x.data_ptr(), weight.data_ptr(), bias_ptr, out.data_ptr(), 1, weight.shape[0], x.shape[1]) == 0:
+                return out
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose single-row bfloat16 calls (batch-1 decode) take the GEMV kernel (``linear``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -114,8 +141,8 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         qkv_bias = arch == "qwen2" or bool(getattr(cfg, "attention_bias", False))
         o_bias = arch != "qwen2" and bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias)
         if arch == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -142,8 +169,8 @@ class MLP(nn.Module):
         super().__init__()
         bias = bool(getattr(cfg, "mlp_bias", False))
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {cfg.hidden_act!r} (only silu is supported)")
 
@@ -185,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -199,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return linear(hidden, weight)
 
 
 def architecture_of(cfg) -> str:
