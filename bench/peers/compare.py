@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     command = (f"bash bench/peers/install_vllm.sh && .venv/bin/python -m bench.peers.compare --dtype {args.dtype} "
                f"--num-prompts {args.num_prompts} --single-prompts {args.single_prompts} --rate {args.rate:g} "
                f"--seed {args.seed} --write")
-    text = (f"{BEGIN}\n## Against vLLM's CPU build, same cores (issue 12)\n\n"
+    text = (f"{BEGIN}\n## Against vLLM's CPU build, same cores (issue 12): latest\n\n"
+            "(`bench.peers.compare --write` replaces this section; the baseline above stays.)\n\n"
             f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, {args.dtype}, {args.input_len} in / "
             f"{args.output_len} out, `vllm bench serve` (random, ignore_eos, greedy, 2 warm-ups) against each "
             f"server in turn, fresh prompts per point (seeds {args.seed}..{args.seed + 2}). Ratios are against "
