@@ -131,6 +131,10 @@ def test_requests_of_the_dead_proxy_free_their_pages(cluster):
             client.stream("POST", cluster.url + "/v1/chat/completions", json=long_request) as stream:
         lines = stream.iter_lines()
         assert next(lines).startswith("data: ")  # decoding on decode-0, which now has no free slot
+        # The first token comes with the prefill; until decode-0 has pulled them, prefill-0 still holds the long
+        # request's pages. Only once those are released do pages on prefill-0 mean the waiting request's.
+        wait_for(lambda: worker_metric(cluster, "prefill-0", "tessera_worker_kv_pages_used") == 0, 10,
+                 "the long request's pages pulled by decode-0 and released on prefill-0")
         waiter = threading.Thread(target=waiting_request)
         waiter.start()
         wait_for(lambda: worker_metric(cluster, "prefill-0", "tessera_worker_kv_pages_used") > 0, 10,
