@@ -53,7 +53,8 @@ def load_kernel(name: str) -> ctypes.CDLL | None:
         log.warning("no C compiler found; %s runs on the slower pure-torch path", name)
         return None
     digest = hashlib.sha256(
-        source.read_bytes() + " ".join(CFLAGS + LDFLAGS).encode() + _cpu_signature().encode()
+        source.read_bytes() + b"".join(h.read_bytes() for h in sorted(KERNEL_DIR.glob("*.h")))
+        + " ".join(CFLAGS + LDFLAGS).encode() + _cpu_signature().encode()
     ).hexdigest()[:16]
     target = default_cache_root() / "kernels" / f"{name}-{digest}.so"
     if not target.exists():

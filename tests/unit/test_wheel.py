@@ -54,5 +54,6 @@ def test_the_wheel_carries_every_package_and_registers_every_role(tmp_path):
     assert not outside, f"modules not from the wheel: {outside}"
     assert found["dist"].startswith(str(site))
     assert {"proxy", "prefill", "decode", "both"} <= set(found["commands"]), found["commands"]
-    assert list((site / "common" / "engine" / "kernels").glob("*.c")), "the C kernels ship as source"
+    kernels = site / "common" / "engine" / "kernels"
+    assert list(kernels.glob("*.c")) and list(kernels.glob("*.h")), "the C kernels ship as source, headers too"
     assert (site / "bench" / "loadgen" / "prompt_set.json").is_file()
