@@ -255,9 +255,6 @@ class WorkerRegistry:
         return ""
 
 
-log = logging.getLogger("tessera.proxy")
-
-
 class WorkerLink:
     def __init__(self, bind: str, on_frames: Callable[[bytes, list[bytes]], None], send_timeout_s: float,
                  curve: CurveServer | None = None) -> None:

@@ -50,9 +50,8 @@ from common.engine.llm_engine import LLMEngine, RequestError
 from common.protocol import wire
 from common.runtime import sd_notify
 from common.runtime.health_server import HealthServer
-from common.runtime.telemetry import request_scope
+from common.runtime.telemetry import WorkerMetrics, request_scope
 from common.runtime.tracing import make_tracing
-from common.runtime.telemetry import WorkerMetrics
 from common.runtime.zmq_security import apply_curve_client, worker_curve
 
 log = logging.getLogger(__name__)
@@ -273,9 +272,6 @@ def _rejoin(io: WorkerIO, handler: RoleHandler, msg: wire.Reregister) -> None:
     handler.metrics.status.registered = False
     handler.fail_all("the proxy that sent this request lost this worker")
     io.rejoin()
-
-
-log = logging.getLogger(__name__)
 
 
 class KVTransfer(Protocol):
