@@ -28,7 +28,7 @@ import pydantic
 from pydantic import ConfigDict, Strict, ValidationError
 from pydantic.fields import FieldInfo
 
-from common.protocol.names import AttentionBackend, Device, Dtype, SpecMethod
+from common.protocol.names import AttentionBackend, Device, Dtype, Quantization, SpecMethod
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]  # an int is still accepted, and stored as a float
@@ -211,6 +211,9 @@ def json_schema(cls) -> dict:
 class EngineConfig:
     model: Str = option(doc="model directory (Hugging Face layout) or an embedded model name ('embedded')")
     dtype: Dtype = option("float32", "weight and compute dtype")
+    quantization: Quantization = option("none", "weight quantization applied at load: 'int8' stores every "
+                                        "linear layer and the embedding as int8 with one scale per output row "
+                                        "(common/engine/quantization.py); activations and the KV pool keep dtype")
     device: Device = option("cpu", "where the model runs")
     attention_backend: AttentionBackend = option("auto", "attention kernel; auto picks the best one the device has")
     block_size: BlockSize = option(16, "tokens per KV cache block")
@@ -226,6 +229,9 @@ class EngineConfig:
     enable_chunked_prefill: Bool = option(True, "split prompts longer than the step budget into chunks; "
                                           "off means a prompt must fit one step's token budget")
     num_threads: Int | None = option(None, "torch CPU threads; null keeps torch's default", ge=1)
+    decode_kernel_max_batch: Int = option(8, "CPU decode steps of at most this many rows (and no prompt chunk) "
+                                          "run the whole forward in one C call (kernels/decode_forward.c); "
+                                          "0 keeps every step on the torch path", ge=0, le=8)
     seed: Int = option(0, "seed of the sampler's random streams")
     spec_method: SpecMethod = option("off", "speculative decoding on the decode side: 'ngram' (prompt lookup), "
                               "'draft' (a smaller model sharing the vocabulary) or 'off'; requests may "
@@ -257,6 +263,9 @@ class EngineConfig:
         if self.spec_method == "draft" and not self.spec_draft_model:
             raise ConfigError("config field 'spec_draft_model' is required when spec_method is 'draft': "
                               "a draft model directory with the target's vocabulary")
+        if self.quantization == "int8" and self.device != "cpu":
+            raise ConfigError("config field 'quantization' = 'int8' is invalid: its kernels run on the CPU only "
+                              "(device 'cpu')")
         if self.max_num_batched_tokens < self.block_size:
             raise ConfigError(f"config field 'max_num_batched_tokens' = {self.max_num_batched_tokens!r} is "
                               f"invalid: >= block_size ({self.block_size})")

@@ -18,8 +18,10 @@ import torch
 from common.engine.attention import select_backend
 from common.config.base import EngineConfig
 from common.engine.kv_cache import KVCache, KVLayout
+from common.engine.models.fused_decode import FusedDecode
 from common.engine.models.loader import load_model
 from common.engine.native import gemv_bf16_kernel
+from common.engine.quantization import quantize_model_int8
 from common.engine.sampler import Sampler, SamplingRow
 from common.engine.scheduler import StepPlan
 from common.engine.sequence import Sequence
@@ -60,8 +62,12 @@ class ModelRunner:
         self.dtype = getattr(torch, config.dtype)
         self.attention = select_backend(config.attention_backend, config.device, config.block_size)
         self.model = load_model(model_dir, self.dtype, config.device, self.attention)
+        if config.quantization == "int8":
+            quantize_model_int8(self.model)
         if self.dtype is torch.bfloat16 and self.device.type == "cpu":
             gemv_bf16_kernel()  # built now, not on the first batch-1 decode step (models/llama.py ``linear``)
+        if self.device.type == "cpu" and self.attention.name == "cpu_paged" and config.decode_kernel_max_batch:
+            self.model.fused_decode = FusedDecode(self.model, config.decode_kernel_max_batch)
         hf = self.model.config
         attn = self.model.layers[0].self_attn
         self.layout = KVLayout(hf.num_hidden_layers, config.block_size, attn.num_kv_heads, attn.head_dim, config.dtype)
@@ -72,8 +78,9 @@ class ModelRunner:
         self.vocab_size = hf.vocab_size
         self.sampler = Sampler()
         log.info(
-            "model loaded: %s layers, dtype %s, attention %s; KV pool %d blocks x %d tokens (%.1f MiB)",
-            hf.num_hidden_layers, config.dtype, self.attention.name, num_blocks, config.block_size,
+            "model loaded: %s layers, dtype %s, weights %s, attention %s; KV pool %d blocks x %d tokens (%.1f MiB)",
+            hf.num_hidden_layers, config.dtype, "int8" if config.quantization == "int8" else config.dtype,
+            self.attention.name, num_blocks, config.block_size,
             self.kv_cache.nbytes / 2**20,
         )
 

@@ -11,6 +11,7 @@ from typing import Literal, get_args
 
 Role = Literal["prefill", "decode", "both"]
 Dtype = Literal["float32", "bfloat16"]
+Quantization = Literal["none", "int8"]  # weights only; see common/engine/quantization.py
 Device = Literal["cpu", "cuda"]
 AttentionBackend = Literal["auto", "torch", "cpu_paged", "flash_attn"]
 SpecMethod = Literal["off", "ngram", "draft"]
@@ -20,6 +21,7 @@ PriorityLane = Literal["p0", "p1", "p2"]  # p0 is served first
 
 ROLES: tuple[str, ...] = get_args(Role)
 DTYPES: tuple[str, ...] = get_args(Dtype)
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 SPEC_METHODS: tuple[str, ...] = get_args(SpecMethod)
 TRANSFER_BACKENDS: tuple[str, ...] = get_args(TransferBackend)
 FAIRNESS_POLICIES: tuple[str, ...] = get_args(FairnessPolicy)

@@ -8,115 +8,14 @@
  * (max, sum, accumulator), so memory use does not grow with context length.
  * Accumulation is always float32; bf16 inputs are widened on load.
  */
-#include <math.h>
 #include <stdint.h>
-#include <string.h>
 
-#include "bf16.h"
-
-#define MAX_GROUP 32
-#define MAX_HEAD_DIM 256
-#define MAX_BLOCK 256
-
-static inline void load_row(const void *base, int64_t offset, int is_bf16, int d, float *dst) {
-    if (is_bf16) {
-        const uint16_t *p = (const uint16_t *)base + offset;
-        for (int i = 0; i < d; i++) dst[i] = bf16_to_f32(p[i]);
-    } else {
-        const float *p = (const float *)base + offset;
-        for (int i = 0; i < d; i++) dst[i] = p[i];
-    }
-}
-
-/*
- * q:            [rows, num_heads, head_dim]
- * kv:           pool base; element (block, token, kv_head, dim) of this layer's K is at
- *               block * block_stride + k_offset + (token * num_kv_heads + kv_head) * head_dim + dim
- *               (V likewise with v_offset)
- * block_tables: [rows, max_blocks] int64
- * context_lens: [rows] int64, keys [0, len) are attended
- * out:          [rows, num_heads, head_dim]
- */
-static inline __attribute__((always_inline)) void attend_one(
-    const void *q, const void *kv, int64_t block_stride, int64_t k_offset, int64_t v_offset,
-    const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens, void *out,
-    int num_heads, int num_kv_heads, const int head_dim, int block_size, float scale, const int is_bf16,
-    int group, int64_t item)
-{
-    {
-        int r = (int)(item / num_kv_heads);
-        int kvh = (int)(item % num_kv_heads);
-        int64_t len = context_lens[r];
-        const int64_t *table = block_tables + (int64_t)r * max_blocks;
-
-        float qv[MAX_GROUP][MAX_HEAD_DIM];
-        float acc[MAX_GROUP][MAX_HEAD_DIM];
-        float m[MAX_GROUP], l[MAX_GROUP];
-        float scores[MAX_GROUP][MAX_BLOCK];
-        float krow[MAX_HEAD_DIM];
-
-        for (int g = 0; g < group; g++) {
-            int64_t qoff = ((int64_t)r * num_heads + kvh * group + g) * head_dim;
-            load_row(q, qoff, is_bf16, head_dim, qv[g]);
-            for (int i = 0; i < head_dim; i++) { qv[g][i] *= scale; acc[g][i] = 0.f; }
-            m[g] = -INFINITY;
-            l[g] = 0.f;
-        }
-
-        for (int64_t start = 0; start < len; start += block_size) {
-            int64_t block = table[start / block_size];
-            int n = (int)(len - start < block_size ? len - start : block_size);
-            int64_t kbase = block * block_stride + k_offset + (int64_t)kvh * head_dim;
-            int64_t vbase = block * block_stride + v_offset + (int64_t)kvh * head_dim;
-            int64_t token_stride = (int64_t)num_kv_heads * head_dim;
-
-            for (int t = 0; t < n; t++) {
-                load_row(kv, kbase + t * token_stride, is_bf16, head_dim, krow);
-                for (int g = 0; g < group; g++) {
-                    float s = 0.f;
-                    for (int i = 0; i < head_dim; i++) s += qv[g][i] * krow[i];
-                    scores[g][t] = s;
-                }
-            }
-            for (int g = 0; g < group; g++) {
-                float bmax = m[g];
-                for (int t = 0; t < n; t++) bmax = scores[g][t] > bmax ? scores[g][t] : bmax;
-                float correction = expf(m[g] - bmax);
-                l[g] *= correction;
-                for (int i = 0; i < head_dim; i++) acc[g][i] *= correction;
-                for (int t = 0; t < n; t++) {
-                    scores[g][t] = expf(scores[g][t] - bmax);
-                    l[g] += scores[g][t];
-                }
-                m[g] = bmax;
-            }
-            for (int t = 0; t < n; t++) {
-                load_row(kv, vbase + t * token_stride, is_bf16, head_dim, krow);
-                for (int g = 0; g < group; g++) {
-                    float p = scores[g][t];
-                    for (int i = 0; i < head_dim; i++) acc[g][i] += p * krow[i];
-                }
-            }
-        }
-
-        for (int g = 0; g < group; g++) {
-            float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-            int64_t ooff = ((int64_t)r * num_heads + kvh * group + g) * head_dim;
-            if (is_bf16) {
-                uint16_t *o = (uint16_t *)out + ooff;
-                for (int i = 0; i < head_dim; i++) o[i] = f32_to_bf16(acc[g][i] * inv);
-            } else {
-                float *o = (float *)out + ooff;
-                for (int i = 0; i < head_dim; i++) o[i] = acc[g][i] * inv;
-            }
-        }
-    }
-}
+#include "attend.h"
 
 /* The common head sizes get their own copies so the compiler can unroll and
  * keep vectors in registers; anything else takes the generic path. */
-#define ATTEND(D, BF16) attend_one(q, kv, block_stride, k_offset, v_offset, block_tables, max_blocks, \
-    context_lens, out, num_heads, num_kv_heads, D, block_size, scale, BF16, group, item)
+#define ATTEND(D, BF16) attend_one(q, BF16, kv, block_stride, k_offset, v_offset, block_tables, max_blocks, \
+    context_lens, out, BF16, num_heads, num_kv_heads, D, block_size, scale, BF16, group, item)
 
 int tessera_paged_attention(
     const void *q, const void *kv, int64_t block_stride, int64_t k_offset, int64_t v_offset,

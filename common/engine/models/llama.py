@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.engine.attention import get_step_context
 from common.engine.native import gemv_bf16_kernel
+from common.engine.quantization import linear_int8
 
 GEMV_MAX_K = 16384  # kernels/gemv_bf16.c's limit on the input width
 
@@ -89,9 +91,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, except that one bfloat16 row on the CPU (a batch-1 decode step) takes the GEMV kernel,
-    which streams the weights at memory speed where torch's bf16 matmul does not (docs/benchmarks.md)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, except that int8 weights (with their per-row ``scale``) take the int8 paths
+    (common/engine/quantization.py), and one bfloat16 row on the CPU (a batch-1 decode step) takes the GEMV
+    kernel, which streams the weights at memory speed where torch's bf16 matmul does not (docs/benchmarks.md)."""
+    if weight.dtype is torch.int8:
+        return linear_int8(x, weight, scale, bias)
     if (x.dtype is torch.bfloat16 and x.shape[0] == 1 and x.dim() == 2 and x.device.type == "cpu"
             and weight.dtype is torch.bfloat16 and x.shape[1] <= GEMV_MAX_K and weight.is_contiguous()
             and (bias is None or bias.dtype is torch.bfloat16)):
@@ -109,7 +115,7 @@ class Linear(nn.Linear):
     """``nn.Linear`` whose single-row bfloat16 calls (batch-1 decode) take the GEMV kernel (``linear``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, getattr(self, "weight_scale", None))
 
 
 class RMSNorm(nn.Module):
@@ -214,9 +220,15 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.requires_grad_(False)
+        # Set by the model runner where the one-call decode kernel applies (models/fused_decode.py).
+        self.fused_decode = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.fused_decode is not None:
+            ctx = get_step_context()
+            if self.fused_decode.usable(ctx, x.shape[0]):
+                return self.fused_decode(x, positions, ctx)
         rope = self.rope.table(positions, x.dtype)
         residual = None
         for layer in self.layers:
@@ -225,8 +237,8 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return linear(hidden, weight)
+        head = self.embed_tokens if self.tie_word_embeddings else self.lm_head
+        return linear(hidden, head.weight, None, getattr(head, "weight_scale", None))
 
 
 def architecture_of(cfg) -> str:

@@ -1,0 +1,312 @@
+/*
+ * The whole decoder forward for a few decode rows (M <= 8) in one call, on the CPU.
+ *
+ * At small batch a decode step is bound by reading the weights once, and the
+ * torch path spends as long again in the ~40 small operators per layer
+ * between the matmuls (Python dispatch, allocations, one OpenMP region each).
+ * Here one OpenMP region runs every layer: the threads split each linear
+ * layer's output rows and each (row, kv head) of attention, and meet at a
+ * barrier between phases. No Python runs between kernels.
+ *
+ * Per layer, for each row: RMSNorm -> fused QKV (+bias) -> per-head q/k norm
+ * (Qwen3) -> RoPE -> K/V written into the paged pool -> paged attention ->
+ * o_proj added to the residual -> RMSNorm -> fused gate/up -> SiLU(gate) * up
+ * -> down_proj added to the residual. Then the final RMSNorm.
+ *
+ * Weights are float32, bfloat16, or int8 with one float32 scale per output
+ * row (symmetric, weight-only: the int8 values are widened in registers and
+ * multiplied by the float32 activations; the scale is applied to each sum).
+ * Activations, the residual stream and every sum stay in float32 inside the
+ * call; the K/V written to the pool and the final hidden state take the
+ * model dtype (bfloat16 rounds to nearest even).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "attend.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define MAX_ROWS 8
+#define MAX_K 16384
+
+enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2 };
+
+/* Fields of one layer's entry in the layer table (int64 each; pointers as addresses, 0 for none). */
+enum {
+    F_IN_NORM, F_POST_NORM, F_Q_NORM, F_K_NORM,
+    F_QKV_W, F_QKV_SCALE, F_QKV_BIAS,
+    F_O_W, F_O_SCALE, F_O_BIAS,
+    F_GU_W, F_GU_SCALE, F_GU_BIAS,
+    F_DOWN_W, F_DOWN_SCALE, F_DOWN_BIAS,
+    F_K_OFFSET, F_V_OFFSET,
+    NUM_FIELDS
+};
+
+/* Shapes, in the dims array. */
+enum {
+    D_ROWS, D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_BLOCK_SIZE, D_MAX_BLOCKS,
+    D_ACT_BF16, D_WEIGHT_TYPE, D_BLOCK_STRIDE, NUM_DIMS
+};
+
+static inline float act_at(const void *p, int bf16, int64_t i) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+#define ROW_BLOCK 4 /* weight rows per work item: four independent sums per x row keep the FMA units busy */
+
+/* Dot products of one x row (float32, and bfloat16 in xb when the weights are bf16) with ROW_BLOCK
+ * weight rows starting at row j; nb < ROW_BLOCK rows at the end of a matrix. */
+static inline void dot_rows(const float *xr, const uint16_t *xb, const void *w, int wtype, int64_t j, int nb,
+                            int k, float *sums)
+{
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if (wtype == W_BF16 && nb == ROW_BLOCK && k % 32 == 0) {
+        /* 32 bf16 products per instruction, summed in float32: the weights are read as they are */
+        const uint16_t *w0 = (const uint16_t *)w + j * k;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int i = 0; i < k; i += 32) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + i);
+            a0 = _mm512_dpbf16_ps(a0, xv, (__m512bh)_mm512_loadu_si512(w0 + i));
+            a1 = _mm512_dpbf16_ps(a1, xv, (__m512bh)_mm512_loadu_si512(w0 + k + i));
+            a2 = _mm512_dpbf16_ps(a2, xv, (__m512bh)_mm512_loadu_si512(w0 + 2 * k + i));
+            a3 = _mm512_dpbf16_ps(a3, xv, (__m512bh)_mm512_loadu_si512(w0 + 3 * k + i));
+        }
+        sums[0] = _mm512_reduce_add_ps(a0); sums[1] = _mm512_reduce_add_ps(a1);
+        sums[2] = _mm512_reduce_add_ps(a2); sums[3] = _mm512_reduce_add_ps(a3);
+        return;
+    }
+#endif
+#if defined(__AVX512F__)
+    if (wtype == W_INT8 && nb == ROW_BLOCK && k % 16 == 0) {
+        /* int8 widened in registers (no dequantized copy), float32 products */
+        const int8_t *w0 = (const int8_t *)w + j * k;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int i = 0; i < k; i += 16) {
+            __m512 xv = _mm512_loadu_ps(xr + i);
+            a0 = _mm512_fmadd_ps(xv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w0 + i)))), a0);
+            a1 = _mm512_fmadd_ps(xv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w0 + k + i)))), a1);
+            a2 = _mm512_fmadd_ps(xv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w0 + 2 * k + i)))), a2);
+            a3 = _mm512_fmadd_ps(xv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w0 + 3 * k + i)))), a3);
+        }
+        sums[0] = _mm512_reduce_add_ps(a0); sums[1] = _mm512_reduce_add_ps(a1);
+        sums[2] = _mm512_reduce_add_ps(a2); sums[3] = _mm512_reduce_add_ps(a3);
+        return;
+    }
+#endif
+    (void)xb;
+    for (int b = 0; b < nb; b++) {
+        float acc = 0.f;
+        if (wtype == W_F32) {
+            const float *wr = (const float *)w + (j + b) * k;
+            for (int i = 0; i < k; i++) acc += xr[i] * wr[i];
+        } else if (wtype == W_BF16) {
+            const uint16_t *wr = (const uint16_t *)w + (j + b) * k;
+            for (int i = 0; i < k; i++) acc += xr[i] * bf16_to_f32(wr[i]);
+        } else {
+            const int8_t *wr = (const int8_t *)w + (j + b) * k;
+            for (int i = 0; i < k; i++) acc += xr[i] * (float)wr[i];
+        }
+        sums[b] = acc;
+    }
+}
+
+/*
+ * y[r, j] (+)= x[r, :] . w[j, :] (* scale[j]) + bias[j] for m rows of x, the output rows split over the
+ * team in blocks of ROW_BLOCK (call inside a parallel region). A block of weight rows is read from memory
+ * once; the other x rows find it in L1. xb: x in bfloat16 (bf16 weights only; the products then round
+ * x to bf16, as torch's bf16 linear does).
+ */
+static void linear_rows(const float *x, const uint16_t *xb, int m, int k, const int64_t *f, int w_field,
+                        int wtype, int act_bf16, float *y, int n, int accumulate)
+{
+    const void *w = (const void *)f[w_field];
+    const float *scale = (const float *)f[w_field + 1];
+    const void *bias = (const void *)f[w_field + 2];
+    #pragma omp for schedule(static)
+    for (int jb = 0; jb < n; jb += ROW_BLOCK) {
+        int nb = n - jb < ROW_BLOCK ? n - jb : ROW_BLOCK;
+        for (int r = 0; r < m; r++) {
+            float sums[ROW_BLOCK];
+            dot_rows(x + (int64_t)r * k, xb + (int64_t)r * k, w, wtype, jb, nb, k, sums);
+            for (int b = 0; b < nb; b++) {
+                int j = jb + b;
+                float v = sums[b] * (wtype == W_INT8 ? scale[j] : 1.f) + (bias != NULL ? act_at(bias, act_bf16, j) : 0.f);
+                if (accumulate) y[(int64_t)r * n + j] += v;
+                else y[(int64_t)r * n + j] = v;
+            }
+        }
+    }
+}
+
+/* xb = x rounded to bf16, rows split over the team (the input of a bf16 linear layer). */
+static void to_bf16_rows(const float *x, int m, int k, uint16_t *xb) {
+    #pragma omp for schedule(static)
+    for (int r = 0; r < m; r++)
+        for (int i = 0; i < k; i++) xb[(int64_t)r * k + i] = f32_to_bf16(x[(int64_t)r * k + i]);
+}
+
+static inline void rms_norm(const float *x, const void *w, int bf16, int d, float eps, float *out) {
+    float ss = 0.f;
+    for (int i = 0; i < d; i++) ss += x[i] * x[i];
+    float inv = 1.f / sqrtf(ss / (float)d + eps);
+    for (int i = 0; i < d; i++) out[i] = act_at(w, bf16, i) * (x[i] * inv);
+}
+
+static inline void rope(float *x, const float *cos, const float *sin, int half) {
+    for (int i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i] + a * sin[i];
+    }
+}
+
+static inline void store(void *base, int bf16, int64_t offset, const float *src, int d) {
+    if (bf16) {
+        uint16_t *p = (uint16_t *)base + offset;
+        for (int i = 0; i < d; i++) p[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy((float *)base + offset, src, sizeof(float) * (size_t)d);
+    }
+}
+
+/*
+ * layers:       [num_layers, NUM_FIELDS] int64 (see the F_ enum)
+ * dims:         [NUM_DIMS] int64 (see the D_ enum)
+ * x:            [rows, hidden] embeddings, model dtype
+ * positions:    [rows] int64
+ * cos, sin:     [max_positions, head_dim / 2] float32
+ * pool:         the KV pool's base; a layer's K/V at F_K_OFFSET/F_V_OFFSET elements, blocks D_BLOCK_STRIDE apart
+ * block_tables: [rows, max_blocks] int64; context_lens: [rows] int64, the new token included
+ * slot_blocks, slot_offsets: [rows] int64, where each row's new K/V goes
+ * final_norm:   [hidden] model dtype; out: [rows, hidden] model dtype, the normed last hidden state
+ * Returns -1 (and writes nothing) for shapes it does not take.
+ */
+int tessera_decode_forward(const int64_t *layers, int num_layers, const int64_t *dims, float eps, float attn_scale,
+                           const void *x, const int64_t *positions, const float *cos, const float *sin,
+                           void *pool, const int64_t *block_tables, const int64_t *context_lens,
+                           const int64_t *slot_blocks, const int64_t *slot_offsets,
+                           const void *final_norm, void *out)
+{
+    const int m = (int)dims[D_ROWS], hidden = (int)dims[D_HIDDEN], heads = (int)dims[D_HEADS];
+    const int kv_heads = (int)dims[D_KV_HEADS], head_dim = (int)dims[D_HEAD_DIM], inter = (int)dims[D_INTER];
+    const int block_size = (int)dims[D_BLOCK_SIZE], act_bf16 = (int)dims[D_ACT_BF16];
+    const int wtype = (int)dims[D_WEIGHT_TYPE];
+    const int64_t max_blocks = dims[D_MAX_BLOCKS], block_stride = dims[D_BLOCK_STRIDE];
+    const int q_size = heads * head_dim, kv_size = kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
+    if (m < 1 || m > MAX_ROWS || heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP ||
+        head_dim > MAX_HEAD_DIM || head_dim % 2 != 0 || block_size > MAX_BLOCK ||
+        hidden > MAX_K || inter > MAX_K || q_size > MAX_K || wtype < W_F32 || wtype > W_INT8)
+        return -1;
+
+    const size_t widest = (size_t)(qkv_size > 2 * inter ? qkv_size : 2 * inter);
+    float *h = (float *)malloc(sizeof(float) * (size_t)m * (2 * (size_t)hidden + inter + widest + q_size));
+    if (h == NULL) return -1;
+    float *xn = h + (size_t)m * hidden;      /* [m, hidden] normed input of a linear layer */
+    float *act = xn + (size_t)m * hidden;    /* [m, inter] SiLU(gate) * up */
+    float *wide = act + (size_t)m * inter;   /* [m, qkv_size] or [m, 2 * inter] */
+    float *attn = wide + (size_t)m * widest; /* [m, q_size] attention output */
+    /* h: [m, hidden] the residual stream */
+    for (int64_t i = 0; i < (int64_t)m * hidden; i++) h[i] = act_at(x, act_bf16, i);
+    const int group = heads / kv_heads, half = head_dim / 2;
+
+    const int widest_k = inter > q_size ? (inter > hidden ? inter : hidden) : (q_size > hidden ? q_size : hidden);
+    uint16_t *xb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)m * (size_t)widest_k);
+    if (xb == NULL) { free(h); return -1; }
+    #pragma omp parallel
+    {
+        for (int l = 0; l < num_layers; l++) {
+            const int64_t *f = layers + (int64_t)l * NUM_FIELDS;
+            #pragma omp for schedule(static)
+            for (int r = 0; r < m; r++)
+                rms_norm(h + (int64_t)r * hidden, (const void *)f[F_IN_NORM], act_bf16, hidden, eps,
+                         xn + (int64_t)r * hidden);
+            if (wtype == W_BF16) to_bf16_rows(xn, m, hidden, xb);
+            linear_rows(xn, xb, m, hidden, f, F_QKV_W, wtype, act_bf16, wide, qkv_size, 0);
+
+            /* q/k norm (Qwen3), RoPE, and the new K/V into the pool: one item per (row, head of q, k or v) */
+            #pragma omp for schedule(static)
+            for (int item = 0; item < m * (heads + 2 * kv_heads); item++) {
+                int r = item / (heads + 2 * kv_heads), hd = item % (heads + 2 * kv_heads);
+                float *v = wide + (int64_t)r * qkv_size + (int64_t)hd * head_dim;
+                if (hd < heads + kv_heads) {
+                    const void *qk_norm = (const void *)f[hd < heads ? F_Q_NORM : F_K_NORM];
+                    if (qk_norm != NULL) {
+                        float tmp[MAX_HEAD_DIM];
+                        memcpy(tmp, v, sizeof(float) * (size_t)head_dim);
+                        rms_norm(tmp, qk_norm, act_bf16, head_dim, eps, v);
+                    }
+                    rope(v, cos + positions[r] * half, sin + positions[r] * half, half);
+                }
+                if (hd >= heads) {
+                    int is_v = hd >= heads + kv_heads;
+                    int kvh = hd - heads - (is_v ? kv_heads : 0);
+                    int64_t slot = slot_blocks[r] * block_stride + f[is_v ? F_V_OFFSET : F_K_OFFSET]
+                                   + (slot_offsets[r] * kv_heads + kvh) * head_dim;
+                    store(pool, act_bf16, slot, v, head_dim);
+                }
+            }
+
+            /* attention: one item per (row, kv head); q rows sit at the start of each row's qkv */
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < (int64_t)m * kv_heads; item++) {
+                int r = (int)(item / kv_heads);
+                /* attend_one addresses q and out as [rows, heads, head_dim]: give it row r alone */
+                attend_one(wide + (int64_t)r * qkv_size, 0, pool, block_stride, f[F_K_OFFSET], f[F_V_OFFSET],
+                           block_tables + (int64_t)r * max_blocks, max_blocks, context_lens + r,
+                           attn + (int64_t)r * q_size, 0, heads, kv_heads, head_dim, block_size, attn_scale,
+                           act_bf16, group, item % kv_heads);
+            }
+            if (wtype == W_BF16) to_bf16_rows(attn, m, q_size, xb);
+            linear_rows(attn, xb, m, q_size, f, F_O_W, wtype, act_bf16, h, hidden, 1);
+
+            #pragma omp for schedule(static)
+            for (int r = 0; r < m; r++)
+                rms_norm(h + (int64_t)r * hidden, (const void *)f[F_POST_NORM], act_bf16, hidden, eps,
+                         xn + (int64_t)r * hidden);
+            if (wtype == W_BF16) to_bf16_rows(xn, m, hidden, xb);
+            linear_rows(xn, xb, m, hidden, f, F_GU_W, wtype, act_bf16, wide, 2 * inter, 0);
+            #pragma omp for schedule(static)
+            for (int r = 0; r < m; r++) {
+                const float *g = wide + (int64_t)r * 2 * inter, *u = g + inter;
+                float *a = act + (int64_t)r * inter;
+                for (int i = 0; i < inter; i++) a[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+            }
+            if (wtype == W_BF16) to_bf16_rows(act, m, inter, xb);
+            linear_rows(act, xb, m, inter, f, F_DOWN_W, wtype, act_bf16, h, hidden, 1);
+        }
+        #pragma omp for schedule(static)
+        for (int r = 0; r < m; r++) {
+            float tmp[MAX_K];
+            rms_norm(h + (int64_t)r * hidden, final_norm, act_bf16, hidden, eps, tmp);
+            store(out, act_bf16, (int64_t)r * hidden, tmp, hidden);
+        }
+    }
+    free(xb);
+    free(h);
+    return 0;
+}
+
+/*
+ * y = x @ w^T * scale (+ bias) for a few rows of x against int8 weights with one float32 scale per
+ * output row (an int8 model's LM head at decode). x, bias and y in the activation dtype (act_bf16).
+ */
+int tessera_linear_int8(const void *x, const int8_t *w, const float *scale, const void *bias, void *y,
+                        int m, int n, int k, int act_bf16)
+{
+    if (m < 1 || m > MAX_ROWS || k < 1 || k > MAX_K) return -1;
+    float *xf = (float *)malloc(sizeof(float) * (size_t)m * ((size_t)k + (size_t)n));
+    if (xf == NULL) return -1;
+    float *yf = xf + (size_t)m * k;
+    for (int64_t i = 0; i < (int64_t)m * k; i++) xf[i] = act_at(x, act_bf16, i);
+    const int64_t f[3] = {(int64_t)w, (int64_t)scale, (int64_t)bias};
+    #pragma omp parallel
+    linear_rows(xf, NULL, m, k, f, 0, W_INT8, act_bf16, yf, n, 0);
+    for (int r = 0; r < m; r++) store(y, act_bf16, (int64_t)r * n, yf + (int64_t)r * n, n);
+    free(xf);
+    return 0;
+}
