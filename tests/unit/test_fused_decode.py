@@ -1,0 +1,127 @@
+"""The one-call decode kernel (models/fused_decode.py) and int8 weights (engine/quantization.py) against the
+torch path on the same weights and the same paged KV."""
+import pytest
+import torch
+
+from common.config.base import ConfigError, EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.engine.model_runner import ModelRunner
+from common.engine.models.fused_decode import decode_forward_kernel
+from common.engine.quantization import linear_int8, quantize_rows
+from common.engine.scheduler import StepPlan
+from common.engine.sequence import Sequence
+from common.protocol.sampling_params import SamplingParams
+from tests.tiny_models import CONFIGS, build_tiny_model
+
+pytestmark = pytest.mark.skipif(decode_forward_kernel() is None, reason="no C compiler to build the decode kernel")
+
+
+def decoding_batch(runner: ModelRunner, rows: int, seed: int) -> StepPlan:
+    """``rows`` sequences of different lengths, prompts computed on the torch path; a plan decoding each."""
+    gen = torch.Generator().manual_seed(seed)
+    plan, next_block = StepPlan(), 0
+    fused, runner.model.fused_decode = runner.model.fused_decode, None
+    for i in range(rows):
+        ids = torch.randint(0, 320, (9 + 7 * i,), generator=gen).tolist()
+        seq = Sequence(f"s{i}", ids, SamplingParams(), seed=0)
+        need = -(-(len(ids) + 1) // 16)
+        seq.block_table = list(range(next_block, next_block + need))
+        next_block += need
+        runner.forward(runner.prepare(StepPlan([seq], [len(ids) - 1])))
+        seq.num_computed_tokens = len(ids) - 1
+        plan.add(seq, 1)
+    runner.model.fused_decode = fused
+    return plan
+
+
+def logits_both_ways(runner: ModelRunner, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    prepared = runner.prepare(plan)
+    assert runner.model.fused_decode.usable(prepared.context, len(plan.seqs))
+    with torch.inference_mode():
+        fused = runner.model.compute_logits(runner.forward(prepared)).float()
+        kernel, runner.model.fused_decode = runner.model.fused_decode, None
+        try:
+            reference = runner.model.compute_logits(runner.forward(prepared)).float()
+        finally:
+            runner.model.fused_decode = kernel
+    return fused, reference
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny_dir(request, tmp_path_factory):
+    return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def runner_for(path, **options) -> ModelRunner:
+    return ModelRunner(EngineConfig(model=str(path), num_kv_blocks=64, block_size=16, **options), path)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_float32_decode_kernel_equals_the_torch_path(tiny_dir, rows):
+    runner = runner_for(tiny_dir)
+    fused, reference = logits_both_ways(runner, decoding_batch(runner, rows, seed=rows))
+    assert (fused - reference).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_bfloat16_decode_kernel_stays_within_bf16_rounding(tiny_dir, rows):
+    runner = runner_for(tiny_dir, dtype="bfloat16")
+    fused, reference = logits_both_ways(runner, decoding_batch(runner, rows, seed=10 + rows))
+    # The kernel keeps activations in float32 between layers where torch rounds each op to bf16.
+    assert (fused - reference).abs().max().item() <= 0.05 * reference.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int8_decode_kernel_equals_the_int8_torch_path(tiny_dir, dtype):
+    runner = runner_for(tiny_dir, dtype=dtype, quantization="int8")
+    assert runner.model.layers[0].mlp.down_proj.weight.dtype is torch.int8
+    fused, reference = logits_both_ways(runner, decoding_batch(runner, 4, seed=20))
+    tolerance = 1e-4 if dtype == "float32" else 0.05 * reference.abs().max().item()
+    assert (fused - reference).abs().max().item() <= tolerance
+
+
+def test_more_rows_than_the_limit_or_a_prompt_chunk_take_the_torch_path(tiny_dir):
+    runner = runner_for(tiny_dir, decode_kernel_max_batch=2)
+    plan = decoding_batch(runner, 3, seed=30)
+    assert not runner.model.fused_decode.usable(runner.prepare(plan).context, 3)
+    seq = Sequence("p", list(range(20)), SamplingParams(), seed=0)
+    seq.block_table = [60, 61]
+    assert not runner.model.fused_decode.usable(runner.prepare(StepPlan([seq], [20])).context, 20)
+    assert runner_for(tiny_dir, decode_kernel_max_batch=0).model.fused_decode is None
+
+
+def test_quantize_rows_is_within_half_a_step_of_every_weight():
+    w = torch.randn(48, 80) * torch.linspace(0.01, 3.0, 48)[:, None]
+    q, scale = quantize_rows(w)
+    assert q.dtype is torch.int8 and q.abs().max().item() <= 127
+    assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("rows", [1, 8, 40])  # the small-batch kernel, and W8A8 through torch._int_mm
+def test_int8_linear_matches_the_dequantized_product(rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen)
+    q, scale = quantize_rows(torch.randn(64, 96, generator=gen))
+    bias = torch.randn(64, generator=gen)
+    reference = x @ (q.float() * scale[:, None]).t() + bias
+    out = linear_int8(x, q, scale, bias)
+    # Weight-only rows are exact up to float32 sums; W8A8 adds the activations' rounding (<= 1/254 of max|x|).
+    tolerance = 1e-4 if rows <= 8 else 0.02 * reference.abs().max().item()
+    assert out.shape == reference.shape and (out - reference).abs().max().item() <= tolerance
+
+
+def test_int8_needs_the_cpu():
+    with pytest.raises(ConfigError, match="quantization"):
+        EngineConfig(model="x", quantization="int8", device="cuda")
+
+
+@pytest.mark.slow
+def test_embedded_model_greedy_output_is_the_same_with_and_without_the_kernel(embedded_model_dir):
+    prompts = [[1, 9690, 198, 2683, 314, 253, 5356, 17], [1, 4093, 28, 3324, 282, 2354, 30], list(range(400, 460))]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = []
+    for max_batch in (8, 0):
+        engine = LLMEngine(EngineConfig(model=str(embedded_model_dir), decode_kernel_max_batch=max_batch,
+                                        kv_cache_memory_bytes=64 << 20))
+        outputs.append([out.outputs[0].token_ids for out in engine.generate(prompts, params)])
+    assert outputs[0] == outputs[1]
