@@ -21,7 +21,6 @@ PriorityLane = Literal["p0", "p1", "p2"]  # p0 is served first
 
 ROLES: tuple[str, ...] = get_args(Role)
 DTYPES: tuple[str, ...] = get_args(Dtype)
-QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 SPEC_METHODS: tuple[str, ...] = get_args(SpecMethod)
 TRANSFER_BACKENDS: tuple[str, ...] = get_args(TransferBackend)
 FAIRNESS_POLICIES: tuple[str, ...] = get_args(FairnessPolicy)
