@@ -18,7 +18,7 @@ import torch
 from common.engine.attention import select_backend
 from common.config.base import EngineConfig
 from common.engine.kv_cache import KVCache, KVLayout
-from common.engine.models.fused_decode import FusedDecode
+from common.engine.models.llama import FusedDecode
 from common.engine.models.loader import load_model
 from common.engine.native import gemv_bf16_kernel
 from common.engine.quantization import quantize_model_int8

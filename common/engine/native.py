@@ -73,14 +73,19 @@ def load_kernel(name: str) -> ctypes.CDLL | None:
     return ctypes.CDLL(str(target))
 
 
-
 @functools.cache
+def kernel_function(name: str, symbol: str, argtypes: tuple):
+    """``symbol`` of ``kernels/<name>.c`` as a ctypes function returning int (0: done, -1: shapes refused),
+    or None without a compiler."""
+    lib = load_kernel(name)
+    if lib is None:
+        return None
+    fn = getattr(lib, symbol)
+    fn.restype = ctypes.c_int
+    fn.argtypes = list(argtypes)
+    return fn
+
+
 def gemv_bf16_kernel():
     """``tessera_gemv_bf16(x, w, bias, y, m, n, k)`` (``kernels/gemv_bf16.c``), or None without a compiler."""
-    kernel = load_kernel("gemv_bf16")
-    if kernel is None:
-        return None
-    fn = kernel.tessera_gemv_bf16
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
-    return fn
+    return kernel_function("gemv_bf16", "tessera_gemv_bf16", (ctypes.c_void_p,) * 4 + (ctypes.c_int,) * 3)

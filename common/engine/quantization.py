@@ -20,12 +20,11 @@ residual stream and the KV pool keep ``engine.dtype``. The accuracy cost
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 from torch import nn
 
-from common.engine.native import load_kernel
+from common.engine.native import kernel_function
 
 SMALL_BATCH_ROWS = 8  # decode_forward.c's MAX_ROWS
 
@@ -38,15 +37,9 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.contiguous()
 
 
-@functools.cache
 def linear_int8_kernel():
-    lib = load_kernel("decode_forward")
-    if lib is None:
-        return None
-    fn = lib.tessera_linear_int8
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
-    return fn
+    """``tessera_linear_int8(x, w, scale, bias, y, m, n, k, act_bf16)`` (``kernels/decode_forward.c``)."""
+    return kernel_function("decode_forward", "tessera_linear_int8", (ctypes.c_void_p,) * 5 + (ctypes.c_int,) * 4)
 
 
 def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

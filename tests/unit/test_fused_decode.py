@@ -1,4 +1,4 @@
-"""The one-call decode kernel (models/fused_decode.py) and int8 weights (engine/quantization.py) against the
+"""The one-call decode kernel (models/llama.py `FusedDecode`) and int8 weights (engine/quantization.py) against the
 torch path on the same weights and the same paged KV."""
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch
 from common.config.base import ConfigError, EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.engine.model_runner import ModelRunner
-from common.engine.models.fused_decode import decode_forward_kernel
+from common.engine.models.llama import decode_forward_kernel
 from common.engine.quantization import linear_int8, quantize_rows
 from common.engine.scheduler import StepPlan
 from common.engine.sequence import Sequence
