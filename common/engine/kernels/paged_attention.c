@@ -9,6 +9,7 @@
  * Accumulation is always float32; bf16 inputs are widened on load.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "attend.h"
 
@@ -36,4 +37,205 @@ int tessera_paged_attention(
         else ATTEND(head_dim, is_bf16);
     }
     return 0;
+}
+
+
+/*
+ * Attention for rows that compute several tokens of one sequence (a prompt, a prompt chunk, a recompute):
+ * causal, grouped-query, K/V read from the paged pool (the step has already written the chunk's own K/V
+ * there), so a chunk that continues a cached prefix needs no gathered copy. bfloat16 with AVX512-BF16 only:
+ * elsewhere the function returns -3 and the caller keeps torch's SDPA.
+ *
+ * One work item is (chunk, kv head, tile of up to CHUNK_QT queries): the tile's G * CHUNK_QT query vectors
+ * share every K/V tile read. Keys go CHUNK_KT = 16 at a time. K is laid out as pairs of dimensions by key,
+ * so one `dpbf16` gives 16 keys' partial scores with no horizontal sums; V as pairs of keys by dimension,
+ * so the probabilities (rounded to bf16, as the second matmul of a bf16 SDPA does) fold in two keys per
+ * instruction. Every query keeps a running softmax (max, sum, float32 accumulator). Keys past a query's
+ * position are masked; key tiles past the tile's last query are never read.
+ */
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#define CHUNK_QT 16
+#define CHUNK_KT 16
+#define CHUNK_MAX_VECS 64 /* query vectors per item: the query tile shrinks for large groups */
+#define VB 4              /* query vectors computed together: independent FMA chains */
+
+/* e^x for x <= 0 (softmax arguments), float32, relative error ~2e-7; -inf gives 0. */
+static inline __m512 exp_neg(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n); /* [-0.5, 0.5] */
+    __m512 r = _mm512_mul_ps(f, _mm512_set1_ps(0.693147180559945f)); /* 2^f = e^r */
+    __m512 p = _mm512_set1_ps(1.f / 5040.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __attribute__((always_inline)) void chunk_item(
+    const uint16_t *q, int64_t q_row_stride, const uint16_t *kv, int64_t block_stride, int64_t k_offset,
+    int64_t v_offset, const int64_t *table, int64_t token_start, int64_t num_computed, int q_first, int nq,
+    uint16_t *out, int num_heads, int num_kv_heads, const int head_dim, int block_size, float scale,
+    int group, int kvh)
+{
+    const int pairs = head_dim / 2, dblocks = head_dim / 16;
+    int nv = nq * group;
+    int nvp = (nv + VB - 1) / VB * VB;
+    uint32_t qp[CHUNK_MAX_VECS][MAX_HEAD_DIM / 2]; /* scaled queries, bf16 pairs */
+    __m512 acc[CHUNK_MAX_VECS][MAX_HEAD_DIM / 16];
+    float m[CHUNK_MAX_VECS], l[CHUNK_MAX_VECS];
+    int64_t pos[CHUNK_MAX_VECS];
+    __m512i kt[MAX_HEAD_DIM / 2];              /* [pair of dims] -> 16 keys x (d, d+1) */
+    __m512i vt[CHUNK_KT / 2][MAX_HEAD_DIM / 16]; /* [pair of keys][16 dims] -> 16 dims x (key, key+1) */
+    for (int v = 0; v < nvp; v++) {
+        int qi = v / group, g = v % group;
+        uint16_t *dst = (uint16_t *)qp[v];
+        if (v < nv) {
+            const uint16_t *src = q + (token_start + q_first + qi) * q_row_stride + (int64_t)(kvh * group + g) * head_dim;
+            for (int i = 0; i < head_dim; i++) dst[i] = f32_to_bf16(bf16_to_f32(src[i]) * scale);
+        } else {
+            for (int i = 0; i < head_dim; i++) dst[i] = 0;
+        }
+        for (int b = 0; b < dblocks; b++) acc[v][b] = _mm512_setzero_ps();
+        m[v] = -INFINITY;
+        l[v] = 0.f;
+        pos[v] = num_computed + q_first + (v < nv ? qi : nq - 1);
+    }
+    int64_t key_end = num_computed + q_first + nq; /* keys [0, key_end) are visible to some query of the tile */
+    int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+    for (int64_t start = 0; start < key_end;) {
+        int64_t in_block = start % block_size;
+        int n = CHUNK_KT;
+        if (block_size - in_block < n) n = (int)(block_size - in_block);
+        if (key_end - start < n) n = (int)(key_end - start);
+        int64_t block = table[start / block_size];
+        const uint16_t *kb = kv + block * block_stride + k_offset + in_block * token_stride + (int64_t)kvh * head_dim;
+        const uint16_t *vb = kv + block * block_stride + v_offset + in_block * token_stride + (int64_t)kvh * head_dim;
+        for (int i = 0; i < pairs; i++) {
+            uint32_t lane[16];
+            for (int t = 0; t < 16; t++) lane[t] = t < n ? ((const uint32_t *)(kb + t * token_stride))[i] : 0u;
+            kt[i] = _mm512_loadu_si512(lane);
+        }
+        for (int tp = 0; tp < CHUNK_KT / 2; tp++) {
+            for (int b = 0; b < dblocks; b++) {
+                int t0 = 2 * tp, t1 = 2 * tp + 1;
+                __m512i lo = t0 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vb + t0 * token_stride + 16 * b)))
+                                    : _mm512_setzero_si512();
+                __m512i hi = t1 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vb + t1 * token_stride + 16 * b)))
+                                    : _mm512_setzero_si512();
+                vt[tp][b] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+            }
+        }
+        for (int v0 = 0; v0 < nvp; v0 += VB) {
+            if (pos[v0 + VB - 1] < start) continue; /* every query of the block is before this key tile */
+            __m512 s[VB];
+            for (int j = 0; j < VB; j++) s[j] = _mm512_setzero_ps();
+            for (int i = 0; i < pairs; i++) {
+                __m512bh kv2 = (__m512bh)kt[i];
+                for (int j = 0; j < VB; j++)
+                    s[j] = _mm512_dpbf16_ps(s[j], (__m512bh)_mm512_set1_epi32((int)qp[v0 + j][i]), kv2);
+            }
+            uint32_t pp[VB][CHUNK_KT / 2];
+            for (int j = 0; j < VB; j++) {
+                int v = v0 + j;
+                int64_t visible = pos[v] + 1 - start;
+                if (visible > n) visible = n;
+                if (visible <= 0) {
+                    for (int tp = 0; tp < CHUNK_KT / 2; tp++) pp[j][tp] = 0u;
+                    continue;
+                }
+                __mmask16 keep = (__mmask16)((1u << visible) - 1u);
+                float mx = _mm512_mask_reduce_max_ps(keep, s[j]);
+                mx = mx > m[v] ? mx : m[v];
+                __m512 p = _mm512_maskz_mov_ps(keep, exp_neg(_mm512_sub_ps(s[j], _mm512_set1_ps(mx))));
+                float correction = expf(m[v] - mx);
+                l[v] = l[v] * correction + _mm512_reduce_add_ps(p);
+                m[v] = mx;
+                if (correction != 1.f) {
+                    __m512 c = _mm512_set1_ps(correction);
+                    for (int b = 0; b < dblocks; b++) acc[v][b] = _mm512_mul_ps(acc[v][b], c);
+                }
+                _mm256_storeu_si256((__m256i *)pp[j], (__m256i)_mm512_cvtneps_pbh(p));
+            }
+            for (int tp = 0; tp < (n + 1) / 2; tp++) {
+                for (int j = 0; j < VB; j++) {
+                    __m512bh p2 = (__m512bh)_mm512_set1_epi32((int)pp[j][tp]);
+                    for (int b = 0; b < dblocks; b++)
+                        acc[v0 + j][b] = _mm512_dpbf16_ps(acc[v0 + j][b], p2, (__m512bh)vt[tp][b]);
+                }
+            }
+        }
+        start += n;
+    }
+    for (int v = 0; v < nv; v++) {
+        __m512 inv = _mm512_set1_ps(l[v] > 0.f ? 1.f / l[v] : 0.f);
+        uint16_t *o = out + ((token_start + q_first + v / group) * num_heads + kvh * group + v % group) * (int64_t)head_dim;
+        for (int b = 0; b < dblocks; b++)
+            _mm256_storeu_si256((__m256i *)(o + 16 * b), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[v][b], inv)));
+    }
+}
+#endif
+
+/*
+ * q:            bf16 query rows, row t at q + t * q_row_stride (heads, then head_dim, contiguous in a row)
+ * chunks:       [num_chunks, 3] int64: the chunk's first row in q/out, its number of rows, and how many of
+ *               the sequence's tokens were cached before it (its first row's position)
+ * block_tables: [num_chunks, max_blocks] int64, covering each chunk's whole context
+ * out:          [rows, num_heads, head_dim] bf16; only the chunks' rows are written
+ * The pool and its offsets are as for tessera_paged_attention.
+ * Returns 0, -1 for shapes it does not take, -3 where the CPU or compiler lacks AVX512-BF16.
+ */
+int tessera_chunk_attention(
+    const void *q, int64_t q_row_stride, const void *kv, int64_t block_stride, int64_t k_offset,
+    int64_t v_offset, const int64_t *chunks, int num_chunks, const int64_t *block_tables, int64_t max_blocks,
+    void *out, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale)
+{
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if (num_heads % num_kv_heads != 0) return -1;
+    int group = num_heads / num_kv_heads;
+    if (group > CHUNK_MAX_VECS || head_dim > MAX_HEAD_DIM || head_dim % 32 != 0) return -1;
+    int qt = CHUNK_MAX_VECS / group < CHUNK_QT ? CHUNK_MAX_VECS / group : CHUNK_QT;
+    int64_t total = 0;
+    for (int c = 0; c < num_chunks; c++) total += (chunks[3 * c + 1] + qt - 1) / qt * num_kv_heads;
+    /* work items (chunk, tile, kv head), each chunk's latest (heaviest) tiles first */
+    int64_t *items = (int64_t *)malloc(sizeof(int64_t) * 2 * (total > 0 ? total : 1));
+    if (items == NULL) return -2;
+    int64_t k = 0;
+    for (int c = 0; c < num_chunks; c++) {
+        int64_t tiles = (chunks[3 * c + 1] + qt - 1) / qt;
+        for (int64_t tile = tiles - 1; tile >= 0; tile--)
+            for (int h = 0; h < num_kv_heads; h++) { items[2 * k] = c; items[2 * k + 1] = tile * num_kv_heads + h; k++; }
+    }
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t it = 0; it < total; it++) {
+        int c = (int)items[2 * it];
+        int64_t tile = items[2 * it + 1] / num_kv_heads;
+        int kvh = (int)(items[2 * it + 1] % num_kv_heads);
+        int64_t left = chunks[3 * c + 1] - tile * qt;
+        int nq = (int)(left < qt ? left : qt);
+        const int64_t *table = block_tables + c * max_blocks;
+        if (head_dim == 64)
+            chunk_item((const uint16_t *)q, q_row_stride, (const uint16_t *)kv, block_stride, k_offset, v_offset,
+                       table, chunks[3 * c], chunks[3 * c + 2], (int)(tile * qt), nq, (uint16_t *)out, num_heads,
+                       num_kv_heads, 64, block_size, scale, group, kvh);
+        else
+            chunk_item((const uint16_t *)q, q_row_stride, (const uint16_t *)kv, block_stride, k_offset, v_offset,
+                       table, chunks[3 * c], chunks[3 * c + 2], (int)(tile * qt), nq, (uint16_t *)out, num_heads,
+                       num_kv_heads, head_dim, block_size, scale, group, kvh);
+    }
+    free(items);
+    return 0;
+#else
+    (void)q; (void)q_row_stride; (void)kv; (void)block_stride; (void)k_offset; (void)v_offset; (void)chunks;
+    (void)num_chunks; (void)block_tables; (void)max_blocks; (void)out; (void)num_heads; (void)num_kv_heads;
+    (void)head_dim; (void)block_size; (void)scale;
+    return -3;
+#endif
 }
