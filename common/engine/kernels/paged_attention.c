@@ -54,30 +54,12 @@ int tessera_paged_attention(
  * position are masked; key tiles past the tile's last query are never read.
  */
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
+#include "simd.h"
 
 #define CHUNK_QT 16
 #define CHUNK_KT 16
 #define CHUNK_MAX_VECS 64 /* query vectors per item: the query tile shrinks for large groups */
 #define VB 4              /* query vectors computed together: independent FMA chains */
-
-/* e^x for x <= 0 (softmax arguments), float32, relative error ~2e-7; -inf gives 0. */
-static inline __m512 exp_neg(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(t, n); /* [-0.5, 0.5] */
-    __m512 r = _mm512_mul_ps(f, _mm512_set1_ps(0.693147180559945f)); /* 2^f = e^r */
-    __m512 p = _mm512_set1_ps(1.f / 5040.f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
-}
 
 static inline __attribute__((always_inline)) void chunk_item(
     const uint16_t *q, int64_t q_row_stride, const uint16_t *kv, int64_t block_stride, int64_t k_offset,
@@ -154,7 +136,7 @@ static inline __attribute__((always_inline)) void chunk_item(
                 __mmask16 keep = (__mmask16)((1u << visible) - 1u);
                 float mx = _mm512_mask_reduce_max_ps(keep, s[j]);
                 mx = mx > m[v] ? mx : m[v];
-                __m512 p = _mm512_maskz_mov_ps(keep, exp_neg(_mm512_sub_ps(s[j], _mm512_set1_ps(mx))));
+                __m512 p = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(s[j], _mm512_set1_ps(mx))));
                 float correction = expf(m[v] - mx);
                 l[v] = l[v] * correction + _mm512_reduce_add_ps(p);
                 m[v] = mx;

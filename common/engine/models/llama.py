@@ -93,6 +93,46 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+# ---- the elementwise work between the matmuls in one C pass each (kernels/elementwise.c) ------------------
+_I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+def elementwise_kernel(symbol: str):
+    """``symbol`` of kernels/elementwise.c, or None without a compiler."""
+    argtypes = {
+        "tessera_add_rms_norm": (_PTR, _PTR, _PTR, _PTR, _I64, ctypes.c_int, _F32, ctypes.c_int),
+        "tessera_silu_mul": (_PTR, _PTR, _I64, ctypes.c_int, ctypes.c_int),
+        "tessera_rope": (_PTR, _I64, _PTR, _PTR, _PTR, _I64, ctypes.c_int, ctypes.c_int, ctypes.c_int),
+    }[symbol]
+    return kernel_function("elementwise", symbol, argtypes)
+
+
+def _c_elementwise(x: torch.Tensor) -> bool:
+    """Whether ``x`` (rows by the last dim, unit stride within a row) can take the C elementwise kernels."""
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1
+
+
+class StepRope:
+    """RoPE at one step's positions, shared by every layer: on the CPU the C kernel rotates in place, reading
+    the float32 table directly; elsewhere the table's rows are gathered once and ``rotate`` applies them."""
+
+    def __init__(self, rope: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        self.rope, self.positions, self.dtype = rope, positions, dtype
+        self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, qk: torch.Tensor) -> torch.Tensor:
+        """``qk`` ``[T, heads, D]`` rotated (in place where the kernel runs)."""
+        kernel = elementwise_kernel("tessera_rope") if _c_elementwise(qk) else None
+        if kernel is not None and qk.stride(1) == qk.shape[2] and self.positions.dtype is torch.int64:
+            if kernel(qk.data_ptr(), qk.stride(0), self.positions.data_ptr(), self.rope.cos.data_ptr(),
+                      self.rope.sin.data_ptr(), qk.shape[0], qk.shape[1], qk.shape[2],
+                      int(qk.dtype is torch.bfloat16)) == 0:
+                return qk
+        if self._gathered is None:
+            self._gathered = self.rope.table(self.positions, self.dtype)
+        return rotate(qk, *self._gathered)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            scale: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, except that int8 weights (with their per-row ``scale``) take the int8 paths
@@ -127,7 +167,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Normalize ``x`` (+ ``residual`` when given, returning the sum as the new residual)."""
+        """Normalize ``x`` (+ ``residual`` when given, returning the sum as the new residual: on the CPU the
+        sum is written over ``residual``)."""
+        if (x.dim() == 2 and x.is_contiguous() and _c_elementwise(x) and x.dtype is self.weight.dtype
+                and (residual is None or (residual.is_contiguous() and residual.dtype is x.dtype))):
+            kernel = elementwise_kernel("tessera_add_rms_norm")
+            out = torch.empty_like(x)
+            if kernel is not None and kernel(x.data_ptr(), None if residual is None else residual.data_ptr(),
+                                             self.weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
+                                             self.eps, int(x.dtype is torch.bfloat16)) == 0:
+                return out if residual is None else (out, residual)
         if residual is not None:
             x = x + residual
             residual = x
@@ -159,14 +208,14 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.backend = backend
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: StepRope, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.reshape(n, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        q, k = rotate(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = rope(qk).split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         out = self.backend(q, k, v, self.layer_idx, self.scale)
         return self.o_proj(out.reshape(n, self.q_size))
@@ -183,7 +232,14 @@ class MLP(nn.Module):
             raise NotImplementedError(f"hidden_act {cfg.hidden_act!r} (only silu is supported)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        kernel = elementwise_kernel("tessera_silu_mul") if _c_elementwise(gate_up) else None
+        if kernel is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
+            act = torch.empty((gate_up.shape[0], self.intermediate), dtype=gate_up.dtype)
+            if kernel(gate_up.data_ptr(), act.data_ptr(), gate_up.shape[0], self.intermediate,
+                      int(gate_up.dtype is torch.bfloat16)) == 0:
+                return self.down_proj(act)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -231,7 +287,7 @@ class LlamaForCausalLM(nn.Module):
             ctx = get_step_context()
             if self.fused_decode.usable(ctx, x.shape[0]):
                 return self.fused_decode(x, positions, ctx)
-        rope = self.rope.table(positions, x.dtype)
+        rope = StepRope(self.rope, positions, x.dtype)
         residual = None
         for layer in self.layers:
             x, residual = layer(rope, x, residual)

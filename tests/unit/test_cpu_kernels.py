@@ -1,19 +1,27 @@
-"""The bfloat16 chunk-attention kernel (kernels/paged_attention.c, ``tessera_chunk_attention``) against
-float32 attention over the same paged K/V: fresh prompts, chunks that continue a cached prefix, chunks that
-start mid-block, several chunks beside decode rows in one step, and group sizes from 1 to 8."""
+"""The CPU kernels of the torch path against torch on the same inputs.
+
+- The bfloat16 chunk-attention kernel (kernels/paged_attention.c, ``tessera_chunk_attention``) against
+  float32 attention over the same paged K/V: fresh prompts, chunks that continue a cached prefix, chunks
+  that start mid-block, several chunks beside decode rows in one step, and group sizes from 1 to 8.
+- The elementwise kernels (kernels/elementwise.c) against the torch operators they replace in
+  models/llama.py: residual add + RMSNorm, SiLU(gate) * up, RoPE.
+"""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from common.engine.attention import CpuAttention, PrefillChunk, StepContext, TorchAttention, step_context
 from common.engine.kv_cache import KVCache, KVLayout
+from common.engine.models.llama import MLP, RMSNorm, RotaryEmbedding, StepRope, rotate
+from common.engine.models.llama import elementwise_kernel
 from common.engine.native import load_kernel
 
 BLOCK = 16
 KERNEL = load_kernel("paged_attention")
 CPU = CpuAttention(KERNEL) if KERNEL is not None else None
-pytestmark = pytest.mark.skipif(CPU is None or CPU._chunk_kernel is None,
-                                reason="the chunk kernel needs a C compiler and a CPU with AVX512-BF16")
+needs_chunk_kernel = pytest.mark.skipif(CPU is None or CPU._chunk_kernel is None,
+                                        reason="the chunk kernel needs a C compiler and a CPU with AVX512-BF16")
+needs_elementwise = pytest.mark.skipif(elementwise_kernel("tessera_rope") is None, reason="no C compiler")
 
 
 def make_cache(num_blocks: int, kv_heads: int, head_dim: int) -> KVCache:
@@ -30,6 +38,7 @@ def attend_f32(q, keys, values, positions, scale):
     return out[0].transpose(0, 1)
 
 
+@needs_chunk_kernel
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (16, 2, 128), (8, 1, 64)])
 def test_chunks_and_decode_rows_in_one_step_match_float32(heads, kv_heads, head_dim):
     gen = torch.Generator().manual_seed(heads * head_dim)
@@ -87,3 +96,67 @@ def test_chunks_and_decode_rows_in_one_step_match_float32(heads, kv_heads, head_
     # bf16 inputs and a bf16 output: torch's bf16 SDPA is the measure of what rounding costs
     assert ours_err <= 2 * sdpa_err + 1e-3, (ours_err, sdpa_err)
     assert torch.isfinite(ours).all()
+
+
+def assert_near(a: torch.Tensor, b: torch.Tensor) -> None:
+    """bfloat16: at most one representable value apart (the mean's sum order may move a rounding);
+    float32: within a few units in the last place (1/sqrt against torch's rsqrt, the sum order)."""
+    if a.dtype is torch.bfloat16:
+        assert (a.view(torch.int16).long() - b.view(torch.int16).long()).abs().max().item() <= 1
+    else:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@needs_elementwise
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [576, 40])  # a multiple of 16 takes the vector loop; 40 the scalar one
+def test_rms_norm_with_and_without_residual_matches_torch(dtype, dim):
+    gen = torch.Generator().manual_seed(dim)
+    norm = RMSNorm(dim, 1e-5).to(dtype)
+    norm.weight.copy_(torch.rand(dim, generator=gen) + 0.5)
+    x = torch.randn(37, dim, generator=gen).to(dtype)
+    residual = torch.randn(37, dim, generator=gen).to(dtype)
+    # the torch operators: what RMSNorm.forward does off the CPU kernel
+    h = x + residual
+    hf = h.float()
+    expected = norm.weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    out, new_residual = norm(x, residual.clone())
+    assert torch.equal(new_residual, h)
+    assert_near(out, expected)
+    alone = norm(x)
+    xf = x.float()
+    assert_near(alone, norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype))
+
+
+@needs_elementwise
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inter", [1536, 24])
+def test_silu_mul_matches_torch(dtype, inter):
+    gen = torch.Generator().manual_seed(inter)
+    gate_up = (4 * torch.randn(19, 2 * inter, generator=gen)).to(dtype)
+    gate_up[0, :8] = torch.tensor([-100.0, -30.0, -0.0, 0.0, 30.0, 100.0, 1e-20, -1e-20])
+    act = torch.empty(19, inter, dtype=dtype)
+    assert elementwise_kernel("tessera_silu_mul")(gate_up.data_ptr(), act.data_ptr(), 19, inter,
+                                                  int(dtype is torch.bfloat16)) == 0
+    gate, up = gate_up.split(inter, dim=-1)
+    expected = F.silu(gate) * up
+    tol = dict(rtol=1e-5, atol=1e-30) if dtype is torch.float32 else dict(rtol=1.6e-2, atol=1e-30)
+    torch.testing.assert_close(act, expected, **tol)
+
+
+@needs_elementwise
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_matches_torch(dtype):
+    gen = torch.Generator().manual_seed(5)
+    cfg = type("Cfg", (), {"rope_theta": 10000.0, "max_position_embeddings": 4096})()
+    rope = RotaryEmbedding(cfg, 64)
+    positions = torch.randint(0, 4096, (23,), generator=gen)
+    qkv = torch.randn(23, (9 + 2 * 3) * 64, generator=gen).to(dtype)
+    qk = qkv[:, :12 * 64].reshape(23, 12, 64)  # as the model hands it over: a view of the fused qkv rows
+    expected = rotate(qk.clone(), *rope.table(positions, dtype))
+    v_before = qkv[:, 12 * 64:].clone()
+    out = StepRope(rope, positions, dtype)(qk)
+    assert out.data_ptr() == qk.data_ptr()  # rotated in place
+    torch.testing.assert_close(out, expected, **(dict(rtol=1e-5, atol=1e-5) if dtype is torch.float32
+                                                 else dict(rtol=1.6e-2, atol=1e-2)))
+    assert torch.equal(qkv[:, 12 * 64:], v_before)  # V untouched

@@ -1,0 +1,55 @@
+/* AVX-512 helpers for the engine's C kernels: 16 floats from/to float32 or bfloat16, and e^x. */
+#ifndef TESSERA_SIMD_H
+#define TESSERA_SIMD_H
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#include <stdint.h>
+
+static inline __m512 load16(const void *p, int bf16, int64_t i) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))), 16));
+    return _mm512_loadu_ps((const float *)p + i);
+}
+
+/* float32 bits rounded to the nearest even bfloat16, in the high half (NaN inputs are not expected here) */
+static inline __m512i round_bf16_bits(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+}
+
+/* v rounded to bfloat16 and widened back (a no-op for float32) */
+static inline __m512 round16(__m512 v, int bf16) {
+    if (!bf16) return v;
+    return _mm512_castsi512_ps(_mm512_and_si512(round_bf16_bits(v), _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+static inline void store16(void *p, int bf16, int64_t i, __m512 v) {
+    if (bf16)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)p + i),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16_bits(v), 16)));
+    else
+        _mm512_storeu_ps((float *)p + i, v);
+}
+
+/* e^x, float32, relative error ~2e-7 on [-87, 88] (clamped outside it: 0 below, a large finite value above) */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945f)); /* 2^(t-n) = e^r */
+    __m512 p = _mm512_set1_ps(1.f / 5040.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#endif
