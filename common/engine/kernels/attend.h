@@ -18,6 +18,7 @@
 #define MAX_GROUP 32
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 256
+#define PREFETCH_AHEAD 2 /* blocks */
 
 static inline void load_row(const void *base, int64_t offset, int is_bf16, int d, float *dst) {
     if (is_bf16) {
@@ -70,6 +71,20 @@ static inline __attribute__((always_inline)) void attend_one(
             int64_t kbase = block * block_stride + k_offset + (int64_t)kvh * head_dim;
             int64_t vbase = block * block_stride + v_offset + (int64_t)kvh * head_dim;
             int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+            /* Blocks lie anywhere in the pool: fetch the rows of the blocks PREFETCH_AHEAD ahead now, so the
+             * reads overlap this block's arithmetic instead of waiting on memory one block after another. */
+            for (int64_t ahead = (start == 0 ? 1 : PREFETCH_AHEAD); ahead <= PREFETCH_AHEAD; ahead++) {
+                if (start + ahead * block_size >= len) break;
+                int64_t next = table[start / block_size + ahead] * block_stride + (int64_t)kvh * head_dim;
+                int elem = is_bf16 ? 2 : 4;
+                const char *kn = (const char *)kv + (next + k_offset) * elem;
+                const char *vn = (const char *)kv + (next + v_offset) * elem;
+                for (int t = 0; t < block_size; t++)
+                    for (int64_t b = 0; b < (int64_t)head_dim * elem; b += 64) {
+                        __builtin_prefetch(kn + t * token_stride * elem + b);
+                        __builtin_prefetch(vn + t * token_stride * elem + b);
+                    }
+            }
 
             for (int t = 0; t < n; t++) {
                 load_row(kv, kbase + t * token_stride, is_bf16, head_dim, krow);
