@@ -35,7 +35,6 @@ fail when posted.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import socket
 import threading
@@ -47,7 +46,8 @@ import numpy as np
 import torch
 import zmq
 
-from common.runtime.zmq_security import WorkerCurve, apply_curve_client, apply_curve_server, start_authenticator
+from common.runtime.zmq_security import (WakePipe, WorkerCurve, apply_curve_client, apply_curve_server,
+                                         start_authenticator)
 from kv_transfer.base import KVTransferBackend, TransferHandle, TransferStatus
 
 log = logging.getLogger(__name__)
@@ -128,9 +128,7 @@ class ZmqBackend(KVTransferBackend):
         self._context: zmq.Context | None = None
         self._thread: threading.Thread | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake_read, self._wake_write = os.pipe()
-        os.set_blocking(self._wake_read, False)
-        os.set_blocking(self._wake_write, False)
+        self._wake_pipe = WakePipe()
         self._stopping = False
         self._io_error = ""
         self._bytes: np.ndarray | None = None
@@ -180,7 +178,7 @@ class ZmqBackend(KVTransferBackend):
     def _shutdown(self) -> None:
         if self._thread is not None:
             self._stopping = True
-            self._wake()
+            self._wake_pipe.wake()
             self._thread.join(self.close_timeout_s)
             if self._thread.is_alive():
                 # Terminating the context under a live socket would block; leak it and say so.
@@ -189,18 +187,11 @@ class ZmqBackend(KVTransferBackend):
             if self._authenticator is not None:
                 self._authenticator.stop()
             self._context.term()
-        os.close(self._wake_read)
-        os.close(self._wake_write)
+        self._wake_pipe.close()
 
     def _command(self, *command) -> None:
         self._commands.put(command)
-        self._wake()
-
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_write, b"\0")
-        except BlockingIOError:
-            pass  # the pipe is full of wake-ups already
+        self._wake_pipe.wake()
 
     # ---- the I/O thread -------------------------------------------------------------------
     def _run(self, ready: queue.Queue) -> None:
@@ -220,12 +211,12 @@ class ZmqBackend(KVTransferBackend):
         ready.put(int(router.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]))
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
-        poller.register(self._wake_read, zmq.POLLIN)
+        poller.register(self._wake_pipe.fd, zmq.POLLIN)
         try:
             while not self._stopping:
                 events = dict(poller.poll(self.io_poll_interval_s * 1000))
-                if self._wake_read in events:
-                    self._drain_wake_pipe()
+                if self._wake_pipe.fd in events:
+                    self._wake_pipe.drain()
                 self._run_commands(state, poller)
                 if router in events:
                     self._serve(router)
@@ -242,12 +233,6 @@ class ZmqBackend(KVTransferBackend):
                 dealer.close(linger=0)
             router.close(linger=0)
 
-    def _drain_wake_pipe(self) -> None:
-        try:
-            while os.read(self._wake_read, 4096):
-                pass
-        except BlockingIOError:
-            pass
 
     def _run_commands(self, state: _SocketState, poller: zmq.Poller) -> None:
         while True:

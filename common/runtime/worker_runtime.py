@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import queue
 import signal
 import threading
@@ -53,7 +52,7 @@ from common.runtime import sd_notify
 from common.runtime.health_server import HealthServer
 from common.runtime.telemetry import WorkerMetrics, request_scope
 from common.runtime.tracing import make_tracing
-from common.runtime.zmq_security import apply_curve_client, worker_curve
+from common.runtime.zmq_security import WakePipe, apply_curve_client, worker_curve
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +91,7 @@ class WorkerIO:
         self.metrics = metrics
         self.inbox: queue.Queue = queue.Queue()
         self._outbox: queue.Queue = queue.Queue()
-        # A byte on this pipe wakes the I/O thread's poll as soon as the compute loop queues a message; without
-        # it a token waited for the poll's timeout (up to 10 ms) before it left the worker.
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wake = WakePipe()  # else a queued token waits out the I/O thread's 10 ms poll
         self.load = Load()
         self.draining = False
         self.registered = threading.Event()
@@ -123,10 +118,7 @@ class WorkerIO:
 
     def send(self, msg) -> None:
         self._outbox.put(msg)
-        try:
-            os.write(self._wake_w, b"\0")
-        except BlockingIOError:  # the pipe is full: the I/O thread has wake-ups pending already
-            pass
+        self._wake.wake()
 
     def rejoin(self) -> None:
         """After a Reregister: the old proxy's requests are gone, register again (retried until acknowledged)."""
@@ -136,6 +128,8 @@ class WorkerIO:
         self._outbox.put(wire.Goodbye(self.config.worker_id, self.registration.epoch, goodbye))
         self._stop.set()
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():  # a live thread may still poll the pipe: leave it to the exit
+            self._wake.close()
 
     def _run(self) -> None:
         ctx = zmq.Context()
@@ -158,19 +152,14 @@ class WorkerIO:
         next_beat = time.monotonic() + self.config.heartbeat_interval_s
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._wake.fd, zmq.POLLIN)
         while True:
             self._flush_outbox(sock)
             if self._stop.is_set():
                 return
             ready = dict(poller.poll(timeout=10))
-            if self._wake_r in ready:
-                while True:
-                    try:
-                        if len(os.read(self._wake_r, 4096)) < 4096:
-                            break
-                    except BlockingIOError:
-                        break
+            if self._wake.fd in ready:
+                self._wake.drain()
             if sock in ready:
                 self._receive(sock)
             now = time.monotonic()

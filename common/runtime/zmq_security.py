@@ -1,4 +1,5 @@
-"""ZeroMQ CURVE on the control and KV sockets: key loading, socket setup, the ZAP authenticator.
+"""ZeroMQ CURVE on the control and KV sockets: key loading, socket setup, the ZAP authenticator; and the
+wake-up pipe the threads that own those sockets poll beside them (``WakePipe``).
 
 Every ZeroMQ socket that crosses hosts goes through here:
 
@@ -18,6 +19,8 @@ before the server socket binds; ``stop()`` before the context is terminated.
 With no keys configured, none of this runs and the sockets are plaintext.
 """
 from __future__ import annotations
+
+import os
 
 import logging
 from dataclasses import dataclass
@@ -166,3 +169,31 @@ def start_authenticator(context: zmq.Context, server: CurveServer, what: str):
     auth.configure_curve_callback(domain="*", credentials_provider=_KeyRing(keys, what))
     log.info("%s: CURVE on, %d authorized public key(s) from %s", what, len(keys), server.authorized_keys_dir)
     return auth
+
+
+class WakePipe:
+    """A pipe registered in a thread's ``zmq.Poller`` beside its sockets: ``wake()`` from any thread makes
+    the poll return at once, so work queued for a socket-owning thread does not wait out the poll timeout."""
+
+    def __init__(self) -> None:
+        self.fd, self._write_fd = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._write_fd, False)
+
+    def wake(self) -> None:
+        try:
+            os.write(self._write_fd, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full: wake-ups are pending already
+
+    def drain(self) -> None:
+        """Read away the pending wake-ups (the polling thread, after the poll saw ``fd`` readable)."""
+        try:
+            while os.read(self.fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        os.close(self.fd)
+        os.close(self._write_fd)

@@ -366,12 +366,12 @@ class FusedDecode:
         first = self.model.layers[0]
         weight_dtype = first.self_attn.qkv_proj.weight.dtype
         cfg = self.model.config
-        self._static = dict(
-            hidden=cfg.hidden_size, heads=first.self_attn.num_heads, kv_heads=first.self_attn.num_kv_heads,
-            head_dim=first.self_attn.head_dim, inter=first.mlp.intermediate,
-            act_bf16=int(pool.dtype is torch.bfloat16), weight_type=_WEIGHT_TYPES[weight_dtype],
-            block_stride=pool.stride(0), block_size=k_cache.shape[1],
-        )
+        attn = first.self_attn
+        # tessera_decode_forward's dims (D_* in decode_forward.c); rows and the table width are set per step
+        self._dims = torch.tensor([0, cfg.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                   first.mlp.intermediate, k_cache.shape[1], 0, int(pool.dtype is torch.bfloat16),
+                                   _WEIGHT_TYPES[weight_dtype], pool.stride(0)], dtype=torch.int64)
+        self._dims_view = self._dims.numpy()  # rows and table width change per step: set through numpy, no op
         self._eps = float(cfg.rms_norm_eps)
         self._scale = float(first.self_attn.scale)
         self._pool_key = (pool.data_ptr(), pool.shape)
@@ -380,17 +380,13 @@ class FusedDecode:
         """Normed last hidden states ``[rows, hidden]`` of the step's decode rows (``x``: their embeddings)."""
         if self._layers is None or self._pool_key != (ctx.kv_cache.buffer.data_ptr(), ctx.kv_cache.buffer.shape):
             self._build(ctx)
-        s = self._static
-        rows = x.shape[0]
         tables = ctx.decode_block_tables
-        dims = torch.tensor([rows, s["hidden"], s["heads"], s["kv_heads"], s["head_dim"], s["inter"],
-                             s["block_size"], tables.shape[1], s["act_bf16"], s["weight_type"], s["block_stride"]],
-                            dtype=torch.int64)
+        self._dims_view[0], self._dims_view[7] = x.shape[0], tables.shape[1]  # D_ROWS, D_MAX_BLOCKS
         x = x.contiguous()
         out = torch.empty_like(x)
         rope = self.model.rope
         status = self._kernel(
-            self._layers.data_ptr(), self._layers.shape[0], dims.data_ptr(), self._eps, self._scale,
+            self._layers.data_ptr(), self._layers.shape[0], self._dims.data_ptr(), self._eps, self._scale,
             x.data_ptr(), positions.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr(),
             ctx.kv_cache.buffer.data_ptr(), tables.data_ptr(), ctx.decode_context_lens.data_ptr(),
             ctx.slot_blocks.data_ptr(), ctx.slot_offsets.data_ptr(), self.model.norm.weight.data_ptr(),
