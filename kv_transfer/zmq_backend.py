@@ -3,7 +3,7 @@
 One I/O thread per backend owns every socket: a ROUTER bound to
 ``host:port`` that serves this pool, and one DEALER per peer for pulls. The
 caller's thread never touches a socket; it hands the I/O thread commands
-through a queue and wakes it through a pipe whose fd the thread polls next
+through a queue and wakes it through an eventfd (``Waker``) the thread polls next
 to its sockets.
 
 Data-plane frames (this backend's own; control messages live in common/protocol/wire.py),
@@ -46,7 +46,7 @@ import numpy as np
 import torch
 import zmq
 
-from common.runtime.zmq_security import (WakePipe, WorkerCurve, apply_curve_client, apply_curve_server,
+from common.runtime.zmq_security import (Waker, WorkerCurve, apply_curve_client, apply_curve_server,
                                          start_authenticator)
 from kv_transfer.base import KVTransferBackend, TransferHandle, TransferStatus
 
@@ -128,7 +128,7 @@ class ZmqBackend(KVTransferBackend):
         self._context: zmq.Context | None = None
         self._thread: threading.Thread | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake_pipe = WakePipe()
+        self._waker = Waker()
         self._stopping = False
         self._io_error = ""
         self._bytes: np.ndarray | None = None
@@ -178,7 +178,7 @@ class ZmqBackend(KVTransferBackend):
     def _shutdown(self) -> None:
         if self._thread is not None:
             self._stopping = True
-            self._wake_pipe.wake()
+            self._waker.wake()
             self._thread.join(self.close_timeout_s)
             if self._thread.is_alive():
                 # Terminating the context under a live socket would block; leak it and say so.
@@ -187,11 +187,11 @@ class ZmqBackend(KVTransferBackend):
             if self._authenticator is not None:
                 self._authenticator.stop()
             self._context.term()
-        self._wake_pipe.close()
+        self._waker.close()
 
     def _command(self, *command) -> None:
         self._commands.put(command)
-        self._wake_pipe.wake()
+        self._waker.wake()
 
     # ---- the I/O thread -------------------------------------------------------------------
     def _run(self, ready: queue.Queue) -> None:
@@ -211,12 +211,12 @@ class ZmqBackend(KVTransferBackend):
         ready.put(int(router.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]))
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
-        poller.register(self._wake_pipe.fd, zmq.POLLIN)
+        poller.register(self._waker.fd, zmq.POLLIN)
         try:
             while not self._stopping:
                 events = dict(poller.poll(self.io_poll_interval_s * 1000))
-                if self._wake_pipe.fd in events:
-                    self._wake_pipe.drain()
+                if self._waker.fd in events:
+                    self._waker.drain()
                 self._run_commands(state, poller)
                 if router in events:
                     self._serve(router)

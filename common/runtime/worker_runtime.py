@@ -52,7 +52,7 @@ from common.runtime import sd_notify
 from common.runtime.health_server import HealthServer
 from common.runtime.telemetry import WorkerMetrics, request_scope
 from common.runtime.tracing import make_tracing
-from common.runtime.zmq_security import WakePipe, apply_curve_client, worker_curve
+from common.runtime.zmq_security import Waker, apply_curve_client, worker_curve
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class WorkerIO:
         self.metrics = metrics
         self.inbox: queue.Queue = queue.Queue()
         self._outbox: queue.Queue = queue.Queue()
-        self._wake = WakePipe()  # else a queued token waits out the I/O thread's 10 ms poll
+        self._wake = Waker()  # else a queued token waits out the I/O thread's 10 ms poll
         self.load = Load()
         self.draining = False
         self.registered = threading.Event()

@@ -1,5 +1,5 @@
 """ZeroMQ CURVE on the control and KV sockets: key loading, socket setup, the ZAP authenticator; and the
-wake-up pipe the threads that own those sockets poll beside them (``WakePipe``).
+eventfd the threads that own those sockets poll beside them to be woken (``Waker``).
 
 Every ZeroMQ socket that crosses hosts goes through here:
 
@@ -20,6 +20,7 @@ With no keys configured, none of this runs and the sockets are plaintext.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import logging
@@ -171,29 +172,19 @@ def start_authenticator(context: zmq.Context, server: CurveServer, what: str):
     return auth
 
 
-class WakePipe:
-    """A pipe registered in a thread's ``zmq.Poller`` beside its sockets: ``wake()`` from any thread makes
-    the poll return at once, so work queued for a socket-owning thread does not wait out the poll timeout."""
+class Waker:
+    """An eventfd registered in a thread's ``zmq.Poller`` beside its sockets: ``wake()`` from any thread makes
+    the poll return at once, so work queued for a socket-owning thread does not wait out the poll timeout.
+
+    An eventfd is one counter: writes never block (the count cannot realistically overflow), and the polling
+    thread's one ``drain()`` after the poll saw ``fd`` readable clears every pending wake-up. Both are the C
+    calls themselves, bound once, so a wake-up runs no Python frame of its own.
+    """
 
     def __init__(self) -> None:
-        self.fd, self._write_fd = os.pipe()
-        os.set_blocking(self.fd, False)
-        os.set_blocking(self._write_fd, False)
-
-    def wake(self) -> None:
-        try:
-            os.write(self._write_fd, b"\0")
-        except BlockingIOError:
-            pass  # the pipe is full: wake-ups are pending already
-
-    def drain(self) -> None:
-        """Read away the pending wake-ups (the polling thread, after the poll saw ``fd`` readable)."""
-        try:
-            while os.read(self.fd, 4096):
-                pass
-        except BlockingIOError:
-            pass
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.wake = functools.partial(os.eventfd_write, self.fd, 1)
+        self.drain = functools.partial(os.eventfd_read, self.fd)
 
     def close(self) -> None:
         os.close(self.fd)
-        os.close(self._write_fd)

@@ -1,0 +1,118 @@
+"""The CPU attention kernels against torch, on the embedded model's shapes (9 heads, 3 KV heads, head_dim 64).
+
+    .venv/bin/python -m bench.attention_kernels [--threads 2]
+
+- Prompt chunks (bfloat16): ``tessera_chunk_attention`` (kernels/paged_attention.c), reading K/V from the
+  paged pool, against torch's SDPA on the chunk's own K/V (what ``TorchAttention`` runs for a fresh prompt),
+  for one to eight prompts per step and for longer prompts. Time is per layer.
+- Decode rows (bfloat16): the paged decode kernel over every layer of a 30-layer pool, the sequences' blocks
+  spread at random over the pool as a long-running server leaves them, against the same rows all reading one
+  sequence's blocks (cache-resident): the gap is what memory costs the kernel.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from common.engine.attention import CpuAttention, PrefillChunk, StepContext, step_context
+from common.engine.kv_cache import KVCache, KVLayout
+from common.engine.native import load_kernel
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
+
+
+def per_call_ms(fn, repeat: int) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return 1000 * (time.perf_counter() - start) / repeat
+
+
+def chunk_row(attention: CpuAttention, lengths: list[int], repeat: int) -> tuple[float, float]:
+    rows = sum(lengths)
+    blocks = sum(-(-n // BLOCK) for n in lengths)
+    cache = KVCache(KVLayout(num_layers=1, block_size=BLOCK, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                             dtype="bfloat16"), blocks)
+    perm = torch.randperm(blocks)
+    qkv = torch.randn(rows, HEADS + 2 * KV_HEADS, HEAD_DIM).bfloat16()
+    q, k, v = qkv.split([HEADS, KV_HEADS, KV_HEADS], dim=1)
+    chunks, slot_blocks, start, used = [], [], 0, 0
+    for n in lengths:
+        table = perm[used:used + -(-n // BLOCK)]
+        used += table.shape[0]
+        slot_blocks.append(table[torch.arange(n) // BLOCK])
+        chunks.append(PrefillChunk(start, start + n, 0, table))
+        start += n
+    offsets = torch.cat([torch.arange(n) % BLOCK for n in lengths])
+    ctx = StepContext(kv_cache=cache, slot_blocks=torch.cat(slot_blocks), slot_offsets=offsets, chunks=chunks)
+
+    def kernel():
+        with step_context(ctx):
+            attention(q, k, v, 0, HEAD_DIM ** -0.5)
+
+    def sdpa():
+        for c in chunks:
+            s, e = c.token_start, c.token_end
+            F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None],
+                                           v[s:e].transpose(0, 1)[None], is_causal=True, enable_gqa=True,
+                                           scale=HEAD_DIM ** -0.5)
+    return per_call_ms(kernel, repeat), per_call_ms(sdpa, repeat)
+
+
+def decode_row(attention: CpuAttention, batch: int, context: int, repeat: int) -> tuple[float, float, float]:
+    per_seq = -(-context // BLOCK)
+    cache = KVCache(KVLayout(num_layers=LAYERS, block_size=BLOCK, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                             dtype="bfloat16"), batch * per_seq)
+    cache.buffer.normal_()
+    q = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
+    lens = torch.full((batch,), context, dtype=torch.int64)
+
+    def step_with(tables):
+        ctx = StepContext(kv_cache=cache, slot_blocks=tables[:, -1].contiguous(),
+                          slot_offsets=torch.full((batch,), (context - 1) % BLOCK), decode_rows=torch.arange(batch),
+                          decode_block_tables=tables, decode_context_lens=lens)
+
+        def step():
+            for k_cache, v_cache in cache.layers:
+                attention._decode(q, k_cache, v_cache, ctx, HEAD_DIM ** -0.5)
+        return step
+    spread = torch.randperm(batch * per_seq).view(batch, per_seq).contiguous()
+    shared = spread[:1].repeat(batch, 1).contiguous()
+    spread_ms = per_call_ms(step_with(spread), repeat)
+    gigabytes = batch * context * KV_HEADS * HEAD_DIM * 2 * 2 * LAYERS / 1e9
+    return spread_ms, per_call_ms(step_with(shared), repeat), gigabytes / (spread_ms / 1000)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=20)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    kernel = load_kernel("paged_attention")
+    if kernel is None:
+        raise SystemExit("no C compiler: the kernels cannot be built")
+    attention = CpuAttention(kernel)
+    if attention._chunk_kernel is None:
+        print("this CPU or compiler has no AVX512-BF16: prompt chunks stay on SDPA; skipping the chunk table\n")
+    else:
+        print("Prompt chunks, bfloat16, per layer\n\n| prompts x tokens | kernel ms | SDPA ms | speed-up |\n|---|---|---|---|")
+        for lengths in ([256], [256] * 4, [256] * 8, [1000], [2048]):
+            ours, sdpa = chunk_row(attention, lengths, args.repeat)
+            label = f"{len(lengths)} x {lengths[0]}"
+            print(f"| {label} | {ours:.3f} | {sdpa:.3f} | {sdpa / ours:.2f}x |")
+    print("\nDecode rows, bfloat16, all 30 layers of one step\n\n"
+          "| rows x context | blocks spread over the pool, ms | blocks shared (cache-resident), ms | KV read, GB/s |\n"
+          "|---|---|---|---|")
+    for batch, context in ((8, 290), (64, 290)):
+        spread, shared, rate = decode_row(attention, batch, context, max(args.repeat // 2, 3))
+        print(f"| {batch} x {context} | {spread:.2f} | {shared:.2f} | {rate:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
