@@ -98,14 +98,18 @@ class TorchAttention:
         v_cache[ctx.slot_blocks, ctx.slot_offsets] = v
         if not ctx.chunks:
             return self._decode(q, k_cache, v_cache, ctx, scale)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D] contiguous, whatever q's strides
         if ctx.decode_rows is not None:
             n = ctx.decode_rows.shape[0]
             out[:n] = self._decode(q[:n], k_cache, v_cache, ctx, scale)
+        self._attend_chunks(q, k, v, k_cache, v_cache, ctx, scale, out)
+        return out
+
+    def _attend_chunks(self, q, k, v, k_cache, v_cache, ctx: StepContext, scale: float, out: torch.Tensor) -> None:
+        """Every chunk's rows of ``out``: one SDPA call per chunk."""
         for chunk in ctx.chunks:
             s, e = chunk.token_start, chunk.token_end
             out[s:e] = self._chunk(q[s:e], k[s:e], v[s:e], k_cache, v_cache, chunk, scale)
-        return out
 
     @staticmethod
     def _decode(q, k_cache, v_cache, ctx: StepContext, scale: float) -> torch.Tensor:
@@ -173,18 +177,12 @@ class CpuAttention(TorchAttention):
         self._chunk_kernel = chunk if chunk(*([None, 0, None, 0, 0, 0, None, 0, None, 0, None]
                                                + [1, 1, 64, 16, 1.0])) == 0 else None
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
-        ctx = get_step_context()
-        if (not ctx.chunks or self._chunk_kernel is None or q.dtype is not torch.bfloat16
-                or q.shape[2] % 32 or q.shape[2] > 256 or q.stride(2) != 1 or q.stride(1) != q.shape[2]):
-            return super().__call__(q, k, v, layer, scale)
-        k_cache, v_cache = ctx.kv_cache.layers[layer]
-        k_cache[ctx.slot_blocks, ctx.slot_offsets] = k
-        v_cache[ctx.slot_blocks, ctx.slot_offsets] = v
-        out = torch.empty(q.shape, dtype=q.dtype)
-        if ctx.decode_rows is not None:
-            n = ctx.decode_rows.shape[0]
-            out[:n] = self._decode(q[:n], k_cache, v_cache, ctx, scale)
+    def _attend_chunks(self, q, k, v, k_cache, v_cache, ctx: StepContext, scale: float, out: torch.Tensor) -> None:
+        """bfloat16 chunks in one kernel call over every chunk of the step; anything else through SDPA."""
+        if (self._chunk_kernel is None or q.dtype is not torch.bfloat16 or q.shape[2] % 32 or q.shape[2] > 256
+                or q.stride(2) != 1 or q.stride(1) != q.shape[2]):
+            super()._attend_chunks(q, k, v, k_cache, v_cache, ctx, scale, out)
+            return
         meta = ctx.backend_state.get("chunks")
         if meta is None:  # once per step: every layer reads the same chunk table
             width = max(chunk.block_table.shape[0] for chunk in ctx.chunks)
@@ -206,7 +204,6 @@ class CpuAttention(TorchAttention):
             )
         if status != 0:
             raise RuntimeError(f"chunk attention kernel refused the shapes (status {status})")
-        return out
 
     def _decode(self, q, k_cache, v_cache, ctx: StepContext, scale: float) -> torch.Tensor:
         rows, num_heads, head_dim = q.shape

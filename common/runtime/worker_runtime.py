@@ -128,7 +128,7 @@ class WorkerIO:
         self._outbox.put(wire.Goodbye(self.config.worker_id, self.registration.epoch, goodbye))
         self._stop.set()
         self._thread.join(timeout=5)
-        if not self._thread.is_alive():  # a live thread may still poll the pipe: leave it to the exit
+        if not self._thread.is_alive():  # a live thread may still poll the eventfd: leave it to the exit
             self._wake.close()
 
     def _run(self) -> None:

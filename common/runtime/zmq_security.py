@@ -21,9 +21,8 @@ With no keys configured, none of this runs and the sockets are plaintext.
 from __future__ import annotations
 
 import functools
-import os
-
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from common.engine.attention import CpuAttention, PrefillChunk, StepContext, TorchAttention, step_context
 from common.engine.kv_cache import KVCache, KVLayout
-from common.engine.models.llama import MLP, RMSNorm, RotaryEmbedding, StepRope, rotate
-from common.engine.models.llama import elementwise_kernel
+from common.engine.models.llama import RMSNorm, StepRope, elementwise_kernel
+from common.engine.models.rope import RotaryEmbedding, rotate
 from common.engine.native import load_kernel
 
 BLOCK = 16

@@ -14,12 +14,14 @@ checkpoint's separate tensors into them.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from common.engine.attention import get_step_context
+from common.engine.models.rope import RotaryEmbedding, rotate
 from common.engine.native import gemv_bf16_kernel, kernel_function
 from common.engine.quantization import linear_int8
 
@@ -33,72 +35,13 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 
-# ---- rotary position embedding: a precomputed cos/sin table ----------------------------------
-# The inverse frequencies come from transformers' own RoPE initializers, so
-# every scaling type they define for a static context (default, linear,
-# llama3, yarn, ...) gives exactly the reference numbers. Types whose
-# frequencies depend on the current sequence length (dynamic, longrope) are
-# refused: a shared table per batch cannot express them.
-_LENGTH_DEPENDENT = {"dynamic", "longrope"}
-
-
-def _rope_parameters(cfg) -> dict:
-    params = getattr(cfg, "rope_parameters", None)
-    if params is None:  # older configs
-        params = dict(getattr(cfg, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-    return dict(params)
-
-
-class RotaryEmbedding(nn.Module):
-    def __init__(self, cfg, head_dim: int) -> None:
-        super().__init__()
-        params = _rope_parameters(cfg)
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type in _LENGTH_DEPENDENT:
-            raise NotImplementedError(f"RoPE type {rope_type!r} depends on sequence length; not supported")
-        if params.get("partial_rotary_factor", 1.0) != 1.0:
-            raise NotImplementedError("partial rotary embeddings are not supported")
-        if rope_type == "default":
-            base = params["rope_theta"]
-            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim))
-            scaling = 1.0
-        else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            with torch.device("cpu"):  # the loader builds modules under the meta device
-                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
-        self.inv_freq = inv_freq.float().cpu()
-        self.scaling = float(scaling)
-        self.max_positions = int(getattr(cfg, "max_position_embeddings", 4096))
-        self.register_buffer("cos", torch.empty(0, device="cpu"), persistent=False)
-        self.register_buffer("sin", torch.empty(0, device="cpu"), persistent=False)
-        self.build_table("cpu")
-
-    def build_table(self, device: str | torch.device) -> None:
-        """(Re)compute the cos/sin table on ``device`` (the loader calls it after materializing)."""
-        positions = torch.arange(self.max_positions, dtype=torch.float, device="cpu")
-        freqs = positions[:, None] * self.inv_freq[None, :]
-        self.cos = (freqs.cos() * self.scaling).to(device)
-        self.sin = (freqs.sin() * self.scaling).to(device)
-
-    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[T, 1, D/2]`` of ``positions`` in ``dtype``: gathered once per step, used by every layer."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, heads, D]`` (q and k heads together) by the positions of ``cos``/``sin``."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 # ---- the elementwise work between the matmuls in one C pass each (kernels/elementwise.c) ------------------
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
+@functools.cache
 def elementwise_kernel(symbol: str):
-    """``symbol`` of kernels/elementwise.c, or None without a compiler."""
+    """``symbol`` of kernels/elementwise.c, or None without a compiler (looked up once: every layer asks)."""
     argtypes = {
         "tessera_add_rms_norm": (_PTR, _PTR, _PTR, _PTR, _I64, ctypes.c_int, _F32, ctypes.c_int),
         "tessera_silu_mul": (_PTR, _PTR, _I64, ctypes.c_int, ctypes.c_int),
