@@ -1,9 +1,10 @@
-"""The bf16 GEMV kernel against torch's matmul, on the embedded model's linear shapes.
+"""The bf16 GEMV kernel and the prepacked weights against torch's matmul, on the embedded model's linear shapes.
 
-    .venv/bin/python -m bench.gemv_bf16 --threads 2
+    .venv/bin/python -m bench.gemv_bf16 --threads 2 --rows 1 8 64 256
 
-Per shape and row count M, the time of ``F.linear`` and of ``models.llama.linear`` (which takes the kernel
-for M = 1 only; ``--force`` calls the kernel for every M, to show why), the kernel's weight bandwidth, and the
+Per shape and row count M, the time of ``F.linear`` and of ``models.llama.linear`` as the engine calls it
+(the kernel for M = 1, the weight prepacked for oneDNN, ``prepack``, for more rows; ``--force`` calls the
+kernel for every M, to show why it stops at one), the weight bandwidth of ours, and the
 largest difference from torch's result. The per-layer weights stay in the cache across repeats, so those rows
 are optimistic for both sides; the LM head (57 MB) is not.
 """
@@ -15,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from common.engine.models.llama import linear
+from common.engine.models.llama import linear, prepack
 from common.engine.native import gemv_bf16_kernel
 
 # (out, in) of SmolLM2-135M's fused projections and LM head, and how many of each one decode step runs.
@@ -41,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     if kernel is None:
         parser.error("the kernel could not be built (no C compiler)")
 
-    def ours(x, w):
+    def ours(x, w, packed):
         if not args.force:
-            return linear(x, w)
+            return linear(x, w, packed=packed)
         out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.bfloat16)
         kernel(x.data_ptr(), w.data_ptr(), None, out.data_ptr(), x.shape[0], w.shape[0], x.shape[1])
         return out
@@ -55,12 +56,13 @@ def main(argv: list[str] | None = None) -> int:
         for n, k, count in SHAPES:
             w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
             x = torch.randn(m, k).to(torch.bfloat16)
+            packed = prepack(w)
             repeats = 30 if n > 10_000 else 300
             a = timed(lambda: F.linear(x, w), repeats)
-            b = timed(lambda: ours(x, w), repeats)
+            b = timed(lambda: ours(x, w, packed), repeats)
             totals[0] += a * count
             totals[1] += b * count
-            diff = (ours(x, w).float() - F.linear(x, w).float()).abs().max().item()
+            diff = (ours(x, w, packed).float() - F.linear(x, w).float()).abs().max().item()
             print(f"| {m} | {n}×{k} | {count} | {a * 1e6:.0f} | {b * 1e6:.0f} | {w.numel() * 2 / b / 1e9:.1f} | "
                   f"{diff:.4f} |")
         print(f"| {m} | one decode step's linears | | {totals[0] * 1e3:.1f} ms | {totals[1] * 1e3:.1f} ms | | |")

@@ -232,6 +232,9 @@ class EngineConfig:
     decode_kernel_max_batch: Int = option(8, "CPU decode steps of at most this many rows (and no prompt chunk) "
                                           "run the whole forward in one C call (kernels/decode_forward.c); "
                                           "0 keeps every step on the torch path", ge=0, le=8)
+    prepack_weights: Bool = option(True, "CPU bfloat16: keep each linear weight a second time in oneDNN's "
+                                   "blocked layout for steps of several rows (F.linear reorders the plain weight "
+                                   "on every call); costs the linear weights' memory once more")
     seed: Int = option(0, "seed of the sampler's random streams")
     spec_method: SpecMethod = option("off", "speculative decoding on the decode side: 'ngram' (prompt lookup), "
                               "'draft' (a smaller model sharing the vocabulary) or 'off'; requests may "

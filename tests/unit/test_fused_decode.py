@@ -125,3 +125,23 @@ def test_embedded_model_greedy_output_is_the_same_with_and_without_the_kernel(em
                                         kv_cache_memory_bytes=64 << 20))
         outputs.append([out.outputs[0].token_ids for out in engine.generate(prompts, params)])
     assert outputs[0] == outputs[1]
+
+
+def test_prepacked_bfloat16_weights_give_the_plain_weights_logits_bit_for_bit(tiny_dir):
+    packed = runner_for(tiny_dir, dtype="bfloat16", decode_kernel_max_batch=0)
+    plain = runner_for(tiny_dir, dtype="bfloat16", decode_kernel_max_batch=0, prepack_weights=False)
+    layer = packed.model.layers[0]
+    if layer.mlp.gate_up_proj.packed is None:
+        pytest.skip("this torch has no oneDNN to prepack for")
+    assert plain.model.layers[0].mlp.gate_up_proj.packed is None and packed.model.head_packed is not None
+    assert runner_for(tiny_dir, quantization="int8").model.layers[0].mlp.gate_up_proj.packed is None
+    logits = []
+    for runner in (packed, plain):
+        plan = decoding_batch(runner, 6, seed=40)
+        prompt = Sequence("p", list(range(40)), SamplingParams(), seed=0)
+        prompt.block_table = [50, 51, 52]
+        plan.add(prompt, 40)
+        with torch.inference_mode():
+            prepared = runner.prepare(plan)
+            logits.append(runner.model.compute_logits(runner.forward(prepared)))
+    assert torch.equal(logits[0], logits[1])

@@ -77,10 +77,12 @@ class StepRope:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           scale: torch.Tensor | None = None) -> torch.Tensor:
+           scale: torch.Tensor | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, except that int8 weights (with their per-row ``scale``) take the int8 paths
-    (common/engine/quantization.py), and one bfloat16 row on the CPU (a batch-1 decode step) takes the GEMV
-    kernel, which streams the weights at memory speed where torch's bf16 matmul does not (docs/benchmarks.md)."""
+    (common/engine/quantization.py), one bfloat16 row on the CPU (a batch-1 decode step) takes the GEMV
+    kernel, which streams the weights at memory speed where torch's bf16 matmul does not, and several rows
+    take ``packed``, the weight in oneDNN's blocked layout (``prepack``), where there is one
+    (docs/benchmarks.md)."""
     if weight.dtype is torch.int8:
         return linear_int8(x, weight, scale, bias)
     if (x.dtype is torch.bfloat16 and x.shape[0] == 1 and x.dim() == 2 and x.device.type == "cpu"
@@ -93,14 +95,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             bias_ptr = None if bias is None else bias.contiguous().data_ptr()
             if kernel(x.data_ptr(), weight.data_ptr(), bias_ptr, out.data_ptr(), 1, weight.shape[0], x.shape[1]) == 0:
                 return out
+    if packed is not None and x.dtype is torch.bfloat16:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
+def prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` (bfloat16, on the CPU) reordered once into oneDNN's blocked layout, or None where torch
+    has no oneDNN. ``F.linear`` on a plain bf16 weight reorders it on every call: 15-25% of a 64-row decode
+    step's matmul time here, and all of a one-row call's (``python -m bench.gemv_bf16 --rows 1 8 64 256``).
+    The result is bit-identical to ``F.linear``'s."""
+    if weight.dtype is not torch.bfloat16 or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 64)
+    except (RuntimeError, AttributeError):  # a torch without the op, or oneDNN refusing the shape
+        return None
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` whose single-row bfloat16 calls (batch-1 decode) take the GEMV kernel (``linear``)."""
+    """``nn.Linear`` whose calls take ``linear``'s paths: the GEMV kernel for one bfloat16 row, the
+    prepacked weight (``packed``, set by ``LlamaForCausalLM.prepack_weights``) for several."""
+
+    packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, getattr(self, "weight_scale", None))
+        return linear(x, self.weight, self.bias, getattr(self, "weight_scale", None), self.packed)
 
 
 class RMSNorm(nn.Module):
@@ -223,6 +243,7 @@ class LlamaForCausalLM(nn.Module):
         self.requires_grad_(False)
         # Set by the model runner where the one-call decode kernel applies (``FusedDecode`` below).
         self.fused_decode = None
+        self.head_packed: torch.Tensor | None = None  # the LM head's prepacked weight (prepack_weights)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -239,7 +260,21 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.tie_word_embeddings else self.lm_head
-        return linear(hidden, head.weight, None, getattr(head, "weight_scale", None))
+        return linear(hidden, head.weight, None, getattr(head, "weight_scale", None), self.head_packed)
+
+    def prepack_weights(self) -> int:
+        """Gives every bfloat16 linear layer, and the LM head, its oneDNN-blocked copy (``prepack``); the
+        plain weights stay for the one-row kernels. Returns the bytes added."""
+        added = 0
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.packed = prepack(module.weight)
+                added += module.weight.nbytes if module.packed is not None else 0
+        head = self.embed_tokens if self.tie_word_embeddings else self.lm_head
+        self.head_packed = head.packed if isinstance(head, Linear) else prepack(head.weight)
+        if head is self.embed_tokens and self.head_packed is not None:
+            added += head.weight.nbytes
+        return added
 
 
 # ---- the whole forward of a small decode step in one C call (kernels/decode_forward.c) -------------------
