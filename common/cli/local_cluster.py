@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -44,7 +45,8 @@ class LocalCluster:
     both: int = 0
     transfer_backend: str = "zmq"
     dtype: str | None = None  # None: the config's default
-    threads: int = 1  # torch threads per worker; 0: the machine's cores split between the workers
+    threads: int = 1  # torch threads per worker; 0: the machine's cores, split or time-shared (share_cores)
+    share_cores: bool = False  # with threads=0 and several workers: each has every core, one step at a time
     proxy_overrides: list[str] = field(default_factory=list)
     worker_overrides: list[str] = field(default_factory=list)
     role_overrides: list[str] = field(default_factory=list)  # ROLE:KEY=VALUE, ROLE a role or a process name
@@ -69,6 +71,10 @@ class LocalCluster:
         return f"http://127.0.0.1:{self.port}"
 
     @property
+    def core_share_file(self) -> Path:
+        return Path(tempfile.gettempdir()) / f"tessera-cores-{self.worker_port}"
+
+    @property
     def num_workers(self) -> int:
         return self.prefill + self.decode + self.both
 
@@ -91,11 +97,15 @@ class LocalCluster:
     def start_worker(self, role: str, index: int) -> str:
         name = f"{role}-{index}"
         self.metrics_ports[name] = free_port()
-        threads = self.threads or max(1, (os.cpu_count() or 1) // max(1, self.num_workers))
+        cores = os.cpu_count() or 1
+        shared = not self.threads and self.share_cores and self.num_workers > 1
+        threads = self.threads or (cores if shared else max(1, cores // max(1, self.num_workers)))
         args = [role, "--set", f"worker_id={name}", "--set", f"metrics_port={self.metrics_ports[name]}",
                 "--set", f"proxy_address=tcp://127.0.0.1:{self.worker_port}",
                 "--set", f"engine.model={self.model_dir}", "--set", f"engine.num_threads={threads}",
                 "--set", f"transfer_backend={self.transfer_backend}"]
+        if shared:  # common/runtime/core_share.py: one lock file per cluster
+            args += ["--set", f"core_share={self.core_share_file}"]
         if self.dtype:
             args += ["--set", f"engine.dtype={self.dtype}"]
         self._spawn(name, args + self._overrides(name, self.worker_overrides))
@@ -180,6 +190,7 @@ class LocalCluster:
                 proc.kill()
                 codes[name] = proc.wait()
         self.procs.clear()
+        self.core_share_file.unlink(missing_ok=True)
         return codes
 
 

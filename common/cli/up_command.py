@@ -3,9 +3,11 @@
 Each role runs as its own process (``common.cli.local_cluster``, the launcher
 the tests and benchmarks use too), exactly as on separate hosts. Torch threads
 are split between the workers so that, together, they use the machine's
-cores once (on 2 cores: one thread per worker), and the NIXL progress thread
-of the prefill side is the one extra spinner. Ctrl-C (or SIGTERM) drains and
-stops every process.
+cores once (on 2 cores: one thread per worker). ``--share-cores`` instead
+gives every worker all the cores, one engine step at a time
+(``common/runtime/core_share.py``): a lone stream and the first token get
+faster, per-token latency under concurrent load gets worse
+(docs/benchmarks.md). Ctrl-C (or SIGTERM) drains and stops every process.
 """
 from __future__ import annotations
 
@@ -36,6 +38,9 @@ def add_up_command(subparsers) -> None:
                         "computes it natively (AVX512-BF16 or AMX), else float32, with a line saying which")
     parser.add_argument("--transfer-backend", default="auto", choices=("auto", "nixl", "zmq"))
     parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: cores / workers)")
+    parser.add_argument("--share-cores", action="store_true",
+                        help="every worker uses every core, the workers taking turns one engine step at a "
+                        "time, instead of a split")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="ROLE:KEY=VALUE",
         help="extra override for one role's config, e.g. decode:engine.max_num_seqs=64 (repeatable)",
@@ -47,7 +52,8 @@ def _run(args: argparse.Namespace) -> int:
     configure_logging("INFO")
     cluster = LocalCluster(args.model, prefill=args.prefill_workers, decode=args.decode_workers,
                            transfer_backend=args.transfer_backend, dtype=args.dtype, threads=args.threads,
-                           role_overrides=args.overrides, port=args.port, own_session=True)
+                           share_cores=args.share_cores, role_overrides=args.overrides, port=args.port,
+                           own_session=True)
     stopping = False
 
     def stop(*_):

@@ -161,6 +161,12 @@ class WorkerConfig:
     kv_pull_timeout_s: Float = option(30.0, "deadline of one KV pull from a prefill worker", gt=0)
     drain_timeout_s: Float = option(30.0, "on SIGTERM, how long running requests may run on", gt=0)
     idle_poll_s: Float = option(0.05, "how long the loop waits for work when it has none", gt=0)
+    core_share: Str = option("", "a file every worker of this host that time-shares its cores names: each "
+                             "holds the cores for one engine step at a time, with engine.num_threads as many "
+                             "as there are (common/runtime/core_share.py); empty: this worker's threads are "
+                             "its own")
+    core_share_timeout_s: Float = option(
+        10.0, "longest wait for a turn on the shared cores; past it the step runs anyway, with a warning", gt=0)
     metrics_host: Str = option("127.0.0.1", "where /metrics, /healthz and /readyz listen")
     metrics_port: Int = option(0, "port of the metrics/health HTTP server; 0: no server", ge=0)
     health_stall_s: Float = option(

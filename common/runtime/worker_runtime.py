@@ -33,22 +33,23 @@ work here. A proxy that refuses that Register stops the worker.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import queue
 import signal
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Protocol
 
 import zmq
 
 from common.config.roles import WorkerConfig
 from common.engine.llm_engine import LLMEngine, RequestError
+from common.engine.models.loader import model_version
 from common.protocol import wire
 from common.runtime import sd_notify
+from common.runtime.core_share import CoreShare
 from common.runtime.health_server import HealthServer
 from common.runtime.telemetry import WorkerMetrics, request_scope
 from common.runtime.tracing import make_tracing
@@ -290,15 +291,6 @@ class KVTransfer(Protocol):
     def close(self) -> None: ...
 
 
-def model_version(model_dir: Path, dtype: str) -> str:
-    """Short digest of the model's config and weight files: equal digests, same model."""
-    h = hashlib.sha256(dtype.encode())
-    h.update((model_dir / "config.json").read_bytes())
-    for path in sorted(model_dir.glob("*.safetensors")):
-        h.update(f"{path.name}:{path.stat().st_size}".encode())
-    return h.hexdigest()[:16]
-
-
 class WorkerBase:
     role = "both"
 
@@ -318,6 +310,8 @@ class WorkerBase:
         self.transfer_metadata = transfer.register_pool(self.engine.runner.kv_cache)
         self.transfer_name = transfer.name
         self._send = None
+        # Held for each engine step (``with self.cores``) where co-located workers time-share the cores.
+        self.cores = CoreShare(config.core_share, config.core_share_timeout_s) if config.core_share else nullcontext()
         log.info("worker %s: KV transfer over %s", config.worker_id, transfer.name)
 
     def bind(self, send) -> None:
@@ -395,6 +389,8 @@ class WorkerBase:
 
     def close(self) -> None:
         self.transfer.close()
+        if isinstance(self.cores, CoreShare):
+            self.cores.close()
         self.tracing.shutdown()
         if self.health is not None:
             self.health.close()
