@@ -66,8 +66,7 @@ class ModelRunner:
             quantize_model_int8(self.model)
         if self.dtype is torch.bfloat16 and self.device.type == "cpu":
             gemv_bf16_kernel()  # built now, not on the first batch-1 decode step (models/llama.py ``linear``)
-            if config.prepack_weights and config.quantization == "none":
-                added = self.model.prepack_weights()
+            if config.prepack_weights and (added := self.model.prepack_weights()):  # int8 weights: none packed
                 log.info("linear weights prepacked for oneDNN (+%.1f MiB; engine.prepack_weights)", added / 2**20)
         if self.device.type == "cpu" and self.attention.name == "cpu_paged" and config.decode_kernel_max_batch:
             self.model.fused_decode = FusedDecode(self.model, config.decode_kernel_max_batch)

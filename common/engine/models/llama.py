@@ -103,7 +103,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` (bfloat16, on the CPU) reordered once into oneDNN's blocked layout, or None where torch
     has no oneDNN. ``F.linear`` on a plain bf16 weight reorders it on every call: 15-25% of a 64-row decode
-    step's matmul time here, and all of a one-row call's (``python -m bench.gemv_bf16 --rows 1 8 64 256``).
+    step's matmul time here, and over a third of a one-row call's (``python -m bench.gemv_bf16 --rows 1 8 64 256``).
     The result is bit-identical to ``F.linear``'s."""
     if weight.dtype is not torch.bfloat16 or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return None
@@ -243,7 +243,6 @@ class LlamaForCausalLM(nn.Module):
         self.requires_grad_(False)
         # Set by the model runner where the one-call decode kernel applies (``FusedDecode`` below).
         self.fused_decode = None
-        self.head_packed: torch.Tensor | None = None  # the LM head's prepacked weight (prepack_weights)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -260,20 +259,16 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.tie_word_embeddings else self.lm_head
-        return linear(hidden, head.weight, None, getattr(head, "weight_scale", None), self.head_packed)
+        return linear(hidden, head.weight, None, getattr(head, "weight_scale", None), getattr(head, "packed", None))
 
     def prepack_weights(self) -> int:
-        """Gives every bfloat16 linear layer, and the LM head, its oneDNN-blocked copy (``prepack``); the
-        plain weights stay for the one-row kernels. Returns the bytes added."""
+        """Gives every bfloat16 linear layer, and a tied LM head, its oneDNN-blocked copy (``packed``, from
+        ``prepack``); the plain weights stay for the one-row kernels. Returns the bytes added."""
+        heads = [self.embed_tokens] if self.tie_word_embeddings else []
         added = 0
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.packed = prepack(module.weight)
-                added += module.weight.nbytes if module.packed is not None else 0
-        head = self.embed_tokens if self.tie_word_embeddings else self.lm_head
-        self.head_packed = head.packed if isinstance(head, Linear) else prepack(head.weight)
-        if head is self.embed_tokens and self.head_packed is not None:
-            added += head.weight.nbytes
+        for module in [m for m in self.modules() if isinstance(m, Linear)] + heads:
+            module.packed = prepack(module.weight)
+            added += module.weight.nbytes if module.packed is not None else 0
         return added
 
 
