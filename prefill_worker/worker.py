@@ -73,7 +73,7 @@ class PrefillHandler(WorkerBase):
             log.warning("KV lease of %s expired unpulled; pages freed", request_id)
             self.metrics.kv_lease_expirations.inc()
             self._release(request_id)
-        if not self.engine.has_unfinished():
+        if not self.engine.has_work():
             return
         with self.cores:
             outputs = self.engine.step()
@@ -106,6 +106,14 @@ class PrefillHandler(WorkerBase):
     # ---- drain ------------------------------------------------------------------
     def busy(self) -> bool:
         return bool(self.computing or self.leases)
+
+    def wait_s(self, idle_s: float) -> float:
+        """Pages lent out need no turns of the loop: it wakes for a message or for the next lease's expiry."""
+        if self.engine.has_work():
+            return 0.0
+        if not self.leases:
+            return idle_s
+        return max(0.0, min(idle_s, min(expiry for _, expiry in self.leases.values()) - time.monotonic()))
 
     def fail_all(self, reason: str) -> None:
         for request_id in list(self.computing):

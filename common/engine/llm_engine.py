@@ -268,6 +268,13 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def has_work(self) -> bool:
+        """Whether a step would do anything: a sequence to schedule, or an abort to report.
+
+        False while every unfinished request waits for something outside the engine (remote KV pages).
+        """
+        return self.scheduler.has_work() or bool(self._aborted)
+
     # ---- the step -----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if self._speculating:

@@ -76,7 +76,8 @@ class RoleHandler(Protocol):
     def registration(self) -> wire.Register: ...
     def handle(self, msg) -> None: ...
     def tick(self) -> None: ...  # one turn of work: poll transfers, step the engine, emit results
-    def busy(self) -> bool: ...
+    def busy(self) -> bool: ...  # holds requests: draining waits for it to be False
+    def wait_s(self, idle_s: float) -> float: ...  # how long the loop may wait for a message: 0 with compute to do
     def load(self) -> Load: ...
     def fail_all(self, reason: str) -> None: ...  # drain deadline passed or proxy lost: drop everything, free its KV
     def publish_metrics(self) -> None: ...  # after each turn: the numbers /metrics and /healthz read
@@ -240,7 +241,7 @@ def serve(config: WorkerConfig, handler: RoleHandler) -> None:
                 drain_deadline = time.monotonic() + config.drain_timeout_s
             if drain_deadline is not None and (not handler.busy() or time.monotonic() > drain_deadline):
                 break
-            if not _take_messages(io, handler, config, block=not handler.busy()):
+            if not _take_messages(io, handler, handler.wait_s(config.idle_poll_s)):
                 log.error("worker I/O stopped; exiting")
                 break
             handler.tick()
@@ -254,10 +255,11 @@ def serve(config: WorkerConfig, handler: RoleHandler) -> None:
         log.info("worker %s stopped", config.worker_id)
 
 
-def _take_messages(io: WorkerIO, handler: RoleHandler, config: WorkerConfig, block: bool) -> bool:
-    """Hand every queued message to the handler; False when the I/O thread died."""
+def _take_messages(io: WorkerIO, handler: RoleHandler, wait_s: float) -> bool:
+    """Hand every queued message to the handler, waiting up to ``wait_s`` for the first; False when the I/O
+    thread died."""
     try:
-        msg = io.inbox.get(timeout=config.idle_poll_s) if block else io.inbox.get_nowait()
+        msg = io.inbox.get(timeout=wait_s) if wait_s > 0 else io.inbox.get_nowait()
     except queue.Empty:
         return True
     while True:

@@ -111,8 +111,9 @@ def test_failed_pull_recomputes_and_still_matches(engines):
 def test_abort_while_waiting_for_pages_frees_them(engines):
     _, _, decode = engines
     dseq = decode.add_prefilled_request("d-abort", [5] * 40, 7, SamplingParams(max_tokens=5), 1)
-    assert decode.block_manager.num_used_blocks == 3
+    assert decode.block_manager.num_used_blocks == 3 and not decode.has_work()
     decode.abort_request("d-abort")
+    assert decode.has_work()  # the abort is reported by the next step
     (out,) = decode.step()
     assert out.finished and decode.block_manager.num_used_blocks == 0
     assert not decode.has_unfinished() and dseq.is_finished
@@ -124,9 +125,11 @@ def test_a_pull_is_a_request_state_the_scheduler_never_runs(engines):
 
     dseq = decode.add_prefilled_request("d-wait", [5] * 40, 7, SamplingParams(max_tokens=5), 1)
     assert dseq.status is SequenceStatus.WAITING_FOR_REMOTE_KV and len(dseq.block_table) == 3
-    assert dseq not in decode.scheduler.waiting and not decode.step()  # nothing runs while the pages travel
+    # Nothing runs while the pages travel, and a worker's loop need not turn for it (has_work).
+    assert dseq not in decode.scheduler.waiting and decode.has_unfinished() and not decode.has_work()
+    assert not decode.step()
     decode.kv_failed(dseq)  # the pull failed: its blocks go back, the prompt is recomputed here
-    assert dseq.status is SequenceStatus.WAITING and decode.block_manager.num_used_blocks == 0
+    assert dseq.status is SequenceStatus.WAITING and decode.block_manager.num_used_blocks == 0 and decode.has_work()
     while decode.has_unfinished():
         decode.step()
     assert dseq.is_finished and decode.block_manager.num_used_blocks == 0
