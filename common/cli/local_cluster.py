@@ -46,7 +46,7 @@ class LocalCluster:
     transfer_backend: str = "zmq"
     dtype: str | None = None  # None: the config's default
     threads: int = 1  # torch threads per worker; 0: the machine's cores, split or time-shared (share_cores)
-    share_cores: bool = False  # with threads=0 and several workers: each has every core, one step at a time
+    share_cores: bool = True  # with threads=0 and several workers: each has every core, one step at a time
     proxy_overrides: list[str] = field(default_factory=list)
     worker_overrides: list[str] = field(default_factory=list)
     role_overrides: list[str] = field(default_factory=list)  # ROLE:KEY=VALUE, ROLE a role or a process name

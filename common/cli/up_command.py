@@ -1,13 +1,13 @@
 """``tessera up``: a whole local cluster on loopback (proxy + prefill + decode workers).
 
 Each role runs as its own process (``common.cli.local_cluster``, the launcher
-the tests and benchmarks use too), exactly as on separate hosts. Torch threads
-are split between the workers so that, together, they use the machine's
-cores once (on 2 cores: one thread per worker). ``--share-cores`` instead
-gives every worker all the cores, one engine step at a time
-(``common/runtime/core_share.py``): a lone stream and the first token get
-faster, per-token latency under concurrent load gets worse
-(docs/benchmarks.md). Ctrl-C (or SIGTERM) drains and stops every process.
+the tests and benchmarks use too), exactly as on separate hosts. Every worker
+runs torch threads on all the cores, and the workers take turns one engine
+step at a time (``common/runtime/core_share.py``), so that no core idles
+while one role has nothing to do. ``--no-share-cores`` splits the cores
+between the workers instead (on 2 cores: one thread each), which was slower
+in every column of docs/benchmarks.md. Ctrl-C (or SIGTERM) drains and stops
+every process.
 """
 from __future__ import annotations
 
@@ -38,9 +38,9 @@ def add_up_command(subparsers) -> None:
                         "computes it natively (AVX512-BF16 or AMX), else float32, with a line saying which")
     parser.add_argument("--transfer-backend", default="auto", choices=("auto", "nixl", "zmq"))
     parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: cores / workers)")
-    parser.add_argument("--share-cores", action="store_true",
+    parser.add_argument("--share-cores", action=argparse.BooleanOptionalAction, default=True,
                         help="every worker uses every core, the workers taking turns one engine step at a "
-                        "time, instead of a split")
+                        "time (default); --no-share-cores splits the cores between them")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="ROLE:KEY=VALUE",
         help="extra override for one role's config, e.g. decode:engine.max_num_seqs=64 (repeatable)",

@@ -18,16 +18,15 @@ Waiting is bounded by ``worker.core_share_timeout_s``: past it the step runs
 anyway, oversubscribed, with a warning, rather than stalling the worker behind
 a peer that hangs with the share.
 
-Measured on 2 cores, one prefill and one decode worker (``tessera up
---share-cores`` against the default split, docs/benchmarks.md): one stream's
-TPOT 12.0 -> 8.0 ms and TTFT 162 -> 105 ms; saturation +5%; but TPOT at
-2 req/s 24.5 -> 29-37 ms. Each worker's OpenMP threads spin for a while after
-a parallel region (libgomp's GOMP_SPINCOUNT), so the worker that just gave up
-the cores still occupies one when the next takes them, and every barrier of
-the next step waits for a time slice: decode steps of a few rows took
-100-1100 ms right after a prefill turn. ``OMP_WAIT_POLICY=PASSIVE`` removes
-those stalls but makes every parallel region pay a futex wake (one stream
-15 ms). Hence opt-in.
+It only works if a worker that is not stepping leaves the cores alone: every
+OpenMP barrier of the step that holds the share waits for a thread that
+anything else running preempts. Sharing was slower under load until the
+prefill worker's loop stopped spinning while its pages waited to be pulled
+(``wait_s`` of the role handlers). Measured on 2 cores, one prefill and one
+decode worker, against the split of one thread each (docs/benchmarks.md):
+saturation 325 -> 401 output tok/s, TPOT at 2 req/s 24.3 -> 19.2 ms, TTFT at
+2 req/s 188 -> 138 ms, one stream's TPOT 12.1 -> 8.8 ms. Hence ``tessera
+up``'s default.
 """
 from __future__ import annotations
 
