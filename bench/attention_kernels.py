@@ -93,10 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=20)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    kernel = load_kernel("paged_attention")
-    if kernel is None:
+    if load_kernel("paged_attention") is None:
         raise SystemExit("no C compiler: the kernels cannot be built")
-    attention = CpuAttention(kernel)
+    attention = CpuAttention()
     if attention._chunk_kernel is None:
         print("this CPU or compiler has no AVX512-BF16: prompt chunks stay on SDPA; skipping the chunk table\n")
     else:

@@ -233,7 +233,6 @@ class ZmqBackend(KVTransferBackend):
                 dealer.close(linger=0)
             router.close(linger=0)
 
-
     def _run_commands(self, state: _SocketState, poller: zmq.Poller) -> None:
         while True:
             try:

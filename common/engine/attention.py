@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from common.engine.kv_cache import KVCache
-from common.engine.native import load_kernel
+from common.engine.native import kernel_function, load_kernel
 
 
 # ---- per-step metadata: set by the model runner, read by every attention layer --------------------
@@ -157,22 +157,22 @@ class TorchAttention:
         return out.squeeze(0).transpose(0, 1)
 
 
+_DECODE_ARGS = ((ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p)
+                + (ctypes.c_int,) * 5 + (ctypes.c_float, ctypes.c_int))
+_CHUNK_ARGS = ((ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p) + (ctypes.c_int64,) * 3
+               + (ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
+               + (ctypes.c_int,) * 4 + (ctypes.c_float,))
+
+
 class CpuAttention(TorchAttention):
+    """Needs kernels/paged_attention.c built (``load_kernel("paged_attention")`` not None)."""
+
     name = "cpu_paged"
 
-    def __init__(self, kernel: ctypes.CDLL) -> None:
-        self._kernel = kernel.tessera_paged_attention
-        self._kernel.restype = ctypes.c_int
-        self._kernel.argtypes = (
-            [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-            + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int]
-        )
-        chunk = kernel.tessera_chunk_attention
-        chunk.restype = ctypes.c_int
-        chunk.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 3
-                          + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-                          + [ctypes.c_int] * 4 + [ctypes.c_float])
+    def __init__(self) -> None:
+        self._kernel = kernel_function("paged_attention", "tessera_paged_attention", _DECODE_ARGS)
+        chunk = kernel_function("paged_attention", "tessera_chunk_attention", _CHUNK_ARGS)
         # bfloat16 chunks take the kernel where it was built with AVX512-BF16 (-3 otherwise: SDPA stays).
         self._chunk_kernel = chunk if chunk(*([None, 0, None, 0, 0, 0, None, 0, None, 0, None]
                                                + [1, 1, 64, 16, 1.0])) == 0 else None
@@ -282,9 +282,8 @@ def select_backend(name: str, device: str, block_size: int):
             return TorchAttention()
         return FlashAttention()
     if name in ("auto", "cpu_paged") and device == "cpu":
-        kernel = load_kernel("paged_attention")
-        if kernel is not None:
-            return CpuAttention(kernel)
+        if load_kernel("paged_attention") is not None:
+            return CpuAttention()
         if name == "cpu_paged":
             raise RuntimeError("attention_backend 'cpu_paged' needs a C compiler (gcc) to build its kernel")
     return TorchAttention()

@@ -18,7 +18,7 @@ from common.engine.native import load_kernel
 
 BLOCK = 16
 KERNEL = load_kernel("paged_attention")
-CPU = CpuAttention(KERNEL) if KERNEL is not None else None
+CPU = CpuAttention() if KERNEL is not None else None
 needs_chunk_kernel = pytest.mark.skipif(CPU is None or CPU._chunk_kernel is None,
                                         reason="the chunk kernel needs a C compiler and a CPU with AVX512-BF16")
 needs_elementwise = pytest.mark.skipif(elementwise_kernel("tessera_rope") is None, reason="no C compiler")

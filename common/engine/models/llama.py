@@ -23,7 +23,7 @@ from torch import nn
 from common.engine.attention import get_step_context
 from common.engine.models.rope import RotaryEmbedding, rotate
 from common.engine.native import gemv_bf16_kernel, kernel_function
-from common.engine.quantization import linear_int8
+from common.engine.quantization import SMALL_BATCH_ROWS, linear_int8
 
 GEMV_MAX_K = 16384  # kernels/gemv_bf16.c's limit on the input width
 
@@ -286,7 +286,6 @@ class LlamaForCausalLM(nn.Module):
 # and the model, its weights and the KV pool are on the CPU in float32,
 # bfloat16 or int8 weights (``common/engine/quantization.py``). Anything else
 # keeps the torch path.
-DECODE_KERNEL_MAX_ROWS = 8  # decode_forward.c's MAX_ROWS
 _WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
@@ -307,7 +306,7 @@ class FusedDecode:
 
     def __init__(self, model, max_rows: int) -> None:
         self.model = model
-        self.max_rows = min(max_rows, DECODE_KERNEL_MAX_ROWS)
+        self.max_rows = min(max_rows, SMALL_BATCH_ROWS)
         self._kernel = decode_forward_kernel() if self.max_rows > 0 else None
         self._layers: torch.Tensor | None = None  # [num_layers, 18] int64 addresses, built on first use
         self._pool_key: tuple | None = None
@@ -328,9 +327,9 @@ class FusedDecode:
                    _address(attn.q_norm.weight if attn.q_norm is not None else None),
                    _address(attn.k_norm.weight if attn.k_norm is not None else None)]
             for name in _LINEARS:
-                linear = layer.get_submodule(name)
-                row += [_address(linear.weight), _address(getattr(linear, "weight_scale", None)),
-                        _address(linear.bias)]
+                module = layer.get_submodule(name)
+                row += [_address(module.weight), _address(getattr(module, "weight_scale", None)),
+                        _address(module.bias)]
             k_cache, v_cache = ctx.kv_cache.layers[i]
             row += [(k_cache.data_ptr() - pool.data_ptr()) // itemsize,
                     (v_cache.data_ptr() - pool.data_ptr()) // itemsize]
