@@ -88,16 +88,17 @@ class DecodeHandler(WorkerBase):
     def _start(self, msg: wire.DecodeRequest) -> None:
         if msg.first_token is None:  # no pages: the prompt is computed here
             seqs = self.intake(msg, "decode", lambda params: self.engine.add_request(
-                msg.request_id, msg.prompt_token_ids, params, seed=msg.seed))
+                msg.request_id, msg.prompt_token_ids, params, seed=msg.seed,
+                output_token_ids=msg.output_token_ids))
             if seqs is not None:
                 for seq in seqs:
                     _set_fairness(seq, msg)
-                self.metrics.prompt_tokens.inc(len(msg.prompt_token_ids))
+                self.metrics.prompt_tokens.inc(len(msg.prompt_token_ids) + len(msg.output_token_ids))
                 self.trace_start(msg.request_id, DECODE_SPAN, msg.trace_context)
             return
         seq = self.intake(msg, "decode", lambda params: self.engine.add_prefilled_request(
             msg.request_id, msg.prompt_token_ids, msg.first_token, params, msg.seed, msg.first_logprob,
-            list(msg.first_top_logprobs or [])))
+            list(msg.first_top_logprobs or []), msg.output_token_ids))
         if seq is None:
             return
         _set_fairness(seq, msg)

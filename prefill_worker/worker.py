@@ -51,7 +51,8 @@ class PrefillHandler(WorkerBase):
 
     def _start(self, msg: wire.PrefillRequest) -> None:
         seqs = self.intake(msg, "prefill", lambda params: self.engine.add_request(
-            msg.request_id, msg.prompt_token_ids, params, seed=msg.seed, prefill_only=True))
+            msg.request_id, msg.prompt_token_ids, params, seed=msg.seed, prefill_only=True,
+            output_token_ids=msg.output_token_ids))
         if seqs is None:
             return
         (seq,) = seqs
@@ -90,13 +91,13 @@ class PrefillHandler(WorkerBase):
         self.metrics.request_done("prefill", "completed")
         self.trace_end(out.request_id, SPAN)
         handoff = o.finish_reason == FinishReason.HANDOFF.value
-        top = o.top_logprobs[0] if o.top_logprobs else None
+        top = o.top_logprobs[-1] if o.top_logprobs else None  # the sampled token is the output's last
         self.send(wire.PrefillDone(
             request_id=out.request_id, worker_id=self.config.worker_id, epoch=self.epoch,
-            first_token=o.token_ids[0], text=o.text_delta, block_ids=list(seq.block_table) if handoff else [],
+            first_token=o.token_ids[-1], text=o.text_delta, block_ids=list(seq.block_table) if handoff else [],
             num_cached_tokens=out.num_cached_tokens,
             finish_reason=None if handoff else o.finish_reason, stop_reason=o.stop_reason,
-            logprob=o.logprobs[0] if o.logprobs else None, top_logprobs=top,
+            logprob=o.logprobs[-1] if o.logprobs else None, top_logprobs=top,
         ))
         if handoff:
             self.leases[out.request_id] = (seq, time.monotonic() + lease_s)

@@ -155,31 +155,53 @@ class LLMEngine:
         params: SamplingParams,
         seed: int | None = None,
         prefill_only: bool = False,
+        output_token_ids: Seq[int] = (),
     ) -> list[Sequence]:
-        """Queue a request. ``prefill_only``: stop after the first token and keep the KV blocks."""
+        """Queue a request. ``prefill_only``: stop after the next token and keep the KV blocks.
+
+        ``output_token_ids``: what it generated before, elsewhere (a request resumed on another worker). Those
+        tokens are computed with the prompt, and generation goes on after them as if it had never stopped: the
+        same penalties, ``max_tokens`` and stop strings, and the seeded RNG at the same position.
+        """
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate_prompt(prompt_ids)
+        self._validate_prompt(prompt_ids, output_token_ids)
         if not prefill_only:
             self._validate_speculative(params)
-        seqs = self._new_sequences(request_id, prompt_ids, params, seed)
+        seqs = self._new_sequences(request_id, prompt_ids, params, seed, output_token_ids)
         for seq in seqs:
             seq.prefill_only = prefill_only
         self.scheduler.add_sequences(seqs)
         return seqs
 
-    def _new_sequences(self, request_id, prompt_ids, params, seed) -> list[Sequence]:
+    def _new_sequences(self, request_id, prompt_ids, params, seed, output_token_ids: Seq[int] = ()) -> list[Sequence]:
         if seed is None:
             seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
+        if output_token_ids and params.n != 1:
+            raise RequestError("a request that continues its output carries one sample (n=1)")
         seqs = [
             Sequence(request_id, prompt_ids, params, seed=(seed + i) & (2**63 - 1), index=i)
             for i in range(params.n)
         ]
         for seq in seqs:
             self.output_processor.start(seq)
+            if output_token_ids:
+                self._continue(seq, output_token_ids)
         self.requests[request_id] = seqs
         return seqs
+
+    @staticmethod
+    def _continue(seq: Sequence, output_token_ids: Seq[int]) -> None:
+        """Give ``seq`` the output the client already has: replayed through the text state (so held-back text and
+        stop strings that span the cut carry on), reported, and with logprob places (the client has the values)."""
+        seq.token_ids.extend(output_token_ids)
+        if seq.params.logprobs is not None:
+            seq.logprobs.extend([0.0] * len(output_token_ids))
+            seq.top_logprobs.extend([] for _ in output_token_ids)
+        seq.text_state.update(output_token_ids)
+        seq.text_state.take_delta()
+        seq.reported_tokens = len(output_token_ids)
 
     def add_prefilled_request(
         self,
@@ -190,9 +212,12 @@ class LLMEngine:
         seed: int,
         first_logprob: float | None = None,
         first_top_logprobs: list[tuple[int, float]] | None = None,
+        output_token_ids: Seq[int] = (),
     ) -> Sequence:
-        """A request whose prompt was computed elsewhere; its KV arrives into ``seq.block_table``.
+        """A request whose KV was computed elsewhere; its pages arrive into ``seq.block_table``.
 
+        ``first_token`` is the token the prefill sampled, after ``output_token_ids`` (what the request generated
+        before, for a resumed one); the pages hold every token before ``first_token``.
         The caller pulls the pages into those blocks and then calls
         ``kv_ready`` (or ``kv_failed``, which recomputes the prompt here).
         When the pool is too full to take the pages, no blocks are given and
@@ -200,18 +225,15 @@ class LLMEngine:
         """
         if params.n != 1:
             raise RequestError("a prefilled request carries one sample (n=1)")
-        self._validate_prompt(prompt_ids)
+        output = [*output_token_ids, first_token]
+        self._validate_prompt(prompt_ids, output)
         self._validate_speculative(params)
-        (seq,) = self._new_sequences(request_id, prompt_ids, params, seed)
-        seq.token_ids.append(first_token)
-        if first_logprob is not None:
-            seq.logprobs.append(first_logprob)
-            seq.top_logprobs.append(first_top_logprobs or [])
         # The first token's text went to the client from the prefill worker;
-        # replay it so held-back text and stop strings carry on seamlessly.
-        seq.text_state.update([first_token])
-        seq.text_state.take_delta()
-        seq.reported_tokens = 1
+        # replaying it carries held-back text and stop strings on seamlessly.
+        (seq,) = self._new_sequences(request_id, prompt_ids, params, seed, output)
+        if seq.logprobs and first_logprob is not None:
+            seq.logprobs[-1] = first_logprob
+            seq.top_logprobs[-1] = list(first_top_logprobs or [])
         self.scheduler.await_remote_kv(seq)
         return seq
 
@@ -226,22 +248,26 @@ class LLMEngine:
         """Free the KV blocks a prefill-only sequence kept after finishing."""
         self.scheduler.release_held(seq)
 
-    def _validate_prompt(self, prompt_ids: list[int]) -> None:
+    def _validate_prompt(self, prompt_ids: list[int], output_token_ids: Seq[int] = ()) -> None:
         if not prompt_ids:
             raise RequestError("the prompt is empty")
-        if len(prompt_ids) >= self.max_model_len:
+        total = len(prompt_ids) + len(output_token_ids)
+        if total >= self.max_model_len:
+            what = f"the prompt has {len(prompt_ids)} tokens" + (
+                f" and {len(output_token_ids)} already generated" if output_token_ids else "")
             raise RequestError(
-                f"the prompt has {len(prompt_ids)} tokens; this model's context limit is "
-                f"{self.max_model_len} tokens, prompt plus at least one generated token"
+                f"{what}; this model's context limit is {self.max_model_len} tokens, prompt plus at least one "
+                "generated token"
             )
-        needed = -(-(len(prompt_ids) + 1) // self.config.block_size)
+        needed = -(-(total + 1) // self.config.block_size)
         if needed > self.block_manager.num_blocks:
             raise RequestError(
-                f"the prompt needs {needed} KV blocks but the pool holds {self.block_manager.num_blocks}"
+                f"the request needs {needed} KV blocks but the pool holds {self.block_manager.num_blocks}"
             )
-        bad = [t for t in prompt_ids if not 0 <= t < self.runner.vocab_size]
+        vocab = self.runner.vocab_size
+        bad = [t for t in (*prompt_ids, *output_token_ids) if not 0 <= t < vocab]
         if bad:
-            raise RequestError(f"token ids out of the vocabulary [0, {self.runner.vocab_size}): {bad[:5]}")
+            raise RequestError(f"token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
 
     def _validate_speculative(self, params: SamplingParams) -> None:
         if params.speculative in (None, "off"):

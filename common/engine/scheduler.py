@@ -298,12 +298,13 @@ class Scheduler:
             self._release(seq)
 
     def await_remote_kv(self, seq: Sequence) -> bool:
-        """A prompt computed elsewhere: give it the blocks its pages are pulled into, and wait for them.
+        """KV computed elsewhere (every token but the last): give it the blocks its pages are pulled into, and
+        wait for them.
 
         False when the pool cannot take them now: the caller recomputes (``remote_kv_failed``) at once.
         The sequence is in no queue while it waits, so no step runs it; a finish (abort) frees its blocks.
         """
-        needed = -(-seq.num_prompt_tokens // self.blocks.block_size)
+        needed = -(-(seq.num_tokens - 1) // self.blocks.block_size)
         if not self.blocks.can_allocate(needed):
             return False
         seq.block_table = self.blocks.allocate(needed)
@@ -312,7 +313,7 @@ class Scheduler:
 
     def remote_kv_arrived(self, seq: Sequence) -> None:
         """Its pages are in its blocks: it decodes from here."""
-        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.num_computed_tokens = seq.num_tokens - 1
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 

@@ -22,7 +22,9 @@ this channel):
   drops the requests it ran for the old proxy, frees their pages, and sends
   its Register again (same id and epoch: the same process rejoins).
 - proxy -> prefill: PrefillRequest; prefill -> proxy: PrefillDone (first
-  token + the pages it holds under a lease).
+  token + the pages it holds under a lease). A resumed request (its worker
+  was lost mid-stream) carries its output so far in both requests: the
+  worker computes it with the prompt and samples the token after it.
 - proxy -> decode: DecodeRequest (pages to pull, or none: prefill locally);
   decode -> proxy: TokenDelta ... (last one has finish_reason), KVPulled.
 - proxy -> prefill: ReleaseKV once the pages are pulled (or abandoned).
@@ -47,7 +49,7 @@ import msgspec
 
 from common.protocol.sampling_params import INT64_MAX, TOKEN_ID_MAX, SamplingParams
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=TOKEN_ID_MAX)]
@@ -153,6 +155,9 @@ class PrefillRequest(_Struct):
     params: SamplingParams
     seed: NonNegInt
     lease_s: Seconds
+    # A resumed request's output so far (its decode worker was lost): computed with the prompt; the token
+    # sampled after it continues the stream.
+    output_token_ids: list[TokenId] = msgspec.field(default_factory=list)
     tenant: str = ""  # who sent it; priority (lane, 0 first) and the tenant's service counter at dispatch
     priority: NonNegInt = 0
     fairness_counter: float = 0.0
@@ -183,6 +188,8 @@ class DecodeRequest(_Struct):
     source_block_ids: list[NonNegInt] = msgspec.field(default_factory=list)
     first_logprob: float | None = None
     first_top_logprobs: TopLogprobs | None = None
+    # A resumed request's output before first_token (without pages: its whole output so far).
+    output_token_ids: list[TokenId] = msgspec.field(default_factory=list)
     tenant: str = ""  # as on PrefillRequest: decode preempts the lowest lane, highest counter first
     priority: NonNegInt = 0
     fairness_counter: float = 0.0
