@@ -4,7 +4,8 @@ Two admission points share the tenants' service counters (``fairness``):
 
     check_room (429 / 503) --enqueue--> QUEUED --admit to prefill--> PREFILLING --ready_for_decode-->
         READY --admit to decode--> DECODING --leave--> gone
-    (``leave`` from any stage: deadline passed, client gone, request failed or finished)
+    (``leave`` from any stage: deadline passed, client gone, request failed or finished;
+     ``requeue`` from a started stage back to QUEUED: its worker was lost and it resumes elsewhere)
 
 The stage is the request's own (``Stage``, on ``SubRequest.stage``); admission keeps only how
 many choices of each tenant are in each stage, and its two queues.
@@ -309,6 +310,18 @@ class AdmissionController:
         if item is not None:
             self._move(item, Stage.PREFILLING, Stage.READY)
             self.decode_queue.push(item)
+
+    def requeue(self, request_id: str, stage: Stage) -> None:
+        """A started choice resumes (its worker was lost, or gave it back): from ``stage`` back to the prefill queue,
+        in its arrival order, so ahead of later ones. Its prompt is not charged again: the loss was not its tenant's."""
+        item = self._items.get(request_id)
+        if item is None:
+            return
+        if stage is Stage.READY:
+            self.decode_queue.remove(item)
+        item.input_tokens = 0
+        self._move(item, stage, Stage.QUEUED)
+        self.prefill_queue.push(item)
 
     def next_admission(self) -> Admit | None:
         """The next choice to start now (a decode slot before a prefill), counted in its new stage; None: none."""

@@ -10,8 +10,8 @@ Request life cycle, as queues and hops (one sub-request per choice):
 
 Everything here runs in the event loop and never awaits a socket: sending
 is ``outbox(worker_id, msg)``, which only queues for the link's sender task.
-A message for a request that is no longer here is answered so nothing leaks
-on the worker: PrefillDone gets ReleaseKV back, a TokenDelta gets Abort,
+A message for a request that is no longer here (or for an earlier attempt of
+one that resumed elsewhere) is answered so nothing leaks on the worker: PrefillDone gets ReleaseKV back, a TokenDelta gets Abort,
 a KVPulled releases the source's pages.
 """
 from __future__ import annotations
@@ -88,12 +88,14 @@ class Cluster:
             self._charge_output(sub, sub.new_tokens)
             sub.new_tokens = 0
         if before is Stage.PREFILLING and sub.stage is not Stage.PREFILLING and sub.prefill_worker is not None:
-            self.policy.prefill_ended(sub.prefill_worker, len(sub.prompt))
+            self.policy.prefill_ended(sub.prefill_worker, sub.prefill_len)
         if sub.done:
             self.inflight.pop(sub.request_id, None)
             self.admission.leave(sub.request_id, before)
         elif before is Stage.PREFILLING and sub.stage is Stage.READY:
             self.admission.ready_for_decode(sub.request_id)
+        elif before is not Stage.QUEUED and sub.stage is Stage.QUEUED:  # resumed: it starts over elsewhere
+            self.admission.requeue(sub.request_id, before)
 
     def check_deadline(self, sub: SubRequest, now: float) -> None:
         before = sub.stage
@@ -171,7 +173,8 @@ class Cluster:
         now = self._clock()
         if now >= sub.deadline:
             return sub.check_deadline(now)
-        route = self.policy.route(sub.prompt, list(self.registry.workers.values()))
+        tokens = sub.tokens
+        route = self.policy.route(tokens, list(self.registry.workers.values()))
         if route is None:
             return sub.reject(self._unavailable("no worker can take the request any more: every decode-capable "
                                                 "worker left or is draining"))
@@ -180,7 +183,7 @@ class Cluster:
         self.admission.prefill_started(admit.key)
         if route.local:
             return sub.prefill_locally()
-        self.policy.prefill_sent(route.worker, sub.prompt)
+        self.policy.prefill_sent(route.worker, tokens)
         return sub.start_prefill(route.worker, counter, now)
 
     def _start_decode(self, sub: SubRequest) -> Sends:
@@ -192,10 +195,11 @@ class Cluster:
         if sub.local and sub.route is not None:
             routed = self.registry.workers.get(sub.route.worker.worker_id)
             decoder = routed if routed is sub.route.worker and not routed.draining else None
-        decoder = decoder or self.policy.pick_decode(sub.prompt, list(self.registry.workers.values()))
+        tokens = sub.tokens
+        decoder = decoder or self.policy.pick_decode(tokens, list(self.registry.workers.values()))
         if decoder is None:
             return sub.reject(self._unavailable("no decode worker is available to continue the request"))
-        self.policy.decode_sent(decoder, sub.prompt, local=sub.local)
+        self.policy.decode_sent(decoder, tokens, local=sub.local)
         return sub.start_decode(decoder, self.admission.counters[sub.tenant], now)
 
     def readiness(self) -> tuple[bool, str]:
@@ -226,9 +230,15 @@ class Cluster:
         if not isinstance(msg, Register):
             self.registry.touch(sender, now)
         request_id = getattr(msg, "request_id", None)
-        sub = self.inflight.get(request_id) if request_id is not None else None
+        sub = self._sub(request_id) if request_id is not None else None
         with request_scope(request_id, sub.tenant if sub is not None else None):
             handler(sender, msg, now)
+
+    def _sub(self, wire_id: str) -> SubRequest | None:
+        """The request a worker's message is about: None when none is in flight under that wire id (a resumed
+        request's earlier attempts are strays, answered as such)."""
+        sub = self.inflight.get(wire_id.partition("~")[0])
+        return sub if sub is not None and sub.wire_id == wire_id else None
 
     def _on_register(self, sender: str, msg: Register, now: float) -> None:
         if sender != msg.worker_id:
@@ -289,7 +299,7 @@ class Cluster:
         return True
 
     def _on_prefill_done(self, sender: str, msg: PrefillDone, now: float) -> None:
-        sub = self.inflight.get(msg.request_id)
+        sub = self._sub(msg.request_id)
         if self._on_request_message(sub, lambda: sub.on_prefill_done(msg, sender, now)):
             return
         if sub is None or sender != sub.kv_holder:
@@ -297,7 +307,7 @@ class Cluster:
             self.send(sender, ReleaseKV(msg.request_id))
 
     def _on_kv_pulled(self, sender: str, msg: KVPulled, now: float) -> None:
-        sub = self.inflight.get(msg.request_id)
+        sub = self._sub(msg.request_id)
         if self._on_request_message(sub, lambda: sub.on_kv_pulled(msg, sender, now)):
             return
         if sub is None and msg.source_worker_id in self.registry.workers:
@@ -305,7 +315,7 @@ class Cluster:
             self.send(msg.source_worker_id, ReleaseKV(msg.request_id))
 
     def _on_token_delta(self, sender: str, msg: TokenDelta, now: float) -> None:
-        sub = self.inflight.get(msg.request_id)
+        sub = self._sub(msg.request_id)
         if self._on_request_message(sub, lambda: sub.on_token_delta(msg, sender, now)):
             return
         if msg.finish_reason is None and (sub is None or sender != sub.decode_worker):
@@ -313,8 +323,8 @@ class Cluster:
             self.send(sender, Abort(msg.request_id))
 
     def _on_request_failed(self, sender: str, msg: RequestFailed, now: float) -> None:
-        sub = self.inflight.get(msg.request_id)
-        if not self._on_request_message(sub, lambda: sub.on_failed(msg, sender)):
+        sub = self._sub(msg.request_id)
+        if not self._on_request_message(sub, lambda: sub.on_failed(msg, sender, now)):
             log.debug("ignoring RequestFailed for unknown request %s from %r", msg.request_id, sender)
 
     # -- worker loss and shutdown ----------------------------------------------------------------
@@ -346,12 +356,13 @@ class Cluster:
             self.cancel(sub, reason, status=503)
 
     def _worker_gone(self, worker: WorkerState, reason: str, expected: bool) -> None:
-        """``worker`` has left the registry: fail its requests and tell the decode side."""
+        """``worker`` has left the registry: its requests resume elsewhere (or fail); tell the decode side."""
         log.log(logging.INFO if expected else logging.WARNING, "worker %r (%s, epoch %d) removed: %s",
                 worker.worker_id, worker.role.value, worker.epoch, reason)
+        now = self._clock()
         for sub in [s for s in self.inflight.values() if s.involves(worker.worker_id)]:
             before = sub.stage
-            self._act(sub, before, sub.on_worker_lost(worker.worker_id, reason))
+            self._act(sub, before, sub.on_worker_lost(worker.worker_id, reason, now))
         self._dispatch()
         self.policy.worker_removed(worker.worker_id)
         if worker.worker_id not in self.registry.workers:

@@ -53,6 +53,9 @@ class ProxyMetrics:
                                              buckets=_TRANSFER_BUCKETS, registry=r)
         self.kv_transfer_failures = Counter("tessera_proxy_kv_transfer_failures", "KV pulls that failed",
                                             registry=r)
+        self.migrations = Counter("tessera_proxy_migrations",
+                                  "Requests resumed on another worker after theirs was lost or gave them back",
+                                  registry=r)
         self.malformed_messages = Counter("tessera_proxy_malformed_messages",
                                           "Worker messages dropped as malformed", registry=r)
         self.tenant_requests = Counter("tessera_proxy_tenant_requests",

@@ -8,6 +8,7 @@ and seed, all writing to the group's event queue. A sub-request's life:
        \\--admitted, route (local)--------------------------^                        |
                                                    TokenDelta(finish) / PrefillDone(finish) --> FINISHED
        RequestFailed / worker lost / timeout / client gone (any live stage) -----------------> FAILED
+       worker lost / gave it back (PREFILLING, READY with pages, DECODING) --resume--> QUEUED
 
 The stage (``proxy.admission.Stage``) lives here alone, in ``SubRequest.stage``.
 
@@ -24,6 +25,15 @@ The stage (``proxy.admission.Stage``) lives here alone, in ``SubRequest.stage``.
 - DECODING: TokenDeltas stream; KVPulled (ok or not) releases the pages on
   the prefill worker. Deadline: ``token_timeout_s`` after the last message
   (``first_token_timeout_s`` until the first token for local prefill).
+- Resume (``_resume``), the one way a request goes on elsewhere: when the
+  worker running it is lost (gone, or silent past ``heartbeat_timeout_s``)
+  or gives it back (a retryable RequestFailed: it drained, or lost its
+  proxy), the request returns to the admission queue with the tokens the
+  client already has (``output_ids``), under a new wire id
+  (``request_id~N``: whatever the old worker still sends is a stray), and
+  is prefilled again with that output, on a prefill worker or on its new
+  decode worker. The client sees only a pause. At most ``max_migrations``
+  times, and only up to ``migration_max_tokens``; past either it fails.
 - Every way out releases what is held: Abort to each live worker involved,
   ReleaseKV to the page holder, ``prefill_ended`` to the policy, and exactly
   one terminal event (a finishing ``TokenEvent`` or a ``FailureEvent``) to
@@ -94,12 +104,17 @@ class SubRequest:
         self.seed = seed
         self.stage = Stage.QUEUED
         self.prefill_worker: str | None = None
+        self.prefill_len = 0  # tokens its running prefill computes
         self.decode_worker: str | None = None
         self.kv_holder: str | None = None  # prefill worker still holding this request's pages
         self._handoff: PrefillDone | None = None  # the prefill's result, while it waits for a decode slot
         self.route: Route | None = None  # chosen once, when admitted to prefill
         self.started = False  # sent to a worker (it left the admission queue)
         self.num_tokens = 0
+        self.output_ids: list[int] = []  # every token the client has: a resumed request carries them
+        self.migrations = 0  # times it resumed elsewhere
+        self.lost: str | None = None  # why it last had to resume
+        self.wire_id = request_id  # its id on the wire: request_id~N from its Nth resume on
         self.new_tokens = 0  # tokens the last handler emitted (the cluster charges the tenant for them)
         self.arrival = now
         self.first_token_at: float | None = None
@@ -118,6 +133,11 @@ class SubRequest:
         """Whether ``worker_id`` holds state of this request (its loss or failure ends it)."""
         return worker_id in self._holders()
 
+    @property
+    def tokens(self) -> list[int]:
+        """What a worker computes to run it: the prompt, and the output so far once it resumed."""
+        return self.prompt + self.output_ids if self.output_ids else self.prompt
+
     def _holders(self) -> set[str]:
         """Workers with something of this request: a running prefill or decode, or pages not yet pulled."""
         holders = set()
@@ -134,6 +154,10 @@ class SubRequest:
     def _begin(self, now: float) -> None:
         """It leaves the admission queue for a worker: the queue's metrics, its trace, the first-token clock."""
         metrics, config = self._metrics, self._config
+        if self.started:  # resumed: counted, charged and traced when it first started
+            self.deadline = now + (config.first_token_timeout_s if self.first_token_at is None
+                                   else config.token_timeout_s)
+            return
         self.started = True
         metrics.queue_depth.inc()
         metrics.in_flight.inc()
@@ -150,8 +174,10 @@ class SubRequest:
         self._begin(now)
         self.stage = Stage.PREFILLING
         self.prefill_worker = worker.worker_id
+        self.prefill_len = len(self.prompt) + len(self.output_ids)
         return [(self.prefill_worker, PrefillRequest(
-            self.request_id, self.prompt, self.params, self.seed, self._config.kv_lease_s, **self._fairness(counter),
+            self.wire_id, self.prompt, self.params, self.seed, self._config.kv_lease_s,
+            output_token_ids=self.output_ids, **self._fairness(counter),
             trace_context=self.trace.enter("proxy.prefill", {"tessera.worker_id": self.prefill_worker})
             if self.trace else None))]
 
@@ -166,7 +192,7 @@ class SubRequest:
 
     def on_prefill_done(self, msg: PrefillDone, sender: str, now: float) -> Sends | None:
         """None: not this request's (a stray); else what to send."""
-        if self.stage is not Stage.PREFILLING or sender != self.prefill_worker:
+        if self.stage is not Stage.PREFILLING or sender != self.prefill_worker or msg.request_id != self.wire_id:
             return None
         self.kv_holder = sender
         top = [msg.top_logprobs] if msg.top_logprobs is not None else None
@@ -185,12 +211,14 @@ class SubRequest:
         msg = self._handoff
         if msg is None:
             self._begin(now)
-            decode = DecodeRequest(self.request_id, self.prompt, self.params, self.seed, **self._fairness(counter))
+            decode = DecodeRequest(self.wire_id, self.prompt, self.params, self.seed,
+                                   output_token_ids=self.output_ids, **self._fairness(counter))
         else:
             decode = DecodeRequest(
-                self.request_id, self.prompt, self.params, self.seed, first_token=msg.first_token,
+                self.wire_id, self.prompt, self.params, self.seed, first_token=msg.first_token,
                 source_worker_id=msg.worker_id, source_block_ids=msg.block_ids, first_logprob=msg.logprob,
-                first_top_logprobs=msg.top_logprobs, **self._fairness(counter))
+                first_top_logprobs=msg.top_logprobs, output_token_ids=self.output_ids[:-1],
+                **self._fairness(counter))
             self.deadline = now + self._config.token_timeout_s
         self.stage = Stage.DECODING
         self.decode_worker = decoder.worker_id
@@ -198,8 +226,11 @@ class SubRequest:
             decode.trace_context = self.trace.enter("proxy.decode", {"tessera.worker_id": decoder.worker_id})
         return [(decoder.worker_id, decode)]
 
+    def _from_decoder(self, msg, sender: str) -> bool:
+        return self.stage is Stage.DECODING and sender == self.decode_worker and msg.request_id == self.wire_id
+
     def on_kv_pulled(self, msg: KVPulled, sender: str, now: float) -> Sends | None:
-        if self.stage is not Stage.DECODING or sender != self.decode_worker:
+        if not self._from_decoder(msg, sender):
             return None
         metrics = self._metrics
         if msg.ok:
@@ -214,7 +245,7 @@ class SubRequest:
         return sends
 
     def on_token_delta(self, msg: TokenDelta, sender: str, now: float) -> Sends | None:
-        if self.stage is not Stage.DECODING or sender != self.decode_worker:
+        if not self._from_decoder(msg, sender):
             return None
         self._emit_tokens(TokenEvent(self.index, msg.text, msg.token_ids, msg.logprobs, msg.top_logprobs,
                                      msg.finish_reason, msg.stop_reason, msg.num_cached_tokens), now)
@@ -223,22 +254,50 @@ class SubRequest:
         self.deadline = now + self._config.token_timeout_s
         return []
 
-    def on_failed(self, msg: RequestFailed, sender: str) -> Sends | None:
-        if not self.involves(sender):
+    def on_failed(self, msg: RequestFailed, sender: str, now: float) -> Sends | None:
+        if not self.involves(sender) or msg.request_id != self.wire_id:
             return None
-        status, code = (503, "worker_unavailable") if msg.retryable else (500, "worker_error")
+        why = f"worker {sender!r} failed the request: {msg.message}"
         if msg.invalid_request:
-            status, code = 400, "invalid_request"
-        return self._fail(ApiError(status, f"worker {sender!r} failed the request: {msg.message}", code=code,
-                                   retry_after_s=self._config.retry_after_s if msg.retryable else None),
-                          gone=sender)
+            return self._fail(ApiError(400, why, code="invalid_request"), gone=sender)
+        if not msg.retryable:
+            return self._fail(ApiError(500, why, code="worker_error"), gone=sender)
+        return self._resume(why, now, gone=sender)
 
-    def on_worker_lost(self, worker_id: str, reason: str) -> Sends:
+    def on_worker_lost(self, worker_id: str, reason: str, now: float) -> Sends:
         if not self.involves(worker_id):
             return []
-        return self._fail(ApiError(503, f"worker {worker_id!r} serving the request is gone: {reason}",
-                                   code="worker_unavailable", retry_after_s=self._config.retry_after_s),
-                          gone=worker_id)
+        if self.stage is Stage.DECODING and worker_id != self.decode_worker:
+            # Only the lender of the pages is gone: the decode worker's pull fails and it computes them itself.
+            self.kv_holder = None
+            return []
+        return self._resume(f"worker {worker_id!r} serving the request is gone: {reason}", now, gone=worker_id)
+
+    def _resume(self, why: str, now: float, gone: str) -> Sends:
+        """Its worker is lost or gave it back: back to admission, to go on elsewhere after the output the client
+        has (or fail, past ``max_migrations`` or ``migration_max_tokens``)."""
+        config = self._config
+        length = len(self.prompt) + len(self.output_ids)
+        if self.migrations >= config.max_migrations:
+            limit = f"it has resumed max_migrations={config.max_migrations} time(s) already"
+        elif length > config.migration_max_tokens:
+            limit = f"its {length} tokens are more than migration_max_tokens={config.migration_max_tokens}"
+        else:
+            limit = None
+        if limit is not None:
+            return self._fail(ApiError(503, f"{why}; {limit}", code="worker_unavailable",
+                                       retry_after_s=config.retry_after_s), gone=gone)
+        sends = self._free(gone)
+        self.migrations += 1
+        self.lost = why
+        self.wire_id = f"{self.request_id}~{self.migrations}"
+        self.stage = Stage.QUEUED
+        self.route = self._handoff = None
+        self.deadline = now + config.queue_timeout_s
+        self._metrics.migrations.inc()
+        log.warning("request %s: %s; resuming elsewhere after %d output token(s) (resume %d of at most %d)",
+                    self.request_id, why, len(self.output_ids), self.migrations, config.max_migrations)
+        return sends
 
     def check_deadline(self, now: float) -> Sends:
         if self.done or now < self.deadline:
@@ -263,16 +322,21 @@ class SubRequest:
                 504, "the request's deadline (X-Request-Timeout) passed while it waited for admission; "
                 "it was dropped without running", code="deadline_exceeded")
         else:
+            what = "to resume after its worker was lost" if self.migrations else "and was dropped without running"
             reason, error = "queue_timeout", ApiError(
                 503, f"the cluster is saturated: the request waited queue_timeout_s={config.queue_timeout_s:g}s "
-                "for admission and was dropped without running", code="queue_timeout",
-                retry_after_s=config.retry_after_s)
+                f"for admission {what}", code="queue_timeout", retry_after_s=config.retry_after_s)
         self._metrics.tenant_rejections.labels(self.tenant, reason).inc()
         return self._fail(error)
 
     def reject(self, error: ApiError) -> Sends:
-        """Admission could not start it (no worker left to route to): fail it unstarted."""
-        return [] if self.done else self._fail(error)
+        """Admission could not start it (no worker left to route to): fail it unstarted, or un-resumed."""
+        if self.done:
+            return []
+        if self.lost is not None:
+            error = ApiError(error.status, f"{self.lost}; it cannot resume: {error.message}", code=error.code,
+                             retry_after_s=error.retry_after_s)
+        return self._fail(error)
 
     def cancel(self, reason: str, status: int = 499) -> Sends:
         """The client is gone (499) or the proxy is closing (503): free everything on the workers."""
@@ -291,6 +355,7 @@ class SubRequest:
                 for _ in event.token_ids:
                     metrics.itl.observe(gap)
             self.num_tokens += len(event.token_ids)
+            self.output_ids += event.token_ids
             self._generation_tokens.inc(len(event.token_ids))
             self.last_token_at = now
         self._sink.put_nowait(event)
@@ -317,12 +382,8 @@ class SubRequest:
         started = self.started
         if self.first_token_at is None and started:
             self._metrics.queue_depth.dec()
-        holders = self._holders() - {gone}
+        sends = self._free(gone)
         self.stage = Stage.FAILED
-        sends: Sends = [(worker_id, Abort(self.request_id)) for worker_id in sorted(holders)]
-        if self.kv_holder == gone:
-            self.kv_holder = None
-        sends += self._release_kv()
         if error.status != 499:
             log.warning("request %s failed: %s", self.request_id, error.message)
         self._metrics.tenant_requests.labels(self.tenant, self._config.served_model_name,
@@ -334,9 +395,16 @@ class SubRequest:
         self._sink.put_nowait(FailureEvent(self.index, error))
         return sends
 
+    def _free(self, gone: str | None) -> Sends:
+        """Abort it on every live worker holding part of it (not ``gone``), and release its pages."""
+        sends: Sends = [(worker_id, Abort(self.wire_id)) for worker_id in sorted(self._holders() - {gone})]
+        if self.kv_holder == gone:
+            self.kv_holder = None
+        return sends + self._release_kv()
+
     def _release_kv(self) -> Sends:
         holder, self.kv_holder = self.kv_holder, None
-        return [] if holder is None else [(holder, ReleaseKV(self.request_id))]
+        return [] if holder is None else [(holder, ReleaseKV(self.wire_id))]
 
 
 class RequestGroup:

@@ -15,6 +15,7 @@ context, so a test drives it from outside:
 - decode / both: DecodeRequest -> KVPulled when it names pages, then one
   TokenDelta per remaining token every ``token_interval_s``; the last has
   finish_reason "length" when max_tokens ran out, else "stop". Abort stops it.
+- A resumed request (``output_token_ids``) continues the script after its output so far.
 - With logprobs asked for, token i gets logprob ``-(i + 1) / 10`` and k
   alternatives ``[token + j, logprob - j]``.
 - ``stall=True`` records requests and never answers (for timeouts and
@@ -153,19 +154,21 @@ class FakeWorker:
             self._decode(msg)
 
     def _prefill(self, msg: PrefillRequest) -> None:
-        token, text = self.script[0]
-        logprob, top = self._logprobs(msg.params, 0, token)
-        done = msg.params.max_tokens <= 1 or len(self.script) == 1
+        position = len(msg.output_token_ids)  # a resumed request goes on with the script where it stopped
+        token, text = self.script[position]
+        logprob, top = self._logprobs(msg.params, position, token)
+        done = msg.params.max_tokens <= position + 1 or len(self.script) == position + 1
         self.held_pages.add(msg.request_id)
-        blocks = list(range(-(-len(msg.prompt_token_ids) // self.register_msg.kv_layout.block_size)))
+        num_tokens = len(msg.prompt_token_ids) + position
+        blocks = list(range(-(-num_tokens // self.register_msg.kv_layout.block_size)))
         self.send(PrefillDone(msg.request_id, self.worker_id, self.epoch, token, text, blocks, 0,
-                              finish_reason=self._finish_reason(msg.params, 1) if done else None,
+                              finish_reason=self._finish_reason(msg.params, position + 1) if done else None,
                               logprob=logprob, top_logprobs=top))
 
     def _decode(self, msg: DecodeRequest) -> None:
-        start = 0
+        start = len(msg.output_token_ids)
         if msg.first_token is not None:
-            start = 1
+            start += 1
             self.send(KVPulled(msg.request_id, msg.source_worker_id or "", True,
                                num_bytes=4096 * len(msg.source_block_ids), seconds=0.002))
         end = min(len(self.script), msg.params.max_tokens)

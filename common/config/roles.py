@@ -80,6 +80,12 @@ class ProxyConfig:
     kv_lease_s: Float = option(30.0, "prefill pages not pulled within this are freed", gt=0)
     first_token_timeout_s: Float = option(120.0, "longest wait for a request's first token before 504", gt=0)
     token_timeout_s: Float = option(60.0, "longest gap between two messages of a running request before 504", gt=0)
+    max_migrations: Int = option(
+        3, "times one request may resume on another worker after its worker was lost or gave it back (0: never)",
+        ge=0)
+    migration_max_tokens: Int = option(
+        32768, "longest request (prompt plus output so far, in tokens) that resumes elsewhere; a longer one fails",
+        ge=0)
     max_prompt_bytes: Int = option(
         4 << 20, "largest request body in bytes; a larger one gets 413 before it is read whole", gt=0)
     max_tokens_default: Int = option(256, "max_tokens of a request that gives none", gt=0)

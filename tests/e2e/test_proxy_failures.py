@@ -59,29 +59,38 @@ def test_a_silent_decode_worker_times_out_the_stream(make_proxy, make_worker):
     prefill.wait_for(lambda m: isinstance(m, ReleaseKV))
 
 
-def test_a_restarted_worker_replaces_its_old_epoch_and_fails_its_requests(make_proxy, make_worker):
+def test_a_restarted_worker_replaces_its_old_epoch_and_its_requests_resume(make_proxy, make_worker):
     proxy = make_proxy()
     old = make_worker(proxy, "p0", "prefill", stall=True, epoch=1)
     make_worker(proxy, "d0", "decode")
     old.heartbeats = False
     threading.Timer(0.3, lambda: make_worker(proxy, "p0", "prefill", epoch=2)).start()
-    r = proxy.http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})
-    assert_openai_error(r, 503, "re-registered with epoch 2")
     body = proxy.http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 50}).json()
-    assert body["choices"][0]["text"] == SCRIPT_TEXT  # served by the new epoch over the handed-over identity
+    assert body["choices"][0]["text"] == SCRIPT_TEXT  # resumed on the new epoch over the handed-over identity
+    assert not [m for m in old.messages(PrefillRequest) if m.request_id.endswith("~1")]
 
 
-def test_worker_loss_before_any_token_is_a_503(make_proxy, make_worker):
-    proxy = make_proxy()
+def test_worker_loss_before_any_token_without_migrations_is_a_503(make_proxy, make_worker):
+    proxy = make_proxy(max_migrations=0)
     prefill = make_worker(proxy, "p0", "prefill", stall=True)
     make_worker(proxy, "d0", "decode")
     threading.Timer(0.3, prefill.stop).start()
     r = proxy.http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})
-    assert_openai_error(r, 503, "p0")
+    assert_openai_error(r, 503, "p0", "max_migrations=0")
     assert r.headers["retry-after"] == "3"
 
 
-def test_worker_loss_mid_stream_is_an_error_event(make_proxy, make_worker):
+def test_worker_loss_before_any_token_resumes_on_the_decode_worker(make_proxy, make_worker):
+    proxy = make_proxy()
+    prefill = make_worker(proxy, "p0", "prefill", stall=True)
+    decode = make_worker(proxy, "d0", "decode")
+    threading.Timer(0.3, prefill.stop).start()
+    body = proxy.http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 50}).json()
+    assert body["choices"][0]["text"] == SCRIPT_TEXT
+    assert decode.messages(DecodeRequest)[0].first_token is None  # no prefill worker left: prefilled there
+
+
+def test_worker_loss_mid_stream_with_no_worker_left_is_an_error_event(make_proxy, make_worker):
     proxy = make_proxy()
     prefill = make_worker(proxy, "p0", "prefill")
     decode = make_worker(proxy, "d0", "decode", stall=True)
