@@ -3,7 +3,8 @@
 Each role runs as its own process, exactly as on separate hosts, started with
 ``python -m common.cli.main proxy|prefill|decode|both`` and ``--set``
 overrides. Workers are stopped before the proxy, so that they can hand back
-their requests to a live proxy.
+their requests to a live proxy. ``Supervisor`` restarts the processes that
+exit on their own, with backoff (``tessera up`` and the fault-injection tests).
 """
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ class LocalCluster:
 
     def start_worker(self, role: str, index: int) -> str:
         name = f"{role}-{index}"
-        self.metrics_ports[name] = free_port()
+        self.metrics_ports.setdefault(name, free_port())  # a restarted worker keeps its port
         cores = os.cpu_count() or 1
         shared = not self.threads and self.share_cores and self.num_workers > 1
         threads = self.threads or (cores if shared else max(1, cores // max(1, self.num_workers)))
@@ -132,6 +133,15 @@ class LocalCluster:
         )
         if log is not None:
             log.close()  # the child holds its own descriptor
+
+    def restart(self, name: str) -> None:
+        """Start process ``name`` (``proxy`` or ``ROLE-INDEX``) again after it exited."""
+        self.procs.pop(name, None)
+        if name == "proxy":
+            self.start_proxy()
+        else:
+            role, _, index = name.rpartition("-")
+            self.start_worker(role, int(index))
 
     def worker_url(self, name: str) -> str:
         """Where worker ``name`` serves /metrics, /healthz and /readyz."""
@@ -192,6 +202,44 @@ class LocalCluster:
         self.procs.clear()
         self.core_share_file.unlink(missing_ok=True)
         return codes
+
+
+@dataclass
+class Supervisor:
+    """Restarts the processes of ``cluster`` that exit on their own, each after a backoff of its own.
+
+    The first restart of a process waits ``backoff_s``, each next one twice as long, up to
+    ``max_backoff_s``; a process that then runs ``stable_s`` without exiting starts over at ``backoff_s``.
+    A restarted worker registers under a new epoch, and a restarted proxy is rejoined by the workers.
+    ``check`` is called from the owner's loop; it returns a line for each thing it did.
+    """
+    cluster: LocalCluster
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    stable_s: float = 60.0
+    restarts: dict[str, int] = field(default_factory=dict)
+    _delay: dict[str, float] = field(default_factory=dict)
+    _due: dict[str, float] = field(default_factory=dict)
+    _started: dict[str, float] = field(default_factory=dict)
+
+    def check(self, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        lines = []
+        for name, code in self.cluster.dead().items():
+            if name not in self._due:
+                ran = now - self._started.get(name, float("-inf"))
+                delay = self.backoff_s if ran >= self.stable_s else min(
+                    self._delay.get(name, self.backoff_s / 2) * 2, self.max_backoff_s)
+                self._delay[name] = delay
+                self._due[name] = now + delay
+                lines.append(f"{name} exited with code {code}; restarting it in {delay:g}s")
+            elif now >= self._due[name]:
+                del self._due[name]
+                self.cluster.restart(name)
+                self._started[name] = now
+                self.restarts[name] = self.restarts.get(name, 0) + 1
+                lines.append(f"{name} restarted (restart {self.restarts[name]})")
+        return lines
 
 
 def post_json(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:

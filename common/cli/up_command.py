@@ -6,8 +6,9 @@ runs torch threads on all the cores, and the workers take turns one engine
 step at a time (``common/runtime/core_share.py``), so that no core idles
 while one role has nothing to do. ``--no-share-cores`` splits the cores
 between the workers instead (on 2 cores: one thread each), which was slower
-in every column of docs/benchmarks.md. Ctrl-C (or SIGTERM) drains and stops
-every process.
+in every column of docs/benchmarks.md. A process that exits on its own is
+restarted with backoff (``Supervisor``) while the rest keep serving; only
+Ctrl-C (or SIGTERM) drains and stops every process.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import signal
 import sys
 import time
 
-from common.cli.local_cluster import LocalCluster
+from common.cli.local_cluster import LocalCluster, Supervisor
 from common.cli.options import configure_logging, dtype_option
 
 READY_TIMEOUT_S = 600
@@ -75,11 +76,11 @@ def _run(args: argparse.Namespace) -> int:
         if stopping:
             return 0
         _print_banner(cluster)
+        supervisor = Supervisor(cluster)
         while not stopping:
-            if dead := cluster.dead():
-                print(f"tessera up: {', '.join(dead)} exited; stopping the cluster", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
+            for line in supervisor.check():
+                print(f"tessera up: {line}", file=sys.stderr, flush=True)
+            time.sleep(0.2)
         return 0
     finally:
         cluster.stop(STOP_TIMEOUT_S)
