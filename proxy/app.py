@@ -64,7 +64,7 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
     metrics = ProxyMetrics()
     cluster = Cluster(config, policy or PrefixAwareRouting(config.local_prefill_threshold), metrics)
     link = WorkerLink(config.worker_bind, cluster.on_frames, send_timeout_s=config.heartbeat_timeout_s,
-                      curve=proxy_curve(config))
+                      curve=proxy_curve(config), on_disconnect=cluster.on_disconnect)
     cluster.attach(link.send)
     services = Services(config, tokenizer, TokenText(tokenizer), metrics, cluster, link, int(time.time()))
 

@@ -329,6 +329,15 @@ class Cluster:
 
     # -- worker loss and shutdown ----------------------------------------------------------------
 
+    def on_disconnect(self, identity: bytes) -> None:
+        """A worker's connection closed (its process exited, or its host went away): gone now, not after
+        ``heartbeat_timeout_s``."""
+        worker = self.registry.disconnected(identity.decode(errors="replace"))
+        if worker is not None:
+            self.metrics.disconnects.labels(worker.worker_id).inc()
+            self._worker_gone(worker, "its connection closed (the process exited or its host is unreachable)",
+                              expected=False)
+
     def expire_workers(self) -> None:
         for worker in self.registry.expire(self._clock()):
             self.metrics.heartbeats_missed.labels(worker.worker_id).inc()

@@ -68,6 +68,8 @@ class ProxyMetrics:
         self.queue_time = Histogram("tessera_proxy_queue_time_seconds",
                                     "Arrival until the choice is sent to a worker", buckets=_LATENCY_BUCKETS,
                                     registry=r)
+        self.disconnects = Counter("tessera_proxy_worker_disconnects",
+                                   "Workers dropped because their connection closed", ["worker_id"], registry=r)
         self.heartbeats_missed = Counter("tessera_proxy_heartbeats_missed",
                                          "Workers dropped for missing heartbeats (heartbeat_timeout_s)",
                                          ["worker_id"], registry=r)

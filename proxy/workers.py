@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from common.config.base import EngineConfig
 from common.protocol.wire import (
@@ -190,6 +191,10 @@ class WorkerRegistry:
             return None
         return self.workers.pop(msg.worker_id)
 
+    def disconnected(self, worker_id: str) -> WorkerState | None:
+        """The worker's connection closed: it is gone (a live one that reconnects is asked to register again)."""
+        return self.workers.pop(worker_id, None)
+
     def expire(self, now: float) -> list[WorkerState]:
         dead = [w for w in self.workers.values() if now - w.last_seen > self.heartbeat_timeout_s]
         for worker in dead:
@@ -224,11 +229,13 @@ class WorkerRegistry:
         return min((w.max_model_len for w in self.workers.values()), default=None)
 
     def readiness(self) -> tuple[bool, str]:
+        """Ready when a request can be served: a decode-capable worker that is not draining, as ``route`` needs.
+        Without a prefill worker every prompt is prefilled on the decode side (slower, but served)."""
         active = [w for w in self.workers.values() if not w.draining]
-        if not any(w.prefill_capable for w in active):
-            return False, "no prefill-capable worker (role prefill or both) is registered"
         if not any(w.decode_capable for w in active):
-            return False, "no decode-capable worker (role decode or both) is registered"
+            return False, "no decode-capable worker (role decode or both) is registered and not draining"
+        if not any(w.serves_prefill for w in active):
+            return True, f"{len(active)} worker(s) ready; no prefill worker, so prompts are prefilled on the decode side"
         return True, f"{len(active)} worker(s) ready"
 
     def count_by_role(self) -> dict[str, int]:
@@ -256,9 +263,25 @@ class WorkerRegistry:
 
 
 class WorkerLink:
+    """The proxy's ROUTER: frames in to ``on_frames``, messages out from an outbox, and a worker's closed
+    connection to ``on_disconnect`` at once.
+
+    A killed process's TCP connection closes, and ZeroMQ's socket monitor reports the closed descriptor
+    (``EVENT_DISCONNECTED``); each message's source descriptor (``SRCFD``) says which worker spoke on
+    it. The monitor is read before each batch of messages (ZeroMQ's I/O thread queues a connection's
+    events before anything sent on it), and a close is acted on once the messages queued with it are
+    handled, so a Goodbye sent before the close still counts as one. A descriptor number reused by a
+    new connection (``EVENT_ACCEPTED`` since) that the same worker spoke on is left to the heartbeat
+    timeout, as is a worker alive but hung: it keeps its connection.
+    """
+
     def __init__(self, bind: str, on_frames: Callable[[bytes, list[bytes]], None], send_timeout_s: float,
-                 curve: CurveServer | None = None) -> None:
+                 curve: CurveServer | None = None, on_disconnect: Callable[[bytes], None] | None = None) -> None:
         self._bind = bind
+        self._on_disconnect = on_disconnect
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._fd_identity: dict[int, bytes] = {}  # a connection's descriptor -> the worker that sent on it
+        self._identity_fd: dict[bytes, int] = {}  # a worker -> the descriptor it sent on last
         self._curve = curve
         self._authenticator = None
         self._on_frames = on_frames
@@ -292,6 +315,7 @@ class WorkerLink:
             self._context.term()
             raise RuntimeError(f"cannot bind worker_bind={self._bind!r}: {exc}") from exc
         self._socket = sock
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info("listening for workers on %s", self.endpoint)
         self._tasks = [asyncio.create_task(self._receive(sock), name="worker-link-receive"),
@@ -305,6 +329,8 @@ class WorkerLink:
         if self._socket is not None:
             while not self._outbox.empty():
                 await self._send_one(self._socket, *self._outbox.get_nowait())
+            self._socket.disable_monitor()
+            self._monitor.close(linger=0)
             self._socket.close()
             self._socket = None
         self._stop_authenticator()
@@ -318,12 +344,61 @@ class WorkerLink:
             self._authenticator = None
 
     async def _receive(self, sock: zmq.asyncio.Socket) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        closed: list[tuple[bytes, int]] = []  # (worker, descriptor) whose connection closed, to act on
+        reaccepted: set[int] = set()  # descriptors accepted again since
+        spoke: set[bytes] = set()  # workers that sent something since
         while True:
-            frames = await sock.recv_multipart()
+            await poller.poll()
+            await self._read_monitor(closed, reaccepted)
+            drained = await self._read_messages(sock, spoke if closed else None)
+            if closed and drained:  # the closed connections' last words (a Goodbye) are handled by now
+                for identity, fd in closed:
+                    if self._identity_fd.get(identity) != fd or (fd in reaccepted and identity in spoke):
+                        continue  # it spoke on another connection since, or maybe on a new one under that number
+                    del self._identity_fd[identity]
+                    self._fd_identity.pop(fd, None)
+                    try:
+                        self._on_disconnect(identity)
+                    except Exception:
+                        log.exception("error handling the disconnection of worker %r", identity)
+                closed.clear()
+                reaccepted.clear()
+                spoke.clear()
+
+    async def _read_messages(self, sock: zmq.asyncio.Socket, spoke: set[bytes] | None) -> bool:
+        """Hand a batch of queued messages on; True when none is left."""
+        for _ in range(256):
             try:
-                self._on_frames(frames[0], frames[1:])
+                frames = await sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return True
+            identity = frames[0].bytes
+            fd = frames[-1].get(zmq.SRCFD)
+            if self._identity_fd.get(identity) != fd:
+                self._identity_fd[identity] = fd
+                self._fd_identity[fd] = identity
+            if spoke is not None:
+                spoke.add(identity)
+            try:
+                self._on_frames(identity, [f.bytes for f in frames[1:]])
             except Exception:  # a bug handling one message must not stop the link
-                log.exception("error handling a message from worker %r", frames[0])
+                log.exception("error handling a message from worker %r", identity)
+        return False
+
+    async def _read_monitor(self, closed: list[tuple[bytes, int]], reaccepted: set[int]) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(await self._monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            fd = event["value"]
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                reaccepted.add(fd)
+            elif (identity := self._fd_identity.get(fd)) is not None and self._on_disconnect is not None:
+                closed.append((identity, fd))
 
     async def _send_loop(self, sock: zmq.asyncio.Socket) -> None:
         while True:

@@ -277,6 +277,9 @@ class WorkerMetrics:
         self.heartbeats_sent = Counter("tessera_worker_heartbeats_sent", "Heartbeats sent to the proxy", registry=r)
         self.malformed_messages = Counter("tessera_worker_malformed_messages",
                                           "Messages from the proxy dropped as malformed", registry=r)
+        self.internal_errors = Counter("tessera_worker_internal_errors",
+                                       "Failures handling a message or running a turn (the worker went on)",
+                                       registry=r)
         r.register(_SnapshotCollector(self.status))
 
     def request_done(self, stage: str, outcome: str) -> None:

@@ -1,34 +1,30 @@
-"""What every worker process shares: its I/O thread, registration, heartbeats, drain, and the
-base of the role handlers (``WorkerBase``: the engine, the KV transfer agent, one intake and one
-failure path). A worker's identity is ``(worker_id, epoch)``; the epoch is its start time, so a
-restarted worker under the same id is recognisably a new process.
+"""What every worker process shares: its I/O thread, registration, heartbeats, drain, and the base of
+the role handlers (``WorkerBase``: the engine, the KV transfer agent, one intake and one failure path).
+A worker's identity is ``(worker_id, epoch)``; the epoch is its start time (renewed when it registers
+again), so a restarted worker under the same id is recognisably a new process.
 
-Sockets live only in the I/O thread. It connects a DEALER (identity = worker
-id; with curve_* keys, a CURVE client that pins the proxy's public key) to
-the proxy, registers, heartbeats with the latest load snapshot, and moves
-messages between the socket and two queues. The compute loop (the
-main thread, ``serve``) never touches a socket: each turn it takes inbound
-messages, lets the role's handler act on them, steps the engine, and queues
-what the handler wants sent.
+Sockets live only in the I/O thread. It connects a DEALER (identity = worker id; with curve_* keys, a
+CURVE client that pins the proxy's public key) to the proxy, registers, heartbeats with the latest load
+snapshot, and moves messages between the socket and two queues. The compute loop (the main thread,
+``serve``) never touches a socket: each turn it takes inbound messages, lets the role's handler act on
+them, steps the engine, and queues what the handler wants sent. A failure handling a message ends that
+message's request with an error; a failed engine turn gives every request back to the proxy (retryable:
+they resume elsewhere). Neither stops the worker.
 
-SIGTERM or SIGINT starts a drain: the next heartbeat says ``draining`` so the
-proxy routes nothing new here, running requests get ``drain_timeout_s`` to
-finish, then whatever is left is failed back to the proxy (retryable), KV
-held for others is released, a Goodbye is sent and the sockets closed.
-Under systemd (``Type=notify``) a worker reports READY=1 once its model is
-loaded and the proxy acknowledged its registration, STOPPING=1 when it drains.
-The signal handler only appends to a list (no lock: a threading.Event's
-lock, taken again by a second signal that interrupts the first handler,
-deadlocked); the loop looks at it once per turn, at most ``idle_poll_s`` apart.
-Further signals change nothing: the drain runs its course.
+SIGTERM or SIGINT starts a drain: the next heartbeat says ``draining`` so the proxy routes nothing new
+here, running requests get ``drain_timeout_s`` to finish, then whatever is left is failed back to the
+proxy (retryable), KV held for others is released, a Goodbye is sent and the sockets closed. Under
+systemd (``Type=notify``) a worker reports READY=1 once its model is loaded and the proxy acknowledged
+its registration, STOPPING=1 when it drains. The signal handler only appends to a list (a
+threading.Event's lock, taken again by a second signal interrupting the first handler, deadlocked); the
+loop looks at it once per turn, at most ``idle_poll_s`` apart. Further signals change nothing.
 
-A proxy that does not know this worker (it restarted, or it expired the
-worker) answers its heartbeats with Reregister. The I/O thread stops
-heartbeating and hands the message to the compute loop, which fails every
-request it holds (their client is gone with the old proxy: aborted, their
-pages and prefill leases freed) and only then lets the I/O thread send the
-Register again, so nothing of the old proxy's runs once the new one routes
-work here. A proxy that refuses that Register stops the worker.
+A proxy that does not know this worker (it restarted, or it expired the worker) answers its heartbeats
+with Reregister. The I/O thread stops heartbeating and hands the message to the compute loop, which
+fails every request it holds (the proxy resumed them elsewhere, or their client is gone with the old
+proxy: aborted, their pages and prefill leases freed) and only then lets the I/O thread send the
+Register again, under a new epoch, so nothing of the old epoch's runs once the proxy routes work here
+again. A proxy that refuses that Register stops the worker.
 """
 
 from __future__ import annotations
@@ -39,8 +35,7 @@ import signal
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable
 
 import zmq
 
@@ -53,34 +48,10 @@ from common.runtime.core_share import CoreShare
 from common.runtime.health_server import HealthServer
 from common.runtime.telemetry import WorkerMetrics, request_scope
 from common.runtime.tracing import make_tracing
+from common.runtime.worker_contracts import KVTransfer, Load, RoleHandler
 from common.runtime.zmq_security import Waker, apply_curve_client, worker_curve
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Load:
-    free_blocks: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    outstanding_prefill_tokens: int = 0
-
-
-class RoleHandler(Protocol):
-    """A role's behaviour; ``serve`` calls these from the compute loop only."""
-
-    draining: bool
-    metrics: WorkerMetrics
-
-    def bind(self, send: Callable[[object], None]) -> None: ...  # where outbound messages go
-    def registration(self) -> wire.Register: ...
-    def handle(self, msg) -> None: ...
-    def tick(self) -> None: ...  # one turn of work: poll transfers, step the engine, emit results
-    def busy(self) -> bool: ...  # holds requests: draining waits for it to be False
-    def wait_s(self, idle_s: float) -> float: ...  # how long the loop may wait for a message: 0 with compute to do
-    def load(self) -> Load: ...
-    def fail_all(self, reason: str) -> None: ...  # drain deadline passed or proxy lost: drop everything, free its KV
-    def publish_metrics(self) -> None: ...  # after each turn: the numbers /metrics and /healthz read
 
 
 class WorkerIO:
@@ -244,7 +215,7 @@ def serve(config: WorkerConfig, handler: RoleHandler) -> None:
             if not _take_messages(io, handler, handler.wait_s(config.idle_poll_s)):
                 log.error("worker I/O stopped; exiting")
                 break
-            handler.tick()
+            _turn(handler)
             io.load = handler.load()
             handler.metrics.status.registered = io.registered.is_set()
             handler.publish_metrics()
@@ -269,11 +240,33 @@ def _take_messages(io: WorkerIO, handler: RoleHandler, wait_s: float) -> bool:
             _rejoin(io, handler, msg)
         else:
             with request_scope(getattr(msg, "request_id", None), getattr(msg, "tenant", None)):
-                handler.handle(msg)
+                _handle(handler, msg)
         try:
             msg = io.inbox.get_nowait()
         except queue.Empty:
             return True
+
+
+def _turn(handler: RoleHandler) -> None:
+    """One turn of work; a failure (a bug, or an input no check foresaw) gives every request back to the proxy,
+    which resumes them elsewhere, and the worker goes on serving."""
+    try:
+        handler.tick()
+    except Exception as exc:
+        log.exception("a turn of the engine failed; giving every request back to the proxy")
+        handler.metrics.internal_errors.inc()
+        handler.fail_all(f"the worker hit an internal error ({type(exc).__name__}: {exc})")
+
+
+def _handle(handler: RoleHandler, msg) -> None:
+    """One message; a failure handling it ends its request with an error, and the worker goes on serving."""
+    try:
+        handler.handle(msg)
+    except Exception as exc:
+        log.exception("handling %s failed", type(msg).__name__)
+        handler.metrics.internal_errors.inc()
+        if (request_id := getattr(msg, "request_id", None)) is not None:
+            handler.contain(request_id, f"the worker failed on this request ({type(exc).__name__}: {exc})")
 
 
 def _rejoin(io: WorkerIO, handler: RoleHandler, msg: wire.Reregister) -> None:
@@ -282,15 +275,9 @@ def _rejoin(io: WorkerIO, handler: RoleHandler, msg: wire.Reregister) -> None:
                 msg.reason)
     handler.metrics.status.registered = False
     handler.fail_all("the proxy that sent this request lost this worker")
+    handler.epoch = time.time_ns()  # a new epoch: whatever the proxy still gets from the old one is stale
+    io.registration = handler.registration()
     io.rejoin()
-
-
-class KVTransfer(Protocol):
-    """What a worker needs of its KV transfer backend here (``kv_transfer.base`` has the full contract)."""
-    name: str
-
-    def register_pool(self, kv_cache) -> bytes: ...
-    def close(self) -> None: ...
 
 
 class WorkerBase:
@@ -385,6 +372,12 @@ class WorkerBase:
         self.metrics.request_done(stage, "failed")
         self.trace_end(request_id, span, reason)
         self.refuse(request_id, reason, retryable=True)
+
+    def contain(self, request_id: str, reason: str) -> None:
+        """Its message made this worker fail: the request ends with an error (not retried: it may do it again)."""
+        self.engine.abort_request(request_id)
+        self.metrics.request_done(self.role, "failed")
+        self.refuse(request_id, reason, retryable=False)
 
     def refuse(self, request_id: str, message: str, retryable: bool, invalid_request: bool = False) -> None:
         self.send(wire.RequestFailed(request_id, self.config.worker_id, message, retryable, invalid_request))

@@ -156,10 +156,10 @@ def test_short_prompts_skip_the_prefill_worker(make_proxy, make_worker):
 
 def test_readyz_follows_the_workers(make_proxy, make_worker):
     proxy = make_proxy()
-    assert_openai_error(proxy.http.get("/readyz"), 503, "prefill")
+    assert_openai_error(proxy.http.get("/readyz"), 503, "decode-capable")
     assert proxy.http.get("/healthz").status_code == 200
     prefill = make_worker(proxy, "p0", "prefill")
-    assert_openai_error(proxy.http.get("/readyz"), 503, "decode")
+    assert_openai_error(proxy.http.get("/readyz"), 503, "decode-capable")
     decode = make_worker(proxy, "d0", "decode")
     assert proxy.http.get("/readyz").status_code == 200
     peers = decode.wait_for(lambda m: isinstance(m, Peers))
@@ -168,8 +168,18 @@ def test_readyz_follows_the_workers(make_proxy, make_worker):
     wait_until(lambda: proxy.http.get("/readyz").status_code == 503, what="goodbye to take effect")
     make_worker(proxy, "d1", "decode")
     assert proxy.http.get("/readyz").status_code == 200
-    prefill.heartbeats = False
-    wait_until(lambda: proxy.http.get("/readyz").status_code == 503, what="the heartbeat timeout")
+    prefill.stop()
+    wait_until(lambda: "prefilled on the decode side" in proxy.http.get("/readyz").text, what="p0 to leave")
+
+
+def test_a_decode_only_cluster_is_ready_and_serves_by_local_prefill(make_proxy, make_worker):
+    proxy = make_proxy()
+    decode = make_worker(proxy, "d0", "decode")
+    ready = proxy.http.get("/readyz")
+    assert ready.status_code == 200 and "no prefill worker" in ready.text
+    body = proxy.http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 50}).json()
+    assert body["choices"][0]["text"] == SCRIPT_TEXT
+    assert decode.messages(DecodeRequest)[0].first_token is None  # prefilled there
 
 
 def test_decode_workers_hear_of_prefill_changes(make_proxy, make_worker):

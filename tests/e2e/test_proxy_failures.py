@@ -154,3 +154,32 @@ def test_non_streaming_client_disconnect_aborts_the_prefill(make_proxy, make_wor
         httpx.post(f"{proxy.url}/v1/completions", json={"model": MODEL, "prompt": "Hi"}, timeout=1.0)
     prefill.wait_for(lambda m: isinstance(m, Abort))
     wait_until(lambda: not proxy.services.cluster.inflight, what="the request to leave")
+
+
+# -- failure detection ----------------------------------------------------------------------------
+
+
+def test_a_closed_connection_removes_the_worker_at_once_not_after_the_heartbeat_timeout(make_proxy, make_worker):
+    proxy = make_proxy(heartbeat_timeout_s=120.0)
+    make_worker(proxy, "p0", "prefill")
+    decode = make_worker(proxy, "d0", "decode")
+    cluster = proxy.services.cluster
+    wait_until(lambda: "d0" in cluster.registry.workers, what="d0 to register")
+    decode.stop(goodbye=False)  # its socket closes, as a killed process's does
+    wait_until(lambda: "d0" not in cluster.registry.workers, timeout=10, what="d0 to be removed")
+    assert 'tessera_proxy_worker_disconnects_total{worker_id="d0"} 1.0' in proxy.http.get("/metrics").text
+
+
+def test_a_restarted_worker_on_a_reused_connection_stays_registered(make_proxy, make_worker):
+    proxy = make_proxy(heartbeat_timeout_s=120.0)
+    make_worker(proxy, "p0", "prefill")
+    cluster = proxy.services.cluster
+    worker = make_worker(proxy, "d0", "decode", epoch=1)
+    for epoch in range(2, 7):  # each restart may get the closed connection's descriptor number
+        worker.stop(goodbye=False)
+        worker = make_worker(proxy, "d0", "decode", epoch=epoch)
+        wait_until(lambda: getattr(cluster.registry.workers.get("d0"), "epoch", None) == epoch, what="d0")
+        time.sleep(0.3)  # the old connection's close has been seen by now
+        assert cluster.registry.workers["d0"].epoch == epoch
+        body = proxy.http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 50}).json()
+        assert body["choices"][0]["text"] == SCRIPT_TEXT

@@ -1,0 +1,46 @@
+"""The contracts between a worker's loop (``common.runtime.worker_runtime``), its role handler and its
+KV transfer backend: what ``serve`` calls on a role, the load a role reports for the heartbeat, and
+what a worker needs of a backend."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from common.protocol import wire
+from common.runtime.telemetry import WorkerMetrics
+
+
+@dataclass
+class Load:
+    """A role's load, sent with each heartbeat (the proxy routes by it)."""
+    free_blocks: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    outstanding_prefill_tokens: int = 0
+
+
+class RoleHandler(Protocol):
+    """A role's behaviour; ``serve`` calls these from the compute loop only."""
+
+    draining: bool
+    epoch: int  # this process's registration: its start time, renewed when it registers again
+    metrics: WorkerMetrics
+
+    def bind(self, send: Callable[[object], None]) -> None: ...  # where outbound messages go
+    def registration(self) -> wire.Register: ...
+    def handle(self, msg) -> None: ...
+    def tick(self) -> None: ...  # one turn of work: poll transfers, step the engine, emit results
+    def busy(self) -> bool: ...  # holds requests: draining waits for it to be False
+    def wait_s(self, idle_s: float) -> float: ...  # how long the loop may wait for a message: 0 with compute to do
+    def load(self) -> Load: ...
+    def fail_all(self, reason: str) -> None: ...  # drain deadline passed or proxy lost: drop everything, free its KV
+    def contain(self, request_id: str, reason: str) -> None: ...  # its message made the handler fail: end it
+    def publish_metrics(self) -> None: ...  # after each turn: the numbers /metrics and /healthz read
+
+
+class KVTransfer(Protocol):
+    """What a worker needs of its KV transfer backend here (``kv_transfer.base`` has the full contract)."""
+    name: str
+
+    def register_pool(self, kv_cache) -> bytes: ...
+    def close(self) -> None: ...

@@ -1,0 +1,72 @@
+"""No request can take a worker down: a failure is contained to the request that caused it.
+
+A real decode handler (tiny model, in-process transfer backend) driven through the loop's own
+functions: a message whose handling raises ends that request with a non-retryable error, and an
+engine turn that raises gives the running requests back to the proxy (retryable: it resumes them
+elsewhere). Either way the worker frees their pages and serves the next request.
+"""
+import pytest
+
+from common.config.base import EngineConfig
+from common.config.roles import WorkerConfig
+from common.protocol import wire
+from common.protocol.sampling_params import SamplingParams
+from common.runtime.worker_runtime import _handle, _turn
+from decode_worker.worker import DecodeHandler
+from tests.fake_transfer import FakeBackend
+
+
+@pytest.fixture
+def decode(tiny_chat_model_dir):
+    engine = EngineConfig(model=str(tiny_chat_model_dir), num_kv_blocks=64, block_size=16)
+    config = WorkerConfig(role="decode", worker_id="decode-0", engine=engine, metrics_port=0)
+    handler = DecodeHandler(config, FakeBackend())
+    sent = []
+    handler.bind(sent.append)
+    yield handler, sent
+    handler.transfer.close()
+
+
+def request(request_id: str) -> wire.DecodeRequest:
+    return wire.DecodeRequest(request_id, [1, 2, 3, 4, 5], SamplingParams(temperature=0.0, max_tokens=4), seed=1)
+
+
+def run(handler, sent, request_id: str) -> list:
+    _handle(handler, request(request_id))
+    while handler.busy():
+        _turn(handler)
+    return [m for m in sent if getattr(m, "request_id", None) == request_id]
+
+
+def test_a_message_that_makes_the_handler_fail_ends_only_its_request(decode, monkeypatch):
+    handler, sent = decode
+    original = handler.engine.add_request
+
+    def explode(*args, **kwargs):
+        raise RuntimeError("an input no check foresaw")
+
+    monkeypatch.setattr(handler.engine, "add_request", explode)
+    (failed,) = run(handler, sent, "bad")
+    assert isinstance(failed, wire.RequestFailed) and not failed.retryable and "no check foresaw" in failed.message
+    monkeypatch.setattr(handler.engine, "add_request", original)
+    replies = run(handler, sent, "good")
+    assert replies[-1].finish_reason == "length" and sum(len(m.token_ids) for m in replies) == 4
+    assert handler.metrics.internal_errors._value.get() == 1
+    assert handler.engine.block_manager.num_used_blocks == 0
+
+
+def test_a_failed_engine_turn_gives_its_requests_back_and_the_worker_goes_on(decode, monkeypatch):
+    handler, sent = decode
+    _handle(handler, request("victim"))
+    original = handler.engine.runner.execute
+
+    def explode(plan):
+        raise RuntimeError("kernel fault")
+
+    monkeypatch.setattr(handler.engine.runner, "execute", explode)
+    _turn(handler)
+    (failed,) = [m for m in sent if isinstance(m, wire.RequestFailed)]
+    assert failed.request_id == "victim" and failed.retryable and "kernel fault" in failed.message
+    assert not handler.busy() and handler.engine.block_manager.num_used_blocks == 0
+    monkeypatch.setattr(handler.engine.runner, "execute", original)
+    assert run(handler, sent, "next")[-1].finish_reason == "length"
