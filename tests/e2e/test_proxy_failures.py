@@ -20,6 +20,10 @@ def test_error_bodies(make_proxy, make_worker):
     assert error["param"] == "temperature"
     assert_openai_error(post("/v1/completions", json={"model": MODEL}), 422, "prompt")
     assert_openai_error(post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "n": 0}), 422, "n")
+    for field in ("top_k", "seed", "max_tokens", "n"):  # out of their wire type: refused here, never sent on
+        error = assert_openai_error(post("/v1/completions", json={"model": MODEL, "prompt": "Hi", field: 2 ** 63}),
+                                    422)
+        assert error["param"] == field
     assert_openai_error(post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "echo": True}), 422, "echo")
     assert_openai_error(post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}),
                         422)
