@@ -84,10 +84,6 @@ class WorkerState:
         return self.role is Role.PREFILL
 
     @property
-    def prefill_capable(self) -> bool:
-        return self.role in (Role.PREFILL, Role.BOTH)
-
-    @property
     def decode_capable(self) -> bool:
         return self.role in (Role.DECODE, Role.BOTH)
 
