@@ -4,8 +4,7 @@ Two admission points share the tenants' service counters (``fairness``):
 
     check_room (429 / 503) --enqueue--> QUEUED --admit to prefill--> PREFILLING --ready_for_decode-->
         READY --admit to decode--> DECODING --leave--> gone
-    (``leave`` from any stage: deadline passed, client gone, request failed or finished;
-     ``requeue`` from a started stage back to QUEUED: its worker was lost and it resumes elsewhere)
+    (``leave`` from any stage: it ended; ``requeue`` from a started one: it resumes elsewhere)
 
 The stage is the request's own (``Stage``, on ``SubRequest.stage``); admission keeps only how
 many choices of each tenant are in each stage, and its two queues.
@@ -24,44 +23,36 @@ many choices of each tenant are in each stage, and its two queues.
   ready choice of the tenant with the smallest counter (or first, for fcfs)
   gets it. It holds the slot until it leaves.
 
-A tenant is backlogged while it has a choice queued, prefilling or ready
-(not yet decoding); as it becomes backlogged its counter is lifted
-(``BacklogLift``), so a tenant between two requests of a closed loop keeps
-its place while one that was idle banks no credit.
+A tenant is backlogged while it has a choice queued, prefilling or ready (not yet decoding); as it
+becomes backlogged its counter is lifted (``BacklogLift``), so a tenant between two requests of a closed
+loop keeps its place while one that was idle banks no credit.
 
-Because a tenant's prefills run ahead of its decode slots only by a few, a
-light tenant's request is prefilled (and gets its first token) at once even
-while a heavy tenant keeps every decode slot busy, and it takes the next
-free decode slot. The owner may fail to start an admitted choice (a
-deadline passed while waiting, no worker left); the choice then leaves.
+Because a tenant's prefills run ahead of its decode slots only by a few, a light tenant's request is
+prefilled (and gets its first token) at once even while a heavy tenant keeps every decode slot busy, and
+it takes the next free decode slot. The owner may fail to start an admitted choice (a deadline passed
+while waiting, no worker left); the choice then leaves.
 
 ``check_room``: a tenant over ``max_concurrent`` (choices anywhere here) or
 ``max_queued`` (choices waiting) gets 429, a full queue
 (``max_queued_requests``) 503, both with Retry-After.
 
-Admission decides and its owner acts: ``next_admission`` returns the next
-choice to start now (an ``Admit``), already moved to its new state; it
-calls nothing back. The owner (``proxy.cluster``) starts it and asks again
-until it returns None, after each enqueue and whenever capacity may have
-freed (a choice left or became ready, a worker registered). One at a time,
-so that a started prefill's charge counts before the next choice is made.
-Everything runs in the event loop.
+Admission decides and its owner acts: ``next_admission`` returns the next choice to start now (an
+``Admit``), already moved to its new state; it calls nothing back. The owner (``proxy.cluster``) starts
+it and asks again until it returns None, after each enqueue and whenever capacity may have freed (a
+choice left or became ready, a worker registered). One at a time, so that a started prefill's charge
+counts before the next choice is made. Everything runs in the event loop.
 
-The order (``fairness_policy``) is one of three queues behind one interface:
-``fcfs`` (arrival order), ``priority`` (lane p0 before p1 before p2, arrival
-order within a lane) and ``vtc`` (lanes as above; within a lane, the oldest
-request of the backlogged tenant with the smallest virtual token counter:
-the Virtual Token Counter of Sheng et al., "Fairness in Serving Large
-Language Models", OSDI 2024). ``ServiceCounters`` keep every tenant's
-counter under every policy (the workers get it for preemption, and the
-benchmark compares policies on the same numbers): ``input_weight`` per
-prompt token plus ``output_weight`` per generated token, over the tenant's
-weight. ``BacklogLift`` lifts a tenant that becomes backlogged again to the
-smallest counter of its lane's backlogged tenants (or, when none is, to the
-counter of the lane's tenant that stopped being backlogged last), so that
-idle time banks no credit. A queue's hooks: ``push``, ``pop_next(eligible)``
-(the next request of a tenant for which ``eligible`` holds), ``remove``.
-"""
+The order (``fairness_policy``) is one of three queues behind one interface: ``fcfs`` (arrival order),
+``priority`` (lane p0 before p1 before p2, arrival order within a lane) and ``vtc`` (lanes as above;
+within a lane, the oldest request of the backlogged tenant with the smallest virtual token counter: the
+Virtual Token Counter of Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024).
+``ServiceCounters`` keep every tenant's counter under every policy (the workers get it for preemption,
+and the benchmark compares policies on the same numbers): ``input_weight`` per prompt token plus
+``output_weight`` per generated token, over the tenant's weight. ``BacklogLift`` lifts a tenant that
+becomes backlogged again to the smallest counter of its lane's backlogged tenants (or, when none is, to
+the counter of the lane's tenant that stopped being backlogged last), so that idle time banks no credit.
+A queue's hooks: ``push``, ``pop_next(eligible)`` (the next request of a tenant for which ``eligible``
+holds), ``remove``. """
 
 from __future__ import annotations
 
@@ -312,8 +303,8 @@ class AdmissionController:
             self.decode_queue.push(item)
 
     def requeue(self, request_id: str, stage: Stage) -> None:
-        """A started choice resumes (its worker was lost, or gave it back): from ``stage`` back to the prefill queue,
-        in its arrival order, so ahead of later ones. Its prompt is not charged again: the loss was not its tenant's."""
+        """A started choice resumes elsewhere: from ``stage`` back to the prefill queue in its arrival order (ahead
+        of later ones), not charged its prompt again (the loss was not its tenant's)."""
         item = self._items.get(request_id)
         if item is None:
             return

@@ -4,9 +4,9 @@
 and sends whatever the outcome says. ``WorkerLink`` (at the end) owns the
 proxy's one socket.
 
-- ``register`` validates a Register. The first accepted worker fixes the
-  cluster's model (name + version) and KV layout; a worker that differs is
-  refused with a reason naming both values. The identity is kept while at
+- ``register`` validates a Register (``proxy.registration``). The first
+  accepted worker fixes the cluster's model (name + version) and KV layout;
+  a worker that differs is refused with a reason naming both values. The identity is kept while at
   least one worker is registered, so replacing the whole fleet with a new
   model version needs no proxy restart. A Register with the same id and a
   newer epoch replaces the old entry (the caller fails its requests); an
@@ -55,6 +55,7 @@ from common.protocol.wire import (
     Goodbye, Heartbeat, KVLayoutInfo, PeerInfo, Peers, Register, RegisterAck, Role, encode,
 )
 from common.runtime.zmq_security import CurveServer, apply_curve_server, start_authenticator
+from proxy.registration import ClusterModel, refusal
 
 log = logging.getLogger("tessera.proxy")
 
@@ -95,14 +96,6 @@ class WorkerState:
         return PeerInfo(self.worker_id, self.epoch, self.transfer_backend, self.transfer_metadata)
 
 
-@dataclass(frozen=True)
-class ClusterModel:
-    """What every worker must agree on."""
-    model: str
-    model_version: str
-    kv_layout: KVLayoutInfo
-
-
 @dataclass
 class Registration:
     """What a Register led to; the cluster acts on it."""
@@ -123,26 +116,12 @@ class WorkerRegistry:
         return self._identity(exclude=None)
 
     def register(self, msg: Register, now: float) -> Registration:
-        def refuse(reason: str) -> Registration:
+        old = self.workers.get(msg.worker_id)
+        reason = refusal(msg, old.epoch if old is not None else None, self._identity(exclude=msg.worker_id))
+        if reason:
             log.warning("refused worker %r: %s", msg.worker_id, reason)
             return Registration(RegisterAck(msg.worker_id, False, reason))
-
-        try:
-            role = Role(msg.role)
-        except ValueError:
-            return refuse(f"unknown role {msg.role!r}; one of {[r.value for r in Role]}")
-        if not msg.worker_id:
-            return refuse("empty worker_id")
-        if msg.num_blocks < 1 or msg.max_model_len < 2 or msg.kv_layout.block_size < 1:
-            return refuse(f"num_blocks={msg.num_blocks}, max_model_len={msg.max_model_len} and "
-                          f"kv_layout.block_size={msg.kv_layout.block_size} must be positive")
-        old = self.workers.get(msg.worker_id)
-        if old is not None and msg.epoch < old.epoch:
-            return refuse(f"stale epoch {msg.epoch}: epoch {old.epoch} of this worker is registered")
-        mismatch = self._mismatch(msg, self._identity(exclude=msg.worker_id))
-        if mismatch:
-            return refuse(mismatch)
-
+        role = Role(msg.role)
         worker = WorkerState(
             msg.worker_id, role, msg.epoch, msg.model, msg.model_version, msg.kv_layout, msg.num_blocks,
             msg.max_model_len, msg.transfer_backend, msg.transfer_metadata, last_seen=now,
@@ -245,17 +224,6 @@ class WorkerRegistry:
             if worker.worker_id != exclude:
                 return ClusterModel(worker.model, worker.model_version, worker.kv_layout)
         return None
-
-    @staticmethod
-    def _mismatch(msg: Register, cluster: ClusterModel | None) -> str:
-        if cluster is None:
-            return ""
-        if (msg.model, msg.model_version) != (cluster.model, cluster.model_version):
-            return (f"model {msg.model!r} version {msg.model_version!r} differs from the cluster's "
-                    f"model {cluster.model!r} version {cluster.model_version!r}")
-        if msg.kv_layout != cluster.kv_layout:
-            return f"KV layout {msg.kv_layout} differs from the cluster's {cluster.kv_layout}"
-        return ""
 
 
 class WorkerLink:
