@@ -12,7 +12,7 @@ from common.protocol.wire import RequestFailed, TokenDelta
 
 
 def stream(proxy, **extra):
-    """Open a streamed completion with usage; returns (response context, line iterator)."""
+    """A streamed completion with usage, as a response context."""
     request = {"model": MODEL, "prompt": "Hi", "stream": True, "max_tokens": 50,
                "stream_options": {"include_usage": True}, **extra}
     return proxy.http.stream("POST", "/v1/completions", json=request)
@@ -34,49 +34,48 @@ def collect(lines) -> tuple[str, dict | None, list[dict]]:
     return text, usage, errors
 
 
-def start_and_wait_tokens(proxy, decode, r, count: int):
-    """Read the first ``count`` text events; returns (their text, the line iterator)."""
-    lines = r.iter_lines()
-    text = ""
-    while count:
-        line = next(lines)
-        if line.startswith("data: ") and line != "data: [DONE]":
-            text += "".join(c.get("text") or "" for c in json.loads(line[6:]).get("choices", []))
-            count -= 1
-    return text, lines
+def lose_the_decode_worker(make_proxy, make_worker, after: int, goodbye: bool = True, replace: bool = True,
+                           **proxy_options) -> tuple[str, str, dict | None, list[dict], dict]:
+    """Prefill worker p0 and decode worker d0 serve one stream; after ``after`` text events d1 joins
+    (``replace``) and d0 stops (``goodbye=False``: silent, as if killed). Returns (the text before the loss,
+    the rest, usage, error events, the proxy and workers by name)."""
+    proxy = make_proxy(**proxy_options)
+    workers = {"proxy": proxy, "p0": make_worker(proxy, "p0", "prefill"),
+               "d0": make_worker(proxy, "d0", "decode", token_interval_s=0.05)}
+    with stream(proxy) as r:
+        lines = r.iter_lines()
+        before = ""
+        while after:
+            line = next(lines)
+            if line.startswith("data: ") and line != "data: [DONE]":
+                before += "".join(c.get("text") or "" for c in json.loads(line[6:]).get("choices", []))
+                after -= 1
+        if replace:
+            workers["d1"] = make_worker(proxy, "d1", "decode")
+        workers["d0"].stop(goodbye=goodbye)
+        rest, usage, errors = collect(lines)
+    return before, rest, usage, errors, workers
 
 
 def test_a_lost_decode_worker_hands_its_stream_to_another(make_proxy, make_worker, script):
-    proxy = make_proxy(heartbeat_timeout_s=0.5)
-    prefill = make_worker(proxy, "p0", "prefill")
-    first = make_worker(proxy, "d0", "decode", token_interval_s=0.05)
-    with stream(proxy) as r:
-        head, lines = start_and_wait_tokens(proxy, first, r, 4)
-        second = make_worker(proxy, "d1", "decode")
-        first.stop(goodbye=False)  # as if killed: it just goes silent
-        rest, usage, errors = collect(lines)
-    assert not errors and head + rest == SCRIPT_TEXT
+    before, rest, usage, errors, workers = lose_the_decode_worker(make_proxy, make_worker, 4, goodbye=False,
+                                                                  heartbeat_timeout_s=0.5)
+    assert not errors and before + rest == SCRIPT_TEXT
     assert usage["completion_tokens"] == len(script)
-    resumed = prefill.messages(PrefillRequest)[-1]
+    resumed = workers["p0"].messages(PrefillRequest)[-1]
     assert resumed.request_id.endswith("~1") and resumed.output_token_ids
-    decode = second.wait_for(lambda m: isinstance(m, DecodeRequest))
+    decode = workers["d1"].wait_for(lambda m: isinstance(m, DecodeRequest))
     assert decode.request_id == resumed.request_id
     assert decode.output_token_ids == resumed.output_token_ids  # then first_token, sampled by the prefill
     assert [t for t, _ in script[:len(resumed.output_token_ids)]] == resumed.output_token_ids
+    proxy = workers["proxy"]
     assert "tessera_proxy_migrations_total 1.0" in proxy.http.get("/metrics").text
     wait_until(lambda: not proxy.services.cluster.inflight, what="the request to leave")
 
 
 def test_a_decode_worker_that_says_goodbye_hands_over_at_once(make_proxy, make_worker, script):
-    proxy = make_proxy()
-    make_worker(proxy, "p0", "prefill")
-    first = make_worker(proxy, "d0", "decode", token_interval_s=0.05)
-    with stream(proxy) as r:
-        head, lines = start_and_wait_tokens(proxy, first, r, 3)
-        make_worker(proxy, "d1", "decode")
-        first.stop(goodbye=True)
-        rest, usage, errors = collect(lines)
-    assert not errors and head + rest == SCRIPT_TEXT and usage["completion_tokens"] == len(script)
+    before, rest, usage, errors, _ = lose_the_decode_worker(make_proxy, make_worker, 3)
+    assert not errors and before + rest == SCRIPT_TEXT and usage["completion_tokens"] == len(script)
 
 
 def test_a_request_given_back_resumes_and_the_old_attempt_is_a_stray(make_proxy, make_worker, script):
@@ -99,25 +98,12 @@ def test_a_request_given_back_resumes_and_the_old_attempt_is_a_stray(make_proxy,
 
 
 def test_without_migrations_a_lost_stream_ends_with_an_error_event(make_proxy, make_worker):
-    proxy = make_proxy(max_migrations=0)
-    make_worker(proxy, "p0", "prefill")
-    first = make_worker(proxy, "d0", "decode", token_interval_s=0.05)
-    with stream(proxy) as r:
-        _, lines = start_and_wait_tokens(proxy, first, r, 2)
-        make_worker(proxy, "d1", "decode")
-        first.stop(goodbye=True)
-        _, _, errors = collect(lines)
+    _, _, _, errors, _ = lose_the_decode_worker(make_proxy, make_worker, 2, max_migrations=0)
     assert len(errors) == 1 and "max_migrations=0" in errors[0]["message"] and "d0" in errors[0]["message"]
 
 
 def test_a_request_longer_than_migration_max_tokens_fails_instead(make_proxy, make_worker):
-    proxy = make_proxy(migration_max_tokens=2)
-    make_worker(proxy, "p0", "prefill")
-    first = make_worker(proxy, "d0", "decode", token_interval_s=0.05)
-    with stream(proxy) as r:
-        _, lines = start_and_wait_tokens(proxy, first, r, 3)
-        first.stop(goodbye=True)
-        _, _, errors = collect(lines)
+    _, _, _, errors, _ = lose_the_decode_worker(make_proxy, make_worker, 3, replace=False, migration_max_tokens=2)
     assert len(errors) == 1 and "migration_max_tokens=2" in errors[0]["message"]
 
 
@@ -138,11 +124,5 @@ def test_a_lost_prefill_worker_resumes_the_prefill_elsewhere(make_proxy, make_wo
 
 
 def test_nothing_left_to_resume_on_is_an_error_event_naming_the_loss(make_proxy, make_worker):
-    proxy = make_proxy()
-    make_worker(proxy, "p0", "prefill")
-    first = make_worker(proxy, "d0", "decode", token_interval_s=0.05)
-    with stream(proxy) as r:
-        _, lines = start_and_wait_tokens(proxy, first, r, 2)
-        first.stop(goodbye=True)
-        _, _, errors = collect(lines)
+    _, _, _, errors, _ = lose_the_decode_worker(make_proxy, make_worker, 2, replace=False)
     assert len(errors) == 1 and "d0" in errors[0]["message"], errors
