@@ -7,7 +7,8 @@ server's event loop; at shutdown it cancels whatever is still in flight
 (Abort to the workers), then closes the socket and its context.
 
 Endpoints here: /v1/models, /tokenize, /detokenize, /healthz, /readyz,
-/version, /metrics. The generation endpoints live in ``openai_api``.
+/version, /metrics. The generation endpoints live in ``openai_api``, the
+reconnection to a resumable stream in ``resumable``.
 """
 from __future__ import annotations
 
@@ -25,16 +26,16 @@ from common.config.roles import ProxyConfig
 from common.text.tokenizer import Tokenizer
 from common.protocol.wire import PROTOCOL_VERSION
 from common.runtime.zmq_security import proxy_curve
-from proxy import openai_api, openapi
+from proxy import openai_api, openapi, resumable
 from proxy.cluster import Cluster
 from proxy.errors import ApiError, install_error_handlers
 from proxy.listener import BodyDeadline
 from proxy.metrics import CONTENT_TYPE, ProxyMetrics
-from proxy.openai_api import read_model
 from proxy.openapi import DetokenizeResponse, TokenizeResponse, error_responses, request_body
 from proxy.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, check_token_ids,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, check_token_ids, read_model,
 )
+from proxy.resumable import StreamStore
 from proxy.routing import PrefixAwareRouting, RoutingPolicy
 from proxy.token_text import TokenText
 from proxy.workers import WorkerLink
@@ -55,6 +56,7 @@ class Services:
     metrics: ProxyMetrics
     cluster: Cluster
     link: WorkerLink
+    streams: StreamStore
     started_at: int
 
 
@@ -66,7 +68,8 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
     link = WorkerLink(config.worker_bind, cluster.on_frames, send_timeout_s=config.heartbeat_timeout_s,
                       curve=proxy_curve(config), on_disconnect=cluster.on_disconnect)
     cluster.attach(link.send)
-    services = Services(config, tokenizer, TokenText(tokenizer), metrics, cluster, link, int(time.time()))
+    services = Services(config, tokenizer, TokenText(tokenizer), metrics, cluster, link,
+                        StreamStore(config, metrics), int(time.time()))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -77,6 +80,7 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
         finally:
             watchdog.cancel()
             cluster.cancel_all("the proxy is shutting down")
+            await services.streams.close()
             await link.close()
 
     app = FastAPI(title="Tessera proxy", version=_tessera_version(), lifespan=lifespan)
@@ -84,6 +88,7 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
     install_error_handlers(app)
     app.add_middleware(BodyDeadline, timeout_s=config.request_body_timeout_s)
     app.include_router(openai_api.router)
+    app.include_router(resumable.router)
     _add_service_routes(app, services)
     openapi.install(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     return app

@@ -81,6 +81,12 @@ class ProxyMetrics:
         self.tenant_rejections = Counter("tessera_proxy_tenant_rejections",
                                          "Requests refused or dropped by admission control, by tenant and limit",
                                          ["tenant", "reason"], registry=r)
+        self.resumable_streams = Counter("tessera_proxy_resumable_streams",
+                                         "Streamed responses that a client may resume (X-Resumable)", registry=r)
+        self.resumed_streams = Counter("tessera_proxy_resumed_streams",
+                                       "Reconnections to a resumable stream (GET /v1/streams/{id})", registry=r)
+        self.resume_buffer_bytes = Gauge("tessera_proxy_resume_buffer_bytes",
+                                         "Bytes of events kept for resumable streams", registry=r)
 
     def set_worker_kv(self, worker_id: str, num_blocks: int, free_blocks: int) -> None:
         self.kv_pages_free.labels(worker_id).set(free_blocks)

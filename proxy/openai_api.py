@@ -16,8 +16,11 @@ A request's way through this module:
 
 A ``DisconnectWatcher`` runs from submission to the last byte; a client that
 leaves cancels the group, which aborts the work on every worker involved.
+A resumable stream (``X-Resumable``, or the tenant's ``resumable_streams``)
+is handed to ``proxy.resumable`` once its first event is in: its events are
+numbered and buffered, and a client that leaves can come back.
 
-The body is read here, not by FastAPI: ``read_model`` refuses one over
+The body is read by ``proxy.protocol.read_model``, not by FastAPI: it refuses one over
 ``max_prompt_bytes`` with 413 before reading it whole (Content-Length first,
 then the running count for chunked uploads), then validates it against the
 request model, 422 naming the field. ``proxy.openapi`` declares the models
@@ -40,17 +43,16 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
 
 from proxy.auth import tenant_from_body, tenant_from_header
-from proxy.errors import ApiError, from_validation_error
+from proxy.errors import ApiError
 from proxy.openapi import ChatCompletionResponse, CompletionResponse, error_responses, request_body
-from proxy.protocol import ChatCompletionRequest, CompletionRequest
+from proxy.protocol import ChatCompletionRequest, CompletionRequest, read_model
 from proxy.requests import Event, FailureEvent, RequestGroup, TokenEvent
+from proxy.resumable import RESUMABLE_HEADER, wants_resume
 from proxy.tenants import Tenant
 from proxy.token_text import TokenText, chat_logprobs, completion_logprobs
 
@@ -216,6 +218,9 @@ async def _serve(request: Request, request_model, format_cls, endpoint: str) -> 
         if tenant is None:
             tenant = (tenant_from_body(config, services.cluster.tenants, body.user) if config.tenant_from_user_field
                       else services.cluster.tenants.default)
+        resume_header = request.headers.get(RESUMABLE_HEADER)
+        resumable = body.stream and (tenant.resumable if resume_header is None
+                                     else wants_resume(resume_header, tenant.resumable))
         generation, group = await _admit(services, body, format_cls, tenant, timeout_s)
     except ApiError as error:
         metrics.requests.labels(endpoint, str(error.status)).inc()
@@ -228,6 +233,13 @@ async def _serve(request: Request, request_model, format_cls, endpoint: str) -> 
     try:
         if body.stream:
             first = await anext(events)
+            if not isinstance(first, FailureEvent) and resumable:
+                streaming = True
+                watcher.stop()  # from here, a client that leaves only detaches from the stream
+                return services.streams.start(
+                    request, generation.response_id, tenant.name,
+                    lambda stream: _produce(generation, group, first, events, stream, metrics, endpoint),
+                    group.cancel)
             if not isinstance(first, FailureEvent):
                 streaming = True
                 return StreamingResponse(_stream(generation, group, first, events, watcher, metrics, endpoint),
@@ -310,60 +322,51 @@ async def _collect(gen: _Generation, events: AsyncIterator[Event]) -> tuple[Resp
     return JSONResponse(body), "200"
 
 
+async def _sse(gen: _Generation, group: RequestGroup, first: Event, events: AsyncIterator[Event],
+               status: list[str]) -> AsyncIterator[str]:
+    """The response's server-sent events; ``status[0]`` becomes ``stream_error`` if a choice fails."""
+    prelude = gen.fmt.stream_prelude(len(gen.choices))
+    if prelude:
+        yield gen.chunk(prelude)
+    event: Event | None = first
+    while event is not None and not isinstance(event, FailureEvent):
+        state = gen.choices[event.index]
+        choice = gen.fmt.chunk_choice(state, event)
+        state.add(event, gen.fmt.logprob_text)
+        if choice is not None:
+            yield gen.chunk([choice])
+        event = await anext(events, None)
+    if isinstance(event, FailureEvent):
+        status[0] = "stream_error"
+        group.cancel("another choice failed")
+        yield f"data: {json.dumps(event.error.body())}\n\n"
+    elif gen.include_usage:
+        yield gen.chunk([], usage(gen.prompts, gen.choices))
+    yield "data: [DONE]\n\n"
+
+
 async def _stream(gen: _Generation, group: RequestGroup, first: Event, events: AsyncIterator[Event],
                   watcher: DisconnectWatcher, metrics, endpoint: str) -> AsyncIterator[str]:
-    status = "200"
+    status = ["200"]
     try:
-        prelude = gen.fmt.stream_prelude(len(gen.choices))
-        if prelude:
-            yield gen.chunk(prelude)
-        event: Event | None = first
-        while event is not None and not isinstance(event, FailureEvent):
-            state = gen.choices[event.index]
-            choice = gen.fmt.chunk_choice(state, event)
-            state.add(event, gen.fmt.logprob_text)
-            if choice is not None:
-                yield gen.chunk([choice])
-            event = await anext(events, None)
-        if isinstance(event, FailureEvent):
-            status = "stream_error"
-            group.cancel("another choice failed")
-            yield f"data: {json.dumps(event.error.body())}\n\n"
-        elif gen.include_usage:
-            yield gen.chunk([], usage(gen.prompts, gen.choices))
-        yield "data: [DONE]\n\n"
+        async for chunk in _sse(gen, group, first, events, status):
+            yield chunk
     finally:
         watcher.stop()
         group.cancel("the response stream closed")  # a no-op unless the client left early
-        metrics.requests.labels(endpoint, "client_closed" if watcher.disconnected else status).inc()
+        metrics.requests.labels(endpoint, "client_closed" if watcher.disconnected else status[0]).inc()
 
 
-M = TypeVar("M", bound=BaseModel)
-
-
-def _too_large(limit: int) -> ApiError:
-    return ApiError(413, f"request body is larger than max_prompt_bytes={limit}", code="request_too_large")
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def read_model(request: Request, model: type[M], limit: int) -> M:
-    body = await read_body(request, limit)
+async def _produce(gen: _Generation, group: RequestGroup, first: Event, events: AsyncIterator[Event],
+                   stream, metrics, endpoint: str) -> AsyncIterator[str]:
+    """A resumable stream's events (``proxy.resumable``): they run on while its client is away."""
+    status = ["200"]
     try:
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
+        async for chunk in _sse(gen, group, first, events, status):
+            yield chunk
+    finally:
+        group.cancel("the response stream closed")
+        metrics.requests.labels(endpoint, "client_closed" if stream.expired else status[0]).inc()
 
 
 class DisconnectWatcher:

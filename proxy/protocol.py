@@ -12,16 +12,17 @@ choice ``i * n + j`` being the j-th sample of prompt i, as OpenAI does.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from common.protocol.names import SpecMethod
 from common.protocol.sampling_params import (
     INT64_MAX, MAX_LOGPROBS, MAX_SPECULATIVE_TOKENS, TOKEN_ID_MAX, SamplingParams,
 )
 from common.text.tokenizer import Tokenizer
-from proxy.errors import ApiError, unprocessable
+from proxy.errors import ApiError, from_validation_error, unprocessable
 
 MAX_CHOICES = 128  # choices per request, all prompts of a batch together
 TokenIdField = Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]
@@ -233,3 +234,31 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     tokens: list[int]
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"request body is larger than max_prompt_bytes={limit}", code="request_too_large")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_model(request: Request, model: type[M], limit: int) -> M:
+    body = await read_body(request, limit)
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None

@@ -27,10 +27,12 @@ class Tenant:
     weight: float = field(init=False)
     lane: int = field(init=False)  # priority lane, 0 (p0) first
     limited: bool = field(init=False)  # has a request or token rate limit: the limiter must see its traffic
+    resumable: bool = field(init=False)  # its streams are resumable by default (proxy.resumable)
 
     def __post_init__(self) -> None:
         self.name, self.weight, self.lane = self.config.name, self.config.weight, self.config.lane
         self.limited = self.limiter.requests is not None or self.limiter.tokens is not None
+        self.resumable = self.config.resumable_streams
 
 
 class TenantRegistry:

@@ -47,6 +47,8 @@ class TenantConfig:
     request_burst: Float = option(0.0, "request bucket size; 0: one second of requests_per_s, at least 1", ge=0)
     max_concurrent: Int = option(0, "choices queued or running at once; 0: no limit", ge=0)
     max_queued: Int = option(0, "choices waiting for admission at once; 0: no limit", ge=0)
+    resumable_streams: Bool = option(
+        False, "this tenant's streamed responses are resumable unless a request sends X-Resumable: false")
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -86,6 +88,12 @@ class ProxyConfig:
     migration_max_tokens: Int = option(
         32768, "longest request (prompt plus output so far, in tokens) that resumes elsewhere; a longer one fails",
         ge=0)
+    resume_window_s: Float = option(
+        30.0, "a resumable stream's client may reconnect this long after it left; then the request is cancelled",
+        gt=0)
+    resume_buffer_events: Int = option(4096, "events kept per resumable stream for a reconnecting client", gt=0)
+    resume_buffer_bytes: Int = option(
+        256 << 20, "bytes of events kept for all resumable streams together; past it each keeps fewer", gt=0)
     max_prompt_bytes: Int = option(
         4 << 20, "largest request body in bytes; a larger one gets 413 before it is read whole", gt=0)
     max_tokens_default: Int = option(256, "max_tokens of a request that gives none", gt=0)
