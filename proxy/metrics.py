@@ -56,6 +56,11 @@ class ProxyMetrics:
         self.migrations = Counter("tessera_proxy_migrations",
                                   "Requests resumed on another worker after theirs was lost or gave them back",
                                   registry=r)
+        self.migration_phase = Histogram(
+            "tessera_proxy_migration_phase_seconds",
+            "A resumed request's recovery, from the proxy learning of the loss: to redispatch (sent to a worker "
+            "again) and to reprefill (the resumed attempt's first token reached the proxy)", ["phase"],
+            buckets=_LATENCY_BUCKETS, registry=r)
         self.malformed_messages = Counter("tessera_proxy_malformed_messages",
                                           "Worker messages dropped as malformed", registry=r)
         self.tenant_requests = Counter("tessera_proxy_tenant_requests",

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from common.protocol.wire import Abort, RequestFailed
 from proxy.admission import Stage
 from proxy.errors import ApiError
+from proxy.recovery import LOST_AGAIN, Recovery
 
 log = logging.getLogger("tessera.proxy")
 
@@ -38,6 +39,8 @@ class FailureEvent:
 
 class RequestExits:
     """``SubRequest``'s ways out; each returns what the cluster must send."""
+
+    recovery: Recovery | None = None  # from a resume until the resumed attempt's first token
 
     def on_failed(self, msg: RequestFailed, sender: str, now: float) -> Sends | None:
         if not self.involves(sender) or msg.request_id != self.wire_id:
@@ -73,7 +76,10 @@ class RequestExits:
             return self._fail(ApiError(503, f"{why}; {limit}", code="worker_unavailable",
                                        retry_after_s=config.retry_after_s), gone=gone)
         sends = self._free(gone)
+        if self.recovery is not None:
+            self.recovery.ended(LOST_AGAIN)
         self.migrations += 1
+        self.recovery = Recovery(self.request_id, self.migrations, gone, len(self.output_ids), self._metrics, now)
         self.lost = why
         self.wire_id = f"{self.request_id}~{self.migrations}"
         self.stage = Stage.QUEUED
@@ -83,6 +89,11 @@ class RequestExits:
         log.warning("request %s: %s; resuming elsewhere after %d output token(s) (resume %d of at most %d)",
                     self.request_id, why, len(self.output_ids), self.migrations, config.max_migrations)
         return sends
+
+    def _recovered(self, now: float) -> None:
+        """The resumed attempt's first token is here (``SubRequest._emit_tokens``)."""
+        self.recovery.recovered(now)
+        self.recovery = None
 
     def check_deadline(self, now: float) -> Sends:
         if self.done or now < self.deadline:
@@ -129,6 +140,8 @@ class RequestExits:
             self._metrics.queue_depth.dec()
         sends = self._free(gone)
         self.stage = Stage.FAILED
+        if self.recovery is not None:
+            self.recovery.ended(error.code or str(error.status))
         if error.status != 499:
             log.warning("request %s failed: %s", self.request_id, error.message)
         self._metrics.tenant_requests.labels(self.tenant, self._config.served_model_name,

@@ -131,10 +131,13 @@ class SubRequest(RequestExits):
         self.deadline = deadline
         self.client_deadline = client_deadline
 
-    def _begin(self, now: float) -> None:
-        """It leaves the admission queue for a worker: the queue's metrics, its trace, the first-token clock."""
+    def _begin(self, worker_id: str, now: float, local: bool = False) -> None:
+        """It leaves the admission queue for ``worker_id`` (``local``: the decode worker that prefills it): the
+        queue's metrics, its trace, the first-token clock."""
         metrics, config = self._metrics, self._config
         if self.started:  # resumed: counted, charged and traced when it first started
+            if self.recovery is not None:
+                self.recovery.redispatched(worker_id, local, now)
             self.deadline = now + (config.first_token_timeout_s if self.first_token_at is None
                                    else config.token_timeout_s)
             return
@@ -151,7 +154,7 @@ class SubRequest(RequestExits):
 
     def start_prefill(self, worker: WorkerState, counter: float, now: float) -> Sends:
         """Admitted to prefill on ``worker``; ``counter``: the tenant's service counter, which workers preempt by."""
-        self._begin(now)
+        self._begin(worker.worker_id, now)
         self.stage = Stage.PREFILLING
         self.prefill_worker = worker.worker_id
         self.prefill_len = len(self.prompt) + len(self.output_ids)
@@ -190,7 +193,7 @@ class SubRequest(RequestExits):
         """Admission gave it a decode slot on ``decoder``: it pulls the pages there, or prefills there (local)."""
         msg = self._handoff
         if msg is None:
-            self._begin(now)
+            self._begin(decoder.worker_id, now, local=True)
             decode = DecodeRequest(self.wire_id, self.prompt, self.params, self.seed,
                                    output_token_ids=self.output_ids, **self._fairness(counter))
         else:
@@ -242,6 +245,8 @@ class SubRequest(RequestExits):
         metrics = self._metrics
         self.new_tokens = len(event.token_ids)
         if event.token_ids:
+            if self.recovery is not None:
+                self._recovered(now)
             if self.first_token_at is None:
                 self.first_token_at = now
                 metrics.queue_depth.dec()
