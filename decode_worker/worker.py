@@ -9,14 +9,18 @@ Request life cycle:
   finish_reason; its blocks go back to the pool.
   A pull that fails or times out frees the reserved blocks and the prompt is
   recomputed here (the KV-load failure policy), so the request still
-  completes. A DecodeRequest without pages (short prompt, no prefill worker,
-  or role ``both``) is prefilled here from the start.
+  completes. So does one that cannot be done within the pages' lease
+  (``kv_lease_left_s``, from the proxy): past it the prefill worker may have
+  handed the pages to another request, so a late pull is never used.
+  A DecodeRequest without pages (short prompt, no prefill worker, or role
+  ``both``) is prefilled here from the start.
   Abort during a pull waits for the transfer to stop before the blocks are
   freed, so no transfer ever writes into a reused block.
 """
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -32,6 +36,9 @@ TRANSFER_SPAN = "decode_worker.kv_transfer"
 # and a prompt's pages well under a millisecond, so this adds at most a fraction of a millisecond to a TTFT,
 # where polling without a pause kept a core busy for the whole pull.
 PULL_POLL_S = 0.0005
+# A pull must be done this long before the lease the proxy reported runs out: the proxy measures the lease from
+# when PrefillDone reached it, the prefill worker from when it sent it, and the DecodeRequest takes time to arrive.
+LEASE_MARGIN_S = 0.25
 
 
 @dataclass
@@ -41,7 +48,17 @@ class Pull:
     source: str
     started: float
     num_bytes: int
+    lease_ends: float  # time.monotonic() past which the source's pages may hold another request's KV
     aborted: bool = False
+
+
+@dataclass
+class DelayedPull:
+    """A pull held back by the ``fault_kv_pull_delay_s`` fault injection until ``due``."""
+    msg: wire.DecodeRequest
+    seq: Sequence
+    lease_ends: float
+    due: float
 
 
 class DecodeHandler(WorkerBase):
@@ -51,7 +68,11 @@ class DecodeHandler(WorkerBase):
         super().__init__(config, transfer)
         self.role = role
         self.pulls: dict[str, Pull] = {}
+        self.delayed: dict[str, DelayedPull] = {}  # only with fault_kv_pull_delay_s
         self.peers: dict[str, int] = {}  # prefill worker id -> epoch known to the transfer agent
+        if config.fault_kv_pull_delay_s:
+            log.warning("fault injection: every KV pull starts fault_kv_pull_delay_s=%gs late",
+                        config.fault_kv_pull_delay_s)
 
     # ---- inbound --------------------------------------------------------------
     def handle(self, msg) -> None:
@@ -63,6 +84,7 @@ class DecodeHandler(WorkerBase):
                 self.transfer.abort(pull.handle)
                 pull.aborted = True
             else:
+                self.delayed.pop(msg.request_id, None)
                 self.engine.abort_request(msg.request_id)
         elif isinstance(msg, wire.Peers):
             self._update_peers(msg.peers)
@@ -103,22 +125,29 @@ class DecodeHandler(WorkerBase):
             return
         _set_fairness(seq, msg)
         self.trace_start(msg.request_id, DECODE_SPAN, msg.trace_context)
-        self._pull(msg, seq)
+        now = time.monotonic()
+        lease_ends = math.inf if msg.kv_lease_left_s is None else now + msg.kv_lease_left_s - LEASE_MARGIN_S
+        if self.config.fault_kv_pull_delay_s:
+            self.delayed[msg.request_id] = DelayedPull(msg, seq, lease_ends, now + self.config.fault_kv_pull_delay_s)
+        else:
+            self._pull(msg, seq, lease_ends)
 
-    def _pull(self, msg: wire.DecodeRequest, seq: Sequence) -> None:
+    def _pull(self, msg: wire.DecodeRequest, seq: Sequence, lease_ends: float) -> None:
         problem = None
+        started = time.monotonic()  # a shared-memory pull may complete inside start_pull
         if not seq.block_table:
             problem = "no free KV blocks to receive the pages"
         elif len(msg.source_block_ids) != len(seq.block_table):
             problem = f"{len(msg.source_block_ids)} pages offered for {len(seq.block_table)} blocks"
         elif msg.source_worker_id not in self.peers:
             problem = f"prefill worker {msg.source_worker_id!r} is not a known transfer peer"
-        started = time.monotonic()  # a shared-memory pull may complete inside start_pull
+        elif started >= lease_ends:
+            problem = "the pages' lease (the proxy's kv_lease_s) ran out before the pull could start"
         if problem is None:
             try:
                 handle = self.transfer.start_pull(
                     msg.request_id, msg.source_worker_id, msg.source_block_ids, seq.block_table,
-                    self.config.kv_pull_timeout_s,
+                    min(self.config.kv_pull_timeout_s, lease_ends - started),
                 )
             except Exception as exc:  # a backend refusing a pull must not take the worker down
                 problem = f"pull failed to start: {exc}"
@@ -129,11 +158,15 @@ class DecodeHandler(WorkerBase):
             self.send(wire.KVPulled(msg.request_id, msg.source_worker_id or "", False, error=problem))
             return
         nbytes = len(seq.block_table) * self.engine.runner.layout.bytes_per_block
-        self.pulls[msg.request_id] = Pull(seq, handle, msg.source_worker_id, started, nbytes)
+        self.pulls[msg.request_id] = Pull(seq, handle, msg.source_worker_id, started, nbytes, lease_ends)
         self.trace_start(msg.request_id, TRANSFER_SPAN, msg.trace_context)
 
     # ---- the turn ---------------------------------------------------------------
     def tick(self) -> None:
+        now = time.monotonic()
+        for request_id in [r for r, delayed in self.delayed.items() if delayed.due <= now]:
+            delayed = self.delayed.pop(request_id)
+            self._pull(delayed.msg, delayed.seq, delayed.lease_ends)
         for request_id, pull in list(self.pulls.items()):
             status = self.transfer.poll(pull.handle)
             if status in (TransferStatus.DONE, TransferStatus.FAILED):
@@ -147,19 +180,21 @@ class DecodeHandler(WorkerBase):
     def _finish_pull(self, request_id: str, pull: Pull, ok: bool) -> None:
         del self.pulls[request_id]
         self.transfer.release(pull.handle)
-        seconds = time.monotonic() - pull.started
+        now = time.monotonic()
+        error = "" if ok else "transfer failed or timed out"
+        if ok and now > pull.lease_ends:  # done, but seen too late to know it read the pages before they were freed
+            ok, error = False, "the pull ended after the pages' lease (the proxy's kv_lease_s)"
+        seconds = now - pull.started
         self.metrics.kv_pulled(ok, pull.num_bytes, seconds)
-        self.trace_end(request_id, TRANSFER_SPAN, None if ok else "transfer failed or timed out")
-        self.send(wire.KVPulled(
-            request_id, pull.source, ok, pull.num_bytes if ok else 0, seconds,
-            "" if ok else "transfer failed or timed out",
-        ))
+        self.trace_end(request_id, TRANSFER_SPAN, error or None)
+        self.send(wire.KVPulled(request_id, pull.source, ok, pull.num_bytes if ok else 0, seconds, error))
         if pull.aborted:
             self.engine.abort_request(request_id)
         elif ok:
             self.engine.kv_ready(pull.seq)
         else:
-            log.warning("request %s: KV pull from %s failed; recomputing the prompt here", request_id, pull.source)
+            log.warning("request %s: KV pull from %s failed (%s); recomputing the prompt here",
+                        request_id, pull.source, error)
             self.engine.kv_failed(pull.seq)
 
     def _emit(self, out) -> None:
@@ -192,9 +227,13 @@ class DecodeHandler(WorkerBase):
         """Pulls in flight are polled every ``PULL_POLL_S``; the loop does not spin on them."""
         if self.engine.has_work():
             return 0.0
-        return PULL_POLL_S if self.pulls else idle_s
+        if self.pulls:
+            return PULL_POLL_S
+        due = min((delayed.due for delayed in self.delayed.values()), default=math.inf)
+        return max(0.0, min(idle_s, due - time.monotonic()))
 
     def fail_all(self, reason: str) -> None:
+        self.delayed.clear()  # their sequences are the engine's, failed below
         for request_id, pull in self.pulls.items():
             self.transfer.abort(pull.handle)
             pull.aborted = True

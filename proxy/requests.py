@@ -89,6 +89,7 @@ class SubRequest(RequestExits):
         self.decode_worker: str | None = None
         self.kv_holder: str | None = None  # prefill worker still holding this request's pages
         self._handoff: PrefillDone | None = None  # the prefill's result, while it waits for a decode slot
+        self._lease_ends = 0.0  # when the prefill worker frees the handed-off pages (kv_lease_s after PrefillDone)
         self.route: Route | None = None  # chosen once, when admitted to prefill
         self.started = False  # sent to a worker (it left the admission queue)
         self.output_ids: list[int] = []  # every token the client has: a resumed request carries them
@@ -186,6 +187,7 @@ class SubRequest(RequestExits):
             return self._finish(now)
         self.stage = Stage.READY
         self._handoff = msg
+        self._lease_ends = now + self._config.kv_lease_s
         self.deadline = now + self._config.queue_timeout_s
         return []
 
@@ -199,7 +201,8 @@ class SubRequest(RequestExits):
         else:
             decode = DecodeRequest(
                 self.wire_id, self.prompt, self.params, self.seed, first_token=msg.first_token,
-                source_worker_id=msg.worker_id, source_block_ids=msg.block_ids, first_logprob=msg.logprob,
+                source_worker_id=msg.worker_id, source_block_ids=msg.block_ids,
+                kv_lease_left_s=max(self._lease_ends - now, 0.0), first_logprob=msg.logprob,
                 first_top_logprobs=msg.top_logprobs, output_token_ids=self.output_ids[:-1],
                 **self._fairness(counter))
             self.deadline = now + self._config.token_timeout_s

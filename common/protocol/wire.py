@@ -49,7 +49,7 @@ import msgspec
 
 from common.protocol.sampling_params import INT64_MAX, TOKEN_ID_MAX, SamplingParams
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=TOKEN_ID_MAX)]
@@ -186,6 +186,9 @@ class DecodeRequest(_Struct):
     first_token: TokenId | None = None  # None: no pages, prefill on this worker
     source_worker_id: str | None = None
     source_block_ids: list[NonNegInt] = msgspec.field(default_factory=list)
+    # With pages: how much longer the prefill worker holds them (its lease), as the proxy sent this. The pull
+    # must be done by then, else the pages may already hold another request's KV. None: no bound.
+    kv_lease_left_s: Seconds | None = None
     first_logprob: float | None = None
     first_top_logprobs: TopLogprobs | None = None
     # A resumed request's output before first_token (without pages: its whole output so far).
