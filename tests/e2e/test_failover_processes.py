@@ -11,64 +11,20 @@ in use on any worker.
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import signal
 import time
 
-import httpx
 import pytest
 
-from common.cli.local_cluster import LocalCluster, Supervisor
+from common.cli.local_cluster import LocalCluster
+from tests.e2e.fault_scenarios import (
+    busiest, check_nothing_lost, check_pages_freed, completion_bodies, in_order, restored, run_scenario, send_signal,
+    streams_with_text,
+)
 
-MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 64
 STREAMS = 16
-
-
-def requests() -> list[dict]:
-    bodies = []
-    for i in range(STREAMS):
-        body = {"model": MODEL, "prompt": f"Story {i}: once upon a time, a {['fox', 'owl', 'cat', 'bee'][i % 4]}",
-                "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
-        if i % 2:
-            body.update(temperature=0.8, seed=1000 + i, frequency_penalty=0.5)
-        else:
-            body.update(temperature=0.0)
-        bodies.append(body)
-    return bodies
-
-
-async def one_stream(client: httpx.AsyncClient, url: str, body: dict, started: list) -> tuple[str, int, list]:
-    """Its (text, completion tokens, error events); once it has some text, it counts itself in ``started``."""
-    text, completion_tokens, errors = "", 0, []
-    async with client.stream("POST", url + "/v1/completions", json=body) as response:
-        assert response.status_code == 200, await response.aread()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                errors.append(event["error"])
-            for choice in event.get("choices", []):
-                text += choice.get("text") or ""
-                if len(text) > 20 and body not in started:
-                    started.append(body)
-            if event.get("usage"):
-                completion_tokens = event["usage"]["completion_tokens"]
-    return text, completion_tokens, errors
-
-
-async def run_streams(url: str, during=None) -> list[tuple[str, int, list]]:
-    started: list = []
-    async with httpx.AsyncClient(timeout=300) as client:
-        tasks = [asyncio.create_task(one_stream(client, url, body, started)) for body in requests()]
-        if during is not None:  # once every stream is under way
-            while len(started) < STREAMS:
-                await asyncio.sleep(0.01)
-            during()
-        return await asyncio.gather(*tasks)
+BODIES = completion_bodies(STREAMS, MAX_TOKENS)
 
 
 @pytest.fixture
@@ -80,39 +36,21 @@ def cluster(embedded_model_dir, tmp_path):
 
 
 def test_kill_9_of_a_decode_worker_mid_stream_loses_nothing(cluster):
-    reference = asyncio.run(run_streams(cluster.url))
-    assert all(not errors and tokens == MAX_TOKENS for _, tokens, errors in reference)
-    killed = []
-
-    def kill_the_busier_decode_worker():
-        running = {name: sum(cluster.metric("tessera_worker_running_sequences", cluster.worker_url(name)).values())
-                   for name in ("decode-0", "decode-1")}
-        name = max(running, key=running.get)
-        killed.append((name, running[name], time.monotonic()))
-        os.kill(cluster.procs[name].pid, signal.SIGKILL)
-
-    faulted = asyncio.run(run_streams(cluster.url, during=kill_the_busier_decode_worker))
-    victim, running, killed_at = killed[0]
-    for i, ((text, tokens, errors), (ref_text, _, _)) in enumerate(zip(faulted, reference)):
-        assert not errors, (i, errors)
-        assert tokens == MAX_TOKENS, (i, tokens)
-        assert text == ref_text, (i, text, ref_text)
+    reference = in_order(asyncio.run(run_scenario(cluster, BODIES))[0])
+    assert all(not s.lost and s.completion_tokens == MAX_TOKENS for s in reference)
+    results, run = asyncio.run(run_scenario(cluster, BODIES, [
+        streams_with_text(STREAMS), send_signal(busiest("decode"), signal.SIGKILL)]))
+    finished_at = time.monotonic()
+    victim = run.victims[0]
+    check_nothing_lost(results, reference, BODIES)
     migrated = sum(cluster.metric("tessera_proxy_migrations_total").values())
-    assert migrated >= STREAMS // 4, f"{victim} ran {running} sequence(s); {migrated} resumed elsewhere"
+    assert migrated >= STREAMS // 4, f"{migrated} stream(s) resumed off {victim}"
     # Seen by its closed connection: the heartbeat timeout (30 s) is far longer than this test's wait.
     assert cluster.metric("tessera_proxy_worker_disconnects_total") == {f'{{worker_id="{victim}"}}': 1.0}
-    assert time.monotonic() - killed_at < 30
+    assert finished_at - run.signalled_at[0] < 30
 
-    supervisor = Supervisor(cluster, backoff_s=0.1)
-    deadline = time.monotonic() + 120
-    while sum(cluster.metric("tessera_proxy_workers_alive").values()) < 3:
-        supervisor.check()
-        assert time.monotonic() < deadline, "the killed worker did not come back"
-        time.sleep(0.2)
-    assert supervisor.restarts == {victim: 1}
-    deadline = time.monotonic() + 10
-    while any(cluster.metric("tessera_proxy_kv_pages_used").values()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(cluster.metric("tessera_proxy_kv_pages_used").values())
-    again = asyncio.run(run_streams(cluster.url))
-    assert [t for t, _, _ in again] == [t for t, _, _ in reference]
+    asyncio.run(restored()(run))  # the supervisor restarts the killed worker
+    assert run.supervisor.restarts == {victim: 1}
+    check_pages_freed(cluster)
+    again = in_order(asyncio.run(run_scenario(cluster, BODIES))[0])
+    assert [s.text for s in again] == [s.text for s in reference]
