@@ -14,7 +14,8 @@ stays in use on any worker or in the proxy's view.
    never built on pages the prefill worker freed and handed to the next prompts.
 6. Clients that leave while their requests wait for their pages: nothing leaks on either side.
 7. An idle cluster (heartbeats and the proxy's expiry loop turn many times), then a burst.
-(2, kill -9 of a decode worker mid-stream, is tests/e2e/test_failover_processes.py.)
+(2, kill -9 of a decode worker mid-stream, is tests/e2e/test_failover_processes.py; a decode host's link
+cut and restored, tests/e2e/test_fault_link_cut.py.)
 """
 from __future__ import annotations
 
