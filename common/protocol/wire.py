@@ -281,6 +281,24 @@ def decode(frames: list[bytes]):
         raise WireError(f"{name}: body is not msgpack: {exc}") from None
 
 
+def refused_request_id(frames: list[bytes]) -> str | None:
+    """The request id of a malformed PrefillRequest or DecodeRequest, when one can be read from it.
+
+    A worker answers such a request with RequestFailed instead of leaving its client to a timeout:
+    the proxy and a worker may disagree on what is acceptable (a float the worker's flush-to-zero
+    mode reads as 0, a newer proxy's field).
+    """
+    if len(frames) != 2 or len(frames[0]) != 2 or frames[0][0] not in (MsgType.PREFILL_REQUEST,
+                                                                          MsgType.DECODE_REQUEST):
+        return None
+    try:
+        body = msgspec.msgpack.decode(frames[1])
+    except Exception:  # noqa: BLE001 - anything a malformed body raises (DecodeError, UnicodeDecodeError, ...)
+        return None
+    request_id = body.get("request_id") if isinstance(body, dict) else None
+    return request_id if isinstance(request_id, str) and 0 < len(request_id) <= 256 else None
+
+
 def chain_hash(parent: int | None, token_ids: Sequence[int]) -> int:
     """Stable (process-independent) hash of one full block given its parent's hash.
 

@@ -168,6 +168,9 @@ class WorkerIO:
             except wire.WireError as exc:
                 self.metrics.malformed_messages.inc()
                 log.warning("dropped a malformed message from the proxy: %s", exc)
+                if (request_id := wire.refused_request_id(frames)) is not None:  # its client gets a 400 now
+                    self._outbox.put(wire.RequestFailed(request_id, self.config.worker_id,
+                                                        f"the worker refused the request: {exc}", False, True))
                 continue
             if isinstance(msg, wire.RegisterAck):
                 if not msg.accepted:

@@ -6,6 +6,11 @@ starts it), with scripted workers over the real ZeroMQ wire codec
 per operation (completions, chat completions, tokenize, detokenize) it must
 answer no 500, 502 or 504, a 503 only with Retry-After, keep serving and
 never exit; at the end SIGTERM stops it cleanly.
+
+Then the same against a real cluster (proxy, prefill and decode worker
+processes on the embedded model): what passes the proxy's validation reaches
+the engines, with ``max_tokens`` and ``n`` capped so that it runs in minutes.
+No process may exit, and no KV page may stay in use.
 """
 from __future__ import annotations
 
@@ -16,9 +21,9 @@ import sys
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 
-from common.cli.local_cluster import free_port
+from common.cli.local_cluster import LocalCluster, free_port
 from tests.e2e.proxy_harness import MODEL, script_for, tokenizer, wait_until  # noqa: F401
 from tests.scripted_worker import FakeWorker
 
@@ -138,3 +143,62 @@ def test_the_document_describes_every_generation_field(fuzz_proxy):
 
 def test_sigterm_stops_the_fuzzed_proxy_cleanly(fuzz_proxy):
     assert fuzz_proxy.stop() == 0, fuzz_proxy.log()
+
+
+# -- against real workers on the embedded model --------------------------------------------------
+
+REAL_CASES_PER_OPERATION = 150
+CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "n": 2, "best_of": 2}  # what the engines get to generate
+
+
+@pytest.fixture(scope="module")
+def real_cluster(embedded_model_dir, tmp_path_factory):
+    cluster = LocalCluster.for_tests(embedded_model_dir, tmp_path_factory.mktemp("fuzz-real"),
+                                     proxy_overrides=["max_prompt_bytes=4096", "first_token_timeout_s=30"]).start()
+    yield cluster
+    assert set(cluster.stop().values()) == {0}, "every process stops cleanly on SIGTERM"
+
+
+def capped(body):
+    """The body with the model named and max_tokens and n at most CAPS (a generated bound can be huge)."""
+    if isinstance(body, dict):
+        body["model"] = MODEL
+        for name, cap in CAPS.items():
+            value = body.get(name)  # 128.0 is an integer to the proxy too
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > cap:
+                body[name] = cap
+    return body
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_no_server_error_and_no_process_exit_with_real_workers(real_cluster, path):
+    schema = schemathesis.openapi.from_url(f"{real_cluster.url}/openapi.json")
+    operation = schema[path]["POST"]
+    statuses: dict[int, int] = {}
+
+    @given(case=operation.as_strategy())
+    @settings(max_examples=REAL_CASES_PER_OPERATION, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck), phases=[Phase.generate])  # shrinking real calls: too slow
+    def run(case):
+        case.body = capped(case.body)
+        response = case.call(base_url=real_cluster.url, timeout=120)
+        assert not real_cluster.dead(), f"processes exited: {real_cluster.dead()} (logs: {real_cluster.log_dir})"
+        try:
+            check(case, response)
+        except AssertionError:
+            print("failing body:", case.body)
+            raise
+        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+
+    run()
+    print(path, dict(sorted(statuses.items())))
+    assert statuses.get(200, 0) > 0, "some generated requests reached the engines"
+    wait_until(lambda: not any(real_cluster.metric("tessera_proxy_kv_pages_used").values()), timeout=15,
+               what="every KV page to be free")
+
+
+def test_the_out_of_range_top_k_of_the_issue_is_refused_naming_the_field(real_cluster):
+    response = httpx.post(f"{real_cluster.url}/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": "Hi", "max_tokens": 2, "top_k": 9223372036854775808})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "top_k", response.text
+    assert not real_cluster.dead()

@@ -140,3 +140,14 @@ def test_any_body_decodes_to_a_valid_message_or_a_wire_error(kind, base, edits):
         return
     assert type(msg) is wire.MESSAGES[kind]
     assert decode(encode(msg)) == msg  # what was accepted is a well-formed message
+
+
+def test_a_refused_request_names_its_id_when_it_can_be_read():
+    frames = _decode_request(params={"top_p": 0.0})
+    with pytest.raises(WireError):
+        decode(frames)
+    assert wire.refused_request_id(frames) == decode(_decode_request()).request_id
+    header = frames[0]
+    for malformed in ([header, b"\xf6\xff"], [header, msgpack.packb({"request_id": 5})], [header],
+                      [bytes([wire.MsgType.HEARTBEAT, wire.PROTOCOL_VERSION]), frames[1]]):
+        assert wire.refused_request_id(malformed) is None
