@@ -108,7 +108,7 @@ def _add_service_routes(app: FastAPI, services: Services) -> None:
         }]}
 
     @app.post("/tokenize", openapi_extra=request_body(TokenizeRequest), response_model=TokenizeResponse,
-              responses=error_responses(400, 413, 422))
+              responses=error_responses(400, 413))
     async def tokenize(request: Request) -> dict:
         """Token ids of a prompt, or of chat messages through the chat template."""
         body = await read_model(request, TokenizeRequest, config.max_prompt_bytes)
@@ -116,7 +116,7 @@ def _add_service_routes(app: FastAPI, services: Services) -> None:
         return {"tokens": tokens, "count": len(tokens), "max_model_len": cluster.registry.max_model_len}
 
     @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest), response_model=DetokenizeResponse,
-              responses=error_responses(400, 413, 422))
+              responses=error_responses(400, 413))
     async def detokenize(request: Request) -> dict:
         """The text of token ids (special tokens shown)."""
         body = await read_model(request, DetokenizeRequest, config.max_prompt_bytes)

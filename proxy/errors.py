@@ -55,21 +55,22 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
-def unprocessable(message: str, param: str | None = None) -> ApiError:
-    return ApiError(422, message, code="invalid_value", param=param)
+def invalid_value(message: str, param: str | None = None) -> ApiError:
+    """A body that does not parse or a field out of its bounds: 400 naming the field, as OpenAI answers."""
+    return ApiError(400, message, code="invalid_value", param=param)
 
 
 def from_validation_error(exc: ValidationError | RequestValidationError) -> ApiError:
     """The first field error, named by its path (``messages.0.content``)."""
     errors = exc.errors()
     if not errors:
-        return unprocessable("invalid request")
+        return invalid_value("invalid request")
     first = errors[0]
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(loc) or None
     where = f"{param}: " if param else ""
     more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
-    return unprocessable(f"{where}{first.get('msg', 'invalid value')}{more}", param)
+    return invalid_value(f"{where}{first.get('msg', 'invalid value')}{more}", param)
 
 
 def install_error_handlers(app: FastAPI) -> None:

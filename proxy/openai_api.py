@@ -2,9 +2,9 @@
 
 A request's way through this module:
 
-    API key (401, with auth_enabled) -> read body (413) -> parse (422)
+    API key (401, with auth_enabled) -> read body (413) -> parse (400)
     -> tenant (key, else the body's user or the default) -> model name (404)
-    -> SamplingParams (422) -> cluster accepting and sized (503)
+    -> SamplingParams (400) -> cluster accepting and sized (503)
     -> tenant's rate limits (429) -> tokenize in a thread (400)
     -> context length (400) -> cluster.submit: tenant's concurrency and queue
        limits (429), queue full (503); then the admission queue, which may
@@ -23,7 +23,7 @@ numbered and buffered, and a client that leaves can come back.
 The body is read by ``proxy.protocol.read_model``, not by FastAPI: it refuses one over
 ``max_prompt_bytes`` with 413 before reading it whole (Content-Length first,
 then the running count for chunked uploads), then validates it against the
-request model, 422 naming the field. ``proxy.openapi`` declares the models
+request model, 400 naming the field. ``proxy.openapi`` declares the models
 in the OpenAPI document.
 
 Response bodies (completion and chat, whole or as stream chunks): one
@@ -168,7 +168,7 @@ router = APIRouter()
 TIMEOUT_HEADER = "x-request-timeout"  # seconds the client will wait for admission
 
 
-_ERRORS = error_responses(400, 401, 404, 413, 422, 429, 503, 504)
+_ERRORS = error_responses(400, 401, 404, 413, 429, 503, 504)
 
 
 @router.post("/v1/completions", openapi_extra=request_body(CompletionRequest), response_model=None,

@@ -94,9 +94,10 @@ def request_body(model: type[BaseModel]) -> dict:
 
 
 def error_responses(*statuses: int) -> dict:
-    described = {400: "the request cannot be served (prompt too long, token outside the vocabulary, ...)",
+    described = {400: "a field is invalid (param names it), or the request cannot be served (prompt too long, "
+                      "token outside the vocabulary, ...)",
                  401: "missing or unknown API key (with auth_enabled)", 404: "no such model",
-                 413: "body larger than max_prompt_bytes", 422: "a field is invalid; param names it",
+                 413: "body larger than max_prompt_bytes",
                  429: "the tenant is over a limit; Retry-After says when to try again",
                  503: "no worker can take it now, or the cluster is saturated; Retry-After says when to retry",
                  504: "no token in time, or the X-Request-Timeout deadline passed while queued"}

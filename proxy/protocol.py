@@ -5,24 +5,25 @@ Fields follow OpenAI's API plus vLLM's sampling extensions (``top_k``,
 Unknown fields are ignored, as OpenAI's clients send some of their own;
 fields whose meaning the proxy cannot honour (``echo``, ``suffix``,
 ``logit_bias``, ``best_of`` other than n, tools, a non-text
-``response_format``, image content) are refused with 422 instead of being
+``response_format``, image content) are refused with 400 instead of being
 silently dropped. A completions ``prompt`` may be a string, a list of token
 ids, or a batch of either; a batch answers with ``len(prompt) * n`` choices,
 choice ``i * n + j`` being the j-th sample of prompt i, as OpenAI does.
 """
 from __future__ import annotations
 
+import sys
 from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from common.protocol.names import SpecMethod
 from common.protocol.sampling_params import (
     INT64_MAX, MAX_LOGPROBS, MAX_SPECULATIVE_TOKENS, TOKEN_ID_MAX, SamplingParams,
 )
 from common.text.tokenizer import Tokenizer
-from proxy.errors import ApiError, from_validation_error, unprocessable
+from proxy.errors import ApiError, from_validation_error, invalid_value
 
 MAX_CHOICES = 128  # choices per request, all prompts of a batch together
 TokenIdField = Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]
@@ -74,6 +75,15 @@ class _GenerationRequest(BaseModel):
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS,
                                                description="extension: most draft tokens per step")
 
+    @field_validator("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                     mode="before")
+    @classmethod
+    def _subnormal_is_zero(cls, value):
+        """Workers flush subnormal floats to zero (``torch.set_flush_denormal``): the bounds see them as 0 too."""
+        if isinstance(value, float) and value != 0.0 and abs(value) < sys.float_info.min:
+            return 0.0
+        return value
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -86,7 +96,7 @@ class _GenerationRequest(BaseModel):
 
     def check_supported(self) -> None:
         if self.logit_bias:
-            raise unprocessable("logit_bias is not supported", "logit_bias")
+            raise invalid_value("logit_bias is not supported", "logit_bias")
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """Validated parameters; ``max_tokens`` is the default when not given (fitted to the prompt later)."""
@@ -121,11 +131,11 @@ class CompletionRequest(_GenerationRequest):
     def check_supported(self) -> None:
         super().check_supported()
         if self.echo:
-            raise unprocessable("echo=true is not supported; only echo=false", "echo")
+            raise invalid_value("echo=true is not supported; only echo=false", "echo")
         if self.suffix:
-            raise unprocessable("suffix is not supported", "suffix")
+            raise invalid_value("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
-            raise unprocessable("best_of is not supported (other than best_of = n)", "best_of")
+            raise invalid_value("best_of is not supported (other than best_of = n)", "best_of")
 
     def prompt_token_ids(self, tokenizer: Tokenizer) -> list[list[int]]:
         prompt = self.prompt
@@ -138,7 +148,7 @@ class CompletionRequest(_GenerationRequest):
         if not batch:
             raise ApiError(400, "prompt is empty", code="invalid_prompt", param="prompt")
         if len(batch) * self.n > MAX_CHOICES:
-            raise unprocessable(f"{len(batch)} prompts x n={self.n} is more than {MAX_CHOICES} choices", "n")
+            raise invalid_value(f"{len(batch)} prompts x n={self.n} is more than {MAX_CHOICES} choices", "n")
         prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in batch]
         for ids in prompts:
             check_token_ids(tokenizer, ids, "prompt")
@@ -162,7 +172,7 @@ class ChatMessage(BaseModel):
             text = self.content or ""
         else:
             if any(part.type != "text" for part in self.content):
-                raise unprocessable("only text content parts are supported", "messages.content")
+                raise invalid_value("only text content parts are supported", "messages.content")
             text = "\n".join(part.text or "" for part in self.content)
         # "developer" is OpenAI's newer name for the system message.
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
@@ -186,11 +196,11 @@ class ChatCompletionRequest(_GenerationRequest):
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
-            raise unprocessable("top_logprobs needs logprobs=true", "top_logprobs")
+            raise invalid_value("top_logprobs needs logprobs=true", "top_logprobs")
         if self.tools:
-            raise unprocessable("tools are not supported", "tools")
+            raise invalid_value("tools are not supported", "tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
-            raise unprocessable("only response_format type 'text' is supported", "response_format")
+            raise invalid_value("only response_format type 'text' is supported", "response_format")
 
     def prompt_token_ids(self, tokenizer: Tokenizer) -> list[list[int]]:
         return [chat_prompt_ids(tokenizer, self.messages)]
@@ -224,7 +234,7 @@ class TokenizeRequest(BaseModel):
 
     def token_ids(self, tokenizer: Tokenizer) -> list[int]:
         if (self.prompt is None) == (self.messages is None):
-            raise unprocessable("give exactly one of prompt or messages")
+            raise invalid_value("give exactly one of prompt or messages")
         if self.messages is not None:
             return chat_prompt_ids(tokenizer, self.messages)
         return tokenizer.encode(self.prompt, add_special_tokens=self.add_special_tokens)

@@ -209,7 +209,7 @@ def test_models_version_tokenize_detokenize(cluster, tokenizer):
     chat = proxy.http.post("/tokenize", json={"messages": MESSAGES}).json()
     assert chat["tokens"] == tokenizer.apply_chat_template(MESSAGES)
     assert proxy.http.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": "Hello world"}
-    assert_openai_error(proxy.http.post("/tokenize", json={}), 422, "prompt or messages")
+    assert_openai_error(proxy.http.post("/tokenize", json={}), 400, "prompt or messages")
 
 
 def test_metrics_names(cluster):
