@@ -165,7 +165,8 @@ class Soak:
         at = self.started + self.args.kill_every_s
         while at < self.stop_at:
             await asyncio.sleep(max(0.0, at - time.time()))
-            alive = sorted(n for n, p in self.cluster.procs.items() if n != "proxy" and p.poll() is None)
+            alive = sorted(n for n, p in self.cluster.procs.items()
+                           if n != "proxy" and n not in self.args.spare and p.poll() is None)
             at += self.args.kill_every_s
             if not alive:  # every worker is still restarting: this kill is skipped
                 continue
@@ -300,6 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--capacity-concurrency", type=int, default=16,
                         help="closed-loop streams of the capacity run (default: 16)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts, aborts and victims (default: 0)")
+    parser.add_argument("--spare", action="append", default=[], metavar="NAME",
+                        help="a worker never killed (repeatable), so that its RSS is measured over the whole run")
     add_cluster_options(parser)
     args = parser.parse_args(argv)
     if not 0 <= args.abort_fraction <= 1 or args.max_tokens < 2:
