@@ -12,6 +12,9 @@ import asyncio
 import json
 import math
 import re
+import shlex
+import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -168,6 +171,21 @@ def add_cluster_options(parser) -> None:
                         help="torch threads per worker; 0: every core, time-shared as `tessera up` does (default: 1)")
     parser.add_argument("--log-dir", type=Path, help="where the processes' logs go (default: a new temporary one)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the results here as JSON")
+
+
+def run_and_report(module: str, argv: list[str], args, run_benchmark, render_markdown) -> dict:
+    """Run a fault benchmark (logs in ``--log-dir`` or a new directory), print its markdown, write ``--json``."""
+    command = shlex.join(["python", "-m", module, *argv])
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix=f"tessera-{module.rpartition('.')[2]}-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"{command}\nproxy and worker logs in {log_dir}", file=sys.stderr, flush=True)
+    result = run_benchmark(args, log_dir)
+    result["command"] = command
+    print(render_markdown(result, args, command))
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
 
 async def metric(client: httpx.AsyncClient, base: str, name: str) -> dict[str, float]:
     return samples((await client.get(base + "/metrics", timeout=10)).text, name)

@@ -22,12 +22,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import shlex
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,8 +32,8 @@ import httpx
 import numpy as np
 
 from bench.fault_harness import (
-    OK, Stream, add_cluster_options, body, metric, ms, outcome, percentiles, prompt, recovery_lines, run_stream,
-    settle_pages, start_cluster, to_json, until_whole,
+    OK, Stream, add_cluster_options, body, metric, ms, outcome, percentiles, prompt, recovery_lines, run_and_report,
+    run_stream, settle_pages, start_cluster, to_json, until_whole,
 )
 from common.cli.local_cluster import LocalCluster, Supervisor
 
@@ -190,15 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not 0 < args.kill_after_tokens < args.max_tokens:
         parser.error("--kill-after-tokens must be between 0 and --max-tokens")
-    command = shlex.join(["python", "-m", "bench.recovery", *argv])
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="tessera-recovery-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    print(f"{command}\nproxy and worker logs in {log_dir}", file=sys.stderr, flush=True)
-    result = run_benchmark(args, log_dir)
-    result["command"] = command
-    print(render_markdown(result, args, command))
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    result = run_and_report("bench.recovery", argv, args, run_benchmark, render_markdown)
     if result["lost"]:
         sys.exit(1)
 

@@ -26,12 +26,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import shlex
 import signal
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -40,8 +37,8 @@ import httpx
 import numpy as np
 
 from bench.fault_harness import (
-    ABORTED, OK, Stream, add_cluster_options, body, ms, outcome, prompt, recovery_lines, run_stream,
-    settle_pages, start_cluster, to_json, until_whole, workers_alive,
+    ABORTED, OK, Stream, add_cluster_options, body, ms, outcome, prompt, recovery_lines, run_and_report,
+    run_stream, settle_pages, start_cluster, to_json, until_whole, workers_alive,
 )
 from common.cli.local_cluster import LocalCluster, Supervisor
 
@@ -307,15 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not 0 <= args.abort_fraction <= 1 or args.max_tokens < 2:
         parser.error("--abort-fraction must be within [0, 1] and --max-tokens at least 2")
-    command = shlex.join(["python", "-m", "bench.soak", *argv])
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="tessera-soak-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    print(f"{command}\nproxy and worker logs in {log_dir}", file=sys.stderr, flush=True)
-    result = run_benchmark(args, log_dir)
-    result["command"] = command
-    print(render_markdown(result, args, command))
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    result = run_and_report("bench.soak", argv, args, run_benchmark, render_markdown)
     if not all(result["verdicts"].values()):
         sys.exit(1)
 

@@ -41,7 +41,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Request
@@ -218,9 +218,8 @@ async def _serve(request: Request, request_model, format_cls, endpoint: str) -> 
         if tenant is None:
             tenant = (tenant_from_body(config, services.cluster.tenants, body.user) if config.tenant_from_user_field
                       else services.cluster.tenants.default)
-        resume_header = request.headers.get(RESUMABLE_HEADER)
-        resumable = body.stream and (tenant.resumable if resume_header is None
-                                     else wants_resume(resume_header, tenant.resumable))
+        resume_header = request.headers.get(RESUMABLE_HEADER)  # parsed in proxy.resumable only when sent
+        resumable = body.stream and (tenant.resumable if resume_header is None else wants_resume(resume_header))
         generation, group = await _admit(services, body, format_cls, tenant, timeout_s)
     except ApiError as error:
         metrics.requests.labels(endpoint, str(error.status)).inc()
@@ -238,11 +237,13 @@ async def _serve(request: Request, request_model, format_cls, endpoint: str) -> 
                 watcher.stop()  # from here, a client that leaves only detaches from the stream
                 return services.streams.start(
                     request, generation.response_id, tenant.name,
-                    lambda stream: _produce(generation, group, first, events, stream, metrics, endpoint),
+                    lambda stream: _stream(generation, group, first, events, watcher, metrics, endpoint,
+                                           lambda: stream.expired),
                     group.cancel)
             if not isinstance(first, FailureEvent):
                 streaming = True
-                return StreamingResponse(_stream(generation, group, first, events, watcher, metrics, endpoint),
+                return StreamingResponse(_stream(generation, group, first, events, watcher, metrics, endpoint,
+                                                 lambda: watcher.disconnected),
                                          media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             response, status = first.error.response(), str(first.error.status)
         else:
@@ -322,51 +323,34 @@ async def _collect(gen: _Generation, events: AsyncIterator[Event]) -> tuple[Resp
     return JSONResponse(body), "200"
 
 
-async def _sse(gen: _Generation, group: RequestGroup, first: Event, events: AsyncIterator[Event],
-               status: list[str]) -> AsyncIterator[str]:
-    """The response's server-sent events; ``status[0]`` becomes ``stream_error`` if a choice fails."""
-    prelude = gen.fmt.stream_prelude(len(gen.choices))
-    if prelude:
-        yield gen.chunk(prelude)
-    event: Event | None = first
-    while event is not None and not isinstance(event, FailureEvent):
-        state = gen.choices[event.index]
-        choice = gen.fmt.chunk_choice(state, event)
-        state.add(event, gen.fmt.logprob_text)
-        if choice is not None:
-            yield gen.chunk([choice])
-        event = await anext(events, None)
-    if isinstance(event, FailureEvent):
-        status[0] = "stream_error"
-        group.cancel("another choice failed")
-        yield f"data: {json.dumps(event.error.body())}\n\n"
-    elif gen.include_usage:
-        yield gen.chunk([], usage(gen.prompts, gen.choices))
-    yield "data: [DONE]\n\n"
-
-
 async def _stream(gen: _Generation, group: RequestGroup, first: Event, events: AsyncIterator[Event],
-                  watcher: DisconnectWatcher, metrics, endpoint: str) -> AsyncIterator[str]:
-    status = ["200"]
+                  watcher: DisconnectWatcher, metrics, endpoint: str,
+                  client_left: Callable[[], bool]) -> AsyncIterator[str]:
+    """The response's server-sent events: to the client's connection, or into a resumable stream."""
+    status = "200"
     try:
-        async for chunk in _sse(gen, group, first, events, status):
-            yield chunk
+        prelude = gen.fmt.stream_prelude(len(gen.choices))
+        if prelude:
+            yield gen.chunk(prelude)
+        event: Event | None = first
+        while event is not None and not isinstance(event, FailureEvent):
+            state = gen.choices[event.index]
+            choice = gen.fmt.chunk_choice(state, event)
+            state.add(event, gen.fmt.logprob_text)
+            if choice is not None:
+                yield gen.chunk([choice])
+            event = await anext(events, None)
+        if isinstance(event, FailureEvent):
+            status = "stream_error"
+            group.cancel("another choice failed")
+            yield f"data: {json.dumps(event.error.body())}\n\n"
+        elif gen.include_usage:
+            yield gen.chunk([], usage(gen.prompts, gen.choices))
+        yield "data: [DONE]\n\n"
     finally:
         watcher.stop()
         group.cancel("the response stream closed")  # a no-op unless the client left early
-        metrics.requests.labels(endpoint, "client_closed" if watcher.disconnected else status[0]).inc()
-
-
-async def _produce(gen: _Generation, group: RequestGroup, first: Event, events: AsyncIterator[Event],
-                   stream, metrics, endpoint: str) -> AsyncIterator[str]:
-    """A resumable stream's events (``proxy.resumable``): they run on while its client is away."""
-    status = ["200"]
-    try:
-        async for chunk in _sse(gen, group, first, events, status):
-            yield chunk
-    finally:
-        group.cancel("the response stream closed")
-        metrics.requests.labels(endpoint, "client_closed" if stream.expired else status[0]).inc()
+        metrics.requests.labels(endpoint, "client_closed" if client_left() else status).inc()
 
 
 class DisconnectWatcher:

@@ -217,9 +217,8 @@ class StreamStore:
             await asyncio.wait(set(self._producers), timeout=5)
 
 
-def wants_resume(raw: str | None, tenant_default: bool) -> bool:
-    if raw is None:
-        return tenant_default
+def wants_resume(raw: str) -> bool:
+    """The X-Resumable header's answer."""
     value = raw.strip().lower()
     if value in ("true", "1", "yes"):
         return True
