@@ -159,16 +159,20 @@ def to_json(streams: list[Stream]) -> list[dict]:
 
 # -- the cluster and its state ----------------------------------------------------------------------
 
-def start_cluster(log_dir: Path, threads: int) -> LocalCluster:
+def start_cluster(log_dir: Path, args) -> LocalCluster:
     """Proxy, one prefill and two decode workers on the embedded model, each its own process, with the tests'
-    settings (small KV pool, heartbeats every 0.2 s); ``threads`` per worker, 0 for every core, time-shared."""
-    return LocalCluster.for_tests(resolve_model("embedded", "float32"), log_dir, prefill=1, decode=2,
-                                  threads=threads).start()
+    settings (small KV pool, heartbeats every 0.2 s) or, with ``--shipped``, the shipped defaults; ``--threads``
+    per worker, 0 for every core, time-shared."""
+    make = LocalCluster if args.shipped else LocalCluster.for_tests
+    return make(resolve_model("embedded", "float32"), log_dir, prefill=1, decode=2, threads=args.threads).start()
 
 
 def add_cluster_options(parser) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per worker; 0: every core, time-shared as `tessera up` does (default: 1)")
+    parser.add_argument("--shipped", action="store_true",
+                        help="the shipped defaults (heartbeats every 1 s, timeout 5 s, the default KV pool) instead of "
+                        "the tests' settings")
     parser.add_argument("--log-dir", type=Path, help="where the processes' logs go (default: a new temporary one)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the results here as JSON")
 

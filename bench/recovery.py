@@ -120,7 +120,7 @@ async def run_trials(cluster: LocalCluster, args: argparse.Namespace) -> list[di
 
 
 def run_benchmark(args: argparse.Namespace, log_dir: Path) -> dict:
-    cluster = start_cluster(log_dir, args.threads)
+    cluster = start_cluster(log_dir, args)
     load_start = os.getloadavg()
     try:
         trials = asyncio.run(run_trials(cluster, args))

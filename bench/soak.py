@@ -216,7 +216,7 @@ class Soak:
 
 
 def run_benchmark(args: argparse.Namespace, log_dir: Path) -> dict:
-    cluster = start_cluster(log_dir, args.threads)
+    cluster = start_cluster(log_dir, args)
     load_start = os.getloadavg()
     try:
         measured = None if args.rate else asyncio.run(capacity(cluster, args, np.random.default_rng(args.seed + 2)))

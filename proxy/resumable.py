@@ -153,6 +153,7 @@ class StreamStore:
         self.window_s = config.resume_window_s
         self.max_events = config.resume_buffer_events
         self.max_bytes = config.resume_buffer_bytes
+        self._drain_timeout_s = config.drain_timeout_s
         self.size = 0
         self.streams: dict[str, ResumableStream] = {}
         self._producers: set[asyncio.Task] = set()
@@ -212,9 +213,10 @@ class StreamStore:
             self.drop(stream)
 
     async def close(self) -> None:
-        """At shutdown, after the cluster cancelled its requests: let the producers write their last events."""
+        """At shutdown, after the cluster cancelled its requests: let the producers write their last events
+        (they end at once; ``drain_timeout_s`` bounds the wait)."""
         if self._producers:
-            await asyncio.wait(set(self._producers), timeout=5)
+            await asyncio.wait(set(self._producers), timeout=self._drain_timeout_s)
 
 
 def wants_resume(raw: str) -> bool:
