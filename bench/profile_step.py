@@ -19,6 +19,7 @@ import time
 from collections import defaultdict
 
 import torch
+from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from common.config.base import EngineConfig
@@ -26,7 +27,8 @@ from common.engine.llm_engine import LLMEngine
 from common.protocol.sampling_params import SamplingParams
 
 GROUPS = (
-    ("matmul", ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "aten::bmm")),
+    ("matmul", ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "aten::bmm", "aten::_int_mm",
+                "mkldnn::_linear_pointwise")),
     ("attention", ("tessera", "paged", "scaled_dot_product", "attention", "aten::_scaled_dot")),
     ("sampling", ("argmax", "softmax", "topk", "multinomial", "sort", "log_softmax", "aten::max")),
     ("copies and casts", ("aten::copy_", "aten::to", "aten::_to_copy", "aten::index", "aten::cat",
@@ -79,24 +81,27 @@ def scenario(engine: LLMEngine, name: str, batch: int, prompt_len: int, decode: 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--quantization", default="none", choices=("none", "int8"))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20, help="decode steps profiled per scenario")
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args(argv)
     torch.set_flush_denormal(True)  # as in a worker process (common/cli/worker_command.py)
     torch.set_num_threads(args.threads)
-    engine = LLMEngine(EngineConfig(model="embedded", dtype=args.dtype, num_threads=args.threads,
+    engine = LLMEngine(EngineConfig(model="embedded", dtype=args.dtype, quantization=args.quantization,
+                                    num_threads=args.threads,
                                     kv_cache_memory_bytes=2 << 30))
     cfg = engine.runner.model.config
-    params = sum(p.numel() for p in engine.runner.model.parameters()) - cfg.vocab_size * cfg.hidden_size
-    flops_per_token = 2.0 * params
+    # every linear layer's weight (a parameter, or an int8 buffer), not the tied embedding
+    flops_per_token = 2.0 * sum(m.weight.numel() for m in engine.runner.model.modules() if isinstance(m, nn.Linear))
     rng = random.Random(args.seed)
     scenario(engine, "warm-up", 2, 64, True, 3, rng, flops_per_token)
     rows = [scenario(engine, "prefill 256 x 1", 1, 256, False, 1, rng, flops_per_token),
             scenario(engine, "prefill 256 x 4", 4, 256, False, 1, rng, flops_per_token)]
     rows += [scenario(engine, f"decode batch {b}", b, 256, True, args.steps, rng, flops_per_token)
              for b in (1, 8, 64)]
-    print(f"{args.dtype}, {args.threads} threads; matmul GFLOP/s counts 2 x non-embedding parameters per token "
+    weights = "int8 weights, " if args.quantization == "int8" else ""
+    print(f"{args.dtype}, {weights}{args.threads} threads; matmul GFLOP/s counts 2 x non-embedding parameters per token "
           "(the LM head's FLOPs are in the time but not the count)\n")
     groups = [g for g, _ in GROUPS] + ["other operators", "Python and glue (wall minus operators)"]
     print("| scenario | step ms | tokens | matmul GFLOP/s | " + " | ".join(groups) + " |")

@@ -214,6 +214,9 @@ class EngineConfig:
     quantization: Quantization = option("none", "weight quantization applied at load: 'int8' stores every "
                                         "linear layer and the embedding as int8 with one scale per output row "
                                         "(common/engine/quantization.py); activations and the KV pool keep dtype")
+    int8_smoothing: Float = option(0.6, "with int8 weights, how much of each input channel's range moves from "
+                                   "the activations into the weights before quantizing (SmoothQuant's alpha, "
+                                   "calibrated on a fixed text at load); 0 turns it off", ge=0.0, le=1.0)
     device: Device = option("cpu", "where the model runs")
     attention_backend: AttentionBackend = option("auto", "attention kernel; auto picks the best one the device has")
     block_size: BlockSize = option(16, "tokens per KV cache block")

@@ -21,11 +21,12 @@ from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.models.llama import FusedDecode
 from common.engine.models.loader import load_model
 from common.engine.native import gemv_bf16_kernel
-from common.engine.quantization import quantize_model_int8
+from common.engine.quantization import calibration_ids, quantize_model_int8, smooth_for_int8
 from common.engine.sampler import Sampler, SamplingRow
 from common.engine.scheduler import StepPlan
 from common.engine.sequence import Sequence
 from common.engine.spec_verify import verify_drafts
+from common.protocol.sampling_params import SamplingParams
 from common.engine.attention import PrefillChunk, StepContext, step_context
 
 log = logging.getLogger(__name__)
@@ -62,14 +63,6 @@ class ModelRunner:
         self.dtype = getattr(torch, config.dtype)
         self.attention = select_backend(config.attention_backend, config.device, config.block_size)
         self.model = load_model(model_dir, self.dtype, config.device, self.attention)
-        if config.quantization == "int8":
-            quantize_model_int8(self.model)
-        if self.dtype is torch.bfloat16 and self.device.type == "cpu":
-            gemv_bf16_kernel()  # built now, not on the first batch-1 decode step (models/llama.py ``linear``)
-            if config.prepack_weights and (added := self.model.prepack_weights()):  # int8 weights: none packed
-                log.info("linear weights prepacked for oneDNN (+%.1f MiB; engine.prepack_weights)", added / 2**20)
-        if self.device.type == "cpu" and self.attention.name == "cpu_paged" and config.decode_kernel_max_batch:
-            self.model.fused_decode = FusedDecode(self.model, config.decode_kernel_max_batch)
         hf = self.model.config
         attn = self.model.layers[0].self_attn
         self.layout = KVLayout(hf.num_hidden_layers, config.block_size, attn.num_kv_heads, attn.head_dim, config.dtype)
@@ -78,6 +71,17 @@ class ModelRunner:
         limit = self.model.rope.max_positions
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.vocab_size = hf.vocab_size
+        if config.quantization == "int8":
+            if config.int8_smoothing:
+                ids = calibration_ids(model_dir)
+                smooth_for_int8(self.model, lambda: self._forward_prompt(ids), config.int8_smoothing)
+            quantize_model_int8(self.model)
+        if self.dtype is torch.bfloat16 and self.device.type == "cpu":
+            gemv_bf16_kernel()  # built now, not on the first batch-1 decode step (models/llama.py ``linear``)
+            if config.prepack_weights and (added := self.model.prepack_weights()):  # int8 weights: none packed
+                log.info("linear weights prepacked for oneDNN (+%.1f MiB; engine.prepack_weights)", added / 2**20)
+        if self.device.type == "cpu" and self.attention.name == "cpu_paged" and config.decode_kernel_max_batch:
+            self.model.fused_decode = FusedDecode(self.model, config.decode_kernel_max_batch)
         self.sampler = Sampler()
         log.info(
             "model loaded: %s layers, dtype %s, weights %s, attention %s; KV pool %d blocks x %d tokens (%.1f MiB)",
@@ -172,6 +176,14 @@ class ModelRunner:
         """Hidden states of every row of the flat batch."""
         with step_context(prepared.context):
             return self.model(prepared.input_ids, prepared.positions)
+
+    def _forward_prompt(self, token_ids: list[int]) -> torch.Tensor:
+        """One prompt's forward outside any schedule (calibration), written over the pool's first blocks:
+        only at load, before the pool has an owner."""
+        ids = [t % self.vocab_size for t in token_ids][: min(self.max_model_len, self.num_blocks * self.config.block_size)]
+        seq = Sequence("calibration", ids, SamplingParams(), seed=0)
+        seq.block_table = list(range(-(-len(ids) // self.config.block_size)))
+        return self.forward(self.prepare(StepPlan([seq], [len(ids)])))
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepSample:

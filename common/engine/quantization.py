@@ -14,17 +14,32 @@ weight-sized copy; each path computes on the int8 values:
   instructions), then scaled back: W8A8 with dynamic per-token scales.
 
 The embedding lookup widens only the looked-up rows. Activations, norms, the
-residual stream and the KV pool keep ``engine.dtype``. The accuracy cost
-(greedy agreement with bfloat16, perplexity) is in docs/benchmarks.md.
+residual stream and the KV pool keep ``engine.dtype``.
+
+Per-token activation scales lose the small channels of a row whose few
+outlier channels set its scale. Before quantizing, ``smooth_for_int8``
+(SmoothQuant, Xiao et al. 2023) moves part of each input channel's range from
+the activations into the weights: ``s_j = max|x_j|^a / max|w_j|^(1-a)``, with
+``max|x_j|`` measured on a fixed calibration text (``data/calibration.txt``)
+and ``a`` = ``engine.int8_smoothing``. The division by ``s`` is folded into
+what produces the activation (the RMSNorm weight before q/k/v and gate/up,
+the up rows before down), so the model computes the same function and no
+step does extra work. The accuracy cost (greedy agreement with bfloat16,
+perplexity) is in docs/benchmarks.md.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from common.engine.native import kernel_function
+from common.text.tokenizer import Tokenizer
 
 SMALL_BATCH_ROWS = 8  # decode_forward.c's MAX_ROWS
 
@@ -42,6 +57,17 @@ def linear_int8_kernel():
     return kernel_function("decode_forward", "tessera_linear_int8", (ctypes.c_void_p,) * 5 + (ctypes.c_int,) * 4)
 
 
+@functools.cache
+def quant_kernels():
+    """``(tessera_quantize_rows, tessera_dequantize_rows)`` of ``kernels/quant.c``, or ``(None, None)``
+    without a compiler (looked up once: every layer asks)."""
+    quantize = kernel_function("quant", "tessera_quantize_rows", (ctypes.c_void_p,) * 3 + (ctypes.c_int64,
+                                                                                            ctypes.c_int, ctypes.c_int))
+    dequantize = kernel_function("quant", "tessera_dequantize_rows",
+                                 (ctypes.c_void_p,) * 5 + (ctypes.c_int64, ctypes.c_int, ctypes.c_int))
+    return quantize, dequantize
+
+
 def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ (q * scale)^T + bias`` without materializing the dequantized weight."""
     rows = x.shape[0]
@@ -54,7 +80,20 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
             if kernel(x.data_ptr(), q.data_ptr(), scale.data_ptr(), bias_ptr, out.data_ptr(), rows, q.shape[0],
                       q.shape[1], int(x.dtype is torch.bfloat16)) == 0:
                 return out
-    xf = x.reshape(-1, x.shape[-1]).float()
+    x2 = x.reshape(-1, x.shape[-1])
+    quantize, dequantize = quant_kernels()
+    if (quantize is not None and x2.dtype in (torch.float32, torch.bfloat16) and x2.is_contiguous()
+            and (bias is None or (bias.dtype is x2.dtype and bias.is_contiguous()))):
+        bf16 = int(x2.dtype is torch.bfloat16)
+        xq = torch.empty(x2.shape, dtype=torch.int8)
+        x_scale = torch.empty(x2.shape[0], dtype=torch.float32)
+        quantize(x2.data_ptr(), xq.data_ptr(), x_scale.data_ptr(), x2.shape[0], x2.shape[1], bf16)
+        acc = torch._int_mm(xq, q.t())
+        out = torch.empty(acc.shape, dtype=x.dtype)
+        dequantize(acc.data_ptr(), x_scale.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(),
+                   out.data_ptr(), acc.shape[0], acc.shape[1], bf16)
+        return out.reshape(*x.shape[:-1], q.shape[0])
+    xf = x2.float()
     x_scale = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-8) / 127.0
     xq = torch.round(xf / x_scale).to(torch.int8)
     acc = torch._int_mm(xq, q.t())
@@ -76,6 +115,61 @@ class Int8Embedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return (self.weight[input_ids].float() * self.weight_scale[input_ids, None]).to(self.dtype)
+
+
+def calibration_ids(model_dir: str | Path) -> list[int]:
+    """``data/calibration.txt`` as the model's tokens; a model directory without a tokenizer (the tests' tiny
+    models) gets the text's UTF-8 bytes."""
+    text = resources.files("common.engine").joinpath("data/calibration.txt").read_text(encoding="utf-8")
+    if not (Path(model_dir) / "tokenizer.json").is_file():
+        return list(text.encode())
+    return Tokenizer(model_dir).encode(text)
+
+
+def input_absmax(model: nn.Module, modules: list[nn.Module], run: Callable[[], object]) -> list[torch.Tensor]:
+    """Per input channel, the largest ``|x|`` each of ``modules`` saw while ``run()`` ran the model."""
+    seen: dict[int, torch.Tensor] = {}
+
+    def record(module, args):
+        x = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(dim=0).float()
+        seen[id(module)] = x if id(module) not in seen else torch.maximum(seen[id(module)], x)
+
+    hooks = [m.register_forward_pre_hook(record) for m in modules]
+    try:
+        run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [seen[id(m)] for m in modules]
+
+
+def _smoothing(absmax: torch.Tensor, *weights: torch.Tensor, alpha: float) -> torch.Tensor:
+    w = torch.stack([weight.float().abs().amax(dim=0) for weight in weights]).amax(dim=0)
+    return (absmax.clamp(min=1e-5) ** alpha / w.clamp(min=1e-5) ** (1 - alpha)).clamp(min=1e-5)
+
+
+@torch.no_grad()
+def smooth_for_int8(model: nn.Module, run: Callable[[], object], alpha: float) -> None:
+    """Rescales ``model`` in place (the same function, before quantizing): the inputs of each layer's q/k/v,
+    gate/up and down projections, as measured by ``run()`` (a forward over the calibration text), lose a
+    factor ``s`` per channel that their weights' columns gain. The attention output (o_proj's input) is
+    left alone: with grouped-query heads its channels cannot be rescaled through v alone, and measured, it
+    gained nothing."""
+    layers = list(model.layers)
+    modules = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    absmax = iter(input_absmax(model, modules, run))
+    for layer in layers:
+        qkv, gate_up, down = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+        for norm, linear in ((layer.input_layernorm, qkv), (layer.post_attention_layernorm, gate_up)):
+            s = _smoothing(next(absmax), linear.weight, alpha=alpha)
+            norm.weight.copy_(norm.weight.float() / s)
+            linear.weight.copy_(linear.weight.float() * s)
+        s = _smoothing(next(absmax), down.weight, alpha=alpha)
+        up = gate_up.weight[layer.mlp.intermediate:]
+        up.copy_(up.float() / s[:, None])
+        if gate_up.bias is not None:
+            gate_up.bias[layer.mlp.intermediate:].copy_(gate_up.bias[layer.mlp.intermediate:].float() / s)
+        down.weight.copy_(down.weight.float() * s)
 
 
 def quantize_model_int8(model: nn.Module) -> None:

@@ -7,7 +7,7 @@ from common.config.base import ConfigError, EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.engine.model_runner import ModelRunner
 from common.engine.models.llama import decode_forward_kernel
-from common.engine.quantization import linear_int8, quantize_rows
+from common.engine.quantization import input_absmax, linear_int8, quant_kernels, quantize_rows, smooth_for_int8
 from common.engine.scheduler import StepPlan
 from common.engine.sequence import Sequence
 from common.protocol.sampling_params import SamplingParams
@@ -147,3 +147,39 @@ def test_prepacked_bfloat16_weights_give_the_plain_weights_logits_bit_for_bit(ti
             prepared = runner.prepare(plan)
             logits.append(runner.model.compute_logits(runner.forward(prepared)))
     assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_quantize_and_dequantize_kernels_match_the_torch_passes(dtype):
+    quantize, dequantize = quant_kernels()
+    if quantize is None:
+        pytest.skip("no C compiler: the torch passes are the only path")
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(37, 83, generator=gen) * torch.linspace(0.1, 4.0, 83)).to(dtype)  # 83: a scalar tail
+    xq, xs = torch.empty(x.shape, dtype=torch.int8), torch.empty(37)
+    quantize(x.data_ptr(), xq.data_ptr(), xs.data_ptr(), 37, 83, int(dtype is torch.bfloat16))
+    expected_scale = x.float().abs().amax(dim=1) / 127.0
+    assert torch.allclose(xs, expected_scale, rtol=1e-6)
+    # x * (1 / scale) against torch's x / scale: at most one step apart where a value sits on a half
+    assert (xq.int() - torch.round(x.float() / expected_scale[:, None]).int()).abs().max().item() <= 1
+    acc = torch.randint(-50_000, 50_000, (37, 35), dtype=torch.int32, generator=gen)
+    ws, bias = torch.rand(35, generator=gen), torch.randn(35, generator=gen).to(dtype)
+    out = torch.empty((37, 35), dtype=dtype)
+    dequantize(acc.data_ptr(), xs.data_ptr(), ws.data_ptr(), bias.data_ptr(), out.data_ptr(), 37, 35,
+               int(dtype is torch.bfloat16))
+    reference = acc.float() * xs[:, None] * ws + bias.float()
+    tolerance = 1e-5 if dtype is torch.float32 else 2 ** -8
+    assert torch.allclose(out.float(), reference, rtol=tolerance, atol=1e-5)
+
+
+def test_smoothing_keeps_the_function_and_narrows_the_activations(tiny_dir):
+    plain = runner_for(tiny_dir)
+    smoothed = runner_for(tiny_dir)
+    ids = list(range(3, 40))
+    before = input_absmax(smoothed.model, [smoothed.model.layers[0].mlp.down_proj], lambda: smoothed._forward_prompt(ids))[0]
+    smooth_for_int8(smoothed.model, lambda: smoothed._forward_prompt(ids), alpha=0.6)
+    after = input_absmax(smoothed.model, [smoothed.model.layers[0].mlp.down_proj], lambda: smoothed._forward_prompt(ids))[0]
+    # float32: the rescaled model computes what the original did, up to rounding
+    assert torch.allclose(smoothed._forward_prompt(ids), plain._forward_prompt(ids), atol=1e-4, rtol=1e-4)
+    # the activations' spread across channels (what per-token scales lose) shrinks
+    assert (after.max() / after.min()).item() < (before.max() / before.min()).item()

@@ -1,0 +1,94 @@
+/*
+ * The two passes around W8A8's int8 matmul (common/engine/quantization.py), on the CPU:
+ *
+ *   tessera_quantize_rows:   x [m, k] (float32 or bfloat16) -> q [m, k] int8 and scale [m] float32, symmetric
+ *                            per row: scale = max|x_row| / 127 (at least 1e-8 / 127), q = round(x / scale),
+ *                            half to even as torch.round.
+ *   tessera_dequantize_rows: acc [m, n] int32 (torch._int_mm's sums) -> out [m, n] = acc * xs[row] * ws[col]
+ *                            (+ bias[col]), rounded once to out's dtype.
+ *
+ * Done with torch operators these were six passes over the batch, each with an allocation, and at 512 rows
+ * they cost more than the int8 matmul saved (docs/benchmarks.md, "int8 at saturation"). Rows are split over
+ * torch's OpenMP threads; with AVX-512 a row goes 16 values at a time, and widths that are not a multiple of
+ * 16 take the scalar loop for the rest.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "bf16.h"
+#include "simd.h"
+
+#define MIN_ABSMAX 1e-8f
+
+static inline float ld(const void *p, int bf16, int64_t i) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline int8_t q8(float v) { return (int8_t)fminf(127.f, fmaxf(-127.f, nearbyintf(v))); }
+
+static inline __attribute__((always_inline)) void quantize_row(const void *x, int8_t *q, float *scale,
+                                                               int64_t base, int k, const int bf16)
+{
+    int i = 0;
+    float amax = 0.f;
+#if defined(__AVX512F__)
+    __m512 vmax = _mm512_setzero_ps();
+    for (; i + 16 <= k; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16(x, bf16, base + i)));
+    amax = _mm512_reduce_max_ps(vmax);
+#endif
+    for (; i < k; i++) amax = fmaxf(amax, fabsf(ld(x, bf16, base + i)));
+    float s = fmaxf(amax, MIN_ABSMAX) / 127.f;
+    float inv = 1.f / s;
+    *scale = s;
+    i = 0;
+#if defined(__AVX512F__)
+    __m512 vinv = _mm512_set1_ps(inv);
+    for (; i + 16 <= k; i += 16) {
+        __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x, bf16, base + i), vinv)); /* nearest even */
+        _mm_storeu_si128((__m128i *)(q + base + i), _mm512_cvtsepi32_epi8(r));
+    }
+#endif
+    for (; i < k; i++) q[base + i] = q8(ld(x, bf16, base + i) * inv);
+}
+
+int tessera_quantize_rows(const void *x, int8_t *q, float *scale, int64_t m, int k, int bf16)
+{
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < m; r++) {
+        if (bf16) quantize_row(x, q, scale + r, r * k, k, 1);
+        else quantize_row(x, q, scale + r, r * k, k, 0);
+    }
+    return 0;
+}
+
+static inline __attribute__((always_inline)) void dequantize_row(const int32_t *acc, float xs, const float *ws,
+                                                                 const void *bias, void *out, int64_t base,
+                                                                 int n, const int bf16)
+{
+    int j = 0;
+#if defined(__AVX512F__)
+    __m512 vxs = _mm512_set1_ps(xs);
+    for (; j + 16 <= n; j += 16) {
+        __m512 a = _mm512_cvtepi32_ps(_mm512_loadu_si512((const void *)(acc + base + j)));
+        __m512 v = _mm512_mul_ps(_mm512_mul_ps(a, vxs), _mm512_loadu_ps(ws + j));
+        if (bias != 0) v = _mm512_add_ps(v, load16(bias, bf16, j));
+        store16(out, bf16, base + j, v);
+    }
+#endif
+    for (; j < n; j++) {
+        float v = (float)acc[base + j] * xs * ws[j] + (bias != 0 ? ld(bias, bf16, j) : 0.f);
+        if (bf16) ((uint16_t *)out)[base + j] = f32_to_bf16(v);
+        else ((float *)out)[base + j] = v;
+    }
+}
+
+int tessera_dequantize_rows(const int32_t *acc, const float *xs, const float *ws, const void *bias, void *out,
+                            int64_t m, int n, int bf16)
+{
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < m; r++) {
+        if (bf16) dequantize_row(acc, xs[r], ws, bias, out, r * n, n, 1);
+        else dequantize_row(acc, xs[r], ws, bias, out, r * n, n, 0);
+    }
+    return 0;
+}
