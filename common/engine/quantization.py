@@ -68,6 +68,13 @@ def quant_kernels():
     return quantize, dequantize
 
 
+@functools.cache
+def silu_mul_quantize_kernel():
+    """``tessera_silu_mul_quantize`` of ``kernels/quant.c``, or None without a compiler."""
+    return kernel_function("quant", "tessera_silu_mul_quantize",
+                           (ctypes.c_void_p,) * 7 + (ctypes.c_int64, ctypes.c_int, ctypes.c_int))
+
+
 def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ (q * scale)^T + bias`` without materializing the dequantized weight."""
     rows = x.shape[0]
@@ -80,27 +87,55 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
             if kernel(x.data_ptr(), q.data_ptr(), scale.data_ptr(), bias_ptr, out.data_ptr(), rows, q.shape[0],
                       q.shape[1], int(x.dtype is torch.bfloat16)) == 0:
                 return out
-    x2 = x.reshape(-1, x.shape[-1])
-    quantize, dequantize = quant_kernels()
-    if (quantize is not None and x2.dtype in (torch.float32, torch.bfloat16) and x2.is_contiguous()
-            and (bias is None or (bias.dtype is x2.dtype and bias.is_contiguous()))):
-        bf16 = int(x2.dtype is torch.bfloat16)
-        xq = torch.empty(x2.shape, dtype=torch.int8)
-        x_scale = torch.empty(x2.shape[0], dtype=torch.float32)
-        quantize(x2.data_ptr(), xq.data_ptr(), x_scale.data_ptr(), x2.shape[0], x2.shape[1], bf16)
-        acc = torch._int_mm(xq, q.t())
-        out = torch.empty(acc.shape, dtype=x.dtype)
-        dequantize(acc.data_ptr(), x_scale.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(),
-                   out.data_ptr(), acc.shape[0], acc.shape[1], bf16)
-        return out.reshape(*x.shape[:-1], q.shape[0])
-    xf = x2.float()
-    x_scale = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-8) / 127.0
-    xq = torch.round(xf / x_scale).to(torch.int8)
-    acc = torch._int_mm(xq, q.t())
-    out = (acc.float() * x_scale * scale).to(x.dtype)
-    if bias is not None:
-        out += bias
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    xq, x_scale = quantize_activations(x2)
+    out = dequantize(torch._int_mm(xq, q.t()), x_scale, scale, bias, x.dtype)
     return out.reshape(*x.shape[:-1], q.shape[0])
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [rows, k] as int8 with one float32 scale per row (``scale = max|x_row| / 127``)."""
+    quantize, _ = quant_kernels()
+    if quantize is not None and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous():
+        xq = torch.empty(x.shape, dtype=torch.int8)
+        x_scale = torch.empty(x.shape[0], dtype=torch.float32)
+        quantize(x.data_ptr(), xq.data_ptr(), x_scale.data_ptr(), x.shape[0], x.shape[1], int(x.dtype is torch.bfloat16))
+        return xq, x_scale
+    xf = x.float()
+    x_scale = xf.abs().amax(dim=1).clamp_(min=1e-8) / 127.0
+    return torch.round(xf / x_scale[:, None]).to(torch.int8), x_scale
+
+
+def dequantize(acc: torch.Tensor, x_scale: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+               dtype: torch.dtype) -> torch.Tensor:
+    """``acc * x_scale[row] * scale[col] (+ bias)`` in ``dtype``."""
+    _, kernel = quant_kernels()
+    if kernel is not None and dtype in (torch.float32, torch.bfloat16) and (
+            bias is None or (bias.dtype is dtype and bias.is_contiguous())):
+        out = torch.empty(acc.shape, dtype=dtype)
+        kernel(acc.data_ptr(), x_scale.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(),
+               out.data_ptr(), acc.shape[0], acc.shape[1], int(dtype is torch.bfloat16))
+        return out
+    out = (acc.float() * x_scale[:, None] * scale).to(dtype)
+    return out if bias is None else out + bias
+
+
+def mlp_int8(x: torch.Tensor, gate_up: nn.Module, down: nn.Module, inter: int) -> torch.Tensor | None:
+    """``down(silu(gate) * up)`` for a batch past the small-batch kernel, with int8 weights: gate_up's int32
+    sums go to down's int8 input in one C pass (``tessera_silu_mul_quantize``). None where that kernel is
+    missing or the batch is small (the caller takes the layer-by-layer path)."""
+    kernel = silu_mul_quantize_kernel()
+    if kernel is None or x.dim() != 2 or x.shape[0] <= SMALL_BATCH_ROWS:
+        return None
+    xq, x_scale = quantize_activations(x.contiguous())
+    acc = torch._int_mm(xq, gate_up.weight.t())
+    threads = torch.get_num_threads()
+    aq, a_scale = torch.empty((x.shape[0], inter), dtype=torch.int8), torch.empty(x.shape[0], dtype=torch.float32)
+    bias = None if gate_up.bias is None else gate_up.bias.float().contiguous()
+    scratch = torch.empty((threads, inter))  # one float32 row per thread; held until the call returns
+    kernel(acc.data_ptr(), x_scale.data_ptr(), gate_up.weight_scale.data_ptr(), None if bias is None else bias.data_ptr(),
+           aq.data_ptr(), a_scale.data_ptr(), scratch.data_ptr(), x.shape[0], inter, threads)
+    return dequantize(torch._int_mm(aq, down.weight.t()), a_scale, down.weight_scale, down.bias, x.dtype)
 
 
 class Int8Embedding(nn.Module):

@@ -7,7 +7,7 @@ from common.config.base import ConfigError, EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.engine.model_runner import ModelRunner
 from common.engine.models.llama import decode_forward_kernel
-from common.engine.quantization import input_absmax, linear_int8, quant_kernels, quantize_rows, smooth_for_int8
+from common.engine.quantization import input_absmax, linear_int8, mlp_int8, quant_kernels, quantize_rows, smooth_for_int8
 from common.engine.scheduler import StepPlan
 from common.engine.sequence import Sequence
 from common.protocol.sampling_params import SamplingParams
@@ -183,3 +183,17 @@ def test_smoothing_keeps_the_function_and_narrows_the_activations(tiny_dir):
     assert torch.allclose(smoothed._forward_prompt(ids), plain._forward_prompt(ids), atol=1e-4, rtol=1e-4)
     # the activations' spread across channels (what per-token scales lose) shrinks
     assert (after.max() / after.min()).item() < (before.max() / before.min()).item()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int8_mlp_in_one_pass_matches_the_layer_by_layer_path(tiny_dir, dtype):
+    mlp = runner_for(tiny_dir, dtype=dtype, quantization="int8").model.layers[0].mlp
+    x = torch.randn(20, mlp.gate_up_proj.weight.shape[1], generator=torch.Generator().manual_seed(5)).to(getattr(torch, dtype))
+    fused = mlp_int8(x, mlp.gate_up_proj, mlp.down_proj, mlp.intermediate)
+    assert fused is not None, "20 rows take the one-pass path where the kernel builds"
+    gate_up = linear_int8(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.weight_scale, mlp.gate_up_proj.bias).float()
+    act = torch.nn.functional.silu(gate_up[:, :mlp.intermediate]) * gate_up[:, mlp.intermediate:]
+    reference = linear_int8(act.to(x.dtype), mlp.down_proj.weight, mlp.down_proj.weight_scale, mlp.down_proj.bias)
+    # both quantize down's input per row; the one-pass path skips rounding gate/up to dtype first
+    assert (fused.float() - reference.float()).abs().max().item() <= 0.03 * reference.float().abs().max().item()
+    assert mlp_int8(x[:8], mlp.gate_up_proj, mlp.down_proj, mlp.intermediate) is None  # the small-batch kernel's

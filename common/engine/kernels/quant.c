@@ -6,6 +6,10 @@
  *                            half to even as torch.round.
  *   tessera_dequantize_rows: acc [m, n] int32 (torch._int_mm's sums) -> out [m, n] = acc * xs[row] * ws[col]
  *                            (+ bias[col]), rounded once to out's dtype.
+ *   tessera_silu_mul_quantize: the MLP's middle in one pass, from gate_up's int32 sums [m, 2 * inter] to
+ *                            down_proj's int8 input: gate and up dequantized (as above, in float32),
+ *                            a = silu(gate) * up, then a quantized per row as tessera_quantize_rows does. Neither
+ *                            gate_up's output nor a is ever written out.
  *
  * Done with torch operators these were six passes over the batch, each with an allocation, and at 512 rows
  * they cost more than the int8 matmul saved (docs/benchmarks.md, "int8 at saturation"). Rows are split over
@@ -13,6 +17,7 @@
  * 16 take the scalar loop for the rest.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 
 #include "bf16.h"
@@ -89,6 +94,47 @@ int tessera_dequantize_rows(const int32_t *acc, const float *xs, const float *ws
     for (int64_t r = 0; r < m; r++) {
         if (bf16) dequantize_row(acc, xs[r], ws, bias, out, r * n, n, 1);
         else dequantize_row(acc, xs[r], ws, bias, out, r * n, n, 0);
+    }
+    return 0;
+}
+
+/* silu(gate) * up of one row, gate and up dequantized from acc (row width 2 * inter), into a (float32) */
+static void silu_mul_row(const int32_t *acc, float xs, const float *ws, const float *bias, float *a, int inter)
+{
+    int i = 0;
+#if defined(__AVX512F__)
+    __m512 vxs = _mm512_set1_ps(xs);
+    for (; i + 16 <= inter; i += 16) {
+        __m512 g = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512((const void *)(acc + i))), vxs),
+                                 _mm512_loadu_ps(ws + i));
+        __m512 u = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512((const void *)(acc + inter + i))),
+                                               vxs), _mm512_loadu_ps(ws + inter + i));
+        if (bias != 0) {
+            g = _mm512_add_ps(g, _mm512_loadu_ps(bias + i));
+            u = _mm512_add_ps(u, _mm512_loadu_ps(bias + inter + i));
+        }
+        __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+        __m512 inv = _mm512_rcp14_ps(d); /* 1/d to 14 bits, one Newton step to full float32 */
+        inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(2.f)));
+        _mm512_storeu_ps(a + i, _mm512_mul_ps(_mm512_mul_ps(g, inv), u));
+    }
+#endif
+    for (; i < inter; i++) {
+        float g = (float)acc[i] * xs * ws[i] + (bias != 0 ? bias[i] : 0.f);
+        float u = (float)acc[inter + i] * xs * ws[inter + i] + (bias != 0 ? bias[inter + i] : 0.f);
+        a[i] = g / (1.f + expf(-g)) * u;
+    }
+}
+
+/* bias: float32 [2 * inter] or NULL; scratch: float32 [threads, inter], one row per OpenMP thread */
+int tessera_silu_mul_quantize(const int32_t *acc, const float *xs, const float *ws, const float *bias, int8_t *q,
+                              float *scale, float *scratch, int64_t m, int inter, int threads)
+{
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < m; r++) {
+        float *a = scratch + (int64_t)omp_get_thread_num() * inter;
+        silu_mul_row(acc + r * 2 * (int64_t)inter, xs[r], ws, bias, a, inter);
+        quantize_row(a, q + r * (int64_t)inter, scale + r, 0, inter, 0);
     }
     return 0;
 }

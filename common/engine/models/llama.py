@@ -23,7 +23,7 @@ from torch import nn
 from common.engine.attention import get_step_context
 from common.engine.models.rope import RotaryEmbedding, rotate
 from common.engine.native import gemv_bf16_kernel, kernel_function
-from common.engine.quantization import SMALL_BATCH_ROWS, linear_int8
+from common.engine.quantization import SMALL_BATCH_ROWS, linear_int8, mlp_int8
 
 GEMV_MAX_K = 16384  # kernels/gemv_bf16.c's limit on the input width
 
@@ -195,6 +195,10 @@ class MLP(nn.Module):
             raise NotImplementedError(f"hidden_act {cfg.hidden_act!r} (only silu is supported)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj.weight.dtype is torch.int8:
+            out = mlp_int8(x, self.gate_up_proj, self.down_proj, self.intermediate)
+            if out is not None:
+                return out
         gate_up = self.gate_up_proj(x)
         kernel = elementwise_kernel("tessera_silu_mul") if _c_elementwise(gate_up) else None
         if kernel is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
