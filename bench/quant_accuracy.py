@@ -2,8 +2,10 @@
 
     .venv/bin/python -m bench.quant_accuracy [--max-tokens 64] [--threads 2]
 
-Three engines on the embedded model, one after the other: float32, bfloat16,
-and bfloat16 activations with int8 weights (``engine.quantization=int8``).
+Four engines on the embedded model, one after the other: float32, bfloat16,
+and bfloat16 activations with int8 weights (``engine.quantization=int8``),
+with and without the smoothing that int8 applies by default
+(``engine.int8_smoothing``).
 - Greedy agreement: every prompt of the shipped prompt set
   (``bench/loadgen/prompt_set.json``, as chat messages) runs greedily for
   ``--max-tokens`` tokens; against the bfloat16 outputs, the share of
@@ -29,7 +31,8 @@ from common.engine.scheduler import StepPlan
 from common.engine.sequence import Sequence
 from common.protocol.sampling_params import SamplingParams
 
-SETTINGS = (("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"))
+# (dtype, quantization, int8_smoothing): None keeps the configured default
+SETTINGS = (("float32", "none", None), ("bfloat16", "none", None), ("bfloat16", "int8", 0.0), ("bfloat16", "int8", None))
 
 
 def perplexity(engine: LLMEngine, ids: list[int]) -> float:
@@ -62,24 +65,29 @@ def main(argv: list[str] | None = None) -> int:
     prompt_set = json.loads(resources.files("bench.loadgen").joinpath("prompt_set.json").read_text())
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     outputs, ppl = {}, {}
-    for dtype, quantization in SETTINGS:
-        engine = LLMEngine(EngineConfig(model="embedded", dtype=dtype, quantization=quantization,
+    for setting in SETTINGS:
+        dtype, quantization, smoothing = setting
+        smoothing_option = {} if smoothing is None else {"int8_smoothing": smoothing}
+        engine = LLMEngine(EngineConfig(model="embedded", dtype=dtype, quantization=quantization, **smoothing_option,
                                         num_threads=args.threads, kv_cache_memory_bytes=1 << 30))
         tok = engine.tokenizer
         prompts = [tok.apply_chat_template([{"role": "user", "content": p["prompt"]}]) for p in prompt_set["prompts"]]
-        outputs[(dtype, quantization)] = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+        outputs[setting] = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
         text_ids = tok.encode("\n\n".join(prompt_set["passages"]))[: args.ppl_tokens]
-        ppl[(dtype, quantization)] = perplexity(engine, text_ids)
+        ppl[setting] = perplexity(engine, text_ids)
         del engine
-    reference = outputs[("bfloat16", "none")]
+    reference = outputs[SETTINGS[1]]
     print(f"{len(reference)} prompts of the shipped set, greedy, {args.max_tokens} tokens at most; perplexity over "
           f"{len(text_ids)} tokens of its passages\n")
     print("| weights / activations | identical to bf16 | mean agreeing prefix | perplexity |")
     print("|---|---|---|---|")
-    for dtype, quantization in SETTINGS:
-        identical, prefix = agreement(outputs[(dtype, quantization)], reference)
+    for setting in SETTINGS:
+        dtype, quantization, smoothing = setting
+        identical, prefix = agreement(outputs[setting], reference)
         name = f"{'int8' if quantization == 'int8' else dtype} / {dtype}"
-        print(f"| {name} | {100 * identical:.0f}% | {100 * prefix:.1f}% | {ppl[(dtype, quantization)]:.3f} |")
+        if quantization == "int8":
+            name += ", unsmoothed" if smoothing == 0.0 else ", smoothed (default)"
+        print(f"| {name} | {100 * identical:.0f}% | {100 * prefix:.1f}% | {ppl[setting]:.3f} |")
     return 0
 
 
