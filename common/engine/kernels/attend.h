@@ -31,6 +31,27 @@ static inline void load_row(const void *base, int64_t offset, int is_bf16, int d
     }
 }
 
+/* Blocks lie anywhere in the pool: while the block at `start` is computed, fetch the K/V rows of the blocks
+ * PREFETCH_AHEAD ahead (and, at the first block, the next one too), so the reads overlap the arithmetic instead
+ * of waiting on memory one block after another. */
+static inline __attribute__((always_inline)) void prefetch_ahead(
+    const void *kv, const int64_t *table, int64_t start, int64_t len, int block_size, int64_t block_stride,
+    int64_t k_offset, int64_t v_offset, int kvh, const int head_dim, int64_t token_stride, const int is_bf16)
+{
+    for (int64_t ahead = (start == 0 ? 1 : PREFETCH_AHEAD); ahead <= PREFETCH_AHEAD; ahead++) {
+        if (start + ahead * block_size >= len) break;
+        int64_t next = table[start / block_size + ahead] * block_stride + (int64_t)kvh * head_dim;
+        int elem = is_bf16 ? 2 : 4;
+        const char *kn = (const char *)kv + (next + k_offset) * elem;
+        const char *vn = (const char *)kv + (next + v_offset) * elem;
+        for (int t = 0; t < block_size; t++)
+            for (int64_t b = 0; b < (int64_t)head_dim * elem; b += 64) {
+                __builtin_prefetch(kn + t * token_stride * elem + b);
+                __builtin_prefetch(vn + t * token_stride * elem + b);
+            }
+    }
+}
+
 /*
  * q:            [rows, num_heads, head_dim]
  * kv:           pool base; element (block, token, kv_head, dim) of this layer's K is at
@@ -72,20 +93,8 @@ static inline __attribute__((always_inline)) void attend_one_scalar(
             int64_t kbase = block * block_stride + k_offset + (int64_t)kvh * head_dim;
             int64_t vbase = block * block_stride + v_offset + (int64_t)kvh * head_dim;
             int64_t token_stride = (int64_t)num_kv_heads * head_dim;
-            /* Blocks lie anywhere in the pool: fetch the rows of the blocks PREFETCH_AHEAD ahead now, so the
-             * reads overlap this block's arithmetic instead of waiting on memory one block after another. */
-            for (int64_t ahead = (start == 0 ? 1 : PREFETCH_AHEAD); ahead <= PREFETCH_AHEAD; ahead++) {
-                if (start + ahead * block_size >= len) break;
-                int64_t next = table[start / block_size + ahead] * block_stride + (int64_t)kvh * head_dim;
-                int elem = is_bf16 ? 2 : 4;
-                const char *kn = (const char *)kv + (next + k_offset) * elem;
-                const char *vn = (const char *)kv + (next + v_offset) * elem;
-                for (int t = 0; t < block_size; t++)
-                    for (int64_t b = 0; b < (int64_t)head_dim * elem; b += 64) {
-                        __builtin_prefetch(kn + t * token_stride * elem + b);
-                        __builtin_prefetch(vn + t * token_stride * elem + b);
-                    }
-            }
+            prefetch_ahead(kv, table, start, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim,
+                           token_stride, is_bf16);
 
             for (int t = 0; t < n; t++) {
                 load_row(kv, kbase + t * token_stride, is_bf16, head_dim, krow);
@@ -169,18 +178,8 @@ static inline __attribute__((always_inline)) void attend_one_avx512(
         int n = (int)(len - start < block_size ? len - start : block_size);
         int64_t kbase = block * block_stride + k_offset + (int64_t)kvh * head_dim;
         int64_t vbase = block * block_stride + v_offset + (int64_t)kvh * head_dim;
-        for (int64_t ahead = (start == 0 ? 1 : PREFETCH_AHEAD); ahead <= PREFETCH_AHEAD; ahead++) {
-            if (start + ahead * block_size >= len) break;
-            int64_t next = table[start / block_size + ahead] * block_stride + (int64_t)kvh * head_dim;
-            int elem = is_bf16 ? 2 : 4;
-            const char *kn = (const char *)kv + (next + k_offset) * elem;
-            const char *vn = (const char *)kv + (next + v_offset) * elem;
-            for (int t = 0; t < block_size; t++)
-                for (int64_t b = 0; b < (int64_t)head_dim * elem; b += 64) {
-                    __builtin_prefetch(kn + t * token_stride * elem + b);
-                    __builtin_prefetch(vn + t * token_stride * elem + b);
-                }
-        }
+        prefetch_ahead(kv, table, start, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim,
+                       token_stride, is_bf16);
 
         for (int t = 0; t < n; t++) {
             for (int b = 0; b < nb; b++) row[b] = load16(kv, is_bf16, kbase + t * token_stride + 16 * b);
