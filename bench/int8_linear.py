@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
         bf16 = per_call_ms(lambda: mlp(x), args.repeat)
         by_layer = per_call_ms(layer_by_layer, args.repeat)
-        one = per_call_ms(lambda: mlp_int8(x, mlp_int8_layers.gate_up_proj, mlp_int8_layers.down_proj, inter),
+        one = per_call_ms(lambda: mlp_int8(x, mlp_int8_layers.gate_up_proj, mlp_int8_layers.down_proj),
                           args.repeat) if rows > 8 else float("nan")
         print(f"| {rows} | {bf16:.2f} | {by_layer:.2f} | {one:.2f} | {bf16 / one:.2f}x |")
     return 0

@@ -120,13 +120,14 @@ def dequantize(acc: torch.Tensor, x_scale: torch.Tensor, scale: torch.Tensor, bi
     return out if bias is None else out + bias
 
 
-def mlp_int8(x: torch.Tensor, gate_up: nn.Module, down: nn.Module, inter: int) -> torch.Tensor | None:
+def mlp_int8(x: torch.Tensor, gate_up: nn.Module, down: nn.Module) -> torch.Tensor | None:
     """``down(silu(gate) * up)`` for a batch past the small-batch kernel, with int8 weights: gate_up's int32
     sums go to down's int8 input in one C pass (``tessera_silu_mul_quantize``). None where that kernel is
     missing or the batch is small (the caller takes the layer-by-layer path)."""
     kernel = silu_mul_quantize_kernel()
     if kernel is None or x.dim() != 2 or x.shape[0] <= SMALL_BATCH_ROWS:
         return None
+    inter = gate_up.weight.shape[0] // 2
     xq, x_scale = quantize_activations(x.contiguous())
     acc = torch._int_mm(xq, gate_up.weight.t())
     threads = torch.get_num_threads()
@@ -161,7 +162,7 @@ def calibration_ids(model_dir: str | Path) -> list[int]:
     return Tokenizer(model_dir).encode(text)
 
 
-def input_absmax(model: nn.Module, modules: list[nn.Module], run: Callable[[], object]) -> list[torch.Tensor]:
+def input_absmax(modules: list[nn.Module], run: Callable[[], object]) -> list[torch.Tensor]:
     """Per input channel, the largest ``|x|`` each of ``modules`` saw while ``run()`` ran the model."""
     seen: dict[int, torch.Tensor] = {}
 
@@ -178,8 +179,8 @@ def input_absmax(model: nn.Module, modules: list[nn.Module], run: Callable[[], o
     return [seen[id(m)] for m in modules]
 
 
-def _smoothing(absmax: torch.Tensor, *weights: torch.Tensor, alpha: float) -> torch.Tensor:
-    w = torch.stack([weight.float().abs().amax(dim=0) for weight in weights]).amax(dim=0)
+def _smoothing(absmax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
+    w = weight.float().abs().amax(dim=0)
     return (absmax.clamp(min=1e-5) ** alpha / w.clamp(min=1e-5) ** (1 - alpha)).clamp(min=1e-5)
 
 
@@ -188,11 +189,10 @@ def smooth_for_int8(model: nn.Module, run: Callable[[], object], alpha: float) -
     """Rescales ``model`` in place (the same function, before quantizing): the inputs of each layer's q/k/v,
     gate/up and down projections, as measured by ``run()`` (a forward over the calibration text), lose a
     factor ``s`` per channel that their weights' columns gain. The attention output (o_proj's input) is
-    left alone: with grouped-query heads its channels cannot be rescaled through v alone, and measured, it
-    gained nothing."""
+    left alone: smoothing it measured worse (docs/benchmarks.md)."""
     layers = list(model.layers)
     modules = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    absmax = iter(input_absmax(model, modules, run))
+    absmax = iter(input_absmax(modules, run))
     for layer in layers:
         qkv, gate_up, down = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
         for norm, linear in ((layer.input_layernorm, qkv), (layer.post_attention_layernorm, gate_up)):

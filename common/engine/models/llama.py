@@ -196,7 +196,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj.weight.dtype is torch.int8:
-            out = mlp_int8(x, self.gate_up_proj, self.down_proj, self.intermediate)
+            out = mlp_int8(x, self.gate_up_proj, self.down_proj)
             if out is not None:
                 return out
         gate_up = self.gate_up_proj(x)
