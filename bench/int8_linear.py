@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -41,11 +42,6 @@ def torch_passes(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch
     return (torch._int_mm(xq, q.t()).float() * x_scale[:, None] * scale).to(x.dtype)
 
 
-class Config:
-    def __init__(self, **values) -> None:
-        self.__dict__.update(values)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256, 512, 1024])
@@ -64,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
         q, scale = quantize_rows(w)
         layers.append((k, prepack(w), q, scale))
-    mlp = MLP(Config(hidden_size=hidden, intermediate_size=inter, mlp_bias=False, hidden_act="silu")).bfloat16()
-    mlp_int8_layers = MLP(Config(hidden_size=hidden, intermediate_size=inter, mlp_bias=False, hidden_act="silu"))
+    mlp_config = SimpleNamespace(hidden_size=hidden, intermediate_size=inter, mlp_bias=False, hidden_act="silu")
+    mlp, mlp_int8_layers = MLP(mlp_config).bfloat16(), MLP(mlp_config)
     for bf16_linear, int8_linear in ((mlp.gate_up_proj, mlp_int8_layers.gate_up_proj),
                                      (mlp.down_proj, mlp_int8_layers.down_proj)):
         bf16_linear.packed = prepack(bf16_linear.weight)

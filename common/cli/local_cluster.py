@@ -28,12 +28,6 @@ READY_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 60
 # Failures found in seconds and a small KV pool: what tests and benchmarks start with (``for_tests``).
 TEST_PROXY_OVERRIDES = ("heartbeat_timeout_s=3",)
-# libgomp's threads spin this many times waiting for the next parallel region before they sleep (its default,
-# 300,000, is about 8 ms of a core after every engine step). Within a step the gaps between parallel regions are
-# far shorter than 10,000 spins, so a step loses nothing; between steps the cores go back at once to whoever
-# shares them: the other worker's step, the proxy, the client (docs/benchmarks.md, "libgomp's spin").
-# A value in the environment wins.
-GOMP_SPINCOUNT = "10000"
 TEST_WORKER_OVERRIDES = ("engine.kv_cache_memory_bytes=268435456", "heartbeat_interval_s=0.2")
 
 
@@ -130,7 +124,7 @@ class LocalCluster:
         log: IO | None = None
         if self.log_dir is not None:
             log = open(Path(self.log_dir) / f"{name}.log", "w")
-        env = {"GOMP_SPINCOUNT": GOMP_SPINCOUNT, **os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if self.threads:
             env["OMP_NUM_THREADS"] = str(self.threads)
         self.procs[name] = subprocess.Popen(

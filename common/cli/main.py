@@ -11,6 +11,7 @@ they run, so ``--help`` answers at once.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib.metadata import entry_points
 
@@ -22,6 +23,12 @@ from common.cli.up_command import add_up_command
 from common.storage.model_store import prepare_embedded_model
 
 ENTRY_POINT_GROUP = "tessera.commands"
+# libgomp's threads spin this many times waiting for the next parallel region before they sleep. Its default
+# (300,000) keeps a core busy about 8 ms after every engine step, which a co-located worker, the proxy and
+# the client then wait for; inside a step the gaps between parallel regions are far shorter than 10,000 spins
+# (docs/benchmarks.md, "libgomp's spin"). Set before any command imports torch, so that every process the
+# ``tessera`` command starts, directly or through ``tessera up``, has it; a value in the environment wins.
+GOMP_SPINCOUNT = "10000"
 
 
 def add_model_command(subparsers) -> None:
@@ -80,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import os
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -148,3 +149,12 @@ def test_chat_survives_a_refused_request(monkeypatch, capsys):
     generate_command._chat(engine, SamplingParams(), use_template=False)
     assert engine.prompts == ["short"]
     assert "too many tokens" in capsys.readouterr().err
+
+
+def test_the_command_sets_libgomp_s_spin_unless_the_environment_does(monkeypatch, capsys):
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert main(["config", "docs"]) == 0
+    assert os.environ["GOMP_SPINCOUNT"] == "10000"
+    monkeypatch.setenv("GOMP_SPINCOUNT", "300000")
+    assert main(["config", "docs"]) == 0
+    assert os.environ["GOMP_SPINCOUNT"] == "300000"
