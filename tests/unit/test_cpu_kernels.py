@@ -3,6 +3,8 @@
 - The bfloat16 chunk-attention kernel (kernels/paged_attention.c, ``tessera_chunk_attention``) against
   float32 attention over the same paged K/V: fresh prompts, chunks that continue a cached prefix, chunks
   that start mid-block, several chunks beside decode rows in one step, and group sizes from 1 to 8.
+- The paged decode kernel alone, float32 and bfloat16 pools, head sizes that fill whole 32-dimension pairs
+  and ones that end on half a pair, blocks of 16 and 32 tokens scattered over the pool.
 - The elementwise kernels (kernels/elementwise.c) against the torch operators they replace in
   models/llama.py: residual add + RMSNorm, SiLU(gate) * up, RoPE.
 """
@@ -24,9 +26,10 @@ needs_chunk_kernel = pytest.mark.skipif(CPU is None or CPU._chunk_kernel is None
 needs_elementwise = pytest.mark.skipif(elementwise_kernel("tessera_rope") is None, reason="no C compiler")
 
 
-def make_cache(num_blocks: int, kv_heads: int, head_dim: int) -> KVCache:
-    return KVCache(KVLayout(num_layers=2, block_size=BLOCK, num_kv_heads=kv_heads, head_dim=head_dim,
-                            dtype="bfloat16"), num_blocks)
+def make_cache(num_blocks: int, kv_heads: int, head_dim: int, dtype: str = "bfloat16",
+               block_size: int = BLOCK) -> KVCache:
+    return KVCache(KVLayout(num_layers=2, block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim,
+                            dtype=dtype), num_blocks)
 
 
 def attend_f32(q, keys, values, positions, scale):
@@ -96,6 +99,44 @@ def test_chunks_and_decode_rows_in_one_step_match_float32(heads, kv_heads, head_
     # bf16 inputs and a bf16 output: torch's bf16 SDPA is the measure of what rounding costs
     assert ours_err <= 2 * sdpa_err + 1e-3, (ours_err, sdpa_err)
     assert torch.isfinite(ours).all()
+
+
+@pytest.mark.skipif(CPU is None, reason="the decode kernel needs a C compiler")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size",
+                         [(9, 3, 64, 16), (8, 1, 128, 32), (6, 2, 48, 16), (4, 4, 80, 16), (2, 2, 16, 32)])
+def test_decode_rows_match_float32_attention(dtype, heads, kv_heads, head_dim, block_size):
+    gen = torch.Generator().manual_seed(head_dim * block_size + heads)
+    lengths = [1, 15, 16, 17, 3 * block_size + 5, 290]
+    per_row = [-(-n // block_size) for n in lengths]
+    cache = make_cache(sum(per_row) + 4, kv_heads, head_dim, dtype, block_size)
+    layer = 1
+    k_cache, v_cache = cache.layers[layer]
+    perm = torch.randperm(sum(per_row) + 4, generator=gen)
+    width = max(per_row)
+    tables = torch.zeros(len(lengths), width, dtype=torch.int64)
+    q = torch.randn(len(lengths), heads, head_dim, generator=gen).to(cache.layout.torch_dtype)
+    scale = head_dim ** -0.5
+    refs, used = [], 0
+    for i, n in enumerate(lengths):
+        table = perm[used:used + per_row[i]]
+        used += per_row[i]
+        tables[i, :per_row[i]] = table
+        keys = (3 * torch.randn(n, kv_heads, head_dim, generator=gen)).to(cache.layout.torch_dtype)
+        values = torch.randn(n, kv_heads, head_dim, generator=gen).to(cache.layout.torch_dtype)
+        pos = torch.arange(n)
+        k_cache[table[pos // block_size], pos % block_size] = keys
+        v_cache[table[pos // block_size], pos % block_size] = values
+        refs.append(attend_f32(q[i:i + 1], keys, values, torch.tensor([n - 1]), scale))
+    ctx = StepContext(kv_cache=cache, slot_blocks=tables[:, 0], slot_offsets=torch.zeros(len(lengths)),
+                      decode_rows=torch.arange(len(lengths)), decode_block_tables=tables,
+                      decode_context_lens=torch.tensor(lengths))
+    ours = CPU._decode(q, k_cache, v_cache, ctx, scale).float()
+    reference = torch.cat(refs)
+    if dtype == "float32":
+        torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-5)
+    else:  # the output is rounded to bf16: within a rounding of the float32 result
+        torch.testing.assert_close(ours, reference, rtol=1e-2, atol=1e-2)
 
 
 def assert_near(a: torch.Tensor, b: torch.Tensor) -> None:

@@ -31,24 +31,35 @@ static inline void load_row(const void *base, int64_t offset, int is_bf16, int d
     }
 }
 
-/* Blocks lie anywhere in the pool: while the block at `start` is computed, fetch the K/V rows of the blocks
- * PREFETCH_AHEAD ahead (and, at the first block, the next one too), so the reads overlap the arithmetic instead
- * of waiting on memory one block after another. */
-static inline __attribute__((always_inline)) void prefetch_ahead(
-    const void *kv, const int64_t *table, int64_t start, int64_t len, int block_size, int64_t block_stride,
-    int64_t k_offset, int64_t v_offset, int kvh, const int head_dim, int64_t token_stride, const int is_bf16)
-{
-    for (int64_t ahead = (start == 0 ? 1 : PREFETCH_AHEAD); ahead <= PREFETCH_AHEAD; ahead++) {
-        if (start + ahead * block_size >= len) break;
-        int64_t next = table[start / block_size + ahead] * block_stride + (int64_t)kvh * head_dim;
-        int elem = is_bf16 ? 2 : 4;
-        const char *kn = (const char *)kv + (next + k_offset) * elem;
-        const char *vn = (const char *)kv + (next + v_offset) * elem;
-        for (int t = 0; t < block_size; t++)
-            for (int64_t b = 0; b < (int64_t)head_dim * elem; b += 64) {
-                __builtin_prefetch(kn + t * token_stride * elem + b);
-                __builtin_prefetch(vn + t * token_stride * elem + b);
-            }
+/* Blocks lie anywhere in the pool, so no hardware prefetcher can guess the next one. The K (V) loop of a block
+ * fetches the matching row of the block PREFETCH_AHEAD ahead one token at a time: the reads are spread over the
+ * arithmetic instead of queued behind each other in one burst (a burst per block gave half the bandwidth). */
+static inline __attribute__((always_inline)) void next_block_rows(const void *kv, const int64_t *table, int64_t start, int64_t len, int block_size,
+                                   int64_t block_stride, int64_t k_offset, int64_t v_offset, int kvh, int head_dim,
+                                   int elem, int ahead, const char **k, const char **v) {
+    *k = *v = 0;
+    if (start + (int64_t)ahead * block_size >= len) return;
+    int64_t next = table[start / block_size + ahead] * block_stride + (int64_t)kvh * head_dim;
+    *k = (const char *)kv + (next + k_offset) * elem;
+    *v = (const char *)kv + (next + v_offset) * elem;
+}
+
+/* Token t's row of a block found by next_block_rows (nothing when there is no such block). */
+static inline __attribute__((always_inline)) void prefetch_row(const char *rows, int t, int64_t token_bytes,
+                                                               int row_bytes) {
+    if (rows)
+        for (int b = 0; b < row_bytes; b += 64) __builtin_prefetch(rows + t * token_bytes + b);
+}
+
+/* The first block's rows, before its loop starts. */
+static inline __attribute__((always_inline)) void prefetch_first_block(const void *kv, const int64_t *table, int64_t len, int block_size,
+                                        int64_t block_stride, int64_t k_offset, int64_t v_offset, int kvh,
+                                        int head_dim, int elem, int64_t token_bytes) {
+    const char *k, *v;
+    next_block_rows(kv, table, 0, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim, elem, 0, &k, &v);
+    for (int t = 0; t < block_size && t < len; t++) {
+        prefetch_row(k, t, token_bytes, head_dim * elem);
+        prefetch_row(v, t, token_bytes, head_dim * elem);
     }
 }
 
@@ -87,16 +98,21 @@ static inline __attribute__((always_inline)) void attend_one_scalar(
             l[g] = 0.f;
         }
 
+        const int elem = is_bf16 ? 2 : 4;
+        int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+        prefetch_first_block(kv, table, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim, elem,
+                             token_stride * elem);
         for (int64_t start = 0; start < len; start += block_size) {
             int64_t block = table[start / block_size];
             int n = (int)(len - start < block_size ? len - start : block_size);
             int64_t kbase = block * block_stride + k_offset + (int64_t)kvh * head_dim;
             int64_t vbase = block * block_stride + v_offset + (int64_t)kvh * head_dim;
-            int64_t token_stride = (int64_t)num_kv_heads * head_dim;
-            prefetch_ahead(kv, table, start, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim,
-                           token_stride, is_bf16);
+            const char *pk, *pv;
+            next_block_rows(kv, table, start, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim,
+                            elem, PREFETCH_AHEAD, &pk, &pv);
 
             for (int t = 0; t < n; t++) {
+                prefetch_row(pk, t, token_stride * elem, head_dim * elem);
                 load_row(kv, kbase + t * token_stride, is_bf16, head_dim, krow);
                 for (int g = 0; g < group; g++) {
                     float s = 0.f;
@@ -117,6 +133,7 @@ static inline __attribute__((always_inline)) void attend_one_scalar(
                 m[g] = bmax;
             }
             for (int t = 0; t < n; t++) {
+                prefetch_row(pv, t, token_stride * elem, head_dim * elem);
                 load_row(kv, vbase + t * token_stride, is_bf16, head_dim, krow);
                 for (int g = 0; g < group; g++) {
                     float p = scores[g][t];
@@ -141,53 +158,119 @@ static inline __attribute__((always_inline)) void attend_one_scalar(
 
 #if defined(__AVX512F__)
 /*
- * The same with AVX-512, for head_dim a multiple of 16: a token's K (or V) row is head_dim / 16 vectors,
- * widened once for every query head of the group. Scores are float32 dot products of q * scale (as the
- * scalar path: both agree up to the order of the sums); the block's softmax update runs 16 scores at a
- * time; the probabilities fold V rows into float32 accumulators kept as vectors.
+ * The same with AVX-512, for head_dim a multiple of 16. Dimensions go 32 at a time as a pair of vectors
+ * (a, b): for a bf16 pool a holds the even and b the odd dimensions of one 64-byte load, widened by a shift
+ * and a mask (no cross-lane conversion); for float32, the first and second 16. q and the accumulators use
+ * the same pairing, so a dot product is unchanged up to the order of its float32 sums, and the output is
+ * put back in order once per item. The 16 scores of a tile of keys are one transpose-and-add of 16 partial
+ * vectors instead of 16 horizontal sums. The next block's K (V) rows are prefetched a token at a time inside
+ * the K (V) loop, so the reads are spread over the arithmetic instead of queued behind each other.
  */
+#define PAIRS_MAX (MAX_HEAD_DIM / 32)
+
+static inline void load_pair(const void *p, int bf16, int64_t i, int dims, __m512 *a, __m512 *b) {
+    if (bf16) {
+        const uint16_t *src = (const uint16_t *)p + i;
+        __m512i raw = dims == 32 ? _mm512_loadu_si512(src)
+                                 : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)src));
+        *a = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+        *b = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32((int)0xffff0000u)));
+    } else {
+        const float *src = (const float *)p + i;
+        *a = _mm512_loadu_ps(src);
+        *b = dims == 32 ? _mm512_loadu_ps(src + 16) : _mm512_setzero_ps();
+    }
+}
+
+/* r[i] = the sum of the 16 lanes of v[i], for 16 vectors */
+static inline __m512 sum16x16(const __m512 *v) {
+    __m512 p[8], c[4], e[2];
+    for (int j = 0; j < 8; j++)
+        p[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+    for (int j = 0; j < 4; j++) {
+        __m512d x = _mm512_castps_pd(p[2 * j]), y = _mm512_castps_pd(p[2 * j + 1]);
+        c[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int j = 0; j < 2; j++)
+        e[j] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * j], c[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(c[2 * j], c[2 * j + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(e[0], e[1], 0x88), _mm512_shuffle_f32x4(e[0], e[1], 0xdd));
+}
+
 static inline __attribute__((always_inline)) void attend_one_avx512(
     const void *q, const int q_bf16, const void *kv, int64_t block_stride, int64_t k_offset, int64_t v_offset,
     const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens, void *out, const int out_bf16,
     int num_heads, int num_kv_heads, const int head_dim, int block_size, float scale, const int is_bf16,
     int group, int64_t item)
 {
-    const int nb = head_dim / 16;
+    const int np = (head_dim + 31) / 32, elem = is_bf16 ? 2 : 4, row_bytes = head_dim * elem;
     int r = (int)(item / num_kv_heads), kvh = (int)(item % num_kv_heads);
     int64_t len = context_lens[r];
     const int64_t *table = block_tables + (int64_t)r * max_blocks;
     int64_t token_stride = (int64_t)num_kv_heads * head_dim;
 
-    __m512 qv[MAX_GROUP * MAX_HEAD_DIM / 16], acc[MAX_GROUP * MAX_HEAD_DIM / 16], row[MAX_HEAD_DIM / 16];
+    __m512 qa[MAX_GROUP][PAIRS_MAX], qb[MAX_GROUP][PAIRS_MAX], acca[MAX_GROUP][PAIRS_MAX], accb[MAX_GROUP][PAIRS_MAX];
+    __m512 ka[PAIRS_MAX], kb[PAIRS_MAX], part[MAX_GROUP][16];
     float m[MAX_GROUP], l[MAX_GROUP];
     float scores[MAX_GROUP][MAX_BLOCK + 16];
-    __m512 vscale = _mm512_set1_ps(scale);
 
     for (int h = 0; h < group; h++) {
+        /* q in the pool's pairing, scaled; the dimensions past head_dim of the last pair are zeros */
+        float row[MAX_HEAD_DIM + 32] = {0};
         int64_t qoff = ((int64_t)r * num_heads + kvh * group + h) * head_dim;
-        for (int b = 0; b < nb; b++) {
-            qv[h * nb + b] = _mm512_mul_ps(load16(q, q_bf16, qoff + 16 * b), vscale);
-            acc[h * nb + b] = _mm512_setzero_ps();
+        for (int d = 0; d < head_dim; d += 16) _mm512_storeu_ps(row + d, load16(q, q_bf16, qoff + d));
+        for (int c = 0; c < np; c++) {
+            __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(row + 32 * c), _mm512_set1_ps(scale));
+            __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(row + 32 * c + 16), _mm512_set1_ps(scale));
+            if (is_bf16) {
+                const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+                const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+                qa[h][c] = _mm512_permutex2var_ps(lo, even, hi);
+                qb[h][c] = _mm512_permutex2var_ps(lo, odd, hi);
+            } else {
+                qa[h][c] = lo;
+                qb[h][c] = hi;
+            }
+            acca[h][c] = accb[h][c] = _mm512_setzero_ps();
         }
         m[h] = -INFINITY;
         l[h] = 0.f;
     }
+
+    const int64_t token_bytes = token_stride * elem;
+    prefetch_first_block(kv, table, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim, elem,
+                         token_bytes);
 
     for (int64_t start = 0; start < len; start += block_size) {
         int64_t block = table[start / block_size];
         int n = (int)(len - start < block_size ? len - start : block_size);
         int64_t kbase = block * block_stride + k_offset + (int64_t)kvh * head_dim;
         int64_t vbase = block * block_stride + v_offset + (int64_t)kvh * head_dim;
-        prefetch_ahead(kv, table, start, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim,
-                       token_stride, is_bf16);
+        const char *pk, *pv;
+        next_block_rows(kv, table, start, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim, elem,
+                        PREFETCH_AHEAD, &pk, &pv);
 
-        for (int t = 0; t < n; t++) {
-            for (int b = 0; b < nb; b++) row[b] = load16(kv, is_bf16, kbase + t * token_stride + 16 * b);
+        for (int t0 = 0; t0 < n; t0 += 16) {
+            int tn = n - t0 < 16 ? n - t0 : 16;
+            for (int t = 0; t < tn; t++) {
+                prefetch_row(pk, t0 + t, token_bytes, row_bytes);
+                for (int c = 0; c < np; c++) {
+                    int dims = head_dim - 32 * c < 32 ? 16 : 32;
+                    load_pair(kv, is_bf16, kbase + (t0 + t) * token_stride + 32 * c, dims, &ka[c], &kb[c]);
+                }
+                for (int h = 0; h < group; h++) {
+                    __m512 s = _mm512_mul_ps(qa[h][0], ka[0]);
+                    s = _mm512_fmadd_ps(qb[h][0], kb[0], s);
+                    for (int c = 1; c < np; c++) {
+                        s = _mm512_fmadd_ps(qa[h][c], ka[c], s);
+                        s = _mm512_fmadd_ps(qb[h][c], kb[c], s);
+                    }
+                    part[h][t] = s;
+                }
+            }
             for (int h = 0; h < group; h++) {
-                const __m512 *k = row;
-                __m512 s = _mm512_mul_ps(qv[h * nb], k[0]);
-                for (int b = 1; b < nb; b++) s = _mm512_fmadd_ps(qv[h * nb + b], k[b], s);
-                scores[h][t] = _mm512_reduce_add_ps(s);
+                for (int t = tn; t < 16; t++) part[h][t] = _mm512_setzero_ps();
+                _mm512_storeu_ps(scores[h] + t0, sum16x16(part[h]));
             }
         }
         for (int h = 0; h < group; h++) {
@@ -208,16 +291,25 @@ static inline __attribute__((always_inline)) void attend_one_avx512(
             l[h] = l[h] * correction + _mm512_reduce_add_ps(sum);
             m[h] = bmax;
             if (correction != 1.f) {
-                __m512 c = _mm512_set1_ps(correction);
-                for (int b = 0; b < nb; b++) acc[h * nb + b] = _mm512_mul_ps(acc[h * nb + b], c);
+                __m512 cv = _mm512_set1_ps(correction);
+                for (int c = 0; c < np; c++) {
+                    acca[h][c] = _mm512_mul_ps(acca[h][c], cv);
+                    accb[h][c] = _mm512_mul_ps(accb[h][c], cv);
+                }
             }
         }
         for (int t = 0; t < n; t++) {
-            for (int b = 0; b < nb; b++) row[b] = load16(kv, is_bf16, vbase + t * token_stride + 16 * b);
+            prefetch_row(pv, t, token_bytes, row_bytes);
+            for (int c = 0; c < np; c++) {
+                int dims = head_dim - 32 * c < 32 ? 16 : 32;
+                load_pair(kv, is_bf16, vbase + t * token_stride + 32 * c, dims, &ka[c], &kb[c]);
+            }
             for (int h = 0; h < group; h++) {
-                const __m512 *v = row;
                 __m512 p = _mm512_set1_ps(scores[h][t]);
-                for (int b = 0; b < nb; b++) acc[h * nb + b] = _mm512_fmadd_ps(p, v[b], acc[h * nb + b]);
+                for (int c = 0; c < np; c++) {
+                    acca[h][c] = _mm512_fmadd_ps(p, ka[c], acca[h][c]);
+                    accb[h][c] = _mm512_fmadd_ps(p, kb[c], accb[h][c]);
+                }
             }
         }
     }
@@ -225,7 +317,16 @@ static inline __attribute__((always_inline)) void attend_one_avx512(
     for (int h = 0; h < group; h++) {
         __m512 inv = _mm512_set1_ps(l[h] > 0.f ? 1.f / l[h] : 0.f);
         int64_t ooff = ((int64_t)r * num_heads + kvh * group + h) * head_dim;
-        for (int b = 0; b < nb; b++) store16(out, out_bf16, ooff + 16 * b, _mm512_mul_ps(acc[h * nb + b], inv));
+        for (int c = 0; c < np; c++) {
+            __m512 a = _mm512_mul_ps(acca[h][c], inv), b = _mm512_mul_ps(accb[h][c], inv), lo = a, hi = b;
+            if (is_bf16) { /* even and odd dimensions back in order */
+                const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+                lo = _mm512_permutex2var_ps(a, first, b);
+                hi = _mm512_permutex2var_ps(a, _mm512_add_epi32(first, _mm512_set1_epi32(8)), b);
+            }
+            store16(out, out_bf16, ooff + 32 * c, lo);
+            if (head_dim - 32 * c == 32 || head_dim - 32 * c > 32) store16(out, out_bf16, ooff + 32 * c + 16, hi);
+        }
     }
 }
 #endif
