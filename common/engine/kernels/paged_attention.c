@@ -61,6 +61,33 @@ int tessera_paged_attention(
 #define CHUNK_MAX_VECS 64 /* query vectors per item: the query tile shrinks for large groups */
 #define VB 4              /* query vectors computed together: independent FMA chains */
 
+/* r[0..16) as a 16 x 16 matrix of 32-bit words, transposed in place (64 shuffles) */
+static inline __attribute__((always_inline)) void transpose16x16(__m512i *r) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* r[4i + c], 128-bit lane L: word 4L + c of rows 4i..4i+3 */
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        t[4 * c] = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44);
+        t[4 * c + 1] = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xee);
+        t[4 * c + 2] = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+        t[4 * c + 3] = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xee);
+    }
+    for (int c = 0; c < 4; c++) {
+        r[c] = _mm512_shuffle_i32x4(t[4 * c], t[4 * c + 2], 0x88);
+        r[4 + c] = _mm512_shuffle_i32x4(t[4 * c], t[4 * c + 2], 0xdd);
+        r[8 + c] = _mm512_shuffle_i32x4(t[4 * c + 1], t[4 * c + 3], 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(t[4 * c + 1], t[4 * c + 3], 0xdd);
+    }
+}
+
 static inline __attribute__((always_inline)) void chunk_item(
     const uint16_t *q, int64_t q_row_stride, const uint16_t *kv, int64_t block_stride, int64_t k_offset,
     int64_t v_offset, const int64_t *table, int64_t token_start, int64_t num_computed, int q_first, int nq,
@@ -72,7 +99,8 @@ static inline __attribute__((always_inline)) void chunk_item(
     int nvp = (nv + VB - 1) / VB * VB;
     uint32_t qp[CHUNK_MAX_VECS][MAX_HEAD_DIM / 2]; /* scaled queries, bf16 pairs */
     __m512 acc[CHUNK_MAX_VECS][MAX_HEAD_DIM / 16];
-    float m[CHUNK_MAX_VECS], l[CHUNK_MAX_VECS];
+    float m[CHUNK_MAX_VECS];
+    __m512 l[CHUNK_MAX_VECS]; /* each query's softmax sum, lane by lane: summed across lanes once, at the end */
     int64_t pos[CHUNK_MAX_VECS];
     __m512i kt[MAX_HEAD_DIM / 2];              /* [pair of dims] -> 16 keys x (d, d+1) */
     __m512i vt[CHUNK_KT / 2][MAX_HEAD_DIM / 16]; /* [pair of keys][16 dims] -> 16 dims x (key, key+1) */
@@ -87,7 +115,7 @@ static inline __attribute__((always_inline)) void chunk_item(
         }
         for (int b = 0; b < dblocks; b++) acc[v][b] = _mm512_setzero_ps();
         m[v] = -INFINITY;
-        l[v] = 0.f;
+        l[v] = _mm512_setzero_ps();
         pos[v] = num_computed + q_first + (v < nv ? qi : nq - 1);
     }
     int64_t key_end = num_computed + q_first + nq; /* keys [0, key_end) are visible to some query of the tile */
@@ -100,10 +128,10 @@ static inline __attribute__((always_inline)) void chunk_item(
         int64_t block = table[start / block_size];
         const uint16_t *kb = kv + block * block_stride + k_offset + in_block * token_stride + (int64_t)kvh * head_dim;
         const uint16_t *vb = kv + block * block_stride + v_offset + in_block * token_stride + (int64_t)kvh * head_dim;
-        for (int i = 0; i < pairs; i++) {
-            uint32_t lane[16];
-            for (int t = 0; t < 16; t++) lane[t] = t < n ? ((const uint32_t *)(kb + t * token_stride))[i] : 0u;
-            kt[i] = _mm512_loadu_si512(lane);
+        for (int i = 0; i < pairs; i += 16) { /* 16 keys x 16 pairs of dimensions, transposed */
+            for (int t = 0; t < 16; t++)
+                kt[i + t] = t < n ? _mm512_loadu_si512(kb + t * token_stride + 2 * i) : _mm512_setzero_si512();
+            transpose16x16(kt + i);
         }
         for (int tp = 0; tp < CHUNK_KT / 2; tp++) {
             for (int b = 0; b < dblocks; b++) {
@@ -135,15 +163,14 @@ static inline __attribute__((always_inline)) void chunk_item(
                 }
                 __mmask16 keep = (__mmask16)((1u << visible) - 1u);
                 float mx = _mm512_mask_reduce_max_ps(keep, s[j]);
-                mx = mx > m[v] ? mx : m[v];
-                __m512 p = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(s[j], _mm512_set1_ps(mx))));
-                float correction = expf(m[v] - mx);
-                l[v] = l[v] * correction + _mm512_reduce_add_ps(p);
-                m[v] = mx;
-                if (correction != 1.f) {
-                    __m512 c = _mm512_set1_ps(correction);
+                if (mx > m[v]) { /* rescale only when the running max moves (rarely, after the first tiles) */
+                    __m512 c = _mm512_set1_ps(expf(m[v] - mx));
+                    l[v] = _mm512_mul_ps(l[v], c);
                     for (int b = 0; b < dblocks; b++) acc[v][b] = _mm512_mul_ps(acc[v][b], c);
+                    m[v] = mx;
                 }
+                __m512 p = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(s[j], _mm512_set1_ps(m[v]))));
+                l[v] = _mm512_add_ps(l[v], p);
                 _mm256_storeu_si256((__m256i *)pp[j], (__m256i)_mm512_cvtneps_pbh(p));
             }
             for (int tp = 0; tp < (n + 1) / 2; tp++) {
@@ -157,7 +184,8 @@ static inline __attribute__((always_inline)) void chunk_item(
         start += n;
     }
     for (int v = 0; v < nv; v++) {
-        __m512 inv = _mm512_set1_ps(l[v] > 0.f ? 1.f / l[v] : 0.f);
+        float sum = _mm512_reduce_add_ps(l[v]);
+        __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
         uint16_t *o = out + ((token_start + q_first + v / group) * num_heads + kvh * group + v % group) * (int64_t)head_dim;
         for (int b = 0; b < dblocks; b++)
             _mm256_storeu_si256((__m256i *)(o + 16 * b), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[v][b], inv)));
