@@ -5,7 +5,7 @@ Request life cycle:
   the prefill worker's pool (kv_transfer, polled each turn, with a deadline)
   -> KVPulled to the proxy (which tells the prefill worker to release) ->
   the sequence joins the running batch at position len(prompt), its first
-  token already known -> TokenDelta per step -> the last delta carries
+  token already known -> a TokenDelta per step (all of a step's in one TokenDeltas) -> the last delta carries
   finish_reason; its blocks go back to the pool.
   A pull that fails or times out frees the reserved blocks and the prompt is
   recomputed here (the KV-load failure policy), so the request still
@@ -174,8 +174,9 @@ class DecodeHandler(WorkerBase):
         if self.engine.has_work():  # not while every request waits for its pages
             with self.cores:
                 outputs = self.engine.step()
-            for out in outputs:
-                self._emit(out)
+            deltas = [delta for out in outputs if (delta := self._delta(out)) is not None]
+            if deltas:
+                self.send(wire.TokenDeltas(deltas))
 
     def _finish_pull(self, request_id: str, pull: Pull, ok: bool) -> None:
         del self.pulls[request_id]
@@ -197,27 +198,28 @@ class DecodeHandler(WorkerBase):
                         request_id, pull.source, error)
             self.engine.kv_failed(pull.seq)
 
-    def _emit(self, out) -> None:
+    def _delta(self, out) -> wire.TokenDelta | None:
+        """What the proxy hears of one request's step: None for an abort, or for a step that added nothing."""
         o = out.outputs[0]
         if o.finish_reason == FinishReason.ABORT.value:
             self.metrics.request_done("decode", "aborted")
             self.trace_end(out.request_id, DECODE_SPAN, "aborted")
-            return
+            return None
         if o.finish_reason is not None:
             self.metrics.request_done("decode", "completed")
             self.trace_end(out.request_id, DECODE_SPAN)
         n = len(o.token_ids_delta)
         if n == 0 and not o.text_delta and o.finish_reason is None:
-            return
+            return None
         wants = o.logprobs is not None
-        self.send(wire.TokenDelta(
+        return wire.TokenDelta(
             request_id=out.request_id, token_ids=o.token_ids_delta, text=o.text_delta,
             finish_reason=o.finish_reason, stop_reason=o.stop_reason,
             logprobs=o.logprobs[len(o.logprobs) - n:] if wants else None,
             top_logprobs=o.top_logprobs[len(o.top_logprobs) - n:]
             if wants else None,
             num_cached_tokens=out.num_cached_tokens,
-        ))
+        )
 
     # ---- drain --------------------------------------------------------------------
     def busy(self) -> bool:

@@ -5,7 +5,7 @@ Request life cycle, as queues and hops (one sub-request per choice):
     HTTP handler --submit--> admission queue --dispatch--> policy.route --> SubRequest.start --> outbox --> worker
     worker --frames--> WorkerLink (I/O task) --on_frames--> decode --> handle
         Register/Heartbeat/Goodbye --> registry (+ RegisterAck, Peers; Reregister to an unknown heartbeat)
-        PrefillDone/KVPulled/TokenDelta/RequestFailed --> that SubRequest
+        PrefillDone/KVPulled/RequestFailed, and each TokenDelta of a step's TokenDeltas --> that SubRequest
     SubRequest --events--> RequestGroup queue --> HTTP handler (stream or collect)
 
 Everything here runs in the event loop and never awaits a socket: sending
@@ -27,7 +27,7 @@ from common.runtime.tracing import make_tracing
 from common.protocol.sampling_params import SamplingParams
 from common.protocol.wire import (
     Abort, DecodeRequest, Goodbye, Heartbeat, KVPulled, PrefillDone, PrefillRequest, Register, RegisterAck,
-    Reregister, ReleaseKV, RequestFailed, TokenDelta, WireError, decode,
+    Reregister, ReleaseKV, RequestFailed, TokenDeltas, WireError, decode,
 )
 from proxy.admission import Admit, AdmissionController, Stage
 from proxy.errors import ApiError
@@ -59,7 +59,7 @@ class Cluster:
         self._handlers = {
             Register: self._on_register, Heartbeat: self._on_heartbeat, Goodbye: self._on_goodbye,
             PrefillDone: self._on_prefill_done, KVPulled: self._on_kv_pulled,
-            TokenDelta: self._on_token_delta, RequestFailed: self._on_request_failed,
+            TokenDeltas: self._on_token_deltas, RequestFailed: self._on_request_failed,
         }
         self._update_worker_gauges()
 
@@ -288,6 +288,12 @@ class Cluster:
 
     def _on_request_message(self, sub: SubRequest | None, handler) -> bool:
         """Run ``handler`` (a sub-request's) and act on what it returns; False when it was not for ``sub``."""
+        if not self._apply(sub, handler):
+            return False
+        self._dispatch()  # what it freed or readied
+        return True
+
+    def _apply(self, sub: SubRequest | None, handler) -> bool:
         if sub is None:
             return False
         before = sub.stage
@@ -295,7 +301,6 @@ class Cluster:
         if sends is None:
             return False
         self._act(sub, before, sends)
-        self._dispatch()  # what it freed or readied
         return True
 
     def _on_prefill_done(self, sender: str, msg: PrefillDone, now: float) -> None:
@@ -314,13 +319,21 @@ class Cluster:
             log.debug("releasing pages of stray KVPulled %s on %r", msg.request_id, msg.source_worker_id)
             self.send(msg.source_worker_id, ReleaseKV(msg.request_id))
 
-    def _on_token_delta(self, sender: str, msg: TokenDelta, now: float) -> None:
-        sub = self._sub(msg.request_id)
-        if self._on_request_message(sub, lambda: sub.on_token_delta(msg, sender, now)):
-            return
-        if msg.finish_reason is None and (sub is None or sender != sub.decode_worker):
-            log.debug("aborting stray request %s on %r", msg.request_id, sender)
-            self.send(sender, Abort(msg.request_id))
+    def _on_token_deltas(self, sender: str, msg: TokenDeltas, now: float) -> None:
+        """A decode step's tokens: each delta to its request, then one dispatch for what the finished ones freed."""
+        for delta in msg.deltas:
+            sub = self._sub(delta.request_id)
+            with request_scope(delta.request_id, sub.tenant if sub is not None else None):
+                try:
+                    if self._apply(sub, lambda: sub.on_token_delta(delta, sender, now)):
+                        continue
+                except Exception:  # a bug on one request must not cost the step's other requests their tokens
+                    log.exception("error handling the tokens of request %s from worker %r", delta.request_id, sender)
+                    continue
+                if delta.finish_reason is None and (sub is None or sender != sub.decode_worker):
+                    log.debug("aborting stray request %s on %r", delta.request_id, sender)
+                    self.send(sender, Abort(delta.request_id))
+        self._dispatch()
 
     def _on_request_failed(self, sender: str, msg: RequestFailed, now: float) -> None:
         sub = self._sub(msg.request_id)

@@ -26,7 +26,8 @@ this channel):
   was lost mid-stream) carries its output so far in both requests: the
   worker computes it with the prompt and samples the token after it.
 - proxy -> decode: DecodeRequest (pages to pull, or none: prefill locally);
-  decode -> proxy: TokenDelta ... (last one has finish_reason), KVPulled.
+  decode -> proxy: one TokenDeltas per engine step, with a TokenDelta for each request the step
+  advanced (a request's last one has finish_reason), KVPulled.
 - proxy -> prefill: ReleaseKV once the pages are pulled (or abandoned).
 - proxy -> any worker: Abort. worker -> proxy: RequestFailed.
 
@@ -49,7 +50,7 @@ import msgspec
 
 from common.protocol.sampling_params import INT64_MAX, TOKEN_ID_MAX, SamplingParams
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=TOKEN_ID_MAX)]
@@ -71,7 +72,7 @@ class MsgType(enum.IntEnum):
     PREFILL_REQUEST = 10
     PREFILL_DONE = 11
     DECODE_REQUEST = 12
-    TOKEN_DELTA = 13
+    TOKEN_DELTAS = 13
     KV_PULLED = 14
     RELEASE_KV = 15
     ABORT = 16
@@ -210,6 +211,12 @@ class TokenDelta(_Struct):
     num_cached_tokens: NonNegInt = 0
 
 
+class TokenDeltas(_Struct):
+    """What one engine step emitted, one delta per request: one message (one encode, one send, one wake-up of
+    the proxy) per step rather than per request."""
+    deltas: list[TokenDelta]
+
+
 class KVPulled(_Struct):
     request_id: str
     source_worker_id: str
@@ -245,7 +252,7 @@ MESSAGES: dict[MsgType, type] = {
     MsgType.PREFILL_REQUEST: PrefillRequest,
     MsgType.PREFILL_DONE: PrefillDone,
     MsgType.DECODE_REQUEST: DecodeRequest,
-    MsgType.TOKEN_DELTA: TokenDelta,
+    MsgType.TOKEN_DELTAS: TokenDeltas,
     MsgType.KV_PULLED: KVPulled,
     MsgType.RELEASE_KV: ReleaseKV,
     MsgType.ABORT: Abort,

@@ -123,9 +123,10 @@ def test_a_worker_drops_every_malformed_frame_and_keeps_serving(worker):
                                               seed=1)))
     tokens = []
     while True:
-        msg = proxy.recv_until(lambda m: isinstance(m, wire.TokenDelta) and m.request_id == "good")
-        tokens += msg.token_ids
-        if msg.finish_reason:
+        msg = proxy.recv_until(lambda m: isinstance(m, wire.TokenDeltas) and m.deltas[0].request_id == "good")
+        (delta,) = msg.deltas
+        tokens += delta.token_ids
+        if delta.finish_reason:
             break
     assert len(tokens) == 5
     assert proc.poll() is None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from tests.e2e.proxy_harness import *  # noqa: F401,F403 -- fixtures, helpers and wire types
+from common.protocol.wire import TokenDelta, TokenDeltas
 
 
 # -- errors -------------------------------------------------------------------------------------
@@ -65,6 +66,30 @@ def test_a_silent_decode_worker_times_out_the_stream(make_proxy, make_worker):
     assert "token_timeout_s=0.5" in rest and rest.endswith("data: [DONE]\n\n")
     decode.wait_for(lambda m: isinstance(m, Abort))
     prefill.wait_for(lambda m: isinstance(m, ReleaseKV))
+
+
+def test_one_steps_tokens_reach_each_stream_and_a_stray_among_them_is_aborted(make_proxy, make_worker, script):
+    """A decode step's TokenDeltas names several requests: each gets its own tokens, and a delta for a request
+    the proxy does not have (an earlier attempt, a request already gone) gets an Abort, not the others."""
+    proxy = make_proxy()
+    make_worker(proxy, "p0", "prefill")
+    decode = make_worker(proxy, "d0", "decode", stall=True)
+    body = {"model": MODEL, "prompt": "Hi", "stream": True, "max_tokens": 3}
+    with proxy.http.stream("POST", "/v1/completions", json=body) as a, \
+            proxy.http.stream("POST", "/v1/completions", json=body) as b:
+        wait_until(lambda: len(decode.messages(DecodeRequest)) == 2, what="two DecodeRequests")
+        first, second = (m.request_id for m in decode.messages(DecodeRequest))
+        (token, text), (last, last_text) = script[1], script[2]
+        decode.send(TokenDeltas([TokenDelta(first, [token], text), TokenDelta("gone~1", [token], text),
+                                 TokenDelta(second, [token], text)]))
+        decode.send(TokenDeltas([TokenDelta(first, [last], last_text, finish_reason="length"),
+                                 TokenDelta(second, [last], last_text, finish_reason="length")]))
+        texts = [a.read().decode(), b.read().decode()]
+    for raw in texts:
+        chunks = [json.loads(p) for p in sse_payloads(raw)]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == script[0][1] + text + last_text
+    decode.wait_for(lambda m: isinstance(m, Abort) and m.request_id == "gone~1")
+    assert not any(isinstance(m, Abort) and m.request_id in (first, second) for m in decode.received)
 
 
 def test_a_restarted_worker_replaces_its_old_epoch_and_its_requests_resume(make_proxy, make_worker):

@@ -8,7 +8,7 @@ processes killed mid-stream are tests/e2e/test_failover_processes.py.
 from __future__ import annotations
 
 from tests.e2e.proxy_harness import *  # noqa: F401,F403 -- fixtures, helpers and wire types
-from common.protocol.wire import RequestFailed, TokenDelta
+from common.protocol.wire import RequestFailed, TokenDelta, TokenDeltas
 
 
 def stream(proxy, **extra):
@@ -93,7 +93,7 @@ def test_a_request_given_back_resumes_and_the_old_attempt_is_a_stray(make_proxy,
         holder.send(RequestFailed(old, holder.worker_id, "worker is draining", retryable=True))
         rest, usage, errors = collect(lines)
     assert not errors and script[0][1] + rest == SCRIPT_TEXT and usage["completion_tokens"] == len(script)
-    holder.send(TokenDelta(old, [script[1][0]], script[1][1]))  # late words of the old attempt
+    holder.send(TokenDeltas([TokenDelta(old, [script[1][0]], script[1][1])]))  # late words of the old attempt
     holder.wait_for(lambda m: isinstance(m, Abort) and m.request_id == old)
 
 

@@ -62,7 +62,7 @@ def run_out(decode, sent) -> tuple[list[int], list[wire.KVPulled]]:
         assert time.monotonic() < deadline
         decode.tick()
         time.sleep(decode.wait_s(0.01))
-    tokens = [t for m in sent if isinstance(m, wire.TokenDelta) for t in m.token_ids]
+    tokens = [t for m in sent if isinstance(m, wire.TokenDeltas) for d in m.deltas for t in d.token_ids]
     return tokens, [m for m in sent if isinstance(m, wire.KVPulled)]
 
 

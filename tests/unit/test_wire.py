@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 from common.protocol import wire
 from common.protocol.sampling_params import SamplingParams
 from common.protocol.wire import (
-    PROTOCOL_VERSION, DecodeRequest, KVLayoutInfo, Peers, PeerInfo, PrefillDone, Register, TokenDelta, WireError,
+    PROTOCOL_VERSION, DecodeRequest, KVLayoutInfo, Peers, PeerInfo, PrefillDone, Register, TokenDelta, TokenDeltas,
+    WireError,
     decode, encode,
 )
 
@@ -17,7 +18,8 @@ SAMPLES = [
     PrefillDone("r1", "w1", 5, 42, "he", [3, 4, 5], 16, logprob=-0.5, top_logprobs=[(42, -0.5), (7, -1.0)]),
     DecodeRequest("r1", [1, 2, 3], SamplingParams(temperature=0.0, stop=["\n"]), 9, first_token=4,
                   source_worker_id="w1", source_block_ids=[1]),
-    TokenDelta("r1", [5, 6], "hi", finish_reason="stop", stop_reason="\n", logprobs=[-0.1, -0.2]),
+    TokenDeltas([TokenDelta("r1", [5, 6], "hi", finish_reason="stop", stop_reason="\n", logprobs=[-0.1, -0.2]),
+                 TokenDelta("r2", [7], " a", top_logprobs=[[(7, -0.3), (8, -1.5)]])]),
     wire.Abort("r1"),
     wire.Reregister("w1", 123, "this proxy does not know worker 'w1' epoch 123"),
     wire.PrefillRequest("r2", [1, 2], SamplingParams(), 7, 30.0,
@@ -57,9 +59,12 @@ def _decode_request(**changes) -> list[bytes]:
     (_frames(wire.MsgType.ABORT, {"request_id": 5}), r"Expected `str`, got `int` - at `\$.request_id`"),
     (_frames(wire.MsgType.ABORT, {"request_id": "r", "evil": 1}), "unknown field `evil`"),
     (_frames(wire.MsgType.REREGISTER, {"worker_id": "w1", "epoch": "1"}), r"Reregister: .* at `\$.epoch`"),
-    (_frames(wire.MsgType.TOKEN_DELTA, {"request_id": "r", "token_ids": [1, "x"], "text": ""}),
-     r"\$.token_ids\[1\]"),
-    (_frames(wire.MsgType.TOKEN_DELTA, {"request_id": "r", "token_ids": [True], "text": ""}), "got `bool`"),
+    (_frames(wire.MsgType.TOKEN_DELTAS, {"deltas": [{"request_id": "r", "token_ids": [1], "text": ""},
+                                                    {"request_id": "s", "token_ids": [1, "x"], "text": ""}]}),
+     r"\$.deltas\[1\].token_ids\[1\]"),
+    (_frames(wire.MsgType.TOKEN_DELTAS, {"deltas": [{"request_id": "r", "token_ids": [True], "text": ""}]}),
+     "got `bool`"),
+    (_frames(wire.MsgType.TOKEN_DELTAS, {"deltas": {"request_id": "r"}}), r"\$.deltas"),
     (_decode_request(trace_context="00-abc"), "trace_context"),
     (_frames(wire.MsgType.REGISTER, {**_body(SAMPLES[0]), "kv_layout": {"num_layers": "x"}}), r"\$.kv_layout"),
     (_frames(wire.MsgType.REGISTER, {**_body(SAMPLES[0]), "role": "boss"}), r"\$.role"),

@@ -35,7 +35,8 @@ def run(handler, sent, request_id: str) -> list:
     _handle(handler, request(request_id))
     while handler.busy():
         _turn(handler)
-    return [m for m in sent if getattr(m, "request_id", None) == request_id]
+    messages = [d for m in sent for d in (m.deltas if isinstance(m, wire.TokenDeltas) else [m])]
+    return [m for m in messages if getattr(m, "request_id", None) == request_id]
 
 
 def test_a_message_that_makes_the_handler_fail_ends_only_its_request(decode, monkeypatch):

@@ -68,7 +68,7 @@ def test_lent_pages_and_pulls_in_flight_do_not_spin_the_loops(workers):
     assert not prefill.busy() and prefill.wait_s(IDLE_S) == IDLE_S
     while decode.engine.has_unfinished():
         decode.tick()
-    deltas = [m for m in decode_sent if isinstance(m, wire.TokenDelta)]
+    deltas = [d for m in decode_sent if isinstance(m, wire.TokenDeltas) for d in m.deltas]
     assert deltas[-1].finish_reason == "length" and sum(len(d.token_ids) for d in deltas) == 3
     assert decode.wait_s(IDLE_S) == IDLE_S
     assert decode.engine.block_manager.num_used_blocks == prefill.engine.block_manager.num_used_blocks == 0
