@@ -325,7 +325,7 @@ static inline __attribute__((always_inline)) void attend_one_avx512(
                 hi = _mm512_permutex2var_ps(a, _mm512_add_epi32(first, _mm512_set1_epi32(8)), b);
             }
             store16(out, out_bf16, ooff + 32 * c, lo);
-            if (head_dim - 32 * c == 32 || head_dim - 32 * c > 32) store16(out, out_bf16, ooff + 32 * c + 16, hi);
+            if (head_dim - 32 * c >= 32) store16(out, out_bf16, ooff + 32 * c + 16, hi);
         }
     }
 }
