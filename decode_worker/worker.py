@@ -174,7 +174,17 @@ class DecodeHandler(WorkerBase):
         if self.engine.has_work():  # not while every request waits for its pages
             with self.cores:
                 outputs = self.engine.step()
-            deltas = [delta for out in outputs if (delta := self._delta(out)) is not None]
+            deltas = []
+            for out in outputs:
+                try:
+                    delta = self._delta(out)
+                except Exception as exc:  # that request ends; the step's others still get their tokens
+                    log.exception("reporting the step of request %s failed", out.request_id)
+                    self.metrics.internal_errors.inc()
+                    self.contain(out.request_id, f"the worker failed on this request ({type(exc).__name__}: {exc})")
+                    continue
+                if delta is not None:
+                    deltas.append(delta)
             if deltas:
                 self.send(wire.TokenDeltas(deltas))
 

@@ -13,8 +13,9 @@ context, so a test drives it from outside:
 - prefill: PrefillRequest -> PrefillDone(first scripted token, pages held
   until ReleaseKV or Abort).
 - decode / both: DecodeRequest -> KVPulled when it names pages, then one
-  TokenDelta per remaining token every ``token_interval_s`` (those due at once share a TokenDeltas, as a
-  step's do); the last has
+  TokenDelta per remaining token every ``token_interval_s``, each in a TokenDeltas of its own (as if every
+  request ran its own step; tests that need several requests in one step send their TokenDeltas by hand);
+  the last has
   finish_reason "length" when max_tokens ran out, else "stop". Abort stops it.
 - A resumed request (``output_token_ids``) continues the script after its output so far.
 - With logprobs asked for, token i gets logprob ``-(i + 1) / 10`` and k
@@ -123,11 +124,9 @@ class FakeWorker:
                     next_heartbeat = now + self.heartbeat_interval_s
                 while not self._outgoing.empty():
                     sock.send_multipart(self._outgoing.get_nowait())
-                due = [t for t in self._timers if t[0] <= now]
-                for timer in due:
-                    self._timers.remove(timer)
-                if due:
-                    sock.send_multipart(encode(TokenDeltas([delta for _, _, delta in due])))
+                for due, request_id, delta in [t for t in self._timers if t[0] <= now]:
+                    self._timers.remove((due, request_id, delta))
+                    sock.send_multipart(encode(TokenDeltas([delta])))
                 if sock.poll(5):
                     self._handle(decode(sock.recv_multipart()))
             if self._goodbye:

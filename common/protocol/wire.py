@@ -213,7 +213,9 @@ class TokenDelta(_Struct):
 
 class TokenDeltas(_Struct):
     """What one engine step emitted, one delta per request: one message (one encode, one send, one wake-up of
-    the proxy) per step rather than per request."""
+    the proxy) per step rather than per request. Like any message it is checked whole: one delta out of bounds
+    drops the step's message for every request in it (the worker's engine only emits token ids of its vocabulary,
+    which the bounds admit)."""
     deltas: list[TokenDelta]
 
 

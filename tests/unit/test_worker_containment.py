@@ -71,3 +71,24 @@ def test_a_failed_engine_turn_gives_its_requests_back_and_the_worker_goes_on(dec
     assert not handler.busy() and handler.engine.block_manager.num_used_blocks == 0
     monkeypatch.setattr(handler.engine.runner, "execute", original)
     assert run(handler, sent, "next")[-1].finish_reason == "length"
+
+
+def test_a_request_whose_step_cannot_be_reported_ends_alone(decode, monkeypatch):
+    """A step's tokens travel in one TokenDeltas: failing to build one request's delta ends that request and
+    still sends the others theirs."""
+    handler, sent = decode
+    original = handler._delta
+
+    def fail_for_bad(out):
+        if out.request_id == "bad" and out.outputs[0].finish_reason != "abort":
+            raise RuntimeError("a delta no check foresaw")
+        return original(out)
+
+    monkeypatch.setattr(handler, "_delta", fail_for_bad)
+    _handle(handler, request("bad"))
+    good = run(handler, sent, "good")
+    (failed,) = [m for m in sent if isinstance(m, wire.RequestFailed)]
+    assert failed.request_id == "bad" and not failed.retryable and "no check foresaw" in failed.message
+    assert good[-1].finish_reason == "length" and sum(len(m.token_ids) for m in good) == 4
+    assert all(d.request_id == "good" for m in sent if isinstance(m, wire.TokenDeltas) for d in m.deltas)
+    assert not handler.busy() and handler.engine.block_manager.num_used_blocks == 0

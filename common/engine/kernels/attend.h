@@ -34,9 +34,9 @@ static inline void load_row(const void *base, int64_t offset, int is_bf16, int d
 /* Blocks lie anywhere in the pool, so no hardware prefetcher can guess the next one. The K (V) loop of a block
  * fetches the matching row of the block PREFETCH_AHEAD ahead one token at a time: the reads are spread over the
  * arithmetic instead of queued behind each other in one burst (a burst per block gave half the bandwidth). */
-static inline __attribute__((always_inline)) void next_block_rows(const void *kv, const int64_t *table, int64_t start, int64_t len, int block_size,
-                                   int64_t block_stride, int64_t k_offset, int64_t v_offset, int kvh, int head_dim,
-                                   int elem, int ahead, const char **k, const char **v) {
+static inline __attribute__((always_inline)) void next_block_rows(
+    const void *kv, const int64_t *table, int64_t start, int64_t len, int block_size, int64_t block_stride,
+    int64_t k_offset, int64_t v_offset, int kvh, int head_dim, int elem, int ahead, const char **k, const char **v) {
     *k = *v = 0;
     if (start + (int64_t)ahead * block_size >= len) return;
     int64_t next = table[start / block_size + ahead] * block_stride + (int64_t)kvh * head_dim;
@@ -51,15 +51,18 @@ static inline __attribute__((always_inline)) void prefetch_row(const char *rows,
         for (int b = 0; b < row_bytes; b += 64) __builtin_prefetch(rows + t * token_bytes + b);
 }
 
-/* The first block's rows, before its loop starts. */
-static inline __attribute__((always_inline)) void prefetch_first_block(const void *kv, const int64_t *table, int64_t len, int block_size,
-                                        int64_t block_stride, int64_t k_offset, int64_t v_offset, int kvh,
-                                        int head_dim, int elem, int64_t token_bytes) {
-    const char *k, *v;
-    next_block_rows(kv, table, 0, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim, elem, 0, &k, &v);
-    for (int t = 0; t < block_size && t < len; t++) {
-        prefetch_row(k, t, token_bytes, head_dim * elem);
-        prefetch_row(v, t, token_bytes, head_dim * elem);
+/* The rows of the blocks before the first in-loop prefetch lands (blocks 0 .. PREFETCH_AHEAD - 1). */
+static inline __attribute__((always_inline)) void prefetch_first_blocks(
+    const void *kv, const int64_t *table, int64_t len, int block_size, int64_t block_stride, int64_t k_offset,
+    int64_t v_offset, int kvh, int head_dim, int elem, int64_t token_bytes) {
+    for (int ahead = 0; ahead < PREFETCH_AHEAD; ahead++) {
+        const char *k, *v;
+        next_block_rows(kv, table, 0, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim, elem, ahead,
+                        &k, &v);
+        for (int t = 0; t < block_size; t++) {
+            prefetch_row(k, t, token_bytes, head_dim * elem);
+            prefetch_row(v, t, token_bytes, head_dim * elem);
+        }
     }
 }
 
@@ -100,7 +103,7 @@ static inline __attribute__((always_inline)) void attend_one_scalar(
 
         const int elem = is_bf16 ? 2 : 4;
         int64_t token_stride = (int64_t)num_kv_heads * head_dim;
-        prefetch_first_block(kv, table, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim, elem,
+        prefetch_first_blocks(kv, table, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim, elem,
                              token_stride * elem);
         for (int64_t start = 0; start < len; start += block_size) {
             int64_t block = table[start / block_size];
@@ -171,8 +174,8 @@ static inline __attribute__((always_inline)) void attend_one_scalar(
 static inline void load_pair(const void *p, int bf16, int64_t i, int dims, __m512 *a, __m512 *b) {
     if (bf16) {
         const uint16_t *src = (const uint16_t *)p + i;
-        __m512i raw = dims == 32 ? _mm512_loadu_si512(src)
-                                 : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)src));
+        __m512i raw = dims == 32 ? _mm512_loadu_si512(src) /* a half pair: 16 dimensions, the rest zeros */
+            : _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_loadu_si256((const __m256i *)src), 0);
         *a = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
         *b = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32((int)0xffff0000u)));
     } else {
@@ -238,7 +241,7 @@ static inline __attribute__((always_inline)) void attend_one_avx512(
     }
 
     const int64_t token_bytes = token_stride * elem;
-    prefetch_first_block(kv, table, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim, elem,
+    prefetch_first_blocks(kv, table, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim, elem,
                          token_bytes);
 
     for (int64_t start = 0; start < len; start += block_size) {
