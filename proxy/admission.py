@@ -59,6 +59,7 @@ from __future__ import annotations
 import bisect
 import enum
 import itertools
+import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -255,7 +256,7 @@ class Admit:
 
 class AdmissionController:
     def __init__(self, config: ProxyConfig, tenants: TenantRegistry, decode_slots: Callable[[], int],
-                 metrics: ProxyMetrics | None = None) -> None:
+                 metrics: ProxyMetrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.counters = ServiceCounters(config.vtc_input_weight, config.vtc_output_weight, tenants.weights)
         self.prefill_queue = make_queue(config.fairness_policy, self.counters)
@@ -266,12 +267,25 @@ class AdmissionController:
         self._orders = itertools.count()
         self._items: dict[str, Waiting] = {}
         self.count: dict[Stage, Counter[str]] = {s: Counter() for s in LIVE}
+        self._left_at: dict[str, float] = {}  # tenant -> when its last live choice ended (``num_active_tenants``)
+        self._clock = clock
 
     def total(self, stage: Stage) -> int:
         return sum(self.count[stage].values())
 
     def active(self, tenant: str) -> int:
         return sum(c[tenant] for c in self.count.values())
+
+    def num_active_tenants(self, now: float, window_s: float) -> int:
+        """Tenants with a choice anywhere here (queued, prefilling, ready or decoding), or with one that left
+        within ``window_s`` (a closed-loop client between two requests is still there)."""
+        live = {t for counts in self.count.values() for t, n in counts.items() if n > 0}
+        for tenant, left in list(self._left_at.items()):
+            if now - left > window_s:
+                del self._left_at[tenant]
+            else:
+                live.add(tenant)
+        return len(live)
 
     def check_room(self, tenant: Tenant, count: int) -> None:
         """ApiError 429 / 503 when ``count`` more choices of ``tenant`` must not be taken in."""
@@ -346,6 +360,8 @@ class AdmissionController:
         item = self._items.get(request_id)
         if item is not None:
             self.counters.charge(item.tenant, input_tokens=item.input_tokens)
+            if self._metrics is not None and item.input_tokens:
+                self._metrics.tenant_service.labels(item.tenant).inc(item.input_tokens * self.counters.input_weight)
             self._update_gauges(item.tenant)
 
     def leave(self, request_id: str, stage: Stage) -> None:
@@ -358,11 +374,14 @@ class AdmissionController:
         elif stage is Stage.READY:
             self.decode_queue.remove(item)
         self._move(item, stage, None)
+        if not self.active(item.tenant):
+            self._left_at[item.tenant] = self._clock()
 
     def charge_output(self, tenant: str, num_tokens: int) -> None:
         self.counters.charge(tenant, output_tokens=num_tokens)
         if self._metrics is not None:
-            self._metrics.tenant_service.labels(tenant).set(self.counters[tenant])
+            self._metrics.tenant_service.labels(tenant).inc(num_tokens * self.counters.output_weight)
+            self._metrics.tenant_virtual_counter.labels(tenant).set(self.counters[tenant])
 
     def _move(self, item: Waiting, old: Stage | None, new: Stage | None) -> None:
         """Count it in ``new`` instead of ``old`` (None: not counted); a tenant is backlogged while it has a
@@ -391,4 +410,4 @@ class AdmissionController:
     def _update_gauges(self, tenant: str) -> None:
         if self._metrics is not None:
             self._metrics.tenant_waiting.labels(tenant).set(self.count[Stage.QUEUED][tenant])
-            self._metrics.tenant_service.labels(tenant).set(self.counters[tenant])
+            self._metrics.tenant_virtual_counter.labels(tenant).set(self.counters[tenant])

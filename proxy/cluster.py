@@ -39,6 +39,10 @@ from proxy.tenants import Tenant, TenantRegistry
 
 log = logging.getLogger("tessera.proxy")
 
+# tpot_slo_scope "shared": a tenant counts as present for this long after its last request ended, so that a
+# closed-loop client between two requests does not hand the whole cluster to the other tenant's backlog
+SHARED_WINDOW_S = 2.0
+
 Outbox = Callable[[str, object], None]
 
 
@@ -48,10 +52,10 @@ class Cluster:
         self.config = config
         self.policy = policy
         self.metrics = metrics
-        self.registry = WorkerRegistry(config.heartbeat_timeout_s)
+        self.registry = WorkerRegistry(config.heartbeat_timeout_s, config.tpot_slo_ms, config.tpot_slo_factor)
         self.tracing = make_tracing(config.otel_endpoint, config.otel_service_name)
         self.tenants = TenantRegistry(config, clock)
-        self.admission = AdmissionController(config, self.tenants, self._decode_slots, metrics)
+        self.admission = AdmissionController(config, self.tenants, self._decode_slots, metrics, clock)
         self.inflight: dict[str, SubRequest] = {}
         self.draining = False
         self._clock = clock
@@ -108,8 +112,12 @@ class Cluster:
         self._dispatch()
 
     def _decode_slots(self) -> int:
-        """This proxy's share of the decode slots (at least one while there are any)."""
-        slots = self.registry.decode_slots()
+        """This proxy's share of the decode slots (at least one while there are any): as many as keep every
+        worker within the TPOT target while tenants share the cluster (``tpot_slo_scope``), else every slot."""
+        scope = self.config.tpot_slo_scope
+        within = scope == "always" or (
+            scope == "shared" and self.admission.num_active_tenants(self._clock(), SHARED_WINDOW_S) > 1)
+        slots = self.registry.decode_slots(within_tpot=within)
         return max(int(slots * self.config.decode_slot_share), 1) if slots else 0
 
     def _charge_output(self, sub: SubRequest, num_tokens: int) -> None:

@@ -80,9 +80,13 @@ class ProxyMetrics:
                                          ["worker_id"], registry=r)
         self.tenant_waiting = Gauge("tessera_proxy_tenant_waiting", "Choices waiting for admission, by tenant",
                                     ["tenant"], registry=r)
-        self.tenant_service = Gauge("tessera_proxy_tenant_service",
-                                    "Each tenant's virtual token counter (weighted tokens served / weight)",
-                                    ["tenant"], registry=r)
+        self.tenant_service = Counter("tessera_proxy_tenant_service",
+                                      "Weighted tokens served to each tenant (vtc_input_weight per prompt token "
+                                      "started plus vtc_output_weight per generated token)", ["tenant"], registry=r)
+        self.tenant_virtual_counter = Gauge("tessera_proxy_tenant_virtual_counter",
+                                            "Each tenant's virtual token counter, the fairness policy's accounting "
+                                            "(service over weight, lifted as it becomes backlogged; not service "
+                                            "received)", ["tenant"], registry=r)
         self.tenant_rejections = Counter("tessera_proxy_tenant_rejections",
                                          "Requests refused or dropped by admission control, by tenant and limit",
                                          ["tenant", "reason"], registry=r)

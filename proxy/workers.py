@@ -52,12 +52,14 @@ from zmq.utils.monitor import parse_monitor_message
 
 from common.config.base import EngineConfig
 from common.protocol.wire import (
-    Goodbye, Heartbeat, KVLayoutInfo, PeerInfo, Peers, Register, RegisterAck, Role, encode,
+    Goodbye, Heartbeat, KVLayoutInfo, PeerInfo, Peers, Register, RegisterAck, Role, StepCostModel, encode,
 )
 from common.runtime.zmq_security import CurveServer, apply_curve_server, start_authenticator
 from proxy.registration import ClusterModel, refusal
 
 log = logging.getLogger("tessera.proxy")
+
+ASSUMED_CONTEXT = 512  # tokens per sequence, for a worker running none
 
 
 @dataclass
@@ -78,6 +80,37 @@ class WorkerState:
     outstanding_prefill_tokens: int = 0
     draining: bool = False
     max_num_seqs: int = EngineConfig.max_num_seqs  # decode slots; the engine's default when not reported
+    context_tokens: int = 0  # its running sequences' tokens, summed (heartbeat)
+    step_cost: StepCostModel | None = None  # its fit of its step time (heartbeat); None: not known yet
+    latency_capacity: int = 0  # sequences it may run within the TPOT target (``latency_capacity``); 0: unknown
+
+    def tpot_budget_ms(self, tpot_slo_ms: float, tpot_slo_factor: float) -> float | None:
+        """The step-time target: ``tpot_slo_ms``, or ``tpot_slo_factor`` x its predicted one-sequence step."""
+        if tpot_slo_ms:
+            return tpot_slo_ms
+        if self.step_cost is None:
+            return None
+        return tpot_slo_factor * self.step_cost.step_ms(1, self.mean_context())
+
+    def mean_context(self) -> int:
+        """Tokens of context a running sequence has, on average (an assumed 512 while none runs)."""
+        return self.context_tokens // self.num_running if self.num_running else ASSUMED_CONTEXT
+
+    def latency_capacity_for(self, budget_ms: float) -> int:
+        """The most sequences (at least 1, at most max_num_seqs) whose predicted step stays within ``budget_ms``,
+        each with today's mean context; max_num_seqs while the step time is not known."""
+        cost = self.step_cost
+        if cost is None:
+            return self.max_num_seqs
+        context = self.mean_context()
+        lo, hi = 1, max(self.max_num_seqs, 1)
+        while lo < hi:  # the prediction grows with the rows: its coefficients are non-negative
+            mid = (lo + hi + 1) // 2
+            if cost.step_ms(mid, mid * context) <= budget_ms:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     @property
     def serves_prefill(self) -> bool:
@@ -108,6 +141,8 @@ class Registration:
 @dataclass
 class WorkerRegistry:
     heartbeat_timeout_s: float
+    tpot_slo_ms: float = 0.0  # the decode step-time target (ProxyConfig); 0: tpot_slo_factor x one sequence's
+    tpot_slo_factor: float = 2.0
     workers: dict[str, WorkerState] = field(default_factory=dict)
     _rejoin_asked: dict[str, float] = field(default_factory=dict)  # worker id -> when last asked
 
@@ -147,6 +182,10 @@ class WorkerRegistry:
         worker.free_blocks = msg.free_blocks
         worker.num_running = msg.num_running
         worker.outstanding_prefill_tokens = msg.outstanding_prefill_tokens
+        worker.context_tokens = msg.context_tokens
+        worker.step_cost = msg.step_cost
+        budget = worker.tpot_budget_ms(self.tpot_slo_ms, self.tpot_slo_factor)
+        worker.latency_capacity = worker.latency_capacity_for(budget) if budget is not None else 0
         if msg.draining and not worker.draining:
             log.info("worker %r is draining: no new requests go to it", msg.worker_id)
         worker.draining = msg.draining
@@ -191,9 +230,11 @@ class WorkerRegistry:
     def decode_side(self) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.decode_capable]
 
-    def decode_slots(self) -> int:
-        """Sequences the decode-capable workers that take new work can run at once."""
-        return sum(w.max_num_seqs for w in self.decode_side() if not w.draining)
+    def decode_slots(self, within_tpot: bool = False) -> int:
+        """Sequences the decode-capable workers that take new work can run at once; ``within_tpot``: only as many
+        as keep each one's predicted step time within the TPOT target (its slots while that is unknown)."""
+        return sum((w.latency_capacity or w.max_num_seqs) if within_tpot else w.max_num_seqs
+                   for w in self.decode_side() if not w.draining)
 
     def peers(self) -> Peers:
         return Peers([w.peer_info() for w in self.prefill_side()])

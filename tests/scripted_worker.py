@@ -57,6 +57,7 @@ class FakeWorker:
         self.stall = stall
         self.heartbeats = True
         self.draining = False
+        self.step_cost = None  # a StepCostModel its heartbeats report, as a real worker's fitted step time
         self.received: list = []  # every message from the proxy, in order
         self.held_pages: set[str] = set()  # prefill: requests whose pages wait for ReleaseKV
         self._lock = threading.Condition()
@@ -137,8 +138,13 @@ class FakeWorker:
 
     def _heartbeat(self) -> Heartbeat:
         used = 2 * len(self.held_pages)
-        return Heartbeat(self.worker_id, self.epoch, self.register_msg.num_blocks - used, len(self._timers), 0, 0,
-                         self.draining)
+        running = len({request_id for _, request_id, _ in self._timers})
+        return Heartbeat(self.worker_id, self.epoch, self.register_msg.num_blocks - used, running, 0, 0,
+                         self.draining, 100 * running, self.step_cost)
+
+    def decoding(self) -> int:
+        """Requests with tokens still to send."""
+        return len({request_id for _, request_id, _ in list(self._timers)})
 
     def _handle(self, msg) -> None:
         with self._lock:

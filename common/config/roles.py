@@ -23,7 +23,9 @@ from pydantic import BeforeValidator
 from common.config.base import (
     Bool, ConfigError, EngineConfig, Float, Int, Str, check_paths, config_model, option,
 )
-from common.protocol.names import PRIORITY_LANES, Dtype, FairnessPolicy, PriorityLane, Role, TransferBackend
+from common.protocol.names import (
+    PRIORITY_LANES, Dtype, FairnessPolicy, PriorityLane, Role, TpotSloScope, TransferBackend,
+)
 
 log = logging.getLogger("tessera.config")
 
@@ -114,6 +116,16 @@ class ProxyConfig:
         4, "a tenant's choices admitted to prefill and not yet given a decode slot, at most", gt=0)
     decode_slot_share: Float = option(
         1.0, "fraction of the workers' decode slots this proxy admits to; with N proxies, 1/N each", gt=0)
+    tpot_slo_ms: Float = option(
+        0.0, "decode admission's per-token latency target: a worker is given another sequence only while its "
+        "predicted step time (its own fitted model, sent with each heartbeat) stays within this; 0: "
+        "tpot_slo_factor times the worker's predicted one-sequence step", ge=0)
+    tpot_slo_factor: Float = option(
+        2.0, "with tpot_slo_ms 0, the target as a multiple of each worker's predicted one-sequence step time",
+        ge=1)
+    tpot_slo_scope: TpotSloScope = option(
+        "shared", "when the TPOT target limits decode admission: 'shared' while two or more tenants have "
+        "requests in the cluster (a lone tenant gets every decode slot), 'always', or 'off' (slots only)")
     otel_endpoint: Str = option(
         "", "OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces; empty: no tracing")
     otel_service_name: Str = option("tessera-proxy", "service.name of the proxy's traces")

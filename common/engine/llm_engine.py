@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 from collections.abc import Iterable, Sequence as Seq
 
@@ -24,6 +25,7 @@ from common.protocol.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.engine.sequence import FinishReason, Sequence
 from common.engine.speculator import make_speculator
+from common.engine.step_model import StepTimer
 from common.text.tokenizer import TextState, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -146,6 +148,9 @@ class LLMEngine:
         self._seed_source = random.Random(config.seed)
         self._aborted: list[str] = []  # reported (as finished) by the next step
         self.stats = EngineStats()
+        # What a step costs, fitted online from every step run here (heartbeats report it to the proxy)
+        fused = self.runner.model.fused_decode is not None
+        self.step_timer = StepTimer(config.decode_kernel_max_batch if fused else 0)
 
     # ---- requests -----------------------------------------------------------
     def add_request(
@@ -305,9 +310,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self._speculating:
             self.speculator.propose(self.scheduler.running)
+        started = time.perf_counter()
         plan = self.scheduler.schedule()
         advanced: list[Sequence] = []
         if plan:
+            shape = self._step_shape(plan)
             sample = self.runner.execute(plan)
             for i, seq in enumerate(sample.seqs):
                 if seq.params.logprobs is not None and sample.logprobs is not None:
@@ -320,7 +327,23 @@ class LLMEngine:
             if self._speculating:
                 self.speculator.observe(sample)
                 self.speculator.retain(self.scheduler.running)
+            self.step_timer.observe(*shape, time.perf_counter() - started)
         return self._collect_outputs(advanced)
+
+    @staticmethod
+    def _step_shape(plan) -> tuple[int, int, int, int]:
+        """What ``step_timer`` models a step by: decode tokens, the keys they read, prompt tokens, and the
+        query x key pairs of the prompt chunks' attention."""
+        decode_tokens = decode_context = prompt_tokens = prompt_pairs = 0
+        for seq, new, drafts in zip(plan.seqs, plan.num_new_tokens, plan.spec_token_ids):
+            past = seq.num_computed_tokens
+            if new == 1 + len(drafts) and past + 1 >= seq.num_tokens:  # a decode row (with the drafts it verifies)
+                decode_tokens += new
+                decode_context += past + new
+            else:
+                prompt_tokens += new
+                prompt_pairs += new * past + new * (new + 1) // 2
+        return decode_tokens, decode_context, prompt_tokens, prompt_pairs
 
     def _count(self, plan, sample, num_generated: int) -> None:
         stats = self.stats

@@ -17,6 +17,8 @@ AttentionBackend = Literal["auto", "torch", "cpu_paged", "flash_attn"]
 SpecMethod = Literal["off", "ngram", "draft"]
 TransferBackend = Literal["auto", "nixl", "zmq"]
 FairnessPolicy = Literal["fcfs", "priority", "vtc"]
+# When decode admission holds each worker to the TPOT target (proxy.tpot_slo_scope)
+TpotSloScope = Literal["shared", "always", "off"]
 PriorityLane = Literal["p0", "p1", "p2"]  # p0 is served first
 
 ROLES: tuple[str, ...] = get_args(Role)

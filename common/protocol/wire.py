@@ -50,12 +50,13 @@ import msgspec
 
 from common.protocol.sampling_params import INT64_MAX, TOKEN_ID_MAX, SamplingParams
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=TOKEN_ID_MAX)]
 Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
 TopLogprobs = list[tuple[TokenId, float]]  # [(token_id, logprob), ...]
+Coefficient = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]  # also refuses NaN
 
 
 class WireError(ValueError):
@@ -117,6 +118,36 @@ class RegisterAck(_Struct):
     reason: str = ""
 
 
+def step_cost_features(decode_tokens: int, decode_context: int, prompt_tokens: int = 0,
+                       prompt_pairs: int = 0) -> tuple[float, float, float, float, float]:
+    """The terms of ``StepCostModel``: 1, decode tokens, decode context (thousands of keys), prompt tokens,
+    prompt attention (thousands of query x key pairs)."""
+    return 1.0, float(decode_tokens), decode_context / 1e3, float(prompt_tokens), prompt_pairs / 1e3
+
+
+class StepCostModel(_Struct):
+    """A worker's fit of its engine step time (common/engine/step_model.py), in milliseconds: the dot product
+    of a coefficient list with ``step_cost_features``. ``small`` is the fit of decode-only steps of at most
+    ``small_max_rows`` rows (the one-call decode kernel's; empty and 0 while unknown), ``large`` of the other
+    decode-only steps, ``mixed`` of steps with a prompt chunk (empty while unknown: ``large`` stands in)."""
+    small_max_rows: NonNegInt
+    small: Annotated[list[Coefficient], msgspec.Meta(max_length=5)]
+    large: Annotated[list[Coefficient], msgspec.Meta(min_length=5, max_length=5)]
+    mixed: Annotated[list[Coefficient], msgspec.Meta(max_length=5)] = []
+    samples: NonNegInt = 0
+
+    def step_ms(self, decode_tokens: int, decode_context: int, prompt_tokens: int = 0,
+                prompt_pairs: int = 0) -> float:
+        if prompt_tokens:
+            coef = self.mixed if len(self.mixed) == 5 else self.large
+        elif decode_tokens <= self.small_max_rows and len(self.small) == 5:
+            coef = self.small
+        else:
+            coef = self.large
+        x = step_cost_features(decode_tokens, decode_context, prompt_tokens, prompt_pairs)
+        return sum(c * v for c, v in zip(coef, x))
+
+
 class Heartbeat(_Struct):
     worker_id: str
     epoch: NonNegInt
@@ -125,6 +156,8 @@ class Heartbeat(_Struct):
     num_waiting: NonNegInt
     outstanding_prefill_tokens: NonNegInt
     draining: bool = False
+    context_tokens: NonNegInt = 0  # the running sequences' tokens (prompt and output), summed
+    step_cost: StepCostModel | None = None  # None until the worker has fitted its step time
 
 
 class Goodbye(_Struct):

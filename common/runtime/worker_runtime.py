@@ -144,7 +144,8 @@ class WorkerIO:
                 load = self.load
                 sock.send_multipart(wire.encode(wire.Heartbeat(
                     self.config.worker_id, self.registration.epoch, load.free_blocks, load.num_running,
-                    load.num_waiting, load.outstanding_prefill_tokens, self.draining,
+                    load.num_waiting, load.outstanding_prefill_tokens, self.draining, load.context_tokens,
+                    load.step_cost,
                 )))
                 self.metrics.heartbeats_sent.inc()
                 next_beat = now + self.config.heartbeat_interval_s
@@ -337,6 +338,8 @@ class WorkerBase:
             num_running=len(scheduler.running),
             num_waiting=scheduler.num_waiting,
             outstanding_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens for s in scheduler.waiting),
+            context_tokens=sum(s.num_tokens for s in scheduler.running),
+            step_cost=self.engine.step_timer.report(),
         )
 
     def publish_metrics(self) -> None:

@@ -13,6 +13,8 @@ import time
 
 import msgspec
 
+from common.protocol.wire import StepCostModel
+
 from proxy.tenants import hash_key
 from tests.e2e.proxy_harness import *  # noqa: F401,F403 -- fixtures, helpers and wire types
 
@@ -173,3 +175,43 @@ def test_two_tenants_four_to_one_load(make_proxy, script, workers, policy):
         # its 20% share of the load, give or take a few requests: a loaded machine (the full suite) has seen
         # exactly 1/3, still well below what VTC guarantees
         assert share <= 0.35
+
+
+@pytest.mark.parametrize("scope", ["shared", "off"])
+def test_decode_admission_holds_the_worker_to_the_tpot_target_while_tenants_share_it(make_proxy, script, workers,
+                                                                                     scope):
+    """The worker reports a step time of 10 ms + 10 ms a sequence: with a 40 ms target it may run 3 sequences,
+    whatever its 16 slots; the rest wait at the proxy, where VTC chooses between the tenants."""
+    tenants = [{"name": "heavy", "api_key_sha256": [hash_key("sk-heavy")]},
+               {"name": "light", "api_key_sha256": [hash_key("sk-light")]}]
+    proxy = make_proxy(auth_enabled=True, tenants=tenants, tpot_slo_ms=40.0, tpot_slo_scope=scope)
+    decode = FakeWorker(proxy.endpoint, "d0", "decode", script, token_interval_s=0.02)
+    decode.register_msg = msgspec.structs.replace(decode.register_msg, max_num_seqs=16)
+    decode.step_cost = StepCostModel(small_max_rows=0, small=[], large=[10.0, 10.0, 0.0, 0.0, 0.0])
+    workers += [start_worker(proxy, "p0", "prefill", script), decode.start_and_wait()]
+    ready(proxy)
+    time.sleep(0.3)  # a few heartbeats: the proxy has the step model
+    served = {"sk-heavy": 0, "sk-light": 0}
+    most = 0
+
+    async def load() -> None:
+        nonlocal most
+        until = time.monotonic() + 3.0
+
+        async def watch() -> None:
+            nonlocal most
+            await asyncio.sleep(0.6)  # past the first requests, admitted while one tenant alone had arrived
+            while time.monotonic() < until:
+                most = max(most, decode.decoding())
+                await asyncio.sleep(0.005)
+        await asyncio.gather(_closed_loop(proxy.url, "sk-heavy", 8, until, served),
+                             _closed_loop(proxy.url, "sk-light", 2, until, served), watch())
+
+    asyncio.run(load())
+    share = served["sk-light"] / sum(served.values())
+    print(f"{scope}: at most {most} decoding at once; light tenant's share {share:.1%} ({served})")
+    if scope == "shared":
+        assert most <= 3
+        assert share > 0.2  # more than its share of the streams: the waiting happens where VTC chooses
+    else:
+        assert most > 3

@@ -1,0 +1,92 @@
+"""How well the engine's step-time model (common/engine/step_model.py) predicts steps it was not fitted on.
+
+    .venv/bin/python -m bench.step_model_accuracy --dtype bfloat16
+
+The engine (in this process, the embedded model) first runs decode steps at the fitting batch sizes, with
+their prompts' chunks in between, as a server would; the model it fitted from them is then frozen, and
+decode steps at other batch sizes (held out) are timed by the engine's own step timer and compared with
+what the frozen model predicted for each step's shape. Every batch size uses fresh random prompts.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+
+import torch
+
+from common.config.base import EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.protocol.sampling_params import SamplingParams
+
+FIT_BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+HELD_OUT = (3, 6, 12, 20, 40, 56)
+
+
+def run_batch(engine: LLMEngine, rng: random.Random, batch: int, prompt_len: int, steps: int, name: str):
+    """Prefill ``batch`` fresh prompts, then ``steps`` decode steps; yields each decode step's shape and time."""
+    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    vocab = engine.runner.vocab_size
+    ids = [f"{name}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, [rng.randrange(100, vocab - 1) for _ in range(prompt_len)], params)
+    timed = []
+    observe = engine.step_timer.observe
+    engine.step_timer.observe = lambda *a: (timed.append(a), observe(*a))
+    try:
+        while any(s.num_computed_tokens < s.num_prompt_tokens for rid in ids for s in engine.requests[rid]):
+            engine.step()
+        engine.step()
+        timed.clear()
+        for _ in range(steps):
+            engine.step()
+        return [t for t in timed if t[2] == 0]  # decode-only steps
+    finally:
+        engine.step_timer.observe = observe
+        for rid in ids:
+            engine.abort_request(rid)
+        engine.step()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=24, help="decode steps per batch size")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=11)
+    args = parser.parse_args(argv)
+    torch.set_flush_denormal(True)
+    engine = LLMEngine(EngineConfig(model="embedded", dtype=args.dtype, num_threads=args.threads,
+                                    kv_cache_memory_bytes=2 << 30))
+    rng = random.Random(args.seed)
+    run_batch(engine, rng, 2, 32, 3, "warm-up")
+    for batch in FIT_BATCHES:
+        run_batch(engine, rng, batch, args.prompt_len, args.steps, f"fit-{batch}")
+    engine.step_timer._refit_at = 0.0
+    frozen = engine.step_timer.report()
+    if frozen is None:
+        print("no model after the fitting steps")
+        return 1
+    print(f"{args.dtype}, {args.threads} threads; fitted on decode batches {FIT_BATCHES} "
+          f"({frozen.samples} steps, prompts of {args.prompt_len} tokens)")
+    print(f"model (ms): small regime (<= {frozen.small_max_rows} rows) {[round(c, 3) for c in frozen.small]}, "
+          f"large {[round(c, 3) for c in frozen.large]}\n")
+    print("| held-out batch | measured p50 ms | predicted p50 ms | error of the p50 | p50 of per-step errors |")
+    print("|---|---|---|---|---|")
+    worst = 0.0
+    for batch in HELD_OUT:
+        steps = run_batch(engine, rng, batch, args.prompt_len, args.steps, f"held-{batch}")
+        measured = [1000 * t[4] for t in steps]
+        predicted = [frozen.step_ms(*t[:4]) for t in steps]
+        errors = [abs(p - m) / m for p, m in zip(predicted, measured)]
+        p50_error = abs(statistics.median(predicted) - statistics.median(measured)) / statistics.median(measured)
+        worst = max(worst, p50_error)
+        print(f"| {batch} | {statistics.median(measured):.1f} | {statistics.median(predicted):.1f} | "
+              f"{100 * p50_error:.1f}% | {100 * statistics.median(errors):.1f}% |")
+    print(f"\nworst error of the p50 over the held-out batches: {100 * worst:.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

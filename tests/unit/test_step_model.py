@@ -1,0 +1,171 @@
+"""The engine's step-time model (common/engine/step_model.py), its wire form, and decode admission by it in the
+proxy's registry (proxy/workers.py): pure logic, synthetic step times."""
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+
+from common.engine.step_model import StepTimer
+from common.protocol import wire
+from common.protocol.wire import Heartbeat, KVLayoutInfo, Register, StepCostModel
+from proxy.workers import ASSUMED_CONTEXT, WorkerRegistry
+
+
+def large_ms(decode_tokens, decode_context, prompt_tokens=0, prompt_pairs=0):
+    return 6.0 + 1.5 * decode_tokens + 4.0 * decode_context / 1e3 + 0.3 * prompt_tokens + 0.02 * prompt_pairs / 1e3
+
+
+def small_ms(decode_tokens, decode_context):
+    return 9.0 + 0.8 * decode_tokens + 3.0 * decode_context / 1e3
+
+
+def feed(timer: StepTimer, rng: random.Random, steps: int, rows=(1, 64), noise: float = 0.0) -> None:
+    for _ in range(steps):
+        rows_now = rng.randint(*rows)
+        context = rows_now * rng.randint(50, 900)
+        if rng.random() < 0.3:  # a step with a prompt chunk
+            prompt = rng.randint(16, 512)
+            pairs = prompt * rng.randint(0, 300) + prompt * (prompt + 1) // 2
+            ms = large_ms(rows_now, context, prompt, pairs)
+            timer.observe(rows_now, context, prompt, pairs, ms * (1 + rng.uniform(-noise, noise)) / 1e3)
+        else:
+            ms = small_ms(rows_now, context) if rows_now <= timer.small_max_rows else large_ms(rows_now, context)
+            timer.observe(rows_now, context, 0, 0, ms * (1 + rng.uniform(-noise, noise)) / 1e3)
+
+
+def test_the_fit_recovers_each_regime_and_predicts_unseen_shapes():
+    timer = StepTimer(small_max_rows=8)
+    feed(timer, random.Random(1), 600)
+    report = timer.report()
+    assert report is not None and report.small_max_rows == 8 and report.samples == 600
+    assert report.large == pytest.approx([6.0, 1.5, 4.0, 0.0, 0.0], rel=1e-4, abs=1e-6)
+    assert report.mixed == pytest.approx([6.0, 1.5, 4.0, 0.3, 0.02], rel=1e-4, abs=1e-6)
+    assert report.small[:3] == pytest.approx([9.0, 0.8, 3.0], rel=1e-4)
+    assert report.step_ms(100, 100 * 2000) == pytest.approx(large_ms(100, 200_000), rel=1e-4)  # past what it saw
+    assert report.step_ms(4, 4000) == pytest.approx(small_ms(4, 4000), rel=1e-4)
+    assert report.step_ms(4, 4000, prompt_tokens=10) == pytest.approx(large_ms(4, 4000, 10), rel=1e-4)
+
+
+def test_noisy_steps_still_predict_within_a_few_percent():
+    timer = StepTimer(small_max_rows=8)
+    feed(timer, random.Random(2), 2000, noise=0.2)
+    report = timer.report()
+    for rows in (1, 3, 8, 9, 16, 40, 64, 128):
+        predicted, truth = report.step_ms(rows, rows * 300), (small_ms if rows <= 8 else large_ms)(rows, rows * 300)
+        assert predicted == pytest.approx(truth, rel=0.05), rows
+
+
+def test_old_steps_fade_so_the_fit_follows_a_slower_machine():
+    timer = StepTimer(small_max_rows=0, half_life=100)
+    rng = random.Random(3)
+    for scale in (1.0, 2.0):
+        for _ in range(1500):
+            rows = rng.randint(1, 64)
+            timer.observe(rows, rows * 256, 0, 0, scale * large_ms(rows, rows * 256) / 1e3)
+    assert timer.report().step_ms(32, 32 * 256) == pytest.approx(2 * large_ms(32, 32 * 256), rel=0.01)
+
+
+def test_a_term_that_would_fit_negative_is_dropped_so_bigger_batches_never_look_cheaper():
+    timer = StepTimer(small_max_rows=0)
+    rng = random.Random(4)
+    for _ in range(200):  # context tokens that correlate negatively with the time
+        rows = rng.randint(1, 64)
+        timer.observe(rows, (64 - rows) * 500, 0, 0, (5.0 + 2.0 * rows) / 1e3)
+    report = timer.report()
+    assert min(report.large) >= 0
+    assert report.step_ms(10, 0) < report.step_ms(11, 0)
+
+
+def test_no_report_until_enough_steps_at_two_batch_sizes():
+    timer = StepTimer(small_max_rows=8, min_samples=20)
+    for _ in range(50):
+        timer.observe(16, 16 * 100, 0, 0, 0.03)
+    assert timer.report() is None  # one batch size: the slope is unknown
+    timer.observe(32, 32 * 100, 0, 0, 0.05)
+    timer._refit_at = 0.0
+    report = timer.report()
+    assert report is not None and report.small == [] and report.small_max_rows == 0  # small regime not seen
+    assert report.mixed == [] and report.step_ms(16, 1600, 50) == report.step_ms(16, 1600)  # nor prompt chunks
+    timer.observe(0, 0, 0, 0, 0.01)  # nothing computed, and a bad time: ignored
+    timer.observe(3, 30, 0, 0, float("nan"))
+    assert timer.small.count == 0
+
+
+def test_the_engine_times_every_step_with_its_shape(tiny_chat_model_dir, monkeypatch):
+    from common.config.base import EngineConfig
+    from common.engine.llm_engine import LLMEngine
+    from common.protocol.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_chat_model_dir), num_kv_blocks=64, block_size=16,
+                                    max_num_batched_tokens=32))
+    seen = []
+    monkeypatch.setattr(engine.step_timer, "observe", lambda *shape: seen.append(shape))
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.add_request("a", list(range(5, 45)), params)  # 40 prompt tokens: chunks of 32 and 8
+    engine.add_request("b", list(range(7, 17)), params)
+    while engine.has_unfinished():
+        engine.step()
+    shapes = [s[:4] for s in seen]
+    assert all(s[4] > 0 for s in seen)
+    assert shapes[0] == (0, 0, 32, 32 * 33 // 2)  # a's first chunk fills the budget
+    assert shapes[1] == (0, 0, 18, 8 * 32 + 8 * 9 // 2 + 10 * 11 // 2)  # a's last 8 (after 32) and b's 10
+    assert shapes[2] == (2, 41 + 11, 0, 0)  # both decode: context 40 + 1 and 10 + 1
+    assert sum(s[0] for s in shapes) + 2 == 2 * 3  # every generated token but the two sampled by prefill
+
+
+def test_a_heartbeat_carries_the_model_and_a_bad_coefficient_is_refused():
+    cost = StepCostModel(small_max_rows=8, small=[9.0, 0.8, 3.0, 0.0, 0.0], large=[6.0, 1.5, 4.0, 0.3, 0.02], samples=7)
+    beat = Heartbeat("d0", 1, 10, 2, 0, 0, False, 900, cost)
+    assert wire.decode(wire.encode(beat)[-2:]) == beat
+    for bad in ([float("nan")] * 5, [-1.0, 0, 0, 0, 0], [1.0, 2.0], [float("inf")] * 5):
+        body = msgspec.msgpack.encode({**msgspec.structs.asdict(beat),
+                                       "step_cost": {**msgspec.structs.asdict(cost), "large": bad}})
+        with pytest.raises(wire.WireError, match="step_cost"):
+            wire.decode([wire.encode(beat)[0], body])
+
+
+# -- the proxy side --------------------------------------------------------------------------------
+
+LAYOUT = KVLayoutInfo(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")
+COST = StepCostModel(small_max_rows=8, small=[9.0, 0.8, 3.0, 0.0, 0.0], large=[6.0, 1.5, 4.0, 0.3, 0.02])
+
+
+def registry_with(slo_ms: float = 0.0, factor: float = 2.0, max_num_seqs: int = 128) -> WorkerRegistry:
+    registry = WorkerRegistry(5.0, slo_ms, factor)
+    for worker_id, role in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode")):
+        msg = Register(worker_id, role, 1, "m", "v", LAYOUT, 1000, 4096, "fake", b"", max_num_seqs)
+        assert registry.register(msg, 0.0).ack.accepted
+    return registry
+
+
+def test_decode_slots_within_the_target_come_from_each_workers_model():
+    registry = registry_with(slo_ms=60.0)
+    assert registry.decode_slots(within_tpot=True) == 256  # no model yet: every slot
+    registry.heartbeat(Heartbeat("d0", 1, 900, 10, 0, 0, False, 10 * 400, COST), 1.0)
+    d0 = registry.workers["d0"]
+    # 6 + 1.5 R + 4 * 0.4 R <= 60  ->  R <= 17.4
+    assert d0.latency_capacity == 17
+    assert COST.step_ms(17, 17 * 400) <= 60 < COST.step_ms(18, 18 * 400)
+    assert registry.decode_slots(within_tpot=True) == 17 + 128
+    assert registry.decode_slots() == 256  # the slots, when the target does not apply
+
+
+def test_the_default_target_is_a_multiple_of_one_sequences_step():
+    registry = registry_with(factor=2.0)
+    registry.heartbeat(Heartbeat("d0", 1, 900, 0, 0, 0, False, 0, COST), 1.0)
+    d0 = registry.workers["d0"]
+    budget = 2.0 * COST.step_ms(1, ASSUMED_CONTEXT)  # the fused regime: 9 + 0.8 + 1.536 -> 22.7 ms
+    assert d0.tpot_budget_ms(0.0, 2.0) == pytest.approx(budget)
+    assert COST.step_ms(d0.latency_capacity, d0.latency_capacity * ASSUMED_CONTEXT) <= budget
+    assert COST.step_ms(d0.latency_capacity + 1, (d0.latency_capacity + 1) * ASSUMED_CONTEXT) > budget
+
+
+def test_capacity_is_at_least_one_and_at_most_the_slots():
+    registry = registry_with(slo_ms=1.0, max_num_seqs=4)
+    registry.heartbeat(Heartbeat("d0", 1, 900, 1, 0, 0, False, 100, COST), 1.0)
+    assert registry.workers["d0"].latency_capacity == 1  # even a target no step meets admits one
+    registry = registry_with(slo_ms=1e6, max_num_seqs=4)
+    registry.heartbeat(Heartbeat("d0", 1, 900, 1, 0, 0, False, 100, COST), 1.0)
+    assert registry.workers["d0"].latency_capacity == 4
