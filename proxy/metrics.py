@@ -32,6 +32,12 @@ class ProxyMetrics:
         self.tpot = Histogram("tessera_proxy_time_per_output_token_seconds",
                               "Mean time per output token after the first, per choice",
                               buckets=_TOKEN_BUCKETS, registry=r)
+        self.tenant_ttft = Histogram("tessera_proxy_tenant_time_to_first_token_seconds",
+                                     "Arrival to first token, per choice, by tenant", ["tenant"],
+                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.tenant_tpot = Histogram("tessera_proxy_tenant_time_per_output_token_seconds",
+                                     "Mean time per output token after the first, per choice, by tenant", ["tenant"],
+                                     buckets=_TOKEN_BUCKETS, registry=r)
         self.itl = Histogram("tessera_proxy_inter_token_latency_seconds",
                              "Gap between consecutive output tokens", buckets=_TOKEN_BUCKETS, registry=r)
         self.e2e = Histogram("tessera_proxy_e2e_request_latency_seconds",

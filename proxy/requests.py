@@ -254,6 +254,7 @@ class SubRequest(RequestExits):
                 self.first_token_at = now
                 metrics.queue_depth.dec()
                 metrics.ttft.observe(now - self.arrival)
+                metrics.tenant_ttft.labels(self.tenant).observe(now - self.arrival)
             elif self.output_ids:
                 gap = (now - self.last_token_at) / len(event.token_ids)
                 for _ in event.token_ids:
@@ -272,7 +273,9 @@ class SubRequest(RequestExits):
         if self.trace:
             self.trace.close()
         if self.first_token_at is not None and len(self.output_ids) > 1:
-            metrics.tpot.observe((now - self.first_token_at) / (len(self.output_ids) - 1))
+            tpot = (now - self.first_token_at) / (len(self.output_ids) - 1)
+            metrics.tpot.observe(tpot)
+            metrics.tenant_tpot.labels(self.tenant).observe(tpot)
         metrics.in_flight.dec()
         return sends
 

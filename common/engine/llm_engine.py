@@ -19,13 +19,12 @@ from collections.abc import Iterable, Sequence as Seq
 
 from common.engine.block_manager import BlockManager
 from common.config.base import EngineConfig
-from common.engine.model_runner import ModelRunner
+from common.engine.model_runner import ModelRunner, StepTimer
 from common.storage.model_store import resolve_model
 from common.protocol.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.engine.sequence import FinishReason, Sequence
 from common.engine.speculator import make_speculator
-from common.engine.step_model import StepTimer
 from common.text.tokenizer import TextState, Tokenizer
 
 log = logging.getLogger(__name__)

@@ -126,7 +126,7 @@ def step_cost_features(decode_tokens: int, decode_context: int, prompt_tokens: i
 
 
 class StepCostModel(_Struct):
-    """A worker's fit of its engine step time (common/engine/step_model.py), in milliseconds: the dot product
+    """A worker's fit of its engine step time (common/engine/model_runner.py), in milliseconds: the dot product
     of a coefficient list with ``step_cost_features``. ``small`` is the fit of decode-only steps of at most
     ``small_max_rows`` rows (the one-call decode kernel's; empty and 0 while unknown), ``large`` of the other
     decode-only steps, ``mixed`` of steps with a prompt chunk (empty while unknown: ``large`` stands in)."""

@@ -156,6 +156,9 @@ class Snapshot:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    step_predicted_ms: float | None = None  # decode steps: the step model's prediction, a moving average
+    step_measured_ms: float | None = None  # and what they took
+    step_model_error: float | None = None  # the moving average of |predicted - measured| / measured
 
     @classmethod
     def of(cls, engine) -> Snapshot:
@@ -169,6 +172,8 @@ class Snapshot:
             spec_drafts=stats.num_spec_drafts, spec_draft_tokens=stats.num_spec_draft_tokens,
             spec_accepted_tokens=stats.num_spec_accepted_tokens,
             spec_accepted_per_position=tuple(stats.spec_accepted_per_position),
+            step_predicted_ms=engine.step_timer.predicted_ms, step_measured_ms=engine.step_timer.measured_ms,
+            step_model_error=engine.step_timer.relative_error,
         )
 
 
@@ -231,6 +236,14 @@ class _SnapshotCollector:
         yield _counter("tessera_spec_decode_num_draft_tokens", "Speculative tokens proposed", s.spec_draft_tokens)
         yield _counter("tessera_spec_decode_num_accepted_tokens", "Speculative tokens accepted",
                        s.spec_accepted_tokens)
+        if s.step_predicted_ms is not None:
+            yield _gauge("tessera_worker_step_predicted_seconds", "Decode step time as the worker's step model "
+                         "predicted it before each step (common/engine/model_runner.py), a moving average",
+                         s.step_predicted_ms / 1e3)
+            yield _gauge("tessera_worker_step_measured_seconds", "Decode step time measured, the same moving "
+                         "average", s.step_measured_ms / 1e3)
+            yield _gauge("tessera_worker_step_model_error_ratio", "Moving average of |predicted - measured| / "
+                         "measured over decode steps", s.step_model_error)
         per_pos = CounterMetricFamily("tessera_spec_decode_num_accepted_tokens_per_pos",
                                       "Speculative tokens accepted, by position within the proposal",
                                       labels=["position"])

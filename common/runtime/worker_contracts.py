@@ -18,7 +18,7 @@ class Load:
     num_waiting: int = 0
     outstanding_prefill_tokens: int = 0
     context_tokens: int = 0  # the running sequences' tokens, summed
-    step_cost: wire.StepCostModel | None = None  # the engine's fit of its step time (common/engine/step_model.py)
+    step_cost: wire.StepCostModel | None = None  # the engine's fit of its step time (common/engine/model_runner.py)
 
 
 class RoleHandler(Protocol):

@@ -1,4 +1,4 @@
-"""The engine's step-time model (common/engine/step_model.py), its wire form, and decode admission by it in the
+"""The engine's step-time model (common/engine/model_runner.py), its wire form, and decode admission by it in the
 proxy's registry (proxy/workers.py): pure logic, synthetic step times."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import msgspec
 import pytest
 
-from common.engine.step_model import StepTimer
+from common.engine.model_runner import StepTimer
 from common.protocol import wire
 from common.protocol.wire import Heartbeat, KVLayoutInfo, Register, StepCostModel
 from proxy.workers import ASSUMED_CONTEXT, WorkerRegistry
@@ -169,3 +169,14 @@ def test_capacity_is_at_least_one_and_at_most_the_slots():
     registry = registry_with(slo_ms=1e6, max_num_seqs=4)
     registry.heartbeat(Heartbeat("d0", 1, 900, 1, 0, 0, False, 100, COST), 1.0)
     assert registry.workers["d0"].latency_capacity == 4
+
+
+def test_the_prediction_before_each_decode_step_is_tracked_against_the_measured_time():
+    timer = StepTimer(small_max_rows=0, min_samples=5, refit_s=0.0)
+    for rows in (4, 8, 16, 32, 4, 8):
+        timer.observe(rows, rows * 100, 0, 0, large_ms(rows, rows * 100) / 1e3)
+    assert timer.predicted_ms is None  # nothing was reported before these steps
+    timer.report()
+    timer.observe(16, 1600, 0, 0, 2 * large_ms(16, 1600) / 1e3)  # twice as slow as the fit says
+    assert timer.measured_ms == pytest.approx(2 * timer.predicted_ms, rel=1e-3)
+    assert timer.relative_error == pytest.approx(0.5, rel=1e-3)

@@ -1,0 +1,146 @@
+"""Is the light tenant protected when compute, not decode slots, is the bottleneck? (issue 14's first check)
+
+    .venv/bin/python -m bench.light_tenant                      # tpot_slo_scope shared (the default) and off
+
+A real cluster as ``tessera up`` starts it (one prefill and one decode worker time-sharing the cores, the
+embedded model in ``--dtype``, every other setting the shipped default: 128 decode slots, vtc), with
+``auth_enabled`` and two tenants of weight 1. Closed-loop clients: tenant B keeps ``--b-streams`` requests
+outstanding, tenant A each of ``--a-streams`` in turn; every request is a fresh random prompt of
+``--input-len`` tokens and ``--output-len`` output tokens (``ignore_eos``), streamed. Service is counted by
+the client as input + 2 x output tokens of the requests that finished inside the measured window (after
+``--warm-up-s``). One table row per (scope, A's streams): B's and A's TPOT p50, B's served weighted tokens
+per minute and share, and how many requests waited at the proxy at the end of the window.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from common.cli.local_cluster import LocalCluster
+from common.runtime.prometheus_text import total
+from common.storage.model_store import EMBEDDED_MODEL, resolve_model
+from proxy.tenants_command import hash_key
+
+MODEL = "SmolLM2-135M-Instruct"
+KEYS = {"A": "sk-tenant-a-0123456789", "B": "sk-tenant-b-0123456789"}
+
+
+async def closed_loop(url: str, tenant: str, streams: int, start: float, measure_from: float, until: float,
+                      args, rng: random.Random, out: list[dict]) -> None:
+    headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
+    async with httpx.AsyncClient(base_url=url, timeout=600, headers=headers,
+                                 limits=httpx.Limits(max_connections=streams + 4)) as client:
+        async def one_stream() -> None:
+            while time.monotonic() < until:
+                body = {"model": MODEL, "prompt": [rng.randrange(100, 40000) for _ in range(args.input_len)],
+                        "max_tokens": args.output_len, "ignore_eos": True, "temperature": 0.0, "stream": True}
+                sent = time.monotonic()
+                stamps = []
+                async with client.stream("POST", "/v1/completions", json=body) as response:
+                    if response.status_code != 200:
+                        out.append({"tenant": tenant, "status": response.status_code, "sent": sent,
+                                    "done": time.monotonic()})
+                        await asyncio.sleep(0.1)
+                        continue
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            stamps.append(time.monotonic())
+                done = time.monotonic()
+                out.append({"tenant": tenant, "status": 200, "sent": sent, "done": done,
+                            "ttft": stamps[0] - sent if stamps else None,
+                            "tpot": (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None})
+        await asyncio.gather(*(one_stream() for _ in range(streams)))
+
+
+def point(cluster: LocalCluster, a_streams: int, args, seed: int) -> dict:
+    records: list[dict] = []
+    start = time.monotonic()
+    measure_from, until = start + args.warm_up_s, start + args.warm_up_s + args.duration_s
+
+    async def run() -> None:
+        await asyncio.gather(
+            closed_loop(cluster.url, "A", a_streams, start, measure_from, until, args, random.Random(seed), records),
+            closed_loop(cluster.url, "B", args.b_streams, start, measure_from, until, args,
+                        random.Random(seed + 1), records))
+
+    waiting = {}
+
+    async def watch() -> None:
+        await asyncio.sleep(until - time.monotonic() - 1.0)
+        async with httpx.AsyncClient(timeout=10) as client:
+            text = (await client.get(cluster.url + "/metrics")).text
+        for tenant in KEYS:
+            waiting[tenant] = total(text, "tessera_proxy_tenant_waiting", tenant=tenant)
+
+    async def both() -> None:
+        await asyncio.gather(run(), watch())
+
+    asyncio.run(both())
+    row = {"a_streams": a_streams, "waiting_at_end": waiting}
+    per_request = args.input_len + 2 * args.output_len
+    for tenant in ("A", "B"):
+        done = [r for r in records if r["tenant"] == tenant and r["status"] == 200
+                and measure_from <= r["done"] <= until]
+        tpots = [r["tpot"] for r in done if r["tpot"] is not None]
+        row[tenant] = {"requests": len(done), "served_per_min": per_request * len(done) * 60 / args.duration_s,
+                       "tpot_p50_ms": 1000 * statistics.median(tpots) if tpots else None,
+                       "ttft_p50_ms": 1000 * statistics.median([r["ttft"] for r in done]) if done else None,
+                       "errors": sum(1 for r in records if r["tenant"] == tenant and r["status"] != 200)}
+    total = row["A"]["served_per_min"] + row["B"]["served_per_min"]
+    row["b_share"] = row["B"]["served_per_min"] / total if total else None
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--scopes", default="shared,off", help="tpot_slo_scope values, one cluster each")
+    parser.add_argument("--a-streams", default="4,16,64")
+    parser.add_argument("--b-streams", type=int, default=4)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--warm-up-s", type=float, default=10.0)
+    parser.add_argument("--duration-s", type=float, default=45.0)
+    parser.add_argument("--seed", type=int, default=31000)
+    parser.add_argument("--results", type=Path, help="also write the rows here (JSON)")
+    args = parser.parse_args(argv)
+    model_dir = resolve_model(EMBEDDED_MODEL, args.dtype)
+    tenants = json.dumps([{"name": t, "api_key_sha256": [hash_key(k)]} for t, k in KEYS.items()])
+    rows = []
+    seed = args.seed
+    for scope in args.scopes.split(","):
+        log_dir = Path(tempfile.mkdtemp(prefix=f"light-tenant-{scope}-"))
+        cluster = LocalCluster(str(model_dir), log_dir, dtype=args.dtype, threads=0, transfer_backend="auto",
+                               own_session=True, proxy_overrides=[
+                                   "auth_enabled=true", f"tenants={tenants}", f"tpot_slo_scope={scope}"]).start()
+        try:
+            for a_streams in (int(n) for n in args.a_streams.split(",")):
+                row = {"scope": scope, **point(cluster, a_streams, args, seed)}
+                seed += 100
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        finally:
+            cluster.stop()
+    print("\n| tpot_slo_scope | A's streams | B's TPOT p50 ms | A's TPOT p50 ms | B's TTFT p50 ms | "
+          "B's weighted tokens / min | B's share | waiting at the proxy (A / B) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        fmt = lambda v: "—" if v is None else f"{v:.0f}"  # noqa: E731
+        print(f"| {r['scope']} | {r['a_streams']} | {fmt(r['B']['tpot_p50_ms'])} | {fmt(r['A']['tpot_p50_ms'])} | "
+              f"{fmt(r['B']['ttft_p50_ms'])} | {r['B']['served_per_min']:,.0f} | "
+              f"{r['b_share']:.2f} | {r['waiting_at_end'].get('A', 0):.0f} / {r['waiting_at_end'].get('B', 0):.0f} |")
+    if args.results:
+        args.results.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
