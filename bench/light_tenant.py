@@ -1,6 +1,6 @@
 """Is the light tenant protected when compute, not decode slots, is the bottleneck? (issue 14's first check)
 
-    .venv/bin/python -m bench.light_tenant                      # tpot_slo_scope shared (the default) and off
+    .venv/bin/python -m bench.light_tenant                      # tpot_slo_scope shared (the default) and never
 
 A real cluster as ``tessera up`` starts it (one prefill and one decode worker time-sharing the cores, the
 embedded model in ``--dtype``, every other setting the shipped default: 128 decode slots, vtc), with
@@ -94,15 +94,15 @@ def point(cluster: LocalCluster, a_streams: int, args, seed: int) -> dict:
                        "tpot_p50_ms": 1000 * statistics.median(tpots) if tpots else None,
                        "ttft_p50_ms": 1000 * statistics.median([r["ttft"] for r in done]) if done else None,
                        "errors": sum(1 for r in records if r["tenant"] == tenant and r["status"] != 200)}
-    total = row["A"]["served_per_min"] + row["B"]["served_per_min"]
-    row["b_share"] = row["B"]["served_per_min"] / total if total else None
+    served = row["A"]["served_per_min"] + row["B"]["served_per_min"]
+    row["b_share"] = row["B"]["served_per_min"] / served if served else None
     return row
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
-    parser.add_argument("--scopes", default="shared,off", help="tpot_slo_scope values, one cluster each")
+    parser.add_argument("--scopes", default="shared,never", help="tpot_slo_scope values, one cluster each")
     parser.add_argument("--a-streams", default="4,16,64")
     parser.add_argument("--b-streams", type=int, default=4)
     parser.add_argument("--input-len", type=int, default=64)

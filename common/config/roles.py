@@ -125,7 +125,7 @@ class ProxyConfig:
         ge=1)
     tpot_slo_scope: TpotSloScope = option(
         "shared", "when the TPOT target limits decode admission: 'shared' while two or more tenants have "
-        "requests in the cluster (a lone tenant gets every decode slot), 'always', or 'off' (slots only)")
+        "requests in the cluster (a lone tenant gets every decode slot), 'always', or 'never' (slots only)")
     otel_endpoint: Str = option(
         "", "OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces; empty: no tracing")
     otel_service_name: Str = option("tessera-proxy", "service.name of the proxy's traces")

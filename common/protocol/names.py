@@ -18,7 +18,7 @@ SpecMethod = Literal["off", "ngram", "draft"]
 TransferBackend = Literal["auto", "nixl", "zmq"]
 FairnessPolicy = Literal["fcfs", "priority", "vtc"]
 # When decode admission holds each worker to the TPOT target (proxy.tpot_slo_scope)
-TpotSloScope = Literal["shared", "always", "off"]
+TpotSloScope = Literal["shared", "always", "never"]
 PriorityLane = Literal["p0", "p1", "p2"]  # p0 is served first
 
 ROLES: tuple[str, ...] = get_args(Role)

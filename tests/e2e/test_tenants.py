@@ -177,7 +177,7 @@ def test_two_tenants_four_to_one_load(make_proxy, script, workers, policy):
         assert share <= 0.35
 
 
-@pytest.mark.parametrize("scope", ["shared", "off"])
+@pytest.mark.parametrize("scope", ["shared", "never"])
 def test_decode_admission_holds_the_worker_to_the_tpot_target_while_tenants_share_it(make_proxy, script, workers,
                                                                                      scope):
     """The worker reports a step time of 10 ms + 10 ms a sequence: with a 40 ms target it may run 3 sequences,
