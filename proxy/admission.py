@@ -268,6 +268,7 @@ class AdmissionController:
         self._items: dict[str, Waiting] = {}
         self.count: dict[Stage, Counter[str]] = {s: Counter() for s in LIVE}
         self._left_at: dict[str, float] = {}  # tenant -> when its last live choice ended (``num_active_tenants``)
+        self._live: Counter[str] = Counter()  # tenant -> its choices in any live stage (none: not a key)
         self._clock = clock
 
     def total(self, stage: Stage) -> int:
@@ -279,13 +280,14 @@ class AdmissionController:
     def num_active_tenants(self, now: float, window_s: float) -> int:
         """Tenants with a choice anywhere here (queued, prefilling, ready or decoding), or with one that left
         within ``window_s`` (a closed-loop client between two requests is still there)."""
-        live = {t for counts in self.count.values() for t, n in counts.items() if n > 0}
-        for tenant, left in list(self._left_at.items()):
-            if now - left > window_s:
-                del self._left_at[tenant]
-            else:
-                live.add(tenant)
-        return len(live)
+        recent = 0
+        if self._left_at:
+            for tenant, left in list(self._left_at.items()):
+                if now - left > window_s:
+                    del self._left_at[tenant]
+                elif tenant not in self._live:
+                    recent += 1
+        return len(self._live) + recent
 
     def check_room(self, tenant: Tenant, count: int) -> None:
         """ApiError 429 / 503 when ``count`` more choices of ``tenant`` must not be taken in."""
@@ -374,7 +376,7 @@ class AdmissionController:
         elif stage is Stage.READY:
             self.decode_queue.remove(item)
         self._move(item, stage, None)
-        if not self.active(item.tenant):
+        if item.tenant not in self._live:
             self._left_at[item.tenant] = self._clock()
 
     def charge_output(self, tenant: str, num_tokens: int) -> None:
@@ -391,6 +393,12 @@ class AdmissionController:
             self.count[old][item.tenant] -= 1
         if new is not None:
             self.count[new][item.tenant] += 1
+        if old is None:
+            self._live[item.tenant] += 1
+        elif new is None:
+            self._live[item.tenant] -= 1
+            if not self._live[item.tenant]:
+                del self._live[item.tenant]
         if was_backlogged != self.backlogged(item.tenant):
             if was_backlogged:
                 self.lift.stopped_being_backlogged(item.tenant, item.lane)

@@ -170,7 +170,10 @@ class PrefixAwareRouting:
 
     def _decode_load(self, worker: WorkerState) -> tuple:
         pending = self._pending.get(worker.worker_id, _Pending())
-        return (-(worker.free_blocks - pending.blocks), worker.num_running + pending.requests)
+        running = worker.num_running + pending.requests
+        # a worker at its TPOT capacity (proxy.workers.WorkerState.latency_capacity) comes after any below it
+        full = bool(worker.latency_capacity) and running >= worker.latency_capacity
+        return (full, -(worker.free_blocks - pending.blocks), running)
 
     def _remember_prefix(self, worker: WorkerState, prompt: Sequence[int]) -> None:
         lru = self._prefixes.get(worker.worker_id)

@@ -103,14 +103,12 @@ class WorkerState:
         if cost is None:
             return self.max_num_seqs
         context = self.mean_context()
-        lo, hi = 1, max(self.max_num_seqs, 1)
-        while lo < hi:  # the prediction grows with the rows: its coefficients are non-negative
-            mid = (lo + hi + 1) // 2
-            if cost.step_ms(mid, mid * context) <= budget_ms:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        # a scan, once per heartbeat: each regime grows with the rows, but the small and large regimes are
+        # separate fits, so the prediction may step down past small_max_rows
+        for rows in range(2, max(self.max_num_seqs, 1) + 1):
+            if cost.step_ms(rows, rows * context) > budget_ms:
+                return rows - 1
+        return max(self.max_num_seqs, 1)
 
     @property
     def serves_prefill(self) -> bool:
@@ -164,7 +162,8 @@ class WorkerRegistry:
         )
         replaced = old if old is not None and old.epoch != msg.epoch else None
         if old is not None and replaced is None:  # a retried Register: keep the load we know
-            for name in ("free_blocks", "num_running", "outstanding_prefill_tokens", "draining"):
+            for name in ("free_blocks", "num_running", "outstanding_prefill_tokens", "draining", "context_tokens",
+                         "step_cost", "latency_capacity"):
                 setattr(worker, name, getattr(old, name))
         self.workers[msg.worker_id] = worker
         self._rejoin_asked.pop(msg.worker_id, None)

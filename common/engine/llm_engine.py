@@ -307,9 +307,9 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         if self._speculating:
             self.speculator.propose(self.scheduler.running)
-        started = time.perf_counter()
         plan = self.scheduler.schedule()
         advanced: list[Sequence] = []
         if plan:
@@ -336,9 +336,9 @@ class LLMEngine:
         decode_tokens = decode_context = prompt_tokens = prompt_pairs = 0
         for seq, new, drafts in zip(plan.seqs, plan.num_new_tokens, plan.spec_token_ids):
             past = seq.num_computed_tokens
-            if new == 1 + len(drafts) and past + 1 >= seq.num_tokens:  # a decode row (with the drafts it verifies)
+            if new == 1 or drafts:  # decode rows, as the runner has them: one query each, drafts included
                 decode_tokens += new
-                decode_context += past + new
+                decode_context += new * past + new * (new + 1) // 2  # each row reads the keys up to itself
             else:
                 prompt_tokens += new
                 prompt_pairs += new * past + new * (new + 1) // 2

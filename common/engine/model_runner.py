@@ -268,6 +268,7 @@ class ModelRunner:
 # ``StepCostModel`` (common/protocol/wire.py) is what a heartbeat carries, and what the proxy predicts with.
 
 NUM_FEATURES = 5
+MAX_COEFFICIENT = 1e9  # the wire's bound (common/protocol/wire.py Coefficient)
 
 
 class _Fit:
@@ -306,7 +307,7 @@ class _Fit:
                 coef = [0.0] * NUM_FEATURES
                 for i, v in zip(active, sol):
                     coef[i] = float(v)
-                if all(math.isfinite(v) for v in coef):
+                if all(math.isfinite(v) and v <= MAX_COEFFICIENT for v in coef):  # else keep the last good fit
                     self.coef = tuple(coef)
                 return self.coef
             active.remove(min(negative, key=lambda i: sol[active.index(i)]))

@@ -192,7 +192,18 @@ def test_decode_admission_holds_the_worker_to_the_tpot_target_while_tenants_shar
     ready(proxy)
     time.sleep(0.3)  # a few heartbeats: the proxy has the step model
     served = {"sk-heavy": 0, "sk-light": 0}
-    most = 0
+    most = alone = 0
+
+    async def heavy_alone() -> None:
+        nonlocal alone
+        until = time.monotonic() + 1.0
+
+        async def watch() -> None:
+            nonlocal alone
+            while time.monotonic() < until:
+                alone = max(alone, decode.decoding())
+                await asyncio.sleep(0.005)
+        await asyncio.gather(_closed_loop(proxy.url, "sk-heavy", 8, until, {"sk-heavy": 0}), watch())
 
     async def load() -> None:
         nonlocal most
@@ -207,9 +218,12 @@ def test_decode_admission_holds_the_worker_to_the_tpot_target_while_tenants_shar
         await asyncio.gather(_closed_loop(proxy.url, "sk-heavy", 8, until, served),
                              _closed_loop(proxy.url, "sk-light", 2, until, served), watch())
 
+    asyncio.run(heavy_alone())
+    assert alone > 3, "a lone tenant gets every slot, whatever the scope"
+    time.sleep(2.1)  # past proxy.cluster.SHARED_WINDOW_S: the heavy tenant alone counts as gone
     asyncio.run(load())
     share = served["sk-light"] / sum(served.values())
-    print(f"{scope}: at most {most} decoding at once; light tenant's share {share:.1%} ({served})")
+    print(f"{scope}: at most {most} decoding at once ({alone} alone); light tenant's share {share:.1%} ({served})")
     if scope == "shared":
         assert most <= 3
         assert share > 0.2  # more than its share of the streams: the waiting happens where VTC chooses
