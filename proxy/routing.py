@@ -171,7 +171,7 @@ class PrefixAwareRouting:
     def _decode_load(self, worker: WorkerState) -> tuple:
         pending = self._pending.get(worker.worker_id, _Pending())
         running = worker.num_running + pending.requests
-        # a worker at its TPOT capacity (proxy.workers.WorkerState.latency_capacity) comes after any below it
+        # a worker at its TPOT capacity (proxy/capacity.py) comes after any below it
         full = bool(worker.latency_capacity) and running >= worker.latency_capacity
         return (full, -(worker.free_blocks - pending.blocks), running)
 

@@ -55,11 +55,10 @@ from common.protocol.wire import (
     Goodbye, Heartbeat, KVLayoutInfo, PeerInfo, Peers, Register, RegisterAck, Role, StepCostModel, encode,
 )
 from common.runtime.zmq_security import CurveServer, apply_curve_server, start_authenticator
+from proxy.capacity import latency_capacity
 from proxy.registration import ClusterModel, refusal
 
 log = logging.getLogger("tessera.proxy")
-
-ASSUMED_CONTEXT = 512  # tokens per sequence, for a worker running none
 
 
 @dataclass
@@ -82,33 +81,7 @@ class WorkerState:
     max_num_seqs: int = EngineConfig.max_num_seqs  # decode slots; the engine's default when not reported
     context_tokens: int = 0  # its running sequences' tokens, summed (heartbeat)
     step_cost: StepCostModel | None = None  # its fit of its step time (heartbeat); None: not known yet
-    latency_capacity: int = 0  # sequences it may run within the TPOT target (``latency_capacity``); 0: unknown
-
-    def tpot_budget_ms(self, tpot_slo_ms: float, tpot_slo_factor: float) -> float | None:
-        """The step-time target: ``tpot_slo_ms``, or ``tpot_slo_factor`` x its predicted one-sequence step."""
-        if tpot_slo_ms:
-            return tpot_slo_ms
-        if self.step_cost is None:
-            return None
-        return tpot_slo_factor * self.step_cost.step_ms(1, self.mean_context())
-
-    def mean_context(self) -> int:
-        """Tokens of context a running sequence has, on average (an assumed 512 while none runs)."""
-        return self.context_tokens // self.num_running if self.num_running else ASSUMED_CONTEXT
-
-    def latency_capacity_for(self, budget_ms: float) -> int:
-        """The most sequences (at least 1, at most max_num_seqs) whose predicted step stays within ``budget_ms``,
-        each with today's mean context; max_num_seqs while the step time is not known."""
-        cost = self.step_cost
-        if cost is None:
-            return self.max_num_seqs
-        context = self.mean_context()
-        # a scan, once per heartbeat: each regime grows with the rows, but the small and large regimes are
-        # separate fits, so the prediction may step down past small_max_rows
-        for rows in range(2, max(self.max_num_seqs, 1) + 1):
-            if cost.step_ms(rows, rows * context) > budget_ms:
-                return rows - 1
-        return max(self.max_num_seqs, 1)
+    latency_capacity: int = 0  # sequences it may run within the TPOT target (proxy/capacity.py); 0: unknown
 
     @property
     def serves_prefill(self) -> bool:
@@ -183,8 +156,8 @@ class WorkerRegistry:
         worker.outstanding_prefill_tokens = msg.outstanding_prefill_tokens
         worker.context_tokens = msg.context_tokens
         worker.step_cost = msg.step_cost
-        budget = worker.tpot_budget_ms(self.tpot_slo_ms, self.tpot_slo_factor)
-        worker.latency_capacity = worker.latency_capacity_for(budget) if budget is not None else 0
+        worker.latency_capacity = latency_capacity(msg.step_cost, worker.max_num_seqs, msg.num_running,
+                                                   msg.context_tokens, self.tpot_slo_ms, self.tpot_slo_factor)
         if msg.draining and not worker.draining:
             log.info("worker %r is draining: no new requests go to it", msg.worker_id)
         worker.draining = msg.draining
