@@ -284,6 +284,8 @@ class Cluster:
             return
         self.policy.heartbeat(worker)
         self.metrics.set_worker_kv(worker.worker_id, worker.num_blocks, worker.free_blocks)
+        if worker.decode_capable:
+            self.metrics.set_worker_capacity(worker.worker_id, worker.latency_capacity, worker.pace.ratio)
         self._dispatch()  # a worker that stopped draining brings its decode slots back
 
     def _on_goodbye(self, sender: str, msg: Goodbye, now: float) -> None:
@@ -329,6 +331,7 @@ class Cluster:
 
     def _on_token_deltas(self, sender: str, msg: TokenDeltas, now: float) -> None:
         """A decode step's tokens: each delta to its request, then one dispatch for what the finished ones freed."""
+        self.registry.observe_step(sender, len(msg.deltas), any(d.finish_reason is None for d in msg.deltas), now)
         for delta in msg.deltas:
             sub = self._sub(delta.request_id)
             with request_scope(delta.request_id, sub.tenant if sub is not None else None):

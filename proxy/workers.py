@@ -1,8 +1,7 @@
 """The workers: which are alive, what they serve, how loaded they are, and the socket to them.
 
 ``WorkerRegistry`` is pure bookkeeping: the cluster feeds it the messages
-and sends whatever the outcome says. ``WorkerLink`` (at the end) owns the
-proxy's one socket.
+and sends whatever the outcome says.
 
 - ``register`` validates a Register (``proxy.registration``). The first
   accepted worker fixes the cluster's model (name + version) and KV layout;
@@ -24,19 +23,10 @@ Roles: ``prefill`` serves PrefillRequests; ``decode`` serves DecodeRequests
 aggregated worker, decode-capable and counted as prefill-capable for
 readiness, but never sent a PrefillRequest.
 
-``WorkerLink``: a ZeroMQ ROUTER the workers' DEALERs connect to. Two I/O
-tasks in the server's event loop own it: the receiver hands every multipart
-message ``[identity, type, body]`` to ``on_frames`` (which never awaits), and
-the sender drains the outbox that ``send`` fills. ROUTER_MANDATORY makes a
-message to a peer that is not connected fail loudly (logged); ROUTER_HANDOVER
-lets a worker restarted under the same id take its identity over. A send
-that cannot complete within ``heartbeat_timeout_s`` is dropped and logged
-(the watchdog treats such a worker as dead anyway, and one slow worker must
-not stall the rest). With a ``curve`` server config the socket is a CURVE
-server whose ZAP authenticator lets in only the authorized worker keys
-(``common.runtime.zmq_security``); without one it is plaintext and says so.
-``close`` stops the receiver, flushes the outbox, closes the socket with that
-same linger, stops the authenticator, then terminates the context.
+``WorkerLink`` (at the end) owns the proxy's ROUTER socket: two I/O tasks in the event loop, one handing
+every message to ``on_frames``, one draining the outbox. A send that cannot complete within
+``heartbeat_timeout_s`` is dropped and logged (one slow worker must not stall the rest). CURVE, when
+configured, lets in only the authorized worker keys (``common.runtime.zmq_security``).
 """
 
 from __future__ import annotations
@@ -55,7 +45,7 @@ from common.protocol.wire import (
     Goodbye, Heartbeat, KVLayoutInfo, PeerInfo, Peers, Register, RegisterAck, Role, StepCostModel, encode,
 )
 from common.runtime.zmq_security import CurveServer, apply_curve_server, start_authenticator
-from proxy.capacity import latency_capacity
+from proxy.capacity import ASSUMED_CONTEXT, PACE_DECAY, StepPace, latency_capacity
 from proxy.registration import ClusterModel, refusal
 
 log = logging.getLogger("tessera.proxy")
@@ -82,6 +72,7 @@ class WorkerState:
     context_tokens: int = 0  # its running sequences' tokens, summed (heartbeat)
     step_cost: StepCostModel | None = None  # its fit of its step time (heartbeat); None: not known yet
     latency_capacity: int = 0  # sequences it may run within the TPOT target (proxy/capacity.py); 0: unknown
+    pace: StepPace = field(default_factory=StepPace)  # its steps as they come, against its model
 
     @property
     def serves_prefill(self) -> bool:
@@ -136,7 +127,7 @@ class WorkerRegistry:
         replaced = old if old is not None and old.epoch != msg.epoch else None
         if old is not None and replaced is None:  # a retried Register: keep the load we know
             for name in ("free_blocks", "num_running", "outstanding_prefill_tokens", "draining", "context_tokens",
-                         "step_cost", "latency_capacity"):
+                         "step_cost", "latency_capacity", "pace"):
                 setattr(worker, name, getattr(old, name))
         self.workers[msg.worker_id] = worker
         self._rejoin_asked.pop(msg.worker_id, None)
@@ -157,11 +148,25 @@ class WorkerRegistry:
         worker.context_tokens = msg.context_tokens
         worker.step_cost = msg.step_cost
         worker.latency_capacity = latency_capacity(msg.step_cost, worker.max_num_seqs, msg.num_running,
-                                                   msg.context_tokens, self.tpot_slo_ms, self.tpot_slo_factor)
+                                                   msg.context_tokens, self.tpot_slo_ms, self.tpot_slo_factor,
+                                                   worker.pace.ratio)
         if msg.draining and not worker.draining:
             log.info("worker %r is draining: no new requests go to it", msg.worker_id)
         worker.draining = msg.draining
         return worker
+
+    def observe_step(self, worker_id: str, rows: int, running_after: bool, now: float) -> None:
+        """A decode step's tokens (``rows`` sequences) came from ``worker_id``; ``running_after``: some go on."""
+        worker = self.workers.get(worker_id)
+        if worker is None or worker.step_cost is None:
+            return
+        pace = worker.pace
+        if pace.last_at is not None:
+            context = worker.context_tokens // worker.num_running if worker.num_running else ASSUMED_CONTEXT
+            pace.observed_ms = pace.observed_ms * PACE_DECAY + (now - pace.last_at) * 1e3
+            pace.predicted_ms = pace.predicted_ms * PACE_DECAY + worker.step_cost.step_ms(rows, rows * context)
+            pace.samples += 1
+        pace.last_at = now if running_after else None
 
     def ask_to_rejoin(self, worker_id: str, now: float) -> bool:
         """Whether to answer a heartbeat that ``heartbeat`` did not apply with Reregister now; counts as asked."""
@@ -275,8 +280,8 @@ class WorkerLink:
     async def start(self) -> None:
         self._context = zmq.asyncio.Context()
         sock = self._context.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a message to a peer not connected fails loudly (logged)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a worker restarted under the same id takes its identity over
         sock.setsockopt(zmq.LINGER, int(self._send_timeout_s * 1000))
         if self._curve is not None:
             self._authenticator = start_authenticator(self._context, self._curve, "the proxy's worker link")

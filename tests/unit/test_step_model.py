@@ -172,6 +172,48 @@ def test_capacity_is_at_least_one_and_at_most_the_slots():
     assert registry.workers["d0"].latency_capacity == 4
 
 
+def steps_at_pace(registry: WorkerRegistry, rows: int, ratio: float, count: int, start: float = 1.0) -> float:
+    """``count`` decode steps of ``rows`` sequences from d0, each ``ratio`` times its predicted step apart."""
+    d0 = registry.workers["d0"]
+    step_s = ratio * COST.step_ms(rows, rows * (d0.context_tokens // d0.num_running)) / 1e3
+    now = start
+    for _ in range(count):
+        registry.observe_step("d0", rows, True, now)
+        now += step_s
+    return now
+
+
+def test_steps_that_come_slower_than_predicted_shrink_the_capacity():
+    registry = registry_with(slo_ms=60.0)
+    registry.heartbeat(Heartbeat("d0", 1, 900, 10, 0, 0, False, 10 * 400, COST), 1.0)
+    assert registry.workers["d0"].latency_capacity == 17
+    now = steps_at_pace(registry, 10, 2.0, 10)
+    assert registry.workers["d0"].pace.ratio == 1.0  # too few steps seen to judge
+    now = steps_at_pace(registry, 10, 2.0, 100, now)
+    registry.heartbeat(Heartbeat("d0", 1, 900, 10, 0, 0, False, 10 * 400, COST), now)
+    d0 = registry.workers["d0"]
+    assert d0.pace.ratio == pytest.approx(2.0, rel=0.02)
+    # 8 rows in the fused regime: 2 x (9 + 0.8 R + 1.2 R) = 50 <= 60; 9 in the large one: 2 x 33.9 > 60
+    assert d0.latency_capacity == 8
+    assert registry.decode_slots(within_tpot=True) == 8 + 128
+
+
+def test_an_idle_gap_is_not_a_slow_step():
+    registry = registry_with(slo_ms=60.0)
+    registry.heartbeat(Heartbeat("d0", 1, 900, 10, 0, 0, False, 10 * 400, COST), 1.0)
+    now = steps_at_pace(registry, 10, 1.0, 50)
+    registry.observe_step("d0", 1, False, now)  # its last sequence finished: the worker goes idle
+    now = steps_at_pace(registry, 10, 1.0, 50, now + 30.0)  # the next request comes half a minute later
+    assert registry.workers["d0"].pace.ratio == pytest.approx(1.0, rel=0.02)
+
+
+def test_the_pace_is_bounded_so_one_stall_cannot_close_a_worker():
+    registry = registry_with(slo_ms=60.0)
+    registry.heartbeat(Heartbeat("d0", 1, 900, 10, 0, 0, False, 10 * 400, COST), 1.0)
+    steps_at_pace(registry, 10, 1000.0, 30)
+    assert registry.workers["d0"].pace.ratio == 8.0
+
+
 def test_the_prediction_before_each_decode_step_is_tracked_against_the_measured_time():
     timer = StepTimer(small_max_rows=0, min_samples=5, refit_s=0.0)
     for rows in (4, 8, 16, 32, 4, 8):
