@@ -18,6 +18,8 @@ many choices of each tenant are in each stage, and its two queues.
   reports ``ready_for_decode`` when PrefillDone arrives), or local (ready at
   once: the decode worker prefills it); once started, ``prefill_started``
   charges its tenant the prompt.
+  With a TTFT target (``ttft_slo_ms``) it also waits while no prefill
+  worker's predicted backlog is within half the target (``prefill_room``).
 - READY -> DECODING (decode admission): while the decode-capable workers
   have a free slot (their ``max_num_seqs`` summed, from Register), the
   ready choice of the tenant with the smallest counter (or first, for fcfs)
@@ -256,13 +258,15 @@ class Admit:
 
 class AdmissionController:
     def __init__(self, config: ProxyConfig, tenants: TenantRegistry, decode_slots: Callable[[], int],
-                 metrics: ProxyMetrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 metrics: ProxyMetrics | None = None, clock: Callable[[], float] = time.monotonic,
+                 prefill_room: Callable[[], bool] | None = None) -> None:
         self.config = config
         self.counters = ServiceCounters(config.vtc_input_weight, config.vtc_output_weight, tenants.weights)
         self.prefill_queue = make_queue(config.fairness_policy, self.counters)
         self.decode_queue = make_queue(config.fairness_policy, self.counters)
         self.lift = BacklogLift(self.counters)
         self._decode_slots = decode_slots
+        self._prefill_room = prefill_room  # with a TTFT target: whether a prefill worker can take one more now
         self._metrics = metrics
         self._orders = itertools.count()
         self._items: dict[str, Waiting] = {}
@@ -347,6 +351,8 @@ class AdmissionController:
         return item
 
     def _next_prefill(self) -> Waiting | None:
+        if self._prefill_room is not None and not self._prefill_room():
+            return None
         ahead, ready = self.count[Stage.PREFILLING], self.count[Stage.READY]
         if self.total(Stage.DECODING) + sum(ahead.values()) + sum(ready.values()) < self._decode_slots():
             item = self.prefill_queue.pop_next()

@@ -1,23 +1,30 @@
-"""Decode capacity as a latency budget: how many sequences a worker may run within the TPOT target.
+"""Capacity as a latency budget: how many sequences a worker may run within the TPOT target, and whether a new
+request can still meet the TTFT target.
 
 A worker's heartbeat carries the fit of its own step time (``StepCostModel``, common/engine/model_runner.py)
 and its running sequences' context. Once per heartbeat the registry (proxy/workers.py) turns them into the
 most sequences whose predicted step stays within the target: ``tpot_slo_ms``, or ``tpot_slo_factor`` times
 the worker's predicted one-sequence step, each prediction scaled by how much slower than predicted the
 worker's steps reach the proxy (``StepPace``). Admission and routing read the result.
+
+With ``ttft_slo_ms`` set, ``TtftForecast`` and ``choices_ahead`` predict a new request's time to first token
+from what the proxy measures, and ``early_rejection`` refuses one that would miss it (proxy/cluster.py).
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from common.protocol.wire import StepCostModel
 
 ASSUMED_CONTEXT = 512  # tokens per sequence, for a worker running none
 # StepPace: each step's weight decays by this per later step (a half-life of about 70 steps: a few seconds),
-# and the ratio counts once this many steps were seen; it is bounded, so one stall cannot close a worker
+# and the ratio counts once this many steps were seen. It is at least 1: it adds what the model cannot see,
+# and never takes back what the model says a step costs; at most 8, so one stall cannot close a worker.
 PACE_DECAY = 0.99
 PACE_MIN_SAMPLES = 20
-PACE_MIN, PACE_MAX = 0.5, 8.0
+PACE_MIN, PACE_MAX = 1.0, 8.0
 
 
 @dataclass
@@ -61,3 +68,70 @@ def latency_capacity(cost: StepCostModel | None, max_num_seqs: int, num_running:
         if cost.step_ms(rows, rows * context) * pace > budget_ms:
             return rows - 1
     return most
+
+
+# TtftForecast: a mean counts once this many samples were seen; each sample's weight decays by this per later one
+TTFT_MIN_SAMPLES = 8
+TTFT_DECAY = 0.9
+
+
+@dataclass
+class TtftForecast:
+    """A new request's time to first token, predicted at its arrival (``ttft_slo_ms`` with ``early_rejection``).
+
+    It waits for the choices prefill admission takes before it (``choices_ahead``), one admission interval
+    each, then for its own prefill. Both are measured here, as decayed means over recent requests: the time
+    between two prefill admissions while choices kept waiting (the rate at which the cluster frees room:
+    idle stretches are not counted), and the time from a choice's admission to its first token. Mooncake's
+    early rejection predicts from queue and load the same way; this one needs no model of its own, so it
+    holds for either layout and any worker.
+    """
+    interval_s: float = 0.0
+    intervals: int = 0
+    service_s: float = 0.0
+    services: int = 0
+    last_admitted: float | None = None  # the previous admission, if choices were still waiting after it
+
+    def admitted(self, now: float, still_waiting: bool) -> None:
+        if self.last_admitted is not None:
+            self.interval_s = _decayed(self.interval_s, now - self.last_admitted, self.intervals)
+            self.intervals += 1
+        self.last_admitted = now if still_waiting else None
+
+    def first_token(self, service_s: float) -> None:
+        self.service_s = _decayed(self.service_s, service_s, self.services)
+        self.services += 1
+
+    def predict_s(self, ahead: int) -> float | None:
+        """Seconds until the first token of a choice with ``ahead`` choices to be admitted before it; None
+        while too few requests were seen to say."""
+        if self.services < TTFT_MIN_SAMPLES or (ahead and self.intervals < TTFT_MIN_SAMPLES):
+            return None
+        return ahead * self.interval_s + self.service_s
+
+
+def _decayed(mean: float, sample: float, count: int) -> float:
+    return sample if count == 0 else mean * TTFT_DECAY + sample * (1 - TTFT_DECAY)
+
+
+def choices_ahead(policy: str, queued: Mapping[str, int], lanes: Mapping[str, int], weights: Mapping[str, float],
+                  tenant: str, lane: int, count: int) -> int:
+    """How many queued choices prefill admission takes before the last of ``count`` new ones of ``tenant``.
+
+    ``fcfs``: every queued one. ``priority``: those of higher lanes and of its own. ``vtc``: higher lanes',
+    its own tenant's, and of each other backlogged tenant in its lane as many as that tenant is served while
+    this one's queue drains (its weight's share of the rounds), at most what it has queued.
+    """
+    if policy == "fcfs":
+        return sum(queued.values()) + count - 1
+    own = queued.get(tenant, 0) + count
+    ahead = own - 1
+    for other, waiting in queued.items():
+        if not waiting or other == tenant:
+            continue
+        other_lane = lanes.get(other, lane)
+        if other_lane < lane or (other_lane == lane and policy == "priority"):
+            ahead += waiting
+        elif other_lane == lane:
+            ahead += min(waiting, math.ceil(own * weights.get(other, 1.0) / weights.get(tenant, 1.0)))
+    return ahead

@@ -91,6 +91,7 @@ class SubRequest(RequestExits):
         self._handoff: PrefillDone | None = None  # the prefill's result, while it waits for a decode slot
         self._lease_ends = 0.0  # when the prefill worker frees the handed-off pages (kv_lease_s after PrefillDone)
         self.route: Route | None = None  # chosen once, when admitted to prefill
+        self.admitted_at: float | None = None  # when admitted to prefill (kept only for the TTFT forecast)
         self.started = False  # sent to a worker (it left the admission queue)
         self.output_ids: list[int] = []  # every token the client has: a resumed request carries them
         self.migrations = 0  # times it resumed elsewhere

@@ -126,6 +126,13 @@ class ProxyConfig:
     tpot_slo_scope: TpotSloScope = option(
         "shared", "when the TPOT target limits decode admission: 'shared' while two or more tenants have "
         "requests in the cluster (a lone tenant gets every decode slot), 'always', or 'never' (slots only)")
+    ttft_slo_ms: Float = option(
+        0.0, "time-to-first-token target: a prompt goes to a prefill worker only while that worker's predicted "
+        "backlog (its fitted step model) stays within half of it, the rest waiting at the proxy in the fairness "
+        "policy's order; 0: no target", ge=0)
+    early_rejection: Bool = option(
+        False, "refuse at arrival a request whose predicted time to first token already exceeds ttft_slo_ms: "
+        "429 when its own tenant's queue is the cause, else 503, both with Retry-After")
     otel_endpoint: Str = option(
         "", "OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces; empty: no tracing")
     otel_service_name: Str = option("tessera-proxy", "service.name of the proxy's traces")
@@ -163,6 +170,9 @@ class ProxyConfig:
         if self.decode_slot_share > 1:
             raise ConfigError(f"config field 'decode_slot_share' = {self.decode_slot_share!r} is invalid: "
                               "a fraction in (0, 1]")
+        if self.early_rejection and not self.ttft_slo_ms:
+            raise ConfigError("config field 'early_rejection' is true but ttft_slo_ms is 0: set the "
+                              "time-to-first-token target that requests are refused against")
         if not self.default_tenant:
             raise ConfigError("config field 'default_tenant' must be a non-empty tenant name")
         if self.auth_enabled and not any(t.api_key_sha256 for t in self.tenants):

@@ -229,3 +229,45 @@ def test_decode_admission_holds_the_worker_to_the_tpot_target_while_tenants_shar
         assert share > 0.2  # more than its share of the streams: the waiting happens where VTC chooses
     else:
         assert most > 3
+
+
+def test_early_rejection_refuses_what_would_miss_the_ttft_target_and_spares_the_light_tenant(make_proxy, script,
+                                                                                            workers):
+    """Two decode slots, a token every 20 ms, 10 tokens a request: about ten requests a second. The heavy tenant
+    keeps 12 requests outstanding, so its new ones would wait well past the 300 ms target and are refused at
+    once (429: its own queue is the cause); the light tenant's one stream goes ahead of that queue (vtc) and
+    is never refused."""
+    tenants = [{"name": "heavy", "api_key_sha256": [hash_key("sk-heavy")]},
+               {"name": "light", "api_key_sha256": [hash_key("sk-light")]}]
+    proxy = make_proxy(auth_enabled=True, tenants=tenants, ttft_slo_ms=300.0, early_rejection=True,
+                       prefill_ahead_per_tenant=1)
+    workers += [start_worker(proxy, "p0", "prefill", script),
+                start_worker(proxy, "d0", "decode", script, max_num_seqs=2, token_interval_s=0.02)]
+    ready(proxy)
+    outcomes: dict[str, list] = {"sk-heavy": [], "sk-light": []}
+
+    async def loop(client: httpx.AsyncClient, key: str, until: float) -> None:
+        while time.monotonic() < until:
+            response = await client.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                                         json={"model": MODEL, "prompt": "Tell me about foxes.", "max_tokens": 10})
+            outcomes[key].append((response.status_code, response.headers.get("retry-after"), response.json()))
+            if response.status_code != 200:
+                await asyncio.sleep(0.05)  # a client that keeps pushing, whatever Retry-After says
+
+    async def load() -> None:
+        until = time.monotonic() + 4.0
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as client:
+            await asyncio.gather(*(loop(client, "sk-heavy", until) for _ in range(12)), loop(client, "sk-light", until))
+
+    asyncio.run(load())
+    heavy = [status for status, _, _ in outcomes["sk-heavy"]]
+    light = [status for status, _, _ in outcomes["sk-light"]]
+    print(f"heavy: {heavy.count(200)} served, {heavy.count(429)} refused; light: {light.count(200)} served, "
+          f"{len(light) - light.count(200)} refused")
+    assert set(light) == {200} and len(light) >= 10
+    assert heavy.count(429) >= 10 and heavy.count(200) >= 10 and set(heavy) <= {200, 429}
+    status, retry_after, body = next(o for o in outcomes["sk-heavy"] if o[0] == 429)
+    assert int(retry_after) >= 1
+    assert "ttft_slo_ms=300" in body["error"]["message"] and "heavy" in body["error"]["message"]
+    metrics = proxy.http.get("/metrics").text
+    assert 'tessera_proxy_tenant_rejections_total{reason="ttft_target",tenant="heavy"}' in metrics
