@@ -111,7 +111,7 @@ class DecodeHandler(WorkerBase):
         if msg.first_token is None:  # no pages: the prompt is computed here
             seqs = self.intake(msg, "decode", lambda params: self.engine.add_request(
                 msg.request_id, msg.prompt_token_ids, params, seed=msg.seed,
-                output_token_ids=msg.output_token_ids))
+                output_token_ids=msg.output_token_ids, cache_salt=msg.cache_salt))
             if seqs is not None:
                 for seq in seqs:
                     _set_fairness(seq, msg)
@@ -120,7 +120,7 @@ class DecodeHandler(WorkerBase):
             return
         seq = self.intake(msg, "decode", lambda params: self.engine.add_prefilled_request(
             msg.request_id, msg.prompt_token_ids, msg.first_token, params, msg.seed, msg.first_logprob,
-            list(msg.first_top_logprobs or []), msg.output_token_ids))
+            list(msg.first_top_logprobs or []), msg.output_token_ids, msg.cache_salt))
         if seq is None:
             return
         _set_fairness(seq, msg)

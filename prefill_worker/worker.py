@@ -52,7 +52,7 @@ class PrefillHandler(WorkerBase):
     def _start(self, msg: wire.PrefillRequest) -> None:
         seqs = self.intake(msg, "prefill", lambda params: self.engine.add_request(
             msg.request_id, msg.prompt_token_ids, params, seed=msg.seed, prefill_only=True,
-            output_token_ids=msg.output_token_ids))
+            output_token_ids=msg.output_token_ids, cache_salt=msg.cache_salt))
         if seqs is None:
             return
         (seq,) = seqs

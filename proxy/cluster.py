@@ -201,7 +201,8 @@ class Cluster:
                 seed = (base_seed + j) % (1 << 63)
                 wire_params = params.replace(n=1, seed=seed)
                 sub = SubRequest(f"{request_id}-{index}", index, prompt, wire_params, seed, self.config, self.metrics,
-                                 self.tracing, sink, now, tenant=tenant.name, lane=tenant.lane)
+                                 self.tracing, sink, now, tenant=tenant.name, lane=tenant.lane,
+                                 cache_salt=tenant.cache_salt)
                 sub.wait_for_admission(queue_deadline, client_deadline)
                 self.inflight[sub.request_id] = sub
                 if tenant.limited:
@@ -225,7 +226,7 @@ class Cluster:
         if now >= sub.deadline:
             return sub.check_deadline(now)
         tokens = sub.tokens
-        route = self.policy.route(tokens, list(self.registry.workers.values()))
+        route = self.policy.route(tokens, list(self.registry.workers.values()), sub.cache_salt)
         if route is None:
             return sub.reject(self._unavailable("no worker can take the request any more: every decode-capable "
                                                 "worker left or is draining"))
@@ -237,7 +238,7 @@ class Cluster:
         self.admission.prefill_started(admit.key)
         if route.local:
             return sub.prefill_locally()
-        self.policy.prefill_sent(route.worker, tokens)
+        self.policy.prefill_sent(route.worker, tokens, sub.cache_salt)
         return sub.start_prefill(route.worker, counter, now)
 
     def _start_decode(self, sub: SubRequest) -> Sends:
@@ -253,7 +254,7 @@ class Cluster:
         decoder = decoder or self.policy.pick_decode(tokens, list(self.registry.workers.values()))
         if decoder is None:
             return sub.reject(self._unavailable("no decode worker is available to continue the request"))
-        self.policy.decode_sent(decoder, tokens, local=sub.local)
+        self.policy.decode_sent(decoder, tokens, local=sub.local, cache_salt=sub.cache_salt)
         return sub.start_decode(decoder, self.admission.counters[sub.tenant], now)
 
     def readiness(self) -> tuple[bool, str]:

@@ -74,10 +74,11 @@ class SubRequest(RequestExits):
 
     def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams, seed: int,
                  config: ProxyConfig, metrics: ProxyMetrics, tracing: NoTracing, sink: asyncio.Queue, now: float,
-                 tenant: str = "default", lane: int = 0) -> None:
+                 tenant: str = "default", lane: int = 0, cache_salt: int = 0) -> None:
         self.request_id = request_id
         self.tenant = tenant
         self.lane = lane  # priority lane, 0 (p0) first
+        self.cache_salt = cache_salt  # the tenant's prefix-cache namespace, on both of its wire requests
         self.client_deadline: float | None = None  # the client's own deadline, while it waits for admission
         self.index = index
         self.prompt = prompt
@@ -162,7 +163,7 @@ class SubRequest(RequestExits):
         self.prefill_len = len(self.prompt) + len(self.output_ids)
         return [(self.prefill_worker, PrefillRequest(
             self.wire_id, self.prompt, self.params, self.seed, self._config.kv_lease_s,
-            output_token_ids=self.output_ids, **self._fairness(counter),
+            output_token_ids=self.output_ids, **self._tenant_fields(counter),
             trace_context=self.trace.enter("proxy.prefill", {"tessera.worker_id": self.prefill_worker})
             if self.trace else None))]
 
@@ -171,9 +172,10 @@ class SubRequest(RequestExits):
         self.stage = Stage.READY
         return []
 
-    def _fairness(self, counter: float) -> dict:
-        """What a worker's scheduler preempts by: lane, then the tenant's counter."""
-        return {"tenant": self.tenant, "priority": self.lane, "fairness_counter": counter}
+    def _tenant_fields(self, counter: float) -> dict:
+        """What a worker's scheduler knows of the tenant: the lane and counter it preempts by, the cache salt."""
+        return {"tenant": self.tenant, "priority": self.lane, "fairness_counter": counter,
+                "cache_salt": self.cache_salt}
 
     def on_prefill_done(self, msg: PrefillDone, sender: str, now: float) -> Sends | None:
         """None: not this request's (a stray); else what to send."""
@@ -198,14 +200,14 @@ class SubRequest(RequestExits):
         if msg is None:
             self._begin(decoder.worker_id, now, local=True)
             decode = DecodeRequest(self.wire_id, self.prompt, self.params, self.seed,
-                                   output_token_ids=self.output_ids, **self._fairness(counter))
+                                   output_token_ids=self.output_ids, **self._tenant_fields(counter))
         else:
             decode = DecodeRequest(
                 self.wire_id, self.prompt, self.params, self.seed, first_token=msg.first_token,
                 source_worker_id=msg.worker_id, source_block_ids=msg.block_ids,
                 kv_lease_left_s=max(self._lease_ends - now, 0.0), first_logprob=msg.logprob,
                 first_top_logprobs=msg.top_logprobs, output_token_ids=self.output_ids[:-1],
-                **self._fairness(counter))
+                **self._tenant_fields(counter))
             self.deadline = now + self._config.token_timeout_s
         self.stage = Stage.DECODING
         self.decode_worker = decoder.worker_id

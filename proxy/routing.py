@@ -2,14 +2,15 @@
 
 A policy is an object; the cluster calls its hooks and never decides itself.
 
-Hooks (all called by the cluster, in the event loop):
-- ``route(prompt, workers)`` at admission: a ``Route`` that is either
+Hooks (all called by the cluster, in the event loop; ``cache_salt`` is the
+request's tenant's, the root of its block hashes on the workers):
+- ``route(prompt, workers, cache_salt)`` at admission: a ``Route`` that is either
   disaggregated (the prefill worker; the decode worker is picked later) or
   local (a decode-capable worker that prefills itself), or None when no
   worker can take the request.
 - ``pick_decode(prompt, workers)`` when a prefilled request gets its
   decode slot: the decode worker that pulls the pages, or None.
-- ``prefill_sent(worker, prompt)`` / ``prefill_ended(worker_id, num_tokens)``
+- ``prefill_sent(worker, prompt, cache_salt)`` / ``prefill_ended(worker_id, num_tokens)``
   bracket a PrefillRequest, on every path out (PrefillDone, failure, abort,
   worker loss); the cluster says which worker and how many tokens, so the
   policy keeps no per-request state.
@@ -25,7 +26,8 @@ Hooks (all called by the cluster, in the event loop):
   lacks). Outstanding = proxy-tracked tokens of prompts sent and not yet
   done, plus the heartbeat's value; the cache is estimated per worker by a
   bounded LRU set of the chained block hashes of prompts recently sent to
-  it. An idle cluster thus keeps a shared prefix on one worker, and a busy
+  it, salted as the worker salts them (so another tenant's equal prompt
+  predicts no hit, as it gets none). An idle cluster thus keeps a shared prefix on one worker, and a busy
   one spills to the others instead of queueing behind the cache.
 - Decode: most free blocks, then fewest running. Both counts add what the
   proxy sent since the worker's last heartbeat, so a burst between two
@@ -51,12 +53,12 @@ class Route:
 
 
 class RoutingPolicy(Protocol):
-    def route(self, prompt: Sequence[int], workers: Sequence[WorkerState]) -> Route | None: ...
+    def route(self, prompt: Sequence[int], workers: Sequence[WorkerState], cache_salt: int = 0) -> Route | None: ...
     def pick_decode(self, prompt: Sequence[int], workers: Sequence[WorkerState]) -> WorkerState | None: ...
-    def prefill_sent(self, worker: WorkerState, prompt: Sequence[int]) -> None: ...
+    def prefill_sent(self, worker: WorkerState, prompt: Sequence[int], cache_salt: int = 0) -> None: ...
     def prefill_ended(self, worker_id: str, num_tokens: int) -> None: ...
     def outstanding_prefill_tokens(self, worker_id: str) -> int: ...
-    def decode_sent(self, worker: WorkerState, prompt: Sequence[int], local: bool) -> None: ...
+    def decode_sent(self, worker: WorkerState, prompt: Sequence[int], local: bool, cache_salt: int = 0) -> None: ...
     def heartbeat(self, worker: WorkerState) -> None: ...
     def worker_removed(self, worker_id: str) -> None: ...
 
@@ -103,22 +105,22 @@ class PrefixAwareRouting:
         self._pending: dict[str, _Pending] = defaultdict(_Pending)
         self._prefills_sent: dict[str, int] = defaultdict(int)
 
-    def route(self, prompt: Sequence[int], workers: Sequence[WorkerState]) -> Route | None:
+    def route(self, prompt: Sequence[int], workers: Sequence[WorkerState], cache_salt: int = 0) -> Route | None:
         active = [w for w in workers if not w.draining]
         decoders = [w for w in active if w.decode_capable]
         if not decoders:
             return None
         prefillers = [w for w in active if w.serves_prefill]
         if not prefillers or len(prompt) < self.local_prefill_threshold:
-            return Route(self._best_by_prefix(prompt, decoders, self._decode_load), local=True)
-        return Route(min(prefillers, key=lambda w: self._prefill_cost(prompt, w)), local=False)
+            return Route(self._best_by_prefix(prompt, cache_salt, decoders, self._decode_load), local=True)
+        return Route(min(prefillers, key=lambda w: self._prefill_cost(prompt, cache_salt, w)), local=False)
 
     def pick_decode(self, prompt: Sequence[int], workers: Sequence[WorkerState]) -> WorkerState | None:
         decoders = [w for w in workers if w.decode_capable and not w.draining]
         return min(decoders, key=self._decode_load, default=None)
 
-    def prefill_sent(self, worker: WorkerState, prompt: Sequence[int]) -> None:
-        self._remember_prefix(worker, prompt)
+    def prefill_sent(self, worker: WorkerState, prompt: Sequence[int], cache_salt: int = 0) -> None:
+        self._remember_prefix(worker, prompt, cache_salt)
         self._prefill_tokens[worker.worker_id] += len(prompt)
         self._prefills_sent[worker.worker_id] += 1
 
@@ -126,9 +128,9 @@ class PrefixAwareRouting:
         if worker_id in self._prefill_tokens:  # a removed worker's count is gone already
             self._prefill_tokens[worker_id] = max(self._prefill_tokens[worker_id] - num_tokens, 0)
 
-    def decode_sent(self, worker: WorkerState, prompt: Sequence[int], local: bool) -> None:
+    def decode_sent(self, worker: WorkerState, prompt: Sequence[int], local: bool, cache_salt: int = 0) -> None:
         if local:
-            self._remember_prefix(worker, prompt)
+            self._remember_prefix(worker, prompt, cache_salt)
         pending = self._pending[worker.worker_id]
         pending.blocks += -(-len(prompt) // worker.block_size)
         pending.requests += 1
@@ -146,7 +148,8 @@ class PrefixAwareRouting:
         """Proxy-tracked tokens of prompts sent to ``worker_id`` and not yet done."""
         return self._prefill_tokens.get(worker_id, 0)
 
-    def _best_by_prefix(self, prompt: Sequence[int], candidates: list[WorkerState], load) -> WorkerState:
+    def _best_by_prefix(self, prompt: Sequence[int], cache_salt: int, candidates: list[WorkerState],
+                        load) -> WorkerState:
         hashes_by_block_size: dict[int, list[int]] = {}
 
         def score(worker: WorkerState):
@@ -155,17 +158,19 @@ class PrefixAwareRouting:
                 return (0, load(worker))
             hashes = hashes_by_block_size.get(worker.block_size)
             if hashes is None:
-                hashes = hashes_by_block_size[worker.block_size] = prefix_block_hashes(prompt, worker.block_size)
+                hashes = hashes_by_block_size[worker.block_size] = prefix_block_hashes(
+                    prompt, worker.block_size, cache_salt)
             return (-lru.leading_hits(hashes), load(worker))
 
         return min(candidates, key=score)
 
-    def _prefill_cost(self, prompt: Sequence[int], worker: WorkerState) -> tuple[int, int, int]:
+    def _prefill_cost(self, prompt: Sequence[int], cache_salt: int, worker: WorkerState) -> tuple[int, int, int]:
         outstanding = self._prefill_tokens.get(worker.worker_id, 0) + worker.outstanding_prefill_tokens
         lru = self._prefixes.get(worker.worker_id)
         cached = 0
         if lru is not None:
-            cached = lru.leading_hits(prefix_block_hashes(prompt, worker.block_size)) * worker.block_size
+            hits = lru.leading_hits(prefix_block_hashes(prompt, worker.block_size, cache_salt))
+            cached = hits * worker.block_size
         # Equal costs rotate by how many prompts each worker was given.
         return outstanding + len(prompt) - cached, outstanding, self._prefills_sent[worker.worker_id]
 
@@ -176,10 +181,10 @@ class PrefixAwareRouting:
         full = bool(worker.latency_capacity) and running >= worker.latency_capacity
         return (full, -(worker.free_blocks - pending.blocks), running)
 
-    def _remember_prefix(self, worker: WorkerState, prompt: Sequence[int]) -> None:
+    def _remember_prefix(self, worker: WorkerState, prompt: Sequence[int], cache_salt: int) -> None:
         lru = self._prefixes.get(worker.worker_id)
         if lru is None:
             # The worker cannot cache more blocks than it has.
             lru = self._prefixes[worker.worker_id] = PrefixLRU(worker.num_blocks)
-        lru.add(prefix_block_hashes(prompt, worker.block_size))
+        lru.add(prefix_block_hashes(prompt, worker.block_size, cache_salt))
 

@@ -6,6 +6,8 @@ known only by their sha256 (hex), so the config never holds a usable key.
 The default tenant (``default_tenant``) takes its settings from the tenant
 of that name when one is configured, and otherwise has weight 1, lane p1 and
 no limits. ``hash_key`` is what ``tessera tenants hash-key`` prints.
+Each tenant's ``cache_salt`` (``prefix_cache_sharing``) roots the block
+hashes of its requests, on the workers and in the proxy's routing alike.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common.config.roles import ProxyConfig, TenantConfig
+from common.protocol.wire import cache_salt_of
 from proxy.rate_limit import TenantLimiter
 from proxy.tenants_command import hash_key
 
@@ -23,6 +26,7 @@ class Tenant:
     """A tenant as the request path reads it: plain values, taken from its config once."""
     config: TenantConfig
     limiter: TenantLimiter
+    cache_salt: int = 0  # the root of its prompts' block hashes: only requests of the same salt share cached blocks
     name: str = field(init=False)
     weight: float = field(init=False)
     lane: int = field(init=False)  # priority lane, 0 (p0) first
@@ -41,7 +45,7 @@ class TenantRegistry:
         configured = list(config.tenants)
         if not any(t.name == config.default_tenant for t in configured):
             configured.append(TenantConfig(config.default_tenant))
-        self.tenants = {t.name: Tenant(t, TenantLimiter(t, now)) for t in configured}
+        self.tenants = {t.name: Tenant(t, TenantLimiter(t, now), _cache_salt(config, t)) for t in configured}
         self.default = self.tenants[config.default_tenant]
         self._by_key_hash = {key: self.tenants[t.name] for t in configured for key in t.api_key_sha256}
         self.limited = {name for name, tenant in self.tenants.items() if tenant.limited}
@@ -54,3 +58,11 @@ class TenantRegistry:
         return self.tenants.get(name)
 
 
+def _cache_salt(config: ProxyConfig, tenant: TenantConfig) -> int:
+    """0 (shared) with prefix_cache_sharing 'cluster'; else its cache group's salt, or its own.
+
+    A group and a tenant of the same name get different salts: blocks are shared only by naming the group.
+    """
+    if config.prefix_cache_sharing == "cluster":
+        return 0
+    return cache_salt_of(f"group:{tenant.cache_group}" if tenant.cache_group else f"tenant:{tenant.name}")

@@ -24,7 +24,7 @@ from common.config.base import (
     Bool, ConfigError, EngineConfig, Float, Int, Str, check_paths, config_model, option,
 )
 from common.protocol.names import (
-    PRIORITY_LANES, Dtype, FairnessPolicy, PriorityLane, Role, TpotSloScope, TransferBackend,
+    PRIORITY_LANES, Dtype, FairnessPolicy, PrefixCacheSharing, PriorityLane, Role, TpotSloScope, TransferBackend,
 )
 
 log = logging.getLogger("tessera.config")
@@ -51,6 +51,9 @@ class TenantConfig:
     max_queued: Int = option(0, "choices waiting for admission at once; 0: no limit", ge=0)
     resumable_streams: Bool = option(
         False, "this tenant's streamed responses are resumable unless a request sends X-Resumable: false")
+    cache_group: Str = option(
+        "", "with prefix_cache_sharing 'tenant': tenants naming the same group share prefix-cache blocks (and "
+        "can time each other's cache hits); empty: the tenant's blocks are its own")
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -107,6 +110,10 @@ class ProxyConfig:
     default_tenant: Str = option(
         "default", "who sends requests when auth is off (settings from tenants, if listed)")
     tenant_from_user_field: Bool = option(False, "auth off: a request whose 'user' names a tenant belongs to it")
+    prefix_cache_sharing: PrefixCacheSharing = option(
+        "tenant", "whose requests share the workers' prefix-cache blocks: 'tenant' (each tenant, or each "
+        "tenants[].cache_group, its own: no tenant can learn another's prompts from cache-hit timing or "
+        "cached_tokens) or 'cluster' (every request, whoever sends it)")
     fairness_policy: FairnessPolicy = option("vtc", "the admission queue's order")
     vtc_input_weight: Float = option(1.0, "service counted per prompt token (vtc policy)", gt=0)
     vtc_output_weight: Float = option(2.0, "service counted per generated token (vtc policy)", gt=0)
@@ -167,6 +174,10 @@ class ProxyConfig:
             raise ConfigError("config field 'tls_ca_file' needs tls_cert_file and tls_key_file: client "
                               "certificates are only checked on an HTTPS listener")
         _check_tenants(self.tenants)
+        grouped = [t.name for t in self.tenants if t.cache_group]
+        if grouped and self.prefix_cache_sharing == "cluster":
+            raise ConfigError(f"config field 'tenants': {grouped} name a cache_group, but prefix_cache_sharing is "
+                              "'cluster': every tenant shares the prefix cache; use 'tenant' for groups")
         if self.decode_slot_share > 1:
             raise ConfigError(f"config field 'decode_slot_share' = {self.decode_slot_share!r} is invalid: "
                               "a fraction in (0, 1]")

@@ -8,7 +8,9 @@ A block holds ``block_size`` token positions of every layer's K and V. The
 prefix cache maps a chained hash of a *full* block's tokens (the hash of the
 block before it folded in) to the block id, so a hit for block i implies the
 whole prefix up to i matches. A hit also compares the tokens, so a hash
-collision can never return wrong KV.
+collision can never return wrong KV. Block 0's parent is the sequence's
+cache salt: sequences of different salts (tenants) never share a block,
+however equal their tokens.
 
 Freed blocks keep their cached contents and stay findable until they are
 handed out again; the free queue is in LRU order (front is evicted first),
@@ -114,8 +116,8 @@ class BlockManager:
             if block.ref_count == 0:
                 self._free[block_id] = None
 
-    def find_cached_prefix(self, token_ids: Sequence[int], max_blocks: int) -> list[int]:
-        """Block ids of the longest cached run of full blocks at the start of ``token_ids``.
+    def find_cached_prefix(self, token_ids: Sequence[int], max_blocks: int, cache_salt: int = 0) -> list[int]:
+        """Block ids of the longest cached run of full blocks at the start of ``token_ids``, under ``cache_salt``.
 
         Does not take references; call ``acquire`` on the result to keep it.
         """
@@ -123,7 +125,7 @@ class BlockManager:
             return []
         bs = self.block_size
         hits: list[int] = []
-        parent = None
+        parent = cache_salt
         for i in range(min(max_blocks, len(token_ids) // bs)):
             chunk = token_ids[i * bs:(i + 1) * bs]
             parent = chain_hash(parent, chunk)
@@ -136,11 +138,12 @@ class BlockManager:
         return hits
 
     def cache_full_blocks(
-        self, block_ids: Sequence[int], token_ids: Sequence[int], num_cached: int, num_full: int
+        self, block_ids: Sequence[int], token_ids: Sequence[int], num_cached: int, num_full: int,
+        cache_salt: int = 0,
     ) -> int:
         """Register blocks ``num_cached .. num_full-1`` of a sequence as cached.
 
-        ``block_ids`` is the sequence's block table and ``token_ids`` its tokens.
+        ``block_ids`` is the sequence's block table, ``token_ids`` its tokens and ``cache_salt`` its hashes' root.
         Returns the new count of cached blocks for the sequence. A block whose
         hash is already mapped (another sequence computed the same prefix) is
         left unmapped; the earlier copy keeps serving hits.
@@ -148,7 +151,7 @@ class BlockManager:
         if not self.enable_prefix_caching or num_full <= num_cached:
             return max(num_cached, num_full)
         bs = self.block_size
-        parent = self.blocks[block_ids[num_cached - 1]].hash if num_cached > 0 else None
+        parent = self.blocks[block_ids[num_cached - 1]].hash if num_cached > 0 else cache_salt
         for i in range(num_cached, num_full):
             block = self.blocks[block_ids[i]]
             chunk = tuple(token_ids[i * bs:(i + 1) * bs])

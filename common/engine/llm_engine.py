@@ -160,12 +160,15 @@ class LLMEngine:
         seed: int | None = None,
         prefill_only: bool = False,
         output_token_ids: Seq[int] = (),
+        cache_salt: int = 0,
     ) -> list[Sequence]:
         """Queue a request. ``prefill_only``: stop after the next token and keep the KV blocks.
 
         ``output_token_ids``: what it generated before, elsewhere (a request resumed on another worker). Those
         tokens are computed with the prompt, and generation goes on after them as if it had never stopped: the
         same penalties, ``max_tokens`` and stop strings, and the seeded RNG at the same position.
+        ``cache_salt``: its prefix-cache namespace (``common.protocol.wire.cache_salt_of``); it shares cached
+        prompt blocks only with requests of the same salt. 0: unsalted.
         """
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -173,19 +176,20 @@ class LLMEngine:
         self._validate_prompt(prompt_ids, output_token_ids)
         if not prefill_only:
             self._validate_speculative(params)
-        seqs = self._new_sequences(request_id, prompt_ids, params, seed, output_token_ids)
+        seqs = self._new_sequences(request_id, prompt_ids, params, seed, output_token_ids, cache_salt)
         for seq in seqs:
             seq.prefill_only = prefill_only
         self.scheduler.add_sequences(seqs)
         return seqs
 
-    def _new_sequences(self, request_id, prompt_ids, params, seed, output_token_ids: Seq[int] = ()) -> list[Sequence]:
+    def _new_sequences(self, request_id, prompt_ids, params, seed, output_token_ids: Seq[int] = (),
+                       cache_salt: int = 0) -> list[Sequence]:
         if seed is None:
             seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         if output_token_ids and params.n != 1:
             raise RequestError("a request that continues its output carries one sample (n=1)")
         seqs = [
-            Sequence(request_id, prompt_ids, params, seed=(seed + i) & (2**63 - 1), index=i)
+            Sequence(request_id, prompt_ids, params, seed=(seed + i) & (2**63 - 1), index=i, cache_salt=cache_salt)
             for i in range(params.n)
         ]
         for seq in seqs:
@@ -217,6 +221,7 @@ class LLMEngine:
         first_logprob: float | None = None,
         first_top_logprobs: list[tuple[int, float]] | None = None,
         output_token_ids: Seq[int] = (),
+        cache_salt: int = 0,
     ) -> Sequence:
         """A request whose KV was computed elsewhere; its pages arrive into ``seq.block_table``.
 
@@ -226,6 +231,7 @@ class LLMEngine:
         ``kv_ready`` (or ``kv_failed``, which recomputes the prompt here).
         When the pool is too full to take the pages, no blocks are given and
         the caller calls ``kv_failed`` at once: recomputing is always possible.
+        ``cache_salt``: as for ``add_request``; the pulled blocks are cached under it once computed here.
         """
         if params.n != 1:
             raise RequestError("a prefilled request carries one sample (n=1)")
@@ -234,7 +240,7 @@ class LLMEngine:
         self._validate_speculative(params)
         # The first token's text went to the client from the prefill worker;
         # replaying it carries held-back text and stop strings on seamlessly.
-        (seq,) = self._new_sequences(request_id, prompt_ids, params, seed, output)
+        (seq,) = self._new_sequences(request_id, prompt_ids, params, seed, output, cache_salt)
         if seq.logprobs and first_logprob is not None:
             seq.logprobs[-1] = first_logprob
             seq.top_logprobs[-1] = list(first_top_logprobs or [])
@@ -375,16 +381,16 @@ class LLMEngine:
 
     # ---- offline API --------------------------------------------------------
     def generate(
-        self, prompts: Iterable[str | Seq[int]], params: SamplingParams | Seq[SamplingParams]
+        self, prompts: Iterable[str | Seq[int]], params: SamplingParams | Seq[SamplingParams], cache_salt: int = 0,
     ) -> list[RequestOutput]:
-        """Run prompts to completion; returns final outputs in prompt order."""
+        """Run prompts to completion; returns final outputs in prompt order. ``cache_salt``: as for ``add_request``."""
         prompts = list(prompts)
         param_list = list(params) if not isinstance(params, SamplingParams) else [params] * len(prompts)
         if len(param_list) != len(prompts):
             raise ValueError("give one SamplingParams or one per prompt")
         ids = [f"gen-{i}-{id(prompts)}" for i in range(len(prompts))]
         for request_id, prompt, p in zip(ids, prompts, param_list):
-            self.add_request(request_id, prompt, p)
+            self.add_request(request_id, prompt, p, cache_salt=cache_salt)
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():

@@ -166,7 +166,7 @@ class Scheduler:
         # Always leave at least one token to compute: the step that computes
         # the last token is the one that produces logits to sample from.
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        hits = self.blocks.find_cached_prefix(seq.token_ids, max_blocks)
+        hits = self.blocks.find_cached_prefix(seq.token_ids, max_blocks, seq.cache_salt)
         if hits:
             self.blocks.acquire(hits)
             seq.block_table = hits
@@ -235,7 +235,7 @@ class Scheduler:
                 seq.num_computed_tokens += num_new
             seq.num_cached_blocks = self.blocks.cache_full_blocks(
                 seq.block_table, known, seq.num_cached_blocks,
-                seq.num_computed_tokens // self.block_size,
+                seq.num_computed_tokens // self.block_size, seq.cache_salt,
             )
             if not tokens:
                 continue

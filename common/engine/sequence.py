@@ -41,6 +41,7 @@ class Sequence:
         params: SamplingParams,
         seed: int,
         index: int = 0,
+        cache_salt: int = 0,
     ) -> None:
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
@@ -55,6 +56,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
+        # The root of its blocks' chained hashes: only sequences of the same salt (tenant) share cached blocks.
+        self.cache_salt = cache_salt
         self.num_preemptions = 0
         self.num_prefix_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
         self.reported_tokens = 0  # output tokens already returned to the caller

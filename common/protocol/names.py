@@ -20,6 +20,9 @@ FairnessPolicy = Literal["fcfs", "priority", "vtc"]
 # When decode admission holds each worker to the TPOT target (proxy.tpot_slo_scope)
 TpotSloScope = Literal["shared", "always", "never"]
 PriorityLane = Literal["p0", "p1", "p2"]  # p0 is served first
+# Whose requests share prefix-cache blocks (proxy.prefix_cache_sharing): each tenant (or cache group) its own,
+# or the whole cluster
+PrefixCacheSharing = Literal["tenant", "cluster"]
 
 ROLES: tuple[str, ...] = get_args(Role)
 DTYPES: tuple[str, ...] = get_args(Dtype)

@@ -36,6 +36,9 @@ at the end): chained hashes of full KV blocks, the prefix cache's keys.
 Block i's hash folds in block i-1's, so equal hashes at position i imply the
 whole prefix up to i matches; blake2b of the token ids, not Python's
 ``hash``, so a proxy computes the hashes a worker's block manager does.
+Block 0's parent is the request's ``cache_salt`` (0: unsalted): the proxy
+gives each tenant its own (``cache_salt_of``), so two tenants' equal prompts
+never share cached blocks, and neither can time the other's hits.
 """
 
 from __future__ import annotations
@@ -50,13 +53,16 @@ import msgspec
 
 from common.protocol.sampling_params import INT64_MAX, TOKEN_ID_MAX, SamplingParams
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=TOKEN_ID_MAX)]
 Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
 TopLogprobs = list[tuple[TokenId, float]]  # [(token_id, logprob), ...]
 Coefficient = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]  # also refuses NaN
+# The root of a request's block hashes (0: unsalted), a uint64: msgpack carries no larger int, and msgspec bounds
+# only int64 ranges.
+CacheSalt = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class WireError(ValueError):
@@ -196,6 +202,7 @@ class PrefillRequest(_Struct):
     priority: NonNegInt = 0
     fairness_counter: float = 0.0
     trace_context: dict[str, str] | None = None  # W3C trace context ({"traceparent": ...}) when tracing is on
+    cache_salt: CacheSalt = 0  # its tenant's prefix-cache namespace (proxy.prefix_cache_sharing); 0: shared
 
 
 class PrefillDone(_Struct):
@@ -231,6 +238,7 @@ class DecodeRequest(_Struct):
     priority: NonNegInt = 0
     fairness_counter: float = 0.0
     trace_context: dict[str, str] | None = None
+    cache_salt: CacheSalt = 0  # as on PrefillRequest: the blocks it caches here are its tenant's
 
 
 class TokenDelta(_Struct):
@@ -345,7 +353,8 @@ def chain_hash(parent: int | None, token_ids: Sequence[int]) -> int:
     """Stable (process-independent) hash of one full block given its parent's hash.
 
     Stable so a proxy or another worker can compute the same hashes to route
-    requests to the worker whose cache already holds a prompt's prefix.
+    requests to the worker whose cache already holds a prompt's prefix. Block
+    0's parent is the request's cache salt (0 or None: unsalted).
     """
     h = hashlib.blake2b(digest_size=8)
     h.update((parent if parent is not None else 0).to_bytes(8, "little", signed=False))
@@ -353,11 +362,21 @@ def chain_hash(parent: int | None, token_ids: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained hashes of every full block of ``token_ids``."""
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: int = 0) -> list[int]:
+    """Chained hashes of every full block of ``token_ids``, rooted at ``cache_salt``."""
     hashes: list[int] = []
-    parent = None
+    parent = cache_salt
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = chain_hash(parent, token_ids[start:start + block_size])
         hashes.append(parent)
     return hashes
+
+
+def cache_salt_of(namespace: str) -> int:
+    """The cache salt of a prefix-cache namespace (a tenant or a cache group): never 0, which is unsalted.
+
+    Stable across processes and restarts, so a proxy's routing and every worker's cache agree; blake2b
+    personalized apart from the block hashes.
+    """
+    digest = hashlib.blake2b(namespace.encode(), digest_size=8, person=b"tessera-salt").digest()
+    return int.from_bytes(digest, "little") or 1

@@ -13,7 +13,7 @@ import time
 
 import msgspec
 
-from common.protocol.wire import StepCostModel
+from common.protocol.wire import StepCostModel, cache_salt_of
 
 from proxy.tenants import hash_key
 from tests.e2e.proxy_harness import *  # noqa: F401,F403 -- fixtures, helpers and wire types
@@ -65,6 +65,7 @@ def test_auth_errors_are_401_in_openai_shape(make_proxy, script, workers):
     assert (sent_prefill.tenant, sent_prefill.priority, sent_prefill.fairness_counter) == ("alpha", 0, 0.0)
     assert (sent_decode.tenant, sent_decode.priority) == ("alpha", 0)
     assert sent_decode.fairness_counter > 0  # the prompt and the first token were charged by then
+    assert sent_prefill.cache_salt == sent_decode.cache_salt == cache_salt_of("tenant:alpha")  # alpha's own cache
 
 
 def test_rate_limited_tenant_gets_429_while_another_is_unaffected(make_proxy, script, workers):

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from common.engine.block_manager import BlockManager, OutOfBlocks
-from common.protocol.wire import chain_hash, prefix_block_hashes
+from common.protocol.wire import cache_salt_of, chain_hash, prefix_block_hashes
 
 
 def test_allocate_and_free_returns_every_block():
@@ -46,10 +46,10 @@ def test_chain_hash_depends_on_parent_and_is_stable():
     assert hashes == [chain_hash(None, [0, 1, 2, 3]), chain_hash(hashes[0], [4, 5, 6, 7])]
 
 
-def _cache_sequence(bm, tokens):
+def _cache_sequence(bm, tokens, cache_salt=0):
     n = len(tokens) // bm.block_size
     ids = bm.allocate(-(-len(tokens) // bm.block_size))
-    bm.cache_full_blocks(ids, tokens, 0, n)
+    bm.cache_full_blocks(ids, tokens, 0, n, cache_salt)
     return ids
 
 
@@ -92,6 +92,39 @@ def test_duplicate_content_keeps_first_mapping():
     bm.allocate(bm.num_free_blocks)  # evicts a; b's copy is not mapped
     assert bm.find_cached_prefix([5, 6, 7], 1) == []
     assert b
+
+
+def test_a_cache_salt_is_the_root_of_the_chain_and_tenants_get_distinct_ones():
+    tokens = list(range(10))
+    assert prefix_block_hashes(tokens, 4, 0) == prefix_block_hashes(tokens, 4)
+    salted = prefix_block_hashes(tokens, 4, 77)
+    assert salted == [chain_hash(77, tokens[:4]), chain_hash(salted[0], tokens[4:8])]
+    assert not set(salted) & set(prefix_block_hashes(tokens, 4))
+    salts = {cache_salt_of(name) for name in ("alpha", "beta", "tenant:alpha", "group:alpha", "")}
+    assert len(salts) == 5 and 0 not in salts
+    assert cache_salt_of("alpha") == cache_salt_of("alpha") < 1 << 64  # stable: the proxy and workers agree
+
+
+def test_equal_tokens_under_different_salts_share_no_block():
+    bm = BlockManager(16, 4)
+    tokens = list(range(13))
+    alpha, beta = cache_salt_of("tenant:alpha"), cache_salt_of("tenant:beta")
+    ids = _cache_sequence(bm, tokens, alpha)
+    bm.free(ids)
+    assert bm.find_cached_prefix(tokens, 3, alpha) == ids[:3]  # the same salt hits every full block
+    assert bm.find_cached_prefix(tokens, 3, beta) == []
+    assert bm.find_cached_prefix(tokens, 3) == []  # nor does an unsalted request see it
+    other = _cache_sequence(bm, tokens, beta)  # beta computes its own copy, cached beside alpha's
+    assert not set(other) & set(ids)
+    assert bm.find_cached_prefix(tokens, 3, beta) == other[:3]
+    assert bm.find_cached_prefix(tokens, 3, alpha) == ids[:3]
+    # Extending a salted sequence's cached run keeps its salt: the chain continues from its last cached block.
+    longer = tokens + [50, 51, 52]
+    table = ids[:3] + bm.allocate(1)
+    bm.acquire(ids[:3])
+    assert bm.cache_full_blocks(table, longer, 3, 4, alpha) == 4
+    assert bm.find_cached_prefix(longer, 4, alpha) == table
+    assert bm.find_cached_prefix(longer, 4, beta) == other[:3]
 
 
 def test_disabled_prefix_caching_never_hits():

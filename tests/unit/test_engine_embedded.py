@@ -6,6 +6,7 @@ from transformers import AutoModelForCausalLM
 from common.config.base import EngineConfig
 from common.engine.llm_engine import LLMEngine, RequestError
 from common.protocol.sampling_params import SamplingParams
+from common.protocol.wire import cache_salt_of
 
 PROMPTS = [
     "The capital of France is",
@@ -110,6 +111,16 @@ def test_prefix_cache_hit_is_identical_and_skips_compute(engine, chat_prompts, r
     assert out.num_cached_tokens == (prompt_len - 1) // 16 * 16 > 0
     computed = engine.stats.num_computed_tokens - computed_before
     assert computed == prompt_len - out.num_cached_tokens + len(out.outputs[0].token_ids) - 1
+
+
+def test_a_cache_salt_keeps_equal_prompts_apart_and_changes_no_output(engine, chat_prompts, reference):
+    (first,) = engine.generate(chat_prompts[2:3], GREEDY, cache_salt=cache_salt_of("tenant:alpha"))
+    (other,) = engine.generate(chat_prompts[2:3], GREEDY, cache_salt=cache_salt_of("tenant:beta"))
+    (again,) = engine.generate(chat_prompts[2:3], GREEDY, cache_salt=cache_salt_of("tenant:alpha"))
+    assert (first.num_cached_tokens, other.num_cached_tokens) == (0, 0)
+    assert again.num_cached_tokens == (len(chat_prompts[2]) - 1) // 16 * 16 > 0
+    for out in (first, other, again):
+        assert _matches(out.outputs[0].token_ids, reference[2])
 
 
 def test_seeded_sampling_is_reproducible_regardless_of_batch(engine, chat_prompts):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.protocol.wire import Goodbye, Heartbeat, KVLayoutInfo, Register
+from common.protocol.wire import Goodbye, Heartbeat, KVLayoutInfo, Register, cache_salt_of
 from proxy.workers import WorkerRegistry
 from proxy.routing import PrefixAwareRouting, PrefixLRU
 
@@ -141,6 +141,33 @@ def test_prefill_prefers_the_worker_holding_the_prompt_prefix():
     # An unrelated prompt goes to the less loaded one.
     other = policy.route(prompt(64, start=5000), workers)
     assert other.worker is not first.worker
+
+
+def test_a_prefix_predicts_hits_only_for_requests_of_its_cache_salt():
+    registry = WorkerRegistry(5.0)
+    workers = add(registry, ("p1", "prefill"), ("p2", "prefill"), ("d", "decode"))
+    p1 = registry.workers["p1"]
+    policy = PrefixAwareRouting()
+    alpha, beta = cache_salt_of("tenant:alpha"), cache_salt_of("tenant:beta")
+    shared = prompt(64)
+    policy.prefill_sent(p1, shared, alpha)
+    policy.prefill_ended("p1", len(shared))  # both idle; without a hit the rotation picks p2
+    assert policy.route(shared + [7], workers, alpha).worker is p1  # alpha's blocks are there
+    assert policy.route(shared + [7], workers, beta).worker is not p1  # beta's are not: the worker would miss
+    assert policy.route(shared + [7], workers).worker is not p1  # nor does an unsalted request hit them
+
+
+def test_local_prefill_predicts_hits_only_for_requests_of_its_cache_salt():
+    registry = WorkerRegistry(5.0)
+    workers = add(registry, ("x1", "both"), ("x2", "both"))
+    policy = PrefixAwareRouting()
+    shared = prompt(48)
+    route = policy.route(shared, workers, 5)
+    policy.decode_sent(route.worker, shared, local=True, cache_salt=5)
+    policy.heartbeat(route.worker)
+    registry.heartbeat(heartbeat(route.worker.worker_id, free=10), 1.0)  # fuller
+    assert policy.route(shared + [9] * 20, workers, 5).worker is route.worker  # holds salt 5's prefix
+    assert policy.route(shared + [9] * 20, workers, 6).worker is not route.worker  # the emptier one, for salt 6
 
 
 def test_prefill_without_prefix_hits_takes_the_least_outstanding_tokens():

@@ -144,6 +144,43 @@ def test_prefix_hit_skips_cached_blocks_but_leaves_one_token():
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def salted(rid, n_prompt, cache_salt):
+    return Sequence(rid, list(range(1, 1 + n_prompt)), SamplingParams(max_tokens=4), seed=0, cache_salt=cache_salt)
+
+
+def run_all(s):
+    while s.has_work():
+        run_step(s)
+
+
+def test_prefix_hits_stay_within_a_cache_salt():
+    s, bm = make(budget=64)
+    s.add_sequences([salted("a", 12, cache_salt=11)])
+    run_all(s)
+    others = [salted("b", 12, cache_salt=22), salted("c", 12, cache_salt=0)]
+    s.add_sequences(others)
+    run_all(s)
+    assert [q.num_prefix_cached_tokens for q in others] == [0, 0]  # another tenant's prompt, or an unsalted one
+    again = salted("a2", 12, cache_salt=11)
+    s.add_sequences([again])
+    run_all(s)
+    assert again.num_prefix_cached_tokens == 8
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_pulled_pages_are_cached_under_the_sequences_salt():
+    s, bm = make(budget=64)
+    pulled = salted("d", 12, cache_salt=11)
+    pulled.token_ids.append(7)  # the first token, sampled by the prefill worker
+    assert s.await_remote_kv(pulled)
+    s.remote_kv_arrived(pulled)
+    run_all(s)
+    same, other = salted("e", 12, cache_salt=11), salted("f", 12, cache_salt=22)
+    s.add_sequences([same, other])
+    run_all(s)
+    assert (same.num_prefix_cached_tokens, other.num_prefix_cached_tokens) == (8, 0)
+
+
 def test_parallel_samples_share_prompt_blocks():
     s, bm = make(budget=64)
     seqs = seq("a", 10, n=3)

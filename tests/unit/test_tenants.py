@@ -56,6 +56,22 @@ def test_keys_find_their_tenant_and_the_default_tenant_exists():
     assert registry.get("gold").lane == 0
 
 
+def test_each_tenant_has_its_own_cache_salt_unless_it_shares_a_group_or_the_cluster_shares():
+    tenants = [{"name": "gold"}, {"name": "free"}, {"name": "lab-a", "cache_group": "lab"},
+               {"name": "lab-b", "cache_group": "lab"}, {"name": "lab", "cache_group": ""}]
+    salts = {name: t.cache_salt for name, t in TenantRegistry(ProxyConfig(tenants=tenants)).tenants.items()}
+    assert salts["lab-a"] == salts["lab-b"]  # one group, one cache
+    # every other pair apart, the default tenant too; a group is not the tenant of its name; never unsalted
+    assert len({salts[n] for n in ("gold", "free", "lab-a", "lab", "default")}) == 5 and 0 not in salts.values()
+    assert salts == {n: t.cache_salt for n, t in TenantRegistry(ProxyConfig(tenants=tenants)).tenants.items()}
+    shared = TenantRegistry(ProxyConfig(tenants=tenants[:2], prefix_cache_sharing="cluster"))
+    assert {t.cache_salt for t in shared.tenants.values()} == {0}
+    with pytest.raises(ConfigError, match="cache_group.*prefix_cache_sharing"):
+        ProxyConfig(tenants=tenants, prefix_cache_sharing="cluster")
+    with pytest.raises(ConfigError, match="prefix_cache_sharing"):
+        ProxyConfig(prefix_cache_sharing="off")
+
+
 def test_auth_header_rules():
     cfg = config(auth_enabled=True)
     registry = TenantRegistry(cfg)

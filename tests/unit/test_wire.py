@@ -24,6 +24,7 @@ SAMPLES = [
     wire.Reregister("w1", 123, "this proxy does not know worker 'w1' epoch 123"),
     wire.PrefillRequest("r2", [1, 2], SamplingParams(), 7, 30.0,
                         trace_context={"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"}),
+    wire.PrefillRequest("r3", [1, 2], SamplingParams(), 7, 30.0, cache_salt=2 ** 64 - 1),  # a salt is a uint64
 ]
 
 
@@ -93,6 +94,7 @@ def test_malformed_frames_are_rejected_with_a_reason(frames, message):
     ({"source_block_ids": [-2]}, "$.source_block_ids[0]"),
     ({"first_token": 2 ** 31}, "$.first_token"),
     ({"priority": -1}, "$.priority"),
+    ({"cache_salt": -1}, "$.cache_salt"),
 ])
 def test_out_of_range_values_are_refused_naming_the_field(changes, where):
     with pytest.raises(WireError) as caught:
