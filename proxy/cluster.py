@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable
 
@@ -31,12 +30,12 @@ from common.protocol.wire import (
     Reregister, ReleaseKV, RequestFailed, TokenDeltas, WireError, decode,
 )
 from proxy.admission import Admit, AdmissionController, Stage
-from proxy.capacity import TtftForecast, choices_ahead
 from proxy.errors import ApiError
 from proxy.metrics import ProxyMetrics
 from proxy.workers import WorkerRegistry, WorkerState
 from proxy.requests import RequestGroup, Sends, SubRequest
 from proxy.routing import RoutingPolicy
+from proxy.slo import SloControls
 from proxy.tenants import Tenant, TenantRegistry
 
 log = logging.getLogger("tessera.proxy")
@@ -57,9 +56,10 @@ class Cluster:
         self.registry = WorkerRegistry(config.heartbeat_timeout_s, config.tpot_slo_ms, config.tpot_slo_factor)
         self.tracing = make_tracing(config.otel_endpoint, config.otel_service_name)
         self.tenants = TenantRegistry(config, clock)
+        self.slo = SloControls(config, self.registry, self.tenants, policy, metrics, self._decode_slots)
         self.admission = AdmissionController(config, self.tenants, self._decode_slots, metrics, clock,
-                                             self._prefill_room if config.ttft_slo_ms else None)
-        self.forecast = TtftForecast() if config.early_rejection else None
+                                             self.slo.prefill_room if config.ttft_slo_ms else None)
+        self.slo.admission = self.admission
         self.inflight: dict[str, SubRequest] = {}
         self.draining = False
         self._clock = clock
@@ -93,8 +93,8 @@ class Cluster:
         for worker_id, msg in sends:
             self.send(worker_id, msg)
         if sub.new_tokens:
-            if self.forecast is not None and sub.admitted_at is not None and len(sub.output_ids) == sub.new_tokens:
-                self.forecast.first_token(self._clock() - sub.admitted_at)  # its first tokens
+            if self.slo.forecast is not None:
+                self.slo.tokens_emitted(sub, self._clock())
             self._charge_output(sub, sub.new_tokens)
             sub.new_tokens = 0
         if before is Stage.PREFILLING and sub.stage is not Stage.PREFILLING and sub.prefill_worker is not None:
@@ -126,41 +126,6 @@ class Cluster:
         slots = self.registry.decode_slots(within_tpot=within)
         return max(int(slots * self.config.decode_slot_share), 1) if slots else 0
 
-    def _prefill_room(self) -> bool:
-        """With a TTFT target: whether some prefill worker's predicted backlog (its step model, over the prompt
-        tokens sent to it and not done) is within half the target, so that a prompt admitted now still meets
-        it; the rest wait here, in the fairness policy's order. True without prefill workers (decode workers
-        prefill locally, within their decode slots) or while one has no model yet."""
-        budget_ms = self.config.ttft_slo_ms / 2
-        workers = [w for w in self.registry.prefill_side() if not w.draining]
-        return not workers or any(
-            w.step_cost is None or not (tokens := self.policy.outstanding_prefill_tokens(w.worker_id))
-            or w.step_cost.step_ms(0, 0, tokens) <= budget_ms for w in workers)
-
-    def _reject_early(self, tenant: Tenant, count: int) -> None:
-        """``early_rejection``: ApiError when the last of ``count`` new choices of ``tenant`` is predicted to get
-        its first token after ``ttft_slo_ms``: 429 when its own tenant's queue is most of the wait (it should
-        slow down), else 503 (the cluster is overloaded); Retry-After is the predicted excess."""
-        queued = self.admission.count[Stage.QUEUED]
-        known = self.tenants.tenants
-        lanes = {name: known[name].lane for name, waiting in queued.items() if waiting and name in known}
-        ahead = choices_ahead(self.config.fairness_policy, queued, lanes, self.tenants.weights, tenant.name,
-                              tenant.lane, count)
-        predicted_s = self.forecast.predict_s(ahead)
-        target_s = self.config.ttft_slo_ms / 1e3
-        if predicted_s is None or predicted_s <= target_s:
-            return
-        own = queued[tenant.name] + count - 1
-        status = 429 if own * 2 > ahead else 503
-        self.metrics.tenant_rejections.labels(tenant.name, "ttft_target").inc()
-        whose = f"tenant {tenant.name!r}'s own queue" if status == 429 else "the cluster's load"
-        raise ApiError(status, (
-            f"the request would wait about {predicted_s:.1f}s for its first token ({ahead} choice(s) to be "
-            f"admitted before it, {own} of them its tenant's), more than ttft_slo_ms={self.config.ttft_slo_ms:g}; "
-            f"the cause is {whose}: retry later"),
-            code="rate_limit_exceeded" if status == 429 else "server_overloaded",
-            retry_after_s=max(math.ceil(predicted_s - target_s), 1))
-
     def _charge_output(self, sub: SubRequest, num_tokens: int) -> None:
         """Tokens a worker emitted for ``sub``: its tenant's service counter and token bucket."""
         self.admission.charge_output(sub.tenant, num_tokens)
@@ -188,8 +153,8 @@ class Cluster:
         if self.config.log_prompts:
             log.info("request %s prompt token ids: %s", request_id, prompts)
         self.admission.check_room(tenant, len(prompts) * params.n)
-        if self.forecast is not None:
-            self._reject_early(tenant, len(prompts) * params.n)
+        if self.slo.forecast is not None:
+            self.slo.reject_early(tenant, len(prompts) * params.n)
         sink: asyncio.Queue = asyncio.Queue()
         now = self._clock()
         client_deadline = None if timeout_s is None else now + timeout_s
@@ -213,12 +178,27 @@ class Cluster:
         return RequestGroup(subs, sink, self, self._clock)
 
     def _dispatch(self) -> None:
-        """Start what admission admits, one at a time, until it admits nothing more."""
-        while (admit := self.admission.next_admission()) is not None:
-            sub = admit.payload
+        """Start what admission admits, one at a time, until it admits nothing more; with
+        ``preempt_for_fairness``, then make room for a tenant under its share, and admit again."""
+        while True:
+            while (admit := self.admission.next_admission()) is not None:
+                sub = admit.payload
+                with request_scope(sub.request_id, sub.tenant):
+                    sends = self._start_prefill(sub, admit) if admit.stage is Stage.PREFILLING else self._start_decode(sub)
+                self._act(sub, admit.stage, sends)
+            if not (self.config.preempt_for_fairness and self.admission.total(Stage.READY) and self._preempt()):
+                return
+
+    def _preempt(self) -> bool:
+        """``preempt_for_fairness``: send back to admission the choices ``SloControls.to_preempt`` names;
+        whether there were any."""
+        now = self._clock()
+        victims = self.slo.to_preempt(self.inflight, now)
+        for sub in victims:
             with request_scope(sub.request_id, sub.tenant):
-                sends = self._start_prefill(sub, admit) if admit.stage is Stage.PREFILLING else self._start_decode(sub)
-            self._act(sub, admit.stage, sends)
+                self._act(sub, Stage.DECODING, sub.preempt(now))
+        return bool(victims)
+
 
     def _start_prefill(self, sub: SubRequest, admit: Admit) -> Sends:
         """Admitted to prefill: route it once, to a prefill worker or (local) to the decode worker that prefills it."""
@@ -231,9 +211,8 @@ class Cluster:
             return sub.reject(self._unavailable("no worker can take the request any more: every decode-capable "
                                                 "worker left or is draining"))
         sub.route = route
-        if self.forecast is not None:
-            sub.admitted_at = now
-            self.forecast.admitted(now, self.admission.total(Stage.QUEUED) > 0)
+        if self.slo.forecast is not None:
+            self.slo.admitted_to_prefill(sub, now)
         counter = self.admission.counters[sub.tenant]  # before this prompt is charged, as the worker sees it
         self.admission.prefill_started(admit.key)
         if route.local:

@@ -102,6 +102,10 @@ class ProxyMetrics:
         self.tenant_rejections = Counter("tessera_proxy_tenant_rejections",
                                          "Requests refused or dropped by admission control, by tenant and limit",
                                          ["tenant", "reason"], registry=r)
+        self.fairness_preemptions = Counter(
+            "tessera_proxy_fairness_preemptions", "Decoding choices sent back to admission because their tenant "
+            "ran more than its share of the decode slots while another waited (preempt_for_fairness)",
+            ["tenant"], registry=r)
         self.resumable_streams = Counter("tessera_proxy_resumable_streams",
                                          "Streamed responses that a client may resume (X-Resumable)", registry=r)
         self.resumed_streams = Counter("tessera_proxy_resumed_streams",

@@ -11,6 +11,8 @@
   is prefilled again with that output, on a prefill worker or on its new
   decode worker. The client sees only a pause. At most ``max_migrations``
   times, and only up to ``migration_max_tokens``; past either it fails.
+- Preempt (``preempt``): the same way back to admission, taken by the
+  cluster for fairness (``preempt_for_fairness``), at most once a request.
 - Every way out releases what is held: Abort to each live worker involved,
   ReleaseKV to the page holder, ``prefill_ended`` to the policy, and exactly
   one terminal event (a finishing ``TokenEvent`` or a ``FailureEvent``) to
@@ -41,6 +43,7 @@ class RequestExits:
     """``SubRequest``'s ways out; each returns what the cluster must send."""
 
     recovery: Recovery | None = None  # from a resume until the resumed attempt's first token
+    preempted = False  # went back to admission once for fairness (``preempt``)
 
     def on_failed(self, msg: RequestFailed, sender: str, now: float) -> Sends | None:
         if not self.involves(sender) or msg.request_id != self.wire_id:
@@ -81,14 +84,32 @@ class RequestExits:
         self.migrations += 1
         self.recovery = Recovery(self.request_id, self.migrations, gone, len(self.output_ids), self._metrics, now)
         self.lost = why
-        self.wire_id = f"{self.request_id}~{self.migrations}"
-        self.stage = Stage.QUEUED
-        self.route = self._handoff = None
-        self.deadline = now + config.queue_timeout_s
+        self._requeue(now)
         self._metrics.migrations.inc()
         log.warning("request %s: %s; resuming elsewhere after %d output token(s) (resume %d of at most %d)",
                     self.request_id, why, len(self.output_ids), self.migrations, config.max_migrations)
         return sends
+
+    def preempt(self, now: float) -> Sends:
+        """``preempt_for_fairness``: its tenant runs more than its share of the decode slots while another
+        tenant's choice waits for one. Back to admission as a resume goes (the client keeps its output and sees
+        a pause; the worker frees the pages on Abort, and they are recomputed when it is admitted again), once
+        per request, counted against neither ``max_migrations`` nor any worker."""
+        sends = self._free(None)
+        self.preempted = True
+        log.info("request %s: preempted after %d output token(s): tenant %r is over its share of the decode "
+                 "slots while another tenant waits (preempt_for_fairness)", self.request_id, len(self.output_ids),
+                 self.tenant)
+        self._requeue(now)
+        self._metrics.fairness_preemptions.labels(self.tenant).inc()
+        return sends
+
+    def _requeue(self, now: float) -> None:
+        """Back to the admission queue under a new wire id: whatever the old attempt still sends is a stray."""
+        self.wire_id = f"{self.request_id}~{self.migrations + self.preempted}"
+        self.stage = Stage.QUEUED
+        self.route = self._handoff = None
+        self.deadline = now + self._config.queue_timeout_s
 
     def _recovered(self, now: float) -> None:
         """The resumed attempt's first token is here (``SubRequest._emit_tokens``)."""

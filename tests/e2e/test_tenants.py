@@ -14,6 +14,7 @@ import time
 import msgspec
 
 from common.protocol.wire import StepCostModel, cache_salt_of
+from common.runtime.prometheus_text import total
 
 from proxy.tenants import hash_key
 from tests.e2e.proxy_harness import *  # noqa: F401,F403 -- fixtures, helpers and wire types
@@ -272,3 +273,52 @@ def test_early_rejection_refuses_what_would_miss_the_ttft_target_and_spares_the_
     assert "ttft_slo_ms=300" in body["error"]["message"] and "heavy" in body["error"]["message"]
     metrics = proxy.http.get("/metrics").text
     assert 'tessera_proxy_tenant_rejections_total{reason="ttft_target",tenant="heavy"}' in metrics
+
+
+@pytest.mark.parametrize("preempt", [True, False])
+def test_preempt_for_fairness_makes_room_for_a_tenant_under_its_share(make_proxy, script, workers, preempt):
+    """The heavy tenant, alone, fills all 8 slots with long requests (a token every 250 ms). When the light
+    tenant comes, the TPOT target leaves 3 slots for both (a step of 300 ms + 50 ms a sequence within 460 ms;
+    the model overpredicts the scripted worker, so its pace stays 1): with preempt_for_fairness the heavy
+    tenant's newest go back to admission and the light request runs at once; the preempted ones finish later
+    with exactly the output an undisturbed request gets. Without it, the light request waits for the heavy
+    ones to end."""
+    tenants = [{"name": "heavy", "api_key_sha256": [hash_key("sk-heavy")]},
+               {"name": "light", "api_key_sha256": [hash_key("sk-light")]}]
+    proxy = make_proxy(auth_enabled=True, tenants=tenants, tpot_slo_ms=460.0, preempt_for_fairness=preempt)
+    decode = FakeWorker(proxy.endpoint, "d0", "decode", script, token_interval_s=0.25)
+    decode.register_msg = msgspec.structs.replace(decode.register_msg, max_num_seqs=8)
+    decode.step_cost = StepCostModel(small_max_rows=0, small=[], large=[300.0, 50.0, 0.0, 0.0, 0.0])
+    workers += [start_worker(proxy, "p0", "prefill", script), decode.start_and_wait()]
+    ready(proxy)
+    time.sleep(0.3)  # a few heartbeats: the proxy has the step model
+    reference = complete(proxy, "sk-heavy", max_tokens=10).json()["choices"][0]["text"]
+    time.sleep(2.1)  # past proxy.cluster.SHARED_WINDOW_S: the heavy tenant's lone request is forgotten
+
+    async def run() -> tuple[list[httpx.Response], float]:
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as client:
+            def ask(key: str):
+                return client.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                                   json={"model": MODEL, "prompt": "Tell me about foxes.", "max_tokens": 10})
+            heavy = [asyncio.create_task(ask("sk-heavy")) for _ in range(8)]
+            await asyncio.sleep(0.5)
+            assert decode.decoding() == 8, "alone, the heavy tenant gets every slot"
+            sent = time.monotonic()
+            light = await ask("sk-light")
+            waited = time.monotonic() - sent
+            assert light.status_code == 200, light.text
+            return await asyncio.gather(*heavy), waited
+
+    heavy, light_s = asyncio.run(run())
+    preempted = total(proxy.http.get("/metrics").text, "tessera_proxy_fairness_preemptions_total", tenant="heavy")
+    print(f"preempt_for_fairness={preempt}: the light request took {light_s:.2f}s; {preempted:g} preempted")
+    for response in heavy:
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == reference
+        assert response.json()["usage"]["completion_tokens"] == 10
+    if preempt:
+        assert preempted == 6  # 8 decoding, 3 slots: the heavy tenant keeps 2 (its share, rounded up)
+        assert light_s < 3.2  # its own 9 decode steps take 2.25 s
+    else:
+        assert preempted == 0
+        assert light_s > 3.2  # it waited for the heavy ones to end (about 1.8 s) first

@@ -1,0 +1,123 @@
+"""What the proxy does with its latency targets beyond capping the decode slots: each off by default.
+
+The decode cap itself (``tpot_slo_ms``) is the registry's (proxy/workers.py, proxy/capacity.py) and the
+cluster's ``_decode_slots``. The rest is here, called by the cluster (proxy/cluster.py) at its hooks:
+
+- ``prefill_room`` (with ``ttft_slo_ms``): admission's gate to prefill. A prompt goes to a prefill worker
+  only while one's predicted backlog is within half the target; the rest wait at the proxy, where the
+  fairness policy orders them, not in a worker's queue.
+- ``reject_early`` (``early_rejection``): at arrival, a request predicted to miss ``ttft_slo_ms`` is refused
+  at once, 429 when its own tenant's queue is most of the wait (the tenant should slow down), else 503
+  (the cluster is overloaded), with Retry-After the predicted excess. The forecast (``TtftForecast``) is
+  fed by ``admitted_to_prefill`` and ``tokens_emitted``.
+- ``to_preempt`` (``preempt_for_fairness``): while a tenant under its share of the decode slots has a choice
+  waiting for one, the newest decoding choices of tenants over theirs, as many as let the waiting ones in.
+  The cluster sends them back to admission (``SubRequest.preempt``); each is preempted at most once.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from common.config.roles import ProxyConfig
+from proxy.admission import AdmissionController, Stage
+from proxy.capacity import TtftForecast, choices_ahead
+from proxy.errors import ApiError
+from proxy.metrics import ProxyMetrics
+from proxy.requests import SubRequest
+from proxy.routing import RoutingPolicy
+from proxy.tenants import Tenant, TenantRegistry
+from proxy.workers import WorkerRegistry
+
+# to_preempt: after a look that found only choices preempted before, the next look waits this long
+PREEMPT_QUIET_S = 0.1
+
+
+class SloControls:
+    def __init__(self, config: ProxyConfig, registry: WorkerRegistry, tenants: TenantRegistry,
+                 policy: RoutingPolicy, metrics: ProxyMetrics, decode_slots: Callable[[], int]) -> None:
+        self.config = config
+        self.registry = registry
+        self.tenants = tenants
+        self.policy = policy
+        self.metrics = metrics
+        self.decode_slots = decode_slots
+        self.admission: AdmissionController | None = None  # set by the cluster once it has made it
+        self.forecast = TtftForecast() if config.early_rejection else None
+        self._quiet_until = 0.0  # to_preempt found nothing it may preempt: it looks again from then on
+
+    # -- the TTFT target ---------------------------------------------------------------------------
+
+    def prefill_room(self) -> bool:
+        """Whether some prefill worker's predicted backlog (its step model, over the prompt tokens sent to it
+        and not done) is within half the target, so that a prompt admitted now still meets it. True without
+        prefill workers (decode workers prefill locally, within their decode slots) or while one has no model."""
+        budget_ms = self.config.ttft_slo_ms / 2
+        workers = [w for w in self.registry.prefill_side() if not w.draining]
+        return not workers or any(
+            w.step_cost is None or not (tokens := self.policy.outstanding_prefill_tokens(w.worker_id))
+            or w.step_cost.step_ms(0, 0, tokens) <= budget_ms for w in workers)
+
+    def admitted_to_prefill(self, sub: SubRequest, now: float) -> None:
+        sub.admitted_at = now
+        self.forecast.admitted(now, self.admission.total(Stage.QUEUED) > 0)
+
+    def tokens_emitted(self, sub: SubRequest, now: float) -> None:
+        """``sub`` just emitted ``sub.new_tokens``: if they are its first, the forecast learns how long they took."""
+        if sub.admitted_at is not None and len(sub.output_ids) == sub.new_tokens:
+            self.forecast.first_token(now - sub.admitted_at)
+
+    def reject_early(self, tenant: Tenant, count: int) -> None:
+        """ApiError when the last of ``count`` new choices of ``tenant`` is predicted to get its first token
+        after ``ttft_slo_ms``."""
+        queued = self.admission.count[Stage.QUEUED]
+        known = self.tenants.tenants
+        lanes = {name: known[name].lane for name, waiting in queued.items() if waiting and name in known}
+        ahead = choices_ahead(self.config.fairness_policy, queued, lanes, self.tenants.weights, tenant.name,
+                              tenant.lane, count)
+        predicted_s = self.forecast.predict_s(ahead)
+        target_s = self.config.ttft_slo_ms / 1e3
+        if predicted_s is None or predicted_s <= target_s:
+            return
+        own = queued[tenant.name] + count - 1
+        status = 429 if own * 2 > ahead else 503
+        self.metrics.tenant_rejections.labels(tenant.name, "ttft_target").inc()
+        whose = f"tenant {tenant.name!r}'s own queue" if status == 429 else "the cluster's load"
+        raise ApiError(status, (
+            f"the request would wait about {predicted_s:.1f}s for its first token ({ahead} choice(s) to be "
+            f"admitted before it, {own} of them its tenant's), more than ttft_slo_ms={self.config.ttft_slo_ms:g}; "
+            f"the cause is {whose}: retry later"),
+            code="rate_limit_exceeded" if status == 429 else "server_overloaded",
+            retry_after_s=max(math.ceil(predicted_s - target_s), 1))
+
+    # -- fairness inside the running batch ---------------------------------------------------------
+
+    def to_preempt(self, inflight: dict[str, SubRequest], now: float) -> list[SubRequest]:
+        """The decoding choices to send back to admission now (newest first), none preempted before. A share is
+        the decode slots split by weight among the tenants decoding or waiting for a slot."""
+        if now < self._quiet_until:
+            return []
+        ready, decoding = self.admission.count[Stage.READY], self.admission.count[Stage.DECODING]
+        slots = self.decode_slots()
+        present = [t for t in set(ready) | set(decoding) if ready[t] or decoding[t]]
+        weights = self.tenants.weights
+        weight_sum = sum(weights.get(t, 1.0) for t in present)
+        share = {t: slots * weights.get(t, 1.0) / weight_sum for t in present}
+        # the waiting choices of tenants under their share that their share has room for
+        entitled = sum(min(ready[t], max(math.floor(share[t]) - decoding[t], 0)) for t in present)
+        excess = {t: decoding[t] - math.ceil(share[t]) for t in present if decoding[t] > math.ceil(share[t])}
+        count = min(sum(excess.values()), sum(decoding.values()) - slots + entitled)
+        if not entitled or count <= 0:
+            return []
+        candidates = sorted((s for s in inflight.values() if s.stage is Stage.DECODING and not s.preempted
+                             and s.tenant in excess), key=lambda s: s.decoding_since, reverse=True)
+        victims = []
+        for sub in candidates:
+            if len(victims) == count:
+                break
+            if excess[sub.tenant] > 0:
+                excess[sub.tenant] -= 1
+                victims.append(sub)
+        if not victims:  # every candidate went back once already: look again a little later, not every step
+            self._quiet_until = now + PREEMPT_QUIET_S
+        return victims
