@@ -7,8 +7,17 @@ ended with an error event, and ``client_closed`` when the client went away.
 ``tenant_requests_total`` counts choices (sub-requests) by tenant, model and
 outcome: ``ok``, or the error code that ended it (``timeout``,
 ``worker_unavailable``, ``cancelled``, ...). docs/observability.md lists all.
+
+Two views of the tokens: ``prompt_tokens`` and ``generation_tokens`` follow
+the work as it happens (a prompt when it is sent, each token as it streams),
+for rates on a dashboard; ``tenant_prompt_tokens``, ``tenant_cached_prompt_tokens``
+and ``tenant_generated_tokens`` count a choice once, when it ends
+(``choice_ended``), with what the workers found in their prefix cache: the
+usage a tenant is metered by (``tenant_usage``, and ``proxy.metering``'s file).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -19,6 +28,15 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 6
 _TRANSFER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+@dataclass
+class TenantUsage:
+    """One tenant's metered usage: choices ended, and their prompt, cached prompt and generated tokens."""
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generated_tokens: int = 0
 
 
 class ProxyMetrics:
@@ -76,6 +94,15 @@ class ProxyMetrics:
                                      ["tenant", "model"], registry=r)
         self.generation_tokens = Counter("tessera_proxy_generation_tokens", "Tokens streamed back to clients",
                                          ["tenant", "model"], registry=r)
+        self.tenant_prompt_tokens = Counter(
+            "tessera_proxy_tenant_prompt_tokens", "Prompt tokens of each tenant's choices that reached a worker, "
+            "counted when the choice ends (a resume is not counted again)", ["tenant"], registry=r)
+        self.tenant_cached_prompt_tokens = Counter(
+            "tessera_proxy_tenant_cached_prompt_tokens", "Of those prompt tokens, the ones the workers found in "
+            "their prefix cache, counted when the choice ends", ["tenant"], registry=r)
+        self.tenant_generated_tokens = Counter(
+            "tessera_proxy_tenant_generated_tokens", "Tokens generated for each tenant's choices (what the client "
+            "received), counted when the choice ends", ["tenant"], registry=r)
         self.queue_time = Histogram("tessera_proxy_queue_time_seconds",
                                     "Arrival until the choice is sent to a worker", buckets=_LATENCY_BUCKETS,
                                     registry=r)
@@ -102,6 +129,27 @@ class ProxyMetrics:
                                        "Reconnections to a resumable stream (GET /v1/streams/{id})", registry=r)
         self.resume_buffer_bytes = Gauge("tessera_proxy_resume_buffer_bytes",
                                          "Bytes of events kept for resumable streams", registry=r)
+
+    def choice_ended(self, tenant: str, model: str, status: str, prompt_tokens: int, cached_prompt_tokens: int,
+                     generated_tokens: int) -> None:
+        """A choice ended with ``status`` (``ok``, or the error code): its outcome and its usage, counted once."""
+        self.tenant_requests.labels(tenant, model, status).inc()
+        self.tenant_prompt_tokens.labels(tenant).inc(prompt_tokens)
+        self.tenant_cached_prompt_tokens.labels(tenant).inc(cached_prompt_tokens)
+        self.tenant_generated_tokens.labels(tenant).inc(generated_tokens)
+
+    def tenant_usage(self) -> dict[str, TenantUsage]:
+        """Each tenant's usage since the process started, read back from the counters ``choice_ended`` adds to."""
+        usage: dict[str, TenantUsage] = {}
+        for name, counter in (("requests", self.tenant_requests), ("prompt_tokens", self.tenant_prompt_tokens),
+                              ("cached_prompt_tokens", self.tenant_cached_prompt_tokens),
+                              ("generated_tokens", self.tenant_generated_tokens)):
+            for family in counter.collect():
+                for sample in family.samples:
+                    if sample.name.endswith("_total"):  # not the _created timestamps
+                        tenant = usage.setdefault(sample.labels["tenant"], TenantUsage())
+                        setattr(tenant, name, getattr(tenant, name) + int(sample.value))
+        return usage
 
     def set_worker_kv(self, worker_id: str, num_blocks: int, free_blocks: int) -> None:
         self.kv_pages_free.labels(worker_id).set(free_blocks)
