@@ -39,11 +39,14 @@ def run(config: ProxyConfig) -> None:
     from proxy.app import create_app
     from common.config.tls import check_tls_files
     from proxy.listener import listener_config
+    from proxy.metering import check_path as check_metering_path
     from proxy.server import DrainingServer
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_tls_files(config)  # uvicorn's own error would not name the config field
+    if config.metering_path:
+        check_metering_path(config.metering_path)
     app = create_app(config)
     drain_timeout_s = config.drain_timeout_s
     # log_config=None: uvicorn's lines go through the root handler, in the chosen --log-format.

@@ -107,6 +107,10 @@ class ProxyConfig:
     default_tenant: Str = option(
         "default", "who sends requests when auth is off (settings from tenants, if listed)")
     tenant_from_user_field: Bool = option(False, "auth off: a request whose 'user' names a tenant belongs to it")
+    metering_path: Str = option(
+        "", "file the proxy appends each tenant's usage to, one JSON line per tenant and interval "
+        "(docs/observability.md); empty: no file")
+    metering_interval_s: Float = option(60.0, "how often a usage record is appended to metering_path", gt=0)
     fairness_policy: FairnessPolicy = option("vtc", "the admission queue's order")
     vtc_input_weight: Float = option(1.0, "service counted per prompt token (vtc policy)", gt=0)
     vtc_output_weight: Float = option(2.0, "service counted per generated token (vtc policy)", gt=0)
