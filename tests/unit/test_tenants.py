@@ -59,10 +59,10 @@ def test_keys_find_their_tenant_and_the_default_tenant_exists():
 def test_auth_header_rules():
     cfg = config(auth_enabled=True)
     registry = TenantRegistry(cfg)
-    assert tenant_from_header(cfg, registry, "Bearer sk-gold").name == "gold"
+    assert tenant_from_header(registry, "Bearer sk-gold").name == "gold"
     for header, words in ((None, "no API key"), ("Basic abc", "Bearer"), ("Bearer sk-wrong-key", "incorrect")):
         with pytest.raises(ApiError) as caught:
-            tenant_from_header(cfg, registry, header)
+            tenant_from_header(registry, header)
         assert caught.value.status == 401 and caught.value.code == "invalid_api_key"
         assert words in caught.value.message
         assert "sk-wrong-key" not in caught.value.message  # keys are never echoed whole
@@ -71,11 +71,11 @@ def test_auth_header_rules():
 def test_without_auth_the_user_field_or_the_default_decides():
     cfg = config(tenant_from_user_field=True)
     registry = TenantRegistry(cfg)
-    assert tenant_from_header(cfg, registry, "Bearer anything") is None
-    assert tenant_from_body(cfg, registry, "gold").name == "gold"
-    assert tenant_from_body(cfg, registry, "stranger").name == "default"
+    assert tenant_from_header(registry, "Bearer anything") is None
+    assert tenant_from_body(registry, "gold").name == "gold"
+    assert tenant_from_body(registry, "stranger").name == "default"
     plain = config()
-    assert tenant_from_body(plain, TenantRegistry(plain), "gold").name == "default"
+    assert tenant_from_body(TenantRegistry(plain), "gold").name == "default"
 
 
 def test_token_bucket_refills_and_goes_into_debt():
