@@ -2,8 +2,9 @@
 
 ``create_app`` builds everything the process needs (tokenizer, metrics,
 cluster, worker link) into ``app.state.services``. Its lifespan binds the
-ROUTER and starts the link's I/O tasks, the heartbeat watchdog and the
-metering file's loop (``proxy.metering``, with ``metering_path``) in the
+ROUTER and starts the link's I/O tasks, the heartbeat watchdog, the
+metering file's loop (``proxy.metering``, with ``metering_path``) and the
+config reloads (``proxy.reload``: SIGHUP and the file watch) in the
 server's event loop; at shutdown it cancels whatever is still in flight
 (Abort to the workers), writes the last usage record, then closes the
 socket and its context.
@@ -35,6 +36,7 @@ from proxy.listener import BodyDeadline
 from proxy.metering import MeteringLog
 from proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from proxy.openapi import DetokenizeResponse, TokenizeResponse, error_responses, request_body
+from proxy.reload import ConfigReloader, ConfigSource
 from proxy.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, check_token_ids, read_model,
 )
@@ -64,7 +66,9 @@ class Services:
 
 
 def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
-               policy: RoutingPolicy | None = None) -> FastAPI:
+               policy: RoutingPolicy | None = None, source: ConfigSource | None = None) -> FastAPI:
+    """``source``: where ``config`` came from, for reloads of its tenant settings (``proxy.reload``); the
+    ``tessera proxy`` process gives it, a proxy run in a test's thread does not."""
     tokenizer = tokenizer or Tokenizer(resolve_model(config.model, config.dtype))
     metrics = ProxyMetrics()
     cluster = Cluster(config, policy or PrefixAwareRouting(config.local_prefill_threshold), metrics)
@@ -81,9 +85,14 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
         metering = MeteringLog(config.metering_path, config.metering_interval_s, metrics) \
             if config.metering_path else None
         metering_task = asyncio.create_task(metering.run(), name="metering") if metering else None
+        reloader = ConfigReloader(source, config, cluster, metrics) if source is not None else None
+        if reloader is not None:
+            reloader.start()
         try:
             yield
         finally:
+            if reloader is not None:
+                reloader.stop()
             watchdog.cancel()
             cluster.cancel_all("the proxy is shutting down")
             if metering is not None:  # after the cancellations, so that their usage is in the last record

@@ -123,6 +123,12 @@ class ProxyMetrics:
         self.tenant_rejections = Counter("tessera_proxy_tenant_rejections",
                                          "Requests refused or dropped by admission control, by tenant and limit",
                                          ["tenant", "reason"], registry=r)
+        self.config_reloads = Counter(
+            "tessera_proxy_config_reloads", "Reloads of the config file (SIGHUP, or a change of the file), by "
+            "result: ok (its tenant settings apply), error (it did not load; the running settings stay)",
+            ["result"], registry=r)
+        for result in ("ok", "error"):
+            self.config_reloads.labels(result)  # both series exist from the start, for alerts on the error one
         self.resumable_streams = Counter("tessera_proxy_resumable_streams",
                                          "Streamed responses that a client may resume (X-Resumable)", registry=r)
         self.resumed_streams = Counter("tessera_proxy_resumed_streams",

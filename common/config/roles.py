@@ -107,6 +107,10 @@ class ProxyConfig:
     default_tenant: Str = option(
         "default", "who sends requests when auth is off (settings from tenants, if listed)")
     tenant_from_user_field: Bool = option(False, "auth off: a request whose 'user' names a tenant belongs to it")
+    config_watch_interval_s: Float = option(
+        5.0, "how often the proxy checks its --config file for a change; once a change has held still for one "
+        "check, the file's tenant settings (tenants, default_tenant, auth_enabled, tenant_from_user_field) apply "
+        "without a restart, as on SIGHUP; 0: only on SIGHUP", ge=0)
     metering_path: Str = option(
         "", "file the proxy appends each tenant's usage to, one JSON line per tenant and interval "
         "(docs/observability.md); empty: no file")

@@ -109,7 +109,8 @@ class ProxyProcess:
             return False
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return open(self.log_path).read()[-4000:]
 
     def stop(self) -> int:

@@ -1,12 +1,20 @@
-"""Reloading the tenant settings: the registry rebuilt with its limiters carried over, and the fairness weights."""
+"""Reloading the tenant settings (proxy/reload.py): the registry rebuilt with its limiters carried over, the
+fairness weights, what applies live and what waits for a restart, invalid files, SIGHUP and the file watch."""
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
+import signal
+
 import pytest
+import yaml
 
 from common.config.roles import ProxyConfig
 from proxy.cluster import Cluster
 from proxy.errors import ApiError
 from proxy.metrics import ProxyMetrics
+from proxy.reload import ConfigReloader, ConfigSource
 from proxy.routing import PrefixAwareRouting
 from proxy.tenants import TenantRegistry, hash_key
 
@@ -49,3 +57,81 @@ def test_the_fairness_weights_follow_the_reload():
     assert counters.charge("gold", input_tokens=100) == 100
     cluster.apply_tenants(ProxyConfig(tenants=[{**GOLD, "weight": 4}]))
     assert counters.charge("gold", input_tokens=100) == 125  # what it had, plus the new charge over weight 4
+
+
+@pytest.fixture
+def proxy_file(tmp_path):
+    path = tmp_path / "proxy.yaml"
+
+    def write(**settings) -> None:
+        path.write_text(yaml.safe_dump(settings))
+
+    write(tenants=[GOLD], queue_timeout_s=30)
+    return path, write
+
+
+def reloader_for(path, **overrides) -> tuple[ConfigReloader, Cluster, ProxyMetrics]:
+    source = ConfigSource(str(path), overrides)
+    running = source.load()
+    metrics = ProxyMetrics()
+    cluster = Cluster(running, PrefixAwareRouting(0), metrics)
+    return ConfigReloader(source, running, cluster, metrics), cluster, metrics
+
+
+def reloads(metrics: ProxyMetrics, result: str) -> float:
+    return metrics.registry.get_sample_value("tessera_proxy_config_reloads_total", {"result": result})
+
+
+def test_a_reload_applies_the_tenant_settings_with_the_same_overrides_and_keeps_the_rest(proxy_file, caplog):
+    path, write = proxy_file
+    reloader, cluster, metrics = reloader_for(path, tenant_from_user_field=True)
+    write(tenants=[GOLD, FREE], auth_enabled=True, tenant_from_user_field=False, queue_timeout_s=5)
+    with caplog.at_level(logging.INFO, logger="tessera.proxy.reload"):
+        assert asyncio.run(reloader.reload("test"))
+    tenants = cluster.tenants
+    assert tenants.by_key("sk-free").name == "free" and tenants.auth_enabled
+    assert tenants.from_user_field  # the command line's override still wins over the file
+    assert "the file changes queue_timeout_s, which needs a restart" in caplog.text
+    assert "tenants added: free" in caplog.text and "auth_enabled False -> True" in caplog.text
+    assert cluster.config.queue_timeout_s == 30
+    assert (reloads(metrics, "ok"), reloads(metrics, "error")) == (1, 0)
+
+
+@pytest.mark.parametrize("content, words", [
+    ("tenants: [{name: gold, weight: 0}]\n", "tenants['gold'].weight"),
+    ("tenants: [{name: gold\n", "flow"),
+    ("auth_enabled: true\n", "auth_enabled"),
+])
+def test_an_invalid_file_is_logged_and_the_running_settings_stay(proxy_file, caplog, content, words):
+    path, _ = proxy_file
+    reloader, cluster, metrics = reloader_for(path)
+    before = cluster.tenants
+    path.write_text(content)
+    assert not asyncio.run(reloader.reload("test"))
+    assert cluster.tenants is before
+    assert words in caplog.text and "the running settings stay" in caplog.text
+    assert (reloads(metrics, "ok"), reloads(metrics, "error")) == (0, 1)
+
+
+def test_sighup_and_a_change_of_the_file_each_reload(proxy_file):
+    path, write = proxy_file
+    reloader, cluster, metrics = reloader_for(path, config_watch_interval_s=0.05)
+
+    async def until(condition) -> None:
+        async with asyncio.timeout(5):
+            while not condition():
+                await asyncio.sleep(0.01)
+
+    async def scenario() -> None:
+        reloader.start()
+        try:
+            os.kill(os.getpid(), signal.SIGHUP)
+            await until(lambda: reloads(metrics, "ok") == 1)
+            write(tenants=[GOLD, FREE])
+            await until(lambda: cluster.tenants.get("free") is not None)
+            await asyncio.sleep(0.2)  # the file holds still: nothing more to read
+        finally:
+            reloader.stop()
+
+    asyncio.run(scenario())
+    assert (reloads(metrics, "ok"), reloads(metrics, "error")) == (2, 0)
