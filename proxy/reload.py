@@ -84,7 +84,9 @@ class ConfigReloader:
         self._task = asyncio.create_task(self._run(), name="config-reload")
 
     def stop(self) -> None:
-        asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+        """No more reloads. The SIGHUP handler stays until the loop closes: a SIGHUP during the rest of the
+        shutdown does nothing, where the signal's default action would end the process before its last
+        metering record."""
         if self._task is not None:
             self._task.cancel()
 
@@ -107,20 +109,21 @@ class ConfigReloader:
 
     async def reload(self, reason: str) -> bool:
         """Read the config again and apply its tenant settings; False (logged, counted) when it does not load."""
+        running = self._running
         try:
             new = await asyncio.to_thread(self.source.load)
+            applied = replace(running, **{name: getattr(new, name) for name in LIVE_FIELDS})  # validated again
         except (ValueError, OSError, yaml.YAMLError) as exc:  # ConfigError is a ValueError
             self._metrics.config_reloads.labels("error").inc()
             log.error("config reload (%s) failed, the running settings stay: %s", reason, exc)
             return False
-        running = self._running
         restart = [name for name in fields_of(ProxyConfig)
                    if name not in LIVE_FIELDS and getattr(new, name) != getattr(running, name)]
         if restart:
             log.warning("config reload (%s): the file changes %s, which needs a restart; the running values stay",
                         reason, ", ".join(restart))
-        self._cluster.apply_tenants(new)
-        self._running = replace(running, **{name: getattr(new, name) for name in LIVE_FIELDS})
+        self._cluster.apply_tenants(applied)
+        self._running = applied
         self._metrics.config_reloads.labels("ok").inc()
         log.info("config reloaded (%s): %s", reason, _changes(running, new) or "the tenant settings are the same")
         return True
