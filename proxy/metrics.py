@@ -12,8 +12,9 @@ Two views of the tokens: ``prompt_tokens`` and ``generation_tokens`` follow
 the work as it happens (a prompt when it is sent, each token as it streams),
 for rates on a dashboard; ``tenant_prompt_tokens``, ``tenant_cached_prompt_tokens``
 and ``tenant_generated_tokens`` count a choice once, when it ends
-(``choice_ended``), with what the workers found in their prefix cache: the
-usage a tenant is metered by (``tenant_usage``, and ``proxy.metering``'s file).
+(``SubRequest._count_end``), with what the workers found in their prefix
+cache: the usage a tenant is metered by (``tenant_usage``, and
+``proxy.metering``'s file).
 """
 from __future__ import annotations
 
@@ -136,26 +137,16 @@ class ProxyMetrics:
         self.resume_buffer_bytes = Gauge("tessera_proxy_resume_buffer_bytes",
                                          "Bytes of events kept for resumable streams", registry=r)
 
-    def choice_ended(self, tenant: str, model: str, status: str, prompt_tokens: int, cached_prompt_tokens: int,
-                     generated_tokens: int) -> None:
-        """A choice ended with ``status`` (``ok``, or the error code): its outcome and its usage, counted once."""
-        self.tenant_requests.labels(tenant, model, status).inc()
-        self.tenant_prompt_tokens.labels(tenant).inc(prompt_tokens)
-        self.tenant_cached_prompt_tokens.labels(tenant).inc(cached_prompt_tokens)
-        self.tenant_generated_tokens.labels(tenant).inc(generated_tokens)
-
     def tenant_usage(self) -> dict[str, TenantUsage]:
-        """Each tenant's usage since the process started, read back from the counters ``choice_ended`` adds to."""
-        usage: dict[str, TenantUsage] = {}
-        for name, counter in (("requests", self.tenant_requests), ("prompt_tokens", self.tenant_prompt_tokens),
-                              ("cached_prompt_tokens", self.tenant_cached_prompt_tokens),
-                              ("generated_tokens", self.tenant_generated_tokens)):
-            for family in counter.collect():
-                for sample in family.samples:
-                    if sample.name.endswith("_total"):  # not the _created timestamps
-                        tenant = usage.setdefault(sample.labels["tenant"], TenantUsage())
-                        setattr(tenant, name, getattr(tenant, name) + int(sample.value))
-        return usage
+        """Each tenant's usage since the process started, read back from the counters a choice adds to as it ends
+        (``tenant_requests`` and the ``tenant_*_tokens``)."""
+        requests, prompt, cached, generated = (_by_tenant(counter) for counter in (
+            self.tenant_requests, self.tenant_prompt_tokens, self.tenant_cached_prompt_tokens,
+            self.tenant_generated_tokens))
+        return {tenant: TenantUsage(requests=requests.get(tenant, 0), prompt_tokens=prompt.get(tenant, 0),
+                                    cached_prompt_tokens=cached.get(tenant, 0),
+                                    generated_tokens=generated.get(tenant, 0))
+                for tenant in requests.keys() | prompt.keys()}
 
     def set_worker_kv(self, worker_id: str, num_blocks: int, free_blocks: int) -> None:
         self.kv_pages_free.labels(worker_id).set(free_blocks)
@@ -170,3 +161,14 @@ class ProxyMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _by_tenant(counter: Counter) -> dict[str, int]:
+    """A counter's value per ``tenant`` label, summed over its other labels."""
+    totals: dict[str, int] = {}
+    for family in counter.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total"):  # not the _created timestamps
+                tenant = sample.labels["tenant"]
+                totals[tenant] = totals.get(tenant, 0) + int(sample.value)
+    return totals

@@ -216,7 +216,7 @@ async def _serve(request: Request, request_model, format_cls, endpoint: str) -> 
         timeout_s = _timeout(request.headers.get(TIMEOUT_HEADER))
         body = await read_model(request, request_model, services.config.max_prompt_bytes)
         if tenant is None:
-            tenant = tenant_from_body(tenants, body.user)
+            tenant = tenant_from_body(tenants, body.user) if tenants.from_user_field else tenants.default
         resume_header = request.headers.get(RESUMABLE_HEADER)  # parsed in proxy.resumable only when sent
         resumable = body.stream and (tenant.resumable if resume_header is None else wants_resume(resume_header))
         generation, group = await _admit(services, body, format_cls, tenant, timeout_s)

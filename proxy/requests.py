@@ -284,9 +284,11 @@ class SubRequest(RequestExits):
     def _count_end(self, status: str) -> None:
         """Its outcome and usage, once, as it ends: a prompt counts if it reached a worker (a resumed one once),
         its cached part at most the prompt (a resumed attempt's cache also holds the output so far)."""
-        prompt = len(self.prompt) if self.started else 0
-        self._metrics.choice_ended(self.tenant, self._config.served_model_name, status, prompt,
-                                   min(self.cached_tokens, prompt), len(self.output_ids))
+        metrics, prompt = self._metrics, len(self.prompt) if self.started else 0
+        metrics.tenant_requests.labels(self.tenant, self._config.served_model_name, status).inc()
+        metrics.tenant_prompt_tokens.labels(self.tenant).inc(prompt)
+        metrics.tenant_cached_prompt_tokens.labels(self.tenant).inc(min(self.cached_tokens, prompt))
+        metrics.tenant_generated_tokens.labels(self.tenant).inc(len(self.output_ids))
 
     @property
     def local(self) -> bool:

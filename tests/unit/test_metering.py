@@ -25,6 +25,14 @@ def sub_request(metrics: ProxyMetrics, tenant: str, prompt_len: int = 10) -> Sub
                       metrics, NoTracing(), asyncio.Queue(), now=0.0, tenant=tenant)
 
 
+def ended(metrics: ProxyMetrics, tenant: str, status: str, prompt: int, cached: int, generated: int) -> None:
+    """What a choice adds to the counters as it ends (``SubRequest._count_end``)."""
+    metrics.tenant_requests.labels(tenant, "m", status).inc()
+    metrics.tenant_prompt_tokens.labels(tenant).inc(prompt)
+    metrics.tenant_cached_prompt_tokens.labels(tenant).inc(cached)
+    metrics.tenant_generated_tokens.labels(tenant).inc(generated)
+
+
 def run_to_decode(sub: SubRequest, cached: int) -> None:
     sub.start_prefill(SimpleNamespace(worker_id="p0"), 0.0, now=1.0)
     sub.on_prefill_done(PrefillDone(sub.wire_id, "p0", 1, 7, "a", [0], cached), "p0", now=2.0)
@@ -73,11 +81,11 @@ def test_the_log_appends_each_interval_and_a_final_record_on_close(tmp_path):
 
     async def scenario() -> None:
         task = asyncio.create_task(meter.run())
-        metrics.choice_ended("a", "m", "ok", 10, 2, 5)
+        ended(metrics, "a", "ok", 10, 2, 5)
         now[0] = 1060.0
         await asyncio.sleep(0.2)  # one record, then quiet intervals that write nothing
-        metrics.choice_ended("a", "m", "cancelled", 7, 0, 1)
-        metrics.choice_ended("b", "m", "ok", 3, 0, 3)
+        ended(metrics, "a", "cancelled", 7, 0, 1)
+        ended(metrics, "b", "ok", 3, 0, 3)
         now[0] = 1075.0
         meter.close()
         await asyncio.wait_for(task, 5)
@@ -95,12 +103,12 @@ def test_a_failed_write_carries_its_usage_into_the_next_record(tmp_path):
     metrics, now = ProxyMetrics(), [0.0]
     path = tmp_path / "missing-dir" / "usage.jsonl"
     meter = MeteringLog(str(path), 60, metrics, clock=lambda: now[0])
-    metrics.choice_ended("a", "m", "ok", 10, 0, 5)
+    ended(metrics, "a", "ok", 10, 0, 5)
     now[0] = 60.0
     asyncio.run(meter.flush())
     assert not path.exists()
     path.parent.mkdir()
-    metrics.choice_ended("a", "m", "ok", 1, 0, 1)
+    ended(metrics, "a", "ok", 1, 0, 1)
     now[0] = 120.0
     asyncio.run(meter.flush())
     [line] = [json.loads(line) for line in path.read_text().splitlines()]
