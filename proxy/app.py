@@ -97,7 +97,7 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
             cluster.cancel_all("the proxy is shutting down")
             if metering is not None:  # after the cancellations, so that their usage is in the last record
                 metering.close()
-                await metering_task
+                await asyncio.wait([metering_task])  # had it failed, the socket must still be closed
             await services.streams.close()
             await link.close()
 
