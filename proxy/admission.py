@@ -101,6 +101,10 @@ class ServiceCounters:
     def __getitem__(self, tenant: str) -> float:
         return self.values.get(tenant, 0.0)
 
+    def reweigh(self, weights: dict[str, float]) -> None:
+        """A config reload's weights, for the service charged from now on (the counters keep what they hold)."""
+        self._weights = weights
+
     def charge(self, tenant: str, input_tokens: int = 0, output_tokens: int = 0) -> float:
         """Add the service of ``input_tokens`` prompt and ``output_tokens`` generated tokens; the new counter."""
         cost = input_tokens * self.input_weight + output_tokens * self.output_weight

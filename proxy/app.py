@@ -2,9 +2,12 @@
 
 ``create_app`` builds everything the process needs (tokenizer, metrics,
 cluster, worker link) into ``app.state.services``. Its lifespan binds the
-ROUTER and starts the link's I/O tasks and the heartbeat watchdog in the
+ROUTER and starts the link's I/O tasks, the heartbeat watchdog, the
+metering file's loop (``proxy.metering``, with ``metering_path``) and the
+config reloads (``proxy.reload``: SIGHUP and the file watch) in the
 server's event loop; at shutdown it cancels whatever is still in flight
-(Abort to the workers), then closes the socket and its context.
+(Abort to the workers), writes the last usage record, then closes the
+socket and its context.
 
 Endpoints here: /v1/models, /tokenize, /detokenize, /healthz, /readyz,
 /version, /metrics. The generation endpoints live in ``openai_api``, the
@@ -30,8 +33,10 @@ from proxy import openai_api, openapi, resumable
 from proxy.cluster import Cluster
 from proxy.errors import ApiError, install_error_handlers
 from proxy.listener import BodyDeadline
+from proxy.metering import MeteringLog
 from proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from proxy.openapi import DetokenizeResponse, TokenizeResponse, error_responses, request_body
+from proxy.reload import ConfigReloader, ConfigSource
 from proxy.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, check_token_ids, read_model,
 )
@@ -61,7 +66,9 @@ class Services:
 
 
 def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
-               policy: RoutingPolicy | None = None) -> FastAPI:
+               policy: RoutingPolicy | None = None, source: ConfigSource | None = None) -> FastAPI:
+    """``source``: where ``config`` came from, for reloads of its tenant settings (``proxy.reload``); the
+    ``tessera proxy`` process gives it, a proxy run in a test's thread does not."""
     tokenizer = tokenizer or Tokenizer(resolve_model(config.model, config.dtype))
     metrics = ProxyMetrics()
     cluster = Cluster(config, policy or PrefixAwareRouting(config.local_prefill_threshold), metrics)
@@ -75,11 +82,22 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
     async def lifespan(_: FastAPI):
         await link.start()
         watchdog = asyncio.create_task(cluster.watch_heartbeats(), name="heartbeat-watchdog")
+        metering = MeteringLog(config.metering_path, config.metering_interval_s, metrics) \
+            if config.metering_path else None
+        metering_task = asyncio.create_task(metering.run(), name="metering") if metering else None
+        reloader = ConfigReloader(source, config, cluster, metrics) if source is not None else None
+        if reloader is not None:
+            reloader.start()
         try:
             yield
         finally:
+            if reloader is not None:
+                reloader.stop()
             watchdog.cancel()
             cluster.cancel_all("the proxy is shutting down")
+            if metering is not None:  # after the cancellations, so that their usage is in the last record
+                metering.close()
+                await asyncio.wait([metering_task])  # had it failed, the socket must still be closed
             await services.streams.close()
             await link.close()
 

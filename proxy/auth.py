@@ -8,20 +8,20 @@
   the body's ``user`` names a configured tenant.
 
 Only the generation endpoints are guarded; /v1/models, /tokenize, health
-and metrics stay open (they run nothing on the workers).
+and metrics stay open (they run nothing on the workers). The settings are
+the ``TenantRegistry``'s, not the start-up config's: a reload changes them.
 """
 from __future__ import annotations
 
-from common.config.roles import ProxyConfig
 from proxy.errors import ApiError
 from proxy.tenants import Tenant, TenantRegistry
 
 SCHEME = "bearer"
 
 
-def tenant_from_header(config: ProxyConfig, tenants: TenantRegistry, authorization: str | None) -> Tenant | None:
+def tenant_from_header(tenants: TenantRegistry, authorization: str | None) -> Tenant | None:
     """The key's tenant with auth on (ApiError 401 otherwise); None with auth off (decided by the body)."""
-    if not config.auth_enabled:
+    if not tenants.auth_enabled:
         return None
     if not authorization:
         raise _unauthorized("no API key provided: send 'Authorization: Bearer <key>'")
@@ -35,9 +35,9 @@ def tenant_from_header(config: ProxyConfig, tenants: TenantRegistry, authorizati
     return tenant
 
 
-def tenant_from_body(config: ProxyConfig, tenants: TenantRegistry, user: str | None) -> Tenant:
+def tenant_from_body(tenants: TenantRegistry, user: str | None) -> Tenant:
     """With auth off: the tenant named by ``user`` when so configured, else the default tenant."""
-    if config.tenant_from_user_field and user:
+    if tenants.from_user_field and user:
         named = tenants.get(user)
         if named is not None:
             return named

@@ -126,6 +126,12 @@ class Cluster:
         slots = self.registry.decode_slots(within_tpot=within)
         return max(int(slots * self.config.decode_slot_share), 1) if slots else 0
 
+    def apply_tenants(self, config: ProxyConfig) -> None:
+        """A reloaded config's tenant settings, from the next request on (``proxy.reload``): those in flight keep
+        their ``Tenant``, unchanged limits keep their buckets, and the fairness weights follow."""
+        self.tenants = self.slo.tenants = TenantRegistry(config, self._clock, previous=self.tenants)
+        self.admission.counters.reweigh(self.tenants.weights)
+
     def _charge_output(self, sub: SubRequest, num_tokens: int) -> None:
         """Tokens a worker emitted for ``sub``: its tenant's service counter and token bucket."""
         self.admission.charge_output(sub.tenant, num_tokens)

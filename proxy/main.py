@@ -7,6 +7,8 @@ turns 503, requests in flight finish for up to the drain timeout, then the
 server stops and the ZeroMQ socket is closed before its context. The HTTP
 listener's TLS, connection limits and timeouts come from the config
 (``proxy.listener``); CURVE on the worker socket from ``common.runtime.zmq_security``.
+SIGHUP, or a change of the ``--config`` file, reloads the tenant settings
+(``proxy.reload``) with the same ``--set`` overrides.
 """
 from __future__ import annotations
 
@@ -30,21 +32,28 @@ def add_command(subparsers) -> None:
 
 def _run_command(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format, role="proxy")
-    run(load_config(ProxyConfig, args.config, parse_overrides(args.overrides)))
+    overrides = parse_overrides(args.overrides)
+    run(load_config(ProxyConfig, args.config, overrides), args.config, overrides)
     return 0
 
 
-def run(config: ProxyConfig) -> None:
+def run(config: ProxyConfig, config_path: str | None = None, overrides: dict | None = None) -> None:
+    """``config_path`` and ``overrides``: where ``config`` came from, which SIGHUP and the file watch read
+    again (``proxy.reload``)."""
     # Imported here so that `tessera --help` answers without loading the server stack.
     from proxy.app import create_app
     from common.config.tls import check_tls_files
     from proxy.listener import listener_config
+    from proxy.metering import check_path as check_metering_path
+    from proxy.reload import ConfigSource
     from proxy.server import DrainingServer
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_tls_files(config)  # uvicorn's own error would not name the config field
-    app = create_app(config)
+    if config.metering_path:
+        check_metering_path(config.metering_path)
+    app = create_app(config, source=ConfigSource(config_path, overrides or {}))
     drain_timeout_s = config.drain_timeout_s
     # log_config=None: uvicorn's lines go through the root handler, in the chosen --log-format.
     server_config = listener_config(app, config, loop="uvloop", log_level="info", log_config=None,

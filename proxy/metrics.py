@@ -7,8 +7,18 @@ ended with an error event, and ``client_closed`` when the client went away.
 ``tenant_requests_total`` counts choices (sub-requests) by tenant, model and
 outcome: ``ok``, or the error code that ended it (``timeout``,
 ``worker_unavailable``, ``cancelled``, ...). docs/observability.md lists all.
+
+Two views of the tokens: ``prompt_tokens`` and ``generation_tokens`` follow
+the work as it happens (a prompt when it is sent, each token as it streams),
+for rates on a dashboard; ``tenant_prompt_tokens``, ``tenant_cached_prompt_tokens``
+and ``tenant_generated_tokens`` count a choice once, when it ends
+(``SubRequest._count_end``), with what the workers found in their prefix
+cache: the usage a tenant is metered by (``tenant_usage``, and
+``proxy.metering``'s file).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -19,6 +29,15 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 6
 _TRANSFER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+@dataclass
+class TenantUsage:
+    """One tenant's metered usage: choices ended, and their prompt, cached prompt and generated tokens."""
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generated_tokens: int = 0
 
 
 class ProxyMetrics:
@@ -82,6 +101,15 @@ class ProxyMetrics:
                                      ["tenant", "model"], registry=r)
         self.generation_tokens = Counter("tessera_proxy_generation_tokens", "Tokens streamed back to clients",
                                          ["tenant", "model"], registry=r)
+        self.tenant_prompt_tokens = Counter(
+            "tessera_proxy_tenant_prompt_tokens", "Prompt tokens of each tenant's choices that reached a worker, "
+            "counted when the choice ends (a resume is not counted again)", ["tenant"], registry=r)
+        self.tenant_cached_prompt_tokens = Counter(
+            "tessera_proxy_tenant_cached_prompt_tokens", "Of those prompt tokens, the ones the workers found in "
+            "their prefix cache, counted when the choice ends", ["tenant"], registry=r)
+        self.tenant_generated_tokens = Counter(
+            "tessera_proxy_tenant_generated_tokens", "Tokens generated for each tenant's choices (what the client "
+            "received), counted when the choice ends", ["tenant"], registry=r)
         self.queue_time = Histogram("tessera_proxy_queue_time_seconds",
                                     "Arrival until the choice is sent to a worker", buckets=_LATENCY_BUCKETS,
                                     registry=r)
@@ -106,12 +134,29 @@ class ProxyMetrics:
             "tessera_proxy_fairness_preemptions", "Decoding choices sent back to admission because their tenant "
             "ran more than its share of the decode slots while another waited (preempt_for_fairness)",
             ["tenant"], registry=r)
+        self.config_reloads = Counter(
+            "tessera_proxy_config_reloads", "Reloads of the config file (SIGHUP, or a change of the file), by "
+            "result: ok (its tenant settings apply), error (it did not load; the running settings stay)",
+            ["result"], registry=r)
+        for result in ("ok", "error"):
+            self.config_reloads.labels(result)  # both series exist from the start, for alerts on the error one
         self.resumable_streams = Counter("tessera_proxy_resumable_streams",
                                          "Streamed responses that a client may resume (X-Resumable)", registry=r)
         self.resumed_streams = Counter("tessera_proxy_resumed_streams",
                                        "Reconnections to a resumable stream (GET /v1/streams/{id})", registry=r)
         self.resume_buffer_bytes = Gauge("tessera_proxy_resume_buffer_bytes",
                                          "Bytes of events kept for resumable streams", registry=r)
+
+    def tenant_usage(self) -> dict[str, TenantUsage]:
+        """Each tenant's usage since the process started, read back from the counters a choice adds to as it ends
+        (``tenant_requests`` and the ``tenant_*_tokens``)."""
+        requests, prompt, cached, generated = (_by_tenant(counter) for counter in (
+            self.tenant_requests, self.tenant_prompt_tokens, self.tenant_cached_prompt_tokens,
+            self.tenant_generated_tokens))
+        return {tenant: TenantUsage(requests=requests.get(tenant, 0), prompt_tokens=prompt.get(tenant, 0),
+                                    cached_prompt_tokens=cached.get(tenant, 0),
+                                    generated_tokens=generated.get(tenant, 0))
+                for tenant in requests.keys() | prompt.keys()}
 
     def set_worker_kv(self, worker_id: str, num_blocks: int, free_blocks: int) -> None:
         self.kv_pages_free.labels(worker_id).set(free_blocks)
@@ -130,3 +175,14 @@ class ProxyMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _by_tenant(counter: Counter) -> dict[str, int]:
+    """A counter's value per ``tenant`` label, summed over its other labels."""
+    totals: dict[str, int] = {}
+    for family in counter.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total"):  # not the _created timestamps
+                tenant = sample.labels["tenant"]
+                totals[tenant] = totals.get(tenant, 0) + int(sample.value)
+    return totals

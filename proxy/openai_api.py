@@ -209,15 +209,14 @@ async def _serve(request: Request, request_model, format_cls, endpoint: str) -> 
     services = request.app.state.services
     metrics = services.metrics
     try:
-        config = services.config
+        tenants = services.cluster.tenants  # this request's, whatever a reload puts there meanwhile
         tenant = None
-        if config.auth_enabled:
-            tenant = tenant_from_header(config, services.cluster.tenants, request.headers.get("authorization"))
+        if tenants.auth_enabled:
+            tenant = tenant_from_header(tenants, request.headers.get("authorization"))
         timeout_s = _timeout(request.headers.get(TIMEOUT_HEADER))
         body = await read_model(request, request_model, services.config.max_prompt_bytes)
         if tenant is None:
-            tenant = (tenant_from_body(config, services.cluster.tenants, body.user) if config.tenant_from_user_field
-                      else services.cluster.tenants.default)
+            tenant = tenant_from_body(tenants, body.user) if tenants.from_user_field else tenants.default
         resume_header = request.headers.get(RESUMABLE_HEADER)  # parsed in proxy.resumable only when sent
         resumable = body.stream and (tenant.resumable if resume_header is None else wants_resume(resume_header))
         generation, group = await _admit(services, body, format_cls, tenant, timeout_s)

@@ -14,6 +14,10 @@ A bucket holds up to ``burst`` and refills at ``rate`` per second.
 Refusals raise ``ApiError(429)`` whose message names the limit
 (``tenants[NAME].requests_per_s`` ...). Time comes from the caller (a
 monotonic clock); nothing here sleeps.
+
+A config reload (``proxy.reload``) keeps a tenant's limiter when its limits
+did not change, and otherwise starts the new buckets where the old ones
+stood (``previous``): a reload never refills a bucket or forgives a debt.
 """
 from __future__ import annotations
 
@@ -44,19 +48,32 @@ class TokenBucket:
         self._refill(now)
         self.level -= amount
 
+    def resized(self, rate: float, burst: float, now: float) -> TokenBucket:
+        """A bucket of new limits that holds what this one holds now (at most the new burst; a debt stays)."""
+        self._refill(now)
+        bucket = TokenBucket(rate, burst, now)
+        bucket.level = min(burst, self.level)
+        return bucket
+
 
 class TenantLimiter:
     """The request and token buckets of one tenant; a limit of 0 is no limit."""
 
-    def __init__(self, tenant: TenantConfig, now: float) -> None:
+    def __init__(self, tenant: TenantConfig, now: float, previous: TenantLimiter | None = None) -> None:
+        """``previous``: the tenant's limiter before a reload changed its limits; its buckets' levels carry over."""
         self.tenant = tenant
         self.requests = None
         self.tokens = None
         if tenant.requests_per_s > 0:
             burst = tenant.request_burst or max(1.0, tenant.requests_per_s)
-            self.requests = TokenBucket(tenant.requests_per_s, burst, now)
+            self.requests = _bucket(previous and previous.requests, tenant.requests_per_s, burst, now)
         if tenant.tokens_per_s > 0:
-            self.tokens = TokenBucket(tenant.tokens_per_s, tenant.token_burst or tenant.tokens_per_s, now)
+            burst = tenant.token_burst or tenant.tokens_per_s
+            self.tokens = _bucket(previous and previous.tokens, tenant.tokens_per_s, burst, now)
+
+    def enforces(self, tenant: TenantConfig) -> bool:
+        """Whether these are the limits ``tenant`` configures (a reload then keeps this limiter as it is)."""
+        return _limits(self.tenant) == _limits(tenant)
 
     def admit(self, now: float) -> None:
         """Count one request against the limits; ApiError(429) naming the limit it is over."""
@@ -81,3 +98,11 @@ class TenantLimiter:
         return ApiError(429, f"rate limit reached for tenant {self.tenant.name!r}: {limit}; "
                         f"retry in {wait_s:.2f}s (config field tenants[{self.tenant.name!r}])",
                         code="rate_limit_exceeded", retry_after_s=max(1, math.ceil(wait_s)))
+
+
+def _bucket(previous: TokenBucket | None, rate: float, burst: float, now: float) -> TokenBucket:
+    return TokenBucket(rate, burst, now) if previous is None else previous.resized(rate, burst, now)
+
+
+def _limits(tenant: TenantConfig) -> tuple[float, ...]:
+    return tenant.requests_per_s, tenant.request_burst, tenant.tokens_per_s, tenant.token_burst

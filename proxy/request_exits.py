@@ -165,8 +165,7 @@ class RequestExits:
             self.recovery.ended(error.code or str(error.status))
         if error.status != 499:
             log.warning("request %s failed: %s", self.request_id, error.message)
-        self._metrics.tenant_requests.labels(self.tenant, self._config.served_model_name,
-                                             error.code or str(error.status)).inc()
+        self._count_end(error.code or str(error.status))
         if self.trace:
             self.trace.close(error.message)
         if started:

@@ -100,6 +100,7 @@ class SubRequest(RequestExits):
         self.lost: str | None = None  # why it last had to resume
         self.wire_id = request_id  # its id on the wire: request_id~N from its Nth resume on
         self.new_tokens = 0  # tokens the last handler emitted (the cluster charges the tenant for them)
+        self.cached_tokens = 0  # prompt tokens a worker found in its prefix cache (the most any attempt reported)
         self.arrival = now
         self.first_token_at: float | None = None
         self.last_token_at = now
@@ -252,6 +253,7 @@ class SubRequest(RequestExits):
     def _emit_tokens(self, event: TokenEvent, now: float) -> None:
         metrics = self._metrics
         self.new_tokens = len(event.token_ids)
+        self.cached_tokens = max(self.cached_tokens, event.num_cached_tokens)
         if event.token_ids:
             if self.recovery is not None:
                 self._recovered(now)
@@ -274,7 +276,7 @@ class SubRequest(RequestExits):
         sends = self._release_kv()
         metrics = self._metrics
         metrics.e2e.observe(now - self.arrival)
-        metrics.tenant_requests.labels(self.tenant, self._config.served_model_name, "ok").inc()
+        self._count_end("ok")
         if self.trace:
             self.trace.close()
         if self.first_token_at is not None and len(self.output_ids) > 1:
@@ -283,6 +285,15 @@ class SubRequest(RequestExits):
             metrics.tenant_tpot.labels(self.tenant).observe(tpot)
         metrics.in_flight.dec()
         return sends
+
+    def _count_end(self, status: str) -> None:
+        """Its outcome and usage, once, as it ends: a prompt counts if it reached a worker (a resumed one once),
+        its cached part at most the prompt (a resumed attempt's cache also holds the output so far)."""
+        metrics, prompt = self._metrics, len(self.prompt) if self.started else 0
+        metrics.tenant_requests.labels(self.tenant, self._config.served_model_name, status).inc()
+        metrics.tenant_prompt_tokens.labels(self.tenant).inc(prompt)
+        metrics.tenant_cached_prompt_tokens.labels(self.tenant).inc(min(self.cached_tokens, prompt))
+        metrics.tenant_generated_tokens.labels(self.tenant).inc(len(self.output_ids))
 
     @property
     def local(self) -> bool:

@@ -252,9 +252,8 @@ async def resume_stream(response_id: str, request: Request) -> Response:
     """Reconnect to a resumable stream (header X-Resumable on the request) within resume_window_s."""
     services = request.app.state.services
     tenant = None
-    if services.config.auth_enabled:
-        tenant = tenant_from_header(services.config, services.cluster.tenants,
-                                    request.headers.get("authorization")).name
+    if services.cluster.tenants.auth_enabled:
+        tenant = tenant_from_header(services.cluster.tenants, request.headers.get("authorization")).name
     stream = services.streams.find(response_id, tenant)
     after = _last_event_id(request)
     reader = stream.attach(after)

@@ -1,11 +1,19 @@
 """The proxy's tenants: who they are, how to find one from an API key, and their live limits.
 
-Built once from ``ProxyConfig`` at start-up. Each configured tenant
-(``tenants``) keeps its settings and a ``TenantLimiter``; API keys are
-known only by their sha256 (hex), so the config never holds a usable key.
-The default tenant (``default_tenant``) takes its settings from the tenant
-of that name when one is configured, and otherwise has weight 1, lane p1 and
-no limits. ``hash_key`` is what ``tessera tenants hash-key`` prints.
+Each configured tenant (``tenants``) keeps its settings and a
+``TenantLimiter``; API keys are known only by their sha256 (hex), so the
+config never holds a usable key. The default tenant (``default_tenant``)
+takes its settings from the tenant of that name when one is configured, and
+otherwise has weight 1, lane p1 and no limits. ``hash_key`` is what
+``tessera tenants hash-key`` prints.
+
+One ``TenantRegistry`` holds every setting that decides who sends a request
+(the tenants and their keys, ``default_tenant``, ``auth_enabled``,
+``tenant_from_user_field``). It is built from ``ProxyConfig`` at start-up,
+and again from the reloaded file on SIGHUP or a change of the file
+(``proxy.reload``), which replaces them all in one assignment
+(``Cluster.apply_tenants``). A request keeps the ``Tenant`` it started with;
+a tenant whose limits did not change keeps its ``TenantLimiter`` as it is.
 Each tenant's ``cache_salt`` (``prefix_cache_sharing``) roots the block
 hashes of its requests, on the workers and in the proxy's routing alike.
 """
@@ -40,12 +48,18 @@ class Tenant:
 
 
 class TenantRegistry:
-    def __init__(self, config: ProxyConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: ProxyConfig, clock: Callable[[], float] = time.monotonic,
+                 previous: TenantRegistry | None = None) -> None:
+        """``previous``: the registry a reload replaces, whose limiters carry over."""
         now = clock()
+        self.auth_enabled = config.auth_enabled
+        self.from_user_field = config.tenant_from_user_field
         configured = list(config.tenants)
         if not any(t.name == config.default_tenant for t in configured):
             configured.append(TenantConfig(config.default_tenant))
-        self.tenants = {t.name: Tenant(t, TenantLimiter(t, now), _cache_salt(config, t)) for t in configured}
+        before = previous.tenants if previous is not None else {}
+        self.tenants = {t.name: Tenant(t, _limiter(t, before.get(t.name), now), _cache_salt(config, t))
+                        for t in configured}
         self.default = self.tenants[config.default_tenant]
         self._by_key_hash = {key: self.tenants[t.name] for t in configured for key in t.api_key_sha256}
         self.limited = {name for name, tenant in self.tenants.items() if tenant.limited}
@@ -66,3 +80,11 @@ def _cache_salt(config: ProxyConfig, tenant: TenantConfig) -> int:
     if config.prefix_cache_sharing == "cluster":
         return 0
     return cache_salt_of(f"group:{tenant.cache_group}" if tenant.cache_group else f"tenant:{tenant.name}")
+
+
+def _limiter(tenant: TenantConfig, before: Tenant | None, now: float) -> TenantLimiter:
+    """The limiter ``before`` had when the limits are the same (its buckets as they are), else a new one whose
+    buckets start where ``before``'s stood."""
+    if before is not None and before.limiter.enforces(tenant):
+        return before.limiter
+    return TenantLimiter(tenant, now, before.limiter if before is not None else None)

@@ -11,7 +11,8 @@ context, so a test drives it from outside:
     worker.stop()
 
 - prefill: PrefillRequest -> PrefillDone(first scripted token, pages held
-  until ReleaseKV or Abort).
+  until ReleaseKV or Abort), reporting ``cached_tokens`` of the prompt (at
+  most all of it) as found in a prefix cache.
 - decode / both: DecodeRequest -> KVPulled when it names pages, then one
   TokenDelta per remaining token every ``token_interval_s``, each in a TokenDeltas of its own (as if every
   request ran its own step; tests that need several requests in one step send their TokenDeltas by hand);
@@ -44,7 +45,8 @@ class FakeWorker:
     def __init__(self, address: str, worker_id: str, role: str, script: list[tuple[int, str]], *,
                  model: str = "SmolLM2-135M-Instruct", model_version: str = "test", epoch: int | None = None,
                  kv_layout: KVLayoutInfo = DEFAULT_LAYOUT, num_blocks: int = 1024, max_model_len: int = 8192,
-                 heartbeat_interval_s: float = 0.1, token_interval_s: float = 0.0, stall: bool = False) -> None:
+                 heartbeat_interval_s: float = 0.1, token_interval_s: float = 0.0, stall: bool = False,
+                 cached_tokens: int = 0) -> None:
         self.address = address
         self.worker_id = worker_id
         self.role = role
@@ -55,6 +57,7 @@ class FakeWorker:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.token_interval_s = token_interval_s
         self.stall = stall
+        self.cached_tokens = cached_tokens
         self.heartbeats = True
         self.draining = False
         self.step_cost = None  # a StepCostModel its heartbeats report, as a real worker's fitted step time
@@ -169,7 +172,8 @@ class FakeWorker:
         self.held_pages.add(msg.request_id)
         num_tokens = len(msg.prompt_token_ids) + position
         blocks = list(range(-(-num_tokens // self.register_msg.kv_layout.block_size)))
-        self.send(PrefillDone(msg.request_id, self.worker_id, self.epoch, token, text, blocks, 0,
+        cached = min(self.cached_tokens, len(msg.prompt_token_ids))
+        self.send(PrefillDone(msg.request_id, self.worker_id, self.epoch, token, text, blocks, cached,
                               finish_reason=self._finish_reason(msg.params, position + 1) if done else None,
                               logprob=logprob, top_logprobs=top))
 

@@ -114,6 +114,14 @@ class ProxyConfig:
         "tenant", "whose requests share the workers' prefix-cache blocks: 'tenant' (each tenant, or each "
         "tenants[].cache_group, its own: no tenant can learn another's prompts from cache-hit timing or "
         "cached_tokens) or 'cluster' (every request, whoever sends it)")
+    config_watch_interval_s: Float = option(
+        5.0, "how often the proxy checks its --config file for a change; once a change has held still for one "
+        "check, the file's tenant settings (tenants, default_tenant, auth_enabled, tenant_from_user_field) apply "
+        "without a restart, as on SIGHUP; 0: only on SIGHUP", ge=0)
+    metering_path: Str = option(
+        "", "file the proxy appends each tenant's usage to, one JSON line per tenant and interval "
+        "(docs/observability.md); empty: no file")
+    metering_interval_s: Float = option(60.0, "how often a usage record is appended to metering_path", gt=0)
     fairness_policy: FairnessPolicy = option("vtc", "the admission queue's order")
     vtc_input_weight: Float = option(1.0, "service counted per prompt token (vtc policy)", gt=0)
     vtc_output_weight: Float = option(2.0, "service counted per generated token (vtc policy)", gt=0)

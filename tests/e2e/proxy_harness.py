@@ -3,18 +3,25 @@
 Each test starts its own proxy (uvicorn on uvloop in a thread, the ROUTER on
 a free port) with the embedded model's tokenizer; the workers are
 ``tests.scripted_worker.FakeWorker``s that answer from a script of known text.
+``ProxyProcess`` is the same proxy as its own ``tessera proxy`` process, for
+what only a process has: its signals, its command line, its exit.
 """
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from common.cli.local_cluster import free_port
 from common.config.roles import ProxyConfig
 from common.text.tokenizer import Tokenizer
 from common.protocol.wire import Abort, DecodeRequest, Peers, PrefillRequest, RegisterAck, ReleaseKV
@@ -71,6 +78,51 @@ class RunningProxy:
         self.http.close()
         self.server.should_exit = True
         self.thread.join(15)
+
+
+class ProxyProcess:
+    """``tessera proxy`` as its own process: the in-process harness's settings as overrides, then ``settings``
+    (``key=value``), over the YAML file ``config`` when one is given."""
+
+    def __init__(self, model_dir, log_path: Path, settings: list[str] = (), config: Path | None = None) -> None:
+        http_port, worker_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{http_port}"
+        self.endpoint = f"tcp://127.0.0.1:{worker_port}"
+        settings = [f"model={model_dir}", f"port={http_port}", f"worker_bind={self.endpoint}",
+                    "heartbeat_timeout_s=1.0", "first_token_timeout_s=20.0", "token_timeout_s=20.0",
+                    "max_prompt_bytes=4096", "retry_after_s=3", "drain_timeout_s=5", *settings]
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        args = [arg for setting in settings for arg in ("--set", setting)]
+        if config is not None:
+            args += ["--config", str(config)]
+        self.proc = subprocess.Popen([sys.executable, "-m", "common.cli.main", "proxy", *args],
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+        self.http = httpx.Client(base_url=self.url, timeout=30)
+        wait_until(self._answers, timeout=60, what=f"the proxy to answer /healthz (log: {log_path})")
+
+    def _answers(self) -> bool:
+        assert self.proc.poll() is None, f"the proxy exited with {self.proc.returncode}: {self.log()}"
+        try:
+            return self.http.get("/healthz").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return open(self.log_path).read()[-4000:]
+
+    def stop(self) -> int:
+        self.http.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(30)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self._log.close()
 
 
 def wait_until(condition, timeout: float = 10.0, what: str = "the condition") -> None:

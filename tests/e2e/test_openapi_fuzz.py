@@ -14,61 +14,16 @@ No process may exit, and no KV page may stay in use.
 """
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
-
 import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
-from common.cli.local_cluster import LocalCluster, free_port
-from tests.e2e.proxy_harness import MODEL, script_for, tokenizer, wait_until  # noqa: F401
+from common.cli.local_cluster import LocalCluster
+from tests.e2e.proxy_harness import MODEL, ProxyProcess, script_for, tokenizer, wait_until  # noqa: F401
 from tests.scripted_worker import FakeWorker
 
 CASES_PER_OPERATION = 500
-
-
-class ProxyProcess:
-    """``tessera proxy`` as its own process, the settings of the in-process harness passed as overrides."""
-
-    def __init__(self, model_dir, log_path) -> None:
-        http_port, worker_port = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{http_port}"
-        self.endpoint = f"tcp://127.0.0.1:{worker_port}"
-        settings = [f"model={model_dir}", f"port={http_port}", f"worker_bind={self.endpoint}",
-                    "heartbeat_timeout_s=1.0", "first_token_timeout_s=20.0", "token_timeout_s=20.0",
-                    "max_prompt_bytes=4096", "retry_after_s=3", "drain_timeout_s=5"]
-        self.log_path = log_path
-        self._log = open(log_path, "w")
-        args = [arg for setting in settings for arg in ("--set", setting)]
-        self.proc = subprocess.Popen([sys.executable, "-m", "common.cli.main", "proxy", *args],
-                                     stdout=self._log, stderr=subprocess.STDOUT)
-        self.http = httpx.Client(base_url=self.url, timeout=30)
-        wait_until(self._answers, timeout=60, what=f"the proxy to answer /healthz (log: {log_path})")
-
-    def _answers(self) -> bool:
-        assert self.proc.poll() is None, f"the proxy exited with {self.proc.returncode}: {self.log()}"
-        try:
-            return self.http.get("/healthz").status_code == 200
-        except httpx.TransportError:
-            return False
-
-    def log(self) -> str:
-        self._log.flush()
-        return open(self.log_path).read()[-4000:]
-
-    def stop(self) -> int:
-        self.http.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(30)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            self._log.close()
 
 
 @pytest.fixture(scope="module")

@@ -75,10 +75,10 @@ def test_each_tenant_has_its_own_cache_salt_unless_it_shares_a_group_or_the_clus
 def test_auth_header_rules():
     cfg = config(auth_enabled=True)
     registry = TenantRegistry(cfg)
-    assert tenant_from_header(cfg, registry, "Bearer sk-gold").name == "gold"
+    assert tenant_from_header(registry, "Bearer sk-gold").name == "gold"
     for header, words in ((None, "no API key"), ("Basic abc", "Bearer"), ("Bearer sk-wrong-key", "incorrect")):
         with pytest.raises(ApiError) as caught:
-            tenant_from_header(cfg, registry, header)
+            tenant_from_header(registry, header)
         assert caught.value.status == 401 and caught.value.code == "invalid_api_key"
         assert words in caught.value.message
         assert "sk-wrong-key" not in caught.value.message  # keys are never echoed whole
@@ -87,11 +87,11 @@ def test_auth_header_rules():
 def test_without_auth_the_user_field_or_the_default_decides():
     cfg = config(tenant_from_user_field=True)
     registry = TenantRegistry(cfg)
-    assert tenant_from_header(cfg, registry, "Bearer anything") is None
-    assert tenant_from_body(cfg, registry, "gold").name == "gold"
-    assert tenant_from_body(cfg, registry, "stranger").name == "default"
+    assert tenant_from_header(registry, "Bearer anything") is None
+    assert tenant_from_body(registry, "gold").name == "gold"
+    assert tenant_from_body(registry, "stranger").name == "default"
     plain = config()
-    assert tenant_from_body(plain, TenantRegistry(plain), "gold").name == "default"
+    assert tenant_from_body(TenantRegistry(plain), "gold").name == "default"
 
 
 def test_token_bucket_refills_and_goes_into_debt():
