@@ -56,8 +56,17 @@ async def closed_loop(url: str, tenant: str, streams: int, start: float, measure
                 done = time.monotonic()
                 out.append({"tenant": tenant, "status": 200, "sent": sent, "done": done,
                             "ttft": stamps[0] - sent if stamps else None,
-                            "tpot": (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None})
+                            "tpot": (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None,
+                            # the second token's wait apart: in the P/D layout the first token comes from the
+                            # prefill worker, and the request may wait for a decode slot after it
+                            "second_token": stamps[1] - stamps[0] if len(stamps) > 2 else None,
+                            "decode_tpot": (stamps[-1] - stamps[1]) / (len(stamps) - 2) if len(stamps) > 2 else None})
         await asyncio.gather(*(one_stream() for _ in range(streams)))
+
+
+def _p50_ms(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return 1000 * statistics.median(values) if values else None
 
 
 def point(cluster: LocalCluster, a_streams: int, args, seed: int) -> dict:
@@ -77,8 +86,17 @@ def point(cluster: LocalCluster, a_streams: int, args, seed: int) -> dict:
         await asyncio.sleep(until - time.monotonic() - 1.0)
         async with httpx.AsyncClient(timeout=10) as client:
             text = (await client.get(cluster.url + "/metrics")).text
+            workers = {name: (await client.get(cluster.worker_url(name) + "/metrics")).text
+                       for name in cluster.metrics_ports if "decode" in name}
         for tenant in KEYS:
             waiting[tenant] = total(text, "tessera_proxy_tenant_waiting", tenant=tenant)
+        # the decode worker's capacity within the TPOT target, its pace (proxy/capacity.py) and its own step
+        # timer's last prediction and measurement, as the window ends
+        waiting["decode_capacity"] = total(text, "tessera_proxy_worker_decode_capacity")
+        waiting["step_pace"] = total(text, "tessera_proxy_worker_step_pace_ratio")
+        for worker in workers.values():
+            for gauge in ("predicted", "measured"):
+                waiting[f"step_{gauge}_ms"] = 1e3 * total(worker, f"tessera_worker_step_{gauge}_seconds")
 
     async def both() -> None:
         await asyncio.gather(run(), watch())
@@ -93,6 +111,8 @@ def point(cluster: LocalCluster, a_streams: int, args, seed: int) -> dict:
         row[tenant] = {"requests": len(done), "served_per_min": per_request * len(done) * 60 / args.duration_s,
                        "tpot_p50_ms": 1000 * statistics.median(tpots) if tpots else None,
                        "ttft_p50_ms": 1000 * statistics.median([r["ttft"] for r in done]) if done else None,
+                       "second_token_p50_ms": _p50_ms([r["second_token"] for r in done]),
+                       "decode_tpot_p50_ms": _p50_ms([r["decode_tpot"] for r in done]),
                        "errors": sum(1 for r in records if r["tenant"] == tenant and r["status"] != 200)}
     served = row["A"]["served_per_min"] + row["B"]["served_per_min"]
     row["b_share"] = row["B"]["served_per_min"] / served if served else None
@@ -111,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=45.0)
     parser.add_argument("--seed", type=int, default=31000)
     parser.add_argument("--results", type=Path, help="also write the rows here (JSON)")
+    parser.add_argument("--proxy-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="another proxy setting for every cluster, e.g. preempt_for_fairness=true")
     args = parser.parse_args(argv)
     model_dir = resolve_model(EMBEDDED_MODEL, args.dtype)
     tenants = json.dumps([{"name": t, "api_key_sha256": [hash_key(k)]} for t, k in KEYS.items()])
@@ -120,10 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         log_dir = Path(tempfile.mkdtemp(prefix=f"light-tenant-{scope}-"))
         cluster = LocalCluster(str(model_dir), log_dir, dtype=args.dtype, threads=0, transfer_backend="auto",
                                own_session=True, proxy_overrides=[
-                                   "auth_enabled=true", f"tenants={tenants}", f"tpot_slo_scope={scope}"]).start()
+                                   "auth_enabled=true", f"tenants={tenants}", f"tpot_slo_scope={scope}",
+                                   *args.proxy_set]).start()
         try:
             for a_streams in (int(n) for n in args.a_streams.split(",")):
-                row = {"scope": scope, **point(cluster, a_streams, args, seed)}
+                row = {"scope": scope, "proxy_set": args.proxy_set, **point(cluster, a_streams, args, seed)}
                 seed += 100
                 rows.append(row)
                 print(json.dumps(row), flush=True)

@@ -12,7 +12,7 @@
   decode worker. The client sees only a pause. At most ``max_migrations``
   times, and only up to ``migration_max_tokens``; past either it fails.
 - Preempt (``preempt``): the same way back to admission, taken by the
-  cluster for fairness (``preempt_for_fairness``), at most once a request.
+  cluster for fairness (``preempt_for_fairness``).
 - Every way out releases what is held: Abort to each live worker involved,
   ReleaseKV to the page holder, ``prefill_ended`` to the policy, and exactly
   one terminal event (a finishing ``TokenEvent`` or a ``FailureEvent``) to
@@ -43,7 +43,7 @@ class RequestExits:
     """``SubRequest``'s ways out; each returns what the cluster must send."""
 
     recovery: Recovery | None = None  # from a resume until the resumed attempt's first token
-    preempted = False  # went back to admission once for fairness (``preempt``)
+    preemptions = 0  # times it went back to admission for fairness (``preempt``)
 
     def on_failed(self, msg: RequestFailed, sender: str, now: float) -> Sends | None:
         if not self.involves(sender) or msg.request_id != self.wire_id:
@@ -93,10 +93,10 @@ class RequestExits:
     def preempt(self, now: float) -> Sends:
         """``preempt_for_fairness``: its tenant runs more than its share of the decode slots while another
         tenant's choice waits for one. Back to admission as a resume goes (the client keeps its output and sees
-        a pause; the worker frees the pages on Abort, and they are recomputed when it is admitted again), once
-        per request, counted against neither ``max_migrations`` nor any worker."""
+        a pause; the worker frees the pages on Abort, and they are recomputed when it is admitted again),
+        counted against neither ``max_migrations`` nor any worker."""
         sends = self._free(None)
-        self.preempted = True
+        self.preemptions += 1
         log.info("request %s: preempted after %d output token(s): tenant %r is over its share of the decode "
                  "slots while another tenant waits (preempt_for_fairness)", self.request_id, len(self.output_ids),
                  self.tenant)
@@ -106,7 +106,7 @@ class RequestExits:
 
     def _requeue(self, now: float) -> None:
         """Back to the admission queue under a new wire id: whatever the old attempt still sends is a stray."""
-        self.wire_id = f"{self.request_id}~{self.migrations + self.preempted}"
+        self.wire_id = f"{self.request_id}~{self.migrations + self.preemptions}"
         self.stage = Stage.QUEUED
         self.route = self._handoff = None
         self.deadline = now + self._config.queue_timeout_s

@@ -10,9 +10,11 @@ cluster's ``_decode_slots``. The rest is here, called by the cluster (proxy/clus
   at once, 429 when its own tenant's queue is most of the wait (the tenant should slow down), else 503
   (the cluster is overloaded), with Retry-After the predicted excess. The forecast (``TtftForecast``) is
   fed by ``admitted_to_prefill`` and ``tokens_emitted``.
-- ``to_preempt`` (``preempt_for_fairness``): while a tenant under its share of the decode slots has a choice
-  waiting for one, the newest decoding choices of tenants over theirs, as many as let the waiting ones in.
-  The cluster sends them back to admission (``SubRequest.preempt``); each is preempted at most once.
+- ``to_preempt`` (``preempt_for_fairness``): while a tenant with fewer decode slots for its weight than
+  another has a choice waiting for one, the other's newest decoding choices, as many as even them out (or,
+  when the TPOT target shrank the slots, as many as bring the over-served down to where the waiting get
+  in), those cheapest to recompute first. The cluster sends them back to admission (``SubRequest.preempt``);
+  a request goes back at most ``MAX_PREEMPTIONS`` times.
 """
 from __future__ import annotations
 
@@ -29,7 +31,9 @@ from proxy.routing import RoutingPolicy
 from proxy.tenants import Tenant, TenantRegistry
 from proxy.workers import WorkerRegistry
 
-# to_preempt: after a look that found only choices preempted before, the next look waits this long
+# to_preempt: a request goes back to admission for fairness at most this many times (each costs its recompute);
+# after a look that found only such choices, the next look waits this long
+MAX_PREEMPTIONS = 3
 PREEMPT_QUIET_S = 0.1
 
 
@@ -93,31 +97,51 @@ class SloControls:
     # -- fairness inside the running batch ---------------------------------------------------------
 
     def to_preempt(self, inflight: dict[str, SubRequest], now: float) -> list[SubRequest]:
-        """The decoding choices to send back to admission now (newest first), none preempted before. A share is
-        the decode slots split by weight among the tenants decoding or waiting for a slot."""
+        """The decoding choices to send back to admission now: of each tenant that gives slots, those preempted
+        the fewest times, then with the fewest tokens to recompute (a request's output grows while it decodes:
+        the newest cost least), none preempted ``MAX_PREEMPTIONS`` times.
+
+        A replay of decode admission on the counts: the waiting tenant with the fewest slots for its weight
+        (counting the one it would get) takes a free slot, or else one from the tenant with the most for its
+        weight (counting the one it would lose), as long as that leaves the taker no better off than the giver:
+        so no move is undone by the next, and a tenant never loses a slot to one that would then hold more.
+        When the TPOT target shrank the slots below what is decoding, the givers shrink first.
+        """
         if now < self._quiet_until:
             return []
         ready, decoding = self.admission.count[Stage.READY], self.admission.count[Stage.DECODING]
-        slots = self.decode_slots()
-        present = [t for t in set(ready) | set(decoding) if ready[t] or decoding[t]]
         weights = self.tenants.weights
-        weight_sum = sum(weights.get(t, 1.0) for t in present)
-        share = {t: slots * weights.get(t, 1.0) / weight_sum for t in present}
-        # the waiting choices of tenants under their share that their share has room for
-        entitled = sum(min(ready[t], max(math.floor(share[t]) - decoding[t], 0)) for t in present)
-        excess = {t: decoding[t] - math.ceil(share[t]) for t in present if decoding[t] > math.ceil(share[t])}
-        count = min(sum(excess.values()), sum(decoding.values()) - slots + entitled)
-        if not entitled or count <= 0:
+        held = {t: n for t, n in decoding.items() if n}
+        waiting = {t: n for t, n in ready.items() if n}
+        free = self.decode_slots() - sum(held.values())
+        taken: dict[str, int] = {}
+        while waiting:
+            taker = min(waiting, key=lambda t: (held.get(t, 0) + 1) / weights.get(t, 1.0))
+            if free > 0:
+                free -= 1
+            else:
+                giver = max(held, key=lambda t: (held[t] - 1) / weights.get(t, 1.0), default=None)
+                if giver is None or giver == taker or (held.get(taker, 0) + 1) / weights.get(taker, 1.0) > (
+                        held[giver] - 1) / weights.get(giver, 1.0):
+                    break
+                held[giver] -= 1
+                taken[giver] = taken.get(giver, 0) + 1
+                free += 1
+                continue
+            held[taker] = held.get(taker, 0) + 1
+            waiting[taker] -= 1
+            if not waiting[taker]:
+                del waiting[taker]
+        if not taken:
             return []
-        candidates = sorted((s for s in inflight.values() if s.stage is Stage.DECODING and not s.preempted
-                             and s.tenant in excess), key=lambda s: s.decoding_since, reverse=True)
+        candidates = sorted((s for s in inflight.values() if s.stage is Stage.DECODING
+                             and s.preemptions < MAX_PREEMPTIONS and taken.get(s.tenant, 0) > 0),
+                            key=lambda s: (s.preemptions, len(s.prompt) + len(s.output_ids)))
         victims = []
         for sub in candidates:
-            if len(victims) == count:
-                break
-            if excess[sub.tenant] > 0:
-                excess[sub.tenant] -= 1
+            if taken[sub.tenant] > 0:
+                taken[sub.tenant] -= 1
                 victims.append(sub)
-        if not victims:  # every candidate went back once already: look again a little later, not every step
+        if not victims:  # every candidate went back often enough: look again a little later, not every step
             self._quiet_until = now + PREEMPT_QUIET_S
         return victims

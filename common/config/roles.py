@@ -142,9 +142,9 @@ class ProxyConfig:
         "shared", "when the TPOT target limits decode admission: 'shared' while two or more tenants have "
         "requests in the cluster (a lone tenant gets every decode slot), 'always', or 'never' (slots only)")
     preempt_for_fairness: Bool = option(
-        False, "while a tenant's request waits for a decode slot, the newest decoding requests of tenants over "
-        "their share of the slots (split by weight) go back to admission: their pages are freed and recomputed "
-        "later, their clients see a pause and no token twice")
+        False, "while a tenant's request waits for a decode slot and another tenant holds more slots for its "
+        "weight, that tenant's decoding requests cheapest to recompute go back to admission until the two are "
+        "even: their pages are freed and recomputed later, their clients see a pause and no token twice")
     ttft_slo_ms: Float = option(
         0.0, "time-to-first-token target: a prompt goes to a prefill worker only while that worker's predicted "
         "backlog (its fitted step model) stays within half of it, the rest waiting at the proxy in the fairness "

@@ -280,7 +280,7 @@ def test_preempt_for_fairness_makes_room_for_a_tenant_under_its_share(make_proxy
     """The heavy tenant, alone, fills all 8 slots with long requests (a token every 250 ms). When the light
     tenant comes, the TPOT target leaves 3 slots for both (a step of 300 ms + 50 ms a sequence within 460 ms;
     the model overpredicts the scripted worker, so its pace stays 1): with preempt_for_fairness the heavy
-    tenant's newest go back to admission and the light request runs at once; the preempted ones finish later
+    tenant's cheapest to recompute go back to admission and the light request runs at once; the preempted ones finish later
     with exactly the output an undisturbed request gets. Without it, the light request waits for the heavy
     ones to end."""
     tenants = [{"name": "heavy", "api_key_sha256": [hash_key("sk-heavy")]},
