@@ -90,10 +90,10 @@ def point(cluster: LocalCluster, a_streams: int, args, seed: int) -> dict:
                        for name in cluster.metrics_ports if "decode" in name}
         for tenant in KEYS:
             waiting[tenant] = total(text, "tessera_proxy_tenant_waiting", tenant=tenant)
-        # the decode worker's capacity within the TPOT target, its pace (proxy/capacity.py) and its own step
+        # the decode worker's capacity within the TPOT target, its lag (proxy/capacity.py) and its own step
         # timer's last prediction and measurement, as the window ends
         waiting["decode_capacity"] = total(text, "tessera_proxy_worker_decode_capacity")
-        waiting["step_pace"] = total(text, "tessera_proxy_worker_step_pace_ratio")
+        waiting["step_lag_ms"] = 1e3 * total(text, "tessera_proxy_worker_step_lag_seconds")
         for worker in workers.values():
             for gauge in ("predicted", "measured"):
                 waiting[f"step_{gauge}_ms"] = 1e3 * total(worker, f"tessera_worker_step_{gauge}_seconds")
@@ -116,6 +116,12 @@ def point(cluster: LocalCluster, a_streams: int, args, seed: int) -> dict:
                        "errors": sum(1 for r in records if r["tenant"] == tenant and r["status"] != 200)}
     served = row["A"]["served_per_min"] + row["B"]["served_per_min"]
     row["b_share"] = row["B"]["served_per_min"] / served if served else None
+    # B's share in each half of the window: a fair policy holds it flat (the service gap does not grow)
+    middle = (measure_from + until) / 2
+    for half, (lo, hi) in (("first", (measure_from, middle)), ("second", (middle, until))):
+        counts = {t: sum(1 for r in records if r["tenant"] == t and r["status"] == 200 and lo <= r["done"] < hi)
+                  for t in ("A", "B")}
+        row[f"b_share_{half}_half"] = counts["B"] / sum(counts.values()) if sum(counts.values()) else None
     return row
 
 
@@ -125,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scopes", default="shared,never", help="tpot_slo_scope values, one cluster each")
     parser.add_argument("--a-streams", default="4,16,64")
     parser.add_argument("--b-streams", type=int, default=4)
+    parser.add_argument("--b-weight", type=float, default=1.0, help="tenant B's weight (A's is 1)")
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--warm-up-s", type=float, default=10.0)
@@ -135,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="another proxy setting for every cluster, e.g. preempt_for_fairness=true")
     args = parser.parse_args(argv)
     model_dir = resolve_model(EMBEDDED_MODEL, args.dtype)
-    tenants = json.dumps([{"name": t, "api_key_sha256": [hash_key(k)]} for t, k in KEYS.items()])
+    weights = {"A": 1.0, "B": args.b_weight}
+    tenants = json.dumps([{"name": t, "api_key_sha256": [hash_key(k)], "weight": weights[t]} for t, k in KEYS.items()])
     rows = []
     seed = args.seed
     for scope in args.scopes.split(","):
@@ -153,13 +161,16 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             cluster.stop()
     print("\n| tpot_slo_scope | A's streams | B's TPOT p50 ms | A's TPOT p50 ms | B's TTFT p50 ms | "
-          "B's weighted tokens / min | B's share | waiting at the proxy (A / B) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "B's weighted tokens / min | both, weighted tokens / min | B's share (1st / 2nd half) | "
+          "waiting at the proxy (A / B) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        fmt = lambda v: "—" if v is None else f"{v:.0f}"  # noqa: E731
+        fmt = lambda v, spec=".0f": "—" if v is None else format(v, spec)  # noqa: E731
         print(f"| {r['scope']} | {r['a_streams']} | {fmt(r['B']['tpot_p50_ms'])} | {fmt(r['A']['tpot_p50_ms'])} | "
               f"{fmt(r['B']['ttft_p50_ms'])} | {r['B']['served_per_min']:,.0f} | "
-              f"{r['b_share']:.2f} | {r['waiting_at_end'].get('A', 0):.0f} / {r['waiting_at_end'].get('B', 0):.0f} |")
+              f"{r['A']['served_per_min'] + r['B']['served_per_min']:,.0f} | {fmt(r['b_share'], '.2f')} "
+              f"({fmt(r['b_share_first_half'], '.2f')} / {fmt(r['b_share_second_half'], '.2f')}) | "
+              f"{r['waiting_at_end'].get('A', 0):.0f} / {r['waiting_at_end'].get('B', 0):.0f} |")
     if args.results:
         args.results.write_text(json.dumps(rows, indent=1))
     return 0

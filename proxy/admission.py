@@ -197,7 +197,11 @@ class VtcQueue:
         self._lanes: list[dict[str, deque[Waiting]]] = [{} for _ in range(NUM_LANES)]
 
     def push(self, item: Waiting) -> None:
-        self._lanes[item.lane].setdefault(item.tenant, deque()).append(item)
+        queue = self._lanes[item.lane].setdefault(item.tenant, deque())
+        if queue and item.order < queue[-1].order:  # resumed or preempted: back in its arrival order
+            queue.insert(bisect.bisect([waiting.order for waiting in queue], item.order), item)
+        else:
+            queue.append(item)
 
     def pop_next(self, eligible: Eligible | None = None) -> Waiting | None:
         for lane in self._lanes:
@@ -345,6 +349,15 @@ class AdmissionController:
         if (item := self._next_prefill()) is not None:
             return Admit(Stage.PREFILLING, item.key, item.payload)
         return None
+
+    def admit_decode(self, tenant: str) -> Admit | None:
+        """``tenant``'s next ready choice, given the decode slot a preemption for fairness freed for it
+        (proxy/slo.py): READY -> DECODING whatever the slot count, which the preemption left as it was."""
+        item = self.decode_queue.pop_next(lambda t: t == tenant)
+        if item is None:
+            return None
+        self._move(item, Stage.READY, Stage.DECODING)
+        return Admit(Stage.DECODING, item.key, item.payload)
 
     def _next_decode(self) -> Waiting | None:
         if self.total(Stage.DECODING) >= self._decode_slots():

@@ -160,7 +160,7 @@ class Cluster:
             log.info("request %s prompt token ids: %s", request_id, prompts)
         self.admission.check_room(tenant, len(prompts) * params.n)
         if self.slo.forecast is not None:
-            self.slo.reject_early(tenant, len(prompts) * params.n)
+            self.slo.reject_early(tenant)
         sink: asyncio.Queue = asyncio.Queue()
         now = self._clock()
         client_deadline = None if timeout_s is None else now + timeout_s
@@ -185,26 +185,32 @@ class Cluster:
 
     def _dispatch(self) -> None:
         """Start what admission admits, one at a time, until it admits nothing more; with
-        ``preempt_for_fairness``, then make room for a tenant under its share, and admit again."""
-        while True:
-            while (admit := self.admission.next_admission()) is not None:
-                sub = admit.payload
-                with request_scope(sub.request_id, sub.tenant):
-                    sends = self._start_prefill(sub, admit) if admit.stage is Stage.PREFILLING else self._start_decode(sub)
-                self._act(sub, admit.stage, sends)
-            if not (self.config.preempt_for_fairness and self.admission.total(Stage.READY) and self._preempt()):
-                return
+        ``preempt_for_fairness``, then move decode slots between tenants once (``_preempt``)."""
+        self._admit()
+        if self.config.preempt_for_fairness and self.admission.total(Stage.READY) and self._preempt():
+            self._admit()
+
+    def _admit(self) -> None:
+        while (admit := self.admission.next_admission()) is not None:
+            self._start(admit)
+
+    def _start(self, admit: Admit) -> None:
+        sub = admit.payload
+        with request_scope(sub.request_id, sub.tenant):
+            sends = self._start_prefill(sub, admit) if admit.stage is Stage.PREFILLING else self._start_decode(sub)
+        self._act(sub, admit.stage, sends)
 
     def _preempt(self) -> bool:
-        """``preempt_for_fairness``: send back to admission the choices ``SloControls.to_preempt`` names;
-        whether there were any."""
+        """Each slot move ``SloControls.to_preempt`` names: the giver's choice back to admission, and the taker's
+        next ready choice into the slot it freed. Whether there were any."""
         now = self._clock()
-        victims = self.slo.to_preempt(self.inflight, now)
-        for sub in victims:
-            with request_scope(sub.request_id, sub.tenant):
-                self._act(sub, Stage.DECODING, sub.preempt(now))
-        return bool(victims)
-
+        moves = self.slo.to_preempt(self.inflight, now)
+        for victim, taker in moves:
+            with request_scope(victim.request_id, victim.tenant):
+                self._act(victim, Stage.DECODING, victim.preempt(now))
+            if (admit := self.admission.admit_decode(taker)) is not None:
+                self._start(admit)
+        return bool(moves)
 
     def _start_prefill(self, sub: SubRequest, admit: Admit) -> Sends:
         """Admitted to prefill: route it once, to a prefill worker or (local) to the decode worker that prefills it."""
@@ -317,7 +323,7 @@ class Cluster:
         self.policy.heartbeat(worker)
         self.metrics.set_worker_kv(worker.worker_id, worker.num_blocks, worker.free_blocks)
         if worker.decode_capable:
-            self.metrics.set_worker_capacity(worker.worker_id, worker.latency_capacity, worker.pace.ratio)
+            self.metrics.set_worker_capacity(worker.worker_id, worker.latency_capacity, worker.lag.ms)
         self._dispatch()  # a worker that stopped draining brings its decode slots back
 
     def _on_goodbye(self, sender: str, msg: Goodbye, now: float) -> None:

@@ -75,9 +75,9 @@ class ProxyMetrics:
         self.decode_capacity = Gauge("tessera_proxy_worker_decode_capacity",
                                      "Sequences a decode-capable worker may run within the TPOT target "
                                      "(proxy/capacity.py; 0 until it reports a step model)", ["worker_id"], registry=r)
-        self.step_pace = Gauge("tessera_proxy_worker_step_pace_ratio",
-                               "Time between a worker's decode steps as the proxy sees them, over its step model's "
-                               "prediction (decayed; 1 until 20 steps)", ["worker_id"], registry=r)
+        self.step_lag = Gauge("tessera_proxy_worker_step_lag_seconds",
+                              "How much later than its step model predicts a worker's decode steps reach the "
+                              "proxy, per step (decayed mean; 0 until 20 steps)", ["worker_id"], registry=r)
         self.kv_transfer_bytes = Counter("tessera_proxy_kv_transfer_bytes", "KV bytes pulled by decode workers",
                                          registry=r)
         self.kv_transfer_seconds = Histogram("tessera_proxy_kv_transfer_seconds", "KV pull duration",
@@ -162,12 +162,12 @@ class ProxyMetrics:
         self.kv_pages_free.labels(worker_id).set(free_blocks)
         self.kv_pages_used.labels(worker_id).set(max(num_blocks - free_blocks, 0))
 
-    def set_worker_capacity(self, worker_id: str, capacity: int, pace: float) -> None:
+    def set_worker_capacity(self, worker_id: str, capacity: int, lag_ms: float) -> None:
         self.decode_capacity.labels(worker_id).set(capacity)
-        self.step_pace.labels(worker_id).set(pace)
+        self.step_lag.labels(worker_id).set(lag_ms / 1e3)
 
     def forget_worker(self, worker_id: str) -> None:
-        for gauge in (self.kv_pages_free, self.kv_pages_used, self.decode_capacity, self.step_pace):
+        for gauge in (self.kv_pages_free, self.kv_pages_used, self.decode_capacity, self.step_lag):
             try:
                 gauge.remove(worker_id)
             except KeyError:

@@ -139,7 +139,10 @@ class RequestExits:
                 504, "the request's deadline (X-Request-Timeout) passed while it waited for admission; "
                 "it was dropped without running", code="deadline_exceeded")
         else:
-            what = "to resume after its worker was lost" if self.migrations else "and was dropped without running"
+            if self.preemptions and (self.lost is None or self.preemptions >= self.migrations):
+                what = "to go on after it was preempted for fairness (preempt_for_fairness)"
+            else:
+                what = "to resume after its worker was lost" if self.migrations else "and was dropped without running"
             reason, error = "queue_timeout", ApiError(
                 503, f"the cluster is saturated: the request waited queue_timeout_s={config.queue_timeout_s:g}s "
                 f"for admission {what}", code="queue_timeout", retry_after_s=config.retry_after_s)

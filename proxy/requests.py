@@ -92,6 +92,7 @@ class SubRequest(RequestExits):
         self._handoff: PrefillDone | None = None  # the prefill's result, while it waits for a decode slot
         self._lease_ends = 0.0  # when the prefill worker frees the handed-off pages (kv_lease_s after PrefillDone)
         self.route: Route | None = None  # chosen once, when admitted to prefill
+        self.decoding_since = 0.0  # when it was last given a decode slot (fairness preempts only one decoding since)
         self.admitted_at: float | None = None  # when admitted to prefill (kept only for the TTFT forecast)
         self.started = False  # sent to a worker (it left the admission queue)
         self.output_ids: list[int] = []  # every token the client has: a resumed request carries them
@@ -212,6 +213,7 @@ class SubRequest(RequestExits):
             self.deadline = now + self._config.token_timeout_s
         self.stage = Stage.DECODING
         self.decode_worker = decoder.worker_id
+        self.decoding_since = now
         if self.trace:
             decode.trace_context = self.trace.enter("proxy.decode", {"tessera.worker_id": decoder.worker_id})
         return [(decoder.worker_id, decode)]

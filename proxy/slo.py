@@ -11,10 +11,9 @@ cluster's ``_decode_slots``. The rest is here, called by the cluster (proxy/clus
   (the cluster is overloaded), with Retry-After the predicted excess. The forecast (``TtftForecast``) is
   fed by ``admitted_to_prefill`` and ``tokens_emitted``.
 - ``to_preempt`` (``preempt_for_fairness``): while a tenant with fewer decode slots for its weight than
-  another has a choice waiting for one, the other's newest decoding choices, as many as even them out (or,
-  when the TPOT target shrank the slots, as many as bring the over-served down to where the waiting get
-  in), those cheapest to recompute first. The cluster sends them back to admission (``SubRequest.preempt``);
-  a request goes back at most ``MAX_PREEMPTIONS`` times.
+  another has a choice waiting for one, slots move from the other to it, one choice each, until the two
+  are even. The cluster sends the giver's choice back to admission (``SubRequest.preempt``; at most
+  ``MAX_PREEMPTIONS`` times a request) and gives the slot to the taker's next ready choice at once.
 """
 from __future__ import annotations
 
@@ -71,19 +70,25 @@ class SloControls:
         if sub.admitted_at is not None and len(sub.output_ids) == sub.new_tokens:
             self.forecast.first_token(now - sub.admitted_at)
 
-    def reject_early(self, tenant: Tenant, count: int) -> None:
-        """ApiError when the last of ``count`` new choices of ``tenant`` is predicted to get its first token
-        after ``ttft_slo_ms``."""
+    def reject_early(self, tenant: Tenant) -> None:
+        """ApiError when a new choice of ``tenant`` is predicted to get its first token after ``ttft_slo_ms``.
+
+        Never while nothing waits ahead of it: it would be admitted now, and refusing it would not make the
+        cluster faster (nor could the forecast learn otherwise). A request's own choices (``n``, several
+        prompts) are not counted against it: they are admitted together when there is room.
+        """
         queued = self.admission.count[Stage.QUEUED]
         known = self.tenants.tenants
         lanes = {name: known[name].lane for name, waiting in queued.items() if waiting and name in known}
         ahead = choices_ahead(self.config.fairness_policy, queued, lanes, self.tenants.weights, tenant.name,
-                              tenant.lane, count)
+                              tenant.lane, 1)
+        if not ahead:
+            return
         predicted_s = self.forecast.predict_s(ahead)
         target_s = self.config.ttft_slo_ms / 1e3
         if predicted_s is None or predicted_s <= target_s:
             return
-        own = queued[tenant.name] + count - 1
+        own = queued[tenant.name]
         status = 429 if own * 2 > ahead else 503
         self.metrics.tenant_rejections.labels(tenant.name, "ttft_target").inc()
         whose = f"tenant {tenant.name!r}'s own queue" if status == 429 else "the cluster's load"
@@ -96,52 +101,61 @@ class SloControls:
 
     # -- fairness inside the running batch ---------------------------------------------------------
 
-    def to_preempt(self, inflight: dict[str, SubRequest], now: float) -> list[SubRequest]:
-        """The decoding choices to send back to admission now: of each tenant that gives slots, those preempted
-        the fewest times, then with the fewest tokens to recompute (a request's output grows while it decodes:
-        the newest cost least), none preempted ``MAX_PREEMPTIONS`` times.
+    def to_preempt(self, inflight: dict[str, SubRequest], now: float) -> list[tuple[SubRequest, str]]:
+        """The slot moves to make now, as (the giver's choice to send back to admission, the taker tenant).
 
-        A replay of decode admission on the counts: the waiting tenant with the fewest slots for its weight
-        (counting the one it would get) takes a free slot, or else one from the tenant with the most for its
-        weight (counting the one it would lose), as long as that leaves the taker no better off than the giver:
-        so no move is undone by the next, and a tenant never loses a slot to one that would then hold more.
-        When the TPOT target shrank the slots below what is decoding, the givers shrink first.
+        Run after an admission pass, so no slot is free for what waits. A replay of decode admission on the
+        counts: the waiting tenant with the fewest slots for its weight (counting the one it would get) takes
+        one from the tenant with the most for its weight (counting the one it would lose) in its own lane or
+        a lower one, as long as that leaves the taker no better off than the giver: so no move is undone by
+        the next. A move is a swap, whatever the slot count: when the TPOT target shrank the slots, the
+        over-served tenant shrinks as its requests end, not all at once. The giver's choice is one that has
+        decoded since it got its slot (not one still pulling its pages), on a worker that is not draining,
+        preempted the fewest times (at most ``MAX_PREEMPTIONS``), then with the fewest tokens to recompute.
         """
         if now < self._quiet_until:
             return []
+        slots = self.decode_slots()
         ready, decoding = self.admission.count[Stage.READY], self.admission.count[Stage.DECODING]
-        weights = self.tenants.weights
         held = {t: n for t, n in decoding.items() if n}
+        if not slots or sum(held.values()) < slots:
+            return []  # no worker takes decode work, or a free slot: admission fills it
         waiting = {t: n for t, n in ready.items() if n}
-        free = self.decode_slots() - sum(held.values())
-        taken: dict[str, int] = {}
+        planned = self._moves(held, waiting)
+        if not planned:
+            return []
+        givers = {giver for giver, _ in planned}
+        candidates: dict[str, list[SubRequest]] = {t: [] for t in givers}
+        limit = self.config.migration_max_tokens
+        for sub in inflight.values():
+            if (sub.stage is Stage.DECODING and sub.tenant in givers and sub.preemptions < MAX_PREEMPTIONS
+                    and sub.last_token_at > sub.decoding_since and len(sub.prompt) + len(sub.output_ids) <= limit
+                    and not getattr(self.registry.workers.get(sub.decode_worker), "draining", True)):
+                candidates[sub.tenant].append(sub)
+        for subs in candidates.values():
+            subs.sort(key=lambda s: (s.preemptions, len(s.prompt) + len(s.output_ids)), reverse=True)
+        moves = [(candidates[giver].pop(), taker) for giver, taker in planned if candidates[giver]]
+        if not moves:  # none of the givers' choices may go back now: look again a little later, not every step
+            self._quiet_until = now + PREEMPT_QUIET_S
+        return moves
+
+    def _moves(self, held: dict[str, int], waiting: dict[str, int]) -> list[tuple[str, str]]:
+        """The (giver, taker) slot moves of the replay, on the counts alone."""
+        weights, known = self.tenants.weights, self.tenants.tenants
+        lane = {t: known[t].lane if t in known else 1 for t in set(held) | set(waiting)}
+        planned = []
         while waiting:
             taker = min(waiting, key=lambda t: (held.get(t, 0) + 1) / weights.get(t, 1.0))
-            if free > 0:
-                free -= 1
-            else:
-                giver = max(held, key=lambda t: (held[t] - 1) / weights.get(t, 1.0), default=None)
-                if giver is None or giver == taker or (held.get(taker, 0) + 1) / weights.get(taker, 1.0) > (
-                        held[giver] - 1) / weights.get(giver, 1.0):
-                    break
-                held[giver] -= 1
-                taken[giver] = taken.get(giver, 0) + 1
-                free += 1
-                continue
+            after = (held.get(taker, 0) + 1) / weights.get(taker, 1.0)
+            givers = [t for t, n in held.items() if n and t != taker and lane[t] >= lane[taker]
+                      and (n - 1) / weights.get(t, 1.0) >= after]
+            if not givers:
+                break
+            giver = max(givers, key=lambda t: (held[t] - 1) / weights.get(t, 1.0))
+            held[giver] -= 1
             held[taker] = held.get(taker, 0) + 1
+            planned.append((giver, taker))
             waiting[taker] -= 1
             if not waiting[taker]:
                 del waiting[taker]
-        if not taken:
-            return []
-        candidates = sorted((s for s in inflight.values() if s.stage is Stage.DECODING
-                             and s.preemptions < MAX_PREEMPTIONS and taken.get(s.tenant, 0) > 0),
-                            key=lambda s: (s.preemptions, len(s.prompt) + len(s.output_ids)))
-        victims = []
-        for sub in candidates:
-            if taken[sub.tenant] > 0:
-                taken[sub.tenant] -= 1
-                victims.append(sub)
-        if not victims:  # every candidate went back often enough: look again a little later, not every step
-            self._quiet_until = now + PREEMPT_QUIET_S
-        return victims
+        return planned

@@ -45,7 +45,7 @@ from common.protocol.wire import (
     Goodbye, Heartbeat, KVLayoutInfo, PeerInfo, Peers, Register, RegisterAck, Role, StepCostModel, encode,
 )
 from common.runtime.zmq_security import CurveServer, apply_curve_server, start_authenticator
-from proxy.capacity import ASSUMED_CONTEXT, PACE_DECAY, StepPace, latency_capacity
+from proxy.capacity import ASSUMED_CONTEXT, LAG_DECAY, LAG_SAMPLE_MAX_MS, StepLag, latency_capacity
 from proxy.registration import ClusterModel, refusal
 
 log = logging.getLogger("tessera.proxy")
@@ -72,7 +72,7 @@ class WorkerState:
     context_tokens: int = 0  # its running sequences' tokens, summed (heartbeat)
     step_cost: StepCostModel | None = None  # its fit of its step time (heartbeat); None: not known yet
     latency_capacity: int = 0  # sequences it may run within the TPOT target (proxy/capacity.py); 0: unknown
-    pace: StepPace = field(default_factory=StepPace)  # its steps as they come, against its model
+    lag: StepLag = field(default_factory=StepLag)  # its steps as they come, against its model
 
     @property
     def serves_prefill(self) -> bool:
@@ -127,7 +127,7 @@ class WorkerRegistry:
         replaced = old if old is not None and old.epoch != msg.epoch else None
         if old is not None and replaced is None:  # a retried Register: keep the load we know
             for name in ("free_blocks", "num_running", "outstanding_prefill_tokens", "draining", "context_tokens",
-                         "step_cost", "latency_capacity", "pace"):
+                         "step_cost", "latency_capacity", "lag"):
                 setattr(worker, name, getattr(old, name))
         self.workers[msg.worker_id] = worker
         self._rejoin_asked.pop(msg.worker_id, None)
@@ -147,9 +147,11 @@ class WorkerRegistry:
         worker.outstanding_prefill_tokens = msg.outstanding_prefill_tokens
         worker.context_tokens = msg.context_tokens
         worker.step_cost = msg.step_cost
+        if not msg.num_running:
+            worker.lag.last_at = None  # it runs nothing: the next step's tokens end no step the proxy timed
         worker.latency_capacity = latency_capacity(msg.step_cost, worker.max_num_seqs, msg.num_running,
                                                    msg.context_tokens, self.tpot_slo_ms, self.tpot_slo_factor,
-                                                   worker.pace.ratio)
+                                                   worker.lag.ms)
         if msg.draining and not worker.draining:
             log.info("worker %r is draining: no new requests go to it", msg.worker_id)
         worker.draining = msg.draining
@@ -160,13 +162,14 @@ class WorkerRegistry:
         worker = self.workers.get(worker_id)
         if worker is None or worker.step_cost is None:
             return
-        pace = worker.pace
-        if pace.last_at is not None:
+        lag = worker.lag
+        if lag.last_at is not None:
             context = worker.context_tokens // worker.num_running if worker.num_running else ASSUMED_CONTEXT
-            pace.observed_ms = pace.observed_ms * PACE_DECAY + (now - pace.last_at) * 1e3
-            pace.predicted_ms = pace.predicted_ms * PACE_DECAY + worker.step_cost.step_ms(rows, rows * context)
-            pace.samples += 1
-        pace.last_at = now if running_after else None
+            sample = (now - lag.last_at) * 1e3 - worker.step_cost.step_ms(rows, rows * context)
+            lag.lag_ms = lag.lag_ms * LAG_DECAY + min(sample, LAG_SAMPLE_MAX_MS)
+            lag.weight = lag.weight * LAG_DECAY + 1.0
+            lag.samples += 1
+        lag.last_at = now if running_after else None
 
     def ask_to_rejoin(self, worker_id: str, now: float) -> bool:
         """Whether to answer a heartbeat that ``heartbeat`` did not apply with Reregister now; counts as asked."""

@@ -193,6 +193,9 @@ class ProxyConfig:
         if self.decode_slot_share > 1:
             raise ConfigError(f"config field 'decode_slot_share' = {self.decode_slot_share!r} is invalid: "
                               "a fraction in (0, 1]")
+        if self.preempt_for_fairness and self.fairness_policy != "vtc":
+            raise ConfigError(f"config field 'preempt_for_fairness' needs fairness_policy 'vtc' (it evens out "
+                              f"service between tenants), not {self.fairness_policy!r}")
         if self.early_rejection and not self.ttft_slo_ms:
             raise ConfigError("config field 'early_rejection' is true but ttft_slo_ms is 0: set the "
                               "time-to-first-token target that requests are refused against")

@@ -363,8 +363,7 @@ class StepTimer:
         return fit.solve()
 
     def report(self) -> StepCostModel | None:
-        """The current fit for the heartbeat (refitted at most every ``refit_s``); None until the torch-path
-        regime is known."""
+        """The current fit for the heartbeat (refitted at most every ``refit_s``); None until a regime is known."""
         now = time.monotonic()
         if now >= self._refit_at:
             self._refit_at = now + self.refit_s
@@ -372,10 +371,15 @@ class StepTimer:
         return self._report
 
     def _fit(self) -> StepCostModel | None:
+        """The regimes known so far. The wire needs ``large``: until it is known the fused kernel's fit stands in
+        for it (a worker that never runs more than ``small_max_rows`` sequences), or else the prompt steps'
+        (a prefill worker, which runs nothing else: what the proxy's TTFT gate reads)."""
+        small, mixed = self._ready(self.small), self._ready(self.mixed)
         large = self._ready(self.large)
         if large is None:
+            large = small if small is not None else mixed
+        if large is None:
             return None
-        small, mixed = self._ready(self.small), self._ready(self.mixed)
         return StepCostModel(small_max_rows=self.small_max_rows if small is not None else 0,
                              small=list(small) if small is not None else [], large=list(large),
                              mixed=list(mixed) if mixed is not None else [],

@@ -172,10 +172,10 @@ def test_capacity_is_at_least_one_and_at_most_the_slots():
     assert registry.workers["d0"].latency_capacity == 4
 
 
-def steps_at_pace(registry: WorkerRegistry, rows: int, ratio: float, count: int, start: float = 1.0) -> float:
-    """``count`` decode steps of ``rows`` sequences from d0, each ``ratio`` times its predicted step apart."""
+def steps_late(registry: WorkerRegistry, rows: int, lag_ms: float, count: int, start: float = 1.0) -> float:
+    """``count`` decode steps of ``rows`` sequences from d0, each ``lag_ms`` later than its predicted step."""
     d0 = registry.workers["d0"]
-    step_s = ratio * COST.step_ms(rows, rows * (d0.context_tokens // d0.num_running)) / 1e3
+    step_s = (COST.step_ms(rows, rows * (d0.context_tokens // d0.num_running)) + lag_ms) / 1e3
     now = start
     for _ in range(count):
         registry.observe_step("d0", rows, True, now)
@@ -183,35 +183,53 @@ def steps_at_pace(registry: WorkerRegistry, rows: int, ratio: float, count: int,
     return now
 
 
-def test_steps_that_come_slower_than_predicted_shrink_the_capacity():
+def heartbeat_d0(registry: WorkerRegistry, now: float, running: int = 10) -> None:
+    registry.heartbeat(Heartbeat("d0", 1, 900, running, 0, 0, False, running * 400, COST), now)
+
+
+def test_steps_that_come_later_than_predicted_shrink_the_capacity():
     registry = registry_with(slo_ms=60.0)
-    registry.heartbeat(Heartbeat("d0", 1, 900, 10, 0, 0, False, 10 * 400, COST), 1.0)
+    heartbeat_d0(registry, 1.0)
     assert registry.workers["d0"].latency_capacity == 17
-    now = steps_at_pace(registry, 10, 2.0, 10)
-    assert registry.workers["d0"].pace.ratio == 1.0  # too few steps seen to judge
-    now = steps_at_pace(registry, 10, 2.0, 100, now)
-    registry.heartbeat(Heartbeat("d0", 1, 900, 10, 0, 0, False, 10 * 400, COST), now)
+    now = steps_late(registry, 10, 20.0, 10)
+    assert registry.workers["d0"].lag.ms == 0.0  # too few steps seen to judge
+    now = steps_late(registry, 10, 20.0, 100, now)
+    heartbeat_d0(registry, now)
     d0 = registry.workers["d0"]
-    assert d0.pace.ratio == pytest.approx(2.0, rel=0.02)
-    # 8 rows in the fused regime: 2 x (9 + 0.8 R + 1.2 R) = 50 <= 60; 9 in the large one: 2 x 33.9 > 60
-    assert d0.latency_capacity == 8
-    assert registry.decode_slots(within_tpot=True) == 8 + 128
+    assert d0.lag.ms == pytest.approx(20.0, rel=0.02)
+    # each step within 60 - 20 ms: 6 + 1.5 R + 1.6 R <= 40 up to 10 rows (11: 40.1)
+    assert d0.latency_capacity == 10
+    assert registry.decode_slots(within_tpot=True) == 10 + 128
 
 
-def test_an_idle_gap_is_not_a_slow_step():
+def test_an_idle_gap_is_not_a_late_step():
     registry = registry_with(slo_ms=60.0)
-    registry.heartbeat(Heartbeat("d0", 1, 900, 10, 0, 0, False, 10 * 400, COST), 1.0)
-    now = steps_at_pace(registry, 10, 1.0, 50)
-    registry.observe_step("d0", 1, False, now)  # its last sequence finished: the worker goes idle
-    now = steps_at_pace(registry, 10, 1.0, 50, now + 30.0)  # the next request comes half a minute later
-    assert registry.workers["d0"].pace.ratio == pytest.approx(1.0, rel=0.02)
+    heartbeat_d0(registry, 1.0)
+    now = steps_late(registry, 10, 0.0, 50)
+    registry.observe_step("d0", 10, False, now)  # its last sequences finished: the worker goes idle
+    now = steps_late(registry, 10, 0.0, 50, now + 30.0)  # the next request comes half a minute later
+    assert registry.workers["d0"].lag.ms == pytest.approx(0.0, abs=0.01)
 
 
-def test_the_pace_is_bounded_so_one_stall_cannot_close_a_worker():
+def test_a_batch_that_ended_by_abort_is_closed_by_the_heartbeat():
+    """Aborted sequences send no last tokens: the heartbeat saying the worker runs nothing ends the timing."""
     registry = registry_with(slo_ms=60.0)
-    registry.heartbeat(Heartbeat("d0", 1, 900, 10, 0, 0, False, 10 * 400, COST), 1.0)
-    steps_at_pace(registry, 10, 1000.0, 30)
-    assert registry.workers["d0"].pace.ratio == 8.0
+    heartbeat_d0(registry, 1.0)
+    now = steps_late(registry, 10, 0.0, 50)  # the last step left sequences running; then they were aborted
+    heartbeat_d0(registry, now + 1.0, running=0)
+    heartbeat_d0(registry, now + 30.0)
+    steps_late(registry, 10, 0.0, 50, now + 30.0)
+    assert registry.workers["d0"].lag.ms == pytest.approx(0.0, abs=0.01)
+
+
+def test_the_lag_is_bounded_so_stalls_cannot_close_a_worker():
+    registry = registry_with(slo_ms=60.0)
+    heartbeat_d0(registry, 1.0)
+    now = steps_late(registry, 10, 10_000.0, 30)  # ten seconds late, every step
+    assert registry.workers["d0"].lag.ms == pytest.approx(250.0)  # each step counts at most LAG_SAMPLE_MAX_MS
+    heartbeat_d0(registry, now)
+    # the capacity spends at most half the budget on the lag: 8 rows of the fused regime fit 30 ms (25 ms)
+    assert registry.workers["d0"].latency_capacity == 8
 
 
 def test_the_prediction_before_each_decode_step_is_tracked_against_the_measured_time():

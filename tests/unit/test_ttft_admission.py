@@ -1,14 +1,23 @@
-"""Admission against a TTFT target (proxy/capacity.py, proxy/admission.py): the forecast of a new request's time
-to first token, how many queued choices go before it under each policy, and the prefill gate."""
+"""Admission against the latency targets (proxy/capacity.py, proxy/admission.py, proxy/slo.py): the forecast of
+a new request's time to first token, how many queued choices go before it under each policy, the prefill gate,
+early rejection, and which decode slots move for fairness."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
 from common.config.base import ConfigError
 from common.config.roles import ProxyConfig
+from common.engine.model_runner import StepTimer
+from common.protocol.wire import Heartbeat, KVLayoutInfo, Register, StepCostModel
 from proxy.admission import AdmissionController, Stage
 from proxy.capacity import TTFT_MIN_SAMPLES, TtftForecast, choices_ahead
+from proxy.errors import ApiError
+from proxy.metrics import ProxyMetrics
+from proxy.slo import MAX_PREEMPTIONS, SloControls
 from proxy.tenants import TenantRegistry
+from proxy.workers import WorkerRegistry
 
 
 def test_the_forecast_is_the_wait_for_admission_plus_the_time_to_the_first_token():
@@ -78,3 +87,113 @@ def test_early_rejection_needs_a_target():
     with pytest.raises(ConfigError, match="early_rejection.*ttft_slo_ms"):
         ProxyConfig(early_rejection=True)
     ProxyConfig(early_rejection=True, ttft_slo_ms=2000.0)
+
+
+# -- SloControls (proxy/slo.py) on real registries --------------------------------------------------
+
+LAYOUT = KVLayoutInfo(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")
+
+
+class Outstanding:
+    """The routing policy's one method the prefill gate reads."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, int] = {}
+
+    def outstanding_prefill_tokens(self, worker_id: str) -> int:
+        return self.tokens.get(worker_id, 0)
+
+
+def controls(cfg: ProxyConfig, slots: int = 8) -> tuple[SloControls, WorkerRegistry, Outstanding]:
+    registry = WorkerRegistry(5.0)
+    for worker_id, role in (("p0", "prefill"), ("d0", "decode")):
+        msg = Register(worker_id, role, 1, "m", "v", LAYOUT, 1000, 4096, "fake", b"", slots)
+        assert registry.register(msg, 0.0).ack.accepted
+    tenants, policy = TenantRegistry(cfg), Outstanding()
+    slo = SloControls(cfg, registry, tenants, policy, ProxyMetrics(), lambda: slots)
+    slo.admission = AdmissionController(cfg, tenants, lambda: slots)
+    return slo, registry, policy
+
+
+def test_the_prefill_gate_reads_the_prefill_workers_own_model():
+    slo, registry, policy = controls(ProxyConfig(ttft_slo_ms=400.0))
+    assert slo.prefill_room()  # no model yet: room
+    prompt_steps = StepCostModel(small_max_rows=0, small=[], large=[10.0, 0.0, 0.0, 0.5, 0.0],
+                                 mixed=[10.0, 0.0, 0.0, 0.5, 0.0])
+    registry.heartbeat(Heartbeat("p0", 1, 900, 0, 0, 0, False, 0, prompt_steps), 1.0)
+    policy.tokens["p0"] = 380  # 10 + 0.5 x 380 = 200 ms: half the target
+    assert slo.prefill_room()
+    policy.tokens["p0"] = 400
+    assert not slo.prefill_room()
+    registry.workers["p0"].draining = True  # no prefill worker takes prompts: the decode side prefills
+    assert slo.prefill_room()
+
+
+def test_a_prefill_worker_reports_its_prompt_steps_as_its_model():
+    timer = StepTimer(small_max_rows=8, min_samples=5, refit_s=0.0)
+    for tokens in (64, 128, 256, 512, 64, 128, 256, 512):
+        timer.observe(0, 0, tokens, tokens * (tokens + 1) // 2, (5.0 + 0.2 * tokens) / 1e3)
+    cost = timer.report()
+    assert cost is not None and cost.step_ms(0, 0, 300, 300 * 301 // 2) == pytest.approx(65.0, rel=0.05)
+
+
+def fill_queue(slo: SloControls, tenant: str, count: int) -> None:
+    registry = slo.tenants
+    for i in range(count):
+        slo.admission.enqueue(f"{tenant}-{i}", registry.get(tenant), 10, None)
+
+
+def test_early_rejection_blames_the_tenant_whose_queue_it_is_and_never_refuses_with_nothing_ahead():
+    cfg = ProxyConfig(ttft_slo_ms=300.0, early_rejection=True, tenants=[{"name": "a"}, {"name": "b"}])
+    slo, _, _ = controls(cfg)
+    for _ in range(TTFT_MIN_SAMPLES + 1):
+        slo.forecast.first_token(0.1)
+        slo.forecast.admitted(0.0, still_waiting=True)
+    slo.forecast.interval_s = 0.05
+    a, b = slo.tenants.get("a"), slo.tenants.get("b")
+    slo.reject_early(a)  # an empty queue: nothing ahead, whatever the forecast
+    fill_queue(slo, "a", 20)
+    with pytest.raises(ApiError, match="ttft_slo_ms=300") as caught:
+        slo.reject_early(a)  # 20 of its own ahead: 0.1 + 20 x 0.05 s
+    assert caught.value.status == 429 and caught.value.retry_after_s == 1
+    slo.reject_early(b)  # under vtc b waits for one of a's: 0.15 s
+    fill_queue(slo, "b", 12)
+    with pytest.raises(ApiError) as caught:
+        slo.reject_early(b)  # 12 of its own and 13 of a's ahead
+    assert caught.value.status == 503 and "cluster's load" in caught.value.message
+
+
+def decoding(tenant: str, worker: str = "d0", preemptions: int = 0, tokens: int = 10) -> SimpleNamespace:
+    return SimpleNamespace(stage=Stage.DECODING, tenant=tenant, preemptions=preemptions, decoding_since=1.0,
+                           last_token_at=2.0, prompt=[1] * tokens, output_ids=[], decode_worker=worker)
+
+
+def preemption_setup(heavy: int, light_ready: int, slots: int = 4, lanes=("p1", "p1")):
+    cfg = ProxyConfig(preempt_for_fairness=True, tenants=[{"name": "heavy", "priority": lanes[0]},
+                                                           {"name": "light", "priority": lanes[1]}])
+    slo, registry, _ = controls(cfg, slots)
+    inflight = {f"h{i}": decoding("heavy", tokens=10 + i) for i in range(heavy)}
+    slo.admission.count[Stage.DECODING]["heavy"] = heavy
+    slo.admission.count[Stage.READY]["light"] = light_ready
+    slo.admission.count[Stage.READY]["heavy"] = 4  # the heavy tenant's own backlog
+    return slo, registry, inflight
+
+
+def test_a_slot_moves_from_the_tenant_with_the_most_to_the_waiting_one_until_they_are_even():
+    slo, _, inflight = preemption_setup(heavy=4, light_ready=3)
+    moves = slo.to_preempt(inflight, 10.0)
+    assert [taker for _, taker in moves] == ["light", "light"]  # 4 + 0 -> 2 + 2, not 1 + 3
+    assert [victim.prompt for victim, _ in moves] == [[1] * 10, [1] * 11]  # the cheapest to recompute first
+
+
+def test_no_slot_moves_to_a_lower_lane_from_a_draining_worker_or_past_the_preemption_limit():
+    slo, _, inflight = preemption_setup(heavy=4, light_ready=3, lanes=("p0", "p2"))
+    assert slo.to_preempt(inflight, 10.0) == []  # p2 does not take from p0
+    slo, registry, inflight = preemption_setup(heavy=4, light_ready=3)
+    registry.workers["d0"].draining = True
+    assert slo.to_preempt(inflight, 10.0) == []  # those finish where they are
+    slo, _, inflight = preemption_setup(heavy=4, light_ready=3)
+    for sub in inflight.values():
+        sub.preemptions = MAX_PREEMPTIONS
+    assert slo.to_preempt(inflight, 10.0) == []
+    assert slo.to_preempt(inflight, 10.05) == []  # and it looks again only after PREEMPT_QUIET_S
