@@ -1,60 +1,22 @@
 """Admission control: requests wait here for prefill, then for a decode slot, in the policy's order.
 
-Two admission points share the tenants' service counters (``fairness``):
-
     check_room (429 / 503) --enqueue--> QUEUED --admit to prefill--> PREFILLING --ready_for_decode-->
         READY --admit to decode--> DECODING --leave--> gone
-    (``leave`` from any stage: it ended; ``requeue`` from a started one: it resumes elsewhere)
+    (``leave`` from any stage; ``requeue`` from a started one: it resumes elsewhere, or was preempted)
 
-The stage is the request's own (``Stage``, on ``SubRequest.stage``); admission keeps only how
-many choices of each tenant are in each stage, and its two queues.
+The stage is the request's own (``SubRequest.stage``); admission keeps how many choices of each tenant are
+in each stage, and two queues. Prefill admission takes the policy's next choice while the decode slots are
+not all spoken for, else only of tenants with fewer than ``prefill_ahead_per_tenant`` choices ahead (and,
+with ``ttft_slo_ms``, only while ``prefill_room``); ``prefill_started`` charges the prompt. Decode admission
+gives a free slot (``decode_slots``) to the policy's next ready choice; ``admit_decode`` gives a slot that
+fairness preemption freed (proxy/slo.py) to a named tenant. ``next_admission`` decides and its owner
+(proxy/cluster.py) starts what it returns, one at a time, until it returns None.
 
-- QUEUED -> PREFILLING (prefill admission): the policy's next choice, as long
-  as the decode slots are not all spoken for (decoding, or ahead: admitted
-  but holding no decode slot yet); once they are, the next choice among the
-  tenants with fewer than ``prefill_ahead_per_tenant`` choices ahead, so
-  that a saturated cluster still prefills a few requests of every tenant
-  (and no more). The owner starts its prefill: on a prefill worker (it
-  reports ``ready_for_decode`` when PrefillDone arrives), or local (ready at
-  once: the decode worker prefills it); once started, ``prefill_started``
-  charges its tenant the prompt.
-  With a TTFT target (``ttft_slo_ms``) it also waits while no prefill
-  worker's predicted backlog is within half the target (``prefill_room``).
-- READY -> DECODING (decode admission): while the decode-capable workers
-  have a free slot (their ``max_num_seqs`` summed, from Register), the
-  ready choice of the tenant with the smallest counter (or first, for fcfs)
-  gets it. It holds the slot until it leaves.
-
-A tenant is backlogged while it has a choice queued, prefilling or ready (not yet decoding); as it
-becomes backlogged its counter is lifted (``BacklogLift``), so a tenant between two requests of a closed
-loop keeps its place while one that was idle banks no credit.
-
-Because a tenant's prefills run ahead of its decode slots only by a few, a light tenant's request is
-prefilled (and gets its first token) at once even while a heavy tenant keeps every decode slot busy, and
-it takes the next free decode slot. The owner may fail to start an admitted choice (a deadline passed
-while waiting, no worker left); the choice then leaves.
-
-``check_room``: a tenant over ``max_concurrent`` (choices anywhere here) or
-``max_queued`` (choices waiting) gets 429, a full queue
-(``max_queued_requests``) 503, both with Retry-After.
-
-Admission decides and its owner acts: ``next_admission`` returns the next choice to start now (an
-``Admit``), already moved to its new state; it calls nothing back. The owner (``proxy.cluster``) starts
-it and asks again until it returns None, after each enqueue and whenever capacity may have freed (a
-choice left or became ready, a worker registered). One at a time, so that a started prefill's charge
-counts before the next choice is made. Everything runs in the event loop.
-
-The order (``fairness_policy``) is one of three queues behind one interface: ``fcfs`` (arrival order),
-``priority`` (lane p0 before p1 before p2, arrival order within a lane) and ``vtc`` (lanes as above;
-within a lane, the oldest request of the backlogged tenant with the smallest virtual token counter: the
-Virtual Token Counter of Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024).
-``ServiceCounters`` keep every tenant's counter under every policy (the workers get it for preemption,
-and the benchmark compares policies on the same numbers): ``input_weight`` per prompt token plus
-``output_weight`` per generated token, over the tenant's weight. ``BacklogLift`` lifts a tenant that
-becomes backlogged again to the smallest counter of its lane's backlogged tenants (or, when none is, to
-the counter of the lane's tenant that stopped being backlogged last), so that idle time banks no credit.
-A queue's hooks: ``push``, ``pop_next(eligible)`` (the next request of a tenant for which ``eligible``
-holds), ``remove``. """
+The order (``fairness_policy``): ``fcfs``, ``priority`` (lanes p0, p1, p2) or ``vtc`` (lanes, then the
+backlogged tenant with the smallest virtual token counter: Sheng et al., OSDI 2024). ``ServiceCounters``
+keep every tenant's counter under every policy; ``BacklogLift`` lifts a tenant becoming backlogged to the
+smallest counter of its lane's backlogged tenants, so idle time banks no credit. The why of each rule:
+docs/fairness.md ("Admission: two stages, one counter per tenant")."""
 
 from __future__ import annotations
 
@@ -229,22 +191,15 @@ class VtcQueue:
 
 
 def make_queue(policy: str, counters: ServiceCounters) -> FairnessQueue:
-    if policy == "fcfs":
-        return FcfsQueue(counters)
-    if policy == "priority":
-        return PriorityQueue(counters)
-    if policy == "vtc":
-        return VtcQueue(counters)
+    queue = {"fcfs": FcfsQueue, "priority": PriorityQueue, "vtc": VtcQueue}.get(policy)
+    if queue is not None:
+        return queue(counters)
     raise ValueError(f"config field 'fairness_policy' = {policy!r} is invalid: one of {FAIRNESS_POLICIES}")
 
 
 class Stage(enum.IntEnum):
-    """Where a choice is, from submission to its end: kept on the request alone (``SubRequest.stage``).
-
-    Admission counts choices per stage and tenant; it moves a choice QUEUED -> PREFILLING (admitted to
-    prefill) and READY -> DECODING (given a decode slot), and is told the rest (``ready_for_decode``,
-    ``leave``) with the stage the choice was counted in.
-    """
+    """Where a choice is, kept on the request alone (``SubRequest.stage``). Admission moves QUEUED -> PREFILLING
+    and READY -> DECODING, and is told the rest with the stage the choice was counted in."""
     QUEUED = 0  # waiting for admission to prefill
     PREFILLING = 1  # admitted: its prefill runs (on a prefill worker; a local one is READY at once)
     READY = 2  # prefilled, or to be prefilled on its decode worker: waiting for a decode slot

@@ -4,7 +4,8 @@ Request life cycle, as queues and hops (one sub-request per choice):
 
     HTTP handler --submit--> admission queue --dispatch--> policy.route --> SubRequest.start --> outbox --> worker
     worker --frames--> WorkerLink (I/O task) --on_frames--> decode --> handle
-        Register/Heartbeat/Goodbye --> registry (+ RegisterAck, Peers; Reregister to an unknown heartbeat)
+        Register/Heartbeat/Goodbye --> registry (+ RegisterAck, Peers; Reregister to an unknown heartbeat),
+            in proxy/membership.py, the cluster's base class
         PrefillDone/KVPulled/RequestFailed, and each TokenDelta of a step's TokenDeltas --> that SubRequest
     SubRequest --events--> RequestGroup queue --> HTTP handler (stream or collect)
 
@@ -26,13 +27,14 @@ from common.config.roles import ProxyConfig
 from common.runtime.tracing import make_tracing
 from common.protocol.sampling_params import SamplingParams
 from common.protocol.wire import (
-    Abort, DecodeRequest, Goodbye, Heartbeat, KVPulled, PrefillDone, PrefillRequest, Register, RegisterAck,
-    Reregister, ReleaseKV, RequestFailed, TokenDeltas, WireError, decode,
+    Abort, DecodeRequest, Goodbye, Heartbeat, KVPulled, PrefillDone, PrefillRequest, Register, ReleaseKV,
+    RequestFailed, TokenDeltas, WireError, decode,
 )
 from proxy.admission import Admit, AdmissionController, Stage
 from proxy.errors import ApiError
+from proxy.membership import WorkerMembership
 from proxy.metrics import ProxyMetrics
-from proxy.workers import WorkerRegistry, WorkerState
+from proxy.workers import WorkerRegistry
 from proxy.requests import RequestGroup, Sends, SubRequest
 from proxy.routing import RoutingPolicy
 from proxy.slo import SloControls
@@ -47,7 +49,7 @@ SHARED_WINDOW_S = 2.0
 Outbox = Callable[[str, object], None]
 
 
-class Cluster:
+class Cluster(WorkerMembership):
     def __init__(self, config: ProxyConfig, policy: RoutingPolicy, metrics: ProxyMetrics,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
@@ -286,51 +288,6 @@ class Cluster:
         sub = self.inflight.get(wire_id.partition("~")[0])
         return sub if sub is not None and sub.wire_id == wire_id else None
 
-    def _on_register(self, sender: str, msg: Register, now: float) -> None:
-        if sender != msg.worker_id:
-            reason = f"socket identity {sender!r} differs from worker_id {msg.worker_id!r}"
-            log.warning("refused worker %r: %s", msg.worker_id, reason)
-            self.send(sender, RegisterAck(msg.worker_id, False, reason))
-            return
-        outcome = self.registry.register(msg, now)
-        if outcome.replaced is not None:
-            self._worker_gone(outcome.replaced, f"it re-registered with epoch {msg.epoch}", expected=False)
-        self.send(sender, outcome.ack)
-        worker = outcome.worker
-        if worker is None:
-            return
-        self.metrics.set_worker_kv(worker.worker_id, worker.num_blocks, worker.free_blocks)
-        self._update_worker_gauges()
-        if outcome.prefill_set_changed:
-            self._broadcast_peers()
-        elif worker.decode_capable:
-            self.send(worker.worker_id, self.registry.peers())
-        self._dispatch()  # more decode slots
-
-    def _on_heartbeat(self, sender: str, msg: Heartbeat, now: float) -> None:
-        worker = self.registry.heartbeat(msg, now) if sender == msg.worker_id else None
-        if worker is None:
-            # Only heartbeats get this answer: a worker sends them only while it believes itself registered
-            # and stops on the first Reregister; the rate limit covers those already on the way, so no late
-            # Reregister makes a rejoined worker drop the new work. Stray request messages get their own
-            # answers below (ReleaseKV, Abort).
-            if self.registry.ask_to_rejoin(sender, now):
-                log.warning("heartbeat from %r epoch %d, which is not registered with that epoch: asking it "
-                            "to register again", sender, msg.epoch)
-                self.send(sender, Reregister(msg.worker_id, msg.epoch,
-                                             f"the proxy does not know worker {msg.worker_id!r} epoch {msg.epoch}"))
-            return
-        self.policy.heartbeat(worker)
-        self.metrics.set_worker_kv(worker.worker_id, worker.num_blocks, worker.free_blocks)
-        if worker.decode_capable:
-            self.metrics.set_worker_capacity(worker.worker_id, worker.latency_capacity, worker.lag.ms)
-        self._dispatch()  # a worker that stopped draining brings its decode slots back
-
-    def _on_goodbye(self, sender: str, msg: Goodbye, now: float) -> None:
-        worker = self.registry.goodbye(msg) if sender == msg.worker_id else None
-        if worker is not None:
-            self._worker_gone(worker, f"it said goodbye ({msg.reason or 'no reason given'})", expected=True)
-
     # A stray message (no such request, or not from the worker serving it) is answered so that
     # the sender frees what it holds; pages the request still relies on are never touched.
 
@@ -391,30 +348,6 @@ class Cluster:
 
     # -- worker loss and shutdown ----------------------------------------------------------------
 
-    def on_disconnect(self, identity: bytes) -> None:
-        """A worker's connection closed (its process exited, or its host went away): gone now, not after
-        ``heartbeat_timeout_s``."""
-        worker = self.registry.disconnected(identity.decode(errors="replace"))
-        if worker is not None:
-            self.metrics.disconnects.labels(worker.worker_id).inc()
-            self._worker_gone(worker, "its connection closed (the process exited or its host is unreachable)",
-                              expected=False)
-
-    def expire_workers(self) -> None:
-        for worker in self.registry.expire(self._clock()):
-            self.metrics.heartbeats_missed.labels(worker.worker_id).inc()
-            self._worker_gone(worker, f"no heartbeat for heartbeat_timeout_s={self.config.heartbeat_timeout_s}s",
-                              expected=False)
-
-    async def watch_heartbeats(self) -> None:
-        """Runs for the proxy's life: removes workers that went silent."""
-        while True:
-            await asyncio.sleep(self.config.heartbeat_timeout_s / 4)
-            try:
-                self.expire_workers()
-            except Exception:  # a bug here must not leave dead workers registered forever
-                log.exception("error expiring workers")
-
     def start_draining(self) -> None:
         if not self.draining:
             log.info("draining: /readyz answers 503, new requests are refused, %d in flight", len(self.inflight))
@@ -425,28 +358,3 @@ class Cluster:
         # Waiting ones first: each running one that ends would otherwise admit a waiting one, only to abort it.
         for sub in sorted(self.inflight.values(), key=lambda s: s.stage is not Stage.QUEUED):
             self.cancel(sub, reason, status=503)
-
-    def _worker_gone(self, worker: WorkerState, reason: str, expected: bool) -> None:
-        """``worker`` has left the registry: its requests resume elsewhere (or fail); tell the decode side."""
-        log.log(logging.INFO if expected else logging.WARNING, "worker %r (%s, epoch %d) removed: %s",
-                worker.worker_id, worker.role.value, worker.epoch, reason)
-        now = self._clock()
-        for sub in [s for s in self.inflight.values() if s.involves(worker.worker_id)]:
-            before = sub.stage
-            self._act(sub, before, sub.on_worker_lost(worker.worker_id, reason, now))
-        self._dispatch()
-        self.policy.worker_removed(worker.worker_id)
-        if worker.worker_id not in self.registry.workers:
-            self.metrics.forget_worker(worker.worker_id)
-        self._update_worker_gauges()
-        if worker.serves_prefill:
-            self._broadcast_peers()
-
-    def _broadcast_peers(self) -> None:
-        peers = self.registry.peers()
-        for worker in self.registry.decode_side():
-            self.send(worker.worker_id, peers)
-
-    def _update_worker_gauges(self) -> None:
-        for role, count in self.registry.count_by_role().items():
-            self.metrics.workers_alive.labels(role).set(count)
