@@ -16,7 +16,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from common.protocol.wire import StepCostModel, step_cost_features
+from common.protocol.wire import StepCostModel
 
 ASSUMED_CONTEXT = 512  # tokens per sequence, for a worker running none
 # StepLag: each step's weight decays by this per later step (a half-life of about 70 steps: a few seconds); the
@@ -52,14 +52,6 @@ class StepLag:
         return max(self.lag_ms / self.weight, 0.0)
 
 
-def one_step_ms(cost: StepCostModel, context: int) -> float:
-    """One sequence's predicted step: the lower of the fused kernel's fit and the general one at one row. A
-    worker running large batches for long sees few small steps, and an extrapolated intercept must not
-    loosen the derived target."""
-    general = sum(c * v for c, v in zip(cost.large, step_cost_features(1, context)))
-    return min(cost.step_ms(1, context), general)
-
-
 def latency_capacity(cost: StepCostModel | None, max_num_seqs: int, num_running: int, context_tokens: int,
                      tpot_slo_ms: float, tpot_slo_factor: float, lag_ms: float = 0.0) -> int:
     """The most sequences (at least 1, at most ``max_num_seqs``) whose predicted step, each at today's mean
@@ -69,7 +61,7 @@ def latency_capacity(cost: StepCostModel | None, max_num_seqs: int, num_running:
     if cost is None:
         return 0
     context = context_tokens // num_running if num_running else ASSUMED_CONTEXT
-    budget_ms = tpot_slo_ms or tpot_slo_factor * one_step_ms(cost, context)
+    budget_ms = tpot_slo_ms or tpot_slo_factor * cost.step_ms(1, context)
     step_budget_ms = budget_ms - min(lag_ms, budget_ms / 2)
     # a scan: each regime grows with the rows, but the small and large regimes are separate fits, so the
     # prediction may step down past small_max_rows
