@@ -27,9 +27,10 @@ def test_gpu_logits_match_cpu(tmp_path, kind, backend):
     block_size = 256 if backend == "flash_attn" else 16
     ids = torch.randint(0, 320, (300,), generator=torch.Generator().manual_seed(0)).tolist()
     steps = [120, 150] + [1] * 30
-    table = list(range(8))
-    cpu = ModelRunner(EngineConfig(model=str(path), num_kv_blocks=16, block_size=block_size), path)
-    gpu = ModelRunner(EngineConfig(model=str(path), num_kv_blocks=16, block_size=block_size, device="cuda",
+    table = list(range(-(-sum(steps) // block_size)))  # the blocks 300 tokens fill (19 of 16, 2 of 256)
+    blocks = max(len(table), 16)
+    cpu = ModelRunner(EngineConfig(model=str(path), num_kv_blocks=blocks, block_size=block_size), path)
+    gpu = ModelRunner(EngineConfig(model=str(path), num_kv_blocks=blocks, block_size=block_size, device="cuda",
                                    attention_backend=backend), path)
     assert gpu.attention.name == backend
     diff = (run_steps(gpu, ids, steps, table) - run_steps(cpu, ids, steps, table)).abs().max().item()
