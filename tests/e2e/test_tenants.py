@@ -179,20 +179,30 @@ def test_two_tenants_four_to_one_load(make_proxy, script, workers, policy):
         assert share <= 0.35
 
 
+def heavy_and_light(make_proxy, script, workers, slots: int, token_interval_s: float, step_ms: list[float],
+                    **proxy_options) -> tuple:
+    """A proxy with tenants heavy (sk-heavy) and light (sk-light), a prefill worker, and a decode worker of
+    ``slots`` slots that emits a token every ``token_interval_s`` and reports a step of ``step_ms[0]`` ms plus
+    ``step_ms[1]`` ms a sequence; once the proxy has that model."""
+    tenants = [{"name": "heavy", "api_key_sha256": [hash_key("sk-heavy")]},
+               {"name": "light", "api_key_sha256": [hash_key("sk-light")]}]
+    proxy = make_proxy(auth_enabled=True, tenants=tenants, **proxy_options)
+    decode = FakeWorker(proxy.endpoint, "d0", "decode", script, token_interval_s=token_interval_s)
+    decode.register_msg = msgspec.structs.replace(decode.register_msg, max_num_seqs=slots)
+    decode.step_cost = StepCostModel(small_max_rows=0, small=[], large=[*step_ms, 0.0, 0.0, 0.0])
+    workers += [start_worker(proxy, "p0", "prefill", script), decode.start_and_wait()]
+    ready(proxy)
+    time.sleep(0.3)  # a few heartbeats: the proxy has the step model
+    return proxy, decode
+
+
 @pytest.mark.parametrize("scope", ["shared", "never"])
 def test_decode_admission_holds_the_worker_to_the_tpot_target_while_tenants_share_it(make_proxy, script, workers,
                                                                                      scope):
     """The worker reports a step time of 10 ms + 10 ms a sequence: with a 40 ms target it may run 3 sequences,
     whatever its 16 slots; the rest wait at the proxy, where VTC chooses between the tenants."""
-    tenants = [{"name": "heavy", "api_key_sha256": [hash_key("sk-heavy")]},
-               {"name": "light", "api_key_sha256": [hash_key("sk-light")]}]
-    proxy = make_proxy(auth_enabled=True, tenants=tenants, tpot_slo_ms=40.0, tpot_slo_scope=scope)
-    decode = FakeWorker(proxy.endpoint, "d0", "decode", script, token_interval_s=0.02)
-    decode.register_msg = msgspec.structs.replace(decode.register_msg, max_num_seqs=16)
-    decode.step_cost = StepCostModel(small_max_rows=0, small=[], large=[10.0, 10.0, 0.0, 0.0, 0.0])
-    workers += [start_worker(proxy, "p0", "prefill", script), decode.start_and_wait()]
-    ready(proxy)
-    time.sleep(0.3)  # a few heartbeats: the proxy has the step model
+    proxy, decode = heavy_and_light(make_proxy, script, workers, 16, 0.02, [10.0, 10.0],
+                                    tpot_slo_ms=40.0, tpot_slo_scope=scope)
     served = {"sk-heavy": 0, "sk-light": 0}
     most = alone = 0
 
@@ -284,15 +294,8 @@ def test_preempt_for_fairness_makes_room_for_a_tenant_under_its_share(make_proxy
     to the target as its requests end, and none of its waiting ones takes the slot back); the preempted one
     finishes later with exactly the output an undisturbed request gets. Without it, the light request waits
     for the heavy ones to end."""
-    tenants = [{"name": "heavy", "api_key_sha256": [hash_key("sk-heavy")]},
-               {"name": "light", "api_key_sha256": [hash_key("sk-light")]}]
-    proxy = make_proxy(auth_enabled=True, tenants=tenants, tpot_slo_ms=460.0, preempt_for_fairness=preempt)
-    decode = FakeWorker(proxy.endpoint, "d0", "decode", script, token_interval_s=0.25)
-    decode.register_msg = msgspec.structs.replace(decode.register_msg, max_num_seqs=8)
-    decode.step_cost = StepCostModel(small_max_rows=0, small=[], large=[300.0, 50.0, 0.0, 0.0, 0.0])
-    workers += [start_worker(proxy, "p0", "prefill", script), decode.start_and_wait()]
-    ready(proxy)
-    time.sleep(0.3)  # a few heartbeats: the proxy has the step model
+    proxy, decode = heavy_and_light(make_proxy, script, workers, 8, 0.25, [300.0, 50.0],
+                                    tpot_slo_ms=460.0, preempt_for_fairness=preempt)
     reference = complete(proxy, "sk-heavy", max_tokens=10).json()["choices"][0]["text"]
     time.sleep(2.1)  # past proxy.cluster.SHARED_WINDOW_S: the heavy tenant's lone request is forgotten
 
