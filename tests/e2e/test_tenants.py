@@ -322,7 +322,7 @@ def test_preempt_for_fairness_makes_room_for_a_tenant_under_its_share(make_proxy
         assert response.json()["usage"]["completion_tokens"] == 10
     if preempt:
         assert preempted == 1  # one swap: no churn, though heavy requests wait for slots too
-        assert light_s < 3.2  # its own 9 decode steps take 2.25 s
+        assert light_s < 3.5  # its own 9 decode steps take 2.25 s
     else:
         assert preempted == 0
-        assert light_s > 3.2  # it waited for the heavy ones to end (about 1.8 s) first
+        assert light_s > 3.5  # it waited for the heavy ones to end (about 1.8 s) first: 4 s at least
