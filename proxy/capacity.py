@@ -52,15 +52,19 @@ class StepLag:
         return max(self.lag_ms / self.weight, 0.0)
 
 
-def latency_capacity(cost: StepCostModel | None, max_num_seqs: int, num_running: int, context_tokens: int,
-                     tpot_slo_ms: float, tpot_slo_factor: float, lag_ms: float = 0.0) -> int:
-    """The most sequences (at least 1, at most ``max_num_seqs``) whose predicted step, each at today's mean
-    context, plus the worker's lag (``StepLag``, at most half the budget), stays within the target; 0
-    (unknown) while the worker has reported no step model. The derived target (``tpot_slo_factor`` x one
-    sequence's step) is of the model's step alone: what the cores can do."""
+def mean_context(context_tokens: int, num_running: int) -> int:
+    """Tokens of context a running sequence has, on average (``ASSUMED_CONTEXT`` while none runs)."""
+    return context_tokens // num_running if num_running else ASSUMED_CONTEXT
+
+
+def latency_capacity(cost: StepCostModel | None, max_num_seqs: int, context: int, tpot_slo_ms: float,
+                     tpot_slo_factor: float, lag_ms: float = 0.0) -> int:
+    """The most sequences (at least 1, at most ``max_num_seqs``) whose predicted step, each at ``context``
+    tokens (``mean_context``), plus the worker's lag (``StepLag``, at most half the budget), stays within the
+    target; 0 (unknown) while the worker has reported no step model. The derived target (``tpot_slo_factor``
+    x one sequence's step) is of the model's step alone: what the cores can do."""
     if cost is None:
         return 0
-    context = context_tokens // num_running if num_running else ASSUMED_CONTEXT
     budget_ms = tpot_slo_ms or tpot_slo_factor * cost.step_ms(1, context)
     step_budget_ms = budget_ms - min(lag_ms, budget_ms / 2)
     # a scan: each regime grows with the rows, but the small and large regimes are separate fits, so the
@@ -117,16 +121,16 @@ def _decayed(mean: float, sample: float, count: int) -> float:
 
 
 def choices_ahead(policy: str, queued: Mapping[str, int], lanes: Mapping[str, int], weights: Mapping[str, float],
-                  tenant: str, lane: int, count: int) -> int:
-    """How many queued choices prefill admission takes before the last of ``count`` new ones of ``tenant``.
+                  tenant: str, lane: int) -> int:
+    """How many queued choices prefill admission takes before a new one of ``tenant``.
 
     ``fcfs``: every queued one. ``priority``: those of higher lanes and of its own. ``vtc``: higher lanes',
     its own tenant's, and of each other backlogged tenant in its lane as many as that tenant is served while
     this one's queue drains (its weight's share of the rounds), at most what it has queued.
     """
     if policy == "fcfs":
-        return sum(queued.values()) + count - 1
-    own = queued.get(tenant, 0) + count
+        return sum(queued.values())
+    own = queued.get(tenant, 0) + 1
     ahead = own - 1
     for other, waiting in queued.items():
         if not waiting or other == tenant:

@@ -326,8 +326,9 @@ class Cluster(WorkerMembership):
 
     def _on_token_deltas(self, sender: str, msg: TokenDeltas, now: float) -> None:
         """A decode step's tokens: each delta to its request, then one dispatch for what the finished ones freed."""
-        self.registry.observe_step(sender, len(msg.deltas), any(d.finish_reason is None for d in msg.deltas), now)
+        running_after = False  # some of the step's sequences go on (the registry times the worker's next step)
         for delta in msg.deltas:
+            running_after = running_after or delta.finish_reason is None
             sub = self._sub(delta.request_id)
             with request_scope(delta.request_id, sub.tenant if sub is not None else None):
                 try:
@@ -339,6 +340,7 @@ class Cluster(WorkerMembership):
                 if delta.finish_reason is None and (sub is None or sender != sub.decode_worker):
                     log.debug("aborting stray request %s on %r", delta.request_id, sender)
                     self.send(sender, Abort(delta.request_id))
+        self.registry.observe_step(sender, len(msg.deltas), running_after, now)
         self._dispatch()
 
     def _on_request_failed(self, sender: str, msg: RequestFailed, now: float) -> None:

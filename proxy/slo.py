@@ -81,7 +81,7 @@ class SloControls:
         known = self.tenants.tenants
         lanes = {name: known[name].lane for name, waiting in queued.items() if waiting and name in known}
         ahead = choices_ahead(self.config.fairness_policy, queued, lanes, self.tenants.weights, tenant.name,
-                              tenant.lane, 1)
+                              tenant.lane)
         if not ahead:
             return
         predicted_s = self.forecast.predict_s(ahead)

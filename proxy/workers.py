@@ -1,26 +1,21 @@
 """The workers: which are alive, what they serve, how loaded they are, and the socket to them.
 
-``WorkerRegistry`` is pure bookkeeping: the cluster feeds it the messages
-and sends whatever the outcome says.
+``WorkerRegistry`` is pure bookkeeping: the cluster feeds it the messages and sends whatever the outcome says.
 
-- ``register`` validates a Register (``proxy.registration``). The first
-  accepted worker fixes the cluster's model (name + version) and KV layout;
-  a worker that differs is refused with a reason naming both values. The identity is kept while at
-  least one worker is registered, so replacing the whole fleet with a new
-  model version needs no proxy restart. A Register with the same id and a
-  newer epoch replaces the old entry (the caller fails its requests); an
-  older epoch is refused as stale; the same epoch is a retry and is accepted.
-- ``heartbeat`` updates load; one from an unknown worker or a wrong epoch is
-  not applied, and ``ask_to_rejoin`` says whether to answer it with
-  Reregister: at most once per worker id every ``heartbeat_timeout_s / 4``
-  (the watchdog's period), so a flood of heartbeats gets few replies while
-  the worker still rejoins well before it could count as dead.
-  ``expire`` removes workers silent for ``heartbeat_timeout_s``;
-  ``remove`` handles Goodbye.
+- ``register`` validates a Register (``proxy.registration``). The first accepted worker fixes the cluster's
+  model (name + version) and KV layout; a worker that differs is refused with a reason naming both values.
+  The identity is kept while at least one worker is registered, so replacing the whole fleet with a new model
+  version needs no proxy restart. A Register with the same id and a newer epoch replaces the old entry (the
+  caller fails its requests); an older epoch is refused as stale; the same epoch is a retry and is accepted.
+- ``heartbeat`` updates load and the TPOT capacity (proxy/capacity.py); ``observe_step`` times each decode
+  step's tokens for its lag. A heartbeat from an unknown worker or a wrong epoch is not applied, and
+  ``ask_to_rejoin`` says whether to answer it with Reregister: at most once per worker id every
+  ``heartbeat_timeout_s / 4`` (the watchdog's period), so a flood of heartbeats gets few replies while the
+  worker still rejoins well before it could count as dead. ``expire`` removes workers silent for
+  ``heartbeat_timeout_s``; ``goodbye`` handles Goodbye.
 
-Roles: ``prefill`` serves PrefillRequests; ``decode`` serves DecodeRequests
-(with pages to pull, or without: it prefills locally); ``both`` is an
-aggregated worker, decode-capable and counted as prefill-capable for
+Roles: ``prefill`` serves PrefillRequests; ``decode`` serves DecodeRequests (with pages to pull, or without:
+it prefills locally); ``both`` is an aggregated worker, decode-capable and counted as prefill-capable for
 readiness, but never sent a PrefillRequest.
 
 ``WorkerLink`` (at the end) owns the proxy's ROUTER socket: two I/O tasks in the event loop, one handing
@@ -45,7 +40,7 @@ from common.protocol.wire import (
     Goodbye, Heartbeat, KVLayoutInfo, PeerInfo, Peers, Register, RegisterAck, Role, StepCostModel, encode,
 )
 from common.runtime.zmq_security import CurveServer, apply_curve_server, start_authenticator
-from proxy.capacity import ASSUMED_CONTEXT, LAG_DECAY, LAG_SAMPLE_MAX_MS, StepLag, latency_capacity
+from proxy.capacity import ASSUMED_CONTEXT, LAG_DECAY, LAG_SAMPLE_MAX_MS, StepLag, latency_capacity, mean_context
 from proxy.registration import ClusterModel, refusal
 
 log = logging.getLogger("tessera.proxy")
@@ -70,6 +65,7 @@ class WorkerState:
     draining: bool = False
     max_num_seqs: int = EngineConfig.max_num_seqs  # decode slots; the engine's default when not reported
     context_tokens: int = 0  # its running sequences' tokens, summed (heartbeat)
+    mean_context: int = ASSUMED_CONTEXT  # of one running sequence (heartbeat; capacity.mean_context)
     step_cost: StepCostModel | None = None  # its fit of its step time (heartbeat); None: not known yet
     latency_capacity: int = 0  # sequences it may run within the TPOT target (proxy/capacity.py); 0: unknown
     lag: StepLag = field(default_factory=StepLag)  # its steps as they come, against its model
@@ -127,7 +123,7 @@ class WorkerRegistry:
         replaced = old if old is not None and old.epoch != msg.epoch else None
         if old is not None and replaced is None:  # a retried Register: keep the load we know
             for name in ("free_blocks", "num_running", "outstanding_prefill_tokens", "draining", "context_tokens",
-                         "step_cost", "latency_capacity", "lag"):
+                         "mean_context", "step_cost", "latency_capacity", "lag"):
                 setattr(worker, name, getattr(old, name))
         self.workers[msg.worker_id] = worker
         self._rejoin_asked.pop(msg.worker_id, None)
@@ -149,9 +145,9 @@ class WorkerRegistry:
         worker.step_cost = msg.step_cost
         if not msg.num_running:
             worker.lag.last_at = None  # it runs nothing: the next step's tokens end no step the proxy timed
-        worker.latency_capacity = latency_capacity(msg.step_cost, worker.max_num_seqs, msg.num_running,
-                                                   msg.context_tokens, self.tpot_slo_ms, self.tpot_slo_factor,
-                                                   worker.lag.ms)
+        worker.mean_context = mean_context(msg.context_tokens, msg.num_running)
+        worker.latency_capacity = latency_capacity(msg.step_cost, worker.max_num_seqs, worker.mean_context,
+                                                   self.tpot_slo_ms, self.tpot_slo_factor, worker.lag.ms)
         if msg.draining and not worker.draining:
             log.info("worker %r is draining: no new requests go to it", msg.worker_id)
         worker.draining = msg.draining
@@ -164,8 +160,7 @@ class WorkerRegistry:
             return
         lag = worker.lag
         if lag.last_at is not None:
-            context = worker.context_tokens // worker.num_running if worker.num_running else ASSUMED_CONTEXT
-            sample = (now - lag.last_at) * 1e3 - worker.step_cost.step_ms(rows, rows * context)
+            sample = (now - lag.last_at) * 1e3 - worker.step_cost.step_ms(rows, rows * worker.mean_context)
             lag.lag_ms = lag.lag_ms * LAG_DECAY + min(sample, LAG_SAMPLE_MAX_MS)
             lag.weight = lag.weight * LAG_DECAY + 1.0
             lag.samples += 1

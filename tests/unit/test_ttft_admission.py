@@ -59,16 +59,16 @@ def test_choices_ahead_by_policy(policy, expected):
     """Tenant ``b`` has 2 queued and adds 1; ``a`` has 30 queued in the same lane. Under vtc, ``a`` is served as
     often as ``b`` while ``b``'s three go: 3 of ``a``'s and ``b``'s own 2 are admitted before its new one."""
     queued = {"a": 30, "b": 2}
-    assert choices_ahead(policy, queued, {"a": 1, "b": 1}, {}, "b", 1, 1) == expected
+    assert choices_ahead(policy, queued, {"a": 1, "b": 1}, {}, "b", 1) == expected
 
 
 def test_choices_ahead_counts_higher_lanes_whole_and_weights_within_a_lane():
     queued = {"urgent": 5, "a": 30, "b": 1}
     lanes = {"urgent": 0, "a": 1, "b": 1}
     # b's 2 choices take 2 rounds; a, of weight 3, is served 6 times meanwhile; urgent goes first whatever
-    assert choices_ahead("vtc", queued, lanes, {"a": 3.0, "b": 1.0}, "b", 1, 1) == 5 + 6 + 1
+    assert choices_ahead("vtc", queued, lanes, {"a": 3.0, "b": 1.0}, "b", 1) == 5 + 6 + 1
     # a lower lane waits for nobody else's
-    assert choices_ahead("vtc", {"a": 30}, {"a": 1}, {}, "urgent", 0, 1) == 0
+    assert choices_ahead("vtc", {"a": 30}, {"a": 1}, {}, "urgent", 0) == 0
 
 
 def test_the_prefill_gate_holds_prompts_at_the_proxy_while_no_prefill_worker_has_room():
