@@ -19,7 +19,15 @@
 #define MAX_GROUP 32
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 256
-#define PREFETCH_AHEAD 2 /* blocks */
+/* How far ahead, and into which cache, the K/V rows are prefetched (-D overrides them for bench A/B builds).
+ * Into L2 (prefetcht1) three blocks ahead: on Zen 4 a prefetch into L1 holds one of its few miss buffers until
+ * the line arrives, which capped a 64-row step's K/V reads near 10 GB/s; into L2, 13-16 GB/s (bench.attention_kernels). */
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 3 /* blocks */
+#endif
+#ifndef PREFETCH_LOCALITY
+#define PREFETCH_LOCALITY 2 /* __builtin_prefetch's locality: 2 is prefetcht1 */
+#endif
 
 static inline void load_row(const void *base, int64_t offset, int is_bf16, int d, float *dst) {
     if (is_bf16) {
@@ -48,7 +56,7 @@ static inline __attribute__((always_inline)) void next_block_rows(
 static inline __attribute__((always_inline)) void prefetch_row(const char *rows, int t, int64_t token_bytes,
                                                                int row_bytes) {
     if (rows)
-        for (int b = 0; b < row_bytes; b += 64) __builtin_prefetch(rows + t * token_bytes + b);
+        for (int b = 0; b < row_bytes; b += 64) __builtin_prefetch(rows + t * token_bytes + b, 0, PREFETCH_LOCALITY);
 }
 
 /* The rows of the blocks before the first in-loop prefetch lands (blocks 0 .. PREFETCH_AHEAD - 1). */
@@ -200,23 +208,24 @@ static inline __m512 sum16x16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(e[0], e[1], 0x88), _mm512_shuffle_f32x4(e[0], e[1], 0xdd));
 }
 
-static inline __attribute__((always_inline)) void attend_one_avx512(
-    const void *q, const int q_bf16, const void *kv, int64_t block_stride, int64_t k_offset, int64_t v_offset,
-    const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens, void *out, const int out_bf16,
-    int num_heads, int num_kv_heads, const int head_dim, int block_size, float scale, const int is_bf16,
-    int group, int64_t item)
-{
-    const int np = (head_dim + 31) / 32, elem = is_bf16 ? 2 : 4, row_bytes = head_dim * elem;
-    int r = (int)(item / num_kv_heads), kvh = (int)(item % num_kv_heads);
-    int64_t len = context_lens[r];
-    const int64_t *table = block_tables + (int64_t)r * max_blocks;
-    int64_t token_stride = (int64_t)num_kv_heads * head_dim;
-
+/* The running state of the G query heads of one (row, kv head): q in the pool's pairing, scaled; the float32
+ * accumulators; the running max and sum of each head's softmax. */
+typedef struct {
     __m512 qa[MAX_GROUP][PAIRS_MAX], qb[MAX_GROUP][PAIRS_MAX], acca[MAX_GROUP][PAIRS_MAX], accb[MAX_GROUP][PAIRS_MAX];
-    __m512 ka[PAIRS_MAX], kb[PAIRS_MAX], part[MAX_GROUP][16];
     float m[MAX_GROUP], l[MAX_GROUP];
-    float scores[MAX_GROUP][MAX_BLOCK + 16];
+} attend_state;
 
+/* Scratch shared by the blocks of an item: the 16 partial score vectors and one block's scores per head. */
+typedef struct {
+    __m512 part[MAX_GROUP][16];
+    float scores[MAX_GROUP][MAX_BLOCK + 16];
+} attend_scratch;
+
+static inline __attribute__((always_inline)) void attend_init(
+    attend_state *st, const void *q, const int q_bf16, int64_t r, int kvh, int num_heads, const int head_dim,
+    float scale, const int is_bf16, int group)
+{
+    const int np = (head_dim + 31) / 32;
     for (int h = 0; h < group; h++) {
         /* q in the pool's pairing, scaled; the dimensions past head_dim of the last pair are zeros */
         float row[MAX_HEAD_DIM + 32] = {0};
@@ -228,100 +237,101 @@ static inline __attribute__((always_inline)) void attend_one_avx512(
             if (is_bf16) {
                 const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
                 const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-                qa[h][c] = _mm512_permutex2var_ps(lo, even, hi);
-                qb[h][c] = _mm512_permutex2var_ps(lo, odd, hi);
+                st->qa[h][c] = _mm512_permutex2var_ps(lo, even, hi);
+                st->qb[h][c] = _mm512_permutex2var_ps(lo, odd, hi);
             } else {
-                qa[h][c] = lo;
-                qb[h][c] = hi;
+                st->qa[h][c] = lo;
+                st->qb[h][c] = hi;
             }
-            acca[h][c] = accb[h][c] = _mm512_setzero_ps();
+            st->acca[h][c] = st->accb[h][c] = _mm512_setzero_ps();
         }
-        m[h] = -INFINITY;
-        l[h] = 0.f;
+        st->m[h] = -INFINITY;
+        st->l[h] = 0.f;
     }
+}
 
+/* One block's n keys (K rows from kbase, V rows from vbase) folded into st; pk / pv: the rows to prefetch. */
+static inline __attribute__((always_inline)) void attend_block(
+    attend_state *st, attend_scratch *sc, const void *kv, int64_t kbase, int64_t vbase, int n, const char *pk,
+    const char *pv, int64_t token_stride, const int head_dim, const int is_bf16, int group)
+{
+    const int np = (head_dim + 31) / 32, elem = is_bf16 ? 2 : 4, row_bytes = head_dim * elem;
     const int64_t token_bytes = token_stride * elem;
-    prefetch_first_blocks(kv, table, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim, elem,
-                         token_bytes);
-
-    for (int64_t start = 0; start < len; start += block_size) {
-        int64_t block = table[start / block_size];
-        int n = (int)(len - start < block_size ? len - start : block_size);
-        int64_t kbase = block * block_stride + k_offset + (int64_t)kvh * head_dim;
-        int64_t vbase = block * block_stride + v_offset + (int64_t)kvh * head_dim;
-        const char *pk, *pv;
-        next_block_rows(kv, table, start, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim, elem,
-                        PREFETCH_AHEAD, &pk, &pv);
-
-        for (int t0 = 0; t0 < n; t0 += 16) {
-            int tn = n - t0 < 16 ? n - t0 : 16;
-            for (int t = 0; t < tn; t++) {
-                prefetch_row(pk, t0 + t, token_bytes, row_bytes);
-                for (int c = 0; c < np; c++) {
-                    int dims = head_dim - 32 * c < 32 ? 16 : 32;
-                    load_pair(kv, is_bf16, kbase + (t0 + t) * token_stride + 32 * c, dims, &ka[c], &kb[c]);
-                }
-                for (int h = 0; h < group; h++) {
-                    __m512 s = _mm512_mul_ps(qa[h][0], ka[0]);
-                    s = _mm512_fmadd_ps(qb[h][0], kb[0], s);
-                    for (int c = 1; c < np; c++) {
-                        s = _mm512_fmadd_ps(qa[h][c], ka[c], s);
-                        s = _mm512_fmadd_ps(qb[h][c], kb[c], s);
-                    }
-                    part[h][t] = s;
-                }
+    __m512 ka[PAIRS_MAX], kb[PAIRS_MAX];
+    for (int t0 = 0; t0 < n; t0 += 16) {
+        int tn = n - t0 < 16 ? n - t0 : 16;
+        for (int t = 0; t < tn; t++) {
+            prefetch_row(pk, t0 + t, token_bytes, row_bytes);
+            for (int c = 0; c < np; c++) {
+                int dims = head_dim - 32 * c < 32 ? 16 : 32;
+                load_pair(kv, is_bf16, kbase + (t0 + t) * token_stride + 32 * c, dims, &ka[c], &kb[c]);
             }
             for (int h = 0; h < group; h++) {
-                for (int t = tn; t < 16; t++) part[h][t] = _mm512_setzero_ps();
-                _mm512_storeu_ps(scores[h] + t0, sum16x16(part[h]));
+                __m512 s = _mm512_mul_ps(st->qa[h][0], ka[0]);
+                s = _mm512_fmadd_ps(st->qb[h][0], kb[0], s);
+                for (int c = 1; c < np; c++) {
+                    s = _mm512_fmadd_ps(st->qa[h][c], ka[c], s);
+                    s = _mm512_fmadd_ps(st->qb[h][c], kb[c], s);
+                }
+                sc->part[h][t] = s;
             }
         }
         for (int h = 0; h < group; h++) {
-            float bmax = m[h];
-            for (int t = 0; t < n; t += 16) {
-                __mmask16 keep = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
-                float bm = _mm512_mask_reduce_max_ps(keep, _mm512_loadu_ps(scores[h] + t));
-                bmax = bm > bmax ? bm : bmax;
-            }
-            float correction = expf(m[h] - bmax);
-            __m512 sum = _mm512_setzero_ps(), vmax = _mm512_set1_ps(bmax);
-            for (int t = 0; t < n; t += 16) {
-                __mmask16 keep = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
-                __m512 p = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(_mm512_loadu_ps(scores[h] + t), vmax)));
-                _mm512_storeu_ps(scores[h] + t, p);
-                sum = _mm512_add_ps(sum, p);
-            }
-            l[h] = l[h] * correction + _mm512_reduce_add_ps(sum);
-            m[h] = bmax;
-            if (correction != 1.f) {
-                __m512 cv = _mm512_set1_ps(correction);
-                for (int c = 0; c < np; c++) {
-                    acca[h][c] = _mm512_mul_ps(acca[h][c], cv);
-                    accb[h][c] = _mm512_mul_ps(accb[h][c], cv);
-                }
-            }
+            for (int t = tn; t < 16; t++) sc->part[h][t] = _mm512_setzero_ps();
+            _mm512_storeu_ps(sc->scores[h] + t0, sum16x16(sc->part[h]));
         }
-        for (int t = 0; t < n; t++) {
-            prefetch_row(pv, t, token_bytes, row_bytes);
+    }
+    for (int h = 0; h < group; h++) {
+        float bmax = st->m[h];
+        for (int t = 0; t < n; t += 16) {
+            __mmask16 keep = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
+            float bm = _mm512_mask_reduce_max_ps(keep, _mm512_loadu_ps(sc->scores[h] + t));
+            bmax = bm > bmax ? bm : bmax;
+        }
+        float correction = expf(st->m[h] - bmax);
+        __m512 sum = _mm512_setzero_ps(), vmax = _mm512_set1_ps(bmax);
+        for (int t = 0; t < n; t += 16) {
+            __mmask16 keep = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
+            __m512 p = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(_mm512_loadu_ps(sc->scores[h] + t), vmax)));
+            _mm512_storeu_ps(sc->scores[h] + t, p);
+            sum = _mm512_add_ps(sum, p);
+        }
+        st->l[h] = st->l[h] * correction + _mm512_reduce_add_ps(sum);
+        st->m[h] = bmax;
+        if (correction != 1.f) {
+            __m512 cv = _mm512_set1_ps(correction);
             for (int c = 0; c < np; c++) {
-                int dims = head_dim - 32 * c < 32 ? 16 : 32;
-                load_pair(kv, is_bf16, vbase + t * token_stride + 32 * c, dims, &ka[c], &kb[c]);
-            }
-            for (int h = 0; h < group; h++) {
-                __m512 p = _mm512_set1_ps(scores[h][t]);
-                for (int c = 0; c < np; c++) {
-                    acca[h][c] = _mm512_fmadd_ps(p, ka[c], acca[h][c]);
-                    accb[h][c] = _mm512_fmadd_ps(p, kb[c], accb[h][c]);
-                }
+                st->acca[h][c] = _mm512_mul_ps(st->acca[h][c], cv);
+                st->accb[h][c] = _mm512_mul_ps(st->accb[h][c], cv);
             }
         }
     }
+    for (int t = 0; t < n; t++) {
+        prefetch_row(pv, t, token_bytes, row_bytes);
+        for (int c = 0; c < np; c++) {
+            int dims = head_dim - 32 * c < 32 ? 16 : 32;
+            load_pair(kv, is_bf16, vbase + t * token_stride + 32 * c, dims, &ka[c], &kb[c]);
+        }
+        for (int h = 0; h < group; h++) {
+            __m512 p = _mm512_set1_ps(sc->scores[h][t]);
+            for (int c = 0; c < np; c++) {
+                st->acca[h][c] = _mm512_fmadd_ps(p, ka[c], st->acca[h][c]);
+                st->accb[h][c] = _mm512_fmadd_ps(p, kb[c], st->accb[h][c]);
+            }
+        }
+    }
+}
 
+static inline __attribute__((always_inline)) void attend_finish(
+    const attend_state *st, void *out, const int out_bf16, int64_t r, int kvh, int num_heads, const int head_dim,
+    const int is_bf16, int group)
+{
+    const int np = (head_dim + 31) / 32;
     for (int h = 0; h < group; h++) {
-        __m512 inv = _mm512_set1_ps(l[h] > 0.f ? 1.f / l[h] : 0.f);
+        __m512 inv = _mm512_set1_ps(st->l[h] > 0.f ? 1.f / st->l[h] : 0.f);
         int64_t ooff = ((int64_t)r * num_heads + kvh * group + h) * head_dim;
         for (int c = 0; c < np; c++) {
-            __m512 a = _mm512_mul_ps(acca[h][c], inv), b = _mm512_mul_ps(accb[h][c], inv), lo = a, hi = b;
+            __m512 a = _mm512_mul_ps(st->acca[h][c], inv), b = _mm512_mul_ps(st->accb[h][c], inv), lo = a, hi = b;
             if (is_bf16) { /* even and odd dimensions back in order */
                 const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
                 lo = _mm512_permutex2var_ps(a, first, b);
@@ -331,6 +341,76 @@ static inline __attribute__((always_inline)) void attend_one_avx512(
             if (head_dim - 32 * c >= 32) store16(out, out_bf16, ooff + 32 * c + 16, hi);
         }
     }
+}
+
+static inline __attribute__((always_inline)) void attend_one_avx512(
+    const void *q, const int q_bf16, const void *kv, int64_t block_stride, int64_t k_offset, int64_t v_offset,
+    const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens, void *out, const int out_bf16,
+    int num_heads, int num_kv_heads, const int head_dim, int block_size, float scale, const int is_bf16,
+    int group, int64_t item)
+{
+    const int elem = is_bf16 ? 2 : 4;
+    int r = (int)(item / num_kv_heads), kvh = (int)(item % num_kv_heads);
+    int64_t len = context_lens[r];
+    const int64_t *table = block_tables + (int64_t)r * max_blocks;
+    int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+    attend_state st;
+    attend_scratch sc;
+
+    attend_init(&st, q, q_bf16, r, kvh, num_heads, head_dim, scale, is_bf16, group);
+    prefetch_first_blocks(kv, table, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim, elem,
+                         token_stride * elem);
+    for (int64_t start = 0; start < len; start += block_size) {
+        int64_t block = table[start / block_size];
+        int n = (int)(len - start < block_size ? len - start : block_size);
+        int64_t base = block * block_stride + (int64_t)kvh * head_dim;
+        const char *pk, *pv;
+        next_block_rows(kv, table, start, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim, elem,
+                        PREFETCH_AHEAD, &pk, &pv);
+        attend_block(&st, &sc, kv, base + k_offset, base + v_offset, n, pk, pv, token_stride, head_dim, is_bf16,
+                     group);
+    }
+    attend_finish(&st, out, out_bf16, r, kvh, num_heads, head_dim, is_bf16, group);
+}
+
+/*
+ * Every kv head of one row, block by block: each block's K (V) rows of this layer are one contiguous range
+ * that the heads read one after another, instead of three items reading every third row of it at different
+ * times. For batches with enough rows to keep every thread busy at one item per row.
+ */
+#define ROW_MAX_KV_HEADS 16
+
+static inline __attribute__((always_inline)) void attend_row_avx512(
+    const void *q, const int q_bf16, const void *kv, int64_t block_stride, int64_t k_offset, int64_t v_offset,
+    const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens, void *out, const int out_bf16,
+    int num_heads, int num_kv_heads, const int head_dim, int block_size, float scale, const int is_bf16,
+    int group, attend_state *states, int64_t r)
+{
+    const int elem = is_bf16 ? 2 : 4;
+    int64_t len = context_lens[r];
+    const int64_t *table = block_tables + (int64_t)r * max_blocks;
+    int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+    attend_scratch sc;
+
+    for (int kvh = 0; kvh < num_kv_heads; kvh++) {
+        attend_init(&states[kvh], q, q_bf16, r, kvh, num_heads, head_dim, scale, is_bf16, group);
+        prefetch_first_blocks(kv, table, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim, elem,
+                             token_stride * elem);
+    }
+    for (int64_t start = 0; start < len; start += block_size) {
+        int64_t block = table[start / block_size];
+        int n = (int)(len - start < block_size ? len - start : block_size);
+        for (int kvh = 0; kvh < num_kv_heads; kvh++) {
+            int64_t base = block * block_stride + (int64_t)kvh * head_dim;
+            const char *pk, *pv;
+            next_block_rows(kv, table, start, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim,
+                            elem, PREFETCH_AHEAD, &pk, &pv);
+            attend_block(&states[kvh], &sc, kv, base + k_offset, base + v_offset, n, pk, pv, token_stride,
+                         head_dim, is_bf16, group);
+        }
+    }
+    for (int kvh = 0; kvh < num_kv_heads; kvh++)
+        attend_finish(&states[kvh], out, out_bf16, r, kvh, num_heads, head_dim, is_bf16, group);
 }
 #endif
 
