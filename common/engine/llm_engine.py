@@ -148,8 +148,8 @@ class LLMEngine:
         self._aborted: list[str] = []  # reported (as finished) by the next step
         self.stats = EngineStats()
         # What a step costs, fitted online from every step run here (heartbeats report it to the proxy)
-        fused = self.runner.model.fused_decode is not None
-        self.step_timer = StepTimer(config.decode_kernel_max_batch if fused else 0)
+        fused = self.runner.model.fused_decode
+        self.step_timer = StepTimer(fused.max_rows if fused is not None else 0)
 
     # ---- requests -----------------------------------------------------------
     def add_request(

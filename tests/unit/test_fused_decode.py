@@ -53,7 +53,8 @@ def tiny_dir(request, tmp_path_factory):
 
 
 def runner_for(path, **options) -> ModelRunner:
-    return ModelRunner(EngineConfig(model=str(path), num_kv_blocks=64, block_size=16, **options), path)
+    options.setdefault("num_kv_blocks", 64)
+    return ModelRunner(EngineConfig(model=str(path), block_size=16, **options), path)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
@@ -63,9 +64,9 @@ def test_float32_decode_kernel_equals_the_torch_path(tiny_dir, rows):
     assert (fused - reference).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 20])  # one x row at a time; four at a time and attention by row
 def test_bfloat16_decode_kernel_stays_within_bf16_rounding(tiny_dir, rows):
-    runner = runner_for(tiny_dir, dtype="bfloat16")
+    runner = runner_for(tiny_dir, dtype="bfloat16", num_kv_blocks=160)
     fused, reference = logits_both_ways(runner, decoding_batch(runner, rows, seed=10 + rows))
     # The kernel keeps activations in float32 between layers where torch rounds each op to bf16.
     assert (fused - reference).abs().max().item() <= 0.05 * reference.abs().max().item()
@@ -88,6 +89,13 @@ def test_more_rows_than_the_limit_or_a_prompt_chunk_take_the_torch_path(tiny_dir
     seq.block_table = [60, 61]
     assert not runner.model.fused_decode.usable(runner.prepare(StepPlan([seq], [20])).context, 20)
     assert runner_for(tiny_dir, decode_kernel_max_batch=0).model.fused_decode is None
+
+
+def test_only_bfloat16_weights_take_more_than_eight_rows(tiny_dir):
+    assert runner_for(tiny_dir, dtype="bfloat16", decode_kernel_max_batch=40).model.fused_decode.max_rows == 40
+    assert runner_for(tiny_dir, decode_kernel_max_batch=40).model.fused_decode.max_rows == 8
+    assert runner_for(tiny_dir, dtype="bfloat16", quantization="int8",
+                      decode_kernel_max_batch=40).model.fused_decode.max_rows == 8
 
 
 def test_quantize_rows_is_within_half_a_step_of_every_weight():

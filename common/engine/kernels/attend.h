@@ -379,6 +379,9 @@ static inline __attribute__((always_inline)) void attend_one_avx512(
  * times. For batches with enough rows to keep every thread busy at one item per row.
  */
 #define ROW_MAX_KV_HEADS 16
+#ifndef ROW_ITEMS_MIN
+#define ROW_ITEMS_MIN 8 /* rows from which an item is a whole row (-D overrides it for bench A/B builds) */
+#endif
 
 static inline __attribute__((always_inline)) void attend_row_avx512(
     const void *q, const int q_bf16, const void *kv, int64_t block_stride, int64_t k_offset, int64_t v_offset,

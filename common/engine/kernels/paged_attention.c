@@ -23,9 +23,6 @@
 
 #define ATTEND_ROW(D, BF16) attend_row_avx512(q, BF16, kv, block_stride, k_offset, v_offset, block_tables, \
     max_blocks, context_lens, out, BF16, num_heads, num_kv_heads, D, block_size, scale, BF16, group, states, r)
-#ifndef ROW_ITEMS_MIN
-#define ROW_ITEMS_MIN 8 /* rows from which an item is a whole row (-D overrides it for bench A/B builds) */
-#endif
 
 int tessera_paged_attention(
     const void *q, const void *kv, int64_t block_stride, int64_t k_offset, int64_t v_offset,
