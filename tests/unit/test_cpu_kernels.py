@@ -105,10 +105,10 @@ def test_chunks_and_decode_rows_in_one_step_match_float32(heads, kv_heads, head_
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size",
                          [(9, 3, 64, 16), (8, 1, 128, 32), (6, 2, 48, 16), (4, 4, 80, 16), (2, 2, 16, 32)])
-@pytest.mark.parametrize("copies", [1, 2])  # 6 rows: an item per (row, kv head); 12: an item per row
-def test_decode_rows_match_float32_attention(dtype, heads, kv_heads, head_dim, block_size, copies):
-    gen = torch.Generator().manual_seed(head_dim * block_size + heads + copies)
-    lengths = [1, 15, 16, 17, 3 * block_size + 5, 290] * copies
+@pytest.mark.parametrize("long", [False, True])  # an item per (row, kv head); many long rows: an item per row
+def test_decode_rows_match_float32_attention(dtype, heads, kv_heads, head_dim, block_size, long):
+    gen = torch.Generator().manual_seed(head_dim * block_size + heads + long)
+    lengths = [1, 15, 16, 17, 3 * block_size + 5, 290] + ([600, 1001, 720, 515, 833, 900] if long else [])
     per_row = [-(-n // block_size) for n in lengths]
     cache = make_cache(sum(per_row) + 4, kv_heads, head_dim, dtype, block_size)
     layer = 1

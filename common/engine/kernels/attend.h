@@ -379,9 +379,23 @@ static inline __attribute__((always_inline)) void attend_one_avx512(
  * times. For batches with enough rows to keep every thread busy at one item per row.
  */
 #define ROW_MAX_KV_HEADS 16
+/* An item is a whole row from ROW_ITEMS_MIN rows whose mean context is at least ROW_MIN_CONTEXT tokens: at 64 rows
+ * of 1,000 tokens 1.34x faster than an item per (row, kv head), at 64 of 290 tokens 12% slower (Zen 4,
+ * bench.kernel_ab decode_attention). -D overrides both for bench A/B builds. */
 #ifndef ROW_ITEMS_MIN
-#define ROW_ITEMS_MIN 8 /* rows from which an item is a whole row (-D overrides it for bench A/B builds) */
+#define ROW_ITEMS_MIN 8
 #endif
+#ifndef ROW_MIN_CONTEXT
+#define ROW_MIN_CONTEXT 400
+#endif
+
+/* Whether a step's decode rows go one item per row (attend_row_avx512). */
+static inline int attend_by_row(int rows, const int64_t *context_lens, int head_dim, int num_kv_heads) {
+    if (rows < ROW_ITEMS_MIN || head_dim % 16 != 0 || num_kv_heads > ROW_MAX_KV_HEADS) return 0;
+    int64_t total = 0;
+    for (int r = 0; r < rows; r++) total += context_lens[r];
+    return total >= (int64_t)ROW_MIN_CONTEXT * rows;
+}
 
 static inline __attribute__((always_inline)) void attend_row_avx512(
     const void *q, const int q_bf16, const void *kv, int64_t block_stride, int64_t k_offset, int64_t v_offset,

@@ -295,7 +295,7 @@ int tessera_decode_forward(const int64_t *layers, int num_layers, const int64_t 
     uint16_t *xb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)m * (size_t)widest_k);
     if (xb == NULL) { free(h); return -1; }
 #if defined(__AVX512F__)
-    const int by_row = m >= ROW_ITEMS_MIN && head_dim % 16 == 0 && kv_heads <= ROW_MAX_KV_HEADS;
+    const int by_row = attend_by_row(m, context_lens, head_dim, kv_heads);
 #endif
     #pragma omp parallel
     {
@@ -334,8 +334,8 @@ int tessera_decode_forward(const int64_t *layers, int num_layers, const int64_t 
                 }
             }
 
-            /* attention: one item per row (every kv head, block by block) from ROW_ITEMS_MIN rows, else per
-             * (row, kv head); q rows sit at the start of each row's qkv */
+            /* attention: one item per row (every kv head, block by block) for many rows of long contexts, else
+             * per (row, kv head); q rows sit at the start of each row's qkv */
 #if defined(__AVX512F__)
             if (by_row) {
                 #pragma omp for schedule(dynamic, 1)

@@ -2,11 +2,10 @@
  * Paged attention for single query rows (decode) on the CPU.
  *
  * Reads K/V straight from the block-major pool through each row's block
- * table, so no gathered copy of the context is ever made. With few rows one
- * work item is (row, kv head), so a lone row still keeps every thread busy;
- * from ROW_ITEMS_MIN rows it is a row, whose kv heads take each block in
- * turn (one contiguous read of the block's K, then V, for this layer; 20-35%
- * faster at 64 rows). The G query heads of a group share every K/V read. Scores
+ * table, so no gathered copy of the context is ever made. One work item is
+ * (row, kv head), or with many rows of long contexts (attend_by_row in
+ * attend.h) a row, whose kv heads take each block in turn: one contiguous
+ * read of the block's K, then V, for this layer. The G query heads of a group share every K/V read. Scores
  * are computed a block at a time and folded into a running softmax
  * (max, sum, accumulator), so memory use does not grow with context length.
  * Accumulation is always float32; bf16 inputs are widened on load.
@@ -36,7 +35,7 @@ int tessera_paged_attention(
 
 #if defined(__AVX512F__)
     /* Enough rows to keep every thread busy at one item per row: each row reads its blocks' K/V ranges whole */
-    if (rows >= ROW_ITEMS_MIN && head_dim % 16 == 0 && num_kv_heads <= ROW_MAX_KV_HEADS) {
+    if (attend_by_row(rows, context_lens, head_dim, num_kv_heads)) {
         int failed = 0;
         #pragma omp parallel reduction(|: failed)
         {

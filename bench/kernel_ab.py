@@ -1,0 +1,168 @@
+"""Two or more builds of one C kernel, timed in alternating rounds in one process: an A/B that the machine's drift
+cannot bias (the 2-core machines here move by 10-20% between runs of the same code).
+
+    .venv/bin/python -m bench.kernel_ab decode_attention before=HEAD~1 after=HEAD
+    .venv/bin/python -m bench.kernel_ab decode_forward old=50efcb4 new=HEAD no_prefetch=HEAD:W_PREFETCH_AHEAD=0
+
+A variant is ``NAME=REV[:MACRO=VALUE,...]``: ``kernels/`` as git revision REV has it (``WORKTREE`` for the files
+on disk), built with the engine's flags (common/engine/native.py) and the given ``-D`` macros. The first variant
+is the reference: every other one's output is compared with it.
+
+- ``decode_attention``: ``tessera_paged_attention`` over all 30 layers of a pool shaped like the embedded model's
+  (9 heads, 3 KV heads, head_dim 64, blocks of 16, bfloat16), the sequences' blocks drawn at random from a pool
+  twice their size, as a long-running server leaves them; rows x context per case.
+- ``decode_forward``: the embedded model's whole decode forward (``tessera_decode_forward``, swapped into the
+  engine's ``FusedDecode``) for 1 to 8 rows, on sequences of 97 to 153 tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import random
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from common.engine.native import CFLAGS, KERNEL_DIR, LDFLAGS
+
+REPO = KERNEL_DIR.parents[2]
+SOURCES = {"decode_attention": "paged_attention.c", "decode_forward": "decode_forward.c"}
+SYMBOLS = {"decode_attention": "tessera_paged_attention", "decode_forward": "tessera_decode_forward"}
+ARGTYPES = {
+    "decode_attention": (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                         ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p) + (ctypes.c_int,) * 5
+                        + (ctypes.c_float, ctypes.c_int),
+    "decode_forward": (ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_float)
+                      + (ctypes.c_void_p,) * 11,
+}
+
+
+def build(kernel: str, spec: str, workdir: Path):
+    """The kernel function of variant ``NAME=REV[:MACROS]``."""
+    name, _, rest = spec.partition("=")
+    rev, _, macros = rest.partition(":")
+    src = workdir / name
+    src.mkdir()
+    if rev == "WORKTREE":
+        for f in KERNEL_DIR.iterdir():
+            if f.suffix in (".c", ".h"):
+                (src / f.name).write_bytes(f.read_bytes())
+    else:
+        listing = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", f"{rev}:common/engine/kernels"],
+                                 check=True, capture_output=True, text=True).stdout.split()
+        for f in listing:
+            (src / f).write_bytes(subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:common/engine/kernels/{f}"],
+                                                 check=True, capture_output=True).stdout)
+    defines = [f"-D{m}" for m in macros.split(",") if m]
+    obj, lib = src / "k.o", src / f"{name}.so"
+    subprocess.run(["gcc", *CFLAGS, *defines, "-c", str(src / SOURCES[kernel]), "-o", str(obj)], check=True)
+    subprocess.run(["gcc", *LDFLAGS, str(obj), "-o", str(lib), "-lm"], check=True)
+    fn = getattr(ctypes.CDLL(str(lib)), SYMBOLS[kernel])
+    fn.argtypes, fn.restype = ARGTYPES[kernel], ctypes.c_int
+    return name, fn
+
+
+def alternate(variants: dict, run, rounds: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """Median ms of ``run(fn)`` per variant over ``rounds`` alternating rounds, and each one's last output."""
+    times: dict[str, list[float]] = {n: [] for n in variants}
+    outputs = {}
+    for n, fn in variants.items():
+        outputs[n] = run(fn)  # warm-up
+    for _ in range(rounds):
+        for n, fn in variants.items():
+            start = time.perf_counter()
+            outputs[n] = run(fn)
+            times[n].append(1000 * (time.perf_counter() - start))
+    return {n: statistics.median(t) for n, t in times.items()}, outputs
+
+
+def report(label: str, medians: dict[str, float], outputs: dict[str, torch.Tensor], unit: str = "") -> None:
+    first = next(iter(outputs.values())).float()
+    diff = max((o.float() - first).abs().max().item() for o in outputs.values())
+    ref = next(iter(medians.values()))
+    cells = "  ".join(f"{n} {ms:.2f} ms ({ref / ms:.2f}x){unit}" for n, ms in medians.items())
+    print(f"| {label} | {cells} | max diff from the first {diff:.3g} |")
+
+
+def decode_attention(variants: dict, rounds: int) -> None:
+    from common.engine.kv_cache import KVCache, KVLayout
+    heads, kv_heads, dim, block, layers = 9, 3, 64, 16, 30
+    for batch, context in ((8, 290), (24, 290), (64, 290), (64, 1000)):
+        per_seq = -(-context // block)
+        cache = KVCache(KVLayout(num_layers=layers, block_size=block, num_kv_heads=kv_heads, head_dim=dim,
+                                 dtype="bfloat16"), 2 * batch * per_seq)
+        cache.buffer.normal_()
+        pool = cache.buffer
+        q = torch.randn(batch, heads, dim).bfloat16()
+        lens = torch.full((batch,), context, dtype=torch.int64)
+        tables = torch.randperm(2 * batch * per_seq)[:batch * per_seq].view(batch, per_seq).contiguous()
+
+        def run(fn):
+            out = torch.empty_like(q)
+            for k, v in cache.layers:
+                status = fn(q.data_ptr(), pool.data_ptr(), pool.stride(0), (k.data_ptr() - pool.data_ptr()) // 2,
+                            (v.data_ptr() - pool.data_ptr()) // 2, tables.data_ptr(), tables.shape[1],
+                            lens.data_ptr(), out.data_ptr(), batch, heads, kv_heads, dim, block, dim ** -0.5, 1)
+                assert status == 0, status
+            return out
+        medians, outputs = alternate(variants, run, rounds)
+        gigabytes = batch * context * kv_heads * dim * 2 * 2 * layers / 1e9
+        rates = "  ".join(f"{n} {gigabytes / ms * 1000:.1f}" for n, ms in medians.items())
+        report(f"{batch} x {context}", medians, outputs)
+        print(f"|   K/V read, GB/s | {rates} | |")
+
+
+def decode_forward(variants: dict, rounds: int) -> None:
+    from common.config.base import EngineConfig
+    from common.engine.llm_engine import LLMEngine
+    from common.engine.scheduler import StepPlan
+    from common.protocol.sampling_params import SamplingParams
+    engine = LLMEngine(EngineConfig(model="embedded", dtype="bfloat16", num_threads=torch.get_num_threads(),
+                                    kv_cache_memory_bytes=1 << 30))
+    runner, rng = engine.runner, random.Random(1)
+    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    for i in range(8):  # 97 + 8i tokens: neither the prompt nor the next position ends a block
+        engine.add_request(f"r{i}", [rng.randrange(100, 40000) for _ in range(97 + 8 * i)], params)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for i in range(8) for s in engine.requests[f"r{i}"]):
+        engine.step()
+    seqs = [engine.requests[f"r{i}"][0] for i in range(8)]
+    fused = runner.model.fused_decode
+    if fused is None:
+        raise SystemExit("the engine has no fused decode kernel here (no compiler, or not the CPU)")
+    for rows in (1, 2, 4, 6, 8):
+        plan = StepPlan()
+        for seq in seqs[:rows]:
+            plan.add(seq, 1)
+        prepared = runner.prepare(plan)
+
+        def run(fn):
+            fused._kernel = fn
+            with torch.inference_mode():
+                return runner.model.compute_logits(runner.forward(prepared))
+        medians, outputs = alternate(variants, run, rounds)
+        report(f"{rows} rows", medians, outputs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("kernel", choices=sorted(SOURCES))
+    parser.add_argument("variants", nargs="+", help="NAME=REV[:MACRO=VALUE,...]; REV may be WORKTREE")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=12)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)  # as in a worker process
+    with tempfile.TemporaryDirectory() as tmp:
+        variants = dict(build(args.kernel, spec, Path(tmp)) for spec in args.variants)
+        print(f"{args.kernel}, {args.threads} threads, median of {args.rounds} alternating rounds\n")
+        print("| case | " + " | ".join(["variants (speed-up over the first)", "outputs"]) + " |\n|---|---|---|")
+        {"decode_attention": decode_attention, "decode_forward": decode_forward}[args.kernel](variants, args.rounds)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
