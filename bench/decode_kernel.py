@@ -1,13 +1,13 @@
 """The one-call decode kernel against the torch path: forward time and logits, per batch size.
 
-    .venv/bin/python -m bench.decode_kernel [--dtype bfloat16] [--quantization none|int8] [--threads 2]
+    .venv/bin/python -m bench.decode_kernel [--dtype bfloat16] [--quantization none|int8] [--threads 2] \
+        [--rows 1,2,4,8,16,32,64] [--max-batch 64]
 
-The embedded model in this process. Eight sequences with prompts of 101 to
-143 tokens (none a whole number of KV blocks) are prefilled; then for M = 1, 2, 4 and 8 of them one decode step
-is prepared and its forward timed (``--repeat`` times each way): through
-``kernels/decode_forward.c`` and with the kernel switched off, on the same
-weights and pages. The largest logit difference and the argmax agreement
-between the two show the numerics.
+The embedded model in this process. As many sequences as the largest ``--rows``, with prompts of 97, 105, 113, ...
+tokens (neither a prompt nor its next position ends a KV block), are prefilled; then for each M of ``--rows`` one
+decode step of the first M is prepared and its forward timed (``--repeat`` times each way, alternating): through
+``kernels/decode_forward.c`` and with the kernel switched off, on the same weights and pages. The largest logit
+difference and the argmax agreement between the two show the numerics.
 """
 from __future__ import annotations
 
@@ -23,14 +23,20 @@ from common.engine.scheduler import StepPlan
 from common.protocol.sampling_params import SamplingParams
 
 
-def timed(runner, prepared, repeat: int) -> tuple[float, torch.Tensor]:
+ROUND = 3  # forwards per turn: the kernel and the torch path take turns, so drift hits both alike
+
+
+def forward_ms(runner, prepared, repeat: int) -> float:
     with torch.inference_mode():
-        hidden = runner.forward(prepared)
         start = time.perf_counter()
         for _ in range(repeat):
             runner.forward(prepared)
-        elapsed = (time.perf_counter() - start) / repeat
-        return 1000 * elapsed, runner.model.compute_logits(hidden).float()
+        return 1000 * (time.perf_counter() - start) / repeat
+
+
+def logits(runner, prepared) -> torch.Tensor:
+    with torch.inference_mode():
+        return runner.model.compute_logits(runner.forward(prepared)).float()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,30 +45,51 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantization", default="none", choices=("none", "int8"))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64", help="comma-separated batch sizes")
+    parser.add_argument("--max-batch", type=int, default=None,
+                        help="engine.decode_kernel_max_batch (the config's default when left out)")
     args = parser.parse_args(argv)
+    sizes = [int(r) for r in args.rows.split(",")]
     torch.set_flush_denormal(True)  # as in a worker process
+    options = {} if args.max_batch is None else {"decode_kernel_max_batch": args.max_batch}
     engine = LLMEngine(EngineConfig(model="embedded", dtype=args.dtype, quantization=args.quantization,
-                                    num_threads=args.threads, kv_cache_memory_bytes=1 << 30))
+                                    num_threads=args.threads, kv_cache_memory_bytes=1 << 30, **options))
     runner, rng = engine.runner, random.Random(1)
     params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
-    for i in range(8):
-        engine.add_request(f"r{i}", [rng.randrange(100, 40000) for _ in range(101 + 6 * i)], params)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for i in range(8) for s in engine.requests[f"r{i}"]):
+    count = max(sizes) + max(sizes) // 8 + 1  # a few spare: see below
+    for i in range(count):
+        engine.add_request(f"r{i}", [rng.randrange(100, 40000) for _ in range(97 + 8 * i)], params)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for i in range(count) for s in engine.requests[f"r{i}"]):
         engine.step()
-    seqs = [engine.requests[f"r{i}"][0] for i in range(8)]
+    # Sequences whose prompt finished in an earlier step have decoded since; keep those whose next position
+    # has its block already (a decode step prepared here allocates none).
+    seqs = [s for s in (engine.requests[f"r{i}"][0] for i in range(count))
+            if len(s.block_table) * engine.config.block_size > s.num_computed_tokens]
     kernel = runner.model.fused_decode
     print(f"{args.dtype}, weights {args.quantization if args.quantization != 'none' else args.dtype}, "
-          f"{args.threads} threads; forward of one decode step, ms (mean of {args.repeat})\n")
+          f"{args.threads} threads, the kernel taking up to {kernel.max_rows if kernel else 0} rows; forward of "
+          f"one decode step, ms (mean of {args.repeat}, the two ways alternating in rounds of {ROUND})\n")
     print("| rows | decode kernel | torch path | speed-up | max abs logit difference | argmax agreement |")
     print("|---|---|---|---|---|---|")
-    for rows in (1, 2, 4, 8):
+    for rows in sizes:
+        if rows > len(seqs) or (kernel is not None and rows > kernel.max_rows):
+            print(f"| {rows} | — | — | — | — | — |")
+            continue
         plan = StepPlan()
         for seq in seqs[:rows]:
             plan.add(seq, 1)
         prepared = runner.prepare(plan)
-        fused_ms, fused = timed(runner, prepared, args.repeat)
+        fused_ms = torch_ms = 0.0
+        for _ in range(-(-args.repeat // ROUND)):
+            fused_ms += forward_ms(runner, prepared, ROUND)
+            runner.model.fused_decode = None
+            torch_ms += forward_ms(runner, prepared, ROUND)
+            runner.model.fused_decode = kernel
+        rounds = -(-args.repeat // ROUND)
+        fused_ms, torch_ms = fused_ms / rounds, torch_ms / rounds
+        fused = logits(runner, prepared)
         runner.model.fused_decode = None
-        torch_ms, reference = timed(runner, prepared, args.repeat)
+        reference = logits(runner, prepared)
         runner.model.fused_decode = kernel
         agree = (fused.argmax(-1) == reference.argmax(-1)).float().mean().item()
         print(f"| {rows} | {fused_ms:.2f} | {torch_ms:.2f} | {torch_ms / fused_ms:.2f}× | "
