@@ -36,6 +36,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.machine import describe_machine
 from common.cli.local_cluster import LocalCluster, free_port
 from common.runtime.prometheus_text import total
 from common.storage.model_store import EMBEDDED_MODEL, resolve_model
@@ -183,6 +184,13 @@ def table(rows: list[dict], args) -> str:
     return "\n".join(lines)
 
 
+def cpu_line() -> str:
+    """``2 cores, AMD EPYC (avx512_bf16, avx512_vnni)``: the CPU the ratios were measured on (they differ by kind)."""
+    machine = describe_machine()
+    isa = [f for f in machine["isa"] if f.startswith(("avx512_", "amx_"))]
+    return f"{machine['nproc']} cores, {machine['cpu'].get('Model name', 'unknown CPU')} ({', '.join(isa) or 'no AVX-512 extensions'})"
+
+
 def write_section(text: str, path: Path) -> None:
     doc = path.read_text()
     if BEGIN in doc and END in doc:
@@ -229,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                f"--seed {args.seed} --write")
     text = (f"{BEGIN}\n## Against vLLM's CPU build, same cores (issue 12): latest\n\n"
             "(`bench.peers.compare --write` replaces this section; the baseline above stays.)\n\n"
-            f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, {args.dtype}, {args.input_len} in / "
+            f"{time.strftime('%Y-%m-%d')}, {cpu_line()}, {args.dtype}, {args.input_len} in / "
             f"{args.output_len} out, `vllm bench serve` (random, ignore_eos, greedy, 2 warm-ups) against each "
             f"server in turn, fresh prompts per point (seeds {args.seed}..{args.seed + 2}). Ratios are against "
             f"vLLM in this run (TPOT and TTFT: lower is better).\n\n    {command}\n\n{table(rows, args)}\n{END}")
