@@ -8,9 +8,12 @@ The stage is the request's own (``SubRequest.stage``); admission keeps how many 
 in each stage, and two queues. Prefill admission takes the policy's next choice while the decode slots are
 not all spoken for, else only of tenants with fewer than ``prefill_ahead_per_tenant`` choices ahead (and,
 with ``ttft_slo_ms``, only while ``prefill_room``); ``prefill_started`` charges the prompt. Decode admission
-gives a free slot (``decode_slots``) to the policy's next ready choice; ``admit_decode`` gives a slot that
-fairness preemption freed (proxy/slo.py) to a named tenant. ``next_admission`` decides and its owner
-(proxy/cluster.py) starts what it returns, one at a time, until it returns None.
+gives a free slot (``decode_slots``) to the policy's next ready choice; under ``vtc`` a tenant holding its
+weighted share of the slots yields it to one below its share in the same lane (``_under_share``: the lift
+leaves a light tenant's counter level with the heavy one's each time it comes back, so the counters alone
+would queue its requests behind the heavy tenant's, between their first and second token). ``admit_decode``
+gives a slot that fairness preemption freed (proxy/slo.py) to a named tenant. ``next_admission`` decides and
+its owner (proxy/cluster.py) starts what it returns, one at a time, until it returns None.
 
 The order (``fairness_policy``): ``fcfs``, ``priority`` (lanes p0, p1, p2) or ``vtc`` (lanes, then the
 backlogged tenant with the smallest virtual token counter: Sheng et al., OSDI 2024). ``ServiceCounters``
@@ -62,6 +65,9 @@ class ServiceCounters:
 
     def __getitem__(self, tenant: str) -> float:
         return self.values.get(tenant, 0.0)
+
+    def weight(self, tenant: str) -> float:
+        return self._weights.get(tenant, 1.0)
 
     def reweigh(self, weights: dict[str, float]) -> None:
         """A config reload's weights, for the service charged from now on (the counters keep what they hold)."""
@@ -164,6 +170,13 @@ class VtcQueue:
             queue.insert(bisect.bisect([waiting.order for waiting in queue], item.order), item)
         else:
             queue.append(item)
+
+    def first_lane(self, eligible: Eligible | None = None) -> int | None:
+        """The first lane with a (eligible) tenant waiting; None: none."""
+        for index, lane in enumerate(self._lanes):
+            if any(eligible is None or eligible(t) for t in lane):
+                return index
+        return None
 
     def pop_next(self, eligible: Eligible | None = None) -> Waiting | None:
         for lane in self._lanes:
@@ -315,12 +328,32 @@ class AdmissionController:
         return Admit(Stage.DECODING, item.key, item.payload)
 
     def _next_decode(self) -> Waiting | None:
-        if self.total(Stage.DECODING) >= self._decode_slots():
+        slots = self._decode_slots()
+        if self.total(Stage.DECODING) >= slots:
             return None
-        item = self.decode_queue.pop_next()
+        item = None
+        if isinstance(self.decode_queue, VtcQueue) and (under := self._under_share(slots)):
+            # a tenant holding its share of the slots yields to one below its share, in the same lane
+            if self.decode_queue.first_lane(under.__contains__) == self.decode_queue.first_lane():
+                item = self.decode_queue.pop_next(under.__contains__)
+        if item is None:
+            item = self.decode_queue.pop_next()
         if item is not None:
             self._move(item, Stage.READY, Stage.DECODING)
         return item
+
+    def _under_share(self, slots: int) -> set[str]:
+        """The tenants waiting for a decode slot that hold fewer slots than their weighted share of ``slots``,
+        shared among the tenants decoding or waiting to (empty while fewer than two tenants are)."""
+        ready, decoding = self.count[Stage.READY], self.count[Stage.DECODING]
+        waiting = [t for t, n in ready.items() if n]
+        if not waiting:
+            return set()
+        tenants = set(waiting).union(t for t, n in decoding.items() if n)
+        if len(tenants) < 2:
+            return set()
+        total = sum(self.counters.weight(t) for t in tenants)
+        return {t for t in waiting if decoding[t] < slots * self.counters.weight(t) / total}
 
     def _next_prefill(self) -> Waiting | None:
         if self._prefill_room is not None and not self._prefill_room():

@@ -19,6 +19,11 @@ from dataclasses import dataclass
 from common.protocol.wire import StepCostModel
 
 ASSUMED_CONTEXT = 512  # tokens per sequence, for a worker running none
+# Sequences a decode worker is given within the TPOT target before it has reported a step model: enough for its
+# first steps to cover several batch sizes, which is what the fit needs, and few enough that a burst at start-up
+# does not fill every slot before the capacity is known (then the fairness policy had nothing to choose from
+# until those sequences ended: issue 14's both-backlogged run missed its shares for the first minute).
+START_CAPACITY = 8
 # StepLag: each step's weight decays by this per later step (a half-life of about 70 steps: a few seconds); the
 # lag counts once this many steps were seen; one step adds at most LAG_SAMPLE_MAX_MS (a stall, or an idle gap
 # the proxy could not see begin, must not close a worker); and the capacity uses at most half the budget for it

@@ -178,7 +178,7 @@ class PrefixAwareRouting:
         pending = self._pending.get(worker.worker_id, _Pending())
         running = worker.num_running + pending.requests
         # a worker at its TPOT capacity (proxy/capacity.py) comes after any below it
-        full = bool(worker.latency_capacity) and running >= worker.latency_capacity
+        full = running >= worker.tpot_capacity
         return (full, -(worker.free_blocks - pending.blocks), running)
 
     def _remember_prefix(self, worker: WorkerState, prompt: Sequence[int], cache_salt: int) -> None:

@@ -40,7 +40,9 @@ from common.protocol.wire import (
     Goodbye, Heartbeat, KVLayoutInfo, PeerInfo, Peers, Register, RegisterAck, Role, StepCostModel, encode,
 )
 from common.runtime.zmq_security import CurveServer, apply_curve_server, start_authenticator
-from proxy.capacity import ASSUMED_CONTEXT, LAG_DECAY, LAG_SAMPLE_MAX_MS, StepLag, latency_capacity, mean_context
+from proxy.capacity import (
+    ASSUMED_CONTEXT, LAG_DECAY, LAG_SAMPLE_MAX_MS, START_CAPACITY, StepLag, latency_capacity, mean_context,
+)
 from proxy.registration import ClusterModel, refusal
 
 log = logging.getLogger("tessera.proxy")
@@ -69,6 +71,11 @@ class WorkerState:
     step_cost: StepCostModel | None = None  # its fit of its step time (heartbeat); None: not known yet
     latency_capacity: int = 0  # sequences it may run within the TPOT target (proxy/capacity.py); 0: unknown
     lag: StepLag = field(default_factory=StepLag)  # its steps as they come, against its model
+
+    @property
+    def tpot_capacity(self) -> int:
+        """``latency_capacity``, or ``START_CAPACITY`` of its slots while that is unknown."""
+        return self.latency_capacity or min(self.max_num_seqs, START_CAPACITY)
 
     @property
     def serves_prefill(self) -> bool:
@@ -207,9 +214,8 @@ class WorkerRegistry:
 
     def decode_slots(self, within_tpot: bool = False) -> int:
         """Sequences the decode-capable workers that take new work can run at once; ``within_tpot``: only as many
-        as keep each one's predicted step time within the TPOT target (its slots while that is unknown)."""
-        return sum((w.latency_capacity or w.max_num_seqs) if within_tpot else w.max_num_seqs
-                   for w in self.decode_side() if not w.draining)
+        as keep each one's predicted step time within the TPOT target (``WorkerState.tpot_capacity``)."""
+        return sum(w.tpot_capacity if within_tpot else w.max_num_seqs for w in self.decode_side() if not w.draining)
 
     def peers(self) -> Peers:
         return Peers([w.peer_info() for w in self.prefill_side()])

@@ -10,7 +10,7 @@ import pytest
 from common.engine.model_runner import StepTimer
 from common.protocol import wire
 from common.protocol.wire import Heartbeat, KVLayoutInfo, Register, StepCostModel
-from proxy.capacity import ASSUMED_CONTEXT
+from proxy.capacity import ASSUMED_CONTEXT, START_CAPACITY
 from proxy.workers import WorkerRegistry
 
 
@@ -144,13 +144,13 @@ def registry_with(slo_ms: float = 0.0, factor: float = 2.0, max_num_seqs: int = 
 
 def test_decode_slots_within_the_target_come_from_each_workers_model():
     registry = registry_with(slo_ms=60.0)
-    assert registry.decode_slots(within_tpot=True) == 256  # no model yet: every slot
+    assert registry.decode_slots(within_tpot=True) == 2 * START_CAPACITY  # no model yet: a start's worth each
     registry.heartbeat(Heartbeat("d0", 1, 900, 10, 0, 0, False, 10 * 400, COST), 1.0)
     d0 = registry.workers["d0"]
     # 6 + 1.5 R + 4 * 0.4 R <= 60  ->  R <= 17.4
     assert d0.latency_capacity == 17
     assert COST.step_ms(17, 17 * 400) <= 60 < COST.step_ms(18, 18 * 400)
-    assert registry.decode_slots(within_tpot=True) == 17 + 128
+    assert registry.decode_slots(within_tpot=True) == 17 + START_CAPACITY
     assert registry.decode_slots() == 256  # the slots, when the target does not apply
 
 
@@ -199,7 +199,7 @@ def test_steps_that_come_later_than_predicted_shrink_the_capacity():
     assert d0.lag.ms == pytest.approx(20.0, rel=0.02)
     # each step within 60 - 20 ms: 6 + 1.5 R + 1.6 R <= 40 up to 10 rows (11: 40.1)
     assert d0.latency_capacity == 10
-    assert registry.decode_slots(within_tpot=True) == 10 + 128
+    assert registry.decode_slots(within_tpot=True) == 10 + START_CAPACITY
 
 
 def test_an_idle_gap_is_not_a_late_step():

@@ -3,6 +3,7 @@ a new request's time to first token, how many queued choices go before it under 
 early rejection, and which decode slots move for fairness."""
 from __future__ import annotations
 
+import hashlib
 from types import SimpleNamespace
 
 import pytest
@@ -197,3 +198,55 @@ def test_no_slot_moves_to_a_lower_lane_from_a_draining_worker_or_past_the_preemp
         sub.preemptions = MAX_PREEMPTIONS
     assert slo.to_preempt(inflight, 10.0) == []
     assert slo.to_preempt(inflight, 10.05) == []  # and it looks again only after PREEMPT_QUIET_S
+
+
+def decoding_admission(policy: str, slots: int, weights: dict[str, float] | None = None,
+                       lanes: dict[str, str] | None = None):
+    """An AdmissionController with tenants a and b, ``slots`` decode slots; each choice prefills locally."""
+    tenants = [{"name": t, "api_key_sha256": [hashlib.sha256(t.encode()).hexdigest()],
+                "weight": (weights or {}).get(t, 1.0), "priority": (lanes or {}).get(t, "p1")} for t in ("a", "b")]
+    cfg = ProxyConfig(fairness_policy=policy, auth_enabled=True, tenants=tenants)
+    registry = TenantRegistry(cfg)
+    return AdmissionController(cfg, registry, lambda: slots), registry
+
+
+def start(admission, registry, tenant: str, key: str) -> Stage:
+    """Enqueue ``key`` for ``tenant``, prefill it and ask for its decode slot; the stage it reached."""
+    admission.enqueue(key, registry.tenants[tenant], 10, key)
+    admit = admission.next_admission()
+    assert admit is not None and admit.key == key and admit.stage is Stage.PREFILLING
+    admission.ready_for_decode(key)
+    admit = admission.next_admission()
+    return admit.stage if admit is not None else Stage.READY
+
+
+def test_a_tenant_at_its_share_of_the_slots_yields_to_one_below_it():
+    for policy, first in (("vtc", "b"), ("fcfs", "a")):
+        admission, registry = decoding_admission(policy, slots=6)
+        for i in range(5):
+            assert start(admission, registry, "a", f"a{i}") is Stage.DECODING
+        assert start(admission, registry, "b", "b0") is Stage.DECODING
+        # every slot held (a 5, b 1); a's next choice is ready before b's, and one of a's ends
+        assert start(admission, registry, "a", "a5") is Stage.READY
+        assert start(admission, registry, "b", "b1") is Stage.READY
+        admission.leave("a0", Stage.DECODING)
+        admit = admission.next_admission()
+        assert admit is not None and admit.key == f"{first}{1 if first == 'b' else 5}", policy
+
+
+def test_the_share_is_weighted_and_a_higher_lane_does_not_yield():
+    admission, registry = decoding_admission("vtc", slots=4, weights={"a": 3.0})
+    for key, tenant in (("a0", "a"), ("a1", "a"), ("b0", "b"), ("b1", "b")):
+        assert start(admission, registry, tenant, key) is Stage.DECODING
+    assert start(admission, registry, "b", "b2") is Stage.READY
+    assert start(admission, registry, "a", "a2") is Stage.READY
+    admission.leave("b0", Stage.DECODING)
+    assert admission.next_admission().key == "a2"  # a's share is 3 of 4 slots, b's 1: a is below, b is not
+    admission, registry = decoding_admission("vtc", slots=2, lanes={"a": "p0"})
+    for key, tenant in (("a0", "a"), ("b0", "b")):
+        assert start(admission, registry, tenant, key) is Stage.DECODING
+    assert start(admission, registry, "a", "a1") is Stage.READY
+    assert start(admission, registry, "a", "a2") is Stage.READY  # a holds its share and more of it waits
+    assert start(admission, registry, "b", "b1") is Stage.READY
+    admission.leave("b0", Stage.DECODING)
+    assert admission.next_admission().key == "a1"  # lane p0 first, whatever the shares
