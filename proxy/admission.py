@@ -402,6 +402,8 @@ class AdmissionController:
         was_backlogged = self.backlogged(item.tenant)
         if old is not None:
             self.count[old][item.tenant] -= 1
+            if not self.count[old][item.tenant]:  # no zero entries: _under_share walks them on every admission
+                del self.count[old][item.tenant]
         if new is not None:
             self.count[new][item.tenant] += 1
         if old is None:

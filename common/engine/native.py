@@ -44,6 +44,11 @@ def _cpu_signature() -> str:
     return flags
 
 
+def cpu_has(flag: str) -> bool:
+    """Whether this CPU lists ``flag`` (``/proc/cpuinfo``'s name, e.g. ``avx512_bf16``); False where unknown."""
+    return flag in _cpu_signature().split()
+
+
 @functools.cache
 def load_kernel(name: str) -> ctypes.CDLL | None:
     """Compile (if needed) and load ``kernels/<name>.c``; None when that is impossible."""

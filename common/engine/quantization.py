@@ -41,7 +41,7 @@ from torch import nn
 from common.engine.native import kernel_function
 from common.text.tokenizer import Tokenizer
 
-SMALL_BATCH_ROWS = 8  # decode_forward.c's MAX_ROWS
+SMALL_BATCH_ROWS = 8  # rows the small-batch kernels take with int8 (or float32) weights: decode_forward.c
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

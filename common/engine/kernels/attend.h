@@ -12,6 +12,9 @@
 
 #include <math.h>
 #include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "bf16.h"
 #include "simd.h"
@@ -389,8 +392,11 @@ static inline __attribute__((always_inline)) void attend_one_avx512(
 #define ROW_MIN_CONTEXT 400
 #endif
 
-/* Whether a step's decode rows go one item per row (attend_row_avx512). */
+/* Whether a step's decode rows go one item per row (attend_row_avx512): enough rows to keep every thread busy. */
 static inline int attend_by_row(int rows, const int64_t *context_lens, int head_dim, int num_kv_heads) {
+#ifdef _OPENMP
+    if (rows < omp_get_max_threads()) return 0;
+#endif
     if (rows < ROW_ITEMS_MIN || head_dim % 16 != 0 || num_kv_heads > ROW_MAX_KV_HEADS) return 0;
     int64_t total = 0;
     for (int r = 0; r < rows; r++) total += context_lens[r];

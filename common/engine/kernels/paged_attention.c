@@ -36,14 +36,16 @@ int tessera_paged_attention(
 #if defined(__AVX512F__)
     /* Enough rows to keep every thread busy at one item per row: each row reads its blocks' K/V ranges whole */
     if (attend_by_row(rows, context_lens, head_dim, num_kv_heads)) {
-        int failed = 0;
-        #pragma omp parallel reduction(|: failed)
+        #pragma omp parallel
         {
             attend_state *states = aligned_alloc(64, sizeof(attend_state) * num_kv_heads);
-            failed = states == NULL;
             #pragma omp for schedule(dynamic, 1)
             for (int64_t r = 0; r < rows; r++) {
-                if (states == NULL) continue;
+                if (states == NULL) { /* no scratch for this thread: a head at a time */
+                    for (int64_t item = r * num_kv_heads; item < (r + 1) * num_kv_heads; item++)
+                        ATTEND(head_dim, is_bf16);
+                    continue;
+                }
                 if (head_dim == 64 && is_bf16) ATTEND_ROW(64, 1);
                 else if (head_dim == 64) ATTEND_ROW(64, 0);
                 else if (head_dim == 128 && is_bf16) ATTEND_ROW(128, 1);
@@ -52,7 +54,7 @@ int tessera_paged_attention(
             }
             free(states);
         }
-        return failed ? -2 : 0;
+        return 0;
     }
 #endif
     #pragma omp parallel for schedule(dynamic, 1)
