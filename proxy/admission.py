@@ -15,11 +15,11 @@ would queue its requests behind the heavy tenant's, between their first and seco
 gives a slot that fairness preemption freed (proxy/slo.py) to a named tenant. ``next_admission`` decides and
 its owner (proxy/cluster.py) starts what it returns, one at a time, until it returns None.
 
-The order (``fairness_policy``): ``fcfs``, ``priority`` (lanes p0, p1, p2) or ``vtc`` (lanes, then the
-backlogged tenant with the smallest virtual token counter: Sheng et al., OSDI 2024). ``ServiceCounters``
-keep every tenant's counter under every policy; ``BacklogLift`` lifts a tenant becoming backlogged to the
-smallest counter of its lane's backlogged tenants, so idle time banks no credit. The why of each rule:
-docs/fairness.md ("Admission: two stages, one counter per tenant")."""
+The order (``fairness_policy``): ``fcfs``, ``priority`` (lanes p0, p1, p2; both in proxy/lane_queues.py)
+or ``vtc`` (lanes, then the backlogged tenant with the smallest virtual token counter: Sheng et al., OSDI
+2024). ``ServiceCounters`` keep every tenant's counter under every policy; ``BacklogLift`` lifts a tenant
+becoming backlogged to the smallest counter of its lane's backlogged tenants, so idle time banks no credit.
+The why of each rule: docs/fairness.md ("Admission: two stages, one counter per tenant")."""
 
 from __future__ import annotations
 
@@ -29,28 +29,15 @@ import itertools
 import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from common.config.roles import ProxyConfig
 from common.protocol.names import FAIRNESS_POLICIES
 from proxy.errors import ApiError
+from proxy.lane_queues import NUM_LANES, Eligible, FcfsQueue, PriorityQueue, Waiting
 from proxy.metrics import ProxyMetrics
 from proxy.tenants import Tenant, TenantRegistry
-
-NUM_LANES = 3
-Eligible = Callable[[str], bool]
-
-
-@dataclass(eq=False)
-class Waiting:
-    """A request waiting for admission: ``order`` is its arrival number, ``payload`` what to start."""
-    tenant: str
-    lane: int
-    order: int
-    input_tokens: int = 0  # charged when it is admitted
-    key: str = ""  # the request id
-    payload: object = field(default=None, repr=False)
 
 
 class ServiceCounters:
@@ -91,49 +78,6 @@ class FairnessQueue(Protocol):
     def pop_next(self, eligible: Eligible | None = None) -> Waiting | None: ...
     def remove(self, item: Waiting) -> None: ...
     def __len__(self) -> int: ...
-
-
-class PriorityQueue:
-    """Lane p0 first; arrival order within a lane (also for items pushed out of order, as the decode stage does)."""
-
-    def __init__(self, counters: ServiceCounters, lanes: int = NUM_LANES) -> None:
-        self.counters = counters
-        self._orders: list[list[int]] = [[] for _ in range(lanes)]  # sorted arrival numbers, per lane
-        self._items: dict[int, Waiting] = {}
-
-    def _lane(self, item: Waiting) -> list[int]:
-        return self._orders[item.lane]
-
-    def push(self, item: Waiting) -> None:
-        bisect.insort(self._lane(item), item.order)
-        self._items[item.order] = item
-
-    def pop_next(self, eligible: Eligible | None = None) -> Waiting | None:
-        for orders in self._orders:
-            for index, order in enumerate(orders):
-                item = self._items[order]
-                if eligible is None or eligible(item.tenant):
-                    del orders[index]
-                    return self._items.pop(order)
-        return None
-
-    def remove(self, item: Waiting) -> None:
-        if self._items.pop(item.order, None) is not None:
-            orders = self._lane(item)
-            del orders[bisect.bisect_left(orders, item.order)]
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
-class FcfsQueue(PriorityQueue):
-    """Arrival order only: every request shares one lane."""
-
-    def __init__(self, counters: ServiceCounters) -> None:
-        super().__init__(counters, lanes=1)
-
-    def _lane(self, item: Waiting) -> list[int]:
-        return self._orders[0]
 
 
 class BacklogLift:
@@ -199,8 +143,6 @@ class VtcQueue:
 
     def __len__(self) -> int:
         return sum(len(q) for lane in self._lanes for q in lane.values())
-
-
 
 
 def make_queue(policy: str, counters: ServiceCounters) -> FairnessQueue:

@@ -8,11 +8,10 @@
   version needs no proxy restart. A Register with the same id and a newer epoch replaces the old entry (the
   caller fails its requests); an older epoch is refused as stale; the same epoch is a retry and is accepted.
 - ``heartbeat`` updates load and the TPOT capacity (proxy/capacity.py); ``observe_step`` times each decode
-  step's tokens for its lag. A heartbeat from an unknown worker or a wrong epoch is not applied, and
-  ``ask_to_rejoin`` says whether to answer it with Reregister: at most once per worker id every
-  ``heartbeat_timeout_s / 4`` (the watchdog's period), so a flood of heartbeats gets few replies while the
-  worker still rejoins well before it could count as dead. ``expire`` removes workers silent for
-  ``heartbeat_timeout_s``; ``goodbye`` handles Goodbye.
+  step's tokens for its lag. A heartbeat from an unknown worker or a wrong epoch is not applied; ``ask_to_rejoin``
+  answers it with Reregister at most once per worker id every ``heartbeat_timeout_s / 4`` (the watchdog's
+  period): a flood gets few replies, and the worker rejoins well before it could count as dead. ``expire``
+  removes workers silent for ``heartbeat_timeout_s``; ``goodbye`` handles Goodbye.
 
 Roles: ``prefill`` serves PrefillRequests; ``decode`` serves DecodeRequests (with pages to pull, or without:
 it prefills locally); ``both`` is an aggregated worker, decode-capable and counted as prefill-capable for
@@ -36,13 +35,11 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from common.config.base import EngineConfig
-from common.protocol.wire import (
-    Goodbye, Heartbeat, KVLayoutInfo, PeerInfo, Peers, Register, RegisterAck, Role, StepCostModel, encode,
-)
+from common.protocol.wire import (Goodbye, Heartbeat, KVLayoutInfo, PeerInfo, Peers, Register, RegisterAck, Role,
+                                  StepCostModel, encode)
 from common.runtime.zmq_security import CurveServer, apply_curve_server, start_authenticator
-from proxy.capacity import (
-    ASSUMED_CONTEXT, LAG_DECAY, LAG_SAMPLE_MAX_MS, START_CAPACITY, StepLag, latency_capacity, mean_context,
-)
+from proxy.capacity import (ASSUMED_CONTEXT, LAG_DECAY, LAG_SAMPLE_MAX_MS, START_CAPACITY, StepLag,
+                            latency_capacity, mean_context)
 from proxy.registration import ClusterModel, refusal
 
 log = logging.getLogger("tessera.proxy")
@@ -66,7 +63,6 @@ class WorkerState:
     outstanding_prefill_tokens: int = 0
     draining: bool = False
     max_num_seqs: int = EngineConfig.max_num_seqs  # decode slots; the engine's default when not reported
-    context_tokens: int = 0  # its running sequences' tokens, summed (heartbeat)
     mean_context: int = ASSUMED_CONTEXT  # of one running sequence (heartbeat; capacity.mean_context)
     step_cost: StepCostModel | None = None  # its fit of its step time (heartbeat); None: not known yet
     latency_capacity: int = 0  # sequences it may run within the TPOT target (proxy/capacity.py); 0: unknown
@@ -129,8 +125,8 @@ class WorkerRegistry:
         )
         replaced = old if old is not None and old.epoch != msg.epoch else None
         if old is not None and replaced is None:  # a retried Register: keep the load we know
-            for name in ("free_blocks", "num_running", "outstanding_prefill_tokens", "draining", "context_tokens",
-                         "mean_context", "step_cost", "latency_capacity", "lag"):
+            for name in ("free_blocks", "num_running", "outstanding_prefill_tokens", "draining", "mean_context",
+                         "step_cost", "latency_capacity", "lag"):
                 setattr(worker, name, getattr(old, name))
         self.workers[msg.worker_id] = worker
         self._rejoin_asked.pop(msg.worker_id, None)
@@ -148,7 +144,6 @@ class WorkerRegistry:
         worker.free_blocks = msg.free_blocks
         worker.num_running = msg.num_running
         worker.outstanding_prefill_tokens = msg.outstanding_prefill_tokens
-        worker.context_tokens = msg.context_tokens
         worker.step_cost = msg.step_cost
         if not msg.num_running:
             worker.lag.last_at = None  # it runs nothing: the next step's tokens end no step the proxy timed

@@ -175,7 +175,7 @@ def test_capacity_is_at_least_one_and_at_most_the_slots():
 def steps_late(registry: WorkerRegistry, rows: int, lag_ms: float, count: int, start: float = 1.0) -> float:
     """``count`` decode steps of ``rows`` sequences from d0, each ``lag_ms`` later than its predicted step."""
     d0 = registry.workers["d0"]
-    step_s = (COST.step_ms(rows, rows * (d0.context_tokens // d0.num_running)) + lag_ms) / 1e3
+    step_s = (COST.step_ms(rows, rows * d0.mean_context) + lag_ms) / 1e3
     now = start
     for _ in range(count):
         registry.observe_step("d0", rows, True, now)
