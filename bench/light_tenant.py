@@ -94,6 +94,7 @@ def point(cluster: LocalCluster, a_streams: int, args, seed: int) -> dict:
         # timer's last prediction and measurement, as the window ends
         waiting["decode_capacity"] = total(text, "tessera_proxy_worker_decode_capacity")
         waiting["step_lag_ms"] = 1e3 * total(text, "tessera_proxy_worker_step_lag_seconds")
+        waiting["tpot_target_ms"] = 1e3 * total(text, "tessera_proxy_worker_tpot_target_seconds")
         for worker in workers.values():
             for gauge in ("predicted", "measured"):
                 waiting[f"step_{gauge}_ms"] = 1e3 * total(worker, f"tessera_worker_step_{gauge}_seconds")

@@ -164,6 +164,8 @@ class Stage(enum.IntEnum):
 
 
 LIVE = (Stage.QUEUED, Stage.PREFILLING, Stage.READY, Stage.DECODING)
+DECODE_HELD = (Stage.DECODING,)  # what holds a decode slot for decode admission
+SLOT_HELD = (Stage.PREFILLING, Stage.READY, Stage.DECODING)  # ... and for prefill admission under a latency cap
 
 
 @dataclass(frozen=True)
@@ -177,7 +179,9 @@ class Admit:
 class AdmissionController:
     def __init__(self, config: ProxyConfig, tenants: TenantRegistry, decode_slots: Callable[[], int],
                  metrics: ProxyMetrics | None = None, clock: Callable[[], float] = time.monotonic,
-                 prefill_room: Callable[[], bool] | None = None) -> None:
+                 prefill_room: Callable[[], bool] | None = None,
+                 latency_capped: Callable[[], bool] | None = None,
+                 slots_freeing: Callable[[], int] | None = None) -> None:
         self.config = config
         self.counters = ServiceCounters(config.vtc_input_weight, config.vtc_output_weight, tenants.weights)
         self.prefill_queue = make_queue(config.fairness_policy, self.counters)
@@ -185,6 +189,10 @@ class AdmissionController:
         self.lift = BacklogLift(self.counters)
         self._decode_slots = decode_slots
         self._prefill_room = prefill_room  # with a TTFT target: whether a prefill worker can take one more now
+        # whether the decode slots are a latency capacity now (the TPOT target applies): then a choice admitted to
+        # prefill holds its decode slot from then on, and what does not fit waits here, before its first token
+        self._latency_capped = latency_capped
+        self._slots_freeing = slots_freeing  # decoding choices predicted to end within one prefill (SlotForecast)
         self._metrics = metrics
         self._orders = itertools.count()
         self._items: dict[str, Waiting] = {}
@@ -274,7 +282,7 @@ class AdmissionController:
         if self.total(Stage.DECODING) >= slots:
             return None
         item = None
-        if isinstance(self.decode_queue, VtcQueue) and (under := self._under_share(slots)):
+        if isinstance(self.decode_queue, VtcQueue) and (under := self._under_share(slots, DECODE_HELD)):
             # a tenant holding its share of the slots yields to one below its share, in the same lane
             if self.decode_queue.first_lane(under.__contains__) == self.decode_queue.first_lane():
                 item = self.decode_queue.pop_next(under.__contains__)
@@ -284,31 +292,58 @@ class AdmissionController:
             self._move(item, Stage.READY, Stage.DECODING)
         return item
 
-    def _under_share(self, slots: int) -> set[str]:
-        """The tenants waiting for a decode slot that hold fewer slots than their weighted share of ``slots``,
-        shared among the tenants decoding or waiting to (empty while fewer than two tenants are)."""
-        ready, decoding = self.count[Stage.READY], self.count[Stage.DECODING]
-        waiting = [t for t, n in ready.items() if n]
+    def _under_share(self, slots: int, stages: tuple[Stage, ...], stage: Stage = Stage.READY) -> set[str]:
+        """The tenants with a choice in ``stage`` that hold fewer slots (choices in ``stages``) than their weighted
+        share of ``slots``, shared among the tenants holding or waiting (empty while fewer than two tenants are)."""
+        waiting = [t for t, n in self.count[stage].items() if n]
         if not waiting:
             return set()
-        tenants = set(waiting).union(t for t, n in decoding.items() if n)
+        held = Counter()
+        for s in stages:
+            held.update(self.count[s])
+        tenants = set(waiting).union(t for t, n in held.items() if n)
         if len(tenants) < 2:
             return set()
         total = sum(self.counters.weight(t) for t in tenants)
-        return {t for t in waiting if decoding[t] < slots * self.counters.weight(t) / total}
+        return {t for t in waiting if held[t] < slots * self.counters.weight(t) / total}
 
     def _next_prefill(self) -> Waiting | None:
         if self._prefill_room is not None and not self._prefill_room():
             return None
-        ahead, ready = self.count[Stage.PREFILLING], self.count[Stage.READY]
-        if self.total(Stage.DECODING) + sum(ahead.values()) + sum(ready.values()) < self._decode_slots():
-            item = self.prefill_queue.pop_next()
+        if self._latency_capped is not None and self._latency_capped():
+            item = self._next_prefill_capped()
         else:
-            limit = self.config.prefill_ahead_per_tenant
-            item = self.prefill_queue.pop_next(lambda t: ahead[t] + ready[t] < limit)
+            ahead, ready = self.count[Stage.PREFILLING], self.count[Stage.READY]
+            if self.total(Stage.DECODING) + sum(ahead.values()) + sum(ready.values()) < self._decode_slots():
+                item = self.prefill_queue.pop_next()
+            else:
+                limit = self.config.prefill_ahead_per_tenant
+                item = self.prefill_queue.pop_next(lambda t: ahead[t] + ready[t] < limit)
         if item is not None:
             self._move(item, Stage.QUEUED, Stage.PREFILLING)
         return item
+
+    def _next_prefill_capped(self) -> Waiting | None:
+        """Prefill admission while the decode slots are a latency capacity: a choice admitted holds a slot, and
+        one is free for it when a choice decoding is predicted to end within one prefill (``slots_freeing``), so
+        that its prompt overlaps the slot's last tokens. The policy picks, under ``vtc`` a tenant below its
+        share first (as for decode slots). So a choice waits for its slot here, where the policy orders it and
+        its client waits for a first token, not between its first and second. With ``preempt_for_fairness``, a
+        tenant below its share may start one prompt while every slot is held: once ready, it takes a slot from
+        the tenant most over its share (proxy/slo.py)."""
+        slots = self._decode_slots()
+        held = sum(self.total(s) for s in SLOT_HELD) - (self._slots_freeing() if self._slots_freeing else 0)
+        queue = self.prefill_queue
+        under = self._under_share(slots, SLOT_HELD, Stage.QUEUED) if isinstance(queue, VtcQueue) else set()
+        if held >= slots:
+            if not self.config.preempt_for_fairness:
+                return None
+            # a tenant below its share takes a slot by preemption (proxy/slo.py) once its choice is ready
+            ahead, ready = self.count[Stage.PREFILLING], self.count[Stage.READY]
+            return queue.pop_next(lambda t: t in under and not ahead[t] and not ready[t])
+        if under and queue.first_lane(under.__contains__) == queue.first_lane():
+            return queue.pop_next(under.__contains__)
+        return queue.pop_next()
 
     def prefill_started(self, request_id: str) -> None:
         """The owner started an admitted prefill: its tenant is charged the prompt."""

@@ -85,6 +85,7 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
         metering = MeteringLog(config.metering_path, config.metering_interval_s, metrics) \
             if config.metering_path else None
         metering_task = asyncio.create_task(metering.run(), name="metering") if metering else None
+        tac_task = asyncio.create_task(cluster.tac.run(), name="tac") if cluster.tac is not None else None
         reloader = ConfigReloader(source, config, cluster, metrics) if source is not None else None
         if reloader is not None:
             reloader.start()
@@ -94,6 +95,8 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
             if reloader is not None:
                 reloader.stop()
             watchdog.cancel()
+            if tac_task is not None:
+                tac_task.cancel()
             cluster.cancel_all("the proxy is shutting down")
             if metering is not None:  # after the cancellations, so that their usage is in the last record
                 metering.close()

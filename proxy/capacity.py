@@ -4,8 +4,8 @@ request can still meet the TTFT target.
 A worker's heartbeat carries the fit of its own step time (``StepCostModel``, common/engine/model_runner.py)
 and its running sequences' context. Once per heartbeat the registry (proxy/workers.py) turns them into the
 most sequences whose predicted step stays within the target: ``tpot_slo_ms``, or ``tpot_slo_factor`` times
-the worker's predicted one-sequence step, each prediction plus how much later than predicted the worker's
-steps reach the proxy (``StepLag``). Admission and routing read the result.
+the worker's predicted one-sequence step, each prediction plus how much later than predicted the worker's steps
+of that many rows reach the proxy (``StepLag``). Admission and routing read the result.
 
 With ``ttft_slo_ms`` set, ``TtftForecast`` and ``choices_ahead`` predict a new request's time to first token
 from what the proxy measures, and ``early_rejection`` refuses one that would miss it (proxy/cluster.py).
@@ -30,31 +30,84 @@ START_CAPACITY = 8
 LAG_DECAY = 0.99
 LAG_MIN_SAMPLES = 20
 LAG_SAMPLE_MAX_MS = 250.0
+LAG_MIN_SPREAD = 0.25  # variance of the steps' rows below which the lag is fitted as one mean
+HANDOFF_DECAY = 0.95  # each hand-off's weight in the decayed mean of the recent ones
 
 
 @dataclass
 class StepLag:
-    """How much later than its own step model predicts a worker's decode steps reach the proxy: the time between
-    two steps' tokens less the predicted step time, a decayed mean (never below 0).
+    """How much later than its own step model predicts a worker's decode steps reach the proxy, as a function of
+    the step's rows: the time between two steps' tokens less the predicted step time, fitted as ``a + b x rows``
+    (decayed least squares, neither coefficient below 0).
 
     The model times the engine's step alone; a client waits for everything between two steps as well: a
-    prefill worker or the proxy on the same cores, the worker's own work between steps, the link. That is a
-    cost per step more than per sequence, so the capacity adds it to each predicted step, and the TPOT it
-    holds is the one clients see. Only a step that follows one which left sequences running is timed, and a
-    heartbeat saying the worker runs nothing ends the timing (a batch that ended by abort sends no last
-    tokens). ``WorkerRegistry.observe_step`` (proxy/workers.py) adds each step, in the request path's files.
+    prefill worker or the proxy on the same cores, the worker's own work between steps, the link. Part of that
+    is a cost per step (``a``), and part grows with the sequences running (``b``): each finishes and is
+    replaced by a new prompt every few dozen steps, and each step's tokens are sent on and streamed. So the
+    capacity adds ``at(rows)`` to each predicted step, and the TPOT it holds is the one clients see. In the
+    disaggregated layout that includes the hand-off: a request's first token comes from the prefill worker and
+    its second only after its pages were pulled and it joined a step, a wait its clients see spread over its
+    tokens (``add_handoff``). Only a step
+    that follows one which left sequences running is timed, and a heartbeat saying the worker runs nothing ends
+    the timing (a batch that ended by abort sends no last tokens). ``WorkerRegistry.observe_step``
+    (proxy/workers.py) adds each step, in the request path's files. Until the steps seen spread over several
+    row counts the fit is their mean, the same at every row count.
     """
-    lag_ms: float = 0.0  # decayed sum of each step's lag
     weight: float = 0.0  # decayed count of steps
+    sum_rows: float = 0.0  # decayed sums of rows, lag, rows^2 and rows x lag
+    sum_lag: float = 0.0
+    sum_rows2: float = 0.0
+    sum_rows_lag: float = 0.0
     samples: int = 0
     last_at: float | None = None  # when the previous step's tokens came, if it left sequences running
+    max_rows: float = 0.0  # the most rows of the recent steps (decaying as the steps get smaller)
+    handoff_ms: float = 0.0  # decayed mean, per output token, of the hand-off's wait beyond a step (``add_handoff``)
+    handoffs: int = 0
+
+    def add_handoff(self, excess_ms: float, tokens: int) -> None:
+        """A disaggregated request's second token came ``excess_ms`` later than a step after its first (the
+        first comes from the prefill worker; then its decode slot, the pull of its pages, the step it joins):
+        its clients see that wait spread over its ``tokens`` output tokens."""
+        sample = min(max(excess_ms, 0.0), LAG_SAMPLE_MAX_MS) / max(tokens - 1, 1)
+        self.handoff_ms = sample if not self.handoffs else self.handoff_ms * HANDOFF_DECAY + sample * (1 - HANDOFF_DECAY)
+        self.handoffs += 1
+
+    def add(self, rows: int, lag_ms: float) -> None:
+        sample = min(lag_ms, LAG_SAMPLE_MAX_MS)
+        self.weight = self.weight * LAG_DECAY + 1.0
+        self.sum_rows = self.sum_rows * LAG_DECAY + rows
+        self.sum_lag = self.sum_lag * LAG_DECAY + sample
+        self.sum_rows2 = self.sum_rows2 * LAG_DECAY + rows * rows
+        self.sum_rows_lag = self.sum_rows_lag * LAG_DECAY + rows * sample
+        self.samples += 1
+        self.max_rows = max(float(rows), self.max_rows * LAG_DECAY)
+
+    def fit(self) -> tuple[float, float]:
+        """``(a, b)`` of the lag ``a + b x rows`` in ms; (0, 0) until ``LAG_MIN_SAMPLES`` steps were seen."""
+        if self.samples < LAG_MIN_SAMPLES or self.weight <= 0:
+            return 0.0, 0.0
+        mean_rows, mean_lag = self.sum_rows / self.weight, self.sum_lag / self.weight
+        spread = self.sum_rows2 / self.weight - mean_rows * mean_rows
+        if spread < LAG_MIN_SPREAD:
+            return max(mean_lag, 0.0), 0.0
+        slope = max((self.sum_rows_lag / self.weight - mean_rows * mean_lag) / spread, 0.0)
+        intercept = mean_lag - slope * mean_rows
+        if intercept < 0:  # through the origin instead
+            return 0.0, max(self.sum_rows_lag / self.sum_rows2, 0.0)
+        return intercept, slope
+
+    def at(self, rows: int, cap_ms: float = math.inf) -> float:
+        """The lag in ms of a step of ``rows`` sequences, plus the hand-off's share of each token; the part that
+        does not grow with the rows at most ``cap_ms``."""
+        a, b = self.fit()
+        return min(a + self.handoff_ms, cap_ms) + b * rows
 
     @property
     def ms(self) -> float:
-        """The mean lag per step (0 until ``LAG_MIN_SAMPLES`` steps were seen)."""
+        """The mean lag per step over the steps seen (0 until ``LAG_MIN_SAMPLES`` were)."""
         if self.samples < LAG_MIN_SAMPLES or self.weight <= 0:
             return 0.0
-        return max(self.lag_ms / self.weight, 0.0)
+        return max(self.sum_lag / self.weight, 0.0)
 
 
 def mean_context(context_tokens: int, num_running: int) -> int:
@@ -62,21 +115,35 @@ def mean_context(context_tokens: int, num_running: int) -> int:
     return context_tokens // num_running if num_running else ASSUMED_CONTEXT
 
 
+def tpot_target_ms(cost: StepCostModel, context: int, tpot_slo_ms: float, tpot_slo_factor: float) -> float:
+    """The TPOT target a worker is held to: ``tpot_slo_ms``, or ``tpot_slo_factor`` x its predicted one-sequence
+    step: what its cores can do, not what they do under the load of the moment (the lag is not in it: a target
+    that grew with the load would hold nothing)."""
+    return tpot_slo_ms or tpot_slo_factor * cost.step_ms(1, context)
+
+
 def latency_capacity(cost: StepCostModel | None, max_num_seqs: int, context: int, tpot_slo_ms: float,
-                     tpot_slo_factor: float, lag_ms: float = 0.0) -> int:
+                     tpot_slo_factor: float, lag: StepLag | None = None) -> int:
     """The most sequences (at least 1, at most ``max_num_seqs``) whose predicted step, each at ``context``
-    tokens (``mean_context``), plus the worker's lag (``StepLag``, at most half the budget), stays within the
-    target; 0 (unknown) while the worker has reported no step model. The derived target (``tpot_slo_factor``
-    x one sequence's step) is of the model's step alone: what the cores can do."""
+    tokens (``mean_context``), plus the worker's lag at that many rows (``StepLag``, at most half the target),
+    stays within the target (``tpot_target_ms``); 0 (unknown) while the worker has reported no step model.
+
+    The lag's part that does not grow with the rows counts at most half the target, so a stall or a crowded
+    machine shrinks a worker's capacity instead of closing it; its part per row counts whole: that is how a
+    step model fitted on small batches, extrapolated to large ones, is corrected by what those steps took.
+    For the same reason the capacity is at most twice the most rows the worker's recent steps ran (at least
+    ``START_CAPACITY``): it grows as larger batches are seen to keep the target, not on extrapolation alone."""
     if cost is None:
         return 0
-    budget_ms = tpot_slo_ms or tpot_slo_factor * cost.step_ms(1, context)
-    step_budget_ms = budget_ms - min(lag_ms, budget_ms / 2)
+    budget_ms = tpot_target_ms(cost, context, tpot_slo_ms, tpot_slo_factor)
+    most = max(max_num_seqs, 1)
+    if lag is not None and lag.samples >= LAG_MIN_SAMPLES:
+        most = min(most, max(START_CAPACITY, int(2 * lag.max_rows)))
     # a scan: each regime grows with the rows, but the small and large regimes are separate fits, so the
     # prediction may step down past small_max_rows
-    most = max(max_num_seqs, 1)
     for rows in range(2, most + 1):
-        if cost.step_ms(rows, rows * context) > step_budget_ms:
+        lag_ms = lag.at(rows, cap_ms=budget_ms / 2) if lag is not None else 0.0
+        if cost.step_ms(rows, rows * context) + lag_ms > budget_ms:
             return rows - 1
     return most
 

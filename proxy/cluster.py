@@ -35,9 +35,10 @@ from proxy.errors import ApiError
 from proxy.membership import WorkerMembership
 from proxy.metrics import ProxyMetrics
 from proxy.workers import WorkerRegistry
-from proxy.requests import RequestGroup, Sends, SubRequest
+from proxy.requests import RequestGroup, Sends, SlotForecast, SubRequest
 from proxy.routing import RoutingPolicy
 from proxy.slo import SloControls
+from proxy.tac import AdaptiveController
 from proxy.tenants import Tenant, TenantRegistry
 
 log = logging.getLogger("tessera.proxy")
@@ -59,9 +60,14 @@ class Cluster(WorkerMembership):
         self.tracing = make_tracing(config.otel_endpoint, config.otel_service_name)
         self.tenants = TenantRegistry(config, clock)
         self.slo = SloControls(config, self.registry, self.tenants, policy, metrics, self._decode_slots)
+        self.slot_forecast = SlotForecast()
         self.admission = AdmissionController(config, self.tenants, self._decode_slots, metrics, clock,
-                                             self.slo.prefill_room if config.ttft_slo_ms else None)
+                                             self._prefill_room if config.ttft_slo_ms else None,
+                                             latency_capped=self._within_tpot,
+                                             slots_freeing=self.slot_forecast.freeing)
         self.slo.admission = self.admission
+        self.tac = AdaptiveController(config, self.registry, policy, self.admission, metrics, self.send, clock) \
+            if config.tac_enabled else None
         self.inflight: dict[str, SubRequest] = {}
         self.draining = False
         self._clock = clock
@@ -94,16 +100,22 @@ class Cluster(WorkerMembership):
         """
         for worker_id, msg in sends:
             self.send(worker_id, msg)
+        first_tokens = bool(sub.new_tokens) and len(sub.output_ids) == sub.new_tokens
+        if sub.new_tokens and len(sub.output_ids) - sub.new_tokens == 1 and sub.decode_worker and not sub.local:
+            self.registry.observe_handoff(sub.decode_worker, self._clock() - sub.first_token_at, sub.params.max_tokens)
         if sub.new_tokens:
             if self.slo.forecast is not None:
                 self.slo.tokens_emitted(sub, self._clock())
             self._charge_output(sub, sub.new_tokens)
             sub.new_tokens = 0
+        self.slot_forecast.update(sub, first_tokens, self._clock())
         if before is Stage.PREFILLING and sub.stage is not Stage.PREFILLING and sub.prefill_worker is not None:
             self.policy.prefill_ended(sub.prefill_worker, sub.prefill_len)
         if sub.done:
             self.inflight.pop(sub.request_id, None)
             self.admission.leave(sub.request_id, before)
+            if self.tac is not None:
+                self.tac.ended(sub, self._clock())
         elif before is Stage.PREFILLING and sub.stage is Stage.READY:
             self.admission.ready_for_decode(sub.request_id)
         elif before is not Stage.QUEUED and sub.stage is Stage.QUEUED:  # resumed: it starts over elsewhere
@@ -119,13 +131,21 @@ class Cluster(WorkerMembership):
         self._act(sub, before, sub.cancel(reason, status))
         self._dispatch()
 
+    def _within_tpot(self) -> bool:
+        """Whether the TPOT target limits decode admission now (``tpot_slo_scope``): always, never, or while two
+        or more tenants share the cluster; and always while the adaptive controller holds the cap."""
+        scope = self.config.tpot_slo_scope
+        return scope == "always" or (self.tac is not None and self.tac.decode_cap) or (
+            scope == "shared" and self.admission.num_active_tenants(self._clock(), SHARED_WINDOW_S) > 1)
+
+    def _prefill_room(self) -> bool:
+        """With a TTFT target: whether a prompt may go to a prefill worker now (its backlog, and TAC's budget)."""
+        return self.slo.prefill_room() and (self.tac is None or self.tac.prefill_room())
+
     def _decode_slots(self) -> int:
         """This proxy's share of the decode slots (at least one while there are any): as many as keep every
-        worker within the TPOT target while tenants share the cluster (``tpot_slo_scope``), else every slot."""
-        scope = self.config.tpot_slo_scope
-        within = scope == "always" or (
-            scope == "shared" and self.admission.num_active_tenants(self._clock(), SHARED_WINDOW_S) > 1)
-        slots = self.registry.decode_slots(within_tpot=within)
+        worker within the TPOT target while it applies (``_within_tpot``), else every slot."""
+        slots = self.registry.decode_slots(within_tpot=self._within_tpot())
         return max(int(slots * self.config.decode_slot_share), 1) if slots else 0
 
     def apply_tenants(self, config: ProxyConfig) -> None:
@@ -225,6 +245,7 @@ class Cluster(WorkerMembership):
             return sub.reject(self._unavailable("no worker can take the request any more: every decode-capable "
                                                 "worker left or is draining"))
         sub.route = route
+        sub.admitted_at = now
         if self.slo.forecast is not None:
             self.slo.admitted_to_prefill(sub, now)
         counter = self.admission.counters[sub.tenant]  # before this prompt is charged, as the worker sees it

@@ -78,6 +78,22 @@ class ProxyMetrics:
         self.step_lag = Gauge("tessera_proxy_worker_step_lag_seconds",
                               "How much later than its step model predicts a worker's decode steps reach the "
                               "proxy, per step (decayed mean; 0 until 20 steps)", ["worker_id"], registry=r)
+        self.tpot_target = Gauge("tessera_proxy_worker_tpot_target_seconds",
+                                 "The TPOT target a decode-capable worker's capacity holds: tpot_slo_ms, or "
+                                 "tpot_slo_factor x its predicted one-sequence step (0 until it reports a step model)",
+                                 ["worker_id"], registry=r)
+        self.tac_enabled = Gauge("tessera_tac_enabled", "1 while the adaptive controller (proxy/tac.py) runs",
+                                 registry=r)
+        self.tac_knob = Gauge("tessera_tac_knob", "The value the adaptive controller set each knob to (decode_cap "
+                              "0/1, prefill_budget in tokens with 0 unbounded, token_budget in tokens with 0 each worker's configured "
+                              "one, local_prefill_threshold in tokens)",
+                              ["knob"], registry=r)
+        self.tac_decisions = Counter("tessera_tac_decisions", "Changes the adaptive controller made, by knob",
+                                     ["knob"], registry=r)
+        self.tac_goodput = Gauge("tessera_tac_goodput", "Choices per second that met both the TTFT and the TPOT "
+                                 "target, over the adaptive controller's last window", registry=r)
+        self.tac_miss_ratio = Gauge("tessera_tac_miss_ratio", "Fraction of the last window's choices that missed "
+                                    "each target (ttft, tpot)", ["target"], registry=r)
         self.kv_transfer_bytes = Counter("tessera_proxy_kv_transfer_bytes", "KV bytes pulled by decode workers",
                                          registry=r)
         self.kv_transfer_seconds = Histogram("tessera_proxy_kv_transfer_seconds", "KV pull duration",
@@ -162,12 +178,14 @@ class ProxyMetrics:
         self.kv_pages_free.labels(worker_id).set(free_blocks)
         self.kv_pages_used.labels(worker_id).set(max(num_blocks - free_blocks, 0))
 
-    def set_worker_capacity(self, worker_id: str, capacity: int, lag_ms: float) -> None:
+    def set_worker_capacity(self, worker_id: str, capacity: int, lag_ms: float, target_ms: float) -> None:
         self.decode_capacity.labels(worker_id).set(capacity)
         self.step_lag.labels(worker_id).set(lag_ms / 1e3)
+        self.tpot_target.labels(worker_id).set(target_ms / 1e3)
 
     def forget_worker(self, worker_id: str) -> None:
-        for gauge in (self.kv_pages_free, self.kv_pages_used, self.decode_capacity, self.step_lag):
+        for gauge in (self.kv_pages_free, self.kv_pages_used, self.decode_capacity, self.step_lag,
+                      self.tpot_target):
             try:
                 gauge.remove(worker_id)
             except KeyError:

@@ -62,7 +62,6 @@ class SloControls:
             or w.step_cost.step_ms(0, 0, tokens) <= budget_ms for w in workers)
 
     def admitted_to_prefill(self, sub: SubRequest, now: float) -> None:
-        sub.admitted_at = now
         self.forecast.admitted(now, self.admission.total(Stage.QUEUED) > 0)
 
     def tokens_emitted(self, sub: SubRequest, now: float) -> None:

@@ -38,8 +38,8 @@ from common.config.base import EngineConfig
 from common.protocol.wire import (Goodbye, Heartbeat, KVLayoutInfo, PeerInfo, Peers, Register, RegisterAck, Role,
                                   StepCostModel, encode)
 from common.runtime.zmq_security import CurveServer, apply_curve_server, start_authenticator
-from proxy.capacity import (ASSUMED_CONTEXT, LAG_DECAY, LAG_SAMPLE_MAX_MS, START_CAPACITY, StepLag,
-                            latency_capacity, mean_context)
+from proxy.capacity import (ASSUMED_CONTEXT, START_CAPACITY, StepLag, latency_capacity, mean_context,
+                            tpot_target_ms)
 from proxy.registration import ClusterModel, refusal
 
 log = logging.getLogger("tessera.proxy")
@@ -66,6 +66,7 @@ class WorkerState:
     mean_context: int = ASSUMED_CONTEXT  # of one running sequence (heartbeat; capacity.mean_context)
     step_cost: StepCostModel | None = None  # its fit of its step time (heartbeat); None: not known yet
     latency_capacity: int = 0  # sequences it may run within the TPOT target (proxy/capacity.py); 0: unknown
+    tpot_target_ms: float = 0.0  # that target (capacity.tpot_target_ms); 0: no step model yet
     lag: StepLag = field(default_factory=StepLag)  # its steps as they come, against its model
 
     @property
@@ -126,7 +127,7 @@ class WorkerRegistry:
         replaced = old if old is not None and old.epoch != msg.epoch else None
         if old is not None and replaced is None:  # a retried Register: keep the load we know
             for name in ("free_blocks", "num_running", "outstanding_prefill_tokens", "draining", "mean_context",
-                         "step_cost", "latency_capacity", "lag"):
+                         "step_cost", "latency_capacity", "tpot_target_ms", "lag"):
                 setattr(worker, name, getattr(old, name))
         self.workers[msg.worker_id] = worker
         self._rejoin_asked.pop(msg.worker_id, None)
@@ -149,7 +150,10 @@ class WorkerRegistry:
             worker.lag.last_at = None  # it runs nothing: the next step's tokens end no step the proxy timed
         worker.mean_context = mean_context(msg.context_tokens, msg.num_running)
         worker.latency_capacity = latency_capacity(msg.step_cost, worker.max_num_seqs, worker.mean_context,
-                                                   self.tpot_slo_ms, self.tpot_slo_factor, worker.lag.ms)
+                                                   self.tpot_slo_ms, self.tpot_slo_factor, worker.lag)
+        if msg.step_cost is not None:
+            worker.tpot_target_ms = tpot_target_ms(msg.step_cost, worker.mean_context, self.tpot_slo_ms,
+                                                   self.tpot_slo_factor)
         if msg.draining and not worker.draining:
             log.info("worker %r is draining: no new requests go to it", msg.worker_id)
         worker.draining = msg.draining
@@ -162,11 +166,18 @@ class WorkerRegistry:
             return
         lag = worker.lag
         if lag.last_at is not None:
-            sample = (now - lag.last_at) * 1e3 - worker.step_cost.step_ms(rows, rows * worker.mean_context)
-            lag.lag_ms = lag.lag_ms * LAG_DECAY + min(sample, LAG_SAMPLE_MAX_MS)
-            lag.weight = lag.weight * LAG_DECAY + 1.0
-            lag.samples += 1
+            lag.add(rows, (now - lag.last_at) * 1e3 - worker.step_cost.step_ms(rows, rows * worker.mean_context))
         lag.last_at = now if running_after else None
+
+    def observe_handoff(self, worker_id: str, gap_s: float, tokens: int) -> None:
+        """A disaggregated request's second token came from ``worker_id`` ``gap_s`` after its first; it asks
+        for ``tokens`` output tokens. The wait beyond one of the worker's steps counts in its lag."""
+        worker = self.workers.get(worker_id)
+        if worker is None or worker.step_cost is None:
+            return
+        rows = max(worker.num_running, 1)
+        step_ms = worker.step_cost.step_ms(rows, rows * worker.mean_context) + worker.lag.at(rows) - worker.lag.handoff_ms
+        worker.lag.add_handoff(gap_s * 1e3 - step_ms, tokens)
 
     def ask_to_rejoin(self, worker_id: str, now: float) -> bool:
         """Whether to answer a heartbeat that ``heartbeat`` did not apply with Reregister now; counts as asked."""

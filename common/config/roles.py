@@ -152,6 +152,11 @@ class ProxyConfig:
     early_rejection: Bool = option(
         False, "refuse at arrival a request whose predicted time to first token already exceeds ttft_slo_ms: "
         "429 when its own tenant's queue is the cause, else 503, both with Retry-After")
+    tac_enabled: Bool = option(
+        False, "the adaptive controller (proxy/tac.py): moves the decode cap, the prefill token budget and the "
+        "conditional-disaggregation threshold to maximise goodput against ttft_slo_ms and the TPOT target; "
+        "off, every knob keeps its configured value")
+    tac_interval_s: Float = option(2.0, "seconds between two of the adaptive controller's decisions", gt=0, le=60)
     otel_endpoint: Str = option(
         "", "OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces; empty: no tracing")
     otel_service_name: Str = option("tessera-proxy", "service.name of the proxy's traces")
@@ -196,6 +201,9 @@ class ProxyConfig:
         if self.preempt_for_fairness and self.fairness_policy != "vtc":
             raise ConfigError(f"config field 'preempt_for_fairness' needs fairness_policy 'vtc' (it evens out "
                               f"service between tenants), not {self.fairness_policy!r}")
+        if self.tac_enabled and not self.ttft_slo_ms:
+            raise ConfigError("config field 'tac_enabled' is true but ttft_slo_ms is 0: the adaptive controller "
+                              "maximises the requests meeting ttft_slo_ms and the TPOT target; set ttft_slo_ms")
         if self.early_rejection and not self.ttft_slo_ms:
             raise ConfigError("config field 'early_rejection' is true but ttft_slo_ms is 0: set the "
                               "time-to-first-token target that requests are refused against")

@@ -89,6 +89,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # a step's token budget: max_num_batched_tokens, or less while the proxy's adaptive controller says so
+        # (LLMEngine.set_token_budget)
+        self.token_budget = config.max_num_batched_tokens
         self._fork_waiters: dict[str, list[Sequence]] = {}  # request id -> samples 2..n
 
     # ---- admission ---------------------------------------------------------
@@ -111,7 +114,7 @@ class Scheduler:
     # ---- planning ----------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan()
-        budget = self.config.max_num_batched_tokens
+        budget = self.token_budget
 
         i = 0
         while i < len(self.running) and budget > 0:

@@ -30,6 +30,7 @@ this channel):
   advanced (a request's last one has finish_reason), KVPulled.
 - proxy -> prefill: ReleaseKV once the pages are pulled (or abandoned).
 - proxy -> any worker: Abort. worker -> proxy: RequestFailed.
+- proxy -> any worker: Tune, the adaptive controller's engine settings (only with ``tac_enabled``).
 
 Prompt blocks are named the same way on both sides (``prefix_block_hashes``,
 at the end): chained hashes of full KV blocks, the prefix cache's keys.
@@ -53,7 +54,7 @@ import msgspec
 
 from common.protocol.sampling_params import INT64_MAX, TOKEN_ID_MAX, SamplingParams
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=TOKEN_ID_MAX)]
@@ -84,6 +85,7 @@ class MsgType(enum.IntEnum):
     RELEASE_KV = 15
     ABORT = 16
     REQUEST_FAILED = 17
+    TUNE = 18
 
 
 class Role(str, enum.Enum):
@@ -285,6 +287,12 @@ class RequestFailed(_Struct):
     invalid_request: bool = False  # the request itself is unacceptable (the client gets a 400)
 
 
+class Tune(_Struct):
+    """proxy -> any worker: the adaptive controller's setting of the worker's engine (proxy/tac.py). 0 is the
+    worker's configured value; a larger one than configured is taken as the configured one."""
+    max_num_batched_tokens: NonNegInt = 0  # the step's token budget, so the largest prompt chunk
+
+
 MESSAGES: dict[MsgType, type] = {
     MsgType.REGISTER: Register,
     MsgType.REGISTER_ACK: RegisterAck,
@@ -300,6 +308,7 @@ MESSAGES: dict[MsgType, type] = {
     MsgType.RELEASE_KV: ReleaseKV,
     MsgType.ABORT: Abort,
     MsgType.REQUEST_FAILED: RequestFailed,
+    MsgType.TUNE: Tune,
 }
 _HEADERS = {cls: bytes([t, PROTOCOL_VERSION]) for t, cls in MESSAGES.items()}
 _DECODERS = {t: msgspec.msgpack.Decoder(cls) for t, cls in MESSAGES.items()}

@@ -293,6 +293,9 @@ class WorkerMetrics:
         self.internal_errors = Counter("tessera_worker_internal_errors",
                                        "Failures handling a message or running a turn (the worker went on)",
                                        registry=r)
+        self.token_budget = Gauge("tessera_worker_token_budget", "A step's token budget: max_num_batched_tokens, or "
+                                  "what the proxy's adaptive controller set (Tune)", registry=r)
+        self.token_budget.set(config.engine.max_num_batched_tokens)
         r.register(_SnapshotCollector(self.status))
 
     def request_done(self, stage: str, outcome: str) -> None:

@@ -241,3 +241,64 @@ def test_the_prediction_before_each_decode_step_is_tracked_against_the_measured_
     timer.observe(16, 1600, 0, 0, 2 * large_ms(16, 1600) / 1e3)  # twice as slow as the fit says
     assert timer.measured_ms == pytest.approx(2 * timer.predicted_ms, rel=1e-3)
     assert timer.relative_error == pytest.approx(0.5, rel=1e-3)
+
+
+def test_a_lag_that_grows_with_the_rows_is_fitted_per_row():
+    """Each running sequence brings its share of prompts and streaming between steps: the lag is a + b x rows,
+    and the capacity charges each row count its own lag."""
+    registry = registry_with(slo_ms=60.0)
+    heartbeat_d0(registry, 1.0)
+    now = 1.0
+    for _ in range(4):  # alternating runs of 4 and 12 rows, 2 ms of lag per row
+        now = steps_late(registry, 4, 8.0, 60, now)
+        now = steps_late(registry, 12, 24.0, 60, now)
+    lag = registry.workers["d0"].lag
+    a, b = lag.fit()
+    assert a == pytest.approx(0.0, abs=1.5) and b == pytest.approx(2.0, rel=0.1)  # boundary steps blur it
+    assert lag.at(8) == pytest.approx(16.0, rel=0.05)
+    heartbeat_d0(registry, now)
+    # 6 + 1.5 R + 1.6 R + 2 R <= 60  ->  R <= 10.6 (a mean lag of 16 ms would give 12)
+    assert registry.workers["d0"].latency_capacity == 10
+
+
+def test_a_lag_falling_with_the_rows_is_not_extrapolated_below_zero():
+    registry = registry_with(slo_ms=60.0)
+    heartbeat_d0(registry, 1.0)
+    now = 1.0
+    for _ in range(4):
+        now = steps_late(registry, 2, 20.0, 60, now)
+        now = steps_late(registry, 10, 4.0, 60, now)
+    a, b = registry.workers["d0"].lag.fit()
+    assert b == 0.0 and a == pytest.approx(registry.workers["d0"].lag.ms)  # the mean, at every row count
+
+
+def test_the_hand_off_before_the_second_token_is_spread_over_the_tokens_and_charged_per_step():
+    """Disaggregated, the first token comes from the prefill worker and the second after the pull: a client's
+    TPOT carries that wait over its tokens, so the capacity charges each step its share."""
+    registry = registry_with(slo_ms=60.0)
+    heartbeat_d0(registry, 1.0)
+    d0 = registry.workers["d0"]
+    step_s = COST.step_ms(10, 10 * d0.mean_context) / 1e3
+    for _ in range(40):  # 62 ms beyond a step, over 32 tokens: 2 ms a token
+        registry.observe_handoff("d0", step_s + 0.062, 32)
+    assert d0.lag.handoff_ms == pytest.approx(2.0, rel=0.01)
+    now = steps_late(registry, 10, 22.0, 100, 2.0)
+    heartbeat_d0(registry, now)
+    assert d0.lag.at(10) == pytest.approx(24.0, rel=0.02)
+    # 6 + 1.5 R + 1.6 R <= 60 - 24 up to 9 rows (the step lag alone, 22 ms, would allow 10)
+    assert d0.latency_capacity == 9
+
+
+def test_the_capacity_grows_with_the_batches_seen_not_on_extrapolation_alone():
+    registry = registry_with(slo_ms=60.0)
+    heartbeat_d0(registry, 1.0)
+    assert registry.workers["d0"].latency_capacity == 17  # the model alone
+    now = steps_late(registry, 3, 0.0, 100)
+    heartbeat_d0(registry, now)
+    assert registry.workers["d0"].latency_capacity == START_CAPACITY  # steps of 3 rows seen: at most max(8, 6)
+    now = steps_late(registry, 8, 0.0, 100, now)
+    heartbeat_d0(registry, now)
+    assert registry.workers["d0"].latency_capacity == 16  # twice the 8 rows seen
+    now = steps_late(registry, 16, 0.0, 100, now)
+    heartbeat_d0(registry, now)
+    assert registry.workers["d0"].latency_capacity == 17

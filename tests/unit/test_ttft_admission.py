@@ -16,6 +16,7 @@ from proxy.admission import AdmissionController, Stage
 from proxy.capacity import TTFT_MIN_SAMPLES, TtftForecast, choices_ahead
 from proxy.errors import ApiError
 from proxy.metrics import ProxyMetrics
+from proxy.requests import SlotForecast
 from proxy.slo import MAX_PREEMPTIONS, SloControls
 from proxy.tenants import TenantRegistry
 from proxy.workers import WorkerRegistry
@@ -250,3 +251,81 @@ def test_the_share_is_weighted_and_a_higher_lane_does_not_yield():
     assert start(admission, registry, "b", "b1") is Stage.READY
     admission.leave("b0", Stage.DECODING)
     assert admission.next_admission().key == "a1"  # lane p0 first, whatever the shares
+
+
+def capped_admission(slots: int, freeing: dict[str, int], policy: str = "vtc"):
+    """``decoding_admission`` with the decode slots a latency capacity (the TPOT target applies), and
+    ``freeing["n"]`` choices decoding predicted to end within one prefill."""
+    tenants = [{"name": t, "api_key_sha256": [hashlib.sha256(t.encode()).hexdigest()]} for t in ("a", "b")]
+    cfg = ProxyConfig(fairness_policy=policy, auth_enabled=True, tenants=tenants)
+    registry = TenantRegistry(cfg)
+    return AdmissionController(cfg, registry, lambda: slots, latency_capped=lambda: True,
+                               slots_freeing=lambda: freeing["n"]), registry
+
+
+def drain(admission) -> list[tuple[str, Stage]]:
+    admitted = []
+    while (admit := admission.next_admission()) is not None:
+        admitted.append((admit.key, admit.stage))
+    return admitted
+
+
+def test_under_a_latency_cap_a_choice_admitted_to_prefill_holds_its_decode_slot():
+    """So the excess waits before its prefill (at the proxy, in the policy's order), not between its first and
+    second token; a prompt starts ahead of its slot only when a slot is predicted to free within one prefill."""
+    freeing = {"n": 0}
+    admission, registry = capped_admission(4, freeing)
+    for i in range(8):
+        admission.enqueue(f"a{i}", registry.tenants["a"], 10, f"a{i}")
+    assert [key for key, _ in drain(admission)] == ["a0", "a1", "a2", "a3"]
+    for i in range(4):
+        admission.ready_for_decode(f"a{i}")
+    assert [key for key, stage in drain(admission)] == ["a0", "a1", "a2", "a3"]
+    assert admission.count[Stage.QUEUED]["a"] == 4  # not prefilled to wait for a slot
+    for i in range(3):
+        admission.enqueue(f"b{i}", registry.tenants["b"], 10, f"b{i}")
+    assert drain(admission) == []
+    freeing["n"] = 1  # one of a's is about to end: b, below its share, starts its prompt now
+    assert drain(admission) == [("b0", Stage.PREFILLING)]
+    admission.ready_for_decode("b0")
+    admission.leave("a0", Stage.DECODING)
+    freeing["n"] = 0
+    assert drain(admission) == [("b0", Stage.DECODING)]  # the slot was free when b0's prompt was done
+    admission.leave("a1", Stage.DECODING)
+    assert drain(admission) == [("b1", Stage.PREFILLING)]  # b (1 of 4 slots) is below its share, a (2) is not
+    admission.ready_for_decode("b1")
+    assert drain(admission) == [("b1", Stage.DECODING)]
+    admission.leave("a2", Stage.DECODING)
+    assert drain(admission) == [("a4", Stage.PREFILLING)]  # now a (1 slot) is below its share and b (2) is not
+
+
+def test_the_slot_forecast_counts_choices_ending_within_one_prefill():
+    forecast = SlotForecast()
+
+    def sub(key: str, stage: Stage, done: int, max_tokens: int = 32, local: bool = False):
+        return SimpleNamespace(request_id=key, stage=stage, done=False, output_ids=[0] * done,
+                               params=SimpleNamespace(max_tokens=max_tokens), first_token_at=0.0,
+                               last_token_at=0.03 * (done - 1), admitted_at=-0.2,
+                               route=SimpleNamespace(local=local))
+
+    first = sub("p", Stage.READY, 1)
+    forecast.update(first, first_tokens=True, now=0.0)  # 200 ms from admission to its first token
+    assert forecast.prefill_s == pytest.approx(0.2)
+    for key, done in (("a", 30), ("b", 26), ("c", 10)):  # 30 ms a token: 2, 6 and 22 tokens left
+        forecast.update(sub(key, Stage.DECODING, done), first_tokens=False, now=0.0)
+    assert forecast.freeing() == 2  # 60 ms and 180 ms are within 200 ms; 660 ms is not
+    forecast.update(sub("a", Stage.FINISHED, 32), first_tokens=False, now=0.0)
+    assert forecast.freeing() == 1
+    local = sub("l", Stage.READY, 1, local=True)
+    local.admitted_at = -5.0
+    forecast.update(local, first_tokens=True, now=0.0)  # prefilled on its decode worker, in its slot: not counted
+    assert forecast.prefill_s == pytest.approx(0.2)
+
+
+def test_without_the_cap_every_tenant_runs_prefill_ahead_per_tenant():
+    admission, registry = decoding_admission("vtc", slots=2)
+    for i in range(8):
+        admission.enqueue(f"a{i}", registry.tenants["a"], 10, f"a{i}")
+    admitted = drain(admission)
+    # two slots, and the tenant's prompts run ahead of them up to prefill_ahead_per_tenant (4) not yet decoding
+    assert len(admitted) == ProxyConfig().prefill_ahead_per_tenant > 2

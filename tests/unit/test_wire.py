@@ -25,6 +25,7 @@ SAMPLES = [
     wire.PrefillRequest("r2", [1, 2], SamplingParams(), 7, 30.0,
                         trace_context={"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"}),
     wire.PrefillRequest("r3", [1, 2], SamplingParams(), 7, 30.0, cache_salt=2 ** 64 - 1),  # a salt is a uint64
+    wire.Tune(512),
 ]
 
 

@@ -92,3 +92,21 @@ def test_a_request_whose_step_cannot_be_reported_ends_alone(decode, monkeypatch)
     assert good[-1].finish_reason == "length" and sum(len(m.token_ids) for m in good) == 4
     assert all(d.request_id == "good" for m in sent if isinstance(m, wire.TokenDeltas) for d in m.deltas)
     assert not handler.busy() and handler.engine.block_manager.num_used_blocks == 0
+
+
+def test_a_tune_from_the_proxy_sets_the_engines_token_budget_and_its_gauge():
+    import queue
+    from types import SimpleNamespace
+
+    from common.protocol import wire
+    from common.runtime.worker_runtime import _take_messages
+    budgets = []
+    gauge = SimpleNamespace(value=None)
+    handler = SimpleNamespace(engine=SimpleNamespace(set_token_budget=lambda t: budgets.append(t) or (t or 2048)),
+                              metrics=SimpleNamespace(token_budget=SimpleNamespace(set=lambda v: setattr(
+                                  gauge, "value", v))))
+    io = SimpleNamespace(inbox=queue.Queue())
+    io.inbox.put(wire.Tune(512))
+    io.inbox.put(wire.Tune(0))
+    assert _take_messages(io, handler, 0)
+    assert budgets == [512, 0] and gauge.value == 2048

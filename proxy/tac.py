@@ -1,0 +1,267 @@
+"""TAC, the adaptive controller: one loop that reads what the cluster does and moves the knobs that are otherwise
+fixed, to maximise goodput (choices that meet both the TTFT and the TPOT target, per second).
+
+Off by default (``tac_enabled``); off, nothing here runs and every knob keeps its configured value. On, every
+``tac_interval_s`` it looks at the choices that ended since its last decision (once at least ``MIN_OUTCOMES``
+did, or ``MAX_WINDOWS`` intervals passed): how many met both targets, how many missed the TTFT target
+(``ttft_slo_ms``; a choice that failed before its first token, say by ``queue_timeout_s``, counts as a miss) and
+how many the TPOT target (``tpot_slo_ms``, or the target the capacity model derived for their decode worker,
+proxy/capacity.py). Then, one rule per knob:
+
+- ``decode_cap``: hold every decode worker to its TPOT capacity whatever ``tpot_slo_scope`` says (a lone tenant
+  too). On when more than ``MISS_HIGH`` of the window missed the TPOT target: those requests were slowed by
+  the ones admitted after them, and with the cap the excess waits at the proxy, where early rejection and the
+  fairness policy deal with it. Off again (the configured scope) after ``CALM_WINDOWS`` windows in which
+  nothing waited at the proxy: the cap then bound nothing.
+- ``prefill_budget``: prompt tokens sent to the prefill workers and not done, at most (0: no bound). Prompts and
+  decode steps share compute (on one host, the cores): with the cap on and the TPOT target still missed, what
+  slows the decode steps is the prompts between them, so the budget shrinks by ``DECREASE`` (never below one
+  prompt); while the TTFT target is missed and the TPOT target is not, it grows by ``INCREASE``, and past
+  ``BUDGET_UNBOUNDED_PROMPTS`` prompts it is lifted. The admission gate (``prefill_room``) always lets one
+  prompt through.
+- ``token_budget``: every worker's step token budget, so its largest prompt chunk (``Tune``, 0: each worker's
+  ``max_num_batched_tokens``). With the TPOT target missed under the cap it halves (from ``CHUNK_START``, down to
+  ``CHUNK_MIN``): a decode step then waits for at most a smaller chunk on the same cores, or shares its step
+  with one (a decode-capable worker prefilling locally). While the TTFT target is missed and the TPOT target is
+  not it doubles, back to the configured budget past ``CHUNK_START``. A worker that registers later is told at
+  the next decision.
+- ``local_prefill_threshold``: the conditional-disaggregation threshold (prompts shorter than it prefill on
+  their decode worker, proxy/routing.py). While the TTFT target is missed, the TPOT target is not and the
+  decode workers run below their capacity (the prefill side is the bottleneck), it doubles (from
+  ``THRESHOLD_START``, at most ``THRESHOLD_MAX``); when the TPOT target is missed it halves back towards the
+  configured value.
+
+Every change is logged (``tac: <knob> <old> -> <new>: <why>``) and exported: ``tessera_tac_knob{knob}``,
+``tessera_tac_decisions_total{knob}``, and the window's ``tessera_tac_goodput`` and miss ratios.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from common.config.roles import ProxyConfig
+from common.protocol.wire import Tune
+from proxy.admission import AdmissionController, Stage
+from proxy.metrics import ProxyMetrics
+from proxy.requests import SubRequest
+from proxy.routing import PrefixAwareRouting
+from proxy.workers import WorkerRegistry
+
+log = logging.getLogger("tessera.proxy.tac")
+
+MIN_OUTCOMES = 8  # a window decides once this many choices ended in it ...
+MAX_WINDOWS = 5  # ... or this many intervals passed (then on what it has, if anything)
+MISS_HIGH = 0.10  # a target counts as missed when more than this fraction of the window missed it
+MISS_LOW = 0.02  # ... and as met when at most this fraction did
+CALM_WINDOWS = 5  # windows with nothing waiting at the proxy before the decode cap is released
+DECREASE = 0.7  # the prefill budget's multiplicative decrease
+INCREASE = 1.25  # ... and increase
+BUDGET_UNBOUNDED_PROMPTS = 32  # a budget of this many mean prompts is lifted
+THRESHOLD_START = 64
+THRESHOLD_MAX = 2048
+CHUNK_START = 1024  # the first token budget below the configured one (2048 by default)
+CHUNK_MIN = 256
+
+
+@dataclass
+class Window:
+    """The choices that ended since the last decision."""
+    started_at: float
+    intervals: int = 0
+    good: int = 0
+    ttft_missed: int = 0
+    tpot_missed: int = 0
+    ended: int = 0
+    prompt_tokens: int = 0
+
+    def ratio(self, count: int) -> float:
+        return count / self.ended if self.ended else 0.0
+
+
+class AdaptiveController:
+    def __init__(self, config: ProxyConfig, registry: WorkerRegistry, policy: PrefixAwareRouting,
+                 admission: AdmissionController, metrics: ProxyMetrics, send: Callable[[str, object], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.registry = registry
+        self.policy = policy
+        self.admission = admission
+        self.metrics = metrics
+        self._clock = clock
+        self._send = send
+        self.decode_cap = False
+        self.prefill_budget = 0
+        self.token_budget = 0
+        self._told: dict[str, tuple[int, int]] = {}  # worker id -> (epoch, the token budget it was told)
+        self.window = Window(clock())
+        self._calm = 0
+        self._mean_prompt = 0.0
+        self._configured_threshold = getattr(policy, "local_prefill_threshold", 0)
+        metrics.tac_enabled.set(1)
+        self._export()
+
+    # -- what the cluster tells it ------------------------------------------------------------------
+
+    def ended(self, sub: SubRequest, now: float) -> None:
+        """``sub`` ended (finished or failed): counted in the window against the targets."""
+        window = self.window
+        if sub.first_token_at is None and sub.stage is not Stage.FAILED:
+            return
+        window.ended += 1
+        window.prompt_tokens += len(sub.prompt)
+        if sub.first_token_at is None:  # failed before its first token: a miss
+            window.ttft_missed += 1
+            return
+        ttft_ok = (sub.first_token_at - sub.arrival) * 1e3 <= self.config.ttft_slo_ms
+        tpot_ok = True
+        if len(sub.output_ids) > 1:
+            tpot_ms = (sub.last_token_at - sub.first_token_at) * 1e3 / (len(sub.output_ids) - 1)
+            tpot_ok = tpot_ms <= self._tpot_target_ms(sub)
+        window.ttft_missed += not ttft_ok
+        window.tpot_missed += not tpot_ok
+        window.good += ttft_ok and tpot_ok
+
+    def _tpot_target_ms(self, sub: SubRequest) -> float:
+        if self.config.tpot_slo_ms:
+            return self.config.tpot_slo_ms
+        worker = self.registry.workers.get(sub.decode_worker or "")
+        return worker.tpot_target_ms if worker is not None and worker.tpot_target_ms else float("inf")
+
+    def prefill_room(self) -> bool:
+        """Whether the prefill budget lets another prompt go to a prefill worker now (always one)."""
+        if not self.prefill_budget:
+            return True
+        outstanding = sum(self.policy.outstanding_prefill_tokens(w.worker_id) for w in self.registry.prefill_side())
+        return outstanding == 0 or outstanding < self.prefill_budget
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Runs for the proxy's life, one decision every ``tac_interval_s``."""
+        while True:
+            await asyncio.sleep(self.config.tac_interval_s)
+            try:
+                self.tick(self._clock())
+            except Exception:  # a bug here must not stop the proxy, nor leave the loop dead silently
+                log.exception("tac: error in the control loop")
+
+    def tick(self, now: float) -> None:
+        window = self.window
+        window.intervals += 1
+        if window.ended < MIN_OUTCOMES and window.intervals < MAX_WINDOWS:
+            return
+        self.window = Window(now)
+        queued = self.admission.total(Stage.QUEUED)
+        self._calm = self._calm + 1 if not queued else 0
+        if not window.ended:
+            self._export(window, now)
+            if self.decode_cap and self._calm >= CALM_WINDOWS:
+                self._set_cap(False, f"nothing waited at the proxy for {self._calm} windows")
+            return
+        self._mean_prompt = window.prompt_tokens / window.ended
+        ttft_miss, tpot_miss = window.ratio(window.ttft_missed), window.ratio(window.tpot_missed)
+        why = (f"{window.ended} choices ended: {ttft_miss:.0%} missed ttft_slo_ms, "
+               f"{tpot_miss:.0%} missed the TPOT target, {queued} waiting")
+        if tpot_miss > MISS_HIGH:
+            if not self.decode_cap:
+                self._set_cap(True, why)
+            else:
+                if self.registry.prefill_side():
+                    self._shrink_budget(why)
+                self._set_chunk(max(self.token_budget // 2, CHUNK_MIN) if self.token_budget else CHUNK_START, why)
+            self._lower_threshold(why)
+        elif ttft_miss > MISS_HIGH and tpot_miss <= MISS_LOW:
+            self._grow_budget(why)
+            if self.token_budget:
+                self._set_chunk(0 if self.token_budget * 2 > CHUNK_START else self.token_budget * 2, why)
+            if self._decode_has_room():
+                self._raise_threshold(why)
+        if self.decode_cap and self._calm >= CALM_WINDOWS:
+            self._set_cap(False, f"nothing waited at the proxy for {self._calm} windows")
+        self._tell_workers()
+        self._export(window, now)
+
+    # -- the knobs --------------------------------------------------------------------------------
+
+    def _set_cap(self, on: bool, why: str) -> None:
+        self._decide("decode_cap", int(self.decode_cap), int(on), why)
+        self.decode_cap = on
+        self._calm = 0
+
+    def _shrink_budget(self, why: str) -> None:
+        prompt = max(int(self._mean_prompt), 1)
+        current = self.prefill_budget or max(self._outstanding_prefill(), BUDGET_UNBOUNDED_PROMPTS * prompt)
+        budget = max(int(current * DECREASE), prompt)
+        if budget != self.prefill_budget:
+            self._decide("prefill_budget", self.prefill_budget, budget, why)
+            self.prefill_budget = budget
+
+    def _grow_budget(self, why: str) -> None:
+        if not self.prefill_budget:
+            return
+        budget = int(self.prefill_budget * INCREASE) + 1
+        if budget >= BUDGET_UNBOUNDED_PROMPTS * max(self._mean_prompt, 1.0):
+            budget = 0
+        self._decide("prefill_budget", self.prefill_budget, budget, why)
+        self.prefill_budget = budget
+
+    def _set_chunk(self, tokens: int, why: str) -> None:
+        if tokens != self.token_budget:
+            self._decide("token_budget", self.token_budget, tokens, why)
+            self.token_budget = tokens
+
+    def _tell_workers(self) -> None:
+        """Send the token budget to every worker not told it yet (a worker registered later, or restarted)."""
+        for worker in list(self.registry.workers.values()):
+            told = self._told.get(worker.worker_id)
+            if told != (worker.epoch, self.token_budget) and (told is not None or self.token_budget):
+                self._send(worker.worker_id, Tune(self.token_budget))
+                self._told[worker.worker_id] = (worker.epoch, self.token_budget)
+        for worker_id in [w for w in self._told if w not in self.registry.workers]:
+            del self._told[worker_id]
+
+    def _raise_threshold(self, why: str) -> None:
+        if not isinstance(self.policy, PrefixAwareRouting) or not self.registry.prefill_side():
+            return
+        current = self.policy.local_prefill_threshold
+        threshold = min(max(current * 2, THRESHOLD_START), THRESHOLD_MAX)
+        if threshold != current:
+            self._decide("local_prefill_threshold", current, threshold, why)
+            self.policy.local_prefill_threshold = threshold
+
+    def _lower_threshold(self, why: str) -> None:
+        if not isinstance(self.policy, PrefixAwareRouting):
+            return
+        current = self.policy.local_prefill_threshold
+        if current <= self._configured_threshold:
+            return
+        threshold = current // 2
+        if threshold < THRESHOLD_START or threshold < self._configured_threshold:
+            threshold = self._configured_threshold
+        self._decide("local_prefill_threshold", current, threshold, why)
+        self.policy.local_prefill_threshold = threshold
+
+    def _decode_has_room(self) -> bool:
+        """Whether some decode worker runs fewer sequences than its TPOT capacity."""
+        return any(w.num_running < w.tpot_capacity for w in self.registry.decode_side() if not w.draining)
+
+    def _outstanding_prefill(self) -> int:
+        return sum(self.policy.outstanding_prefill_tokens(w.worker_id) for w in self.registry.prefill_side())
+
+    def _decide(self, knob: str, old: int, new: int, why: str) -> None:
+        log.info("tac: %s %s -> %s: %s", knob, old, new, why)
+        self.metrics.tac_decisions.labels(knob).inc()
+
+    def _export(self, window: Window | None = None, now: float | None = None) -> None:
+        m = self.metrics
+        m.tac_knob.labels("decode_cap").set(int(self.decode_cap))
+        m.tac_knob.labels("prefill_budget").set(self.prefill_budget)
+        m.tac_knob.labels("token_budget").set(self.token_budget)
+        m.tac_knob.labels("local_prefill_threshold").set(getattr(self.policy, "local_prefill_threshold", 0))
+        if window is not None and now is not None and window.ended:
+            m.tac_goodput.set(window.good / max(now - window.started_at, 1e-9))
+            m.tac_miss_ratio.labels("ttft").set(window.ratio(window.ttft_missed))
+            m.tac_miss_ratio.labels("tpot").set(window.ratio(window.tpot_missed))

@@ -1,0 +1,168 @@
+"""The adaptive controller (proxy/tac.py): each rule moves its knob on what the window of ended choices says,
+every change is logged and exported, and with it off nothing moves."""
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from common.config.base import ConfigError
+from common.config.roles import ProxyConfig
+from common.protocol.wire import Heartbeat, KVLayoutInfo, Register, StepCostModel
+from common.runtime.prometheus_text import total
+from proxy.admission import AdmissionController, Stage
+from proxy.cluster import Cluster
+from proxy.metrics import ProxyMetrics
+from proxy.routing import PrefixAwareRouting
+from common.protocol.wire import Tune
+from proxy.tac import CALM_WINDOWS, CHUNK_MIN, CHUNK_START, MIN_OUTCOMES, THRESHOLD_START, AdaptiveController
+from proxy.tenants import TenantRegistry
+from proxy.workers import WorkerRegistry
+
+LAYOUT = KVLayoutInfo(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")
+COST = StepCostModel(small_max_rows=8, small=[9.0, 0.8, 3.0, 0.0, 0.0], large=[6.0, 1.5, 4.0, 0.3, 0.02])
+
+
+def controller(**overrides):
+    config = ProxyConfig(tac_enabled=True, ttft_slo_ms=1000.0, tpot_slo_ms=50.0, **overrides)
+    registry = WorkerRegistry(5.0, config.tpot_slo_ms, config.tpot_slo_factor)
+    for worker_id, role in (("p0", "prefill"), ("d0", "decode")):
+        assert registry.register(Register(worker_id, role, 1, "m", "v", LAYOUT, 1000, 4096, "fake", b"", 128),
+                                 0.0).ack.accepted
+    registry.heartbeat(Heartbeat("d0", 1, 900, 2, 0, 0, False, 2 * 400, COST), 0.0)
+    policy = PrefixAwareRouting(config.local_prefill_threshold)
+    metrics = ProxyMetrics()
+    admission = AdmissionController(config, TenantRegistry(config), lambda: 128)
+    clock = SimpleNamespace(now=0.0)
+    sent = []
+    tac = AdaptiveController(config, registry, policy, admission, metrics, lambda w, m: sent.append((w, m)),
+                             lambda: clock.now)
+    tac.sent = sent
+    return tac, policy, metrics, admission
+
+
+def ended(tac: AdaptiveController, count: int, ttft_ms: float, tpot_ms: float, prompt: int = 256) -> None:
+    for _ in range(count):
+        tac.ended(SimpleNamespace(prompt=[0] * prompt, stage=Stage.FINISHED, arrival=0.0,
+                                  first_token_at=ttft_ms / 1e3, last_token_at=ttft_ms / 1e3 + 63 * tpot_ms / 1e3,
+                                  output_ids=[0] * 64, decode_worker="d0"), 0.0)
+
+
+def test_tpot_misses_turn_the_decode_cap_on_then_shrink_the_prefill_budget(caplog):
+    tac, _, metrics, _ = controller()
+    caplog.set_level(logging.INFO, logger="tessera.proxy.tac")
+    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
+    tac.tick(2.0)
+    assert tac.decode_cap and not tac.prefill_budget  # first the cap
+    assert "tac: decode_cap 0 -> 1" in caplog.text and "missed the TPOT target" in caplog.text
+    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
+    tac.tick(4.0)  # misses with the cap on: the prompts between the decode steps
+    assert tac.prefill_budget == int(32 * 256 * 0.7)
+    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
+    tac.tick(6.0)
+    assert tac.prefill_budget == int(int(32 * 256 * 0.7) * 0.7)
+    text = metrics.render().decode()
+    assert total(text, "tessera_tac_enabled") == 1
+    assert total(text, "tessera_tac_knob", knob="decode_cap") == 1
+    assert total(text, "tessera_tac_knob", knob="prefill_budget") == tac.prefill_budget
+    assert total(text, "tessera_tac_decisions_total", knob="prefill_budget") == 2
+    assert total(text, "tessera_tac_miss_ratio", target="tpot") == 1.0
+    assert total(text, "tessera_tac_goodput") == 0.0
+
+
+def test_the_prefill_budget_gates_prompts_but_always_lets_one_through():
+    tac, policy, _, _ = controller()
+    tac.prefill_budget = 300
+    assert tac.prefill_room()
+    policy.prefill_sent(SimpleNamespace(worker_id="p0", block_size=16, num_blocks=1000), [1] * 256)
+    assert tac.prefill_room()  # 256 < 300
+    policy.prefill_sent(SimpleNamespace(worker_id="p0", block_size=16, num_blocks=1000), [2] * 256)
+    assert not tac.prefill_room()
+    policy.prefill_ended("p0", 512)
+    tac.prefill_budget = 10
+    assert tac.prefill_room()  # nothing outstanding: one prompt goes, however long
+
+
+def test_ttft_misses_with_tpot_met_grow_the_budget_and_move_short_prompts_to_the_decode_side():
+    tac, policy, metrics, _ = controller()
+    tac.prefill_budget = 4000
+    ended(tac, MIN_OUTCOMES, ttft_ms=3000, tpot_ms=20)
+    tac.tick(2.0)
+    assert tac.prefill_budget == 5001
+    assert policy.local_prefill_threshold == THRESHOLD_START  # d0 runs 2, below its capacity
+    for second in range(4, 40, 2):
+        ended(tac, MIN_OUTCOMES, ttft_ms=3000, tpot_ms=20)
+        tac.tick(float(second))
+    assert tac.prefill_budget == 0  # lifted past 32 prompts
+    assert policy.local_prefill_threshold == 2048
+    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
+    tac.tick(50.0)
+    assert policy.local_prefill_threshold == 1024  # TPOT misses halve it back towards the configured 0
+    assert total(metrics.render().decode(), "tessera_tac_knob", knob="local_prefill_threshold") == 1024
+
+
+def test_the_cap_is_released_once_nothing_waits_at_the_proxy():
+    tac, _, _, admission = controller()
+    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
+    tac.tick(2.0)
+    assert tac.decode_cap
+    for i in range(CALM_WINDOWS - 1):
+        ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=20)
+        tac.tick(4.0 + 2 * i)
+        assert tac.decode_cap
+    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=20)
+    tac.tick(100.0)
+    assert not tac.decode_cap
+
+
+def test_a_window_waits_for_enough_outcomes():
+    tac, _, _, _ = controller()
+    ended(tac, MIN_OUTCOMES - 1, ttft_ms=300, tpot_ms=80)
+    tac.tick(2.0)
+    assert not tac.decode_cap
+    ended(tac, 1, ttft_ms=300, tpot_ms=80)
+    tac.tick(4.0)
+    assert tac.decode_cap
+
+
+def test_failures_before_the_first_token_are_ttft_misses_and_cancelled_waits_are_not_counted():
+    tac, _, _, _ = controller()
+    tac.ended(SimpleNamespace(prompt=[0] * 8, stage=Stage.FAILED, first_token_at=None), 0.0)
+    tac.ended(SimpleNamespace(prompt=[0] * 8, stage=Stage.QUEUED, first_token_at=None), 0.0)
+    assert tac.window.ended == 1 and tac.window.ttft_missed == 1
+
+
+def test_the_controller_needs_a_ttft_target_and_is_off_by_default():
+    with pytest.raises(ConfigError, match="tac_enabled.*ttft_slo_ms"):
+        ProxyConfig(tac_enabled=True)
+    cluster = Cluster(ProxyConfig(), PrefixAwareRouting(), ProxyMetrics())
+    assert cluster.tac is None
+    cluster = Cluster(ProxyConfig(tac_enabled=True, ttft_slo_ms=500.0), PrefixAwareRouting(), ProxyMetrics())
+    assert cluster.tac is not None and not cluster._within_tpot()  # a lone tenant: the configured scope
+    cluster.tac.decode_cap = True
+    assert cluster._within_tpot()
+    assert total(ProxyMetrics().render().decode(), "tessera_tac_enabled") == 0
+
+
+def test_the_token_budget_halves_under_tpot_misses_and_every_worker_is_told():
+    tac, _, metrics, _ = controller()
+    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
+    tac.tick(2.0)  # the cap first; nobody is told anything yet
+    assert tac.token_budget == 0 and tac.sent == []
+    for second, budget in ((4.0, CHUNK_START), (6.0, CHUNK_START // 2), (8.0, CHUNK_MIN), (10.0, CHUNK_MIN)):
+        ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
+        tac.tick(second)
+        assert tac.token_budget == budget
+    assert [m.max_num_batched_tokens for w, m in tac.sent if w == "p0"] == [CHUNK_START, CHUNK_START // 2, CHUNK_MIN]
+    assert {w for w, _ in tac.sent} == {"p0", "d0"}
+    tac.registry.register(Register("d1", "decode", 1, "m", "v", LAYOUT, 1000, 4096, "fake", b"", 128), 11.0)
+    tac.tick(12.0)  # a worker that registered later is told at the next decision
+    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
+    tac.tick(14.0)
+    assert ("d1", Tune(CHUNK_MIN)) in tac.sent
+    for second in (16.0, 18.0, 20.0):  # TTFT misses with TPOT met: it doubles back to the configured budget
+        ended(tac, MIN_OUTCOMES, ttft_ms=3000, tpot_ms=20)
+        tac.tick(second)
+    assert tac.token_budget == 0 and tac.sent[-1][1] == Tune(0)
+    assert total(metrics.render().decode(), "tessera_tac_decisions_total", knob="token_budget") == 6
