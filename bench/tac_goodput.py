@@ -53,6 +53,7 @@ def bench(url: str, args, *, input_len: int, rate: float | str, seed: int, durat
 
 def start(args, name: str, proxy: list[str], roles: list[str], log_root: Path) -> LocalCluster:
     targets = [f"ttft_slo_ms={args.ttft_ms:g}", f"tpot_slo_ms={args.tpot_ms:g}", "early_rejection=true"]
+    (log_root / name).mkdir(parents=True, exist_ok=True)
     return LocalCluster(str(resolve_model(EMBEDDED_MODEL, args.dtype)), log_root / name, dtype=args.dtype, threads=0,
                         transfer_backend="auto", own_session=True, proxy_overrides=[*targets, *proxy],
                         role_overrides=roles).start()
