@@ -46,9 +46,13 @@ def bench(url: str, args, *, input_len: int, rate: float | str, seed: int, durat
            "--result-dir", str(result_dir), "--label", label, "--no-plots", "--no-progress"]
     if concurrency:
         cmd += ["--max-concurrency", str(concurrency)]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    result = json.loads((result_dir / "result.json").read_text())
-    return result["points"][0] if "points" in result else result
+    done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    path = result_dir / "result.json"
+    if not path.exists():  # the point did not run to its end (every request failed, say): no goodput to count
+        print(f"{label}: tessera bench exited {done.returncode}: {done.stderr.strip()[-500:]}", file=sys.stderr)
+        return {"request_goodput": 0.0, "error": done.stderr.strip()[-500:]}
+    result = json.loads(path.read_text())
+    return result["points"][0]
 
 
 def start(args, name: str, proxy: list[str], roles: list[str], log_root: Path) -> LocalCluster:

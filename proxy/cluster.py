@@ -145,7 +145,8 @@ class Cluster(WorkerMembership):
     def _decode_slots(self) -> int:
         """This proxy's share of the decode slots (at least one while there are any): as many as keep every
         worker within the TPOT target while it applies (``_within_tpot``), else every slot."""
-        slots = self.registry.decode_slots(within_tpot=self._within_tpot())
+        slots = self.registry.decode_slots(within_tpot=self._within_tpot(),
+                                           scale=self.tac.decode_scale if self.tac is not None else 1.0)
         return max(int(slots * self.config.decode_slot_share), 1) if slots else 0
 
     def apply_tenants(self, config: ProxyConfig) -> None:

@@ -85,7 +85,7 @@ class ProxyMetrics:
         self.tac_enabled = Gauge("tessera_tac_enabled", "1 while the adaptive controller (proxy/tac.py) runs",
                                  registry=r)
         self.tac_knob = Gauge("tessera_tac_knob", "The value the adaptive controller set each knob to (decode_cap "
-                              "0/1, prefill_budget in tokens with 0 unbounded, token_budget in tokens with 0 each worker's configured "
+                              "0/1, decode_scale the fraction of each worker's TPOT capacity admitted, prefill_budget in tokens with 0 unbounded, token_budget in tokens with 0 each worker's configured "
                               "one, local_prefill_threshold in tokens)",
                               ["knob"], registry=r)
         self.tac_decisions = Counter("tessera_tac_decisions", "Changes the adaptive controller made, by knob",

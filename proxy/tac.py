@@ -13,6 +13,12 @@ proxy/capacity.py). Then, one rule per knob:
   the ones admitted after them, and with the cap the excess waits at the proxy, where early rejection and the
   fairness policy deal with it. Off again (the configured scope) after ``CALM_WINDOWS`` windows in which
   nothing waited at the proxy: the cap then bound nothing.
+- ``decode_scale``: with the cap on, the fraction of each worker's TPOT capacity that is admitted (1 until
+  the target is missed under the cap). The capacity comes from a model (the worker's step fit plus the lag the
+  proxy measured, proxy/capacity.py); when requests still miss the target under it, the model is wrong for
+  this load (on one host, the front door's own work between the steps is more than the lag has seen), and
+  this is the feedback that corrects it: x ``DECREASE`` on a window that missed the TPOT target with the cap
+  on, x ``INCREASE`` back towards 1 on one that met it while the TTFT target was missed.
 - ``prefill_budget``: prompt tokens sent to the prefill workers and not done, at most (0: no bound). Prompts and
   decode steps share compute (on one host, the cores): with the cap on and the TPOT target still missed, what
   slows the decode steps is the prompts between them, so the budget shrinks by ``DECREASE`` (never below one
@@ -64,6 +70,7 @@ THRESHOLD_START = 64
 THRESHOLD_MAX = 2048
 CHUNK_START = 1024  # the first token budget below the configured one (2048 by default)
 CHUNK_MIN = 256
+SCALE_MIN = 0.1  # decode_scale, at least
 
 
 @dataclass
@@ -93,6 +100,7 @@ class AdaptiveController:
         self._clock = clock
         self._send = send
         self.decode_cap = False
+        self.decode_scale = 1.0
         self.prefill_budget = 0
         self.token_budget = 0
         self._told: dict[str, tuple[int, int]] = {}  # worker id -> (epoch, the token budget it was told)
@@ -169,11 +177,13 @@ class AdaptiveController:
             if not self.decode_cap:
                 self._set_cap(True, why)
             else:
+                self._set_scale(max(self.decode_scale * DECREASE, SCALE_MIN), why)
                 if self.registry.prefill_side():
                     self._shrink_budget(why)
                 self._set_chunk(max(self.token_budget // 2, CHUNK_MIN) if self.token_budget else CHUNK_START, why)
             self._lower_threshold(why)
         elif ttft_miss > MISS_HIGH and tpot_miss <= MISS_LOW:
+            self._set_scale(min(self.decode_scale * INCREASE, 1.0), why)
             self._grow_budget(why)
             if self.token_budget:
                 self._set_chunk(0 if self.token_budget * 2 > CHUNK_START else self.token_budget * 2, why)
@@ -190,6 +200,14 @@ class AdaptiveController:
         self._decide("decode_cap", int(self.decode_cap), int(on), why)
         self.decode_cap = on
         self._calm = 0
+        if not on and self.decode_scale != 1.0:
+            self._set_scale(1.0, "the cap is off")
+
+    def _set_scale(self, scale: float, why: str) -> None:
+        scale = round(scale, 3)
+        if scale != self.decode_scale:
+            self._decide("decode_scale", self.decode_scale, scale, why)
+            self.decode_scale = scale
 
     def _shrink_budget(self, why: str) -> None:
         prompt = max(int(self._mean_prompt), 1)
@@ -251,13 +269,14 @@ class AdaptiveController:
     def _outstanding_prefill(self) -> int:
         return sum(self.policy.outstanding_prefill_tokens(w.worker_id) for w in self.registry.prefill_side())
 
-    def _decide(self, knob: str, old: int, new: int, why: str) -> None:
+    def _decide(self, knob: str, old: float, new: float, why: str) -> None:
         log.info("tac: %s %s -> %s: %s", knob, old, new, why)
         self.metrics.tac_decisions.labels(knob).inc()
 
     def _export(self, window: Window | None = None, now: float | None = None) -> None:
         m = self.metrics
         m.tac_knob.labels("decode_cap").set(int(self.decode_cap))
+        m.tac_knob.labels("decode_scale").set(self.decode_scale)
         m.tac_knob.labels("prefill_budget").set(self.prefill_budget)
         m.tac_knob.labels("token_budget").set(self.token_budget)
         m.tac_knob.labels("local_prefill_threshold").set(getattr(self.policy, "local_prefill_threshold", 0))

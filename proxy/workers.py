@@ -218,10 +218,12 @@ class WorkerRegistry:
     def decode_side(self) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.decode_capable]
 
-    def decode_slots(self, within_tpot: bool = False) -> int:
+    def decode_slots(self, within_tpot: bool = False, scale: float = 1.0) -> int:
         """Sequences the decode-capable workers that take new work can run at once; ``within_tpot``: only as many
-        as keep each one's predicted step time within the TPOT target (``WorkerState.tpot_capacity``)."""
-        return sum(w.tpot_capacity if within_tpot else w.max_num_seqs for w in self.decode_side() if not w.draining)
+        as keep each one's predicted step time within the TPOT target (``WorkerState.tpot_capacity``), times
+        ``scale`` (the adaptive controller's correction; at least one each)."""
+        return sum(max(int(w.tpot_capacity * scale), 1) if within_tpot else w.max_num_seqs
+                   for w in self.decode_side() if not w.draining)
 
     def peers(self) -> Peers:
         return Peers([w.peer_info() for w in self.prefill_side()])

@@ -102,6 +102,10 @@ def test_ttft_misses_with_tpot_met_grow_the_budget_and_move_short_prompts_to_the
     assert total(metrics.render().decode(), "tessera_tac_knob", knob="local_prefill_threshold") == 1024
 
 
+def admission_tenant(admission: AdmissionController):
+    return TenantRegistry(admission.config).default
+
+
 def test_the_cap_is_released_once_nothing_waits_at_the_proxy():
     tac, _, _, admission = controller()
     ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
@@ -166,3 +170,28 @@ def test_the_token_budget_halves_under_tpot_misses_and_every_worker_is_told():
         tac.tick(second)
     assert tac.token_budget == 0 and tac.sent[-1][1] == Tune(0)
     assert total(metrics.render().decode(), "tessera_tac_decisions_total", knob="token_budget") == 6
+
+
+def test_the_decode_scale_corrects_a_capacity_that_does_not_hold_the_target():
+    tac, _, metrics, admission = controller()
+    admission.enqueue("w", admission_tenant(admission), 10, None)  # a queue: the cap is never released as idle
+    d0 = tac.registry.workers["d0"]
+    capacity = d0.tpot_capacity
+    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
+    tac.tick(2.0)  # the cap first
+    assert tac.decode_scale == 1.0
+    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
+    tac.tick(4.0)  # still missed under the cap: the model is wrong for this load
+    assert tac.decode_scale == 0.7
+    assert tac.registry.decode_slots(within_tpot=True, scale=tac.decode_scale) == int(capacity * 0.7)
+    for second in (6.0, 8.0, 10.0, 12.0, 14.0, 16.0, 18.0):
+        ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
+        tac.tick(second)
+    assert tac.decode_scale == 0.1  # at least SCALE_MIN
+    ended(tac, MIN_OUTCOMES, ttft_ms=3000, tpot_ms=20)
+    tac.tick(20.0)  # the TPOT target met, the TTFT target missed: it grows back
+    assert tac.decode_scale == 0.125
+    assert total(metrics.render().decode(), "tessera_tac_knob", knob="decode_scale") == 0.125
+    cluster = Cluster(ProxyConfig(tac_enabled=True, ttft_slo_ms=500.0), PrefixAwareRouting(), ProxyMetrics())
+    cluster.tac.decode_scale = 0.5
+    assert cluster._decode_slots() == 0  # no worker: no slots, scaled or not
