@@ -33,6 +33,7 @@ ARMS: dict[str, tuple[list[str], list[str]]] = {
     "cap-always+chunk-512": (["tpot_slo_scope=always"], ["prefill:engine.max_num_batched_tokens=512"]),
     "cap-always+local-512": (["tpot_slo_scope=always", "local_prefill_threshold=512"], []),
 }
+DEFAULT_ARMS = "tac,defaults,cap-always,cap-always+chunk-512"
 
 
 def bench(url: str, args, *, input_len: int, rate: float | str, seed: int, duration_s: float, result_dir: Path,
@@ -66,13 +67,16 @@ def start(args, name: str, proxy: list[str], roles: list[str], log_root: Path) -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
-    parser.add_argument("--arms", default=",".join(ARMS), help=f"arms to run, of {', '.join(ARMS)}")
+    parser.add_argument("--arms", default=DEFAULT_ARMS, help=f"arms to run, of {', '.join(ARMS)}")
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--shift-input-len", type=int, default=2048)
     parser.add_argument("--rates", default="0.5,1,2,3", help="the ramp, in multiples of the capacity")
-    parser.add_argument("--shift-rates", default="0.5,1", help="after the shift, in multiples of the capacity")
-    parser.add_argument("--ttft-ms", type=float, default=2000.0)
+    parser.add_argument("--shift-rates", default="0.1,0.2",
+                        help="after the shift, in multiples of the capacity (at --input-len: 0.2 x is about what "
+                        "2,048-token prompts saturate at on 2 cores)")
+    parser.add_argument("--ttft-ms", type=float, default=3000.0,
+                        help="the TTFT target: one 2,048-token prompt alone takes 1.5-2 s on 2 shared cores")
     parser.add_argument("--tpot-ms", type=float, default=50.0)
     parser.add_argument("--duration-s", type=float, default=40.0, help="seconds per point")
     parser.add_argument("--capacity", type=float, help="requests/s at --input-len; default: measure it")

@@ -183,7 +183,12 @@ class Cluster(WorkerMembership):
             log.info("request %s prompt token ids: %s", request_id, prompts)
         self.admission.check_room(tenant, len(prompts) * params.n)
         if self.slo.forecast is not None:
-            self.slo.reject_early(tenant)
+            try:
+                self.slo.reject_early(tenant)
+            except ApiError:
+                if self.tac is not None:
+                    self.tac.rejected()
+                raise
         sink: asyncio.Queue = asyncio.Queue()
         now = self._clock()
         client_deadline = None if timeout_s is None else now + timeout_s

@@ -6,19 +6,22 @@ Off by default (``tac_enabled``); off, nothing here runs and every knob keeps it
 did, or ``MAX_WINDOWS`` intervals passed): how many met both targets, how many missed the TTFT target
 (``ttft_slo_ms``; a choice that failed before its first token, say by ``queue_timeout_s``, counts as a miss) and
 how many the TPOT target (``tpot_slo_ms``, or the target the capacity model derived for their decode worker,
-proxy/capacity.py). Then, one rule per knob:
+proxy/capacity.py); a request refused at arrival by early rejection counts as a TTFT miss. A target counts as
+missed when more than ``MISS_HIGH`` of the window missed it; the rules act on the one missed more (the
+controller balances the two, as goodput needs both). Then, one rule per knob:
 
 - ``decode_cap``: hold every decode worker to its TPOT capacity whatever ``tpot_slo_scope`` says (a lone tenant
   too). On when more than ``MISS_HIGH`` of the window missed the TPOT target: those requests were slowed by
   the ones admitted after them, and with the cap the excess waits at the proxy, where early rejection and the
   fairness policy deal with it. Off again (the configured scope) after ``CALM_WINDOWS`` windows in which
-  nothing waited at the proxy: the cap then bound nothing.
+  nothing waited at the proxy (the cap then bound nothing), or once ``decode_scale`` would pass ``SCALE_MAX``.
 - ``decode_scale``: with the cap on, the fraction of each worker's TPOT capacity that is admitted (1 until
   the target is missed under the cap). The capacity comes from a model (the worker's step fit plus the lag the
   proxy measured, proxy/capacity.py); when requests still miss the target under it, the model is wrong for
   this load (on one host, the front door's own work between the steps is more than the lag has seen), and
-  this is the feedback that corrects it: x ``DECREASE`` on a window that missed the TPOT target with the cap
-  on, x ``INCREASE`` back towards 1 on one that met it while the TTFT target was missed.
+  this is the feedback that corrects it: x ``DECREASE`` on a window that missed the TPOT target more with the
+  cap on, x ``INCREASE`` on one that missed the TTFT target more (past 1: the model was too cautious for this
+  load; past ``SCALE_MAX`` the cap goes off).
 - ``prefill_budget``: prompt tokens sent to the prefill workers and not done, at most (0: no bound). Prompts and
   decode steps share compute (on one host, the cores): with the cap on and the TPOT target still missed, what
   slows the decode steps is the prompts between them, so the budget shrinks by ``DECREASE`` (never below one
@@ -70,7 +73,8 @@ THRESHOLD_START = 64
 THRESHOLD_MAX = 2048
 CHUNK_START = 1024  # the first token budget below the configured one (2048 by default)
 CHUNK_MIN = 256
-SCALE_MIN = 0.1  # decode_scale, at least
+SCALE_MIN = 0.1  # decode_scale, at least ...
+SCALE_MAX = 4.0  # ... and at most (past it, the cap goes off)
 
 
 @dataclass
@@ -138,6 +142,12 @@ class AdaptiveController:
         worker = self.registry.workers.get(sub.decode_worker or "")
         return worker.tpot_target_ms if worker is not None and worker.tpot_target_ms else float("inf")
 
+    def rejected(self) -> None:
+        """A request was refused at arrival, predicted to miss the TTFT target (``early_rejection``): a miss,
+        as one that waited and missed it would be (a cap held too tight shows as refusals)."""
+        self.window.ended += 1
+        self.window.ttft_missed += 1
+
     def prefill_room(self) -> bool:
         """Whether the prefill budget lets another prompt go to a prefill worker now (always one)."""
         if not self.prefill_budget:
@@ -173,7 +183,7 @@ class AdaptiveController:
         ttft_miss, tpot_miss = window.ratio(window.ttft_missed), window.ratio(window.tpot_missed)
         why = (f"{window.ended} choices ended: {ttft_miss:.0%} missed ttft_slo_ms, "
                f"{tpot_miss:.0%} missed the TPOT target, {queued} waiting")
-        if tpot_miss > MISS_HIGH:
+        if tpot_miss > MISS_HIGH and tpot_miss >= ttft_miss:
             if not self.decode_cap:
                 self._set_cap(True, why)
             else:
@@ -182,13 +192,18 @@ class AdaptiveController:
                     self._shrink_budget(why)
                 self._set_chunk(max(self.token_budget // 2, CHUNK_MIN) if self.token_budget else CHUNK_START, why)
             self._lower_threshold(why)
-        elif ttft_miss > MISS_HIGH and tpot_miss <= MISS_LOW:
-            self._set_scale(min(self.decode_scale * INCREASE, 1.0), why)
-            self._grow_budget(why)
-            if self.token_budget:
-                self._set_chunk(0 if self.token_budget * 2 > CHUNK_START else self.token_budget * 2, why)
-            if self._decode_has_room():
-                self._raise_threshold(why)
+        elif ttft_miss > MISS_HIGH and ttft_miss > tpot_miss:
+            if self.decode_cap:
+                if self.decode_scale * INCREASE > SCALE_MAX:
+                    self._set_cap(False, f"{why}; the cap held back {SCALE_MAX:g}x its capacity and more")
+                else:
+                    self._set_scale(self.decode_scale * INCREASE, why)
+            if tpot_miss <= MISS_LOW:
+                self._grow_budget(why)
+                if self.token_budget:
+                    self._set_chunk(0 if self.token_budget * 2 > CHUNK_START else self.token_budget * 2, why)
+                if self._decode_has_room():
+                    self._raise_threshold(why)
         if self.decode_cap and self._calm >= CALM_WINDOWS:
             self._set_cap(False, f"nothing waited at the proxy for {self._calm} windows")
         self._tell_workers()

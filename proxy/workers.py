@@ -222,7 +222,7 @@ class WorkerRegistry:
         """Sequences the decode-capable workers that take new work can run at once; ``within_tpot``: only as many
         as keep each one's predicted step time within the TPOT target (``WorkerState.tpot_capacity``), times
         ``scale`` (the adaptive controller's correction; at least one each)."""
-        return sum(max(int(w.tpot_capacity * scale), 1) if within_tpot else w.max_num_seqs
+        return sum(min(max(int(w.tpot_capacity * scale), 1), w.max_num_seqs) if within_tpot else w.max_num_seqs
                    for w in self.decode_side() if not w.draining)
 
     def peers(self) -> Peers:

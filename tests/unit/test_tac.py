@@ -195,3 +195,23 @@ def test_the_decode_scale_corrects_a_capacity_that_does_not_hold_the_target():
     cluster = Cluster(ProxyConfig(tac_enabled=True, ttft_slo_ms=500.0), PrefixAwareRouting(), ProxyMetrics())
     cluster.tac.decode_scale = 0.5
     assert cluster._decode_slots() == 0  # no worker: no slots, scaled or not
+
+
+def test_ttft_misses_under_the_cap_loosen_it_past_the_model_and_then_lift_it():
+    """Goodput needs both targets: when the cap makes requests miss their first token (or be refused at
+    arrival) more than the batch makes them miss the TPOT target, the controller loosens it."""
+    tac, _, _, admission = controller()
+    admission.enqueue("w", admission_tenant(admission), 10, None)
+    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
+    tac.tick(2.0)
+    assert tac.decode_cap
+    second = 4.0
+    while tac.decode_cap:
+        for _ in range(MIN_OUTCOMES):
+            tac.rejected()  # refused at arrival: TTFT misses
+        ended(tac, 2, ttft_ms=300, tpot_ms=80)  # and some TPOT misses, fewer
+        tac.tick(second)
+        second += 2.0
+        assert tac.decode_scale <= 4.0
+    assert second == 4.0 + 2.0 * 7  # 1.25 ** 6 = 3.8; the seventh would pass 4: off, and the scale back to 1
+    assert tac.decode_scale == 1.0
