@@ -7,8 +7,10 @@ did, or ``MAX_WINDOWS`` intervals passed): how many met both targets, how many m
 (``ttft_slo_ms``; a choice that failed before its first token, say by ``queue_timeout_s``, counts as a miss) and
 how many the TPOT target (``tpot_slo_ms``, or the target the capacity model derived for their decode worker,
 proxy/capacity.py); a request refused at arrival by early rejection counts as a TTFT miss. A target counts as
-missed when more than ``MISS_HIGH`` of the window missed it; the rules act on the one missed more (the
-controller balances the two, as goodput needs both). Then, one rule per knob:
+missed when more than ``MISS_HIGH`` of the window missed it, as met when at most ``MISS_LOW`` did. Only the
+choices that arrived after the cap or its scale last changed count: a request's TPOT is known when it ends,
+seconds after it was admitted, and one admitted under the previous setting says nothing of this one (counting
+them made the loop swing between too tight and too loose). Then, one rule per knob:
 
 - ``decode_cap``: hold every decode worker to its TPOT capacity whatever ``tpot_slo_scope`` says (a lone tenant
   too). On when more than ``MISS_HIGH`` of the window missed the TPOT target: those requests were slowed by
@@ -19,9 +21,10 @@ controller balances the two, as goodput needs both). Then, one rule per knob:
   the target is missed under the cap). The capacity comes from a model (the worker's step fit plus the lag the
   proxy measured, proxy/capacity.py); when requests still miss the target under it, the model is wrong for
   this load (on one host, the front door's own work between the steps is more than the lag has seen), and
-  this is the feedback that corrects it: x ``DECREASE`` on a window that missed the TPOT target more with the
-  cap on, x ``INCREASE`` on one that missed the TTFT target more (past 1: the model was too cautious for this
-  load; past ``SCALE_MAX`` the cap goes off).
+  this is the feedback that corrects it: x ``DECREASE`` on a window that missed the TPOT target (at least as
+  much as the TTFT target) with the cap on, x ``INCREASE`` on one that missed only the TTFT target (past 1: the
+  model was too cautious for this load; past ``SCALE_MAX`` the cap goes off). A window that missed both, the
+  TTFT target more, changes nothing: loosening would break the TPOT target further, tightening the TTFT one.
 - ``prefill_budget``: prompt tokens sent to the prefill workers and not done, at most (0: no bound). Prompts and
   decode steps share compute (on one host, the cores): with the cap on and the TPOT target still missed, what
   slows the decode steps is the prompts between them, so the budget shrinks by ``DECREASE`` (never below one
@@ -111,6 +114,7 @@ class AdaptiveController:
         self.window = Window(clock())
         self._calm = 0
         self._mean_prompt = 0.0
+        self._changed_at = float("-inf")  # when the cap or the scale last changed
         self._configured_threshold = getattr(policy, "local_prefill_threshold", 0)
         metrics.tac_enabled.set(1)
         self._export()
@@ -121,6 +125,8 @@ class AdaptiveController:
         """``sub`` ended (finished or failed): counted in the window against the targets."""
         window = self.window
         if sub.first_token_at is None and sub.stage is not Stage.FAILED:
+            return
+        if sub.arrival < self._changed_at:  # admitted under the previous setting: says nothing of this one
             return
         window.ended += 1
         window.prompt_tokens += len(sub.prompt)
@@ -144,7 +150,8 @@ class AdaptiveController:
 
     def rejected(self) -> None:
         """A request was refused at arrival, predicted to miss the TTFT target (``early_rejection``): a miss,
-        as one that waited and missed it would be (a cap held too tight shows as refusals)."""
+        as one that waited and missed it would be (a cap held too tight shows as refusals), of the setting
+        now."""
         self.window.ended += 1
         self.window.ttft_missed += 1
 
@@ -192,18 +199,17 @@ class AdaptiveController:
                     self._shrink_budget(why)
                 self._set_chunk(max(self.token_budget // 2, CHUNK_MIN) if self.token_budget else CHUNK_START, why)
             self._lower_threshold(why)
-        elif ttft_miss > MISS_HIGH and ttft_miss > tpot_miss:
+        elif ttft_miss > MISS_HIGH and tpot_miss <= MISS_LOW:
             if self.decode_cap:
                 if self.decode_scale * INCREASE > SCALE_MAX:
                     self._set_cap(False, f"{why}; the cap held back {SCALE_MAX:g}x its capacity and more")
                 else:
                     self._set_scale(self.decode_scale * INCREASE, why)
-            if tpot_miss <= MISS_LOW:
-                self._grow_budget(why)
-                if self.token_budget:
-                    self._set_chunk(0 if self.token_budget * 2 > CHUNK_START else self.token_budget * 2, why)
-                if self._decode_has_room():
-                    self._raise_threshold(why)
+            self._grow_budget(why)
+            if self.token_budget:
+                self._set_chunk(0 if self.token_budget * 2 > CHUNK_START else self.token_budget * 2, why)
+            if self._decode_has_room():
+                self._raise_threshold(why)
         if self.decode_cap and self._calm >= CALM_WINDOWS:
             self._set_cap(False, f"nothing waited at the proxy for {self._calm} windows")
         self._tell_workers()
@@ -215,6 +221,7 @@ class AdaptiveController:
         self._decide("decode_cap", int(self.decode_cap), int(on), why)
         self.decode_cap = on
         self._calm = 0
+        self._changed_at = self._clock()
         if not on and self.decode_scale != 1.0:
             self._set_scale(1.0, "the cap is off")
 
@@ -223,6 +230,7 @@ class AdaptiveController:
         if scale != self.decode_scale:
             self._decide("decode_scale", self.decode_scale, scale, why)
             self.decode_scale = scale
+            self._changed_at = self._clock()
 
     def _shrink_budget(self, why: str) -> None:
         prompt = max(int(self._mean_prompt), 1)

@@ -132,8 +132,8 @@ def test_a_window_waits_for_enough_outcomes():
 
 def test_failures_before_the_first_token_are_ttft_misses_and_cancelled_waits_are_not_counted():
     tac, _, _, _ = controller()
-    tac.ended(SimpleNamespace(prompt=[0] * 8, stage=Stage.FAILED, first_token_at=None), 0.0)
-    tac.ended(SimpleNamespace(prompt=[0] * 8, stage=Stage.QUEUED, first_token_at=None), 0.0)
+    tac.ended(SimpleNamespace(prompt=[0] * 8, stage=Stage.FAILED, first_token_at=None, arrival=0.0), 0.0)
+    tac.ended(SimpleNamespace(prompt=[0] * 8, stage=Stage.QUEUED, first_token_at=None, arrival=0.0), 0.0)
     assert tac.window.ended == 1 and tac.window.ttft_missed == 1
 
 
@@ -199,19 +199,37 @@ def test_the_decode_scale_corrects_a_capacity_that_does_not_hold_the_target():
 
 def test_ttft_misses_under_the_cap_loosen_it_past_the_model_and_then_lift_it():
     """Goodput needs both targets: when the cap makes requests miss their first token (or be refused at
-    arrival) more than the batch makes them miss the TPOT target, the controller loosens it."""
+    arrival) while the TPOT target is met, the controller loosens it; missing both, it holds."""
     tac, _, _, admission = controller()
     admission.enqueue("w", admission_tenant(admission), 10, None)
     ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
     tac.tick(2.0)
     assert tac.decode_cap
-    second = 4.0
+    for _ in range(MIN_OUTCOMES):
+        tac.rejected()
+    ended(tac, 4, ttft_ms=300, tpot_ms=80)  # both missed, the TTFT target more: no change
+    tac.tick(4.0)
+    assert tac.decode_cap and tac.decode_scale == 1.0
+    second = 6.0
     while tac.decode_cap:
         for _ in range(MIN_OUTCOMES):
             tac.rejected()  # refused at arrival: TTFT misses
-        ended(tac, 2, ttft_ms=300, tpot_ms=80)  # and some TPOT misses, fewer
+        ended(tac, 2, ttft_ms=300, tpot_ms=20)  # and the TPOT target met
         tac.tick(second)
         second += 2.0
         assert tac.decode_scale <= 4.0
-    assert second == 4.0 + 2.0 * 7  # 1.25 ** 6 = 3.8; the seventh would pass 4: off, and the scale back to 1
+    assert second == 6.0 + 2.0 * 7  # 1.25 ** 6 = 3.8; the seventh would pass 4: off, and the scale back to 1
     assert tac.decode_scale == 1.0
+
+
+def test_only_choices_admitted_under_the_setting_judge_it():
+    clock = SimpleNamespace(now=0.0)
+    tac, _, _, _ = controller()
+    tac._clock = lambda: clock.now
+    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
+    clock.now = 2.0
+    tac.tick(2.0)  # the cap goes on at t = 2
+    assert tac.decode_cap
+    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)  # arrived at t = 0: admitted before the cap
+    tac.tick(4.0)
+    assert tac.decode_scale == 1.0 and tac.window.ended == 0
