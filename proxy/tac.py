@@ -76,7 +76,7 @@ THRESHOLD_START = 64
 THRESHOLD_MAX = 2048
 CHUNK_START = 1024  # the first token budget below the configured one (2048 by default)
 CHUNK_MIN = 256
-SCALE_MIN = 0.1  # decode_scale, at least ...
+SCALE_MIN = 0.5  # decode_scale, at least (below, the cause is not the batch: it only cost throughput) ...
 SCALE_MAX = 4.0  # ... and at most (past it, the cap goes off)
 
 

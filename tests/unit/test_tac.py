@@ -187,11 +187,11 @@ def test_the_decode_scale_corrects_a_capacity_that_does_not_hold_the_target():
     for second in (6.0, 8.0, 10.0, 12.0, 14.0, 16.0, 18.0):
         ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
         tac.tick(second)
-    assert tac.decode_scale == 0.1  # at least SCALE_MIN
+    assert tac.decode_scale == 0.5  # at least SCALE_MIN
     ended(tac, MIN_OUTCOMES, ttft_ms=3000, tpot_ms=20)
     tac.tick(20.0)  # the TPOT target met, the TTFT target missed: it grows back
-    assert tac.decode_scale == 0.125
-    assert total(metrics.render().decode(), "tessera_tac_knob", knob="decode_scale") == 0.125
+    assert tac.decode_scale == 0.625
+    assert total(metrics.render().decode(), "tessera_tac_knob", knob="decode_scale") == 0.625
     cluster = Cluster(ProxyConfig(tac_enabled=True, ttft_slo_ms=500.0), PrefixAwareRouting(), ProxyMetrics())
     cluster.tac.decode_scale = 0.5
     assert cluster._decode_slots() == 0  # no worker: no slots, scaled or not
