@@ -133,6 +133,17 @@ class VtcQueue:
                 return item
         return None
 
+    def pop_oldest(self) -> Waiting | None:
+        """The first lane's choice that arrived first, whichever tenant's."""
+        for lane in self._lanes:
+            if lane:
+                tenant = min(lane, key=lambda t: lane[t][0].order)
+                item = lane[tenant].popleft()
+                if not lane[tenant]:
+                    del lane[tenant]
+                return item
+        return None
+
     def remove(self, item: Waiting) -> None:
         lane = self._lanes[item.lane]
         queue = lane.get(item.tenant)
@@ -282,7 +293,11 @@ class AdmissionController:
         if self.total(Stage.DECODING) >= slots:
             return None
         item = None
-        if isinstance(self.decode_queue, VtcQueue) and (under := self._under_share(slots, DECODE_HELD)):
+        if isinstance(self.decode_queue, VtcQueue) and self._latency_capped is not None and self._latency_capped():
+            # under the latency cap a choice was given its slot as it was admitted to prefill, in the policy's
+            # order: it takes it now, the oldest first (choosing again here would count the slots twice over)
+            item = self.decode_queue.pop_oldest()
+        elif isinstance(self.decode_queue, VtcQueue) and (under := self._under_share(slots, DECODE_HELD)):
             # a tenant holding its share of the slots yields to one below its share, in the same lane
             if self.decode_queue.first_lane(under.__contains__) == self.decode_queue.first_lane():
                 item = self.decode_queue.pop_next(under.__contains__)

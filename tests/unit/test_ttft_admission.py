@@ -329,3 +329,26 @@ def test_without_the_cap_every_tenant_runs_prefill_ahead_per_tenant():
     admitted = drain(admission)
     # two slots, and the tenant's prompts run ahead of them up to prefill_ahead_per_tenant (4) not yet decoding
     assert len(admitted) == ProxyConfig().prefill_ahead_per_tenant > 2
+
+
+def test_under_a_latency_cap_ready_choices_take_their_slots_in_arrival_order():
+    """The slot was given at prefill admission, in the policy's order: decode admission does not choose again
+    (with the shares of the decoding choices alone it would pass over a ready choice that already holds one)."""
+    freeing = {"n": 0}
+    admission, registry = capped_admission(2, freeing)
+    admission.enqueue("a0", registry.tenants["a"], 10, "a0")
+    admission.enqueue("b0", registry.tenants["b"], 10, "b0")
+    assert [key for key, _ in drain(admission)] == ["a0", "b0"]
+    admission.ready_for_decode("a0")
+    admission.ready_for_decode("b0")
+    assert drain(admission) == [("a0", Stage.DECODING), ("b0", Stage.DECODING)]
+    admission.enqueue("a1", registry.tenants["a"], 10, "a1")
+    admission.enqueue("b1", registry.tenants["b"], 10, "b1")
+    freeing["n"] = 2
+    assert [key for key, _ in drain(admission)] == ["a1", "b1"]
+    admission.ready_for_decode("b1")
+    admission.ready_for_decode("a1")
+    admission.leave("b0", Stage.DECODING)
+    admission.leave("a0", Stage.DECODING)
+    freeing["n"] = 0
+    assert [key for key, _ in drain(admission)] == ["a1", "b1"]  # a1 arrived first
