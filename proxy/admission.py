@@ -122,22 +122,14 @@ class VtcQueue:
                 return index
         return None
 
-    def pop_next(self, eligible: Eligible | None = None) -> Waiting | None:
+    def pop_next(self, eligible: Eligible | None = None, by_arrival: bool = False) -> Waiting | None:
+        """The first lane's choice of the (eligible) tenant with the smallest counter, its oldest; ``by_arrival``:
+        the lane's oldest choice, whichever tenant's."""
         for lane in self._lanes:
             candidates = [t for t in lane if eligible is None or eligible(t)]
             if candidates:
-                tenant = min(candidates, key=lambda t: (self.counters[t], lane[t][0].order))
-                item = lane[tenant].popleft()
-                if not lane[tenant]:
-                    del lane[tenant]
-                return item
-        return None
-
-    def pop_oldest(self) -> Waiting | None:
-        """The first lane's choice that arrived first, whichever tenant's."""
-        for lane in self._lanes:
-            if lane:
-                tenant = min(lane, key=lambda t: lane[t][0].order)
+                tenant = min(candidates, key=lambda t: (lane[t][0].order,) if by_arrival else
+                             (self.counters[t], lane[t][0].order))
                 item = lane[tenant].popleft()
                 if not lane[tenant]:
                     del lane[tenant]
@@ -296,7 +288,7 @@ class AdmissionController:
         if isinstance(self.decode_queue, VtcQueue) and self._latency_capped is not None and self._latency_capped():
             # under the latency cap a choice was given its slot as it was admitted to prefill, in the policy's
             # order: it takes it now, the oldest first (choosing again here would count the slots twice over)
-            item = self.decode_queue.pop_oldest()
+            item = self.decode_queue.pop_next(by_arrival=True)
         elif isinstance(self.decode_queue, VtcQueue) and (under := self._under_share(slots, DECODE_HELD)):
             # a tenant holding its share of the slots yields to one below its share, in the same lane
             if self.decode_queue.first_lane(under.__contains__) == self.decode_queue.first_lane():

@@ -64,11 +64,12 @@ class StepLag:
     handoff_ms: float = 0.0  # decayed mean, per output token, of the hand-off's wait beyond a step (``add_handoff``)
     handoffs: int = 0
 
-    def add_handoff(self, excess_ms: float, tokens: int) -> None:
-        """A disaggregated request's second token came ``excess_ms`` later than a step after its first (the
-        first comes from the prefill worker; then its decode slot, the pull of its pages, the step it joins):
-        its clients see that wait spread over its ``tokens`` output tokens."""
-        sample = min(max(excess_ms, 0.0), LAG_SAMPLE_MAX_MS) / max(tokens - 1, 1)
+    def add_handoff(self, gap_ms: float, step_ms: float, rows: int, tokens: int) -> None:
+        """A disaggregated request's second token came ``gap_ms`` after its first (which comes from the prefill
+        worker; then its decode slot, the pull of its pages, the step it joins), against a step of ``step_ms``
+        predicted at ``rows``: its clients see the wait beyond a step and its lag spread over its ``tokens``."""
+        a, b = self.fit()
+        sample = min(max(gap_ms - step_ms - a - b * rows, 0.0), LAG_SAMPLE_MAX_MS) / max(tokens - 1, 1)
         self.handoff_ms = sample if not self.handoffs else self.handoff_ms * HANDOFF_DECAY + sample * (1 - HANDOFF_DECAY)
         self.handoffs += 1
 

@@ -176,8 +176,7 @@ class WorkerRegistry:
         if worker is None or worker.step_cost is None:
             return
         rows = max(worker.num_running, 1)
-        step_ms = worker.step_cost.step_ms(rows, rows * worker.mean_context) + worker.lag.at(rows) - worker.lag.handoff_ms
-        worker.lag.add_handoff(gap_s * 1e3 - step_ms, tokens)
+        worker.lag.add_handoff(gap_s * 1e3, worker.step_cost.step_ms(rows, rows * worker.mean_context), rows, tokens)
 
     def ask_to_rejoin(self, worker_id: str, now: float) -> bool:
         """Whether to answer a heartbeat that ``heartbeat`` did not apply with Reregister now; counts as asked."""

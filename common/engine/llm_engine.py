@@ -151,16 +151,6 @@ class LLMEngine:
         fused = self.runner.model.fused_decode
         self.step_timer = StepTimer(fused.max_rows if fused is not None else 0)
 
-    def set_token_budget(self, tokens: int) -> int:
-        """A step's token budget, so the largest prompt chunk: ``tokens`` (0: ``max_num_batched_tokens``), at
-        least a block and at most the configured budget; the configured one without chunked prefill (a prompt
-        must then fit one step). What it set."""
-        config = self.config
-        if not tokens or not config.enable_chunked_prefill:
-            tokens = config.max_num_batched_tokens
-        self.scheduler.token_budget = min(max(tokens, config.block_size), config.max_num_batched_tokens)
-        return self.scheduler.token_budget
-
     # ---- requests -----------------------------------------------------------
     def add_request(
         self,

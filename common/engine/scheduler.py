@@ -90,9 +90,18 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # a step's token budget: max_num_batched_tokens, or less while the proxy's adaptive controller says so
-        # (LLMEngine.set_token_budget)
         self.token_budget = config.max_num_batched_tokens
         self._fork_waiters: dict[str, list[Sequence]] = {}  # request id -> samples 2..n
+
+    def set_token_budget(self, tokens: int) -> int:
+        """A step's token budget, so the largest prompt chunk: ``tokens`` (0: ``max_num_batched_tokens``), at
+        least a block and at most the configured budget; the configured one without chunked prefill (a prompt
+        must then fit one step). What it set."""
+        config = self.config
+        if not tokens or not config.enable_chunked_prefill:
+            tokens = config.max_num_batched_tokens
+        self.token_budget = min(max(tokens, self.block_size), config.max_num_batched_tokens)
+        return self.token_budget
 
     # ---- admission ---------------------------------------------------------
     def add_sequences(self, seqs: list[Sequence]) -> None:

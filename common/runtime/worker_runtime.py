@@ -242,10 +242,8 @@ def _take_messages(io: WorkerIO, handler: RoleHandler, wait_s: float) -> bool:
             return False
         if isinstance(msg, wire.Reregister):
             _rejoin(io, handler, msg)
-        elif isinstance(msg, wire.Tune):
-            budget = handler.engine.set_token_budget(msg.max_num_batched_tokens)
-            handler.metrics.token_budget.set(budget)
-            log.info("the proxy's adaptive controller set the step's token budget to %d", budget)
+        elif isinstance(msg, wire.Tune):  # the proxy's adaptive controller (proxy/tac.py)
+            handler.metrics.token_budget.set(handler.engine.scheduler.set_token_budget(msg.max_num_batched_tokens))
         else:
             with request_scope(getattr(msg, "request_id", None), getattr(msg, "tenant", None)):
                 _handle(handler, msg)

@@ -38,18 +38,14 @@ def test_long_prompt_is_chunked_under_the_budget():
 
 
 def test_the_token_budget_set_at_run_time_chunks_prompts_smaller_and_stays_within_the_configured():
-    from types import SimpleNamespace
-
-    from common.engine.llm_engine import LLMEngine
     s, _ = make(budget=16)
-    engine = SimpleNamespace(config=s.config, scheduler=s)
-    assert LLMEngine.set_token_budget(engine, 8) == 8
+    assert s.set_token_budget(8) == 8
     (a,) = seq("a", 20)
     s.add_sequences([a])
     assert [run_step(s).num_new_tokens for _ in range(3)] == [[8], [8], [4]]
-    assert LLMEngine.set_token_budget(engine, 1) == 4  # at least a block
-    assert LLMEngine.set_token_budget(engine, 1000) == 16  # at most the configured budget
-    assert LLMEngine.set_token_budget(engine, 0) == 16  # 0: the configured budget
+    assert s.set_token_budget(1) == 4  # at least a block
+    assert s.set_token_budget(1000) == 16  # at most the configured budget
+    assert s.set_token_budget(0) == 16  # 0: the configured budget
 
 
 def test_decodes_go_first_and_share_the_budget_with_a_new_prompt():

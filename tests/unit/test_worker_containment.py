@@ -102,7 +102,8 @@ def test_a_tune_from_the_proxy_sets_the_engines_token_budget_and_its_gauge():
     from common.runtime.worker_runtime import _take_messages
     budgets = []
     gauge = SimpleNamespace(value=None)
-    handler = SimpleNamespace(engine=SimpleNamespace(set_token_budget=lambda t: budgets.append(t) or (t or 2048)),
+    handler = SimpleNamespace(engine=SimpleNamespace(scheduler=SimpleNamespace(
+                                  set_token_budget=lambda t: budgets.append(t) or (t or 2048))),
                               metrics=SimpleNamespace(token_budget=SimpleNamespace(set=lambda v: setattr(
                                   gauge, "value", v))))
     io = SimpleNamespace(inbox=queue.Queue())
