@@ -85,9 +85,14 @@ class ProxyMetrics:
         self.tac_enabled = Gauge("tessera_tac_enabled", "1 while the adaptive controller (proxy/tac.py) runs",
                                  registry=r)
         self.tac_knob = Gauge("tessera_tac_knob", "The value the adaptive controller set each knob to (decode_cap "
-                              "0/1, decode_scale the fraction of each worker's TPOT capacity admitted, prefill_budget in tokens with 0 unbounded, token_budget in tokens with 0 each worker's configured "
-                              "one, local_prefill_threshold in tokens)",
+                              "0/1, decode_scale the fraction of each worker's TPOT capacity admitted, prefill_budget in "
+                              "tokens with 0 unbounded, token_budget in tokens with 0 each worker's configured one, "
+                              "local_prefill_threshold in tokens, spec_num_tokens and spec_max_batch_size as sent to "
+                              "the speculating decode workers, 0 with none)",
                               ["knob"], registry=r)
+        self.tac_routing_weight = Gauge("tessera_tac_routing_weight", "The adaptive controller's routing weight of "
+                                        "each worker (1 unless it missed its target more than the others of its "
+                                        "role); routing divides the worker's load by it", ["worker_id"], registry=r)
         self.tac_decisions = Counter("tessera_tac_decisions", "Changes the adaptive controller made, by knob",
                                      ["knob"], registry=r)
         self.tac_goodput = Gauge("tessera_tac_goodput", "Choices per second that met both the TTFT and the TPOT "
@@ -185,7 +190,7 @@ class ProxyMetrics:
 
     def forget_worker(self, worker_id: str) -> None:
         for gauge in (self.kv_pages_free, self.kv_pages_used, self.decode_capacity, self.step_lag,
-                      self.tpot_target):
+                      self.tpot_target, self.tac_routing_weight):
             try:
                 gauge.remove(worker_id)
             except KeyError:

@@ -34,6 +34,9 @@ request's tenant's, the root of its block hashes on the workers):
   heartbeats spreads instead of piling onto one worker. Local prefill
   prefers a prefix hit first, as prefill does.
 - Draining workers get nothing new.
+- Routing weights (``weights``: 1 unless the adaptive controller, proxy/tac.py, lowered a worker's because its
+  requests missed their targets more than the others of its role did): a worker's prefill cost and decode
+  load are divided by its weight, so at equal load the heavier one is picked.
 """
 from __future__ import annotations
 
@@ -104,6 +107,7 @@ class PrefixAwareRouting:
         self._prefill_tokens: dict[str, int] = defaultdict(int)  # worker -> tokens sent, not yet done
         self._pending: dict[str, _Pending] = defaultdict(_Pending)
         self._prefills_sent: dict[str, int] = defaultdict(int)
+        self.weights: dict[str, float] = {}  # worker -> routing weight, when not 1 (the adaptive controller's)
 
     def route(self, prompt: Sequence[int], workers: Sequence[WorkerState], cache_salt: int = 0) -> Route | None:
         active = [w for w in workers if not w.draining]
@@ -143,6 +147,7 @@ class PrefixAwareRouting:
         self._prefill_tokens.pop(worker_id, None)
         self._prefills_sent.pop(worker_id, None)
         self._pending.pop(worker_id, None)
+        self.weights.pop(worker_id, None)
 
     def outstanding_prefill_tokens(self, worker_id: str) -> int:
         """Proxy-tracked tokens of prompts sent to ``worker_id`` and not yet done."""
@@ -164,7 +169,7 @@ class PrefixAwareRouting:
 
         return min(candidates, key=score)
 
-    def _prefill_cost(self, prompt: Sequence[int], cache_salt: int, worker: WorkerState) -> tuple[int, int, int]:
+    def _prefill_cost(self, prompt: Sequence[int], cache_salt: int, worker: WorkerState) -> tuple[float, int, int]:
         outstanding = self._prefill_tokens.get(worker.worker_id, 0) + worker.outstanding_prefill_tokens
         lru = self._prefixes.get(worker.worker_id)
         cached = 0
@@ -172,14 +177,16 @@ class PrefixAwareRouting:
             hits = lru.leading_hits(prefix_block_hashes(prompt, worker.block_size, cache_salt))
             cached = hits * worker.block_size
         # Equal costs rotate by how many prompts each worker was given.
-        return outstanding + len(prompt) - cached, outstanding, self._prefills_sent[worker.worker_id]
+        cost = (outstanding + len(prompt) - cached) / self.weights.get(worker.worker_id, 1.0)
+        return cost, outstanding, self._prefills_sent[worker.worker_id]
 
     def _decode_load(self, worker: WorkerState) -> tuple:
         pending = self._pending.get(worker.worker_id, _Pending())
         running = worker.num_running + pending.requests
         # a worker at its TPOT capacity (proxy/capacity.py) comes after any below it
         full = running >= worker.tpot_capacity
-        return (full, -(worker.free_blocks - pending.blocks), running)
+        weight = self.weights.get(worker.worker_id, 1.0)
+        return (full, -(worker.free_blocks - pending.blocks) * weight, running / weight)
 
     def _remember_prefix(self, worker: WorkerState, prompt: Sequence[int], cache_salt: int) -> None:
         lru = self._prefixes.get(worker.worker_id)

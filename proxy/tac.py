@@ -43,6 +43,21 @@ them made the loop swing between too tight and too loose). Then, one rule per kn
   ``THRESHOLD_START``, at most ``THRESHOLD_MAX``); when the TPOT target is missed it halves back towards the
   configured value.
 
+- ``spec_num_tokens`` and ``spec_max_batch_size``: speculation's k and the batch size above which nobody
+  speculates, on the decode workers configured to speculate (``Register`` says how; with none, these do
+  nothing). Speculation spends compute to cut each sequence's time per token. While the TTFT target is missed
+  and the TPOT target is not, that compute is better spent on the queue: k halves down to 1, then the batch
+  size halves down to 0 (nobody speculates). While the TPOT target is missed and the decode workers run below
+  their capacity (compute to spare), or in a window that met both targets, they step back up the same ladder
+  to the configured values. Sent in ``Tune``; a worker never goes above its configured ones.
+
+- routing weights (``PrefixAwareRouting.weights``), with two or more workers of a role: a worker whose own
+  requests missed its target (the TTFT target for the worker that prefilled them, the TPOT target for the one
+  that decoded them) in more than ``MISS_HIGH`` of the window, and more than twice as often as the others of
+  its role did, gets x ``DECREASE`` of its weight (at least ``WEIGHT_MIN``): routing divides its load by the
+  weight, so it gets less of the new work (a slower host, a noisy neighbour, a worker whose cores the front
+  door shares). A worker that missed at most ``MISS_LOW`` of its own gets x ``INCREASE`` back towards 1.
+
 Every change is logged (``tac: <knob> <old> -> <new>: <why>``) and exported: ``tessera_tac_knob{knob}``,
 ``tessera_tac_decisions_total{knob}``, and the window's ``tessera_tac_goodput`` and miss ratios.
 """
@@ -52,7 +67,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.config.roles import ProxyConfig
 from common.protocol.wire import Tune
@@ -78,6 +93,8 @@ CHUNK_START = 1024  # the first token budget below the configured one (2048 by d
 CHUNK_MIN = 256
 SCALE_MIN = 0.5  # decode_scale, at least (below, the cause is not the batch: it only cost throughput) ...
 SCALE_MAX = 4.0  # ... and at most (past it, the cap goes off)
+WEIGHT_MIN = 0.25  # a worker's routing weight, at least
+WEIGHT_MIN_OUTCOMES = 4  # a worker's weight moves on a window with at least this many of its own choices
 
 
 @dataclass
@@ -90,6 +107,13 @@ class Window:
     tpot_missed: int = 0
     ended: int = 0
     prompt_tokens: int = 0
+    workers: dict[str, list[int]] = field(default_factory=dict)  # worker id -> [its choices, missed its target]
+
+    def count(self, worker_id: str | None, missed: bool) -> None:
+        if worker_id is not None:
+            counts = self.workers.setdefault(worker_id, [0, 0])
+            counts[0] += 1
+            counts[1] += missed
 
     def ratio(self, count: int) -> float:
         return count / self.ended if self.ended else 0.0
@@ -110,7 +134,8 @@ class AdaptiveController:
         self.decode_scale = 1.0
         self.prefill_budget = 0
         self.token_budget = 0
-        self._told: dict[str, tuple[int, int]] = {}  # worker id -> (epoch, the token budget it was told)
+        self.speculation: tuple[int, int] | None = None  # (k, spec_max_batch_size); None: as configured
+        self._told: dict[str, tuple] = {}  # worker id -> (epoch, the token budget and speculation it was told)
         self.window = Window(clock())
         self._calm = 0
         self._mean_prompt = 0.0
@@ -132,6 +157,7 @@ class AdaptiveController:
         window.prompt_tokens += len(sub.prompt)
         if sub.first_token_at is None:  # failed before its first token: a miss
             window.ttft_missed += 1
+            window.count(sub.prefill_worker or sub.decode_worker, True)
             return
         ttft_ok = (sub.first_token_at - sub.arrival) * 1e3 <= self.config.ttft_slo_ms
         tpot_ok = True
@@ -140,6 +166,11 @@ class AdaptiveController:
             tpot_ok = tpot_ms <= self._tpot_target_ms(sub)
         window.ttft_missed += not ttft_ok
         window.tpot_missed += not tpot_ok
+        if sub.prefill_worker is not None:  # disaggregated: the TTFT is the prefill worker's, the TPOT the other's
+            window.count(sub.prefill_worker, not ttft_ok)
+            window.count(sub.decode_worker, not tpot_ok)
+        else:
+            window.count(sub.decode_worker, not (ttft_ok and tpot_ok))
         window.good += ttft_ok and tpot_ok
 
     def _tpot_target_ms(self, sub: SubRequest) -> float:
@@ -199,6 +230,8 @@ class AdaptiveController:
                     self._shrink_budget(why)
                 self._set_chunk(max(self.token_budget // 2, CHUNK_MIN) if self.token_budget else CHUNK_START, why)
             self._lower_threshold(why)
+            if self._decode_has_room():
+                self._more_speculation(why)
         elif ttft_miss > MISS_HIGH and tpot_miss <= MISS_LOW:
             if self.decode_cap:
                 if self.decode_scale * INCREASE > SCALE_MAX:
@@ -210,8 +243,12 @@ class AdaptiveController:
                 self._set_chunk(0 if self.token_budget * 2 > CHUNK_START else self.token_budget * 2, why)
             if self._decode_has_room():
                 self._raise_threshold(why)
+            self._less_speculation(why)
+        elif ttft_miss <= MISS_LOW and tpot_miss <= MISS_LOW:
+            self._more_speculation(why)
         if self.decode_cap and self._calm >= CALM_WINDOWS:
             self._set_cap(False, f"nothing waited at the proxy for {self._calm} windows")
+        self._reweigh(window)
         self._tell_workers()
         self._export(window, now)
 
@@ -254,13 +291,48 @@ class AdaptiveController:
             self._decide("token_budget", self.token_budget, tokens, why)
             self.token_budget = tokens
 
+    def _configured_speculation(self) -> tuple[int, int]:
+        """The most k and speculating batch size any decode worker is configured with; (0, 0): none speculates."""
+        configured = [w.speculation for w in self.registry.decode_side() if w.speculation[1]]
+        return (max(k for k, _ in configured), max(b for _, b in configured)) if configured else (0, 0)
+
+    def _less_speculation(self, why: str) -> None:
+        configured = self._configured_speculation()
+        k, batch = self.speculation or configured
+        if k > 1:
+            self._set_speculation((k // 2, batch), configured, why)
+        elif batch > 0:
+            self._set_speculation((k, batch // 2), configured, why)
+
+    def _more_speculation(self, why: str) -> None:
+        if self.speculation is None:
+            return
+        configured = self._configured_speculation()
+        k, batch = self.speculation
+        if batch < configured[1]:
+            self._set_speculation((k, min(max(batch * 2, 1), configured[1])), configured, why)
+        elif k < configured[0]:
+            self._set_speculation((min(k * 2, configured[0]), batch), configured, why)
+        else:
+            self.speculation = None  # the workers' configuration changed: back to it
+
+    def _set_speculation(self, new: tuple[int, int], configured: tuple[int, int], why: str) -> None:
+        old = self.speculation or configured
+        for knob, was, now in zip(("spec_num_tokens", "spec_max_batch_size"), old, new):
+            if was != now:
+                self._decide(knob, was, now, why)
+        self.speculation = None if new == configured else new
+
     def _tell_workers(self) -> None:
-        """Send the token budget to every worker not told it yet (a worker registered later, or restarted)."""
+        """Send the token budget and speculation to every worker not told them yet (one registered later, or
+        restarted)."""
+        setting = (self.token_budget, self.speculation)
         for worker in list(self.registry.workers.values()):
             told = self._told.get(worker.worker_id)
-            if told != (worker.epoch, self.token_budget) and (told is not None or self.token_budget):
-                self._send(worker.worker_id, Tune(self.token_budget))
-                self._told[worker.worker_id] = (worker.epoch, self.token_budget)
+            if told != (worker.epoch, setting) and (told is not None or setting != (0, None)):
+                k, batch = self.speculation or (None, None)
+                self._send(worker.worker_id, Tune(self.token_budget, spec_num_tokens=k, spec_max_batch_size=batch))
+                self._told[worker.worker_id] = (worker.epoch, setting)
         for worker_id in [w for w in self._told if w not in self.registry.workers]:
             del self._told[worker_id]
 
@@ -285,6 +357,37 @@ class AdaptiveController:
         self._decide("local_prefill_threshold", current, threshold, why)
         self.policy.local_prefill_threshold = threshold
 
+    def _reweigh(self, window: Window) -> None:
+        """Routing weights from each worker's own misses against the others' of its role."""
+        if not isinstance(self.policy, PrefixAwareRouting):
+            return
+        weights = self.policy.weights
+        for side in (self.registry.prefill_side(), self.registry.decode_side()):
+            ids = [w.worker_id for w in side if not w.draining]
+            if len(ids) < 2:
+                continue
+            for worker_id in ids:
+                ended, missed = window.workers.get(worker_id, (0, 0))
+                if ended < WEIGHT_MIN_OUTCOMES:
+                    continue
+                others = [window.workers.get(i, (0, 0)) for i in ids if i != worker_id]
+                others_ended = sum(e for e, _ in others)
+                others_ratio = sum(m for _, m in others) / others_ended if others_ended else 0.0
+                ratio, old = missed / ended, weights.get(worker_id, 1.0)
+                if ratio > MISS_HIGH and ratio > 2 * others_ratio:
+                    new = max(round(old * DECREASE, 3), WEIGHT_MIN)
+                elif ratio <= MISS_LOW and old < 1.0:
+                    new = min(round(old * INCREASE, 3), 1.0)
+                else:
+                    continue
+                if new != old:
+                    self._decide("routing_weight", old, new, f"{worker_id}: {missed} of its {ended} choices missed "
+                                 f"its target, the others of its role {others_ratio:.0%}")
+                    if new == 1.0:
+                        weights.pop(worker_id, None)
+                    else:
+                        weights[worker_id] = new
+
     def _decode_has_room(self) -> bool:
         """Whether some decode worker runs fewer sequences than its TPOT capacity."""
         return any(w.num_running < w.tpot_capacity for w in self.registry.decode_side() if not w.draining)
@@ -303,6 +406,12 @@ class AdaptiveController:
         m.tac_knob.labels("prefill_budget").set(self.prefill_budget)
         m.tac_knob.labels("token_budget").set(self.token_budget)
         m.tac_knob.labels("local_prefill_threshold").set(getattr(self.policy, "local_prefill_threshold", 0))
+        k, batch = self.speculation or self._configured_speculation()
+        m.tac_knob.labels("spec_num_tokens").set(k)
+        m.tac_knob.labels("spec_max_batch_size").set(batch)
+        weights = getattr(self.policy, "weights", {})
+        for worker_id in self.registry.workers:
+            m.tac_routing_weight.labels(worker_id).set(weights.get(worker_id, 1.0))
         if window is not None and now is not None and window.ended:
             m.tac_goodput.set(window.good / max(now - window.started_at, 1e-9))
             m.tac_miss_ratio.labels("ttft").set(window.ratio(window.ttft_missed))

@@ -63,6 +63,7 @@ class WorkerState:
     outstanding_prefill_tokens: int = 0
     draining: bool = False
     max_num_seqs: int = EngineConfig.max_num_seqs  # decode slots; the engine's default when not reported
+    speculation: tuple[int, int] = (0, 0)  # k and spec_max_batch_size as configured; (0, 0): none (Register)
     mean_context: int = ASSUMED_CONTEXT  # of one running sequence (heartbeat; capacity.mean_context)
     step_cost: StepCostModel | None = None  # its fit of its step time (heartbeat); None: not known yet
     latency_capacity: int = 0  # sequences it may run within the TPOT target (proxy/capacity.py); 0: unknown
@@ -123,6 +124,7 @@ class WorkerRegistry:
             msg.worker_id, role, msg.epoch, msg.model, msg.model_version, msg.kv_layout, msg.num_blocks,
             msg.max_model_len, msg.transfer_backend, msg.transfer_metadata, last_seen=now,
             free_blocks=msg.num_blocks, max_num_seqs=msg.max_num_seqs or EngineConfig.max_num_seqs,
+            speculation=(msg.spec_num_tokens, msg.spec_max_batch_size),
         )
         replaced = old if old is not None and old.epoch != msg.epoch else None
         if old is not None and replaced is None:  # a retried Register: keep the load we know

@@ -69,6 +69,19 @@ class Speculator:
         self.config = config
         self.proposers = proposers
         self.acceptance: dict[int, Acceptance] = {}
+        # k and the batch size above which nobody speculates: the configured ones, or less while the proxy's
+        # adaptive controller says so (``tune``)
+        self.num_tokens = config.spec_num_tokens
+        self.max_batch_size = config.spec_max_batch_size
+
+    def tune(self, num_tokens: int | None, max_batch_size: int | None) -> tuple[int, int]:
+        """Restrict k and the speculating batch size (None: the configured value; more than it: the configured
+        value). What it set."""
+        config = self.config
+        self.num_tokens = config.spec_num_tokens if num_tokens is None else min(num_tokens, config.spec_num_tokens)
+        self.max_batch_size = (config.spec_max_batch_size if max_batch_size is None
+                               else min(max_batch_size, config.spec_max_batch_size))
+        return self.num_tokens, self.max_batch_size
 
     def check_request(self, method: str | None) -> None:
         """Refuse a request asking for a method this engine cannot run."""
@@ -84,7 +97,7 @@ class Speculator:
             seq.spec_token_ids, seq.spec_draft_probs = [], None
             if seq.num_tokens - seq.num_computed_tokens == 1 and not seq.prefill_only:
                 decoding.append(seq)
-        if not decoding or len(decoding) > self.config.spec_max_batch_size:
+        if not decoding or len(decoding) > self.max_batch_size:
             return
         groups: dict[str, list[tuple[Sequence, int]]] = {}
         for seq in decoding:
@@ -103,7 +116,7 @@ class Speculator:
 
     def _num_drafts(self, seq: Sequence) -> int:
         params = seq.params
-        k = self.config.spec_num_tokens
+        k = self.num_tokens
         if params.num_speculative_tokens is not None:
             k = min(k, params.num_speculative_tokens)
         # Drafts past max_tokens would be verified and thrown away.

@@ -54,7 +54,7 @@ import msgspec
 
 from common.protocol.sampling_params import INT64_MAX, TOKEN_ID_MAX, SamplingParams
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=TOKEN_ID_MAX)]
@@ -118,6 +118,9 @@ class Register(_Struct):
     transfer_backend: str
     transfer_metadata: bytes
     max_num_seqs: NonNegInt = 0  # sequences its engine runs at once (decode slots); 0: not reported
+    # speculation as configured (engine.spec_num_tokens, spec_max_batch_size); 0, 0: it does not speculate
+    spec_num_tokens: NonNegInt = 0
+    spec_max_batch_size: NonNegInt = 0
 
 
 class RegisterAck(_Struct):
@@ -288,9 +291,12 @@ class RequestFailed(_Struct):
 
 
 class Tune(_Struct):
-    """proxy -> any worker: the adaptive controller's setting of the worker's engine (proxy/tac.py). 0 is the
-    worker's configured value; a larger one than configured is taken as the configured one."""
+    """proxy -> any worker: the adaptive controller's setting of the worker's engine (proxy/tac.py). Each value
+    only restricts what the worker is configured with: a larger one is taken as the configured one, and 0
+    (the token budget) or None (speculation) is the configured value."""
     max_num_batched_tokens: NonNegInt = 0  # the step's token budget, so the largest prompt chunk
+    spec_num_tokens: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None  # k, the most drafts per sequence
+    spec_max_batch_size: NonNegInt | None = None  # speculate only while at most this many decode (0: never)
 
 
 MESSAGES: dict[MsgType, type] = {

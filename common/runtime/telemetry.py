@@ -296,6 +296,13 @@ class WorkerMetrics:
         self.token_budget = Gauge("tessera_worker_token_budget", "A step's token budget: max_num_batched_tokens, or "
                                   "what the proxy's adaptive controller set (Tune)", registry=r)
         self.token_budget.set(config.engine.max_num_batched_tokens)
+        self.spec_num_tokens = Gauge("tessera_worker_spec_num_tokens", "Speculation's k, at most: spec_num_tokens, "
+                                     "or what the proxy's adaptive controller set (Tune)", registry=r)
+        self.spec_num_tokens.set(config.engine.spec_num_tokens)
+        self.spec_max_batch_size = Gauge("tessera_worker_spec_max_batch_size", "Speculate only while at most this "
+                                         "many sequences decode: spec_max_batch_size, or what the proxy's adaptive "
+                                         "controller set (Tune)", registry=r)
+        self.spec_max_batch_size.set(config.engine.spec_max_batch_size)
         r.register(_SnapshotCollector(self.status))
 
     def request_done(self, stage: str, outcome: str) -> None:

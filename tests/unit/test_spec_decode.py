@@ -198,3 +198,14 @@ def test_config_names_bad_speculative_fields():
         EngineConfig(model="m", spec_ngram_min=5, spec_ngram_max=3)
     with pytest.raises(ValueError, match="speculative"):
         SamplingParams(speculative="eagle")
+
+
+def test_the_adaptive_controller_only_restricts_the_configured_speculation():
+    from common.engine.speculator import make_speculator
+
+    config = EngineConfig(model="unused", spec_method="ngram", spec_num_tokens=4, spec_max_batch_size=4)
+    speculator = make_speculator(config, runner=None)
+    assert speculator.tune(2, 0) == (2, 0)
+    assert speculator.tune(8, 16) == (4, 4)  # never above the configured values
+    assert speculator.tune(1, None) == (1, 4)
+    assert speculator.tune(None, None) == (4, 4)

@@ -16,7 +16,8 @@ from proxy.cluster import Cluster
 from proxy.metrics import ProxyMetrics
 from proxy.routing import PrefixAwareRouting
 from common.protocol.wire import Tune
-from proxy.tac import CALM_WINDOWS, CHUNK_MIN, CHUNK_START, MIN_OUTCOMES, THRESHOLD_START, AdaptiveController
+from proxy.tac import (CALM_WINDOWS, CHUNK_MIN, CHUNK_START, MIN_OUTCOMES, THRESHOLD_START, WEIGHT_MIN,
+                       AdaptiveController)
 from proxy.tenants import TenantRegistry
 from proxy.workers import WorkerRegistry
 
@@ -46,7 +47,7 @@ def ended(tac: AdaptiveController, count: int, ttft_ms: float, tpot_ms: float, p
     for _ in range(count):
         tac.ended(SimpleNamespace(prompt=[0] * prompt, stage=Stage.FINISHED, arrival=0.0,
                                   first_token_at=ttft_ms / 1e3, last_token_at=ttft_ms / 1e3 + 63 * tpot_ms / 1e3,
-                                  output_ids=[0] * 64, decode_worker="d0"), 0.0)
+                                  output_ids=[0] * 64, prefill_worker="p0", decode_worker="d0"), 0.0)
 
 
 def test_tpot_misses_turn_the_decode_cap_on_then_shrink_the_prefill_budget(caplog):
@@ -132,8 +133,10 @@ def test_a_window_waits_for_enough_outcomes():
 
 def test_failures_before_the_first_token_are_ttft_misses_and_cancelled_waits_are_not_counted():
     tac, _, _, _ = controller()
-    tac.ended(SimpleNamespace(prompt=[0] * 8, stage=Stage.FAILED, first_token_at=None, arrival=0.0), 0.0)
-    tac.ended(SimpleNamespace(prompt=[0] * 8, stage=Stage.QUEUED, first_token_at=None, arrival=0.0), 0.0)
+    tac.ended(SimpleNamespace(prompt=[0] * 8, stage=Stage.FAILED, first_token_at=None, arrival=0.0,
+                              prefill_worker=None, decode_worker=None), 0.0)
+    tac.ended(SimpleNamespace(prompt=[0] * 8, stage=Stage.QUEUED, first_token_at=None, arrival=0.0,
+                              prefill_worker=None, decode_worker=None), 0.0)
     assert tac.window.ended == 1 and tac.window.ttft_missed == 1
 
 
@@ -233,3 +236,67 @@ def test_only_choices_admitted_under_the_setting_judge_it():
     ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)  # arrived at t = 0: admitted before the cap
     tac.tick(4.0)
     assert tac.decode_scale == 1.0 and tac.window.ended == 0
+
+
+def test_speculation_steps_down_while_the_queue_misses_ttft_and_back_up_when_both_targets_are_met(caplog):
+    tac, _, metrics, _ = controller()
+    caplog.set_level(logging.INFO, logger="tessera.proxy.tac")
+    ended(tac, MIN_OUTCOMES, ttft_ms=3000, tpot_ms=20)
+    tac.tick(2.0)  # no decode worker speculates: nothing to move, nothing said
+    assert tac.speculation is None and "spec_" not in caplog.text
+    assert all(m.spec_num_tokens is None and m.spec_max_batch_size is None for _, m in tac.sent)
+    tac.registry.register(Register("d1", "decode", 1, "m", "v", LAYOUT, 1000, 4096, "fake", b"", 128,
+                                   spec_num_tokens=4, spec_max_batch_size=4), 3.0)
+    steps = []
+    for second in (4.0, 6.0, 8.0, 10.0, 12.0, 14.0):  # the queue misses TTFT, TPOT has room: less speculation
+        ended(tac, MIN_OUTCOMES, ttft_ms=3000, tpot_ms=20)
+        tac.tick(second)
+        steps.append(tac.speculation)
+    assert steps == [(2, 4), (1, 4), (1, 2), (1, 1), (1, 0), (1, 0)]  # k first, then the batch, down to nobody
+    assert ("d1", Tune(0, spec_num_tokens=1, spec_max_batch_size=0)) in tac.sent
+    assert "tac: spec_num_tokens 4 -> 2" in caplog.text and "tac: spec_max_batch_size 1 -> 0" in caplog.text
+    assert total(metrics.render().decode(), "tessera_tac_knob", knob="spec_max_batch_size") == 0
+    steps = []
+    for second in (16.0, 18.0, 20.0, 22.0, 24.0, 26.0):  # both targets met: back up the same ladder
+        ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=20)
+        tac.tick(second)
+        steps.append(tac.speculation)
+    assert steps == [(1, 1), (1, 2), (1, 4), (2, 4), None, None]
+    assert tac.sent[-1][1] == Tune(0)  # the configured values again
+    assert total(metrics.render().decode(), "tessera_tac_knob", knob="spec_num_tokens") == 4
+
+
+def test_a_worker_that_misses_its_target_more_than_the_others_gets_less_new_work(caplog):
+    tac, policy, metrics, _ = controller()
+    caplog.set_level(logging.INFO, logger="tessera.proxy.tac")
+    registry = tac.registry
+    registry.register(Register("d1", "decode", 1, "m", "v", LAYOUT, 1000, 4096, "fake", b"", 128), 0.0)
+    registry.heartbeat(Heartbeat("d1", 1, 900, 2, 0, 0, False, 2 * 400, COST), 0.0)
+    decoders = [registry.workers["d0"], registry.workers["d1"]]
+
+    def window(slow_tpot_ms: float, second: float) -> None:
+        for worker_id, tpot_ms in (("d0", slow_tpot_ms), ("d1", 20.0)):
+            for _ in range(MIN_OUTCOMES):
+                tac.ended(SimpleNamespace(prompt=[0] * 256, stage=Stage.FINISHED, arrival=0.0, first_token_at=0.3,
+                                          last_token_at=0.3 + 63 * tpot_ms / 1e3, output_ids=[0] * 64,
+                                          prefill_worker="p0", decode_worker=worker_id), 0.0)
+        tac.tick(second)
+
+    assert policy.pick_decode([1] * 64, decoders).worker_id == "d0"  # equal: the first
+    window(80.0, 2.0)  # d0's requests miss the TPOT target, d1's do not
+    assert policy.weights == {"d0": 0.7}
+    assert policy.pick_decode([1] * 64, decoders).worker_id == "d1"
+    assert "tac: routing_weight 1.0 -> 0.7: d0: 8 of its 8 choices missed its target" in caplog.text
+    for second in (4.0, 6.0, 8.0, 10.0):
+        window(80.0, second)
+    assert policy.weights == {"d0": WEIGHT_MIN}  # never below
+    text = metrics.render().decode()
+    assert total(text, "tessera_tac_routing_weight", worker_id="d0") == WEIGHT_MIN
+    assert total(text, "tessera_tac_routing_weight", worker_id="d1") == 1.0
+    for second in range(12, 40, 2):  # it recovers: back to 1
+        window(20.0, float(second))
+    assert policy.weights == {}
+    # a lone worker of its role is never reweighed; a removed one's weight is forgotten
+    policy.weights["d1"] = 0.5
+    policy.worker_removed("d1")
+    assert policy.weights == {}
