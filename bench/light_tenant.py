@@ -7,8 +7,11 @@ embedded model in ``--dtype``, every other setting the shipped default: 128 deco
 ``auth_enabled`` and two tenants of weight 1. Closed-loop clients: tenant B keeps ``--b-streams`` requests
 outstanding, tenant A each of ``--a-streams`` in turn; every request is a fresh random prompt of
 ``--input-len`` tokens and ``--output-len`` output tokens (``ignore_eos``), streamed. Service is counted by
-the client as input + 2 x output tokens of the requests that finished inside the measured window (after
-``--warm-up-s``). One table row per (scope, A's streams): B's and A's TPOT p50, B's served weighted tokens
+the client as input + 2 x output tokens, as they are delivered inside the measured window (after
+``--warm-up-s``): a request's input tokens when its first token arrives, its output tokens as they stream.
+Counting whole requests when they finish (also reported, "completed") credits a tenant in the window for
+service it received before it: with 48 streams of one tenant a request waits 20-30 s at the proxy, longer
+than the warm-up, so the window's first half counts requests admitted during the start. One table row per (scope, A's streams): B's and A's TPOT p50, B's served weighted tokens
 per minute and share, and how many requests waited at the proxy at the end of the window.
 """
 from __future__ import annotations
@@ -54,7 +57,7 @@ async def closed_loop(url: str, tenant: str, streams: int, start: float, measure
                         if line.startswith("data: ") and line != "data: [DONE]":
                             stamps.append(time.monotonic())
                 done = time.monotonic()
-                out.append({"tenant": tenant, "status": 200, "sent": sent, "done": done,
+                out.append({"tenant": tenant, "status": 200, "sent": sent, "done": done, "stamps": stamps,
                             "ttft": stamps[0] - sent if stamps else None,
                             "tpot": (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None,
                             # the second token's wait apart: in the P/D layout the first token comes from the
@@ -67,6 +70,21 @@ async def closed_loop(url: str, tenant: str, streams: int, start: float, measure
 def _p50_ms(values: list[float | None]) -> float | None:
     values = [v for v in values if v is not None]
     return 1000 * statistics.median(values) if values else None
+
+
+def served(records: list[dict], tenant: str, lo: float, hi: float, input_len: int, output_len: int) -> float:
+    """Weighted tokens (input + 2 x output) delivered to ``tenant`` in [lo, hi): the input when the first token
+    arrives, the output spread over the stream's events."""
+    total_tokens = 0.0
+    for r in records:
+        stamps = r.get("stamps")
+        if r["tenant"] != tenant or r["status"] != 200 or not stamps:
+            continue
+        if lo <= stamps[0] < hi:
+            total_tokens += input_len
+        per_event = 2 * output_len / len(stamps)
+        total_tokens += per_event * sum(1 for t in stamps if lo <= t < hi)
+    return total_tokens
 
 
 def point(cluster: LocalCluster, a_streams: int, args, seed: int) -> dict:
@@ -109,20 +127,28 @@ def point(cluster: LocalCluster, a_streams: int, args, seed: int) -> dict:
         done = [r for r in records if r["tenant"] == tenant and r["status"] == 200
                 and measure_from <= r["done"] <= until]
         tpots = [r["tpot"] for r in done if r["tpot"] is not None]
-        row[tenant] = {"requests": len(done), "served_per_min": per_request * len(done) * 60 / args.duration_s,
+        row[tenant] = {"requests": len(done), "completed_per_min": per_request * len(done) * 60 / args.duration_s,
+                       "served_per_min": served(records, tenant, measure_from, until, args.input_len,
+                                                args.output_len) * 60 / args.duration_s,
                        "tpot_p50_ms": 1000 * statistics.median(tpots) if tpots else None,
                        "ttft_p50_ms": 1000 * statistics.median([r["ttft"] for r in done]) if done else None,
                        "second_token_p50_ms": _p50_ms([r["second_token"] for r in done]),
                        "decode_tpot_p50_ms": _p50_ms([r["decode_tpot"] for r in done]),
                        "errors": sum(1 for r in records if r["tenant"] == tenant and r["status"] != 200)}
-    served = row["A"]["served_per_min"] + row["B"]["served_per_min"]
-    row["b_share"] = row["B"]["served_per_min"] / served if served else None
+    both = row["A"]["served_per_min"] + row["B"]["served_per_min"]
+    row["b_share"] = row["B"]["served_per_min"] / both if both else None
+    completed = row["A"]["completed_per_min"] + row["B"]["completed_per_min"]
+    row["b_share_completed"] = row["B"]["completed_per_min"] / completed if completed else None
     # B's share in each half of the window: a fair policy holds it flat (the service gap does not grow)
     middle = (measure_from + until) / 2
     for half, (lo, hi) in (("first", (measure_from, middle)), ("second", (middle, until))):
+        tokens = {t: served(records, t, lo, hi, args.input_len, args.output_len) for t in ("A", "B")}
+        row[f"b_share_{half}_half"] = tokens["B"] / sum(tokens.values()) if sum(tokens.values()) else None
         counts = {t: sum(1 for r in records if r["tenant"] == t and r["status"] == 200 and lo <= r["done"] < hi)
                   for t in ("A", "B")}
-        row[f"b_share_{half}_half"] = counts["B"] / sum(counts.values()) if sum(counts.values()) else None
+        row[f"b_share_completed_{half}_half"] = counts["B"] / sum(counts.values()) if sum(counts.values()) else None
+    for r in records:
+        r.pop("stamps", None)  # not kept in the results
     return row
 
 
@@ -163,14 +189,16 @@ def main(argv: list[str] | None = None) -> int:
             cluster.stop()
     print("\n| tpot_slo_scope | A's streams | B's TPOT p50 ms | A's TPOT p50 ms | B's TTFT p50 ms | "
           "B's weighted tokens / min | both, weighted tokens / min | B's share (1st / 2nd half) | "
-          "waiting at the proxy (A / B) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "B's share of completed requests (1st / 2nd half) | waiting at the proxy (A / B) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         fmt = lambda v, spec=".0f": "—" if v is None else format(v, spec)  # noqa: E731
         print(f"| {r['scope']} | {r['a_streams']} | {fmt(r['B']['tpot_p50_ms'])} | {fmt(r['A']['tpot_p50_ms'])} | "
               f"{fmt(r['B']['ttft_p50_ms'])} | {r['B']['served_per_min']:,.0f} | "
               f"{r['A']['served_per_min'] + r['B']['served_per_min']:,.0f} | {fmt(r['b_share'], '.2f')} "
               f"({fmt(r['b_share_first_half'], '.2f')} / {fmt(r['b_share_second_half'], '.2f')}) | "
+              f"{fmt(r['b_share_completed'], '.2f')} ({fmt(r['b_share_completed_first_half'], '.2f')} / "
+              f"{fmt(r['b_share_completed_second_half'], '.2f')}) | "
               f"{r['waiting_at_end'].get('A', 0):.0f} / {r['waiting_at_end'].get('B', 0):.0f} |")
     if args.results:
         args.results.write_text(json.dumps(rows, indent=1))
