@@ -147,8 +147,10 @@ def point(cluster: LocalCluster, a_streams: int, args, seed: int) -> dict:
         counts = {t: sum(1 for r in records if r["tenant"] == t and r["status"] == 200 and lo <= r["done"] < hi)
                   for t in ("A", "B")}
         row[f"b_share_completed_{half}_half"] = counts["B"] / sum(counts.values()) if sum(counts.values()) else None
-    for r in records:
-        r.pop("stamps", None)  # not kept in the results
+    if args.trace:
+        with args.trace.open("a") as f:
+            for r in records:
+                f.write(json.dumps({"a_streams": a_streams, "start": start, **r}) + "\n")
     return row
 
 
@@ -165,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=45.0)
     parser.add_argument("--seed", type=int, default=31000)
     parser.add_argument("--results", type=Path, help="also write the rows here (JSON)")
+    parser.add_argument("--trace", type=Path, help="append every request (its token times too) here (JSON lines)")
     parser.add_argument("--proxy-set", action="append", default=[], metavar="KEY=VALUE",
                         help="another proxy setting for every cluster, e.g. preempt_for_fairness=true")
     args = parser.parse_args(argv)
