@@ -9,7 +9,6 @@ over tokens.
 """
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 import time
@@ -266,21 +265,9 @@ class ModelRunner:
 # sizes; until then the proxy treats that regime as unknown (the decode-only torch regime must be known for
 # any report).
 #
-# A decode step's time is not linear in its rows: on a 2-core Zen 4 in bfloat16, 1 to 8 rows cost about the same
-# (the weights are read once either way: 12.4-15.0 ms), 8 to 24 rows about 1.6 ms a row more, and the torch path
-# past 32 rows steps up and then flattens (48-64 rows: 110-118 ms). A linear fit over 1-32 rows is 20-25% off at
-# both ends of that. So each decode-only regime also keeps its row factors: at rows ``ROW_KNOTS``, a decayed
-# mean of what its steps took against the linear fit's prediction, each step counted at the two knots around
-# its rows (in proportion to how near). The reported prediction is the linear one times the factor
-# interpolated at its rows (``wire.row_factor``); a knot with too little weight (``FACTOR_MIN_WEIGHT``; not seen
-# lately) is left out, so where no step ran the linear fit alone predicts.
-#
 # ``StepCostModel`` (common/protocol/wire.py) is what a heartbeat carries, and what the proxy predicts with.
 
 NUM_FEATURES = 5
-ROW_KNOTS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
-FACTOR_MIN_WEIGHT = 3.0  # steps (decayed) a knot needs before its factor is reported
-FACTOR_BOUNDS = (0.25, 4.0)  # the wire's (RowFactor)
 MAX_COEFFICIENT = 1e9  # the wire's bound (common/protocol/wire.py Coefficient)
 
 
@@ -295,13 +282,8 @@ class _Fit:
         self.row_counts: set[int] = set()
         self.coef: tuple[float, ...] | None = None
         self._dirty = False
-        # the row factors: decayed sums of (measured / linear prediction) and of the weights, per ROW_KNOTS knot
-        self.factor_sum = np.zeros(len(ROW_KNOTS))
-        self.factor_weight = np.zeros(len(ROW_KNOTS))
 
-    def observe(self, x: np.ndarray, ms: float, rows: int, factors: bool = False) -> None:
-        if factors:
-            self._observe_factor(x, ms, rows)
+    def observe(self, x: np.ndarray, ms: float, rows: int) -> None:
         self.xtx *= self.decay
         self.xty *= self.decay
         weight = 1.0 / (ms * ms)  # relative errors: a 2 s prompt step must not drown a 20 ms decode step
@@ -311,28 +293,6 @@ class _Fit:
         if len(self.row_counts) < 8:
             self.row_counts.add(rows)
         self._dirty = True
-
-    def _observe_factor(self, x: np.ndarray, ms: float, rows: int) -> None:
-        self.factor_sum *= self.decay
-        self.factor_weight *= self.decay
-        predicted = float(np.dot(self.coef, x)) if self.coef is not None else 0.0
-        if predicted <= 0:
-            return
-        ratio = min(max(ms / predicted, FACTOR_BOUNDS[0]), FACTOR_BOUNDS[1])
-        hi = min(bisect.bisect_left(ROW_KNOTS, rows), len(ROW_KNOTS) - 1)
-        if ROW_KNOTS[hi] == rows or hi == 0 or rows > ROW_KNOTS[-1]:
-            self.factor_sum[hi] += ratio
-            self.factor_weight[hi] += 1.0
-            return
-        near_hi = (rows - ROW_KNOTS[hi - 1]) / (ROW_KNOTS[hi] - ROW_KNOTS[hi - 1])
-        for knot, weight in ((hi - 1, 1.0 - near_hi), (hi, near_hi)):
-            self.factor_sum[knot] += weight * ratio
-            self.factor_weight[knot] += weight
-
-    def factors(self) -> list[tuple[int, float]]:
-        """(rows, factor) at the knots with enough weight, rows ascending."""
-        return [(ROW_KNOTS[i], float(min(max(self.factor_sum[i] / w, FACTOR_BOUNDS[0]), FACTOR_BOUNDS[1])))
-                for i, w in enumerate(self.factor_weight) if w >= FACTOR_MIN_WEIGHT]
 
     def solve(self) -> tuple[float, ...] | None:
         if not self._dirty:
@@ -386,8 +346,7 @@ class StepTimer:
         if self._report is not None and not prompt_tokens:
             self._track(self._report.step_ms(decode_tokens, decode_context), ms)
         x = np.asarray(step_cost_features(decode_tokens, decode_context, prompt_tokens, prompt_pairs))
-        self.regime(decode_tokens, prompt_tokens).observe(x, ms, decode_tokens + prompt_tokens,
-                                                          factors=not prompt_tokens)
+        self.regime(decode_tokens, prompt_tokens).observe(x, ms, decode_tokens + prompt_tokens)
 
     def _track(self, predicted: float, measured: float, rate: float = 0.05) -> None:
         error = abs(predicted - measured) / measured
@@ -416,14 +375,12 @@ class StepTimer:
         for it (a worker that never runs more than ``small_max_rows`` sequences), or else the prompt steps'
         (a prefill worker, which runs nothing else: what the proxy's TTFT gate reads)."""
         small, mixed = self._ready(self.small), self._ready(self.mixed)
-        large, large_factors = self._ready(self.large), self.large.factors()
+        large = self._ready(self.large)
         if large is None:
-            large, large_factors = (small, self.small.factors()) if small is not None else (mixed, [])
+            large = small if small is not None else mixed
         if large is None:
             return None
         return StepCostModel(small_max_rows=self.small_max_rows if small is not None else 0,
                              small=list(small) if small is not None else [], large=list(large),
                              mixed=list(mixed) if mixed is not None else [],
-                             small_factors=self.small.factors() if small is not None else [],
-                             large_factors=large_factors,
                              samples=self.small.count + self.large.count + self.mixed.count)

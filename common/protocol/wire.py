@@ -136,54 +136,27 @@ def step_cost_features(decode_tokens: int, decode_context: int, prompt_tokens: i
     return 1.0, float(decode_tokens), decode_context / 1e3, float(prompt_tokens), prompt_pairs / 1e3
 
 
-# A decode-only step's measured time against the linear fit, at a number of rows: (rows, factor)
-RowFactor = tuple[Annotated[int, msgspec.Meta(ge=1, le=1 << 20)], Annotated[float, msgspec.Meta(ge=0.25, le=4.0)]]
-
-
-def row_factor(factors: list[RowFactor], rows: int) -> float:
-    """The factor at ``rows``: interpolated between the two nearest rows given, the nearest one's outside them,
-    1 with none."""
-    if not factors:
-        return 1.0
-    if rows <= factors[0][0]:
-        return factors[0][1]
-    for (lo, f_lo), (hi, f_hi) in zip(factors, factors[1:]):
-        if rows <= hi:
-            return f_lo + (f_hi - f_lo) * (rows - lo) / (hi - lo)
-    return factors[-1][1]
-
-
 class StepCostModel(_Struct):
     """A worker's fit of its engine step time (common/engine/model_runner.py), in milliseconds: the dot product
     of a coefficient list with ``step_cost_features``. ``small`` is the fit of decode-only steps of at most
     ``small_max_rows`` rows (the one-call decode kernel's; empty and 0 while unknown), ``large`` of the other
-    decode-only steps, ``mixed`` of steps with a prompt chunk (empty while unknown: ``large`` stands in).
-    ``small_factors`` and ``large_factors`` (rows ascending) multiply a decode-only step's linear prediction:
-    what steps of about that many rows took against it, where the time is not linear in the rows."""
+    decode-only steps, ``mixed`` of steps with a prompt chunk (empty while unknown: ``large`` stands in)."""
     small_max_rows: NonNegInt
     small: Annotated[list[Coefficient], msgspec.Meta(max_length=5)]
     large: Annotated[list[Coefficient], msgspec.Meta(min_length=5, max_length=5)]
     mixed: Annotated[list[Coefficient], msgspec.Meta(max_length=5)] = []
     samples: NonNegInt = 0
-    small_factors: Annotated[list[RowFactor], msgspec.Meta(max_length=32)] = []
-    large_factors: Annotated[list[RowFactor], msgspec.Meta(max_length=32)] = []
-
-    def __post_init__(self) -> None:
-        for factors in (self.small_factors, self.large_factors):
-            if any(a[0] >= b[0] for a, b in zip(factors, factors[1:])):
-                raise ValueError("row factors must be in ascending rows")
 
     def step_ms(self, decode_tokens: int, decode_context: int, prompt_tokens: int = 0,
                 prompt_pairs: int = 0) -> float:
-        factor = 1.0
         if prompt_tokens:
             coef = self.mixed if len(self.mixed) == 5 else self.large
         elif decode_tokens <= self.small_max_rows and len(self.small) == 5:
-            coef, factor = self.small, row_factor(self.small_factors, decode_tokens)
+            coef = self.small
         else:
-            coef, factor = self.large, row_factor(self.large_factors, decode_tokens)
+            coef = self.large
         x = step_cost_features(decode_tokens, decode_context, prompt_tokens, prompt_pairs)
-        return factor * sum(c * v for c, v in zip(coef, x))
+        return sum(c * v for c, v in zip(coef, x))
 
 
 class Heartbeat(_Struct):
