@@ -94,20 +94,27 @@ def test_a_request_whose_step_cannot_be_reported_ends_alone(decode, monkeypatch)
     assert not handler.busy() and handler.engine.block_manager.num_used_blocks == 0
 
 
-def test_a_tune_from_the_proxy_sets_the_engines_token_budget_and_its_gauge():
+def test_a_tune_from_the_proxy_sets_the_engines_token_budget_and_speculation_and_their_gauges():
     import queue
     from types import SimpleNamespace
 
+    from common.engine.speculator import make_speculator
     from common.protocol import wire
     from common.runtime.worker_runtime import _take_messages
     budgets = []
-    gauge = SimpleNamespace(value=None)
+    gauges = {name: SimpleNamespace(value=None) for name in ("token_budget", "spec_num_tokens", "spec_max_batch_size")}
+    config = EngineConfig(model="unused", spec_method="ngram", spec_num_tokens=4, spec_max_batch_size=8)
     handler = SimpleNamespace(engine=SimpleNamespace(scheduler=SimpleNamespace(
-                                  set_token_budget=lambda t: budgets.append(t) or (t or 2048))),
-                              metrics=SimpleNamespace(token_budget=SimpleNamespace(set=lambda v: setattr(
-                                  gauge, "value", v))))
+                                  set_token_budget=lambda t: budgets.append(t) or (t or 2048)),
+                                  speculator=make_speculator(config, runner=None)),
+                              metrics=SimpleNamespace(**{name: SimpleNamespace(set=lambda v, g=g: setattr(g, "value", v))
+                                                         for name, g in gauges.items()}))
     io = SimpleNamespace(inbox=queue.Queue())
-    io.inbox.put(wire.Tune(512))
-    io.inbox.put(wire.Tune(0))
+    io.inbox.put(wire.Tune(512, spec_num_tokens=2, spec_max_batch_size=0))
     assert _take_messages(io, handler, 0)
-    assert budgets == [512, 0] and gauge.value == 2048
+    assert budgets == [512] and {n: g.value for n, g in gauges.items()} == {
+        "token_budget": 512, "spec_num_tokens": 2, "spec_max_batch_size": 0}
+    io.inbox.put(wire.Tune(0))  # back to the configured values
+    assert _take_messages(io, handler, 0)
+    assert budgets == [512, 0] and {n: g.value for n, g in gauges.items()} == {
+        "token_budget": 2048, "spec_num_tokens": 4, "spec_max_batch_size": 8}
