@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             cluster.stop()
         capacity = probe["request_throughput"]
     print(json.dumps({"capacity_req_s": capacity, "logs": str(log_root)}), flush=True)
-    schedule = [(args.input_len, float(m)) for m in args.rates.split(",")]
-    schedule += [(args.shift_input_len, float(m)) for m in args.shift_rates.split(",")]
+    schedule = [(args.input_len, float(m)) for m in args.rates.split(",") if m]
+    schedule += [(args.shift_input_len, float(m)) for m in args.shift_rates.split(",") if m]  # "": no shift
     rows = []
     for a, name in enumerate(args.arms.split(",")):
         proxy, roles = ARMS[name]

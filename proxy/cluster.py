@@ -271,7 +271,12 @@ class Cluster(WorkerMembership):
             routed = self.registry.workers.get(sub.route.worker.worker_id)
             decoder = routed if routed is sub.route.worker and not routed.draining else None
         tokens = sub.tokens
-        decoder = decoder or self.policy.pick_decode(tokens, list(self.registry.workers.values()))
+        workers = list(self.registry.workers.values())
+        left = sub.recovery.lost if sub.recovery is not None else None
+        if left is not None and any(w.decode_capable and not w.draining and w.worker_id != left for w in workers):
+            # resumed: not on the worker it just left (gave it back, or failed it) while another can take it
+            workers = [w for w in workers if w.worker_id != left]
+        decoder = decoder or self.policy.pick_decode(tokens, workers)
         if decoder is None:
             return sub.reject(self._unavailable("no decode worker is available to continue the request"))
         self.policy.decode_sent(decoder, tokens, local=sub.local, cache_salt=sub.cache_salt)
