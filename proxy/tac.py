@@ -3,9 +3,9 @@ fixed, to maximise goodput (choices that meet both the TTFT and the TPOT target,
 
 Off by default (``tac_enabled``); off, nothing here runs and every knob keeps its configured value. On, every
 ``tac_interval_s`` it looks at the choices that ended since its last decision (once at least ``MIN_OUTCOMES``
-did, or ``MAX_WINDOWS`` intervals passed): how many met both targets, how many missed the TTFT target
-(``ttft_slo_ms``; a choice that failed before its first token, say by ``queue_timeout_s``, counts as a miss) and
-how many the TPOT target (``tpot_slo_ms``, or the target the capacity model derived for their decode worker,
+did and ``MIN_SERVED`` of them were served, so refusals alone decide nothing, or ``MAX_WINDOWS`` intervals
+passed): how many met both targets, how many missed the TTFT target (``ttft_slo_ms``; a choice that failed
+before its first token, say by ``queue_timeout_s``, counts as a miss) and how many the TPOT target (``tpot_slo_ms``, or the target the capacity model derived for their decode worker,
 proxy/capacity.py); a request refused at arrival by early rejection counts as a TTFT miss. A target counts as
 missed when more than ``MISS_HIGH`` of the window missed it, as met when at most ``MISS_LOW`` did. Only the
 choices that arrived after the cap or its scale last changed count: a request's TPOT is known when it ends,
@@ -22,8 +22,12 @@ them made the loop swing between too tight and too loose). Then, one rule per kn
   proxy measured, proxy/capacity.py); when requests still miss the target under it, the model is wrong for
   this load (on one host, the front door's own work between the steps is more than the lag has seen), and
   this is the feedback that corrects it: x ``DECREASE`` on a window that missed the TPOT target (at least as
-  much as the TTFT target) with the cap on, x ``INCREASE`` on one that missed only the TTFT target (past 1: the
-  model was too cautious for this load; past ``SCALE_MAX`` the cap goes off). A window that missed both, the
+  much as the TTFT target) with the cap on, x ``INCREASE`` on one that missed only the TTFT target while the
+  served choices' mean TPOT was at most ``TPOT_SLACK`` of its target (past 1: the model was too cautious for
+  this load; past ``SCALE_MAX`` the cap goes off). Without that room, more sequences would break the TPOT
+  target and serve nothing more within both: the TTFT misses are overload, which early rejection meets (in
+  a run at 2x capacity, loosening on them took the scale to 4 and the cap off every 30 s, and goodput fell
+  from 0.8 to 0.05 requests/s). A window that missed both, the
   TTFT target more, changes nothing: loosening would break the TPOT target further, tightening the TTFT one.
 - ``prefill_budget``: prompt tokens sent to the prefill workers and not done, at most (0: no bound). Prompts and
   decode steps share compute (on one host, the cores): with the cap on and the TPOT target still missed, what
@@ -43,20 +47,7 @@ them made the loop swing between too tight and too loose). Then, one rule per kn
   ``THRESHOLD_START``, at most ``THRESHOLD_MAX``); when the TPOT target is missed it halves back towards the
   configured value.
 
-- ``spec_num_tokens`` and ``spec_max_batch_size``: speculation's k and the batch size above which nobody
-  speculates, on the decode workers configured to speculate (``Register`` says how; with none, these do
-  nothing). Speculation spends compute to cut each sequence's time per token. While the TTFT target is missed
-  and the TPOT target is not, that compute is better spent on the queue: k halves down to 1, then the batch
-  size halves down to 0 (nobody speculates). While the TPOT target is missed and the decode workers run below
-  their capacity (compute to spare), or in a window that met both targets, they step back up the same ladder
-  to the configured values. Sent in ``Tune``; a worker never goes above its configured ones.
-
-- routing weights (``PrefixAwareRouting.weights``), with two or more workers of a role: a worker whose own
-  requests missed its target (the TTFT target for the worker that prefilled them, the TPOT target for the one
-  that decoded them) in more than ``MISS_HIGH`` of the window, and more than twice as often as the others of
-  its role did, gets x ``DECREASE`` of its weight (at least ``WEIGHT_MIN``): routing divides its load by the
-  weight, so it gets less of the new work (a slower host, a noisy neighbour, a worker whose cores the front
-  door shares). A worker that missed at most ``MISS_LOW`` of its own gets x ``INCREASE`` back towards 1.
+- speculation's ``k`` and batch size, and per-worker routing weights: proxy/tac_workers.py.
 
 Every change is logged (``tac: <knob> <old> -> <new>: <why>``) and exported: ``tessera_tac_knob{knob}``,
 ``tessera_tac_decisions_total{knob}``, and the window's ``tessera_tac_goodput`` and miss ratios.
@@ -75,17 +66,16 @@ from proxy.admission import AdmissionController, Stage
 from proxy.metrics import ProxyMetrics
 from proxy.requests import SubRequest
 from proxy.routing import PrefixAwareRouting
+from proxy.tac_workers import DECREASE, INCREASE, MISS_HIGH, MISS_LOW, Speculation, reweigh
 from proxy.workers import WorkerRegistry
 
 log = logging.getLogger("tessera.proxy.tac")
 
 MIN_OUTCOMES = 8  # a window decides once this many choices ended in it ...
+MIN_SERVED = 4  # ... of which this many were served (their TPOT measured; refusals alone decide nothing) ...
 MAX_WINDOWS = 5  # ... or this many intervals passed (then on what it has, if anything)
-MISS_HIGH = 0.10  # a target counts as missed when more than this fraction of the window missed it
-MISS_LOW = 0.02  # ... and as met when at most this fraction did
+TPOT_SLACK = 0.8  # the cap loosens on TTFT misses only while the served choices' mean TPOT is within this of it
 CALM_WINDOWS = 5  # windows with nothing waiting at the proxy before the decode cap is released
-DECREASE = 0.7  # the prefill budget's multiplicative decrease
-INCREASE = 1.25  # ... and increase
 BUDGET_UNBOUNDED_PROMPTS = 32  # a budget of this many mean prompts is lifted
 THRESHOLD_START = 64
 THRESHOLD_MAX = 2048
@@ -93,8 +83,6 @@ CHUNK_START = 1024  # the first token budget below the configured one (2048 by d
 CHUNK_MIN = 256
 SCALE_MIN = 0.5  # decode_scale, at least (below, the cause is not the batch: it only cost throughput) ...
 SCALE_MAX = 4.0  # ... and at most (past it, the cap goes off)
-WEIGHT_MIN = 0.25  # a worker's routing weight, at least
-WEIGHT_MIN_OUTCOMES = 4  # a worker's weight moves on a window with at least this many of its own choices
 
 
 @dataclass
@@ -106,6 +94,8 @@ class Window:
     ttft_missed: int = 0
     tpot_missed: int = 0
     ended: int = 0
+    served: int = 0  # of them, the ones whose TPOT was measured (not refused, not failed before a second token)
+    tpot_load: float = 0.0  # their TPOT over its target, summed
     prompt_tokens: int = 0
     workers: dict[str, list[int]] = field(default_factory=dict)  # worker id -> [its choices, missed its target]
 
@@ -134,7 +124,7 @@ class AdaptiveController:
         self.decode_scale = 1.0
         self.prefill_budget = 0
         self.token_budget = 0
-        self.speculation: tuple[int, int] | None = None  # (k, spec_max_batch_size); None: as configured
+        self.speculation = Speculation(registry, self._decide)
         self._told: dict[str, tuple] = {}  # worker id -> (epoch, the token budget and speculation it was told)
         self.window = Window(clock())
         self._calm = 0
@@ -163,7 +153,10 @@ class AdaptiveController:
         tpot_ok = True
         if len(sub.output_ids) > 1:
             tpot_ms = (sub.last_token_at - sub.first_token_at) * 1e3 / (len(sub.output_ids) - 1)
-            tpot_ok = tpot_ms <= self._tpot_target_ms(sub)
+            target_ms = self._tpot_target_ms(sub)
+            tpot_ok = tpot_ms <= target_ms
+            window.served += 1
+            window.tpot_load += min(tpot_ms / target_ms, 10.0)
         window.ttft_missed += not ttft_ok
         window.tpot_missed += not tpot_ok
         if sub.prefill_worker is not None:  # disaggregated: the TTFT is the prefill worker's, the TPOT the other's
@@ -207,7 +200,7 @@ class AdaptiveController:
     def tick(self, now: float) -> None:
         window = self.window
         window.intervals += 1
-        if window.ended < MIN_OUTCOMES and window.intervals < MAX_WINDOWS:
+        if (window.ended < MIN_OUTCOMES or window.served < MIN_SERVED) and window.intervals < MAX_WINDOWS:
             return
         self.window = Window(now)
         queued = self.admission.total(Stage.QUEUED)
@@ -231,9 +224,12 @@ class AdaptiveController:
                 self._set_chunk(max(self.token_budget // 2, CHUNK_MIN) if self.token_budget else CHUNK_START, why)
             self._lower_threshold(why)
             if self._decode_has_room():
-                self._more_speculation(why)
+                self.speculation.more(why)
         elif ttft_miss > MISS_HIGH and tpot_miss <= MISS_LOW:
-            if self.decode_cap:
+            slack = window.served and window.tpot_load / window.served <= TPOT_SLACK
+            if self.decode_cap and not slack:
+                pass  # the admitted choices' TPOT has no room for more: overload, which early rejection meets
+            elif self.decode_cap:
                 if self.decode_scale * INCREASE > SCALE_MAX:
                     self._set_cap(False, f"{why}; the cap held back {SCALE_MAX:g}x its capacity and more")
                 else:
@@ -243,12 +239,13 @@ class AdaptiveController:
                 self._set_chunk(0 if self.token_budget * 2 > CHUNK_START else self.token_budget * 2, why)
             if self._decode_has_room():
                 self._raise_threshold(why)
-            self._less_speculation(why)
+            self.speculation.less(why)
         elif ttft_miss <= MISS_LOW and tpot_miss <= MISS_LOW:
-            self._more_speculation(why)
+            self.speculation.more(why)
         if self.decode_cap and self._calm >= CALM_WINDOWS:
             self._set_cap(False, f"nothing waited at the proxy for {self._calm} windows")
-        self._reweigh(window)
+        if isinstance(self.policy, PrefixAwareRouting):
+            reweigh(self.policy.weights, self.registry, window.workers, self._decide)
         self._tell_workers()
         self._export(window, now)
 
@@ -291,46 +288,14 @@ class AdaptiveController:
             self._decide("token_budget", self.token_budget, tokens, why)
             self.token_budget = tokens
 
-    def _configured_speculation(self) -> tuple[int, int]:
-        """The most k and speculating batch size any decode worker is configured with; (0, 0): none speculates."""
-        configured = [w.speculation for w in self.registry.decode_side() if w.speculation[1]]
-        return (max(k for k, _ in configured), max(b for _, b in configured)) if configured else (0, 0)
-
-    def _less_speculation(self, why: str) -> None:
-        configured = self._configured_speculation()
-        k, batch = self.speculation or configured
-        if k > 1:
-            self._set_speculation((k // 2, batch), configured, why)
-        elif batch > 0:
-            self._set_speculation((k, batch // 2), configured, why)
-
-    def _more_speculation(self, why: str) -> None:
-        if self.speculation is None:
-            return
-        configured = self._configured_speculation()
-        k, batch = self.speculation
-        if batch < configured[1]:
-            self._set_speculation((k, min(max(batch * 2, 1), configured[1])), configured, why)
-        elif k < configured[0]:
-            self._set_speculation((min(k * 2, configured[0]), batch), configured, why)
-        else:
-            self.speculation = None  # the workers' configuration changed: back to it
-
-    def _set_speculation(self, new: tuple[int, int], configured: tuple[int, int], why: str) -> None:
-        old = self.speculation or configured
-        for knob, was, now in zip(("spec_num_tokens", "spec_max_batch_size"), old, new):
-            if was != now:
-                self._decide(knob, was, now, why)
-        self.speculation = None if new == configured else new
-
     def _tell_workers(self) -> None:
         """Send the token budget and speculation to every worker not told them yet (one registered later, or
         restarted)."""
-        setting = (self.token_budget, self.speculation)
+        setting = (self.token_budget, self.speculation.setting)
         for worker in list(self.registry.workers.values()):
             told = self._told.get(worker.worker_id)
             if told != (worker.epoch, setting) and (told is not None or setting != (0, None)):
-                k, batch = self.speculation or (None, None)
+                k, batch = self.speculation.setting or (None, None)
                 self._send(worker.worker_id, Tune(self.token_budget, spec_num_tokens=k, spec_max_batch_size=batch))
                 self._told[worker.worker_id] = (worker.epoch, setting)
         for worker_id in [w for w in self._told if w not in self.registry.workers]:
@@ -357,37 +322,6 @@ class AdaptiveController:
         self._decide("local_prefill_threshold", current, threshold, why)
         self.policy.local_prefill_threshold = threshold
 
-    def _reweigh(self, window: Window) -> None:
-        """Routing weights from each worker's own misses against the others' of its role."""
-        if not isinstance(self.policy, PrefixAwareRouting):
-            return
-        weights = self.policy.weights
-        for side in (self.registry.prefill_side(), self.registry.decode_side()):
-            ids = [w.worker_id for w in side if not w.draining]
-            if len(ids) < 2:
-                continue
-            for worker_id in ids:
-                ended, missed = window.workers.get(worker_id, (0, 0))
-                if ended < WEIGHT_MIN_OUTCOMES:
-                    continue
-                others = [window.workers.get(i, (0, 0)) for i in ids if i != worker_id]
-                others_ended = sum(e for e, _ in others)
-                others_ratio = sum(m for _, m in others) / others_ended if others_ended else 0.0
-                ratio, old = missed / ended, weights.get(worker_id, 1.0)
-                if ratio > MISS_HIGH and ratio > 2 * others_ratio:
-                    new = max(round(old * DECREASE, 3), WEIGHT_MIN)
-                elif ratio <= MISS_LOW and old < 1.0:
-                    new = min(round(old * INCREASE, 3), 1.0)
-                else:
-                    continue
-                if new != old:
-                    self._decide("routing_weight", old, new, f"{worker_id}: {missed} of its {ended} choices missed "
-                                 f"its target, the others of its role {others_ratio:.0%}")
-                    if new == 1.0:
-                        weights.pop(worker_id, None)
-                    else:
-                        weights[worker_id] = new
-
     def _decode_has_room(self) -> bool:
         """Whether some decode worker runs fewer sequences than its TPOT capacity."""
         return any(w.num_running < w.tpot_capacity for w in self.registry.decode_side() if not w.draining)
@@ -406,7 +340,7 @@ class AdaptiveController:
         m.tac_knob.labels("prefill_budget").set(self.prefill_budget)
         m.tac_knob.labels("token_budget").set(self.token_budget)
         m.tac_knob.labels("local_prefill_threshold").set(getattr(self.policy, "local_prefill_threshold", 0))
-        k, batch = self.speculation or self._configured_speculation()
+        k, batch = self.speculation.setting or self.speculation.configured()
         m.tac_knob.labels("spec_num_tokens").set(k)
         m.tac_knob.labels("spec_max_batch_size").set(batch)
         weights = getattr(self.policy, "weights", {})

@@ -16,8 +16,9 @@ from proxy.cluster import Cluster
 from proxy.metrics import ProxyMetrics
 from proxy.routing import PrefixAwareRouting
 from common.protocol.wire import Tune
-from proxy.tac import (CALM_WINDOWS, CHUNK_MIN, CHUNK_START, MIN_OUTCOMES, THRESHOLD_START, WEIGHT_MIN,
+from proxy.tac import (CALM_WINDOWS, CHUNK_MIN, CHUNK_START, MIN_OUTCOMES, MIN_SERVED, THRESHOLD_START,
                        AdaptiveController)
+from proxy.tac_workers import WEIGHT_MIN
 from proxy.tenants import TenantRegistry
 from proxy.workers import WorkerRegistry
 
@@ -213,11 +214,18 @@ def test_ttft_misses_under_the_cap_loosen_it_past_the_model_and_then_lift_it():
     ended(tac, 4, ttft_ms=300, tpot_ms=80)  # both missed, the TTFT target more: no change
     tac.tick(4.0)
     assert tac.decode_cap and tac.decode_scale == 1.0
+    for _ in range(3 * MIN_OUTCOMES):
+        tac.rejected()  # refusals alone decide nothing: no choice under this setting was served yet
+    tac.tick(5.0)
+    assert tac.window.ended == 3 * MIN_OUTCOMES and tac.decode_scale == 1.0
+    ended(tac, MIN_SERVED, ttft_ms=300, tpot_ms=45)  # the TPOT target met, without room for more sequences
+    tac.tick(5.5)
+    assert tac.decode_cap and tac.decode_scale == 1.0  # overload: loosening would only break the TPOT target
     second = 6.0
     while tac.decode_cap:
         for _ in range(MIN_OUTCOMES):
             tac.rejected()  # refused at arrival: TTFT misses
-        ended(tac, 2, ttft_ms=300, tpot_ms=20)  # and the TPOT target met
+        ended(tac, MIN_SERVED, ttft_ms=300, tpot_ms=20)  # and the TPOT target met, with room
         tac.tick(second)
         second += 2.0
         assert tac.decode_scale <= 4.0
@@ -243,7 +251,7 @@ def test_speculation_steps_down_while_the_queue_misses_ttft_and_back_up_when_bot
     caplog.set_level(logging.INFO, logger="tessera.proxy.tac")
     ended(tac, MIN_OUTCOMES, ttft_ms=3000, tpot_ms=20)
     tac.tick(2.0)  # no decode worker speculates: nothing to move, nothing said
-    assert tac.speculation is None and "spec_" not in caplog.text
+    assert tac.speculation.setting is None and "spec_" not in caplog.text
     assert all(m.spec_num_tokens is None and m.spec_max_batch_size is None for _, m in tac.sent)
     tac.registry.register(Register("d1", "decode", 1, "m", "v", LAYOUT, 1000, 4096, "fake", b"", 128,
                                    spec_num_tokens=4, spec_max_batch_size=4), 3.0)
@@ -251,7 +259,7 @@ def test_speculation_steps_down_while_the_queue_misses_ttft_and_back_up_when_bot
     for second in (4.0, 6.0, 8.0, 10.0, 12.0, 14.0):  # the queue misses TTFT, TPOT has room: less speculation
         ended(tac, MIN_OUTCOMES, ttft_ms=3000, tpot_ms=20)
         tac.tick(second)
-        steps.append(tac.speculation)
+        steps.append(tac.speculation.setting)
     assert steps == [(2, 4), (1, 4), (1, 2), (1, 1), (1, 0), (1, 0)]  # k first, then the batch, down to nobody
     assert ("d1", Tune(0, spec_num_tokens=1, spec_max_batch_size=0)) in tac.sent
     assert "tac: spec_num_tokens 4 -> 2" in caplog.text and "tac: spec_max_batch_size 1 -> 0" in caplog.text
@@ -260,7 +268,7 @@ def test_speculation_steps_down_while_the_queue_misses_ttft_and_back_up_when_bot
     for second in (16.0, 18.0, 20.0, 22.0, 24.0, 26.0):  # both targets met: back up the same ladder
         ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=20)
         tac.tick(second)
-        steps.append(tac.speculation)
+        steps.append(tac.speculation.setting)
     assert steps == [(1, 1), (1, 2), (1, 4), (2, 4), None, None]
     assert tac.sent[-1][1] == Tune(0)  # the configured values again
     assert total(metrics.render().decode(), "tessera_tac_knob", knob="spec_num_tokens") == 4
