@@ -295,15 +295,20 @@ class WorkerMetrics:
                                        registry=r)
         self.token_budget = Gauge("tessera_worker_token_budget", "A step's token budget: max_num_batched_tokens, or "
                                   "what the proxy's adaptive controller set (Tune)", registry=r)
-        self.token_budget.set(config.engine.max_num_batched_tokens)
         self.spec_num_tokens = Gauge("tessera_worker_spec_num_tokens", "Speculation's k, at most: spec_num_tokens, "
                                      "or what the proxy's adaptive controller set (Tune)", registry=r)
-        self.spec_num_tokens.set(config.engine.spec_num_tokens)
         self.spec_max_batch_size = Gauge("tessera_worker_spec_max_batch_size", "Speculate only while at most this "
                                          "many sequences decode: spec_max_batch_size, or what the proxy's adaptive "
                                          "controller set (Tune)", registry=r)
-        self.spec_max_batch_size.set(config.engine.spec_max_batch_size)
+        engine = config.engine
+        self.tuned(engine.max_num_batched_tokens, engine.spec_num_tokens, engine.spec_max_batch_size)
         r.register(_SnapshotCollector(self.status))
+
+    def tuned(self, token_budget: int, spec_num_tokens: int, spec_max_batch_size: int) -> None:
+        """The engine settings in force: the configured ones, or what the proxy's adaptive controller set."""
+        self.token_budget.set(token_budget)
+        self.spec_num_tokens.set(spec_num_tokens)
+        self.spec_max_batch_size.set(spec_max_batch_size)
 
     def request_done(self, stage: str, outcome: str) -> None:
         self.requests.labels(stage, outcome).inc()

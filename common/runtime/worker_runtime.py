@@ -230,14 +230,6 @@ def serve(config: WorkerConfig, handler: RoleHandler) -> None:
         log.info("worker %s stopped", config.worker_id)
 
 
-def _tune(handler, msg: wire.Tune) -> None:
-    engine, metrics = handler.engine, handler.metrics
-    metrics.token_budget.set(engine.scheduler.set_token_budget(msg.max_num_batched_tokens))
-    k, batch = engine.speculator.tune(msg.spec_num_tokens, msg.spec_max_batch_size)
-    metrics.spec_num_tokens.set(k)
-    metrics.spec_max_batch_size.set(batch)
-
-
 def _take_messages(io: WorkerIO, handler: RoleHandler, wait_s: float) -> bool:
     """Hand every queued message to the handler, waiting up to ``wait_s`` for the first; False when the I/O
     thread died."""
@@ -251,7 +243,9 @@ def _take_messages(io: WorkerIO, handler: RoleHandler, wait_s: float) -> bool:
         if isinstance(msg, wire.Reregister):
             _rejoin(io, handler, msg)
         elif isinstance(msg, wire.Tune):  # the proxy's adaptive controller (proxy/tac.py)
-            _tune(handler, msg)
+            engine = handler.engine
+            handler.metrics.tuned(engine.scheduler.set_token_budget(msg.max_num_batched_tokens),
+                                  *engine.speculator.tune(msg.spec_num_tokens, msg.spec_max_batch_size))
         else:
             with request_scope(getattr(msg, "request_id", None), getattr(msg, "tenant", None)):
                 _handle(handler, msg)

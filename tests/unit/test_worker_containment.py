@@ -107,8 +107,8 @@ def test_a_tune_from_the_proxy_sets_the_engines_token_budget_and_speculation_and
     handler = SimpleNamespace(engine=SimpleNamespace(scheduler=SimpleNamespace(
                                   set_token_budget=lambda t: budgets.append(t) or (t or 2048)),
                                   speculator=make_speculator(config, runner=None)),
-                              metrics=SimpleNamespace(**{name: SimpleNamespace(set=lambda v, g=g: setattr(g, "value", v))
-                                                         for name, g in gauges.items()}))
+                              metrics=SimpleNamespace(tuned=lambda *values: [
+                                  setattr(g, "value", v) for g, v in zip(gauges.values(), values)]))
     io = SimpleNamespace(inbox=queue.Queue())
     io.inbox.put(wire.Tune(512, spec_num_tokens=2, spec_max_batch_size=0))
     assert _take_messages(io, handler, 0)
