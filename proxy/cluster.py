@@ -246,7 +246,7 @@ class Cluster(WorkerMembership):
         if now >= sub.deadline:
             return sub.check_deadline(now)
         tokens = sub.tokens
-        route = self.policy.route(tokens, list(self.registry.workers.values()), sub.cache_salt)
+        route = self.policy.route(tokens, self._candidates(sub), sub.cache_salt)
         if route is None:
             return sub.reject(self._unavailable("no worker can take the request any more: every decode-capable "
                                                 "worker left or is draining"))
@@ -261,6 +261,16 @@ class Cluster(WorkerMembership):
         self.policy.prefill_sent(route.worker, tokens, sub.cache_salt)
         return sub.start_prefill(route.worker, counter, now)
 
+    def _candidates(self, sub: SubRequest) -> list:
+        """The workers ``sub`` may be routed to: a resumed one not to the worker it left (it gave it back, or
+        failed it; its prefix cache would draw a local prefill back there) while another decode-capable worker
+        can take it."""
+        workers = list(self.registry.workers.values())
+        left = sub.left
+        if left is not None and any(w.decode_capable and not w.draining and w.worker_id != left for w in workers):
+            return [w for w in workers if w.worker_id != left]
+        return workers
+
     def _start_decode(self, sub: SubRequest) -> Sends:
         """Given a decode slot: the worker it was routed to (local), else the policy's pick, pulls or prefills it."""
         now = self._clock()
@@ -271,12 +281,7 @@ class Cluster(WorkerMembership):
             routed = self.registry.workers.get(sub.route.worker.worker_id)
             decoder = routed if routed is sub.route.worker and not routed.draining else None
         tokens = sub.tokens
-        workers = list(self.registry.workers.values())
-        left = sub.recovery.lost if sub.recovery is not None else None
-        if left is not None and any(w.decode_capable and not w.draining and w.worker_id != left for w in workers):
-            # resumed: not on the worker it just left (gave it back, or failed it) while another can take it
-            workers = [w for w in workers if w.worker_id != left]
-        decoder = decoder or self.policy.pick_decode(tokens, workers)
+        decoder = decoder or self.policy.pick_decode(tokens, self._candidates(sub))
         if decoder is None:
             return sub.reject(self._unavailable("no decode worker is available to continue the request"))
         self.policy.decode_sent(decoder, tokens, local=sub.local, cache_salt=sub.cache_salt)

@@ -44,6 +44,7 @@ class RequestExits:
 
     recovery: Recovery | None = None  # from a resume until the resumed attempt's first token
     preemptions = 0  # times it went back to admission for fairness (``preempt``)
+    left: str | None = None  # the worker it last resumed from: routed elsewhere while another can take it
 
     def on_failed(self, msg: RequestFailed, sender: str, now: float) -> Sends | None:
         if not self.involves(sender) or msg.request_id != self.wire_id:
@@ -83,6 +84,7 @@ class RequestExits:
             self.recovery.ended(LOST_AGAIN)
         self.migrations += 1
         self.recovery = Recovery(self.request_id, self.migrations, gone, len(self.output_ids), self._metrics, now)
+        self.left = gone
         self.lost = why
         self._requeue(now)
         self._metrics.migrations.inc()

@@ -93,6 +93,7 @@ def test_a_request_given_back_resumes_and_the_old_attempt_is_a_stray(make_proxy,
         holder.send(RequestFailed(old, holder.worker_id, "worker is draining", retryable=True))
         rest, usage, errors = collect(lines)
     assert not errors and script[0][1] + rest == SCRIPT_TEXT and usage["completion_tokens"] == len(script)
+    assert [m.request_id for m in holder.messages(DecodeRequest)] == [old]  # resumed elsewhere, not back on it
     holder.send(TokenDeltas([TokenDelta(old, [script[1][0]], script[1][1])]))  # late words of the old attempt
     holder.wait_for(lambda m: isinstance(m, Abort) and m.request_id == old)
 
