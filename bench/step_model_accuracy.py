@@ -1,6 +1,7 @@
 """How well the engine's step-time model (common/engine/model_runner.py) predicts steps it was not fitted on.
 
     .venv/bin/python -m bench.step_model_accuracy --dtype bfloat16
+    python -m bench.step_model_accuracy --model DIR --device cuda     # on a GPU host
 
 The engine (in this process, the embedded model) first runs decode steps at the fitting batch sizes, with
 their prompts' chunks in between, as a server would. Then, for each batch size held out: the two fitting
@@ -63,15 +64,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=24, help="decode steps per batch size")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--model", default="embedded", help="a model directory, or the embedded model")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU host")
     args = parser.parse_args(argv)
     torch.set_flush_denormal(True)
-    engine = LLMEngine(EngineConfig(model="embedded", dtype=args.dtype, num_threads=args.threads,
-                                    kv_cache_memory_bytes=2 << 30))
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
+                                    device=args.device, kv_cache_memory_bytes=2 << 30))
     rng = random.Random(args.seed)
     run_batch(engine, rng, 2, 32, 3, "warm-up")
     for batch in FIT_BATCHES:
         run_batch(engine, rng, batch, args.prompt_len, args.steps, f"fit-{batch}")
-    print(f"{args.dtype}, {args.threads} threads; fitted on decode batches {FIT_BATCHES}, "
+    where = args.device if args.device != "cpu" else f"{args.threads} threads"
+    print(f"{args.model}, {args.dtype}, {where}; fitted on decode batches {FIT_BATCHES}, "
           f"prompts of {args.prompt_len} tokens, {args.steps} decode steps a batch\n")
     print("| held-out batch | refitted just before on | measured p50 ms | predicted p50 ms | error of the p50 | "
           "p50 of per-step errors |")
