@@ -13,10 +13,14 @@ seconds after it was admitted, and one admitted under the previous setting says 
 them made the loop swing between too tight and too loose). Then, one rule per knob:
 
 - ``decode_cap``: hold every decode worker to its TPOT capacity whatever ``tpot_slo_scope`` says (a lone tenant
-  too). On when more than ``MISS_HIGH`` of the window missed the TPOT target: those requests were slowed by
-  the ones admitted after them, and with the cap the excess waits at the proxy, where early rejection and the
-  fairness policy deal with it. Off again (the configured scope) after ``CALM_WINDOWS`` windows in which
-  nothing waited at the proxy (the cap then bound nothing), or once ``decode_scale`` would pass ``SCALE_MAX``.
+  too). On from the start: goodput counts only requests within both targets, and a request admitted past the
+  capacity slows every one decoding beside it, so the excess waits at the proxy, where early rejection and the
+  fairness policy deal with it. Off (the configured scope) once ``decode_scale`` would pass ``SCALE_MAX``: the
+  capacity model was too cautious for this load by that much. On again when more than ``MISS_HIGH`` of a
+  window missed the TPOT target. While nothing waits at the proxy the cap binds nothing, and it stays on: it
+  started off until issue 14's sixth round and went off after 5 calm windows, and each load that rose after a
+  quiet spell then ran uncapped for a window or more (a cold start: at 1x capacity 0.35 requests/s within both
+  targets in one run, where a fixed cap served 0.57).
 - ``decode_scale``: with the cap on, the fraction of each worker's TPOT capacity that is admitted (1 until
   the target is missed under the cap). The capacity comes from a model (the worker's step fit plus the lag the
   proxy measured, proxy/capacity.py); when requests still miss the target under it, the model is wrong for
@@ -75,7 +79,6 @@ MIN_OUTCOMES = 8  # a window decides once this many choices ended in it ...
 MIN_SERVED = 4  # ... of which this many were served (their TPOT measured; refusals alone decide nothing) ...
 MAX_WINDOWS = 5  # ... or this many intervals passed (then on what it has, if anything)
 TPOT_SLACK = 0.8  # the cap loosens on TTFT misses only while the served choices' mean TPOT is within this of it
-CALM_WINDOWS = 5  # windows with nothing waiting at the proxy before the decode cap is released
 BUDGET_UNBOUNDED_PROMPTS = 32  # a budget of this many mean prompts is lifted
 THRESHOLD_START = 64
 THRESHOLD_MAX = 2048
@@ -120,18 +123,18 @@ class AdaptiveController:
         self.metrics = metrics
         self._clock = clock
         self._send = send
-        self.decode_cap = False
+        self.decode_cap = True  # on from the start (the module's docstring says why)
         self.decode_scale = 1.0
         self.prefill_budget = 0
         self.token_budget = 0
         self.speculation = Speculation(registry, self._decide)
         self._told: dict[str, tuple] = {}  # worker id -> (epoch, the token budget and speculation it was told)
         self.window = Window(clock())
-        self._calm = 0
         self._mean_prompt = 0.0
         self._changed_at = float("-inf")  # when the cap or the scale last changed
         self._configured_threshold = getattr(policy, "local_prefill_threshold", 0)
         metrics.tac_enabled.set(1)
+        log.info("tac: on, every %gs; decode_cap starts on", config.tac_interval_s)
         self._export()
 
     # -- what the cluster tells it ------------------------------------------------------------------
@@ -204,11 +207,8 @@ class AdaptiveController:
             return
         self.window = Window(now)
         queued = self.admission.total(Stage.QUEUED)
-        self._calm = self._calm + 1 if not queued else 0
         if not window.ended:
             self._export(window, now)
-            if self.decode_cap and self._calm >= CALM_WINDOWS:
-                self._set_cap(False, f"nothing waited at the proxy for {self._calm} windows")
             return
         self._mean_prompt = window.prompt_tokens / window.ended
         ttft_miss, tpot_miss = window.ratio(window.ttft_missed), window.ratio(window.tpot_missed)
@@ -242,8 +242,6 @@ class AdaptiveController:
             self.speculation.less(why)
         elif ttft_miss <= MISS_LOW and tpot_miss <= MISS_LOW:
             self.speculation.more(why)
-        if self.decode_cap and self._calm >= CALM_WINDOWS:
-            self._set_cap(False, f"nothing waited at the proxy for {self._calm} windows")
         if isinstance(self.policy, PrefixAwareRouting):
             reweigh(self.policy.weights, self.registry, window.workers, self._decide)
         self._tell_workers()
@@ -254,7 +252,6 @@ class AdaptiveController:
     def _set_cap(self, on: bool, why: str) -> None:
         self._decide("decode_cap", int(self.decode_cap), int(on), why)
         self.decode_cap = on
-        self._calm = 0
         self._changed_at = self._clock()
         if not on and self.decode_scale != 1.0:
             self._set_scale(1.0, "the cap is off")

@@ -16,7 +16,7 @@ from proxy.cluster import Cluster
 from proxy.metrics import ProxyMetrics
 from proxy.routing import PrefixAwareRouting
 from common.protocol.wire import Tune
-from proxy.tac import (CALM_WINDOWS, CHUNK_MIN, CHUNK_START, MIN_OUTCOMES, MIN_SERVED, THRESHOLD_START,
+from proxy.tac import (CHUNK_MIN, CHUNK_START, MIN_OUTCOMES, MIN_SERVED, THRESHOLD_START,
                        AdaptiveController)
 from proxy.tac_workers import WEIGHT_MIN
 from proxy.tenants import TenantRegistry
@@ -44,25 +44,27 @@ def controller(**overrides):
     return tac, policy, metrics, admission
 
 
-def ended(tac: AdaptiveController, count: int, ttft_ms: float, tpot_ms: float, prompt: int = 256) -> None:
+def ended(tac: AdaptiveController, count: int, ttft_ms: float, tpot_ms: float, prompt: int = 256,
+          arrival: float = 0.0) -> None:
     for _ in range(count):
-        tac.ended(SimpleNamespace(prompt=[0] * prompt, stage=Stage.FINISHED, arrival=0.0,
-                                  first_token_at=ttft_ms / 1e3, last_token_at=ttft_ms / 1e3 + 63 * tpot_ms / 1e3,
+        first = arrival + ttft_ms / 1e3
+        tac.ended(SimpleNamespace(prompt=[0] * prompt, stage=Stage.FINISHED, arrival=arrival,
+                                  first_token_at=first, last_token_at=first + 63 * tpot_ms / 1e3,
                                   output_ids=[0] * 64, prefill_worker="p0", decode_worker="d0"), 0.0)
 
 
-def test_tpot_misses_turn_the_decode_cap_on_then_shrink_the_prefill_budget(caplog):
-    tac, _, metrics, _ = controller()
+def test_the_cap_starts_on_and_tpot_misses_under_it_shrink_the_scale_and_the_prefill_budget(caplog):
     caplog.set_level(logging.INFO, logger="tessera.proxy.tac")
+    tac, _, metrics, _ = controller()
+    assert tac.decode_cap and tac.decode_scale == 1.0 and not tac.prefill_budget
+    assert "decode_cap starts on" in caplog.text
+    assert total(metrics.render().decode(), "tessera_tac_knob", knob="decode_cap") == 1
     ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
-    tac.tick(2.0)
-    assert tac.decode_cap and not tac.prefill_budget  # first the cap
-    assert "tac: decode_cap 0 -> 1" in caplog.text and "missed the TPOT target" in caplog.text
+    tac.tick(2.0)  # misses with the cap on: the prompts between the decode steps, and the model
+    assert tac.decode_scale == 0.7 and tac.prefill_budget == int(32 * 256 * 0.7)
+    assert "tac: decode_scale 1.0 -> 0.7" in caplog.text and "missed the TPOT target" in caplog.text
     ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
-    tac.tick(4.0)  # misses with the cap on: the prompts between the decode steps
-    assert tac.prefill_budget == int(32 * 256 * 0.7)
-    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
-    tac.tick(6.0)
+    tac.tick(4.0)
     assert tac.prefill_budget == int(int(32 * 256 * 0.7) * 0.7)
     text = metrics.render().decode()
     assert total(text, "tessera_tac_enabled") == 1
@@ -108,28 +110,28 @@ def admission_tenant(admission: AdmissionController):
     return TenantRegistry(admission.config).default
 
 
-def test_the_cap_is_released_once_nothing_waits_at_the_proxy():
+def test_the_cap_stays_on_while_nothing_waits_at_the_proxy():
+    """A calm cluster keeps the cap (it binds nothing then): releasing it let the next rise in load run
+    uncapped until a window missed the TPOT target."""
     tac, _, _, admission = controller()
-    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
-    tac.tick(2.0)
-    assert tac.decode_cap
-    for i in range(CALM_WINDOWS - 1):
+    for second in range(2, 40, 2):
         ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=20)
-        tac.tick(4.0 + 2 * i)
+        tac.tick(float(second))
+        assert tac.decode_cap and tac.decode_scale == 1.0
+    for second in range(40, 60, 2):
+        tac.tick(float(second))  # nothing ended at all
         assert tac.decode_cap
-    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=20)
-    tac.tick(100.0)
-    assert not tac.decode_cap
+    assert admission.total(Stage.QUEUED) == 0
 
 
 def test_a_window_waits_for_enough_outcomes():
     tac, _, _, _ = controller()
     ended(tac, MIN_OUTCOMES - 1, ttft_ms=300, tpot_ms=80)
     tac.tick(2.0)
-    assert not tac.decode_cap
+    assert tac.decode_scale == 1.0
     ended(tac, 1, ttft_ms=300, tpot_ms=80)
     tac.tick(4.0)
-    assert tac.decode_cap
+    assert tac.decode_scale == 0.7
 
 
 def test_failures_before_the_first_token_are_ttft_misses_and_cancelled_waits_are_not_counted():
@@ -147,16 +149,15 @@ def test_the_controller_needs_a_ttft_target_and_is_off_by_default():
     cluster = Cluster(ProxyConfig(), PrefixAwareRouting(), ProxyMetrics())
     assert cluster.tac is None
     cluster = Cluster(ProxyConfig(tac_enabled=True, ttft_slo_ms=500.0), PrefixAwareRouting(), ProxyMetrics())
-    assert cluster.tac is not None and not cluster._within_tpot()  # a lone tenant: the configured scope
-    cluster.tac.decode_cap = True
-    assert cluster._within_tpot()
+    assert cluster.tac is not None and cluster._within_tpot()  # the cap, from the start
+    cluster.tac.decode_cap = False
+    assert not cluster._within_tpot()  # released: a lone tenant, the configured scope
     assert total(ProxyMetrics().render().decode(), "tessera_tac_enabled") == 0
 
 
 def test_the_token_budget_halves_under_tpot_misses_and_every_worker_is_told():
     tac, _, metrics, _ = controller()
-    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
-    tac.tick(2.0)  # the cap first; nobody is told anything yet
+    tac.tick(2.0)  # nothing ended: nobody is told anything
     assert tac.token_budget == 0 and tac.sent == []
     for second, budget in ((4.0, CHUNK_START), (6.0, CHUNK_START // 2), (8.0, CHUNK_MIN), (10.0, CHUNK_MIN)):
         ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
@@ -182,10 +183,7 @@ def test_the_decode_scale_corrects_a_capacity_that_does_not_hold_the_target():
     d0 = tac.registry.workers["d0"]
     capacity = d0.tpot_capacity
     ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
-    tac.tick(2.0)  # the cap first
-    assert tac.decode_scale == 1.0
-    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
-    tac.tick(4.0)  # still missed under the cap: the model is wrong for this load
+    tac.tick(4.0)  # missed under the cap: the model is wrong for this load
     assert tac.decode_scale == 0.7
     assert tac.registry.decode_slots(within_tpot=True, scale=tac.decode_scale) == int(capacity * 0.7)
     for second in (6.0, 8.0, 10.0, 12.0, 14.0, 16.0, 18.0):
@@ -206,8 +204,6 @@ def test_ttft_misses_under_the_cap_loosen_it_past_the_model_and_then_lift_it():
     arrival) while the TPOT target is met, the controller loosens it; missing both, it holds."""
     tac, _, _, admission = controller()
     admission.enqueue("w", admission_tenant(admission), 10, None)
-    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
-    tac.tick(2.0)
     assert tac.decode_cap
     for _ in range(MIN_OUTCOMES):
         tac.rejected()
@@ -231,6 +227,9 @@ def test_ttft_misses_under_the_cap_loosen_it_past_the_model_and_then_lift_it():
         assert tac.decode_scale <= 4.0
     assert second == 6.0 + 2.0 * 7  # 1.25 ** 6 = 3.8; the seventh would pass 4: off, and the scale back to 1
     assert tac.decode_scale == 1.0
+    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80, arrival=second)
+    tac.tick(second + 2.0)  # the load outgrew the configured scope: on again
+    assert tac.decode_cap and tac.decode_scale == 1.0
 
 
 def test_only_choices_admitted_under_the_setting_judge_it():
@@ -239,11 +238,11 @@ def test_only_choices_admitted_under_the_setting_judge_it():
     tac._clock = lambda: clock.now
     ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
     clock.now = 2.0
-    tac.tick(2.0)  # the cap goes on at t = 2
-    assert tac.decode_cap
-    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)  # arrived at t = 0: admitted before the cap
+    tac.tick(2.0)  # the scale changes at t = 2
+    assert tac.decode_scale == 0.7
+    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)  # arrived at t = 0: admitted before the change
     tac.tick(4.0)
-    assert tac.decode_scale == 1.0 and tac.window.ended == 0
+    assert tac.decode_scale == 0.7 and tac.window.ended == 0
 
 
 def test_speculation_steps_down_while_the_queue_misses_ttft_and_back_up_when_both_targets_are_met(caplog):
