@@ -352,3 +352,49 @@ def test_under_a_latency_cap_ready_choices_take_their_slots_in_arrival_order():
     admission.leave("a0", Stage.DECODING)
     freeing["n"] = 0
     assert [key for key, _ in drain(admission)] == ["a1", "b1"]  # a1 arrived first
+
+
+def test_a_newcomer_starts_beside_a_burst_a_lone_tenant_started_and_the_burst_only_shrinks():
+    """A tenant alone gets every slot (``tpot_slo_scope: shared``). When a second comes, the cap applies and the
+    first holds far more than it: the newcomer takes its share at once, past the cap, instead of waiting for
+    the whole burst to end, and the burst gets nothing more until it is back within its share."""
+    tenants = [{"name": t, "api_key_sha256": [hashlib.sha256(t.encode()).hexdigest()]} for t in ("a", "b")]
+    cfg = ProxyConfig(auth_enabled=True, tenants=tenants)
+    registry = TenantRegistry(cfg)
+    state = {"capped": False, "slots": 128}
+    admission = AdmissionController(cfg, registry, lambda: state["slots"], latency_capped=lambda: state["capped"],
+                                    slots_freeing=lambda: 0)
+    for i in range(12):
+        admission.enqueue(f"a{i}", registry.tenants["a"], 10, f"a{i}")
+    assert len(drain(admission)) == 12
+    for i in range(12):
+        admission.ready_for_decode(f"a{i}")
+    assert len(drain(admission)) == 12  # a alone: every one decodes
+    state.update(capped=True, slots=4)  # b comes: the two share 4 slots within the TPOT target, 2 each
+    for key in ("b0", "b1", "b2", "a12"):
+        admission.enqueue(key, registry.tenants[key[0]], 10, key)
+    assert drain(admission) == [("b0", Stage.PREFILLING), ("b1", Stage.PREFILLING)]  # b's share, not b2, not a12
+    admission.ready_for_decode("b0")
+    admission.ready_for_decode("b1")
+    assert drain(admission) == [("b0", Stage.DECODING), ("b1", Stage.DECODING)]  # beside a's 12
+    for i in range(10):
+        admission.leave(f"a{i}", Stage.DECODING)
+        assert drain(admission) == []  # a's burst shrinks: nothing of a's while it is past its share
+    assert admission.count[Stage.DECODING] == {"a": 2, "b": 2}
+    admission.leave("a10", Stage.DECODING)
+    assert drain(admission) == [("a12", Stage.PREFILLING)]  # within the cap again: a is below its share
+
+
+def test_at_the_cap_exactly_a_newcomer_waits_for_the_next_slot():
+    freeing = {"n": 0}
+    admission, registry = capped_admission(3, freeing)
+    for i in range(4):
+        admission.enqueue(f"a{i}", registry.tenants["a"], 10, f"a{i}")
+    assert len(drain(admission)) == 3
+    for i in range(3):
+        admission.ready_for_decode(f"a{i}")
+    assert len(drain(admission)) == 3
+    admission.enqueue("b0", registry.tenants["b"], 10, "b0")
+    assert drain(admission) == []  # 3 of 3 in use: no burst past the cap, b waits for one of a's to end
+    admission.leave("a0", Stage.DECODING)
+    assert drain(admission) == [("b0", Stage.PREFILLING)]
