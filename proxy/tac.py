@@ -26,7 +26,9 @@ them made the loop swing between too tight and too loose). Then, one rule per kn
   proxy measured, proxy/capacity.py); when requests still miss the target under it, the model is wrong for
   this load (on one host, the front door's own work between the steps is more than the lag has seen), and
   this is the feedback that corrects it: x ``DECREASE`` on a window that missed the TPOT target (at least as
-  much as the TTFT target) with the cap on, x ``INCREASE`` on one that missed only the TTFT target while the
+  much as the TTFT target) with the cap on and binding (the choices holding slots filled them at one of the
+  window's intervals; below the cap, the misses are the prompts between the steps, not the batch: at half
+  capacity, shrinking on them halved the slots and queued requests past their TTFT target), x ``INCREASE`` on one that missed only the TTFT target while the
   served choices' mean TPOT was at most ``TPOT_SLACK`` of its target (past 1: the model was too cautious for
   this load; past ``SCALE_MAX`` the cap goes off). Without that room, more sequences would break the TPOT
   target and serve nothing more within both: the TTFT misses are overload, which early rejection meets (in
@@ -100,6 +102,7 @@ class Window:
     served: int = 0  # of them, the ones whose TPOT was measured (not refused, not failed before a second token)
     tpot_load: float = 0.0  # their TPOT over its target, summed
     prompt_tokens: int = 0
+    bound: bool = False  # the cap held every slot at one of the intervals it spanned
     workers: dict[str, list[int]] = field(default_factory=dict)  # worker id -> [its choices, missed its target]
 
     def count(self, worker_id: str | None, missed: bool) -> None:
@@ -203,6 +206,7 @@ class AdaptiveController:
     def tick(self, now: float) -> None:
         window = self.window
         window.intervals += 1
+        window.bound = window.bound or self._cap_bound()
         if (window.ended < MIN_OUTCOMES or window.served < MIN_SERVED) and window.intervals < MAX_WINDOWS:
             return
         self.window = Window(now)
@@ -218,7 +222,8 @@ class AdaptiveController:
             if not self.decode_cap:
                 self._set_cap(True, why)
             else:
-                self._set_scale(max(self.decode_scale * DECREASE, SCALE_MIN), why)
+                if window.bound:  # else the cap bound nothing: not the batch, and its scale cannot help
+                    self._set_scale(max(self.decode_scale * DECREASE, SCALE_MIN), why)
                 if self.registry.prefill_side():
                     self._shrink_budget(why)
                 self._set_chunk(max(self.token_budget // 2, CHUNK_MIN) if self.token_budget else CHUNK_START, why)
@@ -318,6 +323,15 @@ class AdaptiveController:
             threshold = self._configured_threshold
         self._decide("local_prefill_threshold", current, threshold, why)
         self.policy.local_prefill_threshold = threshold
+
+    def _cap_bound(self) -> bool:
+        """Whether the choices holding decode slots (decoding, prefilling or ready) fill every slot the cap
+        allows now."""
+        if not self.decode_cap:
+            return False
+        slots = self.registry.decode_slots(within_tpot=True, scale=self.decode_scale) * self.config.decode_slot_share
+        in_use = sum(self.admission.total(stage) for stage in (Stage.PREFILLING, Stage.READY, Stage.DECODING))
+        return slots > 0 and in_use >= int(slots)
 
     def _decode_has_room(self) -> bool:
         """Whether some decode worker runs fewer sequences than its TPOT capacity."""

@@ -45,7 +45,9 @@ def controller(**overrides):
 
 
 def ended(tac: AdaptiveController, count: int, ttft_ms: float, tpot_ms: float, prompt: int = 256,
-          arrival: float = 0.0) -> None:
+          arrival: float = 0.0, bound: bool = True) -> None:
+    """``count`` choices ended with these times; ``bound``: the cap held every slot during the window."""
+    tac.window.bound = tac.window.bound or bound
     for _ in range(count):
         first = arrival + ttft_ms / 1e3
         tac.ended(SimpleNamespace(prompt=[0] * prompt, stage=Stage.FINISHED, arrival=arrival,
@@ -307,3 +309,21 @@ def test_a_worker_that_misses_its_target_more_than_the_others_gets_less_new_work
     policy.weights["d1"] = 0.5
     policy.worker_removed("d1")
     assert policy.weights == {}
+
+
+def test_tpot_misses_while_the_cap_binds_nothing_leave_its_scale_and_shrink_the_prompts_between_steps():
+    """Below the cap the batch is not what slowed them: the prompts between the steps are. Shrinking the scale
+    then only queues requests past their TTFT target."""
+    tac, _, _, admission = controller()
+    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80, bound=False)
+    tac.tick(2.0)  # 0 of 128 slots held: the cap bound nothing
+    assert tac.decode_scale == 1.0
+    assert tac.token_budget == CHUNK_START and tac.prefill_budget == int(32 * 256 * 0.7)
+    slots = tac.registry.decode_slots(within_tpot=True)
+    for i in range(slots):
+        admission.enqueue(f"r{i}", admission_tenant(admission), 10, None)
+    while admission.next_admission() is not None:
+        pass
+    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80, bound=False)
+    tac.tick(4.0)  # every slot held as the window closed: the batch
+    assert tac.decode_scale == 0.7
