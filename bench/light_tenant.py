@@ -1,6 +1,7 @@
 """Is the light tenant protected when compute, not decode slots, is the bottleneck? (issue 14's first check)
 
     .venv/bin/python -m bench.light_tenant                      # tpot_slo_scope shared (the default) and never
+    .venv/bin/python -m bench.light_tenant --scopes shared      # the check: A at 4, 16, 64, then 4 again
 
 A real cluster as ``tessera up`` starts it (one prefill and one decode worker time-sharing the cores, the
 embedded model in ``--dtype``, every other setting the shipped default: 128 decode slots, vtc), with
@@ -12,7 +13,8 @@ the client as input + 2 x output tokens, as they are delivered inside the measur
 Counting whole requests when they finish (also reported, "completed") credits a tenant in the window for
 service it received before it: with 48 streams of one tenant a request waits 20-30 s at the proxy, longer
 than the warm-up, so the window's first half counts requests admitted during the start. One table row per (scope, A's streams): B's and A's TPOT p50, B's served weighted tokens
-per minute and share, and how many requests waited at the proxy at the end of the window.
+per minute and share, and how many requests waited at the proxy at the end of the window. Last, B's service at
+each A against the mean of the points at A's smallest stream count (by default the first and the last point).
 """
 from __future__ import annotations
 
@@ -158,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--scopes", default="shared,never", help="tpot_slo_scope values, one cluster each")
-    parser.add_argument("--a-streams", default="4,16,64")
+    parser.add_argument("--a-streams", default="4,16,64,4",
+                        help="A's streams at each point, in turn; the smallest, run first and last, is the baseline")
     parser.add_argument("--b-streams", type=int, default=4)
     parser.add_argument("--b-weight", type=float, default=1.0, help="tenant B's weight (A's is 1)")
     parser.add_argument("--input-len", type=int, default=64)
@@ -203,9 +206,24 @@ def main(argv: list[str] | None = None) -> int:
               f"{fmt(r['b_share_completed'], '.2f')} ({fmt(r['b_share_completed_first_half'], '.2f')} / "
               f"{fmt(r['b_share_completed_second_half'], '.2f')}) | "
               f"{r['waiting_at_end'].get('A', 0):.0f} / {r['waiting_at_end'].get('B', 0):.0f} |")
+    for scope in dict.fromkeys(r["scope"] for r in rows):
+        print(baseline_summary([r for r in rows if r["scope"] == scope], scope))
     if args.results:
         args.results.write_text(json.dumps(rows, indent=1))
     return 0
+
+
+def baseline_summary(rows: list[dict], scope: str) -> str:
+    """B's service at each larger A against the points at A's smallest stream count, the check's ratio. The
+    baseline is the mean of those points: run before and after the others, it cancels the machine's drift over
+    the run (the same step's time moves 20-40% over minutes on these shared cores)."""
+    least = min(r["a_streams"] for r in rows)
+    base = [r["B"]["served_per_min"] for r in rows if r["a_streams"] == least]
+    mean = sum(base) / len(base)
+    ratios = ", ".join(f"A = {r['a_streams']}: {r['B']['served_per_min'] / mean:.2f}x"
+                       for r in rows if r["a_streams"] != least)
+    spread = f" (the {len(base)} baseline points: {', '.join(f'{b:,.0f}' for b in base)})" if len(base) > 1 else ""
+    return f"{scope}: B's served tokens against A = {least} ({mean:,.0f} / min{spread}): {ratios}"
 
 
 if __name__ == "__main__":
