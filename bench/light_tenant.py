@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{fmt(r['b_share_completed_second_half'], '.2f')}) | "
               f"{r['waiting_at_end'].get('A', 0):.0f} / {r['waiting_at_end'].get('B', 0):.0f} |")
     for scope in dict.fromkeys(r["scope"] for r in rows):
-        print(baseline_summary([r for r in rows if r["scope"] == scope], scope))
+        if len({r["a_streams"] for r in rows if r["scope"] == scope}) > 1:
+            print(baseline_summary([r for r in rows if r["scope"] == scope], scope))
     if args.results:
         args.results.write_text(json.dumps(rows, indent=1))
     return 0
