@@ -9,33 +9,150 @@ in each stage, and two queues. Prefill admission takes the policy's next choice 
 not all spoken for, else only of tenants with fewer than ``prefill_ahead_per_tenant`` choices ahead (and,
 with ``ttft_slo_ms``, only while ``prefill_room``); ``prefill_started`` charges the prompt. Decode admission
 gives a free slot (``decode_slots``) to the policy's next ready choice; under ``vtc`` a tenant holding its
-weighted share of the slots yields it to one below its share in the same lane (``_under_share``: the lift
-leaves a light tenant's counter level with the heavy one's each time it comes back, so the counters alone
-would queue its requests behind the heavy tenant's, between their first and second token). ``admit_decode``
+weighted share of the slots yields it to one below its share in the same lane (the shares, and admission
+under the latency cap: proxy/slot_shares.py). ``admit_decode``
 gives a slot that fairness preemption freed (proxy/slo.py) to a named tenant. ``next_admission`` decides and
 its owner (proxy/cluster.py) starts what it returns, one at a time, until it returns None.
 
-The order (``fairness_policy``; the queues are in proxy/fairness_queues.py): ``fcfs``, ``priority`` (lanes p0,
-p1, p2) or ``vtc`` (lanes, then the backlogged tenant with the smallest virtual token counter: Sheng et al., OSDI
+The order (``fairness_policy``): ``fcfs``, ``priority`` (lanes p0, p1, p2; both in proxy/lane_queues.py)
+or ``vtc`` (lanes, then the backlogged tenant with the smallest virtual token counter: Sheng et al., OSDI
 2024). ``ServiceCounters`` keep every tenant's counter under every policy; ``BacklogLift`` lifts a tenant
 becoming backlogged to the smallest counter of its lane's backlogged tenants, so idle time banks no credit.
 The why of each rule: docs/fairness.md ("Admission: two stages, one counter per tenant")."""
 
 from __future__ import annotations
 
+import bisect
 import enum
 import itertools
-import math
 import time
-from collections import Counter
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from common.config.roles import ProxyConfig
+from common.protocol.names import FAIRNESS_POLICIES
 from proxy.errors import ApiError
-from proxy.fairness_queues import ServiceCounters, BacklogLift, VtcQueue, Waiting, make_queue
+from proxy.lane_queues import NUM_LANES, Eligible, FcfsQueue, PriorityQueue, Waiting
 from proxy.metrics import ProxyMetrics
+from proxy.slot_shares import SlotShares
 from proxy.tenants import Tenant, TenantRegistry
+
+
+class ServiceCounters:
+    """Each tenant's weighted service, divided by its weight (the VTC counter)."""
+
+    def __init__(self, input_weight: float, output_weight: float, weights: dict[str, float]) -> None:
+        """``weights``: each tenant's weight; a tenant not in it weighs 1."""
+        self.input_weight = input_weight
+        self.output_weight = output_weight
+        self._weights = weights
+        self.values: dict[str, float] = defaultdict(float)
+
+    def __getitem__(self, tenant: str) -> float:
+        return self.values.get(tenant, 0.0)
+
+    def weight(self, tenant: str) -> float:
+        return self._weights.get(tenant, 1.0)
+
+    def reweigh(self, weights: dict[str, float]) -> None:
+        """A config reload's weights, for the service charged from now on (the counters keep what they hold)."""
+        self._weights = weights
+
+    def charge(self, tenant: str, input_tokens: int = 0, output_tokens: int = 0) -> float:
+        """Add the service of ``input_tokens`` prompt and ``output_tokens`` generated tokens; the new counter."""
+        cost = input_tokens * self.input_weight + output_tokens * self.output_weight
+        self.values[tenant] += cost / self._weights.get(tenant, 1.0)
+        return self.values[tenant]
+
+    def lift(self, tenant: str, floor: float) -> None:
+        if self.values[tenant] < floor:
+            self.values[tenant] = floor
+
+
+class FairnessQueue(Protocol):
+    counters: ServiceCounters
+
+    def push(self, item: Waiting) -> None: ...
+    def pop_next(self, eligible: Eligible | None = None) -> Waiting | None: ...
+    def remove(self, item: Waiting) -> None: ...
+    def __len__(self) -> int: ...
+
+
+class BacklogLift:
+    """The VTC lift: a tenant becoming backlogged gets at least the counters of those that already are."""
+
+    def __init__(self, counters: ServiceCounters) -> None:
+        self.counters = counters
+        self._backlogged: list[set[str]] = [set() for _ in range(NUM_LANES)]
+        self._last_left: list[str | None] = [None] * NUM_LANES  # per lane: the tenant that stopped last
+
+    def became_backlogged(self, tenant: str, lane: int) -> None:
+        others = self._backlogged[lane]
+        if others:
+            self.counters.lift(tenant, min(self.counters[t] for t in others))
+        elif self._last_left[lane] is not None:
+            self.counters.lift(tenant, self.counters[self._last_left[lane]])
+        others.add(tenant)
+
+    def stopped_being_backlogged(self, tenant: str, lane: int) -> None:
+        self._backlogged[lane].discard(tenant)
+        self._last_left[lane] = tenant
+
+
+class VtcQueue:
+    """Lane p0 first; within a lane, the backlogged tenant with the smallest counter, its oldest request."""
+
+    def __init__(self, counters: ServiceCounters) -> None:
+        self.counters = counters
+        self._lanes: list[dict[str, deque[Waiting]]] = [{} for _ in range(NUM_LANES)]
+
+    def push(self, item: Waiting) -> None:
+        queue = self._lanes[item.lane].setdefault(item.tenant, deque())
+        if queue and item.order < queue[-1].order:  # resumed or preempted: back in its arrival order
+            queue.insert(bisect.bisect([waiting.order for waiting in queue], item.order), item)
+        else:
+            queue.append(item)
+
+    def first_lane(self, eligible: Eligible | None = None) -> int | None:
+        """The first lane with a (eligible) tenant waiting; None: none."""
+        for index, lane in enumerate(self._lanes):
+            if any(eligible is None or eligible(t) for t in lane):
+                return index
+        return None
+
+    def pop_next(self, eligible: Eligible | None = None, by_arrival: bool = False) -> Waiting | None:
+        """The first lane's choice of the (eligible) tenant with the smallest counter, its oldest; ``by_arrival``:
+        the lane's oldest choice, whichever tenant's."""
+        for lane in self._lanes:
+            candidates = [t for t in lane if eligible is None or eligible(t)]
+            if candidates:
+                tenant = min(candidates, key=lambda t: (lane[t][0].order,) if by_arrival else
+                             (self.counters[t], lane[t][0].order))
+                item = lane[tenant].popleft()
+                if not lane[tenant]:
+                    del lane[tenant]
+                return item
+        return None
+
+    def remove(self, item: Waiting) -> None:
+        lane = self._lanes[item.lane]
+        queue = lane.get(item.tenant)
+        if queue is not None and item in queue:
+            queue.remove(item)
+            if not queue:
+                del lane[item.tenant]
+
+    def __len__(self) -> int:
+        return sum(len(q) for lane in self._lanes for q in lane.values())
+
+
+def make_queue(policy: str, counters: ServiceCounters) -> FairnessQueue:
+    queue = {"fcfs": FcfsQueue, "priority": PriorityQueue, "vtc": VtcQueue}.get(policy)
+    if queue is not None:
+        return queue(counters)
+    raise ValueError(f"config field 'fairness_policy' = {policy!r} is invalid: one of {FAIRNESS_POLICIES}")
 
 
 class Stage(enum.IntEnum):
@@ -83,6 +200,7 @@ class AdmissionController:
         self._orders = itertools.count()
         self._items: dict[str, Waiting] = {}
         self.count: dict[Stage, Counter[str]] = {s: Counter() for s in LIVE}
+        self.shares = SlotShares(self.count, self.counters.weight)
         self._left_at: dict[str, float] = {}  # tenant -> when its last live choice ended (``num_active_tenants``)
         self._live: Counter[str] = Counter()  # tenant -> its choices in any live stage (none: not a key)
         self._clock = clock
@@ -164,13 +282,13 @@ class AdmissionController:
         return Admit(Stage.DECODING, item.key, item.payload)
 
     def _next_decode(self) -> Waiting | None:
-        slots = self._decode_slots()
-        decoding = self.total(Stage.DECODING)
-        capped = isinstance(self.decode_queue, VtcQueue) and self._latency_capped is not None and self._latency_capped()
+        slots, decoding = self._decode_slots(), self.total(Stage.DECODING)
+        vtc, shared = isinstance(self.decode_queue, VtcQueue), len(self._live) > 1
+        capped = vtc and self._latency_capped is not None and self._latency_capped()
         item = None
         if decoding >= slots:
-            # full; under the latency cap a choice admitted to prefill past a burst (``_past_cap``) still goes on
-            past = self._past_cap(slots, decoding, DECODE_HELD, Stage.READY) if capped else set()
+            # full; under the latency cap a choice admitted to prefill past a burst (``past_cap``) still goes on
+            past = self.shares.past_cap(slots, decoding, DECODE_HELD, Stage.READY) if capped and shared else ()
             if not past:
                 return None
             item = self.decode_queue.pop_next(past.__contains__, by_arrival=True)
@@ -178,7 +296,7 @@ class AdmissionController:
             # under the latency cap a choice was given its slot as it was admitted to prefill, in the policy's
             # order: it takes it now, the oldest first (choosing again here would count the slots twice over)
             item = self.decode_queue.pop_next(by_arrival=True)
-        elif isinstance(self.decode_queue, VtcQueue) and (under := self._under_share(slots, DECODE_HELD)):
+        elif vtc and shared and (under := self.shares.under(slots, DECODE_HELD, Stage.READY)):
             # a tenant holding its share of the slots yields to one below its share, in the same lane
             if self.decode_queue.first_lane(under.__contains__) == self.decode_queue.first_lane():
                 item = self.decode_queue.pop_next(under.__contains__)
@@ -187,45 +305,6 @@ class AdmissionController:
         if item is not None:
             self._move(item, Stage.READY, Stage.DECODING)
         return item
-
-    def _shares(self, slots: int, stages: tuple[Stage, ...], stage: Stage) -> tuple[list[str], Counter, dict]:
-        """(the tenants with a choice in ``stage``, the slots each tenant holds (choices in ``stages``), each
-        one's weighted share of ``slots`` among the tenants holding or waiting); no tenants while fewer than
-        two are there."""
-        waiting = [t for t, n in self.count[stage].items() if n] if len(self._live) > 1 else []
-        if not waiting:
-            return [], Counter(), {}
-        held = Counter()
-        for s in stages:
-            held.update(self.count[s])
-        tenants = set(waiting).union(t for t, n in held.items() if n)
-        if len(tenants) < 2:
-            return [], held, {}
-        total = sum(self.counters.weight(t) for t in tenants)
-        return waiting, held, {t: slots * self.counters.weight(t) / total for t in tenants}
-
-    def _under_share(self, slots: int, stages: tuple[Stage, ...], stage: Stage = Stage.READY) -> set[str]:
-        """The tenants with a choice in ``stage`` that hold fewer slots (choices in ``stages``) than their weighted
-        share of ``slots``, shared among the tenants holding or waiting (empty while fewer than two tenants are)."""
-        waiting, held, share = self._shares(slots, stages, stage)
-        return {t for t in waiting if held[t] < share[t]}
-
-    def _past_cap(self, slots: int, in_use: int, stages: tuple[Stage, ...], stage: Stage) -> set[str]:
-        """With more slots in use than there are (``in_use`` > ``slots``): the tenants below their share that may
-        still take one, because the slots in use past the cap, with theirs, are all other tenants' holdings past
-        their own shares (whole slots). A tenant alone gets every slot (``tpot_slo_scope: shared``); when a
-        second one comes, that burst is still decoding, and it would wait for all of it to end. It starts
-        beside it instead, while the over-share tenants admit nothing until they are back within the cap, so
-        the overshoot only shrinks. At the cap exactly, a tenant waits for the next slot to free, as before
-        (docs/fairness.md, "A newcomer beside a burst")."""
-        if in_use <= slots:
-            return set()
-        waiting, held, share = self._shares(slots, stages, stage)
-        under = [t for t in waiting if held[t] < share[t]]
-        if not under:
-            return set()
-        surplus = sum(max(0, n - math.ceil(share[t] - 1e-9)) for t, n in held.items() if t in share)
-        return set(under) if in_use + 1 - slots <= surplus else set()
 
     def _next_prefill(self) -> Waiting | None:
         if self._prefill_room is not None and not self._prefill_room():
@@ -244,29 +323,16 @@ class AdmissionController:
         return item
 
     def _next_prefill_capped(self) -> Waiting | None:
-        """Prefill admission while the decode slots are a latency capacity: a choice admitted holds a slot, and
-        one is free for it when a choice decoding is predicted to end within one prefill (``slots_freeing``), so
-        that its prompt overlaps the slot's last tokens. The policy picks, under ``vtc`` a tenant below its
-        share first (as for decode slots). So a choice waits for its slot here, where the policy orders it and
-        its client waits for a first token, not between its first and second. With ``preempt_for_fairness``, a
-        tenant below its share may start one prompt while every slot is held: once ready, it takes a slot from
-        the tenant most over its share (proxy/slo.py)."""
-        slots = self._decode_slots()
+        """Prefill admission while the decode slots are a latency capacity (``SlotShares.next_capped``): a choice
+        admitted holds a slot, and one is free for it when a choice decoding is predicted to end within one
+        prefill (``slots_freeing``), so that its prompt overlaps the slot's last tokens. So a choice waits for
+        its slot here, where the policy orders it and its client waits for a first token, not between its first
+        and second."""
         held = sum(self.total(s) for s in SLOT_HELD) - (self._slots_freeing() if self._slots_freeing else 0)
-        queue = self.prefill_queue
-        under = self._under_share(slots, SLOT_HELD, Stage.QUEUED) if isinstance(queue, VtcQueue) else set()
-        if held >= slots:
-            if isinstance(queue, VtcQueue) and (past := self._past_cap(slots, held, SLOT_HELD, Stage.QUEUED)):
-                if queue.first_lane(past.__contains__) == queue.first_lane():
-                    return queue.pop_next(past.__contains__)
-            if not self.config.preempt_for_fairness:
-                return None
-            # a tenant below its share takes a slot by preemption (proxy/slo.py) once its choice is ready
-            ahead, ready = self.count[Stage.PREFILLING], self.count[Stage.READY]
-            return queue.pop_next(lambda t: t in under and not ahead[t] and not ready[t])
-        if under and queue.first_lane(under.__contains__) == queue.first_lane():
-            return queue.pop_next(under.__contains__)
-        return queue.pop_next()
+        ahead, ready = self.count[Stage.PREFILLING], self.count[Stage.READY]
+        return self.shares.next_capped(self.prefill_queue, self._decode_slots(), held, SLOT_HELD, Stage.QUEUED,
+                                       isinstance(self.prefill_queue, VtcQueue), self.config.preempt_for_fairness,
+                                       lambda t: bool(ahead[t] or ready[t]))
 
     def prefill_started(self, request_id: str) -> None:
         """The owner started an admitted prefill: its tenant is charged the prompt."""
@@ -302,7 +368,7 @@ class AdmissionController:
         was_backlogged = self.backlogged(item.tenant)
         if old is not None:
             self.count[old][item.tenant] -= 1
-            if not self.count[old][item.tenant]:  # no zero entries: _under_share walks them on every admission
+            if not self.count[old][item.tenant]:  # no zero entries: SlotShares reads the keys
                 del self.count[old][item.tenant]
         if new is not None:
             self.count[new][item.tenant] += 1

@@ -285,17 +285,9 @@ def test_early_rejection_refuses_what_would_miss_the_ttft_target_and_spares_the_
     assert 'tessera_proxy_tenant_rejections_total{reason="ttft_target",tenant="heavy"}' in metrics
 
 
-@pytest.mark.parametrize("preempt", [True, False])
-def test_preempt_for_fairness_makes_room_for_a_tenant_under_its_share(make_proxy, script, workers, preempt):
-    """The heavy tenant, alone, fills all 8 slots with long requests (a token every 250 ms) and has 4 more
-    waiting. When the light tenant comes, the TPOT target leaves 3 slots for both (a step of 300 ms + 50 ms a
-    sequence within 460 ms; the model overpredicts the scripted worker, so its lag stays 0). With
-    preempt_for_fairness one heavy request swaps its slot with the light one at once (the heavy tenant shrinks
-    to the target as its requests end, and none of its waiting ones takes the slot back); the preempted one
-    finishes later with exactly the output an undisturbed request gets. Without it, the light request waits
-    for the heavy ones to end."""
-    proxy, decode = heavy_and_light(make_proxy, script, workers, 8, 0.25, [300.0, 50.0],
-                                    tpot_slo_ms=460.0, preempt_for_fairness=preempt)
+def heavy_then_light(proxy, decode, holding: int) -> tuple[list[httpx.Response], float, float]:
+    """12 heavy requests; once ``holding`` of them decode, one light request: (heavy's responses, the light
+    request's time, heavy's fairness preemptions)."""
     reference = complete(proxy, "sk-heavy", max_tokens=10).json()["choices"][0]["text"]
     time.sleep(2.1)  # past proxy.cluster.SHARED_WINDOW_S: the heavy tenant's lone request is forgotten
 
@@ -305,8 +297,11 @@ def test_preempt_for_fairness_makes_room_for_a_tenant_under_its_share(make_proxy
                 return client.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
                                    json={"model": MODEL, "prompt": "Tell me about foxes.", "max_tokens": 10})
             heavy = [asyncio.create_task(ask("sk-heavy")) for _ in range(12)]
-            await asyncio.sleep(0.5)
-            assert decode.decoding() == 8, "alone, the heavy tenant gets every slot"
+            deadline = time.monotonic() + 5.0
+            while decode.decoding() < holding and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)
+            assert decode.decoding() == holding
             sent = time.monotonic()
             light = await ask("sk-light")
             waited = time.monotonic() - sent
@@ -315,14 +310,40 @@ def test_preempt_for_fairness_makes_room_for_a_tenant_under_its_share(make_proxy
 
     heavy, light_s = asyncio.run(run())
     preempted = total(proxy.http.get("/metrics").text, "tessera_proxy_fairness_preemptions_total", tenant="heavy")
-    print(f"preempt_for_fairness={preempt}: the light request took {light_s:.2f}s; {preempted:g} preempted")
     for response in heavy:
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["text"] == reference
         assert response.json()["usage"]["completion_tokens"] == 10
+    return heavy, light_s, preempted
+
+
+@pytest.mark.parametrize("preempt", [True, False])
+def test_preempt_for_fairness_makes_room_for_a_tenant_under_its_share(make_proxy, script, workers, preempt):
+    """The TPOT target allows 3 sequences (a step of 300 ms + 50 ms a sequence within 460 ms; the model
+    overpredicts the scripted worker, so its lag stays 0), for every tenant (``tpot_slo_scope: always``). The
+    heavy tenant holds all 3 with long requests (a token every 250 ms) and has 9 more waiting. With
+    preempt_for_fairness one heavy request swaps its slot with the light one at once (none of heavy's waiting
+    ones takes the slot back); the preempted one finishes later with exactly the output an undisturbed request
+    gets. Without it, the light request waits for a heavy one to end."""
+    proxy, decode = heavy_and_light(make_proxy, script, workers, 8, 0.25, [300.0, 50.0], tpot_slo_ms=460.0,
+                                    tpot_slo_scope="always", preempt_for_fairness=preempt)
+    _, light_s, preempted = heavy_then_light(proxy, decode, holding=3)
+    print(f"preempt_for_fairness={preempt}: the light request took {light_s:.2f}s; {preempted:g} preempted")
     if preempt:
         assert preempted == 1  # one swap: no churn, though heavy requests wait for slots too
         assert light_s < 3.5  # its own 9 decode steps take 2.25 s
     else:
         assert preempted == 0
-        assert light_s > 3.5  # it waited for the heavy ones to end (about 1.8 s) first: 4 s at least
+        assert light_s > 3.5  # it waited for a heavy one to end first
+
+
+def test_a_newcomer_starts_beside_the_burst_a_lone_tenant_started(make_proxy, script, workers):
+    """Alone, the heavy tenant gets all 8 slots (``tpot_slo_scope: shared``). When the light tenant comes, the
+    target allows 3: the heavy tenant's 8 are past it by its surplus, and the light request starts beside them
+    at once, with no preemption, while none of heavy's 4 waiting ones starts until heavy is back within its
+    share."""
+    proxy, decode = heavy_and_light(make_proxy, script, workers, 8, 0.25, [300.0, 50.0], tpot_slo_ms=460.0)
+    _, light_s, preempted = heavy_then_light(proxy, decode, holding=8)
+    print(f"the light request took {light_s:.2f}s; {preempted:g} preempted")
+    assert preempted == 0
+    assert light_s < 3.5  # its own 9 decode steps take 2.25 s; waiting for the burst to end takes 4 s at least
