@@ -2,7 +2,8 @@
 fixed, to maximise goodput (choices that meet both the TTFT and the TPOT target, per second).
 
 Off by default (``tac_enabled``); off, nothing here runs and every knob keeps its configured value. On, every
-``tac_interval_s`` it looks at the choices that ended since its last decision (once at least ``MIN_OUTCOMES``
+``tac_interval_s`` (once every decode worker's capacity comes from its fitted step model; the choices
+admitted before say nothing of it) it looks at the choices that ended since its last decision (once at least ``MIN_OUTCOMES``
 did and ``MIN_SERVED`` of them were served, so refusals alone decide nothing, or ``MAX_WINDOWS`` intervals
 passed): how many met both targets, how many missed the TTFT target (``ttft_slo_ms``; a choice that failed
 before its first token, say by ``queue_timeout_s``, counts as a miss) and how many the TPOT target (``tpot_slo_ms``, or the target the capacity model derived for their decode worker,
@@ -205,6 +206,12 @@ class AdaptiveController:
 
     def tick(self, now: float) -> None:
         window = self.window
+        if not self._capacity_known():
+            # the decode cap is START_CAPACITY slots until a worker's step model is fitted: what its first choices
+            # meet (a cold cluster's first steps, 0.5-0.7 s each) says nothing of the model the scale corrects
+            self.window = Window(now)
+            self._changed_at = self._clock()
+            return
         window.intervals += 1
         window.bound = window.bound or self._cap_bound()
         if (window.ended < MIN_OUTCOMES or window.served < MIN_SERVED) and window.intervals < MAX_WINDOWS:
@@ -323,6 +330,11 @@ class AdaptiveController:
             threshold = self._configured_threshold
         self._decide("local_prefill_threshold", current, threshold, why)
         self.policy.local_prefill_threshold = threshold
+
+    def _capacity_known(self) -> bool:
+        """Whether every decode worker taking work has a TPOT capacity from its own step model."""
+        workers = [w for w in self.registry.decode_side() if not w.draining]
+        return bool(workers) and all(w.latency_capacity for w in workers)
 
     def _cap_bound(self) -> bool:
         """Whether the choices holding decode slots (decoding, prefilling or ready) fill every slot the cap

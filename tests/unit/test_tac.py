@@ -44,6 +44,12 @@ def controller(**overrides):
     return tac, policy, metrics, admission
 
 
+def add_decode(tac: AdaptiveController, register: Register, now: float) -> None:
+    """A decode worker joins, and reports its step model (until it does, the controller decides nothing)."""
+    assert tac.registry.register(register, now).ack.accepted
+    tac.registry.heartbeat(Heartbeat(register.worker_id, 1, 900, 0, 0, 0, False, 0, COST), now)
+
+
 def ended(tac: AdaptiveController, count: int, ttft_ms: float, tpot_ms: float, prompt: int = 256,
           arrival: float = 0.0, bound: bool = True) -> None:
     """``count`` choices ended with these times; ``bound``: the cap held every slot during the window."""
@@ -167,7 +173,7 @@ def test_the_token_budget_halves_under_tpot_misses_and_every_worker_is_told():
         assert tac.token_budget == budget
     assert [m.max_num_batched_tokens for w, m in tac.sent if w == "p0"] == [CHUNK_START, CHUNK_START // 2, CHUNK_MIN]
     assert {w for w, _ in tac.sent} == {"p0", "d0"}
-    tac.registry.register(Register("d1", "decode", 1, "m", "v", LAYOUT, 1000, 4096, "fake", b"", 128), 11.0)
+    add_decode(tac, Register("d1", "decode", 1, "m", "v", LAYOUT, 1000, 4096, "fake", b"", 128), 11.0)
     tac.tick(12.0)  # a worker that registered later is told at the next decision
     ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
     tac.tick(14.0)
@@ -254,8 +260,8 @@ def test_speculation_steps_down_while_the_queue_misses_ttft_and_back_up_when_bot
     tac.tick(2.0)  # no decode worker speculates: nothing to move, nothing said
     assert tac.speculation.setting is None and "spec_" not in caplog.text
     assert all(m.spec_num_tokens is None and m.spec_max_batch_size is None for _, m in tac.sent)
-    tac.registry.register(Register("d1", "decode", 1, "m", "v", LAYOUT, 1000, 4096, "fake", b"", 128,
-                                   spec_num_tokens=4, spec_max_batch_size=4), 3.0)
+    add_decode(tac, Register("d1", "decode", 1, "m", "v", LAYOUT, 1000, 4096, "fake", b"", 128,
+                             spec_num_tokens=4, spec_max_batch_size=4), 3.0)
     steps = []
     for second in (4.0, 6.0, 8.0, 10.0, 12.0, 14.0):  # the queue misses TTFT, TPOT has room: less speculation
         ended(tac, MIN_OUTCOMES, ttft_ms=3000, tpot_ms=20)
@@ -326,4 +332,25 @@ def test_tpot_misses_while_the_cap_binds_nothing_leave_its_scale_and_shrink_the_
         pass
     ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80, bound=False)
     tac.tick(4.0)  # every slot held as the window closed: the batch
+    assert tac.decode_scale == 0.7
+
+
+def test_nothing_is_decided_until_every_decode_worker_has_a_capacity_from_its_model():
+    """Until then the cap is START_CAPACITY slots, and a cold cluster's first choices miss the TPOT target for
+    reasons the scale cannot correct; they do not count once the model is known either."""
+    clock = SimpleNamespace(now=0.0)
+    tac, _, _, _ = controller()
+    tac._clock = lambda: clock.now
+    assert tac.registry.register(Register("d1", "decode", 1, "m", "v", LAYOUT, 1000, 4096, "fake", b"", 128),
+                                 0.0).ack.accepted
+    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
+    clock.now = 2.0
+    tac.tick(2.0)
+    assert tac.decode_scale == 1.0 and tac.window.ended == 0
+    tac.registry.heartbeat(Heartbeat("d1", 1, 900, 0, 0, 0, False, 0, COST), 3.0)
+    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)  # arrived at t = 0, before the model: not counted
+    tac.tick(4.0)
+    assert tac.decode_scale == 1.0 and tac.window.ended == 0
+    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80, arrival=3.0)
+    tac.tick(6.0)
     assert tac.decode_scale == 0.7
