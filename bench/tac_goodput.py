@@ -8,7 +8,7 @@ embedded model in ``--dtype``), each with the same targets and the same early re
 ``tpot_slo_ms``, ``early_rejection``): TAC on, the defaults, and the fixed settings named in ``ARMS``. Each arm
 runs the same schedule with ``tessera bench``: Poisson arrivals at 0.5x, 1x, 2x and 3x the measured capacity
 with ``--input-len`` prompts, then the prompts shift to ``--shift-input-len`` tokens at ``--shift-rates`` x
-capacity. Every point draws fresh prompts (its own seed) and counts goodput: requests that met both targets,
+capacity; before its first point, ``--warm-up-s`` at 0.5x, not counted. Every point draws fresh prompts (its own seed) and counts goodput: requests that met both targets,
 per second (``--goodput ttft:.. tpot:..``). The capacity is measured first, on a defaults cluster: the request
 rate a closed loop of ``--probe-concurrency`` clients sustains (or given with ``--capacity``).
 """
@@ -79,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the TTFT target: one 2,048-token prompt alone takes 1.5-2 s on 2 shared cores")
     parser.add_argument("--tpot-ms", type=float, default=50.0)
     parser.add_argument("--duration-s", type=float, default=40.0, help="seconds per point")
+    parser.add_argument("--warm-up-s", type=float, default=20.0,
+                        help="before an arm's first point, this long at 0.5x capacity, not counted (0: none): the "
+                        "first requests on a fresh cluster run 2-3x slower, and the arm that runs first in the "
+                        "run started on a colder machine than the others")
     parser.add_argument("--capacity", type=float, help="requests/s at --input-len; default: measure it")
     parser.add_argument("--probe-concurrency", type=int, default=32)
     parser.add_argument("--seed", type=int, default=41000)
@@ -104,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         proxy, roles = ARMS[name]
         cluster = start(args, name, proxy, roles, log_root)
         try:
+            if args.warm_up_s:
+                bench(cluster.url, args, input_len=args.input_len, rate=round(0.5 * capacity, 3), seed=args.seed - 2,
+                      duration_s=args.warm_up_s, result_dir=args.result_dir / f"{name}-warm-up", label="warm-up")
             for p, (input_len, multiple) in enumerate(schedule):
                 label = f"{name}-{input_len}-{multiple:g}x"
                 point = bench(cluster.url, args, input_len=input_len, rate=round(multiple * capacity, 3),
