@@ -8,11 +8,10 @@ The stage is the request's own (``SubRequest.stage``); admission keeps how many 
 in each stage, and two queues. Prefill admission takes the policy's next choice while the decode slots are
 not all spoken for, else only of tenants with fewer than ``prefill_ahead_per_tenant`` choices ahead (and,
 with ``ttft_slo_ms``, only while ``prefill_room``); ``prefill_started`` charges the prompt. Decode admission
-gives a free slot (``decode_slots``) to the policy's next ready choice; under ``vtc`` a tenant holding its
-weighted share of the slots yields it to one below its share in the same lane (the shares, and admission
-under the latency cap: proxy/slot_shares.py). ``admit_decode``
-gives a slot that fairness preemption freed (proxy/slo.py) to a named tenant. ``next_admission`` decides and
-its owner (proxy/cluster.py) starts what it returns, one at a time, until it returns None.
+gives a free slot (``decode_slots``) to the policy's next ready choice; under ``vtc`` a tenant at its share
+of the slots yields it (the shares, and admission under the latency cap: proxy/slot_shares.py). ``admit_decode``
+gives a slot that fairness preemption freed (proxy/slo.py) to a named tenant. ``next_admission`` decides; its
+owner (proxy/cluster.py) starts what it returns, one at a time, until it returns None.
 
 The order (``fairness_policy``): ``fcfs``, ``priority`` (lanes p0, p1, p2; both in proxy/lane_queues.py)
 or ``vtc`` (lanes, then the backlogged tenant with the smallest virtual token counter: Sheng et al., OSDI
@@ -294,8 +293,11 @@ class AdmissionController:
             item = self.decode_queue.pop_next(past.__contains__, by_arrival=True)
         elif capped:
             # under the latency cap a choice was given its slot as it was admitted to prefill, in the policy's
-            # order: it takes it now, the oldest first (choosing again here would count the slots twice over)
-            item = self.decode_queue.pop_next(by_arrival=True)
+            # order: it takes it now, the oldest first (choosing again here would count the slots twice over),
+            # after those of a tenant over its share (a burst it started alone held no slot: SlotShares.over)
+            over = self.shares.over(slots, SLOT_HELD, Stage.READY) if shared else ()
+            item = self.decode_queue.pop_next(lambda t: t not in over, by_arrival=True) if over else None
+            item = item or self.decode_queue.pop_next(by_arrival=True)
         elif vtc and shared and (under := self.shares.under(slots, DECODE_HELD, Stage.READY)):
             # a tenant holding its share of the slots yields to one below its share, in the same lane
             if self.decode_queue.first_lane(under.__contains__) == self.decode_queue.first_lane():
@@ -324,10 +326,8 @@ class AdmissionController:
 
     def _next_prefill_capped(self) -> Waiting | None:
         """Prefill admission while the decode slots are a latency capacity (``SlotShares.next_capped``): a choice
-        admitted holds a slot, and one is free for it when a choice decoding is predicted to end within one
-        prefill (``slots_freeing``), so that its prompt overlaps the slot's last tokens. So a choice waits for
-        its slot here, where the policy orders it and its client waits for a first token, not between its first
-        and second."""
+        admitted holds a slot, one free when a choice decoding is predicted to end within one prefill
+        (``slots_freeing``), so a choice waits here, before its first token, not between its first and second."""
         held = sum(self.total(s) for s in SLOT_HELD) - (self._slots_freeing() if self._slots_freeing else 0)
         ahead, ready = self.count[Stage.PREFILLING], self.count[Stage.READY]
         return self.shares.next_capped(self.prefill_queue, self._decode_slots(), held, SLOT_HELD, Stage.QUEUED,

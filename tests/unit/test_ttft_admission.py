@@ -398,3 +398,27 @@ def test_at_the_cap_exactly_a_newcomer_waits_for_the_next_slot():
     assert drain(admission) == []  # 3 of 3 in use: no burst past the cap, b waits for one of a's to end
     admission.leave("a0", Stage.DECODING)
     assert drain(admission) == [("b0", Stage.PREFILLING)]
+
+
+def test_under_the_cap_a_burst_started_alone_takes_decode_slots_after_the_others_ready_choices():
+    """The choices a tenant started while alone held no slot; when the cap comes on they are ready before a
+    newcomer's, and by arrival alone its ready choice would wait for every one of them."""
+    tenants = [{"name": t, "api_key_sha256": [hashlib.sha256(t.encode()).hexdigest()]} for t in ("a", "b")]
+    cfg = ProxyConfig(auth_enabled=True, tenants=tenants)
+    registry = TenantRegistry(cfg)
+    state = {"capped": False, "slots": 128}
+    admission = AdmissionController(cfg, registry, lambda: state["slots"], latency_capped=lambda: state["capped"],
+                                    slots_freeing=lambda: 0)
+    for i in range(12):
+        admission.enqueue(f"a{i}", registry.tenants["a"], 10, f"a{i}")
+    assert len(drain(admission)) == 12  # a alone: every prompt starts
+    state.update(capped=True, slots=4)  # b comes: the two share 4 slots within the TPOT target, 2 each
+    admission.enqueue("b0", registry.tenants["b"], 10, "b0")
+    assert drain(admission) == [("b0", Stage.PREFILLING)]  # past the cap, within a's surplus
+    for i in range(12):
+        admission.ready_for_decode(f"a{i}")
+    assert [key for key, _ in drain(admission)] == ["a0", "a1", "a2", "a3"]
+    admission.ready_for_decode("b0")
+    assert drain(admission) == []  # 4 of 4 decoding: b0 waits for the next slot
+    admission.leave("a0", Stage.DECODING)
+    assert drain(admission) == [("b0", Stage.DECODING)]  # before a4-a11, ready since long before it
