@@ -354,19 +354,26 @@ def test_under_a_latency_cap_ready_choices_take_their_slots_in_arrival_order():
     assert [key for key, _ in drain(admission)] == ["a1", "b1"]  # a1 arrived first
 
 
-def test_a_newcomer_starts_beside_a_burst_a_lone_tenant_started_and_the_burst_only_shrinks():
-    """A tenant alone gets every slot (``tpot_slo_scope: shared``). When a second comes, the cap applies and the
-    first holds far more than it: the newcomer takes its share at once, past the cap, instead of waiting for
-    the whole burst to end, and the burst gets nothing more until it is back within its share."""
+def a_alone_started(count: int):
+    """Tenants a and b; a, alone (every one of 128 slots its own), started ``count`` prompts. ``state`` turns
+    the latency cap on and sets the slots."""
     tenants = [{"name": t, "api_key_sha256": [hashlib.sha256(t.encode()).hexdigest()]} for t in ("a", "b")]
     cfg = ProxyConfig(auth_enabled=True, tenants=tenants)
     registry = TenantRegistry(cfg)
     state = {"capped": False, "slots": 128}
     admission = AdmissionController(cfg, registry, lambda: state["slots"], latency_capped=lambda: state["capped"],
                                     slots_freeing=lambda: 0)
-    for i in range(12):
+    for i in range(count):
         admission.enqueue(f"a{i}", registry.tenants["a"], 10, f"a{i}")
-    assert len(drain(admission)) == 12
+    assert len(drain(admission)) == count
+    return admission, registry, state
+
+
+def test_a_newcomer_starts_beside_a_burst_a_lone_tenant_started_and_the_burst_only_shrinks():
+    """A tenant alone gets every slot (``tpot_slo_scope: shared``). When a second comes, the cap applies and the
+    first holds far more than it: the newcomer takes its share at once, past the cap, instead of waiting for
+    the whole burst to end, and the burst gets nothing more until it is back within its share."""
+    admission, registry, state = a_alone_started(12)
     for i in range(12):
         admission.ready_for_decode(f"a{i}")
     assert len(drain(admission)) == 12  # a alone: every one decodes
@@ -403,15 +410,7 @@ def test_at_the_cap_exactly_a_newcomer_waits_for_the_next_slot():
 def test_under_the_cap_a_burst_started_alone_takes_decode_slots_after_the_others_ready_choices():
     """The choices a tenant started while alone held no slot; when the cap comes on they are ready before a
     newcomer's, and by arrival alone its ready choice would wait for every one of them."""
-    tenants = [{"name": t, "api_key_sha256": [hashlib.sha256(t.encode()).hexdigest()]} for t in ("a", "b")]
-    cfg = ProxyConfig(auth_enabled=True, tenants=tenants)
-    registry = TenantRegistry(cfg)
-    state = {"capped": False, "slots": 128}
-    admission = AdmissionController(cfg, registry, lambda: state["slots"], latency_capped=lambda: state["capped"],
-                                    slots_freeing=lambda: 0)
-    for i in range(12):
-        admission.enqueue(f"a{i}", registry.tenants["a"], 10, f"a{i}")
-    assert len(drain(admission)) == 12  # a alone: every prompt starts
+    admission, registry, state = a_alone_started(12)  # a alone: every prompt starts
     state.update(capped=True, slots=4)  # b comes: the two share 4 slots within the TPOT target, 2 each
     admission.enqueue("b0", registry.tenants["b"], 10, "b0")
     assert drain(admission) == [("b0", Stage.PREFILLING)]  # past the cap, within a's surplus
