@@ -2,7 +2,7 @@
 
 proxy/admission.py counts every tenant's choices per stage; this reads those counts. A tenant's share is the
 slots times its weight over the weights of the tenants holding or waiting, so it exists only while two or
-more tenants are there (admission calls here only then). Under ``vtc``:
+more tenants are there (admission's decode side asks only then). Under ``vtc``:
 
 - ``under``: the tenants waiting in a stage that hold fewer slots than their share. They go first for a free
   slot, in the same lane (the lift leaves a light tenant's counter level with the heavy one's each time it
