@@ -285,9 +285,9 @@ def test_early_rejection_refuses_what_would_miss_the_ttft_target_and_spares_the_
     assert 'tessera_proxy_tenant_rejections_total{reason="ttft_target",tenant="heavy"}' in metrics
 
 
-def heavy_then_light(proxy, decode, holding: int) -> tuple[list[httpx.Response], float, float]:
-    """12 heavy requests; once ``holding`` of them decode, one light request: (heavy's responses, the light
-    request's time, heavy's fairness preemptions)."""
+def heavy_then_light(proxy, decode, holding: tuple[int, int]) -> tuple[list[httpx.Response], float, float]:
+    """12 heavy requests; once at least ``holding[0]`` of them decode (and at most ``holding[1]`` do), one light
+    request: (heavy's responses, the light request's time, heavy's fairness preemptions)."""
     reference = complete(proxy, "sk-heavy", max_tokens=10).json()["choices"][0]["text"]
     time.sleep(2.1)  # past proxy.cluster.SHARED_WINDOW_S: the heavy tenant's lone request is forgotten
 
@@ -298,10 +298,10 @@ def heavy_then_light(proxy, decode, holding: int) -> tuple[list[httpx.Response],
                                    json={"model": MODEL, "prompt": "Tell me about foxes.", "max_tokens": 10})
             heavy = [asyncio.create_task(ask("sk-heavy")) for _ in range(12)]
             deadline = time.monotonic() + 5.0
-            while decode.decoding() < holding and time.monotonic() < deadline:
+            while decode.decoding() < holding[0] and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             await asyncio.sleep(0.2)
-            assert decode.decoding() == holding
+            assert holding[0] <= decode.decoding() <= holding[1]
             sent = time.monotonic()
             light = await ask("sk-light")
             waited = time.monotonic() - sent
@@ -320,14 +320,15 @@ def heavy_then_light(proxy, decode, holding: int) -> tuple[list[httpx.Response],
 @pytest.mark.parametrize("preempt", [True, False])
 def test_preempt_for_fairness_makes_room_for_a_tenant_under_its_share(make_proxy, script, workers, preempt):
     """The TPOT target allows 3 sequences (a step of 300 ms + 50 ms a sequence within 460 ms; the model
-    overpredicts the scripted worker, so its lag stays 0), for every tenant (``tpot_slo_scope: always``). The
-    heavy tenant holds all 3 with long requests (a token every 250 ms) and has 9 more waiting. With
+    overpredicts the scripted worker, so its lag stays about 0: 2 when a loaded machine delays the tokens),
+    for every tenant (``tpot_slo_scope: always``). The heavy tenant holds all of them with long requests (a
+    token every 250 ms) and has the rest waiting. With
     preempt_for_fairness one heavy request swaps its slot with the light one at once (none of heavy's waiting
     ones takes the slot back); the preempted one finishes later with exactly the output an undisturbed request
     gets. Without it, the light request waits for a heavy one to end."""
     proxy, decode = heavy_and_light(make_proxy, script, workers, 8, 0.25, [300.0, 50.0], tpot_slo_ms=460.0,
                                     tpot_slo_scope="always", preempt_for_fairness=preempt)
-    _, light_s, preempted = heavy_then_light(proxy, decode, holding=3)
+    _, light_s, preempted = heavy_then_light(proxy, decode, holding=(2, 3))
     print(f"preempt_for_fairness={preempt}: the light request took {light_s:.2f}s; {preempted:g} preempted")
     if preempt:
         assert preempted == 1  # one swap: no churn, though heavy requests wait for slots too
@@ -343,7 +344,7 @@ def test_a_newcomer_starts_beside_the_burst_a_lone_tenant_started(make_proxy, sc
     at once, with no preemption, while none of heavy's 4 waiting ones starts until heavy is back within its
     share."""
     proxy, decode = heavy_and_light(make_proxy, script, workers, 8, 0.25, [300.0, 50.0], tpot_slo_ms=460.0)
-    _, light_s, preempted = heavy_then_light(proxy, decode, holding=8)
+    _, light_s, preempted = heavy_then_light(proxy, decode, holding=(8, 8))
     print(f"the light request took {light_s:.2f}s; {preempted:g} preempted")
     assert preempted == 0
     assert light_s < 3.5  # its own 9 decode steps take 2.25 s; waiting for the burst to end takes 4 s at least
