@@ -60,7 +60,7 @@ class SlotShares:
     def over(self, slots: int, stages: Stages, stage: int) -> set[str]:
         """The tenants with a choice in ``stage`` holding more than their share, in whole slots."""
         waiting, held, share = self.of(slots, stages, stage)
-        return {t for t in waiting if held[t] > math.ceil(share[t] - 1e-9)}
+        return {t for t in waiting if held[t] > _whole(share[t])}
 
     def past_cap(self, slots: int, in_use: int, stages: Stages, stage: int) -> set[str]:
         """With more slots in use than there are (``in_use`` > ``slots``): the tenants below their share that may
@@ -68,11 +68,7 @@ class SlotShares:
         if in_use <= slots:
             return set()
         waiting, held, share = self.of(slots, stages, stage)
-        under = [t for t in waiting if held[t] < share[t]]
-        if not under:
-            return set()
-        surplus = sum(max(0, n - math.ceil(share[t] - 1e-9)) for t, n in held.items() if t in share)
-        return set(under) if in_use + 1 - slots <= surplus else set()
+        return _past_cap(slots, in_use, {t for t in waiting if held[t] < share[t]}, held, share)
 
     def next_capped(self, queue, slots: int, in_use: int, stages: Stages, stage: int, vtc: bool,
                     preempt: bool, started: Callable[[str], bool]) -> Waiting | None:
@@ -82,9 +78,10 @@ class SlotShares:
         with ``preempt`` (``preempt_for_fairness``), a tenant below its share with nothing started
         (``started``) may start one prompt while every slot is held: once ready, it takes a slot from the
         tenant most over its share (proxy/slo.py)."""
-        under = self.under(slots, stages, stage) if vtc else set()
+        waiting, held, share = self.of(slots, stages, stage) if vtc else ([], Counter(), {})
+        under = {t for t in waiting if held[t] < share[t]}
         if in_use >= slots:
-            if vtc and (past := self.past_cap(slots, in_use, stages, stage)):
+            if in_use > slots and (past := _past_cap(slots, in_use, under, held, share)):
                 if queue.first_lane(past.__contains__) == queue.first_lane():
                     return queue.pop_next(past.__contains__)
             if not preempt:
@@ -93,3 +90,15 @@ class SlotShares:
         if under and queue.first_lane(under.__contains__) == queue.first_lane():
             return queue.pop_next(under.__contains__)
         return queue.pop_next()
+
+
+def _whole(share: float) -> int:
+    """A share in whole slots (1.5 -> 2; 2.0 stays 2 despite float error)."""
+    return math.ceil(share - 1e-9)
+
+
+def _past_cap(slots: int, in_use: int, under: set[str], held: Counter, share: dict[str, float]) -> set[str]:
+    """``under`` when everything in use past the cap, one more slot included, is other tenants' holdings past
+    their own shares in whole slots; else nobody."""
+    surplus = sum(max(0, n - _whole(share[t])) for t, n in held.items() if t in share)
+    return under if under and in_use + 1 - slots <= surplus else set()
