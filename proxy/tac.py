@@ -8,7 +8,9 @@ did and ``MIN_SERVED`` of them were served, so refusals alone decide nothing, or
 passed): how many met both targets, how many missed the TTFT target (``ttft_slo_ms``; a choice that failed
 before its first token, say by ``queue_timeout_s``, counts as a miss) and how many the TPOT target (``tpot_slo_ms``, or the target the capacity model derived for their decode worker,
 proxy/capacity.py); a request refused at arrival by early rejection counts as a TTFT miss. A target counts as
-missed when more than ``MISS_HIGH`` of the window missed it, as met when at most ``MISS_LOW`` did. Only the
+missed when more than ``MISS_HIGH`` of the window missed it and at least ``MIN_MISSES`` choices did (at half
+capacity, 2 misses in a window of 16 shrank the knobs and the requests then waited), as met when at most
+``MISS_LOW`` did. Only the
 choices that arrived after the cap or its scale last changed count: a request's TPOT is known when it ends,
 seconds after it was admitted, and one admitted under the previous setting says nothing of this one (counting
 them made the loop swing between too tight and too loose). Then, one rule per knob:
@@ -36,6 +38,10 @@ them made the loop swing between too tight and too loose). Then, one rule per kn
   a run at 2x capacity, loosening on them took the scale to 4 and the cap off every 30 s, and goodput fell
   from 0.8 to 0.05 requests/s). A window that missed both, the
   TTFT target more, changes nothing: loosening would break the TPOT target further, tightening the TTFT one.
+  Below 1, a window that met the TPOT target with the cap binding, and in which more than ``MISS_HIGH`` of the
+  choices waited at the proxy past ``WAITED`` of the TTFT target, grows it by ``INCREASE`` back towards 1,
+  before they miss their first token: a scale shrunk on a cold start's or a burst's misses otherwise stayed
+  down while the load was light (at half capacity, 0.87-0.94x the goodput of a fixed cap).
 - ``prefill_budget``: prompt tokens sent to the prefill workers and not done, at most (0: no bound). Prompts and
   decode steps share compute (on one host, the cores): with the cap on and the TPOT target still missed, what
   slows the decode steps is the prompts between them, so the budget shrinks by ``DECREASE`` (never below one
@@ -81,6 +87,8 @@ log = logging.getLogger("tessera.proxy.tac")
 MIN_OUTCOMES = 8  # a window decides once this many choices ended in it ...
 MIN_SERVED = 4  # ... of which this many were served (their TPOT measured; refusals alone decide nothing) ...
 MAX_WINDOWS = 5  # ... or this many intervals passed (then on what it has, if anything)
+MIN_MISSES = 3  # a target counts as missed only when at least this many choices missed it (and > MISS_HIGH did)
+WAITED = 0.1  # a choice waited for the cap when its wait before prefill admission passed this share of ttft_slo_ms
 TPOT_SLACK = 0.8  # the cap loosens on TTFT misses only while the served choices' mean TPOT is within this of it
 BUDGET_UNBOUNDED_PROMPTS = 32  # a budget of this many mean prompts is lifted
 THRESHOLD_START = 64
@@ -103,6 +111,7 @@ class Window:
     served: int = 0  # of them, the ones whose TPOT was measured (not refused, not failed before a second token)
     tpot_load: float = 0.0  # their TPOT over its target, summed
     prompt_tokens: int = 0
+    waited: int = 0  # of them, the ones that waited at the proxy past WAITED x ttft_slo_ms before their prompt went
     bound: bool = False  # the cap held every slot at one of the intervals it spanned
     workers: dict[str, list[int]] = field(default_factory=dict)  # worker id -> [its choices, missed its target]
 
@@ -114,6 +123,11 @@ class Window:
 
     def ratio(self, count: int) -> float:
         return count / self.ended if self.ended else 0.0
+
+    def missed(self, count: int) -> bool:
+        """Whether ``count`` misses of the window say its target was missed: more than ``MISS_HIGH`` of it, and
+        at least ``MIN_MISSES`` (2 of 16, or 1 of 8, is the noise of a lightly loaded cluster)."""
+        return count >= MIN_MISSES and self.ratio(count) > MISS_HIGH
 
 
 class AdaptiveController:
@@ -157,6 +171,9 @@ class AdaptiveController:
             window.count(sub.prefill_worker or sub.decode_worker, True)
             return
         ttft_ok = (sub.first_token_at - sub.arrival) * 1e3 <= self.config.ttft_slo_ms
+        admitted_at = getattr(sub, "admitted_at", None)
+        if admitted_at is not None and (admitted_at - sub.arrival) * 1e3 > WAITED * self.config.ttft_slo_ms:
+            window.waited += 1
         tpot_ok = True
         if len(sub.output_ids) > 1:
             tpot_ms = (sub.last_token_at - sub.first_token_at) * 1e3 / (len(sub.output_ids) - 1)
@@ -225,7 +242,9 @@ class AdaptiveController:
         ttft_miss, tpot_miss = window.ratio(window.ttft_missed), window.ratio(window.tpot_missed)
         why = (f"{window.ended} choices ended: {ttft_miss:.0%} missed ttft_slo_ms, "
                f"{tpot_miss:.0%} missed the TPOT target, {queued} waiting")
-        if tpot_miss > MISS_HIGH and tpot_miss >= ttft_miss:
+        tpot_missed, ttft_missed = window.missed(window.tpot_missed), window.missed(window.ttft_missed)
+        slack = bool(window.served) and window.tpot_load / window.served <= TPOT_SLACK
+        if tpot_missed and tpot_miss >= ttft_miss:
             if not self.decode_cap:
                 self._set_cap(True, why)
             else:
@@ -237,8 +256,7 @@ class AdaptiveController:
             self._lower_threshold(why)
             if self._decode_has_room():
                 self.speculation.more(why)
-        elif ttft_miss > MISS_HIGH and tpot_miss <= MISS_LOW:
-            slack = window.served and window.tpot_load / window.served <= TPOT_SLACK
+        elif ttft_missed and tpot_miss <= MISS_LOW:
             if self.decode_cap and not slack:
                 pass  # the admitted choices' TPOT has no room for more: overload, which early rejection meets
             elif self.decode_cap:
@@ -252,8 +270,14 @@ class AdaptiveController:
             if self._decode_has_room():
                 self._raise_threshold(why)
             self.speculation.less(why)
-        elif ttft_miss <= MISS_LOW and tpot_miss <= MISS_LOW:
-            self.speculation.more(why)
+        elif not ttft_missed and tpot_miss <= MISS_LOW:
+            if self.decode_cap and self.decode_scale < 1.0 and window.bound and window.missed(window.waited):
+                # a scale shrunk on earlier misses (a burst, a cold start) holds requests back while the TPOT
+                # target is met: back towards the model's capacity before they miss their first token
+                self._set_scale(min(self.decode_scale * INCREASE, 1.0),
+                                f"{why}; {window.waited} waited for the cap, the TPOT target met")
+            if ttft_miss <= MISS_LOW:
+                self.speculation.more(why)
         if isinstance(self.policy, PrefixAwareRouting):
             reweigh(self.policy.weights, self.registry, window.workers, self._decide)
         self._tell_workers()

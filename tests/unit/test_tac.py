@@ -16,7 +16,7 @@ from proxy.cluster import Cluster
 from proxy.metrics import ProxyMetrics
 from proxy.routing import PrefixAwareRouting
 from common.protocol.wire import Tune
-from proxy.tac import (CHUNK_MIN, CHUNK_START, MIN_OUTCOMES, MIN_SERVED, THRESHOLD_START,
+from proxy.tac import (CHUNK_MIN, CHUNK_START, MIN_MISSES, MIN_OUTCOMES, MIN_SERVED, THRESHOLD_START,
                        AdaptiveController)
 from proxy.tac_workers import WEIGHT_MIN
 from proxy.tenants import TenantRegistry
@@ -51,12 +51,14 @@ def add_decode(tac: AdaptiveController, register: Register, now: float) -> None:
 
 
 def ended(tac: AdaptiveController, count: int, ttft_ms: float, tpot_ms: float, prompt: int = 256,
-          arrival: float = 0.0, bound: bool = True) -> None:
-    """``count`` choices ended with these times; ``bound``: the cap held every slot during the window."""
+          arrival: float = 0.0, bound: bool = True, waited_ms: float = 0.0) -> None:
+    """``count`` choices ended with these times; ``bound``: the cap held every slot during the window;
+    ``waited_ms``: each waited this long at the proxy before its prompt went."""
     tac.window.bound = tac.window.bound or bound
     for _ in range(count):
         first = arrival + ttft_ms / 1e3
         tac.ended(SimpleNamespace(prompt=[0] * prompt, stage=Stage.FINISHED, arrival=arrival,
+                                  admitted_at=arrival + waited_ms / 1e3,
                                   first_token_at=first, last_token_at=first + 63 * tpot_ms / 1e3,
                                   output_ids=[0] * 64, prefill_worker="p0", decode_worker="d0"), 0.0)
 
@@ -354,3 +356,41 @@ def test_nothing_is_decided_until_every_decode_worker_has_a_capacity_from_its_mo
     ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80, arrival=3.0)
     tac.tick(6.0)
     assert tac.decode_scale == 0.7
+
+
+def test_a_few_misses_of_a_light_load_move_nothing():
+    """2 TPOT misses in a window of 16 is over MISS_HIGH, and the noise of a lightly loaded cluster: shrinking
+    the knobs on it made the next requests wait."""
+    tac, _, _, _ = controller()
+    ended(tac, 2 * MIN_OUTCOMES - (MIN_MISSES - 1), ttft_ms=300, tpot_ms=20)
+    ended(tac, MIN_MISSES - 1, ttft_ms=300, tpot_ms=80)
+    tac.tick(2.0)
+    assert tac.decode_scale == 1.0 and not tac.prefill_budget and not tac.token_budget
+    ended(tac, 2 * MIN_OUTCOMES - MIN_MISSES, ttft_ms=300, tpot_ms=20)
+    ended(tac, MIN_MISSES, ttft_ms=300, tpot_ms=80)
+    tac.tick(4.0)
+    assert tac.decode_scale == 0.7
+
+
+def test_a_shrunk_scale_grows_back_when_requests_wait_for_it_and_the_tpot_target_is_met(caplog):
+    """The scale shrank on a burst's misses; when the load is light again, requests wait for the cap's few
+    slots while the TPOT target is met. It grows back towards the model's capacity (not past it: that takes
+    TTFT misses with room in the TPOT target) before they miss their first token."""
+    caplog.set_level(logging.INFO, logger="tessera.proxy.tac")
+    tac, _, _, _ = controller()
+    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
+    tac.tick(2.0)
+    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=80)
+    tac.tick(4.0)
+    assert tac.decode_scale == 0.5
+    ended(tac, MIN_OUTCOMES, ttft_ms=300, tpot_ms=45, waited_ms=50)  # waited, but not for long
+    tac.tick(6.0)
+    assert tac.decode_scale == 0.5
+    ended(tac, MIN_OUTCOMES, ttft_ms=600, tpot_ms=45, waited_ms=400, bound=False)  # the cap did not bind
+    tac.tick(8.0)
+    assert tac.decode_scale == 0.5
+    for second, scale in ((10.0, 0.625), (12.0, 0.781), (14.0, 0.976), (16.0, 1.0), (18.0, 1.0)):
+        ended(tac, MIN_OUTCOMES, ttft_ms=600, tpot_ms=45, waited_ms=400)
+        tac.tick(second)
+        assert tac.decode_scale == scale
+    assert "waited for the cap, the TPOT target met" in caplog.text
