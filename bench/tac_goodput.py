@@ -8,7 +8,7 @@ embedded model in ``--dtype``), each with the same targets and the same early re
 ``tpot_slo_ms``, ``early_rejection``): TAC on, the defaults, and the fixed settings named in ``ARMS``. Each arm
 runs the same schedule with ``tessera bench``: Poisson arrivals at 0.5x, 1x, 2x and 3x the measured capacity
 with ``--input-len`` prompts, then the prompts shift to ``--shift-input-len`` tokens at ``--shift-rates`` x
-capacity; before its first point, ``--warm-up-s`` at 0.5x, not counted. Every point draws fresh prompts (its own seed) and counts goodput: requests that met both targets,
+capacity (``--shift-duration-s`` a point); before its first point, ``--warm-up-s`` at 0.5x, not counted. Every point draws fresh prompts (its own seed) and counts goodput: requests that met both targets,
 per second (``--goodput ttft:.. tpot:..``). The capacity is measured first, on a defaults cluster: the request
 rate a closed loop of ``--probe-concurrency`` clients sustains (or given with ``--capacity``).
 """
@@ -72,9 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--shift-input-len", type=int, default=2048)
     parser.add_argument("--rates", default="0.5,1,2,3", help="the ramp, in multiples of the capacity")
-    parser.add_argument("--shift-rates", default="0.1,0.2",
-                        help="after the shift, in multiples of the capacity (at --input-len: 0.2 x is about what "
-                        "2,048-token prompts saturate at on 2 cores)")
+    parser.add_argument("--shift-rates", default="0.05,0.1,0.2",
+                        help="after the shift, in multiples of the capacity at --input-len (on 2 cores, 2,048-token "
+                        "prompts saturate at about 0.1x)")
+    parser.add_argument("--shift-duration-s", type=float, default=90.0,
+                        help="seconds per point after the shift (at 0.1x, 40 s is a dozen requests)")
     parser.add_argument("--ttft-ms", type=float, default=3000.0,
                         help="the TTFT target: one 2,048-token prompt alone takes 1.5-2 s on 2 shared cores")
     parser.add_argument("--tpot-ms", type=float, default=50.0)
@@ -113,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
                       duration_s=args.warm_up_s, result_dir=args.result_dir / f"{name}-warm-up", label="warm-up")
             for p, (input_len, multiple) in enumerate(schedule):
                 label = f"{name}-{input_len}-{multiple:g}x"
+                duration_s = args.duration_s if input_len == args.input_len else args.shift_duration_s
                 point = bench(cluster.url, args, input_len=input_len, rate=round(multiple * capacity, 3),
-                              seed=args.seed + 100 * p, duration_s=args.duration_s,
+                              seed=args.seed + 100 * p, duration_s=duration_s,
                               result_dir=args.result_dir / label, label=label)
                 row = {"arm": name, "input_len": input_len, "multiple": multiple,
                        "rate": round(multiple * capacity, 3), **{k: point.get(k) for k in (

@@ -66,8 +66,8 @@ class Cluster(WorkerMembership):
                                              latency_capped=self._within_tpot,
                                              slots_freeing=self.slot_forecast.freeing)
         self.slo.admission = self.admission
-        self.tac = AdaptiveController(config, self.registry, policy, self.admission, metrics, self.send, clock) \
-            if config.tac_enabled else None
+        self.tac = AdaptiveController(config, self.registry, policy, self.admission, metrics, self.send, clock,
+                                      lambda: self.inflight.values()) if config.tac_enabled else None
         self.inflight: dict[str, SubRequest] = {}
         self.draining = False
         self._clock = clock

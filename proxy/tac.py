@@ -48,6 +48,12 @@ them made the loop swing between too tight and too loose). Then, one rule per kn
   prompt); while the TTFT target is missed and the TPOT target is not, it grows by ``INCREASE``, and past
   ``BUDGET_UNBOUNDED_PROMPTS`` prompts it is lifted. The admission gate (``prefill_room``) always lets one
   prompt through.
+- the prefill gate (proxy/prefill_gate.py), on with the controller: where a prefill worker time-shares its
+  cores with decode workers (``worker.core_share``, as ``tessera up`` starts them), a prompt goes to it only
+  while the sequences decoding there can absorb it (and what it has not done yet) within their TPOT target;
+  else it waits at the proxy, where early rejection sees the wait. The budget bounds the prompts in flight;
+  the gate times them to the decoding sequences' slack (with 2,048-token prompts on 2 cores, one prompt is
+  1.5-2 s of every decoding sequence's time). Counted in ``tessera_tac_prefill_held_total``.
 - ``token_budget``: every worker's step token budget, so its largest prompt chunk (``Tune``, 0: each worker's
   ``max_num_batched_tokens``). With the TPOT target missed under the cap it halves (from ``CHUNK_START``, down to
   ``CHUNK_MIN``): a decode step then waits for at most a smaller chunk on the same cores, or shares its step
@@ -70,13 +76,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from common.config.roles import ProxyConfig
 from common.protocol.wire import Tune
 from proxy.admission import AdmissionController, Stage
 from proxy.metrics import ProxyMetrics
+from proxy.prefill_gate import PrefillGate
 from proxy.requests import SubRequest
 from proxy.routing import PrefixAwareRouting
 from proxy.tac_workers import DECREASE, INCREASE, MISS_HIGH, MISS_LOW, Speculation, reweigh
@@ -133,7 +140,8 @@ class Window:
 class AdaptiveController:
     def __init__(self, config: ProxyConfig, registry: WorkerRegistry, policy: PrefixAwareRouting,
                  admission: AdmissionController, metrics: ProxyMetrics, send: Callable[[str, object], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 inflight: Callable[[], Iterable[SubRequest]] = tuple) -> None:
         self.config = config
         self.registry = registry
         self.policy = policy
@@ -146,6 +154,7 @@ class AdaptiveController:
         self.prefill_budget = 0
         self.token_budget = 0
         self.speculation = Speculation(registry, self._decide)
+        self.gate = PrefillGate(registry, policy.outstanding_prefill_tokens, inflight, self._tpot_target_ms)
         self._told: dict[str, tuple] = {}  # worker id -> (epoch, the token budget and speculation it was told)
         self.window = Window(clock())
         self._mean_prompt = 0.0
@@ -204,11 +213,17 @@ class AdaptiveController:
         self.window.ttft_missed += 1
 
     def prefill_room(self) -> bool:
-        """Whether the prefill budget lets another prompt go to a prefill worker now (always one)."""
-        if not self.prefill_budget:
+        """Whether another prompt may go to a prefill worker now: the prefill budget lets it (always one), and
+        the sequences decoding on the cores it shares can absorb it (``PrefillGate``)."""
+        if self.prefill_budget:
+            outstanding = sum(self.policy.outstanding_prefill_tokens(w.worker_id)
+                              for w in self.registry.prefill_side())
+            if outstanding and outstanding >= self.prefill_budget:
+                return False
+        if self.gate.room(self._clock()):
             return True
-        outstanding = sum(self.policy.outstanding_prefill_tokens(w.worker_id) for w in self.registry.prefill_side())
-        return outstanding == 0 or outstanding < self.prefill_budget
+        self.metrics.tac_prefill_held.inc()
+        return False
 
     # -- the loop ---------------------------------------------------------------------------------
 

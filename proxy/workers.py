@@ -68,6 +68,7 @@ class WorkerState:
     step_cost: StepCostModel | None = None  # its fit of its step time (heartbeat); None: not known yet
     latency_capacity: int = 0  # sequences it may run within the TPOT target (proxy/capacity.py); 0: unknown
     tpot_target_ms: float = 0.0  # that target (capacity.tpot_target_ms); 0: no step model yet
+    core_group: str = ""  # the cores it time-shares with other workers (Register); "": its own
     lag: StepLag = field(default_factory=StepLag)  # its steps as they come, against its model
 
     @property
@@ -124,8 +125,7 @@ class WorkerRegistry:
             msg.worker_id, role, msg.epoch, msg.model, msg.model_version, msg.kv_layout, msg.num_blocks,
             msg.max_model_len, msg.transfer_backend, msg.transfer_metadata, last_seen=now,
             free_blocks=msg.num_blocks, max_num_seqs=msg.max_num_seqs or EngineConfig.max_num_seqs,
-            speculation=(msg.spec_num_tokens, msg.spec_max_batch_size),
-        )
+            speculation=(msg.spec_num_tokens, msg.spec_max_batch_size), core_group=msg.core_group)
         replaced = old if old is not None and old.epoch != msg.epoch else None
         if old is not None and replaced is None:  # a retried Register: keep the load we know
             for name in ("free_blocks", "num_running", "outstanding_prefill_tokens", "draining", "mean_context",

@@ -121,6 +121,8 @@ class Register(_Struct):
     # speculation as configured (engine.spec_num_tokens, spec_max_batch_size); 0, 0: it does not speculate
     spec_num_tokens: NonNegInt = 0
     spec_max_batch_size: NonNegInt = 0
+    # the cores it time-shares with other workers (host name and worker.core_share); "": cores of its own
+    core_group: Annotated[str, msgspec.Meta(max_length=4096)] = ""
 
 
 class RegisterAck(_Struct):

@@ -34,6 +34,7 @@ import fcntl
 import logging
 import os
 import signal
+import socket
 import time
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,12 @@ log = logging.getLogger(__name__)
 _SHARE, _WAITERS = 0, 1  # the byte ranges: the share itself, and the waiters' presence
 _HANDOFF_S = 0.002  # longest a releaser waits for a waiter to take the share
 _HANDOFF_POLL_S = 20e-6
+
+
+def core_group(path: str) -> str:
+    """Which cores a worker sharing them through ``path`` shares, as its registration tells the proxy (its
+    host and the file; proxy/prefill_gate.py): "" for a worker with cores of its own."""
+    return f"{socket.gethostname()}:{os.path.abspath(path)}" if path else ""
 
 
 class _Timeout(Exception):

@@ -44,7 +44,7 @@ from common.engine.llm_engine import LLMEngine, RequestError
 from common.engine.models.loader import model_version
 from common.protocol import wire
 from common.runtime import sd_notify
-from common.runtime.core_share import CoreShare
+from common.runtime.core_share import CoreShare, core_group
 from common.runtime.health_server import HealthServer
 from common.runtime.telemetry import WorkerMetrics, request_scope
 from common.runtime.tracing import make_tracing
@@ -333,6 +333,7 @@ class WorkerBase:
             transfer_backend=self.transfer_name,
             transfer_metadata=self.transfer_metadata,
             max_num_seqs=self.config.engine.max_num_seqs,
+            core_group=core_group(self.config.core_share),
             **({} if self.config.engine.spec_method == "off" else {
                 "spec_num_tokens": self.config.engine.spec_num_tokens,
                 "spec_max_batch_size": self.config.engine.spec_max_batch_size}),

@@ -1,0 +1,94 @@
+"""The adaptive controller's prefill gate (proxy/prefill_gate.py): a prompt waits while the sequences decoding on
+the cores its prefill worker shares could not absorb it within their TPOT target."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from common.protocol.wire import Heartbeat, KVLayoutInfo, Register, StepCostModel, decode, encode
+from common.runtime.core_share import core_group
+from common.runtime.prometheus_text import total
+from proxy.admission import Stage
+from proxy.prefill_gate import PrefillGate, slack_ms
+from proxy.workers import WorkerRegistry
+from tests.unit.test_tac import controller
+
+LAYOUT = KVLayoutInfo(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")
+# a decode step: 9 ms + 1 ms a row; a prompt: 6 ms + 0.3 ms a token + 0.02 ms per thousand query x key pairs
+COST = StepCostModel(small_max_rows=8, small=[9.0, 1.0, 0.0, 0.0, 0.0], large=[6.0, 1.0, 0.0, 0.3, 0.02])
+TARGET_MS = 50.0
+
+
+def registry(prefill_group: str = "h:/tmp/cores", decode_group: str = "h:/tmp/cores") -> WorkerRegistry:
+    reg = WorkerRegistry(5.0, TARGET_MS)
+    for worker_id, role, group in (("p0", "prefill", prefill_group), ("d0", "decode", decode_group)):
+        assert reg.register(Register(worker_id, role, 1, "m", "v", LAYOUT, 1000, 4096, "fake", b"", 128,
+                                     core_group=group), 0.0).ack.accepted
+        reg.heartbeat(Heartbeat(worker_id, 1, 900, 1 if role == "decode" else 0, 0, 0, False, 0, COST), 0.0)
+    return reg
+
+
+def decoding(done: int, elapsed_s: float, now: float = 100.0, max_tokens: int = 64, worker: str = "d0"):
+    """A choice decoding on ``worker``: ``done`` of its ``max_tokens`` tokens out, its first ``elapsed_s`` ago."""
+    return SimpleNamespace(stage=Stage.DECODING, decode_worker=worker, params=SimpleNamespace(max_tokens=max_tokens),
+                           output_ids=[0] * done, first_token_at=now - elapsed_s, tokens=[0] * 256)
+
+
+def waiting(prompt: int):
+    return SimpleNamespace(stage=Stage.QUEUED, decode_worker=None, tokens=[0] * prompt, first_token_at=None)
+
+
+def gate(reg: WorkerRegistry, inflight: list, outstanding: int = 0) -> PrefillGate:
+    return PrefillGate(reg, lambda worker_id: outstanding, lambda: inflight, lambda sub: TARGET_MS)
+
+
+def test_the_slack_is_the_target_over_the_remaining_gaps_less_what_the_tokens_took_and_will_take():
+    reg = registry()
+    # 63 gaps at 50 ms = 3,150 ms; 10 tokens took 0.5 s; 54 more at the 1-row step of 10 ms
+    assert slack_ms(decoding(10, 0.5), reg.workers["d0"], TARGET_MS, 100.0) == 3150 - 500 - 54 * 10
+    assert slack_ms(waiting(8), reg.workers["d0"], TARGET_MS, 100.0) == float("inf")  # no first token yet
+
+
+def test_a_long_prompt_waits_for_the_sequences_decoding_on_the_same_cores():
+    reg = registry()
+    fresh, late = decoding(10, 0.5), decoding(40, 2.6)  # slack 2,110 ms and 3,150 - 2,600 - 24 x 10 = 310 ms
+    # a 2,048-token prompt: 6 + 614.4 + 0.02 x 2,097 = 662 ms of the shared cores; a 256-token one 84 ms
+    assert gate(reg, [fresh, waiting(2048)]).room(100.0)
+    assert not gate(reg, [fresh, late, waiting(2048)]).room(100.0)
+    assert gate(reg, [fresh, late, waiting(256)]).room(100.0)
+    # the prompts the prefill worker has not done yet run first: 1,024 tokens outstanding and 256 more
+    assert not gate(reg, [fresh, late, waiting(256)], outstanding=1024).room(100.0)
+    assert gate(reg, [late, waiting(2048)]).room(103.0) is False  # the slack shrinks as the tokens take longer
+    assert gate(reg, [fresh, waiting(2048)], outstanding=0).room(100.0)
+
+
+def test_it_holds_nothing_with_nothing_waiting_or_decoding_and_never_across_hosts():
+    reg = registry()
+    late = decoding(40, 2.6)
+    assert gate(reg, [late]).room(100.0)  # nothing waits
+    assert gate(reg, [waiting(2048)]).room(100.0)  # nothing decodes: a prompt always goes
+    assert gate(registry(decode_group="other:/tmp/cores"), [late, waiting(2048)]).room(100.0)
+    assert gate(registry(prefill_group="", decode_group=""), [late, waiting(2048)]).room(100.0)
+
+
+def test_the_controller_holds_prompts_through_the_gate_and_counts_them():
+    tac, _, metrics, _ = controller()
+    reg = tac.registry
+    reg.heartbeat(Heartbeat("p0", 1, 900, 0, 0, 0, False, 0, COST), 0.0)
+    for worker_id in ("p0", "d0"):
+        reg.workers[worker_id].core_group = "h:/tmp/cores"
+    inflight = [decoding(40, 2.6, now=0.0), waiting(2048)]
+    tac.gate._inflight = lambda: inflight
+    assert not tac.prefill_room()
+    assert total(metrics.render().decode(), "tessera_tac_prefill_held_total") == 1
+    inflight.pop(0)  # the sequence ended
+    assert tac.prefill_room()
+
+
+def test_a_worker_sharing_cores_says_which_in_its_registration():
+    assert core_group("") == ""
+    group = core_group("/tmp/tessera-cores-1")
+    assert group.endswith(":/tmp/tessera-cores-1") and group != ":/tmp/tessera-cores-1"
+    msg = Register("p0", "prefill", 1, "m", "v", LAYOUT, 1000, 4096, "fake", b"", 128, core_group=group)
+    assert decode(encode(msg)).core_group == group
+    old = Register("p0", "prefill", 1, "m", "v", LAYOUT, 1000, 4096, "fake", b"", 128)
+    assert decode(encode(old)).core_group == ""  # a worker that says nothing shares nothing
