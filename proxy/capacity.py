@@ -164,29 +164,40 @@ class TtftForecast:
     idle stretches are not counted), and the time from a choice's admission to its first token. Mooncake's
     early rejection predicts from queue and load the same way; this one needs no model of its own, so it
     holds for either layout and any worker.
+
+    Both scale with the prompt: a prediction for an ``n``-token prompt is the means times ``n`` over the mean
+    prompt admitted, the new prompt standing in for those ahead of it too. When the prompts grow from 256 to
+    2,048 tokens, each admission and each prefill takes several times longer at once, and the means, over
+    choices, took a minute of the longer ones to follow (meanwhile, requests were admitted to wait 7-15 s).
     """
     interval_s: float = 0.0
     intervals: int = 0
     service_s: float = 0.0
     services: int = 0
+    tokens: float = 0.0  # the mean prompt admitted (decayed as the means are)
+    admissions: int = 0
     last_admitted: float | None = None  # the previous admission, if choices were still waiting after it
 
-    def admitted(self, now: float, still_waiting: bool) -> None:
+    def admitted(self, now: float, still_waiting: bool, tokens: int = 0) -> None:
         if self.last_admitted is not None:
             self.interval_s = _decayed(self.interval_s, now - self.last_admitted, self.intervals)
             self.intervals += 1
         self.last_admitted = now if still_waiting else None
+        if tokens:
+            self.tokens = _decayed(self.tokens, float(tokens), self.admissions)
+            self.admissions += 1
 
     def first_token(self, service_s: float) -> None:
         self.service_s = _decayed(self.service_s, service_s, self.services)
         self.services += 1
 
-    def predict_s(self, ahead: int) -> float | None:
-        """Seconds until the first token of a choice with ``ahead`` choices to be admitted before it; None
-        while too few requests were seen to say."""
+    def predict_s(self, ahead: int, tokens: int = 0) -> float | None:
+        """Seconds until the first token of a choice of a ``tokens``-token prompt (0: as long as the mean) with
+        ``ahead`` choices to be admitted before it; None while too few requests were seen to say."""
         if self.services < TTFT_MIN_SAMPLES or (ahead and self.intervals < TTFT_MIN_SAMPLES):
             return None
-        return ahead * self.interval_s + self.service_s
+        scale = tokens / self.tokens if tokens and self.tokens > 0 else 1.0
+        return (ahead * self.interval_s + self.service_s) * scale
 
 
 def _decayed(mean: float, sample: float, count: int) -> float:

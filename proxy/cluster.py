@@ -184,7 +184,7 @@ class Cluster(WorkerMembership):
         self.admission.check_room(tenant, len(prompts) * params.n)
         if self.slo.forecast is not None:
             try:
-                self.slo.reject_early(tenant)
+                self.slo.reject_early(tenant, max(map(len, prompts)))
             except ApiError:
                 if self.tac is not None:
                     self.tac.rejected()

@@ -9,8 +9,11 @@ the time its tokens took so far, less what its remaining tokens will take at the
 model's, and the lag the proxy measured beyond it). The
 gate lets a prompt go to a prefill worker only while every sequence decoding on the workers sharing its cores
 can absorb the prompts that worker has not done yet and one more (the worker's own step model predicts how long
-they take); otherwise it waits at the proxy, where early rejection sees the wait (proxy/slo.py) and the fairness
-policy orders it, until sequences end or their slack grows. With nothing decoding there, a prompt always goes.
+they take), and every choice whose prompt it is running can absorb the prompts sent after it and one more (it
+decodes right after: when two 2,048-token prompts went one after the other, the second's prefill stalled the
+first's decode by 1.5-2 s); otherwise it waits at the proxy, where early rejection sees the wait (proxy/slo.py)
+and the fairness policy orders it, until sequences end. With nothing decoding or prefilling there, a prompt
+always goes.
 
 A prompt held back costs its own TTFT; one let through would cost every sequence beside it its TPOT. Goodput
 counts a request only when it meets both, hence the choice. Workers that share no cores (``core_group`` empty,
@@ -26,16 +29,17 @@ from proxy.workers import WorkerRegistry, WorkerState
 
 
 def slack_ms(sub: SubRequest, worker: WorkerState, target_ms: float, now: float) -> float:
-    """How long ``sub``, decoding on ``worker``, may still wait between two tokens and keep its TPOT within
-    ``target_ms`` over its ``max_tokens`` (a request that stops at an end-of-sequence token earlier has less)."""
-    if sub.first_token_at is None or worker.step_cost is None or sub.params.max_tokens <= 1:
+    """How long ``sub``, decoding on ``worker`` (or to decode there once its prompt is done), may still wait
+    between two tokens and keep its TPOT within ``target_ms`` over its ``max_tokens`` (a request that stops at an
+    end-of-sequence token earlier has less)."""
+    total = sub.params.max_tokens
+    if worker.step_cost is None or total <= 1:
         return float("inf")
-    total, done = sub.params.max_tokens, len(sub.output_ids)
     rows = max(worker.num_running, 1)
     # the step the capacity holds within the target (proxy/capacity.py): the model's, and the lag it measured
     step_ms = worker.step_cost.step_ms(rows, rows * worker.mean_context) + worker.lag.at(rows, cap_ms=target_ms / 2)
-    elapsed_ms = (now - sub.first_token_at) * 1e3
-    return target_ms * (total - 1) - elapsed_ms - max(total - done, 0) * step_ms
+    elapsed_ms = (now - sub.first_token_at) * 1e3 if sub.first_token_at is not None else 0.0
+    return target_ms * (total - 1) - elapsed_ms - max(total - len(sub.output_ids), 0) * step_ms
 
 
 class PrefillGate:
@@ -51,28 +55,43 @@ class PrefillGate:
         prefill = [w for w in self.registry.prefill_side() if not w.draining]
         if not prefill:
             return True
-        least: dict[str, float] = {}  # core group -> the least slack of a sequence decoding there
         waiting = waiting_tokens = 0
+        exposed = []  # choices a prompt sent now would stall: decoding, or to decode once their prompt is done
         for sub in self._inflight():
             if sub.stage is Stage.QUEUED:
                 waiting += 1
                 waiting_tokens += len(sub.tokens)
-                continue
-            if sub.stage is not Stage.DECODING:
-                continue
-            worker = self.registry.workers.get(sub.decode_worker or "")
-            if worker is None or not worker.core_group:
-                continue
-            slack = slack_ms(sub, worker, self._target_ms(sub), now)
-            least[worker.core_group] = min(least.get(worker.core_group, slack), slack)
+            elif sub.stage in (Stage.PREFILLING, Stage.READY, Stage.DECODING):
+                exposed.append(sub)
         if not waiting:
             return True
-        prompt_tokens = waiting_tokens // waiting
+        prompt = waiting_tokens // waiting
+        decoders = {w.core_group: w for w in self.registry.decode_side()
+                    if w.core_group and w.step_cost is not None and not w.draining}
         for worker in prefill:
-            slack = least.get(worker.core_group) if worker.core_group else None
-            if slack is None or worker.step_cost is None:
-                return True
-            tokens = self._outstanding(worker.worker_id) + prompt_tokens  # as prompts of this size, one after another
-            if worker.step_cost.step_ms(0, 0, tokens, tokens * prompt_tokens // 2) <= slack:
+            decoder = decoders.get(worker.core_group) if worker.core_group else None
+            if decoder is None or worker.step_cost is None:
+                return True  # shares its cores with no decode worker (or has no model yet): nothing to stall
+            outstanding = self._outstanding(worker.worker_id)
+            if all(self._absorbs(sub, worker, decoder, outstanding, prompt, now) for sub in exposed):
                 return True
         return False
+
+    def _absorbs(self, sub: SubRequest, prefill: WorkerState, decoder: WorkerState, outstanding: int, prompt: int,
+                 now: float) -> bool:
+        """Whether ``sub`` keeps its TPOT target if a ``prompt``-token prompt goes to ``prefill`` now, after the
+        ``outstanding`` tokens it has not done: all of them stall a sequence decoding on its cores; one whose
+        own prompt it runs is stalled by the others only (the ones ahead of it delay its first token instead, but
+        which are ahead is not known here)."""
+        if sub.stage is Stage.PREFILLING:
+            if sub.prefill_worker != prefill.worker_id:
+                return True
+            stall_tokens = max(outstanding - len(sub.tokens), 0) + prompt
+        else:
+            worker = self.registry.workers.get(sub.decode_worker or "", decoder)
+            if worker.core_group != prefill.core_group:
+                return True
+            decoder, stall_tokens = worker, outstanding + prompt
+        # as prompts of this size, one after another
+        stall_ms = prefill.step_cost.step_ms(0, 0, stall_tokens, stall_tokens * prompt // 2)
+        return stall_ms <= slack_ms(sub, decoder, self._target_ms(sub), now)

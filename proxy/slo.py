@@ -62,15 +62,16 @@ class SloControls:
             or w.step_cost.step_ms(0, 0, tokens) <= budget_ms for w in workers)
 
     def admitted_to_prefill(self, sub: SubRequest, now: float) -> None:
-        self.forecast.admitted(now, self.admission.total(Stage.QUEUED) > 0)
+        self.forecast.admitted(now, self.admission.total(Stage.QUEUED) > 0, len(sub.tokens))
 
     def tokens_emitted(self, sub: SubRequest, now: float) -> None:
         """``sub`` just emitted ``sub.new_tokens``: if they are its first, the forecast learns how long they took."""
         if sub.admitted_at is not None and len(sub.output_ids) == sub.new_tokens:
             self.forecast.first_token(now - sub.admitted_at)
 
-    def reject_early(self, tenant: Tenant) -> None:
-        """ApiError when a new choice of ``tenant`` is predicted to get its first token after ``ttft_slo_ms``.
+    def reject_early(self, tenant: Tenant, prompt_tokens: int = 0) -> None:
+        """ApiError when a new choice of ``tenant``, of a ``prompt_tokens``-token prompt, is predicted to get its
+        first token after ``ttft_slo_ms``.
 
         Never while nothing waits ahead of it: it would be admitted now, and refusing it would not make the
         cluster faster (nor could the forecast learn otherwise). A request's own choices (``n``, several
@@ -83,7 +84,7 @@ class SloControls:
                               tenant.lane)
         if not ahead:
             return
-        predicted_s = self.forecast.predict_s(ahead)
+        predicted_s = self.forecast.predict_s(ahead, prompt_tokens)
         target_s = self.config.ttft_slo_ms / 1e3
         if predicted_s is None or predicted_s <= target_s:
             return

@@ -33,6 +33,11 @@ def decoding(done: int, elapsed_s: float, now: float = 100.0, max_tokens: int = 
                            output_ids=[0] * done, first_token_at=now - elapsed_s, tokens=[0] * 256)
 
 
+def prefilling(prompt: int, max_tokens: int = 64, worker: str = "p0"):
+    return SimpleNamespace(stage=Stage.PREFILLING, prefill_worker=worker, decode_worker=None, tokens=[0] * prompt,
+                           params=SimpleNamespace(max_tokens=max_tokens), output_ids=[], first_token_at=None)
+
+
 def waiting(prompt: int):
     return SimpleNamespace(stage=Stage.QUEUED, decode_worker=None, tokens=[0] * prompt, first_token_at=None)
 
@@ -45,7 +50,8 @@ def test_the_slack_is_the_target_over_the_remaining_gaps_less_what_the_tokens_to
     reg = registry()
     # 63 gaps at 50 ms = 3,150 ms; 10 tokens took 0.5 s; 54 more at the 1-row step of 10 ms
     assert slack_ms(decoding(10, 0.5), reg.workers["d0"], TARGET_MS, 100.0) == 3150 - 500 - 54 * 10
-    assert slack_ms(waiting(8), reg.workers["d0"], TARGET_MS, 100.0) == float("inf")  # no first token yet
+    # one still prefilling has all of its gaps ahead: 3,150 - 64 x 10
+    assert slack_ms(prefilling(2048), reg.workers["d0"], TARGET_MS, 100.0) == 3150 - 64 * 10
 
 
 def test_a_long_prompt_waits_for_the_sequences_decoding_on_the_same_cores():
@@ -59,6 +65,17 @@ def test_a_long_prompt_waits_for_the_sequences_decoding_on_the_same_cores():
     assert not gate(reg, [fresh, late, waiting(256)], outstanding=1024).room(100.0)
     assert gate(reg, [late, waiting(2048)]).room(103.0) is False  # the slack shrinks as the tokens take longer
     assert gate(reg, [fresh, waiting(2048)], outstanding=0).room(100.0)
+
+
+def test_a_prompt_in_flight_is_stalled_by_the_ones_sent_after_it():
+    reg = registry()
+    # its own 2,048 tokens delay its first token, not its TPOT: the next 2,048 (662 ms) fit its 2,510 ms
+    assert gate(reg, [prefilling(2048), waiting(2048)], outstanding=2048).room(100.0)
+    # 16 tokens to come: 50 x 15 - 16 x 10 = 590 ms, less than the next prompt
+    assert not gate(reg, [prefilling(2048, max_tokens=16), waiting(2048)], outstanding=2048).room(100.0)
+    assert gate(reg, [prefilling(2048, max_tokens=16), waiting(256)], outstanding=2048).room(100.0)
+    # one on another prefill worker is not stalled by this one's prompts
+    assert gate(reg, [prefilling(2048, max_tokens=16, worker="p1"), waiting(2048)], outstanding=2048).room(100.0)
 
 
 def test_it_holds_nothing_with_nothing_waiting_or_decoding_and_never_across_hosts():

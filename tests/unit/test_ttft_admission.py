@@ -33,6 +33,18 @@ def test_the_forecast_is_the_wait_for_admission_plus_the_time_to_the_first_token
     assert forecast.predict_s(10) == pytest.approx(10 * 0.05 + 0.2)
 
 
+def test_the_forecast_scales_with_the_prompt():
+    """Admissions of 256-token prompts every 50 ms, first tokens 0.2 s after: a 2,048-token prompt behind 4
+    others waits 8 x as long (they stand in for those ahead of it) and prefills 8 x as long."""
+    forecast = TtftForecast()
+    for i in range(TTFT_MIN_SAMPLES + 1):
+        forecast.admitted(i * 0.05, still_waiting=True, tokens=256)
+        forecast.first_token(0.2)
+    assert forecast.predict_s(4, 256) == pytest.approx(4 * 0.05 + 0.2)
+    assert forecast.predict_s(4, 2048) == pytest.approx(8 * (4 * 0.05 + 0.2))
+    assert forecast.predict_s(4) == pytest.approx(4 * 0.05 + 0.2)  # length not given: the mean's
+
+
 def test_idle_time_between_admissions_is_not_counted_as_slowness():
     forecast = TtftForecast()
     now = 0.0
