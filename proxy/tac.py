@@ -3,7 +3,7 @@ fixed, to maximise goodput (choices that meet both the TTFT and the TPOT target,
 
 Off by default (``tac_enabled``); off, nothing here runs and every knob keeps its configured value. On, every
 ``tac_interval_s`` (once every decode worker's capacity comes from its fitted step model; the choices
-admitted before say nothing of it) it looks at the choices that ended since its last decision (once at least ``MIN_OUTCOMES``
+admitted before say nothing of it) it looks at the choices that ended since its last decision (proxy/tac_window.py; once at least ``MIN_OUTCOMES``
 did and ``MIN_SERVED`` of them were served, so refusals alone decide nothing, or ``MAX_WINDOWS`` intervals
 passed): how many met both targets, how many missed the TTFT target (``ttft_slo_ms``; a choice that failed
 before its first token, say by ``queue_timeout_s``, counts as a miss) and how many the TPOT target (``tpot_slo_ms``, or the target the capacity model derived for their decode worker,
@@ -64,7 +64,9 @@ them made the loop swing between too tight and too loose). Then, one rule per kn
   their decode worker, proxy/routing.py). While the TTFT target is missed, the TPOT target is not and the
   decode workers run below their capacity (the prefill side is the bottleneck), it doubles (from
   ``THRESHOLD_START``, at most ``THRESHOLD_MAX``); when the TPOT target is missed it halves back towards the
-  configured value.
+  configured value. Not where every decode worker shares its cores with a prefill worker: there the prefill
+  side has no compute of its own to relieve, and the prompts moved would skip the prefill gate (in a run at 2x
+  capacity with the gate, it went up to 2,048 and back down every few windows).
 
 - speculation's ``k`` and batch size, and per-worker routing weights: proxy/tac_workers.py.
 
@@ -77,7 +79,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 from common.config.roles import ProxyConfig
 from common.protocol.wire import Tune
@@ -86,16 +87,12 @@ from proxy.metrics import ProxyMetrics
 from proxy.prefill_gate import PrefillGate
 from proxy.requests import SubRequest
 from proxy.routing import PrefixAwareRouting
-from proxy.tac_workers import DECREASE, INCREASE, MISS_HIGH, MISS_LOW, Speculation, reweigh
+from proxy.tac_window import MAX_WINDOWS, MIN_OUTCOMES, MIN_SERVED, Window
+from proxy.tac_workers import DECREASE, INCREASE, MISS_LOW, Speculation, reweigh
 from proxy.workers import WorkerRegistry
 
 log = logging.getLogger("tessera.proxy.tac")
 
-MIN_OUTCOMES = 8  # a window decides once this many choices ended in it ...
-MIN_SERVED = 4  # ... of which this many were served (their TPOT measured; refusals alone decide nothing) ...
-MAX_WINDOWS = 5  # ... or this many intervals passed (then on what it has, if anything)
-MIN_MISSES = 3  # a target counts as missed only when at least this many choices missed it (and > MISS_HIGH did)
-WAITED = 0.1  # a choice waited for the cap when its wait before prefill admission passed this share of ttft_slo_ms
 TPOT_SLACK = 0.8  # the cap loosens on TTFT misses only while the served choices' mean TPOT is within this of it
 BUDGET_UNBOUNDED_PROMPTS = 32  # a budget of this many mean prompts is lifted
 THRESHOLD_START = 64
@@ -104,37 +101,6 @@ CHUNK_START = 1024  # the first token budget below the configured one (2048 by d
 CHUNK_MIN = 256
 SCALE_MIN = 0.5  # decode_scale, at least (below, the cause is not the batch: it only cost throughput) ...
 SCALE_MAX = 4.0  # ... and at most (past it, the cap goes off)
-
-
-@dataclass
-class Window:
-    """The choices that ended since the last decision."""
-    started_at: float
-    intervals: int = 0
-    good: int = 0
-    ttft_missed: int = 0
-    tpot_missed: int = 0
-    ended: int = 0
-    served: int = 0  # of them, the ones whose TPOT was measured (not refused, not failed before a second token)
-    tpot_load: float = 0.0  # their TPOT over its target, summed
-    prompt_tokens: int = 0
-    waited: int = 0  # of them, the ones that waited at the proxy past WAITED x ttft_slo_ms before their prompt went
-    bound: bool = False  # the cap held every slot at one of the intervals it spanned
-    workers: dict[str, list[int]] = field(default_factory=dict)  # worker id -> [its choices, missed its target]
-
-    def count(self, worker_id: str | None, missed: bool) -> None:
-        if worker_id is not None:
-            counts = self.workers.setdefault(worker_id, [0, 0])
-            counts[0] += 1
-            counts[1] += missed
-
-    def ratio(self, count: int) -> float:
-        return count / self.ended if self.ended else 0.0
-
-    def missed(self, count: int) -> bool:
-        """Whether ``count`` misses of the window say its target was missed: more than ``MISS_HIGH`` of it, and
-        at least ``MIN_MISSES`` (2 of 16, or 1 of 8, is the noise of a lightly loaded cluster)."""
-        return count >= MIN_MISSES and self.ratio(count) > MISS_HIGH
 
 
 class AdaptiveController:
@@ -167,37 +133,10 @@ class AdaptiveController:
     # -- what the cluster tells it ------------------------------------------------------------------
 
     def ended(self, sub: SubRequest, now: float) -> None:
-        """``sub`` ended (finished or failed): counted in the window against the targets."""
-        window = self.window
-        if sub.first_token_at is None and sub.stage is not Stage.FAILED:
-            return
-        if sub.arrival < self._changed_at:  # admitted under the previous setting: says nothing of this one
-            return
-        window.ended += 1
-        window.prompt_tokens += len(sub.prompt)
-        if sub.first_token_at is None:  # failed before its first token: a miss
-            window.ttft_missed += 1
-            window.count(sub.prefill_worker or sub.decode_worker, True)
-            return
-        ttft_ok = (sub.first_token_at - sub.arrival) * 1e3 <= self.config.ttft_slo_ms
-        admitted_at = getattr(sub, "admitted_at", None)
-        if admitted_at is not None and (admitted_at - sub.arrival) * 1e3 > WAITED * self.config.ttft_slo_ms:
-            window.waited += 1
-        tpot_ok = True
-        if len(sub.output_ids) > 1:
-            tpot_ms = (sub.last_token_at - sub.first_token_at) * 1e3 / (len(sub.output_ids) - 1)
-            target_ms = self._tpot_target_ms(sub)
-            tpot_ok = tpot_ms <= target_ms
-            window.served += 1
-            window.tpot_load += min(tpot_ms / target_ms, 10.0)
-        window.ttft_missed += not ttft_ok
-        window.tpot_missed += not tpot_ok
-        if sub.prefill_worker is not None:  # disaggregated: the TTFT is the prefill worker's, the TPOT the other's
-            window.count(sub.prefill_worker, not ttft_ok)
-            window.count(sub.decode_worker, not tpot_ok)
-        else:
-            window.count(sub.decode_worker, not (ttft_ok and tpot_ok))
-        window.good += ttft_ok and tpot_ok
+        """``sub`` ended (finished or failed): counted in the window against the targets, unless it arrived
+        before the cap or its scale last changed (it says nothing of this setting)."""
+        if sub.arrival >= self._changed_at:
+            self.window.add(sub, self.config.ttft_slo_ms, self._tpot_target_ms)
 
     def _tpot_target_ms(self, sub: SubRequest) -> float:
         if self.config.tpot_slo_ms:
@@ -350,7 +289,7 @@ class AdaptiveController:
             del self._told[worker_id]
 
     def _raise_threshold(self, why: str) -> None:
-        if not isinstance(self.policy, PrefixAwareRouting) or not self.registry.prefill_side():
+        if not isinstance(self.policy, PrefixAwareRouting) or not self.registry.prefill_side() or self._cores_shared():
             return
         current = self.policy.local_prefill_threshold
         threshold = min(max(current * 2, THRESHOLD_START), THRESHOLD_MAX)
@@ -369,6 +308,13 @@ class AdaptiveController:
             threshold = self._configured_threshold
         self._decide("local_prefill_threshold", current, threshold, why)
         self.policy.local_prefill_threshold = threshold
+
+    def _cores_shared(self) -> bool:
+        """Whether every decode-capable worker time-shares its cores with a prefill worker (``tessera up``): a
+        prompt moved to one computes on the same cores, past the prefill gate."""
+        groups = {w.core_group for w in self.registry.prefill_side() if w.core_group}
+        decode = self.registry.decode_side()
+        return bool(groups) and bool(decode) and all(w.core_group in groups for w in decode)
 
     def _capacity_known(self) -> bool:
         """Whether every decode worker taking work has a TPOT capacity from its own step model."""

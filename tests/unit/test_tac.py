@@ -16,8 +16,8 @@ from proxy.cluster import Cluster
 from proxy.metrics import ProxyMetrics
 from proxy.routing import PrefixAwareRouting
 from common.protocol.wire import Tune
-from proxy.tac import (CHUNK_MIN, CHUNK_START, MIN_MISSES, MIN_OUTCOMES, MIN_SERVED, THRESHOLD_START,
-                       AdaptiveController)
+from proxy.tac import CHUNK_MIN, CHUNK_START, THRESHOLD_START, AdaptiveController
+from proxy.tac_window import MIN_MISSES, MIN_OUTCOMES, MIN_SERVED
 from proxy.tac_workers import WEIGHT_MIN
 from proxy.tenants import TenantRegistry
 from proxy.workers import WorkerRegistry
@@ -114,6 +114,20 @@ def test_ttft_misses_with_tpot_met_grow_the_budget_and_move_short_prompts_to_the
     tac.tick(50.0)
     assert policy.local_prefill_threshold == 1024  # TPOT misses halve it back towards the configured 0
     assert total(metrics.render().decode(), "tessera_tac_knob", knob="local_prefill_threshold") == 1024
+
+
+def test_short_prompts_stay_off_a_decode_worker_that_shares_its_cores_with_the_prefill_worker():
+    tac, policy, _, _ = controller()
+    for worker_id in ("p0", "d0"):
+        tac.registry.workers[worker_id].core_group = "h:/tmp/cores"
+    for second in (2.0, 4.0):
+        ended(tac, MIN_OUTCOMES, ttft_ms=3000, tpot_ms=20)
+        tac.tick(second)
+    assert policy.local_prefill_threshold == 0
+    tac.registry.workers["d0"].core_group = "other:/tmp/cores"  # its own cores: the prefill side is relieved
+    ended(tac, MIN_OUTCOMES, ttft_ms=3000, tpot_ms=20)
+    tac.tick(6.0)
+    assert policy.local_prefill_threshold == THRESHOLD_START
 
 
 def admission_tenant(admission: AdmissionController):
