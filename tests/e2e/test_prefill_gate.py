@@ -1,0 +1,90 @@
+"""The adaptive controller's prefill gate (proxy/prefill_gate.py) on real clusters: real workers say over the wire
+which cores they share, and with ``tessera up``'s layout (a prefill and a decode worker time-sharing the cores) a
+prompt waits at the proxy while a sequence decoding beside it has no room for it in its TPOT target; with
+workers on cores of their own, nothing is held.
+
+The TPOT target here (0.01 ms) is one no sequence can meet, so that the gate's answer does not depend on how
+fast this machine is: every decoding sequence has less slack than any prompt costs. What it holds under a real
+target and load is bench/tac_goodput.py's (docs/benchmarks.md)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from common.cli.local_cluster import LocalCluster, post_json
+from common.runtime.prometheus_text import total
+
+TAC = ["tac_enabled=true", "ttft_slo_ms=60000", "tpot_slo_ms=0.01"]
+
+
+def start(model_dir, log_dir, shared: bool) -> LocalCluster:
+    options = {"threads": 0, "share_cores": True} if shared else {"threads": 1}
+    return LocalCluster.for_tests(model_dir, log_dir, transfer_backend="zmq", proxy_overrides=TAC, **options).start()
+
+
+def warm_up(cluster: LocalCluster, model: str) -> None:
+    """Each worker fits its step model (20 steps of 2 sizes at least) and reports it in its heartbeat before the
+    gate can weigh anything: prompts of several lengths one at a time (one prompt a step), then several at once
+    (decode steps of several rows)."""
+    def one(i: int) -> None:
+        status, body = post_json(cluster.url + "/v1/completions", {
+            "model": model, "prompt": "word " * (8 + 6 * i), "max_tokens": 12, "ignore_eos": True})
+        assert status == 200, body
+
+    for i in range(24):
+        one(i)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    time.sleep(1.0)  # a few heartbeats: the proxy has both models
+
+
+def held(cluster: LocalCluster) -> float:
+    return total(httpx.get(cluster.url + "/metrics", timeout=10).text, "tessera_tac_prefill_held_total")
+
+
+def decode_beside(cluster: LocalCluster, model: str) -> tuple[float, float]:
+    """A long stream decodes; after its first tokens another request comes. When the stream's last token and the
+    other request's answer came, in seconds from the start."""
+    start = time.monotonic()
+    ended: dict[str, float] = {}
+
+    def other() -> None:
+        status, body = post_json(cluster.url + "/v1/completions", {
+            "model": model, "prompt": "another prompt " * 8, "max_tokens": 2, "ignore_eos": True})
+        assert status == 200, body
+        ended["other"] = time.monotonic() - start
+
+    body = {"model": model, "prompt": "a long story " * 4, "max_tokens": 160, "ignore_eos": True, "stream": True}
+    waiter = threading.Thread(target=other)
+    with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=120) as resp:
+        for i, line in enumerate(resp.iter_lines()):
+            if i == 3:
+                waiter.start()
+            if line == "data: [DONE]":
+                ended["stream"] = time.monotonic() - start
+    waiter.join(timeout=120)
+    return ended["stream"], ended["other"]
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-cores", "own-cores"])
+def test_a_prompt_waits_for_a_sequence_decoding_on_the_same_cores(tiny_chat_model_dir, tmp_path, shared):
+    cluster = start(tiny_chat_model_dir, tmp_path, shared)
+    try:
+        model = httpx.get(cluster.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        warm_up(cluster, model)
+        before = held(cluster)
+        stream_ended, other_ended = decode_beside(cluster, model)
+        if shared:
+            assert held(cluster) > before  # the gate weighed the stream's slack against the prompt, and said no
+        else:
+            assert held(cluster) == 0  # no cores shared: no prompt is ever held
+        assert other_ended > 0 and stream_ended > 0  # both served; the other request was not lost while it waited
+    finally:
+        codes = cluster.stop()
+    assert all(code == 0 for code in codes.values()), codes
