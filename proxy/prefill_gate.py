@@ -52,9 +52,11 @@ class PrefillGate:
 
     def room(self, now: float) -> bool:
         """Whether the next prompt (as long as the mean of those waiting) may go to some prefill worker now."""
+        decoders = {w.core_group: w for w in self.registry.decode_side()
+                    if w.core_group and w.step_cost is not None and not w.draining}
         prefill = [w for w in self.registry.prefill_side() if not w.draining]
-        if not prefill:
-            return True
+        if not prefill or any(decoders.get(w.core_group) is None or w.step_cost is None for w in prefill):
+            return True  # one shares its cores with no decode worker (or has no model yet): nothing to stall
         waiting = waiting_tokens = 0
         exposed = []  # choices a prompt sent now would stall: decoding, or to decode once their prompt is done
         for sub in self._inflight():
@@ -66,16 +68,8 @@ class PrefillGate:
         if not waiting:
             return True
         prompt = waiting_tokens // waiting
-        decoders = {w.core_group: w for w in self.registry.decode_side()
-                    if w.core_group and w.step_cost is not None and not w.draining}
-        for worker in prefill:
-            decoder = decoders.get(worker.core_group) if worker.core_group else None
-            if decoder is None or worker.step_cost is None:
-                return True  # shares its cores with no decode worker (or has no model yet): nothing to stall
-            outstanding = self._outstanding(worker.worker_id)
-            if all(self._absorbs(sub, worker, decoder, outstanding, prompt, now) for sub in exposed):
-                return True
-        return False
+        return any(all(self._absorbs(sub, worker, decoders[worker.core_group], self._outstanding(worker.worker_id),
+                                     prompt, now) for sub in exposed) for worker in prefill)
 
     def _absorbs(self, sub: SubRequest, prefill: WorkerState, decoder: WorkerState, outstanding: int, prompt: int,
                  now: float) -> bool:

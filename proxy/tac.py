@@ -155,8 +155,7 @@ class AdaptiveController:
         """Whether another prompt may go to a prefill worker now: the prefill budget lets it (always one), and
         the sequences decoding on the cores it shares can absorb it (``PrefillGate``)."""
         if self.prefill_budget:
-            outstanding = sum(self.policy.outstanding_prefill_tokens(w.worker_id)
-                              for w in self.registry.prefill_side())
+            outstanding = self._outstanding_prefill()
             if outstanding and outstanding >= self.prefill_budget:
                 return False
         if self.gate.room(self._clock()):

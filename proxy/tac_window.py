@@ -43,8 +43,7 @@ class Window:
             self.count(sub.prefill_worker or sub.decode_worker, True)
             return
         ttft_ok = (sub.first_token_at - sub.arrival) * 1e3 <= ttft_slo_ms
-        admitted_at = getattr(sub, "admitted_at", None)
-        if admitted_at is not None and (admitted_at - sub.arrival) * 1e3 > WAITED * ttft_slo_ms:
+        if sub.admitted_at is not None and (sub.admitted_at - sub.arrival) * 1e3 > WAITED * ttft_slo_ms:
             self.waited += 1
         tpot_ok = True
         if len(sub.output_ids) > 1:

@@ -10,7 +10,9 @@ from common.runtime.prometheus_text import total
 from proxy.admission import Stage
 from proxy.prefill_gate import PrefillGate, slack_ms
 from proxy.workers import WorkerRegistry
-from tests.unit.test_tac import controller
+from proxy.tac import THRESHOLD_START
+from proxy.tac_window import MIN_OUTCOMES
+from tests.unit.test_tac import controller, ended
 
 LAYOUT = KVLayoutInfo(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")
 # a decode step: 9 ms + 1 ms a row; a prompt: 6 ms + 0.3 ms a token + 0.02 ms per thousand query x key pairs
@@ -99,6 +101,20 @@ def test_the_controller_holds_prompts_through_the_gate_and_counts_them():
     assert total(metrics.render().decode(), "tessera_tac_prefill_held_total") == 1
     inflight.pop(0)  # the sequence ended
     assert tac.prefill_room()
+
+
+def test_short_prompts_stay_off_a_decode_worker_that_shares_its_cores_with_the_prefill_worker():
+    tac, policy, _, _ = controller()
+    for worker_id in ("p0", "d0"):
+        tac.registry.workers[worker_id].core_group = "h:/tmp/cores"
+    for second in (2.0, 4.0):
+        ended(tac, MIN_OUTCOMES, ttft_ms=3000, tpot_ms=20)
+        tac.tick(second)
+    assert policy.local_prefill_threshold == 0
+    tac.registry.workers["d0"].core_group = "other:/tmp/cores"  # its own cores: the prefill side is relieved
+    ended(tac, MIN_OUTCOMES, ttft_ms=3000, tpot_ms=20)
+    tac.tick(6.0)
+    assert policy.local_prefill_threshold == THRESHOLD_START
 
 
 def test_a_worker_sharing_cores_says_which_in_its_registration():
