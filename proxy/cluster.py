@@ -9,11 +9,10 @@ Request life cycle, as queues and hops (one sub-request per choice):
         PrefillDone/KVPulled/RequestFailed, and each TokenDelta of a step's TokenDeltas --> that SubRequest
     SubRequest --events--> RequestGroup queue --> HTTP handler (stream or collect)
 
-Everything here runs in the event loop and never awaits a socket: sending
-is ``outbox(worker_id, msg)``, which only queues for the link's sender task.
-A message for a request that is no longer here (or for an earlier attempt of
-one that resumed elsewhere) is answered so nothing leaks on the worker: PrefillDone gets ReleaseKV back, a TokenDelta gets Abort,
-a KVPulled releases the source's pages.
+Everything here runs in the event loop and never awaits a socket: sending is ``outbox(worker_id, msg)``, which
+only queues for the link's sender task. A message for a request that is no longer here (or for an earlier attempt
+of one that resumed elsewhere) is answered so nothing leaks on the worker: PrefillDone gets ReleaseKV back, a
+TokenDelta gets Abort, a KVPulled releases the source's pages.
 """
 from __future__ import annotations
 
@@ -114,6 +113,9 @@ class Cluster(WorkerMembership):
         if sub.done:
             self.inflight.pop(sub.request_id, None)
             self.admission.leave(sub.request_id, before)
+            if sub.stage is Stage.FINISHED and len(sub.output_ids) > 2 and not (sub.migrations or sub.preemptions):
+                self.registry.observe_tpot(sub.decode_worker, (sub.last_token_at - sub.first_token_at) * 1e3
+                                           / (len(sub.output_ids) - 1))
             if self.tac is not None:
                 self.tac.ended(sub, self._clock())
         elif before is Stage.PREFILLING and sub.stage is Stage.READY:
@@ -165,12 +167,9 @@ class Cluster(WorkerMembership):
 
     def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams, base_seed: int,
                tenant: Tenant | None = None, timeout_s: float | None = None) -> RequestGroup:
-        """Queue ``len(prompts) * params.n`` sub-requests for admission; they start as capacity allows.
-
-        ApiError 503 when no worker could ever run them or the queue is full,
-        429 when ``tenant`` is over its concurrency or queue limit.
-        ``timeout_s``: the client's deadline for being admitted.
-        """
+        """Queue ``len(prompts) * params.n`` sub-requests for admission; they start as capacity allows. ApiError 503
+        when no worker could ever run them or the queue is full, 429 when ``tenant`` is over its concurrency or
+        queue limit. ``timeout_s``: the client's deadline for being admitted."""
         if self.draining:
             raise self._unavailable("the proxy is shutting down and accepts no new requests")
         if not any(not w.draining for w in self.registry.decode_side()):

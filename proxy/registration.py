@@ -1,11 +1,20 @@
 """What a worker's Register must satisfy to join: a known role and id, positive sizes, no stale epoch, and
 the model and KV layout every registered worker agrees on (``ClusterModel``). ``proxy.workers``'
-``WorkerRegistry.register`` asks ``refusal`` and acts on the answer."""
+``WorkerRegistry.register`` asks ``refusal`` and returns what it did as a ``Registration``.
+
+The first accepted worker fixes the cluster's model (name + version) and KV layout; a worker that differs is
+refused with a reason naming both values. The identity is kept while at least one worker is registered, so
+replacing the whole fleet with a new model version needs no proxy restart. A Register with the same id and a
+newer epoch replaces the old entry (the caller fails its requests); an older epoch is refused as stale; the same
+epoch is a retry and is accepted."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
-from common.protocol.wire import KVLayoutInfo, Register, Role
+from common.protocol.wire import KVLayoutInfo, Register, RegisterAck, Role
+
+Worker = TypeVar("Worker")  # the registry's entry (proxy.workers.WorkerState)
 
 
 @dataclass(frozen=True)
@@ -14,6 +23,15 @@ class ClusterModel:
     model: str
     model_version: str
     kv_layout: KVLayoutInfo
+
+
+@dataclass
+class Registration(Generic[Worker]):
+    """What a Register led to; the cluster acts on it."""
+    ack: RegisterAck
+    worker: Worker | None = None  # the accepted entry
+    replaced: Worker | None = None  # an older epoch of the same worker, now gone
+    prefill_set_changed: bool = False
 
 
 def refusal(msg: Register, registered_epoch: int | None, cluster: ClusterModel | None) -> str:

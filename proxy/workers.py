@@ -2,11 +2,7 @@
 
 ``WorkerRegistry`` is pure bookkeeping: the cluster feeds it the messages and sends whatever the outcome says.
 
-- ``register`` validates a Register (``proxy.registration``). The first accepted worker fixes the cluster's
-  model (name + version) and KV layout; a worker that differs is refused with a reason naming both values.
-  The identity is kept while at least one worker is registered, so replacing the whole fleet with a new model
-  version needs no proxy restart. A Register with the same id and a newer epoch replaces the old entry (the
-  caller fails its requests); an older epoch is refused as stale; the same epoch is a retry and is accepted.
+- ``register`` validates a Register and applies it (the rules: ``proxy.registration``).
 - ``heartbeat`` updates load and the TPOT capacity (proxy/capacity.py); ``observe_step`` times each decode
   step's tokens for its lag. A heartbeat from an unknown worker or a wrong epoch is not applied; ``ask_to_rejoin``
   answers it with Reregister at most once per worker id every ``heartbeat_timeout_s / 4`` (the watchdog's
@@ -17,10 +13,7 @@ Roles: ``prefill`` serves PrefillRequests; ``decode`` serves DecodeRequests (wit
 it prefills locally); ``both`` is an aggregated worker, decode-capable and counted as prefill-capable for
 readiness, but never sent a PrefillRequest.
 
-``WorkerLink`` (at the end) owns the proxy's ROUTER socket: two I/O tasks in the event loop, one handing
-every message to ``on_frames``, one draining the outbox. A send that cannot complete within
-``heartbeat_timeout_s`` is dropped and logged (one slow worker must not stall the rest). CURVE, when
-configured, lets in only the authorized worker keys (``common.runtime.zmq_security``).
+``WorkerLink`` (at the end) owns the proxy's ROUTER socket: two I/O tasks in the event loop.
 """
 
 from __future__ import annotations
@@ -38,9 +31,8 @@ from common.config.base import EngineConfig
 from common.protocol.wire import (Goodbye, Heartbeat, KVLayoutInfo, PeerInfo, Peers, Register, RegisterAck, Role,
                                   StepCostModel, encode)
 from common.runtime.zmq_security import CurveServer, apply_curve_server, start_authenticator
-from proxy.capacity import (ASSUMED_CONTEXT, START_CAPACITY, StepLag, latency_capacity, mean_context,
-                            tpot_target_ms)
-from proxy.registration import ClusterModel, refusal
+from proxy.capacity import ASSUMED_CONTEXT, LAG_MIN_SAMPLES, START_CAPACITY, StepLag, latency_capacity, mean_context
+from proxy.registration import ClusterModel, Registration, refusal
 
 log = logging.getLogger("tessera.proxy")
 
@@ -94,15 +86,6 @@ class WorkerState:
 
 
 @dataclass
-class Registration:
-    """What a Register led to; the cluster acts on it."""
-    ack: RegisterAck
-    worker: WorkerState | None = None  # the accepted entry
-    replaced: WorkerState | None = None  # an older epoch of the same worker, now gone
-    prefill_set_changed: bool = False
-
-
-@dataclass
 class WorkerRegistry:
     heartbeat_timeout_s: float
     tpot_slo_ms: float = 0.0  # the decode step-time target (ProxyConfig); 0: tpot_slo_factor x one sequence's
@@ -114,7 +97,7 @@ class WorkerRegistry:
     def cluster_model(self) -> ClusterModel | None:
         return self._identity(exclude=None)
 
-    def register(self, msg: Register, now: float) -> Registration:
+    def register(self, msg: Register, now: float) -> Registration[WorkerState]:
         old = self.workers.get(msg.worker_id)
         reason = refusal(msg, old.epoch if old is not None else None, self._identity(exclude=msg.worker_id))
         if reason:
@@ -151,11 +134,8 @@ class WorkerRegistry:
         if not msg.num_running:
             worker.lag.last_at = None  # it runs nothing: the next step's tokens end no step the proxy timed
         worker.mean_context = mean_context(msg.context_tokens, msg.num_running)
-        worker.latency_capacity = latency_capacity(msg.step_cost, worker.max_num_seqs, worker.mean_context,
-                                                   self.tpot_slo_ms, self.tpot_slo_factor, worker.lag)
-        if msg.step_cost is not None:
-            worker.tpot_target_ms = tpot_target_ms(msg.step_cost, worker.mean_context, self.tpot_slo_ms,
-                                                   self.tpot_slo_factor)
+        worker.latency_capacity, worker.tpot_target_ms = latency_capacity(
+            msg.step_cost, worker.max_num_seqs, worker.mean_context, self.tpot_slo_ms, self.tpot_slo_factor, worker.lag)
         if msg.draining and not worker.draining:
             log.info("worker %r is draining: no new requests go to it", msg.worker_id)
         worker.draining = msg.draining
@@ -164,21 +144,24 @@ class WorkerRegistry:
     def observe_step(self, worker_id: str, rows: int, running_after: bool, now: float) -> None:
         """A decode step's tokens (``rows`` sequences) came from ``worker_id``; ``running_after``: some go on."""
         worker = self.workers.get(worker_id)
-        if worker is None or worker.step_cost is None:
-            return
-        lag = worker.lag
-        if lag.last_at is not None:
-            lag.add(rows, (now - lag.last_at) * 1e3 - worker.step_cost.step_ms(rows, rows * worker.mean_context))
-        lag.last_at = now if running_after else None
+        if worker is not None and worker.step_cost is not None:
+            worker.lag.step_came(rows, now, worker.step_cost.step_ms(rows, rows * worker.mean_context), running_after)
 
     def observe_handoff(self, worker_id: str, gap_s: float, tokens: int) -> None:
         """A disaggregated request's second token came from ``worker_id`` ``gap_s`` after its first; it asks
         for ``tokens`` output tokens. The wait beyond one of the worker's steps counts in its lag."""
         worker = self.workers.get(worker_id)
-        if worker is None or worker.step_cost is None:
-            return
-        rows = max(worker.num_running, 1)
-        worker.lag.add_handoff(gap_s * 1e3, worker.step_cost.step_ms(rows, rows * worker.mean_context), rows, tokens)
+        if worker is not None and worker.step_cost is not None:
+            rows = max(worker.num_running, 1)
+            step_ms = worker.step_cost.step_ms(rows, rows * worker.mean_context)
+            worker.lag.add_handoff(gap_s * 1e3, step_ms, rows, tokens)
+
+    def observe_tpot(self, worker_id: str, tpot_ms: float) -> None:
+        """A choice that decoded on ``worker_id`` alone (not resumed, not preempted) ended at ``tpot_ms`` a token."""
+        worker = self.workers.get(worker_id)
+        if worker is not None and worker.step_cost is not None and worker.lag.samples >= LAG_MIN_SAMPLES:
+            cost, context = worker.step_cost, worker.mean_context
+            worker.lag.add_tpot(tpot_ms, lambda rows: cost.step_ms(rows, rows * context))
 
     def ask_to_rejoin(self, worker_id: str, now: float) -> bool:
         """Whether to answer a heartbeat that ``heartbeat`` did not apply with Reregister now; counts as asked."""
@@ -259,7 +242,9 @@ class WorkerRegistry:
 
 class WorkerLink:
     """The proxy's ROUTER: frames in to ``on_frames``, messages out from an outbox, and a worker's closed
-    connection to ``on_disconnect`` at once.
+    connection to ``on_disconnect`` at once. A send that cannot complete within ``heartbeat_timeout_s`` is
+    dropped and logged (one slow worker must not stall the rest). CURVE, when configured, lets in only the
+    authorized worker keys (``common.runtime.zmq_security``).
 
     A killed process's TCP connection closes, and ZeroMQ's socket monitor reports the closed descriptor
     (``EVENT_DISCONNECTED``); each message's source descriptor (``SRCFD``) says which worker spoke on

@@ -302,3 +302,25 @@ def test_the_capacity_grows_with_the_batches_seen_not_on_extrapolation_alone():
     now = steps_late(registry, 16, 0.0, 100, now)
     heartbeat_d0(registry, now)
     assert registry.workers["d0"].latency_capacity == 17
+
+
+def test_the_tpot_that_choices_saw_corrects_every_prediction_either_way():
+    """What the step model and the lag leave out (issue 14: p50 TPOTs 3-5% over a target the prediction met) is
+    measured on each choice that ends, against the prediction at the recent steps' rows, and added to it."""
+    registry = registry_with(slo_ms=60.0)
+    heartbeat_d0(registry, 1.0)
+    d0 = registry.workers["d0"]
+    registry.observe_tpot("d0", 500.0)
+    assert d0.lag.residuals == 0  # no lag measured yet: nothing to compare with
+    now = steps_late(registry, 10, 22.0, 100, 2.0)
+    predicted_ms = COST.step_ms(10, 10 * d0.mean_context) + d0.lag.at(10)
+    for _ in range(60):
+        registry.observe_tpot("d0", predicted_ms + 3.0)
+    assert d0.lag.residual_ms == pytest.approx(3.0, rel=0.01)
+    heartbeat_d0(registry, now)
+    # 6 + 1.5 R + 1.6 R <= 60 - 22 - 3 up to 9 rows (10 without the residual)
+    assert d0.latency_capacity == 9
+    for _ in range(100):
+        registry.observe_tpot("d0", predicted_ms - 3.0)
+    heartbeat_d0(registry, now)
+    assert d0.latency_capacity == 11  # 6 + 3.1 R <= 41
