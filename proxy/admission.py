@@ -294,9 +294,9 @@ class AdmissionController:
         elif capped:
             # under the latency cap a choice was given its slot as it was admitted to prefill, in the policy's
             # order: it takes it now, the oldest first (choosing again here would count the slots twice over),
-            # after those of a tenant over its share (a burst it started alone held no slot: SlotShares.over)
-            over = self.shares.over(slots, SLOT_HELD, Stage.READY) if shared else ()
-            item = self.decode_queue.pop_next(lambda t: t not in over, by_arrival=True) if over else None
+            # after those of a tenant over its share (a burst it started alone held no slot: SlotShares.first)
+            first = self.shares.first(slots, SLOT_HELD, Stage.READY) if shared else ()
+            item = self.decode_queue.pop_next(first.__contains__, by_arrival=True) if first else None
             item = item or self.decode_queue.pop_next(by_arrival=True)
         elif vtc and shared and (under := self.shares.under(slots, DECODE_HELD, Stage.READY)):
             # a tenant holding its share of the slots yields to one below its share, in the same lane

@@ -14,11 +14,13 @@ more tenants are there (admission's decode side asks only then). Under ``vtc``:
   outputs, minutes). It starts beside it instead, while the over-share tenants admit nothing until they are
   back within the cap, so the overshoot only shrinks. At the cap exactly (a heavy tenant took the slot a
   light one freed between two requests) nothing moves: the light one waits for the next slot to free.
-- ``over``: the tenants holding more than their share, whole slots. Under the latency cap a ready choice was
-  given its slot when it was admitted to prefill, so decode admission takes ready choices by arrival; but the
-  choices a tenant started while it was alone held no slot, and a newcomer's ready choice, behind that
-  burst by arrival, would wait for all of it (8 s between its first and second token in a light-tenant run).
-  A tenant over its share goes after the others.
+- ``first``: whose ready choices go first. Under the latency cap a ready choice was given its slot when it
+  was admitted to prefill, so decode admission takes ready choices by arrival; but the choices a tenant
+  started while it was alone held no slot, and a newcomer's ready choice, behind that burst by arrival, would
+  wait for all of it (8 s between its first and second token in a light-tenant run). A tenant over its share
+  (whole slots) goes after the others. When every waiting tenant is over it, the one holding the fewest for
+  its weight goes first: the capacity can shrink under choices admitted while it was larger (8 slots, then
+  1), and by arrival the newcomer's 4 waited 30 s behind a burst of 55.
 - ``next_capped``: prefill admission under the latency cap (the choice admitted holds its decode slot).
 docs/fairness.md explains each rule ("A newcomer beside a burst" for the second).
 """
@@ -57,10 +59,16 @@ class SlotShares:
         waiting, held, share = self.of(slots, stages, stage)
         return {t for t in waiting if held[t] < share[t]}
 
-    def over(self, slots: int, stages: Stages, stage: int) -> set[str]:
-        """The tenants with a choice in ``stage`` holding more than their share, in whole slots."""
+    def first(self, slots: int, stages: Stages, stage: int) -> set[str]:
+        """The tenants with a choice in ``stage`` whose choices go first: those within their share (whole slots),
+        or, when every one is over it, those holding the fewest for their weight; none while fewer than two
+        tenants are there."""
         waiting, held, share = self.of(slots, stages, stage)
-        return {t for t in waiting if held[t] > _whole(share[t])}
+        within = {t for t in waiting if held[t] <= _whole(share[t])}
+        if within or not waiting:
+            return within
+        least = min(held[t] / self.weight(t) for t in waiting)
+        return {t for t in waiting if held[t] / self.weight(t) <= least + 1e-9}
 
     def past_cap(self, slots: int, in_use: int, stages: Stages, stage: int) -> set[str]:
         """With more slots in use than there are (``in_use`` > ``slots``): the tenants below their share that may

@@ -234,3 +234,24 @@ def test_under_the_cap_a_burst_started_alone_takes_decode_slots_after_the_others
     assert drain(admission) == []  # 4 of 4 decoding: b0 waits for the next slot
     admission.leave("a0", Stage.DECODING)
     assert drain(admission) == [("b0", Stage.DECODING)]  # before a4-a11, ready since long before it
+
+
+def test_when_the_cap_shrinks_under_both_tenants_the_one_holding_fewer_goes_first():
+    """Both tenants over their share: b's 4 prompts started while the capacity was 8 slots, a's 12 while it was
+    alone, and then the capacity fell to 1 slot. By arrival b's would wait for all of a's (30 s in a
+    light-tenant run); the one holding the fewest slots for its weight goes first."""
+    admission, registry, state = a_alone_started(12)
+    state.update(capped=True, slots=8)
+    for i in range(4):
+        admission.enqueue(f"b{i}", registry.tenants["b"], 10, f"b{i}")
+    assert len(drain(admission)) == 4  # past the cap, within a's surplus
+    state["slots"] = 1
+    for key in [f"a{i}" for i in range(12)] + [f"b{i}" for i in range(4)]:
+        admission.ready_for_decode(key)
+    assert drain(admission) == [("b0", Stage.DECODING)]  # b holds 4, a 12: both over a share of half a slot
+    admission.leave("b0", Stage.DECODING)
+    assert drain(admission) == [("b1", Stage.DECODING)]  # b now holds 3
+    admission.leave("b1", Stage.DECODING)
+    admission.leave("b2", Stage.READY)
+    admission.leave("b3", Stage.READY)
+    assert drain(admission) == [("a0", Stage.DECODING)]  # b's are gone: a's, by arrival
