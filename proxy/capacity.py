@@ -12,9 +12,12 @@ from what the proxy measures, and ``early_rejection`` refuses one that would mis
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
+from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.protocol.wire import StepCostModel
 
@@ -31,7 +34,8 @@ LAG_DECAY = 0.99
 LAG_MIN_SAMPLES = 20
 LAG_SAMPLE_MAX_MS = 250.0
 LAG_MIN_SPREAD = 0.25  # variance of the steps' rows below which the lag is fitted as one mean
-HANDOFF_DECAY = 0.95  # each hand-off's weight in the decayed mean of the recent ones
+HANDOFF_DECAY = 0.95  # each hand-off's weight in the decayed mean of the recent ones (and the TPOT residual's)
+RECENT_STEPS = 4096  # steps whose rows StepLag remembers for add_tpot (about two minutes at 30 ms a step)
 
 
 @dataclass
@@ -65,6 +69,7 @@ class StepLag:
     handoffs: int = 0
     residual_ms: float = 0.0  # decayed mean of the TPOT clients saw less the one predicted (``add_tpot``)
     residuals: int = 0
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))  # (when, rows) of each step
 
     def add_handoff(self, gap_ms: float, step_ms: float, rows: int, tokens: int) -> None:
         """A disaggregated request's second token came ``gap_ms`` after its first (which comes from the prefill
@@ -75,13 +80,19 @@ class StepLag:
         self.handoff_ms = sample if not self.handoffs else self.handoff_ms * HANDOFF_DECAY + sample * (1 - HANDOFF_DECAY)
         self.handoffs += 1
 
-    def add_tpot(self, measured_ms: float, predicted_ms: Callable[[int], float]) -> None:
-        """A choice decoded here ended having seen ``measured_ms`` per token after its first, from its first token
-        to its last; ``predicted_ms(rows)`` is the step model's step at ``rows``. Its error against the TPOT that
-        the model and this lag predict at the recent steps' mean rows (``residual_ms``, decayed as the hand-off
-        is) is added to every prediction: the capacity holds the TPOT clients see, not one the model and the
-        lag would leave a few percent under it (issue 14: 23.1 ms against a 22.1 ms target)."""
-        rows = max(round(self.sum_rows / self.weight), 1) if self.weight > 0 else 1
+    def add_tpot(self, measured_ms: float, since: float, until: float, predicted_ms: Callable[[float], float]) -> None:
+        """A choice decoded here ended having seen ``measured_ms`` per token from its first token (at ``since``)
+        to its last (``until``); ``predicted_ms(rows)`` is the step model's step at ``rows``. Its error against
+        the TPOT that the model and this lag predict at the mean rows of the steps it spanned (``residual_ms``,
+        decayed as the hand-off is) is added to every prediction: the capacity holds the TPOT clients see, not
+        one the model and the lag leave a few percent under it (issue 14: 23.1 ms against a 22.1 ms target).
+        The rows are the choice's own: at the recent steps' rows instead, a batch of 15 that shrank to 2 read
+        as 13 ms of error and took the capacity to 1 slot for a minute."""
+        lo = bisect.bisect_left(self.recent, since, key=_when)
+        hi = bisect.bisect_right(self.recent, until, key=_when)
+        if hi <= lo:
+            return
+        rows = sum(r for _, r in itertools.islice(self.recent, lo, hi)) / (hi - lo)
         a, b = self.fit()
         error = measured_ms - predicted_ms(rows) - a - self.handoff_ms - b * rows
         sample = min(max(error, -LAG_SAMPLE_MAX_MS), LAG_SAMPLE_MAX_MS)
@@ -95,6 +106,7 @@ class StepLag:
         if self.last_at is not None:
             self.add(rows, (now - self.last_at) * 1e3 - predicted_ms)
         self.last_at = now if running_after else None
+        self.recent.append((now, rows))
 
     def add(self, rows: int, lag_ms: float) -> None:
         sample = min(lag_ms, LAG_SAMPLE_MAX_MS)
@@ -132,6 +144,10 @@ class StepLag:
         if self.samples < LAG_MIN_SAMPLES or self.weight <= 0:
             return 0.0
         return max(self.sum_lag / self.weight, 0.0)
+
+
+def _when(step: tuple[float, int]) -> float:
+    return step[0]
 
 
 def mean_context(context_tokens: int, num_running: int) -> int:

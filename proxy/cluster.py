@@ -114,8 +114,8 @@ class Cluster(WorkerMembership):
             self.inflight.pop(sub.request_id, None)
             self.admission.leave(sub.request_id, before)
             if sub.stage is Stage.FINISHED and len(sub.output_ids) > 2 and not (sub.migrations or sub.preemptions):
-                self.registry.observe_tpot(sub.decode_worker, (sub.last_token_at - sub.first_token_at) * 1e3
-                                           / (len(sub.output_ids) - 1))
+                self.registry.observe_tpot(sub.decode_worker, sub.first_token_at, sub.last_token_at,
+                                           len(sub.output_ids))
             if self.tac is not None:
                 self.tac.ended(sub, self._clock())
         elif before is Stage.PREFILLING and sub.stage is Stage.READY:

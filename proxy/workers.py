@@ -156,12 +156,13 @@ class WorkerRegistry:
             step_ms = worker.step_cost.step_ms(rows, rows * worker.mean_context)
             worker.lag.add_handoff(gap_s * 1e3, step_ms, rows, tokens)
 
-    def observe_tpot(self, worker_id: str, tpot_ms: float) -> None:
-        """A choice that decoded on ``worker_id`` alone (not resumed, not preempted) ended at ``tpot_ms`` a token."""
+    def observe_tpot(self, worker_id: str, since: float, until: float, tokens: int) -> None:
+        """A choice decoded on ``worker_id`` alone ended: its ``tokens`` came from ``since`` to ``until``."""
         worker = self.workers.get(worker_id)
         if worker is not None and worker.step_cost is not None and worker.lag.samples >= LAG_MIN_SAMPLES:
             cost, context = worker.step_cost, worker.mean_context
-            worker.lag.add_tpot(tpot_ms, lambda rows: cost.step_ms(rows, rows * context))
+            worker.lag.add_tpot((until - since) * 1e3 / (tokens - 1), since, until,
+                                lambda rows: cost.step_ms(rows, rows * context))
 
     def ask_to_rejoin(self, worker_id: str, now: float) -> bool:
         """Whether to answer a heartbeat that ``heartbeat`` did not apply with Reregister now; counts as asked."""

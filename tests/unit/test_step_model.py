@@ -310,17 +310,38 @@ def test_the_tpot_that_choices_saw_corrects_every_prediction_either_way():
     registry = registry_with(slo_ms=60.0)
     heartbeat_d0(registry, 1.0)
     d0 = registry.workers["d0"]
-    registry.observe_tpot("d0", 500.0)
+    registry.observe_tpot("d0", 0.0, 1.0, 32)
     assert d0.lag.residuals == 0  # no lag measured yet: nothing to compare with
     now = steps_late(registry, 10, 22.0, 100, 2.0)
     predicted_ms = COST.step_ms(10, 10 * d0.mean_context) + d0.lag.at(10)
+
+    def ended_at(tpot_ms: float, until: float) -> None:  # a 32-token choice, its last token at ``until``
+        registry.observe_tpot("d0", until - 31 * tpot_ms / 1e3, until, 32)
+
     for _ in range(60):
-        registry.observe_tpot("d0", predicted_ms + 3.0)
+        ended_at(predicted_ms + 3.0, now)
     assert d0.lag.residual_ms == pytest.approx(3.0, rel=0.01)
     heartbeat_d0(registry, now)
     # 6 + 1.5 R + 1.6 R <= 60 - 22 - 3 up to 9 rows (10 without the residual)
     assert d0.latency_capacity == 9
     for _ in range(100):
-        registry.observe_tpot("d0", predicted_ms - 3.0)
+        ended_at(predicted_ms - 3.0, now)
     heartbeat_d0(registry, now)
     assert d0.latency_capacity == 11  # 6 + 3.1 R <= 41
+
+
+def test_a_choices_error_is_judged_at_the_rows_it_ran_with_not_the_latest():
+    """A batch of 12 shrinking to 2: the choices of the batch of 12 end after it, at that batch's TPOT, which
+    is no error of the model at 12 rows however few run now."""
+    registry = registry_with(slo_ms=60.0)
+    heartbeat_d0(registry, 1.0)
+    d0 = registry.workers["d0"]
+    start = 2.0
+    end = steps_late(registry, 12, 0.0, 100, start)
+    now = steps_late(registry, 2, 0.0, 100, end)
+    step12_ms, step2_ms = (COST.step_ms(rows, rows * d0.mean_context) for rows in (12, 2))
+    registry.observe_tpot("d0", start, start + 99 * step12_ms / 1e3, 100)  # one token a step of 12
+    # the lag fitted over both batches (one step at the boundary came late) is all that is left
+    assert abs(d0.lag.residual_ms) < 0.5 and step12_ms - step2_ms > 10
+    registry.observe_tpot("d0", now + 1.0, now + 2.0, 32)  # no step remembered in its span: nothing learnt
+    assert d0.lag.residuals == 1
