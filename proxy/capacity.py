@@ -71,23 +71,35 @@ class StepLag:
     residuals: int = 0
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))  # (when, rows) of each step
 
-    def add_handoff(self, gap_ms: float, step_ms: float, rows: int, tokens: int) -> None:
+    def add_handoff(self, gap_ms: float, step_ms: float, rows: int, tokens: int,
+                    slot_wait_ms: float = 0.0) -> None:
         """A disaggregated request's second token came ``gap_ms`` after its first (which comes from the prefill
         worker; then its decode slot, the pull of its pages, the step it joins), against a step of ``step_ms``
-        predicted at ``rows``: its clients see the wait beyond a step and its lag spread over its ``tokens``."""
+        predicted at ``rows``: its clients see the wait beyond a step and its lag spread over its ``tokens``.
+        Not counted when it waited over ``LAG_SAMPLE_MAX_MS`` for its slot after its first token
+        (``slot_wait_ms``): it started while its tenant was alone, before the cap applied (a burst, ready all at
+        once), and its wait is admission's, not the worker's. Counted, each such wait made the capacity shrink
+        to 1 slot, which the burst then drained through one choice at a time."""
+        if slot_wait_ms > LAG_SAMPLE_MAX_MS:
+            return
         a, b = self.fit()
         sample = min(max(gap_ms - step_ms - a - b * rows, 0.0), LAG_SAMPLE_MAX_MS) / max(tokens - 1, 1)
         self.handoff_ms = sample if not self.handoffs else self.handoff_ms * HANDOFF_DECAY + sample * (1 - HANDOFF_DECAY)
         self.handoffs += 1
 
-    def add_tpot(self, measured_ms: float, since: float, until: float, predicted_ms: Callable[[float], float]) -> None:
+    def add_tpot(self, measured_ms: float, since: float, until: float, predicted_ms: Callable[[float], float],
+                 slot_wait_ms: float = 0.0) -> None:
         """A choice decoded here ended having seen ``measured_ms`` per token from its first token (at ``since``)
-        to its last (``until``); ``predicted_ms(rows)`` is the step model's step at ``rows``. Its error against
+        to its last (``until``), and ``slot_wait_ms`` for its slot after its first token (over
+        ``LAG_SAMPLE_MAX_MS``: not counted, as in ``add_handoff``); ``predicted_ms(rows)`` is the step model's
+        step at ``rows``. Its error against
         the TPOT that the model and this lag predict at the mean rows of the steps it spanned (``residual_ms``,
         decayed as the hand-off is) is added to every prediction: the capacity holds the TPOT clients see, not
         one the model and the lag leave a few percent under it (issue 14: 23.1 ms against a 22.1 ms target).
         The rows are the choice's own: at the recent steps' rows instead, a batch of 15 that shrank to 2 read
         as 13 ms of error and took the capacity to 1 slot for a minute."""
+        if slot_wait_ms > LAG_SAMPLE_MAX_MS:
+            return
         lo = bisect.bisect_left(self.recent, since, key=_when)
         hi = bisect.bisect_right(self.recent, until, key=_when)
         if hi <= lo:
@@ -95,7 +107,7 @@ class StepLag:
         rows = sum(r for _, r in itertools.islice(self.recent, lo, hi)) / (hi - lo)
         a, b = self.fit()
         error = measured_ms - predicted_ms(rows) - a - self.handoff_ms - b * rows
-        sample = min(max(error, -LAG_SAMPLE_MAX_MS), LAG_SAMPLE_MAX_MS)
+        sample = min(max(error, -LAG_SAMPLE_MAX_MS), LAG_SAMPLE_MAX_MS)  # a stall, as the lag's steps are
         self.residual_ms = sample if not self.residuals else (
             self.residual_ms * HANDOFF_DECAY + sample * (1 - HANDOFF_DECAY))
         self.residuals += 1

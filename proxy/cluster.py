@@ -101,7 +101,8 @@ class Cluster(WorkerMembership):
             self.send(worker_id, msg)
         first_tokens = bool(sub.new_tokens) and len(sub.output_ids) == sub.new_tokens
         if sub.new_tokens and len(sub.output_ids) - sub.new_tokens == 1 and sub.decode_worker and not sub.local:
-            self.registry.observe_handoff(sub.decode_worker, self._clock() - sub.first_token_at, sub.params.max_tokens)
+            self.registry.observe_handoff(sub.decode_worker, self._clock() - sub.first_token_at, sub.params.max_tokens,
+                                          sub.decoding_since - sub.first_token_at)
         if sub.new_tokens:
             if self.slo.forecast is not None:
                 self.slo.tokens_emitted(sub, self._clock())
@@ -115,7 +116,7 @@ class Cluster(WorkerMembership):
             self.admission.leave(sub.request_id, before)
             if sub.stage is Stage.FINISHED and len(sub.output_ids) > 2 and not (sub.migrations or sub.preemptions):
                 self.registry.observe_tpot(sub.decode_worker, sub.first_token_at, sub.last_token_at,
-                                           len(sub.output_ids))
+                                           len(sub.output_ids), sub.decoding_since - sub.first_token_at)
             if self.tac is not None:
                 self.tac.ended(sub, self._clock())
         elif before is Stage.PREFILLING and sub.stage is Stage.READY:

@@ -147,22 +147,22 @@ class WorkerRegistry:
         if worker is not None and worker.step_cost is not None:
             worker.lag.step_came(rows, now, worker.step_cost.step_ms(rows, rows * worker.mean_context), running_after)
 
-    def observe_handoff(self, worker_id: str, gap_s: float, tokens: int) -> None:
-        """A disaggregated request's second token came from ``worker_id`` ``gap_s`` after its first; it asks
-        for ``tokens`` output tokens. The wait beyond one of the worker's steps counts in its lag."""
+    def observe_handoff(self, worker_id: str, gap_s: float, tokens: int, slot_wait_s: float) -> None:
+        """A disaggregated request's second token came from ``worker_id`` ``gap_s`` after its first, ``slot_wait_s``
+        of it waiting for its decode slot; it asks for ``tokens`` tokens. The wait beyond a step is lag."""
         worker = self.workers.get(worker_id)
         if worker is not None and worker.step_cost is not None:
             rows = max(worker.num_running, 1)
             step_ms = worker.step_cost.step_ms(rows, rows * worker.mean_context)
-            worker.lag.add_handoff(gap_s * 1e3, step_ms, rows, tokens)
+            worker.lag.add_handoff(gap_s * 1e3, step_ms, rows, tokens, slot_wait_s * 1e3)
 
-    def observe_tpot(self, worker_id: str, since: float, until: float, tokens: int) -> None:
+    def observe_tpot(self, worker_id: str, since: float, until: float, tokens: int, slot_wait_s: float) -> None:
         """A choice decoded on ``worker_id`` alone ended: its ``tokens`` came from ``since`` to ``until``."""
         worker = self.workers.get(worker_id)
         if worker is not None and worker.step_cost is not None and worker.lag.samples >= LAG_MIN_SAMPLES:
             cost, context = worker.step_cost, worker.mean_context
             worker.lag.add_tpot((until - since) * 1e3 / (tokens - 1), since, until,
-                                lambda rows: cost.step_ms(rows, rows * context))
+                                lambda rows: cost.step_ms(rows, rows * context), slot_wait_s * 1e3)
 
     def ask_to_rejoin(self, worker_id: str, now: float) -> bool:
         """Whether to answer a heartbeat that ``heartbeat`` did not apply with Reregister now; counts as asked."""

@@ -280,7 +280,7 @@ def test_the_hand_off_before_the_second_token_is_spread_over_the_tokens_and_char
     d0 = registry.workers["d0"]
     step_s = COST.step_ms(10, 10 * d0.mean_context) / 1e3
     for _ in range(40):  # 62 ms beyond a step, over 32 tokens: 2 ms a token
-        registry.observe_handoff("d0", step_s + 0.062, 32)
+        registry.observe_handoff("d0", step_s + 0.062, 32, 0.03)
     assert d0.lag.handoff_ms == pytest.approx(2.0, rel=0.01)
     now = steps_late(registry, 10, 22.0, 100, 2.0)
     heartbeat_d0(registry, now)
@@ -310,13 +310,13 @@ def test_the_tpot_that_choices_saw_corrects_every_prediction_either_way():
     registry = registry_with(slo_ms=60.0)
     heartbeat_d0(registry, 1.0)
     d0 = registry.workers["d0"]
-    registry.observe_tpot("d0", 0.0, 1.0, 32)
+    registry.observe_tpot("d0", 0.0, 1.0, 32, 0.0)
     assert d0.lag.residuals == 0  # no lag measured yet: nothing to compare with
     now = steps_late(registry, 10, 22.0, 100, 2.0)
     predicted_ms = COST.step_ms(10, 10 * d0.mean_context) + d0.lag.at(10)
 
     def ended_at(tpot_ms: float, until: float) -> None:  # a 32-token choice, its last token at ``until``
-        registry.observe_tpot("d0", until - 31 * tpot_ms / 1e3, until, 32)
+        registry.observe_tpot("d0", until - 31 * tpot_ms / 1e3, until, 32, 0.05)
 
     for _ in range(60):
         ended_at(predicted_ms + 3.0, now)
@@ -340,8 +340,23 @@ def test_a_choices_error_is_judged_at_the_rows_it_ran_with_not_the_latest():
     end = steps_late(registry, 12, 0.0, 100, start)
     now = steps_late(registry, 2, 0.0, 100, end)
     step12_ms, step2_ms = (COST.step_ms(rows, rows * d0.mean_context) for rows in (12, 2))
-    registry.observe_tpot("d0", start, start + 99 * step12_ms / 1e3, 100)  # one token a step of 12
+    registry.observe_tpot("d0", start, start + 99 * step12_ms / 1e3, 100, 0.0)  # one token a step of 12
     # the lag fitted over both batches (one step at the boundary came late) is all that is left
     assert abs(d0.lag.residual_ms) < 0.5 and step12_ms - step2_ms > 10
-    registry.observe_tpot("d0", now + 1.0, now + 2.0, 32)  # no step remembered in its span: nothing learnt
+    registry.observe_tpot("d0", now + 1.0, now + 2.0, 32, 0.0)  # no step remembered in its span: nothing learnt
     assert d0.lag.residuals == 1
+
+
+def test_a_choice_that_waited_for_its_slot_past_a_stall_teaches_the_capacity_nothing():
+    """A burst its tenant started alone, before the cap applied, is ready all at once and waits for slots one by
+    one: that wait is admission's. Counted, it shrank the capacity the burst drains through to 1 slot."""
+    registry = registry_with(slo_ms=60.0)
+    heartbeat_d0(registry, 1.0)
+    d0 = registry.workers["d0"]
+    now = steps_late(registry, 10, 0.0, 100, 2.0)
+    registry.observe_handoff("d0", 20.0, 32, 19.9)
+    registry.observe_tpot("d0", now - 20.0, now, 32, 19.9)
+    assert d0.lag.handoffs == 0 and d0.lag.residuals == 0
+    registry.observe_handoff("d0", 0.2, 32, 0.1)
+    registry.observe_tpot("d0", now - 1.0, now, 32, 0.1)
+    assert d0.lag.handoffs == 1 and d0.lag.residuals == 1
