@@ -58,7 +58,7 @@ class WorkerMembership:
         self.metrics.set_worker_kv(worker.worker_id, worker.num_blocks, worker.free_blocks)
         if worker.decode_capable:
             self.metrics.set_worker_capacity(worker.worker_id, worker.latency_capacity, worker.lag.ms,
-                                              worker.tpot_target_ms)
+                                              worker.tpot_target_ms, worker.lag.residual_ms)
         self._dispatch()  # a worker that stopped draining brings its decode slots back
 
     def _on_goodbye(self, sender: str, msg: Goodbye, now: float) -> None:

@@ -78,6 +78,10 @@ class ProxyMetrics:
         self.step_lag = Gauge("tessera_proxy_worker_step_lag_seconds",
                               "How much later than its step model predicts a worker's decode steps reach the "
                               "proxy, per step (decayed mean; 0 until 20 steps)", ["worker_id"], registry=r)
+        self.tpot_error = Gauge("tessera_proxy_worker_tpot_error_seconds",
+                                "The TPOT a worker's requests measured less the capacity model's prediction for "
+                                "them, added to the prediction (decayed mean over ended requests, either sign)",
+                                ["worker_id"], registry=r)
         self.tpot_target = Gauge("tessera_proxy_worker_tpot_target_seconds",
                                  "The TPOT target a decode-capable worker's capacity holds: tpot_slo_ms, or "
                                  "tpot_slo_factor x its predicted one-sequence step (0 until it reports a step model)",
@@ -186,14 +190,16 @@ class ProxyMetrics:
         self.kv_pages_free.labels(worker_id).set(free_blocks)
         self.kv_pages_used.labels(worker_id).set(max(num_blocks - free_blocks, 0))
 
-    def set_worker_capacity(self, worker_id: str, capacity: int, lag_ms: float, target_ms: float) -> None:
+    def set_worker_capacity(self, worker_id: str, capacity: int, lag_ms: float, target_ms: float,
+                            error_ms: float = 0.0) -> None:
         self.decode_capacity.labels(worker_id).set(capacity)
         self.step_lag.labels(worker_id).set(lag_ms / 1e3)
+        self.tpot_error.labels(worker_id).set(error_ms / 1e3)
         self.tpot_target.labels(worker_id).set(target_ms / 1e3)
 
     def forget_worker(self, worker_id: str) -> None:
         for gauge in (self.kv_pages_free, self.kv_pages_used, self.decode_capacity, self.step_lag,
-                      self.tpot_target, self.tac_routing_weight):
+                      self.tpot_error, self.tpot_target, self.tac_routing_weight):
             try:
                 gauge.remove(worker_id)
             except KeyError:
