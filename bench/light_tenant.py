@@ -124,6 +124,7 @@ def point(cluster: LocalCluster, a_streams: int, args, seed: int) -> dict:
         waiting["step_lag_ms"] = 1e3 * total(text, "tessera_proxy_worker_step_lag_seconds")
         waiting["tpot_target_ms"] = 1e3 * total(text, "tessera_proxy_worker_tpot_target_seconds")
         waiting["tpot_error_ms"] = 1e3 * total(text, "tessera_proxy_worker_tpot_error_seconds")
+        waiting["prefill_held"] = total(text, "tessera_proxy_prefill_held_total")
         waiting["tpot_target_p50_ms"] = statistics.median(targets) if targets else waiting["tpot_target_ms"]
         waiting["tpot_target_range_ms"] = [min(targets), max(targets)] if targets else None
         for worker in workers.values():

@@ -6,8 +6,8 @@
 
 The stage is the request's own (``SubRequest.stage``); admission keeps how many choices of each tenant are
 in each stage, and two queues. Prefill admission takes the policy's next choice while the decode slots are
-not all spoken for, else only of tenants with fewer than ``prefill_ahead_per_tenant`` choices ahead (and,
-with ``ttft_slo_ms``, only while ``prefill_room``); ``prefill_started`` charges the prompt. Decode admission
+not all spoken for, else only of tenants with fewer than ``prefill_ahead_per_tenant`` choices ahead, and only
+while ``prefill_room``; ``prefill_started`` charges the prompt. Decode admission
 gives a free slot (``decode_slots``) to the policy's next ready choice; under ``vtc`` a tenant at its share
 of the slots yields it (the shares, and admission under the latency cap: proxy/slot_shares.py). ``admit_decode``
 gives a slot that fairness preemption freed (proxy/slo.py) to a named tenant. ``next_admission`` decides; its
@@ -181,8 +181,7 @@ class Admit:
 class AdmissionController:
     def __init__(self, config: ProxyConfig, tenants: TenantRegistry, decode_slots: Callable[[], int],
                  metrics: ProxyMetrics | None = None, clock: Callable[[], float] = time.monotonic,
-                 prefill_room: Callable[[], bool] | None = None,
-                 latency_capped: Callable[[], bool] | None = None,
+                 prefill_room: Callable[[], bool] | None = None, latency_capped: Callable[[], bool] | None = None,
                  slots_freeing: Callable[[], int] | None = None) -> None:
         self.config = config
         self.counters = ServiceCounters(config.vtc_input_weight, config.vtc_output_weight, tenants.weights)
@@ -190,7 +189,7 @@ class AdmissionController:
         self.decode_queue = make_queue(config.fairness_policy, self.counters)
         self.lift = BacklogLift(self.counters)
         self._decode_slots = decode_slots
-        self._prefill_room = prefill_room  # with a TTFT target: whether a prefill worker can take one more now
+        self._prefill_room = prefill_room  # whether a prompt may go to prefill now (the TTFT target, the gate)
         # whether the decode slots are a latency capacity now (the TPOT target applies): then a choice admitted to
         # prefill holds its decode slot from then on, and what does not fit waits here, before its first token
         self._latency_capped = latency_capped
@@ -268,6 +267,7 @@ class AdmissionController:
         if (item := self._next_decode()) is not None:
             return Admit(Stage.DECODING, item.key, item.payload)
         if (item := self._next_prefill()) is not None:
+            self._move(item, Stage.QUEUED, Stage.PREFILLING)
             return Admit(Stage.PREFILLING, item.key, item.payload)
         return None
 
@@ -309,8 +309,6 @@ class AdmissionController:
         return item
 
     def _next_prefill(self) -> Waiting | None:
-        if self._prefill_room is not None and not self._prefill_room():
-            return None
         if self._latency_capped is not None and self._latency_capped():
             item = self._next_prefill_capped()
         else:
@@ -320,8 +318,9 @@ class AdmissionController:
             else:
                 limit = self.config.prefill_ahead_per_tenant
                 item = self.prefill_queue.pop_next(lambda t: ahead[t] + ready[t] < limit)
-        if item is not None:
-            self._move(item, Stage.QUEUED, Stage.PREFILLING)
+        if item is not None and self._prefill_room is not None and not self._prefill_room():
+            self.prefill_queue.push(item)  # back in its place: asked only with a prompt to start and room for it
+            return None
         return item
 
     def _next_prefill_capped(self) -> Waiting | None:

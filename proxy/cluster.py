@@ -25,10 +25,8 @@ from common.runtime.telemetry import bind_request, request_scope
 from common.config.roles import ProxyConfig
 from common.runtime.tracing import make_tracing
 from common.protocol.sampling_params import SamplingParams
-from common.protocol.wire import (
-    Abort, DecodeRequest, Goodbye, Heartbeat, KVPulled, PrefillDone, PrefillRequest, Register, ReleaseKV,
-    RequestFailed, TokenDeltas, WireError, decode,
-)
+from common.protocol.wire import (Abort, DecodeRequest, Goodbye, Heartbeat, KVPulled, PrefillDone, PrefillRequest,
+                                  Register, ReleaseKV, RequestFailed, TokenDeltas, WireError, decode)
 from proxy.admission import Admit, AdmissionController, Stage
 from proxy.errors import ApiError
 from proxy.membership import WorkerMembership
@@ -58,10 +56,12 @@ class Cluster(WorkerMembership):
         self.registry = WorkerRegistry(config.heartbeat_timeout_s, config.tpot_slo_ms, config.tpot_slo_factor)
         self.tracing = make_tracing(config.otel_endpoint, config.otel_service_name)
         self.tenants = TenantRegistry(config, clock)
-        self.slo = SloControls(config, self.registry, self.tenants, policy, metrics, self._decode_slots)
+        self.slo = SloControls(config, self.registry, self.tenants, policy, metrics, self._decode_slots,
+                               lambda: self.inflight.values())
         self.slot_forecast = SlotForecast()
         self.admission = AdmissionController(config, self.tenants, self._decode_slots, metrics, clock,
-                                             self._prefill_room if config.ttft_slo_ms else None,
+                                             self._prefill_room if config.ttft_slo_ms or config.prefill_gate_max_hold_s
+                                             else None,
                                              latency_capped=self._within_tpot,
                                              slots_freeing=self.slot_forecast.freeing)
         self.slo.admission = self.admission
@@ -93,10 +93,8 @@ class Cluster(WorkerMembership):
         self._outbox(worker_id, msg)
 
     def _act(self, sub: SubRequest, before: Stage, sends: Sends) -> None:
-        """Send what a sub-request's handler returned, and follow its stage change in admission and routing.
-
-        ``before``: the stage admission counted it in when the handler ran.
-        """
+        """Send what a sub-request's handler returned, and follow its stage change in admission and routing;
+        ``before``: the stage admission counted it in when the handler ran."""
         for worker_id, msg in sends:
             self.send(worker_id, msg)
         first_tokens = bool(sub.new_tokens) and len(sub.output_ids) == sub.new_tokens
@@ -142,8 +140,10 @@ class Cluster(WorkerMembership):
             scope == "shared" and self.admission.num_active_tenants(self._clock(), SHARED_WINDOW_S) > 1)
 
     def _prefill_room(self) -> bool:
-        """With a TTFT target: whether a prompt may go to a prefill worker now (its backlog, and TAC's budget)."""
-        return self.slo.prefill_room() and (self.tac is None or self.tac.prefill_room())
+        """Whether a prompt may go to a prefill worker now (the TTFT backlog, the prefill gate, TAC's budget)."""
+        if self.tac is not None:
+            return self.slo.prefill_room(False, self._clock()) and self.tac.prefill_room()
+        return self.slo.prefill_room(self._within_tpot(), self._clock())
 
     def _decode_slots(self) -> int:
         """This proxy's share of the decode slots (at least one while there are any): as many as keep every

@@ -104,6 +104,9 @@ class ProxyMetrics:
         self.tac_prefill_held = Counter("tessera_tac_prefill_held", "Times the adaptive controller's prefill gate "
                                         "held a prompt back, as the sequences decoding on the cores its prefill "
                                         "worker shares could not absorb it within their TPOT target", registry=r)
+        self.prefill_held = Counter("tessera_proxy_prefill_held",
+                                    "Times the prefill gate held a prompt at the proxy (prefill_gate_max_hold_s; "
+                                    "the adaptive controller's: tessera_tac_prefill_held)", registry=r)
         self.tac_miss_ratio = Gauge("tessera_tac_miss_ratio", "Fraction of the last window's choices that missed "
                                     "each target (ttft, tpot)", ["target"], registry=r)
         self.kv_transfer_bytes = Counter("tessera_proxy_kv_transfer_bytes", "KV bytes pulled by decode workers",

@@ -1,5 +1,6 @@
-"""Prompts that would push the sequences decoding beside them past their TPOT target wait (the adaptive
-controller's ``prefill_gate``, proxy/tac.py).
+"""Prompts that would push the sequences decoding beside them past their TPOT target wait: the adaptive
+controller's gate (proxy/tac.py), and without it, while the TPOT target applies, the proxy's own with
+``prefill_gate_max_hold_s`` (proxy/slo.py), which holds at most that long at a stretch (``hold``).
 
 Where a prefill worker and a decode worker time-share one host's cores (``worker.core_share``, what ``tessera up``
 starts), every prompt step the prefill worker runs is time the decode worker's sequences wait between two tokens:
@@ -42,13 +43,40 @@ def slack_ms(sub: SubRequest, worker: WorkerState, target_ms: float, now: float)
     return target_ms * (total - 1) - elapsed_ms - max(total - len(sub.output_ids), 0) * step_ms
 
 
+def tpot_target_of(registry: WorkerRegistry, tpot_slo_ms: float) -> Callable[[SubRequest], float]:
+    """The TPOT target a choice is held to: ``tpot_slo_ms``, or its decode worker's derived one (inf while none)."""
+    def target_ms(sub: SubRequest) -> float:
+        if tpot_slo_ms:
+            return tpot_slo_ms
+        worker = registry.workers.get(sub.decode_worker or "")
+        return worker.tpot_target_ms if worker is not None and worker.tpot_target_ms else float("inf")
+    return target_ms
+
+
 class PrefillGate:
     def __init__(self, registry: WorkerRegistry, outstanding: Callable[[str], int],
-                 inflight: Callable[[], Iterable[SubRequest]], target_ms: Callable[[SubRequest], float]) -> None:
+                 inflight: Callable[[], Iterable[SubRequest]], target_ms: Callable[[SubRequest], float],
+                 max_hold_s: float = float("inf")) -> None:
         self.registry = registry
         self._outstanding = outstanding  # prefill worker id -> prompt tokens sent to it and not done
         self._inflight = inflight  # the proxy's choices, waiting, prefilling and decoding
         self._target_ms = target_ms
+        self.max_hold_s = max_hold_s  # the longest the gate holds at a stretch (``hold``)
+        self._holding_since: float | None = None
+
+    def hold(self, now: float) -> bool:
+        """Whether to hold the prompt admission would start now (``room`` says no), at most ``max_hold_s`` at a
+        stretch: then one prompt goes, and the next hold starts its own stretch. Asked only when admission has a
+        prompt to start and a slot for it, so the stretch counts only the wait the gate itself causes."""
+        if self.room(now):
+            self._holding_since = None
+            return False
+        if self._holding_since is None:
+            self._holding_since = now
+        if now - self._holding_since <= self.max_hold_s:
+            return True
+        self._holding_since = None
+        return False
 
     def room(self, now: float) -> bool:
         """Whether the next prompt (as long as the mean of those waiting) may go to some prefill worker now."""

@@ -3,9 +3,11 @@
 The decode cap itself (``tpot_slo_ms``) is the registry's (proxy/workers.py, proxy/capacity.py) and the
 cluster's ``_decode_slots``. The rest is here, called by the cluster (proxy/cluster.py) at its hooks:
 
-- ``prefill_room`` (with ``ttft_slo_ms``): admission's gate to prefill. A prompt goes to a prefill worker
-  only while one's predicted backlog is within half the target; the rest wait at the proxy, where the
-  fairness policy orders them, not in a worker's queue.
+- ``prefill_room``: admission's gate to prefill. With ``ttft_slo_ms``, a prompt goes to a prefill worker only
+  while one's predicted backlog is within half the target; the rest wait at the proxy, where the fairness
+  policy orders them, not in a worker's queue. With ``prefill_gate_max_hold_s``, while the TPOT target
+  applies, the prefill gate (proxy/prefill_gate.py) also holds a prompt whose prefill would push sequences
+  decoding on the same cores past their target, at most that long at a stretch.
 - ``reject_early`` (``early_rejection``): at arrival, a request predicted to miss ``ttft_slo_ms`` is refused
   at once, 429 when its own tenant's queue is most of the wait (the tenant should slow down), else 503
   (the cluster is overloaded), with Retry-After the predicted excess. The forecast (``TtftForecast``) is
@@ -18,13 +20,14 @@ cluster's ``_decode_slots``. The rest is here, called by the cluster (proxy/clus
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from common.config.roles import ProxyConfig
 from proxy.admission import AdmissionController, Stage
 from proxy.capacity import TtftForecast, choices_ahead
 from proxy.errors import ApiError
 from proxy.metrics import ProxyMetrics
+from proxy.prefill_gate import PrefillGate, tpot_target_of
 from proxy.requests import SubRequest
 from proxy.routing import RoutingPolicy
 from proxy.tenants import Tenant, TenantRegistry
@@ -38,7 +41,8 @@ PREEMPT_QUIET_S = 0.1
 
 class SloControls:
     def __init__(self, config: ProxyConfig, registry: WorkerRegistry, tenants: TenantRegistry,
-                 policy: RoutingPolicy, metrics: ProxyMetrics, decode_slots: Callable[[], int]) -> None:
+                 policy: RoutingPolicy, metrics: ProxyMetrics, decode_slots: Callable[[], int],
+                 inflight: Callable[[], Iterable[SubRequest]] = tuple) -> None:
         self.config = config
         self.registry = registry
         self.tenants = tenants
@@ -48,10 +52,24 @@ class SloControls:
         self.admission: AdmissionController | None = None  # set by the cluster once it has made it
         self.forecast = TtftForecast() if config.early_rejection else None
         self._quiet_until = 0.0  # to_preempt found nothing it may preempt: it looks again from then on
+        self.gate = PrefillGate(registry, policy.outstanding_prefill_tokens, inflight,
+                                tpot_target_of(registry, config.tpot_slo_ms), config.prefill_gate_max_hold_s
+                                ) if config.prefill_gate_max_hold_s else None
 
     # -- the TTFT target ---------------------------------------------------------------------------
 
-    def prefill_room(self) -> bool:
+    def prefill_room(self, gated: bool, now: float) -> bool:
+        """Whether a prompt may go to a prefill worker now: within the TTFT target's backlog (``ttft_room``), and,
+        when ``gated`` (the TPOT target applies, the adaptive controller is off), not held by the prefill gate
+        (``prefill_gate_max_hold_s``; counted in ``tessera_proxy_prefill_held_total``)."""
+        if self.config.ttft_slo_ms and not self.ttft_room():
+            return False
+        if gated and self.gate is not None and self.gate.hold(now):
+            self.metrics.prefill_held.inc()
+            return False
+        return True
+
+    def ttft_room(self) -> bool:
         """Whether some prefill worker's predicted backlog (its step model, over the prompt tokens sent to it
         and not done) is within half the target, so that a prompt admitted now still meets it. True without
         prefill workers (decode workers prefill locally, within their decode slots) or while one has no model."""

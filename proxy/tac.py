@@ -84,7 +84,7 @@ from common.config.roles import ProxyConfig
 from common.protocol.wire import Tune
 from proxy.admission import AdmissionController, Stage
 from proxy.metrics import ProxyMetrics
-from proxy.prefill_gate import PrefillGate
+from proxy.prefill_gate import PrefillGate, tpot_target_of
 from proxy.requests import SubRequest
 from proxy.routing import PrefixAwareRouting
 from proxy.tac_window import MAX_WINDOWS, MIN_OUTCOMES, MIN_SERVED, Window
@@ -120,6 +120,7 @@ class AdaptiveController:
         self.prefill_budget = 0
         self.token_budget = 0
         self.speculation = Speculation(registry, self._decide)
+        self._tpot_target_ms = tpot_target_of(registry, config.tpot_slo_ms)
         self.gate = PrefillGate(registry, policy.outstanding_prefill_tokens, inflight, self._tpot_target_ms)
         self._told: dict[str, tuple] = {}  # worker id -> (epoch, the token budget and speculation it was told)
         self.window = Window(clock())
@@ -137,12 +138,6 @@ class AdaptiveController:
         before the cap or its scale last changed (it says nothing of this setting)."""
         if sub.arrival >= self._changed_at:
             self.window.add(sub, self.config.ttft_slo_ms, self._tpot_target_ms)
-
-    def _tpot_target_ms(self, sub: SubRequest) -> float:
-        if self.config.tpot_slo_ms:
-            return self.config.tpot_slo_ms
-        worker = self.registry.workers.get(sub.decode_worker or "")
-        return worker.tpot_target_ms if worker is not None and worker.tpot_target_ms else float("inf")
 
     def rejected(self) -> None:
         """A request was refused at arrival, predicted to miss the TTFT target (``early_rejection``): a miss,

@@ -1,7 +1,7 @@
-"""The adaptive controller's prefill gate (proxy/prefill_gate.py) on real clusters: real workers say over the wire
-which cores they share, and with ``tessera up``'s layout (a prefill and a decode worker time-sharing the cores) a
-prompt waits at the proxy while a sequence decoding beside it has no room for it in its TPOT target; with
-workers on cores of their own, nothing is held.
+"""The prefill gate (proxy/prefill_gate.py) on real clusters, the adaptive controller's and the proxy's own
+(``prefill_gate_max_hold_s``): real workers say over the wire which cores they share, and with ``tessera up``'s
+layout (a prefill and a decode worker time-sharing the cores) a prompt waits at the proxy while a sequence
+decoding beside it has no room for it in its TPOT target; with workers on cores of their own, nothing is held.
 
 The TPOT target here (0.01 ms) is one no sequence can meet, so that the gate's answer does not depend on how
 fast this machine is: every decoding sequence has less slack than any prompt costs. What it holds under a real
@@ -17,12 +17,17 @@ import pytest
 from common.cli.local_cluster import LocalCluster, post_json
 from common.runtime.prometheus_text import total
 
-TAC = ["tac_enabled=true", "ttft_slo_ms=60000", "tpot_slo_ms=0.01"]
+GATES = {  # which gate: its settings, and the counter of the prompts it held
+    "tac": (["tac_enabled=true", "ttft_slo_ms=60000", "tpot_slo_ms=0.01"], "tessera_tac_prefill_held_total"),
+    "proxy": (["prefill_gate_max_hold_s=0.5", "tpot_slo_scope=always", "tpot_slo_ms=0.01"],
+              "tessera_proxy_prefill_held_total"),
+}
 
 
-def start(model_dir, log_dir, shared: bool) -> LocalCluster:
+def start(model_dir, log_dir, shared: bool, overrides: list[str]) -> LocalCluster:
     options = {"threads": 0, "share_cores": True} if shared else {"threads": 1}
-    return LocalCluster.for_tests(model_dir, log_dir, transfer_backend="zmq", proxy_overrides=TAC, **options).start()
+    return LocalCluster.for_tests(model_dir, log_dir, transfer_backend="zmq", proxy_overrides=overrides,
+                                  **options).start()
 
 
 def warm_up(cluster: LocalCluster, model: str) -> None:
@@ -44,8 +49,8 @@ def warm_up(cluster: LocalCluster, model: str) -> None:
     time.sleep(1.0)  # a few heartbeats: the proxy has both models
 
 
-def held(cluster: LocalCluster) -> float:
-    return total(httpx.get(cluster.url + "/metrics", timeout=10).text, "tessera_tac_prefill_held_total")
+def held(cluster: LocalCluster, counter: str) -> float:
+    return total(httpx.get(cluster.url + "/metrics", timeout=10).text, counter)
 
 
 def decode_beside(cluster: LocalCluster, model: str) -> tuple[float, float]:
@@ -72,18 +77,20 @@ def decode_beside(cluster: LocalCluster, model: str) -> tuple[float, float]:
     return ended["stream"], ended["other"]
 
 
+@pytest.mark.parametrize("gate", list(GATES))
 @pytest.mark.parametrize("shared", [True, False], ids=["shared-cores", "own-cores"])
-def test_a_prompt_waits_for_a_sequence_decoding_on_the_same_cores(tiny_chat_model_dir, tmp_path, shared):
-    cluster = start(tiny_chat_model_dir, tmp_path, shared)
+def test_a_prompt_waits_for_a_sequence_decoding_on_the_same_cores(tiny_chat_model_dir, tmp_path, shared, gate):
+    overrides, counter = GATES[gate]
+    cluster = start(tiny_chat_model_dir, tmp_path, shared, overrides)
     try:
         model = httpx.get(cluster.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         warm_up(cluster, model)
-        before = held(cluster)
+        before = held(cluster, counter)
         stream_ended, other_ended = decode_beside(cluster, model)
         if shared:
-            assert held(cluster) > before  # the gate weighed the stream's slack against the prompt, and said no
+            assert held(cluster, counter) > before  # the gate weighed the stream's slack against the prompt: no
         else:
-            assert held(cluster) == 0  # no cores shared: no prompt is ever held
+            assert held(cluster, counter) == 0  # no cores shared: no prompt is ever held
         assert other_ended > 0 and stream_ended > 0  # both served; the other request was not lost while it waited
     finally:
         codes = cluster.stop()

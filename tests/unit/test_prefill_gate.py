@@ -1,5 +1,5 @@
-"""The adaptive controller's prefill gate (proxy/prefill_gate.py): a prompt waits while the sequences decoding on
-the cores its prefill worker shares could not absorb it within their TPOT target."""
+"""The prefill gate (proxy/prefill_gate.py), the adaptive controller's and the proxy's own: a prompt waits while the
+sequences decoding on the cores its prefill worker shares could not absorb it within their TPOT target."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -125,3 +125,67 @@ def test_a_worker_sharing_cores_says_which_in_its_registration():
     assert decode(encode(msg)).core_group == group
     old = Register("p0", "prefill", 1, "m", "v", LAYOUT, 1000, 4096, "fake", b"", 128)
     assert decode(encode(old)).core_group == ""  # a worker that says nothing shares nothing
+
+
+def test_without_the_controller_the_gate_holds_at_most_its_longest_stretch_then_lets_one_go():
+    """``prefill_gate_max_hold_s``: a stream of 2,000 tokens decoding at the edge of its target has no slack
+    for its whole life; without a bound, every prompt beside it would wait for its end."""
+    reg = registry()
+    inflight = [decoding(40, 2.6), waiting(2048)]
+    held = PrefillGate(reg, lambda worker_id: 0, lambda: inflight, lambda sub: TARGET_MS, max_hold_s=2.0)
+    assert held.hold(100.0) and held.hold(101.0) and held.hold(102.0)
+    assert not held.hold(102.5)  # past 2 s at a stretch: one goes
+    assert held.hold(102.6)  # the next stretch starts
+    inflight.pop(0)
+    assert not held.hold(102.7)  # room: nothing held, and the stretch ends
+    inflight.insert(0, decoding(40, 2.6, now=103.0))
+    assert held.hold(103.0) and not held.hold(105.1)
+
+
+def gated_cluster(max_hold_s: float, scope: str = "always"):
+    """A cluster whose p0 and d0 share cores, the TPOT target applying as ``scope`` says; the gate as configured."""
+    from common.config.roles import ProxyConfig
+    from proxy.cluster import Cluster
+    from proxy.metrics import ProxyMetrics
+    from proxy.routing import PrefixAwareRouting
+    config = ProxyConfig(tpot_slo_ms=TARGET_MS, tpot_slo_scope=scope, prefill_gate_max_hold_s=max_hold_s)
+    cluster = Cluster(config, PrefixAwareRouting(), ProxyMetrics(), clock=lambda: 100.0)
+    cluster.registry = cluster.slo.registry = registry()
+    if cluster.slo.gate is not None:
+        cluster.slo.gate.registry = cluster.registry
+    return cluster
+
+
+def test_the_cluster_asks_the_gate_only_while_the_tpot_target_applies_and_counts_what_it_held():
+    for scope, held in (("always", True), ("never", False)):  # "never": no TPOT target, no gate
+        cluster = gated_cluster(max_hold_s=5.0, scope=scope)
+        cluster.inflight = {"late": decoding(40, 2.6), "w": waiting(2048)}
+        assert cluster._prefill_room() is not held
+        assert total(cluster.metrics.render().decode(), "tessera_proxy_prefill_held_total") == held
+    assert gated_cluster(max_hold_s=0.0).slo.gate is None  # off
+
+
+def test_a_prompt_the_gate_holds_goes_back_in_its_place():
+    """Admission asks the gate only with a prompt to start and a slot for it, so the gate's stretch counts only
+    the wait it causes; the prompt it holds keeps its place in the fairness order."""
+    import hashlib
+    from common.config.roles import ProxyConfig
+    from proxy.admission import AdmissionController
+    from proxy.tenants import TenantRegistry
+    tenants = [{"name": t, "api_key_sha256": [hashlib.sha256(t.encode()).hexdigest()]} for t in ("a", "b")]
+    config = ProxyConfig(auth_enabled=True, tenants=tenants)
+    registry_ = TenantRegistry(config)
+    room = {"open": False, "asked": 0}
+
+    def prefill_room() -> bool:
+        room["asked"] += 1
+        return room["open"]
+
+    admission = AdmissionController(config, registry_, lambda: 0, prefill_room=prefill_room)
+    assert admission.next_admission() is None and room["asked"] == 0  # nothing waits: the gate is not asked
+    for key in ("a0", "b0", "a1"):
+        admission.enqueue(key, registry_.tenants[key[0]], 10, key)
+    admission._decode_slots = lambda: 4
+    assert admission.next_admission() is None and room["asked"] == 1
+    room["open"] = True
+    assert [admission.next_admission().key for _ in range(3)] == ["a0", "b0", "a1"]

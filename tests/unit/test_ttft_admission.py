@@ -129,16 +129,16 @@ def controls(cfg: ProxyConfig, slots: int = 8) -> tuple[SloControls, WorkerRegis
 
 def test_the_prefill_gate_reads_the_prefill_workers_own_model():
     slo, registry, policy = controls(ProxyConfig(ttft_slo_ms=400.0))
-    assert slo.prefill_room()  # no model yet: room
+    assert slo.ttft_room()  # no model yet: room
     prompt_steps = StepCostModel(small_max_rows=0, small=[], large=[10.0, 0.0, 0.0, 0.5, 0.0],
                                  mixed=[10.0, 0.0, 0.0, 0.5, 0.0])
     registry.heartbeat(Heartbeat("p0", 1, 900, 0, 0, 0, False, 0, prompt_steps), 1.0)
     policy.tokens["p0"] = 380  # 10 + 0.5 x 380 = 200 ms: half the target
-    assert slo.prefill_room()
+    assert slo.ttft_room()
     policy.tokens["p0"] = 400
-    assert not slo.prefill_room()
+    assert not slo.ttft_room()
     registry.workers["p0"].draining = True  # no prefill worker takes prompts: the decode side prefills
-    assert slo.prefill_room()
+    assert slo.ttft_room()
 
 
 def test_a_prefill_worker_reports_its_prompt_steps_as_its_model():
