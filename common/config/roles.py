@@ -150,10 +150,11 @@ class ProxyConfig:
         "backlog (its fitted step model) stays within half of it, the rest waiting at the proxy in the fairness "
         "policy's order; 0: no target", ge=0)
     prefill_gate_max_hold_s: Float = option(
-        0.0, "where a prefill worker shares its cores with a decode worker (tessera up), while the TPOT target "
+        5.0, "where a prefill worker shares its cores with a decode worker (tessera up), while the TPOT target "
         "applies and tac_enabled is off: a prompt waits at the proxy while its prefill would push a sequence "
         "decoding on those cores past its TPOT target, the gate holding the prompts at most this long at a "
-        "stretch (then one goes); 0: no gate (the adaptive controller has its own)", ge=0)
+        "stretch (then one goes; well under queue_timeout_s); 0: no gate (the adaptive controller has its own)",
+        ge=0)
     early_rejection: Bool = option(
         False, "refuse at arrival a request whose predicted time to first token already exceeds ttft_slo_ms: "
         "429 when its own tenant's queue is the cause, else 503, both with Retry-After")
