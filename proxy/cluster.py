@@ -60,8 +60,7 @@ class Cluster(WorkerMembership):
                                lambda: self.inflight.values())
         self.slot_forecast = SlotForecast()
         self.admission = AdmissionController(config, self.tenants, self._decode_slots, metrics, clock,
-                                             self._prefill_room if config.ttft_slo_ms or config.prefill_gate_max_hold_s
-                                             else None,
+                                             self._prefill_room,
                                              latency_capped=self._within_tpot,
                                              slots_freeing=self.slot_forecast.freeing)
         self.slo.admission = self.admission
@@ -143,7 +142,8 @@ class Cluster(WorkerMembership):
         """Whether a prompt may go to a prefill worker now (the TTFT backlog, the prefill gate, TAC's budget)."""
         if self.tac is not None:
             return self.slo.prefill_room(False, self._clock()) and self.tac.prefill_room()
-        return self.slo.prefill_room(self._within_tpot(), self._clock())
+        gated = self._within_tpot()  # the gate applies only then; without a TTFT target nothing else to ask
+        return not (gated or self.config.ttft_slo_ms) or self.slo.prefill_room(gated, self._clock())
 
     def _decode_slots(self) -> int:
         """This proxy's share of the decode slots (at least one while there are any): as many as keep every
