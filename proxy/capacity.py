@@ -84,7 +84,7 @@ class StepLag:
             return
         a, b = self.fit()
         sample = min(max(gap_ms - step_ms - a - b * rows, 0.0), LAG_SAMPLE_MAX_MS) / max(tokens - 1, 1)
-        self.handoff_ms = sample if not self.handoffs else self.handoff_ms * HANDOFF_DECAY + sample * (1 - HANDOFF_DECAY)
+        self.handoff_ms = _decayed(self.handoff_ms, sample, self.handoffs, HANDOFF_DECAY)
         self.handoffs += 1
 
     def add_tpot(self, measured_ms: float, since: float, until: float, predicted_ms: Callable[[float], float],
@@ -108,8 +108,7 @@ class StepLag:
         a, b = self.fit()
         error = measured_ms - predicted_ms(rows) - a - self.handoff_ms - b * rows
         sample = min(max(error, -LAG_SAMPLE_MAX_MS), LAG_SAMPLE_MAX_MS)  # a stall, as the lag's steps are
-        self.residual_ms = sample if not self.residuals else (
-            self.residual_ms * HANDOFF_DECAY + sample * (1 - HANDOFF_DECAY))
+        self.residual_ms = _decayed(self.residual_ms, sample, self.residuals, HANDOFF_DECAY)
         self.residuals += 1
 
     def step_came(self, rows: int, now: float, predicted_ms: float, running_after: bool) -> None:
@@ -252,8 +251,9 @@ class TtftForecast:
         return (ahead * self.interval_s + self.service_s) * scale
 
 
-def _decayed(mean: float, sample: float, count: int) -> float:
-    return sample if count == 0 else mean * TTFT_DECAY + sample * (1 - TTFT_DECAY)
+def _decayed(mean: float, sample: float, count: int, decay: float = TTFT_DECAY) -> float:
+    """A decayed mean with one more ``sample`` (the sample itself when it is the first)."""
+    return sample if count == 0 else mean * decay + sample * (1 - decay)
 
 
 def choices_ahead(policy: str, queued: Mapping[str, int], lanes: Mapping[str, int], weights: Mapping[str, float],
