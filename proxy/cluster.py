@@ -182,13 +182,7 @@ class Cluster(WorkerMembership):
         if self.config.log_prompts:
             log.info("request %s prompt token ids: %s", request_id, prompts)
         self.admission.check_room(tenant, len(prompts) * params.n)
-        if self.slo.forecast is not None:
-            try:
-                self.slo.reject_early(tenant, max(map(len, prompts)))
-            except ApiError:
-                if self.tac is not None:
-                    self.tac.rejected()
-                raise
+        forecast_s = self.slo.reject_early(tenant, max(map(len, prompts)), self.tac)
         sink: asyncio.Queue = asyncio.Queue()
         now = self._clock()
         client_deadline = None if timeout_s is None else now + timeout_s
@@ -203,6 +197,7 @@ class Cluster(WorkerMembership):
                                  self.tracing, sink, now, tenant=tenant.name, lane=tenant.lane,
                                  cache_salt=tenant.cache_salt)
                 sub.wait_for_admission(queue_deadline, client_deadline)
+                sub.ttft_forecast_s = forecast_s
                 self.inflight[sub.request_id] = sub
                 if tenant.limited:
                     tenant.limiter.charge_tokens(len(prompt), now)

@@ -11,7 +11,8 @@ cluster's ``_decode_slots``. The rest is here, called by the cluster (proxy/clus
 - ``reject_early`` (``early_rejection``): at arrival, a request predicted to miss ``ttft_slo_ms`` is refused
   at once, 429 when its own tenant's queue is most of the wait (the tenant should slow down), else 503
   (the cluster is overloaded), with Retry-After the predicted excess. The forecast (``TtftForecast``) is
-  fed by ``admitted_to_prefill`` and ``tokens_emitted``.
+  fed by ``admitted_to_prefill`` and ``tokens_emitted``, and scaled by the ``early_rejection_quantile`` of
+  its own recent error.
 - ``to_preempt`` (``preempt_for_fairness``): while a tenant with fewer decode slots for its weight than
   another has a choice waiting for one, slots move from the other to it, one choice each, until the two
   are even. The cluster sends the giver's choice back to admission (``SubRequest.preempt``; at most
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from common.config.roles import ProxyConfig
 from proxy.admission import AdmissionController, Stage
@@ -32,6 +34,9 @@ from proxy.requests import SubRequest
 from proxy.routing import RoutingPolicy
 from proxy.tenants import Tenant, TenantRegistry
 from proxy.workers import WorkerRegistry
+
+if TYPE_CHECKING:
+    from proxy.tac import AdaptiveController
 
 # to_preempt: a request goes back to admission for fairness at most this many times (each costs its recompute);
 # after a look that found only such choices, the next look waits this long
@@ -50,7 +55,7 @@ class SloControls:
         self.metrics = metrics
         self.decode_slots = decode_slots
         self.admission: AdmissionController | None = None  # set by the cluster once it has made it
-        self.forecast = TtftForecast() if config.early_rejection else None
+        self.forecast = TtftForecast(quantile=config.early_rejection_quantile) if config.early_rejection else None
         self._quiet_until = 0.0  # to_preempt found nothing it may preempt: it looks again from then on
         self.gate = PrefillGate(registry, policy.outstanding_prefill_tokens, inflight,
                                 tpot_target_of(registry, config.tpot_slo_ms), config.prefill_gate_max_hold_s
@@ -83,32 +88,44 @@ class SloControls:
         self.forecast.admitted(now, self.admission.total(Stage.QUEUED) > 0, len(sub.tokens))
 
     def tokens_emitted(self, sub: SubRequest, now: float) -> None:
-        """``sub`` just emitted ``sub.new_tokens``: if they are its first, the forecast learns how long they took."""
+        """``sub`` just emitted ``sub.new_tokens``: if they are its first, the forecast learns how long they took,
+        and how far off its forecast at arrival was (``sub.ttft_forecast_s``, when it had one)."""
         if sub.admitted_at is not None and len(sub.output_ids) == sub.new_tokens:
             self.forecast.first_token(now - sub.admitted_at)
+            if sub.ttft_forecast_s:
+                self.forecast.measured(sub.ttft_forecast_s, now - sub.arrival)
 
-    def reject_early(self, tenant: Tenant, prompt_tokens: int = 0) -> None:
+    def reject_early(self, tenant: Tenant, prompt_tokens: int = 0, tac: AdaptiveController | None = None
+                     ) -> float | None:
         """ApiError when a new choice of ``tenant``, of a ``prompt_tokens``-token prompt, is predicted to get its
-        first token after ``ttft_slo_ms``.
+        first token after ``ttft_slo_ms`` (``tac``, the adaptive controller, counts the refusal as a miss); else
+        its forecast (``TtftForecast.predict_s``, None without one), for ``tokens_emitted`` to measure.
 
-        Never while nothing waits ahead of it: it would be admitted now, and refusing it would not make the
-        cluster faster (nor could the forecast learn otherwise). A request's own choices (``n``, several
-        prompts) are not counted against it: they are admitted together when there is room.
+        The forecast is scaled by the forecast's recent error at ``early_rejection_quantile`` (``margin``): a
+        request refused only when its mean forecast passed the target was admitted just under it, and under
+        overload half of those missed it. Never while nothing waits ahead of it: it would be admitted now, and
+        refusing it would not make the cluster faster (nor could the forecast learn otherwise). A request's own
+        choices (``n``, several prompts) are not counted against it: they are admitted together when there is
+        room.
         """
+        if self.forecast is None:
+            return None
         queued = self.admission.count[Stage.QUEUED]
         known = self.tenants.tenants
         lanes = {name: known[name].lane for name, waiting in queued.items() if waiting and name in known}
         ahead = choices_ahead(self.config.fairness_policy, queued, lanes, self.tenants.weights, tenant.name,
                               tenant.lane)
         if not ahead:
-            return
-        predicted_s = self.forecast.predict_s(ahead, prompt_tokens)
+            return None
+        forecast_s = self.forecast.predict_s(ahead, prompt_tokens)
         target_s = self.config.ttft_slo_ms / 1e3
-        if predicted_s is None or predicted_s <= target_s:
-            return
+        if forecast_s is None or (predicted_s := forecast_s * self.forecast.margin) <= target_s:
+            return forecast_s
         own = queued[tenant.name]
         status = 429 if own * 2 > ahead else 503
         self.metrics.tenant_rejections.labels(tenant.name, "ttft_target").inc()
+        if tac is not None:
+            tac.rejected()
         whose = f"tenant {tenant.name!r}'s own queue" if status == 429 else "the cluster's load"
         raise ApiError(status, (
             f"the request would wait about {predicted_s:.1f}s for its first token ({ahead} choice(s) to be "

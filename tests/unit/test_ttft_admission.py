@@ -12,7 +12,7 @@ from common.config.roles import ProxyConfig
 from common.engine.model_runner import StepTimer
 from common.protocol.wire import Heartbeat, KVLayoutInfo, Register, StepCostModel
 from proxy.admission import AdmissionController, Stage
-from proxy.capacity import TTFT_MIN_SAMPLES, TtftForecast, choices_ahead
+from proxy.capacity import TTFT_ERRORS, TTFT_MIN_SAMPLES, TtftForecast, choices_ahead
 from proxy.errors import ApiError
 from proxy.metrics import ProxyMetrics
 from proxy.slo import MAX_PREEMPTIONS, SloControls
@@ -173,6 +173,48 @@ def test_early_rejection_blames_the_tenant_whose_queue_it_is_and_never_refuses_w
     with pytest.raises(ApiError) as caught:
         slo.reject_early(b)  # 12 of its own and 13 of a's ahead
     assert caught.value.status == 503 and "cluster's load" in caught.value.message
+
+
+def test_the_forecasts_own_error_sets_the_margin_at_its_quantile():
+    forecast = TtftForecast(quantile=0.9)
+    for _ in range(TTFT_MIN_SAMPLES - 1):
+        forecast.measured(1.0, 1.5)
+    assert forecast.margin == 1.0  # too few requests measured to say
+    forecast.measured(0.0, 2.0)  # no forecast: nothing to learn
+    assert len(forecast.errors) == TTFT_MIN_SAMPLES - 1
+    for _ in range(92 - TTFT_MIN_SAMPLES + 1):
+        forecast.measured(2.0, 1.6)  # most came sooner than forecast ...
+    for _ in range(8):
+        forecast.measured(1.0, 2.5)  # ... a few much later
+    # 100 errors: 84 at 0.8, 8 at 1.5, 8 at 2.5; the 90th percentile is among the 1.5s
+    assert forecast.margin == pytest.approx(1.5)
+    for _ in range(TTFT_ERRORS):
+        forecast.measured(1.0, 0.5)  # the old errors age out; a forecast that overshoots lets more in
+    assert forecast.margin == pytest.approx(0.5)
+
+
+def test_early_rejection_refuses_what_the_forecast_at_its_error_quantile_puts_past_the_target():
+    """A mean forecast of 0.25 s against a 0.3 s target, but the recent requests got their first token 1.5x
+    later than forecast at the 90th percentile: refused (the old rule admitted it, and half of those missed).
+    An admitted request carries its forecast, and its first token teaches the forecast how far off it was."""
+    cfg = ProxyConfig(ttft_slo_ms=300.0, early_rejection=True, tenants=[{"name": "a"}])
+    slo, _, _ = controls(cfg)
+    for _ in range(TTFT_MIN_SAMPLES + 1):
+        slo.forecast.first_token(0.1)
+        slo.forecast.admitted(0.0, still_waiting=True)
+    slo.forecast.interval_s = 0.05
+    a = slo.tenants.get("a")
+    fill_queue(slo, "a", 3)
+    assert slo.reject_early(a) == pytest.approx(0.1 + 3 * 0.05)  # admitted: its forecast, for later
+    sub = SimpleNamespace(admitted_at=1.0, arrival=0.8, output_ids=[7], new_tokens=1, ttft_forecast_s=0.25)
+    for _ in range(TTFT_MIN_SAMPLES):
+        slo.tokens_emitted(sub, 1.175)  # its first token 0.375 s after its arrival: 1.5x its forecast
+    assert slo.forecast.margin == pytest.approx(1.5)
+    with pytest.raises(ApiError, match=r"about 0\.\d+s.*ttft_slo_ms=300") as caught:
+        slo.reject_early(a)
+    assert caught.value.status == 429
+    unforecast = ProxyConfig(ttft_slo_ms=300.0, tenants=[{"name": "a"}])
+    assert controls(unforecast)[0].reject_early(a) is None  # early_rejection off: no forecast, nothing refused
 
 
 def decoding(tenant: str, worker: str = "d0", preemptions: int = 0, tokens: int = 10) -> SimpleNamespace:
