@@ -184,13 +184,17 @@ def latency_capacity(cost: StepCostModel | None, max_num_seqs: int, context: int
     machine shrinks a worker's capacity instead of closing it; its part per row counts whole: that is how a
     step model fitted on small batches, extrapolated to large ones, is corrected by what those steps took.
     For the same reason the capacity is at most twice the most rows the worker's recent steps ran (at least
-    ``START_CAPACITY``): it grows as larger batches are seen to keep the target, not on extrapolation alone."""
+    ``START_CAPACITY``, and that until the lag has seen ``LAG_MIN_SAMPLES`` steps): it grows as larger batches
+    are seen to keep the target, not on extrapolation alone. A fresh worker's first model is fitted on its cold
+    steps: its one-row step, and so the derived target, came out several times too long, every batch fitted
+    within it, and for 2 s the capacity was all 128 slots, which a burst filled."""
     if cost is None:
         return 0, 0.0
     budget_ms = tpot_target_ms(cost, context, tpot_slo_ms, tpot_slo_factor)
     most = max(max_num_seqs, 1)
-    if lag is not None and lag.samples >= LAG_MIN_SAMPLES:
-        most = min(most, max(START_CAPACITY, int(2 * lag.max_rows)))
+    if lag is not None:
+        seen = lag.max_rows if lag.samples >= LAG_MIN_SAMPLES else 0.0
+        most = min(most, max(START_CAPACITY, int(2 * seen)))
     # a scan: each regime grows with the rows, but the small and large regimes are separate fits, so the
     # prediction may step down past small_max_rows
     for rows in range(2, most + 1):

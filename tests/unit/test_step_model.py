@@ -147,6 +147,9 @@ def test_decode_slots_within_the_target_come_from_each_workers_model():
     assert registry.decode_slots(within_tpot=True) == 2 * START_CAPACITY  # no model yet: a start's worth each
     registry.heartbeat(Heartbeat("d0", 1, 900, 10, 0, 0, False, 10 * 400, COST), 1.0)
     d0 = registry.workers["d0"]
+    assert d0.latency_capacity == START_CAPACITY  # no step seen yet (the next test but two)
+    now = steps_late(registry, 10, 0.0, 100)
+    registry.heartbeat(Heartbeat("d0", 1, 900, 10, 0, 0, False, 10 * 400, COST), now)
     # 6 + 1.5 R + 4 * 0.4 R <= 60  ->  R <= 17.4
     assert d0.latency_capacity == 17
     assert COST.step_ms(17, 17 * 400) <= 60 < COST.step_ms(18, 18 * 400)
@@ -190,7 +193,7 @@ def heartbeat_d0(registry: WorkerRegistry, now: float, running: int = 10) -> Non
 def test_steps_that_come_later_than_predicted_shrink_the_capacity():
     registry = registry_with(slo_ms=60.0)
     heartbeat_d0(registry, 1.0)
-    assert registry.workers["d0"].latency_capacity == 17
+    assert registry.workers["d0"].latency_capacity == START_CAPACITY  # 17 by the model, but no step seen yet
     now = steps_late(registry, 10, 20.0, 10)
     assert registry.workers["d0"].lag.ms == 0.0  # too few steps seen to judge
     now = steps_late(registry, 10, 20.0, 100, now)
@@ -290,9 +293,11 @@ def test_the_hand_off_before_the_second_token_is_spread_over_the_tokens_and_char
 
 
 def test_the_capacity_grows_with_the_batches_seen_not_on_extrapolation_alone():
+    """The model alone allows 17 sequences. Before the worker's steps are seen (a fresh worker's first model
+    is fitted on its cold steps, and may allow every slot) it gets START_CAPACITY."""
     registry = registry_with(slo_ms=60.0)
     heartbeat_d0(registry, 1.0)
-    assert registry.workers["d0"].latency_capacity == 17  # the model alone
+    assert registry.workers["d0"].latency_capacity == START_CAPACITY
     now = steps_late(registry, 3, 0.0, 100)
     heartbeat_d0(registry, now)
     assert registry.workers["d0"].latency_capacity == START_CAPACITY  # steps of 3 rows seen: at most max(8, 6)
