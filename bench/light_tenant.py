@@ -13,7 +13,9 @@ the client as input + 2 x output tokens, as they are delivered inside the measur
 Counting whole requests when they finish (also reported, "completed") credits a tenant in the window for
 service it received before it: with 48 streams of one tenant a request waits 20-30 s at the proxy, longer
 than the warm-up, so the window's first half counts requests admitted during the start. One table row per (scope, A's streams): B's and A's TPOT p50, B's served weighted tokens
-per minute and share, and how many requests waited at the proxy at the end of the window. Last, B's service at
+per minute and share, how many requests waited at the proxy at the end of the window, and the decode worker's
+capacity within the TPOT target (sampled each second): two runs' throughputs compare only over the same
+capacity, which follows each cluster's own fitted step model. Last, B's service at
 each A against the mean of the points at A's smallest stream count (by default the first and the last point).
 """
 from __future__ import annotations
@@ -103,14 +105,16 @@ def point(cluster: LocalCluster, a_streams: int, args, seed: int) -> dict:
     waiting = {}
 
     async def watch() -> None:
-        # the TPOT target moves with the worker's step model: sampled through the window, its median is the row's
-        targets = []
+        # the TPOT target and the capacity move with the worker's step model: sampled through the window, the
+        # target's median is the row's, and the capacity's mean is what two runs' throughputs are compared over
+        targets, capacities = [], []
         async with httpx.AsyncClient(timeout=10) as client:
             await asyncio.sleep(max(measure_from - time.monotonic(), 0.0))
-            while time.monotonic() < until - 6.0:
+            while time.monotonic() < until - 2.0:
                 text = (await client.get(cluster.url + "/metrics")).text
                 targets.append(1e3 * total(text, "tessera_proxy_worker_tpot_target_seconds"))
-                await asyncio.sleep(5.0)
+                capacities.append(total(text, "tessera_proxy_worker_decode_capacity"))
+                await asyncio.sleep(1.0)
         await asyncio.sleep(max(until - time.monotonic() - 1.0, 0.0))
         async with httpx.AsyncClient(timeout=10) as client:
             text = (await client.get(cluster.url + "/metrics")).text
@@ -127,6 +131,7 @@ def point(cluster: LocalCluster, a_streams: int, args, seed: int) -> dict:
         waiting["prefill_held"] = total(text, "tessera_proxy_prefill_held_total")
         waiting["tpot_target_p50_ms"] = statistics.median(targets) if targets else waiting["tpot_target_ms"]
         waiting["tpot_target_range_ms"] = [min(targets), max(targets)] if targets else None
+        waiting["decode_capacity_mean"] = statistics.fmean(capacities) if capacities else None
         for worker in workers.values():
             for gauge in ("predicted", "measured"):
                 waiting[f"step_{gauge}_ms"] = 1e3 * total(worker, f"tessera_worker_step_{gauge}_seconds")
@@ -207,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             cluster.stop()
     print("\n| tpot_slo_scope | A's streams | B's TPOT p50 ms | the TPOT target ms (p50 over the window) | A's TPOT p50 ms | B's TTFT p50 ms | "
           "B's weighted tokens / min | both, weighted tokens / min | B's share (1st / 2nd half) | "
-          "B's share of completed requests (1st / 2nd half) | waiting at the proxy (A / B) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "B's share of completed requests (1st / 2nd half) | waiting at the proxy (A / B) | decode capacity, mean |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         fmt = lambda v, spec=".0f": "—" if v is None else format(v, spec)  # noqa: E731
         print(f"| {r['scope']} | {r['a_streams']} | {fmt(r['B']['tpot_p50_ms'], '.1f')} | "
@@ -218,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({fmt(r['b_share_first_half'], '.2f')} / {fmt(r['b_share_second_half'], '.2f')}) | "
               f"{fmt(r['b_share_completed'], '.2f')} ({fmt(r['b_share_completed_first_half'], '.2f')} / "
               f"{fmt(r['b_share_completed_second_half'], '.2f')}) | "
-              f"{r['waiting_at_end'].get('A', 0):.0f} / {r['waiting_at_end'].get('B', 0):.0f} |")
+              f"{r['waiting_at_end'].get('A', 0):.0f} / {r['waiting_at_end'].get('B', 0):.0f} | "
+              f"{fmt(r['waiting_at_end'].get('decode_capacity_mean'), '.2f')} |")
     for scope in dict.fromkeys(r["scope"] for r in rows):
         if len({r["a_streams"] for r in rows if r["scope"] == scope}) > 1:
             print(baseline_summary([r for r in rows if r["scope"] == scope], scope))
