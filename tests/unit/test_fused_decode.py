@@ -1,5 +1,8 @@
 """The one-call decode kernel (models/llama.py `FusedDecode`) and int8 weights (engine/quantization.py) against the
 torch path on the same weights and the same paged KV."""
+import json
+from importlib import resources
+
 import pytest
 import torch
 
@@ -213,23 +216,19 @@ def test_int8_mlp_in_one_pass_matches_the_layer_by_layer_path(tiny_dir, dtype):
     assert mlp_int8(x[:8], mlp.gate_up_proj, mlp.down_proj) is None  # the small-batch kernel's
 
 
-PASSAGE = ("The river rose through the night, and by morning the lower fields were under water. Farmers moved "
-           "their animals to the ridge while the council met in the school hall to decide whether to open the "
-           "sluice gates upstream. Engineers warned that the old embankment could not hold much longer; the "
-           "mayor asked for volunteers to fill sandbags, and within an hour the square was full of people.")
-
-
 @pytest.mark.slow
 def test_embedded_model_int8_stays_close_to_bf16(embedded_model_dir_bf16):
     """int8 through every path a prompt takes (smoothing at load, the C passes, the MLP's one pass) on the real
-    model: perplexity over a passage within 4% of bf16's (bench.quant_accuracy measures +1.7% over 583 tokens;
-    a broken kernel multiplies it). Whether smoothing helps is the benchmark's to show: on a passage this
-    short the two int8 variants are within noise of each other."""
+    model: perplexity over the shipped prompt set's passages (583 tokens, as bench.quant_accuracy scores them)
+    within 4% of bf16's (the benchmark measured +1.7% on an AMD EPYC and +1.2% on an Intel Xeon with AMX; a
+    broken kernel multiplies it). A 70-token passage, this test's text before, measured +5.1% on that Xeon:
+    too short to tell a kernel's error from the text's."""
+    prompt_set = json.loads(resources.files("bench.loadgen").joinpath("prompt_set.json").read_text())
     ppl = {}
     for name, options in (("bf16", {}), ("int8", {"quantization": "int8"})):
         engine = LLMEngine(EngineConfig(model=str(embedded_model_dir_bf16), dtype="bfloat16",
                                         kv_cache_memory_bytes=64 << 20, **options))
-        text_ids = engine.tokenizer.encode(PASSAGE)
+        text_ids = engine.tokenizer.encode("\n\n".join(prompt_set["passages"]))[:1024]
         runner = engine.runner
         with torch.inference_mode():
             logits = runner.model.compute_logits(runner._forward_prompt(text_ids)).float()
