@@ -153,7 +153,8 @@ class ProxyConfig:
         5.0, "where a prefill worker shares its cores with a decode worker (tessera up), while the TPOT target "
         "applies and tac_enabled is off: a prompt waits at the proxy while its prefill would push a sequence "
         "decoding on those cores past its TPOT target, the gate holding the prompts at most this long at a "
-        "stretch (then one goes; well under queue_timeout_s); 0: no gate (the adaptive controller has its own)",
+        "stretch (then one goes; well under queue_timeout_s); 0: no gate (the adaptive controller's own gate, "
+        "bounded by this too, then holds without bound)",
         ge=0)
     early_rejection: Bool = option(
         False, "refuse at arrival a request whose predicted time to first token already exceeds ttft_slo_ms: "
