@@ -89,14 +89,23 @@ def test_it_holds_nothing_with_nothing_waiting_or_decoding_and_never_across_host
     assert gate(registry(prefill_group="", decode_group=""), [late, waiting(2048)]).room(100.0)
 
 
-def test_the_controller_holds_prompts_through_the_gate_and_counts_them():
-    tac, _, metrics, _ = controller()
+def gated_controller(**overrides):
+    """The controller, its p0 and d0 sharing cores, a sequence decoding with no slack and a long prompt waiting:
+    (the controller, its metrics, the choices in flight, its clock)."""
+    tac, _, metrics, _ = controller(**overrides)
+    clock = SimpleNamespace(now=0.0)
+    tac._clock = lambda: clock.now
     reg = tac.registry
     reg.heartbeat(Heartbeat("p0", 1, 900, 0, 0, 0, False, 0, COST), 0.0)
     for worker_id in ("p0", "d0"):
         reg.workers[worker_id].core_group = "h:/tmp/cores"
     inflight = [decoding(40, 2.6, now=0.0), waiting(2048)]
     tac.gate._inflight = lambda: inflight
+    return tac, metrics, inflight, clock
+
+
+def test_the_controller_holds_prompts_through_the_gate_and_counts_them():
+    tac, metrics, inflight, _ = gated_controller()
     assert not tac.prefill_room()
     assert total(metrics.render().decode(), "tessera_tac_prefill_held_total") == 1
     inflight.pop(0)  # the sequence ended
@@ -106,15 +115,7 @@ def test_the_controller_holds_prompts_through_the_gate_and_counts_them():
 def test_the_controllers_gate_holds_at_most_the_configured_stretch_too():
     """Unbounded, TAC's gate served 0.83-0.86x the goodput of the fixed cap with the proxy's bounded gate at
     256-token prompts and 1-3x capacity (docs/benchmarks.md, ninth round)."""
-    tac, _, _, _ = controller(prefill_gate_max_hold_s=2.0)
-    clock = SimpleNamespace(now=0.0)
-    tac._clock = lambda: clock.now
-    reg = tac.registry
-    reg.heartbeat(Heartbeat("p0", 1, 900, 0, 0, 0, False, 0, COST), 0.0)
-    for worker_id in ("p0", "d0"):
-        reg.workers[worker_id].core_group = "h:/tmp/cores"
-    inflight = [decoding(40, 2.6, now=0.0), waiting(2048)]
-    tac.gate._inflight = lambda: inflight
+    tac, _, _, clock = gated_controller(prefill_gate_max_hold_s=2.0)
     assert not tac.prefill_room()
     clock.now = 1.5
     assert not tac.prefill_room()
