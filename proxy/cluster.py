@@ -182,7 +182,7 @@ class Cluster(WorkerMembership):
         if self.config.log_prompts:
             log.info("request %s prompt token ids: %s", request_id, prompts)
         self.admission.check_room(tenant, len(prompts) * params.n)
-        forecast_s = self.slo.reject_early(tenant, max(map(len, prompts)), self.tac)
+        forecast_s = self.slo.reject_early(tenant, max(map(len, prompts)), self.tac) if self.slo.forecast else None
         sink: asyncio.Queue = asyncio.Queue()
         now = self._clock()
         client_deadline = None if timeout_s is None else now + timeout_s

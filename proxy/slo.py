@@ -9,10 +9,11 @@ cluster's ``_decode_slots``. The rest is here, called by the cluster (proxy/clus
   applies, the prefill gate (proxy/prefill_gate.py) also holds a prompt whose prefill would push sequences
   decoding on the same cores past their target, at most that long at a stretch.
 - ``reject_early`` (``early_rejection``): at arrival, a request predicted to miss ``ttft_slo_ms`` is refused
-  at once, 429 when its own tenant's queue is most of the wait (the tenant should slow down), else 503
+  at once, 429 when its own tenant's choices are most of the wait (most of those queued ahead of it, or of
+  all the cluster holds: the tenant should slow down), else 503
   (the cluster is overloaded), with Retry-After the predicted excess. The forecast (``TtftForecast``) is
-  fed by ``admitted_to_prefill`` and ``tokens_emitted``, and scaled by the ``early_rejection_quantile`` of
-  its own recent error.
+  fed by ``admitted_to_prefill`` and ``tokens_emitted``, plus the ``early_rejection_quantile`` of the
+  tenant's recent forecast errors.
 - ``to_preempt`` (``preempt_for_fairness``): while a tenant with fewer decode slots for its weight than
   another has a choice waiting for one, slots move from the other to it, one choice each, until the two
   are even. The cluster sends the giver's choice back to admission (``SubRequest.preempt``; at most
@@ -93,7 +94,7 @@ class SloControls:
         if sub.admitted_at is not None and len(sub.output_ids) == sub.new_tokens:
             self.forecast.first_token(now - sub.admitted_at)
             if sub.ttft_forecast_s:
-                self.forecast.measured(sub.ttft_forecast_s, now - sub.arrival)
+                self.forecast.measured(sub.ttft_forecast_s, now - sub.arrival, sub.tenant)
 
     def reject_early(self, tenant: Tenant, prompt_tokens: int = 0, tac: AdaptiveController | None = None
                      ) -> float | None:
@@ -101,7 +102,7 @@ class SloControls:
         first token after ``ttft_slo_ms`` (``tac``, the adaptive controller, counts the refusal as a miss); else
         its forecast (``TtftForecast.predict_s``, None without one), for ``tokens_emitted`` to measure.
 
-        The forecast is scaled by the forecast's recent error at ``early_rejection_quantile`` (``margin``): a
+        The forecast gets the tenant's recent forecast error at ``early_rejection_quantile`` added (``margin``): a
         request refused only when its mean forecast passed the target was admitted just under it, and under
         overload half of those missed it. Never while nothing waits ahead of it: it would be admitted now, and
         refusing it would not make the cluster faster (nor could the forecast learn otherwise). A request's own
@@ -119,14 +120,17 @@ class SloControls:
             return None
         forecast_s = self.forecast.predict_s(ahead, prompt_tokens)
         target_s = self.config.ttft_slo_ms / 1e3
-        if forecast_s is None or (predicted_s := forecast_s * self.forecast.margin) <= target_s:
+        if forecast_s is None or (predicted_s := forecast_s + self.forecast.margin(tenant.name)) <= target_s:
             return forecast_s
         own = queued[tenant.name]
-        status = 429 if own * 2 > ahead else 503
+        # its own choices are the cause when they are most of the queue ahead of it, or most of what the cluster
+        # holds: a closed-loop client keeping a dozen requests in flight often has none queued
+        holding = sum(sum(c.values()) for c in self.admission.count.values())
+        status = 429 if own * 2 > ahead or self.admission.active(tenant.name) * 2 > holding else 503
         self.metrics.tenant_rejections.labels(tenant.name, "ttft_target").inc()
         if tac is not None:
             tac.rejected()
-        whose = f"tenant {tenant.name!r}'s own queue" if status == 429 else "the cluster's load"
+        whose = f"tenant {tenant.name!r}'s own requests" if status == 429 else "the cluster's load"
         raise ApiError(status, (
             f"the request would wait about {predicted_s:.1f}s for its first token ({ahead} choice(s) to be "
             f"admitted before it, {own} of them its tenant's), more than ttft_slo_ms={self.config.ttft_slo_ms:g}; "

@@ -158,11 +158,12 @@ class ProxyConfig:
         ge=0)
     early_rejection: Bool = option(
         False, "refuse at arrival a request whose predicted time to first token already exceeds ttft_slo_ms: "
-        "429 when its own tenant's queue is the cause, else 503, both with Retry-After")
+        "429 when its own tenant's requests are the cause (most of the queue ahead, or of all the cluster holds), "
+        "else 503, both with Retry-After")
     early_rejection_quantile: Float = option(
-        0.9, "early_rejection scales each forecast by this quantile of the forecast's recent error (measured "
-        "TTFT over forecast), so that about this fraction of the requests it admits meet ttft_slo_ms; 0.5: "
-        "refuse on the median forecast", gt=0, le=1)
+        0.9, "early_rejection adds to each forecast this quantile of its tenant's recent forecast errors "
+        "(measured TTFT less forecast), so that about this fraction of the requests it admits meet ttft_slo_ms; "
+        "0.5: refuse on the median", gt=0, le=1)
     tac_enabled: Bool = option(
         False, "the adaptive controller (proxy/tac.py): moves the decode cap, the prefill token budget and the "
         "conditional-disaggregation threshold to maximise goodput against ttft_slo_ms and the TPOT target; "

@@ -247,7 +247,7 @@ def test_early_rejection_refuses_what_would_miss_the_ttft_target_and_spares_the_
                                                                                             workers):
     """Two decode slots, a token every 20 ms, 10 tokens a request: about ten requests a second. The heavy tenant
     keeps 12 requests outstanding, so its new ones would wait well past the 300 ms target and are refused at
-    once (429: its own queue is the cause); the light tenant's one stream goes ahead of that queue (vtc) and
+    once (429: its own requests are the cause, queued or holding the slots); the light tenant's one stream goes ahead of that queue (vtc) and
     is never refused."""
     tenants = [{"name": "heavy", "api_key_sha256": [hash_key("sk-heavy")]},
                {"name": "light", "api_key_sha256": [hash_key("sk-light")]}]

@@ -179,25 +179,26 @@ def test_the_forecasts_own_error_sets_the_margin_at_its_quantile():
     forecast = TtftForecast(quantile=0.9)
     for _ in range(TTFT_MIN_SAMPLES - 1):
         forecast.measured(1.0, 1.5)
-    assert forecast.margin == 1.0  # too few requests measured to say
-    forecast.measured(0.0, 2.0)  # no forecast: nothing to learn
-    assert len(forecast.errors) == TTFT_MIN_SAMPLES - 1
+    assert forecast.margin() == 0.0  # too few requests measured to say
     for _ in range(92 - TTFT_MIN_SAMPLES + 1):
         forecast.measured(2.0, 1.6)  # most came sooner than forecast ...
     for _ in range(8):
         forecast.measured(1.0, 2.5)  # ... a few much later
-    # 100 errors: 84 at 0.8, 8 at 1.5, 8 at 2.5; the 90th percentile is among the 1.5s
-    assert forecast.margin == pytest.approx(1.5)
+    # 100 errors: 84 at -0.4 s, 8 at +0.5 s, 8 at +1.5 s; the 90th percentile is among the +0.5s
+    assert forecast.margin() == pytest.approx(0.5)
     for _ in range(TTFT_ERRORS):
         forecast.measured(1.0, 0.5)  # the old errors age out; a forecast that overshoots lets more in
-    assert forecast.margin == pytest.approx(0.5)
+    assert forecast.margin() == pytest.approx(-0.5)
+    for _ in range(TTFT_MIN_SAMPLES):
+        forecast.measured(1.0, 3.0, "heavy")  # vtc puts the light tenant's requests ahead of the heavy one's
+    assert forecast.margin("heavy") == pytest.approx(2.0) and forecast.margin("light") == 0.0
 
 
-def test_early_rejection_refuses_what_the_forecast_at_its_error_quantile_puts_past_the_target():
-    """A mean forecast of 0.25 s against a 0.3 s target, but the recent requests got their first token 1.5x
+def test_early_rejection_refuses_what_the_forecast_plus_its_error_quantile_puts_past_the_target():
+    """A mean forecast of 0.25 s against a 0.3 s target, but the recent requests got their first token 0.125 s
     later than forecast at the 90th percentile: refused (the old rule admitted it, and half of those missed).
     An admitted request carries its forecast, and its first token teaches the forecast how far off it was."""
-    cfg = ProxyConfig(ttft_slo_ms=300.0, early_rejection=True, tenants=[{"name": "a"}])
+    cfg = ProxyConfig(ttft_slo_ms=300.0, early_rejection=True, tenants=[{"name": "a"}, {"name": "b"}])
     slo, _, _ = controls(cfg)
     for _ in range(TTFT_MIN_SAMPLES + 1):
         slo.forecast.first_token(0.1)
@@ -206,13 +207,21 @@ def test_early_rejection_refuses_what_the_forecast_at_its_error_quantile_puts_pa
     a = slo.tenants.get("a")
     fill_queue(slo, "a", 3)
     assert slo.reject_early(a) == pytest.approx(0.1 + 3 * 0.05)  # admitted: its forecast, for later
-    sub = SimpleNamespace(admitted_at=1.0, arrival=0.8, output_ids=[7], new_tokens=1, ttft_forecast_s=0.25)
+    sub = SimpleNamespace(admitted_at=1.0, arrival=0.8, output_ids=[7], new_tokens=1, ttft_forecast_s=0.25,
+                          tenant="a")
     for _ in range(TTFT_MIN_SAMPLES):
-        slo.tokens_emitted(sub, 1.175)  # its first token 0.375 s after its arrival: 1.5x its forecast
-    assert slo.forecast.margin == pytest.approx(1.5)
+        slo.tokens_emitted(sub, 1.175)  # its first token 0.375 s after its arrival: 0.125 s past its forecast
+    assert slo.forecast.margin("a") == pytest.approx(0.125) and slo.forecast.margin("b") == 0.0
     with pytest.raises(ApiError, match=r"about 0\.\d+s.*ttft_slo_ms=300") as caught:
         slo.reject_early(a)
     assert caught.value.status == 429
+    del slo.admission.count[Stage.QUEUED]["a"]  # a holds the cluster: nothing queued, 10 choices decoding ...
+    slo.admission.count[Stage.DECODING]["a"] = 10
+    fill_queue(slo, "b", 3)  # ... and b's queue puts one choice ahead of a's next (vtc): 0.2 + 0.1 + 0.125 s
+    slo.forecast.interval_s = 0.2
+    with pytest.raises(ApiError) as caught:
+        slo.reject_early(a)
+    assert caught.value.status == 429 and "tenant 'a'" in caught.value.message  # a is still the cause
     unforecast = ProxyConfig(ttft_slo_ms=300.0, tenants=[{"name": "a"}])
     assert controls(unforecast)[0].reject_early(a) is None  # early_rejection off: no forecast, nothing refused
 
