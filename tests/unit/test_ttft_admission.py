@@ -155,13 +155,20 @@ def fill_queue(slo: SloControls, tenant: str, count: int) -> None:
         slo.admission.enqueue(f"{tenant}-{i}", registry.get(tenant), 10, None)
 
 
-def test_early_rejection_blames_the_tenant_whose_queue_it_is_and_never_refuses_with_nothing_ahead():
+def rejecting_controls() -> SloControls:
+    """Early rejection against a 300 ms target, tenants a and b; its forecast: a first token 0.1 s after
+    admission, one admission every 50 ms."""
     cfg = ProxyConfig(ttft_slo_ms=300.0, early_rejection=True, tenants=[{"name": "a"}, {"name": "b"}])
     slo, _, _ = controls(cfg)
     for _ in range(TTFT_MIN_SAMPLES + 1):
         slo.forecast.first_token(0.1)
         slo.forecast.admitted(0.0, still_waiting=True)
     slo.forecast.interval_s = 0.05
+    return slo
+
+
+def test_early_rejection_blames_the_tenant_whose_queue_it_is_and_never_refuses_with_nothing_ahead():
+    slo = rejecting_controls()
     a, b = slo.tenants.get("a"), slo.tenants.get("b")
     slo.reject_early(a)  # an empty queue: nothing ahead, whatever the forecast
     fill_queue(slo, "a", 20)
@@ -198,12 +205,7 @@ def test_early_rejection_refuses_what_the_forecast_plus_its_error_quantile_puts_
     """A mean forecast of 0.25 s against a 0.3 s target, but the recent requests got their first token 0.125 s
     later than forecast at the 90th percentile: refused (the old rule admitted it, and half of those missed).
     An admitted request carries its forecast, and its first token teaches the forecast how far off it was."""
-    cfg = ProxyConfig(ttft_slo_ms=300.0, early_rejection=True, tenants=[{"name": "a"}, {"name": "b"}])
-    slo, _, _ = controls(cfg)
-    for _ in range(TTFT_MIN_SAMPLES + 1):
-        slo.forecast.first_token(0.1)
-        slo.forecast.admitted(0.0, still_waiting=True)
-    slo.forecast.interval_s = 0.05
+    slo = rejecting_controls()
     a = slo.tenants.get("a")
     fill_queue(slo, "a", 3)
     assert slo.reject_early(a) == pytest.approx(0.1 + 3 * 0.05)  # admitted: its forecast, for later
