@@ -122,9 +122,8 @@ class AdaptiveController:
         self.token_budget = 0
         self.speculation = Speculation(registry, self._decide)
         self._tpot_target_ms = tpot_target_of(registry, config.tpot_slo_ms)
-        # held at most prefill_gate_max_hold_s at a stretch, as the proxy's own gate (0: without bound): unbounded,
-        # at 256-token prompts and 1-3x capacity it served 0.83-0.86x the requests within both targets of the
-        # fixed cap with the bounded gate, which it otherwise equals there
+        # held at most prefill_gate_max_hold_s at a stretch, as the proxy's own gate (0: without bound), so that the
+        # controller starts from the fixed cap's setting and differs from it only in the knobs it moves
         self.gate = PrefillGate(registry, policy.outstanding_prefill_tokens, inflight, self._tpot_target_ms,
                                 config.prefill_gate_max_hold_s or float("inf"))
         self._told: dict[str, tuple] = {}  # worker id -> (epoch, the token budget and speculation it was told)
