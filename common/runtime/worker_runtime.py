@@ -35,7 +35,6 @@ import signal
 import threading
 import time
 from contextlib import nullcontext
-from typing import Callable
 
 import zmq
 
@@ -320,20 +319,14 @@ class WorkerBase:
     def registration(self) -> wire.Register:
         layout = self.engine.runner.layout
         return wire.Register(
-            worker_id=self.config.worker_id,
-            role=self.role,
-            epoch=self.epoch,
-            model=self.config.model_name,
+            worker_id=self.config.worker_id, role=self.role, epoch=self.epoch, model=self.config.model_name,
             model_version=model_version(self.engine.model_dir, self.config.engine.dtype),
             kv_layout=wire.KVLayoutInfo(
                 layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim, layout.dtype
             ),
-            num_blocks=self.engine.block_manager.num_blocks,
-            max_model_len=self.engine.max_model_len,
-            transfer_backend=self.transfer_name,
-            transfer_metadata=self.transfer_metadata,
-            max_num_seqs=self.config.engine.max_num_seqs,
-            core_group=core_group(self.config.core_share),
+            num_blocks=self.engine.block_manager.num_blocks, max_model_len=self.engine.max_model_len,
+            transfer_backend=self.transfer_name, transfer_metadata=self.transfer_metadata,
+            max_num_seqs=self.config.engine.max_num_seqs, core_group=core_group(self.config.core_share),
             **({} if self.config.engine.spec_method == "off" else {
                 "spec_num_tokens": self.config.engine.spec_num_tokens,
                 "spec_max_batch_size": self.config.engine.spec_max_batch_size}),
