@@ -13,7 +13,8 @@ import time
 
 import msgspec
 
-from common.protocol.wire import StepCostModel, cache_salt_of
+from common.protocol.block_hash import cache_salt_of
+from common.protocol.wire import StepCostModel
 from common.runtime.prometheus_text import total
 
 from proxy.tenants import hash_key

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.protocol.wire import Goodbye, Heartbeat, KVLayoutInfo, Register, cache_salt_of
+from common.protocol.block_hash import cache_salt_of
+from common.protocol.wire import Goodbye, Heartbeat, KVLayoutInfo, Register
 from proxy.workers import WorkerRegistry
 from proxy.routing import PrefixAwareRouting, PrefixLRU
 
