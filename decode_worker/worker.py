@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from common.protocol import wire
 from common.engine.sequence import FinishReason, Sequence
+from common.runtime.embed_queue import EmbedQueue
 from common.runtime.worker_runtime import WorkerBase
 from kv_transfer.base import TransferStatus
 
@@ -70,6 +71,7 @@ class DecodeHandler(WorkerBase):
         self.pulls: dict[str, Pull] = {}
         self.delayed: dict[str, DelayedPull] = {}  # only with fault_kv_pull_delay_s
         self.peers: dict[str, int] = {}  # prefill worker id -> epoch known to the transfer agent
+        self.embeds = EmbedQueue(self) if role == "both" else None  # /v1/embeddings: prefill-capable roles
         if config.fault_kv_pull_delay_s:
             log.warning("fault injection: every KV pull starts fault_kv_pull_delay_s=%gs late",
                         config.fault_kv_pull_delay_s)
@@ -86,8 +88,12 @@ class DecodeHandler(WorkerBase):
             else:
                 self.delayed.pop(msg.request_id, None)
                 self.engine.abort_request(msg.request_id)
+                if self.embeds is not None:
+                    self.embeds.cancel(msg.request_id)
         elif isinstance(msg, wire.Peers):
             self._update_peers(msg.peers)
+        elif isinstance(msg, wire.EmbedRequest) and self.embeds is not None:
+            self.embeds.add(msg)
         else:
             log.warning("decode worker ignores %s", type(msg).__name__)
 
@@ -171,6 +177,8 @@ class DecodeHandler(WorkerBase):
             status = self.transfer.poll(pull.handle)
             if status in (TransferStatus.DONE, TransferStatus.FAILED):
                 self._finish_pull(request_id, pull, status is TransferStatus.DONE)
+        if self.embeds:
+            self.embeds.run()
         if self.engine.has_work():  # not while every request waits for its pages
             with self.cores:
                 outputs = self.engine.step()
@@ -233,11 +241,11 @@ class DecodeHandler(WorkerBase):
 
     # ---- drain --------------------------------------------------------------------
     def busy(self) -> bool:
-        return bool(self.pulls) or self.engine.has_unfinished()
+        return bool(self.pulls or self.embeds) or self.engine.has_unfinished()
 
     def wait_s(self, idle_s: float) -> float:
         """Pulls in flight are polled every ``PULL_POLL_S``; the loop does not spin on them."""
-        if self.engine.has_work():
+        if self.engine.has_work() or self.embeds:
             return 0.0
         if self.pulls:
             return PULL_POLL_S
@@ -246,6 +254,8 @@ class DecodeHandler(WorkerBase):
 
     def fail_all(self, reason: str) -> None:
         self.delayed.clear()  # their sequences are the engine's, failed below
+        if self.embeds is not None:
+            self.embeds.fail_all(reason)
         for request_id, pull in self.pulls.items():
             self.transfer.abort(pull.handle)
             pull.aborted = True

@@ -10,6 +10,7 @@ Request life cycle:
   A request whose first token already ends it (EOS, stop, max_tokens=1)
   reports its finish_reason and frees its pages at once.
   Abort frees the request wherever it is.
+  EmbedRequest (/v1/embeddings) is computed between engine steps (``common/runtime/embed_queue.py``).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import time
 from common.protocol import wire
 from common.engine.llm_engine import RequestOutput
 from common.engine.sequence import FinishReason, Sequence
+from common.runtime.embed_queue import EmbedQueue
 from common.runtime.worker_runtime import WorkerBase
 
 log = logging.getLogger(__name__)
@@ -32,6 +34,7 @@ class PrefillHandler(WorkerBase):
         super().__init__(config, transfer)
         self.computing: dict[str, tuple[Sequence, float]] = {}  # request id -> (seq, lease seconds)
         self.leases: dict[str, tuple[Sequence, float]] = {}  # request id -> (seq, expiry)
+        self.embeds = EmbedQueue(self)
 
     # ---- inbound ------------------------------------------------------------
     def handle(self, msg) -> None:
@@ -39,7 +42,10 @@ class PrefillHandler(WorkerBase):
             self._start(msg)
         elif isinstance(msg, wire.ReleaseKV):
             self._release(msg.request_id)
+        elif isinstance(msg, wire.EmbedRequest):
+            self.embeds.add(msg)
         elif isinstance(msg, wire.Abort):
+            self.embeds.cancel(msg.request_id)
             if msg.request_id in self.computing:
                 self.engine.abort_request(msg.request_id)
                 self.computing.pop(msg.request_id)
@@ -74,6 +80,8 @@ class PrefillHandler(WorkerBase):
             log.warning("KV lease of %s expired unpulled; pages freed", request_id)
             self.metrics.kv_lease_expirations.inc()
             self._release(request_id)
+        if self.embeds:
+            self.embeds.run()
         if not self.engine.has_work():
             return
         with self.cores:
@@ -106,17 +114,18 @@ class PrefillHandler(WorkerBase):
 
     # ---- drain ------------------------------------------------------------------
     def busy(self) -> bool:
-        return bool(self.computing or self.leases)
+        return bool(self.computing or self.leases or self.embeds)
 
     def wait_s(self, idle_s: float) -> float:
         """Pages lent out need no turns of the loop: it wakes for a message or for the next lease's expiry."""
-        if self.engine.has_work():
+        if self.engine.has_work() or self.embeds:
             return 0.0
         if not self.leases:
             return idle_s
         return max(0.0, min(idle_s, min(expiry for _, expiry in self.leases.values()) - time.monotonic()))
 
     def fail_all(self, reason: str) -> None:
+        self.embeds.fail_all(reason)
         for request_id in list(self.computing):
             self.computing.pop(request_id)
             self.fail(request_id, "prefill", SPAN, reason)

@@ -11,7 +11,7 @@ socket and its context.
 
 Endpoints here: /v1/models, /tokenize, /detokenize, /healthz, /readyz,
 /version, /metrics. The generation endpoints live in ``openai_api``, the
-reconnection to a resumable stream in ``resumable``.
+reconnection to a resumable stream in ``resumable``, /v1/embeddings in ``embeddings_api``.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from common.config.roles import ProxyConfig
 from common.text.tokenizer import Tokenizer
 from common.protocol.wire import PROTOCOL_VERSION
 from common.runtime.zmq_security import proxy_curve
-from proxy import openai_api, openapi, resumable
+from proxy import embeddings_api, openai_api, openapi, resumable
 from proxy.cluster import Cluster
 from proxy.errors import ApiError, install_error_handlers
 from proxy.listener import BodyDeadline
@@ -38,7 +38,8 @@ from proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from proxy.openapi import DetokenizeResponse, TokenizeResponse, error_responses, request_body
 from proxy.reload import ConfigReloader, ConfigSource
 from proxy.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, check_token_ids, read_model,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest, check_token_ids,
+    read_model,
 )
 from proxy.resumable import StreamStore
 from proxy.routing import PrefixAwareRouting, RoutingPolicy
@@ -109,9 +110,11 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
     install_error_handlers(app)
     app.add_middleware(BodyDeadline, timeout_s=config.request_body_timeout_s)
     app.include_router(openai_api.router)
+    app.include_router(embeddings_api.router)
     app.include_router(resumable.router)
     _add_service_routes(app, services)
-    openapi.install(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
+    openapi.install(app, [CompletionRequest, ChatCompletionRequest, EmbeddingRequest, TokenizeRequest,
+                         DetokenizeRequest])
     return app
 
 

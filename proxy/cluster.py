@@ -25,9 +25,10 @@ from common.runtime.telemetry import bind_request, request_scope
 from common.config.roles import ProxyConfig
 from common.runtime.tracing import make_tracing
 from common.protocol.sampling_params import SamplingParams
-from common.protocol.wire import (Abort, DecodeRequest, Goodbye, Heartbeat, KVPulled, PrefillDone, PrefillRequest,
-                                  Register, ReleaseKV, RequestFailed, TokenDeltas, WireError, decode)
+from common.protocol.wire import (Abort, DecodeRequest, EmbedResult, Goodbye, Heartbeat, KVPulled, PrefillDone,
+                                  PrefillRequest, Register, ReleaseKV, RequestFailed, TokenDeltas, WireError, decode)
 from proxy.admission import Admit, AdmissionController, Stage
+from proxy.embeddings import Embeddings
 from proxy.errors import ApiError
 from proxy.membership import WorkerMembership
 from proxy.metrics import ProxyMetrics
@@ -67,6 +68,7 @@ class Cluster(WorkerMembership):
         self.tac = AdaptiveController(config, self.registry, policy, self.admission, metrics, self.send, clock,
                                       lambda: self.inflight.values()) if config.tac_enabled else None
         self.inflight: dict[str, SubRequest] = {}
+        self.embeddings = Embeddings(config, self.registry, self.send)  # /v1/embeddings: no admission, no pages
         self.draining = False
         self._clock = clock
         self._outbox: Outbox | None = None
@@ -74,6 +76,7 @@ class Cluster(WorkerMembership):
             Register: self._on_register, Heartbeat: self._on_heartbeat, Goodbye: self._on_goodbye,
             PrefillDone: self._on_prefill_done, KVPulled: self._on_kv_pulled,
             TokenDeltas: self._on_token_deltas, RequestFailed: self._on_request_failed,
+            EmbedResult: self.embeddings.on_result,
         }
         self._update_worker_gauges()
 
@@ -122,13 +125,11 @@ class Cluster(WorkerMembership):
             self.admission.requeue(sub.request_id, before)
 
     def check_deadline(self, sub: SubRequest, now: float) -> None:
-        before = sub.stage
-        self._act(sub, before, sub.check_deadline(now))
+        self._act(sub, sub.stage, sub.check_deadline(now))  # the stage before the handler runs
         self._dispatch()
 
     def cancel(self, sub: SubRequest, reason: str, status: int = 499) -> None:
-        before = sub.stage
-        self._act(sub, before, sub.cancel(reason, status))
+        self._act(sub, sub.stage, sub.cancel(reason, status))
         self._dispatch()
 
     def _within_tpot(self) -> bool:
@@ -376,6 +377,8 @@ class Cluster(WorkerMembership):
         self._dispatch()
 
     def _on_request_failed(self, sender: str, msg: RequestFailed, now: float) -> None:
+        if self.embeddings.owns(msg.request_id):
+            return self.embeddings.on_failed(sender, msg)
         sub = self._sub(msg.request_id)
         if not self._on_request_message(sub, lambda: sub.on_failed(msg, sender, now)):
             log.debug("ignoring RequestFailed for unknown request %s from %r", msg.request_id, sender)
@@ -389,6 +392,7 @@ class Cluster(WorkerMembership):
 
     def cancel_all(self, reason: str) -> None:
         self.start_draining()
+        self.embeddings.cancel_all(reason)
         # Waiting ones first: each running one that ends would otherwise admit a waiting one, only to abort it.
         for sub in sorted(self.inflight.values(), key=lambda s: s.stage is not Stage.QUEUED):
             self.cancel(sub, reason, status=503)

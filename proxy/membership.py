@@ -98,6 +98,7 @@ class WorkerMembership:
         for sub in [s for s in self.inflight.values() if s.involves(worker.worker_id)]:
             before = sub.stage
             self._act(sub, before, sub.on_worker_lost(worker.worker_id, reason, now))
+        self.embeddings.worker_gone(worker.worker_id)
         self._dispatch()
         self.policy.worker_removed(worker.worker_id)
         if worker.worker_id not in self.registry.workers:

@@ -271,25 +271,12 @@ def _timeout(raw: str | None) -> float | None:
 async def _admit(services, body, format_cls, tenant: Tenant,
                  timeout_s: float | None) -> tuple[_Generation, RequestGroup]:
     config, cluster = services.config, services.cluster
-    identity = cluster.registry.cluster_model
-    if body.model != config.served_model_name and (identity is None or body.model != identity.model):
-        raise ApiError(404, f"model {body.model!r} does not exist; this server serves "
-                       f"{config.served_model_name!r}", code="model_not_found", param="model")
+    check_model(services, body.model)
     params = body.sampling_params(config.max_tokens_default)
     if params.max_tokens > config.max_tokens_limit:
         raise ApiError(400, f"max_tokens is {params.max_tokens}; this server generates at most "
                        f"{config.max_tokens_limit} tokens per request", code="invalid_value", param="max_tokens")
-    max_model_len = cluster.registry.max_model_len
-    if cluster.draining or max_model_len is None:
-        why = "the proxy is shutting down" if cluster.draining else "no worker is registered"
-        raise ApiError(503, f"cannot serve now: {why}", code="no_worker_available",
-                       retry_after_s=config.retry_after_s)
-    if tenant.limited:
-        try:
-            tenant.limiter.admit(time.monotonic())
-        except ApiError:
-            services.metrics.tenant_rejections.labels(tenant.name, "rate_limit").inc()
-            raise
+    max_model_len = serving_context(services, tenant)
     prompts = await asyncio.to_thread(body.prompt_token_ids, services.tokenizer)
     longest = max(prompts, key=len)
     if len(longest) >= max_model_len:
@@ -310,6 +297,32 @@ async def _admit(services, body, format_cls, tenant: Tenant,
     group = cluster.submit(response_id, prompts, params, base_seed, tenant, timeout_s)
     choices = [ChoiceState(i, i // params.n) for i in range(len(prompts) * params.n)]
     return _Generation(response_id, int(time.time()), body.model, prompts, choices, fmt, body.include_usage), group
+
+
+def check_model(services, model: str) -> None:
+    """404 unless ``model`` is the served model name (or the model the workers announce)."""
+    identity = services.cluster.registry.cluster_model
+    if model != services.config.served_model_name and (identity is None or model != identity.model):
+        raise ApiError(404, f"model {model!r} does not exist; this server serves "
+                       f"{services.config.served_model_name!r}", code="model_not_found", param="model")
+
+
+def serving_context(services, tenant: Tenant) -> int:
+    """The context length every worker accepts, once the cluster can serve (503) and the tenant's rate allows
+    (429)."""
+    cluster = services.cluster
+    max_model_len = cluster.registry.max_model_len
+    if cluster.draining or max_model_len is None:
+        why = "the proxy is shutting down" if cluster.draining else "no worker is registered"
+        raise ApiError(503, f"cannot serve now: {why}", code="no_worker_available",
+                       retry_after_s=services.config.retry_after_s)
+    if tenant.limited:
+        try:
+            tenant.limiter.admit(time.monotonic())
+        except ApiError:
+            services.metrics.tenant_rejections.labels(tenant.name, "rate_limit").inc()
+            raise
+    return max_model_len
 
 
 async def _collect(gen: _Generation, events: AsyncIterator[Event]) -> tuple[Response, str]:

@@ -83,6 +83,25 @@ class TokenizeResponse(BaseModel):
     max_model_len: int | None
 
 
+class Embedding(BaseModel):
+    object: str = "embedding"
+    index: int
+    embedding: list[float] | str = Field(description="the vector, or with encoding_format base64 its "
+                                         "little-endian float32 bytes in base64")
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int = Field(ge=0)
+    total_tokens: int = Field(ge=0)
+
+
+class EmbeddingResponse(BaseModel):
+    object: str = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
 class DetokenizeResponse(BaseModel):
     prompt: str
 

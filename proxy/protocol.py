@@ -240,6 +240,33 @@ class TokenizeRequest(BaseModel):
         return tokenizer.encode(self.prompt, add_special_tokens=self.add_special_tokens)
 
 
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on one request's inputs
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str = Field(description="the served model name (GET /v1/models)")
+    input: str | list[str] | list[TokenIdField] | list[list[TokenIdField]] = Field(
+        description="a string, a list of token ids, or a batch of either (at most 2048 inputs)")
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="float: lists of numbers; base64: each vector's little-endian float32 bytes")
+    dimensions: int | None = Field(None, ge=1, le=1 << 16, description="keep the first this many dimensions, "
+                                   "normalized again; at most the model's hidden size")
+    user: str | None = Field(None, description="the end user; names the tenant with tenant_from_user_field")
+
+    def input_token_ids(self, tokenizer: Tokenizer) -> list[list[int]]:
+        given = self.input
+        batch: list = [given] if isinstance(given, str) or (given and isinstance(given[0], int)) else list(given)
+        if not batch:
+            raise ApiError(400, "input is empty", code="invalid_input", param="input")
+        if len(batch) > MAX_EMBEDDING_INPUTS:
+            raise invalid_value(f"input has {len(batch)} items; at most {MAX_EMBEDDING_INPUTS}", "input")
+        inputs = [tokenizer.encode(x) if isinstance(x, str) else list(x) for x in batch]
+        for i, ids in enumerate(inputs):
+            check_token_ids(tokenizer, ids, f"input[{i}]" if len(batch) > 1 else "input")
+        return inputs
+
+
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None

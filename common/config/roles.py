@@ -126,6 +126,10 @@ class ProxyConfig:
     vtc_input_weight: Float = option(1.0, "service counted per prompt token (vtc policy)", gt=0)
     vtc_output_weight: Float = option(2.0, "service counted per generated token (vtc policy)", gt=0)
     queue_timeout_s: Float = option(30.0, "longest wait for admission before 503", gt=0)
+    embedding_timeout_s: Float = option(60.0, "longest a /v1/embeddings request waits for its vectors before 504",
+                                        gt=0)
+    embedding_max_inflight_tokens: Int = option(
+        65536, "tokens of /v1/embeddings inputs in flight at once; a request past them gets 503", ge=1)
     max_queued_requests: Int = option(4096, "choices waiting for admission, all tenants together", gt=0)
     prefill_ahead_per_tenant: Int = option(
         4, "a tenant's choices admitted to prefill and not yet given a decode slot, at most", gt=0)
@@ -237,6 +241,12 @@ class WorkerConfig:
         "SmolLM2-135M-Instruct", "model name announced at registration; must match the proxy's served_model_name")
     transfer_backend: TransferBackend = option(
         "auto", "KV transfer backend; auto picks nixl where it loads, else zmq")
+    embedding_batch_tokens: Int = option(
+        2048, "most tokens, padding included, in one batch of /v1/embeddings inputs (a longer input is a batch "
+        "of its own); each batch holds the cores like an engine step", ge=1)
+    embedding_padding_budget: Float = option(
+        0.25, "the share of an embedding batch that may be padding: inputs are grouped by length so that "
+        "padding the batch to its longest input stays within it", ge=0, le=1)
     transfer_host: Str = option("127.0.0.1", "address the zmq KV transfer server listens on")
     heartbeat_interval_s: Float = option(1.0, "how often the worker reports its load to the proxy", gt=0)
     register_timeout_s: Float = option(30.0, "longest wait for the proxy to acknowledge registration", gt=0)

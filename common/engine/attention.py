@@ -65,17 +65,43 @@ class StepContext:
     backend_state: dict = field(default_factory=dict)
 
 
-_current: StepContext | None = None
+@dataclass
+class EncodeContext:
+    """A step that keeps no KV (embeddings): whole inputs attend among themselves, padded into one batch.
+
+    Row ``r`` of the flat batch sits at ``index[r]`` of the padded ``[batch * length]`` layout; ``mask`` is
+    ``[batch, 1, length, length]``, causal and within each input, so a padding row still sees its input's
+    keys (no row is all masked) and its output is never read.
+    """
+    index: torch.Tensor
+    mask: torch.Tensor
+    batch: int
+    length: int
+    kv_cache = None
+    chunks = ()
+    decode_rows = None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        def padded(x: torch.Tensor) -> torch.Tensor:
+            out = x.new_zeros((self.batch * self.length, *x.shape[1:]))
+            out[self.index] = x
+            return out.view(self.batch, self.length, *x.shape[1:]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=self.mask, scale=scale,
+                                             enable_gqa=True)
+        return out.transpose(1, 2).reshape(self.batch * self.length, *q.shape[1:])[self.index]
 
 
-def get_step_context() -> StepContext:
+_current: StepContext | EncodeContext | None = None
+
+
+def get_step_context() -> StepContext | EncodeContext:
     if _current is None:
         raise RuntimeError("attention ran outside a step: the model runner sets the step context")
     return _current
 
 
 @contextlib.contextmanager
-def step_context(ctx: StepContext):
+def step_context(ctx: StepContext | EncodeContext):
     global _current
     previous, _current = _current, ctx
     try:
@@ -93,6 +119,8 @@ class TorchAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
         """q ``[T, H, D]``, k/v ``[T, Hkv, D]`` -> ``[T, H, D]``."""
         ctx = get_step_context()
+        if ctx.kv_cache is None:
+            return ctx.attend(q, k, v, scale)
         k_cache, v_cache = ctx.kv_cache.layers[layer]
         k_cache[ctx.slot_blocks, ctx.slot_offsets] = k
         v_cache[ctx.slot_blocks, ctx.slot_offsets] = v
@@ -238,6 +266,8 @@ class FlashAttention:
 
     def __call__(self, q, k, v, layer: int, scale: float) -> torch.Tensor:
         ctx = get_step_context()
+        if ctx.kv_cache is None:
+            return ctx.attend(q, k, v, scale)
         k_cache, v_cache = ctx.kv_cache.layers[layer]
         k_cache[ctx.slot_blocks, ctx.slot_offsets] = k
         v_cache[ctx.slot_blocks, ctx.slot_offsets] = v

@@ -31,30 +31,22 @@ this channel):
 - proxy -> prefill: ReleaseKV once the pages are pulled (or abandoned).
 - proxy -> any worker: Abort. worker -> proxy: RequestFailed.
 - proxy -> any worker: Tune, the adaptive controller's engine settings (only with ``tac_enabled``).
+- proxy -> prefill (or both): EmbedRequest, token ids of whole inputs; the worker answers EmbedResult, their
+  pooled vectors, or RequestFailed.
 
-Prompt blocks are named the same way on both sides (``prefix_block_hashes``,
-at the end): chained hashes of full KV blocks, the prefix cache's keys.
-Block i's hash folds in block i-1's, so equal hashes at position i imply the
-whole prefix up to i matches; blake2b of the token ids, not Python's
-``hash``, so a proxy computes the hashes a worker's block manager does.
-Block 0's parent is the request's ``cache_salt`` (0: unsalted): the proxy
-gives each tenant its own (``cache_salt_of``), so two tenants' equal prompts
-never share cached blocks, and neither can time the other's hits.
+Prompt blocks are named by their chained hashes (``common/protocol/block_hash.py``).
 """
 
 from __future__ import annotations
 
 import enum
-import hashlib
-from array import array
-from collections.abc import Sequence
 from typing import Annotated, Literal
 
 import msgspec
 
 from common.protocol.sampling_params import INT64_MAX, TOKEN_ID_MAX, SamplingParams
 
-PROTOCOL_VERSION = 10  # 10: Register.core_group
+PROTOCOL_VERSION = 11  # 11: EmbedRequest, EmbedResult
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=TOKEN_ID_MAX)]
@@ -86,6 +78,8 @@ class MsgType(enum.IntEnum):
     ABORT = 16
     REQUEST_FAILED = 17
     TUNE = 18
+    EMBED_REQUEST = 19
+    EMBED_RESULT = 20
 
 
 class Role(str, enum.Enum):
@@ -301,6 +295,22 @@ class Tune(_Struct):
     spec_max_batch_size: NonNegInt | None = None  # speculate only while at most this many decode (0: never)
 
 
+class EmbedRequest(_Struct):
+    """proxy -> a prefill-capable worker: embed each input (token ids) whole; nothing is cached."""
+    request_id: str
+    inputs: list[list[TokenId]]
+
+
+class EmbedResult(_Struct):
+    """The inputs' pooled (and, as the model's pooling says, normalized) last hidden states, in order: ``vectors``
+    is ``len(inputs) * dim`` little-endian float32 values."""
+    request_id: str
+    worker_id: str
+    dim: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+    vectors: bytes
+    num_tokens: NonNegInt
+
+
 MESSAGES: dict[MsgType, type] = {
     MsgType.REGISTER: Register,
     MsgType.REGISTER_ACK: RegisterAck,
@@ -317,6 +327,8 @@ MESSAGES: dict[MsgType, type] = {
     MsgType.ABORT: Abort,
     MsgType.REQUEST_FAILED: RequestFailed,
     MsgType.TUNE: Tune,
+    MsgType.EMBED_REQUEST: EmbedRequest,
+    MsgType.EMBED_RESULT: EmbedResult,
 }
 _HEADERS = {cls: bytes([t, PROTOCOL_VERSION]) for t, cls in MESSAGES.items()}
 _DECODERS = {t: msgspec.msgpack.Decoder(cls) for t, cls in MESSAGES.items()}
@@ -349,14 +361,14 @@ def decode(frames: list[bytes]):
 
 
 def refused_request_id(frames: list[bytes]) -> str | None:
-    """The request id of a malformed PrefillRequest or DecodeRequest, when one can be read from it.
+    """The request id of a malformed PrefillRequest, DecodeRequest or EmbedRequest, when one can be read from it.
 
     A worker answers such a request with RequestFailed instead of leaving its client to a timeout:
     the proxy and a worker may disagree on what is acceptable (a float the worker's flush-to-zero
     mode reads as 0, a newer proxy's field).
     """
-    if len(frames) != 2 or len(frames[0]) != 2 or frames[0][0] not in (MsgType.PREFILL_REQUEST,
-                                                                          MsgType.DECODE_REQUEST):
+    if len(frames) != 2 or len(frames[0]) != 2 or frames[0][0] not in (
+            MsgType.PREFILL_REQUEST, MsgType.DECODE_REQUEST, MsgType.EMBED_REQUEST):
         return None
     try:
         body = msgspec.msgpack.decode(frames[1])
@@ -364,36 +376,3 @@ def refused_request_id(frames: list[bytes]) -> str | None:
         return None
     request_id = body.get("request_id") if isinstance(body, dict) else None
     return request_id if isinstance(request_id, str) and 0 < len(request_id) <= 256 else None
-
-
-def chain_hash(parent: int | None, token_ids: Sequence[int]) -> int:
-    """Stable (process-independent) hash of one full block given its parent's hash.
-
-    Stable so a proxy or another worker can compute the same hashes to route
-    requests to the worker whose cache already holds a prompt's prefix. Block
-    0's parent is the request's cache salt (0 or None: unsalted).
-    """
-    h = hashlib.blake2b(digest_size=8)
-    h.update((parent if parent is not None else 0).to_bytes(8, "little", signed=False))
-    h.update(array("q", token_ids).tobytes())
-    return int.from_bytes(h.digest(), "little")
-
-
-def prefix_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: int = 0) -> list[int]:
-    """Chained hashes of every full block of ``token_ids``, rooted at ``cache_salt``."""
-    hashes: list[int] = []
-    parent = cache_salt
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = chain_hash(parent, token_ids[start:start + block_size])
-        hashes.append(parent)
-    return hashes
-
-
-def cache_salt_of(namespace: str) -> int:
-    """The cache salt of a prefix-cache namespace (a tenant or a cache group): never 0, which is unsalted.
-
-    Stable across processes and restarts, so a proxy's routing and every worker's cache agree; blake2b
-    personalized apart from the block hashes.
-    """
-    digest = hashlib.blake2b(namespace.encode(), digest_size=8, person=b"tessera-salt").digest()
-    return int.from_bytes(digest, "little") or 1
