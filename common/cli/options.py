@@ -32,8 +32,9 @@ def add_model_options(parser: argparse.ArgumentParser, *, with_model: bool) -> N
         parser.add_argument(
             "--model",
             default="embedded",
-            help=f"a Hugging Face model directory, or one of {', '.join(EMBEDDED_NAMES)} "
-            "for the embedded SmolLM2-135M-Instruct (default: embedded)",
+            help="a registered model as NAME@VERSION, or NAME for its promoted version (see `tessera model "
+            f"list`), a Hugging Face model directory, or one of {', '.join(EMBEDDED_NAMES)} for the embedded "
+            "SmolLM2-135M-Instruct (default: embedded)",
         )
     parser.add_argument(
         "--dtype", type=dtype_option, default="float32", metavar="{float32,bfloat16,auto}",

@@ -12,7 +12,9 @@ Preparing it is a one-time job per cache root and dtype:
 
 The rename is the commit point, so an interrupted run never leaves a half
 model where ``resolve_model`` would find it; a lock makes processes that start
-together (a prefill and a decode worker, say) convert only once.
+together (a prefill and a decode worker, say) convert only once. A prepared
+model is also registered (``common.storage.registry``) as
+``SmolLM2-135M-Instruct@0.1.2-<dtype>``, beside the versions users register.
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from common.protocol.names import DTYPES
+from common.storage.manifest import Manifest, validate_model_dir
+from common.storage.registry import ModelRegistry
 
 EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
 EMBEDDED_NAMES = ("embedded", "SmolLM2-135M-Instruct", "smollm2")
@@ -86,38 +90,50 @@ def embedded_model_dir(dtype: str, cache_dir: str | Path | None = None) -> Path:
     return _models_root(cache_dir) / f"{EMBEDDED_MODEL}-{dtype}"
 
 
+def registry_for(cache_dir: str | Path | None) -> ModelRegistry:
+    """The model registry of a cache root: ``<cache root>/registry``."""
+    return ModelRegistry(_cache_root(cache_dir) / "registry")
+
+
 def resolve_model(name_or_path: str, dtype: str, cache_dir: str | Path | None = None) -> Path:
-    """Turn ``--model`` into a model directory.
+    """Turn ``--model`` into a model directory (see ``resolve_registered``)."""
+    return resolve_registered(name_or_path, dtype, cache_dir)[0]
+
+
+def resolve_registered(spec: str, dtype: str, cache_dir: str | Path | None = None) -> tuple[Path, Manifest | None]:
+    """Turn ``--model`` into a model directory, and its registry manifest (None for a plain directory).
 
     One of ``EMBEDDED_NAMES`` gives the embedded model in ``dtype``, prepared
-    on demand; a path to an existing directory is validated and returned as
-    given. Anything else is a ValueError saying what is accepted.
+    on demand; a registered ``N@V`` gives that version, and ``N`` its promoted
+    one, its weights checked against the manifest; a path to an existing
+    directory is validated and returned as given. A registered name wins over
+    a directory of that name unless the spec has a path separator or starts
+    with '.'. Anything else is a ValueError saying what is accepted.
     """
     _check_dtype(dtype)
-    if name_or_path.lower() in {name.lower() for name in EMBEDDED_NAMES}:
-        return prepare_embedded_model(dtype, cache_dir)
-    path = Path(name_or_path)
+    if spec.lower() in {name.lower() for name in EMBEDDED_NAMES}:
+        path = prepare_embedded_model(dtype, cache_dir)
+        return path, registry_for(cache_dir).manifest(EMBEDDED_MODEL, _embedded_version(dtype))
+    registry = registry_for(cache_dir)
+    path_like = os.sep in spec or spec.startswith((".", "~"))
+    if not path_like and spec.partition("@")[0] in registry.names():
+        manifest = registry.resolve(spec)
+        return Path(manifest.source), manifest
+    path = Path(spec)
     if path.is_dir():
         validate_model_dir(path)
-        return path
+        return path, None
     if path.exists():
-        raise ValueError(f"model {name_or_path!r} is not a directory")
-    if os.sep in name_or_path or name_or_path.startswith((".", "~")):
-        raise ValueError(f"model directory {name_or_path!r} does not exist")
+        raise ValueError(f"model {spec!r} is not a directory")
+    if path_like:
+        raise ValueError(f"model directory {spec!r} does not exist")
+    if "@" in spec:
+        registry.resolve(spec)  # raises: the name is not registered, and the message lists those that are
     raise ValueError(
-        f"unknown model {name_or_path!r}: give one of {', '.join(EMBEDDED_NAMES)} "
+        f"unknown model {spec!r}: give one of {', '.join(EMBEDDED_NAMES)}, a registered model as NAME or "
+        f"NAME@VERSION (registered: {', '.join(registry.names()) or 'none'}; see `tessera model list`), "
         "or the path of a Hugging Face model directory"
     )
-
-
-def validate_model_dir(path: Path) -> None:
-    """Raise ValueError unless ``path`` holds a config and safetensors weights."""
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model directory {str(path)!r} has no config.json")
-    if not any((path / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
-        raise ValueError(
-            f"model directory {str(path)!r} has neither model.safetensors nor model.safetensors.index.json"
-        )
 
 
 def prepare_embedded_model(
@@ -138,11 +154,13 @@ def prepare_embedded_model(
     log = log or _log_to_stderr
     target = embedded_model_dir(dtype, cache_dir)
     if _is_prepared(target, dtype):
+        _register_embedded(target, dtype, cache_dir)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(target.parent / ".prepare.lock"):
         # Another process may have finished the job while this one waited.
         if _is_prepared(target, dtype):
+            _register_embedded(target, dtype, cache_dir)
             return target
         gguf = _cached_gguf(_cache_root(cache_dir), fetch_gguf, log)
         partial = target.with_name(f".{target.name}.partial")
@@ -157,6 +175,7 @@ def prepare_embedded_model(
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
+    _register_embedded(target, dtype, cache_dir)
     log(f"done: {target} ({_dir_size(target) / 2**20:.0f} MiB)")
     return target
 
@@ -212,6 +231,19 @@ def _cache_root(cache_dir: str | Path | None) -> Path:
 
 def _models_root(cache_dir: str | Path | None) -> Path:
     return _cache_root(cache_dir) / "models"
+
+
+def _embedded_version(dtype: str) -> str:
+    return f"{SOURCE_VERSION}-{dtype}"
+
+
+def _register_embedded(target: Path, dtype: str, cache_dir: str | Path | None) -> None:
+    """Register the prepared embedded model, once: later calls find its manifest and hash nothing."""
+    registry = registry_for(cache_dir)
+    if _embedded_version(dtype) not in registry.versions(EMBEDDED_MODEL):
+        registry.register(target, EMBEDDED_MODEL, _embedded_version(dtype),
+                          notes=f"the embedded model, converted from {SOURCE_GGUF} in the PyPI wheel "
+                          f"{SOURCE_PACKAGE}=={SOURCE_VERSION}")
 
 
 def _is_prepared(target: Path, dtype: str) -> bool:

