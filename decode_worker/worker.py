@@ -177,7 +177,7 @@ class DecodeHandler(WorkerBase):
             status = self.transfer.poll(pull.handle)
             if status in (TransferStatus.DONE, TransferStatus.FAILED):
                 self._finish_pull(request_id, pull, status is TransferStatus.DONE)
-        if self.embeds:
+        if self._embeds_queued:
             self.embeds.run()
         if self.engine.has_work():  # not while every request waits for its pages
             with self.cores:
@@ -240,12 +240,16 @@ class DecodeHandler(WorkerBase):
         )
 
     # ---- drain --------------------------------------------------------------------
+    @property
+    def _embeds_queued(self) -> bool:
+        return self.embeds is not None and bool(self.embeds.queue)
+
     def busy(self) -> bool:
-        return bool(self.pulls or self.embeds) or self.engine.has_unfinished()
+        return bool(self.pulls) or self._embeds_queued or self.engine.has_unfinished()
 
     def wait_s(self, idle_s: float) -> float:
         """Pulls in flight are polled every ``PULL_POLL_S``; the loop does not spin on them."""
-        if self.engine.has_work() or self.embeds:
+        if self.engine.has_work() or self._embeds_queued:
             return 0.0
         if self.pulls:
             return PULL_POLL_S

@@ -80,7 +80,7 @@ class PrefillHandler(WorkerBase):
             log.warning("KV lease of %s expired unpulled; pages freed", request_id)
             self.metrics.kv_lease_expirations.inc()
             self._release(request_id)
-        if self.embeds:
+        if self.embeds.queue:
             self.embeds.run()
         if not self.engine.has_work():
             return
@@ -114,11 +114,11 @@ class PrefillHandler(WorkerBase):
 
     # ---- drain ------------------------------------------------------------------
     def busy(self) -> bool:
-        return bool(self.computing or self.leases or self.embeds)
+        return bool(self.computing or self.leases or self.embeds.queue)
 
     def wait_s(self, idle_s: float) -> float:
         """Pages lent out need no turns of the loop: it wakes for a message or for the next lease's expiry."""
-        if self.engine.has_work() or self.embeds:
+        if self.engine.has_work() or self.embeds.queue:
             return 0.0
         if not self.leases:
             return idle_s

@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from common.protocol.block_hash import prefix_block_hashes
+from common.protocol.wire import prefix_block_hashes
 from proxy.workers import WorkerState
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common.config.roles import ProxyConfig, TenantConfig
-from common.protocol.block_hash import cache_salt_of
+from common.protocol.wire import cache_salt_of
 from proxy.rate_limit import TenantLimiter
 from proxy.tenants_command import hash_key
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from common.protocol.block_hash import chain_hash
+from common.protocol.wire import chain_hash
 
 
 class Block:

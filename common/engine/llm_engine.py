@@ -167,7 +167,7 @@ class LLMEngine:
         ``output_token_ids``: what it generated before, elsewhere (a request resumed on another worker). Those
         tokens are computed with the prompt, and generation goes on after them as if it had never stopped: the
         same penalties, ``max_tokens`` and stop strings, and the seeded RNG at the same position.
-        ``cache_salt``: its prefix-cache namespace (``common.protocol.block_hash.cache_salt_of``); it shares cached
+        ``cache_salt``: its prefix-cache namespace (``common.protocol.wire.cache_salt_of``); it shares cached
         prompt blocks only with requests of the same salt. 0: unsalted.
         """
         if request_id in self.requests:

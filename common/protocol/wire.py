@@ -34,33 +34,38 @@ this channel):
 - proxy -> prefill (or both): EmbedRequest, token ids of whole inputs; the worker answers EmbedResult, their
   pooled vectors, or RequestFailed.
 
-Prompt blocks are named by their chained hashes (``common/protocol/block_hash.py``).
+Prompt blocks are named the same way on both sides (``prefix_block_hashes``, at the end): chained hashes of
+full KV blocks, the prefix cache's keys. Block i's hash folds in block i-1's, so equal hashes at position i
+imply the whole prefix up to i matches; blake2b of the token ids, not Python's ``hash``, so a proxy computes
+the hashes a worker's block manager does. Block 0's parent is the request's ``cache_salt`` (0: unsalted): the
+proxy gives each tenant its own (``cache_salt_of``), so two tenants' equal prompts never share cached blocks,
+and neither can time the other's hits.
+
+The message declarations are split for the file budget of one request's way (tests/e2e/test_request_files.py):
+the scalar types and the base struct in ``wire_types.py``, the messages off that way in ``control.py``; this
+module re-exports them.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
+from array import array
+from collections.abc import Sequence
 from typing import Annotated, Literal
 
 import msgspec
 
-from common.protocol.sampling_params import INT64_MAX, TOKEN_ID_MAX, SamplingParams
+from common.protocol.control import (  # noqa: F401 - re-exported: the whole protocol is importable from here
+    EmbedRequest, EmbedResult, Goodbye, KVLayoutInfo, PeerInfo, Peers, Register, RegisterAck, Reregister,
+    Tune,
+)
+from common.protocol.sampling_params import SamplingParams
+from common.protocol.wire_types import (  # noqa: F401 - re-exported
+    CacheSalt, Coefficient, NonNegInt, Seconds, TokenId, TopLogprobs, WireError, _Struct,
+)
 
 PROTOCOL_VERSION = 11  # 11: EmbedRequest, EmbedResult
-
-NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
-TokenId = Annotated[int, msgspec.Meta(ge=0, le=TOKEN_ID_MAX)]
-Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
-TopLogprobs = list[tuple[TokenId, float]]  # [(token_id, logprob), ...]
-Coefficient = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]  # also refuses NaN
-# The root of a request's block hashes (0: unsalted), a uint64: msgpack carries no larger int, and msgspec bounds
-# only int64 ranges.
-CacheSalt = Annotated[int, msgspec.Meta(ge=0)]
-
-
-class WireError(ValueError):
-    """A frame that is not a valid message of this protocol version."""
-
 
 class MsgType(enum.IntEnum):
     REGISTER = 1
@@ -86,43 +91,6 @@ class Role(str, enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
     BOTH = "both"  # aggregated: prefills and decodes its own requests
-
-
-class _Struct(msgspec.Struct, forbid_unknown_fields=True):
-    """Every message and part of one: unknown fields are refused."""
-
-
-class KVLayoutInfo(_Struct):
-    num_layers: Annotated[int, msgspec.Meta(ge=1, le=4096)]
-    block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
-    num_kv_heads: Annotated[int, msgspec.Meta(ge=1, le=4096)]
-    head_dim: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
-    dtype: str
-
-
-class Register(_Struct):
-    worker_id: str
-    role: Literal["prefill", "decode", "both"]
-    epoch: NonNegInt  # start time in ns: a restarted worker with the same id is a new epoch
-    model: str
-    model_version: str
-    kv_layout: KVLayoutInfo
-    num_blocks: NonNegInt
-    max_model_len: Annotated[int, msgspec.Meta(ge=1, le=TOKEN_ID_MAX)]
-    transfer_backend: str
-    transfer_metadata: bytes
-    max_num_seqs: NonNegInt = 0  # sequences its engine runs at once (decode slots); 0: not reported
-    # speculation as configured (engine.spec_num_tokens, spec_max_batch_size); 0, 0: it does not speculate
-    spec_num_tokens: NonNegInt = 0
-    spec_max_batch_size: NonNegInt = 0
-    # the cores it time-shares with other workers (host name and worker.core_share); "": cores of its own
-    core_group: Annotated[str, msgspec.Meta(max_length=4096)] = ""
-
-
-class RegisterAck(_Struct):
-    worker_id: str
-    accepted: bool
-    reason: str = ""
 
 
 def step_cost_features(decode_tokens: int, decode_context: int, prompt_tokens: int = 0,
@@ -165,29 +133,6 @@ class Heartbeat(_Struct):
     draining: bool = False
     context_tokens: NonNegInt = 0  # the running sequences' tokens (prompt and output), summed
     step_cost: StepCostModel | None = None  # None until the worker has fitted its step time
-
-
-class Goodbye(_Struct):
-    worker_id: str
-    epoch: NonNegInt
-    reason: str = ""
-
-
-class Reregister(_Struct):
-    worker_id: str
-    epoch: NonNegInt  # the epoch of the heartbeat the proxy did not recognise
-    reason: str = ""
-
-
-class PeerInfo(_Struct):
-    worker_id: str
-    epoch: NonNegInt
-    transfer_backend: str
-    transfer_metadata: bytes
-
-
-class Peers(_Struct):
-    peers: list[PeerInfo]
 
 
 class PrefillRequest(_Struct):
@@ -286,31 +231,6 @@ class RequestFailed(_Struct):
     invalid_request: bool = False  # the request itself is unacceptable (the client gets a 400)
 
 
-class Tune(_Struct):
-    """proxy -> any worker: the adaptive controller's setting of the worker's engine (proxy/tac.py). Each value
-    only restricts what the worker is configured with: a larger one is taken as the configured one, and 0
-    (the token budget) or None (speculation) is the configured value."""
-    max_num_batched_tokens: NonNegInt = 0  # the step's token budget, so the largest prompt chunk
-    spec_num_tokens: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None  # k, the most drafts per sequence
-    spec_max_batch_size: NonNegInt | None = None  # speculate only while at most this many decode (0: never)
-
-
-class EmbedRequest(_Struct):
-    """proxy -> a prefill-capable worker: embed each input (token ids) whole; nothing is cached."""
-    request_id: str
-    inputs: list[list[TokenId]]
-
-
-class EmbedResult(_Struct):
-    """The inputs' pooled (and, as the model's pooling says, normalized) last hidden states, in order: ``vectors``
-    is ``len(inputs) * dim`` little-endian float32 values."""
-    request_id: str
-    worker_id: str
-    dim: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
-    vectors: bytes
-    num_tokens: NonNegInt
-
-
 MESSAGES: dict[MsgType, type] = {
     MsgType.REGISTER: Register,
     MsgType.REGISTER_ACK: RegisterAck,
@@ -356,7 +276,7 @@ def decode(frames: list[bytes]):
         return decoder.decode(frames[1])
     except msgspec.ValidationError as exc:
         raise WireError(f"{name}: {exc}") from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # a str that is not UTF-8 raises the latter
         raise WireError(f"{name}: body is not msgpack: {exc}") from None
 
 
@@ -376,3 +296,36 @@ def refused_request_id(frames: list[bytes]) -> str | None:
         return None
     request_id = body.get("request_id") if isinstance(body, dict) else None
     return request_id if isinstance(request_id, str) and 0 < len(request_id) <= 256 else None
+
+
+def chain_hash(parent: int | None, token_ids: Sequence[int]) -> int:
+    """Stable (process-independent) hash of one full block given its parent's hash.
+
+    Stable so a proxy or another worker can compute the same hashes to route
+    requests to the worker whose cache already holds a prompt's prefix. Block
+    0's parent is the request's cache salt (0 or None: unsalted).
+    """
+    h = hashlib.blake2b(digest_size=8)
+    h.update((parent if parent is not None else 0).to_bytes(8, "little", signed=False))
+    h.update(array("q", token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: int = 0) -> list[int]:
+    """Chained hashes of every full block of ``token_ids``, rooted at ``cache_salt``."""
+    hashes: list[int] = []
+    parent = cache_salt
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = chain_hash(parent, token_ids[start:start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+def cache_salt_of(namespace: str) -> int:
+    """The cache salt of a prefix-cache namespace (a tenant or a cache group): never 0, which is unsalted.
+
+    Stable across processes and restarts, so a proxy's routing and every worker's cache agree; blake2b
+    personalized apart from the block hashes.
+    """
+    digest = hashlib.blake2b(namespace.encode(), digest_size=8, person=b"tessera-salt").digest()
+    return int.from_bytes(digest, "little") or 1

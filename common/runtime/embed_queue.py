@@ -29,9 +29,6 @@ class EmbedQueue:
         self.max_len = worker.engine.max_model_len
         self.queue: deque[wire.EmbedRequest] = deque()
 
-    def __bool__(self) -> bool:
-        return bool(self.queue)
-
     def add(self, msg: wire.EmbedRequest) -> None:
         if self.worker.draining:
             self.worker.refuse(msg.request_id, "worker is draining", retryable=True)

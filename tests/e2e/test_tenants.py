@@ -13,7 +13,7 @@ import time
 
 import msgspec
 
-from common.protocol.block_hash import cache_salt_of
+from common.protocol.wire import cache_salt_of
 from common.protocol.wire import StepCostModel
 from common.runtime.prometheus_text import total
 

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from common.engine.block_manager import BlockManager, OutOfBlocks
-from common.protocol.block_hash import cache_salt_of, chain_hash, prefix_block_hashes
+from common.protocol.wire import cache_salt_of, chain_hash, prefix_block_hashes
 
 
 def test_allocate_and_free_returns_every_block():

@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM
 from common.config.base import EngineConfig
 from common.engine.llm_engine import LLMEngine, RequestError
 from common.protocol.sampling_params import SamplingParams
-from common.protocol.block_hash import cache_salt_of
+from common.protocol.wire import cache_salt_of
 
 PROMPTS = [
     "The capital of France is",

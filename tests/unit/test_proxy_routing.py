@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.protocol.block_hash import cache_salt_of
+from common.protocol.wire import cache_salt_of
 from common.protocol.wire import Goodbye, Heartbeat, KVLayoutInfo, Register
 from proxy.workers import WorkerRegistry
 from proxy.routing import PrefixAwareRouting, PrefixLRU

@@ -159,3 +159,20 @@ def test_a_refused_request_names_its_id_when_it_can_be_read():
     for malformed in ([header, b"\xf6\xff"], [header, msgpack.packb({"request_id": 5})], [header],
                       [bytes([wire.MsgType.HEARTBEAT, wire.PROTOCOL_VERSION]), frames[1]]):
         assert wire.refused_request_id(malformed) is None
+
+
+def test_a_string_that_is_not_utf8_is_a_wire_error():
+    """msgspec raises UnicodeDecodeError, not DecodeError, for such a str: a worker's I/O thread once died of it."""
+    body = b"\x81\xaarequest_id\xa2\xba\xba"  # {"request_id": <2 bytes that are no UTF-8>}
+    with pytest.raises(wire.WireError, match="not msgpack"):
+        wire.decode([bytes([wire.MsgType.EMBED_REQUEST, wire.PROTOCOL_VERSION]), body])
+
+
+def test_embedding_messages_round_trip_and_bound_their_token_ids():
+    request = wire.EmbedRequest("embd-1", [[1, 2, 3], [4]])
+    assert wire.decode(wire.encode(request)) == request
+    result = wire.EmbedResult("embd-1", "w", 2, b"\0" * 16, 4)
+    assert wire.decode(wire.encode(result)) == result
+    with pytest.raises(wire.WireError, match=r"inputs\[0\]\[0\]"):
+        wire.decode([bytes([wire.MsgType.EMBED_REQUEST, wire.PROTOCOL_VERSION]),
+                     msgpack.packb({"request_id": "x", "inputs": [[-1]]})])
