@@ -24,7 +24,7 @@ from importlib.metadata import PackageNotFoundError, version
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from common.storage.model_store import resolve_model
+from common.storage.model_store import model_identity, registry_for, resolve_model
 from common.config.roles import ProxyConfig
 from common.text.tokenizer import Tokenizer
 from common.protocol.wire import PROTOCOL_VERSION
@@ -43,6 +43,7 @@ from proxy.protocol import (
 )
 from proxy.resumable import StreamStore
 from proxy.routing import PrefixAwareRouting, RoutingPolicy
+from proxy.served_models import ServedModels
 from proxy.token_text import TokenText
 from proxy.workers import WorkerLink
 
@@ -61,6 +62,7 @@ class Services:
     token_text: TokenText
     metrics: ProxyMetrics
     cluster: Cluster
+    models: ServedModels
     link: WorkerLink
     streams: StreamStore
     started_at: int
@@ -70,13 +72,16 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
                policy: RoutingPolicy | None = None, source: ConfigSource | None = None) -> FastAPI:
     """``source``: where ``config`` came from, for reloads of its tenant settings (``proxy.reload``); the
     ``tessera proxy`` process gives it, a proxy run in a test's thread does not."""
-    tokenizer = tokenizer or Tokenizer(resolve_model(config.model, config.dtype))
+    model_dir = resolve_model(config.model, config.dtype)
+    tokenizer = tokenizer or Tokenizer(model_dir)
     metrics = ProxyMetrics()
     cluster = Cluster(config, policy or PrefixAwareRouting(config.local_prefill_threshold), metrics)
     link = WorkerLink(config.worker_bind, cluster.on_frames, send_timeout_s=config.heartbeat_timeout_s,
                       curve=proxy_curve(config), on_disconnect=cluster.on_disconnect)
     cluster.attach(link.send)
-    services = Services(config, tokenizer, TokenText(tokenizer), metrics, cluster, link,
+    models = ServedModels(config, cluster.registry, registry_for(None), model_identity(config.model, config.dtype),
+                          tokenizer, model_dir)
+    services = Services(config, tokenizer, TokenText(tokenizer), metrics, cluster, models, link,
                         StreamStore(config, metrics), int(time.time()))
 
     @asynccontextmanager
@@ -123,13 +128,9 @@ def _add_service_routes(app: FastAPI, services: Services) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        identity = cluster.registry.cluster_model
-        return {"object": "list", "data": [{
-            "id": config.served_model_name, "object": "model", "created": services.started_at,
-            "owned_by": "tessera", "root": identity.model if identity else None,
-            "max_model_len": cluster.registry.max_model_len,
-            "tessera_model_version": identity.model_version if identity else None,
-        }]}
+        """Every model a live worker serves (and the alias of the proxy's own), with its versions."""
+        return {"object": "list", "data": [{**entry, "created": services.started_at}
+                                           for entry in services.models.listing()]}
 
     @app.post("/tokenize", openapi_extra=request_body(TokenizeRequest), response_model=TokenizeResponse,
               responses=error_responses(400, 413))
@@ -161,10 +162,8 @@ def _add_service_routes(app: FastAPI, services: Services) -> None:
 
     @app.get("/version")
     async def version_() -> dict:
-        identity = cluster.registry.cluster_model
         return {"version": _tessera_version(), "protocol_version": PROTOCOL_VERSION,
-                "model": identity.model if identity else None,
-                "model_version": identity.model_version if identity else None}
+                "models": {name: list(versions) for name, versions in services.models.served().items()}}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -168,16 +168,19 @@ class Cluster(WorkerMembership):
     # -- admission ------------------------------------------------------------------------------
 
     def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams, base_seed: int,
-               tenant: Tenant | None = None, timeout_s: float | None = None) -> RequestGroup:
+               tenant: Tenant | None = None, timeout_s: float | None = None,
+               model: tuple[str, str] | None = None) -> RequestGroup:
         """Queue ``len(prompts) * params.n`` sub-requests for admission; they start as capacity allows. ApiError 503
         when no worker could ever run them or the queue is full, 429 when ``tenant`` is over its concurrency or
-        queue limit. ``timeout_s``: the client's deadline for being admitted."""
+        queue limit. ``timeout_s``: the client's deadline for being admitted; ``model``: the (name, version) whose
+        workers alone serve it (None: any)."""
         if self.draining:
             raise self._unavailable("the proxy is shutting down and accepts no new requests")
-        if not any(not w.draining for w in self.registry.decode_side()):
-            why = "all of them are draining" if self.registry.decode_side() else "none is registered"
+        decoders = [w for w in self.registry.decode_side() if model is None or (w.model, w.model_version) == model]
+        if not any(not w.draining for w in decoders):
+            why = "all of them are draining" if decoders else "none is registered"
             raise self._unavailable(f"no worker can take the request: it needs a decode-capable worker "
-                                    f"(role decode or both), and {why}")
+                                    f"(role decode or both) of its model version, and {why}")
         tenant = tenant or self.tenants.default
         bind_request(request_id, tenant.name)  # the HTTP handler's later lines are about this request
         if self.config.log_prompts:
@@ -199,6 +202,7 @@ class Cluster(WorkerMembership):
                                  cache_salt=tenant.cache_salt)
                 sub.wait_for_admission(queue_deadline, client_deadline)
                 sub.ttft_forecast_s = forecast_s
+                sub.model = model
                 self.inflight[sub.request_id] = sub
                 if tenant.limited:
                     tenant.limiter.charge_tokens(len(prompt), now)
@@ -258,10 +262,11 @@ class Cluster(WorkerMembership):
         return sub.start_prefill(route.worker, counter, now)
 
     def _candidates(self, sub: SubRequest) -> list:
-        """The workers ``sub`` may be routed to: a resumed one not to the worker it left (it gave it back, or
+        """The workers ``sub`` may be routed to: those of its model version; a resumed one not to the worker it left (it gave it back, or
         failed it; its prefix cache would draw a local prefill back there) while another decode-capable worker
         can take it."""
-        workers = list(self.registry.workers.values())
+        workers = [w for w in self.registry.workers.values()
+                   if sub.model is None or (w.model, w.model_version) == sub.model]  # prefill and decode: one version
         left = sub.left
         if left is not None and any(w.decode_capable and not w.draining and w.worker_id != left for w in workers):
             return [w for w in workers if w.worker_id != left]
@@ -282,11 +287,6 @@ class Cluster(WorkerMembership):
             return sub.reject(self._unavailable("no decode worker is available to continue the request"))
         self.policy.decode_sent(decoder, tokens, local=sub.local, cache_salt=sub.cache_salt)
         return sub.start_decode(decoder, self.admission.counters[sub.tenant], now)
-
-    def readiness(self) -> tuple[bool, str]:
-        if self.draining:
-            return False, "the proxy is shutting down"
-        return self.registry.readiness()
 
     def _unavailable(self, message: str) -> ApiError:
         return ApiError(503, message, code="no_worker_available", retry_after_s=self.config.retry_after_s)
@@ -382,17 +382,3 @@ class Cluster(WorkerMembership):
         sub = self._sub(msg.request_id)
         if not self._on_request_message(sub, lambda: sub.on_failed(msg, sender, now)):
             log.debug("ignoring RequestFailed for unknown request %s from %r", msg.request_id, sender)
-
-    # -- worker loss and shutdown ----------------------------------------------------------------
-
-    def start_draining(self) -> None:
-        if not self.draining:
-            log.info("draining: /readyz answers 503, new requests are refused, %d in flight", len(self.inflight))
-        self.draining = True
-
-    def cancel_all(self, reason: str) -> None:
-        self.start_draining()
-        self.embeddings.cancel_all(reason)
-        # Waiting ones first: each running one that ends would otherwise admit a waiting one, only to abort it.
-        for sub in sorted(self.inflight.values(), key=lambda s: s.stage is not Stage.QUEUED):
-            self.cancel(sub, reason, status=503)

@@ -2,7 +2,8 @@
 
 Life cycle of one /v1/embeddings request here:
 
-    embed(inputs) -> the prefill-capable worker (role prefill, else both) not draining with the fewest tokens
+    embed(inputs, model) -> the prefill-capable worker (role prefill, else both) of that model version, not
+    draining, with the fewest tokens
     already sent to it -> EmbedRequest -> EmbedResult: the vectors; or RequestFailed: retryable (draining,
     shutting down) goes to another worker, at most ``MAX_ATTEMPTS`` in all, otherwise the client's error;
     or the worker leaves: the same as retryable; or ``embedding_timeout_s`` passes: Abort to the worker, 504.
@@ -35,6 +36,7 @@ class _Pending:
     request_id: str
     inputs: list[list[int]]
     tokens: int
+    model: tuple[str, str]  # (name, version): only its workers compute it
     future: asyncio.Future = field(repr=False)
     worker_id: str = ""
     tried: set[str] = field(default_factory=set)
@@ -51,7 +53,7 @@ class Embeddings:
     def owns(self, request_id: str) -> bool:
         return request_id.startswith(ID_PREFIX)
 
-    async def embed(self, inputs: list[list[int]]) -> np.ndarray:
+    async def embed(self, inputs: list[list[int]], model: tuple[str, str]) -> np.ndarray:
         """``[len(inputs), dim]`` float32 vectors, or an ApiError (503 no worker or too busy, 504, 400, 500)."""
         tokens = sum(map(len, inputs))
         inflight = sum(p.tokens for p in self.pending.values())
@@ -60,7 +62,7 @@ class Embeddings:
                            f"embedding_max_inflight_tokens={self.config.embedding_max_inflight_tokens}",
                            code="server_busy", retry_after_s=self.config.retry_after_s)
         request_id = f"{ID_PREFIX}{next(self._ids)}"
-        pending = _Pending(request_id, inputs, tokens, asyncio.get_running_loop().create_future())
+        pending = _Pending(request_id, inputs, tokens, model, asyncio.get_running_loop().create_future())
         self.pending[request_id] = pending
         try:
             self._assign(pending, "")
@@ -75,7 +77,7 @@ class Embeddings:
     def _assign(self, pending: _Pending, why: str) -> None:
         """Send it to the least loaded worker that can take it, or end it with a 503."""
         workers = [w for w in self.registry.workers.values() if not w.draining and w.role is not Role.DECODE
-                   and w.worker_id not in pending.tried]
+                   and w.worker_id not in pending.tried and (w.model, w.model_version) == pending.model]
         prefill = [w for w in workers if w.role is Role.PREFILL]
         if len(pending.tried) >= MAX_ATTEMPTS or not (prefill or workers):
             self._end(pending, ApiError(503, f"no worker could compute the embeddings{why}", code="no_worker_available",

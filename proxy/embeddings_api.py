@@ -2,10 +2,10 @@
 
 A request's way through this module:
 
-    API key (401, with auth_enabled) -> read body (413) -> parse (400) -> tenant -> model name (404)
-    -> cluster able to serve (503) and the tenant's rate limit (429) -> tokenize in a thread (400: an empty
+    API key (401, with auth_enabled) -> read body (413) -> parse (400) -> tenant -> model version
+    (``proxy.served_models``: 404, 503 while none serves it) -> the proxy not draining (503) and the tenant's rate limit (429) -> tokenize in a thread (400: an empty
     input, a token outside the vocabulary, an input longer than the context, naming ``input[i]``)
-    -> ``proxy.embeddings.Embeddings.embed``: a prefill-capable worker computes the batch
+    -> ``proxy.embeddings.Embeddings.embed``: a prefill-capable worker of that version computes the batch
     -> ``dimensions`` (the first so many, normalized again) -> float lists or base64 -> the body, with usage.
 
 Embeddings take no decode slot and hold no pages, so they bypass the admission queue and its fairness;
@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 
 from proxy.auth import tenant_from_body, tenant_from_header
 from proxy.errors import ApiError
-from proxy.openai_api import check_model, serving_context
+from proxy.openai_api import MODEL_HEADER, serving_context, session_of
 from proxy.openapi import EmbeddingResponse, error_responses, request_body
 from proxy.protocol import EmbeddingRequest, read_model
 
@@ -36,29 +36,30 @@ async def embeddings(request: Request) -> Response:
     own pooling."""
     services = request.app.state.services
     try:
-        body = await _embed(request, services)
+        body, served = await _embed(request, services)
         status = "200"
-        response: Response = JSONResponse(body)
+        response: Response = JSONResponse(body, headers={MODEL_HEADER: served})
     except ApiError as error:
         status, response = str(error.status), error.response()
     services.metrics.requests.labels("embeddings", status).inc()
     return response
 
 
-async def _embed(request: Request, services) -> dict:
+async def _embed(request: Request, services) -> tuple[dict, str]:
     tenants = services.cluster.tenants
     tenant = tenant_from_header(tenants, request.headers.get("authorization")) if tenants.auth_enabled else None
     body = await read_model(request, EmbeddingRequest, services.config.max_prompt_bytes)
     if tenant is None:
         tenant = tenant_from_body(tenants, body.user) if tenants.from_user_field else tenants.default
-    check_model(services, body.model)
-    max_model_len = serving_context(services, tenant)
-    inputs = await asyncio.to_thread(body.input_token_ids, services.tokenizer)
+    choice = services.models.choose(body.model, session_of(services, request.headers, body.user))
+    serving_context(services, tenant)
+    max_model_len = choice.max_model_len
+    inputs = await asyncio.to_thread(body.input_token_ids, choice.tokenizer)
     longest = max(range(len(inputs)), key=lambda i: len(inputs[i]))
     if len(inputs[longest]) > max_model_len:
         raise ApiError(400, f"input[{longest}] has {len(inputs[longest])} tokens; this model's maximum context "
                        f"length is {max_model_len} tokens", code="context_length_exceeded", param="input")
-    vectors = await services.cluster.embeddings.embed(inputs)
+    vectors = await services.cluster.embeddings.embed(inputs, choice.key)
     if body.dimensions is not None:
         vectors = reduce_dimensions(vectors, body.dimensions)
     if body.encoding_format == "base64":
@@ -68,7 +69,7 @@ async def _embed(request: Request, services) -> dict:
     tokens = sum(map(len, inputs))
     return {"object": "list", "model": body.model,
             "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, f"{choice.name}@{choice.version}"
 
 
 def reduce_dimensions(vectors: np.ndarray, dimensions: int) -> np.ndarray:

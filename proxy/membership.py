@@ -1,4 +1,5 @@
-"""The cluster's workers coming and going: Register, Heartbeat, Goodbye, a closed connection, a silent worker.
+"""The cluster's workers coming and going (Register, Heartbeat, Goodbye, a closed connection, a silent worker),
+and the proxy's own going: its readiness, its drain, and what it cancels as it stops.
 
 ``WorkerMembership`` is ``Cluster``'s base class (proxy/cluster.py), as ``RequestExits`` is ``SubRequest``'s:
 the state it works on is the cluster's (``registry``, ``policy``, ``inflight``, ``metrics``), and it acts
@@ -12,6 +13,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from common.protocol.wire import Goodbye, Heartbeat, Register, RegisterAck, Reregister
+from proxy.admission import Stage
 
 if TYPE_CHECKING:
     from proxy.workers import WorkerState
@@ -115,3 +117,22 @@ class WorkerMembership:
     def _update_worker_gauges(self) -> None:
         for role, count in self.registry.count_by_role().items():
             self.metrics.workers_alive.labels(role).set(count)
+
+    # -- the proxy's own drain ------------------------------------------------------------------
+
+    def readiness(self) -> tuple[bool, str]:
+        if self.draining:
+            return False, "the proxy is shutting down"
+        return self.registry.readiness()
+
+    def start_draining(self) -> None:
+        if not self.draining:
+            log.info("draining: /readyz answers 503, new requests are refused, %d in flight", len(self.inflight))
+        self.draining = True
+
+    def cancel_all(self, reason: str) -> None:
+        self.start_draining()
+        self.embeddings.cancel_all(reason)
+        # Waiting ones first: each running one that ends would otherwise admit a waiting one, only to abort it.
+        for sub in sorted(self.inflight.values(), key=lambda s: s.stage is not Stage.QUEUED):
+            self.cancel(sub, reason, status=503)

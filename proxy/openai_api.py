@@ -166,6 +166,8 @@ def envelope(response_id: str, object_name: str, created: int, model: str, choic
 log = logging.getLogger("tessera.proxy")
 router = APIRouter()
 TIMEOUT_HEADER = "x-request-timeout"  # seconds the client will wait for admission
+SESSION_HEADER = "x-session-id"  # the conversation: its turns keep one model version (proxy.served_models)
+MODEL_HEADER = "X-Tessera-Model"  # on every response: the model@version that served it
 
 
 _ERRORS = error_responses(400, 401, 404, 413, 429, 503, 504)
@@ -198,6 +200,7 @@ class _Generation:
     choices: list[ChoiceState]
     fmt: CompletionFormat | ChatFormat
     include_usage: bool
+    served: str  # model@version
 
     def chunk(self, choices: list[dict], usage_: dict | None = None) -> str:
         body = envelope(self.response_id, self.fmt.chunk_object, self.created, self.model, choices, usage_,
@@ -219,7 +222,7 @@ async def _serve(request: Request, request_model, format_cls, endpoint: str) -> 
             tenant = tenant_from_body(tenants, body.user) if tenants.from_user_field else tenants.default
         resume_header = request.headers.get(RESUMABLE_HEADER)  # parsed in proxy.resumable only when sent
         resumable = body.stream and (tenant.resumable if resume_header is None else wants_resume(resume_header))
-        generation, group = await _admit(services, body, format_cls, tenant, timeout_s)
+        generation, group = await _admit(services, body, format_cls, tenant, timeout_s, request.headers)
     except ApiError as error:
         metrics.requests.labels(endpoint, str(error.status)).inc()
         return error.response()
@@ -234,16 +237,18 @@ async def _serve(request: Request, request_model, format_cls, endpoint: str) -> 
             if not isinstance(first, FailureEvent) and resumable:
                 streaming = True
                 watcher.stop()  # from here, a client that leaves only detaches from the stream
-                return services.streams.start(
+                response = services.streams.start(
                     request, generation.response_id, tenant.name,
                     lambda stream: _stream(generation, group, first, events, watcher, metrics, endpoint,
                                            lambda: stream.expired),
                     group.cancel)
+                response.headers[MODEL_HEADER] = generation.served
+                return response
             if not isinstance(first, FailureEvent):
                 streaming = True
                 return StreamingResponse(_stream(generation, group, first, events, watcher, metrics, endpoint,
-                                                 lambda: watcher.disconnected),
-                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                                                 lambda: watcher.disconnected), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", MODEL_HEADER: generation.served})
             response, status = first.error.response(), str(first.error.status)
         else:
             response, status = await _collect(generation, events)
@@ -268,16 +273,17 @@ def _timeout(raw: str | None) -> float | None:
     return value
 
 
-async def _admit(services, body, format_cls, tenant: Tenant,
-                 timeout_s: float | None) -> tuple[_Generation, RequestGroup]:
+async def _admit(services, body, format_cls, tenant: Tenant, timeout_s: float | None,
+                 headers) -> tuple[_Generation, RequestGroup]:
     config, cluster = services.config, services.cluster
-    check_model(services, body.model)
+    choice = services.models.choose(body.model, session_of(services, headers, body.user))
     params = body.sampling_params(config.max_tokens_default)
     if params.max_tokens > config.max_tokens_limit:
         raise ApiError(400, f"max_tokens is {params.max_tokens}; this server generates at most "
                        f"{config.max_tokens_limit} tokens per request", code="invalid_value", param="max_tokens")
-    max_model_len = serving_context(services, tenant)
-    prompts = await asyncio.to_thread(body.prompt_token_ids, services.tokenizer)
+    serving_context(services, tenant)
+    max_model_len = choice.max_model_len
+    prompts = await asyncio.to_thread(body.prompt_token_ids, choice.tokenizer)
     longest = max(prompts, key=len)
     if len(longest) >= max_model_len:
         raise ApiError(400, f"the prompt has {len(longest)} tokens; this model's maximum context length is "
@@ -291,30 +297,24 @@ async def _admit(services, body, format_cls, tenant: Tenant,
                        f"{len(longest)} tokens and max_tokens asks for {requested} more (at most {room} fit)",
                        code="context_length_exceeded", param="max_tokens")
     params = params.replace(max_tokens=min(params.max_tokens, room))
-    fmt = format_cls(services.token_text, params.logprobs is not None)
+    fmt = format_cls(choice.token_text, params.logprobs is not None)
     response_id = f"{fmt.id_prefix}{uuid.uuid4().hex}"
     base_seed = params.seed if params.seed is not None else secrets.randbits(63)
-    group = cluster.submit(response_id, prompts, params, base_seed, tenant, timeout_s)
+    group = cluster.submit(response_id, prompts, params, base_seed, tenant, timeout_s, model=choice.key)
     choices = [ChoiceState(i, i // params.n) for i in range(len(prompts) * params.n)]
-    return _Generation(response_id, int(time.time()), body.model, prompts, choices, fmt, body.include_usage), group
+    return _Generation(response_id, int(time.time()), body.model, prompts, choices, fmt, body.include_usage,
+                       f"{choice.name}@{choice.version}"), group
 
 
-def check_model(services, model: str) -> None:
-    """404 unless ``model`` is the served model name (or the model the workers announce)."""
-    identity = services.cluster.registry.cluster_model
-    if model != services.config.served_model_name and (identity is None or model != identity.model):
-        raise ApiError(404, f"model {model!r} does not exist; this server serves "
-                       f"{services.config.served_model_name!r}", code="model_not_found", param="model")
+def session_of(services, headers, user: str | None) -> str | None:
+    """The conversation a request belongs to: ``X-Session-Id``, else ``user`` with ``session_from_user_field``."""
+    return headers.get(SESSION_HEADER) or (user if services.config.session_from_user_field else None)
 
 
-def serving_context(services, tenant: Tenant) -> int:
-    """The context length every worker accepts, once the cluster can serve (503) and the tenant's rate allows
-    (429)."""
-    cluster = services.cluster
-    max_model_len = cluster.registry.max_model_len
-    if cluster.draining or max_model_len is None:
-        why = "the proxy is shutting down" if cluster.draining else "no worker is registered"
-        raise ApiError(503, f"cannot serve now: {why}", code="no_worker_available",
+def serving_context(services, tenant: Tenant) -> None:
+    """503 while the proxy drains; 429 past the tenant's rate."""
+    if services.cluster.draining:
+        raise ApiError(503, "cannot serve now: the proxy is shutting down", code="no_worker_available",
                        retry_after_s=services.config.retry_after_s)
     if tenant.limited:
         try:
@@ -322,7 +322,6 @@ def serving_context(services, tenant: Tenant) -> int:
         except ApiError:
             services.metrics.tenant_rejections.labels(tenant.name, "rate_limit").inc()
             raise
-    return max_model_len
 
 
 async def _collect(gen: _Generation, events: AsyncIterator[Event]) -> tuple[Response, str]:
@@ -332,7 +331,7 @@ async def _collect(gen: _Generation, events: AsyncIterator[Event]) -> tuple[Resp
         gen.choices[event.index].add(event, gen.fmt.logprob_text)
     body = envelope(gen.response_id, gen.fmt.object_name, gen.created, gen.model,
                     [gen.fmt.final_choice(c) for c in gen.choices], usage(gen.prompts, gen.choices))
-    return JSONResponse(body), "200"
+    return JSONResponse(body, headers={MODEL_HEADER: gen.served}), "200"
 
 
 async def _stream(gen: _Generation, group: RequestGroup, first: Event, events: AsyncIterator[Event],

@@ -1,10 +1,11 @@
-"""What a worker's Register must satisfy to join: a known role and id, positive sizes, no stale epoch, and
-the model and KV layout every registered worker agrees on (``ClusterModel``). ``proxy.workers``'
+"""What a worker's Register must satisfy to join: a known role and id, positive sizes, no stale epoch, and the KV
+layout of the workers already serving its model version (``ClusterModel``). ``proxy.workers``'
 ``WorkerRegistry.register`` asks ``refusal`` and returns what it did as a ``Registration``.
 
-The first accepted worker fixes the cluster's model (name + version) and KV layout; a worker that differs is
-refused with a reason naming both values. The identity is kept while at least one worker is registered, so
-replacing the whole fleet with a new model version needs no proxy restart. A Register with the same id and a
+A cluster serves several models, and several versions of each, side by side (``proxy.served_models`` routes a
+request to one version, prefill and decode alike). Workers of one version hand each other KV pages, so they must
+agree on its layout: the first accepted worker of a version fixes it while any worker of that version is
+registered; a worker that differs is refused with a reason naming both values. A Register with the same id and a
 newer epoch replaces the old entry (the caller fails its requests); an older epoch is refused as stale; the same
 epoch is a retry and is accepted."""
 from __future__ import annotations
@@ -19,7 +20,7 @@ Worker = TypeVar("Worker")  # the registry's entry (proxy.workers.WorkerState)
 
 @dataclass(frozen=True)
 class ClusterModel:
-    """What every worker must agree on."""
+    """What every worker of one model version must agree on."""
     model: str
     model_version: str
     kv_layout: KVLayoutInfo
@@ -34,9 +35,9 @@ class Registration(Generic[Worker]):
     prefill_set_changed: bool = False
 
 
-def refusal(msg: Register, registered_epoch: int | None, cluster: ClusterModel | None) -> str:
+def refusal(msg: Register, registered_epoch: int | None, group: ClusterModel | None) -> str:
     """Why ``msg`` cannot join (empty: it can); ``registered_epoch``: the epoch registered under its id, if any;
-    ``cluster``: what the other registered workers agree on, if any."""
+    ``group``: what the other registered workers of its model version agree on, if any."""
     if msg.role not in {r.value for r in Role}:
         return f"unknown role {msg.role!r}; one of {[r.value for r in Role]}"
     if not msg.worker_id:
@@ -46,11 +47,9 @@ def refusal(msg: Register, registered_epoch: int | None, cluster: ClusterModel |
                 f"kv_layout.block_size={msg.kv_layout.block_size} must be positive")
     if registered_epoch is not None and msg.epoch < registered_epoch:
         return f"stale epoch {msg.epoch}: epoch {registered_epoch} of this worker is registered"
-    if cluster is None:
-        return ""
-    if (msg.model, msg.model_version) != (cluster.model, cluster.model_version):
-        return (f"model {msg.model!r} version {msg.model_version!r} differs from the cluster's "
-                f"model {cluster.model!r} version {cluster.model_version!r}")
-    if msg.kv_layout != cluster.kv_layout:
-        return f"KV layout {msg.kv_layout} differs from the cluster's {cluster.kv_layout}"
+    if "@" in msg.model or not msg.model or not msg.model_version:
+        return f"model {msg.model!r} version {msg.model_version!r}: both must be non-empty, and the name without '@'"
+    if group is not None and msg.kv_layout != group.kv_layout:
+        return (f"KV layout {msg.kv_layout} differs from {group.kv_layout}, that of the workers serving "
+                f"{msg.model}@{msg.model_version}")
     return ""

@@ -97,6 +97,7 @@ class SubRequest(RequestExits):
         self.decoding_since = 0.0  # when it was last given a decode slot (fairness preempts only one decoding since)
         self.admitted_at: float | None = None  # when admitted to prefill (the TTFT and slot forecasts)
         self.ttft_forecast_s: float | None = None  # its TTFT forecast at arrival (early_rejection), if any
+        self.model: tuple[str, str] | None = None  # the (name, version) whose workers alone serve it; None: any
         self.started = False  # sent to a worker (it left the admission queue)
         self.output_ids: list[int] = []  # every token the client has: a resumed request carries them
         self.migrations = 0  # times it resumed elsewhere

@@ -93,13 +93,10 @@ class WorkerRegistry:
     workers: dict[str, WorkerState] = field(default_factory=dict)
     _rejoin_asked: dict[str, float] = field(default_factory=dict)  # worker id -> when last asked
 
-    @property
-    def cluster_model(self) -> ClusterModel | None:
-        return self._identity(exclude=None)
-
     def register(self, msg: Register, now: float) -> Registration[WorkerState]:
         old = self.workers.get(msg.worker_id)
-        reason = refusal(msg, old.epoch if old is not None else None, self._identity(exclude=msg.worker_id))
+        reason = refusal(msg, old.epoch if old is not None else None,
+                         self._identity(msg.model, msg.model_version, exclude=msg.worker_id))
         if reason:
             log.warning("refused worker %r: %s", msg.worker_id, reason)
             return Registration(RegisterAck(msg.worker_id, False, reason))
@@ -234,9 +231,9 @@ class WorkerRegistry:
             counts[worker.role.value] += 1
         return counts
 
-    def _identity(self, exclude: str | None) -> ClusterModel | None:
+    def _identity(self, model: str, version: str, exclude: str) -> ClusterModel | None:
         for worker in self.workers.values():
-            if worker.worker_id != exclude:
+            if worker.worker_id != exclude and (worker.model, worker.model_version) == (model, version):
                 return ClusterModel(worker.model, worker.model_version, worker.kv_layout)
         return None
 

@@ -79,7 +79,11 @@ class ProxyConfig:
         "tokenizer and chat template; must match the workers'")
     dtype: Dtype = option("float32", "dtype the model was prepared in (selects the embedded model's directory)")
     served_model_name: Str = option(
-        "SmolLM2-135M-Instruct", "model name clients put in requests and /v1/models lists")
+        "SmolLM2-135M-Instruct", "a name clients may put in requests for the proxy's own model (model's); every "
+        "model a worker serves is also asked for by its own name, N, or one version of it, N@V")
+    session_from_user_field: Bool = option(
+        False, "whether a request's user field names its conversation when it has no X-Session-Id header: a "
+        "session draws the canary once and keeps that model version")
     heartbeat_timeout_s: Float = option(
         5.0, "a worker silent this long is dead; also the longest a send to a worker may wait", gt=0)
     local_prefill_threshold: Int = option(
@@ -238,7 +242,8 @@ class WorkerConfig:
     engine: EngineConfig = option(
         doc="the engine's settings (see worker.engine)", default_factory=lambda: EngineConfig(model="embedded"))
     model_name: Str = option(
-        "SmolLM2-135M-Instruct", "model name announced at registration; must match the proxy's served_model_name")
+        "", "model name announced at registration, which requests name; empty: the registered model's name "
+        "(the embedded model's is SmolLM2-135M-Instruct), else the model directory's name")
     transfer_backend: TransferBackend = option(
         "auto", "KV transfer backend; auto picks nixl where it loads, else zmq")
     embedding_batch_tokens: Int = option(

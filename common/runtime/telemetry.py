@@ -265,12 +265,12 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 
 class WorkerMetrics:
     def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
         self.status = WorkerStatus()
         self.registry = CollectorRegistry()
         r = self.registry
-        Gauge("tessera_worker_info", "Constant 1, labelled with this worker's identity",
-              ["worker_id", "role", "model"], registry=r).labels(
-            config.worker_id, config.role, config.model_name).set(1)
+        self._info = Gauge("tessera_worker_info", "Constant 1, labelled with this worker's identity",
+                           ["worker_id", "role", "model", "version"], registry=r)
         self.requests = Counter("tessera_worker_requests", "Requests by stage and outcome",
                                 ["stage", "status"], registry=r)
         for stage in STAGES:
@@ -309,6 +309,11 @@ class WorkerMetrics:
         self.token_budget.set(token_budget)
         self.spec_num_tokens.set(spec_num_tokens)
         self.spec_max_batch_size.set(spec_max_batch_size)
+
+    def identify(self, model: str, version: str) -> tuple[str, str]:
+        """Label ``tessera_worker_info`` with the model version this worker serves, once it is loaded."""
+        self._info.labels(self.config.worker_id, self.config.role, model, version).set(1)
+        return model, version
 
     def request_done(self, stage: str, outcome: str) -> None:
         self.requests.labels(stage, outcome).inc()

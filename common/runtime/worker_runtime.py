@@ -1,30 +1,28 @@
-"""What every worker process shares: its I/O thread, registration, heartbeats, drain, and the base of
-the role handlers (``WorkerBase``: the engine, the KV transfer agent, one intake and one failure path).
-A worker's identity is ``(worker_id, epoch)``; the epoch is its start time (renewed when it registers
-again), so a restarted worker under the same id is recognisably a new process.
+"""What every worker process shares: its I/O thread, registration, heartbeats, drain, and the base of the role handlers
+(``WorkerBase``: the engine, the KV transfer agent, one intake and one failure path). A worker's identity is
+``(worker_id, epoch)``; the epoch is its start time (renewed when it registers again), so a restarted worker under
+the same id is recognisably a new process.
 
-Sockets live only in the I/O thread. It connects a DEALER (identity = worker id; with curve_* keys, a
-CURVE client that pins the proxy's public key) to the proxy, registers, heartbeats with the latest load
-snapshot, and moves messages between the socket and two queues. The compute loop (the main thread,
-``serve``) never touches a socket: each turn it takes inbound messages, lets the role's handler act on
-them, steps the engine, and queues what the handler wants sent. A failure handling a message ends that
-message's request with an error; a failed engine turn gives every request back to the proxy (retryable:
-they resume elsewhere). Neither stops the worker.
+Sockets live only in the I/O thread. It connects a DEALER (identity = worker id; with curve_* keys, a CURVE client
+that pins the proxy's public key) to the proxy, registers, heartbeats with the latest load snapshot, and moves
+messages between the socket and two queues. The compute loop (the main thread, ``serve``) never touches a socket:
+each turn it takes inbound messages, lets the role's handler act on them, steps the engine, and queues what the
+handler wants sent. A failure handling a message ends that message's request with an error; a failed engine turn
+gives every request back to the proxy (retryable: they resume elsewhere). Neither stops the worker.
 
-SIGTERM or SIGINT starts a drain: the next heartbeat says ``draining`` so the proxy routes nothing new
-here, running requests get ``drain_timeout_s`` to finish, then whatever is left is failed back to the
-proxy (retryable), KV held for others is released, a Goodbye is sent and the sockets closed. Under
-systemd (``Type=notify``) a worker reports READY=1 once its model is loaded and the proxy acknowledged
-its registration, STOPPING=1 when it drains. The signal handler only appends to a list (a
-threading.Event's lock, taken again by a second signal interrupting the first handler, deadlocked); the
-loop looks at it once per turn, at most ``idle_poll_s`` apart. Further signals change nothing.
+SIGTERM or SIGINT starts a drain: the next heartbeat says ``draining`` so the proxy routes nothing new here, running
+requests get ``drain_timeout_s`` to finish, then whatever is left is failed back to the proxy (retryable), KV held
+for others is released, a Goodbye is sent and the sockets closed. Under systemd (``Type=notify``) a worker reports
+READY=1 once its model is loaded and the proxy acknowledged its registration, STOPPING=1 when it drains. The signal
+handler only appends to a list (a threading.Event's lock, taken again by a second signal interrupting the first
+handler, deadlocked); the loop looks at it once per turn, at most ``idle_poll_s`` apart. Further signals change
+nothing.
 
-A proxy that does not know this worker (it restarted, or it expired the worker) answers its heartbeats
-with Reregister. The I/O thread stops heartbeating and hands the message to the compute loop, which
-fails every request it holds (the proxy resumed them elsewhere, or their client is gone with the old
-proxy: aborted, their pages and prefill leases freed) and only then lets the I/O thread send the
-Register again, under a new epoch, so nothing of the old epoch's runs once the proxy routes work here
-again. A proxy that refuses that Register stops the worker.
+A proxy that does not know this worker (it restarted, or it expired the worker) answers its heartbeats with
+Reregister. The I/O thread stops heartbeating and hands the message to the compute loop, which fails every request
+it holds (the proxy resumed them elsewhere, or their client is gone with the old proxy: aborted, their pages and
+prefill leases freed) and only then lets the I/O thread send the Register again, under a new epoch, so nothing of
+the old epoch's runs once the proxy routes work here again. A proxy that refuses that Register stops the worker.
 """
 
 from __future__ import annotations
@@ -40,7 +38,6 @@ import zmq
 
 from common.config.roles import WorkerConfig
 from common.engine.llm_engine import LLMEngine, RequestError
-from common.engine.models.loader import model_version
 from common.protocol import wire
 from common.runtime import sd_notify
 from common.runtime.core_share import CoreShare, core_group
@@ -49,6 +46,7 @@ from common.runtime.telemetry import WorkerMetrics, request_scope
 from common.runtime.tracing import make_tracing
 from common.runtime.worker_contracts import KVTransfer, Load, RoleHandler
 from common.runtime.zmq_security import Waker, apply_curve_client, worker_curve
+from common.storage.model_store import model_identity
 
 log = logging.getLogger(__name__)
 
@@ -301,6 +299,8 @@ class WorkerBase:
         self.tracing = make_tracing(config.otel_endpoint, config.otel_service_name)
         self._spans: dict[tuple[str, str], object] = {}  # (request id, span name) -> open span
         self.engine = LLMEngine(config.engine)
+        self.model_name, self.model_version = self.metrics.identify(
+            *model_identity(config.engine.model, config.engine.dtype, config.model_name))
         self.metrics.status.model_loaded = True
         self.transfer = transfer
         self.transfer_metadata = transfer.register_pool(self.engine.runner.kv_cache)
@@ -319,8 +319,8 @@ class WorkerBase:
     def registration(self) -> wire.Register:
         layout = self.engine.runner.layout
         return wire.Register(
-            worker_id=self.config.worker_id, role=self.role, epoch=self.epoch, model=self.config.model_name,
-            model_version=model_version(self.engine.model_dir, self.config.engine.dtype),
+            worker_id=self.config.worker_id, role=self.role, epoch=self.epoch, model=self.model_name,
+            model_version=self.model_version,
             kv_layout=wire.KVLayoutInfo(
                 layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim, layout.dtype
             ),

@@ -106,7 +106,8 @@ def resolve_registered(spec: str, dtype: str, cache_dir: str | Path | None = Non
     One of ``EMBEDDED_NAMES`` gives the embedded model in ``dtype``, prepared
     on demand; a registered ``N@V`` gives that version, and ``N`` its promoted
     one, its weights checked against the manifest; a path to an existing
-    directory is validated and returned as given. A registered name wins over
+    directory is validated and returned as given, with the manifest of the
+    version registered from it, if any (and its weights unchanged). A registered name wins over
     a directory of that name unless the spec has a path separator or starts
     with '.'. Anything else is a ValueError saying what is accepted.
     """
@@ -122,7 +123,7 @@ def resolve_registered(spec: str, dtype: str, cache_dir: str | Path | None = Non
     path = Path(spec)
     if path.is_dir():
         validate_model_dir(path)
-        return path, None
+        return path, registry.by_source(path)
     if path.exists():
         raise ValueError(f"model {spec!r} is not a directory")
     if path_like:
@@ -134,6 +135,28 @@ def resolve_registered(spec: str, dtype: str, cache_dir: str | Path | None = Non
         f"NAME@VERSION (registered: {', '.join(registry.names()) or 'none'}; see `tessera model list`), "
         "or the path of a Hugging Face model directory"
     )
+
+
+def model_identity(spec: str, dtype: str, name: str = "", cache_dir: str | Path | None = None) -> tuple[str, str]:
+    """The (model name, version) a worker serving ``spec`` announces, and a proxy routes requests by.
+
+    A registered model (the embedded one included) is its manifest's name and version; a plain directory is
+    its directory's name and a digest of its config and weight files in ``dtype``. ``name``, when given,
+    replaces the name (a worker's ``model_name``).
+    """
+    path, manifest = resolve_registered(spec, dtype, cache_dir)
+    if manifest is not None:
+        return name or manifest.name, manifest.version
+    return name or path.name, model_digest(path, dtype)
+
+
+def model_digest(model_dir: Path, dtype: str) -> str:
+    """Short digest of a model directory's config and weight files (names and sizes) in ``dtype``."""
+    h = hashlib.sha256(dtype.encode())
+    h.update((model_dir / "config.json").read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        h.update(f"{path.name}:{path.stat().st_size}".encode())
+    return h.hexdigest()[:16]
 
 
 def prepare_embedded_model(

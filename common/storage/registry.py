@@ -128,6 +128,20 @@ class ModelRegistry:
             self._verify(manifest)
         return manifest
 
+    def by_source(self, path: Path) -> Manifest | None:
+        """The version registered from the model directory ``path`` whose weights are still the registered ones."""
+        target = path.resolve()
+        for name in self.names():
+            for version in self.versions(name):
+                manifest = self._read_manifest(name, version)
+                if manifest is not None and Path(manifest.source).resolve() == target:
+                    try:
+                        self._verify(manifest)
+                    except RegistryError:
+                        return None  # changed since: no longer that version
+                    return manifest
+        return None
+
     def promote(self, name: str, version: str, canary_percent: float | None = None) -> State:
         """Serve ``version``: to ``canary_percent`` of the traffic beside the promoted version, or to all of it."""
         self.manifest(name, version)

@@ -1,7 +1,7 @@
 """The proxy's API over real sockets: generation, service endpoints, the official client."""
 from __future__ import annotations
 
-from common.protocol.wire import PROTOCOL_VERSION
+from common.protocol.wire import PROTOCOL_VERSION, KVLayoutInfo
 from tests.e2e.proxy_harness import *  # noqa: F401,F403 -- fixtures, helpers and wire types
 
 
@@ -189,19 +189,36 @@ def test_decode_workers_hear_of_prefill_changes(make_proxy, make_worker):
     wait_until(lambda: any(len(m.peers) == 1 for m in decode.messages(Peers)), what="Peers with p0")
 
 
-def test_a_worker_of_another_model_is_refused(make_proxy, make_worker):
+def test_a_worker_of_the_same_version_with_another_kv_layout_is_refused(make_proxy, make_worker):
     proxy = make_proxy()
     make_worker(proxy, "p0", "prefill")
-    stranger = make_worker(proxy, "d0", "decode", model="Llama-3-8B")
-    ack = stranger.wait_for(lambda m: isinstance(m, RegisterAck))
-    assert not ack.accepted and "Llama-3-8B" in ack.reason and MODEL in ack.reason
+    odd = make_worker(proxy, "d0", "decode", kv_layout=KVLayoutInfo(30, 32, 3, 64, "float32"))
+    ack = odd.wait_for(lambda m: isinstance(m, RegisterAck))
+    assert not ack.accepted and "block_size=32" in ack.reason and f"{MODEL}@test" in ack.reason
     assert proxy.http.get("/readyz").status_code == 503
+
+
+def test_workers_of_another_model_join_but_never_serve_this_ones_requests(make_proxy, make_worker):
+    proxy = make_proxy()
+    make_worker(proxy, "p0", "prefill")
+    make_worker(proxy, "d0", "decode")
+    other = [make_worker(proxy, f"{role[0]}1", role, model="Llama-3-8B") for role in ("prefill", "decode")]
+    wait_until(lambda: len(proxy.http.get("/v1/models").json()["data"]) == 2, what="both models listed")
+    for _ in range(4):
+        response = proxy.http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 50})
+        assert response.status_code == 200 and response.headers["X-Tessera-Model"] == f"{MODEL}@test"
+    assert not any(worker.messages(PrefillRequest) or worker.messages(DecodeRequest) for worker in other)
+    unknown = proxy.http.post("/v1/completions", json={"model": "Llama-3-8B", "prompt": "Hi"})
+    assert unknown.status_code == 503 and "no tokenizer for Llama-3-8B@test" in unknown.text  # not registered here
+    assert proxy.http.post("/v1/completions", json={"model": "nope", "prompt": "Hi"}).status_code == 404
+    assert proxy.http.post("/v1/completions", json={"model": f"{MODEL}@v9", "prompt": "Hi"}).status_code == 404
 
 
 def test_models_version_tokenize_detokenize(cluster, tokenizer):
     proxy, _, _ = cluster
     (model,) = proxy.http.get("/v1/models").json()["data"]
-    assert model["id"] == MODEL and model["tessera_model_version"] == "test" and model["max_model_len"] == 8192
+    assert model["id"] == MODEL and model["promoted_version"] == "test" and model["max_model_len"] == 8192
+    assert model["versions"] == [{"version": "test", "workers": 2, "draining": 0, "max_model_len": 8192}]
     assert proxy.http.get("/version").json()["protocol_version"] == PROTOCOL_VERSION
     tokens = proxy.http.post("/tokenize", json={"prompt": "Hello world"}).json()
     assert tokens == {"tokens": tokenizer.encode("Hello world"), "count": len(tokenizer.encode("Hello world")),

@@ -17,8 +17,11 @@ def config(**overrides):
                               "retry_after_s": 1, **overrides})
 
 
-def worker(worker_id: str, role: Role, draining: bool = False):
-    return SimpleNamespace(worker_id=worker_id, role=role, draining=draining)
+MODEL = ("m", "v1")
+
+
+def worker(worker_id: str, role: Role, draining: bool = False, model: tuple[str, str] = MODEL):
+    return SimpleNamespace(worker_id=worker_id, role=role, draining=draining, model=model[0], model_version=model[1])
 
 
 class Harness:
@@ -40,8 +43,9 @@ async def settle():
 
 def test_a_prefill_worker_is_preferred_and_its_answer_is_the_vectors():
     async def run():
-        h = Harness(worker("both-0", Role.BOTH), worker("decode-0", Role.DECODE), worker("prefill-0", Role.PREFILL))
-        task = asyncio.create_task(h.service.embed([[1, 2], [3]]))
+        h = Harness(worker("both-0", Role.BOTH), worker("decode-0", Role.DECODE), worker("prefill-0", Role.PREFILL),
+                    worker("prefill-v2", Role.PREFILL, model=("m", "v2")))
+        task = asyncio.create_task(h.service.embed([[1, 2], [3]], MODEL))
         await settle()
         assert [(wid, type(msg)) for wid, msg in h.sent] == [("prefill-0", EmbedRequest)]
         h.answer()
@@ -54,9 +58,9 @@ def test_a_prefill_worker_is_preferred_and_its_answer_is_the_vectors():
 def test_the_less_loaded_worker_gets_the_next_request():
     async def run():
         h = Harness(worker("p0", Role.PREFILL), worker("p1", Role.PREFILL))
-        first = asyncio.create_task(h.service.embed([[1] * 30]))
+        first = asyncio.create_task(h.service.embed([[1] * 30], MODEL))
         await settle()
-        second = asyncio.create_task(h.service.embed([[1] * 5]))
+        second = asyncio.create_task(h.service.embed([[1] * 5], MODEL))
         await settle()
         assert [wid for wid, _ in h.sent] == ["p0", "p1"]
         h.answer(0)
@@ -68,7 +72,7 @@ def test_the_less_loaded_worker_gets_the_next_request():
 def test_retryable_failures_and_lost_workers_move_it_until_the_attempts_run_out():
     async def run():
         h = Harness(*(worker(f"p{i}", Role.PREFILL) for i in range(MAX_ATTEMPTS + 1)))
-        task = asyncio.create_task(h.service.embed([[1, 2]]))
+        task = asyncio.create_task(h.service.embed([[1, 2]], MODEL))
         await settle()
         wid, msg = h.sent[-1]
         h.service.on_failed(wid, RequestFailed(msg.request_id, wid, "worker is draining", retryable=True))
@@ -85,7 +89,7 @@ def test_retryable_failures_and_lost_workers_move_it_until_the_attempts_run_out(
 def test_an_invalid_input_is_the_clients_400_and_a_stray_answer_is_ignored():
     async def run():
         h = Harness(worker("p0", Role.PREFILL))
-        task = asyncio.create_task(h.service.embed([[1, 2]]))
+        task = asyncio.create_task(h.service.embed([[1, 2]], MODEL))
         await settle()
         wid, msg = h.sent[-1]
         h.service.on_result("someone-else", EmbedResult(msg.request_id, "someone-else", 4, b"\0" * 16, 2), 0.0)
@@ -100,7 +104,7 @@ def test_a_timeout_is_a_504_naming_the_setting_and_aborts_the_work():
     async def run():
         h = Harness(worker("p0", Role.PREFILL), embedding_timeout_s=0.05)
         with pytest.raises(ApiError) as raised:
-            await h.service.embed([[1, 2]])
+            await h.service.embed([[1, 2]], MODEL)
         assert raised.value.status == 504 and "embedding_timeout_s" in raised.value.message
         assert isinstance(h.sent[-1][1], Abort) and not h.service.pending
     asyncio.run(run())
@@ -110,13 +114,13 @@ def test_no_worker_or_too_many_tokens_in_flight_is_a_503():
     async def run():
         h = Harness(worker("d0", Role.DECODE), worker("p0", Role.PREFILL, draining=True))
         with pytest.raises(ApiError) as raised:
-            await h.service.embed([[1]])
+            await h.service.embed([[1]], MODEL)
         assert raised.value.status == 503
         h = Harness(worker("p0", Role.PREFILL))
-        first = asyncio.create_task(h.service.embed([[1] * 80]))
+        first = asyncio.create_task(h.service.embed([[1] * 80], MODEL))
         await settle()
         with pytest.raises(ApiError) as raised:
-            await h.service.embed([[1] * 30])
+            await h.service.embed([[1] * 30], MODEL)
         assert raised.value.status == 503 and "embedding_max_inflight_tokens" in raised.value.message
         h.answer()
         await first

@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from common.storage.model_store import EMBEDDED_MODEL, EMBEDDED_NAMES
+
 from common.config.roles import ProxyConfig, WorkerConfig, load_config, parse_overrides
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (dev extra) is missing")
@@ -118,7 +120,9 @@ def test_role_configs_load_with_the_pods_overrides(rendered, tmp_path):
         assert worker.worker_id == POD_FIELDS["metadata.name"], "worker_id must be the pod's name"
         assert worker.transfer_host == POD_FIELDS["status.podIP"], "KV pulls go pod to pod: the pod's IP"
         assert (worker.metrics_host, worker.metrics_port) == ("0.0.0.0", _port(_container(deployment), "metrics"))
-        assert worker.model_name == proxy.served_model_name
+        # An empty model_name announces the registered name, the embedded model's for its aliases.
+        announced = worker.model_name or (EMBEDDED_MODEL if worker.engine.model in EMBEDDED_NAMES else None)
+        assert announced == proxy.served_model_name
         assert (worker.engine.model, worker.engine.dtype) == (proxy.model, proxy.dtype), \
             "the proxy's tokenizer must be the workers' model"
 

@@ -271,11 +271,13 @@ def test_model_store_resolves_registered_models(model, tmp_path, monkeypatch):
     assert resolve_model("tiny@v2", "float32", cache) == Path(registry.manifest("tiny", "v2").source)
     path, manifest = resolve_registered("tiny", "float32", cache)
     assert (path, manifest.spec) == (model.resolve(), "tiny@v1")
-    assert resolve_registered(str(model), "float32", cache) == (model, None)
+    assert resolve_registered(str(model), "float32", cache) == (model, registry.manifest("tiny", "v1"))  # its source
     monkeypatch.chdir(tmp_path)
     shutil.copytree(model, tmp_path / "tiny")  # a directory with the registered name: the registry wins ...
     assert resolve_registered("tiny", "float32", cache)[1].spec == "tiny@v1"
     assert resolve_registered(f".{os.sep}tiny", "float32", cache) == (Path("./tiny"), None)  # ... unless path-like
+    (model / "model.safetensors").write_bytes(b"changed")  # a registered source whose weights changed: not that one
+    assert resolve_registered(str(model), "float32", cache) == (model, None)
     with pytest.raises(ValueError, match=r"no model named 'huge' is registered \(registered: tiny\)"):
         resolve_model("huge@v1", "float32", cache)
     with pytest.raises(ValueError, match=r"unknown model 'huge'.*registered: tiny"):

@@ -44,6 +44,7 @@ def engine(tiny_chat_model_dir):
 
 def test_scrape_reports_the_engine_snapshot(served, engine):
     metrics, url = served
+    metrics.identify("SmolLM2-135M-Instruct", "0.1.2-float32")
     metrics.publish(engine)
     status, text = get(url + "/metrics")
     assert status == 200
@@ -58,7 +59,8 @@ def test_scrape_reports_the_engine_snapshot(served, engine):
     assert values["tessera_worker_kv_pages_used"] + values["tessera_worker_kv_pages_free"] == 64
     assert values["tessera_worker_running_sequences"] == 0
     assert values["tessera_spec_decode_num_drafts_total"] == stats.num_spec_drafts
-    assert 'tessera_worker_info{model="SmolLM2-135M-Instruct",role="decode",worker_id="d0"} 1.0' in text
+    assert ('tessera_worker_info{model="SmolLM2-135M-Instruct",role="decode",version="0.1.2-float32",'
+            'worker_id="d0"} 1.0') in text
 
 
 def test_event_counters_and_spec_decode_positions(served):

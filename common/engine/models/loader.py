@@ -7,7 +7,6 @@ once; anything missing or unexpected is an error naming the tensors.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from pathlib import Path
@@ -115,12 +114,3 @@ def _copy_into(param: torch.Tensor, target: str, part: int | None, tensor: torch
         )
     with torch.no_grad():
         dest.copy_(tensor.to(dest.dtype))
-
-
-def model_version(model_dir: Path, dtype: str) -> str:
-    """Short digest of the model's config and weight files: equal digests, same model."""
-    h = hashlib.sha256(dtype.encode())
-    h.update((model_dir / "config.json").read_bytes())
-    for path in sorted(model_dir.glob("*.safetensors")):
-        h.update(f"{path.name}:{path.stat().st_size}".encode())
-    return h.hexdigest()[:16]

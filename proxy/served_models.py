@@ -1,0 +1,175 @@
+"""Which model version serves a request: the models the live workers serve, their promotion, canary and tokenizers.
+
+A request's ``model`` names a model (``N``) or one of its versions (``N@V``); ``served_model_name`` is an alias of
+the proxy's own model (``config.model``'s name). ``choose`` turns it into a ``ModelChoice``:
+
+    N@V -> that version, when a worker serves it
+    N   -> the canary version for its configured share of requests (a session always draws the same way),
+           else the promoted version; with neither served, any served version of N (the oldest first)
+    404 -> a name (or version) neither served nor registered; 503 + Retry-After -> registered, or served before,
+           but no live worker serves it now (loading, draining, scaled to zero)
+
+Promotion and canary come from the proxy's model registry (``common.storage.registry``, under the cache root),
+read again whenever its state file changes, so the admin API of any proxy on the host, or ``tessera model
+promote`` run offline, takes effect at once. A name with no registry state (an unregistered model directory) has
+no promoted version: its oldest served version serves. Every request then keeps its version: the cluster routes its
+prefill and decode to workers of that version only (``Cluster._candidates``).
+
+Tokenizers: a registered version's manifest names its files, and versions whose tokenizer.json hash the same share
+one ``Tokenizer``; an unregistered version of the proxy's own model uses the proxy's.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.storage.manifest import file_sha256
+from common.storage.registry import ModelRegistry, RegistryError, State
+from common.text.tokenizer import Tokenizer
+from proxy.errors import ApiError
+from proxy.token_text import TokenText
+from proxy.workers import WorkerRegistry, WorkerState
+
+log = logging.getLogger("tessera.proxy")
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    name: str
+    version: str
+    max_model_len: int  # the longest context every worker of the version accepts
+    tokenizer: Tokenizer
+    token_text: TokenText
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.name, self.version
+
+
+class ServedModels:
+    def __init__(self, config, workers: WorkerRegistry, store: ModelRegistry, own: tuple[str, str],
+                 tokenizer: Tokenizer, own_dir: Path) -> None:
+        """``own``: the (name, version) of ``config.model``, in ``own_dir``, whose tokenizer the proxy loaded as
+        ``tokenizer``."""
+        self.config = config
+        self.workers = workers
+        self.store = store
+        self.own_name = own[0]
+        self.aliases = {config.served_model_name: own[0]}
+        self._own_text = (tokenizer, TokenText(tokenizer))
+        self._texts: dict[str, tuple[Tokenizer, TokenText]] = {}  # tokenizer.json sha256 -> its tokenizer
+        if (own_dir / "tokenizer.json").is_file():
+            self._texts[file_sha256(own_dir / "tokenizer.json")] = self._own_text
+        self._states: dict[str, tuple[int, State]] = {}  # name -> (state file mtime, state)
+        self._known: set[tuple[str, str]] = set()  # every version a worker served: 503 rather than 404 once gone
+
+    def served(self) -> dict[str, dict[str, list[WorkerState]]]:
+        """name -> version -> its live workers; versions in the order their first worker registered."""
+        served: dict[str, dict[str, list[WorkerState]]] = {}
+        for worker in self.workers.workers.values():
+            served.setdefault(worker.model, {}).setdefault(worker.model_version, []).append(worker)
+            self._known.add((worker.model, worker.model_version))
+        return served
+
+    def choose(self, requested: str, session: str | None = None) -> ModelChoice:
+        name, _, version = requested.partition("@")
+        name = self.aliases.get(name, name)
+        versions = self.served().get(name, {})
+        live = {v: ws for v, ws in versions.items() if any(not w.draining for w in ws)}
+        if version:
+            if version not in live:
+                self._unserved(name, version, requested)
+            return self._choice(name, version, live[version])
+        if not live:
+            self._unserved(name, None, requested)
+        state = self.state(name)
+        chosen = state.promoted if state.promoted in live else next(iter(live))
+        canary = state.canary
+        if canary is not None and canary.version in live and canary.version != chosen:
+            if _draw(session) < canary.percent:
+                chosen = canary.version
+        return self._choice(name, chosen, live[chosen])
+
+    def state(self, name: str) -> State:
+        """The registry's promotion and canary of ``name``, read again when its state file changed."""
+        path = self.store.root / name / "state.json"
+        try:
+            stamp = os.stat(path).st_mtime_ns
+        except OSError:
+            return State()
+        cached = self._states.get(name)
+        if cached is None or cached[0] != stamp:
+            try:
+                cached = self._states[name] = (stamp, self.store.state(name))
+            except RegistryError as error:
+                log.warning("model %s: its registry state cannot be read (%s); no promotion applies", name, error)
+                return State()
+        return cached[1]
+
+    def listing(self) -> list[dict]:
+        """``/v1/models``' entries: the alias of the proxy's model first, then every served model."""
+        served = self.served()
+        entries = []
+        for alias, name in self.aliases.items():
+            if alias != name and name in served:
+                entries.append(self._entry(alias, name, served[name]))
+        entries += [self._entry(name, name, versions) for name, versions in served.items()]
+        return entries
+
+    def _entry(self, model_id: str, name: str, versions: dict[str, list[WorkerState]]) -> dict:
+        state = self.state(name)
+        canary = state.canary
+        return {"id": model_id, "object": "model", "owned_by": "tessera", "root": name,
+                "max_model_len": min(w.max_model_len for ws in versions.values() for w in ws),
+                "promoted_version": state.promoted if state.promoted in versions else next(iter(versions)),
+                "canary": {"version": canary.version, "percent": canary.percent} if canary else None,
+                "versions": [{"version": v, "workers": len(ws), "draining": sum(w.draining for w in ws),
+                              "max_model_len": min(w.max_model_len for w in ws)} for v, ws in versions.items()]}
+
+    def _choice(self, name: str, version: str, workers: list[WorkerState]) -> ModelChoice:
+        tokenizer, token_text = self._text(name, version)
+        return ModelChoice(name, version, min(w.max_model_len for w in workers), tokenizer, token_text)
+
+    def _text(self, name: str, version: str) -> tuple[Tokenizer, TokenText]:
+        try:
+            manifest = self.store.manifest(name, version)
+        except RegistryError:
+            manifest = None
+        if manifest is None or manifest.tokenizer.sha256 is None:
+            if name == self.own_name:
+                return self._own_text
+            raise ApiError(503, f"the proxy has no tokenizer for {name}@{version}: register that version in "
+                           "the proxy host's model registry (tessera model register)", code="model_not_loaded",
+                           param="model", retry_after_s=self.config.retry_after_s)
+        text = self._texts.get(manifest.tokenizer.sha256)
+        if text is None:
+            tokenizer = Tokenizer(Path(manifest.source))
+            text = self._texts[manifest.tokenizer.sha256] = (tokenizer, TokenText(tokenizer))
+        return text
+
+    def _unserved(self, name: str, version: str | None, requested: str) -> None:
+        """Raise 503 when ``name`` (``version``) is registered or was served, else 404."""
+        registered = name in self.store.names()
+        if version is None:
+            known = registered or name == self.own_name or any(n == name for n, _ in self._known)
+        else:
+            known = (name, version) in self._known or (registered and version in self.store.versions(name))
+        if known:
+            raise ApiError(503, f"model {requested!r} is not served by any worker now (it is loading, draining or "
+                           "stopped); try again", code="model_not_loaded", param="model",
+                           retry_after_s=self.config.retry_after_s)
+        served = sorted({*self.served(), *(a for a, n in self.aliases.items() if n in self.served())})
+        raise ApiError(404, f"model {requested!r} does not exist; this server serves "
+                       f"{', '.join(map(repr, served)) or 'no model yet'}", code="model_not_found", param="model")
+
+
+def _draw(session: str | None) -> float:
+    """A number in [0, 100): the same for every request of a session, else random."""
+    if session is None:
+        return random.random() * 100
+    digest = hashlib.blake2b(session.encode(), digest_size=8, person=b"tessera-canary").digest()
+    return int.from_bytes(digest, "little") % 10000 / 100
