@@ -11,7 +11,8 @@ socket and its context.
 
 Endpoints here: /v1/models, /tokenize, /detokenize, /healthz, /readyz,
 /version, /metrics. The generation endpoints live in ``openai_api``, the
-reconnection to a resumable stream in ``resumable``, /v1/embeddings in ``embeddings_api``.
+reconnection to a resumable stream in ``resumable``, /v1/embeddings in ``embeddings_api``, the
+model promotions in ``admin_api``.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from common.config.roles import ProxyConfig
 from common.text.tokenizer import Tokenizer
 from common.protocol.wire import PROTOCOL_VERSION
 from common.runtime.zmq_security import proxy_curve
-from proxy import embeddings_api, openai_api, openapi, resumable
+from proxy import admin_api, embeddings_api, openai_api, openapi, resumable
 from proxy.cluster import Cluster
 from proxy.errors import ApiError, install_error_handlers
 from proxy.listener import BodyDeadline
@@ -116,10 +117,11 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
     app.add_middleware(BodyDeadline, timeout_s=config.request_body_timeout_s)
     app.include_router(openai_api.router)
     app.include_router(embeddings_api.router)
+    app.include_router(admin_api.router)
     app.include_router(resumable.router)
     _add_service_routes(app, services)
     openapi.install(app, [CompletionRequest, ChatCompletionRequest, EmbeddingRequest, TokenizeRequest,
-                         DetokenizeRequest])
+                         DetokenizeRequest, admin_api.PromoteRequest])
     return app
 
 

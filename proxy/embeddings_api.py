@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 
 from proxy.auth import tenant_from_body, tenant_from_header
 from proxy.errors import ApiError
-from proxy.openai_api import MODEL_HEADER, serving_context, session_of
+from proxy.openai_api import served_headers, serving_context, session_of
 from proxy.openapi import EmbeddingResponse, error_responses, request_body
 from proxy.protocol import EmbeddingRequest, read_model
 
@@ -38,21 +38,22 @@ async def embeddings(request: Request) -> Response:
     try:
         body, served = await _embed(request, services)
         status = "200"
-        response: Response = JSONResponse(body, headers={MODEL_HEADER: served})
+        response: Response = JSONResponse(body, headers=served)
     except ApiError as error:
         status, response = str(error.status), error.response()
     services.metrics.requests.labels("embeddings", status).inc()
     return response
 
 
-async def _embed(request: Request, services) -> tuple[dict, str]:
+async def _embed(request: Request, services) -> tuple[dict, dict[str, str]]:
     tenants = services.cluster.tenants
     tenant = tenant_from_header(tenants, request.headers.get("authorization")) if tenants.auth_enabled else None
     body = await read_model(request, EmbeddingRequest, services.config.max_prompt_bytes)
     if tenant is None:
         tenant = tenant_from_body(tenants, body.user) if tenants.from_user_field else tenants.default
-    choice = services.models.choose(body.model, session_of(services, request.headers, body.user))
+    services.models.check(body.model)
     serving_context(services, tenant)
+    choice = services.models.choose(body.model, session_of(services, request.headers, body.user))
     max_model_len = choice.max_model_len
     inputs = await asyncio.to_thread(body.input_token_ids, choice.tokenizer)
     longest = max(range(len(inputs)), key=lambda i: len(inputs[i]))
@@ -69,7 +70,7 @@ async def _embed(request: Request, services) -> tuple[dict, str]:
     tokens = sum(map(len, inputs))
     return {"object": "list", "model": body.model,
             "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, f"{choice.name}@{choice.version}"
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, served_headers(choice)
 
 
 def reduce_dimensions(vectors: np.ndarray, dimensions: int) -> np.ndarray:

@@ -168,6 +168,7 @@ router = APIRouter()
 TIMEOUT_HEADER = "x-request-timeout"  # seconds the client will wait for admission
 SESSION_HEADER = "x-session-id"  # the conversation: its turns keep one model version (proxy.served_models)
 MODEL_HEADER = "X-Tessera-Model"  # on every response: the model@version that served it
+MOVED_HEADER = "X-Tessera-Session-Moved"  # the version a session was pinned to and left (no longer served)
 
 
 _ERRORS = error_responses(400, 401, 404, 413, 429, 503, 504)
@@ -200,7 +201,7 @@ class _Generation:
     choices: list[ChoiceState]
     fmt: CompletionFormat | ChatFormat
     include_usage: bool
-    served: str  # model@version
+    served: dict[str, str]  # the response headers naming the model version that served it
 
     def chunk(self, choices: list[dict], usage_: dict | None = None) -> str:
         body = envelope(self.response_id, self.fmt.chunk_object, self.created, self.model, choices, usage_,
@@ -242,13 +243,13 @@ async def _serve(request: Request, request_model, format_cls, endpoint: str) -> 
                     lambda stream: _stream(generation, group, first, events, watcher, metrics, endpoint,
                                            lambda: stream.expired),
                     group.cancel)
-                response.headers[MODEL_HEADER] = generation.served
+                response.headers.update(generation.served)
                 return response
             if not isinstance(first, FailureEvent):
                 streaming = True
                 return StreamingResponse(_stream(generation, group, first, events, watcher, metrics, endpoint,
                                                  lambda: watcher.disconnected), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", MODEL_HEADER: generation.served})
+                                         headers={"Cache-Control": "no-cache", **generation.served})
             response, status = first.error.response(), str(first.error.status)
         else:
             response, status = await _collect(generation, events)
@@ -276,12 +277,13 @@ def _timeout(raw: str | None) -> float | None:
 async def _admit(services, body, format_cls, tenant: Tenant, timeout_s: float | None,
                  headers) -> tuple[_Generation, RequestGroup]:
     config, cluster = services.config, services.cluster
-    choice = services.models.choose(body.model, session_of(services, headers, body.user))
+    services.models.check(body.model)
     params = body.sampling_params(config.max_tokens_default)
     if params.max_tokens > config.max_tokens_limit:
         raise ApiError(400, f"max_tokens is {params.max_tokens}; this server generates at most "
                        f"{config.max_tokens_limit} tokens per request", code="invalid_value", param="max_tokens")
     serving_context(services, tenant)
+    choice = services.models.choose(body.model, session_of(services, headers, body.user))
     max_model_len = choice.max_model_len
     prompts = await asyncio.to_thread(body.prompt_token_ids, choice.tokenizer)
     longest = max(prompts, key=len)
@@ -303,7 +305,15 @@ async def _admit(services, body, format_cls, tenant: Tenant, timeout_s: float | 
     group = cluster.submit(response_id, prompts, params, base_seed, tenant, timeout_s, model=choice.key)
     choices = [ChoiceState(i, i // params.n) for i in range(len(prompts) * params.n)]
     return _Generation(response_id, int(time.time()), body.model, prompts, choices, fmt, body.include_usage,
-                       f"{choice.name}@{choice.version}"), group
+                       served_headers(choice)), group
+
+
+def served_headers(choice) -> dict[str, str]:
+    """``X-Tessera-Model: name@version``, and ``X-Tessera-Session-Moved`` when the session left its pinned version."""
+    headers = {MODEL_HEADER: f"{choice.name}@{choice.version}"}
+    if choice.moved_from is not None:
+        headers[MOVED_HEADER] = f"{choice.name}@{choice.moved_from}"
+    return headers
 
 
 def session_of(services, headers, user: str | None) -> str | None:
@@ -331,7 +341,7 @@ async def _collect(gen: _Generation, events: AsyncIterator[Event]) -> tuple[Resp
         gen.choices[event.index].add(event, gen.fmt.logprob_text)
     body = envelope(gen.response_id, gen.fmt.object_name, gen.created, gen.model,
                     [gen.fmt.final_choice(c) for c in gen.choices], usage(gen.prompts, gen.choices))
-    return JSONResponse(body, headers={MODEL_HEADER: gen.served}), "200"
+    return JSONResponse(body, headers=gen.served), "200"
 
 
 async def _stream(gen: _Generation, group: RequestGroup, first: Event, events: AsyncIterator[Event],

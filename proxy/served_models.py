@@ -4,8 +4,9 @@ A request's ``model`` names a model (``N``) or one of its versions (``N@V``); ``
 the proxy's own model (``config.model``'s name). ``choose`` turns it into a ``ModelChoice``:
 
     N@V -> that version, when a worker serves it
-    N   -> the canary version for its configured share of requests (a session always draws the same way),
-           else the promoted version; with neither served, any served version of N (the oldest first)
+    N   -> a session's pinned version (below); else the canary version for its configured share of requests (a
+           session always draws the same way), else the promoted version; with neither served, any served version
+           of N (the oldest first)
     404 -> a name (or version) neither served nor registered; 503 + Retry-After -> registered, or served before,
            but no live worker serves it now (loading, draining, scaled to zero)
 
@@ -14,6 +15,12 @@ read again whenever its state file changes, so the admin API of any proxy on the
 promote`` run offline, takes effect at once. A name with no registry state (an unregistered model directory) has
 no promoted version: its oldest served version serves. Every request then keeps its version: the cluster routes its
 prefill and decode to workers of that version only (``Cluster._candidates``).
+
+Sessions (``X-Session-Id``, or ``user`` with ``session_from_user_field``): a session's first turn pins the version
+it drew for ``session_pin_max_s``, across promotions and rollbacks, so a conversation never changes version mid-way.
+Past that, or once no worker serves the pinned version, the next turn is chosen afresh and ``ModelChoice.moved_from``
+names the version it left (the response says so in a header). ``pinned(name)`` counts each version's live pins:
+draining an old version waits for them to end.
 
 Tokenizers: a registered version's manifest names its files, and versions whose tokenizer.json hash the same share
 one ``Tokenizer``; an unregistered version of the proxy's own model uses the proxy's.
@@ -24,6 +31,8 @@ import hashlib
 import logging
 import os
 import random
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +44,7 @@ from proxy.token_text import TokenText
 from proxy.workers import WorkerRegistry, WorkerState
 
 log = logging.getLogger("tessera.proxy")
+MAX_PINS = 100_000  # sessions pinned at once; past it the oldest pin is dropped
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,7 @@ class ModelChoice:
     max_model_len: int  # the longest context every worker of the version accepts
     tokenizer: Tokenizer
     token_text: TokenText
+    moved_from: str | None = None  # the version its session was pinned to, which no longer serves it
 
     @property
     def key(self) -> tuple[str, str]:
@@ -62,10 +73,12 @@ class ServedModels:
         self.aliases = {config.served_model_name: own[0]}
         self._own_text = (tokenizer, TokenText(tokenizer))
         self._texts: dict[str, tuple[Tokenizer, TokenText]] = {}  # tokenizer.json sha256 -> its tokenizer
+        self._by_version: dict[tuple[str, str], tuple[Tokenizer, TokenText]] = {}
         if (own_dir / "tokenizer.json").is_file():
             self._texts[file_sha256(own_dir / "tokenizer.json")] = self._own_text
         self._states: dict[str, tuple[int, State]] = {}  # name -> (state file mtime, state)
         self._known: set[tuple[str, str]] = set()  # every version a worker served: 503 rather than 404 once gone
+        self._pins: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()  # (name, session) -> pin
 
     def served(self) -> dict[str, dict[str, list[WorkerState]]]:
         """name -> version -> its live workers; versions in the order their first worker registered."""
@@ -75,24 +88,70 @@ class ServedModels:
             self._known.add((worker.model, worker.model_version))
         return served
 
+    def check(self, requested: str) -> None:
+        """404 unless ``requested`` names a model (or a version of one) that is served, registered or served before,
+        or the proxy's own; asked before a request's other fields are, so that it is the first error."""
+        name, _, version = requested.partition("@")
+        name = self.aliases.get(name, name)
+        served = self.served()
+        if version:
+            known = (name, version) in self._known or (name in self.store.names()
+                                                       and version in self.store.versions(name))
+        else:
+            known = name in served or name == self.own_name or any(n == name for n, _ in self._known) \
+                or name in self.store.names()
+        if not known:
+            names = sorted({*served, *(a for a, n in self.aliases.items() if n in served or n == self.own_name)})
+            raise ApiError(404, f"model {requested!r} does not exist; this server serves "
+                           f"{', '.join(map(repr, names)) or 'no model yet'}", code="model_not_found", param="model")
+
     def choose(self, requested: str, session: str | None = None) -> ModelChoice:
+        """The version to serve ``requested`` (``check`` it first): 503 while no live worker serves it."""
         name, _, version = requested.partition("@")
         name = self.aliases.get(name, name)
         versions = self.served().get(name, {})
         live = {v: ws for v, ws in versions.items() if any(not w.draining for w in ws)}
         if version:
             if version not in live:
-                self._unserved(name, version, requested)
+                self._unserved(requested)
             return self._choice(name, version, live[version])
         if not live:
-            self._unserved(name, None, requested)
+            self._unserved(requested)
+        now = time.monotonic()
+        pin = self._pins.get((name, session)) if session is not None else None
+        if pin is not None and pin[0] in live and now - pin[1] < self.config.session_pin_max_s:
+            return self._choice(name, pin[0], live[pin[0]])
         state = self.state(name)
         chosen = state.promoted if state.promoted in live else next(iter(live))
         canary = state.canary
         if canary is not None and canary.version in live and canary.version != chosen:
             if _draw(session) < canary.percent:
                 chosen = canary.version
-        return self._choice(name, chosen, live[chosen])
+        if session is not None:
+            self._pin(name, session, chosen, now)
+        moved = pin[0] if pin is not None and pin[0] != chosen else None
+        return self._choice(name, chosen, live[chosen], moved)
+
+    def pinned(self, name: str) -> dict[str, int]:
+        """version -> sessions pinned to it now."""
+        self._expire(time.monotonic())
+        counts: dict[str, int] = {}
+        for (pinned_name, _), (version, _) in self._pins.items():
+            if pinned_name == name:
+                counts[version] = counts.get(version, 0) + 1
+        return counts
+
+    def _pin(self, name: str, session: str, version: str, now: float) -> None:
+        self._pins[name, session] = (version, now)
+        self._pins.move_to_end((name, session))
+        self._expire(now)
+        while len(self._pins) > MAX_PINS:  # the oldest pins go first: their sessions choose afresh
+            self._pins.popitem(last=False)
+
+    def _expire(self, now: float) -> None:
+        """Pins are kept in the order they were made: the expired ones are at the front."""
+        while self._pins and now - next(iter(self._pins.values()))[1] >= self.config.session_pin_max_s:
+            self._pins.popitem(last=False)
 
     def state(self, name: str) -> State:
         """The registry's promotion and canary of ``name``, read again when its state file changed."""
@@ -115,26 +174,36 @@ class ServedModels:
         served = self.served()
         entries = []
         for alias, name in self.aliases.items():
-            if alias != name and name in served:
-                entries.append(self._entry(alias, name, served[name]))
+            if alias != name or name not in served:  # listed before any worker serves it: clients look it up
+                entries.append(self._entry(alias, name, served.get(name, {})))
         entries += [self._entry(name, name, versions) for name, versions in served.items()]
         return entries
 
     def _entry(self, model_id: str, name: str, versions: dict[str, list[WorkerState]]) -> dict:
         state = self.state(name)
         canary = state.canary
+        pins = self.pinned(name)
         return {"id": model_id, "object": "model", "owned_by": "tessera", "root": name,
-                "max_model_len": min(w.max_model_len for ws in versions.values() for w in ws),
-                "promoted_version": state.promoted if state.promoted in versions else next(iter(versions)),
+                "max_model_len": min((w.max_model_len for ws in versions.values() for w in ws), default=None),
+                "promoted_version": state.promoted if state.promoted in versions else next(iter(versions), None),
                 "canary": {"version": canary.version, "percent": canary.percent} if canary else None,
                 "versions": [{"version": v, "workers": len(ws), "draining": sum(w.draining for w in ws),
-                              "max_model_len": min(w.max_model_len for w in ws)} for v, ws in versions.items()]}
+                              "max_model_len": min(w.max_model_len for w in ws), "pinned_sessions": pins.get(v, 0)}
+                             for v, ws in versions.items()]}
 
-    def _choice(self, name: str, version: str, workers: list[WorkerState]) -> ModelChoice:
+    def _choice(self, name: str, version: str, workers: list[WorkerState], moved_from: str | None = None
+                ) -> ModelChoice:
         tokenizer, token_text = self._text(name, version)
-        return ModelChoice(name, version, min(w.max_model_len for w in workers), tokenizer, token_text)
+        return ModelChoice(name, version, min(w.max_model_len for w in workers), tokenizer, token_text, moved_from)
 
     def _text(self, name: str, version: str) -> tuple[Tokenizer, TokenText]:
+        """The version's tokenizer; looked up in the registry once (a version's files never change)."""
+        text = self._by_version.get((name, version))
+        if text is None:
+            text = self._by_version[name, version] = self._load_text(name, version)
+        return text
+
+    def _load_text(self, name: str, version: str) -> tuple[Tokenizer, TokenText]:
         try:
             manifest = self.store.manifest(name, version)
         except RegistryError:
@@ -151,20 +220,10 @@ class ServedModels:
             text = self._texts[manifest.tokenizer.sha256] = (tokenizer, TokenText(tokenizer))
         return text
 
-    def _unserved(self, name: str, version: str | None, requested: str) -> None:
-        """Raise 503 when ``name`` (``version``) is registered or was served, else 404."""
-        registered = name in self.store.names()
-        if version is None:
-            known = registered or name == self.own_name or any(n == name for n, _ in self._known)
-        else:
-            known = (name, version) in self._known or (registered and version in self.store.versions(name))
-        if known:
-            raise ApiError(503, f"model {requested!r} is not served by any worker now (it is loading, draining or "
-                           "stopped); try again", code="model_not_loaded", param="model",
-                           retry_after_s=self.config.retry_after_s)
-        served = sorted({*self.served(), *(a for a, n in self.aliases.items() if n in self.served())})
-        raise ApiError(404, f"model {requested!r} does not exist; this server serves "
-                       f"{', '.join(map(repr, served)) or 'no model yet'}", code="model_not_found", param="model")
+    def _unserved(self, requested: str) -> None:
+        self.check(requested)
+        raise ApiError(503, f"no worker serves model {requested!r} now (it is loading, draining or stopped); try "
+                       "again", code="model_not_loaded", param="model", retry_after_s=self.config.retry_after_s)
 
 
 def _draw(session: str | None) -> float:

@@ -2,20 +2,25 @@
 
 ``prepare`` and ``path`` convert the embedded model (``common.storage.model_store``);
 ``register``, ``list``, ``promote`` and ``rollback`` edit the registry under the
-cache root (``common.storage.registry``) directly, on this machine. Registry errors
-are ValueErrors, which ``tessera`` prints as ``tessera: error: ...`` with status 2.
+cache root (``common.storage.registry``) directly, on this machine; ``promote`` and
+``rollback`` with ``--proxy`` ask a running proxy's admin API instead (``proxy/admin_api.py``),
+which changes its host's registry and the traffic at once. Registry errors are
+ValueErrors, which ``tessera`` prints as ``tessera: error: ...`` with status 2.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import urllib.error
+import urllib.request
+from pathlib import Path
 
 import msgspec
 
 from common.cli.options import add_model_options
 from common.storage.model_store import default_cache_root, prepare_embedded_model, registry_for
 from common.storage.manifest import Manifest
-from common.storage.registry import State
+from common.storage.registry import Canary, State
 
 
 def add_model_command(subparsers) -> None:
@@ -78,6 +83,7 @@ def add_model_command(subparsers) -> None:
     promote.add_argument("version", metavar="VERSION")
     promote.add_argument("--canary", type=float, metavar="PCT", help="percent of traffic, above 0 and below 100")
     _add_cache_dir(promote)
+    _add_proxy(promote)
     promote.set_defaults(handler=_promote)
 
     rollback = actions.add_parser(
@@ -88,6 +94,7 @@ def add_model_command(subparsers) -> None:
     )
     rollback.add_argument("name", metavar="NAME")
     _add_cache_dir(rollback)
+    _add_proxy(rollback)
     rollback.set_defaults(handler=_rollback)
 
 
@@ -95,6 +102,32 @@ def _add_cache_dir(parser: argparse.ArgumentParser) -> None:
     # The registry commands take no --dtype, so only this part of add_model_options.
     parser.add_argument("--cache-dir", help="cache root holding the registry (default: $TESSERA_CACHE_DIR, else "
                         f"~/.cache/tessera; now {default_cache_root()})")
+
+
+def _add_proxy(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--proxy", metavar="URL", help="a running proxy (http://host:port): ask its admin API, "
+                        "which changes its host's registry and its traffic at once (default: edit this machine's "
+                        "registry)")
+    parser.add_argument("--admin-key-file", metavar="FILE",
+                        help="file holding the admin key whose sha256 is the proxy's admin_api_key_sha256")
+
+
+def _admin_call(args: argparse.Namespace, action: str, body: dict) -> dict:
+    """POST to the proxy's admin API; a refusal is a ValueError with the proxy's message."""
+    if not args.admin_key_file:
+        raise ValueError("--proxy needs --admin-key-file: the admin API requires the admin key")
+    key = Path(args.admin_key_file).read_text().strip()
+    request = urllib.request.Request(
+        f"{args.proxy.rstrip('/')}/admin/models/{args.name}/{action}", data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        detail = json.loads(error.read() or b"{}").get("error", {}).get("message", error.reason)
+        raise ValueError(f"the proxy refused the {action} ({error.code}): {detail}") from None
+    except urllib.error.URLError as error:
+        raise ValueError(f"cannot reach the proxy at {args.proxy}: {error.reason}") from None
 
 
 def _print_embedded_model_dir(args: argparse.Namespace) -> int:
@@ -125,12 +158,26 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _promote(args: argparse.Namespace) -> int:
+    if args.proxy:
+        return _print_admin(_admin_call(args, "promote", {"version": args.version, "canary_percent": args.canary}))
     print(_describe_state(args.name, registry_for(args.cache_dir).promote(args.name, args.version, args.canary)))
     return 0
 
 
 def _rollback(args: argparse.Namespace) -> int:
+    if args.proxy:
+        return _print_admin(_admin_call(args, "rollback", {}))
     print(_describe_state(args.name, registry_for(args.cache_dir).rollback(args.name)))
+    return 0
+
+
+def _print_admin(answer: dict) -> int:
+    canary = answer.get("canary")
+    state = State(answer.get("promoted"), answer.get("history", []),
+                  None if canary is None else msgspec.convert(canary, Canary))
+    print(_describe_state(answer["name"], state))
+    if answer.get("warning"):
+        print(f"warning: {answer['warning']}")
     return 0
 
 

@@ -81,6 +81,12 @@ class ProxyConfig:
     served_model_name: Str = option(
         "SmolLM2-135M-Instruct", "a name clients may put in requests for the proxy's own model (model's); every "
         "model a worker serves is also asked for by its own name, N, or one version of it, N@V")
+    admin_api_key_sha256: Str = option(
+        "", "sha256 (hex) of the key the admin API (/admin: model promotion, canary, rollback) requires as "
+        "'Authorization: Bearer <key>'; empty: the admin API answers 403")
+    session_pin_max_s: Float = option(
+        3600.0, "how long a session (X-Session-Id) keeps the model version its first turn drew, across promotions; "
+        "draining an old version waits for its pinned sessions at most this long", gt=0)
     session_from_user_field: Bool = option(
         False, "whether a request's user field names its conversation when it has no X-Session-Id header: a "
         "session draws the canary once and keeps that model version")
@@ -210,6 +216,10 @@ class ProxyConfig:
         if self.tls_ca_file and not self.tls_cert_file:
             raise ConfigError("config field 'tls_ca_file' needs tls_cert_file and tls_key_file: client "
                               "certificates are only checked on an HTTPS listener")
+        key = self.admin_api_key_sha256
+        if key and not (len(key) == 64 and all(c in "0123456789abcdef" for c in key.lower())):
+            raise ConfigError(f"config field 'admin_api_key_sha256' = {key!r} is invalid: 64 hex digits "
+                              "(`tessera tenants hash-key` prints one), or empty")
         _check_tenants(self.tenants)
         grouped = [t.name for t in self.tenants if t.cache_group]
         if grouped and self.prefix_cache_sharing == "cluster":

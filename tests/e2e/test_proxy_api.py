@@ -218,7 +218,8 @@ def test_models_version_tokenize_detokenize(cluster, tokenizer):
     proxy, _, _ = cluster
     (model,) = proxy.http.get("/v1/models").json()["data"]
     assert model["id"] == MODEL and model["promoted_version"] == "test" and model["max_model_len"] == 8192
-    assert model["versions"] == [{"version": "test", "workers": 2, "draining": 0, "max_model_len": 8192}]
+    assert model["versions"] == [{"version": "test", "workers": 2, "draining": 0, "max_model_len": 8192,
+                                  "pinned_sessions": 0}]
     assert proxy.http.get("/version").json()["protocol_version"] == PROTOCOL_VERSION
     tokens = proxy.http.post("/tokenize", json={"prompt": "Hello world"}).json()
     assert tokens == {"tokens": tokenizer.encode("Hello world"), "count": len(tokenizer.encode("Hello world")),

@@ -21,7 +21,9 @@ from common.cli.local_cluster import LocalCluster
 
 # 45 files before the layering of issue 11; 25 after it, the issue's goal. The budget
 # holds the ground gained: a change that spreads a request over more files fails here.
-FILE_BUDGET = 25
+# 26 since issue 15: which model version serves a request is a concept of its own
+# (proxy/served_models.py), asked once per request.
+FILE_BUDGET = 26
 MODEL = "tiny"
 
 

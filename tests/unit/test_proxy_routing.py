@@ -39,14 +39,15 @@ def prompt(length: int, start: int = 0) -> list[int]:
 # -- registry -----------------------------------------------------------------------------------
 
 
-def test_first_worker_fixes_the_model_and_a_different_model_is_refused(registry, caplog):
+def test_workers_of_other_models_and_versions_join_and_each_version_keeps_one_kv_layout(registry, caplog):
     assert registry.register(register_msg("a", "prefill"), 0.0).ack.accepted
-    outcome = registry.register(register_msg("b", "decode", model="other"), 0.0)
-    assert not outcome.ack.accepted
-    assert "'other'" in outcome.ack.reason and "'m'" in outcome.ack.reason
-    assert "'other'" in caplog.text and "'m'" in caplog.text
-    assert not registry.register(register_msg("c", "decode", version="v2"), 0.0).ack.accepted
-    assert set(registry.workers) == {"a"}
+    assert registry.register(register_msg("b", "decode", model="other"), 0.0).ack.accepted
+    other = KVLayoutInfo(30, 32, 3, 64, "float32")
+    assert registry.register(register_msg("c", "decode", version="v2", layout=other), 0.0).ack.accepted
+    refused = registry.register(register_msg("d", "decode", version="v2"), 0.0)  # v2's layout is c's
+    assert not refused.ack.accepted and "m@v2" in refused.ack.reason and "m@v2" in caplog.text
+    assert not registry.register(register_msg("e", "decode", model="bad@name"), 0.0).ack.accepted
+    assert set(registry.workers) == {"a", "b", "c"}
 
 
 def test_a_different_kv_layout_is_refused(registry):

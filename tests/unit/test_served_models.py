@@ -28,7 +28,7 @@ class Served:
     def __init__(self, tmp_path, own_dir, *workers) -> None:
         self.store = ModelRegistry(tmp_path / "registry")
         self.workers = SimpleNamespace(workers={w.worker_id: w for w in workers})
-        config = SimpleNamespace(served_model_name="alias", retry_after_s=2)
+        config = SimpleNamespace(served_model_name="alias", retry_after_s=2, session_pin_max_s=60.0)
         self.models = ServedModels(config, self.workers, self.store, ("tiny", "own-digest"), Tokenizer(own_dir), own_dir)
 
     def add(self, *workers) -> None:
@@ -59,8 +59,9 @@ def test_a_canary_gets_its_share_and_a_session_always_draws_the_same(tmp_path, t
     sessions = {s: served.models.choose("tiny", session=f"s{s}").version for s in range(400)}
     assert all(served.models.choose("tiny", session=f"s{s}").version == v for s, v in sessions.items())
     assert 0.18 < sum(v == "v2" for v in sessions.values()) / 400 < 0.32
-    served.store.rollback("tiny")  # the canary ends; v1 stays promoted
-    assert {served.models.choose("tiny", session=f"s{s}").version for s in range(50)} == {"v1"}
+    served.store.rollback("tiny")  # the canary ends; v1 stays promoted ...
+    assert {served.models.choose("tiny", session=f"new{s}").version for s in range(50)} == {"v1"}
+    assert all(served.models.choose("tiny", session=f"s{s}").version == v for s, v in sessions.items())  # ... pins
 
 
 def test_an_unregistered_model_serves_its_oldest_version_with_the_proxys_tokenizer(tmp_path, tiny_dirs):
@@ -110,3 +111,35 @@ def test_the_listing_names_versions_promotion_and_canary(tmp_path, tiny_dirs):
     assert (alias["id"], alias["root"], tiny["id"]) == ("alias", "tiny", "tiny")
     assert tiny["promoted_version"] == "v1" and tiny["canary"] == {"version": "v2", "percent": 10.0}
     assert [(v["version"], v["draining"]) for v in tiny["versions"]] == [("v1", 0), ("v2", 1)]
+
+
+def test_a_session_keeps_its_version_across_a_promotion_until_its_pin_expires(tmp_path, tiny_dirs, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr("proxy.served_models.time.monotonic", lambda: clock[0])
+    served = Served(tmp_path, tiny_dirs[0], worker("a", "tiny", "v1"), worker("b", "tiny", "v2"))
+    served.store.register(tiny_dirs[0], "tiny", "v1")
+    served.store.register(tiny_dirs[1], "tiny", "v2")
+    assert served.models.choose("tiny", session="chat").version == "v1"
+    served.store.promote("tiny", "v2")
+    clock[0] += 59
+    kept = served.models.choose("tiny", session="chat")
+    assert (kept.version, kept.moved_from) == ("v1", None)
+    assert served.models.choose("tiny", session="new").version == "v2"
+    assert served.models.pinned("tiny") == {"v1": 1, "v2": 1}
+    clock[0] += 1  # the pin is session_pin_max_s old: the next turn moves, and says from where
+    moved = served.models.choose("tiny", session="chat")
+    assert (moved.version, moved.moved_from) == ("v2", "v1")
+    assert served.models.pinned("tiny") == {"v2": 2}
+    assert served.models.choose("tiny", session="chat").moved_from is None  # pinned to v2 now
+
+
+def test_a_session_whose_version_is_no_longer_served_moves_at_once(tmp_path, tiny_dirs):
+    served = Served(tmp_path, tiny_dirs[0], worker("a", "tiny", "v1"))
+    served.store.register(tiny_dirs[0], "tiny", "v1")
+    served.store.register(tiny_dirs[1], "tiny", "v2")
+    assert served.models.choose("tiny", session="chat").version == "v1"
+    served.store.promote("tiny", "v2")
+    served.add(worker("b", "tiny", "v2"))
+    served.workers.workers["a"].draining = True  # v1 drains: its pinned sessions cannot stay
+    moved = served.models.choose("tiny", session="chat")
+    assert (moved.version, moved.moved_from) == ("v2", "v1")

@@ -1,0 +1,87 @@
+"""The admin API over HTTP: who may call it, and promotion, canary and rollback as new requests see them."""
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from common.storage.registry import ModelRegistry
+from tests.e2e.proxy_harness import *  # noqa: F401,F403 -- fixtures, helpers and wire types
+
+ADMIN_KEY = "admin-secret-key"
+NAME = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch, embedded_model_dir, embedded_model_dir_bf16):
+    """A registry of its own (the proxy's reads $TESSERA_CACHE_DIR), holding two versions of the embedded model."""
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
+    registry = ModelRegistry(tmp_path / "cache" / "registry")
+    registry.register(embedded_model_dir, NAME, "v1")
+    registry.register(embedded_model_dir_bf16, NAME, "v2")
+    return registry
+
+
+@pytest.fixture
+def admin_proxy(store, make_proxy, make_worker):
+    proxy = make_proxy(admin_api_key_sha256=hashlib.sha256(ADMIN_KEY.encode()).hexdigest())
+    for version in ("v1", "v2"):
+        for role in ("prefill", "decode"):
+            make_worker(proxy, f"{role}-{version}", role, model_version=version)
+    wait_until(lambda: len(proxy.http.get("/v1/models").json()["data"][0]["versions"]) == 2, what="both versions")
+    return proxy
+
+
+def admin(proxy, path: str, key: str | None = ADMIN_KEY, **body):
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    return proxy.http.post(f"/admin/models/{NAME}/{path}", json=body, headers=headers)
+
+
+def versions_served(proxy, count: int = 40, **headers) -> Counter:
+    return Counter(proxy.http.post("/v1/completions", json={"model": NAME, "prompt": "Hi", "max_tokens": 4},
+                                   headers=headers).headers["X-Tessera-Model"] for _ in range(count))
+
+
+def test_the_admin_api_is_off_without_a_key_and_refuses_a_wrong_one(store, make_proxy):
+    proxy = make_proxy()
+    assert admin(proxy, "rollback").status_code == 403
+    keyed = make_proxy(admin_api_key_sha256=hashlib.sha256(ADMIN_KEY.encode()).hexdigest())
+    for key in (None, "wrong"):
+        assert admin(keyed, "rollback", key=key).status_code == 401
+    assert keyed.http.get("/admin/models").status_code == 401
+
+
+def test_promote_canary_and_rollback_steer_new_requests(admin_proxy):
+    proxy = admin_proxy
+    assert versions_served(proxy) == Counter({f"{NAME}@v1": 40})
+    canary = admin(proxy, "promote", version="v2", canary_percent=50)
+    assert canary.status_code == 200 and canary.json()["canary"] == {"version": "v2", "percent": 50.0}
+    split = versions_served(proxy, 200)
+    assert 60 < split[f"{NAME}@v2"] < 140
+    assert len(versions_served(proxy, 10, **{"X-Session-Id": "one-chat"})) == 1  # a session draws once
+    assert admin(proxy, "promote", version="v2").json()["promoted"] == "v2"
+    assert versions_served(proxy) == Counter({f"{NAME}@v2": 40})
+    rolled = admin(proxy, "rollback").json()
+    assert rolled["promoted"] == "v1" and rolled["history"] == []
+    assert versions_served(proxy) == Counter({f"{NAME}@v1": 40})
+    listing = proxy.http.get("/admin/models", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()["data"]
+    assert {(r["version"], r["promoted"], r["workers"]) for r in listing} == {("v1", True, 2), ("v2", False, 2)}
+    assert admin(proxy, "promote", version="v9").status_code == 400
+    assert admin(proxy, "promote", version="v2", canary_percent=150).status_code == 400
+
+
+def test_the_cli_promotes_and_rolls_back_through_the_admin_api(admin_proxy, tmp_path):
+    key_file = tmp_path / "admin.key"
+    key_file.write_text(ADMIN_KEY + "\n")
+    cli = [sys.executable, "-m", "common.cli.main", "model"]
+    target = ["--proxy", admin_proxy.url, "--admin-key-file", str(key_file)]
+    done = subprocess.run([*cli, "promote", NAME, "v2", "--canary", "20", *target], capture_output=True, text=True)
+    assert done.returncode == 0 and "canary SmolLM2-135M-Instruct@v2 at 20%" in done.stdout, done.stderr
+    done = subprocess.run([*cli, "rollback", NAME, *target], capture_output=True, text=True)
+    assert done.returncode == 0 and f"{NAME}: promoted v1" in done.stdout
+    refused = subprocess.run([*cli, "rollback", NAME, "--proxy", admin_proxy.url, "--admin-key-file", __file__],
+                             capture_output=True, text=True)
+    assert refused.returncode == 2 and "refused the rollback (401)" in refused.stderr

@@ -1,0 +1,153 @@
+"""A rolling upgrade under steady load, through real processes: V1 serving, V2 workers start, a canary, full
+promotion, V1 drained; then a rollback of the upgrade.
+
+Two tiny random models are the two versions, so their greedy outputs differ: a response equal to its version's
+reference output was prefilled and decoded by that version alone. Checked: no failed request, every response
+served by the version its header names, and a session's turns on one version (unless the response says it moved).
+"""
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from common.cli.local_cluster import LocalCluster
+from common.config.base import EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.protocol.sampling_params import SamplingParams
+from common.storage.registry import ModelRegistry
+from tests.tiny_models import build_tiny_model
+
+ADMIN_KEY = "rolling-upgrade-admin-key"
+PROMPTS = ["Tell me about the sea.", "What is a hash table?", "Count to five.", "Name three colors."]
+MAX_TOKENS = 12
+LOOPS = 3
+TURNS_PER_SESSION = 3
+
+
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory, embedded_model_dir):
+    """tiny@v1 and tiny@v2, registered in a registry of their own, and each one's greedy answer to each prompt."""
+    root = tmp_path_factory.mktemp("upgrade")
+    registry = ModelRegistry(root / "cache" / "registry")
+    answers = {}
+    for seed, version in ((1, "v1"), (2, "v2")):
+        model = build_tiny_model("llama", root / version, seed=seed, tokenizer_from=embedded_model_dir)
+        registry.register(model, "tiny", version)
+        engine = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=64))
+        chats = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+        outs = engine.generate(chats, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        answers[version] = {p: o.outputs[0].text for p, o in zip(PROMPTS, outs)}
+    assert answers["v1"] != answers["v2"]
+    return root / "cache", registry, answers
+
+
+class Load:
+    """``LOOPS`` clients, each holding conversations of ``TURNS_PER_SESSION`` turns one after another."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.results: list[tuple[str, str, int, str, str, str]] = []  # session, prompt, status, model, moved, text
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(LOOPS)]
+
+    def __enter__(self) -> "Load":
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(60)
+
+    def _loop(self, index: int) -> None:
+        with httpx.Client(timeout=60) as client:
+            for n in range(10 ** 6):
+                for turn in range(TURNS_PER_SESSION):
+                    if self.stop.is_set():
+                        return
+                    session, prompt = f"loop{index}-{n}", PROMPTS[(n + turn) % len(PROMPTS)]
+                    body = {"model": "tiny", "messages": [{"role": "user", "content": prompt}],
+                            "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+                    try:
+                        r = client.post(self.url + "/v1/chat/completions", json=body,
+                                        headers={"X-Session-Id": session})
+                        text = r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.text
+                        self.results.append((session, prompt, r.status_code, r.headers.get("X-Tessera-Model", ""),
+                                             r.headers.get("X-Tessera-Session-Moved", ""), text))
+                    except httpx.HTTPError as error:
+                        self.results.append((session, prompt, 0, "", "", repr(error)))
+
+    def seen(self, version: str) -> int:
+        return sum(model == f"tiny@{version}" for _, _, _, model, _, _ in self.results)
+
+
+def promote(url: str, key_file, *args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "common.cli.main", "model", *args, "--proxy", url,
+                           "--admin-key-file", str(key_file)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def pinned(cluster: LocalCluster, version: str) -> int:
+    (entry,) = [m for m in httpx.get(cluster.url + "/v1/models").json()["data"] if m["id"] == "tiny"]
+    return sum(v["pinned_sessions"] for v in entry["versions"] if v["version"] == version)
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_v1_to_v2_under_load_then_back(versions, tmp_path, monkeypatch):
+    cache, registry, answers = versions
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(cache))
+    key_file = tmp_path / "admin.key"
+    key_file.write_text(ADMIN_KEY)
+    (tmp_path / "logs").mkdir()
+    cluster = LocalCluster.for_tests(
+        "tiny@v1", tmp_path / "logs", prefill=1, decode=1,
+        proxy_overrides=[f"admin_api_key_sha256={hashlib.sha256(ADMIN_KEY.encode()).hexdigest()}",
+                         "session_pin_max_s=3"],
+        role_overrides=["prefill-1:engine.model=tiny@v2", "decode-1:engine.model=tiny@v2",
+                        "prefill-2:engine.model=tiny@v1", "decode-2:engine.model=tiny@v1"]).start()
+    try:
+        with Load(cluster.url) as load:
+            wait_for(lambda: load.seen("v1") >= 10, 60, "v1 to serve")
+            cluster.start_worker("prefill", 1)  # 1. V2's workers join beside V1's
+            cluster.start_worker("decode", 1)
+            wait_for(lambda: sum(cluster.metric("tessera_proxy_workers_alive").values()) == 4, 120, "V2's workers")
+            assert "canary tiny@v2 at 30%" in promote(cluster.url, key_file, "promote", "tiny", "v2", "--canary", "30")
+            wait_for(lambda: load.seen("v2") >= 10, 60, "the canary to serve")  # 2. a canary
+            promote(cluster.url, key_file, "promote", "tiny", "v2")  # 3. all of the traffic
+            wait_for(lambda: pinned(cluster, "v1") == 0, 30, "V1's pinned sessions to end")
+            for name in ("prefill-0", "decode-0"):  # 4. drain V1: its workers finish what they run, then exit
+                assert cluster.stop_worker(name) == 0
+            served_before = load.seen("v2")
+            wait_for(lambda: load.seen("v2") >= served_before + 10, 60, "V2 alone to serve")
+            # The way back: V1's workers again, and a rollback (V2 was promoted over V1).
+            cluster.start_worker("prefill", 2)
+            cluster.start_worker("decode", 2)
+            wait_for(lambda: sum(cluster.metric("tessera_proxy_workers_alive").values()) == 4, 120, "V1 again")
+            assert "promoted v1" in promote(cluster.url, key_file, "rollback", "tiny")
+            served_before = load.seen("v1")
+            wait_for(lambda: load.seen("v1") >= served_before + 10, 60, "V1 to serve after the rollback")
+    finally:
+        codes = cluster.stop()
+    failed = [r for r in load.results if r[2] != 200]
+    assert not failed, failed[:5]
+    assert all(code == 0 for code in codes.values()), codes
+    last: dict[str, str] = {}  # session -> the version of its latest turn (turns are in order per session)
+    for session, prompt, _, model, moved, text in load.results:
+        assert text == answers[model.partition("@")[2]][prompt], (model, prompt)  # one version computed it all
+        assert last.setdefault(session, model) == model or moved == last[session], (session, last[session], model)
+        last[session] = model
+    assert load.seen("v1") and load.seen("v2")
