@@ -25,8 +25,9 @@ from common.runtime.telemetry import bind_request, request_scope
 from common.config.roles import ProxyConfig
 from common.runtime.tracing import make_tracing
 from common.protocol.sampling_params import SamplingParams
-from common.protocol.wire import (Abort, DecodeRequest, EmbedResult, Goodbye, Heartbeat, KVPulled, PrefillDone,
-                                  PrefillRequest, Register, ReleaseKV, RequestFailed, TokenDeltas, WireError, decode)
+from common.protocol.wire import (PROTOCOL_VERSION, Abort, DecodeRequest, EmbedResult, Goodbye, Heartbeat, KVPulled,
+                                  PrefillDone, PrefillRequest, Register, ReleaseKV, RequestFailed, TokenDeltas,
+                                  WireError, decode)
 from proxy.admission import Admit, AdmissionController, Stage
 from proxy.embeddings import Embeddings
 from proxy.errors import ApiError
@@ -45,7 +46,7 @@ log = logging.getLogger("tessera.proxy")
 # closed-loop client between two requests does not hand the whole cluster to the other tenant's backlog
 SHARED_WINDOW_S = 2.0
 
-Outbox = Callable[[str, object], None]
+Outbox = Callable[[str, object, int], None]  # (worker id, message, the protocol version to encode it in)
 
 
 class Cluster(WorkerMembership):
@@ -68,7 +69,8 @@ class Cluster(WorkerMembership):
         self.tac = AdaptiveController(config, self.registry, policy, self.admission, metrics, self.send, clock,
                                       lambda: self.inflight.values()) if config.tac_enabled else None
         self.inflight: dict[str, SubRequest] = {}
-        self.embeddings = Embeddings(config, self.registry, self.send)  # /v1/embeddings: no admission, no pages
+        self.peer_versions: dict[str, int] = {}  # worker id -> the protocol version of its latest frame
+        self.embeddings = Embeddings(config, self.registry, self.send, self.peer_versions)  # no admission, no pages
         self.draining = False
         self._clock = clock
         self._outbox: Outbox | None = None
@@ -92,7 +94,7 @@ class Cluster(WorkerMembership):
             self.metrics.worker_requests.labels(worker_id, "prefill").inc()
         elif isinstance(msg, DecodeRequest):
             self.metrics.worker_requests.labels(worker_id, "decode").inc()
-        self._outbox(worker_id, msg)
+        self._outbox(worker_id, msg, min(self.peer_versions.get(worker_id, PROTOCOL_VERSION), PROTOCOL_VERSION))
 
     def _act(self, sub: SubRequest, before: Stage, sends: Sends) -> None:
         """Send what a sub-request's handler returned, and follow its stage change in admission and routing;
@@ -308,6 +310,9 @@ class Cluster(WorkerMembership):
             log.warning("dropped a %s from worker %r: workers do not send that", type(msg).__name__, sender)
             return
         now = self._clock()
+        self.peer_versions[sender] = frames[0][1]  # it is answered in the older of its version and this one's
+        if isinstance(msg, Register) and frames[0][1] != PROTOCOL_VERSION:
+            log.info("worker %r speaks protocol version %d; this proxy %d", sender, frames[0][1], PROTOCOL_VERSION)
         if not isinstance(msg, Register):
             self.registry.touch(sender, now)
         request_id = getattr(msg, "request_id", None)

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from common.protocol.wire import Abort, EmbedRequest, EmbedResult, RequestFailed, Role
+from common.protocol.versions import sendable
+from common.protocol.wire import PROTOCOL_VERSION, Abort, EmbedRequest, EmbedResult, RequestFailed, Role
 from proxy.errors import ApiError
 
 log = logging.getLogger("tessera.proxy")
@@ -43,10 +44,12 @@ class _Pending:
 
 
 class Embeddings:
-    def __init__(self, config, registry, send: Callable[[str, object], None]) -> None:
+    def __init__(self, config, registry, send: Callable[[str, object], None], peer_versions: dict[str, int]) -> None:
+        """``peer_versions``: each worker's protocol version; one before EmbedRequest's is never sent one."""
         self.config = config
         self.registry = registry
         self.send = send
+        self.peer_versions = peer_versions
         self.pending: dict[str, _Pending] = {}
         self._ids = itertools.count()
 
@@ -77,7 +80,8 @@ class Embeddings:
     def _assign(self, pending: _Pending, why: str) -> None:
         """Send it to the least loaded worker that can take it, or end it with a 503."""
         workers = [w for w in self.registry.workers.values() if not w.draining and w.role is not Role.DECODE
-                   and w.worker_id not in pending.tried and (w.model, w.model_version) == pending.model]
+                   and w.worker_id not in pending.tried and (w.model, w.model_version) == pending.model
+                   and sendable(EmbedRequest, self.peer_versions.get(w.worker_id, PROTOCOL_VERSION))]
         prefill = [w for w in workers if w.role is Role.PREFILL]
         if len(pending.tried) >= MAX_ATTEMPTS or not (prefill or workers):
             self._end(pending, ApiError(503, f"no worker could compute the embeddings{why}", code="no_worker_available",

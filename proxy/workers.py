@@ -28,8 +28,8 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from common.config.base import EngineConfig
-from common.protocol.wire import (Goodbye, Heartbeat, KVLayoutInfo, PeerInfo, Peers, Register, RegisterAck, Role,
-                                  StepCostModel, encode)
+from common.protocol.wire import (PROTOCOL_VERSION, Goodbye, Heartbeat, KVLayoutInfo, PeerInfo, Peers, Register,
+                                  RegisterAck, Role, StepCostModel, encode)
 from common.runtime.zmq_security import CurveServer, apply_curve_server, start_authenticator
 from proxy.capacity import ASSUMED_CONTEXT, LAG_MIN_SAMPLES, START_CAPACITY, StepLag, latency_capacity, mean_context
 from proxy.registration import ClusterModel, Registration, refusal
@@ -270,8 +270,8 @@ class WorkerLink:
         self._tasks: list[asyncio.Task] = []
         self.endpoint = ""  # the address actually bound (a "*" port resolved)
 
-    def send(self, worker_id: str, msg) -> None:
-        self._outbox.put_nowait((worker_id, msg))
+    def send(self, worker_id: str, msg, version: int = PROTOCOL_VERSION) -> None:
+        self._outbox.put_nowait((worker_id, msg, version))
 
     async def start(self) -> None:
         self._context = zmq.asyncio.Context()
@@ -380,12 +380,11 @@ class WorkerLink:
 
     async def _send_loop(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            worker_id, msg = await self._outbox.get()
-            await self._send_one(sock, worker_id, msg)
+            await self._send_one(sock, *await self._outbox.get())
 
-    async def _send_one(self, sock: zmq.asyncio.Socket, worker_id: str, msg) -> None:
+    async def _send_one(self, sock: zmq.asyncio.Socket, worker_id: str, msg, version: int) -> None:
         try:
-            await asyncio.wait_for(sock.send_multipart([worker_id.encode(), *encode(msg)]),
+            await asyncio.wait_for(sock.send_multipart([worker_id.encode(), *encode(msg, version)]),
                                    self._send_timeout_s)
         except zmq.ZMQError as exc:
             log.warning("could not send %s to worker %r: %s", type(msg).__name__, worker_id, exc)

@@ -23,6 +23,7 @@ from pydantic import BeforeValidator
 from common.config.base import (
     Bool, ConfigError, EngineConfig, Float, Int, Str, check_paths, config_model, option,
 )
+from common.protocol.wire import PROTOCOL_VERSION
 from common.protocol.names import (
     PRIORITY_LANES, Dtype, FairnessPolicy, PrefixCacheSharing, PriorityLane, Role, TpotSloScope, TransferBackend,
 )
@@ -263,6 +264,10 @@ class WorkerConfig:
         0.25, "the share of an embedding batch that may be padding: inputs are grouped by length so that "
         "padding the batch to its longest input stays within it", ge=0, le=1)
     transfer_host: Str = option("127.0.0.1", "address the zmq KV transfer server listens on")
+    protocol_version: Int = option(
+        PROTOCOL_VERSION, f"the wire protocol version this worker speaks, at most: {PROTOCOL_VERSION} (this "
+        f"release's) or {PROTOCOL_VERSION - 1} (the one before, for a proxy not yet upgraded that reads only "
+        "it); the worker speaks the older of this and the proxy's", ge=PROTOCOL_VERSION - 1, le=PROTOCOL_VERSION)
     heartbeat_interval_s: Float = option(1.0, "how often the worker reports its load to the proxy", gt=0)
     register_timeout_s: Float = option(30.0, "longest wait for the proxy to acknowledge registration", gt=0)
     kv_pull_timeout_s: Float = option(30.0, "deadline of one KV pull from a prefill worker", gt=0)

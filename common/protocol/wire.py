@@ -2,7 +2,9 @@
 
 A message is ZeroMQ multipart: ``[header, msgpack body]`` (a ROUTER adds the
 peer identity in front). The header is two bytes, the message type and the
-protocol version; the body is a msgpack map of the message's fields. Every
+protocol version; the body is a msgpack map of the message's fields. Versions
+one apart interoperate: each side reads the other's and writes in the older of
+the two (``versions.py``; the proxy keeps each worker's, a worker the proxy's). Every
 message type is a msgspec Struct declared once here, with each field's type
 and bounds (token ids, block ids and counts are non-negative and bounded, so
 an out-of-range integer is refused here rather than crashing a worker later).
@@ -61,11 +63,12 @@ from common.protocol.control import (  # noqa: F401 - re-exported: the whole pro
     Tune,
 )
 from common.protocol.sampling_params import SamplingParams
+from common.protocol.versions import known_fields, older_body, sendable
 from common.protocol.wire_types import (  # noqa: F401 - re-exported
     CacheSalt, Coefficient, NonNegInt, Seconds, TokenId, TopLogprobs, WireError, _Struct,
 )
 
-PROTOCOL_VERSION = 11  # 11: EmbedRequest, EmbedResult
+PROTOCOL_VERSION = 11  # 11: EmbedRequest, EmbedResult; versions one apart interoperate (versions.py)
 
 class MsgType(enum.IntEnum):
     REGISTER = 1
@@ -250,18 +253,29 @@ MESSAGES: dict[MsgType, type] = {
     MsgType.EMBED_REQUEST: EmbedRequest,
     MsgType.EMBED_RESULT: EmbedResult,
 }
+_TYPES = {cls: t for t, cls in MESSAGES.items()}
 _HEADERS = {cls: bytes([t, PROTOCOL_VERSION]) for t, cls in MESSAGES.items()}
 _DECODERS = {t: msgspec.msgpack.Decoder(cls) for t, cls in MESSAGES.items()}
 _ENCODER = msgspec.msgpack.Encoder()
 
 
-def encode(msg) -> list[bytes]:
-    """A message as ``[header, body]`` frames."""
-    return [_HEADERS[type(msg)], _ENCODER.encode(msg)]
+def encode(msg, version: int = PROTOCOL_VERSION) -> list[bytes]:
+    """A message as ``[header, body]`` frames, for a peer speaking ``version`` (this one, or the one before)."""
+    if version >= PROTOCOL_VERSION:
+        return [_HEADERS[type(msg)], _ENCODER.encode(msg)]
+    if not sendable(type(msg), version):
+        raise WireError(f"{type(msg).__name__} is not in protocol version {version}")
+    return [bytes([_TYPES[type(msg)], version]), _ENCODER.encode(older_body(msg, version))]
+
+
+def frame_version(frames: list[bytes]) -> int | None:
+    """The protocol version a well-formed frame's header names; None for a frame without a header."""
+    return frames[0][1] if len(frames) == 2 and len(frames[0]) == 2 else None
 
 
 def decode(frames: list[bytes]):
-    """Parse ``[header, body]``; raises WireError on anything malformed."""
+    """Parse ``[header, body]`` of this protocol version or one next to it; raises WireError on anything
+    malformed."""
     if len(frames) != 2 or len(frames[0]) != 2:
         raise WireError(f"expected [header, body] frames with a 2-byte header, got {len(frames)} frame(s)")
     kind, version = frames[0]
@@ -269,11 +283,15 @@ def decode(frames: list[bytes]):
         decoder = _DECODERS[MsgType(kind)]
     except ValueError:
         raise WireError(f"unknown message type {kind}") from None
-    name = MESSAGES[MsgType(kind)].__name__
-    if version != PROTOCOL_VERSION:
-        raise WireError(f"{name}: protocol version {version}, expected {PROTOCOL_VERSION}")
+    message_type = MESSAGES[MsgType(kind)]
+    name = message_type.__name__
+    if abs(version - PROTOCOL_VERSION) > 1:
+        raise WireError(f"{name}: protocol version {version}; this process reads {PROTOCOL_VERSION - 1} to "
+                        f"{PROTOCOL_VERSION + 1}")
     try:
-        return decoder.decode(frames[1])
+        if version <= PROTOCOL_VERSION:  # an older peer's: the fields added since take their defaults
+            return decoder.decode(frames[1])
+        return msgspec.convert(known_fields(msgspec.msgpack.decode(frames[1]), message_type), message_type)
     except msgspec.ValidationError as exc:
         raise WireError(f"{name}: {exc}") from None
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # a str that is not UTF-8 raises the latter

@@ -40,8 +40,9 @@ from common.config.roles import WorkerConfig
 from common.engine.llm_engine import LLMEngine, RequestError
 from common.protocol import wire
 from common.runtime import sd_notify
-from common.runtime.core_share import CoreShare, core_group
+from common.runtime.core_share import CoreShare
 from common.runtime.health_server import HealthServer
+from common.runtime.registration import registration
 from common.runtime.telemetry import WorkerMetrics, request_scope
 from common.runtime.tracing import make_tracing
 from common.runtime.worker_contracts import KVTransfer, Load, RoleHandler
@@ -69,6 +70,7 @@ class WorkerIO:
         self._may_register = threading.Event()  # cleared by Reregister until the compute loop calls rejoin()
         self._may_register.set()
         self._next_register = 0.0  # when the I/O thread (re)sends the Register while unacknowledged
+        self.speaks = config.protocol_version  # to the proxy: the older of its version and this setting
         self._started = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="worker-io", daemon=True)
@@ -135,7 +137,7 @@ class WorkerIO:
             now = time.monotonic()
             if not self.registered.is_set() and self._may_register.is_set() and now >= self._next_register:
                 self._flush_outbox(sock)  # what the compute loop queued before rejoin() goes first
-                sock.send_multipart(wire.encode(self.registration))  # retried: the proxy may not be up yet
+                sock.send_multipart(wire.encode(self.registration, self.speaks))  # retried: the proxy may be down
                 self._next_register = now + self.config.heartbeat_interval_s
             if self.registered.is_set() and now >= next_beat:
                 load = self.load
@@ -143,7 +145,7 @@ class WorkerIO:
                     self.config.worker_id, self.registration.epoch, load.free_blocks, load.num_running,
                     load.num_waiting, load.outstanding_prefill_tokens, self.draining, load.context_tokens,
                     load.step_cost,
-                )))
+                ), self.speaks))
                 self.metrics.heartbeats_sent.inc()
                 next_beat = now + self.config.heartbeat_interval_s
 
@@ -153,7 +155,7 @@ class WorkerIO:
                 msg = self._outbox.get_nowait()
             except queue.Empty:
                 return
-            sock.send_multipart(wire.encode(msg))
+            sock.send_multipart(wire.encode(msg, self.speaks))
 
     def _receive(self, sock) -> None:
         while True:
@@ -171,6 +173,7 @@ class WorkerIO:
                                                         f"the worker refused the request: {exc}", False, True))
                 continue
             if isinstance(msg, wire.RegisterAck):
+                self.speaks = min(self.config.protocol_version, wire.frame_version(frames))
                 if not msg.accepted:
                     self.refused = msg.reason
                     if self._started:
@@ -317,20 +320,7 @@ class WorkerBase:
         self._send(msg)
 
     def registration(self) -> wire.Register:
-        layout = self.engine.runner.layout
-        return wire.Register(
-            worker_id=self.config.worker_id, role=self.role, epoch=self.epoch, model=self.model_name,
-            model_version=self.model_version,
-            kv_layout=wire.KVLayoutInfo(
-                layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim, layout.dtype
-            ),
-            num_blocks=self.engine.block_manager.num_blocks, max_model_len=self.engine.max_model_len,
-            transfer_backend=self.transfer_name, transfer_metadata=self.transfer_metadata,
-            max_num_seqs=self.config.engine.max_num_seqs, core_group=core_group(self.config.core_share),
-            **({} if self.config.engine.spec_method == "off" else {
-                "spec_num_tokens": self.config.engine.spec_num_tokens,
-                "spec_max_batch_size": self.config.engine.spec_max_batch_size}),
-        )
+        return registration(self)
 
     def load(self) -> Load:
         scheduler = self.engine.scheduler

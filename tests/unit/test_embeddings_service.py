@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from common.protocol.wire import Abort, EmbedRequest, EmbedResult, RequestFailed, Role
+from common.protocol.wire import PROTOCOL_VERSION, Abort, EmbedRequest, EmbedResult, RequestFailed, Role
 from proxy.embeddings import MAX_ATTEMPTS, Embeddings
 from proxy.errors import ApiError
 
@@ -28,7 +28,9 @@ class Harness:
     def __init__(self, *workers, **overrides) -> None:
         self.sent: list[tuple[str, object]] = []
         registry = SimpleNamespace(workers={w.worker_id: w for w in workers})
-        self.service = Embeddings(config(**overrides), registry, lambda wid, msg: self.sent.append((wid, msg)))
+        self.versions: dict[str, int] = {}
+        self.service = Embeddings(config(**overrides), registry, lambda wid, msg: self.sent.append((wid, msg)),
+                                  self.versions)
 
     def answer(self, index: int = -1, dim: int = 4) -> None:
         wid, msg = self.sent[index]
@@ -124,4 +126,16 @@ def test_no_worker_or_too_many_tokens_in_flight_is_a_503():
         assert raised.value.status == 503 and "embedding_max_inflight_tokens" in raised.value.message
         h.answer()
         await first
+    asyncio.run(run())
+
+
+def test_a_worker_speaking_the_protocol_before_embeddings_is_never_sent_one():
+    async def run():
+        h = Harness(worker("old", Role.PREFILL), worker("new", Role.BOTH))
+        h.versions["old"] = PROTOCOL_VERSION - 1
+        task = asyncio.create_task(h.service.embed([[1, 2]], MODEL))
+        await settle()
+        assert [wid for wid, _ in h.sent] == ["new"]
+        h.answer()
+        await task
     asyncio.run(run())

@@ -176,3 +176,31 @@ def test_embedding_messages_round_trip_and_bound_their_token_ids():
     with pytest.raises(wire.WireError, match=r"inputs\[0\]\[0\]"):
         wire.decode([bytes([wire.MsgType.EMBED_REQUEST, wire.PROTOCOL_VERSION]),
                      msgpack.packb({"request_id": "x", "inputs": [[-1]]})])
+
+
+def test_a_message_for_the_previous_version_leaves_out_what_that_version_lacks(monkeypatch):
+    from common.protocol import versions
+    request = wire.PrefillRequest("r1", [1, 2], SamplingParams(), 7, 30.0, cache_salt=5)
+    frames = wire.encode(request, PROTOCOL_VERSION - 1)
+    assert wire.frame_version(frames) == PROTOCOL_VERSION - 1 and wire.decode(frames) == request
+    monkeypatch.setitem(versions.FIELD_SINCE, wire.PrefillRequest, {"cache_salt": PROTOCOL_VERSION})
+    older = wire.encode(request, PROTOCOL_VERSION - 1)
+    assert "cache_salt" not in msgpack.unpackb(older[1]) and wire.decode(older).cache_salt == 0  # its default
+    assert wire.encode(request)[1] == encode(request)[1]  # this version's own: every field
+    with pytest.raises(WireError, match="not in protocol version"):
+        wire.encode(wire.EmbedRequest("e", [[1]]), PROTOCOL_VERSION - 1)
+
+
+def test_a_newer_peers_fields_are_dropped_and_versions_two_apart_are_refused():
+    delta = {"request_id": "r", "token_ids": [5], "text": "a", "from_the_future": 1}
+    body = msgpack.packb({"deltas": [delta], "also_new": {"x": 1}})
+    newer = [bytes([wire.MsgType.TOKEN_DELTAS, PROTOCOL_VERSION + 1]), body]
+    assert wire.decode(newer) == TokenDeltas([TokenDelta("r", [5], "a")])
+    with pytest.raises(WireError, match="token_ids"):  # the fields it knows are checked as ever
+        delta["token_ids"] = [-1]
+        wire.decode([newer[0], msgpack.packb({"deltas": [delta]})])
+    for version in (PROTOCOL_VERSION - 2, PROTOCOL_VERSION + 2):
+        with pytest.raises(WireError, match=f"protocol version {version}"):
+            wire.decode([bytes([wire.MsgType.ABORT, version]), msgpack.packb({"request_id": "r"})])
+    with pytest.raises(WireError, match="unknown field"):  # this version's own frames stay strict
+        wire.decode([bytes([wire.MsgType.ABORT, PROTOCOL_VERSION]), msgpack.packb({"request_id": "r", "x": 1})])

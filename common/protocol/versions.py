@@ -1,0 +1,68 @@
+"""Protocol versions one apart interoperate: what each version added, and how a frame crosses that one step.
+
+The header's second byte is the protocol's version. A process reads frames of its own version, of the one before
+(the fields added since take their defaults) and of the one after (``known_fields`` drops what it does not know);
+it writes to each peer in the older of their two versions (``older_body`` leaves out what that version lacks, and
+a message type it lacks is not sent at all: ``sendable``). So a proxy and its workers upgrade one at a time, in
+either order, as long as no two are more than one version apart.
+
+Rules for a change to the protocol (bump ``wire.PROTOCOL_VERSION`` with it):
+- a new field has a default, and an entry in ``FIELD_SINCE``;
+- a new message type has an entry in ``MESSAGE_SINCE``, and whoever sends it checks ``sendable`` first;
+- a changed meaning, a removed field or a new required one is a new message type, never an edit of an old one.
+"""
+from __future__ import annotations
+
+from functools import cache
+
+import msgspec
+from msgspec import inspect
+
+from common.protocol.control import EmbedRequest, EmbedResult
+
+# The version that added each message type, where it is newer than the oldest version still read.
+MESSAGE_SINCE: dict[type, int] = {EmbedRequest: 11, EmbedResult: 11}
+# The version that added each field (struct type -> field -> version), where it is newer than that.
+FIELD_SINCE: dict[type, dict[str, int]] = {}
+
+
+def sendable(message_type: type, version: int) -> bool:
+    """Whether a peer speaking ``version`` knows ``message_type``."""
+    return MESSAGE_SINCE.get(message_type, 0) <= version
+
+
+def older_body(value, version: int):
+    """``value`` (a message, or part of one) as msgpack-ready builtins without the fields newer than ``version``."""
+    if isinstance(value, msgspec.Struct):
+        newer = FIELD_SINCE.get(type(value), {})
+        return {name: older_body(getattr(value, name), version) for name in value.__struct_fields__
+                if newer.get(name, 0) <= version}
+    if isinstance(value, (list, tuple)):
+        return [older_body(item, version) for item in value]
+    if isinstance(value, dict):
+        return {key: older_body(item, version) for key, item in value.items()}
+    return value
+
+
+def known_fields(raw, message_type: type):
+    """A newer peer's decoded body with the fields ``message_type`` (and the structs in it) lacks dropped."""
+    return _prune(raw, _info(message_type))
+
+
+@cache
+def _info(message_type: type) -> inspect.Type:
+    return inspect.type_info(message_type)
+
+
+def _prune(value, info: inspect.Type):
+    if isinstance(info, inspect.StructType) and isinstance(value, dict):
+        fields = {field.encode_name: field.type for field in info.fields}
+        return {key: _prune(item, fields[key]) for key, item in value.items() if key in fields}
+    if isinstance(info, (inspect.ListType, inspect.VarTupleType)) and isinstance(value, list):
+        return [_prune(item, info.item_type) for item in value]
+    if isinstance(info, inspect.UnionType):
+        for member in info.types:
+            if (isinstance(member, inspect.StructType) and isinstance(value, dict)) or (
+                    isinstance(member, (inspect.ListType, inspect.VarTupleType)) and isinstance(value, list)):
+                return _prune(value, member)
+    return value

@@ -1,0 +1,29 @@
+"""What a worker announces when it registers with the proxy: who it is, what it serves, and what it can hold.
+
+Built once at start and again under each new epoch (``worker_runtime`` ``WorkerIO`` sends it): the worker's id,
+role and epoch; the model name and version requests are routed by (``common.storage.model_store``
+``model_identity``); its KV layout and pool (the proxy pairs only workers of one version, which must agree on the
+layout); the KV transfer agent's metadata; its decode slots, speculation and the cores it time-shares.
+"""
+from __future__ import annotations
+
+from common.protocol import wire
+from common.runtime.core_share import core_group
+
+
+def registration(worker) -> wire.Register:
+    """``worker``: a role handler (``worker_runtime.WorkerBase``) with its engine loaded."""
+    config, engine = worker.config, worker.engine
+    layout = engine.runner.layout
+    return wire.Register(
+        worker_id=config.worker_id, role=worker.role, epoch=worker.epoch, model=worker.model_name,
+        model_version=worker.model_version,
+        kv_layout=wire.KVLayoutInfo(layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim,
+                                    layout.dtype),
+        num_blocks=engine.block_manager.num_blocks, max_model_len=engine.max_model_len,
+        transfer_backend=worker.transfer_name, transfer_metadata=worker.transfer_metadata,
+        max_num_seqs=config.engine.max_num_seqs, core_group=core_group(config.core_share),
+        **({} if config.engine.spec_method == "off" else {
+            "spec_num_tokens": config.engine.spec_num_tokens,
+            "spec_max_batch_size": config.engine.spec_max_batch_size}),
+    )
