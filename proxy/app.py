@@ -76,7 +76,8 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
     model_dir = resolve_model(config.model, config.dtype)
     tokenizer = tokenizer or Tokenizer(model_dir)
     metrics = ProxyMetrics()
-    cluster = Cluster(config, policy or PrefixAwareRouting(config.local_prefill_threshold), metrics)
+    cluster = Cluster(config, policy or PrefixAwareRouting(config.local_prefill_threshold, config.session_ttl_s),
+                      metrics)
     link = WorkerLink(config.worker_bind, cluster.on_frames, send_timeout_s=config.heartbeat_timeout_s,
                       curve=proxy_curve(config), on_disconnect=cluster.on_disconnect)
     cluster.attach(link.send)

@@ -171,11 +171,11 @@ class Cluster(WorkerMembership):
 
     def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams, base_seed: int,
                tenant: Tenant | None = None, timeout_s: float | None = None,
-               model: tuple[str, str] | None = None) -> RequestGroup:
+               model: tuple[str, str] | None = None, session: str | None = None) -> RequestGroup:
         """Queue ``len(prompts) * params.n`` sub-requests for admission; they start as capacity allows. ApiError 503
         when no worker could ever run them or the queue is full, 429 when ``tenant`` is over its concurrency or
         queue limit. ``timeout_s``: the client's deadline for being admitted; ``model``: the (name, version) whose
-        workers alone serve it (None: any)."""
+        workers alone serve it (None: any); ``session``: its conversation, routed to the worker holding it."""
         if self.draining:
             raise self._unavailable("the proxy is shutting down and accepts no new requests")
         decoders = [w for w in self.registry.decode_side() if model is None or (w.model, w.model_version) == model]
@@ -204,7 +204,7 @@ class Cluster(WorkerMembership):
                                  cache_salt=tenant.cache_salt)
                 sub.wait_for_admission(queue_deadline, client_deadline)
                 sub.ttft_forecast_s = forecast_s
-                sub.model = model
+                sub.model, sub.session = model, session
                 self.inflight[sub.request_id] = sub
                 if tenant.limited:
                     tenant.limiter.charge_tokens(len(prompt), now)
@@ -248,7 +248,7 @@ class Cluster(WorkerMembership):
         if now >= sub.deadline:
             return sub.check_deadline(now)
         tokens = sub.tokens
-        route = self.policy.route(tokens, self._candidates(sub), sub.cache_salt)
+        route = self.policy.route(tokens, self._candidates(sub), sub.cache_salt, sub.session)
         if route is None:
             return sub.reject(self._unavailable("no worker can take the request any more: every decode-capable "
                                                 "worker left or is draining"))
@@ -287,7 +287,7 @@ class Cluster(WorkerMembership):
         decoder = decoder or self.policy.pick_decode(tokens, self._candidates(sub))
         if decoder is None:
             return sub.reject(self._unavailable("no decode worker is available to continue the request"))
-        self.policy.decode_sent(decoder, tokens, local=sub.local, cache_salt=sub.cache_salt)
+        self.policy.decode_sent(decoder, tokens, local=sub.local, cache_salt=sub.cache_salt, session=sub.session)
         return sub.start_decode(decoder, self.admission.counters[sub.tenant], now)
 
     def _unavailable(self, message: str) -> ApiError:

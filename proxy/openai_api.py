@@ -283,7 +283,8 @@ async def _admit(services, body, format_cls, tenant: Tenant, timeout_s: float | 
         raise ApiError(400, f"max_tokens is {params.max_tokens}; this server generates at most "
                        f"{config.max_tokens_limit} tokens per request", code="invalid_value", param="max_tokens")
     serving_context(services, tenant)
-    choice = services.models.choose(body.model, session_of(services, headers, body.user))
+    session = session_of(services, headers, body.user)
+    choice = services.models.choose(body.model, session)
     max_model_len = choice.max_model_len
     prompts = await asyncio.to_thread(body.prompt_token_ids, choice.tokenizer)
     longest = max(prompts, key=len)
@@ -302,7 +303,8 @@ async def _admit(services, body, format_cls, tenant: Tenant, timeout_s: float | 
     fmt = format_cls(choice.token_text, params.logprobs is not None)
     response_id = f"{fmt.id_prefix}{uuid.uuid4().hex}"
     base_seed = params.seed if params.seed is not None else secrets.randbits(63)
-    group = cluster.submit(response_id, prompts, params, base_seed, tenant, timeout_s, model=choice.key)
+    group = cluster.submit(response_id, prompts, params, base_seed, tenant, timeout_s, model=choice.key,
+                           session=session)
     choices = [ChoiceState(i, i // params.n) for i in range(len(prompts) * params.n)]
     return _Generation(response_id, int(time.time()), body.model, prompts, choices, fmt, body.include_usage,
                        served_headers(choice)), group

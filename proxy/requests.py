@@ -98,6 +98,7 @@ class SubRequest(RequestExits):
         self.admitted_at: float | None = None  # when admitted to prefill (the TTFT and slot forecasts)
         self.ttft_forecast_s: float | None = None  # its TTFT forecast at arrival (early_rejection), if any
         self.model: tuple[str, str] | None = None  # the (name, version) whose workers alone serve it; None: any
+        self.session: str | None = None  # its conversation (X-Session-Id): routed back to the worker holding it
         self.started = False  # sent to a worker (it left the admission queue)
         self.output_ids: list[int] = []  # every token the client has: a resumed request carries them
         self.migrations = 0  # times it resumed elsewhere

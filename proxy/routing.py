@@ -4,7 +4,7 @@ A policy is an object; the cluster calls its hooks and never decides itself.
 
 Hooks (all called by the cluster, in the event loop; ``cache_salt`` is the
 request's tenant's, the root of its block hashes on the workers):
-- ``route(prompt, workers, cache_salt)`` at admission: a ``Route`` that is either
+- ``route(prompt, workers, cache_salt, session)`` at admission: a ``Route`` that is either
   disaggregated (the prefill worker; the decode worker is picked later) or
   local (a decode-capable worker that prefills itself), or None when no
   worker can take the request.
@@ -14,7 +14,7 @@ request's tenant's, the root of its block hashes on the workers):
   bracket a PrefillRequest, on every path out (PrefillDone, failure, abort,
   worker loss); the cluster says which worker and how many tokens, so the
   policy keeps no per-request state.
-- ``decode_sent`` when a DecodeRequest goes out; ``heartbeat`` when a
+- ``decode_sent`` when a DecodeRequest goes out (with the request's session, if any); ``heartbeat`` when a
   worker reports its load; ``worker_removed`` when it is gone.
 
 ``PrefixAwareRouting`` (the default):
@@ -33,6 +33,10 @@ request's tenant's, the root of its block hashes on the workers):
   proxy sent since the worker's last heartbeat, so a burst between two
   heartbeats spreads instead of piling onto one worker. Local prefill
   prefers a prefix hit first, as prefill does.
+- Sessions: a conversation's next turn (the same ``X-Session-Id``) goes back to the decode worker that decoded
+  its last one, within ``session_ttl_s``, and prefills there: that worker's prefix cache holds the whole
+  history, its replies included, so only the new message is computed. Not while that worker is gone, draining
+  or at its TPOT capacity: then the turn is routed as any other (its history is prefilled again).
 - Draining workers get nothing new.
 - Routing weights (``weights``: 1 unless the adaptive controller, proxy/tac.py, lowered a worker's because its
   requests missed their targets more than the others of its role did): a worker's prefill cost and decode
@@ -40,6 +44,7 @@ request's tenant's, the root of its block hashes on the workers):
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,6 +54,9 @@ from common.protocol.wire import prefix_block_hashes
 from proxy.workers import WorkerState
 
 
+MAX_SESSIONS = 100_000  # conversations remembered at once; past it the oldest is forgotten
+
+
 @dataclass(frozen=True)
 class Route:
     worker: WorkerState
@@ -56,10 +64,19 @@ class Route:
 
 
 class RoutingPolicy(Protocol):
-    def route(self, prompt: Sequence[int], workers: Sequence[WorkerState], cache_salt: int = 0) -> Route | None: ...
+    def route(self, prompt: Sequence[int], workers: Sequence[WorkerState], cache_salt: int = 0,
+              session: str | None = None) -> Route | None: ...
     def pick_decode(self, prompt: Sequence[int], workers: Sequence[WorkerState]) -> WorkerState | None: ...
     def prefill_sent(self, worker: WorkerState, prompt: Sequence[int], cache_salt: int = 0) -> None: ...
     def prefill_ended(self, worker_id: str, num_tokens: int) -> None: ...
+    def _holder(self, session: str, decoders: list[WorkerState]) -> WorkerState | None:
+        """The decode worker holding the session's history, while it is fresh and the worker has room."""
+        held = self._sessions.get(session)
+        if held is None or time.monotonic() - held[1] > self.session_ttl_s:
+            return None
+        worker = next((w for w in decoders if w.worker_id == held[0]), None)
+        return worker if worker is not None and not self._decode_load(worker)[0] else None
+
     def outstanding_prefill_tokens(self, worker_id: str) -> int: ...
     def decode_sent(self, worker: WorkerState, prompt: Sequence[int], local: bool, cache_salt: int = 0) -> None: ...
     def heartbeat(self, worker: WorkerState) -> None: ...
@@ -101,19 +118,25 @@ class _Pending:
 
 
 class PrefixAwareRouting:
-    def __init__(self, local_prefill_threshold: int = 0) -> None:
+    def __init__(self, local_prefill_threshold: int = 0, session_ttl_s: float = 600.0) -> None:
         self.local_prefill_threshold = local_prefill_threshold
+        self.session_ttl_s = session_ttl_s
+        self._sessions: OrderedDict[str, tuple[str, float]] = OrderedDict()  # session -> (decode worker, when)
         self._prefixes: dict[str, PrefixLRU] = {}
         self._prefill_tokens: dict[str, int] = defaultdict(int)  # worker -> tokens sent, not yet done
         self._pending: dict[str, _Pending] = defaultdict(_Pending)
         self._prefills_sent: dict[str, int] = defaultdict(int)
         self.weights: dict[str, float] = {}  # worker -> routing weight, when not 1 (the adaptive controller's)
 
-    def route(self, prompt: Sequence[int], workers: Sequence[WorkerState], cache_salt: int = 0) -> Route | None:
+    def route(self, prompt: Sequence[int], workers: Sequence[WorkerState], cache_salt: int = 0,
+              session: str | None = None) -> Route | None:
         active = [w for w in workers if not w.draining]
         decoders = [w for w in active if w.decode_capable]
         if not decoders:
             return None
+        holder = self._holder(session, decoders) if session is not None else None
+        if holder is not None:
+            return Route(holder, local=True)
         prefillers = [w for w in active if w.serves_prefill]
         if not prefillers or len(prompt) < self.local_prefill_threshold:
             return Route(self._best_by_prefix(prompt, cache_salt, decoders, self._decode_load), local=True)
@@ -132,9 +155,17 @@ class PrefixAwareRouting:
         if worker_id in self._prefill_tokens:  # a removed worker's count is gone already
             self._prefill_tokens[worker_id] = max(self._prefill_tokens[worker_id] - num_tokens, 0)
 
-    def decode_sent(self, worker: WorkerState, prompt: Sequence[int], local: bool, cache_salt: int = 0) -> None:
+    def decode_sent(self, worker: WorkerState, prompt: Sequence[int], local: bool, cache_salt: int = 0,
+                    session: str | None = None) -> None:
         if local:
             self._remember_prefix(worker, prompt, cache_salt)
+        if session is not None:
+            now = time.monotonic()
+            self._sessions[session] = (worker.worker_id, now)
+            self._sessions.move_to_end(session)
+            while self._sessions and (len(self._sessions) > MAX_SESSIONS
+                                      or now - next(iter(self._sessions.values()))[1] > self.session_ttl_s):
+                self._sessions.popitem(last=False)
         pending = self._pending[worker.worker_id]
         pending.blocks += -(-len(prompt) // worker.block_size)
         pending.requests += 1
@@ -148,6 +179,14 @@ class PrefixAwareRouting:
         self._prefills_sent.pop(worker_id, None)
         self._pending.pop(worker_id, None)
         self.weights.pop(worker_id, None)
+
+    def _holder(self, session: str, decoders: list[WorkerState]) -> WorkerState | None:
+        """The decode worker holding the session's history, while it is fresh and the worker has room."""
+        held = self._sessions.get(session)
+        if held is None or time.monotonic() - held[1] > self.session_ttl_s:
+            return None
+        worker = next((w for w in decoders if w.worker_id == held[0]), None)
+        return worker if worker is not None and not self._decode_load(worker)[0] else None
 
     def outstanding_prefill_tokens(self, worker_id: str) -> int:
         """Proxy-tracked tokens of prompts sent to ``worker_id`` and not yet done."""

@@ -15,59 +15,19 @@ import logging
 import os
 import socket
 from pathlib import Path
-from typing import Annotated
 
 import yaml
-from pydantic import BeforeValidator
 
 from common.config.base import (
     Bool, ConfigError, EngineConfig, Float, Int, Str, check_paths, config_model, option,
 )
+from common.config.tenant import TenantConfig, check_tenants, is_sha256_hex  # noqa: F401 - TenantConfig: re-exported
 from common.protocol.wire import PROTOCOL_VERSION
 from common.protocol.names import (
-    PRIORITY_LANES, Dtype, FairnessPolicy, PrefixCacheSharing, PriorityLane, Role, TpotSloScope, TransferBackend,
+    Dtype, FairnessPolicy, PrefixCacheSharing, Role, TpotSloScope, TransferBackend,
 )
 
 log = logging.getLogger("tessera.config")
-
-
-def _one_or_many(value):
-    """A single string where a list of them is expected (one API key): taken as a list of one."""
-    return (value,) if isinstance(value, str) else value
-
-
-@config_model("tenant")
-class TenantConfig:
-    """One tenant of the proxy: its keys, its share, its lane and its limits (0 = no limit)."""
-    name: Str = option(doc="the tenant's name, unique; requests and metrics are labelled with it")
-    api_key_sha256: Annotated[tuple[Str, ...], BeforeValidator(_one_or_many)] = option(
-        (), "hex sha256 of each API key of this tenant (`tessera tenants hash-key` prints one)")
-    weight: Float = option(1.0, "share of the service relative to the other tenants", gt=0)
-    priority: PriorityLane = option("p1", "admission lane; p0 is served first")
-    tokens_per_s: Float = option(0.0, "prompt + generated tokens per second; 0: no limit", ge=0)
-    token_burst: Float = option(0.0, "token bucket size; 0: one second of tokens_per_s", ge=0)
-    requests_per_s: Float = option(0.0, "requests per second; 0: no limit", ge=0)
-    request_burst: Float = option(0.0, "request bucket size; 0: one second of requests_per_s, at least 1", ge=0)
-    max_concurrent: Int = option(0, "choices queued or running at once; 0: no limit", ge=0)
-    max_queued: Int = option(0, "choices waiting for admission at once; 0: no limit", ge=0)
-    resumable_streams: Bool = option(
-        False, "this tenant's streamed responses are resumable unless a request sends X-Resumable: false")
-    cache_group: Str = option(
-        "", "with prefix_cache_sharing 'tenant': tenants naming the same group share prefix-cache blocks (and "
-        "can time each other's cache hits); empty: the tenant's blocks are its own")
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            raise ConfigError("config field 'name' must be a non-empty string")
-        for key in self.api_key_sha256:
-            if not (len(key) == 64 and all(c in "0123456789abcdef" for c in key.lower())):
-                raise ConfigError(f"config field 'api_key_sha256' holds {key!r}: each entry must be "
-                                  "64 hex digits (`tessera tenants hash-key` prints one)")
-        object.__setattr__(self, "api_key_sha256", tuple(k.lower() for k in self.api_key_sha256))
-
-    @property
-    def lane(self) -> int:
-        return PRIORITY_LANES.index(self.priority)
 
 
 @config_model("proxy")
@@ -88,6 +48,9 @@ class ProxyConfig:
     session_pin_max_s: Float = option(
         3600.0, "how long a session (X-Session-Id) keeps the model version its first turn drew, across promotions; "
         "draining an old version waits for its pinned sessions at most this long", gt=0)
+    session_ttl_s: Float = option(
+        600.0, "how long after a session's turn its next turn goes back to the decode worker that holds its history "
+        "(in that worker's prefix cache) to prefill only what is new", gt=0)
     session_from_user_field: Bool = option(
         False, "whether a request's user field names its conversation when it has no X-Session-Id header: a "
         "session draws the canary once and keeps that model version")
@@ -218,10 +181,10 @@ class ProxyConfig:
             raise ConfigError("config field 'tls_ca_file' needs tls_cert_file and tls_key_file: client "
                               "certificates are only checked on an HTTPS listener")
         key = self.admin_api_key_sha256
-        if key and not (len(key) == 64 and all(c in "0123456789abcdef" for c in key.lower())):
+        if key and not is_sha256_hex(key):
             raise ConfigError(f"config field 'admin_api_key_sha256' = {key!r} is invalid: 64 hex digits "
                               "(`tessera tenants hash-key` prints one), or empty")
-        _check_tenants(self.tenants)
+        check_tenants(self.tenants)
         grouped = [t.name for t in self.tenants if t.cache_group]
         if grouped and self.prefix_cache_sharing == "cluster":
             raise ConfigError(f"config field 'tenants': {grouped} name a cache_group, but prefix_cache_sharing is "
@@ -321,19 +284,6 @@ def _check_otel(cfg) -> None:
     if cfg.otel_endpoint and not cfg.otel_endpoint.startswith(("http://", "https://")):
         raise ConfigError(f"config field 'otel_endpoint' = {cfg.otel_endpoint!r} is invalid: an OTLP/HTTP "
                           "URL (http:// or https://), or empty to turn tracing off")
-
-
-def _check_tenants(tenants: tuple[TenantConfig, ...]) -> None:
-    """Tenant names and API keys are unique."""
-    names = [t.name for t in tenants]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"config field 'tenants' names a tenant twice: {names}")
-    owners: dict[str, str] = {}
-    for tenant in tenants:
-        for key in tenant.api_key_sha256:
-            if owners.setdefault(key, tenant.name) != tenant.name:
-                raise ConfigError(f"config field 'tenants': key hash {key[:12]}... belongs to both "
-                                  f"{owners[key]!r} and {tenant.name!r}; a key maps to one tenant")
 
 
 def _pair(cfg, first: str, second: str) -> None:

@@ -289,3 +289,27 @@ def test_prefix_lru_is_bounded_and_counts_only_leading_hits():
     assert lru.leading_hits([9, 2, 3]) == 0
     lru.add([4])  # evicts 1, the least recently sent
     assert len(lru) == 3 and lru.leading_hits([1, 2]) == 0 and lru.leading_hits([2, 3, 4]) == 3
+
+
+def test_a_sessions_next_turn_prefills_on_the_decode_worker_holding_its_history(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("proxy.routing.time.monotonic", lambda: clock[0])
+    registry = WorkerRegistry(5.0)
+    workers = add(registry, ("p", "prefill"), ("d1", "decode"), ("d2", "decode"))
+    policy = PrefixAwareRouting(session_ttl_s=60.0)
+    history = prompt(300)
+    assert not policy.route(history, workers, session="chat").local  # first turn: disaggregated as any
+    d2 = registry.workers["d2"]
+    policy.decode_sent(d2, history, local=False, session="chat")
+    policy.heartbeat(d2)
+    turn = policy.route(history + prompt(40, 9000), workers, session="chat")
+    assert turn.local and turn.worker is d2  # its history, replies included, is in d2's prefix cache
+    assert not policy.route(history, workers, session="other").local
+    registry.heartbeat(heartbeat("d2", running=d2.tpot_capacity), 1.0)  # at its TPOT capacity: routed as any
+    assert not policy.route(history, workers, session="chat").local
+    registry.heartbeat(heartbeat("d2"), 2.0)
+    clock[0] += 61  # past session_ttl_s: its blocks may be gone, routed as any
+    assert not policy.route(history, workers, session="chat").local
+    policy.decode_sent(d2, history, local=True, session="chat")
+    registry.heartbeat(heartbeat("d2", draining=True), 3.0)
+    assert not policy.route(history, [w for w in workers if not w.draining], session="chat").local
