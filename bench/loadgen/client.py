@@ -110,8 +110,9 @@ async def _read_stream(response: httpx.Response, record: RequestRecord, start: f
         if chunk.get("usage"):
             record.usage_prompt_tokens = chunk["usage"].get("prompt_tokens")
             record.usage_completion_tokens = chunk["usage"].get("completion_tokens")
-        if chunk_text(chunk):
+        if text := chunk_text(chunk):
             record.chunk_times_s.append(now)
+            record.output_text += text
     record.end_s = time.perf_counter() - start
     if not finished:
         record.fail("incomplete", "the stream closed before [DONE]")

@@ -8,6 +8,7 @@ Examples:
     tessera bench --request-rate 1 --find-max-rate --goodput ttft:1000 --slo-target 0.9
     tessera bench --tenant name=gold,key=sk-gold,weight=3 --tenant name=free,key=sk-free,weight=1
     tessera bench compare results/a/result.json results/b/result.json
+    tessera bench --workload multi-turn --turns 6 --num-prompts 8 --max-concurrency 2 --input-len 128 --output-len 64
 
 Every run is bounded: --num-prompts requests per point, --max-duration
 seconds per point, --request-timeout seconds per request.
@@ -50,7 +51,10 @@ def add_bench_command(subparsers) -> None:
     load.add_argument("--workload", choices=WORKLOADS, default="random",
                       help="random: random token ids; shared-prefix: --num-prefixes prefixes, each request with a "
                       "suffix of its own; copy: repeat or edit a supplied passage; realistic: the prompt set "
-                      "shipped with Tessera; sharegpt: a ShareGPT JSON file (default: random)")
+                      "shipped with Tessera; sharegpt: a ShareGPT JSON file; multi-turn: --num-prompts chat "
+                      "conversations of --turns turns each, every turn's TTFT against a cold prefill of its history "
+                      "(bench/loadgen/multiturn.py) (default: random)")
+    load.add_argument("--turns", type=int, default=6, help="multi-turn: turns per conversation (default: 6)")
     load.add_argument("--input-len", default="256", metavar="N|LO-HI",
                       help="prompt tokens of random prompts, or suffix tokens of shared-prefix ones (default: 256)")
     load.add_argument("--output-len", metavar="N|LO-HI",
@@ -130,6 +134,8 @@ def run_bench(args: argparse.Namespace) -> int:
     from bench.loadgen.summary_table import point_block, sweep_table
 
     config = config_from_args(args)
+    if args.workload == "multi-turn":
+        return _run_multiturn(args, config)
     run = asyncio.run(run_benchmark(config))
     points = run["points"]
     for point in points:
@@ -145,3 +151,31 @@ def run_bench(args: argparse.Namespace) -> int:
             paths += write_plots(points, config.result_dir)
         print("wrote " + ", ".join(str(p) for p in paths))
     return 0 if any(p["completed"] for p in points) else 1
+
+
+def _run_multiturn(args: argparse.Namespace, config) -> int:
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from bench.loadgen.benchmark import load_tokens, served_model
+    from bench.loadgen.multiturn import MultiTurn, report, run_multiturn
+
+    request = dataclasses.replace(config.request, endpoint="/v1/chat/completions")
+    if request.model is None:
+        request = dataclasses.replace(request, model=asyncio.run(served_model(request.base_url, request.headers)))
+    lengths = config.workload
+    workload = MultiTurn(conversations=args.num_prompts, turns=args.turns, input_len=lengths.input_len[0],
+                         output_len=(lengths.output_len or (64, 64))[0],
+                         concurrency=config.max_concurrencies[0] or 1, seed=args.seed)
+    if workload.turns < 1:
+        raise ValueError(f"--turns must be at least 1, got {workload.turns}")
+    summary = asyncio.run(run_multiturn(request, workload, load_tokens(dataclasses.replace(
+        config, workload=dataclasses.replace(config.workload, name="random"))), args.request_timeout))
+    print(report(summary))
+    if args.result_dir:
+        path = Path(args.result_dir) / "multiturn.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"label": args.label, **summary}, indent=2))
+        print(f"wrote {path}")
+    return 0

@@ -40,6 +40,7 @@ class RequestRecord:
     usage_completion_tokens: int | None = None
     error_kind: str | None = None
     error: str = ""
+    output_text: str = ""  # the generated text, as streamed
 
     def fail(self, kind: str, message: str) -> None:
         if self.error_kind is None:

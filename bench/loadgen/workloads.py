@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-WORKLOADS = ("random", "shared-prefix", "copy", "realistic", "sharegpt")
+WORKLOADS = ("random", "shared-prefix", "copy", "realistic", "sharegpt", "multi-turn")  # the last: multiturn.py
 TOKEN_WORKLOADS = ("random", "shared-prefix")
 DEFAULT_OUTPUT_LEN = (128, 128)
 CHARS_PER_TOKEN = 4  # the usual estimate for English text with a BPE tokenizer

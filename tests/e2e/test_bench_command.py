@@ -75,3 +75,21 @@ def test_chat_endpoint_at_fixed_concurrency_with_the_shipped_prompts(cluster, tm
     assert point["completed"] == 6 and point["max_concurrent_requests"] <= 2
     assert point["backend"] == "openai-chat" and all(n > 0 for n in point["input_lens"])  # from usage
     assert not list(out.glob("*.png"))
+
+
+def test_multi_turn_conversations_report_each_turn_against_a_cold_prefill(cluster, tiny_chat_model_dir, tmp_path,
+                                                                          capsys):
+    out = tmp_path / "multiturn"
+    status = main([
+        "bench", "--base-url", cluster.url, "--tokenizer", str(tiny_chat_model_dir), "--workload", "multi-turn",
+        "--turns", "3", "--num-prompts", "3", "--max-concurrency", "2", "--input-len", "24", "--output-len", "6",
+        "--request-timeout", "60", "--result-dir", str(out), "--no-progress",
+    ])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    summary = json.loads((out / "multiturn.json").read_text())
+    assert [t["turn"] for t in summary["ttft_ms_by_turn"]] == [1, 2, 3]
+    assert all(t["median"] > 0 for t in summary["ttft_ms_by_turn"]) and summary["cold_ttft_ms"]["median"] > 0
+    assert summary["last_turn_over_cold"]["median"] > 0 and "last turn / cold" in printed
+    sessions = cluster.metric("tessera_proxy_worker_requests_total")
+    assert sum(sessions.values()) >= 3 * 4  # three turns and a cold request for each conversation

@@ -1,0 +1,70 @@
+"""A conversation's turns through the whole cluster: with a session, each turn goes back to the decode worker
+holding the history and prefills only what is new; the output stays the single-process engine's."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from common.cli.local_cluster import LocalCluster
+from common.config.base import EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.protocol.sampling_params import SamplingParams
+
+MESSAGES = ["Tell me a long story about a lighthouse keeper and the sea.", "What happened next?",
+            "And how did it end?", "Give it a title."]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def cluster(embedded_model_dir, tmp_path_factory):
+    """The embedded model: its replies are text that tokenizes back into the tokens generated (a random tiny
+    model's need not), so the history a client sends back matches what the worker cached."""
+    c = LocalCluster.for_tests(embedded_model_dir, tmp_path_factory.mktemp("session-logs"), prefill=1,
+                               decode=2).start()
+    yield c
+    codes = c.stop()
+    assert all(code == 0 for code in codes.values()), codes
+
+
+def converse(cluster, session: str | None) -> list[dict]:
+    history, answers = [], []
+    headers = {"X-Session-Id": session} if session else {}
+    with httpx.Client(base_url=cluster.url, timeout=120) as client:
+        for text in MESSAGES:
+            history.append({"role": "user", "content": text})
+            body = {"model": "SmolLM2-135M-Instruct", "messages": history, "max_tokens": MAX_TOKENS,
+                    "temperature": 0}
+            answer = client.post("/v1/chat/completions", json=body, headers=headers).json()
+            history.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
+            answers.append(answer)
+    return answers
+
+
+def cached(answers: list[dict]) -> list[int]:
+    return [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers]
+
+
+def test_a_sessions_turns_reuse_the_history_on_one_decode_worker(cluster, embedded_model_dir):
+    """Cached tokens come from full blocks of what the worker computed, up to where the history a client sends
+    back tokenizes differently from the tokens generated (a reply's leading newline merges with the template's);
+    with a session the reply's blocks count, without one only the previous prompt's can (the prefill worker
+    never computed the reply)."""
+    without = converse(cluster, None)
+    before = cluster.metric("tessera_proxy_worker_requests_total")
+    answers = converse(cluster, "chat-1")
+    after = cluster.metric("tessera_proxy_worker_requests_total")
+    decoded = {k: after[k] - before.get(k, 0) for k in after if 'stage="decode"' in k and after[k] > before.get(k, 0)}
+    assert list(decoded.values()) == [len(MESSAGES)], decoded  # every turn on one decode worker
+    assert all(with_ >= plain for with_, plain in zip(cached(answers), cached(without)))
+    assert any(a["usage"]["prompt_tokens_details"]["cached_tokens"] > p["usage"]["prompt_tokens"]
+               for p, a in zip(answers, answers[1:]))  # a reply's blocks reused
+    for previous, answer in zip(without, without[1:]):
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] <= previous["usage"]["prompt_tokens"]
+    engine = LLMEngine(EngineConfig(model=str(embedded_model_dir), num_kv_blocks=256))
+    history = []
+    for text, answer in zip(MESSAGES, answers):
+        history.append({"role": "user", "content": text})
+        [reference] = engine.generate([engine.tokenizer.apply_chat_template(history)],
+                                      SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+        assert answer["choices"][0]["message"]["content"] == reference.outputs[0].text
+        history.append({"role": "assistant", "content": reference.outputs[0].text})
