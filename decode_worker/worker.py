@@ -277,3 +277,4 @@ def _set_fairness(seq: Sequence, msg: wire.DecodeRequest) -> None:
     """Under KV pressure the scheduler preempts the lowest lane (largest number), highest counter first."""
     seq.priority = msg.priority
     seq.fairness_counter = msg.fairness_counter
+    seq.keep_s = msg.keep_s  # a session's turn: its history stays cached for its next one

@@ -65,7 +65,7 @@ class PrefillHandler(WorkerBase):
         self.metrics.prompt_tokens.inc(len(msg.prompt_token_ids))
         self.trace_start(msg.request_id, SPAN, msg.trace_context)
         seq.priority = msg.priority  # the scheduler's preemption order: lowest lane, highest counter first
-        seq.fairness_counter = msg.fairness_counter
+        seq.fairness_counter, seq.keep_s = msg.fairness_counter, msg.keep_s
         self.computing[msg.request_id] = (seq, msg.lease_s)
 
     def _release(self, request_id: str) -> None:

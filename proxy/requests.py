@@ -180,9 +180,10 @@ class SubRequest(RequestExits):
         return []
 
     def _tenant_fields(self, counter: float) -> dict:
-        """What a worker's scheduler knows of the tenant: the lane and counter it preempts by, the cache salt."""
+        """What a worker's scheduler knows of the tenant: the lane and counter it preempts by, the cache salt; and
+        of a session's turn, how long to keep its blocks cached."""
         return {"tenant": self.tenant, "priority": self.lane, "fairness_counter": counter,
-                "cache_salt": self.cache_salt}
+                "cache_salt": self.cache_salt, "keep_s": self._config.session_ttl_s if self.session else 0.0}
 
     def on_prefill_done(self, msg: PrefillDone, sender: str, now: float) -> Sends | None:
         """None: not this request's (a stray); else what to send."""

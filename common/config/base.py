@@ -224,6 +224,10 @@ class EngineConfig:
                                         "num_kv_blocks pins it", ge=1 << 20)
     num_kv_blocks: Int | None = option(None, "exact number of KV blocks; null sizes the pool from "
                                        "kv_cache_memory_bytes", ge=2)
+    host_kv_cache_memory_bytes: Int = option(
+        0, "the host tier: a second store of this many bytes of whole KV blocks in host memory; a cached block "
+        "the pool evicts is copied there and copied back on a prefix hit instead of computed again "
+        "(common/engine/host_tier.py); 0: none", ge=0)
     max_num_seqs: Int = option(128, "most sequences scheduled in one step", ge=1)
     max_num_batched_tokens: Int = option(2048, "token budget of one step; must be >= block_size", ge=1)
     max_model_len: Int | None = option(None, "longest context a request may reach; null takes the "

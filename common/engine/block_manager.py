@@ -15,10 +15,17 @@ however equal their tokens.
 Freed blocks keep their cached contents and stay findable until they are
 handed out again; the free queue is in LRU order (front is evicted first),
 and a sequence frees its blocks in reverse so that its tail (least likely to
-be shared) goes first.
+be shared) goes first. A sequence freed with ``keep_s`` (a session's turn: its
+history will be asked for again) puts its blocks in a second queue, handed out
+only once the first is empty or ``keep_s`` has passed.
+
+With a host tier (``common/engine/host_tier.py``), a cached block about to be
+handed out is copied there first, and ``reload_prefix`` continues a prefix past
+the pool's hits from it, instead of the prompt computing those blocks again.
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -40,7 +47,7 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, host=None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
@@ -49,32 +56,43 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Insertion-ordered set: front = least recently freed = next evicted.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._kept: OrderedDict[int, float] = OrderedDict()  # free, kept cached until then (monotonic seconds)
+        self.host = host  # a HostTier, or None
         self._cached: dict[int, int] = {}  # chained hash -> block id
         self.prefix_queries = 0  # blocks looked up
         self.prefix_hits = 0  # blocks found
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._kept)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_free_blocks
 
     def allocate(self, n: int) -> list[int]:
         """Hand out ``n`` blocks with ref count 1, evicting cached contents LRU."""
-        if n > len(self._free):
-            raise OutOfBlocks(f"asked for {n} blocks, {len(self._free)} free")
+        if n > self.num_free_blocks:
+            raise OutOfBlocks(f"asked for {n} blocks, {self.num_free_blocks} free")
+        now = time.monotonic()
+        expired = []
+        while self._kept and next(iter(self._kept.values())) <= now:  # their keep_s passed: plain LRU again, ...
+            expired.append(self._kept.popitem(last=False)[0])
+        for block_id in reversed(expired):  # ... and freed before those in the free queue: its front
+            self._free[block_id] = None
+            self._free.move_to_end(block_id, last=False)
         ids = []
         for _ in range(n):
-            block_id, _ = self._free.popitem(last=False)
+            block_id = (self._free if self._free else self._kept).popitem(last=False)[0]
             block = self.blocks[block_id]
             if block.hash is not None:
                 if self._cached.get(block.hash) == block_id:
                     del self._cached[block.hash]
+                    if self.host is not None:
+                        self.host.spill(block_id, block.hash, block.token_ids)
                 block.hash = None
                 block.token_ids = ()
             block.ref_count = 1
@@ -103,18 +121,23 @@ class BlockManager:
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_count == 0:
-                del self._free[block_id]
+                (self._free if block_id in self._free else self._kept).pop(block_id)
             block.ref_count += 1
 
-    def free(self, block_ids: Sequence[int]) -> None:
-        """Drop one reference to each block; a block reaching zero joins the free queue."""
+    def free(self, block_ids: Sequence[int], keep_s: float = 0.0) -> None:
+        """Drop one reference to each block; a block reaching zero joins the free queue, or with ``keep_s`` the
+        kept one (its cached contents outlive the plain free blocks' for that long)."""
+        keep_until = time.monotonic() + keep_s if keep_s > 0 else 0.0
         for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             if block.ref_count <= 0:
                 raise RuntimeError(f"double free of block {block_id}")
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._free[block_id] = None
+                if keep_until and block.hash is not None:
+                    self._kept[block_id] = keep_until
+                else:
+                    self._free[block_id] = None
 
     def find_cached_prefix(self, token_ids: Sequence[int], max_blocks: int, cache_salt: int = 0) -> list[int]:
         """Block ids of the longest cached run of full blocks at the start of ``token_ids``, under ``cache_salt``.
@@ -136,6 +159,32 @@ class BlockManager:
             self.prefix_hits += 1
             hits.append(block_id)
         return hits
+
+    def reload_prefix(self, token_ids: Sequence[int], hits: Sequence[int], max_blocks: int,
+                      cache_salt: int = 0) -> list[int]:
+        """Continue a cached prefix (the pool's ``hits``) from the host tier: each next full block it holds gets
+        a pool block (ref count 1, cached again) with its bytes copied back. Stops at the first it lacks."""
+        if self.host is None or not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        parent = self.blocks[hits[-1]].hash if hits else cache_salt
+        loaded: list[int] = []
+        for i in range(len(hits), min(max_blocks, len(token_ids) // bs)):
+            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
+            block_hash = chain_hash(parent, chunk)
+            if not self.host.holds(block_hash, chunk) or not self.can_allocate(1):
+                break
+            (block_id,) = self.allocate(1)  # may spill another block: this entry, just touched, goes last
+            if not self.host.holds(block_hash, chunk):  # a one-block tier: that spill took its only slot
+                self.free([block_id])
+                break
+            self.host.reload(block_hash, block_id)
+            block = self.blocks[block_id]
+            block.hash, block.token_ids = block_hash, chunk
+            self._cached.setdefault(block_hash, block_id)
+            loaded.append(block_id)
+            parent = block_hash
+        return loaded
 
     def cache_full_blocks(
         self, block_ids: Sequence[int], token_ids: Sequence[int], num_cached: int, num_full: int,

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.engine.host_tier import HostTier
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -54,7 +56,25 @@ class KVCache:
         )
         # K and V of each layer, each ``[num_blocks, block_size, kv_heads, head_dim]`` (views, made once).
         self.layers = [(self.buffer[:, i, 0], self.buffer[:, i, 1]) for i in range(layout.num_layers)]
+        self.host_buffer: torch.Tensor | None = None  # the host tier's blocks (host_tier), when one is made
 
+    def host_tier(self, budget_bytes: int) -> HostTier | None:
+        """A host tier of whole blocks within ``budget_bytes`` (None for a budget under one block): a second
+        buffer of the pool's layout in host memory (pinned beside a GPU pool), each block copied whole."""
+        capacity = self.layout.blocks_for_budget(budget_bytes)
+        if capacity < 1:
+            return None
+        pinned = self.buffer.device.type == "cuda"
+        self.host_buffer = torch.empty((capacity, *self.buffer.shape[1:]), dtype=self.buffer.dtype,
+                                       pin_memory=pinned)
+
+        def copy_out(block_id: int, slot: int) -> None:
+            self.host_buffer[slot].copy_(self.buffer[block_id])
+
+        def copy_in(slot: int, block_id: int) -> None:
+            self.buffer[block_id].copy_(self.host_buffer[slot], non_blocking=pinned)
+
+        return HostTier(capacity, copy_out, copy_in)
 
     @property
     def nbytes(self) -> int:

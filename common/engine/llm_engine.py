@@ -1,13 +1,11 @@
 """The in-process engine: scheduler + model runner + output processor (below).
 
-This is the offline API (``LLMEngine.generate``), the aggregated serving
-mode, and the reference the disaggregated cluster is compared against.
+This is the offline API (``LLMEngine.generate``), the aggregated serving mode, and the reference the disaggregated
+cluster is compared against.
 
-Request life cycle: add_request -> the scheduler's waiting queue -> running
-(prompt computed in one or more chunks, then one token per step) ->
-finished (EOS, stop token/string, max_tokens, context limit, or abort), at
-which point its KV blocks go back to the pool. Each ``step()`` is
-plan -> execute -> apply, on three different objects.
+Request life cycle: add_request -> the scheduler's waiting queue -> running (prompt computed in one or more chunks,
+then one token per step) -> finished (EOS, stop token/string, max_tokens, context limit, or abort), at which point
+its KV blocks go back to the pool. Each ``step()`` is plan -> execute -> apply, on three different objects.
 """
 from __future__ import annotations
 
@@ -133,7 +131,8 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model, config.dtype)
         self.tokenizer = Tokenizer(self.model_dir)
         self.runner = ModelRunner(config, self.model_dir)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          self.runner.kv_cache.host_tier(config.host_kv_cache_memory_bytes))
         self.max_model_len = self.runner.max_model_len
         self.scheduler = Scheduler(
             config, self.block_manager, self.max_model_len, frozenset(self.tokenizer.eos_token_ids)

@@ -179,8 +179,9 @@ class Scheduler:
         # the last token is the one that produces logits to sample from.
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits = self.blocks.find_cached_prefix(seq.token_ids, max_blocks, seq.cache_salt)
+        self.blocks.acquire(hits)
+        hits += self.blocks.reload_prefix(seq.token_ids, hits, max_blocks, seq.cache_salt)  # from the host tier
         if hits:
-            self.blocks.acquire(hits)
             seq.block_table = hits
             seq.num_computed_tokens = len(hits) * self.block_size
             seq.num_cached_blocks = len(hits)
@@ -219,7 +220,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _release(self, seq: Sequence) -> None:
-        self.blocks.free(seq.block_table)
+        self.blocks.free(seq.block_table, seq.keep_s if seq.is_finished else 0.0)
         seq.block_table = []
         seq.num_cached_blocks = 0
 

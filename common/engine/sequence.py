@@ -72,6 +72,7 @@ class Sequence:
         # scheduler preempts the largest (priority, fairness_counter) first.
         self.priority = 0
         self.fairness_counter = 0.0
+        self.keep_s = 0.0  # a session's turn: its blocks stay cached this long after it ends (block_manager)
         # Speculative decoding: draft tokens proposed for the next step, and
         # the draft distribution each was sampled from ([k, vocab]; None
         # when proposals are deterministic, as n-gram lookups are).

@@ -22,8 +22,9 @@ from common.protocol.control import EmbedRequest, EmbedResult
 
 # The version that added each message type, where it is newer than the oldest version still read.
 MESSAGE_SINCE: dict[type, int] = {EmbedRequest: 11, EmbedResult: 11}
-# The version that added each field (struct type -> field -> version), where it is newer than that.
-FIELD_SINCE: dict[type, dict[str, int]] = {}
+# The version that added each field (struct name -> field -> version), where it is newer than that. By name:
+# the request messages are declared in wire.py, which imports this module.
+FIELD_SINCE: dict[str, dict[str, int]] = {"PrefillRequest": {"keep_s": 11}, "DecodeRequest": {"keep_s": 11}}
 
 
 def sendable(message_type: type, version: int) -> bool:
@@ -34,7 +35,7 @@ def sendable(message_type: type, version: int) -> bool:
 def older_body(value, version: int):
     """``value`` (a message, or part of one) as msgpack-ready builtins without the fields newer than ``version``."""
     if isinstance(value, msgspec.Struct):
-        newer = FIELD_SINCE.get(type(value), {})
+        newer = FIELD_SINCE.get(type(value).__name__, {})
         return {name: older_body(getattr(value, name), version) for name in value.__struct_fields__
                 if newer.get(name, 0) <= version}
     if isinstance(value, (list, tuple)):

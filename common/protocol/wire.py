@@ -152,6 +152,7 @@ class PrefillRequest(_Struct):
     fairness_counter: float = 0.0
     trace_context: dict[str, str] | None = None  # W3C trace context ({"traceparent": ...}) when tracing is on
     cache_salt: CacheSalt = 0  # its tenant's prefix-cache namespace (proxy.prefix_cache_sharing); 0: shared
+    keep_s: Seconds = 0.0  # a session's turn: keep its blocks cached this long after it ends (block_manager)
 
 
 class PrefillDone(_Struct):
@@ -188,6 +189,7 @@ class DecodeRequest(_Struct):
     fairness_counter: float = 0.0
     trace_context: dict[str, str] | None = None
     cache_salt: CacheSalt = 0  # as on PrefillRequest: the blocks it caches here are its tenant's
+    keep_s: Seconds = 0.0  # as on PrefillRequest
 
 
 class TokenDelta(_Struct):

@@ -148,6 +148,10 @@ class Snapshot:
     kv_pages_free: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    host_blocks: int = 0  # the host tier's capacity (0: none), blocks held, copies each way, prefix hits there
+    host_blocks_used: int = 0
+    host_copies_out: int = 0
+    host_copies_in: int = 0
     steps: int = 0
     computed_tokens: int = 0
     generated_tokens: int = 0
@@ -167,6 +171,9 @@ class Snapshot:
             running=len(scheduler.running), waiting=scheduler.num_waiting,
             kv_pages_used=blocks.num_used_blocks, kv_pages_free=blocks.num_free_blocks,
             prefix_queries=blocks.prefix_queries, prefix_hits=blocks.prefix_hits,
+            **({} if blocks.host is None else {
+                "host_blocks": blocks.host.capacity, "host_blocks_used": blocks.host.used,
+                "host_copies_out": blocks.host.copies_out, "host_copies_in": blocks.host.copies_in}),
             steps=stats.num_steps, computed_tokens=stats.num_computed_tokens,
             generated_tokens=stats.num_generated_tokens, preemptions=stats.num_preemptions,
             spec_drafts=stats.num_spec_drafts, spec_draft_tokens=stats.num_spec_draft_tokens,
@@ -227,6 +234,14 @@ class _SnapshotCollector:
                        s.prefix_queries)
         yield _counter("tessera_worker_prefix_cache_hits", "Prompt blocks found in the prefix cache",
                        s.prefix_hits)
+        if s.host_blocks:
+            yield _gauge("tessera_worker_kv_host_pages", "KV pages (blocks) the host tier holds at most", s.host_blocks)
+            yield _gauge("tessera_worker_kv_host_pages_used", "KV pages (blocks) held in the host tier",
+                         s.host_blocks_used)
+            yield _counter("tessera_worker_kv_host_copies_out", "KV pages copied from the pool to the host tier",
+                           s.host_copies_out)
+            yield _counter("tessera_worker_kv_host_copies_in", "KV pages copied back from the host tier, instead of "
+                           "computed again", s.host_copies_in)
         yield _counter("tessera_worker_steps", "Engine steps run", s.steps)
         yield _counter("tessera_worker_computed_tokens", "Tokens run through the model (prompt, recompute, decode)",
                        s.computed_tokens)

@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.protocol import wire
+from msgspec.structs import replace as dataclass_replace
 from common.protocol.sampling_params import SamplingParams
 from common.protocol.wire import (
     PROTOCOL_VERSION, DecodeRequest, KVLayoutInfo, Peers, PeerInfo, PrefillDone, Register, TokenDelta, TokenDeltas,
@@ -183,7 +184,9 @@ def test_a_message_for_the_previous_version_leaves_out_what_that_version_lacks(m
     request = wire.PrefillRequest("r1", [1, 2], SamplingParams(), 7, 30.0, cache_salt=5)
     frames = wire.encode(request, PROTOCOL_VERSION - 1)
     assert wire.frame_version(frames) == PROTOCOL_VERSION - 1 and wire.decode(frames) == request
-    monkeypatch.setitem(versions.FIELD_SINCE, wire.PrefillRequest, {"cache_salt": PROTOCOL_VERSION})
+    kept = wire.encode(dataclass_replace(request, keep_s=60.0), PROTOCOL_VERSION - 1)  # keep_s is new in 11
+    assert "keep_s" not in msgpack.unpackb(kept[1]) and wire.decode(kept).keep_s == 0.0
+    monkeypatch.setitem(versions.FIELD_SINCE, "PrefillRequest", {"cache_salt": PROTOCOL_VERSION})
     older = wire.encode(request, PROTOCOL_VERSION - 1)
     assert "cache_salt" not in msgpack.unpackb(older[1]) and wire.decode(older).cache_salt == 0  # its default
     assert wire.encode(request)[1] == encode(request)[1]  # this version's own: every field

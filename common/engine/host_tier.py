@@ -1,0 +1,66 @@
+"""The host tier: cached KV blocks the pool evicts, kept in a separately bounded second store, reloaded on a hit.
+
+The block manager (``common/engine/block_manager.py``) calls it at two moments, and it copies at once (so no
+later write into the pool, a forward or a KV pull, can overtake a copy):
+- ``spill(block_id, hash, tokens)`` as it hands out a block whose cached contents would otherwise be lost: the
+  block's bytes go to a free host slot (the least recently used entry makes room when none is free);
+- ``reload(hash, tokens, block_id)`` when a prompt's next full block is not in the pool but is here: its bytes
+  come back into the pool block just allocated for it, instead of being computed again.
+
+Entries are keyed by the block's chained hash (``common/protocol/wire.py`` ``chain_hash``, so equal hashes mean
+equal prefixes) and the tokens are compared on a hit, as the pool's prefix cache does. A reloaded entry stays
+(its bytes never change): evicted again, the block needs no second copy. Pure bookkeeping plus two copy
+functions, which the model runner's ``KVCache`` gives (``copy_to_host``, ``copy_from_host``); ``copies_out``,
+``copies_in`` and ``used`` are what the worker's metrics and the leak tests read.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+Copy = Callable[[int, int], None]  # (from, to): pool block -> host slot, or host slot -> pool block
+
+
+class HostTier:
+    def __init__(self, capacity: int, copy_out: Copy, copy_in: Copy) -> None:
+        if capacity < 1:
+            raise ValueError("a host tier holds at least one block")
+        self.capacity = capacity
+        self._copy_out = copy_out
+        self._copy_in = copy_in
+        self._free_slots = list(range(capacity - 1, -1, -1))
+        self._entries: OrderedDict[int, tuple[int, tuple[int, ...]]] = OrderedDict()  # hash -> (slot, tokens)
+        self.copies_out = 0
+        self.copies_in = 0
+
+    @property
+    def used(self) -> int:
+        return len(self._entries)
+
+    def spill(self, block_id: int, block_hash: int, tokens: tuple[int, ...]) -> None:
+        """Keep pool block ``block_id``'s contents before the pool hands the block to another sequence."""
+        if block_hash in self._entries:
+            self._entries.move_to_end(block_hash)  # the same bytes are here already
+            return
+        if not self._free_slots:
+            _, (slot, _) = self._entries.popitem(last=False)
+            self._free_slots.append(slot)
+        slot = self._free_slots.pop()
+        self._copy_out(block_id, slot)
+        self._entries[block_hash] = (slot, tokens)
+        self.copies_out += 1
+
+    def holds(self, block_hash: int, tokens: Sequence[int]) -> bool:
+        """Whether it holds that block; a hit becomes the most recently used (the last a spill evicts)."""
+        entry = self._entries.get(block_hash)
+        if entry is None or entry[1] != tuple(tokens):
+            return False
+        self._entries.move_to_end(block_hash)
+        return True
+
+    def reload(self, block_hash: int, block_id: int) -> None:
+        """Copy a held entry (``holds`` said so) into pool block ``block_id``."""
+        slot, _ = self._entries[block_hash]
+        self._entries.move_to_end(block_hash)
+        self._copy_in(slot, block_id)
+        self.copies_in += 1
