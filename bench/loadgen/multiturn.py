@@ -1,7 +1,8 @@
 """The multi-turn workload: conversations whose every turn sends the whole history so far, and what each turn's
 first token costs against prefilling that history cold.
 
-    for each of --num-prompts conversations (--max-concurrency at once), one session (X-Session-Id):
+    for each of --num-prompts conversations, all live at once, one session (X-Session-Id) each, with at most
+    --max-concurrency requests in flight (the others' users are "typing": their histories wait on the servers):
         turn 1..--turns: append a fresh user message of --input-len random tokens -> stream the reply
                          (--output-len tokens) -> append it as the assistant's message
         then the cold baseline: the last turn's history once more, with a unique line in front of its first
@@ -44,35 +45,34 @@ async def run_multiturn(options: RequestOptions, workload: MultiTurn, tokens: To
                 for _ in range(workload.conversations)]
     limit = asyncio.Semaphore(workload.concurrency)
     async with http_client(request_timeout_s) as client:
-        async def conversation(index: int) -> tuple[list[float], float]:
-            async with limit:
-                return await _converse(client, options, workload, messages[index])
-        results = await asyncio.gather(*(conversation(i) for i in range(workload.conversations)))
+        results = await asyncio.gather(*(_converse(client, options, workload, messages[i], limit)
+                                         for i in range(workload.conversations)))
     return summarize(results, workload)
 
 
-async def _converse(client, options: RequestOptions, workload: MultiTurn,
-                    user_messages: list[str]) -> tuple[list[float], float]:
+async def _converse(client, options: RequestOptions, workload: MultiTurn, user_messages: list[str],
+                    limit: asyncio.Semaphore) -> tuple[list[float], float]:
     """One conversation: each turn's TTFT, then the cold TTFT of the last turn's history."""
     session = f"bench-{uuid.uuid4().hex}"
     history: list[dict] = []
     ttfts = []
     for text in user_messages:
         history.append({"role": "user", "content": text})
-        record = await _turn(client, options, history, workload.output_len, session)
+        record = await _turn(client, options, history, workload.output_len, session, limit)
         ttfts.append(record.ttft_s)
         history.append({"role": "assistant", "content": record.output_text})
     history.pop()  # the last reply: the cold request asks for the last turn's reply again
     cold = [{"role": "user", "content": f"[{uuid.uuid4().hex}]\n{history[0]['content']}"}, *history[1:]]
-    return ttfts, (await _turn(client, options, cold, 1, f"bench-cold-{uuid.uuid4().hex}")).ttft_s
+    return ttfts, (await _turn(client, options, cold, 1, f"bench-cold-{uuid.uuid4().hex}", limit)).ttft_s
 
 
-async def _turn(client, options: RequestOptions, history: list[dict], output_len: int,
-                session: str) -> RequestRecord:
+async def _turn(client, options: RequestOptions, history: list[dict], output_len: int, session: str,
+                limit: asyncio.Semaphore) -> RequestRecord:
     turn_options = dataclasses.replace(options, extra_body={**options.extra_body, "messages": list(history)},
                                        headers={**options.headers, "X-Session-Id": session})
     record = RequestRecord(0, "default", None, output_len)
-    await send(client, turn_options, RequestSpec("", None, output_len), None, record, time.perf_counter())
+    async with limit:
+        await send(client, turn_options, RequestSpec("", None, output_len), None, record, time.perf_counter())
     if not record.ok:
         raise RuntimeError(f"a multi-turn request failed ({record.error_kind}): {record.error}")
     return record
