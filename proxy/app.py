@@ -9,7 +9,7 @@ server's event loop; at shutdown it cancels whatever is still in flight
 (Abort to the workers), writes the last usage record, then closes the
 socket and its context.
 
-Endpoints here: /v1/models, /tokenize, /detokenize, /healthz, /readyz,
+Endpoints here: /v1/models, /v1/sessions/{id}, /tokenize, /detokenize, /healthz, /readyz,
 /version, /metrics. The generation endpoints live in ``openai_api``, the
 reconnection to a resumable stream in ``resumable``, /v1/embeddings in ``embeddings_api``, the
 model promotions in ``admin_api``.
@@ -32,6 +32,8 @@ from common.protocol.wire import PROTOCOL_VERSION
 from common.runtime.zmq_security import proxy_curve
 from proxy import admin_api, embeddings_api, openai_api, openapi, resumable
 from proxy.cluster import Cluster
+from proxy.conversations import ConversationStore
+from proxy.auth import tenant_from_header
 from proxy.errors import ApiError, install_error_handlers
 from proxy.listener import BodyDeadline
 from proxy.metering import MeteringLog
@@ -65,6 +67,7 @@ class Services:
     cluster: Cluster
     models: ServedModels
     link: WorkerLink
+    conversations: ConversationStore | None
     streams: StreamStore
     started_at: int
 
@@ -83,7 +86,9 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
     cluster.attach(link.send)
     models = ServedModels(config, cluster.registry, registry_for(None), model_identity(config.model, config.dtype),
                           tokenizer, model_dir)
-    services = Services(config, tokenizer, TokenText(tokenizer), metrics, cluster, models, link,
+    conversations = ConversationStore(config.conversation_store_path, config.conversation_retention_s) \
+        if config.conversation_store_path else None
+    services = Services(config, tokenizer, TokenText(tokenizer), metrics, cluster, models, link, conversations,
                         StreamStore(config, metrics), int(time.time()))
 
     @asynccontextmanager
@@ -111,6 +116,8 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
                 await asyncio.wait([metering_task])  # had it failed, the socket must still be closed
             await services.streams.close()
             await link.close()
+            if conversations is not None:
+                conversations.close()
 
     app = FastAPI(title="Tessera proxy", version=_tessera_version(), lifespan=lifespan)
     app.state.services = services
@@ -134,6 +141,17 @@ def _add_service_routes(app: FastAPI, services: Services) -> None:
         """Every model a live worker serves (and the alias of the proxy's own), with its versions."""
         return {"object": "list", "data": [{**entry, "created": services.started_at}
                                            for entry in services.models.listing()]}
+
+    @app.get("/v1/sessions/{session}")
+    async def session_turns(session: str, request: Request) -> dict:
+        """A session's stored turns (with conversation_store_path), oldest first; the owning tenant's only."""
+        if services.conversations is None:
+            raise ApiError(404, "no conversation store: set conversation_store_path", code="not_found")
+        tenant = tenant_from_header(cluster.tenants, request.headers.get("authorization"))
+        turns = await services.conversations.turns(session, tenant.name if tenant else None)
+        if not turns:
+            raise ApiError(404, f"no stored session {session!r}", code="not_found", param="session")
+        return {"object": "list", "session": session, "data": turns}
 
     @app.post("/tokenize", openapi_extra=request_body(TokenizeRequest), response_model=TokenizeResponse,
               responses=error_responses(400, 413))

@@ -22,7 +22,8 @@ from fastapi.responses import JSONResponse, Response
 
 from proxy.auth import tenant_from_body, tenant_from_header
 from proxy.errors import ApiError
-from proxy.openai_api import served_headers, serving_context, session_of
+from proxy.openai_api import serving_context
+from proxy.served_models import served_headers, session_of
 from proxy.openapi import EmbeddingResponse, error_responses, request_body
 from proxy.protocol import EmbeddingRequest, read_model
 

@@ -53,6 +53,8 @@ from proxy.openapi import ChatCompletionResponse, CompletionResponse, error_resp
 from proxy.protocol import ChatCompletionRequest, CompletionRequest, read_model
 from proxy.requests import Event, FailureEvent, RequestGroup, TokenEvent
 from proxy.resumable import RESUMABLE_HEADER, wants_resume
+from proxy.conversations import continue_turn
+from proxy.served_models import served_headers, session_of
 from proxy.tenants import Tenant
 from proxy.token_text import TokenText, chat_logprobs, completion_logprobs
 
@@ -166,9 +168,6 @@ def envelope(response_id: str, object_name: str, created: int, model: str, choic
 log = logging.getLogger("tessera.proxy")
 router = APIRouter()
 TIMEOUT_HEADER = "x-request-timeout"  # seconds the client will wait for admission
-SESSION_HEADER = "x-session-id"  # the conversation: its turns keep one model version (proxy.served_models)
-MODEL_HEADER = "X-Tessera-Model"  # on every response: the model@version that served it
-MOVED_HEADER = "X-Tessera-Session-Moved"  # the version a session was pinned to and left (no longer served)
 
 
 _ERRORS = error_responses(400, 401, 404, 413, 429, 503, 504)
@@ -202,6 +201,7 @@ class _Generation:
     fmt: CompletionFormat | ChatFormat
     include_usage: bool
     served: dict[str, str]  # the response headers naming the model version that served it
+    remember: Callable | None = None  # stores the completed turn of a session (proxy.conversations)
 
     def chunk(self, choices: list[dict], usage_: dict | None = None) -> str:
         body = envelope(self.response_id, self.fmt.chunk_object, self.created, self.model, choices, usage_,
@@ -284,6 +284,8 @@ async def _admit(services, body, format_cls, tenant: Tenant, timeout_s: float | 
                        f"{config.max_tokens_limit} tokens per request", code="invalid_value", param="max_tokens")
     serving_context(services, tenant)
     session = session_of(services, headers, body.user)
+    remember = await continue_turn(services, body, session, tenant.name) if services.conversations and isinstance(
+        body, ChatCompletionRequest) else None  # with a conversation store: what keeps the turn
     choice = services.models.choose(body.model, session)
     max_model_len = choice.max_model_len
     prompts = await asyncio.to_thread(body.prompt_token_ids, choice.tokenizer)
@@ -307,20 +309,7 @@ async def _admit(services, body, format_cls, tenant: Tenant, timeout_s: float | 
                            session=session)
     choices = [ChoiceState(i, i // params.n) for i in range(len(prompts) * params.n)]
     return _Generation(response_id, int(time.time()), body.model, prompts, choices, fmt, body.include_usage,
-                       served_headers(choice)), group
-
-
-def served_headers(choice) -> dict[str, str]:
-    """``X-Tessera-Model: name@version``, and ``X-Tessera-Session-Moved`` when the session left its pinned version."""
-    headers = {MODEL_HEADER: f"{choice.name}@{choice.version}"}
-    if choice.moved_from is not None:
-        headers[MOVED_HEADER] = f"{choice.name}@{choice.moved_from}"
-    return headers
-
-
-def session_of(services, headers, user: str | None) -> str | None:
-    """The conversation a request belongs to: ``X-Session-Id``, else ``user`` with ``session_from_user_field``."""
-    return headers.get(SESSION_HEADER) or (user if services.config.session_from_user_field else None)
+                       served_headers(choice), remember and (lambda c: remember(choice.key, c))), group
 
 
 def serving_context(services, tenant: Tenant) -> None:
@@ -343,6 +332,8 @@ async def _collect(gen: _Generation, events: AsyncIterator[Event]) -> tuple[Resp
         gen.choices[event.index].add(event, gen.fmt.logprob_text)
     body = envelope(gen.response_id, gen.fmt.object_name, gen.created, gen.model,
                     [gen.fmt.final_choice(c) for c in gen.choices], usage(gen.prompts, gen.choices))
+    if gen.remember:
+        await gen.remember(gen.choices)
     return JSONResponse(body, headers=gen.served), "200"
 
 
@@ -369,6 +360,8 @@ async def _stream(gen: _Generation, group: RequestGroup, first: Event, events: A
             yield f"data: {json.dumps(event.error.body())}\n\n"
         elif gen.include_usage:
             yield gen.chunk([], usage(gen.prompts, gen.choices))
+        if gen.remember and status == "200":
+            await gen.remember(gen.choices)
         yield "data: [DONE]\n\n"
     finally:
         watcher.stop()

@@ -44,6 +44,9 @@ from proxy.token_text import TokenText
 from proxy.workers import WorkerRegistry, WorkerState
 
 log = logging.getLogger("tessera.proxy")
+SESSION_HEADER = "x-session-id"  # the conversation: its turns keep one model version
+MODEL_HEADER = "X-Tessera-Model"  # on every response: the model@version that served it
+MOVED_HEADER = "X-Tessera-Session-Moved"  # the version a session was pinned to and left (no longer served)
 MAX_PINS = 100_000  # sessions pinned at once; past it the oldest pin is dropped
 
 
@@ -131,6 +134,13 @@ class ServedModels:
             self._pin(name, session, chosen, now)
         moved = pin[0] if pin is not None and pin[0] != chosen else None
         return self._choice(name, chosen, live[chosen], moved)
+
+    def pin(self, requested: str, session: str, version: str, age_s: float) -> None:
+        """Pin a session to ``version`` as its first turn did ``age_s`` ago (a conversation the store kept across a
+        restart); nothing when that is past ``session_pin_max_s``."""
+        if age_s < self.config.session_pin_max_s:
+            name = self.aliases.get(requested.partition("@")[0], requested.partition("@")[0])
+            self._pins[name, session] = (version, time.monotonic() - max(age_s, 0.0))
 
     def pinned(self, name: str) -> dict[str, int]:
         """version -> sessions pinned to it now."""
@@ -224,6 +234,19 @@ class ServedModels:
         self.check(requested)
         raise ApiError(503, f"no worker serves model {requested!r} now (it is loading, draining or stopped); try "
                        "again", code="model_not_loaded", param="model", retry_after_s=self.config.retry_after_s)
+
+
+def served_headers(choice) -> dict[str, str]:
+    """``X-Tessera-Model: name@version``, and ``X-Tessera-Session-Moved`` when the session left its pinned version."""
+    headers = {MODEL_HEADER: f"{choice.name}@{choice.version}"}
+    if choice.moved_from is not None:
+        headers[MOVED_HEADER] = f"{choice.name}@{choice.moved_from}"
+    return headers
+
+
+def session_of(services, headers, user: str | None) -> str | None:
+    """The conversation a request belongs to: ``X-Session-Id``, else ``user`` with ``session_from_user_field``."""
+    return headers.get(SESSION_HEADER) or (user if services.config.session_from_user_field else None)
 
 
 def _draw(session: str | None) -> float:

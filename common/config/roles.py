@@ -51,6 +51,11 @@ class ProxyConfig:
     session_ttl_s: Float = option(
         600.0, "how long after a session's turn its next turn goes back to the decode worker that holds its history "
         "(in that worker's prefix cache) to prefill only what is new", gt=0)
+    conversation_store_path: Str = option(
+        "", "SQLite file keeping each session's turns (messages and reply), so a conversation continues across "
+        "proxy restarts (proxy/conversations.py: schema and retention); empty: none")
+    conversation_retention_s: Float = option(
+        7 * 86400.0, "turns older than this are deleted from the conversation store", gt=0)
     session_from_user_field: Bool = option(
         False, "whether a request's user field names its conversation when it has no X-Session-Id header: a "
         "session draws the canary once and keeps that model version")
