@@ -2,6 +2,8 @@
 holding the history and prefills only what is new; the output stays the single-process engine's."""
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -68,3 +70,39 @@ def test_a_sessions_turns_reuse_the_history_on_one_decode_worker(cluster, embedd
                                       SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
         assert answer["choices"][0]["message"]["content"] == reference.outputs[0].text
         history.append({"role": "assistant", "content": reference.outputs[0].text})
+
+
+def test_a_host_tier_under_a_pool_too_small_for_the_sessions_leaks_no_page(tiny_chat_model_dir, tmp_path):
+    """Six conversations whose histories outgrow the decode worker's 24-block pool, their turns interleaved: the
+    host tier takes what the pool evicts and gives it back; afterwards no pool page is held, and the host tier
+    holds no more than it may."""
+    cluster = LocalCluster.for_tests(
+        tiny_chat_model_dir, tmp_path, prefill=1, decode=1,
+        role_overrides=["decode:engine.num_kv_blocks=24", "decode:engine.host_kv_cache_memory_bytes=16777216"],
+    ).start()
+    try:
+        histories = [[] for _ in range(6)]
+        with httpx.Client(base_url=cluster.url, timeout=120) as client:
+            for turn in range(4):
+                for k, history in enumerate(histories):
+                    history.append({"role": "user", "content": f"conversation {k}, turn {turn}: go on"})
+                    body = {"model": "SmolLM2-135M-Instruct", "messages": history, "max_tokens": 8,
+                            "temperature": 0, "ignore_eos": True}
+                    response = client.post("/v1/chat/completions", json=body, headers={"X-Session-Id": f"s{k}"})
+                    assert response.status_code == 200, response.text
+                    history.append({"role": "assistant",
+                                    "content": response.json()["choices"][0]["message"]["content"]})
+        decode = cluster.worker_url("decode-0")
+        host = {name: sum(cluster.metric(name, decode).values()) for name in (
+            "tessera_worker_kv_host_pages", "tessera_worker_kv_host_pages_used",
+            "tessera_worker_kv_host_copies_out_total", "tessera_worker_kv_host_copies_in_total")}
+        assert host["tessera_worker_kv_host_copies_out_total"] > 0 and host["tessera_worker_kv_host_copies_in_total"] > 0
+        assert 0 < host["tessera_worker_kv_host_pages_used"] <= host["tessera_worker_kv_host_pages"]
+        for worker in ("prefill-0", "decode-0"):
+            deadline = time.monotonic() + 10
+            while sum(cluster.metric("tessera_worker_kv_pages_used", cluster.worker_url(worker)).values()):
+                assert time.monotonic() < deadline, f"{worker} still holds KV pages"
+                time.sleep(0.2)
+    finally:
+        codes = cluster.stop()
+    assert all(code == 0 for code in codes.values()), codes
