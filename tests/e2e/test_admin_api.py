@@ -8,7 +8,6 @@ from collections import Counter
 
 import pytest
 
-from common.storage.registry import ModelRegistry
 from tests.e2e.proxy_harness import *  # noqa: F401,F403 -- fixtures, helpers and wire types
 
 ADMIN_KEY = "admin-secret-key"
@@ -16,17 +15,7 @@ NAME = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture
-def store(tmp_path, monkeypatch, embedded_model_dir, embedded_model_dir_bf16):
-    """A registry of its own (the proxy's reads $TESSERA_CACHE_DIR), holding two versions of the embedded model."""
-    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
-    registry = ModelRegistry(tmp_path / "cache" / "registry")
-    registry.register(embedded_model_dir, NAME, "v1")
-    registry.register(embedded_model_dir_bf16, NAME, "v2")
-    return registry
-
-
-@pytest.fixture
-def admin_proxy(store, make_proxy, make_worker):
+def admin_proxy(two_versions, make_proxy, make_worker):
     proxy = make_proxy(admin_api_key_sha256=hashlib.sha256(ADMIN_KEY.encode()).hexdigest())
     for version in ("v1", "v2"):
         for role in ("prefill", "decode"):
@@ -45,7 +34,7 @@ def versions_served(proxy, count: int = 40, **headers) -> Counter:
                                    headers=headers).headers["X-Tessera-Model"] for _ in range(count))
 
 
-def test_the_admin_api_is_off_without_a_key_and_refuses_a_wrong_one(store, make_proxy):
+def test_the_admin_api_is_off_without_a_key_and_refuses_a_wrong_one(two_versions, make_proxy):
     proxy = make_proxy()
     assert admin(proxy, "rollback").status_code == 403
     keyed = make_proxy(admin_api_key_sha256=hashlib.sha256(ADMIN_KEY.encode()).hexdigest())

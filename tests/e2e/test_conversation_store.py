@@ -7,19 +7,9 @@ import time
 
 import pytest
 
-from common.storage.registry import ModelRegistry
 from tests.e2e.proxy_harness import *  # noqa: F401,F403 -- fixtures, helpers and wire types
 
 NAME = "SmolLM2-135M-Instruct"
-
-
-@pytest.fixture
-def two_versions(tmp_path, monkeypatch, embedded_model_dir, embedded_model_dir_bf16):
-    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
-    registry = ModelRegistry(tmp_path / "cache" / "registry")
-    registry.register(embedded_model_dir, NAME, "v1")
-    registry.register(embedded_model_dir_bf16, NAME, "v2")
-    return registry
 
 
 def start(make_proxy, make_worker, db) -> object:
