@@ -4,6 +4,8 @@
                                              the sessions pinned to it (drain a version once it has none)
     POST /admin/models/{name}/promote        {"version": V, "canary_percent": P | null}
     POST /admin/models/{name}/rollback       end the canary, else promote the version promoted before
+    POST /admin/models/{name}/drain          {"version": V}: no new session goes to V; answers once no session
+                                             is pinned to V (at most session_pin_max_s): stop V's workers then
 
 Every call needs ``Authorization: Bearer <key>`` whose sha256 is ``admin_api_key_sha256`` (401 otherwise); with
 that setting empty the API is off (403). A change is written to the proxy host's model registry
@@ -13,9 +15,11 @@ gRPC admin service is to wrap the same calls.
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
+import time
 
 import msgspec
 from fastapi import APIRouter, Request
@@ -29,6 +33,7 @@ from proxy.protocol import read_model
 log = logging.getLogger("tessera.proxy")
 router = APIRouter(prefix="/admin")
 ADMIN_BODY_BYTES = 4096
+DRAIN_POLL_S = 0.5  # how often a drain looks at the pins it waits for
 
 
 class PromoteRequest(BaseModel):
@@ -82,10 +87,37 @@ async def rollback(name: str, request: Request) -> dict:
     return _apply(request, name, "rollback", lambda store: store.rollback(name))
 
 
+class DrainRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: str = Field(min_length=1, max_length=128, description="the version to drain: neither the promoted "
+                         "version nor the canary")
+
+
+@router.post("/models/{name}/drain", openapi_extra=request_body(DrainRequest), responses=error_responses(400, 401))
+async def drain(name: str, request: Request) -> dict:
+    """Send no new session to ``version``, and answer once none is pinned to it: its workers can stop then."""
+    authorize(request)
+    body = await read_model(request, DrainRequest, ADMIN_BODY_BYTES)
+    models = request.app.state.services.models
+    state = models.state(name)
+    if body.version in (state.promoted, state.canary and state.canary.version):
+        raise ApiError(400, f"{name}@{body.version} is the promoted version or the canary: promote another (or "
+                       "roll the canary back) before draining it", code="invalid_value", param="version")
+    models.draining.add((name, body.version))
+    started = time.monotonic()
+    log.info("admin drain of model %s@%s: waiting for %d pinned sessions", name, body.version,
+             models.pinned(name).get(body.version, 0))
+    while (ends := models.pin_ends(name, body.version)) > time.monotonic():
+        await asyncio.sleep(min(DRAIN_POLL_S, ends - time.monotonic()))
+    return {"name": name, "version": body.version, "pinned_sessions": models.pinned(name).get(body.version, 0),
+            "waited_s": round(time.monotonic() - started, 3)}
+
+
 def _apply(request: Request, name: str, action: str, change) -> dict:
     models = request.app.state.services.models
     try:
         state = change(models.store)
+        models.draining -= {(name, state.promoted), (name, state.canary and state.canary.version)}
     except RegistryError as error:
         raise ApiError(400, str(error), code="invalid_value", param="name") from None
     log.info("admin %s of model %s: promoted %s, canary %s", action, name, state.promoted, state.canary)

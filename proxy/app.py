@@ -129,7 +129,7 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
     app.include_router(resumable.router)
     _add_service_routes(app, services)
     openapi.install(app, [CompletionRequest, ChatCompletionRequest, EmbeddingRequest, TokenizeRequest,
-                         DetokenizeRequest, admin_api.PromoteRequest])
+                         DetokenizeRequest, admin_api.PromoteRequest, admin_api.DrainRequest])
     return app
 
 

@@ -82,6 +82,7 @@ class ServedModels:
         self._states: dict[str, tuple[int, State]] = {}  # name -> (state file mtime, state)
         self._known: set[tuple[str, str]] = set()  # every version a worker served: 503 rather than 404 once gone
         self._pins: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()  # (name, session) -> pin
+        self.draining: set[tuple[str, str]] = set()  # versions being drained (admin API): no new session goes there
 
     def served(self) -> dict[str, dict[str, list[WorkerState]]]:
         """name -> version -> its live workers; versions in the order their first worker registered."""
@@ -125,7 +126,8 @@ class ServedModels:
         if pin is not None and pin[0] in live and now - pin[1] < self.config.session_pin_max_s:
             return self._choice(name, pin[0], live[pin[0]])
         state = self.state(name)
-        chosen = state.promoted if state.promoted in live else next(iter(live))
+        fresh = [v for v in live if (name, v) not in self.draining] or list(live)  # for a new session: not draining
+        chosen = state.promoted if state.promoted in live else fresh[0]
         canary = state.canary
         if canary is not None and canary.version in live and canary.version != chosen:
             if _draw(session) < canary.percent:
@@ -141,6 +143,12 @@ class ServedModels:
         if age_s < self.config.session_pin_max_s:
             name = self.aliases.get(requested.partition("@")[0], requested.partition("@")[0])
             self._pins[name, session] = (version, time.monotonic() - max(age_s, 0.0))
+
+    def pin_ends(self, name: str, version: str) -> float:
+        """When (monotonic) the last session pinned to ``version`` of ``name`` stops being pinned; now if none."""
+        now = time.monotonic()
+        return max((since + self.config.session_pin_max_s for (n, _), (v, since) in self._pins.items()
+                    if n == name and v == version), default=now)
 
     def pinned(self, name: str) -> dict[str, int]:
         """version -> sessions pinned to it now."""

@@ -97,6 +97,18 @@ def add_model_command(subparsers) -> None:
     _add_proxy(rollback)
     rollback.set_defaults(handler=_rollback)
 
+    drain = actions.add_parser(
+        "drain",
+        help="send no new session to a version, and return once none is pinned to it (needs --proxy)",
+        description="Through a running proxy's admin API: no new session goes to NAME@VERSION, and the command "
+        "returns once no session is pinned to it any more (at most the proxy's session_pin_max_s). Stop that "
+        "version's workers then: no conversation changes version mid-way.",
+    )
+    drain.add_argument("name", metavar="NAME")
+    drain.add_argument("version", metavar="VERSION")
+    _add_proxy(drain)
+    drain.set_defaults(handler=_drain)
+
 
 def _add_cache_dir(parser: argparse.ArgumentParser) -> None:
     # The registry commands take no --dtype, so only this part of add_model_options.
@@ -112,7 +124,7 @@ def _add_proxy(parser: argparse.ArgumentParser) -> None:
                         help="file holding the admin key whose sha256 is the proxy's admin_api_key_sha256")
 
 
-def _admin_call(args: argparse.Namespace, action: str, body: dict) -> dict:
+def _admin_call(args: argparse.Namespace, action: str, body: dict, timeout_s: float | None = 30.0) -> dict:
     """POST to the proxy's admin API; a refusal is a ValueError with the proxy's message."""
     if not args.admin_key_file:
         raise ValueError("--proxy needs --admin-key-file: the admin API requires the admin key")
@@ -121,7 +133,7 @@ def _admin_call(args: argparse.Namespace, action: str, body: dict) -> dict:
         f"{args.proxy.rstrip('/')}/admin/models/{args.name}/{action}", data=json.dumps(body).encode(),
         headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"}, method="POST")
     try:
-        with urllib.request.urlopen(request, timeout=30) as response:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return json.loads(response.read())
     except urllib.error.HTTPError as error:
         detail = json.loads(error.read() or b"{}").get("error", {}).get("message", error.reason)
@@ -168,6 +180,15 @@ def _rollback(args: argparse.Namespace) -> int:
     if args.proxy:
         return _print_admin(_admin_call(args, "rollback", {}))
     print(_describe_state(args.name, registry_for(args.cache_dir).rollback(args.name)))
+    return 0
+
+
+def _drain(args: argparse.Namespace) -> int:
+    if not args.proxy:
+        raise ValueError("drain needs --proxy: only a running proxy knows the sessions pinned to a version")
+    answer = _admin_call(args, "drain", {"version": args.version}, timeout_s=None)
+    print(f"{answer['name']}@{answer['version']}: drained after {answer['waited_s']:g}s; "
+          f"{answer['pinned_sessions']} session(s) pinned")
     return 0
 
 

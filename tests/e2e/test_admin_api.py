@@ -16,7 +16,7 @@ NAME = "SmolLM2-135M-Instruct"
 
 @pytest.fixture
 def admin_proxy(two_versions, make_proxy, make_worker):
-    proxy = make_proxy(admin_api_key_sha256=hashlib.sha256(ADMIN_KEY.encode()).hexdigest())
+    proxy = make_proxy(admin_api_key_sha256=hashlib.sha256(ADMIN_KEY.encode()).hexdigest(), session_pin_max_s=1.5)
     for version in ("v1", "v2"):
         for role in ("prefill", "decode"):
             make_worker(proxy, f"{role}-{version}", role, model_version=version)
@@ -74,3 +74,13 @@ def test_the_cli_promotes_and_rolls_back_through_the_admin_api(admin_proxy, tmp_
     refused = subprocess.run([*cli, "rollback", NAME, "--proxy", admin_proxy.url, "--admin-key-file", __file__],
                              capture_output=True, text=True)
     assert refused.returncode == 2 and "refused the rollback (401)" in refused.stderr
+
+
+def test_a_drain_waits_for_the_sessions_pinned_to_the_version_and_sends_it_no_new_one(admin_proxy):
+    proxy = admin_proxy
+    assert versions_served(proxy, 1, **{"X-Session-Id": "on-v1"}) == Counter({f"{NAME}@v1": 1})
+    assert admin(proxy, "promote", version="v2").status_code == 200
+    assert admin(proxy, "drain", version="v2").status_code == 400  # the promoted version: not drained
+    drained = admin(proxy, "drain", version="v1").json()
+    assert drained["pinned_sessions"] == 0 and 1.0 < drained["waited_s"] <= 2.0  # the pin's time ran out
+    assert versions_served(proxy, 1, **{"X-Session-Id": "on-v1"}) == Counter({f"{NAME}@v2": 1})
