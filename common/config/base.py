@@ -228,6 +228,10 @@ class EngineConfig:
         0, "the host tier: a second store of this many bytes of whole KV blocks in host memory; a cached block "
         "the pool evicts is copied there and copied back on a prefix hit instead of computed again "
         "(common/engine/host_tier.py); 0: none", ge=0)
+    disk_kv_cache_dir: Str = option(
+        "", "the disk tier below the host tier: a directory of this worker's alone (emptied at start) where the "
+        "blocks the host tier evicts are written, and read back on a hit; empty: none")
+    disk_kv_cache_bytes: Int = option(0, "what the disk tier may hold, in bytes of whole KV blocks", ge=0)
     max_num_seqs: Int = option(128, "most sequences scheduled in one step", ge=1)
     max_num_batched_tokens: Int = option(2048, "token budget of one step; must be >= block_size", ge=1)
     max_model_len: Int | None = option(None, "longest context a request may reach; null takes the "

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.engine.disk_tier import DiskTier
 from common.engine.host_tier import HostTier
 
 
@@ -58,12 +59,14 @@ class KVCache:
         self.layers = [(self.buffer[:, i, 0], self.buffer[:, i, 1]) for i in range(layout.num_layers)]
         self.host_buffer: torch.Tensor | None = None  # the host tier's blocks (host_tier), when one is made
 
-    def host_tier(self, budget_bytes: int) -> HostTier | None:
+    def host_tier(self, budget_bytes: int, disk_dir: str = "", disk_bytes: int = 0) -> HostTier | None:
         """A host tier of whole blocks within ``budget_bytes`` (None for a budget under one block): a second
-        buffer of the pool's layout in host memory (pinned beside a GPU pool), each block copied whole."""
+        buffer of the pool's layout in host memory (pinned beside a GPU pool), each block copied whole; with
+        ``disk_dir`` and ``disk_bytes``, a disk tier below it."""
         capacity = self.layout.blocks_for_budget(budget_bytes)
         if capacity < 1:
             return None
+        disk_blocks = self.layout.blocks_for_budget(disk_bytes) if disk_dir else 0
         pinned = self.buffer.device.type == "cuda"
         self.host_buffer = torch.empty((capacity, *self.buffer.shape[1:]), dtype=self.buffer.dtype,
                                        pin_memory=pinned)
@@ -74,7 +77,14 @@ class KVCache:
         def copy_in(slot: int, block_id: int) -> None:
             self.buffer[block_id].copy_(self.host_buffer[slot], non_blocking=pinned)
 
-        return HostTier(capacity, copy_out, copy_in)
+        def read_slot(slot: int) -> bytes:
+            return self.host_buffer[slot].view(torch.uint8).numpy().tobytes()
+
+        def write_block(block_id: int, data: bytes) -> None:  # a block of the pool is one contiguous range
+            self.buffer[block_id].view(torch.uint8).view(-1).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+        disk = DiskTier(disk_dir, disk_blocks) if disk_blocks else None
+        return HostTier(capacity, copy_out, copy_in, disk, read_slot, write_block)
 
     @property
     def nbytes(self) -> int:

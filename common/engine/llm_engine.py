@@ -132,7 +132,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.model_dir)
         self.runner = ModelRunner(config, self.model_dir)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          self.runner.kv_cache.host_tier(config.host_kv_cache_memory_bytes))
+                                          self.runner.host_tier())
         self.max_model_len = self.runner.max_model_len
         self.scheduler = Scheduler(
             config, self.block_manager, self.max_model_len, frozenset(self.tokenizer.eos_token_ids)

@@ -99,6 +99,12 @@ class ModelRunner:
         return self.kv_cache.num_blocks
 
     # ---- batch preparation -------------------------------------------------
+    def host_tier(self):
+        """The KV tiers below the pool the config asks for (``host_kv_cache_memory_bytes``, ``disk_kv_cache_*``):
+        a ``HostTier`` for the block manager, or None."""
+        c = self.config
+        return self.kv_cache.host_tier(c.host_kv_cache_memory_bytes, c.disk_kv_cache_dir, c.disk_kv_cache_bytes)
+
     def prepare(self, plan: StepPlan) -> PreparedStep:
         """Flat batch: single-query rows first (decodes, and each draft being verified), then chunks.
 

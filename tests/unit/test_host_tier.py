@@ -132,3 +132,30 @@ def test_greedy_output_with_a_tiny_pool_and_a_host_tier_equals_the_plain_engine(
     host = tiered.block_manager.host
     assert host.copies_out > 0 and host.copies_in > 0
     assert tiered.block_manager.num_free_blocks == 12 and host.used <= host.capacity
+
+
+def test_blocks_the_host_tier_evicts_go_to_disk_and_come_back_whole(tmp_path):
+    layout = KVLayout(num_layers=2, block_size=BS, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+    cache = KVCache(layout, num_blocks=4)
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "kv" / "0123.kv").write_bytes(b"a previous run's")
+    tier = cache.host_tier(layout.bytes_per_block, str(tmp_path / "kv"), 2 * layout.bytes_per_block)
+    assert tier.capacity == 1 and tier.disk.capacity == 2 and not list((tmp_path / "kv").iterdir())
+    blocks = BlockManager(4, BS, host=tier)
+    want = {}
+    for k in range(4):  # four prompts of one block each, each computed into the pool and cached
+        tokens = list(range(10 * k, 10 * k + BS))
+        (block_id,) = blocks.allocate(1)
+        cache.buffer[block_id] = torch.randn(cache.buffer[block_id].shape).to(torch.bfloat16)
+        blocks.cache_full_blocks([block_id], tokens, 0, 1)
+        want[k] = cache.buffer[block_id].clone()
+        blocks.free([block_id])
+    blocks.allocate(4)  # the pool hands all four out, each spilled: host memory keeps the last, disk the two before
+    blocks.free(list(range(4)))
+    assert tier.used == 1 and tier.disk.used == 2 and tier.disk.writes == 3  # the first went on to disk, then out
+    for k in (1, 2):  # on disk: read back into a pool block, equal to what was computed
+        tokens = list(range(10 * k, 10 * k + BS))
+        (block_id,) = blocks.reload_prefix(tokens, [], 1)
+        assert torch.equal(cache.buffer[block_id], want[k])
+        blocks.free([block_id])
+    assert tier.disk.reads == 2 and blocks.reload_prefix(list(range(0, BS)), [], 1) == []  # the first: gone
