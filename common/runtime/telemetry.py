@@ -152,6 +152,9 @@ class Snapshot:
     host_blocks_used: int = 0
     host_copies_out: int = 0
     host_copies_in: int = 0
+    disk_blocks_used: int = 0  # the disk tier below it: blocks held, blocks written and read back
+    disk_writes: int = 0
+    disk_reads: int = 0
     steps: int = 0
     computed_tokens: int = 0
     generated_tokens: int = 0
@@ -174,6 +177,9 @@ class Snapshot:
             **({} if blocks.host is None else {
                 "host_blocks": blocks.host.capacity, "host_blocks_used": blocks.host.used,
                 "host_copies_out": blocks.host.copies_out, "host_copies_in": blocks.host.copies_in}),
+            **({} if blocks.host is None or blocks.host.disk is None else {
+                "disk_blocks_used": blocks.host.disk.used, "disk_writes": blocks.host.disk.writes,
+                "disk_reads": blocks.host.disk.reads}),
             steps=stats.num_steps, computed_tokens=stats.num_computed_tokens,
             generated_tokens=stats.num_generated_tokens, preemptions=stats.num_preemptions,
             spec_drafts=stats.num_spec_drafts, spec_draft_tokens=stats.num_spec_draft_tokens,
@@ -242,6 +248,11 @@ class _SnapshotCollector:
                            s.host_copies_out)
             yield _counter("tessera_worker_kv_host_copies_in", "KV pages copied back from the host tier, instead of "
                            "computed again", s.host_copies_in)
+        if s.disk_writes:
+            yield _gauge("tessera_worker_kv_disk_pages_used", "KV pages (blocks) held in the disk tier",
+                         s.disk_blocks_used)
+            yield _counter("tessera_worker_kv_disk_writes", "KV pages written to the disk tier", s.disk_writes)
+            yield _counter("tessera_worker_kv_disk_reads", "KV pages read back from the disk tier", s.disk_reads)
         yield _counter("tessera_worker_steps", "Engine steps run", s.steps)
         yield _counter("tessera_worker_computed_tokens", "Tokens run through the model (prompt, recompute, decode)",
                        s.computed_tokens)
