@@ -69,7 +69,7 @@ class Cluster(WorkerMembership):
         self.tac = AdaptiveController(config, self.registry, policy, self.admission, metrics, self.send, clock,
                                       lambda: self.inflight.values()) if config.tac_enabled else None
         self.inflight: dict[str, SubRequest] = {}
-        self.peer_versions: dict[str, int] = {}  # worker id -> the protocol version of its latest frame
+        self.peer_versions: dict[str, int] = {}  # worker id -> the version it is answered in (the older of the two)
         self.embeddings = Embeddings(config, self.registry, self.send, self.peer_versions)  # no admission, no pages
         self.draining = False
         self._clock = clock
@@ -94,7 +94,7 @@ class Cluster(WorkerMembership):
             self.metrics.worker_requests.labels(worker_id, "prefill").inc()
         elif isinstance(msg, DecodeRequest):
             self.metrics.worker_requests.labels(worker_id, "decode").inc()
-        self._outbox(worker_id, msg, min(self.peer_versions.get(worker_id, PROTOCOL_VERSION), PROTOCOL_VERSION))
+        self._outbox(worker_id, msg, self.peer_versions.get(worker_id, PROTOCOL_VERSION))
 
     def _act(self, sub: SubRequest, before: Stage, sends: Sends) -> None:
         """Send what a sub-request's handler returned, and follow its stage change in admission and routing;
@@ -264,9 +264,9 @@ class Cluster(WorkerMembership):
         return sub.start_prefill(route.worker, counter, now)
 
     def _candidates(self, sub: SubRequest) -> list:
-        """The workers ``sub`` may be routed to: those of its model version; a resumed one not to the worker it left (it gave it back, or
-        failed it; its prefix cache would draw a local prefill back there) while another decode-capable worker
-        can take it."""
+        """The workers ``sub`` may be routed to: those of its model version; a resumed one not to the worker it
+        left (it gave it back, or failed it; its prefix cache would draw a local prefill back there) while another
+        decode-capable worker can take it."""
         workers = [w for w in self.registry.workers.values()
                    if sub.model is None or (w.model, w.model_version) == sub.model]  # prefill and decode: one version
         left = sub.left
@@ -310,7 +310,7 @@ class Cluster(WorkerMembership):
             log.warning("dropped a %s from worker %r: workers do not send that", type(msg).__name__, sender)
             return
         now = self._clock()
-        self.peer_versions[sender] = frames[0][1]  # it is answered in the older of its version and this one's
+        self.peer_versions[sender] = min(frames[0][1], PROTOCOL_VERSION)
         if isinstance(msg, Register) and frames[0][1] != PROTOCOL_VERSION:
             log.info("worker %r speaks protocol version %d; this proxy %d", sender, frames[0][1], PROTOCOL_VERSION)
         if not isinstance(msg, Register):

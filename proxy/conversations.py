@@ -127,8 +127,9 @@ class ConversationStore:
 
 
 async def continue_turn(services, body, session: str | None, tenant: str):
-    """A chat turn of a session (the caller asks only with a conversation store): restores the session's pinned version when the turn
-    continues the stored conversation, and returns what writes the turn once its reply is complete (else None)."""
+    """A chat turn of a session (the caller asks only with a conversation store): restores the session's pinned
+    version when the turn continues the stored conversation, and returns what writes the turn once its reply is
+    complete (else None)."""
     store = services.conversations
     if session is None:
         return None

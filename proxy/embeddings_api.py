@@ -3,8 +3,9 @@
 A request's way through this module:
 
     API key (401, with auth_enabled) -> read body (413) -> parse (400) -> tenant -> model version
-    (``proxy.served_models``: 404, 503 while none serves it) -> the proxy not draining (503) and the tenant's rate limit (429) -> tokenize in a thread (400: an empty
-    input, a token outside the vocabulary, an input longer than the context, naming ``input[i]``)
+    (``proxy.served_models``: 404, 503 while none serves it) -> the proxy not draining (503) and the tenant's
+    rate limit (429) -> tokenize in a thread (400: an empty input, a token outside the vocabulary, an input longer
+    than the context, naming ``input[i]``)
     -> ``proxy.embeddings.Embeddings.embed``: a prefill-capable worker of that version computes the batch
     -> ``dimensions`` (the first so many, normalized again) -> float lists or base64 -> the body, with usage.
 

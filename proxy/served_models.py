@@ -92,11 +92,15 @@ class ServedModels:
             self._known.add((worker.model, worker.model_version))
         return served
 
+    def _parse(self, requested: str) -> tuple[str, str]:
+        """``N`` or ``N@V`` (or the alias) as (name, version); the version is empty for ``N``."""
+        name, _, version = requested.partition("@")
+        return self.aliases.get(name, name), version
+
     def check(self, requested: str) -> None:
         """404 unless ``requested`` names a model (or a version of one) that is served, registered or served before,
         or the proxy's own; asked before a request's other fields are, so that it is the first error."""
-        name, _, version = requested.partition("@")
-        name = self.aliases.get(name, name)
+        name, version = self._parse(requested)
         served = self.served()
         if version:
             known = (name, version) in self._known or (name in self.store.names()
@@ -111,8 +115,7 @@ class ServedModels:
 
     def choose(self, requested: str, session: str | None = None) -> ModelChoice:
         """The version to serve ``requested`` (``check`` it first): 503 while no live worker serves it."""
-        name, _, version = requested.partition("@")
-        name = self.aliases.get(name, name)
+        name, version = self._parse(requested)
         versions = self.served().get(name, {})
         live = {v: ws for v, ws in versions.items() if any(not w.draining for w in ws)}
         if version:
@@ -141,8 +144,7 @@ class ServedModels:
         """Pin a session to ``version`` as its first turn did ``age_s`` ago (a conversation the store kept across a
         restart); nothing when that is past ``session_pin_max_s``."""
         if age_s < self.config.session_pin_max_s:
-            name = self.aliases.get(requested.partition("@")[0], requested.partition("@")[0])
-            self._pins[name, session] = (version, time.monotonic() - max(age_s, 0.0))
+            self._pins[self._parse(requested)[0], session] = (version, time.monotonic() - max(age_s, 0.0))
 
     def pin_ends(self, name: str, version: str) -> float:
         """When (monotonic) the last session pinned to ``version`` of ``name`` stops being pinned; now if none."""

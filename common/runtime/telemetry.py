@@ -148,7 +148,7 @@ class Snapshot:
     kv_pages_free: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
-    host_blocks: int = 0  # the host tier's capacity (0: none), blocks held, copies each way, prefix hits there
+    host_blocks: int = 0  # the host tier's capacity (0: none), blocks held, copies each way
     host_blocks_used: int = 0
     host_copies_out: int = 0
     host_copies_in: int = 0

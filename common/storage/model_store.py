@@ -172,19 +172,21 @@ def prepare_embedded_model(
     ``fetch_gguf`` and ``convert`` default to the real download and
     transformers conversion; tests pass fakes.
     """
-    fetch_gguf = fetch_gguf or fetch_embedded_gguf
-    convert = convert or convert_gguf_to_hf
-    log = log or _log_to_stderr
     target = embedded_model_dir(dtype, cache_dir)
-    if _is_prepared(target, dtype):
-        _register_embedded(target, dtype, cache_dir)
-        return target
+    if not _is_prepared(target, dtype):
+        _convert_once(target, dtype, cache_dir, fetch_gguf or fetch_embedded_gguf, convert or convert_gguf_to_hf,
+                      log or _log_to_stderr)
+    _register_embedded(target, dtype, cache_dir)
+    return target
+
+
+def _convert_once(target: Path, dtype: str, cache_dir: str | Path | None, fetch_gguf: GgufFetcher,
+                  convert: Converter, log: Log) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(target.parent / ".prepare.lock"):
         # Another process may have finished the job while this one waited.
         if _is_prepared(target, dtype):
-            _register_embedded(target, dtype, cache_dir)
-            return target
+            return
         gguf = _cached_gguf(_cache_root(cache_dir), fetch_gguf, log)
         partial = target.with_name(f".{target.name}.partial")
         # Under the lock nobody else writes here, so a leftover is from a crashed run.
@@ -198,9 +200,7 @@ def prepare_embedded_model(
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
-    _register_embedded(target, dtype, cache_dir)
     log(f"done: {target} ({_dir_size(target) / 2**20:.0f} MiB)")
-    return target
 
 
 def fetch_embedded_gguf(dest: Path, log: Log) -> None:

@@ -29,7 +29,8 @@ class Served:
         self.store = ModelRegistry(tmp_path / "registry")
         self.workers = SimpleNamespace(workers={w.worker_id: w for w in workers})
         config = SimpleNamespace(served_model_name="alias", retry_after_s=2, session_pin_max_s=60.0)
-        self.models = ServedModels(config, self.workers, self.store, ("tiny", "own-digest"), Tokenizer(own_dir), own_dir)
+        self.models = ServedModels(config, self.workers, self.store, ("tiny", "own-digest"), Tokenizer(own_dir),
+                                   own_dir)
 
     def add(self, *workers) -> None:
         self.workers.workers.update({w.worker_id: w for w in workers})
