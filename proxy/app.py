@@ -86,8 +86,8 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
     cluster.attach(link.send)
     models = ServedModels(config, cluster.registry, registry_for(None), model_identity(config.model, config.dtype),
                           tokenizer, model_dir)
-    conversations = ConversationStore(config.conversation_store_path, config.conversation_retention_s) \
-        if config.conversation_store_path else None
+    conversations = ConversationStore(config.conversation_store_path, config.conversation_retention_s,
+                                      config.conversation_store_timeout_s) if config.conversation_store_path else None
     services = Services(config, tokenizer, TokenText(tokenizer), metrics, cluster, models, link, conversations,
                         StreamStore(config, metrics), int(time.time()))
 
@@ -148,7 +148,10 @@ def _add_service_routes(app: FastAPI, services: Services) -> None:
         if services.conversations is None:
             raise ApiError(404, "no conversation store: set conversation_store_path", code="not_found")
         tenant = tenant_from_header(cluster.tenants, request.headers.get("authorization"))
-        turns = await services.conversations.turns(session, tenant.name if tenant else None)
+        try:
+            turns = await services.conversations.turns(session, tenant.name if tenant else None)
+        except TimeoutError as error:
+            raise ApiError(503, str(error), code="store_unavailable", retry_after_s=config.retry_after_s) from None
         if not turns:
             raise ApiError(404, f"no stored session {session!r}", code="not_found", param="session")
         return {"object": "list", "session": session, "data": turns}

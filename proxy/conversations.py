@@ -22,7 +22,8 @@ version it was pinned to (for what is left of ``session_pin_max_s`` since its fi
 differs is a new one under that id: its turns start again at 0. ``GET /v1/sessions/{id}`` reads the stored turns
 back (the owning tenant's key with auth on).
 
-SQLite runs in one thread of its own (WAL mode), so the event loop never waits on the disk.
+SQLite runs in one thread of its own (WAL mode), so the event loop never waits on the disk; a call that takes longer
+than ``conversation_store_timeout_s`` is given up (the turn is served, only not kept; the read-back answers 503).
 """
 from __future__ import annotations
 
@@ -54,9 +55,10 @@ class Continued:
 
 
 class ConversationStore:
-    def __init__(self, path: str, retention_s: float) -> None:
+    def __init__(self, path: str, retention_s: float, timeout_s: float) -> None:
         self.path = path
         self.retention_s = retention_s
+        self.timeout_s = timeout_s
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conversations")
         self._db: sqlite3.Connection | None = None
         self._next_sweep = 0.0
@@ -69,7 +71,12 @@ class ConversationStore:
         self._sweep()
 
     async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        call = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        try:
+            return await asyncio.wait_for(call, self.timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"the conversation store took longer than conversation_store_timeout_s="
+                               f"{self.timeout_s}s") from None
 
     async def continues(self, session: str, tenant: str, messages: list[dict]) -> Continued:
         return await self._run(self._continues, session, tenant, messages)
@@ -134,7 +141,11 @@ async def continue_turn(services, body, session: str | None, tenant: str):
     if session is None:
         return None
     messages = body.model_dump(mode="json", exclude_none=True)["messages"]
-    continued = await store.continues(session, tenant, messages)
+    try:
+        continued = await store.continues(session, tenant, messages)
+    except Exception:  # a store that fails or stalls must not fail the turn: it is served, only not kept
+        log.exception("could not read session %r from the conversation store", session)
+        return None
     if continued.version is not None:
         services.models.pin(body.model, session, continued.version, time.time() - continued.first_created)
 

@@ -56,6 +56,8 @@ class ProxyConfig:
         "proxy restarts (proxy/conversations.py: schema and retention); empty: none")
     conversation_retention_s: Float = option(
         7 * 86400.0, "turns older than this are deleted from the conversation store", gt=0)
+    conversation_store_timeout_s: Float = option(
+        2.0, "longest a request waits on the conversation store; past it the turn is served but not kept", gt=0)
     session_from_user_field: Bool = option(
         False, "whether a request's user field names its conversation when it has no X-Session-Id header: a "
         "session draws the canary once and keeps that model version")

@@ -63,3 +63,18 @@ def test_turns_past_the_retention_are_swept_at_start(two_versions, make_proxy, m
         connection.execute("UPDATE turns SET created = ?", (time.time() - 30 * 86400,))
     proxy = start(make_proxy, make_worker, db)
     assert proxy.http.get("/v1/sessions/chat-1").status_code == 404
+
+
+def test_a_stalled_store_costs_the_turn_only_its_keeping(two_versions, make_proxy, make_worker, tmp_path,
+                                                         monkeypatch):
+    """Past conversation_store_timeout_s the turn is served anyway; the read-back answers 503 naming the setting."""
+    from proxy.conversations import ConversationStore
+
+    proxy = start(make_proxy, make_worker, tmp_path / "conversations.sqlite")
+    store = proxy.services.conversations
+    store.timeout_s = 0.2
+    monkeypatch.setattr(ConversationStore, "_continues", lambda self, *args: time.sleep(1.0))
+    monkeypatch.setattr(ConversationStore, "_turns", lambda self, *args: time.sleep(1.0))
+    assert turn(proxy, [{"role": "user", "content": "Hi."}])[0] == f"{NAME}@v1"
+    stalled = proxy.http.get("/v1/sessions/chat-1")
+    assert stalled.status_code == 503 and "conversation_store_timeout_s" in stalled.text
