@@ -8,7 +8,7 @@ def _make_handler(config):
     from decode_worker.worker import DecodeHandler
     from kv_transfer.factory import backend_for
 
-    return DecodeHandler(config, backend_for(config), role=config.role)
+    return DecodeHandler(config, lambda: backend_for(config), role=config.role)
 
 
 def add_decode_command(subparsers) -> None:

@@ -65,16 +65,18 @@ class DelayedPull:
 class DecodeHandler(WorkerBase):
     role = "decode"
 
-    def __init__(self, config, transfer, role: str = "decode") -> None:
-        super().__init__(config, transfer)
+    def __init__(self, config, make_transfer, role: str = "decode") -> None:
         self.role = role
-        self.pulls: dict[str, Pull] = {}
-        self.delayed: dict[str, DelayedPull] = {}  # only with fault_kv_pull_delay_s
-        self.peers: dict[str, int] = {}  # prefill worker id -> epoch known to the transfer agent
-        self.embeds = EmbedQueue(self) if role == "both" else None  # /v1/embeddings: prefill-capable roles
+        super().__init__(config, make_transfer)
         if config.fault_kv_pull_delay_s:
             log.warning("fault injection: every KV pull starts fault_kv_pull_delay_s=%gs late",
                         config.fault_kv_pull_delay_s)
+
+    def reset(self) -> None:
+        self.pulls: dict[str, Pull] = {}
+        self.delayed: dict[str, DelayedPull] = {}  # only with fault_kv_pull_delay_s
+        self.peers: dict[str, int] = {}  # prefill worker id -> epoch known to the transfer agent
+        self.embeds = EmbedQueue(self) if self.role == "both" else None  # /v1/embeddings: prefill-capable roles
 
     # ---- inbound --------------------------------------------------------------
     def handle(self, msg) -> None:

@@ -8,7 +8,7 @@ def _make_handler(config):
     from kv_transfer.factory import backend_for
     from prefill_worker.worker import PrefillHandler
 
-    return PrefillHandler(config, backend_for(config))
+    return PrefillHandler(config, lambda: backend_for(config))
 
 
 def add_command(subparsers) -> None:

@@ -30,8 +30,7 @@ SPAN = "prefill_worker.prefill"
 class PrefillHandler(WorkerBase):
     role = "prefill"
 
-    def __init__(self, config, transfer) -> None:
-        super().__init__(config, transfer)
+    def reset(self) -> None:
         self.computing: dict[str, tuple[Sequence, float]] = {}  # request id -> (seq, lease seconds)
         self.leases: dict[str, tuple[Sequence, float]] = {}  # request id -> (seq, expiry)
         self.embeds = EmbedQueue(self)

@@ -86,6 +86,7 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
     cluster.attach(link.send)
     models = ServedModels(config, cluster.registry, registry_for(None), model_identity(config.model, config.dtype),
                           tokenizer, model_dir)
+    models.loader = cluster.loader  # versions workers may load on demand (standby_models)
     conversations = ConversationStore(config.conversation_store_path, config.conversation_retention_s,
                                       config.conversation_store_timeout_s) if config.conversation_store_path else None
     services = Services(config, tokenizer, TokenText(tokenizer), metrics, cluster, models, link, conversations,

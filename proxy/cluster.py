@@ -26,13 +26,14 @@ from common.config.roles import ProxyConfig
 from common.runtime.tracing import make_tracing
 from common.protocol.sampling_params import SamplingParams
 from common.protocol.wire import (PROTOCOL_VERSION, Abort, DecodeRequest, EmbedResult, Goodbye, Heartbeat, KVPulled,
-                                  PrefillDone, PrefillRequest, Register, ReleaseKV, RequestFailed, TokenDeltas,
-                                  WireError, decode)
+                                  PrefillDone, PrefillRequest, Register, ReleaseKV, RequestFailed, Standby,
+                                  TokenDeltas, WireError, decode)
 from proxy.admission import Admit, AdmissionController, Stage
 from proxy.embeddings import Embeddings
 from proxy.errors import ApiError
 from proxy.membership import WorkerMembership
 from proxy.metrics import ProxyMetrics
+from proxy.model_loading import ModelLoader
 from proxy.workers import WorkerRegistry
 from proxy.requests import RequestGroup, Sends, SlotForecast, SubRequest
 from proxy.routing import RoutingPolicy
@@ -71,6 +72,7 @@ class Cluster(WorkerMembership):
         self.inflight: dict[str, SubRequest] = {}
         self.peer_versions: dict[str, int] = {}  # worker id -> the version it is answered in (the older of the two)
         self.embeddings = Embeddings(config, self.registry, self.send, self.peer_versions)  # no admission, no pages
+        self.loader = ModelLoader(config, self.registry, self.send, metrics, self._involved, self.peer_versions, clock)
         self.draining = False
         self._clock = clock
         self._outbox: Outbox | None = None
@@ -78,7 +80,7 @@ class Cluster(WorkerMembership):
             Register: self._on_register, Heartbeat: self._on_heartbeat, Goodbye: self._on_goodbye,
             PrefillDone: self._on_prefill_done, KVPulled: self._on_kv_pulled,
             TokenDeltas: self._on_token_deltas, RequestFailed: self._on_request_failed,
-            EmbedResult: self.embeddings.on_result,
+            EmbedResult: self.embeddings.on_result, Standby: self._on_standby,
         }
         self._update_worker_gauges()
 
@@ -289,6 +291,9 @@ class Cluster(WorkerMembership):
             return sub.reject(self._unavailable("no decode worker is available to continue the request"))
         self.policy.decode_sent(decoder, tokens, local=sub.local, cache_salt=sub.cache_salt, session=sub.session)
         return sub.start_decode(decoder, self.admission.counters[sub.tenant], now)
+
+    def _involved(self, worker_id: str) -> bool:
+        return any(sub.involves(worker_id) for sub in self.inflight.values())
 
     def _unavailable(self, message: str) -> ApiError:
         return ApiError(503, message, code="no_worker_available", retry_after_s=self.config.retry_after_s)

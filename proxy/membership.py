@@ -12,7 +12,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from common.protocol.wire import Goodbye, Heartbeat, Register, RegisterAck, Reregister
+from common.protocol.wire import Goodbye, Heartbeat, Register, RegisterAck, Reregister, Standby
 from proxy.admission import Stage
 
 if TYPE_CHECKING:
@@ -35,6 +35,7 @@ class WorkerMembership:
         worker = outcome.worker
         if worker is None:
             return
+        self.loader.registered(msg)
         self.metrics.set_worker_kv(worker.worker_id, worker.num_blocks, worker.free_blocks)
         self._update_worker_gauges()
         if outcome.prefill_set_changed:
@@ -64,6 +65,7 @@ class WorkerMembership:
         self._dispatch()  # a worker that stopped draining brings its decode slots back
 
     def _on_goodbye(self, sender: str, msg: Goodbye, now: float) -> None:
+        self.loader.forget(sender)  # a worker standing by that exits
         worker = self.registry.goodbye(msg) if sender == msg.worker_id else None
         if worker is not None:
             self._worker_gone(worker, f"it said goodbye ({msg.reason or 'no reason given'})", expected=True)
@@ -71,11 +73,23 @@ class WorkerMembership:
     def on_disconnect(self, identity: bytes) -> None:
         """A worker's connection closed (its process exited, or its host went away): gone now, not after
         ``heartbeat_timeout_s``."""
+        self.loader.forget(identity.decode(errors="replace"))
         worker = self.registry.disconnected(identity.decode(errors="replace"))
         if worker is not None:
             self.metrics.disconnects.labels(worker.worker_id).inc()
             self._worker_gone(worker, "its connection closed (the process exited or its host is unreachable)",
                               expected=False)
+
+    def _on_standby(self, sender: str, msg: Standby, now: float) -> None:
+        """A worker holding no model (``proxy.model_loading``); one still registered under its old epoch is gone."""
+        if sender != msg.worker_id:
+            log.warning("dropped a Standby from %r naming worker %r", sender, msg.worker_id)
+            return
+        worker = self.registry.workers.get(sender)
+        if worker is not None and worker.epoch < msg.epoch and self.registry.goodbye(
+                Goodbye(sender, worker.epoch)) is not None:
+            self._worker_gone(worker, "it unloaded its model", expected=True)
+        self.loader.on_standby(msg, now)
 
     def expire_workers(self) -> None:
         for worker in self.registry.expire(self._clock()):

@@ -46,6 +46,11 @@ class ProxyMetrics:
         r = self.registry
         self.requests = Counter("tessera_proxy_requests", "Generation requests by endpoint and outcome",
                                 ["endpoint", "status"], registry=r)
+        self.model_loads = Counter("tessera_proxy_model_loads", "Loads of a standby model the proxy asked a worker "
+                                   "for, by model (name@version) and outcome (loaded, failed)", ["model", "outcome"],
+                                   registry=r)
+        self.model_load_seconds = Histogram("tessera_proxy_model_load_seconds", "How long a worker took to load a "
+                                            "standby model (its own measure)", buckets=_E2E_BUCKETS, registry=r)
         self.ttft = Histogram("tessera_proxy_time_to_first_token_seconds",
                               "Arrival to first token, per choice", buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("tessera_proxy_time_per_output_token_seconds",

@@ -7,8 +7,12 @@ the proxy's own model (``config.model``'s name). ``choose`` turns it into a ``Mo
     N   -> a session's pinned version (below); else the canary version for its configured share of requests (a
            session always draws the same way), else the promoted version; with neither served, any served version
            of N (the oldest first)
-    404 -> a name (or version) neither served nor registered; 503 + Retry-After -> registered, or served before,
-           but no live worker serves it now (loading, draining, scaled to zero)
+    404 -> a name (or version) neither served, registered nor offered; 503 + Retry-After -> registered, offered
+           or served before, but no live worker serves it now (loading, draining, scaled to zero)
+
+A version no live worker serves but some worker offers (``standby_models``) is loaded on demand: the request that
+finds it cold starts the load (``proxy.model_loading``), and it and the next ones get 503 with Retry-After until a
+worker registers with it; ``N`` loads the promoted version where one is offered.
 
 Promotion and canary come from the proxy's model registry (``common.storage.registry``, under the cache root),
 read again whenever its state file changes, so the admin API of any proxy on the host, or ``tessera model
@@ -83,6 +87,7 @@ class ServedModels:
         self._known: set[tuple[str, str]] = set()  # every version a worker served: 503 rather than 404 once gone
         self._pins: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()  # (name, session) -> pin
         self.draining: set[tuple[str, str]] = set()  # versions being drained (admin API): no new session goes there
+        self.loader = None  # the cluster's ModelLoader: versions workers may load on demand (None: none)
 
     def served(self) -> dict[str, dict[str, list[WorkerState]]]:
         """name -> version -> its live workers; versions in the order their first worker registered."""
@@ -102,6 +107,8 @@ class ServedModels:
         or the proxy's own; asked before a request's other fields are, so that it is the first error."""
         name, version = self._parse(requested)
         served = self.served()
+        if self.loader is not None:  # versions workers offer to load count as served before
+            self._known.update((n, v) for n, versions in self.loader.cold().items() for v in versions)
         if version:
             known = (name, version) in self._known or (name in self.store.names()
                                                        and version in self.store.versions(name))
@@ -120,10 +127,10 @@ class ServedModels:
         live = {v: ws for v, ws in versions.items() if any(not w.draining for w in ws)}
         if version:
             if version not in live:
-                self._unserved(requested)
+                self._unserved(requested, name, version)
             return self._choice(name, version, live[version])
         if not live:
-            self._unserved(requested)
+            self._unserved(requested, name, None)
         now = time.monotonic()
         pin = self._pins.get((name, session)) if session is not None else None
         if pin is not None and pin[0] in live and now - pin[1] < self.config.session_pin_max_s:
@@ -197,6 +204,9 @@ class ServedModels:
             if alias != name or name not in served:  # listed before any worker serves it: clients look it up
                 entries.append(self._entry(alias, name, served.get(name, {})))
         entries += [self._entry(name, name, versions) for name, versions in served.items()]
+        cold = self.loader.cold() if self.loader is not None else {}
+        listed = {entry["id"] for entry in entries}
+        entries += [self._entry(name, name, {}) for name in cold if name not in listed]
         return entries
 
     def _entry(self, model_id: str, name: str, versions: dict[str, list[WorkerState]]) -> dict:
@@ -209,7 +219,18 @@ class ServedModels:
                 "canary": {"version": canary.version, "percent": canary.percent} if canary else None,
                 "versions": [{"version": v, "workers": len(ws), "draining": sum(w.draining for w in ws),
                               "max_model_len": min(w.max_model_len for w in ws), "pinned_sessions": pins.get(v, 0)}
-                             for v, ws in versions.items()]}
+                             for v, ws in versions.items()],
+                "loadable_versions": self._loadable(name)}
+
+    def _loadable(self, name: str) -> list[dict]:
+        """The versions of ``name`` workers may load on demand: how many may, whether one is loading, and how long
+        the last load took (seconds; None before one)."""
+        if self.loader is None:
+            return []
+        loading = self.loader.loading_versions()
+        return [{"version": v, "workers": n, "loading": f"{name}@{v}" in loading,
+                 "last_load_s": self.loader.load_s.get(f"{name}@{v}")}
+                for v, n in sorted(self.loader.cold().get(name, {}).items())]
 
     def _choice(self, name: str, version: str, workers: list[WorkerState], moved_from: str | None = None
                 ) -> ModelChoice:
@@ -240,10 +261,30 @@ class ServedModels:
             text = self._texts[manifest.tokenizer.sha256] = (tokenizer, TokenText(tokenizer))
         return text
 
-    def _unserved(self, requested: str) -> None:
+    def _unserved(self, requested: str, name: str, version: str | None) -> None:
         self.check(requested)
+        loading = self._load(name, version)
+        if loading is not None:
+            model, retry_after_s = loading
+            raise ApiError(503, f"model {model} is loading; try again in {retry_after_s}s", code="model_not_loaded",
+                           param="model", retry_after_s=retry_after_s)
         raise ApiError(503, f"no worker serves model {requested!r} now (it is loading, draining or stopped); try "
                        "again", code="model_not_loaded", param="model", retry_after_s=self.config.retry_after_s)
+
+    def _load(self, name: str, version: str | None) -> tuple[str, int] | None:
+        """(name@version, Retry-After) of the version being loaded for a request, a load started if need be; None
+        when no worker may load it. ``version`` None: the promoted version where offered, else any offered."""
+        if self.loader is None:
+            return None
+        loadable = {*self.loader.cold().get(name, ()),
+                    *(m.partition("@")[2] for m in self.loader.loading_versions() if m.partition("@")[0] == name)}
+        if version is None:
+            promoted = self.state(name).promoted
+            version = promoted if promoted in loadable else min(loadable, default=None)
+        if version not in loadable:
+            return None
+        retry_after_s = self.loader.want(f"{name}@{version}")
+        return None if retry_after_s is None else (f"{name}@{version}", retry_after_s)
 
 
 def served_headers(choice) -> dict[str, str]:

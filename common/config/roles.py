@@ -84,6 +84,9 @@ class ProxyConfig:
         4 << 20, "largest request body in bytes; a larger one gets 413 before it is read whole", gt=0)
     max_tokens_default: Int = option(256, "max_tokens of a request that gives none", gt=0)
     retry_after_s: Int = option(1, "Retry-After header (seconds) of a 503", gt=0)
+    model_load_timeout_s: Float = option(
+        600.0, "how long a worker asked to load a standby model (worker.standby_models) may take before the proxy "
+        "stops waiting for it and may ask another", gt=0)
     drain_timeout_s: Float = option(30.0, "on SIGTERM, how long requests in flight may run on", gt=0)
     auth_enabled: Bool = option(False, "generation requests need 'Authorization: Bearer <key>' of a tenant")
     tenants: tuple[TenantConfig, ...] = option(
@@ -225,6 +228,13 @@ class WorkerConfig:
     model_name: Str = option(
         "", "model name announced at registration, which requests name; empty: the registered model's name "
         "(the embedded model's is SmolLM2-135M-Instruct), else the model directory's name")
+    standby_models: tuple[Str, ...] = option(
+        (), "other models this worker may load when the proxy gets a request for one no worker serves (registered "
+        "NAME or NAME@VERSION, or directories; engine settings apply to each): it serves one model at a time, "
+        "drains and swaps (common/runtime/model_swap.py); the first requests get 503 with Retry-After meanwhile")
+    model_idle_unload_s: Float = option(
+        0.0, "unload the model after this long without a request, freeing its memory: the worker then holds "
+        "none until the proxy asks it to load one of its models again; 0: never", ge=0)
     transfer_backend: TransferBackend = option(
         "auto", "KV transfer backend; auto picks nixl where it loads, else zmq")
     embedding_batch_tokens: Int = option(

@@ -37,6 +37,27 @@ class Register(_Struct):
     spec_max_batch_size: NonNegInt = 0
     # the cores it time-shares with other workers (host name and worker.core_share); "": cores of its own
     core_group: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+    # the other models (name@version) it may load when the proxy asks (LoadModel; worker.standby_models)
+    standby: Annotated[list[Annotated[str, msgspec.Meta(max_length=4096)]], msgspec.Meta(max_length=1024)] = []
+    load_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # how long loading the model it serves took
+
+
+class Standby(_Struct):
+    """Sent every heartbeat interval by a worker holding no model (it unloaded its own after
+    ``model_idle_unload_s``, or a load failed): the models it may load, and why the last load failed, if it did."""
+    worker_id: str
+    epoch: NonNegInt
+    role: Literal["prefill", "decode", "both"]
+    models: Annotated[list[Annotated[str, msgspec.Meta(max_length=4096)]], msgspec.Meta(max_length=1024)]
+    error: Annotated[str, msgspec.Meta(max_length=8192)] = ""
+
+
+class LoadModel(_Struct):
+    """The proxy asks a worker to serve ``model`` (name@version, one its Register or Standby listed): it stops
+    taking work, lets what runs finish (up to its drain_timeout_s), loads it and registers again under a new
+    epoch."""
+    worker_id: str
+    model: Annotated[str, msgspec.Meta(max_length=4096)]
 
 
 class RegisterAck(_Struct):

@@ -18,13 +18,14 @@ from functools import cache
 import msgspec
 from msgspec import inspect
 
-from common.protocol.control import EmbedRequest, EmbedResult
+from common.protocol.control import EmbedRequest, EmbedResult, LoadModel, Standby
 
 # The version that added each message type, where it is newer than the oldest version still read.
-MESSAGE_SINCE: dict[type, int] = {EmbedRequest: 11, EmbedResult: 11}
+MESSAGE_SINCE: dict[type, int] = {EmbedRequest: 11, EmbedResult: 11, LoadModel: 12, Standby: 12}
 # The version that added each field (struct name -> field -> version), where it is newer than that. By name:
 # the request messages are declared in wire.py, which imports this module.
-FIELD_SINCE: dict[str, dict[str, int]] = {"PrefillRequest": {"keep_s": 11}, "DecodeRequest": {"keep_s": 11}}
+FIELD_SINCE: dict[str, dict[str, int]] = {"PrefillRequest": {"keep_s": 11}, "DecodeRequest": {"keep_s": 11},
+                                          "Register": {"standby": 12, "load_s": 12}}
 
 
 def sendable(message_type: type, version: int) -> bool:

@@ -35,6 +35,9 @@ this channel):
 - proxy -> any worker: Tune, the adaptive controller's engine settings (only with ``tac_enabled``).
 - proxy -> prefill (or both): EmbedRequest, token ids of whole inputs; the worker answers EmbedResult, their
   pooled vectors, or RequestFailed.
+- proxy -> worker: LoadModel, one of the models its Register (``standby``) or Standby listed. The worker drains,
+  says Goodbye, loads it and sends Register under a new epoch. A worker holding no model sends Standby instead of
+  Heartbeat (``common/runtime/model_swap.py``).
 
 Prompt blocks are named the same way on both sides (``prefix_block_hashes``, at the end): chained hashes of
 full KV blocks, the prefix cache's keys. Block i's hash folds in block i-1's, so equal hashes at position i
@@ -59,8 +62,8 @@ from typing import Annotated, Literal
 import msgspec
 
 from common.protocol.control import (  # noqa: F401 - re-exported: the whole protocol is importable from here
-    EmbedRequest, EmbedResult, Goodbye, KVLayoutInfo, PeerInfo, Peers, Register, RegisterAck, Reregister,
-    Tune,
+    EmbedRequest, EmbedResult, Goodbye, KVLayoutInfo, LoadModel, PeerInfo, Peers, Register, RegisterAck,
+    Reregister, Standby, Tune,
 )
 from common.protocol.sampling_params import SamplingParams
 from common.protocol.versions import known_fields, older_body, sendable
@@ -68,7 +71,9 @@ from common.protocol.wire_types import (  # noqa: F401 - re-exported
     CacheSalt, Coefficient, NonNegInt, Seconds, TokenId, TopLogprobs, WireError, _Struct,
 )
 
-PROTOCOL_VERSION = 11  # 11: EmbedRequest, EmbedResult; versions one apart interoperate (versions.py)
+# 11: EmbedRequest, EmbedResult; 12: LoadModel, Standby. Versions one apart interoperate (versions.py).
+PROTOCOL_VERSION = 12
+
 
 class MsgType(enum.IntEnum):
     REGISTER = 1
@@ -88,6 +93,8 @@ class MsgType(enum.IntEnum):
     TUNE = 18
     EMBED_REQUEST = 19
     EMBED_RESULT = 20
+    STANDBY = 21
+    LOAD_MODEL = 22
 
 
 class Role(str, enum.Enum):
@@ -254,6 +261,8 @@ MESSAGES: dict[MsgType, type] = {
     MsgType.TUNE: Tune,
     MsgType.EMBED_REQUEST: EmbedRequest,
     MsgType.EMBED_RESULT: EmbedResult,
+    MsgType.STANDBY: Standby,
+    MsgType.LOAD_MODEL: LoadModel,
 }
 _TYPES = {cls: t for t, cls in MESSAGES.items()}
 _HEADERS = {cls: bytes([t, PROTOCOL_VERSION]) for t, cls in MESSAGES.items()}

@@ -23,7 +23,20 @@ def registration(worker) -> wire.Register:
         num_blocks=engine.block_manager.num_blocks, max_model_len=engine.max_model_len,
         transfer_backend=worker.transfer_name, transfer_metadata=worker.transfer_metadata,
         max_num_seqs=config.engine.max_num_seqs, core_group=core_group(config.core_share),
+        standby=list(worker.standby), load_s=worker.load_s,
         **({} if config.engine.spec_method == "off" else {
             "spec_num_tokens": config.engine.spec_num_tokens,
             "spec_max_batch_size": config.engine.spec_max_batch_size}),
     )
+
+
+def await_acknowledgement(config, registered, refused, curve: bool) -> None:
+    """Wait until the proxy acknowledged the first Register (``registered``: a threading.Event the I/O thread sets),
+    up to ``register_timeout_s``; raise when it did not, or refused it (``refused()``: why, or None)."""
+    if not registered.wait(config.register_timeout_s):
+        hint = (" or refused this worker's CURVE key (is its public key in the proxy's curve_authorized_keys_dir? "
+                "the proxy logs refusals)" if curve else "")
+        raise TimeoutError(f"the proxy at {config.proxy_address} did not acknowledge registration within "
+                           f"{config.register_timeout_s}s (setting register_timeout_s){hint}")
+    if (reason := refused()) is not None:
+        raise RuntimeError(f"the proxy refused this worker: {reason}")

@@ -297,6 +297,9 @@ class WorkerMetrics:
         r = self.registry
         self._info = Gauge("tessera_worker_info", "Constant 1, labelled with this worker's identity",
                            ["worker_id", "role", "model", "version"], registry=r)
+        self.model_load_seconds = Gauge("tessera_worker_model_load_seconds", "How long the last load of each model "
+                                        "(name@version) took: weights, KV pool and transfer agent", ["model"],
+                                        registry=r)
         self.requests = Counter("tessera_worker_requests", "Requests by stage and outcome",
                                 ["stage", "status"], registry=r)
         for stage in STAGES:
@@ -338,6 +341,7 @@ class WorkerMetrics:
 
     def identify(self, model: str, version: str) -> tuple[str, str]:
         """Label ``tessera_worker_info`` with the model version this worker serves, once it is loaded."""
+        self._info.clear()  # the model it served before a swap (common/runtime/model_swap.py)
         self._info.labels(self.config.worker_id, self.config.role, model, version).set(1)
         return model, version
 

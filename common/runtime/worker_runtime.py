@@ -1,28 +1,27 @@
 """What every worker process shares: its I/O thread, registration, heartbeats, drain, and the base of the role handlers
 (``WorkerBase``: the engine, the KV transfer agent, one intake and one failure path). A worker's identity is
-``(worker_id, epoch)``; the epoch is its start time (renewed when it registers again), so a restarted worker under
-the same id is recognisably a new process.
+``(worker_id, epoch)``; the epoch is its start time, renewed when it registers again or loads another model
+(``model_swap.py``), so a restarted worker under the same id is recognisably a new process.
 
-Sockets live only in the I/O thread. It connects a DEALER (identity = worker id; with curve_* keys, a CURVE client
-that pins the proxy's public key) to the proxy, registers, heartbeats with the latest load snapshot, and moves
-messages between the socket and two queues. The compute loop (the main thread, ``serve``) never touches a socket:
-each turn it takes inbound messages, lets the role's handler act on them, steps the engine, and queues what the
-handler wants sent. A failure handling a message ends that message's request with an error; a failed engine turn
-gives every request back to the proxy (retryable: they resume elsewhere). Neither stops the worker.
+Sockets live only in the I/O thread: a DEALER (identity = worker id; with curve_* keys, a CURVE client pinning the
+proxy's public key) that registers, heartbeats with the latest load snapshot, and moves messages between the socket
+and two queues. The compute loop (the main thread, ``serve``) never touches a socket: each turn it takes inbound
+messages, lets the role's handler act on them, steps the engine, and queues what the handler wants sent. A failure
+handling a message ends that message's request with an error; a failed engine turn gives every request back to the
+proxy (retryable: they resume elsewhere). Neither stops the worker.
 
-SIGTERM or SIGINT starts a drain: the next heartbeat says ``draining`` so the proxy routes nothing new here, running
-requests get ``drain_timeout_s`` to finish, then whatever is left is failed back to the proxy (retryable), KV held
-for others is released, a Goodbye is sent and the sockets closed. Under systemd (``Type=notify``) a worker reports
-READY=1 once its model is loaded and the proxy acknowledged its registration, STOPPING=1 when it drains. The signal
-handler only appends to a list (a threading.Event's lock, taken again by a second signal interrupting the first
-handler, deadlocked); the loop looks at it once per turn, at most ``idle_poll_s`` apart. Further signals change
-nothing.
+SIGTERM or SIGINT starts a drain: heartbeats say ``draining`` so the proxy routes nothing new here, running requests
+get ``drain_timeout_s`` to finish, then what is left is failed back to the proxy (retryable), KV held for others is
+released, a Goodbye is sent and the sockets closed. Under systemd (``Type=notify``) a worker reports READY=1 once its
+model is loaded and its registration acknowledged, STOPPING=1 when it drains. The signal handler only appends to a
+list (a threading.Event's lock, taken again by a second signal interrupting the first handler, deadlocked); the loop
+looks at it once per turn, at most ``idle_poll_s`` apart. Further signals change nothing.
 
-A proxy that does not know this worker (it restarted, or it expired the worker) answers its heartbeats with
-Reregister. The I/O thread stops heartbeating and hands the message to the compute loop, which fails every request
-it holds (the proxy resumed them elsewhere, or their client is gone with the old proxy: aborted, their pages and
-prefill leases freed) and only then lets the I/O thread send the Register again, under a new epoch, so nothing of
-the old epoch's runs once the proxy routes work here again. A proxy that refuses that Register stops the worker.
+A proxy that does not know this worker (it restarted, or expired the worker) answers its heartbeats with Reregister.
+The I/O thread stops heartbeating and hands it to the compute loop, which fails every request it holds (resumed
+elsewhere, or their client is gone with the old proxy: aborted, their pages and prefill leases freed) and only then
+lets the I/O thread send the Register again, under a new epoch, so nothing of the old epoch's runs once the proxy
+routes work here again. A proxy that refuses that Register stops the worker.
 """
 
 from __future__ import annotations
@@ -32,22 +31,23 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import zmq
 
 from common.config.roles import WorkerConfig
-from common.engine.llm_engine import LLMEngine, RequestError
+from common.engine.llm_engine import RequestError
 from common.protocol import wire
 from common.runtime import sd_notify
 from common.runtime.core_share import CoreShare
 from common.runtime.health_server import HealthServer
-from common.runtime.registration import registration
+from common.runtime.model_swap import ModelSwitch, load_model
+from common.runtime.registration import await_acknowledgement, registration
 from common.runtime.telemetry import WorkerMetrics, request_scope
 from common.runtime.tracing import make_tracing
 from common.runtime.worker_contracts import KVTransfer, Load, RoleHandler
 from common.runtime.zmq_security import Waker, apply_curve_client, worker_curve
-from common.storage.model_store import model_identity
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,7 @@ class WorkerIO:
         self.load = Load()
         self.draining = False
         self.registered = threading.Event()
+        self.standby: wire.Standby | None = None  # sent instead of heartbeats while no model is loaded
         self.refused: str | None = None
         self._may_register = threading.Event()  # cleared by Reregister until the compute loop calls rejoin()
         self._may_register.set()
@@ -77,15 +78,7 @@ class WorkerIO:
 
     def start(self) -> None:
         self._thread.start()
-        if not self.registered.wait(self.config.register_timeout_s):
-            curve = (" or refused this worker's CURVE key (is its public key in the proxy's "
-                     "curve_authorized_keys_dir? the proxy logs refusals)" if self._curve is not None else "")
-            raise TimeoutError(
-                f"the proxy at {self.config.proxy_address} did not acknowledge registration within "
-                f"{self.config.register_timeout_s}s (setting register_timeout_s){curve}"
-            )
-        if self.refused is not None:
-            raise RuntimeError(f"the proxy refused this worker: {self.refused}")
+        await_acknowledgement(self.config, self.registered, lambda: self.refused, self._curve is not None)
         self._started = True
 
     def send(self, msg) -> None:
@@ -93,8 +86,15 @@ class WorkerIO:
         self._wake.wake()
 
     def rejoin(self) -> None:
-        """After a Reregister: the old proxy's requests are gone, register again (retried until acknowledged)."""
+        """After a Reregister or a model swap: register again, under ``registration`` (retried until acknowledged)."""
+        self._next_register = 0.0
         self._may_register.set()
+
+    def leave(self, reason: str) -> None:
+        """Say Goodbye under this epoch and stop heartbeating, staying connected (a model swap: model_swap.py)."""
+        self._may_register.clear()
+        self.registered.clear()
+        self.send(wire.Goodbye(self.config.worker_id, self.registration.epoch, reason))
 
     def stop(self, goodbye: str) -> None:
         self._outbox.put(wire.Goodbye(self.config.worker_id, self.registration.epoch, goodbye))
@@ -148,6 +148,9 @@ class WorkerIO:
                 ), self.speaks))
                 self.metrics.heartbeats_sent.inc()
                 next_beat = now + self.config.heartbeat_interval_s
+            elif self.standby is not None and now >= next_beat:
+                sock.send_multipart(wire.encode(self.standby, self.speaks))
+                next_beat = now + self.config.heartbeat_interval_s
 
     def _flush_outbox(self, sock) -> None:
         while True:
@@ -195,11 +198,11 @@ class WorkerIO:
 
 def serve(config: WorkerConfig, handler: RoleHandler) -> None:
     """Run a worker until SIGTERM/SIGINT (then drain) or until its I/O fails."""
-    io = WorkerIO(config, handler.registration(), handler.metrics)
-    handler.bind(io.send)
     signalled: list[int] = []
-    # Left in place after serve returns: a late signal must not cut the process's own cleanup short
-    # (a KeyboardInterrupt, or death by SIGTERM, while the transfer agent closes).
+    switch = ModelSwitch(config, handler, signalled)
+    io = switch.io = WorkerIO(config, handler.registration(), handler.metrics)
+    handler.bind(io.send)
+    # Left in place after serve returns: a late signal must not cut the cleanup (the transfer agent closing) short.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: signalled.append(signum))
     io.start()
@@ -214,23 +217,31 @@ def serve(config: WorkerConfig, handler: RoleHandler) -> None:
                 sd_notify.stopping(f"draining for up to {config.drain_timeout_s}s")
                 io.draining = handler.draining = handler.metrics.status.draining = True
                 drain_deadline = time.monotonic() + config.drain_timeout_s
-            if drain_deadline is not None and (not handler.busy() or time.monotonic() > drain_deadline):
+            loaded = handler.engine is not None  # not while a worker with standby models holds none
+            if drain_deadline is not None and (not (loaded and handler.busy()) or time.monotonic() > drain_deadline):
                 break
-            if not _take_messages(io, handler, handler.wait_s(config.idle_poll_s)):
+            if not _take_messages(io, handler, switch, handler.wait_s(config.idle_poll_s) if loaded else
+                                  config.idle_poll_s):
                 log.error("worker I/O stopped; exiting")
                 break
+            if time.monotonic() >= switch.check_at:  # a LoadModel to act on, or an idle model to unload
+                switch.act()
+            if handler.engine is None:  # standing by: nothing to step
+                handler.metrics.status.tick()
+                continue
             _turn(handler)
             io.load = handler.load()
             handler.metrics.status.registered = io.registered.is_set()
             handler.publish_metrics()
     finally:
-        handler.fail_all("worker is shutting down")
-        handler.tick()  # lets the handler queue its last messages
+        if handler.engine is not None:
+            handler.fail_all("worker is shutting down")
+            handler.tick()  # lets the handler queue its last messages
         io.stop("drained" if signalled else "I/O failure")
         log.info("worker %s stopped", config.worker_id)
 
 
-def _take_messages(io: WorkerIO, handler: RoleHandler, wait_s: float) -> bool:
+def _take_messages(io: WorkerIO, handler: RoleHandler, switch: ModelSwitch, wait_s: float) -> bool:
     """Hand every queued message to the handler, waiting up to ``wait_s`` for the first; False when the I/O
     thread died."""
     try:
@@ -242,6 +253,8 @@ def _take_messages(io: WorkerIO, handler: RoleHandler, wait_s: float) -> bool:
             return False
         if isinstance(msg, wire.Reregister):
             _rejoin(io, handler, msg)
+        elif handler.engine is None or isinstance(msg, wire.LoadModel):
+            switch.take(msg)
         elif isinstance(msg, wire.Tune):  # the proxy's adaptive controller (proxy/tac.py)
             engine = handler.engine
             handler.metrics.tuned(engine.scheduler.set_token_budget(msg.max_num_batched_tokens),
@@ -268,6 +281,7 @@ def _turn(handler: RoleHandler) -> None:
 
 def _handle(handler: RoleHandler, msg) -> None:
     """One message; a failure handling it ends its request with an error, and the worker goes on serving."""
+    handler.last_request = time.monotonic()  # model_idle_unload_s counts from here
     try:
         handler.handle(msg)
     except Exception as exc:
@@ -279,8 +293,7 @@ def _handle(handler: RoleHandler, msg) -> None:
 
 def _rejoin(io: WorkerIO, handler: RoleHandler, msg: wire.Reregister) -> None:
     """The proxy lost this worker: whoever asked for the running requests can no longer get their tokens."""
-    log.warning("the proxy does not know this worker (%s): dropping its requests and registering again",
-                msg.reason)
+    log.warning("the proxy does not know this worker (%s): dropping its requests and registering again", msg.reason)
     handler.metrics.status.registered = False
     handler.fail_all("the proxy that sent this request lost this worker")
     handler.epoch = time.time_ns()  # a new epoch: whatever the proxy still gets from the old one is stale
@@ -291,27 +304,24 @@ def _rejoin(io: WorkerIO, handler: RoleHandler, msg: wire.Reregister) -> None:
 class WorkerBase:
     role = "both"
 
-    def __init__(self, config: WorkerConfig, transfer: KVTransfer) -> None:
-        """``transfer``: the KV transfer backend the role's command built; this worker owns and closes it."""
+    def __init__(self, config: WorkerConfig, make_transfer: Callable[[], KVTransfer]) -> None:
+        """``make_transfer``: builds a KV transfer backend over a model's pool; the worker owns and closes each."""
         self.config = config
-        self.epoch = time.time_ns()
         self.draining = False
         self.metrics = WorkerMetrics(config)
         # Started before the model loads, so that probes see "loading" rather than a refused connection.
         self.health = HealthServer(config, self.metrics).start() if config.metrics_port else None
         self.tracing = make_tracing(config.otel_endpoint, config.otel_service_name)
         self._spans: dict[tuple[str, str], object] = {}  # (request id, span name) -> open span
-        self.engine = LLMEngine(config.engine)
-        self.model_name, self.model_version = self.metrics.identify(
-            *model_identity(config.engine.model, config.engine.dtype, config.model_name))
-        self.metrics.status.model_loaded = True
-        self.transfer = transfer
-        self.transfer_metadata = transfer.register_pool(self.engine.runner.kv_cache)
-        self.transfer_name = transfer.name
+        self.make_transfer = make_transfer
+        self.standby: list[str] = []  # the other models it may load (ModelSwitch), announced at registration
+        load_model(self, config.engine.model, config.model_name)  # engine, transfer agent, identity, epoch
         self._send = None
         # Held for each engine step (``with self.cores``) where co-located workers time-share the cores.
         self.cores = CoreShare(config.core_share, config.core_share_timeout_s) if config.core_share else nullcontext()
-        log.info("worker %s: KV transfer over %s", config.worker_id, transfer.name)
+
+    def reset(self) -> None:
+        """What the role keeps about one model's requests, fresh with each model loaded (``load_model``)."""
 
     def bind(self, send) -> None:
         self._send = send
@@ -380,7 +390,8 @@ class WorkerBase:
         self.send(wire.RequestFailed(request_id, self.config.worker_id, message, retryable, invalid_request))
 
     def close(self) -> None:
-        self.transfer.close()
+        if self.transfer is not None:
+            self.transfer.close()
         if isinstance(self.cores, CoreShare):
             self.cores.close()
         self.tracing.shutdown()

@@ -26,7 +26,7 @@ PULL_S = 0.3  # how long the fake backend takes to land a pull's bytes
 def handler(cls, model_dir, transfer, **settings):
     engine = EngineConfig(model=str(model_dir), num_kv_blocks=64, block_size=16)
     h = cls(WorkerConfig(role=cls.role, worker_id=f"{cls.role}-0", engine=engine, metrics_port=0, **settings),
-            transfer)
+            lambda: transfer)
     sent = []
     h.bind(sent.append)
     return h, sent

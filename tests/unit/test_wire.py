@@ -184,14 +184,17 @@ def test_a_message_for_the_previous_version_leaves_out_what_that_version_lacks(m
     request = wire.PrefillRequest("r1", [1, 2], SamplingParams(), 7, 30.0, cache_salt=5)
     frames = wire.encode(request, PROTOCOL_VERSION - 1)
     assert wire.frame_version(frames) == PROTOCOL_VERSION - 1 and wire.decode(frames) == request
-    kept = wire.encode(dataclass_replace(request, keep_s=60.0), PROTOCOL_VERSION - 1)  # keep_s is new in 11
-    assert "keep_s" not in msgpack.unpackb(kept[1]) and wire.decode(kept).keep_s == 0.0
+    register = wire.Register("w", "decode", 1, "m", "v1", wire.KVLayoutInfo(2, 16, 2, 8, "float32"), 8, 64,
+                             "zmq", b"", standby=["other@v2"], load_s=1.5)
+    older_register = wire.encode(register, PROTOCOL_VERSION - 1)  # standby and load_s are new in 12
+    assert not {"standby", "load_s"} & set(msgpack.unpackb(older_register[1]))
+    assert wire.decode(older_register) == dataclass_replace(register, standby=[], load_s=0.0)
     monkeypatch.setitem(versions.FIELD_SINCE, "PrefillRequest", {"cache_salt": PROTOCOL_VERSION})
     older = wire.encode(request, PROTOCOL_VERSION - 1)
     assert "cache_salt" not in msgpack.unpackb(older[1]) and wire.decode(older).cache_salt == 0  # its default
     assert wire.encode(request)[1] == encode(request)[1]  # this version's own: every field
     with pytest.raises(WireError, match="not in protocol version"):
-        wire.encode(wire.EmbedRequest("e", [[1]]), PROTOCOL_VERSION - 1)
+        wire.encode(wire.LoadModel("w", "m@v2"), PROTOCOL_VERSION - 1)
 
 
 def test_a_newer_peers_fields_are_dropped_and_versions_two_apart_are_refused():

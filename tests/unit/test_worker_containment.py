@@ -20,7 +20,7 @@ from tests.fake_transfer import FakeBackend
 def decode(tiny_chat_model_dir):
     engine = EngineConfig(model=str(tiny_chat_model_dir), num_kv_blocks=64, block_size=16)
     config = WorkerConfig(role="decode", worker_id="decode-0", engine=engine, metrics_port=0)
-    handler = DecodeHandler(config, FakeBackend())
+    handler = DecodeHandler(config, FakeBackend)
     sent = []
     handler.bind(sent.append)
     yield handler, sent
@@ -111,10 +111,10 @@ def test_a_tune_from_the_proxy_sets_the_engines_token_budget_and_speculation_and
                                   setattr(g, "value", v) for g, v in zip(gauges.values(), values)]))
     io = SimpleNamespace(inbox=queue.Queue())
     io.inbox.put(wire.Tune(512, spec_num_tokens=2, spec_max_batch_size=0))
-    assert _take_messages(io, handler, 0)
+    assert _take_messages(io, handler, None, 0)
     assert budgets == [512] and {n: g.value for n, g in gauges.items()} == {
         "token_budget": 512, "spec_num_tokens": 2, "spec_max_batch_size": 0}
     io.inbox.put(wire.Tune(0))  # back to the configured values
-    assert _take_messages(io, handler, 0)
+    assert _take_messages(io, handler, None, 0)
     assert budgets == [512, 0] and {n: g.value for n, g in gauges.items()} == {
         "token_budget": 2048, "spec_num_tokens": 4, "spec_max_batch_size": 8}

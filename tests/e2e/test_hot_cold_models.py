@@ -1,0 +1,110 @@
+"""Hot and cold models through real processes, in the shipped disaggregated layout (a prefill and a decode worker).
+
+Both workers start on ``tiny`` and offer ``other`` (``standby_models``). The first request for ``other`` gets 503
+with Retry-After; the proxy asks both workers to swap, and ``other`` then serves its own greedy output (two tiny
+random models: a response equal to a model's reference was computed by that model alone). After
+``model_idle_unload_s`` without a request both workers unload and stand by; a request for ``tiny`` loads it again.
+The load times are reported (``-s`` shows them) and exported.
+"""
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from common.cli.local_cluster import LocalCluster
+from common.config.base import EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.protocol.sampling_params import SamplingParams
+from common.storage.registry import ModelRegistry
+from tests.tiny_models import build_tiny_model
+
+PROMPT = "Tell me about the sea."
+MAX_TOKENS = 12
+IDLE_S = 6
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, embedded_model_dir):
+    """tiny@v1 and other@v1 in a registry of their own, and each one's greedy answer to ``PROMPT``."""
+    root = tmp_path_factory.mktemp("hot-cold")
+    registry = ModelRegistry(root / "cache" / "registry")
+    answers = {}
+    for seed, name in ((1, "tiny"), (2, "other")):
+        model = build_tiny_model("llama", root / name, seed=seed, tokenizer_from=embedded_model_dir)
+        registry.register(model, name, "v1")
+        engine = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=64))
+        chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        answers[name] = engine.generate([chat], params)[0].outputs[0].text
+    assert answers["tiny"] != answers["other"]
+    return root / "cache", answers
+
+
+def ask(client: httpx.Client, model: str) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True}
+    return client.post("/v1/chat/completions", json=body)
+
+
+def until_served(client: httpx.Client, model: str, timeout: float = 120) -> tuple[httpx.Response, int, float]:
+    """The first 200 for ``model``, how many 503s came before it, and the seconds from the first request."""
+    started, refused = time.monotonic(), 0
+    while True:
+        response = ask(client, model)
+        if response.status_code == 200:
+            return response, refused, time.monotonic() - started
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "model_not_loaded" and int(response.headers["Retry-After"]) >= 1
+        refused += 1
+        assert time.monotonic() - started < timeout, f"{model} did not load within {timeout}s"
+        time.sleep(min(int(response.headers["Retry-After"]), 0.5))
+
+
+def entries(client: httpx.Client) -> dict[str, dict]:
+    return {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+
+
+def test_a_cold_model_loads_on_demand_and_an_idle_one_unloads(models, tmp_path, monkeypatch):
+    cache, answers = models
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(cache))
+    (tmp_path / "logs").mkdir()
+    cluster = LocalCluster.for_tests(
+        "tiny@v1", tmp_path / "logs", prefill=1, decode=1,
+        worker_overrides=["standby_models=[other@v1]", f"model_idle_unload_s={IDLE_S}"]).start()
+    try:
+        with httpx.Client(base_url=cluster.url, timeout=60) as client:
+            first = ask(client, "tiny")
+            assert first.status_code == 200 and first.json()["choices"][0]["message"]["content"] == answers["tiny"]
+            assert entries(client)["tiny"]["versions"][0]["workers"] == 2
+            cold = ask(client, "other")
+            assert cold.status_code == 503 and "other@v1 is loading" in cold.json()["error"]["message"]
+            served, refused, waited = until_served(client, "other")
+            assert served.json()["choices"][0]["message"]["content"] == answers["other"]
+            assert served.headers["X-Tessera-Model"] == "other@v1"
+            loads = cluster.metric("tessera_proxy_model_loads_total")
+            assert loads == {'{model="other@v1",outcome="loaded"}': 2.0}, loads  # the prefill and the decode worker
+            listed = entries(client)
+            assert listed["other"]["versions"][0]["workers"] == 2
+            assert listed["tiny"]["versions"] == [] and listed["tiny"]["loadable_versions"] == [
+                {"version": "v1", "workers": 2, "loading": False, "last_load_s": None}]  # loaded at start
+            load_s = cluster.metric("tessera_proxy_model_load_seconds_sum")
+            print(f"\nother@v1: served {waited:.2f}s after its first request ({refused + 1} answered 503), "
+                  f"two workers' loads took {sum(load_s.values()):.2f}s together")
+
+            # Idle: both workers unload and stand by, offering both models; the next request loads one again.
+            deadline = time.monotonic() + IDLE_S + 30
+            while sum(cluster.metric("tessera_proxy_workers_alive").values()) > 0:
+                assert time.monotonic() < deadline, "the idle workers did not unload"
+                time.sleep(0.5)
+            listed = entries(client)
+            assert listed["other"]["versions"] == [] and listed["other"]["loadable_versions"][0]["workers"] == 2
+            again, refused, waited = until_served(client, "tiny")
+            assert refused >= 1 and again.json()["choices"][0]["message"]["content"] == answers["tiny"]
+            print(f"tiny@v1 from standby: served {waited:.2f}s after its first request")
+    finally:
+        codes = cluster.stop()
+    assert all(code == 0 for code in codes.values()), codes
+    decode_log = (tmp_path / "logs" / "decode-0.log").read_text()
+    assert "unloading" in decode_log and "loaded other@v1 in" in decode_log
