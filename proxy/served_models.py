@@ -107,18 +107,21 @@ class ServedModels:
         or the proxy's own; asked before a request's other fields are, so that it is the first error."""
         name, version = self._parse(requested)
         served = self.served()
-        if self.loader is not None:  # versions workers offer to load count as served before
+        known = self._known_now(name, version, served)
+        if not known and self.loader is not None:  # versions workers offer to load count as served before
             self._known.update((n, v) for n, versions in self.loader.cold().items() for v in versions)
-        if version:
-            known = (name, version) in self._known or (name in self.store.names()
-                                                       and version in self.store.versions(name))
-        else:
-            known = name in served or name == self.own_name or any(n == name for n, _ in self._known) \
-                or name in self.store.names()
+            known = self._known_now(name, version, served)
         if not known:
             names = sorted({*served, *(a for a, n in self.aliases.items() if n in served or n == self.own_name)})
             raise ApiError(404, f"model {requested!r} does not exist; this server serves "
                            f"{', '.join(map(repr, names)) or 'no model yet'}", code="model_not_found", param="model")
+
+    def _known_now(self, name: str, version: str, served: dict) -> bool:
+        if version:
+            return (name, version) in self._known or (name in self.store.names()
+                                                      and version in self.store.versions(name))
+        return name in served or name == self.own_name or any(n == name for n, _ in self._known) \
+            or name in self.store.names()
 
     def choose(self, requested: str, session: str | None = None) -> ModelChoice:
         """The version to serve ``requested`` (``check`` it first): 503 while no live worker serves it."""
