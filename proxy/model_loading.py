@@ -5,8 +5,9 @@ that unloaded its model after ``model_idle_unload_s`` holds none and sends Stand
 (``common/runtime/model_swap.py``). When a request names a version no live worker serves, ``ServedModels`` asks
 ``want``: the first request for it starts a load and every request gets 503 with Retry-After until a worker
 registers with it. A load goes to one decode-capable worker (role decode or both) that lists the version, and to one
-prefill worker that lists it, if any: a worker standing by first, else an idle one (nothing running, nothing routed
-to it), whose current model it then gives up. The proxy routes nothing more to a worker it asked to load.
+prefill worker that lists it, if any (asked again by each request while the decode side loads; without one the
+decode worker prefills): a worker standing by first, else an idle one (nothing running, nothing routed to it), whose
+current model it then gives up. The proxy routes nothing more to a worker it asked to load.
 
 Retry-After is the version's last load time left to run (``retry_after_s`` before one is known). A load that does
 not end within ``model_load_timeout_s`` is given up (logged, counted), so the next request may ask another worker.
@@ -31,6 +32,7 @@ log = logging.getLogger("tessera.proxy")
 @dataclass
 class Loading:
     model: str  # name@version
+    decode: bool  # on a decode-capable worker (else a prefill worker)
     started: float
     deadline: float
 
@@ -104,11 +106,11 @@ class ModelLoader:
         now = self.clock()
         self._expire(now)
         under_way = [load for load in self.loading.values() if load.model == model]
-        if not under_way:
-            if not self._ask(model, True, now):
-                return None
-            self._ask(model, False, now)  # a prefill worker too, where one offers it: else the decode side prefills
-            under_way = [load for load in self.loading.values() if load.model == model]
+        if not any(load.decode for load in under_way) and not self._ask(model, True, now):
+            return None
+        if not any(not load.decode for load in under_way):  # asked again while the decode side loads: one busy
+            self._ask(model, False, now)  # then may be idle now (without one the decode worker prefills)
+        under_way = [load for load in self.loading.values() if load.model == model]
         started = min(load.started for load in under_way)
         expected = self.load_s.get(model)
         if expected is None:
@@ -146,7 +148,7 @@ class ModelLoader:
         state = self.registry.workers.get(worker_id)
         if state is not None:
             state.draining = True  # nothing more is routed to it; its heartbeats say so too from now on
-        self.loading[worker_id] = Loading(model, now, now + self.config.model_load_timeout_s)
+        self.loading[worker_id] = Loading(model, decode, now, now + self.config.model_load_timeout_s)
         self.send(worker_id, LoadModel(worker_id, model))
         log.info("asked worker %r to load %s%s", worker_id, model,
                  f" instead of {state.model}@{state.model_version}" if state is not None else "")

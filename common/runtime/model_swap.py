@@ -47,10 +47,10 @@ def load_model(worker, spec: str, name: str = "") -> None:
     worker.transfer = worker.make_transfer()
     worker.transfer_metadata = worker.transfer.register_pool(worker.engine.runner.kv_cache)
     worker.transfer_name = worker.transfer.name
-    log.info("worker %s: %s@%s, KV transfer over %s", config.worker_id, worker.model_name, worker.model_version,
-             worker.transfer_name)
     worker.epoch = time.time_ns()
     worker.load_s = time.monotonic() - started
+    log.info("worker %s: %s@%s loaded in %.2fs, KV transfer over %s", config.worker_id, worker.model_name,
+             worker.model_version, worker.load_s, worker.transfer_name)
     worker.last_request = time.monotonic()
     worker.reset()
     status.model_loaded = True
@@ -156,7 +156,6 @@ class ModelSwitch:
             self.error = f"loading {key} failed: {type(exc).__name__}: {exc}"
             self._stand_by()
             return
-        log.info("loaded %s in %.2fs", key, self.handler.load_s)
         self.handler.standby = [k for k in self.models if k != key]
         self.handler.draining = self.io.draining = bool(self.signalled)
         self.io.registration = self.handler.registration()

@@ -107,4 +107,4 @@ def test_a_cold_model_loads_on_demand_and_an_idle_one_unloads(models, tmp_path, 
         codes = cluster.stop()
     assert all(code == 0 for code in codes.values()), codes
     decode_log = (tmp_path / "logs" / "decode-0.log").read_text()
-    assert "unloading" in decode_log and "loaded other@v1 in" in decode_log
+    assert "unloading" in decode_log and "other@v1 loaded in" in decode_log

@@ -140,3 +140,17 @@ def test_an_unknown_model_is_404_and_an_offered_name_is_known(tmp_path, tiny_dir
     c.models.check("other")
     c.models.check("other@v1")
     assert {m["id"] for m in c.models.listing()} >= {"other"}
+
+
+def test_a_prefill_worker_busy_at_the_first_request_is_asked_by_a_later_one_while_the_decode_side_loads(
+        tmp_path, tiny_dir):
+    c = Cluster(tmp_path, tiny_dir)
+    c.join(register("d0", "decode", "tiny@own", standby=["other@v1"]))
+    c.join(register("p0", "prefill", "tiny@own", standby=["other@v1"]))
+    c.busy.add("p0")
+    c.refused("other@v1")
+    assert [w for w, _ in c.sent] == ["d0"]
+    c.busy.clear()
+    c.refused("other@v1")
+    c.refused("other@v1")
+    assert [w for w, _ in c.sent] == ["d0", "p0"]  # once: its load is under way then
