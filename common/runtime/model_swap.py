@@ -115,6 +115,9 @@ class ModelSwitch:
 
     def act(self) -> None:
         """A load that is due (the running work finished, or its drain time is up), or an idle unload."""
+        if self.signalled:  # shutting down: no swap, no unload (serve drains and exits)
+            self.check_at = float("inf")
+            return
         now = time.monotonic()
         handler = self.handler
         busy = self.loaded and handler.busy()
