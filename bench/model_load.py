@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.arch_compare import rss_mib
 from common.cli.local_cluster import LocalCluster
 from common.storage.model_store import EMBEDDED_MODEL, embedded_model_dir, registry_for
 
@@ -63,13 +64,6 @@ def load_times(log_dir: Path, name: str) -> list[tuple[str, float]]:
     return [(m.group(1), float(m.group(2))) for m in re.finditer(r": (\S+@\S+) loaded in ([0-9.]+)s", text)]
 
 
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def alive(cluster: LocalCluster) -> int:
     return int(sum(cluster.metric("tessera_proxy_workers_alive").values()))
 
@@ -93,12 +87,12 @@ def main() -> None:
             until_served(client, first)  # warm
             result["swap"] = until_served(client, second)
             result["swap_back"] = until_served(client, first)
-            rss_before = rss_mb(cluster.procs["decode-0"].pid)
+            rss_before = rss_mib(cluster.procs["decode-0"].pid)
             deadline = time.monotonic() + args.idle_s + 60
             while alive(cluster) > 0 and time.monotonic() < deadline:
                 time.sleep(0.5)
             result["idle_unload"] = {"decode_rss_mb_loaded": round(rss_before, 1),
-                                     "decode_rss_mb_standing_by": round(rss_mb(cluster.procs["decode-0"].pid), 1)}
+                                     "decode_rss_mb_standing_by": round(rss_mib(cluster.procs["decode-0"].pid), 1)}
             result["from_standby"] = until_served(client, second)
             result["load_s"] = {name: load_times(args.log_dir, name) for name in ("prefill-0", "decode-0")}
             # Baseline: a worker process of its own for the standby version, from start to registration.

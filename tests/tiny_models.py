@@ -81,3 +81,24 @@ def run_steps(runner, ids, steps, block_table):
         outs.append(runner.model.compute_logits(runner.forward(prepared)).float().cpu())
         seq.num_computed_tokens += n
     return torch.cat(outs)
+
+
+def registered_versions(root: Path, versions: list[tuple[str, int]], prompts: list[str], max_tokens: int,
+                        tokenizer_from: Path) -> tuple[Path, dict[str, dict[str, str]]]:
+    """Tiny random Llamas registered as ``name@version`` (seeded as given) in a registry under ``root / "cache"``,
+    and each one's greedy chat answer to each prompt: (the cache directory, {name@version: {prompt: text}})."""
+    from common.config.base import EngineConfig
+    from common.engine.llm_engine import LLMEngine
+    from common.storage.registry import ModelRegistry
+
+    registry = ModelRegistry(root / "cache" / "registry")
+    answers = {}
+    for model, seed in versions:
+        name, _, version = model.partition("@")
+        path = build_tiny_model("llama", root / model.replace("@", "-"), seed=seed, tokenizer_from=tokenizer_from)
+        registry.register(path, name, version)
+        engine = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=64))
+        chats = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        outs = engine.generate(chats, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        answers[model] = {p: o.outputs[0].text for p, o in zip(prompts, outs)}
+    return root / "cache", answers

@@ -14,11 +14,7 @@ import httpx
 import pytest
 
 from common.cli.local_cluster import LocalCluster
-from common.config.base import EngineConfig
-from common.engine.llm_engine import LLMEngine
-from common.protocol.sampling_params import SamplingParams
-from common.storage.registry import ModelRegistry
-from tests.tiny_models import build_tiny_model
+from tests.tiny_models import registered_versions
 
 PROMPT = "Tell me about the sea."
 MAX_TOKENS = 12
@@ -28,18 +24,11 @@ IDLE_S = 6
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, embedded_model_dir):
     """tiny@v1 and other@v1 in a registry of their own, and each one's greedy answer to ``PROMPT``."""
-    root = tmp_path_factory.mktemp("hot-cold")
-    registry = ModelRegistry(root / "cache" / "registry")
-    answers = {}
-    for seed, name in ((1, "tiny"), (2, "other")):
-        model = build_tiny_model("llama", root / name, seed=seed, tokenizer_from=embedded_model_dir)
-        registry.register(model, name, "v1")
-        engine = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=64))
-        chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        answers[name] = engine.generate([chat], params)[0].outputs[0].text
+    cache, by_model = registered_versions(tmp_path_factory.mktemp("hot-cold"), [("tiny@v1", 1), ("other@v1", 2)],
+                                          [PROMPT], MAX_TOKENS, embedded_model_dir)
+    answers = {model.partition("@")[0]: texts[PROMPT] for model, texts in by_model.items()}
     assert answers["tiny"] != answers["other"]
-    return root / "cache", answers
+    return cache, answers
 
 
 def ask(client: httpx.Client, model: str) -> httpx.Response:

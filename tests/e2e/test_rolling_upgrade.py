@@ -17,11 +17,8 @@ import httpx
 import pytest
 
 from common.cli.local_cluster import LocalCluster
-from common.config.base import EngineConfig
-from common.engine.llm_engine import LLMEngine
-from common.protocol.sampling_params import SamplingParams
 from common.storage.registry import ModelRegistry
-from tests.tiny_models import build_tiny_model
+from tests.tiny_models import registered_versions
 
 ADMIN_KEY = "rolling-upgrade-admin-key"
 PROMPTS = ["Tell me about the sea.", "What is a hash table?", "Count to five.", "Name three colors."]
@@ -33,18 +30,11 @@ TURNS_PER_SESSION = 3
 @pytest.fixture(scope="module")
 def versions(tmp_path_factory, embedded_model_dir):
     """tiny@v1 and tiny@v2, registered in a registry of their own, and each one's greedy answer to each prompt."""
-    root = tmp_path_factory.mktemp("upgrade")
-    registry = ModelRegistry(root / "cache" / "registry")
-    answers = {}
-    for seed, version in ((1, "v1"), (2, "v2")):
-        model = build_tiny_model("llama", root / version, seed=seed, tokenizer_from=embedded_model_dir)
-        registry.register(model, "tiny", version)
-        engine = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=64))
-        chats = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
-        outs = engine.generate(chats, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
-        answers[version] = {p: o.outputs[0].text for p, o in zip(PROMPTS, outs)}
+    cache, by_model = registered_versions(tmp_path_factory.mktemp("upgrade"), [("tiny@v1", 1), ("tiny@v2", 2)],
+                                          PROMPTS, MAX_TOKENS, embedded_model_dir)
+    answers = {model.partition("@")[2]: texts for model, texts in by_model.items()}
     assert answers["v1"] != answers["v2"]
-    return root / "cache", registry, answers
+    return cache, ModelRegistry(cache / "registry"), answers
 
 
 class Load:
