@@ -28,6 +28,7 @@ from dataclasses import replace
 
 from common.engine.llm_engine import LLMEngine
 from common.protocol import wire
+from common.protocol.versions import sendable
 from common.storage.model_store import model_identity
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,10 @@ class ModelSwitch:
             key, self.pending = self.pending, None
             self._swap(key)
         elif busy or now - handler.last_request < self.idle_s:
-            self.check_at = max(now, handler.last_request) + self.idle_s if not busy else now + 1.0
+            self.check_at = now + 1.0 if busy else handler.last_request + self.idle_s
+        elif self.loaded and not sendable(wire.Standby, self.io.speaks):  # a proxy of protocol 11 could not
+            self.check_at = float("inf")  # hear it stand by, nor ask it to load: it keeps its model
+            log.warning("model_idle_unload_s is off: the proxy speaks protocol %d, without Standby", self.io.speaks)
         elif self.loaded:
             log.info("no request for model_idle_unload_s=%gs: unloading %s@%s", self.config.model_idle_unload_s,
                      handler.model_name, handler.model_version)

@@ -29,6 +29,7 @@ class FakeIO:
         self.draining = False
         self.standby = None
         self.registration = None
+        self.speaks = wire.PROTOCOL_VERSION
         self.events: list[str] = []
         self.inbox = queue.Queue()
 
@@ -98,12 +99,12 @@ def test_a_load_model_drains_then_swaps_and_the_new_model_serves_its_own_output(
 
 def test_an_idle_model_is_unloaded_and_the_worker_stands_by_until_asked_again(models):
     dirs, answers = models
-    handler, switch, sent = worker(dirs, [str(dirs[1])], idle_s=0.2)
+    handler, switch, sent = worker(dirs, [str(dirs[1])], idle_s=30)
     own = f"{handler.model_name}@{handler.model_version}"
     assert generate(handler, sent, "a") == answers[0]
     switch.act()  # not idle long enough yet
-    assert handler.engine is not None and switch.check_at > time.monotonic()
-    time.sleep(0.25)
+    assert handler.engine is not None and switch.check_at == pytest.approx(handler.last_request + 30)
+    handler.last_request -= 31  # its last request, as if 31 s ago
     switch.act()
     assert handler.engine is None and handler.transfer is None
     standby = switch.io.standby
@@ -131,3 +132,12 @@ def test_a_model_that_fails_to_load_is_dropped_and_the_worker_stands_by_with_the
     switch.take(wire.LoadModel("w0", "nowhere@v9"))  # not one of its models: ignored
     assert switch.pending is None
     handler.close()  # with no model loaded
+
+
+def test_a_worker_answering_a_proxy_of_the_protocol_before_standby_keeps_its_idle_model(models):
+    dirs, _ = models
+    handler, switch, _ = worker(dirs, [str(dirs[1])], idle_s=30)
+    switch.io.speaks = wire.PROTOCOL_VERSION - 1
+    handler.last_request -= 31
+    switch.act()
+    assert handler.engine is not None and switch.io.standby is None and switch.check_at == float("inf")
