@@ -57,6 +57,8 @@ class WorkerMembership:
                 self.send(sender, Reregister(msg.worker_id, msg.epoch,
                                              f"the proxy does not know worker {msg.worker_id!r} epoch {msg.epoch}"))
             return
+        if worker.worker_id in self.loader.loading:  # asked to load another model: a heartbeat sent before the
+            worker.draining = True  # worker took the LoadModel must not bring it back into routing
         self.policy.heartbeat(worker)
         self.metrics.set_worker_kv(worker.worker_id, worker.num_blocks, worker.free_blocks)
         if worker.decode_capable:
@@ -73,7 +75,7 @@ class WorkerMembership:
     def on_disconnect(self, identity: bytes) -> None:
         """A worker's connection closed (its process exited, or its host went away): gone now, not after
         ``heartbeat_timeout_s``."""
-        self.loader.forget(identity.decode(errors="replace"))
+        self.loader.forget(identity.decode(errors="replace"), lost=True)
         worker = self.registry.disconnected(identity.decode(errors="replace"))
         if worker is not None:
             self.metrics.disconnects.labels(worker.worker_id).inc()

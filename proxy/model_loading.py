@@ -6,8 +6,9 @@ that unloaded its model after ``model_idle_unload_s`` holds none and sends Stand
 ``want``: the first request for it starts a load and every request gets 503 with Retry-After until a worker
 registers with it. A load goes to one decode-capable worker (role decode or both) that lists the version, and to one
 prefill worker that lists it, if any (asked again by each request while the decode side loads; without one the
-decode worker prefills): a worker standing by first, else an idle one (nothing running, nothing routed to it), whose
-current model it then gives up. The proxy routes nothing more to a worker it asked to load.
+decode worker prefills): a worker standing by first, else an idle one (nothing running, nothing routed to it, and
+no request chose its model for ``model_swap_min_idle_s``, so two models wanted in turn do not swap one worker back
+and forth), whose current model it then gives up. The proxy routes nothing more to a worker it asked to load.
 
 Retry-After is the version's last load time left to run (``retry_after_s`` before one is known). A load that does
 not end within ``model_load_timeout_s`` is given up (logged, counted), so the next request may ask another worker.
@@ -33,6 +34,7 @@ log = logging.getLogger("tessera.proxy")
 class Loading:
     model: str  # name@version
     decode: bool  # on a decode-capable worker (else a prefill worker)
+    epoch: int  # the worker's when asked: a Standby of a newer one says the load ended without the model
     started: float
     deadline: float
 
@@ -53,14 +55,17 @@ class ModelLoader:
         self.offers: dict[str, tuple[int, tuple[str, ...]]] = {}  # registered worker id -> (epoch, standby models)
         self.loading: dict[str, Loading] = {}  # worker id -> the load it was asked for
         self.load_s: dict[str, float] = {}  # name@version -> how long its last load took
+        # (name, version) -> when a request last chose it (``ServedModels._choice`` writes it): a worker gives its
+        # model up for another only once its model had no request for ``model_swap_min_idle_s``
+        self.chosen: dict[tuple[str, str], float] = {}
 
     # -- what workers say ---------------------------------------------------------------------
 
     def on_standby(self, msg: Standby, now: float) -> None:
         loading = self.loading.get(msg.worker_id)
-        if loading is not None and (msg.error or loading.model not in msg.models):
+        if loading is not None and msg.epoch > loading.epoch:  # it stood by again since it was asked
             self.loading.pop(msg.worker_id)
-            self._failed(msg.worker_id, loading, msg.error or "the worker no longer offers it")
+            self._failed(msg.worker_id, loading, msg.error or "it stands by without it")
         if msg.worker_id not in self.standing_by:
             log.info("worker %r (%s) holds no model; it may load %s", msg.worker_id, msg.role,
                      ", ".join(msg.models) or "none")
@@ -84,9 +89,12 @@ class ModelLoader:
         log.info("worker %r loaded %s in %.2fs (%.2fs after it was asked)", msg.worker_id, model, msg.load_s,
                  self.clock() - loading.started)
 
-    def forget(self, worker_id: str) -> None:
-        """The worker left (Goodbye, its connection closed): it stands by no more."""
+    def forget(self, worker_id: str, lost: bool = False) -> None:
+        """The worker left (Goodbye) or is gone (``lost``: its connection closed, a load it was asked for with it)."""
         self.standing_by.pop(worker_id, None)
+        loading = self.loading.pop(worker_id, None) if lost else None
+        if loading is not None:
+            self._failed(worker_id, loading, "its connection closed")
 
     # -- what requests want -----------------------------------------------------------------------
 
@@ -137,7 +145,9 @@ class ModelLoader:
                 if side(standby.role):
                     idle.append((0, worker_id))
             elif side(state.role.value) and not state.draining and not state.num_running \
-                    and not state.outstanding_prefill_tokens and not self.busy(worker_id):
+                    and not state.outstanding_prefill_tokens and not self.busy(worker_id) \
+                    and now - self.chosen.get((state.model, state.model_version), -math.inf) \
+                    >= self.config.model_swap_min_idle_s:
                 # a worker whose model others serve too gives it up first
                 alone = not any(w is not state and not w.draining and (w.model, w.model_version)
                                 == (state.model, state.model_version) for w in self.registry.workers.values())
@@ -148,7 +158,8 @@ class ModelLoader:
         state = self.registry.workers.get(worker_id)
         if state is not None:
             state.draining = True  # nothing more is routed to it; its heartbeats say so too from now on
-        self.loading[worker_id] = Loading(model, decode, now, now + self.config.model_load_timeout_s)
+        epoch = state.epoch if state is not None else self.standing_by[worker_id][0].epoch
+        self.loading[worker_id] = Loading(model, decode, epoch, now, now + self.config.model_load_timeout_s)
         self.send(worker_id, LoadModel(worker_id, model))
         log.info("asked worker %r to load %s%s", worker_id, model,
                  f" instead of {state.model}@{state.model_version}" if state is not None else "")

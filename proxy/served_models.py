@@ -238,6 +238,8 @@ class ServedModels:
     def _choice(self, name: str, version: str, workers: list[WorkerState], moved_from: str | None = None
                 ) -> ModelChoice:
         tokenizer, token_text = self._text(name, version)
+        if self.loader is not None:
+            self.loader.chosen[name, version] = self.loader.clock()
         return ModelChoice(name, version, min(w.max_model_len for w in workers), tokenizer, token_text, moved_from)
 
     def _text(self, name: str, version: str) -> tuple[Tokenizer, TokenText]:
@@ -276,7 +278,8 @@ class ServedModels:
 
     def _load(self, name: str, version: str | None) -> tuple[str, int] | None:
         """(name@version, Retry-After) of the version being loaded for a request, a load started if need be; None
-        when no worker may load it. ``version`` None: the promoted version where offered, else any offered."""
+        when no worker offers it; a 503 when none may load it now. ``version`` None: the promoted version where
+        offered, else any offered."""
         if self.loader is None:
             return None
         loadable = {*self.loader.cold().get(name, ()),
@@ -287,7 +290,11 @@ class ServedModels:
         if version not in loadable:
             return None
         retry_after_s = self.loader.want(f"{name}@{version}")
-        return None if retry_after_s is None else (f"{name}@{version}", retry_after_s)
+        if retry_after_s is None:
+            raise ApiError(503, f"model {name}@{version} is not loaded, and every worker that may load it is busy "
+                           "with its own model now (or served it within model_swap_min_idle_s); try again",
+                           code="model_not_loaded", param="model", retry_after_s=self.config.retry_after_s)
+        return f"{name}@{version}", retry_after_s
 
 
 def served_headers(choice) -> dict[str, str]:

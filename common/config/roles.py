@@ -87,6 +87,9 @@ class ProxyConfig:
     model_load_timeout_s: Float = option(
         600.0, "how long a worker asked to load a standby model (worker.standby_models) may take before the proxy "
         "stops waiting for it and may ask another", gt=0)
+    model_swap_min_idle_s: Float = option(
+        5.0, "a worker serving a model is asked to swap it for a standby model only once no request chose its "
+        "model for this long, so that two models wanted in turn do not swap one worker back and forth", ge=0)
     drain_timeout_s: Float = option(30.0, "on SIGTERM, how long requests in flight may run on", gt=0)
     auth_enabled: Bool = option(False, "generation requests need 'Authorization: Bearer <key>' of a tenant")
     tenants: tuple[TenantConfig, ...] = option(

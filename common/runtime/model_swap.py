@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import queue
 import time
 from dataclasses import replace
 
@@ -109,7 +110,7 @@ class ModelSwitch:
                         "serves already" if key == current else f"cannot (its models: {', '.join(self.models)})")
             return
         log.info("the proxy asked for %s: %s", key, "draining, then swapping" if self.loaded else "loading")
-        self.pending = key
+        self.pending, self.error = key, ""
         self.swap_by = time.monotonic() + self.config.drain_timeout_s
         self.handler.draining = self.io.draining = True
         self.check_at = 0.0
@@ -159,15 +160,33 @@ class ModelSwitch:
             if self.handler.transfer is not None:  # built before the failure
                 self.handler.transfer.close()
             self.handler.engine = self.handler.transfer = None
+            gc.collect()
             self.models.pop(key)
             self.error = f"loading {key} failed: {type(exc).__name__}: {exc}"
             self._stand_by()
             return
         self.handler.standby = [k for k in self.models if k != key]
+        self._refuse_queued()
         self.handler.draining = self.io.draining = bool(self.signalled)
         self.io.registration = self.handler.registration()
         self.io.rejoin()
         self.check_at = time.monotonic() + self.idle_s
+
+    def _refuse_queued(self) -> None:
+        """Requests routed here before the proxy had the Goodbye queued up while the model loaded: back to the
+        proxy (it resumed them elsewhere), not run on the model loaded since."""
+        kept = []
+        while True:
+            try:
+                msg = self.io.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(msg, REQUEST_MESSAGES):
+                self.handler.refuse(msg.request_id, "the worker changed its model", retryable=True)
+            elif msg is None or isinstance(msg, wire.LoadModel):  # None: the I/O thread stopped
+                kept.append(msg)
+        for msg in kept:
+            self.io.inbox.put(msg)
 
     def _stand_by(self) -> None:
         handler = self.handler

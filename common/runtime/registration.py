@@ -3,12 +3,19 @@
 Built once at start and again under each new epoch (``worker_runtime`` ``WorkerIO`` sends it): the worker's id,
 role and epoch; the model name and version requests are routed by (``common.storage.model_store``
 ``model_identity``); its KV layout and pool (the proxy pairs only workers of one version, which must agree on the
-layout); the KV transfer agent's metadata; its decode slots, speculation and the cores it time-shares.
+layout); the KV transfer agent's metadata; its decode slots, speculation and the cores it time-shares; the other
+models it may load (``model_swap``). ``await_acknowledgement`` waits for the proxy's answer at start; ``rejoin``
+registers again when the proxy lost the worker (its Reregister).
 """
 from __future__ import annotations
 
+import logging
+import time
+
 from common.protocol import wire
 from common.runtime.core_share import core_group
+
+log = logging.getLogger(__name__)
 
 
 def registration(worker) -> wire.Register:
@@ -40,3 +47,16 @@ def await_acknowledgement(config, registered, refused, curve: bool) -> None:
                            f"{config.register_timeout_s}s (setting register_timeout_s){hint}")
     if (reason := refused()) is not None:
         raise RuntimeError(f"the proxy refused this worker: {reason}")
+
+
+def rejoin(io, handler, msg: wire.Reregister) -> None:
+    """The proxy lost this worker (``io``: its WorkerIO; ``handler``: its role handler): whoever asked for the running
+    requests can no longer get their tokens; they are dropped, and the worker registers again under a new epoch."""
+    log.warning("the proxy does not know this worker (%s): dropping its requests and registering again", msg.reason)
+    if handler.engine is None:  # standing by (model_swap.py): its Standby messages tell the proxy
+        return
+    handler.metrics.status.registered = False
+    handler.fail_all("the proxy that sent this request lost this worker")
+    handler.epoch = time.time_ns()  # a new epoch: whatever the proxy still gets from the old one is stale
+    io.registration = handler.registration()
+    io.rejoin()

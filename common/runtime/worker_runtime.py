@@ -43,7 +43,7 @@ from common.runtime import sd_notify
 from common.runtime.core_share import CoreShare
 from common.runtime.health_server import HealthServer
 from common.runtime.model_swap import ModelSwitch, load_model
-from common.runtime.registration import await_acknowledgement, registration
+from common.runtime.registration import await_acknowledgement, registration, rejoin
 from common.runtime.telemetry import WorkerMetrics, request_scope
 from common.runtime.tracing import make_tracing
 from common.runtime.worker_contracts import KVTransfer, Load, RoleHandler
@@ -97,7 +97,8 @@ class WorkerIO:
         self.send(wire.Goodbye(self.config.worker_id, self.registration.epoch, reason))
 
     def stop(self, goodbye: str) -> None:
-        self._outbox.put(wire.Goodbye(self.config.worker_id, self.registration.epoch, goodbye))
+        self.standby = None  # no Standby after the Goodbye
+        self.leave(goodbye)
         self._stop.set()
         self._thread.join(timeout=5)
         if not self._thread.is_alive():  # a live thread may still poll the eventfd: leave it to the exit
@@ -175,6 +176,8 @@ class WorkerIO:
                     self._outbox.put(wire.RequestFailed(request_id, self.config.worker_id,
                                                         f"the worker refused the request: {exc}", False, True))
                 continue
+            if isinstance(msg, wire.RegisterAck) and not self._may_register.is_set():
+                continue  # a late answer to a Register of an epoch it left (model_swap.py) or lost (Reregister)
             if isinstance(msg, wire.RegisterAck):
                 self.speaks = min(self.config.protocol_version, wire.frame_version(frames))
                 if not msg.accepted:
@@ -252,7 +255,7 @@ def _take_messages(io: WorkerIO, handler: RoleHandler, switch: ModelSwitch, wait
         if msg is None:
             return False
         if isinstance(msg, wire.Reregister):
-            _rejoin(io, handler, msg)
+            rejoin(io, handler, msg)
         elif handler.engine is None or isinstance(msg, wire.LoadModel):
             switch.take(msg)
         elif isinstance(msg, wire.Tune):  # the proxy's adaptive controller (proxy/tac.py)
@@ -289,16 +292,6 @@ def _handle(handler: RoleHandler, msg) -> None:
         handler.metrics.internal_errors.inc()
         if (request_id := getattr(msg, "request_id", None)) is not None:
             handler.contain(request_id, f"the worker failed on this request ({type(exc).__name__}: {exc})")
-
-
-def _rejoin(io: WorkerIO, handler: RoleHandler, msg: wire.Reregister) -> None:
-    """The proxy lost this worker: whoever asked for the running requests can no longer get their tokens."""
-    log.warning("the proxy does not know this worker (%s): dropping its requests and registering again", msg.reason)
-    handler.metrics.status.registered = False
-    handler.fail_all("the proxy that sent this request lost this worker")
-    handler.epoch = time.time_ns()  # a new epoch: whatever the proxy still gets from the old one is stale
-    io.registration = handler.registration()
-    io.rejoin()
 
 
 class WorkerBase:

@@ -1,10 +1,10 @@
 """Hot and cold models through real processes, in the shipped disaggregated layout (a prefill and a decode worker).
 
 Both workers start on ``tiny`` and offer ``other`` (``standby_models``). The first request for ``other`` gets 503
-with Retry-After; the proxy asks both workers to swap, and ``other`` then serves its own greedy output (two tiny
-random models: a response equal to a model's reference was computed by that model alone). After
-``model_idle_unload_s`` without a request both workers unload and stand by; a request for ``tiny`` loads it again.
-The load times are reported (``-s`` shows them) and exported.
+with Retry-After; once ``tiny`` had no request for ``model_swap_min_idle_s`` the proxy asks both workers to swap,
+and ``other`` then serves its own greedy output (two tiny random models: a response equal to a model's reference
+was computed by that model alone). After ``model_idle_unload_s`` without a request both workers unload and stand
+by; a request for ``tiny`` loads it again. The load times are reported (``-s`` shows them) and exported.
 """
 from __future__ import annotations
 
@@ -67,8 +67,10 @@ def test_a_cold_model_loads_on_demand_and_an_idle_one_unloads(models, tmp_path, 
             first = ask(client, "tiny")
             assert first.status_code == 200 and first.json()["choices"][0]["message"]["content"] == answers["tiny"]
             assert entries(client)["tiny"]["versions"][0]["workers"] == 2
+            # Its workers served tiny a moment ago: they give it up once no request chose it for
+            # model_swap_min_idle_s (5 s), and other@v1 is loading from then on.
             cold = ask(client, "other")
-            assert cold.status_code == 503 and "other@v1 is loading" in cold.json()["error"]["message"]
+            assert cold.status_code == 503 and "busy with its own model" in cold.json()["error"]["message"]
             served, refused, waited = until_served(client, "other")
             assert served.json()["choices"][0]["message"]["content"] == answers["other"]
             assert served.headers["X-Tessera-Model"] == "other@v1"

@@ -35,7 +35,7 @@ class Cluster:
     def __init__(self, tmp_path, own_dir) -> None:
         self.now = 100.0
         self.config = SimpleNamespace(retry_after_s=1, model_load_timeout_s=60.0, heartbeat_timeout_s=10.0,
-                                      served_model_name="alias", session_pin_max_s=60.0)
+                                      served_model_name="alias", session_pin_max_s=60.0, model_swap_min_idle_s=0.0)
         self.registry = WorkerRegistry(self.config.heartbeat_timeout_s)
         self.sent: list[tuple[str, object]] = []
         self.busy: set[str] = set()
@@ -53,9 +53,9 @@ class Cluster:
         self.versions[msg.worker_id] = PROTOCOL_VERSION
         self.loader.registered(msg)
 
-    def stand_by(self, worker_id: str, role: str, models, error: str = "") -> None:
+    def stand_by(self, worker_id: str, role: str, models, error: str = "", epoch: int = 5) -> None:
         self.versions[worker_id] = PROTOCOL_VERSION
-        self.loader.on_standby(Standby(worker_id, 5, role, list(models), error), self.now)
+        self.loader.on_standby(Standby(worker_id, epoch, role, list(models), error), self.now)
 
     def refused(self, model: str) -> ApiError:
         with pytest.raises(ApiError) as raised:
@@ -89,7 +89,7 @@ def test_a_busy_worker_is_not_asked_and_a_worker_standing_by_is_asked_first(tmp_
     c.join(register("busy", "both", "tiny@own", standby=["other@v1"]))
     c.busy.add("busy")
     error = c.refused("other@v1")
-    assert error.status == 503 and "no worker serves" in error.message and not c.sent  # none can load it now
+    assert error.status == 503 and "every worker that may load it is busy" in error.message and not c.sent
     c.stand_by("cold", "both", ["other@v1", "tiny@own"])
     c.refused("other@v1")
     assert [w for w, _ in c.sent] == ["cold"]
@@ -122,7 +122,9 @@ def test_a_failed_load_ends_the_wait_and_a_worker_of_the_older_protocol_is_never
     c = Cluster(tmp_path, tiny_dir)
     c.stand_by("w", "decode", ["other@v1"])
     c.refused("other@v1")
-    c.stand_by("w", "decode", [], error="loading other@v1 failed: OSError: no weights")
+    c.stand_by("w", "decode", ["other@v1"])  # its beacon sent before it took the LoadModel: still loading
+    assert "w" in c.loader.loading
+    c.stand_by("w", "decode", [], error="loading other@v1 failed: OSError: no weights", epoch=6)
     assert not c.loader.loading and c.metrics.model_loads.labels("other@v1", "failed")._value.get() == 1
     assert c.refused("other@v1").message.startswith("no worker serves")  # known (offered before), not 404
     c.stand_by("old", "decode", ["other@v1"])
@@ -154,3 +156,18 @@ def test_a_prefill_worker_busy_at_the_first_request_is_asked_by_a_later_one_whil
     c.refused("other@v1")
     c.refused("other@v1")
     assert [w for w, _ in c.sent] == ["d0", "p0"]  # once: its load is under way then
+
+
+def test_a_worker_whose_model_was_just_chosen_keeps_it_and_a_lost_worker_ends_its_load(tmp_path, tiny_dir):
+    c = Cluster(tmp_path, tiny_dir)
+    c.config.model_swap_min_idle_s = 5.0
+    c.join(register("w", "both", "tiny@own", standby=["other@v1"]))
+    c.models.choose("tiny")  # a request for its model now
+    assert "busy" in c.refused("other@v1").message and not c.sent
+    c.now += 5
+    c.refused("other@v1")
+    assert [w for w, _ in c.sent] == ["w"]
+    c.loader.forget("w")  # a Goodbye (the swap's own): the load goes on
+    assert "w" in c.loader.loading
+    c.loader.forget("w", lost=True)  # its connection closed: the load is over
+    assert not c.loader.loading and c.metrics.model_loads.labels("other@v1", "failed")._value.get() == 1

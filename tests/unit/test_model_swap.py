@@ -89,7 +89,11 @@ def test_a_load_model_drains_then_swaps_and_the_new_model_serves_its_own_output(
     assert handler.engine is not None and handler.model_name == dirs[0].name
     while handler.busy():
         _turn(handler)
+    switch.io.inbox.put(wire.DecodeRequest("queued", PROMPT, PARAMS, seed=1))  # routed here before the Goodbye
+    sent.clear()
     switch.act()
+    assert sent == [wire.RequestFailed("queued", "w0", "the worker changed its model", True)]  # not run on it
+    assert switch.io.inbox.empty()
     assert switch.io.events == [f"goodbye: loading {second}", f"register {second}"]
     assert handler.model_name == dirs[1].name and handler.epoch > epoch and handler.transfer is not pool
     assert pool._closed and not handler.draining and handler.load_s > 0
