@@ -1,6 +1,6 @@
 """Hot and cold models on the embedded model: how long a standby model takes to serve, and what unloading frees.
 
-    python -m bench.model_load [--dtype bfloat16] [--idle-s 8] [--log-dir DIR] [--json FILE]
+    python -m bench.model_load [--dtype bfloat16] [--idle-s 8] [--swap-min-idle-s S] [--log-dir DIR] [--json FILE]
 
 A local cluster in the layout ``tessera up`` starts (proxy, one prefill and one decode worker, each its own
 process) serves the embedded model's ``--dtype`` version, and every worker offers its other registered version
@@ -8,7 +8,8 @@ process) serves the embedded model's ``--dtype`` version, and every worker offer
 Measured, each from the client's clock and the workers' own (``load_s``, their log lines):
 
 - swap: the first request for the standby version to its first 200 (the requests between got 503 with
-  Retry-After, honoured up to 0.25 s), and each worker's load time;
+  Retry-After, honoured up to 0.25 s), and each worker's load time. The request comes right after one for the
+  first version, so it also waits out the proxy's ``model_swap_min_idle_s`` (``--swap-min-idle-s`` sets it);
 - swap back to the first version, the same way;
 - idle unload: after ``--idle-s`` without a request both workers unload; the decode worker's resident memory before
   and after, and a request's wait from standby to its first 200;
@@ -72,13 +73,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--idle-s", type=float, default=8.0)
+    parser.add_argument("--swap-min-idle-s", type=float, help="the proxy's model_swap_min_idle_s (default: its own)")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/tessera-model-load"))
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     args.log_dir.mkdir(parents=True, exist_ok=True)
     first, second = version_of(args.dtype), version_of(other_dtype(args.dtype))
+    swap = [] if args.swap_min_idle_s is None else [f"model_swap_min_idle_s={args.swap_min_idle_s}"]
     cluster = LocalCluster(first, args.log_dir, prefill=1, decode=1, dtype=args.dtype,
-                           proxy_overrides=[f"served_model_name={EMBEDDED_MODEL}"],
+                           proxy_overrides=[f"served_model_name={EMBEDDED_MODEL}", *swap],
                            worker_overrides=[f"standby_models=[{second}]", f"model_idle_unload_s={args.idle_s}"])
     result: dict = {"dtype": args.dtype, "first": first, "standby": second}
     cluster.start()
@@ -96,11 +99,13 @@ def main() -> None:
             result["from_standby"] = until_served(client, second)
             result["load_s"] = {name: load_times(args.log_dir, name) for name in ("prefill-0", "decode-0")}
             # Baseline: a worker process of its own for the standby version, from start to registration.
-            cluster.role_overrides = [f"decode-1:engine.model={second}", "decode-1:standby_models=[]"]
-            before = alive(cluster)
+            cluster.role_overrides = [f"decode-1:engine.model={second}", "decode-1:standby_models=[]",
+                                      "decode-1:model_idle_unload_s=0"]
             started = time.monotonic()
             cluster.start_worker("decode", 1)
-            while alive(cluster) <= before:
+            while '{worker_id="decode-1"}' not in cluster.metric("tessera_proxy_kv_pages_free"):
+                if cluster.dead() or time.monotonic() - started > 600:
+                    raise RuntimeError(f"decode-1 did not register: {cluster.dead()}")
                 time.sleep(0.1)
             result["baseline_new_worker_s"] = round(time.monotonic() - started, 3)
     finally:
