@@ -171,3 +171,24 @@ def test_a_worker_whose_model_was_just_chosen_keeps_it_and_a_lost_worker_ends_it
     assert "w" in c.loader.loading
     c.loader.forget("w", lost=True)  # its connection closed: the load is over
     assert not c.loader.loading and c.metrics.model_loads.labels("other@v1", "failed")._value.get() == 1
+
+
+def test_a_heartbeat_the_worker_sent_before_its_load_model_does_not_bring_it_back_into_routing():
+    """Through the real Cluster: its membership applies heartbeats, the loader's mark wins until the worker
+    registers again; the Standby of an unloaded worker removes what was registered under its old epoch."""
+    from common.config.roles import ProxyConfig
+    from common.protocol.wire import Heartbeat, encode
+    from proxy.cluster import Cluster
+    from proxy.routing import PrefixAwareRouting
+
+    cluster = Cluster(ProxyConfig(), PrefixAwareRouting(), ProxyMetrics(), clock=lambda: 100.0)
+    sent = []
+    cluster.attach(lambda worker_id, msg, version: sent.append((worker_id, msg)))
+    cluster.on_frames(b"d0", encode(register("d0", "decode", "tiny@own", standby=["other@v1"])))
+    assert cluster.loader.want("other@v1") == 1 and isinstance(sent[-1][1], LoadModel)
+    state = cluster.registry.workers["d0"]
+    assert state.draining
+    cluster.on_frames(b"d0", encode(Heartbeat("d0", 1, 64, 0, 0, 0, False)))  # on its way before the LoadModel
+    assert state.draining
+    cluster.on_frames(b"d0", encode(Standby("d0", 2, "decode", ["tiny@own", "other@v1"])))  # its load failed
+    assert "d0" not in cluster.registry.workers and "d0" in cluster.loader.standing_by
