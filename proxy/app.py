@@ -30,7 +30,7 @@ from common.config.roles import ProxyConfig
 from common.text.tokenizer import Tokenizer
 from common.protocol.wire import PROTOCOL_VERSION
 from common.runtime.zmq_security import proxy_curve
-from proxy import admin_api, embeddings_api, openai_api, openapi, resumable
+from proxy import admin_api, embeddings_api, openai_api, openapi, resumable, websocket_api
 from proxy.cluster import Cluster
 from proxy.conversations import ConversationStore
 from proxy.auth import tenant_from_header
@@ -128,6 +128,7 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
     app.include_router(embeddings_api.router)
     app.include_router(admin_api.router)
     app.include_router(resumable.router)
+    app.include_router(websocket_api.router)
     _add_service_routes(app, services)
     openapi.install(app, [CompletionRequest, ChatCompletionRequest, EmbeddingRequest, TokenizeRequest,
                          DetokenizeRequest, admin_api.PromoteRequest, admin_api.DrainRequest])

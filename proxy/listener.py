@@ -119,5 +119,7 @@ def listener_config(app, config: ProxyConfig, **settings) -> uvicorn.Config:
     protocol = functools.partial(HeaderTimeoutH11Protocol, header_timeout_s=config.request_header_timeout_s)
     options = {"host": config.host, "port": config.port, "http": protocol,
                "limit_concurrency": config.max_connections, "timeout_keep_alive": config.keep_alive_timeout_s,
-               **tls}
+               # a /v1/stream message larger than this closes its socket (1009); smaller ones are checked
+               # against max_prompt_bytes with an error frame (proxy/websocket_api.py)
+               "ws_max_size": config.max_prompt_bytes + 65536, **tls}
     return uvicorn.Config(app, **{**options, **settings})

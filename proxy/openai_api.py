@@ -217,13 +217,13 @@ async def _serve(request: Request, request_model, format_cls, endpoint: str) -> 
         tenant = None
         if tenants.auth_enabled:
             tenant = tenant_from_header(tenants, request.headers.get("authorization"))
-        timeout_s = _timeout(request.headers.get(TIMEOUT_HEADER))
+        timeout_s = request_timeout(request.headers.get(TIMEOUT_HEADER))
         body = await read_model(request, request_model, services.config.max_prompt_bytes)
         if tenant is None:
             tenant = tenant_from_body(tenants, body.user) if tenants.from_user_field else tenants.default
         resume_header = request.headers.get(RESUMABLE_HEADER)  # parsed in proxy.resumable only when sent
         resumable = body.stream and (tenant.resumable if resume_header is None else wants_resume(resume_header))
-        generation, group = await _admit(services, body, format_cls, tenant, timeout_s, request.headers)
+        generation, group = await admit(services, body, format_cls, tenant, timeout_s, request.headers)
     except ApiError as error:
         metrics.requests.labels(endpoint, str(error.status)).inc()
         return error.response()
@@ -240,15 +240,15 @@ async def _serve(request: Request, request_model, format_cls, endpoint: str) -> 
                 watcher.stop()  # from here, a client that leaves only detaches from the stream
                 response = services.streams.start(
                     request, generation.response_id, tenant.name,
-                    lambda stream: _stream(generation, group, first, events, watcher, metrics, endpoint,
-                                           lambda: stream.expired),
+                    lambda stream: sse_events(generation, group, first, events, watcher, metrics, endpoint,
+                                              lambda: stream.expired),
                     group.cancel)
                 response.headers.update(generation.served)
                 return response
             if not isinstance(first, FailureEvent):
                 streaming = True
-                return StreamingResponse(_stream(generation, group, first, events, watcher, metrics, endpoint,
-                                                 lambda: watcher.disconnected), media_type="text/event-stream",
+                return StreamingResponse(sse_events(generation, group, first, events, watcher, metrics, endpoint,
+                                                    lambda: watcher.disconnected), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", **generation.served})
             response, status = first.error.response(), str(first.error.status)
         else:
@@ -261,7 +261,7 @@ async def _serve(request: Request, request_model, format_cls, endpoint: str) -> 
     return response
 
 
-def _timeout(raw: str | None) -> float | None:
+def request_timeout(raw: str | None) -> float | None:
     if raw is None:
         return None
     try:
@@ -274,7 +274,7 @@ def _timeout(raw: str | None) -> float | None:
     return value
 
 
-async def _admit(services, body, format_cls, tenant: Tenant, timeout_s: float | None,
+async def admit(services, body, format_cls, tenant: Tenant, timeout_s: float | None,
                  headers) -> tuple[_Generation, RequestGroup]:
     config, cluster = services.config, services.cluster
     services.models.check(body.model)
@@ -337,7 +337,7 @@ async def _collect(gen: _Generation, events: AsyncIterator[Event]) -> tuple[Resp
     return JSONResponse(body, headers=gen.served), "200"
 
 
-async def _stream(gen: _Generation, group: RequestGroup, first: Event, events: AsyncIterator[Event],
+async def sse_events(gen: _Generation, group: RequestGroup, first: Event, events: AsyncIterator[Event],
                   watcher: DisconnectWatcher, metrics, endpoint: str,
                   client_left: Callable[[], bool]) -> AsyncIterator[str]:
     """The response's server-sent events: to the client's connection, or into a resumable stream."""

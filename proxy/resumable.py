@@ -168,6 +168,13 @@ class StreamStore:
               cancel: Callable[[str], None]) -> StreamingResponse:
         """A new stream, fed by ``produce(stream)`` (``data: ...`` events) from a task of its own, and its
         first reader's response."""
+        stream, reader = self.open(response_id, tenant, produce, cancel)
+        return _respond(request, stream, reader, -1)
+
+    def open(self, response_id: str, tenant: str, produce: Callable[[ResumableStream], AsyncIterator[str]],
+             cancel: Callable[[str], None]) -> tuple[ResumableStream, int]:
+        """A new stream fed as ``start`` says, and its first reader (an HTTP response, or a WebSocket's request:
+        ``proxy.websocket_api``)."""
         stream = ResumableStream(response_id, tenant, self, cancel)
         self.streams[response_id] = stream
         reader = stream.attach(-1)
@@ -175,7 +182,7 @@ class StreamStore:
         self._producers.add(task)
         task.add_done_callback(self._producers.discard)
         self._metrics.resumable_streams.inc()
-        return _respond(request, stream, reader, -1)
+        return stream, reader
 
     async def _feed(self, stream: ResumableStream, produce: AsyncIterator[str]) -> None:
         try:
