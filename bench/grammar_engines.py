@@ -255,8 +255,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     from transformers import PreTrainedTokenizerFast
-    hf = PreTrainedTokenizerFast(tokenizer_file=str(resolve_model("embedded", "float32") / "tokenizer.json"))
-    hf.eos_token = "<|im_end|>"
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(resolve_model("embedded", "float32") / "tokenizer.json"),
+                                 eos_token="<|im_end|>")
     vocab_size = len(hf)
     report = {"vocab_size": vocab_size, "engines": {}}
     for engine_cls in (Xgrammar, Llguidance, OutlinesCore):
