@@ -79,8 +79,12 @@ class StreamSocket:
     async def run(self) -> None:
         try:
             while True:
-                text = await self.socket.receive_text()
-                await self._message(text)
+                message = await self.socket.receive()
+                if message["type"] == "websocket.disconnect":
+                    break
+                raw = message.get("text")  # a binary frame is read as UTF-8 text
+                await self._message(raw if raw is not None else (message.get("bytes") or b"").decode(
+                    "utf-8", "replace"))
         except WebSocketDisconnect:
             pass
         finally:

@@ -110,6 +110,7 @@ def test_bad_messages_get_error_frames_naming_the_problem_and_the_socket_stays_o
             (request("y", body={"max_tokens": -1}), "y", 400, "max_tokens"),
             (request("z", body={"model": "nowhere"}), "z", 404, "does not exist"),
             ("x" * 5000, None, 413, "max_prompt_bytes"),
+            (b"\xff\xfe binary", None, 400, "not JSON"),
         ]
         for message, cid, status, words in cases:
             socket.send(message)
