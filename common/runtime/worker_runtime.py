@@ -123,6 +123,7 @@ class WorkerIO:
 
     def _loop(self, sock) -> None:
         next_beat = time.monotonic() + self.config.heartbeat_interval_s
+        beacon = None  # the Standby last sent
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake.fd, zmq.POLLIN)
@@ -149,8 +150,8 @@ class WorkerIO:
                 ), self.speaks))
                 self.metrics.heartbeats_sent.inc()
                 next_beat = now + self.config.heartbeat_interval_s
-            elif self.standby is not None and now >= next_beat:
-                sock.send_multipart(wire.encode(self.standby, self.speaks))
+            elif self.standby is not None and (now >= next_beat or self.standby is not beacon):  # a new one: now
+                sock.send_multipart(wire.encode(beacon := self.standby, self.speaks))
                 next_beat = now + self.config.heartbeat_interval_s
 
     def _flush_outbox(self, sock) -> None:
