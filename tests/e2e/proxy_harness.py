@@ -171,6 +171,19 @@ def cluster(make_proxy, make_worker):
     return proxy, prefill, decode
 
 
+@pytest.fixture
+def slow_cluster(make_proxy, make_worker):
+    """Makes a proxy (with the given settings) whose decode worker sends a token every 50 ms, so that a client
+    can leave and come back mid-stream; returns it and its decode worker."""
+    def make(**overrides):
+        proxy = make_proxy(**overrides)
+        make_worker(proxy, "p0", "prefill")
+        decode = make_worker(proxy, "d0", "decode", token_interval_s=0.05)
+        wait_until(lambda: proxy.http.get("/readyz").status_code == 200, what="/readyz")
+        return proxy, decode
+    return make
+
+
 def sse_payloads(raw: str) -> list[str]:
     assert raw.endswith("data: [DONE]\n\n"), raw[-200:]
     events = raw.split("\n\n")[:-1]

@@ -4,14 +4,13 @@ from __future__ import annotations
 import json
 
 import httpx
-import pytest
 
 from common.cli.local_cluster import LocalCluster
 from common.config.roles import TenantConfig
 from common.protocol.wire import Abort, DecodeRequest
 from proxy.tenants_command import hash_key
 from tests.e2e.proxy_harness import (  # noqa: F401
-    MODEL, SCRIPT_TEXT, assert_openai_error, make_proxy, make_worker, script, tokenizer, wait_until,
+    MODEL, SCRIPT_TEXT, assert_openai_error, make_proxy, make_worker, script, slow_cluster, tokenizer, wait_until,
 )
 
 RESUMABLE = {"X-Resumable": "true"}
@@ -54,18 +53,6 @@ def read_some(lines, count: int) -> list[tuple[int | None, str]]:
         if len(events) == count:
             return events
     raise AssertionError(f"the stream ended after {len(events)} events")
-
-
-@pytest.fixture
-def slow_cluster(make_proxy, make_worker):
-    """Tokens every 50 ms, so that a client can leave and come back mid-stream."""
-    def make(**overrides):
-        proxy = make_proxy(**overrides)
-        make_worker(proxy, "p0", "prefill")
-        decode = make_worker(proxy, "d0", "decode", token_interval_s=0.05)
-        wait_until(lambda: proxy.http.get("/readyz").status_code == 200, what="/readyz")
-        return proxy, decode
-    return make
 
 
 def test_every_event_of_a_resumable_stream_is_numbered_and_the_response_names_itself(slow_cluster):

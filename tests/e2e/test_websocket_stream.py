@@ -14,19 +14,8 @@ from common.config.roles import TenantConfig
 from common.protocol.wire import Abort, DecodeRequest
 from proxy.tenants_command import hash_key
 from tests.e2e.proxy_harness import (  # noqa: F401
-    MESSAGES, MODEL, SCRIPT_TEXT, make_proxy, make_worker, script, tokenizer, wait_until,
+    MESSAGES, MODEL, SCRIPT_TEXT, make_proxy, make_worker, script, slow_cluster, tokenizer, wait_until,
 )
-
-
-@pytest.fixture
-def slow(make_proxy, make_worker):
-    def make(**overrides):
-        proxy = make_proxy(**overrides)
-        make_worker(proxy, "p0", "prefill")
-        decode = make_worker(proxy, "d0", "decode", token_interval_s=0.05)
-        wait_until(lambda: proxy.http.get("/readyz").status_code == 200, what="/readyz")
-        return proxy, decode
-    return make
 
 
 def socket_url(url: str) -> str:
@@ -59,8 +48,8 @@ def text(frames: list[dict], field: str = "text") -> str:
     return out
 
 
-def test_two_requests_stream_at_once_on_one_socket_with_the_sse_streams_events(slow):
-    proxy, _ = slow()
+def test_two_requests_stream_at_once_on_one_socket_with_the_sse_streams_events(slow_cluster):
+    proxy, _ = slow_cluster()
     with connect(socket_url(proxy.url)) as socket:
         socket.send(request("a"))
         socket.send(request("b", "chat.completions", body={"stream_options": {"include_usage": True}}))
@@ -75,8 +64,8 @@ def test_two_requests_stream_at_once_on_one_socket_with_the_sse_streams_events(s
     assert [c["choices"] for c in sse_data] == [f["data"]["choices"] for f in frames["a"][:-1]]
 
 
-def test_a_cancel_message_ends_the_request_and_the_worker_is_told(slow):
-    proxy, decode = slow()
+def test_a_cancel_message_ends_the_request_and_the_worker_is_told(slow_cluster):
+    proxy, decode = slow_cluster()
     with connect(socket_url(proxy.url)) as socket:
         socket.send(request("long", body={"max_tokens": 2000}))
         first = json.loads(socket.recv(timeout=30))
@@ -90,8 +79,8 @@ def test_a_cancel_message_ends_the_request_and_the_worker_is_told(slow):
         assert text(frames_until_done(socket, {"next"})["next"]) == SCRIPT_TEXT
 
 
-def test_a_socket_that_closes_cancels_its_requests(slow):
-    proxy, decode = slow()
+def test_a_socket_that_closes_cancels_its_requests(slow_cluster):
+    proxy, decode = slow_cluster()
     with connect(socket_url(proxy.url)) as socket:
         socket.send(request("long", body={"max_tokens": 2000}))
         socket.recv(timeout=30)
@@ -99,8 +88,8 @@ def test_a_socket_that_closes_cancels_its_requests(slow):
     wait_until(lambda: not proxy.services.cluster.inflight, what="the request to leave")
 
 
-def test_bad_messages_get_error_frames_naming_the_problem_and_the_socket_stays_open(slow):
-    proxy, _ = slow()
+def test_bad_messages_get_error_frames_naming_the_problem_and_the_socket_stays_open(slow_cluster):
+    proxy, _ = slow_cluster()
     with connect(socket_url(proxy.url)) as socket:
         cases = [
             ("not json", None, 400, "not JSON"),
@@ -121,8 +110,8 @@ def test_bad_messages_get_error_frames_naming_the_problem_and_the_socket_stays_o
         assert text(frames_until_done(socket, {"ok"})["ok"]) == SCRIPT_TEXT
 
 
-def test_a_resumable_request_survives_its_socket_and_resumes_on_another(slow):
-    proxy, decode = slow(resume_window_s=60)
+def test_a_resumable_request_survives_its_socket_and_resumes_on_another(slow_cluster):
+    proxy, decode = slow_cluster(resume_window_s=60)
     with connect(socket_url(proxy.url)) as socket:
         socket.send(request("r", resumable=True))
         seen = [json.loads(socket.recv(timeout=30)) for _ in range(3)]
