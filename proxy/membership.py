@@ -88,8 +88,8 @@ class WorkerMembership:
             log.warning("dropped a Standby from %r naming worker %r", sender, msg.worker_id)
             return
         worker = self.registry.workers.get(sender)
-        if worker is not None and worker.epoch < msg.epoch and self.registry.goodbye(
-                Goodbye(sender, worker.epoch)) is not None:
+        if worker is not None and worker.epoch < msg.epoch:
+            del self.registry.workers[sender]
             self._worker_gone(worker, "it unloaded its model", expected=True)
         self.loader.on_standby(msg, now)
 

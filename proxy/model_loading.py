@@ -125,8 +125,10 @@ class ModelLoader:
             return self.config.retry_after_s
         return max(1, math.ceil(expected - (now - started)))
 
-    def loading_versions(self) -> set[str]:
-        return {load.model for load in self.loading.values()}
+    def loading_versions(self, name: str) -> set[str]:
+        """The versions of model ``name`` a worker is loading now."""
+        return {version for model_name, _, version in (load.model.partition("@") for load in self.loading.values())
+                if model_name == name}
 
     def _ask(self, model: str, decode: bool, now: float) -> bool:
         """Ask one worker of the side (decode-capable, else prefill) that offers ``model`` to load it."""

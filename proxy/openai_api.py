@@ -275,7 +275,7 @@ def request_timeout(raw: str | None) -> float | None:
 
 
 async def admit(services, body, format_cls, tenant: Tenant, timeout_s: float | None,
-                 headers) -> tuple[_Generation, RequestGroup]:
+                headers) -> tuple[_Generation, RequestGroup]:
     config, cluster = services.config, services.cluster
     services.models.check(body.model)
     params = body.sampling_params(config.max_tokens_default)

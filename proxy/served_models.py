@@ -230,8 +230,8 @@ class ServedModels:
         the last load took (seconds; None before one)."""
         if self.loader is None:
             return []
-        loading = self.loader.loading_versions()
-        return [{"version": v, "workers": n, "loading": f"{name}@{v}" in loading,
+        loading = self.loader.loading_versions(name)
+        return [{"version": v, "workers": n, "loading": v in loading,
                  "last_load_s": self.loader.load_s.get(f"{name}@{v}")}
                 for v, n in sorted(self.loader.cold().get(name, {}).items())]
 
@@ -268,33 +268,28 @@ class ServedModels:
 
     def _unserved(self, requested: str, name: str, version: str | None) -> None:
         self.check(requested)
-        loading = self._load(name, version)
-        if loading is not None:
-            model, retry_after_s = loading
-            raise ApiError(503, f"model {model} is loading; try again in {retry_after_s}s", code="model_not_loaded",
-                           param="model", retry_after_s=retry_after_s)
+        self._raise_if_loadable(name, version)
         raise ApiError(503, f"no worker serves model {requested!r} now (it is loading, draining or stopped); try "
                        "again", code="model_not_loaded", param="model", retry_after_s=self.config.retry_after_s)
 
-    def _load(self, name: str, version: str | None) -> tuple[str, int] | None:
-        """(name@version, Retry-After) of the version being loaded for a request, a load started if need be; None
-        when no worker offers it; a 503 when none may load it now. ``version`` None: the promoted version where
-        offered, else any offered."""
+    def _raise_if_loadable(self, name: str, version: str | None) -> None:
+        """The 503 of a version workers offer to load (a load started if need be); nothing when none offers it.
+        ``version`` None: the promoted version where offered, else any offered."""
         if self.loader is None:
-            return None
-        loadable = {*self.loader.cold().get(name, ()),
-                    *(m.partition("@")[2] for m in self.loader.loading_versions() if m.partition("@")[0] == name)}
+            return
+        loadable = {*self.loader.cold().get(name, ()), *self.loader.loading_versions(name)}
         if version is None:
             promoted = self.state(name).promoted
             version = promoted if promoted in loadable else min(loadable, default=None)
         if version not in loadable:
-            return None
+            return
         retry_after_s = self.loader.want(f"{name}@{version}")
         if retry_after_s is None:
             raise ApiError(503, f"model {name}@{version} is not loaded, and every worker that may load it is busy "
                            "with its own model now (or served it within model_swap_min_idle_s); try again",
                            code="model_not_loaded", param="model", retry_after_s=self.config.retry_after_s)
-        return f"{name}@{version}", retry_after_s
+        raise ApiError(503, f"model {name}@{version} is loading; try again in {retry_after_s}s",
+                       code="model_not_loaded", param="model", retry_after_s=retry_after_s)
 
 
 def served_headers(choice) -> dict[str, str]:

@@ -131,7 +131,9 @@ class StreamSocket:
             await work
         except ApiError as error:
             await self._refuse(cid, error)
-        except (WebSocketDisconnect, RuntimeError) as exc:  # the socket closed under a send
+        except (WebSocketDisconnect, RuntimeError) as exc:  # RuntimeError: Starlette's send on a closed socket
+            if not self.closed:
+                raise
             log.debug("socket request %s ended with its socket: %s", cid, exc)
         finally:
             self.tasks.pop(cid, None)
