@@ -21,7 +21,8 @@ Server frames (JSON text), for request ``ID``:
 SSE request does). A socket that closes cancels its requests, except resumable ones (``resumable``, or the
 tenant's ``resumable_streams``): those run on for ``resume_window_s``, and ``resume`` on any socket (or
 ``GET /v1/streams/R`` with ``Last-Event-ID``) replays the events after N, then follows live, as SSE resumption
-does (``proxy.resumable``). Authentication is the handshake's ``Authorization`` header: a bad key gets the same
+does (``proxy.resumable``). A socket with no request running and no message for ``websocket_idle_timeout_s`` (checked
+every that many seconds: at most twice that after its last request ended) is closed (code 1000). Authentication is the handshake's ``Authorization`` header: a bad key gets the same
 401 before the socket opens. A malformed message gets an error frame (with its ``id`` when it had one) and the
 socket stays open.
 """
@@ -77,9 +78,17 @@ class StreamSocket:
         self._lock = asyncio.Lock()
 
     async def run(self) -> None:
+        idle_s = self.services.config.websocket_idle_timeout_s
         try:
             while True:
-                message = await self.socket.receive()
+                try:  # cancelling a receive loses no message (websockets documents it)
+                    message = await asyncio.wait_for(self.socket.receive(), idle_s)
+                except TimeoutError:
+                    if self.tasks:  # requests running: not idle
+                        continue
+                    log.info("closing a /v1/stream socket idle for websocket_idle_timeout_s=%gs", idle_s)
+                    await self.socket.close(code=1000, reason="idle for websocket_idle_timeout_s")
+                    break
                 if message["type"] == "websocket.disconnect":
                     break
                 raw = message.get("text")  # a binary frame is read as UTF-8 text

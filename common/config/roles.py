@@ -177,6 +177,10 @@ class ProxyConfig:
     max_connections: Int = option(
         1024, "open HTTP connections (and requests in progress) beyond which new requests get 503", gt=0)
     keep_alive_timeout_s: Float = option(5.0, "an idle keep-alive connection is closed after this", gt=0)
+    websocket_idle_timeout_s: Float = option(
+        300.0, "a /v1/stream WebSocket with no request running and no message for this long (checked every this "
+        "many seconds) is closed (code 1000)",
+        gt=0)
     request_header_timeout_s: Float = option(
         10.0, "a connection must deliver a request's headers within this, else it is closed", gt=0)
     request_body_timeout_s: Float = option(

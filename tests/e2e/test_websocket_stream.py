@@ -3,10 +3,11 @@ scripted workers (tokens every 50 ms), then a real cluster on a tiny model for t
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
-from websockets.exceptions import InvalidStatus
+from websockets.exceptions import ConnectionClosedOK, InvalidStatus
 from websockets.sync.client import connect
 
 from common.cli.local_cluster import LocalCluster
@@ -156,3 +157,15 @@ def test_a_real_cluster_streams_over_a_socket_what_it_streams_over_http(tiny_cha
     finally:
         codes = cluster.stop()
     assert all(code == 0 for code in codes.values()), codes
+
+
+def test_an_idle_socket_is_closed_after_websocket_idle_timeout_s_but_not_while_a_request_runs(slow_cluster):
+    proxy, _ = slow_cluster(websocket_idle_timeout_s=0.2)
+    with connect(socket_url(proxy.url)) as socket:
+        started = time.monotonic()
+        socket.send(request("a"))  # its tokens take about 0.5 s: more than two idle timeouts
+        assert text(frames_until_done(socket, {"a"})["a"]) == SCRIPT_TEXT
+        assert time.monotonic() - started > 0.4
+        with pytest.raises(ConnectionClosedOK):
+            socket.recv(timeout=10)
+    assert socket.close_code == 1000
