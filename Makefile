@@ -7,6 +7,7 @@ BIN := $(VENV)/bin
 # installing it before the project keeps pip from pulling CUDA torch.
 TORCH_VERSION := 2.13.0
 NIXL_VERSION := 1.5.1
+XGRAMMAR_VERSION := 0.2.8
 # Which dtype(s) of the embedded model `make prepare` (and so `make test`) makes: float32, bfloat16 or both.
 DTYPE ?= float32
 PYTEST_ARGS ?=
@@ -27,6 +28,8 @@ $(SETUP_STAMP): pyproject.toml
 	# NIXL the lean way: its own dependencies would pull CUDA torch (pip check
 	# then reports nixl-cu13 and torch as missing; both are unneeded on CPU).
 	$(PIP) install --no-deps nixl==$(NIXL_VERSION) nixl-cu12==$(NIXL_VERSION)
+	# xgrammar (structured output) without triton, which only its GPU kernels use.
+	$(PIP) install --no-deps xgrammar==$(XGRAMMAR_VERSION)
 	touch $@
 
 prepare: setup

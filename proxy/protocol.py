@@ -4,9 +4,9 @@ Fields follow OpenAI's API plus vLLM's sampling extensions (``top_k``,
 ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``).
 Unknown fields are ignored, as OpenAI's clients send some of their own;
 fields whose meaning the proxy cannot honour (``echo``, ``suffix``,
-``logit_bias``, ``best_of`` other than n, tools, a non-text
-``response_format``, image content) are refused with 400 instead of being
-silently dropped. A completions ``prompt`` may be a string, a list of token
+``logit_bias``, ``best_of`` other than n, tools, image content) are refused
+with 400 instead of being silently dropped. ``response_format`` and vLLM's
+``guided_*`` constrain the output (``proxy/structured.py``). A completions ``prompt`` may be a string, a list of token
 ids, or a batch of either; a batch answers with ``len(prompt) * n`` choices,
 choice ``i * n + j`` being the j-th sample of prompt i, as OpenAI does.
 """
@@ -24,6 +24,7 @@ from common.protocol.sampling_params import (
 )
 from common.text.tokenizer import Tokenizer
 from proxy.errors import ApiError, from_validation_error, invalid_value
+from proxy.structured import ResponseFormat, StructuredOutputsField, structured_output
 
 MAX_CHOICES = 128  # choices per request, all prompts of a batch together
 TokenIdField = Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]
@@ -74,6 +75,15 @@ class _GenerationRequest(BaseModel):
         "deployment's, off opts out")
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS,
                                                description="extension: most draft tokens per step")
+    # Structured output (proxy/structured.py): at most one of these per request.
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object (any JSON object) or json_schema (output valid for the schema)")
+    guided_json: dict[str, Any] | str | None = Field(None, description="extension: a JSON schema the output follows")
+    guided_regex: str | None = Field(None, description="extension: a regular expression the output matches")
+    guided_choice: list[str] | None = Field(None, description="extension: the output is one of these strings")
+    guided_grammar: str | None = Field(None, description="extension: an EBNF grammar the output follows")
+    structured_outputs: StructuredOutputsField | None = Field(
+        None, description="extension: one of json, regex, choice, grammar or json_object, as vLLM takes it")
 
     @field_validator("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
                      mode="before")
@@ -102,6 +112,8 @@ class _GenerationRequest(BaseModel):
         """Validated parameters; ``max_tokens`` is the default when not given (fitted to the prompt later)."""
         self.check_supported()
         given = {name: value for name in _OPTIONAL_SAMPLING_FIELDS if (value := getattr(self, name)) is not None}
+        if self.model_fields_set & _STRUCTURED_FIELDS:
+            given["structured"] = structured_output(self)
         # Every field was checked against the same bounds when the body was parsed.
         return SamplingParams(
             n=self.n, seed=self.seed, max_tokens=self.requested_max_tokens() or default_max_tokens,
@@ -113,6 +125,8 @@ class _GenerationRequest(BaseModel):
 
 _OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                              "repetition_penalty", "speculative", "num_speculative_tokens")
+_STRUCTURED_FIELDS = frozenset(("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                "structured_outputs"))
 
 
 class CompletionRequest(_GenerationRequest):
@@ -185,7 +199,6 @@ class ChatCompletionRequest(_GenerationRequest):
                                      description="alternatives per token, with logprobs=true")
     max_completion_tokens: MaxTokens | None = Field(None, description="OpenAI's newer name for max_tokens")
     tools: list[Any] | None = Field(None, description="not supported: refused when non-empty")
-    response_format: dict[str, Any] | None = Field(None, description="only type 'text' is supported")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -199,8 +212,6 @@ class ChatCompletionRequest(_GenerationRequest):
             raise invalid_value("top_logprobs needs logprobs=true", "top_logprobs")
         if self.tools:
             raise invalid_value("tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise invalid_value("only response_format type 'text' is supported", "response_format")
 
     def prompt_token_ids(self, tokenizer: Tokenizer) -> list[list[int]]:
         return [chat_prompt_ids(tokenizer, self.messages)]

@@ -23,6 +23,7 @@ from common.protocol.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.engine.sequence import FinishReason, Sequence
 from common.engine.speculator import make_speculator
+from common.engine.structured_output import GrammarError, StructuredOutputs
 from common.text.tokenizer import TextState, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,7 @@ class LLMEngine:
             config, self.block_manager, self.max_model_len, frozenset(self.tokenizer.eos_token_ids)
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.structured = StructuredOutputs(self.model_dir, self.runner.vocab_size, self.tokenizer.eos_token_ids)
         self.speculator = make_speculator(config, self.runner)
         # The speculator runs once speculation is on for the deployment or any request has asked for it;
         # until then (the default) a step never calls it.
@@ -195,6 +197,11 @@ class LLMEngine:
             self.output_processor.start(seq)
             if output_token_ids:
                 self._continue(seq, output_token_ids)
+            if params.structured is not None:  # compiled here, once per constraint (cached)
+                try:
+                    self.structured.attach(seq)
+                except GrammarError as exc:
+                    raise RequestError(str(exc)) from None
         self.requests[request_id] = seqs
         return seqs
 
@@ -318,14 +325,16 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         advanced: list[Sequence] = []
         if plan:
-            shape = self._step_shape(plan)
-            sample = self.runner.execute(plan)
+            shape = plan.shape()
+            sample = self.runner.execute(plan, self.structured.mask if self.structured.live else None)
             for i, seq in enumerate(sample.seqs):
                 if seq.params.logprobs is not None and sample.logprobs is not None:
                     seq.logprobs.extend(sample.logprobs[i])
                     seq.top_logprobs.extend(sample.top_logprobs[i])
             before = {seq.seq_id: seq.num_tokens for seq in sample.seqs}
             advanced = self.scheduler.update(plan, dict(zip((s.seq_id for s in sample.seqs), sample.token_ids)))
+            if self.structured.live:
+                self.structured.advance(advanced, before, self.scheduler.finish)
             self._count(plan, sample, sum(s.num_tokens - before[s.seq_id] for s in advanced))
             self.output_processor.process(advanced, self.scheduler.finish)
             if self._speculating:
@@ -333,21 +342,6 @@ class LLMEngine:
                 self.speculator.retain(self.scheduler.running)
             self.step_timer.observe(*shape, time.perf_counter() - started)
         return self._collect_outputs(advanced)
-
-    @staticmethod
-    def _step_shape(plan) -> tuple[int, int, int, int]:
-        """What ``step_timer`` models a step by: decode tokens, the keys they read, prompt tokens, and the
-        query x key pairs of the prompt chunks' attention."""
-        decode_tokens = decode_context = prompt_tokens = prompt_pairs = 0
-        for seq, new, drafts in zip(plan.seqs, plan.num_new_tokens, plan.spec_token_ids):
-            past = seq.num_computed_tokens
-            if new == 1 or drafts:  # decode rows, as the runner has them: one query each, drafts included
-                decode_tokens += new
-                decode_context += new * past + new * (new + 1) // 2  # each row reads the keys up to itself
-            else:
-                prompt_tokens += new
-                prompt_pairs += new * past + new * (new + 1) // 2
-        return decode_tokens, decode_context, prompt_tokens, prompt_pairs
 
     def _count(self, plan, sample, num_generated: int) -> None:
         stats = self.stats

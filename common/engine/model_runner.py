@@ -196,13 +196,16 @@ class ModelRunner:
         return self.forward(self.prepare(StepPlan([seq], [len(ids)])))
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepSample:
-        """Run one step; returns what each sampling sequence emitted."""
+    def execute(self, plan: StepPlan, constrain=None) -> StepSample:
+        """Run one step; returns what each sampling sequence emitted. ``constrain(logits, seqs, drafts)``: masks
+        the logits in place before sampling (structured output)."""
         prepared = self.prepare(plan)
         hidden = self.forward(prepared)
         if not prepared.sample_seqs:
             return StepSample([], [])
         logits = self.model.compute_logits(hidden[prepared.sample_rows]).float()
+        if constrain is not None:
+            constrain(logits, prepared.sample_seqs, prepared.drafts)
         return self.sample(logits, prepared.sample_seqs, prepared.drafts)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> StepSample:

@@ -54,6 +54,20 @@ class StepPlan:
         self.num_new_tokens.append(num_new)
         self.spec_token_ids.append(spec or [])
 
+    def shape(self) -> tuple[int, int, int, int]:
+        """What the engine's ``StepTimer`` models a step by: decode tokens, the keys they read, prompt tokens, and the
+        query x key pairs of the prompt chunks' attention."""
+        decode_tokens = decode_context = prompt_tokens = prompt_pairs = 0
+        for seq, new, drafts in zip(self.seqs, self.num_new_tokens, self.spec_token_ids):
+            past = seq.num_computed_tokens
+            if new == 1 or drafts:  # decode rows, as the runner has them: one query each, drafts included
+                decode_tokens += new
+                decode_context += new * past + new * (new + 1) // 2  # each row reads the keys up to itself
+            else:
+                prompt_tokens += new
+                prompt_pairs += new * past + new * (new + 1) // 2
+        return decode_tokens, decode_context, prompt_tokens, prompt_pairs
+
     def remove(self, seq: Sequence) -> int:
         """Take a sequence back out of the plan; returns the tokens it had."""
         i = self.seqs.index(seq)

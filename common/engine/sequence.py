@@ -78,6 +78,8 @@ class Sequence:
         # when proposals are deterministic, as n-gram lookups are).
         self.spec_token_ids: list[int] = []
         self.spec_draft_probs: Any = None
+        # Structured output: the grammar matcher that has accepted its output (common.engine.structured_output).
+        self.grammar: Any = None
 
     @property
     def num_tokens(self) -> int:

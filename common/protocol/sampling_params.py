@@ -8,7 +8,7 @@ when a worker decodes one. Every error names the field.
 """
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -22,6 +22,31 @@ TOKEN_ID_MAX = (1 << 31) - 1  # no vocabulary comes near; bounds ids before they
 NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=TOKEN_ID_MAX)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+
+
+StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+STRUCTURED_KINDS: tuple[str, ...] = StructuredKind.__args__
+
+
+class StructuredOutput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """A constraint on the output: each sampled token keeps the text a prefix of one the constraint accepts.
+
+    ``spec`` is the JSON schema's text (``json_schema``), the regular expression (``regex``) or the EBNF grammar
+    (``grammar``); ``choices`` the strings of ``choice``; ``json_object`` needs neither. Compiled by the workers
+    (``common.engine.structured_output``), which refuse what does not compile, naming why.
+    """
+    kind: StructuredKind
+    spec: str = ""
+    choices: list[str] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)} "
+                             f"(got {self.kind!r})")
+        if self.kind in ("json_schema", "regex", "grammar") and not self.spec:
+            raise ValueError(f"a {self.kind} constraint needs its spec")
+        if self.kind == "choice" and (not self.choices or not all(isinstance(c, str) and c for c in self.choices)):
+            raise ValueError("a choice constraint needs one or more non-empty strings")
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -46,6 +71,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # num_speculative_tokens caps k (None: the deployment's).
     speculative: SpecMethod | None = None
     num_speculative_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_SPECULATIVE_TOKENS)] | None = None
+    # Structured output (JSON schema, regex, choice, grammar): the token mask every step applies. Protocol 13.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -98,6 +125,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             bad("num_speculative_tokens", f"must be an integer in [0, {MAX_SPECULATIVE_TOKENS}]")
         if self.logprobs is not None and not integer(self.logprobs, 0, MAX_LOGPROBS):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            bad("structured", "must be a StructuredOutput")
 
     def replace(self, **changes) -> "SamplingParams":
         """A copy with ``changes``, validated again."""

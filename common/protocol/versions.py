@@ -25,12 +25,19 @@ MESSAGE_SINCE: dict[type, int] = {EmbedRequest: 11, EmbedResult: 11, LoadModel: 
 # The version that added each field (struct name -> field -> version), where it is newer than that. By name:
 # the request messages are declared in wire.py, which imports this module.
 FIELD_SINCE: dict[str, dict[str, int]] = {"PrefillRequest": {"keep_s": 11}, "DecodeRequest": {"keep_s": 11},
-                                          "Register": {"standby": 12, "load_s": 12}}
+                                          "Register": {"standby": 12, "load_s": 12},
+                                          "SamplingParams": {"structured": 13}}
 
 
 def sendable(message_type: type, version: int) -> bool:
     """Whether a peer speaking ``version`` knows ``message_type``."""
     return MESSAGE_SINCE.get(message_type, 0) <= version
+
+
+def needed_version(params) -> int:
+    """The oldest protocol version a worker may speak to run a request of these ``SamplingParams``: one that
+    would drop a field the request uses (``older_body``) would serve it without what the field asks for."""
+    return FIELD_SINCE["SamplingParams"]["structured"] if params.structured is not None else 0
 
 
 def older_body(value, version: int):

@@ -71,8 +71,8 @@ from common.protocol.wire_types import (  # noqa: F401 - re-exported
     CacheSalt, Coefficient, NonNegInt, Seconds, TokenId, TopLogprobs, WireError, _Struct,
 )
 
-# 11: EmbedRequest, EmbedResult; 12: LoadModel, Standby. Versions one apart interoperate (versions.py).
-PROTOCOL_VERSION = 12
+# 11: EmbedRequest, EmbedResult; 12: LoadModel, Standby; 13: SamplingParams.structured. Versions one apart interoperate (versions.py).
+PROTOCOL_VERSION = 13
 
 
 class MsgType(enum.IntEnum):

@@ -22,7 +22,7 @@ from common.engine.llm_engine import LLMEngine
 from common.protocol.sampling_params import SamplingParams
 from common.protocol.wire import PROTOCOL_VERSION
 
-PREVIOUS_RELEASE = "ecbfed3"  # the last commit of protocol version 11
+PREVIOUS_RELEASE = "28eeb7c"  # the last commit of protocol version 12
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["Tell me about the sea.", "What is a hash table?", "Count to five."]
 MAX_TOKENS = 10

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from common.protocol import wire
 from msgspec.structs import replace as dataclass_replace
-from common.protocol.sampling_params import SamplingParams
+from common.protocol.sampling_params import SamplingParams, StructuredOutput
 from common.protocol.wire import (
     PROTOCOL_VERSION, DecodeRequest, KVLayoutInfo, Peers, PeerInfo, PrefillDone, Register, TokenDelta, TokenDeltas,
     WireError,
@@ -184,17 +184,17 @@ def test_a_message_for_the_previous_version_leaves_out_what_that_version_lacks(m
     request = wire.PrefillRequest("r1", [1, 2], SamplingParams(), 7, 30.0, cache_salt=5)
     frames = wire.encode(request, PROTOCOL_VERSION - 1)
     assert wire.frame_version(frames) == PROTOCOL_VERSION - 1 and wire.decode(frames) == request
-    register = wire.Register("w", "decode", 1, "m", "v1", wire.KVLayoutInfo(2, 16, 2, 8, "float32"), 8, 64,
-                             "zmq", b"", standby=["other@v2"], load_s=1.5)
-    older_register = wire.encode(register, PROTOCOL_VERSION - 1)  # standby and load_s are new in 12
-    assert not {"standby", "load_s"} & set(msgpack.unpackb(older_register[1]))
-    assert wire.decode(older_register) == dataclass_replace(register, standby=[], load_s=0.0)
+    constrained = wire.PrefillRequest("r2", [1, 2], SamplingParams(structured=StructuredOutput(kind="json_object")),
+                                      7, 30.0)
+    older_constrained = wire.encode(constrained, PROTOCOL_VERSION - 1)  # SamplingParams.structured is new in 13
+    assert "structured" not in msgpack.unpackb(older_constrained[1])["params"]
+    assert wire.decode(older_constrained) == dataclass_replace(constrained, params=SamplingParams())
     monkeypatch.setitem(versions.FIELD_SINCE, "PrefillRequest", {"cache_salt": PROTOCOL_VERSION})
     older = wire.encode(request, PROTOCOL_VERSION - 1)
     assert "cache_salt" not in msgpack.unpackb(older[1]) and wire.decode(older).cache_salt == 0  # its default
     assert wire.encode(request)[1] == encode(request)[1]  # this version's own: every field
     with pytest.raises(WireError, match="not in protocol version"):
-        wire.encode(wire.LoadModel("w", "m@v2"), PROTOCOL_VERSION - 1)
+        wire.encode(wire.LoadModel("w", "m@v2"), 11)  # new in 12
 
 
 def test_a_newer_peers_fields_are_dropped_and_versions_two_apart_are_refused():

@@ -1,0 +1,203 @@
+"""Structured output on the worker: compiled grammars, one matcher per constrained sequence, the step's token mask.
+
+A request's ``SamplingParams.structured`` (a JSON schema, any JSON object, a regex, a choice or an EBNF grammar)
+compiles with xgrammar against this model's tokenizer (chosen by measurement: ``bench/grammar_engines.py``);
+compiled grammars are cached per constraint. Each constrained sequence holds a matcher (``Sequence.grammar``)
+that has accepted its output so far. A sequence that arrives with output (handed off by a prefill worker, resumed
+elsewhere, continued) replays it, so the matcher is where plain generation would have left it.
+
+Each step, before sampling, ``mask`` fills one allowed-token bitmask row per logits row of a constrained
+sequence, xgrammar's batch call filling the rows in C++, and ``kernels/token_mask.c`` sets every disallowed logit
+to -inf in place: the sampler, the greedy fast path, logprobs and draft verification all see the masked logits.
+A sequence verifying k drafts has k + 1 rows: row i's mask is the grammar's state after drafts 1..i, found by
+accepting them one at a time and rolling the matcher back afterwards. A draft the grammar forbids ends that walk
+(the rows after it are never used): its logit is -inf in the row that scores it, so verification rejects it like
+any other mismatch. After the step, ``advance`` feeds each matcher the tokens its sequence kept.
+
+Without a C compiler the mask is applied by torch (unpacking the bits); without xgrammar a constrained request is
+refused (400) naming the missing package.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import logging
+import re
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+from common.engine.native import kernel_function
+from common.engine.sequence import FinishReason, Sequence
+from common.protocol.sampling_params import StructuredOutput
+
+log = logging.getLogger(__name__)
+
+# xgrammar's errors start with "[time] /path/file.cc:line: "; the client gets what follows.
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+
+
+class GrammarError(ValueError):
+    """A constraint that does not compile, or output it does not accept: the client's 400."""
+
+
+@functools.cache
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as exc:  # an install without it serves everything else
+        raise GrammarError(f"structured output needs the xgrammar package on the worker ({exc})") from None
+    return xgrammar
+
+
+def _mask_kernel():
+    return kernel_function("token_mask", "tessera_apply_token_mask",
+                           (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p) + (ctypes.c_int,) * 3
+                           + (ctypes.c_int64,))
+
+
+def apply_token_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set to -inf each logit of ``logits[rows[i]]`` whose bit in ``bitmask[i]`` is 0 (and those past the mask)."""
+    if not rows:
+        return
+    kernel = _mask_kernel() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if kernel is not None and logits.stride(1) == 1 and bitmask.is_contiguous():
+        index = torch.tensor(rows, dtype=torch.int64)
+        if kernel(logits.data_ptr(), bitmask.data_ptr(), index.data_ptr(), len(rows), logits.shape[1],
+                  bitmask.shape[1], logits.stride(0)) == 0:
+            return
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[: len(rows), :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool().to(logits.device)
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+class StructuredOutputs:
+    """One engine's grammar compiler, its constrained sequences, and the step's token mask."""
+
+    def __init__(self, model_dir: Path, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
+        self.model_dir = Path(model_dir)
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self.threads = torch.get_num_threads()  # the model's threads: masks are filled between its passes
+        self.live: set[Sequence] = set()  # constrained sequences not yet seen finished
+        self._compiler = None
+        self._batch = None
+        self._lock = threading.Lock()
+        self._bitmask = torch.empty(0, 0, dtype=torch.int32)
+
+    def _compiler_for(self):
+        """The compiler over this model's tokenizer, built at the first constrained request (about a second)."""
+        with self._lock:
+            if self._compiler is None:
+                xgr = _xgrammar()
+                from transformers import AutoTokenizer  # the worker has it; only this path needs it
+                hf = AutoTokenizer.from_pretrained(self.model_dir)
+                info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self.threads, cache_enabled=True)
+                self._batch = xgr.BatchGrammarMatcher(max_threads=self.threads)
+                words = xgr.get_bitmask_shape(1, self.vocab_size)[1]
+                self._bitmask = torch.empty(0, words, dtype=torch.int32)
+            return self._compiler
+
+    def compile(self, constraint: StructuredOutput):
+        """The compiled grammar of ``constraint`` (cached by the compiler); GrammarError names what is wrong."""
+        compiler = self._compiler_for()
+        kind = constraint.kind
+        try:
+            if kind == "json_schema":
+                # Compact JSON (no free whitespace): a model cannot stall in a run of blanks or newlines.
+                return compiler.compile_json_schema(constraint.spec, any_whitespace=False)
+            if kind == "json_object":
+                return compiler.compile_json_schema('{"type": "object", "additionalProperties": true}',
+                                                    any_whitespace=False, strict_mode=False)
+            if kind == "regex":
+                return compiler.compile_regex(constraint.spec)
+            if kind == "choice":
+                alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in constraint.choices)
+                return compiler.compile_grammar(f"root ::= {alternatives}")
+            return compiler.compile_grammar(constraint.spec)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            what = {"json_schema": "JSON schema", "grammar": "grammar"}.get(kind, kind)
+            raise GrammarError(f"the {what} of the request's structured output does not compile: "
+                               f"{_SOURCE_PREFIX.sub('', str(exc)).strip()}") from None
+
+    def attach(self, seq: Sequence) -> None:
+        """Give ``seq`` a matcher of its request's constraint that has accepted its output so far."""
+        matcher = _xgrammar().GrammarMatcher(self.compile(seq.params.structured))
+        for position, token in enumerate(seq.output_token_ids):
+            if not matcher.accept_token(token):
+                raise GrammarError(f"output token {position} (id {token}) is outside the request's structured "
+                                   "output constraint")
+        seq.grammar = matcher
+        self.live.add(seq)
+
+    def _bitmask_rows(self, rows: int) -> torch.Tensor:
+        if self._bitmask.shape[0] < rows:
+            self._bitmask = torch.empty(max(rows, 2 * self._bitmask.shape[0]), self._bitmask.shape[1],
+                                        dtype=torch.int32)
+        return self._bitmask
+
+    def mask(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> None:
+        """Mask ``logits`` (a step's rows: one per sequence, plus one per draft of a verifying one) in place."""
+        starts, total = [], 0
+        for d in drafts:
+            starts.append(total)
+            total += len(d) + 1
+        active = [i for i, seq in enumerate(seqs) if seq.grammar is not None and not seq.grammar.is_terminated()]
+        if not active:
+            return
+        bitmask = self._bitmask_rows(sum(len(drafts[i]) + 1 for i in active))
+        rows: list[int] = []
+        walked = dict.fromkeys(active, 0)  # drafts each matcher accepted while the masks were filled
+        depth = 0
+        while active:
+            self._batch.batch_fill_next_token_bitmask(
+                [seqs[i].grammar for i in active], bitmask, indices=list(range(len(rows), len(rows) + len(active))))
+            rows.extend(starts[i] + depth for i in active)
+            going = [i for i in active if len(drafts[i]) > depth]
+            if not going:
+                break
+            accepted = self._batch.batch_accept_token([seqs[i].grammar for i in going],
+                                                      [drafts[i][depth] for i in going])
+            active = [i for i, ok in zip(going, accepted) if ok]
+            for i in active:
+                walked[i] += 1
+            depth += 1
+        back = [(seqs[i].grammar, n) for i, n in walked.items() if n]
+        if back:
+            self._batch.batch_rollback([m for m, _ in back], [n for _, n in back])
+        apply_token_mask(logits, bitmask, rows)
+
+    def advance(self, seqs: list[Sequence], before: dict[int, int],
+                finish: Callable[[Sequence, FinishReason], None]) -> None:
+        """Feed each constrained sequence's matcher the tokens the step appended (``before``: seq id -> its token
+        count before the step). A sequence whose grammar has ended while it runs on (``ignore_eos``, or a stop
+        token the grammar does not know) stops there."""
+        new = {seq: seq.token_ids[before[seq.seq_id]:] for seq in seqs if seq.grammar is not None}
+        depth = 0
+        while True:
+            going = [seq for seq, tokens in new.items() if len(tokens) > depth]
+            if not going:
+                break
+            accepted = self._batch.batch_accept_token([seq.grammar for seq in going],
+                                                      [new[seq][depth] for seq in going])
+            for seq, ok in zip(going, accepted):
+                if not ok:  # only a token the mask did not rule (past the grammar's end): nothing after it counts
+                    if not seq.is_finished:
+                        log.warning("request %s: token %d is past its structured output's end; stopping it",
+                                    seq.request_id, new[seq][depth])
+                        finish(seq, FinishReason.STOP)
+                    new[seq] = new[seq][:depth]
+            depth += 1
+        for seq in new:
+            if not seq.is_finished and seq.grammar.is_terminated():
+                finish(seq, FinishReason.STOP)
+        self.live = {seq for seq in self.live if not seq.is_finished}
