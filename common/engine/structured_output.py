@@ -147,15 +147,20 @@ class StructuredOutputs:
 
     def mask(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> None:
         """Mask ``logits`` (a step's rows: one per sequence, plus one per draft of a verifying one) in place."""
+        bitmask, rows = self.fill(seqs, drafts)
+        apply_token_mask(logits, bitmask, rows)
+
+    def fill(self, seqs: list[Sequence], drafts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
+        """The step's mask: bitmask row i is for logits row ``rows[i]``."""
         starts, total = [], 0
         for d in drafts:
             starts.append(total)
             total += len(d) + 1
         active = [i for i, seq in enumerate(seqs) if seq.grammar is not None and not seq.grammar.is_terminated()]
-        if not active:
-            return
-        bitmask = self._bitmask_rows(sum(len(drafts[i]) + 1 for i in active))
         rows: list[int] = []
+        if not active:
+            return self._bitmask, rows
+        bitmask = self._bitmask_rows(sum(len(drafts[i]) + 1 for i in active))
         walked = dict.fromkeys(active, 0)  # drafts each matcher accepted while the masks were filled
         depth = 0
         while active:
@@ -174,7 +179,7 @@ class StructuredOutputs:
         back = [(seqs[i].grammar, n) for i, n in walked.items() if n]
         if back:
             self._batch.batch_rollback([m for m, _ in back], [n for _, n in back])
-        apply_token_mask(logits, bitmask, rows)
+        return bitmask, rows
 
     def advance(self, seqs: list[Sequence], before: dict[int, int],
                 finish: Callable[[Sequence, FinishReason], None]) -> None:

@@ -18,7 +18,7 @@ from common.cli.local_cluster import LocalCluster, post_json
 from common.config.base import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.protocol.sampling_params import SamplingParams, StructuredOutput
-from tests.structured_schemas import prompt, schemas
+from bench.structured_schemas import prompt, schemas
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 200
