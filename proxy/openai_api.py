@@ -56,6 +56,7 @@ from proxy.resumable import RESUMABLE_HEADER, wants_resume
 from proxy.conversations import continue_turn
 from proxy.served_models import served_headers, session_of
 from proxy.tenants import Tenant
+from proxy.tools import ToolCallFormat
 from proxy.token_text import TokenText, chat_logprobs, completion_logprobs
 
 
@@ -303,6 +304,8 @@ async def admit(services, body, format_cls, tenant: Tenant, timeout_s: float | N
                        code="context_length_exceeded", param="max_tokens")
     params = params.replace(max_tokens=min(params.max_tokens, room))
     fmt = format_cls(choice.token_text, params.logprobs is not None)
+    if getattr(body, "tool_use", None) is not None:  # a chat request with tools: content and tool_calls
+        fmt = ToolCallFormat(fmt, body.tool_use)
     response_id = f"{fmt.id_prefix}{uuid.uuid4().hex}"
     base_seed = params.seed if params.seed is not None else secrets.randbits(63)
     group = cluster.submit(response_id, prompts, params, base_seed, tenant, timeout_s, model=choice.key,

@@ -55,16 +55,28 @@ class CompletionResponse(BaseModel):
     usage: Usage
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments object as JSON text")
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="the text; null when the turn is only tool calls")
+    tool_calls: list[ToolCallOut] | None = Field(None, description="with tools: the calls the model made")
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: dict[str, Any] | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
     stop_reason: int | str | None = None
 
 

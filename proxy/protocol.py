@@ -4,14 +4,16 @@ Fields follow OpenAI's API plus vLLM's sampling extensions (``top_k``,
 ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``).
 Unknown fields are ignored, as OpenAI's clients send some of their own;
 fields whose meaning the proxy cannot honour (``echo``, ``suffix``,
-``logit_bias``, ``best_of`` other than n, tools, image content) are refused
-with 400 instead of being silently dropped. ``response_format`` and vLLM's
-``guided_*`` constrain the output (``proxy/structured.py``). A completions ``prompt`` may be a string, a list of token
+``logit_bias``, ``best_of`` other than n, image content) are refused with
+400 instead of being silently dropped. ``response_format`` and vLLM's
+``guided_*`` constrain the output (``proxy/structured.py``); ``tools`` and
+``tool_choice`` are ``proxy/tools.py``'s. A completions ``prompt`` may be a string, a list of token
 ids, or a batch of either; a batch answers with ``len(prompt) * n`` choices,
 choice ``i * n + j`` being the j-th sample of prompt i, as OpenAI does.
 """
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -25,6 +27,7 @@ from common.protocol.sampling_params import (
 from common.text.tokenizer import Tokenizer
 from proxy.errors import ApiError, from_validation_error, invalid_value
 from proxy.structured import ResponseFormat, StructuredOutputsField, structured_output
+from proxy.tools import Tool, ToolCall, ToolChoice, ToolUse, native_calls, tagged_message
 
 MAX_CHOICES = 128  # choices per request, all prompts of a batch together
 TokenIdField = Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]
@@ -180,8 +183,12 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant turn's tool calls")
+    tool_call_id: str | None = Field(None, description="a tool turn: the call it answers")
 
-    def template_dict(self) -> dict[str, Any]:
+    def template_dict(self, native_tools: bool = True) -> dict[str, Any]:
+        """The message for the chat template; ``native_tools``: the template renders tool calls and results itself
+        (else they are rendered as tagged text, ``proxy.tools``)."""
         if self.content is None or isinstance(self.content, str):
             text = self.content or ""
         else:
@@ -189,7 +196,12 @@ class ChatMessage(BaseModel):
                 raise invalid_value("only text content parts are supported", "messages.content")
             text = "\n".join(part.text or "" for part in self.content)
         # "developer" is OpenAI's newer name for the system message.
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls or self.role == "tool":
+            message.update(tool_calls=native_calls(self.tool_calls or []) or None, tool_call_id=self.tool_call_id,
+                           name=self.name)
+            return message if native_tools else tagged_message(message)
+        return message
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -198,7 +210,26 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                      description="alternatives per token, with logprobs=true")
     max_completion_tokens: MaxTokens | None = Field(None, description="OpenAI's newer name for max_tokens")
-    tools: list[Any] | None = Field(None, description="not supported: refused when non-empty")
+    tools: list[Tool] | None = Field(None, description="functions the model may call (proxy/tools.py)")
+    tool_choice: ToolChoice | None = Field(None, description="none, auto (the default with tools), required, or "
+                                           '{"type": "function", "function": {"name": ...}}')
+    parallel_tool_calls: bool = Field(True, description="with tool_choice required: more than one call allowed")
+
+    @functools.cached_property
+    def tool_use(self) -> ToolUse | None:
+        if not self.tools and self.tool_choice in (None, "none"):
+            return None
+        return ToolUse(self.tools or [], self.tool_choice, self.parallel_tool_calls)
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        params = super().sampling_params(default_max_tokens)
+        forced = self.tool_use.constraint() if self.tool_use is not None else None
+        if forced is None:
+            return params
+        if params.structured is not None:
+            raise invalid_value("tool_choice required or a named function constrains the output already; leave "
+                                "out the structured output constraint", "tool_choice")
+        return params.replace(structured=forced)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -210,16 +241,18 @@ class ChatCompletionRequest(_GenerationRequest):
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid_value("top_logprobs needs logprobs=true", "top_logprobs")
-        if self.tools:
-            raise invalid_value("tools are not supported", "tools")
 
     def prompt_token_ids(self, tokenizer: Tokenizer) -> list[list[int]]:
-        return [chat_prompt_ids(tokenizer, self.messages)]
+        return [chat_prompt_ids(tokenizer, self.messages, self.tool_use)]
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, messages: list[ChatMessage]) -> list[int]:
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[ChatMessage], tool_use: ToolUse | None = None) -> list[int]:
+    native = "tools" in (tokenizer.chat_template or "")  # the template takes tools (and renders calls) itself
+    dicts, tools = [m.template_dict(native) for m in messages], None
+    if tool_use is not None:
+        dicts, tools = tool_use.template_messages(dicts, native)
     try:
-        return tokenizer.apply_chat_template([m.template_dict() for m in messages])
+        return tokenizer.apply_chat_template(dicts, tools)
     except ApiError:
         raise
     except Exception as exc:  # jinja raises its own types for templates that reject the messages

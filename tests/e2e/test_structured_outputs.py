@@ -1,9 +1,10 @@
-"""Structured output through the disaggregated cluster (`make run`'s layout) on the embedded model.
+"""Structured output and tool calling through the disaggregated cluster (`make run`'s layout), embedded model.
 
 The prefill worker samples each request's first token under the constraint and the decode worker, replaying it,
 the rest: 50 json_schema requests of varied schemas all parse and validate, greedy constrained output equals the
 single-process engine's, every request form (response_format, guided_*, structured_outputs; chat and completions;
-streamed or not) constrains, and a bad constraint is a 400 naming the problem.
+streamed or not) constrains, and a bad constraint is a 400 naming the problem. The official ``openai`` client's
+tool round trip works with ``tool_choice`` required and a named function, whole and streamed.
 """
 from __future__ import annotations
 
@@ -121,3 +122,80 @@ def test_a_bad_constraint_is_a_400_naming_the_problem(cluster, stream):
     not_json = {"model": MODEL, "prompt": "x", "stream": stream, "guided_json": "{not json"}
     status, body = post_json(cluster.url + "/v1/completions", not_json)
     assert status == 400 and body["error"]["param"] == "guided_json", body
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 30},
+                                                "unit": {"enum": ["celsius", "fahrenheit"]}},
+                                                "required": ["city", "unit"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"]}}}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def streamed_calls(stream) -> tuple[list[dict], str | None]:
+    """Tool calls accumulated from ``delta.tool_calls`` chunks as a client does, and the finish reason."""
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        finish = chunk.choices[0].finish_reason or finish
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            call = calls.setdefault(delta.index, {"id": delta.id, "name": "", "arguments": ""})
+            call["name"] += delta.function.name or ""
+            call["arguments"] += delta.function.arguments or ""
+    return [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "named"])
+def test_the_openai_client_tool_round_trip_with_an_enforced_choice(cluster, tool_choice):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=cluster.url + "/v1", api_key="unused")
+    messages = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+    choice = NAMED if tool_choice == "named" else "required"
+    kw = dict(model=MODEL, tools=[WEATHER, CLOCK], tool_choice=choice, parallel_tool_calls=False, temperature=0,
+              max_tokens=100)
+    response = client.chat.completions.create(messages=messages, **kw)
+    message = response.choices[0].message
+    assert response.choices[0].finish_reason == "tool_calls" and message.content is None, response
+    (call,) = message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name in (("get_weather", "get_time") if tool_choice == "required" else ("get_weather",))
+    parameters = {"get_weather": WEATHER, "get_time": CLOCK}[call.function.name]["function"]["parameters"]
+    jsonschema.validate(json.loads(call.function.arguments), parameters)
+
+    calls, finish = streamed_calls(client.chat.completions.create(messages=messages, stream=True, **kw))
+    assert finish == "tool_calls" and [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        (call.function.name, json.loads(call.function.arguments))]
+
+    # The result goes back as a tool message; the model answers in text (auto: the tools are still offered).
+    messages += [message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18})}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, CLOCK], temperature=0,
+                                            max_tokens=30)
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert answer.choices[0].message.content or answer.choices[0].message.tool_calls
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, CLOCK],
+                                              temperature=0, max_tokens=30, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == (answer.choices[0].message.content or "")
+
+
+def test_auto_and_none_answer_in_text_when_the_model_calls_nothing(cluster):
+    """The embedded 135M model does not choose to call tools; its text comes back as content, whole or streamed
+    (the parsing of calls it could make is tests/unit/test_tools.py's)."""
+    messages = [{"role": "user", "content": "Say hello."}]
+    for tool_choice in ("auto", "none"):
+        body = {"model": MODEL, "messages": messages, "tools": [WEATHER], "tool_choice": tool_choice,
+                "temperature": 0, "max_tokens": 20}
+        status, whole = post_json(cluster.url + "/v1/chat/completions", body)
+        assert status == 200 and whole["choices"][0]["message"]["content"], whole
+        with httpx.stream("POST", cluster.url + "/v1/chat/completions", json={**body, "stream": True},
+                          timeout=120) as response:
+            lines = [line[6:] for line in response.iter_lines() if line.startswith("data: {")]
+        text = "".join(json.loads(line)["choices"][0]["delta"].get("content") or "" for line in lines
+                       if json.loads(line)["choices"])
+        assert text == whole["choices"][0]["message"]["content"]
