@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from common.protocol.versions import MESSAGE_SINCE
 from common.protocol.wire import PROTOCOL_VERSION, KVLayoutInfo, LoadModel, Register, Standby
 from common.storage.registry import ModelRegistry
 from common.text.tokenizer import Tokenizer
@@ -128,7 +129,7 @@ def test_a_failed_load_ends_the_wait_and_a_worker_of_the_older_protocol_is_never
     assert not c.loader.loading and c.metrics.model_loads.labels("other@v1", "failed")._value.get() == 1
     assert c.refused("other@v1").message.startswith("no worker serves")  # known (offered before), not 404
     c.stand_by("old", "decode", ["other@v1"])
-    c.versions["old"] = PROTOCOL_VERSION - 1
+    c.versions["old"] = MESSAGE_SINCE[LoadModel] - 1  # a worker from before LoadModel
     c.refused("other@v1")
     assert [w for w, _ in c.sent] == ["w"]
 

@@ -11,6 +11,7 @@ from common.config.base import EngineConfig
 from common.config.roles import WorkerConfig
 from common.engine.llm_engine import LLMEngine
 from common.protocol import wire
+from common.protocol.versions import MESSAGE_SINCE
 from common.protocol.sampling_params import SamplingParams
 from common.runtime.model_swap import ModelSwitch
 from common.runtime.worker_runtime import _handle, _take_messages, _turn
@@ -141,7 +142,7 @@ def test_a_model_that_fails_to_load_is_dropped_and_the_worker_stands_by_with_the
 def test_a_worker_answering_a_proxy_of_the_protocol_before_standby_keeps_its_idle_model(models):
     dirs, _ = models
     handler, switch, _ = worker(dirs, [str(dirs[1])], idle_s=30)
-    switch.io.speaks = wire.PROTOCOL_VERSION - 1
+    switch.io.speaks = MESSAGE_SINCE[wire.Standby] - 1  # a proxy from before Standby
     handler.last_request -= 31
     switch.act()
     assert handler.engine is not None and switch.io.standby is None and switch.check_at == float("inf")
