@@ -25,7 +25,7 @@ from common.runtime.telemetry import bind_request, request_scope
 from common.config.roles import ProxyConfig
 from common.runtime.tracing import make_tracing
 from common.protocol.sampling_params import SamplingParams
-from common.protocol.versions import needed_version
+from common.protocol.versions import STRUCTURED_SINCE
 from common.protocol.wire import (PROTOCOL_VERSION, Abort, DecodeRequest, EmbedResult, Goodbye, Heartbeat, KVPulled,
                                   PrefillDone, PrefillRequest, Register, ReleaseKV, RequestFailed, Standby,
                                   TokenDeltas, WireError, decode)
@@ -270,7 +270,7 @@ class Cluster(WorkerMembership):
         """The workers ``sub`` may be routed to: those of its model version; a resumed one not to the worker it
         left (it gave it back, or failed it; its prefix cache would draw a local prefill back there) while another
         decode-capable worker can take it."""
-        version = needed_version(sub.params)  # a worker too old for a field the request uses would drop it
+        version = STRUCTURED_SINCE if sub.params.structured is not None else 0  # older workers would drop it
         workers = [w for w in self.registry.workers.values()
                    if (sub.model is None or (w.model, w.model_version) == sub.model)  # prefill and decode: one version
                    and self.peer_versions.get(w.worker_id, PROTOCOL_VERSION) >= version]

@@ -45,17 +45,35 @@ class StructuredOutputsField(BaseModel):
     json_object: bool | None = None
 
 
+# Deeper schemas are refused: compiling one costs time exponential in nothing good, on the worker's step thread.
+MAX_SCHEMA_DEPTH = 64
+
+
 def _schema(value: Any, param: str) -> StructuredOutput:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except ValueError as exc:
-            raise invalid_value(f"{param} is not valid JSON: {exc}", param) from None
-    if isinstance(value, bool):  # true accepts any JSON value; false, none
-        value = {} if value else {"not": {}}
+        except (ValueError, RecursionError) as exc:
+            raise invalid_value(f"{param} is not valid JSON: {type(exc).__name__}: {exc}", param) from None
+    if value is True:  # any JSON value
+        value = {}
     if not isinstance(value, dict):
-        raise invalid_value(f"{param} must be a JSON schema object", param)
+        raise invalid_value(f"{param} must be a JSON schema object (or true)", param)
+    if _depth(value) > MAX_SCHEMA_DEPTH:
+        raise invalid_value(f"{param} nests deeper than {MAX_SCHEMA_DEPTH} levels", param)
     return StructuredOutput(kind="json_schema", spec=json.dumps(value, separators=(",", ":")))
+
+
+def _depth(value: Any) -> int:
+    """How deep objects and arrays nest in ``value`` (iterative: no recursion limit to hit)."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, level = pending.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, level)
+            if level <= MAX_SCHEMA_DEPTH:
+                pending.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def _text(value: str, kind: str, param: str) -> StructuredOutput:

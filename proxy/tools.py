@@ -104,10 +104,12 @@ class ToolUse:
         if self.mode == "named":
             schema = _parameters(self.by_name[self.named])
         elif self.mode == "required":
-            calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": _parameters(f)},
+            # Each tool's parameters under $defs of their own, its references rewritten to point there.
+            defs = {f"tool{i}": _rebased(_parameters(f), f"#/$defs/tool{i}") for i, f in enumerate(self.by_name.values())}
+            calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": {"$ref": f"#/$defs/tool{i}"}},
                       "required": ["name", "arguments"], "additionalProperties": False}
-                     for name, f in self.by_name.items()]
-            schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+                     for i, name in enumerate(self.by_name)]
+            schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1, "$defs": defs}
             if not self.parallel:
                 schema["maxItems"] = 1
         else:
@@ -147,11 +149,13 @@ class ToolUse:
         for match in _CALL_BLOCK.finditer(text):
             try:
                 call = json.loads(match.group(1))
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue
-            if isinstance(call, dict) and call.get("name") in self.by_name and isinstance(call.get("arguments", {}),
-                                                                                         dict):
-                calls.append(_call(call["name"], call.get("arguments", {})))
+            if not (isinstance(call, dict) and isinstance(call.get("name"), str) and call["name"] in self.by_name):
+                continue
+            arguments = call.get("arguments", call.get("parameters", {}))
+            if isinstance(arguments, dict) and (self.parallel or not calls):
+                calls.append(_call(call["name"], arguments))
                 kept.append(match.span())
         content = text
         for start, end in reversed(kept):
@@ -174,6 +178,16 @@ class ToolUse:
         return len(text)
 
 
+def _rebased(schema: Any, root: str) -> Any:
+    """``schema`` with its references into itself (``#...``) made references into ``root`` (where it now lives)."""
+    if isinstance(schema, dict):
+        return {key: (root + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
+                      else _rebased(value, root)) for key, value in schema.items()}
+    if isinstance(schema, list):
+        return [_rebased(item, root) for item in schema]
+    return schema
+
+
 def _call(name: str, arguments: Any) -> dict:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
@@ -182,7 +196,7 @@ def _call(name: str, arguments: Any) -> dict:
 def _calls_or_text(text: str, calls) -> tuple[str | None, list[dict]]:
     try:
         return None, [_call(name, arguments) for name, arguments in calls()]
-    except (ValueError, TypeError, KeyError):  # cut short (max_tokens): the text as it is
+    except (ValueError, TypeError, KeyError, RecursionError):  # cut short (max_tokens): the text as it is
         return text, []
 
 
@@ -205,7 +219,7 @@ def native_calls(calls: list[ToolCall]) -> list[dict]:
     for call in calls:
         try:
             arguments = json.loads(call.function.arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             arguments = call.function.arguments
         out.append({"id": call.id, "type": "function", "function": {"name": call.function.name,
                                                                     "arguments": arguments}})

@@ -300,6 +300,7 @@ class LLMEngine:
         if seqs is None:
             return
         self.scheduler.abort_request(request_id)
+        self.structured.live.difference_update(seqs)
         for seq in seqs:
             if not seq.is_finished:  # waiting for pages: the scheduler never saw it
                 self.scheduler.finish(seq, FinishReason.ABORT)

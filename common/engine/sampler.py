@@ -33,6 +33,7 @@ _TOP_P_CANDIDATES = (256, 4096)
 # page-fault on each allocation; chunks of about this many elements run 2-3x
 # faster there. A GPU takes all rows at once.
 _CPU_CHUNK_ELEMENTS = 2**20
+LOGPROB_FLOOR = -9999.0
 
 
 @dataclass
@@ -232,7 +233,8 @@ def token_logprobs(
     asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if not asking:
         return None, None
-    logprobs = raw_logits[asking].float().log_softmax(-1)
+    # Floored as vLLM does: a token structured output masked has -inf, which JSON cannot carry.
+    logprobs = raw_logits[asking].float().log_softmax(-1).clamp_(min=LOGPROB_FLOOR)
     chosen = logprobs.gather(1, token_ids[asking][:, None]).squeeze(1).tolist()
     widest = max(rows[i].params.logprobs for i in asking)
     top_values, top_ids = (x.tolist() for x in logprobs.topk(widest))

@@ -36,6 +36,8 @@ from common.protocol.sampling_params import StructuredOutput
 
 log = logging.getLogger(__name__)
 
+# Compiled grammars kept for reuse (xgrammar evicts the least recently used past this).
+COMPILED_CACHE_BYTES = 256 << 20
 # xgrammar's errors start with "[time] /path/file.cc:line: "; the client gets what follows.
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
@@ -101,10 +103,15 @@ class StructuredOutputs:
                 hf = AutoTokenizer.from_pretrained(self.model_dir)
                 info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size,
                                                           stop_token_ids=self.stop_token_ids)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=self.threads, cache_enabled=True)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self.threads, cache_enabled=True,
+                                                     cache_limit_bytes=COMPILED_CACHE_BYTES)
                 self._batch = xgr.BatchGrammarMatcher(max_threads=self.threads)
                 words = xgr.get_bitmask_shape(1, self.vocab_size)[1]
                 self._bitmask = torch.empty(0, words, dtype=torch.int32)
+                self._stop_row = torch.zeros(words, dtype=torch.int32)
+                for token in self.stop_token_ids:  # bit (token % 32) of word (token // 32), as a signed int32
+                    word = int(self._stop_row[token // 32]) | (1 << (token % 32))
+                    self._stop_row[token // 32] = word - (1 << 32) if word >= 1 << 31 else word
             return self._compiler
 
     def compile(self, constraint: StructuredOutput):
@@ -151,34 +158,50 @@ class StructuredOutputs:
         apply_token_mask(logits, bitmask, rows)
 
     def fill(self, seqs: list[Sequence], drafts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
-        """The step's mask: bitmask row i is for logits row ``rows[i]``."""
+        """The step's mask: bitmask row i is for logits row ``rows[i]``.
+
+        A row whose grammar has ended (its stop token accepted, by the sequence or by a draft before the row) or
+        allows nothing (a constraint no text satisfies) allows the stop tokens only: never an unconstrained token.
+        """
         starts, total = [], 0
         for d in drafts:
             starts.append(total)
             total += len(d) + 1
-        active = [i for i, seq in enumerate(seqs) if seq.grammar is not None and not seq.grammar.is_terminated()]
+        active = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
         rows: list[int] = []
         if not active:
             return self._bitmask, rows
         bitmask = self._bitmask_rows(sum(len(drafts[i]) + 1 for i in active))
         walked = dict.fromkeys(active, 0)  # drafts each matcher accepted while the masks were filled
         depth = 0
-        while active:
-            self._batch.batch_fill_next_token_bitmask(
-                [seqs[i].grammar for i in active], bitmask, indices=list(range(len(rows), len(rows) + len(active))))
-            rows.extend(starts[i] + depth for i in active)
-            going = [i for i in active if len(drafts[i]) > depth]
-            if not going:
-                break
-            accepted = self._batch.batch_accept_token([seqs[i].grammar for i in going],
-                                                      [drafts[i][depth] for i in going])
-            active = [i for i, ok in zip(going, accepted) if ok]
-            for i in active:
-                walked[i] += 1
-            depth += 1
-        back = [(seqs[i].grammar, n) for i, n in walked.items() if n]
-        if back:
-            self._batch.batch_rollback([m for m, _ in back], [n for _, n in back])
+        try:
+            while active:
+                ended = [i for i in active if seqs[i].grammar.is_terminated()]
+                going = [i for i in active if not seqs[i].grammar.is_terminated()]
+                if going:
+                    self._batch.batch_fill_next_token_bitmask(
+                        [seqs[i].grammar for i in going], bitmask, indices=list(range(len(rows), len(rows) + len(going))))
+                rows.extend(starts[i] + depth for i in going)
+                # An ended grammar's rows, this one and those of the drafts after it, allow the stop tokens alone.
+                stops = [starts[i] + row for i in ended for row in range(depth, len(drafts[i]) + 1)]
+                bitmask[len(rows):len(rows) + len(stops)] = self._stop_row
+                rows.extend(stops)
+                going = [i for i in going if len(drafts[i]) > depth]
+                if not going:
+                    break
+                accepted = self._batch.batch_accept_token([seqs[i].grammar for i in going],
+                                                          [drafts[i][depth] for i in going])
+                active = [i for i, ok in zip(going, accepted) if ok]
+                for i in active:
+                    walked[i] += 1
+                depth += 1
+        finally:
+            back = [(seqs[i].grammar, n) for i, n in walked.items() if n]
+            if back:
+                self._batch.batch_rollback([m for m, _ in back], [n for _, n in back])
+        empty = ~bitmask[: len(rows)].any(dim=1)
+        if empty.any():  # nothing allowed: end the output rather than sample from -inf everywhere
+            bitmask[: len(rows)][empty] = self._stop_row
         return bitmask, rows
 
     def advance(self, seqs: list[Sequence], before: dict[int, int],
@@ -192,17 +215,16 @@ class StructuredOutputs:
             going = [seq for seq, tokens in new.items() if len(tokens) > depth]
             if not going:
                 break
-            accepted = self._batch.batch_accept_token([seq.grammar for seq in going],
-                                                      [new[seq][depth] for seq in going])
-            for seq, ok in zip(going, accepted):
-                if not ok:  # only a token the mask did not rule (past the grammar's end): nothing after it counts
+            open_ = [seq for seq in going if not seq.grammar.is_terminated()]
+            accepted = dict(zip(open_, self._batch.batch_accept_token([seq.grammar for seq in open_],
+                                                                      [new[seq][depth] for seq in open_])))
+            for seq in going:
+                if not accepted.get(seq, False):  # past the grammar's end (a stop token the mask allowed there)
                     if not seq.is_finished:
-                        log.warning("request %s: token %d is past its structured output's end; stopping it",
-                                    seq.request_id, new[seq][depth])
                         finish(seq, FinishReason.STOP)
                     new[seq] = new[seq][:depth]
             depth += 1
         for seq in new:
-            if not seq.is_finished and seq.grammar.is_terminated():
-                finish(seq, FinishReason.STOP)
+            if seq.grammar.is_terminated() and (not seq.is_finished or seq.finish_reason is FinishReason.HANDOFF):
+                finish(seq, FinishReason.STOP)  # a handed-off one too: its decode worker could only emit stops
         self.live = {seq for seq in self.live if not seq.is_finished}

@@ -27,17 +27,14 @@ MESSAGE_SINCE: dict[type, int] = {EmbedRequest: 11, EmbedResult: 11, LoadModel: 
 FIELD_SINCE: dict[str, dict[str, int]] = {"PrefillRequest": {"keep_s": 11}, "DecodeRequest": {"keep_s": 11},
                                           "Register": {"standby": 12, "load_s": 12},
                                           "SamplingParams": {"structured": 13}}
+# A request that uses a field goes only to workers that speak its version: an older one would drop the field
+# (``older_body``) and serve the request without what it asks for (``proxy/cluster.py`` ``_candidates``).
+STRUCTURED_SINCE = FIELD_SINCE["SamplingParams"]["structured"]
 
 
 def sendable(message_type: type, version: int) -> bool:
     """Whether a peer speaking ``version`` knows ``message_type``."""
     return MESSAGE_SINCE.get(message_type, 0) <= version
-
-
-def needed_version(params) -> int:
-    """The oldest protocol version a worker may speak to run a request of these ``SamplingParams``: one that
-    would drop a field the request uses (``older_body``) would serve it without what the field asks for."""
-    return FIELD_SINCE["SamplingParams"]["structured"] if params.structured is not None else 0
 
 
 def older_body(value, version: int):

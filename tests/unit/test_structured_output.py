@@ -19,7 +19,7 @@ from common.engine.llm_engine import LLMEngine, RequestError
 from common.engine.structured_output import apply_token_mask
 from common.protocol import wire
 from common.protocol.sampling_params import SamplingParams, StructuredOutput
-from common.protocol.versions import needed_version, older_body
+from common.protocol.versions import STRUCTURED_SINCE, older_body
 from proxy.errors import ApiError
 from proxy.protocol import ChatCompletionRequest, CompletionRequest
 from tests.unit.test_spec_decode import prompts
@@ -124,6 +124,32 @@ def test_output_the_constraint_rejects_is_refused(tiny_chat_model_dir):
     assert not eng.requests and not eng.structured.live
 
 
+def test_a_draft_that_ends_the_grammar_leaves_only_stop_tokens_after_it(tiny_chat_model_dir):
+    """An accepted stop-token draft ends the matcher mid-walk: the rows after it allow the stop tokens alone, the
+    matcher is rolled back, and nothing raises (it once failed the worker's whole turn)."""
+    eng = engine(tiny_chat_model_dir)
+    (seq,) = eng.add_request("r", prompts(1)[0], SamplingParams(structured=StructuredOutput(kind="choice",
+                                                                                           choices=["alpha"])))
+    words = eng.tokenizer.encode("alpha", add_special_tokens=False)
+    eos = sorted(eng.tokenizer.eos_token_ids)[0]
+    draft = [*words, eos, words[0]]
+    logits = torch.zeros(len(draft) + 1, eng.runner.vocab_size)
+    eng.structured.mask(logits, [seq], [draft])
+    assert not seq.grammar.is_terminated() and seq.grammar.accept_token(words[0])  # rolled back to the start
+    for row in range(len(words) + 1, len(draft) + 1):  # after the stop token
+        allowed = torch.isfinite(logits[row]).nonzero().flatten().tolist()
+        assert set(allowed) <= set(eng.tokenizer.eos_token_ids) and allowed
+    eng.abort_request("r")
+
+
+def test_masked_tokens_have_a_finite_logprob_floor(tiny_chat_model_dir):
+    eng = engine(tiny_chat_model_dir)
+    params = [SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, structured=CONSTRAINTS[2])]
+    (out,) = run(eng, params, 1)
+    values = [v for row in out.top_logprobs for _, v in row] + out.logprobs
+    assert all(v >= -9999.0 for v in values) and min(values) == -9999.0
+
+
 def test_a_grammar_ended_while_ignoring_eos_stops_the_sequence(tiny_chat_model_dir):
     eng = engine(tiny_chat_model_dir)
     params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, structured=CONSTRAINTS[2])]
@@ -137,7 +163,7 @@ def test_structured_params_cross_the_wire_and_only_to_a_worker_that_knows_them()
     request = wire.PrefillRequest("r", [1, 2], params, seed=1, lease_s=5.0)
     assert wire.decode(wire.encode(request)).params.structured == CONSTRAINTS[2]
     assert "structured" not in older_body(request, 12)["params"]
-    assert needed_version(params) == 13 == wire.PROTOCOL_VERSION and needed_version(SamplingParams()) == 0
+    assert STRUCTURED_SINCE == 13 == wire.PROTOCOL_VERSION
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"kind": "xml"}, StructuredOutput)
     with pytest.raises(ValueError, match="choice constraint"):
@@ -167,6 +193,9 @@ def test_each_request_form_becomes_one_constraint():
 
 
 @pytest.mark.parametrize("extra, param", [
+    ({"guided_json": "[" * 5000 + "]" * 5000}, "guided_json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": False}}}, "response_format.json_schema.schema"),
+    ({"guided_json": {"items": {"items": {"items": {}}}} | json.loads('{"a":' * 70 + "1" + "}" * 70)}, "guided_json"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
     ({"guided_json": "{nope"}, "guided_json"),

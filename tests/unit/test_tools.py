@@ -33,7 +33,8 @@ def test_required_and_named_choices_become_grammars_auto_and_none_do_not():
     required = json.loads(request(tool_choice="required", parallel_tool_calls=False).sampling_params(16).structured.spec)
     assert required["type"] == "array" and required["minItems"] == 1 and required["maxItems"] == 1
     assert [c["properties"]["name"]["const"] for c in required["items"]["anyOf"]] == ["get_weather", "get_time"]
-    assert required["items"]["anyOf"][1]["properties"]["arguments"] == {"type": "object", "properties": {}}
+    assert required["items"]["anyOf"][1]["properties"]["arguments"] == {"$ref": "#/$defs/tool1"}
+    assert required["$defs"]["tool1"] == {"type": "object", "properties": {}}
     named = request(tool_choice={"type": "function", "function": {"name": "get_weather"}}).sampling_params(16)
     assert json.loads(named.structured.spec) == WEATHER["function"]["parameters"]
     assert request().sampling_params(16).structured is None
@@ -123,3 +124,25 @@ def test_a_named_choice_streams_one_call_and_answers_it_whole():
     whole = ToolCallFormat(ChatFormat(None, False), use).final_choice(state)
     assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] is None
     assert whole["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+def test_required_keeps_each_tools_own_references_resolvable():
+    nested = {"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "$defs": {"A": {"type": "integer"}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": nested}}
+    spec = json.loads(request(tools=[tool], tool_choice="required").sampling_params(16).structured.spec)
+    assert spec["$defs"]["tool0"]["properties"]["a"] == {"$ref": "#/$defs/tool0/$defs/A"}
+
+
+def test_model_output_of_any_shape_is_text_or_calls_never_an_error():
+    use = request(parallel_tool_calls=False).tool_use
+    deep = "[" * 5000 + "]" * 5000
+    for text in ['<tool_call>{"name": ["get_time"], "arguments": {}}</tool_call>', f"<tool_call>{deep}</tool_call>",
+                 '<tool_call>{"name": "get_time", "arguments": "x"}</tool_call>']:
+        assert use.parse(text) == (text, [])
+    two = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call><tool_call>{"name": "get_weather", ' \
+          '"parameters": {"city": "Rome"}}</tool_call>'
+    assert [c["function"]["name"] for c in use.parse(two)[1]] == ["get_time"]  # parallel_tool_calls=false
+    assert request().tool_use.parse(two)[1][1]["function"]["arguments"] == '{"city": "Rome"}'
+    deep_call = {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": deep}}
+    body = request(messages=[*USER, {"role": "assistant", "tool_calls": [deep_call]}])
+    assert body.messages[1].template_dict(native_tools=False)["role"] == "assistant"
