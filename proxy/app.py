@@ -103,9 +103,16 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
         reloader = ConfigReloader(source, config, cluster, metrics) if source is not None else None
         if reloader is not None:
             reloader.start()
+        grpc_server = None
+        if config.grpc_port:
+            from proxy.grpc_api.service import GrpcServer  # grpc loads only where the gRPC API is on
+            grpc_server = GrpcServer(services)
+            await grpc_server.start()
         try:
             yield
         finally:
+            if grpc_server is not None:  # its calls end as HTTP's do: cancelled with the cluster's requests below
+                await grpc_server.stop(grace_s=1.0)
             if reloader is not None:
                 reloader.stop()
             watchdog.cancel()

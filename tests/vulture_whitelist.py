@@ -77,3 +77,11 @@ _.pulls_failed  # unused attribute (kv_transfer/base.py:293)
 prompt_tokens_details  # unused variable (proxy/openapi.py:37)
 cached_prompt_tokens  # unused variable (proxy/metrics.py: TenantUsage, written to the metering file by dataclasses.asdict)
 embedding  # unused variable (proxy/openapi.py: Embedding, a response field in the OpenAPI document)
+# gRPC servicer methods (proxy/grpc_api/service.py): grpc calls them by the .proto's method names.
+_.Generate
+_.GenerateStream
+_.Embed
+_.Tokenize
+_.Detokenize
+_.ListModels
+_.Health

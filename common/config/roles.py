@@ -34,6 +34,10 @@ log = logging.getLogger("tessera.config")
 class ProxyConfig:
     host: Str = option("127.0.0.1", "address the HTTP API listens on")
     port: Int = option(8000, "TCP port of the HTTP API", gt=0)
+    grpc_port: Int = option(0, "TCP port of the gRPC API (proxy/grpc_api/tessera.proto) on host; 0: no gRPC", ge=0)
+    grpc_initial_credits: Int = option(
+        64, "messages a GenerateStream call may receive before its client grants more (Credit), unless its first "
+        "Start asks for another number", ge=1)
     worker_bind: Str = option("tcp://127.0.0.1:5555", "ZeroMQ ROUTER address the workers connect to")
     model: Str = option(
         "embedded", "model directory or embedded name, for the "

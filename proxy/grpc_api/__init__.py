@@ -1,0 +1,1 @@
+"""The gRPC API: ``tessera.proto``, its generated modules, and the servicers (``service.py``)."""

@@ -1,0 +1,333 @@
+"""The gRPC API (``tessera.proto``), served by the proxy next to HTTP, in the same event loop (``grpc.aio``).
+
+A request takes the HTTP path's steps: its fields become the HTTP body (``GenerateRequest.extra`` carries the
+rest), validated by the same pydantic models; the API key comes from the ``authorization`` metadata; then
+``openai_api.admit`` (model version, tenant rate limit, admission, the cluster) and the request group's events,
+turned into messages. The HTTP statuses of its errors become gRPC status codes (``STATUS``); one with a retry
+hint (429, 503) carries a ``google.rpc.RetryInfo`` detail and ``retry-after`` trailing metadata. Cancelling a
+call cancels its requests, which frees their pages as a closed HTTP connection does. Metrics: the HTTP
+counters, endpoint ``grpc_generate``, ``grpc_stream``, ``grpc_embed``.
+
+``GenerateStream`` multiplexes requests on one call, by the client's ids, and sends only against credits the
+client grants: one per message, the first window ``grpc_initial_credits`` (or the first Start's own number).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+from google.protobuf import any_pb2, json_format, struct_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+from pydantic import ValidationError
+
+from proxy.auth import tenant_from_body, tenant_from_header
+from proxy.embeddings_api import embed
+from proxy.errors import ApiError, from_validation_error, invalid_value
+from proxy.grpc_api import tessera_pb2 as pb
+from proxy.grpc_api import tessera_pb2_grpc as rpc
+from proxy.openai_api import ChatFormat, CompletionFormat, admit, request_timeout, usage
+from proxy.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
+                            TokenizeRequest, check_token_ids)
+from proxy.requests import FailureEvent
+
+log = logging.getLogger("tessera.proxy")
+
+STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+          404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT, 422: grpc.StatusCode.INVALID_ARGUMENT,
+          429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE,
+          504: grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+def status_of(error: ApiError) -> grpc.StatusCode:
+    return STATUS.get(error.status, grpc.StatusCode.INTERNAL)
+
+
+async def abort(context: grpc.aio.ServicerContext, error: ApiError) -> None:
+    """End the call with ``error``'s status, its retry hint as RetryInfo and ``retry-after`` (raises)."""
+    code = status_of(error)
+    message = f"{error.message} (param: {error.param})" if error.param else error.message
+    details, extra = [], ()
+    if error.retry_after_s:
+        info = error_details_pb2.RetryInfo()
+        info.retry_delay.seconds = int(error.retry_after_s)
+        packed = any_pb2.Any()
+        packed.Pack(info)
+        details.append(packed)
+        extra = (("retry-after", str(int(error.retry_after_s))),)
+    status = rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=details))
+    await context.abort(code, message, trailing_metadata=tuple(status.trailing_metadata) + extra)
+
+
+def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    return {key.lower(): value for key, value in (context.invocation_metadata() or ()) if isinstance(value, str)}
+
+
+def http_body(request: pb.GenerateRequest) -> CompletionRequest | ChatCompletionRequest:
+    """The HTTP request body ``request`` stands for, validated by the HTTP API's model (400 naming the field)."""
+    body = json_format.MessageToDict(request.extra) if request.HasField("extra") else {}
+    body["model"] = request.model
+    which = request.WhichOneof("input")
+    if which == "chat":
+        body["messages"] = [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {}),
+                             **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})}
+                            for m in request.chat.messages]
+    elif which == "prompt":
+        body["prompt"] = request.prompt
+    elif which == "prompt_token_ids":
+        body["prompt"] = list(request.prompt_token_ids.ids)
+    else:
+        raise invalid_value("give one of prompt, prompt_token_ids or chat", "input")
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "n"):
+        if request.HasField(name):
+            value = getattr(request, name)
+            body[name] = round(value, 6) if isinstance(value, float) else value  # float32 on the wire
+    if request.stop:
+        body["stop"] = list(request.stop)
+    if request.user:
+        body["user"] = request.user
+    model = ChatCompletionRequest if which == "chat" else CompletionRequest
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+class _Calls:
+    """What every service needs: the proxy's services, a tenant from the metadata, the request counter."""
+
+    def __init__(self, services) -> None:
+        self.services = services
+
+    def tenant(self, metadata: dict[str, str], user: str | None):
+        tenants = self.services.cluster.tenants
+        tenant = tenant_from_header(tenants, metadata.get("authorization")) if tenants.auth_enabled else None
+        if tenant is None:
+            tenant = tenant_from_body(tenants, user) if tenants.from_user_field else tenants.default
+        return tenant
+
+    def count(self, endpoint: str, status: str) -> None:
+        self.services.metrics.requests.labels(endpoint, status).inc()
+
+
+class Generation(_Calls, rpc.GenerateServicer):
+    async def _admit(self, request: pb.GenerateRequest, metadata: dict[str, str], deadline_s: float | None):
+        body = http_body(request)
+        timeout_s = request_timeout(metadata.get("x-request-timeout"))
+        if deadline_s is not None:
+            timeout_s = min(timeout_s or deadline_s, deadline_s)
+        fmt = ChatFormat if isinstance(body, ChatCompletionRequest) else CompletionFormat
+        return await admit(self.services, body, fmt, self.tenant(metadata, body.user), timeout_s, metadata)
+
+    async def _messages(self, gen, group) -> AsyncIterator[pb.GenerateResponse | ApiError]:
+        """The request's messages, then its usage; a failure ends them with its ApiError."""
+        async for event in group.events():
+            if isinstance(event, FailureEvent):
+                yield event.error
+                return
+            state = gen.choices[event.index]
+            choice = gen.fmt.chunk_choice(state, event)
+            state.add(event, gen.fmt.logprob_text)
+            if choice is None:
+                continue
+            delta = choice.get("delta", choice)
+            calls = [json_format.ParseDict(call, struct_pb2.Struct()) for call in delta.get("tool_calls") or []]
+            yield pb.GenerateResponse(id=gen.response_id, model=gen.model, choices=[pb.Choice(
+                index=event.index, text=delta.get("content") or delta.get("text") or "", token_ids=event.token_ids,
+                finish_reason=choice.get("finish_reason") or "", tool_calls=calls)])
+        counts = usage(gen.prompts, gen.choices)
+        yield pb.GenerateResponse(id=gen.response_id, model=gen.model, usage=pb.Usage(
+            prompt_tokens=counts["prompt_tokens"], completion_tokens=counts["completion_tokens"]))
+
+    async def Generate(self, request, context):  # noqa: N802 - the proto's name
+        group = None
+        try:
+            gen, group = await self._admit(request, _metadata(context), context.time_remaining())
+            async for message in self._messages(gen, group):
+                if isinstance(message, ApiError):
+                    raise message
+                yield message
+        except ApiError as error:
+            self.count("grpc_generate", str(error.status))
+            await abort(context, error)
+        except asyncio.CancelledError:
+            self.count("grpc_generate", "client_closed")
+            raise
+        else:
+            self.count("grpc_generate", "200")
+        finally:
+            if group is not None:
+                group.cancel("the gRPC call ended")  # a no-op unless it ended early: frees the pages
+
+    async def GenerateStream(self, request_iterator, context):  # noqa: N802
+        metadata = _metadata(context)
+        outbox: asyncio.Queue = asyncio.Queue()
+        credits = Credits()
+        running: dict[str, asyncio.Task] = {}
+
+        async def run(request_id: str, request: pb.GenerateRequest) -> None:
+            group, status = None, "200"
+            try:
+                gen, group = await self._admit(request, metadata, None)
+                async for message in self._messages(gen, group):
+                    if isinstance(message, ApiError):
+                        raise message
+                    await outbox.put(pb.StreamResponse(id=request_id, response=message))
+                await outbox.put(pb.StreamResponse(id=request_id, done=True))
+            except ApiError as error:
+                status = str(error.status)
+                await outbox.put(pb.StreamResponse(id=request_id, error=pb.Error(
+                    status=status_of(error).name, message=error.message, param=error.param or "",
+                    retry_after_s=int(error.retry_after_s or 0))))
+            except asyncio.CancelledError:
+                status = "client_closed"
+                await outbox.put(pb.StreamResponse(id=request_id, done=True))
+            finally:
+                self.count("grpc_stream", status)
+                if group is not None:
+                    group.cancel("cancelled by the gRPC client")
+                running.pop(request_id, None)
+
+        async def read() -> None:
+            first = True
+            async for message in request_iterator:
+                kind = message.WhichOneof("kind")
+                if kind == "start":
+                    start = message.start
+                    if first:
+                        credits.grant(start.initial_credits or self.services.config.grpc_initial_credits)
+                    first = False
+                    if start.id in running or not start.id:
+                        await outbox.put(pb.StreamResponse(id=start.id, error=pb.Error(
+                            status="INVALID_ARGUMENT", param="start.id",
+                            message=f"request id {start.id!r} is empty or already running on this stream")))
+                        continue
+                    running[start.id] = asyncio.create_task(run(start.id, start.request), name=f"grpc-{start.id}")
+                elif kind == "cancel" and message.cancel.id in running:
+                    running[message.cancel.id].cancel()
+                elif kind == "credit":
+                    first = False
+                    credits.grant(message.credit.messages)
+            await asyncio.gather(*running.values(), return_exceptions=True)
+            await outbox.put(None)  # the client is done sending and every request has ended
+
+        reader = asyncio.create_task(read(), name="grpc-stream-reader")
+        try:
+            while (message := await outbox.get()) is not None:
+                await credits.take()
+                yield message
+            await reader  # its error, if any
+        finally:
+            reader.cancel()
+            for task in list(running.values()):
+                task.cancel()
+
+
+class Credits:
+    """A stream's send window: ``take`` waits for a credit the client granted."""
+
+    def __init__(self) -> None:
+        self.left = 0
+        self._granted = asyncio.Event()
+
+    def grant(self, count: int) -> None:
+        self.left += count
+        if self.left > 0:
+            self._granted.set()
+
+    async def take(self) -> None:
+        while self.left <= 0:
+            self._granted.clear()
+            await self._granted.wait()
+        self.left -= 1
+
+
+class Embedding(_Calls, rpc.EmbedServicer):
+    async def Embed(self, request, context):  # noqa: N802
+        try:
+            given = list(request.input) or [list(ids.ids) for ids in request.input_token_ids]
+            try:
+                body = EmbeddingRequest.model_validate({
+                    "model": request.model, "input": given, "user": request.user or None,
+                    **({"dimensions": request.dimensions} if request.HasField("dimensions") else {})})
+            except ValidationError as exc:
+                raise from_validation_error(exc) from None
+            metadata = _metadata(context)
+            result, _ = await embed(self.services, body, self.tenant(metadata, body.user), metadata)
+        except ApiError as error:
+            self.count("grpc_embed", str(error.status))
+            await abort(context, error)
+        self.count("grpc_embed", "200")
+        return pb.EmbedResponse(model=request.model, prompt_tokens=result["usage"]["prompt_tokens"],
+                                data=[pb.Embedding(values=item["embedding"]) for item in result["data"]])
+
+
+class Tokenization(_Calls, rpc.TokenizeServicer):
+    async def Tokenize(self, request, context):  # noqa: N802
+        try:
+            which = request.WhichOneof("input")
+            fields = {"prompt": request.prompt} if which == "prompt" else {
+                "messages": [{"role": m.role, "content": m.content} for m in request.chat.messages]}
+            try:
+                body = TokenizeRequest.model_validate({"model": request.model or None, **fields})
+            except ValidationError as exc:
+                raise from_validation_error(exc) from None
+            tokens = await asyncio.to_thread(body.token_ids, self.services.tokenizer)
+        except ApiError as error:
+            await abort(context, error)
+        return pb.TokenizeResponse(tokens=tokens, max_model_len=self.services.cluster.registry.max_model_len)
+
+    async def Detokenize(self, request, context):  # noqa: N802
+        body = DetokenizeRequest(model=request.model or None, tokens=list(request.tokens))
+        try:
+            if body.tokens:
+                check_token_ids(self.services.tokenizer, body.tokens, "tokens")
+        except ApiError as error:
+            await abort(context, error)
+        return pb.DetokenizeResponse(prompt=self.services.tokenizer.decode(body.tokens, skip_special_tokens=False))
+
+
+class Administration(_Calls, rpc.AdminServicer):
+    async def ListModels(self, request, context):  # noqa: N802
+        started = self.services.started_at
+        return pb.ListModelsResponse(models=[json_format.ParseDict({**entry, "created": started}, struct_pb2.Struct())
+                                             for entry in self.services.models.listing()])
+
+    async def Health(self, request, context):  # noqa: N802
+        ready, reason = self.services.cluster.readiness()
+        return pb.HealthResponse(ready=ready, reason=reason)
+
+
+class GrpcServer:
+    """The gRPC API on ``host:grpc_port``, in the running event loop; started and stopped by the app's lifespan."""
+
+    def __init__(self, services) -> None:
+        config = services.config
+        limit = config.max_prompt_bytes
+        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
+        rpc.add_GenerateServicer_to_server(Generation(services), self.server)
+        rpc.add_EmbedServicer_to_server(Embedding(services), self.server)
+        rpc.add_TokenizeServicer_to_server(Tokenization(services), self.server)
+        rpc.add_AdminServicer_to_server(Administration(services), self.server)
+        self.address = f"{config.host}:{config.grpc_port}"
+        if config.tls_cert_file:  # the HTTP listener's TLS, client certificates included
+            credentials = grpc.ssl_server_credentials(
+                [(Path(config.tls_key_file).read_bytes(), Path(config.tls_cert_file).read_bytes())],
+                root_certificates=Path(config.tls_ca_file).read_bytes() if config.tls_ca_file else None,
+                require_client_auth=bool(config.tls_ca_file))
+            bound = self.server.add_secure_port(self.address, credentials)
+        else:
+            bound = self.server.add_insecure_port(self.address)
+        if not bound:
+            raise OSError(f"cannot listen for gRPC on {self.address} (grpc_port)")
+
+    async def start(self) -> None:
+        await self.server.start()
+        log.info("gRPC API on %s", self.address)
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop taking calls; those running get ``grace_s`` to end, then are cancelled."""
+        await self.server.stop(grace_s)
