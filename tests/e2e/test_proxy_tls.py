@@ -90,3 +90,27 @@ def test_client_certificates_are_required_with_tls_ca_file(make_proxy, pki):
     with pytest.raises(httpx.TransportError):
         # TLS 1.3 finishes the handshake before the server checks; the refusal shows on the first read.
         httpx.get(proxy.url + "/v1/models", verify=_client_context(pki, False), timeout=10)
+
+
+def test_grpc_is_served_over_the_same_tls_and_client_certificates(make_proxy, pki):
+    import grpc
+
+    from common.cli.local_cluster import free_port
+    from proxy.grpc_api import tessera_pb2 as pb
+    from proxy.grpc_api import tessera_pb2_grpc as rpc
+
+    cert, key = pki["server"]
+    port = free_port()
+    make_proxy(tls_cert_file=cert, tls_key_file=key, tls_ca_file=pki["ca"], grpc_port=port)
+    ca = Path(pki["ca"]).read_bytes()
+    client_cert, client_key = (Path(p).read_bytes() for p in pki["client"])
+    trusted = grpc.ssl_channel_credentials(ca, client_key, client_cert)
+    with grpc.secure_channel(f"127.0.0.1:{port}", trusted) as channel:
+        assert rpc.TokenizeStub(channel).Tokenize(pb.TokenizeRequest(prompt="hi"), timeout=10).tokens
+    anonymous = grpc.ssl_channel_credentials(ca)
+    for credentials in (anonymous, None):
+        with (grpc.secure_channel(f"127.0.0.1:{port}", credentials) if credentials else
+              grpc.insecure_channel(f"127.0.0.1:{port}")) as channel:
+            with pytest.raises(grpc.RpcError) as caught:
+                rpc.TokenizeStub(channel).Tokenize(pb.TokenizeRequest(prompt="hi"), timeout=10)
+            assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
