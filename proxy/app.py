@@ -104,15 +104,15 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
         if reloader is not None:
             reloader.start()
         grpc_server = None
-        if config.grpc_port:
-            from proxy.grpc_api.service import GrpcServer  # grpc loads only where the gRPC API is on
-            grpc_server = GrpcServer(services)
-            await grpc_server.start()
         try:
+            if config.grpc_port:
+                from proxy.grpc_api.service import GrpcServer  # grpc loads only where the gRPC API is on
+                grpc_server = GrpcServer(services)
+                await grpc_server.start()
             yield
         finally:
-            if grpc_server is not None:  # its calls end as HTTP's do: cancelled with the cluster's requests below
-                await grpc_server.stop(grace_s=1.0)
+            if grpc_server is not None:  # after the drain (which stopped it taking calls): what runs is cancelled
+                await grpc_server.stop()
             if reloader is not None:
                 reloader.stop()
             watchdog.cancel()

@@ -14,6 +14,7 @@ client grants: one per message, the first window ``grpc_initial_credits`` (or th
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -68,7 +69,12 @@ def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
 
 def http_body(request: pb.GenerateRequest) -> CompletionRequest | ChatCompletionRequest:
     """The HTTP request body ``request`` stands for, validated by the HTTP API's model (400 naming the field)."""
-    body = json_format.MessageToDict(request.extra) if request.HasField("extra") else {}
+    try:
+        body = json.loads(request.extra) if request.extra else {}
+    except (ValueError, RecursionError) as exc:
+        raise invalid_value(f"extra is not a JSON object: {type(exc).__name__}: {exc}", "extra") from None
+    if not isinstance(body, dict):
+        raise invalid_value("extra must be a JSON object", "extra")
     body["model"] = request.model
     which = request.WhichOneof("input")
     if which == "chat":
@@ -83,8 +89,7 @@ def http_body(request: pb.GenerateRequest) -> CompletionRequest | ChatCompletion
         raise invalid_value("give one of prompt, prompt_token_ids or chat", "input")
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "n"):
         if request.HasField(name):
-            value = getattr(request, name)
-            body[name] = round(value, 6) if isinstance(value, float) else value  # float32 on the wire
+            body[name] = getattr(request, name)
     if request.stop:
         body["stop"] = list(request.stop)
     if request.user:
@@ -115,12 +120,16 @@ class _Calls:
 
 class Generation(_Calls, rpc.GenerateServicer):
     async def _admit(self, request: pb.GenerateRequest, metadata: dict[str, str], deadline_s: float | None):
+        tenants = self.services.cluster.tenants
+        # The API key first, as HTTP does: an unknown client learns nothing about its request.
+        keyed = tenant_from_header(tenants, metadata.get("authorization")) if tenants.auth_enabled else None
         body = http_body(request)
+        tenant = keyed or self.tenant(metadata, body.user)
         timeout_s = request_timeout(metadata.get("x-request-timeout"))
         if deadline_s is not None:
             timeout_s = min(timeout_s or deadline_s, deadline_s)
         fmt = ChatFormat if isinstance(body, ChatCompletionRequest) else CompletionFormat
-        return await admit(self.services, body, fmt, self.tenant(metadata, body.user), timeout_s, metadata)
+        return await admit(self.services, body, fmt, tenant, timeout_s, metadata)
 
     async def _messages(self, gen, group) -> AsyncIterator[pb.GenerateResponse | ApiError]:
         """The request's messages, then its usage; a failure ends them with its ApiError."""
@@ -134,57 +143,67 @@ class Generation(_Calls, rpc.GenerateServicer):
             if choice is None:
                 continue
             delta = choice.get("delta", choice)
-            calls = [json_format.ParseDict(call, struct_pb2.Struct()) for call in delta.get("tool_calls") or []]
+            calls = [pb.ToolCall(id=call["id"], name=call["function"]["name"], arguments=call["function"]["arguments"])
+                     for call in delta.get("tool_calls") or []]
             yield pb.GenerateResponse(id=gen.response_id, model=gen.model, choices=[pb.Choice(
                 index=event.index, text=delta.get("content") or delta.get("text") or "", token_ids=event.token_ids,
                 finish_reason=choice.get("finish_reason") or "", tool_calls=calls)])
+        if gen.remember:  # a session's turn, with a conversation store: kept as HTTP keeps it
+            await gen.remember(gen.choices)
         counts = usage(gen.prompts, gen.choices)
         yield pb.GenerateResponse(id=gen.response_id, model=gen.model, usage=pb.Usage(
             prompt_tokens=counts["prompt_tokens"], completion_tokens=counts["completion_tokens"]))
 
     async def Generate(self, request, context):  # noqa: N802 - the proto's name
-        group = None
+        group, status = None, "client_closed"  # until it ends otherwise (a cancel may come as GeneratorExit)
         try:
             gen, group = await self._admit(request, _metadata(context), context.time_remaining())
+            await context.send_initial_metadata(tuple((k.lower(), v) for k, v in gen.served.items()))
             async for message in self._messages(gen, group):
                 if isinstance(message, ApiError):
                     raise message
                 yield message
+            status = "200"
         except ApiError as error:
-            self.count("grpc_generate", str(error.status))
+            status = str(error.status)
             await abort(context, error)
-        except asyncio.CancelledError:
-            self.count("grpc_generate", "client_closed")
-            raise
-        else:
-            self.count("grpc_generate", "200")
+        except Exception as exc:  # a bug, not the client's: INTERNAL, logged, never UNKNOWN
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            status = "500"
+            log.exception("gRPC Generate failed")
+            await abort(context, ApiError(500, f"internal error: {type(exc).__name__}", code="internal_error"))
         finally:
+            self.count("grpc_generate", status)
             if group is not None:
                 group.cancel("the gRPC call ended")  # a no-op unless it ended early: frees the pages
 
     async def GenerateStream(self, request_iterator, context):  # noqa: N802
         metadata = _metadata(context)
         outbox: asyncio.Queue = asyncio.Queue()
-        credits = Credits()
+        credits = Credits(self.services.config.grpc_initial_credits)
         running: dict[str, asyncio.Task] = {}
 
         async def run(request_id: str, request: pb.GenerateRequest) -> None:
-            group, status = None, "200"
+            group, status = None, "client_closed"
             try:
-                gen, group = await self._admit(request, metadata, None)
+                gen, group = await self._admit(request, metadata, context.time_remaining())
                 async for message in self._messages(gen, group):
                     if isinstance(message, ApiError):
                         raise message
                     await outbox.put(pb.StreamResponse(id=request_id, response=message))
+                status = "200"
                 await outbox.put(pb.StreamResponse(id=request_id, done=True))
             except ApiError as error:
                 status = str(error.status)
-                await outbox.put(pb.StreamResponse(id=request_id, error=pb.Error(
-                    status=status_of(error).name, message=error.message, param=error.param or "",
-                    retry_after_s=int(error.retry_after_s or 0))))
+                await outbox.put(pb.StreamResponse(id=request_id, error=_error(error)))
             except asyncio.CancelledError:
-                status = "client_closed"
                 await outbox.put(pb.StreamResponse(id=request_id, done=True))
+            except Exception as exc:
+                status = "500"
+                log.exception("gRPC GenerateStream request %r failed", request_id)
+                await outbox.put(pb.StreamResponse(id=request_id, error=_error(
+                    ApiError(500, f"internal error: {type(exc).__name__}", code="internal_error"))))
             finally:
                 self.count("grpc_stream", status)
                 if group is not None:
@@ -193,44 +212,59 @@ class Generation(_Calls, rpc.GenerateServicer):
 
         async def read() -> None:
             first = True
-            async for message in request_iterator:
-                kind = message.WhichOneof("kind")
-                if kind == "start":
-                    start = message.start
-                    if first:
-                        credits.grant(start.initial_credits or self.services.config.grpc_initial_credits)
+            try:
+                async for message in request_iterator:
+                    kind = message.WhichOneof("kind")
+                    if kind == "start":
+                        start = message.start
+                        if first and start.initial_credits:
+                            credits.left = start.initial_credits
+                        if not start.id or start.id in running:
+                            raise invalid_value(f"request id {start.id!r} is empty or still running on this call",
+                                                "start.id")
+                        running[start.id] = asyncio.create_task(run(start.id, start.request), name=f"grpc-{start.id}")
+                    elif kind == "cancel" and message.cancel.id in running:
+                        running[message.cancel.id].cancel()
+                    elif kind == "credit":
+                        credits.grant(message.credit.messages)
                     first = False
-                    if start.id in running or not start.id:
-                        await outbox.put(pb.StreamResponse(id=start.id, error=pb.Error(
-                            status="INVALID_ARGUMENT", param="start.id",
-                            message=f"request id {start.id!r} is empty or already running on this stream")))
-                        continue
-                    running[start.id] = asyncio.create_task(run(start.id, start.request), name=f"grpc-{start.id}")
-                elif kind == "cancel" and message.cancel.id in running:
-                    running[message.cancel.id].cancel()
-                elif kind == "credit":
-                    first = False
-                    credits.grant(message.credit.messages)
-            await asyncio.gather(*running.values(), return_exceptions=True)
-            await outbox.put(None)  # the client is done sending and every request has ended
+                credits.grant(UNLIMITED)  # half-closed: it can grant no more, so the rest goes without
+                await asyncio.gather(*running.values(), return_exceptions=True)
+            finally:
+                outbox.put_nowait(None)
 
         reader = asyncio.create_task(read(), name="grpc-stream-reader")
         try:
             while (message := await outbox.get()) is not None:
                 await credits.take()
                 yield message
-            await reader  # its error, if any
+            try:
+                await reader
+            except ApiError as error:
+                await abort(context, error)
+            except Exception as exc:  # a message that cannot be read (protobuf's DecodeError, ...)
+                if isinstance(exc, grpc.aio.AbortError):
+                    raise
+                await abort(context, invalid_value(f"a message on the stream could not be read: {exc}"))
         finally:
             reader.cancel()
             for task in list(running.values()):
                 task.cancel()
 
 
+def _error(error: ApiError) -> pb.Error:
+    return pb.Error(status=status_of(error).name, message=error.message, param=error.param or "",
+                    retry_after_s=int(error.retry_after_s or 0))
+
+
+UNLIMITED = 1 << 62
+
+
 class Credits:
     """A stream's send window: ``take`` waits for a credit the client granted."""
 
-    def __init__(self) -> None:
-        self.left = 0
+    def __init__(self, initial: int) -> None:
+        self.left = initial
         self._granted = asyncio.Event()
 
     def grant(self, count: int) -> None:
@@ -248,6 +282,11 @@ class Credits:
 class Embedding(_Calls, rpc.EmbedServicer):
     async def Embed(self, request, context):  # noqa: N802
         try:
+            metadata = _metadata(context)
+            tenants = self.services.cluster.tenants
+            keyed = tenant_from_header(tenants, metadata.get("authorization")) if tenants.auth_enabled else None
+            if request.input and request.input_token_ids:
+                raise invalid_value("give input or input_token_ids, not both", "input")
             given = list(request.input) or [list(ids.ids) for ids in request.input_token_ids]
             try:
                 body = EmbeddingRequest.model_validate({
@@ -255,8 +294,7 @@ class Embedding(_Calls, rpc.EmbedServicer):
                     **({"dimensions": request.dimensions} if request.HasField("dimensions") else {})})
             except ValidationError as exc:
                 raise from_validation_error(exc) from None
-            metadata = _metadata(context)
-            result, _ = await embed(self.services, body, self.tenant(metadata, body.user), metadata)
+            result, _ = await embed(self.services, body, keyed or self.tenant(metadata, body.user), metadata)
         except ApiError as error:
             self.count("grpc_embed", str(error.status))
             await abort(context, error)
@@ -269,8 +307,10 @@ class Tokenization(_Calls, rpc.TokenizeServicer):
     async def Tokenize(self, request, context):  # noqa: N802
         try:
             which = request.WhichOneof("input")
-            fields = {"prompt": request.prompt} if which == "prompt" else {
-                "messages": [{"role": m.role, "content": m.content} for m in request.chat.messages]}
+            fields = {"prompt": request.prompt} if which == "prompt" else {"messages": [
+                {"role": m.role, "content": m.content, **({"name": m.name} if m.name else {}),
+                 **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})}
+                for m in request.chat.messages]} if which == "chat" else {}
             try:
                 body = TokenizeRequest.model_validate({"model": request.model or None, **fields})
             except ValidationError as exc:
@@ -307,27 +347,42 @@ class GrpcServer:
     def __init__(self, services) -> None:
         config = services.config
         limit = config.max_prompt_bytes
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
+        self.services = services
+        # No SO_REUSEPORT: a second proxy on the same grpc_port must fail, not share it.
+        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit), ("grpc.so_reuseport", 0)])
         rpc.add_GenerateServicer_to_server(Generation(services), self.server)
         rpc.add_EmbedServicer_to_server(Embedding(services), self.server)
         rpc.add_TokenizeServicer_to_server(Tokenization(services), self.server)
         rpc.add_AdminServicer_to_server(Administration(services), self.server)
-        self.address = f"{config.host}:{config.grpc_port}"
-        if config.tls_cert_file:  # the HTTP listener's TLS, client certificates included
-            credentials = grpc.ssl_server_credentials(
-                [(Path(config.tls_key_file).read_bytes(), Path(config.tls_cert_file).read_bytes())],
-                root_certificates=Path(config.tls_ca_file).read_bytes() if config.tls_ca_file else None,
-                require_client_auth=bool(config.tls_ca_file))
-            bound = self.server.add_secure_port(self.address, credentials)
-        else:
-            bound = self.server.add_insecure_port(self.address)
-        if not bound:
-            raise OSError(f"cannot listen for gRPC on {self.address} (grpc_port)")
+        host = f"[{config.host}]" if ":" in config.host else config.host  # an IPv6 address
+        self.address = f"{host}:{config.grpc_port}"
+        self._watch: asyncio.Task | None = None
+        try:
+            if config.tls_cert_file:  # the HTTP listener's TLS, client certificates included
+                credentials = grpc.ssl_server_credentials(
+                    [(Path(config.tls_key_file).read_bytes(), Path(config.tls_cert_file).read_bytes())],
+                    root_certificates=Path(config.tls_ca_file).read_bytes() if config.tls_ca_file else None,
+                    require_client_auth=bool(config.tls_ca_file))
+                self.server.add_secure_port(self.address, credentials)
+            else:
+                self.server.add_insecure_port(self.address)
+        except RuntimeError as exc:
+            raise OSError(f"cannot listen for gRPC on {self.address} (grpc_port): {exc}") from None
 
     async def start(self) -> None:
         await self.server.start()
+        self._watch = asyncio.create_task(self._stop_on_drain(), name="grpc-drain")
         log.info("gRPC API on %s", self.address)
 
-    async def stop(self, grace_s: float) -> None:
-        """Stop taking calls; those running get ``grace_s`` to end, then are cancelled."""
-        await self.server.stop(grace_s)
+    async def _stop_on_drain(self) -> None:
+        """When the proxy starts draining (SIGTERM), new calls are refused at once (clients move on to another
+        proxy) and those running get ``drain_timeout_s`` to end, as HTTP's requests do."""
+        while not self.services.cluster.draining:
+            await asyncio.sleep(0.2)
+        await self.server.stop(self.services.config.drain_timeout_s)
+
+    async def stop(self) -> None:
+        """At shutdown, after the drain: what still runs is cancelled."""
+        if self._watch is not None:
+            self._watch.cancel()
+        await self.server.stop(0)

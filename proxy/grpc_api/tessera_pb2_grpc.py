@@ -60,7 +60,10 @@ class GenerateServicer:
     def GenerateStream(self, request_iterator, context):
         """Any number of requests on one stream, each named by an id of the client's, cancelled by message. Flow
         control: the server sends a message only against a credit the client has granted (Credit), one credit per
-        message; `initial_credits` in the first Start (default: grpc_initial_credits) opens the window.
+        message. The window opens at grpc_initial_credits, or at `initial_credits` of a Start that is the call's
+        first message. Once the client half-closes, the server sends the rest without waiting for credits and ends
+        the call when every request has ended. A message that cannot be read, or a Start whose id is empty or still
+        running on the call, ends the call with INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

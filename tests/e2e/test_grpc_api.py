@@ -8,6 +8,7 @@ key UNAUTHENTICATED.
 """
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -69,7 +70,7 @@ def test_extra_fields_reach_the_request_and_bad_ones_are_invalid_argument(served
     _, channel = served
     stub = rpc.GenerateStub(channel)
     request = chat("Is the sea blue?", MODEL, 10)
-    request.extra.update({"guided_choice": ["yes", "no"]})
+    request.extra = json.dumps({"guided_choice": ["yes", "no"]})
     assert generate(stub, request)[0] in ("yes", "no")
     with pytest.raises(grpc.RpcError) as caught:
         list(stub.Generate(pb.GenerateRequest(model=MODEL, prompt="x", temperature=-1.0)))
@@ -82,7 +83,7 @@ def test_extra_fields_reach_the_request_and_bad_ones_are_invalid_argument(served
 def test_cancelling_the_call_frees_the_pages(served):
     cluster, channel = served
     request = chat("Tell me a long story about a lighthouse keeper.", MODEL, 400)
-    request.extra.update({"ignore_eos": True})
+    request.extra = json.dumps({"ignore_eos": True})
     call = rpc.GenerateStub(channel).Generate(request)
     received = [next(call) for _ in range(3)]
     assert received and not pages_freed(cluster, timeout=0.5)  # it holds pages while it runs
@@ -100,7 +101,7 @@ def test_generate_stream_multiplexes_within_its_credits_and_cancels_by_message(s
 
     outgoing: queue.Queue = queue.Queue()
     long = chat("Tell me a long story about a dragon.", MODEL, 400)
-    long.extra.update({"ignore_eos": True})
+    long.extra = json.dumps({"ignore_eos": True})
     outgoing.put(pb.StreamRequest(start=pb.StreamRequest.Start(id="long", request=long, initial_credits=3)))
     replies = stub.GenerateStream(iter(outgoing.get, None))
     got: queue.Queue = queue.Queue()
@@ -155,3 +156,24 @@ def test_a_tenant_over_its_rate_gets_resource_exhausted_with_retry_info(make_pro
     info = error_details_pb2.RetryInfo()
     assert detail.Unpack(info) and info.retry_delay.seconds >= 1
     assert int(dict(error.trailing_metadata())["retry-after"]) >= 1
+
+
+def test_a_half_closed_stream_gets_the_rest_without_credits_and_a_reused_id_ends_the_call(served):
+    _, channel = served
+    stub = rpc.GenerateStub(channel)
+    start = pb.StreamRequest(start=pb.StreamRequest.Start(id="x", request=chat("Say hi.", MODEL, 12), initial_credits=1))
+    replies = list(stub.GenerateStream(iter([start])))  # sent, then half-closed: no credit ever comes
+    assert replies[-1].WhichOneof("kind") == "done" and len(replies) > 2
+    with pytest.raises(grpc.RpcError) as caught:
+        list(stub.GenerateStream(iter([start, start])))
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "still running" in caught.value.details()
+
+
+def test_a_named_tool_choice_comes_back_as_typed_tool_calls(served):
+    _, channel = served
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}
+    request = chat("Weather in Paris?", MODEL, 40)
+    request.extra = json.dumps({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    calls = [call for m in rpc.GenerateStub(channel).Generate(request) for c in m.choices for call in c.tool_calls]
+    assert [c.name for c in calls] == ["get_weather"] and "city" in json.loads(calls[0].arguments)

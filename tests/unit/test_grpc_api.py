@@ -2,6 +2,7 @@
 bodies (validated by the same models), and HTTP statuses map to gRPC codes. Served: tests/e2e/test_grpc_api.py."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -31,8 +32,9 @@ def test_the_generated_modules_match_the_proto(tmp_path):
 def test_a_request_becomes_the_http_body_with_its_extra_fields():
     request = pb.GenerateRequest(model="m", chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")]),
                                  max_tokens=5, temperature=0.7, stop=["."], user="u")
-    request.extra.update({"guided_choice": ["a", "b"], "logprobs": True})
+    request.extra = json.dumps({"guided_choice": ["a", "b"], "logprobs": True, "guided_json": {"maxLength": 3}})
     body = http_body(request)
+    assert body.guided_json == {"maxLength": 3} and isinstance(body.guided_json["maxLength"], int)
     assert isinstance(body, ChatCompletionRequest) and body.messages[0].content == "hi"
     assert (body.max_tokens, body.temperature, body.stop, body.user, body.logprobs) == (5, 0.7, ["."], "u", True)
     assert body.guided_choice == ["a", "b"] and body.top_p is None  # unset optional fields stay the default
@@ -42,6 +44,9 @@ def test_a_request_becomes_the_http_body_with_its_extra_fields():
 
 @pytest.mark.parametrize("request_, param", [
     (pb.GenerateRequest(model="m"), "input"),
+    (pb.GenerateRequest(model="m", prompt="x", extra="[1]"), "extra"),
+    (pb.GenerateRequest(model="m", prompt="x", extra="{nope"), "extra"),
+    (pb.GenerateRequest(model="m", prompt="x", extra='{"min_p": Infinity}'), "min_p"),
     (pb.GenerateRequest(model="m", prompt="x", top_p=1.5), "top_p"),
     (pb.GenerateRequest(model="m", chat=pb.Chat(messages=[pb.ChatMessage(role="robot")])), "messages.0.role"),
 ])
