@@ -40,10 +40,12 @@ def served(embedded_model_dir, tmp_path_factory):
     assert all(code == 0 for code in codes.values()), codes
 
 
-def pages_freed(cluster, timeout: float = 15.0) -> bool:
+def pages_freed(cluster, timeout: float = 15.0, held: bool = False) -> bool:
+    """Whether every worker's pages are free within ``timeout`` (``held``: whether some are in use)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if all(v == 0 for v in cluster.metric("tessera_proxy_kv_pages_used").values()):
+        free = all(v == 0 for v in cluster.metric("tessera_proxy_kv_pages_used").values())
+        if free != held:
             return True
         time.sleep(0.2)
     return False
@@ -84,10 +86,12 @@ def test_cancelling_the_call_frees_the_pages(served):
     cluster, channel = served
     request = chat("Tell me a long story about a lighthouse keeper.", MODEL, 400)
     request.extra = json.dumps({"ignore_eos": True})
+    assert pages_freed(cluster)  # nothing left from an earlier test
     call = rpc.GenerateStub(channel).Generate(request)
-    received = [next(call) for _ in range(3)]
-    assert received and not pages_freed(cluster, timeout=0.5)  # it holds pages while it runs
-    call.cancel()
+    try:
+        assert next(call).choices and pages_freed(cluster, held=True)  # it holds pages while it runs
+    finally:
+        call.cancel()
     assert pages_freed(cluster), cluster.metric("tessera_proxy_kv_pages_used")
     assert cluster.metric("tessera_proxy_requests_total").get('{endpoint="grpc_generate",status="client_closed"}')
 
@@ -99,6 +103,7 @@ def test_generate_stream_multiplexes_within_its_credits_and_cancels_by_message(s
     assert set(texts) == {"a", "b"} and all(texts.values())
     assert texts["a"] == generate(stub, chat("Say hi.", MODEL, 8))[0]
 
+    assert pages_freed(cluster)
     outgoing: queue.Queue = queue.Queue()
     long = chat("Tell me a long story about a dragon.", MODEL, 400)
     long.extra = json.dumps({"ignore_eos": True})

@@ -184,6 +184,28 @@ def test_the_openai_client_tool_round_trip_with_an_enforced_choice(cluster, tool
     assert text == (answer.choices[0].message.content or "")
 
 
+def test_auto_parses_the_calls_in_the_models_output_whole_and_streamed(cluster):
+    """Under ``auto`` the model chooses; the embedded 135M model never chooses a call, so a regex makes its output
+    the tagged call a tool-capable model writes. The proxy parses the call out of that output."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=cluster.url + "/v1", api_key="unused")
+    forced = r'Let me check\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{1,12}", ' \
+             r'"unit": "celsius"\}\}\n</tool_call>'
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER, CLOCK],
+              tool_choice="auto", temperature=0, max_tokens=60, extra_body={"guided_regex": forced})
+    response = client.chat.completions.create(**kw)
+    message = response.choices[0].message
+    assert response.choices[0].finish_reason == "tool_calls" and message.content == "Let me check."
+    (call,) = message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["unit"] == "celsius"
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    streamed_text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls, finish = streamed_calls(chunks)
+    assert finish == "tool_calls" and streamed_text.strip() == "Let me check."
+    assert [(c["name"], c["arguments"]) for c in calls] == [(call.function.name, call.function.arguments)]
+
+
 def test_auto_and_none_answer_in_text_when_the_model_calls_nothing(cluster):
     """The embedded 135M model does not choose to call tools; its text comes back as content, whole or streamed
     (the parsing of calls it could make is tests/unit/test_tools.py's)."""
