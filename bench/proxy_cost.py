@@ -1,0 +1,219 @@
+"""What the proxy itself costs per request and per streamed token, with workers that cost nothing.
+
+    python -m bench.proxy_cost [--streams 256] [--tokens 256] [--token-interval-s 0.02] [--seconds 20]
+                               [--workers 4] [--profile FILE] [--json FILE]
+
+One ``tessera proxy`` process (its own, so that its CPU time can be read from ``/proc``) serves ``--workers``
+scripted prefill and as many scripted decode workers (``tests/scripted_worker.py``: the real wire protocol, no
+model; a decode worker emits one token per request every ``--token-interval-s``, each in a message of its own,
+where a real decode worker sends one message per engine step for all its requests: the scripted ones cost the
+proxy more receiving than real ones would). ``--streams`` closed-loop clients stream chat completions of ``--tokens``
+tokens each. Over ``--seconds`` after a warm-up, the proxy's user + system CPU time is divided by the requests
+completed and by the tokens streamed (counted from each response's ``usage``, not from its SSE events).
+
+``--profile FILE`` samples the proxy with py-spy (``pip install py-spy``; 100 samples a second, native frames
+off) over the measured window, writes the collapsed stacks to FILE and prints the functions that hold the most
+samples: by their own time, and with what they call.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+
+from bench.arch_compare import cpu_seconds
+from common.cli.local_cluster import free_port
+from common.protocol.wire import StepCostModel
+from common.storage.model_store import resolve_model
+from common.text.tokenizer import Tokenizer
+
+MODEL = "SmolLM2-135M-Instruct"
+WORDS = "the quick brown fox jumps over a lazy dog while seven tall ships sail past the old grey harbour"
+
+
+def script(tokenizer: Tokenizer, length: int) -> list[tuple[int, str]]:
+    """``length`` (token id, text so far) pairs, as the scripted workers answer."""
+    ids = tokenizer.encode(" " + " ".join([WORDS] * (length // 10 + 2)), add_special_tokens=False)[:length]
+    return [(token, tokenizer.decode(ids[: i + 1])) for i, token in enumerate(ids)]
+
+
+def start_proxy(port: int, worker_port: int, model_dir: Path) -> subprocess.Popen:
+    settings = {"port": port, "worker_bind": f"tcp://127.0.0.1:{worker_port}", "model": model_dir,
+                "heartbeat_timeout_s": 30, "first_token_timeout_s": 120, "token_timeout_s": 120,
+                "max_tokens_limit": 4096, "queue_timeout_s": 300}
+    args = [arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")]
+    return subprocess.Popen([sys.executable, "-m", "common.cli.main", "proxy", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def start_workers(endpoint: str, count: int, lines: list, interval_s: float) -> list:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.scripted_worker import FakeWorker  # the project's wire-level test double
+
+    workers = []
+    for i in range(count):
+        for role in ("prefill", "decode"):
+            worker = FakeWorker(endpoint, f"{role[0]}{i}", role, lines, token_interval_s=interval_s,
+                                heartbeat_interval_s=0.5)
+            worker.register_msg = msgspec.structs.replace(worker.register_msg, max_num_seqs=1024)
+            worker.step_cost = StepCostModel(small_max_rows=0, small=[], large=[1.0, 0.001, 0.0, 0.0, 0.0])
+            workers.append(worker.start_and_wait(timeout=60))
+    return workers
+
+
+async def drive(url: str, streams: int, tokens: int, seconds: float, warmup_s: float, pid: int,
+                profile: Path | None = None) -> dict:
+    body = {"model": MODEL, "max_tokens": tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    window = {"requests": 0, "tokens": 0, "errors": 0}
+    measuring = False
+    stop_at = time.monotonic() + warmup_s + seconds
+
+    async def client(i: int, http: httpx.AsyncClient) -> None:
+        n = 0
+        while time.monotonic() < stop_at:
+            n += 1
+            messages = [{"role": "user", "content": f"Stream {i}, request {n}: tell me a story."}]
+            usage = None
+            try:
+                async with http.stream("POST", "/v1/chat/completions", json={**body, "messages": messages}) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith('data: {"id"') and '"usage":{' in line:
+                            usage = json.loads(line[6:])["usage"]
+            except httpx.HTTPError:
+                usage = None
+            if measuring:
+                if usage is None:
+                    window["errors"] += 1
+                else:
+                    window["requests"] += 1
+                    window["tokens"] += usage["completion_tokens"]
+
+    limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as http:
+        tasks = [asyncio.create_task(client(i, http)) for i in range(streams)]
+        await asyncio.sleep(warmup_s)
+        measuring, started, cpu_before = True, time.monotonic(), cpu_seconds(pid)
+        sampler = None
+        if profile is not None:
+            spy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+            if spy is None:
+                raise SystemExit("--profile needs py-spy: pip install py-spy")
+            sampler = await asyncio.create_subprocess_exec(
+                spy, "record", "--pid", str(pid), "--rate", "100", "--format", "raw", "--output",
+                str(profile), "--duration", str(int(seconds)), stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL)
+        await asyncio.sleep(seconds)
+        if sampler is not None:
+            await sampler.wait()
+        measuring, elapsed, cpu = False, time.monotonic() - started, cpu_seconds(pid) - cpu_before
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    done = max(window["requests"], 1)
+    return {"requests": window["requests"], "tokens": window["tokens"], "errors": window["errors"],
+            "seconds": round(elapsed, 1), "req_per_s": round(window["requests"] / elapsed, 1),
+            "tokens_per_s": round(window["tokens"] / elapsed), "proxy_cpu_s": round(cpu, 2),
+            "proxy_cores": round(cpu / elapsed, 2), "cpu_ms_per_request": round(1e3 * cpu / done, 2),
+            "cpu_us_per_token": round(1e6 * cpu / max(window["tokens"], 1), 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.proxy_cost", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--token-interval-s", type=float, default=0.02)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--warmup-s", type=float, default=8.0)
+    parser.add_argument("--workers", type=int, default=4, help="scripted prefill workers, and as many decode")
+    parser.add_argument("--profile", type=Path, help="run the proxy under cProfile, writing its stats here")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    model_dir = resolve_model("embedded", "float32")
+    lines = script(Tokenizer(model_dir), args.tokens)
+    port, worker_port = free_port(), free_port()
+    proxy = start_proxy(port, worker_port, model_dir)
+    workers = []
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or proxy.poll() is not None:
+                raise RuntimeError("the proxy did not start")
+            time.sleep(0.3)
+        workers = start_workers(f"tcp://127.0.0.1:{worker_port}", args.workers, lines, args.token_interval_s)
+        time.sleep(2)  # heartbeats: the proxy has the workers' step model
+        result = asyncio.run(drive(url, args.streams, args.tokens, args.seconds, args.warmup_s, proxy.pid,
+                                   args.profile))
+        result.update(streams=args.streams, tokens_per_request=args.tokens, token_interval_s=args.token_interval_s,
+                      workers=2 * args.workers, profiled=bool(args.profile))
+        print(json.dumps(result), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
+    finally:
+        proxy.send_signal(signal.SIGTERM)  # drains (the workers still answer) and exits
+        try:
+            proxy.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proxy.kill()
+            proxy.wait(timeout=60)
+        for worker in workers:
+            worker.stop(goodbye=False)
+    if args.profile:
+        print(profile_table(args.profile))
+    return 0
+
+
+IDLE_TOP = "_worker (concurrent/futures/thread.py:81)"
+
+
+def profile_table(path: Path, top: int = 25) -> str:
+    """py-spy's collapsed stacks as a table: each function's share of the samples, on top of the stack (self)
+    and anywhere in it (total)."""
+    own: dict[str, int] = {}
+    anywhere: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        stack = stack.rstrip()
+        if not stack or not count.isdigit():
+            continue
+        if stack.endswith(IDLE_TOP):  # an idle pool thread waiting for work, which py-spy samples as busy
+            continue
+        frames = [_frame(f) for f in stack.split(";")]
+        samples = int(count)
+        total += samples
+        own[frames[-1]] = own.get(frames[-1], 0) + samples
+        for frame in set(frames):
+            anywhere[frame] = anywhere.get(frame, 0) + samples
+    rows = ["| function | self | total |", "|---|---|---|"]
+    for frame, samples in sorted(own.items(), key=lambda item: -item[1])[:top]:
+        rows.append(f"| `{frame}` | {100 * samples / total:.1f}% | {100 * anywhere[frame] / total:.1f}% |")
+    return "\n".join(rows)
+
+
+def _frame(frame: str) -> str:
+    """``function (path/to/file.py:line)`` as ``file.py:function``, the line left out (one row per function)."""
+    name, _, where = frame.partition(" (")
+    file = where.rsplit(":", 1)[0].rsplit("/", 1)[-1]
+    return f"{file}:{name}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
