@@ -48,17 +48,14 @@ async def embeddings(request: Request) -> Response:
 
 
 async def _embed(request: Request, services) -> tuple[dict, dict[str, str]]:
-    tenants = services.cluster.tenants
-    tenant = tenant_from_header(tenants, request.headers.get("authorization")) if tenants.auth_enabled else None
+    tenant = tenant_from_header(services.cluster.tenants, request.headers.get("authorization"))  # None: auth off
     body = await read_model(request, EmbeddingRequest, services.config.max_prompt_bytes)
     return await embed(services, body, tenant, request.headers)
 
 
 async def embed(services, body: EmbeddingRequest, tenant, headers) -> tuple[dict, dict[str, str]]:
     """The response body of a parsed request and its headers; ``tenant``: the API key's, None without auth."""
-    tenants = services.cluster.tenants
-    if tenant is None:
-        tenant = tenant_from_body(tenants, body.user) if tenants.from_user_field else tenants.default
+    tenant = tenant or tenant_from_body(services.cluster.tenants, body.user)
     services.models.check(body.model)
     serving_context(services, tenant)
     choice = services.models.choose(body.model, session_of(services, headers, body.user))

@@ -163,13 +163,14 @@ class ToolUse:
         content = content.strip()
         return (content or None) if calls else text, calls
 
-    def text_before_calls(self, text: str) -> int:
-        """How much of ``text`` may stream as content now: all of it but a call and what could begin one."""
+    def text_before_calls(self, text: str, sent: int = 0) -> int:
+        """How much of ``text`` may stream as content now: all of it but a call and what could begin one.
+        ``sent``: what already streamed, which holds no call start, so only the text from there is searched."""
         if self.mode in ("named", "required"):
             return 0
         if self.mode == "none":
             return len(text)
-        start = text.find(CALL_OPEN)
+        start = text.find(CALL_OPEN, sent)
         if start >= 0:
             return start
         for keep in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1):
@@ -242,7 +243,7 @@ class ToolCallFormat:
     def chunk_choice(self, state, event) -> dict | None:
         text, sent = state.text + event.text, self.sent.get(event.index, 0)
         if event.finish_reason is None:
-            upto = self.use.text_before_calls(text)
+            upto = self.use.text_before_calls(text, sent)
             if upto <= sent:
                 return None
             self.sent[event.index] = upto

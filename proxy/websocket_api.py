@@ -54,9 +54,8 @@ _NO_WATCHER = SimpleNamespace(stop=lambda: None)  # a socket's requests are canc
 @router.websocket("/v1/stream")
 async def stream_socket(socket: WebSocket) -> None:
     services = socket.app.state.services
-    tenants = services.cluster.tenants
     try:
-        tenant = tenant_from_header(tenants, socket.headers.get("authorization")) if tenants.auth_enabled else None
+        tenant = tenant_from_header(services.cluster.tenants, socket.headers.get("authorization"))  # None: auth off
     except ApiError as error:
         if "websocket.http.response" in socket.scope.get("extensions", {}):
             await socket.send_denial_response(error.response())
@@ -159,9 +158,7 @@ class StreamSocket:
             request = model_cls.model_validate({**body, "stream": True})
         except ValidationError as exc:
             raise from_validation_error(exc) from None
-        tenants = services.cluster.tenants
-        tenant = self.tenant or (tenant_from_body(tenants, request.user) if tenants.from_user_field
-                                 else tenants.default)
+        tenant = self.tenant or tenant_from_body(services.cluster.tenants, request.user)
         resumable = message.get("resumable", tenant.resumable)
         if not isinstance(resumable, bool):
             raise ApiError(400, "resumable must be true or false", code="invalid_type", param="resumable")

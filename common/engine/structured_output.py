@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import json
 import logging
 import re
@@ -28,6 +29,7 @@ import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from common.engine.native import kernel_function
@@ -108,10 +110,10 @@ class StructuredOutputs:
                 self._batch = xgr.BatchGrammarMatcher(max_threads=self.threads)
                 words = xgr.get_bitmask_shape(1, self.vocab_size)[1]
                 self._bitmask = torch.empty(0, words, dtype=torch.int32)
-                self._stop_row = torch.zeros(words, dtype=torch.int32)
-                for token in self.stop_token_ids:  # bit (token % 32) of word (token // 32), as a signed int32
-                    word = int(self._stop_row[token // 32]) | (1 << (token % 32))
-                    self._stop_row[token // 32] = word - (1 << 32) if word >= 1 << 31 else word
+                stop = np.zeros(words, dtype=np.uint32)  # bit (token % 32) of word (token // 32)
+                for token in self.stop_token_ids:
+                    stop[token // 32] |= np.uint32(1 << (token % 32))
+                self._stop_row = torch.from_numpy(stop.view(np.int32))
             return self._compiler
 
     def compile(self, constraint: StructuredOutput):
@@ -163,27 +165,26 @@ class StructuredOutputs:
         A row whose grammar has ended (its stop token accepted, by the sequence or by a draft before the row) or
         allows nothing (a constraint no text satisfies) allows the stop tokens only: never an unconstrained token.
         """
-        starts, total = [], 0
-        for d in drafts:
-            starts.append(total)
-            total += len(d) + 1
+        counts = [len(d) + 1 for d in drafts]
+        starts = [total - count for total, count in zip(itertools.accumulate(counts), counts)]
         active = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
         rows: list[int] = []
         if not active:
             return self._bitmask, rows
-        bitmask = self._bitmask_rows(sum(len(drafts[i]) + 1 for i in active))
+        bitmask = self._bitmask_rows(sum(counts[i] for i in active))
         walked = dict.fromkeys(active, 0)  # drafts each matcher accepted while the masks were filled
         depth = 0
         try:
             while active:
-                ended = [i for i in active if seqs[i].grammar.is_terminated()]
-                going = [i for i in active if not seqs[i].grammar.is_terminated()]
+                ended, going = [], []
+                for i in active:
+                    (ended if seqs[i].grammar.is_terminated() else going).append(i)
                 if going:
                     self._batch.batch_fill_next_token_bitmask(
                         [seqs[i].grammar for i in going], bitmask, indices=list(range(len(rows), len(rows) + len(going))))
                 rows.extend(starts[i] + depth for i in going)
                 # An ended grammar's rows, this one and those of the drafts after it, allow the stop tokens alone.
-                stops = [starts[i] + row for i in ended for row in range(depth, len(drafts[i]) + 1)]
+                stops = [starts[i] + row for i in ended for row in range(depth, counts[i])]
                 bitmask[len(rows):len(rows) + len(stops)] = self._stop_row
                 rows.extend(stops)
                 going = [i for i in going if len(drafts[i]) > depth]

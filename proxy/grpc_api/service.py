@@ -78,9 +78,7 @@ def http_body(request: pb.GenerateRequest) -> CompletionRequest | ChatCompletion
     body["model"] = request.model
     which = request.WhichOneof("input")
     if which == "chat":
-        body["messages"] = [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {}),
-                             **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})}
-                            for m in request.chat.messages]
+        body["messages"] = _chat_messages(request.chat)
     elif which == "prompt":
         body["prompt"] = request.prompt
     elif which == "prompt_token_ids":
@@ -101,18 +99,22 @@ def http_body(request: pb.GenerateRequest) -> CompletionRequest | ChatCompletion
         raise from_validation_error(exc) from None
 
 
+def _chat_messages(chat: pb.Chat) -> list[dict]:
+    """The HTTP body's ``messages`` of a ``Chat`` (empty fields left out)."""
+    return [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {}),
+             **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})} for m in chat.messages]
+
+
 class _Calls:
-    """What every service needs: the proxy's services, a tenant from the metadata, the request counter."""
+    """What every service needs: the proxy's services, the API key's tenant, the request counter."""
 
     def __init__(self, services) -> None:
         self.services = services
 
-    def tenant(self, metadata: dict[str, str], user: str | None):
-        tenants = self.services.cluster.tenants
-        tenant = tenant_from_header(tenants, metadata.get("authorization")) if tenants.auth_enabled else None
-        if tenant is None:
-            tenant = tenant_from_body(tenants, user) if tenants.from_user_field else tenants.default
-        return tenant
+    def keyed(self, metadata: dict[str, str]):
+        """The API key's tenant (401 without a valid one) with auth on; None with auth off. Checked before the body
+        is read, as HTTP does: an unknown client learns nothing about its request."""
+        return tenant_from_header(self.services.cluster.tenants, metadata.get("authorization"))
 
     def count(self, endpoint: str, status: str) -> None:
         self.services.metrics.requests.labels(endpoint, status).inc()
@@ -120,23 +122,20 @@ class _Calls:
 
 class Generation(_Calls, rpc.GenerateServicer):
     async def _admit(self, request: pb.GenerateRequest, metadata: dict[str, str], deadline_s: float | None):
-        tenants = self.services.cluster.tenants
-        # The API key first, as HTTP does: an unknown client learns nothing about its request.
-        keyed = tenant_from_header(tenants, metadata.get("authorization")) if tenants.auth_enabled else None
+        keyed = self.keyed(metadata)
         body = http_body(request)
-        tenant = keyed or self.tenant(metadata, body.user)
+        tenant = keyed or tenant_from_body(self.services.cluster.tenants, body.user)
         timeout_s = request_timeout(metadata.get("x-request-timeout"))
         if deadline_s is not None:
             timeout_s = min(timeout_s or deadline_s, deadline_s)
         fmt = ChatFormat if isinstance(body, ChatCompletionRequest) else CompletionFormat
         return await admit(self.services, body, fmt, tenant, timeout_s, metadata)
 
-    async def _messages(self, gen, group) -> AsyncIterator[pb.GenerateResponse | ApiError]:
-        """The request's messages, then its usage; a failure ends them with its ApiError."""
+    async def _messages(self, gen, group) -> AsyncIterator[pb.GenerateResponse]:
+        """The request's messages, then its usage; a failure raises its ApiError."""
         async for event in group.events():
             if isinstance(event, FailureEvent):
-                yield event.error
-                return
+                raise event.error
             state = gen.choices[event.index]
             choice = gen.fmt.chunk_choice(state, event)
             state.add(event, gen.fmt.logprob_text)
@@ -160,8 +159,6 @@ class Generation(_Calls, rpc.GenerateServicer):
             gen, group = await self._admit(request, _metadata(context), context.time_remaining())
             await context.send_initial_metadata(tuple((k.lower(), v) for k, v in gen.served.items()))
             async for message in self._messages(gen, group):
-                if isinstance(message, ApiError):
-                    raise message
                 yield message
             status = "200"
         except ApiError as error:
@@ -189,8 +186,6 @@ class Generation(_Calls, rpc.GenerateServicer):
             try:
                 gen, group = await self._admit(request, metadata, context.time_remaining())
                 async for message in self._messages(gen, group):
-                    if isinstance(message, ApiError):
-                        raise message
                     await outbox.put(pb.StreamResponse(id=request_id, response=message))
                 status = "200"
                 await outbox.put(pb.StreamResponse(id=request_id, done=True))
@@ -283,8 +278,7 @@ class Embedding(_Calls, rpc.EmbedServicer):
     async def Embed(self, request, context):  # noqa: N802
         try:
             metadata = _metadata(context)
-            tenants = self.services.cluster.tenants
-            keyed = tenant_from_header(tenants, metadata.get("authorization")) if tenants.auth_enabled else None
+            keyed = self.keyed(metadata)
             if request.input and request.input_token_ids:
                 raise invalid_value("give input or input_token_ids, not both", "input")
             given = list(request.input) or [list(ids.ids) for ids in request.input_token_ids]
@@ -294,7 +288,7 @@ class Embedding(_Calls, rpc.EmbedServicer):
                     **({"dimensions": request.dimensions} if request.HasField("dimensions") else {})})
             except ValidationError as exc:
                 raise from_validation_error(exc) from None
-            result, _ = await embed(self.services, body, keyed or self.tenant(metadata, body.user), metadata)
+            result, _ = await embed(self.services, body, keyed, metadata)
         except ApiError as error:
             self.count("grpc_embed", str(error.status))
             await abort(context, error)
@@ -307,10 +301,8 @@ class Tokenization(_Calls, rpc.TokenizeServicer):
     async def Tokenize(self, request, context):  # noqa: N802
         try:
             which = request.WhichOneof("input")
-            fields = {"prompt": request.prompt} if which == "prompt" else {"messages": [
-                {"role": m.role, "content": m.content, **({"name": m.name} if m.name else {}),
-                 **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})}
-                for m in request.chat.messages]} if which == "chat" else {}
+            fields = {"prompt": request.prompt} if which == "prompt" else {
+                "messages": _chat_messages(request.chat)} if which == "chat" else {}
             try:
                 body = TokenizeRequest.model_validate({"model": request.model or None, **fields})
             except ValidationError as exc:
