@@ -38,6 +38,9 @@ class ProxyConfig:
     grpc_initial_credits: Int = option(
         64, "messages a GenerateStream call may receive before its client grants more (Credit), unless its first "
         "Start asks for another number", ge=1)
+    grpc_credit_timeout_s: Float = option(
+        300.0, "a GenerateStream call whose client grants no credit for this long, with messages waiting, ends "
+        "(DEADLINE_EXCEEDED) and its requests are cancelled", gt=0)
     worker_bind: Str = option("tcp://127.0.0.1:5555", "ZeroMQ ROUTER address the workers connect to")
     model: Str = option(
         "embedded", "model directory or embedded name, for the "

@@ -9,7 +9,8 @@ call cancels its requests, which frees their pages as a closed HTTP connection d
 counters, endpoint ``grpc_generate``, ``grpc_stream``, ``grpc_embed``.
 
 ``GenerateStream`` multiplexes requests on one call, by the client's ids, and sends only against credits the
-client grants: one per message, the first window ``grpc_initial_credits`` (or the first Start's own number).
+client grants: one per message, the first window ``grpc_initial_credits`` (or the first Start's own number). A
+call that waits ``grpc_credit_timeout_s`` for a credit ends with DEADLINE_EXCEEDED, its requests cancelled.
 """
 from __future__ import annotations
 
@@ -178,7 +179,8 @@ class Generation(_Calls, rpc.GenerateServicer):
     async def GenerateStream(self, request_iterator, context):  # noqa: N802
         metadata = _metadata(context)
         outbox: asyncio.Queue = asyncio.Queue()
-        credits = Credits(self.services.config.grpc_initial_credits)
+        config = self.services.config
+        credits = Credits(config.grpc_initial_credits)
         running: dict[str, asyncio.Task] = {}
 
         async def run(request_id: str, request: pb.GenerateRequest) -> None:
@@ -231,7 +233,11 @@ class Generation(_Calls, rpc.GenerateServicer):
         reader = asyncio.create_task(read(), name="grpc-stream-reader")
         try:
             while (message := await outbox.get()) is not None:
-                await credits.take()
+                try:
+                    await asyncio.wait_for(credits.take(), config.grpc_credit_timeout_s)
+                except TimeoutError:
+                    await abort(context, ApiError(504, f"no credit granted within grpc_credit_timeout_s="
+                                                       f"{config.grpc_credit_timeout_s}s", code="timeout"))
                 yield message
             try:
                 await reader

@@ -182,3 +182,23 @@ def test_a_named_tool_choice_comes_back_as_typed_tool_calls(served):
     request.extra = json.dumps({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
     calls = [call for m in rpc.GenerateStub(channel).Generate(request) for c in m.choices for call in c.tool_calls]
     assert [c.name for c in calls] == ["get_weather"] and "city" in json.loads(calls[0].arguments)
+
+
+def test_a_stream_whose_client_grants_no_credit_ends_after_grpc_credit_timeout_s(make_proxy, make_worker):
+    port = free_port()
+    proxy = make_proxy(grpc_port=port, grpc_credit_timeout_s=1.0)
+    make_worker(proxy, "p0", "prefill")
+    decode = make_worker(proxy, "d0", "decode", token_interval_s=0.5)  # still running at the timeout
+    wait_until(lambda: proxy.http.get("/readyz").status_code == 200, what="/readyz")
+    outgoing: queue.Queue = queue.Queue()
+    request = pb.GenerateRequest(model=MODEL, prompt="Tell me about foxes.", max_tokens=8)
+    outgoing.put(pb.StreamRequest(start=pb.StreamRequest.Start(id="r", request=request, initial_credits=1)))
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        replies = rpc.GenerateStub(channel).GenerateStream(iter(outgoing.get, None))  # never half-closed
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as caught:
+            list(replies)
+    assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "grpc_credit_timeout_s" in caught.value.details() and time.monotonic() - started < 30
+    decode.wait_for(lambda m: isinstance(m, Abort))  # its request was cancelled on the worker too
+    outgoing.put(None)
