@@ -1,15 +1,18 @@
 """What the proxy itself costs per request and per streamed token, with workers that cost nothing.
 
     python -m bench.proxy_cost [--streams 256] [--tokens 256] [--token-interval-s 0.02] [--seconds 20]
-                               [--workers 4] [--profile FILE] [--json FILE]
+                               [--workers 4] [--baseline TREE] [--profile FILE] [--json FILE]
 
 One ``tessera proxy`` process (its own, so that its CPU time can be read from ``/proc``) serves ``--workers``
 scripted prefill and as many scripted decode workers (``tests/scripted_worker.py``: the real wire protocol, no
-model; a decode worker emits one token per request every ``--token-interval-s``, each in a message of its own,
-where a real decode worker sends one message per engine step for all its requests: the scripted ones cost the
-proxy more receiving than real ones would). ``--streams`` closed-loop clients stream chat completions of ``--tokens``
-tokens each. Over ``--seconds`` after a warm-up, the proxy's user + system CPU time is divided by the requests
-completed and by the tokens streamed (counted from each response's ``usage``, not from its SSE events).
+model; a decode worker runs a step every ``--token-interval-s`` and, as a real one does, sends one message per
+step carrying a token for each of its requests). ``--streams`` closed-loop clients stream chat completions of
+``--tokens`` tokens each. Over ``--seconds`` after a warm-up, the proxy's user + system CPU time is divided by the
+requests completed and by the tokens streamed (counted from each response's ``usage``, not from its SSE events).
+
+``--baseline TREE`` measures the proxy of another checkout first (e.g. ``git worktree add /tmp/base <rev>``), in
+the same run against the same workers and clients, and reports this tree's cost as a ratio of it. The proxy
+runs from its tree with ``PYTHONPATH=<tree>``.
 
 ``--profile FILE`` samples the proxy with py-spy (``pip install py-spy``; 100 samples a second, native frames
 off) over the measured window, writes the collapsed stacks to FILE and prints the functions that hold the most
@@ -31,7 +34,7 @@ from pathlib import Path
 import httpx
 import msgspec
 
-from bench.arch_compare import cpu_seconds
+from bench.arch_compare import cpu_seconds, tree_env
 from common.cli.local_cluster import free_port
 from common.protocol.wire import StepCostModel
 from common.storage.model_store import resolve_model
@@ -47,13 +50,16 @@ def script(tokenizer: Tokenizer, length: int) -> list[tuple[int, str]]:
     return [(token, tokenizer.decode(ids[: i + 1])) for i, token in enumerate(ids)]
 
 
-def start_proxy(port: int, worker_port: int, model_dir: Path) -> subprocess.Popen:
+def start_proxy(port: int, worker_port: int, model_dir: Path, tree: Path | None = None,
+                extra: list[str] = ()) -> subprocess.Popen:
     settings = {"port": port, "worker_bind": f"tcp://127.0.0.1:{worker_port}", "model": model_dir,
                 "heartbeat_timeout_s": 30, "first_token_timeout_s": 120, "token_timeout_s": 120,
                 "max_tokens_limit": 4096, "queue_timeout_s": 300}
     args = [arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")]
+    args += [arg for setting in extra for arg in ("--set", setting)]
+    source = {} if tree is None else {"env": tree_env(tree), "cwd": tree}
     return subprocess.Popen([sys.executable, "-m", "common.cli.main", "proxy", *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **source)
 
 
 def start_workers(endpoint: str, count: int, lines: list, interval_s: float) -> list:
@@ -103,7 +109,7 @@ async def drive(url: str, streams: int, tokens: int, seconds: float, warmup_s: f
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as http:
         tasks = [asyncio.create_task(client(i, http)) for i in range(streams)]
         await asyncio.sleep(warmup_s)
-        measuring, started, cpu_before = True, time.monotonic(), cpu_seconds(pid)
+        measuring, started, cpu_before, sys_before = True, time.monotonic(), cpu_seconds(pid), system_seconds(pid)
         sampler = None
         if profile is not None:
             spy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
@@ -117,6 +123,7 @@ async def drive(url: str, streams: int, tokens: int, seconds: float, warmup_s: f
         if sampler is not None:
             await sampler.wait()
         measuring, elapsed, cpu = False, time.monotonic() - started, cpu_seconds(pid) - cpu_before
+        system = system_seconds(pid) - sys_before
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -124,8 +131,13 @@ async def drive(url: str, streams: int, tokens: int, seconds: float, warmup_s: f
     return {"requests": window["requests"], "tokens": window["tokens"], "errors": window["errors"],
             "seconds": round(elapsed, 1), "req_per_s": round(window["requests"] / elapsed, 1),
             "tokens_per_s": round(window["tokens"] / elapsed), "proxy_cpu_s": round(cpu, 2),
-            "proxy_cores": round(cpu / elapsed, 2), "cpu_ms_per_request": round(1e3 * cpu / done, 2),
+            "proxy_cores": round(cpu / elapsed, 2), "proxy_system_share": round(system / max(cpu, 1e-9), 2), "cpu_ms_per_request": round(1e3 * cpu / done, 2),
             "cpu_us_per_token": round(1e6 * cpu / max(window["tokens"], 1), 1)}
+
+
+def system_seconds(pid: int) -> float:
+    """The process's CPU time in the kernel (its socket writes and reads): ``stime`` from ``/proc``."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[12]) / os.sysconf("SC_CLK_TCK")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,13 +149,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--warmup-s", type=float, default=8.0)
     parser.add_argument("--workers", type=int, default=4, help="scripted prefill workers, and as many decode")
-    parser.add_argument("--profile", type=Path, help="run the proxy under cProfile, writing its stats here")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting of this tree's proxy (e.g. stream_interval_ms=40); repeatable")
+    parser.add_argument("--baseline", type=Path, help="another checkout whose proxy is measured first, as the base")
+    parser.add_argument("--profile", type=Path, help="sample this tree's proxy with py-spy, writing the stacks here")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     model_dir = resolve_model("embedded", "float32")
     lines = script(Tokenizer(model_dir), args.tokens)
+    runs = {}
+    if args.baseline is not None:
+        runs["baseline"] = measure(args, model_dir, lines, args.baseline.resolve(), None)
+        print(json.dumps({"baseline": runs["baseline"]}), flush=True)
+    runs["this"] = measure(args, model_dir, lines, None, args.profile)
+    result = {**runs["this"], "streams": args.streams, "tokens_per_request": args.tokens,
+              "token_interval_s": args.token_interval_s, "workers": 2 * args.workers, "profiled": bool(args.profile), "settings": args.set}
+    if "baseline" in runs:
+        base = runs["baseline"]
+        result["baseline"] = {**base, "tree": str(args.baseline)}
+        result["cpu_per_token_vs_baseline"] = round(result["cpu_us_per_token"] / base["cpu_us_per_token"], 3)
+        result["cpu_per_request_vs_baseline"] = round(result["cpu_ms_per_request"] / base["cpu_ms_per_request"], 3)
+    print(json.dumps(result), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    if args.profile:
+        print(profile_table(args.profile))
+    return 0
+
+
+def measure(args, model_dir: Path, lines: list, tree: Path | None, profile: Path | None) -> dict:
+    """One proxy (``tree``'s, or this checkout's) with its own workers and clients."""
     port, worker_port = free_port(), free_port()
-    proxy = start_proxy(port, worker_port, model_dir)
+    proxy = start_proxy(port, worker_port, model_dir, tree, args.set if tree is None else [])
     workers = []
     try:
         url = f"http://127.0.0.1:{port}"
@@ -159,13 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.3)
         workers = start_workers(f"tcp://127.0.0.1:{worker_port}", args.workers, lines, args.token_interval_s)
         time.sleep(2)  # heartbeats: the proxy has the workers' step model
-        result = asyncio.run(drive(url, args.streams, args.tokens, args.seconds, args.warmup_s, proxy.pid,
-                                   args.profile))
-        result.update(streams=args.streams, tokens_per_request=args.tokens, token_interval_s=args.token_interval_s,
-                      workers=2 * args.workers, profiled=bool(args.profile))
-        print(json.dumps(result), flush=True)
-        if args.json:
-            args.json.write_text(json.dumps(result, indent=1))
+        return asyncio.run(drive(url, args.streams, args.tokens, args.seconds, args.warmup_s, proxy.pid, profile))
     finally:
         proxy.send_signal(signal.SIGTERM)  # drains (the workers still answer) and exits
         try:
@@ -175,9 +206,6 @@ def main(argv: list[str] | None = None) -> int:
             proxy.wait(timeout=60)
         for worker in workers:
             worker.stop(goodbye=False)
-    if args.profile:
-        print(profile_table(args.profile))
-    return 0
 
 
 IDLE_TOP = "_worker (concurrent/futures/thread.py:81)"

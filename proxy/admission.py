@@ -357,9 +357,10 @@ class AdmissionController:
 
     def charge_output(self, tenant: str, num_tokens: int) -> None:
         self.counters.charge(tenant, output_tokens=num_tokens)
-        if self._metrics is not None:
-            self._metrics.tenant_service.labels(tenant).inc(num_tokens * self.counters.output_weight)
-            self._metrics.tenant_virtual_counter.labels(tenant).set(self.counters[tenant])
+        if self._metrics is not None:  # per step of each choice: the tenant's labelled children, looked up once
+            service, counter = self._metrics.tenant_charge(tenant)
+            service.inc(num_tokens * self.counters.output_weight)
+            counter.set(self.counters[tenant])
 
     def _move(self, item: Waiting, old: Stage | None, new: Stage | None) -> None:
         """Count it in ``new`` instead of ``old`` (None: not counted); a tenant is backlogged while it has a

@@ -48,7 +48,7 @@ from proxy.resumable import StreamStore
 from proxy.routing import PrefixAwareRouting, RoutingPolicy
 from proxy.served_models import ServedModels
 from proxy.token_text import TokenText
-from proxy.workers import WorkerLink
+from proxy.listener import WorkerLink
 
 
 def _tessera_version() -> str:

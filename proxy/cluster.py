@@ -7,7 +7,7 @@ Request life cycle, as queues and hops (one sub-request per choice):
         Register/Heartbeat/Goodbye --> registry (+ RegisterAck, Peers; Reregister to an unknown heartbeat),
             in proxy/membership.py, the cluster's base class
         PrefillDone/KVPulled/RequestFailed, and each TokenDelta of a step's TokenDeltas --> that SubRequest
-    SubRequest --events--> RequestGroup queue --> HTTP handler (stream or collect)
+    SubRequest --events--> RequestGroup's EventSink (proxy/streaming.py) --> HTTP handler (stream or collect)
 
 Everything here runs in the event loop and never awaits a socket: sending is ``outbox(worker_id, msg)``, which
 only queues for the link's sender task. A message for a request that is no longer here (or for an earlier attempt
@@ -16,7 +16,6 @@ TokenDelta gets Abort, a KVPulled releases the source's pages.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -36,7 +35,8 @@ from proxy.membership import WorkerMembership
 from proxy.metrics import ProxyMetrics
 from proxy.model_loading import ModelLoader
 from proxy.workers import WorkerRegistry
-from proxy.requests import RequestGroup, Sends, SlotForecast, SubRequest
+from proxy.requests import Sends, SlotForecast, SubRequest
+from proxy.streaming import EventSink, RequestGroup
 from proxy.routing import RoutingPolicy
 from proxy.slo import SloControls
 from proxy.tac import AdaptiveController
@@ -192,7 +192,7 @@ class Cluster(WorkerMembership):
             log.info("request %s prompt token ids: %s", request_id, prompts)
         self.admission.check_room(tenant, len(prompts) * params.n)
         forecast_s = self.slo.reject_early(tenant, max(map(len, prompts)), self.tac) if self.slo.forecast else None
-        sink: asyncio.Queue = asyncio.Queue()
+        sink = EventSink()
         now = self._clock()
         client_deadline = None if timeout_s is None else now + timeout_s
         queue_deadline = min(now + self.config.queue_timeout_s, client_deadline or float("inf"))
@@ -377,8 +377,10 @@ class Cluster(WorkerMembership):
             running_after = running_after or delta.finish_reason is None
             sub = self._sub(delta.request_id)
             with request_scope(delta.request_id, sub.tenant if sub is not None else None):
-                try:
-                    if self._apply(sub, lambda: sub.on_token_delta(delta, sender, now)):
+                try:  # _apply, inlined: this runs for every token
+                    before = sub.stage if sub is not None else None
+                    if sub is not None and (sends := sub.on_token_delta(delta, sender, now)) is not None:
+                        self._act(sub, before, sends)
                         continue
                 except Exception:  # a bug on one request must not cost the step's other requests their tokens
                     log.exception("error handling the tokens of request %s from worker %r", delta.request_id, sender)

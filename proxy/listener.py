@@ -1,4 +1,5 @@
-"""The proxy's HTTP listener: TLS, connection limits and timeouts, all from ProxyConfig.
+"""The proxy's listeners: HTTP for clients (TLS, connection limits and timeouts, all from ProxyConfig), and the
+ROUTER socket the workers connect to (``WorkerLink``, at the end).
 
 ``listener_config`` builds the uvicorn settings every way of running the proxy
 uses (``tessera proxy`` and the tests):
@@ -8,11 +9,15 @@ uses (``tessera proxy`` and the tests):
 - ``max_connections``: uvicorn's ``limit_concurrency``; a request arriving
   with that many connections (or requests) open gets 503.
 - ``keep_alive_timeout_s``: an idle keep-alive connection is closed.
-- ``request_header_timeout_s``: ``HeaderTimeoutH11Protocol`` closes a
+- ``request_header_timeout_s``: ``HeaderTimeoutProtocol`` closes a
   connection that has not delivered a complete request head in time, from
   its first byte (a new connection: from its opening). uvicorn has no such
   timeout of its own, so a client sending headers a byte at a time
   (slowloris) would hold a connection forever.
+
+HTTP is parsed by uvicorn's httptools protocol (llhttp, in C): writing a
+streamed token's chunk through it costs a fraction of what its h11 protocol
+(pure Python) costs (docs/benchmarks.md, "Issue 17").
 - ``request_body_timeout_s``: ``BodyDeadline`` answers 408 when the body has
   not arrived whole that long after the headers. Any response sent before
   the body was read whole (408, 413) closes the connection, since the rest of
@@ -22,18 +27,26 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import ssl
+from collections.abc import Callable
 
-import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
+import zmq
+import zmq.asyncio
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from zmq.utils.monitor import parse_monitor_message
 
 from common.config.roles import ProxyConfig
+from common.protocol.wire import PROTOCOL_VERSION, encode
+from common.runtime.zmq_security import CurveServer, apply_curve_server, start_authenticator
 from proxy.errors import ApiError
 
+log = logging.getLogger("tessera.proxy")
 
-class HeaderTimeoutH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, closing connections whose request head is not complete in time."""
+
+class HeaderTimeoutProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, closing connections whose request head is not complete in time."""
 
     def __init__(self, *args, header_timeout_s: float, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -44,13 +57,14 @@ class HeaderTimeoutH11Protocol(H11Protocol):
         super().connection_made(transport)
         self._arm_header_timer()
 
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self.conn.their_state is h11.IDLE:  # still waiting for (the rest of) a request head
-            if self._header_timer is None:
-                self._arm_header_timer()
-        else:
-            self._disarm_header_timer()
+    def on_message_begin(self) -> None:  # the first byte of a request
+        super().on_message_begin()
+        if self._header_timer is None:
+            self._arm_header_timer()
+
+    def on_headers_complete(self) -> None:
+        self._disarm_header_timer()
+        super().on_headers_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
@@ -66,14 +80,22 @@ class HeaderTimeoutH11Protocol(H11Protocol):
 
     def _on_header_timeout(self) -> None:
         self._header_timer = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+        if not self.transport.is_closing():
             self.logger.warning("closed a connection from %s: no complete request head within "
                                 "request_header_timeout_s=%ss", self.client, self._header_timeout_s)
             self.transport.close()
 
 
+# the scope key under which BodyDeadline, the outermost of the app's own middleware, leaves the send it was given
+RAW_SEND = "tessera.send"
+
+
 class BodyDeadline:
-    """ASGI middleware: the request body must arrive whole within ``timeout_s`` of the headers, else 408."""
+    """ASGI middleware: the request body must arrive whole within ``timeout_s`` of the headers, else 408.
+
+    It also leaves the ``send`` it was given in the scope (``RAW_SEND``): a streamed response sends its start
+    through every layer, which may change it (this one adds ``connection: close``), and its body chunks, which
+    no layer changes, straight to that ``send``, one coroutine a chunk rather than five."""
 
     def __init__(self, app, timeout_s: float) -> None:
         self.app = app
@@ -83,6 +105,7 @@ class BodyDeadline:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope[RAW_SEND] = send  # the stream's body chunks skip the layers below (EventStreamResponse)
         deadline = asyncio.get_running_loop().time() + self.timeout_s
         headers = dict(scope["headers"])
         body_complete = b"transfer-encoding" not in headers and headers.get(b"content-length", b"0") == b"0"
@@ -116,10 +139,192 @@ def listener_config(app, config: ProxyConfig, **settings) -> uvicorn.Config:
         tls = {"ssl_certfile": config.tls_cert_file, "ssl_keyfile": config.tls_key_file}
         if config.tls_ca_file:
             tls |= {"ssl_ca_certs": config.tls_ca_file, "ssl_cert_reqs": ssl.CERT_REQUIRED}
-    protocol = functools.partial(HeaderTimeoutH11Protocol, header_timeout_s=config.request_header_timeout_s)
+    protocol = functools.partial(HeaderTimeoutProtocol, header_timeout_s=config.request_header_timeout_s)
     options = {"host": config.host, "port": config.port, "http": protocol,
                "limit_concurrency": config.max_connections, "timeout_keep_alive": config.keep_alive_timeout_s,
                # a /v1/stream message larger than this closes its socket (1009); smaller ones are checked
                # against max_prompt_bytes with an error frame (proxy/websocket_api.py)
                "ws_max_size": config.max_prompt_bytes + 65536, **tls}
     return uvicorn.Config(app, **{**options, **settings})
+
+
+class WorkerLink:
+    """The proxy's ROUTER: frames in to ``on_frames``, messages out (at once when the socket takes them, else
+    through an outbox, in order), and a worker's closed connection to ``on_disconnect``. A send not taken within
+    ``heartbeat_timeout_s`` is dropped and logged (one slow worker must not stall the rest). CURVE, when
+    configured, lets in only the authorized worker keys (``common.runtime.zmq_security``).
+
+    A killed process's connection closes, and ZeroMQ's socket monitor reports the closed descriptor
+    (``EVENT_DISCONNECTED``); each message's ``SRCFD`` says which worker spoke on it. The monitor is read before
+    each batch of messages (the I/O thread queues a connection's events before anything sent on it), and a close
+    is acted on once the messages queued with it are handled, so a Goodbye sent before it still counts. A
+    descriptor reused by a new connection (``EVENT_ACCEPTED`` since) that the same worker spoke on is left to
+    the heartbeat timeout, as is a worker alive but hung."""
+
+    def __init__(self, bind: str, on_frames: Callable[[bytes, list[bytes]], None], send_timeout_s: float,
+                 curve: CurveServer | None = None, on_disconnect: Callable[[bytes], None] | None = None) -> None:
+        self._bind = bind
+        self._on_disconnect = on_disconnect
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._fd_identity: dict[int, bytes] = {}  # a connection's descriptor -> the worker that sent on it
+        self._identity_fd: dict[bytes, int] = {}  # a worker -> the descriptor it sent on last
+        self._curve = curve
+        self._authenticator = None
+        self._on_frames = on_frames
+        self._send_timeout_s = send_timeout_s
+        self._outbox: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
+        self._context: zmq.asyncio.Context | None = None
+        self._socket: zmq.asyncio.Socket | None = None
+        self._sync: zmq.Socket | None = None  # the same socket, for reads and sends that do not wait (no future)
+        self._sending = False  # the sender task waits for the socket: later messages queue behind it
+        self._tasks: list[asyncio.Task] = []
+        self.endpoint = ""  # the address actually bound (a "*" port resolved)
+
+    def send(self, worker_id: str, msg, version: int = PROTOCOL_VERSION) -> None:
+        """Send at once when nothing waits before it and the socket takes it; else queue it for the sender task."""
+        if self._sync is None or self._sending or not self._outbox.empty() or not self._send_now(worker_id, msg,
+                                                                                                 version):
+            self._outbox.put_nowait((worker_id, msg, version))
+
+    def _send_now(self, worker_id: str, msg, version: int) -> bool:
+        """A send that does not wait; False when the socket would block (the sender task then waits for it)."""
+        try:
+            self._sync.send_multipart([worker_id.encode(), *encode(msg, version)], zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        except Exception as exc:
+            _send_failed(worker_id, msg, exc)
+        return True
+
+    async def start(self) -> None:
+        self._context = zmq.asyncio.Context()
+        sock = self._context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a message to a peer not connected fails loudly (logged)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a worker restarted under the same id takes its identity over
+        sock.setsockopt(zmq.LINGER, int(self._send_timeout_s * 1000))
+        if self._curve is not None:
+            self._authenticator = start_authenticator(self._context, self._curve, "the proxy's worker link")
+            apply_curve_server(sock, self._curve.keys)
+        else:
+            log.warning("CURVE is off (curve_secret_key_file is empty): any process that reaches %s can "
+                        "register as a worker, and control traffic is unencrypted", self._bind)
+        try:
+            sock.bind(self._bind)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            self._stop_authenticator()
+            self._context.term()
+            raise RuntimeError(f"cannot bind worker_bind={self._bind!r}: {exc}") from exc
+        self._socket = sock
+        self._sync = zmq.Socket.shadow(sock.underlying)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        log.info("listening for workers on %s", self.endpoint)
+        self._tasks = [asyncio.create_task(self._receive(sock), name="worker-link-receive"),
+                       asyncio.create_task(self._send_loop(sock), name="worker-link-send")]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self._socket is not None:
+            while not self._outbox.empty():
+                await self._send_one(self._socket, *self._outbox.get_nowait())
+            self._socket.disable_monitor()
+            self._monitor.close(linger=0)
+            self._sync = None
+            self._socket.close()
+            self._socket = None
+        self._stop_authenticator()
+        if self._context is not None:
+            self._context.term()
+            self._context = None
+
+    def _stop_authenticator(self) -> None:
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
+
+    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        closed: list[tuple[bytes, int]] = []  # (worker, descriptor) whose connection closed, to act on
+        reaccepted: set[int] = set()  # descriptors accepted again since
+        spoke: set[bytes] = set()  # workers that sent something since
+        while True:
+            await poller.poll()
+            await self._read_monitor(closed, reaccepted)
+            drained = await self._read_messages(spoke if closed else None)
+            if closed and drained:  # the closed connections' last words (a Goodbye) are handled by now
+                for identity, fd in closed:
+                    if self._identity_fd.get(identity) != fd or (fd in reaccepted and identity in spoke):
+                        continue  # it spoke on another connection since, or maybe on a new one under that number
+                    del self._identity_fd[identity]
+                    self._fd_identity.pop(fd, None)
+                    try:
+                        self._on_disconnect(identity)
+                    except Exception:
+                        log.exception("error handling the disconnection of worker %r", identity)
+                closed.clear()
+                reaccepted.clear()
+                spoke.clear()
+
+    async def _read_messages(self, spoke: set[bytes] | None) -> bool:
+        """Hand a batch of queued messages on; True when none is left."""
+        for _ in range(256):
+            try:
+                frames = self._sync.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return True
+            identity = frames[0].bytes
+            fd = frames[-1].get(zmq.SRCFD)
+            if self._identity_fd.get(identity) != fd:
+                self._identity_fd[identity] = fd
+                self._fd_identity[fd] = identity
+            if spoke is not None:
+                spoke.add(identity)
+            try:
+                self._on_frames(identity, [f.bytes for f in frames[1:]])
+            except Exception:  # a bug handling one message must not stop the link
+                log.exception("error handling a message from worker %r", identity)
+        return False
+
+    async def _read_monitor(self, closed: list[tuple[bytes, int]], reaccepted: set[int]) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(await self._monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            fd = event["value"]
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                reaccepted.add(fd)
+            elif (identity := self._fd_identity.get(fd)) is not None and self._on_disconnect is not None:
+                closed.append((identity, fd))
+
+    async def _send_loop(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            await self._send_one(sock, *await self._outbox.get())
+
+    async def _send_one(self, sock: zmq.asyncio.Socket, worker_id: str, msg, version: int) -> None:
+        if self._send_now(worker_id, msg, version):
+            return
+        self._sending = True
+        try:
+            await asyncio.wait_for(sock.send_multipart([worker_id.encode(), *encode(msg, version)]),
+                                   self._send_timeout_s)
+        except TimeoutError:
+            log.warning("dropped %s to worker %r: not taken within heartbeat_timeout_s=%ss",
+                        type(msg).__name__, worker_id, self._send_timeout_s)
+        except Exception as exc:
+            _send_failed(worker_id, msg, exc)
+        finally:
+            self._sending = False
+
+
+def _send_failed(worker_id: str, msg, exc: Exception) -> None:
+    if isinstance(exc, zmq.ZMQError):
+        log.warning("could not send %s to worker %r: %s", type(msg).__name__, worker_id, exc)
+    else:  # a bug encoding one message must not stop the link
+        log.error("could not send %s to worker %r", type(msg).__name__, worker_id, exc_info=exc)

@@ -18,10 +18,14 @@ cache: the usage a tenant is metered by (``tenant_usage``, and
 """
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
@@ -29,6 +33,33 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 6
 _TRANSFER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class TokenHistogram:
+    """A histogram without labels observed per streamed token: plain counts and a sum, no lock (the proxy's event
+    loop is its one writer), exposed at scrape as a prometheus_client ``Histogram`` of the same buckets is.
+    prometheus_client's takes a lock per bucket and per sum and scans the buckets in Python."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], registry: CollectorRegistry) -> None:
+        self._name, self._documentation = name, documentation
+        self._bounds = list(buckets)
+        self._counts = [0] * (len(buckets) + 1)  # the last: above every bound (+Inf)
+        self._sum = 0.0
+        registry.register(self)
+
+    def observe(self, value: float, count: int = 1) -> None:
+        """``count`` observations of ``value``."""
+        self._counts[bisect.bisect_left(self._bounds, value)] += count
+        self._sum += value * count
+
+    def collect(self):
+        cumulative, buckets = 0, []
+        for bound, count in zip([*self._bounds, math.inf], self._counts):
+            cumulative += count
+            buckets.append((floatToGoString(bound), cumulative))
+        family = HistogramMetricFamily(self._name, self._documentation)
+        family.add_metric([], buckets, self._sum)
+        yield family
 
 
 @dataclass
@@ -62,8 +93,8 @@ class ProxyMetrics:
         self.tenant_tpot = Histogram("tessera_proxy_tenant_time_per_output_token_seconds",
                                      "Mean time per output token after the first, per choice, by tenant", ["tenant"],
                                      buckets=_TOKEN_BUCKETS, registry=r)
-        self.itl = Histogram("tessera_proxy_inter_token_latency_seconds",
-                             "Gap between consecutive output tokens", buckets=_TOKEN_BUCKETS, registry=r)
+        self.itl = TokenHistogram("tessera_proxy_inter_token_latency_seconds",
+                                  "Gap between consecutive output tokens", _TOKEN_BUCKETS, r)
         self.e2e = Histogram("tessera_proxy_e2e_request_latency_seconds",
                              "Arrival to last token, per choice", buckets=_E2E_BUCKETS, registry=r)
         self.queue_depth = Gauge("tessera_proxy_requests_waiting_first_token",
@@ -182,6 +213,16 @@ class ProxyMetrics:
                                        "Reconnections to a resumable stream (GET /v1/streams/{id})", registry=r)
         self.resume_buffer_bytes = Gauge("tessera_proxy_resume_buffer_bytes",
                                          "Bytes of events kept for resumable streams", registry=r)
+        self._tenant_charge: dict[str, tuple] = {}
+
+    def tenant_charge(self, tenant: str) -> tuple:
+        """``tenant``'s children of ``tenant_service`` and ``tenant_virtual_counter``, labelled once: admission
+        charges a tenant at every step of each of its choices."""
+        children = self._tenant_charge.get(tenant)
+        if children is None:
+            children = self._tenant_charge[tenant] = (self.tenant_service.labels(tenant),
+                                                      self.tenant_virtual_counter.labels(tenant))
+        return children
 
     def tenant_usage(self) -> dict[str, TenantUsage]:
         """Each tenant's usage since the process started, read back from the counters a choice adds to as it ends

@@ -26,10 +26,11 @@ then the running count for chunked uploads), then validates it against the
 request model, 400 naming the field. ``proxy.openapi`` declares the models
 in the OpenAPI document.
 
-Response bodies (completion and chat, whole or as stream chunks): one
-``ChoiceState`` per choice gathers the token events; a format object (one per
-endpoint) turns an event into a chunk's choice and a finished state into a
-response's choice; the envelope (id, object, created, model, usage) is shared.
+Response bodies (completion and chat, whole or as stream chunks) are built
+by ``proxy.chunks``. A stream is written a batch of events at a time: the
+chunks of every event that came since the last write go out in one write
+(``RequestGroup.batches``), so a reader that fell behind catches up at the
+cost of one.
 """
 
 from __future__ import annotations
@@ -42,133 +43,33 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from contextlib import aclosing
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from proxy.auth import tenant_from_body, tenant_from_header
 from proxy.errors import ApiError
+from proxy.listener import RAW_SEND
 from proxy.openapi import ChatCompletionResponse, CompletionResponse, error_responses, request_body
 from proxy.protocol import ChatCompletionRequest, CompletionRequest, read_model
-from proxy.requests import Event, FailureEvent, RequestGroup, TokenEvent
+from proxy.requests import Event, FailureEvent
 from proxy.resumable import RESUMABLE_HEADER, wants_resume
 from proxy.conversations import continue_turn
 from proxy.served_models import served_headers, session_of
+from proxy.streaming import (ChatFormat, ChoiceState, CompletionFormat, RequestGroup, StreamChunks, envelope,
+                             usage)
 from proxy.tenants import Tenant
 from proxy.tools import ToolCallFormat
-from proxy.token_text import TokenText, chat_logprobs, completion_logprobs
-
-
-@dataclass
-class ChoiceState:
-    index: int
-    prompt_index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float | None] = field(default_factory=list)
-    top_logprobs: list[list[list]] = field(default_factory=list)
-    text_offset: int = 0  # characters of the token strings so far (completions logprobs)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-
-    def add(self, event: TokenEvent, token_text: TokenText | None) -> None:
-        self.text += event.text
-        self.token_ids += event.token_ids
-        if token_text is not None:
-            self.text_offset += sum(len(token_text.text_of(t)) for t in event.token_ids)
-            self.logprobs += event.logprobs or [None] * len(event.token_ids)
-            self.top_logprobs += event.top_logprobs or [[] for _ in event.token_ids]
-        self.finish_reason = event.finish_reason or self.finish_reason
-        self.stop_reason = event.stop_reason if event.finish_reason else self.stop_reason
-        self.num_cached_tokens = max(self.num_cached_tokens, event.num_cached_tokens)
-
-
-class CompletionFormat:
-    id_prefix = "cmpl-"
-    object_name = "text_completion"
-    chunk_object = "text_completion"
-
-    def __init__(self, token_text: TokenText, wants_logprobs: bool) -> None:
-        self.logprob_text = token_text if wants_logprobs else None  # None: no logprobs in the response
-
-    def stream_prelude(self, num_choices: int) -> list[dict]:
-        return []
-
-    def chunk_choice(self, state: ChoiceState, event: TokenEvent) -> dict | None:
-        """The chunk for ``event`` (``state`` is the choice before it), or None when it adds nothing."""
-        if not event.text and event.finish_reason is None and (self.logprob_text is None or not event.token_ids):
-            return None
-        logprobs = None
-        if self.logprob_text is not None:
-            logprobs = completion_logprobs(self.logprob_text, event.token_ids, event.logprobs, event.top_logprobs,
-                                           state.text_offset)
-        return {"index": event.index, "text": event.text, "logprobs": logprobs,
-                "finish_reason": event.finish_reason, "stop_reason": event.stop_reason}
-
-    def final_choice(self, state: ChoiceState) -> dict:
-        logprobs = None
-        if self.logprob_text is not None:
-            logprobs = completion_logprobs(self.logprob_text, state.token_ids, state.logprobs, state.top_logprobs, 0)
-        return {"index": state.index, "text": state.text, "logprobs": logprobs,
-                "finish_reason": state.finish_reason, "stop_reason": state.stop_reason}
-
-
-class ChatFormat:
-    id_prefix = "chatcmpl-"
-    object_name = "chat.completion"
-    chunk_object = "chat.completion.chunk"
-
-    def __init__(self, token_text: TokenText, wants_logprobs: bool) -> None:
-        self.logprob_text = token_text if wants_logprobs else None
-
-    def stream_prelude(self, num_choices: int) -> list[dict]:
-        """OpenAI opens each choice's stream with the assistant role and empty content."""
-        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None} for i in range(num_choices)]
-
-    def chunk_choice(self, state: ChoiceState, event: TokenEvent) -> dict | None:
-        if not event.text and event.finish_reason is None and (self.logprob_text is None or not event.token_ids):
-            return None
-        return {"index": event.index, "delta": {"content": event.text} if event.text else {},
-                "logprobs": self._logprobs(event.token_ids, event.logprobs, event.top_logprobs),
-                "finish_reason": event.finish_reason, "stop_reason": event.stop_reason}
-
-    def final_choice(self, state: ChoiceState) -> dict:
-        return {"index": state.index, "message": {"role": "assistant", "content": state.text},
-                "logprobs": self._logprobs(state.token_ids, state.logprobs, state.top_logprobs),
-                "finish_reason": state.finish_reason, "stop_reason": state.stop_reason}
-
-    def _logprobs(self, token_ids, logprobs, top_logprobs) -> dict | None:
-        if self.logprob_text is None:
-            return None
-        return {"content": chat_logprobs(self.logprob_text, token_ids, logprobs, top_logprobs)}
-
-
-def usage(prompts: list[list[int]], choices: list[ChoiceState]) -> dict:
-    """Prompt tokens count once per prompt, however many choices sample it."""
-    prompt_tokens = sum(len(p) for p in prompts)
-    completion_tokens = sum(len(c.token_ids) for c in choices)
-    cached = [0] * len(prompts)
-    for choice in choices:
-        cached[choice.prompt_index] = max(cached[choice.prompt_index], choice.num_cached_tokens)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": sum(cached)}}
-
-
-def envelope(response_id: str, object_name: str, created: int, model: str, choices: list[dict],
-             usage_: dict | None = None, with_usage_field: bool = True) -> dict:
-    body = {"id": response_id, "object": object_name, "created": created, "model": model, "choices": choices}
-    if with_usage_field:
-        body["usage"] = usage_
-    return body
 
 
 log = logging.getLogger("tessera.proxy")
 router = APIRouter()
 TIMEOUT_HEADER = "x-request-timeout"  # seconds the client will wait for admission
+# A request body up to this size is tokenized in the event loop (its chat template and tokenizer take well under
+# a millisecond); a larger one in a thread. A thread hop costs the loop more CPU than a short prompt's tokenizing,
+# and the GIL's hand-offs delay it further (docs/benchmarks.md, "Issue 17").
+INLINE_TOKENIZE_BYTES = 8192
 
 
 _ERRORS = error_responses(400, 401, 404, 413, 429, 503, 504)
@@ -203,11 +104,10 @@ class _Generation:
     include_usage: bool
     served: dict[str, str]  # the response headers naming the model version that served it
     remember: Callable | None = None  # stores the completed turn of a session (proxy.conversations)
+    chunks: StreamChunks = dataclasses.field(init=False)
 
-    def chunk(self, choices: list[dict], usage_: dict | None = None) -> str:
-        body = envelope(self.response_id, self.fmt.chunk_object, self.created, self.model, choices, usage_,
-                        with_usage_field=self.include_usage)
-        return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    def __post_init__(self) -> None:
+        self.chunks = StreamChunks(self.response_id, self.created, self.model, self.fmt, self.include_usage)
 
 
 async def _serve(request: Request, request_model, format_cls, endpoint: str) -> Response:
@@ -231,29 +131,31 @@ async def _serve(request: Request, request_model, format_cls, endpoint: str) -> 
     if body.user:
         log.info("request %s from user %r", generation.response_id, body.user)
     watcher = DisconnectWatcher(request, group)
-    events = group.events()
     streaming = False  # once True, the stream owns the watcher and the group
     try:
         if body.stream:
-            first = await anext(events)
-            if not isinstance(first, FailureEvent) and resumable:
+            batches = group.batches()
+            first = await anext(batches)
+            if not isinstance(first[0], FailureEvent) and resumable:
                 streaming = True
                 watcher.stop()  # from here, a client that leaves only detaches from the stream
                 response = services.streams.start(
                     request, generation.response_id, tenant.name,
-                    lambda stream: sse_events(generation, group, first, events, watcher, metrics, endpoint,
+                    lambda stream: sse_events(generation, group, first, batches, watcher, metrics, endpoint,
                                               lambda: stream.expired),
                     group.cancel)
                 response.headers.update(generation.served)
                 return response
-            if not isinstance(first, FailureEvent):
+            if not isinstance(first[0], FailureEvent):
                 streaming = True
-                return StreamingResponse(sse_events(generation, group, first, events, watcher, metrics, endpoint,
-                                                    lambda: watcher.disconnected), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", **generation.served})
-            response, status = first.error.response(), str(first.error.status)
+                return EventStreamResponse(
+                    sse_events(generation, group, first, batches, watcher, metrics, endpoint,
+                               lambda: watcher.disconnected, coalesce=True,
+                               interval_s=services.config.stream_interval_ms / 1e3),
+                    headers={"Cache-Control": "no-cache", **generation.served})
+            response, status = first[0].error.response(), str(first[0].error.status)
         else:
-            response, status = await _collect(generation, events)
+            response, status = await _collect(generation, group.events())
     finally:
         if not streaming:  # also when this handler is cancelled
             watcher.stop()
@@ -289,7 +191,11 @@ async def admit(services, body, format_cls, tenant: Tenant, timeout_s: float | N
         body, ChatCompletionRequest) else None  # with a conversation store: what keeps the turn
     choice = services.models.choose(body.model, session)
     max_model_len = choice.max_model_len
-    prompts = await asyncio.to_thread(body.prompt_token_ids, choice.tokenizer)
+    size = headers.get("content-length") if headers is not None else None
+    if size is not None and size.isdigit() and int(size) <= INLINE_TOKENIZE_BYTES:
+        prompts = body.prompt_token_ids(choice.tokenizer)
+    else:
+        prompts = await asyncio.to_thread(body.prompt_token_ids, choice.tokenizer)
     longest = max(prompts, key=len)
     if len(longest) >= max_model_len:
         raise ApiError(400, f"the prompt has {len(longest)} tokens; this model's maximum context length is "
@@ -340,36 +246,84 @@ async def _collect(gen: _Generation, events: AsyncIterator[Event]) -> tuple[Resp
     return JSONResponse(body, headers=gen.served), "200"
 
 
-async def sse_events(gen: _Generation, group: RequestGroup, first: Event, events: AsyncIterator[Event],
-                  watcher: DisconnectWatcher, metrics, endpoint: str,
-                  client_left: Callable[[], bool]) -> AsyncIterator[str]:
-    """The response's server-sent events: to the client's connection, or into a resumable stream."""
+async def sse_events(gen: _Generation, group: RequestGroup, first: list[Event],
+                     batches: AsyncIterator[list[Event]], watcher: DisconnectWatcher, metrics, endpoint: str,
+                     client_left: Callable[[], bool], coalesce: bool = False,
+                     interval_s: float = 0.0) -> AsyncIterator[str]:
+    """The response's server-sent events, from the group's event batches (``first``, then ``batches``): to the
+    client's connection, or into a resumable stream. ``coalesce``: a batch's events as one piece of text (one
+    write), and at most one piece every ``interval_s`` (``stream_interval_ms``); otherwise one event a piece,
+    as a resumable stream numbers them."""
     status = "200"
+    chunks, choices, logprob_text = gen.chunks, gen.choices, gen.fmt.logprob_text
+    out: list[str] = []
     try:
-        prelude = gen.fmt.stream_prelude(len(gen.choices))
+        prelude = gen.fmt.stream_prelude(len(choices))
         if prelude:
-            yield gen.chunk(prelude)
-        event: Event | None = first
-        while event is not None and not isinstance(event, FailureEvent):
-            state = gen.choices[event.index]
-            choice = gen.fmt.chunk_choice(state, event)
-            state.add(event, gen.fmt.logprob_text)
-            if choice is not None:
-                yield gen.chunk([choice])
-            event = await anext(events, None)
-        if isinstance(event, FailureEvent):
+            out.append(chunks.chunk(prelude))
+        batch: list[Event] | None = first
+        failure: FailureEvent | None = None
+        while batch is not None:
+            for event in batch:
+                if isinstance(event, FailureEvent):
+                    failure = event
+                    break
+                state = choices[event.index]
+                text = chunks.event(state, event)
+                state.add(event, logprob_text)
+                if text is not None:
+                    out.append(text)
+            if failure is not None:
+                break
+            if out:
+                if coalesce:
+                    yield "".join(out) if len(out) > 1 else out[0]
+                    if interval_s and any(c.finish_reason is None for c in choices):  # the next interval's
+                        # tokens go out together
+                        await asyncio.sleep(interval_s)
+                else:
+                    for piece in out:
+                        yield piece
+                out = []
+            batch = await anext(batches, None)
+        if failure is not None:
             status = "stream_error"
             group.cancel("another choice failed")
-            yield f"data: {json.dumps(event.error.body())}\n\n"
+            out.append(f"data: {json.dumps(failure.error.body())}\n\n")
         elif gen.include_usage:
-            yield gen.chunk([], usage(gen.prompts, gen.choices))
+            out.append(chunks.chunk([], usage(gen.prompts, choices)))
         if gen.remember and status == "200":
-            await gen.remember(gen.choices)
-        yield "data: [DONE]\n\n"
+            await gen.remember(choices)
+        out.append("data: [DONE]\n\n")
+        if coalesce:
+            yield "".join(out)
+        else:
+            for piece in out:
+                yield piece
     finally:
         watcher.stop()
         group.cancel("the response stream closed")  # a no-op unless the client left early
         metrics.requests.labels(endpoint, "client_closed" if client_left() else status).inc()
+
+
+class EventStreamResponse(Response):
+    """A text/event-stream of ``content``'s pieces, one write each. Starlette's StreamingResponse also runs a
+    task per response listening for the client's disconnection; here the handler's ``DisconnectWatcher``
+    does that, and a stream cut short closes ``content`` at once."""
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], headers: dict[str, str]) -> None:
+        self.status_code = 200
+        self._content = content
+        self.init_headers(headers)
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        send = scope.get(RAW_SEND, send)  # proxy.listener.BodyDeadline
+        async with aclosing(self._content) as pieces:
+            async for piece in pieces:
+                await send({"type": "http.response.body", "body": piece.encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class DisconnectWatcher:

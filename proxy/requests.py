@@ -32,14 +32,13 @@ No sockets and no calls back into the cluster: every handler returns what
 the cluster must send (``Sends``), and the cluster reads the stage change
 (``stage`` before and after) to update admission and routing.
 
-``SlotForecast`` reads the choices decoding: how many end within one prefill.
+``SlotForecast`` reads the choices decoding: how many end within one prefill. The events a sub-request emits
+go to its group's ``proxy.streaming.EventSink``.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from common.config.roles import ProxyConfig
@@ -75,7 +74,7 @@ class SubRequest(RequestExits):
     trace: RequestTrace | None = None  # only while tracing is on
 
     def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams, seed: int,
-                 config: ProxyConfig, metrics: ProxyMetrics, tracing: NoTracing, sink: asyncio.Queue, now: float,
+                 config: ProxyConfig, metrics: ProxyMetrics, tracing: NoTracing, sink, now: float,
                  tenant: str = "default", lane: int = 0, cache_salt: int = 0) -> None:
         self.request_id = request_id
         self.tenant = tenant
@@ -269,9 +268,7 @@ class SubRequest(RequestExits):
                 metrics.ttft.observe(now - self.arrival)
                 metrics.tenant_ttft.labels(self.tenant).observe(now - self.arrival)
             elif self.output_ids:
-                gap = (now - self.last_token_at) / len(event.token_ids)
-                for _ in event.token_ids:
-                    metrics.itl.observe(gap)
+                metrics.itl.observe((now - self.last_token_at) / len(event.token_ids), len(event.token_ids))
             self.output_ids += event.token_ids
             self._generation_tokens.inc(len(event.token_ids))
             self.last_token_at = now
@@ -309,48 +306,6 @@ class SubRequest(RequestExits):
     def _release_kv(self) -> Sends:
         holder, self.kv_holder = self.kv_holder, None
         return [] if holder is None else [(holder, ReleaseKV(self.wire_id))]
-
-
-class RequestGroup:
-    """The sub-requests of one client request, merged back into one event stream.
-
-    ``owner`` (the cluster) acts for it: ``owner.check_deadline(sub, now)`` and ``owner.cancel(sub, reason)``
-    run the sub-request's handler and send what it returns.
-    """
-
-    def __init__(self, subs: list[SubRequest], sink: asyncio.Queue, owner, clock=time.monotonic) -> None:
-        self.subs = subs
-        self._sink = sink
-        self._owner = owner
-        self._clock = clock
-
-    async def events(self) -> AsyncIterator[Event]:
-        """Every sub-request's events, in arrival order, until each has sent its terminal one.
-
-        The wait is bounded by the earliest deadline of the live ones; a
-        sub-request past its deadline fails itself, which ends its stream.
-        """
-        live = {sub.index for sub in self.subs}
-        while live:
-            try:
-                event = self._sink.get_nowait()
-            except asyncio.QueueEmpty:
-                deadline = min((s.deadline for s in self.subs if not s.done), default=self._clock())
-                try:
-                    async with asyncio.timeout(max(deadline - self._clock(), 0.0)):
-                        event = await self._sink.get()
-                except TimeoutError:
-                    now = self._clock()
-                    for sub in self.subs:
-                        self._owner.check_deadline(sub, now)
-                    continue
-            if isinstance(event, FailureEvent) or event.finish_reason is not None:
-                live.discard(event.index)
-            yield event
-
-    def cancel(self, reason: str) -> None:
-        for sub in self.subs:
-            self._owner.cancel(sub, reason)
 
 
 # SlotForecast: each prefill's time weighs this much in the decayed mean of the recent ones

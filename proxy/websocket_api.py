@@ -39,7 +39,8 @@ from pydantic import ValidationError
 
 from proxy.auth import tenant_from_body, tenant_from_header
 from proxy.errors import ApiError, from_validation_error
-from proxy.openai_api import ChatFormat, CompletionFormat, admit, request_timeout, sse_events
+from proxy.streaming import ChatFormat, CompletionFormat
+from proxy.openai_api import admit, request_timeout, sse_events
 from proxy.protocol import ChatCompletionRequest, CompletionRequest
 from proxy.requests import FailureEvent
 
@@ -171,20 +172,20 @@ class StreamSocket:
             services.metrics.requests.labels(endpoint, str(error.status)).inc()
             raise
         self.groups[cid] = group
-        events = group.events()
-        first = await anext(events)
-        if isinstance(first, FailureEvent):
+        batches = group.batches()
+        first = await anext(batches)
+        if isinstance(first[0], FailureEvent):
             group.cancel("the request ended")
-            services.metrics.requests.labels(endpoint, str(first.error.status)).inc()
-            raise first.error
+            services.metrics.requests.labels(endpoint, str(first[0].error.status)).inc()
+            raise first[0].error
         if resumable:
             stream, reader = services.streams.open(
                 generation.response_id, tenant.name,
-                lambda s: sse_events(generation, group, first, events, _NO_WATCHER, services.metrics, endpoint,
+                lambda s: sse_events(generation, group, first, batches, _NO_WATCHER, services.metrics, endpoint,
                                   lambda: s.expired), group.cancel)
             await self._forward(cid, stream.read(reader, -1))
         else:
-            await self._forward(cid, sse_events(generation, group, first, events, _NO_WATCHER, services.metrics,
+            await self._forward(cid, sse_events(generation, group, first, batches, _NO_WATCHER, services.metrics,
                                              endpoint, lambda: self.closed))
 
     async def _resume(self, cid: str, message: dict) -> None:

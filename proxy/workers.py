@@ -13,24 +13,17 @@ Roles: ``prefill`` serves PrefillRequests; ``decode`` serves DecodeRequests (wit
 it prefills locally); ``both`` is an aggregated worker, decode-capable and counted as prefill-capable for
 readiness, but never sent a PrefillRequest.
 
-``WorkerLink`` (at the end) owns the proxy's ROUTER socket: two I/O tasks in the event loop.
+The ROUTER socket the messages come in on is ``proxy.listener.WorkerLink``'s.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import zmq
-import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
-
 from common.config.base import EngineConfig
-from common.protocol.wire import (PROTOCOL_VERSION, Goodbye, Heartbeat, KVLayoutInfo, PeerInfo, Peers, Register,
-                                  RegisterAck, Role, StepCostModel, encode)
-from common.runtime.zmq_security import CurveServer, apply_curve_server, start_authenticator
+from common.protocol.wire import (Goodbye, Heartbeat, KVLayoutInfo, PeerInfo, Peers, Register, RegisterAck, Role,
+                                  StepCostModel)
 from proxy.capacity import ASSUMED_CONTEXT, LAG_MIN_SAMPLES, START_CAPACITY, StepLag, latency_capacity, mean_context
 from proxy.registration import ClusterModel, Registration, refusal
 
@@ -236,160 +229,3 @@ class WorkerRegistry:
             if worker.worker_id != exclude and (worker.model, worker.model_version) == (model, version):
                 return ClusterModel(worker.model, worker.model_version, worker.kv_layout)
         return None
-
-
-class WorkerLink:
-    """The proxy's ROUTER: frames in to ``on_frames``, messages out from an outbox, and a worker's closed
-    connection to ``on_disconnect`` at once. A send that cannot complete within ``heartbeat_timeout_s`` is
-    dropped and logged (one slow worker must not stall the rest). CURVE, when configured, lets in only the
-    authorized worker keys (``common.runtime.zmq_security``).
-
-    A killed process's TCP connection closes, and ZeroMQ's socket monitor reports the closed descriptor
-    (``EVENT_DISCONNECTED``); each message's source descriptor (``SRCFD``) says which worker spoke on
-    it. The monitor is read before each batch of messages (ZeroMQ's I/O thread queues a connection's
-    events before anything sent on it), and a close is acted on once the messages queued with it are
-    handled, so a Goodbye sent before the close still counts as one. A descriptor number reused by a
-    new connection (``EVENT_ACCEPTED`` since) that the same worker spoke on is left to the heartbeat
-    timeout, as is a worker alive but hung: it keeps its connection.
-    """
-
-    def __init__(self, bind: str, on_frames: Callable[[bytes, list[bytes]], None], send_timeout_s: float,
-                 curve: CurveServer | None = None, on_disconnect: Callable[[bytes], None] | None = None) -> None:
-        self._bind = bind
-        self._on_disconnect = on_disconnect
-        self._monitor: zmq.asyncio.Socket | None = None
-        self._fd_identity: dict[int, bytes] = {}  # a connection's descriptor -> the worker that sent on it
-        self._identity_fd: dict[bytes, int] = {}  # a worker -> the descriptor it sent on last
-        self._curve = curve
-        self._authenticator = None
-        self._on_frames = on_frames
-        self._send_timeout_s = send_timeout_s
-        self._outbox: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
-        self._context: zmq.asyncio.Context | None = None
-        self._socket: zmq.asyncio.Socket | None = None
-        self._tasks: list[asyncio.Task] = []
-        self.endpoint = ""  # the address actually bound (a "*" port resolved)
-
-    def send(self, worker_id: str, msg, version: int = PROTOCOL_VERSION) -> None:
-        self._outbox.put_nowait((worker_id, msg, version))
-
-    async def start(self) -> None:
-        self._context = zmq.asyncio.Context()
-        sock = self._context.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a message to a peer not connected fails loudly (logged)
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a worker restarted under the same id takes its identity over
-        sock.setsockopt(zmq.LINGER, int(self._send_timeout_s * 1000))
-        if self._curve is not None:
-            self._authenticator = start_authenticator(self._context, self._curve, "the proxy's worker link")
-            apply_curve_server(sock, self._curve.keys)
-        else:
-            log.warning("CURVE is off (curve_secret_key_file is empty): any process that reaches %s can "
-                        "register as a worker, and control traffic is unencrypted", self._bind)
-        try:
-            sock.bind(self._bind)
-        except zmq.ZMQError as exc:
-            sock.close(linger=0)
-            self._stop_authenticator()
-            self._context.term()
-            raise RuntimeError(f"cannot bind worker_bind={self._bind!r}: {exc}") from exc
-        self._socket = sock
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
-        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        log.info("listening for workers on %s", self.endpoint)
-        self._tasks = [asyncio.create_task(self._receive(sock), name="worker-link-receive"),
-                       asyncio.create_task(self._send_loop(sock), name="worker-link-send")]
-
-    async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
-        if self._socket is not None:
-            while not self._outbox.empty():
-                await self._send_one(self._socket, *self._outbox.get_nowait())
-            self._socket.disable_monitor()
-            self._monitor.close(linger=0)
-            self._socket.close()
-            self._socket = None
-        self._stop_authenticator()
-        if self._context is not None:
-            self._context.term()
-            self._context = None
-
-    def _stop_authenticator(self) -> None:
-        if self._authenticator is not None:
-            self._authenticator.stop()
-            self._authenticator = None
-
-    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
-        poller = zmq.asyncio.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        closed: list[tuple[bytes, int]] = []  # (worker, descriptor) whose connection closed, to act on
-        reaccepted: set[int] = set()  # descriptors accepted again since
-        spoke: set[bytes] = set()  # workers that sent something since
-        while True:
-            await poller.poll()
-            await self._read_monitor(closed, reaccepted)
-            drained = await self._read_messages(sock, spoke if closed else None)
-            if closed and drained:  # the closed connections' last words (a Goodbye) are handled by now
-                for identity, fd in closed:
-                    if self._identity_fd.get(identity) != fd or (fd in reaccepted and identity in spoke):
-                        continue  # it spoke on another connection since, or maybe on a new one under that number
-                    del self._identity_fd[identity]
-                    self._fd_identity.pop(fd, None)
-                    try:
-                        self._on_disconnect(identity)
-                    except Exception:
-                        log.exception("error handling the disconnection of worker %r", identity)
-                closed.clear()
-                reaccepted.clear()
-                spoke.clear()
-
-    async def _read_messages(self, sock: zmq.asyncio.Socket, spoke: set[bytes] | None) -> bool:
-        """Hand a batch of queued messages on; True when none is left."""
-        for _ in range(256):
-            try:
-                frames = await sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return True
-            identity = frames[0].bytes
-            fd = frames[-1].get(zmq.SRCFD)
-            if self._identity_fd.get(identity) != fd:
-                self._identity_fd[identity] = fd
-                self._fd_identity[fd] = identity
-            if spoke is not None:
-                spoke.add(identity)
-            try:
-                self._on_frames(identity, [f.bytes for f in frames[1:]])
-            except Exception:  # a bug handling one message must not stop the link
-                log.exception("error handling a message from worker %r", identity)
-        return False
-
-    async def _read_monitor(self, closed: list[tuple[bytes, int]], reaccepted: set[int]) -> None:
-        while True:
-            try:
-                event = parse_monitor_message(await self._monitor.recv_multipart(zmq.NOBLOCK))
-            except zmq.Again:
-                return
-            fd = event["value"]
-            if event["event"] == zmq.EVENT_ACCEPTED:
-                reaccepted.add(fd)
-            elif (identity := self._fd_identity.get(fd)) is not None and self._on_disconnect is not None:
-                closed.append((identity, fd))
-
-    async def _send_loop(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            await self._send_one(sock, *await self._outbox.get())
-
-    async def _send_one(self, sock: zmq.asyncio.Socket, worker_id: str, msg, version: int) -> None:
-        try:
-            await asyncio.wait_for(sock.send_multipart([worker_id.encode(), *encode(msg, version)]),
-                                   self._send_timeout_s)
-        except zmq.ZMQError as exc:
-            log.warning("could not send %s to worker %r: %s", type(msg).__name__, worker_id, exc)
-        except TimeoutError:
-            log.warning("dropped %s to worker %r: not taken within heartbeat_timeout_s=%ss",
-                        type(msg).__name__, worker_id, self._send_timeout_s)
-        except Exception:  # a bug encoding one message must not stop the link
-            log.exception("could not send %s to worker %r", type(msg).__name__, worker_id)

@@ -13,11 +13,10 @@ context, so a test drives it from outside:
 - prefill: PrefillRequest -> PrefillDone(first scripted token, pages held
   until ReleaseKV or Abort), reporting ``cached_tokens`` of the prompt (at
   most all of it) as found in a prefix cache.
-- decode / both: DecodeRequest -> KVPulled when it names pages, then one
-  TokenDelta per remaining token every ``token_interval_s``, each in a TokenDeltas of its own (as if every
-  request ran its own step; tests that need several requests in one step send their TokenDeltas by hand);
-  the last has
-  finish_reason "length" when max_tokens ran out, else "stop". Abort stops it.
+- decode / both: DecodeRequest -> KVPulled when it names pages, then one token per step, a step every
+  ``token_interval_s`` (with 0, every turn of its loop). Like a real decode worker's, a step is one TokenDeltas
+  carrying one TokenDelta for each request decoding; the last has finish_reason "length" when max_tokens ran
+  out, else "stop". Abort stops it.
 - A resumed request (``output_token_ids``) continues the script after its output so far.
 - With logprobs asked for, token i gets logprob ``-(i + 1) / 10`` and k
   alternatives ``[token + j, logprob - j]``.
@@ -29,6 +28,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 import zmq
@@ -65,7 +65,8 @@ class FakeWorker:
         self.held_pages: set[str] = set()  # prefill: requests whose pages wait for ReleaseKV
         self._lock = threading.Condition()
         self._outgoing: queue.Queue[list[bytes]] = queue.Queue()
-        self._timers: list[tuple[float, str, object]] = []  # (due, request_id, message)
+        self._streams: dict[str, deque[TokenDelta]] = {}  # request id -> its tokens still to send, in order
+        self._next_step = 0.0  # when the next decode step is due
         self._stop = threading.Event()
         self._goodbye = True
         self._thread = threading.Thread(target=self._run, name=f"fake-worker-{worker_id}", daemon=True)
@@ -128,10 +129,11 @@ class FakeWorker:
                     next_heartbeat = now + self.heartbeat_interval_s
                 while not self._outgoing.empty():
                     sock.send_multipart(self._outgoing.get_nowait())
-                for due, request_id, delta in [t for t in self._timers if t[0] <= now]:
-                    self._timers.remove((due, request_id, delta))
-                    sock.send_multipart(encode(TokenDeltas([delta])))
-                if sock.poll(5):
+                if self._streams and now >= self._next_step:
+                    sock.send_multipart(encode(self._step()))
+                    self._next_step = max(self._next_step + self.token_interval_s, now)
+                wait_ms = 5 if not self._streams else max(0, min(5, int((self._next_step - now) * 1000)))
+                if sock.poll(wait_ms):
                     self._handle(decode(sock.recv_multipart()))
             if self._goodbye:
                 sock.send_multipart(encode(Goodbye(self.worker_id, self.epoch, "stopping")))
@@ -139,15 +141,21 @@ class FakeWorker:
             sock.close()
             context.term()
 
+    def _step(self) -> TokenDeltas:
+        """One decode step: the next token of every request decoding."""
+        deltas = [stream.popleft() for stream in self._streams.values()]
+        self._streams = {request_id: stream for request_id, stream in self._streams.items() if stream}
+        return TokenDeltas(deltas)
+
     def _heartbeat(self) -> Heartbeat:
         used = 2 * len(self.held_pages)
-        running = len({request_id for _, request_id, _ in self._timers})
+        running = len(self._streams)
         return Heartbeat(self.worker_id, self.epoch, self.register_msg.num_blocks - used, running, 0, 0,
                          self.draining, 100 * running, self.step_cost)
 
     def decoding(self) -> int:
         """Requests with tokens still to send."""
-        return len({request_id for _, request_id, _ in list(self._timers)})
+        return len(self._streams)
 
     def _handle(self, msg) -> None:
         with self._lock:
@@ -156,7 +164,7 @@ class FakeWorker:
         if isinstance(msg, (Abort, ReleaseKV)):
             self.held_pages.discard(msg.request_id)
             if isinstance(msg, Abort):
-                self._timers = [t for t in self._timers if t[1] != msg.request_id]
+                self._streams.pop(msg.request_id, None)
         elif self.stall:
             return
         elif isinstance(msg, PrefillRequest):
@@ -184,15 +192,18 @@ class FakeWorker:
             self.send(KVPulled(msg.request_id, msg.source_worker_id or "", True,
                                num_bytes=4096 * len(msg.source_block_ids), seconds=0.002))
         end = min(len(self.script), msg.params.max_tokens)
-        due = time.monotonic()
+        stream = deque()
         for i in range(start, end):
             token, text = self.script[i]
-            due += self.token_interval_s
             logprob, top = self._logprobs(msg.params, i, token)
             finish = self._finish_reason(msg.params, i + 1) if i == end - 1 else None
-            self._timers.append((due, msg.request_id, TokenDelta(
-                msg.request_id, [token], text, finish_reason=finish,
-                logprobs=None if logprob is None else [logprob], top_logprobs=None if top is None else [top])))
+            stream.append(TokenDelta(msg.request_id, [token], text, finish_reason=finish,
+                                     logprobs=None if logprob is None else [logprob],
+                                     top_logprobs=None if top is None else [top]))
+        if stream:
+            if not self._streams:  # an idle worker's first step is one interval away
+                self._next_step = max(self._next_step, time.monotonic() + self.token_interval_s)
+            self._streams[msg.request_id] = stream
 
     def _finish_reason(self, params, produced: int) -> str:
         return "length" if produced >= params.max_tokens and produced < len(self.script) else "stop"

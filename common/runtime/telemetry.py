@@ -38,7 +38,6 @@ import contextvars
 import json
 import logging
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -54,18 +53,24 @@ _request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("tesser
 _tenant: contextvars.ContextVar[str | None] = contextvars.ContextVar("tessera_tenant", default=None)
 
 
-@contextmanager
-def request_scope(request_id: str | None, tenant: str | None = None):
-    """Lines logged inside are about ``request_id`` (nothing changes when it is None)."""
-    if request_id is None:
-        yield
-        return
-    tokens = (_request_id.set(request_id), _tenant.set(tenant))
-    try:
-        yield
-    finally:
-        _tenant.reset(tokens[1])
-        _request_id.reset(tokens[0])
+class request_scope:  # noqa: N801 (used as a context manager, like contextlib's)
+    """Lines logged inside are about ``request_id`` (nothing changes when it is None). A class rather than a
+    generator: the proxy enters one per streamed token."""
+    __slots__ = ("_request_id", "_tenant", "_tokens")
+
+    def __init__(self, request_id: str | None, tenant: str | None = None) -> None:
+        self._request_id = request_id
+        self._tenant = tenant
+        self._tokens = None
+
+    def __enter__(self) -> None:
+        if self._request_id is not None:
+            self._tokens = (_request_id.set(self._request_id), _tenant.set(self._tenant))
+
+    def __exit__(self, *exc) -> None:
+        if self._tokens is not None:
+            _tenant.reset(self._tokens[1])
+            _request_id.reset(self._tokens[0])
 
 
 def bind_request(request_id: str, tenant: str | None = None) -> None:

@@ -31,7 +31,8 @@ from proxy.embeddings_api import embed
 from proxy.errors import ApiError, from_validation_error, invalid_value
 from proxy.grpc_api import tessera_pb2 as pb
 from proxy.grpc_api import tessera_pb2_grpc as rpc
-from proxy.openai_api import ChatFormat, CompletionFormat, admit, request_timeout, usage
+from proxy.streaming import ChatFormat, CompletionFormat, usage
+from proxy.openai_api import admit, request_timeout
 from proxy.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
                             TokenizeRequest, check_token_ids)
 from proxy.requests import FailureEvent

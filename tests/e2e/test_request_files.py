@@ -23,7 +23,11 @@ from common.cli.local_cluster import LocalCluster
 # holds the ground gained: a change that spreads a request over more files fails here.
 # 26 since issue 15: which model version serves a request is a concept of its own
 # (proxy/served_models.py), asked once per request.
-FILE_BUDGET = 26
+# 28 since issue 17: a streamed token's path was cut to what it must cost, which took two files of their own:
+# the response stream (proxy/streaming.py: the group's batches, the chunk templates and the formats, out of
+# openai_api.py, which had no room left) and the per-token metrics the proxy aggregates itself rather than
+# through prometheus_client's locks (proxy/metrics.py).
+FILE_BUDGET = 28
 MODEL = "tiny"
 
 

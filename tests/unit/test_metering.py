@@ -16,13 +16,14 @@ from common.runtime.tracing import NoTracing
 from proxy.metering import MeteringLog, check_path, records
 from proxy.metrics import ProxyMetrics, TenantUsage
 from proxy.requests import SubRequest
+from proxy.streaming import EventSink
 
 CONFIG = ProxyConfig(max_migrations=0)
 
 
 def sub_request(metrics: ProxyMetrics, tenant: str, prompt_len: int = 10) -> SubRequest:
     return SubRequest(f"cmpl-{tenant}", 0, list(range(prompt_len)), SamplingParams(max_tokens=8), 1, CONFIG,
-                      metrics, NoTracing(), asyncio.Queue(), now=0.0, tenant=tenant)
+                      metrics, NoTracing(), EventSink(), now=0.0, tenant=tenant)
 
 
 def ended(metrics: ProxyMetrics, tenant: str, status: str, prompt: int, cached: int, generated: int) -> None:

@@ -9,7 +9,7 @@ import pytest
 from common.storage.model_store import resolve_model
 from common.text.tokenizer import Tokenizer
 from proxy.errors import ApiError
-from proxy.openai_api import ChatFormat, ChoiceState
+from proxy.streaming import ChatFormat, ChoiceState
 from proxy.protocol import ChatCompletionRequest, chat_prompt_ids
 from proxy.requests import TokenEvent
 from proxy.tools import ToolCallFormat
