@@ -28,6 +28,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -62,6 +63,18 @@ def start_proxy(port: int, worker_port: int, model_dir: Path, tree: Path | None 
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **source)
 
 
+def serve_workers(endpoint: str, count: int, lines: list, interval_s: float) -> int:
+    """The scripted workers, in a process of their own (the clients' would hold their steps back), until SIGTERM."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    workers = start_workers(endpoint, count, lines, interval_s)
+    print("ready", flush=True)
+    stop.wait()
+    for worker in workers:
+        worker.stop(goodbye=False)
+    return 0
+
+
 def start_workers(endpoint: str, count: int, lines: list, interval_s: float) -> list:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.scripted_worker import FakeWorker  # the project's wire-level test double
@@ -77,62 +90,108 @@ def start_workers(endpoint: str, count: int, lines: list, interval_s: float) -> 
     return workers
 
 
+class StreamClient:
+    """One closed-loop client on a keep-alive connection of its own, speaking just enough HTTP/1.1 to stream:
+    httpx's line parsing cost the shared cores more than the proxy under test did, and held the scripted
+    workers' steps back."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def stream(self, body: bytes) -> tuple[dict | None, str]:
+        """(the usage chunk's usage, or None, and why not)."""
+        if self.writer is None or self.writer.is_closing():
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        self.writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200"):
+            self.writer.close()  # the error body is not read: a new connection for the next request
+            self.writer = None
+            return None, head.split(b"\r\n", 1)[0].decode()
+        tail = b""  # the end of the body so far: the usage chunk and [DONE] come last
+        while True:
+            size = int((await self.reader.readuntil(b"\r\n"))[:-2], 16)
+            data = await self.reader.readexactly(size + 2)
+            if size == 0:
+                break
+            tail = (tail + data[:-2])[-4096:]
+        for event in reversed(tail.split(b"\n\n")):
+            if event.startswith(b'data: {"id"') and b'"usage":{' in event:
+                return json.loads(event[6:])["usage"], ""
+            if event.startswith(b"data: {"):
+                return None, event[6:200].decode(errors="replace")
+        return None, "no usage chunk"
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
 async def drive(url: str, streams: int, tokens: int, seconds: float, warmup_s: float, pid: int,
                 profile: Path | None = None) -> dict:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
     body = {"model": MODEL, "max_tokens": tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     window = {"requests": 0, "tokens": 0, "errors": 0}
+    reasons: list[str] = []  # the first errors' reasons
     measuring = False
     stop_at = time.monotonic() + warmup_s + seconds
 
-    async def client(i: int, http: httpx.AsyncClient) -> None:
-        n = 0
-        while time.monotonic() < stop_at:
-            n += 1
-            messages = [{"role": "user", "content": f"Stream {i}, request {n}: tell me a story."}]
-            usage = None
-            try:
-                async with http.stream("POST", "/v1/chat/completions", json={**body, "messages": messages}) as r:
-                    async for line in r.aiter_lines():
-                        if line.startswith('data: {"id"') and '"usage":{' in line:
-                            usage = json.loads(line[6:])["usage"]
-            except httpx.HTTPError:
-                usage = None
-            if measuring:
-                if usage is None:
-                    window["errors"] += 1
-                else:
-                    window["requests"] += 1
-                    window["tokens"] += usage["completion_tokens"]
+    async def client(i: int) -> None:
+        connection, n = StreamClient(host, int(port)), 0
+        try:
+            while time.monotonic() < stop_at:
+                n += 1
+                messages = [{"role": "user", "content": f"Stream {i}, request {n}: tell me a story."}]
+                try:
+                    usage, why = await connection.stream(json.dumps({**body, "messages": messages}).encode())
+                except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+                    usage, why = None, repr(exc)
+                    connection.close()
+                    connection = StreamClient(host, int(port))
+                if measuring:
+                    if usage is None:
+                        window["errors"] += 1
+                        if len(reasons) < 5:
+                            reasons.append(why)
+                    else:
+                        window["requests"] += 1
+                        window["tokens"] += usage["completion_tokens"]
+        finally:
+            connection.close()
 
-    limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as http:
-        tasks = [asyncio.create_task(client(i, http)) for i in range(streams)]
-        await asyncio.sleep(warmup_s)
-        measuring, started, cpu_before, sys_before = True, time.monotonic(), cpu_seconds(pid), system_seconds(pid)
-        sampler = None
-        if profile is not None:
-            spy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
-            if spy is None:
-                raise SystemExit("--profile needs py-spy: pip install py-spy")
-            sampler = await asyncio.create_subprocess_exec(
-                spy, "record", "--pid", str(pid), "--rate", "100", "--format", "raw", "--output",
-                str(profile), "--duration", str(int(seconds)), stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.DEVNULL)
-        await asyncio.sleep(seconds)
-        if sampler is not None:
-            await sampler.wait()
-        measuring, elapsed, cpu = False, time.monotonic() - started, cpu_seconds(pid) - cpu_before
-        system = system_seconds(pid) - sys_before
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    tasks = [asyncio.create_task(client(i)) for i in range(streams)]
+    await asyncio.sleep(warmup_s)
+    measuring, started = True, time.monotonic()
+    cpu_before, sys_before = cpu_seconds(pid), system_seconds(pid)
+    sampler = None
+    if profile is not None:
+        spy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+        if spy is None:
+            raise SystemExit("--profile needs py-spy: pip install py-spy")
+        sampler = await asyncio.create_subprocess_exec(
+            spy, "record", "--pid", str(pid), "--rate", "400", "--gil", *(["--native"] if os.environ.get("PROXY_COST_NATIVE") else []), "--format", "raw", "--output",
+            str(profile), "--duration", str(int(seconds)), stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL)
+    await asyncio.sleep(seconds)
+    if sampler is not None:
+        await sampler.wait()
+    measuring, elapsed = False, time.monotonic() - started
+    cpu, system = cpu_seconds(pid) - cpu_before, system_seconds(pid) - sys_before
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
     done = max(window["requests"], 1)
     return {"requests": window["requests"], "tokens": window["tokens"], "errors": window["errors"],
             "seconds": round(elapsed, 1), "req_per_s": round(window["requests"] / elapsed, 1),
-            "tokens_per_s": round(window["tokens"] / elapsed), "proxy_cpu_s": round(cpu, 2),
-            "proxy_cores": round(cpu / elapsed, 2), "proxy_system_share": round(system / max(cpu, 1e-9), 2), "cpu_ms_per_request": round(1e3 * cpu / done, 2),
-            "cpu_us_per_token": round(1e6 * cpu / max(window["tokens"], 1), 1)}
+            "tokens_per_s": round(window["tokens"] / elapsed),
+            "stream_tokens_per_s": round(window["tokens"] / elapsed / streams, 1),
+            "proxy_cpu_s": round(cpu, 2), "proxy_cores": round(cpu / elapsed, 2),
+            "proxy_system_share": round(system / max(cpu, 1e-9), 2), "cpu_ms_per_request": round(1e3 * cpu / done, 2),
+            "cpu_us_per_token": round(1e6 * cpu / max(window["tokens"], 1), 1), "error_reasons": reasons}
 
 
 def system_seconds(pid: int) -> float:
@@ -150,20 +209,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-s", type=float, default=8.0)
     parser.add_argument("--workers", type=int, default=4, help="scripted prefill workers, and as many decode")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a setting of this tree's proxy (e.g. stream_interval_ms=40); repeatable")
+                        help="a setting of this tree's proxy (e.g. access_log=false); repeatable")
     parser.add_argument("--baseline", type=Path, help="another checkout whose proxy is measured first, as the base")
     parser.add_argument("--profile", type=Path, help="sample this tree's proxy with py-spy, writing the stacks here")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--serve-workers", metavar="ENDPOINT", help=argparse.SUPPRESS)  # the workers' process
     args = parser.parse_args(argv)
     model_dir = resolve_model("embedded", "float32")
     lines = script(Tokenizer(model_dir), args.tokens)
+    if args.serve_workers:
+        return serve_workers(args.serve_workers, args.workers, lines, args.token_interval_s)
     runs = {}
     if args.baseline is not None:
         runs["baseline"] = measure(args, model_dir, lines, args.baseline.resolve(), None)
         print(json.dumps({"baseline": runs["baseline"]}), flush=True)
     runs["this"] = measure(args, model_dir, lines, None, args.profile)
     result = {**runs["this"], "streams": args.streams, "tokens_per_request": args.tokens,
-              "token_interval_s": args.token_interval_s, "workers": 2 * args.workers, "profiled": bool(args.profile), "settings": args.set}
+              "token_interval_s": args.token_interval_s, "workers": 2 * args.workers, "profiled": bool(args.profile),
+              "settings": args.set}
     if "baseline" in runs:
         base = runs["baseline"]
         result["baseline"] = {**base, "tree": str(args.baseline)}
@@ -181,7 +244,7 @@ def measure(args, model_dir: Path, lines: list, tree: Path | None, profile: Path
     """One proxy (``tree``'s, or this checkout's) with its own workers and clients."""
     port, worker_port = free_port(), free_port()
     proxy = start_proxy(port, worker_port, model_dir, tree, args.set if tree is None else [])
-    workers = []
+    workers = None
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
@@ -194,7 +257,12 @@ def measure(args, model_dir: Path, lines: list, tree: Path | None, profile: Path
             if time.monotonic() > deadline or proxy.poll() is not None:
                 raise RuntimeError("the proxy did not start")
             time.sleep(0.3)
-        workers = start_workers(f"tcp://127.0.0.1:{worker_port}", args.workers, lines, args.token_interval_s)
+        workers = subprocess.Popen(
+            [sys.executable, "-m", "bench.proxy_cost", "--serve-workers", f"tcp://127.0.0.1:{worker_port}",
+             "--workers", str(args.workers), "--tokens", str(args.tokens), "--token-interval-s",
+             str(args.token_interval_s)], stdout=subprocess.PIPE, text=True)
+        if workers.stdout.readline().strip() != "ready":
+            raise RuntimeError("the scripted workers did not start")
         time.sleep(2)  # heartbeats: the proxy has the workers' step model
         return asyncio.run(drive(url, args.streams, args.tokens, args.seconds, args.warmup_s, proxy.pid, profile))
     finally:
@@ -204,8 +272,9 @@ def measure(args, model_dir: Path, lines: list, tree: Path | None, profile: Path
         except subprocess.TimeoutExpired:
             proxy.kill()
             proxy.wait(timeout=60)
-        for worker in workers:
-            worker.stop(goodbye=False)
+        if workers is not None:
+            workers.terminate()
+            workers.wait(timeout=60)
 
 
 IDLE_TOP = "_worker (concurrent/futures/thread.py:81)"

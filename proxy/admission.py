@@ -48,6 +48,7 @@ class ServiceCounters:
         self.output_weight = output_weight
         self._weights = weights
         self.values: dict[str, float] = defaultdict(float)
+        self.served: dict[str, float] = defaultdict(float)  # each tenant's weighted service, not divided by weight
 
     def __getitem__(self, tenant: str) -> float:
         return self.values.get(tenant, 0.0)
@@ -62,6 +63,7 @@ class ServiceCounters:
     def charge(self, tenant: str, input_tokens: int = 0, output_tokens: int = 0) -> float:
         """Add the service of ``input_tokens`` prompt and ``output_tokens`` generated tokens; the new counter."""
         cost = input_tokens * self.input_weight + output_tokens * self.output_weight
+        self.served[tenant] += cost
         self.values[tenant] += cost / self._weights.get(tenant, 1.0)
         return self.values[tenant]
 
@@ -195,6 +197,8 @@ class AdmissionController:
         self._latency_capped = latency_capped
         self._slots_freeing = slots_freeing  # decoding choices predicted to end within one prefill (SlotForecast)
         self._metrics = metrics
+        if metrics is not None:
+            metrics.tenant_service.counters = self.counters
         self._orders = itertools.count()
         self._items: dict[str, Waiting] = {}
         self.count: dict[Stage, Counter[str]] = {s: Counter() for s in LIVE}
@@ -338,8 +342,6 @@ class AdmissionController:
         item = self._items.get(request_id)
         if item is not None:
             self.counters.charge(item.tenant, input_tokens=item.input_tokens)
-            if self._metrics is not None and item.input_tokens:
-                self._metrics.tenant_service.labels(item.tenant).inc(item.input_tokens * self.counters.input_weight)
             self._update_gauges(item.tenant)
 
     def leave(self, request_id: str, stage: Stage) -> None:
@@ -356,11 +358,7 @@ class AdmissionController:
             self._left_at[item.tenant] = self._clock()
 
     def charge_output(self, tenant: str, num_tokens: int) -> None:
-        self.counters.charge(tenant, output_tokens=num_tokens)
-        if self._metrics is not None:  # per step of each choice: the tenant's labelled children, looked up once
-            service, counter = self._metrics.tenant_charge(tenant)
-            service.inc(num_tokens * self.counters.output_weight)
-            counter.set(self.counters[tenant])
+        self.counters.charge(tenant, output_tokens=num_tokens)  # the metrics read the counters (TenantService)
 
     def _move(self, item: Waiting, old: Stage | None, new: Stage | None) -> None:
         """Count it in ``new`` instead of ``old`` (None: not counted); a tenant is backlogged while it has a
@@ -397,4 +395,3 @@ class AdmissionController:
     def _update_gauges(self, tenant: str) -> None:
         if self._metrics is not None:
             self._metrics.tenant_waiting.labels(tenant).set(self.count[Stage.QUEUED][tenant])
-            self._metrics.tenant_virtual_counter.labels(tenant).set(self.counters[tenant])

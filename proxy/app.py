@@ -17,6 +17,7 @@ model promotions in ``admin_api``.
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -109,6 +110,9 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
                 from proxy.grpc_api.service import GrpcServer  # grpc loads only where the gRPC API is on
                 grpc_server = GrpcServer(services)
                 await grpc_server.start()
+            # what startup built lives as long as the process: the collector need not scan it again each time a
+            # full collection runs, which the objects of many streams in flight would otherwise make frequent
+            gc.freeze()
             yield
         finally:
             if grpc_server is not None:  # after the drain (which stopped it taking calls): what runs is cancelled

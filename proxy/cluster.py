@@ -75,6 +75,7 @@ class Cluster(WorkerMembership):
         self.embeddings = Embeddings(config, self.registry, self.send, self.peer_versions)  # no admission, no pages
         self.loader = ModelLoader(config, self.registry, self.send, metrics, self._involved, self.peer_versions, clock)
         self.draining = False
+        self._slots: int | None = None  # _decode_slots, during a _dispatch
         self._clock = clock
         self._outbox: Outbox | None = None
         self._handlers = {
@@ -153,7 +154,10 @@ class Cluster(WorkerMembership):
 
     def _decode_slots(self) -> int:
         """This proxy's share of the decode slots (at least one while there are any): as many as keep every
-        worker within the TPOT target while it applies (``_within_tpot``), else every slot."""
+        worker within the TPOT target while it applies (``_within_tpot``), else every slot. Worked out once per
+        ``_dispatch``, which asks for it at each admission."""
+        if self._slots is not None:
+            return self._slots
         slots = self.registry.decode_slots(within_tpot=self._within_tpot(),
                                            scale=self.tac.decode_scale if self.tac is not None else 1.0)
         return max(int(slots * self.config.decode_slot_share), 1) if slots else 0
@@ -219,9 +223,13 @@ class Cluster(WorkerMembership):
     def _dispatch(self) -> None:
         """Start what admission admits, one at a time, until it admits nothing more; with
         ``preempt_for_fairness``, then move decode slots between tenants once (``_preempt``)."""
-        self._admit()
-        if self.config.preempt_for_fairness and self.admission.total(Stage.READY) and self._preempt():
+        self._slots = self._decode_slots()
+        try:
             self._admit()
+            if self.config.preempt_for_fairness and self.admission.total(Stage.READY) and self._preempt():
+                self._admit()
+        finally:
+            self._slots = None
 
     def _admit(self) -> None:
         while (admit := self.admission.next_admission()) is not None:
@@ -339,19 +347,11 @@ class Cluster(WorkerMembership):
 
     def _on_request_message(self, sub: SubRequest | None, handler) -> bool:
         """Run ``handler`` (a sub-request's) and act on what it returns; False when it was not for ``sub``."""
-        if not self._apply(sub, handler):
-            return False
-        self._dispatch()  # what it freed or readied
-        return True
-
-    def _apply(self, sub: SubRequest | None, handler) -> bool:
-        if sub is None:
-            return False
-        before = sub.stage
-        sends = handler()
-        if sends is None:
+        before = sub.stage if sub is not None else None
+        if sub is None or (sends := handler()) is None:
             return False
         self._act(sub, before, sends)
+        self._dispatch()  # what it freed or readied
         return True
 
     def _on_prefill_done(self, sender: str, msg: PrefillDone, now: float) -> None:

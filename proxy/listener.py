@@ -29,11 +29,11 @@ import asyncio
 import functools
 import logging
 import ssl
+from collections import deque
 from collections.abc import Callable
 
 import uvicorn
 import zmq
-import zmq.asyncio
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from zmq.utils.monitor import parse_monitor_message
 
@@ -65,6 +65,18 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm_header_timer()
         super().on_headers_complete()
+        if self.cycle is not None and self.cycle.scope is self.scope:  # an HTTP request (not a WebSocket's)
+            self.scope[RAW_WRITE] = functools.partial(self._write_body, self.cycle)
+
+    def _write_body(self, cycle, body: bytes) -> bool:
+        """Write a chunk of ``cycle``'s streamed (chunked) response body at once, as its ``send`` would; False,
+        writing nothing, when that would have to wait (the client reads slower than it is written to) or the
+        response is not streaming now: the caller then sends it through ``send``."""
+        if (cycle is not self.cycle or not cycle.response_started or cycle.response_complete or cycle.disconnected
+                or not cycle.chunked_encoding or self.flow.write_paused):
+            return False
+        self.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
@@ -86,16 +98,25 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
             self.transport.close()
 
 
-# the scope key under which BodyDeadline, the outermost of the app's own middleware, leaves the send it was given
+# the scope key of the server's own ``send`` (``listener_config``): a streamed response sends its start through
+# every middleware, which may change it (BodyDeadline adds ``connection: close``), and its body chunks, which no
+# layer changes, straight to the server (proxy.openai_api.EventStreamResponse): one coroutine a chunk, not six
 RAW_SEND = "tessera.send"
+# the scope key of a function that writes a streamed response's body chunk at once, when it can without waiting
+# (HeaderTimeoutProtocol._write_body): a token's chunk then goes out from the handler that received the token
+RAW_WRITE = "tessera.write"
+
+
+def with_raw_send(app):
+    """``app``, with the server's ``send`` left in each scope under ``RAW_SEND``."""
+    async def asgi(scope, receive, send) -> None:
+        scope[RAW_SEND] = send
+        await app(scope, receive, send)
+    return asgi
 
 
 class BodyDeadline:
-    """ASGI middleware: the request body must arrive whole within ``timeout_s`` of the headers, else 408.
-
-    It also leaves the ``send`` it was given in the scope (``RAW_SEND``): a streamed response sends its start
-    through every layer, which may change it (this one adds ``connection: close``), and its body chunks, which
-    no layer changes, straight to that ``send``, one coroutine a chunk rather than five."""
+    """ASGI middleware: the request body must arrive whole within ``timeout_s`` of the headers, else 408."""
 
     def __init__(self, app, timeout_s: float) -> None:
         self.app = app
@@ -105,7 +126,6 @@ class BodyDeadline:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        scope[RAW_SEND] = send  # the stream's body chunks skip the layers below (EventStreamResponse)
         deadline = asyncio.get_running_loop().time() + self.timeout_s
         headers = dict(scope["headers"])
         body_complete = b"transfer-encoding" not in headers and headers.get(b"content-length", b"0") == b"0"
@@ -144,15 +164,20 @@ def listener_config(app, config: ProxyConfig, **settings) -> uvicorn.Config:
                "limit_concurrency": config.max_connections, "timeout_keep_alive": config.keep_alive_timeout_s,
                # a /v1/stream message larger than this closes its socket (1009); smaller ones are checked
                # against max_prompt_bytes with an error frame (proxy/websocket_api.py)
-               "ws_max_size": config.max_prompt_bytes + 65536, **tls}
-    return uvicorn.Config(app, **{**options, **settings})
+               "ws_max_size": config.max_prompt_bytes + 65536, "access_log": config.access_log, **tls}
+    return uvicorn.Config(with_raw_send(app), **{**options, **settings})
 
 
 class WorkerLink:
-    """The proxy's ROUTER: frames in to ``on_frames``, messages out (at once when the socket takes them, else
-    through an outbox, in order), and a worker's closed connection to ``on_disconnect``. A send not taken within
-    ``heartbeat_timeout_s`` is dropped and logged (one slow worker must not stall the rest). CURVE, when
-    configured, lets in only the authorized worker keys (``common.runtime.zmq_security``).
+    """The proxy's ROUTER: frames in to ``on_frames``, messages out, and a worker's closed connection to
+    ``on_disconnect``. CURVE, when configured, lets in only the authorized worker keys
+    (``common.runtime.zmq_security``).
+
+    A plain (not asyncio) socket: the event loop watches its descriptor, and reads and sends never wait, so no
+    message costs a future. ZeroMQ's descriptor signals edges, and any send may consume the one that announced a
+    message, so each send is followed by a look at the socket's events. A send the socket refuses (a worker's
+    queue is full) waits in ``_pending``, with every later one behind it, in order; one not taken within
+    ``heartbeat_timeout_s`` is dropped and logged (one slow worker must not stall the rest for longer).
 
     A killed process's connection closes, and ZeroMQ's socket monitor reports the closed descriptor
     (``EVENT_DISCONNECTED``); each message's ``SRCFD`` says which worker spoke on it. The monitor is read before
@@ -161,43 +186,75 @@ class WorkerLink:
     descriptor reused by a new connection (``EVENT_ACCEPTED`` since) that the same worker spoke on is left to
     the heartbeat timeout, as is a worker alive but hung."""
 
+    RETRY_S = 0.005  # how often a refused send is tried again
+
     def __init__(self, bind: str, on_frames: Callable[[bytes, list[bytes]], None], send_timeout_s: float,
                  curve: CurveServer | None = None, on_disconnect: Callable[[bytes], None] | None = None) -> None:
         self._bind = bind
         self._on_disconnect = on_disconnect
-        self._monitor: zmq.asyncio.Socket | None = None
         self._fd_identity: dict[int, bytes] = {}  # a connection's descriptor -> the worker that sent on it
         self._identity_fd: dict[bytes, int] = {}  # a worker -> the descriptor it sent on last
         self._curve = curve
         self._authenticator = None
         self._on_frames = on_frames
         self._send_timeout_s = send_timeout_s
-        self._outbox: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
-        self._context: zmq.asyncio.Context | None = None
-        self._socket: zmq.asyncio.Socket | None = None
-        self._sync: zmq.Socket | None = None  # the same socket, for reads and sends that do not wait (no future)
-        self._sending = False  # the sender task waits for the socket: later messages queue behind it
+        self._pending: deque[tuple[float, str, object, int]] = deque()  # (give up at, worker, message, version)
+        self._context: zmq.Context | None = None
+        self._socket: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self._ready: asyncio.Event | None = None  # set when a descriptor signals, or a send found messages waiting
+        self._retry: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self.endpoint = ""  # the address actually bound (a "*" port resolved)
 
     def send(self, worker_id: str, msg, version: int = PROTOCOL_VERSION) -> None:
-        """Send at once when nothing waits before it and the socket takes it; else queue it for the sender task."""
-        if self._sync is None or self._sending or not self._outbox.empty() or not self._send_now(worker_id, msg,
-                                                                                                 version):
-            self._outbox.put_nowait((worker_id, msg, version))
+        """Send at once when nothing waits before it and the socket takes it; else queue it, in order."""
+        if self._socket is None:
+            log.warning("dropped %s to worker %r: the worker link is closed", type(msg).__name__, worker_id)
+        elif self._pending or not self._send_now(worker_id, msg, version):
+            self._pending.append((self._loop.time() + self._send_timeout_s, worker_id, msg, version))
+            self._retry_soon()
 
     def _send_now(self, worker_id: str, msg, version: int) -> bool:
-        """A send that does not wait; False when the socket would block (the sender task then waits for it)."""
+        """A send that does not wait; False when the socket would block."""
+        sock = self._socket
         try:
-            self._sync.send_multipart([worker_id.encode(), *encode(msg, version)], zmq.NOBLOCK)
+            sock.send_multipart([worker_id.encode(), *encode(msg, version)], zmq.NOBLOCK)
         except zmq.Again:
             return False
-        except Exception as exc:
-            _send_failed(worker_id, msg, exc)
+        except zmq.ZMQError as exc:
+            log.warning("could not send %s to worker %r: %s", type(msg).__name__, worker_id, exc)
+        except Exception:  # a bug encoding one message must not stop the link
+            log.exception("could not send %s to worker %r", type(msg).__name__, worker_id)
+        if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # the send may have taken the descriptor's edge
+            self._ready.set()
         return True
 
+    def _flush(self) -> None:
+        """The sends that waited, in order, while the socket takes them; those past their time are dropped."""
+        now = self._loop.time()
+        while self._pending:
+            give_up_at, worker_id, msg, version = self._pending[0]
+            if now > give_up_at:
+                log.warning("dropped %s to worker %r: not taken within heartbeat_timeout_s=%ss",
+                            type(msg).__name__, worker_id, self._send_timeout_s)
+            elif not self._send_now(worker_id, msg, version):
+                self._retry_soon()
+                return
+            self._pending.popleft()
+
+    def _retry_soon(self) -> None:
+        if self._retry is None:
+            self._retry = self._loop.call_later(self.RETRY_S, self._retry_now)
+
+    def _retry_now(self) -> None:
+        self._retry = None
+        self._flush()
+
     async def start(self) -> None:
-        self._context = zmq.asyncio.Context()
+        self._loop = asyncio.get_running_loop()
+        self._context = zmq.Context()
         sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a message to a peer not connected fails loudly (logged)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a worker restarted under the same id takes its identity over
@@ -216,12 +273,14 @@ class WorkerLink:
             self._context.term()
             raise RuntimeError(f"cannot bind worker_bind={self._bind!r}: {exc}") from exc
         self._socket = sock
-        self._sync = zmq.Socket.shadow(sock.underlying)
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info("listening for workers on %s", self.endpoint)
-        self._tasks = [asyncio.create_task(self._receive(sock), name="worker-link-receive"),
-                       asyncio.create_task(self._send_loop(sock), name="worker-link-send")]
+        self._ready = asyncio.Event()
+        self._ready.set()  # anything that came before the descriptors were watched
+        for watched in (sock, self._monitor):
+            self._loop.add_reader(watched.getsockopt(zmq.FD), self._ready.set)
+        self._tasks = [asyncio.create_task(self._receive(), name="worker-link-receive")]
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -229,11 +288,17 @@ class WorkerLink:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         if self._socket is not None:
-            while not self._outbox.empty():
-                await self._send_one(self._socket, *self._outbox.get_nowait())
+            give_up_at = self._loop.time() + self._send_timeout_s
+            while self._pending and self._loop.time() < give_up_at:  # what waited goes out before the close
+                self._flush()
+                await asyncio.sleep(self.RETRY_S)
+            if self._retry is not None:
+                self._retry.cancel()
+                self._retry = None
+            for watched in (self._socket, self._monitor):
+                self._loop.remove_reader(watched.getsockopt(zmq.FD))
             self._socket.disable_monitor()
             self._monitor.close(linger=0)
-            self._sync = None
             self._socket.close()
             self._socket = None
         self._stop_authenticator()
@@ -246,17 +311,20 @@ class WorkerLink:
             self._authenticator.stop()
             self._authenticator = None
 
-    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
-        poller = zmq.asyncio.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
+    async def _receive(self) -> None:
         closed: list[tuple[bytes, int]] = []  # (worker, descriptor) whose connection closed, to act on
         reaccepted: set[int] = set()  # descriptors accepted again since
         spoke: set[bytes] = set()  # workers that sent something since
         while True:
-            await poller.poll()
-            await self._read_monitor(closed, reaccepted)
-            drained = await self._read_messages(spoke if closed else None)
+            await self._ready.wait()
+            self._ready.clear()
+            self._read_monitor(closed, reaccepted)
+            drained = self._read_messages(spoke if closed else None)
+            if self._pending:
+                self._flush()  # the descriptor also signals room to send
+            if not drained:
+                self._ready.set()
+                await asyncio.sleep(0)  # let the rest of the loop run between batches
             if closed and drained:  # the closed connections' last words (a Goodbye) are handled by now
                 for identity, fd in closed:
                     if self._identity_fd.get(identity) != fd or (fd in reaccepted and identity in spoke):
@@ -271,11 +339,12 @@ class WorkerLink:
                 reaccepted.clear()
                 spoke.clear()
 
-    async def _read_messages(self, spoke: set[bytes] | None) -> bool:
+    def _read_messages(self, spoke: set[bytes] | None) -> bool:
         """Hand a batch of queued messages on; True when none is left."""
+        sock = self._socket
         for _ in range(256):
             try:
-                frames = self._sync.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return True
             identity = frames[0].bytes
@@ -291,10 +360,10 @@ class WorkerLink:
                 log.exception("error handling a message from worker %r", identity)
         return False
 
-    async def _read_monitor(self, closed: list[tuple[bytes, int]], reaccepted: set[int]) -> None:
+    def _read_monitor(self, closed: list[tuple[bytes, int]], reaccepted: set[int]) -> None:
         while True:
             try:
-                event = parse_monitor_message(await self._monitor.recv_multipart(zmq.NOBLOCK))
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
             fd = event["value"]
@@ -302,29 +371,3 @@ class WorkerLink:
                 reaccepted.add(fd)
             elif (identity := self._fd_identity.get(fd)) is not None and self._on_disconnect is not None:
                 closed.append((identity, fd))
-
-    async def _send_loop(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            await self._send_one(sock, *await self._outbox.get())
-
-    async def _send_one(self, sock: zmq.asyncio.Socket, worker_id: str, msg, version: int) -> None:
-        if self._send_now(worker_id, msg, version):
-            return
-        self._sending = True
-        try:
-            await asyncio.wait_for(sock.send_multipart([worker_id.encode(), *encode(msg, version)]),
-                                   self._send_timeout_s)
-        except TimeoutError:
-            log.warning("dropped %s to worker %r: not taken within heartbeat_timeout_s=%ss",
-                        type(msg).__name__, worker_id, self._send_timeout_s)
-        except Exception as exc:
-            _send_failed(worker_id, msg, exc)
-        finally:
-            self._sending = False
-
-
-def _send_failed(worker_id: str, msg, exc: Exception) -> None:
-    if isinstance(exc, zmq.ZMQError):
-        log.warning("could not send %s to worker %r: %s", type(msg).__name__, worker_id, exc)
-    else:  # a bug encoding one message must not stop the link
-        log.error("could not send %s to worker %r", type(msg).__name__, worker_id, exc_info=exc)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics_core import HistogramMetricFamily
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -60,6 +60,32 @@ class TokenHistogram:
         family = HistogramMetricFamily(self._name, self._documentation)
         family.add_metric([], buckets, self._sum)
         yield family
+
+
+class TenantService:
+    """``tessera_proxy_tenant_service_total`` and ``tessera_proxy_tenant_virtual_counter``, by tenant, read from the
+    fairness policy's counters (``proxy.admission.ServiceCounters``, set as ``counters``) when scraped: admission
+    charges a tenant at every step of each of its choices, and a metric update there would cost as much again."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.counters = None
+        registry.register(self)
+
+    def collect(self):
+        served = CounterMetricFamily(
+            "tessera_proxy_tenant_service", "Weighted tokens served to each tenant (vtc_input_weight per prompt "
+            "token started plus vtc_output_weight per generated token)", labels=["tenant"])
+        virtual = GaugeMetricFamily(
+            "tessera_proxy_tenant_virtual_counter", "Each tenant's virtual token counter, the fairness policy's "
+            "accounting (service over weight, lifted as it becomes backlogged; not service received)",
+            labels=["tenant"])
+        if self.counters is not None:
+            for tenant, value in list(self.counters.served.items()):
+                served.add_metric([tenant], value)
+            for tenant, value in list(self.counters.values.items()):
+                virtual.add_metric([tenant], value)
+        yield served
+        yield virtual
 
 
 @dataclass
@@ -187,13 +213,7 @@ class ProxyMetrics:
                                          ["worker_id"], registry=r)
         self.tenant_waiting = Gauge("tessera_proxy_tenant_waiting", "Choices waiting for admission, by tenant",
                                     ["tenant"], registry=r)
-        self.tenant_service = Counter("tessera_proxy_tenant_service",
-                                      "Weighted tokens served to each tenant (vtc_input_weight per prompt token "
-                                      "started plus vtc_output_weight per generated token)", ["tenant"], registry=r)
-        self.tenant_virtual_counter = Gauge("tessera_proxy_tenant_virtual_counter",
-                                            "Each tenant's virtual token counter, the fairness policy's accounting "
-                                            "(service over weight, lifted as it becomes backlogged; not service "
-                                            "received)", ["tenant"], registry=r)
+        self.tenant_service = TenantService(r)  # admission's counters, read at scrape
         self.tenant_rejections = Counter("tessera_proxy_tenant_rejections",
                                          "Requests refused or dropped by admission control, by tenant and limit",
                                          ["tenant", "reason"], registry=r)
@@ -213,16 +233,6 @@ class ProxyMetrics:
                                        "Reconnections to a resumable stream (GET /v1/streams/{id})", registry=r)
         self.resume_buffer_bytes = Gauge("tessera_proxy_resume_buffer_bytes",
                                          "Bytes of events kept for resumable streams", registry=r)
-        self._tenant_charge: dict[str, tuple] = {}
-
-    def tenant_charge(self, tenant: str) -> tuple:
-        """``tenant``'s children of ``tenant_service`` and ``tenant_virtual_counter``, labelled once: admission
-        charges a tenant at every step of each of its choices."""
-        children = self._tenant_charge.get(tenant)
-        if children is None:
-            children = self._tenant_charge[tenant] = (self.tenant_service.labels(tenant),
-                                                      self.tenant_virtual_counter.labels(tenant))
-        return children
 
     def tenant_usage(self) -> dict[str, TenantUsage]:
         """Each tenant's usage since the process started, read back from the counters a choice adds to as it ends

@@ -27,10 +27,12 @@ request model, 400 naming the field. ``proxy.openapi`` declares the models
 in the OpenAPI document.
 
 Response bodies (completion and chat, whole or as stream chunks) are built
-by ``proxy.chunks``. A stream is written a batch of events at a time: the
-chunks of every event that came since the last write go out in one write
-(``RequestGroup.batches``), so a reader that fell behind catches up at the
-cost of one.
+by ``proxy.streaming``. A stream's first batch of events goes out through
+the ASGI ``send``; from then on a plain token's chunk is written to the
+connection by the handler that received the token (``streaming.token_writer``
+and ``proxy.listener.RAW_WRITE``), and the rest (a finish, a failure, a
+chunk the connection cannot take now) wakes this module's stream, which
+writes all that came since in one write (``RequestGroup.next_batch``).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from fastapi.responses import JSONResponse, Response
 
 from proxy.auth import tenant_from_body, tenant_from_header
 from proxy.errors import ApiError
-from proxy.listener import RAW_SEND
+from proxy.listener import RAW_SEND, RAW_WRITE
 from proxy.openapi import ChatCompletionResponse, CompletionResponse, error_responses, request_body
 from proxy.protocol import ChatCompletionRequest, CompletionRequest, read_model
 from proxy.requests import Event, FailureEvent
@@ -58,7 +60,7 @@ from proxy.resumable import RESUMABLE_HEADER, wants_resume
 from proxy.conversations import continue_turn
 from proxy.served_models import served_headers, session_of
 from proxy.streaming import (ChatFormat, ChoiceState, CompletionFormat, RequestGroup, StreamChunks, envelope,
-                             usage)
+                             token_writer, usage)
 from proxy.tenants import Tenant
 from proxy.tools import ToolCallFormat
 
@@ -105,6 +107,7 @@ class _Generation:
     served: dict[str, str]  # the response headers naming the model version that served it
     remember: Callable | None = None  # stores the completed turn of a session (proxy.conversations)
     chunks: StreamChunks = dataclasses.field(init=False)
+    write: Callable[[bytes], bool] | None = None  # the connection's direct write, while streaming (RAW_WRITE)
 
     def __post_init__(self) -> None:
         self.chunks = StreamChunks(self.response_id, self.created, self.model, self.fmt, self.include_usage)
@@ -134,14 +137,13 @@ async def _serve(request: Request, request_model, format_cls, endpoint: str) -> 
     streaming = False  # once True, the stream owns the watcher and the group
     try:
         if body.stream:
-            batches = group.batches()
-            first = await anext(batches)
+            first = await group.next_batch()
             if not isinstance(first[0], FailureEvent) and resumable:
                 streaming = True
                 watcher.stop()  # from here, a client that leaves only detaches from the stream
                 response = services.streams.start(
                     request, generation.response_id, tenant.name,
-                    lambda stream: sse_events(generation, group, first, batches, watcher, metrics, endpoint,
+                    lambda stream: sse_events(generation, group, first, watcher, metrics, endpoint,
                                               lambda: stream.expired),
                     group.cancel)
                 response.headers.update(generation.served)
@@ -149,10 +151,9 @@ async def _serve(request: Request, request_model, format_cls, endpoint: str) -> 
             if not isinstance(first[0], FailureEvent):
                 streaming = True
                 return EventStreamResponse(
-                    sse_events(generation, group, first, batches, watcher, metrics, endpoint,
-                               lambda: watcher.disconnected, coalesce=True,
-                               interval_s=services.config.stream_interval_ms / 1e3),
-                    headers={"Cache-Control": "no-cache", **generation.served})
+                    sse_events(generation, group, first, watcher, metrics, endpoint,
+                               lambda: watcher.disconnected, coalesce=True),
+                    {"Cache-Control": "no-cache", **generation.served}, generation)
             response, status = first[0].error.response(), str(first[0].error.status)
         else:
             response, status = await _collect(generation, group.events())
@@ -246,14 +247,13 @@ async def _collect(gen: _Generation, events: AsyncIterator[Event]) -> tuple[Resp
     return JSONResponse(body, headers=gen.served), "200"
 
 
-async def sse_events(gen: _Generation, group: RequestGroup, first: list[Event],
-                     batches: AsyncIterator[list[Event]], watcher: DisconnectWatcher, metrics, endpoint: str,
-                     client_left: Callable[[], bool], coalesce: bool = False,
-                     interval_s: float = 0.0) -> AsyncIterator[str]:
-    """The response's server-sent events, from the group's event batches (``first``, then ``batches``): to the
+async def sse_events(gen: _Generation, group: RequestGroup, first: list[Event], watcher: DisconnectWatcher,
+                     metrics, endpoint: str, client_left: Callable[[], bool], coalesce: bool = False
+                     ) -> AsyncIterator[str]:
+    """The response's server-sent events, from the group's event batches (``first``, then the rest): to the
     client's connection, or into a resumable stream. ``coalesce``: a batch's events as one piece of text (one
-    write), and at most one piece every ``interval_s`` (``stream_interval_ms``); otherwise one event a piece,
-    as a resumable stream numbers them."""
+    write), and once the first is out, plain tokens written as they come (``_Generation.write``, through
+    ``streaming.token_writer``); otherwise one event a piece, as a resumable stream numbers them."""
     status = "200"
     chunks, choices, logprob_text = gen.chunks, gen.choices, gen.fmt.logprob_text
     out: list[str] = []
@@ -278,14 +278,14 @@ async def sse_events(gen: _Generation, group: RequestGroup, first: list[Event],
             if out:
                 if coalesce:
                     yield "".join(out) if len(out) > 1 else out[0]
-                    if interval_s and any(c.finish_reason is None for c in choices):  # the next interval's
-                        # tokens go out together
-                        await asyncio.sleep(interval_s)
+                    if gen.write is not None and chunks.plain:  # the rest of the plain tokens go out as they come
+                        group.write_through(token_writer(chunks, choices, gen.write))
+                        gen.write = None
                 else:
                     for piece in out:
                         yield piece
                 out = []
-            batch = await anext(batches, None)
+            batch = await group.next_batch()
         if failure is not None:
             status = "stream_error"
             group.cancel("another choice failed")
@@ -301,6 +301,7 @@ async def sse_events(gen: _Generation, group: RequestGroup, first: list[Event],
             for piece in out:
                 yield piece
     finally:
+        group.write_through(None)
         watcher.stop()
         group.cancel("the response stream closed")  # a no-op unless the client left early
         metrics.requests.labels(endpoint, "client_closed" if client_left() else status).inc()
@@ -311,15 +312,18 @@ class EventStreamResponse(Response):
     task per response listening for the client's disconnection; here the handler's ``DisconnectWatcher``
     does that, and a stream cut short closes ``content`` at once."""
     media_type = "text/event-stream"
+    background = None  # FastAPI reads it
 
-    def __init__(self, content: AsyncIterator[str], headers: dict[str, str]) -> None:
+    def __init__(self, content: AsyncIterator[str], headers: dict[str, str], generation: _Generation) -> None:
         self.status_code = 200
         self._content = content
+        self._generation = generation
         self.init_headers(headers)
 
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        send = scope.get(RAW_SEND, send)  # proxy.listener.BodyDeadline
+        send = scope.get(RAW_SEND, send)  # the server's own (proxy.listener.with_raw_send)
+        self._generation.write = scope.get(RAW_WRITE)  # sse_events' tokens, from the handler (token_writer)
         async with aclosing(self._content) as pieces:
             async for piece in pieces:
                 await send({"type": "http.response.body", "body": piece.encode(), "more_body": True})

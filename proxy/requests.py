@@ -55,7 +55,7 @@ from proxy.routing import Route
 log = logging.getLogger("tessera.proxy")
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenEvent:
     index: int
     text: str

@@ -2,7 +2,7 @@
 
 ``RequestGroup`` merges the events of a request's sub-requests (one per choice) into one stream. They reach its
 reader through an ``EventSink``: handlers append, and the reader takes every event that came since it last
-looked as one batch (``RequestGroup.batches``), so a step that brings several of a group's tokens, or a reader
+looked as one batch (``RequestGroup.next_batch``), so a step that brings several of a group's tokens, or a reader
 that fell behind, costs one wake-up and one write.
 
 Response bodies of completions and chat: one ``ChoiceState`` per choice gathers the token events; a format object (one per endpoint) turns an event into
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from json.encoder import encode_basestring
 
 import msgspec
@@ -170,6 +170,11 @@ class StreamChunks:
             tail = ']' + (',"usage":null' if include_usage else '') + '}\n\n'
             self._plain = (head, template[1], template[2] + tail)
 
+    @property
+    def plain(self) -> bool:
+        """A token's chunk comes from the template (no logprobs, no tools): building it changes no state."""
+        return self._plain is not None
+
     def chunk(self, choices: list[dict], usage_: dict | None = None) -> str:
         body = envelope(*self._envelope, choices, usage_, with_usage_field=self._include_usage)
         return f"data: {_encode(body).decode()}\n\n"
@@ -188,13 +193,16 @@ class StreamChunks:
 class EventSink:
     """A request group's events, from the sub-requests' handlers to the group's one reader: a list and at most
     one waiting future (an ``asyncio.Queue`` costs a waiter per event; here a batch costs one)."""
-    __slots__ = ("events", "waiter")
+    __slots__ = ("events", "waiter", "direct")
 
     def __init__(self) -> None:
         self.events: list[Event] = []
         self.waiter: asyncio.Future | None = None
+        self.direct: Callable[[Event], bool] | None = None  # takes an event at once, or says no (write_through)
 
     def put_nowait(self, event: Event) -> None:
+        if self.direct is not None and not self.events and self.direct(event):
+            return
         self.events.append(event)
         waiter = self.waiter
         if waiter is not None and not waiter.done():
@@ -217,43 +225,47 @@ class RequestGroup:
         self._sink = sink
         self._owner = owner
         self._clock = clock
+        self._live = {sub.index for sub in subs}  # choices yet to send their terminal event
+        # asked once: asyncio.get_running_loop() makes a getpid() system call each time (a fork check)
+        self._loop = asyncio.get_running_loop()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_due = 0.0  # when ``_timer`` fires, on ``clock``
 
     async def events(self) -> AsyncIterator[Event]:
-        """Every sub-request's events one at a time, in arrival order (``batches``)."""
-        async for batch in self.batches():
+        """Every sub-request's events one at a time, in arrival order (``next_batch``)."""
+        while (batch := await self.next_batch()) is not None:
             for event in batch:
                 yield event
 
-    async def batches(self) -> AsyncIterator[list[Event]]:
-        """Every sub-request's events, in arrival order, as lists of all that came since the last one, until each
-        sub-request has sent its terminal event.
+    async def next_batch(self) -> list[Event] | None:
+        """The sub-requests' events that came since the last call, in arrival order (waiting for one); None once
+        each sub-request has sent its terminal event.
 
         The wait is bounded by the earliest deadline of the live ones; a sub-request past its deadline fails
         itself, which ends its stream. The timer is moved only when a deadline comes sooner than it fires (a
         sub-request's deadline moves later with each token): a timer that fires early is set again.
         """
-        live = {sub.index for sub in self.subs}
-        sink = self._sink
-        try:
-            while live:
+        sink, live = self._sink, self._live
+        while live:
+            if not sink.events:
+                await self._wait(sink)
                 if not sink.events:
-                    await self._wait(sink)
-                    if not sink.events:
-                        now = self._clock()
-                        for sub in self.subs:
-                            self._owner.check_deadline(sub, now)
-                        continue
-                batch = sink.take()
-                for event in batch:
-                    if isinstance(event, FailureEvent) or event.finish_reason is not None:
-                        live.discard(event.index)
-                yield batch
-        finally:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
+                    now = self._clock()
+                    for sub in self.subs:
+                        self._owner.check_deadline(sub, now)
+                    continue
+            batch = sink.take()
+            for event in batch:
+                if isinstance(event, FailureEvent) or event.finish_reason is not None:
+                    live.discard(event.index)
+            return batch
+        self._stop_timer()
+        return None
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     async def _wait(self, sink: EventSink) -> None:
         """Until an event comes or the earliest live deadline may have passed."""
@@ -264,7 +276,7 @@ class RequestGroup:
             deadline = min((s.deadline for s in subs if not s.done), default=now)
         if deadline <= now:
             return
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         if self._timer is None or self._timer_due > deadline:
             if self._timer is not None:
                 self._timer.cancel()
@@ -282,6 +294,30 @@ class RequestGroup:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def write_through(self, direct: Callable[[Event], bool] | None) -> None:
+        """From now on, each event goes to ``direct`` first, as it comes, unless events wait before it; those it
+        says no to wait for ``next_batch`` as before (None: none does)."""
+        self._sink.direct = direct
+
     def cancel(self, reason: str) -> None:
+        self._stop_timer()
         for sub in self.subs:
             self._owner.cancel(sub, reason)
+
+
+def token_writer(chunks: StreamChunks, choices: list[ChoiceState], write: Callable[[bytes], bool]
+                 ) -> Callable[[Event], bool]:
+    """For ``RequestGroup.write_through``: a plain token's chunk written to the client by ``write`` (the
+    connection's, ``proxy.listener.RAW_WRITE``) from the handler that received the token, without waking the
+    response's task; False for anything else (a finish, a failure) and for a chunk the connection cannot take
+    now, which then waits for the task, in order. Needs ``chunks.plain``."""
+    def direct(event: Event) -> bool:
+        if event.__class__ is not TokenEvent or event.finish_reason is not None:
+            return False
+        state = choices[event.index]
+        text = chunks.event(state, event)
+        if text is not None and not write(text.encode()):
+            return False
+        state.add(event, None)
+        return True
+    return direct

@@ -172,8 +172,7 @@ class StreamSocket:
             services.metrics.requests.labels(endpoint, str(error.status)).inc()
             raise
         self.groups[cid] = group
-        batches = group.batches()
-        first = await anext(batches)
+        first = await group.next_batch()
         if isinstance(first[0], FailureEvent):
             group.cancel("the request ended")
             services.metrics.requests.labels(endpoint, str(first[0].error.status)).inc()
@@ -181,11 +180,11 @@ class StreamSocket:
         if resumable:
             stream, reader = services.streams.open(
                 generation.response_id, tenant.name,
-                lambda s: sse_events(generation, group, first, batches, _NO_WATCHER, services.metrics, endpoint,
+                lambda s: sse_events(generation, group, first, _NO_WATCHER, services.metrics, endpoint,
                                   lambda: s.expired), group.cancel)
             await self._forward(cid, stream.read(reader, -1))
         else:
-            await self._forward(cid, sse_events(generation, group, first, batches, _NO_WATCHER, services.metrics,
+            await self._forward(cid, sse_events(generation, group, first, _NO_WATCHER, services.metrics,
                                              endpoint, lambda: self.closed))
 
     async def _resume(self, cid: str, message: dict) -> None:

@@ -193,11 +193,8 @@ class ProxyConfig:
     request_body_timeout_s: Float = option(
         30.0, "a request's body must arrive whole within this after its headers, else 408", gt=0)
     max_tokens_limit: Int = option(32768, "most tokens a request may ask to generate (max_tokens)", gt=0)
-    stream_interval_ms: Float = option(
-        0.0, "a streamed response is written at most once per this many ms: the chunks of the tokens that came "
-        "meanwhile go out in one write, each token still its own SSE event. Fewer writes and wake-ups cost the "
-        "proxy less CPU per token (docs/benchmarks.md, 'Issue 17'), at up to this much added delay per token. "
-        "0: each step's tokens at once", ge=0)
+    access_log: Bool = option(True, "a line per HTTP request (uvicorn's access log, at info level); its cost "
+                              "is about a tenth of a short request's CPU in the proxy")
 
     def __post_init__(self) -> None:
         _check_otel(self)

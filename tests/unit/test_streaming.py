@@ -1,13 +1,19 @@
-"""Stream chunks from templates and msgspec equal what ``json.dumps`` of the whole chunk gives."""
+"""A request's stream: chunks from templates and msgspec equal what ``json.dumps`` of the whole chunk gives;
+the group's batches, deadlines and write-through."""
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.streaming import ChatFormat, ChoiceState, CompletionFormat, StreamChunks, envelope
+from proxy.errors import ApiError
+from proxy.request_exits import FailureEvent
 from proxy.requests import TokenEvent
+from proxy.streaming import (ChatFormat, ChoiceState, CompletionFormat, EventSink, RequestGroup, StreamChunks,
+                             envelope, token_writer)
 
 
 class Tokens:
@@ -78,3 +84,103 @@ def test_choice_text_joins_its_parts():
     assert state.text == "abc" and state.text == "abc" and state.token_ids == [1, 1, 1]
     state.add(TokenEvent(0, "d", [2], finish_reason="stop", stop_reason=2, num_cached_tokens=3), None)
     assert (state.text, state.finish_reason, state.stop_reason, state.num_cached_tokens) == ("abcd", "stop", 2, 3)
+
+
+class Owner:
+    """The cluster's part for a group: deadline checks and cancels, recorded."""
+
+    def __init__(self) -> None:
+        self.checked: list[float] = []
+
+    def check_deadline(self, sub, now: float) -> None:
+        self.checked.append(now)
+        if now >= sub.deadline and not sub.done:
+            sub.done = True
+            sub.sink.put_nowait(FailureEvent(sub.index, ApiError(504, "timed out", code="timeout")))
+
+    def cancel(self, sub, reason: str) -> None:
+        pass
+
+
+class Sub:
+    def __init__(self, index: int, sink: EventSink, deadline: float) -> None:
+        self.index, self.sink, self.deadline, self.done = index, sink, deadline, False
+
+
+def group_of(n: int, deadline_in_s: float = 60.0):
+    sink, owner = EventSink(), Owner()
+    subs = [Sub(i, sink, time.monotonic() + deadline_in_s) for i in range(n)]
+    return RequestGroup(subs, sink, owner), sink, owner
+
+
+def test_a_group_hands_over_what_came_since_in_one_batch_until_every_choice_ended():
+    async def run():
+        group, sink, _ = group_of(2)
+        sink.put_nowait(TokenEvent(0, "a", [1]))
+        sink.put_nowait(TokenEvent(1, "b", [2]))
+        assert [e.text for e in await group.next_batch()] == ["a", "b"]
+        later = asyncio.get_running_loop().call_later(0.05, sink.put_nowait,
+                                                        TokenEvent(0, "c", [3], finish_reason="stop"))
+        assert [e.text for e in await group.next_batch()] == ["c"]  # it waited for it
+        sink.put_nowait(TokenEvent(1, "d", [4], finish_reason="length"))
+        assert [e.finish_reason for e in await group.next_batch()] == ["length"]
+        assert await group.next_batch() is None and later.cancelled() is False
+    asyncio.run(run())
+
+
+def test_a_group_past_its_deadline_fails_the_choice_that_passed_it():
+    async def run():
+        group, _, owner = group_of(1, deadline_in_s=0.1)
+        batch = await asyncio.wait_for(group.next_batch(), 5)
+        assert isinstance(batch[0], FailureEvent) and batch[0].error.status == 504 and owner.checked
+        assert await group.next_batch() is None
+    asyncio.run(run())
+
+
+def test_written_through_events_keep_their_order_behind_waiting_ones():
+    async def run():
+        group, sink, _ = group_of(1)
+        taken: list[str] = []
+        refuse = {"now": False}
+
+        def direct(event) -> bool:
+            if refuse["now"] or event.finish_reason is not None:
+                return False
+            taken.append(event.text)
+            return True
+
+        group.write_through(direct)
+        sink.put_nowait(TokenEvent(0, "a", [1]))  # written at once
+        refuse["now"] = True
+        sink.put_nowait(TokenEvent(0, "b", [2]))  # refused: it waits for the reader
+        refuse["now"] = False
+        sink.put_nowait(TokenEvent(0, "c", [3]))  # "b" waits before it: not written past it
+        sink.put_nowait(TokenEvent(0, "", [4], finish_reason="stop"))
+        assert taken == ["a"]
+        assert [e.text for e in await group.next_batch()] == ["b", "c", ""]
+        group.write_through(None)
+        assert await group.next_batch() is None
+    asyncio.run(run())
+
+
+def test_the_token_writer_writes_plain_tokens_and_leaves_the_rest_to_the_stream():
+    fmt = ChatFormat(Tokens(), wants_logprobs=False)
+    chunks = StreamChunks("chatcmpl-1f", 1700000000, "m", fmt, False)
+    choices, written, room = [ChoiceState(0, 0)], [], {"left": 1}
+
+    def write(body: bytes) -> bool:
+        if not room["left"]:
+            return False
+        room["left"] -= 1
+        written.append(body.decode())
+        return True
+
+    direct = token_writer(chunks, choices, write)
+    assert direct(TokenEvent(0, "Hi", [5]))
+    assert written == [chunks.event(ChoiceState(0, 0), TokenEvent(0, "Hi", [5]))] and choices[0].text == "Hi"
+    assert not direct(TokenEvent(0, " there", [6]))  # the connection cannot take it: nothing written or kept
+    assert choices[0].text == "Hi" and choices[0].token_ids == [5]
+    room["left"] = 1
+    assert not direct(TokenEvent(0, "!", [7], finish_reason="stop"))  # a finish is the stream's
+    assert not direct(FailureEvent(0, ApiError(500, "x")))
+    assert choices[0].token_ids == [5] and len(written) == 1
