@@ -24,39 +24,12 @@ import statistics
 
 import torch
 
+from bench.sim.profile import run_batch
 from common.config.base import EngineConfig
 from common.engine.llm_engine import LLMEngine
-from common.protocol.sampling_params import SamplingParams
 
 FIT_BATCHES = (1, 2, 4, 8, 16, 24, 32, 36, 48, 64)
 HELD_OUT = (3, 6, 12, 20, 40, 56)
-
-
-def run_batch(engine: LLMEngine, rng: random.Random, batch: int, prompt_len: int, steps: int, name: str,
-              learn: bool = True):
-    """Prefill ``batch`` fresh prompts, then ``steps`` decode steps; each decode step's shape and time. With
-    ``learn`` false the model does not see them."""
-    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
-    vocab = engine.runner.vocab_size
-    ids = [f"{name}-{i}" for i in range(batch)]
-    for rid in ids:
-        engine.add_request(rid, [rng.randrange(100, vocab - 1) for _ in range(prompt_len)], params)
-    timed = []
-    observe = engine.step_timer.observe
-    engine.step_timer.observe = lambda *a: (timed.append(a), observe(*a) if learn else None)
-    try:
-        while any(s.num_computed_tokens < s.num_prompt_tokens for rid in ids for s in engine.requests[rid]):
-            engine.step()
-        engine.step()
-        timed.clear()
-        for _ in range(steps):
-            engine.step()
-        return [t for t in timed if t[2] == 0]  # decode-only steps
-    finally:
-        engine.step_timer.observe = observe
-        for rid in ids:
-            engine.abort_request(rid)
-        engine.step()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             if frozen is None:
                 print("no model after the fitting steps")
                 return 1
-            steps = run_batch(engine, rng, batch, args.prompt_len, args.round_steps, f"held-{batch}-{r}", learn=False)
+            steps = [t for t in run_batch(engine, rng, batch, args.prompt_len, args.round_steps, f"held-{batch}-{r}",
+                                          learn=False) if t[2] == 0]  # decode-only steps
             measured += [1000 * t[4] for t in steps]
             predicted += [frozen.step_ms(*t[:4]) for t in steps]
         errors = [abs(p - m) / m for p, m in zip(predicted, measured)]

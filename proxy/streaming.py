@@ -316,8 +316,12 @@ def token_writer(chunks: StreamChunks, choices: list[ChoiceState], write: Callab
             return False
         state = choices[event.index]
         text = chunks.event(state, event)
-        if text is not None and not write(text.encode()):
-            return False
+        if text is not None:
+            try:
+                if not write(text.encode()):
+                    return False
+            except Exception:  # the connection broke under the write: the stream's own send sees to it
+                return False
         state.add(event, None)
         return True
     return direct

@@ -6,6 +6,7 @@ Each is used from outside the Python call graph; anything else vulture reports i
 
 # Registered by name: entry-point commands, FastAPI routes and exception handlers, pydantic config.
 add_bench_command  # unused function (bench/loadgen/command.py:27)
+add_sim_worker_command  # unused function (bench/sim/command.py:23)
 _.request_tag  # unused attribute (common/runtime/telemetry.py:60)
 add_decode_command  # unused function (decode_worker/command.py:14)
 add_both_command  # unused function (decode_worker/command.py:20)

@@ -1,0 +1,388 @@
+"""Simulated workers: the real wire protocol and a real block manager, with no model.
+
+``SimWorker`` is one worker (prefill, decode or both) on a DEALER socket of its own: it registers, heartbeats
+(free blocks, running sequences and the profile's step model, as a real worker reports its own fit), and
+serves PrefillRequest, DecodeRequest, ReleaseKV and Abort as the real workers do, with ``SimEngine`` (bench.sim.
+engine) deciding what each step runs and how long it takes. A prefill worker holds a prompt's pages until
+ReleaseKV, Abort or its lease ends; a decode worker "pulls" them (``transfer_gbps``) and reports KVPulled.
+
+``SimHost`` runs many of them in one thread: one poller over their sockets, one heap of timers (steps,
+heartbeats, pulls, leases). It measures how late each timer runs (its loop's lag): a simulated step's timing
+means something only while that lag is small against a step, so ``stats`` reports the lag's p99 with the
+step p50, and ``timing_valid`` whether the p99 stayed within ``MAX_LAG_SHARE`` of a step.
+
+Tokens are ``engine.output_token``'s; their text comes from the model's tokenizer when one is given (a table
+of each id's text, made once), else from the id.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import queue
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from bench.sim.engine import FIRST_TOKEN_ID, TOKEN_RANGE, SimEngine, SimSequence
+from bench.sim.profile import StepProfile
+from common.protocol.control import Peers, Register, RegisterAck, Reregister, Tune
+from common.protocol.wire import (Abort, DecodeRequest, Goodbye, Heartbeat, KVLayoutInfo, KVPulled, PrefillDone,
+                                  PrefillRequest, ReleaseKV, StepCostModel, TokenDelta, TokenDeltas, WireError,
+                                  decode, encode)
+from common.runtime.zmq_security import Waker
+
+log = logging.getLogger("tessera.sim")
+
+MAX_LAG_SHARE = 0.05  # simulated latencies are published only while the loop's lag p99 is within this of a step
+LAYOUT = KVLayoutInfo(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="bfloat16")
+
+
+@dataclass
+class SimSpec:
+    """One simulated worker, as a real worker's config would describe it."""
+    worker_id: str
+    role: str = "decode"  # prefill | decode | both
+    model: str = "SmolLM2-135M-Instruct"
+    model_version: str = "sim"
+    num_blocks: int = 16_384
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    kv_layout: KVLayoutInfo = LAYOUT
+    heartbeat_interval_s: float = 1.0
+    transfer_gbps: float = 10.0  # KV pull bandwidth, gigabits a second
+    time_scale: float = 1.0  # a step's time: the profile's times this; 0: no time
+
+
+@dataclass
+class _Pending:
+    """A prefilled prompt's pages on a prefill worker, until ReleaseKV, Abort or its lease ends."""
+    seq: SimSequence
+    lease_ends: float
+
+
+class SimWorker:
+    def __init__(self, spec: SimSpec, profile: StepProfile, endpoint: str, host: SimHost,
+                 token_text: Callable[[int], str] = str) -> None:
+        self.spec = spec
+        self.endpoint = endpoint
+        self.host = host
+        self.token_text = token_text
+        self.epoch = time.time_ns()
+        self.cost = profile.cost
+        self.engine = SimEngine(profile.step_ms, spec.num_blocks, spec.kv_layout.block_size, spec.max_num_seqs,
+                                spec.max_num_batched_tokens, spec.time_scale, prefill_only=spec.role == "prefill")
+        self.socket: zmq.Socket | None = None
+        self.registered = False
+        self.draining = False
+        self.stepping = False  # a step is in flight (its end is a timer)
+        self.leases: dict[str, _Pending] = {}
+        self.pulls: dict[str, SimSequence] = {}  # decode: pages being pulled
+        self.deferred: deque[SimSequence] = deque()  # pulled, waiting for blocks
+        self.bytes_per_token = (2 * spec.kv_layout.num_layers * spec.kv_layout.num_kv_heads * spec.kv_layout.head_dim
+                                * (4 if spec.kv_layout.dtype == "float32" else 2))
+        self.step_seconds: deque[float] = deque(maxlen=4096)  # recent steps' durations, for the lag's yardstick
+        self.requests = 0
+        self.tokens = 0
+
+    # -- life cycle ------------------------------------------------------------------------------------
+
+    def register_message(self) -> Register:
+        s = self.spec
+        return Register(s.worker_id, s.role, self.epoch, s.model, s.model_version, s.kv_layout, s.num_blocks,
+                        s.max_model_len, "sim", b"sim:" + s.worker_id.encode(), max_num_seqs=s.max_num_seqs)
+
+    def start(self, context: zmq.Context) -> None:
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.spec.worker_id.encode())
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(self.endpoint)
+        self.socket = sock
+        self.send(self.register_message())
+        self.host.at(0.0, self.heartbeat)
+
+    def send(self, msg) -> None:
+        try:
+            self.socket.send_multipart(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("%s: dropped a %s: the proxy is not reading", self.spec.worker_id, type(msg).__name__)
+
+    def heartbeat(self) -> None:
+        message = self.heartbeat_message()
+        if message is not None:
+            self.send(message)
+        self.host.after(self.spec.heartbeat_interval_s, self.heartbeat)
+
+    def heartbeat_message(self) -> Heartbeat | None:
+        """What a real worker reports: its free blocks, its load, and its step model (here the profile's, times
+        the time scale)."""
+        engine, scale = self.engine, self.spec.time_scale
+        cost = self.cost if scale else None
+        if cost is not None and scale != 1.0:
+            cost = StepCostModel(cost.small_max_rows, [c * scale for c in cost.small], [c * scale for c in cost.large],
+                                 [c * scale for c in cost.mixed], cost.samples)
+        return Heartbeat(self.spec.worker_id, self.epoch, engine.blocks.num_free_blocks, len(engine.running),
+                         len(engine.waiting), engine.outstanding_prefill_tokens, self.draining, engine.context_tokens,
+                         cost)
+
+    @property
+    def busy(self) -> bool:
+        e = self.engine
+        return bool(e.waiting or e.running or e.held or self.pulls or self.deferred)
+
+    def stop(self, goodbye: bool = True) -> None:
+        if goodbye:
+            self.send(Goodbye(self.spec.worker_id, self.epoch, "stopping"))
+        self.socket.close()
+
+    # -- messages --------------------------------------------------------------------------------------
+
+    def receive(self) -> None:
+        while True:
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode(frames)
+            except WireError as exc:
+                log.warning("%s: dropped a malformed message: %s", self.spec.worker_id, exc)
+                continue
+            self.handle(msg)
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, PrefillRequest):
+            self.requests += 1
+            self.engine.add(self.sequence(msg, list(msg.prompt_token_ids) + list(msg.output_token_ids),
+                                          len(msg.output_token_ids), hold=True, lease_s=msg.lease_s))
+        elif isinstance(msg, DecodeRequest):
+            self.requests += 1
+            self._decode(msg)
+        elif isinstance(msg, ReleaseKV):
+            self.leases.pop(msg.request_id, None)
+            self.engine.release(msg.request_id)
+        elif isinstance(msg, Abort):
+            self.leases.pop(msg.request_id, None)
+            self.pulls.pop(msg.request_id, None)
+            self.deferred = deque(s for s in self.deferred if s.request_id != msg.request_id)
+            self.engine.abort(msg.request_id)
+        elif isinstance(msg, RegisterAck):
+            self.registered = msg.accepted
+            if not msg.accepted:
+                log.error("%s: the proxy refused it: %s", self.spec.worker_id, msg.reason)
+        elif isinstance(msg, Reregister):
+            self.send(self.register_message())
+        elif not isinstance(msg, (Peers, Tune)):
+            log.debug("%s: ignored a %s", self.spec.worker_id, type(msg).__name__)
+        self.kick()
+
+    def sequence(self, msg, prompt: list[int], produced: int, **kwargs) -> SimSequence:
+        """The engine's sequence for a request: it stops at ``max_tokens``, or where the model would stop of
+        itself (``output_limit``)."""
+        params = msg.params
+        limit = min(params.max_tokens, self.output_limit(msg))
+        return SimSequence(msg.request_id, prompt, max(limit - produced, 0), msg.seed, produced, msg.cache_salt,
+                           logprobs=params.logprobs, max_tokens=params.max_tokens, **kwargs)
+
+    def output_limit(self, msg) -> int:
+        """How many tokens the simulated model generates before it stops by itself: it does not."""
+        return msg.params.max_tokens
+
+    def finish_reason(self, seq: SimSequence, produced: int) -> str:
+        return "length" if produced >= seq.max_tokens else "stop"
+
+    def text_of(self, seq: SimSequence, position: int, token: int) -> str:
+        return self.token_text(token)
+
+    @staticmethod
+    def logprobs_of(seq: SimSequence, position: int, token: int) -> tuple[float | None, list | None]:
+        """The simulated model's logprob of its token, and ``seq.logprobs`` alternatives after it."""
+        if seq.logprobs is None:
+            return None, None
+        logprob = -(position + 1) / 10
+        return logprob, [[token + j, logprob - j] for j in range(seq.logprobs)]
+
+    def cached_tokens(self, seq: SimSequence) -> int:
+        return seq.cached_tokens
+
+    def _decode(self, msg: DecodeRequest) -> None:
+        produced = len(msg.output_token_ids) + (msg.first_token is not None)
+        prompt = list(msg.prompt_token_ids) + list(msg.output_token_ids)
+        if msg.first_token is not None:
+            prompt.append(msg.first_token)
+        seq = self.sequence(msg, prompt, produced)
+        pages = msg.first_token is not None and msg.source_block_ids
+        if seq.max_new <= 0 and not pages:
+            return
+        if not pages:
+            self.engine.add(seq)  # prefilled here
+            return
+        self.pulls[msg.request_id] = seq
+        size = len(prompt) * self.bytes_per_token
+        seconds = size * 8 / (self.spec.transfer_gbps * 1e9) * (self.spec.time_scale > 0)
+        self.host.after(seconds, lambda: self._pulled(msg, seq, size, seconds))
+
+    def _pulled(self, msg: DecodeRequest, seq: SimSequence, size: int, seconds: float) -> None:
+        if self.pulls.pop(msg.request_id, None) is None:
+            return  # aborted meanwhile
+        self.send(KVPulled(msg.request_id, msg.source_worker_id or "", True, num_bytes=size, seconds=seconds))
+        if seq.max_new > 0:
+            self.deferred.append(seq)
+        self.kick()
+
+    # -- steps -----------------------------------------------------------------------------------------
+
+    def kick(self) -> None:
+        """Start a step if none runs and there is work."""
+        while self.deferred and self.engine.add_decoding(self.deferred[0]):
+            self.deferred.popleft()
+        if self.stepping:
+            return
+        plan = self.engine.plan()
+        if plan.empty:
+            return
+        self.stepping = True
+        self.step_seconds.append(plan.seconds)
+        self.host.after(plan.seconds, lambda: self._step_done(plan))
+
+    def _step_done(self, plan) -> None:
+        self.stepping = False
+        result = self.engine.finish(plan)
+        now = time.monotonic()
+        for seq in result.prefilled:
+            if seq.hold:  # a prefill worker's: hand the pages off, keep them until released or the lease ends
+                position = seq.produced
+                token = self.engine.first_token(seq)
+                logprob, top = self.logprobs_of(seq, position, token)
+                done = seq.max_new <= 1
+                self.send(PrefillDone(seq.request_id, self.spec.worker_id, self.epoch, token,
+                                      self.text_of(seq, position, token), list(seq.blocks), self.cached_tokens(seq),
+                                      finish_reason=self.finish_reason(seq, position + 1) if done else None,
+                                      logprob=logprob, top_logprobs=top))
+                self.tokens += 1
+                self.leases[seq.request_id] = _Pending(seq, now + seq.lease_s)
+                self.host.after(seq.lease_s, lambda rid=seq.request_id: self._lease_over(rid))
+        deltas = []
+        for seq, token, done in result.tokens:
+            position = seq.produced + seq.emitted - 1
+            logprob, top = self.logprobs_of(seq, position, token)
+            deltas.append(TokenDelta(seq.request_id, [token], self.text_of(seq, position, token),
+                                     finish_reason=self.finish_reason(seq, position + 1) if done else None,
+                                     logprobs=None if logprob is None else [logprob],
+                                     top_logprobs=None if top is None else [top],
+                                     num_cached_tokens=self.cached_tokens(seq)))
+        if deltas:
+            self.tokens += len(deltas)
+            self.send(TokenDeltas(deltas))
+        self.kick()
+
+    def _lease_over(self, request_id: str) -> None:
+        pending = self.leases.get(request_id)
+        if pending is not None and time.monotonic() >= pending.lease_ends - 1e-3:
+            del self.leases[request_id]
+            self.engine.release(request_id)
+
+
+class SimHost:
+    """Many simulated workers in one thread: their sockets in one poller, their timers in one heap."""
+
+    def __init__(self, profile: StepProfile, token_text: Callable[[int], str] = str) -> None:
+        self.profile = profile
+        self.token_text = token_text
+        self.context = zmq.Context()
+        self.poller = zmq.Poller()
+        self.waker = Waker()  # calls from other threads (``call_soon_threadsafe``) wake the poll
+        self.poller.register(self.waker.fd, zmq.POLLIN)
+        self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.workers: dict[zmq.Socket, SimWorker] = {}
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._order = itertools.count()
+        self.lags: deque[float] = deque(maxlen=20_000)  # how late timers ran, seconds
+        self._rss_base = _rss_mib()
+
+    def add(self, spec: SimSpec, endpoint: str, worker_class: type[SimWorker] | None = None, **kwargs) -> SimWorker:
+        """A worker of ``spec`` for the proxy at ``endpoint``, started (it registers); ``worker_class``: a
+        ``SimWorker`` subclass, given ``kwargs`` besides."""
+        worker = (worker_class or SimWorker)(spec, self.profile, endpoint, self, self.token_text, **kwargs)
+        worker.start(self.context)
+        self.poller.register(worker.socket, zmq.POLLIN)
+        self.workers[worker.socket] = worker
+        return worker
+
+    def at(self, when: float, callback: Callable[[], None]) -> None:
+        heapq.heappush(self._timers, (when, next(self._order), callback))
+
+    def after(self, seconds: float, callback: Callable[[], None]) -> None:
+        self.at(time.monotonic() + seconds, callback)
+
+    def run(self, until: Callable[[], bool]) -> None:
+        """Serve until ``until()`` is true (checked at least every 50 ms)."""
+        while not until():
+            now = time.monotonic()
+            while self._timers and self._timers[0][0] <= now:
+                due, _, callback = heapq.heappop(self._timers)
+                if due > 0:
+                    self.lags.append(now - due)
+                callback()
+                now = time.monotonic()
+            wait_ms = 50 if not self._timers else max(0, min(50, (self._timers[0][0] - now) * 1e3))
+            for sock, _ in self.poller.poll(wait_ms):
+                if sock == self.waker.fd:
+                    self.waker.drain()
+                    while not self._calls.empty():
+                        self._calls.get_nowait()()
+                else:
+                    self.workers[sock].receive()
+
+    def call_soon_threadsafe(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` in the host's thread, at its next turn."""
+        self._calls.put(callback)
+        self.waker.wake()
+
+    def drain(self, timeout_s: float) -> None:
+        """Stop taking work (heartbeats say draining), let what runs finish within ``timeout_s``, say goodbye."""
+        for worker in self.workers.values():
+            worker.draining = True
+        deadline = time.monotonic() + timeout_s
+        self.run(lambda: time.monotonic() > deadline or not any(w.busy for w in self.workers.values()))
+        self.close()
+
+    def close(self, goodbye: bool = True) -> None:
+        for worker in self.workers.values():
+            worker.stop(goodbye)
+        self.poller.unregister(self.waker.fd)
+        self.waker.close()
+        self.context.term()
+
+    def stats(self) -> dict:
+        lags = sorted(self.lags)
+        steps = [s for w in self.workers.values() for s in w.step_seconds if s > 0]
+        lag_p99 = lags[int(0.99 * (len(lags) - 1))] if lags else 0.0
+        rss = _rss_mib()
+        step_p50 = statistics.median(steps) if steps else 0.0
+        return {"workers": len(self.workers), "requests": sum(w.requests for w in self.workers.values()),
+                "tokens": sum(w.tokens for w in self.workers.values()), "lag_p99_ms": round(lag_p99 * 1e3, 3),
+                "step_p50_ms": round(step_p50 * 1e3, 3),
+                "timing_valid": bool(step_p50) and lag_p99 <= MAX_LAG_SHARE * step_p50,
+                "used_blocks": sum(w.engine.blocks.num_used_blocks for w in self.workers.values()),
+                "held_pages": sum(len(w.engine.held) for w in self.workers.values()),
+                "rss_mib": round(rss, 1),  # the process; per worker: what it grew by since the host began
+                "mib_per_worker": round((rss - self._rss_base) / max(len(self.workers), 1), 2)}
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+
+
+def token_texts(tokenizer) -> Callable[[int], str]:
+    """Each simulated token id's text from ``tokenizer`` (a table made once), for realistic stream chunks."""
+    table = [tokenizer.decode([FIRST_TOKEN_ID + i]) for i in range(min(TOKEN_RANGE, tokenizer.vocab_size - FIRST_TOKEN_ID))]
+    return lambda token: table[(token - FIRST_TOKEN_ID) % len(table)]
+

@@ -1,0 +1,118 @@
+"""Simulated workers (``tessera sim-worker``, bench/sim/) behind a real proxy: the wire protocol, prefix hits
+from the real block manager, pages all given back, and a drain on SIGTERM."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from bench.sim.profile import StepProfile
+from bench.sim.worker import SimHost, SimSpec, token_texts
+from tests.e2e.proxy_harness import MODEL, RunningProxy, proxy_config, tokenizer, wait_until  # noqa: F401 -- fixture
+
+
+class HostThread:
+    """A SimHost serving from a thread of its own (its sockets live in that thread)."""
+
+    def __init__(self, endpoint: str, specs: list[SimSpec], tokenizer) -> None:
+        self.stop = threading.Event()
+        self.host: SimHost | None = None
+        self._args = endpoint, specs, tokenizer
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.host is not None and all(w.registered for w in self.host.workers.values()),
+                   what="the simulated workers to register")
+
+    def _serve(self) -> None:
+        endpoint, specs, tokenizer = self._args
+        host = SimHost(StepProfile.load(), token_texts(tokenizer))
+        for spec in specs:
+            host.add(spec, endpoint)
+        self.host = host
+        host.run(self.stop.is_set)
+        host.drain(5.0)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(15)
+
+
+@pytest.fixture(params=[0.0, 1.0], ids=["no-step-time", "profiled-step-time"])
+def simulated(request, embedded_model_dir, tokenizer):
+    proxy = RunningProxy(proxy_config(embedded_model_dir, heartbeat_timeout_s=5.0), tokenizer)
+    specs = [SimSpec(f"s-p{i}", "prefill", MODEL, num_blocks=2048, time_scale=request.param,
+                     heartbeat_interval_s=0.2) for i in range(2)]
+    specs += [SimSpec(f"s-d{i}", "decode", MODEL, num_blocks=2048, time_scale=request.param,
+                      heartbeat_interval_s=0.2) for i in range(2)]
+    hosts = HostThread(proxy.endpoint, specs, tokenizer)
+    wait_until(lambda: proxy.http.get("/readyz").status_code == 200, what="the proxy to be ready")
+    yield proxy, hosts
+    hosts.close()
+    proxy.stop()
+
+
+def chat(proxy: RunningProxy, content: str, max_tokens: int) -> tuple[str, dict]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "stream": True, "stream_options": {"include_usage": True}}
+    text, usage = "", None
+    with proxy.http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"]:
+                text += chunk["choices"][0]["delta"].get("content", "")
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    return text, usage
+
+
+def test_requests_through_simulated_workers_get_their_tokens_and_free_every_page(simulated, tokenizer):
+    proxy, hosts = simulated
+    long_prompt = "Tell me about the history of the harbour and its ships. " * 20
+    text, usage = chat(proxy, long_prompt, 24)
+    assert usage["completion_tokens"] == 24 and text
+    _, again = chat(proxy, long_prompt, 8)  # routed by prefix to the prefill worker that has it cached
+    assert again["prompt_tokens_details"]["cached_tokens"] >= 16 * (usage["prompt_tokens"] // 16) - 16
+    results = []
+    threads = [threading.Thread(target=lambda i=i: results.append(chat(proxy, f"Stream {i}: a story.", 16)))
+               for i in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(u["completion_tokens"] for _, u in results) == [16] * 12
+    host = hosts.host
+    wait_until(lambda: host.stats()["used_blocks"] == 0 and host.stats()["held_pages"] == 0,
+               what="every simulated worker to get its pages back")
+    assert host.stats()["requests"] >= 2 * 14  # a prefill and a decode request each
+
+
+def test_the_command_hosts_workers_and_drains_on_sigterm(embedded_model_dir, tokenizer, tmp_path):
+    proxy = RunningProxy(proxy_config(embedded_model_dir, heartbeat_timeout_s=5.0), tokenizer)
+    stats = tmp_path / "stats.json"
+    proc = subprocess.Popen([sys.executable, "-m", "common.cli.main", "sim-worker", "--proxy", proxy.endpoint,
+                             "--prefill", "3", "--decode", "5", "--heartbeat-interval-s", "0.2", "--stats", str(stats)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: len(proxy.services.cluster.registry.workers) == 8, timeout=60,
+                   what="eight simulated workers to register")
+        wait_until(lambda: proxy.http.get("/readyz").status_code == 200, what="the proxy to be ready")
+        _, usage = chat(proxy, "Hello there.", 12)
+        assert usage["completion_tokens"] == 12
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0
+        final = json.loads(out.strip().splitlines()[-1])
+        assert final["workers"] == 8 and final["requests"] >= 2 and final["used_blocks"] == 0
+        assert json.loads(stats.read_text())["workers"] == 8
+        wait_until(lambda: not proxy.services.cluster.registry.workers, what="the workers' goodbyes")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proxy.stop()
