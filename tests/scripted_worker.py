@@ -1,44 +1,99 @@
-"""A scripted worker without a model, speaking the real wire protocol over a real DEALER.
+"""The tests' worker double: the simulated worker (``tessera sim-worker``, bench/sim/) with a script of its output.
 
-A test double for the proxy (and a load generator's stand-in for a worker):
-it registers, heartbeats, and answers from a script of ``(token_id, text)``
-pairs instead of a model. It runs in its own thread with its own ZeroMQ
-context, so a test drives it from outside:
+There is one double. ``FakeWorker`` is a ``bench.sim.worker.SimWorker`` (the real wire protocol, a real block
+manager, continuous batching) run in a thread of its own with its own ZeroMQ context, whose model answers from a
+script of ``(token_id, text)`` pairs and whose steps take a fixed time, so that a test drives it from outside:
 
     worker = FakeWorker(endpoint, "p0", "prefill", script).start_and_wait()
     ...
     worker.wait_for(lambda m: isinstance(m, ReleaseKV))
     worker.stop()
 
-- prefill: PrefillRequest -> PrefillDone(first scripted token, pages held
-  until ReleaseKV or Abort), reporting ``cached_tokens`` of the prompt (at
-  most all of it) as found in a prefix cache.
+- prefill: PrefillRequest -> PrefillDone (the first scripted token; its pages held until ReleaseKV, Abort or
+  the lease ends), reporting ``cached_tokens`` of the prompt (at most all of it) as found in a prefix cache.
 - decode / both: DecodeRequest -> KVPulled when it names pages, then one token per step, a step every
-  ``token_interval_s`` (with 0, every turn of its loop). Like a real decode worker's, a step is one TokenDeltas
-  carrying one TokenDelta for each request decoding; the last has finish_reason "length" when max_tokens ran
-  out, else "stop". Abort stops it.
+  ``token_interval_s`` (0: every turn of its loop); a step is one TokenDeltas carrying one TokenDelta for each
+  request decoding. Prompts are computed in steps of no time. The last delta has finish_reason "length" when
+  max_tokens ran out before the script, else "stop". Abort stops it.
 - A resumed request (``output_token_ids``) continues the script after its output so far.
-- With logprobs asked for, token i gets logprob ``-(i + 1) / 10`` and k
-  alternatives ``[token + j, logprob - j]``.
-- ``stall=True`` records requests and never answers (for timeouts and
-  disconnects); ``heartbeats=False`` goes silent; ``send_raw`` sends any frames.
+- With logprobs asked for, token i gets logprob ``-(i + 1) / 10`` and k alternatives ``[token + j, logprob - j]``.
+- ``stall=True`` records requests and never answers (for timeouts and disconnects); ``heartbeats=False`` goes
+  silent; ``send_raw`` sends any frames; ``step_cost`` is the step model its heartbeats report (None: none).
 """
 from __future__ import annotations
 
-import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 
-import zmq
-
-from common.protocol.wire import (
-    Abort, DecodeRequest, Goodbye, Heartbeat, KVLayoutInfo, KVPulled, PrefillDone, PrefillRequest, Register,
-    RegisterAck, ReleaseKV, TokenDelta, TokenDeltas, decode, encode,
-)
+from bench.sim.engine import SimEngine, StepPlan
+from bench.sim.profile import StepProfile
+from bench.sim.worker import SimHost, SimSpec, SimWorker
+from common.protocol.control import Register, Reregister
+from common.protocol.wire import (DecodeRequest, Goodbye, Heartbeat, KVLayoutInfo, PrefillRequest, RegisterAck,
+                                  StepCostModel, encode)
 
 DEFAULT_LAYOUT = KVLayoutInfo(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")
+
+
+class _ScriptedEngine(SimEngine):
+    """Prompts in steps of no time; decode steps of the fixed ``token_interval_s`` (the profile's constant)."""
+
+    def plan(self) -> StepPlan:
+        plan = super().plan()
+        if plan.chunks and plan.decode:  # a prompt step takes no time, so decoding waits for the next one
+            plan = StepPlan([], plan.chunks, 0.0)
+        elif plan.chunks:
+            plan.seconds = 0.0
+        return plan
+
+
+class _Scripted(SimWorker):
+    """The simulated worker, answering from ``fake``'s script and reporting what ``fake`` says."""
+
+    def __init__(self, *args, fake: FakeWorker) -> None:
+        super().__init__(*args)
+        self.fake = fake
+        self.epoch = fake.epoch
+        spec, script = self.spec, fake.script
+        self.engine = _ScriptedEngine(self.cost.step_ms, spec.num_blocks, spec.kv_layout.block_size, spec.max_num_seqs,
+                                      spec.max_num_batched_tokens, 1.0, prefill_only=spec.role == "prefill",
+                                      token_of=lambda seq, position: script[position][0])
+
+    def register_message(self) -> Register:
+        return self.fake.register_msg
+
+    def heartbeat_message(self) -> Heartbeat | None:
+        fake, engine = self.fake, self.engine
+        if not fake.heartbeats:
+            return None
+        running = self.decoding()
+        return Heartbeat(self.spec.worker_id, self.epoch, engine.blocks.num_free_blocks, running, 0, 0, fake.draining,
+                         100 * running, fake.step_cost)
+
+    def handle(self, msg) -> None:
+        self.fake.record(msg)
+        if isinstance(msg, Reregister) or (self.fake.stall and isinstance(msg, (PrefillRequest, DecodeRequest))):
+            return  # a test registers it again itself, if it wants to
+        super().handle(msg)
+
+    def output_limit(self, msg) -> int:
+        return len(self.fake.script)
+
+    def finish_reason(self, seq, produced: int) -> str:
+        return "length" if seq.max_tokens <= produced < len(self.fake.script) else "stop"
+
+    def text_of(self, seq, position: int, token: int) -> str:
+        return self.fake.script[position][1]
+
+    def cached_tokens(self, seq) -> int:
+        """As scripted: ``cached_tokens`` of the prompt on the prefill side, none reported on the decode side."""
+        return min(self.fake.cached_tokens, len(seq.prompt)) if seq.hold else 0
+
+    def decoding(self) -> int:
+        engine = self.engine
+        return (len(engine.running) + len(self.deferred) + len(self.pulls)
+                + sum(1 for seq in engine.waiting if not seq.hold))
 
 
 class FakeWorker:
@@ -62,11 +117,10 @@ class FakeWorker:
         self.draining = False
         self.step_cost = None  # a StepCostModel its heartbeats report, as a real worker's fitted step time
         self.received: list = []  # every message from the proxy, in order
-        self.held_pages: set[str] = set()  # prefill: requests whose pages wait for ReleaseKV
         self._lock = threading.Condition()
-        self._outgoing: queue.Queue[list[bytes]] = queue.Queue()
-        self._streams: dict[str, deque[TokenDelta]] = {}  # request id -> its tokens still to send, in order
-        self._next_step = 0.0  # when the next decode step is due
+        self._host: SimHost | None = None
+        self._worker: _Scripted | None = None
+        self._ready = threading.Event()
         self._stop = threading.Event()
         self._goodbye = True
         self._thread = threading.Thread(target=self._run, name=f"fake-worker-{worker_id}", daemon=True)
@@ -75,6 +129,7 @@ class FakeWorker:
 
     def start(self) -> FakeWorker:
         self._thread.start()
+        self._ready.wait(10)
         return self
 
     def start_and_wait(self, timeout: float = 10.0) -> FakeWorker:
@@ -100,117 +155,52 @@ class FakeWorker:
         with self._lock:
             return [m for m in self.received if isinstance(m, kind)]
 
+    def record(self, msg) -> None:
+        with self._lock:
+            self.received.append(msg)
+            self._lock.notify_all()
+
     def send(self, msg) -> None:
-        self._outgoing.put(encode(msg))
+        self.send_raw(encode(msg))
 
     def send_raw(self, frames: list[bytes]) -> None:
-        self._outgoing.put(frames)
+        self._host.call_soon_threadsafe(lambda: self._worker.socket.send_multipart(frames))
 
     def stop(self, goodbye: bool = True, timeout: float = 5.0) -> None:
         self._goodbye = goodbye
         self._stop.set()
         self._thread.join(timeout)
 
-    # -- the worker's loop ----------------------------------------------------------------------
-
-    def _run(self) -> None:
-        context = zmq.Context()
-        sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
-        sock.setsockopt(zmq.LINGER, 1000)
-        sock.connect(self.address)
-        sock.send_multipart(encode(self.register_msg))
-        next_heartbeat = 0.0
-        try:
-            while not self._stop.is_set():
-                now = time.monotonic()
-                if self.heartbeats and now >= next_heartbeat:
-                    sock.send_multipart(encode(self._heartbeat()))
-                    next_heartbeat = now + self.heartbeat_interval_s
-                while not self._outgoing.empty():
-                    sock.send_multipart(self._outgoing.get_nowait())
-                if self._streams and now >= self._next_step:
-                    sock.send_multipart(encode(self._step()))
-                    self._next_step = max(self._next_step + self.token_interval_s, now)
-                wait_ms = 5 if not self._streams else max(0, min(5, int((self._next_step - now) * 1000)))
-                if sock.poll(wait_ms):
-                    self._handle(decode(sock.recv_multipart()))
-            if self._goodbye:
-                sock.send_multipart(encode(Goodbye(self.worker_id, self.epoch, "stopping")))
-        finally:
-            sock.close()
-            context.term()
-
-    def _step(self) -> TokenDeltas:
-        """One decode step: the next token of every request decoding."""
-        deltas = [stream.popleft() for stream in self._streams.values()]
-        self._streams = {request_id: stream for request_id, stream in self._streams.items() if stream}
-        return TokenDeltas(deltas)
-
-    def _heartbeat(self) -> Heartbeat:
-        used = 2 * len(self.held_pages)
-        running = len(self._streams)
-        return Heartbeat(self.worker_id, self.epoch, self.register_msg.num_blocks - used, running, 0, 0,
-                         self.draining, 100 * running, self.step_cost)
+    @property
+    def held_pages(self) -> set[str]:
+        """Prefill: requests whose pages wait for ReleaseKV."""
+        return set(self._worker.engine.held) if self._worker is not None else set()
 
     def decoding(self) -> int:
         """Requests with tokens still to send."""
-        return len(self._streams)
+        return self._worker.decoding() if self._worker is not None else 0
 
-    def _handle(self, msg) -> None:
-        with self._lock:
-            self.received.append(msg)
-            self._lock.notify_all()
-        if isinstance(msg, (Abort, ReleaseKV)):
-            self.held_pages.discard(msg.request_id)
-            if isinstance(msg, Abort):
-                self._streams.pop(msg.request_id, None)
-        elif self.stall:
-            return
-        elif isinstance(msg, PrefillRequest):
-            self._prefill(msg)
-        elif isinstance(msg, DecodeRequest):
-            self._decode(msg)
+    # -- the worker's thread --------------------------------------------------------------------
 
-    def _prefill(self, msg: PrefillRequest) -> None:
-        position = len(msg.output_token_ids)  # a resumed request goes on with the script where it stopped
-        token, text = self.script[position]
-        logprob, top = self._logprobs(msg.params, position, token)
-        done = msg.params.max_tokens <= position + 1 or len(self.script) == position + 1
-        self.held_pages.add(msg.request_id)
-        num_tokens = len(msg.prompt_token_ids) + position
-        blocks = list(range(-(-num_tokens // self.register_msg.kv_layout.block_size)))
-        cached = min(self.cached_tokens, len(msg.prompt_token_ids))
-        self.send(PrefillDone(msg.request_id, self.worker_id, self.epoch, token, text, blocks, cached,
-                              finish_reason=self._finish_reason(msg.params, position + 1) if done else None,
-                              logprob=logprob, top_logprobs=top))
-
-    def _decode(self, msg: DecodeRequest) -> None:
-        start = len(msg.output_token_ids)
-        if msg.first_token is not None:
-            start += 1
-            self.send(KVPulled(msg.request_id, msg.source_worker_id or "", True,
-                               num_bytes=4096 * len(msg.source_block_ids), seconds=0.002))
-        end = min(len(self.script), msg.params.max_tokens)
-        stream = deque()
-        for i in range(start, end):
-            token, text = self.script[i]
-            logprob, top = self._logprobs(msg.params, i, token)
-            finish = self._finish_reason(msg.params, i + 1) if i == end - 1 else None
-            stream.append(TokenDelta(msg.request_id, [token], text, finish_reason=finish,
-                                     logprobs=None if logprob is None else [logprob],
-                                     top_logprobs=None if top is None else [top]))
-        if stream:
-            if not self._streams:  # an idle worker's first step is one interval away
-                self._next_step = max(self._next_step, time.monotonic() + self.token_interval_s)
-            self._streams[msg.request_id] = stream
-
-    def _finish_reason(self, params, produced: int) -> str:
-        return "length" if produced >= params.max_tokens and produced < len(self.script) else "stop"
-
-    @staticmethod
-    def _logprobs(params, position: int, token: int) -> tuple[float | None, list | None]:
-        if params.logprobs is None:
-            return None, None
-        logprob = -(position + 1) / 10
-        return logprob, [[token + j, logprob - j] for j in range(params.logprobs)]
+    def _run(self) -> None:
+        interval_ms = 1e3 * self.token_interval_s
+        constant = StepCostModel(small_max_rows=0, small=[], large=[interval_ms, 0.0, 0.0, 0.0, 0.0],
+                                 mixed=[interval_ms, 0.0, 0.0, 0.0, 0.0])
+        host = SimHost(StepProfile(constant, {"model": "scripted"}))
+        layout = self.register_msg.kv_layout
+        # it runs whatever the proxy sends at once: the slots it registers are the proxy's to keep (a test of
+        # admission would otherwise see this double's queue instead)
+        spec = SimSpec(self.worker_id, self.role, self.register_msg.model, self.register_msg.model_version,
+                       self.register_msg.num_blocks, 1 << 20,
+                       max_model_len=self.register_msg.max_model_len, kv_layout=layout,
+                       heartbeat_interval_s=self.heartbeat_interval_s, transfer_gbps=1e6)
+        try:
+            self._worker = host.add(spec, self.address, _Scripted, fake=self)
+            self._host = host
+            self._ready.set()
+            host.run(self._stop.is_set)
+        finally:
+            self._ready.set()
+            if self._goodbye and self._worker is not None:
+                self._worker.send(Goodbye(self.worker_id, self.epoch, "stopping"))
+            host.close(goodbye=False)
