@@ -4,9 +4,10 @@
                                [--workers 4] [--baseline TREE] [--profile FILE] [--json FILE]
 
 One ``tessera proxy`` process (its own, so that its CPU time can be read from ``/proc``) serves ``--workers``
-scripted prefill and as many scripted decode workers (``tests/scripted_worker.py``: the real wire protocol, no
-model; a decode worker runs a step every ``--token-interval-s`` and, as a real one does, sends one message per
-step carrying a token for each of its requests). ``--streams`` closed-loop clients stream chat completions of
+simulated prefill and as many simulated decode workers (bench/sim/: the real wire protocol and block manager,
+no model, all in one thread of a process of their own; a decode worker runs a step every
+``--token-interval-s`` and, as a real one does, sends one message per step carrying a token for each of its
+requests). ``--streams`` closed-loop clients stream chat completions of
 ``--tokens`` tokens each. Over ``--seconds`` after a warm-up, the proxy's user + system CPU time is divided by the
 requests completed and by the tokens streamed (counted from each response's ``usage``, not from its SSE events).
 
@@ -33,7 +34,6 @@ import time
 from pathlib import Path
 
 import httpx
-import msgspec
 
 from bench.arch_compare import cpu_seconds, tree_env
 from common.cli.local_cluster import free_port
@@ -42,15 +42,6 @@ from common.storage.model_store import resolve_model
 from common.text.tokenizer import Tokenizer
 
 MODEL = "SmolLM2-135M-Instruct"
-WORDS = "the quick brown fox jumps over a lazy dog while seven tall ships sail past the old grey harbour"
-
-
-def script(tokenizer: Tokenizer, length: int) -> list[tuple[int, str]]:
-    """``length`` (token id, text so far) pairs, as the scripted workers answer."""
-    ids = tokenizer.encode(" " + " ".join([WORDS] * (length // 10 + 2)), add_special_tokens=False)[:length]
-    return [(token, tokenizer.decode(ids[: i + 1])) for i, token in enumerate(ids)]
-
-
 def start_proxy(port: int, worker_port: int, model_dir: Path, tree: Path | None = None,
                 extra: list[str] = ()) -> subprocess.Popen:
     settings = {"port": port, "worker_bind": f"tcp://127.0.0.1:{worker_port}", "model": model_dir,
@@ -63,31 +54,26 @@ def start_proxy(port: int, worker_port: int, model_dir: Path, tree: Path | None 
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **source)
 
 
-def serve_workers(endpoint: str, count: int, lines: list, interval_s: float) -> int:
-    """The scripted workers, in a process of their own (the clients' would hold their steps back), until SIGTERM."""
+def serve_workers(endpoint: str, count: int, interval_s: float, model_dir: Path) -> int:
+    """``count`` simulated prefill and as many decode workers (bench/sim/) in one thread of a process of their
+    own (the clients' would hold their steps back): decode steps of ``interval_s``, prompts at once, 1024 slots
+    each. Until SIGTERM."""
+    from bench.sim.profile import StepProfile
+    from bench.sim.worker import SimHost, SimSpec, token_texts
+
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    workers = start_workers(endpoint, count, lines, interval_s)
-    print("ready", flush=True)
-    stop.wait()
-    for worker in workers:
-        worker.stop(goodbye=False)
-    return 0
-
-
-def start_workers(endpoint: str, count: int, lines: list, interval_s: float) -> list:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.scripted_worker import FakeWorker  # the project's wire-level test double
-
-    workers = []
+    steady = StepCostModel(small_max_rows=0, small=[], large=[1e3 * interval_s, 0.0, 0.0, 0.0, 0.0])
+    host = SimHost(StepProfile(steady, {"model": "steady"}), token_texts(Tokenizer(model_dir)))
     for i in range(count):
         for role in ("prefill", "decode"):
-            worker = FakeWorker(endpoint, f"{role[0]}{i}", role, lines, token_interval_s=interval_s,
-                                heartbeat_interval_s=0.5)
-            worker.register_msg = msgspec.structs.replace(worker.register_msg, max_num_seqs=1024)
-            worker.step_cost = StepCostModel(small_max_rows=0, small=[], large=[1.0, 0.001, 0.0, 0.0, 0.0])
-            workers.append(worker.start_and_wait(timeout=60))
-    return workers
+            host.add(SimSpec(f"{role[0]}{i}", role, MODEL, max_num_seqs=1024, heartbeat_interval_s=0.5,
+                             fixed_step_s=interval_s), endpoint)
+    host.run(lambda: all(w.registered for w in host.workers.values()))
+    print("ready", flush=True)
+    host.run(stop.is_set)
+    host.close(goodbye=False)
+    return 0
 
 
 class StreamClient:
@@ -216,14 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-workers", metavar="ENDPOINT", help=argparse.SUPPRESS)  # the workers' process
     args = parser.parse_args(argv)
     model_dir = resolve_model("embedded", "float32")
-    lines = script(Tokenizer(model_dir), args.tokens)
     if args.serve_workers:
-        return serve_workers(args.serve_workers, args.workers, lines, args.token_interval_s)
+        return serve_workers(args.serve_workers, args.workers, args.token_interval_s, model_dir)
     runs = {}
     if args.baseline is not None:
-        runs["baseline"] = measure(args, model_dir, lines, args.baseline.resolve(), None)
+        runs["baseline"] = measure(args, model_dir, args.baseline.resolve(), None)
         print(json.dumps({"baseline": runs["baseline"]}), flush=True)
-    runs["this"] = measure(args, model_dir, lines, None, args.profile)
+    runs["this"] = measure(args, model_dir, None, args.profile)
     result = {**runs["this"], "streams": args.streams, "tokens_per_request": args.tokens,
               "token_interval_s": args.token_interval_s, "workers": 2 * args.workers, "profiled": bool(args.profile),
               "settings": args.set}
@@ -240,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def measure(args, model_dir: Path, lines: list, tree: Path | None, profile: Path | None) -> dict:
+def measure(args, model_dir: Path, tree: Path | None, profile: Path | None) -> dict:
     """One proxy (``tree``'s, or this checkout's) with its own workers and clients."""
     port, worker_port = free_port(), free_port()
     proxy = start_proxy(port, worker_port, model_dir, tree, args.set if tree is None else [])
@@ -259,8 +244,8 @@ def measure(args, model_dir: Path, lines: list, tree: Path | None, profile: Path
             time.sleep(0.3)
         workers = subprocess.Popen(
             [sys.executable, "-m", "bench.proxy_cost", "--serve-workers", f"tcp://127.0.0.1:{worker_port}",
-             "--workers", str(args.workers), "--tokens", str(args.tokens), "--token-interval-s",
-             str(args.token_interval_s)], stdout=subprocess.PIPE, text=True)
+             "--workers", str(args.workers), "--token-interval-s", str(args.token_interval_s)],
+            stdout=subprocess.PIPE, text=True)
         if workers.stdout.readline().strip() != "ready":
             raise RuntimeError("the scripted workers did not start")
         time.sleep(2)  # heartbeats: the proxy has the workers' step model

@@ -26,7 +26,6 @@ import threading
 import time
 from collections.abc import Callable
 
-from bench.sim.engine import SimEngine, StepPlan
 from bench.sim.profile import StepProfile
 from bench.sim.worker import SimHost, SimSpec, SimWorker
 from common.protocol.control import Register, Reregister
@@ -36,18 +35,6 @@ from common.protocol.wire import (DecodeRequest, Goodbye, Heartbeat, KVLayoutInf
 DEFAULT_LAYOUT = KVLayoutInfo(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")
 
 
-class _ScriptedEngine(SimEngine):
-    """Prompts in steps of no time; decode steps of the fixed ``token_interval_s`` (the profile's constant)."""
-
-    def plan(self) -> StepPlan:
-        plan = super().plan()
-        if plan.chunks and plan.decode:  # a prompt step takes no time, so decoding waits for the next one
-            plan = StepPlan([], plan.chunks, 0.0)
-        elif plan.chunks:
-            plan.seconds = 0.0
-        return plan
-
-
 class _Scripted(SimWorker):
     """The simulated worker, answering from ``fake``'s script and reporting what ``fake`` says."""
 
@@ -55,10 +42,8 @@ class _Scripted(SimWorker):
         super().__init__(*args)
         self.fake = fake
         self.epoch = fake.epoch
-        spec, script = self.spec, fake.script
-        self.engine = _ScriptedEngine(self.cost.step_ms, spec.num_blocks, spec.kv_layout.block_size, spec.max_num_seqs,
-                                      spec.max_num_batched_tokens, 1.0, prefill_only=spec.role == "prefill",
-                                      token_of=lambda seq, position: script[position][0])
+        script = fake.script
+        self.engine.token_of = lambda seq, position: script[position][0]
 
     def register_message(self) -> Register:
         return self.fake.register_msg
@@ -184,8 +169,7 @@ class FakeWorker:
 
     def _run(self) -> None:
         interval_ms = 1e3 * self.token_interval_s
-        constant = StepCostModel(small_max_rows=0, small=[], large=[interval_ms, 0.0, 0.0, 0.0, 0.0],
-                                 mixed=[interval_ms, 0.0, 0.0, 0.0, 0.0])
+        constant = StepCostModel(small_max_rows=0, small=[], large=[interval_ms, 0.0, 0.0, 0.0, 0.0])
         host = SimHost(StepProfile(constant, {"model": "scripted"}))
         layout = self.register_msg.kv_layout
         # it runs whatever the proxy sends at once: the slots it registers are the proxy's to keep (a test of
@@ -193,7 +177,8 @@ class FakeWorker:
         spec = SimSpec(self.worker_id, self.role, self.register_msg.model, self.register_msg.model_version,
                        self.register_msg.num_blocks, 1 << 20,
                        max_model_len=self.register_msg.max_model_len, kv_layout=layout,
-                       heartbeat_interval_s=self.heartbeat_interval_s, transfer_gbps=1e6)
+                       heartbeat_interval_s=self.heartbeat_interval_s, transfer_gbps=1e6,
+                       fixed_step_s=self.token_interval_s)
         try:
             self._worker = host.add(spec, self.address, _Scripted, fake=self)
             self._host = host

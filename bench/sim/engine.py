@@ -80,7 +80,7 @@ class StepResult:
 class SimEngine:
     def __init__(self, step_ms: Callable[[int, int, int, int], float], num_blocks: int, block_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int, time_scale: float = 1.0, prefill_only: bool = False,
-                 token_of: Callable[[SimSequence, int], int] | None = None) -> None:
+                 token_of: Callable[[SimSequence, int], int] | None = None, fixed_step_s: float | None = None) -> None:
         self.step_ms = step_ms  # a step's milliseconds by its shape (StepProfile.step_ms, StepCostModel.step_ms)
         # the token at an output position: the simulated model's (``output_token``), or a script's (the tests')
         self.token_of = token_of or (lambda seq, position: output_token(seq.seed, position))
@@ -89,6 +89,9 @@ class SimEngine:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.time_scale = time_scale
+        # instead of the profile: a step of prompt chunks takes no time (decode rows wait for the next step), a
+        # step of decode rows this long (a script's steady token rate: the tests' double, bench.proxy_cost)
+        self.fixed_step_s = fixed_step_s
         self.prefill_only = prefill_only  # a prefill worker: a prefilled prompt's first token is its output
         self.waiting: deque[SimSequence] = deque()  # prompts to compute, in order
         self.running: list[SimSequence] = []  # decoding
@@ -149,6 +152,8 @@ class SimEngine:
             if take > 0:
                 chunks.append((seq, take))
                 budget -= take
+        if self.fixed_step_s is not None:
+            return StepPlan([], chunks, 0.0) if chunks else StepPlan(decode, [], self.fixed_step_s)
         decode_context = sum(seq.context for seq in decode)
         prompt_tokens = sum(take for _, take in chunks)
         pairs = sum(take * seq.computed + take * (take + 1) // 2 for seq, take in chunks)

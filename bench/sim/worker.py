@@ -58,6 +58,7 @@ class SimSpec:
     heartbeat_interval_s: float = 1.0
     transfer_gbps: float = 10.0  # KV pull bandwidth, gigabits a second
     time_scale: float = 1.0  # a step's time: the profile's times this; 0: no time
+    fixed_step_s: float | None = None  # instead: decode steps this long, prompt steps none (SimEngine)
 
 
 @dataclass
@@ -77,7 +78,8 @@ class SimWorker:
         self.epoch = time.time_ns()
         self.cost = profile.cost
         self.engine = SimEngine(profile.step_ms, spec.num_blocks, spec.kv_layout.block_size, spec.max_num_seqs,
-                                spec.max_num_batched_tokens, spec.time_scale, prefill_only=spec.role == "prefill")
+                                spec.max_num_batched_tokens, spec.time_scale, prefill_only=spec.role == "prefill",
+                                fixed_step_s=spec.fixed_step_s)
         self.socket: zmq.Socket | None = None
         self.registered = False
         self.draining = False
