@@ -15,9 +15,10 @@ requests completed and by the tokens streamed (counted from each response's ``us
 the same run against the same workers and clients, and reports this tree's cost as a ratio of it. The proxy
 runs from its tree with ``PYTHONPATH=<tree>``.
 
-``--profile FILE`` samples the proxy with py-spy (``pip install py-spy``; 100 samples a second, native frames
-off) over the measured window, writes the collapsed stacks to FILE and prints the functions that hold the most
-samples: by their own time, and with what they call.
+``--profile FILE`` samples the proxy with py-spy (``pip install py-spy``; 400 samples a second of the thread
+holding the GIL, so what the process computes rather than waits for; native frames too with
+``PROXY_COST_NATIVE=1``) over the measured window, writes the collapsed stacks to FILE and prints the functions
+that hold the most samples: by their own time, and with what they call.
 """
 from __future__ import annotations
 
@@ -159,7 +160,7 @@ async def drive(url: str, streams: int, tokens: int, seconds: float, warmup_s: f
         if spy is None:
             raise SystemExit("--profile needs py-spy: pip install py-spy")
         sampler = await asyncio.create_subprocess_exec(
-            spy, "record", "--pid", str(pid), "--rate", "400", "--gil", *(["--native"] if os.environ.get("PROXY_COST_NATIVE") else []), "--format", "raw", "--output",
+            spy, "record", "--pid", str(pid), "--rate", "400", "--gil", *NATIVE, "--format", "raw", "--output",
             str(profile), "--duration", str(int(seconds)), stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.DEVNULL)
     await asyncio.sleep(seconds)
@@ -262,6 +263,7 @@ def measure(args, model_dir: Path, tree: Path | None, profile: Path | None) -> d
             workers.wait(timeout=60)
 
 
+NATIVE = ["--native"] if os.environ.get("PROXY_COST_NATIVE") else []  # py-spy's native frames too
 IDLE_TOP = "_worker (concurrent/futures/thread.py:81)"
 
 

@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         step_error = abs(sim_step - real_step) / real_step
         tput_error = abs(sim_tput - real_tput) / real_tput
         worst = max(worst, step_error, tput_error)
-        rows.append({"batch": batch, "engine_step_ms": round(1e3 * real_step, 2), "sim_step_ms": round(1e3 * sim_step, 2),
+        rows.append({"batch": batch, "engine_step_ms": round(1e3 * real_step, 2),
+                     "sim_step_ms": round(1e3 * sim_step, 2),
                      "step_error": round(step_error, 3), "engine_tok_s": round(real_tput, 1),
                      "sim_tok_s": round(sim_tput, 1), "throughput_error": round(tput_error, 3)})
         print(f"| {batch} | {1e3 * real_step:.1f} ms | {1e3 * sim_step:.1f} ms | {100 * step_error:.1f}% | "

@@ -263,8 +263,7 @@ class Cluster(WorkerMembership):
         if route is None:
             return sub.reject(self._unavailable("no worker can take the request any more: every decode-capable "
                                                 "worker left or is draining"))
-        sub.route = route
-        sub.admitted_at = now
+        sub.route, sub.admitted_at = route, now
         if self.slo.forecast is not None:
             self.slo.admitted_to_prefill(sub, now)
         counter = self.admission.counters[sub.tenant]  # before this prompt is charged, as the worker sees it
@@ -275,9 +274,8 @@ class Cluster(WorkerMembership):
         return sub.start_prefill(route.worker, counter, now)
 
     def _candidates(self, sub: SubRequest) -> list:
-        """The workers ``sub`` may be routed to: those of its model version; a resumed one not to the worker it
-        left (it gave it back, or failed it; its prefix cache would draw a local prefill back there) while another
-        decode-capable worker can take it."""
+        """The workers ``sub`` may be routed to: those of its model version; a resumed one not to the worker it left
+        (it gave it back, or failed it; its cache would draw a local prefill back) while another decode one can."""
         version = STRUCTURED_SINCE if sub.params.structured is not None else 0  # older workers would drop it
         workers = [w for w in self.registry.workers.values()
                    if (sub.model is None or (w.model, w.model_version) == sub.model)  # prefill and decode: one version
@@ -389,7 +387,9 @@ class Cluster(WorkerMembership):
                     log.debug("aborting stray request %s on %r", delta.request_id, sender)
                     self.send(sender, Abort(delta.request_id))
         self.registry.observe_step(sender, len(msg.deltas), running_after, now)
-        self._dispatch()
+        if any(d.finish_reason is not None for d in msg.deltas) or self.admission.total(Stage.QUEUED) or \
+                self.admission.total(Stage.READY):  # else, at every step of every worker, it would admit nothing
+            self._dispatch()
 
     def _on_request_failed(self, sender: str, msg: RequestFailed, now: float) -> None:
         if self.embeddings.owns(msg.request_id):

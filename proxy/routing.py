@@ -133,7 +133,8 @@ class PrefixAwareRouting:
         prefillers = [w for w in active if w.serves_prefill]
         if not prefillers or len(prompt) < self.local_prefill_threshold:
             return Route(self._best_by_prefix(prompt, cache_salt, decoders, self._decode_load), local=True)
-        return Route(min(prefillers, key=lambda w: self._prefill_cost(prompt, cache_salt, w)), local=False)
+        hashes: dict[int, list[int]] = {}  # by block size: hashed once, whatever the number of workers
+        return Route(min(prefillers, key=lambda w: self._prefill_cost(prompt, cache_salt, w, hashes)), local=False)
 
     def pick_decode(self, prompt: Sequence[int], workers: Sequence[WorkerState]) -> WorkerState | None:
         decoders = [w for w in workers if w.decode_capable and not w.draining]
@@ -201,13 +202,15 @@ class PrefixAwareRouting:
 
         return min(candidates, key=score)
 
-    def _prefill_cost(self, prompt: Sequence[int], cache_salt: int, worker: WorkerState) -> tuple[float, int, int]:
+    def _prefill_cost(self, prompt: Sequence[int], cache_salt: int, worker: WorkerState,
+                      hashes: dict[int, list[int]]) -> tuple[float, int, int]:
         outstanding = self._prefill_tokens.get(worker.worker_id, 0) + worker.outstanding_prefill_tokens
         lru = self._prefixes.get(worker.worker_id)
         cached = 0
         if lru is not None:
-            hits = lru.leading_hits(prefix_block_hashes(prompt, worker.block_size, cache_salt))
-            cached = hits * worker.block_size
+            if worker.block_size not in hashes:
+                hashes[worker.block_size] = prefix_block_hashes(prompt, worker.block_size, cache_salt)
+            cached = lru.leading_hits(hashes[worker.block_size]) * worker.block_size
         # Equal costs rotate by how many prompts each worker was given.
         cost = (outstanding + len(prompt) - cached) / self.weights.get(worker.worker_id, 1.0)
         return cost, outstanding, self._prefills_sent[worker.worker_id]

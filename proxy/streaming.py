@@ -5,9 +5,9 @@ reader through an ``EventSink``: handlers append, and the reader takes every eve
 looked as one batch (``RequestGroup.next_batch``), so a step that brings several of a group's tokens, or a reader
 that fell behind, costs one wake-up and one write.
 
-Response bodies of completions and chat: one ``ChoiceState`` per choice gathers the token events; a format object (one per endpoint) turns an event into
-a chunk's choice and a finished state into a response's choice; the envelope (id, object, created, model, usage)
-is shared.
+Response bodies of completions and chat: one ``ChoiceState`` per choice gathers the token events; a format object
+(one per endpoint) turns an event into a chunk's choice and a finished state into a response's choice; the
+envelope (id, object, created, model, usage) is shared.
 
 A stream sends one chunk per token, so ``StreamChunks`` builds the common one, a token's text and nothing else,
 from a template: the envelope and the choice around the text are rendered once per response, and per token only

@@ -30,6 +30,12 @@ from proxy.registration import ClusterModel, Registration, refusal
 log = logging.getLogger("tessera.proxy")
 
 
+# Bumped whenever what decode_slots counts changes (a worker's role, slots, capacity or draining, or the set of
+# workers): the registry keeps its sum until then, as the cluster asks for it at every step's message.
+_SLOT_FIELDS = frozenset({"role", "max_num_seqs", "latency_capacity", "draining"})
+_slot_changes = [0]
+
+
 @dataclass
 class WorkerState:
     worker_id: str
@@ -55,6 +61,11 @@ class WorkerState:
     tpot_target_ms: float = 0.0  # that target (capacity.tpot_target_ms); 0: no step model yet
     core_group: str = ""  # the cores it time-shares with other workers (Register); "": its own
     lag: StepLag = field(default_factory=StepLag)  # its steps as they come, against its model
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _SLOT_FIELDS:
+            _slot_changes[0] += 1
+        object.__setattr__(self, name, value)
 
     @property
     def tpot_capacity(self) -> int:
@@ -85,6 +96,7 @@ class WorkerRegistry:
     tpot_slo_factor: float = 2.0
     workers: dict[str, WorkerState] = field(default_factory=dict)
     _rejoin_asked: dict[str, float] = field(default_factory=dict)  # worker id -> when last asked
+    _slots: tuple = ((), 0)  # decode_slots' last answer, and what it depended on
 
     def register(self, msg: Register, now: float) -> Registration[WorkerState]:
         old = self.workers.get(msg.worker_id)
@@ -105,6 +117,7 @@ class WorkerRegistry:
                          "step_cost", "latency_capacity", "tpot_target_ms", "lag"):
                 setattr(worker, name, getattr(old, name))
         self.workers[msg.worker_id] = worker
+        _slot_changes[0] += 1  # a new entry under the same id changes no count of workers
         self._rejoin_asked.pop(msg.worker_id, None)
         prefill_changed = worker.serves_prefill or (old is not None and old.serves_prefill)
         log.info("registered %s worker %r epoch %d (%s %s, %d blocks, max_model_len %d)%s",
@@ -197,8 +210,11 @@ class WorkerRegistry:
         """Sequences the decode-capable workers that take new work can run at once; ``within_tpot``: only as many
         as keep each one's predicted step time within the TPOT target (``WorkerState.tpot_capacity``), times
         ``scale`` (the adaptive controller's correction; at least one each)."""
-        return sum(min(max(int(w.tpot_capacity * scale), 1), w.max_num_seqs) if within_tpot else w.max_num_seqs
-                   for w in self.decode_side() if not w.draining)
+        key = (_slot_changes[0], len(self.workers), within_tpot, scale)
+        if self._slots[0] != key:
+            self._slots = (key, sum(min(max(int(w.tpot_capacity * scale), 1), w.max_num_seqs) if within_tpot
+                                    else w.max_num_seqs for w in self.decode_side() if not w.draining))
+        return self._slots[1]
 
     def peers(self) -> Peers:
         return Peers([w.peer_info() for w in self.prefill_side()])

@@ -51,7 +51,8 @@ class StepProfile:
     def __post_init__(self) -> None:
         small = self.cost.small_max_rows if len(self.cost.small) == 5 else 0
         # the engine runs up to small_max_rows rows in its fused kernel, more in torch: each regime has its table
-        self._tables = ([e for e in sorted(self.decode) if e[0] <= small], [e for e in sorted(self.decode) if e[0] > small])
+        table = sorted(self.decode)
+        self._tables = ([e for e in table if e[0] <= small], [e for e in table if e[0] > small])
 
     def step_ms(self, decode_tokens: int, decode_context: int, prompt_tokens: int = 0, prompt_pairs: int = 0) -> float:
         rows = decode_tokens

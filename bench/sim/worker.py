@@ -385,6 +385,7 @@ def _rss_mib() -> float:
 
 def token_texts(tokenizer) -> Callable[[int], str]:
     """Each simulated token id's text from ``tokenizer`` (a table made once), for realistic stream chunks."""
-    table = [tokenizer.decode([FIRST_TOKEN_ID + i]) for i in range(min(TOKEN_RANGE, tokenizer.vocab_size - FIRST_TOKEN_ID))]
+    count = min(TOKEN_RANGE, tokenizer.vocab_size - FIRST_TOKEN_ID)
+    table = [tokenizer.decode([FIRST_TOKEN_ID + i]) for i in range(count)]
     return lambda token: table[(token - FIRST_TOKEN_ID) % len(table)]
 
