@@ -65,7 +65,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm_header_timer()
         super().on_headers_complete()
-        if self.cycle is not None and self.cycle.scope is self.scope:  # an HTTP request (not a WebSocket's)
+        if getattr(self.cycle, "scope", None) is self.scope:  # an HTTP request (not a WebSocket's)
             self.scope[RAW_WRITE] = functools.partial(self._write_body, self.cycle)
 
     def _write_body(self, cycle, body: bytes) -> bool:
