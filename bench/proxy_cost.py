@@ -34,9 +34,9 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 
 from bench.arch_compare import cpu_seconds, tree_env
+from bench.scale import http_ok, wait_for
 from common.cli.local_cluster import free_port
 from common.protocol.wire import StepCostModel
 from common.storage.model_store import resolve_model
@@ -233,16 +233,7 @@ def measure(args, model_dir: Path, tree: Path | None, profile: Path | None) -> d
     workers = None
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or proxy.poll() is not None:
-                raise RuntimeError("the proxy did not start")
-            time.sleep(0.3)
+        wait_for("the proxy starting", lambda: http_ok(url + "/healthz"), proxy, timeout_s=120)
         workers = subprocess.Popen(
             [sys.executable, "-m", "bench.proxy_cost", "--serve-workers", f"tcp://127.0.0.1:{worker_port}",
              "--workers", str(args.workers), "--token-interval-s", str(args.token_interval_s)],

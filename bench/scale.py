@@ -46,12 +46,13 @@ MODEL = "SmolLM2-135M-Instruct"
 TENANTS = {"gold": ("sk-scale-gold", 3.0), "free": ("sk-scale-free", 1.0)}  # name: (API key, weight)
 
 
-def _wait(what: str, check, timeout_s: float = 180.0) -> None:
+def wait_for(what: str, check, process: subprocess.Popen | None = None, timeout_s: float = 180.0) -> None:
+    """Until ``check()``; RuntimeError after ``timeout_s``, or at once when ``process`` has exited."""
     deadline = time.monotonic() + timeout_s
     while not check():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} did not happen within {timeout_s}s")
-        time.sleep(0.5)
+        if time.monotonic() > deadline or (process is not None and process.poll() is not None):
+            raise RuntimeError(f"{what} did not happen within {timeout_s}s, or its process exited")
+        time.sleep(0.3)
 
 
 def _metric(text: str, name: str) -> float:
@@ -93,13 +94,13 @@ def main(argv: list[str] | None = None) -> int:
                              stdout=(work / "proxy.log").open("w"), stderr=subprocess.STDOUT)
     sims = None
     try:
-        _wait("the proxy starting", lambda: _ok(url + "/healthz"))
+        wait_for("the proxy starting", lambda: http_ok(url + "/healthz"), proxy)
         sims = subprocess.Popen([sys.executable, "-m", "common.cli.main", "sim-worker", "--proxy",
                                  f"tcp://127.0.0.1:{worker_port}", "--prefill", str(args.prefill), "--decode",
                                  str(args.decode), "--time-scale", str(args.time_scale), "--stats",
                                  str(work / "sim-stats.json")], stdout=subprocess.PIPE, text=True)
-        _wait("the simulated workers registering", lambda: _ok(url + "/readyz") and _workers(url) >=
-              args.prefill + args.decode)
+        wait_for("the simulated workers registering", lambda: http_ok(url + "/readyz") and _workers(url) >=
+                 args.prefill + args.decode, sims)
         time.sleep(3)  # their heartbeats: the proxy has their step models
         before = httpx.get(url + "/metrics").text
         cpu0, t0 = cpu_seconds(proxy.pid), time.monotonic()
@@ -160,7 +161,7 @@ def _shares(tenants: dict) -> dict:
                    "weight_share": round(t["weight"] / weights, 3)} for name, t in tenants.items()}
 
 
-def _ok(url: str) -> bool:
+def http_ok(url: str) -> bool:
     try:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:

@@ -75,7 +75,6 @@ class Cluster(WorkerMembership):
         self.embeddings = Embeddings(config, self.registry, self.send, self.peer_versions)  # no admission, no pages
         self.loader = ModelLoader(config, self.registry, self.send, metrics, self._involved, self.peer_versions, clock)
         self.draining = False
-        self._slots: int | None = None  # _decode_slots, during a _dispatch
         self._clock = clock
         self._outbox: Outbox | None = None
         self._handlers = {
@@ -154,10 +153,7 @@ class Cluster(WorkerMembership):
 
     def _decode_slots(self) -> int:
         """This proxy's share of the decode slots (at least one while there are any): as many as keep every
-        worker within the TPOT target while it applies (``_within_tpot``), else every slot. Worked out once per
-        ``_dispatch``, which asks for it at each admission."""
-        if self._slots is not None:
-            return self._slots
+        worker within the TPOT target while it applies (``_within_tpot``), else every slot."""
         slots = self.registry.decode_slots(within_tpot=self._within_tpot(),
                                            scale=self.tac.decode_scale if self.tac is not None else 1.0)
         return max(int(slots * self.config.decode_slot_share), 1) if slots else 0
@@ -223,13 +219,9 @@ class Cluster(WorkerMembership):
     def _dispatch(self) -> None:
         """Start what admission admits, one at a time, until it admits nothing more; with
         ``preempt_for_fairness``, then move decode slots between tenants once (``_preempt``)."""
-        self._slots = self._decode_slots()
-        try:
+        self._admit()
+        if self.config.preempt_for_fairness and self.admission.total(Stage.READY) and self._preempt():
             self._admit()
-            if self.config.preempt_for_fairness and self.admission.total(Stage.READY) and self._preempt():
-                self._admit()
-        finally:
-            self._slots = None
 
     def _admit(self) -> None:
         while (admit := self.admission.next_admission()) is not None:

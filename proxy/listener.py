@@ -66,6 +66,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         self._disarm_header_timer()
         super().on_headers_complete()
         if getattr(self.cycle, "scope", None) is self.scope:  # an HTTP request (not a WebSocket's)
+            self.scope[RAW_SEND] = self.cycle.send
             self.scope[RAW_WRITE] = functools.partial(self._write_body, self.cycle)
 
     def _write_body(self, cycle, body: bytes) -> bool:
@@ -98,21 +99,13 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
             self.transport.close()
 
 
-# the scope key of the server's own ``send`` (``listener_config``): a streamed response sends its start through
+# the scope key of the server's own ``send`` (HeaderTimeoutProtocol): a streamed response sends its start through
 # every middleware, which may change it (BodyDeadline adds ``connection: close``), and its body chunks, which no
 # layer changes, straight to the server (proxy.openai_api.EventStreamResponse): one coroutine a chunk, not six
 RAW_SEND = "tessera.send"
 # the scope key of a function that writes a streamed response's body chunk at once, when it can without waiting
 # (HeaderTimeoutProtocol._write_body): a token's chunk then goes out from the handler that received the token
 RAW_WRITE = "tessera.write"
-
-
-def with_raw_send(app):
-    """``app``, with the server's ``send`` left in each scope under ``RAW_SEND``."""
-    async def asgi(scope, receive, send) -> None:
-        scope[RAW_SEND] = send
-        await app(scope, receive, send)
-    return asgi
 
 
 class BodyDeadline:
@@ -165,7 +158,7 @@ def listener_config(app, config: ProxyConfig, **settings) -> uvicorn.Config:
                # a /v1/stream message larger than this closes its socket (1009); smaller ones are checked
                # against max_prompt_bytes with an error frame (proxy/websocket_api.py)
                "ws_max_size": config.max_prompt_bytes + 65536, "access_log": config.access_log, **tls}
-    return uvicorn.Config(with_raw_send(app), **{**options, **settings})
+    return uvicorn.Config(app, **{**options, **settings})
 
 
 class WorkerLink:

@@ -275,16 +275,12 @@ async def sse_events(gen: _Generation, group: RequestGroup, first: list[Event], 
                     out.append(text)
             if failure is not None:
                 break
-            if out:
-                if coalesce:
-                    yield "".join(out) if len(out) > 1 else out[0]
-                    if gen.write is not None and chunks.plain:  # the rest of the plain tokens go out as they come
-                        group.write_through(token_writer(chunks, choices, gen.write))
-                        gen.write = None
-                else:
-                    for piece in out:
-                        yield piece
-                out = []
+            for piece in _pieces(out, coalesce):
+                yield piece
+            if out and coalesce and gen.write is not None and chunks.plain:  # the rest of the plain tokens go out
+                group.write_through(token_writer(chunks, choices, gen.write))  # as they come
+                gen.write = None
+            out = []
             batch = await group.next_batch()
         if failure is not None:
             status = "stream_error"
@@ -295,16 +291,18 @@ async def sse_events(gen: _Generation, group: RequestGroup, first: list[Event], 
         if gen.remember and status == "200":
             await gen.remember(choices)
         out.append("data: [DONE]\n\n")
-        if coalesce:
-            yield "".join(out)
-        else:
-            for piece in out:
-                yield piece
+        for piece in _pieces(out, coalesce):
+            yield piece
     finally:
         group.write_through(None)
         watcher.stop()
         group.cancel("the response stream closed")  # a no-op unless the client left early
         metrics.requests.labels(endpoint, "client_closed" if client_left() else status).inc()
+
+
+def _pieces(out: list[str], coalesce: bool) -> list[str]:
+    """What ``sse_events`` yields of the events in ``out``: all in one piece, or one a piece."""
+    return ["".join(out)] if coalesce and out else out
 
 
 class EventStreamResponse(Response):
@@ -322,7 +320,7 @@ class EventStreamResponse(Response):
 
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        send = scope.get(RAW_SEND, send)  # the server's own (proxy.listener.with_raw_send)
+        send = scope.get(RAW_SEND, send)  # the server's own (proxy.listener.HeaderTimeoutProtocol)
         self._generation.write = scope.get(RAW_WRITE)  # sse_events' tokens, from the handler (token_writer)
         async with aclosing(self._content) as pieces:
             async for piece in pieces:

@@ -188,17 +188,13 @@ class PrefixAwareRouting:
 
     def _best_by_prefix(self, prompt: Sequence[int], cache_salt: int, candidates: list[WorkerState],
                         load) -> WorkerState:
-        hashes_by_block_size: dict[int, list[int]] = {}
+        hashes: dict[int, list[int]] = {}
 
         def score(worker: WorkerState):
             lru = self._prefixes.get(worker.worker_id)
             if lru is None:
                 return (0, load(worker))
-            hashes = hashes_by_block_size.get(worker.block_size)
-            if hashes is None:
-                hashes = hashes_by_block_size[worker.block_size] = prefix_block_hashes(
-                    prompt, worker.block_size, cache_salt)
-            return (-lru.leading_hits(hashes), load(worker))
+            return (-lru.leading_hits(_block_hashes(hashes, prompt, worker.block_size, cache_salt)), load(worker))
 
         return min(candidates, key=score)
 
@@ -208,9 +204,7 @@ class PrefixAwareRouting:
         lru = self._prefixes.get(worker.worker_id)
         cached = 0
         if lru is not None:
-            if worker.block_size not in hashes:
-                hashes[worker.block_size] = prefix_block_hashes(prompt, worker.block_size, cache_salt)
-            cached = lru.leading_hits(hashes[worker.block_size]) * worker.block_size
+            cached = lru.leading_hits(_block_hashes(hashes, prompt, worker.block_size, cache_salt)) * worker.block_size
         # Equal costs rotate by how many prompts each worker was given.
         cost = (outstanding + len(prompt) - cached) / self.weights.get(worker.worker_id, 1.0)
         return cost, outstanding, self._prefills_sent[worker.worker_id]
@@ -230,3 +224,10 @@ class PrefixAwareRouting:
             lru = self._prefixes[worker.worker_id] = PrefixLRU(worker.num_blocks)
         lru.add(prefix_block_hashes(prompt, worker.block_size, cache_salt))
 
+
+def _block_hashes(memo: dict[int, list[int]], prompt: Sequence[int], block_size: int, cache_salt: int) -> list[int]:
+    """The prompt's block hashes at ``block_size``, computed once per routing decision (``memo``), whatever the
+    number of workers scored."""
+    if block_size not in memo:
+        memo[block_size] = prefix_block_hashes(prompt, block_size, cache_salt)
+    return memo[block_size]

@@ -73,12 +73,12 @@ class _Scripted(SimWorker):
 
     def cached_tokens(self, seq) -> int:
         """As scripted: ``cached_tokens`` of the prompt on the prefill side, none reported on the decode side."""
-        return min(self.fake.cached_tokens, len(seq.prompt)) if seq.hold else 0
+        return min(self.fake.cached_tokens, len(seq.prompt)) if self.engine.prefill_only else 0
 
     def decoding(self) -> int:
         engine = self.engine
-        return (len(engine.running) + len(self.deferred) + len(self.pulls)
-                + sum(1 for seq in engine.waiting if not seq.hold))
+        return len(engine.running) + len(self.deferred) + len(self.pulls) + (0 if engine.prefill_only
+                                                                             else len(engine.waiting))
 
 
 class FakeWorker:

@@ -45,8 +45,7 @@ class SimSequence:
     blocks: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # its blocks registered in the prefix cache
     emitted: int = 0  # tokens this engine produced for it
-    hold: bool = False  # prefill only: keep the blocks once prefilled (a prefill worker's handed-off pages)
-    lease_s: float = 0.0  # held: how long the pages are kept at most (PrefillRequest.lease_s)
+    lease_s: float = 0.0  # prefill only: how long its pages are kept at most (PrefillRequest.lease_s)
     logprobs: int | None = None  # alternatives asked per token (SamplingParams.logprobs); None: none
     max_tokens: int = 0  # the request's whole budget (its finish reason: "length" when the output reaches it)
 

@@ -61,13 +61,6 @@ class SimSpec:
     fixed_step_s: float | None = None  # instead: decode steps this long, prompt steps none (SimEngine)
 
 
-@dataclass
-class _Pending:
-    """A prefilled prompt's pages on a prefill worker, until ReleaseKV, Abort or its lease ends."""
-    seq: SimSequence
-    lease_ends: float
-
-
 class SimWorker:
     def __init__(self, spec: SimSpec, profile: StepProfile, endpoint: str, host: SimHost,
                  token_text: Callable[[int], str] = str) -> None:
@@ -84,7 +77,6 @@ class SimWorker:
         self.registered = False
         self.draining = False
         self.stepping = False  # a step is in flight (its end is a timer)
-        self.leases: dict[str, _Pending] = {}
         self.pulls: dict[str, SimSequence] = {}  # decode: pages being pulled
         self.deferred: deque[SimSequence] = deque()  # pulled, waiting for blocks
         self.bytes_per_token = (2 * spec.kv_layout.num_layers * spec.kv_layout.num_kv_heads * spec.kv_layout.head_dim
@@ -162,15 +154,13 @@ class SimWorker:
         if isinstance(msg, PrefillRequest):
             self.requests += 1
             self.engine.add(self.sequence(msg, list(msg.prompt_token_ids) + list(msg.output_token_ids),
-                                          len(msg.output_token_ids), hold=True, lease_s=msg.lease_s))
+                                          len(msg.output_token_ids), lease_s=msg.lease_s))
         elif isinstance(msg, DecodeRequest):
             self.requests += 1
             self._decode(msg)
         elif isinstance(msg, ReleaseKV):
-            self.leases.pop(msg.request_id, None)
             self.engine.release(msg.request_id)
         elif isinstance(msg, Abort):
-            self.leases.pop(msg.request_id, None)
             self.pulls.pop(msg.request_id, None)
             self.deferred = deque(s for s in self.deferred if s.request_id != msg.request_id)
             self.engine.abort(msg.request_id)
@@ -256,9 +246,8 @@ class SimWorker:
     def _step_done(self, plan) -> None:
         self.stepping = False
         result = self.engine.finish(plan)
-        now = time.monotonic()
         for seq in result.prefilled:
-            if seq.hold:  # a prefill worker's: hand the pages off, keep them until released or the lease ends
+            if self.engine.prefill_only:  # hand the pages off; they are kept until released or the lease ends
                 position = seq.produced
                 token = self.engine.first_token(seq)
                 logprob, top = self.logprobs_of(seq, position, token)
@@ -268,8 +257,7 @@ class SimWorker:
                                       finish_reason=self.finish_reason(seq, position + 1) if done else None,
                                       logprob=logprob, top_logprobs=top))
                 self.tokens += 1
-                self.leases[seq.request_id] = _Pending(seq, now + seq.lease_s)
-                self.host.after(seq.lease_s, lambda rid=seq.request_id: self._lease_over(rid))
+                self.host.after(seq.lease_s, lambda rid=seq.request_id: self.engine.release(rid))
         deltas = []
         for seq, token, done in result.tokens:
             position = seq.produced + seq.emitted - 1
@@ -283,12 +271,6 @@ class SimWorker:
             self.tokens += len(deltas)
             self.send(TokenDeltas(deltas))
         self.kick()
-
-    def _lease_over(self, request_id: str) -> None:
-        pending = self.leases.get(request_id)
-        if pending is not None and time.monotonic() >= pending.lease_ends - 1e-3:
-            del self.leases[request_id]
-            self.engine.release(request_id)
 
 
 class SimHost:

@@ -71,7 +71,7 @@ def test_short_of_blocks_the_newest_is_preempted_and_recomputed():
 
 def test_a_prefill_engine_holds_the_pages_until_released():
     engine = SimEngine(COST.step_ms, 100, 16, 8, 512, prefill_only=True)
-    seq = SimSequence("p", list(range(50)), 8, 5, hold=True)
+    seq = SimSequence("p", list(range(50)), 8, 5)
     engine.add(seq)
     result = engine.finish(engine.plan())
     assert result.prefilled == [seq] and not result.tokens and "p" in engine.held
