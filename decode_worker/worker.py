@@ -258,18 +258,21 @@ class DecodeHandler(WorkerBase):
         due = min((delayed.due for delayed in self.delayed.values()), default=math.inf)
         return max(0.0, min(idle_s, due - time.monotonic()))
 
-    def fail_all(self, reason: str) -> None:
-        self.delayed.clear()  # their sequences are the engine's, failed below
+    def fail_all(self, reason: str, only: set[str] | None = None) -> None:
+        mine = (lambda request_id: True) if only is None else only.__contains__
+        for request_id in [r for r in self.delayed if mine(r)]:
+            del self.delayed[request_id]  # their sequences are the engine's, failed below
         if self.embeds is not None:
-            self.embeds.fail_all(reason)
+            self.embeds.fail_all(reason, only)
         for request_id, pull in self.pulls.items():
-            self.transfer.abort(pull.handle)
-            pull.aborted = True
+            if mine(request_id):
+                self.transfer.abort(pull.handle)
+                pull.aborted = True
         deadline = time.monotonic() + self.config.kv_pull_timeout_s
-        while self.pulls and time.monotonic() < deadline:
+        while any(map(mine, self.pulls)) and time.monotonic() < deadline:
             self.tick()
             time.sleep(0.001)
-        for request_id in list(self.engine.requests):
+        for request_id in [r for r in self.engine.requests if mine(r)]:
             self.fail(request_id, "decode", DECODE_SPAN, reason)
         if self.engine.has_unfinished():
             self.engine.step()

@@ -123,12 +123,13 @@ class PrefillHandler(WorkerBase):
             return idle_s
         return max(0.0, min(idle_s, min(expiry for _, expiry in self.leases.values()) - time.monotonic()))
 
-    def fail_all(self, reason: str) -> None:
-        self.embeds.fail_all(reason)
-        for request_id in list(self.computing):
+    def fail_all(self, reason: str, only: set[str] | None = None) -> None:
+        mine = (lambda request_id: True) if only is None else only.__contains__
+        self.embeds.fail_all(reason, only)
+        for request_id in [r for r in self.computing if mine(r)]:
             self.computing.pop(request_id)
             self.fail(request_id, "prefill", SPAN, reason)
-        for request_id in list(self.leases):
+        for request_id in [r for r in self.leases if mine(r)]:
             self._release(request_id)
         if self.engine.has_unfinished():
             self.engine.step()  # reports the aborts, so the engine forgets them

@@ -25,7 +25,7 @@ import bisect
 import enum
 import itertools
 import time
-from collections import Counter, defaultdict, deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -35,41 +35,9 @@ from common.protocol.names import FAIRNESS_POLICIES
 from proxy.errors import ApiError
 from proxy.lane_queues import NUM_LANES, Eligible, FcfsQueue, PriorityQueue, Waiting
 from proxy.metrics import ProxyMetrics
+from proxy.service_counters import ServiceCounters
 from proxy.slot_shares import SlotShares
 from proxy.tenants import Tenant, TenantRegistry
-
-
-class ServiceCounters:
-    """Each tenant's weighted service, divided by its weight (the VTC counter)."""
-
-    def __init__(self, input_weight: float, output_weight: float, weights: dict[str, float]) -> None:
-        """``weights``: each tenant's weight; a tenant not in it weighs 1."""
-        self.input_weight = input_weight
-        self.output_weight = output_weight
-        self._weights = weights
-        self.values: dict[str, float] = defaultdict(float)
-        self.served: dict[str, float] = defaultdict(float)  # each tenant's weighted service, not divided by weight
-
-    def __getitem__(self, tenant: str) -> float:
-        return self.values.get(tenant, 0.0)
-
-    def weight(self, tenant: str) -> float:
-        return self._weights.get(tenant, 1.0)
-
-    def reweigh(self, weights: dict[str, float]) -> None:
-        """A config reload's weights, for the service charged from now on (the counters keep what they hold)."""
-        self._weights = weights
-
-    def charge(self, tenant: str, input_tokens: int = 0, output_tokens: int = 0) -> float:
-        """Add the service of ``input_tokens`` prompt and ``output_tokens`` generated tokens; the new counter."""
-        cost = input_tokens * self.input_weight + output_tokens * self.output_weight
-        self.served[tenant] += cost
-        self.values[tenant] += cost / self._weights.get(tenant, 1.0)
-        return self.values[tenant]
-
-    def lift(self, tenant: str, floor: float) -> None:
-        if self.values[tenant] < floor:
-            self.values[tenant] = floor
 
 
 class FairnessQueue(Protocol):
@@ -213,17 +181,17 @@ class AdmissionController:
     def active(self, tenant: str) -> int:
         return sum(c[tenant] for c in self.count.values())
 
-    def num_active_tenants(self, now: float, window_s: float) -> int:
+    def active_tenants(self, now: float, window_s: float) -> set[str]:
         """Tenants with a choice anywhere here (queued, prefilling, ready or decoding), or with one that left
         within ``window_s`` (a closed-loop client between two requests is still there)."""
-        recent = 0
-        if self._left_at:
-            for tenant, left in list(self._left_at.items()):
-                if now - left > window_s:
-                    del self._left_at[tenant]
-                elif tenant not in self._live:
-                    recent += 1
-        return len(self._live) + recent
+        for tenant, left in list(self._left_at.items()):
+            if now - left > window_s:
+                del self._left_at[tenant]
+        return self._live.keys() | self._left_at.keys()
+
+    def live(self) -> Counter[str]:
+        """Each tenant's choices here, in any live stage (what the proxy shares as its demand)."""
+        return self._live
 
     def check_room(self, tenant: Tenant, count: int) -> None:
         """ApiError 429 / 503 when ``count`` more choices of ``tenant`` must not be taken in."""

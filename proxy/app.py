@@ -85,6 +85,10 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
     link = WorkerLink(config.worker_bind, cluster.on_frames, send_timeout_s=config.heartbeat_timeout_s,
                       curve=proxy_curve(config), on_disconnect=cluster.on_disconnect)
     cluster.attach(link.send)
+    if config.redis_url:
+        from proxy.shared_state import SharedState  # redis loads only where proxies share state
+        cluster.shared = SharedState(config, cluster, metrics)
+        cluster.admission.shares.weight = cluster.shared.weight
     models = ServedModels(config, cluster.registry, registry_for(None), model_identity(config.model, config.dtype),
                           tokenizer, model_dir)
     models.loader = cluster.loader  # versions workers may load on demand (standby_models)
@@ -101,6 +105,7 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
             if config.metering_path else None
         metering_task = asyncio.create_task(metering.run(), name="metering") if metering else None
         tac_task = asyncio.create_task(cluster.tac.run(), name="tac") if cluster.tac is not None else None
+        shared_task = asyncio.create_task(cluster.shared.run(), name="shared-state") if cluster.shared else None
         reloader = ConfigReloader(source, config, cluster, metrics) if source is not None else None
         if reloader is not None:
             reloader.start()
@@ -122,6 +127,9 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
             watchdog.cancel()
             if tac_task is not None:
                 tac_task.cancel()
+            if shared_task is not None:
+                shared_task.cancel()
+                await cluster.shared.close()
             cluster.cancel_all("the proxy is shutting down")
             if metering is not None:  # after the cancellations, so that their usage is in the last record
                 metering.close()

@@ -70,6 +70,9 @@ class Cluster(WorkerMembership):
         self.slo.admission = self.admission
         self.tac = AdaptiveController(config, self.registry, policy, self.admission, metrics, self.send, clock,
                                       lambda: self.inflight.values()) if config.tac_enabled else None
+        self.shared = None  # with redis_url: the state several proxies share (proxy/shared_state.py, set by the app)
+        if self.tac is not None:
+            self.tac.share_of = self._share_of
         self.inflight: dict[str, SubRequest] = {}
         self.peer_versions: dict[str, int] = {}  # worker id -> the version it is answered in (the older of the two)
         self.embeddings = Embeddings(config, self.registry, self.send, self.peer_versions)  # no admission, no pages
@@ -141,8 +144,12 @@ class Cluster(WorkerMembership):
         """Whether the TPOT target limits decode admission now (``tpot_slo_scope``): always, never, or while two
         or more tenants share the cluster; and always while the adaptive controller holds the cap."""
         scope = self.config.tpot_slo_scope
-        return scope == "always" or (self.tac is not None and self.tac.decode_cap) or (
-            scope == "shared" and self.admission.num_active_tenants(self._clock(), SHARED_WINDOW_S) > 1)
+        if scope == "always" or (self.tac is not None and self.tac.decode_cap):
+            return True
+        if scope != "shared":
+            return False
+        tenants = self.admission.active_tenants(self._clock(), SHARED_WINDOW_S)
+        return len(tenants) > 1 or (self.shared is not None and len(tenants | self.shared.remote_tenants()) > 1)
 
     def _prefill_room(self) -> bool:
         """Whether a prompt may go to a prefill worker now (the TTFT backlog, the prefill gate, TAC's budget)."""
@@ -152,10 +159,15 @@ class Cluster(WorkerMembership):
         return not (gated or self.config.ttft_slo_ms) or self.slo.prefill_room(gated, self._clock())
 
     def _decode_slots(self) -> int:
-        """This proxy's share of the decode slots (at least one while there are any): as many as keep every
-        worker within the TPOT target while it applies (``_within_tpot``), else every slot."""
-        slots = self.registry.decode_slots(within_tpot=self._within_tpot(),
-                                           scale=self.tac.decode_scale if self.tac is not None else 1.0)
+        """This proxy's share of the decode slots (at least one while there are any): of as many as keep every
+        worker within the TPOT target while it applies (``_within_tpot``), else of every slot."""
+        return self._share_of(self.registry.decode_slots(
+            within_tpot=self._within_tpot(), scale=self.tac.decode_scale if self.tac is not None else 1.0))
+
+    def _share_of(self, slots: int) -> int:
+        """This proxy's part of ``slots`` (the other proxies sharing the workers have theirs)."""
+        if self.shared is not None:
+            return self.shared.slots(slots)
         return max(int(slots * self.config.decode_slot_share), 1) if slots else 0
 
     def apply_tenants(self, config: ProxyConfig) -> None:

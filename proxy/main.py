@@ -8,14 +8,16 @@ server stops and the ZeroMQ socket is closed before its context. The HTTP
 listener's TLS, connection limits and timeouts come from the config
 (``proxy.listener``); CURVE on the worker socket from ``common.runtime.zmq_security``.
 SIGHUP, or a change of the ``--config`` file, reloads the tenant settings
-(``proxy.reload``) with the same ``--set`` overrides.
+(``proxy.reload``) with the same ``--set`` overrides. ``--workers N`` runs N
+such processes behind one port (``proxy.supervisor``).
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import socket
 
-from common.cli.options import add_config_options, configure_logging
+from common.cli.options import add_config_options, configure_logging, positive_int
 from common.config.roles import ProxyConfig, load_config, parse_overrides
 
 
@@ -27,19 +29,44 @@ def add_command(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_options(parser)
+    parser.add_argument("--workers", type=positive_int, default=1, metavar="N",
+                        help="run N proxy processes behind the one HTTP port (SO_REUSEPORT); process i binds its "
+                        "worker socket at worker_bind's port + i, and the workers list every one in proxy_address; "
+                        "set redis_url so that they share tenant counters, rate limits and the decode slots "
+                        "(proxy/supervisor.py; default: 1)")
+    parser.add_argument("--reuse-port", action="store_true",
+                        help="listen with SO_REUSEPORT, sharing the port with other proxy processes")
     parser.set_defaults(handler=_run_command)
 
 
 def _run_command(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format, role="proxy")
     overrides = parse_overrides(args.overrides)
-    run(load_config(ProxyConfig, args.config, overrides), args.config, overrides)
+    config = load_config(ProxyConfig, args.config, overrides)
+    if args.workers > 1:
+        from proxy.supervisor import supervise
+        argv = [*(["--config", args.config] if args.config else []),
+                *(arg for override in args.overrides for arg in ("--set", override)),
+                "--log-level", args.log_level, "--log-format", args.log_format]
+        return supervise(config, argv, args.workers)
+    run(config, args.config, overrides, reuse_port=args.reuse_port)
     return 0
 
 
-def run(config: ProxyConfig, config_path: str | None = None, overrides: dict | None = None) -> None:
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port with SO_REUSEPORT, which other processes may bind too."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def run(config: ProxyConfig, config_path: str | None = None, overrides: dict | None = None,
+        reuse_port: bool = False) -> None:
     """``config_path`` and ``overrides``: where ``config`` came from, which SIGHUP and the file watch read
-    again (``proxy.reload``)."""
+    again (``proxy.reload``); ``reuse_port``: listen with SO_REUSEPORT (``--workers``)."""
     # Imported here so that `tessera --help` answers without loading the server stack.
     from proxy.app import create_app
     from common.config.tls import check_tls_files
@@ -58,4 +85,5 @@ def run(config: ProxyConfig, config_path: str | None = None, overrides: dict | N
     # log_config=None: uvicorn's lines go through the root handler, in the chosen --log-format.
     server_config = listener_config(app, config, loop="uvloop", log_level="info", log_config=None,
                                     timeout_graceful_shutdown=int(drain_timeout_s) + 1)
-    DrainingServer(server_config, app.state.services.cluster, drain_timeout_s).run()
+    sockets = [listening_socket(config.host, config.port)] if reuse_port else None
+    DrainingServer(server_config, app.state.services.cluster, drain_timeout_s).run(sockets=sockets)

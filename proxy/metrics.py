@@ -64,7 +64,7 @@ class TokenHistogram:
 
 class TenantService:
     """``tessera_proxy_tenant_service_total`` and ``tessera_proxy_tenant_virtual_counter``, by tenant, read from the
-    fairness policy's counters (``proxy.admission.ServiceCounters``, set as ``counters``) when scraped: admission
+    fairness policy's counters (``proxy.service_counters.ServiceCounters``, set as ``counters``) when scraped: admission
     charges a tenant at every step of each of its choices, and a metric update there would cost as much again."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -233,6 +233,15 @@ class ProxyMetrics:
                                        "Reconnections to a resumable stream (GET /v1/streams/{id})", registry=r)
         self.resume_buffer_bytes = Gauge("tessera_proxy_resume_buffer_bytes",
                                          "Bytes of events kept for resumable streams", registry=r)
+        self.shared_state_up = Gauge(
+            "tessera_proxy_shared_state_up", "1 while the last sync with the other proxies through redis_url "
+            "succeeded; 0 while this proxy serves on its own state (or shares none)", registry=r)
+        self.shared_state_syncs = Counter("tessera_proxy_shared_state_syncs",
+                                          "Syncs with the other proxies through redis_url, by outcome (ok, error)",
+                                          ["outcome"], registry=r)
+        self.shared_state_proxies = Gauge("tessera_proxy_shared_state_proxies",
+                                          "Proxies taking part in the decode split at the last sync, this one "
+                                          "included", registry=r)
 
     def tenant_usage(self) -> dict[str, TenantUsage]:
         """Each tenant's usage since the process started, read back from the counters a choice adds to as it ends

@@ -15,6 +15,9 @@ Refusals raise ``ApiError(429)`` whose message names the limit
 (``tenants[NAME].requests_per_s`` ...). Time comes from the caller (a
 monotonic clock); nothing here sleeps.
 
+Several proxies share each bucket through Redis (proxy/shared_state.py): a bucket here counts what it took since
+the last sync (``unsynced``) and takes on the shared level at each (``shared``).
+
 A config reload (``proxy.reload``) keeps a tenant's limiter when its limits
 did not change, and otherwise starts the new buckets where the old ones
 stood (``previous``): a reload never refills a bucket or forgives a debt.
@@ -33,10 +36,18 @@ class TokenBucket:
         self.burst = burst
         self.level = burst
         self._updated = now
+        self.unsynced = 0.0  # taken since the last sync with the other proxies (proxy/shared_state.py)
+        self.refill_share = 1.0  # the part of ``rate`` this bucket refills at (the shared store is away: 1/N)
 
     def _refill(self, now: float) -> None:
-        self.level = min(self.burst, self.level + (now - self._updated) * self.rate)
+        self.level = min(self.burst, self.level + (now - self._updated) * self.rate * self.refill_share)
         self._updated = now
+
+    def shared(self, level: float, now: float) -> None:
+        """The shared bucket's level at the last sync: this one takes it on, less what it took since."""
+        self.level = min(self.burst, level) - self.unsynced
+        self._updated = now
+        self.refill_share = 1.0
 
     def wait_for(self, amount: float, now: float) -> float:
         """Seconds until ``amount`` is available (0: now)."""
@@ -47,6 +58,7 @@ class TokenBucket:
         """Take ``amount``, into debt if the bucket holds less."""
         self._refill(now)
         self.level -= amount
+        self.unsynced += amount
 
     def resized(self, rate: float, burst: float, now: float) -> TokenBucket:
         """A bucket of new limits that holds what this one holds now (at most the new burst; a debt stays)."""

@@ -117,6 +117,8 @@ class AdaptiveController:
         self._clock = clock
         self._send = send
         self.decode_cap = True  # on from the start (the module's docstring says why)
+        # this proxy's part of the slots (the cluster's, where several proxies share the workers)
+        self.share_of: Callable[[int], int] = lambda slots: int(slots * config.decode_slot_share)
         self.decode_scale = 1.0
         self.prefill_budget = 0
         self.token_budget = 0
@@ -324,9 +326,9 @@ class AdaptiveController:
         allows now."""
         if not self.decode_cap:
             return False
-        slots = self.registry.decode_slots(within_tpot=True, scale=self.decode_scale) * self.config.decode_slot_share
+        slots = self.share_of(self.registry.decode_slots(within_tpot=True, scale=self.decode_scale))
         in_use = sum(self.admission.total(stage) for stage in (Stage.PREFILLING, Stage.READY, Stage.DECODING))
-        return slots > 0 and in_use >= int(slots)
+        return slots > 0 and in_use >= slots
 
     def _decode_has_room(self) -> bool:
         """Whether some decode worker runs fewer sequences than its TPOT capacity."""

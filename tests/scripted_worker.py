@@ -56,11 +56,11 @@ class _Scripted(SimWorker):
         return Heartbeat(self.spec.worker_id, self.epoch, engine.blocks.num_free_blocks, running, 0, 0, fake.draining,
                          100 * running, fake.step_cost)
 
-    def handle(self, msg) -> None:
+    def handle(self, msg, link: int = 0) -> None:
         self.fake.record(msg)
         if isinstance(msg, Reregister) or (self.fake.stall and isinstance(msg, (PrefillRequest, DecodeRequest))):
             return  # a test registers it again itself, if it wants to
-        super().handle(msg)
+        super().handle(msg, link)
 
     def output_limit(self, msg) -> int:
         return len(self.fake.script)

@@ -1,6 +1,8 @@
 """Simulated workers: the real wire protocol and a real block manager, with no model.
 
-``SimWorker`` is one worker (prefill, decode or both) on a DEALER socket of its own: it registers, heartbeats
+``SimWorker`` is one worker (prefill, decode or both) on a DEALER socket of its own per proxy (``endpoint``: one
+address, or several comma-separated, as a real worker's ``proxy_address``; common/runtime/proxy_links.py routes
+each request's messages back to the proxy that sent it): it registers with each, heartbeats
 (free blocks, running sequences and the profile's step model, as a real worker reports its own fit), and
 serves PrefillRequest, DecodeRequest, ReleaseKV and Abort as the real workers do, with ``SimEngine`` (bench.sim.
 engine) deciding what each step runs and how long it takes. A prefill worker holds a prompt's pages until
@@ -35,6 +37,7 @@ from common.protocol.control import Peers, Register, RegisterAck, Reregister, Tu
 from common.protocol.wire import (Abort, DecodeRequest, Goodbye, Heartbeat, KVLayoutInfo, KVPulled, PrefillDone,
                                   PrefillRequest, ReleaseKV, StepCostModel, TokenDelta, TokenDeltas, WireError,
                                   decode, encode)
+from common.runtime.proxy_links import Owners, proxy_addresses
 from common.runtime.zmq_security import Waker
 
 log = logging.getLogger("tessera.sim")
@@ -73,8 +76,10 @@ class SimWorker:
         self.engine = SimEngine(profile.step_ms, spec.num_blocks, spec.kv_layout.block_size, spec.max_num_seqs,
                                 spec.max_num_batched_tokens, spec.time_scale, prefill_only=spec.role == "prefill",
                                 fixed_step_s=spec.fixed_step_s)
-        self.socket: zmq.Socket | None = None
-        self.registered = False
+        self.sockets: list[zmq.Socket] = []  # one per proxy, in ``endpoint``'s order
+        self.links_registered = [False] * len(proxy_addresses(endpoint))
+        self.owners = Owners(len(self.links_registered), spec.role == "prefill") if len(
+            self.links_registered) > 1 else None
         self.draining = False
         self.stepping = False  # a step is in flight (its end is a timer)
         self.pulls: dict[str, SimSequence] = {}  # decode: pages being pulled
@@ -92,18 +97,38 @@ class SimWorker:
         return Register(s.worker_id, s.role, self.epoch, s.model, s.model_version, s.kv_layout, s.num_blocks,
                         s.max_model_len, "sim", b"sim:" + s.worker_id.encode(), max_num_seqs=s.max_num_seqs)
 
+    @property
+    def registered(self) -> bool:
+        """Acknowledged by every proxy."""
+        return all(self.links_registered)
+
+    @property
+    def socket(self) -> zmq.Socket:
+        """The first proxy's socket (the only one with one proxy)."""
+        return self.sockets[0]
+
     def start(self, context: zmq.Context) -> None:
-        sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self.spec.worker_id.encode())
-        sock.setsockopt(zmq.LINGER, 1000)
-        sock.connect(self.endpoint)
-        self.socket = sock
+        for address in proxy_addresses(self.endpoint):
+            sock = context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, self.spec.worker_id.encode())
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(address)
+            self.sockets.append(sock)
         self.send(self.register_message())
         self.host.at(0.0, self.heartbeat)
 
-    def send(self, msg) -> None:
+    def send(self, msg, link: int | None = None) -> None:
+        """To proxy ``link``; None: where ``msg`` belongs (its request's proxy, or every proxy)."""
+        if link is not None or self.owners is None:
+            self._send(self.sockets[link or 0], msg)
+            return
+        for index, part in self.owners.route(msg):
+            for sock in self.sockets if index is None else (self.sockets[index],):
+                self._send(sock, part)
+
+    def _send(self, sock: zmq.Socket, msg) -> None:
         try:
-            self.socket.send_multipart(encode(msg), zmq.NOBLOCK)
+            sock.send_multipart(encode(msg), zmq.NOBLOCK)
         except zmq.Again:
             log.warning("%s: dropped a %s: the proxy is not reading", self.spec.worker_id, type(msg).__name__)
 
@@ -133,14 +158,15 @@ class SimWorker:
     def stop(self, goodbye: bool = True) -> None:
         if goodbye:
             self.send(Goodbye(self.spec.worker_id, self.epoch, "stopping"))
-        self.socket.close()
+        for sock in self.sockets:
+            sock.close()
 
     # -- messages --------------------------------------------------------------------------------------
 
-    def receive(self) -> None:
+    def receive(self, link: int = 0) -> None:
         while True:
             try:
-                frames = self.socket.recv_multipart(zmq.NOBLOCK)
+                frames = self.sockets[link].recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
@@ -148,9 +174,11 @@ class SimWorker:
             except WireError as exc:
                 log.warning("%s: dropped a malformed message: %s", self.spec.worker_id, exc)
                 continue
-            self.handle(msg)
+            if self.owners is not None:
+                self.owners.took(msg, link)
+            self.handle(msg, link)
 
-    def handle(self, msg) -> None:
+    def handle(self, msg, link: int = 0) -> None:
         if isinstance(msg, PrefillRequest):
             self.requests += 1
             self.engine.add(self.sequence(msg, list(msg.prompt_token_ids) + list(msg.output_token_ids),
@@ -165,11 +193,11 @@ class SimWorker:
             self.deferred = deque(s for s in self.deferred if s.request_id != msg.request_id)
             self.engine.abort(msg.request_id)
         elif isinstance(msg, RegisterAck):
-            self.registered = msg.accepted
+            self.links_registered[link] = msg.accepted
             if not msg.accepted:
                 log.error("%s: the proxy refused it: %s", self.spec.worker_id, msg.reason)
         elif isinstance(msg, Reregister):
-            self.send(self.register_message())
+            self.send(self.register_message(), link)
         elif not isinstance(msg, (Peers, Tune)):
             log.debug("%s: ignored a %s", self.spec.worker_id, type(msg).__name__)
         self.kick()
@@ -284,7 +312,8 @@ class SimHost:
         self.waker = Waker()  # calls from other threads (``call_soon_threadsafe``) wake the poll
         self.poller.register(self.waker.fd, zmq.POLLIN)
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self.workers: dict[zmq.Socket, SimWorker] = {}
+        self.workers: dict[str, SimWorker] = {}  # by worker id
+        self._sockets: dict[zmq.Socket, tuple[SimWorker, int]] = {}  # each worker's socket per proxy
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._order = itertools.count()
         self.lags: deque[float] = deque(maxlen=20_000)  # how late timers ran, seconds
@@ -295,8 +324,10 @@ class SimHost:
         ``SimWorker`` subclass, given ``kwargs`` besides."""
         worker = (worker_class or SimWorker)(spec, self.profile, endpoint, self, self.token_text, **kwargs)
         worker.start(self.context)
-        self.poller.register(worker.socket, zmq.POLLIN)
-        self.workers[worker.socket] = worker
+        for link, sock in enumerate(worker.sockets):
+            self.poller.register(sock, zmq.POLLIN)
+            self._sockets[sock] = (worker, link)
+        self.workers[spec.worker_id] = worker
         return worker
 
     def at(self, when: float, callback: Callable[[], None]) -> None:
@@ -322,7 +353,8 @@ class SimHost:
                     while not self._calls.empty():
                         self._calls.get_nowait()()
                 else:
-                    self.workers[sock].receive()
+                    worker, link = self._sockets[sock]
+                    worker.receive(link)
 
     def call_soon_threadsafe(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` in the host's thread, at its next turn."""

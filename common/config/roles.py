@@ -128,7 +128,21 @@ class ProxyConfig:
     prefill_ahead_per_tenant: Int = option(
         4, "a tenant's choices admitted to prefill and not yet given a decode slot, at most", gt=0)
     decode_slot_share: Float = option(
-        1.0, "fraction of the workers' decode slots this proxy admits to; with N proxies, 1/N each", gt=0)
+        1.0, "fraction of the workers' decode slots this proxy admits to; with N proxies and no redis_url, 1/N "
+        "each (tessera proxy --workers N sets it); with redis_url, the share used before the first sync", gt=0)
+    redis_url: Str = option(
+        "", "Redis server several proxies share tenant counters, rate-limit buckets and the decode capacity split "
+        "through (redis://HOST:PORT/DB; proxy/shared_state.py); empty: this proxy's own state only")
+    shared_state_interval_s: Float = option(
+        0.1, "how often a proxy syncs with the others through redis_url: what they share is this late", gt=0,
+        le=10)
+    shared_state_timeout_s: Float = option(
+        1.0, "a sync not answered within this counts as Redis being away: the proxy serves on its own state, "
+        "and resyncs once Redis answers again", gt=0)
+    shared_state_prefix: Str = option(
+        "tessera:", "prefix of the Redis keys: clusters sharing one Redis server need different ones")
+    proxy_id: Str = option(
+        "", "this proxy's id among those sharing redis_url; empty: HOST:PORT:PID")
     tpot_slo_ms: Float = option(
         0.0, "decode admission's per-token latency target: a worker is given another sequence only while its "
         "predicted step time (its own fitted model, sent with each heartbeat) stays within this; 0: "
@@ -238,7 +252,9 @@ class ProxyConfig:
 class WorkerConfig:
     role: Role = option("both", "what this worker does")
     worker_id: Str = option("", "unique id the proxy knows this worker by; empty: <hostname>-<role>-<pid>")
-    proxy_address: Str = option("tcp://127.0.0.1:5555", "the proxy's worker_bind address to connect to")
+    proxy_address: Str = option(
+        "tcp://127.0.0.1:5555", "the proxy's worker_bind address to connect to; several proxies (tessera proxy "
+        "--workers N, or one per host): every one's, comma-separated, and the worker registers with each")
     engine: EngineConfig = option(
         doc="the engine's settings (see worker.engine)", default_factory=lambda: EngineConfig(model="embedded"))
     model_name: Str = option(
@@ -306,6 +322,9 @@ class WorkerConfig:
                               "0 (no server) or a TCP port 1-65535")
         if not self.metrics_host:
             raise ConfigError("config field 'metrics_host' is empty: give an address to listen on")
+        if not all(a.strip() for a in self.proxy_address.split(",")):
+            raise ConfigError(f"config field 'proxy_address' = {self.proxy_address!r} is invalid: an empty "
+                              "address (comma-separated ZeroMQ addresses, one per proxy)")
         _check_otel(self)
         if not self.worker_id:
             object.__setattr__(self, "worker_id", f"{socket.gethostname()}-{self.role}-{os.getpid()}")

@@ -73,6 +73,13 @@ class EmbedQueue:
     def cancel(self, request_id: str) -> None:
         self.queue = deque(m for m in self.queue if m.request_id != request_id)
 
-    def fail_all(self, reason: str) -> None:
+    def fail_all(self, reason: str, only: set[str] | None = None) -> None:
+        """Refuse what waits (``only``: of these requests), retryable."""
+        kept = deque()
         while self.queue:
-            self.worker.refuse(self.queue.popleft().request_id, reason, retryable=True)
+            msg = self.queue.popleft()
+            if only is None or msg.request_id in only:
+                self.worker.refuse(msg.request_id, reason, retryable=True)
+            else:
+                kept.append(msg)
+        self.queue = kept

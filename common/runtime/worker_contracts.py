@@ -35,7 +35,9 @@ class RoleHandler(Protocol):
     def busy(self) -> bool: ...  # holds requests: draining waits for it to be False
     def wait_s(self, idle_s: float) -> float: ...  # how long the loop may wait for a message: 0 with compute to do
     def load(self) -> Load: ...
-    def fail_all(self, reason: str) -> None: ...  # drain deadline passed or proxy lost: drop everything, free its KV
+    # drain deadline passed or proxy lost: drop everything (``only``: these requests, one of several proxies'), free
+    # its KV
+    def fail_all(self, reason: str, only: set[str] | None = None) -> None: ...
     def contain(self, request_id: str, reason: str) -> None: ...  # its message made the handler fail: end it
     def publish_metrics(self) -> None: ...  # after each turn: the numbers /metrics and /healthz read
 

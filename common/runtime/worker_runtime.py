@@ -3,12 +3,11 @@
 ``(worker_id, epoch)``; the epoch is its start time, renewed when it registers again or loads another model
 (``model_swap.py``), so a restarted worker under the same id is recognisably a new process.
 
-Sockets live only in the I/O thread: a DEALER (identity = worker id; with curve_* keys, a CURVE client pinning the
-proxy's public key) that registers, heartbeats with the latest load snapshot, and moves messages between the socket
-and two queues. The compute loop (the main thread, ``serve``) never touches a socket: each turn it takes inbound
-messages, lets the role's handler act on them, steps the engine, and queues what the handler wants sent. A failure
-handling a message ends that message's request with an error; a failed engine turn gives every request back to the
-proxy (retryable: they resume elsewhere). Neither stops the worker.
+Sockets live only in the I/O thread (``worker_io.WorkerIO``: one DEALER per proxy, with curve_* keys a CURVE client
+pinning the proxy's public key). The compute loop (the main thread, ``serve``) never touches a socket: each turn it
+takes inbound messages, lets the role's handler act on them, steps the engine, and queues what the handler wants
+sent. A failure handling a message ends that message's request with an error; a failed engine turn gives every
+request back to the proxy (retryable: they resume elsewhere). Neither stops the worker.
 
 SIGTERM or SIGINT starts a drain: heartbeats say ``draining`` so the proxy routes nothing new here, running requests
 get ``drain_timeout_s`` to finish, then what is left is failed back to the proxy (retryable), KV held for others is
@@ -17,11 +16,10 @@ model is loaded and its registration acknowledged, STOPPING=1 when it drains. Th
 list (a threading.Event's lock, taken again by a second signal interrupting the first handler, deadlocked); the loop
 looks at it once per turn, at most ``idle_poll_s`` apart. Further signals change nothing.
 
-A proxy that does not know this worker (it restarted, or expired the worker) answers its heartbeats with Reregister.
-The I/O thread stops heartbeating and hands it to the compute loop, which fails every request it holds (resumed
-elsewhere, or their client is gone with the old proxy: aborted, their pages and prefill leases freed) and only then
-lets the I/O thread send the Register again, under a new epoch, so nothing of the old epoch's runs once the proxy
-routes work here again. A proxy that refuses that Register stops the worker.
+A proxy that does not know this worker (it restarted, or expired the worker) answers its heartbeats with Reregister:
+the worker fails what that proxy sent it and registers with it again (``worker_io`` says how with one proxy and with
+several), so nothing of what the proxy forgot runs once it routes work here again. A proxy that refuses that
+Register stops the worker.
 """
 
 from __future__ import annotations
@@ -29,12 +27,9 @@ from __future__ import annotations
 import logging
 import queue
 import signal
-import threading
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-
-import zmq
 
 from common.config.roles import WorkerConfig
 from common.engine.llm_engine import RequestError
@@ -43,161 +38,13 @@ from common.runtime import sd_notify
 from common.runtime.core_share import CoreShare
 from common.runtime.health_server import HealthServer
 from common.runtime.model_swap import ModelSwitch, load_model
-from common.runtime.registration import await_acknowledgement, registration, rejoin
+from common.runtime.registration import registration, rejoin
 from common.runtime.telemetry import WorkerMetrics, request_scope
 from common.runtime.tracing import make_tracing
 from common.runtime.worker_contracts import KVTransfer, Load, RoleHandler
-from common.runtime.zmq_security import Waker, apply_curve_client, worker_curve
+from common.runtime.worker_io import LinkLost, WorkerIO
 
 log = logging.getLogger(__name__)
-
-
-class WorkerIO:
-    """The worker's one socket, owned by a background thread."""
-
-    def __init__(self, config: WorkerConfig, registration: wire.Register, metrics: WorkerMetrics) -> None:
-        self.config = config
-        self.registration = registration
-        self._curve = worker_curve(config)  # bad key files fail here, before the I/O thread starts
-        self.metrics = metrics
-        self.inbox: queue.Queue = queue.Queue()
-        self._outbox: queue.Queue = queue.Queue()
-        self._wake = Waker()  # else a queued token waits out the I/O thread's 10 ms poll
-        self.load = Load()
-        self.draining = False
-        self.registered = threading.Event()
-        self.standby: wire.Standby | None = None  # sent instead of heartbeats while no model is loaded
-        self.refused: str | None = None
-        self._may_register = threading.Event()  # cleared by Reregister until the compute loop calls rejoin()
-        self._may_register.set()
-        self._next_register = 0.0  # when the I/O thread (re)sends the Register while unacknowledged
-        self.speaks = config.protocol_version  # to the proxy: the older of its version and this setting
-        self._started = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="worker-io", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-        await_acknowledgement(self.config, self.registered, lambda: self.refused, self._curve is not None)
-        self._started = True
-
-    def send(self, msg) -> None:
-        self._outbox.put(msg)
-        self._wake.wake()
-
-    def rejoin(self) -> None:
-        """After a Reregister or a model swap: register again, under ``registration`` (retried until acknowledged)."""
-        self._next_register = 0.0
-        self._may_register.set()
-
-    def leave(self, reason: str) -> None:
-        """Say Goodbye under this epoch and stop heartbeating, staying connected (a model swap: model_swap.py)."""
-        self._may_register.clear()
-        self.registered.clear()
-        self.send(wire.Goodbye(self.config.worker_id, self.registration.epoch, reason))
-
-    def stop(self, goodbye: str) -> None:
-        self.standby = None  # no Standby after the Goodbye
-        self.leave(goodbye)
-        self._stop.set()
-        self._thread.join(timeout=5)
-        if not self._thread.is_alive():  # a live thread may still poll the eventfd: leave it to the exit
-            self._wake.close()
-
-    def _run(self) -> None:
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self.config.worker_id.encode())
-        sock.setsockopt(zmq.LINGER, 1000)
-        if self._curve is not None:
-            apply_curve_client(sock, self._curve.keys, self._curve.proxy_public)
-        sock.connect(self.config.proxy_address)
-        try:
-            self._loop(sock)
-        except Exception:
-            log.exception("worker I/O thread failed")
-            self.inbox.put(None)  # wakes the compute loop, which then exits
-        finally:
-            sock.close()
-            ctx.term()
-
-    def _loop(self, sock) -> None:
-        next_beat = time.monotonic() + self.config.heartbeat_interval_s
-        beacon = None  # the Standby last sent
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self._wake.fd, zmq.POLLIN)
-        while True:
-            self._flush_outbox(sock)
-            if self._stop.is_set():
-                return
-            ready = dict(poller.poll(timeout=10))
-            if self._wake.fd in ready:
-                self._wake.drain()
-            if sock in ready:
-                self._receive(sock)
-            now = time.monotonic()
-            if not self.registered.is_set() and self._may_register.is_set() and now >= self._next_register:
-                self._flush_outbox(sock)  # what the compute loop queued before rejoin() goes first
-                sock.send_multipart(wire.encode(self.registration, self.speaks))  # retried: the proxy may be down
-                self._next_register = now + self.config.heartbeat_interval_s
-            if self.registered.is_set() and now >= next_beat:
-                load = self.load
-                sock.send_multipart(wire.encode(wire.Heartbeat(
-                    self.config.worker_id, self.registration.epoch, load.free_blocks, load.num_running,
-                    load.num_waiting, load.outstanding_prefill_tokens, self.draining, load.context_tokens,
-                    load.step_cost,
-                ), self.speaks))
-                self.metrics.heartbeats_sent.inc()
-                next_beat = now + self.config.heartbeat_interval_s
-            elif self.standby is not None and (now >= next_beat or self.standby is not beacon):  # a new one: now
-                sock.send_multipart(wire.encode(beacon := self.standby, self.speaks))
-                next_beat = now + self.config.heartbeat_interval_s
-
-    def _flush_outbox(self, sock) -> None:
-        while True:
-            try:
-                msg = self._outbox.get_nowait()
-            except queue.Empty:
-                return
-            sock.send_multipart(wire.encode(msg, self.speaks))
-
-    def _receive(self, sock) -> None:
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                msg = wire.decode(frames)
-            except wire.WireError as exc:
-                self.metrics.malformed_messages.inc()
-                log.warning("dropped a malformed message from the proxy: %s", exc)
-                if (request_id := wire.refused_request_id(frames)) is not None:  # its client gets a 400 now
-                    self._outbox.put(wire.RequestFailed(request_id, self.config.worker_id,
-                                                        f"the worker refused the request: {exc}", False, True))
-                continue
-            if isinstance(msg, wire.RegisterAck) and not self._may_register.is_set():
-                continue  # a late answer to a Register of an epoch it left (model_swap.py) or lost (Reregister)
-            if isinstance(msg, wire.RegisterAck):
-                self.speaks = min(self.config.protocol_version, wire.frame_version(frames))
-                if not msg.accepted:
-                    self.refused = msg.reason
-                    if self._started:
-                        log.error("the proxy refused this worker's new registration: %s; stopping", msg.reason)
-                        self._stop.set()
-                        self.inbox.put(None)
-                        return
-                self.registered.set()
-            elif isinstance(msg, wire.Reregister):
-                # Repeats while rejoining are the proxy's answers to heartbeats that were already on the way.
-                if msg.epoch == self.registration.epoch and self.registered.is_set():
-                    self._may_register.clear()
-                    self.registered.clear()
-                    self._next_register = 0.0
-                    self.inbox.put(msg)
-            else:
-                self.inbox.put(msg)
 
 
 def serve(config: WorkerConfig, handler: RoleHandler) -> None:
@@ -257,6 +104,11 @@ def _take_messages(io: WorkerIO, handler: RoleHandler, switch: ModelSwitch, wait
             return False
         if isinstance(msg, wire.Reregister):
             rejoin(io, handler, msg)
+        elif isinstance(msg, LinkLost):  # one of several proxies lost this worker: its requests only
+            if handler.engine is not None:
+                handler.fail_all(f"the proxy that sent this request lost this worker ({msg.msg.reason})",
+                                 only=msg.request_ids)
+            io.rejoin(msg.link)
         elif handler.engine is None or isinstance(msg, wire.LoadModel):
             switch.take(msg)
         elif isinstance(msg, wire.Tune):  # the proxy's adaptive controller (proxy/tac.py)

@@ -1,0 +1,244 @@
+"""The worker's sockets, owned by one background thread: one DEALER per proxy (``proxy_address``, comma-separated:
+common/runtime/proxy_links.py routes each request's messages to the proxy that sent it).
+
+With each proxy the thread registers (retried until acknowledged), heartbeats with the latest load snapshot, and
+moves messages between the socket and two queues; the compute loop (worker_runtime ``serve``) never touches a
+socket. ``registered`` is set once any proxy acknowledged: a worker serves the proxies that are up.
+
+A proxy that does not know this worker (it restarted, or expired it) answers a heartbeat with Reregister. With one
+proxy the compute loop then fails every request and registers again under a new epoch (registration ``rejoin``).
+With several, only that proxy's requests are failed (``LinkLost``) and the worker registers with it again under the
+same epoch, so the other proxies, which know that epoch, go on undisturbed.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from common.config.roles import WorkerConfig
+from common.protocol import wire
+from common.runtime.proxy_links import Owners, proxy_addresses
+from common.runtime.registration import await_acknowledgement
+from common.runtime.telemetry import WorkerMetrics
+from common.runtime.worker_contracts import Load
+from common.runtime.zmq_security import Waker, apply_curve_client, worker_curve
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LinkLost:
+    """One of several proxies lost this worker: the compute loop fails ``request_ids`` (that proxy's), then
+    ``WorkerIO.rejoin(link)``."""
+    link: int
+    msg: wire.Reregister
+    request_ids: set[str]
+
+
+class _Link:
+    """One proxy: its socket and where registration with it stands."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.sock = None
+        self.registered = False
+        self.may_register = True  # cleared by Reregister until the compute loop calls rejoin()
+        self.next_register = 0.0  # when the Register is (re)sent while unacknowledged
+        self.speaks = 0  # the older of this proxy's protocol version and this worker's setting
+
+
+class WorkerIO:
+    def __init__(self, config: WorkerConfig, registration: wire.Register, metrics: WorkerMetrics) -> None:
+        self.config = config
+        self.registration = registration
+        self._curve = worker_curve(config)  # bad key files fail here, before the I/O thread starts
+        self.metrics = metrics
+        self.inbox: queue.Queue = queue.Queue()
+        self._outbox: queue.Queue = queue.Queue()
+        self._wake = Waker()  # else a queued token waits out the I/O thread's 10 ms poll
+        self.load = Load()
+        self.draining = False
+        self.registered = threading.Event()
+        self.standby: wire.Standby | None = None  # sent instead of heartbeats while no model is loaded
+        self.refused: str | None = None
+        self.links = [_Link(address) for address in proxy_addresses(config.proxy_address)]
+        for link in self.links:
+            link.speaks = config.protocol_version
+        self.owners = Owners(len(self.links), config.role == "prefill") if len(self.links) > 1 else None
+        self._started = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="worker-io", daemon=True)
+
+    @property
+    def speaks(self) -> int:
+        """The protocol version every proxy reads."""
+        return min(link.speaks for link in self.links)
+
+    def start(self) -> None:
+        self._thread.start()
+        await_acknowledgement(self.config, self.registered, lambda: self.refused, self._curve is not None)
+        self._started = True
+
+    def send(self, msg) -> None:
+        self._outbox.put(msg)
+        self._wake.wake()
+
+    def rejoin(self, link: int | None = None) -> None:
+        """After a Reregister or a model swap: register again with proxy ``link`` (None: every proxy), under
+        ``registration`` (retried until acknowledged)."""
+        for index, state in enumerate(self.links):
+            if link is None or index == link:
+                state.next_register = 0.0
+                state.may_register = True
+        self._wake.wake()
+
+    def leave(self, reason: str) -> None:
+        """Say Goodbye under this epoch and stop heartbeating, staying connected (a model swap: model_swap.py)."""
+        for link in self.links:
+            link.may_register = link.registered = False
+        self.registered.clear()
+        self.send(wire.Goodbye(self.config.worker_id, self.registration.epoch, reason))
+
+    def stop(self, goodbye: str) -> None:
+        self.standby = None  # no Standby after the Goodbye
+        self.leave(goodbye)
+        self._stop.set()
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():  # a live thread may still poll the eventfd: leave it to the exit
+            self._wake.close()
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        try:
+            for link in self.links:
+                link.sock = ctx.socket(zmq.DEALER)
+                link.sock.setsockopt(zmq.IDENTITY, self.config.worker_id.encode())
+                link.sock.setsockopt(zmq.LINGER, 1000)
+                if self._curve is not None:
+                    apply_curve_client(link.sock, self._curve.keys, self._curve.proxy_public)
+                link.sock.connect(link.address)
+            self._loop()
+        except Exception:
+            log.exception("worker I/O thread failed")
+            self.inbox.put(None)  # wakes the compute loop, which then exits
+        finally:
+            for link in self.links:
+                if link.sock is not None:
+                    link.sock.close()
+            ctx.term()
+
+    def _loop(self) -> None:
+        next_beat = time.monotonic() + self.config.heartbeat_interval_s
+        beacon = None  # the Standby last sent
+        poller = zmq.Poller()
+        sockets = {}
+        for index, link in enumerate(self.links):
+            poller.register(link.sock, zmq.POLLIN)
+            sockets[link.sock] = index
+        poller.register(self._wake.fd, zmq.POLLIN)
+        while True:
+            self._flush_outbox()
+            if self._stop.is_set():
+                return
+            ready = dict(poller.poll(timeout=10))
+            if self._wake.fd in ready:
+                self._wake.drain()
+            for sock, index in sockets.items():
+                if sock in ready:
+                    self._receive(index)
+            now = time.monotonic()
+            for link in self.links:
+                if not link.registered and link.may_register and now >= link.next_register:
+                    self._flush_outbox()  # what the compute loop queued before rejoin() goes first
+                    link.sock.send_multipart(wire.encode(self.registration, link.speaks))  # the proxy may be down
+                    link.next_register = now + self.config.heartbeat_interval_s
+            if self.registered.is_set() and now >= next_beat:
+                load = self.load
+                beat = wire.Heartbeat(
+                    self.config.worker_id, self.registration.epoch, load.free_blocks, load.num_running,
+                    load.num_waiting, load.outstanding_prefill_tokens, self.draining, load.context_tokens,
+                    load.step_cost)
+                for link in self.links:
+                    if link.registered:
+                        link.sock.send_multipart(wire.encode(beat, link.speaks))
+                self.metrics.heartbeats_sent.inc()
+                next_beat = now + self.config.heartbeat_interval_s
+            elif self.standby is not None and (now >= next_beat or self.standby is not beacon):  # a new one: now
+                beacon = self.standby
+                for link in self.links:
+                    link.sock.send_multipart(wire.encode(beacon, link.speaks))
+                next_beat = now + self.config.heartbeat_interval_s
+
+    def _flush_outbox(self) -> None:
+        while True:
+            try:
+                msg = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            if self.owners is None:
+                self.links[0].sock.send_multipart(wire.encode(msg, self.links[0].speaks))
+                continue
+            for index, part in self.owners.route(msg):
+                for link in self.links if index is None else (self.links[index],):
+                    link.sock.send_multipart(wire.encode(part, link.speaks))
+
+    def _receive(self, index: int) -> None:
+        link = self.links[index]
+        while True:
+            try:
+                frames = link.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = wire.decode(frames)
+            except wire.WireError as exc:
+                self.metrics.malformed_messages.inc()
+                log.warning("dropped a malformed message from the proxy at %s: %s", link.address, exc)
+                if (request_id := wire.refused_request_id(frames)) is not None:  # its client gets a 400 now
+                    link.sock.send_multipart(wire.encode(wire.RequestFailed(
+                        request_id, self.config.worker_id, f"the worker refused the request: {exc}", False, True),
+                        link.speaks))
+                continue
+            if isinstance(msg, wire.RegisterAck):
+                if link.may_register:  # else a late answer to a Register of an epoch it left or lost
+                    self._acknowledged(link, msg, frames)
+            elif isinstance(msg, wire.Reregister):
+                # Repeats while rejoining are the proxy's answers to heartbeats that were already on the way.
+                if msg.epoch == self.registration.epoch and link.registered:
+                    self._lost(index, msg)
+            else:
+                if self.owners is not None:
+                    self.owners.took(msg, index)
+                self.inbox.put(msg)
+
+    def _acknowledged(self, link: _Link, msg: wire.RegisterAck, frames: list[bytes]) -> None:
+        link.speaks = min(self.config.protocol_version, wire.frame_version(frames))
+        if not msg.accepted:
+            self.refused = msg.reason
+            if self._started:
+                log.error("the proxy at %s refused this worker's new registration: %s; stopping", link.address,
+                          msg.reason)
+                self._stop.set()
+                self.inbox.put(None)
+                return
+        link.registered = True
+        self.registered.set()
+
+    def _lost(self, index: int, msg: wire.Reregister) -> None:
+        link = self.links[index]
+        link.may_register = link.registered = False
+        link.next_register = 0.0
+        if self.owners is None:
+            self.registered.clear()
+            self.inbox.put(msg)
+            return
+        if not any(other.registered for other in self.links):
+            self.registered.clear()
+        log.warning("the proxy at %s does not know this worker (%s): dropping its requests and registering "
+                    "with it again", link.address, msg.reason)
+        self.inbox.put(LinkLost(index, msg, self.owners.sent_by(index)))

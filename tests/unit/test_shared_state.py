@@ -1,0 +1,153 @@
+"""Several proxies' shared state: the decode split (pure), and two proxies' real admission objects syncing through
+a real Redis server: counters, buckets, the split, and an outage with its resync."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from common.config.roles import ProxyConfig
+from proxy.admission import Stage
+from proxy.cluster import Cluster
+from proxy.fair_split import local_weight, split, water_fill
+from proxy.metrics import ProxyMetrics
+from proxy.routing import PrefixAwareRouting
+from proxy.shared_state import SharedState
+from proxy.tenants import hash_key
+from tests.redis_server import redis_server  # noqa: F401 - fixture
+
+TENANTS = [{"name": "heavy", "api_key_sha256": [hash_key("sk-heavy")]},
+           {"name": "light", "api_key_sha256": [hash_key("sk-light")], "weight": 3},
+           {"name": "limited", "api_key_sha256": [hash_key("sk-limited")], "requests_per_s": 2, "request_burst": 4}]
+
+
+def test_water_fill_gives_a_small_demand_what_it_asks_and_the_rest_by_weight():
+    weights = {"a": 1.0, "b": 1.0, "c": 2.0}
+    assert water_fill(12, weights, {"a": 1, "b": 100, "c": 100}) == pytest.approx({"a": 1, "b": 11 / 3, "c": 22 / 3})
+    assert water_fill(12, weights, {"a": 2, "b": 3, "c": 1}) == {"a": 2, "b": 3, "c": 1}  # all satisfied
+
+
+def test_split_follows_each_tenants_demand_to_its_proxies_and_sums_to_the_slots():
+    weight = {"heavy": 1.0, "light": 1.0}.__getitem__
+    # heavy (16 streams) only at A, light (4) spread over both: each tenant's share is 2 of 4 slots
+    assert split(4, weight, {"A": {"heavy": 16, "light": 2}, "B": {"light": 2}}) == {"A": 3, "B": 1}
+    assert split(4, weight, {"A": {"heavy": 8, "light": 2}, "B": {"heavy": 8, "light": 2}}) == {"A": 2, "B": 2}
+    # nothing asked anywhere: the spare slots go equally, so a first request is admitted at once
+    assert split(8, weight, {"A": {}, "B": {}, "C": {}}) in ({"A": 3, "B": 3, "C": 2},)
+    for total in range(0, 20):
+        parts = split(total, weight, {"A": {"heavy": 5}, "B": {"light": 1, "heavy": 2}, "C": {}})
+        assert sum(parts.values()) == total
+    assert local_weight(1.0, 3, 4) == 0.75 and local_weight(2.0, 0, 0) == 2.0
+
+
+def proxy(url: str, proxy_id: str, clock=None, **settings) -> Cluster:
+    config = ProxyConfig(redis_url=url, proxy_id=proxy_id, tenants=TENANTS, auth_enabled=True,
+                         shared_state_timeout_s=0.5, **settings)
+    cluster = Cluster(config, PrefixAwareRouting(0, 600), ProxyMetrics(), **({"clock": clock} if clock else {}))
+    cluster.shared = SharedState(config, cluster, cluster.metrics)
+    cluster.admission.shares.weight = cluster.shared.weight
+    return cluster
+
+
+def enqueue(cluster: Cluster, tenant: str, count: int, start: int = 0) -> None:
+    for i in range(start, start + count):
+        cluster.admission.enqueue(f"{cluster.shared.proxy_id}-{tenant}-{i}", cluster.tenants.tenants[tenant], 10, None)
+
+
+def test_two_proxies_share_counters_demand_and_the_split(redis_server):  # noqa: F811
+    async def run():
+        a, b = proxy(redis_server.url, "a"), proxy(redis_server.url, "b")
+        a.admission.counters.charge("heavy", input_tokens=100, output_tokens=50)  # 200 service, weight 1
+        b.admission.counters.charge("light", input_tokens=30)  # 30 service, weight 3: 10
+        assert await a.shared.sync() and await b.shared.sync() and await a.shared.sync()
+        assert a.admission.counters["heavy"] == b.admission.counters["heavy"] == 200
+        assert a.admission.counters["light"] == b.admission.counters["light"] == 10
+        enqueue(a, "heavy", 16)
+        enqueue(a, "light", 2)  # lifted to heavy's counter as it becomes backlogged here (BacklogLift)
+        enqueue(b, "light", 2)
+        assert await a.shared.sync() and await b.shared.sync() and await a.shared.sync()
+        assert a.shared.remote_tenants() == {"light"} and b.shared.remote_tenants() == {"heavy", "light"}
+        # light (weight 3) asks 4 of 8 slots and gets them; heavy the other 4, all at A
+        assert (a.shared.slots(8), b.shared.slots(8)) == (6, 2)
+        assert a.shared.weight("light") == pytest.approx(1.5) and b.shared.weight("light") == pytest.approx(1.5)
+        a.admission.counters.charge("heavy", output_tokens=5)
+        before = b.admission.counters["heavy"]
+        assert await b.shared.sync() is True and b.admission.counters["heavy"] == before  # not yet synced by a
+        assert await a.shared.sync() and await b.shared.sync()
+        assert b.admission.counters["heavy"] == before + 10  # one interval late
+        await a.shared.close()
+        assert await b.shared.sync() and b.shared.remote_tenants() == set()  # a left the split at once
+        assert b.shared.slots(8) == 8
+        await b.shared.close()
+    asyncio.run(run())
+
+
+def test_a_rate_limit_holds_across_proxies(redis_server):  # noqa: F811
+    """The bucket refills by Redis's clock, so this runs in real time: 2 s, each proxy asked 5 times a sync."""
+    async def run():
+        a, b = proxy(redis_server.url, "a"), proxy(redis_server.url, "b")
+        admitted, loop = 0, asyncio.get_running_loop()
+        until = loop.time() + 2.0
+        while loop.time() < until:
+            for p in (a, b):
+                await p.shared.sync()
+                limiter = p.tenants.tenants["limited"].limiter
+                for _ in range(5):
+                    try:
+                        limiter.admit(p._clock())
+                        admitted += 1
+                    except Exception:  # noqa: BLE001 - the 429
+                        pass
+            await asyncio.sleep(0.1)
+        # a burst of 4 and 2/s for 2 s: 8, where two proxies each on its own would admit 16; each may overshoot
+        # by what its bucket refills locally within one sync interval
+        assert 7 <= admitted <= 10, admitted
+        await a.shared.close()
+        await b.shared.close()
+    asyncio.run(run())
+
+
+def test_redis_away_serves_on_local_state_and_resyncs_when_back(redis_server, caplog):  # noqa: F811
+    async def run():
+        a, b = proxy(redis_server.url, "a"), proxy(redis_server.url, "b")
+        enqueue(a, "heavy", 3)
+        a.admission.counters.charge("heavy", input_tokens=40)
+        assert await a.shared.sync() and await b.shared.sync() and await a.shared.sync()
+        assert a.metrics.shared_state_up._value.get() == 1
+        redis_server.stop()
+        assert await a.shared.sync() is False
+        assert a.metrics.shared_state_up._value.get() == 0
+        assert "unreachable" in caplog.text and "serving on this proxy's own state" in caplog.text
+        assert a.shared.slots(8) == 4  # 1/N of the slots, N the proxies last seen
+        limiter = a.tenants.tenants["limited"].limiter
+        assert limiter.requests.refill_share == 0.5
+        a.admission.counters.charge("heavy", input_tokens=10)  # served meanwhile, on local state
+        assert a.admission.counters["heavy"] == 50
+        redis_server.start()  # empty: nothing persisted
+        assert await a.shared.sync() and await b.shared.sync() and await a.shared.sync()
+        assert "is back: resynced" in caplog.text and a.metrics.shared_state_up._value.get() == 1
+        assert b.admission.counters["heavy"] == 50  # a's charges, stored whole, are all there again
+        assert limiter.requests.refill_share == 1.0
+        assert a.shared.slots(8) + b.shared.slots(8) == 8
+        await a.shared.close()
+        await b.shared.close()
+    asyncio.run(run())
+
+
+def test_admission_admits_to_the_proxys_share_of_the_slots(redis_server):  # noqa: F811
+    async def run():
+        a, b = proxy(redis_server.url, "a"), proxy(redis_server.url, "b")
+        a.registry.decode_slots = lambda within_tpot=False, scale=1.0: 4
+        enqueue(a, "heavy", 10)
+        enqueue(b, "heavy", 10)
+        assert await a.shared.sync() and await b.shared.sync() and await a.shared.sync()
+        admitted = []
+        while (admit := a.admission.next_admission()) is not None:
+            admitted.append(admit)
+            if admit.stage is Stage.PREFILLING:
+                a.admission.ready_for_decode(admit.key)
+        decoding = [x for x in admitted if x.stage is Stage.DECODING]
+        assert len(decoding) == 2  # half of the 4 slots: b's demand is as large
+        await a.shared.close()
+        await b.shared.close()
+    asyncio.run(run())
