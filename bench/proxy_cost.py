@@ -1,7 +1,7 @@
 """What the proxy itself costs per request and per streamed token, with workers that cost nothing.
 
     python -m bench.proxy_cost [--streams 256] [--tokens 256] [--token-interval-s 0.02] [--seconds 20]
-                               [--workers 4] [--baseline TREE] [--profile FILE] [--json FILE]
+                               [--workers 4] [--baseline TREE | --scale-out N] [--profile FILE] [--json FILE]
 
 One ``tessera proxy`` process (its own, so that its CPU time can be read from ``/proc``) serves ``--workers``
 simulated prefill and as many simulated decode workers (bench/sim/: the real wire protocol and block manager,
@@ -14,6 +14,11 @@ requests completed and by the tokens streamed (counted from each response's ``us
 ``--baseline TREE`` measures the proxy of another checkout first (e.g. ``git worktree add /tmp/base <rev>``), in
 the same run against the same workers and clients, and reports this tree's cost as a ratio of it. The proxy
 runs from its tree with ``PYTHONPATH=<tree>``.
+
+``--scale-out N`` measures one proxy first, then ``tessera proxy --workers N`` sharing a Redis server of its own
+(``redis-server`` on a free port), with the same workers (registered with every process) and clients (their
+connections spread over the processes by the kernel), and reports the processes' combined CPU per request and per
+token as a ratio of the one proxy's; Redis's own CPU is reported beside it.
 
 ``--profile FILE`` samples the proxy with py-spy (``pip install py-spy``; 400 samples a second of the thread
 holding the GIL, so what the process computes rather than waits for; native frames too with
@@ -44,15 +49,23 @@ from common.text.tokenizer import Tokenizer
 
 MODEL = "SmolLM2-135M-Instruct"
 def start_proxy(port: int, worker_port: int, model_dir: Path, tree: Path | None = None,
-                extra: list[str] = ()) -> subprocess.Popen:
+                extra: list[str] = (), processes: int = 1) -> subprocess.Popen:
     settings = {"port": port, "worker_bind": f"tcp://127.0.0.1:{worker_port}", "model": model_dir,
                 "heartbeat_timeout_s": 30, "first_token_timeout_s": 120, "token_timeout_s": 120,
                 "max_tokens_limit": 4096, "queue_timeout_s": 300}
     args = [arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")]
     args += [arg for setting in extra for arg in ("--set", setting)]
     source = {} if tree is None else {"env": tree_env(tree), "cwd": tree}
+    if processes > 1:
+        args += ["--workers", str(processes)]
     return subprocess.Popen([sys.executable, "-m", "common.cli.main", "proxy", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **source)
+
+
+def family(pid: int) -> list[int]:
+    """``pid`` and its child processes (``--workers``' proxies)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    return [pid, *(int(c) for c in children.read_text().split())] if children.exists() else [pid]
 
 
 def serve_workers(endpoint: str, count: int, interval_s: float, model_dir: Path) -> int:
@@ -117,8 +130,8 @@ class StreamClient:
             self.writer.close()
 
 
-async def drive(url: str, streams: int, tokens: int, seconds: float, warmup_s: float, pid: int,
-                profile: Path | None = None) -> dict:
+async def drive(url: str, streams: int, tokens: int, seconds: float, warmup_s: float, pids: list[int],
+                profile: Path | None = None, redis_pid: int | None = None) -> dict:
     host, port = url.removeprefix("http://").rsplit(":", 1)
     body = {"model": MODEL, "max_tokens": tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -153,21 +166,23 @@ async def drive(url: str, streams: int, tokens: int, seconds: float, warmup_s: f
     tasks = [asyncio.create_task(client(i)) for i in range(streams)]
     await asyncio.sleep(warmup_s)
     measuring, started = True, time.monotonic()
-    cpu_before, sys_before = cpu_seconds(pid), system_seconds(pid)
+    cpu_before, sys_before = sum(map(cpu_seconds, pids)), sum(map(system_seconds, pids))
+    redis_before = cpu_seconds(redis_pid) if redis_pid else 0.0
     sampler = None
     if profile is not None:
         spy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
         if spy is None:
             raise SystemExit("--profile needs py-spy: pip install py-spy")
         sampler = await asyncio.create_subprocess_exec(
-            spy, "record", "--pid", str(pid), "--rate", "400", "--gil", *NATIVE, "--format", "raw", "--output",
+            spy, "record", "--pid", str(pids[0]), "--rate", "400", "--gil", *NATIVE, "--format", "raw", "--output",
             str(profile), "--duration", str(int(seconds)), stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.DEVNULL)
     await asyncio.sleep(seconds)
     if sampler is not None:
         await sampler.wait()
     measuring, elapsed = False, time.monotonic() - started
-    cpu, system = cpu_seconds(pid) - cpu_before, system_seconds(pid) - sys_before
+    cpu, system = sum(map(cpu_seconds, pids)) - cpu_before, sum(map(system_seconds, pids)) - sys_before
+    redis_cpu = cpu_seconds(redis_pid) - redis_before if redis_pid else None
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -178,7 +193,9 @@ async def drive(url: str, streams: int, tokens: int, seconds: float, warmup_s: f
             "stream_tokens_per_s": round(window["tokens"] / elapsed / streams, 1),
             "proxy_cpu_s": round(cpu, 2), "proxy_cores": round(cpu / elapsed, 2),
             "proxy_system_share": round(system / max(cpu, 1e-9), 2), "cpu_ms_per_request": round(1e3 * cpu / done, 2),
-            "cpu_us_per_token": round(1e6 * cpu / max(window["tokens"], 1), 1), "error_reasons": reasons}
+            "cpu_us_per_token": round(1e6 * cpu / max(window["tokens"], 1), 1), "error_reasons": reasons,
+            "proxy_processes": len(pids) - (len(pids) > 1),  # the supervisor is counted, not named
+            **({"redis_cpu_ms_per_request": round(1e3 * redis_cpu / done, 3)} if redis_pid else {})}
 
 
 def system_seconds(pid: int) -> float:
@@ -198,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a setting of this tree's proxy (e.g. access_log=false); repeatable")
     parser.add_argument("--baseline", type=Path, help="another checkout whose proxy is measured first, as the base")
+    parser.add_argument("--scale-out", type=int, metavar="N",
+                        help="one proxy first, then N processes (--workers N) sharing a Redis server")
     parser.add_argument("--profile", type=Path, help="sample this tree's proxy with py-spy, writing the stacks here")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--serve-workers", metavar="ENDPOINT", help=argparse.SUPPRESS)  # the workers' process
@@ -206,16 +225,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_workers:
         return serve_workers(args.serve_workers, args.workers, args.token_interval_s, model_dir)
     runs = {}
-    if args.baseline is not None:
-        runs["baseline"] = measure(args, model_dir, args.baseline.resolve(), None)
+    if args.baseline is not None or args.scale_out:
+        tree = args.baseline.resolve() if args.baseline is not None else None
+        runs["baseline"] = measure(args, model_dir, tree, None)
         print(json.dumps({"baseline": runs["baseline"]}), flush=True)
-    runs["this"] = measure(args, model_dir, None, args.profile)
+    runs["this"] = measure(args, model_dir, None, args.profile, args.scale_out or 1)
     result = {**runs["this"], "streams": args.streams, "tokens_per_request": args.tokens,
               "token_interval_s": args.token_interval_s, "workers": 2 * args.workers, "profiled": bool(args.profile),
               "settings": args.set}
     if "baseline" in runs:
         base = runs["baseline"]
-        result["baseline"] = {**base, "tree": str(args.baseline)}
+        result["baseline"] = {**base, "tree": str(args.baseline or "this, one proxy")}
         result["cpu_per_token_vs_baseline"] = round(result["cpu_us_per_token"] / base["cpu_us_per_token"], 3)
         result["cpu_per_request_vs_baseline"] = round(result["cpu_ms_per_request"] / base["cpu_ms_per_request"], 3)
     print(json.dumps(result), flush=True)
@@ -226,22 +246,32 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def measure(args, model_dir: Path, tree: Path | None, profile: Path | None) -> dict:
-    """One proxy (``tree``'s, or this checkout's) with its own workers and clients."""
+def measure(args, model_dir: Path, tree: Path | None, profile: Path | None, processes: int = 1) -> dict:
+    """One proxy (``tree``'s, or this checkout's), or ``processes`` of this checkout's sharing a Redis server,
+    with their own workers and clients."""
     port, worker_port = free_port(), free_port()
-    proxy = start_proxy(port, worker_port, model_dir, tree, args.set if tree is None else [])
+    redis = None
+    extra = list(args.set if tree is None else [])
+    if processes > 1:
+        redis_port = free_port()
+        redis = subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+                                  "--appendonly", "no"], stdout=subprocess.DEVNULL)
+        extra.append(f"redis_url=redis://127.0.0.1:{redis_port}/0")
+    proxy = start_proxy(port, worker_port, model_dir, tree, extra, processes)
     workers = None
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for("the proxy starting", lambda: http_ok(url + "/healthz"), proxy, timeout_s=120)
         workers = subprocess.Popen(
-            [sys.executable, "-m", "bench.proxy_cost", "--serve-workers", f"tcp://127.0.0.1:{worker_port}",
+            [sys.executable, "-m", "bench.proxy_cost", "--serve-workers",
+             ",".join(f"tcp://127.0.0.1:{worker_port + i}" for i in range(processes)),
              "--workers", str(args.workers), "--token-interval-s", str(args.token_interval_s)],
             stdout=subprocess.PIPE, text=True)
         if workers.stdout.readline().strip() != "ready":
             raise RuntimeError("the scripted workers did not start")
         time.sleep(2)  # heartbeats: the proxy has the workers' step model
-        return asyncio.run(drive(url, args.streams, args.tokens, args.seconds, args.warmup_s, proxy.pid, profile))
+        return asyncio.run(drive(url, args.streams, args.tokens, args.seconds, args.warmup_s, family(proxy.pid),
+                                 profile, redis.pid if redis is not None else None))
     finally:
         proxy.send_signal(signal.SIGTERM)  # drains (the workers still answer) and exits
         try:
@@ -252,6 +282,9 @@ def measure(args, model_dir: Path, tree: Path | None, profile: Path | None) -> d
         if workers is not None:
             workers.terminate()
             workers.wait(timeout=60)
+        if redis is not None:
+            redis.terminate()
+            redis.wait(timeout=60)
 
 
 NATIVE = ["--native"] if os.environ.get("PROXY_COST_NATIVE") else []  # py-spy's native frames too
