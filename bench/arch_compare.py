@@ -55,6 +55,12 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
 
 
+def family(pid: int) -> list[int]:
+    """``pid`` and its child processes (``tessera proxy --workers``' proxies)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    return [pid, *(int(c) for c in children.read_text().split())] if children.exists() else [pid]
+
+
 def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

@@ -1,7 +1,8 @@
 """What the proxy itself costs per request and per streamed token, with workers that cost nothing.
 
     python -m bench.proxy_cost [--streams 256] [--tokens 256] [--token-interval-s 0.02] [--seconds 20]
-                               [--workers 4] [--baseline TREE | --scale-out N] [--profile FILE] [--json FILE]
+                               [--workers 4] [--baseline TREE | --scale-out N [--independent]] [--repeat K]
+                               [--profile FILE] [--json FILE]
 
 One ``tessera proxy`` process (its own, so that its CPU time can be read from ``/proc``) serves ``--workers``
 simulated prefill and as many simulated decode workers (bench/sim/: the real wire protocol and block manager,
@@ -18,7 +19,8 @@ runs from its tree with ``PYTHONPATH=<tree>``.
 ``--scale-out N`` measures one proxy first, then ``tessera proxy --workers N`` sharing a Redis server of its own
 (``redis-server`` on a free port), with the same workers (registered with every process) and clients (their
 connections spread over the processes by the kernel), and reports the processes' combined CPU per request and per
-token as a ratio of the one proxy's; Redis's own CPU is reported beside it.
+token as a ratio of the one proxy's; Redis's own CPU is reported beside it (``--independent``: no Redis, the
+processes sharing nothing).
 
 ``--profile FILE`` samples the proxy with py-spy (``pip install py-spy``; 400 samples a second of the thread
 holding the GIL, so what the process computes rather than waits for; native frames too with
@@ -40,7 +42,7 @@ import time
 from pathlib import Path
 
 
-from bench.arch_compare import cpu_seconds, tree_env
+from bench.arch_compare import cpu_seconds, family, tree_env
 from bench.scale import http_ok, wait_for
 from common.cli.local_cluster import free_port
 from common.protocol.wire import StepCostModel
@@ -61,11 +63,6 @@ def start_proxy(port: int, worker_port: int, model_dir: Path, tree: Path | None 
     return subprocess.Popen([sys.executable, "-m", "common.cli.main", "proxy", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **source)
 
-
-def family(pid: int) -> list[int]:
-    """``pid`` and its child processes (``--workers``' proxies)."""
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    return [pid, *(int(c) for c in children.read_text().split())] if children.exists() else [pid]
 
 
 def serve_workers(endpoint: str, count: int, interval_s: float, model_dir: Path) -> int:
@@ -131,7 +128,7 @@ class StreamClient:
 
 
 async def drive(url: str, streams: int, tokens: int, seconds: float, warmup_s: float, pids: list[int],
-                profile: Path | None = None, redis_pid: int | None = None) -> dict:
+                profile: Path | None = None, redis_pid: int | None = None, stagger_s: float = 0.0) -> dict:
     host, port = url.removeprefix("http://").rsplit(":", 1)
     body = {"model": MODEL, "max_tokens": tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -142,6 +139,9 @@ async def drive(url: str, streams: int, tokens: int, seconds: float, warmup_s: f
 
     async def client(i: int) -> None:
         connection, n = StreamClient(host, int(port)), 0
+        # staggered over one request's length, so that requests end evenly over time: started together, they end
+        # in waves, and a window catches 3 or 4 of them by its phase alone
+        await asyncio.sleep(stagger_s * i / streams)
         try:
             while time.monotonic() < stop_at:
                 n += 1
@@ -174,7 +174,7 @@ async def drive(url: str, streams: int, tokens: int, seconds: float, warmup_s: f
         if spy is None:
             raise SystemExit("--profile needs py-spy: pip install py-spy")
         sampler = await asyncio.create_subprocess_exec(
-            spy, "record", "--pid", str(pids[0]), "--rate", "400", "--gil", *NATIVE, "--format", "raw", "--output",
+            spy, "record", "--pid", str(pids[-1]), "--rate", "400", "--gil", *NATIVE, "--format", "raw", "--output",
             str(profile), "--duration", str(int(seconds)), stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.DEVNULL)
     await asyncio.sleep(seconds)
@@ -217,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", type=Path, help="another checkout whose proxy is measured first, as the base")
     parser.add_argument("--scale-out", type=int, metavar="N",
                         help="one proxy first, then N processes (--workers N) sharing a Redis server")
+    parser.add_argument("--repeat", type=int, default=1, metavar="K",
+                        help="with --baseline or --scale-out: K alternating pairs of runs, and the median ratio")
+    parser.add_argument("--independent", action="store_true",
+                        help="with --scale-out: the N processes share no Redis (each 1/N of the slots)")
     parser.add_argument("--profile", type=Path, help="sample this tree's proxy with py-spy, writing the stacks here")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--serve-workers", metavar="ENDPOINT", help=argparse.SUPPRESS)  # the workers' process
@@ -224,21 +228,32 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model("embedded", "float32")
     if args.serve_workers:
         return serve_workers(args.serve_workers, args.workers, args.token_interval_s, model_dir)
-    runs = {}
-    if args.baseline is not None or args.scale_out:
-        tree = args.baseline.resolve() if args.baseline is not None else None
-        runs["baseline"] = measure(args, model_dir, tree, None)
-        print(json.dumps({"baseline": runs["baseline"]}), flush=True)
-    runs["this"] = measure(args, model_dir, None, args.profile, args.scale_out or 1)
-    result = {**runs["this"], "streams": args.streams, "tokens_per_request": args.tokens,
-              "token_interval_s": args.token_interval_s, "workers": 2 * args.workers, "profiled": bool(args.profile),
-              "settings": args.set}
-    if "baseline" in runs:
-        base = runs["baseline"]
-        result["baseline"] = {**base, "tree": str(args.baseline or "this, one proxy")}
-        result["cpu_per_token_vs_baseline"] = round(result["cpu_us_per_token"] / base["cpu_us_per_token"], 3)
-        result["cpu_per_request_vs_baseline"] = round(result["cpu_ms_per_request"] / base["cpu_ms_per_request"], 3)
-    print(json.dumps(result), flush=True)
+    compared = args.baseline is not None or args.scale_out
+    rounds = []
+    for _ in range(args.repeat if compared else 1):  # alternating: the machine's drift falls on both alike
+        runs = {}
+        if compared:
+            tree = args.baseline.resolve() if args.baseline is not None else None
+            runs["baseline"] = measure(args, model_dir, tree, None)
+            print(json.dumps({"baseline": runs["baseline"]}), flush=True)
+        runs["this"] = measure(args, model_dir, None, args.profile, args.scale_out or 1)
+        result = {**runs["this"], "streams": args.streams, "tokens_per_request": args.tokens,
+                  "token_interval_s": args.token_interval_s, "workers": 2 * args.workers,
+                  "profiled": bool(args.profile), "settings": args.set}
+        if compared:
+            base = runs["baseline"]
+            result["baseline"] = {**base, "tree": str(args.baseline or "this, one proxy")}
+            result["cpu_per_token_vs_baseline"] = round(result["cpu_us_per_token"] / base["cpu_us_per_token"], 3)
+            result["cpu_per_request_vs_baseline"] = round(result["cpu_ms_per_request"] / base["cpu_ms_per_request"],
+                                                          3)
+        print(json.dumps(result), flush=True)
+        rounds.append(result)
+    if len(rounds) > 1:
+        ratios = sorted(r["cpu_per_request_vs_baseline"] for r in rounds)
+        result = {**rounds[-1], "rounds": rounds, "cpu_per_request_vs_baseline_each": ratios,
+                  "cpu_per_request_vs_baseline_median": ratios[len(ratios) // 2]}
+        print(json.dumps({"cpu_per_request_vs_baseline_each": ratios,
+                          "median": result["cpu_per_request_vs_baseline_median"]}), flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     if args.profile:
@@ -252,7 +267,7 @@ def measure(args, model_dir: Path, tree: Path | None, profile: Path | None, proc
     port, worker_port = free_port(), free_port()
     redis = None
     extra = list(args.set if tree is None else [])
-    if processes > 1:
+    if processes > 1 and not args.independent:
         redis_port = free_port()
         redis = subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
                                   "--appendonly", "no"], stdout=subprocess.DEVNULL)
@@ -271,7 +286,8 @@ def measure(args, model_dir: Path, tree: Path | None, profile: Path | None, proc
             raise RuntimeError("the scripted workers did not start")
         time.sleep(2)  # heartbeats: the proxy has the workers' step model
         return asyncio.run(drive(url, args.streams, args.tokens, args.seconds, args.warmup_s, family(proxy.pid),
-                                 profile, redis.pid if redis is not None else None))
+                                 profile, redis.pid if redis is not None else None,
+                                 min(args.tokens * args.token_interval_s, args.warmup_s)))
     finally:
         proxy.send_signal(signal.SIGTERM)  # drains (the workers still answer) and exits
         try:

@@ -1,9 +1,10 @@
-"""The front door at scale: one proxy, many simulated workers, ``tessera bench`` driving them.
+"""The front door at scale: P proxies, many simulated workers, ``tessera bench`` driving them.
 
-    python -m bench.scale [--prefill 20] [--decode 100] [--seconds 300] [--request-rate 40]
+    python -m bench.scale [--proxies 1] [--prefill 20] [--decode 100] [--seconds 300] [--request-rate 40]
                           [--input-len 256] [--output-len 64] [--num-prefixes 16] [--json FILE]
 
-One command starts a ``tessera proxy`` process, one ``tessera sim-worker`` process hosting ``--prefill``
+One command starts ``tessera proxy`` (with ``--proxies P`` > 1, ``--workers P`` processes sharing a Redis server
+of its own, each also on a port of its own for its metrics), one ``tessera sim-worker`` process hosting ``--prefill``
 prefill and ``--decode`` decode workers (bench/sim/: real wire protocol and block manager, steps timed by the
 shipped profile of the real engine), and runs ``tessera bench`` against the proxy for ``--seconds``: Poisson
 arrivals at ``--request-rate``, shared-prefix prompts (``--num-prefixes`` prefixes of ``--prefix-len`` tokens,
@@ -12,8 +13,8 @@ weights 3 and 1 asking alike.
 
 It reports:
 
-- the proxy's CPU per request and per streamed token (``/proc``, over the run; the bench client and the
-  simulated workers share the cores but not the count);
+- the proxies' CPU per request and per streamed token (``/proc``, their processes together, over the run; the
+  bench client and the simulated workers share the cores but not the count);
 - requests/s and output tokens/s, TTFT and TPOT p50/p99 (``tessera bench``'s result);
 - the prefix-cache hit rate (cached over prompt tokens, from the proxy's tenant counters);
 - each tenant's share of the service against its weight's;
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.arch_compare import cpu_seconds
+from bench.arch_compare import cpu_seconds, family
 from common.cli.local_cluster import free_port
 from common.storage.model_store import resolve_model
 from proxy.tenants_command import hash_key
@@ -67,6 +68,7 @@ def _metric(text: str, name: str) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--proxies", type=int, default=1, help="proxy processes (sharing a Redis server)")
     parser.add_argument("--prefill", type=int, default=20)
     parser.add_argument("--decode", type=int, default=100)
     parser.add_argument("--seconds", type=float, default=300.0)
@@ -80,30 +82,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     model_dir = resolve_model("embedded", "float32")
-    port, worker_port = free_port(), free_port()
+    port, worker_port, own_port = free_port(), free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
+    each = [url] if args.proxies == 1 else [f"http://127.0.0.1:{own_port + i}" for i in range(args.proxies)]
     tenants = [{"name": name, "api_key_sha256": [hash_key(key)], "weight": weight}
                for name, (key, weight) in TENANTS.items()]
     settings = {"port": port, "worker_bind": f"tcp://127.0.0.1:{worker_port}", "model": model_dir,
                 "heartbeat_timeout_s": 30, "max_tokens_limit": 4096, "queue_timeout_s": 300,
                 "auth_enabled": "true", "tenants": json.dumps(tenants)}
     proxy_args = [a for k, v in settings.items() for a in ("--set", f"{k}={v}")]
-    proxy_args += [a for s in args.proxy_set for a in ("--set", s)]
     work = Path(tempfile.mkdtemp(prefix="tessera-scale-"))
+    redis = None
+    if args.proxies > 1:
+        redis_port = free_port()
+        redis = subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+                                  "--appendonly", "no"], stdout=subprocess.DEVNULL)
+        proxy_args += ["--workers", str(args.proxies), "--set", f"redis_url=redis://127.0.0.1:{redis_port}/0",
+                       "--set", f"process_port={own_port}"]
+    proxy_args += [a for s in args.proxy_set for a in ("--set", s)]
     proxy = subprocess.Popen([sys.executable, "-m", "common.cli.main", "proxy", *proxy_args],
                              stdout=(work / "proxy.log").open("w"), stderr=subprocess.STDOUT)
     sims = None
     try:
         wait_for("the proxy starting", lambda: http_ok(url + "/healthz"), proxy)
         sims = subprocess.Popen([sys.executable, "-m", "common.cli.main", "sim-worker", "--proxy",
-                                 f"tcp://127.0.0.1:{worker_port}", "--prefill", str(args.prefill), "--decode",
+                                 ",".join(f"tcp://127.0.0.1:{worker_port + i}" for i in range(args.proxies)),
+                                 "--prefill", str(args.prefill), "--decode",
                                  str(args.decode), "--time-scale", str(args.time_scale), "--stats",
                                  str(work / "sim-stats.json")], stdout=subprocess.PIPE, text=True)
-        wait_for("the simulated workers registering", lambda: http_ok(url + "/readyz") and _workers(url) >=
-                 args.prefill + args.decode, sims)
+        wait_for("the simulated workers registering", lambda: http_ok(url + "/readyz") and all(
+            _workers(one) >= args.prefill + args.decode for one in each), sims)
         time.sleep(3)  # their heartbeats: the proxy has their step models
-        before = httpx.get(url + "/metrics").text
-        cpu0, t0 = cpu_seconds(proxy.pid), time.monotonic()
+        pids = family(proxy.pid)
+        before = [httpx.get(one + "/metrics").text for one in each]
+        cpu0, t0 = sum(map(cpu_seconds, pids)), time.monotonic()
         bench = subprocess.run(
             [sys.executable, "-m", "common.cli.main", "bench", "--base-url", url, "--endpoint",
              "/v1/chat/completions", "--workload", "shared-prefix", "--num-prefixes", str(args.num_prefixes),
@@ -114,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                for a in ("--tenant", f"name={name},key={key},weight={weight}")], "--result-dir",
              str(work / "bench"), "--no-plots", "--no-progress", "--label", "scale"],
             capture_output=True, text=True)
-        cpu, elapsed = cpu_seconds(proxy.pid) - cpu0, time.monotonic() - t0
-        after = httpx.get(url + "/metrics").text
+        cpu, elapsed = sum(map(cpu_seconds, pids)) - cpu0, time.monotonic() - t0
+        after = [httpx.get(one + "/metrics").text for one in each]
         if bench.returncode != 0:
             raise RuntimeError(f"tessera bench failed: {bench.stderr[-2000:]}")
         point = json.loads((work / "bench" / "result.json").read_text())["points"][0]
@@ -125,14 +137,21 @@ def main(argv: list[str] | None = None) -> int:
             out, _ = sims.communicate(timeout=120)
         proxy.send_signal(signal.SIGTERM)
         proxy.wait(timeout=120)
+        if redis is not None:
+            redis.terminate()
+            redis.wait(timeout=30)
     sim = json.loads(out.strip().splitlines()[-1])
-    prompt = _metric(after, "tessera_proxy_tenant_prompt_tokens_total") - _metric(
-        before, "tessera_proxy_tenant_prompt_tokens_total")
-    cached = _metric(after, "tessera_proxy_tenant_cached_prompt_tokens_total") - _metric(
-        before, "tessera_proxy_tenant_cached_prompt_tokens_total")
+
+    def grown(name: str) -> float:
+        return sum(_metric(a, name) - _metric(b, name) for a, b in zip(after, before))
+    prompt = grown("tessera_proxy_tenant_prompt_tokens_total")
+    cached = grown("tessera_proxy_tenant_cached_prompt_tokens_total")
     completed, tokens = point["completed"], point["total_output_tokens"]
     result = {
-        "prefill_workers": args.prefill, "decode_workers": args.decode, "seconds": round(elapsed, 1),
+        "proxies": args.proxies, "prefill_workers": args.prefill, "decode_workers": args.decode,
+        "seconds": round(elapsed, 1),
+        "requests_per_proxy": [round(_metric(a, "tessera_proxy_requests_total") - _metric(
+            b, "tessera_proxy_requests_total")) for a, b in zip(after, before)],
         "request_rate": args.request_rate, "completed": completed, "failed": point["failed"],
         "req_per_s": round(point["request_throughput"], 2), "output_tokens_per_s": round(point["output_throughput"], 1),
         "proxy_cores": round(cpu / elapsed, 3), "proxy_cpu_ms_per_request": round(1e3 * cpu / max(completed, 1), 3),

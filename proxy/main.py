@@ -53,12 +53,13 @@ def _run_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port with SO_REUSEPORT, which other processes may bind too."""
+def listening_socket(host: str, port: int, reuse_port: bool = True) -> socket.socket:
+    """A socket bound to host:port; ``reuse_port``: with SO_REUSEPORT, which other processes may bind too."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     return sock
 
@@ -85,5 +86,9 @@ def run(config: ProxyConfig, config_path: str | None = None, overrides: dict | N
     # log_config=None: uvicorn's lines go through the root handler, in the chosen --log-format.
     server_config = listener_config(app, config, loop="uvloop", log_level="info", log_config=None,
                                     timeout_graceful_shutdown=int(drain_timeout_s) + 1)
-    sockets = [listening_socket(config.host, config.port)] if reuse_port else None
+    sockets = None
+    if reuse_port or config.process_port:  # else uvicorn binds host:port itself
+        sockets = [listening_socket(config.host, config.port, reuse_port)]
+        if config.process_port:
+            sockets.append(listening_socket(config.host, config.process_port, reuse_port=False))
     DrainingServer(server_config, app.state.services.cluster, drain_timeout_s).run(sockets=sockets)

@@ -181,9 +181,9 @@ class SharedState:
         interval_ms = self.config.shared_state_interval_s * 1e3
         live_ms = max(int(LIVE_SYNCS * interval_ms), int(2e3 * self.config.shared_state_timeout_s))
         try:
-            answer = await asyncio.wait_for(
-                self._script(args=[self.config.shared_state_prefix, self.proxy_id, live_ms, int(KEEP_S * 1e3),
-                                   payload]), self.config.shared_state_timeout_s)
+            async with asyncio.timeout(self.config.shared_state_timeout_s):  # no task per call, as wait_for's
+                answer = await self._script(args=[self.config.shared_state_prefix, self.proxy_id, live_ms,
+                                                  int(KEEP_S * 1e3), payload])
             result = json.loads(answer)
         except Exception as exc:  # noqa: BLE001 - any failure of the store is an outage, served through
             self._down(exc)

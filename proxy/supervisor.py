@@ -5,7 +5,8 @@ with SO_REUSEPORT, so the kernel spreads new connections over them. Process i bi
 ``worker_bind``'s port + i, and every worker lists all N in its ``proxy_address`` (comma-separated) to register
 with each. What the processes must agree on is shared through ``redis_url`` (proxy/shared_state.py); without it
 each admits to 1/N of the decode slots (``decode_slot_share``) and keeps its own tenant counters and buckets, which
-the supervisor says at start. A metering file gets one per process (``NAME-i.EXT``).
+the supervisor says at start. A metering file gets one per process (``NAME-i.EXT``), and with ``process_port`` each
+process also listens on a port of its own (that port + i), where /metrics is that process's.
 
 The supervisor only starts, restarts and stops them: a process that exits while the supervisor is not stopping
 is started again (after ``RESTART_DELAY_S``, doubling while it keeps failing at once); SIGTERM or SIGINT is passed
@@ -43,8 +44,10 @@ def child_overrides(config: ProxyConfig, index: int, count: int) -> list[str]:
     host = bind.hostname if ":" not in (bind.hostname or "") else f"[{bind.hostname}]"
     sets = [f"worker_bind={bind.scheme}://{host}:{bind.port + index}",
             f"proxy_id={config.proxy_id or os.uname().nodename + ':' + str(config.port)}:{index}"]
-    if not config.redis_url:
-        sets.append(f"decode_slot_share={config.decode_slot_share / count!r}")
+    # without redis_url each process's share for good; with it, until its first sync
+    sets.append(f"decode_slot_share={config.decode_slot_share / count!r}")
+    if config.process_port:
+        sets.append(f"process_port={config.process_port + index}")
     if config.metering_path:
         path = Path(config.metering_path)
         sets.append(f"metering_path={path.with_name(f'{path.stem}-{index}{path.suffix}')}")

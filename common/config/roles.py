@@ -143,6 +143,9 @@ class ProxyConfig:
         "tessera:", "prefix of the Redis keys: clusters sharing one Redis server need different ones")
     proxy_id: Str = option(
         "", "this proxy's id among those sharing redis_url; empty: HOST:PORT:PID")
+    process_port: Int = option(
+        0, "with tessera proxy --workers N, process i also listens on this port + i (the same API, its own: for "
+        "scraping each process's /metrics and probing it); 0: none", ge=0, le=65535)
     tpot_slo_ms: Float = option(
         0.0, "decode admission's per-token latency target: a worker is given another sequence only while its "
         "predicted step time (its own fitted model, sent with each heartbeat) stays within this; 0: "

@@ -81,6 +81,20 @@ tessera_model_sets() {
     sets_out+=(--set "${prefix}model=$TESSERA_MODEL" --set "${prefix}dtype=$TESSERA_DTYPE")
 }
 
+# Every proxy process a worker registers with: each host of TESSERA_PROXY_HOST (comma-separated), each of its
+# TESSERA_PROXY_PROCESSES processes (worker ports TESSERA_WORKER_PORT + i).
+tessera_proxy_addresses() {
+    local processes=${TESSERA_PROXY_PROCESSES:-1} port=${TESSERA_WORKER_PORT:-5555} host i
+    [[ $processes =~ ^[1-9][0-9]*$ ]] ||
+        tessera_die "TESSERA_PROXY_PROCESSES=$processes must be a number >= 1"
+    local -a addresses=()
+    for host in ${TESSERA_PROXY_HOST//,/ }; do
+        for ((i = 0; i < processes; i++)); do addresses+=("tcp://$host:$((port + i))"); done
+    done
+    local IFS=,
+    echo "${addresses[*]}"
+}
+
 tessera_launch_proxy() {
     tessera_load_env "${1:-}"
     tessera_require TESSERA_MODEL TESSERA_DTYPE
@@ -89,8 +103,13 @@ tessera_launch_proxy() {
         --set "port=${TESSERA_HTTP_PORT:-8000}"
         --set "worker_bind=tcp://${TESSERA_WORKER_BIND_HOST:-0.0.0.0}:${TESSERA_WORKER_PORT:-5555}"
     )
+    if [[ -n ${TESSERA_REDIS_URL:-} ]]; then sets+=(--set "redis_url=$TESSERA_REDIS_URL"); fi
     tessera_model_sets sets ""
     tessera_extra_sets TESSERA_PROXY_SET sets
+    local processes=${TESSERA_PROXY_PROCESSES:-1}
+    [[ $processes =~ ^[1-9][0-9]*$ ]] ||
+        tessera_die "TESSERA_PROXY_PROCESSES=$processes must be a number >= 1"
+    if ((processes > 1)); then sets+=(--workers "$processes"); fi
     tessera_exec proxy proxy "${sets[@]}"
 }
 
@@ -105,7 +124,7 @@ tessera_launch_worker() {
     local worker_id=${TESSERA_WORKER_ID:-$(hostname)-$role-$instance}
     local -a sets=(
         --set "worker_id=$worker_id"
-        --set "proxy_address=tcp://$TESSERA_PROXY_HOST:${TESSERA_WORKER_PORT:-5555}"
+        --set "proxy_address=$(tessera_proxy_addresses)"
         --set "transfer_host=$TESSERA_HOST_ADDRESS"
     )
     tessera_model_sets sets "engine."

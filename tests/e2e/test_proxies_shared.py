@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import re
 import time
 
 import msgspec
 
+from common.cli.local_cluster import free_port
 from common.runtime.prometheus_text import total
 from proxy.tenants import hash_key
 from tests.e2e.proxy_harness import *  # noqa: F401,F403 -- fixtures, helpers and wire types
@@ -162,16 +162,28 @@ def test_redis_stopping_mid_run_loses_nothing_and_the_proxies_resync(make_proxy,
             worker.stop(goodbye=False)
 
 
+def two_free_ports() -> int:
+    """A port p with p + 1 free too."""
+    while True:
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+
+
 def test_proxy_workers_share_one_port_and_each_serves_the_workers(tmp_path, embedded_model_dir, script,
                                                                    redis_server):  # noqa: F811
-    """``tessera proxy --workers 2``: two processes on one HTTP port, worker ports base and base + 1."""
-    from common.cli.local_cluster import free_port
-    http_port, worker_port = free_port(), free_port()
-    while worker_port + 1 == http_port:
-        worker_port = free_port()
+    """``tessera proxy --workers 2``: two processes on one HTTP port, worker ports base and base + 1, each process
+    also on its own port (``process_port``) for its metrics."""
+    http_port, worker_port, own_port = free_port(), two_free_ports(), two_free_ports()
     log = open(tmp_path / "proxy.log", "w")
     settings = [f"model={embedded_model_dir}", f"port={http_port}", f"worker_bind=tcp://127.0.0.1:{worker_port}",
-                f"redis_url={redis_server.url}", "heartbeat_timeout_s=1.0", "drain_timeout_s=5"]
+                f"redis_url={redis_server.url}", "heartbeat_timeout_s=1.0", "drain_timeout_s=5",
+                f"process_port={own_port}"]
     proc = subprocess.Popen([sys.executable, "-m", "common.cli.main", "proxy", "--workers", "2",
                              *itertools.chain.from_iterable(("--set", s) for s in settings)],
                             stdout=log, stderr=subprocess.STDOUT)
@@ -190,9 +202,13 @@ def test_proxy_workers_share_one_port_and_each_serves_the_workers(tmp_path, embe
                     response = one.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3})
                     assert response.status_code == 200, response.text
         assert len(workers[1].messages(DecodeRequest)) == 40
-        log.flush()
-        pids = set(re.findall(r"uvicorn.access \[(\d+)\] .*POST /v1/completions", (tmp_path / "proxy.log").read_text()))
-        assert len(pids) == 2, pids  # both processes took requests
+        served = []
+        for port in (own_port, own_port + 1):
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            assert total(text, "tessera_proxy_shared_state_up") == 1
+            assert total(text, "tessera_proxy_shared_state_proxies") == 2
+            served.append(total(text, "tessera_proxy_requests_total"))
+        assert sum(served) == 40 and min(served) > 0, served  # both processes took requests
     finally:
         proc.send_signal(signal.SIGTERM)
         status = proc.wait(30)

@@ -188,3 +188,25 @@ def test_systemd_units_harden_and_drain():
         assert not any(line.startswith("MemoryDenyWriteExecute=") for line in lines), unit.name
     drains = (ProxyConfig().drain_timeout_s, WorkerConfig(role="decode").drain_timeout_s)
     assert max(drains) + 10 <= 45, f"TimeoutStopSec=45 must leave room for the default drains {drains}"
+
+
+def test_several_proxies_each_with_processes_and_redis(tmp_path, recorder):
+    """Two proxy hosts of two processes each: a worker registers with all four; a proxy runs --workers 2 sharing
+    the Redis server."""
+    script, out = recorder
+    env_file = _env_file(tmp_path, script, TESSERA_PROXY_HOST="10.77.0.10,10.77.0.11", TESSERA_PROXY_PROCESSES="2",
+                         TESSERA_REDIS_URL="redis://10.77.0.10:6379/0", TESSERA_LOG_DIR="")
+    assert _launch("decode.sh", env_file).returncode == 0
+    args, _ = _parsed(out)
+    config = load_config(WorkerConfig, args.config, {**parse_overrides(args.overrides), "role": "decode"})
+    assert config.proxy_address == ("tcp://10.77.0.10:5555,tcp://10.77.0.10:5556,"
+                                    "tcp://10.77.0.11:5555,tcp://10.77.0.11:5556")
+    result = _launch("proxy.sh", env_file)
+    assert result.returncode == 0, result.stderr
+    args, _ = _parsed(out)
+    assert args.workers == 2
+    assert load_config(ProxyConfig, args.config, parse_overrides(args.overrides)).redis_url == \
+        "redis://10.77.0.10:6379/0"
+    bad = _env_file(tmp_path, script, TESSERA_PROXY_PROCESSES="two")
+    result = _launch("proxy.sh", bad)
+    assert result.returncode != 0 and "TESSERA_PROXY_PROCESSES" in result.stderr
