@@ -181,13 +181,21 @@ class AdmissionController:
     def active(self, tenant: str) -> int:
         return sum(c[tenant] for c in self.count.values())
 
-    def active_tenants(self, now: float, window_s: float) -> set[str]:
+    def num_active_tenants(self, now: float, window_s: float) -> int:
         """Tenants with a choice anywhere here (queued, prefilling, ready or decoding), or with one that left
         within ``window_s`` (a closed-loop client between two requests is still there)."""
-        for tenant, left in list(self._left_at.items()):
-            if now - left > window_s:
-                del self._left_at[tenant]
-        return self._live.keys() | self._left_at.keys()
+        recent = 0
+        if self._left_at:
+            for tenant, left in list(self._left_at.items()):
+                if now - left > window_s:
+                    del self._left_at[tenant]
+                elif tenant not in self._live:
+                    recent += 1
+        return len(self._live) + recent
+
+    def present(self, tenant: str) -> bool:
+        """Whether ``tenant`` counts in ``num_active_tenants`` (as of its last call)."""
+        return tenant in self._live or tenant in self._left_at
 
     def live(self) -> Counter[str]:
         """Each tenant's choices here, in any live stage (what the proxy shares as its demand)."""

@@ -87,8 +87,8 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
     cluster.attach(link.send)
     if config.redis_url:
         from proxy.shared_state import SharedState  # redis loads only where proxies share state
-        cluster.shared = SharedState(config, cluster, metrics)
-        cluster.admission.shares.weight = cluster.shared.weight
+        cluster.share = SharedState(config, cluster, metrics)
+        cluster.admission.shares.weight = cluster.share.weight
     models = ServedModels(config, cluster.registry, registry_for(None), model_identity(config.model, config.dtype),
                           tokenizer, model_dir)
     models.loader = cluster.loader  # versions workers may load on demand (standby_models)
@@ -105,7 +105,8 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
             if config.metering_path else None
         metering_task = asyncio.create_task(metering.run(), name="metering") if metering else None
         tac_task = asyncio.create_task(cluster.tac.run(), name="tac") if cluster.tac is not None else None
-        shared_task = asyncio.create_task(cluster.shared.run(), name="shared-state") if cluster.shared else None
+        shared = cluster.share if config.redis_url else None
+        shared_task = asyncio.create_task(shared.run(), name="shared-state") if shared is not None else None
         reloader = ConfigReloader(source, config, cluster, metrics) if source is not None else None
         if reloader is not None:
             reloader.start()
@@ -129,7 +130,7 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
                 tac_task.cancel()
             if shared_task is not None:
                 shared_task.cancel()
-                await cluster.shared.close()
+                await shared.close()
             cluster.cancel_all("the proxy is shutting down")
             if metering is not None:  # after the cancellations, so that their usage is in the last record
                 metering.close()

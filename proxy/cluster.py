@@ -30,6 +30,7 @@ from common.protocol.wire import (PROTOCOL_VERSION, Abort, DecodeRequest, EmbedR
                                   TokenDeltas, WireError, decode)
 from proxy.admission import Admit, AdmissionController, Stage
 from proxy.embeddings import Embeddings
+from proxy.fair_split import SharedStateLike, StaticShare
 from proxy.errors import ApiError
 from proxy.membership import WorkerMembership
 from proxy.metrics import ProxyMetrics
@@ -70,9 +71,11 @@ class Cluster(WorkerMembership):
         self.slo.admission = self.admission
         self.tac = AdaptiveController(config, self.registry, policy, self.admission, metrics, self.send, clock,
                                       lambda: self.inflight.values()) if config.tac_enabled else None
-        self.shared = None  # with redis_url: the state several proxies share (proxy/shared_state.py, set by the app)
+        # this proxy's part of the decode slots: a fixed share, or with redis_url what several proxies share
+        # (proxy/shared_state.py, set by the app)
+        self.share: StaticShare | SharedStateLike = StaticShare(config.decode_slot_share)
         if self.tac is not None:
-            self.tac.share_of = self._share_of
+            self.tac.share_of = lambda slots: self.share.slots(slots)
         self.inflight: dict[str, SubRequest] = {}
         self.peer_versions: dict[str, int] = {}  # worker id -> the version it is answered in (the older of the two)
         self.embeddings = Embeddings(config, self.registry, self.send, self.peer_versions)  # no admission, no pages
@@ -148,8 +151,8 @@ class Cluster(WorkerMembership):
             return True
         if scope != "shared":
             return False
-        tenants = self.admission.active_tenants(self._clock(), SHARED_WINDOW_S)
-        return len(tenants) > 1 or (self.shared is not None and len(tenants | self.shared.remote_tenants()) > 1)
+        here = self.admission.num_active_tenants(self._clock(), SHARED_WINDOW_S)
+        return here > 1 or self.share.tenants_elsewhere(here, self.admission.present)  # other proxies' count too
 
     def _prefill_room(self) -> bool:
         """Whether a prompt may go to a prefill worker now (the TTFT backlog, the prefill gate, TAC's budget)."""
@@ -161,14 +164,8 @@ class Cluster(WorkerMembership):
     def _decode_slots(self) -> int:
         """This proxy's share of the decode slots (at least one while there are any): of as many as keep every
         worker within the TPOT target while it applies (``_within_tpot``), else of every slot."""
-        return self._share_of(self.registry.decode_slots(
+        return self.share.slots(self.registry.decode_slots(
             within_tpot=self._within_tpot(), scale=self.tac.decode_scale if self.tac is not None else 1.0))
-
-    def _share_of(self, slots: int) -> int:
-        """This proxy's part of ``slots`` (the other proxies sharing the workers have theirs)."""
-        if self.shared is not None:
-            return self.shared.slots(slots)
-        return max(int(slots * self.config.decode_slot_share), 1) if slots else 0
 
     def apply_tenants(self, config: ProxyConfig) -> None:
         """A reloaded config's tenant settings, from the next request on (``proxy.reload``): those in flight keep

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import socket
+from collections.abc import Callable
 
 from common.config.roles import ProxyConfig
 from proxy.admission import Stage
@@ -146,6 +147,12 @@ class SharedState:
             tenants = {t for proxy, d in self.demand.items() if proxy != self.proxy_id for t, n in d.items() if n}
             cached = self._cache["tenants"] = (self._generation, tenants)
         return cached[1]
+
+    def tenants_elsewhere(self, here: int, present: Callable[[str], bool]) -> bool:
+        """Whether the tenants at other proxies make two or more with this proxy's ``here`` (``present``: whether
+        a tenant is one of them)."""
+        remote = self.remote_tenants()
+        return len(remote) > 1 if not here else any(not present(t) for t in remote)
 
     def weight(self, tenant: str) -> float:
         """``tenant``'s weight within this proxy's slots (``fair_split.local_weight``)."""

@@ -134,7 +134,7 @@ def test_redis_stopping_mid_run_loses_nothing_and_the_proxies_resync(make_proxy,
             redis_server.stop()
             await asyncio.sleep(2.0)
             ups.append([metric(p, "tessera_proxy_shared_state_up") for p in (a, b)])
-            away_slots.extend(p.services.cluster.shared.slots(SLOTS) for p in (a, b))
+            away_slots.extend(p.services.cluster.share.slots(SLOTS) for p in (a, b))
             redis_server.start()
             await asyncio.sleep(2.0)
             ups.append([metric(p, "tessera_proxy_shared_state_up") for p in (a, b)])

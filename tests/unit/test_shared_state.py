@@ -44,14 +44,14 @@ def proxy(url: str, proxy_id: str, clock=None, **settings) -> Cluster:
     config = ProxyConfig(redis_url=url, proxy_id=proxy_id, tenants=TENANTS, auth_enabled=True,
                          shared_state_timeout_s=0.5, **settings)
     cluster = Cluster(config, PrefixAwareRouting(0, 600), ProxyMetrics(), **({"clock": clock} if clock else {}))
-    cluster.shared = SharedState(config, cluster, cluster.metrics)
-    cluster.admission.shares.weight = cluster.shared.weight
+    cluster.share = SharedState(config, cluster, cluster.metrics)
+    cluster.admission.shares.weight = cluster.share.weight
     return cluster
 
 
 def enqueue(cluster: Cluster, tenant: str, count: int, start: int = 0) -> None:
     for i in range(start, start + count):
-        cluster.admission.enqueue(f"{cluster.shared.proxy_id}-{tenant}-{i}", cluster.tenants.tenants[tenant], 10, None)
+        cluster.admission.enqueue(f"{cluster.share.proxy_id}-{tenant}-{i}", cluster.tenants.tenants[tenant], 10, None)
 
 
 def test_two_proxies_share_counters_demand_and_the_split(redis_server):  # noqa: F811
@@ -59,26 +59,26 @@ def test_two_proxies_share_counters_demand_and_the_split(redis_server):  # noqa:
         a, b = proxy(redis_server.url, "a"), proxy(redis_server.url, "b")
         a.admission.counters.charge("heavy", input_tokens=100, output_tokens=50)  # 200 service, weight 1
         b.admission.counters.charge("light", input_tokens=30)  # 30 service, weight 3: 10
-        assert await a.shared.sync() and await b.shared.sync() and await a.shared.sync()
+        assert await a.share.sync() and await b.share.sync() and await a.share.sync()
         assert a.admission.counters["heavy"] == b.admission.counters["heavy"] == 200
         assert a.admission.counters["light"] == b.admission.counters["light"] == 10
         enqueue(a, "heavy", 16)
         enqueue(a, "light", 2)  # lifted to heavy's counter as it becomes backlogged here (BacklogLift)
         enqueue(b, "light", 2)
-        assert await a.shared.sync() and await b.shared.sync() and await a.shared.sync()
-        assert a.shared.remote_tenants() == {"light"} and b.shared.remote_tenants() == {"heavy", "light"}
+        assert await a.share.sync() and await b.share.sync() and await a.share.sync()
+        assert a.share.remote_tenants() == {"light"} and b.share.remote_tenants() == {"heavy", "light"}
         # light (weight 3) asks 4 of 8 slots and gets them; heavy the other 4, all at A
-        assert (a.shared.slots(8), b.shared.slots(8)) == (6, 2)
-        assert a.shared.weight("light") == pytest.approx(1.5) and b.shared.weight("light") == pytest.approx(1.5)
+        assert (a.share.slots(8), b.share.slots(8)) == (6, 2)
+        assert a.share.weight("light") == pytest.approx(1.5) and b.share.weight("light") == pytest.approx(1.5)
         a.admission.counters.charge("heavy", output_tokens=5)
         before = b.admission.counters["heavy"]
-        assert await b.shared.sync() is True and b.admission.counters["heavy"] == before  # not yet synced by a
-        assert await a.shared.sync() and await b.shared.sync()
+        assert await b.share.sync() is True and b.admission.counters["heavy"] == before  # not yet synced by a
+        assert await a.share.sync() and await b.share.sync()
         assert b.admission.counters["heavy"] == before + 10  # one interval late
-        await a.shared.close()
-        assert await b.shared.sync() and b.shared.remote_tenants() == set()  # a left the split at once
-        assert b.shared.slots(8) == 8
-        await b.shared.close()
+        await a.share.close()
+        assert await b.share.sync() and b.share.remote_tenants() == set()  # a left the split at once
+        assert b.share.slots(8) == 8
+        await b.share.close()
     asyncio.run(run())
 
 
@@ -90,7 +90,7 @@ def test_a_rate_limit_holds_across_proxies(redis_server):  # noqa: F811
         until = loop.time() + 2.0
         while loop.time() < until:
             for p in (a, b):
-                await p.shared.sync()
+                await p.share.sync()
                 limiter = p.tenants.tenants["limited"].limiter
                 for _ in range(5):
                     try:
@@ -102,8 +102,8 @@ def test_a_rate_limit_holds_across_proxies(redis_server):  # noqa: F811
         # a burst of 4 and 2/s for 2 s: 8, where two proxies each on its own would admit 16; each may overshoot
         # by what its bucket refills locally within one sync interval
         assert 7 <= admitted <= 10, admitted
-        await a.shared.close()
-        await b.shared.close()
+        await a.share.close()
+        await b.share.close()
     asyncio.run(run())
 
 
@@ -112,25 +112,25 @@ def test_redis_away_serves_on_local_state_and_resyncs_when_back(redis_server, ca
         a, b = proxy(redis_server.url, "a"), proxy(redis_server.url, "b")
         enqueue(a, "heavy", 3)
         a.admission.counters.charge("heavy", input_tokens=40)
-        assert await a.shared.sync() and await b.shared.sync() and await a.shared.sync()
+        assert await a.share.sync() and await b.share.sync() and await a.share.sync()
         assert a.metrics.shared_state_up._value.get() == 1
         redis_server.stop()
-        assert await a.shared.sync() is False
+        assert await a.share.sync() is False
         assert a.metrics.shared_state_up._value.get() == 0
         assert "unreachable" in caplog.text and "serving on this proxy's own state" in caplog.text
-        assert a.shared.slots(8) == 4  # 1/N of the slots, N the proxies last seen
+        assert a.share.slots(8) == 4  # 1/N of the slots, N the proxies last seen
         limiter = a.tenants.tenants["limited"].limiter
         assert limiter.requests.refill_share == 0.5
         a.admission.counters.charge("heavy", input_tokens=10)  # served meanwhile, on local state
         assert a.admission.counters["heavy"] == 50
         redis_server.start()  # empty: nothing persisted
-        assert await a.shared.sync() and await b.shared.sync() and await a.shared.sync()
+        assert await a.share.sync() and await b.share.sync() and await a.share.sync()
         assert "is back: resynced" in caplog.text and a.metrics.shared_state_up._value.get() == 1
         assert b.admission.counters["heavy"] == 50  # a's charges, stored whole, are all there again
         assert limiter.requests.refill_share == 1.0
-        assert a.shared.slots(8) + b.shared.slots(8) == 8
-        await a.shared.close()
-        await b.shared.close()
+        assert a.share.slots(8) + b.share.slots(8) == 8
+        await a.share.close()
+        await b.share.close()
     asyncio.run(run())
 
 
@@ -140,7 +140,7 @@ def test_admission_admits_to_the_proxys_share_of_the_slots(redis_server):  # noq
         a.registry.decode_slots = lambda within_tpot=False, scale=1.0: 4
         enqueue(a, "heavy", 10)
         enqueue(b, "heavy", 10)
-        assert await a.shared.sync() and await b.shared.sync() and await a.shared.sync()
+        assert await a.share.sync() and await b.share.sync() and await a.share.sync()
         admitted = []
         while (admit := a.admission.next_admission()) is not None:
             admitted.append(admit)
@@ -148,6 +148,6 @@ def test_admission_admits_to_the_proxys_share_of_the_slots(redis_server):  # noq
                 a.admission.ready_for_decode(admit.key)
         decoding = [x for x in admitted if x.stage is Stage.DECODING]
         assert len(decoding) == 2  # half of the 4 slots: b's demand is as large
-        await a.shared.close()
-        await b.shared.close()
+        await a.share.close()
+        await b.share.close()
     asyncio.run(run())
