@@ -274,8 +274,8 @@ class DecodeHandler(WorkerBase):
             time.sleep(0.001)
         for request_id in [r for r in self.engine.requests if mine(r)]:
             self.fail(request_id, "decode", DECODE_SPAN, reason)
-        if self.engine.has_unfinished():
-            self.engine.step()
+        if only is None and self.engine.has_unfinished():
+            self.engine.step()  # with ``only`` the next turn reports the aborts, and the others' tokens with them
 
 
 def _set_fairness(seq: Sequence, msg: wire.DecodeRequest) -> None:

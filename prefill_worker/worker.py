@@ -131,5 +131,6 @@ class PrefillHandler(WorkerBase):
             self.fail(request_id, "prefill", SPAN, reason)
         for request_id in [r for r in self.leases if mine(r)]:
             self._release(request_id)
-        if self.engine.has_unfinished():
-            self.engine.step()  # reports the aborts, so the engine forgets them
+        if only is None and self.engine.has_unfinished():
+            self.engine.step()  # reports the aborts, so the engine forgets them (with ``only``: the next turn does,
+            # which reports what the other requests computed too)

@@ -64,6 +64,7 @@ class StepLag:
     sum_rows_lag: float = 0.0
     samples: int = 0
     last_at: float | None = None  # when the previous step's tokens came, if it left sequences running
+    last_step: int = 0  # its number, where the worker serves several proxies (wire.TokenDeltas.step)
     max_rows: float = 0.0  # the most rows of the recent steps (decaying as the steps get smaller)
     handoff_ms: float = 0.0  # decayed mean, per output token, of the hand-off's wait beyond a step (``add_handoff``)
     handoffs: int = 0
@@ -111,12 +112,14 @@ class StepLag:
         self.residual_ms = _decayed(self.residual_ms, sample, self.residuals, HANDOFF_DECAY)
         self.residuals += 1
 
-    def step_came(self, rows: int, now: float, predicted_ms: float, running_after: bool) -> None:
+    def step_came(self, rows: int, now: float, predicted_ms: float, running_after: bool, step: int = 0) -> None:
         """A decode step's tokens (``rows`` sequences, predicted at ``predicted_ms``) reached the proxy at ``now``;
-        ``running_after``: some sequences go on, so the next step's tokens time the next step."""
-        if self.last_at is not None:
+        ``running_after``: some sequences go on, so the next step's tokens time the next step; ``step``: its number
+        where the worker serves several proxies (0: not numbered), so that only two steps in a row are timed."""
+        if self.last_at is not None and (not step or step == self.last_step + 1):
             self.add(rows, (now - self.last_at) * 1e3 - predicted_ms)
         self.last_at = now if running_after else None
+        self.last_step = step
         self.recent.append((now, rows))
 
     def add(self, rows: int, lag_ms: float) -> None:

@@ -30,12 +30,11 @@ from common.protocol.wire import (PROTOCOL_VERSION, Abort, DecodeRequest, EmbedR
                                   TokenDeltas, WireError, decode)
 from proxy.admission import Admit, AdmissionController, Stage
 from proxy.embeddings import Embeddings
-from proxy.fair_split import SharedStateLike, StaticShare
 from proxy.errors import ApiError
 from proxy.membership import WorkerMembership
 from proxy.metrics import ProxyMetrics
 from proxy.model_loading import ModelLoader
-from proxy.workers import WorkerRegistry
+from proxy.workers import SharedStateLike, StaticShare, WorkerRegistry
 from proxy.requests import Sends, SlotForecast, SubRequest
 from proxy.streaming import EventSink, RequestGroup
 from proxy.routing import RoutingPolicy
@@ -387,7 +386,7 @@ class Cluster(WorkerMembership):
                 if delta.finish_reason is None and (sub is None or sender != sub.decode_worker):
                     log.debug("aborting stray request %s on %r", delta.request_id, sender)
                     self.send(sender, Abort(delta.request_id))
-        self.registry.observe_step(sender, len(msg.deltas), running_after, now)
+        self.registry.observe_step(sender, msg.step_rows or len(msg.deltas), running_after, now, msg.step)
         if any(d.finish_reason is not None for d in msg.deltas) or self.admission.total(Stage.QUEUED) or \
                 self.admission.total(Stage.READY):  # else, at every step of every worker, it would admit nothing
             self._dispatch()

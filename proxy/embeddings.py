@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -52,6 +53,8 @@ class Embeddings:
         self.peer_versions = peer_versions
         self.pending: dict[str, _Pending] = {}
         self._ids = itertools.count()
+        # unique across the proxies a worker serves: each answer goes back to the proxy that sent the id
+        self._id_prefix = f"{ID_PREFIX}{os.urandom(6).hex()}-"
 
     def owns(self, request_id: str) -> bool:
         return request_id.startswith(ID_PREFIX)
@@ -64,7 +67,7 @@ class Embeddings:
             raise ApiError(503, f"{inflight} tokens are being embedded; with these {tokens} that is more than "
                            f"embedding_max_inflight_tokens={self.config.embedding_max_inflight_tokens}",
                            code="server_busy", retry_after_s=self.config.retry_after_s)
-        request_id = f"{ID_PREFIX}{next(self._ids)}"
+        request_id = f"{self._id_prefix}{next(self._ids)}"
         pending = _Pending(request_id, inputs, tokens, model, asyncio.get_running_loop().create_future())
         self.pending[request_id] = pending
         try:

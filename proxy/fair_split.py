@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping
-from typing import Protocol
 
 
 def water_fill(total: float, weights: Mapping[str, float], demand: Mapping[str, int]) -> dict[str, float]:
@@ -60,26 +59,3 @@ def split(total: int, weight: Callable[[str], float], demand: Mapping[str, Mappi
 def local_weight(weight: float, here: int, overall: int) -> float:
     """A tenant's weight within one proxy: its weight times the part of its demand that is there."""
     return weight * here / overall if overall > 0 and here > 0 else weight
-
-
-class SharedStateLike(Protocol):
-    """What the cluster asks of its part of the slots (``StaticShare``, or proxy/shared_state.py's)."""
-
-    def slots(self, total: int) -> int: ...
-    def tenants_elsewhere(self, here: int, present: Callable[[str], bool]) -> bool: ...
-
-
-class StaticShare:
-    """A fixed share of the slots (``decode_slot_share``): one proxy, or several sharing nothing."""
-
-    def __init__(self, share: float) -> None:
-        self.share = share
-
-    def slots(self, total: int) -> int:
-        """At least one while there are any."""
-        return max(int(total * self.share), 1) if total else 0
-
-    def tenants_elsewhere(self, here: int, present: Callable[[str], bool]) -> bool:
-        """Whether other proxies' tenants make two or more with this one's ``here``: none are known."""
-        return False
-

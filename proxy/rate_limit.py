@@ -52,7 +52,7 @@ class TokenBucket:
     def wait_for(self, amount: float, now: float) -> float:
         """Seconds until ``amount`` is available (0: now)."""
         self._refill(now)
-        return max(0.0, (amount - self.level) / self.rate)
+        return max(0.0, (amount - self.level) / (self.rate * self.refill_share))
 
     def take(self, amount: float, now: float) -> None:
         """Take ``amount``, into debt if the bucket holds less."""
@@ -65,6 +65,7 @@ class TokenBucket:
         self._refill(now)
         bucket = TokenBucket(rate, burst, now)
         bucket.level = min(burst, self.level)
+        bucket.unsynced, bucket.refill_share = self.unsynced, self.refill_share  # the shared store's view goes on
         return bucket
 
 

@@ -21,7 +21,7 @@ class ServiceCounters:
         self.values: dict[str, float] = defaultdict(float)
         self.served: dict[str, float] = defaultdict(float)  # each tenant's weighted service, not divided by weight
         self.own: dict[str, float] = defaultdict(float)  # what this proxy charged, divided by weight (no lifts)
-        self._remote: dict[str, float] = {}  # the other proxies' part last added (``add_remote``)
+        self._remote: dict[tuple[str, str], float] = {}  # (record, tenant) -> what was added of it (``add_remote``)
 
     def __getitem__(self, tenant: str) -> float:
         return self.values.get(tenant, 0.0)
@@ -42,15 +42,17 @@ class ServiceCounters:
         self.values[tenant] += counted
         return self.values[tenant]
 
-    def add_remote(self, remote: dict[str, float]) -> None:
-        """The other proxies' charges to each tenant so far (proxy/shared_state.py): what grew since the last call
-        is added to the counters. A part that shrank (a proxy's record expired) is taken as it is now and
-        nothing is taken back: a counter never goes down."""
-        for tenant, total in remote.items():
-            grown = total - self._remote.get(tenant, 0.0)
-            if grown > 0:
-                self.values[tenant] += grown
-            self._remote[tenant] = total
+    def add_remote(self, remote: dict[str, dict[str, float]]) -> None:
+        """The other proxies' charges so far, record by record (each proxy's: record -> tenant -> charges;
+        proxy/shared_state.py): what each grew by since it was last seen is added to the counters. A record
+        missing from this answer keeps what it had (Redis restarted, and its proxy has not written it again
+        yet); one that shrank is taken as it is now, and nothing is taken back: a counter never goes down."""
+        for record, charged in remote.items():
+            for tenant, total in charged.items():
+                grown = total - self._remote.get((record, tenant), 0.0)
+                if grown > 0:
+                    self.values[tenant] += grown
+                self._remote[record, tenant] = total
 
     def lift(self, tenant: str, floor: float) -> None:
         if self.values[tenant] < floor:

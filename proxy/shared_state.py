@@ -3,10 +3,11 @@
 With ``redis_url`` set, every ``shared_state_interval_s`` each proxy runs one Lua script (one round trip, atomic)
 that stores what it has and returns what the others have:
 
-- **Tenant counters.** Its own charges to each tenant's VTC counter, whole (``ServiceCounters.own``), under its id;
-  the others' summed come back and are added to its counters (``add_remote``). Stored whole, not as increments, a
-  Redis that restarted empty has them all again at the next sync; a proxy's record is kept ``KEEP_S`` after its
-  last sync, so the service a stopped proxy gave still counts for that long.
+- **Tenant counters.** Its own charges to each tenant's VTC counter, whole (``ServiceCounters.own``), under a
+  record of its own (its id and start time); the others' records come back, and what each grew by since this proxy
+  last saw it is added to its counters (``add_remote``). Stored whole, not as increments, a Redis that restarted
+  empty has them all again at the next sync, and nothing is counted twice; a record is kept ``KEEP_S`` after its
+  proxy's last sync, so the service a stopped proxy gave still counts for a proxy that starts meanwhile.
 - **Rate-limit buckets.** The bucket lives in Redis (level, and when it was last refilled, by Redis's clock): each
   sync takes what the proxy's requests took since the last one and answers the level, which the proxy's local
   bucket takes on. Between syncs a request is checked against the local bucket (no round trip per request).
@@ -21,7 +22,8 @@ sync, ``decode_slot_share``). It logs the outage once, exports it (``tessera_pro
 ``tessera_proxy_shared_state_syncs_total{outcome="error"}``), and resyncs at the first sync that succeeds: its
 counters were kept whole, its buckets take the shared level again (what they took meanwhile, at 1/N, is not
 charged twice), its demand is published again. docs/fairness.md ("Several proxies") says what holds across
-proxies, and with what lag.
+proxies, and with what lag. A sync whose connection broke is tried again at once (a pooled connection that a
+restarted server closed is no outage); had the first try run the script, that interval's bucket charges count twice.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import json
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 
 from common.config.roles import ProxyConfig
@@ -43,23 +46,25 @@ KEEP_S = 3600.0  # a proxy's charges count this long after its last sync
 LIVE_SYNCS = 5  # a proxy silent for this many intervals no longer takes part in the split
 
 SYNC = """
-local prefix, me = ARGV[1], ARGV[2]
+local prefix, me, record = ARGV[1], ARGV[2], ARGV[6]
 local live_ms, keep_ms = tonumber(ARGV[3]), tonumber(ARGV[4])
 local p = cjson.decode(ARGV[5])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local served_by, proxies = prefix .. 'served_by', prefix .. 'proxies'
-local mine = prefix .. 'served:' .. me
+local mine = prefix .. 'served:' .. record
 redis.call('DEL', mine)
 for tenant, value in pairs(p.served) do redis.call('HSET', mine, tenant, value) end
 redis.call('PEXPIRE', mine, keep_ms)
-redis.call('ZADD', served_by, now, me)
+redis.call('ZADD', served_by, now, record)
 redis.call('ZREMRANGEBYSCORE', served_by, '-inf', now - keep_ms)
 local remote = {}
 for _, other in ipairs(redis.call('ZRANGE', served_by, 0, -1)) do
-  if other ~= me then
+  if other ~= record then
     local kv = redis.call('HGETALL', prefix .. 'served:' .. other)
-    for i = 1, #kv, 2 do remote[kv[i]] = (remote[kv[i]] or 0) + tonumber(kv[i + 1]) end
+    local r = {}
+    for i = 1, #kv, 2 do r[kv[i]] = tonumber(kv[i + 1]) end
+    remote[other] = r
   end
 end
 local wanted = prefix .. 'demand:' .. me
@@ -112,6 +117,9 @@ class SharedState:
         self.metrics = metrics
         self.client = client
         self.proxy_id = config.proxy_id or f"{socket.gethostname()}:{config.port}:{os.getpid()}"
+        # its charges' record: this process's own, so that a restarted proxy of the same id leaves its
+        # predecessor's in place (kept KEEP_S, as any stopped proxy's)
+        self.record = f"{self.proxy_id}:{time.time_ns()}"
         self._script = client.register_script(SYNC)
         self.up: bool | None = None  # None: not yet tried
         self.proxies = 0  # live proxies at the last sync, this one with them; 0: none yet
@@ -167,7 +175,11 @@ class SharedState:
 
     async def run(self) -> None:
         while True:
-            await self.sync()
+            try:
+                await self.sync()
+            except Exception as exc:  # noqa: BLE001 - a bug here must not end the syncs: an outage, logged
+                log.exception("a sync with the other proxies failed")
+                self._down(exc)
             await asyncio.sleep(self.config.shared_state_interval_s)
 
     async def sync(self) -> bool:
@@ -190,7 +202,7 @@ class SharedState:
         try:
             async with asyncio.timeout(self.config.shared_state_timeout_s):  # no task per call, as wait_for's
                 answer = await self._script(args=[self.config.shared_state_prefix, self.proxy_id, live_ms,
-                                                  int(KEEP_S * 1e3), payload])
+                                                  int(KEEP_S * 1e3), payload, self.record])
             result = json.loads(answer)
         except Exception as exc:  # noqa: BLE001 - any failure of the store is an outage, served through
             self._down(exc)
@@ -200,7 +212,8 @@ class SharedState:
         self.remote_holding = int(result["holding"])
         self.proxies = len(self.demand)
         self._generation += 1
-        admission.counters.add_remote({t: float(v) for t, v in (result["remote"] or {}).items()})
+        admission.counters.add_remote({record: {t: float(v) for t, v in (served or {}).items()}
+                                       for record, served in (result["remote"] or {}).items()})
         now = self.cluster._clock()
         for bucket, level in zip(buckets, result["levels"] or ()):
             bucket.shared(float(level), now)
@@ -240,4 +253,7 @@ class SharedState:
                                    self.config.shared_state_timeout_s)
         except Exception as exc:  # noqa: BLE001 - leaving is best effort: the record expires anyway
             log.debug("could not leave the shared split: %s", exc)
-        await self.client.aclose()
+        try:
+            await self.client.aclose()
+        except Exception as exc:  # noqa: BLE001 - the shutdown goes on whatever the pool says
+            log.debug("closing the Redis client: %s", exc)

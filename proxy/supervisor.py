@@ -9,10 +9,13 @@ the supervisor says at start. A metering file gets one per process (``NAME-i.EXT
 process also listens on a port of its own (that port + i), where /metrics is that process's.
 
 The supervisor only starts, restarts and stops them: a process that exits while the supervisor is not stopping
-is started again (after ``RESTART_DELAY_S``, doubling while it keeps failing at once); SIGTERM or SIGINT is passed
-on to each, which drains (proxy.server), and the supervisor waits for them for the drain timeout and a grace, then
-kills what is left; SIGHUP is passed on (a config reload). Under systemd (``Type=notify``) the supervisor is the
-one that reports: READY=1 once it started the processes, STOPPING=1 when it passes a stop on.
+is started again (after ``RESTART_DELAY_S``, doubling while it keeps failing at once; the supervisor goes on
+answering signals meanwhile); SIGTERM or SIGINT is passed on to each, once, which drains (proxy.server), and the
+supervisor waits for them for the drain timeout and a grace, then kills what is left; SIGHUP is passed on (a
+config reload). The processes run in sessions of their own, so that a terminal's Ctrl-C is not delivered to them
+twice; under systemd the unit's ``KillMode=mixed`` does the same for ``systemctl stop``. Under systemd
+(``Type=notify``) the supervisor is the one that reports: READY=1 once it started the processes, STOPPING=1 when
+it passes a stop on.
 """
 from __future__ import annotations
 
@@ -78,28 +81,33 @@ def supervise(config: ProxyConfig, argv: list[str], count: int) -> int:
 
     def start(index: int) -> subprocess.Popen:
         sets = [arg for s in child_overrides(config, index, count) for arg in ("--set", s)]
+        # a session of its own: a terminal's Ctrl-C reaches the supervisor alone, which passes one SIGTERM on (a
+        # second signal would cut the process's drain short: proxy.server)
         return subprocess.Popen([sys.executable, "-m", "common.cli.main", "proxy", *argv, "--reuse-port", *sets],
-                                env=env)
+                                env=env, start_new_session=True)
 
     children = [start(i) for i in range(count)]
     delays = [RESTART_DELAY_S] * count
     started = [time.monotonic()] * count
+    due: dict[int, float] = {}  # process index -> when it starts again
     sd_notify.ready(f"{count} proxy processes on {config.host}:{config.port}")
     while not stopping:
         if hup:
             hup.clear()
             for child in children:
                 child.send_signal(signal.SIGHUP)
+        now = time.monotonic()
         for i, child in enumerate(children):
-            if child.poll() is None:
-                continue
-            quick = time.monotonic() - started[i] < MAX_RESTART_DELAY_S
-            delays[i] = min(delays[i] * 2, MAX_RESTART_DELAY_S) if quick else RESTART_DELAY_S
-            log.error("proxy process %d exited (status %s); starting it again in %.0fs", i, child.returncode,
-                      delays[i])
-            time.sleep(delays[i])
-            if not stopping:
-                children[i], started[i] = start(i), time.monotonic()
+            if i in due:
+                if now >= due[i]:
+                    del due[i]
+                    children[i], started[i] = start(i), now
+            elif child.poll() is not None:
+                quick = now - started[i] < MAX_RESTART_DELAY_S
+                delays[i] = min(delays[i] * 2, MAX_RESTART_DELAY_S) if quick else RESTART_DELAY_S
+                log.error("proxy process %d exited (status %s); starting it again in %.0fs", i, child.returncode,
+                          delays[i])
+                due[i] = now + delays[i]
         time.sleep(0.2)
     sd_notify.stopping(f"draining {count} proxy processes")
     for child in children:

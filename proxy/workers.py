@@ -19,7 +19,9 @@ The ROUTER socket the messages come in on is ``proxy.listener.WorkerLink``'s.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from common.config.base import EngineConfig
 from common.protocol.wire import (Goodbye, Heartbeat, KVLayoutInfo, PeerInfo, Peers, Register, RegisterAck, Role,
@@ -144,11 +146,13 @@ class WorkerRegistry:
         worker.draining = msg.draining
         return worker
 
-    def observe_step(self, worker_id: str, rows: int, running_after: bool, now: float) -> None:
-        """A decode step's tokens (``rows`` sequences) came from ``worker_id``; ``running_after``: some go on."""
+    def observe_step(self, worker_id: str, rows: int, running_after: bool, now: float, step: int = 0) -> None:
+        """A decode step's tokens (``rows`` sequences) came from ``worker_id``; ``running_after``: some go on;
+        ``step``: the worker's step number, where it serves several proxies (wire.TokenDeltas)."""
         worker = self.workers.get(worker_id)
         if worker is not None and worker.step_cost is not None:
-            worker.lag.step_came(rows, now, worker.step_cost.step_ms(rows, rows * worker.mean_context), running_after)
+            worker.lag.step_came(rows, now, worker.step_cost.step_ms(rows, rows * worker.mean_context), running_after,
+                                 step)
 
     def observe_handoff(self, worker_id: str, gap_s: float, tokens: int, slot_wait_s: float) -> None:
         """A disaggregated request's second token came from ``worker_id`` ``gap_s`` after its first, ``slot_wait_s``
@@ -245,3 +249,26 @@ class WorkerRegistry:
             if worker.worker_id != exclude and (worker.model, worker.model_version) == (model, version):
                 return ClusterModel(worker.model, worker.model_version, worker.kv_layout)
         return None
+
+
+class SharedStateLike(Protocol):
+    """What the cluster asks of its part of the decode slots (``StaticShare``, or proxy/shared_state.py's)."""
+
+    def slots(self, total: int) -> int: ...
+    def tenants_elsewhere(self, here: int, present: Callable[[str], bool]) -> bool: ...
+
+
+class StaticShare:
+    """A fixed share of the slots (``decode_slot_share``): one proxy, or several sharing nothing."""
+
+    def __init__(self, share: float) -> None:
+        self.share = share
+
+    def slots(self, total: int) -> int:
+        """At least one while there are any."""
+        return max(int(total * self.share), 1) if total else 0
+
+    def tenants_elsewhere(self, here: int, present: Callable[[str], bool]) -> bool:
+        """Whether other proxies' tenants make two or more with this one's ``here``: none are known."""
+        return False
+

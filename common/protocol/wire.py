@@ -71,8 +71,9 @@ from common.protocol.wire_types import (  # noqa: F401 - re-exported
     CacheSalt, Coefficient, NonNegInt, Seconds, TokenId, TopLogprobs, WireError, _Struct,
 )
 
-# 11: EmbedRequest, EmbedResult; 12: LoadModel, Standby; 13: SamplingParams.structured. Versions one apart interoperate (versions.py).
-PROTOCOL_VERSION = 13
+# 11: EmbedRequest, EmbedResult; 12: LoadModel, Standby; 13: SamplingParams.structured; 14: TokenDeltas.step_rows,
+# step. Versions one apart interoperate (versions.py).
+PROTOCOL_VERSION = 14
 
 
 class MsgType(enum.IntEnum):
@@ -214,8 +215,16 @@ class TokenDeltas(_Struct):
     """What one engine step emitted, one delta per request: one message (one encode, one send, one wake-up of
     the proxy) per step rather than per request. Like any message it is checked whole: one delta out of bounds
     drops the step's message for every request in it (the worker's engine only emits token ids of its vocabulary,
-    which the bounds admit)."""
+    which the bounds admit).
+
+    A worker serving several proxies sends each the deltas of its own requests (common/runtime/proxy_links.py),
+    with the step's size and number so that each times the worker's steps as one proxy would: ``step_rows``, the
+    step's sequences across every proxy, and ``step``, the worker's count of steps (a proxy that sees step k + 1
+    after k saw two steps in a row; a gap means steps without its requests). 0: one proxy (the deltas are the
+    step's), or a worker of protocol 13."""
     deltas: list[TokenDelta]
+    step_rows: NonNegInt = 0
+    step: NonNegInt = 0
 
 
 class KVPulled(_Struct):

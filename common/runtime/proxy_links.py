@@ -6,7 +6,8 @@ heartbeats with each; each proxy admits, routes and fails over its own requests.
 (its index in the list) that sent each request: a message about a request goes to that proxy alone, a step's
 ``TokenDeltas`` are split by proxy, and what concerns the whole worker (Register, Heartbeat, Goodbye, Standby)
 goes to every one. A request is forgotten with its last message (its last token, its failure, its embeddings,
-or the ReleaseKV that ends a prefill worker's lease), and in any case once nothing was heard of it for
+the ReleaseKV that ends a prefill worker's lease, or its proxy's Abort), and in any case once nothing was heard of
+it for
 ``IDLE_S`` (far past ``token_timeout_s``: its proxy gave up on it long before). A message of a request it does not
 know is dropped: another proxy would take a stray PrefillDone or KVPulled for a cue to free the pages it names.
 """
@@ -39,6 +40,7 @@ class Owners:
         self._of: dict[str, list] = {}  # request id -> [proxy index, last heard]
         self._clock = clock
         self._sweep_at = clock() + SWEEP_S
+        self._steps = 0  # TokenDeltas routed: the worker's steps
 
     def __len__(self) -> int:
         return len(self._of)
@@ -48,28 +50,30 @@ class Owners:
         request_id = getattr(msg, "request_id", None)
         if request_id is None:
             return
-        if self._release_ends and isinstance(msg, wire.ReleaseKV):
-            self._of.pop(request_id, None)
+        if isinstance(msg, wire.Abort) or (self._release_ends and isinstance(msg, wire.ReleaseKV)):
+            self._of.pop(request_id, None)  # its proxy is done with it: what the worker still says is dropped
         else:
             self._of[request_id] = [link, self._clock()]
 
-    def sent_by(self, link: int) -> set[str]:
-        """The requests proxy ``link`` sent that this worker may still hold."""
-        return {request_id for request_id, (owner, _) in self._of.items() if owner == link}
+    def forget(self, link: int) -> set[str]:
+        """The requests proxy ``link`` sent that this worker may still hold, forgotten (that proxy lost them)."""
+        ids = {request_id for request_id, (owner, _) in self._of.items() if owner == link}
+        for request_id in ids:
+            del self._of[request_id]
+        return ids
 
     def route(self, msg) -> list[tuple[int | None, object]]:
         """Where ``msg`` goes: ``[(proxy index, message)]``, None for every proxy; ``[]``: nowhere."""
         now = self._clock()
         if now >= self._sweep_at:
             self._sweep(now)
-        if isinstance(msg, wire.TokenDeltas):
+        if isinstance(msg, wire.TokenDeltas):  # a step's: each proxy gets its own, with the step's size and number
             parts: dict[int | None, list] = {}
             for delta in msg.deltas:
                 parts.setdefault(self._owner(delta.request_id, now, delta.finish_reason is not None), []).append(delta)
             parts.pop(None, None)
-            if len(parts) == 1 and len(next(iter(parts.values()))) == len(msg.deltas):
-                return [(next(iter(parts)), msg)]
-            return [(link, wire.TokenDeltas(deltas)) for link, deltas in parts.items()]
+            self._steps += 1
+            return [(link, wire.TokenDeltas(deltas, len(msg.deltas), self._steps)) for link, deltas in parts.items()]
         request_id = getattr(msg, "request_id", None)
         if request_id is None:
             return [(None, msg)]

@@ -324,6 +324,9 @@ class WorkerMetrics:
         self.heartbeats_sent = Counter("tessera_worker_heartbeats_sent", "Heartbeats sent to the proxy", registry=r)
         self.malformed_messages = Counter("tessera_worker_malformed_messages",
                                           "Messages from the proxy dropped as malformed", registry=r)
+        self.messages_unsent = Counter("tessera_worker_messages_unsent",
+                                       "Messages to one of several proxies dropped: it was not connected, or not "
+                                       "reading", registry=r)
         self.internal_errors = Counter("tessera_worker_internal_errors",
                                        "Failures handling a message or running a turn (the worker went on)",
                                        registry=r)

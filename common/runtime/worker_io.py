@@ -9,6 +9,12 @@ A proxy that does not know this worker (it restarted, or expired it) answers a h
 proxy the compute loop then fails every request and registers again under a new epoch (registration ``rejoin``).
 With several, only that proxy's requests are failed (``LinkLost``) and the worker registers with it again under the
 same epoch, so the other proxies, which know that epoch, go on undisturbed.
+
+With several proxies one of them being away must not stall the others: a message for a proxy that is not
+connected, or not reading, is dropped and counted (``tessera_worker_messages_unsent_total``; ZMQ_IMMEDIATE, so
+nothing queues for a proxy not connected), where with one proxy a send waits for it as before. Each proxy sends
+its own Peers (the prefill workers it knows); the handler gets their union, so a proxy that knows fewer (it is
+starting, or lost one on its own) does not take the others' away.
 """
 from __future__ import annotations
 
@@ -70,6 +76,7 @@ class WorkerIO:
         for link in self.links:
             link.speaks = config.protocol_version
         self.owners = Owners(len(self.links), config.role == "prefill") if len(self.links) > 1 else None
+        self._peers: list[list[wire.PeerInfo]] = [[] for _ in self.links]  # each proxy's last Peers
         self._started = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="worker-io", daemon=True)
@@ -119,6 +126,8 @@ class WorkerIO:
                 link.sock = ctx.socket(zmq.DEALER)
                 link.sock.setsockopt(zmq.IDENTITY, self.config.worker_id.encode())
                 link.sock.setsockopt(zmq.LINGER, 1000)
+                if self.owners is not None:
+                    link.sock.setsockopt(zmq.IMMEDIATE, 1)
                 if self._curve is not None:
                     apply_curve_client(link.sock, self._curve.keys, self._curve.proxy_public)
                 link.sock.connect(link.address)
@@ -155,7 +164,7 @@ class WorkerIO:
             for link in self.links:
                 if not link.registered and link.may_register and now >= link.next_register:
                     self._flush_outbox()  # what the compute loop queued before rejoin() goes first
-                    link.sock.send_multipart(wire.encode(self.registration, link.speaks))  # the proxy may be down
+                    self._send(link, self.registration)  # the proxy may be down: retried
                     link.next_register = now + self.config.heartbeat_interval_s
             if self.registered.is_set() and now >= next_beat:
                 load = self.load
@@ -165,13 +174,13 @@ class WorkerIO:
                     load.step_cost)
                 for link in self.links:
                     if link.registered:
-                        link.sock.send_multipart(wire.encode(beat, link.speaks))
+                        self._send(link, beat)
                 self.metrics.heartbeats_sent.inc()
                 next_beat = now + self.config.heartbeat_interval_s
             elif self.standby is not None and (now >= next_beat or self.standby is not beacon):  # a new one: now
                 beacon = self.standby
                 for link in self.links:
-                    link.sock.send_multipart(wire.encode(beacon, link.speaks))
+                    self._send(link, beacon)
                 next_beat = now + self.config.heartbeat_interval_s
 
     def _flush_outbox(self) -> None:
@@ -181,11 +190,21 @@ class WorkerIO:
             except queue.Empty:
                 return
             if self.owners is None:
-                self.links[0].sock.send_multipart(wire.encode(msg, self.links[0].speaks))
+                self._send(self.links[0], msg)
                 continue
             for index, part in self.owners.route(msg):
                 for link in self.links if index is None else (self.links[index],):
-                    link.sock.send_multipart(wire.encode(part, link.speaks))
+                    self._send(link, part)
+
+    def _send(self, link: _Link, msg) -> None:
+        frames = wire.encode(msg, link.speaks)
+        if self.owners is None:
+            link.sock.send_multipart(frames)  # one proxy: wait for it
+            return
+        try:
+            link.sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            self.metrics.messages_unsent.inc()
 
     def _receive(self, index: int) -> None:
         link = self.links[index]
@@ -200,9 +219,8 @@ class WorkerIO:
                 self.metrics.malformed_messages.inc()
                 log.warning("dropped a malformed message from the proxy at %s: %s", link.address, exc)
                 if (request_id := wire.refused_request_id(frames)) is not None:  # its client gets a 400 now
-                    link.sock.send_multipart(wire.encode(wire.RequestFailed(
-                        request_id, self.config.worker_id, f"the worker refused the request: {exc}", False, True),
-                        link.speaks))
+                    self._send(link, wire.RequestFailed(request_id, self.config.worker_id,
+                                                        f"the worker refused the request: {exc}", False, True))
                 continue
             if isinstance(msg, wire.RegisterAck):
                 if link.may_register:  # else a late answer to a Register of an epoch it left or lost
@@ -211,10 +229,22 @@ class WorkerIO:
                 # Repeats while rejoining are the proxy's answers to heartbeats that were already on the way.
                 if msg.epoch == self.registration.epoch and link.registered:
                     self._lost(index, msg)
+            elif isinstance(msg, wire.Peers) and self.owners is not None:
+                self._peers[index] = msg.peers
+                self.inbox.put(self._merged_peers())
             else:
                 if self.owners is not None:
                     self.owners.took(msg, index)
                 self.inbox.put(msg)
+
+    def _merged_peers(self) -> wire.Peers:
+        """Every proxy's peers together, the newest epoch of each worker."""
+        merged: dict[str, wire.PeerInfo] = {}
+        for peers in self._peers:
+            for peer in peers:
+                if peer.worker_id not in merged or peer.epoch > merged[peer.worker_id].epoch:
+                    merged[peer.worker_id] = peer
+        return wire.Peers(list(merged.values()))
 
     def _acknowledged(self, link: _Link, msg: wire.RegisterAck, frames: list[bytes]) -> None:
         link.speaks = min(self.config.protocol_version, wire.frame_version(frames))
@@ -239,6 +269,7 @@ class WorkerIO:
             return
         if not any(other.registered for other in self.links):
             self.registered.clear()
+        self._peers[index] = []
         log.warning("the proxy at %s does not know this worker (%s): dropping its requests and registering "
                     "with it again", link.address, msg.reason)
-        self.inbox.put(LinkLost(index, msg, self.owners.sent_by(index)))
+        self.inbox.put(LinkLost(index, msg, self.owners.forget(index)))

@@ -105,10 +105,10 @@ def _take_messages(io: WorkerIO, handler: RoleHandler, switch: ModelSwitch, wait
         if isinstance(msg, wire.Reregister):
             rejoin(io, handler, msg)
         elif isinstance(msg, LinkLost):  # one of several proxies lost this worker: its requests only
-            if handler.engine is not None:
+            if handler.engine is not None:  # else standing by (model_swap.py): its Standby messages tell them
                 handler.fail_all(f"the proxy that sent this request lost this worker ({msg.msg.reason})",
                                  only=msg.request_ids)
-            io.rejoin(msg.link)
+                io.rejoin(msg.link)
         elif handler.engine is None or isinstance(msg, wire.LoadModel):
             switch.take(msg)
         elif isinstance(msg, wire.Tune):  # the proxy's adaptive controller (proxy/tac.py)

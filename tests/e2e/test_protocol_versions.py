@@ -22,7 +22,7 @@ from common.engine.llm_engine import LLMEngine
 from common.protocol.sampling_params import SamplingParams
 from common.protocol.wire import PROTOCOL_VERSION
 
-PREVIOUS_RELEASE = "28eeb7c"  # the last commit of protocol version 12
+PREVIOUS_RELEASE = "9c3eb8b"  # the last commit of protocol version 13
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["Tell me about the sea.", "What is a hash table?", "Count to five."]
 MAX_TOKENS = 10

@@ -27,7 +27,10 @@ from common.cli.local_cluster import LocalCluster
 # the response stream (proxy/streaming.py: the group's batches, the chunk templates and the formats, out of
 # openai_api.py, which had no room left) and the per-token metrics the proxy aggregates itself rather than
 # through prometheus_client's locks (proxy/metrics.py).
-FILE_BUDGET = 28
+# 30 with several proxies (issue 17's last part): a worker's sockets, to one proxy or several, are a module of their
+# own (common/runtime/worker_io.py, out of worker_runtime.py), and so are the VTC counters with the part other
+# proxies share (proxy/service_counters.py, out of admission.py, which had no room left).
+FILE_BUDGET = 30
 MODEL = "tiny"
 
 

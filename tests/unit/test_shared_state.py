@@ -151,3 +151,24 @@ def test_admission_admits_to_the_proxys_share_of_the_slots(redis_server):  # noq
         await a.share.close()
         await b.share.close()
     asyncio.run(run())
+
+
+def test_three_proxies_count_each_others_charges_once_across_a_redis_restart(redis_server):  # noqa: F811
+    async def run():
+        a, b, c = (proxy(redis_server.url, name) for name in "abc")
+        a.admission.counters.charge("heavy", input_tokens=10)
+        c.admission.counters.charge("heavy", input_tokens=100)
+        for p in (a, b, c, b):
+            assert await p.share.sync()
+        assert b.admission.counters["heavy"] == 110
+        redis_server.stop()
+        redis_server.start()  # empty; the proxies write their records again one by one
+        assert await a.share.sync() and await b.share.sync()  # b sees a's record only
+        assert await c.share.sync() and await b.share.sync()  # and now c's again
+        assert b.admission.counters["heavy"] == 110  # neither counted twice
+        c.admission.counters.charge("heavy", input_tokens=5)
+        assert await c.share.sync() and await b.share.sync()
+        assert b.admission.counters["heavy"] == 115
+        for p in (a, b, c):
+            await p.share.close()
+    asyncio.run(run())

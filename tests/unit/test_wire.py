@@ -5,8 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.protocol import wire
-from msgspec.structs import replace as dataclass_replace
-from common.protocol.sampling_params import SamplingParams, StructuredOutput
+from common.protocol.sampling_params import SamplingParams
 from common.protocol.wire import (
     PROTOCOL_VERSION, DecodeRequest, KVLayoutInfo, Peers, PeerInfo, PrefillDone, Register, TokenDelta, TokenDeltas,
     WireError,
@@ -184,11 +183,10 @@ def test_a_message_for_the_previous_version_leaves_out_what_that_version_lacks(m
     request = wire.PrefillRequest("r1", [1, 2], SamplingParams(), 7, 30.0, cache_salt=5)
     frames = wire.encode(request, PROTOCOL_VERSION - 1)
     assert wire.frame_version(frames) == PROTOCOL_VERSION - 1 and wire.decode(frames) == request
-    constrained = wire.PrefillRequest("r2", [1, 2], SamplingParams(structured=StructuredOutput(kind="json_object")),
-                                      7, 30.0)
-    older_constrained = wire.encode(constrained, PROTOCOL_VERSION - 1)  # SamplingParams.structured is new in 13
-    assert "structured" not in msgpack.unpackb(older_constrained[1])["params"]
-    assert wire.decode(older_constrained) == dataclass_replace(constrained, params=SamplingParams())
+    step = wire.TokenDeltas([TokenDelta("r2", [5], "x")], step_rows=3, step=7)
+    older_step = wire.encode(step, PROTOCOL_VERSION - 1)  # TokenDeltas.step_rows and step are new in 14
+    assert set(msgpack.unpackb(older_step[1])) == {"deltas"}
+    assert wire.decode(older_step) == wire.TokenDeltas(step.deltas)  # their defaults: one proxy's step
     monkeypatch.setitem(versions.FIELD_SINCE, "PrefillRequest", {"cache_salt": PROTOCOL_VERSION})
     older = wire.encode(request, PROTOCOL_VERSION - 1)
     assert "cache_salt" not in msgpack.unpackb(older[1]) and wire.decode(older).cache_salt == 0  # its default

@@ -112,7 +112,7 @@ def test_owners_forget_a_request_with_its_last_message_or_when_idle():
     owners.took(request("r1"), 1)
     owners.took(request("r2"), 0)
     assert owners.route(wire.TokenDeltas([wire.TokenDelta("r1", [1], "a", finish_reason="stop")])) != []
-    assert owners.sent_by(1) == set() and len(owners) == 1
+    assert owners.forget(1) == set() and len(owners) == 1
     owners.took(wire.ReleaseKV("r2"), 0)  # a prefill worker's lease ended
     assert len(owners) == 0
     owners.took(request("r3"), 1)
