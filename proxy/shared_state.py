@@ -125,8 +125,9 @@ class SharedState:
         self.proxies = 0  # live proxies at the last sync, this one with them; 0: none yet
         self.demand: dict[str, dict[str, int]] | None = None  # every live proxy's, at the last sync; None: down
         self.remote_holding = 0  # decode slots the other proxies held at the last sync
-        self._generation = 0  # bumped by each sync: what is computed from the demand is cached per generation
-        self._cache: dict[str, tuple] = {}
+        self._generation = 0  # bumped by each sync: the split is computed once per generation (and total)
+        self._part_of = (0, -1, 0)  # (total, generation, this proxy's part)
+        self._remote_tenants: frozenset[str] = frozenset()
         metrics.shared_state_up.set(0)
 
     # -- what admission reads ----------------------------------------------------------------------------------
@@ -134,33 +135,36 @@ class SharedState:
     def slots(self, total: int) -> int:
         """This proxy's share of ``total`` decode slots: its part of the split (at least one), and no more than
         the other proxies left free at the last sync (a proxy whose part shrank holds the slots it has until
-        their choices end; meanwhile the others wait for them rather than run past ``total``)."""
+        their choices end; meanwhile the others wait for them rather than run past ``total``). Asked several
+        times per request: the split is computed once per sync and total."""
         if not total:
             return 0
         if self.demand is None:
             share = 1 / self.proxies if self.proxies else self.config.decode_slot_share
             return max(int(total * share), 1)
-        key = self._cache.get("slots")
-        if key is None or key[0] != (self._generation, total):
-            weight = self.cluster.admission.counters.weight
-            key = self._cache["slots"] = ((self._generation, total), split(total, weight, self.demand))
-        return max(0, min(max(key[1].get(self.proxy_id, 0), 1), total - self.remote_holding))
+        if total != self._part_of[0] or self._generation != self._part_of[1]:
+            part = split(total, self.cluster.admission.counters.weight, self.demand).get(self.proxy_id, 0)
+            self._part_of = (total, self._generation, max(part, 1))
+        free = total - self.remote_holding
+        part = self._part_of[2]
+        return part if part <= free else max(free, 0)
 
-    def remote_tenants(self) -> set[str] | frozenset:
+    def remote_tenants(self) -> frozenset[str]:
         """Tenants with choices at another proxy (at the last sync)."""
-        if self.demand is None:
-            return frozenset()
-        cached = self._cache.get("tenants")
-        if cached is None or cached[0] != self._generation:
-            tenants = {t for proxy, d in self.demand.items() if proxy != self.proxy_id for t, n in d.items() if n}
-            cached = self._cache["tenants"] = (self._generation, tenants)
-        return cached[1]
+        return self._remote_tenants
 
     def tenants_elsewhere(self, here: int, present: Callable[[str], bool]) -> bool:
         """Whether the tenants at other proxies make two or more with this proxy's ``here`` (``present``: whether
         a tenant is one of them)."""
-        remote = self.remote_tenants()
-        return len(remote) > 1 if not here else any(not present(t) for t in remote)
+        remote = self._remote_tenants
+        if not remote:
+            return False
+        if not here:
+            return len(remote) > 1
+        for tenant in remote:
+            if not present(tenant):
+                return True
+        return False
 
     def weight(self, tenant: str) -> float:
         """``tenant``'s weight within this proxy's slots (``fair_split.local_weight``)."""
@@ -209,6 +213,7 @@ class SharedState:
             return False
         others = {p: {t: int(n) for t, n in d.items()} for p, d in (result["demand"] or {}).items()}
         self.demand = {**others, self.proxy_id: demand}
+        self._remote_tenants = frozenset(t for d in others.values() for t, n in d.items() if n)
         self.remote_holding = int(result["holding"])
         self.proxies = len(self.demand)
         self._generation += 1
@@ -237,6 +242,7 @@ class SharedState:
             self.metrics.shared_state_up.set(0)
         self.up = False
         self.demand = None
+        self._remote_tenants = frozenset()
         tenants = self.cluster.tenants
         for name in tenants.limited:
             limiter = tenants.tenants[name].limiter
