@@ -149,7 +149,7 @@ class FakeWorker:
         self.send_raw(encode(msg))
 
     def send_raw(self, frames: list[bytes]) -> None:
-        self._host.call_soon_threadsafe(lambda: self._worker.socket.send_multipart(frames))
+        self._host.call_soon_threadsafe(lambda: self._worker.sockets[0].send_multipart(frames))
 
     def stop(self, goodbye: bool = True, timeout: float = 5.0) -> None:
         self._goodbye = goodbye

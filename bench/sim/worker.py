@@ -1,9 +1,8 @@
 """Simulated workers: the real wire protocol and a real block manager, with no model.
 
-``SimWorker`` is one worker (prefill, decode or both) on a DEALER socket of its own per proxy (``endpoint``: one
-address, or several comma-separated, as a real worker's ``proxy_address``; common/runtime/proxy_links.py routes
-each request's messages back to the proxy that sent it): it registers with each, heartbeats
-(free blocks, running sequences and the profile's step model, as a real worker reports its own fit), and
+``SimWorker`` is one worker (prefill, decode or both) on a DEALER socket of its own per proxy (``endpoint``, as a
+worker's ``proxy_address``: replies go to the sender, common/runtime/proxy_links.py): it registers with each,
+heartbeats (free blocks, running sequences and the profile's step model, as a real worker reports its own fit), and
 serves PrefillRequest, DecodeRequest, ReleaseKV and Abort as the real workers do, with ``SimEngine`` (bench.sim.
 engine) deciding what each step runs and how long it takes. A prefill worker holds a prompt's pages until
 ReleaseKV, Abort or its lease ends; a decode worker "pulls" them (``transfer_gbps``) and reports KVPulled.
@@ -78,8 +77,8 @@ class SimWorker:
                                 fixed_step_s=spec.fixed_step_s)
         self.sockets: list[zmq.Socket] = []  # one per proxy, in ``endpoint``'s order
         self.links_registered = [False] * len(proxy_addresses(endpoint))
-        self.owners = Owners(len(self.links_registered), spec.role == "prefill") if len(
-            self.links_registered) > 1 else None
+        links = len(self.links_registered)
+        self.owners = Owners(links, spec.role == "prefill") if links > 1 else None
         self.draining = False
         self.stepping = False  # a step is in flight (its end is a timer)
         self.pulls: dict[str, SimSequence] = {}  # decode: pages being pulled
@@ -101,11 +100,6 @@ class SimWorker:
     def registered(self) -> bool:
         """Acknowledged by every proxy."""
         return all(self.links_registered)
-
-    @property
-    def socket(self) -> zmq.Socket:
-        """The first proxy's socket (the only one with one proxy)."""
-        return self.sockets[0]
 
     def start(self, context: zmq.Context) -> None:
         for address in proxy_addresses(self.endpoint):
