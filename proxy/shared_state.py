@@ -52,35 +52,35 @@ local p = cjson.decode(ARGV[5])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local served_by, proxies = prefix .. 'served_by', prefix .. 'proxies'
-local mine = prefix .. 'served:' .. record
-redis.call('DEL', mine)
-for tenant, value in pairs(p.served) do redis.call('HSET', mine, tenant, value) end
-redis.call('PEXPIRE', mine, keep_ms)
-redis.call('ZADD', served_by, now, record)
-redis.call('ZREMRANGEBYSCORE', served_by, '-inf', now - keep_ms)
-local remote = {}
-for _, other in ipairs(redis.call('ZRANGE', served_by, 0, -1)) do
-  if other ~= record then
-    local kv = redis.call('HGETALL', prefix .. 'served:' .. other)
-    local r = {}
-    for i = 1, #kv, 2 do r[kv[i]] = tonumber(kv[i + 1]) end
-    remote[other] = r
-  end
+-- read: a hash as a table; write: a hash replaced by a table, expiring; members: a sorted set's members written
+-- within keep ms, this one's time renewed first
+local function read(key)
+  local kv, r = redis.call('HGETALL', key), {}
+  for i = 1, #kv, 2 do r[kv[i]] = tonumber(kv[i + 1]) end
+  return r
 end
-local wanted = prefix .. 'demand:' .. me
-redis.call('DEL', wanted)
-for tenant, n in pairs(p.demand) do redis.call('HSET', wanted, tenant, n) end
-redis.call('PEXPIRE', wanted, live_ms)
+local function write(key, fields, ttl_ms)
+  redis.call('DEL', key)
+  for field, value in pairs(fields) do redis.call('HSET', key, field, value) end
+  redis.call('PEXPIRE', key, ttl_ms)
+end
+local function members(set, member, keep)
+  redis.call('ZADD', set, now, member)
+  redis.call('ZREMRANGEBYSCORE', set, '-inf', now - keep)
+  return redis.call('ZRANGE', set, 0, -1)
+end
+local mine = prefix .. 'served:' .. record
+write(mine, p.served, keep_ms)
+local remote = {}
+for _, other in ipairs(members(served_by, record, keep_ms)) do
+  if other ~= record then remote[other] = read(prefix .. 'served:' .. other) end
+end
+write(prefix .. 'demand:' .. me, p.demand, live_ms)
 redis.call('SET', prefix .. 'holding:' .. me, p.holding, 'PX', live_ms)
-redis.call('ZADD', proxies, now, me)
-redis.call('ZREMRANGEBYSCORE', proxies, '-inf', now - live_ms)
 local demand, holding = {}, 0
-for _, other in ipairs(redis.call('ZRANGE', proxies, 0, -1)) do
+for _, other in ipairs(members(proxies, me, live_ms)) do
   if other ~= me then
-    local kv = redis.call('HGETALL', prefix .. 'demand:' .. other)
-    local d = {}
-    for i = 1, #kv, 2 do d[kv[i]] = tonumber(kv[i + 1]) end
-    demand[other] = d
+    demand[other] = read(prefix .. 'demand:' .. other)
     holding = holding + (tonumber(redis.call('GET', prefix .. 'holding:' .. other)) or 0)
   end
 end
