@@ -149,10 +149,6 @@ class SharedState:
         part = self._part_of[2]
         return part if part <= free else max(free, 0)
 
-    def remote_tenants(self) -> frozenset[str]:
-        """Tenants with choices at another proxy (at the last sync)."""
-        return self._remote_tenants
-
     def tenants_elsewhere(self, here: int, present: Callable[[str], bool]) -> bool:
         """Whether the tenants at other proxies make two or more with this proxy's ``here`` (``present``: whether
         a tenant is one of them)."""

@@ -66,7 +66,9 @@ def test_two_proxies_share_counters_demand_and_the_split(redis_server):  # noqa:
         enqueue(a, "light", 2)  # lifted to heavy's counter as it becomes backlogged here (BacklogLift)
         enqueue(b, "light", 2)
         assert await a.share.sync() and await b.share.sync() and await a.share.sync()
-        assert a.share.remote_tenants() == {"light"} and b.share.remote_tenants() == {"heavy", "light"}
+        # tenants elsewhere: light at b, beside a's heavy, makes two at a; heavy and light at a make two at b
+        assert a.share.tenants_elsewhere(1, {"heavy"}.__contains__)
+        assert not a.share.tenants_elsewhere(1, {"light"}.__contains__) and b.share.tenants_elsewhere(0, bool)
         # light (weight 3) asks 4 of 8 slots and gets them; heavy the other 4, all at A
         assert (a.share.slots(8), b.share.slots(8)) == (6, 2)
         assert a.share.weight("light") == pytest.approx(1.5) and b.share.weight("light") == pytest.approx(1.5)
@@ -76,7 +78,7 @@ def test_two_proxies_share_counters_demand_and_the_split(redis_server):  # noqa:
         assert await a.share.sync() and await b.share.sync()
         assert b.admission.counters["heavy"] == before + 10  # one interval late
         await a.share.close()
-        assert await b.share.sync() and b.share.remote_tenants() == set()  # a left the split at once
+        assert await b.share.sync() and not b.share.tenants_elsewhere(1, bool)  # a left the split at once
         assert b.share.slots(8) == 8
         await b.share.close()
     asyncio.run(run())
