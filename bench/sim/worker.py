@@ -78,7 +78,7 @@ class SimWorker:
         self.sockets: list[zmq.Socket] = []  # one per proxy, in ``endpoint``'s order
         self.links_registered = [False] * len(proxy_addresses(endpoint))
         links = len(self.links_registered)
-        self.owners = Owners(links, spec.role == "prefill") if links > 1 else None
+        self.owners = Owners(spec.role == "prefill") if links > 1 else None
         self.draining = False
         self.stepping = False  # a step is in flight (its end is a timer)
         self.pulls: dict[str, SimSequence] = {}  # decode: pages being pulled

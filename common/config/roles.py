@@ -134,18 +134,14 @@ class ProxyConfig:
         "", "Redis server several proxies share tenant counters, rate-limit buckets and the decode capacity split "
         "through (redis://HOST:PORT/DB; proxy/shared_state.py); empty: this proxy's own state only")
     shared_state_interval_s: Float = option(
-        0.1, "how often a proxy syncs with the others through redis_url: what they share is this late", gt=0,
-        le=10)
+        0.1, "how often a proxy syncs with the others through redis_url: what they share is this late", gt=0, le=10)
     shared_state_timeout_s: Float = option(
         1.0, "a sync not answered within this counts as Redis being away: the proxy serves on its own state, "
         "and resyncs once Redis answers again", gt=0)
-    shared_state_prefix: Str = option(
-        "tessera:", "prefix of the Redis keys: clusters sharing one Redis server need different ones")
-    proxy_id: Str = option(
-        "", "this proxy's id among those sharing redis_url; empty: HOST:PORT:PID")
-    process_port: Int = option(
-        0, "with tessera proxy --workers N, process i also listens on this port + i (the same API, its own: for "
-        "scraping each process's /metrics and probing it); 0: none", ge=0, le=65535)
+    shared_state_prefix: Str = option("tessera:", "prefix of the Redis keys: clusters sharing a Redis need their own")
+    proxy_id: Str = option("", "this proxy's id among those sharing redis_url; empty: HOST:PORT:PID")
+    process_port: Int = option(0, "with tessera proxy --workers N, process i also listens on this port + i (the same "
+                               "API, its own: for scraping its /metrics and probing it); 0: none", ge=0, le=65535)
     tpot_slo_ms: Float = option(
         0.0, "decode admission's per-token latency target: a worker is given another sequence only while its "
         "predicted step time (its own fitted model, sent with each heartbeat) stays within this; 0: "

@@ -22,20 +22,15 @@ SWEEP_S = 60.0
 
 
 def proxy_addresses(proxy_address: str) -> list[str]:
-    """``proxy_address``'s addresses, in order (several: comma-separated); a ValueError for an empty one."""
-    addresses = [a.strip() for a in proxy_address.split(",")]
-    if not all(addresses):
-        raise ValueError(f"config field 'proxy_address' = {proxy_address!r} is invalid: an empty address "
-                         "(comma-separated ZeroMQ addresses, one per proxy)")
-    return addresses
+    """``proxy_address``'s addresses, in order (several: comma-separated; WorkerConfig refuses an empty one)."""
+    return [a.strip() for a in proxy_address.split(",")]
 
 
 class Owners:
     """Request id -> the index of the proxy that sent it (with when it was last spoken of)."""
 
-    def __init__(self, count: int, release_ends: bool = False, clock=time.monotonic) -> None:
+    def __init__(self, release_ends: bool = False, clock=time.monotonic) -> None:
         """``release_ends``: a ReleaseKV is the last of a request (a prefill worker's)."""
-        self.count = count
         self._release_ends = release_ends
         self._of: dict[str, list] = {}  # request id -> [proxy index, last heard]
         self._clock = clock

@@ -75,7 +75,7 @@ class WorkerIO:
         self.links = [_Link(address) for address in proxy_addresses(config.proxy_address)]
         for link in self.links:
             link.speaks = config.protocol_version
-        self.owners = Owners(len(self.links), config.role == "prefill") if len(self.links) > 1 else None
+        self.owners = Owners(config.role == "prefill") if len(self.links) > 1 else None
         self._peers: list[list[wire.PeerInfo]] = [[] for _ in self.links]  # each proxy's last Peers
         self._started = False
         self._stop = threading.Event()

@@ -108,7 +108,7 @@ def test_a_proxy_that_lost_the_worker_gets_its_requests_failed_and_a_new_registe
 
 def test_owners_forget_a_request_with_its_last_message_or_when_idle():
     clock = [0.0]
-    owners = Owners(2, release_ends=True, clock=lambda: clock[0])
+    owners = Owners(release_ends=True, clock=lambda: clock[0])
     owners.took(request("r1"), 1)
     owners.took(request("r2"), 0)
     assert owners.route(wire.TokenDeltas([wire.TokenDelta("r1", [1], "a", finish_reason="stop")])) != []
