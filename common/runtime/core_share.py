@@ -40,7 +40,7 @@ import time
 log = logging.getLogger(__name__)
 
 _SHARE, _WAITERS = 0, 1  # the byte ranges: the share itself, and the waiters' presence
-_HANDOFF_S = 0.002  # longest a releaser waits for a waiter to take the share
+HANDOFF_S = 0.002  # longest a releaser waits for a waiter to take the share
 _HANDOFF_POLL_S = 20e-6
 
 
@@ -61,8 +61,9 @@ def _alarm(signum, frame):
 class CoreShare:
     """A context manager: entering takes this host's cores for one engine step, leaving hands them on."""
 
-    def __init__(self, path: str, timeout_s: float) -> None:
-        self.path, self.timeout_s = path, timeout_s
+    def __init__(self, path: str, timeout_s: float, handoff_s: float = HANDOFF_S) -> None:
+        """``handoff_s``: how long a releaser leaves the share to a waiter before it may take it back."""
+        self.path, self.timeout_s, self.handoff_s = path, timeout_s, handoff_s
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
 
     def __enter__(self) -> "CoreShare":
@@ -87,9 +88,9 @@ class CoreShare:
 
     def __exit__(self, *exc) -> None:
         fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, _SHARE)
-        if not self._others_waiting():
+        if not self.others_waiting():
             return
-        deadline = time.monotonic() + _HANDOFF_S
+        deadline = time.monotonic() + self.handoff_s
         while time.monotonic() < deadline:
             try:  # taken at once: nobody has picked the share up yet; put it down and look again
                 fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, _SHARE)
@@ -98,7 +99,8 @@ class CoreShare:
             fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, _SHARE)
             time.sleep(_HANDOFF_POLL_S)
 
-    def _others_waiting(self) -> bool:
+    def others_waiting(self) -> bool:
+        """Whether another worker waits for the share now."""
         try:
             fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, _WAITERS)
         except OSError:

@@ -295,9 +295,9 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 
 
 class WorkerMetrics:
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, clock=time.monotonic) -> None:
         self.config = config
-        self.status = WorkerStatus()
+        self.status = WorkerStatus(clock)
         self.registry = CollectorRegistry()
         r = self.registry
         self._info = Gauge("tessera_worker_info", "Constant 1, labelled with this worker's identity",

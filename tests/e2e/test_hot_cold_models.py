@@ -14,11 +14,14 @@ import httpx
 import pytest
 
 from common.cli.local_cluster import LocalCluster
+from common.config.roles import ProxyConfig
+from tests.conditions import settle
 from tests.tiny_models import registered_versions
 
 PROMPT = "Tell me about the sea."
 MAX_TOKENS = 12
 IDLE_S = 6
+LOAD_TIMEOUT_S = ProxyConfig().model_load_timeout_s  # how long the proxy waits for a worker's load
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +77,15 @@ def test_a_cold_model_loads_on_demand_and_an_idle_one_unloads(models, tmp_path, 
             served, refused, waited = until_served(client, "other")
             assert served.json()["choices"][0]["message"]["content"] == answers["other"]
             assert served.headers["X-Tessera-Model"] == "other@v1"
-            loads = cluster.metric("tessera_proxy_model_loads_total")
-            assert loads == {'{model="other@v1",outcome="loaded"}': 2.0}, loads  # the prefill and the decode worker
-            listed = entries(client)
-            assert listed["other"]["versions"][0]["workers"] == 2
-            assert listed["tiny"]["versions"] == [] and listed["tiny"]["loadable_versions"] == [
+            # The first 200 needs one worker of each role loaded; each reports its load on its own.
+            settle(lambda: cluster.metric("tessera_proxy_model_loads_total"),
+                   lambda loads: loads == {'{model="other@v1",outcome="loaded"}': 2.0}, LOAD_TIMEOUT_S,
+                   "the prefill and the decode worker both report other@v1 loaded (model_load_timeout_s)")
+            listed = settle(lambda: entries(client),
+                            lambda listed: [v["workers"] for v in listed["other"]["versions"]] == [2] and
+                            listed["tiny"]["versions"] == [], LOAD_TIMEOUT_S,
+                            "/v1/models lists other@v1 on both workers (model_load_timeout_s)")
+            assert listed["tiny"]["loadable_versions"] == [
                 {"version": "v1", "workers": 2, "loading": False, "last_load_s": None}]  # loaded at start
             load_s = cluster.metric("tessera_proxy_model_load_seconds_sum")
             print(f"\nother@v1: served {waited:.2f}s after its first request ({refused + 1} answered 503), "

@@ -9,7 +9,8 @@ never exit; at the end SIGTERM stops it cleanly.
 
 Then the same against a real cluster (proxy, prefill and decode worker
 processes on the embedded model): what passes the proxy's validation reaches
-the engines, with ``max_tokens`` and ``n`` capped so that it runs in minutes.
+the engines, with ``max_tokens`` and ``n`` capped so that it runs in minutes (a body that names no ``max_tokens``
+gets the proxy's ``max_tokens_default``, set to the same cap).
 No process may exit, and no KV page may stay in use.
 """
 from __future__ import annotations
@@ -109,7 +110,8 @@ CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "n": 2, "best_of": 2}  # wh
 @pytest.fixture(scope="module")
 def real_cluster(embedded_model_dir, tmp_path_factory):
     cluster = LocalCluster.for_tests(embedded_model_dir, tmp_path_factory.mktemp("fuzz-real"),
-                                     proxy_overrides=["max_prompt_bytes=4096", "first_token_timeout_s=30"]).start()
+                                     proxy_overrides=["max_prompt_bytes=4096", "first_token_timeout_s=30",
+                                                      f"max_tokens_default={CAPS['max_tokens']}"]).start()
     yield cluster
     assert set(cluster.stop().values()) == {0}, "every process stops cleanly on SIGTERM"
 
@@ -140,6 +142,10 @@ def test_no_server_error_and_no_process_exit_with_real_workers(real_cluster, pat
         assert not real_cluster.dead(), f"processes exited: {real_cluster.dead()} (logs: {real_cluster.log_dir})"
         try:
             check(case, response)
+            if response.status_code == 200 and response.headers.get("content-type", "").startswith(
+                    "application/json"):  # every case generates within the caps, named or not
+                generated = response.json()["usage"]["completion_tokens"]
+                assert generated <= CAPS["max_tokens"] * CAPS["n"], generated
         except AssertionError:
             print("failing body:", case.body)
             raise

@@ -160,7 +160,7 @@ def test_fail_every_nth_pull_is_injected():
 def test_pull_past_its_deadline_fails_and_writes_nothing():
     _, decode, _, target = pair(delay_s=0.3)
     handle = decode.start_pull("r", "p", [1, 2], [1, 2], 0.05)
-    assert wait(decode, handle, timeout_s=1.0) == TransferStatus.FAILED
+    assert wait(decode, handle) == TransferStatus.FAILED
     assert "deadline" in handle.error
     time.sleep(0.3)
     assert decode.poll(handle) == TransferStatus.FAILED

@@ -9,6 +9,7 @@ import pytest
 from common.config.roles import ProxyConfig
 from proxy.admission import Stage
 from proxy.cluster import Cluster
+from proxy.errors import ApiError
 from proxy.fair_split import local_weight, split, water_fill
 from proxy.metrics import ProxyMetrics
 from proxy.routing import PrefixAwareRouting
@@ -18,7 +19,8 @@ from tests.redis_server import redis_server  # noqa: F401 - fixture
 
 TENANTS = [{"name": "heavy", "api_key_sha256": [hash_key("sk-heavy")]},
            {"name": "light", "api_key_sha256": [hash_key("sk-light")], "weight": 3},
-           {"name": "limited", "api_key_sha256": [hash_key("sk-limited")], "requests_per_s": 2, "request_burst": 4}]
+           {"name": "limited", "api_key_sha256": [hash_key("sk-limited")], "requests_per_s": 2, "request_burst": 4},
+           {"name": "slow", "api_key_sha256": [hash_key("sk-slow")], "requests_per_s": 0.01, "request_burst": 4}]
 
 
 def test_water_fill_gives_a_small_demand_what_it_asks_and_the_rest_by_weight():
@@ -85,25 +87,37 @@ def test_two_proxies_share_counters_demand_and_the_split(redis_server):  # noqa:
 
 
 def test_a_rate_limit_holds_across_proxies(redis_server):  # noqa: F811
-    """The bucket refills by Redis's clock, so this runs in real time: 2 s, each proxy asked 5 times a sync."""
+    """Counted, not timed: the proxies' clocks stand still and the shared bucket's refill is moved by rewinding its
+    time in Redis (the bucket refills by Redis's clock)."""
     async def run():
-        a, b = proxy(redis_server.url, "a"), proxy(redis_server.url, "b")
-        admitted, loop = 0, asyncio.get_running_loop()
-        until = loop.time() + 2.0
-        while loop.time() < until:
-            for p in (a, b):
-                await p.share.sync()
-                limiter = p.tenants.tenants["limited"].limiter
-                for _ in range(5):
-                    try:
-                        limiter.admit(p._clock())
-                        admitted += 1
-                    except Exception:  # noqa: BLE001 - the 429
-                        pass
-            await asyncio.sleep(0.1)
-        # a burst of 4 and 2/s for 2 s: 8, where two proxies each on its own would admit 16; each may overshoot
-        # by what its bucket refills locally within one sync interval
-        assert 7 <= admitted <= 10, admitted
+        now = [100.0]
+        a, b = (proxy(redis_server.url, name, clock=lambda: now[0]) for name in ("a", "b"))
+
+        def admitted(p: Cluster, tries: int = 10) -> int:
+            limiter, count = p.tenants.tenants["slow"].limiter, 0
+            for _ in range(tries):
+                try:
+                    limiter.admit(p._clock())
+                    count += 1
+                except ApiError as refused:
+                    assert refused.status == 429
+            return count
+
+        # a burst of 4: what a took reaches the shared bucket at its next sync, so b finds it empty
+        assert await a.share.sync()
+        assert admitted(a) == 4
+        assert await a.share.sync() and await b.share.sync()
+        assert admitted(b) == 0 and admitted(a) == 0
+        # 0.01/s for 300 s by Redis's clock refills 3 (the real seconds the test takes refill a hundredth each):
+        # taken by whichever proxy syncs first, the other then finds none
+        key = f"{a.config.shared_state_prefix}bucket:requests:slow"
+        with redis_server.client() as client:
+            client.hincrbyfloat(key, "at", -300_000)
+        assert await b.share.sync()
+        assert admitted(b) == 3
+        assert await b.share.sync() and await a.share.sync()
+        assert admitted(a) == 0
+        # unshared, each proxy would have admitted its own burst and its own refill
         await a.share.close()
         await b.share.close()
     asyncio.run(run())

@@ -1,6 +1,5 @@
 """Worker metrics and the health server: real engine numbers, served over real HTTP."""
 import json
-import time
 import urllib.error
 import urllib.request
 
@@ -24,10 +23,25 @@ def get(url: str) -> tuple[int, str]:
         return err.code, err.read().decode()
 
 
+class ManualClock:
+    """The health check's clock, moved by the test: a stall is a count of seconds, not a sleep."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @pytest.fixture()
-def served():
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture()
+def served(clock):
     config = WorkerConfig(role="decode", worker_id="d0", metrics_port=free_port(), health_stall_s=0.5)
-    metrics = WorkerMetrics(config)
+    metrics = WorkerMetrics(config, clock=clock)
     server = HealthServer(config, metrics).start()
     yield metrics, f"http://127.0.0.1:{server.port}"
     server.close()
@@ -99,14 +113,15 @@ def test_readiness_follows_the_worker_life_cycle(served):
     assert ready() == (503, "draining: no new requests")
 
 
-def test_liveness_turns_503_when_the_loop_stalls(served):
+def test_liveness_turns_503_when_the_loop_stalls(served, clock):
     metrics, url = served
-    time.sleep(0.7)
+    clock.now += 60
     status, body = get(url + "/healthz")
     assert status == 200 and "starting" in json.loads(body)["reason"]  # model load may take long
     metrics.status.tick()
+    clock.now += 0.5
     assert get(url + "/healthz")[0] == 200
-    time.sleep(0.7)  # health_stall_s is 0.5
+    clock.now += 0.2  # health_stall_s is 0.5
     status, body = get(url + "/healthz")
     assert status == 503 and json.loads(body)["status"] == "stalled"
     metrics.status.tick()
