@@ -16,7 +16,7 @@ PIP := $(BIN)/python -m pip --quiet
 # Reinstalls when the dependencies change; an existing venv without it is reused, not rebuilt.
 SETUP_STAMP := $(VENV)/.tessera-setup
 
-.PHONY: setup prepare run test
+.PHONY: setup prepare run test test-repeat
 
 setup: $(SETUP_STAMP)
 
@@ -44,3 +44,9 @@ run: setup
 
 test: setup prepare
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# Flake finder: the e2e tests (or REPEAT_ARGS) REPEAT times, then every test that failed in any round.
+REPEAT ?= 3
+REPEAT_ARGS ?= tests/e2e
+test-repeat: setup prepare
+	$(BIN)/python -m tests.repeat --count $(REPEAT) $(REPEAT_ARGS)
