@@ -1,4 +1,4 @@
-"""Generated sections of docs/benchmarks.md: each benchmark owns the text between its two markers.
+"""Generated result files (docs/results/): each benchmark owns the text between its two markers.
 
 Re-running a benchmark with ``--doc`` replaces its own section and keeps the
 rest of the file; a section not yet in the file is appended.

@@ -1,7 +1,7 @@
 """Offline throughput benchmark: Tessera's engine vs transformers, same invocation.
 
     python -m bench.offline --dtypes float32,bfloat16 --num-prompts 64 \
-        --input-len 256 --output-len 128 --threads 2 --out results.json --doc docs/benchmarks.md
+        --input-len 256 --output-len 128 --threads 2 --out results.json --doc docs/results/offline.md
 
 For each dtype: measure the hardware ceilings (``bench.roofline``), then for
 each system build it, warm it up on a short run of other prompts (not timed),
@@ -158,7 +158,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="transformers CB max_requests_per_batch values to run; the fastest is compared")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="write the results as JSON here")
-    p.add_argument("--doc", type=Path, help="write the markdown report here (e.g. docs/benchmarks.md)")
+    p.add_argument("--doc", type=Path, help="write the markdown report here (e.g. docs/results/offline.md)")
     args = p.parse_args(argv)
     unknown = sorted(set(args.systems) - set(SYSTEMS))
     if unknown:

