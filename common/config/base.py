@@ -221,9 +221,14 @@ class EngineConfig:
     attention_backend: AttentionBackend = option("auto", "attention kernel; auto picks the best one the device has")
     block_size: BlockSize = option(16, "tokens per KV cache block")
     kv_cache_memory_bytes: Int = option(2 << 30, "memory budget the KV pool is sized from, unless "
-                                        "num_kv_blocks pins it", ge=1 << 20)
+                                        "kv_cache_memory_fraction or num_kv_blocks is set", ge=1 << 20)
+    kv_cache_memory_fraction: Float | None = option(
+        None, "size the KV pool as this fraction of the memory left after the model's weights (the device's "
+        "memory: a GPU's, or the host's or its cgroup's limit on CPU, less this worker's weights), so one config "
+        "serves models of any size; workers sharing a device each take their own fraction; overrides "
+        "kv_cache_memory_bytes", gt=0.0, le=0.95)
     num_kv_blocks: Int | None = option(None, "exact number of KV blocks; null sizes the pool from "
-                                       "kv_cache_memory_bytes", ge=2)
+                                       "kv_cache_memory_fraction or kv_cache_memory_bytes", ge=2)
     host_kv_cache_memory_bytes: Int = option(
         0, "the host tier: a second store of this many bytes of whole KV blocks in host memory; a cached block "
         "the pool evicts is copied there and copied back on a prefix hit instead of computed again "

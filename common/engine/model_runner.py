@@ -21,6 +21,7 @@ import torch
 from common.engine.attention import select_backend
 from common.config.base import EngineConfig
 from common.engine.kv_cache import KVCache, KVLayout
+from common.engine.memory import device_memory_bytes, module_bytes, resident_bytes
 from common.engine.models.llama import FusedDecode
 from common.engine.models.loader import load_model
 from common.engine.native import gemv_bf16_kernel
@@ -66,11 +67,14 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         self.attention = select_backend(config.attention_backend, config.device, config.block_size)
+        started = time.monotonic()
         self.model = load_model(model_dir, self.dtype, config.device, self.attention)
+        self.load_s = time.monotonic() - started
+        self.weight_bytes = module_bytes(self.model)
         hf = self.model.config
         attn = self.model.layers[0].self_attn
         self.layout = KVLayout(hf.num_hidden_layers, config.block_size, attn.num_kv_heads, attn.head_dim, config.dtype)
-        num_blocks = config.num_kv_blocks or self.layout.blocks_for_budget(config.kv_cache_memory_bytes)
+        num_blocks = config.num_kv_blocks or self.layout.blocks_for_budget(self._kv_budget())
         self.kv_cache = KVCache(self.layout, num_blocks, self.device)
         limit = self.model.rope.max_positions
         self.max_model_len = min(config.max_model_len or limit, limit)
@@ -88,11 +92,24 @@ class ModelRunner:
             self.model.fused_decode = FusedDecode(self.model, config.decode_kernel_max_batch)
         self.sampler = Sampler()
         log.info(
-            "model loaded: %s layers, dtype %s, weights %s, attention %s; KV pool %d blocks x %d tokens (%.1f MiB)",
-            hf.num_hidden_layers, config.dtype, "int8" if config.quantization == "int8" else config.dtype,
-            self.attention.name, num_blocks, config.block_size,
-            self.kv_cache.nbytes / 2**20,
+            "model loaded in %.1fs: %s layers, dtype %s, weights %s (%.2f GiB), attention %s; KV pool %d blocks x "
+            "%d tokens (%.1f MiB); resident %.2f GiB",
+            self.load_s, hf.num_hidden_layers, config.dtype, "int8" if config.quantization == "int8" else config.dtype,
+            module_bytes(self.model) / 2**30, self.attention.name, num_blocks, config.block_size,
+            self.kv_cache.nbytes / 2**20, resident_bytes() / 2**30,
         )
+
+    def _kv_budget(self) -> int:
+        """The KV pool's bytes: ``kv_cache_memory_fraction`` of the device memory the weights leave, else
+        ``kv_cache_memory_bytes``."""
+        fraction = self.config.kv_cache_memory_fraction
+        if fraction is None:
+            return self.config.kv_cache_memory_bytes
+        left = device_memory_bytes(self.device) - self.weight_bytes
+        if left <= 0:
+            raise ValueError(f"the model's weights ({self.weight_bytes / 2**30:.2f} GiB) leave no memory on "
+                             f"{self.device} for a KV pool (kv_cache_memory_fraction)")
+        return int(left * fraction)
 
     @property
     def num_blocks(self) -> int:

@@ -3,7 +3,9 @@
 Accepts a single ``model.safetensors`` or a sharded checkpoint with
 ``model.safetensors.index.json``. Separate q/k/v and gate/up tensors are
 copied into the fused projections. Every parameter must be filled exactly
-once; anything missing or unexpected is an error naming the tensors.
+once; anything missing or unexpected is an error naming the tensors. Only the
+model's own weights stay resident: each checkpoint tensor is read, copied into
+its parameter and dropped, and the files are memory-mapped, not read whole.
 """
 from __future__ import annotations
 
@@ -47,8 +49,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, backend) 
     cfg = load_hf_config(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend)
+    model.to(dtype)  # on meta: the weights are allocated once, in their dtype (no float32 copy first)
     model.to_empty(device=device)
-    model.to(dtype)
     model.rope.build_table(device)
     params = dict(model.named_parameters())
     filled: dict[str, int] = {name: 0 for name in params}

@@ -1,0 +1,45 @@
+"""What a worker's engine takes of its device: the weights in their dtype only, the KV pool as a fraction of what
+the weights leave (engine.kv_cache_memory_fraction), and what it reports once loaded."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.config.base import ConfigError, EngineConfig
+from common.engine.memory import device_memory_bytes, module_bytes, resident_bytes
+from common.engine.model_runner import ModelRunner
+from common.engine.models.loader import load_model
+from common.engine.attention import select_backend
+
+
+def test_the_weights_are_allocated_in_their_dtype(tiny_chat_model_dir):
+    model = load_model(tiny_chat_model_dir, torch.bfloat16, "cpu", select_backend("auto", "cpu", 16))
+    dtypes = {p.dtype for p in model.parameters()}
+    assert dtypes == {torch.bfloat16}
+    assert module_bytes(model) == sum(p.nbytes for p in model.parameters()) + sum(
+        b.nbytes for b in model.buffers())
+
+
+def test_the_pool_is_a_fraction_of_the_memory_the_weights_leave(tiny_chat_model_dir, caplog):
+    config = EngineConfig(model=str(tiny_chat_model_dir), kv_cache_memory_fraction=0.01)
+    with caplog.at_level("INFO"):
+        runner = ModelRunner(config, tiny_chat_model_dir)
+    left = device_memory_bytes(torch.device("cpu")) - runner.weight_bytes
+    assert runner.num_blocks == int(left * 0.01) // runner.layout.bytes_per_block
+    assert "model loaded in" in caplog.text and "resident" in caplog.text
+
+
+def test_num_kv_blocks_still_pins_the_pool(tiny_chat_model_dir):
+    config = EngineConfig(model=str(tiny_chat_model_dir), kv_cache_memory_fraction=0.5, num_kv_blocks=8)
+    assert ModelRunner(config, tiny_chat_model_dir).num_blocks == 8
+
+
+@pytest.mark.parametrize("fraction", [0.0, -0.1, 0.96, 2])
+def test_a_fraction_out_of_range_names_the_field(fraction):
+    with pytest.raises(ConfigError, match="kv_cache_memory_fraction"):
+        EngineConfig(model="embedded", kv_cache_memory_fraction=fraction)
+
+
+def test_memory_figures_are_plausible():
+    assert device_memory_bytes(torch.device("cpu")) > 1 << 30
+    assert 0 < resident_bytes() < device_memory_bytes(torch.device("cpu"))
