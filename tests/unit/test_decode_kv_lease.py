@@ -4,7 +4,9 @@ The prefill worker frees lent pages ``kv_lease_s`` after PrefillDone and may han
 the proxy tells the decode worker how much of the lease is left (``kv_lease_left_s``). A pull that cannot
 be done in time is not started, or is cut at the lease, and the prompt is recomputed on the decode worker:
 the output is the same. ``fault_kv_pull_delay_s`` holds each pull back; an Abort meanwhile frees its
-blocks, and no pull starts. Both handlers run in one process on a tiny model with the in-process backend.
+blocks, and no pull starts. Both handlers run in one process on a tiny model with the in-process backend; the
+decode handler's clock stands still unless the test moves it, so a lease or a delay is a number of seconds, not
+a race against how fast the machine runs the test.
 """
 import time
 
@@ -20,7 +22,25 @@ from tests.fake_transfer import FakeBackend
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 PROMPT = list(range(1, 41))
-PULL_S = 0.3  # how long the fake backend takes to land a pull's bytes
+PULL_S = 0.3  # how long the fake backend takes to land a pull's bytes (in real time, as are the backend's deadlines)
+
+
+class StillTime:
+    """The decode worker module's ``time``: ``monotonic`` reads a clock the test moves; ``sleep`` is real."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+        self.sleep = time.sleep
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> StillTime:
+    still = StillTime()
+    monkeypatch.setattr("decode_worker.worker.time", still)
+    return still
 
 
 def handler(cls, model_dir, transfer, **settings):
@@ -71,7 +91,8 @@ def run_out(decode, sent) -> tuple[list[int], list[wire.KVPulled]]:
     (LEASE_MARGIN_S, "lease (the proxy's kv_lease_s) ran out before the pull could start"),
     (LEASE_MARGIN_S + PULL_S / 3, "timed out"),  # started, and cut at the lease
 ])
-def test_a_pull_that_cannot_end_within_the_lease_is_recomputed(tiny_chat_model_dir, prefilled, lease_left_s, why):
+def test_a_pull_that_cannot_end_within_the_lease_is_recomputed(tiny_chat_model_dir, prefilled, clock, lease_left_s,
+                                                                why):
     prefill, done = prefilled
     decode, sent = decode_worker(tiny_chat_model_dir, prefill)
     decode.handle(decode_request(done, "in-time", None))
@@ -87,15 +108,19 @@ def test_a_pull_that_cannot_end_within_the_lease_is_recomputed(tiny_chat_model_d
     decode.transfer.close()
 
 
-def test_a_delayed_pull_starts_late_and_an_abort_meanwhile_frees_its_blocks(tiny_chat_model_dir, prefilled):
+def test_a_delayed_pull_starts_late_and_an_abort_meanwhile_frees_its_blocks(tiny_chat_model_dir, prefilled, clock):
     prefill, done = prefilled
     decode, sent = decode_worker(tiny_chat_model_dir, prefill, fault_kv_pull_delay_s=1.0)
     decode.handle(decode_request(done, "aborted", None))
     decode.handle(decode_request(done, "kept", None))
     assert set(decode.delayed) == {"aborted", "kept"} and not decode.pulls
     assert decode.engine.block_manager.num_used_blocks > 0  # blocks reserved for the pages
-    assert 0.5 < decode.wait_s(5.0) <= 1.0  # the loop sleeps until the first is due
+    assert decode.wait_s(5.0) == pytest.approx(1.0)  # the loop sleeps until the first is due
+    clock.now += 0.5
+    decode.tick()
+    assert not decode.pulls and decode.wait_s(5.0) == pytest.approx(0.5)  # not due yet
     decode.handle(wire.Abort("aborted"))
+    clock.now += 0.5
     tokens, pulls = run_out(decode, sent)
     assert [p.request_id for p in pulls] == ["kept"] and pulls[0].ok  # the aborted one never pulled
     assert len(tokens) == PARAMS.max_tokens - 1  # the kept one ran on (its first token came from the prefill)
