@@ -19,6 +19,7 @@ from proxy.requests import SubRequest
 from proxy.streaming import EventSink
 
 CONFIG = ProxyConfig(max_migrations=0)
+PATIENCE_S = 30.0  # bounds a wait for the interval loop's records, so that a broken test fails rather than hangs
 
 
 def sub_request(metrics: ProxyMetrics, tenant: str, prompt_len: int = 10) -> SubRequest:
@@ -76,15 +77,21 @@ def test_records_hold_the_interval_and_the_totals_of_tenants_with_activity():
 
 
 def test_the_log_appends_each_interval_and_a_final_record_on_close(tmp_path):
-    metrics, now = ProxyMetrics(), [1000.0]
+    metrics, now, reads = ProxyMetrics(), [1000.0], [0]
     path = tmp_path / "usage.jsonl"
-    meter = MeteringLog(str(path), 0.05, metrics, clock=lambda: now[0])
+
+    def clock() -> float:  # read once as the log starts, then once by each interval's record
+        reads[0] += 1
+        return now[0]
+    meter = MeteringLog(str(path), 0.05, metrics, clock=clock)
 
     async def scenario() -> None:
         task = asyncio.create_task(meter.run())
         ended(metrics, "a", "ok", 10, 2, 5)
         now[0] = 1060.0
-        await asyncio.sleep(0.2)  # one record, then quiet intervals that write nothing
+        async with asyncio.timeout(PATIENCE_S):  # one record, then two quiet intervals that write nothing
+            while not (path.exists() and reads[0] >= 4):
+                await asyncio.sleep(0.01)
         ended(metrics, "a", "cancelled", 7, 0, 1)
         ended(metrics, "b", "ok", 3, 0, 3)
         now[0] = 1075.0
