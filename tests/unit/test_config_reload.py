@@ -113,9 +113,15 @@ def test_an_invalid_file_is_logged_and_the_running_settings_stay(proxy_file, cap
     assert (reloads(metrics, "ok"), reloads(metrics, "error")) == (0, 1)
 
 
-def test_sighup_and_a_change_of_the_file_each_reload(proxy_file):
+def test_sighup_and_a_change_of_the_file_each_reload(proxy_file, monkeypatch):
     path, write = proxy_file
     reloader, cluster, metrics = reloader_for(path, config_watch_interval_s=0.05)
+    looks, identity = [0], ConfigSource.identity
+
+    def look(source):  # each of the file watch's checks
+        looks[0] += 1
+        return identity(source)
+    monkeypatch.setattr(ConfigSource, "identity", look)
 
     async def until(condition) -> None:
         async with asyncio.timeout(5):
@@ -129,7 +135,8 @@ def test_sighup_and_a_change_of_the_file_each_reload(proxy_file):
             await until(lambda: reloads(metrics, "ok") == 1)
             write(tenants=[GOLD, FREE])
             await until(lambda: cluster.tenants.get("free") is not None)
-            await asyncio.sleep(0.2)  # the file holds still: nothing more to read
+            looked = looks[0]
+            await until(lambda: looks[0] >= looked + 3)  # the file holds still: nothing more to read
         finally:
             reloader.stop()
 
