@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -29,10 +28,19 @@ from proxy.app import create_app
 from tests.scripted_worker import FakeWorker
 from proxy.listener import listener_config
 from proxy.server import DrainingServer
+from tests.conditions import settle
 
 MODEL = EMBEDDED = "SmolLM2-135M-Instruct"
 SCRIPT_TEXT = " The quick brown fox jumps over the lazy dog."
 MESSAGES = [{"role": "user", "content": "Tell me about foxes."}]
+# Bounds a wait for what a proxy does as soon as a message or a request reaches it (a registration, a Goodbye, an
+# Abort handed on, a closed connection seen), so that a broken test fails rather than hangs; never a timing.
+PATIENCE_S = 30.0
+# heartbeat_timeout_s at its default bounds what crosses the worker link: a worker heartbeats well within it (or
+# is dropped), and a proxy's send to a worker waits at most that long (the harness's proxies set less).
+HEARTBEAT_TIMEOUT_S = ProxyConfig().heartbeat_timeout_s
+STARTUP_S = 60.0  # bounds a ``tessera proxy`` process's imports and start-up on a busy 2-core machine
+SLOW_TOKEN_INTERVAL_S = 0.05  # the slow cluster's decode worker: a token every this many seconds
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +78,7 @@ class RunningProxy:
                                      self.services.cluster, drain_timeout_s=5.0)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [listener]}, daemon=True)
         self.thread.start()
-        wait_until(lambda: self.server.started, what="the proxy to start")
+        settle(lambda: self.server.started, bool, PATIENCE_S, "the proxy's HTTP server starts")
         self.endpoint = self.services.link.endpoint
         self.http = httpx.Client(base_url=self.url, timeout=30)
 
@@ -99,7 +107,7 @@ class ProxyProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", "common.cli.main", "proxy", *args],
                                      stdout=self._log, stderr=subprocess.STDOUT)
         self.http = httpx.Client(base_url=self.url, timeout=30)
-        wait_until(self._answers, timeout=60, what=f"the proxy to answer /healthz (log: {log_path})")
+        settle(self._answers, bool, STARTUP_S, f"the proxy process answers /healthz (log: {log_path})")
 
     def _answers(self) -> bool:
         assert self.proc.poll() is None, f"the proxy exited with {self.proc.returncode}: {self.log()}"
@@ -126,11 +134,8 @@ class ProxyProcess:
 
 
 def wait_until(condition, timeout: float = 10.0, what: str = "the condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.02)
+    """``settle`` for a yes/no condition, as test_openapi_fuzz.py still calls it; new waits call ``settle``."""
+    settle(condition, bool, timeout, what)
 
 
 @pytest.fixture
@@ -161,13 +166,19 @@ def make_worker(script):
         worker.stop(goodbye=False)
 
 
+def ready(proxy) -> None:
+    """Until the proxy answers /readyz with 200: its workers' registrations are in."""
+    settle(lambda: proxy.http.get("/readyz").status_code, lambda status: status == 200, PATIENCE_S,
+           "/readyz answers 200 once the workers registered")
+
+
 @pytest.fixture
 def cluster(make_proxy, make_worker):
     """A proxy with one prefill and one decode worker, ready."""
     proxy = make_proxy()
     prefill = make_worker(proxy, "p0", "prefill")
     decode = make_worker(proxy, "d0", "decode")
-    wait_until(lambda: proxy.http.get("/readyz").status_code == 200, what="/readyz")
+    ready(proxy)
     return proxy, prefill, decode
 
 
@@ -178,8 +189,8 @@ def slow_cluster(make_proxy, make_worker):
     def make(**overrides):
         proxy = make_proxy(**overrides)
         make_worker(proxy, "p0", "prefill")
-        decode = make_worker(proxy, "d0", "decode", token_interval_s=0.05)
-        wait_until(lambda: proxy.http.get("/readyz").status_code == 200, what="/readyz")
+        decode = make_worker(proxy, "d0", "decode", token_interval_s=SLOW_TOKEN_INTERVAL_S)
+        ready(proxy)
         return proxy, decode
     return make
 

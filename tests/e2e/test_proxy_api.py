@@ -91,8 +91,7 @@ def test_n_fans_out_with_consecutive_seeds_and_own_request_ids(cluster):
                                                     "max_tokens": 50}).json()
     assert [c["index"] for c in body["choices"]] == [0, 1]
     assert all(c["text"] == SCRIPT_TEXT for c in body["choices"])
-    wait_until(lambda: len(prefill.messages(PrefillRequest)) == 2)
-    sent = sorted(prefill.messages(PrefillRequest), key=lambda m: m.request_id)
+    sent = sorted(prefill.messages(PrefillRequest), key=lambda m: m.request_id)  # both prefilled their answers
     assert [m.request_id for m in sent] == [f"{body['id']}-0", f"{body['id']}-1"]
     assert [m.seed for m in sent] == [7, 8] and [m.params.seed for m in sent] == [7, 8]
 
@@ -165,11 +164,13 @@ def test_readyz_follows_the_workers(make_proxy, make_worker):
     peers = decode.wait_for(lambda m: isinstance(m, Peers))
     assert [p.worker_id for p in peers.peers] == ["p0"] and peers.peers[0].transfer_metadata == b"fake:p0"
     decode.stop()
-    wait_until(lambda: proxy.http.get("/readyz").status_code == 503, what="goodbye to take effect")
+    settle(lambda: proxy.http.get("/readyz").status_code, lambda status: status == 503, PATIENCE_S,
+           "/readyz turns 503 on d0's Goodbye")
     make_worker(proxy, "d1", "decode")
     assert proxy.http.get("/readyz").status_code == 200
     prefill.stop()
-    wait_until(lambda: "prefilled on the decode side" in proxy.http.get("/readyz").text, what="p0 to leave")
+    settle(lambda: proxy.http.get("/readyz").text, lambda text: "prefilled on the decode side" in text, PATIENCE_S,
+           "/readyz says prompts are prefilled on the decode side once p0 said Goodbye")
 
 
 def test_a_decode_only_cluster_is_ready_and_serves_by_local_prefill(make_proxy, make_worker):
@@ -186,7 +187,8 @@ def test_decode_workers_hear_of_prefill_changes(make_proxy, make_worker):
     proxy = make_proxy()
     decode = make_worker(proxy, "d0", "decode")
     make_worker(proxy, "p0", "prefill")
-    wait_until(lambda: any(len(m.peers) == 1 for m in decode.messages(Peers)), what="Peers with p0")
+    settle(lambda: decode.messages(Peers), lambda peers: any(len(m.peers) == 1 for m in peers),
+           HEARTBEAT_TIMEOUT_S, "d0 hears of p0 in a Peers message (heartbeat_timeout_s bounds a send)")
 
 
 def test_a_worker_of_the_same_version_with_another_kv_layout_is_refused(make_proxy, make_worker):
@@ -203,7 +205,8 @@ def test_workers_of_another_model_join_but_never_serve_this_ones_requests(make_p
     make_worker(proxy, "p0", "prefill")
     make_worker(proxy, "d0", "decode")
     other = [make_worker(proxy, f"{role[0]}1", role, model="Llama-3-8B") for role in ("prefill", "decode")]
-    wait_until(lambda: len(proxy.http.get("/v1/models").json()["data"]) == 2, what="both models listed")
+    settle(lambda: proxy.http.get("/v1/models").json()["data"], lambda data: len(data) == 2, PATIENCE_S,
+           "/v1/models lists both models once their workers registered")
     for _ in range(4):
         response = proxy.http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 50})
         assert response.status_code == 200 and response.headers["X-Tessera-Model"] == f"{MODEL}@test"
@@ -252,7 +255,7 @@ def test_drain_lets_in_flight_requests_finish_and_refuses_new_ones(make_proxy, m
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
         proxy.server._loop.call_soon_threadsafe(proxy.server.start_drain)
-        wait_until(lambda: proxy.services.cluster.draining)
+        settle(lambda: proxy.services.cluster.draining, bool, PATIENCE_S, "the proxy starts draining")
         with httpx.Client(base_url=proxy.url) as other:
             assert_openai_error(other.get("/readyz"), 503, "shutting down")
             assert_openai_error(other.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"}), 503)

@@ -62,15 +62,16 @@ def test_a_lost_decode_worker_hands_its_stream_to_another(make_proxy, make_worke
                                                                   heartbeat_timeout_s=0.5)
     assert not errors and before + rest == SCRIPT_TEXT
     assert usage["completion_tokens"] == len(script)
-    resumed = workers["p0"].messages(PrefillRequest)[-1]
+    resumed = workers["p0"].messages(PrefillRequest)[-1]  # its PrefillDone carried the resumed attempt's token
     assert resumed.request_id.endswith("~1") and resumed.output_token_ids
     decode = workers["d1"].wait_for(lambda m: isinstance(m, DecodeRequest))
     assert decode.request_id == resumed.request_id
     assert decode.output_token_ids == resumed.output_token_ids  # then first_token, sampled by the prefill
     assert [t for t, _ in script[:len(resumed.output_token_ids)]] == resumed.output_token_ids
     proxy = workers["proxy"]
-    assert "tessera_proxy_migrations_total 1.0" in proxy.http.get("/metrics").text
-    wait_until(lambda: not proxy.services.cluster.inflight, what="the request to leave")
+    assert "tessera_proxy_migrations_total 1.0" in proxy.http.get("/metrics").text  # counted as it resumed
+    settle(lambda: dict(proxy.services.cluster.inflight), lambda inflight: not inflight, PATIENCE_S,
+           "the finished request leaves the proxy")
 
 
 def test_a_decode_worker_that_says_goodbye_hands_over_at_once(make_proxy, make_worker, script):
@@ -86,7 +87,8 @@ def test_a_request_given_back_resumes_and_the_old_attempt_is_a_stray(make_proxy,
     with stream(proxy) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")  # the first token, from the prefill
-        wait_until(lambda: first.messages(DecodeRequest) or second.messages(DecodeRequest), what="a DecodeRequest")
+        settle(lambda: first.messages(DecodeRequest) + second.messages(DecodeRequest), bool, HEARTBEAT_TIMEOUT_S,
+               "a decode worker receives the DecodeRequest (heartbeat_timeout_s bounds a send)")
         holder, other = (first, second) if first.messages(DecodeRequest) else (second, first)
         old = holder.messages(DecodeRequest)[0].request_id
         other.stall = False
