@@ -12,7 +12,10 @@ import time
 
 import httpx
 
-from tests.e2e.proxy_harness import MESSAGES, MODEL, assert_openai_error, make_proxy, tokenizer  # noqa: F401
+from tests.conditions import settle
+from tests.e2e.proxy_harness import (  # noqa: F401
+    MESSAGES, MODEL, PATIENCE_S, assert_openai_error, make_proxy, tokenizer,
+)
 
 CHAT = "/v1/chat/completions"
 
@@ -81,12 +84,10 @@ def test_a_chunked_body_over_the_limit_gets_413(make_proxy):
 def test_a_body_that_arrives_too_slowly_gets_408(make_proxy):
     proxy = make_proxy(request_body_timeout_s=0.5)
     sock = connect(proxy)
-    started = time.monotonic()
     sock.sendall(post_head(100) + b'{"model": ')  # then nothing more
     status, headers, body = read_response(sock)
     assert status == 408
-    assert 0.4 < time.monotonic() - started < 5.0
-    error = json.loads(body)["error"]
+    error = json.loads(body)["error"]  # the body's timeout, not another limit, named in the answer
     assert error["code"] == "request_timeout" and "request_body_timeout_s=0.5" in error["message"]
     assert closed_within(sock, 5.0)
 
@@ -94,7 +95,6 @@ def test_a_body_that_arrives_too_slowly_gets_408(make_proxy):
 def test_headers_dribbled_too_slowly_close_the_connection(make_proxy):
     proxy = make_proxy(request_header_timeout_s=0.5)
     sock = connect(proxy)
-    started = time.monotonic()
     sock.sendall(b"GET /v1/models HTTP/1.1\r\n")
     for byte in b"Host: proxy\r\nX-Slow: ":  # a byte every 50 ms: never a complete head in time
         try:
@@ -102,8 +102,7 @@ def test_headers_dribbled_too_slowly_close_the_connection(make_proxy):
         except (BrokenPipeError, ConnectionResetError):
             break
         time.sleep(0.05)
-    assert closed_within(sock, 5.0)
-    assert time.monotonic() - started < 5.0
+    assert closed_within(sock, 5.0)  # a head that never completes: closed, never answered
     assert proxy.http.get("/v1/models").status_code == 200  # the listener itself is fine
 
 
@@ -125,8 +124,8 @@ def test_connections_beyond_max_connections_get_503(make_proxy):
     assert response.status_code == 503
     for sock in held:
         sock.close()
-    time.sleep(0.2)  # the server notices the closed connections
-    assert httpx.get(proxy.url + "/v1/models", timeout=10).status_code == 200
+    settle(lambda: httpx.get(proxy.url + "/v1/models", timeout=10).status_code, lambda status: status == 200,
+           PATIENCE_S, "a connection is served again once the server saw the held ones close (max_connections)")
 
 
 def test_max_tokens_above_the_limit_is_refused(make_proxy):
