@@ -127,7 +127,9 @@ class ServedModels:
         """The version to serve ``requested`` (``check`` it first): 503 while no live worker serves it."""
         name, version = self._parse(requested)
         versions = self.served().get(name, {})
-        live = {v: ws for v, ws in versions.items() if any(not w.draining for w in ws)}
+        # served: a decode-capable worker of the version takes work (a prefill worker alone cannot finish a
+        # request; while the decode side still loads, the request gets the loading 503)
+        live = {v: ws for v, ws in versions.items() if any(not w.draining and w.decode_capable for w in ws)}
         if version:
             if version not in live:
                 self._unserved(requested, name, version)
