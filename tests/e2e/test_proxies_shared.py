@@ -9,20 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import time
 
 import msgspec
 
 from common.cli.local_cluster import free_port
 from common.runtime.prometheus_text import total
 from proxy.tenants import hash_key
+from tests.e2e.closed_loops import Completions, closed_loops
 from tests.e2e.proxy_harness import *  # noqa: F401,F403 -- fixtures, helpers and wire types
 from tests.redis_server import redis_server  # noqa: F401 - fixture
 
 TENANTS = [{"name": "heavy", "api_key_sha256": [hash_key("sk-heavy")]},
            {"name": "light", "api_key_sha256": [hash_key("sk-light")]}]
 SLOTS = 4
-SECONDS = 4.0
 
 
 def start_cluster(make_proxy, script, workers: list, count: int, redis_url: str = "", name: str = "proxy",
@@ -39,12 +38,13 @@ def start_cluster(make_proxy, script, workers: list, count: int, redis_url: str 
     decode.register_msg = msgspec.structs.replace(decode.register_msg, max_num_seqs=SLOTS)
     for worker in (prefill, decode):
         workers.append(worker.start())
-        wait_until(lambda w=worker: w._worker is not None and w._worker.registered, what="registration with all")
+        settle(lambda w=worker: w._worker is not None and w._worker.registered, bool, PATIENCE_S,
+               f"{worker.worker_id} registers with every proxy")
     for proxy in proxies:
-        wait_until(lambda p=proxy: p.http.get("/readyz").status_code == 200, what="/readyz")
+        ready(proxy)
         if redis_url:
-            wait_until(lambda p=proxy: metric(p, "tessera_proxy_shared_state_proxies") == count,
-                       what="every proxy in the split")
+            settle(lambda p=proxy: metric(p, "tessera_proxy_shared_state_proxies"), lambda seen: seen == count,
+                   PATIENCE_S, f"{proxy.url} counts {count} proxies in the split (shared_state_interval_s)")
     return proxies
 
 
@@ -52,43 +52,13 @@ def metric(proxy, name: str) -> float:
     return total(proxy.http.get("/metrics").text, name)
 
 
-async def closed_loops(streams: dict[str, list[tuple[str, int]]], seconds: float, served: dict,
-                       failures: list | None = None) -> None:
-    """Each tenant key's closed loops, ``(proxy url, count)`` each, for ``seconds``; ``served``: each key's
-    weighted tokens (prompt + 2 x completion, from usage) of what finished within them."""
-    until = time.monotonic() + seconds
-
-    async def loop(client) -> None:
-        while time.monotonic() < until:
-            response = await client.post("/v1/completions", json={
-                "model": MODEL, "prompt": "Tell me about foxes.", "max_tokens": 10})
-            if failures is not None and response.status_code != 200:
-                failures.append(response.text)
-                continue
-            assert response.status_code == 200, response.text
-            if time.monotonic() < until:
-                usage = response.json()["usage"]
-                served[key_of[id(client)]] += usage["prompt_tokens"] + 2 * usage["completion_tokens"]
-
-    clients, key_of, loops = [], {}, []
-    for key, spread in streams.items():
-        for url, count in spread:
-            client = httpx.AsyncClient(base_url=url, timeout=30, headers={"Authorization": f"Bearer {key}"})
-            clients.append(client)
-            key_of[id(client)] = key
-            loops += [loop(client) for _ in range(count)]
-    try:
-        await asyncio.gather(*loops)
-    finally:
-        for client in clients:
-            await client.aclose()
-
-
-def light_share(streams: dict, seconds: float = SECONDS) -> float:
-    served = {"sk-heavy": 0, "sk-light": 0}
-    asyncio.run(closed_loops(streams, seconds, served))
-    share = served["sk-light"] / sum(served.values())
-    print(f"light tenant's share {share:.3f} ({served})")
+def light_share(streams: dict) -> float:
+    """The light tenant's share of the weighted tokens of 100 completions, after one for each stream."""
+    completions = Completions(warm_up=sum(count for spread in streams.values() for _, count in spread), measured=100)
+    asyncio.run(closed_loops(streams, completions))
+    assert not completions.failures, completions.failures[:3]
+    share = completions.share("sk-light")
+    print(f"light tenant's share {share:.3f} ({completions.served()})")
     return share
 
 
@@ -124,39 +94,59 @@ def test_two_proxies_sharing_redis_keep_the_single_proxy_fairness_shares(make_pr
 
 
 def test_redis_stopping_mid_run_loses_nothing_and_the_proxies_resync(make_proxy, script, redis_server):  # noqa: F811
+    """Streams on two proxies sharing Redis; Redis stops, both serve on their own state (1/N of the slots), Redis
+    starts again, both resync. Each phase lasts until a number of completions, not a number of seconds."""
     workers: list = []
     try:
         a, b = start_cluster(make_proxy, script, workers, 2, redis_server.url)
-        served, failures, ups, away_slots = {"sk-heavy": 0, "sk-light": 0}, [], [], []
+        completions = Completions(warm_up=0, measured=0)  # only what ended and what failed: no share measured
+        away_slots: list = []
+        outage_over = False
+
+        def ups() -> list[float]:
+            return [metric(p, "tessera_proxy_shared_state_up") for p in (a, b)]
+
+        async def served(more: int, phase: str) -> None:
+            """Until ``more`` completions ended from now on."""
+            ended = len(completions.ended)
+            await asyncio.to_thread(settle, lambda: len(completions.ended), lambda n: n >= ended + more,
+                                    PATIENCE_S, f"{more} completions {phase}")
 
         async def outage() -> None:
-            await asyncio.sleep(2.0)
-            redis_server.stop()
-            await asyncio.sleep(2.0)
-            ups.append([metric(p, "tessera_proxy_shared_state_up") for p in (a, b)])
-            away_slots.extend(p.services.cluster.share.slots(SLOTS) for p in (a, b))
-            redis_server.start()
-            await asyncio.sleep(2.0)
-            ups.append([metric(p, "tessera_proxy_shared_state_up") for p in (a, b)])
+            nonlocal outage_over
+            try:
+                await served(20, "before the outage")
+                redis_server.stop()
+                await asyncio.to_thread(settle, ups, lambda up: up == [0, 0], PATIENCE_S,
+                                        "both proxies serve on their own state (shared_state_timeout_s)")
+                away_slots.extend(p.services.cluster.share.slots(SLOTS) for p in (a, b))
+                await served(20, "while Redis is away")
+                redis_server.start()
+                await asyncio.to_thread(settle, ups, lambda up: up == [1, 1], PATIENCE_S,
+                                        "both proxies resync with Redis (shared_state_interval_s)")
+                await served(20, "after the resync")
+            finally:
+                outage_over = True
 
         async def run() -> None:
             await asyncio.gather(closed_loops({"sk-heavy": [(a.url, 8), (b.url, 8)],
-                                               "sk-light": [(a.url, 2), (b.url, 2)]}, 6.5, served, failures),
-                                 outage())
+                                               "sk-light": [(a.url, 2), (b.url, 2)]}, completions,
+                                              lambda: not outage_over), outage())
 
         asyncio.run(run())
-        print(f"served {served}; up {ups}; slots while Redis was away {away_slots}")
-        assert not failures, failures[:3]
-        assert ups == [[0, 0], [1, 1]]
+        tenants = [key for key, _ in completions.ended]
+        print(f"served {len(tenants)} completions; slots while Redis was away {away_slots}")
+        assert not completions.failures, completions.failures[:3]
         assert away_slots == [SLOTS // 2, SLOTS // 2]  # 1/N each, N the proxies last seen
         assert metric(a, "tessera_proxy_shared_state_syncs_total") > 0
         store = redis_server.client()
         keys = sorted(store.keys("tessera:served:*"))  # whole again, though Redis kept none
         assert [key.rsplit(":", 1)[0] for key in keys] == ["tessera:served:proxy-0", "tessera:served:proxy-1"]
         assert float(store.hget(keys[0], "heavy")) > 0
-        assert served["sk-light"] > 0 and served["sk-heavy"] > 0
+        assert set(tenants) == {"sk-heavy", "sk-light"}
         for worker in workers:
-            wait_until(lambda w=worker: not w.held_pages and not w.decoding(), what="nothing held")
+            settle(lambda w=worker: (w.held_pages, w.decoding()), lambda seen: seen == (set(), 0), PATIENCE_S,
+                   f"{worker.worker_id} holds and decodes nothing once the load ended (kv_lease_s at the latest)")
     finally:
         for worker in workers:
             worker.stop(goodbye=False)
@@ -193,21 +183,24 @@ def test_proxy_workers_share_one_port_and_each_serves_the_workers(tmp_path, embe
         for worker_id, role in (("p0", "prefill"), ("d0", "decode")):
             worker = FakeWorker(address, worker_id, role, script)
             workers.append(worker.start())
-            wait_until(lambda w=worker: w._worker is not None and w._worker.registered, timeout=60,
-                       what=f"registration with both processes (log: {tmp_path / 'proxy.log'})")
+            settle(lambda w=worker: w._worker is not None and w._worker.registered, bool, STARTUP_S,
+                   f"{worker_id} registers with both processes (log: {tmp_path / 'proxy.log'})")
         with httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=30) as http:
-            wait_until(lambda: http.get("/readyz").status_code == 200, what="/readyz")
+            settle(lambda: http.get("/readyz").status_code, lambda status: status == 200, PATIENCE_S,
+                   "/readyz answers 200 once the workers registered")
             for _ in range(40):  # a new connection each: the kernel spreads them over both processes
                 with httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=30) as one:
                     response = one.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3})
                     assert response.status_code == 200, response.text
-        assert len(workers[1].messages(DecodeRequest)) == 40
+        assert len(workers[1].messages(DecodeRequest)) == 40  # each answer needed its decode
         served = []
         for port in (own_port, own_port + 1):
-            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-            assert total(text, "tessera_proxy_shared_state_up") == 1
-            assert total(text, "tessera_proxy_shared_state_proxies") == 2
-            served.append(total(text, "tessera_proxy_requests_total"))
+            def metrics() -> str:
+                return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            text = settle(metrics, lambda text: (total(text, "tessera_proxy_shared_state_up"),
+                                                 total(text, "tessera_proxy_shared_state_proxies")) == (1, 2),
+                          PATIENCE_S, f"the process on port {port} syncs with the other (shared_state_interval_s)")
+            served.append(total(text, "tessera_proxy_requests_total"))  # counted before each answer went out
         assert sum(served) == 40 and min(served) > 0, served  # both processes took requests
     finally:
         proc.send_signal(signal.SIGTERM)
