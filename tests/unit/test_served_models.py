@@ -19,9 +19,10 @@ def tiny_dirs(tmp_path_factory, embedded_model_dir):
     return [build_tiny_model("llama", root / f"v{i}", seed=i, tokenizer_from=embedded_model_dir) for i in (1, 2)]
 
 
-def worker(worker_id: str, model: str, version: str, draining: bool = False, max_model_len: int = 512):
+def worker(worker_id: str, model: str, version: str, draining: bool = False, max_model_len: int = 512,
+           decode_capable: bool = True):
     return SimpleNamespace(worker_id=worker_id, model=model, model_version=version, draining=draining,
-                           max_model_len=max_model_len)
+                           max_model_len=max_model_len, decode_capable=decode_capable)
 
 
 class Served:
@@ -87,6 +88,12 @@ def test_unknown_is_404_and_known_but_unserved_is_503(tmp_path, tiny_dirs):
         with pytest.raises(ApiError) as raised:
             served.models.choose(unknown)
         assert raised.value.status == 404 and raised.value.param == "model"
+    served.add(worker("p", "other", "v1", decode_capable=False))  # its decode side still loads: not served yet
+    for loading in ("other", "other@v1"):
+        with pytest.raises(ApiError) as raised:
+            served.models.choose(loading)
+        assert raised.value.status == 503 and raised.value.code == "model_not_loaded"
+    del served.workers.workers["p"]
     served.add(worker("x", "other", "v1"))
     assert served.models.choose("other").tokenizer is served.models._own_text[0]  # the same tokenizer.json
     del served.workers.workers["x"]
