@@ -3,7 +3,6 @@ scripted workers (tokens every 50 ms), then a real cluster on a tiny model for t
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
@@ -15,8 +14,10 @@ from common.config.roles import TenantConfig
 from common.protocol.wire import Abort, DecodeRequest
 from proxy.tenants_command import hash_key
 from tests.e2e.proxy_harness import (  # noqa: F401
-    MESSAGES, MODEL, SCRIPT_TEXT, make_proxy, make_worker, script, slow_cluster, tokenizer, wait_until,
+    MESSAGES, MODEL, PATIENCE_S, SCRIPT_TEXT, SLOW_TOKEN_INTERVAL_S, make_proxy, make_worker, ready, script,
+    slow_cluster, tokenizer,
 )
+from tests.conditions import settle
 
 
 def socket_url(url: str) -> str:
@@ -75,7 +76,8 @@ def test_a_cancel_message_ends_the_request_and_the_worker_is_told(slow_cluster):
         frames = frames_until_done(socket, {"long"})["long"]
         assert frames[-1] == {"id": "long", "done": True}
         decode.wait_for(lambda m: isinstance(m, Abort), timeout=10)
-        wait_until(lambda: not proxy.services.cluster.inflight, what="the request to leave")
+        settle(lambda: dict(proxy.services.cluster.inflight), lambda inflight: not inflight, PATIENCE_S,
+               "the cancelled request leaves the proxy")
         socket.send(request("next"))  # the socket serves on
         assert text(frames_until_done(socket, {"next"})["next"]) == SCRIPT_TEXT
 
@@ -86,7 +88,8 @@ def test_a_socket_that_closes_cancels_its_requests(slow_cluster):
         socket.send(request("long", body={"max_tokens": 2000}))
         socket.recv(timeout=30)
     decode.wait_for(lambda m: isinstance(m, Abort), timeout=10)
-    wait_until(lambda: not proxy.services.cluster.inflight, what="the request to leave")
+    settle(lambda: dict(proxy.services.cluster.inflight), lambda inflight: not inflight, PATIENCE_S,
+           "the cancelled request leaves the proxy")
 
 
 def test_bad_messages_get_error_frames_naming_the_problem_and_the_socket_stays_open(slow_cluster):
@@ -118,7 +121,8 @@ def test_a_resumable_request_survives_its_socket_and_resumes_on_another(slow_clu
         seen = [json.loads(socket.recv(timeout=30)) for _ in range(3)]
     assert [f["event"] for f in seen] == [0, 1, 2]
     response_id = seen[0]["data"]["id"]
-    wait_until(lambda: proxy.services.streams.streams[response_id].finished, what="the request to finish")
+    settle(lambda: proxy.services.streams.streams[response_id].finished, bool, PATIENCE_S,
+           "the request runs to its end with nobody connected")
     with connect(socket_url(proxy.url)) as socket:
         socket.send(json.dumps({"type": "resume", "id": "again", "response_id": response_id,
                                 "last_event_id": 2}))
@@ -132,14 +136,14 @@ def test_a_resumable_request_survives_its_socket_and_resumes_on_another(slow_clu
 def test_a_bad_key_is_refused_before_the_socket_opens_and_a_good_one_is_its_tenants(make_proxy, make_worker):
     proxy = make_proxy(auth_enabled=True, tenants=(TenantConfig("alice", api_key_sha256=(hash_key("sk-a"),)),))
     make_worker(proxy, "d0", "decode")
-    wait_until(lambda: proxy.http.get("/readyz").status_code == 200, what="/readyz")
+    ready(proxy)
     with pytest.raises(InvalidStatus) as refused:
         connect(socket_url(proxy.url), additional_headers={"Authorization": "Bearer sk-wrong"})
     assert refused.value.response.status_code == 401
     with connect(socket_url(proxy.url), additional_headers={"Authorization": "Bearer sk-a"}) as socket:
         socket.send(request("a"))
         assert text(frames_until_done(socket, {"a"})["a"]) == SCRIPT_TEXT
-    counted = proxy.http.get("/metrics").text
+    counted = proxy.http.get("/metrics").text  # counted as the request ended, before its last frame went out
     assert 'tessera_proxy_tenant_requests_total{model="SmolLM2-135M-Instruct",status="ok",tenant="alice"}' in counted
 
 
@@ -159,13 +163,14 @@ def test_a_real_cluster_streams_over_a_socket_what_it_streams_over_http(tiny_cha
     assert all(code == 0 for code in codes.values()), codes
 
 
-def test_an_idle_socket_is_closed_after_websocket_idle_timeout_s_but_not_while_a_request_runs(slow_cluster):
-    proxy, _ = slow_cluster(websocket_idle_timeout_s=0.2)
+def test_an_idle_socket_is_closed_after_websocket_idle_timeout_s_but_not_while_a_request_runs(slow_cluster, script):
+    idle_timeout_s = 0.2
+    # The script's tokens, one a step after the first: the request runs longer than two idle timeouts.
+    assert (len(script) - 1) * SLOW_TOKEN_INTERVAL_S > 2 * idle_timeout_s
+    proxy, _ = slow_cluster(websocket_idle_timeout_s=idle_timeout_s)
     with connect(socket_url(proxy.url)) as socket:
-        started = time.monotonic()
-        socket.send(request("a"))  # its tokens take about 0.5 s: more than two idle timeouts
-        assert text(frames_until_done(socket, {"a"})["a"]) == SCRIPT_TEXT
-        assert time.monotonic() - started > 0.4
+        socket.send(request("a"))
+        assert text(frames_until_done(socket, {"a"})["a"]) == SCRIPT_TEXT  # the socket stayed open throughout
         with pytest.raises(ConnectionClosedOK):
             socket.recv(timeout=10)
     assert socket.close_code == 1000
