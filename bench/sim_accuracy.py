@@ -11,7 +11,8 @@ over the summed step times, prefill included). The check is within 15% for every
 
 Without ``--profile`` the profile is recorded first, in this process (``bench.sim.profile.record``'s batches),
 so that both sides see the machine as it is now: on these shared 2-core machines the same step drifts 10-40%
-over minutes (docs/history/benchmarks-rounds.md, "step model accuracy"). With ``--profile`` the file is checked as it is.
+over minutes (docs/history/benchmarks-rounds.md, "step model accuracy"). With ``--profile`` the file is
+checked as it is.
 """
 from __future__ import annotations
 

@@ -25,8 +25,9 @@ ENTRY_POINT_GROUP = "tessera.commands"
 # libgomp's threads spin this many times waiting for the next parallel region before they sleep. Its default
 # (300,000) keeps a core busy about 8 ms after every engine step, which a co-located worker, the proxy and
 # the client then wait for; inside a step the gaps between parallel regions are far shorter than 10,000 spins
-# (docs/history/benchmarks-rounds.md, "libgomp's spin"). Set before any command imports torch, so that every process the
-# ``tessera`` command starts, directly or through ``tessera up``, has it; a value in the environment wins.
+# (docs/history/benchmarks-rounds.md, "libgomp's spin"). Set before any command imports torch, so that every
+# process the ``tessera`` command starts, directly or through ``tessera up``, has it; a value in the environment
+# wins.
 GOMP_SPINCOUNT = "10000"
 
 

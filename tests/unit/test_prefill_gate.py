@@ -113,8 +113,8 @@ def test_the_controller_holds_prompts_through_the_gate_and_counts_them():
 
 
 def test_the_controllers_gate_holds_at_most_the_configured_stretch_too():
-    """As the proxy's own gate: the controller starts from the fixed cap's setting (docs/history/benchmarks-rounds.md, ninth
-    round)."""
+    """As the proxy's own gate: the controller starts from the fixed cap's setting
+    (docs/history/benchmarks-rounds.md, ninth round)."""
     tac, _, _, clock = gated_controller(prefill_gate_max_hold_s=2.0)
     assert not tac.prefill_room()
     clock.now = 1.5

@@ -12,9 +12,9 @@
  *                            gate_up's output nor a is ever written out.
  *
  * Done with torch operators these were six passes over the batch, each with an allocation, and at 512 rows
- * they cost more than the int8 matmul saved (docs/history/benchmarks-rounds.md, "int8 at saturation"). Rows are split over
- * torch's OpenMP threads; with AVX-512 a row goes 16 values at a time, and widths that are not a multiple of
- * 16 take the scalar loop for the rest.
+ * they cost more than the int8 matmul saved (docs/history/benchmarks-rounds.md, "int8 at saturation").
+ * Rows are split over torch's OpenMP threads; with AVX-512 a row goes 16 values at a time, and widths that
+ * are not a multiple of 16 take the scalar loop for the rest.
  */
 #include <math.h>
 #include <omp.h>
