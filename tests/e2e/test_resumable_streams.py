@@ -6,11 +6,13 @@ import json
 import httpx
 
 from common.cli.local_cluster import LocalCluster
-from common.config.roles import TenantConfig
+from common.config.roles import ProxyConfig, TenantConfig
 from common.protocol.wire import Abort, DecodeRequest
 from proxy.tenants_command import hash_key
+from tests.conditions import settle
 from tests.e2e.proxy_harness import (  # noqa: F401
-    MODEL, SCRIPT_TEXT, assert_openai_error, make_proxy, make_worker, script, slow_cluster, tokenizer, wait_until,
+    MODEL, PATIENCE_S, SCRIPT_TEXT, assert_openai_error, make_proxy, make_worker, ready, script, slow_cluster,
+    tokenizer,
 )
 
 RESUMABLE = {"X-Resumable": "true"}
@@ -96,11 +98,13 @@ def test_nobody_coming_back_within_the_window_cancels_the_request(slow_cluster):
         response_id = response.headers["x-response-id"]
         read_some(response.iter_lines(), 2)
     decode.wait_for(lambda m: isinstance(m, Abort), timeout=10)
-    wait_until(lambda: not proxy.services.cluster.inflight, what="the request to leave")
-    wait_until(lambda: proxy.http.get(f"/v1/streams/{response_id}").status_code == 404, what="the stream to go")
-    assert_openai_error(proxy.http.get(f"/v1/streams/{response_id}"), 404, "resume_window_s")
-    wait_until(lambda: "tessera_proxy_resume_buffer_bytes 0.0" in proxy.http.get("/metrics").text,
-               what="the buffer to be freed")
+    settle(lambda: dict(proxy.services.cluster.inflight), lambda inflight: not inflight, PATIENCE_S,
+           "the request nobody came back for leaves the proxy")
+    gone = settle(lambda: proxy.http.get(f"/v1/streams/{response_id}"), lambda r: r.status_code == 404, PATIENCE_S,
+                  "the stream goes once resume_window_s=0.3 passed")
+    assert_openai_error(gone, 404, "resume_window_s")
+    settle(lambda: proxy.http.get("/metrics").text, lambda text: "tessera_proxy_resume_buffer_bytes 0.0" in text,
+           PATIENCE_S, "the stream's buffer is freed with it (resume_window_s)")
 
 
 def test_a_client_without_resume_still_aborts_at_once(slow_cluster):
@@ -160,7 +164,7 @@ def test_a_tenant_can_make_its_streams_resumable_and_only_it_may_resume_them(mak
                TenantConfig("bob", api_key_sha256=(hash_key(keys["bob"]),)))
     proxy = make_proxy(auth_enabled=True, tenants=tenants)
     make_worker(proxy, "d0", "decode")
-    wait_until(lambda: proxy.http.get("/readyz").status_code == 200, what="/readyz")
+    ready(proxy)
 
     def auth(name: str) -> dict:
         return {"Authorization": f"Bearer {keys[name]}"}
@@ -182,7 +186,8 @@ def test_the_request_keeps_running_on_its_worker_while_the_client_is_away(slow_c
         response_id = response.headers["x-response-id"]
         read_some(response.iter_lines(), 2)
     decode.wait_for(lambda m: isinstance(m, DecodeRequest))
-    wait_until(lambda: proxy.services.streams.streams[response_id].finished, what="the request to finish")
+    settle(lambda: proxy.services.streams.streams[response_id].finished, bool, PATIENCE_S,
+           "the request runs to its end with nobody connected")
     events = parse(proxy.http.get(f"/v1/streams/{response_id}").text)
     assert text_of(events) == SCRIPT_TEXT and not decode.messages(Abort)
 
@@ -201,7 +206,7 @@ def test_a_real_cluster_resumes_a_stream_with_the_text_it_would_have_sent(embedd
             rest = parse(client.get(f"/v1/streams/{response_id}", headers={"Last-Event-ID": str(first[-1][0])}).text)
         assert text_of(first + rest) == text_of(whole) and len(text_of(whole)) > 40
         assert [n for n, _ in first + rest] == list(range(len(first) + len(rest)))
-        wait_until(lambda: not any(cluster.metric("tessera_proxy_kv_pages_used").values()), timeout=10,
-                   what="every KV page to be free")
+        settle(lambda: cluster.metric("tessera_proxy_kv_pages_used"), lambda used: not any(used.values()),
+               ProxyConfig().kv_lease_s, "every KV page is free, as heartbeats report (kv_lease_s at the latest)")
     finally:
         cluster.stop()
