@@ -37,7 +37,7 @@ def test_request_lines_name_the_request_and_tenant(make_proxy, make_worker, json
     proxy = make_proxy(log_prompts=log_prompts)
     make_worker(proxy, "p0", "prefill")
     decode = make_worker(proxy, "d0", "decode", stall=True)
-    wait_until(lambda: proxy.http.get("/readyz").status_code == 200, what="/readyz")
+    ready(proxy)
     answers = []
     client = threading.Thread(target=lambda: answers.append(proxy.http.post("/v1/completions", json={
         "model": MODEL, "prompt": "Hello there", "max_tokens": 5, "user": "alice"})))
