@@ -3,6 +3,7 @@ model version; one that sends another starts over; the turns read back; old turn
 from __future__ import annotations
 
 import sqlite3
+import threading
 import time
 
 import pytest
@@ -17,7 +18,8 @@ def start(make_proxy, make_worker, db) -> object:
     for version in ("v1", "v2"):
         for role in ("prefill", "decode"):
             make_worker(proxy, f"{role}-{version}-{id(proxy)}", role, model_version=version)
-    wait_until(lambda: len(proxy.http.get("/v1/models").json()["data"][0]["versions"]) == 2, what="both versions")
+    settle(lambda: proxy.http.get("/v1/models").json()["data"][0]["versions"], lambda versions: len(versions) == 2,
+           PATIENCE_S, "/v1/models lists both versions once their workers registered")
     return proxy
 
 
@@ -73,8 +75,12 @@ def test_a_stalled_store_costs_the_turn_only_its_keeping(two_versions, make_prox
     proxy = start(make_proxy, make_worker, tmp_path / "conversations.sqlite")
     store = proxy.services.conversations
     store.timeout_s = 0.2
-    monkeypatch.setattr(ConversationStore, "_continues", lambda self, *args: time.sleep(1.0))
-    monkeypatch.setattr(ConversationStore, "_turns", lambda self, *args: time.sleep(1.0))
-    assert turn(proxy, [{"role": "user", "content": "Hi."}])[0] == f"{NAME}@v1"
-    stalled = proxy.http.get("/v1/sessions/chat-1")
-    assert stalled.status_code == 503 and "conversation_store_timeout_s" in stalled.text
+    stalled_until = threading.Event()  # the store answers nothing until the test is done with it
+    monkeypatch.setattr(ConversationStore, "_continues", lambda self, *args: stalled_until.wait())
+    monkeypatch.setattr(ConversationStore, "_turns", lambda self, *args: stalled_until.wait())
+    try:
+        assert turn(proxy, [{"role": "user", "content": "Hi."}])[0] == f"{NAME}@v1"
+        stalled = proxy.http.get("/v1/sessions/chat-1")
+        assert stalled.status_code == 503 and "conversation_store_timeout_s" in stalled.text
+    finally:
+        stalled_until.set()  # its thread finishes what was queued, and the proxy can close it
