@@ -12,7 +12,10 @@ import pytest
 
 from bench.sim.profile import StepProfile
 from bench.sim.worker import SimHost, SimSpec, token_texts
-from tests.e2e.proxy_harness import MODEL, RunningProxy, proxy_config, tokenizer, wait_until  # noqa: F401 -- fixture
+from tests.conditions import settle
+from tests.e2e.proxy_harness import (  # noqa: F401 -- fixture
+    MODEL, PATIENCE_S, STARTUP_S, RunningProxy, proxy_config, ready, tokenizer,
+)
 
 
 class HostThread:
@@ -24,8 +27,8 @@ class HostThread:
         self._args = endpoint, specs, tokenizer
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
-        wait_until(lambda: self.host is not None and all(w.registered for w in self.host.workers.values()),
-                   what="the simulated workers to register")
+        settle(lambda: self.host is not None and all(w.registered for w in self.host.workers.values()), bool,
+               PATIENCE_S, "the simulated workers register")
 
     def _serve(self) -> None:
         endpoint, specs, tokenizer = self._args
@@ -49,7 +52,7 @@ def simulated(request, embedded_model_dir, tokenizer):
     specs += [SimSpec(f"s-d{i}", "decode", MODEL, num_blocks=2048, time_scale=request.param,
                       heartbeat_interval_s=0.2) for i in range(2)]
     hosts = HostThread(proxy.endpoint, specs, tokenizer)
-    wait_until(lambda: proxy.http.get("/readyz").status_code == 200, what="the proxy to be ready")
+    ready(proxy)
     yield proxy, hosts
     hosts.close()
     proxy.stop()
@@ -88,9 +91,9 @@ def test_requests_through_simulated_workers_get_their_tokens_and_free_every_page
         thread.join(60)
     assert sorted(u["completion_tokens"] for _, u in results) == [16] * 12
     host = hosts.host
-    wait_until(lambda: host.stats()["used_blocks"] == 0 and host.stats()["held_pages"] == 0,
-               what="every simulated worker to get its pages back")
-    assert host.stats()["requests"] >= 2 * 14  # a prefill and a decode request each
+    stats = settle(host.stats, lambda stats: stats["used_blocks"] == 0 and stats["held_pages"] == 0, PATIENCE_S,
+                   "every simulated worker gets its pages back (at each request's end; kv_lease_s at the latest)")
+    assert stats["requests"] >= 2 * 14  # a prefill and a decode request each, all received before their answers
 
 
 def test_the_command_hosts_workers_and_drains_on_sigterm(embedded_model_dir, tokenizer, tmp_path):
@@ -100,9 +103,9 @@ def test_the_command_hosts_workers_and_drains_on_sigterm(embedded_model_dir, tok
                              "--prefill", "3", "--decode", "5", "--heartbeat-interval-s", "0.2", "--stats", str(stats)],
                             stdout=subprocess.PIPE, text=True)
     try:
-        wait_until(lambda: len(proxy.services.cluster.registry.workers) == 8, timeout=60,
-                   what="eight simulated workers to register")
-        wait_until(lambda: proxy.http.get("/readyz").status_code == 200, what="the proxy to be ready")
+        settle(lambda: len(proxy.services.cluster.registry.workers), lambda registered: registered == 8, STARTUP_S,
+               "the sim-worker process starts and its eight workers register")
+        ready(proxy)
         _, usage = chat(proxy, "Hello there.", 12)
         assert usage["completion_tokens"] == 12
         proc.send_signal(signal.SIGTERM)
@@ -111,7 +114,8 @@ def test_the_command_hosts_workers_and_drains_on_sigterm(embedded_model_dir, tok
         final = json.loads(out.strip().splitlines()[-1])
         assert final["workers"] == 8 and final["requests"] >= 2 and final["used_blocks"] == 0
         assert json.loads(stats.read_text())["workers"] == 8
-        wait_until(lambda: not proxy.services.cluster.registry.workers, what="the workers' goodbyes")
+        settle(lambda: set(proxy.services.cluster.registry.workers), lambda registered: not registered, PATIENCE_S,
+               "the proxy removes the workers on their Goodbyes")
     finally:
         if proc.poll() is None:
             proc.kill()
