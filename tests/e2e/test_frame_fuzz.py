@@ -24,7 +24,10 @@ import zmq
 from common.cli.local_cluster import free_port
 from common.protocol import wire
 from common.protocol.sampling_params import SamplingParams
-from tests.e2e.proxy_harness import MODEL, SCRIPT_TEXT, make_proxy, make_worker, script, tokenizer, wait_until  # noqa: F401
+from tests.conditions import settle
+from tests.e2e.proxy_harness import (  # noqa: F401
+    MODEL, PATIENCE_S, SCRIPT_TEXT, make_proxy, make_worker, ready, script, tokenizer,
+)
 
 FRAMES = 3000
 
@@ -139,11 +142,12 @@ def test_the_proxy_drops_every_malformed_frame_and_keeps_serving(make_proxy, mak
     proxy = make_proxy()
     make_worker(proxy, "p0", "prefill")
     decode = make_worker(proxy, "d0", "decode")
-    wait_until(lambda: proxy.http.get("/readyz").status_code == 200, what="/readyz")
+    ready(proxy)
     rng = random.Random(17)
     for _ in range(FRAMES):
         decode.send_raw(random_frames(rng))
-    wait_until(lambda: "tessera_proxy_malformed_messages_total" in proxy.http.get("/metrics").text)
+    settle(lambda: proxy.http.get("/metrics").text, lambda text: "tessera_proxy_malformed_messages_total" in text,
+           PATIENCE_S, "the proxy counts the malformed frames it read")
     body = proxy.http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 50}).json()
     assert body["choices"][0]["text"] == SCRIPT_TEXT
     assert proxy.thread.is_alive()
