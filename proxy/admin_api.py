@@ -1,5 +1,7 @@
 """The admin API: promote a model version (to a canary share of the traffic, or to all of it) and roll back.
 
+    GET  /admin/workers                      every registered worker: role, model, load, KV pages, heartbeat age,
+                                             protocol (``tessera status`` prints it)
     GET  /admin/models                       every registered version, its promotion, the workers serving it and
                                              the sessions pinned to it (drain a version once it has none)
     POST /admin/models/{name}/promote        {"version": V, "canary_percent": P | null}
@@ -53,6 +55,23 @@ def authorize(request: Request) -> None:
     digest = hashlib.sha256(key.strip().encode()).hexdigest()
     if scheme.lower() != "bearer" or not hmac.compare_digest(digest, config.admin_api_key_sha256.lower()):
         raise ApiError(401, "the admin API needs 'Authorization: Bearer <admin key>'", code="invalid_api_key")
+
+
+@router.get("/workers", responses=error_responses(401))
+async def workers(request: Request) -> dict:
+    """The live workers as the proxy sees them, with its readiness."""
+    authorize(request)
+    cluster = request.app.state.services.cluster
+    now = time.monotonic()  # the registry's clock (proxy.cluster.Cluster's default)
+    rows = [{"worker_id": w.worker_id, "epoch": w.epoch, "role": w.role.value, "model": w.model,
+             "version": w.model_version, "draining": w.draining,
+             "protocol_version": cluster.peer_versions.get(w.worker_id), "running": w.num_running,
+             "decode_slots": w.max_num_seqs, "prefill_tokens_queued": w.outstanding_prefill_tokens,
+             "kv_pages_total": w.num_blocks, "kv_pages_free": w.free_blocks,
+             "heartbeat_age_s": round(max(0.0, now - w.last_seen), 3), "core_group": w.core_group}
+            for w in sorted(cluster.registry.workers.values(), key=lambda w: w.worker_id)]
+    ready, reason = cluster.readiness()
+    return {"object": "list", "data": rows, "ready": ready, "reason": reason}
 
 
 @router.get("/models", responses=error_responses(401))

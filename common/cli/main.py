@@ -19,6 +19,7 @@ from common.cli.config_command import add_config_command
 from common.cli.generate_command import add_generate_command
 from common.cli.keys_command import add_keys_command
 from common.cli.model_command import add_model_command
+from common.cli.status_command import add_status_command
 from common.cli.up_command import add_up_command
 
 ENTRY_POINT_GROUP = "tessera.commands"
@@ -31,7 +32,8 @@ ENTRY_POINT_GROUP = "tessera.commands"
 GOMP_SPINCOUNT = "10000"
 
 
-COMMANDS = (add_model_command, add_generate_command, add_up_command, add_config_command, add_keys_command)
+COMMANDS = (add_model_command, add_generate_command, add_up_command, add_config_command, add_keys_command,
+            add_status_command)
 
 
 def registrars() -> list:
@@ -48,10 +50,22 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tessera",
         description="Tessera: disaggregated prefill/decode LLM serving.",
     )
+    parser.add_argument("--version", action="version", version=_version_line())
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for register in registrars():
         register(subparsers)
     return parser
+
+
+def _version_line() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from common.protocol.wire import PROTOCOL_VERSION
+    try:
+        release = version("tessera")
+    except PackageNotFoundError:
+        release = "unknown (not installed)"
+    return f"tessera {release} (wire protocol {PROTOCOL_VERSION})"
 
 
 def main(argv: list[str] | None = None) -> int:
