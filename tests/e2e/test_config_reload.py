@@ -1,10 +1,10 @@
 """Reloading the API keys and tenant settings of a real ``tessera proxy`` process, without dropping requests.
 
-Scripted workers (``tests.scripted_worker``) on real ZeroMQ sockets; the
-decode worker sends a token every ``TOKEN_INTERVAL_S``, so that a stream is
-still running while the config changes under it. The file is rewritten as an
-operator would (a new file renamed over the old one), then SIGHUP, or only the
-file watch, applies it.
+Scripted workers (``tests.scripted_worker``) on real ZeroMQ sockets; in the
+first test the decode worker sends only the tokens the test hands it, so that a
+stream is still running while the config changes under it. The file is
+rewritten as an operator would (a new file renamed over the old one), then
+SIGHUP, or only the file watch, applies it.
 """
 from __future__ import annotations
 
@@ -15,14 +15,15 @@ import threading
 
 import yaml
 
+from common.protocol.wire import DecodeRequest, TokenDelta, TokenDeltas
 from common.runtime.prometheus_text import total
 from proxy.tenants import hash_key
+from tests.conditions import settle
 from tests.e2e.proxy_harness import (  # noqa: F401 -- fixtures
-    MODEL, ProxyProcess, script_for, sse_payloads, tokenizer, wait_until,
+    MODEL, PATIENCE_S, ProxyProcess, ready, script_for, sse_payloads, tokenizer,
 )
 from tests.scripted_worker import FakeWorker
 
-TOKEN_INTERVAL_S = 0.15
 K1, K2 = "sk-first-key", "sk-second-key"
 
 
@@ -37,20 +38,22 @@ def tenant(name: str, key: str) -> dict:
     return {"name": name, "api_key_sha256": [hash_key(key)]}
 
 
-def start(tmp_path, tokenizer, embedded_model_dir, watch_s: float):
+def start(tmp_path, tokenizer, embedded_model_dir, watch_s: float, stall: bool = False):
+    """The proxy and its workers; with ``stall`` the decode worker answers nothing by itself."""
     config = tmp_path / "proxy.yaml"
     write_config(config, tenants=[tenant("alpha", K1)], config_watch_interval_s=watch_s)
     proxy = ProxyProcess(embedded_model_dir, tmp_path / "proxy.log", config=config)
     script = script_for(tokenizer)
     workers = [FakeWorker(proxy.endpoint, "p0", "prefill", script).start_and_wait(),
-               FakeWorker(proxy.endpoint, "d0", "decode", script, token_interval_s=TOKEN_INTERVAL_S).start_and_wait()]
-    wait_until(lambda: proxy.http.get("/readyz").status_code == 200, what="/readyz")
+               FakeWorker(proxy.endpoint, "d0", "decode", script, stall=stall).start_and_wait()]
+    ready(proxy)
     return proxy, workers, config, script
 
 
 def status(proxy, key: str) -> int:
+    """A request's status: one token, which the prefill worker answers (it never reaches the decode worker)."""
     return proxy.http.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
-                           json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}).status_code
+                           json={"model": MODEL, "prompt": "Hi", "max_tokens": 1}).status_code
 
 
 def reloads(proxy, result: str) -> float:
@@ -64,7 +67,8 @@ def stop(proxy, workers) -> None:
 
 
 def test_sighup_swaps_the_keys_while_a_stream_runs_on(tmp_path, tokenizer, embedded_model_dir):
-    proxy, workers, config, script = start(tmp_path, tokenizer, embedded_model_dir, watch_s=0)
+    proxy, workers, config, script = start(tmp_path, tokenizer, embedded_model_dir, watch_s=0, stall=True)
+    decode = workers[1]
     raw: list[str] = []
 
     def stream() -> None:
@@ -77,14 +81,16 @@ def test_sighup_swaps_the_keys_while_a_stream_runs_on(tmp_path, tokenizer, embed
     client = threading.Thread(target=stream)
     try:
         client.start()
-        wait_until(lambda: workers[1].decoding() > 0, what="the stream to decode")
+        handed = decode.wait_for(lambda m: isinstance(m, DecodeRequest))  # its first token came with the prefill
         write_config(config, tenants=[tenant("beta", K2)])  # alpha, whose stream runs, is gone
         assert reloads(proxy, "ok") == 0  # no file watch: nothing happens before the signal
         proxy.proc.send_signal(signal.SIGHUP)
-        wait_until(lambda: reloads(proxy, "ok") == 1, what="the reload")
-        assert workers[1].decoding() > 0, "the stream was still running when the keys changed"
+        settle(lambda: reloads(proxy, "ok"), lambda done: done == 1, PATIENCE_S, "the proxy reloads on SIGHUP")
         assert status(proxy, K2) == 200
         assert status(proxy, K1) == 401
+        for i, (token, text) in enumerate(script[1:], start=2):  # the rest of the stream, after the reload
+            decode.send(TokenDeltas([TokenDelta(handed.request_id, [token], text,
+                                                finish_reason="stop" if i == len(script) else None)]))
         client.join(30)
     finally:
         stop(proxy, workers)
@@ -100,10 +106,12 @@ def test_a_changed_file_applies_by_itself_and_a_broken_one_changes_nothing(tmp_p
         assert status(proxy, K1) == 200
         write_config(config, tenants=[tenant("alpha", K2)], config_watch_interval_s=0.2,
                      queue_timeout_s=5)
-        wait_until(lambda: status(proxy, K2) == 200, what="the new key to work")
+        settle(lambda: status(proxy, K2), lambda answer: answer == 200, PATIENCE_S,
+               "the new key works once the file watch read the file (config_watch_interval_s)")
         assert status(proxy, K1) == 401
         write_config(config, tenants=[{**tenant("alpha", K1), "weight": -1}])
-        wait_until(lambda: reloads(proxy, "error") == 1, what="the broken file to be read")
+        settle(lambda: reloads(proxy, "error"), lambda failed: failed == 1, PATIENCE_S,
+               "the file watch reads the broken file (config_watch_interval_s)")
         assert status(proxy, K2) == 200 and status(proxy, K1) == 401  # the last good settings stay
         assert reloads(proxy, "ok") == 1
     finally:
