@@ -15,7 +15,8 @@ import yaml
 
 from common.runtime.prometheus_text import total
 from proxy.tenants import hash_key
-from tests.e2e.proxy_harness import MODEL, ProxyProcess, script_for, tokenizer, wait_until  # noqa: F401
+from tests.conditions import settle
+from tests.e2e.proxy_harness import MODEL, PATIENCE_S, ProxyProcess, ready, script_for, tokenizer  # noqa: F401
 from tests.scripted_worker import FakeWorker
 
 CACHED = 4  # prompt tokens the scripted prefill worker reports as found in its prefix cache
@@ -32,7 +33,7 @@ def start(tmp_path, tokenizer, embedded_model_dir, interval_s: float, token_inte
     script = script_for(tokenizer)
     workers = [FakeWorker(proxy.endpoint, "p0", "prefill", script, cached_tokens=CACHED).start_and_wait(),
                FakeWorker(proxy.endpoint, "d0", "decode", script, token_interval_s=token_interval_s).start_and_wait()]
-    wait_until(lambda: proxy.http.get("/readyz").status_code == 200, what="/readyz")
+    ready(proxy)
     return proxy, workers, usage
 
 
@@ -64,9 +65,10 @@ def test_records_add_up_to_what_each_tenant_was_served(tmp_path, tokenizer, embe
             "beta": {"requests": 2, "prompt_tokens": 2 * prompt, "cached_prompt_tokens": 2 * CACHED,
                      "generated_tokens": beta["completion_tokens"]},
         }
-        wait_until(lambda: all(summed(read_records(usage_file), t) == expected[t] for t in expected), timeout=10,
-                   what=f"the metering file to account for every request: {read_records(usage_file)}")
-        metrics = proxy.http.get("/metrics").text
+        settle(lambda: read_records(usage_file),
+               lambda records: all(summed(records, t) == expected[t] for t in expected), PATIENCE_S,
+               "the metering file accounts for every request (metering_interval_s)")
+        metrics = proxy.http.get("/metrics").text  # a choice's usage is counted as it ends, before its answer
         for tenant, amounts in expected.items():
             assert total(metrics, "tessera_proxy_tenant_prompt_tokens_total", tenant=tenant) == amounts["prompt_tokens"]
             assert total(metrics, "tessera_proxy_tenant_cached_prompt_tokens_total",
@@ -100,7 +102,7 @@ def test_a_stream_that_finishes_during_the_drain_is_in_the_last_record(tmp_path,
     client = threading.Thread(target=stream)
     try:
         client.start()
-        wait_until(lambda: workers[1].decoding() > 0, what="the stream to decode")
+        settle(workers[1].decoding, bool, PATIENCE_S, "the stream decodes on d0")
         proxy.proc.send_signal(signal.SIGTERM)
         client.join(20)
         assert proxy.proc.wait(30) == 0, proxy.log()
