@@ -26,8 +26,11 @@ from dataclasses import dataclass, field
 import httpx
 
 from common.cli.local_cluster import LocalCluster, Supervisor
+from common.config.roles import ProxyConfig
+from tests.conditions import settle
 
 MODEL = "SmolLM2-135M-Instruct"
+PAGES_FREED_S = ProxyConfig().kv_lease_s  # a page is freed as its request ends, or when its lease runs out
 ANIMALS = ("fox", "owl", "cat", "bee")
 
 
@@ -92,7 +95,6 @@ class Run:
     tasks: list[asyncio.Task] = field(default_factory=list)  # the clients
     with_text: int = 0  # streams that have some text
     victims: list[str] = field(default_factory=list)  # the processes signalled, in order
-    signalled_at: list[float] = field(default_factory=list)  # when, time.monotonic()
     events_done: bool = False
 
     def live_workers(self) -> list[str]:
@@ -126,7 +128,6 @@ def send_signal(pick: Pick, sig: int) -> Event:
     async def event(run: Run) -> None:
         name = await asyncio.to_thread(_name, run, pick)
         run.victims.append(name)
-        run.signalled_at.append(time.monotonic())
         os.kill(run.cluster.procs[name].pid, sig)
     return event
 
@@ -235,9 +236,7 @@ def pages_in_use(cluster: LocalCluster) -> dict[str, float]:
     return used
 
 
-def check_pages_freed(cluster: LocalCluster, timeout: float = 30) -> None:
-    """Within ``timeout`` (heartbeats carry the workers' counts to the proxy), every count is 0."""
-    deadline = time.monotonic() + timeout
-    while any((used := pages_in_use(cluster)).values()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(used.values()), f"KV pages still in use: {used}"
+def check_pages_freed(cluster: LocalCluster) -> None:
+    """Until every count is 0 (heartbeats carry the workers' counts to the proxy)."""
+    settle(lambda: pages_in_use(cluster), lambda used: not any(used.values()), PAGES_FREED_S,
+           "no KV page in use on any live worker nor in the proxy's view (kv_lease_s at the latest)")

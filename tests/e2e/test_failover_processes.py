@@ -4,15 +4,14 @@ Proxy + 1 prefill + 2 decode workers on the embedded model, each its own process
 concurrent streams (greedy, and seeded sampling with a frequency penalty) run once without a fault
 for the reference, then again while one decode worker is killed with SIGKILL after the streams
 have started. Every stream must complete with the reference's text, each token once (``usage``
-counts them), the proxy must have seen the closed connection at once (not after
-``heartbeat_timeout_s``), the supervisor must restart the killed worker, and no KV page may stay
-in use on any worker.
+counts them), the proxy must have dropped the killed worker for its closed connection (not for
+missing ``heartbeat_timeout_s`` of heartbeats), the supervisor must restart the killed worker,
+and no KV page may stay in use on any worker.
 """
 from __future__ import annotations
 
 import asyncio
 import signal
-import time
 
 import pytest
 
@@ -40,14 +39,13 @@ def test_kill_9_of_a_decode_worker_mid_stream_loses_nothing(cluster):
     assert all(not s.lost and s.completion_tokens == MAX_TOKENS for s in reference)
     results, run = asyncio.run(run_scenario(cluster, BODIES, [
         streams_with_text(STREAMS), send_signal(busiest("decode"), signal.SIGKILL)]))
-    finished_at = time.monotonic()
     victim = run.victims[0]
     check_nothing_lost(results, reference, BODIES)
+    # Counted as the proxy dropped the worker, before the streams on it could resume: final once they ended.
     migrated = sum(cluster.metric("tessera_proxy_migrations_total").values())
     assert migrated >= STREAMS // 4, f"{migrated} stream(s) resumed off {victim}"
-    # Seen by its closed connection: the heartbeat timeout (30 s) is far longer than this test's wait.
     assert cluster.metric("tessera_proxy_worker_disconnects_total") == {f'{{worker_id="{victim}"}}': 1.0}
-    assert finished_at - run.signalled_at[0] < 30
+    assert not cluster.metric("tessera_proxy_heartbeats_missed_total")  # not dropped for its silence
 
     asyncio.run(restored()(run))  # the supervisor restarts the killed worker
     assert run.supervisor.restarts == {victim: 1}
