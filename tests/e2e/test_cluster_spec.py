@@ -7,7 +7,6 @@ Prometheus counters must show drafts accepted, and no page may stay in use.
 """
 import asyncio
 import json
-import time
 from importlib import resources
 
 import httpx
@@ -18,9 +17,14 @@ from common.config.base import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.protocol.sampling_params import SamplingParams
 from kv_transfer.factory import default_backend_name
+from tests.conditions import settle
+from tests.e2e.fault_scenarios import check_pages_freed
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 48
+# Bounds a wait for a worker's next turn of its loop (at least every idle_poll_s), after which its /metrics show
+# that turn's counts; never a timing.
+WORKER_TURN_S = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +66,14 @@ def test_greedy_output_with_speculation_equals_the_plain_engine(cluster, prompts
     responses = asyncio.run(run())
     assert [r.json()["choices"][0]["message"]["content"] for r in responses] == reference
     assert sum(cluster.metric("tessera_proxy_kv_transfer_bytes_total").values()) > 0, "pages crossed workers"
-    drafted = worker_metric(cluster, "decode-0", "tessera_spec_decode_num_draft_tokens_total")
-    accepted = worker_metric(cluster, "decode-0", "tessera_spec_decode_num_accepted_tokens_total")
-    assert 0 < accepted <= drafted
-    deadline = time.monotonic() + 10  # page counts reach the proxy with the next heartbeats
-    while any(used := cluster.metric("tessera_proxy_kv_pages_used").values()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(used), used
+
+    def spec_counts() -> tuple[float, float]:  # the decode worker publishes them after each turn of its loop
+        return tuple(worker_metric(cluster, "decode-0", f"tessera_spec_decode_num_{kind}_tokens_total")
+                     for kind in ("draft", "accepted"))
+    drafted, accepted = settle(spec_counts, lambda counts: counts[1] > 0, WORKER_TURN_S,
+                               "decode-0 reports drafts accepted (after a turn of its loop: idle_poll_s)")
+    assert accepted <= drafted
+    check_pages_freed(cluster)
 
 
 def test_a_request_can_opt_out_or_ask_for_an_unavailable_method(cluster, prompts):
