@@ -90,7 +90,7 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
         cluster.share = SharedState(config, cluster, metrics)
         cluster.admission.shares.weight = cluster.share.weight
     models = ServedModels(config, cluster.registry, registry_for(None), model_identity(config.model, config.dtype),
-                          tokenizer, model_dir)
+                          tokenizer, model_dir, cluster.tokenizers)
     models.loader = cluster.loader  # versions workers may load on demand (standby_models)
     conversations = ConversationStore(config.conversation_store_path, config.conversation_retention_s,
                                       config.conversation_store_timeout_s) if config.conversation_store_path else None

@@ -6,6 +6,7 @@ Request life cycle, as queues and hops (one sub-request per choice):
     worker --frames--> WorkerLink (I/O task) --on_frames--> decode --> handle
         Register/Heartbeat/Goodbye --> registry (+ RegisterAck, Peers; Reregister to an unknown heartbeat),
             in proxy/membership.py, the cluster's base class
+        TokenizerFiles --> proxy/tokenizer_fetch.py (the tokenizer of a version the proxy has none of)
         PrefillDone/KVPulled/RequestFailed, and each TokenDelta of a step's TokenDeltas --> that SubRequest
     SubRequest --events--> RequestGroup's EventSink (proxy/streaming.py) --> HTTP handler (stream or collect)
 
@@ -27,7 +28,7 @@ from common.protocol.sampling_params import SamplingParams
 from common.protocol.versions import STRUCTURED_SINCE
 from common.protocol.wire import (PROTOCOL_VERSION, Abort, DecodeRequest, EmbedResult, Goodbye, Heartbeat, KVPulled,
                                   PrefillDone, PrefillRequest, Register, ReleaseKV, RequestFailed, Standby,
-                                  TokenDeltas, WireError, decode)
+                                  TokenDeltas, TokenizerFiles, WireError, decode)
 from proxy.admission import Admit, AdmissionController, Stage
 from proxy.embeddings import Embeddings
 from proxy.errors import ApiError
@@ -41,6 +42,7 @@ from proxy.routing import RoutingPolicy
 from proxy.slo import SloControls
 from proxy.tac import AdaptiveController
 from proxy.tenants import Tenant, TenantRegistry
+from proxy.tokenizer_fetch import TokenizerFetcher
 
 log = logging.getLogger("tessera.proxy")
 
@@ -79,14 +81,15 @@ class Cluster(WorkerMembership):
         self.peer_versions: dict[str, int] = {}  # worker id -> the version it is answered in (the older of the two)
         self.embeddings = Embeddings(config, self.registry, self.send, self.peer_versions)  # no admission, no pages
         self.loader = ModelLoader(config, self.registry, self.send, metrics, self._involved, self.peer_versions, clock)
+        self.tokenizers = TokenizerFetcher(config, self.send, metrics, self.peer_versions, clock=clock)
         self.draining = False
         self._clock = clock
         self._outbox: Outbox | None = None
         self._handlers = {
             Register: self._on_register, Heartbeat: self._on_heartbeat, Goodbye: self._on_goodbye,
-            PrefillDone: self._on_prefill_done, KVPulled: self._on_kv_pulled,
-            TokenDeltas: self._on_token_deltas, RequestFailed: self._on_request_failed,
-            EmbedResult: self.embeddings.on_result, Standby: self._on_standby,
+            PrefillDone: self._on_prefill_done, KVPulled: self._on_kv_pulled, TokenDeltas: self._on_token_deltas,
+            RequestFailed: self._on_request_failed, EmbedResult: self.embeddings.on_result,
+            Standby: self._on_standby, TokenizerFiles: self.tokenizers.on_files,
         }
         self._update_worker_gauges()
 

@@ -123,6 +123,11 @@ class SubRequest(RequestExits):
         return worker_id in self._holders()
 
     @property
+    def model_name(self) -> str:
+        """The name of the model serving it, its metrics' ``model`` label ("" when any may)."""
+        return self.model[0] if self.model is not None else ""
+
+    @property
     def tokens(self) -> list[int]:
         """What a worker computes to run it: the prompt, and the output so far once it resumed."""
         return self.prompt + self.output_ids if self.output_ids else self.prompt
@@ -156,8 +161,8 @@ class SubRequest(RequestExits):
         self.deadline = now + config.first_token_timeout_s
         queued_s = max(now - self.arrival, 0.0)
         metrics.queue_time.observe(queued_s)
-        metrics.prompt_tokens.labels(self.tenant, config.served_model_name).inc(len(self.prompt))
-        self._generation_tokens = metrics.generation_tokens.labels(self.tenant, config.served_model_name)
+        metrics.prompt_tokens.labels(self.tenant, self.model_name).inc(len(self.prompt))
+        self._generation_tokens = metrics.generation_tokens.labels(self.tenant, self.model_name)
         if self._tracing.enabled:
             self.trace = RequestTrace(self._tracing, self.request_id, self.tenant, queued_s)
 
@@ -293,7 +298,7 @@ class SubRequest(RequestExits):
         """Its outcome and usage, once, as it ends: a prompt counts if it reached a worker (a resumed one once),
         its cached part at most the prompt (a resumed attempt's cache also holds the output so far)."""
         metrics, prompt = self._metrics, len(self.prompt) if self.started else 0
-        metrics.tenant_requests.labels(self.tenant, self._config.served_model_name, status).inc()
+        metrics.tenant_requests.labels(self.tenant, self.model_name, status).inc()
         metrics.tenant_prompt_tokens.labels(self.tenant).inc(prompt)
         metrics.tenant_cached_prompt_tokens.labels(self.tenant).inc(min(self.cached_tokens, prompt))
         metrics.tenant_generated_tokens.labels(self.tenant).inc(len(self.output_ids))

@@ -1,7 +1,8 @@
 """Which model version serves a request: the models the live workers serve, their promotion, canary and tokenizers.
 
 A request's ``model`` names a model (``N``) or one of its versions (``N@V``); ``served_model_name`` is an alias of
-the proxy's own model (``config.model``'s name). ``choose`` turns it into a ``ModelChoice``:
+the proxy's own model (``config.model``'s name; by default that name itself). ``choose`` turns it into a
+``ModelChoice``:
 
     N@V -> that version, when a worker serves it
     N   -> a session's pinned version (below); else the canary version for its configured share of requests (a
@@ -27,7 +28,9 @@ names the version it left (the response says so in a header). ``pinned(name)`` c
 draining an old version waits for them to end.
 
 Tokenizers: a registered version's manifest names its files, and versions whose tokenizer.json hash the same share
-one ``Tokenizer``; an unregistered version of the proxy's own model uses the proxy's.
+one ``Tokenizer``; an unregistered version of the proxy's own model uses the proxy's; any other version the one its
+workers' model directory holds, fetched from a worker by its hash (``proxy.tokenizer_fetch``: 503 + Retry-After
+while it is) and shared by the versions whose tokenizer files hash the same.
 """
 from __future__ import annotations
 
@@ -43,8 +46,10 @@ from pathlib import Path
 from common.storage.manifest import file_sha256
 from common.storage.registry import ModelRegistry, RegistryError, State
 from common.text.tokenizer import Tokenizer
+from common.text.tokenizer_files import read_tokenizer_files, tokenizer_sha256
 from proxy.errors import ApiError
 from proxy.token_text import TokenText
+from proxy.tokenizer_fetch import TokenizerFetcher
 from proxy.workers import WorkerRegistry, WorkerState
 
 log = logging.getLogger("tessera.proxy")
@@ -70,19 +75,22 @@ class ModelChoice:
 
 class ServedModels:
     def __init__(self, config, workers: WorkerRegistry, store: ModelRegistry, own: tuple[str, str],
-                 tokenizer: Tokenizer, own_dir: Path) -> None:
+                 tokenizer: Tokenizer, own_dir: Path, fetcher: TokenizerFetcher) -> None:
         """``own``: the (name, version) of ``config.model``, in ``own_dir``, whose tokenizer the proxy loaded as
-        ``tokenizer``."""
+        ``tokenizer``; ``fetcher``: the cluster's, for the tokenizers of versions neither that nor registered."""
         self.config = config
         self.workers = workers
         self.store = store
+        self.fetcher = fetcher
         self.own_name = own[0]
-        self.aliases = {config.served_model_name: own[0]}
+        self.aliases = {config.served_model_name or own[0]: own[0]}
         self._own_text = (tokenizer, TokenText(tokenizer))
         self._texts: dict[str, tuple[Tokenizer, TokenText]] = {}  # tokenizer.json sha256 -> its tokenizer
+        self._fetched: dict[str, tuple[Tokenizer, TokenText]] = {}  # tokenizer files' sha256 -> their tokenizer
         self._by_version: dict[tuple[str, str], tuple[Tokenizer, TokenText]] = {}
         if (own_dir / "tokenizer.json").is_file():
             self._texts[file_sha256(own_dir / "tokenizer.json")] = self._own_text
+            self._fetched[tokenizer_sha256(read_tokenizer_files(own_dir))] = self._own_text
         self._states: dict[str, tuple[int, State]] = {}  # name -> (state file mtime, state)
         self._known: set[tuple[str, str]] = set()  # every version a worker served: 503 rather than 404 once gone
         self._pins: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()  # (name, session) -> pin
@@ -239,19 +247,19 @@ class ServedModels:
 
     def _choice(self, name: str, version: str, workers: list[WorkerState], moved_from: str | None = None
                 ) -> ModelChoice:
-        tokenizer, token_text = self._text(name, version)
+        tokenizer, token_text = self._text(name, version, workers)
         if self.loader is not None:
             self.loader.chosen[name, version] = self.loader.clock()
         return ModelChoice(name, version, min(w.max_model_len for w in workers), tokenizer, token_text, moved_from)
 
-    def _text(self, name: str, version: str) -> tuple[Tokenizer, TokenText]:
-        """The version's tokenizer; looked up in the registry once (a version's files never change)."""
+    def _text(self, name: str, version: str, workers: list[WorkerState]) -> tuple[Tokenizer, TokenText]:
+        """The version's tokenizer (``workers``: its live ones); looked up once (a version's files never change)."""
         text = self._by_version.get((name, version))
         if text is None:
-            text = self._by_version[name, version] = self._load_text(name, version)
+            text = self._by_version[name, version] = self._load_text(name, version, workers)
         return text
 
-    def _load_text(self, name: str, version: str) -> tuple[Tokenizer, TokenText]:
+    def _load_text(self, name: str, version: str, workers: list[WorkerState]) -> tuple[Tokenizer, TokenText]:
         try:
             manifest = self.store.manifest(name, version)
         except RegistryError:
@@ -259,13 +267,25 @@ class ServedModels:
         if manifest is None or manifest.tokenizer.sha256 is None:
             if name == self.own_name:
                 return self._own_text
-            raise ApiError(503, f"the proxy has no tokenizer for {name}@{version}: register that version in "
-                           "the proxy host's model registry (tessera model register)", code="model_not_loaded",
-                           param="model", retry_after_s=self.config.retry_after_s)
+            return self._workers_text(f"{name}@{version}", workers)
         text = self._texts.get(manifest.tokenizer.sha256)
         if text is None:
             tokenizer = Tokenizer(Path(manifest.source))
             text = self._texts[manifest.tokenizer.sha256] = (tokenizer, TokenText(tokenizer))
+        return text
+
+    def _workers_text(self, model: str, workers: list[WorkerState]) -> tuple[Tokenizer, TokenText]:
+        """The tokenizer the version's workers reported the hash of (503 while it is fetched); a 503 that says to
+        register it where none did (workers of protocol 14)."""
+        digest = next((w.tokenizer_sha256 for w in workers if w.tokenizer_sha256), "")
+        if not digest:
+            raise ApiError(503, f"the proxy has no tokenizer for {model}: register that version in the proxy host's "
+                           "model registry (tessera model register)", code="model_not_loaded", param="model",
+                           retry_after_s=self.config.retry_after_s)
+        text = self._fetched.get(digest)
+        if text is None:
+            tokenizer = self.fetcher.tokenizer(model, digest, [w for w in workers if w.tokenizer_sha256 == digest])
+            text = self._fetched[digest] = (tokenizer, TokenText(tokenizer))
         return text
 
     def _unserved(self, requested: str, name: str, version: str | None) -> None:

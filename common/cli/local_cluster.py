@@ -26,8 +26,10 @@ from common.runtime.prometheus_text import samples
 
 READY_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 60
-# Failures found in seconds and a small KV pool: what tests and benchmarks start with (``for_tests``).
-TEST_PROXY_OVERRIDES = ("heartbeat_timeout_s=3",)
+# Failures found in seconds and a small KV pool: what tests and benchmarks start with (``for_tests``); and the
+# embedded model's name for the proxy's model, whatever directory that is: the tests' tiny models carry its tokenizer,
+# and their clients ask for it by that name.
+TEST_PROXY_OVERRIDES = ("heartbeat_timeout_s=3", "served_model_name=SmolLM2-135M-Instruct")
 TEST_WORKER_OVERRIDES = ("engine.kv_cache_memory_bytes=268435456", "heartbeat_interval_s=0.2")
 
 

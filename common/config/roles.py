@@ -42,13 +42,12 @@ class ProxyConfig:
         300.0, "a GenerateStream call whose client grants no credit for this long, with messages waiting, ends "
         "(DEADLINE_EXCEEDED) and its requests are cancelled", gt=0)
     worker_bind: Str = option("tcp://127.0.0.1:5555", "ZeroMQ ROUTER address the workers connect to")
-    model: Str = option(
-        "embedded", "model directory or embedded name, for the "
-        "tokenizer and chat template; must match the workers'")
+    model: Str = option("embedded", "the proxy's own model (a directory, a registered or embedded name), for its "
+                        "tokenizer; other models' tokenizers come from the registry or from their workers")
     dtype: Dtype = option("float32", "dtype the model was prepared in (selects the embedded model's directory)")
-    served_model_name: Str = option(
-        "SmolLM2-135M-Instruct", "a name clients may put in requests for the proxy's own model (model's); every "
-        "model a worker serves is also asked for by its own name, N, or one version of it, N@V")
+    served_model_name: Str = option("", "a name clients may put in requests for the proxy's own model; empty: its own "
+                                    "name (its manifest's, else its directory's). Any served model is also asked "
+                                    "for by its own name, N, or one version of it, N@V")
     admin_api_key_sha256: Str = option(
         "", "sha256 (hex) of the key the admin API (/admin: model promotion, canary, rollback) requires as "
         "'Authorization: Bearer <key>'; empty: the admin API answers 403")
@@ -94,6 +93,8 @@ class ProxyConfig:
     model_load_timeout_s: Float = option(
         600.0, "how long a worker asked to load a standby model (worker.standby_models) may take before the proxy "
         "stops waiting for it and may ask another", gt=0)
+    tokenizer_fetch_timeout_s: Float = option(30.0, "how long the proxy waits for a worker to send the tokenizer of "
+                                              "a model its registry does not hold before asking another", gt=0)
     model_swap_min_idle_s: Float = option(
         5.0, "a worker serving a model is asked to swap it for a standby model only once no request chose its "
         "model for this long, so that two models wanted in turn do not swap one worker back and forth", ge=0)

@@ -1,6 +1,7 @@
 """Wire messages that do not ride one request's way: a worker joining, leaving and finding its peers; the
-adaptive controller's engine settings; embeddings. Pure declarations: ``wire.py`` frames them, lists them in
-its message table and re-exports them; its docstring tells the conversations.
+adaptive controller's engine settings; embeddings; the tokenizer a worker's model directory holds. Pure
+declarations: ``wire.py`` frames them, lists them in its message table and re-exports them; its docstring tells the
+conversations.
 """
 from __future__ import annotations
 
@@ -10,6 +11,14 @@ import msgspec
 
 from common.protocol.sampling_params import TOKEN_ID_MAX
 from common.protocol.wire_types import NonNegInt, TokenId, _Struct
+
+# A hex sha256 (common/text/tokenizer_files.py ``tokenizer_sha256``); empty in a Register: not reported.
+Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+# What one TokenizerFiles may carry: a tokenizer's few files, each named as in a model directory (no path: the proxy
+# writes them under its cache root), 64 MiB in all (the largest tokenizer.json files are a few tens of MiB).
+TOKENIZER_MAX_FILES = 32
+TOKENIZER_MAX_BYTES = 64 << 20
+FileName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9._-]*$", max_length=255)]
 
 
 class KVLayoutInfo(_Struct):
@@ -40,6 +49,8 @@ class Register(_Struct):
     # the other models (name@version) it may load when the proxy asks (LoadModel; worker.standby_models)
     standby: Annotated[list[Annotated[str, msgspec.Meta(max_length=4096)]], msgspec.Meta(max_length=1024)] = []
     load_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # how long loading the model it serves took
+    # the hash of its model directory's tokenizer files, which it sends when asked (FetchTokenizer); "": it cannot
+    tokenizer_sha256: Annotated[str, msgspec.Meta(pattern="^([0-9a-f]{64})?$")] = ""
 
 
 class Standby(_Struct):
@@ -112,3 +123,23 @@ class EmbedResult(_Struct):
     dim: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
     vectors: bytes
     num_tokens: NonNegInt
+
+
+class FetchTokenizer(_Struct):
+    """proxy -> a worker whose Register reported ``tokenizer_sha256``: send those tokenizer files."""
+    worker_id: str
+    sha256: Sha256
+
+
+class TokenizerFiles(_Struct):
+    """worker -> proxy, answering FetchTokenizer: its model directory's tokenizer files (name -> bytes), which hash
+    to ``sha256``. Bounded in number and in bytes, so a huge or malformed frame is refused as it is decoded."""
+    worker_id: str
+    sha256: Sha256
+    files: Annotated[dict[FileName, Annotated[bytes, msgspec.Meta(max_length=TOKENIZER_MAX_BYTES)]],
+                     msgspec.Meta(min_length=1, max_length=TOKENIZER_MAX_FILES)]
+
+    def __post_init__(self) -> None:
+        total = sum(map(len, self.files.values()))
+        if total > TOKENIZER_MAX_BYTES:
+            raise ValueError(f"files of {total} bytes in all; at most {TOKENIZER_MAX_BYTES}")

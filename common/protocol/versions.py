@@ -18,14 +18,15 @@ from functools import cache
 import msgspec
 from msgspec import inspect
 
-from common.protocol.control import EmbedRequest, EmbedResult, LoadModel, Standby
+from common.protocol.control import EmbedRequest, EmbedResult, FetchTokenizer, LoadModel, Standby, TokenizerFiles
 
 # The version that added each message type, where it is newer than the oldest version still read.
-MESSAGE_SINCE: dict[type, int] = {EmbedRequest: 11, EmbedResult: 11, LoadModel: 12, Standby: 12}
+MESSAGE_SINCE: dict[type, int] = {EmbedRequest: 11, EmbedResult: 11, LoadModel: 12, Standby: 12,
+                                  FetchTokenizer: 15, TokenizerFiles: 15}
 # The version that added each field (struct name -> field -> version), where it is newer than that. By name:
 # the request messages are declared in wire.py, which imports this module.
 FIELD_SINCE: dict[str, dict[str, int]] = {"PrefillRequest": {"keep_s": 11}, "DecodeRequest": {"keep_s": 11},
-                                          "Register": {"standby": 12, "load_s": 12},
+                                          "Register": {"standby": 12, "load_s": 12, "tokenizer_sha256": 15},
                                           "SamplingParams": {"structured": 13},
                                           "TokenDeltas": {"step_rows": 14, "step": 14}}
 # A request that uses a field goes only to workers that speak its version: an older one would drop the field

@@ -38,6 +38,9 @@ this channel):
 - proxy -> worker: LoadModel, one of the models its Register (``standby``) or Standby listed. The worker drains,
   says Goodbye, loads it and sends Register under a new epoch. A worker holding no model sends Standby instead of
   Heartbeat (``common/runtime/model_swap.py``).
+- proxy -> worker: FetchTokenizer, the tokenizer files whose hash its Register reported (``tokenizer_sha256``),
+  for a version the proxy has no tokenizer of; the worker's I/O thread answers TokenizerFiles
+  (``proxy/tokenizer_fetch.py``).
 
 Prompt blocks are named the same way on both sides (``prefix_block_hashes``, at the end): chained hashes of
 full KV blocks, the prefix cache's keys. Block i's hash folds in block i-1's, so equal hashes at position i
@@ -62,8 +65,8 @@ from typing import Annotated, Literal
 import msgspec
 
 from common.protocol.control import (  # noqa: F401 - re-exported: the whole protocol is importable from here
-    EmbedRequest, EmbedResult, Goodbye, KVLayoutInfo, LoadModel, PeerInfo, Peers, Register, RegisterAck,
-    Reregister, Standby, Tune,
+    TOKENIZER_MAX_BYTES, TOKENIZER_MAX_FILES, EmbedRequest, EmbedResult, FetchTokenizer, Goodbye, KVLayoutInfo,
+    LoadModel, PeerInfo, Peers, Register, RegisterAck, Reregister, Standby, TokenizerFiles, Tune,
 )
 from common.protocol.sampling_params import SamplingParams
 from common.protocol.versions import known_fields, older_body, sendable
@@ -72,8 +75,8 @@ from common.protocol.wire_types import (  # noqa: F401 - re-exported
 )
 
 # 11: EmbedRequest, EmbedResult; 12: LoadModel, Standby; 13: SamplingParams.structured; 14: TokenDeltas.step_rows,
-# step. Versions one apart interoperate (versions.py).
-PROTOCOL_VERSION = 14
+# step; 15: Register.tokenizer_sha256, FetchTokenizer, TokenizerFiles. Versions one apart interoperate (versions.py).
+PROTOCOL_VERSION = 15
 
 
 class MsgType(enum.IntEnum):
@@ -96,6 +99,8 @@ class MsgType(enum.IntEnum):
     EMBED_RESULT = 20
     STANDBY = 21
     LOAD_MODEL = 22
+    FETCH_TOKENIZER = 23
+    TOKENIZER_FILES = 24
 
 
 class Role(str, enum.Enum):
@@ -272,6 +277,8 @@ MESSAGES: dict[MsgType, type] = {
     MsgType.EMBED_RESULT: EmbedResult,
     MsgType.STANDBY: Standby,
     MsgType.LOAD_MODEL: LoadModel,
+    MsgType.FETCH_TOKENIZER: FetchTokenizer,
+    MsgType.TOKENIZER_FILES: TokenizerFiles,
 }
 _TYPES = {cls: t for t, cls in MESSAGES.items()}
 _HEADERS = {cls: bytes([t, PROTOCOL_VERSION]) for t, cls in MESSAGES.items()}

@@ -30,15 +30,17 @@ from dataclasses import replace
 from common.engine.llm_engine import LLMEngine
 from common.protocol import wire
 from common.protocol.versions import sendable
+from common.runtime.registration import tokenizer_digest
 from common.storage.model_store import model_identity
+from common.text.tokenizer_files import read_tokenizer_files
 
 log = logging.getLogger(__name__)
 REQUEST_MESSAGES = (wire.PrefillRequest, wire.DecodeRequest, wire.EmbedRequest)
 
 
 def load_model(worker, spec: str, name: str = "") -> None:
-    """Give ``worker`` (a ``WorkerBase``) the engine of ``spec``, a KV transfer agent over its pool and a new epoch;
-    ``name``: the name to announce instead of the model's own (``model_name``)."""
+    """Give ``worker`` (a ``WorkerBase``) the engine of ``spec``, a KV transfer agent over its pool, the hash of its
+    tokenizer files and a new epoch; ``name``: the name to announce instead of the model's own (``model_name``)."""
     status = worker.metrics.status
     status.model_loaded, status.last_tick = False, None  # /healthz: starting, not stalled
     started = time.monotonic()
@@ -46,6 +48,7 @@ def load_model(worker, spec: str, name: str = "") -> None:
     worker.engine = LLMEngine(replace(config.engine, model=spec))
     worker.model_name, worker.model_version = worker.metrics.identify(
         *model_identity(spec, config.engine.dtype, name))
+    worker.tokenizer_sha256 = tokenizer_digest(read_tokenizer_files(worker.engine.model_dir))
     worker.transfer = worker.make_transfer()
     worker.transfer_metadata = worker.transfer.register_pool(worker.engine.runner.kv_cache)
     worker.transfer_name = worker.transfer.name
@@ -168,7 +171,7 @@ class ModelSwitch:
         self.handler.standby = [k for k in self.models if k != key]
         self._refuse_queued()
         self.handler.draining = self.io.draining = bool(self.signalled)
-        self.io.registration = self.handler.registration()
+        self.io.registration, self.io.tokenizer_dir = self.handler.registration(), self.handler.engine.model_dir
         self.io.rejoin()
         self.check_at = time.monotonic() + self.idle_s
 

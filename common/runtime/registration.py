@@ -4,16 +4,20 @@ Built once at start and again under each new epoch (``worker_runtime`` ``WorkerI
 role and epoch; the model name and version requests are routed by (``common.storage.model_store``
 ``model_identity``); its KV layout and pool (the proxy pairs only workers of one version, which must agree on the
 layout); the KV transfer agent's metadata; its decode slots, speculation and the cores it time-shares; the other
-models it may load (``model_swap``). ``await_acknowledgement`` waits for the proxy's answer at start; ``rejoin``
-registers again when the proxy lost the worker (its Reregister).
+models it may load (``model_swap``); the hash of its tokenizer files, which it sends a proxy that has no tokenizer
+of its model (``tokenizer_answer``, on the I/O thread). ``await_acknowledgement`` waits for the proxy's answer at
+start; ``rejoin`` registers again when the proxy lost the worker (its Reregister).
 """
 from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 from common.protocol import wire
+from common.protocol.versions import sendable
 from common.runtime.core_share import core_group
+from common.text.tokenizer_files import read_tokenizer_files, tokenizer_sha256
 
 log = logging.getLogger(__name__)
 
@@ -30,11 +34,34 @@ def registration(worker) -> wire.Register:
         num_blocks=engine.block_manager.num_blocks, max_model_len=engine.max_model_len,
         transfer_backend=worker.transfer_name, transfer_metadata=worker.transfer_metadata,
         max_num_seqs=config.engine.max_num_seqs, core_group=core_group(config.core_share),
-        standby=list(worker.standby), load_s=worker.load_s,
+        standby=list(worker.standby), load_s=worker.load_s, tokenizer_sha256=worker.tokenizer_sha256,
         **({} if config.engine.spec_method == "off" else {
             "spec_num_tokens": config.engine.spec_num_tokens,
             "spec_max_batch_size": config.engine.spec_max_batch_size}),
     )
+
+
+def tokenizer_digest(files: dict[str, bytes]) -> str:
+    """The hash of a model directory's tokenizer files (``Register.tokenizer_sha256``); "" when they are more than
+    one TokenizerFiles carries, so that no proxy asks for them."""
+    return tokenizer_sha256(files) if sum(map(len, files.values())) <= wire.TOKENIZER_MAX_BYTES else ""
+
+
+def tokenizer_answer(model_dir: Path, msg: wire.FetchTokenizer, worker_id: str,
+                     speaks: int) -> wire.TokenizerFiles | None:
+    """The I/O thread's answer to a FetchTokenizer from a proxy speaking ``speaks``: the tokenizer files of
+    ``model_dir`` (the model loaded last), when they are those asked for. None otherwise (logged): the proxy asks
+    another worker once its ``tokenizer_fetch_timeout_s`` passed."""
+    try:
+        files = read_tokenizer_files(model_dir)
+    except OSError as error:
+        log.warning("the proxy asked for tokenizer %s; reading it failed: %s", msg.sha256, error)
+        return None
+    if not sendable(wire.TokenizerFiles, speaks) or tokenizer_digest(files) != msg.sha256:
+        log.warning("the proxy asked for tokenizer %s, which this worker's model (%s) does not hold", msg.sha256,
+                    model_dir)
+        return None
+    return wire.TokenizerFiles(worker_id, msg.sha256, files)
 
 
 def await_acknowledgement(config, registered, refused, curve: bool) -> None:

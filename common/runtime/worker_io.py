@@ -15,6 +15,9 @@ connected, or not reading, is dropped and counted (``tessera_worker_messages_uns
 nothing queues for a proxy not connected), where with one proxy a send waits for it as before. Each proxy sends
 its own Peers (the prefill workers it knows); the handler gets their union, so a proxy that knows fewer (it is
 starting, or lost one on its own) does not take the others' away.
+
+A FetchTokenizer is answered here, not on the compute loop: reading a tokenizer's few megabytes, once per proxy and
+model, must not hold up an engine step.
 """
 from __future__ import annotations
 
@@ -23,13 +26,14 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 
 from common.config.roles import WorkerConfig
 from common.protocol import wire
 from common.runtime.proxy_links import Owners, proxy_addresses
-from common.runtime.registration import await_acknowledgement
+from common.runtime.registration import await_acknowledgement, tokenizer_answer
 from common.runtime.telemetry import WorkerMetrics
 from common.runtime.worker_contracts import Load
 from common.runtime.zmq_security import Waker, apply_curve_client, worker_curve
@@ -59,9 +63,13 @@ class _Link:
 
 
 class WorkerIO:
-    def __init__(self, config: WorkerConfig, registration: wire.Register, metrics: WorkerMetrics) -> None:
+    def __init__(self, config: WorkerConfig, registration: wire.Register, metrics: WorkerMetrics,
+                 tokenizer_dir: Path) -> None:
+        """``tokenizer_dir``: the directory of the model ``registration`` names (FetchTokenizer reads it); the compute
+        loop sets both anew when it loads another model."""
         self.config = config
         self.registration = registration
+        self.tokenizer_dir = tokenizer_dir
         self._curve = worker_curve(config)  # bad key files fail here, before the I/O thread starts
         self.metrics = metrics
         self.inbox: queue.Queue = queue.Queue()
@@ -232,6 +240,10 @@ class WorkerIO:
             elif isinstance(msg, wire.Peers) and self.owners is not None:
                 self._peers[index] = msg.peers
                 self.inbox.put(self._merged_peers())
+            elif isinstance(msg, wire.FetchTokenizer):
+                answer = tokenizer_answer(self.tokenizer_dir, msg, self.config.worker_id, link.speaks)
+                if answer is not None:
+                    self._send(link, answer)
             else:
                 if self.owners is not None:
                     self.owners.took(msg, index)

@@ -51,7 +51,7 @@ def serve(config: WorkerConfig, handler: RoleHandler) -> None:
     """Run a worker until SIGTERM/SIGINT (then drain) or until its I/O fails."""
     signalled: list[int] = []
     switch = ModelSwitch(config, handler, signalled)
-    io = switch.io = WorkerIO(config, handler.registration(), handler.metrics)
+    io = switch.io = WorkerIO(config, handler.registration(), handler.metrics, handler.engine.model_dir)
     handler.bind(io.send)
     # Left in place after serve returns: a late signal must not cut the cleanup (the transfer agent closing) short.
     for sig in (signal.SIGTERM, signal.SIGINT):

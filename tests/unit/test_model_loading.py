@@ -13,6 +13,7 @@ from proxy.errors import ApiError
 from proxy.metrics import ProxyMetrics
 from proxy.model_loading import ModelLoader
 from proxy.served_models import ServedModels
+from proxy.tokenizer_fetch import TokenizerFetcher
 from proxy.workers import WorkerRegistry
 from tests.tiny_models import build_tiny_model
 
@@ -45,8 +46,9 @@ class Cluster:
         self.loader = ModelLoader(self.config, self.registry, lambda w, m: self.sent.append((w, m)), self.metrics,
                                   self.busy.__contains__, self.versions, clock=lambda: self.now)
         self.store = ModelRegistry(tmp_path / "registry")
+        fetcher = TokenizerFetcher(self.config, self.loader.send, self.metrics, self.versions, tmp_path / "cache")
         self.models = ServedModels(self.config, self.registry, self.store, ("tiny", "own"), Tokenizer(own_dir),
-                                   own_dir)
+                                   own_dir, fetcher)
         self.models.loader = self.loader
 
     def join(self, msg: Register) -> None:

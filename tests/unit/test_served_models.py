@@ -10,6 +10,7 @@ from common.storage.registry import ModelRegistry
 from common.text.tokenizer import Tokenizer
 from proxy.errors import ApiError
 from proxy.served_models import ServedModels
+from proxy.tokenizer_fetch import TokenizerFetcher
 from tests.tiny_models import build_tiny_model
 
 
@@ -22,7 +23,7 @@ def tiny_dirs(tmp_path_factory, embedded_model_dir):
 def worker(worker_id: str, model: str, version: str, draining: bool = False, max_model_len: int = 512,
            decode_capable: bool = True):
     return SimpleNamespace(worker_id=worker_id, model=model, model_version=version, draining=draining,
-                           max_model_len=max_model_len, decode_capable=decode_capable)
+                           max_model_len=max_model_len, tokenizer_sha256="", decode_capable=decode_capable)
 
 
 class Served:
@@ -30,8 +31,9 @@ class Served:
         self.store = ModelRegistry(tmp_path / "registry")
         self.workers = SimpleNamespace(workers={w.worker_id: w for w in workers})
         config = SimpleNamespace(served_model_name="alias", retry_after_s=2, session_pin_max_s=60.0)
+        fetcher = TokenizerFetcher(config, None, None, {}, tmp_path / "cache")  # the workers here report no hash
         self.models = ServedModels(config, self.workers, self.store, ("tiny", "own-digest"), Tokenizer(own_dir),
-                                   own_dir)
+                                   own_dir, fetcher)
 
     def add(self, *workers) -> None:
         self.workers.workers.update({w.worker_id: w for w in workers})

@@ -1,5 +1,6 @@
 """Wire protocol: round trips, and rejection of everything malformed or out of range, naming the field."""
 import msgpack
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -183,10 +184,10 @@ def test_a_message_for_the_previous_version_leaves_out_what_that_version_lacks(m
     request = wire.PrefillRequest("r1", [1, 2], SamplingParams(), 7, 30.0, cache_salt=5)
     frames = wire.encode(request, PROTOCOL_VERSION - 1)
     assert wire.frame_version(frames) == PROTOCOL_VERSION - 1 and wire.decode(frames) == request
-    step = wire.TokenDeltas([TokenDelta("r2", [5], "x")], step_rows=3, step=7)
-    older_step = wire.encode(step, PROTOCOL_VERSION - 1)  # TokenDeltas.step_rows and step are new in 14
-    assert set(msgpack.unpackb(older_step[1])) == {"deltas"}
-    assert wire.decode(older_step) == wire.TokenDeltas(step.deltas)  # their defaults: one proxy's step
+    joined = msgspec.structs.replace(SAMPLES[0], tokenizer_sha256="ab" * 32)
+    older_join = wire.encode(joined, PROTOCOL_VERSION - 1)  # Register.tokenizer_sha256 is new in 15
+    assert "tokenizer_sha256" not in msgpack.unpackb(older_join[1])
+    assert wire.decode(older_join) == SAMPLES[0]  # its default: the worker sends no tokenizer
     monkeypatch.setitem(versions.FIELD_SINCE, "PrefillRequest", {"cache_salt": PROTOCOL_VERSION})
     older = wire.encode(request, PROTOCOL_VERSION - 1)
     assert "cache_salt" not in msgpack.unpackb(older[1]) and wire.decode(older).cache_salt == 0  # its default

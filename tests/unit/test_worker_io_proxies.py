@@ -52,13 +52,13 @@ def request(request_id: str) -> wire.DecodeRequest:
 
 
 @pytest.fixture
-def two_proxies():
+def two_proxies(tmp_path):
     context = zmq.Context()
     proxies = [Proxy(context), Proxy(context)]
     config = WorkerConfig(worker_id="w0", role="decode", heartbeat_interval_s=0.05,
                           proxy_address=",".join(p.address for p in proxies), register_timeout_s=5)
     registration = wire.Register("w0", "decode", 7, "m", "v", LAYOUT, 64, 256, "fake", b"")
-    io = WorkerIO(config, registration, WorkerMetrics(config))
+    io = WorkerIO(config, registration, WorkerMetrics(config), tmp_path)
     io._thread.start()
     for proxy in proxies:
         proxy.receive(wire.Register)
