@@ -10,17 +10,17 @@ from __future__ import annotations
 import io
 import subprocess
 import tarfile
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from common.cli.local_cluster import LocalCluster
+from common.cli.local_cluster import READY_TIMEOUT_S, LocalCluster
 from common.config.base import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.protocol.sampling_params import SamplingParams
 from common.protocol.wire import PROTOCOL_VERSION
+from tests.conditions import settle
 
 PREVIOUS_RELEASE = "9c3eb8b"  # the last commit of protocol version 13
 REPO = Path(__file__).resolve().parents[2]
@@ -63,10 +63,11 @@ def test_a_worker_one_version_behind_serves_with_this_proxy(older, tiny_chat_mod
         + ([f"protocol_version={PROTOCOL_VERSION - 1}"] if older == "this-release-set-back" else []))
     try:
         behind.start_worker("prefill", 0)
-        deadline = time.monotonic() + 300
-        while sum(cluster.metric("tessera_proxy_workers_alive").values()) < 2:
-            assert time.monotonic() < deadline and not behind.dead(), f"the older worker did not join: {logs}"
-            time.sleep(0.3)
+
+        def alive() -> float:
+            assert not behind.dead(), f"the older worker exited: {logs}"
+            return sum(cluster.metric("tessera_proxy_workers_alive").values())
+        settle(alive, lambda count: count >= 2, READY_TIMEOUT_S, f"the older worker loads and joins (logs: {logs})")
         with httpx.Client(base_url=cluster.url, timeout=120) as client:
             texts = []
             for prompt in PROMPTS:
@@ -76,7 +77,7 @@ def test_a_worker_one_version_behind_serves_with_this_proxy(older, tiny_chat_mod
                 assert response.status_code == 200, response.text
                 texts.append(response.json()["choices"][0]["message"]["content"])
             assert texts == reference
-            sent = cluster.metric("tessera_proxy_worker_requests_total")
+            sent = cluster.metric("tessera_proxy_worker_requests_total")  # counted as each request was sent
             assert sent.get('{stage="prefill",worker_id="prefill-0"}', 0) >= len(PROMPTS), sent  # it prefilled them
             embed = client.post("/v1/embeddings", json={"model": "SmolLM2-135M-Instruct", "input": "hi"})
             assert embed.status_code == 200, embed.text  # EmbedRequest is in version 11: the older worker serves it
