@@ -22,7 +22,7 @@ from common.protocol.sampling_params import SamplingParams
 from common.protocol.wire import PROTOCOL_VERSION
 from tests.conditions import settle
 
-PREVIOUS_RELEASE = "9c3eb8b"  # the last commit of protocol version 13
+PREVIOUS_RELEASE = "2a0577f"  # the last commit of protocol version 14
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["Tell me about the sea.", "What is a hash table?", "Count to five."]
 MAX_TOKENS = 10
