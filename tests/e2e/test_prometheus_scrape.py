@@ -11,7 +11,6 @@ Skipped only when the ``prometheus`` binary is absent (.ci/run installs it).
 import json
 import shutil
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 import yaml
 
 from common.cli.local_cluster import LocalCluster, free_port, post_json
+from tests.conditions import settle
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SHIPPED = DEPLOY / "prometheus"
@@ -67,17 +67,14 @@ def query(base: str, expr: str) -> list[dict]:
 
 
 def wait_for(base: str, expr: str, minimum: float) -> list[dict]:
-    deadline = time.monotonic() + QUERY_TIMEOUT_S
-    result: list[dict] = []
-    while time.monotonic() < deadline:
+    """Until Prometheus answers ``expr`` with samples adding up to ``minimum`` (its next scrapes): the answer."""
+    def answer() -> list[dict]:
         try:
-            result = query(base, expr)
+            return query(base, expr)
         except OSError:  # Prometheus still starting
-            result = []
-        if result and sum(float(r["value"][1]) for r in result) >= minimum:
-            return result
-        time.sleep(0.5)
-    raise AssertionError(f"{expr} did not reach {minimum} within {QUERY_TIMEOUT_S}s; last answer {result}")
+            return []
+    return settle(answer, lambda result: bool(result) and sum(float(r["value"][1]) for r in result) >= minimum,
+                  QUERY_TIMEOUT_S, f"{expr} reaches {minimum} in Prometheus (scrape_interval)")
 
 
 def test_workers_serve_health_and_readiness(cluster):
