@@ -11,13 +11,13 @@ import hashlib
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
 
-from common.cli.local_cluster import LocalCluster
+from common.cli.local_cluster import READY_TIMEOUT_S, LocalCluster
 from common.storage.registry import ModelRegistry
+from tests.conditions import settle
 from tests.tiny_models import registered_versions
 
 ADMIN_KEY = "rolling-upgrade-admin-key"
@@ -25,6 +25,9 @@ PROMPTS = ["Tell me about the sea.", "What is a hash table?", "Count to five.", 
 MAX_TOKENS = 12
 LOOPS = 3
 TURNS_PER_SESSION = 3
+# Bounds a wait for the clients to be served some more requests, so that a stuck cluster fails rather than hangs;
+# never a timing.
+SERVED_S = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -90,11 +93,16 @@ def pinned(cluster: LocalCluster, version: str) -> int:
     return sum(v["pinned_sessions"] for v in entry["versions"] if v["version"] == version)
 
 
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
+def served(load: Load, version: str, more: int, what: str) -> None:
+    """Until ``more`` responses from now on came from ``version``."""
+    before = load.seen(version)
+    settle(lambda: load.seen(version), lambda seen: seen >= before + more, SERVED_S, what)
+
+
+def workers_alive(cluster: LocalCluster, count: int, what: str) -> None:
+    """Until the proxy counts ``count`` workers: the ones started have loaded their model and registered."""
+    settle(lambda: sum(cluster.metric("tessera_proxy_workers_alive").values()), lambda alive: alive == count,
+           READY_TIMEOUT_S, what)
 
 
 def test_v1_to_v2_under_load_then_back(versions, tmp_path, monkeypatch):
@@ -111,27 +119,25 @@ def test_v1_to_v2_under_load_then_back(versions, tmp_path, monkeypatch):
                         "prefill-2:engine.model=tiny@v1", "decode-2:engine.model=tiny@v1"]).start()
     try:
         with Load(cluster.url) as load:
-            wait_for(lambda: load.seen("v1") >= 10, 60, "v1 to serve")
+            served(load, "v1", 10, "v1 serves the clients")
             cluster.start_worker("prefill", 1)  # 1. V2's workers join beside V1's
             cluster.start_worker("decode", 1)
-            wait_for(lambda: sum(cluster.metric("tessera_proxy_workers_alive").values()) == 4, 120, "V2's workers")
+            workers_alive(cluster, 4, "V2's workers load their model and register")
             assert "canary tiny@v2 at 30%" in promote(cluster.url, key_file, "promote", "tiny", "v2", "--canary", "30")
-            wait_for(lambda: load.seen("v2") >= 10, 60, "the canary to serve")  # 2. a canary
+            served(load, "v2", 10, "the canary serves")  # 2. a canary
             promote(cluster.url, key_file, "promote", "tiny", "v2")  # 3. all of the traffic
             assert pinned(cluster, "v1") > 0  # sessions that began on V1 go on there ...
             assert "drained after" in promote(cluster.url, key_file, "drain", "tiny", "v1")  # ... until their pins end
             assert pinned(cluster, "v1") == 0
             for name in ("prefill-0", "decode-0"):  # 4. drain V1: its workers finish what they run, then exit
                 assert cluster.stop_worker(name) == 0
-            served_before = load.seen("v2")
-            wait_for(lambda: load.seen("v2") >= served_before + 10, 60, "V2 alone to serve")
+            served(load, "v2", 10, "V2 alone serves")
             # The way back: V1's workers again, and a rollback (V2 was promoted over V1).
             cluster.start_worker("prefill", 2)
             cluster.start_worker("decode", 2)
-            wait_for(lambda: sum(cluster.metric("tessera_proxy_workers_alive").values()) == 4, 120, "V1 again")
+            workers_alive(cluster, 4, "V1's workers load their model and register again")
             assert "promoted v1" in promote(cluster.url, key_file, "rollback", "tiny")
-            served_before = load.seen("v1")
-            wait_for(lambda: load.seen("v1") >= served_before + 10, 60, "V1 to serve after the rollback")
+            served(load, "v1", 10, "V1 serves after the rollback")
     finally:
         codes = cluster.stop()
     failed = [r for r in load.results if r[2] != 200]
