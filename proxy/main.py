@@ -41,7 +41,7 @@ def add_command(subparsers) -> None:
 
 def _run_command(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format, role="proxy")
-    overrides = parse_overrides(args.overrides)
+    overrides = parse_overrides(args.overrides, "proxy")
     config = load_config(ProxyConfig, args.config, overrides)
     if args.workers > 1:
         from proxy.supervisor import supervise

@@ -41,7 +41,7 @@ def add_config_command(subparsers) -> None:
     check.add_argument("file", metavar="FILE", help="YAML config file")
     check.add_argument("--role", choices=("proxy", *ROLES), help="which role the file configures")
     check.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        "--set", dest="overrides", action="append", default=[], metavar="[ROLE:]KEY=VALUE",
         help="override a field as the role's own --set does (repeatable)",
     )
     check.set_defaults(handler=_check_command)
@@ -65,7 +65,7 @@ def check_config(path: str, role: str | None, overrides: list[str]) -> ProxyConf
     if role is None:
         raise ConfigError(f"{path} has no 'role:' key: pass --role proxy for a proxy config, or the worker's "
                           f"role (one of {', '.join(ROLES)})")
-    extra = parse_overrides(overrides)
+    extra = parse_overrides(overrides, role)
     if role == "proxy":
         config = load_config(ProxyConfig, path, extra)
         proxy_curve(config)

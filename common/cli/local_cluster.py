@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from common.config.base import ConfigError
+from common.config.roles import ProxyConfig, WorkerConfig, has_field, split_override
 from common.runtime.prometheus_text import samples
 
 READY_TIMEOUT_S = 600
@@ -52,7 +54,7 @@ class LocalCluster:
     share_cores: bool = True  # with threads=0 and several workers: each has every core, one step at a time
     proxy_overrides: list[str] = field(default_factory=list)
     worker_overrides: list[str] = field(default_factory=list)
-    role_overrides: list[str] = field(default_factory=list)  # ROLE:KEY=VALUE, ROLE a role or a process name
+    role_overrides: list[str] = field(default_factory=list)  # [ROLE:]KEY=VALUE, ROLE a role or a process name
     port: int = field(default_factory=free_port)
     worker_port: int = field(default_factory=free_port)
     own_session: bool = False  # start the processes in their own session (a terminal's Ctrl-C skips them)
@@ -115,11 +117,19 @@ class LocalCluster:
         return name
 
     def _overrides(self, name: str, general: list[str]) -> list[str]:
+        """``general``, then the ``role_overrides`` for process ``name``: those whose ROLE: prefix names its role
+        or the process itself (``decode-0``), and those without a prefix where its config has the field."""
         pairs = list(general)
+        config = ProxyConfig if name == "proxy" else WorkerConfig
         for item in self.role_overrides:
-            role, _, pair = item.partition(":")
-            if name == role or name.startswith(role + "-"):
-                pairs.append(pair)
+            role, key, raw = split_override(item)
+            if role is None:
+                if not has_field(ProxyConfig, key) and not has_field(WorkerConfig, key):
+                    raise ConfigError(f"override {item!r}: no role's config has {key.split('.')[0]!r}")
+                if has_field(config, key):
+                    pairs.append(f"{key}={raw}")
+            elif name == role or name.startswith(role + "-"):
+                pairs.append(f"{key}={raw}")
         return [arg for pair in pairs for arg in ("--set", pair)]
 
     def _spawn(self, name: str, args: list[str]) -> None:

@@ -51,8 +51,9 @@ def add_model_options(parser: argparse.ArgumentParser, *, with_model: bool) -> N
 def add_config_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML config file (see configs/)")
     parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override a config field, e.g. --set engine.dtype=bfloat16 (repeatable)",
+        "--set", dest="overrides", action="append", default=[], metavar="[ROLE:]KEY=VALUE",
+        help="override a config field, e.g. --set engine.dtype=bfloat16 (repeatable); a ROLE: prefix (proxy, "
+        "prefill, decode, both) keeps it to that role's processes, so one list of overrides serves every role",
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
     parser.add_argument("--log-format", default="text", choices=telemetry.LOG_FORMATS,

@@ -43,8 +43,10 @@ def add_up_command(subparsers) -> None:
                         help="every worker uses every core, the workers taking turns one engine step at a "
                         "time (default); --no-share-cores splits the cores between them")
     parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="ROLE:KEY=VALUE",
-        help="extra override for one role's config, e.g. decode:engine.max_num_seqs=64 (repeatable)",
+        "--set", dest="overrides", action="append", default=[], metavar="[ROLE:]KEY=VALUE",
+        help="override a config field of every process whose config has it (engine.dtype=bfloat16: the workers), "
+        "or with a ROLE: prefix (proxy, prefill, decode, or one process such as decode-0) of those alone, "
+        "e.g. decode:engine.max_num_seqs=64 (repeatable)",
     )
     parser.set_defaults(handler=_run)
 

@@ -20,7 +20,7 @@ def add_worker_parser(subparsers, role: str, text: str, make_handler: Callable[[
 
 
 def run_worker(args: argparse.Namespace, make_handler: Callable[[WorkerConfig], object]) -> int:
-    overrides = parse_overrides(args.overrides)
+    overrides = parse_overrides(args.overrides, args.role)
     overrides["role"] = args.role
     config = load_config(WorkerConfig, args.config, overrides)
     configure_logging(args.log_level, args.log_format, role=config.role, worker_id=config.worker_id)

@@ -33,8 +33,11 @@ INTRO = f"""# Configuration reference
      Do not edit by hand: change the field's option(...) or Literal type and run `{REGENERATE}`. -->
 
 Every role reads one YAML file (`--config FILE`) and then the command-line
-overrides (`--set key=value`, repeatable; dotted keys reach into nested
-sections, e.g. `--set engine.dtype=bfloat16`). Values are validated at
+overrides (`--set [ROLE:]KEY=VALUE`, repeatable; dotted keys reach into nested
+sections, e.g. `--set engine.dtype=bfloat16`; a `ROLE:` prefix, e.g.
+`decode:engine.max_num_seqs=64`, keeps an override to that role, so one list
+serves every role, and `tessera up` gives an unprefixed one to every process
+whose config has the field). Values are validated at
 start-up: an unknown key, a value outside the allowed ones or a path that does
 not exist stops the process with an error naming the field. Check a file
 without starting anything with `tessera config check FILE [--role ROLE]`;

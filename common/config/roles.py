@@ -345,19 +345,41 @@ def _pair(cfg, first: str, second: str) -> None:
         raise ConfigError(f"config field {missing!r} is empty but {given!r} is set: give both or neither")
 
 
-def parse_overrides(pairs: list[str]) -> dict:
-    """``["a=1", "engine.dtype=bfloat16"]`` -> nested dict with YAML-typed values."""
+OVERRIDE_ROLES = ("proxy", "prefill", "decode", "both")
+
+
+def split_override(item: str) -> tuple[str | None, str, str]:
+    """``[ROLE:]KEY=VALUE`` as (ROLE or None, KEY, VALUE); a ':' after the '=' is the value's (an address)."""
+    head, sep, raw = item.partition("=")
+    role, colon, key = head.rpartition(":")
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} is not [ROLE:]KEY=VALUE")
+    return (role if colon else None), key, raw
+
+
+def parse_overrides(pairs: list[str], role: str | None = None) -> dict:
+    """``["a=1", "decode:engine.dtype=bfloat16"]`` -> nested dict with YAML-typed values, for a process of
+    ``role``: an item another role's prefix names is that role's and skipped (so one list serves every role);
+    ``role`` None takes no prefixed item."""
     out: dict = {}
     for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override {pair!r} is not key=value")
+        prefix, key, raw = split_override(pair)
+        if prefix is not None:
+            if prefix not in OVERRIDE_ROLES:
+                raise ConfigError(f"override {pair!r}: {prefix!r} is no role (one of {', '.join(OVERRIDE_ROLES)})")
+            if prefix != role:
+                continue
         node = out
         *parents, leaf = key.split(".")
         for p in parents:
             node = node.setdefault(p, {})
         node[leaf] = yaml.safe_load(raw)
     return out
+
+
+def has_field(cls, key: str) -> bool:
+    """Whether ``cls`` (a role's config) has the top-level field ``key`` names (``engine.dtype``: ``engine``)."""
+    return key.split(".", 1)[0] in cls.__dataclass_fields__
 
 
 def load_config(cls, path: str | Path | None = None, overrides: dict | None = None):
