@@ -46,6 +46,10 @@ class Completions:
             totals[key] = totals.get(key, 0) + tokens
         return totals
 
+    def count(self, key: str) -> int:
+        """How many of the measured completions were ``key``'s."""
+        return sum(k == key for k, _ in self.ended[self.warm_up:self.warm_up + self.measured])
+
     def share(self, key: str) -> float:
         served = self.served()
         return served.get(key, 0) / sum(served.values())

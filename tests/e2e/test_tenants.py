@@ -153,7 +153,8 @@ def test_two_tenants_four_to_one_load(make_proxy, script, workers, policy):
     if policy == "vtc":
         assert share >= 0.4
     else:
-        assert abs(share - 0.2) <= 0.05  # its 6 of the 30 streams
+        # its 6 of the 30 streams, served in turn: each ends 4 of the 120 measured completions, give or take one
+        assert abs(completions.count("sk-light") - 24) <= 6
 
 
 def heavy_and_light(make_proxy, script, workers, slots: int, token_interval_s: float, step_ms: list[float],
