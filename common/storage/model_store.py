@@ -183,7 +183,7 @@ def prepare_embedded_model(
 def _convert_once(target: Path, dtype: str, cache_dir: str | Path | None, fetch_gguf: GgufFetcher,
                   convert: Converter, log: Log) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(target.parent / ".prepare.lock"):
+    with exclusive_lock(target.parent / ".prepare.lock"):
         # Another process may have finished the job while this one waited.
         if _is_prepared(target, dtype):
             return
@@ -196,7 +196,7 @@ def _convert_once(target: Path, dtype: str, cache_dir: str | Path | None, fetch_
             convert(gguf, partial, dtype, log)
             validate_model_dir(partial)
             (partial / MARKER_FILE).write_text(json.dumps(_marker(dtype), indent=2) + "\n")
-            _replace_dir(partial, target)
+            replace_dir(partial, target)
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
@@ -300,7 +300,7 @@ def _cached_gguf(cache_root: Path, fetch_gguf: GgufFetcher, log: Log) -> Path:
     return gguf
 
 
-def _replace_dir(new: Path, target: Path) -> None:
+def replace_dir(new: Path, target: Path) -> None:
     """Move ``new`` to ``target``; a stale ``target`` is moved aside first, then removed."""
     if not target.exists():
         new.rename(target)
@@ -313,7 +313,8 @@ def _replace_dir(new: Path, target: Path) -> None:
 
 
 @contextmanager
-def _exclusive(lock_path: Path):
+def exclusive_lock(lock_path: Path):
+    """Hold an exclusive fcntl lock on ``lock_path`` (made if absent) while the block runs: one writer at a time."""
     with open(lock_path, "a") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
         try:

@@ -1,0 +1,55 @@
+"""The peer harness's pieces that run without vLLM: which model it serves, its roofline, and where it writes."""
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+import torch
+
+from bench.peers.compare import report, results_file, served_model
+from bench.roofline import read_bandwidth
+from common.storage.model_store import EMBEDDED_MODEL
+from common.storage.random_model import SHAPES
+
+
+def test_read_bandwidth_is_a_positive_rate_and_leaves_the_threads_as_they_were():
+    threads = torch.get_num_threads()
+    assert read_bandwidth(nbytes=1 << 20, passes=2) > 0
+    assert torch.get_num_threads() == threads
+
+
+def test_a_shape_resolves_to_its_cache_directory_and_name_without_writing(tmp_path):
+    model = served_model("1b", "bfloat16", cache_dir=tmp_path)
+    assert model.path == tmp_path / "models" / "random-1b-bfloat16-s0"
+    assert model.name == "random-1b-bfloat16-s0" and model.label == "1b" and model.shape == SHAPES["1b"]
+    assert not (tmp_path / "models").exists()
+
+
+def test_the_embedded_model_and_a_directory_resolve_to_their_names(tmp_path):
+    embedded = served_model("embedded", "bfloat16", cache_dir=tmp_path)
+    assert (embedded.name, embedded.label, embedded.shape) == (EMBEDDED_MODEL, "", None)
+    (tmp_path / "my model").mkdir()
+    directory = served_model(str(tmp_path / "my model"), "bfloat16")
+    assert (directory.path, directory.name, directory.label) == (tmp_path / "my model", "my model", "my_model")
+    with pytest.raises(ValueError, match="give embedded, a shape"):
+        served_model(str(tmp_path / "absent"), "bfloat16")
+
+
+def test_results_files_name_the_model_unless_it_is_the_embedded_one():
+    assert re.fullmatch(r"vllm-cpu-(intel|amd|cpu)-(amx|avx512|avx2)\.md", results_file().name)
+    assert results_file("1b").name == results_file().name.removesuffix(".md") + "-1b.md"
+
+
+def test_the_report_gives_one_stream_tpot_over_the_roofline(tmp_path):
+    args = argparse.Namespace(model="1b", dtype="bfloat16", input_len=256, output_len=64, num_prompts=8,
+                              single_prompts=4, rate=2.0, seed=100)
+    rows = [{"server": server, "point": "one stream", "load_before": 0.5, "remote_prefill": None,
+             "median_tpot_ms": tpot} for server, tpot in (("vllm", 20.0), ("tessera-agg", 13.0))]
+    model = served_model("1b", "bfloat16", cache_dir=tmp_path)
+    text = report(rows, args, model, (822_151_168, 1_644_302_336), bandwidth=164.4302336e9)  # roofline: 10 ms
+    assert "Model: random-1b-bfloat16-s0, 822,151,168 parameters, 1.64 GB of weights in bfloat16" in text
+    assert "164.4 GB/s" in text and "at least 10.00 ms" in text and "--model 1b " in text
+    lines = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| ")}
+    assert "one-stream TPOT over the roofline" in lines["| server"]
+    assert " | 2.00× | " in lines["| vllm"] and " | 1.30× | " in lines["| tessera-agg"]
