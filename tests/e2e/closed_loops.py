@@ -3,8 +3,8 @@
 Each tenant's streams send one completion after another; what each tenant was served is counted over a fixed
 number of completions after a warm-up, never over a wall-clock window. A busy machine changes how many
 completions fit in a second, not the order in which admission serves the tenants, so a share measured this way
-is the policy's, whatever the load beside the test. Every stream has a request in the proxy from its first
-completion until the count is reached: both tenants stay backlogged through the measured completions.
+is the policy's, whatever the load beside the test. Every stream sends its next request as soon as its last
+one ended, until the count is reached: both tenants stay backlogged through the measured completions.
 """
 from __future__ import annotations
 
