@@ -16,7 +16,7 @@ PIP := $(BIN)/python -m pip --quiet
 # Reinstalls when the dependencies change; an existing venv without it is reused, not rebuilt.
 SETUP_STAMP := $(VENV)/.tessera-setup
 
-.PHONY: setup prepare run test test-repeat
+.PHONY: setup prepare run test test-repeat install
 
 setup: $(SETUP_STAMP)
 
@@ -50,3 +50,17 @@ REPEAT ?= 3
 REPEAT_ARGS ?= tests/e2e
 test-repeat: setup prepare
 	$(BIN)/python -m tests.repeat --count $(REPEAT) $(REPEAT_ARGS)
+
+# A production install: a virtualenv at PREFIX with the project (not editable) and its runtime dependencies only,
+# the CPU build of torch, NIXL and xgrammar; no test or dev tools. On a GPU host install the CUDA torch build first
+# (pip install torch==$(TORCH_VERSION) from PyTorch's CUDA index) and then run this.
+PREFIX ?= /opt/tessera/venv
+install:
+	test -x $(PREFIX)/bin/python || $(PYTHON) -m venv $(PREFIX)
+	$(PREFIX)/bin/python -m pip --quiet install --upgrade pip
+	$(PREFIX)/bin/python -c "import torch" 2>/dev/null || $(PREFIX)/bin/python -m pip --quiet install torch==$(TORCH_VERSION)
+	$(PREFIX)/bin/python -m pip --quiet install '.[prepare]'
+	$(PREFIX)/bin/python -m pip --quiet install --no-deps nixl==$(NIXL_VERSION) nixl-cu12==$(NIXL_VERSION)
+	$(PREFIX)/bin/python -m pip --quiet install --no-deps xgrammar==$(XGRAMMAR_VERSION)
+	$(PREFIX)/bin/tessera --version
+
