@@ -83,6 +83,18 @@ def run_steps(runner, ids, steps, block_table):
     return torch.cat(outs)
 
 
+def share_kernels(cache: Path) -> None:
+    """A test's own cache root uses the default one's built C kernels (keyed by source, flags and CPU, so any
+    cache may share them): its workers load them instead of compiling every kernel again."""
+    from common.storage.model_store import default_cache_root
+
+    shared = default_cache_root() / "kernels"
+    shared.mkdir(parents=True, exist_ok=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    if not (cache / "kernels").exists():
+        (cache / "kernels").symlink_to(shared, target_is_directory=True)
+
+
 def registered_versions(root: Path, versions: list[tuple[str, int]], prompts: list[str], max_tokens: int,
                         tokenizer_from: Path) -> tuple[Path, dict[str, dict[str, str]]]:
     """Tiny random Llamas registered as ``name@version`` (seeded as given) in a registry under ``root / "cache"``,
@@ -92,6 +104,7 @@ def registered_versions(root: Path, versions: list[tuple[str, int]], prompts: li
     from common.storage.registry import ModelRegistry
 
     registry = ModelRegistry(root / "cache" / "registry")
+    share_kernels(root / "cache")
     answers = {}
     for model, seed in versions:
         name, _, version = model.partition("@")
