@@ -9,7 +9,6 @@ its parameter and dropped, and the files are memory-mapped, not read whole.
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from common.engine.models.llama import LlamaForCausalLM
+from common.storage.safetensors_files import checkpoint_files
 
 _FUSED = {
     "q_proj": ("qkv_proj", 0),
@@ -33,18 +33,6 @@ def load_hf_config(model_dir: str | Path):
     return AutoConfig.from_pretrained(str(model_dir))
 
 
-def checkpoint_files(model_dir: str | Path) -> list[Path]:
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [model_dir / name for name in sorted(set(weight_map.values()))]
-    single = model_dir / "model.safetensors"
-    if single.exists():
-        return [single]
-    raise FileNotFoundError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
-
-
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, backend) -> LlamaForCausalLM:
     cfg = load_hf_config(model_dir)
     with torch.device("meta"):
@@ -55,7 +43,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, backend) 
     params = dict(model.named_parameters())
     filled: dict[str, int] = {name: 0 for name in params}
     unexpected = []
-    for path in checkpoint_files(model_dir):
+    for path in checkpoint_files(Path(model_dir)):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 target, part = _target(name, model)
