@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.decode_kernel [--dtype bfloat16] [--quantization none|int8] [--threads 2] \
         [--rows 1,2,4,8,16,32,64] [--max-batch 64]
 
-The embedded model in this process. As many sequences as the largest ``--rows``, with prompts of 97, 105, 113, ...
+The embedded model (or ``--model``: a random-weight shape such as ``1b``, or a model directory) in this process. As many sequences as the largest ``--rows``, with prompts of 97, 105, 113, ...
 tokens (neither a prompt nor its next position ends a KV block), are prefilled; then for each M of ``--rows`` one
 decode step of the first M is prepared and its forward timed (``--repeat`` times each way, alternating): through
 ``kernels/decode_forward.c`` and with the kernel switched off, on the same weights and pages. The largest logit
@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantization", default="none", choices=("none", "int8"))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--model", default="embedded", help="embedded, a random-weight shape (1b, 3b, ...) or a "
+                        "model directory (bench/peers/compare.py's --model)")
     parser.add_argument("--rows", default="1,2,4,8,16,32,64", help="comma-separated batch sizes")
     parser.add_argument("--max-batch", type=int, default=None,
                         help="engine.decode_kernel_max_batch (the config's default when left out)")
@@ -52,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(r) for r in args.rows.split(",")]
     torch.set_flush_denormal(True)  # as in a worker process
     options = {} if args.max_batch is None else {"decode_kernel_max_batch": args.max_batch}
-    engine = LLMEngine(EngineConfig(model="embedded", dtype=args.dtype, quantization=args.quantization,
+    from bench.peers.compare import served_model
+    model_path = served_model(args.model, args.dtype).prepare(args.dtype)
+    engine = LLMEngine(EngineConfig(model=str(model_path), dtype=args.dtype, quantization=args.quantization,
                                     num_threads=args.threads, kv_cache_memory_bytes=1 << 30, **options))
     runner, rng = engine.runner, random.Random(1)
     params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)

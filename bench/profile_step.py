@@ -1,8 +1,9 @@
 """Where one engine step's time goes: a prefill chunk, and decode steps at several batch sizes.
 
-    .venv/bin/python -m bench.profile_step --dtype bfloat16 --threads 2
+    .venv/bin/python -m bench.profile_step --dtype bfloat16 --threads 2 [--model 1b]
 
-For each scenario the engine (in this process, the embedded model) is brought
+For each scenario the engine (in this process; ``--model`` as in bench/peers/compare.py: the embedded
+model, a random-weight Llama shape made in the cache on first use, or a model directory) is brought
 to the state the scenario names, then ``--steps`` steps run under
 ``torch.profiler``. The table gives the step's wall time and, per group of
 operators, their share of it: the matmuls (``aten::addmm``/``mm``/``linear``,
@@ -78,6 +79,18 @@ def scenario(engine: LLMEngine, name: str, batch: int, prompt_len: int, decode: 
     return row
 
 
+def engine_overrides(items: list[str]) -> dict:
+    """``--set KEY=VALUE`` items as EngineConfig keyword arguments (``engine.`` optional), values as YAML reads them."""
+    import yaml
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: give KEY=VALUE")
+        out[key.removeprefix("engine.")] = yaml.safe_load(value)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
@@ -85,12 +98,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20, help="decode steps profiled per scenario")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--model", default="embedded", help="embedded, a random-weight shape (1b, 3b, ...) or a "
+                        "model directory")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an engine config field, as a worker's --set engine.KEY=VALUE (repeatable)")
+    parser.add_argument("--batches", default="1,8,64", help="decode batch sizes profiled, comma-separated")
     args = parser.parse_args(argv)
+    from bench.peers.compare import served_model
+    model = served_model(args.model, args.dtype)
+    model_path = model.prepare(args.dtype)
     torch.set_flush_denormal(True)  # as in a worker process (common/cli/worker_command.py)
     torch.set_num_threads(args.threads)
-    engine = LLMEngine(EngineConfig(model="embedded", dtype=args.dtype, quantization=args.quantization,
+    engine = LLMEngine(EngineConfig(model=str(model_path), dtype=args.dtype, quantization=args.quantization,
                                     num_threads=args.threads,
-                                    kv_cache_memory_bytes=2 << 30))
+                                    kv_cache_memory_bytes=2 << 30, **engine_overrides(args.set)))
     cfg = engine.runner.model.config
     # every linear layer's weight (a parameter, or an int8 buffer), not the tied embedding
     flops_per_token = 2.0 * sum(m.weight.numel() for m in engine.runner.model.modules() if isinstance(m, nn.Linear))
@@ -99,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = [scenario(engine, "prefill 256 x 1", 1, 256, False, 1, rng, flops_per_token),
             scenario(engine, "prefill 256 x 4", 4, 256, False, 1, rng, flops_per_token)]
     rows += [scenario(engine, f"decode batch {b}", b, 256, True, args.steps, rng, flops_per_token)
-             for b in (1, 8, 64)]
+             for b in map(int, args.batches.split(","))]
     weights = "int8 weights, " if args.quantization == "int8" else ""
-    print(f"{args.dtype}, {weights}{args.threads} threads; matmul GFLOP/s counts 2 x non-embedding parameters per token "
+    print(f"{model.name}, {args.dtype}, {weights}{args.threads} threads; matmul GFLOP/s counts 2 x non-embedding parameters per token "
           "(the LM head's FLOPs are in the time but not the count)\n")
     groups = [g for g, _ in GROUPS] + ["other operators", "Python and glue (wall minus operators)"]
     print("| scenario | step ms | tokens | matmul GFLOP/s | " + " | ".join(groups) + " |")
