@@ -12,12 +12,14 @@ difference and the argmax agreement between the two show the numerics.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import time
 
 import torch
 
 from common.config.base import EngineConfig
+from common.engine import quantization
 from common.engine.llm_engine import LLMEngine
 from common.engine.scheduler import StepPlan
 from common.protocol.sampling_params import SamplingParams
@@ -39,6 +41,19 @@ def logits(runner, prepared) -> torch.Tensor:
         return runner.model.compute_logits(runner.forward(prepared)).float()
 
 
+@contextlib.contextmanager
+def torch_path(runner, weight_only_rows: int | None):
+    """The model on the torch path (the decode kernel off), with int8's weight-only rows set if given."""
+    kernel, rows = runner.model.fused_decode, quantization.INT8_WEIGHT_ONLY_ROWS
+    runner.model.fused_decode = None
+    if weight_only_rows is not None:
+        quantization.INT8_WEIGHT_ONLY_ROWS = weight_only_rows
+    try:
+        yield
+    finally:
+        runner.model.fused_decode, quantization.INT8_WEIGHT_ONLY_ROWS = kernel, rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
@@ -48,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="embedded", help="embedded, a random-weight shape (1b, 3b, ...) or a "
                         "model directory (bench/peers/compare.py's --model)")
     parser.add_argument("--rows", default="1,2,4,8,16,32,64", help="comma-separated batch sizes")
+    parser.add_argument("--torch-weight-only-rows", type=int, default=None,
+                        help="int8: quantization.INT8_WEIGHT_ONLY_ROWS while the torch path runs (0: W8A8 for "
+                        "every row), to compare the weight-only kernel with W8A8 at a few rows")
     parser.add_argument("--max-batch", type=int, default=None,
                         help="engine.decode_kernel_max_batch (the config's default when left out)")
     args = parser.parse_args(argv)
@@ -86,15 +104,13 @@ def main(argv: list[str] | None = None) -> int:
         fused_ms = torch_ms = 0.0
         for _ in range(-(-args.repeat // ROUND)):
             fused_ms += forward_ms(runner, prepared, ROUND)
-            runner.model.fused_decode = None
-            torch_ms += forward_ms(runner, prepared, ROUND)
-            runner.model.fused_decode = kernel
+            with torch_path(runner, args.torch_weight_only_rows):
+                torch_ms += forward_ms(runner, prepared, ROUND)
         rounds = -(-args.repeat // ROUND)
         fused_ms, torch_ms = fused_ms / rounds, torch_ms / rounds
         fused = logits(runner, prepared)
-        runner.model.fused_decode = None
-        reference = logits(runner, prepared)
-        runner.model.fused_decode = kernel
+        with torch_path(runner, args.torch_weight_only_rows):
+            reference = logits(runner, prepared)
         agree = (fused.argmax(-1) == reference.argmax(-1)).float().mean().item()
         print(f"| {rows} | {fused_ms:.2f} | {torch_ms:.2f} | {torch_ms / fused_ms:.2f}× | "
               f"{(fused - reference).abs().max().item():.3g} | {100 * agree:.0f}% |")

@@ -25,7 +25,7 @@ from common.engine.memory import device_memory_bytes, module_bytes, resident_byt
 from common.engine.models.llama import FusedDecode
 from common.engine.models.loader import load_model
 from common.engine.native import gemv_bf16_kernel
-from common.engine.quantization import calibration_ids, quantize_model_int8, smooth_for_int8
+from common.engine.quantization import calibration_ids, choose_int8_matmul, quantize_model_int8, smooth_for_int8
 from common.engine.sampler import Sampler, SamplingRow
 from common.engine.scheduler import StepPlan
 from common.engine.sequence import Sequence
@@ -84,6 +84,13 @@ class ModelRunner:
                 ids = calibration_ids(model_dir)
                 smooth_for_int8(self.model, lambda: self._forward_prompt(ids), config.int8_smoothing)
             quantize_model_int8(self.model)
+            started = time.monotonic()
+            chosen = choose_int8_matmul(tuple(m.weight.shape) for m in self.model.modules()
+                                        if isinstance(getattr(m, "weight", None), torch.Tensor)
+                                        and m.weight.dtype is torch.int8)
+            log.info("int8 matmul: kernels/int8_gemm.c up to %s rows, torch._int_mm past them (timed in %.1fs)",
+                     ", ".join(f"{rows} for {n}x{k}" for (n, k), rows in chosen.items()),
+                     time.monotonic() - started)
         if self.dtype is torch.bfloat16 and self.device.type == "cpu":
             gemv_bf16_kernel()  # built now, not on the first batch-1 decode step (models/llama.py ``linear``)
             if config.prepack_weights and (added := self.model.prepack_weights()):  # int8 weights: none packed

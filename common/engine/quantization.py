@@ -5,13 +5,17 @@ stored as int8 with one float32 scale per output row, symmetric: ``w ≈ q *
 scale`` with ``scale = max|w_row| / 127``. Nothing is ever dequantized into a
 weight-sized copy; each path computes on the int8 values:
 
-- decode steps of up to 8 rows: the one-call decode kernel, and for the LM
-  head ``tessera_linear_int8`` (both ``kernels/decode_forward.c``), widen the
-  int8 weights in registers against float32 activations (weight-only);
+- decode steps of up to ``INT8_WEIGHT_ONLY_ROWS`` rows: the one-call decode
+  kernel, and for the LM head ``tessera_linear_int8`` (both
+  ``kernels/decode_forward.c``), widen the int8 weights in registers against
+  float32 activations (weight-only);
 - larger batches and prompt chunks: the activations are quantized per row
   (``scale_x = max|x_row| / 127``) and multiplied by the int8 weights in
-  int8 with int32 sums (``torch._int_mm``, which runs on the CPU's VNNI
-  instructions), then scaled back: W8A8 with dynamic per-token scales.
+  int8 with int32 sums, then scaled back: W8A8 with dynamic per-token scales.
+  The int8 matmul (``int_mm``) is ``kernels/int8_gemm.c`` up to
+  ``INT8_GEMM_MAX_ROWS`` rows, where torch's reaches a fraction of the CPU's
+  VNNI throughput, and ``torch._int_mm`` past it; both give the same int32
+  sums exactly, so which one runs never changes an output.
 
 The embedding lookup widens only the looked-up rows. Activations, norms, the
 residual stream and the KV pool keep ``engine.dtype``.
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import time
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
@@ -41,7 +46,21 @@ from torch import nn
 from common.engine.native import kernel_function
 from common.text.tokenizer import Tokenizer
 
-SMALL_BATCH_ROWS = 8  # rows the small-batch kernels take with int8 (or float32) weights: decode_forward.c
+SMALL_BATCH_ROWS = 8  # rows the small-batch kernels take with float32 weights: decode_forward.c
+# Rows up to which int8 weights take the weight-only kernels (decode_forward.c: the one-call decode kernel and
+# tessera_linear_int8); more rows take W8A8. Widening int8 in registers reads the weights at memory speed for
+# one row but costs a conversion per product, so from two rows W8A8's VNNI products win (1B shape, Zen 4: one
+# row 25 ms against 32, two 36 against 31, eight 114 against 35;
+# ``python -m bench.decode_kernel --model 1b --quantization int8 --torch-weight-only-rows 0``).
+INT8_WEIGHT_ONLY_ROWS = 1
+# The int8 matmul's choice between kernels/int8_gemm.c and torch._int_mm, per weight shape (n, k): the most
+# rows the C kernel takes. ``choose_int8_matmul`` times both on this CPU at load (the crossover moves with the
+# shape, 32 to over 256 rows on Zen 4, and with the CPU: ``python -m bench.int8_gemm --model 1b``); a shape not
+# timed takes DEFAULT_KERNEL_ROWS. The sums are the same either way, so the choice never changes an output.
+INT8_GEMM_MAX_ROWS = 256  # kernels/int8_gemm.c's MAX_ROWS
+DEFAULT_KERNEL_ROWS = 32
+TRIAL_ROWS = (16, 32, 64, 128, 256)
+_kernel_rows: dict[tuple[int, int], int] = {}
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,6 +88,51 @@ def quant_kernels():
 
 
 @functools.cache
+def int8_gemm_kernel():
+    """``tessera_int8_gemm(x, w, y, m, n, k)`` of ``kernels/int8_gemm.c``, or None without a compiler."""
+    return kernel_function("int8_gemm", "tessera_int8_gemm", (ctypes.c_void_p,) * 3 + (ctypes.c_int,) * 3)
+
+
+def int_mm(xq: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``xq [m, k] int8 @ q [n, k]^T`` as int32 sums, exactly ``torch._int_mm(xq, q.t())``: the VNNI kernel
+    up to the rows chosen for ``q``'s shape (``choose_int8_matmul``), where the CPU has it; torch's otherwise."""
+    if xq.shape[0] <= _kernel_rows.get(tuple(q.shape), DEFAULT_KERNEL_ROWS) and xq.is_contiguous() \
+            and q.is_contiguous():
+        kernel = int8_gemm_kernel()
+        if kernel is not None:
+            out = torch.empty((xq.shape[0], q.shape[0]), dtype=torch.int32)
+            if kernel(xq.data_ptr(), q.data_ptr(), out.data_ptr(), xq.shape[0], q.shape[0], xq.shape[1]) == 0:
+                return out
+    return torch._int_mm(xq, q.t())
+
+
+def choose_int8_matmul(shapes, repeat: int = 3) -> dict[tuple[int, int], int]:
+    """Times the int8 matmul both ways on this CPU for each weight shape ``(n, k)`` at ``TRIAL_ROWS``, the two
+    alternating, best of ``repeat``, and keeps per shape the most rows up to which the C kernel was never the
+    slower (0 where it cannot run). Returns the choice; ``int_mm`` follows it from now on."""
+    kernel = int8_gemm_kernel()
+    for n, k in sorted(set(shapes)):
+        w = torch.zeros((n, k), dtype=torch.int8).random_(-127, 128)
+        rows = 0
+        for m in TRIAL_ROWS if kernel is not None else ():
+            x = torch.zeros((m, k), dtype=torch.int8).random_(-127, 128)
+            out = torch.empty((m, n), dtype=torch.int32)
+            ours = theirs = float("inf")
+            for _ in range(repeat):
+                start = time.perf_counter()
+                if kernel(x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k) != 0:
+                    break
+                middle = time.perf_counter()
+                torch._int_mm(x, w.t())
+                ours, theirs = min(ours, middle - start), min(theirs, time.perf_counter() - middle)
+            if ours > theirs:
+                break
+            rows = m
+        _kernel_rows[(n, k)] = rows
+    return {shape: _kernel_rows[shape] for shape in sorted(set(shapes))}
+
+
+@functools.cache
 def silu_mul_quantize_kernel():
     """``tessera_silu_mul_quantize`` of ``kernels/quant.c``, or None without a compiler."""
     return kernel_function("quant", "tessera_silu_mul_quantize",
@@ -78,7 +142,7 @@ def silu_mul_quantize_kernel():
 def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ (q * scale)^T + bias`` without materializing the dequantized weight."""
     rows = x.shape[0]
-    if rows <= SMALL_BATCH_ROWS and x.dim() == 2:
+    if rows <= INT8_WEIGHT_ONLY_ROWS and x.dim() == 2:
         kernel = linear_int8_kernel()
         if kernel is not None:
             x = x.contiguous()
@@ -89,7 +153,7 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
                 return out
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     xq, x_scale = quantize_activations(x2)
-    out = dequantize(torch._int_mm(xq, q.t()), x_scale, scale, bias, x.dtype)
+    out = dequantize(int_mm(xq, q), x_scale, scale, bias, x.dtype)
     return out.reshape(*x.shape[:-1], q.shape[0])
 
 
@@ -125,18 +189,18 @@ def mlp_int8(x: torch.Tensor, gate_up: nn.Module, down: nn.Module) -> torch.Tens
     sums go to down's int8 input in one C pass (``tessera_silu_mul_quantize``). None where that kernel is
     missing or the batch is small (the caller takes the layer-by-layer path)."""
     kernel = silu_mul_quantize_kernel()
-    if kernel is None or x.dim() != 2 or x.shape[0] <= SMALL_BATCH_ROWS:
+    if kernel is None or x.dim() != 2 or x.shape[0] <= INT8_WEIGHT_ONLY_ROWS:
         return None
     inter = gate_up.weight.shape[0] // 2
     xq, x_scale = quantize_activations(x.contiguous())
-    acc = torch._int_mm(xq, gate_up.weight.t())
+    acc = int_mm(xq, gate_up.weight)
     threads = torch.get_num_threads()
     aq, a_scale = torch.empty((x.shape[0], inter), dtype=torch.int8), torch.empty(x.shape[0], dtype=torch.float32)
     bias = None if gate_up.bias is None else gate_up.bias.float().contiguous()
     scratch = torch.empty((threads, inter))  # one float32 row per thread; held until the call returns
     kernel(acc.data_ptr(), x_scale.data_ptr(), gate_up.weight_scale.data_ptr(), None if bias is None else bias.data_ptr(),
            aq.data_ptr(), a_scale.data_ptr(), scratch.data_ptr(), x.shape[0], inter, threads)
-    return dequantize(torch._int_mm(aq, down.weight.t()), a_scale, down.weight_scale, down.bias, x.dtype)
+    return dequantize(int_mm(aq, down.weight), a_scale, down.weight_scale, down.bias, x.dtype)
 
 
 class Int8Embedding(nn.Module):

@@ -11,7 +11,8 @@ from common.engine.llm_engine import LLMEngine
 from common.engine.model_runner import ModelRunner
 from common.engine.models.llama import decode_forward_kernel
 from common.engine.native import cpu_has
-from common.engine.quantization import input_absmax, linear_int8, mlp_int8, quant_kernels, quantize_rows, smooth_for_int8
+from common.engine.quantization import (INT8_WEIGHT_ONLY_ROWS, input_absmax, linear_int8, mlp_int8, quant_kernels,
+                                         quantize_rows, smooth_for_int8)
 from common.engine.scheduler import StepPlan
 from common.engine.sequence import Sequence
 from common.protocol.sampling_params import SamplingParams
@@ -84,7 +85,7 @@ def test_bfloat16_decode_kernel_stays_within_bf16_rounding(tiny_dir, rows, first
 def test_int8_decode_kernel_equals_the_int8_torch_path(tiny_dir, dtype):
     runner = runner_for(tiny_dir, dtype=dtype, quantization="int8")
     assert runner.model.layers[0].mlp.down_proj.weight.dtype is torch.int8
-    fused, reference = logits_both_ways(runner, decoding_batch(runner, 4, seed=20))
+    fused, reference = logits_both_ways(runner, decoding_batch(runner, INT8_WEIGHT_ONLY_ROWS, seed=20))
     tolerance = 1e-4 if dtype == "float32" else 0.05 * reference.abs().max().item()
     assert (fused - reference).abs().max().item() <= tolerance
 
@@ -103,8 +104,8 @@ def test_only_bfloat16_weights_take_more_than_eight_rows(tiny_dir):
     wide = 40 if cpu_has("avx512_bf16") else 8  # elsewhere bf16 weights are widened to float32 products too
     assert runner_for(tiny_dir, dtype="bfloat16", decode_kernel_max_batch=40).model.fused_decode.max_rows == wide
     assert runner_for(tiny_dir, decode_kernel_max_batch=40).model.fused_decode.max_rows == 8
-    assert runner_for(tiny_dir, dtype="bfloat16", quantization="int8",
-                      decode_kernel_max_batch=40).model.fused_decode.max_rows == 8
+    assert runner_for(tiny_dir, dtype="bfloat16", quantization="int8",  # from two rows W8A8 wins
+                      decode_kernel_max_batch=40).model.fused_decode.max_rows == INT8_WEIGHT_ONLY_ROWS
 
 
 def test_quantize_rows_is_within_half_a_step_of_every_weight():
@@ -114,7 +115,7 @@ def test_quantize_rows_is_within_half_a_step_of_every_weight():
     assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-6).all()
 
 
-@pytest.mark.parametrize("rows", [1, 8, 40])  # the small-batch kernel, and W8A8 through torch._int_mm
+@pytest.mark.parametrize("rows", [1, 8, 40])  # the weight-only kernel, and W8A8 (int8_gemm.c or torch._int_mm)
 def test_int8_linear_matches_the_dequantized_product(rows):
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 96, generator=gen)
@@ -123,7 +124,7 @@ def test_int8_linear_matches_the_dequantized_product(rows):
     reference = x @ (q.float() * scale[:, None]).t() + bias
     out = linear_int8(x, q, scale, bias)
     # Weight-only rows are exact up to float32 sums; W8A8 adds the activations' rounding (<= 1/254 of max|x|).
-    tolerance = 1e-4 if rows <= 8 else 0.02 * reference.abs().max().item()
+    tolerance = 1e-4 if rows <= INT8_WEIGHT_ONLY_ROWS else 0.02 * reference.abs().max().item()
     assert out.shape == reference.shape and (out - reference).abs().max().item() <= tolerance
 
 
@@ -213,7 +214,9 @@ def test_int8_mlp_in_one_pass_matches_the_layer_by_layer_path(tiny_dir, dtype):
     reference = linear_int8(act.to(x.dtype), mlp.down_proj.weight, mlp.down_proj.weight_scale, mlp.down_proj.bias)
     # both quantize down's input per row; the one-pass path skips rounding gate/up to dtype first
     assert (fused.float() - reference.float()).abs().max().item() <= 0.03 * reference.float().abs().max().item()
-    assert mlp_int8(x[:8], mlp.gate_up_proj, mlp.down_proj) is None  # the small-batch kernel's
+    rows = INT8_WEIGHT_ONLY_ROWS  # the weight-only kernel's, which the layer-by-layer path takes
+    assert mlp_int8(x[:rows], mlp.gate_up_proj, mlp.down_proj) is None
+    assert mlp_int8(x[:rows + 1], mlp.gate_up_proj, mlp.down_proj) is not None
 
 
 @pytest.mark.slow

@@ -1,0 +1,87 @@
+"""The int8 matmul of W8A8 at a decode step's rows: kernels/int8_gemm.c against torch._int_mm, per layer shape.
+
+    .venv/bin/python -m bench.int8_gemm [--model 1b] [--rows 2 4 8 16 32 64 128 256] [--threads 2]
+
+For the model's four linear shapes (q/k/v, o, gate/up, down; from its config.json, no weights loaded) and its
+LM head, random int8 activations and weights, per number of rows: each way's time per call, ms (the best of
+``--repeat`` rounds, the two ways alternating, so the machine's drift biases neither), and their ratio. The
+two give the same int32 sums (checked on every shape); ``quantization.INT8_GEMM_MAX_ROWS`` is the most rows
+where the kernel wins on every shape.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from common.engine.quantization import int8_gemm_kernel
+
+
+def shapes(model_dir) -> list[tuple[str, int, int]]:
+    """``(name, n, k)`` of the model's linear layers and LM head."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or hidden // heads
+    return [("q/k/v", (heads + 2 * kv_heads) * head_dim, hidden), ("o", hidden, heads * head_dim),
+            ("gate/up", 2 * inter, hidden), ("down", hidden, inter), ("LM head", cfg["vocab_size"], hidden)]
+
+
+def best_ms(fn, repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return 1000 * best
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="1b", help="embedded, a random-weight shape (1b, 3b, ...) or a model "
+                        "directory (bench/peers/compare.py's --model; only its config is read)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64, 128, 256])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=5, help="rounds per way (the best is kept)")
+    args = parser.parse_args(argv)
+    from bench.peers.compare import served_model
+    torch.set_num_threads(args.threads)
+    kernel = int8_gemm_kernel()
+    if kernel is None:
+        raise SystemExit("no C compiler: kernels/int8_gemm.c cannot be built")
+    model = served_model(args.model, "bfloat16")
+    model_dir = model.prepare("bfloat16")
+    print(f"{model.name}'s shapes, {args.threads} threads; ms per call (best of {args.repeat}, alternating)\n")
+    print("| layer (n x k) | rows | int8_gemm.c | torch._int_mm | speed-up |")
+    print("|---|---|---|---|---|")
+    wins: dict[int, bool] = {}
+    for name, n, k in shapes(model_dir):
+        w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        for rows in args.rows:
+            x = torch.randint(-127, 128, (rows, k), dtype=torch.int8)
+            out = torch.empty((rows, n), dtype=torch.int32)
+
+            def ours() -> None:
+                if kernel(x.data_ptr(), w.data_ptr(), out.data_ptr(), rows, n, k) != 0:
+                    raise SystemExit(f"int8_gemm.c refused {rows} x {k} @ {n} x {k} (needs AVX512-VNNI, k % 64 == 0)")
+
+            def theirs() -> torch.Tensor:
+                return torch._int_mm(x, w.t())
+
+            ours()
+            if not torch.equal(out, theirs()):
+                raise SystemExit(f"{name} at {rows} rows: the sums differ from torch._int_mm's")
+            a = b = float("inf")
+            for _ in range(args.repeat):
+                a, b = min(a, best_ms(ours, 1)), min(b, best_ms(theirs, 1))
+            wins[rows] = wins.get(rows, True) and a <= b
+            print(f"| {name} ({n} x {k}) | {rows} | {a:.2f} | {b:.2f} | {b / a:.2f}× |")
+    winning = [rows for rows in sorted(wins) if all(wins[r] for r in sorted(wins) if r <= rows)]
+    print(f"\nthe kernel wins on every shape up to {max(winning) if winning else 0} rows")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
