@@ -112,11 +112,27 @@ class ModelRunner:
         fraction = self.config.kv_cache_memory_fraction
         if fraction is None:
             return self.config.kv_cache_memory_bytes
-        left = device_memory_bytes(self.device) - self.weight_bytes
+        weights = self._serving_weight_bytes()
+        left = device_memory_bytes(self.device) - weights
         if left <= 0:
-            raise ValueError(f"the model's weights ({self.weight_bytes / 2**30:.2f} GiB) leave no memory on "
+            raise ValueError(f"the model's weights as served ({weights / 2**30:.2f} GiB) leave no memory on "
                              f"{self.device} for a KV pool (kv_cache_memory_fraction)")
         return int(left * fraction)
+
+    def _serving_weight_bytes(self) -> int:
+        """The weights' bytes once the load has quantized or prepacked them (the pool is sized before either):
+        int8 holds a linear weight (and the embedding) in a byte per value plus a float32 scale per row; the
+        oneDNN prepack keeps a second copy of every bfloat16 linear weight and of a tied LM head."""
+        linears = [m.weight for m in self.model.modules() if isinstance(m, torch.nn.Linear)]
+        embedding = self.model.embed_tokens.weight
+        if self.config.quantization == "int8":
+            shrunk = sum(w.nbytes - w.numel() - 4 * w.shape[0] for w in [*linears, embedding])
+            return self.weight_bytes - shrunk
+        if (self.dtype is torch.bfloat16 and self.device.type == "cpu" and self.config.prepack_weights
+                and torch.backends.mkldnn.is_available()):
+            heads = [embedding] if self.model.tie_word_embeddings else []
+            return self.weight_bytes + sum(w.nbytes for w in [*linears, *heads])
+        return self.weight_bytes
 
     @property
     def num_blocks(self) -> int:

@@ -43,3 +43,28 @@ def test_a_fraction_out_of_range_names_the_field(fraction):
 def test_memory_figures_are_plausible():
     assert device_memory_bytes(torch.device("cpu")) > 1 << 30
     assert 0 < resident_bytes() < device_memory_bytes(torch.device("cpu"))
+
+
+def pool_blocks(runner: ModelRunner, weights: int, fraction: float) -> int:
+    return int((device_memory_bytes(torch.device("cpu")) - weights) * fraction) // runner.layout.bytes_per_block
+
+
+def test_the_pool_leaves_room_for_the_prepacked_copy(tiny_chat_model_dir):
+    """bfloat16 on the CPU keeps each linear weight twice (engine.prepack_weights): the pool is sized from both."""
+    fraction = 0.02
+    packed = ModelRunner(EngineConfig(model=str(tiny_chat_model_dir), dtype="bfloat16",
+                                      kv_cache_memory_fraction=fraction), tiny_chat_model_dir)
+    plain = ModelRunner(EngineConfig(model=str(tiny_chat_model_dir), dtype="bfloat16", prepack_weights=False,
+                                     kv_cache_memory_fraction=fraction), tiny_chat_model_dir)
+    model = plain.model
+    copies = sum(m.weight.nbytes for m in model.modules() if isinstance(m, torch.nn.Linear))
+    copies += model.embed_tokens.weight.nbytes if model.tie_word_embeddings else 0
+    assert plain.num_blocks == pool_blocks(plain, plain.weight_bytes, fraction)
+    assert packed.num_blocks == pool_blocks(packed, packed.weight_bytes + copies, fraction) <= plain.num_blocks
+
+
+def test_an_int8_pool_is_sized_from_the_int8_weights(tiny_chat_model_dir):
+    fraction = 0.02
+    runner = ModelRunner(EngineConfig(model=str(tiny_chat_model_dir), dtype="bfloat16", quantization="int8",
+                                      kv_cache_memory_fraction=fraction), tiny_chat_model_dir)
+    assert runner.num_blocks == pool_blocks(runner, module_bytes(runner.model), fraction)
