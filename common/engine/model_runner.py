@@ -97,6 +97,8 @@ class ModelRunner:
                 log.info("linear weights prepacked for oneDNN (+%.1f MiB; engine.prepack_weights)", added / 2**20)
         if self.device.type == "cpu" and self.attention.name == "cpu_paged" and config.decode_kernel_max_batch:
             self.model.fused_decode = FusedDecode(self.model, config.decode_kernel_max_batch)
+            if config.quantization == "int8":
+                self._choose_int8_decode_rows()
         self.sampler = Sampler()
         log.info(
             "model loaded in %.1fs: %s layers, dtype %s, weights %s (%.2f GiB), attention %s; KV pool %d blocks x "
@@ -105,6 +107,40 @@ class ModelRunner:
             module_bytes(self.model) / 2**30, self.attention.name, num_blocks, config.block_size,
             self.kv_cache.nbytes / 2**20, resident_bytes() / 2**30,
         )
+
+    def _choose_int8_decode_rows(self) -> None:
+        """int8: the most rows the weight-only one-call kernel keeps, from timing a decode step's forward both ways
+        now, on pages nothing owns yet. The kernel widens every int8 weight per row, while W8A8 through torch
+        pays a fixed cost per operator, so the crossover moves with the model (Zen 4: 4 rows at 135M, 1 at
+        1B; ``bench.decode_kernel --quantization int8 --torch-weight-only-rows 0``). Either way is exact to its
+        own numerics; only which one a step of a few rows takes changes."""
+        fused, bs = self.model.fused_decode, self.config.block_size
+        limit, chosen = fused.max_rows, 1
+        started = time.monotonic()
+        for rows in (2, 4, 8):
+            if rows > limit or rows > self.num_blocks:
+                break
+            seqs = []
+            for i in range(rows):
+                seq = Sequence(f"timing-{i}", [1 + i] * bs, SamplingParams(), seed=0)
+                seq.block_table, seq.num_computed_tokens = [i], bs - 1  # a decode row at the block's last slot
+                seqs.append(seq)
+            prepared = self.prepare(StepPlan(seqs, [1] * rows))
+            kernel = torch_path = float("inf")
+            for _ in range(3):
+                fused.max_rows, self.model.fused_decode = rows, fused
+                start = time.perf_counter()
+                self.forward(prepared)
+                middle = time.perf_counter()
+                self.model.fused_decode = None
+                self.forward(prepared)
+                kernel, torch_path = min(kernel, middle - start), min(torch_path, time.perf_counter() - middle)
+            if kernel > torch_path:
+                break
+            chosen = rows
+        fused.max_rows, self.model.fused_decode = chosen, fused
+        log.info("int8 decode: the weight-only kernel up to %d row(s), W8A8 past them (timed in %.1fs)", chosen,
+                 time.monotonic() - started)
 
     def _kv_budget(self) -> int:
         """The KV pool's bytes: ``kv_cache_memory_fraction`` of the device memory the weights leave, else

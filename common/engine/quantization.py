@@ -5,10 +5,10 @@ stored as int8 with one float32 scale per output row, symmetric: ``w ≈ q *
 scale`` with ``scale = max|w_row| / 127``. Nothing is ever dequantized into a
 weight-sized copy; each path computes on the int8 values:
 
-- decode steps of up to ``INT8_WEIGHT_ONLY_ROWS`` rows: the one-call decode
-  kernel, and for the LM head ``tessera_linear_int8`` (both
-  ``kernels/decode_forward.c``), widen the int8 weights in registers against
-  float32 activations (weight-only);
+- decode steps of a few rows: the one-call decode kernel (up to the rows
+  timed at load), and for the LM head of one row ``tessera_linear_int8``
+  (both ``kernels/decode_forward.c``), widen the int8 weights in registers
+  against float32 activations (weight-only);
 - larger batches and prompt chunks: the activations are quantized per row
   (``scale_x = max|x_row| / 127``) and multiplied by the int8 weights in
   int8 with int32 sums, then scaled back: W8A8 with dynamic per-token scales.
@@ -46,10 +46,11 @@ from torch import nn
 from common.engine.native import kernel_function
 from common.text.tokenizer import Tokenizer
 
-SMALL_BATCH_ROWS = 8  # rows the small-batch kernels take with float32 weights: decode_forward.c
-# Rows up to which int8 weights take the weight-only kernels (decode_forward.c: the one-call decode kernel and
-# tessera_linear_int8); more rows take W8A8. Widening int8 in registers reads the weights at memory speed for
-# one row but costs a conversion per product, so from two rows W8A8's VNNI products win (1B shape, Zen 4: one
+SMALL_BATCH_ROWS = 8  # rows the small-batch kernels take with int8 or float32 weights: decode_forward.c
+# Rows up to which the torch path's int8 layers take the weight-only kernels (tessera_linear_int8, and the LM
+# head after the one-call kernel); more rows take W8A8. The one-call kernel's own limit for int8 is timed at
+# load (ModelRunner._choose_int8_decode_rows): widening int8 weights in registers reads them at memory speed for
+# one row but costs a conversion per product, so from two rows a lone layer's W8A8 wins (1B shape, Zen 4: one
 # row 25 ms against 32, two 36 against 31, eight 114 against 35;
 # ``python -m bench.decode_kernel --model 1b --quantization int8 --torch-weight-only-rows 0``).
 INT8_WEIGHT_ONLY_ROWS = 1
@@ -110,8 +111,8 @@ def choose_int8_matmul(shapes, repeat: int = 3) -> dict[tuple[int, int], int]:
     """Times the int8 matmul both ways on this CPU for each weight shape ``(n, k)`` at ``TRIAL_ROWS``, the two
     alternating, best of ``repeat``, and keeps per shape the most rows up to which the C kernel was never the
     slower (0 where it cannot run). Returns the choice; ``int_mm`` follows it from now on."""
-    kernel = int8_gemm_kernel()
-    for n, k in sorted(set(shapes)):
+    kernel, shapes = int8_gemm_kernel(), sorted(set(shapes))
+    for n, k in shapes:
         w = torch.zeros((n, k), dtype=torch.int8).random_(-127, 128)
         rows = 0
         for m in TRIAL_ROWS if kernel is not None else ():
@@ -129,7 +130,7 @@ def choose_int8_matmul(shapes, repeat: int = 3) -> dict[tuple[int, int], int]:
                 break
             rows = m
         _kernel_rows[(n, k)] = rows
-    return {shape: _kernel_rows[shape] for shape in sorted(set(shapes))}
+    return {shape: _kernel_rows[shape] for shape in shapes}
 
 
 @functools.cache

@@ -104,8 +104,11 @@ def test_only_bfloat16_weights_take_more_than_eight_rows(tiny_dir):
     wide = 40 if cpu_has("avx512_bf16") else 8  # elsewhere bf16 weights are widened to float32 products too
     assert runner_for(tiny_dir, dtype="bfloat16", decode_kernel_max_batch=40).model.fused_decode.max_rows == wide
     assert runner_for(tiny_dir, decode_kernel_max_batch=40).model.fused_decode.max_rows == 8
-    assert runner_for(tiny_dir, dtype="bfloat16", quantization="int8",  # from two rows W8A8 wins
-                      decode_kernel_max_batch=40).model.fused_decode.max_rows == INT8_WEIGHT_ONLY_ROWS
+    # int8: as many as timing at load found the weight-only kernel ahead of W8A8, of at most 8
+    int8 = runner_for(tiny_dir, dtype="bfloat16", quantization="int8", decode_kernel_max_batch=40)
+    assert int8.model.fused_decode.max_rows in (1, 2, 4, 8)
+    assert runner_for(tiny_dir, dtype="bfloat16", quantization="int8",
+                      decode_kernel_max_batch=3).model.fused_decode.max_rows in (1, 2)
 
 
 def test_quantize_rows_is_within_half_a_step_of_every_weight():

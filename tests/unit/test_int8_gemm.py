@@ -35,7 +35,7 @@ def test_the_kernel_gives_exact_sums(rows, n, k):
 
 @pytest.mark.parametrize("n, k", [(64, 64), (70, 192), (36, 100)])
 def test_int_mm_gives_exact_sums_whichever_way_was_chosen(n, k):
-    chosen = choose_int8_matmul([(n, k)], repeat=1)
+    chosen = choose_int8_matmul(iter([(n, k)]), repeat=1)  # any iterable of shapes
     assert chosen[(n, k)] in (0, *TRIAL_ROWS)
     for rows in (1, 7, 16, 33, 256, 300):
         x, w = draw(rows, n, k)

@@ -23,7 +23,6 @@ from torch import nn
 from common.engine.attention import get_step_context
 from common.engine.models.rope import RotaryEmbedding, rotate
 from common.engine.native import cpu_has, gemv_bf16_kernel, kernel_function
-from common.engine import quantization
 from common.engine.quantization import SMALL_BATCH_ROWS, linear_int8, mlp_int8
 
 GEMV_MAX_K = 16384  # kernels/gemv_bf16.c's limit on the input width
@@ -315,11 +314,9 @@ class FusedDecode:
         # bf16 weights on a CPU with AVX512-BF16 take dot products 32 at a time and beat the torch path up to
         # about 48 rows (Zen 4); elsewhere, and for int8 and float32 weights, the kernel widens the weights to
         # float32 products, which past 8 rows lose to oneDNN.
-        # int8 weights: up to quantization.INT8_WEIGHT_ONLY_ROWS, past which W8A8 through the torch path wins.
-        weights = model.layers[0].self_attn.qkv_proj.weight.dtype
-        wide = weights is torch.bfloat16 and cpu_has("avx512_bf16")
-        narrow = quantization.INT8_WEIGHT_ONLY_ROWS if weights is torch.int8 else SMALL_BATCH_ROWS
-        self.max_rows = min(max_rows, FUSED_MAX_ROWS if wide else narrow)
+        # int8 weights: the model runner lowers this by timing it against W8A8 through torch at load.
+        wide = model.layers[0].self_attn.qkv_proj.weight.dtype is torch.bfloat16 and cpu_has("avx512_bf16")
+        self.max_rows = min(max_rows, FUSED_MAX_ROWS if wide else SMALL_BATCH_ROWS)
         self._kernel = decode_forward_kernel() if self.max_rows > 0 else None
         self._layers: torch.Tensor | None = None  # [num_layers, 18] int64 addresses, built on first use
         self._pool_key: tuple | None = None
