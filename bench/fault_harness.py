@@ -118,7 +118,7 @@ async def _read(response: httpx.Response, stream: Stream) -> None:
 
 
 def recovery_lines(log_path: Path) -> list[dict]:
-    """The proxy's ``recovery`` lines (``proxy.recovery``), as dicts; times as floats, ``-`` as None."""
+    """The proxy's ``recovery`` lines (``proxy.core.recovery``), as dicts; times as floats, ``-`` as None."""
     lines = []
     if not log_path.exists():
         return lines

@@ -34,7 +34,7 @@ import httpx
 from common.cli.local_cluster import LocalCluster
 from common.runtime.prometheus_text import total
 from common.storage.model_store import EMBEDDED_MODEL, resolve_model
-from proxy.tenants_command import hash_key
+from proxy.tenancy.tenants_command import hash_key
 
 MODEL = "SmolLM2-135M-Instruct"
 KEYS = {"A": "sk-tenant-a-0123456789", "B": "sk-tenant-b-0123456789"}
@@ -122,7 +122,7 @@ def point(cluster: LocalCluster, a_streams: int, args, seed: int) -> dict:
                        for name in cluster.metrics_ports if "decode" in name}
         for tenant in KEYS:
             waiting[tenant] = total(text, "tessera_proxy_tenant_waiting", tenant=tenant)
-        # the decode worker's capacity within the TPOT target, its lag (proxy/capacity.py) and its own step
+        # the decode worker's capacity within the TPOT target, its lag (proxy/core/capacity.py) and its own step
         # timer's last prediction and measurement, as the window ends
         waiting["decode_capacity"] = total(text, "tessera_proxy_worker_decode_capacity")
         waiting["step_lag_ms"] = 1e3 * total(text, "tessera_proxy_worker_step_lag_seconds")

@@ -8,7 +8,7 @@ process, as in tests/e2e/test_failover_processes.py) serves ``--streams`` concur
 Once each has ``--kill-after-tokens`` tokens, the decode worker running more sequences is killed
 with SIGKILL, and every stream is read to its end. The supervisor restarts the worker; the next trial
 starts once the proxy counts every worker again and no KV page is in use. Each resumed stream has
-four phases, from the proxy's ``recovery`` log line (proxy/recovery.py) and the client's own clock:
+four phases, from the proxy's ``recovery`` log line (proxy/core/recovery.py) and the client's own clock:
 
 - detection: the kill -> the proxy learns the worker is gone (its connection closed)
 - re-dispatch: detection -> the resumed attempt is sent to a worker again

@@ -19,7 +19,7 @@ Results, against the issue's targets:
 - leaked KV pages (0): once the load has stopped and the cluster settled, the proxy's and each
   worker's count of pages in use;
 - recovery per kill: detection and the resumed streams' first tokens (the proxy's recovery lines,
-  proxy/recovery.py), the first completion after the kill, and when the proxy counted every worker
+  proxy/core/recovery.py), the first completion after the kill, and when the proxy counted every worker
   again (the restarted one registered).
 """
 from __future__ import annotations

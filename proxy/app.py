@@ -3,7 +3,7 @@
 ``create_app`` builds everything the process needs (tokenizer, metrics,
 cluster, worker link) into ``app.state.services``. Its lifespan binds the
 ROUTER and starts the link's I/O tasks, the heartbeat watchdog, the
-metering file's loop (``proxy.metering``, with ``metering_path``) and the
+metering file's loop (``proxy.tenancy.metering``, with ``metering_path``) and the
 config reloads (``proxy.reload``: SIGHUP and the file watch) in the
 server's event loop; at shutdown it cancels whatever is still in flight
 (Abort to the workers), writes the last usage record, then closes the
@@ -31,25 +31,25 @@ from common.config.roles import ProxyConfig
 from common.text.tokenizer import Tokenizer
 from common.protocol.wire import PROTOCOL_VERSION
 from common.runtime.zmq_security import proxy_curve
-from proxy import admin_api, embeddings_api, openai_api, openapi, resumable, websocket_api
-from proxy.cluster import Cluster
-from proxy.conversations import ConversationStore
-from proxy.auth import tenant_from_header
-from proxy.errors import ApiError, install_error_handlers
-from proxy.listener import BodyDeadline
-from proxy.metering import MeteringLog
-from proxy.metrics import CONTENT_TYPE, ProxyMetrics
-from proxy.openapi import DetokenizeResponse, TokenizeResponse, error_responses, request_body
+from proxy.edge import admin_api, embeddings_api, openai_api, openapi, resumable, websocket_api
+from proxy.cluster.cluster import Cluster
+from proxy.edge.conversations import ConversationStore
+from proxy.edge.auth import tenant_from_header
+from proxy.core.errors import ApiError, install_error_handlers
+from proxy.edge.listener import BodyDeadline
+from proxy.tenancy.metering import MeteringLog
+from proxy.core.metrics import CONTENT_TYPE, ProxyMetrics
+from proxy.edge.openapi import DetokenizeResponse, TokenizeResponse, error_responses, request_body
 from proxy.reload import ConfigReloader, ConfigSource
-from proxy.protocol import (
+from proxy.edge.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest, check_token_ids,
     read_model,
 )
-from proxy.resumable import StreamStore
-from proxy.routing import PrefixAwareRouting, RoutingPolicy
-from proxy.served_models import ServedModels
-from proxy.token_text import TokenText
-from proxy.listener import WorkerLink
+from proxy.edge.resumable import StreamStore
+from proxy.core.routing import PrefixAwareRouting, RoutingPolicy
+from proxy.cluster.served_models import ServedModels
+from proxy.core.token_text import TokenText
+from proxy.cluster.worker_link import WorkerLink
 
 
 def _tessera_version() -> str:
@@ -86,7 +86,7 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
                       curve=proxy_curve(config), on_disconnect=cluster.on_disconnect)
     cluster.attach(link.send)
     if config.redis_url:
-        from proxy.shared_state import SharedState  # redis loads only where proxies share state
+        from proxy.tenancy.shared_state import SharedState  # redis loads only where proxies share state
         cluster.share = SharedState(config, cluster, metrics)
         cluster.admission.shares.weight = cluster.share.weight
     models = ServedModels(config, cluster.registry, registry_for(None), model_identity(config.model, config.dtype),
@@ -113,7 +113,7 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
         grpc_server = None
         try:
             if config.grpc_port:
-                from proxy.grpc_api.service import GrpcServer  # grpc loads only where the gRPC API is on
+                from proxy.edge.grpc_api.service import GrpcServer  # grpc loads only where the gRPC API is on
                 grpc_server = GrpcServer(services)
                 await grpc_server.start()
             # what startup built lives as long as the process: the collector need not scan it again each time a

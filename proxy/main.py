@@ -6,7 +6,7 @@ same loop. SIGTERM or SIGINT drains first (see ``proxy.server``): /readyz
 turns 503, requests in flight finish for up to the drain timeout, then the
 server stops and the ZeroMQ socket is closed before its context. The HTTP
 listener's TLS, connection limits and timeouts come from the config
-(``proxy.listener``); CURVE on the worker socket from ``common.runtime.zmq_security``.
+(``proxy.edge.listener``); CURVE on the worker socket from ``common.runtime.zmq_security``.
 SIGHUP, or a change of the ``--config`` file, reloads the tenant settings
 (``proxy.reload``) with the same ``--set`` overrides. ``--workers N`` runs N
 such processes behind one port (``proxy.supervisor``).
@@ -71,8 +71,8 @@ def run(config: ProxyConfig, config_path: str | None = None, overrides: dict | N
     # Imported here so that `tessera --help` answers without loading the server stack.
     from proxy.app import create_app
     from common.config.tls import check_tls_files
-    from proxy.listener import listener_config
-    from proxy.metering import check_path as check_metering_path
+    from proxy.edge.listener import listener_config
+    from proxy.tenancy.metering import check_path as check_metering_path
     from proxy.reload import ConfigSource
     from proxy.server import DrainingServer
 

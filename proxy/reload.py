@@ -18,7 +18,7 @@ that a writer that is not atomic is not read halfway. A reload:
 
 The replacement happens on the event loop, between two handlers, in one
 assignment: a request sees the old settings or the new, never a mix, and one
-that already started keeps its ``Tenant`` (``proxy.tenants``). Nothing on a
+that already started keeps its ``Tenant`` (``proxy.tenancy.tenants``). Nothing on a
 request's path calls into this module.
 """
 from __future__ import annotations
@@ -33,8 +33,8 @@ import yaml
 
 from common.config.base import fields_of
 from common.config.roles import ProxyConfig, load_config
-from proxy.cluster import Cluster
-from proxy.metrics import ProxyMetrics
+from proxy.cluster.cluster import Cluster
+from proxy.core.metrics import ProxyMetrics
 
 log = logging.getLogger("tessera.proxy.reload")
 

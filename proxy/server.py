@@ -24,7 +24,7 @@ import logging
 import uvicorn
 
 from common.runtime import sd_notify
-from proxy.cluster import Cluster
+from proxy.cluster.cluster import Cluster
 
 log = logging.getLogger("tessera.proxy")
 

@@ -3,7 +3,7 @@
 Each process is a whole proxy (its own event loop, worker socket and admission) listening on the same host:port
 with SO_REUSEPORT, so the kernel spreads new connections over them. Process i binds its worker socket at
 ``worker_bind``'s port + i, and every worker lists all N in its ``proxy_address`` (comma-separated) to register
-with each. What the processes must agree on is shared through ``redis_url`` (proxy/shared_state.py); without it
+with each. What the processes must agree on is shared through ``redis_url`` (proxy/tenancy/shared_state.py); without it
 each admits to 1/N of the decode slots (``decode_slot_share``) and keeps its own tenant counters and buckets, which
 the supervisor says at start. A metering file gets one per process (``NAME-i.EXT``), and with ``process_port`` each
 process also listens on a port of its own (that port + i), where /metrics is that process's.

@@ -4,7 +4,7 @@
 random-weight Llama of a named shape for benchmarks (``common.storage.random_model``);
 ``register``, ``list``, ``promote`` and ``rollback`` edit the registry under the
 cache root (``common.storage.registry``) directly, on this machine; ``promote`` and
-``rollback`` with ``--proxy`` ask a running proxy's admin API instead (``proxy/admin_api.py``),
+``rollback`` with ``--proxy`` ask a running proxy's admin API instead (``proxy/edge/admin_api.py``),
 which changes its host's registry and the traffic at once. Registry errors are
 ValueErrors, which ``tessera`` prints as ``tessera: error: ...`` with status 2.
 """

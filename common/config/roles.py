@@ -34,7 +34,7 @@ log = logging.getLogger("tessera.config")
 class ProxyConfig:
     host: Str = option("127.0.0.1", "address the HTTP API listens on")
     port: Int = option(8000, "TCP port of the HTTP API", gt=0)
-    grpc_port: Int = option(0, "TCP port of the gRPC API (proxy/grpc_api/tessera.proto) on host; 0: no gRPC", ge=0)
+    grpc_port: Int = option(0, "TCP port of the gRPC API (proxy/edge/grpc_api/tessera.proto) on host; 0: no gRPC", ge=0)
     grpc_initial_credits: Int = option(
         64, "messages a GenerateStream call may receive before its client grants more (Credit), unless its first "
         "Start asks for another number", ge=1)
@@ -59,7 +59,7 @@ class ProxyConfig:
         "(in that worker's prefix cache) to prefill only what is new", gt=0)
     conversation_store_path: Str = option(
         "", "SQLite file keeping each session's turns (messages and reply), so a conversation continues across "
-        "proxy restarts (proxy/conversations.py: schema and retention); empty: none")
+        "proxy restarts (proxy/edge/conversations.py: schema and retention); empty: none")
     conversation_retention_s: Float = option(
         7 * 86400.0, "turns older than this are deleted from the conversation store", gt=0)
     conversation_store_timeout_s: Float = option(
@@ -133,7 +133,7 @@ class ProxyConfig:
         "each (tessera proxy --workers N sets it); with redis_url, the share used before the first sync", gt=0)
     redis_url: Str = option(
         "", "Redis server several proxies share tenant counters, rate-limit buckets and the decode capacity split "
-        "through (redis://HOST:PORT/DB; proxy/shared_state.py); empty: this proxy's own state only")
+        "through (redis://HOST:PORT/DB; proxy/tenancy/shared_state.py); empty: this proxy's own state only")
     shared_state_interval_s: Float = option(
         0.1, "how often a proxy syncs with the others through redis_url: what they share is this late", gt=0, le=10)
     shared_state_timeout_s: Float = option(
@@ -177,7 +177,7 @@ class ProxyConfig:
         "(measured TTFT less forecast), so that about this fraction of the requests it admits meet ttft_slo_ms; "
         "0.5: refuse on the median", gt=0, le=1)
     tac_enabled: Bool = option(
-        False, "the adaptive controller (proxy/tac.py): moves the decode cap, the prefill token budget and the "
+        False, "the adaptive controller (proxy/control/tac.py): moves the decode cap, the prefill token budget and the "
         "conditional-disaggregation threshold to maximise goodput against ttft_slo_ms and the TPOT target; "
         "off, every knob keeps its configured value")
     tac_interval_s: Float = option(2.0, "seconds between two of the adaptive controller's decisions", gt=0, le=60)

@@ -101,7 +101,7 @@ class Peers(_Struct):
 
 
 class Tune(_Struct):
-    """proxy -> any worker: the adaptive controller's setting of the worker's engine (proxy/tac.py). Each value
+    """proxy -> any worker: the adaptive controller's setting of the worker's engine (proxy/control/tac.py). Each value
     only restricts what the worker is configured with: a larger one is taken as the configured one, and 0
     (the token budget) or None (speculation) is the configured value."""
     max_num_batched_tokens: NonNegInt = 0  # the step's token budget, so the largest prompt chunk

@@ -30,7 +30,7 @@ FIELD_SINCE: dict[str, dict[str, int]] = {"PrefillRequest": {"keep_s": 11}, "Dec
                                           "SamplingParams": {"structured": 13},
                                           "TokenDeltas": {"step_rows": 14, "step": 14}}
 # A request that uses a field goes only to workers that speak its version: an older one would drop the field
-# (``older_body``) and serve the request without what it asks for (``proxy/cluster.py`` ``_candidates``).
+# (``older_body``) and serve the request without what it asks for (``proxy/cluster/cluster.py`` ``_candidates``).
 STRUCTURED_SINCE = FIELD_SINCE["SamplingParams"]["structured"]
 
 

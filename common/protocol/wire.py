@@ -40,7 +40,7 @@ this channel):
   Heartbeat (``common/runtime/model_swap.py``).
 - proxy -> worker: FetchTokenizer, the tokenizer files whose hash its Register reported (``tokenizer_sha256``),
   for a version the proxy has no tokenizer of; the worker's I/O thread answers TokenizerFiles
-  (``proxy/tokenizer_fetch.py``).
+  (``proxy/cluster/tokenizer_fetch.py``).
 
 Prompt blocks are named the same way on both sides (``prefix_block_hashes``, at the end): chained hashes of
 full KV blocks, the prefix cache's keys. Block i's hash folds in block i-1's, so equal hashes at position i

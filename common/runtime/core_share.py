@@ -46,7 +46,7 @@ _HANDOFF_POLL_S = 20e-6
 
 def core_group(path: str) -> str:
     """Which cores a worker sharing them through ``path`` shares, as its registration tells the proxy (its
-    host and the file; proxy/prefill_gate.py): "" for a worker with cores of its own."""
+    host and the file; proxy/control/prefill_gate.py): "" for a worker with cores of its own."""
     return f"{socket.gethostname()}:{os.path.abspath(path)}" if path else ""
 
 

@@ -111,7 +111,7 @@ def _take_messages(io: WorkerIO, handler: RoleHandler, switch: ModelSwitch, wait
                 io.rejoin(msg.link)
         elif handler.engine is None or isinstance(msg, wire.LoadModel):
             switch.take(msg)
-        elif isinstance(msg, wire.Tune):  # the proxy's adaptive controller (proxy/tac.py)
+        elif isinstance(msg, wire.Tune):  # the proxy's adaptive controller (proxy/control/tac.py)
             engine = handler.engine
             handler.metrics.tuned(engine.scheduler.set_token_budget(msg.max_num_batched_tokens),
                                   *engine.speculator.tune(msg.spec_num_tokens, msg.spec_max_batch_size))

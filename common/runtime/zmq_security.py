@@ -3,7 +3,7 @@ eventfd the threads that own those sockets poll beside them to be woken (``Waker
 
 Every ZeroMQ socket that crosses hosts goes through here:
 
-- proxy ROUTER (``proxy.workers``): a CURVE server; its asyncio
+- proxy ROUTER (``proxy.cluster.worker_link``): a CURVE server; its asyncio
   authenticator accepts only the public keys in ``curve_authorized_keys_dir``.
 - worker DEALER to the proxy (``common.runtime.worker_runtime``): a CURVE client that
   also pins the proxy's public key, so it cannot talk to an impostor.

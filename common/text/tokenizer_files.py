@@ -2,7 +2,7 @@
 
 A worker reports the hash when it registers (``Register.tokenizer_sha256``) and sends the files themselves when the
 proxy asks (``FetchTokenizer`` -> ``TokenizerFiles``), so a proxy serves a model directory it was never given
-(proxy/tokenizer_fetch.py). The hash covers each file's name and bytes in name order: equal hashes mean a
+(proxy/cluster/tokenizer_fetch.py). The hash covers each file's name and bytes in name order: equal hashes mean a
 ``Tokenizer`` loaded from either set of files is the same, whatever else the two directories hold.
 """
 from __future__ import annotations

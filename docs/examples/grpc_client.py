@@ -1,4 +1,4 @@
-"""A Python client of Tessera's gRPC API (proxy/grpc_api/tessera.proto).
+"""A Python client of Tessera's gRPC API (proxy/edge/grpc_api/tessera.proto).
 
 Start a proxy with the gRPC API on (`tessera up --set proxy:grpc_port=50051`, or `grpc_port: 50051` in its
 config), then:
@@ -14,8 +14,8 @@ import argparse
 
 import grpc
 
-from proxy.grpc_api import tessera_pb2 as pb
-from proxy.grpc_api import tessera_pb2_grpc as rpc
+from proxy.edge.grpc_api import tessera_pb2 as pb
+from proxy.edge.grpc_api import tessera_pb2_grpc as rpc
 
 
 def chat(text: str, model: str, max_tokens: int) -> pb.GenerateRequest:

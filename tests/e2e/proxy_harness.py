@@ -26,7 +26,7 @@ from common.text.tokenizer import Tokenizer
 from common.protocol.wire import Abort, DecodeRequest, Peers, PrefillRequest, RegisterAck, ReleaseKV
 from proxy.app import create_app
 from tests.scripted_worker import FakeWorker
-from proxy.listener import listener_config
+from proxy.edge.listener import listener_config
 from proxy.server import DrainingServer
 from tests.conditions import settle
 

@@ -70,7 +70,7 @@ def test_turns_past_the_retention_are_swept_at_start(two_versions, make_proxy, m
 def test_a_stalled_store_costs_the_turn_only_its_keeping(two_versions, make_proxy, make_worker, tmp_path,
                                                          monkeypatch):
     """Past conversation_store_timeout_s the turn is served anyway; the read-back answers 503 naming the setting."""
-    from proxy.conversations import ConversationStore
+    from proxy.edge.conversations import ConversationStore
 
     proxy = start(make_proxy, make_worker, tmp_path / "conversations.sqlite")
     store = proxy.services.conversations

@@ -20,9 +20,9 @@ from grpc_status import rpc_status
 from common.cli.local_cluster import LocalCluster, free_port, post_json
 from common.config.roles import ProxyConfig
 from docs.examples.grpc_client import chat, generate, generate_many
-from proxy.grpc_api import tessera_pb2 as pb
-from proxy.grpc_api import tessera_pb2_grpc as rpc
-from proxy.tenants import hash_key
+from proxy.edge.grpc_api import tessera_pb2 as pb
+from proxy.edge.grpc_api import tessera_pb2_grpc as rpc
+from proxy.tenancy.tenants import hash_key
 from tests.e2e.proxy_harness import *  # noqa: F401,F403 -- fixtures (make_proxy, make_worker) and helpers
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -1,4 +1,4 @@
-"""The prefill gate (proxy/prefill_gate.py) on real clusters, the adaptive controller's and the proxy's own
+"""The prefill gate (proxy/control/prefill_gate.py) on real clusters, the adaptive controller's and the proxy's own
 (``prefill_gate_max_hold_s``): real workers say over the wire which cores they share, and with ``tessera up``'s
 layout (a prefill and a decode worker time-sharing the cores) a prompt waits at the proxy while a sequence
 decoding beside it has no room for it in its TPOT target; with workers on cores of their own, nothing is held.

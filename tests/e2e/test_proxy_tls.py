@@ -96,8 +96,8 @@ def test_grpc_is_served_over_the_same_tls_and_client_certificates(make_proxy, pk
     import grpc
 
     from common.cli.local_cluster import free_port
-    from proxy.grpc_api import tessera_pb2 as pb
-    from proxy.grpc_api import tessera_pb2_grpc as rpc
+    from proxy.edge.grpc_api import tessera_pb2 as pb
+    from proxy.edge.grpc_api import tessera_pb2_grpc as rpc
 
     cert, key = pki["server"]
     port = free_port()

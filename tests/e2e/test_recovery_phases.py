@@ -1,4 +1,4 @@
-"""A resumed stream's recovery phases at the proxy: the histogram and the one log line (proxy/recovery.py).
+"""A resumed stream's recovery phases at the proxy: the histogram and the one log line (proxy/core/recovery.py).
 
 Scripted workers behind a real proxy; the decode worker goes silent mid-stream as if killed, as in
 tests/e2e/test_proxy_migration.py. The benchmark that reads these with real processes is bench/recovery.py.

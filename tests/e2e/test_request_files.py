@@ -24,14 +24,14 @@ from tests.conditions import settle
 # 45 files before the layering of issue 11; 25 after it, the issue's goal. The budget
 # holds the ground gained: a change that spreads a request over more files fails here.
 # 26 since issue 15: which model version serves a request is a concept of its own
-# (proxy/served_models.py), asked once per request.
+# (proxy/cluster/served_models.py), asked once per request.
 # 28 since issue 17: a streamed token's path was cut to what it must cost, which took two files of their own:
-# the response stream (proxy/streaming.py: the group's batches, the chunk templates and the formats, out of
+# the response stream (proxy/edge/streaming.py: the group's batches, the chunk templates and the formats, out of
 # openai_api.py, which had no room left) and the per-token metrics the proxy aggregates itself rather than
-# through prometheus_client's locks (proxy/metrics.py).
+# through prometheus_client's locks (proxy/core/metrics.py).
 # 30 with several proxies (issue 17's last part): a worker's sockets, to one proxy or several, are a module of their
 # own (common/runtime/worker_io.py, out of worker_runtime.py), and so are the VTC counters with the part other
-# proxies share (proxy/service_counters.py, out of admission.py, which had no room left).
+# proxies share (proxy/tenancy/service_counters.py, out of admission.py, which had no room left).
 FILE_BUDGET = 30
 MODEL = "tiny"
 PATIENCE_S = 30.0  # bounds a wait for what a process does at once, so that a broken test fails rather than hangs

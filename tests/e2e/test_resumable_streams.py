@@ -1,4 +1,4 @@
-"""Resumable streams (proxy/resumable.py): numbered events, reconnection with Last-Event-ID, the window, the caps."""
+"""Resumable streams (proxy/edge/resumable.py): numbered events, reconnection with Last-Event-ID, the window, the caps."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import httpx
 from common.cli.local_cluster import LocalCluster
 from common.config.roles import ProxyConfig, TenantConfig
 from common.protocol.wire import Abort, DecodeRequest
-from proxy.tenants_command import hash_key
+from proxy.tenancy.tenants_command import hash_key
 from tests.conditions import settle
 from tests.e2e.proxy_harness import (  # noqa: F401
     MODEL, PATIENCE_S, SCRIPT_TEXT, assert_openai_error, make_proxy, make_worker, ready, script, slow_cluster,

@@ -17,8 +17,8 @@ from common.protocol.wire import cache_salt_of
 from common.protocol.wire import StepCostModel
 from common.runtime.prometheus_text import total
 
-from proxy.cluster import SHARED_WINDOW_S
-from proxy.tenants import hash_key
+from proxy.cluster.cluster import SHARED_WINDOW_S
+from proxy.tenancy.tenants import hash_key
 from tests.e2e.closed_loops import BODY, RUN_PATIENCE_S, Completions, closed_loops
 from tests.e2e.proxy_harness import *  # noqa: F401,F403 -- fixtures, helpers and wire types
 

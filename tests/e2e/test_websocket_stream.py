@@ -1,4 +1,4 @@
-"""The /v1/stream WebSocket (proxy/websocket_api.py) over a real socket: a proxy server in this process and
+"""The /v1/stream WebSocket (proxy/edge/websocket_api.py) over a real socket: a proxy server in this process and
 scripted workers (tokens every 50 ms), then a real cluster on a tiny model for the output itself."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from websockets.sync.client import connect
 from common.cli.local_cluster import LocalCluster
 from common.config.roles import TenantConfig
 from common.protocol.wire import Abort, DecodeRequest
-from proxy.tenants_command import hash_key
+from proxy.tenancy.tenants_command import hash_key
 from tests.e2e.proxy_harness import (  # noqa: F401
     MESSAGES, MODEL, PATIENCE_S, SCRIPT_TEXT, SLOW_TOKEN_INTERVAL_S, make_proxy, make_worker, ready, script,
     slow_cluster, tokenizer,

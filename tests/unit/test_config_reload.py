@@ -11,12 +11,12 @@ import pytest
 import yaml
 
 from common.config.roles import ProxyConfig
-from proxy.cluster import Cluster
-from proxy.errors import ApiError
-from proxy.metrics import ProxyMetrics
+from proxy.cluster.cluster import Cluster
+from proxy.core.errors import ApiError
+from proxy.core.metrics import ProxyMetrics
 from proxy.reload import ConfigReloader, ConfigSource
-from proxy.routing import PrefixAwareRouting
-from proxy.tenants import TenantRegistry, hash_key
+from proxy.core.routing import PrefixAwareRouting
+from proxy.tenancy.tenants import TenantRegistry, hash_key
 
 GOLD = {"name": "gold", "api_key_sha256": [hash_key("sk-gold")], "requests_per_s": 1, "request_burst": 1}
 FREE = {"name": "free", "api_key_sha256": [hash_key("sk-free")], "tokens_per_s": 100}

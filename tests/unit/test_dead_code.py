@@ -15,7 +15,7 @@ PACKAGES = ["common", "proxy", "prefill_worker", "decode_worker", "kv_transfer",
 
 def test_vulture_finds_no_unused_code():
     result = subprocess.run(
-        # protoc's output (proxy/grpc_api/*_pb2*.py) is not ours to prune.
+        # protoc's output (proxy/edge/grpc_api/*_pb2*.py) is not ours to prune.
         [sys.executable, "-m", "vulture", *PACKAGES, "tests/vulture_whitelist.py", "--min-confidence", "60",
          "--exclude", "*_pb2.py,*_pb2_grpc.py"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,

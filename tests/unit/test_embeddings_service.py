@@ -9,8 +9,8 @@ import pytest
 
 from common.protocol.versions import MESSAGE_SINCE
 from common.protocol.wire import PROTOCOL_VERSION, Abort, EmbedRequest, EmbedResult, RequestFailed, Role
-from proxy.embeddings import MAX_ATTEMPTS, Embeddings
-from proxy.errors import ApiError
+from proxy.cluster.embeddings import MAX_ATTEMPTS, Embeddings
+from proxy.core.errors import ApiError
 
 
 def config(**overrides):

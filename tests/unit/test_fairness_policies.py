@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.admission import BacklogLift, FcfsQueue, PriorityQueue, ServiceCounters, VtcQueue, Waiting, make_queue
+from proxy.tenancy.admission import BacklogLift, FcfsQueue, PriorityQueue, ServiceCounters, VtcQueue, Waiting, make_queue
 
 
 def counters(weights: dict[str, float] | None = None) -> ServiceCounters:

@@ -14,7 +14,7 @@ import pytest
 
 from common.config.roles import WorkerConfig
 from common.runtime.telemetry import WorkerMetrics
-from proxy.metrics import ProxyMetrics
+from proxy.core.metrics import ProxyMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "tessera.json"
 KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "offset", "bool", "and", "or",

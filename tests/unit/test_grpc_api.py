@@ -10,10 +10,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from proxy.errors import ApiError
-from proxy.grpc_api import tessera_pb2 as pb
-from proxy.grpc_api.service import http_body, status_of
-from proxy.protocol import ChatCompletionRequest, CompletionRequest
+from proxy.core.errors import ApiError
+from proxy.edge.grpc_api import tessera_pb2 as pb
+from proxy.edge.grpc_api.service import http_body, status_of
+from proxy.edge.protocol import ChatCompletionRequest, CompletionRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 GENERATED = ("tessera_pb2.py", "tessera_pb2_grpc.py")
@@ -22,10 +22,10 @@ GENERATED = ("tessera_pb2.py", "tessera_pb2_grpc.py")
 def test_the_generated_modules_match_the_proto(tmp_path):
     pytest.importorskip("grpc_tools")
     subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I", ".", f"--python_out={tmp_path}",
-                    f"--grpc_python_out={tmp_path}", "proxy/grpc_api/tessera.proto"], cwd=ROOT, check=True)
+                    f"--grpc_python_out={tmp_path}", "proxy/edge/grpc_api/tessera.proto"], cwd=ROOT, check=True)
     for name in GENERATED:
-        fresh = (tmp_path / "proxy" / "grpc_api" / name).read_text()
-        assert fresh == (ROOT / "proxy" / "grpc_api" / name).read_text(), (
+        fresh = (tmp_path / "proxy" / "edge" / "grpc_api" / name).read_text()
+        assert fresh == (ROOT / "proxy" / "edge" / "grpc_api" / name).read_text(), (
             f"{name} is stale: regenerate it (the command is at the top of tessera.proto)")
 
 

@@ -1,5 +1,5 @@
-"""Per-tenant usage: counted once when a choice ends (proxy/requests.py, proxy/metrics.py), and the metering
-file's records (proxy/metering.py). Times are given, never measured."""
+"""Per-tenant usage: counted once when a choice ends (proxy/core/requests.py, proxy/core/metrics.py), and the metering
+file's records (proxy/tenancy/metering.py). Times are given, never measured."""
 from __future__ import annotations
 
 import asyncio
@@ -13,10 +13,10 @@ from common.config.roles import ProxyConfig
 from common.protocol.sampling_params import SamplingParams
 from common.protocol.wire import PrefillDone, RequestFailed, TokenDelta
 from common.runtime.tracing import NoTracing
-from proxy.metering import MeteringLog, check_path, records
-from proxy.metrics import ProxyMetrics, TenantUsage
-from proxy.requests import SubRequest
-from proxy.streaming import EventSink
+from proxy.tenancy.metering import MeteringLog, check_path, records
+from proxy.core.metrics import ProxyMetrics, TenantUsage
+from proxy.core.requests import SubRequest
+from proxy.edge.streaming import EventSink
 
 CONFIG = ProxyConfig(max_migrations=0)
 PATIENCE_S = 30.0  # bounds a wait for the interval loop's records, so that a broken test fails rather than hangs

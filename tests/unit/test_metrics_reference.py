@@ -6,9 +6,9 @@ from pathlib import Path
 
 from common.config.roles import ProxyConfig, WorkerConfig
 from common.runtime.telemetry import WorkerMetrics
-from proxy.cluster import Cluster
-from proxy.metrics import ProxyMetrics
-from proxy.routing import PrefixAwareRouting
+from proxy.cluster.cluster import Cluster
+from proxy.core.metrics import ProxyMetrics
+from proxy.core.routing import PrefixAwareRouting
 
 REFERENCE = Path(__file__).parents[2] / "docs" / "observability.md"
 SUFFIXES = ("", "_total", "_seconds", "_bucket", "_sum", "_count")

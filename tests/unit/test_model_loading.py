@@ -9,12 +9,12 @@ from common.protocol.versions import MESSAGE_SINCE
 from common.protocol.wire import PROTOCOL_VERSION, KVLayoutInfo, LoadModel, Register, Standby
 from common.storage.registry import ModelRegistry
 from common.text.tokenizer import Tokenizer
-from proxy.errors import ApiError
-from proxy.metrics import ProxyMetrics
-from proxy.model_loading import ModelLoader
-from proxy.served_models import ServedModels
-from proxy.tokenizer_fetch import TokenizerFetcher
-from proxy.workers import WorkerRegistry
+from proxy.core.errors import ApiError
+from proxy.core.metrics import ProxyMetrics
+from proxy.cluster.model_loading import ModelLoader
+from proxy.cluster.served_models import ServedModels
+from proxy.cluster.tokenizer_fetch import TokenizerFetcher
+from proxy.core.workers import WorkerRegistry
 from tests.tiny_models import build_tiny_model
 
 LAYOUT = KVLayoutInfo(2, 16, 2, 8, "float32")
@@ -181,8 +181,8 @@ def test_a_heartbeat_the_worker_sent_before_its_load_model_does_not_bring_it_bac
     registers again; the Standby of an unloaded worker removes what was registered under its old epoch."""
     from common.config.roles import ProxyConfig
     from common.protocol.wire import Heartbeat, encode
-    from proxy.cluster import Cluster
-    from proxy.routing import PrefixAwareRouting
+    from proxy.cluster.cluster import Cluster
+    from proxy.core.routing import PrefixAwareRouting
 
     cluster = Cluster(ProxyConfig(), PrefixAwareRouting(), ProxyMetrics(), clock=lambda: 100.0)
     sent = []

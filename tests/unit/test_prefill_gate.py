@@ -1,4 +1,4 @@
-"""The prefill gate (proxy/prefill_gate.py), the adaptive controller's and the proxy's own: a prompt waits while the
+"""The prefill gate (proxy/control/prefill_gate.py), the adaptive controller's and the proxy's own: a prompt waits while the
 sequences decoding on the cores its prefill worker shares could not absorb it within their TPOT target."""
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from types import SimpleNamespace
 from common.protocol.wire import Heartbeat, KVLayoutInfo, Register, StepCostModel, decode, encode
 from common.runtime.core_share import core_group
 from common.runtime.prometheus_text import total
-from proxy.admission import Stage
-from proxy.prefill_gate import PrefillGate, slack_ms
-from proxy.workers import WorkerRegistry
-from proxy.tac import THRESHOLD_START
-from proxy.tac_window import MIN_OUTCOMES
+from proxy.tenancy.admission import Stage
+from proxy.control.prefill_gate import PrefillGate, slack_ms
+from proxy.core.workers import WorkerRegistry
+from proxy.control.tac import THRESHOLD_START
+from proxy.control.tac_window import MIN_OUTCOMES
 from tests.unit.test_tac import controller, ended
 
 LAYOUT = KVLayoutInfo(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")
@@ -166,9 +166,9 @@ def test_without_the_controller_the_gate_holds_at_most_its_longest_stretch_then_
 def gated_cluster(max_hold_s: float, scope: str = "always"):
     """A cluster whose p0 and d0 share cores, the TPOT target applying as ``scope`` says; the gate as configured."""
     from common.config.roles import ProxyConfig
-    from proxy.cluster import Cluster
-    from proxy.metrics import ProxyMetrics
-    from proxy.routing import PrefixAwareRouting
+    from proxy.cluster.cluster import Cluster
+    from proxy.core.metrics import ProxyMetrics
+    from proxy.core.routing import PrefixAwareRouting
     config = ProxyConfig(tpot_slo_ms=TARGET_MS, tpot_slo_scope=scope, prefill_gate_max_hold_s=max_hold_s)
     cluster = Cluster(config, PrefixAwareRouting(), ProxyMetrics(), clock=lambda: 100.0)
     cluster.registry = cluster.slo.registry = registry()
@@ -191,8 +191,8 @@ def test_a_prompt_the_gate_holds_goes_back_in_its_place():
     the wait it causes; the prompt it holds keeps its place in the fairness order."""
     import hashlib
     from common.config.roles import ProxyConfig
-    from proxy.admission import AdmissionController
-    from proxy.tenants import TenantRegistry
+    from proxy.tenancy.admission import AdmissionController
+    from proxy.tenancy.tenants import TenantRegistry
     tenants = [{"name": t, "api_key_sha256": [hashlib.sha256(t.encode()).hexdigest()]} for t in ("a", "b")]
     config = ProxyConfig(auth_enabled=True, tenants=tenants)
     registry_ = TenantRegistry(config)

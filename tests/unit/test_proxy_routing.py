@@ -5,8 +5,8 @@ import pytest
 
 from common.protocol.wire import cache_salt_of
 from common.protocol.wire import Goodbye, Heartbeat, KVLayoutInfo, Register
-from proxy.workers import WorkerRegistry
-from proxy.routing import PrefixAwareRouting, PrefixLRU
+from proxy.core.workers import WorkerRegistry
+from proxy.core.routing import PrefixAwareRouting, PrefixLRU
 
 LAYOUT = KVLayoutInfo(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")
 
@@ -293,7 +293,7 @@ def test_prefix_lru_is_bounded_and_counts_only_leading_hits():
 
 def test_a_sessions_next_turn_prefills_on_the_decode_worker_holding_its_history(monkeypatch):
     clock = [100.0]
-    monkeypatch.setattr("proxy.routing.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("proxy.core.routing.time.monotonic", lambda: clock[0])
     registry = WorkerRegistry(5.0)
     workers = add(registry, ("p", "prefill"), ("d1", "decode"), ("d2", "decode"))
     policy = PrefixAwareRouting(session_ttl_s=60.0)

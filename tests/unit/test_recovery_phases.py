@@ -1,4 +1,4 @@
-"""A resumed request's recovery phases (proxy/recovery.py) and the fault benchmarks' pure parts:
+"""A resumed request's recovery phases (proxy/core/recovery.py) and the fault benchmarks' pure parts:
 reading the proxy's recovery lines, classifying streams as lost or not, and the phase summary.
 
 Times here are given, never measured: nothing depends on how fast this machine is.
@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench import soak
 from bench.fault_harness import ABORTED, OK, Stream, outcome, parse_recovery, percentiles
 from bench.recovery import resumed_streams, summarize
-from proxy.metrics import ProxyMetrics
-from proxy.recovery import LOST_AGAIN, Recovery
+from proxy.core.metrics import ProxyMetrics
+from proxy.core.recovery import LOST_AGAIN, Recovery
 
 
 def phase_counts(metrics: ProxyMetrics) -> dict[str, tuple[float, float]]:

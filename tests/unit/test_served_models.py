@@ -8,9 +8,9 @@ import pytest
 
 from common.storage.registry import ModelRegistry
 from common.text.tokenizer import Tokenizer
-from proxy.errors import ApiError
-from proxy.served_models import ServedModels
-from proxy.tokenizer_fetch import TokenizerFetcher
+from proxy.core.errors import ApiError
+from proxy.cluster.served_models import ServedModels
+from proxy.cluster.tokenizer_fetch import TokenizerFetcher
 from tests.tiny_models import build_tiny_model
 
 
@@ -125,7 +125,7 @@ def test_the_listing_names_versions_promotion_and_canary(tmp_path, tiny_dirs):
 
 def test_a_session_keeps_its_version_across_a_promotion_until_its_pin_expires(tmp_path, tiny_dirs, monkeypatch):
     clock = [1000.0]
-    monkeypatch.setattr("proxy.served_models.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("proxy.cluster.served_models.time.monotonic", lambda: clock[0])
     served = Served(tmp_path, tiny_dirs[0], worker("a", "tiny", "v1"), worker("b", "tiny", "v2"))
     served.store.register(tiny_dirs[0], "tiny", "v1")
     served.store.register(tiny_dirs[1], "tiny", "v2")

@@ -7,14 +7,14 @@ import asyncio
 import pytest
 
 from common.config.roles import ProxyConfig
-from proxy.admission import Stage
-from proxy.cluster import Cluster
-from proxy.errors import ApiError
-from proxy.fair_split import local_weight, split, water_fill
-from proxy.metrics import ProxyMetrics
-from proxy.routing import PrefixAwareRouting
-from proxy.shared_state import SharedState
-from proxy.tenants import hash_key
+from proxy.tenancy.admission import Stage
+from proxy.cluster.cluster import Cluster
+from proxy.core.errors import ApiError
+from proxy.tenancy.fair_split import local_weight, split, water_fill
+from proxy.core.metrics import ProxyMetrics
+from proxy.core.routing import PrefixAwareRouting
+from proxy.tenancy.shared_state import SharedState
+from proxy.tenancy.tenants import hash_key
 from tests.redis_server import redis_server  # noqa: F401 - fixture
 
 TENANTS = [{"name": "heavy", "api_key_sha256": [hash_key("sk-heavy")]},

@@ -1,4 +1,4 @@
-"""Each tenant's share of the decode slots (proxy/slot_shares.py, through proxy/admission.py): a tenant at its
+"""Each tenant's share of the decode slots (proxy/tenancy/slot_shares.py, through proxy/tenancy/admission.py): a tenant at its
 share yields a free slot, under a latency cap a choice admitted to prefill holds its decode slot, the slot
 forecast, and a newcomer beside a burst another tenant started alone."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 
 from common.config.roles import ProxyConfig
-from proxy.admission import AdmissionController, Stage
-from proxy.requests import SlotForecast
-from proxy.tenants import TenantRegistry
+from proxy.tenancy.admission import AdmissionController, Stage
+from proxy.core.requests import SlotForecast
+from proxy.tenancy.tenants import TenantRegistry
 
 
 def decoding_admission(policy: str, slots: int, weights: dict[str, float] | None = None,

@@ -1,5 +1,5 @@
 """The engine's step-time model (common/engine/model_runner.py), its wire form, and decode admission by it in the
-proxy's registry (proxy/workers.py): pure logic, synthetic step times."""
+proxy's registry (proxy/core/workers.py): pure logic, synthetic step times."""
 from __future__ import annotations
 
 import random
@@ -10,8 +10,8 @@ import pytest
 from common.engine.model_runner import StepTimer
 from common.protocol import wire
 from common.protocol.wire import Heartbeat, KVLayoutInfo, Register, StepCostModel
-from proxy.capacity import ASSUMED_CONTEXT, START_CAPACITY
-from proxy.workers import WorkerRegistry
+from proxy.core.capacity import ASSUMED_CONTEXT, START_CAPACITY
+from proxy.core.workers import WorkerRegistry
 
 
 def large_ms(decode_tokens, decode_context, prompt_tokens=0, prompt_pairs=0):

@@ -9,10 +9,10 @@ import time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.errors import ApiError
-from proxy.request_exits import FailureEvent
-from proxy.requests import TokenEvent
-from proxy.streaming import (ChatFormat, ChoiceState, CompletionFormat, EventSink, RequestGroup, StreamChunks,
+from proxy.core.errors import ApiError
+from proxy.core.request_exits import FailureEvent
+from proxy.core.requests import TokenEvent
+from proxy.edge.streaming import (ChatFormat, ChoiceState, CompletionFormat, EventSink, RequestGroup, StreamChunks,
                              envelope, token_writer)
 
 

@@ -20,8 +20,8 @@ from common.engine.structured_output import apply_token_mask
 from common.protocol import wire
 from common.protocol.sampling_params import SamplingParams, StructuredOutput
 from common.protocol.versions import STRUCTURED_SINCE, older_body
-from proxy.errors import ApiError
-from proxy.protocol import ChatCompletionRequest, CompletionRequest
+from proxy.core.errors import ApiError
+from proxy.edge.protocol import ChatCompletionRequest, CompletionRequest
 from tests.unit.test_spec_decode import prompts
 
 ENUM_SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},

@@ -1,4 +1,4 @@
-"""The adaptive controller (proxy/tac.py): each rule moves its knob on what the window of ended choices says,
+"""The adaptive controller (proxy/control/tac.py): each rule moves its knob on what the window of ended choices says,
 every change is logged and exported, and with it off nothing moves."""
 from __future__ import annotations
 
@@ -11,16 +11,16 @@ from common.config.base import ConfigError
 from common.config.roles import ProxyConfig
 from common.protocol.wire import Heartbeat, KVLayoutInfo, Register, StepCostModel
 from common.runtime.prometheus_text import total
-from proxy.admission import AdmissionController, Stage
-from proxy.cluster import Cluster
-from proxy.metrics import ProxyMetrics
-from proxy.routing import PrefixAwareRouting
+from proxy.tenancy.admission import AdmissionController, Stage
+from proxy.cluster.cluster import Cluster
+from proxy.core.metrics import ProxyMetrics
+from proxy.core.routing import PrefixAwareRouting
 from common.protocol.wire import Tune
-from proxy.tac import CHUNK_MIN, CHUNK_START, THRESHOLD_START, AdaptiveController
-from proxy.tac_window import MIN_MISSES, MIN_OUTCOMES, MIN_SERVED
-from proxy.tac_workers import WEIGHT_MIN
-from proxy.tenants import TenantRegistry
-from proxy.workers import WorkerRegistry
+from proxy.control.tac import CHUNK_MIN, CHUNK_START, THRESHOLD_START, AdaptiveController
+from proxy.control.tac_window import MIN_MISSES, MIN_OUTCOMES, MIN_SERVED
+from proxy.control.tac_workers import WEIGHT_MIN
+from proxy.tenancy.tenants import TenantRegistry
+from proxy.core.workers import WorkerRegistry
 
 LAYOUT = KVLayoutInfo(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")
 COST = StepCostModel(small_max_rows=8, small=[9.0, 0.8, 3.0, 0.0, 0.0], large=[6.0, 1.5, 4.0, 0.3, 0.02])

@@ -7,11 +7,11 @@ import pytest
 
 from common.config.base import ConfigError
 from common.config.roles import ProxyConfig, TenantConfig, load_config
-from proxy.admission import AdmissionController, Stage
-from proxy.auth import tenant_from_body, tenant_from_header
-from proxy.errors import ApiError
-from proxy.rate_limit import TenantLimiter, TokenBucket
-from proxy.tenants import TenantRegistry, hash_key
+from proxy.tenancy.admission import AdmissionController, Stage
+from proxy.edge.auth import tenant_from_body, tenant_from_header
+from proxy.core.errors import ApiError
+from proxy.tenancy.rate_limit import TenantLimiter, TokenBucket
+from proxy.tenancy.tenants import TenantRegistry, hash_key
 
 
 def config(**overrides) -> ProxyConfig:

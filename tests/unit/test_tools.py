@@ -8,11 +8,11 @@ import pytest
 
 from common.storage.model_store import resolve_model
 from common.text.tokenizer import Tokenizer
-from proxy.errors import ApiError
-from proxy.streaming import ChatFormat, ChoiceState
-from proxy.protocol import ChatCompletionRequest, chat_prompt_ids
-from proxy.requests import TokenEvent
-from proxy.tools import ToolCallFormat
+from proxy.core.errors import ApiError
+from proxy.edge.streaming import ChatFormat, ChoiceState
+from proxy.edge.protocol import ChatCompletionRequest, chat_prompt_ids
+from proxy.core.requests import TokenEvent
+from proxy.edge.tools import ToolCallFormat
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

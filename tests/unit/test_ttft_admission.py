@@ -1,4 +1,4 @@
-"""Admission against the latency targets (proxy/capacity.py, proxy/slo.py): the forecast of a new request's
+"""Admission against the latency targets (proxy/core/capacity.py, proxy/control/slo.py): the forecast of a new request's
 time to first token, how many queued choices go before it under each policy, the prefill gate, early
 rejection, and which decode slots move for fairness. The slot shares: tests/unit/test_slot_shares.py."""
 from __future__ import annotations
@@ -11,13 +11,13 @@ from common.config.base import ConfigError
 from common.config.roles import ProxyConfig
 from common.engine.model_runner import StepTimer
 from common.protocol.wire import Heartbeat, KVLayoutInfo, Register, StepCostModel
-from proxy.admission import AdmissionController, Stage
-from proxy.capacity import TTFT_ERRORS, TTFT_MIN_SAMPLES, TtftForecast, choices_ahead
-from proxy.errors import ApiError
-from proxy.metrics import ProxyMetrics
-from proxy.slo import MAX_PREEMPTIONS, SloControls
-from proxy.tenants import TenantRegistry
-from proxy.workers import WorkerRegistry
+from proxy.tenancy.admission import AdmissionController, Stage
+from proxy.core.capacity import TTFT_ERRORS, TTFT_MIN_SAMPLES, TtftForecast, choices_ahead
+from proxy.core.errors import ApiError
+from proxy.core.metrics import ProxyMetrics
+from proxy.control.slo import MAX_PREEMPTIONS, SloControls
+from proxy.tenancy.tenants import TenantRegistry
+from proxy.core.workers import WorkerRegistry
 
 
 def test_the_forecast_is_the_wait_for_admission_plus_the_time_to_the_first_token():
@@ -101,7 +101,7 @@ def test_early_rejection_needs_a_target():
     ProxyConfig(early_rejection=True, ttft_slo_ms=2000.0)
 
 
-# -- SloControls (proxy/slo.py) on real registries --------------------------------------------------
+# -- SloControls (proxy/control/slo.py) on real registries --------------------------------------------------
 
 LAYOUT = KVLayoutInfo(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")
 

@@ -1,4 +1,4 @@
-"""The proxy's worker link (``proxy.listener.WorkerLink``) against a real DEALER over TCP."""
+"""The proxy's worker link (``proxy.cluster.worker_link.WorkerLink``) against a real DEALER over TCP."""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +7,7 @@ import time
 import zmq
 
 from common.protocol.wire import Abort, ReleaseKV, decode, encode
-from proxy.listener import WorkerLink
+from proxy.cluster.worker_link import WorkerLink
 
 PAD = "x" * 10_000
 PATIENCE_S = 60  # a bound on waits for a condition, so that a broken link fails rather than hangs; never a timing

@@ -2,7 +2,7 @@
 
 The hash over a directory's tokenizer files (common/text/tokenizer_files.py), the FetchTokenizer and TokenizerFiles
 messages and their bounds, the worker's answer on its I/O thread (common/runtime/registration.py, worker_io.py), and
-the proxy's side (proxy/tokenizer_fetch.py through proxy/served_models.py): one fetch per tokenizer, checked by
+the proxy's side (proxy/cluster/tokenizer_fetch.py through proxy/cluster/served_models.py): one fetch per tokenizer, checked by
 hash, kept under the cache root, asked of another worker after ``tokenizer_fetch_timeout_s``. Times are given,
 never measured.
 """
@@ -25,11 +25,11 @@ from common.runtime.worker_io import WorkerIO
 from common.storage.registry import ModelRegistry
 from common.text.tokenizer import Tokenizer
 from common.text.tokenizer_files import TOKENIZER_FILES, read_tokenizer_files, tokenizer_sha256
-from proxy.errors import ApiError
-from proxy.metrics import ProxyMetrics
-from proxy.served_models import ServedModels
-from proxy.tokenizer_fetch import TokenizerFetcher
-from proxy.workers import WorkerRegistry
+from proxy.core.errors import ApiError
+from proxy.core.metrics import ProxyMetrics
+from proxy.cluster.served_models import ServedModels
+from proxy.cluster.tokenizer_fetch import TokenizerFetcher
+from proxy.core.workers import WorkerRegistry
 
 LAYOUT = wire.KVLayoutInfo(2, 16, 2, 8, "float32")
 TEMPLATE = "{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}<<assistant>>"

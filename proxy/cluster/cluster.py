@@ -1,0 +1,402 @@
+"""The proxy's view of the cluster: workers, routing, and the requests in flight.
+
+Request life cycle, as queues and hops (one sub-request per choice):
+
+    HTTP handler --submit--> admission queue --dispatch--> policy.route --> SubRequest.start --> outbox --> worker
+    worker --frames--> WorkerLink (I/O task) --on_frames--> decode --> handle
+        Register/Heartbeat/Goodbye --> registry (+ RegisterAck, Peers; Reregister to an unknown heartbeat),
+            in proxy/cluster/membership.py, the cluster's base class
+        TokenizerFiles --> proxy/cluster/tokenizer_fetch.py (the tokenizer of a version the proxy has none of)
+        PrefillDone/KVPulled/RequestFailed, and each TokenDelta of a step's TokenDeltas --> that SubRequest
+    SubRequest --events--> RequestGroup's EventSink (proxy/edge/streaming.py) --> HTTP handler (stream or collect)
+
+Everything here runs in the event loop and never awaits a socket: sending is ``outbox(worker_id, msg)``, which
+only queues for the link's sender task. A message for a request that is no longer here (or for an earlier attempt
+of one that resumed elsewhere) is answered so nothing leaks on the worker: PrefillDone gets ReleaseKV back, a
+TokenDelta gets Abort, a KVPulled releases the source's pages.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from common.runtime.telemetry import bind_request, request_scope
+from common.config.roles import ProxyConfig
+from common.runtime.tracing import make_tracing
+from common.protocol.sampling_params import SamplingParams
+from common.protocol.versions import STRUCTURED_SINCE
+from common.protocol.wire import (PROTOCOL_VERSION, Abort, DecodeRequest, EmbedResult, Goodbye, Heartbeat, KVPulled,
+                                  PrefillDone, PrefillRequest, Register, ReleaseKV, RequestFailed, Standby,
+                                  TokenDeltas, TokenizerFiles, WireError, decode)
+from proxy.tenancy.admission import Admit, AdmissionController, Stage
+from proxy.cluster.embeddings import Embeddings
+from proxy.core.errors import ApiError
+from proxy.cluster.membership import WorkerMembership
+from proxy.core.metrics import ProxyMetrics
+from proxy.cluster.model_loading import ModelLoader
+from proxy.core.workers import SharedStateLike, StaticShare, WorkerRegistry
+from proxy.core.requests import Sends, SlotForecast, SubRequest
+from proxy.edge.streaming import EventSink, RequestGroup
+from proxy.core.routing import RoutingPolicy
+from proxy.control.slo import SloControls
+from proxy.control.tac import AdaptiveController
+from proxy.tenancy.tenants import Tenant, TenantRegistry
+from proxy.cluster.tokenizer_fetch import TokenizerFetcher
+
+log = logging.getLogger("tessera.proxy")
+
+# tpot_slo_scope "shared": a tenant counts as present for this long after its last request ended, so that a
+# closed-loop client between two requests does not hand the whole cluster to the other tenant's backlog
+SHARED_WINDOW_S = 2.0
+
+Outbox = Callable[[str, object, int], None]  # (worker id, message, the protocol version to encode it in)
+
+
+class Cluster(WorkerMembership):
+    def __init__(self, config: ProxyConfig, policy: RoutingPolicy, metrics: ProxyMetrics,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.policy = policy
+        self.metrics = metrics
+        self.registry = WorkerRegistry(config.heartbeat_timeout_s, config.tpot_slo_ms, config.tpot_slo_factor)
+        self.tracing = make_tracing(config.otel_endpoint, config.otel_service_name)
+        self.tenants = TenantRegistry(config, clock)
+        self.slo = SloControls(config, self.registry, self.tenants, policy, metrics, self._decode_slots,
+                               lambda: self.inflight.values())
+        self.slot_forecast = SlotForecast()
+        self.admission = AdmissionController(config, self.tenants, self._decode_slots, metrics, clock,
+                                             self._prefill_room,
+                                             latency_capped=self._within_tpot,
+                                             slots_freeing=self.slot_forecast.freeing)
+        self.slo.admission = self.admission
+        self.tac = AdaptiveController(config, self.registry, policy, self.admission, metrics, self.send, clock,
+                                      lambda: self.inflight.values()) if config.tac_enabled else None
+        # this proxy's part of the decode slots: a fixed share, or with redis_url what several proxies share
+        # (proxy/tenancy/shared_state.py, set by the app)
+        self.share: StaticShare | SharedStateLike = StaticShare(config.decode_slot_share)
+        if self.tac is not None:
+            self.tac.share_of = lambda slots: self.share.slots(slots)
+        self.inflight: dict[str, SubRequest] = {}
+        self.peer_versions: dict[str, int] = {}  # worker id -> the version it is answered in (the older of the two)
+        self.embeddings = Embeddings(config, self.registry, self.send, self.peer_versions)  # no admission, no pages
+        self.loader = ModelLoader(config, self.registry, self.send, metrics, self._involved, self.peer_versions, clock)
+        self.tokenizers = TokenizerFetcher(config, self.send, metrics, self.peer_versions, clock=clock)
+        self.draining = False
+        self._clock = clock
+        self._outbox: Outbox | None = None
+        self._handlers = {
+            Register: self._on_register, Heartbeat: self._on_heartbeat, Goodbye: self._on_goodbye,
+            PrefillDone: self._on_prefill_done, KVPulled: self._on_kv_pulled, TokenDeltas: self._on_token_deltas,
+            RequestFailed: self._on_request_failed, EmbedResult: self.embeddings.on_result,
+            Standby: self._on_standby, TokenizerFiles: self.tokenizers.on_files,
+        }
+        self._update_worker_gauges()
+
+    def attach(self, outbox: Outbox) -> None:
+        self._outbox = outbox
+
+    # -- the one place that sends -------------------------------------------------------------
+
+    def send(self, worker_id: str, msg) -> None:
+        if self._outbox is None:
+            raise RuntimeError("the cluster has no worker link attached")
+        if isinstance(msg, PrefillRequest):
+            self.metrics.worker_requests.labels(worker_id, "prefill").inc()
+        elif isinstance(msg, DecodeRequest):
+            self.metrics.worker_requests.labels(worker_id, "decode").inc()
+        self._outbox(worker_id, msg, self.peer_versions.get(worker_id, PROTOCOL_VERSION))
+
+    def _act(self, sub: SubRequest, before: Stage, sends: Sends) -> None:
+        """Send what a sub-request's handler returned, and follow its stage change in admission and routing;
+        ``before``: the stage admission counted it in when the handler ran."""
+        for worker_id, msg in sends:
+            self.send(worker_id, msg)
+        first_tokens = bool(sub.new_tokens) and len(sub.output_ids) == sub.new_tokens
+        if sub.new_tokens and len(sub.output_ids) - sub.new_tokens == 1 and sub.decode_worker and not sub.local:
+            self.registry.observe_handoff(sub.decode_worker, self._clock() - sub.first_token_at, sub.params.max_tokens,
+                                          sub.decoding_since - sub.first_token_at)
+        if sub.new_tokens:
+            if self.slo.forecast is not None:
+                self.slo.tokens_emitted(sub, self._clock())
+            self._charge_output(sub, sub.new_tokens)
+            sub.new_tokens = 0
+        self.slot_forecast.update(sub, first_tokens, self._clock())
+        if before is Stage.PREFILLING and sub.stage is not Stage.PREFILLING and sub.prefill_worker is not None:
+            self.policy.prefill_ended(sub.prefill_worker, sub.prefill_len)
+        if sub.done:
+            self.inflight.pop(sub.request_id, None)
+            self.admission.leave(sub.request_id, before)
+            if sub.stage is Stage.FINISHED and len(sub.output_ids) > 2 and not (sub.migrations or sub.preemptions):
+                self.registry.observe_tpot(sub.decode_worker, sub.first_token_at, sub.last_token_at,
+                                           len(sub.output_ids), sub.decoding_since - sub.first_token_at)
+            if self.tac is not None:
+                self.tac.ended(sub, self._clock())
+        elif before is Stage.PREFILLING and sub.stage is Stage.READY:
+            self.admission.ready_for_decode(sub.request_id)
+        elif before is not Stage.QUEUED and sub.stage is Stage.QUEUED:  # resumed: it starts over elsewhere
+            self.admission.requeue(sub.request_id, before)
+
+    def check_deadline(self, sub: SubRequest, now: float) -> None:
+        self._act(sub, sub.stage, sub.check_deadline(now))  # the stage before the handler runs
+        self._dispatch()
+
+    def cancel(self, sub: SubRequest, reason: str, status: int = 499) -> None:
+        self._act(sub, sub.stage, sub.cancel(reason, status))
+        self._dispatch()
+
+    def _within_tpot(self) -> bool:
+        """Whether the TPOT target limits decode admission now (``tpot_slo_scope``): always, never, or while two
+        or more tenants share the cluster; and always while the adaptive controller holds the cap."""
+        scope = self.config.tpot_slo_scope
+        if scope == "always" or (self.tac is not None and self.tac.decode_cap):
+            return True
+        if scope != "shared":
+            return False
+        here = self.admission.num_active_tenants(self._clock(), SHARED_WINDOW_S)
+        return here > 1 or self.share.tenants_elsewhere(here, self.admission.present)  # other proxies' count too
+
+    def _prefill_room(self) -> bool:
+        """Whether a prompt may go to a prefill worker now (the TTFT backlog, the prefill gate, TAC's budget)."""
+        if self.tac is not None:
+            return self.slo.prefill_room(False, self._clock()) and self.tac.prefill_room()
+        gated = self._within_tpot()  # the gate applies only then; without a TTFT target nothing else to ask
+        return not (gated or self.config.ttft_slo_ms) or self.slo.prefill_room(gated, self._clock())
+
+    def _decode_slots(self) -> int:
+        """This proxy's share of the decode slots (at least one while there are any): of as many as keep every
+        worker within the TPOT target while it applies (``_within_tpot``), else of every slot."""
+        return self.share.slots(self.registry.decode_slots(
+            within_tpot=self._within_tpot(), scale=self.tac.decode_scale if self.tac is not None else 1.0))
+
+    def apply_tenants(self, config: ProxyConfig) -> None:
+        """A reloaded config's tenant settings, from the next request on (``proxy.reload``): those in flight keep
+        their ``Tenant``, unchanged limits keep their buckets, and the fairness weights follow."""
+        self.tenants = self.slo.tenants = TenantRegistry(config, self._clock, previous=self.tenants)
+        self.admission.counters.reweigh(self.tenants.weights)
+
+    def _charge_output(self, sub: SubRequest, num_tokens: int) -> None:
+        """Tokens a worker emitted for ``sub``: its tenant's service counter and token bucket."""
+        self.admission.charge_output(sub.tenant, num_tokens)
+        if sub.tenant in self.tenants.limited:
+            self.tenants.tenants[sub.tenant].limiter.charge_tokens(num_tokens, self._clock())
+
+    # -- admission ------------------------------------------------------------------------------
+
+    def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams, base_seed: int,
+               tenant: Tenant | None = None, timeout_s: float | None = None,
+               model: tuple[str, str] | None = None, session: str | None = None) -> RequestGroup:
+        """Queue ``len(prompts) * params.n`` sub-requests for admission; they start as capacity allows. ApiError 503
+        when no worker could ever run them or the queue is full, 429 when ``tenant`` is over its concurrency or
+        queue limit. ``timeout_s``: the client's deadline for being admitted; ``model``: the (name, version) whose
+        workers alone serve it (None: any); ``session``: its conversation, routed to the worker holding it."""
+        if self.draining:
+            raise self._unavailable("the proxy is shutting down and accepts no new requests")
+        decoders = [w for w in self.registry.decode_side() if model is None or (w.model, w.model_version) == model]
+        if not any(not w.draining for w in decoders):
+            why = "all of them are draining" if decoders else "none is registered"
+            raise self._unavailable(f"no worker can take the request: it needs a decode-capable worker "
+                                    f"(role decode or both) of its model version, and {why}")
+        tenant = tenant or self.tenants.default
+        bind_request(request_id, tenant.name)  # the HTTP handler's later lines are about this request
+        if self.config.log_prompts:
+            log.info("request %s prompt token ids: %s", request_id, prompts)
+        self.admission.check_room(tenant, len(prompts) * params.n)
+        forecast_s = self.slo.reject_early(tenant, max(map(len, prompts)), self.tac) if self.slo.forecast else None
+        sink = EventSink()
+        now = self._clock()
+        client_deadline = None if timeout_s is None else now + timeout_s
+        queue_deadline = min(now + self.config.queue_timeout_s, client_deadline or float("inf"))
+        subs = []
+        for p, prompt in enumerate(prompts):
+            for j in range(params.n):
+                index = p * params.n + j
+                seed = (base_seed + j) % (1 << 63)
+                wire_params = params.replace(n=1, seed=seed)
+                sub = SubRequest(f"{request_id}-{index}", index, prompt, wire_params, seed, self.config, self.metrics,
+                                 self.tracing, sink, now, tenant=tenant.name, lane=tenant.lane,
+                                 cache_salt=tenant.cache_salt)
+                sub.wait_for_admission(queue_deadline, client_deadline)
+                sub.ttft_forecast_s = forecast_s
+                sub.model, sub.session = model, session
+                self.inflight[sub.request_id] = sub
+                if tenant.limited:
+                    tenant.limiter.charge_tokens(len(prompt), now)
+                self.admission.enqueue(sub.request_id, tenant, len(prompt), sub)
+                subs.append(sub)
+        self._dispatch()
+        return RequestGroup(subs, sink, self, self._clock)
+
+    def _dispatch(self) -> None:
+        """Start what admission admits, one at a time, until it admits nothing more; with
+        ``preempt_for_fairness``, then move decode slots between tenants once (``_preempt``)."""
+        self._admit()
+        if self.config.preempt_for_fairness and self.admission.total(Stage.READY) and self._preempt():
+            self._admit()
+
+    def _admit(self) -> None:
+        while (admit := self.admission.next_admission()) is not None:
+            self._start(admit)
+
+    def _start(self, admit: Admit) -> None:
+        sub = admit.payload
+        with request_scope(sub.request_id, sub.tenant):
+            sends = self._start_prefill(sub, admit) if admit.stage is Stage.PREFILLING else self._start_decode(sub)
+        self._act(sub, admit.stage, sends)
+
+    def _preempt(self) -> bool:
+        """Each slot move ``SloControls.to_preempt`` names: the giver's choice back to admission, and the taker's
+        next ready choice into the slot it freed. Whether there were any."""
+        now = self._clock()
+        moves = self.slo.to_preempt(self.inflight, now)
+        for victim, taker in moves:
+            with request_scope(victim.request_id, victim.tenant):
+                self._act(victim, Stage.DECODING, victim.preempt(now))
+            if (admit := self.admission.admit_decode(taker)) is not None:
+                self._start(admit)
+        return bool(moves)
+
+    def _start_prefill(self, sub: SubRequest, admit: Admit) -> Sends:
+        """Admitted to prefill: route it once, to a prefill worker or (local) to the decode worker that prefills it."""
+        now = self._clock()
+        if now >= sub.deadline:
+            return sub.check_deadline(now)
+        tokens = sub.tokens
+        route = self.policy.route(tokens, self._candidates(sub), sub.cache_salt, sub.session)
+        if route is None:
+            return sub.reject(self._unavailable("no worker can take the request any more: every decode-capable "
+                                                "worker left or is draining"))
+        sub.route, sub.admitted_at = route, now
+        if self.slo.forecast is not None:
+            self.slo.admitted_to_prefill(sub, now)
+        counter = self.admission.counters[sub.tenant]  # before this prompt is charged, as the worker sees it
+        self.admission.prefill_started(admit.key)
+        if route.local:
+            return sub.prefill_locally()
+        self.policy.prefill_sent(route.worker, tokens, sub.cache_salt)
+        return sub.start_prefill(route.worker, counter, now)
+
+    def _candidates(self, sub: SubRequest) -> list:
+        """The workers ``sub`` may be routed to: those of its model version; a resumed one not to the worker it left
+        (it gave it back, or failed it; its cache would draw a local prefill back) while another decode one can."""
+        version = STRUCTURED_SINCE if sub.params.structured is not None else 0  # older workers would drop it
+        workers = [w for w in self.registry.workers.values()
+                   if (sub.model is None or (w.model, w.model_version) == sub.model)  # prefill and decode: one version
+                   and self.peer_versions.get(w.worker_id, PROTOCOL_VERSION) >= version]
+        left = sub.left
+        if left is not None and any(w.decode_capable and not w.draining and w.worker_id != left for w in workers):
+            return [w for w in workers if w.worker_id != left]
+        return workers
+
+    def _start_decode(self, sub: SubRequest) -> Sends:
+        """Given a decode slot: the worker it was routed to (local), else the policy's pick, pulls or prefills it."""
+        now = self._clock()
+        if now >= sub.deadline:
+            return sub.check_deadline(now)
+        decoder = None
+        if sub.local and sub.route is not None:
+            routed = self.registry.workers.get(sub.route.worker.worker_id)
+            decoder = routed if routed is sub.route.worker and not routed.draining else None
+        tokens = sub.tokens
+        decoder = decoder or self.policy.pick_decode(tokens, self._candidates(sub))
+        if decoder is None:
+            return sub.reject(self._unavailable("no decode worker is available to continue the request"))
+        self.policy.decode_sent(decoder, tokens, local=sub.local, cache_salt=sub.cache_salt, session=sub.session)
+        return sub.start_decode(decoder, self.admission.counters[sub.tenant], now)
+
+    def _involved(self, worker_id: str) -> bool:
+        return any(sub.involves(worker_id) for sub in self.inflight.values())
+
+    def _unavailable(self, message: str) -> ApiError:
+        return ApiError(503, message, code="no_worker_available", retry_after_s=self.config.retry_after_s)
+
+    # -- inbound messages -----------------------------------------------------------------------
+
+    def on_frames(self, identity: bytes, frames: list[bytes]) -> None:
+        """One multipart message from the ROUTER, identity first; malformed ones are dropped."""
+        try:
+            sender = identity.decode()
+            msg = decode(frames)
+        except (UnicodeDecodeError, WireError) as exc:
+            self.metrics.malformed_messages.inc()
+            log.warning("dropped a malformed message from worker %r: %s", identity, exc)
+            return
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            self.metrics.malformed_messages.inc()
+            log.warning("dropped a %s from worker %r: workers do not send that", type(msg).__name__, sender)
+            return
+        now = self._clock()
+        self.peer_versions[sender] = min(frames[0][1], PROTOCOL_VERSION)
+        if isinstance(msg, Register) and frames[0][1] != PROTOCOL_VERSION:
+            log.info("worker %r speaks protocol version %d; this proxy %d", sender, frames[0][1], PROTOCOL_VERSION)
+        if not isinstance(msg, Register):
+            self.registry.touch(sender, now)
+        request_id = getattr(msg, "request_id", None)
+        sub = self._sub(request_id) if request_id is not None else None
+        with request_scope(request_id, sub.tenant if sub is not None else None):
+            handler(sender, msg, now)
+
+    def _sub(self, wire_id: str) -> SubRequest | None:
+        """The request a worker's message is about: None when none is in flight under that wire id (a resumed
+        request's earlier attempts are strays, answered as such)."""
+        sub = self.inflight.get(wire_id.partition("~")[0])
+        return sub if sub is not None and sub.wire_id == wire_id else None
+
+    # A stray message (no such request, or not from the worker serving it) is answered so that
+    # the sender frees what it holds; pages the request still relies on are never touched.
+
+    def _on_request_message(self, sub: SubRequest | None, handler) -> bool:
+        """Run ``handler`` (a sub-request's) and act on what it returns; False when it was not for ``sub``."""
+        before = sub.stage if sub is not None else None
+        if sub is None or (sends := handler()) is None:
+            return False
+        self._act(sub, before, sends)
+        self._dispatch()  # what it freed or readied
+        return True
+
+    def _on_prefill_done(self, sender: str, msg: PrefillDone, now: float) -> None:
+        sub = self._sub(msg.request_id)
+        if self._on_request_message(sub, lambda: sub.on_prefill_done(msg, sender, now)):
+            return
+        if sub is None or sender != sub.kv_holder:
+            log.debug("releasing pages of stray PrefillDone %s from %r", msg.request_id, sender)
+            self.send(sender, ReleaseKV(msg.request_id))
+
+    def _on_kv_pulled(self, sender: str, msg: KVPulled, now: float) -> None:
+        sub = self._sub(msg.request_id)
+        if self._on_request_message(sub, lambda: sub.on_kv_pulled(msg, sender, now)):
+            return
+        if sub is None and msg.source_worker_id in self.registry.workers:
+            log.debug("releasing pages of stray KVPulled %s on %r", msg.request_id, msg.source_worker_id)
+            self.send(msg.source_worker_id, ReleaseKV(msg.request_id))
+
+    def _on_token_deltas(self, sender: str, msg: TokenDeltas, now: float) -> None:
+        """A decode step's tokens: each delta to its request, then one dispatch for what the finished ones freed."""
+        running_after = False  # some of the step's sequences go on (the registry times the worker's next step)
+        for delta in msg.deltas:
+            running_after = running_after or delta.finish_reason is None
+            sub = self._sub(delta.request_id)
+            with request_scope(delta.request_id, sub.tenant if sub is not None else None):
+                try:  # _apply, inlined: this runs for every token
+                    before = sub.stage if sub is not None else None
+                    if sub is not None and (sends := sub.on_token_delta(delta, sender, now)) is not None:
+                        self._act(sub, before, sends)
+                        continue
+                except Exception:  # a bug on one request must not cost the step's other requests their tokens
+                    log.exception("error handling the tokens of request %s from worker %r", delta.request_id, sender)
+                    continue
+                if delta.finish_reason is None and (sub is None or sender != sub.decode_worker):
+                    log.debug("aborting stray request %s on %r", delta.request_id, sender)
+                    self.send(sender, Abort(delta.request_id))
+        self.registry.observe_step(sender, msg.step_rows or len(msg.deltas), running_after, now, msg.step)
+        if any(d.finish_reason is not None for d in msg.deltas) or self.admission.total(Stage.QUEUED) or \
+                self.admission.total(Stage.READY):  # else, at every step of every worker, it would admit nothing
+            self._dispatch()
+
+    def _on_request_failed(self, sender: str, msg: RequestFailed, now: float) -> None:
+        if self.embeddings.owns(msg.request_id):
+            return self.embeddings.on_failed(sender, msg)
+        sub = self._sub(msg.request_id)
+        if not self._on_request_message(sub, lambda: sub.on_failed(msg, sender, now)):
+            log.debug("ignoring RequestFailed for unknown request %s from %r", msg.request_id, sender)

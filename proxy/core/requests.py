@@ -1,0 +1,358 @@
+"""The request state machine: one ``SubRequest`` per choice on the wire.
+
+A client request with n choices (times the prompts of a batch) becomes one
+``RequestGroup`` of independent sub-requests, each with its own request id
+and seed, all writing to the group's event queue. A sub-request's life:
+
+    QUEUED --admitted, route--> PREFILLING --PrefillDone--> READY --decode slot--> DECODING
+       \\--admitted, route (local)--------------------------^                        |
+                                                   TokenDelta(finish) / PrefillDone(finish) --> FINISHED
+       RequestFailed / worker lost / timeout / client gone (any live stage) -----------------> FAILED
+       worker lost / gave it back (PREFILLING, READY with pages, DECODING) --resume--> QUEUED
+
+The stage (``proxy.tenancy.admission.Stage``) lives here alone, in ``SubRequest.stage``.
+
+- QUEUED: waiting for admission (``proxy.tenancy.admission``) until
+  ``queue_timeout_s`` or the client's own deadline, whichever is first;
+  past it the request is dropped, never run: 503 (queue timeout) or 504
+  (``deadline_exceeded``). Admission routes and starts it.
+- PREFILLING: PrefillRequest sent; deadline ``first_token_timeout_s``.
+  PrefillDone streams the first token; the prefill worker holds the pages
+  until ReleaseKV.
+- READY: waiting for a decode slot (at most ``queue_timeout_s``, then
+  503; a local one keeps its admission deadline); admission then sends a DecodeRequest naming the pages to the
+  decode worker the policy picks.
+- DECODING: TokenDeltas stream; KVPulled (ok or not) releases the pages on
+  the prefill worker. Deadline: ``token_timeout_s`` after the last message
+  (``first_token_timeout_s`` until the first token for local prefill).
+- The ways out (failure, deadline, cancel) and resume elsewhere are
+  ``proxy.core.request_exits``' (``SubRequest``'s base class).
+
+No sockets and no calls back into the cluster: every handler returns what
+the cluster must send (``Sends``), and the cluster reads the stage change
+(``stage`` before and after) to update admission and routing.
+
+``SlotForecast`` reads the choices decoding: how many end within one prefill. The events a sub-request emits
+go to its group's ``proxy.edge.streaming.EventSink``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from common.config.roles import ProxyConfig
+from common.protocol.sampling_params import SamplingParams
+from common.runtime.tracing import NoTracing, RequestTrace
+from common.protocol.wire import DecodeRequest, KVPulled, PrefillDone, PrefillRequest, ReleaseKV, TokenDelta
+from proxy.tenancy.admission import Stage
+from proxy.core.errors import ApiError
+from proxy.core.metrics import ProxyMetrics
+from proxy.core.request_exits import FailureEvent, RequestExits, Sends
+from proxy.core.workers import WorkerState
+from proxy.core.routing import Route
+
+log = logging.getLogger("tessera.proxy")
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[list]] | None = None  # per token: [[token_id, logprob], ...]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+Event = TokenEvent | FailureEvent
+
+
+class SubRequest(RequestExits):
+    trace: RequestTrace | None = None  # only while tracing is on
+
+    def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams, seed: int,
+                 config: ProxyConfig, metrics: ProxyMetrics, tracing: NoTracing, sink, now: float,
+                 tenant: str = "default", lane: int = 0, cache_salt: int = 0) -> None:
+        self.request_id = request_id
+        self.tenant = tenant
+        self.lane = lane  # priority lane, 0 (p0) first
+        self.cache_salt = cache_salt  # the tenant's prefix-cache namespace, on both of its wire requests
+        self.client_deadline: float | None = None  # the client's own deadline, while it waits for admission
+        self.index = index
+        self.prompt = prompt
+        self.params = params
+        self.seed = seed
+        self.stage = Stage.QUEUED
+        self.prefill_worker: str | None = None
+        self.prefill_len = 0  # tokens its running prefill computes
+        self.decode_worker: str | None = None
+        self.kv_holder: str | None = None  # prefill worker still holding this request's pages
+        self._handoff: PrefillDone | None = None  # the prefill's result, while it waits for a decode slot
+        self._lease_ends = 0.0  # when the prefill worker frees the handed-off pages (kv_lease_s after PrefillDone)
+        self.route: Route | None = None  # chosen once, when admitted to prefill
+        self.decoding_since = 0.0  # when it was last given a decode slot (fairness preempts only one decoding since)
+        self.admitted_at: float | None = None  # when admitted to prefill (the TTFT and slot forecasts)
+        self.ttft_forecast_s: float | None = None  # its TTFT forecast at arrival (early_rejection), if any
+        self.model: tuple[str, str] | None = None  # the (name, version) whose workers alone serve it; None: any
+        self.session: str | None = None  # its conversation (X-Session-Id): routed back to the worker holding it
+        self.started = False  # sent to a worker (it left the admission queue)
+        self.output_ids: list[int] = []  # every token the client has: a resumed request carries them
+        self.migrations = 0  # times it resumed elsewhere
+        self.lost: str | None = None  # why it last had to resume
+        self.wire_id = request_id  # its id on the wire: request_id~N from its Nth resume on
+        self.new_tokens = 0  # tokens the last handler emitted (the cluster charges the tenant for them)
+        self.cached_tokens = 0  # prompt tokens a worker found in its prefix cache (the most any attempt reported)
+        self.arrival = now
+        self.first_token_at: float | None = None
+        self.last_token_at = now
+        self.deadline = now + config.first_token_timeout_s
+        self._config = config
+        self._metrics = metrics
+        self._tracing = tracing
+        self._sink = sink
+
+    @property
+    def done(self) -> bool:
+        return self.stage >= Stage.FINISHED
+
+    def involves(self, worker_id: str) -> bool:
+        """Whether ``worker_id`` holds state of this request (its loss or failure ends it)."""
+        return worker_id in self._holders()
+
+    @property
+    def model_name(self) -> str:
+        """The name of the model serving it, its metrics' ``model`` label ("" when any may)."""
+        return self.model[0] if self.model is not None else ""
+
+    @property
+    def tokens(self) -> list[int]:
+        """What a worker computes to run it: the prompt, and the output so far once it resumed."""
+        return self.prompt + self.output_ids if self.output_ids else self.prompt
+
+    def _holders(self) -> set[str]:
+        """Workers with something of this request: a running prefill or decode, or pages not yet pulled."""
+        holders = set()
+        if self.stage is Stage.PREFILLING or self.kv_holder is not None:
+            holders.add(self.prefill_worker)
+        if self.stage is Stage.DECODING:
+            holders.add(self.decode_worker)
+        return holders - {None}
+
+    def wait_for_admission(self, deadline: float, client_deadline: float | None) -> None:
+        self.deadline = deadline
+        self.client_deadline = client_deadline
+
+    def _begin(self, worker_id: str, now: float, local: bool = False) -> None:
+        """It leaves the admission queue for ``worker_id`` (``local``: the decode worker that prefills it): the
+        queue's metrics, its trace, the first-token clock."""
+        metrics, config = self._metrics, self._config
+        if self.started:  # resumed: counted, charged and traced when it first started
+            if self.recovery is not None:
+                self.recovery.redispatched(worker_id, local, now)
+            self.deadline = now + (config.first_token_timeout_s if self.first_token_at is None
+                                   else config.token_timeout_s)
+            return
+        self.started = True
+        metrics.queue_depth.inc()
+        metrics.in_flight.inc()
+        self.deadline = now + config.first_token_timeout_s
+        queued_s = max(now - self.arrival, 0.0)
+        metrics.queue_time.observe(queued_s)
+        metrics.prompt_tokens.labels(self.tenant, self.model_name).inc(len(self.prompt))
+        self._generation_tokens = metrics.generation_tokens.labels(self.tenant, self.model_name)
+        if self._tracing.enabled:
+            self.trace = RequestTrace(self._tracing, self.request_id, self.tenant, queued_s)
+
+    def start_prefill(self, worker: WorkerState, counter: float, now: float) -> Sends:
+        """Admitted to prefill on ``worker``; ``counter``: the tenant's service counter, which workers preempt by."""
+        self._begin(worker.worker_id, now)
+        self.stage = Stage.PREFILLING
+        self.prefill_worker = worker.worker_id
+        self.prefill_len = len(self.prompt) + len(self.output_ids)
+        return [(self.prefill_worker, PrefillRequest(
+            self.wire_id, self.prompt, self.params, self.seed, self._config.kv_lease_s,
+            output_token_ids=self.output_ids, **self._tenant_fields(counter),
+            trace_context=self.trace.enter("proxy.prefill", {"tessera.worker_id": self.prefill_worker})
+            if self.trace else None))]
+
+    def prefill_locally(self) -> Sends:
+        """Admitted and routed to the decode worker that prefills it: it waits for a decode slot as it is."""
+        self.stage = Stage.READY
+        return []
+
+    def _tenant_fields(self, counter: float) -> dict:
+        """What a worker's scheduler knows of the tenant: the lane and counter it preempts by, the cache salt; and
+        of a session's turn, how long to keep its blocks cached."""
+        return {"tenant": self.tenant, "priority": self.lane, "fairness_counter": counter,
+                "cache_salt": self.cache_salt, "keep_s": self._config.session_ttl_s if self.session else 0.0}
+
+    def on_prefill_done(self, msg: PrefillDone, sender: str, now: float) -> Sends | None:
+        """None: not this request's (a stray); else what to send."""
+        if self.stage is not Stage.PREFILLING or sender != self.prefill_worker or msg.request_id != self.wire_id:
+            return None
+        self.kv_holder = sender
+        top = [msg.top_logprobs] if msg.top_logprobs is not None else None
+        self._emit_tokens(TokenEvent(
+            self.index, msg.text, [msg.first_token], [msg.logprob] if msg.logprob is not None else None, top,
+            msg.finish_reason, msg.stop_reason, msg.num_cached_tokens), now)
+        if msg.finish_reason is not None:
+            return self._finish(now)
+        self.stage = Stage.READY
+        self._handoff = msg
+        self._lease_ends = now + self._config.kv_lease_s
+        self.deadline = now + self._config.queue_timeout_s
+        return []
+
+    def start_decode(self, decoder: WorkerState, counter: float, now: float) -> Sends:
+        """Admission gave it a decode slot on ``decoder``: it pulls the pages there, or prefills there (local)."""
+        msg = self._handoff
+        if msg is None:
+            self._begin(decoder.worker_id, now, local=True)
+            decode = DecodeRequest(self.wire_id, self.prompt, self.params, self.seed,
+                                   output_token_ids=self.output_ids, **self._tenant_fields(counter))
+        else:
+            decode = DecodeRequest(
+                self.wire_id, self.prompt, self.params, self.seed, first_token=msg.first_token,
+                source_worker_id=msg.worker_id, source_block_ids=msg.block_ids,
+                kv_lease_left_s=max(self._lease_ends - now, 0.0), first_logprob=msg.logprob,
+                first_top_logprobs=msg.top_logprobs, output_token_ids=self.output_ids[:-1],
+                **self._tenant_fields(counter))
+            self.deadline = now + self._config.token_timeout_s
+        self.stage = Stage.DECODING
+        self.decode_worker = decoder.worker_id
+        self.decoding_since = now
+        if self.trace:
+            decode.trace_context = self.trace.enter("proxy.decode", {"tessera.worker_id": decoder.worker_id})
+        return [(decoder.worker_id, decode)]
+
+    def _from_decoder(self, msg, sender: str) -> bool:
+        return self.stage is Stage.DECODING and sender == self.decode_worker and msg.request_id == self.wire_id
+
+    def on_kv_pulled(self, msg: KVPulled, sender: str, now: float) -> Sends | None:
+        if not self._from_decoder(msg, sender):
+            return None
+        metrics = self._metrics
+        if msg.ok:
+            metrics.kv_transfer_bytes.inc(msg.num_bytes)
+            metrics.kv_transfer_seconds.observe(msg.seconds)
+        else:
+            metrics.kv_transfer_failures.inc()
+            log.warning("request %s: decode worker %r could not pull the pages from %r: %s",
+                        self.request_id, sender, msg.source_worker_id, msg.error or "no reason given")
+        sends = self._release_kv()
+        self.deadline = now + self._config.token_timeout_s
+        return sends
+
+    def on_token_delta(self, msg: TokenDelta, sender: str, now: float) -> Sends | None:
+        if not self._from_decoder(msg, sender):
+            return None
+        self._emit_tokens(TokenEvent(self.index, msg.text, msg.token_ids, msg.logprobs, msg.top_logprobs,
+                                     msg.finish_reason, msg.stop_reason, msg.num_cached_tokens), now)
+        if msg.finish_reason is not None:
+            return self._finish(now)
+        self.deadline = now + self._config.token_timeout_s
+        return []
+
+    def cancel(self, reason: str, status: int = 499) -> Sends:
+        """The client is gone (499) or the proxy is closing (503): free everything on the workers."""
+        return [] if self.done else self._fail(ApiError(status, f"request cancelled: {reason}", code="cancelled"))
+
+    def _emit_tokens(self, event: TokenEvent, now: float) -> None:
+        metrics = self._metrics
+        self.new_tokens = len(event.token_ids)
+        self.cached_tokens = max(self.cached_tokens, event.num_cached_tokens)
+        if event.token_ids:
+            if self.recovery is not None:
+                self._recovered(now)
+            if self.first_token_at is None:
+                self.first_token_at = now
+                metrics.queue_depth.dec()
+                metrics.ttft.observe(now - self.arrival)
+                metrics.tenant_ttft.labels(self.tenant).observe(now - self.arrival)
+            elif self.output_ids:
+                metrics.itl.observe((now - self.last_token_at) / len(event.token_ids), len(event.token_ids))
+            self.output_ids += event.token_ids
+            self._generation_tokens.inc(len(event.token_ids))
+            self.last_token_at = now
+        self._sink.put_nowait(event)
+
+    def _finish(self, now: float) -> Sends:
+        self.stage = Stage.FINISHED
+        sends = self._release_kv()
+        metrics = self._metrics
+        metrics.e2e.observe(now - self.arrival)
+        self._count_end("ok")
+        if self.trace:
+            self.trace.close()
+        if self.first_token_at is not None and len(self.output_ids) > 1:
+            tpot = (now - self.first_token_at) / (len(self.output_ids) - 1)
+            metrics.tpot.observe(tpot)
+            metrics.tenant_tpot.labels(self.tenant).observe(tpot)
+        metrics.in_flight.dec()
+        return sends
+
+    def _count_end(self, status: str) -> None:
+        """Its outcome and usage, once, as it ends: a prompt counts if it reached a worker (a resumed one once),
+        its cached part at most the prompt (a resumed attempt's cache also holds the output so far)."""
+        metrics, prompt = self._metrics, len(self.prompt) if self.started else 0
+        metrics.tenant_requests.labels(self.tenant, self.model_name, status).inc()
+        metrics.tenant_prompt_tokens.labels(self.tenant).inc(prompt)
+        metrics.tenant_cached_prompt_tokens.labels(self.tenant).inc(min(self.cached_tokens, prompt))
+        metrics.tenant_generated_tokens.labels(self.tenant).inc(len(self.output_ids))
+
+    @property
+    def local(self) -> bool:
+        """Prefilled on its decode worker: routed there, with no pages to pull."""
+        return self._handoff is None
+
+    def _release_kv(self) -> Sends:
+        holder, self.kv_holder = self.kv_holder, None
+        return [] if holder is None else [(holder, ReleaseKV(self.wire_id))]
+
+
+# SlotForecast: each prefill's time weighs this much in the decayed mean of the recent ones
+PREFILL_DECAY = 0.9
+
+
+class SlotForecast:
+    """How many decode slots free within one prefill: prefill admission under a latency cap (proxy/tenancy/admission.py)
+    starts a prompt when a slot will be free by the time it is prefilled, so that neither the slot waits for
+    the prompt nor the prompt, prefilled, waits for a slot between its first and second token.
+
+    The cluster tells it each choice's stage and tokens (``update``, from ``Cluster._act``): it keeps the
+    choices decoding, and a decayed mean of the time from admission to first token of the prompts prefilled
+    on a prefill worker. A decoding choice frees its slot within that time if its tokens left (to its
+    ``max_tokens``) at its own pace so far take no longer: an upper bound, as a stop or end of sequence only
+    ends it sooner, so the forecast errs towards waiting.
+    """
+
+    def __init__(self) -> None:
+        self.decoding: dict[str, SubRequest] = {}  # request id -> a choice holding a decode slot
+        self.prefill_s = 0.0  # decayed mean, admission to first token (0: none measured yet)
+
+    def update(self, sub: SubRequest, first_tokens: bool, now: float) -> None:
+        """``sub`` was acted on; ``first_tokens``: its first tokens just came."""
+        if first_tokens and sub.admitted_at is not None and sub.route is not None and not sub.route.local:
+            sample = now - sub.admitted_at
+            self.prefill_s = sample if not self.prefill_s else (
+                self.prefill_s * PREFILL_DECAY + sample * (1 - PREFILL_DECAY))
+        if sub.stage is Stage.DECODING and not sub.done:
+            self.decoding[sub.request_id] = sub
+        else:
+            self.decoding.pop(sub.request_id, None)
+
+    def freeing(self) -> int:
+        """Decoding choices predicted to end within one prefill."""
+        within_s = self.prefill_s
+        if not within_s:
+            return 0
+        count = 0
+        for sub in self.decoding.values():
+            done = len(sub.output_ids)
+            if done > 1 and sub.first_token_at is not None:
+                pace_s = (sub.last_token_at - sub.first_token_at) / (done - 1)
+                count += (sub.params.max_tokens - done) * pace_s <= within_s
+        return count

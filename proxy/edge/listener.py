@@ -1,0 +1,152 @@
+"""The proxy's HTTP listener: TLS, connection limits and timeouts (all from ProxyConfig), and the connection's own
+write a streamed token's chunk takes.
+
+``listener_config`` builds the uvicorn settings every way of running the proxy
+uses (``tessera proxy`` and the tests):
+
+- TLS when ``tls_cert_file``/``tls_key_file`` are set; with ``tls_ca_file``
+  a client must present a certificate that CA signed.
+- ``max_connections``: uvicorn's ``limit_concurrency``; a request arriving
+  with that many connections (or requests) open gets 503.
+- ``keep_alive_timeout_s``: an idle keep-alive connection is closed.
+- ``request_header_timeout_s``: ``HeaderTimeoutProtocol`` closes a
+  connection that has not delivered a complete request head in time, from
+  its first byte (a new connection: from its opening). uvicorn has no such
+  timeout of its own, so a client sending headers a byte at a time
+  (slowloris) would hold a connection forever.
+
+HTTP is parsed by uvicorn's httptools protocol (llhttp, in C): writing a
+streamed token's chunk through it costs a fraction of what its h11 protocol
+(pure Python) costs (docs/history/benchmarks-rounds.md, "Issue 17").
+- ``request_body_timeout_s``: ``BodyDeadline`` answers 408 when the body has
+  not arrived whole that long after the headers. Any response sent before
+  the body was read whole (408, 413) closes the connection, since the rest of
+  the body would otherwise be parsed as the next request.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import ssl
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from common.config.roles import ProxyConfig
+from proxy.core.errors import ApiError
+
+
+class HeaderTimeoutProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, closing connections whose request head is not complete in time."""
+
+    def __init__(self, *args, header_timeout_s: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_timeout_s = header_timeout_s
+        self._header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def on_message_begin(self) -> None:  # the first byte of a request
+        super().on_message_begin()
+        if self._header_timer is None:
+            self._arm_header_timer()
+
+    def on_headers_complete(self) -> None:
+        self._disarm_header_timer()
+        super().on_headers_complete()
+        if getattr(self.cycle, "scope", None) is self.scope:  # an HTTP request (not a WebSocket's)
+            self.scope[RAW_SEND] = self.cycle.send
+            self.scope[RAW_WRITE] = functools.partial(self._write_body, self.cycle)
+
+    def _write_body(self, cycle, body: bytes) -> bool:
+        """Write a chunk of ``cycle``'s streamed (chunked) response body at once, as its ``send`` would; False,
+        writing nothing, when that would have to wait (the client reads slower than it is written to) or the
+        response is not streaming now: the caller then sends it through ``send``."""
+        if (cycle is not self.cycle or not cycle.response_started or cycle.response_complete or cycle.disconnected
+                or not cycle.chunked_encoding or self.flow.write_paused):
+            return False
+        self.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        super().connection_lost(exc)
+
+    def _arm_header_timer(self) -> None:
+        self._header_timer = self.loop.call_later(self._header_timeout_s, self._on_header_timeout)
+
+    def _disarm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _on_header_timeout(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            self.logger.warning("closed a connection from %s: no complete request head within "
+                                "request_header_timeout_s=%ss", self.client, self._header_timeout_s)
+            self.transport.close()
+
+
+# the scope key of the server's own ``send`` (HeaderTimeoutProtocol): a streamed response sends its start through
+# every middleware, which may change it (BodyDeadline adds ``connection: close``), and its body chunks, which no
+# layer changes, straight to the server (proxy.edge.openai_api.EventStreamResponse): one coroutine a chunk, not six
+RAW_SEND = "tessera.send"
+# the scope key of a function that writes a streamed response's body chunk at once, when it can without waiting
+# (HeaderTimeoutProtocol._write_body): a token's chunk then goes out from the handler that received the token
+RAW_WRITE = "tessera.write"
+
+
+class BodyDeadline:
+    """ASGI middleware: the request body must arrive whole within ``timeout_s`` of the headers, else 408."""
+
+    def __init__(self, app, timeout_s: float) -> None:
+        self.app = app
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        headers = dict(scope["headers"])
+        body_complete = b"transfer-encoding" not in headers and headers.get(b"content-length", b"0") == b"0"
+
+        async def timed_receive():
+            nonlocal body_complete
+            if body_complete:
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise ApiError(408, f"the request body did not arrive within request_body_timeout_s="
+                                    f"{self.timeout_s}", code="request_timeout") from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_complete = True
+            return message
+
+        async def closing_send(message) -> None:
+            if message["type"] == "http.response.start" and not body_complete:
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, timed_receive, closing_send)
+
+
+def listener_config(app, config: ProxyConfig, **settings) -> uvicorn.Config:
+    """uvicorn settings for ``config``; ``settings`` adds or replaces uvicorn options."""
+    tls = {}
+    if config.tls_cert_file:
+        tls = {"ssl_certfile": config.tls_cert_file, "ssl_keyfile": config.tls_key_file}
+        if config.tls_ca_file:
+            tls |= {"ssl_ca_certs": config.tls_ca_file, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    protocol = functools.partial(HeaderTimeoutProtocol, header_timeout_s=config.request_header_timeout_s)
+    options = {"host": config.host, "port": config.port, "http": protocol,
+               "limit_concurrency": config.max_connections, "timeout_keep_alive": config.keep_alive_timeout_s,
+               # a /v1/stream message larger than this closes its socket (1009); smaller ones are checked
+               # against max_prompt_bytes with an error frame (proxy/edge/websocket_api.py)
+               "ws_max_size": config.max_prompt_bytes + 65536, "access_log": config.access_log, **tls}
+    return uvicorn.Config(app, **{**options, **settings})
