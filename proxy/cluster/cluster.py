@@ -1,22 +1,28 @@
-"""The proxy's view of the cluster: workers, routing, and the requests in flight.
+"""The proxy's view of the cluster: workers, routing, and the requests in flight. One object, ``Cluster``, is the
+only one that sends to workers and the first to hear from them, and it acts on every decision (admission's, the
+limits', routing's, a request's handler's): one concept, hence the length.
 
 Request life cycle, as queues and hops (one sub-request per choice):
 
     HTTP handler --submit--> admission queue --dispatch--> policy.route --> SubRequest.start --> outbox --> worker
     worker --frames--> WorkerLink (I/O task) --on_frames--> decode --> handle
-        Register/Heartbeat/Goodbye --> registry (+ RegisterAck, Peers; Reregister to an unknown heartbeat),
-            in proxy/cluster/membership.py, the cluster's base class
+        Register/Heartbeat/Goodbye --> registry (+ RegisterAck, Peers; Reregister to an unknown heartbeat)
         TokenizerFiles --> proxy/cluster/tokenizer_fetch.py (the tokenizer of a version the proxy has none of)
         PrefillDone/KVPulled/RequestFailed, and each TokenDelta of a step's TokenDeltas --> that SubRequest
-    SubRequest --events--> RequestGroup's EventSink (proxy/edge/streaming.py) --> HTTP handler (stream or collect)
+    SubRequest --events--> RequestGroup's EventSink (proxy/cluster/request_group.py) --> HTTP handler
 
 Everything here runs in the event loop and never awaits a socket: sending is ``outbox(worker_id, msg)``, which
 only queues for the link's sender task. A message for a request that is no longer here (or for an earlier attempt
 of one that resumed elsewhere) is answered so nothing leaks on the worker: PrefillDone gets ReleaseKV back, a
 TokenDelta gets Abort, a KVPulled releases the source's pages.
+
+Workers come and go (Register, Heartbeat, Goodbye, a closed connection, a silent worker): a worker that leaves,
+however it leaves, ends in ``_worker_gone``: its requests resume elsewhere or fail, and the decode side learns the
+new prefill set. The proxy's own going is here too: its readiness, its drain, and what it cancels as it stops.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -27,17 +33,16 @@ from common.runtime.tracing import make_tracing
 from common.protocol.sampling_params import SamplingParams
 from common.protocol.versions import STRUCTURED_SINCE
 from common.protocol.wire import (PROTOCOL_VERSION, Abort, DecodeRequest, EmbedResult, Goodbye, Heartbeat, KVPulled,
-                                  PrefillDone, PrefillRequest, Register, ReleaseKV, RequestFailed, Standby,
-                                  TokenDeltas, TokenizerFiles, WireError, decode)
-from proxy.tenancy.admission import Admit, AdmissionController, Stage
+                                  PrefillDone, PrefillRequest, Register, RegisterAck, ReleaseKV, RequestFailed,
+                                  Reregister, Standby, TokenDeltas, TokenizerFiles, WireError, decode)
+from proxy.tenancy.admission import Admit, AdmissionController
 from proxy.cluster.embeddings import Embeddings
 from proxy.core.errors import ApiError
-from proxy.cluster.membership import WorkerMembership
 from proxy.core.metrics import ProxyMetrics
 from proxy.cluster.model_loading import ModelLoader
-from proxy.core.workers import SharedStateLike, StaticShare, WorkerRegistry
-from proxy.core.requests import Sends, SlotForecast, SubRequest
-from proxy.edge.streaming import EventSink, RequestGroup
+from proxy.core.workers import SharedStateLike, StaticShare, WorkerRegistry, WorkerState
+from proxy.core.requests import Sends, SlotForecast, Stage, SubRequest
+from proxy.cluster.request_group import EventSink, RequestGroup
 from proxy.core.routing import RoutingPolicy
 from proxy.control.slo import SloControls
 from proxy.control.tac import AdaptiveController
@@ -53,7 +58,7 @@ SHARED_WINDOW_S = 2.0
 Outbox = Callable[[str, object, int], None]  # (worker id, message, the protocol version to encode it in)
 
 
-class Cluster(WorkerMembership):
+class Cluster:
     def __init__(self, config: ProxyConfig, policy: RoutingPolicy, metrics: ProxyMetrics,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
@@ -400,3 +405,136 @@ class Cluster(WorkerMembership):
         sub = self._sub(msg.request_id)
         if not self._on_request_message(sub, lambda: sub.on_failed(msg, sender, now)):
             log.debug("ignoring RequestFailed for unknown request %s from %r", msg.request_id, sender)
+
+    # -- workers coming and going -----------------------------------------------------------------
+
+    def _on_register(self, sender: str, msg: Register, now: float) -> None:
+        if sender != msg.worker_id:
+            reason = f"socket identity {sender!r} differs from worker_id {msg.worker_id!r}"
+            log.warning("refused worker %r: %s", msg.worker_id, reason)
+            self.send(sender, RegisterAck(msg.worker_id, False, reason))
+            return
+        outcome = self.registry.register(msg, now)
+        if outcome.replaced is not None:
+            self._worker_gone(outcome.replaced, f"it re-registered with epoch {msg.epoch}", expected=False)
+        self.send(sender, outcome.ack)
+        worker = outcome.worker
+        if worker is None:
+            return
+        self.loader.registered(msg)
+        self.metrics.set_worker_kv(worker.worker_id, worker.num_blocks, worker.free_blocks)
+        self._update_worker_gauges()
+        if outcome.prefill_set_changed:
+            self._broadcast_peers()
+        elif worker.decode_capable:
+            self.send(worker.worker_id, self.registry.peers())
+        self._dispatch()  # more decode slots
+
+    def _on_heartbeat(self, sender: str, msg: Heartbeat, now: float) -> None:
+        worker = self.registry.heartbeat(msg, now) if sender == msg.worker_id else None
+        if worker is None:
+            # Only heartbeats get this answer: a worker sends them only while it believes itself registered
+            # and stops on the first Reregister; the rate limit covers those already on the way, so no late
+            # Reregister makes a rejoined worker drop the new work. Stray request messages get their own
+            # answers below (ReleaseKV, Abort).
+            if self.registry.ask_to_rejoin(sender, now):
+                log.warning("heartbeat from %r epoch %d, which is not registered with that epoch: asking it "
+                            "to register again", sender, msg.epoch)
+                self.send(sender, Reregister(msg.worker_id, msg.epoch,
+                                             f"the proxy does not know worker {msg.worker_id!r} epoch {msg.epoch}"))
+            return
+        if worker.worker_id in self.loader.loading:  # asked to load another model: a heartbeat sent before the
+            worker.draining = True  # worker took the LoadModel must not bring it back into routing
+        self.policy.heartbeat(worker)
+        self.metrics.set_worker_kv(worker.worker_id, worker.num_blocks, worker.free_blocks)
+        if worker.decode_capable:
+            self.metrics.set_worker_capacity(worker.worker_id, worker.latency_capacity, worker.lag.ms,
+                                              worker.tpot_target_ms, worker.lag.residual_ms)
+        self._dispatch()  # a worker that stopped draining brings its decode slots back
+
+    def _on_goodbye(self, sender: str, msg: Goodbye, now: float) -> None:
+        self.loader.forget(sender)  # a worker standing by that exits
+        worker = self.registry.goodbye(msg) if sender == msg.worker_id else None
+        if worker is not None:
+            self._worker_gone(worker, f"it said goodbye ({msg.reason or 'no reason given'})", expected=True)
+
+    def on_disconnect(self, identity: bytes) -> None:
+        """A worker's connection closed (its process exited, or its host went away): gone now, not after
+        ``heartbeat_timeout_s``."""
+        self.loader.forget(identity.decode(errors="replace"), lost=True)
+        worker = self.registry.disconnected(identity.decode(errors="replace"))
+        if worker is not None:
+            self.metrics.disconnects.labels(worker.worker_id).inc()
+            self._worker_gone(worker, "its connection closed (the process exited or its host is unreachable)",
+                              expected=False)
+
+    def _on_standby(self, sender: str, msg: Standby, now: float) -> None:
+        """A worker holding no model (``proxy.cluster.model_loading``); one still registered under its old epoch is gone."""
+        if sender != msg.worker_id:
+            log.warning("dropped a Standby from %r naming worker %r", sender, msg.worker_id)
+            return
+        worker = self.registry.workers.get(sender)
+        if worker is not None and worker.epoch < msg.epoch:
+            del self.registry.workers[sender]
+            self._worker_gone(worker, "it unloaded its model", expected=True)
+        self.loader.on_standby(msg, now)
+
+    def expire_workers(self) -> None:
+        for worker in self.registry.expire(self._clock()):
+            self.metrics.heartbeats_missed.labels(worker.worker_id).inc()
+            self._worker_gone(worker, f"no heartbeat for heartbeat_timeout_s={self.config.heartbeat_timeout_s}s",
+                              expected=False)
+
+    async def watch_heartbeats(self) -> None:
+        """Runs for the proxy's life: removes workers that went silent."""
+        while True:
+            await asyncio.sleep(self.config.heartbeat_timeout_s / 4)
+            try:
+                self.expire_workers()
+            except Exception:  # a bug here must not leave dead workers registered forever
+                log.exception("error expiring workers")
+
+    def _worker_gone(self, worker: WorkerState, reason: str, expected: bool) -> None:
+        """``worker`` has left the registry: its requests resume elsewhere (or fail); tell the decode side."""
+        log.log(logging.INFO if expected else logging.WARNING, "worker %r (%s, epoch %d) removed: %s",
+                worker.worker_id, worker.role.value, worker.epoch, reason)
+        now = self._clock()
+        for sub in [s for s in self.inflight.values() if s.involves(worker.worker_id)]:
+            before = sub.stage
+            self._act(sub, before, sub.on_worker_lost(worker.worker_id, reason, now))
+        self.embeddings.worker_gone(worker.worker_id)
+        self._dispatch()
+        self.policy.worker_removed(worker.worker_id)
+        if worker.worker_id not in self.registry.workers:
+            self.metrics.forget_worker(worker.worker_id)
+        self._update_worker_gauges()
+        if worker.serves_prefill:
+            self._broadcast_peers()
+
+    def _broadcast_peers(self) -> None:
+        peers = self.registry.peers()
+        for worker in self.registry.decode_side():
+            self.send(worker.worker_id, peers)
+
+    def _update_worker_gauges(self) -> None:
+        for role, count in self.registry.count_by_role().items():
+            self.metrics.workers_alive.labels(role).set(count)
+
+    # -- the proxy's own drain ------------------------------------------------------------------
+
+    def readiness(self) -> tuple[bool, str]:
+        if self.draining:
+            return False, "the proxy is shutting down"
+        return self.registry.readiness()
+
+    def start_draining(self) -> None:
+        if not self.draining:
+            log.info("draining: /readyz answers 503, new requests are refused, %d in flight", len(self.inflight))
+        self.draining = True
+
+    def cancel_all(self, reason: str) -> None:
+        self.start_draining()
+        self.embeddings.cancel_all(reason)
+        # Waiting ones first: each running one that ends would otherwise admit a waiting one, only to abort it.
+        for sub in sorted(self.inflight.values(), key=lambda s: s.stage is not Stage.QUEUED):
+            self.cancel(sub, reason, status=503)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from proxy.tenancy.admission import Stage
+from proxy.core.requests import Stage
 from proxy.core.requests import SubRequest
 from proxy.core.workers import WorkerRegistry, WorkerState
 

@@ -26,12 +26,12 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from common.config.roles import ProxyConfig
-from proxy.tenancy.admission import AdmissionController, Stage
+from proxy.tenancy.admission import AdmissionController
 from proxy.core.capacity import TtftForecast, choices_ahead
 from proxy.core.errors import ApiError
 from proxy.core.metrics import ProxyMetrics
 from proxy.control.prefill_gate import PrefillGate, tpot_target_of
-from proxy.core.requests import SubRequest
+from proxy.core.requests import Stage, SubRequest
 from proxy.core.routing import RoutingPolicy
 from proxy.tenancy.tenants import Tenant, TenantRegistry
 from proxy.core.workers import WorkerRegistry

@@ -83,10 +83,10 @@ from collections.abc import Callable, Iterable
 
 from common.config.roles import ProxyConfig
 from common.protocol.wire import Tune
-from proxy.tenancy.admission import AdmissionController, Stage
+from proxy.tenancy.admission import AdmissionController
 from proxy.core.metrics import ProxyMetrics
 from proxy.control.prefill_gate import PrefillGate, tpot_target_of
-from proxy.core.requests import SubRequest
+from proxy.core.requests import Stage, SubRequest
 from proxy.core.routing import PrefixAwareRouting
 from proxy.control.tac_window import MAX_WINDOWS, MIN_OUTCOMES, MIN_SERVED, Window
 from proxy.control.tac_workers import DECREASE, INCREASE, MISS_LOW, Speculation, reweigh

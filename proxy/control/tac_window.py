@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from proxy.tenancy.admission import Stage
+from proxy.core.requests import Stage
 from proxy.core.requests import SubRequest
 from proxy.control.tac_workers import MISS_HIGH
 

@@ -1,6 +1,6 @@
 """How a resumed request came back: one ``Recovery`` per resume, its phases timed from detection.
 
-A request resumes (``proxy.core.request_exits``) at the moment the proxy learns that its worker is gone or
+A request resumes (``proxy.core.requests`` ``SubRequest._resume``) at the moment the proxy learns that its worker is gone or
 gave it back: *detection*. The resumed attempt then goes
 
     detected --admission sends it to a worker again--> redispatched --its first token reaches the proxy--> recovered

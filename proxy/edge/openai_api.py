@@ -59,8 +59,9 @@ from proxy.core.requests import Event, FailureEvent
 from proxy.edge.resumable import RESUMABLE_HEADER, wants_resume
 from proxy.edge.conversations import continue_turn
 from proxy.cluster.served_models import served_headers, session_of
-from proxy.edge.streaming import (ChatFormat, ChoiceState, CompletionFormat, RequestGroup, StreamChunks, envelope,
-                             token_writer, usage)
+from proxy.edge.streaming import (ChatFormat, ChoiceState, CompletionFormat, StreamChunks, envelope, token_writer,
+                                  usage)
+from proxy.cluster.request_group import RequestGroup
 from proxy.tenancy.tenants import Tenant
 from proxy.edge.tools import ToolCallFormat
 

@@ -22,7 +22,6 @@ The why of each rule: docs/fairness.md ("Admission: two stages, one counter per 
 from __future__ import annotations
 
 import bisect
-import enum
 import itertools
 import time
 from collections import Counter, deque
@@ -33,6 +32,7 @@ from typing import Protocol
 from common.config.roles import ProxyConfig
 from common.protocol.names import FAIRNESS_POLICIES
 from proxy.core.errors import ApiError
+from proxy.core.requests import Stage
 from proxy.tenancy.lane_queues import NUM_LANES, Eligible, FcfsQueue, PriorityQueue, Waiting
 from proxy.core.metrics import ProxyMetrics
 from proxy.tenancy.service_counters import ServiceCounters
@@ -122,17 +122,6 @@ def make_queue(policy: str, counters: ServiceCounters) -> FairnessQueue:
     if queue is not None:
         return queue(counters)
     raise ValueError(f"config field 'fairness_policy' = {policy!r} is invalid: one of {FAIRNESS_POLICIES}")
-
-
-class Stage(enum.IntEnum):
-    """Where a choice is, kept on the request alone (``SubRequest.stage``). Admission moves QUEUED -> PREFILLING
-    and READY -> DECODING, and is told the rest with the stage the choice was counted in."""
-    QUEUED = 0  # waiting for admission to prefill
-    PREFILLING = 1  # admitted: its prefill runs (on a prefill worker; a local one is READY at once)
-    READY = 2  # prefilled, or to be prefilled on its decode worker: waiting for a decode slot
-    DECODING = 3  # holds a decode slot
-    FINISHED = 4
-    FAILED = 5
 
 
 LIVE = (Stage.QUEUED, Stage.PREFILLING, Stage.READY, Stage.DECODING)

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 
 from common.config.roles import ProxyConfig
-from proxy.tenancy.admission import Stage
+from proxy.core.requests import Stage
 from proxy.tenancy.fair_split import local_weight, split
 from proxy.core.metrics import ProxyMetrics
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from common.config.roles import ProxyConfig, TenantConfig
-from proxy.tenancy.admission import AdmissionController, Stage
+from proxy.core.requests import Stage
+from proxy.tenancy.admission import AdmissionController
 from proxy.tenancy.tenants import TenantRegistry
 
 W_IN, W_OUT = 1.0, 2.0

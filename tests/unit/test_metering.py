@@ -16,7 +16,7 @@ from common.runtime.tracing import NoTracing
 from proxy.tenancy.metering import MeteringLog, check_path, records
 from proxy.core.metrics import ProxyMetrics, TenantUsage
 from proxy.core.requests import SubRequest
-from proxy.edge.streaming import EventSink
+from proxy.cluster.request_group import EventSink
 
 CONFIG = ProxyConfig(max_migrations=0)
 PATIENCE_S = 30.0  # bounds a wait for the interval loop's records, so that a broken test fails rather than hangs

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from common.protocol.wire import Heartbeat, KVLayoutInfo, Register, StepCostModel, decode, encode
 from common.runtime.core_share import core_group
 from common.runtime.prometheus_text import total
-from proxy.tenancy.admission import Stage
+from proxy.core.requests import Stage
 from proxy.control.prefill_gate import PrefillGate, slack_ms
 from proxy.core.workers import WorkerRegistry
 from proxy.control.tac import THRESHOLD_START

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from common.config.roles import ProxyConfig
-from proxy.tenancy.admission import Stage
+from proxy.core.requests import Stage
 from proxy.cluster.cluster import Cluster
 from proxy.core.errors import ApiError
 from proxy.tenancy.fair_split import local_weight, split, water_fill

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from common.config.roles import ProxyConfig
-from proxy.tenancy.admission import AdmissionController, Stage
-from proxy.core.requests import SlotForecast
+from proxy.tenancy.admission import AdmissionController
+from proxy.core.requests import SlotForecast, Stage
 from proxy.tenancy.tenants import TenantRegistry
 
 

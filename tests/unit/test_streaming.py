@@ -10,10 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.core.errors import ApiError
-from proxy.core.request_exits import FailureEvent
-from proxy.core.requests import TokenEvent
-from proxy.edge.streaming import (ChatFormat, ChoiceState, CompletionFormat, EventSink, RequestGroup, StreamChunks,
-                             envelope, token_writer)
+from proxy.cluster.request_group import EventSink, RequestGroup
+from proxy.core.requests import FailureEvent, TokenEvent
+from proxy.edge.streaming import ChatFormat, ChoiceState, CompletionFormat, StreamChunks, envelope, token_writer
 
 
 class Tokens:

@@ -11,7 +11,8 @@ from common.config.base import ConfigError
 from common.config.roles import ProxyConfig
 from common.protocol.wire import Heartbeat, KVLayoutInfo, Register, StepCostModel
 from common.runtime.prometheus_text import total
-from proxy.tenancy.admission import AdmissionController, Stage
+from proxy.core.requests import Stage
+from proxy.tenancy.admission import AdmissionController
 from proxy.cluster.cluster import Cluster
 from proxy.core.metrics import ProxyMetrics
 from proxy.core.routing import PrefixAwareRouting

@@ -7,7 +7,8 @@ import pytest
 
 from common.config.base import ConfigError
 from common.config.roles import ProxyConfig, TenantConfig, load_config
-from proxy.tenancy.admission import AdmissionController, Stage
+from proxy.core.requests import Stage
+from proxy.tenancy.admission import AdmissionController
 from proxy.edge.auth import tenant_from_body, tenant_from_header
 from proxy.core.errors import ApiError
 from proxy.tenancy.rate_limit import TenantLimiter, TokenBucket

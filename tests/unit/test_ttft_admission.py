@@ -11,7 +11,8 @@ from common.config.base import ConfigError
 from common.config.roles import ProxyConfig
 from common.engine.model_runner import StepTimer
 from common.protocol.wire import Heartbeat, KVLayoutInfo, Register, StepCostModel
-from proxy.tenancy.admission import AdmissionController, Stage
+from proxy.core.requests import Stage
+from proxy.tenancy.admission import AdmissionController
 from proxy.core.capacity import TTFT_ERRORS, TTFT_MIN_SAMPLES, TtftForecast, choices_ahead
 from proxy.core.errors import ApiError
 from proxy.core.metrics import ProxyMetrics
