@@ -87,8 +87,8 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
     cluster.attach(link.send)
     if config.redis_url:
         from proxy.tenancy.shared_state import SharedState  # redis loads only where proxies share state
-        cluster.share = SharedState(config, cluster, metrics)
-        cluster.admission.shares.weight = cluster.share.weight
+        cluster.limits.share = SharedState(config, cluster.admission, metrics)
+        cluster.admission.shares.weight = cluster.limits.share.weight
     models = ServedModels(config, cluster.registry, registry_for(None), model_identity(config.model, config.dtype),
                           tokenizer, model_dir, cluster.tokenizers)
     models.loader = cluster.loader  # versions workers may load on demand (standby_models)
@@ -104,8 +104,8 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
         metering = MeteringLog(config.metering_path, config.metering_interval_s, metrics) \
             if config.metering_path else None
         metering_task = asyncio.create_task(metering.run(), name="metering") if metering else None
-        tac_task = asyncio.create_task(cluster.tac.run(), name="tac") if cluster.tac is not None else None
-        shared = cluster.share if config.redis_url else None
+        tac_task = asyncio.create_task(cluster.run_controller(), name="tac") if cluster.tac is not None else None
+        shared = cluster.limits.share if config.redis_url else None
         shared_task = asyncio.create_task(shared.run(), name="shared-state") if shared is not None else None
         reloader = ConfigReloader(source, config, cluster, metrics) if source is not None else None
         if reloader is not None:

@@ -40,20 +40,18 @@ from proxy.cluster.embeddings import Embeddings
 from proxy.core.errors import ApiError
 from proxy.core.metrics import ProxyMetrics
 from proxy.cluster.model_loading import ModelLoader
-from proxy.core.workers import SharedStateLike, StaticShare, WorkerRegistry, WorkerState
-from proxy.core.requests import Sends, SlotForecast, Stage, SubRequest
+from proxy.core.workers import WorkerRegistry, WorkerState
+from proxy.core.requests import Sends, Stage, SubRequest
 from proxy.cluster.request_group import EventSink, RequestGroup
 from proxy.core.routing import RoutingPolicy
+from proxy.control.limits import CapacityLimits
 from proxy.control.slo import SloControls
 from proxy.control.tac import AdaptiveController
+from proxy.tenancy.preemption import FairnessPreemption
 from proxy.tenancy.tenants import Tenant, TenantRegistry
 from proxy.cluster.tokenizer_fetch import TokenizerFetcher
 
 log = logging.getLogger("tessera.proxy")
-
-# tpot_slo_scope "shared": a tenant counts as present for this long after its last request ended, so that a
-# closed-loop client between two requests does not hand the whole cluster to the other tenant's backlog
-SHARED_WINDOW_S = 2.0
 
 Outbox = Callable[[str, object, int], None]  # (worker id, message, the protocol version to encode it in)
 
@@ -67,22 +65,14 @@ class Cluster:
         self.registry = WorkerRegistry(config.heartbeat_timeout_s, config.tpot_slo_ms, config.tpot_slo_factor)
         self.tracing = make_tracing(config.otel_endpoint, config.otel_service_name)
         self.tenants = TenantRegistry(config, clock)
-        self.slo = SloControls(config, self.registry, self.tenants, policy, metrics, self._decode_slots,
-                               lambda: self.inflight.values())
-        self.slot_forecast = SlotForecast()
-        self.admission = AdmissionController(config, self.tenants, self._decode_slots, metrics, clock,
-                                             self._prefill_room,
-                                             latency_capped=self._within_tpot,
-                                             slots_freeing=self.slot_forecast.freeing)
-        self.slo.admission = self.admission
-        self.tac = AdaptiveController(config, self.registry, policy, self.admission, metrics, self.send, clock,
-                                      lambda: self.inflight.values()) if config.tac_enabled else None
-        # this proxy's part of the decode slots: a fixed share, or with redis_url what several proxies share
-        # (proxy/tenancy/shared_state.py, set by the app)
-        self.share: StaticShare | SharedStateLike = StaticShare(config.decode_slot_share)
-        if self.tac is not None:
-            self.tac.share_of = lambda slots: self.share.slots(slots)
         self.inflight: dict[str, SubRequest] = {}
+        self.admission = AdmissionController(config, self.tenants, metrics, clock)
+        self.slo = SloControls(config, self.registry, self.admission, policy, metrics, self.inflight.values())
+        self.tac = AdaptiveController(config, self.registry, policy, self.admission, metrics, clock,
+                                      self.inflight.values()) if config.tac_enabled else None
+        # what admission asks before it admits: the decode slots (this proxy's share of them), room to prefill
+        self.limits = CapacityLimits(config, self.registry, self.admission, self.slo, self.tac, clock)
+        self.preemption = FairnessPreemption(config, self.registry, self.admission)
         self.peer_versions: dict[str, int] = {}  # worker id -> the version it is answered in (the older of the two)
         self.embeddings = Embeddings(config, self.registry, self.send, self.peer_versions)  # no admission, no pages
         self.loader = ModelLoader(config, self.registry, self.send, metrics, self._involved, self.peer_versions, clock)
@@ -126,7 +116,7 @@ class Cluster:
                 self.slo.tokens_emitted(sub, self._clock())
             self._charge_output(sub, sub.new_tokens)
             sub.new_tokens = 0
-        self.slot_forecast.update(sub, first_tokens, self._clock())
+        self.limits.forecast.update(sub, first_tokens, self._clock())
         if before is Stage.PREFILLING and sub.stage is not Stage.PREFILLING and sub.prefill_worker is not None:
             self.policy.prefill_ended(sub.prefill_worker, sub.prefill_len)
         if sub.done:
@@ -150,35 +140,11 @@ class Cluster:
         self._act(sub, sub.stage, sub.cancel(reason, status))
         self._dispatch()
 
-    def _within_tpot(self) -> bool:
-        """Whether the TPOT target limits decode admission now (``tpot_slo_scope``): always, never, or while two
-        or more tenants share the cluster; and always while the adaptive controller holds the cap."""
-        scope = self.config.tpot_slo_scope
-        if scope == "always" or (self.tac is not None and self.tac.decode_cap):
-            return True
-        if scope != "shared":
-            return False
-        here = self.admission.num_active_tenants(self._clock(), SHARED_WINDOW_S)
-        return here > 1 or self.share.tenants_elsewhere(here, self.admission.present)  # other proxies' count too
-
-    def _prefill_room(self) -> bool:
-        """Whether a prompt may go to a prefill worker now (the TTFT backlog, the prefill gate, TAC's budget)."""
-        if self.tac is not None:
-            return self.slo.prefill_room(False, self._clock()) and self.tac.prefill_room()
-        gated = self._within_tpot()  # the gate applies only then; without a TTFT target nothing else to ask
-        return not (gated or self.config.ttft_slo_ms) or self.slo.prefill_room(gated, self._clock())
-
-    def _decode_slots(self) -> int:
-        """This proxy's share of the decode slots (at least one while there are any): of as many as keep every
-        worker within the TPOT target while it applies (``_within_tpot``), else of every slot."""
-        return self.share.slots(self.registry.decode_slots(
-            within_tpot=self._within_tpot(), scale=self.tac.decode_scale if self.tac is not None else 1.0))
-
     def apply_tenants(self, config: ProxyConfig) -> None:
         """A reloaded config's tenant settings, from the next request on (``proxy.reload``): those in flight keep
         their ``Tenant``, unchanged limits keep their buckets, and the fairness weights follow."""
-        self.tenants = self.slo.tenants = TenantRegistry(config, self._clock, previous=self.tenants)
-        self.admission.counters.reweigh(self.tenants.weights)
+        self.tenants = TenantRegistry(config, self._clock, previous=self.tenants)
+        self.admission.retenant(self.tenants)
 
     def _charge_output(self, sub: SubRequest, num_tokens: int) -> None:
         """Tokens a worker emitted for ``sub``: its tenant's service counter and token bucket."""
@@ -240,7 +206,7 @@ class Cluster:
             self._admit()
 
     def _admit(self) -> None:
-        while (admit := self.admission.next_admission()) is not None:
+        while (admit := self.admission.next_admission(self.limits)) is not None:
             self._start(admit)
 
     def _start(self, admit: Admit) -> None:
@@ -250,10 +216,10 @@ class Cluster:
         self._act(sub, admit.stage, sends)
 
     def _preempt(self) -> bool:
-        """Each slot move ``SloControls.to_preempt`` names: the giver's choice back to admission, and the taker's
-        next ready choice into the slot it freed. Whether there were any."""
+        """Each slot move ``FairnessPreemption.to_preempt`` names: the giver's choice back to admission, and the
+        taker's next ready choice into the slot it freed. Whether there were any."""
         now = self._clock()
-        moves = self.slo.to_preempt(self.inflight, now)
+        moves = self.preemption.to_preempt(self.inflight, self.limits, now)
         for victim, taker in moves:
             with request_scope(victim.request_id, victim.tenant):
                 self._act(victim, Stage.DECODING, victim.preempt(now))
@@ -314,6 +280,18 @@ class Cluster:
 
     def _unavailable(self, message: str) -> ApiError:
         return ApiError(503, message, code="no_worker_available", retry_after_s=self.config.retry_after_s)
+
+    async def run_controller(self) -> None:
+        """Runs for the proxy's life with the adaptive controller on: one decision every ``tac_interval_s``, and the
+        ``Tune`` messages it returns sent."""
+        while True:
+            await asyncio.sleep(self.config.tac_interval_s)
+            try:
+                slots = self.limits.decode_slots() if self.tac.decode_cap else 0  # the controller reads it only then
+                for worker_id, msg in self.tac.tick(self._clock(), slots):
+                    self.send(worker_id, msg)
+            except Exception:  # a bug here must not stop the proxy, nor leave the loop dead silently
+                logging.getLogger("tessera.proxy.tac").exception("tac: error in the control loop")
 
     # -- inbound messages -----------------------------------------------------------------------
 
@@ -469,7 +447,8 @@ class Cluster:
                               expected=False)
 
     def _on_standby(self, sender: str, msg: Standby, now: float) -> None:
-        """A worker holding no model (``proxy.cluster.model_loading``); one still registered under its old epoch is gone."""
+        """A worker holding no model (``proxy.cluster.model_loading``); one still registered under its old epoch is
+        gone."""
         if sender != msg.worker_id:
             log.warning("dropped a Standby from %r naming worker %r", sender, msg.worker_id)
             return

@@ -11,8 +11,8 @@ the proxy's own model (``config.model``'s name; by default that name itself). ``
     404 -> a name (or version) neither served, registered nor offered; 503 + Retry-After -> registered, offered
            or served before, but no live worker serves it now (loading, draining, scaled to zero)
 
-A version no live worker serves but some worker offers (``standby_models``) is loaded on demand: the request that
-finds it cold starts the load (``proxy.cluster.model_loading``), and it and the next ones get 503 with Retry-After until a
+A version no live worker serves but some worker offers (``standby_models``) is loaded on demand: the request that finds
+it cold starts the load (``proxy.cluster.model_loading``), and it and the next ones get 503 with Retry-After until a
 worker registers with it; ``N`` loads the promoted version where one is offered.
 
 Promotion and canary come from the proxy's model registry (``common.storage.registry``, under the cache root),

@@ -55,11 +55,11 @@ def tpot_target_of(registry: WorkerRegistry, tpot_slo_ms: float) -> Callable[[Su
 
 class PrefillGate:
     def __init__(self, registry: WorkerRegistry, outstanding: Callable[[str], int],
-                 inflight: Callable[[], Iterable[SubRequest]], target_ms: Callable[[SubRequest], float],
+                 inflight: Iterable[SubRequest], target_ms: Callable[[SubRequest], float],
                  max_hold_s: float = float("inf")) -> None:
         self.registry = registry
         self._outstanding = outstanding  # prefill worker id -> prompt tokens sent to it and not done
-        self._inflight = inflight  # the proxy's choices, waiting, prefilling and decoding
+        self._inflight = inflight  # the proxy's choices, waiting, prefilling and decoding (a live view)
         self._target_ms = target_ms
         self.max_hold_s = max_hold_s  # the longest the gate holds at a stretch (``hold``)
         self._holding_since: float | None = None
@@ -87,7 +87,7 @@ class PrefillGate:
             return True  # one shares its cores with no decode worker (or has no model yet): nothing to stall
         waiting = waiting_tokens = 0
         exposed = []  # choices a prompt sent now would stall: decoding, or to decode once their prompt is done
-        for sub in self._inflight():
+        for sub in self._inflight:
             if sub.stage is Stage.QUEUED:
                 waiting += 1
                 waiting_tokens += len(sub.tokens)

@@ -1,95 +1,65 @@
 """TAC, the adaptive controller: one loop that reads what the cluster does and moves the knobs that are otherwise
-fixed, to maximise goodput (choices that meet both the TTFT and the TPOT target, per second).
+fixed, to maximise goodput (choices that meet both the TTFT and the TPOT target, per second). Its window, its rules
+and its knobs on the workers are one concept, hence the length.
 
-Off by default (``tac_enabled``); off, nothing here runs and every knob keeps its configured value. On, every
-``tac_interval_s`` (once every decode worker's capacity comes from its fitted step model; the choices
-admitted before say nothing of it) it looks at the choices that ended since its last decision (proxy/control/tac_window.py; once at least ``MIN_OUTCOMES``
-did and ``MIN_SERVED`` of them were served, so refusals alone decide nothing, or ``MAX_WINDOWS`` intervals
-passed): how many met both targets, how many missed the TTFT target (``ttft_slo_ms``; a choice that failed
-before its first token, say by ``queue_timeout_s``, counts as a miss) and how many the TPOT target (``tpot_slo_ms``, or the target the capacity model derived for their decode worker,
-proxy/core/capacity.py); a request refused at arrival by early rejection counts as a TTFT miss. A target counts as
-missed when more than ``MISS_HIGH`` of the window missed it and at least ``MIN_MISSES`` choices did (at half
-capacity, 2 misses in a window of 16 shrank the knobs and the requests then waited), as met when at most
-``MISS_LOW`` did. Only the
-choices that arrived after the cap or its scale last changed count: a request's TPOT is known when it ends,
-seconds after it was admitted, and one admitted under the previous setting says nothing of this one (counting
-them made the loop swing between too tight and too loose). Then, one rule per knob:
+Off by default (``tac_enabled``); off, nothing here runs and every knob keeps its configured value. On, the cluster
+calls ``tick`` every ``tac_interval_s`` (proxy/cluster/cluster.py ``run_controller``) and sends the ``Tune``
+messages it returns; it tells ``ended`` each choice that ended, and asks ``prefill_room`` through its limits
+(proxy/control/limits.py).
 
-- ``decode_cap``: hold every decode worker to its TPOT capacity whatever ``tpot_slo_scope`` says (a lone tenant
-  too). On from the start: goodput counts only requests within both targets, and a request admitted past the
-  capacity slows every one decoding beside it, so the excess waits at the proxy, where early rejection and the
-  fairness policy deal with it. Off (the configured scope) once ``decode_scale`` would pass ``SCALE_MAX``: the
-  capacity model was too cautious for this load by that much. On again when more than ``MISS_HIGH`` of a
-  window missed the TPOT target. While nothing waits at the proxy the cap binds nothing, and it stays on: it
-  started off until issue 14's sixth round and went off after 5 calm windows, and each load that rose after a
-  quiet spell then ran uncapped for a window or more (a cold start: at 1x capacity 0.35 requests/s within both
-  targets in one run, where a fixed cap served 0.57).
-- ``decode_scale``: with the cap on, the fraction of each worker's TPOT capacity that is admitted (1 until
-  the target is missed under the cap). The capacity comes from a model (the worker's step fit plus the lag the
-  proxy measured, proxy/core/capacity.py); when requests still miss the target under it, the model is wrong for
-  this load (on one host, the front door's own work between the steps is more than the lag has seen), and
-  this is the feedback that corrects it: x ``DECREASE`` on a window that missed the TPOT target (at least as
-  much as the TTFT target) with the cap on and binding (the choices holding slots filled them at one of the
-  window's intervals; below the cap, the misses are the prompts between the steps, not the batch: at half
-  capacity, shrinking on them halved the slots and queued requests past their TTFT target), x ``INCREASE`` on one that missed only the TTFT target while the
-  served choices' mean TPOT was at most ``TPOT_SLACK`` of its target (past 1: the model was too cautious for
-  this load; past ``SCALE_MAX`` the cap goes off). Without that room, more sequences would break the TPOT
-  target and serve nothing more within both: the TTFT misses are overload, which early rejection meets (in
-  a run at 2x capacity, loosening on them took the scale to 4 and the cap off every 30 s, and goodput fell
-  from 0.8 to 0.05 requests/s). A window that missed both, the
-  TTFT target more, changes nothing: loosening would break the TPOT target further, tightening the TTFT one.
-  Below 1, a window that met the TPOT target with the cap binding, and in which more than ``MISS_HIGH`` of the
-  choices waited at the proxy past ``WAITED`` of the TTFT target, grows it by ``INCREASE`` back towards 1,
-  before they miss their first token: a scale shrunk on a cold start's or a burst's misses otherwise stayed
-  down while the load was light (at half capacity, 0.87-0.94x the goodput of a fixed cap).
-- ``prefill_budget``: prompt tokens sent to the prefill workers and not done, at most (0: no bound). Prompts and
-  decode steps share compute (on one host, the cores): with the cap on and the TPOT target still missed, what
-  slows the decode steps is the prompts between them, so the budget shrinks by ``DECREASE`` (never below one
-  prompt); while the TTFT target is missed and the TPOT target is not, it grows by ``INCREASE``, and past
-  ``BUDGET_UNBOUNDED_PROMPTS`` prompts it is lifted. The admission gate (``prefill_room``) always lets one
-  prompt through.
-- the prefill gate (proxy/control/prefill_gate.py), on with the controller: where a prefill worker time-shares its
-  cores with decode workers (``worker.core_share``, as ``tessera up`` starts them), a prompt goes to it only
-  while the sequences decoding there can absorb it (and what it has not done yet) within their TPOT target;
-  else it waits at the proxy, where early rejection sees the wait, at most ``prefill_gate_max_hold_s`` at a
-  stretch (as without the controller; 0: without bound). The budget bounds the prompts in flight;
-  the gate times them to the decoding sequences' slack (with 2,048-token prompts on 2 cores, one prompt is
-  1.5-2 s of every decoding sequence's time). Counted in ``tessera_tac_prefill_held_total``.
-- ``token_budget``: every worker's step token budget, so its largest prompt chunk (``Tune``, 0: each worker's
-  ``max_num_batched_tokens``). With the TPOT target missed under the cap it halves (from ``CHUNK_START``, down to
-  ``CHUNK_MIN``): a decode step then waits for at most a smaller chunk on the same cores, or shares its step
-  with one (a decode-capable worker prefilling locally). While the TTFT target is missed and the TPOT target is
-  not it doubles, back to the configured budget past ``CHUNK_START``. A worker that registers later is told at
-  the next decision.
-- ``local_prefill_threshold``: the conditional-disaggregation threshold (prompts shorter than it prefill on
-  their decode worker, proxy/core/routing.py). While the TTFT target is missed, the TPOT target is not and the
-  decode workers run below their capacity (the prefill side is the bottleneck), it doubles (from
-  ``THRESHOLD_START``, at most ``THRESHOLD_MAX``); when the TPOT target is missed it halves back towards the
-  configured value. Not where every decode worker shares its cores with a prefill worker: there the prefill
-  side has no compute of its own to relieve, and the prompts moved would skip the prefill gate (in a run at 2x
-  capacity with the gate, it went up to 2,048 and back down every few windows).
+A decision reads the choices that ended since the last one (``Window``; once ``MIN_OUTCOMES`` did and
+``MIN_SERVED`` of them were served, or ``MAX_WINDOWS`` intervals passed), only those that arrived after the cap
+or its scale last changed. A target counts as missed when more than ``MISS_HIGH`` of them and at least
+``MIN_MISSES`` missed it, as met when at most ``MISS_LOW`` did; a choice that failed before its first token, or
+was refused at arrival by early rejection, missed the TTFT target. Then, one rule per knob:
 
-- speculation's ``k`` and batch size, and per-worker routing weights: proxy/control/tac_workers.py.
+- ``decode_cap``: every decode worker held to its TPOT capacity, whatever ``tpot_slo_scope`` says. On from the
+  start; off once ``decode_scale`` would pass ``SCALE_MAX``; on again when a window misses the TPOT target.
+- ``decode_scale``: with the cap on, the fraction of each worker's TPOT capacity admitted, the feedback that
+  corrects the capacity model: x ``DECREASE`` (down to ``SCALE_MIN``) on a window that missed the TPOT target at
+  least as much as the TTFT target with the cap binding (every slot held at one of its intervals); x ``INCREASE``
+  on one that missed only the TTFT target while the served choices' mean TPOT was within ``TPOT_SLACK`` of it;
+  below 1, x ``INCREASE`` back towards 1 on a window that met the TPOT target with the cap binding while more
+  than ``MISS_HIGH`` of the choices waited at the proxy past ``WAITED`` of the TTFT target.
+- ``prefill_budget``: prompt tokens sent to the prefill workers and not done, at most (0: no bound). x ``DECREASE``
+  (never below one mean prompt) while the TPOT target is missed under the cap; x ``INCREASE`` while only the TTFT
+  target is, lifted past ``BUDGET_UNBOUNDED_PROMPTS`` prompts. ``prefill_room`` always lets one prompt through.
+- the prefill gate (proxy/control/prefill_gate.py), on with the controller: a prompt goes to a prefill worker that
+  time-shares its cores with decode workers only while the sequences decoding there can absorb it, at most
+  ``prefill_gate_max_hold_s`` at a stretch (0: without bound); counted in ``tessera_tac_prefill_held_total``.
+- ``token_budget``: every worker's step token budget (``Tune``; 0: each worker's ``max_num_batched_tokens``).
+  Halves from ``CHUNK_START`` down to ``CHUNK_MIN`` while the TPOT target is missed under the cap; doubles back to
+  the configured budget while only the TTFT target is. A worker that registers later is told at the next decision.
+- ``local_prefill_threshold``: the conditional-disaggregation threshold (proxy/core/routing.py). Doubles (from
+  ``THRESHOLD_START``, at most ``THRESHOLD_MAX``) while only the TTFT target is missed and the decode workers run
+  below their capacity, unless every decode worker shares its cores with a prefill worker; halves back towards
+  the configured value when the TPOT target is missed.
+- speculation (``Speculation``): ``k``, then the batch size above which nobody speculates, halved while only the
+  TTFT target is missed, stepped back up to the configured values when the TPOT target is missed with compute to
+  spare or a window met both (``Tune``; a worker never goes above its configured ones).
+- routing weights (``reweigh``, ``PrefixAwareRouting.weights``), with two or more workers of a role: a worker whose
+  own choices missed its target in more than ``MISS_HIGH`` of the window, and more than twice as often as the
+  others of its role, gets x ``DECREASE`` of its weight (at least ``WEIGHT_MIN``); one that missed at most
+  ``MISS_LOW`` gets x ``INCREASE`` back towards 1.
 
 Every change is logged (``tac: <knob> <old> -> <new>: <why>``) and exported: ``tessera_tac_knob{knob}``,
-``tessera_tac_decisions_total{knob}``, and the window's ``tessera_tac_goodput`` and miss ratios.
+``tessera_tac_decisions_total{knob}``, and the window's ``tessera_tac_goodput`` and miss ratios. Why each rule is
+what it is, and the runs that shaped it: docs/history/tac.md.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from common.config.roles import ProxyConfig
 from common.protocol.wire import Tune
 from proxy.tenancy.admission import AdmissionController
 from proxy.core.metrics import ProxyMetrics
 from proxy.control.prefill_gate import PrefillGate, tpot_target_of
-from proxy.core.requests import Stage, SubRequest
+from proxy.core.requests import Sends, Stage, SubRequest
 from proxy.core.routing import PrefixAwareRouting
-from proxy.control.tac_window import MAX_WINDOWS, MIN_OUTCOMES, MIN_SERVED, Window
-from proxy.control.tac_workers import DECREASE, INCREASE, MISS_LOW, Speculation, reweigh
 from proxy.core.workers import WorkerRegistry
 
 log = logging.getLogger("tessera.proxy.tac")
@@ -102,23 +72,93 @@ CHUNK_START = 1024  # the first token budget below the configured one (2048 by d
 CHUNK_MIN = 256
 SCALE_MIN = 0.5  # decode_scale, at least (below, the cause is not the batch: it only cost throughput) ...
 SCALE_MAX = 4.0  # ... and at most (past it, the cap goes off)
+MISS_HIGH = 0.10  # a target counts as missed when more than this fraction of the window missed it
+MISS_LOW = 0.02  # ... and as met when at most this fraction did
+DECREASE = 0.7  # the multiplicative decrease of a budget or a weight
+INCREASE = 1.25  # ... and increase
+WEIGHT_MIN = 0.25  # a worker's routing weight, at least
+WEIGHT_MIN_OUTCOMES = 4  # a worker's weight moves on a window with at least this many of its own choices
+MIN_OUTCOMES = 8  # a window decides once this many choices ended in it ...
+MIN_SERVED = 4  # ... of which this many were served (their TPOT measured; refusals alone decide nothing) ...
+MAX_WINDOWS = 5  # ... or this many intervals passed (then on what it has, if anything)
+MIN_MISSES = 3  # a target counts as missed only when at least this many choices missed it (and > MISS_HIGH did)
+WAITED = 0.1  # a choice waited for the cap when its wait before prefill admission passed this share of ttft_slo_ms
+
+Decide = Callable[[str, float, float, str], None]  # (knob, old, new, why): logged and counted
+
+
+@dataclass
+class Window:
+    """The choices that ended since the last decision."""
+    started_at: float
+    intervals: int = 0
+    good: int = 0
+    ttft_missed: int = 0
+    tpot_missed: int = 0
+    ended: int = 0
+    served: int = 0  # of them, the ones whose TPOT was measured (not refused, not failed before a second token)
+    tpot_load: float = 0.0  # their TPOT over its target, summed
+    prompt_tokens: int = 0
+    waited: int = 0  # of them, the ones that waited at the proxy past WAITED x ttft_slo_ms before their prompt went
+    bound: bool = False  # the cap held every slot at one of the intervals it spanned
+    workers: dict[str, list[int]] = field(default_factory=dict)  # worker id -> [its choices, missed its target]
+
+    def add(self, sub: SubRequest, ttft_slo_ms: float, tpot_target_ms: Callable[[SubRequest], float]) -> None:
+        """``sub`` ended (finished or failed; one cancelled before its first token is not counted)."""
+        if sub.first_token_at is None and sub.stage is not Stage.FAILED:
+            return
+        self.ended += 1
+        self.prompt_tokens += len(sub.prompt)
+        if sub.first_token_at is None:  # failed before its first token: a miss
+            self.ttft_missed += 1
+            self.count(sub.prefill_worker or sub.decode_worker, True)
+            return
+        ttft_ok = (sub.first_token_at - sub.arrival) * 1e3 <= ttft_slo_ms
+        if sub.admitted_at is not None and (sub.admitted_at - sub.arrival) * 1e3 > WAITED * ttft_slo_ms:
+            self.waited += 1
+        tpot_ok = True
+        if len(sub.output_ids) > 1:
+            tpot_ms = (sub.last_token_at - sub.first_token_at) * 1e3 / (len(sub.output_ids) - 1)
+            target_ms = tpot_target_ms(sub)
+            tpot_ok = tpot_ms <= target_ms
+            self.served += 1
+            self.tpot_load += min(tpot_ms / target_ms, 10.0)
+        self.ttft_missed += not ttft_ok
+        self.tpot_missed += not tpot_ok
+        if sub.prefill_worker is not None:  # disaggregated: the TTFT is the prefill worker's, the TPOT the other's
+            self.count(sub.prefill_worker, not ttft_ok)
+            self.count(sub.decode_worker, not tpot_ok)
+        else:
+            self.count(sub.decode_worker, not (ttft_ok and tpot_ok))
+        self.good += ttft_ok and tpot_ok
+
+    def count(self, worker_id: str | None, missed: bool) -> None:
+        if worker_id is not None:
+            counts = self.workers.setdefault(worker_id, [0, 0])
+            counts[0] += 1
+            counts[1] += missed
+
+    def ratio(self, count: int) -> float:
+        return count / self.ended if self.ended else 0.0
+
+    def missed(self, count: int) -> bool:
+        """Whether ``count`` misses of the window say its target was missed: more than ``MISS_HIGH`` of it, and
+        at least ``MIN_MISSES`` (2 of 16, or 1 of 8, is the noise of a lightly loaded cluster)."""
+        return count >= MIN_MISSES and self.ratio(count) > MISS_HIGH
 
 
 class AdaptiveController:
     def __init__(self, config: ProxyConfig, registry: WorkerRegistry, policy: PrefixAwareRouting,
-                 admission: AdmissionController, metrics: ProxyMetrics, send: Callable[[str, object], None],
-                 clock: Callable[[], float] = time.monotonic,
-                 inflight: Callable[[], Iterable[SubRequest]] = tuple) -> None:
+                 admission: AdmissionController, metrics: ProxyMetrics, clock: Callable[[], float] = time.monotonic,
+                 inflight: Iterable[SubRequest] = ()) -> None:
+        """``inflight``: the proxy's choices, waiting, prefilling and decoding (a live view: the gate's)."""
         self.config = config
         self.registry = registry
         self.policy = policy
         self.admission = admission
         self.metrics = metrics
         self._clock = clock
-        self._send = send
-        self.decode_cap = True  # on from the start (the module's docstring says why)
-        # this proxy's part of the slots (the cluster's, where several proxies share the workers)
-        self.share_of: Callable[[int], int] = lambda slots: int(slots * config.decode_slot_share)
+        self.decode_cap = True  # on from the start (docs/history/tac.md says why)
         self.decode_scale = 1.0
         self.prefill_budget = 0
         self.token_budget = 0
@@ -164,34 +204,27 @@ class AdaptiveController:
         self.metrics.tac_prefill_held.inc()
         return False
 
-    # -- the loop ---------------------------------------------------------------------------------
+    # -- the decision ----------------------------------------------------------------------------
 
-    async def run(self) -> None:
-        """Runs for the proxy's life, one decision every ``tac_interval_s``."""
-        while True:
-            await asyncio.sleep(self.config.tac_interval_s)
-            try:
-                self.tick(self._clock())
-            except Exception:  # a bug here must not stop the proxy, nor leave the loop dead silently
-                log.exception("tac: error in the control loop")
-
-    def tick(self, now: float) -> None:
+    def tick(self, now: float, slots: int) -> Sends:
+        """One decision (every ``tac_interval_s``); what to send the workers (``Tune``). ``slots``: the decode slots
+        the cap allows this proxy now (its limits' ``decode_slots``), read only while the cap is on."""
         window = self.window
         if not self._capacity_known():
             # the decode cap is START_CAPACITY slots until a worker's step model is fitted: what its first choices
             # meet (a cold cluster's first steps, 0.5-0.7 s each) says nothing of the model the scale corrects
             self.window = Window(now)
             self._changed_at = self._clock()
-            return
+            return []
         window.intervals += 1
-        window.bound = window.bound or self._cap_bound()
+        window.bound = window.bound or self._cap_bound(slots)
         if (window.ended < MIN_OUTCOMES or window.served < MIN_SERVED) and window.intervals < MAX_WINDOWS:
-            return
+            return []
         self.window = Window(now)
         queued = self.admission.total(Stage.QUEUED)
         if not window.ended:
             self._export(window, now)
-            return
+            return []
         self._mean_prompt = window.prompt_tokens / window.ended
         ttft_miss, tpot_miss = window.ratio(window.ttft_missed), window.ratio(window.tpot_missed)
         why = (f"{window.ended} choices ended: {ttft_miss:.0%} missed ttft_slo_ms, "
@@ -234,8 +267,9 @@ class AdaptiveController:
                 self.speculation.more(why)
         if isinstance(self.policy, PrefixAwareRouting):
             reweigh(self.policy.weights, self.registry, window.workers, self._decide)
-        self._tell_workers()
+        sends = self._tell_workers()
         self._export(window, now)
+        return sends
 
     # -- the knobs --------------------------------------------------------------------------------
 
@@ -275,18 +309,20 @@ class AdaptiveController:
             self._decide("token_budget", self.token_budget, tokens, why)
             self.token_budget = tokens
 
-    def _tell_workers(self) -> None:
-        """Send the token budget and speculation to every worker not told them yet (one registered later, or
+    def _tell_workers(self) -> Sends:
+        """The token budget and speculation for every worker not told them yet (one registered later, or
         restarted)."""
+        sends: Sends = []
         setting = (self.token_budget, self.speculation.setting)
         for worker in list(self.registry.workers.values()):
             told = self._told.get(worker.worker_id)
             if told != (worker.epoch, setting) and (told is not None or setting != (0, None)):
                 k, batch = self.speculation.setting or (None, None)
-                self._send(worker.worker_id, Tune(self.token_budget, spec_num_tokens=k, spec_max_batch_size=batch))
+                sends.append((worker.worker_id, Tune(self.token_budget, spec_num_tokens=k, spec_max_batch_size=batch)))
                 self._told[worker.worker_id] = (worker.epoch, setting)
         for worker_id in [w for w in self._told if w not in self.registry.workers]:
             del self._told[worker_id]
+        return sends
 
     def _raise_threshold(self, why: str) -> None:
         if not isinstance(self.policy, PrefixAwareRouting) or not self.registry.prefill_side() or self._cores_shared():
@@ -321,12 +357,11 @@ class AdaptiveController:
         workers = [w for w in self.registry.decode_side() if not w.draining]
         return bool(workers) and all(w.latency_capacity for w in workers)
 
-    def _cap_bound(self) -> bool:
+    def _cap_bound(self, slots: int) -> bool:
         """Whether the choices holding decode slots (decoding, prefilling or ready) fill every slot the cap
-        allows now."""
+        allows now (``slots``)."""
         if not self.decode_cap:
             return False
-        slots = self.share_of(self.registry.decode_slots(within_tpot=True, scale=self.decode_scale))
         in_use = sum(self.admission.total(stage) for stage in (Stage.PREFILLING, Stage.READY, Stage.DECODING))
         return slots > 0 and in_use >= slots
 
@@ -358,3 +393,73 @@ class AdaptiveController:
             m.tac_goodput.set(window.good / max(now - window.started_at, 1e-9))
             m.tac_miss_ratio.labels("ttft").set(window.ratio(window.ttft_missed))
             m.tac_miss_ratio.labels("tpot").set(window.ratio(window.tpot_missed))
+
+
+class Speculation:
+    def __init__(self, registry: WorkerRegistry, decide: Decide) -> None:
+        self.registry = registry
+        self.decide = decide
+        self.setting: tuple[int, int] | None = None  # (k, spec_max_batch_size); None: as configured
+
+    def configured(self) -> tuple[int, int]:
+        """The most k and speculating batch size any decode worker is configured with; (0, 0): none speculates."""
+        configured = [w.speculation for w in self.registry.decode_side() if w.speculation[1]]
+        return (max(k for k, _ in configured), max(b for _, b in configured)) if configured else (0, 0)
+
+    def less(self, why: str) -> None:
+        configured = self.configured()
+        k, batch = self.setting or configured
+        if k > 1:
+            self._set((k // 2, batch), configured, why)
+        elif batch > 0:
+            self._set((k, batch // 2), configured, why)
+
+    def more(self, why: str) -> None:
+        if self.setting is None:
+            return
+        configured = self.configured()
+        k, batch = self.setting
+        if batch < configured[1]:
+            self._set((k, min(max(batch * 2, 1), configured[1])), configured, why)
+        elif k < configured[0]:
+            self._set((min(k * 2, configured[0]), batch), configured, why)
+        else:
+            self.setting = None  # the workers' configuration changed: back to it
+
+    def _set(self, new: tuple[int, int], configured: tuple[int, int], why: str) -> None:
+        old = self.setting or configured
+        for knob, was, now in zip(("spec_num_tokens", "spec_max_batch_size"), old, new):
+            if was != now:
+                self.decide(knob, was, now, why)
+        self.setting = None if new == configured else new
+
+
+def reweigh(weights: dict[str, float], registry: WorkerRegistry, outcomes: dict[str, list[int]],
+            decide: Decide) -> None:
+    """Routing weights from each worker's own misses (``outcomes``: worker id -> [its choices, missed its
+    target]) against the others' of its role."""
+    for side in (registry.prefill_side(), registry.decode_side()):
+        ids = [w.worker_id for w in side if not w.draining]
+        if len(ids) < 2:
+            continue
+        for worker_id in ids:
+            ended, missed = outcomes.get(worker_id, (0, 0))
+            if ended < WEIGHT_MIN_OUTCOMES:
+                continue
+            others = [outcomes.get(i, (0, 0)) for i in ids if i != worker_id]
+            others_ended = sum(e for e, _ in others)
+            others_ratio = sum(m for _, m in others) / others_ended if others_ended else 0.0
+            ratio, old = missed / ended, weights.get(worker_id, 1.0)
+            if ratio > MISS_HIGH and ratio > 2 * others_ratio:
+                new = max(round(old * DECREASE, 3), WEIGHT_MIN)
+            elif ratio <= MISS_LOW and old < 1.0:
+                new = min(round(old * INCREASE, 3), 1.0)
+            else:
+                continue
+            if new != old:
+                decide("routing_weight", old, new, f"{worker_id}: {missed} of its {ended} choices missed its "
+                       f"target, the others of its role {others_ratio:.0%}")
+                if new == 1.0:
+                    weights.pop(worker_id, None)
+                else:
+                    weights[worker_id] = new

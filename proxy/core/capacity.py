@@ -1,14 +1,10 @@
-"""Capacity as a latency budget: how many sequences a worker may run within the TPOT target, and whether a new
-request can still meet the TTFT target.
+"""A worker's capacity as a latency budget: how many sequences it may run within the TPOT target.
 
 A worker's heartbeat carries the fit of its own step time (``StepCostModel``, common/engine/model_runner.py)
 and its running sequences' context. Once per heartbeat the registry (proxy/core/workers.py) turns them into the
 most sequences whose predicted step stays within the target: ``tpot_slo_ms``, or ``tpot_slo_factor`` times
 the worker's predicted one-sequence step, each prediction plus how much later than predicted the worker's steps
 of that many rows reach the proxy (``StepLag``). Admission and routing read the result.
-
-With ``ttft_slo_ms`` set, ``TtftForecast`` and ``choices_ahead`` predict a new request's time to first token
-from what the proxy measures, and ``early_rejection`` refuses one that would miss it (proxy/cluster/cluster.py).
 """
 from __future__ import annotations
 
@@ -16,7 +12,7 @@ import bisect
 import itertools
 import math
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common.protocol.wire import StepCostModel
@@ -205,112 +201,3 @@ def latency_capacity(cost: StepCostModel | None, max_num_seqs: int, context: int
         if cost.step_ms(rows, rows * context) + lag_ms > budget_ms:
             return rows - 1, budget_ms
     return most, budget_ms
-
-
-# TtftForecast: a mean counts once this many samples were seen; each sample's weight decays by this per later one
-TTFT_MIN_SAMPLES = 8
-TTFT_DECAY = 0.9
-TTFT_ERRORS = 128  # TtftForecast: the recent errors its quantile is taken over
-
-
-@dataclass
-class TtftForecast:
-    """A new request's time to first token, predicted at its arrival (``ttft_slo_ms`` with ``early_rejection``).
-
-    It waits for the choices prefill admission takes before it (``choices_ahead``), one admission interval
-    each, then for its own prefill. Both are measured here, as decayed means over recent requests: the time
-    between two prefill admissions while choices kept waiting (the rate at which the cluster frees room:
-    idle stretches are not counted), and the time from a choice's admission to its first token. Mooncake's
-    early rejection predicts from queue and load the same way; this one needs no model of its own, so it
-    holds for either layout and any worker.
-
-    Both scale with the prompt: a prediction for an ``n``-token prompt is the means times ``n`` over the mean
-    prompt admitted, the new prompt standing in for those ahead of it too. When the prompts grow from 256 to
-    2,048 tokens, each admission and each prefill takes several times longer at once, and the means, over
-    choices, took a minute of the longer ones to follow (meanwhile, requests were admitted to wait 7-15 s).
-
-    A mean is what half the requests exceed. Refusing only the requests whose mean passed the target admitted
-    the ones just under it, and under overload the queue settled at the target: at 3x capacity the admitted
-    requests' TTFT p50 was 3.09 s against a 3 s target, and only 40% of them met it. So each admitted request
-    that was forecast also gives its error (its TTFT less its forecast, ``measured``), and a tenant's
-    ``margin`` is the ``quantile`` of its last ``TTFT_ERRORS``: a request is refused when its forecast plus
-    its tenant's margin passes the target, so that about that fraction of the admitted ones meet it. Added,
-    not multiplied: a light tenant's forecast of one admission ahead (90 ms) came out one admission short,
-    and as a ratio (2.8x) that error refused its next request forecast at 110 ms, which would have had its
-    first token in 190 ms against a 300 ms target. Per tenant, because ``choices_ahead`` models vtc's order
-    only roughly and errs by tenant: the light tenant's requests go ahead of the heavy tenant's queued ones,
-    so the heavy tenant's forecasts come out short and the light one's do not.
-    """
-    interval_s: float = 0.0
-    intervals: int = 0
-    service_s: float = 0.0
-    services: int = 0
-    tokens: float = 0.0  # the mean prompt admitted (decayed as the means are)
-    admissions: int = 0
-    last_admitted: float | None = None  # the previous admission, if choices were still waiting after it
-    quantile: float = 0.9  # of the errors, for the margin (early_rejection_quantile)
-    errors: dict[str, deque] = field(default_factory=dict)  # tenant -> its recent errors, in seconds
-    margins: dict[str, float] = field(default_factory=dict)  # tenant -> their quantile, once enough were seen
-
-    def admitted(self, now: float, still_waiting: bool, tokens: int = 0) -> None:
-        if self.last_admitted is not None:
-            self.interval_s = _decayed(self.interval_s, now - self.last_admitted, self.intervals)
-            self.intervals += 1
-        self.last_admitted = now if still_waiting else None
-        if tokens:
-            self.tokens = _decayed(self.tokens, float(tokens), self.admissions)
-            self.admissions += 1
-
-    def first_token(self, service_s: float) -> None:
-        self.service_s = _decayed(self.service_s, service_s, self.services)
-        self.services += 1
-
-    def measured(self, forecast_s: float, ttft_s: float, tenant: str = "") -> None:
-        """A request of ``tenant`` forecast at its arrival to get its first token after ``forecast_s``
-        (``predict_s``) got it after ``ttft_s``."""
-        errors = self.errors.setdefault(tenant, deque(maxlen=TTFT_ERRORS))
-        errors.append(ttft_s - forecast_s)
-        if len(errors) >= TTFT_MIN_SAMPLES:
-            ordered = sorted(errors)
-            self.margins[tenant] = ordered[min(int(self.quantile * len(ordered)), len(ordered) - 1)]
-
-    def margin(self, tenant: str = "") -> float:
-        """Seconds added to ``tenant``'s forecasts: their errors' quantile (0 until ``TTFT_MIN_SAMPLES`` were
-        measured; below 0 when they overshoot)."""
-        return self.margins.get(tenant, 0.0)
-
-    def predict_s(self, ahead: int, tokens: int = 0) -> float | None:
-        """Seconds until the first token of a choice of a ``tokens``-token prompt (0: as long as the mean) with
-        ``ahead`` choices to be admitted before it; None while too few requests were seen to say."""
-        if self.services < TTFT_MIN_SAMPLES or (ahead and self.intervals < TTFT_MIN_SAMPLES):
-            return None
-        scale = tokens / self.tokens if tokens and self.tokens > 0 else 1.0
-        return (ahead * self.interval_s + self.service_s) * scale
-
-
-def _decayed(mean: float, sample: float, count: int, decay: float = TTFT_DECAY) -> float:
-    """A decayed mean with one more ``sample`` (the sample itself when it is the first)."""
-    return sample if count == 0 else mean * decay + sample * (1 - decay)
-
-
-def choices_ahead(policy: str, queued: Mapping[str, int], lanes: Mapping[str, int], weights: Mapping[str, float],
-                  tenant: str, lane: int) -> int:
-    """How many queued choices prefill admission takes before a new one of ``tenant``.
-
-    ``fcfs``: every queued one. ``priority``: those of higher lanes and of its own. ``vtc``: higher lanes',
-    its own tenant's, and of each other backlogged tenant in its lane as many as that tenant is served while
-    this one's queue drains (its weight's share of the rounds), at most what it has queued.
-    """
-    if policy == "fcfs":
-        return sum(queued.values())
-    own = queued.get(tenant, 0) + 1
-    ahead = own - 1
-    for other, waiting in queued.items():
-        if not waiting or other == tenant:
-            continue
-        other_lane = lanes.get(other, lane)
-        if other_lane < lane or (other_lane == lane and policy == "priority"):
-            ahead += waiting
-        elif other_lane == lane:
-            ahead += min(waiting, math.ceil(own * weights.get(other, 1.0) / weights.get(tenant, 1.0)))
-    return ahead

@@ -64,8 +64,9 @@ class TokenHistogram:
 
 class TenantService:
     """``tessera_proxy_tenant_service_total`` and ``tessera_proxy_tenant_virtual_counter``, by tenant, read from the
-    fairness policy's counters (``proxy.tenancy.service_counters.ServiceCounters``, set as ``counters``) when scraped: admission
-    charges a tenant at every step of each of its choices, and a metric update there would cost as much again."""
+    fairness policy's counters (``proxy.tenancy.service_counters.ServiceCounters``, set as ``counters``) when scraped:
+    admission charges a tenant at every step of each of its choices, and a metric update there would cost as much
+    again."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.counters = None
@@ -136,7 +137,8 @@ class ProxyMetrics:
                                    ["worker_id"], registry=r)
         self.decode_capacity = Gauge("tessera_proxy_worker_decode_capacity",
                                      "Sequences a decode-capable worker may run within the TPOT target "
-                                     "(proxy/core/capacity.py; 0 until it reports a step model)", ["worker_id"], registry=r)
+                                     "(proxy/core/capacity.py; 0 until it reports a step model)", ["worker_id"],
+                                     registry=r)
         self.step_lag = Gauge("tessera_proxy_worker_step_lag_seconds",
                               "How much later than its step model predicts a worker's decode steps reach the "
                               "proxy, per step (decayed mean; 0 until 20 steps)", ["worker_id"], registry=r)

@@ -1,7 +1,7 @@
 """How a resumed request came back: one ``Recovery`` per resume, its phases timed from detection.
 
-A request resumes (``proxy.core.requests`` ``SubRequest._resume``) at the moment the proxy learns that its worker is gone or
-gave it back: *detection*. The resumed attempt then goes
+A request resumes (``proxy.core.requests`` ``SubRequest._resume``) at the moment the proxy learns that its worker is
+gone or gave it back: *detection*. The resumed attempt then goes
 
     detected --admission sends it to a worker again--> redispatched --its first token reaches the proxy--> recovered
 

@@ -48,8 +48,6 @@ The ways out:
 No sockets and no calls back into the cluster: every handler returns what
 the cluster must send (``Sends``), and the cluster reads the stage change
 (``stage`` before and after) to update admission and routing.
-
-``SlotForecast`` reads the choices decoding: how many end within one prefill.
 """
 from __future__ import annotations
 
@@ -493,48 +491,3 @@ class SubRequest:
         if self.kv_holder == gone:
             self.kv_holder = None
         return sends + self._release_kv()
-
-
-# SlotForecast: each prefill's time weighs this much in the decayed mean of the recent ones
-PREFILL_DECAY = 0.9
-
-
-class SlotForecast:
-    """How many decode slots free within one prefill: prefill admission under a latency cap (proxy/tenancy/admission.py)
-    starts a prompt when a slot will be free by the time it is prefilled, so that neither the slot waits for
-    the prompt nor the prompt, prefilled, waits for a slot between its first and second token.
-
-    The cluster tells it each choice's stage and tokens (``update``, from ``Cluster._act``): it keeps the
-    choices decoding, and a decayed mean of the time from admission to first token of the prompts prefilled
-    on a prefill worker. A decoding choice frees its slot within that time if its tokens left (to its
-    ``max_tokens``) at its own pace so far take no longer: an upper bound, as a stop or end of sequence only
-    ends it sooner, so the forecast errs towards waiting.
-    """
-
-    def __init__(self) -> None:
-        self.decoding: dict[str, SubRequest] = {}  # request id -> a choice holding a decode slot
-        self.prefill_s = 0.0  # decayed mean, admission to first token (0: none measured yet)
-
-    def update(self, sub: SubRequest, first_tokens: bool, now: float) -> None:
-        """``sub`` was acted on; ``first_tokens``: its first tokens just came."""
-        if first_tokens and sub.admitted_at is not None and sub.route is not None and not sub.route.local:
-            sample = now - sub.admitted_at
-            self.prefill_s = sample if not self.prefill_s else (
-                self.prefill_s * PREFILL_DECAY + sample * (1 - PREFILL_DECAY))
-        if sub.stage is Stage.DECODING and not sub.done:
-            self.decoding[sub.request_id] = sub
-        else:
-            self.decoding.pop(sub.request_id, None)
-
-    def freeing(self) -> int:
-        """Decoding choices predicted to end within one prefill."""
-        within_s = self.prefill_s
-        if not within_s:
-            return 0
-        count = 0
-        for sub in self.decoding.values():
-            done = len(sub.output_ids)
-            if done > 1 and sub.first_token_at is not None:
-                pace_s = (sub.last_token_at - sub.first_token_at) / (done - 1)
-                count += (sub.params.max_tokens - done) * pace_s <= within_s
-        return count

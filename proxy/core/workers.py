@@ -1,8 +1,15 @@
-"""The workers: which are alive, what they serve, how loaded they are, and the socket to them.
+"""The workers: which are alive, what they serve, how loaded they are, and what a Register must satisfy to join.
 
 ``WorkerRegistry`` is pure bookkeeping: the cluster feeds it the messages and sends whatever the outcome says.
 
-- ``register`` validates a Register and applies it (the rules: ``proxy.core.registration``).
+- ``register`` validates a Register (``refusal``) and applies it; it returns what it did as a ``Registration``.
+  A Register must name a known role and an id, give positive sizes, carry no stale epoch, and agree with the KV
+  layout of the workers already serving its model version (``ClusterModel``). A cluster serves several models,
+  and several versions of each, side by side (``proxy.cluster.served_models`` routes a request to one version,
+  prefill and decode alike); workers of one version hand each other KV pages, so the first accepted worker of a
+  version fixes its layout while any worker of that version is registered, and one that differs is refused with
+  a reason naming both values. A Register with the same id and a newer epoch replaces the old entry (the caller
+  fails its requests); an older epoch is refused as stale; the same epoch is a retry and is accepted.
 - ``heartbeat`` updates load and the TPOT capacity (proxy/core/capacity.py); ``observe_step`` times each decode
   step's tokens for its lag. A heartbeat from an unknown worker or a wrong epoch is not applied; ``ask_to_rejoin``
   answers it with Reregister at most once per worker id every ``heartbeat_timeout_s / 4`` (the watchdog's
@@ -19,15 +26,13 @@ The ROUTER socket the messages come in on is ``proxy.cluster.worker_link.WorkerL
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from common.config.base import EngineConfig
 from common.protocol.wire import (Goodbye, Heartbeat, KVLayoutInfo, PeerInfo, Peers, Register, RegisterAck, Role,
                                   StepCostModel)
-from proxy.core.capacity import ASSUMED_CONTEXT, LAG_MIN_SAMPLES, START_CAPACITY, StepLag, latency_capacity, mean_context
-from proxy.core.registration import ClusterModel, Registration, refusal
+from proxy.core.capacity import (ASSUMED_CONTEXT, LAG_MIN_SAMPLES, START_CAPACITY, StepLag, latency_capacity,
+                                 mean_context)
 
 log = logging.getLogger("tessera.proxy")
 
@@ -92,6 +97,43 @@ class WorkerState:
         return PeerInfo(self.worker_id, self.epoch, self.transfer_backend, self.transfer_metadata)
 
 
+@dataclass(frozen=True)
+class ClusterModel:
+    """What every worker of one model version must agree on."""
+    model: str
+    model_version: str
+    kv_layout: KVLayoutInfo
+
+
+@dataclass
+class Registration:
+    """What a Register led to; the cluster acts on it."""
+    ack: RegisterAck
+    worker: WorkerState | None = None  # the accepted entry
+    replaced: WorkerState | None = None  # an older epoch of the same worker, now gone
+    prefill_set_changed: bool = False
+
+
+def refusal(msg: Register, registered_epoch: int | None, group: ClusterModel | None) -> str:
+    """Why ``msg`` cannot join (empty: it can); ``registered_epoch``: the epoch registered under its id, if any;
+    ``group``: what the other registered workers of its model version agree on, if any."""
+    if msg.role not in {r.value for r in Role}:
+        return f"unknown role {msg.role!r}; one of {[r.value for r in Role]}"
+    if not msg.worker_id:
+        return "empty worker_id"
+    if msg.num_blocks < 1 or msg.max_model_len < 2 or msg.kv_layout.block_size < 1:
+        return (f"num_blocks={msg.num_blocks}, max_model_len={msg.max_model_len} and "
+                f"kv_layout.block_size={msg.kv_layout.block_size} must be positive")
+    if registered_epoch is not None and msg.epoch < registered_epoch:
+        return f"stale epoch {msg.epoch}: epoch {registered_epoch} of this worker is registered"
+    if "@" in msg.model or not msg.model or not msg.model_version:
+        return f"model {msg.model!r} version {msg.model_version!r}: both must be non-empty, and the name without '@'"
+    if group is not None and msg.kv_layout != group.kv_layout:
+        return (f"KV layout {msg.kv_layout} differs from {group.kv_layout}, that of the workers serving "
+                f"{msg.model}@{msg.model_version}")
+    return ""
+
+
 @dataclass
 class WorkerRegistry:
     heartbeat_timeout_s: float
@@ -101,7 +143,7 @@ class WorkerRegistry:
     _rejoin_asked: dict[str, float] = field(default_factory=dict)  # worker id -> when last asked
     _slots: tuple = ((), 0)  # decode_slots' last answer, and what it depended on
 
-    def register(self, msg: Register, now: float) -> Registration[WorkerState]:
+    def register(self, msg: Register, now: float) -> Registration:
         old = self.workers.get(msg.worker_id)
         reason = refusal(msg, old.epoch if old is not None else None,
                          self._identity(msg.model, msg.model_version, exclude=msg.worker_id))
@@ -251,26 +293,3 @@ class WorkerRegistry:
             if worker.worker_id != exclude and (worker.model, worker.model_version) == (model, version):
                 return ClusterModel(worker.model, worker.model_version, worker.kv_layout)
         return None
-
-
-class SharedStateLike(Protocol):
-    """What the cluster asks of its part of the decode slots (``StaticShare``, or proxy/tenancy/shared_state.py's)."""
-
-    def slots(self, total: int) -> int: ...
-    def tenants_elsewhere(self, here: int, present: Callable[[str], bool]) -> bool: ...
-
-
-class StaticShare:
-    """A fixed share of the slots (``decode_slot_share``): one proxy, or several sharing nothing."""
-
-    def __init__(self, share: float) -> None:
-        self.share = share
-
-    def slots(self, total: int) -> int:
-        """At least one while there are any."""
-        return max(int(total * self.share), 1) if total else 0
-
-    def tenants_elsewhere(self, here: int, present: Callable[[str], bool]) -> bool:
-        """Whether other proxies' tenants make two or more with this one's ``here``: none are known."""
-        return False
-

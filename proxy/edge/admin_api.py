@@ -9,10 +9,10 @@
     POST /admin/models/{name}/drain          {"version": V}: no new session goes to V; answers once no session
                                              is pinned to V (at most session_pin_max_s): stop V's workers then
 
-Every call needs ``Authorization: Bearer <key>`` whose sha256 is ``admin_api_key_sha256`` (401 otherwise); with
-that setting empty the API is off (403). A change is written to the proxy host's model registry
-(``common.storage.registry``), which ``proxy.cluster.served_models`` reads again on the next request: new requests follow
-it at once, those in flight keep their version. ``tessera model promote/rollback --proxy URL`` call these, and a
+Every call needs ``Authorization: Bearer <key>`` whose sha256 is ``admin_api_key_sha256`` (401 otherwise); with that
+setting empty the API is off (403). A change is written to the proxy host's model registry
+(``common.storage.registry``), which ``proxy.cluster.served_models`` reads again on the next request: new requests
+follow it at once, those in flight keep their version. ``tessera model promote/rollback --proxy URL`` call these, and a
 gRPC admin service is to wrap the same calls.
 """
 from __future__ import annotations

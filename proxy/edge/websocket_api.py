@@ -17,14 +17,14 @@ Server frames (JSON text), for request ``ID``:
     {"id": ID, "status": S, "data": {"error": {...}}, "done": true}
                                               refused (S is the HTTP status the request would have got)
 
-``cancel`` ends the request (its pages are freed; the stream ends with the error and ``done`` as a cancelled
-SSE request does). A socket that closes cancels its requests, except resumable ones (``resumable``, or the
-tenant's ``resumable_streams``): those run on for ``resume_window_s``, and ``resume`` on any socket (or
-``GET /v1/streams/R`` with ``Last-Event-ID``) replays the events after N, then follows live, as SSE resumption
-does (``proxy.edge.resumable``). A socket with no request running and no message for ``websocket_idle_timeout_s`` (checked
-every that many seconds: at most twice that after its last request ended) is closed (code 1000). Authentication is the handshake's ``Authorization`` header: a bad key gets the same
-401 before the socket opens. A malformed message gets an error frame (with its ``id`` when it had one) and the
-socket stays open.
+``cancel`` ends the request (its pages are freed; the stream ends with the error and ``done`` as a cancelled SSE request
+does). A socket that closes cancels its requests, except resumable ones (``resumable``, or the tenant's
+``resumable_streams``): those run on for ``resume_window_s``, and ``resume`` on any socket (or ``GET /v1/streams/R``
+with ``Last-Event-ID``) replays the events after N, then follows live, as SSE resumption does
+(``proxy.edge.resumable``). A socket with no request running and no message for ``websocket_idle_timeout_s`` (checked
+every that many seconds: at most twice that after its last request ended) is closed (code 1000). Authentication is the
+handshake's ``Authorization`` header: a bad key gets the same 401 before the socket opens. A malformed message gets an
+error frame (with its ``id`` when it had one) and the socket stays open.
 """
 from __future__ import annotations
 

@@ -1,132 +1,55 @@
-"""Admission control: requests wait here for prefill, then for a decode slot, in the policy's order.
+"""Admission control: requests wait here for prefill, then for a decode slot, in the fairness policy's order.
 
     check_room (429 / 503) --enqueue--> QUEUED --admit to prefill--> PREFILLING --ready_for_decode-->
         READY --admit to decode--> DECODING --leave--> gone
     (``leave`` from any stage; ``requeue`` from a started one: it resumes elsewhere, or was preempted)
 
 The stage is the request's own (``SubRequest.stage``); admission keeps how many choices of each tenant are
-in each stage, and two queues. Prefill admission takes the policy's next choice while the decode slots are
-not all spoken for, else only of tenants with fewer than ``prefill_ahead_per_tenant`` choices ahead, and only
-while ``prefill_room``; ``prefill_started`` charges the prompt. Decode admission
+in each stage, and two queues (proxy/tenancy/fairness.py). ``next_admission`` decides, asking one ``Limits``
+object (the cluster's is proxy/control/limits.py) how far it may go; its owner (proxy/cluster/cluster.py) starts
+what it returns, one at a time, until it returns None. Prefill admission takes the policy's next choice while the
+decode slots are not all spoken for, else only of tenants with fewer than ``prefill_ahead_per_tenant`` choices
+ahead, and only while the limits give ``prefill_room``; ``prefill_started`` charges the prompt. Decode admission
 gives a free slot (``decode_slots``) to the policy's next ready choice; under ``vtc`` a tenant at its share
-of the slots yields it (the shares, and admission under the latency cap: proxy/tenancy/slot_shares.py). ``admit_decode``
-gives a slot that fairness preemption freed (proxy/control/slo.py) to a named tenant. ``next_admission`` decides; its
-owner (proxy/cluster/cluster.py) starts what it returns, one at a time, until it returns None.
+of the slots yields it (the shares, and admission while the slots are a latency capacity: proxy/tenancy/slot_shares.py).
+``admit_decode`` gives a slot that fairness preemption freed (proxy/tenancy/preemption.py) to a named tenant.
 
-The order (``fairness_policy``): ``fcfs``, ``priority`` (lanes p0, p1, p2; both in proxy/tenancy/lane_queues.py)
-or ``vtc`` (lanes, then the backlogged tenant with the smallest virtual token counter: Sheng et al., OSDI
-2024). ``ServiceCounters`` keep every tenant's counter under every policy; ``BacklogLift`` lifts a tenant
-becoming backlogged to the smallest counter of its lane's backlogged tenants, so idle time banks no credit.
-The why of each rule: docs/fairness.md ("Admission: two stages, one counter per tenant")."""
+``ServiceCounters`` keep every tenant's counter under every policy. The why of each rule: docs/fairness.md
+("Admission: two stages, one counter per tenant")."""
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from common.config.roles import ProxyConfig
-from common.protocol.names import FAIRNESS_POLICIES
 from proxy.core.errors import ApiError
 from proxy.core.requests import Stage
-from proxy.tenancy.lane_queues import NUM_LANES, Eligible, FcfsQueue, PriorityQueue, Waiting
+from proxy.tenancy.fairness import BacklogLift, VtcQueue, Waiting, make_queue
 from proxy.core.metrics import ProxyMetrics
 from proxy.tenancy.service_counters import ServiceCounters
 from proxy.tenancy.slot_shares import SlotShares
 from proxy.tenancy.tenants import Tenant, TenantRegistry
 
 
-class FairnessQueue(Protocol):
-    counters: ServiceCounters
-
-    def push(self, item: Waiting) -> None: ...
-    def pop_next(self, eligible: Eligible | None = None) -> Waiting | None: ...
-    def remove(self, item: Waiting) -> None: ...
-    def __len__(self) -> int: ...
-
-
-class BacklogLift:
-    """The VTC lift: a tenant becoming backlogged gets at least the counters of those that already are."""
-
-    def __init__(self, counters: ServiceCounters) -> None:
-        self.counters = counters
-        self._backlogged: list[set[str]] = [set() for _ in range(NUM_LANES)]
-        self._last_left: list[str | None] = [None] * NUM_LANES  # per lane: the tenant that stopped last
-
-    def became_backlogged(self, tenant: str, lane: int) -> None:
-        others = self._backlogged[lane]
-        if others:
-            self.counters.lift(tenant, min(self.counters[t] for t in others))
-        elif self._last_left[lane] is not None:
-            self.counters.lift(tenant, self.counters[self._last_left[lane]])
-        others.add(tenant)
-
-    def stopped_being_backlogged(self, tenant: str, lane: int) -> None:
-        self._backlogged[lane].discard(tenant)
-        self._last_left[lane] = tenant
-
-
-class VtcQueue:
-    """Lane p0 first; within a lane, the backlogged tenant with the smallest counter, its oldest request."""
-
-    def __init__(self, counters: ServiceCounters) -> None:
-        self.counters = counters
-        self._lanes: list[dict[str, deque[Waiting]]] = [{} for _ in range(NUM_LANES)]
-
-    def push(self, item: Waiting) -> None:
-        queue = self._lanes[item.lane].setdefault(item.tenant, deque())
-        if queue and item.order < queue[-1].order:  # resumed or preempted: back in its arrival order
-            queue.insert(bisect.bisect([waiting.order for waiting in queue], item.order), item)
-        else:
-            queue.append(item)
-
-    def first_lane(self, eligible: Eligible | None = None) -> int | None:
-        """The first lane with a (eligible) tenant waiting; None: none."""
-        for index, lane in enumerate(self._lanes):
-            if any(eligible is None or eligible(t) for t in lane):
-                return index
-        return None
-
-    def pop_next(self, eligible: Eligible | None = None, by_arrival: bool = False) -> Waiting | None:
-        """The first lane's choice of the (eligible) tenant with the smallest counter, its oldest; ``by_arrival``:
-        the lane's oldest choice, whichever tenant's."""
-        for lane in self._lanes:
-            candidates = [t for t in lane if eligible is None or eligible(t)]
-            if candidates:
-                tenant = min(candidates, key=lambda t: (lane[t][0].order,) if by_arrival else
-                             (self.counters[t], lane[t][0].order))
-                item = lane[tenant].popleft()
-                if not lane[tenant]:
-                    del lane[tenant]
-                return item
-        return None
-
-    def remove(self, item: Waiting) -> None:
-        lane = self._lanes[item.lane]
-        queue = lane.get(item.tenant)
-        if queue is not None and item in queue:
-            queue.remove(item)
-            if not queue:
-                del lane[item.tenant]
-
-    def __len__(self) -> int:
-        return sum(len(q) for lane in self._lanes for q in lane.values())
-
-
-def make_queue(policy: str, counters: ServiceCounters) -> FairnessQueue:
-    queue = {"fcfs": FcfsQueue, "priority": PriorityQueue, "vtc": VtcQueue}.get(policy)
-    if queue is not None:
-        return queue(counters)
-    raise ValueError(f"config field 'fairness_policy' = {policy!r} is invalid: one of {FAIRNESS_POLICIES}")
-
-
 LIVE = (Stage.QUEUED, Stage.PREFILLING, Stage.READY, Stage.DECODING)
 DECODE_HELD = (Stage.DECODING,)  # what holds a decode slot for decode admission
 SLOT_HELD = (Stage.PREFILLING, Stage.READY, Stage.DECODING)  # ... and for prefill admission under a latency cap
+
+
+class Limits(Protocol):
+    """What admission asks before it admits (the cluster's: proxy/control/limits.py)."""
+
+    def decode_slots(self) -> int: ...  # the decode slots this proxy may fill now
+    # whether those slots are a latency capacity now (the TPOT target applies): then a choice admitted to prefill
+    # holds its decode slot from then on, and what does not fit waits here, before its first token
+    def latency_capped(self) -> bool: ...
+    def prefill_room(self) -> bool: ...  # whether a prompt may go to prefill now (the TTFT target, the gate)
+    def slots_freeing(self) -> int: ...  # decoding choices predicted to end within one prefill
 
 
 @dataclass(frozen=True)
@@ -138,21 +61,14 @@ class Admit:
 
 
 class AdmissionController:
-    def __init__(self, config: ProxyConfig, tenants: TenantRegistry, decode_slots: Callable[[], int],
-                 metrics: ProxyMetrics | None = None, clock: Callable[[], float] = time.monotonic,
-                 prefill_room: Callable[[], bool] | None = None, latency_capped: Callable[[], bool] | None = None,
-                 slots_freeing: Callable[[], int] | None = None) -> None:
+    def __init__(self, config: ProxyConfig, tenants: TenantRegistry, metrics: ProxyMetrics | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.tenants = tenants  # who the tenants are, their weights and lanes (``retenant`` on a reload)
         self.counters = ServiceCounters(config.vtc_input_weight, config.vtc_output_weight, tenants.weights)
         self.prefill_queue = make_queue(config.fairness_policy, self.counters)
         self.decode_queue = make_queue(config.fairness_policy, self.counters)
         self.lift = BacklogLift(self.counters)
-        self._decode_slots = decode_slots
-        self._prefill_room = prefill_room  # whether a prompt may go to prefill now (the TTFT target, the gate)
-        # whether the decode slots are a latency capacity now (the TPOT target applies): then a choice admitted to
-        # prefill holds its decode slot from then on, and what does not fit waits here, before its first token
-        self._latency_capped = latency_capped
-        self._slots_freeing = slots_freeing  # decoding choices predicted to end within one prefill (SlotForecast)
         self._metrics = metrics
         if metrics is not None:
             metrics.tenant_service.counters = self.counters
@@ -163,6 +79,11 @@ class AdmissionController:
         self._left_at: dict[str, float] = {}  # tenant -> when its last live choice ended (``num_active_tenants``)
         self._live: Counter[str] = Counter()  # tenant -> its choices in any live stage (none: not a key)
         self._clock = clock
+
+    def retenant(self, tenants: TenantRegistry) -> None:
+        """A reloaded config's tenants (``Cluster.apply_tenants``): the fairness weights follow."""
+        self.tenants = tenants
+        self.counters.reweigh(tenants.weights)
 
     def total(self, stage: Stage) -> int:
         return sum(self.count[stage].values())
@@ -231,28 +152,30 @@ class AdmissionController:
         self._move(item, stage, Stage.QUEUED)
         self.prefill_queue.push(item)
 
-    def next_admission(self) -> Admit | None:
-        """The next choice to start now (a decode slot before a prefill), counted in its new stage; None: none."""
-        if (item := self._next_decode()) is not None:
+    def next_admission(self, limits: Limits) -> Admit | None:
+        """The next choice to start now within ``limits`` (a decode slot before a prefill), counted in its new
+        stage; None: none."""
+        if (item := self._next_decode(limits)) is not None:
             return Admit(Stage.DECODING, item.key, item.payload)
-        if (item := self._next_prefill()) is not None:
+        if (item := self._next_prefill(limits)) is not None:
             self._move(item, Stage.QUEUED, Stage.PREFILLING)
             return Admit(Stage.PREFILLING, item.key, item.payload)
         return None
 
     def admit_decode(self, tenant: str) -> Admit | None:
         """``tenant``'s next ready choice, given the decode slot a preemption for fairness freed for it
-        (proxy/control/slo.py): READY -> DECODING whatever the slot count, which the preemption left as it was."""
+        (proxy/tenancy/preemption.py): READY -> DECODING whatever the slot count, which the preemption left as it
+        was."""
         item = self.decode_queue.pop_next(lambda t: t == tenant)
         if item is None:
             return None
         self._move(item, Stage.READY, Stage.DECODING)
         return Admit(Stage.DECODING, item.key, item.payload)
 
-    def _next_decode(self) -> Waiting | None:
-        slots, decoding = self._decode_slots(), self.total(Stage.DECODING)
+    def _next_decode(self, limits: Limits) -> Waiting | None:
+        slots, decoding = limits.decode_slots(), self.total(Stage.DECODING)
         vtc, shared = isinstance(self.decode_queue, VtcQueue), len(self._live) > 1
-        capped = vtc and self._latency_capped is not None and self._latency_capped()
+        capped = vtc and limits.latency_capped()
         item = None
         if decoding >= slots:
             # full; under the latency cap a choice admitted to prefill past a burst (``past_cap``) still goes on
@@ -277,28 +200,28 @@ class AdmissionController:
             self._move(item, Stage.READY, Stage.DECODING)
         return item
 
-    def _next_prefill(self) -> Waiting | None:
-        if self._latency_capped is not None and self._latency_capped():
-            item = self._next_prefill_capped()
+    def _next_prefill(self, limits: Limits) -> Waiting | None:
+        if limits.latency_capped():
+            item = self._next_prefill_capped(limits)
         else:
             ahead, ready = self.count[Stage.PREFILLING], self.count[Stage.READY]
-            if self.total(Stage.DECODING) + sum(ahead.values()) + sum(ready.values()) < self._decode_slots():
+            if self.total(Stage.DECODING) + sum(ahead.values()) + sum(ready.values()) < limits.decode_slots():
                 item = self.prefill_queue.pop_next()
             else:
                 limit = self.config.prefill_ahead_per_tenant
                 item = self.prefill_queue.pop_next(lambda t: ahead[t] + ready[t] < limit)
-        if item is not None and self._prefill_room is not None and not self._prefill_room():
+        if item is not None and not limits.prefill_room():
             self.prefill_queue.push(item)  # back in its place: asked only with a prompt to start and room for it
             return None
         return item
 
-    def _next_prefill_capped(self) -> Waiting | None:
+    def _next_prefill_capped(self, limits: Limits) -> Waiting | None:
         """Prefill admission while the decode slots are a latency capacity (``SlotShares.next_capped``): a choice
         admitted holds a slot, one free when a choice decoding is predicted to end within one prefill
-        (``slots_freeing``), so a choice waits here, before its first token, not between its first and second."""
-        held = sum(self.total(s) for s in SLOT_HELD) - (self._slots_freeing() if self._slots_freeing else 0)
+        (``Limits.slots_freeing``), so a choice waits here, before its first token, not between its first and second."""
+        held = sum(self.total(s) for s in SLOT_HELD) - limits.slots_freeing()
         ahead, ready = self.count[Stage.PREFILLING], self.count[Stage.READY]
-        return self.shares.next_capped(self.prefill_queue, self._decode_slots(), held, SLOT_HELD, Stage.QUEUED,
+        return self.shares.next_capped(self.prefill_queue, limits.decode_slots(), held, SLOT_HELD, Stage.QUEUED,
                                        isinstance(self.prefill_queue, VtcQueue), self.config.preempt_for_fairness,
                                        lambda t: bool(ahead[t] or ready[t]))
 

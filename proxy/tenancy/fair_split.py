@@ -1,7 +1,7 @@
 """How several proxies split the decode slots: by each tenant's weighted share of the whole cluster.
 
-Every proxy admits to the same workers, so the slots (``WorkerRegistry.decode_slots``) must be divided among them.
-Each publishes its demand (its live choices per tenant: proxy/tenancy/shared_state.py) and computes, from everyone's, the
+Every proxy admits to the same workers, so the slots (``WorkerRegistry.decode_slots``) must be divided among them. Each
+publishes its demand (its live choices per tenant: proxy/tenancy/shared_state.py) and computes, from everyone's, the
 same split:
 
 1. The tenants' shares of the slots, weighted max-min (water-filling): a tenant asking less than its weighted share

@@ -37,6 +37,7 @@ from collections.abc import Callable
 
 from common.config.roles import ProxyConfig
 from proxy.core.requests import Stage
+from proxy.tenancy.admission import AdmissionController
 from proxy.tenancy.fair_split import local_weight, split
 from proxy.core.metrics import ProxyMetrics
 
@@ -101,9 +102,10 @@ return cjson.encode({remote = remote, demand = demand, holding = holding, levels
 
 
 class SharedState:
-    def __init__(self, config: ProxyConfig, cluster, metrics: ProxyMetrics, client=None) -> None:
-        """``cluster``: the proxy's (its admission and tenants); ``client``: a redis.asyncio client (tests),
-        else one for ``redis_url``."""
+    def __init__(self, config: ProxyConfig, admission: AdmissionController, metrics: ProxyMetrics, client=None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``admission``: the proxy's (its counters, demand and tenants); ``client``: a redis.asyncio client
+        (tests), else one for ``redis_url``; ``clock``: the proxy's, which the rate-limit buckets run on."""
         if client is None:
             import redis.asyncio  # only where several proxies share state
             from redis.asyncio.retry import Retry
@@ -113,7 +115,8 @@ class SharedState:
                                             socket_connect_timeout=config.shared_state_timeout_s,
                                             retry=Retry(NoBackoff(), 1), retry_on_error=[redis.ConnectionError])
         self.config = config
-        self.cluster = cluster
+        self.admission = admission
+        self._clock = clock
         self.metrics = metrics
         self.client = client
         self.proxy_id = config.proxy_id or f"{socket.gethostname()}:{config.port}:{os.getpid()}"
@@ -143,7 +146,7 @@ class SharedState:
             share = 1 / self.proxies if self.proxies else self.config.decode_slot_share
             return max(int(total * share), 1)
         if total != self._part_of[0] or self._generation != self._part_of[1]:
-            part = split(total, self.cluster.admission.counters.weight, self.demand).get(self.proxy_id, 0)
+            part = split(total, self.admission.counters.weight, self.demand).get(self.proxy_id, 0)
             self._part_of = (total, self._generation, max(part, 1))
         free = total - self.remote_holding
         part = self._part_of[2]
@@ -164,7 +167,7 @@ class SharedState:
 
     def weight(self, tenant: str) -> float:
         """``tenant``'s weight within this proxy's slots (``fair_split.local_weight``)."""
-        base = self.cluster.admission.counters.weight(tenant)
+        base = self.admission.counters.weight(tenant)
         if self.demand is None:
             return base
         here = self.demand.get(self.proxy_id, {}).get(tenant, 0)
@@ -184,7 +187,7 @@ class SharedState:
 
     async def sync(self) -> bool:
         """One round trip; whether it succeeded."""
-        admission, tenants = self.cluster.admission, self.cluster.tenants
+        admission, tenants = self.admission, self.admission.tenants
         demand = {t: n for t, n in admission.live().items() if n}
         buckets, payload_buckets = [], []
         for name in tenants.limited:
@@ -215,7 +218,7 @@ class SharedState:
         self._generation += 1
         admission.counters.add_remote({record: {t: float(v) for t, v in (served or {}).items()}
                                        for record, served in (result["remote"] or {}).items()})
-        now = self.cluster._clock()
+        now = self._clock()
         for bucket, level in zip(buckets, result["levels"] or ()):
             bucket.shared(float(level), now)
         if not self.up:
@@ -239,7 +242,7 @@ class SharedState:
         self.up = False
         self.demand = None
         self._remote_tenants = frozenset()
-        tenants = self.cluster.tenants
+        tenants = self.admission.tenants
         for name in tenants.limited:
             limiter = tenants.tenants[name].limiter
             for bucket in (limiter.requests, limiter.tokens):

@@ -30,7 +30,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Mapping
 
-from proxy.tenancy.lane_queues import Waiting
+from proxy.tenancy.fairness import Waiting
 
 Stages = tuple[int, ...]  # admission's Stage values (an IntEnum) that count as holding a slot
 

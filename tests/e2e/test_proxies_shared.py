@@ -119,7 +119,7 @@ def test_redis_stopping_mid_run_loses_nothing_and_the_proxies_resync(make_proxy,
                 redis_server.stop()
                 await asyncio.to_thread(settle, ups, lambda up: up == [0, 0], PATIENCE_S,
                                         "both proxies serve on their own state (shared_state_timeout_s)")
-                away_slots.extend(p.services.cluster.share.slots(SLOTS) for p in (a, b))
+                away_slots.extend(p.services.cluster.limits.share.slots(SLOTS) for p in (a, b))
                 await served(20, "while Redis is away")
                 redis_server.start()
                 await asyncio.to_thread(settle, ups, lambda up: up == [1, 1], PATIENCE_S,

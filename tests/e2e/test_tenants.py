@@ -17,7 +17,7 @@ from common.protocol.wire import cache_salt_of
 from common.protocol.wire import StepCostModel
 from common.runtime.prometheus_text import total
 
-from proxy.cluster.cluster import SHARED_WINDOW_S
+from proxy.control.limits import SHARED_WINDOW_S
 from proxy.tenancy.tenants import hash_key
 from tests.e2e.closed_loops import BODY, RUN_PATIENCE_S, Completions, closed_loops
 from tests.e2e.proxy_harness import *  # noqa: F401,F403 -- fixtures, helpers and wire types

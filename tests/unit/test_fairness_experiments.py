@@ -22,6 +22,7 @@ from common.config.roles import ProxyConfig, TenantConfig
 from proxy.core.requests import Stage
 from proxy.tenancy.admission import AdmissionController
 from proxy.tenancy.tenants import TenantRegistry
+from tests.fixed_limits import FixedLimits
 
 W_IN, W_OUT = 1.0, 2.0
 
@@ -87,10 +88,11 @@ class Server:
             self.decode_starts.append((req.tenant, dict(admission.count[Stage.READY])))
             return True
 
-        admission = AdmissionController(config, tenants, lambda: self.decode_slots)
+        admission = AdmissionController(config, tenants)
+        limits = FixedLimits(slots=self.decode_slots)
 
         def dispatch() -> None:
-            while (admit := admission.next_admission()) is not None:
+            while (admit := admission.next_admission(limits)) is not None:
                 if admit.stage is Stage.PREFILLING:
                     start_prefill(admit.payload)
                     admission.prefill_started(admit.key)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.tenancy.admission import BacklogLift, FcfsQueue, PriorityQueue, ServiceCounters, VtcQueue, Waiting, make_queue
+from proxy.tenancy.fairness import BacklogLift, FcfsQueue, PriorityQueue, VtcQueue, Waiting, make_queue
+from proxy.tenancy.service_counters import ServiceCounters
 
 
 def counters(weights: dict[str, float] | None = None) -> ServiceCounters:

@@ -1,5 +1,5 @@
-"""The prefill gate (proxy/control/prefill_gate.py), the adaptive controller's and the proxy's own: a prompt waits while the
-sequences decoding on the cores its prefill worker shares could not absorb it within their TPOT target."""
+"""The prefill gate (proxy/control/prefill_gate.py), the adaptive controller's and the proxy's own: a prompt waits while
+the sequences decoding on the cores its prefill worker shares could not absorb it within their TPOT target."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -10,9 +10,9 @@ from common.runtime.prometheus_text import total
 from proxy.core.requests import Stage
 from proxy.control.prefill_gate import PrefillGate, slack_ms
 from proxy.core.workers import WorkerRegistry
-from proxy.control.tac import THRESHOLD_START
-from proxy.control.tac_window import MIN_OUTCOMES
-from tests.unit.test_tac import controller, ended
+from proxy.control.tac import MIN_OUTCOMES, THRESHOLD_START
+from tests.fixed_limits import FixedLimits
+from tests.unit.test_tac import controller, ended, tick
 
 LAYOUT = KVLayoutInfo(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")
 # a decode step: 9 ms + 1 ms a row; a prompt: 6 ms + 0.3 ms a token + 0.02 ms per thousand query x key pairs
@@ -45,7 +45,7 @@ def waiting(prompt: int):
 
 
 def gate(reg: WorkerRegistry, inflight: list, outstanding: int = 0) -> PrefillGate:
-    return PrefillGate(reg, lambda worker_id: outstanding, lambda: inflight, lambda sub: TARGET_MS)
+    return PrefillGate(reg, lambda worker_id: outstanding, inflight, lambda sub: TARGET_MS)
 
 
 def test_the_slack_is_the_target_over_the_remaining_gaps_less_what_the_tokens_took_and_will_take():
@@ -100,7 +100,7 @@ def gated_controller(**overrides):
     for worker_id in ("p0", "d0"):
         reg.workers[worker_id].core_group = "h:/tmp/cores"
     inflight = [decoding(40, 2.6, now=0.0), waiting(2048)]
-    tac.gate._inflight = lambda: inflight
+    tac.gate._inflight = inflight
     return tac, metrics, inflight, clock
 
 
@@ -130,11 +130,11 @@ def test_short_prompts_stay_off_a_decode_worker_that_shares_its_cores_with_the_p
         tac.registry.workers[worker_id].core_group = "h:/tmp/cores"
     for second in (2.0, 4.0):
         ended(tac, MIN_OUTCOMES, ttft_ms=3000, tpot_ms=20)
-        tac.tick(second)
+        tick(tac, second)
     assert policy.local_prefill_threshold == 0
     tac.registry.workers["d0"].core_group = "other:/tmp/cores"  # its own cores: the prefill side is relieved
     ended(tac, MIN_OUTCOMES, ttft_ms=3000, tpot_ms=20)
-    tac.tick(6.0)
+    tick(tac, 6.0)
     assert policy.local_prefill_threshold == THRESHOLD_START
 
 
@@ -153,7 +153,7 @@ def test_without_the_controller_the_gate_holds_at_most_its_longest_stretch_then_
     for its whole life; without a bound, every prompt beside it would wait for its end."""
     reg = registry()
     inflight = [decoding(40, 2.6), waiting(2048)]
-    held = PrefillGate(reg, lambda worker_id: 0, lambda: inflight, lambda sub: TARGET_MS, max_hold_s=2.0)
+    held = PrefillGate(reg, lambda worker_id: 0, inflight, lambda sub: TARGET_MS, max_hold_s=2.0)
     assert held.hold(100.0) and held.hold(101.0) and held.hold(102.0)
     assert not held.hold(102.5)  # past 2 s at a stretch: one goes
     assert held.hold(102.6)  # the next stretch starts
@@ -171,7 +171,7 @@ def gated_cluster(max_hold_s: float, scope: str = "always"):
     from proxy.core.routing import PrefixAwareRouting
     config = ProxyConfig(tpot_slo_ms=TARGET_MS, tpot_slo_scope=scope, prefill_gate_max_hold_s=max_hold_s)
     cluster = Cluster(config, PrefixAwareRouting(), ProxyMetrics(), clock=lambda: 100.0)
-    cluster.registry = cluster.slo.registry = registry()
+    cluster.registry = cluster.slo.registry = cluster.limits.registry = registry()
     if cluster.slo.gate is not None:
         cluster.slo.gate.registry = cluster.registry
     return cluster
@@ -180,8 +180,8 @@ def gated_cluster(max_hold_s: float, scope: str = "always"):
 def test_the_cluster_asks_the_gate_only_while_the_tpot_target_applies_and_counts_what_it_held():
     for scope, held in (("always", True), ("never", False)):  # "never": no TPOT target, no gate
         cluster = gated_cluster(max_hold_s=5.0, scope=scope)
-        cluster.inflight = {"late": decoding(40, 2.6), "w": waiting(2048)}
-        assert cluster._prefill_room() is not held
+        cluster.inflight.update({"late": decoding(40, 2.6), "w": waiting(2048)})
+        assert cluster.limits.prefill_room() is not held
         assert total(cluster.metrics.render().decode(), "tessera_proxy_prefill_held_total") == held
     assert gated_cluster(max_hold_s=0.0).slo.gate is None  # off
 
@@ -196,17 +196,12 @@ def test_a_prompt_the_gate_holds_goes_back_in_its_place():
     tenants = [{"name": t, "api_key_sha256": [hashlib.sha256(t.encode()).hexdigest()]} for t in ("a", "b")]
     config = ProxyConfig(auth_enabled=True, tenants=tenants)
     registry_ = TenantRegistry(config)
-    room = {"open": False, "asked": 0}
-
-    def prefill_room() -> bool:
-        room["asked"] += 1
-        return room["open"]
-
-    admission = AdmissionController(config, registry_, lambda: 0, prefill_room=prefill_room)
-    assert admission.next_admission() is None and room["asked"] == 0  # nothing waits: the gate is not asked
+    limits = FixedLimits(slots=0, room=False)
+    admission = AdmissionController(config, registry_)
+    assert admission.next_admission(limits) is None and limits.room_asked == 0  # nothing waits: not asked
     for key in ("a0", "b0", "a1"):
         admission.enqueue(key, registry_.tenants[key[0]], 10, key)
-    admission._decode_slots = lambda: 4
-    assert admission.next_admission() is None and room["asked"] == 1
-    room["open"] = True
-    assert [admission.next_admission().key for _ in range(3)] == ["a0", "b0", "a1"]
+    limits.slots = 4
+    assert admission.next_admission(limits) is None and limits.room_asked == 1
+    limits.room = True
+    assert [admission.next_admission(limits).key for _ in range(3)] == ["a0", "b0", "a1"]

@@ -46,14 +46,15 @@ def proxy(url: str, proxy_id: str, clock=None, **settings) -> Cluster:
     config = ProxyConfig(redis_url=url, proxy_id=proxy_id, tenants=TENANTS, auth_enabled=True,
                          shared_state_timeout_s=0.5, **settings)
     cluster = Cluster(config, PrefixAwareRouting(0, 600), ProxyMetrics(), **({"clock": clock} if clock else {}))
-    cluster.share = SharedState(config, cluster, cluster.metrics)
-    cluster.admission.shares.weight = cluster.share.weight
+    cluster.limits.share = SharedState(config, cluster.admission, cluster.metrics, clock=cluster._clock)
+    cluster.admission.shares.weight = cluster.limits.share.weight
     return cluster
 
 
 def enqueue(cluster: Cluster, tenant: str, count: int, start: int = 0) -> None:
     for i in range(start, start + count):
-        cluster.admission.enqueue(f"{cluster.share.proxy_id}-{tenant}-{i}", cluster.tenants.tenants[tenant], 10, None)
+        key = f"{cluster.limits.share.proxy_id}-{tenant}-{i}"
+        cluster.admission.enqueue(key, cluster.tenants.tenants[tenant], 10, None)
 
 
 def test_two_proxies_share_counters_demand_and_the_split(redis_server):  # noqa: F811
@@ -61,28 +62,29 @@ def test_two_proxies_share_counters_demand_and_the_split(redis_server):  # noqa:
         a, b = proxy(redis_server.url, "a"), proxy(redis_server.url, "b")
         a.admission.counters.charge("heavy", input_tokens=100, output_tokens=50)  # 200 service, weight 1
         b.admission.counters.charge("light", input_tokens=30)  # 30 service, weight 3: 10
-        assert await a.share.sync() and await b.share.sync() and await a.share.sync()
+        assert await a.limits.share.sync() and await b.limits.share.sync() and await a.limits.share.sync()
         assert a.admission.counters["heavy"] == b.admission.counters["heavy"] == 200
         assert a.admission.counters["light"] == b.admission.counters["light"] == 10
         enqueue(a, "heavy", 16)
         enqueue(a, "light", 2)  # lifted to heavy's counter as it becomes backlogged here (BacklogLift)
         enqueue(b, "light", 2)
-        assert await a.share.sync() and await b.share.sync() and await a.share.sync()
+        assert await a.limits.share.sync() and await b.limits.share.sync() and await a.limits.share.sync()
         # tenants elsewhere: light at b, beside a's heavy, makes two at a; heavy and light at a make two at b
-        assert a.share.tenants_elsewhere(1, {"heavy"}.__contains__)
-        assert not a.share.tenants_elsewhere(1, {"light"}.__contains__) and b.share.tenants_elsewhere(0, bool)
+        assert a.limits.share.tenants_elsewhere(1, {"heavy"}.__contains__)
+        assert not a.limits.share.tenants_elsewhere(1, {"light"}.__contains__)
+        assert b.limits.share.tenants_elsewhere(0, bool)
         # light (weight 3) asks 4 of 8 slots and gets them; heavy the other 4, all at A
-        assert (a.share.slots(8), b.share.slots(8)) == (6, 2)
-        assert a.share.weight("light") == pytest.approx(1.5) and b.share.weight("light") == pytest.approx(1.5)
+        assert (a.limits.share.slots(8), b.limits.share.slots(8)) == (6, 2)
+        assert a.limits.share.weight("light") == pytest.approx(1.5) == b.limits.share.weight("light")
         a.admission.counters.charge("heavy", output_tokens=5)
         before = b.admission.counters["heavy"]
-        assert await b.share.sync() is True and b.admission.counters["heavy"] == before  # not yet synced by a
-        assert await a.share.sync() and await b.share.sync()
+        assert await b.limits.share.sync() is True and b.admission.counters["heavy"] == before  # not yet synced by a
+        assert await a.limits.share.sync() and await b.limits.share.sync()
         assert b.admission.counters["heavy"] == before + 10  # one interval late
-        await a.share.close()
-        assert await b.share.sync() and not b.share.tenants_elsewhere(1, bool)  # a left the split at once
-        assert b.share.slots(8) == 8
-        await b.share.close()
+        await a.limits.share.close()
+        assert await b.limits.share.sync() and not b.limits.share.tenants_elsewhere(1, bool)  # a left the split at once
+        assert b.limits.share.slots(8) == 8
+        await b.limits.share.close()
     asyncio.run(run())
 
 
@@ -104,22 +106,22 @@ def test_a_rate_limit_holds_across_proxies(redis_server):  # noqa: F811
             return count
 
         # a burst of 4: what a took reaches the shared bucket at its next sync, so b finds it empty
-        assert await a.share.sync()
+        assert await a.limits.share.sync()
         assert admitted(a) == 4
-        assert await a.share.sync() and await b.share.sync()
+        assert await a.limits.share.sync() and await b.limits.share.sync()
         assert admitted(b) == 0 and admitted(a) == 0
         # 0.01/s for 300 s by Redis's clock refills 3 (the real seconds the test takes refill a hundredth each):
         # taken by whichever proxy syncs first, the other then finds none
         key = f"{a.config.shared_state_prefix}bucket:requests:slow"
         with redis_server.client() as client:
             client.hincrbyfloat(key, "at", -300_000)
-        assert await b.share.sync()
+        assert await b.limits.share.sync()
         assert admitted(b) == 3
-        assert await b.share.sync() and await a.share.sync()
+        assert await b.limits.share.sync() and await a.limits.share.sync()
         assert admitted(a) == 0
         # unshared, each proxy would have admitted its own burst and its own refill
-        await a.share.close()
-        await b.share.close()
+        await a.limits.share.close()
+        await b.limits.share.close()
     asyncio.run(run())
 
 
@@ -128,25 +130,25 @@ def test_redis_away_serves_on_local_state_and_resyncs_when_back(redis_server, ca
         a, b = proxy(redis_server.url, "a"), proxy(redis_server.url, "b")
         enqueue(a, "heavy", 3)
         a.admission.counters.charge("heavy", input_tokens=40)
-        assert await a.share.sync() and await b.share.sync() and await a.share.sync()
+        assert await a.limits.share.sync() and await b.limits.share.sync() and await a.limits.share.sync()
         assert a.metrics.shared_state_up._value.get() == 1
         redis_server.stop()
-        assert await a.share.sync() is False
+        assert await a.limits.share.sync() is False
         assert a.metrics.shared_state_up._value.get() == 0
         assert "unreachable" in caplog.text and "serving on this proxy's own state" in caplog.text
-        assert a.share.slots(8) == 4  # 1/N of the slots, N the proxies last seen
+        assert a.limits.share.slots(8) == 4  # 1/N of the slots, N the proxies last seen
         limiter = a.tenants.tenants["limited"].limiter
         assert limiter.requests.refill_share == 0.5
         a.admission.counters.charge("heavy", input_tokens=10)  # served meanwhile, on local state
         assert a.admission.counters["heavy"] == 50
         redis_server.start()  # empty: nothing persisted
-        assert await a.share.sync() and await b.share.sync() and await a.share.sync()
+        assert await a.limits.share.sync() and await b.limits.share.sync() and await a.limits.share.sync()
         assert "is back: resynced" in caplog.text and a.metrics.shared_state_up._value.get() == 1
         assert b.admission.counters["heavy"] == 50  # a's charges, stored whole, are all there again
         assert limiter.requests.refill_share == 1.0
-        assert a.share.slots(8) + b.share.slots(8) == 8
-        await a.share.close()
-        await b.share.close()
+        assert a.limits.share.slots(8) + b.limits.share.slots(8) == 8
+        await a.limits.share.close()
+        await b.limits.share.close()
     asyncio.run(run())
 
 
@@ -156,16 +158,16 @@ def test_admission_admits_to_the_proxys_share_of_the_slots(redis_server):  # noq
         a.registry.decode_slots = lambda within_tpot=False, scale=1.0: 4
         enqueue(a, "heavy", 10)
         enqueue(b, "heavy", 10)
-        assert await a.share.sync() and await b.share.sync() and await a.share.sync()
+        assert await a.limits.share.sync() and await b.limits.share.sync() and await a.limits.share.sync()
         admitted = []
-        while (admit := a.admission.next_admission()) is not None:
+        while (admit := a.admission.next_admission(a.limits)) is not None:
             admitted.append(admit)
             if admit.stage is Stage.PREFILLING:
                 a.admission.ready_for_decode(admit.key)
         decoding = [x for x in admitted if x.stage is Stage.DECODING]
         assert len(decoding) == 2  # half of the 4 slots: b's demand is as large
-        await a.share.close()
-        await b.share.close()
+        await a.limits.share.close()
+        await b.limits.share.close()
     asyncio.run(run())
 
 
@@ -175,16 +177,16 @@ def test_three_proxies_count_each_others_charges_once_across_a_redis_restart(red
         a.admission.counters.charge("heavy", input_tokens=10)
         c.admission.counters.charge("heavy", input_tokens=100)
         for p in (a, b, c, b):
-            assert await p.share.sync()
+            assert await p.limits.share.sync()
         assert b.admission.counters["heavy"] == 110
         redis_server.stop()
         redis_server.start()  # empty; the proxies write their records again one by one
-        assert await a.share.sync() and await b.share.sync()  # b sees a's record only
-        assert await c.share.sync() and await b.share.sync()  # and now c's again
+        assert await a.limits.share.sync() and await b.limits.share.sync()  # b sees a's record only
+        assert await c.limits.share.sync() and await b.limits.share.sync()  # and now c's again
         assert b.admission.counters["heavy"] == 110  # neither counted twice
         c.admission.counters.charge("heavy", input_tokens=5)
-        assert await c.share.sync() and await b.share.sync()
+        assert await c.limits.share.sync() and await b.limits.share.sync()
         assert b.admission.counters["heavy"] == 115
         for p in (a, b, c):
-            await p.share.close()
+            await p.limits.share.close()
     asyncio.run(run())

@@ -13,6 +13,7 @@ from proxy.edge.auth import tenant_from_body, tenant_from_header
 from proxy.core.errors import ApiError
 from proxy.tenancy.rate_limit import TenantLimiter, TokenBucket
 from proxy.tenancy.tenants import TenantRegistry, hash_key
+from tests.fixed_limits import FixedLimits
 
 
 def config(**overrides) -> ProxyConfig:
@@ -140,10 +141,10 @@ def test_concurrency_queue_and_global_limits():
     registry = TenantRegistry(cfg)
     tenant, other = registry.get("t"), registry.default
     started = []
-    admission = AdmissionController(cfg, registry, lambda: 0)
+    admission = AdmissionController(cfg, registry)
 
     def dispatch():
-        while (admit := admission.next_admission()) is not None:
+        while (admit := admission.next_admission(FixedLimits(slots=0))) is not None:
             started.append(admit.payload)
 
     for key in ("r1", "r2"):

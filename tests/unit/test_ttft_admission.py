@@ -1,6 +1,6 @@
-"""Admission against the latency targets (proxy/core/capacity.py, proxy/control/slo.py): the forecast of a new request's
-time to first token, how many queued choices go before it under each policy, the prefill gate, early
-rejection, and which decode slots move for fairness. The slot shares: tests/unit/test_slot_shares.py."""
+"""Admission against the latency targets (proxy/control/slo.py): the forecast of a new request's time to first
+token, how many queued choices go before it under each policy, the prefill gate, early rejection; and which decode
+slots move for fairness (proxy/tenancy/preemption.py). The slot shares: tests/unit/test_slot_shares.py."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -11,14 +11,15 @@ from common.config.base import ConfigError
 from common.config.roles import ProxyConfig
 from common.engine.model_runner import StepTimer
 from common.protocol.wire import Heartbeat, KVLayoutInfo, Register, StepCostModel
-from proxy.core.requests import Stage
-from proxy.tenancy.admission import AdmissionController
-from proxy.core.capacity import TTFT_ERRORS, TTFT_MIN_SAMPLES, TtftForecast, choices_ahead
+from proxy.control.slo import TTFT_ERRORS, TTFT_MIN_SAMPLES, SloControls, TtftForecast, choices_ahead
 from proxy.core.errors import ApiError
 from proxy.core.metrics import ProxyMetrics
-from proxy.control.slo import MAX_PREEMPTIONS, SloControls
-from proxy.tenancy.tenants import TenantRegistry
+from proxy.core.requests import Stage
 from proxy.core.workers import WorkerRegistry
+from proxy.tenancy.admission import AdmissionController
+from proxy.tenancy.preemption import MAX_PREEMPTIONS, FairnessPreemption
+from proxy.tenancy.tenants import TenantRegistry
+from tests.fixed_limits import FixedLimits
 
 
 def test_the_forecast_is_the_wait_for_admission_plus_the_time_to_the_first_token():
@@ -87,12 +88,12 @@ def test_choices_ahead_counts_higher_lanes_whole_and_weights_within_a_lane():
 def test_the_prefill_gate_holds_prompts_at_the_proxy_while_no_prefill_worker_has_room():
     cfg = ProxyConfig(ttft_slo_ms=500.0)
     registry = TenantRegistry(cfg)
-    room = {"open": False}
-    admission = AdmissionController(cfg, registry, lambda: 64, prefill_room=lambda: room["open"])
+    limits = FixedLimits(slots=64, room=False)
+    admission = AdmissionController(cfg, registry)
     admission.enqueue("r1", registry.default, 10, "r1")
-    assert admission.next_admission() is None  # decode slots galore, but the prefill workers are full
-    room["open"] = True
-    admit = admission.next_admission()
+    assert admission.next_admission(limits) is None  # decode slots galore, but the prefill workers are full
+    limits.room = True
+    admit = admission.next_admission(limits)
     assert admit is not None and admit.stage is Stage.PREFILLING and admit.key == "r1"
 
 
@@ -118,13 +119,13 @@ class Outstanding:
 
 
 def controls(cfg: ProxyConfig, slots: int = 8) -> tuple[SloControls, WorkerRegistry, Outstanding]:
+    """SloControls on a registry of one prefill and one decode worker of ``slots`` slots, with its admission."""
     registry = WorkerRegistry(5.0)
     for worker_id, role in (("p0", "prefill"), ("d0", "decode")):
         msg = Register(worker_id, role, 1, "m", "v", LAYOUT, 1000, 4096, "fake", b"", slots)
         assert registry.register(msg, 0.0).ack.accepted
-    tenants, policy = TenantRegistry(cfg), Outstanding()
-    slo = SloControls(cfg, registry, tenants, policy, ProxyMetrics(), lambda: slots)
-    slo.admission = AdmissionController(cfg, tenants, lambda: slots)
+    policy = Outstanding()
+    slo = SloControls(cfg, registry, AdmissionController(cfg, TenantRegistry(cfg)), policy, ProxyMetrics())
     return slo, registry, policy
 
 
@@ -151,7 +152,7 @@ def test_a_prefill_worker_reports_its_prompt_steps_as_its_model():
 
 
 def fill_queue(slo: SloControls, tenant: str, count: int) -> None:
-    registry = slo.tenants
+    registry = slo.admission.tenants
     for i in range(count):
         slo.admission.enqueue(f"{tenant}-{i}", registry.get(tenant), 10, None)
 
@@ -170,7 +171,7 @@ def rejecting_controls() -> SloControls:
 
 def test_early_rejection_blames_the_tenant_whose_queue_it_is_and_never_refuses_with_nothing_ahead():
     slo = rejecting_controls()
-    a, b = slo.tenants.get("a"), slo.tenants.get("b")
+    a, b = slo.admission.tenants.get("a"), slo.admission.tenants.get("b")
     slo.reject_early(a)  # an empty queue: nothing ahead, whatever the forecast
     fill_queue(slo, "a", 20)
     with pytest.raises(ApiError, match="ttft_slo_ms=300") as caught:
@@ -207,7 +208,7 @@ def test_early_rejection_refuses_what_the_forecast_plus_its_error_quantile_puts_
     later than forecast at the 90th percentile: refused (the old rule admitted it, and half of those missed).
     An admitted request carries its forecast, and its first token teaches the forecast how far off it was."""
     slo = rejecting_controls()
-    a = slo.tenants.get("a")
+    a = slo.admission.tenants.get("a")
     fill_queue(slo, "a", 3)
     assert slo.reject_early(a) == pytest.approx(0.1 + 3 * 0.05)  # admitted: its forecast, for later
     sub = SimpleNamespace(admitted_at=1.0, arrival=0.8, output_ids=[7], new_tokens=1, ttft_forecast_s=0.25,
@@ -235,31 +236,33 @@ def decoding(tenant: str, worker: str = "d0", preemptions: int = 0, tokens: int 
 
 
 def preemption_setup(heavy: int, light_ready: int, slots: int = 4, lanes=("p1", "p1")):
+    """Fairness preemption with ``slots`` decode slots, the heavy tenant holding ``heavy`` of them."""
     cfg = ProxyConfig(preempt_for_fairness=True, tenants=[{"name": "heavy", "priority": lanes[0]},
                                                            {"name": "light", "priority": lanes[1]}])
     slo, registry, _ = controls(cfg, slots)
+    preemption = FairnessPreemption(cfg, registry, slo.admission)
     inflight = {f"h{i}": decoding("heavy", tokens=10 + i) for i in range(heavy)}
-    slo.admission.count[Stage.DECODING]["heavy"] = heavy
-    slo.admission.count[Stage.READY]["light"] = light_ready
-    slo.admission.count[Stage.READY]["heavy"] = 4  # the heavy tenant's own backlog
-    return slo, registry, inflight
+    preemption.admission.count[Stage.DECODING]["heavy"] = heavy
+    preemption.admission.count[Stage.READY]["light"] = light_ready
+    preemption.admission.count[Stage.READY]["heavy"] = 4  # the heavy tenant's own backlog
+    return preemption, registry, inflight, FixedLimits(slots=slots)
 
 
 def test_a_slot_moves_from_the_tenant_with_the_most_to_the_waiting_one_until_they_are_even():
-    slo, _, inflight = preemption_setup(heavy=4, light_ready=3)
-    moves = slo.to_preempt(inflight, 10.0)
+    preemption, _, inflight, limits = preemption_setup(heavy=4, light_ready=3)
+    moves = preemption.to_preempt(inflight, limits, 10.0)
     assert [taker for _, taker in moves] == ["light", "light"]  # 4 + 0 -> 2 + 2, not 1 + 3
     assert [victim.prompt for victim, _ in moves] == [[1] * 10, [1] * 11]  # the cheapest to recompute first
 
 
 def test_no_slot_moves_to_a_lower_lane_from_a_draining_worker_or_past_the_preemption_limit():
-    slo, _, inflight = preemption_setup(heavy=4, light_ready=3, lanes=("p0", "p2"))
-    assert slo.to_preempt(inflight, 10.0) == []  # p2 does not take from p0
-    slo, registry, inflight = preemption_setup(heavy=4, light_ready=3)
+    preemption, _, inflight, limits = preemption_setup(heavy=4, light_ready=3, lanes=("p0", "p2"))
+    assert preemption.to_preempt(inflight, limits, 10.0) == []  # p2 does not take from p0
+    preemption, registry, inflight, limits = preemption_setup(heavy=4, light_ready=3)
     registry.workers["d0"].draining = True
-    assert slo.to_preempt(inflight, 10.0) == []  # those finish where they are
-    slo, _, inflight = preemption_setup(heavy=4, light_ready=3)
+    assert preemption.to_preempt(inflight, limits, 10.0) == []  # those finish where they are
+    preemption, _, inflight, limits = preemption_setup(heavy=4, light_ready=3)
     for sub in inflight.values():
         sub.preemptions = MAX_PREEMPTIONS
-    assert slo.to_preempt(inflight, 10.0) == []
-    assert slo.to_preempt(inflight, 10.05) == []  # and it looks again only after PREEMPT_QUIET_S
+    assert preemption.to_preempt(inflight, limits, 10.0) == []
+    assert preemption.to_preempt(inflight, limits, 10.05) == []  # and it looks again only after PREEMPT_QUIET_S

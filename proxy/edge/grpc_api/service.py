@@ -34,7 +34,7 @@ from proxy.edge.grpc_api import tessera_pb2_grpc as rpc
 from proxy.edge.streaming import ChatFormat, CompletionFormat, usage
 from proxy.edge.openai_api import admit, request_timeout
 from proxy.edge.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
-                            TokenizeRequest, check_token_ids)
+                                 TokenizeRequest, check_token_ids)
 from proxy.core.requests import FailureEvent
 
 log = logging.getLogger("tessera.proxy")
