@@ -1,4 +1,5 @@
-"""Does the adaptive controller (TAC, proxy/control/tac.py) serve more requests within their targets than fixed settings?
+"""Does the adaptive controller (TAC, proxy/control/tac.py) serve more requests within their targets than fixed
+settings?
 (issue 14's controller check)
 
     .venv/bin/python -m bench.tac_goodput --result-dir results/tac

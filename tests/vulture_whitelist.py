@@ -78,7 +78,7 @@ _.bytes_pulled  # unused attribute (kv_transfer/base.py:290)
 _.pull_seconds  # unused attribute (kv_transfer/base.py:291)
 _.pulls_failed  # unused attribute (kv_transfer/base.py:293)
 prompt_tokens_details  # unused variable (proxy/edge/openapi.py:37)
-cached_prompt_tokens  # unused variable (proxy/core/metrics.py: TenantUsage, written to the metering file by dataclasses.asdict)
+cached_prompt_tokens  # unused variable (proxy/core/metrics.py: TenantUsage, written to the metering file by asdict)
 embedding  # unused variable (proxy/edge/openapi.py: Embedding, a response field in the OpenAPI document)
 # gRPC servicer methods (proxy/edge/grpc_api/service.py): grpc calls them by the .proto's method names.
 _.Generate

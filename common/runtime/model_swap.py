@@ -1,10 +1,10 @@
 """Hot and cold models: a worker that serves one model at a time out of several, loading another on demand.
 
-A worker's models are its ``engine.model`` and its ``standby_models`` (registered ``N`` or ``N@V``, or
-directories), resolved to ``name@version`` at start, so a bad one stops the worker there. It serves one at a time:
-its Register names that one and lists the others (``standby``). When a request names a version no live worker
-serves and one of its workers lists it, the proxy (``proxy/cluster/model_loading.py``) answers 503 with Retry-After and sends
-that worker LoadModel. The worker then:
+A worker's models are its ``engine.model`` and its ``standby_models`` (registered ``N`` or ``N@V``, or directories),
+resolved to ``name@version`` at start, so a bad one stops the worker there. It serves one at a time: its Register names
+that one and lists the others (``standby``). When a request names a version no live worker serves and one of its workers
+lists it, the proxy (``proxy/cluster/model_loading.py``) answers 503 with Retry-After and sends that worker LoadModel.
+The worker then:
 
 1. stops taking work (its heartbeats say draining) and lets what runs finish, up to ``drain_timeout_s``; what is
    left then goes back to the proxy (retryable);

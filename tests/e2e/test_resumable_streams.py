@@ -1,4 +1,5 @@
-"""Resumable streams (proxy/edge/resumable.py): numbered events, reconnection with Last-Event-ID, the window, the caps."""
+"""Resumable streams (proxy/edge/resumable.py): numbered events, reconnection with Last-Event-ID, the window, the
+caps."""
 from __future__ import annotations
 
 import json

@@ -1,8 +1,8 @@
 """A worker started on a model directory the proxy was never given serves at once, under the directory's name.
 
 The proxy runs on the embedded model's directory, with a cache root of the test's own whose registry holds neither
-model; its one worker (role both) runs on a tiny random model with a chat template of its own. The first request for
-the tiny model gets 503 while the proxy fetches its tokenizer from the worker (proxy/cluster/tokenizer_fetch.py); then it
+model; its one worker (role both) runs on a tiny random model with a chat template of its own. The first request for the
+tiny model gets 503 while the proxy fetches its tokenizer from the worker (proxy/cluster/tokenizer_fetch.py); then it
 serves the greedy text the engine computes in-process on that directory, which differs from what the proxy's own
 template would have made of the prompt, and the fetched files are kept under the cache root.
 """

@@ -1,10 +1,10 @@
 """A model directory the proxy was never given serves at once: the proxy fetches its tokenizer from a worker.
 
 The hash over a directory's tokenizer files (common/text/tokenizer_files.py), the FetchTokenizer and TokenizerFiles
-messages and their bounds, the worker's answer on its I/O thread (common/runtime/registration.py, worker_io.py), and
-the proxy's side (proxy/cluster/tokenizer_fetch.py through proxy/cluster/served_models.py): one fetch per tokenizer, checked by
-hash, kept under the cache root, asked of another worker after ``tokenizer_fetch_timeout_s``. Times are given,
-never measured.
+messages and their bounds, the worker's answer on its I/O thread (common/runtime/registration.py, worker_io.py), and the
+proxy's side (proxy/cluster/tokenizer_fetch.py through proxy/cluster/served_models.py): one fetch per tokenizer, checked
+by hash, kept under the cache root, asked of another worker after ``tokenizer_fetch_timeout_s``. Times are given, never
+measured.
 """
 from __future__ import annotations
 
