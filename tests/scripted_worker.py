@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 from bench.sim.profile import StepProfile
 from bench.sim.worker import SimHost, SimSpec, SimWorker
-from common.protocol.control import Register, Reregister
+from common.protocol.wire import Register, Reregister
 from common.protocol.wire import (DecodeRequest, Goodbye, Heartbeat, KVLayoutInfo, PrefillRequest, RegisterAck,
                                   StepCostModel, encode)
 

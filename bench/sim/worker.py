@@ -32,7 +32,7 @@ import zmq
 
 from bench.sim.engine import FIRST_TOKEN_ID, TOKEN_RANGE, SimEngine, SimSequence
 from bench.sim.profile import StepProfile
-from common.protocol.control import Peers, Register, RegisterAck, Reregister, Tune
+from common.protocol.wire import Peers, Register, RegisterAck, Reregister, Tune
 from common.protocol.wire import (Abort, DecodeRequest, Goodbye, Heartbeat, KVLayoutInfo, KVPulled, PrefillDone,
                                   PrefillRequest, ReleaseKV, StepCostModel, TokenDelta, TokenDeltas, WireError,
                                   decode, encode)

@@ -18,13 +18,11 @@ from functools import cache
 import msgspec
 from msgspec import inspect
 
-from common.protocol.control import EmbedRequest, EmbedResult, FetchTokenizer, LoadModel, Standby, TokenizerFiles
-
-# The version that added each message type, where it is newer than the oldest version still read.
-MESSAGE_SINCE: dict[type, int] = {EmbedRequest: 11, EmbedResult: 11, LoadModel: 12, Standby: 12,
-                                  FetchTokenizer: 15, TokenizerFiles: 15}
-# The version that added each field (struct name -> field -> version), where it is newer than that. By name:
-# the request messages are declared in wire.py, which imports this module.
+# The version that added each message type (by name: the messages are declared in wire.py, which imports this
+# module), where it is newer than the oldest version still read.
+MESSAGE_SINCE: dict[str, int] = {"EmbedRequest": 11, "EmbedResult": 11, "LoadModel": 12, "Standby": 12,
+                                 "FetchTokenizer": 15, "TokenizerFiles": 15}
+# The version that added each field (struct name -> field -> version), where it is newer than that.
 FIELD_SINCE: dict[str, dict[str, int]] = {"PrefillRequest": {"keep_s": 11}, "DecodeRequest": {"keep_s": 11},
                                           "Register": {"standby": 12, "load_s": 12, "tokenizer_sha256": 15},
                                           "SamplingParams": {"structured": 13},
@@ -36,7 +34,7 @@ STRUCTURED_SINCE = FIELD_SINCE["SamplingParams"]["structured"]
 
 def sendable(message_type: type, version: int) -> bool:
     """Whether a peer speaking ``version`` knows ``message_type``."""
-    return MESSAGE_SINCE.get(message_type, 0) <= version
+    return MESSAGE_SINCE.get(message_type.__name__, 0) <= version
 
 
 def older_body(value, version: int):

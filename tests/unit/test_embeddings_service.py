@@ -133,7 +133,7 @@ def test_no_worker_or_too_many_tokens_in_flight_is_a_503():
 def test_a_worker_speaking_the_protocol_before_embeddings_is_never_sent_one():
     async def run():
         h = Harness(worker("old", Role.PREFILL), worker("new", Role.BOTH))
-        h.versions["old"] = MESSAGE_SINCE[EmbedRequest] - 1
+        h.versions["old"] = MESSAGE_SINCE["EmbedRequest"] - 1
         task = asyncio.create_task(h.service.embed([[1, 2]], MODEL))
         await settle()
         assert [wid for wid, _ in h.sent] == ["new"]

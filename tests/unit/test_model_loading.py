@@ -131,7 +131,7 @@ def test_a_failed_load_ends_the_wait_and_a_worker_of_the_older_protocol_is_never
     assert not c.loader.loading and c.metrics.model_loads.labels("other@v1", "failed")._value.get() == 1
     assert c.refused("other@v1").message.startswith("no worker serves")  # known (offered before), not 404
     c.stand_by("old", "decode", ["other@v1"])
-    c.versions["old"] = MESSAGE_SINCE[LoadModel] - 1  # a worker from before LoadModel
+    c.versions["old"] = MESSAGE_SINCE["LoadModel"] - 1  # a worker from before LoadModel
     c.refused("other@v1")
     assert [w for w, _ in c.sent] == ["w"]
 

@@ -142,7 +142,7 @@ def test_a_model_that_fails_to_load_is_dropped_and_the_worker_stands_by_with_the
 def test_a_worker_answering_a_proxy_of_the_protocol_before_standby_keeps_its_idle_model(models):
     dirs, _ = models
     handler, switch, _ = worker(dirs, [str(dirs[1])], idle_s=30)
-    switch.io.speaks = MESSAGE_SINCE[wire.Standby] - 1  # a proxy from before Standby
+    switch.io.speaks = MESSAGE_SINCE["Standby"] - 1  # a proxy from before Standby
     handler.last_request -= 31
     switch.act()
     assert handler.engine is not None and switch.io.standby is None and switch.check_at == float("inf")

@@ -145,7 +145,7 @@ def test_the_messages_round_trip_and_refuse_what_is_out_of_bounds():
 
 
 def test_a_peer_of_the_version_before_is_never_sent_them(tmp_path, embedded_model_dir, worker_dir):
-    older = MESSAGE_SINCE[wire.FetchTokenizer] - 1
+    older = MESSAGE_SINCE["FetchTokenizer"] - 1
     with pytest.raises(wire.WireError, match="not in protocol version"):
         wire.encode(wire.FetchTokenizer("w0", "ab" * 32), older)
     digest = tokenizer_sha256(read_tokenizer_files(worker_dir))
