@@ -21,7 +21,7 @@ MODULES = [
     "common.cli.main", "common.cli.local_cluster", "common.config.roles", "common.engine.llm_engine",
     "common.engine.native", "common.protocol.wire", "common.runtime.worker_runtime", "common.storage.model_store",
     "common.text.tokenizer", "kv_transfer.factory", "kv_transfer.zmq_backend",
-    "proxy.main", "proxy.app", "prefill_worker.command", "prefill_worker.worker",
+    "proxy.main", "proxy.app", "proxy.cluster.cluster", "prefill_worker.command", "prefill_worker.worker",
     "decode_worker.command", "decode_worker.worker", "bench.loadgen.command",
 ]
 PROBE = """
