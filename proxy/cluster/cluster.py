@@ -75,7 +75,8 @@ class Cluster:
         self.preemption = FairnessPreemption(config, self.registry, self.admission)
         self.peer_versions: dict[str, int] = {}  # worker id -> the version it is answered in (the older of the two)
         self.embeddings = Embeddings(config, self.registry, self.send, self.peer_versions)  # no admission, no pages
-        self.loader = ModelLoader(config, self.registry, self.send, metrics, self._involved, self.peer_versions, clock)
+        self.loader = ModelLoader(config, self.registry, self.send, metrics, self.inflight.values(), self.peer_versions,
+                                  clock)
         self.tokenizers = TokenizerFetcher(config, self.send, metrics, self.peer_versions, clock=clock)
         self.draining = False
         self._clock = clock
@@ -274,9 +275,6 @@ class Cluster:
             return sub.reject(self._unavailable("no decode worker is available to continue the request"))
         self.policy.decode_sent(decoder, tokens, local=sub.local, cache_salt=sub.cache_salt, session=sub.session)
         return sub.start_decode(decoder, self.admission.counters[sub.tenant], now)
-
-    def _involved(self, worker_id: str) -> bool:
-        return any(sub.involves(worker_id) for sub in self.inflight.values())
 
     def _unavailable(self, message: str) -> ApiError:
         return ApiError(503, message, code="no_worker_available", retry_after_s=self.config.retry_after_s)

@@ -20,11 +20,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from common.protocol.versions import sendable
 from common.protocol.wire import LoadModel, Register, Role, Standby
+from proxy.core.requests import SubRequest
 from proxy.core.workers import WorkerRegistry
 
 log = logging.getLogger("tessera.proxy")
@@ -41,14 +42,14 @@ class Loading:
 
 class ModelLoader:
     def __init__(self, config, registry: WorkerRegistry, send: Callable[[str, object], None], metrics,
-                 busy: Callable[[str], bool], peer_versions: dict[str, int], clock=time.monotonic) -> None:
-        """``busy(worker_id)``: whether a request in flight involves the worker; ``peer_versions``: each worker's
-        protocol version (one before LoadModel's is never asked)."""
+                 inflight: Iterable[SubRequest], peer_versions: dict[str, int], clock=time.monotonic) -> None:
+        """``inflight``: the requests in flight (a live view; a worker one of them involves is busy);
+        ``peer_versions``: each worker's protocol version (one before LoadModel's is never asked)."""
         self.config = config
         self.registry = registry
         self.send = send
         self.metrics = metrics
-        self.busy = busy
+        self.inflight = inflight
         self.peer_versions = peer_versions
         self.clock = clock
         self.standing_by: dict[str, tuple[Standby, float]] = {}  # worker id -> its last Standby, when received
@@ -147,7 +148,7 @@ class ModelLoader:
                 if side(standby.role):
                     idle.append((0, worker_id))
             elif side(state.role.value) and not state.draining and not state.num_running \
-                    and not state.outstanding_prefill_tokens and not self.busy(worker_id) \
+                    and not state.outstanding_prefill_tokens and not self._busy(worker_id) \
                     and now - self.chosen.get((state.model, state.model_version), -math.inf) \
                     >= self.config.model_swap_min_idle_s:
                 # a worker whose model others serve too gives it up first
@@ -166,6 +167,9 @@ class ModelLoader:
         log.info("asked worker %r to load %s%s", worker_id, model,
                  f" instead of {state.model}@{state.model_version}" if state is not None else "")
         return True
+
+    def _busy(self, worker_id: str) -> bool:
+        return any(sub.involves(worker_id) for sub in self.inflight)
 
     def _offering(self, now: float):
         """(worker id, the models it may load) of each live worker that may load one."""

@@ -44,7 +44,8 @@ class Cluster:
         self.metrics = ProxyMetrics()
         self.versions: dict[str, int] = {}
         self.loader = ModelLoader(self.config, self.registry, lambda w, m: self.sent.append((w, m)), self.metrics,
-                                  self.busy.__contains__, self.versions, clock=lambda: self.now)
+                                  [SimpleNamespace(involves=self.busy.__contains__)], self.versions,
+                                  clock=lambda: self.now)
         self.store = ModelRegistry(tmp_path / "registry")
         fetcher = TokenizerFetcher(self.config, self.loader.send, self.metrics, self.versions, tmp_path / "cache")
         self.models = ServedModels(self.config, self.registry, self.store, ("tiny", "own"), Tokenizer(own_dir),
