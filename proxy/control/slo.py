@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from common.config.roles import ProxyConfig
 from proxy.control.prefill_gate import PrefillGate, tpot_target_of
+from proxy.core.capacity import decayed
 from proxy.core.errors import ApiError
 from proxy.core.metrics import ProxyMetrics
 from proxy.core.requests import Stage, SubRequest
@@ -177,15 +178,15 @@ class TtftForecast:
 
     def admitted(self, now: float, still_waiting: bool, tokens: int = 0) -> None:
         if self.last_admitted is not None:
-            self.interval_s = _decayed(self.interval_s, now - self.last_admitted, self.intervals)
+            self.interval_s = decayed(self.interval_s, now - self.last_admitted, self.intervals, TTFT_DECAY)
             self.intervals += 1
         self.last_admitted = now if still_waiting else None
         if tokens:
-            self.tokens = _decayed(self.tokens, float(tokens), self.admissions)
+            self.tokens = decayed(self.tokens, float(tokens), self.admissions, TTFT_DECAY)
             self.admissions += 1
 
     def first_token(self, service_s: float) -> None:
-        self.service_s = _decayed(self.service_s, service_s, self.services)
+        self.service_s = decayed(self.service_s, service_s, self.services, TTFT_DECAY)
         self.services += 1
 
     def measured(self, forecast_s: float, ttft_s: float, tenant: str = "") -> None:
@@ -209,11 +210,6 @@ class TtftForecast:
             return None
         scale = tokens / self.tokens if tokens and self.tokens > 0 else 1.0
         return (ahead * self.interval_s + self.service_s) * scale
-
-
-def _decayed(mean: float, sample: float, count: int, decay: float = TTFT_DECAY) -> float:
-    """A decayed mean with one more ``sample`` (the sample itself when it is the first)."""
-    return sample if count == 0 else mean * decay + sample * (1 - decay)
 
 
 def choices_ahead(policy: str, queued: Mapping[str, int], lanes: Mapping[str, int], weights: Mapping[str, float],

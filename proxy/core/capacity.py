@@ -81,7 +81,7 @@ class StepLag:
             return
         a, b = self.fit()
         sample = min(max(gap_ms - step_ms - a - b * rows, 0.0), LAG_SAMPLE_MAX_MS) / max(tokens - 1, 1)
-        self.handoff_ms = _decayed(self.handoff_ms, sample, self.handoffs, HANDOFF_DECAY)
+        self.handoff_ms = decayed(self.handoff_ms, sample, self.handoffs, HANDOFF_DECAY)
         self.handoffs += 1
 
     def add_tpot(self, measured_ms: float, since: float, until: float, predicted_ms: Callable[[float], float],
@@ -105,7 +105,7 @@ class StepLag:
         a, b = self.fit()
         error = measured_ms - predicted_ms(rows) - a - self.handoff_ms - b * rows
         sample = min(max(error, -LAG_SAMPLE_MAX_MS), LAG_SAMPLE_MAX_MS)  # a stall, as the lag's steps are
-        self.residual_ms = _decayed(self.residual_ms, sample, self.residuals, HANDOFF_DECAY)
+        self.residual_ms = decayed(self.residual_ms, sample, self.residuals, HANDOFF_DECAY)
         self.residuals += 1
 
     def step_came(self, rows: int, now: float, predicted_ms: float, running_after: bool, step: int = 0) -> None:
@@ -158,6 +158,11 @@ class StepLag:
 
 def _when(step: tuple[float, int]) -> float:
     return step[0]
+
+
+def decayed(mean: float, sample: float, count: int, decay: float) -> float:
+    """A decayed mean with one more ``sample`` (the sample itself when it is the first)."""
+    return sample if count == 0 else mean * decay + sample * (1 - decay)
 
 
 def mean_context(context_tokens: int, num_running: int) -> int:

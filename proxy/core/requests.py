@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import time
 from dataclasses import dataclass
 
 from common.config.roles import ProxyConfig
