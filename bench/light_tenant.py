@@ -34,7 +34,7 @@ import httpx
 from common.cli.local_cluster import LocalCluster
 from common.runtime.prometheus_text import total
 from common.storage.model_store import EMBEDDED_MODEL, resolve_model
-from proxy.tenancy.tenants_command import hash_key
+from proxy.tenancy.api_keys import hash_key
 
 MODEL = "SmolLM2-135M-Instruct"
 KEYS = {"A": "sk-tenant-a-0123456789", "B": "sk-tenant-b-0123456789"}

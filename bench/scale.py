@@ -41,7 +41,7 @@ import httpx
 from bench.arch_compare import cpu_seconds, family
 from common.cli.local_cluster import free_port
 from common.storage.model_store import resolve_model
-from proxy.tenancy.tenants_command import hash_key
+from proxy.tenancy.api_keys import hash_key
 
 MODEL = "SmolLM2-135M-Instruct"
 TENANTS = {"gold": ("sk-scale-gold", 3.0), "free": ("sk-scale-free", 1.0)}  # name: (API key, weight)

@@ -32,7 +32,7 @@ model_config  # unused variable (proxy/edge/protocol.py:147)
 model_config  # unused variable (proxy/edge/protocol.py:153)
 model_config  # unused variable (proxy/edge/protocol.py:217)
 model_config  # unused variable (proxy/edge/protocol.py:232)
-add_tenants_command  # unused function (proxy/tenancy/tenants_command.py:24)
+add_tenants_command  # unused function (proxy/tenants_command.py: an entry point)
 
 # Called by libraries: http.server, uvicorn, prometheus_client collectors, ZeroMQ's ZAP, Jinja extensions, NIXL and ZeroMQ socket options.
 _.daemon_threads  # unused attribute (common/runtime/health_server.py:48)

@@ -4,8 +4,8 @@ Each configured tenant (``tenants``) keeps its settings and a
 ``TenantLimiter``; API keys are known only by their sha256 (hex), so the
 config never holds a usable key. The default tenant (``default_tenant``)
 takes its settings from the tenant of that name when one is configured, and
-otherwise has weight 1, lane p1 and no limits. ``hash_key`` is what
-``tessera tenants hash-key`` prints.
+otherwise has weight 1, lane p1 and no limits. ``hash_key``
+(proxy/tenancy/api_keys.py) is what ``tessera tenants hash-key`` prints.
 
 One ``TenantRegistry`` holds every setting that decides who sends a request
 (the tenants and their keys, ``default_tenant``, ``auth_enabled``,
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from common.config.roles import ProxyConfig, TenantConfig
 from common.protocol.wire import cache_salt_of
 from proxy.tenancy.rate_limit import TenantLimiter
-from proxy.tenancy.tenants_command import hash_key
+from proxy.tenancy.api_keys import hash_key
 
 
 @dataclass

@@ -17,7 +17,7 @@ import yaml
 
 from common.protocol.wire import DecodeRequest, TokenDelta, TokenDeltas
 from common.runtime.prometheus_text import total
-from proxy.tenancy.tenants import hash_key
+from proxy.tenancy.api_keys import hash_key
 from tests.conditions import settle
 from tests.e2e.proxy_harness import (  # noqa: F401 -- fixtures
     MODEL, PATIENCE_S, ProxyProcess, ready, script_for, sse_payloads, tokenizer,

@@ -22,7 +22,7 @@ from common.config.roles import ProxyConfig
 from docs.examples.grpc_client import chat, generate, generate_many
 from proxy.edge.grpc_api import tessera_pb2 as pb
 from proxy.edge.grpc_api import tessera_pb2_grpc as rpc
-from proxy.tenancy.tenants import hash_key
+from proxy.tenancy.api_keys import hash_key
 from tests.e2e.proxy_harness import *  # noqa: F401,F403 -- fixtures (make_proxy, make_worker) and helpers
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -14,7 +14,7 @@ import threading
 import yaml
 
 from common.runtime.prometheus_text import total
-from proxy.tenancy.tenants import hash_key
+from proxy.tenancy.api_keys import hash_key
 from tests.conditions import settle
 from tests.e2e.proxy_harness import MODEL, PATIENCE_S, ProxyProcess, ready, script_for, tokenizer  # noqa: F401
 from tests.scripted_worker import FakeWorker

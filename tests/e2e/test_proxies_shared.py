@@ -14,7 +14,7 @@ import msgspec
 
 from common.cli.local_cluster import free_port
 from common.runtime.prometheus_text import total
-from proxy.tenancy.tenants import hash_key
+from proxy.tenancy.api_keys import hash_key
 from tests.e2e.closed_loops import Completions, closed_loops
 from tests.e2e.proxy_harness import *  # noqa: F401,F403 -- fixtures, helpers and wire types
 from tests.redis_server import redis_server  # noqa: F401 - fixture

@@ -9,7 +9,7 @@ import httpx
 from common.cli.local_cluster import LocalCluster
 from common.config.roles import ProxyConfig, TenantConfig
 from common.protocol.wire import Abort, DecodeRequest
-from proxy.tenancy.tenants_command import hash_key
+from proxy.tenancy.api_keys import hash_key
 from tests.conditions import settle
 from tests.e2e.proxy_harness import (  # noqa: F401
     MODEL, PATIENCE_S, SCRIPT_TEXT, assert_openai_error, make_proxy, make_worker, ready, script, slow_cluster,

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from common.cli.local_cluster import LocalCluster
-from proxy.tenancy.tenants import hash_key
+from proxy.tenancy.api_keys import hash_key
 
 MODEL = "SmolLM2-135M-Instruct"
 KEYS = {"alpha": "sk-alpha-key", "beta": "sk-beta-key"}

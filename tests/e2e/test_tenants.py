@@ -18,7 +18,7 @@ from common.protocol.wire import StepCostModel
 from common.runtime.prometheus_text import total
 
 from proxy.control.limits import SHARED_WINDOW_S
-from proxy.tenancy.tenants import hash_key
+from proxy.tenancy.api_keys import hash_key
 from tests.e2e.closed_loops import BODY, RUN_PATIENCE_S, Completions, closed_loops
 from tests.e2e.proxy_harness import *  # noqa: F401,F403 -- fixtures, helpers and wire types
 

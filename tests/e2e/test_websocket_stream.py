@@ -12,7 +12,7 @@ from websockets.sync.client import connect
 from common.cli.local_cluster import LocalCluster
 from common.config.roles import TenantConfig
 from common.protocol.wire import Abort, DecodeRequest
-from proxy.tenancy.tenants_command import hash_key
+from proxy.tenancy.api_keys import hash_key
 from tests.e2e.proxy_harness import (  # noqa: F401
     MESSAGES, MODEL, PATIENCE_S, SCRIPT_TEXT, SLOW_TOKEN_INTERVAL_S, make_proxy, make_worker, ready, script,
     slow_cluster, tokenizer,

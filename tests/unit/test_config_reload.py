@@ -16,7 +16,8 @@ from proxy.core.errors import ApiError
 from proxy.core.metrics import ProxyMetrics
 from proxy.reload import ConfigReloader, ConfigSource
 from proxy.core.routing import PrefixAwareRouting
-from proxy.tenancy.tenants import TenantRegistry, hash_key
+from proxy.tenancy.api_keys import hash_key
+from proxy.tenancy.tenants import TenantRegistry
 
 GOLD = {"name": "gold", "api_key_sha256": [hash_key("sk-gold")], "requests_per_s": 1, "request_burst": 1}
 FREE = {"name": "free", "api_key_sha256": [hash_key("sk-free")], "tokens_per_s": 100}

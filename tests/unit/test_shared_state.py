@@ -14,7 +14,7 @@ from proxy.tenancy.fair_split import local_weight, split, water_fill
 from proxy.core.metrics import ProxyMetrics
 from proxy.core.routing import PrefixAwareRouting
 from proxy.tenancy.shared_state import SharedState
-from proxy.tenancy.tenants import hash_key
+from proxy.tenancy.api_keys import hash_key
 from tests.redis_server import redis_server  # noqa: F401 - fixture
 
 TENANTS = [{"name": "heavy", "api_key_sha256": [hash_key("sk-heavy")]},

@@ -12,7 +12,8 @@ from proxy.tenancy.admission import AdmissionController
 from proxy.edge.auth import tenant_from_body, tenant_from_header
 from proxy.core.errors import ApiError
 from proxy.tenancy.rate_limit import TenantLimiter, TokenBucket
-from proxy.tenancy.tenants import TenantRegistry, hash_key
+from proxy.tenancy.api_keys import hash_key
+from proxy.tenancy.tenants import TenantRegistry
 from tests.fixed_limits import FixedLimits
 
 

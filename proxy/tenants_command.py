@@ -10,15 +10,9 @@ which keeps it out of shell history:
 from __future__ import annotations
 
 import argparse
-import hashlib
-import secrets
 import sys
 
-KEY_PREFIX = "sk-tessera-"
-
-
-def hash_key(api_key: str) -> str:
-    return hashlib.sha256(api_key.encode()).hexdigest()
+from proxy.tenancy.api_keys import hash_key, new_key
 
 
 def add_tenants_command(subparsers) -> None:
@@ -36,7 +30,7 @@ def add_tenants_command(subparsers) -> None:
 
 def _hash_keys(args: argparse.Namespace) -> int:
     if args.generate:
-        key = KEY_PREFIX + secrets.token_urlsafe(24)
+        key = new_key()
         print(f"{key}\t{hash_key(key)}")
         return 0
     keys = args.keys or [line.strip() for line in sys.stdin if line.strip()]
