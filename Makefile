@@ -42,14 +42,16 @@ run: setup
 	$(BIN)/tessera model prepare --dtype $(RUN_DTYPE)
 	$(BIN)/tessera up --dtype $(RUN_DTYPE) --port $(PORT)
 
+# Two lanes side by side (tests/conftest.py says which test runs in which); LANES= runs the tests one at a time.
+LANES ?= --numprocesses=2
 test: setup prepare
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(LANES) $(PYTEST_ARGS)
 
 # Flake finder: the e2e tests (or REPEAT_ARGS) REPEAT times, then every test that failed in any round.
 REPEAT ?= 3
 REPEAT_ARGS ?= tests/e2e
 test-repeat: setup prepare
-	$(BIN)/python -m tests.repeat --count $(REPEAT) $(REPEAT_ARGS)
+	$(BIN)/python -m tests.repeat --count $(REPEAT) $(REPEAT_ARGS) $(LANES)
 
 # A production install: a virtualenv at PREFIX with the project (not editable) and its runtime dependencies only,
 # the CPU build of torch, NIXL and xgrammar; no test or dev tools. On a GPU host install the CUDA torch build first

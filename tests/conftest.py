@@ -1,4 +1,4 @@
-"""Fixtures shared by every test directory."""
+"""Fixtures shared by every test directory, and the two lanes ``make test`` runs side by side."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,6 +6,53 @@ from pathlib import Path
 import pytest
 
 from common.storage.model_store import resolve_model
+
+# ``make test`` runs the suite in two lanes at once (pytest -n 2: xdist's two workers, each given one lane by the
+# scheduler below, which keeps a lane's tests in the order of a plain run). The "compute" lane runs, one after
+# another, the tests that run the embedded model for most of their time: the e2e tests whose model workers compute,
+# and the unit modules named in COMPUTE_UNIT. A decode step streams the model's weights from memory, so two of
+# these side by side would only share the memory bandwidth and the cores, each taking twice as long. The "beside"
+# lane runs the rest, which mostly waits or computes little: the other unit tests, and the e2e tests named in
+# BESIDE_E2E, whose workers are scripted (tests/scripted_worker.py) or run a tiny model or a few short requests,
+# or whose test waits on an idle cluster's timers. A new e2e module goes to the compute lane unless it is named
+# here; a new unit module to the beside lane.
+BESIDE_E2E = {
+    # scripted workers behind a proxy in a thread or a torch-free process
+    "test_admin_api.py", "test_config_reload.py", "test_conversation_store.py", "test_metering_file.py",
+    "test_proxies_shared.py", "test_proxy_api.py", "test_proxy_failures.py", "test_proxy_limits.py",
+    "test_proxy_migration.py", "test_proxy_tls.py", "test_recovery_phases.py", "test_request_logs.py",
+    "test_sim_worker.py", "test_status_command.py", "test_tenants.py",
+    # mostly scripted or tiny-model workers, and a few short requests through a real cluster
+    "test_curve_security.py", "test_frame_fuzz.py", "test_hot_cold_models.py", "test_kv_transfer_processes.py",
+    "test_prometheus_scrape.py", "test_resumable_streams.py", "test_websocket_stream.py",
+    # 45 s of an idle cluster; in this lane its module's cluster fixture starts a cluster of its own
+    "test_fault_scenarios.py::test_an_idle_cluster_then_a_burst",
+}
+COMPUTE_UNIT = {
+    "test_embedder.py", "test_engine_embedded.py", "test_engine_resume.py", "test_fused_decode.py",
+    "test_spec_decode.py", "test_spec_embedded.py", "test_spec_sampling.py",
+}
+
+
+def lane(nodeid: str) -> str:
+    path, _, name = nodeid.partition("::")
+    test_file = Path(path)
+    if test_file.parent.name != "e2e":
+        return "compute" if test_file.name in COMPUTE_UNIT else "beside"
+    named = {test_file.name, f"{test_file.name}::{name.partition('[')[0]}"}
+    return "beside" if named & BESIDE_E2E else "compute"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under xdist, each lane is one unit of work, run in collection order by one worker."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Lanes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return lane(nodeid)
+
+    return Lanes(config, log)
 
 
 @pytest.fixture(scope="session")
