@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.arch_compare import rss_mib
+from bench.processes import rss_mib
 from common.cli.local_cluster import LocalCluster
 from common.storage.model_store import EMBEDDED_MODEL, embedded_model_dir, registry_for
 

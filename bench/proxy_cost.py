@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 
-from bench.arch_compare import cpu_seconds, family, tree_env
+from bench.processes import cpu_seconds, family, tree_env
 from bench.scale import http_ok, wait_for
 from common.cli.local_cluster import free_port
 from common.protocol.wire import StepCostModel

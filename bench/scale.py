@@ -38,7 +38,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.arch_compare import cpu_seconds, family
+from bench.processes import cpu_seconds, family
 from common.cli.local_cluster import free_port
 from common.storage.model_store import resolve_model
 from proxy.tenancy.api_keys import hash_key

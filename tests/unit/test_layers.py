@@ -1,7 +1,7 @@
 """Layers point one way, and no module imports itself through others.
 
 The layer contracts are import-linter's, declared in ``pyproject.toml``
-(``[tool.importlinter]``): bench over the roles, the roles over kv_transfer,
+(``[tool.importlinter]``): experiments over bench, bench over the roles, the roles over kv_transfer,
 kv_transfer over common; inside common, cli > runtime > engine > storage >
 config > text > protocol; inside the proxy, its process modules > edge >
 cluster > control > tenancy > core (every module in one of them); the proxy
@@ -20,7 +20,7 @@ from pathlib import Path
 import grimp
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("common", "kv_transfer", "prefill_worker", "decode_worker", "proxy", "bench")
+PACKAGES = ("common", "kv_transfer", "prefill_worker", "decode_worker", "proxy", "bench", "experiments")
 
 
 def test_layer_contracts_hold():

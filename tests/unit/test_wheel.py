@@ -5,7 +5,7 @@ the checkout), installed into a directory of its own with ``--no-deps`` (the
 dependencies are this environment's), and imported from a process whose
 working directory is outside the tree, with that directory first on its path:
 every module must come from the wheel, and ``tessera``'s subcommands from the
-wheel's entry points.
+wheel's entry points. The one-off measurements in experiments/ stay out of it.
 """
 from __future__ import annotations
 
@@ -57,3 +57,4 @@ def test_the_wheel_carries_every_package_and_registers_every_role(tmp_path):
     kernels = site / "common" / "engine" / "kernels"
     assert list(kernels.glob("*.c")) and list(kernels.glob("*.h")), "the C kernels ship as source, headers too"
     assert (site / "bench" / "loadgen" / "prompt_set.json").is_file()
+    assert not (site / "experiments").exists(), "experiments/ is run from a checkout, never installed"

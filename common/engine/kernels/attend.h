@@ -22,9 +22,10 @@
 #define MAX_GROUP 32
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 256
-/* How far ahead, and into which cache, the K/V rows are prefetched (-D overrides them for bench A/B builds).
- * Into L2 (prefetcht1) three blocks ahead: on Zen 4 a prefetch into L1 holds one of its few miss buffers until
- * the line arrives, which capped a 64-row step's K/V reads near 10 GB/s; into L2, 13-16 GB/s (bench.attention_kernels). */
+/* How far ahead, and into which cache, the K/V rows are prefetched (-D overrides them for A/B builds,
+ * experiments.kernel_ab). Into L2 (prefetcht1) three blocks ahead: on Zen 4 a prefetch into L1 holds one of its
+ * few miss buffers until the line arrives, which capped a 64-row step's K/V reads near 10 GB/s; into L2,
+ * 13-16 GB/s (experiments.attention_kernels). */
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 3 /* blocks */
 #endif
@@ -384,7 +385,7 @@ static inline __attribute__((always_inline)) void attend_one_avx512(
 #define ROW_MAX_KV_HEADS 16
 /* An item is a whole row from ROW_ITEMS_MIN rows whose mean context is at least ROW_MIN_CONTEXT tokens: at 64 rows
  * of 1,000 tokens 1.34x faster than an item per (row, kv head), at 64 of 290 tokens 12% slower (Zen 4,
- * bench.kernel_ab decode_attention). -D overrides both for bench A/B builds. */
+ * experiments.kernel_ab decode_attention). -D overrides both for its A/B builds. */
 #ifndef ROW_ITEMS_MIN
 #define ROW_ITEMS_MIN 8
 #endif

@@ -103,8 +103,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` (bfloat16, on the CPU) reordered once into oneDNN's blocked layout, or None where torch
     has no oneDNN. ``F.linear`` on a plain bf16 weight reorders it on every call: 15-25% of a 64-row decode
-    step's matmul time here, and over a third of a one-row call's (``python -m bench.gemv_bf16 --rows 1 8 64 256``).
-    The result is bit-identical to ``F.linear``'s."""
+    step's matmul time here, and over a third of a one-row call's
+    (``python -m experiments.gemv_bf16 --rows 1 8 64 256``). The result is bit-identical to ``F.linear``'s."""
     if weight.dtype is not torch.bfloat16 or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return None
     try:

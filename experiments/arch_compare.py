@@ -12,7 +12,7 @@ rounds so that a drifting machine affects both alike:
 - offline throughput: that tree's ``bench.offline`` for Tessera alone
   (float32, its default batched-token budget), output tokens per second.
 
-    python -m bench.arch_compare --before ../base --after . --rounds 2
+    python -m experiments.arch_compare --before ../base --after . --rounds 2
 
 The trees run from their own directory with ``PYTHONPATH=<tree>``, so each imports its own packages;
 the launcher (``common.cli.local_cluster``) is this checkout's, and only
@@ -35,37 +35,14 @@ from pathlib import Path
 
 import httpx
 
+from bench.processes import cpu_seconds, rss_mib, tree_env
 from common.cli.local_cluster import LocalCluster, free_port
 from common.storage.model_store import resolve_model
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def cli_module(tree: Path) -> str:
     """The ``python -m`` entry of the tree's command line (it moved into common/cli/ in issue 11)."""
     return "common.cli" if (tree / "common" / "cli.py").is_file() else "common.cli.main"
-
-
-def tree_env(tree: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"}
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
-
-
-def family(pid: int) -> list[int]:
-    """``pid`` and its child processes (``tessera proxy --workers``' proxies)."""
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    return [pid, *(int(c) for c in children.read_text().split())] if children.exists() else [pid]
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def maps_torch(pid: int) -> bool:

@@ -1,6 +1,6 @@
 """The CPU attention kernels against torch, on the embedded model's shapes (9 heads, 3 KV heads, head_dim 64).
 
-    .venv/bin/python -m bench.attention_kernels [--threads 2]
+    .venv/bin/python -m experiments.attention_kernels [--threads 2]
 
 - Prompt chunks (bfloat16): ``tessera_chunk_attention`` (kernels/paged_attention.c), reading K/V from the
   paged pool, against torch's SDPA on the chunk's own K/V (what ``TorchAttention`` runs for a fresh prompt),

@@ -1,6 +1,6 @@
 """The bf16 GEMV kernel and the prepacked weights against torch's matmul, on the embedded model's linear shapes.
 
-    .venv/bin/python -m bench.gemv_bf16 --threads 2 --rows 1 8 64 256
+    .venv/bin/python -m experiments.gemv_bf16 --threads 2 --rows 1 8 64 256
 
 Per shape and row count M, the time of ``F.linear`` and of ``models.llama.linear`` as the engine calls it
 (the kernel for M = 1, the weight prepacked for oneDNN, ``prepack``, for more rows; ``--force`` calls the

@@ -1,8 +1,8 @@
 """Two or more builds of one C kernel, timed in alternating rounds in one process: an A/B that the machine's drift
 cannot bias (the 2-core machines here move by 10-20% between runs of the same code).
 
-    .venv/bin/python -m bench.kernel_ab decode_attention before=HEAD~1 after=HEAD
-    .venv/bin/python -m bench.kernel_ab decode_forward old=50efcb4 new=HEAD no_prefetch=HEAD:W_PREFETCH_AHEAD=0
+    .venv/bin/python -m experiments.kernel_ab decode_attention before=HEAD~1 after=HEAD
+    .venv/bin/python -m experiments.kernel_ab decode_forward old=50efcb4 new=HEAD no_prefetch=HEAD:W_PREFETCH_AHEAD=0
 
 A variant is ``NAME=REV[:MACRO=VALUE,...]``: ``kernels/`` as git revision REV has it (``WORKTREE`` for the files
 on disk), built with the engine's flags (common/engine/native.py) and the given ``-D`` macros. The first variant
