@@ -20,7 +20,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def family(pid: int) -> list[int]:
-    """``pid`` and its child processes (``tessera proxy --workers``' proxies)."""
+    """``pid`` and its child processes (``tessera proxy --processes``' proxies)."""
     children = Path(f"/proc/{pid}/task/{pid}/children")
     return [pid, *(int(c) for c in children.read_text().split())] if children.exists() else [pid]
 

@@ -16,7 +16,7 @@ requests completed and by the tokens streamed (counted from each response's ``us
 the same run against the same workers and clients, and reports this tree's cost as a ratio of it. The proxy
 runs from its tree with ``PYTHONPATH=<tree>``.
 
-``--scale-out N`` measures one proxy first, then ``tessera proxy --workers N`` sharing a Redis server of its own
+``--scale-out N`` measures one proxy first, then ``tessera proxy --processes N`` sharing a Redis server of its own
 (``redis-server`` on a free port), with the same workers (registered with every process) and clients (their
 connections spread over the processes by the kernel), and reports the processes' combined CPU per request and per
 token as a ratio of the one proxy's; Redis's own CPU is reported beside it (``--independent``: no Redis, the
@@ -59,7 +59,7 @@ def start_proxy(port: int, worker_port: int, model_dir: Path, tree: Path | None 
     args += [arg for setting in extra for arg in ("--set", setting)]
     source = {} if tree is None else {"env": tree_env(tree), "cwd": tree}
     if processes > 1:
-        args += ["--workers", str(processes)]
+        args += ["--processes", str(processes)]
     return subprocess.Popen([sys.executable, "-m", "common.cli.main", "proxy", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **source)
 
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="a setting of this tree's proxy (e.g. access_log=false); repeatable")
     parser.add_argument("--baseline", type=Path, help="another checkout whose proxy is measured first, as the base")
     parser.add_argument("--scale-out", type=int, metavar="N",
-                        help="one proxy first, then N processes (--workers N) sharing a Redis server")
+                        help="one proxy first, then N processes (--processes N) sharing a Redis server")
     parser.add_argument("--repeat", type=int, default=1, metavar="K",
                         help="with --baseline or --scale-out: K alternating pairs of runs, and the median ratio")
     parser.add_argument("--independent", action="store_true",

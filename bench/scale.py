@@ -3,7 +3,7 @@
     python -m bench.scale [--proxies 1] [--prefill 20] [--decode 100] [--seconds 300] [--request-rate 40]
                           [--input-len 256] [--output-len 64] [--num-prefixes 16] [--json FILE]
 
-One command starts ``tessera proxy`` (with ``--proxies P`` > 1, ``--workers P`` processes sharing a Redis server
+One command starts ``tessera proxy`` (with ``--proxies P`` > 1, ``--processes P`` sharing a Redis server
 of its own, each also on a port of its own for its metrics), one ``tessera sim-worker`` process hosting ``--prefill``
 prefill and ``--decode`` decode workers (bench/sim/: real wire protocol and block manager, steps timed by the
 shipped profile of the real engine), and runs ``tessera bench`` against the proxy for ``--seconds``: Poisson
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         redis_port = free_port()
         redis = subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
                                   "--appendonly", "no"], stdout=subprocess.DEVNULL)
-        proxy_args += ["--workers", str(args.proxies), "--set", f"redis_url=redis://127.0.0.1:{redis_port}/0",
+        proxy_args += ["--processes", str(args.proxies), "--set", f"redis_url=redis://127.0.0.1:{redis_port}/0",
                        "--set", f"process_port={own_port}"]
     proxy_args += [a for s in args.proxy_set for a in ("--set", s)]
     proxy = subprocess.Popen([sys.executable, "-m", "common.cli.main", "proxy", *proxy_args],
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     sims = None
     try:
         wait_for("the proxy starting", lambda: http_ok(url + "/healthz"), proxy)
-        sims = subprocess.Popen([sys.executable, "-m", "common.cli.main", "sim-worker", "--proxy",
+        sims = subprocess.Popen([sys.executable, "-m", "common.cli.main", "sim-worker", "--proxy-address",
                                  ",".join(f"tcp://127.0.0.1:{worker_port + i}" for i in range(args.proxies)),
                                  "--prefill", str(args.prefill), "--decode",
                                  str(args.decode), "--time-scale", str(args.time_scale), "--stats",

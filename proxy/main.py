@@ -8,7 +8,7 @@ server stops and the ZeroMQ socket is closed before its context. The HTTP
 listener's TLS, connection limits and timeouts come from the config
 (``proxy.edge.listener``); CURVE on the worker socket from ``common.runtime.zmq_security``.
 SIGHUP, or a change of the ``--config`` file, reloads the tenant settings
-(``proxy.reload``) with the same ``--set`` overrides. ``--workers N`` runs N
+(``proxy.reload``) with the same ``--set`` overrides. ``--processes N`` runs N
 such processes behind one port (``proxy.supervisor``).
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import argparse
 import logging
 import socket
 
-from common.cli.options import add_config_options, configure_logging, positive_int
+from common.cli.options import add_config_options, add_renamed_option, configure_logging, positive_int
 from common.config.roles import ProxyConfig, load_config, parse_overrides
 
 
@@ -29,11 +29,12 @@ def add_command(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_options(parser)
-    parser.add_argument("--workers", type=positive_int, default=1, metavar="N",
+    parser.add_argument("--processes", type=positive_int, default=1, metavar="N",
                         help="run N proxy processes behind the one HTTP port (SO_REUSEPORT); process i binds its "
                         "worker socket at worker_bind's port + i, and the workers list every one in proxy_address; "
                         "set redis_url so that they share tenant counters, rate limits and the decode slots "
                         "(proxy/supervisor.py; default: 1)")
+    add_renamed_option(parser, "--workers", "--processes")
     parser.add_argument("--reuse-port", action="store_true",
                         help="listen with SO_REUSEPORT, sharing the port with other proxy processes")
     parser.set_defaults(handler=_run_command)
@@ -43,12 +44,12 @@ def _run_command(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format, role="proxy")
     overrides = parse_overrides(args.overrides, "proxy")
     config = load_config(ProxyConfig, args.config, overrides)
-    if args.workers > 1:
+    if args.processes > 1:
         from proxy.supervisor import supervise
         argv = [*(["--config", args.config] if args.config else []),
                 *(arg for override in args.overrides for arg in ("--set", override)),
                 "--log-level", args.log_level, "--log-format", args.log_format]
-        return supervise(config, argv, args.workers)
+        return supervise(config, argv, args.processes)
     run(config, args.config, overrides, reuse_port=args.reuse_port)
     return 0
 
@@ -67,7 +68,7 @@ def listening_socket(host: str, port: int, reuse_port: bool = True) -> socket.so
 def run(config: ProxyConfig, config_path: str | None = None, overrides: dict | None = None,
         reuse_port: bool = False) -> None:
     """``config_path`` and ``overrides``: where ``config`` came from, which SIGHUP and the file watch read
-    again (``proxy.reload``); ``reuse_port``: listen with SO_REUSEPORT (``--workers``)."""
+    again (``proxy.reload``); ``reuse_port``: listen with SO_REUSEPORT (``--processes``)."""
     # Imported here so that `tessera --help` answers without loading the server stack.
     from proxy.app import create_app
     from common.config.tls import check_tls_files

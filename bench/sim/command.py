@@ -1,14 +1,14 @@
 """``tessera sim-worker``: simulated workers for sizing a cluster; ``tessera sim-worker profile``: measure one.
 
-    tessera sim-worker --proxy tcp://127.0.0.1:5555 --prefill 20 --decode 100 [--profile FILE]
+    tessera sim-worker --proxy-address tcp://127.0.0.1:5555 --prefill 20 --decode 100 [--profile FILE]
     tessera sim-worker profile --out my-model.json --model DIR --dtype bfloat16
 
 One process hosts every simulated worker it is asked for (``bench.sim.worker``): each registers with the proxy at
-``--proxy`` as a worker would, serves requests with a real block manager and steps timed by the profile (the
-shipped one, measured on the embedded model, unless ``--profile`` names another), and reports what a real
-worker reports. SIGTERM drains them: they finish what runs, say goodbye, and the process prints its stats (a
-JSON line: requests, tokens, its loop's lag p99 against the step p50, and whether timing held, see
-``SimHost.stats``). ``--stats FILE`` also writes them every few seconds.
+``--proxy-address`` (a worker's ``proxy_address``) as a worker would, serves requests with a real block manager
+and steps timed by the profile (the shipped one, measured on the embedded model, unless ``--profile`` names
+another), and reports what a real worker reports. SIGTERM drains them: they finish what runs, say goodbye, and
+the process prints its stats (a JSON line: requests, tokens, its loop's lag p99 against the step p50, and whether
+timing held, see ``SimHost.stats``). ``--stats FILE`` also writes them every few seconds.
 """
 from __future__ import annotations
 
@@ -19,13 +19,18 @@ import threading
 import time
 from pathlib import Path
 
+from common.cli.options import add_renamed_option
+
 
 def add_sim_worker_command(subparsers) -> None:
     parser = subparsers.add_parser("sim-worker", help="run simulated prefill and decode workers (no model), or "
                                    "record the step profile they are timed by", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("action", nargs="?", choices=("run", "profile"), default="run")
-    parser.add_argument("--proxy", default="tcp://127.0.0.1:5555", help="the proxy's worker_bind address")
+    parser.add_argument("--proxy-address", default="tcp://127.0.0.1:5555", metavar="ADDRESS[,ADDRESS...]",
+                        help="the ZeroMQ address of the proxy's worker_bind, as a worker's proxy_address: several "
+                        "proxies comma-separated, each worker registers with every one (default: %(default)s)")
+    add_renamed_option(parser, "--proxy", "--proxy-address")
     parser.add_argument("--prefill", type=int, default=1, help="simulated prefill workers (default: 1)")
     parser.add_argument("--decode", type=int, default=1, help="simulated decode workers (default: 1)")
     parser.add_argument("--both", type=int, default=0, help="simulated aggregated workers (default: 0)")
@@ -67,11 +72,11 @@ def _run(args) -> int:
         for i in range(count):
             host.add(SimSpec(f"{args.id_prefix}-{letter}{i}", role, name, args.model_version, args.num_blocks,
                              args.max_num_seqs, heartbeat_interval_s=args.heartbeat_interval_s,
-                             time_scale=args.time_scale), args.proxy)
+                             time_scale=args.time_scale), args.proxy_address)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    print(f"{len(host.workers)} simulated workers for {args.proxy}", flush=True)
+    print(f"{len(host.workers)} simulated workers for {args.proxy_address}", flush=True)
     next_stats = time.monotonic() + 5
 
     def done() -> bool:

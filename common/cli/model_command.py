@@ -20,7 +20,7 @@ from pathlib import Path
 
 import msgspec
 
-from common.cli.options import add_model_options, positive_int
+from common.cli.options import add_model_options, add_renamed_option, positive_int
 from common.storage.model_store import default_cache_root, prepare_embedded_model, registry_for
 from common.storage.manifest import Manifest
 from common.storage.random_model import (DEFAULT_SEED, SHAPES, embedded_tokenizer_dir, make_random_model,
@@ -88,7 +88,9 @@ def add_model_command(subparsers) -> None:
     )
     register.add_argument("source", metavar="DIR", help="model directory or archive")
     register.add_argument("--name", required=True, help="model name, e.g. SmolLM2-chat")
-    register.add_argument("--version", required=True, help="version, e.g. 2024-06-01 or v3")
+    register.add_argument("--model-version", dest="version", required=True, metavar="VERSION",
+                          help="the model's version, e.g. 2024-06-01 or v3")
+    add_renamed_option(register, "--version", "--model-version (tessera --version is tessera's own)")
     register.add_argument("--notes", default="", help="free text kept in the manifest")
     register.add_argument("--sha256", metavar="HEX",
                           help="refuse the weights unless their checksum (see docs/models.md) is this")

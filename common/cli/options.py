@@ -60,6 +60,23 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
                         help="text lines, or one JSON object per line with request_id and tenant (default: text)")
 
 
+class RenamedOption(argparse.Action):
+    """An option's former name, hidden from the help: using it fails with one line naming the new one, so that a
+    script or unit written for the old name says what to change instead of "unrecognized arguments"."""
+
+    def __init__(self, option_strings: list[str], dest: str, new_name: str, **kwargs) -> None:
+        super().__init__(option_strings, argparse.SUPPRESS, nargs="?", default=argparse.SUPPRESS,
+                         help=argparse.SUPPRESS)
+        self.new_name = new_name
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.exit(2, f"{parser.prog}: {option_string} is now {self.new_name}\n")
+
+
+def add_renamed_option(parser: argparse.ArgumentParser, old: str, new: str) -> None:
+    parser.add_argument(old, action=RenamedOption, new_name=new)
+
+
 def configure_logging(level: str, fmt: str = "text", **process_fields: str) -> None:
     """``process_fields`` (role, worker_id) go on every JSON line."""
     telemetry.install(level, fmt, **process_fields)

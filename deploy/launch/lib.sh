@@ -109,7 +109,7 @@ tessera_launch_proxy() {
     local processes=${TESSERA_PROXY_PROCESSES:-1}
     [[ $processes =~ ^[1-9][0-9]*$ ]] ||
         tessera_die "TESSERA_PROXY_PROCESSES=$processes must be a number >= 1"
-    if ((processes > 1)); then sets+=(--workers "$processes"); fi
+    if ((processes > 1)); then sets+=(--processes "$processes"); fi
     tessera_exec proxy proxy "${sets[@]}"
 }
 

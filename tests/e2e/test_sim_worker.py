@@ -99,7 +99,7 @@ def test_requests_through_simulated_workers_get_their_tokens_and_free_every_page
 def test_the_command_hosts_workers_and_drains_on_sigterm(embedded_model_dir, tokenizer, tmp_path):
     proxy = RunningProxy(proxy_config(embedded_model_dir, heartbeat_timeout_s=5.0), tokenizer)
     stats = tmp_path / "stats.json"
-    proc = subprocess.Popen([sys.executable, "-m", "common.cli.main", "sim-worker", "--proxy", proxy.endpoint,
+    proc = subprocess.Popen([sys.executable, "-m", "common.cli.main", "sim-worker", "--proxy-address", proxy.endpoint,
                              "--prefill", "3", "--decode", "5", "--heartbeat-interval-s", "0.2", "--stats", str(stats)],
                             stdout=subprocess.PIPE, text=True)
     try:

@@ -32,6 +32,22 @@ def test_every_command_has_help(capsys, argv, expected):
     assert expected in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    "argv, new",
+    [
+        (["proxy", "--workers", "2"], "tessera proxy: --workers is now --processes"),
+        (["sim-worker", "--proxy", "tcp://127.0.0.1:5555"], "tessera sim-worker: --proxy is now --proxy-address"),
+        (["model", "register", "m", "--name", "m", "--version", "v1"], "--version is now --model-version"),
+    ],
+)
+def test_a_renamed_option_fails_naming_the_new_one(capsys, argv, new):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert new in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_a_command_is_required(capsys):
     with pytest.raises(SystemExit) as exit_:
         main([])

@@ -191,7 +191,7 @@ def test_systemd_units_harden_and_drain():
 
 
 def test_several_proxies_each_with_processes_and_redis(tmp_path, recorder):
-    """Two proxy hosts of two processes each: a worker registers with all four; a proxy runs --workers 2 sharing
+    """Two proxy hosts of two processes each: a worker registers with all four; a proxy runs --processes 2 sharing
     the Redis server."""
     script, out = recorder
     env_file = _env_file(tmp_path, script, TESSERA_PROXY_HOST="10.77.0.10,10.77.0.11", TESSERA_PROXY_PROCESSES="2",
@@ -204,7 +204,7 @@ def test_several_proxies_each_with_processes_and_redis(tmp_path, recorder):
     result = _launch("proxy.sh", env_file)
     assert result.returncode == 0, result.stderr
     args, _ = _parsed(out)
-    assert args.workers == 2
+    assert args.processes == 2
     assert load_config(ProxyConfig, args.config, parse_overrides(args.overrides)).redis_url == \
         "redis://10.77.0.10:6379/0"
     bad = _env_file(tmp_path, script, TESSERA_PROXY_PROCESSES="two")

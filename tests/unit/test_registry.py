@@ -233,12 +233,12 @@ def test_promote_needs_a_registered_other_version(registry, model):
 
 def test_cli_register_list_promote_rollback(model, tmp_path, capsys):
     cache = str(tmp_path / "cache")
-    assert main(["model", "register", str(model), "--name", "tiny", "--version", "v1", "--cache-dir", cache]) == 0
+    assert main(["model", "register", str(model), "--name", "tiny", "--model-version", "v1", "--cache-dir", cache]) == 0
     out = capsys.readouterr().out
     assert "registered tiny@v1" in out
     assert ModelRegistry(tmp_path / "cache" / "registry").resolve("tiny").weights_sha256 in out
     second = other_weights(model, "v2")
-    assert main(["model", "register", str(second), "--name", "tiny", "--version", "v2", "--notes", "retrained",
+    assert main(["model", "register", str(second), "--name", "tiny", "--model-version", "v2", "--notes", "retrained",
                  "--cache-dir", cache]) == 0
     capsys.readouterr()
     assert main(["model", "promote", "tiny", "v2", "--canary", "12.5", "--cache-dir", cache]) == 0
@@ -258,7 +258,7 @@ def test_cli_register_list_promote_rollback(model, tmp_path, capsys):
     assert capsys.readouterr().out == "tiny: promoted v1\n"
     assert main(["model", "rollback", "tiny", "--cache-dir", cache]) == 2
     assert capsys.readouterr().err.startswith("tessera: error: tiny has nothing to roll back")
-    assert main(["model", "register", str(model), "--name", "tiny", "--version", "v3", "--sha256", "ab",
+    assert main(["model", "register", str(model), "--name", "tiny", "--model-version", "v3", "--sha256", "ab",
                  "--cache-dir", cache]) == 2
     assert "not the expected ab" in capsys.readouterr().err
 
