@@ -36,6 +36,7 @@ prepare: setup
 	for dtype in $(DTYPE); do $(BIN)/tessera model prepare --dtype $$dtype || exit 1; done
 
 # The fastest dtype this machine computes (bfloat16 with AVX512-BF16 or AMX, else float32); RUN_DTYPE=float32 overrides.
+# Passed by name: the tessera commands' own default is float32, the dtype `make prepare` makes.
 RUN_DTYPE ?= auto
 
 run: setup

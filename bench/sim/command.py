@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from common.cli.options import add_renamed_option
+from common.cli.options import add_dtype_option, add_renamed_option
 
 
 def add_sim_worker_command(subparsers) -> None:
@@ -48,7 +48,8 @@ def add_sim_worker_command(subparsers) -> None:
     parser.add_argument("--stats", type=Path, help="write the stats here every few seconds")
     recording = parser.add_argument_group("profile")
     recording.add_argument("--out", type=Path, help="profile: where to write it")
-    recording.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    add_dtype_option(recording, "profile: the dtype to measure, by default the shipped profile's",
+                     default="bfloat16")
     recording.add_argument("--threads", type=int, default=2)
     recording.add_argument("--device", default="cpu")
     parser.set_defaults(handler=_run)

@@ -7,6 +7,9 @@ import sys
 from common.runtime import telemetry
 from common.storage.model_store import DTYPES, EMBEDDED_NAMES, default_cache_root, fastest_dtype
 
+# The dtype of every command that serves or prepares a model, unless --dtype says otherwise.
+DEFAULT_DTYPE = "float32"
+
 
 def positive_int(text: str) -> int:
     value = int(text)
@@ -26,6 +29,17 @@ def dtype_option(text: str) -> str:
     return text
 
 
+def add_dtype_option(parser: argparse.ArgumentParser, what: str = "weight and compute dtype",
+                     default: str = DEFAULT_DTYPE) -> None:
+    """``--dtype``, the same in every command that loads a model. Every command that serves or prepares one
+    defaults to ``DEFAULT_DTYPE``, as the workers' ``engine.dtype`` does, so that ``tessera model prepare`` makes
+    the model the others load; ``auto`` is chosen by name (``make run`` does)."""
+    parser.add_argument(
+        "--dtype", type=dtype_option, default=default, metavar="{float32,bfloat16,auto}",
+        help=f"{what}; auto: bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX), else float32, "
+        f"with a line saying which (default: {default})")
+
+
 def add_model_options(parser: argparse.ArgumentParser, *, with_model: bool) -> None:
     """Add --dtype and --cache-dir, and --model when the command takes any model."""
     if with_model:
@@ -36,11 +50,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, with_model: bool) -> N
             f"list`), a Hugging Face model directory, or one of {', '.join(EMBEDDED_NAMES)} for the embedded "
             "SmolLM2-135M-Instruct (default: embedded)",
         )
-    parser.add_argument(
-        "--dtype", type=dtype_option, default="float32", metavar="{float32,bfloat16,auto}",
-        help="weight and compute dtype; auto: bfloat16 where the CPU computes it natively, else float32 "
-        "(default: float32)"
-    )
+    add_dtype_option(parser)
     parser.add_argument(
         "--cache-dir",
         help="where prepared models are kept (default: $TESSERA_CACHE_DIR, else ~/.cache/tessera; "

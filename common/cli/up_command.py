@@ -18,7 +18,7 @@ import sys
 import time
 
 from common.cli.local_cluster import LocalCluster, Supervisor
-from common.cli.options import configure_logging, dtype_option
+from common.cli.options import add_dtype_option, configure_logging
 
 READY_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 40
@@ -34,9 +34,7 @@ def add_up_command(subparsers) -> None:
     parser.add_argument("--prefill-workers", type=int, default=1, help="number of prefill workers (default 1)")
     parser.add_argument("--decode-workers", type=int, default=1, help="number of decode workers (default 1)")
     parser.add_argument("--model", default="embedded", help="model directory or embedded name")
-    parser.add_argument("--dtype", type=dtype_option, default="auto", metavar="{float32,bfloat16,auto}",
-                        help="weight and compute dtype of every role; auto (default): bfloat16 where the CPU "
-                        "computes it natively (AVX512-BF16 or AMX), else float32, with a line saying which")
+    add_dtype_option(parser, "weight and compute dtype of every role")
     parser.add_argument("--transfer-backend", default="auto", choices=("auto", "nixl", "zmq"))
     parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: cores / workers)")
     parser.add_argument("--share-cores", action=argparse.BooleanOptionalAction, default=True,

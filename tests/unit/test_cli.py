@@ -10,7 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 from common.cli import generate_command
-from common.cli.main import main
+from common.cli.main import build_parser, main
+from common.cli.options import DEFAULT_DTYPE
+from common.config.base import EngineConfig
 from common.storage.model_store import prepare_embedded_model
 from common.protocol.sampling_params import SamplingParams
 
@@ -46,6 +48,15 @@ def test_a_renamed_option_fails_naming_the_new_one(capsys, argv, new):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert new in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_every_command_that_serves_or_prepares_a_model_defaults_to_one_dtype():
+    """The workers' engine.dtype too: ``tessera model prepare`` makes the model that ``tessera up``, ``generate``
+    and a worker started from a config without engine.dtype load."""
+    parser = build_parser()
+    commands = [["up"], ["generate"], ["model", "prepare"], ["model", "path"], ["model", "random", "--shape", "tiny"]]
+    dtypes = {parser.parse_args(argv).dtype for argv in commands}
+    assert dtypes == {DEFAULT_DTYPE} == {EngineConfig(model="embedded").dtype}
 
 
 def test_a_command_is_required(capsys):
