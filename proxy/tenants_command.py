@@ -1,11 +1,13 @@
-"""``tessera tenants hash-key``: the sha256 of an API key, for a tenant's ``api_key_sha256`` in the proxy config.
+"""``tessera api-keys``: the API keys that clients send, stored by the proxy only as their sha256 (a tenant's
+``api_key_sha256`` in the proxy config), so that its config holds no usable key. The ZeroMQ control plane's
+keys are ``tessera curve-keys``.
 
-The proxy stores and compares only these hashes, so its config holds no usable
-key. The key is read from stdin (one per line) unless given as an argument,
-which keeps it out of shell history:
+    tessera api-keys generate                     # a new random key, and its hash, tab-separated
+    printf '%s\\n' "$KEY" | tessera api-keys hash   # the hash of each key on stdin, one per line
 
-    printf '%s\\n' "$KEY" | tessera tenants hash-key
-    tessera tenants hash-key --generate      # a new random key, and its hash
+A key to hash is read from stdin unless given as an argument, which keeps it out of shell history. The command
+was ``tessera tenants hash-key``; the entry point keeps its function's name, so that an older tree run under
+this install's entry points (``bench.proxy_cost --baseline``) still finds it.
 """
 from __future__ import annotations
 
@@ -16,26 +18,28 @@ from proxy.tenancy.api_keys import hash_key, new_key
 
 
 def add_tenants_command(subparsers) -> None:
-    tenants = subparsers.add_parser(
-        "tenants", help="tenant API key tools", description=__doc__,
+    keys = subparsers.add_parser(
+        "api-keys", help="make client API keys and the sha256 a tenant's api_key_sha256 holds", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    actions = tenants.add_subparsers(dest="action", metavar="ACTION", required=True)
-    hashing = actions.add_parser("hash-key", help="print the sha256 of API keys (from stdin, or the arguments)",
+    actions = keys.add_subparsers(dest="action", metavar="ACTION", required=True)
+    generate = actions.add_parser("generate", help="make a new random key; print it and its hash, tab-separated")
+    generate.set_defaults(handler=_generate)
+    hashing = actions.add_parser("hash", help="print the sha256 of API keys (from stdin, or the arguments)",
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     hashing.add_argument("keys", nargs="*", metavar="KEY", help="keys to hash (default: one per line on stdin)")
-    hashing.add_argument("--generate", action="store_true",
-                         help="make a new random key; print it and its hash, tab-separated")
     hashing.set_defaults(handler=_hash_keys)
 
 
+def _generate(args: argparse.Namespace) -> int:
+    key = new_key()
+    print(f"{key}\t{hash_key(key)}")
+    return 0
+
+
 def _hash_keys(args: argparse.Namespace) -> int:
-    if args.generate:
-        key = new_key()
-        print(f"{key}\t{hash_key(key)}")
-        return 0
     keys = args.keys or [line.strip() for line in sys.stdin if line.strip()]
     if not keys:
-        raise ValueError("tessera tenants hash-key: no key given (pass it as an argument or on stdin)")
+        raise ValueError("tessera api-keys hash: no key given (pass it as an argument or on stdin)")
     for key in keys:
         print(hash_key(key))
     return 0

@@ -6,7 +6,8 @@ runs it and returns the exit status. The commands of ``common`` are listed in
 ``COMMANDS``; each role package (proxy, workers, bench) registers its own
 under the ``tessera.commands`` entry-point group in ``pyproject.toml``, so this
 module imports nothing above ``common``. Handlers import the engine only when
-they run, so ``--help`` answers at once.
+they run, so ``--help`` answers at once. A command that was renamed fails under
+its old name with one line naming the new one (``RENAMED_COMMANDS``).
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ import sys
 from importlib.metadata import entry_points
 
 from common.cli.config_command import add_config_command
+from common.cli.curve_keys_command import add_curve_keys_command
 from common.cli.generate_command import add_generate_command
-from common.cli.keys_command import add_keys_command
 from common.cli.model_command import add_model_command
 from common.cli.status_command import add_status_command
 from common.cli.up_command import add_up_command
@@ -32,8 +33,14 @@ ENTRY_POINT_GROUP = "tessera.commands"
 GOMP_SPINCOUNT = "10000"
 
 
-COMMANDS = (add_model_command, add_generate_command, add_up_command, add_config_command, add_keys_command,
+COMMANDS = (add_model_command, add_generate_command, add_up_command, add_config_command, add_curve_keys_command,
             add_status_command)
+# Old command name -> what replaced it: a script or unit written for the old name learns the new one.
+RENAMED_COMMANDS = {
+    "keys": "`tessera curve-keys` (tessera curve-keys generate --out DIR --name NAME)",
+    "tenants": "`tessera api-keys`: `tenants hash-key` is `api-keys hash`, `tenants hash-key --generate` is "
+               "`api-keys generate`",
+}
 
 
 def registrars() -> list:
@@ -70,6 +77,10 @@ def _version_line() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in RENAMED_COMMANDS:
+        print(f"tessera: `tessera {argv[0]}` is now {RENAMED_COMMANDS[argv[0]]}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)

@@ -12,7 +12,7 @@ Every ZeroMQ socket that crosses hosts goes through here:
   the peer published in its transfer metadata, which reached this worker only
   over the authenticated control channel (Register -> proxy -> Peers).
 
-Keys are zmq certificate files (``tessera keys generate``): ``NAME.key`` holds
+Keys are zmq certificate files (``tessera curve-keys generate``): ``NAME.key`` holds
 the public key, ``NAME.key_secret`` both. Loading errors name the config field.
 Life cycle of an authenticator: ``start_authenticator`` once per context,
 before the server socket binds; ``stop()`` before the context is terminated.
@@ -75,7 +75,7 @@ def load_key_pair(path: str, field: str) -> KeyPair:
     public, secret = _load(path, field)
     if secret is None:
         raise ConfigError(f"config field {field!r} = {path!r} holds no secret key: give the NAME.key_secret "
-                          "file that `tessera keys generate` wrote")
+                          "file that `tessera curve-keys generate` wrote")
     return KeyPair(public, secret)
 
 

@@ -22,7 +22,7 @@ import zmq
 
 from common.cli.local_cluster import LocalCluster, post_json
 from common.engine.kv_cache import KVCache, KVLayout
-from common.cli.keys_command import generate_key_pair
+from common.cli.curve_keys_command import generate_key_pair
 from common.protocol.wire import Register, RegisterAck, decode, encode
 from common.runtime.zmq_security import KeyPair, WorkerCurve, apply_curve_client, load_key_pair, load_public_key
 from kv_transfer.base import TransferStatus

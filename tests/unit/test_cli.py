@@ -25,6 +25,9 @@ from common.protocol.sampling_params import SamplingParams
         (["model", "prepare"], "--cache-dir"),
         (["model", "path"], "--dtype"),
         (["generate"], "--no-chat"),
+        (["curve-keys", "generate"], "--out"),
+        (["api-keys"], "generate"),
+        (["api-keys", "hash"], "KEY"),
     ],
 )
 def test_every_command_has_help(capsys, argv, expected):
@@ -46,6 +49,20 @@ def test_a_renamed_option_fails_naming_the_new_one(capsys, argv, new):
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert new in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
+    "argv, new",
+    [
+        (["keys", "generate", "--out", "keys", "--name", "proxy"], "`tessera curve-keys`"),
+        (["tenants", "hash-key", "--generate"], "`tenants hash-key --generate` is `api-keys generate`"),
+        (["tenants", "--help"], "`tenants hash-key` is `api-keys hash`"),
+    ],
+)
+def test_a_renamed_command_fails_naming_the_new_one(capsys, argv, new):
+    assert main(argv) == 2
     err = capsys.readouterr().err
     assert new in err and len(err.strip().splitlines()) == 1, err
 

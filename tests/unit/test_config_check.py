@@ -1,4 +1,4 @@
-"""Config validation messages, ``tessera config check`` and ``tessera keys generate``."""
+"""Config validation messages, ``tessera config check`` and ``tessera curve-keys generate``."""
 from __future__ import annotations
 
 import json
@@ -131,25 +131,25 @@ def test_check_applies_overrides_and_summarizes(tmp_path, capsys):
 
 
 @needs_curve
-def test_keys_generate_writes_a_private_pair_and_never_overwrites(tmp_path, capsys):
+def test_curve_keys_generate_writes_a_private_pair_and_never_overwrites(tmp_path, capsys):
     out = tmp_path / "keys"
-    assert main(["keys", "generate", "--out", str(out), "--name", "prefill-0"]) == 0
+    assert main(["curve-keys", "generate", "--out", str(out), "--name", "prefill-0"]) == 0
     public, secret = out / "prefill-0.key", out / "prefill-0.key_secret"
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600
     assert stat.S_IMODE(out.stat().st_mode) == 0o700
     public_key, secret_key = zmq.auth.load_certificate(secret)
     assert zmq.auth.load_certificate(public) == (public_key, None) and secret_key is not None
-    assert main(["keys", "generate", "--out", str(out), "--name", "prefill-0"]) == 2
+    assert main(["curve-keys", "generate", "--out", str(out), "--name", "prefill-0"]) == 2
     assert "refusing to overwrite" in capsys.readouterr().err
     assert zmq.auth.load_certificate(secret) == (public_key, secret_key)
-    assert main(["keys", "generate", "--out", str(out), "--name", "../escape"]) == 2
+    assert main(["curve-keys", "generate", "--out", str(out), "--name", "../escape"]) == 2
 
 
 @needs_curve
 def test_check_opens_the_curve_key_files(tmp_path, capsys):
     keys = tmp_path / "keys"
     for name in ("proxy", "w0"):
-        assert main(["keys", "generate", "--out", str(keys), "--name", name]) == 0
+        assert main(["curve-keys", "generate", "--out", str(keys), "--name", name]) == 0
     authorized = tmp_path / "authorized"
     authorized.mkdir()
     proxy = write(tmp_path, f"curve_secret_key_file: {keys / 'proxy.key_secret'}\n"

@@ -168,15 +168,15 @@ def test_concurrency_queue_and_global_limits():
     admission.check_room(other, 1)
 
 
-def test_hash_key_command(capsys, monkeypatch):
+def test_api_keys_command(capsys, monkeypatch):
     from common.cli.main import main
 
-    assert main(["tenants", "hash-key", "sk-gold"]) == 0
+    assert main(["api-keys", "hash", "sk-gold"]) == 0
     assert capsys.readouterr().out.strip() == hash_key("sk-gold")
     monkeypatch.setattr("sys.stdin", io.StringIO("sk-a\n\nsk-b\n"))
-    assert main(["tenants", "hash-key"]) == 0
+    assert main(["api-keys", "hash"]) == 0
     assert capsys.readouterr().out.split() == [hash_key("sk-a"), hash_key("sk-b")]
-    assert main(["tenants", "hash-key", "--generate"]) == 0
+    assert main(["api-keys", "generate"]) == 0
     key, digest = capsys.readouterr().out.split()
     assert key.startswith("sk-tessera-") and digest == hash_key(key)
 

@@ -1,4 +1,5 @@
-"""``tessera keys generate``: a CURVE key pair for the proxy or one worker.
+"""``tessera curve-keys generate``: a CURVE key pair for the proxy or one worker (the ZeroMQ control plane's keys;
+a client's API keys are ``tessera api-keys``).
 
 Writes zmq certificate files, as ``zmq.auth.create_certificates`` does:
 ``DIR/NAME.key`` (the public key: copy it into the authorized keys directory
@@ -22,9 +23,9 @@ from common.config.base import ConfigError
 NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 
 
-def add_keys_command(subparsers) -> None:
+def add_curve_keys_command(subparsers) -> None:
     keys = subparsers.add_parser(
-        "keys", help="generate CURVE key pairs for the proxy and the workers",
+        "curve-keys", help="generate CURVE key pairs for the proxy and the workers' ZeroMQ sockets",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     actions = keys.add_subparsers(dest="action", metavar="ACTION", required=True)
