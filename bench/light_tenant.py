@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, help="also write the rows here (JSON)")
     parser.add_argument("--trace", type=Path, help="append every request (its token times too) here (JSON lines)")
     parser.add_argument("--proxy-set", action="append", default=[], metavar="KEY=VALUE",
-                        help="another proxy setting for every cluster, e.g. preempt_for_fairness=true")
+                        help="another proxy setting for every cluster, e.g. tenancy.preempt_for_fairness=true")
     args = parser.parse_args(argv)
     model_dir = resolve_model(EMBEDDED_MODEL, args.dtype)
     weights = {"A": 1.0, "B": args.b_weight}
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         log_dir = Path(tempfile.mkdtemp(prefix=f"light-tenant-{scope}-"))
         cluster = LocalCluster(str(model_dir), log_dir, dtype=args.dtype, threads=0, transfer_backend="auto",
                                own_session=True, proxy_overrides=[
-                                   "auth_enabled=true", f"tenants={tenants}", f"tpot_slo_scope={scope}",
+                                   "tenancy.auth_enabled=true", f"tenancy.tenants={tenants}", f"slo.tpot_slo_scope={scope}",
                                    *args.proxy_set]).start()
         try:
             for a_streams in (int(n) for n in args.a_streams.split(",")):

@@ -53,8 +53,8 @@ MODEL = "SmolLM2-135M-Instruct"
 def start_proxy(port: int, worker_port: int, model_dir: Path, tree: Path | None = None,
                 extra: list[str] = (), processes: int = 1) -> subprocess.Popen:
     settings = {"port": port, "worker_bind": f"tcp://127.0.0.1:{worker_port}", "model": model_dir,
-                "heartbeat_timeout_s": 30, "first_token_timeout_s": 120, "token_timeout_s": 120,
-                "max_tokens_limit": 4096, "queue_timeout_s": 300}
+                "heartbeat_timeout_s": 30, "requests.first_token_timeout_s": 120, "requests.token_timeout_s": 120,
+                "requests.max_tokens_limit": 4096, "tenancy.queue_timeout_s": 300}
     args = [arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")]
     args += [arg for setting in extra for arg in ("--set", setting)]
     source = {} if tree is None else {"env": tree_env(tree), "cwd": tree}
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-s", type=float, default=8.0)
     parser.add_argument("--workers", type=int, default=4, help="scripted prefill workers, and as many decode")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a setting of this tree's proxy (e.g. access_log=false); repeatable")
+                        help="a setting of this tree's proxy (e.g. http.access_log=false); repeatable")
     parser.add_argument("--baseline", type=Path, help="another checkout whose proxy is measured first, as the base")
     parser.add_argument("--scale-out", type=int, metavar="N",
                         help="one proxy first, then N processes (--processes N) sharing a Redis server")
@@ -271,7 +271,7 @@ def measure(args, model_dir: Path, tree: Path | None, profile: Path | None, proc
         redis_port = free_port()
         redis = subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
                                   "--appendonly", "no"], stdout=subprocess.DEVNULL)
-        extra.append(f"redis_url=redis://127.0.0.1:{redis_port}/0")
+        extra.append(f"shared_state.redis_url=redis://127.0.0.1:{redis_port}/0")
     proxy = start_proxy(port, worker_port, model_dir, tree, extra, processes)
     workers = None
     try:

@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     tenants = [{"name": name, "api_key_sha256": [hash_key(key)], "weight": weight}
                for name, (key, weight) in TENANTS.items()]
     settings = {"port": port, "worker_bind": f"tcp://127.0.0.1:{worker_port}", "model": model_dir,
-                "heartbeat_timeout_s": 30, "max_tokens_limit": 4096, "queue_timeout_s": 300,
-                "auth_enabled": "true", "tenants": json.dumps(tenants)}
+                "heartbeat_timeout_s": 30, "requests.max_tokens_limit": 4096, "tenancy.queue_timeout_s": 300,
+                "tenancy.auth_enabled": "true", "tenancy.tenants": json.dumps(tenants)}
     proxy_args = [a for k, v in settings.items() for a in ("--set", f"{k}={v}")]
     work = Path(tempfile.mkdtemp(prefix="tessera-scale-"))
     redis = None
@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         redis_port = free_port()
         redis = subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
                                   "--appendonly", "no"], stdout=subprocess.DEVNULL)
-        proxy_args += ["--processes", str(args.proxies), "--set", f"redis_url=redis://127.0.0.1:{redis_port}/0",
-                       "--set", f"process_port={own_port}"]
+        proxy_args += ["--processes", str(args.proxies), "--set", f"shared_state.redis_url=redis://127.0.0.1:{redis_port}/0",
+                       "--set", f"http.process_port={own_port}"]
     proxy_args += [a for s in args.proxy_set for a in ("--set", s)]
     proxy = subprocess.Popen([sys.executable, "-m", "common.cli.main", "proxy", *proxy_args],
                              stdout=(work / "proxy.log").open("w"), stderr=subprocess.STDOUT)

@@ -3,7 +3,7 @@
     python -m bench.spec_decode --result-dir DIR [--concurrency 1,4] [--num-prompts 8] [--doc docs/results/spec-decode.md]
 
 One local cluster (a prefill and a decode worker, one thread each, the
-decode worker with ``engine.spec_method=ngram``, prefix caching off on both)
+decode worker with ``engine.spec.method=ngram``, prefix caching off on both)
 serves every point; each
 request opts in or out with the ``speculative`` field, so both modes run on
 the same processes, back to back, point by point. Workloads: ``copy``
@@ -96,14 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ignore-eos", action="store_true",
                         help="generate exactly the output length (default: stop at EOS)")
     parser.add_argument("--spec-max-batch-size", type=int, default=None,
-                        help="override engine.spec_max_batch_size on the decode worker")
+                        help="override engine.spec.max_batch_size on the decode worker")
     parser.add_argument("--doc", type=Path, help="write the table into this Markdown file between markers")
     args = parser.parse_args(argv)
     # Both modes send the same prompts; with prefix caching the second would
     # skip their prefill and look faster for a reason that is not speculation.
-    overrides = ["engine.spec_method=ngram", "engine.enable_prefix_caching=false"]
+    overrides = ["engine.spec.method=ngram", "engine.enable_prefix_caching=false"]
     if args.spec_max_batch_size:
-        overrides.append(f"engine.spec_max_batch_size={args.spec_max_batch_size}")
+        overrides.append(f"engine.spec.max_batch_size={args.spec_max_batch_size}")
     logs = args.result_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     cluster = LocalCluster.for_tests(resolve_model(args.model, "float32"), logs, worker_overrides=overrides).start()

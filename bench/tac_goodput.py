@@ -28,11 +28,11 @@ from common.storage.model_store import EMBEDDED_MODEL, resolve_model
 
 # name -> (proxy settings, role settings); every arm also gets the targets and early rejection
 ARMS: dict[str, tuple[list[str], list[str]]] = {
-    "tac": (["tac_enabled=true"], []),
+    "tac": (["slo.tac_enabled=true"], []),
     "defaults": ([], []),
-    "cap-always": (["tpot_slo_scope=always"], []),
-    "cap-always+chunk-512": (["tpot_slo_scope=always"], ["prefill:engine.max_num_batched_tokens=512"]),
-    "cap-always+local-512": (["tpot_slo_scope=always", "local_prefill_threshold=512"], []),
+    "cap-always": (["slo.tpot_slo_scope=always"], []),
+    "cap-always+chunk-512": (["slo.tpot_slo_scope=always"], ["prefill:engine.max_num_batched_tokens=512"]),
+    "cap-always+local-512": (["slo.tpot_slo_scope=always", "local_prefill_threshold=512"], []),
 }
 DEFAULT_ARMS = "tac,defaults,cap-always,cap-always+chunk-512"
 
@@ -58,7 +58,7 @@ def bench(url: str, args, *, input_len: int, rate: float | str, seed: int, durat
 
 
 def start(args, name: str, proxy: list[str], roles: list[str], log_root: Path) -> LocalCluster:
-    targets = [f"ttft_slo_ms={args.ttft_ms:g}", f"tpot_slo_ms={args.tpot_ms:g}", "early_rejection=true"]
+    targets = [f"slo.ttft_slo_ms={args.ttft_ms:g}", f"slo.tpot_slo_ms={args.tpot_ms:g}", "slo.early_rejection=true"]
     (log_root / name).mkdir(parents=True, exist_ok=True)
     return LocalCluster(str(resolve_model(EMBEDDED_MODEL, args.dtype)), log_root / name, dtype=args.dtype, threads=0,
                         transfer_backend="auto", own_session=True, proxy_overrides=[*targets, *proxy],

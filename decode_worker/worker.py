@@ -68,9 +68,9 @@ class DecodeHandler(WorkerBase):
     def __init__(self, config, make_transfer, role: str = "decode") -> None:
         self.role = role
         super().__init__(config, make_transfer)
-        if config.fault_kv_pull_delay_s:
-            log.warning("fault injection: every KV pull starts fault_kv_pull_delay_s=%gs late",
-                        config.fault_kv_pull_delay_s)
+        if config.testing.fault_kv_pull_delay_s:
+            log.warning("fault injection: every KV pull starts testing.fault_kv_pull_delay_s=%gs late",
+                        config.testing.fault_kv_pull_delay_s)
 
     def reset(self) -> None:
         self.pulls: dict[str, Pull] = {}
@@ -135,8 +135,8 @@ class DecodeHandler(WorkerBase):
         self.trace_start(msg.request_id, DECODE_SPAN, msg.trace_context)
         now = time.monotonic()
         lease_ends = math.inf if msg.kv_lease_left_s is None else now + msg.kv_lease_left_s - LEASE_MARGIN_S
-        if self.config.fault_kv_pull_delay_s:
-            self.delayed[msg.request_id] = DelayedPull(msg, seq, lease_ends, now + self.config.fault_kv_pull_delay_s)
+        if self.config.testing.fault_kv_pull_delay_s:
+            self.delayed[msg.request_id] = DelayedPull(msg, seq, lease_ends, now + self.config.testing.fault_kv_pull_delay_s)
         else:
             self._pull(msg, seq, lease_ends)
 

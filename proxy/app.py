@@ -80,20 +80,20 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
     model_dir = resolve_model(config.model, config.dtype)
     tokenizer = tokenizer or Tokenizer(model_dir)
     metrics = ProxyMetrics()
-    cluster = Cluster(config, policy or PrefixAwareRouting(config.local_prefill_threshold, config.session_ttl_s),
+    cluster = Cluster(config, policy or PrefixAwareRouting(config.local_prefill_threshold, config.sessions.session_ttl_s),
                       metrics)
     link = WorkerLink(config.worker_bind, cluster.on_frames, send_timeout_s=config.heartbeat_timeout_s,
                       curve=proxy_curve(config), on_disconnect=cluster.on_disconnect)
     cluster.attach(link.send)
-    if config.redis_url:
+    if config.shared_state.redis_url:
         from proxy.tenancy.shared_state import SharedState  # redis loads only where proxies share state
         cluster.limits.share = SharedState(config, cluster.admission, metrics)
         cluster.admission.shares.weight = cluster.limits.share.weight
     models = ServedModels(config, cluster.registry, registry_for(None), model_identity(config.model, config.dtype),
                           tokenizer, model_dir, cluster.tokenizers)
     models.loader = cluster.loader  # versions workers may load on demand (standby_models)
-    conversations = ConversationStore(config.conversation_store_path, config.conversation_retention_s,
-                                      config.conversation_store_timeout_s) if config.conversation_store_path else None
+    conversations = ConversationStore(config.sessions.conversation_store_path, config.sessions.conversation_retention_s,
+                                      config.sessions.conversation_store_timeout_s) if config.sessions.conversation_store_path else None
     services = Services(config, tokenizer, TokenText(tokenizer), metrics, cluster, models, link, conversations,
                         StreamStore(config, metrics), int(time.time()))
 
@@ -101,18 +101,18 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
     async def lifespan(_: FastAPI):
         await link.start()
         watchdog = asyncio.create_task(cluster.watch_heartbeats(), name="heartbeat-watchdog")
-        metering = MeteringLog(config.metering_path, config.metering_interval_s, metrics) \
-            if config.metering_path else None
+        metering = MeteringLog(config.tenancy.metering_path, config.tenancy.metering_interval_s, metrics) \
+            if config.tenancy.metering_path else None
         metering_task = asyncio.create_task(metering.run(), name="metering") if metering else None
         tac_task = asyncio.create_task(cluster.run_controller(), name="tac") if cluster.tac is not None else None
-        shared = cluster.limits.share if config.redis_url else None
+        shared = cluster.limits.share if config.shared_state.redis_url else None
         shared_task = asyncio.create_task(shared.run(), name="shared-state") if shared is not None else None
         reloader = ConfigReloader(source, config, cluster, metrics) if source is not None else None
         if reloader is not None:
             reloader.start()
         grpc_server = None
         try:
-            if config.grpc_port:
+            if config.http.grpc_port:
                 from proxy.edge.grpc_api.service import GrpcServer  # grpc loads only where the gRPC API is on
                 grpc_server = GrpcServer(services)
                 await grpc_server.start()
@@ -143,7 +143,7 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
     app = FastAPI(title="Tessera proxy", version=_tessera_version(), lifespan=lifespan)
     app.state.services = services
     install_error_handlers(app)
-    app.add_middleware(BodyDeadline, timeout_s=config.request_body_timeout_s)
+    app.add_middleware(BodyDeadline, timeout_s=config.http.request_body_timeout_s)
     app.include_router(openai_api.router)
     app.include_router(embeddings_api.router)
     app.include_router(admin_api.router)
@@ -173,7 +173,7 @@ def _add_service_routes(app: FastAPI, services: Services) -> None:
         try:
             turns = await services.conversations.turns(session, tenant.name if tenant else None)
         except TimeoutError as error:
-            raise ApiError(503, str(error), code="store_unavailable", retry_after_s=config.retry_after_s) from None
+            raise ApiError(503, str(error), code="store_unavailable", retry_after_s=config.requests.retry_after_s) from None
         if not turns:
             raise ApiError(404, f"no stored session {session!r}", code="not_found", param="session")
         return {"object": "list", "session": session, "data": turns}
@@ -182,7 +182,7 @@ def _add_service_routes(app: FastAPI, services: Services) -> None:
               responses=error_responses(400, 413))
     async def tokenize(request: Request) -> dict:
         """Token ids of a prompt, or of chat messages through the chat template."""
-        body = await read_model(request, TokenizeRequest, config.max_prompt_bytes)
+        body = await read_model(request, TokenizeRequest, config.http.max_prompt_bytes)
         tokens = await asyncio.to_thread(body.token_ids, services.tokenizer)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": cluster.registry.max_model_len}
 
@@ -190,7 +190,7 @@ def _add_service_routes(app: FastAPI, services: Services) -> None:
               responses=error_responses(400, 413))
     async def detokenize(request: Request) -> dict:
         """The text of token ids (special tokens shown)."""
-        body = await read_model(request, DetokenizeRequest, config.max_prompt_bytes)
+        body = await read_model(request, DetokenizeRequest, config.http.max_prompt_bytes)
         if body.tokens:
             check_token_ids(services.tokenizer, body.tokens, "tokens")
         return {"prompt": services.tokenizer.decode(body.tokens, skip_special_tokens=False)}
@@ -204,7 +204,7 @@ def _add_service_routes(app: FastAPI, services: Services) -> None:
         ready, reason = cluster.readiness()
         if ready:
             return JSONResponse({"status": "ready", "reason": reason, "workers": cluster.registry.count_by_role()})
-        return ApiError(503, f"not ready: {reason}", code="not_ready", retry_after_s=config.retry_after_s).response()
+        return ApiError(503, f"not ready: {reason}", code="not_ready", retry_after_s=config.requests.retry_after_s).response()
 
     @app.get("/version")
     async def version_() -> dict:

@@ -80,16 +80,16 @@ def run(config: ProxyConfig, config_path: str | None = None, overrides: dict | N
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_tls_files(config)  # uvicorn's own error would not name the config field
-    if config.metering_path:
-        check_metering_path(config.metering_path)
+    if config.tenancy.metering_path:
+        check_metering_path(config.tenancy.metering_path)
     app = create_app(config, source=ConfigSource(config_path, overrides or {}))
     drain_timeout_s = config.drain_timeout_s
     # log_config=None: uvicorn's lines go through the root handler, in the chosen --log-format.
     server_config = listener_config(app, config, loop="uvloop", log_level="info", log_config=None,
                                     timeout_graceful_shutdown=int(drain_timeout_s) + 1)
     sockets = None
-    if reuse_port or config.process_port:  # else uvicorn binds host:port itself
+    if reuse_port or config.http.process_port:  # else uvicorn binds host:port itself
         sockets = [listening_socket(config.host, config.port, reuse_port)]
-        if config.process_port:
-            sockets.append(listening_socket(config.host, config.process_port, reuse_port=False))
+        if config.http.process_port:
+            sockets.append(listening_socket(config.host, config.http.process_port, reuse_port=False))
     DrainingServer(server_config, app.state.services.cluster, drain_timeout_s).run(sockets=sockets)

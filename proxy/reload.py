@@ -39,6 +39,7 @@ from proxy.core.metrics import ProxyMetrics
 log = logging.getLogger("tessera.proxy.reload")
 
 # Who sends a request and what it may do: applied by a reload. Every other field needs a restart.
+# The tenancy section's fields that a reload applies; every other field needs a restart.
 LIVE_FIELDS = ("tenants", "default_tenant", "auth_enabled", "tenant_from_user_field")
 
 FileIdentity = tuple[int, int, int, int] | None  # (device, inode, size, mtime in ns); None: no such file
@@ -70,7 +71,7 @@ class ConfigReloader:
         self._running = running  # with the tenant settings of the last reload
         self._cluster = cluster
         self._metrics = metrics
-        self._watch_s = running.config_watch_interval_s if source.path else 0.0
+        self._watch_s = running.tenancy.config_watch_interval_s if source.path else 0.0
         self._hangup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._loaded = source.identity()  # the file's identity when it was last read
@@ -112,13 +113,16 @@ class ConfigReloader:
         running = self._running
         try:
             new = await asyncio.to_thread(self.source.load)
-            applied = replace(running, **{name: getattr(new, name) for name in LIVE_FIELDS})  # validated again
+            live = {name: getattr(new.tenancy, name) for name in LIVE_FIELDS}
+            applied = replace(running, tenancy=replace(running.tenancy, **live))  # validated again
         except (ValueError, OSError, yaml.YAMLError) as exc:  # ConfigError is a ValueError
             self._metrics.config_reloads.labels("error").inc()
             log.error("config reload (%s) failed, the running settings stay: %s", reason, exc)
             return False
         restart = [name for name in fields_of(ProxyConfig)
-                   if name not in LIVE_FIELDS and getattr(new, name) != getattr(running, name)]
+                   if name != "tenancy" and getattr(new, name) != getattr(running, name)]
+        restart += [f"tenancy.{name}" for name in fields_of(type(running.tenancy))
+                    if name not in LIVE_FIELDS and getattr(new.tenancy, name) != getattr(running.tenancy, name)]
         if restart:
             log.warning("config reload (%s): the file changes %s, which needs a restart; the running values stay",
                         reason, ", ".join(restart))
@@ -131,10 +135,10 @@ class ConfigReloader:
 
 def _changes(old: ProxyConfig, new: ProxyConfig) -> str:
     """What a reload changes in the tenant settings, in words (tenant names, never keys)."""
-    before, after = {t.name: t for t in old.tenants}, {t.name: t for t in new.tenants}
+    before, after = {t.name: t for t in old.tenancy.tenants}, {t.name: t for t in new.tenancy.tenants}
     parts = [f"tenants {what}: {', '.join(sorted(names))}" for what, names in (
         ("added", after.keys() - before.keys()), ("removed", before.keys() - after.keys()),
         ("changed", {n for n in after.keys() & before.keys() if after[n] != before[n]})) if names]
-    parts += [f"{name} {getattr(old, name)!r} -> {getattr(new, name)!r}" for name in LIVE_FIELDS[1:]
-              if getattr(old, name) != getattr(new, name)]
+    parts += [f"{name} {getattr(old.tenancy, name)!r} -> {getattr(new.tenancy, name)!r}" for name in LIVE_FIELDS[1:]
+              if getattr(old.tenancy, name) != getattr(new.tenancy, name)]
     return "; ".join(parts)

@@ -1,4 +1,4 @@
-"""``tessera proxy --workers N``: N proxy processes behind one HTTP port.
+"""``tessera proxy --processes N``: N proxy processes behind one HTTP port.
 
 Each process is a whole proxy (its own event loop, worker socket and admission) listening on the same host:port
 with SO_REUSEPORT, so the kernel spreads new connections over them. Process i binds its worker socket at
@@ -42,18 +42,18 @@ def child_overrides(config: ProxyConfig, index: int, count: int) -> list[str]:
     """The ``--set`` overrides process ``index`` of ``count`` runs with, after the user's own."""
     bind = urlsplit(config.worker_bind)
     if bind.port is None:
-        raise ValueError(f"config field 'worker_bind' = {config.worker_bind!r}: --workers needs a tcp://HOST:PORT "
+        raise ValueError(f"config field 'worker_bind' = {config.worker_bind!r}: --processes needs a tcp://HOST:PORT "
                          "address, process i binding PORT + i")
     host = bind.hostname if ":" not in (bind.hostname or "") else f"[{bind.hostname}]"
     sets = [f"worker_bind={bind.scheme}://{host}:{bind.port + index}",
-            f"proxy_id={config.proxy_id or os.uname().nodename + ':' + str(config.port)}:{index}"]
+            f"shared_state.proxy_id={config.shared_state.proxy_id or os.uname().nodename + ':' + str(config.port)}:{index}"]
     # without redis_url each process's share for good; with it, until its first sync
-    sets.append(f"decode_slot_share={config.decode_slot_share / count!r}")
-    if config.process_port:
-        sets.append(f"process_port={config.process_port + index}")
-    if config.metering_path:
-        path = Path(config.metering_path)
-        sets.append(f"metering_path={path.with_name(f'{path.stem}-{index}{path.suffix}')}")
+    sets.append(f"shared_state.decode_slot_share={config.shared_state.decode_slot_share / count!r}")
+    if config.http.process_port:
+        sets.append(f"http.process_port={config.http.process_port + index}")
+    if config.tenancy.metering_path:
+        path = Path(config.tenancy.metering_path)
+        sets.append(f"tenancy.metering_path={path.with_name(f'{path.stem}-{index}{path.suffix}')}")
     return sets
 
 
@@ -65,10 +65,10 @@ def worker_addresses(config: ProxyConfig, count: int) -> str:
 
 
 def supervise(config: ProxyConfig, argv: list[str], count: int) -> int:
-    """Run ``count`` proxies, each ``tessera proxy`` with ``argv`` (the command's own arguments, less --workers)
+    """Run ``count`` proxies, each ``tessera proxy`` with ``argv`` (the command's own arguments, less --processes)
     and its ``child_overrides``, until a signal stops them; the exit status: 0 when each drained cleanly."""
-    if not config.redis_url:
-        log.warning("--workers %d without redis_url: each process admits to 1/%d of the decode slots and keeps its "
+    if not config.shared_state.redis_url:
+        log.warning("--processes %d without shared_state.redis_url: each process admits to 1/%d of the decode slots and keeps its "
                     "own tenant counters and rate-limit buckets (a tenant's limit is per process)", count, count)
     log.info("%d proxy processes on %s:%d; workers connect with proxy_address=%s", count, config.host,
              config.port, worker_addresses(config, count))

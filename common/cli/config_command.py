@@ -81,14 +81,14 @@ def summary(config: ProxyConfig | WorkerConfig, data: dict) -> list[str]:
     lines = [f"role: {'proxy' if is_proxy else config.role}",
              f"fields set: {', '.join(sorted(data)) or 'none (all defaults)'}"]
     if is_proxy:
-        lines.append(f"HTTP: {'https' if config.tls_cert_file else 'http'}://{config.host}:{config.port}"
-                     + (" (client certificates required)" if config.tls_ca_file else ""))
+        lines.append(f"HTTP: {'https' if config.security.tls_cert_file else 'http'}://{config.host}:{config.port}"
+                     + (" (client certificates required)" if config.security.tls_ca_file else ""))
         lines.append(f"workers connect to: {config.worker_bind}")
     else:
         lines.append(f"proxy: {config.proxy_address}; model {config.engine.model} ({config.engine.dtype}); "
                      f"KV transfer {config.transfer_backend}")
-    if config.curve_secret_key_file:
-        lines.append(f"CURVE: on (key {config.curve_secret_key_file})")
+    if config.security.curve_secret_key_file:
+        lines.append(f"CURVE: on (key {config.security.curve_secret_key_file})")
     else:
         lines.append("CURVE: off (the worker control plane is unauthenticated)")
     return lines

@@ -105,7 +105,7 @@ class LocalCluster:
         cores = os.cpu_count() or 1
         shared = not self.threads and self.share_cores and self.num_workers > 1
         threads = self.threads or (cores if shared else max(1, cores // max(1, self.num_workers)))
-        args = [role, "--set", f"worker_id={name}", "--set", f"metrics_port={self.metrics_ports[name]}",
+        args = [role, "--set", f"worker_id={name}", "--set", f"observability.metrics_port={self.metrics_ports[name]}",
                 "--set", f"proxy_address=tcp://127.0.0.1:{self.worker_port}",
                 "--set", f"engine.model={self.model_dir}", "--set", f"engine.num_threads={threads}",
                 "--set", f"transfer_backend={self.transfer_backend}"]

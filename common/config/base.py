@@ -61,10 +61,12 @@ def option(default=dataclasses.MISSING, doc: str = "", *, default_factory=datacl
     return pydantic.Field(description=doc, **kwargs)
 
 
-def config_model(section: str):
+def config_model(section: str, *, was_flat: bool = False):
     """Make ``cls`` a frozen pydantic dataclass whose validation errors are ``ConfigError``s naming the field.
 
     ``section`` names the class in messages about unknown keys ("unknown proxy config field ...").
+    ``was_flat``: the section's fields were top-level keys of its parent before the config had sections;
+    such an old key gets an error naming its new place (``moved_keys``).
     """
     def wrap(cls):
         cls = pydantic.dataclasses.dataclass(frozen=True, config=ConfigDict(extra="forbid"))(cls)
@@ -79,8 +81,31 @@ def config_model(section: str):
 
         cls.__init__ = __init__
         cls.__config_section__ = section
+        cls.__was_flat__ = was_flat
         return cls
     return wrap
+
+
+# Fields renamed when they moved into a section: "section.new name" -> the old top-level name.
+FORMER_NAMES = {
+    "shared_state.interval_s": "shared_state_interval_s", "shared_state.timeout_s": "shared_state_timeout_s",
+    "shared_state.key_prefix": "shared_state_prefix",
+    **{f"spec.{name}": f"spec_{name}" for name in (
+        "method", "num_tokens", "ngram_min", "ngram_max", "draft_model", "draft_kv_cache_memory_bytes",
+        "max_batch_size", "adaptive", "min_acceptance")},
+}
+
+
+def moved_keys(cls) -> dict[str, str]:
+    """The top-level keys ``cls`` had before its sections, each mapped to its place now (``slo.ttft_slo_ms``)."""
+    moved = {}
+    for name, info in fields_of(cls).items():
+        section, many = nested_class(info.annotation)
+        if section is not None and not many and section.__was_flat__:
+            for field_name in fields_of(section):
+                place = f"{name}.{field_name}"
+                moved[FORMER_NAMES.get(place, field_name)] = place
+    return moved
 
 
 def fields_of(cls) -> dict[str, FieldInfo]:
@@ -175,6 +200,11 @@ def _explain_one(cls, error: dict, data: dict) -> str:
         known = list(fields_of(owner))
         field_name = str(error["loc"][-1])
         section = "".join(where[:-1]) or owner.__config_section__
+        place = moved_keys(owner).get(field_name)
+        if place:
+            where_now = ".".join(where[:-1] + [place]) if where[:-1] else place
+            return (f"{section} config field {field_name!r} has moved into a section: set {where_now} "
+                    "(docs/configuration.md)")
         close = difflib.get_close_matches(field_name, known, n=1)
         hint = f"did you mean {close[0]!r}?" if close else f"known fields: {', '.join(sorted(known))}"
         return f"unknown {section} config field {field_name!r}: {hint}"
@@ -190,21 +220,54 @@ def _explain_one(cls, error: dict, data: dict) -> str:
     return f"config field {path!r} = {value!r} is invalid: {allowed_values(info) or error['msg']}"
 
 
-def check_paths(cfg) -> None:
+def check_paths(cfg, where: str = "") -> None:
     """Every non-empty ``path`` field of ``cfg`` and its nested sections names what exists."""
     for name, info in fields_of(type(cfg)).items():
         value = getattr(cfg, name)
         for item in value if isinstance(value, tuple) else (value,):
             if dataclasses.is_dataclass(item):
-                check_paths(item)
+                check_paths(item, f"{where}{name}.")
         kind = path_kind(info)
         if kind and value and not (Path(value).is_file() if kind == "file" else Path(value).is_dir()):
-            raise ConfigError(f"config field {name!r} = {value!r}: no such {kind}")
+            raise ConfigError(f"config field {where + name!r} = {value!r}: no such {kind}")
 
 
 def json_schema(cls) -> dict:
     """The JSON Schema of a config file for ``cls`` (editors validate YAML with it)."""
     return pydantic.TypeAdapter(cls).json_schema()
+
+
+@config_model("engine.spec", was_flat=True)
+class SpecConfig:
+    """Speculative decoding on the decode side."""
+
+    method: SpecMethod = option("off", "speculative decoding on the decode side: 'ngram' (prompt lookup), "
+                              "'draft' (a smaller model sharing the vocabulary) or 'off'; requests may "
+                              "pick another or opt out")
+    num_tokens: Int = option(4, "k: most draft tokens verified per sequence and step", ge=1, le=16)
+    ngram_min: Int = option(2, "n-gram lookup: shortest suffix matched (tried longest first)", ge=1)
+    ngram_max: Int = option(4, "n-gram lookup: longest suffix matched", ge=1)
+    draft_model: Str = option("", "draft model directory or embedded model name (required by "
+                                   "method 'draft'); it must share the target's vocabulary")
+    draft_kv_cache_memory_bytes: Int = option(256 << 20, "memory budget of the draft model's own KV "
+                                                   "pool", ge=1 << 20)
+    max_batch_size: Int = option(4, "speculate only while at most this many sequences decode; above "
+                                      "it verification costs more than it saves (docs/benchmarks.md)", ge=1)
+    adaptive: Bool = option(True, "adapt k per request to its acceptance rate")
+    min_acceptance: Float | None = option(
+        None, "adaptive k: propose draft position i only while the request's acceptance rate ** i is at "
+        "least this, the cost of verifying one more token in plain decode steps; null: "
+        f"{SPEC_DRAFT_COST['float32']} in float32 and {SPEC_DRAFT_COST['bfloat16']} in bfloat16 on CPU, where small "
+        f"float32 matmuls cost nearly per row, {SPEC_DRAFT_COST['cuda']} on a GPU (docs/benchmarks.md)",
+        ge=0.0, lt=1.0)
+
+    def __post_init__(self) -> None:
+        if self.ngram_min > self.ngram_max:
+            raise ConfigError(f"config field 'ngram_min' = {self.ngram_min!r} is invalid: "
+                              f"<= ngram_max ({self.ngram_max})")
+        if self.method == "draft" and not self.draft_model:
+            raise ConfigError("config field 'draft_model' is required when method is 'draft': "
+                              "a draft model directory with the target's vocabulary")
 
 
 @config_model("engine")
@@ -253,36 +316,12 @@ class EngineConfig:
                                    "blocked layout for steps of several rows (F.linear reorders the plain weight "
                                    "on every call); costs the linear weights' memory once more")
     seed: Int = option(0, "seed of the sampler's random streams")
-    spec_method: SpecMethod = option("off", "speculative decoding on the decode side: 'ngram' (prompt lookup), "
-                              "'draft' (a smaller model sharing the vocabulary) or 'off'; requests may "
-                              "pick another or opt out")
-    spec_num_tokens: Int = option(4, "k: most draft tokens verified per sequence and step", ge=1, le=16)
-    spec_ngram_min: Int = option(2, "n-gram lookup: shortest suffix matched (tried longest first)", ge=1)
-    spec_ngram_max: Int = option(4, "n-gram lookup: longest suffix matched", ge=1)
-    spec_draft_model: Str = option("", "draft model directory or embedded model name (required by "
-                                   "spec_method 'draft'); it must share the target's vocabulary")
-    spec_draft_kv_cache_memory_bytes: Int = option(256 << 20, "memory budget of the draft model's own KV "
-                                                   "pool", ge=1 << 20)
-    spec_max_batch_size: Int = option(4, "speculate only while at most this many sequences decode; above "
-                                      "it verification costs more than it saves (docs/benchmarks.md)", ge=1)
-    spec_adaptive: Bool = option(True, "adapt k per request to its acceptance rate")
-    spec_min_acceptance: Float | None = option(
-        None, "adaptive k: propose draft position i only while the request's acceptance rate ** i is at "
-        "least this, the cost of verifying one more token in plain decode steps; null: "
-        f"{SPEC_DRAFT_COST['float32']} in float32 and {SPEC_DRAFT_COST['bfloat16']} in bfloat16 on CPU, where small "
-        f"float32 matmuls cost nearly per row, {SPEC_DRAFT_COST['cuda']} on a GPU (docs/benchmarks.md)",
-        ge=0.0, lt=1.0)
+    spec: SpecConfig = option(doc="speculative decoding on the decode side", default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ConfigError("config field 'model' is required: a model directory path or an embedded "
                               "model name")
-        if self.spec_ngram_min > self.spec_ngram_max:
-            raise ConfigError(f"config field 'spec_ngram_min' = {self.spec_ngram_min!r} is invalid: "
-                              f"<= spec_ngram_max ({self.spec_ngram_max})")
-        if self.spec_method == "draft" and not self.spec_draft_model:
-            raise ConfigError("config field 'spec_draft_model' is required when spec_method is 'draft': "
-                              "a draft model directory with the target's vocabulary")
         if self.quantization == "int8" and self.device != "cpu":
             raise ConfigError("config field 'quantization' = 'int8' is invalid: its kernels run on the CPU only "
                               "(device 'cpu')")
@@ -292,7 +331,7 @@ class EngineConfig:
 
     @property
     def spec_draft_cost(self) -> float:
-        """The adaptive-k threshold in effect (spec_min_acceptance, or its default for this device and dtype)."""
-        if self.spec_min_acceptance is not None:
-            return self.spec_min_acceptance
+        """The adaptive-k threshold in effect (spec.min_acceptance, or its default for this device and dtype)."""
+        if self.spec.min_acceptance is not None:
+            return self.spec.min_acceptance
         return SPEC_DRAFT_COST["cuda" if self.device == "cuda" else self.dtype]

@@ -1,8 +1,11 @@
 """Per-process configuration of the cluster roles, loaded from YAML plus overrides.
 
-One frozen pydantic dataclass per role (``common.config.base.config_model``).
-``load_config(cls, path, overrides)`` reads a YAML mapping, applies
-``key=value`` overrides (dotted keys reach into the ``engine`` section), and
+One frozen pydantic dataclass per role (``common.config.base.config_model``),
+its settings in sections of at most 25 fields, one per concern (the proxy's
+``http``, ``requests``, ``sessions``, ``tenancy``, ``shared_state``, ``slo``,
+``observability``, ``security``; a worker's ``engine``, ``observability``,
+``security``, ``testing``). ``load_config(cls, path, overrides)`` reads a YAML
+mapping, applies ``key=value`` overrides (dotted keys reach into a section), and
 validates: unknown keys and bad values are errors that name the field by its
 path, and the files the config names (keys, certificates) must exist. Field
 docs, allowed values and bounds are declared with ``option`` and ``Literal``
@@ -11,6 +14,7 @@ Environment variables are read here and nowhere else.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -30,10 +34,25 @@ from common.protocol.names import (
 log = logging.getLogger("tessera.config")
 
 
-@config_model("proxy")
-class ProxyConfig:
-    host: Str = option("127.0.0.1", "address the HTTP API listens on")
-    port: Int = option(8000, "TCP port of the HTTP API", gt=0)
+@config_model("proxy.http", was_flat=True)
+class HttpConfig:
+    """The HTTP, WebSocket and gRPC listeners: connections, their timeouts and body limits."""
+
+    max_prompt_bytes: Int = option(
+        4 << 20, "largest request body in bytes; a larger one gets 413 before it is read whole", gt=0)
+    max_connections: Int = option(
+        1024, "open HTTP connections (and requests in progress) beyond which new requests get 503", gt=0)
+    keep_alive_timeout_s: Float = option(5.0, "an idle keep-alive connection is closed after this", gt=0)
+    websocket_idle_timeout_s: Float = option(
+        300.0, "a /v1/stream WebSocket with no request running and no message for this long (checked every this "
+        "many seconds) is closed (code 1000)",
+        gt=0)
+    request_header_timeout_s: Float = option(
+        10.0, "a connection must deliver a request's headers within this, else it is closed", gt=0)
+    request_body_timeout_s: Float = option(
+        30.0, "a request's body must arrive whole within this after its headers, else 408", gt=0)
+    access_log: Bool = option(True, "a line per HTTP request (uvicorn's access log, at info level); its cost "
+                              "is about a tenth of a short request's CPU in the proxy")
     grpc_port: Int = option(0, "TCP port of the gRPC API (proxy/edge/grpc_api/tessera.proto) on host; 0: no gRPC", ge=0)
     grpc_initial_credits: Int = option(
         64, "messages a GenerateStream call may receive before its client grants more (Credit), unless its first "
@@ -41,22 +60,51 @@ class ProxyConfig:
     grpc_credit_timeout_s: Float = option(
         300.0, "a GenerateStream call whose client grants no credit for this long, with messages waiting, ends "
         "(DEADLINE_EXCEEDED) and its requests are cancelled", gt=0)
-    worker_bind: Str = option("tcp://127.0.0.1:5555", "ZeroMQ ROUTER address the workers connect to")
-    model: Str = option("embedded", "the proxy's own model (a directory, a registered or embedded name), for its "
-                        "tokenizer; other models' tokenizers come from the registry or from their workers")
-    dtype: Dtype = option("float32", "dtype the model was prepared in (selects the embedded model's directory)")
-    served_model_name: Str = option("", "a name clients may put in requests for the proxy's own model; empty: its own "
-                                    "name (its manifest's, else its directory's). Any served model is also asked "
-                                    "for by its own name, N, or one version of it, N@V")
-    admin_api_key_sha256: Str = option(
-        "", "sha256 (hex) of the key the admin API (/admin: model promotion, canary, rollback) requires as "
-        "'Authorization: Bearer <key>'; empty: the admin API answers 403")
+    process_port: Int = option(0, "with tessera proxy --processes N, process i also listens on this port + i (the same "
+                               "API, its own: for scraping its /metrics and probing it); 0: none", ge=0, le=65535)
+
+
+
+
+@config_model("proxy.requests", was_flat=True)
+class RequestsConfig:
+    """One request's limits and deadlines, and resumable streams' buffers."""
+
+    first_token_timeout_s: Float = option(120.0, "longest wait for a request's first token before 504", gt=0)
+    token_timeout_s: Float = option(60.0, "longest gap between two messages of a running request before 504", gt=0)
+    max_tokens_default: Int = option(256, "max_tokens of a request that gives none", gt=0)
+    max_tokens_limit: Int = option(32768, "most tokens a request may ask to generate (max_tokens)", gt=0)
+    retry_after_s: Int = option(1, "Retry-After header (seconds) of a 503", gt=0)
+    embedding_timeout_s: Float = option(60.0, "longest a /v1/embeddings request waits for its vectors before 504",
+                                        gt=0)
+    embedding_max_inflight_tokens: Int = option(
+        65536, "tokens of /v1/embeddings inputs in flight at once; a request past them gets 503", ge=1)
+    resume_window_s: Float = option(
+        30.0, "a resumable stream's client may reconnect this long after it left; then the request is cancelled",
+        gt=0)
+    resume_buffer_events: Int = option(4096, "events kept per resumable stream for a reconnecting client", gt=0)
+    resume_buffer_bytes: Int = option(
+        256 << 20, "bytes of events kept for all resumable streams together; past it each keeps fewer", gt=0)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens_default > self.max_tokens_limit:
+            raise ConfigError(f"config field 'max_tokens_default' = {self.max_tokens_default} is invalid: "
+                              f"<= max_tokens_limit ({self.max_tokens_limit})")
+
+
+@config_model("proxy.sessions", was_flat=True)
+class SessionsConfig:
+    """Sessions (X-Session-Id): their pinning to a model version and a decode worker, and the conversation store."""
+
     session_pin_max_s: Float = option(
         3600.0, "how long a session (X-Session-Id) keeps the model version its first turn drew, across promotions; "
         "draining an old version waits for its pinned sessions at most this long", gt=0)
     session_ttl_s: Float = option(
         600.0, "how long after a session's turn its next turn goes back to the decode worker that holds its history "
         "(in that worker's prefix cache) to prefill only what is new", gt=0)
+    session_from_user_field: Bool = option(
+        False, "whether a request's user field names its conversation when it has no X-Session-Id header: a "
+        "session draws the canary once and keeps that model version")
     conversation_store_path: Str = option(
         "", "SQLite file keeping each session's turns (messages and reply), so a conversation continues across "
         "proxy restarts (proxy/edge/conversations.py: schema and retention); empty: none")
@@ -64,41 +112,12 @@ class ProxyConfig:
         7 * 86400.0, "turns older than this are deleted from the conversation store", gt=0)
     conversation_store_timeout_s: Float = option(
         2.0, "longest a request waits on the conversation store; past it the turn is served but not kept", gt=0)
-    session_from_user_field: Bool = option(
-        False, "whether a request's user field names its conversation when it has no X-Session-Id header: a "
-        "session draws the canary once and keeps that model version")
-    heartbeat_timeout_s: Float = option(
-        5.0, "a worker silent this long is dead; also the longest a send to a worker may wait", gt=0)
-    local_prefill_threshold: Int = option(
-        0, "prompts shorter than this many tokens prefill on the decode worker", ge=0)
-    kv_lease_s: Float = option(30.0, "prefill pages not pulled within this are freed", gt=0)
-    first_token_timeout_s: Float = option(120.0, "longest wait for a request's first token before 504", gt=0)
-    token_timeout_s: Float = option(60.0, "longest gap between two messages of a running request before 504", gt=0)
-    max_migrations: Int = option(
-        3, "times one request may resume on another worker after its worker was lost or gave it back (0: never)",
-        ge=0)
-    migration_max_tokens: Int = option(
-        32768, "longest request (prompt plus output so far, in tokens) that resumes elsewhere; a longer one fails",
-        ge=0)
-    resume_window_s: Float = option(
-        30.0, "a resumable stream's client may reconnect this long after it left; then the request is cancelled",
-        gt=0)
-    resume_buffer_events: Int = option(4096, "events kept per resumable stream for a reconnecting client", gt=0)
-    resume_buffer_bytes: Int = option(
-        256 << 20, "bytes of events kept for all resumable streams together; past it each keeps fewer", gt=0)
-    max_prompt_bytes: Int = option(
-        4 << 20, "largest request body in bytes; a larger one gets 413 before it is read whole", gt=0)
-    max_tokens_default: Int = option(256, "max_tokens of a request that gives none", gt=0)
-    retry_after_s: Int = option(1, "Retry-After header (seconds) of a 503", gt=0)
-    model_load_timeout_s: Float = option(
-        600.0, "how long a worker asked to load a standby model (worker.standby_models) may take before the proxy "
-        "stops waiting for it and may ask another", gt=0)
-    tokenizer_fetch_timeout_s: Float = option(30.0, "how long the proxy waits for a worker to send the tokenizer of "
-                                              "a model its registry does not hold before asking another", gt=0)
-    model_swap_min_idle_s: Float = option(
-        5.0, "a worker serving a model is asked to swap it for a standby model only once no request chose its "
-        "model for this long, so that two models wanted in turn do not swap one worker back and forth", ge=0)
-    drain_timeout_s: Float = option(30.0, "on SIGTERM, how long requests in flight may run on", gt=0)
+
+
+@config_model("proxy.tenancy", was_flat=True)
+class TenancyConfig:
+    """Tenants, API-key auth, the admission queue's fairness and metering."""
+
     auth_enabled: Bool = option(False, "generation requests need 'Authorization: Bearer <key>' of a tenant")
     tenants: tuple[TenantConfig, ...] = option(
         (), "the tenants, their API key hashes, shares and limits (see proxy.tenants[])")
@@ -121,28 +140,58 @@ class ProxyConfig:
     vtc_input_weight: Float = option(1.0, "service counted per prompt token (vtc policy)", gt=0)
     vtc_output_weight: Float = option(2.0, "service counted per generated token (vtc policy)", gt=0)
     queue_timeout_s: Float = option(30.0, "longest wait for admission before 503", gt=0)
-    embedding_timeout_s: Float = option(60.0, "longest a /v1/embeddings request waits for its vectors before 504",
-                                        gt=0)
-    embedding_max_inflight_tokens: Int = option(
-        65536, "tokens of /v1/embeddings inputs in flight at once; a request past them gets 503", ge=1)
     max_queued_requests: Int = option(4096, "choices waiting for admission, all tenants together", gt=0)
     prefill_ahead_per_tenant: Int = option(
         4, "a tenant's choices admitted to prefill and not yet given a decode slot, at most", gt=0)
-    decode_slot_share: Float = option(
-        1.0, "fraction of the workers' decode slots this proxy admits to; with N proxies and no redis_url, 1/N "
-        "each (tessera proxy --workers N sets it); with redis_url, the share used before the first sync", gt=0)
+    preempt_for_fairness: Bool = option(
+        False, "while a tenant's request waits for a decode slot and another tenant holds more slots for its "
+        "weight, that tenant's decoding requests cheapest to recompute go back to admission until the two are "
+        "even: their pages are freed and recomputed later, their clients see a pause and no token twice")
+
+    def __post_init__(self) -> None:
+        check_tenants(self.tenants)
+        grouped = [t.name for t in self.tenants if t.cache_group]
+        if grouped and self.prefix_cache_sharing == "cluster":
+            raise ConfigError(f"config field 'tenants': {grouped} name a cache_group, but prefix_cache_sharing is "
+                              "'cluster': every tenant shares the prefix cache; use 'tenant' for groups")
+        if self.preempt_for_fairness and self.fairness_policy != "vtc":
+            raise ConfigError(f"config field 'preempt_for_fairness' needs fairness_policy 'vtc' (it evens out "
+                              f"service between tenants), not {self.fairness_policy!r}")
+        if not self.default_tenant:
+            raise ConfigError("config field 'default_tenant' must be a non-empty tenant name")
+        if self.auth_enabled and not any(t.api_key_sha256 for t in self.tenants):
+            raise ConfigError("config field 'auth_enabled' is true but no tenant has an api_key_sha256: "
+                              "every request would get 401")
+
+
+@config_model("proxy.shared_state", was_flat=True)
+class SharedStateConfig:
+    """Several proxies sharing tenant counters, rate limits and the decode capacity split through Redis."""
+
     redis_url: Str = option(
         "", "Redis server several proxies share tenant counters, rate-limit buckets and the decode capacity split "
         "through (redis://HOST:PORT/DB; proxy/tenancy/shared_state.py); empty: this proxy's own state only")
-    shared_state_interval_s: Float = option(
+    interval_s: Float = option(
         0.1, "how often a proxy syncs with the others through redis_url: what they share is this late", gt=0, le=10)
-    shared_state_timeout_s: Float = option(
+    timeout_s: Float = option(
         1.0, "a sync not answered within this counts as Redis being away: the proxy serves on its own state, "
         "and resyncs once Redis answers again", gt=0)
-    shared_state_prefix: Str = option("tessera:", "prefix of the Redis keys: clusters sharing a Redis need their own")
+    key_prefix: Str = option("tessera:", "prefix of the Redis keys: clusters sharing a Redis need their own")
     proxy_id: Str = option("", "this proxy's id among those sharing redis_url; empty: HOST:PORT:PID")
-    process_port: Int = option(0, "with tessera proxy --workers N, process i also listens on this port + i (the same "
-                               "API, its own: for scraping its /metrics and probing it); 0: none", ge=0, le=65535)
+    decode_slot_share: Float = option(
+        1.0, "fraction of the workers' decode slots this proxy admits to; with N proxies and no redis_url, 1/N "
+        "each (tessera proxy --processes N sets it); with redis_url, the share used before the first sync", gt=0)
+
+    def __post_init__(self) -> None:
+        if self.decode_slot_share > 1:
+            raise ConfigError(f"config field 'decode_slot_share' = {self.decode_slot_share!r} is invalid: "
+                              "a fraction in (0, 1]")
+
+
+@config_model("proxy.slo", was_flat=True)
+class SloConfig:
+    """Latency targets: TPOT and TTFT admission, the prefill gate, early rejection and the adaptive controller."""
+
     tpot_slo_ms: Float = option(
         0.0, "decode admission's per-token latency target: a worker is given another sequence only while its "
         "predicted step time (its own fitted model, sent with each heartbeat) stays within this; 0: "
@@ -153,10 +202,6 @@ class ProxyConfig:
     tpot_slo_scope: TpotSloScope = option(
         "shared", "when the TPOT target limits decode admission: 'shared' while two or more tenants have "
         "requests in the cluster (a lone tenant gets every decode slot), 'always', or 'never' (slots only)")
-    preempt_for_fairness: Bool = option(
-        False, "while a tenant's request waits for a decode slot and another tenant holds more slots for its "
-        "weight, that tenant's decoding requests cheapest to recompute go back to admission until the two are "
-        "even: their pages are freed and recomputed later, their clients see a pause and no token twice")
     ttft_slo_ms: Float = option(
         0.0, "time-to-first-token target: a prompt goes to a prefill worker only while that worker's predicted "
         "backlog (its fitted step model) stays within half of it, the rest waiting at the proxy in the fairness "
@@ -181,12 +226,38 @@ class ProxyConfig:
         "conditional-disaggregation threshold to maximise goodput against ttft_slo_ms and the TPOT target; "
         "off, every knob keeps its configured value")
     tac_interval_s: Float = option(2.0, "seconds between two of the adaptive controller's decisions", gt=0, le=60)
+
+    def __post_init__(self) -> None:
+        if self.tac_enabled and not self.ttft_slo_ms:
+            raise ConfigError("config field 'tac_enabled' is true but ttft_slo_ms is 0: the adaptive controller "
+                              "maximises the requests meeting ttft_slo_ms and the TPOT target; set ttft_slo_ms")
+        if self.early_rejection and not self.ttft_slo_ms:
+            raise ConfigError("config field 'early_rejection' is true but ttft_slo_ms is 0: set the "
+                              "time-to-first-token target that requests are refused against")
+
+
+@config_model("proxy.observability", was_flat=True)
+class ProxyObservabilityConfig:
+    """Traces and request logs."""
+
     otel_endpoint: Str = option(
         "", "OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces; empty: no tracing")
     otel_service_name: Str = option("tessera-proxy", "service.name of the proxy's traces")
     log_prompts: Bool = option(False, "whether request log lines may include prompt token ids")
+
+    def __post_init__(self) -> None:
+        _check_otel(self)
+
+
+@config_model("proxy.security", was_flat=True)
+class ProxySecurityConfig:
+    """TLS on the HTTP listener, CURVE on the worker link, and the admin API's key."""
+
+    admin_api_key_sha256: Str = option(
+        "", "sha256 (hex) of the key the admin API (/admin: model promotion, canary, rollback) requires as "
+        "'Authorization: Bearer <key>'; empty: the admin API answers 403")
     curve_secret_key_file: Str = option(
-        "", "the proxy's CURVE secret key file (`tessera keys generate`); empty: the worker "
+        "", "the proxy's CURVE secret key file (`tessera curve-keys generate`); empty: the worker "
         "control plane is unauthenticated and unencrypted", path="file")
     curve_authorized_keys_dir: Str = option(
         "", "directory of the public key files of the workers allowed to connect; required with "
@@ -195,57 +266,105 @@ class ProxyConfig:
     tls_key_file: Str = option("", "PEM private key of tls_cert_file", path="file")
     tls_ca_file: Str = option(
         "", "PEM CA bundle; when set, clients must present a certificate it signed", path="file")
-    max_connections: Int = option(
-        1024, "open HTTP connections (and requests in progress) beyond which new requests get 503", gt=0)
-    keep_alive_timeout_s: Float = option(5.0, "an idle keep-alive connection is closed after this", gt=0)
-    websocket_idle_timeout_s: Float = option(
-        300.0, "a /v1/stream WebSocket with no request running and no message for this long (checked every this "
-        "many seconds) is closed (code 1000)",
-        gt=0)
-    request_header_timeout_s: Float = option(
-        10.0, "a connection must deliver a request's headers within this, else it is closed", gt=0)
-    request_body_timeout_s: Float = option(
-        30.0, "a request's body must arrive whole within this after its headers, else 408", gt=0)
-    max_tokens_limit: Int = option(32768, "most tokens a request may ask to generate (max_tokens)", gt=0)
-    access_log: Bool = option(True, "a line per HTTP request (uvicorn's access log, at info level); its cost "
-                              "is about a tenth of a short request's CPU in the proxy")
 
     def __post_init__(self) -> None:
-        _check_otel(self)
         _pair(self, "curve_secret_key_file", "curve_authorized_keys_dir")
         _pair(self, "tls_cert_file", "tls_key_file")
-        if self.max_tokens_default > self.max_tokens_limit:
-            raise ConfigError(f"config field 'max_tokens_default' = {self.max_tokens_default} is invalid: "
-                              f"<= max_tokens_limit ({self.max_tokens_limit})")
         if self.tls_ca_file and not self.tls_cert_file:
             raise ConfigError("config field 'tls_ca_file' needs tls_cert_file and tls_key_file: client "
                               "certificates are only checked on an HTTPS listener")
         key = self.admin_api_key_sha256
         if key and not is_sha256_hex(key):
             raise ConfigError(f"config field 'admin_api_key_sha256' = {key!r} is invalid: 64 hex digits "
-                              "(`tessera tenants hash-key` prints one), or empty")
-        check_tenants(self.tenants)
-        grouped = [t.name for t in self.tenants if t.cache_group]
-        if grouped and self.prefix_cache_sharing == "cluster":
-            raise ConfigError(f"config field 'tenants': {grouped} name a cache_group, but prefix_cache_sharing is "
-                              "'cluster': every tenant shares the prefix cache; use 'tenant' for groups")
-        if self.decode_slot_share > 1:
-            raise ConfigError(f"config field 'decode_slot_share' = {self.decode_slot_share!r} is invalid: "
-                              "a fraction in (0, 1]")
-        if self.preempt_for_fairness and self.fairness_policy != "vtc":
-            raise ConfigError(f"config field 'preempt_for_fairness' needs fairness_policy 'vtc' (it evens out "
-                              f"service between tenants), not {self.fairness_policy!r}")
-        if self.tac_enabled and not self.ttft_slo_ms:
-            raise ConfigError("config field 'tac_enabled' is true but ttft_slo_ms is 0: the adaptive controller "
-                              "maximises the requests meeting ttft_slo_ms and the TPOT target; set ttft_slo_ms")
-        if self.early_rejection and not self.ttft_slo_ms:
-            raise ConfigError("config field 'early_rejection' is true but ttft_slo_ms is 0: set the "
-                              "time-to-first-token target that requests are refused against")
-        if not self.default_tenant:
-            raise ConfigError("config field 'default_tenant' must be a non-empty tenant name")
-        if self.auth_enabled and not any(t.api_key_sha256 for t in self.tenants):
-            raise ConfigError("config field 'auth_enabled' is true but no tenant has an api_key_sha256: "
-                              "every request would get 401")
+                              "(`tessera api-keys hash` prints one), or empty")
+
+
+@config_model("proxy")
+class ProxyConfig:
+    host: Str = option("127.0.0.1", "address the HTTP API listens on")
+    port: Int = option(8000, "TCP port of the HTTP API", gt=0)
+    worker_bind: Str = option("tcp://127.0.0.1:5555", "ZeroMQ ROUTER address the workers connect to")
+    model: Str = option("embedded", "the proxy's own model (a directory, a registered or embedded name), for its "
+                        "tokenizer; other models' tokenizers come from the registry or from their workers")
+    dtype: Dtype = option("float32", "dtype the model was prepared in (selects the embedded model's directory)")
+    served_model_name: Str = option("", "a name clients may put in requests for the proxy's own model; empty: its own "
+                                    "name (its manifest's, else its directory's). Any served model is also asked "
+                                    "for by its own name, N, or one version of it, N@V")
+    heartbeat_timeout_s: Float = option(
+        5.0, "a worker silent this long is dead; also the longest a send to a worker may wait", gt=0)
+    local_prefill_threshold: Int = option(
+        0, "prompts shorter than this many tokens prefill on the decode worker", ge=0)
+    kv_lease_s: Float = option(30.0, "prefill pages not pulled within this are freed", gt=0)
+    max_migrations: Int = option(
+        3, "times one request may resume on another worker after its worker was lost or gave it back (0: never)",
+        ge=0)
+    migration_max_tokens: Int = option(
+        32768, "longest request (prompt plus output so far, in tokens) that resumes elsewhere; a longer one fails",
+        ge=0)
+    model_load_timeout_s: Float = option(
+        600.0, "how long a worker asked to load a standby model (worker.standby_models) may take before the proxy "
+        "stops waiting for it and may ask another", gt=0)
+    tokenizer_fetch_timeout_s: Float = option(30.0, "how long the proxy waits for a worker to send the tokenizer of "
+                                              "a model its registry does not hold before asking another", gt=0)
+    model_swap_min_idle_s: Float = option(
+        5.0, "a worker serving a model is asked to swap it for a standby model only once no request chose its "
+        "model for this long, so that two models wanted in turn do not swap one worker back and forth", ge=0)
+    drain_timeout_s: Float = option(30.0, "on SIGTERM, how long requests in flight may run on", gt=0)
+    http: HttpConfig = option(doc="the HTTP, WebSocket and gRPC listeners: connections, their timeouts and body limits", default_factory=HttpConfig)
+    requests: RequestsConfig = option(doc="one request's limits and deadlines, and resumable streams' buffers", default_factory=RequestsConfig)
+    sessions: SessionsConfig = option(doc="sessions (X-Session-Id): their pinning to a model version and a decode worker, and the conversation store", default_factory=SessionsConfig)
+    tenancy: TenancyConfig = option(doc="tenants, API-key auth, the admission queue's fairness and metering", default_factory=TenancyConfig)
+    shared_state: SharedStateConfig = option(doc="several proxies sharing tenant counters, rate limits and the decode capacity split through Redis", default_factory=SharedStateConfig)
+    slo: SloConfig = option(doc="latency targets: TPOT and TTFT admission, the prefill gate, early rejection and the adaptive controller", default_factory=SloConfig)
+    observability: ProxyObservabilityConfig = option(doc="traces and request logs", default_factory=ProxyObservabilityConfig)
+    security: ProxySecurityConfig = option(doc="TLS on the HTTP listener, CURVE on the worker link, and the admin API's key", default_factory=ProxySecurityConfig)
+
+@config_model("worker.observability", was_flat=True)
+class WorkerObservabilityConfig:
+    """/metrics, health probes, traces and request logs."""
+
+    metrics_host: Str = option("127.0.0.1", "where /metrics, /healthz and /readyz listen")
+    metrics_port: Int = option(0, "port of the metrics/health HTTP server; 0: no server", ge=0)
+    health_stall_s: Float = option(
+        60.0, "/healthz answers 503 once the main loop has not turned for this long", gt=0)
+    otel_endpoint: Str = option("", "OTLP/HTTP traces URL; empty: no tracing")
+    otel_service_name: Str = option("", "service.name of this worker's traces; empty: tessera-<role>")
+    log_prompts: Bool = option(False, "whether request log lines may include prompt token ids")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"config field 'metrics_port' = {self.metrics_port!r} is invalid: "
+                              "0 (no server) or a TCP port 1-65535")
+        if not self.metrics_host:
+            raise ConfigError("config field 'metrics_host' is empty: give an address to listen on")
+        _check_otel(self)
+
+
+@config_model("worker.security", was_flat=True)
+class WorkerSecurityConfig:
+    """CURVE on the links to the proxy and between workers."""
+
+    curve_secret_key_file: Str = option(
+        "", "this worker's CURVE secret key file (`tessera curve-keys generate`); empty: CURVE off", path="file")
+    curve_proxy_public_key_file: Str = option(
+        "", "the proxy's CURVE public key file; required with curve_secret_key_file", path="file")
+    curve_authorized_keys_dir: Str = option(
+        "", "directory of the public key files of the peer workers allowed to pull KV from this one "
+        "(zmq transfer backend); required with curve_secret_key_file unless transfer_backend is nixl",
+        path="dir")
+
+    def __post_init__(self) -> None:
+        _pair(self, "curve_secret_key_file", "curve_proxy_public_key_file")
+
+
+@config_model("worker.testing", was_flat=True)
+class WorkerTestingConfig:
+    """Fault injection for tests: the shipped configs never set these."""
+
+    fault_kv_pull_delay_s: Float = option(
+        0.0, "fault injection, for tests only: a decode worker waits this long after each DecodeRequest before "
+        "it starts pulling the pages, as a slow or congested network would (tests/e2e/test_fault_scenarios.py); "
+        "0: off", ge=0)
 
 
 @config_model("worker")
@@ -254,7 +373,7 @@ class WorkerConfig:
     worker_id: Str = option("", "unique id the proxy knows this worker by; empty: <hostname>-<role>-<pid>")
     proxy_address: Str = option(
         "tcp://127.0.0.1:5555", "the proxy's worker_bind address to connect to; several proxies (tessera proxy "
-        "--workers N, or one per host): every one's, comma-separated, and the worker registers with each")
+        "--processes N, or one per host): every one's, comma-separated, and the worker registers with each")
     engine: EngineConfig = option(
         doc="the engine's settings (see worker.engine)", default_factory=lambda: EngineConfig(model="embedded"))
     model_name: Str = option(
@@ -283,10 +402,6 @@ class WorkerConfig:
     heartbeat_interval_s: Float = option(1.0, "how often the worker reports its load to the proxy", gt=0)
     register_timeout_s: Float = option(30.0, "longest wait for the proxy to acknowledge registration", gt=0)
     kv_pull_timeout_s: Float = option(30.0, "deadline of one KV pull from a prefill worker", gt=0)
-    fault_kv_pull_delay_s: Float = option(
-        0.0, "fault injection, for tests only: a decode worker waits this long after each DecodeRequest before "
-        "it starts pulling the pages, as a slow or congested network would (tests/e2e/test_fault_scenarios.py); "
-        "0: off", ge=0)
     drain_timeout_s: Float = option(30.0, "on SIGTERM, how long running requests may run on", gt=0)
     idle_poll_s: Float = option(0.05, "how long the loop waits for work when it has none", gt=0)
     core_share: Str = option("", "a file every worker of this host that time-shares its cores names: each "
@@ -295,41 +410,24 @@ class WorkerConfig:
                              "its own")
     core_share_timeout_s: Float = option(
         10.0, "longest wait for a turn on the shared cores; past it the step runs anyway, with a warning", gt=0)
-    metrics_host: Str = option("127.0.0.1", "where /metrics, /healthz and /readyz listen")
-    metrics_port: Int = option(0, "port of the metrics/health HTTP server; 0: no server", ge=0)
-    health_stall_s: Float = option(
-        60.0, "/healthz answers 503 once the main loop has not turned for this long", gt=0)
-    otel_endpoint: Str = option("", "OTLP/HTTP traces URL; empty: no tracing")
-    otel_service_name: Str = option("", "service.name of this worker's traces; empty: tessera-<role>")
-    log_prompts: Bool = option(False, "whether request log lines may include prompt token ids")
-    curve_secret_key_file: Str = option(
-        "", "this worker's CURVE secret key file (`tessera keys generate`); empty: CURVE off", path="file")
-    curve_proxy_public_key_file: Str = option(
-        "", "the proxy's CURVE public key file; required with curve_secret_key_file", path="file")
-    curve_authorized_keys_dir: Str = option(
-        "", "directory of the public key files of the peer workers allowed to pull KV from this one "
-        "(zmq transfer backend); required with curve_secret_key_file unless transfer_backend is nixl",
-        path="dir")
+    observability: WorkerObservabilityConfig = option(doc="/metrics, health probes, traces and request logs", default_factory=WorkerObservabilityConfig)
+    security: WorkerSecurityConfig = option(doc="CURVE on the links to the proxy and between workers", default_factory=WorkerSecurityConfig)
+    testing: WorkerTestingConfig = option(doc="fault injection for tests: the shipped configs never set these", default_factory=WorkerTestingConfig)
 
     def __post_init__(self) -> None:
-        _pair(self, "curve_secret_key_file", "curve_proxy_public_key_file")
-        if self.curve_secret_key_file and self.transfer_backend != "nixl" and not self.curve_authorized_keys_dir:
-            raise ConfigError("config field 'curve_authorized_keys_dir' is empty but curve_secret_key_file is "
-                              f"set and transfer_backend={self.transfer_backend!r} may use the zmq backend, "
+        security = self.security
+        if security.curve_secret_key_file and self.transfer_backend != "nixl" and not security.curve_authorized_keys_dir:
+            raise ConfigError("config field 'security.curve_authorized_keys_dir' is empty but curve_secret_key_file "
+                              f"is set and transfer_backend={self.transfer_backend!r} may use the zmq backend, "
                               "whose KV server must know its peers' public keys")
-        if not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"config field 'metrics_port' = {self.metrics_port!r} is invalid: "
-                              "0 (no server) or a TCP port 1-65535")
-        if not self.metrics_host:
-            raise ConfigError("config field 'metrics_host' is empty: give an address to listen on")
         if not all(a.strip() for a in self.proxy_address.split(",")):
             raise ConfigError(f"config field 'proxy_address' = {self.proxy_address!r} is invalid: an empty "
                               "address (comma-separated ZeroMQ addresses, one per proxy)")
-        _check_otel(self)
         if not self.worker_id:
             object.__setattr__(self, "worker_id", f"{socket.gethostname()}-{self.role}-{os.getpid()}")
-        if not self.otel_service_name:
-            object.__setattr__(self, "otel_service_name", f"tessera-{self.role}")
+        if not self.observability.otel_service_name:
+            object.__setattr__(self, "observability",
+                               dataclasses.replace(self.observability, otel_service_name=f"tessera-{self.role}"))
 
 
 def _check_otel(cfg) -> None:
@@ -389,7 +487,7 @@ def load_config(cls, path: str | Path | None = None, overrides: dict | None = No
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level")
         data = loaded
-    data = _merge(data, overrides or {})
+    data = merge(data, overrides or {})
     config = build(cls, data)
     check_paths(config)
     return config
@@ -412,11 +510,12 @@ def build(cls, data: dict):
     return cls(**{str(key): value for key, value in data.items()})
 
 
-def _merge(base: dict, extra: dict) -> dict:
+def merge(base: dict, extra: dict) -> dict:
+    """``base`` with ``extra`` laid over it, section by section (a nested mapping merges, anything else replaces)."""
     merged = dict(base)
     for key, value in extra.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
+            merged[key] = merge(merged[key], value)
         else:
             merged[key] = value
     return merged

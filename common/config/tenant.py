@@ -24,7 +24,7 @@ class TenantConfig:
     """One tenant of the proxy: its keys, its share, its lane and its limits (0 = no limit)."""
     name: Str = option(doc="the tenant's name, unique; requests and metrics are labelled with it")
     api_key_sha256: Annotated[tuple[Str, ...], BeforeValidator(_one_or_many)] = option(
-        (), "hex sha256 of each API key of this tenant (`tessera tenants hash-key` prints one)")
+        (), "hex sha256 of each API key of this tenant (`tessera api-keys hash` prints one)")
     weight: Float = option(1.0, "share of the service relative to the other tenants", gt=0)
     priority: PriorityLane = option("p1", "admission lane; p0 is served first")
     tokens_per_s: Float = option(0.0, "prompt + generated tokens per second; 0: no limit", ge=0)
@@ -45,7 +45,7 @@ class TenantConfig:
         for key in self.api_key_sha256:
             if not is_sha256_hex(key):
                 raise ConfigError(f"config field 'api_key_sha256' holds {key!r}: each entry must be "
-                                  "64 hex digits (`tessera tenants hash-key` prints one)")
+                                  "64 hex digits (`tessera api-keys hash` prints one)")
         object.__setattr__(self, "api_key_sha256", tuple(k.lower() for k in self.api_key_sha256))
 
     @property

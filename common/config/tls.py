@@ -8,17 +8,17 @@ from common.config.base import ConfigError
 
 def check_tls_files(config) -> None:
     """Open the TLS certificate, key and CA files the way the HTTPS listener will."""
-    if not config.tls_cert_file:
+    if not config.security.tls_cert_file:
         return
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
-        context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
+        context.load_cert_chain(config.security.tls_cert_file, config.security.tls_key_file)
     except (ssl.SSLError, OSError) as exc:
-        raise ConfigError(f"config fields 'tls_cert_file' = {config.tls_cert_file!r} and 'tls_key_file' = "
-                          f"{config.tls_key_file!r} are not a matching PEM certificate and key: {exc}") from None
-    if config.tls_ca_file:
+        raise ConfigError(f"config fields 'security.tls_cert_file' = {config.security.tls_cert_file!r} and 'security.tls_key_file' = "
+                          f"{config.security.tls_key_file!r} are not a matching PEM certificate and key: {exc}") from None
+    if config.security.tls_ca_file:
         try:
-            context.load_verify_locations(config.tls_ca_file)
+            context.load_verify_locations(config.security.tls_ca_file)
         except (ssl.SSLError, OSError) as exc:
-            raise ConfigError(f"config field 'tls_ca_file' = {config.tls_ca_file!r} is not a PEM CA bundle: "
+            raise ConfigError(f"config field 'security.tls_ca_file' = {config.security.tls_ca_file!r} is not a PEM CA bundle: "
                               f"{exc}") from None

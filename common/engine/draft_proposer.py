@@ -1,7 +1,7 @@
 """Draft-model proposals: a smaller model with the target's vocabulary guesses k tokens.
 
 The draft runs on the decode worker with its own model runner and its own
-paged KV pool (``spec_draft_kv_cache_memory_bytes``). Each target sequence
+paged KV pool (``engine.spec.draft_kv_cache_memory_bytes``). Each target sequence
 has a *shadow* sequence in the draft: the same tokens, its own block table
 and computed count. Per step, for the sequences chosen to speculate:
 
@@ -30,7 +30,7 @@ import dataclasses
 import torch
 
 from common.engine.block_manager import BlockManager
-from common.config.base import EngineConfig
+from common.config.base import EngineConfig, SpecConfig
 from common.engine.counter_rng import as_int64
 from common.engine.model_runner import ModelRunner
 from common.storage.model_store import resolve_model
@@ -44,13 +44,13 @@ _DRAFT_SEED_OFFSET = 0x2545F4914F6CDD1D  # keeps draft uniforms apart from the t
 class DraftProposer:
     def __init__(self, config: EngineConfig, target: ModelRunner) -> None:
         draft_config = dataclasses.replace(
-            config, model=config.spec_draft_model, num_kv_blocks=None,
-            kv_cache_memory_bytes=config.spec_draft_kv_cache_memory_bytes, spec_method="off", spec_draft_model="",
+            config, model=config.spec.draft_model, num_kv_blocks=None,
+            kv_cache_memory_bytes=config.spec.draft_kv_cache_memory_bytes, spec=SpecConfig(),
         )
-        self.runner = ModelRunner(draft_config, resolve_model(config.spec_draft_model, config.dtype))
+        self.runner = ModelRunner(draft_config, resolve_model(config.spec.draft_model, config.dtype))
         if self.runner.vocab_size != target.vocab_size:
             raise ValueError(
-                f"config field 'spec_draft_model': the draft's vocabulary ({self.runner.vocab_size} tokens) "
+                f"config field 'engine.spec.draft_model': the draft's vocabulary ({self.runner.vocab_size} tokens) "
                 f"differs from the target's ({target.vocab_size}); a draft must share the tokenizer"
             )
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, enable_prefix_caching=False)

@@ -143,7 +143,7 @@ class LLMEngine:
         self.speculator = make_speculator(config, self.runner)
         # The speculator runs once speculation is on for the deployment or any request has asked for it;
         # until then (the default) a step never calls it.
-        self._speculating = config.spec_method != "off"
+        self._speculating = config.spec.method != "off"
         self.requests: dict[str, list[Sequence]] = {}
         self._seed_source = random.Random(config.seed)
         self._aborted: list[str] = []  # reported (as finished) by the next step

@@ -3,7 +3,7 @@
 Each engine step, before the scheduler plans:
 
     propose(running) -> per decoding sequence, pick the method (the
-    request's ``speculative`` or the deployment's ``spec_method``) and a k,
+    request's ``speculative`` or the deployment's ``engine.spec.method``) and a k,
     and ask that method's proposer for up to k drafts (``seq.spec_token_ids``)
     -> the scheduler plans them as extra tokens -> the runner verifies them
     (``common.engine.spec_verify``) -> observe(sample) updates each request's
@@ -15,11 +15,11 @@ and accepted (a position is tried when every draft before it was
 accepted), so ``rate`` estimates the chance one more draft is accepted.
 Draft position i is worth verifying while ``rate ** i`` (the chance of
 reaching and accepting it) is at least what verifying one more token costs
-(``spec_min_acceptance``, by default measured per dtype); a request
+(``engine.spec.min_acceptance``, by default measured per dtype); a request
 whose rate falls low enough proposes nothing, and re-probes with one draft
 every ``PROBE_INTERVAL`` steps so it can recover when its text turns
 repetitive. Separately, no sequence speculates while more than
-``spec_max_batch_size`` are decoding: a big batch is compute-bound, so
+``engine.spec.max_batch_size`` are decoding: a big batch is compute-bound, so
 every extra verified row costs about as much as a decode row and rejected
 drafts are pure loss (the crossover measured on these machines is in
 docs/benchmarks.md).
@@ -71,23 +71,23 @@ class Speculator:
         self.acceptance: dict[int, Acceptance] = {}
         # k and the batch size above which nobody speculates: the configured ones, or less while the proxy's
         # adaptive controller says so (``tune``)
-        self.num_tokens = config.spec_num_tokens
-        self.max_batch_size = config.spec_max_batch_size
+        self.num_tokens = config.spec.num_tokens
+        self.max_batch_size = config.spec.max_batch_size
 
     def tune(self, num_tokens: int | None, max_batch_size: int | None) -> tuple[int, int]:
         """Restrict k and the speculating batch size (None: the configured value; more than it: the configured
         value). What it set."""
         config = self.config
-        self.num_tokens = config.spec_num_tokens if num_tokens is None else min(num_tokens, config.spec_num_tokens)
-        self.max_batch_size = (config.spec_max_batch_size if max_batch_size is None
-                               else min(max_batch_size, config.spec_max_batch_size))
+        self.num_tokens = config.spec.num_tokens if num_tokens is None else min(num_tokens, config.spec.num_tokens)
+        self.max_batch_size = (config.spec.max_batch_size if max_batch_size is None
+                               else min(max_batch_size, config.spec.max_batch_size))
         return self.num_tokens, self.max_batch_size
 
     def check_request(self, method: str | None) -> None:
         """Refuse a request asking for a method this engine cannot run."""
         if method not in (None, "off") and method not in self.proposers:
             raise ValueError(
-                f"speculative method {method!r} is not available here (configure engine.spec_method "
+                f"speculative method {method!r} is not available here (configure engine.spec.method "
                 f"'{method}' and its model); available: {sorted(self.proposers)}"
             )
 
@@ -101,7 +101,7 @@ class Speculator:
             return
         groups: dict[str, list[tuple[Sequence, int]]] = {}
         for seq in decoding:
-            method = seq.params.speculative or self.config.spec_method
+            method = seq.params.speculative or self.config.spec.method
             k = self._num_drafts(seq) if method != "off" else 0
             if k > 0:
                 groups.setdefault(method, []).append((seq, k))
@@ -121,7 +121,7 @@ class Speculator:
             k = min(k, params.num_speculative_tokens)
         # Drafts past max_tokens would be verified and thrown away.
         k = min(k, params.max_tokens - seq.num_output_tokens - 1)
-        if k <= 0 or not self.config.spec_adaptive:
+        if k <= 0 or not self.config.spec.adaptive:
             return max(k, 0)
         estimate = self.acceptance.setdefault(seq.seq_id, Acceptance())
         worth = _positions_worth_verifying(estimate.rate, self.config.spec_draft_cost)
@@ -153,8 +153,8 @@ def _positions_worth_verifying(rate: float, min_acceptance: float) -> int:
 
 def make_speculator(config: EngineConfig, runner) -> Speculator:
     """The n-gram proposer is always available (it costs nothing until used); a draft model when configured."""
-    proposers: dict[str, Proposer] = {"ngram": NgramProposer(config.spec_ngram_min, config.spec_ngram_max)}
-    if config.spec_draft_model:
+    proposers: dict[str, Proposer] = {"ngram": NgramProposer(config.spec.ngram_min, config.spec.ngram_max)}
+    if config.spec.draft_model:
         from common.engine.draft_proposer import DraftProposer
 
         proposers["draft"] = DraftProposer(config, runner)

@@ -17,10 +17,10 @@ AttentionBackend = Literal["auto", "torch", "cpu_paged", "flash_attn"]
 SpecMethod = Literal["off", "ngram", "draft"]
 TransferBackend = Literal["auto", "nixl", "zmq"]
 FairnessPolicy = Literal["fcfs", "priority", "vtc"]
-# When decode admission holds each worker to the TPOT target (proxy.tpot_slo_scope)
+# When decode admission holds each worker to the TPOT target (proxy.slo.tpot_slo_scope)
 TpotSloScope = Literal["shared", "always", "never"]
 PriorityLane = Literal["p0", "p1", "p2"]  # p0 is served first
-# Whose requests share prefix-cache blocks (proxy.prefix_cache_sharing): each tenant (or cache group) its own,
+# Whose requests share prefix-cache blocks (proxy.tenancy.prefix_cache_sharing): each tenant (or cache group) its own,
 # or the whole cluster
 PrefixCacheSharing = Literal["tenant", "cluster"]
 

@@ -148,7 +148,7 @@ class Register(_Struct):
     transfer_backend: str
     transfer_metadata: bytes
     max_num_seqs: NonNegInt = 0  # sequences its engine runs at once (decode slots); 0: not reported
-    # speculation as configured (engine.spec_num_tokens, spec_max_batch_size); 0, 0: it does not speculate
+    # speculation as configured (engine.spec.num_tokens, spec_max_batch_size); 0, 0: it does not speculate
     spec_num_tokens: NonNegInt = 0
     spec_max_batch_size: NonNegInt = 0
     # the cores it time-shares with other workers (host name and worker.core_share); "": cores of its own
@@ -309,7 +309,7 @@ class PrefillRequest(_Struct):
     priority: NonNegInt = 0
     fairness_counter: float = 0.0
     trace_context: dict[str, str] | None = None  # W3C trace context ({"traceparent": ...}) when tracing is on
-    cache_salt: CacheSalt = 0  # its tenant's prefix-cache namespace (proxy.prefix_cache_sharing); 0: shared
+    cache_salt: CacheSalt = 0  # its tenant's prefix-cache namespace (proxy.tenancy.prefix_cache_sharing); 0: shared
     keep_s: Seconds = 0.0  # a session's turn: keep its blocks cached this long after it ends (block_manager)
 
 

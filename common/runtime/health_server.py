@@ -40,17 +40,17 @@ class HealthServer:
 
     @property
     def port(self) -> int:
-        return self._server.server_address[1] if self._server else self.config.metrics_port
+        return self._server.server_address[1] if self._server else self.config.observability.metrics_port
 
     def start(self) -> HealthServer:
         handler = type("Handler", (_Handler,), {"owner": self})
-        self._server = ThreadingHTTPServer((self.config.metrics_host, self.config.metrics_port), handler)
+        self._server = ThreadingHTTPServer((self.config.observability.metrics_host, self.config.observability.metrics_port), handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.5},
                                         name="worker-health", daemon=True)
         self._thread.start()
         log.info("worker %s serves /metrics, /healthz and /readyz on http://%s:%d", self.config.worker_id,
-                 self.config.metrics_host, self.port)
+                 self.config.observability.metrics_host, self.port)
         return self
 
     def close(self) -> None:
@@ -70,10 +70,10 @@ class HealthServer:
             age = status.loop_age()
             if age is None:  # start-up can take minutes for a large model; readiness covers it
                 return _json(200, "ok", "starting: the main loop has not started yet")
-            if age <= self.config.health_stall_s:
+            if age <= self.config.observability.health_stall_s:
                 return _json(200, "ok", f"main loop turned {age:.1f}s ago")
             return _json(503, "stalled", f"main loop has not turned for {age:.1f}s "
-                                         f"(health_stall_s={self.config.health_stall_s})")
+                                         f"(observability.health_stall_s={self.config.observability.health_stall_s})")
         if path == "/readyz":
             ready, reason = status.readiness()
             return _json(200 if ready else 503, "ready" if ready else "not_ready", reason)

@@ -338,7 +338,7 @@ class WorkerMetrics:
                                          "many sequences decode: spec_max_batch_size, or what the proxy's adaptive "
                                          "controller set (Tune)", registry=r)
         engine = config.engine
-        self.tuned(engine.max_num_batched_tokens, engine.spec_num_tokens, engine.spec_max_batch_size)
+        self.tuned(engine.max_num_batched_tokens, engine.spec.num_tokens, engine.spec.max_batch_size)
         r.register(_SnapshotCollector(self.status))
 
     def tuned(self, token_budget: int, spec_num_tokens: int, spec_max_batch_size: int) -> None:

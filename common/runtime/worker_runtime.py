@@ -156,8 +156,8 @@ class WorkerBase:
         self.draining = False
         self.metrics = WorkerMetrics(config)
         # Started before the model loads, so that probes see "loading" rather than a refused connection.
-        self.health = HealthServer(config, self.metrics).start() if config.metrics_port else None
-        self.tracing = make_tracing(config.otel_endpoint, config.otel_service_name)
+        self.health = HealthServer(config, self.metrics).start() if config.observability.metrics_port else None
+        self.tracing = make_tracing(config.observability.otel_endpoint, config.observability.otel_service_name)
         self._spans: dict[tuple[str, str], object] = {}  # (request id, span name) -> open span
         self.make_transfer = make_transfer
         self.standby: list[str] = []  # the other models it may load (ModelSwitch), announced at registration

@@ -108,25 +108,25 @@ def load_authorized_keys(directory: str, field: str) -> set[bytes]:
 
 def proxy_curve(config) -> CurveServer | None:
     """The proxy's CURVE settings from a ProxyConfig; None when CURVE is off."""
-    if not config.curve_secret_key_file:
+    if not config.security.curve_secret_key_file:
         return None
     require_curve()
-    load_authorized_keys(config.curve_authorized_keys_dir, "curve_authorized_keys_dir")
-    return CurveServer(load_key_pair(config.curve_secret_key_file, "curve_secret_key_file"),
-                       Path(config.curve_authorized_keys_dir))
+    load_authorized_keys(config.security.curve_authorized_keys_dir, "security.curve_authorized_keys_dir")
+    return CurveServer(load_key_pair(config.security.curve_secret_key_file, "security.curve_secret_key_file"),
+                       Path(config.security.curve_authorized_keys_dir))
 
 
 def worker_curve(config) -> WorkerCurve | None:
     """A worker's CURVE settings from a WorkerConfig; None when CURVE is off."""
-    if not config.curve_secret_key_file:
+    if not config.security.curve_secret_key_file:
         return None
     require_curve()
     peers = None
-    if config.curve_authorized_keys_dir:
-        load_authorized_keys(config.curve_authorized_keys_dir, "curve_authorized_keys_dir")
-        peers = Path(config.curve_authorized_keys_dir)
-    return WorkerCurve(load_key_pair(config.curve_secret_key_file, "curve_secret_key_file"),
-                       load_public_key(config.curve_proxy_public_key_file, "curve_proxy_public_key_file"), peers)
+    if config.security.curve_authorized_keys_dir:
+        load_authorized_keys(config.security.curve_authorized_keys_dir, "security.curve_authorized_keys_dir")
+        peers = Path(config.security.curve_authorized_keys_dir)
+    return WorkerCurve(load_key_pair(config.security.curve_secret_key_file, "security.curve_secret_key_file"),
+                       load_public_key(config.security.curve_proxy_public_key_file, "security.curve_proxy_public_key_file"), peers)
 
 
 def apply_curve_server(sock: zmq.Socket, keys: KeyPair) -> None:
@@ -160,7 +160,7 @@ class _KeyRing:
 
 def start_authenticator(context: zmq.Context, server: CurveServer, what: str):
     """Start the ZAP handler of ``context`` (asyncio or threaded, to match it); returns it, to ``stop()``."""
-    keys = load_authorized_keys(str(server.authorized_keys_dir), "curve_authorized_keys_dir")
+    keys = load_authorized_keys(str(server.authorized_keys_dir), "security.curve_authorized_keys_dir")
     if isinstance(context, zmq.asyncio.Context):
         auth = AsyncioAuthenticator(context, log=log.getChild("zap"))
     else:

@@ -103,7 +103,7 @@ tessera_launch_proxy() {
         --set "port=${TESSERA_HTTP_PORT:-8000}"
         --set "worker_bind=tcp://${TESSERA_WORKER_BIND_HOST:-0.0.0.0}:${TESSERA_WORKER_PORT:-5555}"
     )
-    if [[ -n ${TESSERA_REDIS_URL:-} ]]; then sets+=(--set "redis_url=$TESSERA_REDIS_URL"); fi
+    if [[ -n ${TESSERA_REDIS_URL:-} ]]; then sets+=(--set "shared_state.redis_url=$TESSERA_REDIS_URL"); fi
     tessera_model_sets sets ""
     tessera_extra_sets TESSERA_PROXY_SET sets
     local processes=${TESSERA_PROXY_PROCESSES:-1}
@@ -135,8 +135,8 @@ tessera_launch_worker() {
         [[ $TESSERA_METRICS_PORT =~ ^[0-9]+$ ]] ||
             tessera_die "TESSERA_METRICS_PORT=$TESSERA_METRICS_PORT must be a port number"
         # One port per instance, so that several workers of a host can all be scraped.
-        sets+=(--set "metrics_host=${TESSERA_METRICS_HOST:-$TESSERA_HOST_ADDRESS}"
-               --set "metrics_port=$((TESSERA_METRICS_PORT + instance))")
+        sets+=(--set "observability.metrics_host=${TESSERA_METRICS_HOST:-$TESSERA_HOST_ADDRESS}"
+               --set "observability.metrics_port=$((TESSERA_METRICS_PORT + instance))")
     fi
     tessera_extra_sets "TESSERA_${role^^}_SET" sets
     tessera_exec "$role" "$worker_id" "${sets[@]}"

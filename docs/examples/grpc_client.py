@@ -1,6 +1,6 @@
 """A Python client of Tessera's gRPC API (proxy/edge/grpc_api/tessera.proto).
 
-Start a proxy with the gRPC API on (`tessera up --set proxy:grpc_port=50051`, or `grpc_port: 50051` in its
+Start a proxy with the gRPC API on (`tessera up --set proxy:http.grpc_port=50051`, or `grpc_port: 50051` in its
 config), then:
 
     python docs/examples/grpc_client.py --target 127.0.0.1:50051 "Write a haiku about the sea."

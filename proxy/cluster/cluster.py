@@ -62,14 +62,14 @@ class Cluster:
         self.config = config
         self.policy = policy
         self.metrics = metrics
-        self.registry = WorkerRegistry(config.heartbeat_timeout_s, config.tpot_slo_ms, config.tpot_slo_factor)
-        self.tracing = make_tracing(config.otel_endpoint, config.otel_service_name)
+        self.registry = WorkerRegistry(config.heartbeat_timeout_s, config.slo.tpot_slo_ms, config.slo.tpot_slo_factor)
+        self.tracing = make_tracing(config.observability.otel_endpoint, config.observability.otel_service_name)
         self.tenants = TenantRegistry(config, clock)
         self.inflight: dict[str, SubRequest] = {}
         self.admission = AdmissionController(config, self.tenants, metrics, clock)
         self.slo = SloControls(config, self.registry, self.admission, policy, metrics, self.inflight.values())
         self.tac = AdaptiveController(config, self.registry, policy, self.admission, metrics, clock,
-                                      self.inflight.values()) if config.tac_enabled else None
+                                      self.inflight.values()) if config.slo.tac_enabled else None
         # what admission asks before it admits: the decode slots (this proxy's share of them), room to prefill
         self.limits = CapacityLimits(config, self.registry, self.admission, self.slo, self.tac, clock)
         self.preemption = FairnessPreemption(config, self.registry, self.admission)
@@ -171,14 +171,14 @@ class Cluster:
                                     f"(role decode or both) of its model version, and {why}")
         tenant = tenant or self.tenants.default
         bind_request(request_id, tenant.name)  # the HTTP handler's later lines are about this request
-        if self.config.log_prompts:
+        if self.config.observability.log_prompts:
             log.info("request %s prompt token ids: %s", request_id, prompts)
         self.admission.check_room(tenant, len(prompts) * params.n)
         forecast_s = self.slo.reject_early(tenant, max(map(len, prompts)), self.tac) if self.slo.forecast else None
         sink = EventSink()
         now = self._clock()
         client_deadline = None if timeout_s is None else now + timeout_s
-        queue_deadline = min(now + self.config.queue_timeout_s, client_deadline or float("inf"))
+        queue_deadline = min(now + self.config.tenancy.queue_timeout_s, client_deadline or float("inf"))
         subs = []
         for p, prompt in enumerate(prompts):
             for j in range(params.n):
@@ -203,7 +203,7 @@ class Cluster:
         """Start what admission admits, one at a time, until it admits nothing more; with
         ``preempt_for_fairness``, then move decode slots between tenants once (``_preempt``)."""
         self._admit()
-        if self.config.preempt_for_fairness and self.admission.total(Stage.READY) and self._preempt():
+        if self.config.tenancy.preempt_for_fairness and self.admission.total(Stage.READY) and self._preempt():
             self._admit()
 
     def _admit(self) -> None:
@@ -277,13 +277,13 @@ class Cluster:
         return sub.start_decode(decoder, self.admission.counters[sub.tenant], now)
 
     def _unavailable(self, message: str) -> ApiError:
-        return ApiError(503, message, code="no_worker_available", retry_after_s=self.config.retry_after_s)
+        return ApiError(503, message, code="no_worker_available", retry_after_s=self.config.requests.retry_after_s)
 
     async def run_controller(self) -> None:
         """Runs for the proxy's life with the adaptive controller on: one decision every ``tac_interval_s``, and the
         ``Tune`` messages it returns sent."""
         while True:
-            await asyncio.sleep(self.config.tac_interval_s)
+            await asyncio.sleep(self.config.slo.tac_interval_s)
             try:
                 slots = self.limits.decode_slots() if self.tac.decode_cap else 0  # the controller reads it only then
                 for worker_id, msg in self.tac.tick(self._clock(), slots):

@@ -63,19 +63,19 @@ class Embeddings:
         """``[len(inputs), dim]`` float32 vectors, or an ApiError (503 no worker or too busy, 504, 400, 500)."""
         tokens = sum(map(len, inputs))
         inflight = sum(p.tokens for p in self.pending.values())
-        if inflight and inflight + tokens > self.config.embedding_max_inflight_tokens:
+        if inflight and inflight + tokens > self.config.requests.embedding_max_inflight_tokens:
             raise ApiError(503, f"{inflight} tokens are being embedded; with these {tokens} that is more than "
-                           f"embedding_max_inflight_tokens={self.config.embedding_max_inflight_tokens}",
-                           code="server_busy", retry_after_s=self.config.retry_after_s)
+                           f"requests.embedding_max_inflight_tokens={self.config.requests.embedding_max_inflight_tokens}",
+                           code="server_busy", retry_after_s=self.config.requests.retry_after_s)
         request_id = f"{self._id_prefix}{next(self._ids)}"
         pending = _Pending(request_id, inputs, tokens, model, asyncio.get_running_loop().create_future())
         self.pending[request_id] = pending
         try:
             self._assign(pending, "")
-            return await asyncio.wait_for(asyncio.shield(pending.future), self.config.embedding_timeout_s)
+            return await asyncio.wait_for(asyncio.shield(pending.future), self.config.requests.embedding_timeout_s)
         except asyncio.TimeoutError:
-            raise ApiError(504, f"the embeddings took longer than embedding_timeout_s="
-                           f"{self.config.embedding_timeout_s}s", code="timeout") from None
+            raise ApiError(504, f"the embeddings took longer than requests.embedding_timeout_s="
+                           f"{self.config.requests.embedding_timeout_s}s", code="timeout") from None
         finally:
             if self.pending.pop(request_id, None) is not None and not pending.future.done() and pending.worker_id:
                 self.send(pending.worker_id, Abort(request_id))  # timed out, or the client left
@@ -88,7 +88,7 @@ class Embeddings:
         prefill = [w for w in workers if w.role is Role.PREFILL]
         if len(pending.tried) >= MAX_ATTEMPTS or not (prefill or workers):
             self._end(pending, ApiError(503, f"no worker could compute the embeddings{why}", code="no_worker_available",
-                                        retry_after_s=self.config.retry_after_s))
+                                        retry_after_s=self.config.requests.retry_after_s))
             return
         load = {w.worker_id: 0 for w in prefill or workers}
         for other in self.pending.values():
@@ -135,4 +135,4 @@ class Embeddings:
     def cancel_all(self, reason: str) -> None:
         for pending in list(self.pending.values()):
             self._end(pending, ApiError(503, f"cannot serve now: {reason}", code="no_worker_available",
-                                        retry_after_s=self.config.retry_after_s))
+                                        retry_after_s=self.config.requests.retry_after_s))

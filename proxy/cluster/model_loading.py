@@ -123,7 +123,7 @@ class ModelLoader:
         started = min(load.started for load in under_way)
         expected = self.load_s.get(model)
         if expected is None:
-            return self.config.retry_after_s
+            return self.config.requests.retry_after_s
         return max(1, math.ceil(expected - (now - started)))
 
     def loading_versions(self, name: str) -> set[str]:

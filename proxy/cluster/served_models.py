@@ -146,7 +146,7 @@ class ServedModels:
             self._unserved(requested, name, None)
         now = time.monotonic()
         pin = self._pins.get((name, session)) if session is not None else None
-        if pin is not None and pin[0] in live and now - pin[1] < self.config.session_pin_max_s:
+        if pin is not None and pin[0] in live and now - pin[1] < self.config.sessions.session_pin_max_s:
             return self._choice(name, pin[0], live[pin[0]])
         state = self.state(name)
         fresh = [v for v in live if (name, v) not in self.draining] or list(live)  # for a new session: not draining
@@ -163,13 +163,13 @@ class ServedModels:
     def pin(self, requested: str, session: str, version: str, age_s: float) -> None:
         """Pin a session to ``version`` as its first turn did ``age_s`` ago (a conversation the store kept across a
         restart); nothing when that is past ``session_pin_max_s``."""
-        if age_s < self.config.session_pin_max_s:
+        if age_s < self.config.sessions.session_pin_max_s:
             self._pins[self._parse(requested)[0], session] = (version, time.monotonic() - max(age_s, 0.0))
 
     def pin_ends(self, name: str, version: str) -> float:
         """When (monotonic) the last session pinned to ``version`` of ``name`` stops being pinned; now if none."""
         now = time.monotonic()
-        return max((since + self.config.session_pin_max_s for (n, _), (v, since) in self._pins.items()
+        return max((since + self.config.sessions.session_pin_max_s for (n, _), (v, since) in self._pins.items()
                     if n == name and v == version), default=now)
 
     def pinned(self, name: str) -> dict[str, int]:
@@ -190,7 +190,7 @@ class ServedModels:
 
     def _expire(self, now: float) -> None:
         """Pins are kept in the order they were made: the expired ones are at the front."""
-        while self._pins and now - next(iter(self._pins.values()))[1] >= self.config.session_pin_max_s:
+        while self._pins and now - next(iter(self._pins.values()))[1] >= self.config.sessions.session_pin_max_s:
             self._pins.popitem(last=False)
 
     def state(self, name: str) -> State:
@@ -281,7 +281,7 @@ class ServedModels:
         if not digest:
             raise ApiError(503, f"the proxy has no tokenizer for {model}: register that version in the proxy host's "
                            "model registry (tessera model register)", code="model_not_loaded", param="model",
-                           retry_after_s=self.config.retry_after_s)
+                           retry_after_s=self.config.requests.retry_after_s)
         text = self._fetched.get(digest)
         if text is None:
             tokenizer = self.fetcher.tokenizer(model, digest, [w for w in workers if w.tokenizer_sha256 == digest])
@@ -292,7 +292,7 @@ class ServedModels:
         self.check(requested)
         self._raise_if_loadable(name, version)
         raise ApiError(503, f"no worker serves model {requested!r} now (it is loading, draining or stopped); try "
-                       "again", code="model_not_loaded", param="model", retry_after_s=self.config.retry_after_s)
+                       "again", code="model_not_loaded", param="model", retry_after_s=self.config.requests.retry_after_s)
 
     def _raise_if_loadable(self, name: str, version: str | None) -> None:
         """The 503 of a version workers offer to load (a load started if need be); nothing when none offers it.
@@ -309,7 +309,7 @@ class ServedModels:
         if retry_after_s is None:
             raise ApiError(503, f"model {name}@{version} is not loaded, and every worker that may load it is busy "
                            "with its own model now (or served it within model_swap_min_idle_s); try again",
-                           code="model_not_loaded", param="model", retry_after_s=self.config.retry_after_s)
+                           code="model_not_loaded", param="model", retry_after_s=self.config.requests.retry_after_s)
         raise ApiError(503, f"model {name}@{version} is loading; try again in {retry_after_s}s",
                        code="model_not_loaded", param="model", retry_after_s=retry_after_s)
 
@@ -324,7 +324,7 @@ def served_headers(choice) -> dict[str, str]:
 
 def session_of(services, headers, user: str | None) -> str | None:
     """The conversation a request belongs to: ``X-Session-Id``, else ``user`` with ``session_from_user_field``."""
-    return headers.get(SESSION_HEADER) or (user if services.config.session_from_user_field else None)
+    return headers.get(SESSION_HEADER) or (user if services.config.sessions.session_from_user_field else None)
 
 
 def _draw(session: str | None) -> float:

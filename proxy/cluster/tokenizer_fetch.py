@@ -77,7 +77,7 @@ class TokenizerFetcher:
                 raise ApiError(503, f"the proxy has no tokenizer for {model}, and none of its workers speaks the "
                                "protocol version that sends one: register that version in the proxy host's model "
                                "registry (tessera model register)", code="model_not_loaded", param="model",
-                               retry_after_s=self.config.retry_after_s)
+                               retry_after_s=self.config.requests.retry_after_s)
             untried = [worker_id for worker_id in able if worker_id not in fetch.asked]
             if not untried:  # each was asked once: in turn again
                 fetch.asked.clear()
@@ -87,7 +87,7 @@ class TokenizerFetcher:
             self.send(fetch.worker_id, FetchTokenizer(fetch.worker_id, digest))
             log.info("asked worker %r for the tokenizer of %s (%s)", fetch.worker_id, model, digest)
         raise ApiError(503, f"the tokenizer of {model} is being fetched from worker {fetch.worker_id!r}; try again",
-                       code="model_not_loaded", param="model", retry_after_s=self.config.retry_after_s)
+                       code="model_not_loaded", param="model", retry_after_s=self.config.requests.retry_after_s)
 
     def on_files(self, sender: str, msg: TokenizerFiles, now: float) -> None:
         """A worker's answer: kept under the cache root when its files are those asked for."""

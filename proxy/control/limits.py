@@ -42,7 +42,7 @@ class CapacityLimits:
         self.tac = tac
         # this proxy's part of the decode slots: a fixed share, or with redis_url what several proxies share
         # (proxy/tenancy/shared_state.py, set by the app)
-        self.share: StaticShare | SharedStateLike = StaticShare(config.decode_slot_share)
+        self.share: StaticShare | SharedStateLike = StaticShare(config.shared_state.decode_slot_share)
         self.forecast = SlotForecast()
         self._clock = clock
 
@@ -55,7 +55,7 @@ class CapacityLimits:
     def latency_capped(self) -> bool:
         """Whether the TPOT target limits decode admission now (``tpot_slo_scope``): always, never, or while two
         or more tenants share the cluster; and always while the adaptive controller holds the cap."""
-        scope = self.config.tpot_slo_scope
+        scope = self.config.slo.tpot_slo_scope
         if scope == "always" or (self.tac is not None and self.tac.decode_cap):
             return True
         if scope != "shared":
@@ -68,7 +68,7 @@ class CapacityLimits:
         if self.tac is not None:
             return self.slo.prefill_room(False, self._clock()) and self.tac.prefill_room()
         gated = self.latency_capped()  # the gate applies only then; without a TTFT target nothing else to ask
-        return not (gated or self.config.ttft_slo_ms) or self.slo.prefill_room(gated, self._clock())
+        return not (gated or self.config.slo.ttft_slo_ms) or self.slo.prefill_room(gated, self._clock())
 
     def slots_freeing(self) -> int:
         return self.forecast.freeing()

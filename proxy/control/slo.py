@@ -50,16 +50,16 @@ class SloControls:
         self.admission = admission
         self.policy = policy
         self.metrics = metrics
-        self.forecast = TtftForecast(quantile=config.early_rejection_quantile) if config.early_rejection else None
+        self.forecast = TtftForecast(quantile=config.slo.early_rejection_quantile) if config.slo.early_rejection else None
         self.gate = PrefillGate(registry, policy.outstanding_prefill_tokens, inflight,
-                                tpot_target_of(registry, config.tpot_slo_ms), config.prefill_gate_max_hold_s
-                                ) if config.prefill_gate_max_hold_s else None
+                                tpot_target_of(registry, config.slo.tpot_slo_ms), config.slo.prefill_gate_max_hold_s
+                                ) if config.slo.prefill_gate_max_hold_s else None
 
     def prefill_room(self, gated: bool, now: float) -> bool:
         """Whether a prompt may go to a prefill worker now: within the TTFT target's backlog (``ttft_room``), and,
         when ``gated`` (the TPOT target applies, the adaptive controller is off), not held by the prefill gate
         (``prefill_gate_max_hold_s``; counted in ``tessera_proxy_prefill_held_total``)."""
-        if self.config.ttft_slo_ms and not self.ttft_room():
+        if self.config.slo.ttft_slo_ms and not self.ttft_room():
             return False
         if gated and self.gate is not None and self.gate.hold(now):
             self.metrics.prefill_held.inc()
@@ -70,7 +70,7 @@ class SloControls:
         """Whether some prefill worker's predicted backlog (its step model, over the prompt tokens sent to it
         and not done) is within half the target, so that a prompt admitted now still meets it. True without
         prefill workers (decode workers prefill locally, within their decode slots) or while one has no model."""
-        budget_ms = self.config.ttft_slo_ms / 2
+        budget_ms = self.config.slo.ttft_slo_ms / 2
         workers = [w for w in self.registry.prefill_side() if not w.draining]
         return not workers or any(
             w.step_cost is None or not (tokens := self.policy.outstanding_prefill_tokens(w.worker_id))
@@ -106,12 +106,12 @@ class SloControls:
         tenants = self.admission.tenants
         known = tenants.tenants
         lanes = {name: known[name].lane for name, waiting in queued.items() if waiting and name in known}
-        ahead = choices_ahead(self.config.fairness_policy, queued, lanes, tenants.weights, tenant.name,
+        ahead = choices_ahead(self.config.tenancy.fairness_policy, queued, lanes, tenants.weights, tenant.name,
                               tenant.lane)
         if not ahead:
             return None
         forecast_s = self.forecast.predict_s(ahead, prompt_tokens)
-        target_s = self.config.ttft_slo_ms / 1e3
+        target_s = self.config.slo.ttft_slo_ms / 1e3
         if forecast_s is None or (predicted_s := forecast_s + self.forecast.margin(tenant.name)) <= target_s:
             return forecast_s
         own = queued[tenant.name]
@@ -125,7 +125,7 @@ class SloControls:
         whose = f"tenant {tenant.name!r}'s own requests" if status == 429 else "the cluster's load"
         raise ApiError(status, (
             f"the request would wait about {predicted_s:.1f}s for its first token ({ahead} choice(s) to be "
-            f"admitted before it, {own} of them its tenant's), more than ttft_slo_ms={self.config.ttft_slo_ms:g}; "
+            f"admitted before it, {own} of them its tenant's), more than slo.ttft_slo_ms={self.config.slo.ttft_slo_ms:g}; "
             f"the cause is {whose}: retry later"),
             code="rate_limit_exceeded" if status == 429 else "server_overloaded",
             retry_after_s=max(math.ceil(predicted_s - target_s), 1))

@@ -163,18 +163,18 @@ class AdaptiveController:
         self.prefill_budget = 0
         self.token_budget = 0
         self.speculation = Speculation(registry, self._decide)
-        self._tpot_target_ms = tpot_target_of(registry, config.tpot_slo_ms)
+        self._tpot_target_ms = tpot_target_of(registry, config.slo.tpot_slo_ms)
         # held at most prefill_gate_max_hold_s at a stretch, as the proxy's own gate (0: without bound), so that the
         # controller starts from the fixed cap's setting and differs from it only in the knobs it moves
         self.gate = PrefillGate(registry, policy.outstanding_prefill_tokens, inflight, self._tpot_target_ms,
-                                config.prefill_gate_max_hold_s or float("inf"))
+                                config.slo.prefill_gate_max_hold_s or float("inf"))
         self._told: dict[str, tuple] = {}  # worker id -> (epoch, the token budget and speculation it was told)
         self.window = Window(clock())
         self._mean_prompt = 0.0
         self._changed_at = float("-inf")  # when the cap or the scale last changed
         self._configured_threshold = getattr(policy, "local_prefill_threshold", 0)
         metrics.tac_enabled.set(1)
-        log.info("tac: on, every %gs; decode_cap starts on", config.tac_interval_s)
+        log.info("tac: on, every %gs; decode_cap starts on", config.slo.tac_interval_s)
         self._export()
 
     # -- what the cluster tells it ------------------------------------------------------------------
@@ -183,7 +183,7 @@ class AdaptiveController:
         """``sub`` ended (finished or failed): counted in the window against the targets, unless it arrived
         before the cap or its scale last changed (it says nothing of this setting)."""
         if sub.arrival >= self._changed_at:
-            self.window.add(sub, self.config.ttft_slo_ms, self._tpot_target_ms)
+            self.window.add(sub, self.config.slo.ttft_slo_ms, self._tpot_target_ms)
 
     def rejected(self) -> None:
         """A request was refused at arrival, predicted to miss the TTFT target (``early_rejection``): a miss,

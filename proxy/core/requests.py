@@ -145,7 +145,7 @@ class SubRequest:
         self.arrival = now
         self.first_token_at: float | None = None
         self.last_token_at = now
-        self.deadline = now + config.first_token_timeout_s
+        self.deadline = now + config.requests.first_token_timeout_s
         self._config = config
         self._metrics = metrics
         self._tracing = tracing
@@ -189,13 +189,13 @@ class SubRequest:
         if self.started:  # resumed: counted, charged and traced when it first started
             if self.recovery is not None:
                 self.recovery.redispatched(worker_id, local, now)
-            self.deadline = now + (config.first_token_timeout_s if self.first_token_at is None
-                                   else config.token_timeout_s)
+            self.deadline = now + (config.requests.first_token_timeout_s if self.first_token_at is None
+                                   else config.requests.token_timeout_s)
             return
         self.started = True
         metrics.queue_depth.inc()
         metrics.in_flight.inc()
-        self.deadline = now + config.first_token_timeout_s
+        self.deadline = now + config.requests.first_token_timeout_s
         queued_s = max(now - self.arrival, 0.0)
         metrics.queue_time.observe(queued_s)
         metrics.prompt_tokens.labels(self.tenant, self.model_name).inc(len(self.prompt))
@@ -224,7 +224,7 @@ class SubRequest:
         """What a worker's scheduler knows of the tenant: the lane and counter it preempts by, the cache salt; and
         of a session's turn, how long to keep its blocks cached."""
         return {"tenant": self.tenant, "priority": self.lane, "fairness_counter": counter,
-                "cache_salt": self.cache_salt, "keep_s": self._config.session_ttl_s if self.session else 0.0}
+                "cache_salt": self.cache_salt, "keep_s": self._config.sessions.session_ttl_s if self.session else 0.0}
 
     def on_prefill_done(self, msg: PrefillDone, sender: str, now: float) -> Sends | None:
         """None: not this request's (a stray); else what to send."""
@@ -240,7 +240,7 @@ class SubRequest:
         self.stage = Stage.READY
         self._handoff = msg
         self._lease_ends = now + self._config.kv_lease_s
-        self.deadline = now + self._config.queue_timeout_s
+        self.deadline = now + self._config.tenancy.queue_timeout_s
         return []
 
     def start_decode(self, decoder: WorkerState, counter: float, now: float) -> Sends:
@@ -257,7 +257,7 @@ class SubRequest:
                 kv_lease_left_s=max(self._lease_ends - now, 0.0), first_logprob=msg.logprob,
                 first_top_logprobs=msg.top_logprobs, output_token_ids=self.output_ids[:-1],
                 **self._tenant_fields(counter))
-            self.deadline = now + self._config.token_timeout_s
+            self.deadline = now + self._config.requests.token_timeout_s
         self.stage = Stage.DECODING
         self.decode_worker = decoder.worker_id
         self.decoding_since = now
@@ -280,7 +280,7 @@ class SubRequest:
             log.warning("request %s: decode worker %r could not pull the pages from %r: %s",
                         self.request_id, sender, msg.source_worker_id, msg.error or "no reason given")
         sends = self._release_kv()
-        self.deadline = now + self._config.token_timeout_s
+        self.deadline = now + self._config.requests.token_timeout_s
         return sends
 
     def on_token_delta(self, msg: TokenDelta, sender: str, now: float) -> Sends | None:
@@ -290,7 +290,7 @@ class SubRequest:
                                      msg.finish_reason, msg.stop_reason, msg.num_cached_tokens), now)
         if msg.finish_reason is not None:
             return self._finish(now)
-        self.deadline = now + self._config.token_timeout_s
+        self.deadline = now + self._config.requests.token_timeout_s
         return []
 
     def _emit_tokens(self, event: TokenEvent, now: float) -> None:
@@ -384,7 +384,7 @@ class SubRequest:
             limit = None
         if limit is not None:
             return self._fail(ApiError(503, f"{why}; {limit}", code="worker_unavailable",
-                                       retry_after_s=config.retry_after_s), gone=gone)
+                                       retry_after_s=config.requests.retry_after_s), gone=gone)
         sends = self._free(gone)
         if self.recovery is not None:
             self.recovery.ended(LOST_AGAIN)
@@ -417,7 +417,7 @@ class SubRequest:
         self.wire_id = f"{self.request_id}~{self.migrations + self.preemptions}"
         self.stage = Stage.QUEUED
         self.route = self._handoff = None
-        self.deadline = now + self._config.queue_timeout_s
+        self.deadline = now + self._config.tenancy.queue_timeout_s
 
     def _recovered(self, now: float) -> None:
         """The resumed attempt's first token is here (``SubRequest._emit_tokens``)."""
@@ -432,12 +432,12 @@ class SubRequest:
         if self.stage is Stage.READY:
             self._metrics.tenant_rejections.labels(self.tenant, "queue_timeout").inc()
             return self._fail(ApiError(503, f"the cluster is saturated: no decode slot freed up within "
-                                       f"queue_timeout_s={self._config.queue_timeout_s:g}s after the prefill",
-                                       code="queue_timeout", retry_after_s=self._config.retry_after_s))
+                                       f"tenancy.queue_timeout_s={self._config.tenancy.queue_timeout_s:g}s after the prefill",
+                                       code="queue_timeout", retry_after_s=self._config.requests.retry_after_s))
         if self.first_token_at is None:
-            why = f"no first token within first_token_timeout_s={self._config.first_token_timeout_s}s"
+            why = f"no first token within requests.first_token_timeout_s={self._config.requests.first_token_timeout_s}s"
         else:
-            why = f"no message from the worker within token_timeout_s={self._config.token_timeout_s}s"
+            why = f"no message from the worker within requests.token_timeout_s={self._config.requests.token_timeout_s}s"
         return self._fail(ApiError(504, f"request timed out: {why}", code="timeout"))
 
     def _drop_unadmitted(self, now: float) -> Sends:
@@ -452,8 +452,8 @@ class SubRequest:
             else:
                 what = "to resume after its worker was lost" if self.migrations else "and was dropped without running"
             reason, error = "queue_timeout", ApiError(
-                503, f"the cluster is saturated: the request waited queue_timeout_s={config.queue_timeout_s:g}s "
-                f"for admission {what}", code="queue_timeout", retry_after_s=config.retry_after_s)
+                503, f"the cluster is saturated: the request waited tenancy.queue_timeout_s={config.tenancy.queue_timeout_s:g}s "
+                f"for admission {what}", code="queue_timeout", retry_after_s=config.requests.retry_after_s)
         self._metrics.tenant_rejections.labels(self.tenant, reason).inc()
         return self._fail(error)
 

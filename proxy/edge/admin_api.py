@@ -48,12 +48,12 @@ class PromoteRequest(BaseModel):
 
 def authorize(request: Request) -> None:
     config = request.app.state.services.config
-    if not config.admin_api_key_sha256:
+    if not config.security.admin_api_key_sha256:
         raise ApiError(403, "the admin API is off: set admin_api_key_sha256 (the sha256 of an admin key)",
                        code="admin_api_off")
     scheme, _, key = (request.headers.get("authorization") or "").strip().partition(" ")
     digest = hashlib.sha256(key.strip().encode()).hexdigest()
-    if scheme.lower() != "bearer" or not hmac.compare_digest(digest, config.admin_api_key_sha256.lower()):
+    if scheme.lower() != "bearer" or not hmac.compare_digest(digest, config.security.admin_api_key_sha256.lower()):
         raise ApiError(401, "the admin API needs 'Authorization: Bearer <admin key>'", code="invalid_api_key")
 
 

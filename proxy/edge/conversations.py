@@ -75,7 +75,7 @@ class ConversationStore:
         try:
             return await asyncio.wait_for(call, self.timeout_s)
         except asyncio.TimeoutError:
-            raise TimeoutError(f"the conversation store took longer than conversation_store_timeout_s="
+            raise TimeoutError(f"the conversation store took longer than sessions.conversation_store_timeout_s="
                                f"{self.timeout_s}s") from None
 
     async def continues(self, session: str, tenant: str, messages: list[dict]) -> Continued:
@@ -122,7 +122,7 @@ class ConversationStore:
         self._db.commit()
         self._next_sweep = time.monotonic() + SWEEP_INTERVAL_S
         if removed:
-            log.info("conversation store: removed %d turns older than conversation_retention_s=%gs", removed,
+            log.info("conversation store: removed %d turns older than sessions.conversation_retention_s=%gs", removed,
                      self.retention_s)
 
     def close(self) -> None:

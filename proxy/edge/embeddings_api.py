@@ -49,7 +49,7 @@ async def embeddings(request: Request) -> Response:
 
 async def _embed(request: Request, services) -> tuple[dict, dict[str, str]]:
     tenant = tenant_from_header(services.cluster.tenants, request.headers.get("authorization"))  # None: auth off
-    body = await read_model(request, EmbeddingRequest, services.config.max_prompt_bytes)
+    body = await read_model(request, EmbeddingRequest, services.config.http.max_prompt_bytes)
     return await embed(services, body, tenant, request.headers)
 
 

@@ -86,7 +86,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         self._header_timer = None
         if not self.transport.is_closing():
             self.logger.warning("closed a connection from %s: no complete request head within "
-                                "request_header_timeout_s=%ss", self.client, self._header_timeout_s)
+                                "http.request_header_timeout_s=%ss", self.client, self._header_timeout_s)
             self.transport.close()
 
 
@@ -122,7 +122,7 @@ class BodyDeadline:
                 async with asyncio.timeout_at(deadline):
                     message = await receive()
             except TimeoutError:
-                raise ApiError(408, f"the request body did not arrive within request_body_timeout_s="
+                raise ApiError(408, f"the request body did not arrive within http.request_body_timeout_s="
                                     f"{self.timeout_s}", code="request_timeout") from None
             if message["type"] != "http.request" or not message.get("more_body", False):
                 body_complete = True
@@ -139,14 +139,14 @@ class BodyDeadline:
 def listener_config(app, config: ProxyConfig, **settings) -> uvicorn.Config:
     """uvicorn settings for ``config``; ``settings`` adds or replaces uvicorn options."""
     tls = {}
-    if config.tls_cert_file:
-        tls = {"ssl_certfile": config.tls_cert_file, "ssl_keyfile": config.tls_key_file}
-        if config.tls_ca_file:
-            tls |= {"ssl_ca_certs": config.tls_ca_file, "ssl_cert_reqs": ssl.CERT_REQUIRED}
-    protocol = functools.partial(HeaderTimeoutProtocol, header_timeout_s=config.request_header_timeout_s)
+    if config.security.tls_cert_file:
+        tls = {"ssl_certfile": config.security.tls_cert_file, "ssl_keyfile": config.security.tls_key_file}
+        if config.security.tls_ca_file:
+            tls |= {"ssl_ca_certs": config.security.tls_ca_file, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    protocol = functools.partial(HeaderTimeoutProtocol, header_timeout_s=config.http.request_header_timeout_s)
     options = {"host": config.host, "port": config.port, "http": protocol,
-               "limit_concurrency": config.max_connections, "timeout_keep_alive": config.keep_alive_timeout_s,
+               "limit_concurrency": config.http.max_connections, "timeout_keep_alive": config.http.keep_alive_timeout_s,
                # a /v1/stream message larger than this closes its socket (1009); smaller ones are checked
                # against max_prompt_bytes with an error frame (proxy/edge/websocket_api.py)
-               "ws_max_size": config.max_prompt_bytes + 65536, "access_log": config.access_log, **tls}
+               "ws_max_size": config.http.max_prompt_bytes + 65536, "access_log": config.http.access_log, **tls}
     return uvicorn.Config(app, **{**options, **settings})

@@ -123,7 +123,7 @@ async def _serve(request: Request, request_model, format_cls, endpoint: str) -> 
         if tenants.auth_enabled:
             tenant = tenant_from_header(tenants, request.headers.get("authorization"))
         timeout_s = request_timeout(request.headers.get(TIMEOUT_HEADER))
-        body = await read_model(request, request_model, services.config.max_prompt_bytes)
+        body = await read_model(request, request_model, services.config.http.max_prompt_bytes)
         if tenant is None:
             tenant = tenant_from_body(tenants, body.user) if tenants.from_user_field else tenants.default
         resume_header = request.headers.get(RESUMABLE_HEADER)  # parsed in proxy.edge.resumable only when sent
@@ -183,10 +183,10 @@ async def admit(services, body, format_cls, tenant: Tenant, timeout_s: float | N
                 headers) -> tuple[_Generation, RequestGroup]:
     config, cluster = services.config, services.cluster
     services.models.check(body.model)
-    params = body.sampling_params(config.max_tokens_default)
-    if params.max_tokens > config.max_tokens_limit:
+    params = body.sampling_params(config.requests.max_tokens_default)
+    if params.max_tokens > config.requests.max_tokens_limit:
         raise ApiError(400, f"max_tokens is {params.max_tokens}; this server generates at most "
-                       f"{config.max_tokens_limit} tokens per request", code="invalid_value", param="max_tokens")
+                       f"{config.requests.max_tokens_limit} tokens per request", code="invalid_value", param="max_tokens")
     serving_context(services, tenant)
     session = session_of(services, headers, body.user)
     remember = await continue_turn(services, body, session, tenant.name) if services.conversations and isinstance(
@@ -227,7 +227,7 @@ def serving_context(services, tenant: Tenant) -> None:
     """503 while the proxy drains; 429 past the tenant's rate."""
     if services.cluster.draining:
         raise ApiError(503, "cannot serve now: the proxy is shutting down", code="no_worker_available",
-                       retry_after_s=services.config.retry_after_s)
+                       retry_after_s=services.config.requests.retry_after_s)
     if tenant.limited:
         try:
             tenant.limiter.admit(time.monotonic())

@@ -321,7 +321,7 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def _too_large(limit: int) -> ApiError:
-    return ApiError(413, f"request body is larger than max_prompt_bytes={limit}", code="request_too_large")
+    return ApiError(413, f"request body is larger than http.max_prompt_bytes={limit}", code="request_too_large")
 
 
 async def read_body(request: Request, limit: int) -> bytes:

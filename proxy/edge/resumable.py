@@ -95,7 +95,7 @@ class ResumableStream:
         if after + 1 < first or after >= self.next_id:
             kept = f"events {first}..{self.next_id - 1} are kept" if self.events else "no event is kept"
             raise ApiError(404, f"response {self.response_id}: event {after + 1} is not available ({kept}; "
-                           f"at most resume_buffer_events={self._store.max_events} per stream)",
+                           f"at most requests.resume_buffer_events={self._store.max_events} per stream)",
                            code="event_not_available", param="Last-Event-ID")
         if self._expiry is not None:
             self._expiry.cancel()
@@ -140,9 +140,9 @@ class ResumableStream:
             return
         if not self.finished:
             self.expired = True
-            log.info("response %s: nobody resumed it within resume_window_s=%ss; cancelling it",
+            log.info("response %s: nobody resumed it within requests.resume_window_s=%ss; cancelling it",
                      self.response_id, self._store.window_s)
-            self._cancel(f"the client did not resume the stream within resume_window_s={self._store.window_s}s")
+            self._cancel(f"the client did not resume the stream within requests.resume_window_s={self._store.window_s}s")
         self._store.drop(self)
 
 
@@ -150,9 +150,9 @@ class StreamStore:
     """The resumable streams of this proxy, by response id, and their memory."""
 
     def __init__(self, config: ProxyConfig, metrics: ProxyMetrics) -> None:
-        self.window_s = config.resume_window_s
-        self.max_events = config.resume_buffer_events
-        self.max_bytes = config.resume_buffer_bytes
+        self.window_s = config.requests.resume_window_s
+        self.max_events = config.requests.resume_buffer_events
+        self.max_bytes = config.requests.resume_buffer_bytes
         self._drain_timeout_s = config.drain_timeout_s
         self.size = 0
         self.streams: dict[str, ResumableStream] = {}
@@ -194,7 +194,7 @@ class StreamStore:
     def find(self, response_id: str, tenant: str | None) -> ResumableStream:
         stream = self.streams.get(response_id)
         if stream is None or (tenant is not None and tenant != stream.tenant):
-            raise ApiError(404, f"no resumable stream {response_id!r}: unknown, or more than resume_window_s="
+            raise ApiError(404, f"no resumable stream {response_id!r}: unknown, or more than requests.resume_window_s="
                            f"{self.window_s}s passed since its client left", code="stream_not_found")
         return stream
 
@@ -215,7 +215,7 @@ class StreamStore:
         for stream in [s for s in self.streams.values() if s.finished and not s.reader]:
             if not self.over_budget:
                 return
-            log.info("response %s: dropped from the resume buffer (resume_buffer_bytes=%d is full)",
+            log.info("response %s: dropped from the resume buffer (requests.resume_buffer_bytes=%d is full)",
                      stream.response_id, self.max_bytes)
             self.drop(stream)
 

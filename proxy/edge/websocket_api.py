@@ -78,7 +78,7 @@ class StreamSocket:
         self._lock = asyncio.Lock()
 
     async def run(self) -> None:
-        idle_s = self.services.config.websocket_idle_timeout_s
+        idle_s = self.services.config.http.websocket_idle_timeout_s
         try:
             while True:
                 try:  # cancelling a receive loses no message (websockets documents it)
@@ -86,8 +86,8 @@ class StreamSocket:
                 except TimeoutError:
                     if self.tasks:  # requests running: not idle
                         continue
-                    log.info("closing a /v1/stream socket idle for websocket_idle_timeout_s=%gs", idle_s)
-                    await self.socket.close(code=1000, reason="idle for websocket_idle_timeout_s")
+                    log.info("closing a /v1/stream socket idle for http.websocket_idle_timeout_s=%gs", idle_s)
+                    await self.socket.close(code=1000, reason="idle for http.websocket_idle_timeout_s")
                     break
                 if message["type"] == "websocket.disconnect":
                     break
@@ -104,9 +104,9 @@ class StreamSocket:
     async def _message(self, text: str) -> None:
         cid = None
         try:
-            if len(text) > self.services.config.max_prompt_bytes:
-                raise ApiError(413, f"the message has {len(text)} bytes; at most max_prompt_bytes="
-                               f"{self.services.config.max_prompt_bytes}", code="request_too_large")
+            if len(text) > self.services.config.http.max_prompt_bytes:
+                raise ApiError(413, f"the message has {len(text)} bytes; at most http.max_prompt_bytes="
+                               f"{self.services.config.http.max_prompt_bytes}", code="request_too_large")
             try:
                 message = json.loads(text)
             except ValueError as exc:

@@ -65,9 +65,9 @@ class AdmissionController:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.tenants = tenants  # who the tenants are, their weights and lanes (``retenant`` on a reload)
-        self.counters = ServiceCounters(config.vtc_input_weight, config.vtc_output_weight, tenants.weights)
-        self.prefill_queue = make_queue(config.fairness_policy, self.counters)
-        self.decode_queue = make_queue(config.fairness_policy, self.counters)
+        self.counters = ServiceCounters(config.tenancy.vtc_input_weight, config.tenancy.vtc_output_weight, tenants.weights)
+        self.prefill_queue = make_queue(config.tenancy.fairness_policy, self.counters)
+        self.decode_queue = make_queue(config.tenancy.fairness_policy, self.counters)
         self.lift = BacklogLift(self.counters)
         self._metrics = metrics
         if metrics is not None:
@@ -122,10 +122,10 @@ class AdmissionController:
             raise self._refuse(tenant, "max_queued", 429, (
                 f"tenant {name!r} has {self.count[Stage.QUEUED][name]} choice(s) waiting for admission and asks "
                 f"for {count} more; its limit is tenants[{name!r}].max_queued={limits.max_queued}"))
-        if self.total(Stage.QUEUED) + count > self.config.max_queued_requests:
+        if self.total(Stage.QUEUED) + count > self.config.tenancy.max_queued_requests:
             raise self._refuse(tenant, "queue_full", 503, (
                 f"the cluster is saturated and its admission queue is full ({self.total(Stage.QUEUED)} waiting, "
-                f"max_queued_requests={self.config.max_queued_requests})"))
+                f"tenancy.max_queued_requests={self.config.tenancy.max_queued_requests})"))
 
     def enqueue(self, request_id: str, tenant: Tenant, input_tokens: int, payload: object) -> None:
         item = Waiting(tenant.name, tenant.lane, next(self._orders), input_tokens, request_id, payload)
@@ -208,7 +208,7 @@ class AdmissionController:
             if self.total(Stage.DECODING) + sum(ahead.values()) + sum(ready.values()) < limits.decode_slots():
                 item = self.prefill_queue.pop_next()
             else:
-                limit = self.config.prefill_ahead_per_tenant
+                limit = self.config.tenancy.prefill_ahead_per_tenant
                 item = self.prefill_queue.pop_next(lambda t: ahead[t] + ready[t] < limit)
         if item is not None and not limits.prefill_room():
             self.prefill_queue.push(item)  # back in its place: asked only with a prompt to start and room for it
@@ -222,7 +222,7 @@ class AdmissionController:
         held = sum(self.total(s) for s in SLOT_HELD) - limits.slots_freeing()
         ahead, ready = self.count[Stage.PREFILLING], self.count[Stage.READY]
         return self.shares.next_capped(self.prefill_queue, limits.decode_slots(), held, SLOT_HELD, Stage.QUEUED,
-                                       isinstance(self.prefill_queue, VtcQueue), self.config.preempt_for_fairness,
+                                       isinstance(self.prefill_queue, VtcQueue), self.config.tenancy.preempt_for_fairness,
                                        lambda t: bool(ahead[t] or ready[t]))
 
     def prefill_started(self, request_id: str) -> None:
@@ -278,7 +278,7 @@ class AdmissionController:
         if self._metrics is not None:
             self._metrics.tenant_rejections.labels(tenant.name, reason).inc()
         code = "rate_limit_exceeded" if status == 429 else "queue_full"
-        return ApiError(status, message, code=code, retry_after_s=self.config.retry_after_s)
+        return ApiError(status, message, code=code, retry_after_s=self.config.requests.retry_after_s)
 
     def _update_gauges(self, tenant: str) -> None:
         if self._metrics is not None:

@@ -111,15 +111,15 @@ class SharedState:
             from redis.asyncio.retry import Retry
             from redis.backoff import NoBackoff
             # one retry at once on a broken connection: a pooled one that a restarted server closed is not an outage
-            client = redis.asyncio.from_url(config.redis_url, socket_timeout=config.shared_state_timeout_s,
-                                            socket_connect_timeout=config.shared_state_timeout_s,
+            client = redis.asyncio.from_url(config.shared_state.redis_url, socket_timeout=config.shared_state.timeout_s,
+                                            socket_connect_timeout=config.shared_state.timeout_s,
                                             retry=Retry(NoBackoff(), 1), retry_on_error=[redis.ConnectionError])
         self.config = config
         self.admission = admission
         self._clock = clock
         self.metrics = metrics
         self.client = client
-        self.proxy_id = config.proxy_id or f"{socket.gethostname()}:{config.port}:{os.getpid()}"
+        self.proxy_id = config.shared_state.proxy_id or f"{socket.gethostname()}:{config.port}:{os.getpid()}"
         # its charges' record: this process's own, so that a restarted proxy of the same id leaves its
         # predecessor's in place (kept KEEP_S, as any stopped proxy's)
         self.record = f"{self.proxy_id}:{time.time_ns()}"
@@ -143,7 +143,7 @@ class SharedState:
         if not total:
             return 0
         if self.demand is None:
-            share = 1 / self.proxies if self.proxies else self.config.decode_slot_share
+            share = 1 / self.proxies if self.proxies else self.config.shared_state.decode_slot_share
             return max(int(total * share), 1)
         if total != self._part_of[0] or self._generation != self._part_of[1]:
             part = split(total, self.admission.counters.weight, self.demand).get(self.proxy_id, 0)
@@ -183,7 +183,7 @@ class SharedState:
             except Exception as exc:  # noqa: BLE001 - a bug here must not end the syncs: an outage, logged
                 log.exception("a sync with the other proxies failed")
                 self._down(exc)
-            await asyncio.sleep(self.config.shared_state_interval_s)
+            await asyncio.sleep(self.config.shared_state.interval_s)
 
     async def sync(self) -> bool:
         """One round trip; whether it succeeded."""
@@ -200,11 +200,11 @@ class SharedState:
                     bucket.unsynced = 0.0
         payload = json.dumps({"served": dict(admission.counters.own), "demand": demand, "buckets": payload_buckets,
                               "holding": admission.total(Stage.DECODING)})
-        interval_ms = self.config.shared_state_interval_s * 1e3
-        live_ms = max(int(LIVE_SYNCS * interval_ms), int(2e3 * self.config.shared_state_timeout_s))
+        interval_ms = self.config.shared_state.interval_s * 1e3
+        live_ms = max(int(LIVE_SYNCS * interval_ms), int(2e3 * self.config.shared_state.timeout_s))
         try:
-            async with asyncio.timeout(self.config.shared_state_timeout_s):  # no task per call, as wait_for's
-                answer = await self._script(args=[self.config.shared_state_prefix, self.proxy_id, live_ms,
+            async with asyncio.timeout(self.config.shared_state.timeout_s):  # no task per call, as wait_for's
+                answer = await self._script(args=[self.config.shared_state.key_prefix, self.proxy_id, live_ms,
                                                   int(KEEP_S * 1e3), payload, self.record])
             result = json.loads(answer)
         except Exception as exc:  # noqa: BLE001 - any failure of the store is an outage, served through
@@ -223,7 +223,7 @@ class SharedState:
             bucket.shared(float(level), now)
         if not self.up:
             if self.up is False:
-                log.warning("shared state at %s is back: resynced with %d proxies", self.config.redis_url,
+                log.warning("shared state at %s is back: resynced with %d proxies", self.config.shared_state.redis_url,
                             self.proxies)
             self.metrics.shared_state_up.set(1)
         self.up = True
@@ -233,11 +233,11 @@ class SharedState:
 
     def _down(self, exc: Exception) -> None:
         self.metrics.shared_state_syncs.labels("error").inc()
-        share = 1 / self.proxies if self.proxies else self.config.decode_slot_share
+        share = 1 / self.proxies if self.proxies else self.config.shared_state.decode_slot_share
         if self.up is not False:
             log.warning("shared state at %s unreachable (%s: %s): serving on this proxy's own state until it is "
                         "back: its own counters, its buckets refilling at %.3g of their rate, that share of the "
-                        "decode slots", self.config.redis_url, type(exc).__name__, exc, share)
+                        "decode slots", self.config.shared_state.redis_url, type(exc).__name__, exc, share)
             self.metrics.shared_state_up.set(0)
         self.up = False
         self.demand = None
@@ -252,10 +252,10 @@ class SharedState:
 
     async def close(self) -> None:
         """Leave the split at once (the others need not wait for this proxy's demand to expire)."""
-        prefix = self.config.shared_state_prefix
+        prefix = self.config.shared_state.key_prefix
         try:
             await asyncio.wait_for(self.client.zrem(prefix + "proxies", self.proxy_id),
-                                   self.config.shared_state_timeout_s)
+                                   self.config.shared_state.timeout_s)
         except Exception as exc:  # noqa: BLE001 - leaving is best effort: the record expires anyway
             log.debug("could not leave the shared split: %s", exc)
         try:

@@ -5,7 +5,7 @@ Each configured tenant (``tenants``) keeps its settings and a
 config never holds a usable key. The default tenant (``default_tenant``)
 takes its settings from the tenant of that name when one is configured, and
 otherwise has weight 1, lane p1 and no limits. ``hash_key``
-(proxy/tenancy/api_keys.py) is what ``tessera tenants hash-key`` prints.
+(proxy/tenancy/api_keys.py) is what ``tessera api-keys hash`` prints.
 
 One ``TenantRegistry`` holds every setting that decides who sends a request
 (the tenants and their keys, ``default_tenant``, ``auth_enabled``,
@@ -52,15 +52,15 @@ class TenantRegistry:
                  previous: TenantRegistry | None = None) -> None:
         """``previous``: the registry a reload replaces, whose limiters carry over."""
         now = clock()
-        self.auth_enabled = config.auth_enabled
-        self.from_user_field = config.tenant_from_user_field
-        configured = list(config.tenants)
-        if not any(t.name == config.default_tenant for t in configured):
-            configured.append(TenantConfig(config.default_tenant))
+        self.auth_enabled = config.tenancy.auth_enabled
+        self.from_user_field = config.tenancy.tenant_from_user_field
+        configured = list(config.tenancy.tenants)
+        if not any(t.name == config.tenancy.default_tenant for t in configured):
+            configured.append(TenantConfig(config.tenancy.default_tenant))
         before = previous.tenants if previous is not None else {}
         self.tenants = {t.name: Tenant(t, _limiter(t, before.get(t.name), now), _cache_salt(config, t))
                         for t in configured}
-        self.default = self.tenants[config.default_tenant]
+        self.default = self.tenants[config.tenancy.default_tenant]
         self._by_key_hash = {key: self.tenants[t.name] for t in configured for key in t.api_key_sha256}
         self.limited = {name for name, tenant in self.tenants.items() if tenant.limited}
         self.weights = {name: tenant.weight for name, tenant in self.tenants.items()}  # an unknown tenant weighs 1
@@ -77,7 +77,7 @@ def _cache_salt(config: ProxyConfig, tenant: TenantConfig) -> int:
 
     A group and a tenant of the same name get different salts: blocks are shared only by naming the group.
     """
-    if config.prefix_cache_sharing == "cluster":
+    if config.tenancy.prefix_cache_sharing == "cluster":
         return 0
     return cache_salt_of(f"group:{tenant.cache_group}" if tenant.cache_group else f"tenant:{tenant.name}")
 

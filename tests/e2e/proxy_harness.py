@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from common.cli.local_cluster import free_port
-from common.config.roles import ProxyConfig
+from common.config.roles import ProxyConfig, merge
 from common.text.tokenizer import Tokenizer
 from common.protocol.wire import Abort, DecodeRequest, Peers, PrefillRequest, RegisterAck, ReleaseKV
 from proxy.app import create_app
@@ -62,8 +62,9 @@ def script(tokenizer) -> list[tuple[int, str]]:
 
 def proxy_config(model_dir, **overrides) -> ProxyConfig:
     settings = dict(model=str(model_dir), worker_bind="tcp://127.0.0.1:*", heartbeat_timeout_s=1.0,
-                    first_token_timeout_s=20.0, token_timeout_s=20.0, max_prompt_bytes=4096, retry_after_s=3)
-    return ProxyConfig(**{**settings, **overrides})
+                    requests={"first_token_timeout_s": 20.0, "token_timeout_s": 20.0, "retry_after_s": 3},
+                    http={"max_prompt_bytes": 4096})
+    return ProxyConfig(**merge(settings, overrides))
 
 
 class RunningProxy:
@@ -72,7 +73,7 @@ class RunningProxy:
         self.services = self.app.state.services
         listener = socket.socket()
         listener.bind(("127.0.0.1", 0))
-        scheme = "https" if config.tls_cert_file else "http"
+        scheme = "https" if config.security.tls_cert_file else "http"
         self.url = f"{scheme}://127.0.0.1:{listener.getsockname()[1]}"
         self.server = DrainingServer(listener_config(self.app, config, loop="uvloop", log_level="warning"),
                                      self.services.cluster, drain_timeout_s=5.0)
@@ -97,8 +98,8 @@ class ProxyProcess:
         self.url = f"http://127.0.0.1:{http_port}"
         self.endpoint = f"tcp://127.0.0.1:{worker_port}"
         settings = [f"model={model_dir}", f"port={http_port}", f"worker_bind={self.endpoint}",
-                    "heartbeat_timeout_s=1.0", "first_token_timeout_s=20.0", "token_timeout_s=20.0",
-                    "max_prompt_bytes=4096", "retry_after_s=3", "drain_timeout_s=5", *settings]
+                    "heartbeat_timeout_s=1.0", "requests.first_token_timeout_s=20.0", "requests.token_timeout_s=20.0",
+                    "http.max_prompt_bytes=4096", "requests.retry_after_s=3", "drain_timeout_s=5", *settings]
         self.log_path = log_path
         self._log = open(log_path, "w")
         args = [arg for setting in settings for arg in ("--set", setting)]

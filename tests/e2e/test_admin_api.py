@@ -16,7 +16,8 @@ NAME = "SmolLM2-135M-Instruct"
 
 @pytest.fixture
 def admin_proxy(two_versions, make_proxy, make_worker):
-    proxy = make_proxy(admin_api_key_sha256=hashlib.sha256(ADMIN_KEY.encode()).hexdigest(), session_pin_max_s=1.5)
+    proxy = make_proxy(security={"admin_api_key_sha256": hashlib.sha256(ADMIN_KEY.encode()).hexdigest()},
+                       sessions={"session_pin_max_s": 1.5})
     for version in ("v1", "v2"):
         for role in ("prefill", "decode"):
             make_worker(proxy, f"{role}-{version}", role, model_version=version)
@@ -38,7 +39,7 @@ def versions_served(proxy, count: int = 40, **headers) -> Counter:
 def test_the_admin_api_is_off_without_a_key_and_refuses_a_wrong_one(two_versions, make_proxy):
     proxy = make_proxy()
     assert admin(proxy, "rollback").status_code == 403
-    keyed = make_proxy(admin_api_key_sha256=hashlib.sha256(ADMIN_KEY.encode()).hexdigest())
+    keyed = make_proxy(security={"admin_api_key_sha256": hashlib.sha256(ADMIN_KEY.encode()).hexdigest()})
     for key in (None, "wrong"):
         assert admin(keyed, "rollback", key=key).status_code == 401
     assert keyed.http.get("/admin/models").status_code == 401

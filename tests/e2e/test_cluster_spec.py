@@ -46,7 +46,7 @@ def reference(embedded_model_dir, prompts):
 def cluster(embedded_model_dir, tmp_path_factory):
     backend = default_backend_name()
     c = LocalCluster.for_tests(embedded_model_dir, tmp_path_factory.mktemp("logs-spec"), transfer_backend=backend,
-                worker_overrides=["engine.spec_method=ngram", "engine.spec_max_batch_size=16"]).start()
+                worker_overrides=["engine.spec.method=ngram", "engine.spec.max_batch_size=16"]).start()
     yield c
     codes = c.stop()
     assert all(code == 0 for code in codes.values()), codes

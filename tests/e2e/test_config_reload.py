@@ -15,6 +15,7 @@ import threading
 
 import yaml
 
+from common.config.roles import merge
 from common.protocol.wire import DecodeRequest, TokenDelta, TokenDeltas
 from common.runtime.prometheus_text import total
 from proxy.tenancy.api_keys import hash_key
@@ -30,7 +31,7 @@ K1, K2 = "sk-first-key", "sk-second-key"
 def write_config(path, **settings) -> None:
     """Replace the file whole, as `mv` of a finished file (or a ConfigMap update) does."""
     fresh = path.with_suffix(".new")
-    fresh.write_text(yaml.safe_dump({"auth_enabled": True, **settings}))
+    fresh.write_text(yaml.safe_dump(merge({"tenancy": {"auth_enabled": True}}, settings)))
     os.replace(fresh, path)
 
 
@@ -41,7 +42,7 @@ def tenant(name: str, key: str) -> dict:
 def start(tmp_path, tokenizer, embedded_model_dir, watch_s: float, stall: bool = False):
     """The proxy and its workers; with ``stall`` the decode worker answers nothing by itself."""
     config = tmp_path / "proxy.yaml"
-    write_config(config, tenants=[tenant("alpha", K1)], config_watch_interval_s=watch_s)
+    write_config(config, tenancy={"tenants": [tenant("alpha", K1)], "config_watch_interval_s": watch_s})
     proxy = ProxyProcess(embedded_model_dir, tmp_path / "proxy.log", config=config)
     script = script_for(tokenizer)
     workers = [FakeWorker(proxy.endpoint, "p0", "prefill", script).start_and_wait(),
@@ -82,7 +83,7 @@ def test_sighup_swaps_the_keys_while_a_stream_runs_on(tmp_path, tokenizer, embed
     try:
         client.start()
         handed = decode.wait_for(lambda m: isinstance(m, DecodeRequest))  # its first token came with the prefill
-        write_config(config, tenants=[tenant("beta", K2)])  # alpha, whose stream runs, is gone
+        write_config(config, tenancy={"tenants": [tenant("beta", K2)]})  # alpha, whose stream runs, is gone
         assert reloads(proxy, "ok") == 0  # no file watch: nothing happens before the signal
         proxy.proc.send_signal(signal.SIGHUP)
         settle(lambda: reloads(proxy, "ok"), lambda done: done == 1, PATIENCE_S, "the proxy reloads on SIGHUP")
@@ -104,12 +105,12 @@ def test_a_changed_file_applies_by_itself_and_a_broken_one_changes_nothing(tmp_p
     proxy, workers, config, _ = start(tmp_path, tokenizer, embedded_model_dir, watch_s=0.2)
     try:
         assert status(proxy, K1) == 200
-        write_config(config, tenants=[tenant("alpha", K2)], config_watch_interval_s=0.2,
-                     queue_timeout_s=5)
+        write_config(config,
+                     tenancy={"tenants": [tenant("alpha", K2)], "config_watch_interval_s": 0.2, "queue_timeout_s": 5})
         settle(lambda: status(proxy, K2), lambda answer: answer == 200, PATIENCE_S,
                "the new key works once the file watch read the file (config_watch_interval_s)")
         assert status(proxy, K1) == 401
-        write_config(config, tenants=[{**tenant("alpha", K1), "weight": -1}])
+        write_config(config, tenancy={"tenants": [{**tenant("alpha", K1), "weight": -1}]})
         settle(lambda: reloads(proxy, "error"), lambda failed: failed == 1, PATIENCE_S,
                "the file watch reads the broken file (config_watch_interval_s)")
         assert status(proxy, K2) == 200 and status(proxy, K1) == 401  # the last good settings stay

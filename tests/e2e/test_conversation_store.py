@@ -14,7 +14,7 @@ NAME = "SmolLM2-135M-Instruct"
 
 
 def start(make_proxy, make_worker, db) -> object:
-    proxy = make_proxy(conversation_store_path=str(db))
+    proxy = make_proxy(sessions={"conversation_store_path": str(db)})
     for version in ("v1", "v2"):
         for role in ("prefill", "decode"):
             make_worker(proxy, f"{role}-{version}-{id(proxy)}", role, model_version=version)

@@ -48,8 +48,7 @@ def keys(tmp_path_factory) -> dict[str, Path]:
 
 
 def curve_proxy(make_proxy, keys):
-    return make_proxy(curve_secret_key_file=str(keys["secret"] / "proxy.key_secret"),
-                      curve_authorized_keys_dir=str(keys["authorized"]))
+    return make_proxy(security={"curve_secret_key_file": str(keys["secret"] / "proxy.key_secret"), "curve_authorized_keys_dir": str(keys["authorized"])})
 
 
 class RawWorker:
@@ -158,11 +157,11 @@ def test_a_keyed_cluster_serves_a_request_end_to_end(embedded_model_dir, keys, t
     secret = keys["secret"]
     cluster = LocalCluster.for_tests(
         embedded_model_dir, tmp_path, transfer_backend="zmq",
-        proxy_overrides=[f"curve_secret_key_file={secret / 'proxy.key_secret'}",
-                         f"curve_authorized_keys_dir={keys['authorized']}"],
-        worker_overrides=[f"curve_secret_key_file={secret / 'worker.key_secret'}",
-                          f"curve_proxy_public_key_file={secret / 'proxy.key'}",
-                          f"curve_authorized_keys_dir={keys['authorized']}"],
+        proxy_overrides=[f"security.curve_secret_key_file={secret / 'proxy.key_secret'}",
+                         f"security.curve_authorized_keys_dir={keys['authorized']}"],
+        worker_overrides=[f"security.curve_secret_key_file={secret / 'worker.key_secret'}",
+                          f"security.curve_proxy_public_key_file={secret / 'proxy.key'}",
+                          f"security.curve_authorized_keys_dir={keys['authorized']}"],
     )
     try:
         cluster.start()

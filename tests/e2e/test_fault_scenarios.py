@@ -137,7 +137,7 @@ def test_an_idle_cluster_then_a_burst(cluster, reference):
 
 def delayed_pull_cluster(model_dir: Path, log_dir: Path, lease_s: float, delay_s: float, *prefill: str):
     return LocalCluster.for_tests(model_dir, log_dir, prefill=2, decode=2, proxy_overrides=[f"kv_lease_s={lease_s}"],
-                                  role_overrides=[f"decode:fault_kv_pull_delay_s={delay_s}",
+                                  role_overrides=[f"decode:testing.fault_kv_pull_delay_s={delay_s}",
                                                   *(f"prefill:{pair}" for pair in prefill)]).start()
 
 

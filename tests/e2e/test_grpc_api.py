@@ -33,7 +33,7 @@ PAGES_FREED_S = ProxyConfig().kv_lease_s  # pages are freed as a request ends, o
 def served(embedded_model_dir, tmp_path_factory):
     port = free_port()
     cluster = LocalCluster.for_tests(embedded_model_dir, tmp_path_factory.mktemp("logs"),
-                                     proxy_overrides=[f"grpc_port={port}"]).start()
+                                     proxy_overrides=[f"http.grpc_port={port}"]).start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     yield cluster, channel
     channel.close()
@@ -140,8 +140,9 @@ def test_embed_tokenize_and_admin_answer_as_http_does(served):
 
 def test_a_tenant_over_its_rate_gets_resource_exhausted_with_retry_info(make_proxy, make_worker):
     port = free_port()
-    proxy = make_proxy(grpc_port=port, auth_enabled=True, tenants=[
-        {"name": "beta", "api_key_sha256": [hash_key("sk-beta")], "requests_per_s": 0.2, "request_burst": 1}])
+    proxy = make_proxy(http={"grpc_port": port},
+                       tenancy={"auth_enabled": True, "tenants": [
+        {"name": "beta", "api_key_sha256": [hash_key("sk-beta")], "requests_per_s": 0.2, "request_burst": 1}]})
     make_worker(proxy, "p0", "prefill")
     make_worker(proxy, "d0", "decode")
     ready(proxy)
@@ -186,7 +187,7 @@ def test_a_named_tool_choice_comes_back_as_typed_tool_calls(served):
 
 def test_a_stream_whose_client_grants_no_credit_ends_after_grpc_credit_timeout_s(make_proxy, make_worker):
     port = free_port()
-    proxy = make_proxy(grpc_port=port, grpc_credit_timeout_s=1.0)
+    proxy = make_proxy(http={"grpc_port": port, "grpc_credit_timeout_s": 1.0})
     make_worker(proxy, "p0", "prefill")
     decode = make_worker(proxy, "d0", "decode", token_interval_s=0.5)  # still running at the timeout
     ready(proxy)

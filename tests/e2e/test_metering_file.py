@@ -26,10 +26,10 @@ TENANTS = [{"name": "alpha", "api_key_sha256": [hash_key("sk-alpha")]},
 
 def start(tmp_path, tokenizer, embedded_model_dir, interval_s: float, token_interval_s: float = 0.0):
     config = tmp_path / "proxy.yaml"
-    config.write_text(yaml.safe_dump({"auth_enabled": True, "tenants": TENANTS}))
+    config.write_text(yaml.safe_dump({"tenancy": {"auth_enabled": True, "tenants": TENANTS}}))
     usage = tmp_path / "usage.jsonl"
     proxy = ProxyProcess(embedded_model_dir, tmp_path / "proxy.log", config=config,
-                         settings=[f"metering_path={usage}", f"metering_interval_s={interval_s}"])
+                         settings=[f"tenancy.metering_path={usage}", f"tenancy.metering_interval_s={interval_s}"])
     script = script_for(tokenizer)
     workers = [FakeWorker(proxy.endpoint, "p0", "prefill", script, cached_tokens=CACHED).start_and_wait(),
                FakeWorker(proxy.endpoint, "d0", "decode", script, token_interval_s=token_interval_s).start_and_wait()]

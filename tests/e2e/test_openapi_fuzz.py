@@ -110,8 +110,8 @@ CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "n": 2, "best_of": 2}  # wh
 @pytest.fixture(scope="module")
 def real_cluster(embedded_model_dir, tmp_path_factory):
     cluster = LocalCluster.for_tests(embedded_model_dir, tmp_path_factory.mktemp("fuzz-real"),
-                                     proxy_overrides=["max_prompt_bytes=4096", "first_token_timeout_s=30",
-                                                      f"max_tokens_default={CAPS['max_tokens']}"]).start()
+                                     proxy_overrides=["http.max_prompt_bytes=4096", "requests.first_token_timeout_s=30",
+                                                      f"requests.max_tokens_default={CAPS['max_tokens']}"]).start()
     yield cluster
     assert set(cluster.stop().values()) == {0}, "every process stops cleanly on SIGTERM"
 

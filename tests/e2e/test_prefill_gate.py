@@ -19,8 +19,8 @@ from common.runtime.prometheus_text import total
 from tests.conditions import settle
 
 GATES = {  # which gate: its settings, and the counter of the prompts it held
-    "tac": (["tac_enabled=true", "ttft_slo_ms=60000", "tpot_slo_ms=0.01"], "tessera_tac_prefill_held_total"),
-    "proxy": (["prefill_gate_max_hold_s=0.5", "tpot_slo_scope=always", "tpot_slo_ms=0.01"],
+    "tac": (["slo.tac_enabled=true", "slo.ttft_slo_ms=60000", "slo.tpot_slo_ms=0.01"], "tessera_tac_prefill_held_total"),
+    "proxy": (["slo.prefill_gate_max_hold_s=0.5", "slo.tpot_slo_scope=always", "slo.tpot_slo_ms=0.01"],
               "tessera_proxy_prefill_held_total"),
 }
 

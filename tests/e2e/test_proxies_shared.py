@@ -13,6 +13,7 @@ import itertools
 import msgspec
 
 from common.cli.local_cluster import free_port
+from common.config.roles import merge
 from common.runtime.prometheus_text import total
 from proxy.tenancy.api_keys import hash_key
 from tests.e2e.closed_loops import Completions, closed_loops
@@ -28,10 +29,10 @@ def start_cluster(make_proxy, script, workers: list, count: int, redis_url: str 
                   **options) -> list:
     """``count`` proxies sharing ``redis_url`` (none: each 1/count of the slots), a prefill worker and a 4-slot
     decode worker registered with every one."""
-    shared = {"redis_url": redis_url, "shared_state_interval_s": 0.05} if redis_url else {
-        "decode_slot_share": 1 / count}
-    proxies = [make_proxy(auth_enabled=True, tenants=TENANTS, prefill_ahead_per_tenant=2, proxy_id=f"{name}-{i}",
-                          **shared, **options) for i in range(count)]
+    shared = {"redis_url": redis_url, "interval_s": 0.05} if redis_url else {"decode_slot_share": 1 / count}
+    proxies = [make_proxy(**merge({"tenancy": {"auth_enabled": True, "tenants": TENANTS, "prefill_ahead_per_tenant": 2},
+                                   "shared_state": {"proxy_id": f"{name}-{i}", **shared}}, options))
+               for i in range(count)]
     address = ",".join(p.endpoint for p in proxies)
     prefill = FakeWorker(address, "p0", "prefill", script)
     decode = FakeWorker(address, "d0", "decode", script, token_interval_s=0.02)
@@ -172,8 +173,8 @@ def test_proxy_workers_share_one_port_and_each_serves_the_workers(tmp_path, embe
     http_port, worker_port, own_port = free_port(), two_free_ports(), two_free_ports()
     log = open(tmp_path / "proxy.log", "w")
     settings = [f"model={embedded_model_dir}", f"port={http_port}", f"worker_bind=tcp://127.0.0.1:{worker_port}",
-                f"redis_url={redis_server.url}", "heartbeat_timeout_s=1.0", "drain_timeout_s=5",
-                f"process_port={own_port}"]
+                f"shared_state.redis_url={redis_server.url}", "heartbeat_timeout_s=1.0", "drain_timeout_s=5",
+                f"http.process_port={own_port}"]
     proc = subprocess.Popen([sys.executable, "-m", "common.cli.main", "proxy", "--processes", "2",
                              *itertools.chain.from_iterable(("--set", s) for s in settings)],
                             stdout=log, stderr=subprocess.STDOUT)

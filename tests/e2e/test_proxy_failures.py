@@ -51,7 +51,7 @@ def test_fastapi_validation_errors_come_out_in_openai_shape(make_proxy):
 
 
 def test_first_token_timeout_aborts_and_answers_504(make_proxy, make_worker):
-    proxy = make_proxy(first_token_timeout_s=0.5)
+    proxy = make_proxy(requests={"first_token_timeout_s": 0.5})
     prefill = make_worker(proxy, "p0", "prefill", stall=True)
     make_worker(proxy, "d0", "decode")
     r = proxy.http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})
@@ -60,12 +60,12 @@ def test_first_token_timeout_aborts_and_answers_504(make_proxy, make_worker):
 
 
 def test_a_silent_decode_worker_times_out_the_stream(make_proxy, make_worker):
-    proxy = make_proxy(token_timeout_s=0.5)
+    proxy = make_proxy(requests={"token_timeout_s": 0.5})
     prefill = make_worker(proxy, "p0", "prefill")
     decode = make_worker(proxy, "d0", "decode", stall=True)
     with proxy.http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "Hi", "stream": True}) as r:
         rest = r.read().decode()
-    assert "token_timeout_s=0.5" in rest and rest.endswith("data: [DONE]\n\n")
+    assert "requests.token_timeout_s=0.5" in rest and rest.endswith("data: [DONE]\n\n")
     decode.wait_for(lambda m: isinstance(m, Abort))
     prefill.wait_for(lambda m: isinstance(m, ReleaseKV))
 

@@ -59,41 +59,41 @@ def post_head(length: int) -> bytes:
 
 
 def test_a_body_over_the_limit_gets_413_before_it_is_sent(make_proxy):
-    proxy = make_proxy(max_prompt_bytes=4096)
+    proxy = make_proxy(http={"max_prompt_bytes": 4096})
     sock = connect(proxy)
     sock.sendall(post_head(50_000_000) + b'{"model": "')  # declares 50 MB, sends a few bytes
     status, headers, body = read_response(sock)
     assert status == 413
     error = json.loads(body)["error"]
-    assert error["code"] == "request_too_large" and "max_prompt_bytes=4096" in error["message"]
+    assert error["code"] == "request_too_large" and "http.max_prompt_bytes=4096" in error["message"]
     assert headers.get("connection") == "close"
     assert closed_within(sock, 5.0)
 
 
 def test_a_chunked_body_over_the_limit_gets_413(make_proxy):
-    proxy = make_proxy(max_prompt_bytes=4096)
+    proxy = make_proxy(http={"max_prompt_bytes": 4096})
 
     def chunks():
         for _ in range(100):
             yield b" " * 1024
 
     response = proxy.http.post(CHAT, content=chunks(), headers={"Content-Type": "application/json"})
-    assert_openai_error(response, 413, "max_prompt_bytes=4096")
+    assert_openai_error(response, 413, "http.max_prompt_bytes=4096")
 
 
 def test_a_body_that_arrives_too_slowly_gets_408(make_proxy):
-    proxy = make_proxy(request_body_timeout_s=0.5)
+    proxy = make_proxy(http={"request_body_timeout_s": 0.5})
     sock = connect(proxy)
     sock.sendall(post_head(100) + b'{"model": ')  # then nothing more
     status, headers, body = read_response(sock)
     assert status == 408
     error = json.loads(body)["error"]  # the body's timeout, not another limit, named in the answer
-    assert error["code"] == "request_timeout" and "request_body_timeout_s=0.5" in error["message"]
+    assert error["code"] == "request_timeout" and "http.request_body_timeout_s=0.5" in error["message"]
     assert closed_within(sock, 5.0)
 
 
 def test_headers_dribbled_too_slowly_close_the_connection(make_proxy):
-    proxy = make_proxy(request_header_timeout_s=0.5)
+    proxy = make_proxy(http={"request_header_timeout_s": 0.5})
     sock = connect(proxy)
     sock.sendall(b"GET /v1/models HTTP/1.1\r\n")
     for byte in b"Host: proxy\r\nX-Slow: ":  # a byte every 50 ms: never a complete head in time
@@ -107,7 +107,7 @@ def test_headers_dribbled_too_slowly_close_the_connection(make_proxy):
 
 
 def test_an_idle_connection_is_closed_and_a_prompt_one_is_served(make_proxy):
-    proxy = make_proxy(request_header_timeout_s=0.5, keep_alive_timeout_s=0.5)
+    proxy = make_proxy(http={"request_header_timeout_s": 0.5, "keep_alive_timeout_s": 0.5})
     idle = connect(proxy)
     assert closed_within(idle, 5.0)  # opened, said nothing
     sock = connect(proxy)
@@ -118,7 +118,7 @@ def test_an_idle_connection_is_closed_and_a_prompt_one_is_served(make_proxy):
 
 
 def test_connections_beyond_max_connections_get_503(make_proxy):
-    proxy = make_proxy(max_connections=2)
+    proxy = make_proxy(http={"max_connections": 2})
     held = [connect(proxy), connect(proxy)]
     response = httpx.get(proxy.url + "/v1/models", timeout=10)
     assert response.status_code == 503
@@ -129,7 +129,7 @@ def test_connections_beyond_max_connections_get_503(make_proxy):
 
 
 def test_max_tokens_above_the_limit_is_refused(make_proxy):
-    proxy = make_proxy(max_tokens_limit=64, max_tokens_default=16)
+    proxy = make_proxy(requests={"max_tokens_limit": 64, "max_tokens_default": 16})
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 65}
     error = assert_openai_error(proxy.http.post(CHAT, json=body), 400, "at most 64 tokens")
     assert error["param"] == "max_tokens"

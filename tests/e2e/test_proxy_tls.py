@@ -72,7 +72,7 @@ def _client_context(pki, with_client_cert: bool) -> ssl.SSLContext:
 
 def test_https_is_served_and_plain_http_is_not(make_proxy, pki):
     cert, key = pki["server"]
-    proxy = make_proxy(tls_cert_file=cert, tls_key_file=key)
+    proxy = make_proxy(security={"tls_cert_file": cert, "tls_key_file": key})
     assert proxy.url.startswith("https://")
     response = httpx.get(proxy.url + "/v1/models", verify=_client_context(pki, False), timeout=10)
     assert response.status_code == 200 and response.json()["data"][0]["id"] == MODEL
@@ -84,7 +84,7 @@ def test_https_is_served_and_plain_http_is_not(make_proxy, pki):
 
 def test_client_certificates_are_required_with_tls_ca_file(make_proxy, pki):
     cert, key = pki["server"]
-    proxy = make_proxy(tls_cert_file=cert, tls_key_file=key, tls_ca_file=pki["ca"])
+    proxy = make_proxy(security={"tls_cert_file": cert, "tls_key_file": key, "tls_ca_file": pki["ca"]})
     response = httpx.get(proxy.url + "/v1/models", verify=_client_context(pki, True), timeout=10)
     assert response.status_code == 200
     with pytest.raises(httpx.TransportError):
@@ -101,7 +101,8 @@ def test_grpc_is_served_over_the_same_tls_and_client_certificates(make_proxy, pk
 
     cert, key = pki["server"]
     port = free_port()
-    make_proxy(tls_cert_file=cert, tls_key_file=key, tls_ca_file=pki["ca"], grpc_port=port)
+    make_proxy(security={"tls_cert_file": cert, "tls_key_file": key, "tls_ca_file": pki["ca"]},
+               http={"grpc_port": port})
     ca = Path(pki["ca"]).read_bytes()
     client_cert, client_key = (Path(p).read_bytes() for p in pki["client"])
     trusted = grpc.ssl_channel_credentials(ca, client_key, client_cert)

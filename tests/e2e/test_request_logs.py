@@ -34,7 +34,7 @@ def json_lines():
 
 @pytest.mark.parametrize("log_prompts", [False, True])
 def test_request_lines_name_the_request_and_tenant(make_proxy, make_worker, json_lines, log_prompts):
-    proxy = make_proxy(log_prompts=log_prompts)
+    proxy = make_proxy(observability={"log_prompts": log_prompts})
     make_worker(proxy, "p0", "prefill")
     decode = make_worker(proxy, "d0", "decode", stall=True)
     ready(proxy)

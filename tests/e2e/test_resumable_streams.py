@@ -94,7 +94,7 @@ def test_a_client_that_leaves_and_comes_back_gets_every_event_after_its_last(slo
 
 
 def test_nobody_coming_back_within_the_window_cancels_the_request(slow_cluster):
-    proxy, decode = slow_cluster(resume_window_s=0.3)
+    proxy, decode = slow_cluster(requests={"resume_window_s": 0.3})
     with proxy.http.stream("POST", "/v1/completions", json=body(max_tokens=2000), headers=RESUMABLE) as response:
         response_id = response.headers["x-response-id"]
         read_some(response.iter_lines(), 2)
@@ -102,14 +102,14 @@ def test_nobody_coming_back_within_the_window_cancels_the_request(slow_cluster):
     settle(lambda: dict(proxy.services.cluster.inflight), lambda inflight: not inflight, PATIENCE_S,
            "the request nobody came back for leaves the proxy")
     gone = settle(lambda: proxy.http.get(f"/v1/streams/{response_id}"), lambda r: r.status_code == 404, PATIENCE_S,
-                  "the stream goes once resume_window_s=0.3 passed")
+                  "the stream goes once requests.resume_window_s=0.3 passed")
     assert_openai_error(gone, 404, "resume_window_s")
     settle(lambda: proxy.http.get("/metrics").text, lambda text: "tessera_proxy_resume_buffer_bytes 0.0" in text,
            PATIENCE_S, "the stream's buffer is freed with it (resume_window_s)")
 
 
 def test_a_client_without_resume_still_aborts_at_once(slow_cluster):
-    proxy, decode = slow_cluster(resume_window_s=600)
+    proxy, decode = slow_cluster(requests={"resume_window_s": 600})
     with proxy.http.stream("POST", "/v1/completions", json=body(max_tokens=2000)) as response:
         read_some(response.iter_lines(), 2)
     decode.wait_for(lambda m: isinstance(m, Abort), timeout=10)
@@ -130,12 +130,12 @@ def test_a_second_reader_takes_the_stream_over(slow_cluster):
 
 
 def test_reconnection_errors_name_what_is_wrong(slow_cluster, make_proxy):
-    proxy, _ = slow_cluster(resume_buffer_events=4)
+    proxy, _ = slow_cluster(requests={"resume_buffer_events": 4})
     response = proxy.http.post("/v1/completions", json=body(), headers=RESUMABLE)
     response_id, last = response.headers["x-response-id"], parse(response.text)[-1][0]
     assert last > 4
     assert_openai_error(proxy.http.get(f"/v1/streams/{response_id}", headers={"Last-Event-ID": "0"}), 404,
-                        "resume_buffer_events=4")
+                        "requests.resume_buffer_events=4")
     assert_openai_error(proxy.http.get(f"/v1/streams/{response_id}", headers={"Last-Event-ID": str(last + 1)}),
                         404, "not available")
     kept = parse(proxy.http.get(f"/v1/streams/{response_id}", headers={"Last-Event-ID": str(last - 4)}).text)
@@ -150,7 +150,7 @@ def test_reconnection_errors_name_what_is_wrong(slow_cluster, make_proxy):
 
 
 def test_the_global_cap_bounds_the_memory_of_every_stream_together(slow_cluster):
-    proxy, _ = slow_cluster(resume_buffer_bytes=600)
+    proxy, _ = slow_cluster(requests={"resume_buffer_bytes": 600})
     for _ in range(3):
         response = proxy.http.post("/v1/completions", json=body(), headers=RESUMABLE)
         assert text_of(parse(response.text)) == SCRIPT_TEXT  # a connected reader loses nothing
@@ -163,7 +163,7 @@ def test_a_tenant_can_make_its_streams_resumable_and_only_it_may_resume_them(mak
     keys = {"alice": "sk-alice", "bob": "sk-bob"}
     tenants = (TenantConfig("alice", api_key_sha256=(hash_key(keys["alice"]),), resumable_streams=True),
                TenantConfig("bob", api_key_sha256=(hash_key(keys["bob"]),)))
-    proxy = make_proxy(auth_enabled=True, tenants=tenants)
+    proxy = make_proxy(tenancy={"auth_enabled": True, "tenants": tenants})
     make_worker(proxy, "d0", "decode")
     ready(proxy)
 

@@ -113,8 +113,8 @@ def test_v1_to_v2_under_load_then_back(versions, tmp_path, monkeypatch):
     (tmp_path / "logs").mkdir()
     cluster = LocalCluster.for_tests(
         "tiny@v1", tmp_path / "logs", prefill=1, decode=1,
-        proxy_overrides=[f"admin_api_key_sha256={hashlib.sha256(ADMIN_KEY.encode()).hexdigest()}",
-                         "session_pin_max_s=3"],
+        proxy_overrides=[f"security.admin_api_key_sha256={hashlib.sha256(ADMIN_KEY.encode()).hexdigest()}",
+                         "sessions.session_pin_max_s=3"],
         role_overrides=["prefill-1:engine.model=tiny@v2", "decode-1:engine.model=tiny@v2",
                         "prefill-2:engine.model=tiny@v1", "decode-2:engine.model=tiny@v1"]).start()
     try:

@@ -24,7 +24,7 @@ def test_version_names_the_release_and_the_wire_protocol():
 
 
 def test_status_lists_each_worker_with_its_role_model_and_pages(make_proxy, make_worker, tmp_path):
-    proxy = make_proxy(admin_api_key_sha256=hashlib.sha256(ADMIN_KEY.encode()).hexdigest())
+    proxy = make_proxy(security={"admin_api_key_sha256": hashlib.sha256(ADMIN_KEY.encode()).hexdigest()})
     make_worker(proxy, "p0", "prefill")
     make_worker(proxy, "d0", "decode")
     ready(proxy)

@@ -22,7 +22,7 @@ PROMPT = ("A lighthouse keeper writes in the log every evening: the weather, the
 @pytest.fixture(params=["tenant", "cluster"])
 def cluster(request, tiny_chat_model_dir, tmp_path):
     tenants = ", ".join(f"{{name: {name}, api_key_sha256: [{hash_key(key)}]}}" for name, key in KEYS.items())
-    overrides = ["auth_enabled=true", f"tenants=[{tenants}]", f"prefix_cache_sharing={request.param}"]
+    overrides = ["tenancy.auth_enabled=true", f"tenancy.tenants=[{tenants}]", f"tenancy.prefix_cache_sharing={request.param}"]
     c = LocalCluster.for_tests(tiny_chat_model_dir, tmp_path, transfer_backend="zmq",
                                proxy_overrides=overrides).start()
     yield c, request.param

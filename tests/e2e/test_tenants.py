@@ -13,6 +13,7 @@ import time
 
 import msgspec
 
+from common.config.roles import merge
 from common.protocol.wire import cache_salt_of
 from common.protocol.wire import StepCostModel
 from common.runtime.prometheus_text import total
@@ -53,7 +54,7 @@ def complete(proxy, key: str | None = None, headers: dict | None = None, **body)
 
 
 def test_auth_errors_are_401_in_openai_shape(make_proxy, script, workers):
-    proxy = make_proxy(auth_enabled=True, tenants=[{**TENANTS[0], "priority": "p0"}, TENANTS[1]])
+    proxy = make_proxy(tenancy={"auth_enabled": True, "tenants": [{**TENANTS[0], "priority": "p0"}, TENANTS[1]]})
     prefill, decode = start_worker(proxy, "p0", "prefill", script), start_worker(proxy, "d0", "decode", script)
     workers += [prefill, decode]
     ready(proxy)
@@ -73,7 +74,7 @@ def test_auth_errors_are_401_in_openai_shape(make_proxy, script, workers):
 
 
 def test_rate_limited_tenant_gets_429_while_another_is_unaffected(make_proxy, script, workers):
-    proxy = make_proxy(auth_enabled=True, tenants=TENANTS)
+    proxy = make_proxy(tenancy={"auth_enabled": True, "tenants": TENANTS})
     workers += [start_worker(proxy, "p0", "prefill", script, token_interval_s=0.01),
                 start_worker(proxy, "d0", "decode", script, token_interval_s=0.01)]
     ready(proxy)
@@ -91,7 +92,7 @@ def test_rate_limited_tenant_gets_429_while_another_is_unaffected(make_proxy, sc
 
 
 def test_saturated_cluster_times_out_the_queue_with_503(make_proxy, script, workers):
-    proxy = make_proxy(queue_timeout_s=0.5, prefill_ahead_per_tenant=1)
+    proxy = make_proxy(tenancy={"queue_timeout_s": 0.5, "prefill_ahead_per_tenant": 1})
     prefill = start_worker(proxy, "p0", "prefill", script)
     workers += [prefill, start_worker(proxy, "d0", "decode", script, max_num_seqs=1, token_interval_s=0.5)]
     ready(proxy)
@@ -107,7 +108,7 @@ def test_saturated_cluster_times_out_the_queue_with_503(make_proxy, script, work
     responses = asyncio.run(three())
     assert sorted(r.status_code for r in responses) == [200, 503, 503]  # one took the slot, whichever came first
     for response in (r for r in responses if r.status_code == 503):  # each waited queue_timeout_s for a decode
-        error = assert_openai_error(response, 503, "queue_timeout_s=0.5")  # slot after its prefill
+        error = assert_openai_error(response, 503, "tenancy.queue_timeout_s=0.5")  # slot after its prefill
         assert error["code"] == "queue_timeout" and response.headers["retry-after"] == "3"
     prefilled = {m.request_id for m in prefill.messages(PrefillRequest)}  # before each answer: final
     settle(lambda: {m.request_id for m in prefill.messages(ReleaseKV)}, prefilled.issubset, HEARTBEAT_TIMEOUT_S,
@@ -115,7 +116,7 @@ def test_saturated_cluster_times_out_the_queue_with_503(make_proxy, script, work
 
 
 def test_expired_client_deadline_drops_the_request_unrun(make_proxy, script, workers):
-    proxy = make_proxy(prefill_ahead_per_tenant=1)
+    proxy = make_proxy(tenancy={"prefill_ahead_per_tenant": 1})
     prefill = start_worker(proxy, "p0", "prefill", script)
     workers += [prefill, start_worker(proxy, "d0", "decode", script, max_num_seqs=1, token_interval_s=0.3)]
     ready(proxy)
@@ -141,7 +142,7 @@ def test_two_tenants_four_to_one_load(make_proxy, script, workers, policy):
     """24 heavy and 6 light closed-loop streams on 4 decode slots. VTC serves both tenants alike while both wait;
     FCFS serves the streams in turn, so each tenant its share of them. Counted over 120 completions after the
     first 30, the start's burst of one request a stream."""
-    proxy = make_proxy(auth_enabled=True, tenants=HEAVY_AND_LIGHT, fairness_policy=policy, prefill_ahead_per_tenant=2)
+    proxy = make_proxy(tenancy={"auth_enabled": True, "tenants": HEAVY_AND_LIGHT, "fairness_policy": policy, "prefill_ahead_per_tenant": 2})
     workers += [start_worker(proxy, "p0", "prefill", script),
                 start_worker(proxy, "d0", "decode", script, max_num_seqs=4, token_interval_s=0.02)]
     ready(proxy)
@@ -162,7 +163,7 @@ def heavy_and_light(make_proxy, script, workers, slots: int, token_interval_s: f
     """A proxy with tenants heavy (sk-heavy) and light (sk-light), a prefill worker, and a decode worker of
     ``slots`` slots that emits a token every ``token_interval_s`` and reports a step of ``step_ms[0]`` ms plus
     ``step_ms[1]`` ms a sequence; once the proxy has that model."""
-    proxy = make_proxy(auth_enabled=True, tenants=HEAVY_AND_LIGHT, **proxy_options)
+    proxy = make_proxy(**merge({"tenancy": {"auth_enabled": True, "tenants": HEAVY_AND_LIGHT}}, proxy_options))
     decode = FakeWorker(proxy.endpoint, "d0", "decode", script, token_interval_s=token_interval_s)
     decode.register_msg = msgspec.structs.replace(decode.register_msg, max_num_seqs=slots)
     decode.step_cost = StepCostModel(small_max_rows=0, small=[], large=[*step_ms, 0.0, 0.0, 0.0])
@@ -180,7 +181,7 @@ def test_decode_admission_holds_the_worker_to_the_tpot_target_while_tenants_shar
     """The worker reports a step time of 10 ms + 10 ms a sequence: with a 40 ms target it may run 3 sequences,
     whatever its 16 slots; the rest wait at the proxy, where VTC chooses between the tenants."""
     proxy, decode = heavy_and_light(make_proxy, script, workers, 16, 0.02, [10.0, 10.0],
-                                    tpot_slo_ms=40.0, tpot_slo_scope=scope)
+                                    slo={"tpot_slo_ms": 40.0, "tpot_slo_scope": scope})
     alone = most = 0
 
     async def heavy_alone() -> None:
@@ -233,8 +234,8 @@ def test_early_rejection_refuses_what_would_miss_the_ttft_target_and_spares_the_
     keeps 12 requests outstanding, so its new ones would wait well past the 300 ms target and are refused at
     once (429: its own requests are the cause, queued or holding the slots); the light tenant's one stream goes
     ahead of that queue (vtc) and is never refused. The clients run until each outcome was seen ten times."""
-    proxy = make_proxy(auth_enabled=True, tenants=HEAVY_AND_LIGHT, ttft_slo_ms=300.0, early_rejection=True,
-                       prefill_ahead_per_tenant=1)
+    proxy = make_proxy(tenancy={"auth_enabled": True, "tenants": HEAVY_AND_LIGHT, "prefill_ahead_per_tenant": 1},
+                       slo={"ttft_slo_ms": 300.0, "early_rejection": True})
     workers += [start_worker(proxy, "p0", "prefill", script),
                 start_worker(proxy, "d0", "decode", script, max_num_seqs=2, token_interval_s=0.02)]
     ready(proxy)
@@ -264,7 +265,7 @@ def test_early_rejection_refuses_what_would_miss_the_ttft_target_and_spares_the_
     assert set(heavy) <= {200, 429}
     status, retry_after, body = next(o for o in outcomes["sk-heavy"] if o[0] == 429)
     assert int(retry_after) >= 1
-    assert "ttft_slo_ms=300" in body["error"]["message"] and "heavy" in body["error"]["message"]
+    assert "slo.ttft_slo_ms=300" in body["error"]["message"] and "heavy" in body["error"]["message"]
     metrics = proxy.http.get("/metrics").text
     assert 'tessera_proxy_tenant_rejections_total{reason="ttft_target",tenant="heavy"}' in metrics
 
@@ -339,10 +340,11 @@ def test_preempt_for_fairness_makes_room_for_a_tenant_under_its_share(make_proxy
     preempt_for_fairness one heavy request swaps its slot with the light one at once (none of heavy's waiting
     ones takes the slot back); the preempted one finishes later with exactly the output an undisturbed request
     gets. Without it, the light request waits for a heavy one to end."""
-    proxy, decode = heavy_and_light(make_proxy, script, workers, 8, 0.25, [300.0, 50.0], tpot_slo_ms=460.0,
-                                    tpot_slo_scope="always", preempt_for_fairness=preempt)
+    proxy, decode = heavy_and_light(make_proxy, script, workers, 8, 0.25, [300.0, 50.0],
+                                    slo={"tpot_slo_ms": 460.0, "tpot_slo_scope": "always"},
+                                    tenancy={"preempt_for_fairness": preempt})
     _, ended_first, preempted = heavy_then_light(proxy, decode, holding=(2, 3))
-    print(f"preempt_for_fairness={preempt}: {ended_first:g} heavy request(s) ended before the light one decoded; "
+    print(f"tenancy.preempt_for_fairness={preempt}: {ended_first:g} heavy request(s) ended before the light one decoded; "
           f"{preempted:g} preempted")
     if preempt:
         assert preempted == 1  # one swap: no churn, though heavy requests wait for slots too
@@ -357,7 +359,7 @@ def test_a_newcomer_starts_beside_the_burst_a_lone_tenant_started(make_proxy, sc
     target allows 3: the heavy tenant's 8 are past it by its surplus, and the light request starts beside them
     at once, with no preemption, while none of heavy's 4 waiting ones starts until heavy is back within its
     share."""
-    proxy, decode = heavy_and_light(make_proxy, script, workers, 8, 0.25, [300.0, 50.0], tpot_slo_ms=460.0)
+    proxy, decode = heavy_and_light(make_proxy, script, workers, 8, 0.25, [300.0, 50.0], slo={"tpot_slo_ms": 460.0})
     _, ended_first, preempted = heavy_then_light(proxy, decode, holding=(8, 8))
     print(f"{ended_first:g} heavy request(s) ended before the light one decoded; {preempted:g} preempted")
     assert preempted == 0

@@ -82,7 +82,7 @@ def collector():
 
 
 def test_one_request_is_one_trace_across_processes(tiny_chat_model_dir, tmp_path, collector):
-    tracing = [f"otel_endpoint={collector.endpoint}"]
+    tracing = [f"observability.otel_endpoint={collector.endpoint}"]
     cluster = LocalCluster.for_tests(tiny_chat_model_dir, tmp_path, transfer_backend="zmq",
                       proxy_overrides=tracing, worker_overrides=tracing).start()
     try:

@@ -115,7 +115,7 @@ def test_bad_messages_get_error_frames_naming_the_problem_and_the_socket_stays_o
 
 
 def test_a_resumable_request_survives_its_socket_and_resumes_on_another(slow_cluster):
-    proxy, decode = slow_cluster(resume_window_s=60)
+    proxy, decode = slow_cluster(requests={"resume_window_s": 60})
     with connect(socket_url(proxy.url)) as socket:
         socket.send(request("r", resumable=True))
         seen = [json.loads(socket.recv(timeout=30)) for _ in range(3)]
@@ -134,7 +134,7 @@ def test_a_resumable_request_survives_its_socket_and_resumes_on_another(slow_clu
 
 
 def test_a_bad_key_is_refused_before_the_socket_opens_and_a_good_one_is_its_tenants(make_proxy, make_worker):
-    proxy = make_proxy(auth_enabled=True, tenants=(TenantConfig("alice", api_key_sha256=(hash_key("sk-a"),)),))
+    proxy = make_proxy(tenancy={"auth_enabled": True, "tenants": (TenantConfig("alice", api_key_sha256=(hash_key("sk-a"),)),)})
     make_worker(proxy, "d0", "decode")
     ready(proxy)
     with pytest.raises(InvalidStatus) as refused:
@@ -167,7 +167,7 @@ def test_an_idle_socket_is_closed_after_websocket_idle_timeout_s_but_not_while_a
     idle_timeout_s = 0.2
     # The script's tokens, one a step after the first: the request runs longer than two idle timeouts.
     assert (len(script) - 1) * SLOW_TOKEN_INTERVAL_S > 2 * idle_timeout_s
-    proxy, _ = slow_cluster(websocket_idle_timeout_s=idle_timeout_s)
+    proxy, _ = slow_cluster(http={"websocket_idle_timeout_s": idle_timeout_s})
     with connect(socket_url(proxy.url)) as socket:
         socket.send(request("a"))
         assert text(frames_until_done(socket, {"a"})["a"]) == SCRIPT_TEXT  # the socket stayed open throughout

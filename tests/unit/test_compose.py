@@ -82,7 +82,7 @@ def test_the_roles_load_their_configs_and_reach_each_other(compose):
         assert config.role == role and config.worker_id == f"{role}-0"
         assert config.proxy_address == f"tcp://proxy:{worker_port}"
         assert config.transfer_host == addresses[role]  # its own address on the network
-        assert f"127.0.0.1:{config.metrics_port}/healthz" in " ".join(services[role]["healthcheck"]["test"])
+        assert f"127.0.0.1:{config.observability.metrics_port}/healthz" in " ".join(services[role]["healthcheck"]["test"])
         assert int(services[role]["stop_grace_period"].rstrip("s")) > config.drain_timeout_s
     assert f"127.0.0.1:{proxy.port}/healthz" in " ".join(services["proxy"]["healthcheck"]["test"])
 
@@ -101,6 +101,6 @@ def test_prometheus_scrapes_every_role_with_the_repositorys_scrape_config(compos
         for group in yaml.safe_load((targets_dir / Path(name).name).read_text()):
             found.update(group["targets"])
     proxy = role_config(services["proxy"])
-    expected = {f"proxy:{proxy.port}"} | {f"{role}:{role_config(services[role]).metrics_port}"
+    expected = {f"proxy:{proxy.port}"} | {f"{role}:{role_config(services[role]).observability.metrics_port}"
                                           for role in ("prefill", "decode")}
     assert found == expected

@@ -11,7 +11,7 @@ import zmq.auth
 
 from common.cli.main import main
 from common.config.base import ConfigError, EngineConfig
-from common.config.roles import ProxyConfig, WorkerConfig, build, load_config
+from common.config.roles import ProxyConfig, WorkerConfig, build, load_config, parse_overrides
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").rglob("*.yaml"))
 needs_curve = pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE support")
@@ -26,7 +26,7 @@ def error_of(cls, data: dict) -> str:
 @pytest.mark.parametrize("cls, data, words", [
     (ProxyConfig, {"prot": 1}, ["unknown proxy config field 'prot'", "did you mean 'port'?"]),
     (WorkerConfig, {"engine": {"max_num_seq": 2}}, ["'max_num_seq'", "did you mean 'max_num_seqs'?"]),
-    (ProxyConfig, {"tenants": [{"name": "a", "wieght": 2}]}, ["'wieght'", "did you mean 'weight'?"]),
+    (ProxyConfig, {"tenancy": {"tenants": [{"name": "a", "wieght": 2}]}}, ["'wieght'", "did you mean 'weight'?"]),
     (ProxyConfig, {"zzzz": 1}, ["unknown proxy config field 'zzzz'", "known fields:", "worker_bind"]),
 ])
 def test_unknown_keys_name_the_closest_known_field(cls, data, words):
@@ -43,9 +43,10 @@ def test_unknown_keys_name_the_closest_known_field(cls, data, words):
     (ProxyConfig, {"heartbeat_timeout_s": 0}, ["'heartbeat_timeout_s' = 0", "> 0"]),
     (WorkerConfig, {"engine": {"num_kv_blocks": 1}}, ["'engine.num_kv_blocks' = 1", ">= 2 (or null)"]),
     (ProxyConfig, {"port": "http"}, ["'port' = 'http'", "expected int"]),
-    (ProxyConfig, {"max_connections": True}, ["'max_connections' = True", "expected int"]),
-    (ProxyConfig, {"fairness_policy": "lifo"}, ["'fairness_policy'", "'vtc'"]),
-    (ProxyConfig, {"max_tokens_limit": 100}, ["'max_tokens_default' = 256", "<= max_tokens_limit (100)"]),
+    (ProxyConfig, {"http": {"max_connections": True}}, ["'http.max_connections' = True", "expected int"]),
+    (ProxyConfig, {"tenancy": {"fairness_policy": "lifo"}}, ["'tenancy.fairness_policy'", "'vtc'"]),
+    (ProxyConfig, {"requests": {"max_tokens_limit": 100}}, ["in requests:", "'max_tokens_default' = 256",
+                                                        "<= max_tokens_limit (100)"]),
 ])
 def test_bad_values_name_the_field_and_what_it_allows(cls, data, words):
     message = error_of(cls, data)
@@ -54,13 +55,13 @@ def test_bad_values_name_the_field_and_what_it_allows(cls, data, words):
 
 
 @pytest.mark.parametrize("cls, data, words", [
-    (ProxyConfig, {"tls_cert_file": "c.pem"}, ["'tls_key_file' is empty", "'tls_cert_file' is set"]),
-    (ProxyConfig, {"tls_ca_file": "ca.pem"}, ["'tls_ca_file' needs tls_cert_file"]),
-    (ProxyConfig, {"curve_secret_key_file": "k"}, ["'curve_authorized_keys_dir' is empty"]),
-    (WorkerConfig, {"curve_secret_key_file": "k", "curve_authorized_keys_dir": "d"},
+    (ProxyConfig, {"security": {"tls_cert_file": "c.pem"}}, ["'tls_key_file' is empty", "'tls_cert_file' is set"]),
+    (ProxyConfig, {"security": {"tls_ca_file": "ca.pem"}}, ["'tls_ca_file' needs tls_cert_file"]),
+    (ProxyConfig, {"security": {"curve_secret_key_file": "k"}}, ["'curve_authorized_keys_dir' is empty"]),
+    (WorkerConfig, {"security": {"curve_secret_key_file": "k", "curve_authorized_keys_dir": "d"}},
      ["'curve_proxy_public_key_file' is empty"]),
-    (WorkerConfig, {"curve_secret_key_file": "k", "curve_proxy_public_key_file": "p"},
-     ["'curve_authorized_keys_dir' is empty", "zmq backend"]),
+    (WorkerConfig, {"security": {"curve_secret_key_file": "k", "curve_proxy_public_key_file": "p"}},
+     ["'security.curve_authorized_keys_dir' is empty", "zmq backend"]),
 ])
 def test_fields_that_go_together(cls, data, words):
     message = error_of(cls, data)
@@ -69,9 +70,9 @@ def test_fields_that_go_together(cls, data, words):
 
 
 def test_a_nixl_worker_needs_no_peer_keys_directory():
-    config = build(WorkerConfig, {"transfer_backend": "nixl", "curve_secret_key_file": "k",
-                                  "curve_proxy_public_key_file": "p"})
-    assert config.curve_authorized_keys_dir == ""
+    config = build(WorkerConfig, {"transfer_backend": "nixl",
+                                  "security": {"curve_secret_key_file": "k", "curve_proxy_public_key_file": "p"}})
+    assert config.security.curve_authorized_keys_dir == ""
 
 
 def test_integers_are_accepted_for_float_fields():
@@ -81,12 +82,12 @@ def test_integers_are_accepted_for_float_fields():
 
 
 def test_loading_checks_that_named_files_exist(tmp_path):
-    with pytest.raises(ConfigError, match=r"'tls_cert_file' = '.*nope.pem': no such file"):
-        load_config(ProxyConfig, None, {"tls_cert_file": str(tmp_path / "nope.pem"),
-                                        "tls_key_file": str(tmp_path / "nope.key")})
-    with pytest.raises(ConfigError, match="'curve_authorized_keys_dir' = .*: no such dir"):
-        load_config(ProxyConfig, None, {"curve_secret_key_file": __file__,
-                                        "curve_authorized_keys_dir": str(tmp_path / "none")})
+    with pytest.raises(ConfigError, match=r"'security.tls_cert_file' = '.*nope.pem': no such file"):
+        load_config(ProxyConfig, None, {"security": {"tls_cert_file": str(tmp_path / "nope.pem"),
+                                                     "tls_key_file": str(tmp_path / "nope.key")}})
+    with pytest.raises(ConfigError, match="'security.curve_authorized_keys_dir' = .*: no such dir"):
+        load_config(ProxyConfig, None, {"security": {"curve_secret_key_file": __file__,
+                                                     "curve_authorized_keys_dir": str(tmp_path / "none")}})
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(p.parents[1])) for p in CONFIGS])
@@ -108,8 +109,8 @@ def write(tmp_path: Path, text: str) -> str:
     ("role: decode\nengine: {max_num_seq: 4}\n", [], ["did you mean 'max_num_seqs'?"]),
     ("port: [1\n", ["--role", "proxy"], ["invalid"]),
     ("- a\n", ["--role", "proxy"], ["expected a mapping"]),
-    ("tls_cert_file: {f}\ntls_key_file: {f}\n", ["--role", "proxy"],
-     ["'tls_cert_file'", "'tls_key_file'", "not a matching PEM certificate and key"]),
+    ("security: {tls_cert_file: {f}, tls_key_file: {f}}\n", ["--role", "proxy"],
+     ["'security.tls_cert_file'", "'security.tls_key_file'", "not a matching PEM certificate and key"]),
 ])
 def test_check_fails_with_exit_2_and_the_reason(tmp_path, capsys, text, args, words):
     garbage = tmp_path / "garbage.pem"
@@ -152,23 +153,38 @@ def test_check_opens_the_curve_key_files(tmp_path, capsys):
         assert main(["curve-keys", "generate", "--out", str(keys), "--name", name]) == 0
     authorized = tmp_path / "authorized"
     authorized.mkdir()
-    proxy = write(tmp_path, f"curve_secret_key_file: {keys / 'proxy.key_secret'}\n"
-                            f"curve_authorized_keys_dir: {authorized}\n")
+    proxy = write(tmp_path, f"security:\n  curve_secret_key_file: {keys / 'proxy.key_secret'}\n"
+                            f"  curve_authorized_keys_dir: {authorized}\n")
     assert main(["config", "check", proxy, "--role", "proxy"]) == 2
     assert "holds no public key (*.key) file" in capsys.readouterr().err
     (authorized / "w0.key").write_bytes((keys / "w0.key").read_bytes())
     assert main(["config", "check", proxy, "--role", "proxy"]) == 0
     assert "CURVE: on" in capsys.readouterr().out
-    swapped = ["--set", f"curve_secret_key_file={keys / 'proxy.key'}"]
+    swapped = ["--set", f"security.curve_secret_key_file={keys / 'proxy.key'}"]
     assert main(["config", "check", proxy, "--role", "proxy", *swapped]) == 2
-    assert "'curve_secret_key_file'" in (err := capsys.readouterr().err) and "holds no secret key" in err
-    worker = ["--role", "decode", "--set", f"curve_secret_key_file={keys / 'w0.key_secret'}",
-              "--set", f"curve_proxy_public_key_file={keys / 'proxy.key'}",
-              "--set", f"curve_authorized_keys_dir={authorized}"]
+    assert "'security.curve_secret_key_file'" in (err := capsys.readouterr().err) and "holds no secret key" in err
+    worker = ["--role", "decode", "--set", f"security.curve_secret_key_file={keys / 'w0.key_secret'}",
+              "--set", f"security.curve_proxy_public_key_file={keys / 'proxy.key'}",
+              "--set", f"security.curve_authorized_keys_dir={authorized}"]
     assert main(["config", "check", write(tmp_path, "{}\n"), *worker]) == 0
-    not_a_key = ["--set", f"curve_proxy_public_key_file={__file__}"]
+    not_a_key = ["--set", f"security.curve_proxy_public_key_file={__file__}"]
     assert main(["config", "check", write(tmp_path, "{}\n"), *worker, *not_a_key]) == 2
-    assert "'curve_proxy_public_key_file'" in capsys.readouterr().err
+    assert "'security.curve_proxy_public_key_file'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cls, data, place", [
+    (ProxyConfig, {"ttft_slo_ms": 500}, "slo.ttft_slo_ms"),
+    (ProxyConfig, {"shared_state_interval_s": 0.5}, "shared_state.interval_s"),
+    (ProxyConfig, {"tls_cert_file": "c.pem"}, "security.tls_cert_file"),
+    (WorkerConfig, {"metrics_port": 9100}, "observability.metrics_port"),
+    (WorkerConfig, {"fault_kv_pull_delay_s": 1.0}, "testing.fault_kv_pull_delay_s"),
+    (WorkerConfig, {"engine": {"spec_method": "ngram"}}, "engine.spec.method"),
+])
+def test_a_key_from_before_the_sections_names_its_new_place(cls, data, place):
+    assert f"has moved into a section: set {place}" in error_of(cls, data)
+    key = next(iter(data))
+    overrides = parse_overrides([f"{key}.spec_method=ngram" if key == "engine" else f"{key}=1"])
+    assert place in error_of(cls, overrides)
 
 
 def test_a_deprecated_key_still_loads_with_a_warning(tmp_path, caplog):
@@ -183,18 +199,18 @@ def test_a_deprecated_key_still_loads_with_a_warning(tmp_path, caplog):
 
 
 def test_errors_name_nested_fields_by_their_path_and_list_every_bad_field():
-    message = error_of(ProxyConfig, {"port": 0, "tenants": [{"name": "team-a", "weight": -1}]})
+    message = error_of(ProxyConfig, {"port": 0, "tenancy": {"tenants": [{"name": "team-a", "weight": -1}]}})
     assert "'port' = 0 is invalid: > 0" in message
-    assert "tenants['team-a'].weight" in message and "-1" in message
-    assert "'tenants[0].name' is required" in error_of(ProxyConfig, {"tenants": [{"weight": 1}]})
+    assert "tenancy.tenants['team-a'].weight" in message and "-1" in message
+    assert "'tenancy.tenants[0].name' is required" in error_of(ProxyConfig, {"tenancy": {"tenants": [{"weight": 1}]}})
     assert "'engine' = 5 is invalid: expected a mapping" in error_of(WorkerConfig, {"engine": 5})
-    assert "in engine:" in error_of(WorkerConfig, {"engine": {"spec_method": "draft"}})
+    assert "in engine.spec:" in error_of(WorkerConfig, {"engine": {"spec": {"method": "draft"}}})
 
 
 def test_yaml_strings_and_booleans_are_not_taken_for_numbers():
     assert "expected int" in error_of(ProxyConfig, {"port": "8000"})
-    assert "expected float" in error_of(ProxyConfig, {"queue_timeout_s": True})
-    assert "expected bool" in error_of(ProxyConfig, {"auth_enabled": "yes"})
+    assert "expected float" in error_of(ProxyConfig, {"tenancy": {"queue_timeout_s": True}})
+    assert "expected bool" in error_of(ProxyConfig, {"tenancy": {"auth_enabled": "yes"}})
 
 
 def test_the_schema_command_prints_the_json_schema_that_validates(capsys):

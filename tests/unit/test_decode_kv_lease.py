@@ -45,7 +45,8 @@ def clock(monkeypatch) -> StillTime:
 
 def handler(cls, model_dir, transfer, **settings):
     engine = EngineConfig(model=str(model_dir), num_kv_blocks=64, block_size=16)
-    h = cls(WorkerConfig(role=cls.role, worker_id=f"{cls.role}-0", engine=engine, metrics_port=0, **settings),
+    h = cls(WorkerConfig(role=cls.role, worker_id=f"{cls.role}-0", engine=engine, observability={"metrics_port": 0},
+                         **settings),
             lambda: transfer)
     sent = []
     h.bind(sent.append)
@@ -110,7 +111,7 @@ def test_a_pull_that_cannot_end_within_the_lease_is_recomputed(tiny_chat_model_d
 
 def test_a_delayed_pull_starts_late_and_an_abort_meanwhile_frees_its_blocks(tiny_chat_model_dir, prefilled, clock):
     prefill, done = prefilled
-    decode, sent = decode_worker(tiny_chat_model_dir, prefill, fault_kv_pull_delay_s=1.0)
+    decode, sent = decode_worker(tiny_chat_model_dir, prefill, testing={"fault_kv_pull_delay_s": 1.0})
     decode.handle(decode_request(done, "aborted", None))
     decode.handle(decode_request(done, "kept", None))
     assert set(decode.delayed) == {"aborted", "kept"} and not decode.pulls

@@ -109,7 +109,7 @@ def test_decode_script_builds_a_valid_worker_command(tmp_path, recorder):
     assert config.proxy_address == "tcp://10.77.0.10:5555"
     assert config.transfer_host == "10.77.0.21"
     assert (config.engine.model, config.engine.dtype, config.engine.num_threads) == ("embedded", "float32", 1)
-    assert (config.metrics_host, config.metrics_port) == ("10.77.0.21", 9101)
+    assert (config.observability.metrics_host, config.observability.metrics_port) == ("10.77.0.21", 9101)
     assert (config.engine.max_num_seqs, config.kv_pull_timeout_s) == (64, 10)
     assert env["UCX_TLS"] == "tcp", "the env file's library variables reach the worker"
     assert (tmp_path / "cache").is_dir()
@@ -205,7 +205,7 @@ def test_several_proxies_each_with_processes_and_redis(tmp_path, recorder):
     assert result.returncode == 0, result.stderr
     args, _ = _parsed(out)
     assert args.processes == 2
-    assert load_config(ProxyConfig, args.config, parse_overrides(args.overrides)).redis_url == \
+    assert load_config(ProxyConfig, args.config, parse_overrides(args.overrides)).shared_state.redis_url == \
         "redis://10.77.0.10:6379/0"
     bad = _env_file(tmp_path, script, TESSERA_PROXY_PROCESSES="two")
     result = _launch("proxy.sh", bad)

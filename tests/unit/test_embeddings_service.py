@@ -7,15 +7,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from common.config.roles import ProxyConfig
 from common.protocol.versions import MESSAGE_SINCE
 from common.protocol.wire import PROTOCOL_VERSION, Abort, EmbedRequest, EmbedResult, RequestFailed, Role
 from proxy.cluster.embeddings import MAX_ATTEMPTS, Embeddings
 from proxy.core.errors import ApiError
 
 
-def config(**overrides):
-    return SimpleNamespace(**{"embedding_timeout_s": 5.0, "embedding_max_inflight_tokens": 100,
-                              "retry_after_s": 1, **overrides})
+def config(requests=None):
+    return ProxyConfig(requests={"embedding_timeout_s": 5.0, "embedding_max_inflight_tokens": 100,
+                                 "retry_after_s": 1, **(requests or {})})
 
 
 MODEL = ("m", "v1")
@@ -105,7 +106,7 @@ def test_an_invalid_input_is_the_clients_400_and_a_stray_answer_is_ignored():
 
 def test_a_timeout_is_a_504_naming_the_setting_and_aborts_the_work():
     async def run():
-        h = Harness(worker("p0", Role.PREFILL), embedding_timeout_s=0.05)
+        h = Harness(worker("p0", Role.PREFILL), requests={"embedding_timeout_s": 0.05})
         with pytest.raises(ApiError) as raised:
             await h.service.embed([[1, 2]], MODEL)
         assert raised.value.status == 504 and "embedding_timeout_s" in raised.value.message

@@ -70,11 +70,8 @@ class Server:
         return 2 * max(W_IN * self.input_len, W_OUT * batch_tokens)
 
     def run(self) -> Server:
-        config = ProxyConfig(
-            fairness_policy=self.policy, vtc_input_weight=W_IN, vtc_output_weight=W_OUT,
-            max_queued_requests=10**6, queue_timeout_s=10**6,
-            tenants=tuple(TenantConfig(load.tenant, weight=load.weight, priority=load.priority)
-                          for load in self.loads))
+        config = ProxyConfig(tenancy={"fairness_policy": self.policy, "vtc_input_weight": W_IN, "vtc_output_weight": W_OUT, "max_queued_requests": 10**6, "queue_timeout_s": 10**6, "tenants": tuple(TenantConfig(load.tenant, weight=load.weight, priority=load.priority)
+                          for load in self.loads)})
         tenants = TenantRegistry(config, clock=lambda: 0.0)
         prefilling: list[Req] = []
         batch: list[Req] = []

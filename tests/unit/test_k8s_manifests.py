@@ -119,7 +119,7 @@ def test_role_configs_load_with_the_pods_overrides(rendered, tmp_path):
         assert worker.role == role
         assert worker.worker_id == POD_FIELDS["metadata.name"], "worker_id must be the pod's name"
         assert worker.transfer_host == POD_FIELDS["status.podIP"], "KV pulls go pod to pod: the pod's IP"
-        assert (worker.metrics_host, worker.metrics_port) == ("0.0.0.0", _port(_container(deployment), "metrics"))
+        assert (worker.observability.metrics_host, worker.observability.metrics_port) == ("0.0.0.0", _port(_container(deployment), "metrics"))
         # An empty model_name announces the registered name, the embedded model's for its aliases.
         announced = worker.model_name or (EMBEDDED_MODEL if worker.engine.model in EMBEDDED_NAMES else None)
         assert announced == proxy.served_model_name

@@ -127,4 +127,4 @@ def test_an_unwritable_metering_path_names_the_field(tmp_path):
     with pytest.raises(ConfigError, match="metering_path"):
         check_path(str(tmp_path / "no-such-dir" / "usage.jsonl"))
     with pytest.raises(ConfigError, match="metering_interval_s"):
-        ProxyConfig(metering_interval_s=0)
+        ProxyConfig(tenancy={"metering_interval_s": 0})

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from common.config.roles import ProxyConfig
 from common.protocol.versions import MESSAGE_SINCE
 from common.protocol.wire import PROTOCOL_VERSION, KVLayoutInfo, LoadModel, Register, Standby
 from common.storage.registry import ModelRegistry
@@ -34,10 +35,11 @@ def register(worker_id: str, role: str, model: str, standby=(), epoch: int = 1, 
 class Cluster:
     """A ModelLoader and ServedModels over a real WorkerRegistry, with what the loader sends kept."""
 
-    def __init__(self, tmp_path, own_dir) -> None:
+    def __init__(self, tmp_path, own_dir, swap_min_idle_s: float = 0.0) -> None:
         self.now = 100.0
-        self.config = SimpleNamespace(retry_after_s=1, model_load_timeout_s=60.0, heartbeat_timeout_s=10.0,
-                                      served_model_name="alias", session_pin_max_s=60.0, model_swap_min_idle_s=0.0)
+        self.config = ProxyConfig(model_load_timeout_s=60.0, heartbeat_timeout_s=10.0, served_model_name="alias",
+                                  model_swap_min_idle_s=swap_min_idle_s, requests={"retry_after_s": 1},
+                                  sessions={"session_pin_max_s": 60.0})
         self.registry = WorkerRegistry(self.config.heartbeat_timeout_s)
         self.sent: list[tuple[str, object]] = []
         self.busy: set[str] = set()
@@ -163,8 +165,7 @@ def test_a_prefill_worker_busy_at_the_first_request_is_asked_by_a_later_one_whil
 
 
 def test_a_worker_whose_model_was_just_chosen_keeps_it_and_a_lost_worker_ends_its_load(tmp_path, tiny_dir):
-    c = Cluster(tmp_path, tiny_dir)
-    c.config.model_swap_min_idle_s = 5.0
+    c = Cluster(tmp_path, tiny_dir, swap_min_idle_s=5.0)
     c.join(register("w", "both", "tiny@own", standby=["other@v1"]))
     c.models.choose("tiny")  # a request for its model now
     assert "busy" in c.refused("other@v1").message and not c.sent

@@ -56,8 +56,8 @@ def models(tmp_path_factory, embedded_model_dir):
 
 def worker(dirs, standby, idle_s: float = 0.0):
     engine = EngineConfig(model=str(dirs[0]), num_kv_blocks=64, block_size=16)
-    config = WorkerConfig(role="both", worker_id="w0", engine=engine, metrics_port=0, standby_models=standby,
-                          model_idle_unload_s=idle_s, drain_timeout_s=5.0)
+    config = WorkerConfig(role="both", worker_id="w0", engine=engine, observability={"metrics_port": 0},
+                          standby_models=standby, model_idle_unload_s=idle_s, drain_timeout_s=5.0)
     handler = DecodeHandler(config, FakeBackend, role="both")
     sent: list = []
     handler.bind(sent.append)

@@ -35,14 +35,14 @@ def test_an_unknown_role_prefix_is_refused_by_name():
 
 
 def test_up_gives_an_unprefixed_field_to_the_processes_whose_config_has_it():
-    cluster = LocalCluster(threads=1, role_overrides=["engine.max_num_seqs=8", "retry_after_s=2",
+    cluster = LocalCluster(threads=1, role_overrides=["engine.max_num_seqs=8", "requests.retry_after_s=2",
                                                       "decode-1:engine.dtype=float32", "prefill:worker_id=p"])
     spawned = {}
     cluster._spawn = lambda name, args: spawned.setdefault(name, args)
     cluster.start_proxy()
     for role, index in (("prefill", 0), ("decode", 0), ("decode", 1)):
         cluster.start_worker(role, index)
-    assert "retry_after_s=2" in spawned["proxy"] and "engine.max_num_seqs=8" not in spawned["proxy"]
+    assert "requests.retry_after_s=2" in spawned["proxy"] and "engine.max_num_seqs=8" not in spawned["proxy"]
     assert all("engine.max_num_seqs=8" in spawned[name] for name in ("prefill-0", "decode-0", "decode-1"))
     assert "engine.dtype=float32" in spawned["decode-1"] and "engine.dtype=float32" not in spawned["decode-0"]
     assert "worker_id=p" in spawned["prefill-0"] and "worker_id=p" not in spawned["decode-0"]

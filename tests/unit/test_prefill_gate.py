@@ -115,13 +115,13 @@ def test_the_controller_holds_prompts_through_the_gate_and_counts_them():
 def test_the_controllers_gate_holds_at_most_the_configured_stretch_too():
     """As the proxy's own gate: the controller starts from the fixed cap's setting
     (docs/history/benchmarks-rounds.md, ninth round)."""
-    tac, _, _, clock = gated_controller(prefill_gate_max_hold_s=2.0)
+    tac, _, _, clock = gated_controller(slo={"prefill_gate_max_hold_s": 2.0})
     assert not tac.prefill_room()
     clock.now = 1.5
     assert not tac.prefill_room()
     clock.now = 2.5
     assert tac.prefill_room()  # past 2 s at a stretch: one goes
-    assert controller(prefill_gate_max_hold_s=0.0)[0].gate.max_hold_s == float("inf")  # 0: without bound
+    assert controller(slo={"prefill_gate_max_hold_s": 0.0})[0].gate.max_hold_s == float("inf")  # 0: without bound
 
 
 def test_short_prompts_stay_off_a_decode_worker_that_shares_its_cores_with_the_prefill_worker():
@@ -169,7 +169,7 @@ def gated_cluster(max_hold_s: float, scope: str = "always"):
     from proxy.cluster.cluster import Cluster
     from proxy.core.metrics import ProxyMetrics
     from proxy.core.routing import PrefixAwareRouting
-    config = ProxyConfig(tpot_slo_ms=TARGET_MS, tpot_slo_scope=scope, prefill_gate_max_hold_s=max_hold_s)
+    config = ProxyConfig(slo={"tpot_slo_ms": TARGET_MS, "tpot_slo_scope": scope, "prefill_gate_max_hold_s": max_hold_s})
     cluster = Cluster(config, PrefixAwareRouting(), ProxyMetrics(), clock=lambda: 100.0)
     cluster.registry = cluster.slo.registry = cluster.limits.registry = registry()
     if cluster.slo.gate is not None:
@@ -194,7 +194,7 @@ def test_a_prompt_the_gate_holds_goes_back_in_its_place():
     from proxy.tenancy.admission import AdmissionController
     from proxy.tenancy.tenants import TenantRegistry
     tenants = [{"name": t, "api_key_sha256": [hashlib.sha256(t.encode()).hexdigest()]} for t in ("a", "b")]
-    config = ProxyConfig(auth_enabled=True, tenants=tenants)
+    config = ProxyConfig(tenancy={"auth_enabled": True, "tenants": tenants})
     registry_ = TenantRegistry(config)
     limits = FixedLimits(slots=0, room=False)
     admission = AdmissionController(config, registry_)

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from common.config.roles import ProxyConfig
 from common.storage.registry import ModelRegistry
 from common.text.tokenizer import Tokenizer
 from proxy.core.errors import ApiError
@@ -30,7 +31,8 @@ class Served:
     def __init__(self, tmp_path, own_dir, *workers) -> None:
         self.store = ModelRegistry(tmp_path / "registry")
         self.workers = SimpleNamespace(workers={w.worker_id: w for w in workers})
-        config = SimpleNamespace(served_model_name="alias", retry_after_s=2, session_pin_max_s=60.0)
+        config = ProxyConfig(served_model_name="alias", requests={"retry_after_s": 2},
+                             sessions={"session_pin_max_s": 60.0})
         fetcher = TokenizerFetcher(config, None, None, {}, tmp_path / "cache")  # the workers here report no hash
         self.models = ServedModels(config, self.workers, self.store, ("tiny", "own-digest"), Tokenizer(own_dir),
                                    own_dir, fetcher)

@@ -43,8 +43,8 @@ def test_split_follows_each_tenants_demand_to_its_proxies_and_sums_to_the_slots(
 
 
 def proxy(url: str, proxy_id: str, clock=None, **settings) -> Cluster:
-    config = ProxyConfig(redis_url=url, proxy_id=proxy_id, tenants=TENANTS, auth_enabled=True,
-                         shared_state_timeout_s=0.5, **settings)
+    config = ProxyConfig(shared_state={"redis_url": url, "proxy_id": proxy_id, "timeout_s": 0.5},
+                         tenancy={"tenants": TENANTS, "auth_enabled": True}, **settings)
     cluster = Cluster(config, PrefixAwareRouting(0, 600), ProxyMetrics(), **({"clock": clock} if clock else {}))
     cluster.limits.share = SharedState(config, cluster.admission, cluster.metrics, clock=cluster._clock)
     cluster.admission.shares.weight = cluster.limits.share.weight
@@ -112,7 +112,7 @@ def test_a_rate_limit_holds_across_proxies(redis_server):  # noqa: F811
         assert admitted(b) == 0 and admitted(a) == 0
         # 0.01/s for 300 s by Redis's clock refills 3 (the real seconds the test takes refill a hundredth each):
         # taken by whichever proxy syncs first, the other then finds none
-        key = f"{a.config.shared_state_prefix}bucket:requests:slow"
+        key = f"{a.config.shared_state.key_prefix}bucket:requests:slow"
         with redis_server.client() as client:
             client.hincrbyfloat(key, "at", -300_000)
         assert await b.limits.share.sync()

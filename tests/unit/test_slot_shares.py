@@ -22,7 +22,7 @@ def decoding_admission(policy: str, slots: int, weights: dict[str, float] | None
     locally."""
     tenants = [{"name": t, "api_key_sha256": [hashlib.sha256(t.encode()).hexdigest()],
                 "weight": (weights or {}).get(t, 1.0), "priority": (lanes or {}).get(t, "p1")} for t in ("a", "b")]
-    cfg = ProxyConfig(fairness_policy=policy, auth_enabled=True, tenants=tenants)
+    cfg = ProxyConfig(tenancy={"fairness_policy": policy, "auth_enabled": True, "tenants": tenants})
     registry = TenantRegistry(cfg)
     return AdmissionController(cfg, registry), registry, FixedLimits(slots=slots)
 
@@ -73,7 +73,7 @@ def capped_admission(slots: int, policy: str = "vtc"):
     """``decoding_admission`` with the decode slots a latency capacity (the TPOT target applies); the limits'
     ``freeing``: choices decoding predicted to end within one prefill."""
     tenants = [{"name": t, "api_key_sha256": [hashlib.sha256(t.encode()).hexdigest()]} for t in ("a", "b")]
-    cfg = ProxyConfig(fairness_policy=policy, auth_enabled=True, tenants=tenants)
+    cfg = ProxyConfig(tenancy={"fairness_policy": policy, "auth_enabled": True, "tenants": tenants})
     registry = TenantRegistry(cfg)
     return AdmissionController(cfg, registry), registry, FixedLimits(slots=slots, capped=True)
 
@@ -142,7 +142,7 @@ def test_without_the_cap_every_tenant_runs_prefill_ahead_per_tenant():
         admission.enqueue(f"a{i}", registry.tenants["a"], 10, f"a{i}")
     admitted = drain(admission, limits)
     # two slots, and the tenant's prompts run ahead of them up to prefill_ahead_per_tenant (4) not yet decoding
-    assert len(admitted) == ProxyConfig().prefill_ahead_per_tenant > 2
+    assert len(admitted) == ProxyConfig().tenancy.prefill_ahead_per_tenant > 2
 
 
 def test_under_a_latency_cap_ready_choices_take_their_slots_in_arrival_order():
@@ -171,7 +171,7 @@ def a_alone_started(count: int):
     """Tenants a and b; a, alone (every one of 128 slots its own), started ``count`` prompts. A test turns
     the latency cap on and sets the slots through the limits."""
     tenants = [{"name": t, "api_key_sha256": [hashlib.sha256(t.encode()).hexdigest()]} for t in ("a", "b")]
-    cfg = ProxyConfig(auth_enabled=True, tenants=tenants)
+    cfg = ProxyConfig(tenancy={"auth_enabled": True, "tenants": tenants})
     registry = TenantRegistry(cfg)
     limits = FixedLimits(slots=128)
     admission = AdmissionController(cfg, registry)

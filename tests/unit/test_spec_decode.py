@@ -61,7 +61,7 @@ def check_acceptance_stats(stats, k=K):
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-SPEC = dict(spec_num_tokens=K, spec_max_batch_size=64)
+SPEC = {"num_tokens": K, "max_batch_size": 64}  # engine.spec settings every speculating test shares
 
 
 @pytest.mark.parametrize("method", ["ngram", "self-draft", "random-draft"])
@@ -69,11 +69,11 @@ def test_greedy_output_is_identical_with_speculation(method, tiny_chat_model_dir
     ids = prompts()
     plain, _ = generate(tiny_chat_model_dir, ids, GREEDY)
     extra = {
-        "ngram": dict(spec_method="ngram", spec_ngram_min=1, spec_adaptive=False),
-        "self-draft": dict(spec_method="draft", spec_draft_model=str(tiny_chat_model_dir)),
-        "random-draft": dict(spec_method="draft", spec_draft_model=str(draft_dir)),
+        "ngram": {"method": "ngram", "ngram_min": 1, "adaptive": False},
+        "self-draft": {"method": "draft", "draft_model": str(tiny_chat_model_dir)},
+        "random-draft": {"method": "draft", "draft_model": str(draft_dir)},
     }[method]
-    spec, stats = generate(tiny_chat_model_dir, ids, GREEDY, **SPEC, **extra)
+    spec, stats = generate(tiny_chat_model_dir, ids, GREEDY, spec={**SPEC, **extra})
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert [o.finish_reason for o in spec] == [o.finish_reason for o in plain]
     mean_len = check_acceptance_stats(stats)
@@ -94,8 +94,8 @@ def test_stops_inside_an_accepted_run_end_the_output_there(tiny_chat_model_dir):
         stop_id = ref.token_ids[7 + i % 9]
         params = SamplingParams(temperature=0.0, max_tokens=10 + i % 7, stop_token_ids=[stop_id], ignore_eos=True)
         (plain,), _ = generate(tiny_chat_model_dir, [prompt], params)
-        (spec,), stats = generate(tiny_chat_model_dir, [prompt], params, spec_method="draft",
-                                  spec_draft_model=str(tiny_chat_model_dir), **SPEC)
+        (spec,), stats = generate(tiny_chat_model_dir, [prompt], params,
+                                  spec={**SPEC, "method": "draft", "draft_model": str(tiny_chat_model_dir)})
         assert spec.token_ids == plain.token_ids and spec.finish_reason == plain.finish_reason
         assert len(spec.token_ids) <= params.max_tokens
         if stats.num_spec_drafts:
@@ -106,8 +106,8 @@ def test_stops_inside_an_accepted_run_end_the_output_there(tiny_chat_model_dir):
             continue
         params = SamplingParams(temperature=0.0, max_tokens=24, stop=[stop_text], ignore_eos=True)
         (plain,), _ = generate(tiny_chat_model_dir, [prompt], params)
-        (spec,), _ = generate(tiny_chat_model_dir, [prompt], params, spec_method="draft",
-                              spec_draft_model=str(tiny_chat_model_dir), **SPEC)
+        (spec,), _ = generate(tiny_chat_model_dir, [prompt], params,
+                              spec={**SPEC, "method": "draft", "draft_model": str(tiny_chat_model_dir)})
         assert (spec.text, spec.token_ids, spec.finish_reason) == (plain.text, plain.token_ids, plain.finish_reason)
 
 
@@ -116,8 +116,8 @@ def test_preemption_and_logprobs_with_speculation(tiny_chat_model_dir):
     ids = prompts(12, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
     plain, _ = generate(tiny_chat_model_dir, ids, params)
-    engine = LLMEngine(EngineConfig(model=str(tiny_chat_model_dir), num_kv_blocks=14, spec_method="draft",
-                                    spec_draft_model=str(tiny_chat_model_dir), **SPEC))
+    engine = LLMEngine(EngineConfig(model=str(tiny_chat_model_dir), num_kv_blocks=14,
+                                    spec={**SPEC, "method": "draft", "draft_model": str(tiny_chat_model_dir)}))
     spec = [o.outputs[0] for o in engine.generate(ids, params)]
     assert engine.stats.num_preemptions > 0 and engine.stats.num_spec_drafts > 0
     assert engine.block_manager.num_used_blocks == 0
@@ -128,8 +128,8 @@ def test_preemption_and_logprobs_with_speculation(tiny_chat_model_dir):
 
 
 def test_requests_choose_their_method_or_opt_out(tiny_chat_model_dir):
-    engine = LLMEngine(EngineConfig(model=str(tiny_chat_model_dir), num_kv_blocks=64, spec_max_batch_size=64,
-                                    spec_ngram_min=1))
+    engine = LLMEngine(EngineConfig(model=str(tiny_chat_model_dir), num_kv_blocks=64,
+                                    spec={"max_batch_size": 64, "ngram_min": 1}))
     with pytest.raises(RequestError, match="'draft' is not available"):
         engine.add_request("x", [5, 6, 7], SamplingParams(speculative="draft"))
     rep = [9, 10, 11] * 10
@@ -145,8 +145,8 @@ def test_requests_choose_their_method_or_opt_out(tiny_chat_model_dir):
 
 
 def test_abort_frees_the_draft_kv_at_once(tiny_chat_model_dir):
-    engine = LLMEngine(EngineConfig(model=str(tiny_chat_model_dir), num_kv_blocks=64, spec_method="draft",
-                                    spec_draft_model=str(tiny_chat_model_dir), spec_max_batch_size=64))
+    engine = LLMEngine(EngineConfig(model=str(tiny_chat_model_dir), num_kv_blocks=64,
+                                    spec={"method": "draft", "draft_model": str(tiny_chat_model_dir), "max_batch_size": 64}))
     engine.add_request("a", prompts(2)[1], GREEDY)
     for _ in range(3):
         engine.step()
@@ -159,10 +159,10 @@ def test_abort_frees_the_draft_kv_at_once(tiny_chat_model_dir):
 def test_no_speculation_above_the_batch_switch(tiny_chat_model_dir):
     ids = prompts(8)
     # All 8 decode side by side until they finish together: above a switch of 4, none speculates.
-    _, stats = generate(tiny_chat_model_dir, ids, GREEDY, spec_method="ngram", spec_ngram_min=1,
-                        spec_max_batch_size=4)
-    _, everywhere = generate(tiny_chat_model_dir, ids, GREEDY, spec_method="ngram", spec_ngram_min=1,
-                             spec_max_batch_size=8)
+    _, stats = generate(tiny_chat_model_dir, ids, GREEDY,
+                        spec={"method": "ngram", "ngram_min": 1, "max_batch_size": 4})
+    _, everywhere = generate(tiny_chat_model_dir, ids, GREEDY,
+                             spec={"method": "ngram", "ngram_min": 1, "max_batch_size": 8})
     assert stats.num_spec_drafts == 0 < everywhere.num_spec_drafts
 
 
@@ -190,12 +190,12 @@ def test_adaptive_k_shrinks_with_low_acceptance_and_recovers():
 
 
 def test_config_names_bad_speculative_fields():
-    with pytest.raises(ConfigError, match="spec_method"):
-        EngineConfig(model="m", spec_method="medusa")
-    with pytest.raises(ConfigError, match="spec_draft_model"):
-        EngineConfig(model="m", spec_method="draft")
-    with pytest.raises(ConfigError, match="spec_ngram_min"):
-        EngineConfig(model="m", spec_ngram_min=5, spec_ngram_max=3)
+    with pytest.raises(ConfigError, match="spec.method"):
+        EngineConfig(model="m", spec={"method": "medusa"})
+    with pytest.raises(ConfigError, match="in spec: config field 'draft_model'"):
+        EngineConfig(model="m", spec={"method": "draft"})
+    with pytest.raises(ConfigError, match="in spec: config field 'ngram_min'"):
+        EngineConfig(model="m", spec={"ngram_min": 5, "ngram_max": 3})
     with pytest.raises(ValueError, match="speculative"):
         SamplingParams(speculative="eagle")
 
@@ -203,7 +203,7 @@ def test_config_names_bad_speculative_fields():
 def test_the_adaptive_controller_only_restricts_the_configured_speculation():
     from common.engine.speculator import make_speculator
 
-    config = EngineConfig(model="unused", spec_method="ngram", spec_num_tokens=4, spec_max_batch_size=4)
+    config = EngineConfig(model="unused", spec={"method": "ngram", "num_tokens": 4, "max_batch_size": 4})
     speculator = make_speculator(config, runner=None)
     assert speculator.tune(2, 0) == (2, 0)
     assert speculator.tune(8, 16) == (4, 4)  # never above the configured values

@@ -41,8 +41,8 @@ def test_ngram_speculation_keeps_greedy_output(embedded_model_dir, chats):
     params = [SamplingParams(temperature=0.0, max_tokens=40 + 3 * (i % 5), stop=["\n\n"] if i % 3 == 0 else [])
               for i in range(len(chats))]
     plain, _ = run(embedded_model_dir, chats, params)
-    spec, stats = run(embedded_model_dir, chats, params, spec_method="ngram", spec_num_tokens=K,
-                      spec_max_batch_size=64)
+    spec, stats = run(embedded_model_dir, chats, params,
+                      spec={"method": "ngram", "num_tokens": K, "max_batch_size": 64})
     for a, b in zip(spec, plain):
         assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
     mean_len = 1 + stats.num_spec_accepted_tokens / stats.num_spec_drafts

@@ -138,10 +138,10 @@ def tiny_pair(tmp_path_factory, embedded_model_dir):
 MAX_TOKENS = 4
 
 
-def sample_joint(model_dir, prompt, num_samples, first_seed=0, **engine_kw):
-    """Joint distribution of the generated tokens, top_k=4 keeping the support small."""
+def sample_joint(model_dir, prompt, num_samples, first_seed=0, spec=None):
+    """Joint distribution of the generated tokens, top_k=4 keeping the support small; ``spec``: engine.spec."""
     engine = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=2048, max_num_seqs=200,
-                                    max_num_batched_tokens=4096, spec_max_batch_size=200, **engine_kw))
+                                    max_num_batched_tokens=4096, spec={"max_batch_size": 200, **(spec or {})}))
     params = [SamplingParams(temperature=0.8, top_k=4, max_tokens=MAX_TOKENS, ignore_eos=True, seed=s)
               for s in range(first_seed, first_seed + num_samples)]
     outs = engine.generate([prompt] * num_samples, params)
@@ -163,11 +163,10 @@ def test_engine_distribution_with_speculation_equals_plain(method, tiny_pair, ec
     target, draft = tiny_pair
     num = 3000
     plain, _ = sample_joint(target, echo_prompt, num)
-    extra = dict(spec_method="ngram", spec_ngram_min=1) if method == "ngram" else dict(
-        spec_method="draft", spec_draft_model=str(draft))
+    extra = {"method": "ngram", "ngram_min": 1} if method == "ngram" else {"method": "draft", "draft_model": str(draft)}
     # Other seeds: the counter RNG couples runs with equal seeds, and the test needs independent samples.
-    spec, stats = sample_joint(target, echo_prompt, num, first_seed=10**6, spec_adaptive=False, spec_num_tokens=2,
-                               **extra)
+    spec, stats = sample_joint(target, echo_prompt, num, first_seed=10**6,
+                               spec={"adaptive": False, "num_tokens": 2, **extra})
     assert stats.num_spec_drafts > num // 4, "speculation barely ran; the test would prove nothing"
     assert 0 < stats.num_spec_accepted_tokens < stats.num_spec_draft_tokens, "need both accepts and rejects"
     p_value = homogeneity(plain, spec)

@@ -90,9 +90,9 @@ def test_drafts_the_grammar_forbids_are_rejected_and_greedy_output_is_unchanged(
     """Drafts come from the unconstrained model (self-draft) or the context (n-gram), so most break the grammar."""
     params = [SamplingParams(temperature=0.0, max_tokens=64, structured=CONSTRAINTS[i % 3]) for i in range(12)]
     plain = run(engine(tiny_chat_model_dir), params, 12)
-    extra = {"ngram": dict(spec_method="ngram", spec_ngram_min=1, spec_adaptive=False),
-             "self-draft": dict(spec_method="draft", spec_draft_model=str(tiny_chat_model_dir))}[method]
-    speculating = engine(tiny_chat_model_dir, spec_num_tokens=4, spec_max_batch_size=64, **extra)
+    extra = {"ngram": {"method": "ngram", "ngram_min": 1, "adaptive": False},
+             "self-draft": {"method": "draft", "draft_model": str(tiny_chat_model_dir)}}[method]
+    speculating = engine(tiny_chat_model_dir, spec={"num_tokens": 4, "max_batch_size": 64, **extra})
     spec = run(speculating, params, 12)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert speculating.stats.num_spec_draft_tokens > speculating.stats.num_spec_accepted_tokens

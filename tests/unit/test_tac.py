@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from common.config.base import ConfigError
-from common.config.roles import ProxyConfig
+from common.config.roles import ProxyConfig, merge
 from common.protocol.wire import Heartbeat, KVLayoutInfo, Register, StepCostModel
 from common.runtime.prometheus_text import total
 from proxy.core.requests import Stage
@@ -28,8 +28,8 @@ COST = StepCostModel(small_max_rows=8, small=[9.0, 0.8, 3.0, 0.0, 0.0], large=[6
 
 
 def controller(**overrides):
-    config = ProxyConfig(tac_enabled=True, ttft_slo_ms=1000.0, tpot_slo_ms=50.0, **overrides)
-    registry = WorkerRegistry(5.0, config.tpot_slo_ms, config.tpot_slo_factor)
+    config = ProxyConfig(**merge({"slo": {"tac_enabled": True, "ttft_slo_ms": 1000.0, "tpot_slo_ms": 50.0}}, overrides))
+    registry = WorkerRegistry(5.0, config.slo.tpot_slo_ms, config.slo.tpot_slo_factor)
     for worker_id, role in (("p0", "prefill"), ("d0", "decode")):
         assert registry.register(Register(worker_id, role, 1, "m", "v", LAYOUT, 1000, 4096, "fake", b"", 128),
                                  0.0).ack.accepted
@@ -47,7 +47,7 @@ def tick(tac: AdaptiveController, now: float) -> None:
     """One decision, with this proxy's share of the slots the cap allows (as its limits give them); the messages
     it returns kept in ``tac.sent``."""
     capped = tac.registry.decode_slots(within_tpot=True, scale=tac.decode_scale)
-    tac.sent += tac.tick(now, int(capped * tac.config.decode_slot_share) if tac.decode_cap else 0)
+    tac.sent += tac.tick(now, int(capped * tac.config.shared_state.decode_slot_share) if tac.decode_cap else 0)
 
 
 def add_decode(tac: AdaptiveController, register: Register, now: float) -> None:
@@ -161,10 +161,10 @@ def test_failures_before_the_first_token_are_ttft_misses_and_cancelled_waits_are
 
 def test_the_controller_needs_a_ttft_target_and_is_off_by_default():
     with pytest.raises(ConfigError, match="tac_enabled.*ttft_slo_ms"):
-        ProxyConfig(tac_enabled=True)
+        ProxyConfig(slo={"tac_enabled": True})
     cluster = Cluster(ProxyConfig(), PrefixAwareRouting(), ProxyMetrics())
     assert cluster.tac is None
-    cluster = Cluster(ProxyConfig(tac_enabled=True, ttft_slo_ms=500.0), PrefixAwareRouting(), ProxyMetrics())
+    cluster = Cluster(ProxyConfig(slo={"tac_enabled": True, "ttft_slo_ms": 500.0}), PrefixAwareRouting(), ProxyMetrics())
     assert cluster.tac is not None and cluster.limits.latency_capped()  # the cap, from the start
     cluster.tac.decode_cap = False
     assert not cluster.limits.latency_capped()  # released: a lone tenant, the configured scope
@@ -210,7 +210,7 @@ def test_the_decode_scale_corrects_a_capacity_that_does_not_hold_the_target():
     tick(tac, 20.0)  # the TPOT target met, the TTFT target missed: it grows back
     assert tac.decode_scale == 0.625
     assert total(metrics.render().decode(), "tessera_tac_knob", knob="decode_scale") == 0.625
-    cluster = Cluster(ProxyConfig(tac_enabled=True, ttft_slo_ms=500.0), PrefixAwareRouting(), ProxyMetrics())
+    cluster = Cluster(ProxyConfig(slo={"tac_enabled": True, "ttft_slo_ms": 500.0}), PrefixAwareRouting(), ProxyMetrics())
     cluster.tac.decode_scale = 0.5
     assert cluster.limits.decode_slots() == 0  # no worker: no slots, scaled or not
 

@@ -6,7 +6,7 @@ import io
 import pytest
 
 from common.config.base import ConfigError
-from common.config.roles import ProxyConfig, TenantConfig, load_config
+from common.config.roles import ProxyConfig, TenantConfig, load_config, merge
 from proxy.core.requests import Stage
 from proxy.tenancy.admission import AdmissionController
 from proxy.edge.auth import tenant_from_body, tenant_from_header
@@ -20,15 +20,15 @@ from tests.fixed_limits import FixedLimits
 def config(**overrides) -> ProxyConfig:
     tenants = [{"name": "gold", "api_key_sha256": [hash_key("sk-gold")], "weight": 3, "priority": "p0"},
                {"name": "free", "api_key_sha256": [hash_key("sk-free"), hash_key("sk-free-2")]}]
-    return ProxyConfig(**{"tenants": tenants, **overrides})
+    return ProxyConfig(**merge({"tenancy": {"tenants": tenants}}, overrides))
 
 
 def test_tenants_load_from_yaml(tmp_path):
     path = tmp_path / "proxy.yaml"
-    path.write_text(f"auth_enabled: true\ntenants:\n  - name: team-a\n    api_key_sha256: [{hash_key('k')}]\n"
-                    "    weight: 2\n    tokens_per_s: 500\n")
+    path.write_text(f"tenancy:\n  auth_enabled: true\n  tenants:\n    - name: team-a\n"
+                    f"      api_key_sha256: [{hash_key('k')}]\n      weight: 2\n      tokens_per_s: 500\n")
     loaded = load_config(ProxyConfig, path)
-    assert loaded.tenants == (TenantConfig("team-a", (hash_key("k"),), weight=2.0, tokens_per_s=500.0),)
+    assert loaded.tenancy.tenants == (TenantConfig("team-a", (hash_key("k"),), weight=2.0, tokens_per_s=500.0),)
 
 
 @pytest.mark.parametrize("tenants, words", [
@@ -43,12 +43,12 @@ def test_tenants_load_from_yaml(tmp_path):
 ])
 def test_bad_tenant_config_names_the_field(tenants, words):
     with pytest.raises(ConfigError, match=words):
-        ProxyConfig(tenants=tenants)
+        ProxyConfig(tenancy={"tenants": tenants})
 
 
 def test_auth_without_any_key_is_refused():
     with pytest.raises(ConfigError, match="auth_enabled"):
-        ProxyConfig(auth_enabled=True)
+        ProxyConfig(tenancy={"auth_enabled": True})
 
 
 def test_keys_find_their_tenant_and_the_default_tenant_exists():
@@ -62,21 +62,21 @@ def test_keys_find_their_tenant_and_the_default_tenant_exists():
 def test_each_tenant_has_its_own_cache_salt_unless_it_shares_a_group_or_the_cluster_shares():
     tenants = [{"name": "gold"}, {"name": "free"}, {"name": "lab-a", "cache_group": "lab"},
                {"name": "lab-b", "cache_group": "lab"}, {"name": "lab", "cache_group": ""}]
-    salts = {name: t.cache_salt for name, t in TenantRegistry(ProxyConfig(tenants=tenants)).tenants.items()}
+    salts = {name: t.cache_salt for name, t in TenantRegistry(ProxyConfig(tenancy={"tenants": tenants})).tenants.items()}
     assert salts["lab-a"] == salts["lab-b"]  # one group, one cache
     # every other pair apart, the default tenant too; a group is not the tenant of its name; never unsalted
     assert len({salts[n] for n in ("gold", "free", "lab-a", "lab", "default")}) == 5 and 0 not in salts.values()
-    assert salts == {n: t.cache_salt for n, t in TenantRegistry(ProxyConfig(tenants=tenants)).tenants.items()}
-    shared = TenantRegistry(ProxyConfig(tenants=tenants[:2], prefix_cache_sharing="cluster"))
+    assert salts == {n: t.cache_salt for n, t in TenantRegistry(ProxyConfig(tenancy={"tenants": tenants})).tenants.items()}
+    shared = TenantRegistry(ProxyConfig(tenancy={"tenants": tenants[:2], "prefix_cache_sharing": "cluster"}))
     assert {t.cache_salt for t in shared.tenants.values()} == {0}
     with pytest.raises(ConfigError, match="cache_group.*prefix_cache_sharing"):
-        ProxyConfig(tenants=tenants, prefix_cache_sharing="cluster")
+        ProxyConfig(tenancy={"tenants": tenants, "prefix_cache_sharing": "cluster"})
     with pytest.raises(ConfigError, match="prefix_cache_sharing"):
-        ProxyConfig(prefix_cache_sharing="off")
+        ProxyConfig(tenancy={"prefix_cache_sharing": "off"})
 
 
 def test_auth_header_rules():
-    cfg = config(auth_enabled=True)
+    cfg = config(tenancy={"auth_enabled": True})
     registry = TenantRegistry(cfg)
     assert tenant_from_header(registry, "Bearer sk-gold").name == "gold"
     for header, words in ((None, "no API key"), ("Basic abc", "Bearer"), ("Bearer sk-wrong-key", "incorrect")):
@@ -88,7 +88,7 @@ def test_auth_header_rules():
 
 
 def test_without_auth_the_user_field_or_the_default_decides():
-    cfg = config(tenant_from_user_field=True)
+    cfg = config(tenancy={"tenant_from_user_field": True})
     registry = TenantRegistry(cfg)
     assert tenant_from_header(registry, "Bearer anything") is None
     assert tenant_from_body(registry, "gold").name == "gold"
@@ -137,8 +137,7 @@ def test_unlimited_tenant_is_never_refused():
 
 
 def test_concurrency_queue_and_global_limits():
-    cfg = ProxyConfig(tenants=[{"name": "t", "max_concurrent": 3, "max_queued": 1}], max_queued_requests=2,
-                      prefill_ahead_per_tenant=1)
+    cfg = ProxyConfig(tenancy={"tenants": [{"name": "t", "max_concurrent": 3, "max_queued": 1}], "max_queued_requests": 2, "prefill_ahead_per_tenant": 1})
     registry = TenantRegistry(cfg)
     tenant, other = registry.get("t"), registry.default
     started = []
@@ -155,11 +154,11 @@ def test_concurrency_queue_and_global_limits():
     assert started == ["r1"]  # no decode slot: it runs ahead by prefill_ahead_per_tenant only
     with pytest.raises(ApiError, match="max_queued=1") as caught:
         admission.check_room(tenant, 1)
-    assert caught.value.status == 429 and caught.value.retry_after_s == cfg.retry_after_s
+    assert caught.value.status == 429 and caught.value.retry_after_s == cfg.requests.retry_after_s
     admission.enqueue("r3", tenant, 10, "r3")
     with pytest.raises(ApiError, match="max_concurrent=3"):
         admission.check_room(tenant, 1)
-    with pytest.raises(ApiError, match="max_queued_requests=2") as caught:
+    with pytest.raises(ApiError, match="tenancy.max_queued_requests=2") as caught:
         admission.check_room(other, 1)
     assert caught.value.status == 503
     admission.leave("r1", Stage.PREFILLING)  # it ran ahead to prefill
@@ -183,7 +182,7 @@ def test_api_keys_command(capsys, monkeypatch):
 
 
 def test_decode_slot_share_is_a_fraction():
-    assert ProxyConfig(decode_slot_share=0.25).decode_slot_share == 0.25
+    assert ProxyConfig(shared_state={"decode_slot_share": 0.25}).shared_state.decode_slot_share == 0.25
     for bad in (0, 1.5):
         with pytest.raises(ConfigError, match="decode_slot_share"):
-            ProxyConfig(decode_slot_share=bad)
+            ProxyConfig(shared_state={"decode_slot_share": bad})

@@ -86,7 +86,7 @@ def test_choices_ahead_counts_higher_lanes_whole_and_weights_within_a_lane():
 
 
 def test_the_prefill_gate_holds_prompts_at_the_proxy_while_no_prefill_worker_has_room():
-    cfg = ProxyConfig(ttft_slo_ms=500.0)
+    cfg = ProxyConfig(slo={"ttft_slo_ms": 500.0})
     registry = TenantRegistry(cfg)
     limits = FixedLimits(slots=64, room=False)
     admission = AdmissionController(cfg, registry)
@@ -99,8 +99,8 @@ def test_the_prefill_gate_holds_prompts_at_the_proxy_while_no_prefill_worker_has
 
 def test_early_rejection_needs_a_target():
     with pytest.raises(ConfigError, match="early_rejection.*ttft_slo_ms"):
-        ProxyConfig(early_rejection=True)
-    ProxyConfig(early_rejection=True, ttft_slo_ms=2000.0)
+        ProxyConfig(slo={"early_rejection": True})
+    ProxyConfig(slo={"early_rejection": True, "ttft_slo_ms": 2000.0})
 
 
 # -- SloControls (proxy/control/slo.py) on real registries --------------------------------------------------
@@ -130,7 +130,7 @@ def controls(cfg: ProxyConfig, slots: int = 8) -> tuple[SloControls, WorkerRegis
 
 
 def test_the_prefill_gate_reads_the_prefill_workers_own_model():
-    slo, registry, policy = controls(ProxyConfig(ttft_slo_ms=400.0))
+    slo, registry, policy = controls(ProxyConfig(slo={"ttft_slo_ms": 400.0}))
     assert slo.ttft_room()  # no model yet: room
     prompt_steps = StepCostModel(small_max_rows=0, small=[], large=[10.0, 0.0, 0.0, 0.5, 0.0],
                                  mixed=[10.0, 0.0, 0.0, 0.5, 0.0])
@@ -160,7 +160,8 @@ def fill_queue(slo: SloControls, tenant: str, count: int) -> None:
 def rejecting_controls() -> SloControls:
     """Early rejection against a 300 ms target, tenants a and b; its forecast: a first token 0.1 s after
     admission, one admission every 50 ms."""
-    cfg = ProxyConfig(ttft_slo_ms=300.0, early_rejection=True, tenants=[{"name": "a"}, {"name": "b"}])
+    cfg = ProxyConfig(slo={"ttft_slo_ms": 300.0, "early_rejection": True},
+                      tenancy={"tenants": [{"name": "a"}, {"name": "b"}]})
     slo, _, _ = controls(cfg)
     for _ in range(TTFT_MIN_SAMPLES + 1):
         slo.forecast.first_token(0.1)
@@ -174,7 +175,7 @@ def test_early_rejection_blames_the_tenant_whose_queue_it_is_and_never_refuses_w
     a, b = slo.admission.tenants.get("a"), slo.admission.tenants.get("b")
     slo.reject_early(a)  # an empty queue: nothing ahead, whatever the forecast
     fill_queue(slo, "a", 20)
-    with pytest.raises(ApiError, match="ttft_slo_ms=300") as caught:
+    with pytest.raises(ApiError, match="slo.ttft_slo_ms=300") as caught:
         slo.reject_early(a)  # 20 of its own ahead: 0.1 + 20 x 0.05 s
     assert caught.value.status == 429 and caught.value.retry_after_s == 1
     slo.reject_early(b)  # under vtc b waits for one of a's: 0.15 s
@@ -216,7 +217,7 @@ def test_early_rejection_refuses_what_the_forecast_plus_its_error_quantile_puts_
     for _ in range(TTFT_MIN_SAMPLES):
         slo.tokens_emitted(sub, 1.175)  # its first token 0.375 s after its arrival: 0.125 s past its forecast
     assert slo.forecast.margin("a") == pytest.approx(0.125) and slo.forecast.margin("b") == 0.0
-    with pytest.raises(ApiError, match=r"about 0\.\d+s.*ttft_slo_ms=300") as caught:
+    with pytest.raises(ApiError, match=r"about 0\.\d+s.*slo.ttft_slo_ms=300") as caught:
         slo.reject_early(a)
     assert caught.value.status == 429
     del slo.admission.count[Stage.QUEUED]["a"]  # a holds the cluster: nothing queued, 10 choices decoding ...
@@ -226,7 +227,7 @@ def test_early_rejection_refuses_what_the_forecast_plus_its_error_quantile_puts_
     with pytest.raises(ApiError) as caught:
         slo.reject_early(a)
     assert caught.value.status == 429 and "tenant 'a'" in caught.value.message  # a is still the cause
-    unforecast = ProxyConfig(ttft_slo_ms=300.0, tenants=[{"name": "a"}])
+    unforecast = ProxyConfig(slo={"ttft_slo_ms": 300.0}, tenancy={"tenants": [{"name": "a"}]})
     assert controls(unforecast)[0].reject_early(a) is None  # early_rejection off: no forecast, nothing refused
 
 
@@ -237,8 +238,8 @@ def decoding(tenant: str, worker: str = "d0", preemptions: int = 0, tokens: int 
 
 def preemption_setup(heavy: int, light_ready: int, slots: int = 4, lanes=("p1", "p1")):
     """Fairness preemption with ``slots`` decode slots, the heavy tenant holding ``heavy`` of them."""
-    cfg = ProxyConfig(preempt_for_fairness=True, tenants=[{"name": "heavy", "priority": lanes[0]},
-                                                           {"name": "light", "priority": lanes[1]}])
+    cfg = ProxyConfig(tenancy={"preempt_for_fairness": True, "tenants": [{"name": "heavy", "priority": lanes[0]},
+                                                           {"name": "light", "priority": lanes[1]}]})
     slo, registry, _ = controls(cfg, slots)
     preemption = FairnessPreemption(cfg, registry, slo.admission)
     inflight = {f"h{i}": decoding("heavy", tokens=10 + i) for i in range(heavy)}

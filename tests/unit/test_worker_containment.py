@@ -19,7 +19,7 @@ from tests.fake_transfer import FakeBackend
 @pytest.fixture
 def decode(tiny_chat_model_dir):
     engine = EngineConfig(model=str(tiny_chat_model_dir), num_kv_blocks=64, block_size=16)
-    config = WorkerConfig(role="decode", worker_id="decode-0", engine=engine, metrics_port=0)
+    config = WorkerConfig(role="decode", worker_id="decode-0", engine=engine, observability={"metrics_port": 0})
     handler = DecodeHandler(config, FakeBackend)
     sent = []
     handler.bind(sent.append)
@@ -103,7 +103,7 @@ def test_a_tune_from_the_proxy_sets_the_engines_token_budget_and_speculation_and
     from common.runtime.worker_runtime import _take_messages
     budgets = []
     gauges = {name: SimpleNamespace(value=None) for name in ("token_budget", "spec_num_tokens", "spec_max_batch_size")}
-    config = EngineConfig(model="unused", spec_method="ngram", spec_num_tokens=4, spec_max_batch_size=8)
+    config = EngineConfig(model="unused", spec={"method": "ngram", "num_tokens": 4, "max_batch_size": 8})
     handler = SimpleNamespace(engine=SimpleNamespace(scheduler=SimpleNamespace(
                                   set_token_budget=lambda t: budgets.append(t) or (t or 2048)),
                                   speculator=make_speculator(config, runner=None)),

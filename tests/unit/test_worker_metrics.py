@@ -40,7 +40,8 @@ def clock() -> ManualClock:
 
 @pytest.fixture()
 def served(clock):
-    config = WorkerConfig(role="decode", worker_id="d0", metrics_port=free_port(), health_stall_s=0.5)
+    config = WorkerConfig(role="decode", worker_id="d0",
+                          observability={"metrics_port": free_port(), "health_stall_s": 0.5})
     metrics = WorkerMetrics(config, clock=clock)
     server = HealthServer(config, metrics).start()
     yield metrics, f"http://127.0.0.1:{server.port}"
@@ -138,4 +139,4 @@ def test_liveness_turns_503_when_the_loop_stalls(served, clock):
 ])
 def test_config_errors_name_the_field(override, message):
     with pytest.raises(ConfigError, match=message):
-        WorkerConfig(**override)
+        WorkerConfig(observability=override)

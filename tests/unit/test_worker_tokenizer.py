@@ -16,7 +16,7 @@ import msgpack
 import pytest
 import zmq
 
-from common.config.roles import WorkerConfig
+from common.config.roles import ProxyConfig, WorkerConfig
 from common.protocol import wire
 from common.protocol.versions import MESSAGE_SINCE
 from common.runtime.registration import tokenizer_answer, tokenizer_digest
@@ -64,8 +64,8 @@ class Proxy:
 
     def __init__(self, cache, own_dir) -> None:
         self.now = 100.0
-        self.config = SimpleNamespace(retry_after_s=2, served_model_name="", session_pin_max_s=60.0,
-                                      tokenizer_fetch_timeout_s=TIMEOUT_S)
+        self.config = ProxyConfig(served_model_name="", tokenizer_fetch_timeout_s=TIMEOUT_S,
+                                  requests={"retry_after_s": 2}, sessions={"session_pin_max_s": 60.0})
         self.registry = WorkerRegistry(10.0)
         self.sent: list[tuple[str, object]] = []
         self.metrics = ProxyMetrics()

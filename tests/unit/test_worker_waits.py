@@ -23,7 +23,8 @@ LEASE_S = 30.0
 
 def handler(cls, role: str, model_dir, transfer):
     engine = EngineConfig(model=str(model_dir), num_kv_blocks=64, block_size=16)
-    config = WorkerConfig(role=role, worker_id=f"{role}-0", engine=engine, metrics_port=0, idle_poll_s=IDLE_S)
+    config = WorkerConfig(role=role, worker_id=f"{role}-0", engine=engine, observability={"metrics_port": 0},
+                          idle_poll_s=IDLE_S)
     h = cls(config, lambda: transfer)
     sent = []
     h.bind(sent.append)

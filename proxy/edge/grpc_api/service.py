@@ -181,7 +181,7 @@ class Generation(_Calls, rpc.GenerateServicer):
         metadata = _metadata(context)
         outbox: asyncio.Queue = asyncio.Queue()
         config = self.services.config
-        credits = Credits(config.grpc_initial_credits)
+        credits = Credits(config.http.grpc_initial_credits)
         running: dict[str, asyncio.Task] = {}
 
         async def run(request_id: str, request: pb.GenerateRequest) -> None:
@@ -235,10 +235,10 @@ class Generation(_Calls, rpc.GenerateServicer):
         try:
             while (message := await outbox.get()) is not None:
                 try:
-                    await asyncio.wait_for(credits.take(), config.grpc_credit_timeout_s)
+                    await asyncio.wait_for(credits.take(), config.http.grpc_credit_timeout_s)
                 except TimeoutError:
-                    await abort(context, ApiError(504, f"no credit granted within grpc_credit_timeout_s="
-                                                       f"{config.grpc_credit_timeout_s}s", code="timeout"))
+                    await abort(context, ApiError(504, f"no credit granted within http.grpc_credit_timeout_s="
+                                                       f"{config.http.grpc_credit_timeout_s}s", code="timeout"))
                 yield message
             try:
                 await reader
@@ -345,7 +345,7 @@ class GrpcServer:
 
     def __init__(self, services) -> None:
         config = services.config
-        limit = config.max_prompt_bytes
+        limit = config.http.max_prompt_bytes
         self.services = services
         # No SO_REUSEPORT: a second proxy on the same grpc_port must fail, not share it.
         self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit), ("grpc.so_reuseport", 0)])
@@ -354,14 +354,14 @@ class GrpcServer:
         rpc.add_TokenizeServicer_to_server(Tokenization(services), self.server)
         rpc.add_AdminServicer_to_server(Administration(services), self.server)
         host = f"[{config.host}]" if ":" in config.host else config.host  # an IPv6 address
-        self.address = f"{host}:{config.grpc_port}"
+        self.address = f"{host}:{config.http.grpc_port}"
         self._watch: asyncio.Task | None = None
         try:
-            if config.tls_cert_file:  # the HTTP listener's TLS, client certificates included
+            if config.security.tls_cert_file:  # the HTTP listener's TLS, client certificates included
                 credentials = grpc.ssl_server_credentials(
-                    [(Path(config.tls_key_file).read_bytes(), Path(config.tls_cert_file).read_bytes())],
-                    root_certificates=Path(config.tls_ca_file).read_bytes() if config.tls_ca_file else None,
-                    require_client_auth=bool(config.tls_ca_file))
+                    [(Path(config.security.tls_key_file).read_bytes(), Path(config.security.tls_cert_file).read_bytes())],
+                    root_certificates=Path(config.security.tls_ca_file).read_bytes() if config.security.tls_ca_file else None,
+                    require_client_auth=bool(config.security.tls_ca_file))
                 self.server.add_secure_port(self.address, credentials)
             else:
                 self.server.add_insecure_port(self.address)
