@@ -27,6 +27,10 @@ BESIDE_E2E = {
     "test_prometheus_scrape.py", "test_resumable_streams.py", "test_websocket_stream.py",
     # 45 s of an idle cluster; in this lane its module's cluster fixture starts a cluster of its own
     "test_fault_scenarios.py::test_an_idle_cluster_then_a_burst",
+    # real clusters whose tests mostly wait (heartbeat timeouts, a cut link, a drain, a model swap, fuzzed bodies
+    # the proxy refuses): beside the compute lane they keep the two lanes about as long (`--durations=0`)
+    "test_rolling_upgrade.py", "test_worker_tokenizer.py", "test_fault_link_cut.py", "test_multihost_netns.py",
+    "test_worker_signals.py", "test_openapi_fuzz.py", "test_failover_processes.py",
 }
 COMPUTE_UNIT = {
     "test_embedder.py", "test_engine_embedded.py", "test_engine_resume.py", "test_fused_decode.py",

@@ -118,5 +118,5 @@ def test_a_changed_file_applies_by_itself_and_a_broken_one_changes_nothing(tmp_p
     finally:
         stop(proxy, workers)
     log = proxy.log_path.read_text()
-    assert "the file changes queue_timeout_s, which needs a restart" in log
+    assert "the file changes tenancy.queue_timeout_s, which needs a restart" in log
     assert "config reload (the config file changed) failed" in log and "tenants['alpha'].weight" in log

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
+import pytest
+import yaml
+
 from common.cli.main import main
-from common.config.base import EngineConfig
 from common.config.docs import REGENERATE, missing_docs, render, sections
-from common.config.roles import ProxyConfig, TenantConfig, WorkerConfig
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
@@ -28,12 +30,31 @@ def test_committed_reference_matches_the_definitions():
 
 
 def test_every_section_and_field_is_in_the_reference():
-    names = [name for name, *_ in sections()]
-    assert names == ["proxy", "proxy.tenants[]", "worker", "worker.engine"]
+    found = sections()
+    names = [name for name, *_ in found]
+    assert names == ["proxy", "proxy.http", "proxy.requests", "proxy.sessions", "proxy.tenancy", "proxy.tenancy.tenants[]",
+                     "proxy.shared_state", "proxy.slo", "proxy.observability", "proxy.security", "worker",
+                     "worker.engine", "worker.engine.spec", "worker.observability", "worker.security", "worker.testing"]
     text = render()
-    for cls in (ProxyConfig, TenantConfig, WorkerConfig, EngineConfig):
+    for name, cls, *_ in found:
+        part = text.split(f"## `{name}`\n")[1].split("\n## ")[0]
         for f in dataclasses.fields(cls):
-            assert f"| `{f.name}` |" in text, f"{cls.__name__}.{f.name} is missing from the reference"
+            assert f"| `{f.name}` |" in part, f"{name}.{f.name} is missing from the reference"
+
+
+@pytest.mark.parametrize("role", ["proxy", "worker"])
+def test_no_section_of_a_roles_config_has_more_than_25_fields(role, capsys):
+    """What `tessera config schema` prints: the file's top level and every object in it."""
+    assert main(["config", "schema", role]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    objects = {"(top level)": schema, **schema.get("$defs", {})}
+    sizes = {name: len(obj.get("properties", {})) for name, obj in objects.items()}
+    assert len(sizes) > 3 and max(sizes.values()) <= 25, sizes
+
+
+def test_the_shipped_configs_set_nothing_of_the_testing_section():
+    for path in (DOCS.parents[1] / "configs").rglob("*.yaml"):
+        assert "testing" not in (yaml.safe_load(path.read_text()) or {}), path
 
 
 def test_rows_carry_type_default_allowed_values_and_doc():
@@ -42,7 +63,7 @@ def test_rows_carry_type_default_allowed_values_and_doc():
     assert "| `port` | `int` | `8000` | > 0 |" in text
     # The engine section shows the defaults a worker's engine starts from, not the bare dataclass's.
     assert "| `model` | `str` | `\"embedded\"` |" in text.split("## `worker.engine`")[1]
-    assert "| `name` | `str` | required |" in text.split("## `proxy.tenants[]`")[1]
+    assert "| `name` | `str` | required |" in text.split("## `proxy.tenancy.tenants[]`")[1]
     assert "| `tls_cert_file` | `str` | `\"\"` | path to an existing file, or empty |" in text
 
 
