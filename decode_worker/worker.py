@@ -219,11 +219,15 @@ class DecodeHandler(WorkerBase):
             self.engine.kv_failed(pull.seq)
 
     def _delta(self, out) -> wire.TokenDelta | None:
-        """What the proxy hears of one request's step: None for an abort, or for a step that added nothing."""
+        """What the proxy hears of one request's step: None for an abort, a failure (sent as RequestFailed), or a
+        step that added nothing."""
         o = out.outputs[0]
         if o.finish_reason == FinishReason.ABORT.value:
             self.metrics.request_done("decode", "aborted")
             self.trace_end(out.request_id, DECODE_SPAN, "aborted")
+            return None
+        if o.finish_reason == FinishReason.ERROR.value:
+            self.fail_nonfinite(out.request_id, "decode", DECODE_SPAN)
             return None
         if o.finish_reason is not None:
             self.metrics.request_done("decode", "completed")

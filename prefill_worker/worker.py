@@ -95,6 +95,9 @@ class PrefillHandler(WorkerBase):
             self.metrics.request_done("prefill", "aborted")
             self.trace_end(out.request_id, SPAN, "aborted")
             return
+        if o.finish_reason == FinishReason.ERROR.value:
+            self.fail_nonfinite(out.request_id, "prefill", SPAN)
+            return
         self.metrics.request_done("prefill", "completed")
         self.trace_end(out.request_id, SPAN)
         handoff = o.finish_reason == FinishReason.HANDOFF.value

@@ -60,7 +60,6 @@ class LocalCluster:
     own_session: bool = False  # start the processes in their own session (a terminal's Ctrl-C skips them)
     entry_module: str = "common.cli.main"  # what ``python -m`` runs for each role (tests wrap it)
     cwd: Path | None = None  # the processes' working directory (``python -m`` imports from there first)
-    flat_keys: bool = False  # the processes run a tree from before the config had sections (an older release at cwd)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     metrics_ports: dict[str, int] = field(default_factory=dict)  # worker name -> its /metrics port
 
@@ -106,8 +105,7 @@ class LocalCluster:
         cores = os.cpu_count() or 1
         shared = not self.threads and self.share_cores and self.num_workers > 1
         threads = self.threads or (cores if shared else max(1, cores // max(1, self.num_workers)))
-        metrics_port = "metrics_port" if self.flat_keys else "observability.metrics_port"
-        args = [role, "--set", f"worker_id={name}", "--set", f"{metrics_port}={self.metrics_ports[name]}",
+        args = [role, "--set", f"worker_id={name}", "--set", f"observability.metrics_port={self.metrics_ports[name]}",
                 "--set", f"proxy_address=tcp://127.0.0.1:{self.worker_port}",
                 "--set", f"engine.model={self.model_dir}", "--set", f"engine.num_threads={threads}",
                 "--set", f"transfer_backend={self.transfer_backend}"]

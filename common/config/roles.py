@@ -365,6 +365,9 @@ class WorkerTestingConfig:
         0.0, "fault injection, for tests only: a decode worker waits this long after each DecodeRequest before "
         "it starts pulling the pages, as a slow or congested network would (tests/e2e/test_fault_scenarios.py); "
         "0: off", ge=0)
+    fault_nonfinite_logits_token: Int | None = option(
+        None, "fault injection, for tests only: a sequence whose prompt holds this token id gets NaN logits, and "
+        "its request fails as a real NaN or Inf would (tests/e2e/test_nonfinite_logits.py); null: off", ge=0)
 
 
 @config_model("worker")

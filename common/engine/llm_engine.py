@@ -9,11 +9,14 @@ its KV blocks go back to the pool. Each ``step()`` is plan -> execute -> apply, 
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 import time
 from dataclasses import dataclass, field
 from collections.abc import Iterable, Sequence as Seq
+
+import numpy as np
 
 from common.engine.block_manager import BlockManager
 from common.config.base import EngineConfig
@@ -86,7 +89,8 @@ class OutputProcessor:
             state: TextState = seq.text_state
             # A handed-off sequence continues on a decode worker, which replays
             # its first token: text held back for a possible stop string stays held.
-            if seq.is_finished and not state.flushed and seq.finish_reason is not FinishReason.HANDOFF:
+            if seq.is_finished and not state.flushed and seq.finish_reason not in (FinishReason.HANDOFF,
+                                                                                   FinishReason.ERROR):
                 state.flush()
             tokens = seq.output_token_ids[: state.num_tokens]
             new_tokens = tokens[seq.reported_tokens:]
@@ -120,6 +124,7 @@ class EngineStats:
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    num_nonfinite_logits: int = 0  # requests failed because a step's logits for them held a NaN or Inf
 
 
 class RequestError(ValueError):
@@ -147,6 +152,7 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}
         self._seed_source = random.Random(config.seed)
         self._aborted: list[str] = []  # reported (as finished) by the next step
+        self._failed: list[str] = []  # failed in this step (non-finite logits): reported by it
         self.stats = EngineStats()
         # What a step costs, fitted online from every step run here (heartbeats report it to the proxy)
         fused = self.runner.model.fused_decode
@@ -338,11 +344,26 @@ class LLMEngine:
                 self.structured.advance(advanced, before, self.scheduler.finish)
             self._count(plan, sample, sum(s.num_tokens - before[s.seq_id] for s in advanced))
             self.output_processor.process(advanced, self.scheduler.finish)
+            for seq in sample.nonfinite:
+                self._fail_nonfinite(seq)
             if self._speculating:
                 self.speculator.observe(sample)
                 self.speculator.retain(self.scheduler.running)
             self.step_timer.observe(*shape, time.perf_counter() - started)
         return self._collect_outputs(advanced)
+
+    def _fail_nonfinite(self, seq: Sequence) -> None:
+        """A sequence's logits held a NaN or Inf: its request ends with FinishReason.ERROR, the batch goes on.
+        The prompt is logged only as its hash and length."""
+        if seq.request_id in self._failed:
+            return  # another sample of the same request
+        digest = hashlib.sha256(np.asarray(seq.prompt_token_ids, dtype=np.int64).tobytes()).hexdigest()[:16]
+        log.error("request %s: non-finite logits (NaN or Inf) at position %d; the request fails (prompt: %d "
+                  "tokens, sha256 %s)", seq.request_id, seq.num_tokens, seq.num_prompt_tokens, digest)
+        self.stats.num_nonfinite_logits += 1
+        self.scheduler.abort_request(seq.request_id, FinishReason.ERROR)
+        self.structured.live.difference_update(self.requests[seq.request_id])
+        self._failed.append(seq.request_id)
 
     def _count(self, plan, sample, num_generated: int) -> None:
         stats = self.stats
@@ -363,8 +384,9 @@ class LLMEngine:
 
     def _collect_outputs(self, advanced: list[Sequence]) -> list[RequestOutput]:
         touched = dict.fromkeys(s.request_id for s in advanced)
-        touched.update(dict.fromkeys(self._aborted))
+        touched.update(dict.fromkeys(self._aborted + self._failed))
         self._aborted.clear()
+        self._failed.clear()
         outputs = []
         for request_id in touched:
             seqs = self.requests[request_id]

@@ -57,6 +57,17 @@ class StepSample:
     top_logprobs: list[list[list[tuple[int, float]]]] | None = None
     num_drafts: list[int] = field(default_factory=list)  # proposed, per sequence
     num_accepted: list[int] = field(default_factory=list)
+    nonfinite: list[Sequence] = field(default_factory=list)  # logits with a NaN or Inf: sampled nothing
+
+
+def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Which rows hold a NaN or Inf. A row's sum is not finite when one of its logits is not, or when finite logits
+    overflow it, which the exact check on those rows then clears: one pass over the logits (77 us at 32 rows of 49k
+    on 2 cores, where isfinite over every logit takes 2.8 ms)."""
+    bad = ~torch.isfinite(logits.sum(-1))
+    if bad.any():
+        bad[bad.clone()] = ~torch.isfinite(logits[bad]).all(-1)
+    return bad
 
 
 class ModelRunner:
@@ -64,6 +75,9 @@ class ModelRunner:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
+        # Fault injection for tests (a worker's testing.fault_nonfinite_logits_token): NaN logits for a sequence
+        # whose prompt holds this token id.
+        self.fault_nonfinite_token: int | None = None
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         self.attention = select_backend(config.attention_backend, config.device, config.block_size)
@@ -280,9 +294,38 @@ class ModelRunner:
         if not prepared.sample_seqs:
             return StepSample([], [])
         logits = self.model.compute_logits(hidden[prepared.sample_rows]).float()
+        if self.fault_nonfinite_token is not None:
+            self._poison(logits, prepared.sample_seqs, prepared.drafts)
+        bad_rows = nonfinite_rows(logits)  # before the masks, whose -inf are meant
+        nonfinite = self._nonfinite(bad_rows, prepared.sample_seqs, prepared.drafts) if bad_rows.any() else []
+        if nonfinite:
+            logits[bad_rows] = 0.0  # sampled, then dropped: the other rows are untouched
         if constrain is not None:
             constrain(logits, prepared.sample_seqs, prepared.drafts)
-        return self.sample(logits, prepared.sample_seqs, prepared.drafts)
+        sample = self.sample(logits, prepared.sample_seqs, prepared.drafts)
+        for i in nonfinite:
+            sample.token_ids[i], sample.num_drafts[i], sample.num_accepted[i] = [], 0, 0
+            if sample.logprobs is not None:
+                sample.logprobs[i], sample.top_logprobs[i] = [], []
+        sample.nonfinite = [prepared.sample_seqs[i] for i in nonfinite]
+        return sample
+
+    @staticmethod
+    def _nonfinite(bad_rows: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> list[int]:
+        """The sequences (indices) with a non-finite logit in any of their rows (a verifying one has several)."""
+        counts = torch.tensor([len(d) + 1 for d in drafts], device=bad_rows.device)
+        per_seq = torch.zeros(len(seqs), dtype=torch.long, device=bad_rows.device)
+        per_seq.index_add_(0, torch.repeat_interleave(torch.arange(len(seqs), device=bad_rows.device), counts),
+                           bad_rows.long())
+        return per_seq.nonzero().flatten().tolist()
+
+    def _poison(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> None:
+        """Fault injection for tests: NaN in every row of a sequence whose prompt holds ``fault_nonfinite_token``."""
+        row = 0
+        for seq, d in zip(seqs, drafts):
+            if self.fault_nonfinite_token in seq.prompt_token_ids:
+                logits[row:row + len(d) + 1, 0] = float("nan")
+            row += len(d) + 1
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> StepSample:
         """Plain sequences through the sampler, verifying ones through ``verify_drafts``."""

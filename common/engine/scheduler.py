@@ -314,7 +314,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
-        if not (seq.prefill_only and reason is not FinishReason.ABORT):
+        if not (seq.prefill_only and reason not in (FinishReason.ABORT, FinishReason.ERROR)):
             self._release(seq)
         if seq in self.running:
             self.running.remove(seq)
@@ -352,13 +352,13 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def abort_request(self, request_id: str) -> list[Sequence]:
-        """Finish every sequence of a request wherever it is; returns them."""
+    def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> list[Sequence]:
+        """Finish every sequence of a request wherever it is (with ``reason``); returns them."""
         aborted = [s for s in self.running if s.request_id == request_id]
         aborted += [s for s in self.waiting if s.request_id == request_id]
         aborted += self._fork_waiters.pop(request_id, [])
         for seq in aborted:
             if seq in self.waiting:
                 self.waiting.remove(seq)
-            self.finish(seq, FinishReason.ABORT)
+            self.finish(seq, reason)
         return aborted

@@ -28,6 +28,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"
     HANDOFF = "handoff"  # prefill-only: first token sampled, KV kept for a decode worker
+    ERROR = "error"  # its logits were not finite (NaN or Inf): the request fails, the batch goes on
 
 
 _seq_ids = itertools.count()

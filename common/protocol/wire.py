@@ -84,7 +84,7 @@ class _Struct(msgspec.Struct, forbid_unknown_fields=True):
 
 # 11: EmbedRequest, EmbedResult; 12: LoadModel, Standby; 13: SamplingParams.structured; 14: TokenDeltas.step_rows,
 # step; 15: Register.tokenizer_sha256, FetchTokenizer, TokenizerFiles. Versions one apart interoperate (versions.py).
-PROTOCOL_VERSION = 15
+PROTOCOL_VERSION = 16
 
 
 class MsgType(enum.IntEnum):
@@ -400,6 +400,7 @@ class RequestFailed(_Struct):
     message: str
     retryable: bool = False
     invalid_request: bool = False  # the request itself is unacceptable (the client gets a 400)
+    code: str = ""  # the error code the client gets (nonfinite_logits); empty: worker_error (or invalid_request)
 
 
 MESSAGES: dict[MsgType, type] = {

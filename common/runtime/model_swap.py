@@ -46,6 +46,10 @@ def load_model(worker, spec: str, name: str = "") -> None:
     started = time.monotonic()
     config = worker.config
     worker.engine = LLMEngine(replace(config.engine, model=spec))
+    if config.testing.fault_nonfinite_logits_token is not None:
+        log.warning("fault injection: a prompt holding token %d gets NaN logits (testing.fault_nonfinite_logits_token)",
+                    config.testing.fault_nonfinite_logits_token)
+        worker.engine.runner.fault_nonfinite_token = config.testing.fault_nonfinite_logits_token
     worker.model_name, worker.model_version = worker.metrics.identify(
         *model_identity(spec, config.engine.dtype, name))
     worker.tokenizer_sha256 = tokenizer_digest(read_tokenizer_files(worker.engine.model_dir))

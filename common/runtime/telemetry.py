@@ -168,6 +168,7 @@ class Snapshot:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    nonfinite_logits: int = 0
     step_predicted_ms: float | None = None  # decode steps: the step model's prediction, a moving average
     step_measured_ms: float | None = None  # and what they took
     step_model_error: float | None = None  # the moving average of |predicted - measured| / measured
@@ -190,6 +191,7 @@ class Snapshot:
             spec_drafts=stats.num_spec_drafts, spec_draft_tokens=stats.num_spec_draft_tokens,
             spec_accepted_tokens=stats.num_spec_accepted_tokens,
             spec_accepted_per_position=tuple(stats.spec_accepted_per_position),
+            nonfinite_logits=stats.num_nonfinite_logits,
             step_predicted_ms=engine.step_timer.predicted_ms, step_measured_ms=engine.step_timer.measured_ms,
             step_model_error=engine.step_timer.relative_error,
         )
@@ -263,6 +265,8 @@ class _SnapshotCollector:
                        s.computed_tokens)
         yield _counter("tessera_worker_generation_tokens", "Tokens generated", s.generated_tokens)
         yield _counter("tessera_worker_preemptions", "Sequences preempted for lack of KV pages", s.preemptions)
+        yield _counter("tessera_worker_nonfinite_logits", "Requests failed because their logits held a NaN or Inf "
+                       "(checked before every sampling; the rest of the batch went on)", s.nonfinite_logits)
         yield _counter("tessera_spec_decode_num_drafts", "Speculative proposals verified", s.spec_drafts)
         yield _counter("tessera_spec_decode_num_draft_tokens", "Speculative tokens proposed", s.spec_draft_tokens)
         yield _counter("tessera_spec_decode_num_accepted_tokens", "Speculative tokens accepted",

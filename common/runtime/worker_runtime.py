@@ -232,8 +232,16 @@ class WorkerBase:
         self.metrics.request_done(self.role, "failed")
         self.refuse(request_id, reason, retryable=False)
 
-    def refuse(self, request_id: str, message: str, retryable: bool, invalid_request: bool = False) -> None:
-        self.send(wire.RequestFailed(request_id, self.config.worker_id, message, retryable, invalid_request))
+    def refuse(self, request_id: str, message: str, retryable: bool, invalid_request: bool = False,
+               code: str = "") -> None:
+        self.send(wire.RequestFailed(request_id, self.config.worker_id, message, retryable, invalid_request, code))
+
+    def fail_nonfinite(self, request_id: str, stage: str, span: str) -> None:
+        """The engine ended the request: its logits held a NaN or Inf (counted, logged by the engine)."""
+        self.metrics.request_done(stage, "failed")
+        self.trace_end(request_id, span, "nonfinite_logits")
+        self.refuse(request_id, "the model's logits for this request were not finite (NaN or Inf); the worker "
+                    "serves on", retryable=False, code="nonfinite_logits")
 
     def close(self) -> None:
         if self.transfer is not None:

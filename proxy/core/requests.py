@@ -359,7 +359,7 @@ class SubRequest:
         if msg.invalid_request:
             return self._fail(ApiError(400, why, code="invalid_request"), gone=sender)
         if not msg.retryable:
-            return self._fail(ApiError(500, why, code="worker_error"), gone=sender)
+            return self._fail(ApiError(500, why, code=msg.code or "worker_error"), gone=sender)
         return self._resume(why, now, gone=sender)
 
     def on_worker_lost(self, worker_id: str, reason: str, now: float) -> Sends:

@@ -22,7 +22,7 @@ from common.protocol.sampling_params import SamplingParams
 from common.protocol.wire import PROTOCOL_VERSION
 from tests.conditions import settle
 
-PREVIOUS_RELEASE = "2a0577f"  # the last commit of protocol version 14
+PREVIOUS_RELEASE = "e48e0ea"  # the last commit of protocol version 15
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["Tell me about the sea.", "What is a hash table?", "Count to five."]
 MAX_TOKENS = 10
@@ -57,7 +57,7 @@ def test_a_worker_one_version_behind_serves_with_this_proxy(older, tiny_chat_mod
                                      proxy_overrides=["local_prefill_threshold=0"]).start()
     behind = LocalCluster.for_tests(
         tiny_chat_model_dir, logs, prefill=1, decode=0, port=cluster.port, worker_port=cluster.worker_port,
-        cwd=previous_release(tmp_path) if older == "previous-release" else None, flat_keys=older == "previous-release",
+        cwd=previous_release(tmp_path) if older == "previous-release" else None,
         # The previous release announces the name set here; this one the model directory's, the same.
         worker_overrides=[f"model_name={Path(tiny_chat_model_dir).name}"]
         + ([f"protocol_version={PROTOCOL_VERSION - 1}"] if older == "this-release-set-back" else []))

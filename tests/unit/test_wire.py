@@ -184,10 +184,10 @@ def test_a_message_for_the_previous_version_leaves_out_what_that_version_lacks(m
     request = wire.PrefillRequest("r1", [1, 2], SamplingParams(), 7, 30.0, cache_salt=5)
     frames = wire.encode(request, PROTOCOL_VERSION - 1)
     assert wire.frame_version(frames) == PROTOCOL_VERSION - 1 and wire.decode(frames) == request
-    joined = msgspec.structs.replace(SAMPLES[0], tokenizer_sha256="ab" * 32)
-    older_join = wire.encode(joined, PROTOCOL_VERSION - 1)  # Register.tokenizer_sha256 is new in 15
-    assert "tokenizer_sha256" not in msgpack.unpackb(older_join[1])
-    assert wire.decode(older_join) == SAMPLES[0]  # its default: the worker sends no tokenizer
+    failed = wire.RequestFailed("r1", "w", "NaN", code="nonfinite_logits")
+    older_failure = wire.encode(failed, PROTOCOL_VERSION - 1)  # RequestFailed.code is new in 16
+    assert "code" not in msgpack.unpackb(older_failure[1])
+    assert wire.decode(older_failure) == msgspec.structs.replace(failed, code="")  # its default: worker_error
     monkeypatch.setitem(versions.FIELD_SINCE, "PrefillRequest", {"cache_salt": PROTOCOL_VERSION})
     older = wire.encode(request, PROTOCOL_VERSION - 1)
     assert "cache_salt" not in msgpack.unpackb(older[1]) and wire.decode(older).cache_salt == 0  # its default
