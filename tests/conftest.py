@@ -27,7 +27,7 @@ BESIDE_E2E = {
     "test_sim_worker.py", "test_status_command.py", "test_tenants.py",
     # mostly scripted or tiny-model workers, and a few short requests through a real cluster
     "test_curve_security.py", "test_frame_fuzz.py", "test_hot_cold_models.py", "test_kv_transfer_processes.py",
-    "test_prometheus_scrape.py", "test_resumable_streams.py", "test_websocket_stream.py",
+    "test_prometheus_scrape.py", "test_resumable_streams.py", "test_websocket_stream.py", "test_nonfinite_logits.py",
     # 45 s of an idle cluster; in this lane its module's cluster fixture starts a cluster of its own
     "test_fault_scenarios.py::test_an_idle_cluster_then_a_burst",
 }
