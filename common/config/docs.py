@@ -58,21 +58,58 @@ override its keys are dotted (`--set slo.ttft_slo_ms=500`). A key that was a
 top-level key before the sections (`ttft_slo_ms: 500`) stops the process with
 an error naming its place now (`set slo.ttft_slo_ms`). The `testing` section
 holds fault injection for the test suite; no shipped config sets it.
-
-## What you must set
-
-| deployment | proxy | each worker |
-|---|---|---|
-| one host, `make run` or `tessera up` | nothing (`tessera up --model DIR --dtype D` picks the model) | nothing |
-| one host, a process per role (`configs/single-node/`, systemd units) | `model`, `dtype` (the workers'), `host`/`port` clients reach | `engine.model`, `engine.dtype`, `engine.num_threads` or `core_share` (cores) |
-| several hosts (`configs/multi-node/`, `deploy/launch/`) | `worker_bind` on an address the workers reach, `heartbeat_timeout_s` for the network | `proxy_address` (the proxy's `worker_bind`), `transfer_host` (an address the other workers reach), a unique `worker_id` |
-| an untrusted network | `security.curve_*` (`tessera curve-keys generate`), `security.tls_*` for clients | `security.curve_*` |
-| Kubernetes (`deploy/k8s/`) | as several hosts; the manifests set it | `observability.metrics_host`/`metrics_port` for the probes (set in the manifests) |
-| tenants with API keys | `tenancy.auth_enabled`, `tenancy.tenants[]` (weights, limits, key hashes) | nothing |
-| several proxies | `shared_state.redis_url` (or `tessera proxy --processes N` on one host) | `proxy_address`: every proxy's, comma-separated |
-| latency targets | `slo.ttft_slo_ms`, `slo.tpot_slo_ms` (0: none), optionally `slo.tac_enabled` | nothing |
-| Prometheus and traces | `observability.otel_endpoint` | `observability.metrics_port`, `observability.otel_endpoint` |
 """
+
+# What each deployment shape must set: (deployment, proxy, each worker), rendered after the intro.
+MUST_SET = (
+    (
+        "one host, `make run` or `tessera up`",
+        "nothing (`tessera up --model DIR --dtype D` picks the model)",
+        "nothing",
+    ),
+    (
+        "one host, a process per role (`configs/single-node/`, systemd units)",
+        "`model`, `dtype` (the workers'), `host`/`port` clients reach",
+        "`engine.model`, `engine.dtype`, `engine.num_threads` or `core_share` (cores)",
+    ),
+    (
+        "several hosts (`configs/multi-node/`, `deploy/launch/`)",
+        "`worker_bind` on an address the workers reach, `heartbeat_timeout_s` for the network",
+        "`proxy_address` (the proxy's `worker_bind`), `transfer_host` (an address the other workers reach), a"
+        " unique `worker_id`",
+    ),
+    (
+        "an untrusted network",
+        "`security.curve_*` (`tessera curve-keys generate`), `security.tls_*` for clients",
+        "`security.curve_*`",
+    ),
+    (
+        "Kubernetes (`deploy/k8s/`)",
+        "as several hosts; the manifests set it",
+        "`observability.metrics_host`/`metrics_port` for the probes (set in the manifests)",
+    ),
+    (
+        "tenants with API keys",
+        "`tenancy.auth_enabled`, `tenancy.tenants[]` (weights, limits, key hashes)",
+        "nothing",
+    ),
+    (
+        "several proxies",
+        "`shared_state.redis_url` (or `tessera proxy --processes N` on one host)",
+        "`proxy_address`: every proxy's, comma-separated",
+    ),
+    (
+        "latency targets",
+        "`slo.ttft_slo_ms`, `slo.tpot_slo_ms` (0: none), optionally `slo.tac_enabled`",
+        "nothing",
+    ),
+    (
+        "Prometheus and traces",
+        "`observability.otel_endpoint`",
+        "`observability.metrics_port`, `observability.otel_endpoint`",
+    ),
+)
+
 
 
 def sections() -> list[tuple[str, type, str, object]]:
@@ -113,7 +150,8 @@ def missing_docs() -> list[str]:
 
 
 def render() -> str:
-    parts = [INTRO]
+    parts = [INTRO, "\n## What you must set\n\n| deployment | proxy | each worker |\n|---|---|---|\n"]
+    parts.extend("| " + " | ".join(row) + " |\n" for row in MUST_SET)
     for name, cls, blurb, defaults in sections():
         parts.append(f"\n## `{name}`\n\n{blurb}\n\n| field | type | default | allowed | description |\n"
                      "|---|---|---|---|---|\n")

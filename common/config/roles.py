@@ -310,14 +310,30 @@ class ProxyConfig:
         5.0, "a worker serving a model is asked to swap it for a standby model only once no request chose its "
         "model for this long, so that two models wanted in turn do not swap one worker back and forth", ge=0)
     drain_timeout_s: Float = option(30.0, "on SIGTERM, how long requests in flight may run on", gt=0)
-    http: HttpConfig = option(doc="the HTTP, WebSocket and gRPC listeners: connections, their timeouts and body limits", default_factory=HttpConfig)
-    requests: RequestsConfig = option(doc="one request's limits and deadlines, and resumable streams' buffers", default_factory=RequestsConfig)
-    sessions: SessionsConfig = option(doc="sessions (X-Session-Id): their pinning to a model version and a decode worker, and the conversation store", default_factory=SessionsConfig)
-    tenancy: TenancyConfig = option(doc="tenants, API-key auth, the admission queue's fairness and metering", default_factory=TenancyConfig)
-    shared_state: SharedStateConfig = option(doc="several proxies sharing tenant counters, rate limits and the decode capacity split through Redis", default_factory=SharedStateConfig)
-    slo: SloConfig = option(doc="latency targets: TPOT and TTFT admission, the prefill gate, early rejection and the adaptive controller", default_factory=SloConfig)
-    observability: ProxyObservabilityConfig = option(doc="traces and request logs", default_factory=ProxyObservabilityConfig)
-    security: ProxySecurityConfig = option(doc="TLS on the HTTP listener, CURVE on the worker link, and the admin API's key", default_factory=ProxySecurityConfig)
+    http: HttpConfig = option(
+        doc="the HTTP, WebSocket and gRPC listeners: connections, their timeouts and body limits",
+        default_factory=HttpConfig)
+    requests: RequestsConfig = option(
+        doc="one request's limits and deadlines, and resumable streams' buffers",
+        default_factory=RequestsConfig)
+    sessions: SessionsConfig = option(
+        doc="sessions (X-Session-Id): their pinning to a model version and a decode worker, and the conversation store",
+        default_factory=SessionsConfig)
+    tenancy: TenancyConfig = option(
+        doc="tenants, API-key auth, the admission queue's fairness and metering",
+        default_factory=TenancyConfig)
+    shared_state: SharedStateConfig = option(
+        doc="several proxies sharing tenant counters, rate limits and the decode capacity split through Redis",
+        default_factory=SharedStateConfig)
+    slo: SloConfig = option(
+        doc="latency targets: TPOT and TTFT admission, the prefill gate, early rejection and the adaptive controller",
+        default_factory=SloConfig)
+    observability: ProxyObservabilityConfig = option(
+        doc="traces and request logs",
+        default_factory=ProxyObservabilityConfig)
+    security: ProxySecurityConfig = option(
+        doc="TLS on the HTTP listener, CURVE on the worker link, and the admin API's key",
+        default_factory=ProxySecurityConfig)
 
 @config_model("worker.observability", was_flat=True)
 class WorkerObservabilityConfig:
@@ -413,13 +429,20 @@ class WorkerConfig:
                              "its own")
     core_share_timeout_s: Float = option(
         10.0, "longest wait for a turn on the shared cores; past it the step runs anyway, with a warning", gt=0)
-    observability: WorkerObservabilityConfig = option(doc="/metrics, health probes, traces and request logs", default_factory=WorkerObservabilityConfig)
-    security: WorkerSecurityConfig = option(doc="CURVE on the links to the proxy and between workers", default_factory=WorkerSecurityConfig)
-    testing: WorkerTestingConfig = option(doc="fault injection for tests: the shipped configs never set these", default_factory=WorkerTestingConfig)
+    observability: WorkerObservabilityConfig = option(
+        doc="/metrics, health probes, traces and request logs",
+        default_factory=WorkerObservabilityConfig)
+    security: WorkerSecurityConfig = option(
+        doc="CURVE on the links to the proxy and between workers",
+        default_factory=WorkerSecurityConfig)
+    testing: WorkerTestingConfig = option(
+        doc="fault injection for tests: the shipped configs never set these",
+        default_factory=WorkerTestingConfig)
 
     def __post_init__(self) -> None:
         security = self.security
-        if security.curve_secret_key_file and self.transfer_backend != "nixl" and not security.curve_authorized_keys_dir:
+        zmq_peers = self.transfer_backend != "nixl"
+        if security.curve_secret_key_file and zmq_peers and not security.curve_authorized_keys_dir:
             raise ConfigError("config field 'security.curve_authorized_keys_dir' is empty but curve_secret_key_file "
                               f"is set and transfer_backend={self.transfer_backend!r} may use the zmq backend, "
                               "whose KV server must know its peers' public keys")

@@ -14,11 +14,12 @@ def check_tls_files(config) -> None:
     try:
         context.load_cert_chain(config.security.tls_cert_file, config.security.tls_key_file)
     except (ssl.SSLError, OSError) as exc:
-        raise ConfigError(f"config fields 'security.tls_cert_file' = {config.security.tls_cert_file!r} and 'security.tls_key_file' = "
-                          f"{config.security.tls_key_file!r} are not a matching PEM certificate and key: {exc}") from None
+        raise ConfigError(f"config fields 'security.tls_cert_file' = {config.security.tls_cert_file!r} and "
+                          f"'security.tls_key_file' = {config.security.tls_key_file!r} are not a matching PEM "
+                          f"certificate and key: {exc}") from None
     if config.security.tls_ca_file:
         try:
             context.load_verify_locations(config.security.tls_ca_file)
         except (ssl.SSLError, OSError) as exc:
-            raise ConfigError(f"config field 'security.tls_ca_file' = {config.security.tls_ca_file!r} is not a PEM CA bundle: "
-                              f"{exc}") from None
+            raise ConfigError(f"config field 'security.tls_ca_file' = {config.security.tls_ca_file!r} is not a PEM "
+                              f"CA bundle: {exc}") from None
