@@ -44,6 +44,7 @@ def prometheus(cluster, tmp_path_factory):
     config["global"]["scrape_interval"] = "1s"
     config["global"]["scrape_timeout"] = "1s"
     (home / "prometheus.yml").write_text(yaml.safe_dump(config))
+    shutil.copy(SHIPPED / "alerts.yml", home / "alerts.yml")
     (home / "targets").mkdir()
     (home / "targets" / "proxy.json").write_text(json.dumps([{"targets": [f"127.0.0.1:{cluster.port}"]}]))
     workers = [f"127.0.0.1:{port}" for port in cluster.metrics_ports.values()]
@@ -109,3 +110,13 @@ def test_every_dashboard_query_is_valid_promql(prometheus):
     assert exprs
     for expr in exprs:
         query(prometheus, expr.replace("$__rate_interval", "1m"))  # raises on a syntax error (HTTP 400)
+
+
+def test_prometheus_loads_the_shipped_alert_rules_and_a_healthy_cluster_fires_none(cluster, prometheus):
+    with urllib.request.urlopen(f"{prometheus}/api/v1/rules?type=alert", timeout=5) as resp:
+        groups = json.load(resp)["data"]["groups"]
+    assert {g["name"] for g in groups} == {"tessera-availability", "tessera-latency-slo", "tessera-capacity",
+                                           "tessera-faults"}
+    rules = [r for g in groups for r in g["rules"]]
+    assert len(rules) == 10 and all(r["health"] != "err" for r in rules), rules
+    assert not [r["name"] for r in rules if r["state"] == "firing"]
