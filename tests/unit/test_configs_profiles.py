@@ -54,3 +54,9 @@ def test_a_bad_override_of_a_profile_names_the_field():
         load_config(WorkerConfig, CONFIGS / "multi-node" / "prefill.yaml", parse_overrides(["engine.dtyp=float32"]))
     with pytest.raises(ConfigError, match="'engine.dtype'"):
         load_config(WorkerConfig, CONFIGS / "multi-node" / "prefill.yaml", parse_overrides(["engine.dtype=int3"]))
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_the_multi_node_workers_serve_metrics_and_health_for_their_host(role):
+    worker = load_config(WorkerConfig, CONFIGS / "multi-node" / f"{role}.yaml")
+    assert (worker.observability.metrics_host, worker.observability.metrics_port) == ("0.0.0.0", 9100)
