@@ -6,13 +6,18 @@ Writes zmq certificate files, as ``zmq.auth.create_certificates`` does:
 of whoever must accept this process) and ``DIR/NAME.key_secret`` (both keys:
 it stays on this host, readable by its owner only, mode 0600). Existing files
 are never overwritten: replacing a key is a deliberate act (delete, then
-generate). See docs/security.md for how the files are distributed.
+generate). ``--owner USER[:GROUP]`` gives the directory and both files to the
+service's user, so that a key made with sudo is readable by the unit that runs
+as that user. See docs/security.md for how the files are distributed.
 """
 from __future__ import annotations
 
 import argparse
+import grp
 import os
+import pwd
 import re
+import shutil
 from pathlib import Path
 
 import zmq
@@ -36,11 +41,14 @@ def add_curve_keys_command(subparsers) -> None:
     )
     generate.add_argument("--out", required=True, metavar="DIR", help="directory to write into (created 0700)")
     generate.add_argument("--name", required=True, help="key name, e.g. proxy or prefill-0 (letters, digits, ._-)")
+    generate.add_argument("--owner", metavar="USER[:GROUP]", help="give DIR and both files to this user (and its "
+                          "group, or GROUP): the service user that reads them, when run with sudo")
     generate.set_defaults(handler=_generate_command)
 
 
-def generate_key_pair(out: str | Path, name: str) -> tuple[Path, Path]:
-    """Write the pair; returns (public file, secret file)."""
+def generate_key_pair(out: str | Path, name: str, owner: str | None = None) -> tuple[Path, Path]:
+    """Write the pair, owned by ``owner`` (USER[:GROUP]) when given; returns (public file, secret file)."""
+    uid_gid = _owner_ids(owner) if owner else None  # before anything is written
     if not re.fullmatch(NAME_PATTERN, name):
         raise ConfigError(f"key name {name!r} is invalid: letters, digits, '.', '_' and '-', not starting "
                           "with a punctuation mark")
@@ -56,11 +64,32 @@ def generate_key_pair(out: str | Path, name: str) -> tuple[Path, Path]:
     os.close(os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     public_written, secret_written = zmq.auth.create_certificates(out, name)
     os.chmod(secret_written, 0o600)
+    if uid_gid is not None:
+        for path in (out, public_written, secret_written):
+            try:
+                shutil.chown(path, *uid_gid)
+            except PermissionError:
+                raise ConfigError(f"--owner {owner}: cannot give {path} to it without root (run with sudo)") from None
     return Path(public_written), Path(secret_written)
 
 
+def _owner_ids(owner: str) -> tuple[int, int]:
+    """USER[:GROUP] as (uid, gid); the group defaults to the user's own."""
+    user, _, group = owner.partition(":")
+    try:
+        entry = pwd.getpwnam(user)
+    except KeyError:
+        raise ConfigError(f"--owner {owner}: no user {user!r} on this host") from None
+    if not group:
+        return entry.pw_uid, entry.pw_gid
+    try:
+        return entry.pw_uid, grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(f"--owner {owner}: no group {group!r} on this host") from None
+
+
 def _generate_command(args: argparse.Namespace) -> int:
-    public, secret = generate_key_pair(args.out, args.name)
+    public, secret = generate_key_pair(args.out, args.name, args.owner)
     print(f"public key: {public}  (copy into the authorized keys directory of its peers)")
     print(f"secret key: {secret}  (mode 0600; keep it on this host)")
     return 0

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import pwd
 import stat
 from pathlib import Path
 
@@ -144,6 +146,24 @@ def test_curve_keys_generate_writes_a_private_pair_and_never_overwrites(tmp_path
     assert "refusing to overwrite" in capsys.readouterr().err
     assert zmq.auth.load_certificate(secret) == (public_key, secret_key)
     assert main(["curve-keys", "generate", "--out", str(out), "--name", "../escape"]) == 2
+
+
+@needs_curve
+def test_curve_keys_generate_gives_the_pair_to_the_service_user(tmp_path, capsys):
+    """As with sudo: the directory and both files belong to --owner, the secret still 0600."""
+    nobody = pwd.getpwnam("nobody")
+    out = tmp_path / "keys"
+    assert main(["curve-keys", "generate", "--out", str(out), "--name", "w0", "--owner", "nobody:no-such-group"]) == 2
+    assert main(["curve-keys", "generate", "--out", str(out), "--name", "w0", "--owner", "no-such-user"]) == 2
+    assert "no user 'no-such-user'" in capsys.readouterr().err and not out.exists()  # refused before writing
+    code = main(["curve-keys", "generate", "--out", str(out), "--name", "w0", "--owner", "nobody"])
+    if os.geteuid() != 0:
+        assert code == 2 and "without root" in capsys.readouterr().err
+        return
+    assert code == 0
+    for path in (out, out / "w0.key", out / "w0.key_secret"):
+        assert (path.stat().st_uid, path.stat().st_gid) == (nobody.pw_uid, nobody.pw_gid), path
+    assert stat.S_IMODE((out / "w0.key_secret").stat().st_mode) == 0o600
 
 
 @needs_curve
