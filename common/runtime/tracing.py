@@ -12,6 +12,15 @@ Spans of one request (names are stable; dashboards and tests use them):
     prefill: prefill_worker.prefill
     decode:  decode_worker.kv_transfer, decode_worker.decode
 
+A request that arrives with a W3C ``traceparent`` (and ``tracestate``) header
+continues that trace: the root is a child of the caller's span
+(``incoming_context``). The root carries the OpenTelemetry GenAI
+attributes that apply (``gen_ai.operation.name``, ``gen_ai.request.model`` as
+the client named it, ``gen_ai.response.model`` the model that served it,
+``gen_ai.request.max_tokens``, ``temperature``, ``top_p``, ``seed``,
+``gen_ai.usage.input_tokens``; at the end ``gen_ai.usage.output_tokens`` and
+``gen_ai.response.finish_reasons``).
+
 The proxy puts the W3C trace context of its prefill or decode span into
 ``trace_context`` of the PrefillRequest or DecodeRequest; a worker starts
 its spans as children of that remote context. Callers hold spans as opaque
@@ -27,6 +36,15 @@ from common.config.base import ConfigError
 # The batch processor's cadence: spans reach the collector within about this long.
 EXPORT_DELAY_MS = 500
 EXPORT_TIMEOUT_S = 10.0
+TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context
+
+
+def incoming_context(headers) -> dict | None:
+    """The W3C trace context an HTTP request (or gRPC metadata) arrived with, as a carrier for ``start``."""
+    if headers is None:
+        return None
+    carrier = {name: headers.get(name) for name in TRACE_HEADERS if headers.get(name)}
+    return carrier or None
 
 
 class NoTracing:
@@ -36,6 +54,9 @@ class NoTracing:
         return None
 
     def end(self, span, error: str | None = None) -> None:
+        return None
+
+    def annotate(self, span, attributes: dict) -> None:
         return None
 
     def carrier(self, span) -> dict | None:
@@ -86,6 +107,10 @@ class OtelTracing(NoTracing):
             span.set_status(Status(StatusCode.ERROR, error))
         span.end()
 
+    def annotate(self, span, attributes: dict) -> None:
+        if span is not None:
+            span.set_attributes({k: v for k, v in attributes.items() if v is not None})
+
     def carrier(self, span) -> dict | None:
         if span is None:
             return None
@@ -122,11 +147,14 @@ class RequestTrace:
     ends the phase and the root, marking both failed when ``error`` is given.
     """
 
-    def __init__(self, tracing: NoTracing, request_id: str, tenant: str, queued_s: float) -> None:
+    def __init__(self, tracing: NoTracing, request_id: str, tenant: str, queued_s: float, parent: dict | None = None,
+                 attributes: dict | None = None) -> None:
+        """``parent``: the caller's W3C trace context (a new trace without one); ``attributes``: the root's."""
         self._tracing = tracing
         arrival_ns = time.time_ns() - int(queued_s * 1e9)
-        self._root = tracing.start("tessera.request", attributes={"tessera.request_id": request_id,
-                                                                  "tessera.tenant": tenant}, start_ns=arrival_ns)
+        root_attributes = {"tessera.request_id": request_id, "tessera.tenant": tenant,
+                           **{k: v for k, v in (attributes or {}).items() if v is not None}}
+        self._root = tracing.start("tessera.request", parent=parent, attributes=root_attributes, start_ns=arrival_ns)
         tracing.end(tracing.start("proxy.queue", parent=self._root, start_ns=arrival_ns))
         self._phase = None
 
@@ -135,7 +163,9 @@ class RequestTrace:
         self._phase = self._tracing.start(name, parent=self._root, attributes=attributes)
         return self._tracing.carrier(self._phase)
 
-    def close(self, error: str | None = None) -> None:
+    def close(self, error: str | None = None, attributes: dict | None = None) -> None:
         self._tracing.end(self._phase, error)
         self._phase = None
+        if attributes:
+            self._tracing.annotate(self._root, attributes)
         self._tracing.end(self._root, error)

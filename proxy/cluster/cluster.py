@@ -157,11 +157,14 @@ class Cluster:
 
     def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams, base_seed: int,
                tenant: Tenant | None = None, timeout_s: float | None = None,
-               model: tuple[str, str] | None = None, session: str | None = None) -> RequestGroup:
+               model: tuple[str, str] | None = None, session: str | None = None, trace_parent: dict | None = None,
+               trace_attributes: dict | None = None) -> RequestGroup:
         """Queue ``len(prompts) * params.n`` sub-requests for admission; they start as capacity allows. ApiError 503
         when no worker could ever run them or the queue is full, 429 when ``tenant`` is over its concurrency or
         queue limit. ``timeout_s``: the client's deadline for being admitted; ``model``: the (name, version) whose
-        workers alone serve it (None: any); ``session``: its conversation, routed to the worker holding it."""
+        workers alone serve it (None: any); ``session``: its conversation, routed to the worker holding it;
+        ``trace_parent``: the caller's W3C trace context, continued by each sub-request's trace, whose root carries
+        ``trace_attributes``."""
         if self.draining:
             raise self._unavailable("the proxy is shutting down and accepts no new requests")
         decoders = [w for w in self.registry.decode_side() if model is None or (w.model, w.model_version) == model]
@@ -191,6 +194,7 @@ class Cluster:
                 sub.wait_for_admission(queue_deadline, client_deadline)
                 sub.ttft_forecast_s = forecast_s
                 sub.model, sub.session = model, session
+                sub.trace_parent, sub.trace_attributes = trace_parent, trace_attributes
                 self.inflight[sub.request_id] = sub
                 if tenant.limited:
                     tenant.limiter.charge_tokens(len(prompt), now)

@@ -106,6 +106,8 @@ Event = TokenEvent | FailureEvent
 
 class SubRequest:
     trace: RequestTrace | None = None  # only while tracing is on
+    trace_parent: dict | None = None  # the caller's W3C trace context, which its trace continues
+    trace_attributes: dict | None = None  # its root span's attributes from the HTTP request (gen_ai.operation.name)
     recovery: Recovery | None = None  # from a resume until the resumed attempt's first token
     preemptions = 0  # times it went back to admission for fairness (``preempt``)
     left: str | None = None  # the worker it last resumed from: routed elsewhere while another can take it
@@ -201,7 +203,12 @@ class SubRequest:
         metrics.prompt_tokens.labels(self.tenant, self.model_name).inc(len(self.prompt))
         self._generation_tokens = metrics.generation_tokens.labels(self.tenant, self.model_name)
         if self._tracing.enabled:
-            self.trace = RequestTrace(self._tracing, self.request_id, self.tenant, queued_s)
+            params = self.params
+            self.trace = RequestTrace(self._tracing, self.request_id, self.tenant, queued_s, self.trace_parent, {
+                "gen_ai.response.model": self.model_name, "gen_ai.request.max_tokens": params.max_tokens,
+                "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
+                "gen_ai.request.seed": self.seed, "gen_ai.usage.input_tokens": len(self.prompt),
+                **(self.trace_attributes or {})})
 
     def start_prefill(self, worker: WorkerState, counter: float, now: float) -> Sends:
         """Admitted to prefill on ``worker``; ``counter``: the tenant's service counter, which workers preempt by."""
@@ -236,7 +243,7 @@ class SubRequest:
             self.index, msg.text, [msg.first_token], [msg.logprob] if msg.logprob is not None else None, top,
             msg.finish_reason, msg.stop_reason, msg.num_cached_tokens), now)
         if msg.finish_reason is not None:
-            return self._finish(now)
+            return self._finish(now, msg.finish_reason)
         self.stage = Stage.READY
         self._handoff = msg
         self._lease_ends = now + self._config.kv_lease_s
@@ -289,7 +296,7 @@ class SubRequest:
         self._emit_tokens(TokenEvent(self.index, msg.text, msg.token_ids, msg.logprobs, msg.top_logprobs,
                                      msg.finish_reason, msg.stop_reason, msg.num_cached_tokens), now)
         if msg.finish_reason is not None:
-            return self._finish(now)
+            return self._finish(now, msg.finish_reason)
         self.deadline = now + self._config.requests.token_timeout_s
         return []
 
@@ -312,14 +319,15 @@ class SubRequest:
             self.last_token_at = now
         self._sink.put_nowait(event)
 
-    def _finish(self, now: float) -> Sends:
+    def _finish(self, now: float, finish_reason: str) -> Sends:
         self.stage = Stage.FINISHED
         sends = self._release_kv()
         metrics = self._metrics
         metrics.e2e.observe(now - self.arrival)
         self._count_end("ok")
         if self.trace:
-            self.trace.close()
+            self.trace.close(attributes={"gen_ai.usage.output_tokens": len(self.output_ids),
+                                         "gen_ai.response.finish_reasons": [finish_reason]})
         if self.first_token_at is not None and len(self.output_ids) > 1:
             tpot = (now - self.first_token_at) / (len(self.output_ids) - 1)
             metrics.tpot.observe(tpot)
@@ -478,7 +486,8 @@ class SubRequest:
             log.warning("request %s failed: %s", self.request_id, error.message)
         self._count_end(error.code or str(error.status))
         if self.trace:
-            self.trace.close(error.message)
+            self.trace.close(error.message, {"gen_ai.usage.output_tokens": len(self.output_ids),
+                                             "error.type": error.code or str(error.status)})
         if started:
             self._metrics.in_flight.dec()
         self._sink.put_nowait(FailureEvent(self.index, error))

@@ -50,6 +50,7 @@ from contextlib import aclosing
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from common.runtime.tracing import incoming_context
 from proxy.edge.auth import tenant_from_body, tenant_from_header
 from proxy.core.errors import ApiError
 from proxy.edge.listener import RAW_SEND, RAW_WRITE
@@ -216,8 +217,11 @@ async def admit(services, body, format_cls, tenant: Tenant, timeout_s: float | N
         fmt = ToolCallFormat(fmt, body.tool_use)
     response_id = f"{fmt.id_prefix}{uuid.uuid4().hex}"
     base_seed = params.seed if params.seed is not None else secrets.randbits(63)
+    operation = "chat" if isinstance(body, ChatCompletionRequest) else "text_completion"
     group = cluster.submit(response_id, prompts, params, base_seed, tenant, timeout_s, model=choice.key,
-                           session=session)
+                           session=session, trace_parent=incoming_context(headers),
+                           trace_attributes={"gen_ai.operation.name": operation, "gen_ai.request.model": body.model,
+                                             "gen_ai.response.id": response_id})
     choices = [ChoiceState(i, i // params.n) for i in range(len(prompts) * params.n)]
     return _Generation(response_id, int(time.time()), body.model, prompts, choices, fmt, body.include_usage,
                        served_headers(choice), remember and (lambda c: remember(choice.key, c))), group

@@ -2,18 +2,23 @@
 
 A small OTLP/HTTP collector runs in the test (a real HTTP server decoding
 the real protobuf export requests); the proxy and both workers export to
-it over the network. One disaggregated request must yield a single trace
-id whose spans come from all three services, with the worker spans
-children of the proxy's phase spans (the context travelled on the wire).
+it over the network. One disaggregated request, sent with a W3C
+``traceparent`` as a caller's instrumented client would, must yield spans in
+the caller's trace from all three services: the proxy's root a child of the
+caller's span and carrying the GenAI attributes, the worker spans children of
+the proxy's phase spans (the context travelled on the wire).
 """
 import gzip
+import json
 import threading
 import time
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
-from common.cli.local_cluster import LocalCluster, post_json
+from common.cli.local_cluster import LocalCluster
 
 trace_service = pytest.importorskip(
     "opentelemetry.proto.collector.trace.v1.trace_service_pb2",
@@ -24,6 +29,8 @@ EXPECTED = {
     "decode_worker.kv_transfer": "tessera-decode", "decode_worker.decode": "tessera-decode",
 }
 WAIT_S = 30
+CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"  # the caller's trace and span, as its traceparent header says
+CALLER_SPAN = "00f067aa0ba902b7"
 
 
 class Collector:
@@ -63,7 +70,8 @@ class Collector:
                         self.spans.append({"service": attrs.get("service.name"), "name": span.name,
                                            "trace_id": span.trace_id.hex(), "span_id": span.span_id.hex(),
                                            "parent": span.parent_span_id.hex(),
-                                           "error": span.status.code == 2})
+                                           "error": span.status.code == 2,
+                                           "attributes": {a.key: _value(a.value) for a in span.attributes}})
 
     def by_name(self) -> dict[str, dict]:
         with self._lock:
@@ -72,6 +80,14 @@ class Collector:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def _value(value):
+    """An OTLP AnyValue as Python: str, bool, int, float or a list of them."""
+    kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(v) for v in value.array_value.values]
+    return getattr(value, kind)
 
 
 @pytest.fixture()
@@ -87,9 +103,13 @@ def test_one_request_is_one_trace_across_processes(tiny_chat_model_dir, tmp_path
                       proxy_overrides=tracing, worker_overrides=tracing).start()
     try:
         body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Say hi"}],
-                "max_tokens": 4, "temperature": 0.0}
-        status, answer = post_json(cluster.url + "/v1/chat/completions", body)
-        assert status == 200, answer
+                "max_tokens": 4, "temperature": 0.0, "seed": 7}
+        request = urllib.request.Request(
+            cluster.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            answer = json.loads(response.read())
+        assert answer["usage"]["completion_tokens"] == 4
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline and not EXPECTED.keys() <= collector.by_name().keys():
             time.sleep(0.2)
@@ -99,9 +119,16 @@ def test_one_request_is_one_trace_across_processes(tiny_chat_model_dir, tmp_path
     assert EXPECTED.keys() <= spans.keys(), f"spans received: {sorted(spans)}"
     assert codes and all(code == 0 for code in codes.values()), codes
     assert {name: spans[name]["service"] for name in EXPECTED} == EXPECTED
-    assert len({spans[name]["trace_id"] for name in EXPECTED}) == 1
+    assert {spans[name]["trace_id"] for name in EXPECTED} == {CALLER_TRACE}
     root = spans["tessera.request"]
-    assert root["parent"] == ""
+    assert root["parent"] == CALLER_SPAN
+    assert {k: v for k, v in root["attributes"].items() if k.startswith("gen_ai.")} == {
+        "gen_ai.operation.name": "chat", "gen_ai.request.model": "SmolLM2-135M-Instruct",
+        "gen_ai.request.max_tokens": 4, "gen_ai.request.temperature": 0.0, "gen_ai.request.top_p": 1.0,
+        "gen_ai.request.seed": 7, "gen_ai.usage.input_tokens": answer["usage"]["prompt_tokens"],
+        "gen_ai.usage.output_tokens": 4, "gen_ai.response.finish_reasons": ["length"],
+        "gen_ai.response.id": answer["id"], "gen_ai.response.model": root["attributes"]["gen_ai.response.model"]}
+    assert root["attributes"]["gen_ai.response.model"] == Path(tiny_chat_model_dir).name  # the model that served it
     for name in ("proxy.queue", "proxy.prefill", "proxy.decode"):
         assert spans[name]["parent"] == root["span_id"], name
     assert spans["prefill_worker.prefill"]["parent"] == spans["proxy.prefill"]["span_id"]
