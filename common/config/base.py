@@ -61,6 +61,14 @@ def option(default=dataclasses.MISSING, doc: str = "", *, default_factory=datacl
     return pydantic.Field(description=doc, **kwargs)
 
 
+def section(cls):
+    """A field holding the config section ``cls``: its defaults, its docstring's first line as the field's doc."""
+    doc = cls.__doc__.strip().splitlines()[0].rstrip(".")
+    if doc[1:2].islower():  # "The HTTP ..." reads "the HTTP ..." in a row of the reference; "TLS ..." stays
+        doc = doc[0].lower() + doc[1:]
+    return option(doc=doc, default_factory=cls)
+
+
 def config_model(section: str, *, was_flat: bool = False):
     """Make ``cls`` a frozen pydantic dataclass whose validation errors are ``ConfigError``s naming the field.
 
@@ -316,7 +324,7 @@ class EngineConfig:
                                    "blocked layout for steps of several rows (F.linear reorders the plain weight "
                                    "on every call); costs the linear weights' memory once more")
     seed: Int = option(0, "seed of the sampler's random streams")
-    spec: SpecConfig = option(doc="speculative decoding on the decode side", default_factory=SpecConfig)
+    spec: SpecConfig = section(SpecConfig)
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from common.config.base import (
-    Bool, ConfigError, EngineConfig, Float, Int, Str, check_paths, config_model, option,
+    Bool, ConfigError, EngineConfig, Float, Int, Str, check_paths, config_model, option, section,
 )
 from common.config.tenant import TenantConfig, check_tenants, is_sha256_hex  # noqa: F401 - TenantConfig: re-exported
 from common.protocol.wire import PROTOCOL_VERSION
@@ -310,30 +310,14 @@ class ProxyConfig:
         5.0, "a worker serving a model is asked to swap it for a standby model only once no request chose its "
         "model for this long, so that two models wanted in turn do not swap one worker back and forth", ge=0)
     drain_timeout_s: Float = option(30.0, "on SIGTERM, how long requests in flight may run on", gt=0)
-    http: HttpConfig = option(
-        doc="the HTTP, WebSocket and gRPC listeners: connections, their timeouts and body limits",
-        default_factory=HttpConfig)
-    requests: RequestsConfig = option(
-        doc="one request's limits and deadlines, and resumable streams' buffers",
-        default_factory=RequestsConfig)
-    sessions: SessionsConfig = option(
-        doc="sessions (X-Session-Id): their pinning to a model version and a decode worker, and the conversation store",
-        default_factory=SessionsConfig)
-    tenancy: TenancyConfig = option(
-        doc="tenants, API-key auth, the admission queue's fairness and metering",
-        default_factory=TenancyConfig)
-    shared_state: SharedStateConfig = option(
-        doc="several proxies sharing tenant counters, rate limits and the decode capacity split through Redis",
-        default_factory=SharedStateConfig)
-    slo: SloConfig = option(
-        doc="latency targets: TPOT and TTFT admission, the prefill gate, early rejection and the adaptive controller",
-        default_factory=SloConfig)
-    observability: ProxyObservabilityConfig = option(
-        doc="traces and request logs",
-        default_factory=ProxyObservabilityConfig)
-    security: ProxySecurityConfig = option(
-        doc="TLS on the HTTP listener, CURVE on the worker link, and the admin API's key",
-        default_factory=ProxySecurityConfig)
+    http: HttpConfig = section(HttpConfig)
+    requests: RequestsConfig = section(RequestsConfig)
+    sessions: SessionsConfig = section(SessionsConfig)
+    tenancy: TenancyConfig = section(TenancyConfig)
+    shared_state: SharedStateConfig = section(SharedStateConfig)
+    slo: SloConfig = section(SloConfig)
+    observability: ProxyObservabilityConfig = section(ProxyObservabilityConfig)
+    security: ProxySecurityConfig = section(ProxySecurityConfig)
 
 @config_model("worker.observability", was_flat=True)
 class WorkerObservabilityConfig:
@@ -429,15 +413,9 @@ class WorkerConfig:
                              "its own")
     core_share_timeout_s: Float = option(
         10.0, "longest wait for a turn on the shared cores; past it the step runs anyway, with a warning", gt=0)
-    observability: WorkerObservabilityConfig = option(
-        doc="/metrics, health probes, traces and request logs",
-        default_factory=WorkerObservabilityConfig)
-    security: WorkerSecurityConfig = option(
-        doc="CURVE on the links to the proxy and between workers",
-        default_factory=WorkerSecurityConfig)
-    testing: WorkerTestingConfig = option(
-        doc="fault injection for tests: the shipped configs never set these",
-        default_factory=WorkerTestingConfig)
+    observability: WorkerObservabilityConfig = section(WorkerObservabilityConfig)
+    security: WorkerSecurityConfig = section(WorkerSecurityConfig)
+    testing: WorkerTestingConfig = section(WorkerTestingConfig)
 
     def __post_init__(self) -> None:
         security = self.security
