@@ -62,8 +62,8 @@ class StepSample:
 
 def nonfinite_rows(logits: torch.Tensor) -> list[int]:
     """The rows that hold a NaN or Inf. A row's sum is not finite when one of its logits is not, or when finite
-    logits overflow it, which the exact check on those rows then clears: one pass over the logits (77 us at 32 rows
-    of 49k on 2 cores, where isfinite over every logit takes 2.8 ms)."""
+    logits overflow it, which the exact check on those rows then clears: one pass over the logits, 0.03-0.25x of
+    isfinite over every logit (``python -m bench.nonfinite_check``, docs/benchmarks.md)."""
     suspect = (~torch.isfinite(logits.sum(-1))).nonzero().flatten()
     if not len(suspect):
         return []
