@@ -1,12 +1,16 @@
-"""The paged KV pool: one contiguous buffer, addressed by block id.
+"""The paged KV pool: one contiguous buffer, addressed by block id, its KV heads split across tensor-parallel ranks.
 
-Layout ``[num_blocks, num_layers, 2 (K, V), block_size, kv_heads, head_dim]``:
-block-major, so every byte of one block (all layers, K and V) is one
-contiguous range, and a run of consecutive block ids is one contiguous range
-too. That is what the disaggregated path needs: the buffer is registered
-once with the transfer agent and a request's pages travel as a few merged
-descriptors instead of one per layer per block. Each layer still sees the
-usual ``[num_blocks, block_size, kv_heads, head_dim]`` K and V (strided views).
+Layout ``[tp_size, num_blocks, num_layers, 2 (K, V), block_size, kv_heads / tp_size, head_dim]`` (``pool``):
+rank-major, then block-major. Each rank's slice (``buffer``, ``pool[rank]``) is its own contiguous pool of
+its KV heads, so every byte of one block of one rank (all layers, K and V) is one contiguous range, and a run of
+consecutive block ids is one contiguous range too. That is what the disaggregated path needs: the whole pool is
+registered once with the transfer agent and a request's pages travel as a few merged descriptors instead of one
+per layer per block. Each layer still sees the usual ``[num_blocks, block_size, kv_heads, head_dim]`` K and V
+(strided views of the rank's slice). At tensor parallelism 1 the pool is one rank's slice.
+
+At tp_size > 1 the pool lives in shared memory (``share``): rank 0 of a worker (common/engine/tensor_parallel.py)
+makes it and hands it to the other ranks, so one transfer agent, the host tier and the block copies on rank 0
+reach every rank's slice of a block.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str  # "float32" | "bfloat16"
+    tp_size: int = field(default=1, compare=False)  # ranks the KV heads are split across; blocks stay exchangeable
     # Derived once here: the runner, the attention layers and the transfer backends read them every step.
     torch_dtype: torch.dtype = field(init=False, compare=False)
     bytes_per_block: int = field(init=False, compare=False)
@@ -34,16 +39,33 @@ class KVLayout:
     def __post_init__(self) -> None:
         torch_dtype = getattr(torch, self.dtype)
         itemsize = torch.empty((), dtype=torch_dtype).element_size()
+        if self.num_kv_heads % self.tp_size:
+            raise ValueError(f"{self.num_kv_heads} KV heads do not split across {self.tp_size} ranks "
+                             "(engine.tensor_parallel_size must divide the model's KV heads)")
         object.__setattr__(self, "torch_dtype", torch_dtype)
+        # A whole block, every rank's heads: what two workers of one model agree on at any parallelism
         object.__setattr__(self, "bytes_per_block",
                            self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize)
+
+    @property
+    def rank_heads(self) -> int:
+        """KV heads each rank holds."""
+        return self.num_kv_heads // self.tp_size
+
+    @property
+    def bytes_per_rank_block(self) -> int:
+        """One rank's slice of a block."""
+        return self.bytes_per_block // self.tp_size
 
     def blocks_for_budget(self, budget_bytes: int) -> int:
         return budget_bytes // self.bytes_per_block
 
 
 class KVCache:
-    def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu") -> None:
+    def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu", rank: int = 0,
+                 pool: torch.Tensor | None = None) -> None:
+        """A pool of ``num_blocks`` blocks, this process being ``rank`` of ``layout.tp_size``; ``pool``: the
+        whole pool another rank made (``share``), else a new one."""
         if num_blocks < 1:
             raise ValueError(
                 f"the KV budget holds no block of {layout.bytes_per_block} bytes; "
@@ -51,10 +73,15 @@ class KVCache:
             )
         self.layout = layout
         self.num_blocks = num_blocks
-        self.buffer = torch.zeros(
-            num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim,
-            dtype=layout.torch_dtype, device=device,
-        )
+        self.rank = rank
+        shape = (layout.tp_size, num_blocks, layout.num_layers, 2, layout.block_size, layout.rank_heads,
+                 layout.head_dim)
+        if pool is None:
+            pool = torch.zeros(shape, dtype=layout.torch_dtype, device=device)
+        elif tuple(pool.shape) != shape or pool.dtype != layout.torch_dtype:
+            raise ValueError(f"a shared KV pool of {tuple(pool.shape)} {pool.dtype}, expected {shape}")
+        self.pool = pool
+        self.buffer = pool[rank]  # this rank's slice: contiguous
         # K and V of each layer, each ``[num_blocks, block_size, kv_heads, head_dim]`` (views, made once).
         self.layers = [(self.buffer[:, i, 0], self.buffer[:, i, 1]) for i in range(layout.num_layers)]
         self.host_buffer: torch.Tensor | None = None  # the host tier's blocks (host_tier), when one is made
@@ -68,29 +95,36 @@ class KVCache:
             return None
         disk_blocks = self.layout.blocks_for_budget(disk_bytes) if disk_dir else 0
         pinned = self.buffer.device.type == "cuda"
-        self.host_buffer = torch.empty((capacity, *self.buffer.shape[1:]), dtype=self.buffer.dtype,
+        # A slot holds a block of every rank: [tp_size, layers, 2, block_size, rank heads, head_dim]
+        self.host_buffer = torch.empty((capacity, self.pool.shape[0], *self.pool.shape[2:]), dtype=self.pool.dtype,
                                        pin_memory=pinned)
 
         def copy_out(block_id: int, slot: int) -> None:
-            self.host_buffer[slot].copy_(self.buffer[block_id])
+            self.host_buffer[slot].copy_(self.pool[:, block_id])
 
         def copy_in(slot: int, block_id: int) -> None:
-            self.buffer[block_id].copy_(self.host_buffer[slot], non_blocking=pinned)
+            self.pool[:, block_id].copy_(self.host_buffer[slot], non_blocking=pinned)
 
         def read_slot(slot: int) -> bytes:
             return self.host_buffer[slot].view(torch.uint8).numpy().tobytes()
 
-        def write_block(block_id: int, data: bytes) -> None:  # a block of the pool is one contiguous range
-            self.buffer[block_id].view(torch.uint8).view(-1).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        def write_block(block_id: int, data: bytes) -> None:
+            raw = torch.frombuffer(bytearray(data), dtype=self.pool.dtype)
+            self.pool[:, block_id].copy_(raw.view(self.host_buffer.shape[1:]))
 
         disk = DiskTier(disk_dir, disk_blocks) if disk_blocks else None
         return HostTier(capacity, copy_out, copy_in, disk, read_slot, write_block)
 
+    def share(self) -> torch.Tensor:
+        """The whole pool, moved to shared memory (CPU) for the worker's other ranks to map."""
+        if self.pool.device.type == "cpu":
+            self.pool.share_memory_()
+        return self.pool
+
     @property
     def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
+        return self.pool.numel() * self.pool.element_size()
 
-    def block_range(self, first_block: int, num_blocks: int) -> tuple[int, int]:
-        """(address, length) of a run of consecutive blocks, for transfer descriptors."""
-        per = self.layout.bytes_per_block
-        return self.buffer.data_ptr() + first_block * per, num_blocks * per
+    def rank_block_offset(self, rank: int, block_id: int) -> int:
+        """Byte offset in the pool of ``rank``'s slice of block ``block_id``: the transfer descriptors' unit."""
+        return (rank * self.num_blocks + block_id) * self.layout.bytes_per_rank_block
