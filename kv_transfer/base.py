@@ -10,31 +10,50 @@ control message.
 Life cycle of one pull (the decode worker owns it from start to release):
   start_pull -> PENDING -> TRANSFERRING -> DONE | FAILED -> release
   The decode loop polls without blocking each turn. A pull past its deadline
-  is aborted and reads FAILED. A FAILED pull's local blocks are the caller's
-  again once abort() or release() has returned: no byte lands in them later.
+  is aborted and reads FAILED. A FAILED pull's local (and staging) blocks are
+  the caller's again once abort() or release() has returned: no byte lands in
+  them later.
+
+Tensor parallelism. A worker's pool is ``[tp_size, num_blocks, ...]``, its KV
+heads split across ranks, all in one registered buffer (rank 0's agent serves
+every rank). A pull moves byte segments (kv_transfer/segments.py) between the
+two pools. At equal tp_size each rank's slice of a remote block lands in the
+same rank's slice of the local block. At different sizes the caller lends as
+many STAGING blocks as local ones: the remote ranks' slices land there back to
+back, and before the pull reads DONE the staging is re-laid into the local
+blocks (heads regrouped for the local ranks). Staging blocks stay the caller's;
+it may reuse them once release() has returned.
 
 Hooks, who calls them, and what a failure does:
   register_pool(kv_cache) -> bytes   both roles, once at start-up. Registers the
-      whole pool; returns this side's metadata for the proxy to publish.
-      Raises if the pool cannot be registered: the worker cannot start.
+      whole pool (every rank); returns this side's metadata (``PoolMetadata``,
+      version 3: the KV layout, tp_size, bytes per whole block, blocks per rank)
+      for the proxy to publish. Raises if the pool cannot be registered: the
+      worker cannot start.
   add_peer(peer_id, metadata)        decode side, when the proxy lists a prefill
       worker. Re-adding a known id replaces it (a restarted worker). Raises
-      ValueError for metadata that is malformed, of another backend, or of an
-      incompatible layout; the caller treats that peer as unreachable.
+      ValueError for metadata that is malformed, of another backend, or of a
+      layout that differs in anything but tp_size (the error names the field);
+      the caller treats that peer as unreachable.
   remove_peer(peer_id)               decode side, when a peer leaves, dies or
       restarts. Every in-flight pull from it becomes FAILED; unknown ids are
       ignored.
+  needs_staging(peer_id) -> bool     decode side, before start_pull: True when
+      the peer runs at another tp_size (False for an unknown peer).
   start_pull(transfer_id, peer_id, remote_block_ids, local_block_ids,
-             deadline_s) -> TransferHandle
+             deadline_s, staging_block_ids=None) -> TransferHandle
                                      decode side. ``deadline_s`` is seconds from
       now. Raises ValueError only for the caller's own mistakes (lengths differ,
-      duplicate or out-of-range local ids, a transfer id already in flight).
-      Anything about the peer (unknown, remote ids out of its range, a refused
-      post) returns a handle that is already FAILED, so there is one path.
+      duplicate or out-of-range local ids, staging ids missing where
+      needs_staging, of another length, overlapping the local ids or out of
+      range, a transfer id already in flight); staging ids a pull does not
+      need are left alone. Anything about the peer (unknown, remote ids out of
+      its range, a refused post) returns a handle that is already FAILED, so
+      there is one path.
   poll(handle) -> TransferStatus     decode loop, every turn; never blocks.
   abort(handle)                      decode side (client abort, drain). On return
       the pull is FAILED unless it was already DONE, and nothing more is
-      written into its local blocks.
+      written into its local or staging blocks.
   release(handle)                    decode side, exactly once per handle on every
       path (done, failed, timed out, aborted, peer gone); aborts first if still
       in flight. A second call does nothing.
@@ -44,7 +63,8 @@ Hooks, who calls them, and what a failure does:
 
 Subclasses implement the backend half (``_publish``, ``_connect``,
 ``_disconnect``, ``_submit``, ``_progress``, ``_cancel``, ``_free``,
-``_shutdown``); the ladder, deadlines and release-once rules live here only.
+``_shutdown``): they move a handle's ``segments`` and report progress; the
+ladder, deadlines, release-once rules and the re-layout live here only.
 """
 from __future__ import annotations
 
@@ -59,11 +79,22 @@ from typing import Annotated, Any, ClassVar, NamedTuple
 import msgspec
 
 from common.protocol.names import TRANSFER_BACKENDS
+from kv_transfer.segments import PoolGeometry, Segment, Staging, pull_segments, relayout
 
 log = logging.getLogger(__name__)
 
-METADATA_VERSION = 2
+METADATA_VERSION = 3
 BACKENDS = tuple(name for name in TRANSFER_BACKENDS if name != "auto")  # what make_backend builds
+
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+LAYOUT_FIELDS = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")  # must match; tp_size may not
+
+
+class _Version(msgspec.Struct):
+    """Read first, so a peer of another version is told so rather than which field it lacks."""
+
+    v: int
 
 
 class PoolMetadata(msgspec.Struct, forbid_unknown_fields=True):
@@ -71,9 +102,23 @@ class PoolMetadata(msgspec.Struct, forbid_unknown_fields=True):
 
     v: int
     backend: str
-    bytes_per_block: Annotated[int, msgspec.Meta(ge=1)]
-    num_blocks: Annotated[int, msgspec.Meta(ge=1)]
+    num_layers: Positive
+    block_size: Positive
+    num_kv_heads: Positive
+    head_dim: Positive
+    dtype: str
+    tp_size: Positive
+    bytes_per_block: Positive  # a whole block, every rank's heads
+    num_blocks: Positive  # per rank
     fields: msgspec.Raw
+
+    def geometry(self) -> PoolGeometry:
+        return PoolGeometry(self.tp_size, self.num_blocks, self.bytes_per_block)
+
+
+class Peer(NamedTuple):
+    metadata: PoolMetadata
+    conn: Any  # the backend's connection
 
 
 class TransferStatus(IntEnum):
@@ -89,37 +134,23 @@ class TransferStatus(IntEnum):
         return self in (TransferStatus.FAILED, TransferStatus.DONE)
 
 
-class BlockRun(NamedTuple):
-    """``count`` consecutive blocks from ``remote_start`` land at ``local_start``: one descriptor."""
-
-    remote_start: int
-    local_start: int
-    count: int
-
-
-def merge_block_runs(remote_block_ids: list[int], local_block_ids: list[int]) -> list[BlockRun]:
-    """Pair remote with local ids and merge pairs contiguous on BOTH sides into runs.
-
-    Sorting by remote id puts each pair's only possible successor, (r + 1, l + 1),
-    right after it, so one pass gives the fewest runs. Fewer descriptors is what
-    keeps a NIXL read fast (many small ones had erratic latency).
-    """
-    if len(remote_block_ids) != len(local_block_ids):
-        raise ValueError(f"{len(remote_block_ids)} remote block ids for {len(local_block_ids)} local ones")
-    if not remote_block_ids:
+def check_block_ids(remote: list[int], local: list[int], staging: list[int] | None, num_blocks: int) -> None:
+    """Refuse the caller's mistakes in a pull's block ids (ValueError); ``num_blocks``: the local pool's."""
+    if len(remote) != len(local):
+        raise ValueError(f"{len(remote)} remote block ids for {len(local)} local ones")
+    if not remote:
         raise ValueError("a pull needs at least one block")
-    for side, ids in (("remote", remote_block_ids), ("local", local_block_ids)):
+    if staging is not None and len(staging) != len(local):
+        raise ValueError(f"{len(staging)} staging block ids for {len(local)} local ones")
+    for side, ids in (("remote", remote), ("local", local), ("staging", staging or [])):
         if any(type(b) is not int or b < 0 for b in ids):
             raise ValueError(f"{side} block ids must be non-negative ints")
         if len(set(ids)) != len(ids):
             raise ValueError(f"{side} block ids repeat")
-    runs: list[BlockRun] = []
-    for remote, local in sorted(zip(remote_block_ids, local_block_ids)):
-        if runs and runs[-1].remote_start + runs[-1].count == remote and runs[-1].local_start + runs[-1].count == local:
-            runs[-1] = runs[-1]._replace(count=runs[-1].count + 1)
-        else:
-            runs.append(BlockRun(remote, local, 1))
-    return runs
+        if side != "remote" and ids and max(ids) >= num_blocks:
+            raise ValueError(f"{side} block id {max(ids)} is outside the pool of {num_blocks}")
+    if staging is not None and not set(staging).isdisjoint(local):
+        raise ValueError(f"staging block ids {sorted(set(staging) & set(local))} are also local ones")
 
 
 @dataclass(eq=False)
@@ -128,10 +159,11 @@ class TransferHandle:
 
     transfer_id: str
     peer_id: str
-    runs: list[BlockRun]
-    num_bytes: int
+    segments: list[Segment]
+    num_bytes: int  # the whole blocks pulled, every rank's heads
     started: float  # time.monotonic()
     deadline: float  # time.monotonic()
+    staging: Staging | None = None  # a pull across tensor-parallel sizes, re-laid before DONE
     status: TransferStatus = TransferStatus.PENDING
     error: str = ""
     released: bool = False
@@ -155,7 +187,8 @@ class KVTransferBackend(ABC):
 
     def __init__(self) -> None:
         self._pool = None
-        self._peers: dict[str, tuple[int, Any]] = {}  # peer id -> (its pool's blocks, backend connection)
+        self._geometry: PoolGeometry | None = None  # this pool's, once registered
+        self._peers: dict[str, Peer] = {}
         self._inflight: dict[str, TransferHandle] = {}
         self._counters = TransferCounters()
         self._counters_lock = threading.Lock()
@@ -165,17 +198,20 @@ class KVTransferBackend(ABC):
     def register_pool(self, kv_cache) -> bytes:
         if self._pool is not None:
             raise RuntimeError(f"{self.name} backend: register_pool() called twice")
-        device = kv_cache.buffer.device.type
-        if device not in self.device_types or not kv_cache.buffer.is_contiguous():
+        device = kv_cache.pool.device.type
+        if device not in self.device_types or not kv_cache.pool.is_contiguous():
             raise ValueError(
                 f"transfer_backend {self.name!r} moves one contiguous buffer in {' or '.join(self.device_types)} "
-                f"memory; the KV pool is on {kv_cache.buffer.device}"
+                f"memory; the KV pool is on {kv_cache.pool.device}"
                 + (" (use transfer_backend 'nixl' for a GPU pool)" if device == "cuda" else "")
             )
         self._pool = kv_cache
+        layout = kv_cache.layout
+        self._geometry = PoolGeometry(layout.tp_size, kv_cache.num_blocks, layout.bytes_per_block)
         fields = msgspec.Raw(msgspec.msgpack.encode(self._publish(kv_cache)))
-        return msgspec.msgpack.encode(PoolMetadata(METADATA_VERSION, self.name, kv_cache.layout.bytes_per_block,
-                                                   kv_cache.num_blocks, fields))
+        return msgspec.msgpack.encode(PoolMetadata(
+            METADATA_VERSION, self.name, *(getattr(layout, name) for name in LAYOUT_FIELDS), layout.tp_size,
+            layout.bytes_per_block, kv_cache.num_blocks, fields))
 
     def close(self) -> None:
         if self._closed:
@@ -196,7 +232,7 @@ class KVTransferBackend(ABC):
         self._require_pool("add_peer")
         envelope, fields = self._decode_metadata(peer_id, metadata)
         self.remove_peer(peer_id)
-        self._peers[peer_id] = (envelope.num_blocks, self._connect(peer_id, fields))
+        self._peers[peer_id] = Peer(envelope, self._connect(peer_id, fields))
 
     def remove_peer(self, peer_id: str) -> None:
         peer = self._peers.pop(peer_id, None)
@@ -205,9 +241,14 @@ class KVTransferBackend(ABC):
         for handle in [h for h in self._inflight.values() if h.peer_id == peer_id]:
             self.abort(handle, reason=f"peer {peer_id!r} was removed")
         try:
-            self._disconnect(peer_id, peer[1])
+            self._disconnect(peer_id, peer.conn)
         except Exception:
             log.exception("%s backend could not disconnect peer %r cleanly", self.name, peer_id)
+
+    def needs_staging(self, peer_id: str) -> bool:
+        self._require_pool("needs_staging")
+        peer = self._peers.get(peer_id)
+        return peer is not None and peer.metadata.tp_size != self._geometry.tp_size
 
     def start_pull(
         self,
@@ -216,31 +257,37 @@ class KVTransferBackend(ABC):
         remote_block_ids: list[int],
         local_block_ids: list[int],
         deadline_s: float,
+        staging_block_ids: list[int] | None = None,
     ) -> TransferHandle:
         self._require_pool("start_pull")
         if not deadline_s > 0:
             raise ValueError(f"deadline_s must be > 0 seconds, got {deadline_s!r}")
         if transfer_id in self._inflight:
             raise ValueError(f"transfer {transfer_id!r} is already in flight")
-        runs = merge_block_runs(remote_block_ids, local_block_ids)
-        last_local = max(r.local_start + r.count for r in runs)
-        if last_local > self._pool.num_blocks:
-            raise ValueError(f"local block id {last_local - 1} is outside the pool of {self._pool.num_blocks}")
+        check_block_ids(remote_block_ids, local_block_ids, staging_block_ids, self._geometry.num_blocks)
+        peer = self._peers.get(peer_id)
+        if staging_block_ids is None and self.needs_staging(peer_id):
+            raise ValueError(f"peer {peer_id!r} runs at tp_size {peer.metadata.tp_size}, this worker at "
+                             f"{self._geometry.tp_size}: the pull needs staging_block_ids (see needs_staging)")
         now = time.monotonic()
         handle = self.handle_type(
-            transfer_id, peer_id, runs, len(local_block_ids) * self._pool.layout.bytes_per_block,
+            transfer_id, peer_id, [], len(local_block_ids) * self._geometry.bytes_per_block,
             started=now, deadline=now + deadline_s,
         )
         self._inflight[transfer_id] = handle
-        peer = self._peers.get(peer_id)
-        last_remote = max(r.remote_start + r.count for r in runs)
         if peer is None:
             self._fail(handle, f"unknown peer {peer_id!r}")
-        elif last_remote > peer[0]:
-            self._fail(handle, f"remote block id {last_remote - 1} is outside peer {peer_id!r}'s pool")
+        elif max(remote_block_ids) >= peer.metadata.num_blocks:
+            self._fail(handle, f"remote block id {max(remote_block_ids)} is outside peer {peer_id!r}'s pool")
         else:
+            remote = peer.metadata.geometry()
+            targets = local_block_ids
+            if remote.tp_size != self._geometry.tp_size:
+                handle.staging = Staging(remote.tp_size, list(staging_block_ids), list(local_block_ids))
+                targets = staging_block_ids
+            handle.segments = pull_segments(remote, self._geometry, remote_block_ids, targets)
             try:
-                self._submit(handle, peer[1])
+                self._submit(handle, peer.conn)
             except Exception as exc:  # the backend refused the post: this pull fails, the worker goes on
                 self.abort(handle, reason=f"{self.name} could not post the pull: {exc}")
         return handle
@@ -281,6 +328,11 @@ class KVTransferBackend(ABC):
         """Move ``handle`` up the ladder (caller holds ``handle.lock``); False if it may not move."""
         if handle.status.terminal or (status != TransferStatus.FAILED and status <= handle.status):
             return False
+        if status == TransferStatus.DONE and handle.staging is not None:
+            try:
+                relayout(self._pool.pool, handle.staging)
+            except Exception as exc:
+                status, error = TransferStatus.FAILED, f"could not re-lay the staging blocks: {exc}"
         handle.status = status
         handle.error = error
         if status == TransferStatus.FAILED:
@@ -309,20 +361,24 @@ class KVTransferBackend(ABC):
     def _decode_metadata(self, peer_id: str, metadata: bytes) -> tuple[PoolMetadata, Any]:
         """The peer's envelope and its backend fields (this backend's ``Metadata``); ValueError names the field."""
         try:
-            envelope = msgspec.msgpack.decode(metadata, type=PoolMetadata)
+            version = msgspec.msgpack.decode(metadata, type=_Version).v
+            envelope = msgspec.msgpack.decode(metadata, type=PoolMetadata) if version == METADATA_VERSION else None
         except msgspec.ValidationError as exc:
             raise ValueError(f"peer {peer_id!r}: transfer metadata: {exc}") from None
         except msgspec.DecodeError as exc:
             raise ValueError(f"peer {peer_id!r}: transfer metadata is not msgpack: {exc}") from None
-        if envelope.v != METADATA_VERSION:
-            raise ValueError(f"peer {peer_id!r}: transfer metadata is version {envelope.v}, not {METADATA_VERSION}")
+        if envelope is None:
+            raise ValueError(f"peer {peer_id!r}: transfer metadata is version {version}, not {METADATA_VERSION}")
         if envelope.backend != self.name:
             raise ValueError(f"peer {peer_id!r} publishes {envelope.backend!r} metadata, this side runs {self.name!r}")
-        if envelope.bytes_per_block != self._pool.layout.bytes_per_block:
-            raise ValueError(
-                f"peer {peer_id!r} has {envelope.bytes_per_block} bytes per block, this pool "
-                f"{self._pool.layout.bytes_per_block}: the KV layouts differ"
-            )
+        layout = self._pool.layout
+        for name in (*LAYOUT_FIELDS, "bytes_per_block"):
+            if getattr(envelope, name) != getattr(layout, name):
+                raise ValueError(f"peer {peer_id!r} has {name} {getattr(envelope, name)!r}, this pool "
+                                 f"{getattr(layout, name)!r}: the KV layouts differ")
+        if envelope.num_kv_heads % envelope.tp_size:
+            raise ValueError(f"peer {peer_id!r}: {envelope.num_kv_heads} KV heads do not split across "
+                             f"tp_size {envelope.tp_size}")
         try:
             fields = msgspec.msgpack.decode(envelope.fields, type=self.Metadata)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -343,7 +399,7 @@ class KVTransferBackend(ABC):
 
     @abstractmethod
     def _submit(self, handle: TransferHandle, conn: Any) -> None:
-        """Post the pull (runs are merged); raise to fail it."""
+        """Post the pull: copy ``handle.segments`` (merged) from the peer's pool into this one; raise to fail it."""
 
     def _progress(self, handle: TransferHandle) -> None:
         """Advance an in-flight pull from the polling thread; raise to fail it."""

@@ -1,13 +1,11 @@
 """NIXL backend: the decode side READs pages one-sidedly from the peer's registered pool.
 
-Each side registers its whole KV buffer once (DRAM, or VRAM for a GPU pool)
-and publishes NIXL's agent metadata together with the pool's base address
-and memory type; with the bytes per block and block count the contract
-already publishes, the puller can
-address any block of the peer as ``base + block * bytes_per_block``. A pull
-is ONE READ request built from the merged runs (batches of many small
-descriptors had erratic latency), polled with ``check_xfer_state`` from the
-caller's loop.
+Each side registers its whole KV pool once, every rank's slice (DRAM, or VRAM
+for a GPU pool), and publishes NIXL's agent metadata together with the pool's
+base address and memory type; a pull's segments are byte offsets from that
+base on each side. A pull is ONE READ request built from the merged segments
+(batches of many small descriptors had erratic latency), polled with
+``check_xfer_state`` from the caller's loop.
 
 The progress thread. The side whose memory is read must run NIXL's progress
 thread: without it the first remote READ fails with
@@ -53,7 +51,7 @@ from kv_transfer.base import KVTransferBackend, TransferHandle, TransferStatus
 
 
 class NixlMetadata(msgspec.Struct, forbid_unknown_fields=True):
-    """A NIXL pool as published: the agent's metadata and where block 0 lives."""
+    """A NIXL pool as published: the agent's metadata and where the pool starts."""
 
     agent: bytes
     base: Annotated[int, msgspec.Meta(ge=0)]
@@ -68,7 +66,7 @@ class NixlPull(TransferHandle):
 @dataclass(frozen=True)
 class NixlPeer:
     agent_name: str
-    base: int  # address of the peer's block 0
+    base: int  # address of the peer's pool
     mem: str = "DRAM"  # DRAM (host) or VRAM (GPU) pool
     device_id: int = 0
 
@@ -114,8 +112,8 @@ class NixlBackend(KVTransferBackend):
         self._mem, self._device_id = "DRAM", 0
 
     def _publish(self, kv_cache) -> NixlMetadata:
-        self._base, nbytes = kv_cache.block_range(0, kv_cache.num_blocks)
-        device = kv_cache.buffer.device
+        self._base, nbytes = kv_cache.pool.data_ptr(), kv_cache.nbytes
+        device = kv_cache.pool.device
         self._mem, self._device_id = ("VRAM", device.index or 0) if device.type == "cuda" else ("DRAM", 0)
         self._registered = self._agent.register_memory([(self._base, nbytes, self._device_id, "")], self._mem)
         return NixlMetadata(self._agent.get_agent_metadata(), self._base, self._mem, self._device_id)
@@ -131,9 +129,8 @@ class NixlBackend(KVTransferBackend):
         self._agent.remove_remote_agent(peer.agent_name)
 
     def _submit(self, handle: NixlPull, peer: NixlPeer) -> None:
-        bpb = self._pool.layout.bytes_per_block
-        local = [(self._base + r.local_start * bpb, r.count * bpb, self._device_id) for r in handle.runs]
-        remote = [(peer.base + r.remote_start * bpb, r.count * bpb, peer.device_id) for r in handle.runs]
+        local = [(self._base + s.local_offset, s.nbytes, self._device_id) for s in handle.segments]
+        remote = [(peer.base + s.remote_offset, s.nbytes, peer.device_id) for s in handle.segments]
         handle.xfer = self._agent.initialize_xfer(
             "READ",
             self._agent.get_xfer_descs(local, self._mem),

@@ -8,13 +8,14 @@ to its sockets.
 
 Data-plane frames (this backend's own; control messages live in common/protocol/wire.py),
 each body a msgspec Struct below, checked on arrival:
-  pull     DEALER -> ROUTER  [PULL,    PullRequest {v, id, runs: [[first_block, count], ...]}]
-  pages    ROUTER -> DEALER  [PAGES,   PullReply {v, id}, one frame per run]
+  pull     DEALER -> ROUTER  [PULL,    PullRequest {v, id, segments: [[offset, nbytes], ...]}]
+  pages    ROUTER -> DEALER  [PAGES,   PullReply {v, id}, one frame per segment]
   refused  ROUTER -> DEALER  [REFUSED, PullReply {v, id, error}]
-Page frames leave zero-copy: memoryviews of the pool's storage sent with
-``copy=False``, one per merged run. The puller copies each frame into its
-local blocks while holding the pull's lock, so an abort never races a late
-copy, and only then marks the pull DONE.
+Offsets are bytes into the server's whole pool (every rank). Page frames leave
+zero-copy: memoryviews of the pool's storage sent with ``copy=False``, one per
+merged segment. The puller copies each frame to its segment's local offset
+while holding the pull's lock, so an abort never races a late copy, and only
+then marks the pull DONE.
 
 CURVE (``common.runtime.zmq_security``): given a worker's ``curve`` keys, the ROUTER
 is a CURVE server whose ZAP authenticator admits only the peers' public keys
@@ -26,7 +27,7 @@ CURVE refuses a peer that publishes no key, and one without refuses a peer
 that does: either pairing could only time out.
 
 Failures: a malformed request is logged and dropped (the puller's deadline
-covers it); a well-formed one naming blocks outside the pool is refused with
+covers it); a well-formed one naming bytes outside the pool is refused with
 the reason. A dead server never answers, so its pulls fail at their
 deadline. Late pages for a pull already failed are dropped. If the I/O
 thread itself dies, every pull in flight fails with its error and new pulls
@@ -53,7 +54,7 @@ from kv_transfer.base import KVTransferBackend, TransferHandle, TransferStatus
 log = logging.getLogger(__name__)
 
 PULL, PAGES, REFUSED = b"\x01", b"\x02", b"\x03"
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 Address = Annotated[str, msgspec.Meta(pattern=r"^tcp://\S+:\d+$")]
 
 
@@ -65,14 +66,14 @@ class ZmqMetadata(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class PullRequest(msgspec.Struct, forbid_unknown_fields=True):
-    v: Literal[2]
+    v: Literal[3]
     id: str
-    runs: Annotated[list[tuple[Annotated[int, msgspec.Meta(ge=0)], Annotated[int, msgspec.Meta(ge=1)]]],
-                    msgspec.Meta(min_length=1)]
+    segments: Annotated[list[tuple[Annotated[int, msgspec.Meta(ge=0)], Annotated[int, msgspec.Meta(ge=1)]]],
+                        msgspec.Meta(min_length=1)]  # (offset, nbytes) in the server's pool
 
 
 class PullReply(msgspec.Struct, forbid_unknown_fields=True):
-    v: Literal[2]
+    v: Literal[3]
     id: str
     error: str = ""
 
@@ -83,8 +84,8 @@ _REPLY_DECODER = msgspec.msgpack.Decoder(PullReply)
 
 
 def pool_bytes(kv_cache) -> np.ndarray:
-    """The pool's storage as one flat uint8 array (no copy)."""
-    return kv_cache.buffer.view(-1).view(torch.uint8).numpy()
+    """The whole pool's storage (every rank) as one flat uint8 array (no copy)."""
+    return kv_cache.pool.view(-1).view(torch.uint8).numpy()
 
 
 @dataclass
@@ -269,7 +270,7 @@ class ZmqBackend(KVTransferBackend):
         if dealer is None:
             self._fail(handle, f"peer {handle.peer_id!r} is not connected")
             return
-        body = PullRequest(WIRE_VERSION, handle.transfer_id, [(r.remote_start, r.count) for r in handle.runs])
+        body = PullRequest(WIRE_VERSION, handle.transfer_id, [(s.remote_offset, s.nbytes) for s in handle.segments])
         try:
             dealer.send_multipart([PULL, _ENCODER.encode(body)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
@@ -288,13 +289,13 @@ class ZmqBackend(KVTransferBackend):
             if request is None:
                 log.warning("zmq KV server dropped a malformed request of %d frames", len(parts))
                 continue
-            identity, transfer_id, runs = request
-            bpb, num_blocks = self._pool.layout.bytes_per_block, self._pool.num_blocks
-            if any(first + count > num_blocks for first, count in runs):
+            identity, transfer_id, segments = request
+            size = len(self._bytes)
+            if any(offset + nbytes > size for offset, nbytes in segments):
                 reply = [identity, REFUSED, _ENCODER.encode(
-                    PullReply(WIRE_VERSION, transfer_id, f"blocks outside a pool of {num_blocks}"))]
+                    PullReply(WIRE_VERSION, transfer_id, f"bytes outside a pool of {size}"))]
             else:
-                pages = [memoryview(self._bytes[first * bpb:(first + count) * bpb]) for first, count in runs]
+                pages = [memoryview(self._bytes[offset:offset + nbytes]) for offset, nbytes in segments]
                 reply = [identity, PAGES, _ENCODER.encode(PullReply(WIRE_VERSION, transfer_id)), *pages]
             try:
                 router.send_multipart(reply, copy=False, flags=zmq.NOBLOCK)
@@ -319,23 +320,22 @@ class ZmqBackend(KVTransferBackend):
                 self._land(handle, parts[2:])
 
     def _land(self, handle: TransferHandle, frames: list[zmq.Frame]) -> None:
-        bpb = self._pool.layout.bytes_per_block
-        if len(frames) != len(handle.runs) or any(
-            len(frame) != run.count * bpb for frame, run in zip(frames, handle.runs)
+        if len(frames) != len(handle.segments) or any(
+            len(frame) != segment.nbytes for frame, segment in zip(frames, handle.segments)
         ):
             self._fail(handle, "peer sent pages that do not match the request")
             return
         with handle.lock:
             if handle.status.terminal:
                 return
-            for frame, run in zip(frames, handle.runs):
-                start = run.local_start * bpb
-                self._bytes[start:start + len(frame)] = np.frombuffer(frame.buffer, dtype=np.uint8)
+            for frame, segment in zip(frames, handle.segments):
+                start = segment.local_offset
+                self._bytes[start:start + segment.nbytes] = np.frombuffer(frame.buffer, dtype=np.uint8)
             self._advance_locked(handle, TransferStatus.DONE)
 
 
 def _parse_pull(parts: list[bytes]) -> tuple[bytes, str, list[tuple[int, int]]] | None:
-    """(identity, transfer id, runs) of a well-formed pull request, else None."""
+    """(identity, transfer id, segments) of a well-formed pull request, else None."""
     if len(parts) != 3 or parts[1] != PULL:
         return None
     try:
@@ -343,7 +343,7 @@ def _parse_pull(parts: list[bytes]) -> tuple[bytes, str, list[tuple[int, int]]] 
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         log.debug("zmq KV server: malformed pull request: %s", exc)
         return None
-    return parts[0], body.id, body.runs
+    return parts[0], body.id, body.segments
 
 
 def _parse_header(parts: list[zmq.Frame]) -> PullReply | None:

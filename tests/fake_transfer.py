@@ -1,7 +1,7 @@
 """In-process fake backend for tests and warm-up: a pull is a direct block copy.
 
 Pools are found through a module-level registry keyed by a per-pool id, so
-both "workers" must live in one process. A pull copies its blocks on the
+both "workers" must live in one process. A pull copies its segments on the
 first poll that finds it due, so tests see PENDING -> TRANSFERRING -> DONE the
 way the real backends report it. A closed pool looks like a dead peer: pulls
 from it fail.
@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass
 
 import msgspec
+import torch
 
 from kv_transfer.base import KVTransferBackend, TransferHandle, TransferStatus
 
@@ -72,10 +73,10 @@ class FakeBackend(KVTransferBackend):
         source = _POOLS.get(handle.pool_id)
         if source is None:
             raise RuntimeError(f"peer {handle.peer_id!r}'s pool is gone")
-        target = self._pool.buffer
-        for run in handle.runs:
-            target[run.local_start:run.local_start + run.count].copy_(
-                source.buffer[run.remote_start:run.remote_start + run.count]
+        target, remote = (pool.pool.view(-1).view(torch.uint8) for pool in (self._pool, source))
+        for segment in handle.segments:
+            target[segment.local_offset:segment.local_offset + segment.nbytes].copy_(
+                remote[segment.remote_offset:segment.remote_offset + segment.nbytes]
             )
         self._advance(handle, TransferStatus.DONE)
 

@@ -179,9 +179,10 @@ def test_zmq_server_drops_malformed_requests_and_keeps_serving():
     puller.register_pool(local)
     try:
         raw.send_multipart([b"\x01", b"not msgpack"])
-        raw.send_multipart([b"\x01", msgpack.packb({"v": 2, "id": "x", "runs": [[0, "1"]]})])
+        raw.send_multipart([b"\x01", msgpack.packb({"v": 3, "id": "x", "segments": [[0, "1"]]})])
+        raw.send_multipart([b"\x01", msgpack.packb({"v": 2, "id": "w", "runs": [[0, 1]]})])
         raw.send(b"one frame")
-        raw.send_multipart([b"\x01", msgpack.packb({"v": 2, "id": "y", "runs": [[NUM_BLOCKS, 1]]})])
+        raw.send_multipart([b"\x01", msgpack.packb({"v": 3, "id": "y", "segments": [[pool.nbytes - 1, 2]]})])
         assert raw.poll(WAIT_S * 1000), "a well-formed request outside the pool got no answer"
         kind, header = raw.recv_multipart()
         assert kind == b"\x03" and msgpack.unpackb(header)["id"] == "y"

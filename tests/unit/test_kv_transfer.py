@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from common.engine.kv_cache import KVCache, KVLayout
-from kv_transfer.base import BlockRun, TransferStatus, merge_block_runs
+from kv_transfer.base import METADATA_VERSION, TransferStatus, check_block_ids
 from kv_transfer.factory import default_backend_name, make_backend
+from kv_transfer.segments import PoolGeometry, Segment, merge_segments, pull_segments
 from tests.fake_transfer import FakeBackend
 
 LAYOUT = KVLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
@@ -71,52 +72,81 @@ def test_done_is_never_turned_into_failed():
 
 
 # ---- merging descriptors ---------------------------------------------------------------
-def test_runs_merge_only_where_both_sides_are_contiguous():
-    assert merge_block_runs([3, 4, 5], [7, 8, 9]) == [BlockRun(3, 7, 3)]
-    assert merge_block_runs([3, 4, 5], [7, 9, 8]) == [BlockRun(3, 7, 1), BlockRun(4, 9, 1), BlockRun(5, 8, 1)]
-    assert merge_block_runs([10, 11, 2, 3], [0, 1, 5, 6]) == [BlockRun(2, 5, 2), BlockRun(10, 0, 2)]
+def blocks(remote: list[int], local: list[int], tp_size: int = 1) -> list[Segment]:
+    """Segments of a pull between two pools of 10-byte blocks (remote: 4 blocks a rank, local: 3)."""
+    return pull_segments(PoolGeometry(tp_size, 4, 10), PoolGeometry(tp_size, 3, 10), remote, local)
 
 
-def test_runs_are_found_whatever_the_order_of_the_pairs():
-    assert merge_block_runs([5, 3, 4, 9], [2, 0, 1, 4]) == [BlockRun(3, 0, 3), BlockRun(9, 4, 1)]
+def test_segments_merge_only_where_both_sides_are_contiguous():
+    assert blocks([0, 1, 2], [0, 1, 2]) == [Segment(0, 0, 30)]
+    assert blocks([0, 1, 2], [0, 2, 1]) == [Segment(0, 0, 10), Segment(10, 20, 10), Segment(20, 10, 10)]
+    assert blocks([3, 0, 1], [1, 2, 0]) == [Segment(0, 20, 10), Segment(10, 0, 10), Segment(30, 10, 10)]
+    assert merge_segments([Segment(0, 0, 4), Segment(4, 8, 4), Segment(8, 12, 4)]) == [
+        Segment(0, 0, 4), Segment(4, 8, 8)]
+
+
+def test_segments_are_found_whatever_the_order_of_the_pairs():
+    assert blocks([3, 1, 2], [2, 0, 1]) == [Segment(10, 0, 30)]
+
+
+def test_each_rank_slice_goes_to_the_same_rank_and_merges_across_ranks():
+    # Rank 0's slice of remote block 3 ends where rank 1's slice of block 0 starts, and so do their targets.
+    assert blocks([3, 0], [2, 0], tp_size=2) == [Segment(0, 0, 5), Segment(15, 10, 10), Segment(35, 25, 5)]
+
+
+def test_across_tp_sizes_the_remote_stream_fills_the_staging_stream():
+    # One rank's whole blocks 1 and 2 split into two ranks' halves of staging blocks 0 and 2.
+    segments = pull_segments(PoolGeometry(1, 4, 10), PoolGeometry(2, 3, 10), [1, 2], [0, 2])
+    assert segments == [Segment(10, 0, 5), Segment(15, 10, 10), Segment(25, 25, 5)]
 
 
 @pytest.mark.parametrize(
-    "remote, local, message",
+    "remote, local, staging, message",
     [
-        ([1, 2], [1], "remote block ids for"),
-        ([], [], "at least one block"),
-        ([1, 1], [2, 3], "remote block ids repeat"),
-        ([1, 2], [3, 3], "local block ids repeat"),
-        ([-1], [0], "non-negative"),
-        ([True], [0], "non-negative ints"),
+        ([1, 2], [1], None, "remote block ids for"),
+        ([], [], None, "at least one block"),
+        ([1, 1], [2, 3], None, "remote block ids repeat"),
+        ([1, 2], [3, 3], None, "local block ids repeat"),
+        ([-1], [0], None, "non-negative"),
+        ([True], [0], None, "non-negative ints"),
+        ([0], [8], None, "local block id 8 is outside the pool of 8"),
+        ([0, 1], [0, 1], [2], "1 staging block ids for 2"),
+        ([0, 1], [0, 1], [1, 2], r"staging block ids \[1\] are also local ones"),
+        ([0, 1], [0, 1], [2, 2], "staging block ids repeat"),
+        ([0, 1], [0, 1], [2, 8], "staging block id 8 is outside the pool of 8"),
     ],
 )
-def test_bad_block_id_lists_are_refused(remote, local, message):
+def test_bad_block_id_lists_are_refused(remote, local, staging, message):
     with pytest.raises(ValueError, match=message):
-        merge_block_runs(remote, local)
+        check_block_ids(remote, local, staging, 8)
 
 
 # ---- published metadata ----------------------------------------------------------------------
-@pytest.mark.parametrize("envelope, message", [
-    ({"v": 2, "backend": "fake", "bytes_per_block": 0, "num_blocks": 1, "fields": {"pool": "p"}},
-     r"\$.bytes_per_block"),
-    ({"v": 2, "backend": "fake", "bytes_per_block": 1, "num_blocks": 1}, "missing required field `fields`"),
-    ({"v": 1, "backend": "fake", "bytes_per_block": 1, "num_blocks": 1, "fields": {}}, "version 1"),
+def envelope(**changes) -> bytes:
+    fields = {"v": METADATA_VERSION, "backend": "fake", "num_layers": 2, "block_size": 4, "num_kv_heads": 2,
+              "head_dim": 8, "dtype": "float32", "tp_size": 1, "bytes_per_block": LAYOUT.bytes_per_block,
+              "num_blocks": 4, "fields": {"pool": "p"}}
+    fields.update(changes)
+    return msgpack.packb({k: v for k, v in fields.items() if v is not None})
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"bytes_per_block": 0}, r"\$.bytes_per_block"),
+    ({"tp_size": 0}, r"\$.tp_size"),
+    ({"fields": None}, "missing required field `fields`"),
+    ({"num_layers": None}, "missing required field `num_layers`"),
+    ({"v": 2, "tp_size": None}, "version 2, not 3"),
 ])
-def test_malformed_metadata_is_refused_naming_the_field(envelope, message):
+def test_malformed_metadata_is_refused_naming_the_field(changes, message):
     _, decode, _, _ = pair()
     with pytest.raises(ValueError, match=message):
-        decode.add_peer("q", msgpack.packb(envelope))
+        decode.add_peer("q", envelope(**changes))
 
 
 def test_backend_fields_are_checked_by_the_backend():
     _, decode, _, _ = pair()
-    bytes_per_block = LAYOUT.bytes_per_block
-    envelope = {"v": 2, "backend": "fake", "bytes_per_block": bytes_per_block, "num_blocks": 4,
-                "fields": {"pool": 7}}
     with pytest.raises(ValueError, match=r"fake metadata: Expected `str`, got `int` - at `\$.pool`"):
-        decode.add_peer("q", msgpack.packb(envelope))
+        decode.add_peer("q", envelope(fields={"pool": 7}))
 
 
 # ---- factory -------------------------------------------------------------------------------
@@ -196,13 +226,18 @@ def test_incompatible_metadata_is_refused():
     _, decode, _, _ = pair()
     other_layout = FakeBackend()
     metadata = other_layout.register_pool(KVCache(KVLayout(2, 8, 2, 8, "float32"), 4))
-    with pytest.raises(ValueError, match="layouts differ"):
+    with pytest.raises(ValueError, match="block_size 8, this pool 4: the KV layouts differ"):
         decode.add_peer("q", metadata)
+    with pytest.raises(ValueError, match="dtype 'bfloat16', this pool 'float32'"):
+        decode.add_peer("q", envelope(dtype="bfloat16"))
+    with pytest.raises(ValueError, match="bytes_per_block 7"):
+        decode.add_peer("q", envelope(bytes_per_block=7))
+    with pytest.raises(ValueError, match="2 KV heads do not split across tp_size 3"):
+        decode.add_peer("q", envelope(tp_size=3))
     with pytest.raises(ValueError, match="not msgpack"):
         decode.add_peer("q", b"\xc1")
-    zmq_like = msgpack.packb({"v": 2, "backend": "zmq", "bytes_per_block": 1, "num_blocks": 1, "fields": {}})
     with pytest.raises(ValueError, match="runs 'fake'"):
-        decode.add_peer("q", zmq_like)
+        decode.add_peer("q", envelope(backend="zmq", fields={}))
 
 
 def test_removing_a_peer_fails_its_pulls():
