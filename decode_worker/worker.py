@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.protocol import wire
 from common.engine.sequence import FinishReason, Sequence
@@ -51,6 +51,7 @@ class Pull:
     num_bytes: int
     lease_ends: float  # time.monotonic() past which the source's pages may hold another request's KV
     aborted: bool = False
+    staging: list[int] = field(default_factory=list)  # blocks the pages land in first from a peer of another TP
 
 
 @dataclass
@@ -151,22 +152,30 @@ class DecodeHandler(WorkerBase):
             problem = f"prefill worker {msg.source_worker_id!r} is not a known transfer peer"
         elif started >= lease_ends:
             problem = "the pages' lease (the proxy's kv_lease_s) ran out before the pull could start"
+        staging: list[int] = []
+        if problem is None and self.transfer.needs_staging(msg.source_worker_id):
+            # A prefill worker of another tensor parallelism: its ranks hold other head slices than ours
+            staging = self.engine.reserve_blocks(len(seq.block_table))
+            if not staging:
+                problem = "no free KV blocks to stage the pages of a prefill worker of another tensor parallelism"
         if problem is None:
             try:
                 handle = self.transfer.start_pull(
                     msg.request_id, msg.source_worker_id, msg.source_block_ids, seq.block_table,
-                    min(self.config.kv_pull_timeout_s, lease_ends - started),
+                    min(self.config.kv_pull_timeout_s, lease_ends - started), staging or None,
                 )
             except Exception as exc:  # a backend refusing a pull must not take the worker down
                 problem = f"pull failed to start: {exc}"
         if problem is not None:
+            self.engine.free_blocks(staging)
             log.warning("request %s: %s; recomputing the prompt here", msg.request_id, problem)
             self.metrics.kv_pulled(False, 0, 0.0)
             self.engine.kv_failed(seq)
             self.send(wire.KVPulled(msg.request_id, msg.source_worker_id or "", False, error=problem))
             return
         nbytes = len(seq.block_table) * self.engine.runner.layout.bytes_per_block
-        self.pulls[msg.request_id] = Pull(seq, handle, msg.source_worker_id, started, nbytes, lease_ends)
+        self.pulls[msg.request_id] = Pull(seq, handle, msg.source_worker_id, started, nbytes, lease_ends,
+                                          staging=staging)
         self.trace_start(msg.request_id, TRANSFER_SPAN, msg.trace_context)
 
     # ---- the turn ---------------------------------------------------------------
@@ -201,6 +210,7 @@ class DecodeHandler(WorkerBase):
     def _finish_pull(self, request_id: str, pull: Pull, ok: bool) -> None:
         del self.pulls[request_id]
         self.transfer.release(pull.handle)
+        self.engine.free_blocks(pull.staging)  # no byte lands in them once release returned
         now = time.monotonic()
         error = "" if ok else "transfer failed or timed out"
         if ok and now > pull.lease_ends:  # done, but seen too late to know it read the pages before they were freed

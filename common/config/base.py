@@ -28,12 +28,13 @@ import pydantic
 from pydantic import ConfigDict, Strict, ValidationError
 from pydantic.fields import FieldInfo
 
-from common.protocol.names import AttentionBackend, Device, Dtype, Quantization, SpecMethod
+from common.protocol.names import DEVICE_PATTERN, AttentionBackend, Dtype, Quantization, SpecMethod
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]  # an int is still accepted, and stored as a float
 Str = Annotated[str, Strict()]
 Bool = Annotated[bool, Strict()]
+Device = Annotated[str, Strict(), pydantic.StringConstraints(pattern=DEVICE_PATTERN)]
 BlockSize = Literal[8, 16, 32, 64, 128, 256]
 # Verifying one more draft token, in plain decode steps, at batch 1 (bench/spec_crossover.py).
 SPEC_DRAFT_COST = {"float32": 0.5, "bfloat16": 0.15, "cuda": 0.1}
@@ -278,6 +279,19 @@ class SpecConfig:
                               "a draft model directory with the target's vocabulary")
 
 
+@config_model("engine.ranks")
+class RanksConfig:
+    """A worker's tensor-parallel ranks (engine.tensor_parallel_size > 1): their devices and how long rank 0 waits
+    for them."""
+
+    devices: list[Device] = option(
+        [], "each rank's device, one per rank (rank 0 first), e.g. [cuda:4, cuda:5]; empty: every rank on cpu, or "
+        "on consecutive GPUs from engine.device's index")
+    timeout_s: Float = option(
+        120.0, "longest wait for the ranks to start and load their slices, and for one collective of a step; a rank "
+        "past it fails the worker", gt=0)
+
+
 @config_model("engine")
 class EngineConfig:
     model: Str = option(doc="model directory (Hugging Face layout) or an embedded model name ('embedded')")
@@ -288,7 +302,8 @@ class EngineConfig:
     int8_smoothing: Float = option(0.6, "with int8 weights, how much of each input channel's range moves from "
                                    "the activations into the weights before quantizing (SmoothQuant's alpha, "
                                    "calibrated on a fixed text at load); 0 turns it off", ge=0.0, le=1.0)
-    device: Device = option("cpu", "where the model runs")
+    device: Device = option("cpu", "where the model runs: cpu, cuda (the first GPU the process sees) or cuda:N; "
+                            "with tensor_parallel_size > 1 on a GPU, rank r takes cuda:r unless ranks.devices says")
     attention_backend: AttentionBackend = option("auto", "attention kernel; auto picks the best one the device has")
     block_size: BlockSize = option(16, "tokens per KV cache block")
     kv_cache_memory_bytes: Int = option(2 << 30, "memory budget the KV pool is sized from, unless "
@@ -324,13 +339,27 @@ class EngineConfig:
                                    "blocked layout for steps of several rows (F.linear reorders the plain weight "
                                    "on every call); costs the linear weights' memory once more")
     seed: Int = option(0, "seed of the sampler's random streams")
+    tensor_parallel_size: Int = option(
+        1, "ranks the model is split across inside this worker (attention and KV heads, the MLP, the vocabulary), "
+        "one process and one device each; rank 0 holds the sockets and the scheduler. Must divide the model's "
+        "attention and KV heads (common/engine/tensor_parallel.py)", ge=1, le=64)
+    ranks: RanksConfig = section(RanksConfig)
     spec: SpecConfig = section(SpecConfig)
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ConfigError("config field 'model' is required: a model directory path or an embedded "
                               "model name")
-        if self.quantization == "int8" and self.device != "cpu":
+        if self.ranks.devices and len(self.ranks.devices) != self.tensor_parallel_size:
+            raise ConfigError(f"config field 'ranks.devices' is invalid: {len(self.ranks.devices)} devices for "
+                              f"tensor_parallel_size {self.tensor_parallel_size} (one per rank)")
+        kinds = {d.split(":")[0] for d in self.devices}
+        if len(kinds) > 1:
+            raise ConfigError(f"config field 'ranks.devices' is invalid: {self.devices} mixes cpu and cuda ranks")
+        cuda = [d for d in self.devices if d != "cpu"]
+        if len(set(cuda)) != len(cuda):
+            raise ConfigError(f"config field 'ranks.devices' is invalid: {self.devices} gives two ranks one GPU")
+        if self.quantization == "int8" and self.device_type != "cpu":
             raise ConfigError("config field 'quantization' = 'int8' is invalid: its kernels run on the CPU only "
                               "(device 'cpu')")
         if self.max_num_batched_tokens < self.block_size:
@@ -342,4 +371,20 @@ class EngineConfig:
         """The adaptive-k threshold in effect (spec.min_acceptance, or its default for this device and dtype)."""
         if self.spec.min_acceptance is not None:
             return self.spec.min_acceptance
-        return SPEC_DRAFT_COST["cuda" if self.device == "cuda" else self.dtype]
+        return SPEC_DRAFT_COST["cuda" if self.device_type == "cuda" else self.dtype]
+
+    @property
+    def device_type(self) -> str:
+        """cpu or cuda: where the ranks run."""
+        return self.devices[0].split(":")[0]
+
+    @property
+    def devices(self) -> list[str]:
+        """Each rank's device, rank 0 first: ranks.devices, else every rank on device (cpu) or consecutive GPUs
+        from device's index."""
+        if self.ranks.devices:
+            return list(self.ranks.devices)
+        if self.device == "cpu":
+            return ["cpu"] * self.tensor_parallel_size
+        first = int(self.device.split(":")[1]) if ":" in self.device else 0
+        return [f"cuda:{first + r}" for r in range(self.tensor_parallel_size)]

@@ -30,7 +30,7 @@ import dataclasses
 import torch
 
 from common.engine.block_manager import BlockManager
-from common.config.base import EngineConfig, SpecConfig
+from common.config.base import EngineConfig, RanksConfig, SpecConfig
 from common.engine.counter_rng import as_int64
 from common.engine.model_runner import ModelRunner
 from common.storage.model_store import resolve_model
@@ -46,6 +46,7 @@ class DraftProposer:
         draft_config = dataclasses.replace(
             config, model=config.spec.draft_model, num_kv_blocks=None,
             kv_cache_memory_bytes=config.spec.draft_kv_cache_memory_bytes, spec=SpecConfig(),
+            tensor_parallel_size=1, ranks=RanksConfig(), device=config.devices[0],  # whole, beside rank 0
         )
         self.runner = ModelRunner(draft_config, resolve_model(config.spec.draft_model, config.dtype))
         if self.runner.vocab_size != target.vocab_size:

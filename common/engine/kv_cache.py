@@ -52,11 +52,6 @@ class KVLayout:
         """KV heads each rank holds."""
         return self.num_kv_heads // self.tp_size
 
-    @property
-    def bytes_per_rank_block(self) -> int:
-        """One rank's slice of a block."""
-        return self.bytes_per_block // self.tp_size
-
     def blocks_for_budget(self, budget_bytes: int) -> int:
         return budget_bytes // self.bytes_per_block
 
@@ -124,7 +119,3 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.pool.numel() * self.pool.element_size()
-
-    def rank_block_offset(self, rank: int, block_id: int) -> int:
-        """Byte offset in the pool of ``rank``'s slice of block ``block_id``: the transfer descriptors' unit."""
-        return (rank * self.num_blocks + block_id) * self.layout.bytes_per_rank_block

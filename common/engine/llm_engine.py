@@ -262,6 +262,14 @@ class LLMEngine:
     def kv_ready(self, seq: Sequence) -> None:
         self.scheduler.remote_kv_arrived(seq)
 
+    def reserve_blocks(self, n: int) -> list[int]:
+        """``n`` KV blocks for the caller's own use (a KV pull's staging), or [] when the pool cannot spare them."""
+        return self.scheduler.reserve(n)
+
+    def free_blocks(self, block_ids: list[int]) -> None:
+        """Gives back blocks from ``reserve_blocks``."""
+        self.scheduler.unreserve(block_ids)
+
     def kv_failed(self, seq: Sequence) -> None:
         """The pages never arrived: recompute the prompt here."""
         self.scheduler.remote_kv_failed(seq)

@@ -6,30 +6,40 @@ into the scheduler: it reads the plan (sequences and how many tokens each
 computes) and returns the sampled tokens. Per-step metadata is built with
 one pass over the plan's sequences and numpy/torch array ops, never a loop
 over tokens.
+
+At tensor parallelism every rank has a runner over its slice of the model and
+the KV pool; rank 0's sends each step's inputs to the others before running
+its own slice (``run``), and alone gets the logits and samples
+(common/engine/tensor_parallel.py).
 """
 from __future__ import annotations
 
 import logging
 import math
+import os
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from common.engine.attention import select_backend
+from common.engine.attention import get_step_context, select_backend
 from common.config.base import EngineConfig
 from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.memory import device_memory_bytes, module_bytes, resident_bytes
-from common.engine.models.llama import FusedDecode
-from common.engine.models.loader import load_model
+from common.engine.models.llama import FusedDecode, check_divisible
+from common.engine.models.loader import load_hf_config, load_model
 from common.engine.native import gemv_bf16_kernel
 from common.engine.quantization import calibration_ids, choose_int8_matmul, quantize_model_int8, smooth_for_int8
 from common.engine.sampler import Sampler, SamplingRow
 from common.engine.scheduler import StepPlan
 from common.engine.sequence import Sequence
 from common.engine.spec_verify import verify_drafts
+from common.engine.tensor_parallel import (Parallel, RankProcesses, become_rank, join_group, next_step, pack_step,
+                                           unpack_step)
 from common.protocol.sampling_params import SamplingParams
 from common.protocol.wire import StepCostModel, step_cost_features
 from common.engine.attention import PrefillChunk, StepContext, step_context
@@ -71,25 +81,48 @@ def nonfinite_rows(logits: torch.Tensor) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: str | Path) -> None:
+    def __init__(self, config: EngineConfig, model_dir: str | Path, rank: int = 0, rank_link=None,
+                 port: int | None = None) -> None:
+        """Rank 0 (the worker's own runner) starts the other ranks at tensor_parallel_size > 1; a rank process
+        (tensor_parallel.rank_main) passes its ``rank``, its pipe from rank 0 and the group's ``port``."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
         # Fault injection for tests (a worker's testing.fault_nonfinite_logits_token): NaN logits for a sequence
         # whose prompt holds this token id.
         self.fault_nonfinite_token: int | None = None
-        self.device = torch.device(config.device)
+        self.tp = Parallel(rank, config.tensor_parallel_size)
+        self.ranks: RankProcesses | None = None
+        self._serving = False  # rank 0 sends steps to the other ranks once all of them are up
+        if self.tp.size > 1:
+            if config.device_type == "cuda":
+                raise ValueError("engine.tensor_parallel_size > 1 runs on the CPU only for now: the ranks share "
+                                 "one KV pool in host memory (docs/deploy.md, tensor parallelism)")
+            if rank == 0:
+                check_divisible(load_hf_config(model_dir), self.tp.size)  # before any rank starts
+                self.ranks = RankProcesses(config, str(model_dir), serve_rank)
+                self.ranks.join()
+            else:
+                join_group(config, rank, port)
+        self.device = torch.device(config.devices[rank])
         self.dtype = getattr(torch, config.dtype)
-        self.attention = select_backend(config.attention_backend, config.device, config.block_size)
+        self.attention = select_backend(config.attention_backend, config.device_type, config.block_size)
         started = time.monotonic()
-        self.model = load_model(model_dir, self.dtype, config.device, self.attention)
+        self.model = load_model(model_dir, self.dtype, str(self.device), self.attention, self.tp)
         self.load_s = time.monotonic() - started
         self.weight_bytes = module_bytes(self.model)
         hf = self.model.config
         attn = self.model.layers[0].self_attn
-        self.layout = KVLayout(hf.num_hidden_layers, config.block_size, attn.num_kv_heads, attn.head_dim, config.dtype)
-        num_blocks = config.num_kv_blocks or self.layout.blocks_for_budget(self._kv_budget())
-        self.kv_cache = KVCache(self.layout, num_blocks, self.device)
+        self.layout = KVLayout(hf.num_hidden_layers, config.block_size, attn.num_kv_heads * self.tp.size,
+                               attn.head_dim, config.dtype, self.tp.size)
+        if rank == 0:
+            num_blocks = config.num_kv_blocks or self.layout.blocks_for_budget(self._kv_budget())
+            self.kv_cache = KVCache(self.layout, num_blocks, self.device)
+            if self.ranks is not None:
+                self.ranks.share_pool(self.kv_cache.share())
+        else:
+            pool = rank_link.recv()
+            self.kv_cache = KVCache(self.layout, pool.shape[1], self.device, rank, pool)
         limit = self.model.rope.max_positions
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.vocab_size = hf.vocab_size
@@ -109,17 +142,22 @@ class ModelRunner:
             gemv_bf16_kernel()  # built now, not on the first batch-1 decode step (models/llama.py ``linear``)
             if config.prepack_weights and (added := self.model.prepack_weights()):  # int8 weights: none packed
                 log.info("linear weights prepacked for oneDNN (+%.1f MiB; engine.prepack_weights)", added / 2**20)
-        if self.device.type == "cpu" and self.attention.name == "cpu_paged" and config.decode_kernel_max_batch:
+        if (self.device.type == "cpu" and self.attention.name == "cpu_paged" and config.decode_kernel_max_batch
+                and self.tp.size == 1):  # the one-call kernel has no all-reduce between its layers
             self.model.fused_decode = FusedDecode(self.model, config.decode_kernel_max_batch)
             if config.quantization == "int8":
                 self._choose_int8_decode_rows()
         self.sampler = Sampler()
+        if self.ranks is not None:
+            self.ranks.wait_ready()
+            self._serving = True
         log.info(
-            "model loaded in %.1fs: %s layers, dtype %s, weights %s (%.2f GiB), attention %s; KV pool %d blocks x "
-            "%d tokens (%.1f MiB); resident %.2f GiB",
+            "model loaded in %.1fs: %s layers, dtype %s, weights %s (%.2f GiB%s), attention %s; KV pool %d blocks "
+            "x %d tokens (%.1f MiB); resident %.2f GiB",
             self.load_s, hf.num_hidden_layers, config.dtype, "int8" if config.quantization == "int8" else config.dtype,
-            module_bytes(self.model) / 2**30, self.attention.name, num_blocks, config.block_size,
-            self.kv_cache.nbytes / 2**20, resident_bytes() / 2**30,
+            module_bytes(self.model) / 2**30, f", rank {rank} of {self.tp.size}" if self.tp.size > 1 else "",
+            self.attention.name, self.kv_cache.num_blocks, config.block_size, self.kv_cache.nbytes / 2**20,
+            resident_bytes() / 2**30,
         )
 
     def _choose_int8_decode_rows(self) -> None:
@@ -162,7 +200,7 @@ class ModelRunner:
         fraction = self.config.kv_cache_memory_fraction
         if fraction is None:
             return self.config.kv_cache_memory_bytes
-        weights = self._serving_weight_bytes()
+        weights = self._serving_weight_bytes() * self.tp.size  # the ranks share the host's memory
         left = device_memory_bytes(self.device) - weights
         if left <= 0:
             raise ValueError(f"the model's weights as served ({weights / 2**30:.2f} GiB) leave no memory on "
@@ -272,10 +310,34 @@ class ModelRunner:
 
     # ---- execution ----------------------------------------------------------
     @torch.inference_mode()
+    def run(self, ctx, input_ids: torch.Tensor, positions: torch.Tensor,
+            logits_rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The model over one flat batch in step context ``ctx``: the hidden states of every row, or with
+        ``logits_rows`` the logits of those rows (None on ranks other than 0). Rank 0 first sends the other
+        ranks the same inputs, so every rank runs the same forward on its slice."""
+        if self._serving:
+            self.ranks.send(pack_step(ctx, input_ids, positions, logits_rows))
+        with step_context(ctx):
+            hidden = self.model(input_ids, positions)
+        return hidden if logits_rows is None else self.model.compute_logits(hidden[logits_rows])
+
     def forward(self, prepared: PreparedStep) -> torch.Tensor:
         """Hidden states of every row of the flat batch."""
-        with step_context(prepared.context):
-            return self.model(prepared.input_ids, prepared.positions)
+        return self.run(prepared.context, prepared.input_ids, prepared.positions)
+
+    @property
+    def embedding_model(self):
+        """The model as the embedder calls it: at tensor parallelism, run on every rank."""
+        return self.model if self.tp.size == 1 else _AllRanks(self)
+
+    def close(self) -> None:
+        """Stops the other ranks and leaves their group (tensor parallelism); nothing to do otherwise."""
+        if self.ranks is not None:
+            self._serving = False
+            self.ranks.close()
+            self.ranks = None
+        if self.tp.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
 
     def _forward_prompt(self, token_ids: list[int]) -> torch.Tensor:
         """One prompt's forward outside any schedule (calibration), written over the pool's first blocks:
@@ -290,10 +352,10 @@ class ModelRunner:
         """Run one step; returns what each sampling sequence emitted. ``constrain(logits, seqs, drafts)``: masks
         the logits in place before sampling (structured output)."""
         prepared = self.prepare(plan)
-        hidden = self.forward(prepared)
         if not prepared.sample_seqs:
+            self.forward(prepared)
             return StepSample([], [])
-        logits = self.model.compute_logits(hidden[prepared.sample_rows]).float()
+        logits = self.run(prepared.context, prepared.input_ids, prepared.positions, prepared.sample_rows).float()
         if self.fault_nonfinite_token is not None:
             self._poison(logits, prepared.sample_seqs, prepared.drafts)
         bad_rows = nonfinite_rows(logits)  # before the masks, whose -inf are meant
@@ -359,6 +421,40 @@ class ModelRunner:
                     out.logprobs[i] = verified.logprobs[j]
                     out.top_logprobs[i] = verified.top_logprobs[j]
         return out
+
+
+def serve_rank(config: EngineConfig, model_dir: str, rank: int, port: int, link) -> None:
+    """A tensor-parallel rank process (ranks 1..N-1): joins the group, loads its slice, takes the shared pool, then
+    runs each step rank 0 sends until rank 0 closes the worker or is gone."""
+    become_rank(rank)
+    try:
+        runner = ModelRunner(config, model_dir, rank=rank, rank_link=link, port=port)
+    except BaseException as exc:
+        try:
+            link.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        finally:
+            os._exit(1)
+    link.send(("ready", ""))
+    try:
+        while (data := next_step(link)) is not None:
+            runner.run(*unpack_step(data, runner.kv_cache, runner.device))
+    except BaseException:
+        log.exception("rank %d failed", rank)
+        logging.shutdown()
+        os._exit(1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+class _AllRanks:
+    """The model as the embedder calls it, ``(input_ids, positions)`` in a step context, run on every rank."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner, self.config = runner, runner.model.config
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.runner.run(get_step_context(), input_ids, positions)
 
 
 # ---- the step-time model ------------------------------------------------------------------------

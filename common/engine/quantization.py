@@ -244,8 +244,12 @@ def input_absmax(modules: list[nn.Module], run: Callable[[], object]) -> list[to
     return [seen[id(m)] for m in modules]
 
 
-def _smoothing(absmax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
+def _smoothing(absmax: torch.Tensor, weight: torch.Tensor, alpha: float, reduce=None) -> torch.Tensor:
+    """``reduce``: at tensor parallelism, the max over ranks of a column-parallel weight's channel ranges (each
+    rank holds some of its rows), so every rank scales the norm they share alike."""
     w = weight.float().abs().amax(dim=0)
+    if reduce is not None:
+        w = reduce(w)
     return (absmax.clamp(min=1e-5) ** alpha / w.clamp(min=1e-5) ** (1 - alpha)).clamp(min=1e-5)
 
 
@@ -261,7 +265,7 @@ def smooth_for_int8(model: nn.Module, run: Callable[[], object], alpha: float) -
     for layer in layers:
         qkv, gate_up, down = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
         for norm, linear in ((layer.input_layernorm, qkv), (layer.post_attention_layernorm, gate_up)):
-            s = _smoothing(next(absmax), linear.weight, alpha=alpha)
+            s = _smoothing(next(absmax), linear.weight, alpha=alpha, reduce=model.tp.all_reduce_max)
             norm.weight.copy_(norm.weight.float() / s)
             linear.weight.copy_(linear.weight.float() * s)
         s = _smoothing(next(absmax), down.weight, alpha=alpha)

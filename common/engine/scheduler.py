@@ -338,6 +338,14 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
         return True
 
+    def reserve(self, n: int) -> list[int]:
+        """``n`` blocks no sequence owns (staging for a KV pull between workers of different tensor parallelism),
+        or none when the pool cannot spare them; the caller gives them back with ``unreserve``."""
+        return self.blocks.allocate(n) if self.blocks.can_allocate(n) else []
+
+    def unreserve(self, block_ids: list[int]) -> None:
+        self.blocks.free(block_ids)
+
     def remote_kv_arrived(self, seq: Sequence) -> None:
         """Its pages are in its blocks: it decodes from here."""
         seq.num_computed_tokens = seq.num_tokens - 1

@@ -24,7 +24,7 @@ class EmbedQueue:
         """``worker``: the role handler (``WorkerBase``) whose engine, cores, metrics and sends it uses."""
         self.worker = worker
         runner = worker.engine.runner
-        self.embedder = Embedder(runner.model, runner.device, pooling_of(worker.engine.model_dir),
+        self.embedder = Embedder(runner.embedding_model, runner.device, pooling_of(worker.engine.model_dir),
                                  worker.config.embedding_batch_tokens, worker.config.embedding_padding_budget)
         self.max_len = worker.engine.max_model_len
         self.queue: deque[wire.EmbedRequest] = deque()

@@ -69,6 +69,7 @@ def load_model(worker, spec: str, name: str = "") -> None:
 def unload_model(worker) -> None:
     """Free what ``load_model`` gave ``worker``: its transfer agent, engine and their memory."""
     worker.transfer.close()
+    worker.engine.runner.close()
     device = worker.engine.runner.kv_cache.buffer.device
     worker.engine = worker.transfer = None
     worker.metrics.status.model_loaded = False

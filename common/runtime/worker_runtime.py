@@ -246,6 +246,8 @@ class WorkerBase:
     def close(self) -> None:
         if self.transfer is not None:
             self.transfer.close()
+        if self.engine is not None:
+            self.engine.runner.close()  # the other tensor-parallel ranks, if any
         if isinstance(self.cores, CoreShare):
             self.cores.close()
         self.tracing.shutdown()

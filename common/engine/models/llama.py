@@ -24,6 +24,7 @@ from common.engine.attention import get_step_context
 from common.engine.models.rope import RotaryEmbedding, rotate
 from common.engine.native import cpu_has, gemv_bf16_kernel, kernel_function
 from common.engine.quantization import SMALL_BATCH_ROWS, linear_int8, mlp_int8
+from common.engine.tensor_parallel import Parallel
 
 GEMV_MAX_K = 16384  # kernels/gemv_bf16.c's limit on the input width
 
@@ -151,16 +152,21 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, layer_idx: int, arch: str, backend) -> None:
+    """Self-attention over this rank's heads: q/k/v column-parallel (``tp``'s slice of the query and KV heads),
+    the output projection row-parallel (partial sums, all-reduced)."""
+
+    def __init__(self, cfg, layer_idx: int, arch: str, backend, tp: Parallel) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.tp = tp
+        heads = cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        self.num_heads = heads // tp.size
+        self.num_kv_heads = (getattr(cfg, "num_key_value_heads", None) or heads) // tp.size
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         qkv_bias = arch == "qwen2" or bool(getattr(cfg, "attention_bias", False))
-        o_bias = arch != "qwen2" and bool(getattr(cfg, "attention_bias", False))
+        o_bias = arch != "qwen2" and bool(getattr(cfg, "attention_bias", False)) and tp.rank == 0  # added once
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias)
         if arch == "qwen3":
@@ -181,20 +187,26 @@ class Attention(nn.Module):
         q, k = rope(qk).split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         out = self.backend(q, k, v, self.layer_idx, self.scale)
-        return self.o_proj(out.reshape(n, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(n, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg) -> None:
+    """SwiGLU over this rank's slice of the intermediate channels: gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, cfg, tp: Parallel) -> None:
         super().__init__()
         bias = bool(getattr(cfg, "mlp_bias", False))
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.tp = tp
+        self.intermediate = cfg.intermediate_size // tp.size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=bias)
+        self.down_proj = Linear(self.intermediate, cfg.hidden_size, bias=bias and tp.rank == 0)  # added once
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {cfg.hidden_act!r} (only silu is supported)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self._partial(x))
+
+    def _partial(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj.weight.dtype is torch.int8:
             out = mlp_int8(x, self.gate_up_proj, self.down_proj)
             if out is not None:
@@ -211,10 +223,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_idx: int, arch: str, backend) -> None:
+    def __init__(self, cfg, layer_idx: int, arch: str, backend, tp: Parallel) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx, arch, backend)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer_idx, arch, backend, tp)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -229,27 +241,56 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+def check_divisible(cfg, size: int) -> None:
+    """Raises ValueError naming engine.tensor_parallel_size when the model's heads or MLP do not split ``size`` ways."""
+    heads = cfg.num_attention_heads
+    parts = {"attention heads": heads, "KV heads": getattr(cfg, "num_key_value_heads", None) or heads,
+             "MLP channels": cfg.intermediate_size}
+    bad = [f"{n} {what}" for what, n in parts.items() if n % size]
+    if bad:
+        splits = [d for d in range(1, heads + 1) if all(n % d == 0 for n in parts.values())]
+        raise ValueError(f"engine.tensor_parallel_size {size} does not divide the model's {', '.join(bad)}; "
+                         f"this model splits into {splits}")
+
+
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg, backend) -> None:
+    """The model, or at tensor parallelism one rank's slice of it (``tp``): the heads and MLP channels each
+    layer holds, the rows of the vocabulary its embedding and LM head hold. Norms and RoPE are whole on every
+    rank, and every rank ends a layer with the same hidden state."""
+
+    def __init__(self, cfg, backend, tp: Parallel | None = None) -> None:
         super().__init__()
         arch = architecture_of(cfg)
         self.config = cfg
+        self.tp = tp = tp or Parallel()
+        check_divisible(cfg, tp.size)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.rope = RotaryEmbedding(cfg, head_dim)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.vocab_start, vocab_rows = tp.vocab_rows(cfg.vocab_size)
+        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, arch, backend) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, i, arch, backend, tp) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, vocab_rows, bias=False)
         self.requires_grad_(False)
         # Set by the model runner where the one-call decode kernel applies (``FusedDecode`` below).
         self.fused_decode = None
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings: at tensor parallelism each rank looks up the ids in its rows, zeros the others,
+        and the all-reduce sums the one row that holds each."""
+        if self.tp.size == 1:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.embed_tokens.weight.shape[0])
+        x = self.embed_tokens(local.masked_fill(outside, 0)).masked_fill(outside[:, None], 0)
+        return self.tp.all_reduce(x)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         if self.fused_decode is not None:
             ctx = get_step_context()
             if self.fused_decode.usable(ctx, x.shape[0]):
@@ -261,9 +302,12 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The logits of ``hidden``'s rows; at tensor parallelism rank 0 gathers every rank's slice of the
+        vocabulary and the other ranks get None."""
         head = self.embed_tokens if self.tie_word_embeddings else self.lm_head
-        return linear(hidden, head.weight, None, getattr(head, "weight_scale", None), getattr(head, "packed", None))
+        logits = linear(hidden, head.weight, None, getattr(head, "weight_scale", None), getattr(head, "packed", None))
+        return self.tp.gather_vocab(logits, self.config.vocab_size)
 
     def prepack_weights(self) -> int:
         """Gives every bfloat16 linear layer, and a tied LM head, its oneDNN-blocked copy (``packed``, from

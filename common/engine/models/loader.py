@@ -6,6 +6,10 @@ copied into the fused projections. Every parameter must be filled exactly
 once; anything missing or unexpected is an error naming the tensors. Only the
 model's own weights stay resident: each checkpoint tensor is read, copied into
 its parameter and dropped, and the files are memory-mapped, not read whole.
+
+At tensor parallelism a rank reads only its slice of each sharded tensor
+(``_slice``): rows of q/k/v, gate/up, the embedding and LM head, columns of the
+output and down projections; their biases are added once, by rank 0.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from common.engine.models.llama import LlamaForCausalLM
+from common.engine.tensor_parallel import Parallel
 from common.storage.safetensors_files import checkpoint_files
 
 _FUSED = {
@@ -33,10 +38,13 @@ def load_hf_config(model_dir: str | Path):
     return AutoConfig.from_pretrained(str(model_dir))
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, backend) -> LlamaForCausalLM:
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, backend,
+               tp: Parallel | None = None) -> LlamaForCausalLM:
+    """The model of ``model_dir``, or ``tp``'s rank's slice of it."""
     cfg = load_hf_config(model_dir)
+    tp = tp or Parallel()
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend)
+        model = LlamaForCausalLM(cfg, backend, tp)
     model.to(dtype)  # on meta: the weights are allocated once, in their dtype (no float32 copy first)
     model.to_empty(device=device)
     model.rope.build_table(device)
@@ -50,9 +58,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, backend) 
                 if target is None:
                     continue
                 if target not in params:
+                    if tp.rank and target.endswith(("o_proj.bias", "down_proj.bias")):
+                        continue  # a row-parallel layer's bias: rank 0's alone
                     unexpected.append(name)
                     continue
-                _copy_into(params[target], target, part, f.get_tensor(name), model)
+                _copy_into(params[target], target, part, _slice(f, name, target, part, model, tp), model)
                 filled[target] += 1
     missing = [n for n, count in filled.items() if count != _parts_of(n)]
     if missing or unexpected:
@@ -87,8 +97,32 @@ def _target(name: str, model: LlamaForCausalLM) -> tuple[str | None, int | None]
     return name, None
 
 
+def _slice(f, name: str, target: str, part: int | None, model: LlamaForCausalLM, tp: Parallel) -> torch.Tensor:
+    """This rank's slice of checkpoint tensor ``name`` (the whole tensor at tensor parallelism 1)."""
+    if tp.size == 1:
+        return f.get_tensor(name)
+    view = f.get_slice(name)
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    if target.endswith(("embed_tokens.weight", "lm_head.weight")):
+        start, rows = model.vocab_start, model.embed_tokens.weight.shape[0]
+        return view[start:start + rows]  # the last rank's slice may be shorter: padded in _copy_into
+    if ".qkv_proj." in target:
+        width = attn.q_size if part == 0 else attn.kv_size
+        return view[tp.rank * width:(tp.rank + 1) * width]
+    if ".gate_up_proj." in target:
+        return view[tp.rank * mlp.intermediate:(tp.rank + 1) * mlp.intermediate]
+    if target.endswith(("o_proj.weight", "down_proj.weight")):
+        width = attn.q_size if "o_proj" in target else mlp.intermediate
+        return view[:, tp.rank * width:(tp.rank + 1) * width]
+    return view[:]
+
+
 def _copy_into(param: torch.Tensor, target: str, part: int | None, tensor: torch.Tensor,
                model: LlamaForCausalLM) -> None:
+    if target.endswith(("embed_tokens.weight", "lm_head.weight")) and tensor.shape[0] < param.shape[0]:
+        with torch.no_grad():  # the vocabulary's padding rows on the last rank
+            param[tensor.shape[0]:].zero_()
+        param = param[:tensor.shape[0]]
     if part is None:
         dest = param
     else:

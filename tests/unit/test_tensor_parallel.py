@@ -1,0 +1,143 @@
+"""Tensor parallelism inside a worker: the sharded layers, the step sent to the ranks, TP 2 against TP 1, devices."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from common.config.base import ConfigError, EngineConfig
+from common.engine.attention import EncodeContext, select_backend
+from common.engine.kv_cache import KVCache, KVLayout
+from common.engine.llm_engine import LLMEngine
+from common.engine.model_runner import ModelRunner
+from common.engine.models.llama import check_divisible
+from common.engine.models.loader import load_hf_config, load_model
+from common.engine.scheduler import StepPlan
+from common.engine.sequence import Sequence
+from common.engine.tensor_parallel import Parallel, pack_step, unpack_step
+from common.protocol.sampling_params import SamplingParams
+from tests.tiny_models import build_tiny_model
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny(request, tmp_path_factory, embedded_model_dir):
+    """A random model whose heads (4, 2 KV) and MLP split two ways; qwen2 has q/k/v biases."""
+    return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), tokenizer_from=embedded_model_dir)
+
+
+def test_each_rank_loads_its_slice_and_the_slices_make_the_whole(tiny):
+    backend = select_backend("auto", "cpu", 16)
+    whole = load_model(tiny, torch.float32, "cpu", backend)
+    ranks = [load_model(tiny, torch.float32, "cpu", backend, Parallel(r, 2)) for r in range(2)]
+    attn = whole.layers[0].self_attn
+    q, kv = attn.q_size, attn.kv_size
+    for i, layer in enumerate(whole.layers):
+        parts = [r.layers[i] for r in ranks]
+        qkv = [p.self_attn.qkv_proj.weight for p in parts]
+        half_q, half_kv = q // 2, kv // 2
+        for name, start, width, half in (("q", 0, q, half_q), ("k", q, kv, half_kv), ("v", q + kv, kv, half_kv)):
+            local_start = {"q": 0, "k": half_q, "v": half_q + half_kv}[name]
+            got = torch.cat([w[local_start:local_start + half] for w in qkv])
+            assert torch.equal(got, layer.self_attn.qkv_proj.weight[start:start + width]), name
+        assert torch.equal(torch.cat([p.self_attn.o_proj.weight for p in parts], 1), layer.self_attn.o_proj.weight)
+        assert torch.equal(torch.cat([p.mlp.down_proj.weight for p in parts], 1), layer.mlp.down_proj.weight)
+        inter = layer.mlp.intermediate
+        gate = torch.cat([p.mlp.gate_up_proj.weight[:inter // 2] for p in parts])
+        up = torch.cat([p.mlp.gate_up_proj.weight[inter // 2:] for p in parts])
+        assert torch.equal(torch.cat([gate, up]), layer.mlp.gate_up_proj.weight)
+        assert torch.equal(parts[1].input_layernorm.weight, layer.input_layernorm.weight)  # norms whole
+        if layer.self_attn.qkv_proj.bias is not None:
+            assert parts[0].self_attn.qkv_proj.bias.shape[0] == (q + 2 * kv) // 2
+    vocab = whole.config.vocab_size
+    assert torch.equal(torch.cat([r.embed_tokens.weight for r in ranks])[:vocab], whole.embed_tokens.weight)
+
+
+def test_an_odd_vocabulary_pads_the_last_rank_with_zero_rows(tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tests.tiny_models import COMMON
+
+    hf = AutoModelForCausalLM.from_config(LlamaConfig(**{**COMMON, "vocab_size": 321}, tie_word_embeddings=False))
+    hf.save_pretrained(tmp_path)
+    backend = select_backend("auto", "cpu", 16)
+    first, last = (load_model(tmp_path, torch.float32, "cpu", backend, Parallel(r, 2)) for r in range(2))
+    assert last.embed_tokens.weight.shape[0] == last.lm_head.weight.shape[0] == 161
+    assert last.embed_tokens.weight[160:].abs().sum() == 0 and last.lm_head.weight[160:].abs().sum() == 0
+    whole = hf.model.embed_tokens.weight
+    assert torch.equal(torch.cat([first.embed_tokens.weight, last.embed_tokens.weight[:160]]), whole)
+
+
+def test_a_split_the_model_does_not_divide_names_the_setting_and_the_splits(tiny):
+    with pytest.raises(ValueError, match=r"engine.tensor_parallel_size 3 does not divide.*splits into \[1, 2\]"):
+        check_divisible(load_hf_config(tiny), 3)
+
+
+def test_a_packed_step_unpacks_to_the_same_inputs_over_the_ranks_own_pool(tiny):
+    engine = LLMEngine(EngineConfig(model=str(tiny), num_kv_blocks=32))
+    seqs = [Sequence(f"s{i}", list(range(5 + 7 * i, 40 + 7 * i)), SamplingParams(), seed=0) for i in range(2)]
+    seqs[0].block_table, seqs[1].block_table = [3, 4, 5], [7, 1, 2]
+    seqs[1].num_computed_tokens = 34  # a decode row beside a prompt chunk
+    prepared = engine.runner.prepare(StepPlan(seqs, [35, 1]))
+    other = KVCache(engine.runner.layout, engine.runner.num_blocks)
+    ctx, ids, positions, rows = unpack_step(
+        pack_step(prepared.context, prepared.input_ids, prepared.positions, prepared.sample_rows), other,
+        torch.device("cpu"))
+    assert ctx.kv_cache is other
+    assert torch.equal(ids, prepared.input_ids) and torch.equal(positions, prepared.positions)
+    assert torch.equal(rows, prepared.sample_rows)
+    for name in ("slot_blocks", "slot_offsets", "decode_rows", "decode_block_tables", "decode_context_lens"):
+        assert torch.equal(getattr(ctx, name), getattr(prepared.context, name)), name
+    assert [(c.token_start, c.token_end, c.num_computed, c.block_table.tolist()) for c in ctx.chunks] == [
+        (c.token_start, c.token_end, c.num_computed, c.block_table.tolist()) for c in prepared.context.chunks]
+    encode = EncodeContext(torch.arange(4), torch.ones(1, 1, 4, 4, dtype=torch.bool), 1, 4)
+    ctx, _, _, rows = unpack_step(pack_step(encode, ids[:4], positions[:4], None), other, torch.device("cpu"))
+    assert isinstance(ctx, EncodeContext) and torch.equal(ctx.mask, encode.mask) and rows is None
+
+
+def _prompt_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    seq = Sequence("prompt", ids, SamplingParams(), seed=0)
+    seq.block_table = list(range(-(-len(ids) // runner.config.block_size)))
+    prepared = runner.prepare(StepPlan([seq], [len(ids)]))
+    return runner.run(prepared.context, prepared.input_ids, prepared.positions, torch.arange(len(ids))).float()
+
+
+def test_tp2_agrees_with_tp1_on_logits_and_greedy_tokens(tiny):
+    """Two rank processes over gloo against one process: a 64-token prompt's logits within 1e-4 relative, and
+    the same greedy continuation."""
+    config = EngineConfig(model=str(tiny), num_kv_blocks=64, num_threads=1)
+    ids = [(i * 37 + 11) % 49152 for i in range(64)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    one = LLMEngine(config)
+    want_logits = _prompt_logits(one.runner, ids)
+    want = [o.outputs[0].token_ids for o in one.generate([ids, ids[:17]], greedy)]
+    two = LLMEngine(dataclasses.replace(config, tensor_parallel_size=2))
+    try:
+        assert two.runner.kv_cache.pool.shape[0] == 2 and two.runner.model.layers[0].self_attn.num_kv_heads == 1
+        got_logits = _prompt_logits(two.runner, ids)
+        got = [o.outputs[0].token_ids for o in two.generate([ids, ids[:17]], greedy)]
+    finally:
+        two.runner.close()
+    assert (got_logits - want_logits).abs().max() <= 1e-4 * want_logits.abs().max()
+    assert got == want
+
+
+def test_rank_devices_are_checked_and_named():
+    assert EngineConfig(model="m", tensor_parallel_size=3).devices == ["cpu"] * 3
+    assert EngineConfig(model="m", tensor_parallel_size=2, device="cuda:4").devices == ["cuda:4", "cuda:5"]
+    assert EngineConfig(model="m", tensor_parallel_size=2, ranks={"devices": ["cuda:1", "cuda:3"]}).devices == [
+        "cuda:1", "cuda:3"]
+    for bad, words in (({"device": "gpu0"}, "'device'"),
+                       ({"tensor_parallel_size": 2, "ranks": {"devices": ["cuda:0"]}}, "ranks.devices"),
+                       ({"tensor_parallel_size": 2, "ranks": {"devices": ["cuda:1", "cuda:1"]}}, "one GPU"),
+                       ({"tensor_parallel_size": 2, "ranks": {"devices": ["cpu", "cuda:1"]}}, "mixes"),
+                       ({"tensor_parallel_size": 0}, "tensor_parallel_size")):
+        with pytest.raises(ConfigError, match=words):
+            EngineConfig(model="m", **bad)
+
+
+def test_a_rank_that_cannot_start_fails_the_worker_with_its_error(tmp_path):
+    """A model whose heads do not split: each rank refuses it, and rank 0 says why."""
+    tiny = build_tiny_model("llama", tmp_path / "m")
+    with pytest.raises(ValueError, match="does not divide"):
+        ModelRunner(EngineConfig(model=str(tiny), num_kv_blocks=8, tensor_parallel_size=3), tiny)
