@@ -128,7 +128,20 @@ tessera_launch_worker() {
         --set "transfer_host=$TESSERA_HOST_ADDRESS"
     )
     tessera_model_sets sets "engine."
-    if [[ -n ${TESSERA_DEVICE:-} ]]; then sets+=(--set "engine.device=$TESSERA_DEVICE"); fi
+    # Tensor parallelism and devices, per role: instance i of a role at TP n takes the n GPUs from
+    # TESSERA_<ROLE>_FIRST_GPU + i * n, one per rank (engine.device=cuda:K; its ranks take K..K+n-1).
+    local tp_variable=TESSERA_${role^^}_TP gpu_variable=TESSERA_${role^^}_FIRST_GPU
+    local tp=${!tp_variable:-1}
+    [[ $tp =~ ^[1-9][0-9]*$ ]] || tessera_die "$tp_variable=$tp must be a number >= 1"
+    if ((tp > 1)); then sets+=(--set "engine.tensor_parallel_size=$tp"); fi
+    if [[ -n ${!gpu_variable:-} ]]; then
+        [[ ${!gpu_variable} =~ ^[0-9]+$ ]] || tessera_die "$gpu_variable=${!gpu_variable} must be a GPU index"
+        [[ ${TESSERA_DEVICE:-cuda} == cuda ]] ||
+            tessera_die "$gpu_variable is set but TESSERA_DEVICE=$TESSERA_DEVICE (GPUs need TESSERA_DEVICE=cuda)"
+        sets+=(--set "engine.device=cuda:$((${!gpu_variable} + instance * tp))")
+    elif [[ -n ${TESSERA_DEVICE:-} ]]; then
+        sets+=(--set "engine.device=$TESSERA_DEVICE")
+    fi
     if [[ -n ${TESSERA_THREADS:-} ]]; then sets+=(--set "engine.num_threads=$TESSERA_THREADS"); fi
     if [[ -n ${TESSERA_TRANSFER_BACKEND:-} ]]; then sets+=(--set "transfer_backend=$TESSERA_TRANSFER_BACKEND"); fi
     if [[ -n ${TESSERA_METRICS_PORT:-} ]]; then

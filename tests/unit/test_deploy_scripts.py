@@ -51,7 +51,8 @@ def test_role_scripts_are_executable():
 
 def test_the_env_example_documents_every_variable_the_scripts_read():
     read = set(re.findall(r"\b((?:TESSERA|UCX)_[A-Z_]+)\b", (LAUNCH / "lib.sh").read_text()))
-    read |= {"TESSERA_PREFILL_SET", "TESSERA_DECODE_SET"}  # spelled TESSERA_${role^^}_SET in the script
+    # spelled TESSERA_${role^^}_SET (_TP, _FIRST_GPU) in the script
+    read |= {f"TESSERA_{role}_{name}" for role in ("PREFILL", "DECODE") for name in ("SET", "TP", "FIRST_GPU")}
     example = (LAUNCH / "tessera.env.example").read_text()
     assert read >= {"TESSERA_MODEL", "TESSERA_PROXY_HOST", "TESSERA_LOG_DIR"}
     assert sorted(v for v in read if v not in example) == []
@@ -114,6 +115,25 @@ def test_decode_script_builds_a_valid_worker_command(tmp_path, recorder):
     assert env["UCX_TLS"] == "tcp", "the env file's library variables reach the worker"
     assert (tmp_path / "cache").is_dir()
     assert (tmp_path / "logs" / "host-a-decode-1.log").exists(), "the worker's output goes to its log file"
+
+
+def test_an_eight_gpu_host_gives_each_worker_and_rank_its_own_gpus(tmp_path, recorder):
+    """2 prefill workers at TP 2 on GPUs 0-3, 1 decode worker at TP 4 on GPUs 4-7 (docs/deploy.md)."""
+    script, out = recorder
+    env_file = _env_file(tmp_path, script, TESSERA_DEVICE="cuda", TESSERA_PREFILL_TP="2", TESSERA_DECODE_TP="4",
+                         TESSERA_PREFILL_FIRST_GPU="0", TESSERA_DECODE_FIRST_GPU="4")
+    devices = {}
+    for script_name, role, instance in (("prefill.sh", "prefill", "0"), ("prefill.sh", "prefill", "1"),
+                                        ("decode.sh", "decode", "0")):
+        result = _launch(script_name, env_file, TESSERA_INSTANCE=instance)
+        assert result.returncode == 0, result.stderr
+        args, _ = _parsed(out)
+        config = load_config(WorkerConfig, args.config, {**parse_overrides(args.overrides), "role": role})
+        devices[f"{role}@{instance}"] = config.engine.devices
+    assert devices == {"prefill@0": ["cuda:0", "cuda:1"], "prefill@1": ["cuda:2", "cuda:3"],
+                       "decode@0": ["cuda:4", "cuda:5", "cuda:6", "cuda:7"]}
+    bad = _launch("decode.sh", _env_file(tmp_path, script, TESSERA_DECODE_TP="two"))
+    assert bad.returncode == 2 and "TESSERA_DECODE_TP=two" in bad.stderr
 
 
 def test_prefill_worker_id_defaults_to_host_role_instance(tmp_path, recorder):

@@ -1,0 +1,111 @@
+"""Tensor parallelism through the cluster: prefill and decode at different parallelism exchange pages and answer as
+transformers does, and a rank killed under load takes its worker with it while every request finishes elsewhere."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from common.cli.local_cluster import LocalCluster
+from common.config.base import EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.protocol.sampling_params import SamplingParams
+from tests.e2e.fault_scenarios import check_pages_freed
+from tests.e2e.test_cluster import MAX_TOKENS, MODEL, PROMPTS
+
+pytestmark = pytest.mark.slow
+TP = 3  # the embedded model's 9 heads and 3 KV heads split three ways
+
+
+def complete(url: str, prompts: list[str], max_tokens: int = MAX_TOKENS) -> list[httpx.Response]:
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*(client.post(url + "/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": p}], "max_tokens": max_tokens,
+                "temperature": 0.0}) for p in prompts))
+    return asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def reference(embedded_model_dir):
+    """The single-process engine's greedy chat answers, each checked token for token against transformers'."""
+    engine = LLMEngine(EngineConfig(model=str(embedded_model_dir), num_kv_blocks=256))
+    chats = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+    outs = engine.generate(chats, SamplingParams(temperature=0.0, max_tokens=48))
+    hf = AutoModelForCausalLM.from_pretrained(embedded_model_dir, dtype=torch.float32).eval()
+    eos = set(engine.tokenizer.eos_token_ids)
+    for ids, out in zip(chats, outs):
+        with torch.inference_mode():
+            generated = hf.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)[0, len(ids):].tolist()
+        want = [t for t in generated[:len(out.outputs[0].token_ids)]]
+        assert [t for t in out.outputs[0].token_ids if t not in eos] == [t for t in want if t not in eos]
+    short = engine.generate(chats, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    return {"short": [o.outputs[0].text for o in short], "long": [o.outputs[0].text for o in outs]}
+
+
+@pytest.fixture(scope="module", params=["decode", "prefill"])
+def tp_cluster(request, embedded_model_dir, tmp_path_factory):
+    """The embedded model with the ``request.param`` worker at TP 3 and the other at TP 1."""
+    c = LocalCluster.for_tests(embedded_model_dir, tmp_path_factory.mktemp(f"tp-{request.param}"),
+                               role_overrides=[f"{request.param}:engine.tensor_parallel_size={TP}"]).start()
+    yield c
+    codes = c.stop()
+    assert all(code == 0 for code in codes.values()), codes
+
+
+def test_greedy_chat_at_tp3_equals_transformers(tp_cluster, reference):
+    responses = complete(tp_cluster.url, PROMPTS)
+    assert [r.status_code for r in responses] == [200] * len(PROMPTS)
+    assert [r.json()["choices"][0]["message"]["content"] for r in responses] == reference["short"]
+    check_pages_freed(tp_cluster)
+    transferred = tp_cluster.metric("tessera_proxy_kv_transfer_bytes_total")
+    assert sum(transferred.values()) > 0, "the pages moved between the two parallelisms"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_rank_killed_under_load_ends_its_worker_and_loses_no_request(embedded_model_dir, tmp_path, reference):
+    c = LocalCluster.for_tests(embedded_model_dir, tmp_path, decode=2,
+                               role_overrides=[f"decode-0:engine.tensor_parallel_size={TP}"]).start()
+    try:
+        worker = psutil.Process(c.procs["decode-0"].pid)
+        ranks = [p for p in worker.children() if "spawn_main" in " ".join(p.cmdline())]
+        assert len(ranks) == TP - 1, [p.cmdline() for p in worker.children()]
+        prompts = PROMPTS[:12]
+
+        async def load():
+            async with httpx.AsyncClient(timeout=300) as client:
+                calls = [asyncio.create_task(client.post(c.url + "/v1/chat/completions", json={
+                    "model": MODEL, "messages": [{"role": "user", "content": p}], "max_tokens": 48,
+                    "temperature": 0.0})) for p in prompts]
+                deadline = time.monotonic() + 120
+                metrics = f"http://127.0.0.1:{c.metrics_ports['decode-0']}"
+                while not any(v > 0 for v in c.metric("tessera_worker_generation_tokens_total", metrics).values()):
+                    assert time.monotonic() < deadline, "decode-0 never generated"
+                    await asyncio.sleep(0.05)
+                os.kill(ranks[-1].pid, signal.SIGKILL)  # mid-decode: decode-0 holds running requests
+                return await asyncio.gather(*calls)
+
+        responses = asyncio.run(load())
+        assert [r.status_code for r in responses] == [200] * len(prompts)
+        assert [r.json()["choices"][0]["message"]["content"] for r in responses] == reference["long"][:12]
+        assert c.procs["decode-0"].wait(timeout=60) != 0  # the worker went with its rank
+        deadline = time.monotonic() + 30
+        while any(_alive(p.pid) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p.pid) for p in ranks), "a rank outlived its worker"
+    finally:
+        codes = c.stop()
+    assert all(code == 0 for name, code in codes.items() if name != "decode-0"), codes
