@@ -82,9 +82,9 @@ def nonfinite_rows(logits: torch.Tensor) -> list[int]:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str | Path, rank: int = 0, rank_link=None,
-                 port: int | None = None) -> None:
+                 rendezvous: str = "") -> None:
         """Rank 0 (the worker's own runner) starts the other ranks at tensor_parallel_size > 1; a rank process
-        (tensor_parallel.rank_main) passes its ``rank``, its pipe from rank 0 and the group's ``port``."""
+        (``serve_rank``) passes its ``rank``, its pipe from rank 0 and the group's ``rendezvous`` file."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -103,7 +103,7 @@ class ModelRunner:
                 self.ranks = RankProcesses(config, str(model_dir), serve_rank)
                 self.ranks.join()
             else:
-                join_group(config, rank, port)
+                join_group(config, rank, rendezvous)
         self.device = torch.device(config.devices[rank])
         self.dtype = getattr(torch, config.dtype)
         self.attention = select_backend(config.attention_backend, config.device_type, config.block_size)
@@ -423,12 +423,12 @@ class ModelRunner:
         return out
 
 
-def serve_rank(config: EngineConfig, model_dir: str, rank: int, port: int, link) -> None:
+def serve_rank(config: EngineConfig, model_dir: str, rank: int, rendezvous: str, link) -> None:
     """A tensor-parallel rank process (ranks 1..N-1): joins the group, loads its slice, takes the shared pool, then
     runs each step rank 0 sends until rank 0 closes the worker or is gone."""
     become_rank(rank)
     try:
-        runner = ModelRunner(config, model_dir, rank=rank, rank_link=link, port=port)
+        runner = ModelRunner(config, model_dir, rank=rank, rank_link=link, rendezvous=rendezvous)
     except BaseException as exc:
         try:
             link.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))

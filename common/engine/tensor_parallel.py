@@ -23,7 +23,7 @@ import logging
 import os
 import pickle
 import signal
-import socket
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -79,22 +79,17 @@ class Parallel:
         return torch.cat(parts, dim=-1)[:, :vocab_size]
 
 
-def join_group(config, rank: int, port: int) -> None:
-    """Joins this worker's process group as ``rank`` (rank 0 listens on ``port``), within engine.ranks.timeout_s."""
+def join_group(config, rank: int, rendezvous: str) -> None:
+    """Joins this worker's process group as ``rank`` through the ``rendezvous`` file rank 0 named, within
+    engine.ranks.timeout_s (a file, not a port: nothing another process binds can take it)."""
     backend = "nccl" if config.device_type == "cuda" else "gloo"
     try:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank,
                                 world_size=config.tensor_parallel_size,
                                 timeout=timedelta(seconds=config.ranks.timeout_s))
     except Exception as exc:  # a rank that never came up: the worker does not start
         raise RuntimeError(f"rank {rank} could not join the worker's {config.tensor_parallel_size} ranks within "
                            f"engine.ranks.timeout_s ({config.ranks.timeout_s}s): {exc}") from exc
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- what rank 0 sends each step ----------------------------------------------------------------
@@ -140,15 +135,17 @@ class RankProcesses:
     theirs meanwhile), handed the shared KV pool, sent each step, watched, closed."""
 
     def __init__(self, config, model_dir: str, target) -> None:
-        """``target(config, model_dir, rank, port, link)``: a rank process's main (model_runner.serve_rank)."""
+        """``target(config, model_dir, rank, rendezvous, link)``: a rank process's main (model_runner.serve_rank)."""
         self.config = config
-        self.port = free_port()
+        handle, self.rendezvous = tempfile.mkstemp(prefix="tessera-ranks-")
+        os.close(handle)
+        os.unlink(self.rendezvous)  # the group's file store makes it
         context = mp.get_context("spawn")
         self.links: list[Connection] = []
         self.procs = []
         for rank in range(1, config.tensor_parallel_size):
             parent, child = context.Pipe()
-            proc = context.Process(target=target, args=(config, str(model_dir), rank, self.port, child),
+            proc = context.Process(target=target, args=(config, str(model_dir), rank, self.rendezvous, child),
                                    name=f"tessera-rank{rank}", daemon=True)
             proc.start()
             child.close()
@@ -164,7 +161,7 @@ class RankProcesses:
 
         def join_rank0() -> None:
             try:
-                join_group(self.config, 0, self.port)
+                join_group(self.config, 0, self.rendezvous)
             except BaseException as exc:
                 failure.append(exc)
 
@@ -232,6 +229,10 @@ class RankProcesses:
                 proc.join()
         for link in self.links:
             link.close()
+        try:
+            os.unlink(self.rendezvous)
+        except OSError:
+            pass
 
 
 def _last_word(link: Connection) -> str:

@@ -18,6 +18,7 @@ import zmq
 from common.engine.kv_cache import KVCache, KVLayout
 from kv_transfer.base import TransferStatus
 from kv_transfer.factory import make_backend
+from tests.transfer_backends import BACKENDS, NIXL_MISSING, PULLER_OPTIONS
 from tests.conditions import settle
 
 LAYOUT = KVLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=64, dtype="bfloat16")
@@ -28,19 +29,6 @@ LOCAL_IDS = [0, 1, 2, 30, 7, 6, 12]  # contiguous, scattered and reversed runs
 WAIT_S = 60.0  # generous: the machine is shared; a hang is what these tests catch
 DEADLINE_S = 2.0
 
-try:
-    import nixl._api  # noqa: F401
-
-    NIXL_MISSING = ""
-except ImportError as exc:
-    NIXL_MISSING = f"NIXL is not installed or does not load: {exc}"
-
-BACKENDS = [
-    pytest.param("nixl", marks=pytest.mark.skipif(bool(NIXL_MISSING), reason=NIXL_MISSING or "-")),
-    "zmq",
-]
-# What the side that only pulls runs with: NIXL then needs no progress thread.
-PULLER_OPTIONS = {"nixl": {"progress_thread": False}, "zmq": {}}
 
 
 def source_pool() -> KVCache:

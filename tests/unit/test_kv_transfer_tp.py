@@ -14,23 +14,12 @@ import torch
 from common.engine.kv_cache import KVCache, KVLayout
 from kv_transfer.base import METADATA_VERSION, TransferStatus
 from kv_transfer.factory import make_backend
+from tests.transfer_backends import BACKENDS, PULLER_OPTIONS
 from tests.fake_transfer import FakeBackend
 
 HEADS = 12  # split across 1, 2, 3 and 4 ranks
 WAIT_S = 30.0
 
-try:
-    import nixl._api  # noqa: F401
-
-    NIXL_MISSING = ""
-except ImportError as exc:
-    NIXL_MISSING = f"NIXL is not installed or does not load: {exc}"
-
-BACKENDS = [
-    pytest.param("nixl", marks=pytest.mark.skipif(bool(NIXL_MISSING), reason=NIXL_MISSING or "-")),
-    "zmq",
-]
-PULLER_OPTIONS = {"nixl": {"progress_thread": False}, "zmq": {}}  # a pure puller needs no NIXL progress thread
 TP_PAIRS = [(1, 3), (3, 1), (1, 2), (2, 4), (4, 2), (2, 2), (3, 3), (1, 1)]
 REMOTE_IDS = [7, 2, 3, 9, 0]
 LOCAL_IDS = [0, 5, 6, 1, 11]  # contiguous, scattered and reversed pairs
