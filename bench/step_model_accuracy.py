@@ -1,4 +1,4 @@
-"""How well the engine's step-time model (common/engine/model_runner.py) predicts steps it was not fitted on.
+"""How well the engine's step-time model (common/engine/step_timer.py) predicts steps it was not fitted on.
 
     .venv/bin/python -m bench.step_model_accuracy --dtype bfloat16
     python -m bench.step_model_accuracy --model DIR --device cuda     # on a GPU host

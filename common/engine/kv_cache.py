@@ -68,7 +68,6 @@ class KVCache:
             )
         self.layout = layout
         self.num_blocks = num_blocks
-        self.rank = rank
         shape = (layout.tp_size, num_blocks, layout.num_layers, 2, layout.block_size, layout.rank_heads,
                  layout.head_dim)
         if pool is None:

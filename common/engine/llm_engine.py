@@ -20,7 +20,8 @@ import numpy as np
 
 from common.engine.block_manager import BlockManager
 from common.config.base import EngineConfig
-from common.engine.model_runner import ModelRunner, StepTimer
+from common.engine.model_runner import ModelRunner
+from common.engine.step_timer import StepTimer
 from common.storage.model_store import resolve_model
 from common.protocol.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler

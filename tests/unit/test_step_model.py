@@ -7,7 +7,7 @@ import random
 import msgspec
 import pytest
 
-from common.engine.model_runner import StepTimer
+from common.engine.step_timer import StepTimer
 from common.protocol import wire
 from common.protocol.wire import Heartbeat, KVLayoutInfo, Register, StepCostModel
 from proxy.core.capacity import ASSUMED_CONTEXT, START_CAPACITY

@@ -9,7 +9,7 @@ import pytest
 
 from common.config.base import ConfigError
 from common.config.roles import ProxyConfig
-from common.engine.model_runner import StepTimer
+from common.engine.step_timer import StepTimer
 from common.protocol.wire import Heartbeat, KVLayoutInfo, Register, StepCostModel
 from proxy.control.slo import TTFT_ERRORS, TTFT_MIN_SAMPLES, SloControls, TtftForecast, choices_ahead
 from proxy.core.errors import ApiError
