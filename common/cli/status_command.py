@@ -65,9 +65,9 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _print_workers(rows: list[dict]) -> None:
-    table = [("WORKER", "ROLE", "MODEL", "STATE", "RUNNING", "KV PAGES FREE", "HEARTBEAT", "PROTOCOL")]
+    table = [("WORKER", "ROLE", "MODEL", "TP", "STATE", "RUNNING", "KV PAGES FREE", "HEARTBEAT", "PROTOCOL")]
     for w in rows:
-        table.append((w["worker_id"], w["role"], f"{w['model']}@{w['version']}",
+        table.append((w["worker_id"], w["role"], f"{w['model']}@{w['version']}", str(w["tensor_parallel_size"]),
                       "draining" if w["draining"] else "serving", f"{w['running']}/{w['decode_slots']}",
                       f"{w['kv_pages_free']}/{w['kv_pages_total']}", f"{w['heartbeat_age_s']:.1f}s ago",
                       str(w["protocol_version"] or "")))

@@ -24,10 +24,11 @@ MESSAGE_SINCE: dict[str, int] = {"EmbedRequest": 11, "EmbedResult": 11, "LoadMod
                                  "FetchTokenizer": 15, "TokenizerFiles": 15}
 # The version that added each field (struct name -> field -> version), where it is newer than that.
 FIELD_SINCE: dict[str, dict[str, int]] = {"PrefillRequest": {"keep_s": 11}, "DecodeRequest": {"keep_s": 11},
-                                          "Register": {"standby": 12, "load_s": 12, "tokenizer_sha256": 15},
                                           "SamplingParams": {"structured": 13},
                                           "TokenDeltas": {"step_rows": 14, "step": 14},
-                                          "RequestFailed": {"code": 16}}
+                                          "RequestFailed": {"code": 16},
+                                          "Register": {"standby": 12, "load_s": 12, "tokenizer_sha256": 15,
+                                                       "tensor_parallel_size": 17}}
 # A request that uses a field goes only to workers that speak its version: an older one would drop the field
 # (``older_body``) and serve the request without what it asks for (``proxy/cluster/cluster.py`` ``_candidates``).
 STRUCTURED_SINCE = FIELD_SINCE["SamplingParams"]["structured"]

@@ -84,7 +84,7 @@ class _Struct(msgspec.Struct, forbid_unknown_fields=True):
 
 # 11: EmbedRequest, EmbedResult; 12: LoadModel, Standby; 13: SamplingParams.structured; 14: TokenDeltas.step_rows,
 # step; 15: Register.tokenizer_sha256, FetchTokenizer, TokenizerFiles. Versions one apart interoperate (versions.py).
-PROTOCOL_VERSION = 16
+PROTOCOL_VERSION = 17
 
 
 class MsgType(enum.IntEnum):
@@ -158,6 +158,8 @@ class Register(_Struct):
     load_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # how long loading the model it serves took
     # the hash of its model directory's tokenizer files, which it sends when asked (FetchTokenizer); "": it cannot
     tokenizer_sha256: Annotated[str, msgspec.Meta(pattern="^([0-9a-f]{64})?$")] = ""
+    # its ranks (engine.tensor_parallel_size); its pages pair with any worker of the same kv_layout at any size
+    tensor_parallel_size: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
 
 
 class Standby(_Struct):

@@ -35,6 +35,7 @@ def registration(worker) -> wire.Register:
         transfer_backend=worker.transfer_name, transfer_metadata=worker.transfer_metadata,
         max_num_seqs=config.engine.max_num_seqs, core_group=core_group(config.core_share),
         standby=list(worker.standby), load_s=worker.load_s, tokenizer_sha256=worker.tokenizer_sha256,
+        tensor_parallel_size=config.engine.tensor_parallel_size,
         **({} if config.engine.spec.method == "off" else {
             "spec_num_tokens": config.engine.spec.num_tokens,
             "spec_max_batch_size": config.engine.spec.max_batch_size}),

@@ -37,12 +37,13 @@ def test_status_lists_each_worker_with_its_role_model_and_pages(make_proxy, make
     assert "ready" in lines[0] and f"wire protocol {PROTOCOL_VERSION}" in lines[0]
     rows = {line.split()[0]: line.split() for line in lines if line.startswith(("p0", "d0"))}
     assert rows["p0"][1] == "prefill" and rows["d0"][1] == "decode"
-    assert all(row[3] == "serving" for row in rows.values())
+    assert all(row[3] == "1" and row[4] == "serving" for row in rows.values())  # TP, state
 
     listed = json.loads(tessera("status", "--proxy", proxy.url, "--admin-key-file", str(key_file), "--json").stdout)
     workers = {w["worker_id"]: w for w in listed["workers"]["data"]}
     assert set(workers) == {"p0", "d0"} and listed["workers"]["ready"] is True
     assert all(0 < w["kv_pages_free"] <= w["kv_pages_total"] for w in workers.values())
+    assert all(w["tensor_parallel_size"] == 1 for w in workers.values())
 
     anonymous = tessera("status", "--proxy", proxy.url)
     assert anonymous.returncode == 0 and "pass --admin-key-file" in anonymous.stdout

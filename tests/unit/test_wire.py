@@ -184,10 +184,11 @@ def test_a_message_for_the_previous_version_leaves_out_what_that_version_lacks(m
     request = wire.PrefillRequest("r1", [1, 2], SamplingParams(), 7, 30.0, cache_salt=5)
     frames = wire.encode(request, PROTOCOL_VERSION - 1)
     assert wire.frame_version(frames) == PROTOCOL_VERSION - 1 and wire.decode(frames) == request
-    failed = wire.RequestFailed("r1", "w", "NaN", code="nonfinite_logits")
-    older_failure = wire.encode(failed, PROTOCOL_VERSION - 1)  # RequestFailed.code is new in 16
-    assert "code" not in msgpack.unpackb(older_failure[1])
-    assert wire.decode(older_failure) == msgspec.structs.replace(failed, code="")  # its default: worker_error
+    register = wire.Register("w", "decode", 1, "m", "v1", wire.KVLayoutInfo(2, 16, 3, 64, "float32"), 8, 512, "zmq",
+                             b"", tensor_parallel_size=3)
+    older_register = wire.encode(register, PROTOCOL_VERSION - 1)  # Register.tensor_parallel_size is new in 17
+    assert "tensor_parallel_size" not in msgpack.unpackb(older_register[1])
+    assert wire.decode(older_register) == msgspec.structs.replace(register, tensor_parallel_size=1)  # its default
     monkeypatch.setitem(versions.FIELD_SINCE, "PrefillRequest", {"cache_salt": PROTOCOL_VERSION})
     older = wire.encode(request, PROTOCOL_VERSION - 1)
     assert "cache_salt" not in msgpack.unpackb(older[1]) and wire.decode(older).cache_salt == 0  # its default
