@@ -141,3 +141,28 @@ def test_a_rank_that_cannot_start_fails_the_worker_with_its_error(tmp_path):
     tiny = build_tiny_model("llama", tmp_path / "m")
     with pytest.raises(ValueError, match="does not divide"):
         ModelRunner(EngineConfig(model=str(tiny), num_kv_blocks=8, tensor_parallel_size=3), tiny)
+
+
+def test_the_schedulers_features_at_tp2_answer_as_at_tp1(tiny):
+    """One engine at TP 2 with a pool small enough to preempt, prefix caching and the host tier (a prompt sent
+    again comes back from it), and n-gram speculation: the same greedy tokens as the same engine at TP 1."""
+    config = EngineConfig(model=str(tiny), num_kv_blocks=20, num_threads=1, max_num_seqs=4,
+                          host_kv_cache_memory_bytes=8 << 20, spec={"method": "ngram", "num_tokens": 3})
+    base = [(i * 53 + 7) % 49152 for i in range(60)]
+    # each ends inside a repeated run, so the n-gram lookup proposes drafts from the first decode step
+    prompts = [base + [(i * 11 + j % 4) % 49152 for j in range(40)] for i in range(4)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    results = {}
+    for tp in (1, 2):
+        engine = LLMEngine(dataclasses.replace(config, tensor_parallel_size=tp))
+        try:
+            first = [o.outputs[0].token_ids for o in engine.generate(prompts, greedy)]
+            flood = [[(i * 97 + j) % 49152 for j in range(150)] for i in range(3)]  # evicts the cached prefix
+            engine.generate(flood, SamplingParams(temperature=0.0, max_tokens=1))
+            again = [o.outputs[0].token_ids for o in engine.generate(prompts[:1], greedy)]
+            stats, host = engine.stats, engine.block_manager.host
+            results[tp] = (first, again, stats.num_preemptions > 0, stats.num_spec_drafts > 0, host.copies_in > 0)
+        finally:
+            engine.runner.close()
+    assert results[2][2:] == (True, True, True), "the pool preempted, speculation ran, the host tier reloaded"
+    assert results[2] == results[1]
