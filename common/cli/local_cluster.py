@@ -99,11 +99,17 @@ class LocalCluster:
         return self.prefill + self.decode + self.both
 
     def start(self, timeout: float = READY_TIMEOUT_S) -> "LocalCluster":
-        self.start_proxy()
-        for role, count in (("prefill", self.prefill), ("decode", self.decode), ("both", self.both)):
-            for i in range(count):
-                self.start_worker(role, i)
-        self.wait_ready(timeout)
+        """Starts every process and waits until the cluster is ready; one that fails to come up stops the rest
+        before the error propagates (no process outlives a cluster that never started)."""
+        try:
+            self.start_proxy()
+            for role, count in (("prefill", self.prefill), ("decode", self.decode), ("both", self.both)):
+                for i in range(count):
+                    self.start_worker(role, i)
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def start_proxy(self) -> None:

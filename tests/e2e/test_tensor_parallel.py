@@ -109,3 +109,13 @@ def test_a_rank_killed_under_load_ends_its_worker_and_loses_no_request(embedded_
     finally:
         codes = c.stop()
     assert all(code == 0 for name, code in codes.items() if name != "decode-0"), codes
+
+
+def test_a_split_the_model_refuses_stops_the_worker_and_a_cluster_that_never_started_leaves_nothing(
+        embedded_model_dir, tmp_path):
+    """TP 2 on 9 heads: the decode worker exits naming the setting; the cluster's start fails, and stops the rest."""
+    c = LocalCluster.for_tests(embedded_model_dir, tmp_path, role_overrides=["decode:engine.tensor_parallel_size=2"])
+    with pytest.raises(RuntimeError, match="cluster processes exited"):
+        c.start(timeout=300)
+    assert all(proc.poll() is not None for proc in c.procs.values()), "a process outlived the failed start"
+    assert "engine.tensor_parallel_size 2 does not divide" in (tmp_path / "decode-0.log").read_text()
