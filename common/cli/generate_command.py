@@ -44,6 +44,9 @@ def add_generate_command(subparsers) -> None:
         help="wrap prompts in the model's chat template (default: on)",
     )
     parser.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's choice)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="batch-invariant numerics (engine.deterministic): the same tokens a cluster in this "
+                        "mode gives for the same prompt, whatever the batch")
     parser.set_defaults(handler=run_generate)
 
 
@@ -83,7 +86,8 @@ def _load_engine(args: argparse.Namespace):
     from common.config.base import EngineConfig
     from common.engine.llm_engine import LLMEngine
 
-    return LLMEngine(EngineConfig(model=str(model_dir), dtype=args.dtype, num_threads=args.threads))
+    return LLMEngine(EngineConfig(model=str(model_dir), dtype=args.dtype, num_threads=args.threads,
+                                  deterministic=args.deterministic))
 
 
 def _as_input(engine, messages: list[dict], chat: bool) -> str | list[int]:

@@ -41,6 +41,11 @@ def add_up_command(subparsers) -> None:
                         help="every worker uses every core, the workers taking turns one engine step at a "
                         "time (default); --no-share-cores splits the cores between them")
     parser.add_argument(
+        "--deterministic", action="store_true",
+        help="batch-invariant numerics on every worker (engine.deterministic): a token's logits depend only on its "
+        "sequence, so a stream resumed after a failover continues exactly, in bfloat16 and int8 too; costs "
+        "throughput (README)")
+    parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="[ROLE:]KEY=VALUE",
         help="override a config field of every process whose config has it (engine.dtype=bfloat16: the workers), "
         "or with a ROLE: prefix (proxy, prefill, decode, or one process such as decode-0) of those alone, "
@@ -51,9 +56,11 @@ def add_up_command(subparsers) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     configure_logging("INFO")
+    overrides = [*args.overrides, *(["engine.deterministic=true"] if args.deterministic else [])]
     cluster = LocalCluster(args.model, prefill=args.prefill_workers, decode=args.decode_workers,
                            transfer_backend=args.transfer_backend, dtype=args.dtype, threads=args.threads,
-                           share_cores=args.share_cores, role_overrides=args.overrides, port=args.port,
+                           share_cores=args.share_cores, port=args.port,
+                           role_overrides=overrides,
                            own_session=True)
     stopping = False
 

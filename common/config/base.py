@@ -63,8 +63,8 @@ def option(default=dataclasses.MISSING, doc: str = "", *, default_factory=datacl
 
 
 def section(cls):
-    """A field holding the config section ``cls``: its defaults, its docstring's first line as the field's doc."""
-    doc = cls.__doc__.strip().splitlines()[0].rstrip(".")
+    """A field holding the config section ``cls``: its defaults, its docstring's first sentence as the field's doc."""
+    doc = " ".join(cls.__doc__.strip().split("\n\n")[0].split()).split(". ")[0].rstrip(".")
     if doc[1:2].islower():  # "The HTTP ..." reads "the HTTP ..." in a row of the reference; "TLS ..." stays
         doc = doc[0].lower() + doc[1:]
     return option(doc=doc, default_factory=cls)
@@ -99,6 +99,8 @@ def config_model(section: str, *, was_flat: bool = False):
 FORMER_NAMES = {
     "shared_state.interval_s": "shared_state_interval_s", "shared_state.timeout_s": "shared_state_timeout_s",
     "shared_state.key_prefix": "shared_state_prefix",
+    "kv_tiers.host_memory_bytes": "host_kv_cache_memory_bytes", "kv_tiers.disk_dir": "disk_kv_cache_dir",
+    "kv_tiers.disk_bytes": "disk_kv_cache_bytes",
     **{f"spec.{name}": f"spec_{name}" for name in (
         "method", "num_tokens", "ngram_min", "ngram_max", "draft_model", "draft_kv_cache_memory_bytes",
         "max_batch_size", "adaptive", "min_acceptance")},
@@ -292,6 +294,20 @@ class RanksConfig:
         "past it fails the worker", gt=0)
 
 
+@config_model("engine.kv_tiers", was_flat=True)
+class KvTiersConfig:
+    """The KV tiers below the pool: whole blocks the pool evicts are kept in host memory, then on local disk,
+    and copied back on a prefix hit instead of computed again (common/engine/host_tier.py)."""
+
+    host_memory_bytes: Int = option(
+        0, "the host tier: a second store of this many bytes of whole KV blocks in host memory; a cached block "
+        "the pool evicts is copied there and copied back on a prefix hit instead of computed again; 0: none", ge=0)
+    disk_dir: Str = option(
+        "", "the disk tier below the host tier: a directory of this worker's alone (emptied at start) where the "
+        "blocks the host tier evicts are written, and read back on a hit; empty: none")
+    disk_bytes: Int = option(0, "what the disk tier may hold, in bytes of whole KV blocks", ge=0)
+
+
 @config_model("engine")
 class EngineConfig:
     model: Str = option(doc="model directory (Hugging Face layout) or an embedded model name ('embedded')")
@@ -315,14 +331,6 @@ class EngineConfig:
         "kv_cache_memory_bytes", gt=0.0, le=0.95)
     num_kv_blocks: Int | None = option(None, "exact number of KV blocks; null sizes the pool from "
                                        "kv_cache_memory_fraction or kv_cache_memory_bytes", ge=2)
-    host_kv_cache_memory_bytes: Int = option(
-        0, "the host tier: a second store of this many bytes of whole KV blocks in host memory; a cached block "
-        "the pool evicts is copied there and copied back on a prefix hit instead of computed again "
-        "(common/engine/host_tier.py); 0: none", ge=0)
-    disk_kv_cache_dir: Str = option(
-        "", "the disk tier below the host tier: a directory of this worker's alone (emptied at start) where the "
-        "blocks the host tier evicts are written, and read back on a hit; empty: none")
-    disk_kv_cache_bytes: Int = option(0, "what the disk tier may hold, in bytes of whole KV blocks", ge=0)
     max_num_seqs: Int = option(128, "most sequences scheduled in one step", ge=1)
     max_num_batched_tokens: Int = option(2048, "token budget of one step; must be >= block_size", ge=1)
     max_model_len: Int | None = option(None, "longest context a request may reach; null takes the "
@@ -339,10 +347,16 @@ class EngineConfig:
                                    "blocked layout for steps of several rows (F.linear reorders the plain weight "
                                    "on every call); costs the linear weights' memory once more")
     seed: Int = option(0, "seed of the sampler's random streams")
+    deterministic: Bool = option(
+        False, "batch-invariant numerics: a token's logits depend only on the model, the dtype and its sequence, "
+        "not on the rest of the batch, the prompt's chunking, the cache, or whether its KV came from a prompt "
+        "step or decode steps, so a stream recomputed after failover or preemption continues exactly; CPU only, "
+        "costs throughput (README, docs/benchmarks.md)")
     tensor_parallel_size: Int = option(
         1, "ranks the model is split across inside this worker (attention and KV heads, the MLP, the vocabulary), "
         "one process and one device each; rank 0 holds the sockets and the scheduler. Must divide the model's "
         "attention and KV heads (common/engine/tensor_parallel.py)", ge=1, le=64)
+    kv_tiers: KvTiersConfig = section(KvTiersConfig)
     ranks: RanksConfig = section(RanksConfig)
     spec: SpecConfig = section(SpecConfig)
 
@@ -359,6 +373,9 @@ class EngineConfig:
         cuda = [d for d in self.devices if d != "cpu"]
         if len(set(cuda)) != len(cuda):
             raise ConfigError(f"config field 'ranks.devices' is invalid: {self.devices} gives two ranks one GPU")
+        if self.deterministic and self.device_type != "cpu":
+            raise ConfigError("config field 'deterministic' = True is invalid: its batch-invariant kernels run on "
+                              "the CPU only (device 'cpu')")
         if self.quantization == "int8" and self.device_type != "cpu":
             raise ConfigError("config field 'quantization' = 'int8' is invalid: its kernels run on the CPU only "
                               "(device 'cpu')")

@@ -234,24 +234,73 @@ class CpuAttention(TorchAttention):
             raise RuntimeError(f"chunk attention kernel refused the shapes (status {status})")
 
     def _decode(self, q, k_cache, v_cache, ctx: StepContext, scale: float) -> torch.Tensor:
+        return self._paged(q, k_cache, v_cache, ctx, scale, ctx.decode_block_tables, ctx.decode_context_lens)
+
+    def _paged(self, q, k_cache, v_cache, ctx: StepContext, scale: float, tables: torch.Tensor,
+               context_lens: torch.Tensor) -> torch.Tensor:
+        """Each row of ``q`` attends the first ``context_lens[row]`` tokens of the pages in its row of ``tables``."""
         rows, num_heads, head_dim = q.shape
         q = q.contiguous()
         out = torch.empty_like(q)
         pool = ctx.kv_cache.buffer
         itemsize = pool.element_size()
-        tables = ctx.decode_block_tables
         with torch.profiler.record_function("tessera::paged_attention"):
             status = self._kernel(
                 q.data_ptr(), pool.data_ptr(), pool.stride(0),
                 (k_cache.data_ptr() - pool.data_ptr()) // itemsize,
                 (v_cache.data_ptr() - pool.data_ptr()) // itemsize,
-                tables.data_ptr(), tables.shape[1], ctx.decode_context_lens.data_ptr(), out.data_ptr(),
+                tables.data_ptr(), tables.shape[1], context_lens.data_ptr(), out.data_ptr(),
                 rows, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale,
                 int(q.dtype == torch.bfloat16),
             )
         if status != 0:
             raise RuntimeError("paged attention kernel refused the shapes (group, head_dim or block size too large)")
         return out
+
+
+class DeterministicCpuAttention(CpuAttention):
+    """engine.deterministic: every row, a prompt's as a decode step's, through the decode kernel, which attends
+    one query over its context a block at a time from position 0 (blocks split at fixed positions, one running
+    softmax, float32), whatever the batch. A token's attention output then does not depend on the other rows,
+    on how its prompt was chunked, or on whether its own position came in a prompt step or a decode step, so a
+    sequence recomputed after preemption or failover continues as its decode steps would have. The chunk
+    kernel's shared K/V tiles are what this gives up: a long prompt's attention reads its context once per
+    query row."""
+
+    name = "cpu_paged_deterministic"
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+        ctx = get_step_context()
+        if ctx.kv_cache is None:  # embeddings: a whole input in one call, no pages
+            return ctx.attend(q, k, v, scale)
+        k_cache, v_cache = ctx.kv_cache.layers[layer]
+        k_cache[ctx.slot_blocks, ctx.slot_offsets] = k
+        v_cache[ctx.slot_blocks, ctx.slot_offsets] = v
+        meta = ctx.backend_state.get("rows")
+        if meta is None:  # once per step: every layer reads the same tables
+            meta = ctx.backend_state["rows"] = self._row_tables(ctx, q.shape[0])
+        return self._paged(q, k_cache, v_cache, ctx, scale, *meta)
+
+    @staticmethod
+    def _row_tables(ctx: StepContext, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's block table and context length: a decode row's as the step has them, a chunk's row at
+        position p attends the first p + 1 tokens of its sequence's pages."""
+        widths = [chunk.block_table.shape[0] for chunk in ctx.chunks]
+        if ctx.decode_rows is not None:
+            widths.append(ctx.decode_block_tables.shape[1])
+        tables = torch.zeros((rows, max(widths)), dtype=torch.int64)
+        lens = torch.zeros(rows, dtype=torch.int64)
+        if ctx.decode_rows is not None:
+            n = ctx.decode_rows.shape[0]
+            tables[:n, :ctx.decode_block_tables.shape[1]] = ctx.decode_block_tables
+            lens[:n] = ctx.decode_context_lens
+        for chunk in ctx.chunks:
+            s, e = chunk.token_start, chunk.token_end
+            tables[s:e, :chunk.block_table.shape[0]] = chunk.block_table
+            lens[s:e] = torch.arange(chunk.num_computed + 1, chunk.context_len + 1)
+        if bool((lens == 0).any()):
+            raise RuntimeError("a row of the step is neither a decode row nor in a chunk")
+        return tables, lens
 
 
 class FlashAttention:
@@ -301,8 +350,14 @@ def flash_attn_available() -> bool:
     return torch.cuda.is_available()
 
 
-def select_backend(name: str, device: str, block_size: int):
-    """Pick the attention backend named in config ("auto" prefers flash-attn on GPU)."""
+def select_backend(name: str, device: str, block_size: int, deterministic: bool = False):
+    """Pick the attention backend named in config ("auto" prefers flash-attn on GPU); ``deterministic``
+    (engine.deterministic) takes ``DeterministicCpuAttention`` or refuses."""
+    if deterministic:
+        if device != "cpu" or name not in ("auto", "cpu_paged") or load_kernel("paged_attention") is None:
+            raise RuntimeError("engine.deterministic needs the CPU, attention_backend auto or cpu_paged, and a C "
+                               f"compiler (gcc) for its kernels (device {device!r}, attention_backend {name!r})")
+        return DeterministicCpuAttention()
     if name == "flash_attn" or (name == "auto" and device == "cuda" and flash_attn_available()):
         if not flash_attn_available():
             raise RuntimeError("attention_backend 'flash_attn' needs a CUDA GPU and the flash-attn package")

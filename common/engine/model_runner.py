@@ -43,6 +43,10 @@ from common.engine.attention import PrefillChunk, StepContext, step_context
 
 log = logging.getLogger(__name__)
 
+# Tokens per forward of the int8 calibration text (``ModelRunner._calibrate``): small enough for any pool a
+# worker serves with, so every worker measures the same ranges.
+CALIBRATION_WINDOW = 256
+
 
 @dataclass
 class PreparedStep:
@@ -103,9 +107,12 @@ class ModelRunner:
                 join_group(config, rank, rendezvous)
         self.device = torch.device(config.devices[rank])
         self.dtype = getattr(torch, config.dtype)
-        self.attention = select_backend(config.attention_backend, config.device_type, config.block_size)
+        self.attention = select_backend(config.attention_backend, config.device_type, config.block_size,
+                                        config.deterministic)
         started = time.monotonic()
         self.model = load_model(model_dir, self.dtype, str(self.device), self.attention, self.tp)
+        if config.deterministic:  # before int8 calibration too, so its ranges do not depend on the thread count
+            self.model.make_deterministic()
         self.load_s = time.monotonic() - started
         self.weight_bytes = module_bytes(self.model)
         hf = self.model.config
@@ -128,8 +135,10 @@ class ModelRunner:
         if config.quantization == "int8":
             if config.int8_smoothing:
                 ids = calibration_ids(model_dir)
-                smooth_for_int8(self.model, lambda: self._forward_prompt(ids), config.int8_smoothing)
+                smooth_for_int8(self.model, lambda: self._calibrate(ids), config.int8_smoothing)
             quantize_model_int8(self.model)
+            if config.deterministic:
+                self.model.make_deterministic()
             started = time.monotonic()
             chosen = choose_int8_matmul(tuple(m.weight.shape) for m in self.model.modules()
                                         if isinstance(getattr(m, "weight", None), torch.Tensor)
@@ -137,12 +146,14 @@ class ModelRunner:
             log.info("int8 matmul: kernels/int8_gemm.c up to %s rows, torch._int_mm past them (timed in %.1fs)",
                      ", ".join(f"{rows} for {n}x{k}" for (n, k), rows in chosen.items()),
                      time.monotonic() - started)
-        if self.dtype is torch.bfloat16 and self.device.type == "cpu":
+        if self.dtype is torch.bfloat16 and self.device.type == "cpu" and not config.deterministic:
             gemv_bf16_kernel()  # built now, not on the first batch-1 decode step (models/llama.py ``linear``)
             if config.prepack_weights and (added := self.model.prepack_weights()):  # int8 weights: none packed
                 log.info("linear weights prepacked for oneDNN (+%.1f MiB; engine.prepack_weights)", added / 2**20)
+        # The one-call kernel has no all-reduce between its layers, and keeps float32 activations between them
+        # where the layer-by-layer path rounds (engine.deterministic needs both paths' rows to agree).
         if (self.device.type == "cpu" and self.attention.name == "cpu_paged" and config.decode_kernel_max_batch
-                and self.tp.size == 1):  # the one-call kernel has no all-reduce between its layers
+                and self.tp.size == 1):
             self.model.fused_decode = FusedDecode(self.model, config.decode_kernel_max_batch)
             if config.quantization == "int8":
                 self._choose_int8_decode_rows()
@@ -216,7 +227,7 @@ class ModelRunner:
             shrunk = sum(w.nbytes - w.numel() - 4 * w.shape[0] for w in [*linears, embedding])
             return self.weight_bytes - shrunk
         if (self.dtype is torch.bfloat16 and self.device.type == "cpu" and self.config.prepack_weights
-                and torch.backends.mkldnn.is_available()):
+                and not self.config.deterministic and torch.backends.mkldnn.is_available()):
             heads = [embedding] if self.model.tie_word_embeddings else []
             return self.weight_bytes + sum(w.nbytes for w in [*linears, *heads])
         return self.weight_bytes
@@ -227,10 +238,10 @@ class ModelRunner:
 
     # ---- batch preparation -------------------------------------------------
     def host_tier(self):
-        """The KV tiers below the pool the config asks for (``host_kv_cache_memory_bytes``, ``disk_kv_cache_*``):
+        """The KV tiers below the pool the config asks for (``engine.kv_tiers``):
         a ``HostTier`` for the block manager, or None."""
         c = self.config
-        return self.kv_cache.host_tier(c.host_kv_cache_memory_bytes, c.disk_kv_cache_dir, c.disk_kv_cache_bytes)
+        return self.kv_cache.host_tier(c.kv_tiers.host_memory_bytes, c.kv_tiers.disk_dir, c.kv_tiers.disk_bytes)
 
     def prepare(self, plan: StepPlan) -> PreparedStep:
         """Flat batch: single-query rows first (decodes, and each draft being verified), then chunks.
@@ -337,6 +348,17 @@ class ModelRunner:
             self.ranks = None
         if self.tp.size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+    def _calibrate(self, token_ids: list[int]) -> None:
+        """The int8 calibration text's forward, in windows of CALIBRATION_WINDOW tokens, each its own prompt: what
+        the smoothing measures then does not depend on the pool's size or max_model_len (two workers with
+        different pools would otherwise quantize different models), unless either is below one window."""
+        window = min(CALIBRATION_WINDOW, self.max_model_len, self.num_blocks * self.config.block_size)
+        if window < CALIBRATION_WINDOW:
+            log.warning("int8 calibration in windows of %d tokens (KV pool or max_model_len below %d): this worker's "
+                        "smoothing differs from one with a larger pool", window, CALIBRATION_WINDOW)
+        for start in range(0, len(token_ids), window):
+            self._forward_prompt(token_ids[start:start + window])
 
     def _forward_prompt(self, token_ids: list[int]) -> torch.Tensor:
         """One prompt's forward outside any schedule (calibration), written over the pool's first blocks:

@@ -32,6 +32,10 @@ CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fope
 # constructor turns on flush-to-zero for the whole process that loads the library (numpy and every other
 # library in it would then lose subnormal floats).
 LDFLAGS = ["-shared", "-fopenmp"]
+# Kernels whose sums must keep the order the source writes: fast-math off, and no contraction of a * b + c into
+# an FMA the compiler might make in one copy of a loop and not in another.
+STRICT_KERNELS = {"gemm_invariant"}
+STRICT_CFLAGS = ["-fno-fast-math", "-ffp-contract=off"]
 
 
 def _cpu_signature() -> str:
@@ -57,16 +61,17 @@ def load_kernel(name: str) -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C compiler found; %s runs on the slower pure-torch path", name)
         return None
+    cflags = CFLAGS + (STRICT_CFLAGS if name in STRICT_KERNELS else [])
     digest = hashlib.sha256(
         source.read_bytes() + b"".join(h.read_bytes() for h in sorted(KERNEL_DIR.glob("*.h")))
-        + " ".join(CFLAGS + LDFLAGS).encode() + _cpu_signature().encode()
+        + " ".join(cflags + LDFLAGS).encode() + _cpu_signature().encode()
     ).hexdigest()[:16]
     target = default_cache_root() / "kernels" / f"{name}-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built, obj = Path(tmp) / target.name, Path(tmp) / f"{name}.o"
-            result = subprocess.run([compiler, *CFLAGS, "-c", str(source), "-o", str(obj)],
+            result = subprocess.run([compiler, *cflags, "-c", str(source), "-o", str(obj)],
                                     capture_output=True, text=True)
             if result.returncode == 0:
                 result = subprocess.run([compiler, *LDFLAGS, str(obj), "-o", str(built), "-lm"],
@@ -94,3 +99,10 @@ def kernel_function(name: str, symbol: str, argtypes: tuple):
 def gemv_bf16_kernel():
     """``tessera_gemv_bf16(x, w, bias, y, m, n, k)`` (``kernels/gemv_bf16.c``), or None without a compiler."""
     return kernel_function("gemv_bf16", "tessera_gemv_bf16", (ctypes.c_void_p,) * 4 + (ctypes.c_int,) * 3)
+
+
+def gemm_invariant_kernel():
+    """``tessera_gemm_invariant(x, w, bias, y, m, n, k, is_bf16)`` (``kernels/gemm_invariant.c``), or None
+    without a compiler."""
+    return kernel_function("gemm_invariant", "tessera_gemm_invariant",
+                           (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3 + (ctypes.c_int,))

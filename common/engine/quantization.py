@@ -140,10 +140,12 @@ def silu_mul_quantize_kernel():
                            (ctypes.c_void_p,) * 7 + (ctypes.c_int64, ctypes.c_int, ctypes.c_int))
 
 
-def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ (q * scale)^T + bias`` without materializing the dequantized weight."""
+def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                weight_only_rows: int = INT8_WEIGHT_ONLY_ROWS) -> torch.Tensor:
+    """``x @ (q * scale)^T + bias`` without materializing the dequantized weight: weight-only up to
+    ``weight_only_rows`` rows, W8A8 past them (0: always W8A8, whose rows never depend on each other)."""
     rows = x.shape[0]
-    if rows <= INT8_WEIGHT_ONLY_ROWS and x.dim() == 2:
+    if rows <= weight_only_rows and x.dim() == 2:
         kernel = linear_int8_kernel()
         if kernel is not None:
             x = x.contiguous()
@@ -185,12 +187,13 @@ def dequantize(acc: torch.Tensor, x_scale: torch.Tensor, scale: torch.Tensor, bi
     return out if bias is None else out + bias
 
 
-def mlp_int8(x: torch.Tensor, gate_up: nn.Module, down: nn.Module) -> torch.Tensor | None:
-    """``down(silu(gate) * up)`` for a batch past the small-batch kernel, with int8 weights: gate_up's int32
+def mlp_int8(x: torch.Tensor, gate_up: nn.Module, down: nn.Module,
+             weight_only_rows: int = INT8_WEIGHT_ONLY_ROWS) -> torch.Tensor | None:
+    """``down(silu(gate) * up)`` for a batch past ``weight_only_rows``, with int8 weights: gate_up's int32
     sums go to down's int8 input in one C pass (``tessera_silu_mul_quantize``). None where that kernel is
     missing or the batch is small (the caller takes the layer-by-layer path)."""
     kernel = silu_mul_quantize_kernel()
-    if kernel is None or x.dim() != 2 or x.shape[0] <= INT8_WEIGHT_ONLY_ROWS:
+    if kernel is None or x.dim() != 2 or x.shape[0] <= weight_only_rows:
         return None
     inter = gate_up.weight.shape[0] // 2
     xq, x_scale = quantize_activations(x.contiguous())

@@ -81,7 +81,7 @@ def test_a_host_tier_under_a_pool_too_small_for_the_sessions_leaks_no_page(tiny_
     holds no more than it may."""
     cluster = LocalCluster.for_tests(
         tiny_chat_model_dir, tmp_path, prefill=1, decode=1,
-        role_overrides=["decode:engine.num_kv_blocks=24", "decode:engine.host_kv_cache_memory_bytes=16777216"],
+        role_overrides=["decode:engine.num_kv_blocks=24", "decode:engine.kv_tiers.host_memory_bytes=16777216"],
     ).start()
     try:
         histories = [[] for _ in range(6)]

@@ -34,8 +34,8 @@ def test_every_section_and_field_is_in_the_reference():
     names = [name for name, *_ in found]
     assert names == ["proxy", "proxy.http", "proxy.requests", "proxy.sessions", "proxy.tenancy", "proxy.tenancy.tenants[]",
                      "proxy.shared_state", "proxy.slo", "proxy.observability", "proxy.security", "worker",
-                     "worker.engine", "worker.engine.ranks", "worker.engine.spec", "worker.observability",
-                     "worker.security", "worker.testing"]
+                     "worker.engine", "worker.engine.kv_tiers", "worker.engine.ranks", "worker.engine.spec",
+                     "worker.observability", "worker.security", "worker.testing"]
     text = render()
     for name, cls, *_ in found:
         part = text.split(f"## `{name}`\n")[1].split("\n## ")[0]

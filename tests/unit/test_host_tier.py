@@ -121,7 +121,7 @@ def test_greedy_output_with_a_tiny_pool_and_a_host_tier_equals_the_plain_engine(
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     plain = LLMEngine(EngineConfig(model=str(tiny_chat_model_dir), num_kv_blocks=256))
     tiered = LLMEngine(EngineConfig(model=str(tiny_chat_model_dir), num_kv_blocks=12,
-                                    host_kv_cache_memory_bytes=64 << 20))
+                                    kv_tiers={"host_memory_bytes": 64 << 20}))
     for turn in range(3):
         prompts = [plain.tokenizer.apply_chat_template(h) for h in histories]
         want = [o.outputs[0].text for o in plain.generate(prompts, params)]

@@ -147,7 +147,7 @@ def test_the_schedulers_features_at_tp2_answer_as_at_tp1(tiny):
     """One engine at TP 2 with a pool small enough to preempt, prefix caching and the host tier (a prompt sent
     again comes back from it), and n-gram speculation: the same greedy tokens as the same engine at TP 1."""
     config = EngineConfig(model=str(tiny), num_kv_blocks=20, num_threads=1, max_num_seqs=4,
-                          host_kv_cache_memory_bytes=8 << 20, spec={"method": "ngram", "num_tokens": 3})
+                          kv_tiers={"host_memory_bytes": 8 << 20}, spec={"method": "ngram", "num_tokens": 3})
     base = [(i * 53 + 7) % 49152 for i in range(60)]
     # each ends inside a repeated run, so the n-gram lookup proposes drafts from the first decode step
     prompts = [base + [(i * 11 + j % 4) % 49152 for j in range(40)] for i in range(4)]

@@ -22,8 +22,8 @@ from torch import nn
 
 from common.engine.attention import get_step_context
 from common.engine.models.rope import RotaryEmbedding, rotate
-from common.engine.native import cpu_has, gemv_bf16_kernel, kernel_function
-from common.engine.quantization import SMALL_BATCH_ROWS, linear_int8, mlp_int8
+from common.engine.native import cpu_has, gemm_invariant_kernel, gemv_bf16_kernel, kernel_function
+from common.engine.quantization import INT8_WEIGHT_ONLY_ROWS, SMALL_BATCH_ROWS, linear_int8, mlp_int8
 from common.engine.tensor_parallel import Parallel
 
 GEMV_MAX_K = 16384  # kernels/gemv_bf16.c's limit on the input width
@@ -78,14 +78,21 @@ class StepRope:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           scale: torch.Tensor | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
+           scale: torch.Tensor | None = None, packed: torch.Tensor | None = None,
+           invariant: bool = False) -> torch.Tensor:
     """``F.linear``, except that int8 weights (with their per-row ``scale``) take the int8 paths
     (common/engine/quantization.py), one bfloat16 row on the CPU (a batch-1 decode step) takes the GEMV
     kernel, which streams the weights at memory speed where torch's bf16 matmul does not, and several rows
     take ``packed``, the weight in oneDNN's blocked layout (``prepack``), where there is one
-    (docs/benchmarks.md)."""
+    (docs/benchmarks.md).
+
+    ``invariant`` (engine.deterministic): each output row is the same function of its input row whatever else
+    is in ``x``: int8 always W8A8 (exact int32 sums, per-row scales), bfloat16 and float32 through
+    kernels/gemm_invariant.c, whose every sum has one order for any row count and thread count."""
     if weight.dtype is torch.int8:
-        return linear_int8(x, weight, scale, bias)
+        return linear_int8(x, weight, scale, bias, 0 if invariant else INT8_WEIGHT_ONLY_ROWS)
+    if invariant:
+        return linear_invariant(x, weight, bias)
     if (x.dtype is torch.bfloat16 and x.shape[0] == 1 and x.dim() == 2 and x.device.type == "cpu"
             and weight.dtype is torch.bfloat16 and x.shape[1] <= GEMV_MAX_K and weight.is_contiguous()
             and (bias is None or bias.dtype is torch.bfloat16)):
@@ -99,6 +106,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if packed is not None and x.dtype is torch.bfloat16:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` through the batch-invariant kernel (kernels/gemm_invariant.c): bfloat16 or float32, CPU."""
+    kernel = gemm_invariant_kernel()
+    if kernel is None or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
+        raise RuntimeError("engine.deterministic needs the CPU, bfloat16 or float32, and a C compiler (gcc) for "
+                           "kernels/gemm_invariant.c")
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    weight = weight.contiguous()
+    bias = None if bias is None else bias.to(x.dtype).contiguous()
+    out = torch.empty((x2.shape[0], weight.shape[0]), dtype=x.dtype)
+    if x2.shape[0] and kernel(x2.data_ptr(), weight.to(x.dtype).data_ptr(), None if bias is None else bias.data_ptr(),
+                              out.data_ptr(), x2.shape[0], weight.shape[0], x2.shape[1],
+                              int(x.dtype is torch.bfloat16)) != 0:
+        raise RuntimeError(f"kernels/gemm_invariant.c refused the shape {tuple(x2.shape)} x {tuple(weight.shape)}")
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -119,9 +143,10 @@ class Linear(nn.Linear):
     prepacked weight (``packed``, set by ``LlamaForCausalLM.prepack_weights``) for several."""
 
     packed: torch.Tensor | None = None
+    invariant = False  # engine.deterministic: ``LlamaForCausalLM.make_deterministic``
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, getattr(self, "weight_scale", None), self.packed)
+        return linear(x, self.weight, self.bias, getattr(self, "weight_scale", None), self.packed, self.invariant)
 
 
 class RMSNorm(nn.Module):
@@ -208,7 +233,8 @@ class MLP(nn.Module):
 
     def _partial(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj.weight.dtype is torch.int8:
-            out = mlp_int8(x, self.gate_up_proj, self.down_proj)
+            out = mlp_int8(x, self.gate_up_proj, self.down_proj,
+                           0 if self.gate_up_proj.invariant else INT8_WEIGHT_ONLY_ROWS)
             if out is not None:
                 return out
         gate_up = self.gate_up_proj(x)
@@ -278,6 +304,7 @@ class LlamaForCausalLM(nn.Module):
         self.requires_grad_(False)
         # Set by the model runner where the one-call decode kernel applies (``FusedDecode`` below).
         self.fused_decode = None
+        self.deterministic = False  # ``make_deterministic``
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings: at tensor parallelism each rank looks up the ids in its rows, zeros the others,
@@ -306,8 +333,19 @@ class LlamaForCausalLM(nn.Module):
         """The logits of ``hidden``'s rows; at tensor parallelism rank 0 gathers every rank's slice of the
         vocabulary and the other ranks get None."""
         head = self.embed_tokens if self.tie_word_embeddings else self.lm_head
-        logits = linear(hidden, head.weight, None, getattr(head, "weight_scale", None), getattr(head, "packed", None))
+        logits = linear(hidden, head.weight, None, getattr(head, "weight_scale", None), getattr(head, "packed", None),
+                        self.deterministic)
         return self.tp.gather_vocab(logits, self.config.vocab_size)
+
+    def make_deterministic(self) -> None:
+        """engine.deterministic: every linear layer and the LM head on the batch-invariant paths (``linear``'s
+        ``invariant``), so a row's logits depend only on its own tokens; the attention backend must be
+        ``attention.DeterministicCpuAttention`` and the one-call decode kernel off (the model runner sees to
+        both)."""
+        self.deterministic = True
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.invariant, module.packed = True, None
 
     def prepack_weights(self) -> int:
         """Gives every bfloat16 linear layer, and a tied LM head, its oneDNN-blocked copy (``packed``, from

@@ -1,0 +1,169 @@
+"""engine.deterministic: a token's logits depend only on the model, the dtype and its sequence.
+
+The property, checked bitwise on the chosen token's logprob and the top five alternatives at every generated
+position (all of them functions of the whole logits row): one sequence alone, among 2 to 64 others, with its
+prompt chunked by a small step budget, from the prefix cache, recomputed after a resume or a preemption, at
+one or two threads. In bfloat16, int8 and float32, on tiny random models (llama; qwen3 with its q/k norms) and
+on the embedded model. The same checks without the mode find differences, which is what makes them checks.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.config.base import ConfigError, EngineConfig
+from common.engine.attention import select_backend
+from common.engine.llm_engine import LLMEngine
+from common.engine.native import gemm_invariant_kernel
+from common.protocol.sampling_params import SamplingParams
+from tests.tiny_models import build_tiny_model
+
+pytestmark = pytest.mark.skipif(gemm_invariant_kernel() is None, reason="no C compiler for the engine's kernels")
+
+NUMERICS = [("bfloat16", "none"), ("bfloat16", "int8"), ("float32", "none")]
+WATCHED = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=5)
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype)
+    assert gemm_invariant_kernel()(x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
+                                   x.shape[0], w.shape[0], x.shape[1], int(x.dtype is torch.bfloat16)) == 0
+    return y
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,k", [(96, 576), (130, 77), (7, 33), (260, 1024)])
+def test_a_row_of_the_invariant_matmul_is_the_same_in_every_batch_and_at_every_thread_count(dtype, n, k):
+    gen = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    x = torch.randn(67, k, generator=gen).to(dtype)
+    alone = torch.cat([gemm(x[r:r + 1].contiguous(), w, b) for r in range(67)])
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for start, rows in ((0, 67), (3, 1), (5, 3), (8, 4), (9, 13), (20, 47)):
+                assert torch.equal(gemm(x[start:start + rows].contiguous(), w, b), alone[start:start + rows])
+    finally:
+        torch.set_num_threads(threads)
+    exact = F.linear(x.double(), w.double(), b.double())  # and it is a matmul: float32 sums of exact products
+    tolerance = 1e-2 * exact.abs().max() if dtype is torch.bfloat16 else 1e-5 * exact.abs().max()
+    assert (alone.double() - exact).abs().max() <= tolerance
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny(request, tmp_path_factory, embedded_model_dir):
+    return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), tokenizer_from=embedded_model_dir)
+
+
+class Probe:
+    """One watched request run in different company; ``seen`` is what its logprobs were at each position."""
+
+    def __init__(self, model, dtype: str, quantization: str, deterministic: bool = True) -> None:
+        self.settings = dict(model=str(model), dtype=dtype, quantization=quantization, deterministic=deterministic)
+        self.rng = random.Random(7)
+        self.prompt = self.tokens(70)
+
+    def tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(3, 49152) for _ in range(n)]
+
+    def engine(self, **settings) -> LLMEngine:
+        return LLMEngine(EngineConfig(**{**self.settings, "num_kv_blocks": 256, **settings}))
+
+    def run(self, engine: LLMEngine, others=(), resumed=(), started_first: bool = False, other_tokens=(1, 30)):
+        """The watched request's positions as (token, logprob, top 5), from ``len(resumed)`` on; ``others``
+        (prompts) run beside it, and with ``started_first`` they are decoding before it arrives."""
+        for i, prompt in enumerate(others):
+            engine.add_request(f"other-{i}", prompt, SamplingParams(
+                temperature=0.0, max_tokens=self.rng.randrange(*other_tokens), ignore_eos=True))
+        while started_first and any(not s.output_token_ids for seqs in engine.requests.values() for s in seqs):
+            engine.step()
+        engine.add_request("watched", self.prompt, WATCHED, output_token_ids=resumed)
+        final = None
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id == "watched" and out.finished:
+                    final = out.outputs[0]
+        return [(t, lp, tuple(top)) for t, lp, top in
+                zip(final.token_ids, final.logprobs, final.top_logprobs)][len(resumed):]
+
+    def scenarios(self):
+        """Every (name, positions) the property compares with the watched request alone."""
+        alone = self.run(self.engine())
+        yield "alone", alone
+        for n in (2, 8, 64):
+            yield f"among {n}", self.run(self.engine(), [self.tokens(self.rng.randrange(1, 90)) for _ in range(n)])
+        # a budget of 16 tokens a step with 15 (9) others decoding: the prompt goes 1 (7) tokens a step
+        for chunk in (1, 7):
+            others = [self.tokens(self.rng.randrange(1, 12)) for _ in range(16 - chunk)]
+            yield f"chunks of {chunk}", self.run(self.engine(max_num_batched_tokens=16), others,
+                                                 started_first=True, other_tokens=(90, 100))
+        yield "chunks of 64", self.run(self.engine(max_num_batched_tokens=64))
+        cached = self.engine()
+        self.run(cached)
+        yield "prefix cache hit", self.run(cached)
+        for j in (1, 9):
+            yield f"resumed after {j} tokens", [None] * j + self.run(self.engine(), resumed=[t for t, *_ in alone[:j]])
+        others = [self.tokens(self.rng.randrange(40, 90)) for _ in range(6)]
+        yield "preempted", self.run(self.engine(num_kv_blocks=24, max_num_seqs=8), others)
+        yield "one thread", self.run(self.engine(num_threads=1))
+
+    def differences(self) -> list[str]:
+        reference, differ = None, []
+        for name, seen in self.scenarios():
+            if reference is None:
+                reference = seen
+                continue
+            if any(a is not None and a != b for a, b in zip(seen, reference)) or len(seen) != len(reference):
+                differ.append(name)
+        return differ
+
+
+@pytest.mark.parametrize("dtype,quantization", NUMERICS)
+def test_a_sequences_logits_do_not_depend_on_its_batch_its_chunks_the_cache_or_recomputation(tiny, dtype,
+                                                                                               quantization):
+    assert Probe(tiny, dtype, quantization).differences() == []
+
+
+def test_without_the_mode_bfloat16_logits_do_depend_on_the_batch(tiny):
+    """The control: the same probe finds differences on the default paths, so it can see one."""
+    assert Probe(tiny, "bfloat16", "none", deterministic=False).differences() != []
+
+
+def test_the_embedded_model_in_bfloat16_answers_alike_alone_batched_and_resumed(embedded_model_dir):
+    probe = Probe(embedded_model_dir, "bfloat16", "none")
+    probe.prompt = probe.engine().tokenizer.encode("Write a short story about a lighthouse keeper and a storm.")
+    alone = probe.run(probe.engine())
+    engine = probe.engine()
+    among = probe.run(engine, [probe.tokens(probe.rng.randrange(5, 60)) for _ in range(12)])
+    resumed = probe.run(probe.engine(), resumed=[t for t, *_ in alone[:7]])
+    assert among == alone
+    assert resumed == alone[7:]
+
+
+def test_speculative_decoding_and_seeded_sampling_give_what_plain_decoding_gives(tiny):
+    """n-gram drafts verified in a batch give the tokens plain decoding gives; a seeded sample is the same
+    alone and among others."""
+    probe = Probe(tiny, "bfloat16", "none")
+    base = probe.tokens(12)
+    probe.prompt = base * 5  # repeated: the n-gram lookup proposes drafts from the first step
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = probe.engine().generate([probe.prompt], greedy)[0].outputs[0].token_ids
+    speculative = probe.engine(spec={"method": "ngram", "num_tokens": 3})
+    assert speculative.generate([probe.prompt], greedy)[0].outputs[0].token_ids == plain
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, seed=11, ignore_eos=True)
+    alone = probe.engine().generate([probe.prompt], seeded)[0].outputs[0].token_ids
+    crowd = [probe.prompt] + [probe.tokens(probe.rng.randrange(5, 50)) for _ in range(9)]
+    batched = probe.engine().generate(crowd, [seeded] + [greedy] * 9)[0].outputs[0].token_ids
+    assert batched == alone
+
+
+def test_the_mode_runs_on_the_cpu_only():
+    with pytest.raises(ConfigError, match="deterministic"):
+        EngineConfig(model="embedded", deterministic=True, device="cuda")
+    with pytest.raises(RuntimeError, match="engine.deterministic"):
+        select_backend("torch", "cpu", 16, deterministic=True)
