@@ -22,6 +22,7 @@ from tests.e2e.test_cluster import MAX_TOKENS, MODEL, PROMPTS
 
 pytestmark = pytest.mark.slow
 TP = 3  # the embedded model's 9 heads and 3 KV heads split three ways
+KILL_PROMPTS, KILL_TOKENS = 8, 32
 
 
 def complete(url: str, prompts: list[str], max_tokens: int = MAX_TOKENS) -> list[httpx.Response]:
@@ -38,16 +39,18 @@ def reference(embedded_model_dir):
     """The single-process engine's greedy chat answers, each checked token for token against transformers'."""
     engine = LLMEngine(EngineConfig(model=str(embedded_model_dir), num_kv_blocks=256))
     chats = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
-    outs = engine.generate(chats, SamplingParams(temperature=0.0, max_tokens=48))
+    short = engine.generate(chats, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     hf = AutoModelForCausalLM.from_pretrained(embedded_model_dir, dtype=torch.float32).eval()
     eos = set(engine.tokenizer.eos_token_ids)
-    for ids, out in zip(chats, outs):
+    for ids, out in zip(chats, short):
         with torch.inference_mode():
-            generated = hf.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)[0, len(ids):].tolist()
-        want = [t for t in generated[:len(out.outputs[0].token_ids)]]
+            generated = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(ids):]
+        want = generated.tolist()[:len(out.outputs[0].token_ids)]
         assert [t for t in out.outputs[0].token_ids if t not in eos] == [t for t in want if t not in eos]
-    short = engine.generate(chats, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
-    return {"short": [o.outputs[0].text for o in short], "long": [o.outputs[0].text for o in outs]}
+    # the rank-kill test's answers: long enough that the kill lands mid-decode (the engine's own greedy output,
+    # which the check above ties to transformers')
+    long = engine.generate(chats[:KILL_PROMPTS], SamplingParams(temperature=0.0, max_tokens=KILL_TOKENS))
+    return {"short": [o.outputs[0].text for o in short], "long": [o.outputs[0].text for o in long]}
 
 
 @pytest.fixture(scope="module", params=["decode", "prefill"])
@@ -83,12 +86,12 @@ def test_a_rank_killed_under_load_ends_its_worker_and_loses_no_request(embedded_
         worker = psutil.Process(c.procs["decode-0"].pid)
         ranks = [p for p in worker.children() if "spawn_main" in " ".join(p.cmdline())]
         assert len(ranks) == TP - 1, [p.cmdline() for p in worker.children()]
-        prompts = PROMPTS[:12]
+        prompts = PROMPTS[:KILL_PROMPTS]
 
         async def load():
             async with httpx.AsyncClient(timeout=300) as client:
                 calls = [asyncio.create_task(client.post(c.url + "/v1/chat/completions", json={
-                    "model": MODEL, "messages": [{"role": "user", "content": p}], "max_tokens": 48,
+                    "model": MODEL, "messages": [{"role": "user", "content": p}], "max_tokens": KILL_TOKENS,
                     "temperature": 0.0})) for p in prompts]
                 deadline = time.monotonic() + 120
                 metrics = f"http://127.0.0.1:{c.metrics_ports['decode-0']}"
@@ -100,7 +103,7 @@ def test_a_rank_killed_under_load_ends_its_worker_and_loses_no_request(embedded_
 
         responses = asyncio.run(load())
         assert [r.status_code for r in responses] == [200] * len(prompts)
-        assert [r.json()["choices"][0]["message"]["content"] for r in responses] == reference["long"][:12]
+        assert [r.json()["choices"][0]["message"]["content"] for r in responses] == reference["long"]
         assert c.procs["decode-0"].wait(timeout=60) != 0  # the worker went with its rank
         deadline = time.monotonic() + 30
         while any(_alive(p.pid) for p in ranks) and time.monotonic() < deadline:
