@@ -38,6 +38,7 @@ class DrainingServer(uvicorn.Server):
         self._drain_task: asyncio.Task | None = None
         self._drain_requested = False
         self._drain_cut = False  # a second signal: the requests still in flight are cancelled now
+        self._watchdog_task: asyncio.Task | None = None  # held: the loop keeps only weak references to tasks
 
     async def startup(self, sockets=None) -> None:
         # Captured here, not in an overridden serve(): that coroutine would be resumed on every tick of
@@ -46,6 +47,16 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets)
         if self.started:  # uvicorn sets it once every listener is bound
             sd_notify.ready(f"proxy serving on {self.config.host}:{self.config.port}")
+            watchdog = sd_notify.Watchdog()
+            if watchdog.period is not None:
+                self._watchdog_task = asyncio.create_task(self._pet(watchdog), name="watchdog")
+
+    @staticmethod
+    async def _pet(watchdog: sd_notify.Watchdog) -> None:
+        """Pets systemd's watchdog from the event loop itself: a loop blocked past WatchdogSec misses it."""
+        while True:
+            watchdog.pet()
+            await asyncio.sleep(watchdog.period / 4)
 
     def handle_exit(self, sig, frame) -> None:
         # Runs in the signal handler: plain assignments and call_soon_threadsafe (a deque append and a

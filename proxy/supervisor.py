@@ -91,7 +91,9 @@ def supervise(config: ProxyConfig, argv: list[str], count: int) -> int:
     started = [time.monotonic()] * count
     due: dict[int, float] = {}  # process index -> when it starts again
     sd_notify.ready(f"{count} proxy processes on {config.host}:{config.port}")
+    watchdog = sd_notify.Watchdog()  # this loop's own liveness; a child that exits is restarted below
     while not stopping:
+        watchdog.pet()
         if hup:
             hup.clear()
             for child in children:

@@ -368,6 +368,10 @@ class WorkerTestingConfig:
     fault_nonfinite_logits_token: Int | None = option(
         None, "fault injection, for tests only: a sequence whose prompt holds this token id gets NaN logits, and "
         "its request fails as a real NaN or Inf would (tests/e2e/test_nonfinite_logits.py); null: off", ge=0)
+    fault_hang_token: Int | None = option(
+        None, "fault injection, for tests only: a step holding a sequence whose prompt has this token id never "
+        "returns, as a hung kernel would, while the worker's I/O thread goes on (tests/e2e/test_watchdog.py); "
+        "null: off", ge=0)
 
 
 @config_model("worker")

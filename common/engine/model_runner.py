@@ -92,6 +92,7 @@ class ModelRunner:
         # Fault injection for tests (a worker's testing.fault_nonfinite_logits_token): NaN logits for a sequence
         # whose prompt holds this token id.
         self.fault_nonfinite_token: int | None = None
+        self.fault_hang_token: int | None = None  # testing.fault_hang_token: a step holding it never returns
         self.tp = Parallel(rank, config.tensor_parallel_size)
         self.ranks: RankProcesses | None = None
         self._serving = False  # rank 0 sends steps to the other ranks once all of them are up
@@ -372,6 +373,11 @@ class ModelRunner:
     def execute(self, plan: StepPlan, constrain=None) -> StepSample:
         """Run one step; returns what each sampling sequence emitted. ``constrain(logits, seqs, drafts)``: masks
         the logits in place before sampling (structured output)."""
+        if self.fault_hang_token is not None and any(self.fault_hang_token in seq.prompt_token_ids
+                                                     for seq in plan.seqs):
+            log.warning("fault injection: this step hangs (testing.fault_hang_token)")
+            while True:
+                time.sleep(3600)
         prepared = self.prepare(plan)
         if not prepared.sample_seqs:
             self.forward(prepared)

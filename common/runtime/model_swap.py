@@ -50,6 +50,10 @@ def load_model(worker, spec: str, name: str = "") -> None:
         log.warning("fault injection: a prompt holding token %d gets NaN logits (testing.fault_nonfinite_logits_token)",
                     config.testing.fault_nonfinite_logits_token)
         worker.engine.runner.fault_nonfinite_token = config.testing.fault_nonfinite_logits_token
+    if config.testing.fault_hang_token is not None:
+        log.warning("fault injection: a step with a prompt holding token %d hangs (testing.fault_hang_token)",
+                    config.testing.fault_hang_token)
+        worker.engine.runner.fault_hang_token = config.testing.fault_hang_token
     worker.model_name, worker.model_version = worker.metrics.identify(
         *model_identity(spec, config.engine.dtype, name))
     worker.tokenizer_sha256 = tokenizer_digest(read_tokenizer_files(worker.engine.model_dir))

@@ -12,6 +12,9 @@ abstract namespace (the ``@`` stands for a leading NUL byte). Tessera sends:
 - ``STOPPING=1`` when a drain starts (SIGTERM), so ``systemctl status``
   shows the unit as deactivating while requests in flight finish.
 - ``STATUS=...``, a one-line human-readable state shown by ``systemctl status``.
+- ``WATCHDOG=1`` (``Watchdog``) while the unit sets ``WatchdogSec=``: a role's loop pets it each turn it makes
+  progress, so a process whose loop hangs (a stuck step, a dead I/O thread, a blocked event loop) misses it and
+  systemd kills and restarts it. systemd arms the watchdog once READY=1 came.
 
 Outside systemd (no ``$NOTIFY_SOCKET``) every call is a no-op, so the same
 code runs under ``tessera up``, the launch scripts and the tests.
@@ -27,12 +30,15 @@ role down with it, so failures are logged and reported as ``False``.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
+import time
 
 log = logging.getLogger(__name__)
 
 SOCKET_ENV = "NOTIFY_SOCKET"
+WATCHDOG_ENV, WATCHDOG_PID_ENV = "WATCHDOG_USEC", "WATCHDOG_PID"
 
 
 def notify(*fields: str) -> bool:
@@ -70,3 +76,33 @@ def ready(status: str) -> bool:
 
 def stopping(status: str) -> bool:
     return notify("STOPPING=1", f"STATUS={status}")
+
+
+def watchdog_period() -> float | None:
+    """The watchdog period systemd gave this process (``WATCHDOG_USEC``, for ``WATCHDOG_PID`` when that is set),
+    in seconds; None when there is none (no ``WatchdogSec=``, or the variables are another process's)."""
+    usec = os.environ.get(WATCHDOG_ENV, "")
+    pid = os.environ.get(WATCHDOG_PID_ENV, "")
+    if not usec.isdigit() or int(usec) == 0 or (pid and pid != str(os.getpid())):
+        return None
+    return int(usec) / 1e6
+
+
+class Watchdog:
+    """Pets systemd's watchdog from a loop that calls ``pet`` every turn: at most four times a period, and only
+    when the caller says the process is healthy (its other threads turn too). A no-op without a period."""
+
+    def __init__(self, clock=time.monotonic) -> None:
+        self.period = watchdog_period()
+        self._clock = clock
+        self._last = -math.inf
+
+    def pet(self, healthy: bool = True) -> bool:
+        """True when a WATCHDOG=1 went out."""
+        if self.period is None or not healthy:
+            return False
+        now = self._clock()
+        if now - self._last < self.period / 4:
+            return False
+        self._last = now
+        return notify("WATCHDOG=1")

@@ -243,6 +243,9 @@ class _SnapshotCollector:
         yield _gauge("tessera_worker_waiting_sequences", "Sequences waiting to be scheduled", s.waiting)
         yield _gauge("tessera_worker_kv_pages_used", "KV pages (blocks) in use", s.kv_pages_used)
         yield _gauge("tessera_worker_kv_pages_free", "KV pages (blocks) free", s.kv_pages_free)
+        pages = s.kv_pages_used + s.kv_pages_free
+        yield _gauge("tessera_worker_kv_usage_ratio", "Fraction of the KV pool's pages in use (0-1)",
+                     s.kv_pages_used / pages if pages else 0.0)
         yield _counter("tessera_worker_prefix_cache_queries", "Full prompt blocks looked up in the prefix cache",
                        s.prefix_queries)
         yield _counter("tessera_worker_prefix_cache_hits", "Prompt blocks found in the prefix cache",

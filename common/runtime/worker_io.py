@@ -88,11 +88,16 @@ class WorkerIO:
         self._started = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="worker-io", daemon=True)
+        self.turned_at = time.monotonic()
 
     @property
     def speaks(self) -> int:
         """The protocol version every proxy reads."""
         return min(link.speaks for link in self.links)
+
+    def alive(self, within_s: float) -> bool:
+        """Whether the I/O thread runs and has turned its loop (it turns at least every 10 ms) within ``within_s``."""
+        return self._thread.is_alive() and time.monotonic() - self.turned_at < within_s
 
     def start(self) -> None:
         self._thread.start()
@@ -159,6 +164,7 @@ class WorkerIO:
             sockets[link.sock] = index
         poller.register(self._wake.fd, zmq.POLLIN)
         while True:
+            self.turned_at = time.monotonic()  # the watchdog's sign of life (``alive``)
             self._flush_outbox()
             if self._stop.is_set():
                 return

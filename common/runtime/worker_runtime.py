@@ -60,9 +60,12 @@ def serve(config: WorkerConfig, handler: RoleHandler) -> None:
     handler.metrics.status.registered = True
     log.info("worker %s registered as %s", config.worker_id, config.role)
     sd_notify.ready(f"worker {config.worker_id} registered as {config.role}")
+    watchdog = sd_notify.Watchdog()
     drain_deadline = None
     try:
         while True:
+            # each turn of this loop is a step or a wait of at most idle_poll_s; the I/O thread turns every 10 ms
+            watchdog.pet(watchdog.period is not None and io.alive(watchdog.period / 2))
             if signalled and drain_deadline is None:
                 log.info("draining: no new work; %.0fs for running requests", config.drain_timeout_s)
                 sd_notify.stopping(f"draining for up to {config.drain_timeout_s}s")

@@ -71,7 +71,10 @@ tessera_exec() {
         echo "tessera launch: $role $name logs to $TESSERA_LOG_DIR/$name.log" >&2
         exec >>"$TESSERA_LOG_DIR/$name.log" 2>&1
     fi
-    exec "$bin" "$role" --config "$config" --log-level "${TESSERA_LOG_LEVEL:-INFO}" "$@"
+    local log_format=${TESSERA_LOG_FORMAT:-text}
+    [[ $log_format == text || $log_format == json ]] ||
+        tessera_die "TESSERA_LOG_FORMAT=$log_format must be text or json"
+    exec "$bin" "$role" --config "$config" --log-level "${TESSERA_LOG_LEVEL:-INFO}" --log-format "$log_format" "$@"
 }
 
 # Overrides shared by the proxy and the workers: the model and dtype must agree across the cluster.

@@ -110,9 +110,10 @@ class ProxyMetrics:
         self.model_load_seconds = Histogram("tessera_proxy_model_load_seconds", "How long a worker took to load a "
                                             "standby model (its own measure)", buckets=_E2E_BUCKETS, registry=r)
         self.ttft = Histogram("tessera_proxy_time_to_first_token_seconds",
-                              "Arrival to first token, per choice", buckets=_LATENCY_BUCKETS, registry=r)
+                              "Arrival to first token, per choice, by model", ["model"], buckets=_LATENCY_BUCKETS,
+                              registry=r)
         self.tpot = Histogram("tessera_proxy_time_per_output_token_seconds",
-                              "Mean time per output token after the first, per choice",
+                              "Mean time per output token after the first, per choice, by model", ["model"],
                               buckets=_TOKEN_BUCKETS, registry=r)
         self.tenant_ttft = Histogram("tessera_proxy_tenant_time_to_first_token_seconds",
                                      "Arrival to first token, per choice, by tenant", ["tenant"],
@@ -123,10 +124,21 @@ class ProxyMetrics:
         self.itl = TokenHistogram("tessera_proxy_inter_token_latency_seconds",
                                   "Gap between consecutive output tokens", _TOKEN_BUCKETS, r)
         self.e2e = Histogram("tessera_proxy_e2e_request_latency_seconds",
-                             "Arrival to last token, per choice", buckets=_E2E_BUCKETS, registry=r)
+                             "Arrival to last token, per choice, by model", ["model"], buckets=_E2E_BUCKETS,
+                             registry=r)
         self.queue_depth = Gauge("tessera_proxy_requests_waiting_first_token",
                                  "Choices sent to a worker and still waiting for their first token", registry=r)
         self.in_flight = Gauge("tessera_proxy_requests_in_flight", "Choices running on workers", registry=r)
+        # What gateways that route on model-server signals read (docs/observability.md, "Names elsewhere")
+        self.model_waiting = Gauge("tessera_proxy_model_requests_waiting", "Choices admitted and waiting for their "
+                                   "first token, by model", ["model"], registry=r)
+        self.model_running = Gauge("tessera_proxy_model_requests_running", "Choices generating on workers, by model",
+                                   ["model"], registry=r)
+        self.kv_usage = Gauge("tessera_proxy_kv_usage_ratio", "Fraction of a worker's KV pages in use, from "
+                              "heartbeats (0-1)", ["worker_id"], registry=r)
+        self.cluster_kv_usage = Gauge("tessera_proxy_cluster_kv_usage_ratio", "Fraction of every live worker's KV "
+                                      "pages in use, together (0-1)", registry=r)
+        self._kv_pages: dict[str, tuple[int, int]] = {}  # worker -> (pages, used), for the cluster's fraction
         self.workers_alive = Gauge("tessera_proxy_workers_alive", "Registered workers by role", ["role"],
                                    registry=r)
         self.worker_requests = Counter("tessera_proxy_worker_requests", "Requests sent to each worker, by stage",
@@ -257,8 +269,16 @@ class ProxyMetrics:
                 for tenant in requests.keys() | prompt.keys()}
 
     def set_worker_kv(self, worker_id: str, num_blocks: int, free_blocks: int) -> None:
+        used = max(num_blocks - free_blocks, 0)
         self.kv_pages_free.labels(worker_id).set(free_blocks)
-        self.kv_pages_used.labels(worker_id).set(max(num_blocks - free_blocks, 0))
+        self.kv_pages_used.labels(worker_id).set(used)
+        self.kv_usage.labels(worker_id).set(used / num_blocks if num_blocks else 0.0)
+        self._kv_pages[worker_id] = (num_blocks, used)
+        self._set_cluster_kv()
+
+    def _set_cluster_kv(self) -> None:
+        pages = sum(n for n, _ in self._kv_pages.values())
+        self.cluster_kv_usage.set(sum(u for _, u in self._kv_pages.values()) / pages if pages else 0.0)
 
     def set_worker_capacity(self, worker_id: str, capacity: int, lag_ms: float, target_ms: float,
                             error_ms: float = 0.0) -> None:
@@ -268,7 +288,9 @@ class ProxyMetrics:
         self.tpot_target.labels(worker_id).set(target_ms / 1e3)
 
     def forget_worker(self, worker_id: str) -> None:
-        for gauge in (self.kv_pages_free, self.kv_pages_used, self.decode_capacity, self.step_lag,
+        self._kv_pages.pop(worker_id, None)
+        self._set_cluster_kv()
+        for gauge in (self.kv_pages_free, self.kv_pages_used, self.kv_usage, self.decode_capacity, self.step_lag,
                       self.tpot_error, self.tpot_target, self.tac_routing_weight):
             try:
                 gauge.remove(worker_id)

@@ -138,6 +138,7 @@ class SubRequest:
         self.model: tuple[str, str] | None = None  # the (name, version) whose workers alone serve it; None: any
         self.session: str | None = None  # its conversation (X-Session-Id): routed back to the worker holding it
         self.started = False  # sent to a worker (it left the admission queue)
+        self.counted_as = ""  # the model label of its waiting/running gauges, set when it starts
         self.output_ids: list[int] = []  # every token the client has: a resumed request carries them
         self.migrations = 0  # times it resumed elsewhere
         self.lost: str | None = None  # why it last had to resume
@@ -197,6 +198,8 @@ class SubRequest:
         self.started = True
         metrics.queue_depth.inc()
         metrics.in_flight.inc()
+        self.counted_as = self.model_name  # the model label its waiting/running gauges carry until it ends
+        metrics.model_waiting.labels(self.counted_as).inc()
         self.deadline = now + config.requests.first_token_timeout_s
         queued_s = max(now - self.arrival, 0.0)
         metrics.queue_time.observe(queued_s)
@@ -310,7 +313,9 @@ class SubRequest:
             if self.first_token_at is None:
                 self.first_token_at = now
                 metrics.queue_depth.dec()
-                metrics.ttft.observe(now - self.arrival)
+                metrics.model_waiting.labels(self.counted_as).dec()
+                metrics.model_running.labels(self.counted_as).inc()
+                metrics.ttft.labels(self.model_name).observe(now - self.arrival)
                 metrics.tenant_ttft.labels(self.tenant).observe(now - self.arrival)
             elif self.output_ids:
                 metrics.itl.observe((now - self.last_token_at) / len(event.token_ids), len(event.token_ids))
@@ -323,16 +328,18 @@ class SubRequest:
         self.stage = Stage.FINISHED
         sends = self._release_kv()
         metrics = self._metrics
-        metrics.e2e.observe(now - self.arrival)
+        metrics.e2e.labels(self.model_name).observe(now - self.arrival)
         self._count_end("ok")
         if self.trace:
             self.trace.close(attributes={"gen_ai.usage.output_tokens": len(self.output_ids),
                                          "gen_ai.response.finish_reasons": [finish_reason]})
         if self.first_token_at is not None and len(self.output_ids) > 1:
             tpot = (now - self.first_token_at) / (len(self.output_ids) - 1)
-            metrics.tpot.observe(tpot)
+            metrics.tpot.labels(self.model_name).observe(tpot)
             metrics.tenant_tpot.labels(self.tenant).observe(tpot)
         metrics.in_flight.dec()
+        (metrics.model_running if self.first_token_at is not None else metrics.model_waiting).labels(
+            self.counted_as).dec()
         return sends
 
     def _count_end(self, status: str) -> None:
@@ -476,6 +483,9 @@ class SubRequest:
 
     def _fail(self, error: ApiError, gone: str | None = None) -> Sends:
         started = self.started
+        if started:
+            (self._metrics.model_running if self.first_token_at is not None else self._metrics.model_waiting).labels(
+                self.counted_as).dec()
         if self.first_token_at is None and started:
             self._metrics.queue_depth.dec()
         sends = self._free(gone)

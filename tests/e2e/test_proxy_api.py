@@ -245,6 +245,12 @@ def test_metrics_names(cluster):
                  "tessera_proxy_kv_transfer_seconds_count 1.0"):
         assert name in text, name
     assert 'tessera_proxy_requests_total{endpoint="completions",status="200"} 1.0' in text
+    # what gateways route on: KV usage as a fraction, waiting and running per model; latency by model
+    for name in ('tessera_proxy_kv_usage_ratio{worker_id="d0"}', "tessera_proxy_cluster_kv_usage_ratio",
+                 f'tessera_proxy_model_requests_waiting{{model="{MODEL}"}} 0.0',
+                 f'tessera_proxy_model_requests_running{{model="{MODEL}"}} 0.0',
+                 f'tessera_proxy_time_to_first_token_seconds_count{{model="{MODEL}"}} 1.0'):
+        assert name in text, name
 
 
 def test_drain_lets_in_flight_requests_finish_and_refuses_new_ones(make_proxy, make_worker):

@@ -210,6 +210,15 @@ def test_systemd_units_harden_and_drain():
     assert max(drains) + 10 <= 45, f"TimeoutStopSec=45 must leave room for the default drains {drains}"
 
 
+def test_every_unit_has_a_watchdog_its_role_pets_often_enough():
+    """WatchdogSec in every unit, long enough for the loop that pets it: a worker's turn is one step or a wait of
+    at most idle_poll_s, the proxy's event loop a tick."""
+    for unit in UNITS:
+        found = [line.split("=", 1)[1] for line in unit.read_text().splitlines() if line.startswith("WatchdogSec=")]
+        assert len(found) == 1, f"{unit.name}: one WatchdogSec="
+        assert int(found[0]) >= 20 * WorkerConfig(role="decode").idle_poll_s, unit.name
+
+
 def test_several_proxies_each_with_processes_and_redis(tmp_path, recorder):
     """Two proxy hosts of two processes each: a worker registers with all four; a proxy runs --processes 2 sharing
     the Redis server."""

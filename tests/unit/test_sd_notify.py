@@ -61,3 +61,34 @@ def test_malformed_fields_are_rejected(path_socket, monkeypatch, field):
     with pytest.raises(ValueError, match="KEY=value"):
         sd_notify.notify(field)
 
+
+
+def test_the_watchdog_pets_at_most_four_times_a_period_and_only_when_healthy(path_socket, monkeypatch):
+    address, sock = path_socket
+    monkeypatch.setenv("NOTIFY_SOCKET", address)
+    monkeypatch.setenv("WATCHDOG_USEC", "2000000")
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    now = [100.0]
+    watchdog = sd_notify.Watchdog(clock=lambda: now[0])
+    assert watchdog.period == 2.0
+    assert watchdog.pet()
+    assert sock.recv(4096).decode() == "WATCHDOG=1"
+    now[0] += 0.4
+    assert not watchdog.pet(), "within a quarter period of the last"
+    now[0] += 0.2
+    assert not watchdog.pet(healthy=False), "a loop whose other thread stopped turning does not pet"
+    assert watchdog.pet()
+    assert sock.recv(4096).decode() == "WATCHDOG=1"
+
+
+@pytest.mark.parametrize("env", [{}, {"WATCHDOG_USEC": "0"}, {"WATCHDOG_USEC": "2000000", "WATCHDOG_PID": "1"},
+                                 {"WATCHDOG_USEC": "soon"}])
+def test_no_watchdog_without_a_period_for_this_process(path_socket, monkeypatch, env):
+    monkeypatch.setenv("NOTIFY_SOCKET", path_socket[0])
+    monkeypatch.delenv("WATCHDOG_USEC", raising=False)
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    watchdog = sd_notify.Watchdog()
+    assert watchdog.period is None
+    assert not watchdog.pet()

@@ -72,6 +72,7 @@ def test_scrape_reports_the_engine_snapshot(served, engine):
     assert values["tessera_worker_prefix_cache_hits_total"] == blocks.prefix_hits == 4
     assert values["tessera_worker_kv_pages_free"] == blocks.num_free_blocks
     assert values["tessera_worker_kv_pages_used"] + values["tessera_worker_kv_pages_free"] == 64
+    assert values["tessera_worker_kv_usage_ratio"] == values["tessera_worker_kv_pages_used"] / 64
     assert values["tessera_worker_running_sequences"] == 0
     assert values["tessera_spec_decode_num_drafts_total"] == stats.num_spec_drafts
     assert ('tessera_worker_info{model="SmolLM2-135M-Instruct",role="decode",version="0.1.2-float32",'
