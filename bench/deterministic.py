@@ -12,31 +12,10 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
 
+from bench.tensor_parallel import measure
 from common.config.base import EngineConfig
-from common.engine.llm_engine import LLMEngine
-from common.protocol.sampling_params import SamplingParams
 from common.storage.model_store import resolve_model
-
-
-def measure(config: EngineConfig, batch: list[list[int]], single: list[int], output_len: int) -> dict:
-    engine = LLMEngine(config)
-    try:
-        greedy = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-        engine.generate([single[:8]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm up
-        started = time.perf_counter()
-        engine.generate(batch, greedy)
-        batch_s = time.perf_counter() - started
-        engine.add_request("one-stream", single, greedy)
-        first = None
-        while engine.has_unfinished():
-            for _ in engine.step():
-                first = first or time.perf_counter()
-        stream_s = time.perf_counter() - first
-    finally:
-        engine.runner.close()
-    return {"tok_s": len(batch) * output_len / batch_s, "tpot_ms": 1000 * stream_s / (output_len - 1)}
 
 
 def main(argv: list[str] | None = None) -> None:

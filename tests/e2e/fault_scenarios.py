@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -240,3 +241,31 @@ def check_pages_freed(cluster: LocalCluster) -> None:
     """Until every count is 0 (heartbeats carry the workers' counts to the proxy)."""
     settle(lambda: pages_in_use(cluster), lambda used: not any(used.values()), PAGES_FREED_S,
            "no KV page in use on any live worker nor in the proxy's view (kv_lease_s at the latest)")
+
+
+def no_fault_run(cluster: LocalCluster, bodies: list[dict]) -> list[Stream]:
+    """The streams of ``bodies`` without a fault, in order, each whole: a scenario's reference."""
+    results, _ = asyncio.run(run_scenario(cluster, bodies))
+    streams = in_order(results)
+    assert all(not s.lost and s.completion_tokens == b["max_tokens"] for s, b in zip(streams, bodies)), streams
+    return streams
+
+
+def kill_a_prefilling_worker(cluster: LocalCluster) -> list[Event]:
+    """Events: wait until a prefill worker holds a prompt it has not answered, kill -9 it, wait for its exit and
+    the supervisor's restart."""
+    def unanswered(name: str) -> float:
+        """Prompts the proxy sent ``name`` that it has not answered (offset by what a restart forgot)."""
+        sent = cluster.metric("tessera_proxy_worker_requests_total")
+        return (sum(v for labels, v in sent.items() if f'worker_id="{name}"' in labels)
+                - sum(cluster.metric("tessera_worker_requests_total", cluster.worker_url(name)).values()))
+
+    idle = {name: unanswered(name) for name in cluster.procs if name.startswith("prefill-")}
+    busy: list[str] = []
+
+    def prefilling(run) -> bool:
+        busy[:] = [name for name in idle if unanswered(name) > idle[name]]
+        return bool(busy)
+
+    return [wait_until(prefilling, "a prompt being prefilled"), send_signal(lambda run: busy[0], signal.SIGKILL),
+            exited(), restored()]

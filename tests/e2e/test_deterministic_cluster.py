@@ -23,8 +23,8 @@ from common.config.base import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.protocol.sampling_params import SamplingParams
 from tests.e2e.fault_scenarios import (
-    Stream, busiest, check_nothing_lost, check_pages_freed, completion_bodies, exited, in_order, last_victim,
-    restored, run_scenario, send_signal, streams_with_text, wait_until, workers_alive,
+    Stream, busiest, check_nothing_lost, check_pages_freed, completion_bodies, exited, kill_a_prefilling_worker,
+    last_victim, no_fault_run, restored, run_scenario, send_signal, streams_with_text, wait_until, workers_alive,
 )
 
 STREAMS = 16
@@ -49,10 +49,7 @@ def cluster(embedded_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(cluster) -> list[Stream]:
-    results, _ = asyncio.run(run_scenario(cluster, BODIES))
-    streams = in_order(results)
-    assert all(not s.lost and s.completion_tokens == MAX_TOKENS for s in streams), streams
-    return streams
+    return no_fault_run(cluster, BODIES)
 
 
 def test_greedy_streams_through_pd_equal_the_offline_engine(embedded_model_dir, reference):
@@ -92,25 +89,9 @@ def test_streams_resumed_after_a_kill_9_continue_exactly(cluster, reference):
 def test_prompts_recomputed_after_a_kill_9_of_a_prefill_worker_continue_exactly(cluster):
     bodies = completion_bodies(STREAMS, 32, prompt=lambda i: f"Chapter {i}. " + (
         "The animal walked slowly through the quiet forest, looking closely at every tree and every stone. " * 6))
-    reference = in_order(asyncio.run(run_scenario(cluster, bodies))[0])
-
-    def unanswered(name: str) -> float:
-        """Prompts the proxy sent ``name`` that it has not answered (offset by what a restart forgot)."""
-        sent = cluster.metric("tessera_proxy_worker_requests_total")
-        return (sum(v for labels, v in sent.items() if f'worker_id="{name}"' in labels)
-                - sum(cluster.metric("tessera_worker_requests_total", cluster.worker_url(name)).values()))
-
-    idle = {name: unanswered(name) for name in ("prefill-0", "prefill-1")}
-    busy: list[str] = []
-
-    def prefilling(run) -> bool:
-        busy[:] = [name for name in idle if unanswered(name) > idle[name]]
-        return bool(busy)
-
+    reference = no_fault_run(cluster, bodies)
     before = migrations(cluster)
-    results, _ = asyncio.run(run_scenario(cluster, bodies, [
-        wait_until(prefilling, "a prompt being prefilled"), send_signal(lambda run: busy[0], signal.SIGKILL),
-        exited(), restored()]))
+    results, _ = asyncio.run(run_scenario(cluster, bodies, kill_a_prefilling_worker(cluster)))
     check_nothing_lost(results, reference, bodies)
     assert migrations(cluster) > before, "no prompt was lost mid-prefill"
     check_pages_freed(cluster)

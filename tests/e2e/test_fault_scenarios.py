@@ -29,8 +29,9 @@ import pytest
 
 from common.cli.local_cluster import LocalCluster
 from tests.e2e.fault_scenarios import (
-    Stream, abandon, busiest, check_nothing_lost, check_pages_freed, completion_bodies, exited, in_order,
-    last_victim, restored, run_scenario, send_signal, streams_with_text, wait_until, workers_alive,
+    Stream, abandon, busiest, check_nothing_lost, check_pages_freed, completion_bodies, exited,
+    kill_a_prefilling_worker, last_victim, no_fault_run, restored, run_scenario, send_signal, streams_with_text,
+    wait_until, workers_alive,
 )
 
 STREAMS = 16
@@ -56,33 +57,15 @@ def cluster(embedded_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(cluster) -> list[Stream]:
-    results, _ = asyncio.run(run_scenario(cluster, BODIES))
-    streams = in_order(results)
-    assert all(not s.lost and s.completion_tokens == MAX_TOKENS for s in streams), streams
-    return streams
+    return no_fault_run(cluster, BODIES)
 
 
 def test_kill_9_of_a_prefill_worker_mid_prefill_loses_nothing(cluster):
     bodies = completion_bodies(STREAMS, 32, prompt=lambda i: f"Chapter {i}. " + (
         "The animal walked slowly through the quiet forest, looking closely at every tree and every stone. " * 6))
-    reference = in_order(asyncio.run(run_scenario(cluster, bodies))[0])
+    reference = no_fault_run(cluster, bodies)
     migrations = total(cluster, "tessera_proxy_migrations_total")
-
-    def unanswered(name: str) -> float:
-        """Prompts the proxy sent ``name`` that it has not answered (offset by what a restart forgot)."""
-        return (total(cluster, "tessera_proxy_worker_requests_total", worker=name)
-                - total(cluster, "tessera_worker_requests_total", cluster.worker_url(name)))
-
-    idle = {name: unanswered(name) for name in ("prefill-0", "prefill-1")}
-    busy: list[str] = []
-
-    def prefilling(run) -> bool:
-        busy[:] = [name for name in idle if unanswered(name) > idle[name]]
-        return bool(busy)
-
-    results, run = asyncio.run(run_scenario(cluster, bodies, [
-        wait_until(prefilling, "a prompt being prefilled"), send_signal(lambda run: busy[0], signal.SIGKILL),
-        exited(), restored()]))
+    results, run = asyncio.run(run_scenario(cluster, bodies, kill_a_prefilling_worker(cluster)))
     check_nothing_lost(results, reference, bodies)
     assert total(cluster, "tessera_proxy_migrations_total") > migrations, "no prompt was lost mid-prefill"
     assert run.supervisor.restarts == {run.victims[0]: 1}
