@@ -103,7 +103,8 @@ def _port(container: dict, name: str) -> int:
 def test_every_object_passes_the_strict_schema(rendered, version):
     _, objects = rendered
     kinds = sorted({o["kind"] for o in objects})
-    assert kinds == ["ConfigMap", "Deployment", "Namespace", "PodDisruptionBudget", "Service", "ServiceAccount"]
+    assert kinds == ["ConfigMap", "Deployment", "Namespace", "NetworkPolicy", "PodDisruptionBudget", "Service",
+                     "ServiceAccount"]
     for obj in objects:
         kubernetes_validate.validate(obj, version, strict=True)
 
