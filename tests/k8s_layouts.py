@@ -25,6 +25,7 @@ K8S = Path(__file__).resolve().parents[1] / "deploy" / "k8s"
 LAYOUTS = (
     ("single-node", ()),
     ("multi-node", ()),
+    ("several-proxies", ()),
 )
 LAYOUT_IDS = ["+".join((overlay, *components)) for overlay, components in LAYOUTS]
 TESSERA_COMPONENTS = ("proxy", "prefill", "decode")
