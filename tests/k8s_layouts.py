@@ -26,6 +26,7 @@ LAYOUTS = (
     ("single-node", ()),
     ("multi-node", ()),
     ("several-proxies", ()),
+    ("single-node", ("model-volume",)),
 )
 LAYOUT_IDS = ["+".join((overlay, *components)) for overlay, components in LAYOUTS]
 TESSERA_COMPONENTS = ("proxy", "prefill", "decode")

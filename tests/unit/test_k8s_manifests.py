@@ -29,7 +29,7 @@ K8S_VERSIONS = ("1.31.0", "1.37.0")
 # What every layout holds, and what an overlay or a component adds to it.
 BASE_KINDS = {"ConfigMap", "Deployment", "Namespace", "NetworkPolicy", "PodDisruptionBudget", "Service",
               "ServiceAccount"}
-ADDED_KINDS = {"several-proxies": {"StatefulSet"}}
+ADDED_KINDS = {"several-proxies": {"StatefulSet"}, "model-volume": {"PersistentVolumeClaim"}}
 # After the drain: a worker's goodbye (the I/O thread's join in common/runtime/worker_runtime.py), then
 # the process exit of either role (up to 10 s measured on the 2-core development machine).
 WORKER_GOODBYE_S = 5
