@@ -27,6 +27,8 @@ LAYOUTS = (
     ("multi-node", ()),
     ("several-proxies", ()),
     ("single-node", ("model-volume",)),
+    ("multi-node", ("service-monitor", "autoscaling")),
+    ("several-proxies", ("model-volume", "service-monitor", "autoscaling")),
 )
 LAYOUT_IDS = ["+".join((overlay, *components)) for overlay, components in LAYOUTS]
 TESSERA_COMPONENTS = ("proxy", "prefill", "decode")
