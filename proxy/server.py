@@ -51,6 +51,11 @@ class DrainingServer(uvicorn.Server):
             if watchdog.period is not None:
                 self._watchdog_task = asyncio.create_task(self._pet(watchdog), name="watchdog")
 
+    async def shutdown(self, sockets=None) -> None:
+        if self._watchdog_task is not None:  # the drain is over: nothing left for the watchdog to watch
+            self._watchdog_task.cancel()
+        await super().shutdown(sockets)
+
     @staticmethod
     async def _pet(watchdog: sd_notify.Watchdog) -> None:
         """Pets systemd's watchdog from the event loop itself: a loop blocked past WatchdogSec misses it."""

@@ -105,6 +105,27 @@ def test_a_hung_step_stops_the_pets_while_the_io_thread_goes_on(tiny_chat_model_
         notify.sock.close()
 
 
+def test_the_proxy_pets_from_its_event_loop_and_still_stops_cleanly(tiny_chat_model_dir, tmp_path, monkeypatch):
+    notify = NotifySocket(tmp_path / "notify.sock")
+    c = LocalCluster.for_tests(tiny_chat_model_dir, tmp_path, prefill=0, decode=0, both=0)
+    try:
+        with monkeypatch.context() as env:
+            env.setenv("NOTIFY_SOCKET", str(notify.path))
+            env.setenv("WATCHDOG_USEC", str(int(PERIOD_S * 1e6)))
+            c.start_proxy()
+        proxy = c.procs["proxy"].pid
+        seen: list[tuple[int, str]] = []
+        deadline = time.monotonic() + 60
+        while len([t for pid, t in seen if pid == proxy and t == "WATCHDOG=1"]) < 4:
+            assert time.monotonic() < deadline, f"the proxy sent {seen}"
+            seen += notify.receive(0.5)
+        assert any(pid == proxy and "READY=1" in text for pid, text in seen), seen
+    finally:
+        codes = c.stop()
+        notify.sock.close()
+    assert codes == {"proxy": 0}, codes
+
+
 def _systemd_reason() -> str | None:
     if not Path("/run/systemd/system").is_dir():
         return "this machine does not run systemd (no /run/systemd/system): the socket-level test above stands in"
