@@ -269,38 +269,29 @@ class DeterministicCpuAttention(CpuAttention):
 
     name = "cpu_paged_deterministic"
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
-        ctx = get_step_context()
-        if ctx.kv_cache is None:  # embeddings: a whole input in one call, no pages
-            return ctx.attend(q, k, v, scale)
-        k_cache, v_cache = ctx.kv_cache.layers[layer]
-        k_cache[ctx.slot_blocks, ctx.slot_offsets] = k
-        v_cache[ctx.slot_blocks, ctx.slot_offsets] = v
-        meta = ctx.backend_state.get("rows")
+    def _attend_chunks(self, q, k, v, k_cache, v_cache, ctx: StepContext, scale: float, out: torch.Tensor) -> None:
+        """Every chunk row through the decode kernel (the decode rows take it in ``_decode`` as always)."""
+        meta = ctx.backend_state.get("chunk_rows")
         if meta is None:  # once per step: every layer reads the same tables
-            meta = ctx.backend_state["rows"] = self._row_tables(ctx, q.shape[0])
-        return self._paged(q, k_cache, v_cache, ctx, scale, *meta)
+            meta = ctx.backend_state["chunk_rows"] = self._chunk_row_tables(ctx)
+        start, tables, lens = meta
+        end = start + lens.shape[0]
+        out[start:end] = self._paged(q[start:end], k_cache, v_cache, ctx, scale, tables, lens)
 
     @staticmethod
-    def _row_tables(ctx: StepContext, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every row's block table and context length: a decode row's as the step has them, a chunk's row at
-        position p attends the first p + 1 tokens of its sequence's pages."""
-        widths = [chunk.block_table.shape[0] for chunk in ctx.chunks]
-        if ctx.decode_rows is not None:
-            widths.append(ctx.decode_block_tables.shape[1])
-        tables = torch.zeros((rows, max(widths)), dtype=torch.int64)
-        lens = torch.zeros(rows, dtype=torch.int64)
-        if ctx.decode_rows is not None:
-            n = ctx.decode_rows.shape[0]
-            tables[:n, :ctx.decode_block_tables.shape[1]] = ctx.decode_block_tables
-            lens[:n] = ctx.decode_context_lens
+    def _chunk_row_tables(ctx: StepContext) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """The chunks' rows (one span of the flat batch, after the decode rows): where they start, and each
+        row's block table and context length, a row at position p attending the first p + 1 tokens."""
+        start, end = ctx.chunks[0].token_start, ctx.chunks[-1].token_end
+        if sum(c.token_end - c.token_start for c in ctx.chunks) != end - start:
+            raise RuntimeError("the step's chunks do not form one span of rows")
+        tables = torch.zeros((end - start, max(c.block_table.shape[0] for c in ctx.chunks)), dtype=torch.int64)
+        lens = torch.empty(end - start, dtype=torch.int64)
         for chunk in ctx.chunks:
-            s, e = chunk.token_start, chunk.token_end
+            s, e = chunk.token_start - start, chunk.token_end - start
             tables[s:e, :chunk.block_table.shape[0]] = chunk.block_table
             lens[s:e] = torch.arange(chunk.num_computed + 1, chunk.context_len + 1)
-        if bool((lens == 0).any()):
-            raise RuntimeError("a row of the step is neither a decode row nor in a chunk")
-        return tables, lens
+        return start, tables, lens
 
 
 class FlashAttention:

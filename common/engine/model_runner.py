@@ -137,9 +137,7 @@ class ModelRunner:
             if config.int8_smoothing:
                 ids = calibration_ids(model_dir)
                 smooth_for_int8(self.model, lambda: self._calibrate(ids), config.int8_smoothing)
-            quantize_model_int8(self.model)
-            if config.deterministic:
-                self.model.make_deterministic()
+            quantize_model_int8(self.model)  # in place: the layers keep make_deterministic's paths
             started = time.monotonic()
             chosen = choose_int8_matmul(tuple(m.weight.shape) for m in self.model.modules()
                                         if isinstance(getattr(m, "weight", None), torch.Tensor)

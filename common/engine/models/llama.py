@@ -114,11 +114,13 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if kernel is None or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
         raise RuntimeError("engine.deterministic needs the CPU, bfloat16 or float32, and a C compiler (gcc) for "
                            "kernels/gemm_invariant.c")
+    if weight.dtype is not x.dtype or (bias is not None and bias.dtype is not x.dtype):
+        raise RuntimeError(f"kernels/gemm_invariant.c takes one dtype: input {x.dtype}, weight {weight.dtype}")
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     weight = weight.contiguous()
-    bias = None if bias is None else bias.to(x.dtype).contiguous()
+    bias = None if bias is None else bias.contiguous()
     out = torch.empty((x2.shape[0], weight.shape[0]), dtype=x.dtype)
-    if x2.shape[0] and kernel(x2.data_ptr(), weight.to(x.dtype).data_ptr(), None if bias is None else bias.data_ptr(),
+    if x2.shape[0] and kernel(x2.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                               out.data_ptr(), x2.shape[0], weight.shape[0], x2.shape[1],
                               int(x.dtype is torch.bfloat16)) != 0:
         raise RuntimeError(f"kernels/gemm_invariant.c refused the shape {tuple(x2.shape)} x {tuple(weight.shape)}")
