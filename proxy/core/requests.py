@@ -338,9 +338,13 @@ class SubRequest:
             metrics.tpot.labels(self.model_name).observe(tpot)
             metrics.tenant_tpot.labels(self.tenant).observe(tpot)
         metrics.in_flight.dec()
-        (metrics.model_running if self.first_token_at is not None else metrics.model_waiting).labels(
-            self.counted_as).dec()
+        self._leave_model_gauge()
         return sends
+
+    def _leave_model_gauge(self) -> None:
+        """It ends: out of its model's waiting gauge (no first token yet) or running gauge."""
+        gauge = self._metrics.model_running if self.first_token_at is not None else self._metrics.model_waiting
+        gauge.labels(self.counted_as).dec()
 
     def _count_end(self, status: str) -> None:
         """Its outcome and usage, once, as it ends: a prompt counts if it reached a worker (a resumed one once),
@@ -484,8 +488,7 @@ class SubRequest:
     def _fail(self, error: ApiError, gone: str | None = None) -> Sends:
         started = self.started
         if started:
-            (self._metrics.model_running if self.first_token_at is not None else self._metrics.model_waiting).labels(
-                self.counted_as).dec()
+            self._leave_model_gauge()
         if self.first_token_at is None and started:
             self._metrics.queue_depth.dec()
         sends = self._free(gone)
