@@ -180,17 +180,27 @@ def _needed(flows: set[Flow], source: str, destination: str, number: int, protoc
                or (protocol == "TCP" and Flow(s, destination, ANY_TCP) in flows) for s in sources)
 
 
+def _mismatches(policies: list[dict], direction: str, pairs, peers: dict[str, Peer], flows: set[Flow],
+                clients: bool) -> list[str]:
+    """Each (source, destination, port) of ``pairs`` whose admission by the ``direction`` policies (at the
+    destination for Ingress, the source for Egress) differs from what ``flows`` need."""
+    wrong = []
+    for source, destination in pairs:
+        pod, other = (destination, source) if direction == "Ingress" else (source, destination)
+        for number, protocol in _probes(peers):
+            admitted = _admits(policies, direction, pod, other, number, protocol)
+            if admitted != _needed(flows, source.name, destination.name, number, protocol, clients=clients):
+                wrong.append(f"{source.name} -> {destination.name}:{number}/{protocol} "
+                             f"{'admitted, not needed' if admitted else 'needed, refused'}")
+    return wrong
+
+
 def test_into_every_pod_of_the_namespace_exactly_the_needed_flows_are_admitted(layout):
     objects, peers, flows = layout
     policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
-    wrong = []
-    for destination in (p for p in peers.values() if p.namespace == NAMESPACE):
-        for source in peers.values():
-            for number, protocol in _probes(peers):
-                admitted = _admits(policies, "Ingress", destination, source, number, protocol)
-                if admitted != _needed(flows, source.name, destination.name, number, protocol):
-                    wrong.append(f"{source.name} -> {destination.name}:{number}/{protocol} "
-                                 f"{'admitted, not needed' if admitted else 'needed, refused'}")
+    pairs = [(source, destination) for destination in peers.values() if destination.namespace == NAMESPACE
+             for source in peers.values()]
+    wrong = _mismatches(policies, "Ingress", pairs, peers, flows, clients=True)
     assert not wrong, "\n".join(wrong)
 
 
@@ -201,15 +211,9 @@ def test_out_of_the_pods_whose_egress_is_closed_exactly_the_needed_flows_are_adm
     # Workers hold prompts and KV pages: they may reach the proxy, each other and DNS, and nothing else.
     assert {p.name for p in closed} >= {w["metadata"]["name"] for w in tessera_workloads(objects)
                                         if component(w) != "proxy"}
-    wrong = []
-    for source in closed:
-        for destination in peers.values():
-            for number, protocol in _probes(peers):
-                admitted = _admits(policies, "Egress", source, destination, number, protocol)
-                # A pod whose egress is closed is nobody's client: only the flows that name it as the source.
-                if admitted != _needed(flows, source.name, destination.name, number, protocol, clients=False):
-                    wrong.append(f"{source.name} -> {destination.name}:{number}/{protocol} "
-                                 f"{'admitted, not needed' if admitted else 'needed, refused'}")
+    # A pod whose egress is closed is nobody's client: only the flows that name it as the source.
+    wrong = _mismatches(policies, "Egress", [(s, d) for s in closed for d in peers.values()], peers, flows,
+                        clients=False)
     assert not wrong, "\n".join(wrong)
 
 
