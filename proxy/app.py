@@ -99,6 +99,7 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        await cluster.kv_events.start()
         await link.start()
         watchdog = asyncio.create_task(cluster.watch_heartbeats(), name="heartbeat-watchdog")
         metering = MeteringLog(config.tenancy.metering_path, config.tenancy.metering_interval_s, metrics) \
@@ -137,6 +138,7 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
                 await asyncio.wait([metering_task])  # had it failed, the socket must still be closed
             await services.streams.close()
             await link.close()
+            await cluster.kv_events.close()
             if conversations is not None:
                 conversations.close()
 

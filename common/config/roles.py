@@ -293,7 +293,10 @@ class ProxyConfig:
     heartbeat_timeout_s: Float = option(
         5.0, "a worker silent this long is dead; also the longest a send to a worker may wait", gt=0)
     local_prefill_threshold: Int = option(
-        0, "prompts shorter than this many tokens prefill on the decode worker", ge=0)
+        -1, "a prompt whose uncached suffix on the chosen decode worker (the tokens its prefix cache lacks, by the "
+        "KV event index) is shorter than this many tokens prefills there instead of on a prefill worker; 0: "
+        "never; -1: derived from measured costs, the decode worker's prompt step against the prefill worker's "
+        "queue, prompt step and the KV pull (proxy/core/routing.py)", ge=-1)
     kv_lease_s: Float = option(30.0, "prefill pages not pulled within this are freed", gt=0)
     max_migrations: Int = option(
         3, "times one request may resume on another worker after its worker was lost or gave it back (0: never)",
@@ -402,6 +405,9 @@ class WorkerConfig:
         0.25, "the share of an embedding batch that may be padding: inputs are grouped by length so that "
         "padding the batch to its longest input stays within it", ge=0, le=1)
     transfer_host: Str = option("127.0.0.1", "address the zmq KV transfer server listens on")
+    kv_events_port: Int = option(
+        0, "TCP port on transfer_host where the worker publishes its KV cache events (ZeroMQ PUB; the proxies "
+        "subscribe to route on the blocks it holds, common/runtime/kv_events.py); 0: any free port", ge=0, le=65535)
     protocol_version: Int = option(
         PROTOCOL_VERSION, f"the wire protocol version this worker speaks, at most: {PROTOCOL_VERSION} (this "
         f"release's) or {PROTOCOL_VERSION - 1} (the one before, for a proxy not yet upgraded that reads only "

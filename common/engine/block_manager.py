@@ -22,6 +22,13 @@ only once the first is empty or ``keep_s`` has passed.
 With a host tier (``common/engine/host_tier.py``), a cached block about to be
 handed out is copied there first, and ``reload_prefix`` continues a prefix past
 the pool's hits from it, instead of the prompt computing those blocks again.
+
+KV events (``record_kv_events``, then ``take_kv_events`` after each engine turn): the hashes the worker
+gained and lost, which it publishes so that a proxy routes on what it holds (common/runtime/kv_events.py).
+A hash is *held* while the pool's prefix cache or the host tier (or the disk tier below it) keeps it: a
+prompt's hit can come from any of them (``reload_prefix``), and the worker reports those blocks in its
+cached tokens as it does the pool's. So a block the pool evicts into the host tier stays held; one is
+removed only when no tier keeps it.
 """
 from __future__ import annotations
 
@@ -59,6 +66,7 @@ class BlockManager:
         self._kept: OrderedDict[int, float] = OrderedDict()  # free, kept cached until then (monotonic seconds)
         self.host = host  # a HostTier, or None
         self._cached: dict[int, int] = {}  # chained hash -> block id
+        self._kv_changes: dict[int, bool] | None = None  # hash -> held after its last change; None: not recorded
         self.prefix_queries = 0  # blocks looked up
         self.prefix_hits = 0  # blocks found
 
@@ -69,6 +77,26 @@ class BlockManager:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
+
+    def record_kv_events(self) -> None:
+        """From now on, remember each hash the cache gains or loses (``take_kv_events``); what it holds already
+        counts as gained."""
+        if self._kv_changes is None:
+            self._kv_changes = dict.fromkeys(self._cached, True)
+            if self.host is not None:
+                self._kv_changes.update(dict.fromkeys(self.host.hashes(), True))
+
+    def take_kv_events(self) -> tuple[list[int], list[int]]:
+        """The hashes held now that were not at the last take (stored), and those no longer held (removed)."""
+        changes = self._kv_changes
+        if not changes:
+            return [], []
+        self._kv_changes = {}
+        return [h for h, held in changes.items() if held], [h for h, held in changes.items() if not held]
+
+    def _changed(self, block_hash: int, held: bool) -> None:
+        if self._kv_changes is not None:
+            self._kv_changes[block_hash] = held
 
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free_blocks
@@ -91,8 +119,12 @@ class BlockManager:
             if block.hash is not None:
                 if self._cached.get(block.hash) == block_id:
                     del self._cached[block.hash]
-                    if self.host is not None:
-                        self.host.spill(block_id, block.hash, block.token_ids)
+                    if self.host is None:
+                        self._changed(block.hash, False)
+                    else:  # the host tier keeps it, and may have let others go to make room
+                        for gone in self.host.spill(block_id, block.hash, block.token_ids):
+                            if gone not in self._cached:
+                                self._changed(gone, False)
                 block.hash = None
                 block.token_ids = ()
             block.ref_count = 1
@@ -182,6 +214,7 @@ class BlockManager:
             block = self.blocks[block_id]
             block.hash, block.token_ids = block_hash, chunk
             self._cached.setdefault(block_hash, block_id)
+            self._changed(block_hash, True)
             loaded.append(block_id)
             parent = block_hash
         return loaded
@@ -208,6 +241,7 @@ class BlockManager:
                 h = chain_hash(parent, chunk)
                 if h not in self._cached:
                     self._cached[h] = block.block_id
+                    self._changed(h, True)
                 block.hash = h
                 block.token_ids = chunk
             parent = block.hash

@@ -35,18 +35,25 @@ class DiskTier:
     def _path(self, block_hash: int) -> Path:
         return self.directory / f"{block_hash:016x}.kv"
 
-    def store(self, block_hash: int, tokens: tuple[int, ...], data: bytes) -> None:
+    def store(self, block_hash: int, tokens: tuple[int, ...], data: bytes) -> list[int]:
+        """Write a block the host tier evicts; returns the hashes whose files went to make room."""
         if block_hash in self._entries:
             self._entries.move_to_end(block_hash)
-            return
+            return []
+        evicted_hashes = []
         while len(self._entries) >= self.capacity:
             evicted, _ = self._entries.popitem(last=False)
             self._path(evicted).unlink(missing_ok=True)
+            evicted_hashes.append(evicted)
         temp = self._path(block_hash).with_suffix(".kv.tmp")
         temp.write_bytes(data)
         os.replace(temp, self._path(block_hash))
         self._entries[block_hash] = tokens
         self.writes += 1
+        return evicted_hashes
+
+    def hashes(self) -> list[int]:
+        return list(self._entries)
 
     def holds(self, block_hash: int, tokens: Sequence[int]) -> bool:
         if self._entries.get(block_hash) != tuple(tokens):

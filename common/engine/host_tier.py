@@ -47,20 +47,30 @@ class HostTier:
     def used(self) -> int:
         return len(self._entries)
 
-    def spill(self, block_id: int, block_hash: int, tokens: tuple[int, ...]) -> None:
-        """Keep pool block ``block_id``'s contents before the pool hands the block to another sequence."""
+    def spill(self, block_id: int, block_hash: int, tokens: tuple[int, ...]) -> list[int]:
+        """Keep pool block ``block_id``'s contents before the pool hands the block to another sequence; returns the
+        hashes that left this tier (and the disk tier below) to make room (the block manager's KV events)."""
         if block_hash in self._entries:
             self._entries.move_to_end(block_hash)  # the same bytes are here already
-            return
+            return []
+        gone: list[int] = []
         if not self._free_slots:
             evicted, (slot, evicted_tokens) = self._entries.popitem(last=False)
             if self.disk is not None:
-                self.disk.store(evicted, evicted_tokens, self._read_slot(slot))
+                gone = [h for h in self.disk.store(evicted, evicted_tokens, self._read_slot(slot))
+                        if h != block_hash and h not in self._entries]
+            else:
+                gone = [evicted]
             self._free_slots.append(slot)
         slot = self._free_slots.pop()
         self._copy_out(block_id, slot)
         self._entries[block_hash] = (slot, tokens)
         self.copies_out += 1
+        return gone
+
+    def hashes(self) -> list[int]:
+        """Every hash this tier and the disk tier below keep."""
+        return [*self._entries, *(self.disk.hashes() if self.disk is not None else ())]
 
     def holds(self, block_hash: int, tokens: Sequence[int]) -> bool:
         """Whether it holds that block; a hit becomes the most recently used (the last a spill evicts)."""

@@ -42,6 +42,10 @@ this channel):
 - proxy -> worker: FetchTokenizer, the tokenizer files whose hash its Register reported (``tokenizer_sha256``),
   for a version the proxy has no tokenizer of; the worker's I/O thread answers TokenizerFiles
   (``proxy/cluster/tokenizer_fetch.py``).
+- worker -> every proxy, on its own PUB socket (``Register.kv_events_endpoint``), not the DEALER: KVEvents, the
+  blocks its prefix cache stored and evicted, numbered per epoch (``common/runtime/kv_events.py``). A proxy that
+  first sees an epoch, or misses a number, sends KVSnapshotRequest on the link; the worker's I/O thread answers
+  KVSnapshot, every block it holds as of one number (``proxy/core/kv_index.py``).
 
 Prompt blocks are named the same way on both sides (``prefix_block_hashes``, at the end): chained hashes of
 full KV blocks, the prefix cache's keys. Block i's hash folds in block i-1's, so equal hashes at position i
@@ -83,8 +87,9 @@ class _Struct(msgspec.Struct, forbid_unknown_fields=True):
 
 
 # 11: EmbedRequest, EmbedResult; 12: LoadModel, Standby; 13: SamplingParams.structured; 14: TokenDeltas.step_rows,
-# step; 15: Register.tokenizer_sha256, FetchTokenizer, TokenizerFiles. Versions one apart interoperate (versions.py).
-PROTOCOL_VERSION = 17
+# step; 15: Register.tokenizer_sha256, FetchTokenizer, TokenizerFiles; 18: Register.kv_events_endpoint, KVEvents,
+# KVSnapshotRequest, KVSnapshot. Versions one apart interoperate (versions.py).
+PROTOCOL_VERSION = 18
 
 
 class MsgType(enum.IntEnum):
@@ -109,6 +114,9 @@ class MsgType(enum.IntEnum):
     LOAD_MODEL = 22
     FETCH_TOKENIZER = 23
     TOKENIZER_FILES = 24
+    KV_EVENTS = 25
+    KV_SNAPSHOT_REQUEST = 26
+    KV_SNAPSHOT = 27
 
 
 class Role(str, enum.Enum):
@@ -160,6 +168,8 @@ class Register(_Struct):
     tokenizer_sha256: Annotated[str, msgspec.Meta(pattern="^([0-9a-f]{64})?$")] = ""
     # its ranks (engine.tensor_parallel_size); its pages pair with any worker of the same kv_layout at any size
     tensor_parallel_size: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    # where it publishes KVEvents (a ZeroMQ PUB endpoint, tcp://host:port); "": it publishes none
+    kv_events_endpoint: Annotated[str, msgspec.Meta(max_length=1024)] = ""
 
 
 class Standby(_Struct):
@@ -252,6 +262,40 @@ class TokenizerFiles(_Struct):
         total = sum(map(len, self.files.values()))
         if total > TOKENIZER_MAX_BYTES:
             raise ValueError(f"files of {total} bytes in all; at most {TOKENIZER_MAX_BYTES}")
+
+
+# -- what a worker's prefix cache holds (common/runtime/kv_events.py publishes it, proxy/core/kv_index.py reads it) --
+
+BlockHash = Annotated[int, msgspec.Meta(ge=0)]  # a chain_hash: a uint64, as CacheSalt
+# Blocks one message names at most: a pool of a million blocks and a host tier as large again.
+KV_EVENTS_MAX_BLOCKS = 1 << 22
+
+
+class KVEvents(_Struct):
+    """worker -> every proxy (PUB): what its prefix cache gained (``stored``) and lost (``removed``) since its
+    previous KVEvents, as chained block hashes (``chain_hash``, rooted at each request's cache salt). ``seq`` counts
+    this epoch's KVEvents from 1: a subscriber that sees a number skipped lost one and asks for a KVSnapshot. A hash
+    is in at most one of the two lists; each list names distinct hashes."""
+    worker_id: str
+    epoch: NonNegInt
+    seq: NonNegInt
+    stored: Annotated[list[BlockHash], msgspec.Meta(max_length=KV_EVENTS_MAX_BLOCKS)] = []
+    removed: Annotated[list[BlockHash], msgspec.Meta(max_length=KV_EVENTS_MAX_BLOCKS)] = []
+
+
+class KVSnapshotRequest(_Struct):
+    """proxy -> worker (the link): send every block you hold (the proxy first saw this epoch, or missed a KVEvents)."""
+    worker_id: str
+    epoch: NonNegInt
+
+
+class KVSnapshot(_Struct):
+    """worker -> the proxy that asked (the link): every block its prefix cache holds once its KVEvents up to ``seq``
+    of ``epoch`` are applied; the subscriber applies only those numbered after it."""
+    worker_id: str
+    epoch: NonNegInt
+    seq: NonNegInt
+    hashes: Annotated[list[BlockHash], msgspec.Meta(max_length=KV_EVENTS_MAX_BLOCKS)] = []
 
 
 # -- a worker's load, and one request's way ------------------------------------------------------------------------
@@ -427,6 +471,9 @@ MESSAGES: dict[MsgType, type] = {
     MsgType.LOAD_MODEL: LoadModel,
     MsgType.FETCH_TOKENIZER: FetchTokenizer,
     MsgType.TOKENIZER_FILES: TokenizerFiles,
+    MsgType.KV_EVENTS: KVEvents,
+    MsgType.KV_SNAPSHOT_REQUEST: KVSnapshotRequest,
+    MsgType.KV_SNAPSHOT: KVSnapshot,
 }
 _TYPES = {cls: t for t, cls in MESSAGES.items()}
 _HEADERS = {cls: bytes([t, PROTOCOL_VERSION]) for t, cls in MESSAGES.items()}

@@ -4,7 +4,7 @@ Built once at start and again under each new epoch (``worker_runtime`` ``WorkerI
 role and epoch; the model name and version requests are routed by (``common.storage.model_store``
 ``model_identity``); its KV layout and pool (the proxy pairs only workers of one version, which must agree on the
 layout); the KV transfer agent's metadata; its decode slots, speculation and the cores it time-shares; the other
-models it may load (``model_swap``); the hash of its tokenizer files, which it sends a proxy that has no tokenizer
+models it may load (``model_swap``); where it publishes its KV events (``kv_events``); the hash of its tokenizer files, which it sends a proxy that has no tokenizer
 of its model (``tokenizer_answer``, on the I/O thread). ``await_acknowledgement`` waits for the proxy's answer at
 start; ``rejoin`` registers again when the proxy lost the worker (its Reregister).
 """
@@ -35,7 +35,7 @@ def registration(worker) -> wire.Register:
         transfer_backend=worker.transfer_name, transfer_metadata=worker.transfer_metadata,
         max_num_seqs=config.engine.max_num_seqs, core_group=core_group(config.core_share),
         standby=list(worker.standby), load_s=worker.load_s, tokenizer_sha256=worker.tokenizer_sha256,
-        tensor_parallel_size=config.engine.tensor_parallel_size,
+        tensor_parallel_size=config.engine.tensor_parallel_size, kv_events_endpoint=worker.kv_events_endpoint,
         **({} if config.engine.spec.method == "off" else {
             "spec_num_tokens": config.engine.spec.num_tokens,
             "spec_max_batch_size": config.engine.spec.max_batch_size}),

@@ -17,7 +17,9 @@ its own Peers (the prefill workers it knows); the handler gets their union, so a
 starting, or lost one on its own) does not take the others' away.
 
 A FetchTokenizer is answered here, not on the compute loop: reading a tokenizer's few megabytes, once per proxy and
-model, must not hold up an engine step.
+model, must not hold up an engine step. So is a KVSnapshotRequest, from the copy of the held blocks the KV event
+publisher keeps (common/runtime/kv_events.py); the KV events themselves go out on its PUB socket, in order with the
+messages the compute loop queues around them.
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ import zmq
 
 from common.config.roles import WorkerConfig
 from common.protocol import wire
+from common.protocol.versions import sendable
+from common.runtime.kv_events import KVEventPublisher
 from common.runtime.proxy_links import Owners, proxy_addresses
 from common.runtime.registration import await_acknowledgement, tokenizer_answer
 from common.runtime.telemetry import WorkerMetrics
@@ -50,6 +54,14 @@ class LinkLost:
     request_ids: set[str]
 
 
+@dataclass
+class _KVChanges:
+    """A batch of the block manager's changes, queued with the messages for the publisher (``publish_kv``)."""
+    stored: list[int]
+    removed: list[int]
+    fresh: bool
+
+
 class _Link:
     """One proxy: its socket and where registration with it stands."""
 
@@ -64,9 +76,10 @@ class _Link:
 
 class WorkerIO:
     def __init__(self, config: WorkerConfig, registration: wire.Register, metrics: WorkerMetrics,
-                 tokenizer_dir: Path) -> None:
+                 tokenizer_dir: Path, kv_events: KVEventPublisher | None = None) -> None:
         """``tokenizer_dir``: the directory of the model ``registration`` names (FetchTokenizer reads it); the compute
-        loop sets both anew when it loads another model."""
+        loop sets both anew when it loads another model. ``kv_events``: the bound publisher, used and closed by the
+        I/O thread from its start on; None: no KV events."""
         self.config = config
         self.registration = registration
         self.tokenizer_dir = tokenizer_dir
@@ -75,6 +88,7 @@ class WorkerIO:
         self.inbox: queue.Queue = queue.Queue()
         self._outbox: queue.Queue = queue.Queue()
         self._wake = Waker()  # else a queued token waits out the I/O thread's 10 ms poll
+        self.kv_events = kv_events
         self.load = Load()
         self.draining = False
         self.registered = threading.Event()
@@ -107,6 +121,12 @@ class WorkerIO:
     def send(self, msg) -> None:
         self._outbox.put(msg)
         self._wake.wake()
+
+    def publish_kv(self, stored: list[int], removed: list[int], fresh: bool) -> None:
+        """Queue the block manager's changes for the KV event publisher, after what was sent before."""
+        if self.kv_events is not None:
+            self._outbox.put(_KVChanges(stored, removed, fresh))
+            self._wake.wake()
 
     def rejoin(self, link: int | None = None) -> None:
         """After a Reregister or a model swap: register again with proxy ``link`` (None: every proxy), under
@@ -152,6 +172,8 @@ class WorkerIO:
             for link in self.links:
                 if link.sock is not None:
                     link.sock.close()
+            if self.kv_events is not None:
+                self.kv_events.close()
             ctx.term()
 
     def _loop(self) -> None:
@@ -203,6 +225,10 @@ class WorkerIO:
                 msg = self._outbox.get_nowait()
             except queue.Empty:
                 return
+            if isinstance(msg, _KVChanges):
+                self.kv_events.publish(self.config.worker_id, self.registration.epoch, msg.stored, msg.removed,
+                                       msg.fresh)
+                continue
             if self.owners is None:
                 self._send(self.links[0], msg)
                 continue
@@ -250,6 +276,11 @@ class WorkerIO:
                 answer = tokenizer_answer(self.tokenizer_dir, msg, self.config.worker_id, link.speaks)
                 if answer is not None:
                     self._send(link, answer)
+            elif isinstance(msg, wire.KVSnapshotRequest):
+                snapshot = None if self.kv_events is None else self.kv_events.snapshot(
+                    self.config.worker_id, self.registration.epoch, msg)
+                if snapshot is not None and sendable(wire.KVSnapshot, link.speaks):
+                    self._send(link, snapshot)
             else:
                 if self.owners is not None:
                     self.owners.took(msg, index)

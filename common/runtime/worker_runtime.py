@@ -4,7 +4,7 @@
 (``model_swap.py``), so a restarted worker under the same id is recognisably a new process.
 
 Sockets live only in the I/O thread (``worker_io.WorkerIO``: one DEALER per proxy, with curve_* keys a CURVE client
-pinning the proxy's public key). The compute loop (the main thread, ``serve``) never touches a socket: each turn it
+pinning the proxy's public key; the KV events' PUB, ``kv_events``, bound here first so that the Register names it). The compute loop (the main thread, ``serve``) never touches a socket: each turn it
 takes inbound messages, lets the role's handler act on them, steps the engine, and queues what the handler wants
 sent. A failure handling a message ends that message's request with an error; a failed engine turn gives every
 request back to the proxy (retryable: they resume elsewhere). Neither stops the worker.
@@ -37,6 +37,7 @@ from common.protocol import wire
 from common.runtime import sd_notify
 from common.runtime.core_share import CoreShare
 from common.runtime.health_server import HealthServer
+from common.runtime.kv_events import KVEventFeed, KVEventPublisher
 from common.runtime.model_swap import ModelSwitch, load_model
 from common.runtime.registration import registration, rejoin
 from common.runtime.telemetry import WorkerMetrics, request_scope
@@ -51,8 +52,15 @@ def serve(config: WorkerConfig, handler: RoleHandler) -> None:
     """Run a worker until SIGTERM/SIGINT (then drain) or until its I/O fails."""
     signalled: list[int] = []
     switch = ModelSwitch(config, handler, signalled)
-    io = switch.io = WorkerIO(config, handler.registration(), handler.metrics, handler.engine.model_dir)
-    handler.bind(io.send)
+    publisher = None
+    if config.security.curve_secret_key_file:  # the proxies could not authenticate it (kv_events.py)
+        log.info("KV events are off: CURVE is configured and the PUB socket has no CURVE keys")
+    else:
+        publisher = KVEventPublisher.bind(config.transfer_host, config.kv_events_port)
+        handler.kv_events_endpoint = publisher.endpoint
+    io = switch.io = WorkerIO(config, handler.registration(), handler.metrics, handler.engine.model_dir, publisher)
+    kv_feed = KVEventFeed(handler, io)
+    handler.bind(kv_feed.send if publisher is not None else io.send)
     # Left in place after serve returns: a late signal must not cut the cleanup (the transfer agent closing) short.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: signalled.append(signum))
@@ -84,6 +92,8 @@ def serve(config: WorkerConfig, handler: RoleHandler) -> None:
                 handler.metrics.status.tick()
                 continue
             _turn(handler)
+            if publisher is not None:
+                kv_feed.flush()
             io.load = handler.load()
             handler.metrics.status.registered = io.registered.is_set()
             handler.publish_metrics()
@@ -164,6 +174,7 @@ class WorkerBase:
         self._spans: dict[tuple[str, str], object] = {}  # (request id, span name) -> open span
         self.make_transfer = make_transfer
         self.standby: list[str] = []  # the other models it may load (ModelSwitch), announced at registration
+        self.kv_events_endpoint = ""  # where it publishes KV events (serve binds it), announced at registration
         load_model(self, config.engine.model, config.model_name)  # engine, transfer agent, identity, epoch
         self._send = None
         # Held for each engine step (``with self.cores``) where co-located workers time-share the cores.

@@ -7,6 +7,7 @@ Request life cycle, as queues and hops (one sub-request per choice):
     HTTP handler --submit--> admission queue --dispatch--> policy.route --> SubRequest.start --> outbox --> worker
     worker --frames--> WorkerLink (I/O task) --on_frames--> decode --> handle
         Register/Heartbeat/Goodbye --> registry (+ RegisterAck, Peers; Reregister to an unknown heartbeat)
+        KVSnapshot --> proxy/cluster/kv_events.py (the prefix index routing reads; its KVEvents come on a SUB socket)
         TokenizerFiles --> proxy/cluster/tokenizer_fetch.py (the tokenizer of a version the proxy has none of)
         PrefillDone/KVPulled/RequestFailed, and each TokenDelta of a step's TokenDeltas --> that SubRequest
     SubRequest --events--> RequestGroup's EventSink (proxy/cluster/request_group.py) --> HTTP handler
@@ -33,10 +34,11 @@ from common.runtime.tracing import make_tracing
 from common.protocol.sampling_params import SamplingParams
 from common.protocol.versions import STRUCTURED_SINCE
 from common.protocol.wire import (PROTOCOL_VERSION, Abort, DecodeRequest, EmbedResult, Goodbye, Heartbeat, KVPulled,
-                                  PrefillDone, PrefillRequest, Register, RegisterAck, ReleaseKV, RequestFailed,
-                                  Reregister, Standby, TokenDeltas, TokenizerFiles, WireError, decode)
+                                  KVSnapshot, PrefillDone, PrefillRequest, Register, RegisterAck, ReleaseKV,
+                                  RequestFailed, Reregister, Standby, TokenDeltas, TokenizerFiles, WireError, decode)
 from proxy.tenancy.admission import Admit, AdmissionController
 from proxy.cluster.embeddings import Embeddings
+from proxy.cluster.kv_events import KVEventSubscriber
 from proxy.core.errors import ApiError
 from proxy.core.metrics import ProxyMetrics
 from proxy.cluster.model_loading import ModelLoader
@@ -78,6 +80,7 @@ class Cluster:
         self.loader = ModelLoader(config, self.registry, self.send, metrics, self.inflight.values(), self.peer_versions,
                                   clock)
         self.tokenizers = TokenizerFetcher(config, self.send, metrics, self.peer_versions, clock=clock)
+        self.kv_events = KVEventSubscriber(policy.index, metrics.registry, self.send, clock)  # started by the app
         self.draining = False
         self._clock = clock
         self._outbox: Outbox | None = None
@@ -85,7 +88,7 @@ class Cluster:
             Register: self._on_register, Heartbeat: self._on_heartbeat, Goodbye: self._on_goodbye,
             PrefillDone: self._on_prefill_done, KVPulled: self._on_kv_pulled, TokenDeltas: self._on_token_deltas,
             RequestFailed: self._on_request_failed, EmbedResult: self.embeddings.on_result,
-            Standby: self._on_standby, TokenizerFiles: self.tokenizers.on_files,
+            Standby: self._on_standby, TokenizerFiles: self.tokenizers.on_files, KVSnapshot: self.kv_events.on_snapshot,
         }
         self._update_worker_gauges()
 
@@ -128,6 +131,10 @@ class Cluster:
                                            len(sub.output_ids), sub.decoding_since - sub.first_token_at)
             if self.tac is not None:
                 self.tac.ended(sub, self._clock())
+            if sub.stage is Stage.FINISHED and not (sub.migrations or sub.preemptions) and sub.route is not None:
+                routed = sub.route.worker.worker_id
+                if routed == (sub.decode_worker if sub.route.local else sub.prefill_worker):
+                    self.kv_events.predicted(sub.route.cached_tokens, sub.cached_tokens)
         elif before is Stage.PREFILLING and sub.stage is Stage.READY:
             self.admission.ready_for_decode(sub.request_id)
         elif before is not Stage.QUEUED and sub.stage is Stage.QUEUED:  # resumed: it starts over elsewhere
@@ -243,13 +250,16 @@ class Cluster:
             return sub.reject(self._unavailable("no worker can take the request any more: every decode-capable "
                                                 "worker left or is draining"))
         sub.route, sub.admitted_at = route, now
+        log.debug("request %s routed to %s (%s): %d of its %d prompt tokens predicted cached there", sub.request_id,
+                  route.worker.worker_id, "local prefill" if route.local else "prefill", route.cached_tokens,
+                  len(tokens))
         if self.slo.forecast is not None:
             self.slo.admitted_to_prefill(sub, now)
         counter = self.admission.counters[sub.tenant]  # before this prompt is charged, as the worker sees it
         self.admission.prefill_started(admit.key)
         if route.local:
             return sub.prefill_locally()
-        self.policy.prefill_sent(route.worker, tokens, sub.cache_salt)
+        self.policy.prefill_sent(route.worker, tokens)
         return sub.start_prefill(route.worker, counter, now)
 
     def _candidates(self, sub: SubRequest) -> list:
@@ -274,10 +284,10 @@ class Cluster:
             routed = self.registry.workers.get(sub.route.worker.worker_id)
             decoder = routed if routed is sub.route.worker and not routed.draining else None
         tokens = sub.tokens
-        decoder = decoder or self.policy.pick_decode(tokens, self._candidates(sub))
+        decoder = decoder or self.policy.pick_decode(tokens, self._candidates(sub), sub.cache_salt)
         if decoder is None:
             return sub.reject(self._unavailable("no decode worker is available to continue the request"))
-        self.policy.decode_sent(decoder, tokens, local=sub.local, cache_salt=sub.cache_salt, session=sub.session)
+        self.policy.decode_sent(decoder, tokens, session=sub.session)
         return sub.start_decode(decoder, self.admission.counters[sub.tenant], now)
 
     def _unavailable(self, message: str) -> ApiError:
@@ -349,6 +359,8 @@ class Cluster:
             self.send(sender, ReleaseKV(msg.request_id))
 
     def _on_kv_pulled(self, sender: str, msg: KVPulled, now: float) -> None:
+        if msg.ok:
+            self.policy.kv_pulled(sender, msg.num_bytes, msg.seconds)
         sub = self._sub(msg.request_id)
         if self._on_request_message(sub, lambda: sub.on_kv_pulled(msg, sender, now)):
             return
@@ -401,6 +413,7 @@ class Cluster:
         worker = outcome.worker
         if worker is None:
             return
+        self.kv_events.watch(worker.worker_id, msg.epoch, msg.kv_events_endpoint, now)
         self.loader.registered(msg)
         self.metrics.set_worker_kv(worker.worker_id, worker.num_blocks, worker.free_blocks)
         self._update_worker_gauges()
@@ -461,6 +474,7 @@ class Cluster:
         self.loader.on_standby(msg, now)
 
     def expire_workers(self) -> None:
+        self.kv_events.resend_overdue(self._clock(), self.config.heartbeat_timeout_s)
         for worker in self.registry.expire(self._clock()):
             self.metrics.heartbeats_missed.labels(worker.worker_id).inc()
             self._worker_gone(worker, f"no heartbeat for heartbeat_timeout_s={self.config.heartbeat_timeout_s}s",
@@ -486,6 +500,7 @@ class Cluster:
         self.embeddings.worker_gone(worker.worker_id)
         self._dispatch()
         self.policy.worker_removed(worker.worker_id)
+        self.kv_events.forget(worker.worker_id)
         if worker.worker_id not in self.registry.workers:
             self.metrics.forget_worker(worker.worker_id)
         self._update_worker_gauges()

@@ -33,7 +33,8 @@ was refused at arrival by early rejection, missed the TTFT target. Then, one rul
 - ``local_prefill_threshold``: the conditional-disaggregation threshold (proxy/core/routing.py). Doubles (from
   ``THRESHOLD_START``, at most ``THRESHOLD_MAX``) while only the TTFT target is missed and the decode workers run
   below their capacity, unless every decode worker shares its cores with a prefill worker; halves back towards
-  the configured value when the TPOT target is missed.
+  the configured value when the TPOT target is missed (from the configured -1, the derived threshold, it starts at
+  ``THRESHOLD_START``, and returns to -1 below it).
 - speculation (``Speculation``): ``k``, then the batch size above which nobody speculates, halved while only the
   TTFT target is missed, stepped back up to the configured values when the TPOT target is missed with compute to
   spare or a window met both (``Tune``; a worker never goes above its configured ones).

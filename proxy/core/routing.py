@@ -7,32 +7,38 @@ request's tenant's, the root of its block hashes on the workers):
 - ``route(prompt, workers, cache_salt, session)`` at admission: a ``Route`` that is either
   disaggregated (the prefill worker; the decode worker is picked later) or
   local (a decode-capable worker that prefills itself), or None when no
-  worker can take the request.
-- ``pick_decode(prompt, workers)`` when a prefilled request gets its
+  worker can take the request. It carries the prompt tokens the index predicts the worker's prefix cache holds.
+- ``pick_decode(prompt, workers, cache_salt)`` when a prefilled request gets its
   decode slot: the decode worker that pulls the pages, or None.
-- ``prefill_sent(worker, prompt, cache_salt)`` / ``prefill_ended(worker_id, num_tokens)``
+- ``prefill_sent(worker, prompt)`` / ``prefill_ended(worker_id, num_tokens)``
   bracket a PrefillRequest, on every path out (PrefillDone, failure, abort,
   worker loss); the cluster says which worker and how many tokens, so the
   policy keeps no per-request state.
 - ``decode_sent`` when a DecodeRequest goes out (with the request's session, if any); ``heartbeat`` when a
-  worker reports its load; ``worker_removed`` when it is gone.
+  worker reports its load; ``kv_pulled`` when a decode worker reports a pull's bytes and seconds;
+  ``worker_removed`` when it is gone.
 
-``PrefixAwareRouting`` (the default):
-- Conditional disaggregation: prompts shorter than ``local_prefill_threshold``
-  tokens, and every prompt when no prefill-role worker is available, prefill
-  locally on a decode-capable worker.
-- Prefill: the worker that would finish the prompt soonest: least
-  (outstanding prefill tokens + the prompt's tokens its prefix cache likely
-  lacks). Outstanding = proxy-tracked tokens of prompts sent and not yet
-  done, plus the heartbeat's value; the cache is estimated per worker by a
-  bounded LRU set of the chained block hashes of prompts recently sent to
-  it, salted as the worker salts them (so another tenant's equal prompt
-  predicts no hit, as it gets none). An idle cluster thus keeps a shared prefix on one worker, and a busy
-  one spills to the others instead of queueing behind the cache.
-- Decode: most free blocks, then fewest running. Both counts add what the
-  proxy sent since the worker's last heartbeat, so a burst between two
-  heartbeats spreads instead of piling onto one worker. Local prefill
-  prefers a prefix hit first, as prefill does.
+``PrefixAwareRouting`` (the default) routes on ``index``, the exact prefix index (``proxy/core/kv_index.py``, fed
+by the workers' KV events): for a prompt's chained block hashes, salted as the workers salt them, how many leading
+blocks each worker holds, so what its prefix cache would hit (capped as the engine caps it: the last token is
+always computed). Another tenant's equal prompt predicts no hit, as it gets none; a worker's blocks of an old
+epoch are gone from the index the moment it registers again.
+- Prefill: the worker that would finish the prompt soonest: least (outstanding prefill tokens + the prompt's
+  tokens it does not hold). Outstanding = proxy-tracked tokens of prompts sent and not yet done, plus the
+  heartbeat's value. An idle cluster thus keeps a shared prefix on one worker, and a busy one spills to the
+  others instead of queueing behind the cache.
+- Decode (``pick_decode``, and the worker that prefills locally): below its TPOT capacity first, then the one
+  holding the most of the prompt's leading blocks (it pulls only those it lacks), then most free blocks, then
+  fewest running. Both counts add what the proxy sent since the worker's last heartbeat, so a burst between two
+  heartbeats spreads instead of piling onto one worker.
+- Conditional disaggregation, on the *uncached suffix* on that decode worker (the prompt's tokens it does not
+  hold): with ``local_prefill_threshold`` >= 0, a suffix shorter than it prefills there (0: never), and every
+  prompt does when no prefill-role worker is available. With -1 (the default: derived) the threshold is the
+  measured costs' break-even: the suffix prefills locally when its prompt step on the decode worker (its fitted
+  step cost, ``Heartbeat.step_cost``; the prefill worker's while the decode worker has prefilled nothing to fit)
+  costs no more than the prefill worker's queue, its prompt step for the tokens it lacks, and the pull of the
+  blocks the decode worker lacks (at the rate the decode worker's pulls measured, ``KVPulled``). Until the
+  workers have fitted their prompt steps, a suffix shorter than one block prefills locally.
 - Sessions: a conversation's next turn (the same ``X-Session-Id``) goes back to the decode worker that decoded
   its last one, within ``session_ttl_s``, and prefills there: that worker's prefix cache holds the whole
   history, its replies included, so only the new message is computed. Not while that worker is gone, draining
@@ -50,57 +56,38 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from common.protocol.wire import prefix_block_hashes
+from common.protocol.wire import StepCostModel, prefix_block_hashes
+from proxy.core.kv_index import KVIndex
 from proxy.core.workers import WorkerState
 
 
 MAX_SESSIONS = 100_000  # conversations remembered at once; past it the oldest is forgotten
+DERIVED = -1  # local_prefill_threshold: the break-even of the measured costs
+PULL_RATE_WEIGHT = 0.2  # of each pull in the moving average of a decode worker's pull rate
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "fp8": 1}
 
 
 @dataclass(frozen=True)
 class Route:
     worker: WorkerState
     local: bool  # True: DecodeRequest without pages; False: PrefillRequest to ``worker``
+    cached_tokens: int = 0  # the prompt tokens the index predicts ``worker``'s prefix cache holds
 
 
 class RoutingPolicy(Protocol):
+    index: KVIndex
+
     def route(self, prompt: Sequence[int], workers: Sequence[WorkerState], cache_salt: int = 0,
               session: str | None = None) -> Route | None: ...
-    def pick_decode(self, prompt: Sequence[int], workers: Sequence[WorkerState]) -> WorkerState | None: ...
-    def prefill_sent(self, worker: WorkerState, prompt: Sequence[int], cache_salt: int = 0) -> None: ...
+    def pick_decode(self, prompt: Sequence[int], workers: Sequence[WorkerState],
+                    cache_salt: int = 0) -> WorkerState | None: ...
+    def prefill_sent(self, worker: WorkerState, prompt: Sequence[int]) -> None: ...
     def prefill_ended(self, worker_id: str, num_tokens: int) -> None: ...
     def outstanding_prefill_tokens(self, worker_id: str) -> int: ...
-    def decode_sent(self, worker: WorkerState, prompt: Sequence[int], local: bool, cache_salt: int = 0,
-                    session: str | None = None) -> None: ...
+    def decode_sent(self, worker: WorkerState, prompt: Sequence[int], session: str | None = None) -> None: ...
     def heartbeat(self, worker: WorkerState) -> None: ...
+    def kv_pulled(self, worker_id: str, num_bytes: int, seconds: float) -> None: ...
     def worker_removed(self, worker_id: str) -> None: ...
-
-
-class PrefixLRU:
-    """A bounded set of block hashes, least recently sent evicted first."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = max(capacity, 1)
-        self._hashes: OrderedDict[int, None] = OrderedDict()
-
-    def add(self, hashes: Sequence[int]) -> None:
-        for h in hashes:
-            self._hashes[h] = None
-            self._hashes.move_to_end(h)
-        while len(self._hashes) > self.capacity:
-            self._hashes.popitem(last=False)
-
-    def leading_hits(self, hashes: Sequence[int]) -> int:
-        """How many of ``hashes`` from the start are present (chained: the first miss ends it)."""
-        hits = 0
-        for h in hashes:
-            if h not in self._hashes:
-                break
-            hits += 1
-        return hits
-
-    def __len__(self) -> int:
-        return len(self._hashes)
 
 
 @dataclass
@@ -110,15 +97,37 @@ class _Pending:
     requests: int = 0
 
 
+class _Prompt:
+    """One routing decision's view of a prompt: its block hashes per block size, and what each worker holds of
+    them, computed once whatever the number of workers scored."""
+
+    def __init__(self, prompt: Sequence[int], cache_salt: int, index: KVIndex) -> None:
+        self.tokens = prompt
+        self._salt = cache_salt
+        self._index = index
+        self._held: dict[int, dict[str, int]] = {}  # block size -> worker -> leading blocks held
+
+    def cached_tokens(self, worker: WorkerState) -> int:
+        """The prompt tokens ``worker``'s prefix cache would hit, as the engine counts them: whole blocks, at most
+        all but the last token's."""
+        bs = worker.block_size
+        if bs not in self._held:
+            hashes = prefix_block_hashes(self.tokens[:(len(self.tokens) - 1) // bs * bs], bs, self._salt)
+            self._held[bs] = self._index.leading(hashes)
+        return self._held[bs].get(worker.worker_id, 0) * bs
+
+
 class PrefixAwareRouting:
-    def __init__(self, local_prefill_threshold: int = 0, session_ttl_s: float = 600.0) -> None:
+    def __init__(self, local_prefill_threshold: int = DERIVED, session_ttl_s: float = 600.0,
+                 index: KVIndex | None = None) -> None:
         self.local_prefill_threshold = local_prefill_threshold
         self.session_ttl_s = session_ttl_s
+        self.index = index if index is not None else KVIndex()
         self._sessions: OrderedDict[str, tuple[str, float]] = OrderedDict()  # session -> (decode worker, when)
-        self._prefixes: dict[str, PrefixLRU] = {}
         self._prefill_tokens: dict[str, int] = defaultdict(int)  # worker -> tokens sent, not yet done
         self._pending: dict[str, _Pending] = defaultdict(_Pending)
         self._prefills_sent: dict[str, int] = defaultdict(int)
+        self._pull_rate: dict[str, float] = {}  # decode worker -> bytes per second its pulls measured
         self.weights: dict[str, float] = {}  # worker -> routing weight, when not 1 (the adaptive controller's)
 
     def route(self, prompt: Sequence[int], workers: Sequence[WorkerState], cache_salt: int = 0,
@@ -127,21 +136,25 @@ class PrefixAwareRouting:
         decoders = [w for w in active if w.decode_capable]
         if not decoders:
             return None
+        view = _Prompt(prompt, cache_salt, self.index)
         holder = self._holder(session, decoders) if session is not None else None
         if holder is not None:
-            return Route(holder, local=True)
+            return Route(holder, True, view.cached_tokens(holder))
+        decoder = self._best_decoder(view, decoders)
         prefillers = [w for w in active if w.serves_prefill]
-        if not prefillers or len(prompt) < self.local_prefill_threshold:
-            return Route(self._best_by_prefix(prompt, cache_salt, decoders, self._decode_load), local=True)
-        hashes: dict[int, list[int]] = {}  # by block size: hashed once, whatever the number of workers
-        return Route(min(prefillers, key=lambda w: self._prefill_cost(prompt, cache_salt, w, hashes)), local=False)
+        if not prefillers:
+            return Route(decoder, True, view.cached_tokens(decoder))
+        prefiller = min(prefillers, key=lambda w: self._prefill_cost(view, w))
+        if self._prefills_locally(view, decoder, prefiller):
+            return Route(decoder, True, view.cached_tokens(decoder))
+        return Route(prefiller, False, view.cached_tokens(prefiller))
 
-    def pick_decode(self, prompt: Sequence[int], workers: Sequence[WorkerState]) -> WorkerState | None:
+    def pick_decode(self, prompt: Sequence[int], workers: Sequence[WorkerState],
+                    cache_salt: int = 0) -> WorkerState | None:
         decoders = [w for w in workers if w.decode_capable and not w.draining]
-        return min(decoders, key=self._decode_load, default=None)
+        return self._best_decoder(_Prompt(prompt, cache_salt, self.index), decoders) if decoders else None
 
-    def prefill_sent(self, worker: WorkerState, prompt: Sequence[int], cache_salt: int = 0) -> None:
-        self._remember_prefix(worker, prompt, cache_salt)
+    def prefill_sent(self, worker: WorkerState, prompt: Sequence[int]) -> None:
         self._prefill_tokens[worker.worker_id] += len(prompt)
         self._prefills_sent[worker.worker_id] += 1
 
@@ -149,10 +162,7 @@ class PrefixAwareRouting:
         if worker_id in self._prefill_tokens:  # a removed worker's count is gone already
             self._prefill_tokens[worker_id] = max(self._prefill_tokens[worker_id] - num_tokens, 0)
 
-    def decode_sent(self, worker: WorkerState, prompt: Sequence[int], local: bool, cache_salt: int = 0,
-                    session: str | None = None) -> None:
-        if local:
-            self._remember_prefix(worker, prompt, cache_salt)
+    def decode_sent(self, worker: WorkerState, prompt: Sequence[int], session: str | None = None) -> None:
         if session is not None:
             now = time.monotonic()
             self._sessions[session] = (worker.worker_id, now)
@@ -167,11 +177,17 @@ class PrefixAwareRouting:
     def heartbeat(self, worker: WorkerState) -> None:
         self._pending.pop(worker.worker_id, None)
 
+    def kv_pulled(self, worker_id: str, num_bytes: int, seconds: float) -> None:
+        if num_bytes and seconds > 0:
+            rate = num_bytes / seconds
+            old = self._pull_rate.get(worker_id)
+            self._pull_rate[worker_id] = rate if old is None else old + PULL_RATE_WEIGHT * (rate - old)
+
     def worker_removed(self, worker_id: str) -> None:
-        self._prefixes.pop(worker_id, None)
         self._prefill_tokens.pop(worker_id, None)
         self._prefills_sent.pop(worker_id, None)
         self._pending.pop(worker_id, None)
+        self._pull_rate.pop(worker_id, None)
         self.weights.pop(worker_id, None)
 
     def _holder(self, session: str, decoders: list[WorkerState]) -> WorkerState | None:
@@ -186,28 +202,41 @@ class PrefixAwareRouting:
         """Proxy-tracked tokens of prompts sent to ``worker_id`` and not yet done."""
         return self._prefill_tokens.get(worker_id, 0)
 
-    def _best_by_prefix(self, prompt: Sequence[int], cache_salt: int, candidates: list[WorkerState],
-                        load) -> WorkerState:
-        hashes: dict[int, list[int]] = {}
+    def _best_decoder(self, view: _Prompt, decoders: list[WorkerState]) -> WorkerState:
+        def score(worker: WorkerState) -> tuple:
+            full, *load = self._decode_load(worker)
+            return (full, -view.cached_tokens(worker), *load)
 
-        def score(worker: WorkerState):
-            lru = self._prefixes.get(worker.worker_id)
-            if lru is None:
-                return (0, load(worker))
-            return (-lru.leading_hits(_block_hashes(hashes, prompt, worker.block_size, cache_salt)), load(worker))
+        return min(decoders, key=score)
 
-        return min(candidates, key=score)
-
-    def _prefill_cost(self, prompt: Sequence[int], cache_salt: int, worker: WorkerState,
-                      hashes: dict[int, list[int]]) -> tuple[float, int, int]:
-        outstanding = self._prefill_tokens.get(worker.worker_id, 0) + worker.outstanding_prefill_tokens
-        lru = self._prefixes.get(worker.worker_id)
-        cached = 0
-        if lru is not None:
-            cached = lru.leading_hits(_block_hashes(hashes, prompt, worker.block_size, cache_salt)) * worker.block_size
+    def _prefill_cost(self, view: _Prompt, worker: WorkerState) -> tuple[float, int, int]:
+        outstanding = self._outstanding(worker)
         # Equal costs rotate by how many prompts each worker was given.
-        cost = (outstanding + len(prompt) - cached) / self.weights.get(worker.worker_id, 1.0)
+        cost = (outstanding + len(view.tokens) - view.cached_tokens(worker)) / self.weights.get(worker.worker_id, 1.0)
         return cost, outstanding, self._prefills_sent[worker.worker_id]
+
+    def _outstanding(self, worker: WorkerState) -> int:
+        return self._prefill_tokens.get(worker.worker_id, 0) + worker.outstanding_prefill_tokens
+
+    def _prefills_locally(self, view: _Prompt, decoder: WorkerState, prefiller: WorkerState) -> bool:
+        """Whether the prompt's uncached suffix on ``decoder`` is short enough to prefill there (the module's
+        docstring says how short)."""
+        cached = view.cached_tokens(decoder)
+        suffix = len(view.tokens) - cached
+        if self.local_prefill_threshold >= 0:
+            return suffix < self.local_prefill_threshold
+        prefill_model = prefiller.step_cost if prefiller.step_cost and len(prefiller.step_cost.mixed) == 5 else None
+        decode_model = decoder.step_cost if decoder.step_cost and len(decoder.step_cost.mixed) == 5 else None
+        if prefill_model is None:
+            return suffix < decoder.block_size
+        local_ms = _prompt_ms(decode_model or prefill_model, suffix, cached)
+        prefill_cached = view.cached_tokens(prefiller)
+        queue_ms = _prompt_ms(prefill_model, self._outstanding(prefiller), 0) if self._outstanding(prefiller) else 0.0
+        rate = self._pull_rate.get(decoder.worker_id)
+        lacking = -(-len(view.tokens) // decoder.block_size) - cached // decoder.block_size
+        pull_ms = lacking * _block_bytes(decoder) / rate * 1e3 if rate else 0.0
+        remote_ms = queue_ms + _prompt_ms(prefill_model, len(view.tokens) - prefill_cached, prefill_cached) + pull_ms
+        return local_ms <= remote_ms
 
     def _decode_load(self, worker: WorkerState) -> tuple:
         pending = self._pending.get(worker.worker_id, _Pending())
@@ -217,17 +246,14 @@ class PrefixAwareRouting:
         weight = self.weights.get(worker.worker_id, 1.0)
         return (full, -(worker.free_blocks - pending.blocks) * weight, running / weight)
 
-    def _remember_prefix(self, worker: WorkerState, prompt: Sequence[int], cache_salt: int) -> None:
-        lru = self._prefixes.get(worker.worker_id)
-        if lru is None:
-            # The worker cannot cache more blocks than it has.
-            lru = self._prefixes[worker.worker_id] = PrefixLRU(worker.num_blocks)
-        lru.add(prefix_block_hashes(prompt, worker.block_size, cache_salt))
+
+def _prompt_ms(model: StepCostModel, tokens: int, cached: int) -> float:
+    """A step computing ``tokens`` prompt tokens after ``cached`` ones, alone, by a worker's fitted step cost."""
+    return model.step_ms(0, 0, tokens, tokens * cached + tokens * (tokens + 1) // 2)
 
 
-def _block_hashes(memo: dict[int, list[int]], prompt: Sequence[int], block_size: int, cache_salt: int) -> list[int]:
-    """The prompt's block hashes at ``block_size``, computed once per routing decision (``memo``), whatever the
-    number of workers scored."""
-    if block_size not in memo:
-        memo[block_size] = prefix_block_hashes(prompt, block_size, cache_salt)
-    return memo[block_size]
+def _block_bytes(worker: WorkerState) -> int:
+    """One KV block's bytes (every layer's K and V) in ``worker``'s layout."""
+    layout = worker.kv_layout
+    return (2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * layout.block_size
+            * DTYPE_BYTES.get(layout.dtype, 2))

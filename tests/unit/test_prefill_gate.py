@@ -11,6 +11,7 @@ from proxy.core.requests import Stage
 from proxy.control.prefill_gate import PrefillGate, slack_ms
 from proxy.core.workers import WorkerRegistry
 from proxy.control.tac import MIN_OUTCOMES, THRESHOLD_START
+from proxy.core.routing import DERIVED
 from tests.fixed_limits import FixedLimits
 from tests.unit.test_tac import controller, ended, tick
 
@@ -131,7 +132,7 @@ def test_short_prompts_stay_off_a_decode_worker_that_shares_its_cores_with_the_p
     for second in (2.0, 4.0):
         ended(tac, MIN_OUTCOMES, ttft_ms=3000, tpot_ms=20)
         tick(tac, second)
-    assert policy.local_prefill_threshold == 0
+    assert policy.local_prefill_threshold == DERIVED  # the configured one, untouched
     tac.registry.workers["d0"].core_group = "other:/tmp/cores"  # its own cores: the prefill side is relieved
     ended(tac, MIN_OUTCOMES, ttft_ms=3000, tpot_ms=20)
     tick(tac, 6.0)

@@ -1,12 +1,15 @@
-"""Proxy routing policy and worker registry: pure logic, no sockets."""
+"""Proxy routing policy and worker registry: pure logic, no sockets. What a worker holds reaches the policy's
+index as its KV events would (``hold``)."""
 from __future__ import annotations
+
+from collections import defaultdict
 
 import pytest
 
-from common.protocol.wire import cache_salt_of
-from common.protocol.wire import Goodbye, Heartbeat, KVLayoutInfo, Register
+from common.protocol.wire import (Goodbye, Heartbeat, KVEvents, KVLayoutInfo, KVSnapshot, Register, StepCostModel,
+                                  cache_salt_of, prefix_block_hashes)
 from proxy.core.workers import WorkerRegistry
-from proxy.core.routing import PrefixAwareRouting, PrefixLRU
+from proxy.core.routing import PrefixAwareRouting
 
 LAYOUT = KVLayoutInfo(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")
 
@@ -34,6 +37,21 @@ def add(registry: WorkerRegistry, *roles: tuple[str, str]):
 
 def prompt(length: int, start: int = 0) -> list[int]:
     return list(range(start, start + length))
+
+
+_published: dict[tuple[int, str, int], int] = defaultdict(int)  # (policy, worker, epoch) -> KVEvents sent
+
+
+def hold(policy: PrefixAwareRouting, worker, tokens: list[int], cache_salt: int = 0) -> None:
+    """``worker``'s KV events say its prefix cache stored ``tokens``' full blocks (under ``cache_salt``)."""
+    key = (id(policy), worker.worker_id, worker.epoch)
+    if policy.index.track(worker.worker_id, worker.epoch, 0.0) is not None:
+        assert policy.index.apply_snapshot(KVSnapshot(worker.worker_id, worker.epoch, 0, []), 0.0)[0] == "applied"
+        _published[key] = 0
+    _published[key] += 1
+    events = KVEvents(worker.worker_id, worker.epoch, _published[key],
+                      stored=prefix_block_hashes(tokens, worker.block_size, cache_salt))
+    assert policy.index.apply(events, 0.0) == ("applied", None)
 
 
 # -- registry -----------------------------------------------------------------------------------
@@ -134,6 +152,7 @@ def test_prefill_prefers_the_worker_holding_the_prompt_prefix():
     first = policy.route(shared + [1000], workers)
     assert not first.local
     policy.prefill_sent(first.worker, shared + [1000])
+    hold(policy, first.worker, shared + [1000])
     # While r1 runs, the prefix holder is busier than the cache saves: spill over.
     assert policy.route(shared + [2000, 2001], workers).worker is not first.worker
     policy.prefill_ended(first.worker.worker_id, len(shared) + 1)
@@ -152,7 +171,8 @@ def test_a_prefix_predicts_hits_only_for_requests_of_its_cache_salt():
     policy = PrefixAwareRouting()
     alpha, beta = cache_salt_of("tenant:alpha"), cache_salt_of("tenant:beta")
     shared = prompt(64)
-    policy.prefill_sent(p1, shared, alpha)
+    policy.prefill_sent(p1, shared)
+    hold(policy, p1, shared, alpha)
     policy.prefill_ended("p1", len(shared))  # both idle; without a hit the rotation picks p2
     assert policy.route(shared + [7], workers, alpha).worker is p1  # alpha's blocks are there
     assert policy.route(shared + [7], workers, beta).worker is not p1  # beta's are not: the worker would miss
@@ -165,7 +185,8 @@ def test_local_prefill_predicts_hits_only_for_requests_of_its_cache_salt():
     policy = PrefixAwareRouting()
     shared = prompt(48)
     route = policy.route(shared, workers, 5)
-    policy.decode_sent(route.worker, shared, local=True, cache_salt=5)
+    policy.decode_sent(route.worker, shared)
+    hold(policy, route.worker, shared, 5)
     policy.heartbeat(route.worker)
     registry.heartbeat(heartbeat(route.worker.worker_id, free=10), 1.0)  # fuller
     assert policy.route(shared + [9] * 20, workers, 5).worker is route.worker  # holds salt 5's prefix
@@ -176,7 +197,7 @@ def test_prefill_without_prefix_hits_takes_the_least_outstanding_tokens():
     registry = WorkerRegistry(5.0)
     workers = add(registry, ("p1", "prefill"), ("p2", "prefill"), ("d", "decode"))
     p1, p2 = registry.workers["p1"], registry.workers["p2"]
-    policy = PrefixAwareRouting()
+    policy = PrefixAwareRouting(0)  # never local: a 10-token prompt would prefill on the decode worker
     policy.prefill_sent(p1, prompt(10))
     assert policy.route(prompt(10, 900), workers).worker is p2
     registry.heartbeat(heartbeat("p2", prefill_tokens=50), 1.0)  # the worker's own count adds to the proxy's
@@ -191,10 +212,8 @@ def test_longer_prefix_beats_shorter():
     p1, p2 = registry.workers["p1"], registry.workers["p2"]
     policy = PrefixAwareRouting()
     base = prompt(96)
-    policy.prefill_sent(p1, base[:32])
-    policy.prefill_sent(p2, base)
-    policy.prefill_ended("p1", 32)
-    policy.prefill_ended("p2", len(base))
+    hold(policy, p1, base[:32])
+    hold(policy, p2, base)
     assert policy.route(base + [7], workers).worker is p2
 
 
@@ -213,7 +232,7 @@ def test_requests_sent_since_the_last_heartbeat_count_against_a_decode_worker():
     workers = add(registry, ("d1", "decode"), ("d2", "decode"))
     policy = PrefixAwareRouting()
     chosen = policy.pick_decode(prompt(160), workers)
-    policy.decode_sent(chosen, prompt(160), local=False)  # 10 blocks
+    policy.decode_sent(chosen, prompt(160))  # 10 blocks
     assert policy.pick_decode(prompt(160), workers) is not chosen
     policy.heartbeat(chosen)
     assert policy.pick_decode(prompt(160), workers) is chosen  # equal again: the first in order
@@ -265,7 +284,8 @@ def test_local_prefill_prefers_the_decode_worker_with_the_prefix():
     policy = PrefixAwareRouting()
     shared = prompt(48)
     route = policy.route(shared, workers)
-    policy.decode_sent(route.worker, shared, local=True)
+    policy.decode_sent(route.worker, shared)
+    hold(policy, route.worker, shared)
     policy.heartbeat(route.worker)
     registry.heartbeat(heartbeat(route.worker.worker_id, free=10), 1.0)  # fuller, but holds the prefix
     assert policy.route(shared + [9] * 20, workers).worker is route.worker
@@ -282,15 +302,6 @@ def test_worker_removed_forgets_its_state():
     assert policy.outstanding_prefill_tokens("p") == 0
 
 
-def test_prefix_lru_is_bounded_and_counts_only_leading_hits():
-    lru = PrefixLRU(capacity=3)
-    lru.add([1, 2, 3])
-    assert lru.leading_hits([1, 2, 3, 4]) == 3
-    assert lru.leading_hits([9, 2, 3]) == 0
-    lru.add([4])  # evicts 1, the least recently sent
-    assert len(lru) == 3 and lru.leading_hits([1, 2]) == 0 and lru.leading_hits([2, 3, 4]) == 3
-
-
 def test_a_sessions_next_turn_prefills_on_the_decode_worker_holding_its_history(monkeypatch):
     clock = [100.0]
     monkeypatch.setattr("proxy.core.routing.time.monotonic", lambda: clock[0])
@@ -300,7 +311,7 @@ def test_a_sessions_next_turn_prefills_on_the_decode_worker_holding_its_history(
     history = prompt(300)
     assert not policy.route(history, workers, session="chat").local  # first turn: disaggregated as any
     d2 = registry.workers["d2"]
-    policy.decode_sent(d2, history, local=False, session="chat")
+    policy.decode_sent(d2, history, session="chat")
     policy.heartbeat(d2)
     turn = policy.route(history + prompt(40, 9000), workers, session="chat")
     assert turn.local and turn.worker is d2  # its history, replies included, is in d2's prefix cache
@@ -310,6 +321,94 @@ def test_a_sessions_next_turn_prefills_on_the_decode_worker_holding_its_history(
     registry.heartbeat(heartbeat("d2"), 2.0)
     clock[0] += 61  # past session_ttl_s: its blocks may be gone, routed as any
     assert not policy.route(history, workers, session="chat").local
-    policy.decode_sent(d2, history, local=True, session="chat")
+    policy.decode_sent(d2, history, session="chat")
     registry.heartbeat(heartbeat("d2", draining=True), 3.0)
     assert not policy.route(history, [w for w in workers if not w.draining], session="chat").local
+
+
+# -- routing on the exact index ------------------------------------------------------------------------------
+
+
+def test_a_restarted_workers_old_blocks_never_attract_a_request():
+    registry = WorkerRegistry(5.0)
+    workers = add(registry, ("p1", "prefill"), ("p2", "prefill"), ("d", "decode"))
+    policy = PrefixAwareRouting()
+    shared = prompt(64)
+    policy.prefill_sent(registry.workers["p2"], prompt(8))  # p2 busier: only p1's cache can draw the prompt
+    hold(policy, registry.workers["p1"], shared)
+    first = policy.route(shared + [1], workers)
+    assert first.worker.worker_id == "p1" and first.cached_tokens == 64
+    outcome = registry.register(register_msg("p1", "prefill", epoch=2), 1.0)  # p1 restarted
+    assert policy.index.track("p1", 2, 1.0) is not None  # the cluster does this at the Register: old blocks gone
+    workers = list(registry.workers.values())
+    again = policy.route(shared + [1], workers)
+    assert again.worker is outcome.worker and again.cached_tokens == 0  # least outstanding now, not for its cache
+    late = KVEvents("p1", 1, 2, stored=prefix_block_hashes(shared, 16))  # the old epoch's, arriving late
+    assert policy.index.apply(late, 1.0) == ("stale", None)
+    assert policy.route(shared + [1], workers).cached_tokens == 0
+
+
+def test_pick_decode_prefers_the_worker_holding_the_most_leading_blocks_then_load():
+    registry = WorkerRegistry(5.0)
+    workers = add(registry, ("d1", "decode"), ("d2", "decode"), ("d3", "decode"))
+    registry.heartbeat(heartbeat("d1", free=90), 1.0)
+    registry.heartbeat(heartbeat("d2", free=10), 1.0)
+    registry.heartbeat(heartbeat("d3", free=50), 1.0)
+    policy = PrefixAwareRouting()
+    history = prompt(96)
+    hold(policy, registry.workers["d2"], history[:64])
+    hold(policy, registry.workers["d3"], history[:32])
+    assert policy.pick_decode(history + [5], workers).worker_id == "d2"  # 4 blocks, though the fullest
+    assert policy.pick_decode(prompt(40, 7000), workers).worker_id == "d1"  # none held anywhere: most free
+    assert policy.pick_decode(history + [5], workers, cache_salt=9).worker_id == "d1"  # another tenant's blocks
+    registry.heartbeat(heartbeat("d2", running=registry.workers["d2"].tpot_capacity), 2.0)
+    assert policy.pick_decode(history + [5], workers).worker_id == "d3"  # at its TPOT capacity: after the others
+
+
+def test_the_local_prefill_threshold_is_on_the_uncached_suffix():
+    registry = WorkerRegistry(5.0)
+    workers = add(registry, ("p", "prefill"), ("d", "decode"))
+    policy = PrefixAwareRouting(local_prefill_threshold=32)
+    history = prompt(320)
+    assert not policy.route(history + [1], workers).local  # nothing held: 321 tokens to compute
+    hold(policy, registry.workers["d"], history)
+    turn = policy.route(history + [1, 2, 3], workers)
+    assert turn.local and turn.worker.worker_id == "d" and turn.cached_tokens == 320
+    assert not policy.route(history[:160] + prompt(40, 5000), workers).local  # 40 uncached tokens
+    assert PrefixAwareRouting(0).route(history + [1], workers) is not None
+    assert not PrefixAwareRouting(0).route(history + [1], workers).local  # 0: never local
+
+
+def test_the_predicted_cached_tokens_stop_short_of_the_last_token_as_the_engine_does():
+    registry = WorkerRegistry(5.0)
+    workers = add(registry, ("x", "both"))
+    policy = PrefixAwareRouting()
+    hold(policy, registry.workers["x"], prompt(64))
+    assert policy.route(prompt(64), workers).cached_tokens == 48  # the engine computes the last token
+    assert policy.route(prompt(65), workers).cached_tokens == 64
+
+
+def step_cost(per_prompt_token_ms: float) -> StepCostModel:
+    return StepCostModel(0, [], [1.0, 0.1, 0.0, 0.0, 0.0], mixed=[2.0, 0.1, 0.0, per_prompt_token_ms, 0.0])
+
+
+def test_the_derived_threshold_weighs_a_local_prompt_step_against_queue_prompt_step_and_pull():
+    registry = WorkerRegistry(5.0)
+    workers = add(registry, ("p", "prefill"), ("d", "decode"))
+    p, d = registry.workers["p"], registry.workers["d"]
+    policy = PrefixAwareRouting()  # -1: derived
+    history = prompt(320)
+    hold(policy, d, history)
+    # Unmeasured: only a suffix shorter than one block stays on the decode worker.
+    assert policy.route(history + prompt(15, 9000), workers).local
+    assert not policy.route(history + prompt(16, 9000), workers).local
+    p.step_cost = d.step_cost = step_cost(1.0)  # 1 ms a prompt token on either
+    # The prefill worker would compute all 340 tokens, the decode worker 20: local.
+    assert policy.route(history + prompt(20, 9000), workers).local
+    hold(policy, p, history)  # now it holds them too: 20 tokens either side, and the pull tips it local
+    policy.kv_pulled("d", 1 << 20, 1.0)  # 1 MiB/s: the 2 blocks d lacks take longer than nothing
+    assert policy.route(history + prompt(20, 9000), workers).local
+    d.step_cost = step_cost(100.0)  # a slow decode worker: 2 s locally against 20 ms plus the pull
+    assert not policy.route(history + prompt(20, 9000), workers).local
+    policy.prefill_sent(p, prompt(4000))  # unless the prefill worker is 4,000 tokens behind
+    assert policy.route(history + prompt(20, 9000), workers).local
