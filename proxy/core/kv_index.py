@@ -99,7 +99,7 @@ class KVIndex:
         pending, held.pending = sorted(held.pending, key=lambda e: e.seq), []
         request = None
         for events in pending:
-            _, request = self.apply(events, now)
+            request = self.apply(events, now)[1] or request  # a gap among them asks again; the rest wait for that
         return "applied", request
 
     def overdue(self, now: float, timeout_s: float) -> list[KVSnapshotRequest]:

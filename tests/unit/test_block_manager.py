@@ -183,3 +183,51 @@ def test_grow_and_shrink_a_block_table_in_place():
     assert len(table) == 2 and bm.num_free_blocks == 2
     bm.shrink(table, 0)
     assert table == [] and bm.num_free_blocks == 4
+
+
+# -- KV events: what the prefix cache gains and loses (common/runtime/kv_events.py publishes them) ----------
+
+
+def cache(bm: BlockManager, tokens: list[int], salt: int = 0) -> list[int]:
+    """One prompt computed and freed: its full blocks cached, as the scheduler leaves them."""
+    table = bm.allocate(len(tokens) // bm.block_size)
+    bm.cache_full_blocks(table, tokens, 0, len(table), salt)
+    bm.free(table)
+    return table
+
+
+def test_kv_events_record_stored_and_evicted_hashes_between_takes():
+    bm = BlockManager(4, 2)
+    cache(bm, [1, 2, 3, 4])  # recorded only once asked for
+    bm.record_kv_events()
+    first = prefix_block_hashes([1, 2, 3, 4], 2)
+    assert bm.take_kv_events() == (first, [])  # what it held already counts as stored
+    assert bm.take_kv_events() == ([], [])
+    salted = prefix_block_hashes([1, 2, 3, 4], 2, cache_salt_of("t"))
+    cache(bm, [1, 2, 3, 4], cache_salt_of("t"))  # another tenant's: other hashes, in the two free blocks
+    assert bm.take_kv_events() == (salted, [])
+    cache(bm, [9, 9])  # evicts the least recently freed: the first prompt's tail block, freed first
+    stored, removed = bm.take_kv_events()
+    assert stored == prefix_block_hashes([9, 9], 2) and removed == [first[1]]
+
+
+def test_a_hash_stored_and_evicted_within_one_take_is_reported_as_its_last_state():
+    bm = BlockManager(1, 2)
+    bm.record_kv_events()
+    cache(bm, [1, 2])
+    cache(bm, [3, 4])  # takes the only block: [1, 2]'s hash goes
+    assert bm.take_kv_events() == (prefix_block_hashes([3, 4], 2), prefix_block_hashes([1, 2], 2))
+
+
+def test_a_block_already_cached_by_another_sequence_is_not_stored_twice():
+    bm = BlockManager(4, 2)
+    bm.record_kv_events()
+    held = bm.allocate(1)
+    bm.cache_full_blocks(held, [1, 2], 0, 1)
+    bm.take_kv_events()
+    duplicate = bm.allocate(1)
+    bm.cache_full_blocks(duplicate, [1, 2], 0, 1)  # the same prefix computed twice: the first copy serves
+    assert bm.take_kv_events() == ([], [])
+    bm.free(duplicate)
+    bm.allocate(3)  # the duplicate's block is handed out again: the hash is still held by the first
+    assert bm.take_kv_events() == ([], [])

@@ -10,6 +10,7 @@ from common.engine.host_tier import HostTier
 from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.llm_engine import LLMEngine
 from common.protocol.sampling_params import SamplingParams
+from common.protocol.wire import prefix_block_hashes
 
 BS = 4
 
@@ -159,3 +160,23 @@ def test_blocks_the_host_tier_evicts_go_to_disk_and_come_back_whole(tmp_path):
         assert torch.equal(cache.buffer[block_id], want[k])
         blocks.free([block_id])
     assert tier.disk.reads == 2 and blocks.reload_prefix(list(range(0, BS)), [], 1) == []  # the first: gone
+
+
+def test_kv_events_count_a_block_held_while_the_pool_or_the_host_tier_keeps_it():
+    """A block the pool evicts into the host tier is still held (a prompt's hit reloads it, and the worker counts it
+    in its cached tokens); it is removed once the host tier lets it go too."""
+    blocks, copies = manager(num_blocks=2, host_blocks=2)
+    blocks.record_kv_events()
+    first, second, third = list(range(8)), list(range(100, 108)), list(range(200, 208))
+    compute(blocks, copies, first)
+    assert blocks.take_kv_events() == (prefix_block_hashes(first, BS), [])
+    compute(blocks, copies, second)  # first's blocks go to the host tier: still held
+    assert blocks.take_kv_events() == (prefix_block_hashes(second, BS), [])
+    compute(blocks, copies, third)  # second's go to the host tier, which lets first's go
+    stored, removed = blocks.take_kv_events()
+    assert stored == prefix_block_hashes(third, BS) and sorted(removed) == sorted(prefix_block_hashes(first, BS))
+    compute(blocks, copies, second)  # reloaded from the host tier: held all along, so no event for them
+    stored, removed = blocks.take_kv_events()
+    assert set(stored) <= set(prefix_block_hashes(second, BS)) and not set(removed) & set(stored)
+    assert set(blocks.host.hashes()) | {blocks.blocks[i].hash for i in range(2)} >= set(prefix_block_hashes(second,
+                                                                                                             BS))
