@@ -124,14 +124,14 @@ class Cluster:
         if before is Stage.PREFILLING and sub.stage is not Stage.PREFILLING and sub.prefill_worker is not None:
             self.policy.prefill_ended(sub.prefill_worker, sub.prefill_len)
         if sub.done:
-            self.inflight.pop(sub.request_id, None)
+            ended = self.inflight.pop(sub.request_id, None) is not None  # else a later look at a done one
             self.admission.leave(sub.request_id, before)
             if sub.stage is Stage.FINISHED and len(sub.output_ids) > 2 and not (sub.migrations or sub.preemptions):
                 self.registry.observe_tpot(sub.decode_worker, sub.first_token_at, sub.last_token_at,
                                            len(sub.output_ids), sub.decoding_since - sub.first_token_at)
             if self.tac is not None:
                 self.tac.ended(sub, self._clock())
-            if sub.stage is Stage.FINISHED and not (sub.migrations or sub.preemptions) and sub.route is not None:
+            if ended and sub.stage is Stage.FINISHED and not (sub.migrations or sub.preemptions) and sub.route:
                 routed = sub.route.worker.worker_id
                 if routed == (sub.decode_worker if sub.route.local else sub.prefill_worker):
                     self.kv_events.predicted(sub.route.cached_tokens, sub.cached_tokens)
