@@ -35,10 +35,13 @@ epoch are gone from the index the moment it registers again.
   hold): with ``local_prefill_threshold`` >= 0, a suffix shorter than it prefills there (0: never), and every
   prompt does when no prefill-role worker is available. With -1 (the default: derived) the threshold is the
   measured costs' break-even: the suffix prefills locally when its prompt step on the decode worker (its fitted
-  step cost, ``Heartbeat.step_cost``; the prefill worker's while the decode worker has prefilled nothing to fit)
-  costs no more than the prefill worker's queue, its prompt step for the tokens it lacks, and the pull of the
-  blocks the decode worker lacks (at the rate the decode worker's pulls measured, ``KVPulled``). Until the
-  workers have fitted their prompt steps, a suffix shorter than one block prefills locally.
+  step cost, ``Heartbeat.step_cost``; the prefill worker's while the decode worker has prefilled nothing to fit),
+  counted once for the request and once for each sequence decoding there (each waits out that step), costs no
+  more than disaggregating it: the prefill worker's queue, its prompt step for the tokens it lacks, and the pull
+  of the blocks the decode worker lacks (at the rate the decode worker's pulls measured, ``KVPulled``). So an
+  idle decode worker prefills what it would compute no slower, and a busy one only a suffix short enough that
+  its running sequences barely notice. Until the prefill worker has fitted its prompt steps, a suffix shorter
+  than one block prefills locally.
 - Sessions: a conversation's next turn (the same ``X-Session-Id``) goes back to the decode worker that decoded
   its last one, within ``session_ttl_s``, and prefills there: that worker's prefix cache holds the whole
   history, its replies included, so only the new message is computed. Not while that worker is gone, draining
@@ -229,7 +232,8 @@ class PrefixAwareRouting:
         decode_model = decoder.step_cost if decoder.step_cost and len(decoder.step_cost.mixed) == 5 else None
         if prefill_model is None:
             return suffix < decoder.block_size
-        local_ms = _prompt_ms(decode_model or prefill_model, suffix, cached)
+        stalled = 1 + decoder.num_running + self._pending.get(decoder.worker_id, _Pending()).requests
+        local_ms = _prompt_ms(decode_model or prefill_model, suffix, cached) * stalled
         prefill_cached = view.cached_tokens(prefiller)
         queue_ms = _prompt_ms(prefill_model, self._outstanding(prefiller), 0) if self._outstanding(prefiller) else 0.0
         rate = self._pull_rate.get(decoder.worker_id)

@@ -412,3 +412,11 @@ def test_the_derived_threshold_weighs_a_local_prompt_step_against_queue_prompt_s
     assert not policy.route(history + prompt(20, 9000), workers).local
     policy.prefill_sent(p, prompt(4000))  # unless the prefill worker is 4,000 tokens behind
     assert policy.route(history + prompt(20, 9000), workers).local
+    d.step_cost = step_cost(1.0)
+    policy.prefill_ended("p", 4000)
+    registry.heartbeat(heartbeat("d", running=3), 1.0)  # 22 ms locally stalls 3 sequences as well: 88 ms,
+    policy.kv_pulled("d", 1 << 40, 1.0)  # against p's 22 ms and a pull of next to no time: disaggregated
+    assert not policy.route(history + prompt(20, 9000), workers).local
+    other = prompt(320, 20000)  # a prefix only d holds: p would compute 338 tokens, d 18 (80 ms with the stall)
+    hold(policy, d, other)
+    assert policy.route(other + prompt(18, 9000), workers).local
