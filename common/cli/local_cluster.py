@@ -32,7 +32,9 @@ STOP_TIMEOUT_S = 60
 # Failures found in seconds and a small KV pool: what tests and benchmarks start with (``for_tests``); and the
 # embedded model's name for the proxy's model, whatever directory that is: the tests' tiny models carry its tokenizer,
 # and their clients ask for it by that name.
-TEST_PROXY_OVERRIDES = ("heartbeat_timeout_s=3", "served_model_name=SmolLM2-135M-Instruct")
+# local_prefill_threshold=0: the tests' short prompts go through a prefill worker and a KV pull, the path they
+# exercise; tests of the derived default (-1) set it back (tests/e2e/test_kv_index.py).
+TEST_PROXY_OVERRIDES = ("heartbeat_timeout_s=3", "served_model_name=SmolLM2-135M-Instruct", "local_prefill_threshold=0")
 TEST_WORKER_OVERRIDES = ("engine.kv_cache_memory_bytes=268435456", "heartbeat_interval_s=0.2")
 
 

@@ -4,7 +4,8 @@ Built once at start and again under each new epoch (``worker_runtime`` ``WorkerI
 role and epoch; the model name and version requests are routed by (``common.storage.model_store``
 ``model_identity``); its KV layout and pool (the proxy pairs only workers of one version, which must agree on the
 layout); the KV transfer agent's metadata; its decode slots, speculation and the cores it time-shares; the other
-models it may load (``model_swap``); where it publishes its KV events (``kv_events``); the hash of its tokenizer files, which it sends a proxy that has no tokenizer
+models it may load (``model_swap``); where it publishes its KV events (``kv_events``);
+the hash of its tokenizer files, which it sends a proxy that has no tokenizer
 of its model (``tokenizer_answer``, on the I/O thread). ``await_acknowledgement`` waits for the proxy's answer at
 start; ``rejoin`` registers again when the proxy lost the worker (its Reregister).
 """

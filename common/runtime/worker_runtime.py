@@ -4,7 +4,8 @@
 (``model_swap.py``), so a restarted worker under the same id is recognisably a new process.
 
 Sockets live only in the I/O thread (``worker_io.WorkerIO``: one DEALER per proxy, with curve_* keys a CURVE client
-pinning the proxy's public key; the KV events' PUB, ``kv_events``, bound here first so that the Register names it). The compute loop (the main thread, ``serve``) never touches a socket: each turn it
+pinning the proxy's public key; the KV events' PUB, ``kv_events``, bound here first so that the Register names
+it). The compute loop (the main thread, ``serve``) never touches a socket: each turn it
 takes inbound messages, lets the role's handler act on them, steps the engine, and queues what the handler wants
 sent. A failure handling a message ends that message's request with an error; a failed engine turn gives every
 request back to the proxy (retryable: they resume elsewhere). Neither stops the worker.

@@ -61,7 +61,9 @@ def script(tokenizer) -> list[tuple[int, str]]:
 
 
 def proxy_config(model_dir, **overrides) -> ProxyConfig:
+    # local_prefill_threshold=0: the scripted workers play the disaggregated flow; a test of local prefill sets it.
     settings = dict(model=str(model_dir), worker_bind="tcp://127.0.0.1:*", heartbeat_timeout_s=1.0,
+                    local_prefill_threshold=0,
                     requests={"first_token_timeout_s": 20.0, "token_timeout_s": 20.0, "retry_after_s": 3},
                     http={"max_prompt_bytes": 4096})
     return ProxyConfig(**merge(settings, overrides))

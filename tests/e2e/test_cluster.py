@@ -136,9 +136,7 @@ def test_sixteen_concurrent_requests_complete(cluster):
 
 
 def test_two_prefill_two_decode_spread_and_survive_a_worker_stopping(embedded_model_dir, tmp_path):
-    # Every prompt disaggregated (local_prefill_threshold=0): these short ones would prefill on the decode workers.
-    cluster = LocalCluster.for_tests(embedded_model_dir, tmp_path, prefill=2, decode=2, transfer_backend=BACKENDS[-1],
-                                     proxy_overrides=["local_prefill_threshold=0"]).start()
+    cluster = LocalCluster.for_tests(embedded_model_dir, tmp_path, prefill=2, decode=2, transfer_backend=BACKENDS[-1]).start()
     try:
         async def burst():
             async with httpx.AsyncClient(timeout=300) as client:

@@ -36,6 +36,7 @@ def outcomes(cluster: LocalCluster) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def cluster(embedded_model_dir, tmp_path_factory):
     c = LocalCluster.for_tests(embedded_model_dir, tmp_path_factory.mktemp("kv-index-logs"), prefill=1, decode=1,
+                               proxy_overrides=["local_prefill_threshold=-1"],  # the shipped default
                                role_overrides=[f"engine.num_kv_blocks={POOL_BLOCKS}"]).start()
     yield c
     codes = c.stop()
@@ -69,7 +70,7 @@ def test_the_index_predicts_the_cached_tokens_each_response_reports(cluster):
     print(f"index accuracy: {delta}, agreement {agreement:.3f}; requests sent by worker and stage: {stages}")
     assert sum(delta.values()) == len(ORDER), delta  # one prediction a request
     assert agreement >= AGREEMENT, delta
-    assert sum(c >= PREFIX_BLOCKS * BLOCK for c in cached) >= len(ORDER) // 2, cached  # prefixes were reused...
+    assert sum(c >= PREFIX_BLOCKS * BLOCK for c in cached) >= len(ORDER) // 4, cached  # prefixes were reused...
     assert any(c == 0 for c in cached[5:]), cached  # ... and evicted: a prefix seen before was computed again
     applied = cluster.metric("tessera_proxy_kv_events_total")
     assert sum(v for k, v in applied.items() if 'outcome="applied"' in k) > 0, applied
