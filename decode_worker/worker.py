@@ -235,7 +235,8 @@ class DecodeHandler(WorkerBase):
         seconds = now - pull.started
         self.metrics.kv_pulled(ok, pull.num_bytes, seconds)
         self.trace_end(request_id, TRANSFER_SPAN, error or None)
-        self.send(wire.KVPulled(request_id, pull.source, ok, pull.num_bytes if ok else 0, seconds, error))
+        self.send(wire.KVPulled(request_id, pull.source, ok, pull.num_bytes if ok else 0, seconds, error,
+                                self.transfer.name))
         if pull.aborted:
             self.engine.abort_request(request_id)
         elif ok:

@@ -26,7 +26,7 @@ MESSAGE_SINCE: dict[str, int] = {"EmbedRequest": 11, "EmbedResult": 11, "LoadMod
 FIELD_SINCE: dict[str, dict[str, int]] = {"PrefillRequest": {"keep_s": 11}, "DecodeRequest": {"keep_s": 11},
                                           "SamplingParams": {"structured": 13},
                                           "TokenDeltas": {"step_rows": 14, "step": 14},
-                                          "RequestFailed": {"code": 16},
+                                          "RequestFailed": {"code": 16}, "KVPulled": {"backend": 18},
                                           "Register": {"standby": 12, "load_s": 12, "tokenizer_sha256": 15,
                                                        "tensor_parallel_size": 17}}
 # A request that uses a field goes only to workers that speak its version: an older one would drop the field

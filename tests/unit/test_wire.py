@@ -184,11 +184,10 @@ def test_a_message_for_the_previous_version_leaves_out_what_that_version_lacks(m
     request = wire.PrefillRequest("r1", [1, 2], SamplingParams(), 7, 30.0, cache_salt=5)
     frames = wire.encode(request, PROTOCOL_VERSION - 1)
     assert wire.frame_version(frames) == PROTOCOL_VERSION - 1 and wire.decode(frames) == request
-    register = wire.Register("w", "decode", 1, "m", "v1", wire.KVLayoutInfo(2, 16, 3, 64, "float32"), 8, 512, "zmq",
-                             b"", tensor_parallel_size=3)
-    older_register = wire.encode(register, PROTOCOL_VERSION - 1)  # Register.tensor_parallel_size is new in 17
-    assert "tensor_parallel_size" not in msgpack.unpackb(older_register[1])
-    assert wire.decode(older_register) == msgspec.structs.replace(register, tensor_parallel_size=1)  # its default
+    pulled = wire.KVPulled("r1", "p0", True, 4096, 0.01, backend="nixl")
+    older_pulled = wire.encode(pulled, PROTOCOL_VERSION - 1)  # KVPulled.backend is new in 18
+    assert "backend" not in msgpack.unpackb(older_pulled[1])
+    assert wire.decode(older_pulled) == msgspec.structs.replace(pulled, backend="")  # its default
     monkeypatch.setitem(versions.FIELD_SINCE, "PrefillRequest", {"cache_salt": PROTOCOL_VERSION})
     older = wire.encode(request, PROTOCOL_VERSION - 1)
     assert "cache_salt" not in msgpack.unpackb(older[1]) and wire.decode(older).cache_salt == 0  # its default
