@@ -22,7 +22,7 @@ from common.protocol.sampling_params import SamplingParams
 from common.protocol.wire import PROTOCOL_VERSION
 from tests.conditions import settle
 
-PREVIOUS_RELEASE = "99ebe7e"  # the last landed commit of protocol version 16
+PREVIOUS_RELEASE = "19f4e76"  # a landed commit of protocol version 17
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["Tell me about the sea.", "What is a hash table?", "Count to five."]
 MAX_TOKENS = 10
