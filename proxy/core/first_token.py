@@ -31,7 +31,8 @@ HANDOFF_PARTS = ("decode_wait", "transfer", "first_decode")
 class FirstTokenParts:
     """The marks of one choice's first attempt, up to its first token and its decode worker's first token."""
     __slots__ = ("arrival", "dispatched", "prefill_worker", "local", "prefill_done", "decode_sent", "decode_worker",
-                 "kv_pulled", "kv_bytes", "kv_backend", "kv_failed", "first_token", "first_decoded", "void")
+                 "kv_pulled", "kv_bytes", "kv_backend", "kv_failed", "first_token", "first_decoded", "void",
+                 "awaiting_decode")
 
     def __init__(self, arrival: float) -> None:
         self.arrival = arrival
@@ -48,6 +49,9 @@ class FirstTokenParts:
         self.first_token: float | None = None
         self.first_decoded: float | None = None
         self.void = False  # the attempt these marks belong to was given up: no more marks
+        # Disaggregated, on its first attempt, and no token from its decode worker yet: a plain attribute, as the
+        # proxy asks at every token delta.
+        self.awaiting_decode = False
 
     def dispatch(self, worker_id: str, now: float, local: bool) -> None:
         """The prompt went to ``worker_id``: a prefill worker, or (``local``) the decode worker that prefills it."""
@@ -61,6 +65,7 @@ class FirstTokenParts:
         """PrefillDone came: the first token, from a prefill worker."""
         if not self.void and self.prefill_done is None:
             self.prefill_done = now
+            self.awaiting_decode = True
 
     def handed_off(self, worker_id: str, now: float) -> None:
         """The DecodeRequest naming the prefilled pages went to ``worker_id``."""
@@ -82,21 +87,16 @@ class FirstTokenParts:
             self.first_decoded = now
         return self.ttft()
 
-    @property
-    def awaiting_decode(self) -> bool:
-        """A disaggregated choice on its first attempt, whose decode worker has not sent a token yet."""
-        return not self.void and self.prefill_done is not None and self.first_decoded is None
-
     def decoded(self, now: float) -> dict[str, float] | None:
         """The decode worker's first token reached the proxy: the handoff's parts, None when it is not split."""
         if not self.awaiting_decode:
             return None
-        self.first_decoded = now
+        self.first_decoded, self.awaiting_decode = now, False
         return self.handoff()
 
     def restarted(self) -> None:
         """The attempt is given up (resumed elsewhere, preempted): what it had not reached stays unsplit."""
-        self.void = True
+        self.void, self.awaiting_decode = True, False
 
     def ttft(self) -> dict[str, float] | None:
         """queue and prefill, which add up to the TTFT; None before the first token or when not split."""
