@@ -1,8 +1,10 @@
 """The decode worker: pulls prompt pages, then generates with continuous batching.
 
 Request life cycle:
-  DecodeRequest with pages -> local blocks reserved -> one-sided pull from
-  the prefill worker's pool (kv_transfer, polled each turn, with a deadline)
+  DecodeRequest with pages -> the leading blocks its own prefix cache already
+  holds are taken as they are (``kv_delta_pull``), local blocks reserved for
+  the rest -> one-sided pull of those from the prefill worker's pool
+  (kv_transfer, polled each turn, with a deadline; none when every block was held)
   -> KVPulled to the proxy (which tells the prefill worker to release) ->
   the sequence joins the running batch at position len(prompt), its first
   token already known -> a TokenDelta per step (all of a step's in one TokenDeltas) -> the last delta carries
@@ -129,7 +131,7 @@ class DecodeHandler(WorkerBase):
             return
         seq = self.intake(msg, "decode", lambda params: self.engine.add_prefilled_request(
             msg.request_id, msg.prompt_token_ids, msg.first_token, params, msg.seed, msg.first_logprob,
-            list(msg.first_top_logprobs or []), msg.output_token_ids, msg.cache_salt))
+            list(msg.first_top_logprobs or []), msg.output_token_ids, msg.cache_salt, self.config.kv_delta_pull))
         if seq is None:
             return
         _set_fairness(seq, msg)
@@ -142,26 +144,33 @@ class DecodeHandler(WorkerBase):
             self._pull(msg, seq, lease_ends)
 
     def _pull(self, msg: wire.DecodeRequest, seq: Sequence, lease_ends: float) -> None:
+        """Pull the pages of the blocks this worker lacks: its own cached copies of the leading ones
+        (``seq.num_cached_blocks``, with ``kv_delta_pull``) stay as they are."""
         problem = None
         started = time.monotonic()  # a shared-memory pull may complete inside start_pull
+        held = seq.num_cached_blocks
         if not seq.block_table:
             problem = "no free KV blocks to receive the pages"
         elif len(msg.source_block_ids) != len(seq.block_table):
             problem = f"{len(msg.source_block_ids)} pages offered for {len(seq.block_table)} blocks"
+        elif held == len(seq.block_table):
+            self._reused_all(msg, seq, held)
+            return
         elif msg.source_worker_id not in self.peers:
             problem = f"prefill worker {msg.source_worker_id!r} is not a known transfer peer"
         elif started >= lease_ends:
             problem = "the pages' lease (the proxy's kv_lease_s) ran out before the pull could start"
+        missing = seq.block_table[held:]
         staging: list[int] = []
         if problem is None and self.transfer.needs_staging(msg.source_worker_id):
             # A prefill worker of another tensor parallelism: its ranks hold other head slices than ours
-            staging = self.engine.reserve_blocks(len(seq.block_table))
+            staging = self.engine.reserve_blocks(len(missing))
             if not staging:
                 problem = "no free KV blocks to stage the pages of a prefill worker of another tensor parallelism"
         if problem is None:
             try:
                 handle = self.transfer.start_pull(
-                    msg.request_id, msg.source_worker_id, msg.source_block_ids, seq.block_table,
+                    msg.request_id, msg.source_worker_id, msg.source_block_ids[held:], missing,
                     min(self.config.kv_pull_timeout_s, lease_ends - started), staging or None,
                 )
             except Exception as exc:  # a backend refusing a pull must not take the worker down
@@ -173,10 +182,18 @@ class DecodeHandler(WorkerBase):
             self.engine.kv_failed(seq)
             self.send(wire.KVPulled(msg.request_id, msg.source_worker_id or "", False, error=problem))
             return
-        nbytes = len(seq.block_table) * self.engine.runner.layout.bytes_per_block
+        self.metrics.kv_blocks_reused.inc(held)
+        nbytes = len(missing) * self.engine.runner.layout.bytes_per_block
         self.pulls[msg.request_id] = Pull(seq, handle, msg.source_worker_id, started, nbytes, lease_ends,
                                           staging=staging)
         self.trace_start(msg.request_id, TRANSFER_SPAN, msg.trace_context)
+
+    def _reused_all(self, msg: wire.DecodeRequest, seq: Sequence, held: int) -> None:
+        """Every page's block is already cached here: nothing to pull, and the prefill worker may free its pages."""
+        self.metrics.kv_blocks_reused.inc(held)
+        self.metrics.kv_pulled(True, 0, 0.0)
+        self.send(wire.KVPulled(msg.request_id, msg.source_worker_id or "", True))
+        self.engine.kv_ready(seq)
 
     # ---- the turn ---------------------------------------------------------------
     def tick(self) -> None:
@@ -218,7 +235,8 @@ class DecodeHandler(WorkerBase):
         seconds = now - pull.started
         self.metrics.kv_pulled(ok, pull.num_bytes, seconds)
         self.trace_end(request_id, TRANSFER_SPAN, error or None)
-        self.send(wire.KVPulled(request_id, pull.source, ok, pull.num_bytes if ok else 0, seconds, error))
+        self.send(wire.KVPulled(request_id, pull.source, ok, pull.num_bytes if ok else 0, seconds, error,
+                                self.transfer.name))
         if pull.aborted:
             self.engine.abort_request(request_id)
         elif ok:

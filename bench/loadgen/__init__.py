@@ -4,7 +4,8 @@ One load point, from flags to files:
 
     BenchConfig (config) -> workload specs (workloads) + arrival schedule (arrivals, tenants)
     -> run_point (runner): one streaming request per arrival (client), each filling a RequestRecord (records)
-    -> summarize (metrics, tenants) -> terminal table (summary_table), JSON (results), PNG (plots)
+    -> summarize (metrics, tenants; the server's TTFT parts, ttft_parts) -> terminal table (summary_table),
+       JSON (results), PNG (plots)
 
 A sweep or a search for the highest rate that meets an SLO (sweep) runs
 several points with the same workload and arrival seed. ``compare`` reads two

@@ -1,7 +1,8 @@
 """Run a whole benchmark: the model and workload once, then each load point, or a search over rates.
 
     resolve the model (/v1/models) -> build the workload -> warm up
-    -> each point: schedule arrivals -> run_point (+ the server's /metrics) -> the point's result
+    -> each point: schedule arrivals -> run_point (+ the server's /metrics: the TTFT parts before and after, and
+       with --server-metrics during it) -> the point's result
     -> the run: config, points, and with --find-max-rate the highest rate that met the SLO
 
 Every point replays the same seeded arrival draws (at another rate the gaps
@@ -94,23 +95,22 @@ async def measure_point(client: httpx.AsyncClient, config: BenchConfig, request,
                         point: LoadPoint) -> dict:
     arrivals = schedule(config.num_prompts, point.request_rate, config.burstiness, list(config.tenants),
                         config.seed)
-    if not config.server_metrics:
-        records, duration = await run_point(
-            client, request, specs, arrivals, config.tenants, max_concurrency=point.max_concurrency,
-            max_duration_s=config.max_duration_s, progress=point.label if config.progress else None)
-        return point_result(config, request, point, records, duration, None)
     scraper = ServerScraper(request.base_url, config.scrape_interval_s)
     before = await scraper.scrape(client)
+    before_text = scraper.text
     stop = asyncio.Event()
-    sampling = asyncio.create_task(scraper.sample_until(client, stop))
+    sampling = asyncio.create_task(scraper.sample_until(client, stop)) if config.server_metrics else None
     try:
         records, duration = await run_point(
             client, request, specs, arrivals, config.tenants, max_concurrency=point.max_concurrency,
             max_duration_s=config.max_duration_s, progress=point.label if config.progress else None)
     finally:
         stop.set()
-    server = summarize_scrapes(before, await sampling, await scraper.scrape(client), scraper.error)
-    return point_result(config, request, point, records, duration, server)
+    samples = await sampling if sampling is not None else []
+    after = await scraper.scrape(client)
+    server = summarize_scrapes(before, samples, after, scraper.error) if config.server_metrics else None
+    scrapes = (before_text, scraper.text) if before is not None and after is not None else None
+    return point_result(config, request, point, records, duration, server, scrapes)
 
 
 async def search_max_rate(config: BenchConfig, measure) -> float | None:

@@ -13,7 +13,8 @@
   ``label``, ``slo``, ``slo_attainment``, ``failures_by_kind``,
   ``error_kinds``, ``tenants`` (per-tenant counts, service and TTFT),
   ``tenant_fairness_jain``, ``tenant_service`` (cumulative weighted tokens per
-  tenant over time) and ``server_metrics`` when scraped.
+  tenant over time), ``server_metrics`` when scraped, and ``ttft_parts``
+  (``bench/loadgen/ttft_parts.py``) from a server that reports them.
 - ``result.json``: ``{"tessera_bench": SCHEMA_VERSION, "config", "started",
   "points": [...]}`` plus ``max_rate_meeting_slo`` after a search.
 
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING
 from bench.loadgen.metrics import per_request_lists, summarize
 from bench.loadgen.records import RequestRecord
 from bench.loadgen.tenants import service_series, tenant_summary
+from bench.loadgen.ttft_parts import summarize_parts
 
 if TYPE_CHECKING:  # at run time they would pull httpx (the bench extra) into every `tessera` command
     from bench.loadgen.client import RequestOptions
@@ -70,7 +72,8 @@ def run_config(config: BenchConfig, request: RequestOptions) -> dict:
 
 
 def point_result(config: BenchConfig, request: RequestOptions, point: LoadPoint, records: list[RequestRecord],
-                 duration_s: float, server: dict | None) -> dict:
+                 duration_s: float, server: dict | None, scrapes: tuple[str, str] | None = None) -> dict:
+    """``scrapes``: the server's /metrics before and after the point, for the TTFT parts."""
     result = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "backend": "openai-chat" if request.chat else "openai",
@@ -88,6 +91,8 @@ def point_result(config: BenchConfig, request: RequestOptions, point: LoadPoint,
         result["server_metrics"] = server
         if "spec_decode_acceptance_rate" in server:
             result["spec_decode_acceptance_rate"] = server["spec_decode_acceptance_rate"]
+    if scrapes is not None and (parts := summarize_parts(*scrapes, result["mean_ttft_ms"])) is not None:
+        result["ttft_parts"] = parts
     result |= per_request_lists(records)
     return result
 

@@ -1,7 +1,8 @@
 """The server's own view of a load point, from its Prometheus ``/metrics`` (``--server-metrics``).
 
 The endpoint is read before the point, every ``interval_s`` during it, and
-after it. Gauges (KV pages, queue depth, running requests) are reported
+after it (before and after every point even without ``--server-metrics``: the
+TTFT parts, ``bench/loadgen/ttft_parts.py``, are read from those two). Gauges (KV pages, queue depth, running requests) are reported
 before, after, and as their peak and mean over the samples taken during the
 point; counters (speculative draft and accepted tokens, KV bytes moved) as
 their increase over the point. Each quantity knows its name on Tessera,
@@ -65,6 +66,7 @@ class ServerScraper:
         self.url = base_url + "/metrics"
         self.interval_s = interval_s
         self.error: str | None = None
+        self.text: str | None = None  # the last scrape that answered, as served
 
     async def scrape(self, client: httpx.AsyncClient) -> dict[str, float] | None:
         try:
@@ -73,6 +75,7 @@ class ServerScraper:
         except httpx.HTTPError as error:
             self.error = f"{type(error).__name__}: {error}"
             return None
+        self.text = response.text
         return snapshot(parse_prometheus(response.text))
 
     async def sample_until(self, client: httpx.AsyncClient, stop: asyncio.Event) -> list[dict[str, float]]:

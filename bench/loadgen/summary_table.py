@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from bench.loadgen.metrics import percentile_key
+from bench.loadgen.ttft_parts import parts_table
 
 LATENCIES = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency"))
 WIDTH = 56
@@ -40,6 +41,8 @@ def point_block(point: dict, percentiles) -> str:
         lines.append(_row("mean / median:", f"{_num(point[f'mean_{name}_ms'])} / {_num(point[f'median_{name}_ms'])}"))
         lines.append(_row(" / ".join(percentile_key(p) for p in percentiles) + ":",
                           " / ".join(_num(point[f"{percentile_key(p)}_{name}_ms"]) for p in percentiles)))
+    if point.get("ttft_parts"):
+        lines += parts_table(point["ttft_parts"], WIDTH)
     if point["failures_by_kind"]:
         lines.append(" Failures ".center(WIDTH, "-"))
         lines += [_row(f"{kind}:", count) for kind, count in sorted(point["failures_by_kind"].items())]

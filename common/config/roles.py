@@ -415,6 +415,9 @@ class WorkerConfig:
     heartbeat_interval_s: Float = option(1.0, "how often the worker reports its load to the proxy", gt=0)
     register_timeout_s: Float = option(30.0, "longest wait for the proxy to acknowledge registration", gt=0)
     kv_pull_timeout_s: Float = option(30.0, "deadline of one KV pull from a prefill worker", gt=0)
+    kv_delta_pull: Bool = option(
+        True, "a decode worker pulls only the prompt blocks its own prefix cache (and host tier) lacks, so a "
+        "conversation's next turn moves its new tokens rather than its whole history; false: every block, always")
     drain_timeout_s: Float = option(30.0, "on SIGTERM, how long running requests may run on", gt=0)
     idle_poll_s: Float = option(0.05, "how long the loop waits for work when it has none", gt=0)
     core_share: Str = option("", "a file every worker of this host that time-shares its cores names: each "

@@ -235,6 +235,7 @@ class LLMEngine:
         first_top_logprobs: list[tuple[int, float]] | None = None,
         output_token_ids: Seq[int] = (),
         cache_salt: int = 0,
+        reuse_cached: bool = True,
     ) -> Sequence:
         """A request whose KV was computed elsewhere; its pages arrive into ``seq.block_table``.
 
@@ -245,6 +246,8 @@ class LLMEngine:
         When the pool is too full to take the pages, no blocks are given and
         the caller calls ``kv_failed`` at once: recomputing is always possible.
         ``cache_salt``: as for ``add_request``; the pulled blocks are cached under it once computed here.
+        ``reuse_cached``: the first ``seq.num_cached_blocks`` blocks are this pool's own cached copies of the
+        prompt's leading blocks, and only the rest need the pages (``Scheduler.await_remote_kv``).
         """
         if params.n != 1:
             raise RequestError("a prefilled request carries one sample (n=1)")
@@ -257,7 +260,7 @@ class LLMEngine:
         if seq.logprobs and first_logprob is not None:
             seq.logprobs[-1] = first_logprob
             seq.top_logprobs[-1] = list(first_top_logprobs or [])
-        self.scheduler.await_remote_kv(seq)
+        self.scheduler.await_remote_kv(seq, reuse_cached)
         return seq
 
     def kv_ready(self, seq: Sequence) -> None:

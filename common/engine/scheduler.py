@@ -324,17 +324,28 @@ class Scheduler:
         if seq.is_finished and seq.block_table:
             self._release(seq)
 
-    def await_remote_kv(self, seq: Sequence) -> bool:
+    def await_remote_kv(self, seq: Sequence, reuse_cached: bool = True) -> bool:
         """KV computed elsewhere (every token but the last): give it the blocks its pages are pulled into, and
         wait for them.
 
+        With ``reuse_cached`` the leading full blocks this pool already holds (its prefix cache, then its host
+        tier) are taken as they are: ``seq.num_cached_blocks`` says how many, and only the blocks after them
+        need pulling (a conversation's next turn pulls its new tokens, not its history again).
         False when the pool cannot take them now: the caller recomputes (``remote_kv_failed``) at once.
         The sequence is in no queue while it waits, so no step runs it; a finish (abort) frees its blocks.
         """
         needed = -(-(seq.num_tokens - 1) // self.blocks.block_size)
-        if not self.blocks.can_allocate(needed):
+        held: list[int] = []
+        if reuse_cached:
+            full = (seq.num_tokens - 1) // self.blocks.block_size
+            held = self.blocks.find_cached_prefix(seq.token_ids, full, seq.cache_salt)
+            self.blocks.acquire(held)
+            held += self.blocks.reload_prefix(seq.token_ids, held, full, seq.cache_salt)
+        if not self.blocks.can_allocate(needed - len(held)):
+            self.blocks.free(held)
             return False
-        seq.block_table = self.blocks.allocate(needed)
+        seq.block_table = held + self.blocks.allocate(needed - len(held))
+        seq.num_cached_blocks = len(held)
         seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
         return True
 

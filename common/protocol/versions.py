@@ -21,15 +21,15 @@ from msgspec import inspect
 # The version that added each message type (by name: the messages are declared in wire.py, which imports this
 # module), where it is newer than the oldest version still read.
 MESSAGE_SINCE: dict[str, int] = {"EmbedRequest": 11, "EmbedResult": 11, "LoadModel": 12, "Standby": 12,
-                                 "FetchTokenizer": 15, "TokenizerFiles": 15, "KVEvents": 18,
-                                 "KVSnapshotRequest": 18, "KVSnapshot": 18}
+                                 "FetchTokenizer": 15, "TokenizerFiles": 15, "KVEvents": 19,
+                                 "KVSnapshotRequest": 19, "KVSnapshot": 19}
 # The version that added each field (struct name -> field -> version), where it is newer than that.
 FIELD_SINCE: dict[str, dict[str, int]] = {"PrefillRequest": {"keep_s": 11}, "DecodeRequest": {"keep_s": 11},
                                           "SamplingParams": {"structured": 13},
                                           "TokenDeltas": {"step_rows": 14, "step": 14},
-                                          "RequestFailed": {"code": 16},
+                                          "RequestFailed": {"code": 16}, "KVPulled": {"backend": 18},
                                           "Register": {"standby": 12, "load_s": 12, "tokenizer_sha256": 15,
-                                                       "tensor_parallel_size": 17, "kv_events_endpoint": 18}}
+                                                       "tensor_parallel_size": 17, "kv_events_endpoint": 19}}
 # A request that uses a field goes only to workers that speak its version: an older one would drop the field
 # (``older_body``) and serve the request without what it asks for (``proxy/cluster/cluster.py`` ``_candidates``).
 STRUCTURED_SINCE = FIELD_SINCE["SamplingParams"]["structured"]

@@ -87,9 +87,9 @@ class _Struct(msgspec.Struct, forbid_unknown_fields=True):
 
 
 # 11: EmbedRequest, EmbedResult; 12: LoadModel, Standby; 13: SamplingParams.structured; 14: TokenDeltas.step_rows,
-# step; 15: Register.tokenizer_sha256, FetchTokenizer, TokenizerFiles; 18: Register.kv_events_endpoint, KVEvents,
-# KVSnapshotRequest, KVSnapshot. Versions one apart interoperate (versions.py).
-PROTOCOL_VERSION = 18
+# step; 15: Register.tokenizer_sha256, FetchTokenizer, TokenizerFiles; 18: KVPulled.backend; 19:
+# Register.kv_events_endpoint, KVEvents, KVSnapshotRequest, KVSnapshot. Versions one apart interoperate (versions.py).
+PROTOCOL_VERSION = 19
 
 
 class MsgType(enum.IntEnum):
@@ -430,6 +430,7 @@ class KVPulled(_Struct):
     num_bytes: NonNegInt = 0
     seconds: Seconds = 0.0
     error: str = ""
+    backend: str = ""  # the transfer backend that moved the pages (nixl, zmq); "": not said (an older worker)
 
 
 class ReleaseKV(_Struct):

@@ -323,6 +323,9 @@ class WorkerMetrics:
                                          registry=r)
         self.kv_transfer_seconds = Histogram("tessera_worker_kv_transfer_seconds", "KV pull duration",
                                              buckets=_TRANSFER_BUCKETS, registry=r)
+        self.kv_blocks_reused = Counter(
+            "tessera_worker_kv_blocks_reused", "Prompt blocks a decode worker took from its own prefix cache instead "
+            "of pulling them (kv_delta_pull)", registry=r)
         self.kv_transfer_failures = Counter("tessera_worker_kv_transfer_failures",
                                             "KV pulls that failed or never started (prompt recomputed)", registry=r)
         self.kv_lease_expirations = Counter("tessera_worker_kv_lease_expirations",

@@ -15,6 +15,11 @@ and ``tenant_generated_tokens`` count a choice once, when it ends
 (``SubRequest._count_end``), with what the workers found in their prefix
 cache: the usage a tenant is metered by (``tenant_usage``, and
 ``proxy.tenancy.metering``'s file).
+
+Where the time to first token went: ``time_to_first_token_part_seconds`` by ``part`` (queue, prefill), which add
+up to a choice's TTFT, and ``handoff_part_seconds`` by ``part`` (decode_wait, transfer, first_decode), which add
+up to a disaggregated choice's wait from its first token to its decode worker's first; ``proxy.core.first_token``
+says what each part spans and which choices are split.
 """
 from __future__ import annotations
 
@@ -27,10 +32,16 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from proxy.core.first_token import HANDOFF_PARTS, TTFT_PARTS
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _TRANSFER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Finer than _LATENCY_BUCKETS where parts of a first token fall, so that a part's median read off the buckets
+# (``tessera bench``, histogram_quantile) is within a bucket's width of the truth.
+_PART_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -115,6 +126,17 @@ class ProxyMetrics:
         self.tpot = Histogram("tessera_proxy_time_per_output_token_seconds",
                               "Mean time per output token after the first, per choice, by model", ["model"],
                               buckets=_TOKEN_BUCKETS, registry=r)
+        self.ttft_parts = Histogram(
+            "tessera_proxy_time_to_first_token_part_seconds", "A choice's time to first token in contiguous parts: "
+            "queue (arrival to its first message to a worker), prefill (that message to the first token); they add "
+            "up to its TTFT. Choices that resumed before their first token are not split", ["part"],
+            buckets=_PART_BUCKETS, registry=r)
+        self.handoff_parts = Histogram(
+            "tessera_proxy_handoff_part_seconds", "A disaggregated choice's way from its first token (PrefillDone) to "
+            "its decode worker's first token in contiguous parts: decode_wait (to the DecodeRequest), transfer (to "
+            "KVPulled), first_decode (to the first token delta)", ["part"], buckets=_PART_BUCKETS, registry=r)
+        self._ttft_parts = {part: self.ttft_parts.labels(part) for part in TTFT_PARTS}  # each series from the start
+        self._handoff_parts = {part: self.handoff_parts.labels(part) for part in HANDOFF_PARTS}
         self.tenant_ttft = Histogram("tessera_proxy_tenant_time_to_first_token_seconds",
                                      "Arrival to first token, per choice, by tenant", ["tenant"],
                                      buckets=_LATENCY_BUCKETS, registry=r)
@@ -256,6 +278,18 @@ class ProxyMetrics:
         self.shared_state_proxies = Gauge("tessera_proxy_shared_state_proxies",
                                           "Proxies taking part in the decode split at the last sync, this one "
                                           "included", registry=r)
+
+    def observe_ttft_parts(self, parts: dict[str, float] | None) -> None:
+        """A choice's TTFT parts (``FirstTokenParts.first``); None: it is not split."""
+        if parts is not None:
+            for part, seconds in parts.items():
+                self._ttft_parts[part].observe(seconds)
+
+    def observe_handoff_parts(self, parts: dict[str, float] | None) -> None:
+        """A disaggregated choice's handoff parts (``FirstTokenParts.decoded``); None: it is not split."""
+        if parts is not None:
+            for part, seconds in parts.items():
+                self._handoff_parts[part].observe(seconds)
 
     def tenant_usage(self) -> dict[str, TenantUsage]:
         """Each tenant's usage since the process started, read back from the counters a choice adds to as it ends

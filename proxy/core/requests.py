@@ -45,6 +45,9 @@ The ways out:
   one terminal event (a finishing ``TokenEvent`` or a ``FailureEvent``) to
   the group, whose consumer is the HTTP handler.
 
+Where the time to its first token went is marked along the way (``proxy.core.first_token``): observed as the
+first token comes (and, disaggregated, the decode worker's first), and logged in one line as the choice ends.
+
 No sockets and no calls back into the cluster: every handler returns what
 the cluster must send (``Sends``), and the cluster reads the stage change
 (``stage`` before and after) to update admission and routing.
@@ -61,6 +64,7 @@ from common.runtime.tracing import NoTracing, RequestTrace
 from common.protocol.wire import (Abort, DecodeRequest, KVPulled, PrefillDone, PrefillRequest, ReleaseKV,
                                   RequestFailed, TokenDelta)
 from proxy.core.errors import ApiError
+from proxy.core.first_token import FirstTokenParts
 from proxy.core.metrics import ProxyMetrics
 from proxy.core.recovery import LOST_AGAIN, Recovery
 from proxy.core.workers import WorkerState
@@ -146,6 +150,7 @@ class SubRequest:
         self.new_tokens = 0  # tokens the last handler emitted (the cluster charges the tenant for them)
         self.cached_tokens = 0  # prompt tokens a worker found in its prefix cache (the most any attempt reported)
         self.arrival = now
+        self.parts = FirstTokenParts(now)  # where the time to its first tokens went
         self.first_token_at: float | None = None
         self.last_token_at = now
         self.deadline = now + config.requests.first_token_timeout_s
@@ -189,6 +194,7 @@ class SubRequest:
         """It leaves the admission queue for ``worker_id`` (``local``: the decode worker that prefills it): the
         queue's metrics, its trace, the first-token clock."""
         metrics, config = self._metrics, self._config
+        self.parts.dispatch(worker_id, now, local)
         if self.started:  # resumed: counted, charged and traced when it first started
             if self.recovery is not None:
                 self.recovery.redispatched(worker_id, local, now)
@@ -241,6 +247,7 @@ class SubRequest:
         if self.stage is not Stage.PREFILLING or sender != self.prefill_worker or msg.request_id != self.wire_id:
             return None
         self.kv_holder = sender
+        self.parts.prefilled(now)
         top = [msg.top_logprobs] if msg.top_logprobs is not None else None
         self._emit_tokens(TokenEvent(
             self.index, msg.text, [msg.first_token], [msg.logprob] if msg.logprob is not None else None, top,
@@ -268,6 +275,7 @@ class SubRequest:
                 first_top_logprobs=msg.top_logprobs, output_token_ids=self.output_ids[:-1],
                 **self._tenant_fields(counter))
             self.deadline = now + self._config.requests.token_timeout_s
+            self.parts.handed_off(decoder.worker_id, now)
         self.stage = Stage.DECODING
         self.decode_worker = decoder.worker_id
         self.decoding_since = now
@@ -282,6 +290,7 @@ class SubRequest:
         if not self._from_decoder(msg, sender):
             return None
         metrics = self._metrics
+        self.parts.pulled(msg.ok, msg.num_bytes, msg.backend, now)
         if msg.ok:
             metrics.kv_transfer_bytes.inc(msg.num_bytes)
             metrics.kv_transfer_seconds.observe(msg.seconds)
@@ -296,6 +305,8 @@ class SubRequest:
     def on_token_delta(self, msg: TokenDelta, sender: str, now: float) -> Sends | None:
         if not self._from_decoder(msg, sender):
             return None
+        if msg.token_ids and self.parts.awaiting_decode:
+            self._metrics.observe_handoff_parts(self.parts.decoded(now))
         self._emit_tokens(TokenEvent(self.index, msg.text, msg.token_ids, msg.logprobs, msg.top_logprobs,
                                      msg.finish_reason, msg.stop_reason, msg.num_cached_tokens), now)
         if msg.finish_reason is not None:
@@ -317,6 +328,7 @@ class SubRequest:
                 metrics.model_running.labels(self.counted_as).inc()
                 metrics.ttft.labels(self.model_name).observe(now - self.arrival)
                 metrics.tenant_ttft.labels(self.tenant).observe(now - self.arrival)
+                metrics.observe_ttft_parts(self.parts.first(now))
             elif self.output_ids:
                 metrics.itl.observe((now - self.last_token_at) / len(event.token_ids), len(event.token_ids))
             self.output_ids += event.token_ids
@@ -332,7 +344,7 @@ class SubRequest:
         self._count_end("ok")
         if self.trace:
             self.trace.close(attributes={"gen_ai.usage.output_tokens": len(self.output_ids),
-                                         "gen_ai.response.finish_reasons": [finish_reason]})
+                                         "gen_ai.response.finish_reasons": [finish_reason], **self._part_attributes()})
         if self.first_token_at is not None and len(self.output_ids) > 1:
             tpot = (now - self.first_token_at) / (len(self.output_ids) - 1)
             metrics.tpot.labels(self.model_name).observe(tpot)
@@ -341,6 +353,15 @@ class SubRequest:
         self._leave_model_gauge()
         return sends
 
+    def _part_attributes(self) -> dict:
+        """The parts as its root span's attributes (``tessera.ttft.<part>_s``, ``tessera.handoff.<part>_s``)."""
+        parts = self.parts
+        attributes = {f"tessera.ttft.{part}_s": value for part, value in (parts.ttft() or {}).items()}
+        attributes |= {f"tessera.handoff.{part}_s": value for part, value in (parts.handoff() or {}).items()}
+        if parts.kv_pulled is not None:
+            attributes |= {"tessera.kv.bytes": parts.kv_bytes, "tessera.kv.backend": parts.kv_backend}
+        return attributes
+
     def _leave_model_gauge(self) -> None:
         """It ends: out of its model's waiting gauge (no first token yet) or running gauge."""
         gauge = self._metrics.model_running if self.first_token_at is not None else self._metrics.model_waiting
@@ -348,8 +369,13 @@ class SubRequest:
 
     def _count_end(self, status: str) -> None:
         """Its outcome and usage, once, as it ends: a prompt counts if it reached a worker (a resumed one once),
-        its cached part at most the prompt (a resumed attempt's cache also holds the output so far)."""
+        its cached part at most the prompt (a resumed attempt's cache also holds the output so far); and its end
+        line, with where the time to its first tokens went."""
         metrics, prompt = self._metrics, len(self.prompt) if self.started else 0
+        if self.started:
+            ttft = f"{(self.first_token_at - self.arrival) * 1e3:.2f}" if self.first_token_at is not None else "-"
+            log.info("request %s ended: status=%s output_tokens=%d resumes=%d ttft_ms=%s %s", self.request_id, status,
+                     len(self.output_ids), self.migrations + self.preemptions, ttft, self.parts.describe())
         metrics.tenant_requests.labels(self.tenant, self.model_name, status).inc()
         metrics.tenant_prompt_tokens.labels(self.tenant).inc(prompt)
         metrics.tenant_cached_prompt_tokens.labels(self.tenant).inc(min(self.cached_tokens, prompt))
@@ -434,6 +460,7 @@ class SubRequest:
     def _requeue(self, now: float) -> None:
         """Back to the admission queue under a new wire id: whatever the old attempt still sends is a stray."""
         self.wire_id = f"{self.request_id}~{self.migrations + self.preemptions}"
+        self.parts.restarted()
         self.stage = Stage.QUEUED
         self.route = self._handoff = None
         self.deadline = now + self._config.tenancy.queue_timeout_s
@@ -500,7 +527,7 @@ class SubRequest:
         self._count_end(error.code or str(error.status))
         if self.trace:
             self.trace.close(error.message, {"gen_ai.usage.output_tokens": len(self.output_ids),
-                                             "error.type": error.code or str(error.status)})
+                                             "error.type": error.code or str(error.status), **self._part_attributes()})
         if started:
             self._metrics.in_flight.dec()
         self._sink.put_nowait(FailureEvent(self.index, error))

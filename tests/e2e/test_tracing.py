@@ -129,6 +129,11 @@ def test_one_request_is_one_trace_across_processes(tiny_chat_model_dir, tmp_path
         "gen_ai.usage.output_tokens": 4, "gen_ai.response.finish_reasons": ["length"],
         "gen_ai.response.id": answer["id"], "gen_ai.response.model": root["attributes"]["gen_ai.response.model"]}
     assert root["attributes"]["gen_ai.response.model"] == Path(tiny_chat_model_dir).name  # the model that served it
+    parts = {k for k in root["attributes"] if k.startswith(("tessera.ttft.", "tessera.handoff.", "tessera.kv."))}
+    assert parts == {"tessera.ttft.queue_s", "tessera.ttft.prefill_s", "tessera.handoff.decode_wait_s",
+                     "tessera.handoff.transfer_s", "tessera.handoff.first_decode_s", "tessera.kv.bytes",
+                     "tessera.kv.backend"}  # where its first tokens' time went (proxy/core/first_token.py)
+    assert root["attributes"]["tessera.kv.backend"] == "zmq" and root["attributes"]["tessera.kv.bytes"] > 0
     for name in ("proxy.queue", "proxy.prefill", "proxy.decode"):
         assert spans[name]["parent"] == root["span_id"], name
     assert spans["prefill_worker.prefill"]["parent"] == spans["proxy.prefill"]["span_id"]

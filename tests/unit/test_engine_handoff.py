@@ -29,15 +29,22 @@ def run_prefill(prefill, request_id, prompt, params, seed):
     return seq, final
 
 
+def pull_pages(prefill, seq, decode, dseq) -> int:
+    """Copy the pages of the blocks the decode pool lacks, as a delta pull does; how many it copied."""
+    held = dseq.num_cached_blocks
+    src = prefill.runner.kv_cache.buffer
+    dst = decode.runner.kv_cache.buffer
+    dst[dseq.block_table[held:]] = src[seq.block_table[held:]]
+    return len(dseq.block_table) - held
+
+
 def run_decode(decode, prefill, seq, out, params, seed):
     o = out.outputs[0]
     dseq = decode.add_prefilled_request(
         "d-" + out.request_id, seq.prompt_token_ids, o.token_ids[0], params, seed,
         o.logprobs[0] if o.logprobs else None, o.top_logprobs[0] if o.top_logprobs else None,
     )
-    src = prefill.runner.kv_cache.buffer
-    dst = decode.runner.kv_cache.buffer
-    dst[dseq.block_table] = src[seq.block_table]
+    pull_pages(prefill, seq, decode, dseq)
     prefill.release_held(seq)
     decode.kv_ready(dseq)
     text, tokens, final = o.text_delta, list(o.token_ids), None
@@ -133,3 +140,91 @@ def test_a_pull_is_a_request_state_the_scheduler_never_runs(engines):
     while decode.has_unfinished():
         decode.step()
     assert dseq.is_finished and decode.block_manager.num_used_blocks == 0
+
+
+def _reference(reference, request_id, prompt_ids, params, seed):
+    reference.add_request(request_id, prompt_ids, params, seed=seed)
+    tokens = []
+    while reference.has_unfinished():
+        for o in reference.step():
+            tokens += o.outputs[0].token_ids_delta
+    return tokens
+
+
+def _disaggregated(prefill, decode, request_id, prompt_ids, params, seed, reuse_cached=True):
+    """One request prefilled on ``prefill`` and decoded on ``decode``: its tokens, the blocks the decode pool
+    already held, and the blocks pulled."""
+    seq, out = run_prefill(prefill, "p-" + request_id, prompt_ids, params, seed)
+    o = out.outputs[0]
+    dseq = decode.add_prefilled_request("d-" + request_id, seq.prompt_token_ids, o.token_ids[0], params, seed,
+                                        reuse_cached=reuse_cached)
+    held = dseq.num_cached_blocks
+    pulled = pull_pages(prefill, seq, decode, dseq)
+    prefill.release_held(seq)
+    decode.kv_ready(dseq)
+    tokens = list(o.token_ids)
+    while decode.has_unfinished():
+        for d in decode.step():
+            tokens += d.outputs[0].token_ids_delta
+    return tokens, held, pulled
+
+
+@pytest.mark.parametrize("shared", [40, 48, 60], ids=["mid-block", "block-edge", "late-mid-block"])
+def test_a_delta_pull_moves_only_the_blocks_the_decode_pool_lacks(tiny_chat_model_dir, shared):
+    """Turn 2 of a conversation shares ``shared`` tokens with turn 1, whose KV the decode pool cached: only the
+    blocks from the first one not wholly inside that prefix are pulled, and the output is the one-engine one."""
+    cfg = dict(model=str(tiny_chat_model_dir), num_kv_blocks=64, block_size=16)
+    reference, prefill, decode = (LLMEngine(EngineConfig(**cfg)) for _ in range(3))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    history = [(7 * i) % 300 + 3 for i in range(shared)]
+    turn1 = history
+    turn2 = history + [(11 * i) % 250 + 5 for i in range(37)]
+    tokens, held, pulled = _disaggregated(prefill, decode, "t1", turn1, params, 1)
+    assert held == 0 and pulled == -(-len(turn1) // 16)  # the pages hold every prompt token
+    assert tokens == _reference(reference, "r1", turn1, params, 1)
+    tokens, held, pulled = _disaggregated(prefill, decode, "t2", turn2, params, 2)
+    assert held == shared // 16  # decoding turn 1 computed its last prompt token too: every full shared block
+    assert pulled == -(-len(turn2) // 16) - held
+    assert tokens == _reference(reference, "r2", turn2, params, 2)
+    for engine in (reference, prefill, decode):
+        assert engine.block_manager.num_used_blocks == 0
+
+
+def test_a_prompt_the_decode_pool_holds_whole_needs_no_pull(tiny_chat_model_dir):
+    cfg = dict(model=str(tiny_chat_model_dir), num_kv_blocks=64, block_size=16)
+    reference, prefill, decode = (LLMEngine(EngineConfig(**cfg)) for _ in range(3))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = [(5 * i) % 200 + 3 for i in range(32)]  # its pages: two full blocks
+    _disaggregated(prefill, decode, "a", prompt, params, 1)
+    tokens, held, pulled = _disaggregated(prefill, decode, "b", prompt, params, 1)
+    assert (held, pulled) == (2, 0)
+    assert tokens == _reference(reference, "r", prompt, params, 1)
+    assert decode.block_manager.num_used_blocks == 0
+
+
+def test_without_delta_pull_every_block_is_pulled(tiny_chat_model_dir):
+    cfg = dict(model=str(tiny_chat_model_dir), num_kv_blocks=64, block_size=16)
+    prefill, decode = (LLMEngine(EngineConfig(**cfg)) for _ in range(2))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompt = [(5 * i) % 200 + 3 for i in range(50)]
+    _disaggregated(prefill, decode, "a", prompt, params, 1, reuse_cached=False)
+    _, held, pulled = _disaggregated(prefill, decode, "b", prompt, params, 1, reuse_cached=False)
+    assert (held, pulled) == (0, 4)
+
+
+def test_a_pool_too_full_for_the_missing_blocks_gives_back_the_held_ones(tiny_chat_model_dir):
+    cfg = dict(model=str(tiny_chat_model_dir), num_kv_blocks=6, block_size=16)
+    prefill, decode = LLMEngine(EngineConfig(**cfg)), LLMEngine(EngineConfig(**cfg))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompt = [(5 * i) % 200 + 3 for i in range(40)]
+    _disaggregated(prefill, decode, "a", prompt, params, 1)
+    hog = decode.scheduler.reserve(4)  # leaves 2 free: the 2 cached blocks, which the pull would reuse
+    longer = prompt + [9] * 40
+    dseq = decode.add_prefilled_request("d-b", longer, 5, params, 1)
+    assert not dseq.block_table and dseq.num_cached_blocks == 0
+    assert decode.block_manager.num_used_blocks == 4
+    decode.kv_failed(dseq)
+    decode.abort_request("d-b")
+    decode.step()
+    decode.scheduler.unreserve(hog)
+    assert decode.block_manager.num_used_blocks == 0
