@@ -79,3 +79,28 @@ def test_the_events_kept_while_a_snapshot_is_awaited_are_bounded():
         assert index.apply(KVEvents("w", 1, seq, stored=[seq]), 0.0)[0] == "pending"
     # The early ones went: after the snapshot of 0 the first kept is a gap.
     assert index.apply_snapshot(KVSnapshot("w", 1, 0, []), 1.0) == ("applied", KVSnapshotRequest("w", 1))
+
+
+def test_the_cluster_asks_a_registering_worker_for_its_snapshot_applies_it_and_forgets_a_leaving_one():
+    """The cluster's side, without sockets: a Register naming an endpoint gets a KVSnapshotRequest after its
+    RegisterAck; the KVSnapshot fills the index routing reads; a Goodbye empties it."""
+    from common.config.roles import ProxyConfig
+    from common.protocol.wire import Goodbye, KVLayoutInfo, Register, RegisterAck, encode
+    from proxy.cluster.cluster import Cluster
+    from proxy.core.metrics import ProxyMetrics
+    from proxy.core.routing import PrefixAwareRouting
+
+    policy = PrefixAwareRouting()
+    cluster = Cluster(ProxyConfig(), policy, ProxyMetrics())
+    sent = []
+    cluster.attach(lambda worker_id, msg, version: sent.append((worker_id, msg)))
+    register = Register("d0", "decode", 7, "m", "v1", KVLayoutInfo(2, 16, 3, 64, "float32"), 8, 512, "zmq", b"",
+                        kv_events_endpoint="tcp://127.0.0.1:9")
+    cluster.on_frames(b"d0", encode(register))
+    kinds = [type(msg) for _, msg in sent]
+    assert kinds.index(RegisterAck) < kinds.index(KVSnapshotRequest)
+    assert ("d0", KVSnapshotRequest("d0", 7)) in sent
+    cluster.on_frames(b"d0", encode(KVSnapshot("d0", 7, 0, [11, 12])))
+    assert policy.index.leading([11, 12]) == {"d0": 2}
+    cluster.on_frames(b"d0", encode(Goodbye("d0", 7)))
+    assert policy.index.leading([11]) == {}
