@@ -188,6 +188,11 @@ def test_a_message_for_the_previous_version_leaves_out_what_that_version_lacks(m
     older_pulled = wire.encode(pulled, PROTOCOL_VERSION - 1)  # KVPulled.backend is new in 18
     assert "backend" not in msgpack.unpackb(older_pulled[1])
     assert wire.decode(older_pulled) == msgspec.structs.replace(pulled, backend="")  # its default
+    decode_request = wire.DecodeRequest("r1", [1, 2], SamplingParams(), 7, first_token=3, source_worker_id="p",
+                                        source_block_ids=[0], source_epoch=9)
+    older_decode = wire.encode(decode_request, PROTOCOL_VERSION - 1)  # DecodeRequest.source_epoch is new in 18
+    assert "source_epoch" not in msgpack.unpackb(older_decode[1])
+    assert wire.decode(older_decode) == msgspec.structs.replace(decode_request, source_epoch=0)  # its default
     monkeypatch.setitem(versions.FIELD_SINCE, "PrefillRequest", {"cache_salt": PROTOCOL_VERSION})
     older = wire.encode(request, PROTOCOL_VERSION - 1)
     assert "cache_salt" not in msgpack.unpackb(older[1]) and wire.decode(older).cache_salt == 0  # its default
