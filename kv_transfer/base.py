@@ -55,7 +55,8 @@ Hooks, who calls them, and what a failure does:
       need are left alone. Anything about the peer (unknown, remote ids out of
       its range, a refused post) returns a handle that is already FAILED, so
       there is one path. The pull names the epoch of the peer's metadata; a
-      peer at another epoch now refuses it (FAILED, ``refused`` set).
+      peer lending under another epoch now refuses it where its backend sees
+      pulls (ZeroMQ: FAILED, ``refused`` set).
   post(transfer_id, peer_id, segments, num_bytes, deadline, epoch)
       -> TransferHandle              a backend that wraps this one (kv_transfer/
       retry.py): a pull already planned in segments, not counted as in flight
