@@ -158,6 +158,11 @@ class DecodeHandler(WorkerBase):
             return
         elif msg.source_worker_id not in self.peers:
             problem = f"prefill worker {msg.source_worker_id!r} is not a known transfer peer"
+        elif msg.source_epoch and msg.source_epoch != self.peers[msg.source_worker_id]:
+            # It restarted (or registered again) since it lent them: its pool holds other KV under those ids now.
+            problem = (f"the pages are of epoch {msg.source_epoch} of prefill worker {msg.source_worker_id!r}, which "
+                       f"is at epoch {self.peers[msg.source_worker_id]} now: pull refused")
+            self.metrics.kv_pull_refused()
         elif started >= lease_ends:
             problem = "the pages' lease (the proxy's kv_lease_s) ran out before the pull could start"
         missing = seq.block_table[held:]

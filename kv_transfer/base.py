@@ -27,9 +27,14 @@ it may reuse them once release() has returned.
 Hooks, who calls them, and what a failure does:
   register_pool(kv_cache) -> bytes   both roles, once at start-up. Registers the
       whole pool (every rank); returns this side's metadata (``PoolMetadata``,
-      version 3: the KV layout, tp_size, bytes per whole block, blocks per rank)
-      for the proxy to publish. Raises if the pool cannot be registered: the
-      worker cannot start.
+      version 4: the KV layout, tp_size, bytes per whole block, blocks per rank,
+      the epoch) for the proxy to publish. Raises if the pool cannot be
+      registered: the worker cannot start.
+  set_epoch(epoch) -> bytes          both roles, after register_pool and whenever the
+      worker's epoch changes (it registers again). Pages are lent under an
+      epoch: from now on a pull that names another one is refused where the
+      backend sees it (ZeroMQ's server does; a one-sided NIXL read is never
+      seen by the side it reads). Returns the metadata to publish under it.
   add_peer(peer_id, metadata)        decode side, when the proxy lists a prefill
       worker. Re-adding a known id replaces it (a restarted worker). Raises
       ValueError for metadata that is malformed, of another backend, or of a
@@ -49,17 +54,24 @@ Hooks, who calls them, and what a failure does:
       range, a transfer id already in flight); staging ids a pull does not
       need are left alone. Anything about the peer (unknown, remote ids out of
       its range, a refused post) returns a handle that is already FAILED, so
-      there is one path.
+      there is one path. The pull names the epoch of the peer's metadata; a
+      peer lending under another epoch now refuses it where its backend sees
+      pulls (ZeroMQ: FAILED, ``refused`` set).
+  post(transfer_id, peer_id, segments, num_bytes, deadline, epoch)
+      -> TransferHandle              a backend that wraps this one (kv_transfer/
+      retry.py): a pull already planned in segments, not counted as in flight
+      here; the wrapper polls, aborts and releases it through this backend.
   poll(handle) -> TransferStatus     decode loop, every turn; never blocks.
   abort(handle)                      decode side (client abort, drain). On return
       the pull is FAILED unless it was already DONE, and nothing more is
       written into its local or staging blocks.
   release(handle)                    decode side, exactly once per handle on every
       path (done, failed, timed out, aborted, peer gone); aborts first if still
-      in flight. A second call does nothing.
+      in flight. A second call does nothing. It counts the pull's outcome once.
   close()                            both roles at shutdown: aborts and releases
       what is in flight, stops I/O threads, deregisters the pool.
-  counters()                         metrics: a snapshot of bytes, seconds, pulls.
+  counters()                         metrics: a snapshot of bytes, seconds, pulls and
+      their outcomes (``TransferCounters``).
 
 Subclasses implement the backend half (``_publish``, ``_connect``,
 ``_disconnect``, ``_submit``, ``_progress``, ``_cancel``, ``_free``,
@@ -77,13 +89,14 @@ from enum import IntEnum
 from typing import Annotated, Any, ClassVar, NamedTuple
 
 import msgspec
+from msgspec.structs import replace as replace_struct
 
 from common.protocol.names import TRANSFER_BACKENDS
 from kv_transfer.segments import PoolGeometry, Segment, Staging, pull_segments, relayout
 
 log = logging.getLogger(__name__)
 
-METADATA_VERSION = 3
+METADATA_VERSION = 4  # 4: the epoch the pages are lent under
 BACKENDS = tuple(name for name in TRANSFER_BACKENDS if name != "auto")  # what make_backend builds
 
 
@@ -111,6 +124,7 @@ class PoolMetadata(msgspec.Struct, forbid_unknown_fields=True):
     bytes_per_block: Positive  # a whole block, every rank's heads
     num_blocks: Positive  # per rank
     fields: msgspec.Raw
+    epoch: Annotated[int, msgspec.Meta(ge=0)] = 0  # the lender's epoch (set_epoch); 0: not set, never checked
 
     def geometry(self) -> PoolGeometry:
         return PoolGeometry(self.tp_size, self.num_blocks, self.bytes_per_block)
@@ -167,6 +181,9 @@ class TransferHandle:
     status: TransferStatus = TransferStatus.PENDING
     error: str = ""
     released: bool = False
+    epoch: int = 0  # the epoch of the peer's pages this pull reads (0: not checked)
+    refused: bool = False  # the peer refused it: its pages are of another epoch now
+    retried: bool = False  # its first read failed and it was read again by another way (kv_transfer/retry.py)
     # Serialises status changes against an I/O thread writing local blocks.
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -177,6 +194,19 @@ class TransferCounters:
     pulls_failed: int = 0
     bytes_pulled: int = 0
     pull_seconds: float = 0.0  # summed over DONE pulls
+    # Each released pull once, by how it ended (``OUTCOMES``): done at the first read, done when read again after
+    # the first failed, refused by the peer for its epoch, failed otherwise.
+    outcomes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
+
+
+OUTCOMES = ("ok", "retried_ok", "refused", "failed")
+
+
+def outcome(handle: TransferHandle) -> str:
+    """How a terminal pull ended, one of ``OUTCOMES``."""
+    if handle.status == TransferStatus.DONE:
+        return "retried_ok" if handle.retried else "ok"
+    return "refused" if handle.refused else "failed"
 
 
 class KVTransferBackend(ABC):
@@ -193,6 +223,8 @@ class KVTransferBackend(ABC):
         self._counters = TransferCounters()
         self._counters_lock = threading.Lock()
         self._closed = False
+        self._envelope: PoolMetadata | None = None  # what register_pool published, before any epoch
+        self._epoch = 0  # the epoch this side lends its pages under (set_epoch); 0: none yet
 
     # ---- both roles ---------------------------------------------------------------
     def register_pool(self, kv_cache) -> bytes:
@@ -209,9 +241,18 @@ class KVTransferBackend(ABC):
         layout = kv_cache.layout
         self._geometry = PoolGeometry(layout.tp_size, kv_cache.num_blocks, layout.bytes_per_block)
         fields = msgspec.Raw(msgspec.msgpack.encode(self._publish(kv_cache)))
-        return msgspec.msgpack.encode(PoolMetadata(
+        self._envelope = PoolMetadata(
             METADATA_VERSION, self.name, *(getattr(layout, name) for name in LAYOUT_FIELDS), layout.tp_size,
-            layout.bytes_per_block, kv_cache.num_blocks, fields))
+            layout.bytes_per_block, kv_cache.num_blocks, fields)
+        return msgspec.msgpack.encode(self._envelope)
+
+    def set_epoch(self, epoch: int) -> bytes:
+        self._require_pool("set_epoch")
+        if type(epoch) is not int or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
+        self._epoch = epoch
+        self._lend_under(epoch)
+        return msgspec.msgpack.encode(replace_struct(self._envelope, epoch=epoch))
 
     def close(self) -> None:
         if self._closed:
@@ -225,7 +266,7 @@ class KVTransferBackend(ABC):
 
     def counters(self) -> TransferCounters:
         with self._counters_lock:
-            return replace(self._counters)
+            return replace(self._counters, outcomes=dict(self._counters.outcomes))
 
     # ---- decode side ------------------------------------------------------------------
     def add_peer(self, peer_id: str, metadata: bytes) -> None:
@@ -272,7 +313,7 @@ class KVTransferBackend(ABC):
         now = time.monotonic()
         handle = self.handle_type(
             transfer_id, peer_id, [], len(local_block_ids) * self._geometry.bytes_per_block,
-            started=now, deadline=now + deadline_s,
+            started=now, deadline=now + deadline_s, epoch=peer.metadata.epoch if peer is not None else 0,
         )
         self._inflight[transfer_id] = handle
         if peer is None:
@@ -312,11 +353,29 @@ class KVTransferBackend(ABC):
         except Exception:
             log.exception("KV pull %s: %s could not cancel it cleanly", handle.transfer_id, self.name)
 
+    def post(self, transfer_id: str, peer_id: str, segments: list[Segment], num_bytes: int, deadline: float,
+             epoch: int = 0) -> TransferHandle:
+        """``deadline``: time.monotonic() past which the caller aborts it."""
+        self._require_pool("post")
+        handle = self.handle_type(transfer_id, peer_id, segments, num_bytes, started=time.monotonic(),
+                                  deadline=deadline, epoch=epoch)
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            self._fail(handle, f"unknown peer {peer_id!r}")
+            return handle
+        try:
+            self._submit(handle, peer.conn)
+        except Exception as exc:
+            self.abort(handle, reason=f"{self.name} could not post the pull: {exc}")
+        return handle
+
     def release(self, handle: TransferHandle) -> None:
         if handle.released:
             return
         self.abort(handle, reason="released while still in flight")
         handle.released = True
+        with self._counters_lock:
+            self._counters.outcomes[outcome(handle)] += 1
         self._inflight.pop(handle.transfer_id, None)
         try:
             self._free(handle)
@@ -410,6 +469,9 @@ class KVTransferBackend(ABC):
 
     def _free(self, handle: TransferHandle) -> None:
         """Free what the pull still holds once it is terminal."""
+
+    def _lend_under(self, epoch: int) -> None:
+        """The pages are lent under ``epoch`` now (``self._epoch``): a backend that sees pulls may check it."""
 
     @abstractmethod
     def _shutdown(self) -> None:

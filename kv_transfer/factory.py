@@ -1,7 +1,11 @@
 """Building a KV transfer backend by name: the one place that imports the backends."""
 from __future__ import annotations
 
+import logging
+
 from kv_transfer.base import BACKENDS, KVTransferBackend
+
+log = logging.getLogger(__name__)
 
 
 def make_backend(name: str, **options) -> KVTransferBackend:
@@ -25,11 +29,22 @@ def default_backend_name() -> str:
 
 
 def backend_for(config) -> KVTransferBackend:
-    """The backend a worker config asks for (``transfer_backend``; ``auto`` picks as above)."""
+    """The backend a worker config asks for (``transfer_backend``; ``auto`` picks as above). NIXL comes with a
+    ZeroMQ retry path (``kv_transfer/retry.py``): a failed NIXL read is read once more over ZeroMQ before the prompt
+    is recomputed. Without it where CURVE is on but no peer keys are given: the ZeroMQ server could admit no peer."""
     from common.runtime.zmq_security import worker_curve
 
     name = config.transfer_backend
     if name == "auto":
         name = default_backend_name()
-    options = {"host": config.transfer_host, "curve": worker_curve(config)} if name == "zmq" else {}
-    return make_backend(name, **options)
+    curve = worker_curve(config)
+    zmq_options = {"host": config.transfer_host, "curve": curve}
+    if name == "zmq":
+        return make_backend(name, **zmq_options)
+    from kv_transfer.retry import RetryingBackend
+
+    if curve is not None and curve.authorized_keys_dir is None:
+        log.info("KV pulls over NIXL get no ZeroMQ retry: CURVE is on and security.curve_authorized_keys_dir is "
+                 "empty")
+        return RetryingBackend(make_backend(name), None)
+    return RetryingBackend(make_backend(name), make_backend("zmq", **zmq_options))

@@ -8,10 +8,14 @@ to its sockets.
 
 Data-plane frames (this backend's own; control messages live in common/protocol/wire.py),
 each body a msgspec Struct below, checked on arrival:
-  pull     DEALER -> ROUTER  [PULL,    PullRequest {v, id, segments: [[offset, nbytes], ...]}]
+  pull     DEALER -> ROUTER  [PULL,    PullRequest {v, id, segments: [[offset, nbytes], ...], epoch}]
   pages    ROUTER -> DEALER  [PAGES,   PullReply {v, id}, one frame per segment]
-  refused  ROUTER -> DEALER  [REFUSED, PullReply {v, id, error}]
-Offsets are bytes into the server's whole pool (every rank). Page frames leave
+  refused  ROUTER -> DEALER  [REFUSED, PullReply {v, id, error, epoch}]
+Offsets are bytes into the server's whole pool (every rank). A pull names the
+epoch its pages were lent under (the server's published one, as the puller
+knows it); a server lending under another epoch now (its worker restarted
+under the same address, or registered again and freed what it lent) refuses
+it and says its own: those bytes hold other KV now. Page frames leave
 zero-copy: memoryviews of the pool's storage sent with ``copy=False``, one per
 merged segment. The puller copies each frame to its segment's local offset
 while holding the pull's lock, so an abort never races a late copy, and only
@@ -54,7 +58,7 @@ from kv_transfer.base import KVTransferBackend, TransferHandle, TransferStatus
 log = logging.getLogger(__name__)
 
 PULL, PAGES, REFUSED = b"\x01", b"\x02", b"\x03"
-WIRE_VERSION = 3
+WIRE_VERSION = 4  # 4: the pages' epoch
 Address = Annotated[str, msgspec.Meta(pattern=r"^tcp://\S+:\d+$")]
 
 
@@ -66,16 +70,18 @@ class ZmqMetadata(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class PullRequest(msgspec.Struct, forbid_unknown_fields=True):
-    v: Literal[3]
+    v: Literal[4]
     id: str
     segments: Annotated[list[tuple[Annotated[int, msgspec.Meta(ge=0)], Annotated[int, msgspec.Meta(ge=1)]]],
                         msgspec.Meta(min_length=1)]  # (offset, nbytes) in the server's pool
+    epoch: Annotated[int, msgspec.Meta(ge=0)] = 0  # the epoch the pages were lent under; 0: not checked
 
 
 class PullReply(msgspec.Struct, forbid_unknown_fields=True):
-    v: Literal[3]
+    v: Literal[4]
     id: str
     error: str = ""
+    epoch: Annotated[int, msgspec.Meta(ge=0)] = 0  # on a refusal for the pages' epoch: the server's own
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -270,7 +276,8 @@ class ZmqBackend(KVTransferBackend):
         if dealer is None:
             self._fail(handle, f"peer {handle.peer_id!r} is not connected")
             return
-        body = PullRequest(WIRE_VERSION, handle.transfer_id, [(s.remote_offset, s.nbytes) for s in handle.segments])
+        body = PullRequest(WIRE_VERSION, handle.transfer_id, [(s.remote_offset, s.nbytes) for s in handle.segments],
+                           handle.epoch)
         try:
             dealer.send_multipart([PULL, _ENCODER.encode(body)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
@@ -289,9 +296,14 @@ class ZmqBackend(KVTransferBackend):
             if request is None:
                 log.warning("zmq KV server dropped a malformed request of %d frames", len(parts))
                 continue
-            identity, transfer_id, segments = request
+            identity, transfer_id, segments, epoch = request
             size = len(self._bytes)
-            if any(offset + nbytes > size for offset, nbytes in segments):
+            lent_under = self._epoch  # set by the caller's thread (set_epoch): one read of an int
+            if epoch and lent_under and epoch != lent_under:
+                reply = [identity, REFUSED, _ENCODER.encode(PullReply(
+                    WIRE_VERSION, transfer_id, f"the pages are of epoch {epoch}; this worker lends under epoch "
+                    f"{lent_under} now", lent_under))]
+            elif any(offset + nbytes > size for offset, nbytes in segments):
                 reply = [identity, REFUSED, _ENCODER.encode(
                     PullReply(WIRE_VERSION, transfer_id, f"bytes outside a pool of {size}"))]
             else:
@@ -315,6 +327,7 @@ class ZmqBackend(KVTransferBackend):
                 continue
             del pending[handle.transfer_id]
             if parts[0].bytes == REFUSED:
+                handle.refused = bool(header.epoch)  # before it reads FAILED: a poll then sees why
                 self._fail(handle, f"peer refused the pull: {header.error}")
             else:
                 self._land(handle, parts[2:])
@@ -334,8 +347,8 @@ class ZmqBackend(KVTransferBackend):
             self._advance_locked(handle, TransferStatus.DONE)
 
 
-def _parse_pull(parts: list[bytes]) -> tuple[bytes, str, list[tuple[int, int]]] | None:
-    """(identity, transfer id, segments) of a well-formed pull request, else None."""
+def _parse_pull(parts: list[bytes]) -> tuple[bytes, str, list[tuple[int, int]], int] | None:
+    """(identity, transfer id, segments, epoch) of a well-formed pull request, else None."""
     if len(parts) != 3 or parts[1] != PULL:
         return None
     try:
@@ -343,7 +356,7 @@ def _parse_pull(parts: list[bytes]) -> tuple[bytes, str, list[tuple[int, int]]] 
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         log.debug("zmq KV server: malformed pull request: %s", exc)
         return None
-    return parts[0], body.id, body.segments
+    return parts[0], body.id, body.segments, body.epoch
 
 
 def _parse_header(parts: list[zmq.Frame]) -> PullReply | None:

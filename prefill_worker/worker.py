@@ -10,6 +10,12 @@ Request life cycle:
   A request whose first token already ends it (EOS, stop, max_tokens=1)
   reports its finish_reason and frees its pages at once.
   Abort frees the request wherever it is.
+  Draining (SIGTERM): no new prompt is taken; the prompts under way finish,
+  then the worker keeps lending their pages (the decode workers' pulls, the
+  ReleaseKV after each) until every lease is released or has ended, within
+  ``drain_timeout_s``; only then are the pages freed and the worker exits.
+  Pages still lent when drain_timeout_s ends are freed, and their prompts
+  recomputed where they decode.
   EmbedRequest (/v1/embeddings) is computed between engine steps (``common/runtime/embed_queue.py``).
 """
 from __future__ import annotations
@@ -34,6 +40,7 @@ class PrefillHandler(WorkerBase):
         self.computing: dict[str, tuple[Sequence, float]] = {}  # request id -> (seq, lease seconds)
         self.leases: dict[str, tuple[Sequence, float]] = {}  # request id -> (seq, expiry)
         self.embeds = EmbedQueue(self)
+        self.lending_said = False  # the drain said once that it now only waits for its pages to be pulled
 
     # ---- inbound ------------------------------------------------------------
     def handle(self, msg) -> None:
@@ -79,6 +86,11 @@ class PrefillHandler(WorkerBase):
             log.warning("KV lease of %s expired unpulled; pages freed", request_id)
             self.metrics.kv_lease_expirations.inc()
             self._release(request_id)
+        if self.draining and self.leases and not self.computing and not self.lending_said:
+            self.lending_said = True
+            log.info("draining: prompts done; lending the pages of %d requests until they are pulled or their "
+                     "lease (the proxy's kv_lease_s) ends, within drain_timeout_s=%gs of the signal",
+                     len(self.leases), self.config.drain_timeout_s)
         if self.embeds.queue:
             self.embeds.run()
         if not self.engine.has_work():
@@ -132,7 +144,11 @@ class PrefillHandler(WorkerBase):
         for request_id in [r for r in self.computing if mine(r)]:
             self.computing.pop(request_id)
             self.fail(request_id, "prefill", SPAN, reason)
-        for request_id in [r for r in self.leases if mine(r)]:
+        lent = [r for r in self.leases if mine(r)]
+        if lent and self.draining:
+            log.warning("drain_timeout_s=%gs ended with the pages of %d requests not yet pulled; freeing them (their "
+                        "prompts are recomputed where they decode)", self.config.drain_timeout_s, len(lent))
+        for request_id in lent:
             self._release(request_id)
         if only is None and self.engine.has_unfinished():
             self.engine.step()  # reports the aborts, so the engine forgets them (with ``only``: the next turn does,

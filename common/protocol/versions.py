@@ -24,7 +24,8 @@ MESSAGE_SINCE: dict[str, int] = {"EmbedRequest": 11, "EmbedResult": 11, "LoadMod
                                  "FetchTokenizer": 15, "TokenizerFiles": 15, "KVEvents": 19,
                                  "KVSnapshotRequest": 19, "KVSnapshot": 19}
 # The version that added each field (struct name -> field -> version), where it is newer than that.
-FIELD_SINCE: dict[str, dict[str, int]] = {"PrefillRequest": {"keep_s": 11}, "DecodeRequest": {"keep_s": 11},
+FIELD_SINCE: dict[str, dict[str, int]] = {"PrefillRequest": {"keep_s": 11},
+                                          "DecodeRequest": {"keep_s": 11, "source_epoch": 18},
                                           "SamplingParams": {"structured": 13},
                                           "TokenDeltas": {"step_rows": 14, "step": 14},
                                           "RequestFailed": {"code": 16}, "KVPulled": {"backend": 18},

@@ -87,8 +87,9 @@ class _Struct(msgspec.Struct, forbid_unknown_fields=True):
 
 
 # 11: EmbedRequest, EmbedResult; 12: LoadModel, Standby; 13: SamplingParams.structured; 14: TokenDeltas.step_rows,
-# step; 15: Register.tokenizer_sha256, FetchTokenizer, TokenizerFiles; 18: KVPulled.backend; 19:
-# Register.kv_events_endpoint, KVEvents, KVSnapshotRequest, KVSnapshot. Versions one apart interoperate (versions.py).
+# step; 15: Register.tokenizer_sha256, FetchTokenizer, TokenizerFiles; 18: KVPulled.backend, DecodeRequest.source_epoch;
+# 19: Register.kv_events_endpoint, KVEvents, KVSnapshotRequest, KVSnapshot. Versions one apart interoperate
+# (versions.py).
 PROTOCOL_VERSION = 19
 
 
@@ -394,6 +395,9 @@ class DecodeRequest(_Struct):
     trace_context: dict[str, str] | None = None
     cache_salt: CacheSalt = 0  # as on PrefillRequest: the blocks it caches here are its tenant's
     keep_s: Seconds = 0.0  # as on PrefillRequest
+    # With pages: the epoch of source_worker_id that lent them (PrefillDone.epoch). A decode worker that knows that
+    # worker under another epoch refuses the pull: the pages' ids mean nothing in the new process. 0: not checked.
+    source_epoch: NonNegInt = 0
 
 
 class TokenDelta(_Struct):

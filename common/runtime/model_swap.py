@@ -60,7 +60,7 @@ def load_model(worker, spec: str, name: str = "") -> None:
     worker.transfer = worker.make_transfer()
     worker.transfer_metadata = worker.transfer.register_pool(worker.engine.runner.kv_cache)
     worker.transfer_name = worker.transfer.name
-    worker.epoch = time.time_ns()
+    worker.new_epoch()
     worker.load_s = time.monotonic() - started
     log.info("worker %s: %s@%s loaded in %.2fs, KV transfer over %s", config.worker_id, worker.model_name,
              worker.model_version, worker.load_s, worker.transfer_name)

@@ -12,7 +12,6 @@ start; ``rejoin`` registers again when the proxy lost the worker (its Reregister
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 from common.protocol import wire
@@ -86,6 +85,6 @@ def rejoin(io, handler, msg: wire.Reregister) -> None:
         return
     handler.metrics.status.registered = False
     handler.fail_all("the proxy that sent this request lost this worker")
-    handler.epoch = time.time_ns()  # a new epoch: whatever the proxy still gets from the old one is stale
+    handler.new_epoch()  # whatever the proxy or a puller still has of the old one is stale
     io.registration = handler.registration()
     io.rejoin()

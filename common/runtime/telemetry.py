@@ -301,6 +301,9 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=value)
 
 
+PULL_OUTCOMES = ("ok", "retried_ok", "refused", "recomputed")
+
+
 class WorkerMetrics:
     def __init__(self, config: WorkerConfig, clock=time.monotonic) -> None:
         self.config = config
@@ -328,6 +331,14 @@ class WorkerMetrics:
             "of pulling them (kv_delta_pull)", registry=r)
         self.kv_transfer_failures = Counter("tessera_worker_kv_transfer_failures",
                                             "KV pulls that failed or never started (prompt recomputed)", registry=r)
+        self.kv_pull_outcomes = Counter(
+            "tessera_worker_kv_pull_outcomes", "KV pulls by how they ended: ok, retried_ok (the NIXL read failed and "
+            "the ZeroMQ one did not), refused (pages of a prefill worker's earlier epoch), recomputed (any other "
+            "failure); the last two recompute the prompt", ["outcome"], registry=r)
+        for outcome in PULL_OUTCOMES:
+            self.kv_pull_outcomes.labels(outcome)
+        self._pulls_failed = self._pulls_refused = 0  # since count_pulls last ran
+        self._transfer_seen: tuple[object, dict[str, int]] = (None, {})  # the backend and its outcomes then
         self.kv_lease_expirations = Counter("tessera_worker_kv_lease_expirations",
                                             "Prefill pages freed because no decode worker pulled them in time",
                                             registry=r)
@@ -372,6 +383,27 @@ class WorkerMetrics:
             self.kv_transfer_seconds.observe(seconds)
         else:
             self.kv_transfer_failures.inc()
+            self._pulls_failed += 1
+
+    def kv_pull_refused(self) -> None:
+        """A pull the decode worker refused before it started (the pages' epoch); it also fails (``kv_pulled``)."""
+        self._pulls_refused += 1
+
+    def count_pulls(self, transfer, outcomes: dict[str, int]) -> None:
+        """After each turn: ``kv_pull_outcomes`` from the transfer backend's outcome counts (``outcomes``, its
+        ``counters().outcomes``: ok, retried_ok, refused, failed) and the failures reported since the last call.
+        A failure the backend did not refuse is a recompute, whether or not the backend saw it."""
+        backend, before = self._transfer_seen
+        if backend is not transfer:  # another model's backend counts from 0
+            before = {}
+        self._transfer_seen = (transfer, outcomes)
+        new = {name: count - before.get(name, 0) for name, count in outcomes.items()}
+        refused = new.get("refused", 0) + self._pulls_refused
+        for outcome, count in (("ok", new.get("ok", 0)), ("retried_ok", new.get("retried_ok", 0)),
+                               ("refused", refused), ("recomputed", self._pulls_failed - refused)):
+            if count > 0:
+                self.kv_pull_outcomes.labels(outcome).inc(count)
+        self._pulls_failed = self._pulls_refused = 0
 
     def publish(self, engine) -> None:
         """After each turn of the compute loop: the numbers scrapes will read."""

@@ -47,4 +47,6 @@ class KVTransfer(Protocol):
     name: str
 
     def register_pool(self, kv_cache) -> bytes: ...
+    def set_epoch(self, epoch: int) -> bytes: ...  # the epoch its pages are lent under; the metadata to publish
+    def counters(self): ...  # TransferCounters: its ``outcomes`` feed tessera_worker_kv_pull_outcomes_total
     def close(self) -> None: ...

@@ -10,9 +10,11 @@ takes inbound messages, lets the role's handler act on them, steps the engine, a
 sent. A failure handling a message ends that message's request with an error; a failed engine turn gives every
 request back to the proxy (retryable: they resume elsewhere). Neither stops the worker.
 
-SIGTERM or SIGINT starts a drain: heartbeats say ``draining`` so the proxy routes nothing new here, running requests
-get ``drain_timeout_s`` to finish, then what is left is failed back to the proxy (retryable), KV held for others is
-released, a Goodbye is sent and the sockets closed. Under systemd (``Type=notify``) a worker reports READY=1 once its
+SIGTERM or SIGINT starts a drain: heartbeats say ``draining`` so the proxy routes nothing new here, and the loop
+turns on while the handler is ``busy``: running requests finish, and a prefill worker's pages lent to decode workers
+stay lent (their pulls served, released by ReleaseKV or their lease's end). All of it within ``drain_timeout_s``;
+then what is left is failed back to the proxy (retryable), KV held for others is released, a Goodbye is sent and the
+sockets closed. Under systemd (``Type=notify``) a worker reports READY=1 once its
 model is loaded and its registration acknowledged, STOPPING=1 when it drains. The signal handler only appends to a
 list (a threading.Event's lock, taken again by a second signal interrupting the first handler, deadlocked); the loop
 looks at it once per turn, at most ``idle_poll_s`` apart. Further signals change nothing.
@@ -81,7 +83,7 @@ def serve(config: WorkerConfig, handler: RoleHandler) -> None:
                 io.draining = handler.draining = handler.metrics.status.draining = True
                 drain_deadline = time.monotonic() + config.drain_timeout_s
             loaded = handler.engine is not None  # not while a worker with standby models holds none
-            if drain_deadline is not None and (not (loaded and handler.busy()) or time.monotonic() > drain_deadline):
+            if drain_deadline is not None and _drained(handler, loaded, drain_deadline, config.drain_timeout_s):
                 break
             if not _take_messages(io, handler, switch, handler.wait_s(config.idle_poll_s) if loaded else
                                   config.idle_poll_s):
@@ -104,6 +106,17 @@ def serve(config: WorkerConfig, handler: RoleHandler) -> None:
             handler.tick()  # lets the handler queue its last messages
         io.stop("drained" if signalled else "I/O failure")
         log.info("worker %s stopped", config.worker_id)
+
+
+def _drained(handler: RoleHandler, loaded: bool, deadline: float, drain_timeout_s: float) -> bool:
+    """Whether a drain is over: nothing held any more, or its time is up (said, naming the setting)."""
+    if not (loaded and handler.busy()):
+        return True
+    if time.monotonic() <= deadline:
+        return False
+    log.warning("draining: drain_timeout_s=%gs passed with requests still held; failing them back to the proxy",
+                drain_timeout_s)
+    return True
 
 
 def _take_messages(io: WorkerIO, handler: RoleHandler, switch: ModelSwitch, wait_s: float) -> bool:
@@ -206,6 +219,13 @@ class WorkerBase:
 
     def publish_metrics(self) -> None:
         self.metrics.publish(self.engine)
+        self.metrics.count_pulls(self.transfer, self.transfer.counters().outcomes)
+
+    def new_epoch(self) -> None:
+        """A new identity for the proxies: the time now; the transfer backend lends its pages under it, refusing
+        pulls of pages lent under the one before (their ids mean other KV now)."""
+        self.epoch = time.time_ns()
+        self.transfer_metadata = self.transfer.set_epoch(self.epoch)
 
     def trace_start(self, request_id: str, name: str, trace_context: dict | None) -> None:
         """Open span ``name`` of a request, a child of the proxy's span when the message carried one."""

@@ -272,7 +272,7 @@ class SubRequest:
                 self.wire_id, self.prompt, self.params, self.seed, first_token=msg.first_token,
                 source_worker_id=msg.worker_id, source_block_ids=msg.block_ids,
                 kv_lease_left_s=max(self._lease_ends - now, 0.0), first_logprob=msg.logprob,
-                first_top_logprobs=msg.top_logprobs, output_token_ids=self.output_ids[:-1],
+                first_top_logprobs=msg.top_logprobs, output_token_ids=self.output_ids[:-1], source_epoch=msg.epoch,
                 **self._tenant_fields(counter))
             self.deadline = now + self._config.requests.token_timeout_s
             self.parts.handed_off(decoder.worker_id, now)

@@ -2,7 +2,9 @@
 
 Every pull here crosses a process boundary through the backend's real
 transport (UCX for NIXL, TCP for ZeroMQ). The NIXL tests skip, saying why,
-where ``import nixl`` fails.
+where ``import nixl`` fails. A NIXL read made to fail for real (a remote
+address outside the pool the peer registered: NIXL refuses the read) is read
+again over ZeroMQ (``kv_transfer/retry.py``, what workers run where NIXL loads).
 """
 from __future__ import annotations
 
@@ -11,13 +13,16 @@ import resource
 import time
 
 import msgpack
+import msgspec
 import pytest
 import torch
 import zmq
 
 from common.engine.kv_cache import KVCache, KVLayout
-from kv_transfer.base import TransferStatus
+from kv_transfer.base import PoolMetadata, TransferStatus
 from kv_transfer.factory import make_backend
+from kv_transfer.retry import RetryingBackend, RetryMetadata
+from kv_transfer.zmq_backend import WIRE_VERSION
 from tests.transfer_backends import BACKENDS, NIXL_MISSING, PULLER_OPTIONS
 from tests.conditions import settle
 
@@ -28,6 +33,7 @@ REMOTE_IDS = [3, 4, 5, 9, 20, 21, 31]
 LOCAL_IDS = [0, 1, 2, 30, 7, 6, 12]  # contiguous, scattered and reversed runs
 WAIT_S = 60.0  # generous: the machine is shared; a hang is what these tests catch
 DEADLINE_S = 2.0
+EPOCH = 7
 
 
 
@@ -60,6 +66,45 @@ def pull(backend_name: str, metadata: bytes, conn) -> None:
     landed = pool.buffer[LOCAL_IDS].view(torch.uint8).numpy().tobytes()
     untouched = [b for b in range(NUM_BLOCKS) if b not in LOCAL_IDS]
     conn.send((int(handle.status), handle.error, landed, bool(pool.buffer[untouched].any())))
+    backend.close()
+
+
+def serve_retrying(conn) -> None:
+    """A prefill process as workers run where NIXL loads: NIXL, and ZeroMQ for retries."""
+    backend = RetryingBackend(make_backend("nixl"), make_backend("zmq"))
+    backend.register_pool(source_pool())
+    conn.send(backend.set_epoch(EPOCH))
+    conn.poll(WAIT_S)
+    backend.close()
+
+
+def with_bad_nixl_address(metadata: bytes) -> bytes:
+    """The peer's metadata with its NIXL pool's base address moved past the memory it registered."""
+    from kv_transfer.nixl_backend import NixlMetadata
+
+    envelope = msgspec.msgpack.decode(metadata, type=PoolMetadata)
+    fields = msgspec.msgpack.decode(envelope.fields, type=RetryMetadata)
+    primary = msgspec.msgpack.decode(fields.primary, type=PoolMetadata)
+    nixl = msgspec.msgpack.decode(primary.fields, type=NixlMetadata)
+    nixl = msgspec.structs.replace(nixl, base=nixl.base + (1 << 40))
+    primary = msgspec.structs.replace(primary, fields=msgspec.Raw(msgspec.msgpack.encode(nixl)))
+    fields = msgspec.structs.replace(fields, primary=msgspec.msgpack.encode(primary))
+    return msgspec.msgpack.encode(msgspec.structs.replace(envelope, fields=msgspec.Raw(msgspec.msgpack.encode(fields))))
+
+
+def pull_retrying(metadata: bytes, conn) -> None:
+    """The decode process: pull REMOTE_IDS into LOCAL_IDS; send back status, error, whether it was read again, the
+    outcome counts and the landed bytes."""
+    backend = RetryingBackend(make_backend("nixl", progress_thread=False), make_backend("zmq"))
+    pool = KVCache(LAYOUT, NUM_BLOCKS)
+    backend.register_pool(pool)
+    backend.add_peer("prefill", metadata)
+    handle = backend.start_pull("req-1", "prefill", REMOTE_IDS, LOCAL_IDS, WAIT_S)
+    while not backend.poll(handle).terminal:
+        time.sleep(0.0005)
+    backend.release(handle)
+    landed = pool.buffer[LOCAL_IDS].view(torch.uint8).numpy().tobytes()
+    conn.send((int(handle.status), handle.error, handle.retried, backend.counters().outcomes, landed))
     backend.close()
 
 
@@ -140,6 +185,27 @@ def test_a_peer_dead_before_it_is_added_is_refused_or_fails_its_pulls(backend_na
 
 
 @pytest.mark.skipif(bool(NIXL_MISSING), reason=NIXL_MISSING or "-")
+@pytest.mark.parametrize("nixl_read", ["works", "fails"])
+def test_a_failed_nixl_read_is_read_again_over_zmq(nixl_read):
+    prefill, to_prefill = start(serve_retrying)
+    try:
+        metadata = receive(to_prefill, prefill)
+        if nixl_read == "fails":
+            metadata = with_bad_nixl_address(metadata)
+        decode, from_decode = start(pull_retrying, metadata)
+        status, error, retried, outcomes, landed = receive(from_decode, decode)
+        decode.join(WAIT_S)
+    finally:
+        to_prefill.send("stop")
+        prefill.join(WAIT_S)
+    assert TransferStatus(status) == TransferStatus.DONE, error
+    assert landed == source_pool().buffer[REMOTE_IDS].view(torch.uint8).numpy().tobytes()
+    assert retried == (nixl_read == "fails")
+    assert outcomes == {**dict.fromkeys(outcomes, 0), "retried_ok" if retried else "ok": 1}
+    assert decode.exitcode == 0 and prefill.exitcode == 0
+
+
+@pytest.mark.skipif(bool(NIXL_MISSING), reason=NIXL_MISSING or "-")
 def test_idle_nixl_progress_thread_does_not_spin():
     # Guards the progress-delay setting: NIXL's stock thread burns a whole core while idle.
     backend = make_backend("nixl")
@@ -167,10 +233,11 @@ def test_zmq_server_drops_malformed_requests_and_keeps_serving():
     puller.register_pool(local)
     try:
         raw.send_multipart([b"\x01", b"not msgpack"])
-        raw.send_multipart([b"\x01", msgpack.packb({"v": 3, "id": "x", "segments": [[0, "1"]]})])
+        raw.send_multipart([b"\x01", msgpack.packb({"v": WIRE_VERSION, "id": "x", "segments": [[0, "1"]]})])
         raw.send_multipart([b"\x01", msgpack.packb({"v": 2, "id": "w", "runs": [[0, 1]]})])
         raw.send(b"one frame")
-        raw.send_multipart([b"\x01", msgpack.packb({"v": 3, "id": "y", "segments": [[pool.nbytes - 1, 2]]})])
+        raw.send_multipart([b"\x01", msgpack.packb({"v": WIRE_VERSION, "id": "y",
+                                                    "segments": [[pool.nbytes - 1, 2]]})])
         assert raw.poll(WAIT_S * 1000), "a well-formed request outside the pool got no answer"
         kind, header = raw.recv_multipart()
         assert kind == b"\x03" and msgpack.unpackb(header)["id"] == "y"

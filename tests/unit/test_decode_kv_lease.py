@@ -1,4 +1,5 @@
-"""A decode worker never uses pages pulled past their lease, and the delayed-pull fault injection.
+"""A decode worker never uses pages pulled past their lease or lent under an earlier epoch, and the delayed-pull
+fault injection.
 
 The prefill worker frees lent pages ``kv_lease_s`` after PrefillDone and may hand them to the next prompt;
 the proxy tells the decode worker how much of the lease is left (``kv_lease_left_s``). A pull that cannot
@@ -70,10 +71,18 @@ def decode_worker(model_dir, prefill, **settings):
     return decode, sent
 
 
-def decode_request(done: wire.PrefillDone, request_id: str, lease_left_s: float | None) -> wire.DecodeRequest:
+def decode_request(done: wire.PrefillDone, request_id: str, lease_left_s: float | None,
+                   source_epoch: int = 0) -> wire.DecodeRequest:
     return wire.DecodeRequest(request_id, PROMPT, PARAMS, seed=1, first_token=done.first_token,
                               source_worker_id="prefill-0", source_block_ids=done.block_ids,
-                              kv_lease_left_s=lease_left_s)
+                              kv_lease_left_s=lease_left_s, source_epoch=source_epoch)
+
+
+def pull_outcomes(decode) -> dict[str, float]:
+    decode.publish_metrics()
+    return {outcome: decode.metrics.registry.get_sample_value("tessera_worker_kv_pull_outcomes_total",
+                                                              {"outcome": outcome})
+            for outcome in ("ok", "retried_ok", "refused", "recomputed")}
 
 
 def run_out(decode, sent) -> tuple[list[int], list[wire.KVPulled]]:
@@ -125,5 +134,26 @@ def test_a_delayed_pull_starts_late_and_an_abort_meanwhile_frees_its_blocks(tiny
     tokens, pulls = run_out(decode, sent)
     assert [p.request_id for p in pulls] == ["kept"] and pulls[0].ok  # the aborted one never pulled
     assert len(tokens) == PARAMS.max_tokens - 1  # the kept one ran on (its first token came from the prefill)
+    assert decode.engine.block_manager.num_used_blocks == 0
+    decode.transfer.close()
+
+
+def test_pages_of_an_earlier_epoch_of_the_prefill_worker_are_refused_and_recomputed(tiny_chat_model_dir, prefilled,
+                                                                                    clock):
+    prefill, done = prefilled
+    assert done.epoch == prefill.epoch
+    decode, sent = decode_worker(tiny_chat_model_dir, prefill)
+    decode.handle(decode_request(done, "this-epoch", None, source_epoch=done.epoch))
+    expected, (pulled,) = run_out(decode, sent)
+    assert pulled.ok
+    assert pull_outcomes(decode) == {"ok": 1, "retried_ok": 0, "refused": 0, "recomputed": 0}
+
+    sent.clear()
+    decode.handle(decode_request(done, "earlier-epoch", None, source_epoch=done.epoch - 1))
+    assert not decode.pulls  # refused before a byte was read
+    tokens, (pulled,) = run_out(decode, sent)
+    assert not pulled.ok and f"epoch {done.epoch - 1}" in pulled.error and "refused" in pulled.error, pulled
+    assert tokens == expected  # recomputed here, from the prompt
+    assert pull_outcomes(decode) == {"ok": 1, "retried_ok": 0, "refused": 1, "recomputed": 0}
     assert decode.engine.block_manager.num_used_blocks == 0
     decode.transfer.close()
