@@ -35,7 +35,8 @@ TESSERA_COMPONENTS = ("proxy", "prefill", "decode")
 WORKER_ROLES = ("prefill", "decode")
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 # What the downward API would give a pod, for loading the configs with the pod's overrides.
-POD_FIELDS = {"metadata.name": "tessera-decode-7d9c5b7f6-x2x8q", "status.podIP": "10.42.1.17"}
+POD_FIELDS = {"metadata.name": "tessera-decode-7d9c5b7f6-x2x8q", "status.podIP": "10.42.1.17",
+              "spec.nodeName": "node-a"}
 
 
 def kubectl() -> str:

@@ -5,7 +5,9 @@ worker's ``proxy_address``: replies go to the sender, common/runtime/proxy_links
 heartbeats (free blocks, running sequences and the profile's step model, as a real worker reports its own fit), and
 serves PrefillRequest, DecodeRequest, ReleaseKV and Abort as the real workers do, with ``SimEngine`` (bench.sim.
 engine) deciding what each step runs and how long it takes. A prefill worker holds a prompt's pages until
-ReleaseKV, Abort or its lease ends; a decode worker "pulls" them (``transfer_gbps``) and reports KVPulled.
+ReleaseKV, Abort or its lease ends; a decode worker "pulls" them (``transfer_gbps``) and reports KVPulled. Each
+publishes its block manager's KV events on a PUB socket of its own and answers KVSnapshotRequest, as a real worker
+does (common/runtime/kv_events.py), so the proxies route on what it holds.
 
 ``SimHost`` runs many of them in one thread: one poller over their sockets, one heap of timers (steps,
 heartbeats, pulls, leases). It measures how late each timer runs (its loop's lag): a simulated step's timing
@@ -32,10 +34,11 @@ import zmq
 
 from bench.sim.engine import FIRST_TOKEN_ID, TOKEN_RANGE, SimEngine, SimSequence
 from bench.sim.profile import StepProfile
-from common.protocol.wire import Peers, Register, RegisterAck, Reregister, Tune
+from common.protocol.wire import KVSnapshotRequest, Peers, Register, RegisterAck, Reregister, Tune
 from common.protocol.wire import (Abort, DecodeRequest, Goodbye, Heartbeat, KVLayoutInfo, KVPulled, PrefillDone,
                                   PrefillRequest, ReleaseKV, StepCostModel, TokenDelta, TokenDeltas, WireError,
                                   decode, encode)
+from common.runtime.kv_events import KVEventPublisher
 from common.runtime.proxy_links import Owners, proxy_addresses
 from common.runtime.zmq_security import Waker
 
@@ -88,13 +91,15 @@ class SimWorker:
         self.step_seconds: deque[float] = deque(maxlen=4096)  # recent steps' durations, for the lag's yardstick
         self.requests = 0
         self.tokens = 0
+        self.kv_events: KVEventPublisher | None = None  # bound by ``start``
 
     # -- life cycle ------------------------------------------------------------------------------------
 
     def register_message(self) -> Register:
         s = self.spec
         return Register(s.worker_id, s.role, self.epoch, s.model, s.model_version, s.kv_layout, s.num_blocks,
-                        s.max_model_len, "sim", b"sim:" + s.worker_id.encode(), max_num_seqs=s.max_num_seqs)
+                        s.max_model_len, "sim", b"sim:" + s.worker_id.encode(), max_num_seqs=s.max_num_seqs,
+                        kv_events_endpoint=self.kv_events.endpoint if self.kv_events is not None else "")
 
     @property
     def registered(self) -> bool:
@@ -102,6 +107,11 @@ class SimWorker:
         return all(self.links_registered)
 
     def start(self, context: zmq.Context) -> None:
+        pub = context.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind("tcp://127.0.0.1:*")
+        self.kv_events = KVEventPublisher(None, pub, "127.0.0.1")  # the host's context: it outlives the socket
+        self.engine.blocks.record_kv_events()
         for address in proxy_addresses(self.endpoint):
             sock = context.socket(zmq.DEALER)
             sock.setsockopt(zmq.IDENTITY, self.spec.worker_id.encode())
@@ -121,6 +131,9 @@ class SimWorker:
                 self._send(sock, part)
 
     def _send(self, sock: zmq.Socket, msg) -> None:
+        stored, removed = self.engine.blocks.take_kv_events()  # a request's blocks go out before its messages
+        if (stored or removed) and self.kv_events is not None:
+            self.kv_events.publish(self.spec.worker_id, self.epoch, stored, removed, fresh=False)
         try:
             sock.send_multipart(encode(msg), zmq.NOBLOCK)
         except zmq.Again:
@@ -154,6 +167,8 @@ class SimWorker:
             self.send(Goodbye(self.spec.worker_id, self.epoch, "stopping"))
         for sock in self.sockets:
             sock.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     # -- messages --------------------------------------------------------------------------------------
 
@@ -192,6 +207,10 @@ class SimWorker:
                 log.error("%s: the proxy refused it: %s", self.spec.worker_id, msg.reason)
         elif isinstance(msg, Reregister):
             self.send(self.register_message(), link)
+        elif isinstance(msg, KVSnapshotRequest):
+            snapshot = self.kv_events.snapshot(self.spec.worker_id, self.epoch, msg)
+            if snapshot is not None:
+                self.send(snapshot, link)
         elif not isinstance(msg, (Peers, Tune)):
             log.debug("%s: ignored a %s", self.spec.worker_id, type(msg).__name__)
         self.kick()

@@ -415,6 +415,10 @@ class WorkerConfig:
     heartbeat_interval_s: Float = option(1.0, "how often the worker reports its load to the proxy", gt=0)
     register_timeout_s: Float = option(30.0, "longest wait for the proxy to acknowledge registration", gt=0)
     kv_pull_timeout_s: Float = option(30.0, "deadline of one KV pull from a prefill worker", gt=0)
+    host_name: Str = option(
+        "", "the host this worker runs on, as the proxy pairs prefill and decode workers: a prefilled request goes "
+        "to a decode worker of its prefill worker's host when one has room, so its pages move over shared memory "
+        "rather than the network; empty: this machine's host name")
     kv_delta_pull: Bool = option(
         True, "a decode worker pulls only the prompt blocks its own prefix cache (and host tier) lacks, so a "
         "conversation's next turn moves its new tokens rather than its whole history; false: every block, always")
@@ -442,6 +446,10 @@ class WorkerConfig:
                               "address (comma-separated ZeroMQ addresses, one per proxy)")
         if not self.worker_id:
             object.__setattr__(self, "worker_id", f"{socket.gethostname()}-{self.role}-{os.getpid()}")
+        if not self.host_name:
+            object.__setattr__(self, "host_name", socket.gethostname())
+        if len(self.host_name) > 255:
+            raise ConfigError(f"config field 'host_name' is {len(self.host_name)} characters long: at most 255")
         if not self.observability.otel_service_name:
             object.__setattr__(self, "observability",
                                dataclasses.replace(self.observability, otel_service_name=f"tessera-{self.role}"))

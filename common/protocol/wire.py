@@ -88,8 +88,8 @@ class _Struct(msgspec.Struct, forbid_unknown_fields=True):
 
 # 11: EmbedRequest, EmbedResult; 12: LoadModel, Standby; 13: SamplingParams.structured; 14: TokenDeltas.step_rows,
 # step; 15: Register.tokenizer_sha256, FetchTokenizer, TokenizerFiles; 18: KVPulled.backend, DecodeRequest.source_epoch;
-# 19: Register.kv_events_endpoint, KVEvents, KVSnapshotRequest, KVSnapshot. Versions one apart interoperate
-# (versions.py).
+# 19: Register.kv_events_endpoint, kv_events_public_key, host, KVEvents, KVSnapshotRequest, KVSnapshot. Versions
+# one apart interoperate (versions.py).
 PROTOCOL_VERSION = 19
 
 
@@ -171,6 +171,11 @@ class Register(_Struct):
     tensor_parallel_size: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
     # where it publishes KVEvents (a ZeroMQ PUB endpoint, tcp://host:port); "": it publishes none
     kv_events_endpoint: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    # with CURVE: that socket's public key (z85), which the proxies pin as its server key; "": CURVE off
+    kv_events_public_key: Annotated[str, msgspec.Meta(pattern="^([0-9A-Za-z.:+=^!/*?&<>()\\[\\]{}@%$#-]{40})?$")] = ""
+    # the host it runs on (worker.host_name): the proxy pairs prefill and decode workers of one host, whose pages
+    # then move over shared memory rather than the network; "": not reported
+    host: Annotated[str, msgspec.Meta(max_length=255)] = ""
 
 
 class Standby(_Struct):

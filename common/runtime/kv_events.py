@@ -15,8 +15,9 @@ Two halves, on two threads:
 The socket is bound in the main thread at start (``bind``: its endpoint goes in the Register) and used only by the
 I/O thread afterwards. PUB never waits: past ZeroMQ's high-water mark a batch is dropped, its subscribers see the
 gap and ask for a snapshot. Every proxy subscribes (PUB fans out) and asks for its own snapshot on its own link.
-With CURVE configured the worker publishes nothing (its Register names no endpoint): the proxies do not hold the
-workers' public keys to connect as CURVE clients.
+With CURVE configured the socket is a CURVE server with the worker's own keys, letting in the proxy's public key
+alone (``curve_proxy_public_key_file``); its Register names its public key, which each proxy pins as the server
+key of that connection.
 """
 from __future__ import annotations
 
@@ -26,14 +27,19 @@ import socket
 import zmq
 
 from common.protocol import wire
+from common.runtime.zmq_security import WorkerCurve, apply_curve_server, start_key_authenticator
 
 log = logging.getLogger(__name__)
 
 
 class KVEventPublisher:
-    def __init__(self, context: zmq.Context, pub: zmq.Socket, advertise_host: str) -> None:
+    def __init__(self, context: zmq.Context | None, pub: zmq.Socket, advertise_host: str, public_key: str = "",
+                 authenticator=None) -> None:
+        """``context``: the socket's, which ``close`` ends; None: a context its owner ends (simulated workers)."""
         self._context = context
         self._socket = pub
+        self.public_key = public_key  # z85, with CURVE on: the proxies' server key for this socket
+        self._authenticator = authenticator
         port = pub.getsockopt_string(zmq.LAST_ENDPOINT).rpartition(":")[2]
         self.endpoint = f"tcp://{advertise_host}:{port}"  # what the proxies connect to
         self._held: set[int] = set()
@@ -41,20 +47,29 @@ class KVEventPublisher:
         self._seq = 0
 
     @classmethod
-    def bind(cls, host: str, port: int) -> "KVEventPublisher":
-        """A PUB socket on ``host``:``port`` (0: any free port); raises naming the settings when it cannot bind. A
-        wildcard host is advertised as this host's name, as the zmq KV transfer server's is."""
+    def bind(cls, host: str, port: int, curve: WorkerCurve | None = None) -> "KVEventPublisher":
+        """A PUB socket on ``host``:``port`` (0: any free port), a CURVE server with ``curve`` (the worker's keys)
+        that lets in the proxy's key alone; raises naming the settings when it cannot bind. A wildcard host is
+        advertised as this host's name, as the zmq KV transfer server's is."""
         context = zmq.Context()
+        authenticator = None
+        if curve is not None:
+            authenticator = start_key_authenticator(context, {curve.proxy_public}, "the KV event socket")
         pub = context.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            apply_curve_server(pub, curve.keys)
         try:
             pub.bind(f"tcp://{host}:{port or '*'}")
         except zmq.ZMQError as exc:
             pub.close()
+            if authenticator is not None:
+                authenticator.stop()
             context.term()
             raise RuntimeError(f"cannot bind the KV event socket on transfer_host={host!r}, kv_events_port={port}: "
                                f"{exc}") from exc
-        return cls(context, pub, socket.gethostname() if host in ("0.0.0.0", "*", "::") else host)
+        return cls(context, pub, socket.gethostname() if host in ("0.0.0.0", "*", "::") else host,
+                   curve.keys.public.decode() if curve is not None else "", authenticator)
 
     def publish(self, worker_id: str, epoch: int, stored: list[int], removed: list[int], fresh: bool) -> None:
         """Apply one batch of the block manager's changes and publish it; ``fresh``: a new block manager, whose
@@ -89,7 +104,10 @@ class KVEventPublisher:
 
     def close(self) -> None:
         self._socket.close()
-        self._context.term()
+        if self._authenticator is not None:
+            self._authenticator.stop()
+        if self._context is not None:
+            self._context.term()
 
 
 class KVEventFeed:

@@ -36,6 +36,7 @@ def registration(worker) -> wire.Register:
         max_num_seqs=config.engine.max_num_seqs, core_group=core_group(config.core_share),
         standby=list(worker.standby), load_s=worker.load_s, tokenizer_sha256=worker.tokenizer_sha256,
         tensor_parallel_size=config.engine.tensor_parallel_size, kv_events_endpoint=worker.kv_events_endpoint,
+        kv_events_public_key=worker.kv_events_public_key, host=config.host_name,
         **({} if config.engine.spec.method == "off" else {
             "spec_num_tokens": config.engine.spec.num_tokens,
             "spec_max_batch_size": config.engine.spec.max_batch_size}),

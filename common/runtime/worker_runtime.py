@@ -47,6 +47,7 @@ from common.runtime.telemetry import WorkerMetrics, request_scope
 from common.runtime.tracing import make_tracing
 from common.runtime.worker_contracts import KVTransfer, Load, RoleHandler
 from common.runtime.worker_io import LinkLost, WorkerIO
+from common.runtime.zmq_security import worker_curve
 
 log = logging.getLogger(__name__)
 
@@ -55,15 +56,12 @@ def serve(config: WorkerConfig, handler: RoleHandler) -> None:
     """Run a worker until SIGTERM/SIGINT (then drain) or until its I/O fails."""
     signalled: list[int] = []
     switch = ModelSwitch(config, handler, signalled)
-    publisher = None
-    if config.security.curve_secret_key_file:  # the proxies could not authenticate it (kv_events.py)
-        log.info("KV events are off: CURVE is configured and the PUB socket has no CURVE keys")
-    else:
-        publisher = KVEventPublisher.bind(config.transfer_host, config.kv_events_port)
-        handler.kv_events_endpoint = publisher.endpoint
+    publisher = KVEventPublisher.bind(config.transfer_host, config.kv_events_port, worker_curve(config))
+    handler.kv_events_endpoint = publisher.endpoint
+    handler.kv_events_public_key = publisher.public_key
     io = switch.io = WorkerIO(config, handler.registration(), handler.metrics, handler.engine.model_dir, publisher)
     kv_feed = KVEventFeed(handler, io)
-    handler.bind(kv_feed.send if publisher is not None else io.send)
+    handler.bind(kv_feed.send)
     # Left in place after serve returns: a late signal must not cut the cleanup (the transfer agent closing) short.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: signalled.append(signum))
@@ -95,8 +93,7 @@ def serve(config: WorkerConfig, handler: RoleHandler) -> None:
                 handler.metrics.status.tick()
                 continue
             _turn(handler)
-            if publisher is not None:
-                kv_feed.flush()
+            kv_feed.flush()
             io.load = handler.load()
             handler.metrics.status.registered = io.registered.is_set()
             handler.publish_metrics()
@@ -189,6 +186,7 @@ class WorkerBase:
         self.make_transfer = make_transfer
         self.standby: list[str] = []  # the other models it may load (ModelSwitch), announced at registration
         self.kv_events_endpoint = ""  # where it publishes KV events (serve binds it), announced at registration
+        self.kv_events_public_key = ""  # that socket's CURVE public key (z85), with CURVE on
         load_model(self, config.engine.model, config.model_name)  # engine, transfer agent, identity, epoch
         self._send = None
         # Held for each engine step (``with self.cores``) where co-located workers time-share the cores.

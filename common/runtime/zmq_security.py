@@ -161,13 +161,19 @@ class _KeyRing:
 def start_authenticator(context: zmq.Context, server: CurveServer, what: str):
     """Start the ZAP handler of ``context`` (asyncio or threaded, to match it); returns it, to ``stop()``."""
     keys = load_authorized_keys(str(server.authorized_keys_dir), "security.curve_authorized_keys_dir")
+    auth = start_key_authenticator(context, keys, what)
+    log.info("%s: CURVE on, %d authorized public key(s) from %s", what, len(keys), server.authorized_keys_dir)
+    return auth
+
+
+def start_key_authenticator(context: zmq.Context, keys: set[bytes], what: str):
+    """Start the ZAP handler of ``context`` letting in the CURVE clients of ``keys`` alone; returns it."""
     if isinstance(context, zmq.asyncio.Context):
         auth = AsyncioAuthenticator(context, log=log.getChild("zap"))
     else:
         auth = ThreadAuthenticator(context, log=log.getChild("zap"))
     auth.start()
     auth.configure_curve_callback(domain="*", credentials_provider=_KeyRing(keys, what))
-    log.info("%s: CURVE on, %d authorized public key(s) from %s", what, len(keys), server.authorized_keys_dir)
     return auth
 
 

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from common.runtime.telemetry import bind_request, request_scope
 from common.config.roles import ProxyConfig
 from common.runtime.tracing import make_tracing
+from common.runtime.zmq_security import proxy_curve
 from common.protocol.sampling_params import SamplingParams
 from common.protocol.versions import STRUCTURED_SINCE
 from common.protocol.wire import (PROTOCOL_VERSION, Abort, DecodeRequest, EmbedResult, Goodbye, Heartbeat, KVPulled,
@@ -45,7 +46,7 @@ from proxy.cluster.model_loading import ModelLoader
 from proxy.core.workers import WorkerRegistry, WorkerState
 from proxy.core.requests import Sends, Stage, SubRequest
 from proxy.cluster.request_group import EventSink, RequestGroup
-from proxy.core.routing import RoutingPolicy
+from proxy.core.routing import RoutingPolicy, same_host
 from proxy.control.limits import CapacityLimits
 from proxy.control.slo import SloControls
 from proxy.control.tac import AdaptiveController
@@ -80,7 +81,9 @@ class Cluster:
         self.loader = ModelLoader(config, self.registry, self.send, metrics, self.inflight.values(), self.peer_versions,
                                   clock)
         self.tokenizers = TokenizerFetcher(config, self.send, metrics, self.peer_versions, clock=clock)
-        self.kv_events = KVEventSubscriber(policy.index, metrics.registry, self.send, clock)  # started by the app
+        curve = proxy_curve(config)
+        self.kv_events = KVEventSubscriber(policy.index, metrics.registry, self.send, clock,  # started by the app
+                                           curve.keys if curve is not None else None)
         self.draining = False
         self._clock = clock
         self._outbox: Outbox | None = None
@@ -284,9 +287,12 @@ class Cluster:
             routed = self.registry.workers.get(sub.route.worker.worker_id)
             decoder = routed if routed is sub.route.worker and not routed.draining else None
         tokens = sub.tokens
-        decoder = decoder or self.policy.pick_decode(tokens, self._candidates(sub), sub.cache_salt)
+        source = None if sub.local else self.registry.workers.get(sub.prefill_worker)
+        decoder = decoder or self.policy.pick_decode(tokens, self._candidates(sub), sub.cache_salt, source)
         if decoder is None:
             return sub.reject(self._unavailable("no decode worker is available to continue the request"))
+        if source is not None:
+            self.metrics.kv_pairings.labels("same_host" if same_host(source, decoder) else "cross_host").inc()
         self.policy.decode_sent(decoder, tokens, session=sub.session)
         return sub.start_decode(decoder, self.admission.counters[sub.tenant], now)
 
@@ -413,7 +419,7 @@ class Cluster:
         worker = outcome.worker
         if worker is None:
             return
-        self.kv_events.watch(worker.worker_id, msg.epoch, msg.kv_events_endpoint, now)
+        self.kv_events.watch(worker.worker_id, msg.epoch, msg.kv_events_endpoint, now, msg.kv_events_public_key)
         self.loader.registered(msg)
         self.metrics.set_worker_kv(worker.worker_id, worker.num_blocks, worker.free_blocks)
         self._update_worker_gauges()

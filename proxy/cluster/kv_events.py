@@ -4,7 +4,9 @@ index (``proxy/core/kv_index.py``) that routing reads.
 
 ``Cluster`` calls ``watch`` at a worker's Register (connect, and ask for its snapshot), ``forget`` when it is gone
 (disconnect, drop its entries) and ``on_snapshot`` with the KVSnapshot a worker answers on the link; this task
-applies each KVEvents as it arrives. The snapshot requests the index returns (a new epoch, a gap, one unanswered
+applies each KVEvents as it arrives. With CURVE (the proxy's ``curve_*`` keys) each connection is a CURVE client
+with the proxy's keys that pins the worker's socket key from its Register (``kv_events_public_key``); a worker
+that names none is not subscribed to (its blocks are unknown: routing then goes by load). The snapshot requests the index returns (a new epoch, a gap, one unanswered
 within ``heartbeat_timeout_s``: ``resend_overdue``) go out through the cluster's ``send``. A malformed frame is
 logged, counted and dropped. Counts: ``tessera_proxy_kv_events_total`` by outcome, ``tessera_proxy_kv_snapshots_total``
 by outcome, ``tessera_proxy_kv_index_blocks`` per worker, and the index's accuracy:
@@ -22,6 +24,7 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from common.protocol.wire import KVEvents, KVSnapshot, WireError, decode
+from common.runtime.zmq_security import KeyPair, apply_curve_client
 from proxy.core.kv_index import KVIndex
 
 log = logging.getLogger("tessera.proxy")
@@ -29,9 +32,12 @@ log = logging.getLogger("tessera.proxy")
 
 class KVEventSubscriber:
     def __init__(self, index: KVIndex, registry: CollectorRegistry, send: Callable[[str, object], None],
-                 clock: Callable[[], float]) -> None:
-        """``send(worker_id, message)``: the cluster's, for the snapshot requests; ``clock``: the cluster's."""
+                 clock: Callable[[], float], curve: KeyPair | None = None) -> None:
+        """``send(worker_id, message)``: the cluster's, for the snapshot requests; ``clock``: the cluster's;
+        ``curve``: the proxy's CURVE keys, None with CURVE off."""
         self.index = index
+        self._curve = curve
+        self._server_keys: dict[str, bytes] = {}  # worker id -> its socket's CURVE public key, with CURVE on
         self._send = send
         self._clock = clock
         self._endpoints: dict[str, str] = {}  # worker id -> the endpoint its Register named
@@ -54,8 +60,8 @@ class KVEventSubscriber:
         self._socket = self._context.socket(zmq.SUB)
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
         self._socket.setsockopt(zmq.LINGER, 0)
-        for endpoint in self._endpoints.values():
-            self._socket.connect(endpoint)
+        for worker_id, endpoint in self._endpoints.items():
+            self._connect(worker_id, endpoint)
         self._task = asyncio.create_task(self._receive(), name="kv-events")
 
     async def close(self) -> None:
@@ -68,24 +74,39 @@ class KVEventSubscriber:
             self._context.term()
             self._socket = self._context = None
 
-    def watch(self, worker_id: str, epoch: int, endpoint: str, now: float) -> None:
-        """A worker registered: subscribe to its endpoint ("": it publishes none) and ask for its snapshot."""
+    def watch(self, worker_id: str, epoch: int, endpoint: str, now: float, public_key: str = "") -> None:
+        """A worker registered: subscribe to its endpoint ("": it publishes none) and ask for its snapshot;
+        ``public_key``: its socket's CURVE key (z85), which a proxy with CURVE on needs."""
+        if endpoint and self._curve is not None and not public_key:
+            log.warning("worker %r names no CURVE key for its KV events while this proxy's CURVE is on: it is "
+                        "routed without knowing its blocks", worker_id)
+            endpoint = ""
+        key = public_key.encode() if self._curve is not None and endpoint else None
         old = self._endpoints.get(worker_id)
-        if old != endpoint:
+        if old != endpoint or key != self._server_keys.get(worker_id):
             if old is not None and self._socket is not None:
                 self._socket.disconnect(old)
+            self._endpoints.pop(worker_id, None)
+            self._server_keys.pop(worker_id, None)
             if endpoint:
                 self._endpoints[worker_id] = endpoint
+                if key is not None:
+                    self._server_keys[worker_id] = key
                 if self._socket is not None:
-                    self._socket.connect(endpoint)
-            else:
-                self._endpoints.pop(worker_id, None)
+                    self._connect(worker_id, endpoint)
         if not endpoint:
             self.forget(worker_id)
             return
         self._ask(self.index.track(worker_id, epoch, now))
 
+    def _connect(self, worker_id: str, endpoint: str) -> None:
+        """Connect to one worker's socket; with CURVE pinning its key (options apply per connect)."""
+        if self._curve is not None:
+            apply_curve_client(self._socket, self._curve, self._server_keys[worker_id])
+        self._socket.connect(endpoint)
+
     def forget(self, worker_id: str) -> None:
+        self._server_keys.pop(worker_id, None)
         endpoint = self._endpoints.pop(worker_id, None)
         if endpoint is not None and self._socket is not None:
             self._socket.disconnect(endpoint)

@@ -27,9 +27,14 @@ epoch are gone from the index the moment it registers again.
   tokens it does not hold). Outstanding = proxy-tracked tokens of prompts sent and not yet done, plus the
   heartbeat's value. An idle cluster thus keeps a shared prefix on one worker, and a busy one spills to the
   others instead of queueing behind the cache.
-- Decode (``pick_decode``, and the worker that prefills locally): below its TPOT capacity first, then the one
-  holding the most of the prompt's leading blocks (it pulls only those it lacks), then most free blocks, then
-  fewest running. Both counts add what the proxy sent since the worker's last heartbeat, so a burst between two
+- Decode (``pick_decode``, and the worker that prefills locally): below its TPOT capacity first, then least
+  (blocks it must fill - its free blocks), in blocks: the prompt's blocks it lacks (it pulls only those, so the
+  more of the prompt it holds the fewer), each counted once when it runs on the host of the prefill worker that
+  holds the pages (``WorkerState.host``, from ``worker.host_name``: shared memory) and ``CROSS_HOST_PULL_COST``
+  times when it does not, or when it must compute them itself (local prefill); then fewest running. So a
+  conversation's history draws its next turn to the worker holding it, a shared system prompt's block or two
+  does not pile every request onto one worker, and a prefill worker's pages go to a decode worker of its own
+  host unless one elsewhere already holds nearly all of them or has far more room. Both counts add what the proxy sent since the worker's last heartbeat, so a burst between two
   heartbeats spreads instead of piling onto one worker.
 - Conditional disaggregation, on the *uncached suffix* on that decode worker (the prompt's tokens it does not
   hold): with ``local_prefill_threshold`` >= 0, a suffix shorter than it prefills there (0: never), and every
@@ -67,6 +72,9 @@ from proxy.core.workers import WorkerState
 MAX_SESSIONS = 100_000  # conversations remembered at once; past it the oldest is forgotten
 DERIVED = -1  # local_prefill_threshold: the break-even of the measured costs
 PULL_RATE_WEIGHT = 0.2  # of each pull in the moving average of a decode worker's pull rate
+# A page pulled from another host costs this many pulled on one: a shared-memory read moved 14-20 GB/s here, TCP
+# between hosts 0.4-1.3 GB/s (../shared/NOTES-nixl.md); the order of the decode candidates is what it sets.
+CROSS_HOST_PULL_COST = 16
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "fp8": 1}
 
 
@@ -82,8 +90,8 @@ class RoutingPolicy(Protocol):
 
     def route(self, prompt: Sequence[int], workers: Sequence[WorkerState], cache_salt: int = 0,
               session: str | None = None) -> Route | None: ...
-    def pick_decode(self, prompt: Sequence[int], workers: Sequence[WorkerState],
-                    cache_salt: int = 0) -> WorkerState | None: ...
+    def pick_decode(self, prompt: Sequence[int], workers: Sequence[WorkerState], cache_salt: int = 0,
+                    source: WorkerState | None = None) -> WorkerState | None: ...
     def prefill_sent(self, worker: WorkerState, prompt: Sequence[int]) -> None: ...
     def prefill_ended(self, worker_id: str, num_tokens: int) -> None: ...
     def outstanding_prefill_tokens(self, worker_id: str) -> int: ...
@@ -152,10 +160,11 @@ class PrefixAwareRouting:
             return Route(decoder, True, view.cached_tokens(decoder))
         return Route(prefiller, False, view.cached_tokens(prefiller))
 
-    def pick_decode(self, prompt: Sequence[int], workers: Sequence[WorkerState],
-                    cache_salt: int = 0) -> WorkerState | None:
+    def pick_decode(self, prompt: Sequence[int], workers: Sequence[WorkerState], cache_salt: int = 0,
+                    source: WorkerState | None = None) -> WorkerState | None:
+        """The decode worker for a prompt prefilled on ``source`` (None: prefilled nowhere yet)."""
         decoders = [w for w in workers if w.decode_capable and not w.draining]
-        return self._best_decoder(_Prompt(prompt, cache_salt, self.index), decoders) if decoders else None
+        return self._best_decoder(_Prompt(prompt, cache_salt, self.index), decoders, source) if decoders else None
 
     def prefill_sent(self, worker: WorkerState, prompt: Sequence[int]) -> None:
         self._prefill_tokens[worker.worker_id] += len(prompt)
@@ -205,10 +214,13 @@ class PrefixAwareRouting:
         """Proxy-tracked tokens of prompts sent to ``worker_id`` and not yet done."""
         return self._prefill_tokens.get(worker_id, 0)
 
-    def _best_decoder(self, view: _Prompt, decoders: list[WorkerState]) -> WorkerState:
+    def _best_decoder(self, view: _Prompt, decoders: list[WorkerState],
+                      source: WorkerState | None = None) -> WorkerState:
         def score(worker: WorkerState) -> tuple:
-            full, *load = self._decode_load(worker)
-            return (full, -view.cached_tokens(worker), *load)
+            full, emptiness, running = self._decode_load(worker)  # emptiness: its free blocks, negated
+            lacking = -(-len(view.tokens) // worker.block_size) - view.cached_tokens(worker) // worker.block_size
+            moved = lacking * (1 if source is not None and same_host(source, worker) else CROSS_HOST_PULL_COST)
+            return (full, moved + emptiness, running)
 
         return min(decoders, key=score)
 
@@ -261,3 +273,9 @@ def _block_bytes(worker: WorkerState) -> int:
     layout = worker.kv_layout
     return (2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * layout.block_size
             * DTYPE_BYTES.get(layout.dtype, 2))
+
+
+def same_host(source: WorkerState | None, worker: WorkerState) -> bool:
+    """Whether pages of ``source`` reach ``worker`` without crossing the network; True without a source (nothing
+    to pull) and False when either did not say where it runs."""
+    return source is None or (bool(source.host) and source.host == worker.host)

@@ -101,7 +101,8 @@ class ProxyProcess:
         self.endpoint = f"tcp://127.0.0.1:{worker_port}"
         settings = [f"model={model_dir}", f"port={http_port}", f"worker_bind={self.endpoint}",
                     "heartbeat_timeout_s=1.0", "requests.first_token_timeout_s=20.0", "requests.token_timeout_s=20.0",
-                    "http.max_prompt_bytes=4096", "requests.retry_after_s=3", "drain_timeout_s=5", *settings]
+                    "http.max_prompt_bytes=4096", "requests.retry_after_s=3", "drain_timeout_s=5",
+                    "local_prefill_threshold=0", *settings]
         self.log_path = log_path
         self._log = open(log_path, "w")
         args = [arg for setting in settings for arg in ("--set", setting)]

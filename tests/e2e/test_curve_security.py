@@ -6,8 +6,12 @@
 - A plaintext (no CURVE) client cannot talk to a CURVE proxy at all.
 - The zmq KV server serves pulls only to authorized peers' keys; a worker
   without CURVE refuses to add a peer that requires it.
+- A worker's KV event socket is a CURVE server letting in the proxy's key
+  alone: a subscriber pinning its key with the proxy's pair receives the
+  events, one with the rogue's pair or none receives nothing.
 - A whole cluster (proxy, prefill and decode processes, zmq KV transfer) with
-  keys everywhere serves a request end to end.
+  keys everywhere serves a request end to end, and its proxy's prefix index is
+  fed by the workers' KV events.
 """
 from __future__ import annotations
 
@@ -23,7 +27,8 @@ import zmq
 from common.cli.local_cluster import LocalCluster, post_json
 from common.engine.kv_cache import KVCache, KVLayout
 from common.cli.curve_keys_command import generate_key_pair
-from common.protocol.wire import Register, RegisterAck, decode, encode
+from common.protocol.wire import KVEvents, Register, RegisterAck, decode, encode
+from common.runtime.kv_events import KVEventPublisher
 from common.runtime.zmq_security import KeyPair, WorkerCurve, apply_curve_client, load_key_pair, load_public_key
 from kv_transfer.base import TransferStatus
 from kv_transfer.factory import make_backend
@@ -153,6 +158,40 @@ def test_the_zmq_kv_server_serves_only_authorized_peers(keys):
             backend.close()
 
 
+def test_the_kv_event_socket_publishes_to_the_proxys_key_alone(keys):
+    secret = keys["secret"]
+    worker = WorkerCurve(load_key_pair(str(secret / "worker.key_secret"), "worker"),
+                         load_public_key(str(secret / "proxy.key"), "proxy"), None)
+    publisher = KVEventPublisher.bind("127.0.0.1", 0, worker)
+    context = zmq.Context()
+    subscribers = {}
+    try:
+        for name in ("proxy", "rogue", None):
+            sub = subscribers[name] = context.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            if name is not None:
+                apply_curve_client(sub, load_key_pair(str(secret / f"{name}.key_secret"), name),
+                                   publisher.public_key.encode())
+            sub.connect(publisher.endpoint)
+        received = None
+        for _ in range(100):  # a PUB drops what it sends before a subscription arrives: publish until one is seen
+            publisher.publish("w", 1, [7, 8], [], fresh=False)
+            if subscribers["proxy"].poll(50):
+                received = decode(subscribers["proxy"].recv_multipart())
+                break
+        assert isinstance(received, KVEvents) and received.worker_id == "w" and 7 in received.stored
+        publisher.publish("w", 1, [9], [], fresh=False)
+        assert subscribers["proxy"].poll(2000)  # the one it is let in by keeps receiving
+        assert not subscribers["rogue"].poll(REFUSAL_WINDOW_S * 1000 / 2)
+        assert not subscribers[None].poll(REFUSAL_WINDOW_S * 1000 / 2)
+    finally:
+        for sub in subscribers.values():
+            sub.close()
+        context.term()
+        publisher.close()
+
+
 def test_a_keyed_cluster_serves_a_request_end_to_end(embedded_model_dir, keys, tmp_path):
     secret = keys["secret"]
     cluster = LocalCluster.for_tests(
@@ -168,6 +207,7 @@ def test_a_keyed_cluster_serves_a_request_end_to_end(embedded_model_dir, keys, t
         status, body = post_json(cluster.url + "/v1/chat/completions", {
             "model": MODEL, "messages": [{"role": "user", "content": "Name three colors of the rainbow."}],
             "max_tokens": 8, "temperature": 0.0})
+        events = cluster.metric("tessera_proxy_kv_events_total")
     finally:
         codes = cluster.stop()
     assert status == 200, body
@@ -176,3 +216,4 @@ def test_a_keyed_cluster_serves_a_request_end_to_end(embedded_model_dir, keys, t
     proxy_log = (tmp_path / "proxy.log").read_text()
     assert "CURVE on" in proxy_log and "CURVE is off" not in proxy_log
     assert "the zmq KV server: CURVE on" in (tmp_path / "prefill-0.log").read_text()
+    assert events.get('outcome="applied"', 0) > 0, events  # the index is fed over CURVE

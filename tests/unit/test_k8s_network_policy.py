@@ -9,7 +9,7 @@ and an address outside the cluster. The ports: every port a container declares, 
 
 The flows Tessera needs are derived from the rendered objects and the role configs they load: clients (anyone) to
 the proxy's HTTP port; workers to the proxy's worker_bind port; workers to workers on every TCP port (KV pulls go
-to the pod IP, transfer_host); Prometheus to each pod's prometheus.io/port; workers to DNS (proxy_address names a
+to the pod IP, transfer_host); the proxy to each worker's kv_events_port (its prefix index's KV events); Prometheus to each pod's prometheus.io/port; workers to DNS (proxy_address names a
 host); proxies to the Redis of shared_state.redis_url. Into every pod of the namespace, and out of every pod whose
 egress is restricted, what the policies admit must equal those flows; every flow must pass both ends; and every
 port a container declares must belong to a flow.
@@ -91,6 +91,8 @@ def _needed_flows(objects: list[dict], peers: dict[str, Peer], tmp_path: Path) -
         if any(not _is_ip(host) for host in hosts):
             flows.update(Flow(name, "kube-dns", 53, protocol) for protocol in ("UDP", "TCP"))
         assert config.transfer_host != "127.0.0.1", "KV pulls come from other pods: transfer_host is the pod's IP"
+        assert config.kv_events_port, "the proxies subscribe to a worker's KV events on a port the policies name"
+        flows.add(Flow(proxy_name, name, config.kv_events_port))
     for workload_ in tessera_workloads(objects):
         annotations = workload_["spec"]["template"]["metadata"]["annotations"]
         flows.add(Flow("prometheus", workload_["metadata"]["name"], int(annotations["prometheus.io/port"])))

@@ -188,7 +188,7 @@ def test_local_prefill_predicts_hits_only_for_requests_of_its_cache_salt():
     policy.decode_sent(route.worker, shared)
     hold(policy, route.worker, shared, 5)
     policy.heartbeat(route.worker)
-    registry.heartbeat(heartbeat(route.worker.worker_id, free=10), 1.0)  # fuller
+    registry.heartbeat(heartbeat(route.worker.worker_id, free=80), 1.0)  # fuller by 20 blocks
     assert policy.route(shared + [9] * 20, workers, 5).worker is route.worker  # holds salt 5's prefix
     assert policy.route(shared + [9] * 20, workers, 6).worker is not route.worker  # the emptier one, for salt 6
 
@@ -287,7 +287,7 @@ def test_local_prefill_prefers_the_decode_worker_with_the_prefix():
     policy.decode_sent(route.worker, shared)
     hold(policy, route.worker, shared)
     policy.heartbeat(route.worker)
-    registry.heartbeat(heartbeat(route.worker.worker_id, free=10), 1.0)  # fuller, but holds the prefix
+    registry.heartbeat(heartbeat(route.worker.worker_id, free=80), 1.0)  # fuller by 20 blocks, but holds the prefix
     assert policy.route(shared + [9] * 20, workers).worker is route.worker
 
 
@@ -348,21 +348,48 @@ def test_a_restarted_workers_old_blocks_never_attract_a_request():
     assert policy.route(shared + [1], workers).cached_tokens == 0
 
 
-def test_pick_decode_prefers_the_worker_holding_the_most_leading_blocks_then_load():
+def test_pick_decode_weighs_the_leading_blocks_held_against_room():
+    """Without a prefill worker to pull from (local prefill), each block a worker lacks costs 16 free blocks."""
     registry = WorkerRegistry(5.0)
     workers = add(registry, ("d1", "decode"), ("d2", "decode"), ("d3", "decode"))
     registry.heartbeat(heartbeat("d1", free=90), 1.0)
-    registry.heartbeat(heartbeat("d2", free=10), 1.0)
-    registry.heartbeat(heartbeat("d3", free=50), 1.0)
+    registry.heartbeat(heartbeat("d2", free=40), 1.0)
+    registry.heartbeat(heartbeat("d3", free=60), 1.0)
     policy = PrefixAwareRouting()
     history = prompt(96)
     hold(policy, registry.workers["d2"], history[:64])
     hold(policy, registry.workers["d3"], history[:32])
-    assert policy.pick_decode(history + [5], workers).worker_id == "d2"  # 4 blocks, though the fullest
+    assert policy.pick_decode(history + [5], workers).worker_id == "d2"  # 4 of 7 blocks, though the fullest
     assert policy.pick_decode(prompt(40, 7000), workers).worker_id == "d1"  # none held anywhere: most free
     assert policy.pick_decode(history + [5], workers, cache_salt=9).worker_id == "d1"  # another tenant's blocks
     registry.heartbeat(heartbeat("d2", running=registry.workers["d2"].tpot_capacity), 2.0)
     assert policy.pick_decode(history + [5], workers).worker_id == "d3"  # at its TPOT capacity: after the others
+
+
+def test_a_prefill_workers_pages_go_to_a_decode_worker_of_its_host_when_it_has_room():
+    """A block pulled across hosts costs 16 pulled on one (CROSS_HOST_PULL_COST), counted against free blocks."""
+    registry = WorkerRegistry(5.0)
+    for worker_id, role, host in (("p1", "prefill", "a"), ("d-a", "decode", "a"), ("d-b", "decode", "b"),
+                                  ("d-unknown", "decode", "")):
+        msg = register_msg(worker_id, role)
+        msg.host = host
+        assert registry.register(msg, now=0.0).ack.accepted
+    source, decoders = registry.workers["p1"], [w for w in registry.workers.values() if w.worker_id != "p1"]
+    registry.heartbeat(heartbeat("d-a", free=80), 1.0)  # the fullest: without the host it comes last
+    registry.heartbeat(heartbeat("d-b", free=90), 1.0)
+    registry.heartbeat(heartbeat("d-unknown", free=95), 1.0)
+    policy = PrefixAwareRouting()
+    tokens = prompt(160)
+    assert policy.pick_decode(tokens, decoders, source=source).worker_id == "d-a"
+    assert policy.pick_decode(tokens, decoders).worker_id == "d-unknown"  # no source: room decides
+    hold(policy, registry.workers["d-b"], tokens[:80])  # half the pages held elsewhere: they still stay on host a
+    assert policy.pick_decode(tokens, decoders, source=source).worker_id == "d-a"
+    long = prompt(641, 3000)
+    hold(policy, registry.workers["d-b"], long[:640])  # 40 of 41 blocks: 1 crosses, against 41 on the host
+    assert policy.pick_decode(long, decoders, source=source).worker_id == "d-b"
+    registry.heartbeat(heartbeat("d-a", running=registry.workers["d-a"].tpot_capacity), 2.0)
+    other = policy.pick_decode(prompt(160, 5000), decoders, source=source).worker_id
+    assert other == "d-unknown"  # the host's decode worker at its TPOT capacity: room decides among the rest
 
 
 def test_the_local_prefill_threshold_is_on_the_uncached_suffix():
