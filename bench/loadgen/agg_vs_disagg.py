@@ -49,7 +49,10 @@ def run_layout(name: str, roles: dict[str, int], model_dir: Path, result_dir: Pa
     logs = result_dir / name / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
-    cluster = LocalCluster.for_tests(model_dir, logs, transfer_backend="zmq", **roles).start()
+    # the shipped routing (the tests' settings keep every prompt on the prefill worker): a short uncached suffix
+    # prefills on its decode worker when the measured costs say so
+    cluster = LocalCluster.for_tests(model_dir, logs, transfer_backend="zmq",
+                                     proxy_overrides=["local_prefill_threshold=-1"], **roles).start()
     try:
         args = build_parser().parse_args(["bench", *bench_args, "--base-url", cluster.url,
                                           "--result-dir", str(result_dir / name), "--label", name])
