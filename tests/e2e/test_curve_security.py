@@ -216,4 +216,4 @@ def test_a_keyed_cluster_serves_a_request_end_to_end(embedded_model_dir, keys, t
     proxy_log = (tmp_path / "proxy.log").read_text()
     assert "CURVE on" in proxy_log and "CURVE is off" not in proxy_log
     assert "the zmq KV server: CURVE on" in (tmp_path / "prefill-0.log").read_text()
-    assert events.get('outcome="applied"', 0) > 0, events  # the index is fed over CURVE
+    assert events.get('{outcome="applied"}', 0) > 0, events  # the index is fed over CURVE
