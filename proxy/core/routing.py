@@ -45,7 +45,9 @@ epoch are gone from the index the moment it registers again.
   more than disaggregating it: the prefill worker's queue, its prompt step for the tokens it lacks, and the pull
   of the blocks the decode worker lacks (at the rate the decode worker's pulls measured, ``KVPulled``). So an
   idle decode worker prefills what it would compute no slower, and a busy one only a suffix short enough that
-  its running sequences barely notice. Until the prefill worker has fitted its prompt steps, a suffix shorter
+  its running sequences barely notice; never one whose prompt step alone is longer than the worker's TPOT
+  target (``WorkerState.tpot_target_ms``): its streams, and those it is about to take, would miss it (2,048-token
+  prompts prefilled on a decode worker that was idle when they came stalled the streams that came after them). Until the prefill worker has fitted its prompt steps, a suffix shorter
   than one block prefills locally.
 - Sessions: a conversation's next turn (the same ``X-Session-Id``) goes back to the decode worker that decoded
   its last one, within ``session_ttl_s``, and prefills there: that worker's prefix cache holds the whole
@@ -244,8 +246,11 @@ class PrefixAwareRouting:
         decode_model = decoder.step_cost if decoder.step_cost and len(decoder.step_cost.mixed) == 5 else None
         if prefill_model is None:
             return suffix < decoder.block_size
+        step_ms = _prompt_ms(decode_model or prefill_model, suffix, cached)
+        if decoder.tpot_target_ms and step_ms > decoder.tpot_target_ms:
+            return False  # one step past the TPOT target: every stream decoding there would miss it
         stalled = 1 + decoder.num_running + self._pending.get(decoder.worker_id, _Pending()).requests
-        local_ms = _prompt_ms(decode_model or prefill_model, suffix, cached) * stalled
+        local_ms = step_ms * stalled
         prefill_cached = view.cached_tokens(prefiller)
         queue_ms = _prompt_ms(prefill_model, self._outstanding(prefiller), 0) if self._outstanding(prefiller) else 0.0
         rate = self._pull_rate.get(decoder.worker_id)

@@ -447,3 +447,15 @@ def test_the_derived_threshold_weighs_a_local_prompt_step_against_queue_prompt_s
     other = prompt(320, 20000)  # a prefix only d holds: p would compute 338 tokens, d 18 (80 ms with the stall)
     hold(policy, d, other)
     assert policy.route(other + prompt(18, 9000), workers).local
+
+
+def test_the_derived_threshold_never_takes_a_prompt_step_longer_than_the_decode_workers_tpot_target():
+    registry = WorkerRegistry(5.0)
+    workers = add(registry, ("p", "prefill"), ("d", "decode"))
+    p, d = registry.workers["p"], registry.workers["d"]
+    policy = PrefixAwareRouting()
+    p.step_cost = d.step_cost = step_cost(1.0)  # 1 ms a prompt token on either, both idle
+    assert policy.route(prompt(300), workers).local  # no cheaper elsewhere and no stream to stall
+    d.tpot_target_ms = 100.0
+    assert not policy.route(prompt(300, 5000), workers).local  # 300 ms in one step: past the target
+    assert policy.route(prompt(60, 9000), workers).local
