@@ -7,9 +7,7 @@ import httpx
 import pytest
 
 from common.cli.local_cluster import LocalCluster
-from common.config.base import EngineConfig
-from common.engine.llm_engine import LLMEngine
-from common.protocol.sampling_params import SamplingParams
+from tests.e2e.chat_reference import assert_replies_are_the_engines
 
 SYSTEM = " ".join(f"Rule {i}: answer the traveller kindly and name one harbour town in the story." for i in range(24))
 MESSAGES = ["Tell me a story about a lighthouse keeper.", "What happened next?", "And how did it end?"]
@@ -45,11 +43,4 @@ def test_later_turns_pull_only_what_is_new(cluster, embedded_model_dir):
     assert all(0 < later <= 0.3 * pulled[0] for later in pulled[1:]), pulled
     reused = cluster.metric("tessera_worker_kv_blocks_reused_total", cluster.worker_url("decode-0"))
     assert sum(reused.values()) > 0
-    engine = LLMEngine(EngineConfig(model=str(embedded_model_dir), num_kv_blocks=256))
-    reference_history = [{"role": "system", "content": SYSTEM}]
-    for text, answer in zip(MESSAGES, answers):
-        reference_history.append({"role": "user", "content": text})
-        [reference] = engine.generate([engine.tokenizer.apply_chat_template(reference_history)],
-                                      SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
-        assert answer["choices"][0]["message"]["content"] == reference.outputs[0].text
-        reference_history.append({"role": "assistant", "content": reference.outputs[0].text})
+    assert_replies_are_the_engines(embedded_model_dir, MESSAGES, answers, MAX_TOKENS, system=SYSTEM)

@@ -53,9 +53,9 @@ def serve(backend_name: str, conn) -> None:
     backend.close()
 
 
-def pull(backend_name: str, metadata: bytes, conn) -> None:
-    """The decode process: pull REMOTE_IDS into LOCAL_IDS, send back status and those blocks' bytes."""
-    backend = make_backend(backend_name, **PULLER_OPTIONS[backend_name])
+def _pull_once(backend, metadata: bytes):
+    """Pull REMOTE_IDS from the peer "prefill" into LOCAL_IDS of a fresh pool: the pool, the released handle and
+    the bytes that landed."""
     pool = KVCache(LAYOUT, NUM_BLOCKS)
     backend.register_pool(pool)
     backend.add_peer("prefill", metadata)
@@ -63,7 +63,13 @@ def pull(backend_name: str, metadata: bytes, conn) -> None:
     while not backend.poll(handle).terminal:
         time.sleep(0.0005)
     backend.release(handle)
-    landed = pool.buffer[LOCAL_IDS].view(torch.uint8).numpy().tobytes()
+    return pool, handle, pool.buffer[LOCAL_IDS].view(torch.uint8).numpy().tobytes()
+
+
+def pull(backend_name: str, metadata: bytes, conn) -> None:
+    """The decode process: pull REMOTE_IDS into LOCAL_IDS, send back status and those blocks' bytes."""
+    backend = make_backend(backend_name, **PULLER_OPTIONS[backend_name])
+    pool, handle, landed = _pull_once(backend, metadata)
     untouched = [b for b in range(NUM_BLOCKS) if b not in LOCAL_IDS]
     conn.send((int(handle.status), handle.error, landed, bool(pool.buffer[untouched].any())))
     backend.close()
@@ -96,14 +102,7 @@ def pull_retrying(metadata: bytes, conn) -> None:
     """The decode process: pull REMOTE_IDS into LOCAL_IDS; send back status, error, whether it was read again, the
     outcome counts and the landed bytes."""
     backend = RetryingBackend(make_backend("nixl", progress_thread=False), make_backend("zmq"))
-    pool = KVCache(LAYOUT, NUM_BLOCKS)
-    backend.register_pool(pool)
-    backend.add_peer("prefill", metadata)
-    handle = backend.start_pull("req-1", "prefill", REMOTE_IDS, LOCAL_IDS, WAIT_S)
-    while not backend.poll(handle).terminal:
-        time.sleep(0.0005)
-    backend.release(handle)
-    landed = pool.buffer[LOCAL_IDS].view(torch.uint8).numpy().tobytes()
+    _, handle, landed = _pull_once(backend, metadata)
     conn.send((int(handle.status), handle.error, handle.retried, backend.counters().outcomes, landed))
     backend.close()
 

@@ -6,11 +6,9 @@ import httpx
 import pytest
 
 from common.cli.local_cluster import LocalCluster
-from common.config.base import EngineConfig
 from common.config.roles import ProxyConfig
-from common.engine.llm_engine import LLMEngine
-from common.protocol.sampling_params import SamplingParams
 from tests.conditions import settle
+from tests.e2e.chat_reference import assert_replies_are_the_engines
 
 MESSAGES = ["Tell me a long story about a lighthouse keeper and the sea.", "What happened next?",
             "And how did it end?", "Give it a title."]
@@ -65,14 +63,7 @@ def test_a_sessions_turns_reuse_the_history_on_one_decode_worker(cluster, embedd
                for p, a in zip(answers, answers[1:]))  # a reply's blocks reused
     for previous, answer in zip(without, without[1:]):
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] <= previous["usage"]["prompt_tokens"]
-    engine = LLMEngine(EngineConfig(model=str(embedded_model_dir), num_kv_blocks=256))
-    history = []
-    for text, answer in zip(MESSAGES, answers):
-        history.append({"role": "user", "content": text})
-        [reference] = engine.generate([engine.tokenizer.apply_chat_template(history)],
-                                      SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
-        assert answer["choices"][0]["message"]["content"] == reference.outputs[0].text
-        history.append({"role": "assistant", "content": reference.outputs[0].text})
+    assert_replies_are_the_engines(embedded_model_dir, MESSAGES, answers, MAX_TOKENS)
 
 
 def test_a_host_tier_under_a_pool_too_small_for_the_sessions_leaks_no_page(tiny_chat_model_dir, tmp_path):
