@@ -30,6 +30,8 @@ BESIDE_E2E = {
     "test_curve_security.py", "test_frame_fuzz.py", "test_hot_cold_models.py", "test_kv_transfer_processes.py",
     "test_prometheus_scrape.py", "test_resumable_streams.py", "test_websocket_stream.py", "test_nonfinite_logits.py",
     "test_watchdog.py",
+    # two clusters whose KV pulls are held back 20 s (testing.fault_kv_pull_delay_s): they mostly wait
+    "test_stranded_pages.py",
     # three small clusters with a worker at tensor parallelism 3 (about 85 s alone; under the compute lane's load
     # each TP step's 61 all-reduces wait on the scheduler, so it keeps few decode steps: 16 and 32 tokens)
     "test_tensor_parallel.py",
