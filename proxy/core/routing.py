@@ -129,6 +129,10 @@ class _Prompt:
             self._held[bs] = self._index.leading(hashes)
         return self._held[bs].get(worker.worker_id, 0) * bs
 
+    def lacking_blocks(self, worker: WorkerState) -> int:
+        """The prompt's blocks ``worker`` does not hold: those its pages fill (a pull), or its prompt step computes."""
+        return -(-len(self.tokens) // worker.block_size) - self.cached_tokens(worker) // worker.block_size
+
 
 class PrefixAwareRouting:
     def __init__(self, local_prefill_threshold: int = DERIVED, session_ttl_s: float = 600.0,
@@ -220,8 +224,7 @@ class PrefixAwareRouting:
                       source: WorkerState | None = None) -> WorkerState:
         def score(worker: WorkerState) -> tuple:
             full, emptiness, running = self._decode_load(worker)  # emptiness: its free blocks, negated
-            lacking = -(-len(view.tokens) // worker.block_size) - view.cached_tokens(worker) // worker.block_size
-            moved = lacking * (1 if source is not None and same_host(source, worker) else CROSS_HOST_PULL_COST)
+            moved = view.lacking_blocks(worker) * (1 if source is not None and same_host(source, worker) else CROSS_HOST_PULL_COST)
             return (full, moved + emptiness, running)
 
         return min(decoders, key=score)
@@ -254,8 +257,7 @@ class PrefixAwareRouting:
         prefill_cached = view.cached_tokens(prefiller)
         queue_ms = _prompt_ms(prefill_model, self._outstanding(prefiller), 0) if self._outstanding(prefiller) else 0.0
         rate = self._pull_rate.get(decoder.worker_id)
-        lacking = -(-len(view.tokens) // decoder.block_size) - cached // decoder.block_size
-        pull_ms = lacking * _block_bytes(decoder) / rate * 1e3 if rate else 0.0
+        pull_ms = view.lacking_blocks(decoder) * _block_bytes(decoder) / rate * 1e3 if rate else 0.0
         remote_ms = queue_ms + _prompt_ms(prefill_model, len(view.tokens) - prefill_cached, prefill_cached) + pull_ms
         return local_ms <= remote_ms
 
