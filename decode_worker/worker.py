@@ -139,7 +139,8 @@ class DecodeHandler(WorkerBase):
         now = time.monotonic()
         lease_ends = math.inf if msg.kv_lease_left_s is None else now + msg.kv_lease_left_s - LEASE_MARGIN_S
         if self.config.testing.fault_kv_pull_delay_s:
-            self.delayed[msg.request_id] = DelayedPull(msg, seq, lease_ends, now + self.config.testing.fault_kv_pull_delay_s)
+            due = now + self.config.testing.fault_kv_pull_delay_s
+            self.delayed[msg.request_id] = DelayedPull(msg, seq, lease_ends, due)
         else:
             self._pull(msg, seq, lease_ends)
 

@@ -6,7 +6,8 @@ index (``proxy/core/kv_index.py``) that routing reads.
 (disconnect, drop its entries) and ``on_snapshot`` with the KVSnapshot a worker answers on the link; this task
 applies each KVEvents as it arrives. With CURVE (the proxy's ``curve_*`` keys) each connection is a CURVE client
 with the proxy's keys that pins the worker's socket key from its Register (``kv_events_public_key``); a worker
-that names none is not subscribed to (its blocks are unknown: routing then goes by load). The snapshot requests the index returns (a new epoch, a gap, one unanswered
+that names none is not subscribed to (its blocks are unknown: routing then goes by load). The snapshot requests the
+index returns (a new epoch, a gap, one unanswered
 within ``heartbeat_timeout_s``: ``resend_overdue``) go out through the cluster's ``send``. A malformed frame is
 logged, counted and dropped. Counts: ``tessera_proxy_kv_events_total`` by outcome, ``tessera_proxy_kv_snapshots_total``
 by outcome, ``tessera_proxy_kv_index_blocks`` per worker, and the index's accuracy:

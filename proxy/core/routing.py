@@ -34,7 +34,8 @@ epoch are gone from the index the moment it registers again.
   times when it does not, or when it must compute them itself (local prefill); then fewest running. So a
   conversation's history draws its next turn to the worker holding it, a shared system prompt's block or two
   does not pile every request onto one worker, and a prefill worker's pages go to a decode worker of its own
-  host unless one elsewhere already holds nearly all of them or has far more room. Both counts add what the proxy sent since the worker's last heartbeat, so a burst between two
+  host unless one elsewhere already holds nearly all of them or has far more room. Both counts add what the proxy
+  sent since the worker's last heartbeat, so a burst between two
   heartbeats spreads instead of piling onto one worker.
 - Conditional disaggregation, on the *uncached suffix* on that decode worker (the prompt's tokens it does not
   hold): with ``local_prefill_threshold`` >= 0, a suffix shorter than it prefills there (0: never), and every
@@ -47,7 +48,8 @@ epoch are gone from the index the moment it registers again.
   idle decode worker prefills what it would compute no slower, and a busy one only a suffix short enough that
   its running sequences barely notice; never one whose prompt step alone is longer than the worker's TPOT
   target (``WorkerState.tpot_target_ms``): its streams, and those it is about to take, would miss it (2,048-token
-  prompts prefilled on a decode worker that was idle when they came stalled the streams that came after them). Until the prefill worker has fitted its prompt steps, a suffix shorter
+  prompts prefilled on a decode worker that was idle when they came stalled the streams that came after them). Until
+  the prefill worker has fitted its prompt steps, a suffix shorter
   than one block prefills locally.
 - Sessions: a conversation's next turn (the same ``X-Session-Id``) goes back to the decode worker that decoded
   its last one, within ``session_ttl_s``, and prefills there: that worker's prefix cache holds the whole
@@ -224,7 +226,8 @@ class PrefixAwareRouting:
                       source: WorkerState | None = None) -> WorkerState:
         def score(worker: WorkerState) -> tuple:
             full, emptiness, running = self._decode_load(worker)  # emptiness: its free blocks, negated
-            moved = view.lacking_blocks(worker) * (1 if source is not None and same_host(source, worker) else CROSS_HOST_PULL_COST)
+            nearby = source is not None and same_host(source, worker)
+            moved = view.lacking_blocks(worker) * (1 if nearby else CROSS_HOST_PULL_COST)
             return (full, moved + emptiness, running)
 
         return min(decoders, key=score)
