@@ -22,7 +22,8 @@ from msgspec import inspect
 # module), where it is newer than the oldest version still read.
 MESSAGE_SINCE: dict[str, int] = {"EmbedRequest": 11, "EmbedResult": 11, "LoadModel": 12, "Standby": 12,
                                  "FetchTokenizer": 15, "TokenizerFiles": 15, "KVEvents": 19,
-                                 "KVSnapshotRequest": 19, "KVSnapshot": 19}
+                                 "KVSnapshotRequest": 19, "KVSnapshot": 19,
+                                 "SwitchRole": 20}
 # The version that added each field (struct name -> field -> version), where it is newer than that.
 FIELD_SINCE: dict[str, dict[str, int]] = {"PrefillRequest": {"keep_s": 11},
                                           "DecodeRequest": {"keep_s": 11, "source_epoch": 18},

@@ -42,6 +42,9 @@ this channel):
 - proxy -> worker: FetchTokenizer, the tokenizer files whose hash its Register reported (``tokenizer_sha256``),
   for a version the proxy has no tokenizer of; the worker's I/O thread answers TokenizerFiles
   (``proxy/cluster/tokenizer_fetch.py``).
+- proxy -> worker: SwitchRole, the planner's or the admin API's order to serve another role. The worker drains as
+  for LoadModel, says Goodbye and registers again under a new epoch with the new role, its model still loaded
+  (``common/runtime/role_switch.py``).
 - worker -> every proxy, on its own PUB socket (``Register.kv_events_endpoint``), not the DEALER: KVEvents, the
   blocks its prefix cache stored and evicted, numbered per epoch (``common/runtime/kv_events.py``). A proxy that
   first sees an epoch, or misses a number, sends KVSnapshotRequest on the link; the worker's I/O thread answers
@@ -88,9 +91,9 @@ class _Struct(msgspec.Struct, forbid_unknown_fields=True):
 
 # 11: EmbedRequest, EmbedResult; 12: LoadModel, Standby; 13: SamplingParams.structured; 14: TokenDeltas.step_rows,
 # step; 15: Register.tokenizer_sha256, FetchTokenizer, TokenizerFiles; 18: KVPulled.backend, DecodeRequest.source_epoch;
-# 19: Register.kv_events_endpoint, kv_events_public_key, host, KVEvents, KVSnapshotRequest, KVSnapshot. Versions
-# one apart interoperate (versions.py).
-PROTOCOL_VERSION = 19
+# 19: Register.kv_events_endpoint, kv_events_public_key, host, KVEvents, KVSnapshotRequest, KVSnapshot; 20: SwitchRole.
+# Versions one apart interoperate (versions.py).
+PROTOCOL_VERSION = 20
 
 
 class MsgType(enum.IntEnum):
@@ -118,6 +121,7 @@ class MsgType(enum.IntEnum):
     KV_EVENTS = 25
     KV_SNAPSHOT_REQUEST = 26
     KV_SNAPSHOT = 27
+    SWITCH_ROLE = 28
 
 
 class Role(str, enum.Enum):
@@ -194,6 +198,14 @@ class LoadModel(_Struct):
     epoch."""
     worker_id: str
     model: Annotated[str, msgspec.Meta(max_length=4096)]
+
+
+class SwitchRole(_Struct):
+    """The proxy asks a worker to serve ``role`` from now on, keeping its model loaded: it stops taking work, lets
+    what runs finish (up to its drain_timeout_s; what is left goes back to the proxy, retryable, and resumes
+    elsewhere), says Goodbye under its epoch and registers again under a new one with the new role."""
+    worker_id: str
+    role: Literal["prefill", "decode", "both"]
 
 
 class RegisterAck(_Struct):
@@ -484,6 +496,7 @@ MESSAGES: dict[MsgType, type] = {
     MsgType.KV_EVENTS: KVEvents,
     MsgType.KV_SNAPSHOT_REQUEST: KVSnapshotRequest,
     MsgType.KV_SNAPSHOT: KVSnapshot,
+    MsgType.SWITCH_ROLE: SwitchRole,
 }
 _TYPES = {cls: t for t, cls in MESSAGES.items()}
 _HEADERS = {cls: bytes([t, PROTOCOL_VERSION]) for t, cls in MESSAGES.items()}

@@ -22,7 +22,7 @@ from common.protocol.sampling_params import SamplingParams
 from common.protocol.wire import PROTOCOL_VERSION
 from tests.conditions import settle
 
-PREVIOUS_RELEASE = "8355f44"  # the last landed commit of protocol version 18
+PREVIOUS_RELEASE = "ac0b052"  # the last landed commit of protocol version 19
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["Tell me about the sea.", "What is a hash table?", "Count to five."]
 MAX_TOKENS = 10

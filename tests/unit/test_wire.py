@@ -186,7 +186,8 @@ def test_a_message_for_the_previous_version_leaves_out_what_that_version_lacks(m
     assert wire.frame_version(frames) == PROTOCOL_VERSION - 1 and wire.decode(frames) == request
     register = wire.Register("w", "decode", 1, "m", "v1", wire.KVLayoutInfo(2, 16, 3, 64, "float32"), 8, 512, "zmq",
                              b"", kv_events_endpoint="tcp://127.0.0.1:7000")
-    older_register = wire.encode(register, PROTOCOL_VERSION - 1)  # Register.kv_events_endpoint is new in 19
+    monkeypatch.setitem(versions.FIELD_SINCE["Register"], "kv_events_endpoint", PROTOCOL_VERSION)  # as in its 19
+    older_register = wire.encode(register, PROTOCOL_VERSION - 1)
     assert "kv_events_endpoint" not in msgpack.unpackb(older_register[1])
     assert wire.decode(older_register) == msgspec.structs.replace(register, kv_events_endpoint="")  # its default
     monkeypatch.setitem(versions.FIELD_SINCE, "PrefillRequest", {"cache_salt": PROTOCOL_VERSION})
