@@ -236,6 +236,27 @@ class SloConfig:
                               "time-to-first-token target that requests are refused against")
 
 
+@config_model("proxy.planner")
+class PlannerConfig:
+    """Role switching at run time: the admin API's orders, and the adaptive controller planning the
+    prefill-to-decode split (proxy/control/planner.py)."""
+
+    switch_roles: Bool = option(
+        True, "with slo.tac_enabled, the adaptive controller also plans the split: it switches workers between "
+        "prefill and decode as the load's prompt and decode work shift, against ttft_slo_ms and the TPOT target")
+    role_switch_timeout_s: Float = option(
+        120.0, "how long a worker ordered to switch roles (by the planner or POST /admin/workers/{id}/role) may "
+        "take to drain and register in its new role before the order counts as failed", gt=0)
+    min_dwell_s: Float = option(
+        60.0, "a worker keeps a role at least this long after a switch before the planner switches it again", ge=0)
+    window_s: Float = option(
+        30.0, "the planner's window: the load and the SLO attainment it decides on are those of the last this "
+        "many seconds", gt=0)
+    leader_lease_s: Float = option(
+        10.0, "with shared_state.redis_url, exactly one proxy plans: it holds a lease of this length in Redis, "
+        "renewed while it lives; another takes over once it lapses", gt=0)
+
+
 @config_model("proxy.observability", was_flat=True)
 class ProxyObservabilityConfig:
     """Traces and request logs."""
@@ -319,6 +340,7 @@ class ProxyConfig:
     tenancy: TenancyConfig = section(TenancyConfig)
     shared_state: SharedStateConfig = section(SharedStateConfig)
     slo: SloConfig = section(SloConfig)
+    planner: PlannerConfig = section(PlannerConfig)
     observability: ProxyObservabilityConfig = section(ProxyObservabilityConfig)
     security: ProxySecurityConfig = section(ProxySecurityConfig)
 

@@ -33,7 +33,8 @@ def test_every_section_and_field_is_in_the_reference():
     found = sections()
     names = [name for name, *_ in found]
     assert names == ["proxy", "proxy.http", "proxy.requests", "proxy.sessions", "proxy.tenancy", "proxy.tenancy.tenants[]",
-                     "proxy.shared_state", "proxy.slo", "proxy.observability", "proxy.security", "worker",
+                     "proxy.shared_state", "proxy.slo", "proxy.planner", "proxy.observability", "proxy.security",
+                     "worker",
                      "worker.engine", "worker.engine.kv_tiers", "worker.engine.ranks", "worker.engine.spec",
                      "worker.observability", "worker.security", "worker.testing"]
     text = render()
