@@ -11,6 +11,13 @@ def _make_handler(config):
     return PrefillHandler(config, lambda: backend_for(config))
 
 
+def _adopt(old, config):
+    """A prefill handler that takes over a worker switching to prefill (common/runtime/role_switch.py)."""
+    from prefill_worker.worker import PrefillHandler
+
+    return PrefillHandler.adopt(old, config)
+
+
 def add_command(subparsers) -> None:
     add_worker_parser(subparsers, "prefill",
-                      "run a prefill worker: computes prompts and lends their KV pages", _make_handler)
+                      "run a prefill worker: computes prompts and lends their KV pages", _make_handler, _adopt)

@@ -153,7 +153,8 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
     app.include_router(websocket_api.router)
     _add_service_routes(app, services)
     openapi.install(app, [CompletionRequest, ChatCompletionRequest, EmbeddingRequest, TokenizeRequest,
-                         DetokenizeRequest, admin_api.PromoteRequest, admin_api.DrainRequest])
+                         DetokenizeRequest, admin_api.PromoteRequest, admin_api.DrainRequest,
+                         admin_api.RoleRequest])
     return app
 
 

@@ -2,7 +2,9 @@
 
 Each worker role package registers its own subcommand (``prefill_worker.command``,
 ``decode_worker.command``) and hands ``run_worker`` a function that builds its
-handler; the runtime knows no role.
+handler, and one that builds it around a running worker's handler (a role switch,
+``common/runtime/role_switch.py``); ``ADOPTERS`` gathers the latter from every role
+as the ``tessera`` command adds the roles' subcommands. The runtime knows no role.
 """
 from __future__ import annotations
 
@@ -13,7 +15,14 @@ from common.cli.options import add_config_options, configure_logging
 from common.config.roles import WorkerConfig, load_config, parse_overrides
 
 
-def add_worker_parser(subparsers, role: str, text: str, make_handler: Callable[[WorkerConfig], object]) -> None:
+# role -> how its handler takes over a running worker's (``common.runtime.worker_contracts.Adopt``), one entry per
+# role whose command was added: common/cli/main.py adds every role's before it runs one.
+ADOPTERS: dict[str, Callable] = {}
+
+
+def add_worker_parser(subparsers, role: str, text: str, make_handler: Callable[[WorkerConfig], object],
+                      adopt: Callable) -> None:
+    ADOPTERS[role] = adopt
     parser = subparsers.add_parser(role, help=text, description=text + ".")
     add_config_options(parser)
     parser.set_defaults(handler=lambda args: run_worker(args, make_handler), role=role)
@@ -35,7 +44,7 @@ def run_worker(args: argparse.Namespace, make_handler: Callable[[WorkerConfig], 
 
     handler = make_handler(config)
     try:
-        serve(config, handler)
+        serve(config, handler, ADOPTERS)
     finally:
-        handler.close()
+        handler.close()  # after a role switch: the handler it handed over to (WorkerBase.close)
     return 0

@@ -114,13 +114,14 @@ class KVEventFeed:
     """The compute loop's side: the block manager's changes to the I/O thread, before whatever message follows."""
 
     def __init__(self, handler, io) -> None:
-        """``handler``: the role handler (its engine may change: model swaps); ``io``: the WorkerIO."""
-        self._handler = handler
+        """``handler``: the role handler (its engine may change: model swaps; serve sets another after a role
+        switch); ``io``: the WorkerIO."""
+        self.handler = handler
         self._io = io
         self._blocks = None
 
     def flush(self) -> None:
-        engine = self._handler.engine
+        engine = self.handler.engine
         if engine is None:
             return
         blocks = engine.block_manager

@@ -30,8 +30,8 @@ class Owners:
     """Request id -> the index of the proxy that sent it (with when it was last spoken of)."""
 
     def __init__(self, release_ends: bool = False, clock=time.monotonic) -> None:
-        """``release_ends``: a ReleaseKV is the last of a request (a prefill worker's)."""
-        self._release_ends = release_ends
+        """``release_ends``: a ReleaseKV is the last of a request (a prefill worker's; set anew by a role switch)."""
+        self.release_ends = release_ends
         self._of: dict[str, list] = {}  # request id -> [proxy index, last heard]
         self._clock = clock
         self._sweep_at = clock() + SWEEP_S
@@ -45,7 +45,7 @@ class Owners:
         request_id = getattr(msg, "request_id", None)
         if request_id is None:
             return
-        if isinstance(msg, wire.Abort) or (self._release_ends and isinstance(msg, wire.ReleaseKV)):
+        if isinstance(msg, wire.Abort) or (self.release_ends and isinstance(msg, wire.ReleaseKV)):
             self._of.pop(request_id, None)  # its proxy is done with it: what the worker still says is dropped
         else:
             self._of[request_id] = [link, self._clock()]

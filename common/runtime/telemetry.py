@@ -138,6 +138,13 @@ def install(level: str, log_format: str = "text", **process_fields: str) -> None
     root.setLevel(level.upper())
 
 
+def relabel_logs(**process_fields: str) -> None:
+    """Change process fields of the JSON lines from now on (a worker that switched roles says its new ``role``)."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler.formatter, JsonFormatter):
+            handler.formatter.process_fields.update(process_fields)
+
+
 _TRANSFER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 STAGES = ("prefill", "decode")
 OUTCOMES = ("completed", "refused", "aborted", "failed")
@@ -312,6 +319,8 @@ class WorkerMetrics:
         r = self.registry
         self._info = Gauge("tessera_worker_info", "Constant 1, labelled with this worker's identity",
                            ["worker_id", "role", "model", "version"], registry=r)
+        self.role_switches = Counter("tessera_worker_role_switches", "Role switches this worker made at run time, "
+                                     "its model kept loaded, by the role it switched to", ["role"], registry=r)
         self.model_load_seconds = Gauge("tessera_worker_model_load_seconds", "How long the last load of each model "
                                         "(name@version) took: weights, KV pool and transfer agent", ["model"],
                                         registry=r)

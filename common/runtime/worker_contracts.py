@@ -1,12 +1,13 @@
 """The contracts between a worker's loop (``common.runtime.worker_runtime``), its role handler and its
-KV transfer backend: what ``serve`` calls on a role, the load a role reports for the heartbeat, and
-what a worker needs of a backend."""
+KV transfer backend: what ``serve`` calls on a role, the load a role reports for the heartbeat, how a role's
+handler takes over from another's (``Adopt``), and what a worker needs of a backend."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from common.protocol import wire
+from common.config.roles import WorkerConfig
 from common.runtime.telemetry import WorkerMetrics
 
 
@@ -24,6 +25,7 @@ class Load:
 class RoleHandler(Protocol):
     """A role's behaviour; ``serve`` calls these from the compute loop only."""
 
+    role: str  # prefill, decode or both; changed only by a role switch, which builds a handler of the new role
     draining: bool
     epoch: int  # this process's registration: its start time, renewed when it registers again
     metrics: WorkerMetrics
@@ -40,6 +42,12 @@ class RoleHandler(Protocol):
     def fail_all(self, reason: str, only: set[str] | None = None) -> None: ...
     def contain(self, request_id: str, reason: str) -> None: ...  # its message made the handler fail: end it
     def publish_metrics(self) -> None: ...  # after each turn: the numbers /metrics and /healthz read
+    def new_epoch(self) -> None: ...  # a new identity for the proxies (registering again, a role switch)
+
+
+# Builds a role's handler around a running one (its model, transfer agent, metrics...), for a role switch
+# (role_switch.py): (the handler serving now, the config with the new role) -> the new role's handler.
+Adopt = Callable[[RoleHandler, WorkerConfig], RoleHandler]
 
 
 class KVTransfer(Protocol):

@@ -129,8 +129,8 @@ class WorkerIO:
             self._wake.wake()
 
     def rejoin(self, link: int | None = None) -> None:
-        """After a Reregister or a model swap: register again with proxy ``link`` (None: every proxy), under
-        ``registration`` (retried until acknowledged)."""
+        """After a Reregister, a model swap or a role switch: register again with proxy ``link`` (None: every
+        proxy), under ``registration`` (retried until acknowledged)."""
         for index, state in enumerate(self.links):
             if link is None or index == link:
                 state.next_register = 0.0
@@ -138,11 +138,17 @@ class WorkerIO:
         self._wake.wake()
 
     def leave(self, reason: str) -> None:
-        """Say Goodbye under this epoch and stop heartbeating, staying connected (a model swap: model_swap.py)."""
+        """Say Goodbye under this epoch and stop heartbeating, staying connected (a model swap: model_swap.py; a role
+        switch: role_switch.py)."""
         for link in self.links:
             link.may_register = link.registered = False
         self.registered.clear()
         self.send(wire.Goodbye(self.config.worker_id, self.registration.epoch, reason))
+
+    def serve_role(self, role: str) -> None:
+        """After a role switch (role_switch.py): a prefill worker's requests end with their ReleaseKV (``Owners``)."""
+        if self.owners is not None:
+            self.owners.release_ends = role == "prefill"
 
     def stop(self, goodbye: str) -> None:
         self.standby = None  # no Standby after the Goodbye

@@ -1,7 +1,8 @@
 """What every worker process shares: its I/O thread, registration, heartbeats, drain, and the base of the role handlers
 (``WorkerBase``: the engine, the KV transfer agent, one intake and one failure path). A worker's identity is
-``(worker_id, epoch)``; the epoch is its start time, renewed when it registers again or loads another model
-(``model_swap.py``), so a restarted worker under the same id is recognisably a new process.
+``(worker_id, epoch)``; the epoch is its start time, renewed when it registers again, loads another model
+(``model_swap.py``) or switches roles (``role_switch.py``: a handler of the new role adopts this one's model), so a
+restarted worker under the same id is recognisably a new process.
 
 Sockets live only in the I/O thread (``worker_io.WorkerIO``: one DEALER per proxy, with curve_* keys a CURVE client
 pinning the proxy's public key; the KV events' PUB, ``kv_events``, bound here first so that the Register names
@@ -31,7 +32,7 @@ import logging
 import queue
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 
 from common.config.roles import WorkerConfig
@@ -43,23 +44,27 @@ from common.runtime.health_server import HealthServer
 from common.runtime.kv_events import KVEventFeed, KVEventPublisher
 from common.runtime.model_swap import ModelSwitch, load_model
 from common.runtime.registration import registration, rejoin
+from common.runtime.role_switch import RoleSwitch
 from common.runtime.telemetry import WorkerMetrics, request_scope
 from common.runtime.tracing import make_tracing
-from common.runtime.worker_contracts import KVTransfer, Load, RoleHandler
+from common.runtime.worker_contracts import Adopt, KVTransfer, Load, RoleHandler
 from common.runtime.worker_io import LinkLost, WorkerIO
 from common.runtime.zmq_security import worker_curve
 
 log = logging.getLogger(__name__)
 
 
-def serve(config: WorkerConfig, handler: RoleHandler) -> None:
-    """Run a worker until SIGTERM/SIGINT (then drain) or until its I/O fails."""
+def serve(config: WorkerConfig, handler: RoleHandler, adopters: Mapping[str, Adopt] | None = None) -> None:
+    """Run a worker until SIGTERM/SIGINT (then drain) or until its I/O fails. ``adopters``: role -> how that role's
+    handler takes over from the one serving (a role switch, ``role_switch.py``); None: the worker switches none."""
     signalled: list[int] = []
     switch = ModelSwitch(config, handler, signalled)
+    role_switch = RoleSwitch(config, handler, signalled, adopters or {})
     publisher = KVEventPublisher.bind(config.transfer_host, config.kv_events_port, worker_curve(config))
     handler.kv_events_endpoint = publisher.endpoint
     handler.kv_events_public_key = publisher.public_key
-    io = switch.io = WorkerIO(config, handler.registration(), handler.metrics, handler.engine.model_dir, publisher)
+    io = switch.io = role_switch.io = WorkerIO(config, handler.registration(), handler.metrics,
+                                               handler.engine.model_dir, publisher)
     kv_feed = KVEventFeed(handler, io)
     handler.bind(kv_feed.send)
     # Left in place after serve returns: a late signal must not cut the cleanup (the transfer agent closing) short.
@@ -83,12 +88,14 @@ def serve(config: WorkerConfig, handler: RoleHandler) -> None:
             loaded = handler.engine is not None  # not while a worker with standby models holds none
             if drain_deadline is not None and _drained(handler, loaded, drain_deadline, config.drain_timeout_s):
                 break
-            if not _take_messages(io, handler, switch, handler.wait_s(config.idle_poll_s) if loaded else
-                                  config.idle_poll_s):
+            if not _take_messages(io, handler, switch, role_switch, handler.wait_s(config.idle_poll_s) if loaded
+                                  else config.idle_poll_s):
                 log.error("worker I/O stopped; exiting")
                 break
             if time.monotonic() >= switch.check_at:  # a LoadModel to act on, or an idle model to unload
                 switch.act()
+            if time.monotonic() >= role_switch.check_at:  # a SwitchRole to act on: maybe a new role's handler
+                handler = switch.handler = kv_feed.handler = role_switch.act()
             if handler.engine is None:  # standing by: nothing to step
                 handler.metrics.status.tick()
                 continue
@@ -116,7 +123,8 @@ def _drained(handler: RoleHandler, loaded: bool, deadline: float, drain_timeout_
     return True
 
 
-def _take_messages(io: WorkerIO, handler: RoleHandler, switch: ModelSwitch, wait_s: float) -> bool:
+def _take_messages(io: WorkerIO, handler: RoleHandler, switch: ModelSwitch, role_switch: RoleSwitch,
+                   wait_s: float) -> bool:
     """Hand every queued message to the handler, waiting up to ``wait_s`` for the first; False when the I/O
     thread died."""
     try:
@@ -133,6 +141,8 @@ def _take_messages(io: WorkerIO, handler: RoleHandler, switch: ModelSwitch, wait
                 handler.fail_all(f"the proxy that sent this request lost this worker ({msg.msg.reason})",
                                  only=msg.request_ids)
                 io.rejoin(msg.link)
+        elif isinstance(msg, wire.SwitchRole):
+            role_switch.take(msg, swapping=switch.pending is not None)
         elif handler.engine is None or isinstance(msg, wire.LoadModel):
             switch.take(msg)
         elif isinstance(msg, wire.Tune):  # the proxy's adaptive controller (proxy/control/tac.py)
@@ -171,6 +181,13 @@ def _handle(handler: RoleHandler, msg) -> None:
             handler.contain(request_id, f"the worker failed on this request ({type(exc).__name__}: {exc})")
 
 
+# What a handler of another role takes over from the one serving, in a role switch (``WorkerBase.adopt``): the model
+# and its KV pool (the prefix cache with them), the transfer agent, the identity, metrics, probes, tracing, cores.
+ADOPTED = ("engine", "model_name", "model_version", "tokenizer_sha256", "load_s", "standby", "transfer",
+           "transfer_name", "transfer_metadata", "make_transfer", "epoch", "metrics", "health", "tracing", "cores",
+           "kv_events_endpoint", "kv_events_public_key", "last_request", "_send")
+
+
 class WorkerBase:
     role = "both"
 
@@ -184,6 +201,7 @@ class WorkerBase:
         self.tracing = make_tracing(config.observability.otel_endpoint, config.observability.otel_service_name)
         self._spans: dict[tuple[str, str], object] = {}  # (request id, span name) -> open span
         self.make_transfer = make_transfer
+        self.successor: WorkerBase | None = None  # the handler of another role this one handed everything to
         self.standby: list[str] = []  # the other models it may load (ModelSwitch), announced at registration
         self.kv_events_endpoint = ""  # where it publishes KV events (serve binds it), announced at registration
         self.kv_events_public_key = ""  # that socket's CURVE public key (z85), with CURVE on
@@ -192,8 +210,24 @@ class WorkerBase:
         # Held for each engine step (``with self.cores``) where co-located workers time-share the cores.
         self.cores = CoreShare(config.core_share, config.core_share_timeout_s) if config.core_share else nullcontext()
 
+    @classmethod
+    def adopt(cls, old: WorkerBase, config: WorkerConfig) -> WorkerBase:
+        """A handler of this class serving ``config.role`` that takes over what ``old`` holds (``ADOPTED``), its
+        model loaded as it is: a role switch (``role_switch.py``), once ``old`` holds no request. ``old`` hands
+        closing to it (``close``)."""
+        new = cls.__new__(cls)
+        for name in ADOPTED:
+            setattr(new, name, getattr(old, name))
+        new.config, new.role, new.draining, new.successor, new._spans = config, config.role, False, None, {}
+        new.metrics.config = config  # tessera_worker_info names the new role
+        new.metrics.identify(new.model_name, new.model_version)
+        new.reset()
+        old.successor = new
+        return new
+
     def reset(self) -> None:
-        """What the role keeps about one model's requests, fresh with each model loaded (``load_model``)."""
+        """What the role keeps about one model's requests, fresh with each model loaded (``load_model``) and with
+        each role switch (``adopt``)."""
 
     def bind(self, send) -> None:
         self._send = send
@@ -277,6 +311,9 @@ class WorkerBase:
                     "serves on", retryable=False, code="nonfinite_logits")
 
     def close(self) -> None:
+        if self.successor is not None:  # a role switch handed it all over
+            self.successor.close()
+            return
         if self.transfer is not None:
             self.transfer.close()
         if self.engine is not None:

@@ -6,7 +6,8 @@ Request life cycle, as queues and hops (one sub-request per choice):
 
     HTTP handler --submit--> admission queue --dispatch--> policy.route --> SubRequest.start --> outbox --> worker
     worker --frames--> WorkerLink (I/O task) --on_frames--> decode --> handle
-        Register/Heartbeat/Goodbye --> registry (+ RegisterAck, Peers; Reregister to an unknown heartbeat)
+        Register/Heartbeat/Goodbye --> registry (+ RegisterAck, Peers; Reregister to an unknown heartbeat); a Register
+            ends a role switch ordered (proxy/cluster/role_switches.py)
         KVSnapshot --> proxy/cluster/kv_events.py (the prefix index routing reads; its KVEvents come on a SUB socket)
         TokenizerFiles --> proxy/cluster/tokenizer_fetch.py (the tokenizer of a version the proxy has none of)
         PrefillDone/KVPulled/RequestFailed, and each TokenDelta of a step's TokenDeltas --> that SubRequest
@@ -43,6 +44,7 @@ from proxy.cluster.kv_events import KVEventSubscriber
 from proxy.core.errors import ApiError
 from proxy.core.metrics import ProxyMetrics
 from proxy.cluster.model_loading import ModelLoader
+from proxy.cluster.role_switches import RoleSwitches
 from proxy.core.workers import WorkerRegistry, WorkerState
 from proxy.core.requests import Sends, Stage, SubRequest
 from proxy.cluster.request_group import EventSink, RequestGroup
@@ -80,6 +82,7 @@ class Cluster:
         self.embeddings = Embeddings(config, self.registry, self.send, self.peer_versions)  # no admission, no pages
         self.loader = ModelLoader(config, self.registry, self.send, metrics, self.inflight.values(), self.peer_versions,
                                   clock)
+        self.role_switches = RoleSwitches(config, self.registry, self.send, metrics, self.peer_versions, clock)
         self.tokenizers = TokenizerFetcher(config, self.send, metrics, self.peer_versions, clock=clock)
         curve = proxy_curve(config)
         self.kv_events = KVEventSubscriber(policy.index, metrics.registry, self.send, clock,  # started by the app
@@ -296,6 +299,14 @@ class Cluster:
         self.policy.decode_sent(decoder, tokens, session=sub.session)
         return sub.start_decode(decoder, self.admission.counters[sub.tenant], now)
 
+    def switch_role(self, worker_id: str, role: str, force: bool = False) -> asyncio.Future:
+        """Order a worker to serve as ``role`` (prefill, decode or both) with its model kept loaded: the admin API's
+        and the planner's one way (``proxy/cluster/role_switches.py`` ``RoleSwitches.order``). Returns a future of its
+        ``WorkerState`` once it registered in that role, failing with an ``ApiError`` (504 past
+        ``planner.role_switch_timeout_s``); raises ``ApiError`` when refused (404, 409: ``force`` switches even the
+        last worker of a role its model version needs). The worker's requests resume elsewhere as it leaves."""
+        return self.role_switches.order(worker_id, role, force)
+
     def _unavailable(self, message: str) -> ApiError:
         return ApiError(503, message, code="no_worker_available", retry_after_s=self.config.requests.retry_after_s)
 
@@ -421,6 +432,7 @@ class Cluster:
             return
         self.kv_events.watch(worker.worker_id, msg.epoch, msg.kv_events_endpoint, now, msg.kv_events_public_key)
         self.loader.registered(msg)
+        self.role_switches.registered(worker)
         self.metrics.set_worker_kv(worker.worker_id, worker.num_blocks, worker.free_blocks)
         self._update_worker_gauges()
         if outcome.prefill_set_changed:
@@ -442,8 +454,9 @@ class Cluster:
                 self.send(sender, Reregister(msg.worker_id, msg.epoch,
                                              f"the proxy does not know worker {msg.worker_id!r} epoch {msg.epoch}"))
             return
-        if worker.worker_id in self.loader.loading:  # asked to load another model: a heartbeat sent before the
-            worker.draining = True  # worker took the LoadModel must not bring it back into routing
+        if worker.worker_id in self.loader.loading or self.role_switches.switching(worker.worker_id):
+            worker.draining = True  # asked to load another model or switch roles: a heartbeat sent before the
+            # worker took the order must not bring it back into routing
         self.policy.heartbeat(worker)
         self.metrics.set_worker_kv(worker.worker_id, worker.num_blocks, worker.free_blocks)
         if worker.decode_capable:
@@ -461,6 +474,7 @@ class Cluster:
         """A worker's connection closed (its process exited, or its host went away): gone now, not after
         ``heartbeat_timeout_s``."""
         self.loader.forget(identity.decode(errors="replace"), lost=True)
+        self.role_switches.lost(identity.decode(errors="replace"))
         worker = self.registry.disconnected(identity.decode(errors="replace"))
         if worker is not None:
             self.metrics.disconnects.labels(worker.worker_id).inc()
@@ -481,6 +495,7 @@ class Cluster:
 
     def expire_workers(self) -> None:
         self.kv_events.resend_overdue(self._clock(), self.config.heartbeat_timeout_s)
+        self.role_switches.expire(self._clock())
         for worker in self.registry.expire(self._clock()):
             self.metrics.heartbeats_missed.labels(worker.worker_id).inc()
             self._worker_gone(worker, f"no heartbeat for heartbeat_timeout_s={self.config.heartbeat_timeout_s}s",

@@ -118,6 +118,9 @@ class ProxyMetrics:
         self.model_loads = Counter("tessera_proxy_model_loads", "Loads of a standby model the proxy asked a worker "
                                    "for, by model (name@version) and outcome (loaded, failed)", ["model", "outcome"],
                                    registry=r)
+        self.role_switches = Counter("tessera_proxy_role_switches", "Role switches ordered (admin API, planner), by "
+                                     "outcome: switched, refused, timed_out (planner.role_switch_timeout_s), failed",
+                                     ["outcome"], registry=r)
         self.model_load_seconds = Histogram("tessera_proxy_model_load_seconds", "How long a worker took to load a "
                                             "standby model (its own measure)", buckets=_E2E_BUCKETS, registry=r)
         self.ttft = Histogram("tessera_proxy_time_to_first_token_seconds",

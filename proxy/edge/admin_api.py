@@ -1,7 +1,13 @@
-"""The admin API: promote a model version (to a canary share of the traffic, or to all of it) and roll back.
+"""The admin API: the workers and their roles, and model versions: promote one (to a canary share of the traffic, or
+to all of it) and roll back.
 
     GET  /admin/workers                      every registered worker: role, model, load, KV pages, heartbeat age,
                                              protocol (``tessera status`` prints it)
+    POST /admin/workers/{worker_id}/role     {"role": "prefill" | "decode" | "both", "force": false}: the worker
+                                             drains, then serves in that role with its model kept loaded; answers
+                                             its new epoch once it does (404 unknown worker; 409 refused, e.g. the
+                                             last decode-capable worker unless forced; 504 past
+                                             planner.role_switch_timeout_s)
     GET  /admin/models                       every registered version, its promotion, the workers serving it and
                                              the sessions pinned to it (drain a version once it has none)
     POST /admin/models/{name}/promote        {"version": V, "canary_percent": P | null}
@@ -22,10 +28,11 @@ import hashlib
 import hmac
 import logging
 import time
+from typing import Literal
 
 import msgspec
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from common.storage.registry import RegistryError
 from proxy.core.errors import ApiError
@@ -73,6 +80,32 @@ async def workers(request: Request) -> dict:
             for w in sorted(cluster.registry.workers.values(), key=lambda w: w.worker_id)]
     ready, reason = cluster.readiness()
     return {"object": "list", "data": rows, "ready": ready, "reason": reason}
+
+
+class RoleRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["prefill", "decode", "both"] = Field(description="the role the worker serves from now on")
+    force: StrictBool = Field(False, description="switch even the last worker of a role its model version needs "
+                              "(the last decode-capable one, or the last prefill worker)")
+
+
+@router.post("/workers/{worker_id}/role", openapi_extra=request_body(RoleRequest),
+             responses=error_responses(400, 401, 404, 409, 504, described_as={
+                 404: "no such worker", 409: "refused: the worker is draining, speaks a protocol without role "
+                 "switching, is switching already, or is the last of a role its model needs (force)",
+                 504: "the worker did not serve in its new role within planner.role_switch_timeout_s"}))
+async def switch_role(worker_id: str, request: Request) -> dict:
+    """Switch a worker's role with its model kept loaded; answers once it serves in the new role."""
+    authorize(request)
+    body = await read_model(request, RoleRequest, ADMIN_BODY_BYTES)
+    cluster = request.app.state.services.cluster
+    before = cluster.registry.workers.get(worker_id)
+    started = time.monotonic()
+    worker = await cluster.switch_role(worker_id, body.role, body.force)
+    log.info("admin switch of worker %r to %s: done", worker_id, body.role)
+    return {"worker_id": worker.worker_id, "role": worker.role.value, "epoch": worker.epoch,
+            "previous_role": before.role.value, "previous_epoch": before.epoch,
+            "waited_s": round(time.monotonic() - started, 3)}
 
 
 @router.get("/models", responses=error_responses(401))

@@ -124,7 +124,8 @@ def request_body(model: type[BaseModel]) -> dict:
         "application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}}}}
 
 
-def error_responses(*statuses: int) -> dict:
+def error_responses(*statuses: int, described_as: dict[int, str] | None = None) -> dict:
+    """The error answers of an operation; ``described_as``: its own descriptions of some statuses."""
     described = {400: "a field is invalid (param names it), or the request cannot be served (prompt too long, "
                       "token outside the vocabulary, ...)",
                  401: "missing or unknown API key (with auth_enabled)", 404: "no such model",
@@ -132,6 +133,7 @@ def error_responses(*statuses: int) -> dict:
                  429: "the tenant is over a limit; Retry-After says when to try again",
                  503: "no worker can take it now, or the cluster is saturated; Retry-After says when to retry",
                  504: "no token in time, or the X-Request-Timeout deadline passed while queued"}
+    described.update(described_as or {})
     return {status: {"model": ErrorResponse, "description": described[status]} for status in statuses}
 
 

@@ -1,4 +1,5 @@
-"""The admin API over HTTP: who may call it, and promotion, canary and rollback as new requests see them."""
+"""The admin API over HTTP: who may call it, promotion, canary and rollback as new requests see them, and a worker's
+role switch refused or timed out (tests/e2e/test_role_switch.py switches real workers)."""
 from __future__ import annotations
 
 import hashlib
@@ -8,6 +9,8 @@ from collections import Counter
 
 import pytest
 
+from common.protocol.wire import SwitchRole
+from common.runtime.prometheus_text import samples
 from tests.e2e.proxy_harness import *  # noqa: F401,F403 -- fixtures, helpers and wire types
 
 ADMIN_KEY = "admin-secret-key"
@@ -86,3 +89,29 @@ def test_a_drain_waits_for_the_sessions_pinned_to_the_version_and_sends_it_no_ne
     drained = admin(proxy, "drain", version="v1").json()
     assert drained["pinned_sessions"] == 0  # answered once the pin's time (session_pin_max_s) ran out
     assert versions_served(proxy, 1, **{"X-Session-Id": "on-v1"}) == Counter({f"{NAME}@v2": 1})
+
+
+def test_a_role_switch_is_refused_as_the_cluster_needs_and_times_out_naming_the_setting(make_proxy, make_worker):
+    proxy = make_proxy(security={"admin_api_key_sha256": hashlib.sha256(ADMIN_KEY.encode()).hexdigest()},
+                       planner={"role_switch_timeout_s": 0.5})
+    make_worker(proxy, "p0", "prefill")
+    make_worker(proxy, "d0", "decode")
+    scripted = make_worker(proxy, "d1", "decode")  # the scripted worker takes no SwitchRole: the order times out
+    ready(proxy)
+
+    def switch(worker_id: str, key: str | None = ADMIN_KEY, **body):
+        headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+        return proxy.http.post(f"/admin/workers/{worker_id}/role", json=body, headers=headers)
+
+    assert switch("d1", key=None, role="prefill").status_code == 401
+    assert_openai_error(switch("nobody", role="prefill"), 404, "nobody")
+    assert assert_openai_error(switch("d1", role="embed"), 400)["param"] == "role"
+    assert assert_openai_error(switch("d1", role="prefill", now=True), 400)["param"] == "now"
+    assert_openai_error(switch("p0", role="decode"), 409, "last prefill worker", "force")
+    same = switch("d1", role="decode")
+    assert same.status_code == 200 and same.json()["epoch"] == same.json()["previous_epoch"] == scripted.epoch
+    assert_openai_error(switch("d1", role="prefill"), 504, "planner.role_switch_timeout_s=0.5s")
+    assert [m for m in scripted.received if isinstance(m, SwitchRole)] == [SwitchRole("d1", "prefill")]
+    counts = {labels: value for labels, value in samples(proxy.http.get("/metrics").text,
+                                                          "tessera_proxy_role_switches_total").items() if value}
+    assert counts == {'{outcome="refused"}': 2, '{outcome="timed_out"}': 1}

@@ -84,7 +84,7 @@ def test_a_load_model_drains_then_swaps_and_the_new_model_serves_its_own_output(
     epoch, pool = handler.epoch, handler.transfer
     _handle(handler, wire.DecodeRequest("running", PROMPT, PARAMS, seed=1))  # running when the swap is asked
     switch.io.inbox.put(wire.LoadModel("w0", second))
-    assert _take_messages(switch.io, handler, switch, 0)  # the loop hands it to the switch
+    assert _take_messages(switch.io, handler, switch, None, 0)  # the loop hands it to the switch
     assert handler.draining and switch.io.draining and switch.check_at == 0.0
     switch.act()  # the running request first
     assert handler.engine is not None and handler.model_name == dirs[0].name

@@ -111,10 +111,10 @@ def test_a_tune_from_the_proxy_sets_the_engines_token_budget_and_speculation_and
                                   setattr(g, "value", v) for g, v in zip(gauges.values(), values)]))
     io = SimpleNamespace(inbox=queue.Queue())
     io.inbox.put(wire.Tune(512, spec_num_tokens=2, spec_max_batch_size=0))
-    assert _take_messages(io, handler, None, 0)
+    assert _take_messages(io, handler, None, None, 0)
     assert budgets == [512] and {n: g.value for n, g in gauges.items()} == {
         "token_budget": 512, "spec_num_tokens": 2, "spec_max_batch_size": 0}
     io.inbox.put(wire.Tune(0))  # back to the configured values
-    assert _take_messages(io, handler, None, 0)
+    assert _take_messages(io, handler, None, None, 0)
     assert budgets == [512, 0] and {n: g.value for n, g in gauges.items()} == {
         "token_budget": 2048, "spec_num_tokens": 4, "spec_max_batch_size": 8}
