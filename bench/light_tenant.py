@@ -17,6 +17,14 @@ per minute and share, how many requests waited at the proxy at the end of the wi
 capacity within the TPOT target (sampled each second): two runs' throughputs compare only over the same
 capacity, which follows each cluster's own fitted step model. Last, B's service at
 each A against the mean of the points at A's smallest stream count (by default the first and the last point).
+
+``--cold`` measures as a new user would (issue 47): each point on a fresh cluster, no warm-up, the window
+``--duration-s`` counted from the first request; and the first ``--timeline-s`` seconds of each point, second by
+second (the capacity, each tenant's choices waiting at the proxy and decoding, their tokens), are in the row's
+``timeline``:
+
+    .venv/bin/python -m bench.light_tenant --cold --scopes shared --a-streams 4,64 --duration-s 60
+    .venv/bin/python -m bench.light_tenant --cold --scopes shared --a-streams 48 --b-streams 12 --duration-s 60
 """
 from __future__ import annotations
 
@@ -71,6 +79,17 @@ async def closed_loop(url: str, tenant: str, streams: int, start: float, measure
         await asyncio.gather(*(one_stream() for _ in range(streams)))
 
 
+def timeline_at(records: list[dict], at: float, args) -> dict:
+    """Each tenant's choices decoding at ``at`` (between their second token and their last: the first comes from
+    the prefill worker) and the weighted tokens it was served in the second before."""
+    row = {}
+    for tenant in KEYS:
+        row[f"decoding_{tenant}"] = sum(1 for r in records if r["tenant"] == tenant and len(r.get("stamps") or ()) > 1
+                                        and r["stamps"][1] <= at < r["stamps"][-1])
+        row[f"served_{tenant}"] = round(served(records, tenant, at - 1.0, at, args.input_len, args.output_len))
+    return row
+
+
 def _p50_ms(values: list[float | None]) -> float | None:
     values = [v for v in values if v is not None]
     return 1000 * statistics.median(values) if values else None
@@ -95,6 +114,7 @@ def point(cluster: LocalCluster, a_streams: int, args, seed: int) -> dict:
     records: list[dict] = []
     start = time.monotonic()
     measure_from, until = start + args.warm_up_s, start + args.warm_up_s + args.duration_s
+    samples: list[dict] = []
 
     async def run() -> None:
         await asyncio.gather(
@@ -136,11 +156,24 @@ def point(cluster: LocalCluster, a_streams: int, args, seed: int) -> dict:
             for gauge in ("predicted", "measured"):
                 waiting[f"step_{gauge}_ms"] = 1e3 * total(worker, f"tessera_worker_step_{gauge}_seconds")
 
+    async def early() -> None:
+        # the cold start, second by second: what the proxy admits while the capacity model learns
+        async with httpx.AsyncClient(timeout=10) as client:
+            while (now := time.monotonic()) < min(start + args.timeline_s, until):
+                text = (await client.get(cluster.url + "/metrics")).text
+                samples.append({"t": now - start, "capacity": total(text, "tessera_proxy_worker_decode_capacity"),
+                                "tpot_target_ms": 1e3 * total(text, "tessera_proxy_worker_tpot_target_seconds"),
+                                **{f"waiting_{t}": total(text, "tessera_proxy_tenant_waiting", tenant=t) for t in KEYS},
+                                **{f"counter_{t}": total(text, "tessera_proxy_tenant_virtual_counter", tenant=t)
+                                   for t in KEYS}})
+                await asyncio.sleep(max(now + 1.0 - time.monotonic(), 0.0))
+
     async def both() -> None:
-        await asyncio.gather(run(), watch())
+        await asyncio.gather(run(), watch(), early())
 
     asyncio.run(both())
-    row = {"a_streams": a_streams, "waiting_at_end": waiting}
+    row = {"a_streams": a_streams, "waiting_at_end": waiting,
+           "timeline": [{**s, **timeline_at(records, start + s["t"], args)} for s in samples]}
     per_request = args.input_len + 2 * args.output_len
     for tenant in ("A", "B"):
         done = [r for r in records if r["tenant"] == tenant and r["status"] == 200
@@ -186,30 +219,47 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm-up-s", type=float, default=10.0)
     parser.add_argument("--duration-s", type=float, default=45.0)
     parser.add_argument("--seed", type=int, default=31000)
+    parser.add_argument("--cold", action="store_true",
+                        help="each point on a fresh cluster, no warm-up: the window counts from the first request")
+    parser.add_argument("--timeline-s", type=float, default=20.0,
+                        help="each point's first seconds, second by second, in the row's timeline")
     parser.add_argument("--results", type=Path, help="also write the rows here (JSON)")
     parser.add_argument("--trace", type=Path, help="append every request (its token times too) here (JSON lines)")
     parser.add_argument("--proxy-set", action="append", default=[], metavar="KEY=VALUE",
                         help="another proxy setting for every cluster, e.g. tenancy.preempt_for_fairness=true")
     args = parser.parse_args(argv)
+    if args.cold:
+        args.warm_up_s = 0.0
     model_dir = resolve_model(EMBEDDED_MODEL, args.dtype)
     weights = {"A": 1.0, "B": args.b_weight}
     tenants = json.dumps([{"name": t, "api_key_sha256": [hash_key(k)], "weight": weights[t]} for t, k in KEYS.items()])
     rows = []
     seed = args.seed
-    for scope in args.scopes.split(","):
+    def start(scope: str) -> LocalCluster:
         log_dir = Path(tempfile.mkdtemp(prefix=f"light-tenant-{scope}-"))
-        cluster = LocalCluster(str(model_dir), log_dir, dtype=args.dtype, threads=0, transfer_backend="auto",
-                               own_session=True, proxy_overrides=[
-                                   "tenancy.auth_enabled=true", f"tenancy.tenants={tenants}", f"slo.tpot_slo_scope={scope}",
-                                   *args.proxy_set]).start()
+        print(f"cluster logs: {log_dir}", flush=True)
+        return LocalCluster(str(model_dir), log_dir, dtype=args.dtype, threads=0, transfer_backend="auto",
+                            own_session=True, proxy_overrides=[
+                                "tenancy.auth_enabled=true", f"tenancy.tenants={tenants}", f"slo.tpot_slo_scope={scope}",
+                                *args.proxy_set]).start()
+
+    for scope in args.scopes.split(","):
+        cluster = None if args.cold else start(scope)
         try:
             for a_streams in (int(n) for n in args.a_streams.split(",")):
-                row = {"scope": scope, "proxy_set": args.proxy_set, **point(cluster, a_streams, args, seed)}
+                fresh = start(scope) if args.cold else None
+                try:
+                    row = {"scope": scope, "cold": args.cold, "proxy_set": args.proxy_set,
+                           **point(fresh or cluster, a_streams, args, seed)}
+                finally:
+                    if fresh is not None:
+                        fresh.stop()
                 seed += 100
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         finally:
-            cluster.stop()
+            if cluster is not None:
+                cluster.stop()
     print("\n| tpot_slo_scope | A's streams | B's TPOT p50 ms | the TPOT target ms (p50 over the window) | A's TPOT p50 ms | B's TTFT p50 ms | "
           "B's weighted tokens / min | both, weighted tokens / min | B's share (1st / 2nd half) | "
           "B's share of completed requests (1st / 2nd half) | waiting at the proxy (A / B) | decode capacity, mean |")

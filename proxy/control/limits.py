@@ -6,8 +6,9 @@ never calls back into the cluster. Each answer is read from the registry, the la
   are a latency capacity (``latency_capped``) only as many as keep each worker within the TPOT target
   (proxy/core/workers.py ``decode_slots``), times the adaptive controller's ``decode_scale``.
 - ``latency_capped``: whether the TPOT target limits decode admission now (``tpot_slo_scope``): always, never, or
-  while two or more tenants share the cluster (counting other proxies' with shared state); and always while the
-  adaptive controller holds the cap.
+  while two or more tenants share the cluster (counting other proxies' with shared state) or a decode worker's
+  capacity is still being learned (``WorkerRegistry.learning``); and always while the adaptive controller holds
+  the cap.
 - ``prefill_room``: whether a prompt may go to a prefill worker now: the TTFT backlog and the prefill gate
   (proxy/control/slo.py), the controller's budget and gate (proxy/control/tac.py).
 - ``slots_freeing``: decoding choices predicted to end within one prefill (``SlotForecast``), which prefill
@@ -54,12 +55,18 @@ class CapacityLimits:
 
     def latency_capped(self) -> bool:
         """Whether the TPOT target limits decode admission now (``tpot_slo_scope``): always, never, or while two
-        or more tenants share the cluster; and always while the adaptive controller holds the cap."""
+        or more tenants share the cluster or a worker's capacity is being learned; and always while the adaptive
+        controller holds the cap."""
         scope = self.config.slo.tpot_slo_scope
         if scope == "always" or (self.tac is not None and self.tac.decode_cap):
             return True
         if scope != "shared":
             return False
+        if self.registry.learning():
+            # a lone tenant's burst would take every slot before a second tenant's first request (the next
+            # instant, on a new cluster) and hold them until it ended: while the capacity is a guess, each
+            # worker's START_CAPACITY is given out in the fairness policy's order, alone or not
+            return True
         here = self.admission.num_active_tenants(self._clock(), SHARED_WINDOW_S)
         return here > 1 or self.share.tenants_elsewhere(here, self.admission.present)  # other proxies' count too
 

@@ -144,6 +144,7 @@ class WorkerRegistry:
     workers: dict[str, WorkerState] = field(default_factory=dict)
     _rejoin_asked: dict[str, float] = field(default_factory=dict)  # worker id -> when last asked
     _slots: tuple = ((), 0)  # decode_slots' last answer, and what it depended on
+    _learning: tuple = ((), False)  # learning's, likewise
 
     def register(self, msg: Register, now: float) -> Registration:
         old = self.workers.get(msg.worker_id)
@@ -266,6 +267,14 @@ class WorkerRegistry:
             self._slots = (key, sum(min(max(int(w.tpot_capacity * scale), 1), w.max_num_seqs) if within_tpot
                                     else w.max_num_seqs for w in self.decode_side() if not w.draining))
         return self._slots[1]
+
+    def learning(self) -> bool:
+        """Whether a decode-capable worker that takes new work has no TPOT capacity from its own step model yet
+        (a new cluster's first seconds, or a worker that just joined): its ``tpot_capacity`` is a guess."""
+        key = (_slot_changes[0], len(self.workers))
+        if self._learning[0] != key:
+            self._learning = (key, any(not w.latency_capacity for w in self.decode_side() if not w.draining))
+        return self._learning[1]
 
     def peers(self) -> Peers:
         return Peers([w.peer_info() for w in self.prefill_side()])
