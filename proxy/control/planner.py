@@ -11,8 +11,9 @@ A decision, in worker units (what the split must hold):
 
 - **Prefill need**: the prompt tokens that arrived over ``planner.load_window_s``, per second, over one prefill
   worker's prompt throughput (its own step model at its token budget and the prompts' mean length); at least,
-  the prompt tokens queued at the proxy and on the prefill workers over what one worker prefills in half of
-  ``ttft_slo_ms`` (a burst is met before it waits past its target, not once the rate shows it).
+  the prompt tokens queued at the proxy (unless the decode cap holds every slot: then they wait for decode) and on
+  the prefill workers over what one worker prefills in half of ``ttft_slo_ms`` (a burst is met before it waits
+  past its target, not once the rate shows it).
 - **Decode need**: the sequences to decode at once (Little's law: choices arriving per second times their
   output tokens times the TPOT target), over one decode worker's capacity within that target
   (proxy/core/capacity.py, times the controller's ``decode_scale``); at least, while the decode cap holds
@@ -189,7 +190,8 @@ class Planner:
             return []
         self._wanted = (direction, self._wanted[1] + 1 if self._wanted[0] == direction else 1)
         last_direction, last_at = self._last_order
-        if self._wanted[1] < CONFIRM or (last_direction == -direction and now - last_at < self.config.planner.min_dwell_s):
+        swings_back = last_direction == -direction and now - last_at < self.config.planner.min_dwell_s
+        if self._wanted[1] < CONFIRM or swings_back:
             return []
         why = (f"{self.need.why}; split {counts[0]}:{counts[1]} at {current_load:.2f} of its capacity, "
                f"{best}:{total - best} at {best_load:.2f}")
@@ -271,7 +273,8 @@ class Planner:
         cost = cost_source.step_cost
         budget = EngineConfig.max_num_batched_tokens
         prompt_rate = budget / max(cost.step_ms(0, 0, budget, int(budget * prompt / 2)), 1e-3) * 1e3  # tokens/s
-        queued = sum(len(s.prompt) for s in self.inflight if s.stage is Stage.QUEUED)
+        # queued at the proxy while the decode cap holds every slot, a prompt waits for decode, not for prefill
+        queued = 0 if bound else sum(len(s.prompt) for s in self.inflight if s.stage is Stage.QUEUED)
         queued += sum(self.policy.outstanding_prefill_tokens(w.worker_id) for w in self.registry.prefill_side())
         ttft_s = self.config.slo.ttft_slo_ms / 1e3
         prefill = max(sum(a[1] for a in arrivals) / span / prompt_rate, queued / (prompt_rate * BACKLOG_SHARE * ttft_s))
