@@ -286,9 +286,12 @@ def measure_switch(cycles: int) -> dict:
 
 def pick_splits(spec: str, workers: int, bests: list[str]) -> list[int]:
     """``all``: every split with one of each role at least; ``sampled``: each phase's best (by the model), an
-    even split, and the two extremes' neighbours; else the prefill counts listed."""
+    even split, and the two extremes' neighbours; ``none``: no fixed split (TAC alone); else the prefill counts
+    listed."""
     if spec == "all":
         return list(range(1, workers))
+    if spec == "none":
+        return []
     if spec == "sampled":
         picks = {int(b.split(":")[0]) for b in bests} | {workers // 2, 2, workers - 2}
         return sorted(p for p in picks if 1 <= p < workers)
@@ -305,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load", type=float, default=0.8, help="each phase's rate over its best split's")
     parser.add_argument("--settle-s", type=float, default=30.0,
                         help="simulated seconds into a phase after which its goodput is compared (settled)")
-    parser.add_argument("--splits", default="sampled", help="all | sampled | prefill counts, comma-separated")
+    parser.add_argument("--splits", default="sampled", help="all | sampled | none | prefill counts, comma-separated")
     parser.add_argument("--no-tac", action="store_true", help="only the fixed splits")
     parser.add_argument("--ttft-ms", type=float, default=10_000.0, help="simulated")
     parser.add_argument("--tpot-ms", type=float, default=25.0, help="simulated")

@@ -14,10 +14,12 @@ A decision, in worker units (what the split must hold):
   the prompt tokens queued at the proxy (unless the decode cap holds every slot: then they wait for decode) and on
   the prefill workers over what one worker prefills in half of ``ttft_slo_ms`` (a burst is met before it waits
   past its target, not once the rate shows it).
-- **Decode need**: the sequences to decode at once (Little's law: choices arriving per second times their
-  output tokens times the TPOT target), over one decode worker's capacity within that target
-  (proxy/core/capacity.py, times the controller's ``decode_scale``); at least, while the decode cap holds
-  every slot, the choices holding or waiting for one over that capacity.
+- **Decode need**: the decode slots held at once (Little's law: choices arriving per second times how long each
+  holds its slot, from its admission to prefill, as the cap counts it, to its last token: its prefill at one
+  worker's throughput plus its output tokens at the TPOT target), over one decode worker's capacity within that
+  target (proxy/core/capacity.py, times the controller's ``decode_scale``); at least, while the decode cap holds
+  every slot, the choices holding one, and those waiting at the proxy unless the prefill side is behind (its
+  workers hold half or more of the prompt tokens they may queue within the TTFT target).
 - **Attainment**: once per ``planner.window_s`` the choices that ended correct the prefill need by
   ``prefill_bias``: x ``BIAS_STEP`` when the misses point at prefill (the TTFT target missed in prefill, or
   waiting at the proxy while the decode cap had room), / ``BIAS_STEP`` when they point at decode (the TPOT
@@ -273,10 +275,15 @@ class Planner:
         cost = cost_source.step_cost
         budget = EngineConfig.max_num_batched_tokens
         prompt_rate = budget / max(cost.step_ms(0, 0, budget, int(budget * prompt / 2)), 1e-3) * 1e3  # tokens/s
-        # queued at the proxy while the decode cap holds every slot, a prompt waits for decode, not for prefill
-        queued = 0 if bound else sum(len(s.prompt) for s in self.inflight if s.stage is Stage.QUEUED)
-        queued += sum(self.policy.outstanding_prefill_tokens(w.worker_id) for w in self.registry.prefill_side())
+        sent = sum(self.policy.outstanding_prefill_tokens(w.worker_id) for w in self.registry.prefill_side())
         ttft_s = self.config.slo.ttft_slo_ms / 1e3
+        # the prefill workers hold less than half the prompt tokens the TTFT target lets them queue (slo.py's
+        # prefill_room: half the target): what waits at the proxy while the decode cap holds every slot waits for
+        # decode, not for prefill
+        room = prompt_rate * max(len(self.registry.prefill_side()), 1) * BACKLOG_SHARE * ttft_s
+        prefill_short = sent >= BACKLOG_SHARE * room
+        queued_prompts = [len(s.prompt) for s in self.inflight if s.stage is Stage.QUEUED]
+        queued = sent + (sum(queued_prompts) if prefill_short or not bound else 0)
         prefill = max(sum(a[1] for a in arrivals) / span / prompt_rate, queued / (prompt_rate * BACKLOG_SHARE * ttft_s))
         context = int(prompt + output / 2)
         capacities = [latency_capacity(w.step_cost or cost, w.max_num_seqs, context, self.config.slo.tpot_slo_ms,
@@ -285,9 +292,10 @@ class Planner:
                              self.config.slo.tpot_slo_factor)]
         per_worker = max(sum(c[0] for c in capacities) / len(capacities) * decode_scale, 1.0)
         tpot_s = sum(c[1] for c in capacities) / len(capacities) / 1e3
-        sequences = count / span * output * tpot_s
+        # a choice holds its decode slot from its admission to prefill (the cap counts it from there) to its end
+        sequences = count / span * (prompt / prompt_rate + output * tpot_s)
         if bound:
-            sequences = max(sequences, self._holding_slots() + self.admission.total(Stage.QUEUED))
+            sequences = max(sequences, self._holding_slots() + (0 if prefill_short else len(queued_prompts)))
         why = (f"{count / span:.2f} choices/s of {prompt:.0f} prompt and {output:.0f} output tokens, "
                f"{queued} prompt tokens queued; one prefill worker {prompt_rate:.0f} tokens/s, one decode worker "
                f"{per_worker:.0f} sequences within {tpot_s * 1e3:.0f} ms")
