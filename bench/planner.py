@@ -23,8 +23,8 @@ Time: ``--time-scale`` s makes every simulated step s times as long as the profi
 and the simulated workers fit on the cores at hand), and the targets, the trace and the planner's times are
 scaled alike: every figure reported is in simulated seconds. Goodput: requests that met both ``--ttft-ms`` and
 ``--tpot-ms`` (as the client measured them), per simulated second of the phase (or the whole trace);
-``settled``: only those that arrived at least ``--settle-s`` (30) simulated seconds into their phase. The switches come from
-the simulated workers' own records, each placed in the phase it was ordered in.
+``settled``: only those that arrived at least ``--settle-s`` (30) simulated seconds into their phase. The
+switches come from the simulated workers' own records, each placed in the phase it was ordered in.
 
 ``measure-switch``: what a switch costs beyond its drain, on a real proxy: a worker's Goodbye, then its
 Register under a new epoch and the proxy's RegisterAck (the re-registration a real worker's switch makes, its
