@@ -89,6 +89,12 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
         from proxy.tenancy.shared_state import SharedState  # redis loads only where proxies share state
         cluster.limits.share = SharedState(config, cluster.admission, metrics)
         cluster.admission.shares.weight = cluster.limits.share.weight
+        if cluster.tac is not None and cluster.tac.planner is not None:  # one proxy plans: the lease's holder
+            from proxy.control.lease import RedisLease
+            cluster.tac.planner.lease = RedisLease(cluster.limits.share.client,
+                                                   config.shared_state.key_prefix + "planner_leader",
+                                                   cluster.limits.share.proxy_id, config.planner.leader_lease_s,
+                                                   config.shared_state.timeout_s)
     models = ServedModels(config, cluster.registry, registry_for(None), model_identity(config.model, config.dtype),
                           tokenizer, model_dir, cluster.tokenizers)
     models.loader = cluster.loader  # versions workers may load on demand (standby_models)
@@ -108,6 +114,8 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
         tac_task = asyncio.create_task(cluster.run_controller(), name="tac") if cluster.tac is not None else None
         shared = cluster.limits.share if config.shared_state.redis_url else None
         shared_task = asyncio.create_task(shared.run(), name="shared-state") if shared is not None else None
+        lease = getattr(cluster.tac and cluster.tac.planner, "lease", None)
+        lease_task = asyncio.create_task(lease.run(), name="planner-lease") if hasattr(lease, "run") else None
         reloader = ConfigReloader(source, config, cluster, metrics) if source is not None else None
         if reloader is not None:
             reloader.start()
@@ -129,6 +137,9 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
             watchdog.cancel()
             if tac_task is not None:
                 tac_task.cancel()
+            if lease_task is not None:
+                lease_task.cancel()
+                await lease.release()
             if shared_task is not None:
                 shared_task.cancel()
                 await shared.close()

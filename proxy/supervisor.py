@@ -49,6 +49,8 @@ def child_overrides(config: ProxyConfig, index: int, count: int) -> list[str]:
             f"shared_state.proxy_id={config.shared_state.proxy_id or os.uname().nodename + ':' + str(config.port)}:{index}"]
     # without redis_url each process's share for good; with it, until its first sync
     sets.append(f"shared_state.decode_slot_share={config.shared_state.decode_slot_share / count!r}")
+    if not config.shared_state.redis_url and index:  # one planner: process 0 (with Redis, the lease picks one)
+        sets.append("planner.plan_here=false")
     if config.http.process_port:
         sets.append(f"http.process_port={config.http.process_port + index}")
     if config.tenancy.metering_path:

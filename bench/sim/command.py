@@ -44,7 +44,9 @@ def add_sim_worker_command(subparsers) -> None:
                         help="the model whose name, context length and tokenizer the workers take (default: embedded)")
     parser.add_argument("--model-version", default="sim")
     parser.add_argument("--heartbeat-interval-s", type=float, default=1.0)
-    parser.add_argument("--drain-timeout-s", type=float, default=30.0)
+    parser.add_argument("--drain-timeout-s", type=float, default=30.0,
+                        help="at SIGTERM, and for a role switch (SwitchRole), how long running work may take to finish "
+                        "before it goes back to the proxy (default: %(default)s)")
     parser.add_argument("--stats", type=Path, help="write the stats here every few seconds")
     recording = parser.add_argument_group("profile")
     recording.add_argument("--out", type=Path, help="profile: where to write it")
@@ -73,7 +75,7 @@ def _run(args) -> int:
         for i in range(count):
             host.add(SimSpec(f"{args.id_prefix}-{letter}{i}", role, name, args.model_version, args.num_blocks,
                              args.max_num_seqs, heartbeat_interval_s=args.heartbeat_interval_s,
-                             time_scale=args.time_scale), args.proxy_address)
+                             time_scale=args.time_scale, drain_timeout_s=args.drain_timeout_s), args.proxy_address)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -31,6 +31,7 @@ FIT_BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 PROMPT_LENGTHS = (64, 128, 512, 1024, 1536, 2048, 3072)  # single prompts, for the prompt steps' fit
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"  # shipped with the package
 DEFAULT_PROFILE = PROFILE_DIR / "smollm2-135m-bf16-2core.json"
+ROLE_SWITCH_S = 0.05  # a profile that measured none: about a re-registration's round trip on this machine
 
 
 @dataclass
@@ -47,6 +48,9 @@ class StepProfile:
     about: dict  # what it was measured on: model, dtype, device, threads, machine, when, the batches
     decode: list[tuple[int, float, float]] = field(default_factory=list)
     prompt: list[float] = field(default_factory=list)  # ms = a + b * prompt tokens + c * thousands of pairs
+    # a role switch beyond its drain: from the worker's Goodbye to its new Register acknowledged (about.role_switch
+    # says how it was measured)
+    role_switch_s: float = ROLE_SWITCH_S
 
     def __post_init__(self) -> None:
         small = self.cost.small_max_rows if len(self.cost.small) == 5 else 0
@@ -84,14 +88,15 @@ class StepProfile:
             raw = json.loads(path.read_text())
             decode = [tuple(entry) for entry in raw.get("decode", [])]
             return cls(msgspec.convert(raw["cost"], StepCostModel), raw.get("about", {}), sorted(decode),
-                       [float(c) for c in raw.get("prompt", [])])
+                       [float(c) for c in raw.get("prompt", [])], float(raw.get("role_switch_s", ROLE_SWITCH_S)))
         except (OSError, ValueError, KeyError, TypeError, msgspec.ValidationError) as exc:
             raise ValueError(f"cannot read the step profile {path}: {exc}") from None
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps({"cost": msgspec.to_builtins(self.cost), "decode": self.decode,
-                                          "prompt": self.prompt, "about": self.about}, indent=1) + "\n")
+                                          "prompt": self.prompt, "role_switch_s": self.role_switch_s,
+                                          "about": self.about}, indent=1) + "\n")
 
 
 def run_batch(engine, rng: random.Random, batch: int, prompt_len: int, steps: int, name: str,

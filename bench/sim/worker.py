@@ -9,6 +9,13 @@ ReleaseKV, Abort or its lease ends; a decode worker "pulls" them (``transfer_gbp
 publishes its block manager's KV events on a PUB socket of its own and answers KVSnapshotRequest, as a real worker
 does (common/runtime/kv_events.py), so the proxies route on what it holds.
 
+A worker ordered to another role (SwitchRole) switches as a real one does (common/runtime/role_switch.py): it
+takes no new work (its heartbeats say draining), lets what it runs finish and its lent pages be pulled, for at
+most ``drain_timeout_s`` (what is left then goes back to the proxy, retryable: RequestFailed, and resumes
+elsewhere), says Goodbye, and registers again under a new epoch in the new role after ``role_switch_s`` (the
+profile's measured cost of a switch beyond the drain, times the time scale), its block manager and prefix cache
+kept. Meanwhile it sends no heartbeat, so no proxy asks it to register early.
+
 ``SimHost`` runs many of them in one thread: one poller over their sockets, one heap of timers (steps,
 heartbeats, pulls, leases). It measures how late each timer runs (its loop's lag): a simulated step's timing
 means something only while that lag is small against a step, so ``stats`` reports the lag's p99 with the
@@ -34,16 +41,17 @@ import zmq
 
 from bench.sim.engine import FIRST_TOKEN_ID, TOKEN_RANGE, SimEngine, SimSequence
 from bench.sim.profile import StepProfile
-from common.protocol.wire import KVSnapshotRequest, Peers, Register, RegisterAck, Reregister, Tune
+from common.protocol.wire import KVSnapshotRequest, Peers, Register, RegisterAck, Reregister, SwitchRole, Tune
 from common.protocol.wire import (Abort, DecodeRequest, Goodbye, Heartbeat, KVLayoutInfo, KVPulled, PrefillDone,
-                                  PrefillRequest, ReleaseKV, StepCostModel, TokenDelta, TokenDeltas, WireError,
-                                  decode, encode)
+                                  PrefillRequest, ReleaseKV, RequestFailed, StepCostModel, TokenDelta, TokenDeltas,
+                                  WireError, decode, encode)
 from common.runtime.kv_events import KVEventPublisher
 from common.runtime.proxy_links import Owners, proxy_addresses
 from common.runtime.zmq_security import Waker
 
 log = logging.getLogger("tessera.sim")
 
+SWITCH_POLL_S = 0.02  # a switching worker looks this often whether its drain is done
 MAX_LAG_SHARE = 0.05  # simulated latencies are published only while the loop's lag p99 is within this of a step
 LAYOUT = KVLayoutInfo(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="bfloat16")
 
@@ -64,6 +72,7 @@ class SimSpec:
     transfer_gbps: float = 10.0  # KV pull bandwidth, gigabits a second
     time_scale: float = 1.0  # a step's time: the profile's times this; 0: no time
     fixed_step_s: float | None = None  # instead: decode steps this long, prompt steps none (SimEngine)
+    drain_timeout_s: float = 30.0  # a role switch's drain, at most (a real worker's drain_timeout_s)
 
 
 class SimWorker:
@@ -75,6 +84,11 @@ class SimWorker:
         self.token_text = token_text
         self.epoch = time.time_ns()
         self.cost = profile.cost
+        self.role_switch_s = profile.role_switch_s * spec.time_scale
+        self.switching: str | None = None  # the role it was ordered to, until it registers in it
+        self.away = False  # said Goodbye for a switch, not yet registered again
+        self.halted = False  # its switch's drain timed out: no step starts, what runs goes back once the step ends
+        self.switches: list[dict] = []  # each switch: roles, drain, handed back, and how long each part took
         self.engine = SimEngine(profile.step_ms, spec.num_blocks, spec.kv_layout.block_size, spec.max_num_seqs,
                                 spec.max_num_batched_tokens, spec.time_scale, prefill_only=spec.role == "prefill",
                                 fixed_step_s=spec.fixed_step_s)
@@ -141,7 +155,7 @@ class SimWorker:
 
     def heartbeat(self) -> None:
         message = self.heartbeat_message()
-        if message is not None:
+        if message is not None and not self.away:
             self.send(message)
         self.host.after(self.spec.heartbeat_interval_s, self.heartbeat)
 
@@ -203,10 +217,16 @@ class SimWorker:
             self.engine.abort(msg.request_id)
         elif isinstance(msg, RegisterAck):
             self.links_registered[link] = msg.accepted
+            last = self.switches[-1] if self.switches else {}
+            if msg.accepted and "register_sent" in last and "registered_s" not in last and self.registered:
+                self.switches[-1]["registered_s"] = round(time.monotonic() - self.switches[-1]["register_sent"], 6)
             if not msg.accepted:
                 log.error("%s: the proxy refused it: %s", self.spec.worker_id, msg.reason)
         elif isinstance(msg, Reregister):
-            self.send(self.register_message(), link)
+            if not self.away:  # between its Goodbye and its new Register: it registers when its switch is done
+                self.send(self.register_message(), link)
+        elif isinstance(msg, SwitchRole):
+            self.switch_role(msg.role)
         elif isinstance(msg, KVSnapshotRequest):
             snapshot = self.kv_events.snapshot(self.spec.worker_id, self.epoch, msg)
             if snapshot is not None:
@@ -214,6 +234,67 @@ class SimWorker:
         elif not isinstance(msg, (Peers, Tune)):
             log.debug("%s: ignored a %s", self.spec.worker_id, type(msg).__name__)
         self.kick()
+
+    # -- role switch ---------------------------------------------------------------------------------
+
+    def switch_role(self, role: str) -> None:
+        """SwitchRole: drain, hand back what is left after ``drain_timeout_s``, Goodbye, and register anew."""
+        if self.switching is not None:
+            log.warning("%s: ordered to %s while switching to %s: ignored", self.spec.worker_id, role, self.switching)
+            return
+        log.info("%s: switching from %s to %s", self.spec.worker_id, self.spec.role, role)
+        self.switching, self.draining = role, True
+        now = time.monotonic()
+        self.switches.append({"from": self.spec.role, "to": role, "ordered": now, "running": len(self.engine.running),
+                              "handed_back": 0})
+        message = self.heartbeat_message()  # the proxies see it draining before its next heartbeat
+        if message is not None:
+            self.send(message)
+        self._drain_switch(now + self.spec.drain_timeout_s)
+
+    def _drain_switch(self, deadline: float) -> None:
+        if self.busy and time.monotonic() < deadline:
+            self.host.after(SWITCH_POLL_S, lambda: self._drain_switch(deadline))
+            return
+        self.halted = True
+        if self.stepping:  # a step in flight ends first: its tokens are the clients'
+            self.host.after(SWITCH_POLL_S, lambda: self._drain_switch(deadline))
+            return
+        self._hand_back()
+        record = self.switches[-1]
+        record["drain_s"] = round(time.monotonic() - record["ordered"], 6)
+        self.send(Goodbye(self.spec.worker_id, self.epoch, f"switching role to {self.switching}"))
+        self.away = True
+        self.host.after(self.role_switch_s, self._rejoin)
+
+    def _hand_back(self) -> None:
+        """What the drain did not finish goes back to its proxy, retryable (it resumes elsewhere); lent pages not
+        pulled by now are freed (their pull fails, and the request resumes)."""
+        engine = self.engine
+        failed = [s.request_id for s in (*engine.running, *engine.waiting, *self.pulls.values(), *self.deferred)]
+        for request_id in failed:
+            self.send(RequestFailed(request_id, self.spec.worker_id, "the worker is switching roles", retryable=True))
+            engine.abort(request_id)
+        for request_id in list(engine.held):
+            engine.release(request_id)
+        self.pulls.clear()
+        self.deferred.clear()
+        self.switches[-1]["handed_back"] = len(failed)
+
+    def _rejoin(self) -> None:
+        role = self.switching
+        self.spec.role = role
+        self.engine.prefill_only = role == "prefill"
+        if self.owners is not None:
+            self.owners = Owners(role == "prefill")
+        self.epoch = time.time_ns()
+        self.links_registered = [False] * len(self.links_registered)
+        self.switching, self.draining, self.away, self.halted = None, False, False, False
+        self.switches[-1]["register_sent"] = time.monotonic()
+        self.send(self.register_message())
+        message = self.heartbeat_message()
+        if message is not None:
+            self.send(message)
 
     def sequence(self, msg, prompt: list[int], produced: int, **kwargs) -> SimSequence:
         """The engine's sequence for a request: it stops at ``max_tokens``, or where the model would stop of
@@ -275,7 +356,7 @@ class SimWorker:
         """Start a step if none runs and there is work."""
         while self.deferred and self.engine.add_decoding(self.deferred[0]):
             self.deferred.popleft()
-        if self.stepping:
+        if self.stepping or self.halted:
             return
         plan = self.engine.plan()
         if plan.empty:
@@ -401,6 +482,8 @@ class SimHost:
                 "timing_valid": bool(step_p50) and lag_p99 <= MAX_LAG_SHARE * step_p50,
                 "used_blocks": sum(w.engine.blocks.num_used_blocks for w in self.workers.values()),
                 "held_pages": sum(len(w.engine.held) for w in self.workers.values()),
+                "switches": [{"worker": w.spec.worker_id, **record} for w in self.workers.values()
+                             for record in w.switches],
                 "rss_mib": round(rss, 1),  # the process; per worker: what it grew by since the host began
                 "mib_per_worker": round((rss - self._rss_base) / max(len(self.workers), 1), 2)}
 

@@ -250,8 +250,19 @@ class PlannerConfig:
     min_dwell_s: Float = option(
         60.0, "a worker keeps a role at least this long after a switch before the planner switches it again", ge=0)
     window_s: Float = option(
-        30.0, "the planner's window: the load and the SLO attainment it decides on are those of the last this "
+        30.0, "the planner's window: the SLO attainment it corrects its load model by is that of the last this "
         "many seconds", gt=0)
+    load_window_s: Float = option(
+        10.0, "the arrival rates (prompt tokens, sequences to decode) the planner sizes each role for are those of "
+        "the last this many seconds: short, so that a shift in the load moves the split within a phase", gt=0)
+    hysteresis: Float = option(
+        0.15, "the planner moves workers only when the busiest role's load per worker under the best split is "
+        "below this fraction under the current one's (0.15: 15% better), so that noise does not move them", ge=0, lt=1)
+    max_switching: Int = option(
+        4, "at most this many workers switch roles at once (ordered, not yet registered in their new role)", ge=1)
+    plan_here: Bool = option(
+        True, "without shared_state.redis_url, whether this proxy plans (tessera proxy --processes N sets it "
+        "false on every process but the first); with it, the lease decides")
     leader_lease_s: Float = option(
         10.0, "with shared_state.redis_url, exactly one proxy plans: it holds a lease of this length in Redis, "
         "renewed while it lives; another takes over once it lapses", gt=0)

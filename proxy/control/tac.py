@@ -43,6 +43,10 @@ was refused at arrival by early rejection, missed the TTFT target. Then, one rul
   others of its role, gets x ``DECREASE`` of its weight (at least ``WEIGHT_MIN``); one that missed at most
   ``MISS_LOW`` gets x ``INCREASE`` back towards 1.
 
+- the prefill-to-decode split (``planner.switch_roles``): the planner (proxy/control/planner.py) switches workers
+  between the two roles against the load's prompt and decode work, at each decision; its orders (``SwitchRole``)
+  go out with the ``Tune`` messages.
+
 Every change is logged (``tac: <knob> <old> -> <new>: <why>``) and exported: ``tessera_tac_knob{knob}``,
 ``tessera_tac_decisions_total{knob}``, and the window's ``tessera_tac_goodput`` and miss ratios. Why each rule is
 what it is, and the runs that shaped it: docs/history/tac.md.
@@ -58,6 +62,8 @@ from common.config.roles import ProxyConfig
 from common.protocol.wire import Tune
 from proxy.tenancy.admission import AdmissionController
 from proxy.core.metrics import ProxyMetrics
+from proxy.control.lease import Lease, LocalLease
+from proxy.control.planner import Planner
 from proxy.control.prefill_gate import PrefillGate, tpot_target_of
 from proxy.core.requests import Sends, Stage, SubRequest
 from proxy.core.routing import PrefixAwareRouting
@@ -151,8 +157,9 @@ class Window:
 class AdaptiveController:
     def __init__(self, config: ProxyConfig, registry: WorkerRegistry, policy: PrefixAwareRouting,
                  admission: AdmissionController, metrics: ProxyMetrics, clock: Callable[[], float] = time.monotonic,
-                 inflight: Iterable[SubRequest] = ()) -> None:
-        """``inflight``: the proxy's choices, waiting, prefilling and decoding (a live view: the gate's)."""
+                 inflight: Iterable[SubRequest] = (), lease: Lease | None = None) -> None:
+        """``inflight``: the proxy's choices, waiting, prefilling and decoding (a live view: the gate's);
+        ``lease``: whether this proxy plans the split (None: ``planner.plan_here``)."""
         self.config = config
         self.registry = registry
         self.policy = policy
@@ -174,6 +181,9 @@ class AdaptiveController:
         self._mean_prompt = 0.0
         self._changed_at = float("-inf")  # when the cap or the scale last changed
         self._configured_threshold = getattr(policy, "local_prefill_threshold", 0)
+        self.planner = Planner(config, registry, policy, admission, metrics, inflight,
+                               lease or LocalLease(config.planner.plan_here), self._tpot_target_ms,
+                               clock) if config.planner.switch_roles else None
         metrics.tac_enabled.set(1)
         log.info("tac: on, every %gs; decode_cap starts on", config.slo.tac_interval_s)
         self._export()
@@ -185,6 +195,8 @@ class AdaptiveController:
         before the cap or its scale last changed (it says nothing of this setting)."""
         if sub.arrival >= self._changed_at:
             self.window.add(sub, self.config.slo.ttft_slo_ms, self._tpot_target_ms)
+        if self.planner is not None:
+            self.planner.ended(sub, now)
 
     def rejected(self) -> None:
         """A request was refused at arrival, predicted to miss the TTFT target (``early_rejection``): a miss,
@@ -210,6 +222,11 @@ class AdaptiveController:
     def tick(self, now: float, slots: int) -> Sends:
         """One decision (every ``tac_interval_s``); what to send the workers (``Tune``). ``slots``: the decode slots
         the cap allows this proxy now (its limits' ``decode_slots``), read only while the cap is on."""
+        switches = self.planner.tick(now, slots, self.decode_scale) if self.planner is not None else []
+        return switches + self._tune(now, slots)
+
+    def _tune(self, now: float, slots: int) -> Sends:
+        """The knobs' decision (every rule but the split's)."""
         window = self.window
         if not self._capacity_known():
             # the decode cap is START_CAPACITY slots until a worker's step model is fitted: what its first choices

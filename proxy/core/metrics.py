@@ -193,7 +193,8 @@ class ProxyMetrics:
                               "0/1, decode_scale the fraction of each worker's TPOT capacity admitted, prefill_budget in "
                               "tokens with 0 unbounded, token_budget in tokens with 0 each worker's configured one, "
                               "local_prefill_threshold in tokens, spec_num_tokens and spec_max_batch_size as sent to "
-                              "the speculating decode workers, 0 with none)",
+                              "the speculating decode workers, 0 with none; prefill_bias, the planner's correction "
+                              "of its prefill need)",
                               ["knob"], registry=r)
         self.tac_routing_weight = Gauge("tessera_tac_routing_weight", "The adaptive controller's routing weight of "
                                         "each worker (1 unless it missed its target more than the others of its "
@@ -208,6 +209,19 @@ class ProxyMetrics:
         self.prefill_held = Counter("tessera_proxy_prefill_held",
                                     "Times the prefill gate held a prompt at the proxy (prefill_gate_max_hold_s; "
                                     "the adaptive controller's: tessera_tac_prefill_held)", registry=r)
+        self.planner_decisions = Counter("tessera_tac_planner_decisions", "Workers the planner (proxy/control/"
+                                         "planner.py) ordered to switch roles, by direction (to_prefill, to_decode)",
+                                         ["direction"], registry=r)
+        self.planner_switches = Counter("tessera_tac_planner_switches", "The planner's switches that ended, by "
+                                        "outcome (done: registered in the new role; failed: another role, or not "
+                                        "within planner.role_switch_timeout_s)", ["outcome"], registry=r)
+        self.planner_workers = Gauge("tessera_tac_planner_workers", "Workers by the role the planner counts them in "
+                                     "(prefill, decode: taking work; switching: ordered, not yet registered anew)",
+                                     ["role"], registry=r)
+        self.planner_need = Gauge("tessera_tac_planner_need", "Workers the planner's load model says each role "
+                                  "needs to run at its capacity (prefill, decode; fractional)", ["role"], registry=r)
+        self.planner_leader = Gauge("tessera_tac_planner_leader", "1 while this proxy plans the split (it holds "
+                                    "the planner lease, or plans alone)", registry=r)
         self.tac_miss_ratio = Gauge("tessera_tac_miss_ratio", "Fraction of the last window's choices that missed "
                                     "each target (ttft, tpot)", ["target"], registry=r)
         self.kv_transfer_bytes = Counter("tessera_proxy_kv_transfer_bytes", "KV bytes pulled by decode workers",

@@ -1,5 +1,5 @@
 """Simulated workers (``tessera sim-worker``, bench/sim/) behind a real proxy: the wire protocol, prefix hits
-from the real block manager, pages all given back, and a drain on SIGTERM."""
+from the real block manager, pages all given back, a drain on SIGTERM, and a role switch under load."""
 from __future__ import annotations
 
 import json
@@ -12,6 +12,7 @@ import pytest
 
 from bench.sim.profile import StepProfile
 from bench.sim.worker import SimHost, SimSpec, token_texts
+from common.protocol.wire import SwitchRole
 from tests.conditions import settle
 from tests.e2e.proxy_harness import (  # noqa: F401 -- fixture
     MODEL, PATIENCE_S, STARTUP_S, RunningProxy, proxy_config, ready, tokenizer,
@@ -58,9 +59,9 @@ def simulated(request, embedded_model_dir, tokenizer):
     proxy.stop()
 
 
-def chat(proxy: RunningProxy, content: str, max_tokens: int) -> tuple[str, dict]:
+def chat(proxy: RunningProxy, content: str, max_tokens: int, **extra) -> tuple[str, dict]:
     body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, **extra}
     text, usage = "", None
     with proxy.http.stream("POST", "/v1/chat/completions", json=body) as response:
         assert response.status_code == 200, response.read()
@@ -119,4 +120,54 @@ def test_the_command_hosts_workers_and_drains_on_sigterm(embedded_model_dir, tok
     finally:
         if proc.poll() is None:
             proc.kill()
+        proxy.stop()
+
+
+def test_a_simulated_worker_switches_roles_under_load_and_every_stream_completes(embedded_model_dir, tokenizer):
+    """A decode worker ordered to prefill while 8 streams run: it drains for drain_timeout_s, hands back what is
+    left (the streams resume on the other decode worker, their text as without the switch), says Goodbye and
+    registers under a new epoch as a prefill worker; no page stays in use."""
+    proxy = RunningProxy(proxy_config(embedded_model_dir, heartbeat_timeout_s=5.0), tokenizer)
+    specs = [SimSpec("s-p0", "prefill", MODEL, num_blocks=2048, heartbeat_interval_s=0.2)]
+    specs += [SimSpec(f"s-d{i}", "decode", MODEL, num_blocks=2048, heartbeat_interval_s=0.2, drain_timeout_s=0.2)
+              for i in range(2)]
+    hosts = HostThread(proxy.endpoint, specs, tokenizer)
+    try:
+        ready(proxy)
+
+        def streams() -> tuple[list[threading.Thread], list]:
+            results: list = [None] * 8
+            threads = [threading.Thread(target=lambda i=i: results.__setitem__(
+                i, chat(proxy, f"Stream {i}: a long story.", 320, seed=100 + i))) for i in range(8)]
+            for thread in threads:
+                thread.start()
+            return threads, results
+
+        threads, reference = streams()
+        for thread in threads:
+            thread.join(60)
+        registry = proxy.services.cluster.registry
+        old_epoch = registry.workers["s-d0"].epoch
+        threads, results = streams()
+        worker = hosts.host.workers["s-d0"]
+        settle(lambda: len(worker.engine.running), lambda n: n >= 2, PATIENCE_S, "s-d0 decodes some of the streams")
+        hosts.host.call_soon_threadsafe(lambda: worker.handle(SwitchRole("s-d0", "prefill")))
+        for thread in threads:
+            thread.join(60)
+        assert [text for text, _ in results] == [text for text, _ in reference]
+        assert [u["completion_tokens"] for _, u in results] == [320] * 8
+        switched = settle(lambda: registry.workers.get("s-d0"),
+                          lambda w: w is not None and w.epoch != old_epoch and w.role.value == "prefill", PATIENCE_S,
+                          "s-d0 registers under a new epoch as a prefill worker")
+        assert not switched.draining
+        assert registry.count_by_role()["prefill"] == 2 and registry.count_by_role()["decode"] == 1
+        stats = settle(hosts.host.stats, lambda stats: stats["used_blocks"] == 0 and stats["held_pages"] == 0,
+                       PATIENCE_S, "every simulated worker gets its pages back")
+        record, = stats["switches"]
+        assert record["worker"] == "s-d0" and (record["from"], record["to"]) == ("decode", "prefill")
+        assert record["handed_back"] >= 1 and record["registered_s"] >= 0, record
+        _, usage = chat(proxy, "After the switch.", 8)  # served, the new prefill worker among the prefill side
+        assert usage["completion_tokens"] == 8
+    finally:
+        hosts.close()
         proxy.stop()

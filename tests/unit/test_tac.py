@@ -28,7 +28,9 @@ COST = StepCostModel(small_max_rows=8, small=[9.0, 0.8, 3.0, 0.0, 0.0], large=[6
 
 
 def controller(**overrides):
-    config = ProxyConfig(**merge({"slo": {"tac_enabled": True, "ttft_slo_ms": 1000.0, "tpot_slo_ms": 50.0}}, overrides))
+    # the knobs' rules alone: the split's (the planner) has its own tests, tests/unit/test_planner.py
+    config = ProxyConfig(**merge({"slo": {"tac_enabled": True, "ttft_slo_ms": 1000.0, "tpot_slo_ms": 50.0},
+                                  "planner": {"switch_roles": False}}, overrides))
     registry = WorkerRegistry(5.0, config.slo.tpot_slo_ms, config.slo.tpot_slo_factor)
     for worker_id, role in (("p0", "prefill"), ("d0", "decode")):
         assert registry.register(Register(worker_id, role, 1, "m", "v", LAYOUT, 1000, 4096, "fake", b"", 128),
