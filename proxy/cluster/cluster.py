@@ -37,7 +37,8 @@ from common.protocol.sampling_params import SamplingParams
 from common.protocol.versions import STRUCTURED_SINCE
 from common.protocol.wire import (PROTOCOL_VERSION, Abort, DecodeRequest, EmbedResult, Goodbye, Heartbeat, KVPulled,
                                   KVSnapshot, PrefillDone, PrefillRequest, Register, RegisterAck, ReleaseKV,
-                                  RequestFailed, Reregister, Standby, TokenDeltas, TokenizerFiles, WireError, decode)
+                                  RequestFailed, Reregister, Standby, SwitchRole, TokenDeltas, TokenizerFiles, WireError,
+                                  decode)
 from proxy.tenancy.admission import Admit, AdmissionController
 from proxy.cluster.embeddings import Embeddings
 from proxy.cluster.kv_events import KVEventSubscriber
@@ -307,6 +308,14 @@ class Cluster:
         last worker of a role its model version needs). The worker's requests resume elsewhere as it leaves."""
         return self.role_switches.order(worker_id, role, force)
 
+    def _planned_switch(self, worker_id: str, role: str) -> None:
+        """The planner's order, through the one path the admin API's take too (never forced: the planner keeps a
+        worker of each role itself)."""
+        try:
+            self.role_switches.order(worker_id, role)
+        except ApiError as refused:
+            self.tac.planner.refused(worker_id, refused.message)
+
     def _unavailable(self, message: str) -> ApiError:
         return ApiError(503, message, code="no_worker_available", retry_after_s=self.config.requests.retry_after_s)
 
@@ -318,7 +327,10 @@ class Cluster:
             try:
                 slots = self.limits.decode_slots() if self.tac.decode_cap else 0  # the controller reads it only then
                 for worker_id, msg in self.tac.tick(self._clock(), slots):
-                    self.send(worker_id, msg)
+                    if isinstance(msg, SwitchRole):
+                        self._planned_switch(worker_id, msg.role)
+                    else:
+                        self.send(worker_id, msg)
             except Exception:  # a bug here must not stop the proxy, nor leave the loop dead silently
                 logging.getLogger("tessera.proxy.tac").exception("tac: error in the control loop")
 

@@ -4,7 +4,9 @@ workers between the two roles (``wire.SwitchRole``) as the load's prompt and dec
 On with ``slo.tac_enabled`` and ``planner.switch_roles``: the controller (proxy/control/tac.py) calls ``tick`` at
 each of its intervals and sends the orders it returns; it tells ``ended`` each choice that ended. A switch is
 seen through the registry alone: the worker says Goodbye, and registers again under a new epoch in its new role
-(as after a model swap). One ordered and not registered so within ``planner.role_switch_timeout_s`` failed: it
+(as after a model swap). The cluster sends each order through ``Cluster.switch_role`` (proxy/cluster/role_switches.py:
+the worker is marked draining there, so nothing new is routed to it); one refused there (the worker drains for
+another reason, or speaks a protocol without SwitchRole) is handed back with ``refused`` and counted so. One ordered and not registered so within ``planner.role_switch_timeout_s`` failed: it
 counts in whatever role the registry then says, if any.
 
 A decision, in worker units (what the split must hold):
@@ -33,7 +35,7 @@ ticks in a row. Then as many move as close the gap, at most ``planner.max_switch
 one that has kept its role ``planner.min_dwell_s`` (since the planner saw it register in it), the cheapest
 first: fewest running sequences, then fewest used KV blocks (pages it lends), then prompt tokens queued on it.
 A switch the other way waits ``planner.min_dwell_s`` after the last order (the split does not swing back on
-one window's noise). An ordered worker is marked draining at once, so nothing new is routed to it.
+one window's noise). An ordered worker counts in its new role from the order on.
 
 With several proxies exactly one plans: the one holding the lease (``RedisLease``, ``planner.leader_lease_s``
 in the shared store); without ``shared_state.redis_url``, the proxy with ``planner.plan_here`` (``tessera proxy
@@ -222,6 +224,12 @@ class Planner:
         for worker_id in [w for w in self._epochs if w not in self.registry.workers and w not in self.switching]:
             del self._epochs[worker_id]
 
+    def refused(self, worker_id: str, why: str) -> None:
+        """The cluster refused the order to switch ``worker_id`` (``why``): it stays in its role."""
+        if self.switching.pop(worker_id, None) is not None:
+            self.metrics.planner_switches.labels("refused").inc()
+            log.warning("tac: planner: the order to switch %s was refused: %s", worker_id, why)
+
     def _resolve(self, now: float) -> None:
         """Switches done (registered under a newer epoch in the new role) or failed (another role, or too late)."""
         for switch in list(self.switching.values()):
@@ -341,7 +349,6 @@ class Planner:
         self.metrics.planner_decisions.labels(direction).inc()
         self.switching[worker.worker_id] = Switch(worker.worker_id, worker.role, role, worker.epoch,
                                                   now + self.config.planner.role_switch_timeout_s)
-        worker.draining = True  # nothing new routed to it while it drains (its heartbeats say so from now on)
         self._last_order = (1 if role is Role.PREFILL else -1, now)
         return worker.worker_id, SwitchRole(worker.worker_id, role.value)
 

@@ -214,7 +214,8 @@ class ProxyMetrics:
                                          ["direction"], registry=r)
         self.planner_switches = Counter("tessera_tac_planner_switches", "The planner's switches that ended, by "
                                         "outcome (done: registered in the new role; failed: another role, or not "
-                                        "within planner.role_switch_timeout_s)", ["outcome"], registry=r)
+                                        "within planner.role_switch_timeout_s; refused: the cluster refused the "
+                                        "order)", ["outcome"], registry=r)
         self.planner_workers = Gauge("tessera_tac_planner_workers", "Workers by the role the planner counts them in "
                                      "(prefill, decode: taking work; switching: ordered, not yet registered anew)",
                                      ["role"], registry=r)

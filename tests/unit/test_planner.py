@@ -74,7 +74,10 @@ class Rig:
         for _ in range(int(seconds / every)):
             self.arrive(every, rate, prompt, output)
             self.now += every
-            orders += self.planner.tick(self.now, 0, 1.0)
+            ordered = self.planner.tick(self.now, 0, 1.0)
+            for worker_id, _ in ordered:  # as Cluster.switch_role does: nothing new is routed to it meanwhile
+                self.registry.workers[worker_id].draining = True
+            orders += ordered
         return orders
 
     def roles(self) -> dict[str, str]:
@@ -85,6 +88,16 @@ class Rig:
         for worker_id, msg in orders:
             self.registry.workers.pop(worker_id)
             self.join(worker_id, msg.role)
+
+
+def test_an_order_the_cluster_refused_leaves_the_worker_in_its_role():
+    rig = Rig()
+    rig.run(4.0, **PROMPT_HEAVY)
+    assert set(rig.planner.switching) == {"d1", "d2", "d3"}
+    rig.registry.workers["d3"].draining = False
+    rig.planner.refused("d3", "worker 'd3' speaks wire protocol 19")
+    assert set(rig.planner.switching) == {"d1", "d2"}
+    assert total(rig.metrics.render().decode(), "tessera_tac_planner_switches_total", outcome="refused") == 1
 
 
 PROMPT_HEAVY = dict(rate=1.2, prompt=4096, output=64)  # about 4.5 prefill workers' work, next to no decoding
@@ -108,7 +121,7 @@ def test_a_prompt_heavy_load_moves_the_cheapest_decode_workers_once_confirmed(ca
     # 4.5 prefill workers' work on 4 of 8: 7 of 8 is the best split, three move, the cheapest (fewest running) first
     assert [(w, m.role) for w, m in orders] == [("d3", "prefill"), ("d2", "prefill"), ("d1", "prefill")]
     assert all(isinstance(m, SwitchRole) for _, m in orders)
-    assert all(rig.registry.workers[w].draining for w, _ in orders)  # nothing new is routed to them meanwhile
+    assert set(rig.planner.switching) == {"d1", "d2", "d3"}  # counted in their new role from the order on
     assert "tac: planner: d3 decode -> prefill" in caplog.text
     text = rig.metrics.render().decode()
     assert total(text, "tessera_tac_planner_decisions_total", direction="to_prefill") == 3
