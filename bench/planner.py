@@ -26,9 +26,9 @@ scaled alike: every figure reported is in simulated seconds. Goodput: requests t
 ``settled``: only those that arrived at least ``--settle-s`` (30) simulated seconds into their phase. The
 switches come from the simulated workers' own records, each placed in the phase it was ordered in.
 
-``measure-switch``: what a switch costs beyond its drain, on a real proxy: a worker's Goodbye, then its
-Register under a new epoch and the proxy's RegisterAck (the re-registration a real worker's switch makes, its
-model still loaded), ``--cycles`` times; the median is what the profile's ``role_switch_s`` should be.
+``measure-switch``: what a real worker's switch costs beyond its drain: ``--cycles`` admin orders to an idle decode
+worker of a local cluster (prefill and back), each from the order to the answer; the median is the profile's
+``role_switch_s``.
 """
 from __future__ import annotations
 
@@ -234,51 +234,34 @@ def http_get(url: str) -> str:
 # -- the switch's cost ------------------------------------------------------------------------------------
 
 def measure_switch(cycles: int) -> dict:
-    """Goodbye, then Register under a new epoch until the RegisterAck, ``cycles`` times, on a real proxy."""
-    import zmq
+    """A real worker's role switch beyond its drain: a cluster as ``tessera up`` starts it with the shipped defaults
+    (the embedded model, one prefill and two decode workers), and ``cycles`` orders through the admin API
+    (``POST /admin/workers/decode-1/role``) to an idle worker, prefill and back in turn, each timed from the order
+    to the answer (the worker registered in its new role: Goodbye, a handler of the new role adopting the loaded
+    model, Register under a new epoch, RegisterAck)."""
+    import hashlib
 
-    from common.protocol.wire import Goodbye, KVLayoutInfo, Register, RegisterAck, decode, encode
+    import httpx
 
-    port, worker_port = free_port(), free_port()
-    proxy = subprocess.Popen([sys.executable, "-m", "common.cli.main", "proxy", "--set", f"port={port}", "--set",
-                              f"worker_bind=tcp://127.0.0.1:{worker_port}", "--set",
-                              f"model={resolve_model('embedded', 'float32')}"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, b"switch-probe")
-    sock.setsockopt(zmq.LINGER, 0)
-    layout = KVLayoutInfo(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="bfloat16")
+    from common.cli.local_cluster import LocalCluster
+
+    key = "measure-switch"
+    admin_key = f"security.admin_api_key_sha256={hashlib.sha256(key.encode()).hexdigest()}"
     seconds = []
-    try:
-        wait_for("the proxy starting", lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), proxy)
-        sock.connect(f"tcp://127.0.0.1:{worker_port}")
-        epoch = time.time_ns()
-
-        def register(role: str) -> None:
-            sock.send_multipart(encode(Register("switch-probe", role, epoch, MODEL, "sim", layout, 4096, 8192, "sim",
-                                                b"", max_num_seqs=256)))
-            while True:
-                if not sock.poll(30_000):
-                    raise RuntimeError("the proxy did not answer a Register within 30 s")
-                msg = decode(sock.recv_multipart())
-                if isinstance(msg, RegisterAck):
-                    if not msg.accepted:
-                        raise RuntimeError(f"the proxy refused the probe: {msg.reason}")
-                    return
-
-        register("decode")
-        for i in range(cycles):
-            began = time.perf_counter()
-            sock.send_multipart(encode(Goodbye("switch-probe", epoch, "switching role")))
-            epoch += 1
-            register("prefill" if i % 2 == 0 else "decode")
-            seconds.append(time.perf_counter() - began)
-    finally:
-        sock.close()
-        context.term()
-        proxy.send_signal(signal.SIGTERM)
-        proxy.wait(timeout=60)
+    with tempfile.TemporaryDirectory() as logs:
+        cluster = LocalCluster(resolve_model("embedded", "float32"), Path(logs), prefill=1, decode=2, dtype="float32",
+                               proxy_overrides=[admin_key])
+        cluster.start()
+        try:
+            for i in range(cycles):
+                began = time.perf_counter()
+                answer = httpx.post(f"{cluster.url}/admin/workers/decode-1/role",
+                                    json={"role": "prefill" if i % 2 == 0 else "decode"},
+                                    headers={"Authorization": f"Bearer {key}"}, timeout=300)
+                seconds.append(time.perf_counter() - began)
+                answer.raise_for_status()
+        finally:
+            cluster.stop()
     return {"cycles": cycles, "median_s": round(statistics.median(seconds), 6), "max_s": round(max(seconds), 6)}
 
 
@@ -318,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-switching", type=int, default=10, help="planner.max_switching")
     parser.add_argument("--drain-s", type=float, default=5.0, help="a switching worker's drain, simulated")
     parser.add_argument("--tail-s", type=float, default=40.0, help="simulated seconds after the last arrival")
-    parser.add_argument("--cycles", type=int, default=20, help="measure-switch: Goodbye/Register cycles")
+    parser.add_argument("--cycles", type=int, default=20, help="measure-switch: switches ordered")
     parser.add_argument("--seed", type=int, default=47)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)

@@ -31,7 +31,7 @@ FIT_BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 PROMPT_LENGTHS = (64, 128, 512, 1024, 1536, 2048, 3072)  # single prompts, for the prompt steps' fit
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"  # shipped with the package
 DEFAULT_PROFILE = PROFILE_DIR / "smollm2-135m-bf16-2core.json"
-ROLE_SWITCH_S = 0.05  # a profile that measured none: about a re-registration's round trip on this machine
+ROLE_SWITCH_S = 0.03  # a profile that measured none: about a real switch beyond its drain on this machine
 
 
 @dataclass
