@@ -35,7 +35,9 @@ STOP_TIMEOUT_S = 60
 # local_prefill_threshold=0: the tests' short prompts go through a prefill worker and a KV pull, the path they
 # exercise; tests of the derived default (-1) set it back (tests/e2e/test_kv_index.py).
 TEST_PROXY_OVERRIDES = ("heartbeat_timeout_s=3", "served_model_name=SmolLM2-135M-Instruct", "local_prefill_threshold=0")
-TEST_WORKER_OVERRIDES = ("engine.kv_cache_memory_bytes=268435456", "heartbeat_interval_s=0.2")
+# engine.calibration_s=0: no step-cost calibration at start (about 1.5 s a worker, serialized on shared cores); the
+# tests of capacity set it back (tests/e2e/test_calibration.py).
+TEST_WORKER_OVERRIDES = ("engine.kv_cache_memory_bytes=268435456", "heartbeat_interval_s=0.2", "engine.calibration_s=0")
 
 
 def free_port() -> int:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from contextlib import contextmanager
 
 from common.protocol.wire import chain_hash
 
@@ -69,6 +70,16 @@ class BlockManager:
         self._kv_changes: dict[int, bool] | None = None  # hash -> held after its last change; None: not recorded
         self.prefix_queries = 0  # blocks looked up
         self.prefix_hits = 0  # blocks found
+
+    @contextmanager
+    def uncached(self):
+        """Prefix caching off while the block runs: nothing is looked up or cached (a calibration's dummy
+        prompts, ``common/engine/calibration.py``)."""
+        enabled, self.enable_prefix_caching = self.enable_prefix_caching, False
+        try:
+            yield self
+        finally:
+            self.enable_prefix_caching = enabled
 
     @property
     def num_free_blocks(self) -> int:

@@ -129,6 +129,10 @@ class StepTimer:
             return None
         return fit.solve()
 
+    def known(self, fit: _Fit) -> bool:
+        """Whether ``fit`` (one of this timer's regimes) has the samples to be reported."""
+        return self._ready(fit) is not None
+
     def report(self) -> StepCostModel | None:
         """The current fit for the heartbeat (refitted at most every ``refit_s``); None until a regime is known."""
         now = time.monotonic()

@@ -9,7 +9,8 @@ The worker then:
 1. stops taking work (its heartbeats say draining) and lets what runs finish, up to ``drain_timeout_s``; what is
    left then goes back to the proxy (retryable);
 2. says Goodbye under its epoch, closes its KV transfer agent and drops its engine (weights, KV pool, host tier);
-3. loads the asked model (weights checked against the registry's manifest as at start), registers a fresh KV pool
+3. loads the asked model (weights checked against the registry's manifest as at start), calibrates its step cost
+   (``common/engine/calibration.py``), registers a fresh KV pool
    with a new transfer agent, and sends Register under a new epoch, with ``load_s``: how long step 3 took.
 
 After ``model_idle_unload_s`` (0: never) without a request, the worker unloads its model the same way and holds
@@ -27,6 +28,7 @@ import queue
 import time
 from dataclasses import replace
 
+from common.engine.calibration import calibrate
 from common.engine.llm_engine import LLMEngine
 from common.protocol import wire
 from common.protocol.versions import sendable
@@ -46,6 +48,11 @@ def load_model(worker, spec: str, name: str = "") -> None:
     started = time.monotonic()
     config = worker.config
     worker.engine = LLMEngine(replace(config.engine, model=spec))
+    # Before fault injection (a dummy prompt must not trip it), each step holding the core share as traffic's do
+    calibrated = calibrate(worker.engine, config.engine.calibration_s, decode=worker.role != "prefill",
+                           prompts=worker.role != "decode", cores=worker.cores)
+    if calibrated.seconds:
+        log.info("step-cost calibration: %s", calibrated.summary(worker.engine.step_timer))
     if config.testing.fault_nonfinite_logits_token is not None:
         log.warning("fault injection: a prompt holding token %d gets NaN logits (testing.fault_nonfinite_logits_token)",
                     config.testing.fault_nonfinite_logits_token)

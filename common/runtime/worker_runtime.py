@@ -205,10 +205,11 @@ class WorkerBase:
         self.standby: list[str] = []  # the other models it may load (ModelSwitch), announced at registration
         self.kv_events_endpoint = ""  # where it publishes KV events (serve binds it), announced at registration
         self.kv_events_public_key = ""  # that socket's CURVE public key (z85), with CURVE on
+        # Held for each engine step (``with self.cores``) where co-located workers time-share the cores; built
+        # before the model loads, whose calibration's steps hold it too.
+        self.cores = CoreShare(config.core_share, config.core_share_timeout_s) if config.core_share else nullcontext()
         load_model(self, config.engine.model, config.model_name)  # engine, transfer agent, identity, epoch
         self._send = None
-        # Held for each engine step (``with self.cores``) where co-located workers time-share the cores.
-        self.cores = CoreShare(config.core_share, config.core_share_timeout_s) if config.core_share else nullcontext()
 
     @classmethod
     def adopt(cls, old: WorkerBase, config: WorkerConfig) -> WorkerBase:
