@@ -46,9 +46,12 @@ def long_model_dir(tiny_chat_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(long_model_dir, tmp_path_factory):
-    # One decode slot: a second request is prefilled and then waits, its pages under a prefill lease.
+    # One decode slot: a second request is prefilled and then waits, its pages under a prefill lease. Slots alone
+    # gate decode admission: under a TPOT cap (on while a worker's capacity is learned, and a worker that never
+    # runs two sequences at once never fits one) the second request would wait at the proxy, not prefilled.
     c = LocalCluster.for_tests(long_model_dir, tmp_path_factory.mktemp("restart-logs"), transfer_backend="zmq",
-                worker_overrides=["engine.max_num_seqs=1"]).start()
+                               worker_overrides=["engine.max_num_seqs=1"],
+                               proxy_overrides=["slo.tpot_slo_scope=never"]).start()
     yield c
     codes = c.stop()
     assert all(code == 0 for code in codes.values()), codes
