@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import statistics
 import subprocess
 import sys
@@ -52,7 +51,7 @@ from bench.loadgen.records import RequestRecord
 from bench.loadgen.runner import http_client, run_point
 from bench.loadgen.tenants import Tenant
 from bench.loadgen.workloads import RequestSpec, TokenSource
-from bench.scale import http_ok, wait_for, _metric, _workers
+from bench.scale import http_ok, stop_sims_and_proxy, wait_for, _metric, _workers
 from bench.sim.profile import StepProfile
 from common.cli.local_cluster import free_port
 from common.storage.model_store import resolve_model
@@ -173,11 +172,7 @@ def run_arm(args, name: str, prefill: int, planner: bool, trace: list[Sent], spe
         records, _ = asyncio.run(send_trace(url, trace, specs, tail_s=args.tail_s * scale))
         metrics = http_get(url + "/metrics")
     finally:
-        if sims is not None:
-            sims.send_signal(signal.SIGTERM)
-            out, _ = sims.communicate(timeout=600)
-        proxy.send_signal(signal.SIGTERM)
-        proxy.wait(timeout=120)
+        out = stop_sims_and_proxy(sims, proxy, sims_timeout_s=600)
     sim = json.loads(out.strip().splitlines()[-1])
     return {"arm": name, "start_split": f"{prefill}:{args.workers - prefill}", "planner": planner,
             **score(args, trace, records, sim, started),

@@ -132,11 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError(f"tessera bench failed: {bench.stderr[-2000:]}")
         point = json.loads((work / "bench" / "result.json").read_text())["points"][0]
     finally:
-        if sims is not None:
-            sims.send_signal(signal.SIGTERM)
-            out, _ = sims.communicate(timeout=120)
-        proxy.send_signal(signal.SIGTERM)
-        proxy.wait(timeout=120)
+        out = stop_sims_and_proxy(sims, proxy, sims_timeout_s=120)
         if redis is not None:
             redis.terminate()
             redis.wait(timeout=30)
@@ -178,6 +174,17 @@ def _shares(tenants: dict) -> dict:
     weights = sum(t["weight"] for t in tenants.values()) or 1.0
     return {name: {"completed": t["completed"], "service_share": round(t["service"] / served, 3),
                    "weight_share": round(t["weight"] / weights, 3)} for name, t in tenants.items()}
+
+
+def stop_sims_and_proxy(sims: subprocess.Popen | None, proxy: subprocess.Popen, sims_timeout_s: float) -> str | None:
+    """SIGTERM the simulated workers (they drain and print their stats: returned, their output) and then the proxy."""
+    out = None
+    if sims is not None:
+        sims.send_signal(signal.SIGTERM)
+        out, _ = sims.communicate(timeout=sims_timeout_s)
+    proxy.send_signal(signal.SIGTERM)
+    proxy.wait(timeout=120)
+    return out
 
 
 def http_ok(url: str) -> bool:
