@@ -43,8 +43,8 @@ run: setup
 	$(BIN)/tessera model prepare --dtype $(RUN_DTYPE)
 	$(BIN)/tessera up --dtype $(RUN_DTYPE) --port $(PORT)
 
-# Two lanes side by side (tests/conftest.py says which test runs in which); LANES= runs the tests one at a time.
-LANES ?= --numprocesses=2
+# Three lanes side by side (tests/conftest.py says which test runs in which); LANES= runs the tests one at a time.
+LANES ?= --numprocesses=3
 test: setup prepare
 	$(BIN)/python -m pytest -q $(LANES) $(PYTEST_ARGS)
 

@@ -1,4 +1,4 @@
-"""Fixtures shared by every test directory, and the two lanes ``make test`` runs side by side."""
+"""Fixtures shared by every test directory, and the three lanes ``make test`` runs side by side."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,19 +7,21 @@ import pytest
 
 from common.storage.model_store import resolve_model
 
-# ``make test`` runs the suite in two lanes at once (pytest -n 2: xdist's two workers, each given one lane by the
+# ``make test`` runs the suite in three lanes at once (pytest -n 3: xdist's three workers, each given one lane by the
 # scheduler below, which keeps a lane's tests in the order of a plain run). The "compute" lane runs, one after
 # another, the tests that run the embedded model for most of their time: the e2e tests whose model workers compute,
 # and the unit modules named in COMPUTE_UNIT. A decode step streams the model's weights from memory, so two of
 # these side by side would only share the memory bandwidth and the cores, each taking twice as long. The "beside"
-# lane runs the rest, which mostly waits or computes little: the other unit tests, and the e2e tests named in
-# BESIDE_E2E, whose workers are scripted (tests/scripted_worker.py) or run a tiny model or a few short requests,
-# or whose test waits on an idle cluster's timers. A new e2e module goes to the compute lane unless it is named
-# here; a new unit module to the beside lane. Measured (2026-11-29, `make test PYTEST_ARGS=--durations=0`): the
-# compute lane's tests summed to 1,349 s and the beside lane's to 944 s, and the run took as long as the compute
-# lane (1,361 s); the two speculative-decoding unit modules of the embedded model (about 110 s) then moved beside.
-# Moving seven e2e modules that mostly wait (rolling upgrade, failover, a cut link, fuzzing...) beside it made the
-# run longer (1,268 s against 1,104 s, an earlier measure), the two lanes' clusters then contending for the cores.
+# lane runs the rest, which mostly computes little: the other unit tests, and the e2e tests named in BESIDE_E2E,
+# whose workers are scripted (tests/scripted_worker.py) or run a tiny model or a few short requests. The "waits"
+# lane runs the tests named in WAITS, which sleep through most of their time (an idle cluster's timers, KV pulls
+# held back on purpose, a hung step's watchdog): on 2 cores they cost the other lanes little, and a lane of their
+# own takes their waiting off the critical path. A new e2e module goes to the compute lane unless it is named
+# here; a new unit module to the beside lane. Measured (2026-11-29, `make test PYTEST_ARGS=--durations=0`, two
+# lanes): the compute lane's tests summed to 955 s, the beside lane's to 982 s (of which 180 s now wait in their
+# own lane), and the run took 997 s. Earlier, moving seven e2e modules that wait but also compute (rolling upgrade,
+# failover, a cut link, fuzzing...) beside the compute lane made the run longer (1,268 s against 1,104 s), the two
+# lanes' clusters then contending for the cores: the waits lane holds only tests whose clusters are idle or tiny.
 BESIDE_E2E = {
     # scripted workers behind a proxy in a thread or a torch-free process
     "test_admin_api.py", "test_config_reload.py", "test_conversation_store.py", "test_metering_file.py",
@@ -29,13 +31,18 @@ BESIDE_E2E = {
     # mostly scripted or tiny-model workers, and a few short requests through a real cluster
     "test_curve_security.py", "test_frame_fuzz.py", "test_hot_cold_models.py", "test_kv_transfer_processes.py",
     "test_prometheus_scrape.py", "test_resumable_streams.py", "test_websocket_stream.py", "test_nonfinite_logits.py",
-    "test_watchdog.py",
-    # two clusters whose KV pulls are held back 20 s (testing.fault_kv_pull_delay_s): they mostly wait
-    "test_stranded_pages.py",
+    # the embedded model, computing little while others run
+    "test_role_switch.py", "test_embeddings.py",
     # three small clusters with a worker at tensor parallelism 3 (about 85 s alone; under the compute lane's load
     # each TP step's 61 all-reduces wait on the scheduler, so it keeps few decode steps: 16 and 32 tokens)
     "test_tensor_parallel.py",
-    # 45 s of an idle cluster; in this lane its module's cluster fixture starts a cluster of its own
+}
+WAITS = {
+    # two clusters of a tiny model whose KV pulls are held back 20 s (testing.fault_kv_pull_delay_s)
+    "test_stranded_pages.py",
+    # a step hung on purpose until the watchdog's periods pass
+    "test_watchdog.py",
+    # an idle cluster for many heartbeat timeouts; in this lane its module's cluster fixture starts one of its own
     "test_fault_scenarios.py::test_an_idle_cluster_then_a_burst",
 }
 COMPUTE_UNIT = {
@@ -50,7 +57,7 @@ def lane(nodeid: str) -> str:
     if test_file.parent.name != "e2e":
         return "compute" if test_file.name in COMPUTE_UNIT else "beside"
     named = {test_file.name, f"{test_file.name}::{name.partition('[')[0]}"}
-    return "beside" if named & BESIDE_E2E else "compute"
+    return "waits" if named & WAITS else "beside" if named & BESIDE_E2E else "compute"
 
 
 @pytest.hookimpl(optionalhook=True)
