@@ -9,7 +9,11 @@ The worker then:
    after a drain);
 2. says Goodbye under its epoch;
 3. hands what it holds (the engine with its prefix cache, the KV transfer agent, metrics, the health server, tracing,
-   the cores) to a handler of the new role (``WorkerBase.adopt``) under a new epoch, and registers again with it.
+   the cores) to a handler of the new role (``WorkerBase.adopt``) under a new epoch;
+4. calibrates the step costs the new role needs and the old one never measured (``common/engine/calibration.py``,
+   within ``engine.calibration_s``: a former prefill worker's decode steps, a former decode worker's prompt steps),
+   so that its first heartbeat in the new role carries a step model the proxy can size its capacity by, as at load;
+   a fit it already has is not measured again. Then it registers again.
 
 The runtime knows no role: ``serve`` is given ``adopters`` (role -> the function that builds that role's handler
 around the running one), which the worker command (``common/cli/worker_command.py``) gathers from every role's
@@ -19,11 +23,13 @@ nothing (the proxy's order times out).
 """
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Mapping
 from dataclasses import replace
 
+from common.engine.calibration import calibrate
 from common.protocol import wire
 from common.runtime.telemetry import relabel_logs
 from common.runtime.worker_contracts import Adopt, RoleHandler
@@ -96,6 +102,7 @@ class RoleSwitch:
         self.io.leave(f"switching from role {old.role} to {role}")
         new = self.adopters[role](old, replace(old.config, role=role))
         new.new_epoch()  # pages lent under the old epoch are refused from now on
+        self._calibrate(new)
         self.io.serve_role(role)
         new.draining = self.io.draining = False
         self.io.registration = new.registration()
@@ -105,3 +112,20 @@ class RoleSwitch:
         log.info("worker %s: now serving as %s (epoch %d), its model kept loaded", self.config.worker_id, role,
                  new.epoch)
         return new
+
+    def _calibrate(self, handler: RoleHandler) -> None:
+        """The new role's step costs that ``handler``'s engine has no fit of yet, measured as at load; the engine's
+        counters are kept (its metrics count traffic, not calibration)."""
+        engine, budget_s = handler.engine, self.config.engine.calibration_s
+        stats = copy.deepcopy(engine.stats)  # the calibration's steps count in them until it resets them
+        try:
+            calibrated = calibrate(engine, budget_s, decode=handler.role != "prefill",
+                                   prompts=handler.role != "decode", cores=handler.cores)
+        except RuntimeError as exc:  # something of the old role still held: the fit then comes from traffic
+            log.warning("no step-cost calibration for the role %s: %s", handler.role, exc)
+            return
+        finally:
+            engine.stats = stats
+        if calibrated.decode_steps or calibrated.prompt_steps:
+            log.info("step-cost calibration for the role %s: %s", handler.role,
+                     calibrated.summary(engine.step_timer))

@@ -2,11 +2,13 @@
 whose thread is not started (what it would send stays queued), driven through the loop's own functions.
 
 The switch waits for what runs, or past the drain time gives it back (retryable); it says Goodbye under the old epoch,
-and a prefill handler takes over the same engine (its prefix cache with it) under a new epoch, registered as prefill.
+and a prefill handler takes over the same engine (its prefix cache with it) under a new epoch, registered as prefill;
+a former prefill worker calibrates its decode steps before it registers as decode.
 An order for the role the worker has registers again without a drain; a signal during a switch stops it.
 """
 from __future__ import annotations
 
+import copy
 import queue
 
 import pytest
@@ -147,8 +149,13 @@ def test_a_prefill_worker_lends_its_pages_until_they_are_released_then_serves_as
         _turn(old)
         assert switch.act() is old  # the lent pages wait for their pull
         _handle(old, wire.ReleaseKV("p1"))
+        stats, timer = copy.deepcopy(old.engine.stats), old.engine.step_timer
+        assert not timer.known(timer.small)  # a prefill worker never timed a decode step
         new = switch.act()
         assert isinstance(new, DecodeHandler) and new.role == "decode" and new.embeds is None
+        # it calibrated its decode steps before registering (engine.calibration_s), keeping its traffic's counters
+        assert timer.known(timer.small) and new.engine.stats == stats and stats.num_computed_tokens >= len(PROMPT)
+        assert not new.engine.has_unfinished() and new.engine.block_manager.num_used_blocks == 0
         assert not io.owners.release_ends and io.registration.role == "decode"
         assert not [m for m in sent if isinstance(m, wire.RequestFailed)]
     finally:
