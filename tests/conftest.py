@@ -1,6 +1,7 @@
 """Fixtures shared by every test directory, and the three lanes ``make test`` runs side by side."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -24,15 +25,15 @@ from common.storage.model_store import resolve_model
 # lanes' clusters then contending for the cores: the waits lane holds only tests whose clusters are idle or tiny.
 BESIDE_E2E = {
     # scripted workers behind a proxy in a thread or a torch-free process
-    "test_admin_api.py", "test_config_reload.py", "test_conversation_store.py", "test_metering_file.py",
-    "test_proxies_shared.py", "test_proxy_api.py", "test_proxy_failures.py", "test_proxy_limits.py",
+    "test_config_reload.py", "test_conversation_store.py", "test_metering_file.py",
+    "test_proxy_api.py", "test_proxy_failures.py", "test_proxy_limits.py",
     "test_proxy_migration.py", "test_proxy_tls.py", "test_recovery_phases.py", "test_request_logs.py",
     "test_sim_worker.py", "test_status_command.py", "test_tenants.py",
     # mostly scripted or tiny-model workers, and a few short requests through a real cluster
     "test_curve_security.py", "test_frame_fuzz.py", "test_hot_cold_models.py", "test_kv_transfer_processes.py",
     "test_prometheus_scrape.py", "test_resumable_streams.py", "test_websocket_stream.py", "test_nonfinite_logits.py",
     # the embedded model, computing little while others run
-    "test_role_switch.py", "test_embeddings.py",
+    "test_role_switch.py", "test_embeddings.py", "test_sessions.py", "test_protocol_versions.py",
     # three small clusters with a worker at tensor parallelism 3 (about 85 s alone; under the compute lane's load
     # each TP step's 61 all-reduces wait on the scheduler, so it keeps few decode steps: 16 and 32 tokens)
     "test_tensor_parallel.py",
@@ -42,6 +43,8 @@ WAITS = {
     "test_stranded_pages.py",
     # a step hung on purpose until the watchdog's periods pass
     "test_watchdog.py",
+    # scripted workers (no model) behind proxies waiting on drains, sessions and a Redis they share
+    "test_admin_api.py", "test_proxies_shared.py",
     # an idle cluster for many heartbeat timeouts; in this lane its module's cluster fixture starts one of its own
     "test_fault_scenarios.py::test_an_idle_cluster_then_a_burst",
 }
@@ -58,6 +61,16 @@ def lane(nodeid: str) -> str:
         return "compute" if test_file.name in COMPUTE_UNIT else "beside"
     named = {test_file.name, f"{test_file.name}::{name.partition('[')[0]}"}
     return "waits" if named & WAITS else "beside" if named & BESIDE_E2E else "compute"
+
+
+def pytest_configure(config) -> None:
+    """Each lane's clusters pick their ports from a band of their own (``free_port``), below the ephemeral range."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if worker.startswith("gw") and count > 1:
+        width = (32000 - 10000) // count
+        start = 10000 + int(worker[2:]) * width
+        os.environ["TESSERA_FREE_PORTS"] = f"{start}-{start + width}"
 
 
 @pytest.hookimpl(optionalhook=True)

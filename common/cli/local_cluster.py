@@ -42,13 +42,20 @@ TEST_WORKER_OVERRIDES = ("engine.kv_cache_memory_bytes=268435456", "heartbeat_in
 
 def free_port() -> int:
     """A port free now, below the kernel's ephemeral range, so that no socket another process binds to port 0 (a
-    client's, gloo's or UCX's) takes it before the role that was given it binds it."""
+    client's, gloo's or UCX's) takes it before the role that was given it binds it. ``TESSERA_FREE_PORTS=LOW-HIGH``
+    narrows the range: clusters started side by side (the test lanes, tests/conftest.py) each pick from their own, so
+    that one never takes a port another picked but has not bound yet."""
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
+    start, end = 10000, max(10001, low)
+    band = os.environ.get("TESSERA_FREE_PORTS", "")
+    if band:
+        start, _, end_text = band.partition("-")
+        start, end = int(start), int(end_text)
     for _ in range(200):
-        port = random.randrange(10000, max(10001, low))
+        port = random.randrange(start, end)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
