@@ -270,10 +270,13 @@ class WorkerRegistry:
 
     def learning(self) -> bool:
         """Whether a decode-capable worker that takes new work has no TPOT capacity from its own step model yet
-        (a new cluster's first seconds, or a worker that just joined): its ``tpot_capacity`` is a guess."""
+        (a new cluster's first seconds, or a worker that just joined): its ``tpot_capacity`` is a guess. A worker of
+        one slot (``max_num_seqs`` 1) is not: its capacity is that slot, and it never fits a step model (its
+        calibration and its traffic see one row count only), so it would hold the cluster learning for good."""
         key = (_slot_changes[0], len(self.workers))
         if self._learning[0] != key:
-            self._learning = (key, any(not w.latency_capacity for w in self.decode_side() if not w.draining))
+            self._learning = (key, any(not w.latency_capacity and w.max_num_seqs > 1
+                                       for w in self.decode_side() if not w.draining))
         return self._learning[1]
 
     def peers(self) -> Peers:

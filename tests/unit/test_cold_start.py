@@ -68,6 +68,17 @@ def test_a_decode_worker_is_learning_until_its_heartbeat_carries_a_step_model():
     assert not registry.learning()  # a draining worker takes no new work: its guess gives nothing out
 
 
+def test_a_worker_of_one_slot_is_not_learning():
+    """One sequence at a time: no step model is ever fitted (one row count only), and none is needed."""
+    cluster = new_cluster()
+    registry = cluster.registry
+    registry.heartbeat(heartbeat("d0", COST), 1.0)
+    one_slot = Register("d1", "decode", 1, "m", "v", LAYOUT, 1000, 4096, "fake", b"", 1)
+    assert registry.register(one_slot, 1.5).ack.accepted
+    registry.heartbeat(heartbeat("d1", None), 2.0)
+    assert not registry.learning() and registry.workers["d1"].tpot_capacity == 1
+
+
 def test_a_cluster_without_decode_workers_is_not_learning():
     cluster = new_cluster()
     cluster.registry.disconnected("d0")
