@@ -450,11 +450,16 @@ class Cluster:
     async def find_stream(self, response_id: str, tenant: str | None) -> tuple[Context, RequestGroup] | None:
         """Ask every worker for resumable response ``response_id`` (``tenant``'s; None: anyone's) whose proxy is
         lost, and take it over: its context and its group, whose sink holds every event it emitted so far; None when
-        no worker holds it. ApiError 503 when a proxy still connected to its worker holds it (the client retries).
+        no worker holds it. ApiError 503 when a proxy still connected to its worker holds it, or no worker is
+        registered here yet (the client retries).
         Each worker answers at once; one silent for ``heartbeat_timeout_s`` is taken for one without it."""
         asked = [w.worker_id for w in self.registry.workers.values()
                  if self.peer_versions.get(w.worker_id, PROTOCOL_VERSION) >= MESSAGE_SINCE["FindStream"]]
-        if not asked or response_id in self._searches:
+        if not asked:  # a proxy just started (its workers register within a heartbeat) or one left alone
+            raise ApiError(503, f"cannot look for response {response_id} now: no worker is registered with this "
+                           "proxy; try again", code="no_worker_available",
+                           retry_after_s=self.config.requests.retry_after_s)
+        if response_id in self._searches:
             return None
         search = self._searches[response_id] = _Search(set(asked), asyncio.get_running_loop().create_future())
         try:
