@@ -41,8 +41,8 @@ import zmq
 
 from bench.sim.engine import FIRST_TOKEN_ID, TOKEN_RANGE, SimEngine, SimSequence
 from bench.sim.profile import StepProfile
-from common.protocol.wire import (FindStream, KVSnapshotRequest, Peers, Register, RegisterAck, Reregister,
-                                  StreamFound, SwitchRole, Tune)
+from common.protocol.wire import (FindStream, KVSnapshotRequest, LeaveStream, Peers, Register, RegisterAck,
+                                  Reregister, StreamFound, SwitchRole, Tune)
 from common.protocol.wire import (Abort, DecodeRequest, Goodbye, Heartbeat, KVLayoutInfo, KVPulled, PrefillDone,
                                   PrefillRequest, ReleaseKV, RequestFailed, StepCostModel, TokenDelta, TokenDeltas,
                                   WireError, decode, encode)
@@ -221,6 +221,8 @@ class SimWorker:
                 self.owners.take_over(msg, link, self.spec.worker_id)
             for answer in answers:
                 self.send(answer, link)
+        elif isinstance(msg, LeaveStream) and self.owners is not None:
+            self.owners.leave(msg.request_id, link)
         elif isinstance(msg, RegisterAck):
             self.links_registered[link] = msg.accepted
             last = self.switches[-1] if self.switches else {}

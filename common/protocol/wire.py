@@ -92,7 +92,7 @@ class _Struct(msgspec.Struct, forbid_unknown_fields=True):
 # 11: EmbedRequest, EmbedResult; 12: LoadModel, Standby; 13: SamplingParams.structured; 14: TokenDeltas.step_rows,
 # step; 15: Register.tokenizer_sha256, FetchTokenizer, TokenizerFiles; 18: KVPulled.backend, DecodeRequest.source_epoch;
 # 19: Register.kv_events_endpoint, kv_events_public_key, host, KVEvents, KVSnapshotRequest, KVSnapshot; 20: SwitchRole;
-# 21: DecodeRequest.resume_key, resume_window_s, resume_context, FindStream, StreamFound.
+# 21: DecodeRequest.resume_key, resume_window_s, resume_context, FindStream, StreamFound, LeaveStream.
 # Versions one apart interoperate (versions.py).
 PROTOCOL_VERSION = 21
 
@@ -125,6 +125,7 @@ class MsgType(enum.IntEnum):
     SWITCH_ROLE = 28
     FIND_STREAM = 29
     STREAM_FOUND = 30
+    LEAVE_STREAM = 31
 
 
 class Role(str, enum.Enum):
@@ -487,6 +488,12 @@ class FindStream(_Struct):
     tenant: str = ""
 
 
+class LeaveStream(_Struct):
+    """A draining proxy hands a resumable stream over: the worker keeps it for its window as if that proxy were lost,
+    for another to take over (``FindStream``)."""
+    request_id: str
+
+
 class StreamFound(_Struct):
     """A worker's answer to FindStream, one per request of the response it holds, or one with status ``absent``.
 
@@ -529,6 +536,7 @@ MESSAGES: dict[MsgType, type] = {
     MsgType.SWITCH_ROLE: SwitchRole,
     MsgType.FIND_STREAM: FindStream,
     MsgType.STREAM_FOUND: StreamFound,
+    MsgType.LEAVE_STREAM: LeaveStream,
 }
 _TYPES = {cls: t for t, cls in MESSAGES.items()}
 _HEADERS = {cls: bytes([t, PROTOCOL_VERSION]) for t, cls in MESSAGES.items()}

@@ -19,7 +19,7 @@ A resumable stream outlives its proxy. A DecodeRequest with a ``resume_key`` (it
 ``resume_window_s`` (an Abort from the lost proxy's link changes nothing then). A ``FindStream`` from any proxy
 (``take_over``) makes the request that proxy's: it gets the history and the proxy's opaque ``resume_context`` at
 once, then the live deltas, in order (one thread routes both). The first to ask wins; one asking while another
-connected proxy holds the stream hears ``owned``. A window that closes with nobody taking the stream over ends it
+connected proxy holds the stream hears ``owned``. A draining proxy hands its streams over the same way (``leave``). A window that closes with nobody taking the stream over ends it
 (``expire``): the compute loop aborts it and frees its pages.
 """
 from __future__ import annotations
@@ -93,6 +93,14 @@ class Owners:
         else:
             self._of[request_id] = Owned(link, self._clock())
         return True
+
+    def leave(self, request_id: str, link: int) -> None:
+        """Proxy ``link`` drains and hands its stream ``request_id`` over: orphaned, as if that proxy were lost."""
+        owned = self._of.get(request_id)
+        kept = owned.resumable if owned is not None and owned.link == link else None
+        if kept is not None and kept.orphaned_until is None:
+            kept.orphaned_until = self._clock() + kept.window_s
+            self.orphans += 1
 
     def forget(self, link: int) -> set[str]:
         """Proxy ``link`` is lost: the requests it sent that this worker may still hold, to fail now, forgotten; its

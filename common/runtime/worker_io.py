@@ -311,6 +311,9 @@ class WorkerIO:
                 if sendable(wire.StreamFound, link.speaks):
                     for answer in answers:
                         self._send(link, answer)
+            elif isinstance(msg, wire.LeaveStream):
+                if self.owners is not None:
+                    self.owners.leave(msg.request_id, index)
             elif isinstance(msg, wire.KVSnapshotRequest):
                 snapshot = None if self.kv_events is None else self.kv_events.snapshot(
                     self.config.worker_id, self.registration.epoch, msg)

@@ -660,6 +660,17 @@ class Cluster:
             log.info("draining: /readyz answers 503, new requests are refused, %d in flight", len(self.inflight))
         self.draining = True
 
+    def hand_over_streams(self) -> set[str]:
+        """Draining while another proxy is up: the resumable streams decoding here are left to their workers for
+        another proxy to take over (``SubRequest.hand_over``); their response ids, whose readers the edge cuts."""
+        handed = set()
+        for sub in list(self.inflight.values()):
+            if sub.resume is not None and sub.stage is Stage.DECODING and self.peer_versions.get(
+                    sub.decode_worker, PROTOCOL_VERSION) >= MESSAGE_SINCE["LeaveStream"]:
+                self._act(sub, Stage.DECODING, sub.hand_over())
+                handed.add(sub.resume.key)
+        return handed
+
     def cancel_all(self, reason: str) -> None:
         self.start_draining()
         self.embeddings.cancel_all(reason)

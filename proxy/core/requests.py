@@ -61,8 +61,8 @@ from dataclasses import dataclass
 from common.config.roles import ProxyConfig
 from common.protocol.sampling_params import SamplingParams
 from common.runtime.tracing import NoTracing, RequestTrace
-from common.protocol.wire import (Abort, DecodeRequest, KVPulled, PrefillDone, PrefillRequest, ReleaseKV,
-                                  RequestFailed, TokenDelta)
+from common.protocol.wire import (Abort, DecodeRequest, KVPulled, LeaveStream, PrefillDone, PrefillRequest,
+                                  ReleaseKV, RequestFailed, TokenDelta)
 from proxy.core.errors import ApiError
 from proxy.core.first_token import FirstTokenParts
 from proxy.core.metrics import ProxyMetrics
@@ -487,6 +487,19 @@ class SubRequest:
         self._requeue(now)
         self._metrics.fairness_preemptions.labels(self.tenant).inc()
         return sends
+
+    def hand_over(self) -> Sends:
+        """The proxy drains while another is up: its decode worker keeps this resumable stream for another proxy to
+        take over (``LeaveStream``), and it ends here without a terminal event (its client reconnects)."""
+        self._leave_model_gauge()
+        if self.first_token_at is None:
+            self._metrics.queue_depth.dec()
+        self.stage = Stage.FAILED
+        self._count_end("handed_over")
+        if self.trace:
+            self.trace.close(attributes={"gen_ai.usage.output_tokens": len(self.output_ids)})
+        self._metrics.in_flight.dec()
+        return [(self.decode_worker, LeaveStream(self.wire_id))]
 
     def _requeue(self, now: float) -> None:
         """Back to the admission queue under a new wire id: whatever the old attempt still sends is a stray."""

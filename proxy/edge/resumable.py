@@ -44,6 +44,11 @@ RESUMABLE_HEADER = "x-resumable"
 SSE_HEADERS = {"Cache-Control": "no-cache"}
 
 
+class StreamHandedOver(ConnectionAbortedError):
+    """Raised to a reader of a stream this proxy handed over as it drains: its connection breaks, and the client
+    reconnects (to another proxy)."""
+
+
 class ResumableStream:
     """One response's numbered SSE events, the newest ``resume_buffer_events`` kept."""
 
@@ -56,6 +61,8 @@ class ResumableStream:
         self.finished = False
         self.expired = False  # the window closed with nobody reading: the request was cancelled
         self.dropped = False  # out of the store: what the producer still sends goes nowhere
+        self.severed = False  # handed over to another proxy as this one drains: the reader's connection is cut
+        self.producer: asyncio.Task | None = None
         self.sent = -1  # the last event the attached reader has handed to its connection
         self.reader = 0  # number of the attached reader; 0: nobody reads
         self._readers = 0  # readers ever attached, to number them
@@ -88,6 +95,13 @@ class ResumableStream:
         while self.next_id <= event_id and not self.finished and not self.dropped:
             self._wakeup.clear()
             await self._wakeup.wait()
+
+    def sever(self) -> None:
+        """Handed over to another proxy: its producer stops, and its reader raises ``StreamHandedOver``."""
+        self.severed = True
+        if self.producer is not None:
+            self.producer.cancel()
+        self._wakeup.set()
 
     def finish(self) -> None:
         self.finished = True
@@ -122,6 +136,8 @@ class ResumableStream:
         next_id = after + 1
         try:
             while reader == self.reader:
+                if self.severed:
+                    raise StreamHandedOver(f"response {self.response_id} was handed over to another proxy")
                 if next_id == self.next_id:  # caught up
                     if self.finished:
                         return
@@ -192,6 +208,7 @@ class StreamStore:
         stream = ResumableStream(response_id, tenant, self, cancel)
         self.streams[response_id] = stream
         task = asyncio.create_task(self._feed(stream, produce(stream)), name=f"produce-{response_id}")
+        stream.producer = task
         self._producers.add(task)
         task.add_done_callback(self._producers.discard)
         self._metrics.resumable_streams.inc()
@@ -222,6 +239,16 @@ class StreamStore:
             self.grow(stream, -stream.size)
             stream.events.clear()
             stream.dropped = True
+
+    def sever(self, response_ids: set[str]) -> None:
+        """Streams handed over to another proxy (``Cluster.hand_over_streams``): their producers stop, their readers'
+        connections break, and they leave the store."""
+        for response_id in response_ids:
+            stream = self.streams.get(response_id)
+            if stream is None:
+                continue
+            stream.sever()
+            self.drop(stream)
 
     def evict_finished(self) -> None:
         """Over ``resume_buffer_bytes``: finished streams nobody reads go first, the oldest first."""

@@ -69,6 +69,9 @@ async def find_or_take(services, response_id: str, tenant: str | None, after: in
     a lost proxy's taken over. ApiError 404 when there is none (as ``StreamStore.find`` says), 503 while another
     proxy still holds it."""
     store = services.streams
+    if response_id not in store.streams and services.cluster.draining:
+        raise ApiError(503, "cannot take a stream over now: the proxy is shutting down", code="no_worker_available",
+                       retry_after_s=services.config.requests.retry_after_s)
     if response_id not in store.streams:
         pending = store.taking.get(response_id)
         if pending is not None:  # another client of this proxy asked first

@@ -13,6 +13,7 @@ import json
 
 import httpx
 import msgspec
+from websockets.sync.client import connect
 
 from common.config.roles import merge
 from common.protocol.sampling_params import SamplingParams
@@ -26,11 +27,15 @@ from tests.e2e.proxy_harness import (  # noqa: F401 - fixtures
 from tests.e2e.test_resumable_streams import RESUMABLE, parse, read_some, text_of
 from tests.scripted_worker import FakeWorker
 
+REPEATS = 20
+LONG_TEXT = SCRIPT_TEXT * REPEATS
 TENANTS = [{"name": "a", "api_key_sha256": [hash_key("sk-a")]}, {"name": "b", "api_key_sha256": [hash_key("sk-b")]}]
 
 
 def start(make_proxy, script, workers: list, **options) -> tuple:
-    """Two proxies and a prefill and a decode worker registered with both."""
+    """Two proxies and a prefill and a decode worker registered with both, answering ``LONG_TEXT`` (a token every
+    20 ms: a stream of 40 tokens or more is still running when its proxy is lost)."""
+    script = script * REPEATS
     proxies = [make_proxy(**merge({"shared_state": {"proxy_id": f"proxy-{i}"}}, options)) for i in range(2)]
     address = ",".join(p.endpoint for p in proxies)
     prefill = FakeWorker(address, "p0", "prefill", script)
@@ -152,7 +157,7 @@ def test_two_clients_racing_to_resume_one_stream_take_it_over_once(make_proxy, s
         assert total(b.http.get("/metrics").text, "tessera_proxy_streams_taken_over_total") == 1
         done = [parse(r.text) for r in answers if r.text.endswith("data: [DONE]\n\n")]
         assert len(done) == 1, "the later reader took the stream from the earlier one, which ended"
-        assert text_of(first + done[0]) == SCRIPT_TEXT[:len(text_of(first + done[0]))]
+        assert text_of(first + done[0]) == LONG_TEXT[:len(text_of(first + done[0]))]
         assert [n for n, _ in first + done[0]] == list(range(len(first) + len(done[0])))
     finally:
         for worker in workers:
@@ -165,3 +170,26 @@ def test_a_resume_context_is_what_the_proxy_reads_back():
     context = decode(encode(info, "t", SamplingParams(max_tokens=3), 7, [1, 2], ("m", "v")))
     assert (context.tenant, context.seed, context.prompt, context.model, context.events) == (
         "t", 7, [1, 2], ("m", "v"), info.events)
+
+
+def test_a_websocket_resume_takes_a_lost_proxys_stream_over(make_proxy, script):
+    workers = []
+    try:
+        (a, b), decode = start(make_proxy, script, workers)
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 40}
+        with connect(a.url.replace("http://", "ws://") + "/v1/stream") as socket:
+            socket.send(json.dumps({"type": "completions", "id": "r", "body": body, "resumable": True}))
+            seen = [json.loads(socket.recv(timeout=30)) for _ in range(3)]
+        lose_first_proxy(decode)
+        with connect(b.url.replace("http://", "ws://") + "/v1/stream") as socket:
+            socket.send(json.dumps({"type": "resume", "id": "again", "response_id": seen[0]["data"]["id"],
+                                    "last_event_id": seen[-1]["event"]}))
+            rest = []
+            while not rest or not rest[-1].get("done"):
+                rest.append(json.loads(socket.recv(timeout=30)))
+        assert [f["event"] for f in seen + rest[:-1]] == list(range(len(seen) + len(rest) - 1))
+        text = "".join(c["text"] for f in seen + rest[:-1] for c in f["data"]["choices"])
+        assert text == LONG_TEXT[:len(text)] and len(text) > len(SCRIPT_TEXT)
+    finally:
+        for worker in workers:
+            worker.stop(goodbye=False)
