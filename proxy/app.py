@@ -11,8 +11,8 @@ socket and its context.
 
 Endpoints here: /v1/models, /v1/sessions/{id}, /tokenize, /detokenize, /healthz, /readyz,
 /version, /metrics. The generation endpoints live in ``openai_api``, the
-reconnection to a resumable stream in ``resumable``, /v1/embeddings in ``embeddings_api``, the
-model promotions in ``admin_api``.
+reconnection to a resumable stream (or the takeover of a lost proxy's) in ``takeover``, /v1/embeddings in
+``embeddings_api``, the model promotions in ``admin_api``.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from common.config.roles import ProxyConfig
 from common.text.tokenizer import Tokenizer
 from common.protocol.wire import PROTOCOL_VERSION
 from common.runtime.zmq_security import proxy_curve
-from proxy.edge import admin_api, embeddings_api, openai_api, openapi, resumable, websocket_api
+from proxy.edge import admin_api, embeddings_api, openai_api, openapi, takeover, websocket_api
 from proxy.cluster.cluster import Cluster
 from proxy.edge.conversations import ConversationStore
 from proxy.edge.auth import tenant_from_header
@@ -160,7 +160,7 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
     app.include_router(openai_api.router)
     app.include_router(embeddings_api.router)
     app.include_router(admin_api.router)
-    app.include_router(resumable.router)
+    app.include_router(takeover.router)
     app.include_router(websocket_api.router)
     _add_service_routes(app, services)
     openapi.install(app, [CompletionRequest, ChatCompletionRequest, EmbeddingRequest, TokenizeRequest,

@@ -92,4 +92,5 @@ def run(config: ProxyConfig, config_path: str | None = None, overrides: dict | N
         sockets = [listening_socket(config.host, config.port, reuse_port)]
         if config.http.process_port:
             sockets.append(listening_socket(config.host, config.http.process_port, reuse_port=False))
-    DrainingServer(server_config, app.state.services.cluster, drain_timeout_s).run(sockets=sockets)
+    services = app.state.services
+    DrainingServer(server_config, services.cluster, drain_timeout_s, services.streams).run(sockets=sockets)

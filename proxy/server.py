@@ -3,7 +3,11 @@
 The first SIGTERM or SIGINT starts a drain instead of stopping at once:
 the cluster refuses new work (/readyz and new requests answer 503) while
 the requests in flight run to completion, for up to ``drain_timeout_s``;
-whatever is left then is cancelled (Abort to its workers). Only then does
+whatever is left then is cancelled (Abort to its workers). While another proxy
+is up (``shared_state``: the live proxies at the last sync), the resumable
+streams are not waited out but handed over at once: their workers keep them,
+their clients' connections are cut, and the clients reconnect to another proxy,
+which takes them over (``proxy.edge.takeover``). Only then does
 uvicorn's own shutdown run: listeners close, connections finish, and the
 app's lifespan closes the ZeroMQ socket before its context. A second
 signal during the drain skips the rest of it; later ones are ignored (uvicorn's
@@ -25,15 +29,18 @@ import uvicorn
 
 from common.runtime import sd_notify
 from proxy.cluster.cluster import Cluster
+from proxy.edge.resumable import StreamStore
 
 log = logging.getLogger("tessera.proxy")
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, cluster: Cluster, drain_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, cluster: Cluster, drain_timeout_s: float,
+                 streams: StreamStore | None = None) -> None:
         super().__init__(config)
         self._cluster = cluster
         self._drain_timeout_s = drain_timeout_s
+        self._streams = streams  # the resumable streams, handed over as it drains
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
         self._drain_requested = False
@@ -81,6 +88,11 @@ class DrainingServer(uvicorn.Server):
     async def _drain(self) -> None:
         cluster = self._cluster
         cluster.start_draining()
+        if self._streams is not None and getattr(cluster.limits.share, "proxies", 0) > 1:
+            handed = cluster.hand_over_streams()
+            if handed:
+                log.info("draining: %d resumable stream(s) handed over for another proxy to take over", len(handed))
+                self._streams.sever(handed)
         sd_notify.stopping(f"draining {len(cluster.inflight)} request(s) for up to {self._drain_timeout_s}s")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._drain_timeout_s

@@ -156,6 +156,15 @@ class FakeWorker:
         self._stop.set()
         self._thread.join(timeout)
 
+    def lose_proxy(self, link: int) -> None:
+        """Proxy ``link`` is lost, as a real worker's I/O thread finds when that proxy's connection closes
+        (common/runtime/worker_io.py): its requests are aborted, its resumable streams kept for another proxy to take
+        over (``Owners.forget``)."""
+        def lose() -> None:
+            for request_id in self._worker.owners.forget(link):
+                self._worker.abort(request_id)
+        self._host.call_soon_threadsafe(lose)
+
     @property
     def held_pages(self) -> set[str]:
         """Prefill: requests whose pages wait for ReleaseKV."""

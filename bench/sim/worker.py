@@ -41,7 +41,8 @@ import zmq
 
 from bench.sim.engine import FIRST_TOKEN_ID, TOKEN_RANGE, SimEngine, SimSequence
 from bench.sim.profile import StepProfile
-from common.protocol.wire import KVSnapshotRequest, Peers, Register, RegisterAck, Reregister, SwitchRole, Tune
+from common.protocol.wire import (FindStream, KVSnapshotRequest, LeaveStream, Peers, Register, RegisterAck,
+                                  Reregister, StreamFound, SwitchRole, Tune)
 from common.protocol.wire import (Abort, DecodeRequest, Goodbye, Heartbeat, KVLayoutInfo, KVPulled, PrefillDone,
                                   PrefillRequest, ReleaseKV, RequestFailed, StepCostModel, TokenDelta, TokenDeltas,
                                   WireError, decode, encode)
@@ -157,6 +158,9 @@ class SimWorker:
         message = self.heartbeat_message()
         if message is not None and not self.away:
             self.send(message)
+        if self.owners is not None:  # a lost proxy's resumable streams nobody took over (common/runtime/worker_io)
+            for request_id in self.owners.expire():
+                self.abort(request_id)
         self.host.after(self.spec.heartbeat_interval_s, self.heartbeat)
 
     def heartbeat_message(self) -> Heartbeat | None:
@@ -197,9 +201,8 @@ class SimWorker:
             except WireError as exc:
                 log.warning("%s: dropped a malformed message: %s", self.spec.worker_id, exc)
                 continue
-            if self.owners is not None:
-                self.owners.took(msg, link)
-            self.handle(msg, link)
+            if self.owners is None or self.owners.took(msg, link):
+                self.handle(msg, link)
 
     def handle(self, msg, link: int = 0) -> None:
         if isinstance(msg, PrefillRequest):
@@ -212,9 +215,14 @@ class SimWorker:
         elif isinstance(msg, ReleaseKV):
             self.engine.release(msg.request_id)
         elif isinstance(msg, Abort):
-            self.pulls.pop(msg.request_id, None)
-            self.deferred = deque(s for s in self.deferred if s.request_id != msg.request_id)
-            self.engine.abort(msg.request_id)
+            self.abort(msg.request_id)
+        elif isinstance(msg, FindStream):
+            answers = [StreamFound(msg.response_id, self.spec.worker_id, "absent")] if self.owners is None else \
+                self.owners.take_over(msg, link, self.spec.worker_id)
+            for answer in answers:
+                self.send(answer, link)
+        elif isinstance(msg, LeaveStream) and self.owners is not None:
+            self.owners.leave(msg.request_id, link)
         elif isinstance(msg, RegisterAck):
             self.links_registered[link] = msg.accepted
             last = self.switches[-1] if self.switches else {}
@@ -234,6 +242,11 @@ class SimWorker:
         elif not isinstance(msg, (Peers, Tune)):
             log.debug("%s: ignored a %s", self.spec.worker_id, type(msg).__name__)
         self.kick()
+
+    def abort(self, request_id: str) -> None:
+        self.pulls.pop(request_id, None)
+        self.deferred = deque(s for s in self.deferred if s.request_id != request_id)
+        self.engine.abort(request_id)
 
     # -- role switch ---------------------------------------------------------------------------------
 

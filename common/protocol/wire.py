@@ -91,9 +91,10 @@ class _Struct(msgspec.Struct, forbid_unknown_fields=True):
 
 # 11: EmbedRequest, EmbedResult; 12: LoadModel, Standby; 13: SamplingParams.structured; 14: TokenDeltas.step_rows,
 # step; 15: Register.tokenizer_sha256, FetchTokenizer, TokenizerFiles; 18: KVPulled.backend, DecodeRequest.source_epoch;
-# 19: Register.kv_events_endpoint, kv_events_public_key, host, KVEvents, KVSnapshotRequest, KVSnapshot; 20: SwitchRole.
+# 19: Register.kv_events_endpoint, kv_events_public_key, host, KVEvents, KVSnapshotRequest, KVSnapshot; 20: SwitchRole;
+# 21: DecodeRequest.resume_key, resume_window_s, resume_context, FindStream, StreamFound, LeaveStream.
 # Versions one apart interoperate (versions.py).
-PROTOCOL_VERSION = 20
+PROTOCOL_VERSION = 21
 
 
 class MsgType(enum.IntEnum):
@@ -122,6 +123,9 @@ class MsgType(enum.IntEnum):
     KV_SNAPSHOT_REQUEST = 26
     KV_SNAPSHOT = 27
     SWITCH_ROLE = 28
+    FIND_STREAM = 29
+    STREAM_FOUND = 30
+    LEAVE_STREAM = 31
 
 
 class Role(str, enum.Enum):
@@ -415,6 +419,12 @@ class DecodeRequest(_Struct):
     # With pages: the epoch of source_worker_id that lent them (PrefillDone.epoch). A decode worker that knows that
     # worker under another epoch refuses the pull: the pages' ids mean nothing in the new process. 0: not checked.
     source_epoch: NonNegInt = 0
+    # A resumable stream's (common/runtime/proxy_links.py): its response id, how long the worker keeps it running
+    # for a client to come back to any proxy when this one is lost, and what that proxy needs to rebuild the stream
+    # (opaque to the worker: proxy/edge/takeover.py). Empty: not resumable past its proxy.
+    resume_key: str = ""
+    resume_window_s: Seconds = 0.0
+    resume_context: bytes = b""
 
 
 class TokenDelta(_Struct):
@@ -471,6 +481,33 @@ class RequestFailed(_Struct):
     code: str = ""  # the error code the client gets (nonfinite_logits); empty: worker_error (or invalid_request)
 
 
+class FindStream(_Struct):
+    """A proxy asks every worker for the requests of resumable response ``response_id`` whose proxy is gone, to take
+    them over (common/runtime/proxy_links.py ``Owners.take_over``). ``tenant``: only that tenant's ("": any)."""
+    response_id: str
+    tenant: str = ""
+
+
+class LeaveStream(_Struct):
+    """A draining proxy hands a resumable stream over: the worker keeps it for its window as if that proxy were lost,
+    for another to take over (``FindStream``)."""
+    request_id: str
+
+
+class StreamFound(_Struct):
+    """A worker's answer to FindStream, one per request of the response it holds, or one with status ``absent``.
+
+    ``found``: the request is the asking proxy's from now on; ``history`` holds every TokenDelta the worker emitted
+    for it so far (its step boundaries kept), and its later deltas go to that proxy. ``owned``: another proxy that is
+    still connected holds it. ``absent``: not here (unknown, another tenant's, or its window closed)."""
+    response_id: str
+    worker_id: str
+    status: Literal["found", "owned", "absent"]
+    request_id: str = ""
+    context: bytes = b""
+    history: list[TokenDelta] = msgspec.field(default_factory=list)
+
+
 MESSAGES: dict[MsgType, type] = {
     MsgType.REGISTER: Register,
     MsgType.REGISTER_ACK: RegisterAck,
@@ -497,6 +534,9 @@ MESSAGES: dict[MsgType, type] = {
     MsgType.KV_SNAPSHOT_REQUEST: KVSnapshotRequest,
     MsgType.KV_SNAPSHOT: KVSnapshot,
     MsgType.SWITCH_ROLE: SwitchRole,
+    MsgType.FIND_STREAM: FindStream,
+    MsgType.STREAM_FOUND: StreamFound,
+    MsgType.LEAVE_STREAM: LeaveStream,
 }
 _TYPES = {cls: t for t, cls in MESSAGES.items()}
 _HEADERS = {cls: bytes([t, PROTOCOL_VERSION]) for t, cls in MESSAGES.items()}

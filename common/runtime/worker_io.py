@@ -8,7 +8,10 @@ socket. ``registered`` is set once any proxy acknowledged: a worker serves the p
 A proxy that does not know this worker (it restarted, or expired it) answers a heartbeat with Reregister. With one
 proxy the compute loop then fails every request and registers again under a new epoch (registration ``rejoin``).
 With several, only that proxy's requests are failed (``LinkLost``) and the worker registers with it again under the
-same epoch, so the other proxies, which know that epoch, go on undisturbed.
+same epoch, so the other proxies, which know that epoch, go on undisturbed. With several, a proxy whose connection
+closes (its process died) is lost the same way at once, and registered with again when it is back. A lost proxy's
+resumable streams are not failed but kept for another proxy to take over (``proxy_links.Owners``: ``FindStream`` is
+answered here, and a window that closes unclaimed becomes ``OrphansExpired`` for the compute loop).
 
 With several proxies one of them being away must not stall the others: a message for a proxy that is not
 connected, or not reading, is dropped and counted (``tessera_worker_messages_unsent_total``; ZMQ_IMMEDIATE, so
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from common.config.roles import WorkerConfig
 from common.protocol import wire
@@ -47,10 +51,16 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class LinkLost:
-    """One of several proxies lost this worker: the compute loop fails ``request_ids`` (that proxy's), then
-    ``WorkerIO.rejoin(link)``."""
+    """One of several proxies lost this worker: the compute loop fails ``request_ids`` (that proxy's, less the
+    resumable streams kept for another proxy), then ``WorkerIO.rejoin(link)``."""
     link: int
-    msg: wire.Reregister
+    reason: str
+    request_ids: set[str]
+
+
+@dataclass
+class OrphansExpired:
+    """Resumable streams of a lost proxy that nobody took over within their window: the compute loop aborts them."""
     request_ids: set[str]
 
 
@@ -72,6 +82,7 @@ class _Link:
         self.may_register = True  # cleared by Reregister until the compute loop calls rejoin()
         self.next_register = 0.0  # when the Register is (re)sent while unacknowledged
         self.speaks = 0  # the older of this proxy's protocol version and this worker's setting
+        self.monitor = None  # with several proxies: the socket's disconnection events
 
 
 class WorkerIO:
@@ -170,12 +181,17 @@ class WorkerIO:
                 if self._curve is not None:
                     apply_curve_client(link.sock, self._curve.keys, self._curve.proxy_public)
                 link.sock.connect(link.address)
+                if self.owners is not None:  # a proxy whose process dies is lost at once (``_lost``)
+                    link.monitor = link.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             self._loop()
         except Exception:
             log.exception("worker I/O thread failed")
             self.inbox.put(None)  # wakes the compute loop, which then exits
         finally:
             for link in self.links:
+                if link.monitor is not None:
+                    link.sock.disable_monitor()
+                    link.monitor.close()
                 if link.sock is not None:
                     link.sock.close()
             if self.kv_events is not None:
@@ -190,6 +206,8 @@ class WorkerIO:
         for index, link in enumerate(self.links):
             poller.register(link.sock, zmq.POLLIN)
             sockets[link.sock] = index
+            if link.monitor is not None:
+                poller.register(link.monitor, zmq.POLLIN)
         poller.register(self._wake.fd, zmq.POLLIN)
         while True:
             self.turned_at = time.monotonic()  # the watchdog's sign of life (``alive``)
@@ -202,6 +220,11 @@ class WorkerIO:
             for sock, index in sockets.items():
                 if sock in ready:
                     self._receive(index)
+                monitor = self.links[index].monitor
+                if monitor is not None and monitor in ready:
+                    self._watch(index)
+            if self.owners is not None and (expired := self.owners.expire()):
+                self.inbox.put(OrphansExpired(expired))
             now = time.monotonic()
             for link in self.links:
                 if not link.registered and link.may_register and now >= link.next_register:
@@ -282,15 +305,23 @@ class WorkerIO:
                 answer = tokenizer_answer(self.tokenizer_dir, msg, self.config.worker_id, link.speaks)
                 if answer is not None:
                     self._send(link, answer)
+            elif isinstance(msg, wire.FindStream):
+                answers = [wire.StreamFound(msg.response_id, self.config.worker_id, "absent")] if self.owners is None \
+                    else self.owners.take_over(msg, index, self.config.worker_id)
+                if sendable(wire.StreamFound, link.speaks):
+                    for answer in answers:
+                        self._send(link, answer)
+            elif isinstance(msg, wire.LeaveStream):
+                if self.owners is not None:
+                    self.owners.leave(msg.request_id, index)
             elif isinstance(msg, wire.KVSnapshotRequest):
                 snapshot = None if self.kv_events is None else self.kv_events.snapshot(
                     self.config.worker_id, self.registration.epoch, msg)
                 if snapshot is not None and sendable(wire.KVSnapshot, link.speaks):
                     self._send(link, snapshot)
             else:
-                if self.owners is not None:
-                    self.owners.took(msg, index)
-                self.inbox.put(msg)
+                if self.owners is None or self.owners.took(msg, index):
+                    self.inbox.put(msg)
 
     def _merged_peers(self) -> wire.Peers:
         """Every proxy's peers together, the newest epoch of each worker."""
@@ -314,7 +345,17 @@ class WorkerIO:
         link.registered = True
         self.registered.set()
 
-    def _lost(self, index: int, msg: wire.Reregister) -> None:
+    def _watch(self, index: int) -> None:
+        """Proxy ``index``'s socket events: a closed connection loses that proxy (its process exited); the worker
+        registers with it again when it is back."""
+        link = self.links[index]
+        while link.monitor.poll(0):
+            event = recv_monitor_message(link.monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED and link.registered:
+                self._lost(index, "its connection closed")
+                link.may_register = True
+
+    def _lost(self, index: int, msg: wire.Reregister | str) -> None:
         link = self.links[index]
         link.may_register = link.registered = False
         link.next_register = 0.0
@@ -325,6 +366,7 @@ class WorkerIO:
         if not any(other.registered for other in self.links):
             self.registered.clear()
         self._peers[index] = []
-        log.warning("the proxy at %s does not know this worker (%s): dropping its requests and registering "
-                    "with it again", link.address, msg.reason)
-        self.inbox.put(LinkLost(index, msg, self.owners.forget(index)))
+        reason = msg if isinstance(msg, str) else f"it does not know this worker: {msg.reason}"
+        log.warning("the proxy at %s lost this worker (%s): dropping its requests (keeping its resumable streams "
+                    "for another proxy) and registering with it again", link.address, reason)
+        self.inbox.put(LinkLost(index, reason, self.owners.forget(index)))

@@ -48,7 +48,7 @@ from common.runtime.role_switch import RoleSwitch
 from common.runtime.telemetry import WorkerMetrics, request_scope
 from common.runtime.tracing import make_tracing
 from common.runtime.worker_contracts import Adopt, KVTransfer, Load, RoleHandler
-from common.runtime.worker_io import LinkLost, WorkerIO
+from common.runtime.worker_io import LinkLost, OrphansExpired, WorkerIO
 from common.runtime.zmq_security import worker_curve
 
 log = logging.getLogger(__name__)
@@ -138,9 +138,13 @@ def _take_messages(io: WorkerIO, handler: RoleHandler, switch: ModelSwitch, role
             rejoin(io, handler, msg)
         elif isinstance(msg, LinkLost):  # one of several proxies lost this worker: its requests only
             if handler.engine is not None:  # else standing by (model_swap.py): its Standby messages tell them
-                handler.fail_all(f"the proxy that sent this request lost this worker ({msg.msg.reason})",
+                handler.fail_all(f"the proxy that sent this request lost this worker ({msg.reason})",
                                  only=msg.request_ids)
                 io.rejoin(msg.link)
+        elif isinstance(msg, OrphansExpired):  # their proxy was lost and no other took them over in time
+            if handler.engine is not None:
+                handler.fail_all("the client did not resume the stream on any proxy within its resume window",
+                                 only=msg.request_ids)
         elif isinstance(msg, wire.SwitchRole):
             role_switch.take(msg, swapping=switch.pending is not None)
         elif handler.engine is None or isinstance(msg, wire.LoadModel):

@@ -10,6 +10,7 @@ Request life cycle, as queues and hops (one sub-request per choice):
             ends a role switch ordered (proxy/cluster/role_switches.py)
         KVSnapshot --> proxy/cluster/kv_events.py (the prefix index routing reads; its KVEvents come on a SUB socket)
         TokenizerFiles --> proxy/cluster/tokenizer_fetch.py (the tokenizer of a version the proxy has none of)
+        StreamFound --> a resumable stream of a lost proxy, taken over here (``find_stream``, ``_on_stream_found``)
         PrefillDone/KVPulled/RequestFailed, and each TokenDelta of a step's TokenDeltas --> that SubRequest
     SubRequest --events--> RequestGroup's EventSink (proxy/cluster/request_group.py) --> HTTP handler
 
@@ -35,10 +36,11 @@ from common.runtime.tracing import make_tracing
 from common.runtime.zmq_security import proxy_curve
 from common.protocol.sampling_params import SamplingParams
 from common.protocol.versions import STRUCTURED_SINCE
-from common.protocol.wire import (PROTOCOL_VERSION, Abort, DecodeRequest, EmbedResult, Goodbye, Heartbeat, KVPulled,
-                                  KVSnapshot, PrefillDone, PrefillRequest, Register, RegisterAck, ReleaseKV,
-                                  RequestFailed, Reregister, Standby, SwitchRole, TokenDeltas, TokenizerFiles, WireError,
-                                  decode)
+from common.protocol.versions import MESSAGE_SINCE
+from common.protocol.wire import (PROTOCOL_VERSION, Abort, DecodeRequest, EmbedResult, FindStream, Goodbye, Heartbeat,
+                                  KVPulled, KVSnapshot, PrefillDone, PrefillRequest, Register, RegisterAck, ReleaseKV,
+                                  RequestFailed, Reregister, Standby, StreamFound, SwitchRole, TokenDeltas,
+                                  TokenizerFiles, WireError, decode)
 from proxy.tenancy.admission import Admit, AdmissionController
 from proxy.cluster.embeddings import Embeddings
 from proxy.cluster.kv_events import KVEventSubscriber
@@ -47,7 +49,8 @@ from proxy.core.metrics import ProxyMetrics
 from proxy.cluster.model_loading import ModelLoader
 from proxy.cluster.role_switches import RoleSwitches
 from proxy.core.workers import WorkerRegistry, WorkerState
-from proxy.core.requests import Sends, Stage, SubRequest
+from proxy.core.requests import Sends, Stage, SubRequest, TokenEvent
+from proxy.core.resume_context import Context, ResumeInfo, decode as decode_context, delta_fields
 from proxy.cluster.request_group import EventSink, RequestGroup
 from proxy.core.routing import RoutingPolicy, same_host
 from proxy.control.limits import CapacityLimits
@@ -60,6 +63,16 @@ from proxy.cluster.tokenizer_fetch import TokenizerFetcher
 log = logging.getLogger("tessera.proxy")
 
 Outbox = Callable[[str, object, int], None]  # (worker id, message, the protocol version to encode it in)
+
+
+class _Search:
+    """A ``FindStream`` asked of the workers: who has not answered, and what came back."""
+
+    def __init__(self, waiting: set[str], done: asyncio.Future) -> None:
+        self.waiting = waiting
+        self.done = done
+        self.owned = False  # a worker said a proxy still connected holds it
+        self.found: tuple[Context, RequestGroup] | None = None
 
 
 class Cluster:
@@ -96,7 +109,9 @@ class Cluster:
             PrefillDone: self._on_prefill_done, KVPulled: self._on_kv_pulled, TokenDeltas: self._on_token_deltas,
             RequestFailed: self._on_request_failed, EmbedResult: self.embeddings.on_result,
             Standby: self._on_standby, TokenizerFiles: self.tokenizers.on_files, KVSnapshot: self.kv_events.on_snapshot,
+            StreamFound: self._on_stream_found,
         }
+        self._searches: dict[str, _Search] = {}  # response id -> a takeover asked of the workers (``find_stream``)
         self._update_worker_gauges()
 
     def attach(self, outbox: Outbox) -> None:
@@ -133,12 +148,14 @@ class Cluster:
         if sub.done:
             ended = self.inflight.pop(sub.request_id, None) is not None  # else a later look at a done one
             self.admission.leave(sub.request_id, before)
-            if sub.stage is Stage.FINISHED and len(sub.output_ids) > 2 and not (sub.migrations or sub.preemptions):
+            if sub.stage is Stage.FINISHED and len(sub.output_ids) > 2 and not (sub.migrations or sub.preemptions
+                                                                                 or sub.adopted):
                 self.registry.observe_tpot(sub.decode_worker, sub.first_token_at, sub.last_token_at,
                                            len(sub.output_ids), sub.decoding_since - sub.first_token_at)
             if self.tac is not None:
                 self.tac.ended(sub, self._clock())
-            if ended and sub.stage is Stage.FINISHED and not (sub.migrations or sub.preemptions) and sub.route:
+            if ended and sub.stage is Stage.FINISHED and not (sub.migrations or sub.preemptions or sub.adopted) \
+                    and sub.route:
                 routed = sub.route.worker.worker_id
                 if routed == (sub.decode_worker if sub.route.local else sub.prefill_worker):
                     self.kv_events.predicted(sub.route.cached_tokens, sub.cached_tokens)
@@ -172,13 +189,13 @@ class Cluster:
     def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams, base_seed: int,
                tenant: Tenant | None = None, timeout_s: float | None = None,
                model: tuple[str, str] | None = None, session: str | None = None, trace_parent: dict | None = None,
-               trace_attributes: dict | None = None) -> RequestGroup:
+               trace_attributes: dict | None = None, resume: ResumeInfo | None = None) -> RequestGroup:
         """Queue ``len(prompts) * params.n`` sub-requests for admission; they start as capacity allows. ApiError 503
         when no worker could ever run them or the queue is full, 429 when ``tenant`` is over its concurrency or
         queue limit. ``timeout_s``: the client's deadline for being admitted; ``model``: the (name, version) whose
         workers alone serve it (None: any); ``session``: its conversation, routed to the worker holding it;
         ``trace_parent``: the caller's W3C trace context, continued by each sub-request's trace, whose root carries
-        ``trace_attributes``."""
+        ``trace_attributes``; ``resume``: a resumable stream's, of one choice, that another proxy may take over."""
         if self.draining:
             raise self._unavailable("the proxy is shutting down and accepts no new requests")
         decoders = [w for w in self.registry.decode_side() if model is None or (w.model, w.model_version) == model]
@@ -209,6 +226,7 @@ class Cluster:
                 sub.ttft_forecast_s = forecast_s
                 sub.model, sub.session = model, session
                 sub.trace_parent, sub.trace_attributes = trace_parent, trace_attributes
+                sub.resume = resume
                 self.inflight[sub.request_id] = sub
                 if tenant.limited:
                     tenant.limiter.charge_tokens(len(prompt), now)
@@ -427,6 +445,87 @@ class Cluster:
         if not self._on_request_message(sub, lambda: sub.on_failed(msg, sender, now)):
             log.debug("ignoring RequestFailed for unknown request %s from %r", msg.request_id, sender)
 
+    # -- a resumable stream of a lost proxy, taken over -------------------------------------------
+
+    async def find_stream(self, response_id: str, tenant: str | None) -> tuple[Context, RequestGroup] | None:
+        """Ask every worker for resumable response ``response_id`` (``tenant``'s; None: anyone's) whose proxy is
+        lost, and take it over: its context and its group, whose sink holds every event it emitted so far; None when
+        no worker holds it. ApiError 503 when a proxy still connected to its worker holds it, or no worker is
+        registered here yet (the client retries).
+        Each worker answers at once; one silent for ``heartbeat_timeout_s`` is taken for one without it."""
+        asked = [w.worker_id for w in self.registry.workers.values()
+                 if self.peer_versions.get(w.worker_id, PROTOCOL_VERSION) >= MESSAGE_SINCE["FindStream"]]
+        if not asked:  # a proxy just started (its workers register within a heartbeat) or one left alone
+            raise ApiError(503, f"cannot look for response {response_id} now: no worker is registered with this "
+                           "proxy; try again", code="no_worker_available",
+                           retry_after_s=self.config.requests.retry_after_s)
+        if response_id in self._searches:
+            return None
+        search = self._searches[response_id] = _Search(set(asked), asyncio.get_running_loop().create_future())
+        try:
+            for worker_id in asked:
+                self.send(worker_id, FindStream(response_id, tenant or ""))
+            try:
+                await asyncio.wait_for(asyncio.shield(search.done), self.config.heartbeat_timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("response %s: %d worker(s) did not answer whether they hold it within "
+                            "heartbeat_timeout_s=%ss", response_id, len(search.waiting),
+                            self.config.heartbeat_timeout_s)
+        finally:
+            del self._searches[response_id]
+        if search.found is not None:
+            return search.found
+        if search.owned:
+            raise ApiError(503, f"response {response_id} is still held by another proxy that its worker is connected "
+                           "to; try again", code="stream_busy", retry_after_s=self.config.requests.retry_after_s)
+        return None
+
+    def _on_stream_found(self, sender: str, msg: StreamFound, now: float) -> None:
+        search = self._searches.get(msg.response_id)
+        if msg.status == "found" and (search is None or search.found is not None):  # nobody here wants it now
+            log.warning("response %s: worker %r handed over request %s that nobody asked for; aborting it",
+                        msg.response_id, sender, msg.request_id)
+            self.send(sender, Abort(msg.request_id))
+            return
+        if search is None:
+            return
+        search.waiting.discard(sender)
+        if msg.status == "owned":
+            search.owned = True
+        elif msg.status == "found":
+            try:
+                search.found = self._take_over(sender, msg, now)
+            except ValueError as error:
+                log.warning("response %s: worker %r handed over request %s with a context this proxy cannot read "
+                            "(%s); aborting it", msg.response_id, sender, msg.request_id, error)
+                self.send(sender, Abort(msg.request_id))
+        if (search.found is not None or not search.waiting) and not search.done.done():
+            search.done.set_result(None)
+
+    def _take_over(self, sender: str, msg: StreamFound, now: float) -> tuple[Context, RequestGroup]:
+        """The request is this proxy's from now on: a sub-request decoding on ``sender``, counted in a decode slot,
+        its events so far (the context's, then the worker's history, one event per step) in its sink."""
+        context = decode_context(msg.context)
+        events = context.events + [delta_fields(delta) for delta in msg.history]
+        tenant = self.tenants.tenants.get(context.tenant) or self.tenants.default
+        sink = EventSink()
+        request_id = msg.request_id.split("~")[0]
+        sub = SubRequest(request_id, 0, context.prompt, context.params, context.seed, self.config, self.metrics,
+                         self.tracing, sink, now, tenant=tenant.name, lane=tenant.lane, cache_salt=tenant.cache_salt)
+        sub.model = context.model
+        sub.resume = ResumeInfo(msg.response_id, self.config.requests.resume_window_s, context.static, list(events))
+        for fields in events:
+            sink.put_nowait(TokenEvent(0, *fields))
+        sub.adopt(sender, msg.request_id, [t for event in events for t in event[1]], events[-1][4] if events else None,
+                  now)
+        if not sub.done:
+            self.inflight[request_id] = sub
+            self.admission.adopt(request_id, tenant, sub)
+        self.metrics.streams_taken_over.inc()
+        log.info("response %s: took over request %s on worker %r after %d event(s) from a lost proxy",
+                 msg.response_id, msg.request_id, sender, len(events))
+        return context, RequestGroup([sub], sink, self, self._clock)
+
     # -- workers coming and going -----------------------------------------------------------------
 
     def _on_register(self, sender: str, msg: Register, now: float) -> None:
@@ -560,6 +659,17 @@ class Cluster:
         if not self.draining:
             log.info("draining: /readyz answers 503, new requests are refused, %d in flight", len(self.inflight))
         self.draining = True
+
+    def hand_over_streams(self) -> set[str]:
+        """Draining while another proxy is up: the resumable streams decoding here are left to their workers for
+        another proxy to take over (``SubRequest.hand_over``); their response ids, whose readers the edge cuts."""
+        handed = set()
+        for sub in list(self.inflight.values()):
+            if sub.resume is not None and sub.stage is Stage.DECODING and self.peer_versions.get(
+                    sub.decode_worker, PROTOCOL_VERSION) >= MESSAGE_SINCE["LeaveStream"]:
+                self._act(sub, Stage.DECODING, sub.hand_over())
+                handed.add(sub.resume.key)
+        return handed
 
     def cancel_all(self, reason: str) -> None:
         self.start_draining()

@@ -287,6 +287,10 @@ class ProxyMetrics:
                                          "Streamed responses that a client may resume (X-Resumable)", registry=r)
         self.resumed_streams = Counter("tessera_proxy_resumed_streams",
                                        "Reconnections to a resumable stream (GET /v1/streams/{id})", registry=r)
+        self.streams_taken_over = Counter(
+            "tessera_proxy_streams_taken_over", "Resumable streams of a lost proxy taken over here from their "
+            "decode worker (GET /v1/streams/{id} or a WebSocket resume of a response this proxy did not serve)",
+            registry=r)
         self.resume_buffer_bytes = Gauge("tessera_proxy_resume_buffer_bytes",
                                          "Bytes of events kept for resumable streams", registry=r)
         self.shared_state_up = Gauge(

@@ -61,12 +61,13 @@ from dataclasses import dataclass
 from common.config.roles import ProxyConfig
 from common.protocol.sampling_params import SamplingParams
 from common.runtime.tracing import NoTracing, RequestTrace
-from common.protocol.wire import (Abort, DecodeRequest, KVPulled, PrefillDone, PrefillRequest, ReleaseKV,
-                                  RequestFailed, TokenDelta)
+from common.protocol.wire import (Abort, DecodeRequest, KVPulled, LeaveStream, PrefillDone, PrefillRequest,
+                                  ReleaseKV, RequestFailed, TokenDelta)
 from proxy.core.errors import ApiError
 from proxy.core.first_token import FirstTokenParts
 from proxy.core.metrics import ProxyMetrics
 from proxy.core.recovery import LOST_AGAIN, Recovery
+from proxy.core.resume_context import ResumeInfo, encode as encode_context, event_fields
 from proxy.core.workers import WorkerState
 from proxy.core.routing import Route
 
@@ -115,6 +116,8 @@ class SubRequest:
     recovery: Recovery | None = None  # from a resume until the resumed attempt's first token
     preemptions = 0  # times it went back to admission for fairness (``preempt``)
     left: str | None = None  # the worker it last resumed from: routed elsewhere while another can take it
+    resume: ResumeInfo | None = None  # a resumable stream's choice: what another proxy needs to take it over
+    adopted = 0  # taken over from a lost proxy (``adopt``) after this many output tokens, neither charged nor counted
 
     def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams, seed: int,
                  config: ProxyConfig, metrics: ProxyMetrics, tracing: NoTracing, sink, now: float,
@@ -276,12 +279,37 @@ class SubRequest:
                 **self._tenant_fields(counter))
             self.deadline = now + self._config.requests.token_timeout_s
             self.parts.handed_off(decoder.worker_id, now)
+        if self.resume is not None:
+            resume = self.resume
+            decode.resume_key, decode.resume_window_s = resume.key, resume.window_s
+            decode.resume_context = encode_context(resume, self.tenant, self.params, self.seed, self.prompt, self.model)
         self.stage = Stage.DECODING
         self.decode_worker = decoder.worker_id
         self.decoding_since = now
         if self.trace:
             decode.trace_context = self.trace.enter("proxy.decode", {"tessera.worker_id": decoder.worker_id})
         return [(decoder.worker_id, decode)]
+
+    def adopt(self, worker_id: str, wire_id: str, output_ids: list[int], finish_reason: str | None, now: float) -> None:
+        """Taken over, decoding on ``worker_id`` under ``wire_id`` (finished, with ``finish_reason``), from a proxy
+        that was lost after the client got some of ``output_ids`` (replayed to the client by the edge,
+        ``proxy.edge.takeover``)."""
+        self.wire_id = wire_id
+        _, _, attempt = wire_id.rpartition("~")
+        self.migrations = int(attempt) if attempt.isdigit() else 0  # a later resume takes the next wire id
+        self.started = True
+        self.counted_as = self.model_name
+        self._metrics.in_flight.inc()
+        self._metrics.model_running.labels(self.counted_as).inc()
+        self._generation_tokens = self._metrics.generation_tokens.labels(self.tenant, self.model_name)
+        self.stage = Stage.DECODING
+        self.decode_worker = worker_id
+        self.decoding_since = self.first_token_at = self.last_token_at = now
+        self.output_ids = list(output_ids)
+        self.adopted = len(output_ids)
+        self.deadline = now + self._config.requests.token_timeout_s
+        if finish_reason is not None:
+            self._finish(now, finish_reason)
 
     def _from_decoder(self, msg, sender: str) -> bool:
         return self.stage is Stage.DECODING and sender == self.decode_worker and msg.request_id == self.wire_id
@@ -318,6 +346,9 @@ class SubRequest:
         metrics = self._metrics
         self.new_tokens = len(event.token_ids)
         self.cached_tokens = max(self.cached_tokens, event.num_cached_tokens)
+        if self.resume is not None:
+            self.resume.events.append(event_fields(event.text, event.token_ids, event.logprobs, event.top_logprobs,
+                                                   event.finish_reason, event.stop_reason, event.num_cached_tokens))
         if event.token_ids:
             if self.recovery is not None:
                 self._recovered(now)
@@ -371,7 +402,7 @@ class SubRequest:
         """Its outcome and usage, once, as it ends: a prompt counts if it reached a worker (a resumed one once),
         its cached part at most the prompt (a resumed attempt's cache also holds the output so far); and its end
         line, with where the time to its first tokens went."""
-        metrics, prompt = self._metrics, len(self.prompt) if self.started else 0
+        metrics, prompt = self._metrics, len(self.prompt) if self.started and not self.adopted else 0
         if self.started:
             ttft = f"{(self.first_token_at - self.arrival) * 1e3:.2f}" if self.first_token_at is not None else "-"
             log.info("request %s ended: status=%s output_tokens=%d resumes=%d ttft_ms=%s %s", self.request_id, status,
@@ -379,7 +410,7 @@ class SubRequest:
         metrics.tenant_requests.labels(self.tenant, self.model_name, status).inc()
         metrics.tenant_prompt_tokens.labels(self.tenant).inc(prompt)
         metrics.tenant_cached_prompt_tokens.labels(self.tenant).inc(min(self.cached_tokens, prompt))
-        metrics.tenant_generated_tokens.labels(self.tenant).inc(len(self.output_ids))
+        metrics.tenant_generated_tokens.labels(self.tenant).inc(len(self.output_ids) - self.adopted)
 
     @property
     def local(self) -> bool:
@@ -456,6 +487,19 @@ class SubRequest:
         self._requeue(now)
         self._metrics.fairness_preemptions.labels(self.tenant).inc()
         return sends
+
+    def hand_over(self) -> Sends:
+        """The proxy drains while another is up: its decode worker keeps this resumable stream for another proxy to
+        take over (``LeaveStream``), and it ends here without a terminal event (its client reconnects)."""
+        self._leave_model_gauge()
+        if self.first_token_at is None:
+            self._metrics.queue_depth.dec()
+        self.stage = Stage.FAILED
+        self._count_end("handed_over")
+        if self.trace:
+            self.trace.close(attributes={"gen_ai.usage.output_tokens": len(self.output_ids)})
+        self._metrics.in_flight.dec()
+        return [(self.decode_worker, LeaveStream(self.wire_id))]
 
     def _requeue(self, now: float) -> None:
         """Back to the admission queue under a new wire id: whatever the old attempt still sends is a stray."""

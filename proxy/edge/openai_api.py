@@ -48,6 +48,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
 from fastapi import APIRouter, Request
+import msgspec
 from fastapi.responses import JSONResponse, Response
 
 from common.runtime.tracing import incoming_context
@@ -57,6 +58,7 @@ from proxy.edge.listener import RAW_SEND, RAW_WRITE
 from proxy.edge.openapi import ChatCompletionResponse, CompletionResponse, error_responses, request_body
 from proxy.edge.protocol import ChatCompletionRequest, CompletionRequest, read_model
 from proxy.core.requests import Event, FailureEvent
+from proxy.core.resume_context import ResumeInfo
 from proxy.edge.resumable import RESUMABLE_HEADER, wants_resume
 from proxy.edge.conversations import continue_turn
 from proxy.cluster.served_models import served_headers, session_of
@@ -97,7 +99,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 @dataclasses.dataclass
-class _Generation:
+class Generation:
     """One admitted request: what the response needs to be built."""
     response_id: str
     created: int
@@ -129,7 +131,7 @@ async def _serve(request: Request, request_model, format_cls, endpoint: str) -> 
             tenant = tenant_from_body(tenants, body.user) if tenants.from_user_field else tenants.default
         resume_header = request.headers.get(RESUMABLE_HEADER)  # parsed in proxy.edge.resumable only when sent
         resumable = body.stream and (tenant.resumable if resume_header is None else wants_resume(resume_header))
-        generation, group = await admit(services, body, format_cls, tenant, timeout_s, request.headers)
+        generation, group = await admit(services, body, format_cls, tenant, timeout_s, request.headers, resumable)
     except ApiError as error:
         metrics.requests.labels(endpoint, str(error.status)).inc()
         return error.response()
@@ -181,7 +183,9 @@ def request_timeout(raw: str | None) -> float | None:
 
 
 async def admit(services, body, format_cls, tenant: Tenant, timeout_s: float | None,
-                headers) -> tuple[_Generation, RequestGroup]:
+                headers, resumable: bool = False) -> tuple[Generation, RequestGroup]:
+    """Admit ``body``: its response's state and the group of its choices. ``resumable``: a resumable stream, whose
+    one choice (not a response of several) carries what another proxy needs to take it over (``resume_static``)."""
     config, cluster = services.config, services.cluster
     services.models.check(body.model)
     params = body.sampling_params(config.requests.max_tokens_default)
@@ -218,13 +222,24 @@ async def admit(services, body, format_cls, tenant: Tenant, timeout_s: float | N
     response_id = f"{fmt.id_prefix}{uuid.uuid4().hex}"
     base_seed = params.seed if params.seed is not None else secrets.randbits(63)
     operation = "chat" if isinstance(body, ChatCompletionRequest) else "text_completion"
+    created = int(time.time())
+    resume = ResumeInfo(response_id, config.requests.resume_window_s, resume_static(body, created)) \
+        if resumable and len(prompts) * params.n == 1 else None
     group = cluster.submit(response_id, prompts, params, base_seed, tenant, timeout_s, model=choice.key,
                            session=session, trace_parent=incoming_context(headers),
                            trace_attributes={"gen_ai.operation.name": operation, "gen_ai.request.model": body.model,
-                                             "gen_ai.response.id": response_id})
+                                             "gen_ai.response.id": response_id}, resume=resume)
     choices = [ChoiceState(i, i // params.n) for i in range(len(prompts) * params.n)]
-    return _Generation(response_id, int(time.time()), body.model, prompts, choices, fmt, body.include_usage,
+    return Generation(response_id, created, body.model, prompts, choices, fmt, body.include_usage,
                        served_headers(choice), remember and (lambda c: remember(choice.key, c))), group
+
+
+def resume_static(body, created: int) -> bytes:
+    """The edge's part of a resume context (``proxy.core.resume_context``): what rebuilds the response on another
+    proxy (``proxy.edge.takeover``), the body as the client sent it (its set fields) and the response's time."""
+    endpoint = "chat" if isinstance(body, ChatCompletionRequest) else "completions"
+    return msgspec.msgpack.encode({"endpoint": endpoint, "created": created,
+                                   "body": body.model_dump(mode="json", exclude_unset=True)})
 
 
 def serving_context(services, tenant: Tenant) -> None:
@@ -240,7 +255,7 @@ def serving_context(services, tenant: Tenant) -> None:
             raise
 
 
-async def _collect(gen: _Generation, events: AsyncIterator[Event]) -> tuple[Response, str]:
+async def _collect(gen: Generation, events: AsyncIterator[Event]) -> tuple[Response, str]:
     async for event in events:
         if isinstance(event, FailureEvent):
             return event.error.response(), str(event.error.status)
@@ -252,12 +267,12 @@ async def _collect(gen: _Generation, events: AsyncIterator[Event]) -> tuple[Resp
     return JSONResponse(body, headers=gen.served), "200"
 
 
-async def sse_events(gen: _Generation, group: RequestGroup, first: list[Event], watcher: DisconnectWatcher,
+async def sse_events(gen: Generation, group: RequestGroup, first: list[Event], watcher: DisconnectWatcher,
                      metrics, endpoint: str, client_left: Callable[[], bool], coalesce: bool = False
                      ) -> AsyncIterator[str]:
     """The response's server-sent events, from the group's event batches (``first``, then the rest): to the
     client's connection, or into a resumable stream. ``coalesce``: a batch's events as one piece of text (one
-    write), and once the first is out, plain tokens written as they come (``_Generation.write``, through
+    write), and once the first is out, plain tokens written as they come (``Generation.write``, through
     ``streaming.token_writer``); otherwise one event a piece, as a resumable stream numbers them."""
     status = "200"
     chunks, choices, logprob_text = gen.chunks, gen.choices, gen.fmt.logprob_text
@@ -317,7 +332,7 @@ class EventStreamResponse(Response):
     media_type = "text/event-stream"
     background = None  # FastAPI reads it
 
-    def __init__(self, content: AsyncIterator[str], headers: dict[str, str], generation: _Generation) -> None:
+    def __init__(self, content: AsyncIterator[str], headers: dict[str, str], generation: Generation) -> None:
         self.status_code = 200
         self._content = content
         self._generation = generation

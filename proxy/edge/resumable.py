@@ -22,7 +22,8 @@ drops an event the attached reader has not sent yet: a connected client never
 misses one, and a slow one holds at most its own request's events.
 A reconnect that asks for an event no longer kept gets 404 naming the
 setting, as does an unknown or expired response id (or, with
-``auth_enabled``, another tenant's).
+``auth_enabled``, another tenant's). The reconnection itself, and a stream of a lost proxy taken over from its
+worker, are ``proxy.edge.takeover``'s.
 """
 from __future__ import annotations
 
@@ -31,17 +32,21 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from common.config.roles import ProxyConfig
-from proxy.edge.auth import tenant_from_header
 from proxy.core.errors import ApiError
 from proxy.core.metrics import ProxyMetrics
 
 log = logging.getLogger("tessera.proxy")
 RESUMABLE_HEADER = "x-resumable"
 SSE_HEADERS = {"Cache-Control": "no-cache"}
+
+
+class StreamHandedOver(ConnectionAbortedError):
+    """Raised to a reader of a stream this proxy handed over as it drains: its connection breaks, and the client
+    reconnects (to another proxy)."""
 
 
 class ResumableStream:
@@ -56,6 +61,8 @@ class ResumableStream:
         self.finished = False
         self.expired = False  # the window closed with nobody reading: the request was cancelled
         self.dropped = False  # out of the store: what the producer still sends goes nowhere
+        self.severed = False  # handed over to another proxy as this one drains: the reader's connection is cut
+        self.producer: asyncio.Task | None = None
         self.sent = -1  # the last event the attached reader has handed to its connection
         self.reader = 0  # number of the attached reader; 0: nobody reads
         self._readers = 0  # readers ever attached, to number them
@@ -81,6 +88,19 @@ class ResumableStream:
         while self.events and self.events[0][0] <= limit and (
                 len(self.events) > self._store.max_events or self._store.over_budget):
             self._store.grow(self, -len(self.events.popleft()[1]))
+        self._wakeup.set()
+
+    async def until(self, event_id: int) -> None:
+        """Until event ``event_id`` is in, or the stream ended."""
+        while self.next_id <= event_id and not self.finished and not self.dropped:
+            self._wakeup.clear()
+            await self._wakeup.wait()
+
+    def sever(self) -> None:
+        """Handed over to another proxy: its producer stops, and its reader raises ``StreamHandedOver``."""
+        self.severed = True
+        if self.producer is not None:
+            self.producer.cancel()
         self._wakeup.set()
 
     def finish(self) -> None:
@@ -116,6 +136,8 @@ class ResumableStream:
         next_id = after + 1
         try:
             while reader == self.reader:
+                if self.severed:
+                    raise StreamHandedOver(f"response {self.response_id} was handed over to another proxy")
                 if next_id == self.next_id:  # caught up
                     if self.finished:
                         return
@@ -157,6 +179,7 @@ class StreamStore:
         self.size = 0
         self.streams: dict[str, ResumableStream] = {}
         self._producers: set[asyncio.Task] = set()
+        self.taking: dict[str, asyncio.Future] = {}  # response id -> its takeover under way (proxy.edge.takeover)
         self._metrics = metrics
 
     @property
@@ -169,20 +192,27 @@ class StreamStore:
         """A new stream, fed by ``produce(stream)`` (``data: ...`` events) from a task of its own, and its
         first reader's response."""
         stream, reader = self.open(response_id, tenant, produce, cancel)
-        return _respond(request, stream, reader, -1)
+        return respond(request, stream, reader, -1)
 
     def open(self, response_id: str, tenant: str, produce: Callable[[ResumableStream], AsyncIterator[str]],
              cancel: Callable[[str], None]) -> tuple[ResumableStream, int]:
         """A new stream fed as ``start`` says, and its first reader (an HTTP response, or a WebSocket's request:
         ``proxy.edge.websocket_api``)."""
+        stream = self.feed(response_id, tenant, produce, cancel)
+        return stream, stream.attach(-1)
+
+    def feed(self, response_id: str, tenant: str, produce: Callable[[ResumableStream], AsyncIterator[str]],
+             cancel: Callable[[str], None]) -> ResumableStream:
+        """A new stream fed as ``start`` says, nobody reading it yet (a stream taken over: ``proxy.edge.takeover``
+        attaches its reader once the events it asks for are in)."""
         stream = ResumableStream(response_id, tenant, self, cancel)
         self.streams[response_id] = stream
-        reader = stream.attach(-1)
         task = asyncio.create_task(self._feed(stream, produce(stream)), name=f"produce-{response_id}")
+        stream.producer = task
         self._producers.add(task)
         task.add_done_callback(self._producers.discard)
         self._metrics.resumable_streams.inc()
-        return stream, reader
+        return stream
 
     async def _feed(self, stream: ResumableStream, produce: AsyncIterator[str]) -> None:
         try:
@@ -209,6 +239,16 @@ class StreamStore:
             self.grow(stream, -stream.size)
             stream.events.clear()
             stream.dropped = True
+
+    def sever(self, response_ids: set[str]) -> None:
+        """Streams handed over to another proxy (``Cluster.hand_over_streams``): their producers stop, their readers'
+        connections break, and they leave the store."""
+        for response_id in response_ids:
+            stream = self.streams.get(response_id)
+            if stream is None:
+                continue
+            stream.sever()
+            self.drop(stream)
 
     def evict_finished(self) -> None:
         """Over ``resume_buffer_bytes``: finished streams nobody reads go first, the oldest first."""
@@ -237,39 +277,7 @@ def wants_resume(raw: str) -> bool:
                    param="X-Resumable")
 
 
-def _last_event_id(request: Request) -> int:
-    raw = request.headers.get("last-event-id", request.query_params.get("last_event_id", "-1"))
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -2
-    if value < -1 or value > 1 << 62:
-        raise ApiError(400, f"Last-Event-ID must be an event number of the stream (or -1 for all), got {raw!r}",
-                       code="invalid_value", param="Last-Event-ID")
-    return value
-
-
-router = APIRouter()
-
-
-@router.get("/v1/streams/{response_id}", response_model=None,
-            responses={200: {"description": "server-sent events of the response after Last-Event-ID, then live, "
-                                            "ending in data: [DONE]"}})
-async def resume_stream(response_id: str, request: Request) -> Response:
-    """Reconnect to a resumable stream (header X-Resumable on the request) within resume_window_s."""
-    services = request.app.state.services
-    tenant = None
-    if services.cluster.tenants.auth_enabled:
-        tenant = tenant_from_header(services.cluster.tenants, request.headers.get("authorization")).name
-    stream = services.streams.find(response_id, tenant)
-    after = _last_event_id(request)
-    reader = stream.attach(after)
-    services.metrics.resumed_streams.inc()
-    log.info("response %s resumed after event %d", response_id, after)
-    return _respond(request, stream, reader, after)
-
-
-def _respond(request: Request, stream: ResumableStream, reader: int, after: int) -> StreamingResponse:
+def respond(request: Request, stream: ResumableStream, reader: int, after: int) -> StreamingResponse:
     """Reader ``reader``'s response; a client that leaves detaches it (the stream runs on)."""
     watch = asyncio.create_task(_detach_on_disconnect(request, stream, reader), name="resume-disconnect-watch")
     return StreamingResponse(_reading(stream.read(reader, after), watch), media_type="text/event-stream",

@@ -41,6 +41,7 @@ from proxy.edge.auth import tenant_from_body, tenant_from_header
 from proxy.core.errors import ApiError, from_validation_error
 from proxy.edge.streaming import ChatFormat, CompletionFormat
 from proxy.edge.openai_api import admit, request_timeout, sse_events
+from proxy.edge.takeover import find_or_take
 from proxy.edge.protocol import ChatCompletionRequest, CompletionRequest
 from proxy.core.requests import FailureEvent
 
@@ -167,7 +168,7 @@ class StreamSocket:
         try:
             generation, group = await admit(services, request, format_cls, tenant,
                                              None if timeout is None else request_timeout(str(timeout)),
-                                             self.socket.headers)
+                                             self.socket.headers, resumable)
         except ApiError as error:
             services.metrics.requests.labels(endpoint, str(error.status)).inc()
             raise
@@ -192,7 +193,7 @@ class StreamSocket:
         if not isinstance(response_id, str) or type(after) is not int or after < -1:
             raise ApiError(400, "resume needs response_id (a string) and last_event_id (an event number, or -1)",
                            code="invalid_value", param="last_event_id")
-        stream = self.services.streams.find(response_id, self.tenant.name if self.tenant else None)
+        stream = await find_or_take(self.services, response_id, self.tenant.name if self.tenant else None, after)
         reader = stream.attach(after)
         self.services.metrics.resumed_streams.inc()
         log.info("response %s resumed on a socket after event %d", response_id, after)

@@ -133,6 +133,12 @@ class AdmissionController:
         self._move(item, None, Stage.QUEUED)
         self.prefill_queue.push(item)
 
+    def adopt(self, request_id: str, tenant: Tenant, payload: object) -> None:
+        """A choice taken over from a lost proxy, decoding already (``Cluster.take_over``): counted in its slot."""
+        item = Waiting(tenant.name, tenant.lane, next(self._orders), 0, request_id, payload)
+        self._items[request_id] = item
+        self._move(item, None, Stage.DECODING)
+
     def ready_for_decode(self, request_id: str) -> None:
         """Its prefill is done (or it prefills on the decode worker): PREFILLING -> READY, it wants a decode slot."""
         item = self._items.get(request_id)

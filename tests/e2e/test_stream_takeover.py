@@ -1,0 +1,195 @@
+"""A resumable stream outlives its proxy: another proxy takes it over from the decode worker
+(proxy/edge/takeover.py, common/runtime/proxy_links.py), and the client misses no event and sees none twice.
+
+Two real proxies (HTTP, ZeroMQ, admission) in front of the tests' scripted workers, each registered with both. The
+first proxy's loss is the worker's: ``lose_proxy(0)`` is what its I/O thread does when that proxy's connection
+closes (tests/unit/test_orphaned_streams.py holds that part on real sockets; tests/e2e/test_proxy_death.py kills a
+real proxy process).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import msgspec
+from websockets.sync.client import connect
+
+from common.config.roles import merge
+from common.protocol.sampling_params import SamplingParams
+from common.runtime.prometheus_text import total
+from proxy.core.resume_context import ResumeInfo, decode, encode
+from proxy.tenancy.api_keys import hash_key
+from tests.conditions import settle
+from tests.e2e.proxy_harness import (  # noqa: F401 - fixtures
+    MODEL, PATIENCE_S, SCRIPT_TEXT, assert_openai_error, make_proxy, ready, script, tokenizer,
+)
+from tests.e2e.test_resumable_streams import RESUMABLE, parse, read_some, text_of
+from tests.scripted_worker import FakeWorker
+
+REPEATS = 20
+LONG_TEXT = SCRIPT_TEXT * REPEATS
+TENANTS = [{"name": "a", "api_key_sha256": [hash_key("sk-a")]}, {"name": "b", "api_key_sha256": [hash_key("sk-b")]}]
+
+
+def start(make_proxy, script, workers: list, **options) -> tuple:
+    """Two proxies and a prefill and a decode worker registered with both, answering ``LONG_TEXT`` (a token every
+    20 ms: a stream of 40 tokens or more is still running when its proxy is lost)."""
+    script = script * REPEATS
+    proxies = [make_proxy(**merge({"shared_state": {"proxy_id": f"proxy-{i}"}}, options)) for i in range(2)]
+    address = ",".join(p.endpoint for p in proxies)
+    prefill = FakeWorker(address, "p0", "prefill", script)
+    decode = FakeWorker(address, "d0", "decode", script, token_interval_s=0.02)
+    for worker in (prefill, decode):
+        workers.append(worker.start())
+        settle(lambda w=worker: w._worker is not None and w._worker.registered, bool, PATIENCE_S,
+               f"{worker.worker_id} registers with both proxies")
+    for proxy in proxies:
+        ready(proxy)
+    return proxies, decode
+
+
+def lose_first_proxy(decode: FakeWorker) -> None:
+    decode.lose_proxy(0)
+    settle(lambda: decode._worker.owners.orphans, bool, PATIENCE_S, "the worker keeps the lost proxy's stream")
+
+
+def bodies(events: list) -> list:
+    """The events' data less what differs between two responses (their id and time)."""
+    out = []
+    for _, data in events:
+        body = json.loads(data) if data != "[DONE]" else data
+        if isinstance(body, dict):
+            body.pop("id"), body.pop("created")
+        out.append(body)
+    return out
+
+
+def test_a_lost_proxys_stream_goes_on_through_another_with_no_event_repeated_or_missing(make_proxy, script):
+    workers = []
+    try:
+        (a, b), decode = start(make_proxy, script, workers)
+        for path, request in [("/v1/completions", {"prompt": "Hi"}),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                        "logprobs": True, "top_logprobs": 2,
+                                                        "stream_options": {"include_usage": True}})]:
+            body = {"model": MODEL, "max_tokens": 40, "stream": True, **request}
+            whole = parse(a.http.post(path, json=body, headers=RESUMABLE).text)  # no fault: the reference
+            with a.http.stream("POST", path, json=body, headers=RESUMABLE) as response:
+                response_id = response.headers["x-response-id"]
+                first = read_some(response.iter_lines(), 6)
+            lose_first_proxy(decode)
+            resumed = b.http.get(f"/v1/streams/{response_id}", headers={"Last-Event-ID": str(first[-1][0])})
+            assert resumed.status_code == 200, resumed.text
+            rest = parse(resumed.text)
+            assert [n for n, _ in first + rest] == list(range(len(whole))), "no event repeated or missing"
+            assert bodies(first + rest) == bodies(whole)
+            assert all(json.loads(data)["id"] == response_id for _, data in rest[:-1])
+            assert text_of(first + rest) == text_of(whole)
+        assert total(b.http.get("/metrics").text, "tessera_proxy_streams_taken_over_total") == 2
+        settle(lambda: dict(b.services.cluster.inflight), lambda inflight: not inflight, PATIENCE_S,
+               "the taken-over requests end on the proxy that took them")
+        assert decode.decoding() == 0
+    finally:
+        for worker in workers:
+            worker.stop(goodbye=False)
+
+
+def test_unknown_streams_and_another_tenants_are_not_found(make_proxy, script):
+    workers = []
+    try:
+        (a, b), decode = start(make_proxy, script, workers,
+                               tenancy={"auth_enabled": True, "tenants": TENANTS})
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2000, "stream": True}
+        with a.http.stream("POST", "/v1/completions", json=body,
+                           headers={**RESUMABLE, "Authorization": "Bearer sk-a"}) as response:
+            response_id = response.headers["x-response-id"]
+            read_some(response.iter_lines(), 2)
+        lose_first_proxy(decode)
+        assert_openai_error(b.http.get("/v1/streams/cmpl-unknown", headers={"Authorization": "Bearer sk-a"}), 404,
+                            "resume_window_s")
+        assert_openai_error(b.http.get(f"/v1/streams/{response_id}", headers={"Authorization": "Bearer sk-b"}), 404,
+                            "resume_window_s")
+        assert decode._worker.owners.orphans == 1, "another tenant's ask leaves the stream where it is"
+        with b.http.stream("GET", f"/v1/streams/{response_id}", headers={"Authorization": "Bearer sk-a"}) as taken:
+            assert taken.status_code == 200
+            read_some(taken.iter_lines(), 4)
+    finally:
+        for worker in workers:
+            worker.stop(goodbye=False)
+
+
+def test_a_stream_whose_window_closed_is_not_found_and_its_request_ended(make_proxy, script):
+    workers = []
+    try:
+        (a, b), decode = start(make_proxy, script, workers, requests={"resume_window_s": 0.3})
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2000, "stream": True}
+        with a.http.stream("POST", "/v1/completions", json=body, headers=RESUMABLE) as response:
+            response_id = response.headers["x-response-id"]
+            read_some(response.iter_lines(), 2)
+        lose_first_proxy(decode)
+        settle(lambda: decode._worker.owners.orphans, lambda n: n == 0, PATIENCE_S,
+               "the window (its proxy's requests.resume_window_s) closes with nobody taking the stream over")
+        settle(decode.decoding, lambda n: n == 0, PATIENCE_S, "the worker ends the request and frees its pages")
+        assert_openai_error(b.http.get(f"/v1/streams/{response_id}"), 404, "resume_window_s")
+    finally:
+        for worker in workers:
+            worker.stop(goodbye=False)
+
+
+def test_two_clients_racing_to_resume_one_stream_take_it_over_once(make_proxy, script):
+    workers = []
+    try:
+        (a, b), decode = start(make_proxy, script, workers)
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 40, "stream": True}
+        with a.http.stream("POST", "/v1/completions", json=body, headers=RESUMABLE) as response:
+            response_id = response.headers["x-response-id"]
+            first = read_some(response.iter_lines(), 3)
+        lose_first_proxy(decode)
+
+        async def race() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=b.url, timeout=30) as client:
+                return await asyncio.gather(*(client.get(f"/v1/streams/{response_id}",
+                                                         headers={"Last-Event-ID": str(first[-1][0])})
+                                              for _ in range(2)))
+        answers = asyncio.run(race())
+        assert [r.status_code for r in answers] == [200, 200]
+        assert total(b.http.get("/metrics").text, "tessera_proxy_streams_taken_over_total") == 1
+        done = [parse(r.text) for r in answers if r.text.endswith("data: [DONE]\n\n")]
+        assert len(done) == 1, "the later reader took the stream from the earlier one, which ended"
+        assert text_of(first + done[0]) == LONG_TEXT[:len(text_of(first + done[0]))]
+        assert [n for n, _ in first + done[0]] == list(range(len(first) + len(done[0])))
+    finally:
+        for worker in workers:
+            worker.stop(goodbye=False)
+
+
+def test_a_resume_context_is_what_the_proxy_reads_back():
+    info = ResumeInfo("cmpl-1", 30.0, msgspec.msgpack.encode({"endpoint": "completions"}), [["a", [1], None, None,
+                                                                                             None, None, 0]])
+    context = decode(encode(info, "t", SamplingParams(max_tokens=3), 7, [1, 2], ("m", "v")))
+    assert (context.tenant, context.seed, context.prompt, context.model, context.events) == (
+        "t", 7, [1, 2], ("m", "v"), info.events)
+
+
+def test_a_websocket_resume_takes_a_lost_proxys_stream_over(make_proxy, script):
+    workers = []
+    try:
+        (a, b), decode = start(make_proxy, script, workers)
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 40}
+        with connect(a.url.replace("http://", "ws://") + "/v1/stream") as socket:
+            socket.send(json.dumps({"type": "completions", "id": "r", "body": body, "resumable": True}))
+            seen = [json.loads(socket.recv(timeout=30)) for _ in range(3)]
+        lose_first_proxy(decode)
+        with connect(b.url.replace("http://", "ws://") + "/v1/stream") as socket:
+            socket.send(json.dumps({"type": "resume", "id": "again", "response_id": seen[0]["data"]["id"],
+                                    "last_event_id": seen[-1]["event"]}))
+            rest = []
+            while not rest or not rest[-1].get("done"):
+                rest.append(json.loads(socket.recv(timeout=30)))
+        assert [f["event"] for f in seen + rest[:-1]] == list(range(len(seen) + len(rest) - 1))
+        text = "".join(c["text"] for f in seen + rest[:-1] for c in f["data"]["choices"])
+        assert text == LONG_TEXT[:len(text)] and len(text) > len(SCRIPT_TEXT)
+    finally:
+        for worker in workers:
+            worker.stop(goodbye=False)
