@@ -23,12 +23,12 @@ from msgspec import inspect
 MESSAGE_SINCE: dict[str, int] = {"EmbedRequest": 11, "EmbedResult": 11, "LoadModel": 12, "Standby": 12,
                                  "FetchTokenizer": 15, "TokenizerFiles": 15, "KVEvents": 19,
                                  "KVSnapshotRequest": 19, "KVSnapshot": 19,
-                                 "SwitchRole": 20, "FindStream": 21, "StreamFound": 21,
-                                 "LeaveStream": 21}
+                                 "SwitchRole": 20, "FindStream": 20, "StreamFound": 20,
+                                 "LeaveStream": 20}
 # The version that added each field (struct name -> field -> version), where it is newer than that.
 FIELD_SINCE: dict[str, dict[str, int]] = {"PrefillRequest": {"keep_s": 11},
-                                          "DecodeRequest": {"keep_s": 11, "source_epoch": 18, "resume_key": 21,
-                                                            "resume_window_s": 21, "resume_context": 21},
+                                          "DecodeRequest": {"keep_s": 11, "source_epoch": 18, "resume_key": 20,
+                                                            "resume_window_s": 20, "resume_context": 20},
                                           "SamplingParams": {"structured": 13},
                                           "TokenDeltas": {"step_rows": 14, "step": 14},
                                           "RequestFailed": {"code": 16}, "KVPulled": {"backend": 18},
