@@ -5,6 +5,9 @@ Each role runs as its own process, exactly as on separate hosts, started with
 overrides. Workers are stopped before the proxy, so that they can hand back
 their requests to a live proxy. ``Supervisor`` restarts the processes that
 exit on their own, with backoff (``tessera up`` and the fault-injection tests).
+With ``proxy_processes`` > 1 the proxy is ``tessera proxy --processes N`` on the
+one port (its own supervisor restarts a process that dies; ``proxy_children``
+names them), sharing ``redis_url`` (``common.cli.local_redis``).
 """
 from __future__ import annotations
 
