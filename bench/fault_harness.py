@@ -4,7 +4,8 @@ the proxy's recovery lines, and the cluster's state (whole, KV pages in use, mem
 A stream is one streamed /v1/completions request with ``ignore_eos``, ``logprobs=0`` (every token has
 its own entry, so each token's arrival is known even when its text is held back) and the usage chunk.
 It is *lost* when the client did not walk away from it and it did not end with ``[DONE]`` after exactly
-``max_tokens`` tokens (counted by the client and by ``usage``), or got an error status or event.
+``max_tokens`` tokens (counted by the client and by ``usage``), or got an error status or event. A resumable one
+(``bench.resumable_client``) is also lost when an event id repeats or is skipped, or its client could not resume it.
 """
 from __future__ import annotations
 
@@ -44,9 +45,14 @@ class Stream:
     usage_tokens: int | None = None
     done: bool = False  # [DONE] came
     aborted: bool = False  # the client walked away as planned
-    failure: str | None = None  # http_<status>, stream_error, connection, timeout
+    failure: str | None = None  # http_<status>, stream_error, connection, timeout; resumable: event_ids, resume_*
     error: str = ""
     ended_at: float | None = None
+    text: str = ""
+    disconnect_after: int | None = None  # resumable: the client drops its connection after this many tokens, resumes
+    last_event_id: int = -1  # resumable: the last event id read
+    # resumable: each time its connection broke, {"at", "by_client", "tries", "resumed_at" (None: never)}
+    reconnects: list[dict] = field(default_factory=list)
 
     @property
     def request_id(self) -> str | None:
@@ -97,24 +103,32 @@ async def run_stream(client: httpx.AsyncClient, url: str, request: dict, stream:
 
 async def _read(response: httpx.Response, stream: Stream) -> None:
     async for line in response.aiter_lines():
-        if not line.startswith("data: "):
-            continue
-        if line == "data: [DONE]":
-            stream.done = True
+        if line.startswith("data: ") and take_data(stream, line[len("data: "):]):
             return
-        now = time.time()
-        chunk = json.loads(line[len("data: "):])
-        if "error" in chunk:
-            stream.failure, stream.error = "stream_error", json.dumps(chunk["error"])[:300]
-            return
-        stream.response_id = stream.response_id or chunk.get("id")
-        for choice in chunk.get("choices") or []:
-            stream.token_times += [now] * len((choice.get("logprobs") or {}).get("tokens") or [])
-        if chunk.get("usage"):
-            stream.usage_tokens = chunk["usage"]["completion_tokens"]
-        if stream.abort_after is not None and len(stream.token_times) >= stream.abort_after:
-            stream.aborted = True  # leaving the block closes the connection: the proxy cancels it
-            return
+
+
+def take_data(stream: Stream, data: str) -> bool:
+    """Record one event's data into ``stream``; whether the client stops reading: [DONE], an error event, or the
+    client walking away (leaving the response closes the connection: the proxy cancels the request, or with a
+    resumable one, keeps it for its window)."""
+    if data == "[DONE]":
+        stream.done = True
+        return True
+    now = time.time()
+    chunk = json.loads(data)
+    if "error" in chunk:
+        stream.failure, stream.error = "stream_error", json.dumps(chunk["error"])[:300]
+        return True
+    stream.response_id = stream.response_id or chunk.get("id")
+    for choice in chunk.get("choices") or []:
+        stream.token_times += [now] * len((choice.get("logprobs") or {}).get("tokens") or [])
+        stream.text += choice.get("text") or ""
+    if chunk.get("usage"):
+        stream.usage_tokens = chunk["usage"]["completion_tokens"]
+    if stream.abort_after is not None and len(stream.token_times) >= stream.abort_after:
+        stream.aborted = True
+        return True
+    return False
 
 
 def recovery_lines(log_path: Path) -> list[dict]:
@@ -159,12 +173,14 @@ def to_json(streams: list[Stream]) -> list[dict]:
 
 # -- the cluster and its state ----------------------------------------------------------------------
 
-def start_cluster(log_dir: Path, args) -> LocalCluster:
+def start_cluster(log_dir: Path, args, proxy_processes: int = 1, redis_url: str = "") -> LocalCluster:
     """Proxy, one prefill and two decode workers on the embedded model, each its own process, with the tests'
     settings (small KV pool, heartbeats every 0.2 s) or, with ``--shipped``, the shipped defaults; ``--threads``
-    per worker, 0 for every core, time-shared."""
+    per worker, 0 for every core, time-shared. ``proxy_processes`` > 1: ``tessera proxy --processes N`` behind the
+    one port, sharing ``redis_url``."""
     make = LocalCluster if args.shipped else LocalCluster.for_tests
-    return make(resolve_model("embedded", "float32"), log_dir, prefill=1, decode=2, threads=args.threads).start()
+    return make(resolve_model("embedded", "float32"), log_dir, prefill=1, decode=2, threads=args.threads,
+                proxy_processes=proxy_processes, redis_url=redis_url).start()
 
 
 def add_cluster_options(parser) -> None:
@@ -196,7 +212,9 @@ async def metric(client: httpx.AsyncClient, base: str, name: str) -> dict[str, f
 
 
 async def workers_alive(client: httpx.AsyncClient, cluster: LocalCluster) -> int:
-    return int(sum((await metric(client, cluster.url, "tessera_proxy_workers_alive")).values()))
+    """The workers the proxy counts alive (with several processes, the fewest any one of them counts)."""
+    return min([int(sum((await metric(client, url, "tessera_proxy_workers_alive")).values()))
+                for url in cluster.proxy_urls])
 
 
 async def until_whole(client: httpx.AsyncClient, cluster: LocalCluster, supervisor: Supervisor,
@@ -215,9 +233,13 @@ async def until_whole(client: httpx.AsyncClient, cluster: LocalCluster, supervis
 
 
 async def pages_in_use(client: httpx.AsyncClient, cluster: LocalCluster) -> dict[str, float]:
-    """KV pages in use: the proxy's view of each worker (from heartbeats), and each worker's own count."""
-    used = {f"proxy{key}": value for key, value in
-            (await metric(client, cluster.url, "tessera_proxy_kv_pages_used")).items()}
+    """KV pages in use: the proxy's view of each worker (from heartbeats; each process's, with several), and each
+    worker's own count."""
+    used = {}
+    for i, url in enumerate(cluster.proxy_urls):
+        name = "proxy" if cluster.proxy_processes == 1 else f"proxy-{i}"
+        used |= {f"{name}{key}": value for key, value in
+                 (await metric(client, url, "tessera_proxy_kv_pages_used")).items()}
     for name in cluster.procs:
         if name != "proxy":
             values = await metric(client, cluster.worker_url(name), "tessera_worker_kv_pages_used")

@@ -5,6 +5,9 @@ Each role runs as its own process, exactly as on separate hosts, started with
 overrides. Workers are stopped before the proxy, so that they can hand back
 their requests to a live proxy. ``Supervisor`` restarts the processes that
 exit on their own, with backoff (``tessera up`` and the fault-injection tests).
+With ``proxy_processes`` > 1 the proxy is ``tessera proxy --processes N`` on the
+one port (its own supervisor restarts a process that dies; ``proxy_children``
+names them), sharing ``redis_url`` (``common.cli.local_redis``).
 """
 from __future__ import annotations
 
@@ -40,11 +43,12 @@ TEST_PROXY_OVERRIDES = ("heartbeat_timeout_s=3", "served_model_name=SmolLM2-135M
 TEST_WORKER_OVERRIDES = ("engine.kv_cache_memory_bytes=268435456", "heartbeat_interval_s=0.2", "engine.calibration_s=0")
 
 
-def free_port() -> int:
-    """A port free now, below the kernel's ephemeral range, so that no socket another process binds to port 0 (a
-    client's, gloo's or UCX's) takes it before the role that was given it binds it. ``TESSERA_FREE_PORTS=LOW-HIGH``
-    narrows the range: clusters started side by side (the test lanes, tests/conftest.py) each pick from their own, so
-    that one never takes a port another picked but has not bound yet."""
+def free_port(span: int = 1) -> int:
+    """A port free now (with the ``span - 1`` after it), below the kernel's ephemeral range, so that no socket another
+    process binds to port 0 (a client's, gloo's or UCX's) takes it before the role that was given it binds it.
+    ``TESSERA_FREE_PORTS=LOW-HIGH`` narrows the range: clusters started side by side (the test lanes,
+    tests/conftest.py) each pick from their own, so that one never takes a port another picked but has not bound
+    yet."""
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
@@ -55,16 +59,30 @@ def free_port() -> int:
         start, _, end_text = band.partition("-")
         start, end = int(start), int(end_text)
     for _ in range(200):
-        port = random.randrange(start, end)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
+        port = random.randrange(start, max(start + 1, end - span + 1))
+        if _bindable(range(port, port + span)):
             return port
-    with socket.socket() as s:  # a crowded range: any free port
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for _ in range(200):  # a crowded range: any free port(s)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if _bindable(range(port, port + span)):
+            return port
+    raise RuntimeError(f"found no {span} free port(s) in a row")
+
+
+def _bindable(ports: range) -> bool:
+    sockets = []
+    try:
+        for port in ports:
+            sockets.append(socket.socket())
+            sockets[-1].bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        for s in sockets:
+            s.close()
 
 
 @dataclass
@@ -82,12 +100,20 @@ class LocalCluster:
     worker_overrides: list[str] = field(default_factory=list)
     role_overrides: list[str] = field(default_factory=list)  # [ROLE:]KEY=VALUE, ROLE a role or a process name
     port: int = field(default_factory=free_port)
-    worker_port: int = field(default_factory=free_port)
+    worker_port: int = 0  # the proxy's worker socket (process i of proxy_processes: + i); 0: free ones
+    proxy_processes: int = 1  # tessera proxy --processes N behind ``port`` (proxy.supervisor)
+    redis_url: str = ""  # with proxy_processes > 1: the shared_state.redis_url they share (common.cli.local_redis)
+    process_port: int = 0  # with proxy_processes > 1: process i's own port is this + i; 0: free ones
     own_session: bool = False  # start the processes in their own session (a terminal's Ctrl-C skips them)
     entry_module: str = "common.cli.main"  # what ``python -m`` runs for each role (tests wrap it)
     cwd: Path | None = None  # the processes' working directory (``python -m`` imports from there first)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     metrics_ports: dict[str, int] = field(default_factory=dict)  # worker name -> its /metrics port
+
+    def __post_init__(self) -> None:
+        self.worker_port = self.worker_port or free_port(self.proxy_processes)
+        if self.proxy_processes > 1:
+            self.process_port = self.process_port or free_port(self.proxy_processes)
 
     @classmethod
     def for_tests(cls, model_dir: Path | str, log_dir: Path | None = None, **options) -> "LocalCluster":
@@ -100,6 +126,34 @@ class LocalCluster:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def proxy_urls(self) -> list[str]:
+        """Each proxy process's own address (with one process, ``url``): its /metrics are that process's."""
+        if self.proxy_processes == 1:
+            return [self.url]
+        return [f"http://127.0.0.1:{self.process_port + i}" for i in range(self.proxy_processes)]
+
+    def proxy_children(self) -> dict[str, int]:
+        """With ``proxy_processes`` > 1, ``proxy-I`` -> pid of each process the proxy's supervisor runs now (process
+        I binds worker_port + I); with one, ``proxy`` -> its pid."""
+        proxy = self.procs["proxy"]
+        if self.proxy_processes == 1:
+            return {"proxy": proxy.pid} if proxy.poll() is None else {}
+        try:
+            pids = Path(f"/proc/{proxy.pid}/task/{proxy.pid}/children").read_text().split()
+        except OSError:
+            return {}
+        children = {}
+        for pid in map(int, pids):
+            try:
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            except OSError:
+                continue  # gone since
+            binds = [a for a in args if a.startswith("worker_bind=")]
+            if binds:  # the last one is the supervisor's, after the command's own
+                children[f"proxy-{int(binds[-1].rpartition(':')[2]) - self.worker_port}"] = pid
+        return children
 
     @property
     def core_share_file(self) -> Path:
@@ -127,6 +181,10 @@ class LocalCluster:
         """Start the proxy on this cluster's ports; once more after it died, it starts knowing no worker."""
         args = ["proxy", "--set", f"port={self.port}", "--set", f"worker_bind=tcp://127.0.0.1:{self.worker_port}",
                 "--set", f"model={self.model_dir}"]
+        if self.proxy_processes > 1:
+            args += ["--processes", str(self.proxy_processes), "--set", f"http.process_port={self.process_port}"]
+            if self.redis_url:
+                args += ["--set", f"shared_state.redis_url={self.redis_url}"]
         if self.dtype:
             args += ["--set", f"dtype={self.dtype}"]
         self._spawn("proxy", args + self._overrides("proxy", self.proxy_overrides))
@@ -138,7 +196,8 @@ class LocalCluster:
         shared = not self.threads and self.share_cores and self.num_workers > 1
         threads = self.threads or (cores if shared else max(1, cores // max(1, self.num_workers)))
         args = [role, "--set", f"worker_id={name}", "--set", f"observability.metrics_port={self.metrics_ports[name]}",
-                "--set", f"proxy_address=tcp://127.0.0.1:{self.worker_port}",
+                "--set", "proxy_address=" + ",".join(f"tcp://127.0.0.1:{self.worker_port + i}"
+                                                     for i in range(self.proxy_processes)),
                 "--set", f"engine.model={self.model_dir}", "--set", f"engine.num_threads={threads}",
                 "--set", f"transfer_backend={self.transfer_backend}"]
         if shared:  # common/runtime/core_share.py: one lock file per cluster
@@ -203,15 +262,17 @@ class LocalCluster:
         return {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S, stopping=lambda: False) -> None:
-        """Until /readyz answers 200 and the proxy counts every worker; raises when a process exits first."""
+        """Until /readyz answers 200 and the proxy (each process of it) counts every worker; raises when a process
+        exits first."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not stopping():
             if dead := self.dead():
                 where = f"; logs in {self.log_dir}" if self.log_dir else ""
                 raise RuntimeError(f"cluster processes exited: {dead}{where}")
             try:
-                alive = sum(self.metric("tessera_proxy_workers_alive").values())
-                if self.get("/readyz")[0] == 200 and alive >= self.num_workers:
+                if all(self.get("/readyz", base)[0] == 200 and sum(
+                        self.metric("tessera_proxy_workers_alive", base).values()) >= self.num_workers
+                       for base in self.proxy_urls):
                     return
             except OSError:
                 pass
