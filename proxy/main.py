@@ -93,4 +93,6 @@ def run(config: ProxyConfig, config_path: str | None = None, overrides: dict | N
         if config.http.process_port:
             sockets.append(listening_socket(config.host, config.http.process_port, reuse_port=False))
     services = app.state.services
+    if reuse_port:  # one of several processes on the port: a restarted one's first requests wait for its workers
+        services.cluster.join_grace_s = config.heartbeat_timeout_s
     DrainingServer(server_config, services.cluster, drain_timeout_s, services.streams).run(sockets=sockets)

@@ -323,7 +323,8 @@ class ProxyConfig:
                                     "name (its manifest's, else its directory's). Any served model is also asked "
                                     "for by its own name, N, or one version of it, N@V")
     heartbeat_timeout_s: Float = option(
-        5.0, "a worker silent this long is dead; also the longest a send to a worker may wait", gt=0)
+        5.0, "a worker silent this long is dead; also the longest a send to a worker may wait, and (tessera proxy "
+        "--processes N) how long a restarted process's first requests wait for its workers to register", gt=0)
     local_prefill_threshold: Int = option(
         -1, "a prompt whose uncached suffix on the chosen decode worker (the tokens its prefix cache lacks, by the "
         "KV event index) is shorter than this many tokens prefills there instead of on a prefill worker; 0: "

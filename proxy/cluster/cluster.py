@@ -102,6 +102,9 @@ class Cluster:
         self.kv_events = KVEventSubscriber(policy.index, metrics.registry, self.send, clock,  # started by the app
                                            curve.keys if curve is not None else None)
         self.draining = False
+        self.join_grace_s = 0.0  # how long a just-started proxy's first requests wait for a worker (``joined``)
+        self._started = time.monotonic()
+        self._joined = False
         self._clock = clock
         self._outbox: Outbox | None = None
         self._handlers = {
@@ -113,6 +116,19 @@ class Cluster:
         }
         self._searches: dict[str, _Search] = {}  # response id -> a takeover asked of the workers (``find_stream``)
         self._update_worker_gauges()
+
+    async def joined(self) -> None:
+        """Until a decode-capable worker is registered, for at most ``join_grace_s`` from this proxy's start. One of
+        several proxy processes on one port (``tessera proxy --processes N``), restarted by its supervisor, is given
+        connections the moment it listens, before the workers have found it again (each registers at its next
+        heartbeat, answered with Reregister): its first requests wait for them instead of failing 503 while the
+        other processes serve."""
+        while not self._joined:
+            left = self._started + self.join_grace_s - time.monotonic()
+            if left <= 0 or any(w.decode_capable and not w.draining for w in self.registry.workers.values()):
+                self._joined = True
+            else:
+                await asyncio.sleep(min(0.05, left))
 
     def attach(self, outbox: Outbox) -> None:
         self._outbox = outbox

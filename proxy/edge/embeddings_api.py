@@ -57,6 +57,7 @@ async def embed(services, body: EmbeddingRequest, tenant, headers) -> tuple[dict
     """The response body of a parsed request and its headers; ``tenant``: the API key's, None without auth."""
     tenant = tenant or tenant_from_body(services.cluster.tenants, body.user)
     services.models.check(body.model)
+    await services.cluster.joined()
     serving_context(services, tenant)
     choice = services.models.choose(body.model, session_of(services, headers, body.user))
     max_model_len = choice.max_model_len

@@ -188,6 +188,7 @@ async def admit(services, body, format_cls, tenant: Tenant, timeout_s: float | N
     one choice (not a response of several) carries what another proxy needs to take it over (``resume_static``)."""
     config, cluster = services.config, services.cluster
     services.models.check(body.model)
+    await cluster.joined()
     params = body.sampling_params(config.requests.max_tokens_default)
     if params.max_tokens > config.requests.max_tokens_limit:
         raise ApiError(400, f"max_tokens is {params.max_tokens}; this server generates at most "

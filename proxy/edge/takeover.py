@@ -87,6 +87,7 @@ async def find_or_take(services, response_id: str, tenant: str | None, after: in
 
 
 async def _take_over(services, response_id: str, tenant: str | None, after: int) -> None:
+    await services.cluster.joined()  # a proxy just restarted asks its workers once they found it again
     found = await services.cluster.find_stream(response_id, tenant)
     if found is None:
         return
