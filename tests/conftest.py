@@ -29,6 +29,7 @@ BESIDE_E2E = {
     "test_config_reload.py", "test_conversation_store.py", "test_metering_file.py",
     "test_proxy_api.py", "test_proxy_failures.py", "test_proxy_limits.py",
     "test_proxy_migration.py", "test_proxy_tls.py", "test_recovery_phases.py", "test_request_logs.py",
+    "test_stream_takeover.py",
     "test_sim_worker.py", "test_status_command.py", "test_tenants.py",
     # mostly scripted or tiny-model workers, and a few short requests through a real cluster
     "test_curve_security.py", "test_frame_fuzz.py", "test_hot_cold_models.py", "test_kv_transfer_processes.py",

@@ -16,12 +16,11 @@ import json
 import os
 import signal
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 import pytest
 
-from common.cli.local_cluster import LocalCluster, free_port
+from common.cli.local_cluster import LocalCluster
 from common.runtime.prometheus_text import total
 from tests.conditions import settle
 from tests.e2e.proxy_harness import PATIENCE_S
@@ -33,33 +32,12 @@ TOKENS = int(os.environ.get("TOKENS", "48"))
 RECONNECT_S = 0.2  # the test client's pause before it tries again after a 503 or a refused connection
 
 
-@dataclass
-class TwoProxyProcesses(LocalCluster):
-    """A LocalCluster whose proxy is ``tessera proxy --processes 2`` (workers list both worker sockets)."""
-    redis_url: str = ""
-    process_port: int = 0
-
-    def start_proxy(self) -> None:
-        args = ["proxy", "--processes", "2", "--set", f"port={self.port}",
-                "--set", f"worker_bind=tcp://127.0.0.1:{self.worker_port}", "--set", f"model={self.model_dir}",
-                "--set", f"shared_state.redis_url={self.redis_url}", "--set", f"http.process_port={self.process_port}"]
-        self._spawn("proxy", args + self._overrides("proxy", self.proxy_overrides))
-
-    def proxy_processes(self) -> list[int]:
-        """The supervisor's children, process 0 first."""
-        pid = self.procs["proxy"].pid
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        return sorted(int(c) for c in children)
-
-
 @pytest.fixture
 def cluster(embedded_model_dir, redis_server, tmp_path):  # noqa: F811
-    worker_port = free_port()
-    addresses = f"tcp://127.0.0.1:{worker_port},tcp://127.0.0.1:{worker_port + 1}"
-    c = TwoProxyProcesses.for_tests(embedded_model_dir, tmp_path, dtype="float32", transfer_backend="zmq",
-                                    worker_port=worker_port, redis_url=redis_server.url, process_port=free_port(),
-                                    worker_overrides=[f"proxy_address={addresses}"],
-                                    proxy_overrides=["slo.tpot_slo_scope=never"]).start()
+    """``tessera proxy --processes 2`` sharing the Redis server (LocalCluster's ``proxy_processes``)."""
+    c = LocalCluster.for_tests(embedded_model_dir, tmp_path, dtype="float32", transfer_backend="zmq",
+                               proxy_processes=2, redis_url=redis_server.url,
+                               proxy_overrides=["slo.tpot_slo_scope=never"]).start()
     yield c
     c.stop()
 
@@ -111,15 +89,15 @@ async def run_stream(client: httpx.AsyncClient, url: str, shared: str, index: in
             request = client.stream("GET", f"{shared}/v1/streams/{response_id}", headers={"Last-Event-ID": str(last)})
 
 
-async def run_all(cluster: TwoProxyProcesses, kill: signal.Signals | None) -> list[Stream]:
+async def run_all(cluster: LocalCluster, kill: signal.Signals | None) -> list[Stream]:
     started, streams_started = asyncio.Event(), []
-    own = f"http://127.0.0.1:{cluster.process_port}"  # process 0's own port
+    own = cluster.proxy_urls[0]  # process 0's own port
     async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10)) as client:
         tasks = [asyncio.create_task(run_stream(client, own if i % 2 == 0 else cluster.url, cluster.url, i, started,
                                                 streams_started)) for i in range(STREAMS)]
         if kill is not None:
             await started.wait()
-            os.kill(cluster.proxy_processes()[0], kill)
+            os.kill(cluster.proxy_children()["proxy-0"], kill)
         return await asyncio.gather(*tasks)
 
 
