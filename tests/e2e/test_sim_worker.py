@@ -13,6 +13,7 @@ import pytest
 from bench.sim.profile import StepProfile
 from bench.sim.worker import SimHost, SimSpec, token_texts
 from common.protocol.wire import SwitchRole
+from common.runtime.prometheus_text import total
 from tests.conditions import settle
 from tests.e2e.proxy_harness import (  # noqa: F401 -- fixture
     MODEL, PATIENCE_S, STARTUP_S, RunningProxy, proxy_config, ready, tokenizer,
@@ -81,6 +82,10 @@ def test_requests_through_simulated_workers_get_their_tokens_and_free_every_page
     long_prompt = "Tell me about the history of the harbour and its ships. " * 20
     text, usage = chat(proxy, long_prompt, 24)
     assert usage["completion_tokens"] == 24 and text
+    # the prefill worker's KV events (the blocks it stored) reach the proxy's index before the next prompt is routed
+    blocks = usage["prompt_tokens"] // 16
+    settle(lambda: total(proxy.http.get("/metrics").text, "tessera_proxy_kv_index_blocks"), lambda held: held >= blocks,
+           PATIENCE_S, "the proxy's prefix index holds the prompt's blocks")
     _, again = chat(proxy, long_prompt, 8)  # routed by prefix to the prefill worker that has it cached
     assert again["prompt_tokens_details"]["cached_tokens"] >= 16 * (usage["prompt_tokens"] // 16) - 16
     results = []
