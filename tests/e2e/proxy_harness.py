@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 
 import httpx
+import msgspec
 import openai
 import pytest
 
@@ -174,6 +175,23 @@ def ready(proxy) -> None:
     """Until the proxy answers /readyz with 200: its workers' registrations are in."""
     settle(lambda: proxy.http.get("/readyz").status_code, lambda status: status == 200, PATIENCE_S,
            "/readyz answers 200 once the workers registered")
+
+
+def workers_of_every_proxy(proxies: list, script, workers: list, decode_slots: int = 0) -> FakeWorker:
+    """A prefill and a decode worker (a token every 20 ms; ``decode_slots``: its max_num_seqs, 0: the default)
+    registered with every one of ``proxies``, each ready; both appended to ``workers``; the decode worker."""
+    address = ",".join(p.endpoint for p in proxies)
+    prefill = FakeWorker(address, "p0", "prefill", script)
+    decode = FakeWorker(address, "d0", "decode", script, token_interval_s=0.02)
+    if decode_slots:
+        decode.register_msg = msgspec.structs.replace(decode.register_msg, max_num_seqs=decode_slots)
+    for worker in (prefill, decode):
+        workers.append(worker.start())
+        settle(lambda w=worker: w._worker is not None and w._worker.registered, bool, PATIENCE_S,
+               f"{worker.worker_id} registers with every proxy")
+    for proxy in proxies:
+        ready(proxy)
+    return decode
 
 
 @pytest.fixture

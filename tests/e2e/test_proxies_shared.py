@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-import msgspec
-
 from common.cli.local_cluster import free_port
 from common.config.roles import merge
 from common.runtime.prometheus_text import total
@@ -33,16 +31,8 @@ def start_cluster(make_proxy, script, workers: list, count: int, redis_url: str 
     proxies = [make_proxy(**merge({"tenancy": {"auth_enabled": True, "tenants": TENANTS, "prefill_ahead_per_tenant": 2},
                                    "shared_state": {"proxy_id": f"{name}-{i}", **shared}}, options))
                for i in range(count)]
-    address = ",".join(p.endpoint for p in proxies)
-    prefill = FakeWorker(address, "p0", "prefill", script)
-    decode = FakeWorker(address, "d0", "decode", script, token_interval_s=0.02)
-    decode.register_msg = msgspec.structs.replace(decode.register_msg, max_num_seqs=SLOTS)
-    for worker in (prefill, decode):
-        workers.append(worker.start())
-        settle(lambda w=worker: w._worker is not None and w._worker.registered, bool, PATIENCE_S,
-               f"{worker.worker_id} registers with every proxy")
+    workers_of_every_proxy(proxies, script, workers, decode_slots=SLOTS)
     for proxy in proxies:
-        ready(proxy)
         if redis_url:
             settle(lambda p=proxy: metric(p, "tessera_proxy_shared_state_proxies"), lambda seen: seen == count,
                    PATIENCE_S, f"{proxy.url} counts {count} proxies in the split (shared_state_interval_s)")

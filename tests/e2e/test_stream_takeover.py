@@ -22,7 +22,7 @@ from proxy.core.resume_context import ResumeInfo, decode, encode
 from proxy.tenancy.api_keys import hash_key
 from tests.conditions import settle
 from tests.e2e.proxy_harness import (  # noqa: F401 - fixtures
-    MODEL, PATIENCE_S, SCRIPT_TEXT, assert_openai_error, make_proxy, ready, script, tokenizer,
+    MODEL, PATIENCE_S, SCRIPT_TEXT, assert_openai_error, make_proxy, script, tokenizer, workers_of_every_proxy,
 )
 from tests.e2e.test_resumable_streams import RESUMABLE, parse, read_some, text_of
 from tests.scripted_worker import FakeWorker
@@ -37,16 +37,7 @@ def start(make_proxy, script, workers: list, **options) -> tuple:
     20 ms: a stream of 40 tokens or more is still running when its proxy is lost)."""
     script = script * REPEATS
     proxies = [make_proxy(**merge({"shared_state": {"proxy_id": f"proxy-{i}"}}, options)) for i in range(2)]
-    address = ",".join(p.endpoint for p in proxies)
-    prefill = FakeWorker(address, "p0", "prefill", script)
-    decode = FakeWorker(address, "d0", "decode", script, token_interval_s=0.02)
-    for worker in (prefill, decode):
-        workers.append(worker.start())
-        settle(lambda w=worker: w._worker is not None and w._worker.registered, bool, PATIENCE_S,
-               f"{worker.worker_id} registers with both proxies")
-    for proxy in proxies:
-        ready(proxy)
-    return proxies, decode
+    return proxies, workers_of_every_proxy(proxies, script, workers)
 
 
 def lose_first_proxy(decode: FakeWorker) -> None:
