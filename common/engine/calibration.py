@@ -19,10 +19,11 @@ Each regime's calibration stops once the ``StepTimer`` would report it (``min_sa
 sizes). The steps are ordinary ``LLMEngine.step`` calls, so ``StepTimer.observe`` sees them like any other; their
 weight fades with real steps (``half_life``). Everything is freed afterwards: prefix caching is off while it runs
 (``BlockManager.uncached``: no block of a dummy prompt is cached or announced in KV events), every page is free
-again, and the engine's counters start from zero.
+again, and the engine's counters are as they were before it (its steps are not traffic).
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import time
@@ -78,25 +79,28 @@ def calibrate(engine, budget_s: float, decode: bool, prompts: bool,
         return result
     started = time.perf_counter()
     ids = itertools.count()
-    with engine.block_manager.uncached():
-        if decode:
-            timer = engine.step_timer
-            for fit, rows in _decode_regimes(engine):
-                for n, context in _cycle(rows, CONTEXT_BLOCKS):
-                    if result.step_s >= budget_s or timer.known(fit):
+    traffic = copy.deepcopy(engine.stats)  # what ran before (none, at load) stays what the counters hold
+    try:
+        with engine.block_manager.uncached():
+            if decode:
+                timer = engine.step_timer
+                for fit, rows in _decode_regimes(engine):
+                    for n, context in _cycle(rows, CONTEXT_BLOCKS):
+                        if result.step_s >= budget_s or timer.known(fit):
+                            break
+                        result.decode_steps += _decode_group(engine, n, context * engine.config.block_size, ids,
+                                                             _Steps(engine, cores, result))
+            if prompts:
+                for _, blocks in _cycle((1,), PROMPT_BLOCKS):
+                    if result.step_s >= budget_s or engine.step_timer.known(engine.step_timer.mixed):
                         break
-                    result.decode_steps += _decode_group(engine, n, context * engine.config.block_size, ids,
-                                                         _Steps(engine, cores, result))
-        if prompts:
-            for _, blocks in _cycle((1,), PROMPT_BLOCKS):
-                if result.step_s >= budget_s or engine.step_timer.known(engine.step_timer.mixed):
-                    break
-                result.prompt_steps += _prompt_step(engine, blocks * engine.config.block_size, ids,
-                                                    _Steps(engine, cores, result))
-    if engine.has_unfinished() or engine.block_manager.num_used_blocks:  # a bug here must not reach traffic
-        raise RuntimeError(f"calibration left {len(engine.requests)} requests and "
-                           f"{engine.block_manager.num_used_blocks} KV pages behind")
-    engine.reset_stats()
+                    result.prompt_steps += _prompt_step(engine, blocks * engine.config.block_size, ids,
+                                                        _Steps(engine, cores, result))
+        if engine.has_unfinished() or engine.block_manager.num_used_blocks:  # a bug here must not reach traffic
+            raise RuntimeError(f"calibration left {len(engine.requests)} requests and "
+                               f"{engine.block_manager.num_used_blocks} KV pages behind")
+    finally:
+        engine.stats = traffic
     result.seconds = time.perf_counter() - started
     return result
 

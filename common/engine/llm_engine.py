@@ -407,10 +407,6 @@ class LLMEngine:
                 del self.requests[request_id]
         return outputs
 
-    def reset_stats(self) -> None:
-        """Counters from zero: what ran before (a calibration, ``common/engine/calibration.py``) is not traffic."""
-        self.stats = EngineStats()
-
     # ---- offline API --------------------------------------------------------
     def generate(
         self, prompts: Iterable[str | Seq[int]], params: SamplingParams | Seq[SamplingParams], cache_salt: int = 0,

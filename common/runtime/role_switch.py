@@ -23,7 +23,6 @@ nothing (the proxy's order times out).
 """
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from collections.abc import Mapping
@@ -114,18 +113,14 @@ class RoleSwitch:
         return new
 
     def _calibrate(self, handler: RoleHandler) -> None:
-        """The new role's step costs that ``handler``'s engine has no fit of yet, measured as at load; the engine's
-        counters are kept (its metrics count traffic, not calibration)."""
-        engine, budget_s = handler.engine, self.config.engine.calibration_s
-        stats = copy.deepcopy(engine.stats)  # the calibration's steps count in them until it resets them
+        """The new role's step costs that ``handler``'s engine has no fit of yet, measured as at load (its counters
+        kept: they count traffic, not calibration)."""
         try:
-            calibrated = calibrate(engine, budget_s, decode=handler.role != "prefill",
+            calibrated = calibrate(handler.engine, self.config.engine.calibration_s, decode=handler.role != "prefill",
                                    prompts=handler.role != "decode", cores=handler.cores)
         except RuntimeError as exc:  # something of the old role still held: the fit then comes from traffic
             log.warning("no step-cost calibration for the role %s: %s", handler.role, exc)
             return
-        finally:
-            engine.stats = stats
         if calibrated.decode_steps or calibrated.prompt_steps:
             log.info("step-cost calibration for the role %s: %s", handler.role,
-                     calibrated.summary(engine.step_timer))
+                     calibrated.summary(handler.engine.step_timer))

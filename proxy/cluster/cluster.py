@@ -125,7 +125,7 @@ class Cluster:
         other processes serve."""
         while not self._joined:
             left = self._started + self.join_grace_s - time.monotonic()
-            if left <= 0 or any(w.decode_capable and not w.draining for w in self.registry.workers.values()):
+            if left <= 0 or self.registry.readiness()[0]:
                 self._joined = True
             else:
                 await asyncio.sleep(min(0.05, left))
