@@ -34,7 +34,8 @@ FIELD_SINCE: dict[str, dict[str, int]] = {"PrefillRequest": {"keep_s": 11},
                                           "RequestFailed": {"code": 16}, "KVPulled": {"backend": 18},
                                           "Register": {"standby": 12, "load_s": 12, "tokenizer_sha256": 15,
                                                        "tensor_parallel_size": 17, "kv_events_endpoint": 19,
-                                                       "kv_events_public_key": 19, "host": 19}}
+                                                       "kv_events_public_key": 19, "host": 19,
+                                                       "interconnect_domain": 21}}
 # A request that uses a field goes only to workers that speak its version: an older one would drop the field
 # (``older_body``) and serve the request without what it asks for (``proxy/cluster/cluster.py`` ``_candidates``).
 STRUCTURED_SINCE = FIELD_SINCE["SamplingParams"]["structured"]

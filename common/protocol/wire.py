@@ -94,7 +94,7 @@ class _Struct(msgspec.Struct, forbid_unknown_fields=True):
 # 19: Register.kv_events_endpoint, kv_events_public_key, host, KVEvents, KVSnapshotRequest, KVSnapshot; 20: SwitchRole,
 # DecodeRequest.resume_key, resume_window_s, resume_context, FindStream, StreamFound, LeaveStream.
 # Versions one apart interoperate (versions.py).
-PROTOCOL_VERSION = 20
+PROTOCOL_VERSION = 21
 
 
 class MsgType(enum.IntEnum):
@@ -184,6 +184,9 @@ class Register(_Struct):
     # the host it runs on (worker.host_name): the proxy pairs prefill and decode workers of one host, whose pages
     # then move over shared memory rather than the network; "": not reported
     host: Annotated[str, msgspec.Meta(max_length=255)] = ""
+    # on a GPU of a multi-node NVLink fabric, that fabric (common/runtime/topology.py): the proxy pairs workers of one
+    # fabric as it does those of one host; "": in none
+    interconnect_domain: Annotated[str, msgspec.Meta(max_length=255)] = ""
 
 
 class Standby(_Struct):

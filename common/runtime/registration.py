@@ -3,7 +3,7 @@
 Built once at start and again under each new epoch (``worker_runtime`` ``WorkerIO`` sends it): the worker's id,
 role and epoch; the model name and version requests are routed by (``common.storage.model_store``
 ``model_identity``); its KV layout and pool (the proxy pairs only workers of one version, which must agree on the
-layout); the KV transfer agent's metadata; its decode slots, speculation and the cores it time-shares; the other
+layout); the KV transfer agent's metadata; its decode slots, speculation and the cores it time-shares; its host and NVLink fabric (``topology``); the other
 models it may load (``model_swap``); where it publishes its KV events (``kv_events``);
 the hash of its tokenizer files, which it sends a proxy that has no tokenizer
 of its model (``tokenizer_answer``, on the I/O thread). ``await_acknowledgement`` waits for the proxy's answer at
@@ -17,6 +17,7 @@ from pathlib import Path
 from common.protocol import wire
 from common.protocol.versions import sendable
 from common.runtime.core_share import core_group
+from common.runtime.topology import interconnect_domain
 from common.text.tokenizer_files import read_tokenizer_files, tokenizer_sha256
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ def registration(worker) -> wire.Register:
         standby=list(worker.standby), load_s=worker.load_s, tokenizer_sha256=worker.tokenizer_sha256,
         tensor_parallel_size=config.engine.tensor_parallel_size, kv_events_endpoint=worker.kv_events_endpoint,
         kv_events_public_key=worker.kv_events_public_key, host=config.host_name,
+        interconnect_domain=interconnect_domain(engine.runner.device),
         **({} if config.engine.spec.method == "off" else {
             "spec_num_tokens": config.engine.spec.num_tokens,
             "spec_max_batch_size": config.engine.spec.max_batch_size}),

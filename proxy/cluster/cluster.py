@@ -52,7 +52,7 @@ from proxy.core.workers import WorkerRegistry, WorkerState
 from proxy.core.requests import Sends, Stage, SubRequest, TokenEvent
 from proxy.core.resume_context import Context, ResumeInfo, decode as decode_context, delta_fields
 from proxy.cluster.request_group import EventSink, RequestGroup
-from proxy.core.routing import RoutingPolicy, same_host
+from proxy.core.routing import RoutingPolicy, near
 from proxy.control.limits import CapacityLimits
 from proxy.control.slo import SloControls
 from proxy.control.tac import AdaptiveController
@@ -330,7 +330,7 @@ class Cluster:
         if decoder is None:
             return sub.reject(self._unavailable("no decode worker is available to continue the request"))
         if source is not None:
-            self.metrics.kv_pairings.labels("same_host" if same_host(source, decoder) else "cross_host").inc()
+            self.metrics.kv_pairings.labels(near(source, decoder) or "cross_host").inc()
         self.policy.decode_sent(decoder, tokens, session=sub.session)
         return sub.start_decode(decoder, self.admission.counters[sub.tenant], now)
 

@@ -228,7 +228,8 @@ class ProxyMetrics:
         self.kv_transfer_bytes = Counter("tessera_proxy_kv_transfer_bytes", "KV bytes pulled by decode workers",
                                          registry=r)
         self.kv_pairings = Counter("tessera_proxy_kv_pairings", "Prefilled requests given a decode worker, by "
-                                   "whether it runs on its prefill worker's host", ["locality"], registry=r)
+                                   "whether it runs on its prefill worker's host (same_host), NVLink fabric (same_fabric) or neither "
+                                   "(cross_host)", ["locality"], registry=r)
         self.kv_transfer_seconds = Histogram("tessera_proxy_kv_transfer_seconds", "KV pull duration",
                                              buckets=_TRANSFER_BUCKETS, registry=r)
         self.kv_transfer_failures = Counter("tessera_proxy_kv_transfer_failures", "KV pulls that failed",

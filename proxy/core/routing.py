@@ -30,8 +30,9 @@ epoch are gone from the index the moment it registers again.
 - Decode (``pick_decode``, and the worker that prefills locally): below its TPOT capacity first, then least
   (blocks it must fill - its free blocks), in blocks: the prompt's blocks it lacks (it pulls only those, so the
   more of the prompt it holds the fewer), each counted once when it runs on the host of the prefill worker that
-  holds the pages (``WorkerState.host``, from ``worker.host_name``: shared memory) and ``CROSS_HOST_PULL_COST``
-  times when it does not, or when it must compute them itself (local prefill); then fewest running. So a
+  holds the pages (``WorkerState.host``, from ``worker.host_name``: shared memory) or of its NVLink fabric
+  (``WorkerState.interconnect_domain``, ``common/runtime/topology.py``), and ``CROSS_HOST_PULL_COST`` times when it
+  does not, or when it must compute them itself (local prefill); then fewest running. So a
   conversation's history draws its next turn to the worker holding it, a shared system prompt's block or two
   does not pile every request onto one worker, and a prefill worker's pages go to a decode worker of its own
   host unless one elsewhere already holds nearly all of them or has far more room. Both counts add what the proxy
@@ -77,7 +78,8 @@ MAX_SESSIONS = 100_000  # conversations remembered at once; past it the oldest i
 DERIVED = -1  # local_prefill_threshold: the break-even of the measured costs
 PULL_RATE_WEIGHT = 0.2  # of each pull in the moving average of a decode worker's pull rate
 # A page pulled from another host costs this many pulled on one: a shared-memory read moved 14-20 GB/s here, TCP
-# between hosts 0.4-1.3 GB/s (../shared/NOTES-nixl.md); the order of the decode candidates is what it sets.
+# between hosts 0.4-1.3 GB/s (../shared/NOTES-nixl.md); the order of the decode candidates is what it sets. One
+# NVLink fabric counts as one host: its GPUs read each other's memory over NVLink.
 CROSS_HOST_PULL_COST = 16
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "fp8": 1}
 
@@ -226,7 +228,7 @@ class PrefixAwareRouting:
                       source: WorkerState | None = None) -> WorkerState:
         def score(worker: WorkerState) -> tuple:
             full, emptiness, running = self._decode_load(worker)  # emptiness: its free blocks, negated
-            nearby = source is not None and same_host(source, worker)
+            nearby = source is not None and bool(near(source, worker))
             moved = view.lacking_blocks(worker) * (1 if nearby else CROSS_HOST_PULL_COST)
             return (full, moved + emptiness, running)
 
@@ -285,7 +287,12 @@ def _block_bytes(worker: WorkerState) -> int:
             * DTYPE_BYTES.get(layout.dtype, 2))
 
 
-def same_host(source: WorkerState | None, worker: WorkerState) -> bool:
-    """Whether pages of ``source`` reach ``worker`` without crossing the network; True without a source (nothing
-    to pull) and False when either did not say where it runs."""
-    return source is None or (bool(source.host) and source.host == worker.host)
+def near(source: WorkerState | None, worker: WorkerState) -> str:
+    """How pages of ``source`` reach ``worker`` without crossing the network: ``"same_host"`` (shared memory, or CUDA
+    IPC), ``"same_fabric"`` (one multi-node NVLink fabric), or "" (the network; also when either did not say where
+    it runs). ``"same_host"`` without a source: nothing to pull."""
+    if source is None or (source.host and source.host == worker.host):
+        return "same_host"
+    if source.interconnect_domain and source.interconnect_domain == worker.interconnect_domain:
+        return "same_fabric"
+    return ""

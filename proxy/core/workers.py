@@ -70,6 +70,7 @@ class WorkerState:
     tokenizer_sha256: str = ""  # the hash of the tokenizer files it sends when asked (Register); "": it cannot
     tensor_parallel_size: int = 1  # its ranks (Register); pages move between workers of one layout at any size
     host: str = ""  # the host it runs on (Register); "": not reported, paired with no one by host
+    interconnect_domain: str = ""  # its GPU's NVLink fabric (Register); "": none, paired with no one by fabric
     lag: StepLag = field(default_factory=StepLag)  # its steps as they come, against its model
 
     def __setattr__(self, name: str, value) -> None:
@@ -160,7 +161,7 @@ class WorkerRegistry:
             free_blocks=msg.num_blocks, max_num_seqs=msg.max_num_seqs or EngineConfig.max_num_seqs,
             speculation=(msg.spec_num_tokens, msg.spec_max_batch_size), core_group=msg.core_group,
             tokenizer_sha256=msg.tokenizer_sha256, tensor_parallel_size=msg.tensor_parallel_size,
-            host=msg.host)
+            host=msg.host, interconnect_domain=msg.interconnect_domain)
         replaced = old if old is not None and old.epoch != msg.epoch else None
         if old is not None and replaced is None:  # a retried Register: keep the load we know
             for name in ("free_blocks", "num_running", "outstanding_prefill_tokens", "draining", "mean_context",

@@ -9,7 +9,7 @@ import pytest
 from common.protocol.wire import (Goodbye, Heartbeat, KVEvents, KVLayoutInfo, KVSnapshot, Register, StepCostModel,
                                   cache_salt_of, prefix_block_hashes)
 from proxy.core.workers import WorkerRegistry
-from proxy.core.routing import PrefixAwareRouting
+from proxy.core.routing import PrefixAwareRouting, near
 
 LAYOUT = KVLayoutInfo(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")
 
@@ -390,6 +390,25 @@ def test_a_prefill_workers_pages_go_to_a_decode_worker_of_its_host_when_it_has_r
     registry.heartbeat(heartbeat("d-a", running=registry.workers["d-a"].tpot_capacity), 2.0)
     other = policy.pick_decode(prompt(160, 5000), decoders, source=source).worker_id
     assert other == "d-unknown"  # the host's decode worker at its TPOT capacity: room decides among the rest
+
+
+def test_one_nvlink_fabric_counts_as_one_host_and_the_pairing_says_which():
+    """Workers on other hosts of the prefill worker's NVLink fabric (Register.interconnect_domain) take its pages as
+    one of its host would; a fabric of another cluster, or none reported, is the network."""
+    registry = WorkerRegistry(5.0)
+    for worker_id, role, host, fabric in (("p1", "prefill", "a", "nvlink:aa:1"), ("d-fab", "decode", "b", "nvlink:aa:1"),
+                                          ("d-other", "decode", "c", "nvlink:bb:1"), ("d-none", "decode", "d", "")):
+        msg = register_msg(worker_id, role)
+        msg.host, msg.interconnect_domain = host, fabric
+        assert registry.register(msg, now=0.0).ack.accepted
+    workers = registry.workers
+    assert [near(workers["p1"], workers[w]) for w in ("d-fab", "d-other", "d-none")] == ["same_fabric", "", ""]
+    assert near(workers["p1"], workers["p1"]) == "same_host" and near(None, workers["d-none"]) == "same_host"
+    registry.heartbeat(heartbeat("d-fab", free=80), 1.0)  # the fullest: across the network it would come last
+    registry.heartbeat(heartbeat("d-other", free=90), 1.0)
+    registry.heartbeat(heartbeat("d-none", free=95), 1.0)
+    decoders = [workers[w] for w in ("d-fab", "d-other", "d-none")]
+    assert PrefixAwareRouting().pick_decode(prompt(160), decoders, source=workers["p1"]).worker_id == "d-fab"
 
 
 def test_the_local_prefill_threshold_is_on_the_uncached_suffix():
