@@ -36,6 +36,7 @@ BESIDE_E2E = {
     "test_prometheus_scrape.py", "test_resumable_streams.py", "test_websocket_stream.py", "test_nonfinite_logits.py",
     # the embedded model, computing little while others run
     "test_role_switch.py", "test_embeddings.py", "test_sessions.py", "test_protocol_versions.py",
+    "test_planner_cluster.py",
     # three small clusters with a worker at tensor parallelism 3 (about 85 s alone; under the compute lane's load
     # each TP step's 61 all-reduces wait on the scheduler, so it keeps few decode steps: 16 and 32 tokens)
     "test_tensor_parallel.py",

@@ -248,7 +248,9 @@ class PlannerConfig:
         120.0, "how long a worker ordered to switch roles (by the planner or POST /admin/workers/{id}/role) may "
         "take to drain and register in its new role before the order counts as failed", gt=0)
     min_dwell_s: Float = option(
-        60.0, "a worker keeps a role at least this long after a switch before the planner switches it again", ge=0)
+        60.0, "a worker keeps a role at least this long after a switch before the planner switches it again, and "
+        "the split turns back no sooner after an order (twice as long for each turn back in the last 20 of these, "
+        "up to 8 times)", ge=0)
     window_s: Float = option(
         30.0, "the planner's window: the SLO attainment it corrects its load model by is that of the last this "
         "many seconds", gt=0)

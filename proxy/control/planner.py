@@ -35,7 +35,8 @@ ticks in a row. Then as many move as close the gap, at most ``planner.max_switch
 one that has kept its role ``planner.min_dwell_s`` (since the planner saw it register in it), the cheapest
 first: fewest running sequences, then fewest used KV blocks (pages it lends), then prompt tokens queued on it.
 A switch the other way waits ``planner.min_dwell_s`` after the last order (the split does not swing back on
-one window's noise). An ordered worker counts in its new role from the order on.
+one window's noise), twice as long for each time the split turned back within the last ``REVERSAL_MEMORY`` dwells
+(up to 8x): a closed-loop load, whose arrivals follow whichever role is short, made the split swing every dwell. An ordered worker counts in its new role from the order on.
 
 With several proxies exactly one plans: the one holding the lease (``RedisLease``, ``planner.leader_lease_s``
 in the shared store); without ``shared_state.redis_url``, the proxy with ``planner.plan_here`` (``tessera proxy
@@ -77,6 +78,8 @@ MISS_LOW = 0.02  # ... and at the other when at most this share did
 MIN_OUTCOMES = 8  # a window corrects the bias once this many choices ended in it
 ASSUMED_PROMPT = 512  # tokens per prompt, before any arrived
 ASSUMED_OUTPUT = 256  # output tokens per choice, before any arrived
+REVERSAL_MEMORY = 20  # turns of the split back within this many min_dwell_s ...
+MAX_BACKOFF = 3  # ... each double the wait before the next one, up to 2 ** this times min_dwell_s
 
 
 @dataclass
@@ -136,6 +139,7 @@ class Planner:
         self._epochs: dict[str, tuple[int, Role, float]] = {}  # worker id -> (epoch, role, since when seen in it)
         self._wanted: tuple[int, int] = (0, 0)  # (direction, ticks in a row): +1 more prefill, -1 more decode
         self._last_order: tuple[int, float] = (0, float("-inf"))  # (direction, when)
+        self._reversals: deque[float] = deque()  # when each order that turned the split back was given
         self.need = Need(0.0, 0.0, "nothing arrived yet")
 
     # -- what the controller tells it -------------------------------------------------------------------
@@ -194,7 +198,7 @@ class Planner:
             return []
         self._wanted = (direction, self._wanted[1] + 1 if self._wanted[0] == direction else 1)
         last_direction, last_at = self._last_order
-        swings_back = last_direction == -direction and now - last_at < self.config.planner.min_dwell_s
+        swings_back = last_direction == -direction and now - last_at < self._reversal_wait(now)
         if self._wanted[1] < CONFIRM or swings_back:
             return []
         why = (f"{self.need.why}; split {counts[0]}:{counts[1]} at {current_load:.2f} of its capacity, "
@@ -349,8 +353,20 @@ class Planner:
         self.metrics.planner_decisions.labels(direction).inc()
         self.switching[worker.worker_id] = Switch(worker.worker_id, worker.role, role, worker.epoch,
                                                   now + self.config.planner.role_switch_timeout_s)
-        self._last_order = (1 if role is Role.PREFILL else -1, now)
+        sign = 1 if role is Role.PREFILL else -1
+        if self._last_order[0] == -sign:  # the first order of a turn back
+            self._reversals.append(now)
+        self._last_order = (sign, now)
         return worker.worker_id, SwitchRole(worker.worker_id, role.value)
+
+    def _reversal_wait(self, now: float) -> float:
+        """How long after the last order the split may turn back: ``min_dwell_s``, doubled for each turn back of
+        the last ``REVERSAL_MEMORY`` dwells (at most ``2 ** MAX_BACKOFF`` times), so that a load the split
+        chases back and forth (a closed loop, whose arrivals follow the split) settles instead of swinging."""
+        dwell = self.config.planner.min_dwell_s
+        while self._reversals and now - self._reversals[0] > REVERSAL_MEMORY * dwell:
+            self._reversals.popleft()
+        return dwell * 2 ** min(len(self._reversals), MAX_BACKOFF)
 
     def _export(self, prefill: list[WorkerState], decode: list[WorkerState]) -> None:
         m = self.metrics

@@ -181,6 +181,31 @@ def test_the_dwell_keeps_a_switched_worker_and_the_split_from_swinging_back():
     assert len({w for w, _ in back}) == len(back)
 
 
+def test_each_turn_back_doubles_the_wait_before_the_next_so_a_chased_split_settles():
+    rig = Rig(prefill=2, decode=6, max_switching=1)
+
+    def until_ordered(load: dict, role: str, within: float) -> float:
+        """Ticks of ``load`` (each order carried out) until the planner orders a worker to ``role``; when."""
+        rig.inflight.clear()
+        started = rig.now
+        while rig.now - started < within:
+            orders = rig.run(2.0, **load)
+            rig.complete(orders)
+            if any(m.role == role for _, m in orders):
+                return rig.now
+        raise AssertionError(f"no order to {role} within {within} s of {load}")
+
+    at = until_ordered(PROMPT_HEAVY, "prefill", 10)
+    waits = []
+    for load, role in ((DECODE_HEAVY, "decode"), (PROMPT_HEAVY, "prefill"), (DECODE_HEAVY, "decode"),
+                       (PROMPT_HEAVY, "prefill")):
+        turned = until_ordered(load, role, 1000)
+        waits.append(turned - at)
+        at = turned
+    assert [w >= d * 60.0 for w, d in zip(waits, (1, 2, 4, 8))] == [True] * 4, waits
+    assert waits[1] < 2 * 60.0 + 10  # the load wanted the turn at once: it came as soon as it was allowed
+
+
 def test_a_switch_that_times_out_counts_failed_and_the_worker_stays_in_its_old_role(caplog):
     rig = Rig(prefill=2, decode=6, max_switching=1)
     (worker_id, order), = rig.run(4.0, **PROMPT_HEAVY)

@@ -1,0 +1,84 @@
+"""The planner switches a real worker's role on its own when the load asks for it (issue 47), through real processes.
+
+A proxy with the adaptive controller on (``slo.tac_enabled``, a TTFT target, the planner's shipped settings), one prefill and two decode workers on the embedded model in float32. Eight clients send prompt-heavy
+requests one after another (512-token prompts, 8 output tokens): one prefill worker cannot keep the queued prompt
+tokens within the TTFT target while two decode workers idle, so the planner orders a decode worker to prefill,
+with no admin call. Every request served before, during and after the switch carries the single-process engine's
+greedy text, no KV page is left in use, and ``/readyz`` then counts 2 prefill and 1 decode workers.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import pytest
+
+from common.cli.local_cluster import LocalCluster
+from common.config.base import EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.protocol.sampling_params import SamplingParams
+from tests.e2e.fault_scenarios import MODEL, check_nothing_lost, check_pages_freed, run_scenario, wait_until
+
+PROMPTS = 24
+PROMPT_TOKENS = 512
+MAX_TOKENS = 8
+CLIENTS = 8
+SWITCH_S = 240  # bounds the wait for the planner's order and the worker's re-registration (role_switch_timeout_s)
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(4700)
+    return [[rng.randrange(1000, 40000) for _ in range(PROMPT_TOKENS)] for _ in range(PROMPTS)]
+
+
+@pytest.fixture(scope="module")
+def reference(embedded_model_dir):
+    engine = LLMEngine(EngineConfig(model=str(embedded_model_dir), dtype="float32", num_kv_blocks=1024))
+    outs = engine.generate(prompts(), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    return [o.outputs[0].text for o in outs]
+
+
+@pytest.fixture(scope="module")
+def cluster(embedded_model_dir, tmp_path_factory):
+    c = LocalCluster.for_tests(
+        embedded_model_dir, tmp_path_factory.mktemp("planner-cluster"), prefill=1, decode=2, dtype="float32",
+        proxy_overrides=["slo.tac_enabled=true", "slo.ttft_slo_ms=2000"],
+        role_overrides=["decode:drain_timeout_s=1"]).start()
+    yield c
+    codes = c.stop()
+    assert all(code == 0 for code in codes.values()), codes
+
+
+def layout(cluster: LocalCluster) -> dict:
+    status, ready = cluster.get("/readyz")
+    return json.loads(ready)["workers"] if status == 200 else {}
+
+
+def switched(run) -> bool:
+    ended = run.cluster.metric("tessera_tac_planner_switches_total")
+    return sum(v for k, v in ended.items() if 'outcome="done"' in k) >= 1 and layout(run.cluster)["prefill"] == 2
+
+
+def test_the_planner_moves_a_decode_worker_to_prefill_under_prompt_heavy_load(cluster, reference):
+    bodies = [{"model": MODEL, "prompt": tokens, "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0.0,
+               "stream": True, "stream_options": {"include_usage": True}} for tokens in prompts()]
+    assert layout(cluster) == {"prefill": 1, "decode": 2, "both": 0}
+    results, _ = asyncio.run(run_scenario(
+        cluster, bodies, [wait_until(switched, "the planner switched a decode worker to prefill", SWITCH_S)],
+        steady=CLIENTS))
+    decisions = cluster.metric("tessera_tac_planner_decisions_total")
+    print(f"{len(results)} requests; planner decisions {decisions}; switches "
+          f"{cluster.metric('tessera_tac_planner_switches_total')}")
+    check_nothing_lost(results, [_Text(t) for t in reference], bodies)
+    assert len(results) > PROMPTS // 2  # a steady load: the switch came while requests ran
+    check_pages_freed(cluster)
+    assert layout(cluster) == {"prefill": 2, "decode": 1, "both": 0}
+    assert sum(v for k, v in decisions.items() if 'direction="to_prefill"' in k) >= 1, decisions
+
+
+class _Text:
+    """A reference stream: only its text is compared."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
