@@ -10,15 +10,21 @@ its parameter and dropped, and the files are memory-mapped, not read whole.
 At tensor parallelism a rank reads only its slice of each sharded tensor
 (``_slice``): rows of q/k/v, gate/up, the embedding and LM head, columns of the
 output and down projections; their biases are added once, by rank 0.
+
+The configuration (``load_hf_config``) is config.json read as it is when it is a Llama or Qwen2 one that states
+every field the models read without a default and leaves RoPE unscaled: the models' own defaults for the rest are
+those of transformers' config classes, whose import would cost every worker (and each of its ranks) 0.7-1 s of
+CPU at start. Any other configuration goes through transformers' ``AutoConfig``, with its defaults and scalings.
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig
 
 from common.engine.models.llama import LlamaForCausalLM
 from common.engine.tensor_parallel import Parallel
@@ -34,7 +40,25 @@ _FUSED = {
 _FUSED_RE = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 
 
+# What config.json must state for it to be read as it is (``load_hf_config``)
+_STATED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "rms_norm_eps",
+           "vocab_size", "max_position_embeddings", "tie_word_embeddings")
+_PLAIN_TYPES = {"llama", "qwen2"}  # whose config classes default the rest as the models do (head_dim, biases, ...)
+
+
 def load_hf_config(model_dir: str | Path):
+    """The model's configuration: config.json as a namespace, or transformers' ``AutoConfig`` (module docstring)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raw = {}  # AutoConfig says what is wrong with it
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if (isinstance(raw, dict) and raw.get("model_type") in _PLAIN_TYPES and all(k in raw for k in _STATED)
+            and isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) == "default"
+            and "rope_theta" in {**raw, **rope}):
+        return SimpleNamespace(**raw)
+    from transformers import AutoConfig
     return AutoConfig.from_pretrained(str(model_dir))
 
 
