@@ -156,7 +156,9 @@ class Cluster:
         if sub.new_tokens:
             if self.slo.forecast is not None:
                 self.slo.tokens_emitted(sub, self._clock())
-            self._charge_output(sub, sub.new_tokens)
+            charged = min(sub.new_tokens, len(sub.output_ids) - sub.adopted)  # not what the client had (recompute)
+            if charged > 0:
+                self._charge_output(sub, charged)
             sub.new_tokens = 0
         self.limits.forecast.update(sub, first_tokens, self._clock())
         if before is Stage.PREFILLING and sub.stage is not Stage.PREFILLING and sub.prefill_worker is not None:
@@ -541,6 +543,23 @@ class Cluster:
         log.info("response %s: took over request %s on worker %r after %d event(s) from a lost proxy",
                  msg.response_id, msg.request_id, sender, len(events))
         return context, RequestGroup([sub], sink, self, self._clock)
+
+    def recompute(self, response_id: str, context: Context, seen: int) -> RequestGroup:
+        """A resumable stream whose proxy and decode worker were both lost, computed again from its stored context
+        (``proxy.edge.shared_streams``): one choice with its prompt, parameters and seed, admitted and routed as
+        any request (ApiError as ``submit`` says), resumable again. The client has its first ``seen`` tokens
+        (``proxy.edge.replay``): those are computed again but neither charged to the tenant nor counted in its
+        usage metrics (``SubRequest.adopted``), and neither is its prompt; the rate limits and the fairness
+        counter see the prompt as a new request's, which its prefill is."""
+        tenant = self.tenants.tenants.get(context.tenant) or self.tenants.default
+        resume = ResumeInfo(response_id, self.config.requests.resume_window_s, context.static)
+        group = self.submit(response_id, [context.prompt], context.params, context.seed, tenant, model=context.model,
+                            resume=resume)
+        group.subs[0].adopted = seen
+        self.metrics.streams_recomputed.inc()
+        log.info("response %s: no worker holds it; computing it again after the %d token(s) its client has",
+                 response_id, seen)
+        return group
 
     # -- workers coming and going -----------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""What a resumable stream carries to its decode worker so that another proxy can take it over when this one dies.
+"""What a resumable stream carries to its decode worker (and to the shared store) so that another proxy can take it
+over when this one dies.
 
 A stream's choice (one: a response of ``n`` > 1 or of several prompts is not resumable past its proxy, as the
 order its choices' events interleaved in is this proxy's alone) sends, with each ``DecodeRequest``, its response id
@@ -7,7 +8,11 @@ what rebuilds the response, ``proxy.edge.takeover``), the choice's wire paramete
 it emitted before that decode started (the prefill's first token, a resumed attempt's earlier output). The worker
 keeps it with every TokenDelta it emits (``common/runtime/proxy_links.py``); the proxy taking over replays the events
 then the deltas, one event each, through the same response pipeline, and the client's events come out numbered as
-before.
+before (or, with the client's token count, only those past it: ``proxy.edge.replay``).
+
+The same context less its events (``stored``) goes to the shared store while the stream runs
+(``proxy.edge.shared_streams``): when its proxy and its decode worker are both lost, another proxy computes the
+choice again from it on a live worker (``Cluster.recompute``), with the same seed.
 """
 from __future__ import annotations
 
@@ -44,6 +49,18 @@ class Context(msgspec.Struct, array_like=True):
 def encode(info: ResumeInfo, tenant: str, params: SamplingParams, seed: int, prompt: list[int],
            model: tuple[str, str] | None) -> bytes:
     return _encode(Context(info.static, tenant, params, seed, prompt, model, info.events))
+
+
+def stored(sub) -> bytes:
+    """A resumable choice's (a ``SubRequest`` with ``resume``) context for the shared store: no events."""
+    info = sub.resume
+    return encode(ResumeInfo(info.key, info.window_s, info.static), sub.tenant, sub.params, sub.seed, sub.prompt,
+                  sub.model)
+
+
+def bare(context: Context) -> bytes:
+    """``context`` less its events, as ``stored`` keeps it (a proxy that took the stream over keeps it so)."""
+    return _encode(msgspec.structs.replace(context, events=[]))
 
 
 def decode(raw: bytes) -> Context:

@@ -58,7 +58,8 @@ from proxy.edge.listener import RAW_SEND, RAW_WRITE
 from proxy.edge.openapi import ChatCompletionResponse, CompletionResponse, error_responses, request_body
 from proxy.edge.protocol import ChatCompletionRequest, CompletionRequest, read_model
 from proxy.core.requests import Event, FailureEvent
-from proxy.core.resume_context import ResumeInfo
+from proxy.core.resume_context import ResumeInfo, stored
+from proxy.edge.replay import SeenTokens
 from proxy.edge.resumable import RESUMABLE_HEADER, wants_resume
 from proxy.edge.conversations import continue_turn
 from proxy.cluster.served_models import served_headers, session_of
@@ -147,9 +148,9 @@ async def _serve(request: Request, request_model, format_cls, endpoint: str) -> 
                 watcher.stop()  # from here, a client that leaves only detaches from the stream
                 response = services.streams.start(
                     request, generation.response_id, tenant.name,
-                    lambda stream: sse_events(generation, group, first, watcher, metrics, endpoint,
-                                              lambda: stream.expired),
-                    group.cancel)
+                    lambda stream: counted(generation, sse_events(generation, group, first, watcher, metrics,
+                                                                  endpoint, lambda: stream.expired)),
+                    group.cancel, shared_context(group))
                 response.headers.update(generation.served)
                 return response
             if not isinstance(first[0], FailureEvent):
@@ -235,6 +236,13 @@ async def admit(services, body, format_cls, tenant: Tenant, timeout_s: float | N
                        served_headers(choice), remember and (lambda c: remember(choice.key, c))), group
 
 
+def shared_context(group: RequestGroup) -> bytes | None:
+    """A resumable stream's context for the shared store (``proxy.edge.shared_streams``); None for a response that
+    is not resumable past its proxy."""
+    resume = len(group.subs) == 1 and group.subs[0].resume is not None
+    return stored(group.subs[0]) if resume else None
+
+
 def resume_static(body, created: int) -> bytes:
     """The edge's part of a resume context (``proxy.core.resume_context``): what rebuilds the response on another
     proxy (``proxy.edge.takeover``), the body as the client sent it (its set fields) and the response's time."""
@@ -269,19 +277,23 @@ async def _collect(gen: Generation, events: AsyncIterator[Event]) -> tuple[Respo
 
 
 async def sse_events(gen: Generation, group: RequestGroup, first: list[Event], watcher: DisconnectWatcher,
-                     metrics, endpoint: str, client_left: Callable[[], bool], coalesce: bool = False
-                     ) -> AsyncIterator[str]:
+                     metrics, endpoint: str, client_left: Callable[[], bool], coalesce: bool = False,
+                     seen: SeenTokens | None = None) -> AsyncIterator[str]:
     """The response's server-sent events, from the group's event batches (``first``, then the rest): to the
     client's connection, or into a resumable stream. ``coalesce``: a batch's events as one piece of text (one
     write), and once the first is out, plain tokens written as they come (``Generation.write``, through
-    ``streaming.token_writer``); otherwise one event a piece, as a resumable stream numbers them."""
+    ``streaming.token_writer``); otherwise one event a piece, each yielded as soon as it is built (the choices'
+    state is then as of that event: ``counted``). ``seen``: the tokens a reconnecting client has (``proxy.edge.replay``),
+    which go through the pipeline without an event (nor the chat's first event, which it has too)."""
     status = "200"
     chunks, choices, logprob_text = gen.chunks, gen.choices, gen.fmt.logprob_text
     out: list[str] = []
     try:
         prelude = gen.fmt.stream_prelude(len(choices))
-        if prelude:
+        if prelude and seen is None:
             out.append(chunks.chunk(prelude))
+            if not coalesce:
+                yield out.pop()
         batch: list[Event] | None = first
         failure: FailureEvent | None = None
         while batch is not None:
@@ -290,10 +302,19 @@ async def sse_events(gen: Generation, group: RequestGroup, first: list[Event], w
                     failure = event
                     break
                 state = choices[event.index]
+                if seen is not None:
+                    known, event = seen.split(state.token_ids, state.text, event)
+                    if known is not None:
+                        chunks.event(state, known)  # the client has it: its state only
+                        state.add(known, logprob_text)
+                    if event is None:
+                        continue
                 text = chunks.event(state, event)
                 state.add(event, logprob_text)
                 if text is not None:
                     out.append(text)
+                    if not coalesce:
+                        yield out.pop()
             if failure is not None:
                 break
             for piece in _pieces(out, coalesce):
@@ -319,6 +340,13 @@ async def sse_events(gen: Generation, group: RequestGroup, first: list[Event], w
         watcher.stop()
         group.cancel("the response stream closed")  # a no-op unless the client left early
         metrics.requests.labels(endpoint, "client_closed" if client_left() else status).inc()
+
+
+async def counted(gen: Generation, events: AsyncIterator[str]) -> AsyncIterator[tuple[str, tuple[int, ...]]]:
+    """A resumable stream's events (``sse_events``, one a piece), each with the tokens of each choice through it:
+    what its id carries (``proxy.edge.resumable.event_id``)."""
+    async for event in events:
+        yield event, tuple(len(choice.token_ids) for choice in gen.choices)
 
 
 def _pieces(out: list[str], coalesce: bool) -> list[str]:

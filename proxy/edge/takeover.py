@@ -1,21 +1,33 @@
 """Reconnecting to a resumable stream: ``GET /v1/streams/{response id}`` (and the WebSocket's resume), from this
-proxy's streams, or taken over from the decode worker of a proxy that is gone.
+proxy's streams, taken over from the decode worker of a proxy that is gone, or computed again when that worker is
+gone too.
 
 A stream this proxy does not hold may be a lost proxy's (its process died, or was restarted): its workers keep such
 a stream running for ``requests.resume_window_s`` (``common/runtime/proxy_links.py``). This proxy then asks every
 worker for it (``Cluster.find_stream``); the one holding it makes it this proxy's and sends what the lost proxy put
 in its context (``proxy.core.resume_context``: the request body, the choice's parameters, its first events) with
 every step it emitted since. From those the response is rebuilt as the lost proxy built it (the format, its tools,
-logprobs, the response id and time) and every event is replayed through it, one event per step as before, so the
-events come out numbered as the client saw them; the events after its ``Last-Event-ID`` go to it, then the live
-ones. Two clients asking at once: the first takes the stream over, the second then reconnects to it here (and
-ends the first's reader, as any reconnect does); on two proxies, the worker gives it to the first to ask and the
-other answers 503 with Retry-After while that proxy holds it.
+logprobs, the response id and time) and every event goes through it again, one event per step as before. With a
+``Last-Event-ID`` of this release (``N.T``: the client has T tokens through event N,
+``proxy.edge.resumable.event_id``), the first T tokens go through silently and the events after them are numbered
+N+1, N+2, ... (``proxy.edge.replay``); with a plain ``N``, the events come out numbered as the client saw them and
+those after N go to it. Then the live ones. Two clients asking at once: the first takes the stream over, the second
+then reconnects to it here (and ends the first's reader, as any reconnect does); on two proxies, the worker gives it
+to the first to ask and the other answers 503 with Retry-After while that proxy holds it.
 
-The tenant is charged only for the tokens generated after the takeover (``SubRequest.adopt``); what the lost proxy
-charged died with it unless shared through Redis, and the steps between its death and the takeover are charged to
-nobody. A response of several choices (``n`` > 1, several prompts) is not resumable past its proxy: the order its
-choices' events interleaved in was that proxy's alone.
+The double failure: no worker holds the stream (its decode worker died after its proxy), and the client's id says
+how many tokens it has. With ``shared_state.redis_url``, the lost proxy stored the stream's context there
+(``proxy.edge.shared_streams``); this proxy reads it (another tenant's is not found), computes the choice again on
+a live worker with the same seed (``Cluster.recompute``: greedy or seeded sampling gives the same tokens; float32 is
+bit-exact) and sends only what follows the client's T tokens, split inside a speculative step if need be. It takes
+the context (one proxy computes it) and keeps it as its own. Without the shared store, or with a plain ``N``, the
+answer is 404 as for an unknown stream.
+
+The tenant is charged only for the tokens generated after the takeover (``SubRequest.adopt``), or, computed again,
+after the client's T (``Cluster.recompute``); what the lost proxy charged died with it unless shared through Redis,
+and the steps between its death and the takeover are charged to nobody. The final chunk's usage is the whole
+response's. A response of several choices (``n`` > 1, several prompts) is not resumable past its proxy: the order
+its choices' events interleaved in was that proxy's alone, and its ids' per-choice counts are not used yet.
 """
 from __future__ import annotations
 
@@ -28,14 +40,16 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from common.text.tokenizer import TextState
 from proxy.cluster.request_group import RequestGroup
 from proxy.cluster.served_models import served_headers
 from proxy.core.errors import ApiError
-from proxy.core.resume_context import Context
+from proxy.core.resume_context import Context, bare, decode as decode_context
 from proxy.edge.auth import tenant_from_header
-from proxy.edge.openai_api import Generation, sse_events
+from proxy.edge.openai_api import Generation, counted, sse_events
 from proxy.edge.protocol import ChatCompletionRequest, CompletionRequest
-from proxy.edge.resumable import ResumableStream, respond
+from proxy.edge.replay import SeenTokens
+from proxy.edge.resumable import ResumableStream, ResumePoint, parse_event_id, respond
 from proxy.edge.streaming import ChatFormat, ChoiceState, CompletionFormat
 from proxy.edge.tools import ToolCallFormat
 
@@ -54,18 +68,18 @@ async def resume_stream(response_id: str, request: Request) -> Response:
         tenant = None
         if services.cluster.tenants.auth_enabled:
             tenant = tenant_from_header(services.cluster.tenants, request.headers.get("authorization")).name
-        after = _last_event_id(request)
-        stream = await find_or_take(services, response_id, tenant, after)
-        reader = stream.attach(after)
+        point = _last_event(request)
+        stream = await find_or_take(services, response_id, tenant, point)
+        reader = stream.attach(point.event)
     except ApiError as error:
         return error.response()
     services.metrics.resumed_streams.inc()
-    log.info("response %s resumed after event %d", response_id, after)
-    return respond(request, stream, reader, after)
+    log.info("response %s resumed after event %d", response_id, point.event)
+    return respond(request, stream, reader, point.event)
 
 
-async def find_or_take(services, response_id: str, tenant: str | None, after: int) -> ResumableStream:
-    """The stream ``response_id`` of ``tenant`` (None: anyone's) with its events up to ``after`` in: this proxy's, or
+async def find_or_take(services, response_id: str, tenant: str | None, point: ResumePoint) -> ResumableStream:
+    """The stream ``response_id`` of ``tenant`` (None: anyone's) with its events up to ``point`` in: this proxy's, or
     a lost proxy's taken over. ApiError 404 when there is none (as ``StreamStore.find`` says), 503 while another
     proxy still holds it."""
     store = services.streams
@@ -79,31 +93,64 @@ async def find_or_take(services, response_id: str, tenant: str | None, after: in
         else:
             future = store.taking[response_id] = asyncio.get_running_loop().create_future()
             try:
-                await _take_over(services, response_id, tenant, after)
+                await _take_over(services, response_id, tenant, point)
             finally:
                 del store.taking[response_id]
                 future.set_result(None)
     return store.find(response_id, tenant)
 
 
-async def _take_over(services, response_id: str, tenant: str | None, after: int) -> None:
+async def _take_over(services, response_id: str, tenant: str | None, point: ResumePoint) -> None:
     await services.cluster.joined()  # a proxy just restarted asks its workers once they found it again
     found = await services.cluster.find_stream(response_id, tenant)
     if found is None:
-        return
+        found = await _recompute(services, response_id, tenant, point)
+        if found is None:
+            return
     context, group = found
     try:
-        generation, endpoint = _generation(services, response_id, context)
+        generation, endpoint, tokenizer = _generation(services, response_id, context)
     except Exception:
         group.cancel("the proxy could not rebuild the stream it took over")
         raise
-    stream = services.streams.feed(response_id, context.tenant,
-                                   lambda s: _produce(generation, group, services.metrics, endpoint, s), group.cancel)
-    await stream.until(after)
+    seen = None
+    if point.tokens is not None:
+        seen = SeenTokens(point.tokens, lambda: TextState(tokenizer, context.prompt, context.params))
+    stream = services.streams.feed(
+        response_id, context.tenant,
+        lambda s: counted(generation, _produce(generation, group, services.metrics, endpoint, s, seen)),
+        group.cancel, bare(context), 0 if seen is None else point.event + 1)
+    await stream.until(point.event)
 
 
-def _generation(services, response_id: str, context: Context) -> tuple[Generation, str]:
-    """The response as the lost proxy built it, from its context."""
+async def _recompute(services, response_id: str, tenant: str | None,
+                     point: ResumePoint) -> tuple[Context, RequestGroup] | None:
+    """The double failure: the stream's context from the shared store, and its choice computed again; None when
+    there is no context (or no shared store, or the client's id carries no token count), it is another tenant's,
+    or another proxy took it first."""
+    shared = services.streams.shared
+    if shared is None or point.tokens is None or len(point.tokens) != 1:
+        return None
+    raw = await shared.peek(response_id)
+    if raw is None:
+        return None
+    try:
+        context = decode_context(raw)
+    except ValueError as error:
+        log.warning("response %s: the shared store holds a resume context this proxy cannot read (%s)", response_id,
+                    error)
+        return None
+    if tenant is not None and tenant != context.tenant:
+        return None
+    group = services.cluster.recompute(response_id, context, point.tokens[0])  # 503 with no worker: retried
+    if await shared.claim(response_id) is None:
+        group.cancel("another proxy took the stream over first")
+        return None
+    return context, group
+
+
+def _generation(services, response_id: str, context: Context) -> tuple[Generation, str, object]:
+    """The response as the lost proxy built it, from its context; its endpoint and tokenizer."""
     static = msgspec.msgpack.decode(context.static)
     endpoint = static["endpoint"]
     request_model, format_cls = (ChatCompletionRequest, ChatFormat) if endpoint == "chat" else \
@@ -114,26 +161,20 @@ def _generation(services, response_id: str, context: Context) -> tuple[Generatio
     if getattr(body, "tool_use", None) is not None:
         fmt = ToolCallFormat(fmt, body.tool_use)
     return Generation(response_id, static["created"], body.model, [context.prompt], [ChoiceState(0, 0)], fmt,
-                       body.include_usage, served_headers(choice)), endpoint
+                      body.include_usage, served_headers(choice)), endpoint, choice.tokenizer
 
 
-async def _produce(generation: Generation, group: RequestGroup, metrics, endpoint: str,
-                   stream: ResumableStream) -> AsyncIterator[str]:
-    """The stream's events: the replayed ones (in the group's sink already), then the live ones."""
+async def _produce(generation: Generation, group: RequestGroup, metrics, endpoint: str, stream: ResumableStream,
+                   seen: SeenTokens | None) -> AsyncIterator[str]:
+    """The stream's events: the replayed ones (in the group's sink already; with ``seen``, those past the client's
+    tokens), then the live ones."""
     first = await group.next_batch()
     if first is None:
         return
-    async for event in sse_events(generation, group, first, _NO_WATCHER, metrics, endpoint, lambda: stream.expired):
+    async for event in sse_events(generation, group, first, _NO_WATCHER, metrics, endpoint, lambda: stream.expired,
+                                  seen=seen):
         yield event
 
 
-def _last_event_id(request: Request) -> int:
-    raw = request.headers.get("last-event-id", request.query_params.get("last_event_id", "-1"))
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -2
-    if value < -1 or value > 1 << 62:
-        raise ApiError(400, f"Last-Event-ID must be an event number of the stream (or -1 for all), got {raw!r}",
-                       code="invalid_value", param="Last-Event-ID")
-    return value
+def _last_event(request: Request) -> ResumePoint:
+    return parse_event_id(request.headers.get("last-event-id", request.query_params.get("last_event_id", "-1")))
