@@ -283,8 +283,9 @@ async def sse_events(gen: Generation, group: RequestGroup, first: list[Event], w
     client's connection, or into a resumable stream. ``coalesce``: a batch's events as one piece of text (one
     write), and once the first is out, plain tokens written as they come (``Generation.write``, through
     ``streaming.token_writer``); otherwise one event a piece, each yielded as soon as it is built (the choices'
-    state is then as of that event: ``counted``). ``seen``: the tokens a reconnecting client has (``proxy.edge.replay``),
-    which go through the pipeline without an event (nor the chat's first event, which it has too)."""
+    state is then as of that event: ``counted``). ``seen``: the tokens a reconnecting client has
+    (``proxy.edge.replay``), which go through the pipeline without an event (nor the chat's first event, which it
+    has too)."""
     status = "200"
     chunks, choices, logprob_text = gen.chunks, gen.choices, gen.fmt.logprob_text
     out: list[str] = []
