@@ -186,7 +186,7 @@ def request_timeout(raw: str | None) -> float | None:
 async def admit(services, body, format_cls, tenant: Tenant, timeout_s: float | None,
                 headers, resumable: bool = False) -> tuple[Generation, RequestGroup]:
     """Admit ``body``: its response's state and the group of its choices. ``resumable``: a resumable stream, whose
-    one choice (not a response of several) carries what another proxy needs to take it over (``resume_static``)."""
+    choices carry what another proxy needs to take it over (``resume_static``)."""
     config, cluster = services.config, services.cluster
     services.models.check(body.model)
     await cluster.joined()
@@ -225,8 +225,8 @@ async def admit(services, body, format_cls, tenant: Tenant, timeout_s: float | N
     base_seed = params.seed if params.seed is not None else secrets.randbits(63)
     operation = "chat" if isinstance(body, ChatCompletionRequest) else "text_completion"
     created = int(time.time())
-    resume = ResumeInfo(response_id, config.requests.resume_window_s, resume_static(body, created)) \
-        if resumable and len(prompts) * params.n == 1 else None
+    resume = ResumeInfo(response_id, config.requests.resume_window_s, resume_static(body, created),
+                        choices=len(prompts) * params.n) if resumable else None
     group = cluster.submit(response_id, prompts, params, base_seed, tenant, timeout_s, model=choice.key,
                            session=session, trace_parent=incoming_context(headers),
                            trace_attributes={"gen_ai.operation.name": operation, "gen_ai.request.model": body.model,
@@ -237,10 +237,9 @@ async def admit(services, body, format_cls, tenant: Tenant, timeout_s: float | N
 
 
 def shared_context(group: RequestGroup) -> bytes | None:
-    """A resumable stream's context for the shared store (``proxy.edge.shared_streams``); None for a response that
+    """A resumable stream's contexts for the shared store (``proxy.edge.shared_streams``); None for a response that
     is not resumable past its proxy."""
-    resume = len(group.subs) == 1 and group.subs[0].resume is not None
-    return stored(group.subs[0]) if resume else None
+    return stored(group.subs) if group.subs[0].resume is not None else None
 
 
 def resume_static(body, created: int) -> bytes:

@@ -19,10 +19,11 @@ from proxy.core.requests import TokenEvent
 
 
 class SeenTokens:
-    """The tokens of each choice a reconnecting client has (``tokens``); ``text_state()``: a fresh text state of the
-    request's (its tokenizer, prompt and sampling parameters), to split an event that straddles them."""
+    """The tokens of each choice a reconnecting client has (``tokens``); ``text_state(index)``: a fresh text state of
+    choice ``index`` (the request's tokenizer, the choice's prompt and sampling parameters), to split an event that
+    straddles them."""
 
-    def __init__(self, tokens: tuple[int, ...], text_state: Callable[[], TextState]) -> None:
+    def __init__(self, tokens: tuple[int, ...], text_state: Callable[[int], TextState]) -> None:
         self._tokens = tokens
         self._text_state = text_state
 
@@ -36,7 +37,7 @@ class SeenTokens:
             return None, event
         if known >= len(event.token_ids):
             return event, None
-        state = self._text_state()
+        state = self._text_state(event.index)
         state.update(had + event.token_ids[:known])
         cut = max(0, len(state.text) - len(had_text))
         head = TokenEvent(event.index, event.text[:cut], event.token_ids[:known], _part(event.logprobs, 0, known),

@@ -44,7 +44,7 @@ from common.text.tokenizer import TextState
 from proxy.cluster.request_group import RequestGroup
 from proxy.cluster.served_models import served_headers
 from proxy.core.errors import ApiError
-from proxy.core.resume_context import Context, bare, decode as decode_context
+from proxy.core.resume_context import Context, decode_stored, kept
 from proxy.edge.auth import tenant_from_header
 from proxy.edge.openai_api import Generation, counted, sse_events
 from proxy.edge.protocol import ChatCompletionRequest, CompletionRequest
@@ -102,55 +102,73 @@ async def find_or_take(services, response_id: str, tenant: str | None, point: Re
 
 async def _take_over(services, response_id: str, tenant: str | None, point: ResumePoint) -> None:
     await services.cluster.joined()  # a proxy just restarted asks its workers once they found it again
-    found = await services.cluster.find_stream(response_id, tenant)
-    if found is None:
-        found = await _recompute(services, response_id, tenant, point)
-        if found is None:
-            return
-    context, group = found
+    cluster = services.cluster
+    contexts, subs, sink = await cluster.find_stream(response_id, tenant)
     try:
-        generation, endpoint, tokenizer = _generation(services, response_id, context)
+        contexts = await _complete(services, response_id, tenant, point, contexts, subs, sink)
+    except BaseException:
+        for sub in subs:
+            cluster.cancel(sub, "the proxy could not take the whole stream over")
+        raise
+    if contexts is None:
+        for sub in subs:
+            cluster.cancel(sub, "the proxy could not take the whole stream over")
+        return
+    group = cluster.group(subs, sink)
+    try:
+        generation, endpoint, tokenizer = _generation(services, response_id, contexts)
     except Exception:
         group.cancel("the proxy could not rebuild the stream it took over")
         raise
     seen = None
     if point.tokens is not None:
-        seen = SeenTokens(point.tokens, lambda: TextState(tokenizer, context.prompt, context.params))
+        seen = SeenTokens(point.tokens, lambda index: TextState(tokenizer, contexts[index].prompt,
+                                                                contexts[index].params))
     stream = services.streams.feed(
-        response_id, context.tenant,
+        response_id, contexts[0].tenant,
         lambda s: counted(generation, _produce(generation, group, services.metrics, endpoint, s, seen)),
-        group.cancel, bare(context), 0 if seen is None else point.event + 1)
+        group.cancel, kept(contexts), 0 if seen is None else point.event + 1)
     await stream.until(point.event)
 
 
-async def _recompute(services, response_id: str, tenant: str | None,
-                     point: ResumePoint) -> tuple[Context, RequestGroup] | None:
-    """The double failure: the stream's context from the shared store, and its choice computed again; None when
-    there is no context (or no shared store, or the client's id carries no token count), it is another tenant's,
-    or another proxy took it first."""
-    shared = services.streams.shared
-    if shared is None or point.tokens is None or len(point.tokens) != 1:
+async def _complete(services, response_id: str, tenant: str | None, point: ResumePoint, contexts: list[Context],
+                    subs: list, sink) -> list[Context] | None:
+    """Every choice's context, by index, once each choice the workers did not hold is computed again (appended to
+    ``subs``, into ``sink``); None when the stream cannot be taken over whole: a choice is missing and there is
+    no context to compute it from (no shared store, no token count in the client's id, another tenant's, another
+    proxy took it first), or the events of several choices cannot be numbered as the client saw them (a plain
+    event number)."""
+    choices = contexts[0].choices if contexts else None
+    if point.tokens is None:
+        return contexts if choices == 1 else None
+    if choices is not None and len(point.tokens) != choices:
         return None
-    raw = await shared.peek(response_id)
+    missing = [i for i in range(len(point.tokens)) if i not in {c.index for c in contexts}]
+    if not missing:
+        return contexts
+    shared = services.streams.shared
+    raw = await shared.peek(response_id) if shared is not None else None
     if raw is None:
         return None
     try:
-        context = decode_context(raw)
+        stored = decode_stored(raw)
     except ValueError as error:
-        log.warning("response %s: the shared store holds a resume context this proxy cannot read (%s)", response_id,
+        log.warning("response %s: the shared store holds resume contexts this proxy cannot read (%s)", response_id,
                     error)
         return None
-    if tenant is not None and tenant != context.tenant:
+    if len(stored) != len(point.tokens) or (tenant is not None and tenant != stored[0].tenant):
         return None
-    group = services.cluster.recompute(response_id, context, point.tokens[0])  # 503 with no worker: retried
-    if await shared.claim(response_id) is None:
-        group.cancel("another proxy took the stream over first")
+    for index in missing:  # ApiError 503 with no worker to run it: the client retries
+        subs.append(services.cluster.recompute(response_id, stored[index], point.tokens[index], sink))
+    if await shared.claim(response_id) is None:  # another proxy computes it
         return None
-    return context, group
+    found = {c.index: c for c in contexts}
+    return [found.get(i, stored[i]) for i in range(len(stored))]
 
 
-def _generation(services, response_id: str, context: Context) -> tuple[Generation, str, object]:
-    """The response as the lost proxy built it, from its context; its endpoint and tokenizer."""
+def _generation(services, response_id: str, contexts: list[Context]) -> tuple[Generation, str, object]:
+    """The response as the lost proxy built it, from its choices' contexts; its endpoint and tokenizer."""
+    context = contexts[0]
     static = msgspec.msgpack.decode(context.static)
     endpoint = static["endpoint"]
     request_model, format_cls = (ChatCompletionRequest, ChatFormat) if endpoint == "chat" else \
@@ -160,8 +178,10 @@ def _generation(services, response_id: str, context: Context) -> tuple[Generatio
     fmt = format_cls(choice.token_text, context.params.logprobs is not None)
     if getattr(body, "tool_use", None) is not None:
         fmt = ToolCallFormat(fmt, body.tool_use)
-    return Generation(response_id, static["created"], body.model, [context.prompt], [ChoiceState(0, 0)], fmt,
-                      body.include_usage, served_headers(choice)), endpoint, choice.tokenizer
+    prompts = {c.prompt_index: c.prompt for c in contexts}
+    return Generation(response_id, static["created"], body.model, [prompts[p] for p in sorted(prompts)],
+                      [ChoiceState(c.index, c.prompt_index) for c in contexts], fmt, body.include_usage,
+                      served_headers(choice)), endpoint, choice.tokenizer
 
 
 async def _produce(generation: Generation, group: RequestGroup, metrics, endpoint: str, stream: ResumableStream,

@@ -150,5 +150,6 @@ def test_a_stream_whose_proxy_and_decode_worker_both_die_is_computed_again(clust
     check(reference, faulted)
     recomputed = sum(total(cluster.get("/metrics", base=base)[1], "tessera_proxy_streams_recomputed_total")
                      for base in cluster.proxy_urls)
+    print(f"{recomputed:g} computed again from Redis")
     assert recomputed > 0, "some stream of the killed proxy was on the killed worker"
     no_page_left(cluster, ("prefill-0", "decode-1"))

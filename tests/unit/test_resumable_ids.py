@@ -98,7 +98,7 @@ def test_a_stream_computed_again_in_speculative_steps_sends_only_what_the_client
     for last in range(len(first_run) - 2):  # the client got events 0..last, then its proxy and worker died
         (seen_tokens,) = first_run[last][1]
         straddled += seen_tokens % 3 != 0
-        seen = SeenTokens((seen_tokens,), lambda: TextState(tokenizer, prompt, PARAMS))
+        seen = SeenTokens((seen_tokens,), lambda _: TextState(tokenizer, prompt, PARAMS))
         rest = respond(tokenizer, prompt, worker_events(tokenizer, prompt, output, 3), chat, seen)
         had = "".join(content(data)[0] for data, _ in first_run[:last + 1])
         assert had + "".join(content(data)[0] for data, _ in rest) == whole, f"after event {last}"
