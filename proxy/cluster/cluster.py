@@ -518,7 +518,8 @@ class Cluster:
 
     def _on_stream_found(self, sender: str, msg: StreamFound, now: float) -> None:
         search = self._searches.get(msg.response_id)
-        if msg.status == "found" and (search is None or search.done.done()):  # nobody here wants it now
+        if msg.status == "found" and search is None:  # nobody here wants it now (a search's answers that came in
+            # the same batch as its last worker's first are still its: they were sent together)
             log.warning("response %s: worker %r handed over request %s that nobody asked for; aborting it",
                         msg.response_id, sender, msg.request_id)
             self.send(sender, Abort(msg.request_id))
@@ -738,6 +739,17 @@ class Cluster:
                 self._act(sub, Stage.DECODING, sub.hand_over())
                 handed.add(sub.resume.key)
         return handed
+
+    def give_back(self, subs: list[SubRequest], reason: str) -> None:
+        """Choices this proxy took over from their workers (``find_stream``) but cannot serve after all
+        (``reason``): back to those workers as a lost proxy's (``LeaveStream``), for the client's next try; one
+        that ended, or on a worker too old for that, is cancelled."""
+        for sub in subs:
+            if sub.stage is Stage.DECODING and self.peer_versions.get(
+                    sub.decode_worker, PROTOCOL_VERSION) >= MESSAGE_SINCE["LeaveStream"]:
+                self._act(sub, Stage.DECODING, sub.hand_over())
+            else:
+                self.cancel(sub, reason)
 
     def cancel_all(self, reason: str) -> None:
         self.start_draining()

@@ -104,16 +104,17 @@ async def _take_over(services, response_id: str, tenant: str | None, point: Resu
     await services.cluster.joined()  # a proxy just restarted asks its workers once they found it again
     cluster = services.cluster
     contexts, subs, sink = await cluster.find_stream(response_id, tenant)
+    taken, whole = list(subs), None
     try:
-        contexts = await _complete(services, response_id, tenant, point, contexts, subs, sink)
-    except BaseException:
-        for sub in subs:
-            cluster.cancel(sub, "the proxy could not take the whole stream over")
-        raise
-    if contexts is None:
-        for sub in subs:
-            cluster.cancel(sub, "the proxy could not take the whole stream over")
+        whole = await _complete(services, response_id, tenant, point, contexts, subs, sink)
+    finally:
+        if whole is None:  # the workers keep what they held, for the client's next try
+            cluster.give_back(taken, "the proxy could not take the whole stream over")
+            for sub in subs[len(taken):]:
+                cluster.cancel(sub, "the proxy could not take the whole stream over")
+    if whole is None:
         return
+    contexts = whole
     group = cluster.group(subs, sink)
     try:
         generation, endpoint, tokenizer = _generation(services, response_id, contexts)

@@ -15,6 +15,7 @@ import threading
 
 import httpx
 import msgspec
+import pytest
 import redis
 from websockets.sync.client import connect
 
@@ -258,6 +259,61 @@ def test_a_stream_whose_proxy_and_decode_worker_are_both_lost_is_computed_again(
         survivor = other if holder is decode else decode
         assert survivor.decoding() == 0
         settle(lambda: store.keys(key + "*"), lambda keys: not keys, PATIENCE_S, "and leaves no context in Redis")
+    finally:
+        frozen.set()
+        for worker in workers:
+            worker.stop(goodbye=False)
+
+
+@pytest.mark.parametrize("lose_worker", [False, True], ids=["worker-alive", "worker-lost-too"])
+def test_a_response_of_several_choices_is_taken_over_choice_by_choice(make_proxy, script, redis_server,  # noqa: F811
+                                                                      lose_worker):
+    """``n`` = 2 and two prompts: four choices, whose events interleaved as the lost proxy got them. The client's
+    id counts each choice's tokens; the proxy taking over sends each choice's rest (taken over from its worker, or
+    computed again when that worker is lost too) numbered from the next event, in whatever order they come."""
+    workers, frozen = [], threading.Event()
+    try:
+        (a, b), decode = start(make_proxy, script, workers, shared_state={"redis_url": redis_server.url})
+        decoders = [decode]
+        if lose_worker:  # another decode worker: the choices on the one lost are computed again, the rest taken over
+            other = FakeWorker(",".join(p.endpoint for p in (a, b)), "d1", "decode", script * REPEATS,
+                               token_interval_s=0.02)
+            workers.append(other.start())
+            settle(lambda: other._worker is not None and other._worker.registered, bool, PATIENCE_S, "d1 registers")
+            decoders.append(other)
+        body = {"model": MODEL, "prompt": ["Hi", "Hello"], "n": 2, "max_tokens": 40, "stream": True, "logprobs": 1,
+                "stream_options": {"include_usage": True}}
+        whole = parse(a.http.post("/v1/completions", json=body, headers=RESUMABLE).text)
+        with a.http.stream("POST", "/v1/completions", json=body, headers=RESUMABLE) as response:
+            response_id = response.headers["x-response-id"]
+            first, last = read_ids(response.iter_lines(), 10)
+            settle(lambda: redis.Redis.from_url(redis_server.url).get("tessera:stream:" + response_id), bool,
+                   PATIENCE_S, "its contexts are in Redis")
+        assert len(last.split(".")) == 5, "the event's number, then the tokens of each of the four choices"
+        a.services.link._loop.call_soon_threadsafe(frozen.wait, 4 * PATIENCE_S)  # the first proxy hangs: dead
+        for worker in decoders:
+            worker.lose_proxy(0)
+        settle(lambda: sum(w._worker.owners.orphans for w in decoders), lambda n: n == 4, PATIENCE_S,
+               "the workers keep every choice")
+        lost = max(decoders, key=lambda w: w._worker.owners.orphans)
+        recomputed = lost._worker.owners.orphans if lose_worker else 0
+        print(f"{recomputed} of the 4 choices to compute again")
+        if lose_worker:
+            lost.stop(goodbye=False)
+            settle(lambda: lost.worker_id in b.services.cluster.registry.workers, lambda known: not known,
+                   PATIENCE_S, "the proxy sees the worker gone")
+        assert_openai_error(b.http.get(f"/v1/streams/{response_id}", headers={"Last-Event-ID": last.split(".")[0]}),
+                            404, "resume_window_s")  # a plain event number: the choices' order is unknown
+        resumed = b.http.get(f"/v1/streams/{response_id}", headers={"Last-Event-ID": last})
+        assert resumed.status_code == 200, resumed.text
+        rest = parse(resumed.text)
+        assert [n for n, _ in first + rest] == list(range(len(first) + len(rest))), "no event repeated or missing"
+        assert text_of(first + rest) == text_of(whole), "each choice's text"
+        assert json.loads(rest[-2][1])["usage"] == json.loads(whole[-2][1])["usage"], "the whole response's usage"
+        metrics = b.http.get("/metrics").text
+        assert total(metrics, "tessera_proxy_streams_recomputed_total") == recomputed
+        settle(lambda: dict(b.services.cluster.inflight), lambda inflight: not inflight, PATIENCE_S,
+               "every choice ends on the proxy that took the stream over")
     finally:
         frozen.set()
         for worker in workers:
