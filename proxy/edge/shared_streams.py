@@ -1,15 +1,15 @@
 """The resume contexts of a proxy's resumable streams in the shared store, for the double failure: its proxy and the
 decode worker holding a stream both lost.
 
-With ``shared_state.redis_url`` set, a resumable stream of one choice keeps its resume context
-(``proxy.core.resume_context.stored``: the request body, the choice's parameters, seed, prompt, model and tenant;
-not its events) under ``<key_prefix>stream:<response id>`` while it runs on this proxy (``keep``), and it is
+With ``shared_state.redis_url`` set, a resumable stream keeps its choices' resume contexts
+(``proxy.core.resume_context.stored``: the request body, each choice's parameters, seed, prompt, model and tenant;
+not their events) under ``<key_prefix>stream:<response id>`` while it runs on this proxy (``keep``), and they are
 deleted when the stream ends here (``forget``; a stream handed over to another proxy as this one drains is left
 there for it). Each key expires ``resume_window_s`` plus two refresh periods after this proxy last renewed it
-(``REFRESHES_PER_WINDOW`` times a window), so a context outlives its proxy by at least the window in which its
-client may come back. A proxy taking a stream over when no worker holds it any more reads the context back
-(``peek``), takes it (``claim``: read and deleted in one transaction, so that one proxy computes it again) and keeps
-it as its own from then on (``proxy.edge.takeover``).
+(``REFRESHES_PER_WINDOW`` times a window), so the contexts outlive their proxy by at least the window in which its
+client may come back. A proxy taking a stream over when no worker holds a choice of it reads them back (``peek``),
+takes them (``claim``: read and deleted in one transaction, so that one proxy computes them again) and keeps them as
+its own from then on (``proxy.edge.takeover``).
 
 Writes are batched: what changed since the last flush goes in one pipeline every ``shared_state.interval_s``, each
 round trip bounded by ``shared_state.timeout_s``. A stream that started less than that before its proxy died has no

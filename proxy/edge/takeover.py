@@ -1,33 +1,35 @@
 """Reconnecting to a resumable stream: ``GET /v1/streams/{response id}`` (and the WebSocket's resume), from this
-proxy's streams, taken over from the decode worker of a proxy that is gone, or computed again when that worker is
-gone too.
+proxy's streams, taken over from the decode workers of a proxy that is gone, or computed again when a worker is gone
+too.
 
 A stream this proxy does not hold may be a lost proxy's (its process died, or was restarted): its workers keep such
-a stream running for ``requests.resume_window_s`` (``common/runtime/proxy_links.py``). This proxy then asks every
-worker for it (``Cluster.find_stream``); the one holding it makes it this proxy's and sends what the lost proxy put
-in its context (``proxy.core.resume_context``: the request body, the choice's parameters, its first events) with
-every step it emitted since. From those the response is rebuilt as the lost proxy built it (the format, its tools,
-logprobs, the response id and time) and every event goes through it again, one event per step as before. With a
-``Last-Event-ID`` of this release (``N.T``: the client has T tokens through event N,
-``proxy.edge.resumable.event_id``), the first T tokens go through silently and the events after them are numbered
-N+1, N+2, ... (``proxy.edge.replay``); with a plain ``N``, the events come out numbered as the client saw them and
-those after N go to it. Then the live ones. Two clients asking at once: the first takes the stream over, the second
-then reconnects to it here (and ends the first's reader, as any reconnect does); on two proxies, the worker gives it
-to the first to ask and the other answers 503 with Retry-After while that proxy holds it.
+a stream's choices running for ``requests.resume_window_s`` (``common/runtime/proxy_links.py``). This proxy then
+asks every worker for it (``Cluster.find_stream``); each one holding a choice makes it this proxy's and sends what
+the lost proxy put in its context (``proxy.core.resume_context``: the request body, the choice's parameters, its
+first events) with every step it emitted since. From those the response is rebuilt as the lost proxy built it (the
+format, its tools, logprobs, the response id and time) and every event goes through it again, one event per step
+as before. With a ``Last-Event-ID`` of this release (``N.T``, or ``N.T0.T1...`` for several choices: the client has
+T tokens of each choice through event N, ``proxy.edge.resumable.event_id``), each choice's first T tokens go
+through silently and the events after them are numbered N+1, N+2, ... in whatever order the choices' events come
+(``proxy.edge.replay``). With a plain ``N`` (a response of one choice only), the events come out numbered as the
+client saw them and those after N go to it. Then the live ones. Two clients asking at once: the first takes the
+stream over, the second then reconnects to it here (and ends the first's reader, as any reconnect does); on two
+proxies, the worker gives it to the first to ask and the other answers 503 with Retry-After while that proxy holds
+it.
 
-The double failure: no worker holds the stream (its decode worker died after its proxy), and the client's id says
-how many tokens it has. With ``shared_state.redis_url``, the lost proxy stored the stream's context there
-(``proxy.edge.shared_streams``); this proxy reads it (another tenant's is not found), computes the choice again on
-a live worker with the same seed (``Cluster.recompute``: greedy or seeded sampling gives the same tokens; float32 is
-bit-exact) and sends only what follows the client's T tokens, split inside a speculative step if need be. It takes
-the context (one proxy computes it) and keeps it as its own. Without the shared store, or with a plain ``N``, the
-answer is 404 as for an unknown stream.
+A choice no worker holds (its decode worker died after its proxy: the double failure; or, of several, it ended
+before its proxy died, and its worker forgot it): with ``shared_state.redis_url``, the lost proxy stored every
+choice's context there (``proxy.edge.shared_streams``); this proxy reads them (another tenant's are not found),
+computes each missing choice again on a live worker with its seed (``Cluster.recompute``: greedy or seeded sampling
+gives the same tokens; float32 is bit-exact) and sends only what follows the client's T, split inside a speculative
+step if need be. It takes the contexts (one proxy computes them) and keeps them as its own. A stream it cannot take
+over whole (no shared store, a plain ``N``, another proxy took the contexts first) is 404 as an unknown one, and the
+choices it took from the workers go back to them (``Cluster.give_back``) for the client's next try.
 
 The tenant is charged only for the tokens generated after the takeover (``SubRequest.adopt``), or, computed again,
 after the client's T (``Cluster.recompute``); what the lost proxy charged died with it unless shared through Redis,
 and the steps between its death and the takeover are charged to nobody. The final chunk's usage is the whole
-response's. A response of several choices (``n`` > 1, several prompts) is not resumable past its proxy: the order
-its choices' events interleaved in was that proxy's alone, and its ids' per-choice counts are not used yet.
+response's.
 """
 from __future__ import annotations
 
