@@ -50,7 +50,8 @@ class Stream:
     ended_at: float | None = None
     text: str = ""
     disconnect_after: int | None = None  # resumable: the client drops its connection after this many tokens, resumes
-    last_event_id: int = -1  # resumable: the last event id read
+    last_event_id: int = -1  # resumable: the number of the last event read
+    last_event_tag: str = "-1"  # resumable: the last event's whole id (N.T: with the tokens the client has)
     # resumable: each time its connection broke, {"at", "by_client", "tries", "resumed_at" (None: never)}
     reconnects: list[dict] = field(default_factory=list)
 

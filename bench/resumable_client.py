@@ -1,15 +1,15 @@
 """A client of resumable streams (header ``X-Resumable: true``) that picks its stream up again when its connection
 breaks, as the fault benchmarks run it (``bench.soak --proxies N``, ``--disconnect-fraction``).
 
-It sends the request to the cluster's one port and reads the numbered events (``id: N``, then ``data: ...``). When
+It sends the request to the cluster's one port and reads the numbered events (``id: N.T``, then ``data: ...``). When
 the connection breaks before ``[DONE]`` (its proxy process died, or the client drops it on purpose at
 ``Stream.disconnect_after`` tokens), it reconnects to the same port with ``GET /v1/streams/{response id}`` and
-``Last-Event-ID`` of the last event it read, and goes on reading; with an ``httpx`` client that keeps no idle
-connection, each try is a new connection, which the kernel gives to any of the proxy processes. A reconnect
-answered 404, 503 or not at all is tried again every ``RETRY_PAUSE_S`` until ``patience_s`` after the break: a
-proxy that has not taken the stream over yet answers 503, and one that cannot (no takeover, or another process than
-the one holding the stream) 404. A timeout reading is a break like any other. Each reconnect is recorded in
-``Stream.reconnects``.
+``Last-Event-ID`` of the last event it read (its whole id: proxy/edge/resumable.py), and goes on reading; with an
+``httpx`` client that keeps no idle connection, each try is a new connection, which the kernel gives to any of the
+proxy processes. A reconnect answered 404, 503 or not at all is tried again every ``RETRY_PAUSE_S`` until
+``patience_s`` after the break: a proxy that has not taken the stream over yet answers 503, and one that cannot (no
+takeover, or another process than the one holding the stream) 404. A timeout reading is a break like any other. Each
+reconnect is recorded in ``Stream.reconnects``.
 
 Lost, besides ``bench.fault_harness.outcome``'s ways: ``event_ids`` (an event id repeated or skipped: the first id
 after a reconnect must follow the last one read), ``resume_<status>`` or ``resume_connection`` (no reconnect got
@@ -81,7 +81,7 @@ async def _resume(client: httpx.AsyncClient, url: str, stream: Stream, broke: _B
     failure, error = "resume_connection", ""
     while time.time() < deadline:
         record["tries"] += 1
-        headers = {"Last-Event-ID": str(stream.last_event_id)}
+        headers = {"Last-Event-ID": stream.last_event_tag}
         try:
             async with client.stream("GET", f"{url}/v1/streams/{stream.response_id}", headers=headers) as response:
                 if response.status_code == 200:
@@ -103,10 +103,11 @@ async def _read_events(response: httpx.Response, stream: Stream, record: dict | 
     """Read numbered events into ``stream`` until it ends (None), or breaks (``_Broke``: the response ended before
     [DONE], or the client drops it at ``disconnect_after`` tokens). ``record``: the reconnect being read, whose
     ``resumed_at`` is its first event's time."""
-    event_id = None
+    event_id = tag = None
     async for line in response.aiter_lines():
         if line.startswith("id: "):
-            event_id = int(line[len("id: "):])
+            tag = line[len("id: "):]
+            event_id = int(tag.partition(".")[0])
             if event_id != stream.last_event_id + 1:
                 stream.failure = "event_ids"
                 stream.error = f"event {event_id} after event {stream.last_event_id}"
@@ -115,7 +116,7 @@ async def _read_events(response: httpx.Response, stream: Stream, record: dict | 
             if event_id is None:
                 stream.failure, stream.error = "event_ids", f"an event without an id after {stream.last_event_id}"
                 return None
-            stream.last_event_id, event_id = event_id, None
+            stream.last_event_id, stream.last_event_tag, event_id = event_id, tag, None
             if record is not None and record["resumed_at"] is None:
                 record["resumed_at"] = time.time()
             if take_data(stream, line[len("data: "):]):

@@ -102,6 +102,9 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
                                       config.sessions.conversation_store_timeout_s) if config.sessions.conversation_store_path else None
     services = Services(config, tokenizer, TokenText(tokenizer), metrics, cluster, models, link, conversations,
                         StreamStore(config, metrics), int(time.time()))
+    if config.shared_state.redis_url:  # resume contexts for a stream whose proxy and worker are both lost
+        from proxy.edge.shared_streams import SharedStreams
+        services.streams.shared = SharedStreams(config, cluster.limits.share.client)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -114,6 +117,8 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
         tac_task = asyncio.create_task(cluster.run_controller(), name="tac") if cluster.tac is not None else None
         shared = cluster.limits.share if config.shared_state.redis_url else None
         shared_task = asyncio.create_task(shared.run(), name="shared-state") if shared is not None else None
+        contexts = services.streams.shared
+        contexts_task = asyncio.create_task(contexts.run(), name="stream-contexts") if contexts is not None else None
         lease = getattr(cluster.tac and cluster.tac.planner, "lease", None)
         lease_task = asyncio.create_task(lease.run(), name="planner-lease") if hasattr(lease, "run") else None
         reloader = ConfigReloader(source, config, cluster, metrics) if source is not None else None
@@ -142,12 +147,17 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
                 await lease.release()
             if shared_task is not None:
                 shared_task.cancel()
-                await shared.close()
+            if contexts_task is not None:
+                contexts_task.cancel()
             cluster.cancel_all("the proxy is shutting down")
             if metering is not None:  # after the cancellations, so that their usage is in the last record
                 metering.close()
                 await asyncio.wait([metering_task])  # had it failed, the socket must still be closed
             await services.streams.close()
+            if contexts is not None:  # the contexts of the streams that ended: deleted
+                await contexts.flush()
+            if shared is not None:
+                await shared.close()
             await link.close()
             await cluster.kv_events.close()
             if conversations is not None:

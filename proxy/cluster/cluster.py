@@ -72,7 +72,13 @@ class _Search:
         self.waiting = waiting
         self.done = done
         self.owned = False  # a worker said a proxy still connected holds it
-        self.found: tuple[Context, RequestGroup] | None = None
+        self.found: list[tuple[Context, SubRequest]] = []  # the choices taken over, each with its context
+        self.sink = EventSink()  # theirs, with their events so far
+
+    @property
+    def complete(self) -> bool:
+        """Every worker answered, or every choice of the response was found."""
+        return not self.waiting or (bool(self.found) and len(self.found) == self.found[0][0].choices)
 
 
 class Cluster:
@@ -156,7 +162,9 @@ class Cluster:
         if sub.new_tokens:
             if self.slo.forecast is not None:
                 self.slo.tokens_emitted(sub, self._clock())
-            self._charge_output(sub, sub.new_tokens)
+            charged = min(sub.new_tokens, len(sub.output_ids) - sub.adopted)  # not what the client had (recompute)
+            if charged > 0:
+                self._charge_output(sub, charged)
             sub.new_tokens = 0
         self.limits.forecast.update(sub, first_tokens, self._clock())
         if before is Stage.PREFILLING and sub.stage is not Stage.PREFILLING and sub.prefill_worker is not None:
@@ -211,14 +219,11 @@ class Cluster:
         queue limit. ``timeout_s``: the client's deadline for being admitted; ``model``: the (name, version) whose
         workers alone serve it (None: any); ``session``: its conversation, routed to the worker holding it;
         ``trace_parent``: the caller's W3C trace context, continued by each sub-request's trace, whose root carries
-        ``trace_attributes``; ``resume``: a resumable stream's, of one choice, that another proxy may take over."""
+        ``trace_attributes``; ``resume``: a resumable stream's, that another proxy may take over (each choice gets
+        its own, ``ResumeInfo.choice``)."""
         if self.draining:
             raise self._unavailable("the proxy is shutting down and accepts no new requests")
-        decoders = [w for w in self.registry.decode_side() if model is None or (w.model, w.model_version) == model]
-        if not any(not w.draining for w in decoders):
-            why = "all of them are draining" if decoders else "none is registered"
-            raise self._unavailable(f"no worker can take the request: it needs a decode-capable worker "
-                                    f"(role decode or both) of its model version, and {why}")
+        self._check_decoders(model)
         tenant = tenant or self.tenants.default
         bind_request(request_id, tenant.name)  # the HTTP handler's later lines are about this request
         if self.config.observability.log_prompts:
@@ -242,13 +247,24 @@ class Cluster:
                 sub.ttft_forecast_s = forecast_s
                 sub.model, sub.session = model, session
                 sub.trace_parent, sub.trace_attributes = trace_parent, trace_attributes
-                sub.resume = resume
+                sub.resume = None if resume is None else resume.choice(index, p)
                 self.inflight[sub.request_id] = sub
                 if tenant.limited:
                     tenant.limiter.charge_tokens(len(prompt), now)
                 self.admission.enqueue(sub.request_id, tenant, len(prompt), sub)
                 subs.append(sub)
         self._dispatch()
+        return RequestGroup(subs, sink, self, self._clock)
+
+    def _check_decoders(self, model: tuple[str, str] | None) -> None:
+        decoders = [w for w in self.registry.decode_side() if model is None or (w.model, w.model_version) == model]
+        if not any(not w.draining for w in decoders):
+            why = "all of them are draining" if decoders else "none is registered"
+            raise self._unavailable(f"no worker can take the request: it needs a decode-capable worker "
+                                    f"(role decode or both) of its model version, and {why}")
+
+    def group(self, subs: list[SubRequest], sink: EventSink) -> RequestGroup:
+        """A group of choices taken over or computed again (``find_stream``, ``recompute``) into ``sink``."""
         return RequestGroup(subs, sink, self, self._clock)
 
     def _dispatch(self) -> None:
@@ -463,11 +479,12 @@ class Cluster:
 
     # -- a resumable stream of a lost proxy, taken over -------------------------------------------
 
-    async def find_stream(self, response_id: str, tenant: str | None) -> tuple[Context, RequestGroup] | None:
+    async def find_stream(self, response_id: str, tenant: str | None
+                          ) -> tuple[list[Context], list[SubRequest], EventSink]:
         """Ask every worker for resumable response ``response_id`` (``tenant``'s; None: anyone's) whose proxy is
-        lost, and take it over: its context and its group, whose sink holds every event it emitted so far; None when
-        no worker holds it. ApiError 503 when a proxy still connected to its worker holds it, or no worker is
-        registered here yet (the client retries).
+        lost, and take over each of its choices they hold: their contexts, their sub-requests, and the sink that
+        holds every event they emitted so far (no choice: none found). ApiError 503 when a proxy still connected
+        to its worker holds it, or no worker is registered here yet (the client retries).
         Each worker answers at once; one silent for ``heartbeat_timeout_s`` is taken for one without it."""
         asked = [w.worker_id for w in self.registry.workers.values()
                  if self.peer_versions.get(w.worker_id, PROTOCOL_VERSION) >= MESSAGE_SINCE["FindStream"]]
@@ -475,9 +492,10 @@ class Cluster:
             raise ApiError(503, f"cannot look for response {response_id} now: no worker is registered with this "
                            "proxy; try again", code="no_worker_available",
                            retry_after_s=self.config.requests.retry_after_s)
+        search = _Search(set(asked), asyncio.get_running_loop().create_future())
         if response_id in self._searches:
-            return None
-        search = self._searches[response_id] = _Search(set(asked), asyncio.get_running_loop().create_future())
+            return [], [], search.sink
+        self._searches[response_id] = search
         try:
             for worker_id in asked:
                 self.send(worker_id, FindStream(response_id, tenant or ""))
@@ -489,16 +507,19 @@ class Cluster:
                             self.config.heartbeat_timeout_s)
         finally:
             del self._searches[response_id]
-        if search.found is not None:
-            return search.found
+        if search.found:
+            self.metrics.streams_taken_over.inc()
+            found = sorted(search.found, key=lambda pair: pair[0].index)
+            return [context for context, _ in found], [sub for _, sub in found], search.sink
         if search.owned:
             raise ApiError(503, f"response {response_id} is still held by another proxy that its worker is connected "
                            "to; try again", code="stream_busy", retry_after_s=self.config.requests.retry_after_s)
-        return None
+        return [], [], search.sink
 
     def _on_stream_found(self, sender: str, msg: StreamFound, now: float) -> None:
         search = self._searches.get(msg.response_id)
-        if msg.status == "found" and (search is None or search.found is not None):  # nobody here wants it now
+        if msg.status == "found" and search is None:  # nobody here wants it now (a search's answers that came in
+            # the same batch as its last worker's first are still its: they were sent together)
             log.warning("response %s: worker %r handed over request %s that nobody asked for; aborting it",
                         msg.response_id, sender, msg.request_id)
             self.send(sender, Abort(msg.request_id))
@@ -510,37 +531,69 @@ class Cluster:
             search.owned = True
         elif msg.status == "found":
             try:
-                search.found = self._take_over(sender, msg, now)
+                search.found.append(self._take_over(sender, msg, now, search.sink))
             except ValueError as error:
                 log.warning("response %s: worker %r handed over request %s with a context this proxy cannot read "
                             "(%s); aborting it", msg.response_id, sender, msg.request_id, error)
                 self.send(sender, Abort(msg.request_id))
-        if (search.found is not None or not search.waiting) and not search.done.done():
+        if search.complete and not search.done.done():
             search.done.set_result(None)
 
-    def _take_over(self, sender: str, msg: StreamFound, now: float) -> tuple[Context, RequestGroup]:
-        """The request is this proxy's from now on: a sub-request decoding on ``sender``, counted in a decode slot,
-        its events so far (the context's, then the worker's history, one event per step) in its sink."""
+    def _take_over(self, sender: str, msg: StreamFound, now: float, sink: EventSink) -> tuple[Context, SubRequest]:
+        """The choice is this proxy's from now on: a sub-request decoding on ``sender``, counted in a decode slot,
+        its events so far (the context's, then the worker's history, one event per step) in ``sink``."""
         context = decode_context(msg.context)
         events = context.events + [delta_fields(delta) for delta in msg.history]
         tenant = self.tenants.tenants.get(context.tenant) or self.tenants.default
-        sink = EventSink()
         request_id = msg.request_id.split("~")[0]
-        sub = SubRequest(request_id, 0, context.prompt, context.params, context.seed, self.config, self.metrics,
-                         self.tracing, sink, now, tenant=tenant.name, lane=tenant.lane, cache_salt=tenant.cache_salt)
+        sub = SubRequest(request_id, context.index, context.prompt, context.params, context.seed, self.config,
+                         self.metrics, self.tracing, sink, now, tenant=tenant.name, lane=tenant.lane,
+                         cache_salt=tenant.cache_salt)
         sub.model = context.model
-        sub.resume = ResumeInfo(msg.response_id, self.config.requests.resume_window_s, context.static, list(events))
+        sub.resume = ResumeInfo(msg.response_id, self.config.requests.resume_window_s, context.static, list(events),
+                                context.index, context.prompt_index, context.choices)
         for fields in events:
-            sink.put_nowait(TokenEvent(0, *fields))
+            sink.put_nowait(TokenEvent(context.index, *fields))
         sub.adopt(sender, msg.request_id, [t for event in events for t in event[1]], events[-1][4] if events else None,
                   now)
         if not sub.done:
             self.inflight[request_id] = sub
             self.admission.adopt(request_id, tenant, sub)
-        self.metrics.streams_taken_over.inc()
         log.info("response %s: took over request %s on worker %r after %d event(s) from a lost proxy",
                  msg.response_id, msg.request_id, sender, len(events))
-        return context, RequestGroup([sub], sink, self, self._clock)
+        return context, sub
+
+    def recompute(self, response_id: str, context: Context, seen: int, sink: EventSink) -> SubRequest:
+        """A choice of a resumable stream that no worker holds (its proxy and decode worker both lost, or it ended
+        before its proxy did), computed again from its stored context (``proxy.edge.shared_streams``) into
+        ``sink``: its prompt, parameters and seed, admitted and routed as any request's (ApiError 503 when no
+        worker could run it, 429 over its tenant's queue), resumable again. The client has its first ``seen``
+        tokens (``proxy.edge.replay``): those are computed again but neither charged to the tenant nor counted in
+        its usage metrics (``SubRequest.adopted``), and neither is its prompt; the rate limits and the fairness
+        counter see the prompt as a new request's, which its prefill is."""
+        if self.draining:
+            raise self._unavailable("the proxy is shutting down and accepts no new requests")
+        self._check_decoders(context.model)
+        tenant = self.tenants.tenants.get(context.tenant) or self.tenants.default
+        self.admission.check_room(tenant, 1)
+        now = self._clock()
+        sub = SubRequest(f"{response_id}-{context.index}", context.index, context.prompt, context.params,
+                         context.seed, self.config, self.metrics, self.tracing, sink, now, tenant=tenant.name,
+                         lane=tenant.lane, cache_salt=tenant.cache_salt)
+        sub.wait_for_admission(now + self.config.tenancy.queue_timeout_s, None)
+        sub.model = context.model
+        sub.resume = ResumeInfo(response_id, self.config.requests.resume_window_s, context.static, [], context.index,
+                                context.prompt_index, context.choices)
+        sub.adopted = seen
+        self.inflight[sub.request_id] = sub
+        if tenant.limited:
+            tenant.limiter.charge_tokens(len(context.prompt), now)
+        self.admission.enqueue(sub.request_id, tenant, len(context.prompt), sub)
+        self.metrics.streams_recomputed.inc()
+        log.info("response %s: no worker holds choice %d; computing it again after the %d token(s) its client has",
+                 response_id, context.index, seen)
+        self._dispatch()
+        return sub
 
     # -- workers coming and going -----------------------------------------------------------------
 
@@ -686,6 +739,17 @@ class Cluster:
                 self._act(sub, Stage.DECODING, sub.hand_over())
                 handed.add(sub.resume.key)
         return handed
+
+    def give_back(self, subs: list[SubRequest], reason: str) -> None:
+        """Choices this proxy took over from their workers (``find_stream``) but cannot serve after all
+        (``reason``): back to those workers as a lost proxy's (``LeaveStream``), for the client's next try; one
+        that ended, or on a worker too old for that, is cancelled."""
+        for sub in subs:
+            if sub.stage is Stage.DECODING and self.peer_versions.get(
+                    sub.decode_worker, PROTOCOL_VERSION) >= MESSAGE_SINCE["LeaveStream"]:
+                self._act(sub, Stage.DECODING, sub.hand_over())
+            else:
+                self.cancel(sub, reason)
 
     def cancel_all(self, reason: str) -> None:
         self.start_draining()

@@ -292,6 +292,9 @@ class ProxyMetrics:
             "tessera_proxy_streams_taken_over", "Resumable streams of a lost proxy taken over here from their "
             "decode worker (GET /v1/streams/{id} or a WebSocket resume of a response this proxy did not serve)",
             registry=r)
+        self.streams_recomputed = Counter(
+            "tessera_proxy_streams_recomputed", "Resumable streams whose proxy and decode worker were both lost, "
+            "computed again here from the resume context in the shared store", registry=r)
         self.resume_buffer_bytes = Gauge("tessera_proxy_resume_buffer_bytes",
                                          "Bytes of events kept for resumable streams", registry=r)
         self.shared_state_up = Gauge(

@@ -117,7 +117,9 @@ class SubRequest:
     preemptions = 0  # times it went back to admission for fairness (``preempt``)
     left: str | None = None  # the worker it last resumed from: routed elsewhere while another can take it
     resume: ResumeInfo | None = None  # a resumable stream's choice: what another proxy needs to take it over
-    adopted = 0  # taken over from a lost proxy (``adopt``) after this many output tokens, neither charged nor counted
+    # taken over from a lost proxy (``adopt``), or computed again (``Cluster.recompute``), after this many output
+    # tokens the client had: neither charged nor counted
+    adopted = 0
 
     def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams, seed: int,
                  config: ProxyConfig, metrics: ProxyMetrics, tracing: NoTracing, sink, now: float,
@@ -410,7 +412,7 @@ class SubRequest:
         metrics.tenant_requests.labels(self.tenant, self.model_name, status).inc()
         metrics.tenant_prompt_tokens.labels(self.tenant).inc(prompt)
         metrics.tenant_cached_prompt_tokens.labels(self.tenant).inc(min(self.cached_tokens, prompt))
-        metrics.tenant_generated_tokens.labels(self.tenant).inc(len(self.output_ids) - self.adopted)
+        metrics.tenant_generated_tokens.labels(self.tenant).inc(max(0, len(self.output_ids) - self.adopted))
 
     @property
     def local(self) -> bool:

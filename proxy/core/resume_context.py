@@ -1,13 +1,20 @@
-"""What a resumable stream carries to its decode worker so that another proxy can take it over when this one dies.
+"""What a resumable stream carries to its decode workers (and to the shared store) so that another proxy can take it
+over when this one dies.
 
-A stream's choice (one: a response of ``n`` > 1 or of several prompts is not resumable past its proxy, as the
-order its choices' events interleaved in is this proxy's alone) sends, with each ``DecodeRequest``, its response id
-(``resume_key``), its window and an opaque context (``encode``): the edge's part (``static``: the request body and
-what rebuilds the response, ``proxy.edge.takeover``), the choice's wire parameters, seed and prompt, and the events
-it emitted before that decode started (the prefill's first token, a resumed attempt's earlier output). The worker
-keeps it with every TokenDelta it emits (``common/runtime/proxy_links.py``); the proxy taking over replays the events
-then the deltas, one event each, through the same response pipeline, and the client's events come out numbered as
-before.
+Each choice of a resumable stream (of ``n`` choices times its prompts) sends, with each ``DecodeRequest``, its
+response id (``resume_key``), its window and an opaque context (``encode``): the edge's part (``static``: the request
+body and what rebuilds the response, ``proxy.edge.takeover``), the choice's wire parameters, seed and prompt, its
+index, its prompt's index and the response's number of choices, and the events it emitted before that decode
+started (the prefill's first token, a resumed attempt's earlier output). The worker keeps it with every TokenDelta
+it emits (``common/runtime/proxy_links.py``); the proxy taking over replays the events then the deltas, one event
+each, through the same response pipeline. With one choice the client's events come out numbered as before; with
+the client's token counts (its ``Last-Event-ID``), only those past them, whatever the choices' interleaving
+(``proxy.edge.replay``).
+
+The contexts of every choice less their events (``stored``) go to the shared store while the stream runs
+(``proxy.edge.shared_streams``): a choice that no worker holds (its proxy and its decode worker both lost, or it
+ended before its proxy did) is computed again from its context on a live worker (``Cluster.recompute``), with the
+same seed.
 """
 from __future__ import annotations
 
@@ -23,12 +30,20 @@ _encode = msgspec.msgpack.Encoder().encode
 
 @dataclass
 class ResumeInfo:
-    """A resumable choice's: its response id, its window, the edge's part of its context (msgpack) and its events
-    so far, as ``TokenEvent`` fields less the index (``event_fields``)."""
+    """A resumable choice's: its response id, its window, the edge's part of its context (msgpack), its events
+    so far, as ``TokenEvent`` fields less the index (``event_fields``), its index, its prompt's, and the number of
+    the response's choices."""
     key: str
     window_s: float
     static: bytes
     events: list[list] = field(default_factory=list)
+    index: int = 0
+    prompt_index: int = 0
+    choices: int = 1
+
+    def choice(self, index: int, prompt_index: int) -> "ResumeInfo":
+        """The same response's, for its choice ``index`` (of prompt ``prompt_index``), with no events yet."""
+        return ResumeInfo(self.key, self.window_s, self.static, [], index, prompt_index, self.choices)
 
 
 class Context(msgspec.Struct, array_like=True):
@@ -39,11 +54,31 @@ class Context(msgspec.Struct, array_like=True):
     prompt: list[int]
     model: tuple[str, str] | None
     events: list[list]
+    index: int = 0
+    prompt_index: int = 0
+    choices: int = 1
 
 
 def encode(info: ResumeInfo, tenant: str, params: SamplingParams, seed: int, prompt: list[int],
            model: tuple[str, str] | None) -> bytes:
-    return _encode(Context(info.static, tenant, params, seed, prompt, model, info.events))
+    return _encode(_context(info, tenant, params, seed, prompt, model, info.events))
+
+
+def _context(info: ResumeInfo, tenant: str, params: SamplingParams, seed: int, prompt: list[int],
+             model: tuple[str, str] | None, events: list[list]) -> Context:
+    return Context(info.static, tenant, params, seed, prompt, model, events, info.index, info.prompt_index,
+                   info.choices)
+
+
+def stored(subs) -> bytes:
+    """A resumable response's choices (``SubRequest``s with ``resume``) as the shared store keeps them: every
+    choice's context, with no events."""
+    return _encode([_context(s.resume, s.tenant, s.params, s.seed, s.prompt, s.model, []) for s in subs])
+
+
+def kept(contexts: list[Context]) -> bytes:
+    """``contexts`` (every choice's) as ``stored`` keeps them (a proxy that took the stream over keeps them so)."""
+    return _encode([msgspec.structs.replace(context, events=[]) for context in contexts])
 
 
 def decode(raw: bytes) -> Context:
@@ -52,6 +87,17 @@ def decode(raw: bytes) -> Context:
         return msgspec.msgpack.decode(raw, type=Context)
     except msgspec.MsgspecError as error:
         raise ValueError(f"not a resume context: {error}") from None
+
+
+def decode_stored(raw: bytes) -> list[Context]:
+    """``stored``'s contexts, by index; ValueError when ``raw`` is not what ``stored`` writes."""
+    try:
+        contexts = msgspec.msgpack.decode(raw, type=list[Context])
+    except msgspec.MsgspecError as error:
+        raise ValueError(f"not the resume contexts of a stream: {error}") from None
+    if not contexts or [c.index for c in contexts] != list(range(contexts[0].choices)):
+        raise ValueError("not the resume contexts of every choice of a stream")
+    return contexts
 
 
 def event_fields(text: str, token_ids: list[int], logprobs, top_logprobs, finish_reason, stop_reason,

@@ -58,7 +58,8 @@ from proxy.edge.listener import RAW_SEND, RAW_WRITE
 from proxy.edge.openapi import ChatCompletionResponse, CompletionResponse, error_responses, request_body
 from proxy.edge.protocol import ChatCompletionRequest, CompletionRequest, read_model
 from proxy.core.requests import Event, FailureEvent
-from proxy.core.resume_context import ResumeInfo
+from proxy.core.resume_context import ResumeInfo, stored
+from proxy.edge.replay import SeenTokens
 from proxy.edge.resumable import RESUMABLE_HEADER, wants_resume
 from proxy.edge.conversations import continue_turn
 from proxy.cluster.served_models import served_headers, session_of
@@ -147,9 +148,9 @@ async def _serve(request: Request, request_model, format_cls, endpoint: str) -> 
                 watcher.stop()  # from here, a client that leaves only detaches from the stream
                 response = services.streams.start(
                     request, generation.response_id, tenant.name,
-                    lambda stream: sse_events(generation, group, first, watcher, metrics, endpoint,
-                                              lambda: stream.expired),
-                    group.cancel)
+                    lambda stream: counted(generation, sse_events(generation, group, first, watcher, metrics,
+                                                                  endpoint, lambda: stream.expired)),
+                    group.cancel, shared_context(group))
                 response.headers.update(generation.served)
                 return response
             if not isinstance(first[0], FailureEvent):
@@ -185,7 +186,7 @@ def request_timeout(raw: str | None) -> float | None:
 async def admit(services, body, format_cls, tenant: Tenant, timeout_s: float | None,
                 headers, resumable: bool = False) -> tuple[Generation, RequestGroup]:
     """Admit ``body``: its response's state and the group of its choices. ``resumable``: a resumable stream, whose
-    one choice (not a response of several) carries what another proxy needs to take it over (``resume_static``)."""
+    choices carry what another proxy needs to take it over (``resume_static``)."""
     config, cluster = services.config, services.cluster
     services.models.check(body.model)
     await cluster.joined()
@@ -224,8 +225,8 @@ async def admit(services, body, format_cls, tenant: Tenant, timeout_s: float | N
     base_seed = params.seed if params.seed is not None else secrets.randbits(63)
     operation = "chat" if isinstance(body, ChatCompletionRequest) else "text_completion"
     created = int(time.time())
-    resume = ResumeInfo(response_id, config.requests.resume_window_s, resume_static(body, created)) \
-        if resumable and len(prompts) * params.n == 1 else None
+    resume = ResumeInfo(response_id, config.requests.resume_window_s, resume_static(body, created),
+                        choices=len(prompts) * params.n) if resumable else None
     group = cluster.submit(response_id, prompts, params, base_seed, tenant, timeout_s, model=choice.key,
                            session=session, trace_parent=incoming_context(headers),
                            trace_attributes={"gen_ai.operation.name": operation, "gen_ai.request.model": body.model,
@@ -233,6 +234,12 @@ async def admit(services, body, format_cls, tenant: Tenant, timeout_s: float | N
     choices = [ChoiceState(i, i // params.n) for i in range(len(prompts) * params.n)]
     return Generation(response_id, created, body.model, prompts, choices, fmt, body.include_usage,
                        served_headers(choice), remember and (lambda c: remember(choice.key, c))), group
+
+
+def shared_context(group: RequestGroup) -> bytes | None:
+    """A resumable stream's contexts for the shared store (``proxy.edge.shared_streams``); None for a response that
+    is not resumable past its proxy."""
+    return stored(group.subs) if group.subs[0].resume is not None else None
 
 
 def resume_static(body, created: int) -> bytes:
@@ -269,19 +276,24 @@ async def _collect(gen: Generation, events: AsyncIterator[Event]) -> tuple[Respo
 
 
 async def sse_events(gen: Generation, group: RequestGroup, first: list[Event], watcher: DisconnectWatcher,
-                     metrics, endpoint: str, client_left: Callable[[], bool], coalesce: bool = False
-                     ) -> AsyncIterator[str]:
+                     metrics, endpoint: str, client_left: Callable[[], bool], coalesce: bool = False,
+                     seen: SeenTokens | None = None) -> AsyncIterator[str]:
     """The response's server-sent events, from the group's event batches (``first``, then the rest): to the
     client's connection, or into a resumable stream. ``coalesce``: a batch's events as one piece of text (one
     write), and once the first is out, plain tokens written as they come (``Generation.write``, through
-    ``streaming.token_writer``); otherwise one event a piece, as a resumable stream numbers them."""
+    ``streaming.token_writer``); otherwise one event a piece, each yielded as soon as it is built (the choices'
+    state is then as of that event: ``counted``). ``seen``: the tokens a reconnecting client has
+    (``proxy.edge.replay``), which go through the pipeline without an event (nor the chat's first event, which it
+    has too)."""
     status = "200"
     chunks, choices, logprob_text = gen.chunks, gen.choices, gen.fmt.logprob_text
     out: list[str] = []
     try:
         prelude = gen.fmt.stream_prelude(len(choices))
-        if prelude:
+        if prelude and seen is None:
             out.append(chunks.chunk(prelude))
+            if not coalesce:
+                yield out.pop()
         batch: list[Event] | None = first
         failure: FailureEvent | None = None
         while batch is not None:
@@ -290,10 +302,19 @@ async def sse_events(gen: Generation, group: RequestGroup, first: list[Event], w
                     failure = event
                     break
                 state = choices[event.index]
+                if seen is not None:
+                    known, event = seen.split(state.token_ids, state.text, event)
+                    if known is not None:
+                        chunks.event(state, known)  # the client has it: its state only
+                        state.add(known, logprob_text)
+                    if event is None:
+                        continue
                 text = chunks.event(state, event)
                 state.add(event, logprob_text)
                 if text is not None:
                     out.append(text)
+                    if not coalesce:
+                        yield out.pop()
             if failure is not None:
                 break
             for piece in _pieces(out, coalesce):
@@ -319,6 +340,13 @@ async def sse_events(gen: Generation, group: RequestGroup, first: list[Event], w
         watcher.stop()
         group.cancel("the response stream closed")  # a no-op unless the client left early
         metrics.requests.labels(endpoint, "client_closed" if client_left() else status).inc()
+
+
+async def counted(gen: Generation, events: AsyncIterator[str]) -> AsyncIterator[tuple[str, tuple[int, ...]]]:
+    """A resumable stream's events (``sse_events``, one a piece), each with the tokens of each choice through it:
+    what its id carries (``proxy.edge.resumable.event_id``)."""
+    async for event in events:
+        yield event, tuple(len(choice.token_ids) for choice in gen.choices)
 
 
 def _pieces(out: list[str], coalesce: bool) -> list[str]:

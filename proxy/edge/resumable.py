@@ -3,13 +3,17 @@
 Opt-in, per request (header ``X-Resumable: true``) or per tenant
 (``tenants[].resumable_streams``; ``X-Resumable: false`` opts a request out).
 A resumable stream is produced by a task of its own into a ``ResumableStream``,
-not by the HTTP response: every SSE event gets ``id: N``, the response's
-event sequence number from 0 (choices of ``n`` > 1 and multi-token events
-alike: one number per event), and the newest ``resume_buffer_events`` events
-are kept. The response reads from that buffer. When the client goes away the
+not by the HTTP response: every SSE event gets ``id: N.T`` (``event_id``): N,
+the response's event sequence number from 0 (choices of ``n`` > 1 and
+multi-token events alike: one number per event), then T, the tokens of each
+choice the client has through that event (``N.T0.T1...`` for several choices):
+what lets a proxy that computes a lost stream again skip what the client has
+(``proxy.edge.replay``). The newest ``resume_buffer_events`` events are kept,
+and the response reads from that buffer. When the client goes away the
 request keeps running; ``GET /v1/streams/{response id}`` with
-``Last-Event-ID: N`` (or ``?last_event_id=N``) within ``resume_window_s``
-replays every event after N, then follows live. The request is cancelled
+``Last-Event-ID: N.T`` (or ``?last_event_id=N.T``; a plain ``N`` is taken too,
+``parse_event_id``) within ``resume_window_s`` replays every event after N,
+then follows live. The request is cancelled
 only when the window closes with nobody reading; a finished stream stays
 readable for the window after its last reader left.
 
@@ -31,6 +35,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -42,6 +47,35 @@ from proxy.core.metrics import ProxyMetrics
 log = logging.getLogger("tessera.proxy")
 RESUMABLE_HEADER = "x-resumable"
 SSE_HEADERS = {"Cache-Control": "no-cache"}
+MAX_EVENT = 1 << 62
+Produce = Callable[["ResumableStream"], AsyncIterator[tuple[str, tuple[int, ...]]]]  # (event, tokens per choice)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a reconnecting client is: the last event it got (-1: none) and the tokens of each choice it got
+    through that event (None: a plain event number, whose events only this proxy's buffer or a worker's history,
+    replayed as numbered before, can follow)."""
+    event: int
+    tokens: tuple[int, ...] | None = None
+
+
+def event_id(number: int, tokens: tuple[int, ...]) -> str:
+    """An event's SSE id: ``N.T`` (one choice), ``N.T0.T1...`` (several)."""
+    return ".".join(map(str, (number, *tokens)))
+
+
+def parse_event_id(raw: str, param: str = "Last-Event-ID") -> ResumePoint:
+    """``event_id``'s answer read back, or a plain event number; ApiError 400 naming ``param`` otherwise."""
+    try:
+        values = [int(part) for part in raw.strip().split(".")]
+    except ValueError:
+        values = [-2]
+    if not -1 <= values[0] <= MAX_EVENT or (values[0] == -1 and len(values) > 1) or any(
+            not 0 <= t <= MAX_EVENT for t in values[1:]):
+        raise ApiError(400, f"{param} must be an event id of the stream (N.T, or an event number N; -1 for all), "
+                       f"got {raw!r}", code="invalid_value", param=param)
+    return ResumePoint(values[0], tuple(values[1:]) or None)
 
 
 class StreamHandedOver(ConnectionAbortedError):
@@ -71,14 +105,15 @@ class ResumableStream:
         self._wakeup = asyncio.Event()
         self._expiry: asyncio.TimerHandle | None = None
 
-    def append(self, data: str) -> None:
-        """Number and keep one event (``data: ...\\n\\n``) and wake the reader.
+    def append(self, data: str, tokens: tuple[int, ...]) -> None:
+        """Number and keep one event (``data: ...\\n\\n``; ``tokens``: each choice's through it) and wake the
+        reader.
 
         Past a cap, the oldest events go, but never one the attached reader has not sent yet.
         """
         if self.dropped:
             return
-        event = f"id: {self.next_id}\n{data}"
+        event = f"id: {event_id(self.next_id, tokens)}\n{data}"
         self.events.append((self.next_id, event))
         self.next_id += 1
         self._store.grow(self, len(event))
@@ -180,6 +215,7 @@ class StreamStore:
         self.streams: dict[str, ResumableStream] = {}
         self._producers: set[asyncio.Task] = set()
         self.taking: dict[str, asyncio.Future] = {}  # response id -> its takeover under way (proxy.edge.takeover)
+        self.shared = None  # with shared_state.redis_url: the streams' resume contexts there (SharedStreams)
         self._metrics = metrics
 
     @property
@@ -187,26 +223,29 @@ class StreamStore:
         return self.size > self.max_bytes
 
     def start(self, request: Request, response_id: str, tenant: str,
-              produce: Callable[[ResumableStream], AsyncIterator[str]],
-              cancel: Callable[[str], None]) -> StreamingResponse:
-        """A new stream, fed by ``produce(stream)`` (``data: ...`` events) from a task of its own, and its
-        first reader's response."""
-        stream, reader = self.open(response_id, tenant, produce, cancel)
+              produce: Produce, cancel: Callable[[str], None], context: bytes | None = None) -> StreamingResponse:
+        """A new stream, fed by ``produce(stream)`` (``data: ...`` events, each with the tokens of each choice
+        through it) from a task of its own, and its first reader's response. ``context``: its resume context,
+        kept in the shared store while it runs (``proxy.edge.shared_streams``), if there is one."""
+        stream, reader = self.open(response_id, tenant, produce, cancel, context)
         return respond(request, stream, reader, -1)
 
-    def open(self, response_id: str, tenant: str, produce: Callable[[ResumableStream], AsyncIterator[str]],
-             cancel: Callable[[str], None]) -> tuple[ResumableStream, int]:
+    def open(self, response_id: str, tenant: str, produce: Produce, cancel: Callable[[str], None],
+             context: bytes | None = None) -> tuple[ResumableStream, int]:
         """A new stream fed as ``start`` says, and its first reader (an HTTP response, or a WebSocket's request:
         ``proxy.edge.websocket_api``)."""
-        stream = self.feed(response_id, tenant, produce, cancel)
+        stream = self.feed(response_id, tenant, produce, cancel, context)
         return stream, stream.attach(-1)
 
-    def feed(self, response_id: str, tenant: str, produce: Callable[[ResumableStream], AsyncIterator[str]],
-             cancel: Callable[[str], None]) -> ResumableStream:
+    def feed(self, response_id: str, tenant: str, produce: Produce, cancel: Callable[[str], None],
+             context: bytes | None = None, first: int = 0) -> ResumableStream:
         """A new stream fed as ``start`` says, nobody reading it yet (a stream taken over: ``proxy.edge.takeover``
-        attaches its reader once the events it asks for are in)."""
+        attaches its reader once the events it asks for are in); its first event is numbered ``first``."""
         stream = ResumableStream(response_id, tenant, self, cancel)
+        stream.next_id = first
         self.streams[response_id] = stream
+        if context is not None and self.shared is not None:
+            self.shared.keep(response_id, context)
         task = asyncio.create_task(self._feed(stream, produce(stream)), name=f"produce-{response_id}")
         stream.producer = task
         self._producers.add(task)
@@ -214,12 +253,14 @@ class StreamStore:
         self._metrics.resumable_streams.inc()
         return stream
 
-    async def _feed(self, stream: ResumableStream, produce: AsyncIterator[str]) -> None:
+    async def _feed(self, stream: ResumableStream, produce: AsyncIterator[tuple[str, tuple[int, ...]]]) -> None:
         try:
-            async for data in produce:
-                stream.append(data)
+            async for data, tokens in produce:
+                stream.append(data, tokens)
         finally:
             stream.finish()
+            if self.shared is not None:  # ended here (a stream handed over stays for the proxy taking it)
+                self.shared.forget(stream.response_id, keep=stream.severed)
 
     def find(self, response_id: str, tenant: str | None) -> ResumableStream:
         stream = self.streams.get(response_id)

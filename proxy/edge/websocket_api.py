@@ -4,7 +4,7 @@ The socket carries any number of requests at once, each named by the client's ``
 
     {"type": "chat.completions" | "completions", "id": ID, "body": {...}, "resumable": bool, "timeout_s": S}
     {"type": "cancel", "id": ID}
-    {"type": "resume", "id": ID, "response_id": R, "last_event_id": N}
+    {"type": "resume", "id": ID, "response_id": R, "last_event_id": "N.T" (or N)}
 
 ``body`` is the HTTP endpoint's request body (validated the same way; ``stream`` is implied), and a request goes
 through the same admission, tenants, limits and metrics as over HTTP (``openai_api.admit`` and ``sse_events``).
@@ -12,7 +12,9 @@ Server frames (JSON text), for request ``ID``:
 
     {"id": ID, "data": {...}}                  each event's data, exactly what the SSE stream's ``data:`` carries
                                               (chunks, the usage chunk, an error that ends a stream mid-way)
-    {"id": ID, "event": N, "data": {...}}      the same in a resumable stream: N is the SSE event id
+    {"id": ID, "event": N, "event_id": "N.T", "data": {...}}
+                                              the same in a resumable stream: N is the event's number, and
+                                              event_id the SSE event id (``proxy.edge.resumable.event_id``)
     {"id": ID, "done": true}                  the end, where SSE sends ``data: [DONE]``
     {"id": ID, "status": S, "data": {"error": {...}}, "done": true}
                                               refused (S is the HTTP status the request would have got)
@@ -20,7 +22,8 @@ Server frames (JSON text), for request ``ID``:
 ``cancel`` ends the request (its pages are freed; the stream ends with the error and ``done`` as a cancelled SSE request
 does). A socket that closes cancels its requests, except resumable ones (``resumable``, or the tenant's
 ``resumable_streams``): those run on for ``resume_window_s``, and ``resume`` on any socket (or ``GET /v1/streams/R``
-with ``Last-Event-ID``) replays the events after N, then follows live, as SSE resumption does
+with ``Last-Event-ID``) with the last event's ``event_id`` (a plain N is taken too) replays the events after N, then
+follows live, as SSE resumption does
 (``proxy.edge.resumable``). A socket with no request running and no message for ``websocket_idle_timeout_s`` (checked
 every that many seconds: at most twice that after its last request ended) is closed (code 1000). Authentication is the
 handshake's ``Authorization`` header: a bad key gets the same 401 before the socket opens. A malformed message gets an
@@ -40,7 +43,8 @@ from pydantic import ValidationError
 from proxy.edge.auth import tenant_from_body, tenant_from_header
 from proxy.core.errors import ApiError, from_validation_error
 from proxy.edge.streaming import ChatFormat, CompletionFormat
-from proxy.edge.openai_api import admit, request_timeout, sse_events
+from proxy.edge.openai_api import admit, counted, request_timeout, shared_context, sse_events
+from proxy.edge.resumable import parse_event_id
 from proxy.edge.takeover import find_or_take
 from proxy.edge.protocol import ChatCompletionRequest, CompletionRequest
 from proxy.core.requests import FailureEvent
@@ -181,19 +185,22 @@ class StreamSocket:
         if resumable:
             stream, reader = services.streams.open(
                 generation.response_id, tenant.name,
-                lambda s: sse_events(generation, group, first, _NO_WATCHER, services.metrics, endpoint,
-                                  lambda: s.expired), group.cancel)
+                lambda s: counted(generation, sse_events(generation, group, first, _NO_WATCHER, services.metrics,
+                                                         endpoint, lambda: s.expired)),
+                group.cancel, shared_context(group))
             await self._forward(cid, stream.read(reader, -1))
         else:
             await self._forward(cid, sse_events(generation, group, first, _NO_WATCHER, services.metrics,
                                              endpoint, lambda: self.closed))
 
     async def _resume(self, cid: str, message: dict) -> None:
-        response_id, after = message.get("response_id"), message.get("last_event_id", -1)
-        if not isinstance(response_id, str) or type(after) is not int or after < -1:
-            raise ApiError(400, "resume needs response_id (a string) and last_event_id (an event number, or -1)",
+        response_id, last = message.get("response_id"), message.get("last_event_id", -1)
+        if not isinstance(response_id, str) or type(last) not in (int, str):
+            raise ApiError(400, "resume needs response_id (a string) and last_event_id (an event's event_id, or -1)",
                            code="invalid_value", param="last_event_id")
-        stream = await find_or_take(self.services, response_id, self.tenant.name if self.tenant else None, after)
+        point = parse_event_id(str(last), "last_event_id")
+        stream = await find_or_take(self.services, response_id, self.tenant.name if self.tenant else None, point)
+        after = point.event
         reader = stream.attach(after)
         self.services.metrics.resumed_streams.inc()
         log.info("response %s resumed on a socket after event %d", response_id, after)
@@ -208,7 +215,7 @@ class StreamSocket:
                 number = ""
                 if event.startswith("id: "):
                     head, _, event = event.partition("\n")
-                    number = f',"event":{int(head[4:])}'
+                    number = f',"event":{head[4:].partition(".")[0]},"event_id":"{head[4:]}"'
                 payload = event[6:-2]  # "data: " ... "\n\n"
                 await self._send(f'{prefix},"done":true}}' if payload == "[DONE]" else
                                  f'{prefix}{number},"data":{payload}}}')

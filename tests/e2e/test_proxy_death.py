@@ -3,7 +3,10 @@ decode worker on the embedded model (float32), greedy resumable streams, and ``k
 they run. Every client whose connection broke reconnects to the shared port with its last event id; the other
 proxy process (or the restarted one) takes its stream over from the decode worker (proxy/edge/takeover.py). Each
 stream's text equals its no-fault run's, no event id repeats, and no page is left in use afterwards. The same with
-SIGTERM, whose drain hands the streams over at once instead of waiting them out.
+SIGTERM, whose drain hands the streams over at once instead of waiting them out, and with the decode worker killed
+right after the proxy (the double failure): there are two decode workers, so that the streams the dead worker held
+are computed again on the other from their contexts in Redis (proxy/edge/shared_streams.py) while the rest are taken
+over from the live one, and no restart has to be waited for; a restarted decode worker would only add that wait.
 
 Half the streams start on the killed process's own port (``http.process_port``), so that some certainly break;
 the other half on the shared port, where the kernel spreads them. The issue's check (16 streams of 160 tokens) runs
@@ -33,10 +36,11 @@ RECONNECT_S = 0.2  # the test client's pause before it tries again after a 503 o
 
 
 @pytest.fixture
-def cluster(embedded_model_dir, redis_server, tmp_path):  # noqa: F811
-    """``tessera proxy --processes 2`` sharing the Redis server (LocalCluster's ``proxy_processes``)."""
+def cluster(embedded_model_dir, redis_server, tmp_path, request):  # noqa: F811
+    """``tessera proxy --processes 2`` sharing the Redis server (LocalCluster's ``proxy_processes``), with
+    ``request.param`` decode workers (1 unless the test says)."""
     c = LocalCluster.for_tests(embedded_model_dir, tmp_path, dtype="float32", transfer_backend="zmq",
-                               proxy_processes=2, redis_url=redis_server.url,
+                               proxy_processes=2, redis_url=redis_server.url, decode=getattr(request, "param", 1),
                                proxy_overrides=["slo.tpot_slo_scope=never"]).start()
     yield c
     c.stop()
@@ -46,7 +50,8 @@ def cluster(embedded_model_dir, redis_server, tmp_path):  # noqa: F811
 class Stream:
     index: int
     text: str = ""
-    ids: list[int] = field(default_factory=list)  # each event's id, [DONE]'s too
+    ids: list[int] = field(default_factory=list)  # each event's number, [DONE]'s too
+    last: str = "-1"  # the last event's whole id (N.T), which a reconnect sends
     broke: int = 0  # times its connection broke
 
 
@@ -68,7 +73,8 @@ async def run_stream(client: httpx.AsyncClient, url: str, shared: str, index: in
                 event_id = None
                 async for line in response.aiter_lines():
                     if line.startswith("id: "):
-                        event_id = int(line[4:])
+                        stream.last = line[4:]
+                        event_id = int(stream.last.partition(".")[0])
                     elif line.startswith("data: "):
                         stream.ids.append(event_id)
                         if len(stream.ids) == 3:
@@ -85,11 +91,12 @@ async def run_stream(client: httpx.AsyncClient, url: str, shared: str, index: in
                 raise
             stream.broke += 1
             await asyncio.sleep(RECONNECT_S)
-            last = stream.ids[-1] if stream.ids else -1
-            request = client.stream("GET", f"{shared}/v1/streams/{response_id}", headers={"Last-Event-ID": str(last)})
+            request = client.stream("GET", f"{shared}/v1/streams/{response_id}", headers={"Last-Event-ID": stream.last})
 
 
-async def run_all(cluster: LocalCluster, kill: signal.Signals | None) -> list[Stream]:
+async def run_all(cluster: LocalCluster, kill: signal.Signals | None, worker: str | None = None) -> list[Stream]:
+    """Every stream; ``kill``: sent to proxy process 0 once each stream has its first events, and SIGKILL to
+    ``worker`` right after."""
     started, streams_started = asyncio.Event(), []
     own = cluster.proxy_urls[0]  # process 0's own port
     async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10)) as client:
@@ -98,6 +105,8 @@ async def run_all(cluster: LocalCluster, kill: signal.Signals | None) -> list[St
         if kill is not None:
             await started.wait()
             os.kill(cluster.proxy_children()["proxy-0"], kill)
+            if worker is not None:
+                os.kill(cluster.procs[worker].pid, signal.SIGKILL)
         return await asyncio.gather(*tasks)
 
 
@@ -110,11 +119,37 @@ def test_a_proxy_process_that_dies_or_drains_loses_no_stream(cluster, kill):
     broke = [s.index for s in faulted if s.broke]
     print(f"{len(broke)} of {STREAMS} streams broke and were resumed: {broke}")
     assert broke, "the killed process carried streams"
+    check(reference, faulted)
+    no_page_left(cluster, ("prefill-0", "decode-0"))
+
+
+def check(reference: list[Stream], faulted: list[Stream]) -> None:
+    """Each stream's text is its reference's, and its event numbers follow each other with none repeated."""
     for ref, got in zip(reference, faulted):
         assert got.text == ref.text, f"stream {got.index}"
         numbered = [n for n in got.ids if n is not None]
         assert numbered == list(range(len(numbered))), f"stream {got.index}: event ids {numbered}"
-    for worker in ("prefill-0", "decode-0"):
+
+
+def no_page_left(cluster: LocalCluster, workers) -> None:
+    for worker in workers:
         settle(lambda w=worker: total(cluster.get("/metrics", base=cluster.worker_url(w))[1],
                                       "tessera_worker_kv_pages_used"),
                lambda used: used == 0, PATIENCE_S, f"{worker} holds no page afterwards")
+
+
+@pytest.mark.parametrize("cluster", [2], indirect=True)
+def test_a_stream_whose_proxy_and_decode_worker_both_die_is_computed_again(cluster):
+    """kill -9 of proxy process 0, then of decode-0: proxy-0's streams there are in no worker any more, and the
+    proxy a client reconnects to computes them again from Redis, sending what follows the tokens it has."""
+    reference = asyncio.run(run_all(cluster, kill=None))
+    assert not any(s.broke for s in reference)
+    faulted = asyncio.run(run_all(cluster, kill=signal.SIGKILL, worker="decode-0"))
+    broke = [s.index for s in faulted if s.broke]
+    print(f"{len(broke)} of {STREAMS} streams broke and were resumed: {broke}")
+    check(reference, faulted)
+    recomputed = sum(total(cluster.get("/metrics", base=base)[1], "tessera_proxy_streams_recomputed_total")
+                     for base in cluster.proxy_urls)
+    print(f"{recomputed:g} computed again from Redis")
+    assert recomputed > 0, "some stream of the killed proxy was on the killed worker"
+    no_page_left(cluster, ("prefill-0", "decode-1"))

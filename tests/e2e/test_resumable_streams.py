@@ -24,13 +24,13 @@ def body(**fields) -> dict:
 
 
 def parse(raw: str) -> list[tuple[int | None, str]]:
-    """(event id or None, data) of each event of an SSE body."""
+    """(event number or None, data) of each event of an SSE body (an id ``N.T``'s N)."""
     events = []
     for block in raw.split("\n\n"):
         if not block:
             continue
         fields = dict(line.split(": ", 1) for line in block.split("\n"))
-        events.append((int(fields["id"]) if "id" in fields else None, fields["data"]))
+        events.append((int(fields["id"].partition(".")[0]) if "id" in fields else None, fields["data"]))
     return events
 
 

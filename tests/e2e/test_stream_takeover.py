@@ -4,15 +4,19 @@
 Two real proxies (HTTP, ZeroMQ, admission) in front of the tests' scripted workers, each registered with both. The
 first proxy's loss is the worker's: ``lose_proxy(0)`` is what its I/O thread does when that proxy's connection
 closes (tests/unit/test_orphaned_streams.py holds that part on real sockets; tests/e2e/test_proxy_death.py kills a
-real proxy process).
+real proxy process). The double failure (the decode worker lost after the proxy) needs the proxies' Redis: the
+stream is computed again from its context there (proxy/edge/shared_streams.py).
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import httpx
 import msgspec
+import pytest
+import redis
 from websockets.sync.client import connect
 
 from common.config.roles import merge
@@ -25,6 +29,7 @@ from tests.e2e.proxy_harness import (  # noqa: F401 - fixtures
     MODEL, PATIENCE_S, SCRIPT_TEXT, assert_openai_error, make_proxy, script, tokenizer, workers_of_every_proxy,
 )
 from tests.e2e.test_resumable_streams import RESUMABLE, parse, read_some, text_of
+from tests.redis_server import redis_server  # noqa: F401 - fixture
 from tests.scripted_worker import FakeWorker
 
 REPEATS = 20
@@ -173,8 +178,9 @@ def test_a_websocket_resume_takes_a_lost_proxys_stream_over(make_proxy, script):
             seen = [json.loads(socket.recv(timeout=30)) for _ in range(3)]
         lose_first_proxy(decode)
         with connect(b.url.replace("http://", "ws://") + "/v1/stream") as socket:
+            assert seen[-1]["event_id"].startswith(f'{seen[-1]["event"]}.'), "N.T: the tokens through event N"
             socket.send(json.dumps({"type": "resume", "id": "again", "response_id": seen[0]["data"]["id"],
-                                    "last_event_id": seen[-1]["event"]}))
+                                    "last_event_id": seen[-1]["event_id"]}))
             rest = []
             while not rest or not rest[-1].get("done"):
                 rest.append(json.loads(socket.recv(timeout=30)))
@@ -182,5 +188,133 @@ def test_a_websocket_resume_takes_a_lost_proxys_stream_over(make_proxy, script):
         text = "".join(c["text"] for f in seen + rest[:-1] for c in f["data"]["choices"])
         assert text == LONG_TEXT[:len(text)] and len(text) > len(SCRIPT_TEXT)
     finally:
+        for worker in workers:
+            worker.stop(goodbye=False)
+
+
+def read_ids(lines, count: int) -> tuple[list, str]:
+    """The next ``count`` events (``read_some``) and the last one's whole id (``N.T``)."""
+    events, block, last = [], [], None
+    for line in lines:
+        if line.startswith("id: "):
+            last = line[4:]
+        if line:
+            block.append(line)
+            continue
+        events += parse("\n".join(block) + "\n\n")
+        block = []
+        if len(events) == count:
+            return events, last
+    raise AssertionError(f"the stream ended after {len(events)} events")
+
+
+def test_a_stream_whose_proxy_and_decode_worker_are_both_lost_is_computed_again(make_proxy, script,
+                                                                                redis_server):  # noqa: F811
+    """The first proxy's event loop is stopped (as a dead proxy's: it neither resumes its request elsewhere when
+    the worker goes, nor ends its stream), and its workers lose it; then the decode worker holding the stream."""
+    workers, frozen = [], threading.Event()
+    try:
+        (a, b), decode = start(make_proxy, script, workers, shared_state={"redis_url": redis_server.url},
+                               tenancy={"auth_enabled": True, "tenants": TENANTS})
+        other = FakeWorker(",".join(p.endpoint for p in (a, b)), "d1", "decode", script * REPEATS,
+                           token_interval_s=0.02)
+        workers.append(other.start())
+        settle(lambda: other._worker is not None and other._worker.registered, bool, PATIENCE_S, "d1 registers")
+        store = redis.Redis.from_url(redis_server.url)
+        key = "tessera:stream:"
+        body = {"model": MODEL, "max_tokens": 40, "stream": True, "logprobs": True,
+                "messages": [{"role": "user", "content": "Hi"}], "stream_options": {"include_usage": True}}
+        headers = {**RESUMABLE, "Authorization": "Bearer sk-a"}
+        whole = parse(a.http.post("/v1/chat/completions", json=body, headers=headers).text)
+        settle(lambda: store.keys(key + "*"), lambda keys: not keys, PATIENCE_S,
+               "a stream that ended leaves no context in Redis")
+        with a.http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
+            response_id = response.headers["x-response-id"]
+            first, last = read_ids(response.iter_lines(), 6)
+            settle(lambda: store.get(key + response_id), bool, PATIENCE_S, "its context is in Redis")
+        assert last.startswith("5.") and int(last[2:]) >= 5, "the event's number, then the tokens through it"
+        a.services.link._loop.call_soon_threadsafe(frozen.wait, 4 * PATIENCE_S)  # the first proxy hangs: dead
+        for worker in (decode, other):
+            worker.lose_proxy(0)
+        settle(lambda: decode._worker.owners.orphans + other._worker.owners.orphans, bool, PATIENCE_S,
+               "a worker keeps the lost proxy's stream")
+        holder = decode if decode._worker.owners.orphans else other
+        holder.stop(goodbye=False)
+        settle(lambda: holder.worker_id in b.services.cluster.registry.workers, lambda known: not known, PATIENCE_S,
+               "the proxy sees the worker gone")
+        assert_openai_error(b.http.get(f"/v1/streams/{response_id}", headers={"Authorization": "Bearer sk-b",
+                                                                             "Last-Event-ID": last}), 404)
+        assert_openai_error(b.http.get(f"/v1/streams/{response_id}", headers={"Authorization": "Bearer sk-a",
+                                                                             "Last-Event-ID": "5"}), 404,
+                            "resume_window_s")  # a plain event number: no token count to go on from
+        resumed = b.http.get(f"/v1/streams/{response_id}", headers={"Authorization": "Bearer sk-a",
+                                                                   "Last-Event-ID": last})
+        assert resumed.status_code == 200, resumed.text
+        rest = parse(resumed.text)
+        assert [n for n, _ in first + rest] == list(range(len(first) + len(rest))), "no event repeated or missing"
+        assert bodies(first + rest) == bodies(whole), "the same chunks: text, logprobs, the whole response's usage"
+        assert total(b.http.get("/metrics").text, "tessera_proxy_streams_recomputed_total") == 1
+        settle(lambda: dict(b.services.cluster.inflight), lambda inflight: not inflight, PATIENCE_S,
+               "the stream computed again ends on the proxy that took it")
+        survivor = other if holder is decode else decode
+        assert survivor.decoding() == 0
+        settle(lambda: store.keys(key + "*"), lambda keys: not keys, PATIENCE_S, "and leaves no context in Redis")
+    finally:
+        frozen.set()
+        for worker in workers:
+            worker.stop(goodbye=False)
+
+
+@pytest.mark.parametrize("lose_worker", [False, True], ids=["worker-alive", "worker-lost-too"])
+def test_a_response_of_several_choices_is_taken_over_choice_by_choice(make_proxy, script, redis_server,  # noqa: F811
+                                                                      lose_worker):
+    """``n`` = 2 and two prompts: four choices, whose events interleaved as the lost proxy got them. The client's
+    id counts each choice's tokens; the proxy taking over sends each choice's rest (taken over from its worker, or
+    computed again when that worker is lost too) numbered from the next event, in whatever order they come."""
+    workers, frozen = [], threading.Event()
+    try:
+        (a, b), decode = start(make_proxy, script, workers, shared_state={"redis_url": redis_server.url})
+        decoders = [decode]
+        if lose_worker:  # another decode worker: the choices on the one lost are computed again, the rest taken over
+            other = FakeWorker(",".join(p.endpoint for p in (a, b)), "d1", "decode", script * REPEATS,
+                               token_interval_s=0.02)
+            workers.append(other.start())
+            settle(lambda: other._worker is not None and other._worker.registered, bool, PATIENCE_S, "d1 registers")
+            decoders.append(other)
+        body = {"model": MODEL, "prompt": ["Hi", "Hello"], "n": 2, "max_tokens": 40, "stream": True, "logprobs": 1,
+                "stream_options": {"include_usage": True}}
+        whole = parse(a.http.post("/v1/completions", json=body, headers=RESUMABLE).text)
+        with a.http.stream("POST", "/v1/completions", json=body, headers=RESUMABLE) as response:
+            response_id = response.headers["x-response-id"]
+            first, last = read_ids(response.iter_lines(), 10)
+            settle(lambda: redis.Redis.from_url(redis_server.url).get("tessera:stream:" + response_id), bool,
+                   PATIENCE_S, "its contexts are in Redis")
+        assert len(last.split(".")) == 5, "the event's number, then the tokens of each of the four choices"
+        a.services.link._loop.call_soon_threadsafe(frozen.wait, 4 * PATIENCE_S)  # the first proxy hangs: dead
+        for worker in decoders:
+            worker.lose_proxy(0)
+        settle(lambda: sum(w._worker.owners.orphans for w in decoders), lambda n: n == 4, PATIENCE_S,
+               "the workers keep every choice")
+        lost = max(decoders, key=lambda w: w._worker.owners.orphans)
+        recomputed = lost._worker.owners.orphans if lose_worker else 0
+        print(f"{recomputed} of the 4 choices to compute again")
+        if lose_worker:
+            lost.stop(goodbye=False)
+            settle(lambda: lost.worker_id in b.services.cluster.registry.workers, lambda known: not known,
+                   PATIENCE_S, "the proxy sees the worker gone")
+        assert_openai_error(b.http.get(f"/v1/streams/{response_id}", headers={"Last-Event-ID": last.split(".")[0]}),
+                            404, "resume_window_s")  # a plain event number: the choices' order is unknown
+        resumed = b.http.get(f"/v1/streams/{response_id}", headers={"Last-Event-ID": last})
+        assert resumed.status_code == 200, resumed.text
+        rest = parse(resumed.text)
+        assert [n for n, _ in first + rest] == list(range(len(first) + len(rest))), "no event repeated or missing"
+        assert text_of(first + rest) == text_of(whole), "each choice's text"
+        assert json.loads(rest[-2][1])["usage"] == json.loads(whole[-2][1])["usage"], "the whole response's usage"
+        metrics = b.http.get("/metrics").text
+        assert total(metrics, "tessera_proxy_streams_recomputed_total") == recomputed
+        settle(lambda: dict(b.services.cluster.inflight), lambda inflight: not inflight, PATIENCE_S,
+               "every choice ends on the proxy that took the stream over")
+    finally:
+        frozen.set()
         for worker in workers:
             worker.stop(goodbye=False)

@@ -85,7 +85,7 @@ class ScriptedServer:
             whole = events()
             last = len(whole) - 1 if reply.last is None else reply.last
             for number in range(reply.first, last + 1):
-                event = f"id: {number}\ndata: {whole[number]}\n\n".encode()
+                event = f"id: {number}.{min(number + 1, TOKENS)}\ndata: {whole[number]}\n\n".encode()  # N.T
                 writer.write(f"{len(event):x}\r\n".encode() + event + b"\r\n")
                 await writer.drain()
             if reply.last is None:
@@ -99,7 +99,7 @@ class ScriptedServer:
 
 def after_last_event(seen: Seen, shift: int = 0) -> Reply:
     """The rest of the stream after the client's Last-Event-ID (``shift``: off by that many)."""
-    return Reply(first=int(seen.headers["last-event-id"]) + 1 + shift)
+    return Reply(first=int(seen.headers["last-event-id"].partition(".")[0]) + 1 + shift)
 
 
 async def run(script: list[Callable[[Seen], Reply]], stream: Stream | None = None,
@@ -116,7 +116,7 @@ def test_a_broken_stream_is_resumed_after_its_last_event_on_the_same_port():
     assert [(s.method, s.path) for s in seen] == [("POST", "/v1/completions")] + \
         [("GET", f"/v1/streams/{RESPONSE_ID}")] * 2
     assert seen[0].headers["x-resumable"] == "true"
-    assert [s.headers["last-event-id"] for s in seen[1:]] == ["2", "2"]
+    assert [s.headers["last-event-id"] for s in seen[1:]] == ["2.3", "2.3"], "the last event's whole id"
     [reconnect] = stream.reconnects
     assert not reconnect["by_client"] and reconnect["tries"] == 2 and reconnect["resumed_at"] >= reconnect["at"]
 
@@ -136,7 +136,7 @@ def test_a_stream_no_proxy_gives_back_is_lost_once_the_clients_patience_ran_out(
 def test_a_client_that_drops_its_connection_resumes_its_stream():
     stream, seen = asyncio.run(run([lambda _: Reply(), after_last_event], Stream(0, TOKENS, disconnect_after=2)))
     assert outcome(stream) == OK and stream.text == WHOLE_TEXT
-    assert seen[1].headers["last-event-id"] == "1"  # after its second token's event
+    assert seen[1].headers["last-event-id"] == "1.2"  # after its second token's event
     assert [r["by_client"] for r in stream.reconnects] == [True]
 
 

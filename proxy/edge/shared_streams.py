@@ -1,0 +1,114 @@
+"""The resume contexts of a proxy's resumable streams in the shared store, for the double failure: its proxy and the
+decode worker holding a stream both lost.
+
+With ``shared_state.redis_url`` set, a resumable stream keeps its choices' resume contexts
+(``proxy.core.resume_context.stored``: the request body, each choice's parameters, seed, prompt, model and tenant;
+not their events) under ``<key_prefix>stream:<response id>`` while it runs on this proxy (``keep``), and they are
+deleted when the stream ends here (``forget``; a stream handed over to another proxy as this one drains is left
+there for it). Each key expires ``resume_window_s`` plus two refresh periods after this proxy last renewed it
+(``REFRESHES_PER_WINDOW`` times a window), so the contexts outlive their proxy by at least the window in which its
+client may come back. A proxy taking a stream over when no worker holds a choice of it reads them back (``peek``),
+takes them (``claim``: read and deleted in one transaction, so that one proxy computes them again) and keeps them as
+its own from then on (``proxy.edge.takeover``).
+
+Writes are batched: what changed since the last flush goes in one pipeline every ``shared_state.interval_s``, each
+round trip bounded by ``shared_state.timeout_s``. A stream that started less than that before its proxy died has no
+context stored yet; one that finished (its last event produced) has none either, whether or not its client read
+that event. Redis being away loses nothing but this fallback: the failure is logged once, and the next flush that
+succeeds writes what is kept.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from common.config.roles import ProxyConfig
+
+log = logging.getLogger("tessera.proxy.shared")
+REFRESHES_PER_WINDOW = 4
+
+
+class SharedStreams:
+    def __init__(self, config: ProxyConfig, client) -> None:
+        """``client``: the redis.asyncio client of the proxy's shared state (``proxy.tenancy.shared_state``)."""
+        self._client = client
+        self._prefix = config.shared_state.key_prefix + "stream:"
+        self._interval_s = config.shared_state.interval_s
+        self._timeout_s = config.shared_state.timeout_s
+        self._refresh_s = config.requests.resume_window_s / REFRESHES_PER_WINDOW
+        self._ttl_ms = int((config.requests.resume_window_s + 2 * self._refresh_s) * 1e3)
+        self._kept: dict[str, bytes] = {}  # response id -> its context, while its stream runs here
+        self._new: set[str] = set()  # kept since the last flush
+        self._gone: set[str] = set()  # to delete at the next flush
+        self._refreshed = 0.0  # when every kept key's expiry was last renewed (loop time)
+        self.up = True
+
+    def keep(self, response_id: str, context: bytes) -> None:
+        self._kept[response_id] = context
+        self._new.add(response_id)
+        self._gone.discard(response_id)
+
+    def forget(self, response_id: str, keep: bool = False) -> None:
+        """The stream ended here; ``keep``: its key stays for another proxy (it was handed over), unrenewed."""
+        if self._kept.pop(response_id, None) is not None:
+            self._new.discard(response_id)
+            if not keep:
+                self._gone.add(response_id)
+
+    async def peek(self, response_id: str) -> bytes | None:
+        """The context stored for ``response_id``; None when there is none or Redis does not answer."""
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return await self._client.get(self._prefix + response_id)
+        except Exception as exc:  # noqa: BLE001 - any Redis failure: the fallback is not there
+            log.warning("response %s: could not read its resume context from the shared store (%s: %s)",
+                        response_id, type(exc).__name__, exc)
+            return None
+
+    async def claim(self, response_id: str) -> bytes | None:
+        """Read and delete the context (one transaction): None when another proxy took it first."""
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                async with self._client.pipeline(transaction=True) as pipe:
+                    raw, _ = await pipe.get(self._prefix + response_id).delete(self._prefix + response_id).execute()
+            return raw
+        except Exception as exc:  # noqa: BLE001
+            log.warning("response %s: could not take its resume context from the shared store (%s: %s)",
+                        response_id, type(exc).__name__, exc)
+            return None
+
+    async def run(self) -> None:
+        """Runs for the proxy's life: flushes what changed every ``shared_state.interval_s``."""
+        while True:
+            await asyncio.sleep(self._interval_s)
+            await self.flush()
+
+    async def flush(self) -> None:
+        now = asyncio.get_running_loop().time()
+        refresh = now - self._refreshed >= self._refresh_s
+        new, gone = {r: self._kept[r] for r in self._new}, list(self._gone)
+        renew = [r for r in self._kept if r not in self._new] if refresh else []
+        if not new and not gone and not renew:
+            return
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                async with self._client.pipeline(transaction=False) as pipe:
+                    for response_id, context in new.items():
+                        pipe.set(self._prefix + response_id, context, px=self._ttl_ms)
+                    for response_id in renew:
+                        pipe.pexpire(self._prefix + response_id, self._ttl_ms)
+                    if gone:
+                        pipe.delete(*(self._prefix + r for r in gone))
+                    await pipe.execute()
+        except Exception as exc:  # noqa: BLE001 - any Redis failure: tried again at the next flush
+            if self.up:
+                log.warning("could not store the resume contexts of %d stream(s) in the shared store (%s: %s); "
+                            "trying again every shared_state.interval_s", len(new) + len(renew),
+                            type(exc).__name__, exc)
+            self.up = False
+            return
+        self.up = True
+        self._new.difference_update(new)
+        self._gone.difference_update(gone)
+        if refresh:
+            self._refreshed = now
