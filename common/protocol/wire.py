@@ -509,6 +509,9 @@ class StreamFound(_Struct):
     request_id: str = ""
     context: bytes = b""
     history: list[TokenDelta] = msgspec.field(default_factory=list)
+    # whether this is the worker's last answer to the FindStream: a worker holding several requests of the response
+    # (its n > 1 choices) sends one each, and the proxy waits for the last before it counts the worker as answered
+    last: bool = True
 
 
 MESSAGES: dict[MsgType, type] = {

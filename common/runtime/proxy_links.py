@@ -121,7 +121,7 @@ class Owners:
 
     def take_over(self, msg: wire.FindStream, link: int, worker_id: str) -> list[wire.StreamFound]:
         """Proxy ``link`` asks for response ``msg.response_id``'s requests: each orphaned one becomes its own, with
-        its history; an absent answer when there is none here."""
+        its history; an absent answer when there is none here. Every answer but the last says so (``last``)."""
         found = []
         for request_id, owned in list(self._of.items()):
             kept = owned.resumable
@@ -138,6 +138,8 @@ class Owners:
                                           list(kept.history)))
             if kept.finished:  # the new proxy has all of it
                 self._forget(request_id)
+        for answer in found[:-1]:
+            answer.last = False
         return found or [wire.StreamFound(msg.response_id, worker_id, "absent")]
 
     def expire(self) -> set[str]:

@@ -518,15 +518,16 @@ class Cluster:
 
     def _on_stream_found(self, sender: str, msg: StreamFound, now: float) -> None:
         search = self._searches.get(msg.response_id)
-        if msg.status == "found" and search is None:  # nobody here wants it now (a search's answers that came in
-            # the same batch as its last worker's first are still its: they were sent together)
+        if msg.status == "found" and search is None:  # nobody here wants it now (its search ended: an answer past
+            # heartbeat_timeout_s, or one of a protocol-20 worker's several, which do not say which is the last)
             log.warning("response %s: worker %r handed over request %s that nobody asked for; aborting it",
                         msg.response_id, sender, msg.request_id)
             self.send(sender, Abort(msg.request_id))
             return
         if search is None:
             return
-        search.waiting.discard(sender)
+        if msg.last:  # a worker of protocol 20 says nothing of it: each answer may then be its last
+            search.waiting.discard(sender)
         if msg.status == "owned":
             search.owned = True
         elif msg.status == "found":
