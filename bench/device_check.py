@@ -140,8 +140,8 @@ def render_markdown(report: dict) -> str:
     thr = steps.get("throughput", {}).get("result")
     if thr:
         lines += ["", f"Throughput, {thr['shape']} shape, attention {thr['attention_backend']}; CUDA graphs: "
-                  f"{thr['cuda_graphs']}.", "", "| batch | engine TPOT ms | engine tok/s | transformers generate tok/s |",
-                  "|---|---|---|---|"]
+                  f"{thr['cuda_graphs']}.", "",
+                  "| batch | engine TPOT ms | engine tok/s | transformers generate tok/s |", "|---|---|---|---|"]
         hf = {r["batch"]: r["tokens_per_s"] for r in thr["transformers"]} if isinstance(thr.get("transformers"),
                                                                                         list) else {}
         for row in thr["decode"]:

@@ -6,9 +6,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${1:-.venv/bin/python}
-# Missing there (the image's package list: pydantic, msgspec, pyzmq, the HTTP stack, redis, NIXL are not in it).
+# Missing there (the image's package list: pydantic, msgspec, pyzmq, the HTTP stack, redis are not in it). NIXL is
+# left out: nixl-cu13's wheel alone is 59 MB, and a call carries 64 MiB in all (the tree included), so the check's
+# P/D step moves KV over ZeroMQ there (its record names the backend).
 NAMES=(pydantic pydantic-core annotated-types typing-inspection msgspec pyzmq fastapi starlette opentelemetry-api
-       uvicorn httptools websockets redis grpcio-status googleapis-common-protos apache-tvm-ffi nixl nixl-cu13)
+       uvicorn httptools websockets redis grpcio-status googleapis-common-protos apache-tvm-ffi)
 exclude=$(git rev-parse --git-path info/exclude)
 grep -qx '/.whl/' "$exclude" 2>/dev/null || echo /.whl/ >> "$exclude"
 rm -rf .whl && mkdir -p .whl
@@ -18,9 +20,12 @@ for name in "${NAMES[@]}"; do
     "$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_24_x86_64 \
-        --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64 \
-        -d .whl "$spec" || echo "device_wheels: no wheel of $spec for CPython 3.12 x86-64; the check goes without it" >&2
+        --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 \
+        --platform manylinux_2_35_x86_64 \
+        -d .whl "$spec" || echo "device_wheels: no wheel of $spec for CPython 3.12 x86-64" >&2
 done
+# The project itself: its entry points name the role commands (`tessera prefill`...) that the P/D step starts.
+"$PYTHON" -m pip wheel --quiet --no-deps --no-build-isolation -w .whl .
 mkdir -p .whl/tokenizer
 "$PYTHON" - <<'PY'
 import shutil
