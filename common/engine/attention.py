@@ -411,4 +411,4 @@ def select_backend(name: str, device: str, block_size: int, deterministic: bool 
 def _triton_backend():
     from common.engine.triton_attention import TritonAttention  # imports triton: only when chosen
 
-    return TritonAttention()
+    return TritonAttention(get_step_context)

@@ -20,8 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from common.engine.attention import StepContext, get_step_context
-
 # Query rows (tokens x heads of one KV group) and keys of one program's tile: tl.dot wants at least 16 of each.
 MIN_DOT = 16
 CHUNK_TILE_ROWS = 64
@@ -113,7 +111,8 @@ def paged_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0), scale,
         GROUP=group, PAGE=page, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(MIN_DOT, triton.next_power_of_2(head_dim)),
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=KEY_TILE,
-        PRECISION="ieee" if q.dtype == torch.float32 or q.device.type == "cpu" else "tf32",
+        # float32: exact products (not TF32); bfloat16: Triton's default, the tensor cores' own.
+        PRECISION="ieee" if q.dtype == torch.float32 or q.device.type == "cpu" else None,
         # Triton's interpreter (CPU tensors) computes a bfloat16 tl.dot wrongly (triton 3.9: errors of 1e10), so
         # there the operands are widened to float32 after the same roundings; a GPU takes them as they are.
         DOT_FP32=q.device.type == "cpu",
@@ -121,11 +120,17 @@ def paged_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v
 
 
 class TritonAttention:
+    """Made by ``attention.select_backend``, which hands it the step context's getter (this module imports
+    nothing of attention.py, which imports it)."""
+
     name = "triton"
+
+    def __init__(self, get_step_context) -> None:
+        self._get_step_context = get_step_context
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
         """q ``[T, H, D]``, k/v ``[T, Hkv, D]`` -> ``[T, H, D]``."""
-        ctx = get_step_context()
+        ctx = self._get_step_context()
         if ctx.kv_cache is None:
             return ctx.attend(q, k, v, scale)
         k_cache, v_cache = ctx.kv_cache.layers[layer]
@@ -144,7 +149,7 @@ class TritonAttention:
         return out
 
 
-def _step_state(ctx: StepContext, key: str, make):
+def _step_state(ctx, key: str, make):
     """What every layer of the step reads the same: made by the first layer, kept in the step context."""
     value = ctx.backend_state.get(key)
     if value is None:
@@ -152,9 +157,9 @@ def _step_state(ctx: StepContext, key: str, make):
     return value
 
 
-def _chunk_meta(ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """The step's chunks as kernel arguments: padded block tables, first rows, query and context lengths, and
-    the longest chunk (host values, so no device read)."""
+def _chunk_meta(ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The chunks of the step (an ``attention.StepContext``) as kernel arguments: padded block tables, first
+    rows, query and context lengths, and the longest chunk (host values, so no device read)."""
     device = ctx.chunks[0].block_table.device
     width = max(chunk.block_table.shape[0] for chunk in ctx.chunks)
     tables = torch.zeros((len(ctx.chunks), width), dtype=torch.int64, device=device)

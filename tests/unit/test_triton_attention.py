@@ -13,7 +13,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernel is decorated, at import
 triton = pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
 
-from common.engine.attention import PrefillChunk, StepContext, TorchAttention, step_context  # noqa: E402
+from common.engine.attention import (PrefillChunk, StepContext, TorchAttention, get_step_context,  # noqa: E402
+                                    step_context)
 from common.engine.kv_cache import KVCache, KVLayout  # noqa: E402
 from common.engine.triton_attention import TritonAttention  # noqa: E402
 
@@ -71,7 +72,7 @@ def _compare(seed: int, dtype: str, num_heads: int, num_kv_heads: int, head_dim:
     ctx.kv_cache.pool.copy_(pool)
     ctx.backend_state.clear()
     with step_context(ctx):
-        got = TritonAttention()(q, k, v, 1, scale)
+        got = TritonAttention(get_step_context)(q, k, v, 1, scale)
     assert got.shape == q.shape and got.dtype == q.dtype and torch.isfinite(got).all()
     return ((got.float() - expected).norm() / expected.norm()).item()
 
