@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -29,6 +31,7 @@ from bench.device_steps import STEPS
 TIMEOUTS_S = {"machine": 40, "models": 150, "logits": 100, "throughput": 150, "gpu_tests": 120, "pd_transfer": 150}
 BUDGET_S = 450  # under issue 50's 8 minutes with room for the interpreter's start and the report
 MIN_STEP_S = 10  # a step is not started with less than this left
+STOP_TIMEOUT_S = 30  # a killed step's process group, to be reaped
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -89,11 +92,7 @@ def run_check(args: argparse.Namespace, argv: list[str]) -> dict:
             command = [sys.executable, "-m", "bench.device_check", *argv, "--step", name,
                        "--step-timeout", f"{limit:.0f}"]
             started = time.monotonic()
-            try:
-                done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=limit)
-                code = done.returncode
-            except subprocess.TimeoutExpired:
-                code = None
+            code = _run_group(command, log, limit)
             path = work / f"{name}.json"
             if path.is_file():
                 records[name] = json.loads(path.read_text())
@@ -110,6 +109,18 @@ def run_check(args: argparse.Namespace, argv: list[str]) -> dict:
     (out / "device_check.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     (out / "device_check.md").write_text(render_markdown(report))
     return report
+
+
+def _run_group(command: list[str], log, limit: float) -> int | None:
+    """``command`` in a session of its own, so that past its limit the step and every process it started (a
+    pytest, a cluster's workers holding the GPU) are killed together; its exit status, or None when killed."""
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        return proc.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=STOP_TIMEOUT_S)
+        return None
 
 
 def _fmt(value, digits: int = 3) -> str:

@@ -17,6 +17,7 @@ a measure that cannot be taken (no CUDA graphs built, transformers missing) is r
 """
 from __future__ import annotations
 
+import gc
 import json
 import random
 import subprocess
@@ -119,6 +120,13 @@ def engine(args, shape: str, **settings):
     return LLMEngine(config)
 
 
+def _release(args) -> None:
+    """Give the device memory of a dropped engine or model back before the next one loads."""
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _prompts(engine_, count: int, length: int, seed: int) -> list[list[int]]:
     allowed = engine_.tokenizer.ordinary_token_ids()
     rng = random.Random(seed)
@@ -143,6 +151,7 @@ def logits(args) -> dict:
         outs = [o.outputs[0] for o in eng.generate(prompts, params)]
         eng.runner.close()
         del eng
+        _release(args)
         hf = _transformers_model(args, shape)
         mismatches, worst_logprob, ties = 0, 0.0, []
         with torch.inference_mode():
@@ -157,8 +166,7 @@ def logits(args) -> dict:
                     mismatches += 1
                     ties.append(round((best.values[pos] - theirs[pos]).item(), 4))
         del hf
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+        _release(args)
         results[shape] = {
             "prompts": len(prompts), "tokens_each": GENERATED, "positions": len(prompts) * GENERATED,
             "transformers_disagrees": mismatches,
@@ -233,8 +241,7 @@ def throughput(args) -> dict:
     attention = eng.runner.attention.name
     eng.runner.close()
     del eng
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
+    _release(args)
     result = {"shape": shape, "attention_backend": attention, "decode": decode, "prefill": prefill,
               "cuda_graphs": "not built: decode steps run eagerly (issue 50's CUDA graphs are not in this tree)"}
     weight_bytes = spec.weight_bytes(args.dtype)
