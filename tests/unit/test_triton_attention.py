@@ -99,3 +99,25 @@ def test_bfloat16_matches_torch():
     (8 bits of mantissa, 2**-8 ~ 4e-3 relative per value) and no more."""
     err = _compare(3, "bfloat16", 8, 2, 64, 16, [3, 40, 129], [(0, 50), (33, 20)])
     assert err < 1e-2
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_a_model_through_the_kernel_matches_torch_attention(tmp_path, kind):
+    """The whole model over the runner's own steps (a prompt in two chunks, the second after the first's pages,
+    then 30 decode steps): logits through the kernel against TorchAttention's."""
+    from common.config.base import EngineConfig
+    from common.engine.model_runner import ModelRunner
+    from tests.tiny_models import build_tiny_model, run_steps
+
+    path = build_tiny_model(kind, tmp_path)
+    ids = torch.randint(0, 320, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    steps, table = [120, 150] + [1] * 30, list(range(19))[::-1]  # 300 tokens in 19 blocks of 16, in reverse
+
+    def runner():
+        return ModelRunner(EngineConfig(model=str(path), num_kv_blocks=24, attention_backend="torch",
+                                        device=DEVICE), path)
+    reference, through_kernel = runner(), runner()
+    for layer in through_kernel.model.layers:
+        layer.self_attn.backend = TritonAttention(get_step_context)
+    expected = run_steps(reference, ids, steps, table)
+    assert (run_steps(through_kernel, ids, steps, table) - expected).abs().max().item() <= 1e-4
