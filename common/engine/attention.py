@@ -396,9 +396,15 @@ def select_backend(name: str, device: str, block_size: int, deterministic: bool 
         if flash and block_size % FLASH_BLOCK_SIZE == 0:
             return FlashAttention()
         if triton_available():
+            try:
+                backend = _triton_backend(check=True)
+            except Exception as exc:  # a GPU image where Triton cannot build or run the kernel: torch still serves
+                log.warning("attention: torch SDPA over pages gathered every step: the Triton kernel failed its "
+                            "start-up check (%s: %s)", type(exc).__name__, exc)
+                return TorchAttention()
             log.info("attention: Triton paged kernel (%s)", f"block_size {block_size} does not suit flash-attn"
                      if flash else "flash-attn is not installed")
-            return _triton_backend()
+            return backend
         log.warning("attention: torch SDPA over pages gathered every step (neither flash-attn nor triton imports)")
     if name in ("auto", "cpu_paged") and device == "cpu":
         if load_kernel("paged_attention") is not None:
@@ -408,7 +414,10 @@ def select_backend(name: str, device: str, block_size: int, deterministic: bool 
     return TorchAttention()
 
 
-def _triton_backend():
-    from common.engine.triton_attention import TritonAttention  # imports triton: only when chosen
+def _triton_backend(check: bool = False):
+    """The Triton backend; with ``check``, after one small launch on the GPU against SDPA (``check_on``)."""
+    from common.engine.triton_attention import TritonAttention, check_on  # imports triton: only when chosen
 
+    if check:
+        check_on("cuda")
     return TritonAttention(get_step_context)

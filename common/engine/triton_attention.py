@@ -17,6 +17,7 @@ all chunks of the step. Tests run the same kernel on CPU tensors through Triton'
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -117,6 +118,30 @@ def paged_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v
         # there the operands are widened to float32 after the same roundings; a GPU takes them as they are.
         DOT_FP32=q.device.type == "cpu",
     )
+
+
+def check_on(device: str | torch.device) -> float:
+    """One small launch on ``device`` (two decode rows, GQA, pages out of order) against SDPA over the same keys;
+    the relative error, or an exception where the kernel does not build or run there. ``attention_backend: auto``
+    calls it before taking the kernel, so a GPU image where Triton cannot compile falls back to torch."""
+    gen = torch.Generator().manual_seed(0)
+    # bfloat16, the dtype a GPU serves in: the tensor-core path is the one worth a check
+    pool = torch.randn((4, 16, 2, 64), generator=gen).to(device, torch.bfloat16)  # [blocks, page, kv heads, dim]
+    q = torch.randn((2, 8, 64), generator=gen).to(device, torch.bfloat16)
+    tables = torch.tensor([[3, 1], [0, 2]], device=device)
+    lens = torch.tensor([20, 9], device=device)
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, out, pool, pool, tables, torch.arange(2, device=device), torch.ones_like(lens), lens, 1, 0.125)
+    expected = torch.empty(q.shape, device=device)
+    for row in range(2):
+        keys = pool[tables[row]].reshape(-1, 2, 64)[:int(lens[row])].transpose(0, 1).float()
+        expected[row] = F.scaled_dot_product_attention(q[row, :, None].float(), keys, keys, scale=0.125,
+                                                       enable_gqa=True)[:, 0]
+    error = ((out.float() - expected).norm() / expected.norm()).item()
+    if not error < 2e-2:  # bfloat16's rounding is ~4e-3 a value; NaN fails too (an output the kernel did not write)
+        raise RuntimeError(f"the Triton paged-attention kernel disagrees with SDPA on {device} (relative error "
+                           f"{error:.3g})")
+    return error
 
 
 class TritonAttention:

@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton", reason="Triton is not installed (pip inst
 from common.engine.attention import (PrefillChunk, StepContext, TorchAttention, get_step_context,  # noqa: E402
                                     step_context)
 from common.engine.kv_cache import KVCache, KVLayout  # noqa: E402
-from common.engine.triton_attention import TritonAttention  # noqa: E402
+from common.engine.triton_attention import TritonAttention, check_on  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -121,3 +121,8 @@ def test_a_model_through_the_kernel_matches_torch_attention(tmp_path, kind):
         layer.self_attn.backend = TritonAttention(get_step_context)
     expected = run_steps(reference, ids, steps, table)
     assert (run_steps(through_kernel, ids, steps, table) - expected).abs().max().item() <= 1e-4
+
+
+def test_the_start_up_check_passes_here():
+    """What ``attention_backend: auto`` runs before taking the kernel on a GPU (here on this test's device)."""
+    assert check_on(DEVICE) < 2e-2
