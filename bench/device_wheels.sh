@@ -26,6 +26,7 @@ for name in "${NAMES[@]}"; do
 done
 # The project itself: its entry points name the role commands (`tessera prefill`...) that the P/D step starts.
 "$PYTHON" -m pip wheel --quiet --no-deps --no-build-isolation -w .whl .
+rm -rf build  # setuptools' staging of that wheel
 mkdir -p .whl/tokenizer
 "$PYTHON" - <<'PY'
 import shutil

@@ -372,10 +372,11 @@ def block_size_for(backend: str, device: str, block_size: int, max_batched_token
 
 
 def select_backend(name: str, device: str, block_size: int, deterministic: bool = False):
-    """Pick the attention backend named in config; "auto" takes, on a GPU, flash-attn where it is installed and
-    the block size suits it, else the Triton paged kernel where Triton imports, else torch; on the CPU the C
-    kernel where it builds, else torch. ``deterministic`` (engine.deterministic) takes
-    ``DeterministicCpuAttention`` or refuses."""
+    """Pick the attention backend named in config for ``device`` (``cpu``, ``cuda`` or ``cuda:N``, this rank's);
+    "auto" takes, on a GPU, flash-attn where it is installed and the block size suits it, else the Triton paged
+    kernel where Triton imports and its check on ``device`` passes, else torch; on the CPU the C kernel where it
+    builds, else torch. ``deterministic`` (engine.deterministic) takes ``DeterministicCpuAttention`` or refuses."""
+    gpu, device = device, device.split(":")[0]
     if deterministic:
         if device != "cpu" or name not in ("auto", "cpu_paged") or load_kernel("paged_attention") is None:
             raise RuntimeError("engine.deterministic needs the CPU, attention_backend auto or cpu_paged, and a C "
@@ -397,7 +398,7 @@ def select_backend(name: str, device: str, block_size: int, deterministic: bool 
             return FlashAttention()
         if triton_available():
             try:
-                backend = _triton_backend(check=True)
+                backend = _triton_backend(check_on_device=gpu)
             except Exception as exc:  # a GPU image where Triton cannot build or run the kernel: torch still serves
                 log.warning("attention: torch SDPA over pages gathered every step: the Triton kernel failed its "
                             "start-up check (%s: %s)", type(exc).__name__, exc)
@@ -414,10 +415,10 @@ def select_backend(name: str, device: str, block_size: int, deterministic: bool 
     return TorchAttention()
 
 
-def _triton_backend(check: bool = False):
-    """The Triton backend; with ``check``, after one small launch on the GPU against SDPA (``check_on``)."""
+def _triton_backend(check_on_device: str = ""):
+    """The Triton backend; with ``check_on_device``, after one small launch there against SDPA (``check_on``)."""
     from common.engine.triton_attention import TritonAttention, check_on  # imports triton: only when chosen
 
-    if check:
-        check_on("cuda")
+    if check_on_device:
+        check_on(check_on_device)
     return TritonAttention(get_step_context)
