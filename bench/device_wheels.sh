@@ -9,8 +9,10 @@ PYTHON=${1:-.venv/bin/python}
 # Missing there (the image's package list: pydantic, msgspec, pyzmq, the HTTP stack, redis are not in it). NIXL is
 # left out: nixl-cu13's wheel alone is 59 MB, and a call carries 64 MiB in all (the tree included), so the check's
 # P/D step moves KV over ZeroMQ there (its record names the backend).
-NAMES=(pydantic pydantic-core annotated-types typing-inspection msgspec pyzmq fastapi starlette opentelemetry-api
-       uvicorn httptools websockets redis grpcio-status googleapis-common-protos apache-tvm-ffi)
+# typing-extensions, grpcio and protobuf are there, at versions older than pydantic and the gRPC API need.
+NAMES=(pydantic pydantic-core annotated-types typing-inspection typing-extensions msgspec pyzmq fastapi starlette
+       opentelemetry-api uvicorn httptools websockets redis grpcio grpcio-status protobuf googleapis-common-protos
+       apache-tvm-ffi)
 exclude=$(git rev-parse --git-path info/exclude)
 grep -qx '/.whl/' "$exclude" 2>/dev/null || echo /.whl/ >> "$exclude"
 rm -rf .whl && mkdir -p .whl
