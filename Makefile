@@ -8,6 +8,9 @@ BIN := $(VENV)/bin
 TORCH_VERSION := 2.13.0
 NIXL_VERSION := 1.5.1
 XGRAMMAR_VERSION := 0.2.8
+# Triton: the GPU attention kernel's compiler; on CPU its interpreter runs that kernel's tests (tests/unit/
+# test_triton_attention.py). About 290 MB, its own dependencies none that the CPU path needs.
+TRITON_VERSION := 3.9.0
 # Which dtype(s) of the embedded model `make prepare` (and so `make test`) makes: float32, bfloat16 or both.
 DTYPE ?= float32
 PYTEST_ARGS ?=
@@ -28,8 +31,9 @@ $(SETUP_STAMP): pyproject.toml
 	# NIXL the lean way: its own dependencies would pull CUDA torch (pip check
 	# then reports nixl-cu13 and torch as missing; both are unneeded on CPU).
 	$(PIP) install --no-deps nixl==$(NIXL_VERSION) nixl-cu12==$(NIXL_VERSION)
-	# xgrammar (structured output) without triton, which only its GPU kernels use.
+	# xgrammar (structured output) without its dependencies (triton, next, is installed on its own).
 	$(PIP) install --no-deps xgrammar==$(XGRAMMAR_VERSION)
+	$(PIP) install --no-deps triton==$(TRITON_VERSION)
 	touch $@
 
 prepare: setup

@@ -20,16 +20,20 @@ Backends:
   chunks through that file's chunk kernel (AVX512-BF16 dot products, the
   pages read in place, 2.6x torch's SDPA on a 256-token prompt); float32
   chunks, or a CPU without AVX512-BF16, as below.
-- ``TorchAttention`` (GPU without flash-attn, or CPU without a C compiler):
+- ``TorchAttention`` (GPU without flash-attn or Triton, or CPU without a C compiler):
   decode rows in one padded, masked batch over gathered pages; each chunk in
   one SDPA call.
 - ``FlashAttention`` (GPU with flash-attn installed): flash-attn's paged
   ``flash_attn_with_kvcache`` reads the pool in place through block tables.
+- ``TritonAttention`` (GPU without flash-attn, Triton importable;
+  common/engine/triton_attention.py): a Triton kernel that reads the pool in
+  place for decode rows and chunks alike.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +41,10 @@ import torch.nn.functional as F
 
 from common.engine.kv_cache import KVCache
 from common.engine.native import kernel_function, load_kernel
+
+log = logging.getLogger(__name__)
+
+FLASH_BLOCK_SIZE = 256  # flash-attn's paged kernel takes block sizes that are multiples of this
 
 
 # ---- per-step metadata: set by the model runner, read by every attention layer --------------------
@@ -341,25 +349,76 @@ def flash_attn_available() -> bool:
     return torch.cuda.is_available()
 
 
+def triton_available() -> bool:
+    """Triton importable and a CUDA GPU to compile for (the kernel's only target when serving)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def block_size_for(backend: str, device: str, block_size: int, max_batched_tokens: int, flash_attn: bool) -> int:
+    """The block size a worker serves with: under ``attention_backend: auto`` on a GPU where flash-attn is
+    installed (``flash_attn``), FLASH_BLOCK_SIZE when the configured one does not suit flash-attn's paged kernel
+    (a multiple of 256) and a step's token budget holds a block that size; else the configured one."""
+    if (backend != "auto" or device != "cuda" or not flash_attn or block_size % FLASH_BLOCK_SIZE == 0
+            or max_batched_tokens < FLASH_BLOCK_SIZE):
+        return block_size
+    log.info("engine.block_size %d -> %d: flash-attn's paged kernel needs a multiple of %d (attention_backend "
+             "auto; attention_backend: triton keeps the configured size)", block_size, FLASH_BLOCK_SIZE,
+             FLASH_BLOCK_SIZE)
+    return FLASH_BLOCK_SIZE
+
+
 def select_backend(name: str, device: str, block_size: int, deterministic: bool = False):
-    """Pick the attention backend named in config ("auto" prefers flash-attn on GPU); ``deterministic``
-    (engine.deterministic) takes ``DeterministicCpuAttention`` or refuses."""
+    """Pick the attention backend named in config for ``device`` (``cpu``, ``cuda`` or ``cuda:N``, this rank's);
+    "auto" takes, on a GPU, flash-attn where it is installed and the block size suits it, else the Triton paged
+    kernel where Triton imports and its check on ``device`` passes, else torch; on the CPU the C kernel where it
+    builds, else torch. ``deterministic`` (engine.deterministic) takes ``DeterministicCpuAttention`` or refuses."""
+    gpu, device = device, device.split(":")[0]
     if deterministic:
         if device != "cpu" or name not in ("auto", "cpu_paged") or load_kernel("paged_attention") is None:
             raise RuntimeError("engine.deterministic needs the CPU, attention_backend auto or cpu_paged, and a C "
                                f"compiler (gcc) for its kernels (device {device!r}, attention_backend {name!r})")
         return DeterministicCpuAttention()
-    if name == "flash_attn" or (name == "auto" and device == "cuda" and flash_attn_available()):
+    if name == "flash_attn":
         if not flash_attn_available():
             raise RuntimeError("attention_backend 'flash_attn' needs a CUDA GPU and the flash-attn package")
-        if block_size % 256:
-            if name == "flash_attn":
-                raise RuntimeError(f"attention_backend 'flash_attn' needs block_size % 256 == 0, got {block_size}")
-            return TorchAttention()
+        if block_size % FLASH_BLOCK_SIZE:
+            raise RuntimeError(f"attention_backend 'flash_attn' needs block_size % 256 == 0, got {block_size}")
         return FlashAttention()
+    if name == "triton":
+        if device != "cuda" or not triton_available():
+            raise RuntimeError("attention_backend 'triton' needs a CUDA GPU and the triton package")
+        return _triton_backend()
+    if name == "auto" and device == "cuda":
+        flash = flash_attn_available()
+        if flash and block_size % FLASH_BLOCK_SIZE == 0:
+            return FlashAttention()
+        if triton_available():
+            try:
+                backend = _triton_backend(check_on_device=gpu)
+            except Exception as exc:  # a GPU image where Triton cannot build or run the kernel: torch still serves
+                log.warning("attention: torch SDPA over pages gathered every step: the Triton kernel failed its "
+                            "start-up check (%s: %s)", type(exc).__name__, exc)
+                return TorchAttention()
+            log.info("attention: Triton paged kernel (%s)", f"block_size {block_size} does not suit flash-attn"
+                     if flash else "flash-attn is not installed")
+            return backend
+        log.warning("attention: torch SDPA over pages gathered every step (neither flash-attn nor triton imports)")
     if name in ("auto", "cpu_paged") and device == "cpu":
         if load_kernel("paged_attention") is not None:
             return CpuAttention()
         if name == "cpu_paged":
             raise RuntimeError("attention_backend 'cpu_paged' needs a C compiler (gcc) to build its kernel")
     return TorchAttention()
+
+
+def _triton_backend(check_on_device: str = ""):
+    """The Triton backend; with ``check_on_device``, after one small launch there against SDPA (``check_on``)."""
+    from common.engine.triton_attention import TritonAttention, check_on  # imports triton: only when chosen
+
+    if check_on_device:
+        check_on(check_on_device)
+    return TritonAttention(get_step_context)

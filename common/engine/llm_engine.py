@@ -9,6 +9,7 @@ its KV blocks go back to the pool. Each ``step()`` is plan -> execute -> apply, 
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import random
@@ -18,6 +19,7 @@ from collections.abc import Iterable, Sequence as Seq
 
 import numpy as np
 
+from common.engine.attention import block_size_for, flash_attn_available
 from common.engine.block_manager import BlockManager
 from common.config.base import EngineConfig
 from common.engine.model_runner import ModelRunner
@@ -134,6 +136,10 @@ class RequestError(ValueError):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        block_size = block_size_for(config.attention_backend, config.device_type, config.block_size,
+                                    config.max_num_batched_tokens, flash_attn_available())
+        if block_size != config.block_size:
+            config = dataclasses.replace(config, block_size=block_size)
         self.config = config
         self.model_dir = resolve_model(config.model, config.dtype)
         self.tokenizer = Tokenizer(self.model_dir)

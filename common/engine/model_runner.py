@@ -108,7 +108,7 @@ class ModelRunner:
                 join_group(config, rank, rendezvous)
         self.device = torch.device(config.devices[rank])
         self.dtype = getattr(torch, config.dtype)
-        self.attention = select_backend(config.attention_backend, config.device_type, config.block_size,
+        self.attention = select_backend(config.attention_backend, str(self.device), config.block_size,
                                         config.deterministic)
         started = time.monotonic()
         self.model = load_model(model_dir, self.dtype, str(self.device), self.attention, self.tp)

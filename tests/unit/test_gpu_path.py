@@ -1,4 +1,4 @@
-"""The GPU path (torch SDPA on CUDA, and flash-attn when installed) against the CPU path.
+"""The GPU path (torch SDPA on CUDA, the Triton paged kernel, flash-attn when installed) against the CPU path.
 
 Skipped with the reason on machines without a CUDA GPU; run on a GPU host
 (`pytest tests/unit/test_gpu_path.py`).
@@ -6,7 +6,7 @@ Skipped with the reason on machines without a CUDA GPU; run on a GPU host
 import pytest
 import torch
 
-from common.engine.attention import flash_attn_available
+from common.engine.attention import flash_attn_available, triton_available
 from common.config.base import EngineConfig
 from common.engine.model_runner import ModelRunner
 from common.protocol.sampling_params import SamplingParams
@@ -19,10 +19,12 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("backend", ["torch", "flash_attn"])
+@pytest.mark.parametrize("backend", ["torch", "flash_attn", "triton"])
 def test_gpu_logits_match_cpu(tmp_path, kind, backend):
     if backend == "flash_attn" and not flash_attn_available():
-        pytest.skip("flash-attn is not installed; the GPU path runs on torch SDPA")
+        pytest.skip("flash-attn is not installed; the GPU path runs on the Triton kernel or torch SDPA")
+    if backend == "triton" and not triton_available():
+        pytest.skip("triton is not installed")
     path = build_tiny_model(kind, tmp_path)
     block_size = 256 if backend == "flash_attn" else 16
     ids = torch.randint(0, 320, (300,), generator=torch.Generator().manual_seed(0)).tolist()

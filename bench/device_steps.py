@@ -1,0 +1,316 @@
+"""The device check's steps (bench/device_check.py runs each in its own process, with its own timeout).
+
+Each step takes the check's arguments and what earlier steps left in the work directory, and returns a dict of
+what it measured; a step that raises is recorded as failed and the check goes on. Nothing here fakes a number:
+a measure that cannot be taken (no CUDA graphs built, transformers missing) is recorded as such.
+
+- ``machine``: the device, the software, and the two ceilings: memory bandwidth (a device-to-device copy,
+  bytes read plus written) and the bf16 (or the check's dtype) matmul rate.
+- ``models``: random-weight Llama models of the named shapes (common/storage/random_model.py), made on the spot.
+- ``gpu_tests``: the tests that need CUDA (``-m gpu``) and the Triton kernel's tests.
+- ``logits``: the engine against transformers on the same weights: greedy tokens, and every generated token's
+  log-probability under both, transformers reading the engine's tokens (teacher forcing).
+- ``throughput``: engine decode at each batch size, prefill of long prompts, transformers' ``generate`` at the
+  same batch sizes, and the rooflines from ``machine``'s ceilings.
+- ``pd_transfer``: a prefill and a decode worker (two processes on the one device) behind a proxy; the KV
+  pull's bandwidth and its share of time to first token, from the proxy's counters.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from common.storage.random_model import SHAPES, make_random_model
+
+# Two log-probabilities of one token are a near-tie's difference apart when the engine and transformers sum in
+# different orders: bfloat16 keeps 8 bits of mantissa, so a logit near 8 is held to 2**-4 and the two paths'
+# roundings over a model's layers move it by a few such steps (docs/gpu.md, "Engine against transformers").
+NEAR_TIE = 0.25
+PROMPTS = 8
+GENERATED = 32
+DECODE_PROMPT = 64
+DECODE_TOKENS = 48
+PREFILL_PROMPTS = 4
+CHECK_PORT_TIMEOUT_S = 300.0
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _timed(fn, device: str, repeats: int) -> float:
+    """Best seconds of ``repeats`` calls after one warm-up."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        started = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def machine(args) -> dict:
+    import importlib.util
+
+    dtype = getattr(torch, args.dtype)
+    out = {"torch": torch.__version__, "python": sys.version.split()[0], "device": args.device,
+           "packages": {name: importlib.util.find_spec(name) is not None
+                        for name in ("triton", "flash_attn", "nixl", "transformers", "zmq", "msgspec")}}
+    if args.device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        out.update(gpu=props.name, memory_gib=props.total_memory / 2**30, multiprocessors=props.multi_processor_count,
+                   capability=f"{props.major}.{props.minor}", cuda=torch.version.cuda)
+    nbytes, n = (1 << 30, 8192) if args.device == "cuda" else (64 << 20, 512)
+    src = torch.randn(nbytes // 4, device=args.device)
+    dst = torch.empty_like(src)
+    out["copy_bytes_per_s"] = 2 * nbytes / _timed(lambda: dst.copy_(src), args.device, 10)
+    a = torch.randn((n, n), device=args.device).to(dtype)
+    b = torch.randn((n, n), device=args.device).to(dtype)
+    out["matmul_flops_per_s"] = 2 * n ** 3 / _timed(lambda: a @ b, args.device, 10)
+    out["matmul_dtype"], out["matmul_n"] = args.dtype, n
+    return out
+
+
+def models(args) -> dict:
+    made = {}
+    for name in args.shapes:
+        started = time.monotonic()
+        path = make_random_model(model_dir(args, name), SHAPES[name], args.dtype, tokenizer_from=args.tokenizer_from)
+        made[name] = {"dir": str(path), "seconds": time.monotonic() - started,
+                      "parameters": SHAPES[name].parameter_count(),
+                      "weight_bytes": SHAPES[name].weight_bytes(args.dtype)}
+    return made
+
+
+def model_dir(args, shape: str) -> Path:
+    return Path(args.work) / "models" / f"random-{shape}-{args.dtype}"
+
+
+def gpu_tests(args) -> dict:
+    files = ["tests/unit/test_triton_attention.py", "tests/unit/test_gpu_path.py"]
+    # The engine-level greedy test needs the embedded model, which is downloaded: no network on the lent machine.
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *files,
+               "--deselect", "tests/unit/test_gpu_path.py::test_gpu_engine_greedy_matches_cpu"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.step_timeout)
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    summary = lines[-1] if lines else ""
+    if done.returncode not in (0, 5):
+        raise RuntimeError(f"pytest exited {done.returncode}: {summary}\n" + "\n".join(lines[-40:]))
+    return {"command": " ".join(command[1:]), "summary": summary}
+
+
+def engine(args, shape: str, **settings):
+    from common.config.base import EngineConfig
+    from common.engine.llm_engine import LLMEngine
+
+    kv_bytes = (16 << 30) if args.device == "cuda" else (64 << 20)
+    config = EngineConfig(model=str(model_dir(args, shape)), dtype=args.dtype, device=args.device,
+                          kv_cache_memory_bytes=kv_bytes, max_num_seqs=max(args.batches), calibration_s=0.0,
+                          max_num_batched_tokens=max(8192, args.prefill_len), **settings)
+    return LLMEngine(config)
+
+
+def _release(args) -> None:
+    """Give the device memory of a dropped engine or model back before the next one loads."""
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _prompts(engine_, count: int, length: int, seed: int) -> list[list[int]]:
+    allowed = engine_.tokenizer.ordinary_token_ids()
+    rng = random.Random(seed)
+    return [rng.choices(allowed, k=length) for _ in range(count)]
+
+
+def _transformers_model(args, shape: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir(args, shape)), dtype=getattr(torch, args.dtype))
+    return model.to(args.device).eval()
+
+
+def logits(args) -> dict:
+    from common.protocol.sampling_params import SamplingParams
+
+    results = {}
+    for shape in args.shapes:
+        eng = engine(args, shape)
+        prompts = [p[:16 + 6 * i] for i, p in enumerate(_prompts(eng, PROMPTS, 16 + 6 * PROMPTS, seed=1))]
+        params = SamplingParams(temperature=0.0, max_tokens=GENERATED, ignore_eos=True, logprobs=0)
+        outs = [o.outputs[0] for o in eng.generate(prompts, params)]
+        eng.runner.close()
+        del eng
+        _release(args)
+        hf = _transformers_model(args, shape)
+        mismatches, worst_logprob, ties = 0, 0.0, []
+        with torch.inference_mode():
+            for prompt, out in zip(prompts, outs):
+                ids = torch.tensor([prompt + out.token_ids], device=args.device)
+                logp = torch.log_softmax(hf(ids).logits[0, len(prompt) - 1:-1].float(), dim=-1)
+                chosen = torch.tensor(out.token_ids, device=args.device)
+                theirs = logp.gather(1, chosen[:, None])[:, 0]
+                worst_logprob = max(worst_logprob, (theirs.cpu() - torch.tensor(out.logprobs)).abs().max().item())
+                best = logp.max(-1)
+                for pos in (best.indices != chosen).nonzero().flatten().tolist():
+                    mismatches += 1
+                    ties.append(round((best.values[pos] - theirs[pos]).item(), 4))
+        del hf
+        _release(args)
+        results[shape] = {
+            "prompts": len(prompts), "tokens_each": GENERATED, "positions": len(prompts) * GENERATED,
+            "transformers_disagrees": mismatches,
+            "disagreement_margins": ties,  # transformers' top log-prob minus the engine's token's, per disagreement
+            "all_near_ties": all(t <= NEAR_TIE for t in ties), "near_tie": NEAR_TIE,
+            "max_logprob_difference": worst_logprob,
+            "greedy_equal": mismatches == 0,
+        }
+    return results
+
+
+def _decode_rate(eng, prompts: list[list[int]], tokens: int) -> dict:
+    """Engine decode at ``len(prompts)`` rows: prompts first (untimed), then ``tokens - 1`` timed steps."""
+    from common.protocol.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        eng.add_request(f"d{len(prompts)}-{i}", prompt, params)
+    while any(len(s.output_token_ids) == 0 for s in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()
+    _sync(str(eng.runner.device))
+    started, steps, before = time.perf_counter(), 0, eng.stats.num_generated_tokens
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+    _sync(str(eng.runner.device))
+    seconds = time.perf_counter() - started
+    generated = eng.stats.num_generated_tokens - before
+    return {"batch": len(prompts), "steps": steps, "tpot_ms": 1000 * seconds / steps,
+            "tokens_per_s": generated / seconds}
+
+
+def _prefill_rate(eng, prompts: list[list[int]]) -> dict:
+    from common.protocol.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    _sync(str(eng.runner.device))
+    started = time.perf_counter()
+    eng.generate(prompts, params)
+    _sync(str(eng.runner.device))
+    seconds = time.perf_counter() - started
+    return {"prompts": len(prompts), "length": len(prompts[0]), "seconds": seconds,
+            "tokens_per_s": len(prompts) * len(prompts[0]) / seconds}
+
+
+def _transformers_generate(args, shape: str, prompts_by_batch: dict[int, list[list[int]]]) -> list[dict]:
+    hf = _transformers_model(args, shape)
+    rows = []
+    with torch.inference_mode():
+        for batch, prompts in prompts_by_batch.items():
+            ids = torch.tensor(prompts, device=args.device)
+
+            def generate():
+                hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=DECODE_TOKENS,
+                            min_new_tokens=DECODE_TOKENS, do_sample=False, pad_token_id=0)
+            seconds = _timed(generate, args.device, 1)
+            rows.append({"batch": batch, "seconds": seconds, "tokens_per_s": batch * DECODE_TOKENS / seconds})
+    return rows
+
+
+def throughput(args) -> dict:
+    shape = args.shapes[-1]
+    ceilings = _read_step(args, "machine")
+    spec = SHAPES[shape]
+    eng = engine(args, shape)
+    prompts = {b: _prompts(eng, b, DECODE_PROMPT, seed=b) for b in args.batches}
+    _decode_rate(eng, prompts[args.batches[0]][:1], 4)  # warm-up: the kernels' first compile is not timed
+    decode = [_decode_rate(eng, prompts[b], DECODE_TOKENS) for b in args.batches]
+    long_prompts = _prompts(eng, PREFILL_PROMPTS, args.prefill_len, seed=7)
+    prefill = _prefill_rate(eng, long_prompts[:1])  # warm-up at this length
+    prefill = _prefill_rate(eng, long_prompts)
+    attention = eng.runner.attention.name
+    eng.runner.close()
+    del eng
+    _release(args)
+    result = {"shape": shape, "attention_backend": attention, "decode": decode, "prefill": prefill,
+              "cuda_graphs": "not built: decode steps run eagerly (issue 50's CUDA graphs are not in this tree)"}
+    weight_bytes = spec.weight_bytes(args.dtype)
+    hidden, layers, n = spec.hidden_size, spec.num_hidden_layers, args.prefill_len
+    # Matmul FLOPs of a prompt token (every weight but the embedding's lookup) plus causal attention's two
+    # products (on average n/2 keys per query), per token; the LM head runs on the last row only.
+    flops_per_token = 2 * (spec.parameter_count() - spec.vocab_size * hidden) + 4 * layers * hidden * n / 2
+    result["prefill"]["tflops"] = flops_per_token * prefill["tokens_per_s"] / 1e12
+    if ceilings:
+        floor_s = weight_bytes / (ceilings["copy_bytes_per_s"] / 2)
+        result["roofline"] = {
+            "weight_bytes": weight_bytes, "read_bytes_per_s": ceilings["copy_bytes_per_s"] / 2,
+            "batch1_tpot_floor_ms": 1000 * floor_s,
+            "batch1_tpot_over_floor": decode[0]["tpot_ms"] / (1000 * floor_s),
+            "matmul_flops_per_s": ceilings["matmul_flops_per_s"],
+            "prefill_share_of_matmul_rate": 1e12 * result["prefill"]["tflops"] / ceilings["matmul_flops_per_s"],
+        }
+    try:
+        result["transformers"] = _transformers_generate(args, shape, prompts)
+    except ImportError as exc:
+        result["transformers"] = f"not measured: {exc}"
+        return result
+    best = max(row["tokens_per_s"] for row in result["transformers"])
+    result["engine_over_transformers_best"] = decode[-1]["tokens_per_s"] / best
+    return result
+
+
+def pd_transfer(args) -> dict:
+    import httpx
+
+    from bench.disagg_ttft import summarize, timed_completion, transfer_counters
+    from common.cli.local_cluster import LocalCluster
+    from kv_transfer.factory import default_backend_name
+
+    shape = args.shapes[-1]
+    backend = default_backend_name()
+    kv_bytes = (8 << 30) if args.device == "cuda" else (64 << 20)
+    logs = Path(args.work) / "pd-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    cluster = LocalCluster.for_tests(
+        model_dir(args, shape), logs, prefill=1, decode=1, transfer_backend=backend,
+        worker_overrides=[f"engine.device={args.device}", f"engine.dtype={args.dtype}",
+                          f"engine.kv_cache_memory_bytes={kv_bytes}",
+                          f"engine.max_num_batched_tokens={max(2048, args.prefill_len)}"],
+    ).start()
+    try:
+        with httpx.Client(timeout=CHECK_PORT_TIMEOUT_S) as client:
+            rng = random.Random(3)
+            prompts = [[rng.randrange(1000, 20000) for _ in range(args.prefill_len)] for _ in range(4)]
+            timed_completion(client, cluster.url, prompts[0])  # warm-up
+            before = transfer_counters(cluster)
+            samples = [timed_completion(client, cluster.url, p) for p in prompts[1:]]
+            summary = summarize(samples, before, transfer_counters(cluster))
+    finally:
+        exit_codes = cluster.stop()
+    summary.pop("samples")
+    if summary["kv_pull_mean_s"] is not None:
+        summary["transfer_share_of_ttft"] = summary["kv_pull_mean_s"] / summary["ttft_mean_s"]
+    return {"shape": shape, "backend": backend, "prompt_length": args.prefill_len, **summary,
+            "exit_codes": exit_codes}
+
+
+def _read_step(args, name: str) -> dict | None:
+    path = Path(args.work) / f"{name}.json"
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    return record.get("result") if record.get("ok") else None
+
+
+STEPS = {"machine": machine, "models": models, "gpu_tests": gpu_tests, "logits": logits,
+         "throughput": throughput, "pd_transfer": pd_transfer}
