@@ -22,8 +22,8 @@ from common.protocol.sampling_params import SamplingParams
 from common.protocol.wire import PROTOCOL_VERSION
 from tests.conditions import settle
 
-PREVIOUS_RELEASE = "ac0b052"  # the last landed commit of protocol version 19
-NEWER_SETTINGS = ("engine.calibration_s=",)  # the tests' worker settings PREVIOUS_RELEASE does not know
+PREVIOUS_RELEASE = "792a3fb"  # the last landed commit of protocol version 20
+NEWER_SETTINGS = ()  # the tests' worker settings PREVIOUS_RELEASE does not know
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["Tell me about the sea.", "What is a hash table?", "Count to five."]
 MAX_TOKENS = 10
