@@ -1,0 +1,276 @@
+"""The pipelined KV hand-off, in one process: a prefill worker reporting layer groups of its prompt chunks
+(KVProgress) and a decode worker pulling them while the prompt is computed, through the in-process transfer backend.
+
+The messages a proxy would relay are handed from one handler to the other here. The decode worker's output must be
+the plain hand-off's token for token, every page must be pulled once per generation, and every way out (abort, a
+failed layer pull, a preempted prompt, a peer gone) must leave no block in use.
+"""
+import time
+
+import pytest
+import torch
+
+from common.config.base import EngineConfig
+from common.config.roles import WorkerConfig
+from common.protocol import wire
+from common.protocol.sampling_params import SamplingParams
+from decode_worker.worker import DecodeHandler
+from kv_transfer.segments import Layers, PoolGeometry, Segment, pull_segments
+from prefill_worker.pipeline import group_ends
+from prefill_worker.worker import PrefillHandler
+from tests.fake_transfer import FakeBackend
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+PROMPT = [(i * 7) % 300 + 1 for i in range(150)]  # 9 full blocks of 16 and 6 tokens: chunks of 48, so 4 steps
+BLOCK = 16
+
+
+# ---- segments of a layer range ---------------------------------------------------------------------------
+def test_a_layer_range_is_one_run_inside_each_rank_slice():
+    # 4 layers of 10 bytes a block at tp 1: layers 1..3 of remote block 2 into local block 0
+    remote, local = PoolGeometry(1, 4, 40, 4), PoolGeometry(1, 3, 40, 4)
+    assert pull_segments(remote, local, [2], [0], Layers(1, 3)) == [Segment(90, 10, 20)]
+    # Two blocks: the runs are not contiguous (layer 0 of the next block sits between), so they do not merge.
+    assert pull_segments(remote, local, [1, 2], [0, 1], Layers(2, 4)) == [Segment(60, 20, 20), Segment(100, 60, 20)]
+    # The whole range is the whole block.
+    assert pull_segments(remote, local, [1, 2], [0, 1], Layers(0, 4)) == pull_segments(remote, local, [1, 2], [0, 1])
+
+
+def test_a_layer_range_at_tensor_parallelism_is_a_run_in_each_rank_slice():
+    # tp 2: a rank's slice of a block is 20 bytes, 5 a layer; layer 3 of block 1 on each rank.
+    remote, local = PoolGeometry(2, 4, 40, 4), PoolGeometry(2, 3, 40, 4)
+    assert pull_segments(remote, local, [1], [2], Layers(3, 4)) == [Segment(35, 55, 5), Segment(115, 115, 5)]
+
+
+@pytest.mark.parametrize("layers, message", [(Layers(2, 2), "not a range"), (Layers(0, 5), "not a range"),
+                                             (Layers(-1, 2), "not a range")])
+def test_a_bad_layer_range_is_refused(layers, message):
+    with pytest.raises(ValueError, match=message):
+        pull_segments(PoolGeometry(1, 4, 40, 4), PoolGeometry(1, 3, 40, 4), [0], [0], layers)
+
+
+def test_a_layer_range_across_tensor_parallel_sizes_is_refused():
+    with pytest.raises(ValueError, match="equal tensor parallelism"):
+        pull_segments(PoolGeometry(1, 4, 40, 4), PoolGeometry(2, 3, 40, 4), [0], [0], Layers(0, 2))
+
+
+def test_layer_groups_cover_every_layer_once():
+    assert group_ends(2, 4) == [1, 2]
+    assert group_ends(22, 4) == [6, 12, 17, 22]
+    assert group_ends(16, 1) == [16]
+
+
+# ---- the two handlers --------------------------------------------------------------------------------------
+def handler(cls, model_dir, transfer, **engine):
+    config = EngineConfig(model=str(model_dir), num_kv_blocks=64, block_size=BLOCK, max_num_batched_tokens=48,
+                          **engine)
+    h = cls(WorkerConfig(role=cls.role, worker_id=f"{cls.role}-0", engine=config, observability={"metrics_port": 0}),
+            lambda: transfer)
+    sent = []
+    h.bind(sent.append)
+    return h, sent
+
+
+@pytest.fixture
+def pair(tiny_chat_model_dir):
+    prefill, to_proxy = handler(PrefillHandler, tiny_chat_model_dir, FakeBackend())
+    decode, from_decode = handler(DecodeHandler, tiny_chat_model_dir, FakeBackend())
+    decode.handle(wire.Peers([wire.PeerInfo("prefill-0", prefill.epoch, "fake", prefill.transfer_metadata)]))
+    yield prefill, to_proxy, decode, from_decode
+    decode.transfer.close()
+    prefill.transfer.close()
+
+
+def early(request_id: str, prefill, prompt=PROMPT) -> wire.DecodeRequest:
+    return wire.DecodeRequest(request_id, prompt, PARAMS, seed=1, source_worker_id="prefill-0",
+                              kv_lease_left_s=600.0, source_epoch=prefill.epoch, kv_pipelined=True)
+
+
+def final(request_id: str, done: wire.PrefillDone, prompt=PROMPT, cache_salt: int = 0) -> wire.DecodeRequest:
+    return wire.DecodeRequest(request_id, prompt, PARAMS, seed=1, first_token=done.first_token,
+                              source_worker_id="prefill-0", source_block_ids=done.block_ids, kv_lease_left_s=60.0,
+                              source_epoch=done.epoch, cache_salt=cache_salt)
+
+
+def prefill_relaying(prefill, to_proxy, decode, request_id: str, groups: int = 2) -> tuple[wire.PrefillDone, int]:
+    """Compute the prompt, handing each KVProgress to the decode worker as it comes (the proxy's relay) and turning
+    the decode worker's loop between steps; PrefillDone, and how many KVProgress there were."""
+    prefill.handle(wire.PrefillRequest(request_id, PROMPT, PARAMS, seed=1, lease_s=600,
+                                       kv_pipeline_layer_groups=groups))
+    progress = 0
+    deadline = time.monotonic() + 30
+    while True:
+        assert time.monotonic() < deadline
+        prefill.tick()
+        for msg in list(to_proxy):
+            to_proxy.remove(msg)
+            if isinstance(msg, wire.KVProgress):
+                progress += 1
+                decode.handle(msg)
+            elif isinstance(msg, wire.PrefillDone):
+                return msg, progress
+        decode.tick()
+
+
+def run_out(decode, sent) -> tuple[list[int], list[wire.KVPulled]]:
+    deadline = time.monotonic() + 30
+    while decode.engine.has_unfinished() or decode.pipelined:
+        assert time.monotonic() < deadline
+        decode.tick()
+    tokens = [t for m in sent if isinstance(m, wire.TokenDeltas) for d in m.deltas for t in d.token_ids]
+    return tokens, [m for m in sent if isinstance(m, wire.KVPulled)]
+
+
+def plain_handoff(prefill, to_proxy, decode, from_decode, request_id: str, cache_salt: int = 99) -> list[int]:
+    """The hand-off without pipelining; under another cache salt (by default) than the runs after it, so that
+    neither worker's prefix cache serves them from it."""
+    prefill.handle(wire.PrefillRequest(request_id, PROMPT, PARAMS, seed=1, lease_s=600, cache_salt=cache_salt))
+    while not any(isinstance(m, wire.PrefillDone) for m in to_proxy):
+        prefill.tick()
+    (done,) = [m for m in to_proxy if isinstance(m, wire.PrefillDone)]
+    to_proxy.clear()
+    decode.handle(final(request_id, done, cache_salt=cache_salt))
+    tokens, (pulled,) = run_out(decode, from_decode)
+    assert pulled.ok
+    prefill.handle(wire.ReleaseKV(request_id))
+    from_decode.clear()
+    return tokens
+
+
+def pipelined_bytes(decode) -> dict[str, float]:
+    get = decode.metrics.registry.get_sample_value
+    return {when: get("tessera_worker_kv_pipelined_bytes_total", {"when": when})
+            for when in ("during_prefill", "after_prefill")}
+
+
+def test_layer_groups_are_pulled_while_the_prompt_is_computed_and_the_output_is_the_plain_handoffs(pair):
+    prefill, to_proxy, decode, from_decode = pair
+    expected = plain_handoff(prefill, to_proxy, decode, from_decode, "plain")
+    decode.handle(early("piped", prefill))
+    done, progress = prefill_relaying(prefill, to_proxy, decode, "piped")
+    assert progress == 3 * 2  # 3 chunks of 48 tokens fill 3 blocks each (the fourth's 6 tokens none), 2 groups
+    decode.handle(final("piped", done))
+    tokens, (pulled,) = run_out(decode, from_decode)
+    layout = decode.engine.runner.layout
+    blocks = -(-len(PROMPT) // BLOCK)
+    assert pulled.ok and pulled.num_bytes == blocks * layout.bytes_per_block
+    assert tokens == expected
+    moved = pipelined_bytes(decode)
+    assert moved["during_prefill"] == (len(PROMPT) // BLOCK) * layout.bytes_per_block  # every full block
+    assert moved["after_prefill"] == layout.bytes_per_block  # the last, partial one
+    prefill.handle(wire.ReleaseKV("piped"))
+    assert decode.engine.block_manager.num_used_blocks == 0
+    assert prefill.engine.block_manager.num_used_blocks == 0
+
+
+def test_pages_equal_the_prefill_workers_after_a_pipelined_pull(pair):
+    prefill, to_proxy, decode, from_decode = pair
+    decode.handle(early("r", prefill))
+    done, _ = prefill_relaying(prefill, to_proxy, decode, "r")
+    decode.handle(final("r", done))
+    state = decode.pipelined["r"]
+    local_blocks = list(state.block_ids)
+    while decode.pipelined:
+        decode.tick()
+    full = len(PROMPT) // BLOCK
+    remote, local = prefill.engine.runner.kv_cache.pool, decode.engine.runner.kv_cache.pool
+    assert torch.equal(remote[:, done.block_ids[:full]], local[:, local_blocks[:full]])
+    run_out(decode, from_decode)
+    prefill.handle(wire.ReleaseKV("r"))
+
+
+def test_an_abort_while_the_prompt_is_computed_frees_the_reserved_blocks(pair):
+    prefill, to_proxy, decode, from_decode = pair
+    decode.handle(early("r", prefill))
+    assert decode.engine.block_manager.num_used_blocks == -(-len(PROMPT) // BLOCK)
+    prefill.handle(wire.PrefillRequest("r", PROMPT, PARAMS, seed=1, lease_s=600, kv_pipeline_layer_groups=2))
+    prefill.tick()  # the first chunk: its layer groups reported
+    for msg in [m for m in to_proxy if isinstance(m, wire.KVProgress)]:
+        decode.handle(msg)
+    assert decode.pipelined["r"].parts  # pulls in flight
+    decode.handle(wire.Abort("r"))
+    prefill.handle(wire.Abort("r"))
+    assert not decode.pipelined and decode.engine.block_manager.num_used_blocks == 0
+    assert not decode.busy()
+    prefill.tick()
+    assert prefill.engine.block_manager.num_used_blocks == 0
+    assert not from_decode  # it never reached the engine: nothing to report
+
+
+def test_a_failed_layer_pull_is_pulled_again_after_prefill_done(pair, tiny_chat_model_dir):
+    prefill, to_proxy, decode, from_decode = pair
+    expected = plain_handoff(prefill, to_proxy, decode, from_decode, "plain")
+    flaky, sent = handler(DecodeHandler, tiny_chat_model_dir, FakeBackend(fail_every=4))
+    flaky.handle(wire.Peers([wire.PeerInfo("prefill-0", prefill.epoch, "fake", prefill.transfer_metadata)]))
+    flaky.handle(early("r", prefill))
+    done, _ = prefill_relaying(prefill, to_proxy, flaky, "r")
+    flaky.handle(final("r", done))
+    tokens, (pulled,) = run_out(flaky, sent)
+    assert pulled.ok and tokens == expected
+    moved = pipelined_bytes(flaky)
+    assert moved["after_prefill"] > flaky.engine.runner.layout.bytes_per_block  # more than the partial block
+    assert flaky.engine.block_manager.num_used_blocks == 0
+    flaky.transfer.close()
+    prefill.handle(wire.ReleaseKV("r"))
+
+
+def test_pages_of_an_earlier_generation_are_pulled_again(pair):
+    """A prompt the prefill worker's scheduler preempted is computed again into other blocks: a report of the new
+    generation makes what was pulled before count for nothing."""
+    prefill, to_proxy, decode, from_decode = pair
+    expected = plain_handoff(prefill, to_proxy, decode, from_decode, "plain")
+    decode.handle(early("r", prefill))
+    done, _ = prefill_relaying(prefill, to_proxy, decode, "r")
+    while decode.pipelined["r"].parts:
+        decode.tick()
+    decode.handle(wire.KVProgress("r", "prefill-0", prefill.epoch, 1, 0, [], 0, 1))
+    decode.handle(final("r", done))
+    tokens, (pulled,) = run_out(decode, from_decode)
+    assert pulled.ok and tokens == expected
+    bytes_per_block = decode.engine.runner.layout.bytes_per_block
+    assert pipelined_bytes(decode)["after_prefill"] == -(-len(PROMPT) // BLOCK) * bytes_per_block  # all again
+    prefill.handle(wire.ReleaseKV("r"))
+    assert decode.engine.block_manager.num_used_blocks == 0
+
+
+def test_a_lost_prefill_worker_fails_the_layer_pulls_and_the_abort_frees_the_blocks(pair):
+    prefill, to_proxy, decode, from_decode = pair
+    decode.handle(early("r", prefill))
+    prefill.handle(wire.PrefillRequest("r", PROMPT, PARAMS, seed=1, lease_s=600, kv_pipeline_layer_groups=2))
+    prefill.tick()
+    for msg in [m for m in to_proxy if isinstance(m, wire.KVProgress)]:
+        decode.handle(msg)
+    decode.handle(wire.Peers([]))  # the proxy lists it no more: its pulls fail
+    decode.tick()
+    assert not decode.pipelined["r"].parts
+    decode.handle(wire.Abort("r"))  # the proxy resumes the request elsewhere
+    assert decode.engine.block_manager.num_used_blocks == 0 and not decode.busy()
+
+
+def test_blocks_the_decode_worker_holds_are_not_pulled(pair):
+    """Delta pull: a prompt whose leading blocks the decode worker's prefix cache holds pulls only the others."""
+    prefill, to_proxy, decode, from_decode = pair
+    expected = plain_handoff(prefill, to_proxy, decode, from_decode, "plain", cache_salt=0)
+    decode.handle(early("r", prefill))
+    held = decode.pipelined["r"].held
+    assert held == len(PROMPT) // BLOCK  # every full block, from the plain run
+    done, _ = prefill_relaying(prefill, to_proxy, decode, "r")
+    decode.handle(final("r", done))
+    tokens, (pulled,) = run_out(decode, from_decode)
+    bytes_per_block = decode.engine.runner.layout.bytes_per_block
+    assert pulled.ok and pulled.num_bytes == bytes_per_block and tokens == expected
+    assert pipelined_bytes(decode)["during_prefill"] == 0
+    prefill.handle(wire.ReleaseKV("r"))
+
+
+def test_a_final_request_that_does_not_match_drops_the_reservation_and_pulls_as_usual(pair):
+    prefill, to_proxy, decode, from_decode = pair
+    decode.handle(early("r", prefill))
+    done, _ = prefill_relaying(prefill, to_proxy, decode, "r")
+    other_epoch = final("r", done)
+    other_epoch.source_epoch = prefill.epoch + 1
+    decode.handle(other_epoch)  # refused as pages of another epoch, and recomputed
+    tokens, (pulled,) = run_out(decode, from_decode)
+    assert not pulled.ok and "epoch" in pulled.error and len(tokens) == PARAMS.max_tokens - 1  # after the first
+    assert decode.engine.block_manager.num_used_blocks == 0
+    prefill.handle(wire.ReleaseKV("r"))
