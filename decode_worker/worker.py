@@ -98,7 +98,7 @@ class DecodeHandler(WorkerBase):
         elif isinstance(msg, wire.Abort):
             pull = self.pulls.get(msg.request_id)
             if msg.request_id in self.pipelined:
-                self._drop_pipelined(msg.request_id, "aborted")
+                self._drop_pipelined(msg.request_id)
             elif pull is not None:
                 self.transfer.abort(pull.handle)
                 pull.aborted = True
@@ -145,7 +145,7 @@ class DecodeHandler(WorkerBase):
             msg.request_id, source, self.peers[source], *reserved, self.engine.runner.layout.num_layers,
             self.transfer.needs_staging(source), time.monotonic() + wait_s)
 
-    def _drop_pipelined(self, request_id: str, outcome: str) -> None:
+    def _drop_pipelined(self, request_id: str) -> None:
         """Abort its pulls (no byte lands once that returns) and free its blocks, or end its sequence."""
         state = self.pipelined.pop(request_id)
         state.cancel(self.transfer)
@@ -154,8 +154,8 @@ class DecodeHandler(WorkerBase):
             self.engine.free_blocks(state.block_ids)
         else:
             self.engine.abort_request(request_id)
-            self.trace_end(request_id, TRANSFER_SPAN, outcome)
-        self.metrics.kv_pipelined.labels(outcome).inc()
+            self.trace_end(request_id, TRANSFER_SPAN, "cancelled")
+        self.metrics.kv_pipelined.labels("cancelled").inc()
 
     def _start_pipelined(self, msg: wire.DecodeRequest, state: PipelinedPull) -> None:
         """The DecodeRequest after PrefillDone of a pipelined hand-off: the sequence takes the reserved blocks, and
@@ -166,7 +166,7 @@ class DecodeHandler(WorkerBase):
             reserved=(state.block_ids, state.held)))
         if seq is None:
             self.pipelined[msg.request_id] = state
-            self._drop_pipelined(msg.request_id, "cancelled")
+            self._drop_pipelined(msg.request_id)
             return
         _set_fairness(seq, msg)
         self.trace_start(msg.request_id, DECODE_SPAN, msg.trace_context)
@@ -188,7 +188,7 @@ class DecodeHandler(WorkerBase):
                     and msg.source_epoch in (0, state.epoch) and len(msg.source_block_ids) == len(state.block_ids)):
                 return self._start_pipelined(msg, state)
             self.pipelined[msg.request_id] = state
-            self._drop_pipelined(msg.request_id, "cancelled")
+            self._drop_pipelined(msg.request_id)
         if msg.first_token is None:  # no pages: the prompt is computed here
             seqs = self.intake(msg, "decode", lambda params: self.engine.add_request(
                 msg.request_id, msg.prompt_token_ids, params, seed=msg.seed,
@@ -285,7 +285,7 @@ class DecodeHandler(WorkerBase):
             if state.seq is None and now >= state.wait_ends:
                 log.warning("request %s: no PrefillDone within the bound its pipelined DecodeRequest gave "
                             "(kv_lease_left_s); its reserved blocks are freed", request_id)
-                self._drop_pipelined(request_id, "cancelled")
+                self._drop_pipelined(request_id)
             elif (outcome := state.advance(self.transfer, now, self.config.kv_pull_timeout_s)) is not None:
                 self._finish_pipelined(request_id, state, outcome)
         if self._embeds_queued:
