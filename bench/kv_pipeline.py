@@ -1,6 +1,6 @@
 """Pipelined KV hand-off against the pull after the first token, one invocation.
 
-    python -m bench.kv_pipeline [--lengths 512,2048,4096] [--requests 2] [--layer-groups 4] \
+    python -m bench.kv_pipeline [--lengths 512,2048,4096] [--requests 2] [--layer-groups 4] [--pipelined-first] \
         [--out results.json] [--markdown]
 
 Two clusters as ``tessera up`` starts them (one prefill and one decode worker time-sharing every core, the
@@ -71,21 +71,24 @@ def run_mode(model_dir: Path | str, log_dir: Path, min_tokens: int, layer_groups
 
 
 def run_benchmark(model_dir: Path | str, log_dir: Path, lengths: list[int], requests: int, layer_groups: int,
-                  cluster_options: dict | None = None) -> dict:
-    """Both modes on the same prompts; one row per length comparing them. ``cluster_options``: LocalCluster's
-    (``tessera up``'s by default)."""
+                  cluster_options: dict | None = None, pipelined_first: bool = False) -> dict:
+    """Both modes on the same prompts, one cluster after the other (``pipelined_first``: in the other order, to see
+    what the order alone does); one row per length comparing them. ``cluster_options``: LocalCluster's (``tessera
+    up``'s by default)."""
     options = cluster_options or {"transfer_backend": "auto", "threads": 0}
     prompts = make_prompts(Path(model_dir), lengths, requests)
     load_start = os.getloadavg()
-    modes = {mode: run_mode(model_dir, log_dir / mode.replace(" ", "-"), min_tokens, layer_groups, prompts, options)
-             for mode, min_tokens in MODES.items()}
+    order = list(MODES)[::-1] if pipelined_first else list(MODES)
+    modes = {mode: run_mode(model_dir, log_dir / mode.replace(" ", "-"), MODES[mode], layer_groups, prompts, options)
+             for mode in order}
     rows = []
     for length in lengths:
         plain, piped = (modes[mode]["lengths"][length] for mode in MODES)
         rows.append({"length": length, "after first token": plain, "pipelined": piped,
                      # Greedy in float32: a correct transfer gives the same output whenever the pages arrive.
                      "outputs_match": [s["text"] for s in plain["samples"]] == [s["text"] for s in piped["samples"]]})
-    return {"requests": requests, "max_tokens": MAX_TOKENS, "layer_groups": layer_groups, "cpus": os.cpu_count(),
+    return {"requests": requests, "max_tokens": MAX_TOKENS, "layer_groups": layer_groups, "order": order,
+            "cpus": os.cpu_count(),
             "load_average_start": load_start, "load_average_end": os.getloadavg(), "log_dir": str(log_dir),
             "exit_codes": {mode: result["exit_codes"] for mode, result in modes.items()}, "rows": rows}
 
@@ -118,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lengths", default="512,2048,4096", help="comma-separated prompt lengths in tokens")
     parser.add_argument("--requests", type=int, default=2, help="timed requests per length and mode")
     parser.add_argument("--layer-groups", type=int, default=4, help="kv_pipeline.layer_groups of the pipelined run")
+    parser.add_argument("--pipelined-first", action="store_true", help="run the pipelined cluster first")
     parser.add_argument("--out", type=Path, help="write the results here as JSON")
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
     args = parser.parse_args(argv)
@@ -125,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     log_dir = Path(tempfile.mkdtemp(prefix="tessera-kv-pipeline-"))
     print(f"{command}\nworker and proxy logs in {log_dir}", flush=True)
     result = run_benchmark(resolve_model("embedded", "float32"), log_dir, [int(n) for n in args.lengths.split(",")],
-                           args.requests, args.layer_groups)
+                           args.requests, args.layer_groups, pipelined_first=args.pipelined_first)
     result["command"] = command
     header, rows = table(result)
     print("\n".join("  ".join(line) for line in [header, *rows]))

@@ -6,8 +6,9 @@ step reports, in one KVProgress, the full blocks its chunk completed with that g
 holding the chunk's first token to the last block the chunk fills. A block is reported once per group, by the
 chunk that fills it; the blocks the prompt found in this worker's prefix cache and its last, partial block are
 never reported (the decode worker pulls them after PrefillDone). A prompt the scheduler preempted is computed
-again into other blocks: its reports carry the new generation, and one is sent even when the chunk fills no
-block, so that the decode worker knows to pull again what it pulled before.
+again into other blocks: right after the step that preempted it, a report with no blocks announces its new
+generation (``after_step``), and the reports after carry it, so that the decode worker pulls again what it pulled
+before.
 
 The hook runs inside the step, on the compute loop: it only builds the messages, and ``send`` queues them for the
 I/O thread, so the decode worker's pull of a group overlaps the forward of the groups after it.
@@ -64,10 +65,16 @@ class LayerProgress:
                 continue
             group = ends.index(layers_done)
             first, end = seq.num_computed_tokens // bs, (seq.num_computed_tokens + count) // bs
-            generation = seq.num_preemptions
-            if end <= first and generation == self.generations[seq.request_id]:
-                continue
-            self.generations[seq.request_id] = generation
-            self.send(wire.KVProgress(seq.request_id, self.worker_id, epoch, generation, first,
-                                      list(seq.block_table[first:end]), ends[group - 1] if group else 0,
-                                      layers_done))
+            if end > first:
+                self.send(wire.KVProgress(seq.request_id, self.worker_id, epoch, seq.num_preemptions, first,
+                                          list(seq.block_table[first:end]), ends[group - 1] if group else 0,
+                                          layers_done))
+
+    def after_step(self, computing: dict, epoch: int) -> None:
+        """After each step, before its PrefillDone: a pipelined prompt the step preempted announces its new
+        generation (``computing``: request id -> (sequence, lease))."""
+        for request_id, generation in self.generations.items():
+            seq = computing[request_id][0] if request_id in computing else None
+            if seq is not None and seq.num_preemptions != generation:
+                self.generations[request_id] = seq.num_preemptions
+                self.send(wire.KVProgress(request_id, self.worker_id, epoch, seq.num_preemptions, 0, [], 0, 0))

@@ -113,6 +113,8 @@ class PrefillHandler(WorkerBase):
             return
         with self.cores:
             outputs = self.engine.step(self.progress.hook(self.epoch) if self.progress is not None else None)
+        if self.progress is not None:
+            self.progress.after_step(self.computing, self.epoch)
         for out in outputs:
             if out.finished and out.request_id in self.computing:
                 self._unpipeline(out.request_id)

@@ -6,6 +6,7 @@ the plain hand-off's token for token, every page must be pulled once per generat
 failed layer pull, a preempted prompt, a peer gone) must leave no block in use.
 """
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from common.protocol import wire
 from common.protocol.sampling_params import SamplingParams
 from decode_worker.worker import DecodeHandler
 from kv_transfer.segments import Layers, PoolGeometry, Segment, pull_segments
-from prefill_worker.pipeline import group_ends
+from prefill_worker.pipeline import LayerProgress, group_ends
 from prefill_worker.worker import PrefillHandler
 from tests.fake_transfer import FakeBackend
 
@@ -58,6 +59,29 @@ def test_layer_groups_cover_every_layer_once():
     assert group_ends(2, 4) == [1, 2]
     assert group_ends(22, 4) == [6, 12, 17, 22]
     assert group_ends(16, 1) == [16]
+
+
+def test_each_chunk_reports_the_blocks_it_fills_once_per_group_and_a_preemption_at_once():
+    sent = []
+    progress = LayerProgress(num_layers=6, block_size=4, worker_id="p", send=sent.append)
+    progress.add("r", groups=3)  # layers 0-1, 2-3, 4-5
+    seq = SimpleNamespace(request_id="r", num_computed_tokens=6, num_preemptions=0, block_table=[10, 11, 12, 13])
+    other = SimpleNamespace(request_id="plain", num_computed_tokens=0, num_preemptions=0, block_table=[20])
+    plan = SimpleNamespace(seqs=[other, seq], num_new_tokens=[3, 8])  # tokens 6..13: blocks 1 and 2 fill
+    hook = progress.hook(epoch=9)
+    for layers_done in range(1, 7):
+        hook(plan, layers_done)
+    assert [(m.first_block, m.block_ids, m.layer_start, m.layer_end) for m in sent] == [
+        (1, [11, 12], 0, 2), (1, [11, 12], 2, 4), (1, [11, 12], 4, 6)]
+    assert {(m.request_id, m.epoch, m.generation) for m in sent} == {("r", 9, 0)}
+    sent.clear()
+    progress.after_step({"r": (seq, 30.0)}, epoch=9)
+    assert sent == []  # not preempted
+    seq.num_preemptions = 1
+    progress.after_step({"r": (seq, 30.0)}, epoch=9)
+    assert sent == [wire.KVProgress("r", "p", 9, 1, 0, [], 0, 0)]
+    progress.discard("r")
+    assert progress.hook(epoch=9) is None  # no pipelined prompt: the step runs without a hook
 
 
 # ---- the two handlers --------------------------------------------------------------------------------------
@@ -223,7 +247,7 @@ def test_pages_of_an_earlier_generation_are_pulled_again(pair):
     done, _ = prefill_relaying(prefill, to_proxy, decode, "r")
     while decode.pipelined["r"].parts:
         decode.tick()
-    decode.handle(wire.KVProgress("r", "prefill-0", prefill.epoch, 1, 0, [], 0, 1))
+    decode.handle(wire.KVProgress("r", "prefill-0", prefill.epoch, 1, 0, [], 0, 0))
     decode.handle(final("r", done))
     tokens, (pulled,) = run_out(decode, from_decode)
     assert pulled.ok and tokens == expected
