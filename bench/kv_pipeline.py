@@ -1,7 +1,7 @@
 """Pipelined KV hand-off against the pull after the first token, one invocation.
 
     python -m bench.kv_pipeline [--lengths 512,2048,4096] [--requests 2] [--layer-groups 4] [--pipelined-first] \
-        [--out results.json] [--markdown]
+        [--split-cores] [--out results.json] [--markdown]
 
 Two clusters as ``tessera up`` starts them (one prefill and one decode worker time-sharing every core, the
 transfer backend ``auto``, float32), one after the other: first with ``kv_pipeline.min_tokens=0`` (the decode
@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=2, help="timed requests per length and mode")
     parser.add_argument("--layer-groups", type=int, default=4, help="kv_pipeline.layer_groups of the pipelined run")
     parser.add_argument("--pipelined-first", action="store_true", help="run the pipelined cluster first")
+    parser.add_argument("--split-cores", action="store_true",
+                        help="one core each, one thread (tessera up --no-share-cores) instead of every core, in turn")
     parser.add_argument("--out", type=Path, help="write the results here as JSON")
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
     args = parser.parse_args(argv)
@@ -129,7 +131,9 @@ def main(argv: list[str] | None = None) -> None:
     log_dir = Path(tempfile.mkdtemp(prefix="tessera-kv-pipeline-"))
     print(f"{command}\nworker and proxy logs in {log_dir}", flush=True)
     result = run_benchmark(resolve_model("embedded", "float32"), log_dir, [int(n) for n in args.lengths.split(",")],
-                           args.requests, args.layer_groups, pipelined_first=args.pipelined_first)
+                           args.requests, args.layer_groups,
+                           {"transfer_backend": "auto", "threads": 1, "share_cores": False} if args.split_cores else None,
+                           pipelined_first=args.pipelined_first)
     result["command"] = command
     header, rows = table(result)
     print("\n".join("  ".join(line) for line in [header, *rows]))

@@ -146,16 +146,21 @@ class DecodeHandler(WorkerBase):
             self.transfer.needs_staging(source), time.monotonic() + wait_s)
 
     def _drop_pipelined(self, request_id: str) -> None:
-        """Abort its pulls (no byte lands once that returns) and free its blocks, or end its sequence."""
+        """Abort its pulls and free its blocks, or end its sequence."""
+        state = self._cancel_pipelined(request_id)
+        if state.seq is not None:
+            self.engine.abort_request(request_id)
+            self.trace_end(request_id, TRANSFER_SPAN, "cancelled")
+
+    def _cancel_pipelined(self, request_id: str) -> PipelinedPull:
+        """Abort its pulls (no byte lands once that returns) and free the blocks no sequence owns."""
         state = self.pipelined.pop(request_id)
         state.cancel(self.transfer)
         self.engine.free_blocks(state.staging)
         if state.seq is None:
             self.engine.free_blocks(state.block_ids)
-        else:
-            self.engine.abort_request(request_id)
-            self.trace_end(request_id, TRANSFER_SPAN, "cancelled")
         self.metrics.kv_pipelined.labels("cancelled").inc()
+        return state
 
     def _start_pipelined(self, msg: wire.DecodeRequest, state: PipelinedPull) -> None:
         """The DecodeRequest after PrefillDone of a pipelined hand-off: the sequence takes the reserved blocks, and
@@ -397,12 +402,7 @@ class DecodeHandler(WorkerBase):
         for request_id in [r for r in self.delayed if mine(r)]:
             del self.delayed[request_id]  # their sequences are the engine's, failed below
         for request_id in [r for r in self.pipelined if mine(r)]:
-            state = self.pipelined.pop(request_id)  # a sequence it has is the engine's, failed below
-            state.cancel(self.transfer)
-            self.engine.free_blocks(state.staging)
-            if state.seq is None:
-                self.engine.free_blocks(state.block_ids)
-            self.metrics.kv_pipelined.labels("cancelled").inc()
+            self._cancel_pipelined(request_id)  # a sequence it has is the engine's, failed below
         if self.embeds is not None:
             self.embeds.fail_all(reason, only)
         for request_id, pull in self.pulls.items():

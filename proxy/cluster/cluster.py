@@ -38,8 +38,8 @@ from common.protocol.sampling_params import SamplingParams
 from common.protocol.versions import PIPELINED_SINCE, STRUCTURED_SINCE
 from common.protocol.versions import MESSAGE_SINCE
 from common.protocol.wire import (PROTOCOL_VERSION, Abort, DecodeRequest, EmbedResult, FindStream, Goodbye, Heartbeat,
-                                  KVProgress, KVPulled, KVSnapshot, PrefillDone, PrefillRequest, Register, RegisterAck, ReleaseKV,
-                                  RequestFailed, Reregister, Standby, StreamFound, SwitchRole, TokenDeltas,
+                                  KVProgress, KVPulled, KVSnapshot, PrefillDone, PrefillRequest, Register, RegisterAck,
+                                  ReleaseKV, RequestFailed, Reregister, Standby, StreamFound, SwitchRole, TokenDeltas,
                                   TokenizerFiles, WireError, decode)
 from proxy.tenancy.admission import Admit, AdmissionController
 from proxy.cluster.embeddings import Embeddings

@@ -298,3 +298,28 @@ def test_a_final_request_that_does_not_match_drops_the_reservation_and_pulls_as_
     assert not pulled.ok and "epoch" in pulled.error and len(tokens) == PARAMS.max_tokens - 1  # after the first
     assert decode.engine.block_manager.num_used_blocks == 0
     prefill.handle(wire.ReleaseKV("r"))
+
+
+def test_the_proxy_lost_frees_what_its_pipelined_hand_offs_reserved(pair):
+    prefill, to_proxy, decode, from_decode = pair
+    decode.handle(early("waiting", prefill))
+    decode.handle(early("pulling", prefill))
+    done, _ = prefill_relaying(prefill, to_proxy, decode, "pulling")
+    decode.handle(final("pulling", done))
+    decode.fail_all("its proxy is gone", only={"waiting", "pulling"})
+    assert not decode.pipelined and decode.engine.block_manager.num_used_blocks == 0
+    failed = [m for m in from_decode if isinstance(m, wire.RequestFailed)]
+    assert [m.request_id for m in failed] == ["pulling"]  # the one in the engine; the other never reached it
+    prefill.handle(wire.ReleaseKV("pulling"))
+
+
+def test_a_reservation_without_its_decode_request_is_given_up_past_its_bound(pair, monkeypatch):
+    prefill, _, decode, _ = pair
+    request = early("r", prefill)
+    request.kv_lease_left_s = 5.0
+    decode.handle(request)
+    assert decode.engine.block_manager.num_used_blocks > 0 and 0 < decode.wait_s(60.0) <= 5.0
+    later = SimpleNamespace(monotonic=lambda: time.monotonic() + 6.0, sleep=time.sleep)  # the worker's clock only
+    monkeypatch.setattr("decode_worker.worker.time", later)
+    decode.tick()
+    assert not decode.pipelined and decode.engine.block_manager.num_used_blocks == 0
