@@ -65,8 +65,8 @@ class PipelinedPull:
     done: dict[int, tuple[int, set[Layers]]] = field(default_factory=dict)  # block -> (source id, layers pulled)
     rest: set[int] = field(default_factory=set)  # blocks pulled whole after PrefillDone
     staging: list[int] = field(default_factory=list)
-    bytes_during: int = 0  # pulled while the prompt was computed
-    bytes_after: int = 0
+    bytes_during: int = 0  # pulled in layer groups, started while the prompt was computed
+    bytes_after: int = 0  # pulled whole after PrefillDone
     failed: str = ""
     pulls: int = 0
 
@@ -124,7 +124,7 @@ class PipelinedPull:
                 if part.layers is None:
                     self.failed = part.handle.error or "transfer failed or timed out"
                 continue
-            if self.seq is None:
+            if part.layers is not None:
                 self.bytes_during += part.handle.num_bytes
             else:
                 self.bytes_after += part.handle.num_bytes

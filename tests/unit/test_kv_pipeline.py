@@ -323,3 +323,38 @@ def test_a_reservation_without_its_decode_request_is_given_up_past_its_bound(pai
     monkeypatch.setattr("decode_worker.worker.time", later)
     decode.tick()
     assert not decode.pipelined and decode.engine.block_manager.num_used_blocks == 0
+
+
+# ---- the pull's state machine over pools of any tensor parallelism ------------------------------------------
+@pytest.mark.parametrize("remote_tp, local_tp", [(2, 2), (1, 2), (2, 1)])
+def test_layer_groups_at_one_tensor_parallelism_and_a_whole_staged_pull_across_two(remote_tp, local_tp):
+    from decode_worker.pipelined_pull import PipelinedPull
+    from tests.unit.test_kv_transfer_tp import full_view, layout
+    from common.engine.kv_cache import KVCache
+
+    source = KVCache(layout(remote_tp), 10)
+    source.pool.copy_(torch.randn(source.pool.shape, generator=torch.Generator().manual_seed(remote_tp)))
+    target = KVCache(layout(local_tp), 12)
+    server, puller = FakeBackend(), FakeBackend()
+    try:
+        metadata = server.register_pool(source)
+        puller.register_pool(target)
+        puller.add_peer("p", metadata)
+        remote, local = [7, 2, 3], [0, 5, 6]
+        state = PipelinedPull("r", "p", 0, local, 0, 2, puller.needs_staging("p"), wait_ends=float("inf"))
+        for start in (0, 1):  # two layer groups of the first two blocks
+            state.on_progress(wire.KVProgress("r", "p", 0, 0, 0, remote[:2], start, start + 1), puller, 30.0)
+        assert len(state.parts) == (0 if state.staged else 2)
+        staging = [8, 9, 10] if state.staged else []
+        state.finish(object(), remote, float("inf"), staging)
+        deadline = time.monotonic() + 30
+        while (outcome := state.advance(puller, time.monotonic(), 30.0)) is None:
+            assert time.monotonic() < deadline
+        assert outcome.ok, outcome.error
+        # The layer groups brought blocks 0 and 1; after PrefillDone only the last is pulled (all three, staged).
+        whole = source.layout.bytes_per_block
+        assert (state.bytes_during, state.bytes_after) == ((0, 3 * whole) if state.staged else (2 * whole, whole))
+        assert torch.equal(full_view(source, remote), full_view(target, local))
+    finally:
+        puller.close()
+        server.close()
