@@ -379,7 +379,8 @@ class ModelRunner:
                 time.sleep(3600)
         prepared = self.prepare(plan)
         if on_layers is not None:
-            prepared.context.on_layers = on_layers if self.device.type != "cuda" else _after_device(on_layers)
+            prepared.context.on_layers = on_layers if self.device.type != "cuda" else _after_device(on_layers,
+                                                                                                    self.device)
         if not prepared.sample_seqs:
             self.forward(prepared)
             return StepSample([], [])
@@ -475,10 +476,10 @@ def serve_rank(config: EngineConfig, model_dir: str, rank: int, rendezvous: str,
     os._exit(0)
 
 
-def _after_device(on_layers):
+def _after_device(on_layers, device: torch.device):
     """``on_layers`` once the device has run what was queued: a page is announced only once it is written."""
     def synchronized(n: int) -> None:
-        torch.cuda.current_stream().synchronize()
+        torch.cuda.current_stream(device).synchronize()
         on_layers(n)
     return synchronized
 
