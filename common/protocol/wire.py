@@ -97,7 +97,8 @@ class _Struct(msgspec.Struct, forbid_unknown_fields=True):
 # 11: EmbedRequest, EmbedResult; 12: LoadModel, Standby; 13: SamplingParams.structured; 14: TokenDeltas.step_rows,
 # step; 15: Register.tokenizer_sha256, FetchTokenizer, TokenizerFiles; 18: KVPulled.backend, DecodeRequest.source_epoch;
 # 19: Register.kv_events_endpoint, kv_events_public_key, host, KVEvents, KVSnapshotRequest, KVSnapshot; 20: SwitchRole,
-# DecodeRequest.resume_key, resume_window_s, resume_context, FindStream, StreamFound, LeaveStream.
+# DecodeRequest.resume_key, resume_window_s, resume_context, FindStream, StreamFound, LeaveStream; 21:
+# PrefillRequest.kv_pipeline_layer_groups, DecodeRequest.kv_pipelined, KVProgress.
 # Versions one apart interoperate (versions.py).
 PROTOCOL_VERSION = 21
 
