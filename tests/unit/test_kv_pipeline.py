@@ -86,8 +86,8 @@ def test_each_chunk_reports_the_blocks_it_fills_once_per_group_and_a_preemption_
 
 # ---- the two handlers --------------------------------------------------------------------------------------
 def handler(cls, model_dir, transfer, **engine):
-    config = EngineConfig(model=str(model_dir), num_kv_blocks=64, block_size=BLOCK, max_num_batched_tokens=48,
-                          **engine)
+    config = EngineConfig(model=str(model_dir), block_size=BLOCK, **{"num_kv_blocks": 64,
+                                                                      "max_num_batched_tokens": 48, **engine})
     h = cls(WorkerConfig(role=cls.role, worker_id=f"{cls.role}-0", engine=config, observability={"metrics_port": 0}),
             lambda: transfer)
     sent = []
@@ -136,9 +136,15 @@ def prefill_relaying(prefill, to_proxy, decode, request_id: str, groups: int = 2
         decode.tick()
 
 
-def run_out(decode, sent) -> tuple[list[int], list[wire.KVPulled]]:
+def run_out(decode, sent, request_id: str | None = None) -> tuple[list[int], list[wire.KVPulled]]:
+    """Turn the decode loop until every request (or ``request_id``) finished: its tokens, and the KVPulled."""
+    def going() -> bool:
+        if request_id is None:
+            return decode.engine.has_unfinished() or bool(decode.pipelined)
+        return request_id in decode.engine.requests or request_id in decode.pipelined
+
     deadline = time.monotonic() + 30
-    while decode.engine.has_unfinished() or decode.pipelined:
+    while going():
         assert time.monotonic() < deadline
         decode.tick()
     tokens = [t for m in sent if isinstance(m, wire.TokenDeltas) for d in m.deltas for t in d.token_ids]
@@ -358,3 +364,56 @@ def test_layer_groups_at_one_tensor_parallelism_and_a_whole_staged_pull_across_t
     finally:
         puller.close()
         server.close()
+
+
+def test_a_prompt_the_prefill_worker_preempts_is_pulled_again_and_decodes_as_the_plain_handoff(pair,
+                                                                                               tiny_chat_model_dir):
+    """A real preemption: a 14-block pool, prompt A of 10 blocks done and lent, prompt B (pipelined, 3 blocks in)
+    cannot grow and is preempted until A's pages are released; it is computed again under generation 1."""
+    prefill, to_proxy, decode, from_decode = pair
+    prompt_b = [(i * 11) % 300 + 2 for i in range(150)]
+    expected = {}
+    for request_id, prompt in (("plain-a", PROMPT), ("plain-b", prompt_b)):
+        prefill.handle(wire.PrefillRequest(request_id, prompt, PARAMS, seed=1, lease_s=600, cache_salt=99))
+        while not any(isinstance(m, wire.PrefillDone) for m in to_proxy):
+            prefill.tick()
+        (done,) = [m for m in to_proxy if isinstance(m, wire.PrefillDone)]
+        to_proxy.clear()
+        decode.handle(final(request_id, done, prompt, cache_salt=99))
+        expected[request_id], _ = run_out(decode, from_decode)
+        from_decode.clear()
+    small, sent = handler(PrefillHandler, tiny_chat_model_dir, FakeBackend(), num_kv_blocks=14,
+                          max_num_batched_tokens=64)
+    try:
+        decode.handle(wire.Peers([wire.PeerInfo("prefill-0", small.epoch, "fake", small.transfer_metadata)]))
+        for request_id, prompt in (("a", PROMPT), ("b", prompt_b)):
+            decode.handle(early(request_id, small, prompt))
+            small.handle(wire.PrefillRequest(request_id, prompt, PARAMS, seed=1, lease_s=600,
+                                             kv_pipeline_layer_groups=2))
+        generations, tokens, lent = set(), {}, []
+        deadline = time.monotonic() + 60
+        while len(tokens) < 2:
+            assert time.monotonic() < deadline
+            small.tick()
+            if lent and ("b", 1) in generations:  # A's pages freed only once B had to give its blocks up
+                small.handle(wire.ReleaseKV(lent.pop()))
+            for msg in list(sent):
+                sent.remove(msg)
+                if isinstance(msg, wire.KVProgress):
+                    generations.add((msg.request_id, msg.generation))
+                    decode.handle(msg)
+                elif isinstance(msg, wire.PrefillDone):
+                    prompt = PROMPT if msg.request_id == "a" else prompt_b
+                    decode.handle(final(msg.request_id, msg, prompt))
+                    tokens[msg.request_id], (pulled,) = run_out(decode, from_decode, msg.request_id)
+                    assert pulled.ok
+                    from_decode.clear()
+                    lent.append(msg.request_id)
+            decode.tick()
+        small.handle(wire.ReleaseKV("b"))
+        assert ("b", 0) in generations and ("b", 1) in generations  # layer groups reported, then preempted
+        assert small.engine.stats.num_preemptions >= 1
+        assert tokens == {"a": expected["plain-a"], "b": expected["plain-b"]}
+        assert decode.engine.block_manager.num_used_blocks == 0 and small.engine.block_manager.num_used_blocks == 0
+    finally:
+        small.transfer.close()
