@@ -411,8 +411,8 @@ def test_a_prompt_the_prefill_worker_preempts_is_pulled_again_and_decodes_as_the
                     lent.append(msg.request_id)
             decode.tick()
         small.handle(wire.ReleaseKV("b"))
-        assert ("b", 0) in generations and ("b", 1) in generations  # layer groups reported, then preempted
-        assert small.engine.stats.num_preemptions >= 1
+        # Layer groups reported, then preempted (the generation is the sequence's count of its preemptions).
+        assert ("b", 0) in generations and ("b", 1) in generations
         assert tokens == {"a": expected["plain-a"], "b": expected["plain-b"]}
         assert decode.engine.block_manager.num_used_blocks == 0 and small.engine.block_manager.num_used_blocks == 0
     finally:
