@@ -18,6 +18,10 @@ Request life cycle:
   ``both``) is prefilled here from the start.
   Abort during a pull waits for the transfer to stop before the blocks are
   freed, so no transfer ever writes into a reused block.
+  A pipelined hand-off (``DecodeRequest.kv_pipelined``, sent with the prompt to its prefill worker) reserves the
+  blocks at once and pulls each layer group KVProgress names while the prompt is computed; the DecodeRequest after
+  PrefillDone pulls the rest (``decode_worker/pipelined_pull.py``). Without the reservation (no room, an unknown
+  peer, draining) the pages are pulled after PrefillDone as above.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from common.protocol import wire
 from common.engine.sequence import FinishReason, Sequence
 from common.runtime.embed_queue import EmbedQueue
 from common.runtime.worker_runtime import WorkerBase
+from decode_worker.pipelined_pull import Outcome, PipelinedPull
 from kv_transfer.base import TransferStatus
 
 log = logging.getLogger(__name__)
@@ -78,16 +83,23 @@ class DecodeHandler(WorkerBase):
     def reset(self) -> None:
         self.pulls: dict[str, Pull] = {}
         self.delayed: dict[str, DelayedPull] = {}  # only with fault_kv_pull_delay_s
+        self.pipelined: dict[str, PipelinedPull] = {}  # pipelined hand-offs, from their first DecodeRequest on
         self.peers: dict[str, int] = {}  # prefill worker id -> epoch known to the transfer agent
         self.embeds = EmbedQueue(self) if self.role == "both" else None  # /v1/embeddings: prefill-capable roles
 
     # ---- inbound --------------------------------------------------------------
     def handle(self, msg) -> None:
         if isinstance(msg, wire.DecodeRequest):
-            self._start(msg)
+            self._reserve(msg) if msg.kv_pipelined else self._start(msg)
+        elif isinstance(msg, wire.KVProgress):
+            state = self.pipelined.get(msg.request_id)
+            if state is not None and msg.worker_id == state.source:
+                state.on_progress(msg, self.transfer, self.config.kv_pull_timeout_s)
         elif isinstance(msg, wire.Abort):
             pull = self.pulls.get(msg.request_id)
-            if pull is not None:
+            if msg.request_id in self.pipelined:
+                self._drop_pipelined(msg.request_id)
+            elif pull is not None:
                 self.transfer.abort(pull.handle)
                 pull.aborted = True
             else:
@@ -118,7 +130,70 @@ class DecodeHandler(WorkerBase):
             except Exception:
                 log.exception("cannot reach prefill worker %s for KV transfer", peer.worker_id)
 
+    def _reserve(self, msg: wire.DecodeRequest) -> None:
+        """A pipelined hand-off's first DecodeRequest: reserve the prompt's blocks for the layer groups to come."""
+        source = msg.source_worker_id or ""
+        if (self.draining or msg.request_id in self.pipelined or source not in self.peers
+                or (msg.source_epoch and msg.source_epoch != self.peers[source])):
+            return  # the pages are pulled after PrefillDone, as without pipelining
+        reserved = self.engine.reserve_prompt(msg.prompt_token_ids + msg.output_token_ids, msg.cache_salt,
+                                              self.config.kv_delta_pull)
+        if reserved is None:
+            return
+        wait_s = self.config.kv_pull_timeout_s if msg.kv_lease_left_s is None else msg.kv_lease_left_s
+        self.pipelined[msg.request_id] = PipelinedPull(
+            msg.request_id, source, self.peers[source], *reserved, self.engine.runner.layout.num_layers,
+            self.transfer.needs_staging(source), time.monotonic() + wait_s)
+
+    def _drop_pipelined(self, request_id: str) -> None:
+        """Abort its pulls and free its blocks, or end its sequence."""
+        state = self._cancel_pipelined(request_id)
+        if state.seq is not None:
+            self.engine.abort_request(request_id)
+            self.trace_end(request_id, TRANSFER_SPAN, "cancelled")
+
+    def _cancel_pipelined(self, request_id: str) -> PipelinedPull:
+        """Abort its pulls (no byte lands once that returns) and free the blocks no sequence owns."""
+        state = self.pipelined.pop(request_id)
+        state.cancel(self.transfer)
+        self.engine.free_blocks(state.staging)
+        if state.seq is None:
+            self.engine.free_blocks(state.block_ids)
+        self.metrics.kv_pipelined.labels("cancelled").inc()
+        return state
+
+    def _start_pipelined(self, msg: wire.DecodeRequest, state: PipelinedPull) -> None:
+        """The DecodeRequest after PrefillDone of a pipelined hand-off: the sequence takes the reserved blocks, and
+        the rest of the pages is pulled once the layer groups in flight are in."""
+        seq = self.intake(msg, "decode", lambda params: self.engine.add_prefilled_request(
+            msg.request_id, msg.prompt_token_ids, msg.first_token, params, msg.seed, msg.first_logprob,
+            list(msg.first_top_logprobs or []), msg.output_token_ids, msg.cache_salt, self.config.kv_delta_pull,
+            reserved=(state.block_ids, state.held)))
+        if seq is None:
+            self.pipelined[msg.request_id] = state
+            self._drop_pipelined(msg.request_id)
+            return
+        _set_fairness(seq, msg)
+        self.trace_start(msg.request_id, DECODE_SPAN, msg.trace_context)
+        self.trace_start(msg.request_id, TRANSFER_SPAN, msg.trace_context)
+        now = time.monotonic()
+        lease_ends = math.inf if msg.kv_lease_left_s is None else now + msg.kv_lease_left_s - LEASE_MARGIN_S
+        staging = self.engine.reserve_blocks(len(state.block_ids) - state.held) if state.staged else []
+        if state.staged and not staging:
+            state.failed = "no free KV blocks to stage the pages of a prefill worker of another tensor parallelism"
+        self.metrics.kv_blocks_reused.inc(state.held)
+        state.finish(seq, msg.source_block_ids, lease_ends, staging)
+        state.finished_at = now
+        self.pipelined[msg.request_id] = state
+
     def _start(self, msg: wire.DecodeRequest) -> None:
+        state = self.pipelined.pop(msg.request_id, None)
+        if state is not None:
+            if (msg.first_token is not None and msg.source_worker_id == state.source
+                    and msg.source_epoch in (0, state.epoch) and len(msg.source_block_ids) == len(state.block_ids)):
+                return self._start_pipelined(msg, state)
+            self.pipelined[msg.request_id] = state
+            self._drop_pipelined(msg.request_id)
         if msg.first_token is None:  # no pages: the prompt is computed here
             seqs = self.intake(msg, "decode", lambda params: self.engine.add_request(
                 msg.request_id, msg.prompt_token_ids, params, seed=msg.seed,
@@ -211,6 +286,13 @@ class DecodeHandler(WorkerBase):
             status = self.transfer.poll(pull.handle)
             if status in (TransferStatus.DONE, TransferStatus.FAILED):
                 self._finish_pull(request_id, pull, status is TransferStatus.DONE)
+        for request_id, state in list(self.pipelined.items()):
+            if state.seq is None and now >= state.wait_ends:
+                log.warning("request %s: no PrefillDone within the bound its pipelined DecodeRequest gave "
+                            "(kv_lease_left_s); its reserved blocks are freed", request_id)
+                self._drop_pipelined(request_id)
+            elif (outcome := state.advance(self.transfer, now, self.config.kv_pull_timeout_s)) is not None:
+                self._finish_pipelined(request_id, state, outcome)
         if self._embeds_queued:
             self.embeds.run()
         if self.engine.has_work():  # not while every request waits for its pages
@@ -252,6 +334,24 @@ class DecodeHandler(WorkerBase):
                         request_id, pull.source, error)
             self.engine.kv_failed(pull.seq)
 
+    def _finish_pipelined(self, request_id: str, state: PipelinedPull, outcome: Outcome) -> None:
+        del self.pipelined[request_id]
+        self.engine.free_blocks(state.staging)  # no byte lands in them once the pulls were released
+        seconds = time.monotonic() - state.finished_at
+        self.metrics.kv_pulled(outcome.ok, outcome.num_bytes, seconds)
+        self.metrics.kv_pipelined.labels("ok" if outcome.ok else "recomputed").inc()
+        self.metrics.kv_pipelined_bytes.labels("during_prefill").inc(state.bytes_during)
+        self.metrics.kv_pipelined_bytes.labels("after_prefill").inc(state.bytes_after)
+        self.trace_end(request_id, TRANSFER_SPAN, outcome.error or None)
+        self.send(wire.KVPulled(request_id, state.source, outcome.ok, outcome.num_bytes if outcome.ok else 0, seconds,
+                                outcome.error, self.transfer.name))
+        if outcome.ok:
+            self.engine.kv_ready(state.seq)
+        else:
+            log.warning("request %s: pipelined KV pull from %s failed (%s); recomputing the prompt here",
+                        request_id, state.source, outcome.error)
+            self.engine.kv_failed(state.seq)
+
     def _delta(self, out) -> wire.TokenDelta | None:
         """What the proxy hears of one request's step: None for an abort, a failure (sent as RequestFailed), or a
         step that added nothing."""
@@ -285,21 +385,24 @@ class DecodeHandler(WorkerBase):
         return self.embeds is not None and bool(self.embeds.queue)
 
     def busy(self) -> bool:
-        return bool(self.pulls) or self._embeds_queued or self.engine.has_unfinished()
+        return bool(self.pulls or self.pipelined) or self._embeds_queued or self.engine.has_unfinished()
 
     def wait_s(self, idle_s: float) -> float:
         """Pulls in flight are polled every ``PULL_POLL_S``; the loop does not spin on them."""
         if self.engine.has_work() or self._embeds_queued:
             return 0.0
-        if self.pulls:
+        if self.pulls or any(state.parts or state.seq is not None for state in self.pipelined.values()):
             return PULL_POLL_S
-        due = min((delayed.due for delayed in self.delayed.values()), default=math.inf)
+        due = min([delayed.due for delayed in self.delayed.values()]
+                  + [state.wait_ends for state in self.pipelined.values()], default=math.inf)
         return max(0.0, min(idle_s, due - time.monotonic()))
 
     def fail_all(self, reason: str, only: set[str] | None = None) -> None:
         mine = (lambda request_id: True) if only is None else only.__contains__
         for request_id in [r for r in self.delayed if mine(r)]:
             del self.delayed[request_id]  # their sequences are the engine's, failed below
+        for request_id in [r for r in self.pipelined if mine(r)]:
+            self._cancel_pipelined(request_id)  # a sequence it has is the engine's, failed below
         if self.embeds is not None:
             self.embeds.fail_all(reason, only)
         for request_id, pull in self.pulls.items():

@@ -46,12 +46,15 @@ Hooks, who calls them, and what a failure does:
   needs_staging(peer_id) -> bool     decode side, before start_pull: True when
       the peer runs at another tp_size (False for an unknown peer).
   start_pull(transfer_id, peer_id, remote_block_ids, local_block_ids,
-             deadline_s, staging_block_ids=None) -> TransferHandle
+             deadline_s, staging_block_ids=None, layers=None) -> TransferHandle
                                      decode side. ``deadline_s`` is seconds from
-      now. Raises ValueError only for the caller's own mistakes (lengths differ,
+      now. ``layers`` (a ``Layers`` range): only those layers of each block
+      (a layer group pulled while the prompt step computes the rest), at equal
+      tp_size only. Raises ValueError only for the caller's own mistakes (lengths differ,
       duplicate or out-of-range local ids, staging ids missing where
       needs_staging, of another length, overlapping the local ids or out of
-      range, a transfer id already in flight); staging ids a pull does not
+      range, a transfer id already in flight, a layer range outside the pool
+      or with a peer of another tp_size); staging ids a pull does not
       need are left alone. Anything about the peer (unknown, remote ids out of
       its range, a refused post) returns a handle that is already FAILED, so
       there is one path. The pull names the epoch of the peer's metadata; a
@@ -92,7 +95,7 @@ import msgspec
 from msgspec.structs import replace as replace_struct
 
 from common.protocol.names import TRANSFER_BACKENDS
-from kv_transfer.segments import PoolGeometry, Segment, Staging, pull_segments, relayout
+from kv_transfer.segments import Layers, PoolGeometry, Segment, Staging, check_layers, pull_segments, relayout
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +130,7 @@ class PoolMetadata(msgspec.Struct, forbid_unknown_fields=True):
     epoch: Annotated[int, msgspec.Meta(ge=0)] = 0  # the lender's epoch (set_epoch); 0: not set, never checked
 
     def geometry(self) -> PoolGeometry:
-        return PoolGeometry(self.tp_size, self.num_blocks, self.bytes_per_block)
+        return PoolGeometry(self.tp_size, self.num_blocks, self.bytes_per_block, self.num_layers)
 
 
 class Peer(NamedTuple):
@@ -174,7 +177,7 @@ class TransferHandle:
     transfer_id: str
     peer_id: str
     segments: list[Segment]
-    num_bytes: int  # the whole blocks pulled, every rank's heads
+    num_bytes: int  # the bytes pulled: whole blocks (or their layer range), every rank's heads
     started: float  # time.monotonic()
     deadline: float  # time.monotonic()
     staging: Staging | None = None  # a pull across tensor-parallel sizes, re-laid before DONE
@@ -239,7 +242,7 @@ class KVTransferBackend(ABC):
             )
         self._pool = kv_cache
         layout = kv_cache.layout
-        self._geometry = PoolGeometry(layout.tp_size, kv_cache.num_blocks, layout.bytes_per_block)
+        self._geometry = PoolGeometry(layout.tp_size, kv_cache.num_blocks, layout.bytes_per_block, layout.num_layers)
         fields = msgspec.Raw(msgspec.msgpack.encode(self._publish(kv_cache)))
         self._envelope = PoolMetadata(
             METADATA_VERSION, self.name, *(getattr(layout, name) for name in LAYOUT_FIELDS), layout.tp_size,
@@ -299,6 +302,7 @@ class KVTransferBackend(ABC):
         local_block_ids: list[int],
         deadline_s: float,
         staging_block_ids: list[int] | None = None,
+        layers: Layers | None = None,
     ) -> TransferHandle:
         self._require_pool("start_pull")
         if not deadline_s > 0:
@@ -307,12 +311,18 @@ class KVTransferBackend(ABC):
             raise ValueError(f"transfer {transfer_id!r} is already in flight")
         check_block_ids(remote_block_ids, local_block_ids, staging_block_ids, self._geometry.num_blocks)
         peer = self._peers.get(peer_id)
-        if staging_block_ids is None and self.needs_staging(peer_id):
+        if layers is not None:
+            check_layers(self._geometry, layers)
+            if self.needs_staging(peer_id):
+                raise ValueError(f"peer {peer_id!r} runs at tp_size {peer.metadata.tp_size}, this worker at "
+                                 f"{self._geometry.tp_size}: a pull of a layer range needs equal tensor parallelism")
+        elif staging_block_ids is None and self.needs_staging(peer_id):
             raise ValueError(f"peer {peer_id!r} runs at tp_size {peer.metadata.tp_size}, this worker at "
                              f"{self._geometry.tp_size}: the pull needs staging_block_ids (see needs_staging)")
         now = time.monotonic()
+        share = 1.0 if layers is None else (layers.end - layers.start) / self._geometry.num_layers
         handle = self.handle_type(
-            transfer_id, peer_id, [], len(local_block_ids) * self._geometry.bytes_per_block,
+            transfer_id, peer_id, [], round(len(local_block_ids) * self._geometry.bytes_per_block * share),
             started=now, deadline=now + deadline_s, epoch=peer.metadata.epoch if peer is not None else 0,
         )
         self._inflight[transfer_id] = handle
@@ -326,7 +336,7 @@ class KVTransferBackend(ABC):
             if remote.tp_size != self._geometry.tp_size:
                 handle.staging = Staging(remote.tp_size, list(staging_block_ids), list(local_block_ids))
                 targets = staging_block_ids
-            handle.segments = pull_segments(remote, self._geometry, remote_block_ids, targets)
+            handle.segments = pull_segments(remote, self._geometry, remote_block_ids, targets, layers)
             try:
                 self._submit(handle, peer.conn)
             except Exception as exc:  # the backend refused the post: this pull fails, the worker goes on

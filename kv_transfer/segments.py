@@ -6,6 +6,9 @@ the requested blocks in order) byte for byte into the local stream (for each loc
 order). At equal tensor parallelism the units match one to one: rank r's slice of remote block x lands in rank
 r's slice of local block y. At different sizes the target blocks are staging blocks that then hold the remote
 ranks' slices back to back, and ``relayout`` regroups their heads into the local ranks' slices of the local blocks.
+
+A rank's slice of a block is ``[layers, 2, block_size, heads, head_dim]``, so a range of its layers is one contiguous
+run inside it: a pull of a layer range (``Layers``, equal tensor parallelism only) moves that run of each unit.
 """
 from __future__ import annotations
 
@@ -24,11 +27,12 @@ class Segment(NamedTuple):
 
 
 class PoolGeometry(NamedTuple):
-    """What addressing a pool's blocks takes: its ranks, blocks per rank and bytes per whole block."""
+    """What addressing a pool's blocks takes: its ranks, blocks per rank, bytes per whole block and layers."""
 
     tp_size: int
     num_blocks: int
     bytes_per_block: int
+    num_layers: int = 1
 
     @property
     def unit(self) -> int:
@@ -37,6 +41,13 @@ class PoolGeometry(NamedTuple):
 
     def offset(self, rank: int, block_id: int) -> int:
         return (rank * self.num_blocks + block_id) * self.unit
+
+
+class Layers(NamedTuple):
+    """Layers ``start`` to ``end`` (excluded) of a block: a pull of part of each block's KV."""
+
+    start: int
+    end: int
 
 
 class Staging(NamedTuple):
@@ -65,21 +76,37 @@ def merge_segments(segments: list[Segment]) -> list[Segment]:
     return merged
 
 
-def _stream(pool: PoolGeometry, block_ids: list[int]) -> Iterator[tuple[int, int]]:
-    """(offset, nbytes) of each unit: rank-major, then the blocks in the order given."""
+def _stream(pool: PoolGeometry, block_ids: list[int], layers: Layers | None) -> Iterator[tuple[int, int]]:
+    """(offset, nbytes) of each unit, or of its ``layers``: rank-major, then the blocks in the order given."""
+    per_layer = pool.unit // pool.num_layers
+    start, nbytes = (0, pool.unit) if layers is None else (layers.start * per_layer, (layers.end - layers.start)
+                                                          * per_layer)
     for rank in range(pool.tp_size):
         for block_id in block_ids:
-            yield pool.offset(rank, block_id), pool.unit
+            yield pool.offset(rank, block_id) + start, nbytes
+
+
+def check_layers(pool: PoolGeometry, layers: Layers) -> None:
+    """Refuse a layer range outside the pool's layers, or empty (ValueError)."""
+    if type(layers.start) is not int or type(layers.end) is not int or not 0 <= layers.start < layers.end <= \
+            pool.num_layers:
+        raise ValueError(f"layers {layers.start}..{layers.end} are not a range within the pool's {pool.num_layers}")
 
 
 def pull_segments(remote: PoolGeometry, local: PoolGeometry, remote_block_ids: list[int],
-                  target_block_ids: list[int]) -> list[Segment]:
+                  target_block_ids: list[int], layers: Layers | None = None) -> list[Segment]:
     """The merged segments copying the remote stream of ``remote_block_ids`` into the local stream of
-    ``target_block_ids`` (the local blocks at equal tensor parallelism, else the staging blocks)."""
+    ``target_block_ids`` (the local blocks at equal tensor parallelism, else the staging blocks); with ``layers``
+    (equal tensor parallelism only) those layers of each block."""
+    if layers is not None:
+        if remote.tp_size != local.tp_size:
+            raise ValueError(f"a pull of layers {layers.start}..{layers.end} needs equal tensor parallelism, not "
+                             f"{remote.tp_size} and {local.tp_size}")
+        check_layers(local, layers)
     pieces: list[Segment] = []
-    targets = _stream(local, target_block_ids)
+    targets = _stream(local, target_block_ids, layers)
     local_offset = local_left = 0
-    for remote_offset, remote_left in _stream(remote, remote_block_ids):
+    for remote_offset, remote_left in _stream(remote, remote_block_ids, layers):
         while remote_left:
             if not local_left:
                 local_offset, local_left = next(targets)

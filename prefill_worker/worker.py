@@ -7,6 +7,9 @@ Request life cycle:
   proxy -> pages held under a lease -> ReleaseKV (the decode worker pulled
   them, or the request ended) frees them; a lease not released within
   ``kv_lease_s`` expires and frees them anyway.
+  A pipelined prompt (``kv_pipeline_layer_groups``) also sends KVProgress each
+  time a layer group of one of its chunks is computed (``prefill_worker/pipeline.py``):
+  its decode worker pulls those layers while the rest of the step runs.
   A request whose first token already ends it (EOS, stop, max_tokens=1)
   reports its finish_reason and frees its pages at once.
   Abort frees the request wherever it is.
@@ -28,6 +31,7 @@ from common.engine.llm_engine import RequestOutput
 from common.engine.sequence import FinishReason, Sequence
 from common.runtime.embed_queue import EmbedQueue
 from common.runtime.worker_runtime import WorkerBase
+from prefill_worker.pipeline import LayerProgress
 
 log = logging.getLogger(__name__)
 SPAN = "prefill_worker.prefill"
@@ -41,6 +45,7 @@ class PrefillHandler(WorkerBase):
         self.leases: dict[str, tuple[Sequence, float]] = {}  # request id -> (seq, expiry)
         self.embeds = EmbedQueue(self)
         self.lending_said = False  # the drain said once that it now only waits for its pages to be pulled
+        self.progress: LayerProgress | None = None  # built with the first pipelined prompt
 
     # ---- inbound ------------------------------------------------------------
     def handle(self, msg) -> None:
@@ -55,6 +60,7 @@ class PrefillHandler(WorkerBase):
             if msg.request_id in self.computing:
                 self.engine.abort_request(msg.request_id)
                 self.computing.pop(msg.request_id)
+                self._unpipeline(msg.request_id)
                 self.metrics.request_done("prefill", "aborted")
                 self.trace_end(msg.request_id, SPAN, "aborted")
             self._release(msg.request_id)
@@ -73,6 +79,16 @@ class PrefillHandler(WorkerBase):
         seq.priority = msg.priority  # the scheduler's preemption order: lowest lane, highest counter first
         seq.fairness_counter, seq.keep_s = msg.fairness_counter, msg.keep_s
         self.computing[msg.request_id] = (seq, msg.lease_s)
+        if msg.kv_pipeline_layer_groups:
+            if self.progress is None:
+                runner = self.engine.runner
+                self.progress = LayerProgress(runner.layout.num_layers, runner.layout.block_size,
+                                              self.config.worker_id, self.send)
+            self.progress.add(msg.request_id, msg.kv_pipeline_layer_groups)
+
+    def _unpipeline(self, request_id: str) -> None:
+        if self.progress is not None:
+            self.progress.discard(request_id)
 
     def _release(self, request_id: str) -> None:
         lease = self.leases.pop(request_id, None)
@@ -96,9 +112,12 @@ class PrefillHandler(WorkerBase):
         if not self.engine.has_work():
             return
         with self.cores:
-            outputs = self.engine.step()
+            outputs = self.engine.step(self.progress.hook(self.epoch) if self.progress is not None else None)
+        if self.progress is not None:
+            self.progress.after_step(self.computing, self.epoch)
         for out in outputs:
             if out.finished and out.request_id in self.computing:
+                self._unpipeline(out.request_id)
                 self._report(*self.computing.pop(out.request_id), out)
 
     def _report(self, seq: Sequence, lease_s: float, out: RequestOutput) -> None:
@@ -143,6 +162,7 @@ class PrefillHandler(WorkerBase):
         self.embeds.fail_all(reason, only)
         for request_id in [r for r in self.computing if mine(r)]:
             self.computing.pop(request_id)
+            self._unpipeline(request_id)
             self.fail(request_id, "prefill", SPAN, reason)
         lent = [r for r in self.leases if mine(r)]
         if lent and self.draining:

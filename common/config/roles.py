@@ -114,6 +114,21 @@ class SessionsConfig:
         2.0, "longest a request waits on the conversation store; past it the turn is served but not kept", gt=0)
 
 
+@config_model("proxy.kv_pipeline")
+class KVPipelineConfig:
+    """Pipelined KV hand-off: a long prompt's pages pulled by its decode worker layer group by layer group while
+    its prefill worker computes the rest of the prompt (docs/benchmarks.md: where it pays)."""
+
+    min_tokens: Int = option(
+        0, "a disaggregated prompt at least this long (prompt and output so far, in tokens) has its decode worker "
+        "chosen as it goes to its prefill worker, which reports each layer group of each prompt chunk as it is "
+        "computed, so the decode worker pulls it while the rest of the prompt step runs; 0: never (the pages are "
+        "pulled after the first token)", ge=0)
+    layer_groups: Int = option(
+        4, "groups the model's layers split into for a pipelined prompt: one report and one pull per group and "
+        "prompt chunk (at most one a layer)", ge=1)
+
+
 @config_model("proxy.tenancy", was_flat=True)
 class TenancyConfig:
     """Tenants, API-key auth, the admission queue's fairness and metering."""
@@ -351,6 +366,7 @@ class ProxyConfig:
     http: HttpConfig = section(HttpConfig)
     requests: RequestsConfig = section(RequestsConfig)
     sessions: SessionsConfig = section(SessionsConfig)
+    kv_pipeline: KVPipelineConfig = section(KVPipelineConfig)
     tenancy: TenancyConfig = section(TenancyConfig)
     shared_state: SharedStateConfig = section(SharedStateConfig)
     slo: SloConfig = section(SloConfig)

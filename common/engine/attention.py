@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +72,9 @@ class StepContext:
     chunks: list[PrefillChunk] = field(default_factory=list)
     # Filled lazily by a backend that needs its own form (e.g. flash-attn's cu_seqlens).
     backend_state: dict = field(default_factory=dict)
+    # Called with n after the model's first n layers ran, their KV written (a pipelined prompt's layer groups,
+    # prefill_worker/pipeline.py); rank 0 only.
+    on_layers: Callable[[int], None] | None = None
 
 
 @dataclass

@@ -242,6 +242,7 @@ class LLMEngine:
         output_token_ids: Seq[int] = (),
         cache_salt: int = 0,
         reuse_cached: bool = True,
+        reserved: tuple[list[int], int] | None = None,
     ) -> Sequence:
         """A request whose KV was computed elsewhere; its pages arrive into ``seq.block_table``.
 
@@ -254,6 +255,7 @@ class LLMEngine:
         ``cache_salt``: as for ``add_request``; the pulled blocks are cached under it once computed here.
         ``reuse_cached``: the first ``seq.num_cached_blocks`` blocks are this pool's own cached copies of the
         prompt's leading blocks, and only the rest need the pages (``Scheduler.await_remote_kv``).
+        ``reserved``: the blocks ``reserve_prompt`` gave before (a pipelined pull's), which the sequence takes over.
         """
         if params.n != 1:
             raise RequestError("a prefilled request carries one sample (n=1)")
@@ -266,8 +268,15 @@ class LLMEngine:
         if seq.logprobs and first_logprob is not None:
             seq.logprobs[-1] = first_logprob
             seq.top_logprobs[-1] = list(first_top_logprobs or [])
-        self.scheduler.await_remote_kv(seq, reuse_cached)
+        self.scheduler.await_remote_kv(seq, reuse_cached, reserved)
         return seq
+
+    def reserve_prompt(self, token_ids: list[int], cache_salt: int = 0, reuse_cached: bool = True
+                       ) -> tuple[list[int], int] | None:
+        """Blocks for the KV of ``token_ids`` before its request is added (a pipelined pull lands its layer groups
+        there as they are computed elsewhere): (their ids, how many leading ones this pool had cached), or None when
+        the pool cannot take them. They go to ``add_prefilled_request(reserved=...)`` or back (``free_blocks``)."""
+        return self.scheduler.reserve_prompt(token_ids, cache_salt, reuse_cached)
 
     def kv_ready(self, seq: Sequence) -> None:
         self.scheduler.remote_kv_arrived(seq)
@@ -343,7 +352,9 @@ class LLMEngine:
         return self.scheduler.has_work() or bool(self._aborted)
 
     # ---- the step -----------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, on_layers=None) -> list[RequestOutput]:
+        """One step: plan, execute, apply. ``on_layers(plan, n)``: called as the step's first n layers are computed
+        (a prefill worker's pipelined hand-off, prefill_worker/pipeline.py)."""
         started = time.perf_counter()
         if self._speculating:
             self.speculator.propose(self.scheduler.running)
@@ -351,7 +362,8 @@ class LLMEngine:
         advanced: list[Sequence] = []
         if plan:
             shape = plan.shape()
-            sample = self.runner.execute(plan, self.structured.mask if self.structured.live else None)
+            hook = None if on_layers is None else (lambda n: on_layers(plan, n))
+            sample = self.runner.execute(plan, self.structured.mask if self.structured.live else None, hook)
             for i, seq in enumerate(sample.seqs):
                 if seq.params.logprobs is not None and sample.logprobs is not None:
                     seq.logprobs.extend(sample.logprobs[i])

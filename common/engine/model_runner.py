@@ -368,15 +368,19 @@ class ModelRunner:
         return self.forward(self.prepare(StepPlan([seq], [len(ids)])))
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, constrain=None) -> StepSample:
+    def execute(self, plan: StepPlan, constrain=None, on_layers=None) -> StepSample:
         """Run one step; returns what each sampling sequence emitted. ``constrain(logits, seqs, drafts)``: masks
-        the logits in place before sampling (structured output)."""
+        the logits in place before sampling (structured output). ``on_layers(n)``: called as the step's first n
+        layers are done, their KV in the pool (on a GPU, once the device has written it)."""
         if self.fault_hang_token is not None and any(self.fault_hang_token in seq.prompt_token_ids
                                                      for seq in plan.seqs):
             log.warning("fault injection: this step hangs (testing.fault_hang_token)")
             while True:
                 time.sleep(3600)
         prepared = self.prepare(plan)
+        if on_layers is not None:
+            prepared.context.on_layers = on_layers if self.device.type != "cuda" else _after_device(on_layers,
+                                                                                                    self.device)
         if not prepared.sample_seqs:
             self.forward(prepared)
             return StepSample([], [])
@@ -470,6 +474,14 @@ def serve_rank(config: EngineConfig, model_dir: str, rank: int, rendezvous: str,
     if dist.is_initialized():
         dist.destroy_process_group()
     os._exit(0)
+
+
+def _after_device(on_layers, device: torch.device):
+    """``on_layers`` once the device has run what was queued: a page is announced only once it is written."""
+    def synchronized(n: int) -> None:
+        torch.cuda.current_stream(device).synchronize()
+        on_layers(n)
+    return synchronized
 
 
 class _AllRanks:

@@ -324,7 +324,8 @@ class Scheduler:
         if seq.is_finished and seq.block_table:
             self._release(seq)
 
-    def await_remote_kv(self, seq: Sequence, reuse_cached: bool = True) -> bool:
+    def await_remote_kv(self, seq: Sequence, reuse_cached: bool = True,
+                        reserved: tuple[list[int], int] | None = None) -> bool:
         """KV computed elsewhere (every token but the last): give it the blocks its pages are pulled into, and
         wait for them.
 
@@ -332,22 +333,34 @@ class Scheduler:
         tier) are taken as they are: ``seq.num_cached_blocks`` says how many, and only the blocks after them
         need pulling (a conversation's next turn pulls its new tokens, not its history again).
         False when the pool cannot take them now: the caller recomputes (``remote_kv_failed``) at once.
+        ``reserved``: blocks ``reserve_prompt`` gave for them before (a pipelined pull), taken as they are.
         The sequence is in no queue while it waits, so no step runs it; a finish (abort) frees its blocks.
         """
-        needed = -(-(seq.num_tokens - 1) // self.blocks.block_size)
-        held: list[int] = []
-        if reuse_cached:
-            full = (seq.num_tokens - 1) // self.blocks.block_size
-            held = self.blocks.find_cached_prefix(seq.token_ids, full, seq.cache_salt)
-            self.blocks.acquire(held)
-            held += self.blocks.reload_prefix(seq.token_ids, held, full, seq.cache_salt)
-        if not self.blocks.can_allocate(needed - len(held)):
-            self.blocks.free(held)
-            return False
-        seq.block_table = held + self.blocks.allocate(needed - len(held))
-        seq.num_cached_blocks = len(held)
+        if reserved is None:
+            reserved = self.reserve_prompt(seq.token_ids[:-1], seq.cache_salt, reuse_cached)
+            if reserved is None:
+                return False
+        seq.block_table, seq.num_cached_blocks = list(reserved[0]), reserved[1]
         seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
         return True
+
+    def reserve_prompt(self, token_ids: list[int], cache_salt: int, reuse_cached: bool = True
+                       ) -> tuple[list[int], int] | None:
+        """The blocks the KV of ``token_ids``, computed elsewhere, is pulled into: (their ids, how many leading ones
+        are this pool's own cached copies, with ``reuse_cached``), or None when the pool cannot take them now.
+        The caller hands them to a sequence (``await_remote_kv``'s ``reserved``) or gives them back
+        (``unreserve``)."""
+        needed = -(-len(token_ids) // self.blocks.block_size)
+        held: list[int] = []
+        if reuse_cached:
+            full = len(token_ids) // self.blocks.block_size
+            held = self.blocks.find_cached_prefix(token_ids, full, cache_salt)
+            self.blocks.acquire(held)
+            held += self.blocks.reload_prefix(token_ids, held, full, cache_salt)
+        if not self.blocks.can_allocate(needed - len(held)):
+            self.blocks.free(held)
+            return None
+        return held + self.blocks.allocate(needed - len(held)), len(held)
 
     def reserve(self, n: int) -> list[int]:
         """``n`` blocks no sequence owns (staging for a KV pull between workers of different tensor parallelism),

@@ -24,11 +24,12 @@ MESSAGE_SINCE: dict[str, int] = {"EmbedRequest": 11, "EmbedResult": 11, "LoadMod
                                  "FetchTokenizer": 15, "TokenizerFiles": 15, "KVEvents": 19,
                                  "KVSnapshotRequest": 19, "KVSnapshot": 19,
                                  "SwitchRole": 20, "FindStream": 20, "StreamFound": 20,
-                                 "LeaveStream": 20}
+                                 "LeaveStream": 20, "KVProgress": 21}
 # The version that added each field (struct name -> field -> version), where it is newer than that.
-FIELD_SINCE: dict[str, dict[str, int]] = {"PrefillRequest": {"keep_s": 11},
+FIELD_SINCE: dict[str, dict[str, int]] = {"PrefillRequest": {"keep_s": 11, "kv_pipeline_layer_groups": 21},
                                           "DecodeRequest": {"keep_s": 11, "source_epoch": 18, "resume_key": 20,
-                                                            "resume_window_s": 20, "resume_context": 20},
+                                                            "resume_window_s": 20, "resume_context": 20,
+                                                            "kv_pipelined": 21},
                                           "SamplingParams": {"structured": 13},
                                           "TokenDeltas": {"step_rows": 14, "step": 14},
                                           "RequestFailed": {"code": 16}, "KVPulled": {"backend": 18},
@@ -40,6 +41,7 @@ FIELD_SINCE: dict[str, dict[str, int]] = {"PrefillRequest": {"keep_s": 11},
 # A request that uses a field goes only to workers that speak its version: an older one would drop the field
 # (``older_body``) and serve the request without what it asks for (``proxy/cluster/cluster.py`` ``_candidates``).
 STRUCTURED_SINCE = FIELD_SINCE["SamplingParams"]["structured"]
+PIPELINED_SINCE = MESSAGE_SINCE["KVProgress"]  # both workers of a pipelined hand-off speak it
 
 
 def sendable(message_type: type, version: int) -> bool:

@@ -31,6 +31,11 @@ this channel):
 - proxy -> decode: DecodeRequest (pages to pull, or none: prefill locally);
   decode -> proxy: one TokenDeltas per engine step, with a TokenDelta for each request the step
   advanced (a request's last one has finish_reason), KVPulled.
+- A pipelined hand-off (protocol 21, a prompt of at least ``kv_pipeline.min_tokens``): the proxy sends the decode
+  worker its DecodeRequest with ``kv_pipelined`` as it sends the PrefillRequest (``kv_pipeline_layer_groups``),
+  and the decode worker reserves the blocks. prefill -> proxy -> decode: KVProgress, each time a layer group of a
+  prompt chunk is computed (the full blocks and the layers ready); the decode worker pulls them at once. After
+  PrefillDone the proxy sends the decode worker the plain DecodeRequest, and it pulls what is left.
 - proxy -> prefill: ReleaseKV once the pages are pulled (or abandoned).
 - proxy -> any worker: Abort. worker -> proxy: RequestFailed.
 - proxy -> any worker: Tune, the adaptive controller's engine settings (only with ``tac_enabled``).
@@ -92,7 +97,9 @@ class _Struct(msgspec.Struct, forbid_unknown_fields=True):
 # 11: EmbedRequest, EmbedResult; 12: LoadModel, Standby; 13: SamplingParams.structured; 14: TokenDeltas.step_rows,
 # step; 15: Register.tokenizer_sha256, FetchTokenizer, TokenizerFiles; 18: KVPulled.backend, DecodeRequest.source_epoch;
 # 19: Register.kv_events_endpoint, kv_events_public_key, host, KVEvents, KVSnapshotRequest, KVSnapshot; 20: SwitchRole,
-# DecodeRequest.resume_key, resume_window_s, resume_context, FindStream, StreamFound, LeaveStream.
+# DecodeRequest.resume_key, resume_window_s, resume_context, FindStream, StreamFound, LeaveStream; 21:
+# PrefillRequest.kv_pipeline_layer_groups, DecodeRequest.kv_pipelined, KVProgress, Register.interconnect_domain,
+# StreamFound.last.
 # Versions one apart interoperate (versions.py).
 PROTOCOL_VERSION = 21
 
@@ -126,6 +133,7 @@ class MsgType(enum.IntEnum):
     FIND_STREAM = 29
     STREAM_FOUND = 30
     LEAVE_STREAM = 31
+    KV_PROGRESS = 32
 
 
 class Role(str, enum.Enum):
@@ -382,6 +390,25 @@ class PrefillRequest(_Struct):
     trace_context: dict[str, str] | None = None  # W3C trace context ({"traceparent": ...}) when tracing is on
     cache_salt: CacheSalt = 0  # its tenant's prefix-cache namespace (proxy.tenancy.prefix_cache_sharing); 0: shared
     keep_s: Seconds = 0.0  # a session's turn: keep its blocks cached this long after it ends (block_manager)
+    # A pipelined hand-off's: report KVProgress as each of this many groups of layers of a prompt chunk is computed.
+    # 0: none (the pages are pulled after PrefillDone).
+    kv_pipeline_layer_groups: NonNegInt = 0
+
+
+class KVProgress(_Struct):
+    """A layer group of a pipelined prompt's chunk is computed: ``layer_start`` to ``layer_end`` (excluded) of the
+    full blocks ``first_block`` .. ``first_block + len(block_ids) - 1`` of the prompt (``block_ids``: the prefill
+    worker's ids of them) hold their final KV. ``generation``: the times the prefill worker's scheduler preempted
+    the prompt so far; a preempted prompt is computed again into other blocks, so what was pulled under an earlier
+    generation is pulled again. Sent prefill -> proxy, and relayed as it is to the decode worker."""
+    request_id: str
+    worker_id: str
+    epoch: NonNegInt
+    generation: NonNegInt
+    first_block: NonNegInt
+    block_ids: list[NonNegInt]
+    layer_start: NonNegInt
+    layer_end: NonNegInt
 
 
 class PrefillDone(_Struct):
@@ -428,6 +455,10 @@ class DecodeRequest(_Struct):
     resume_key: str = ""
     resume_window_s: Seconds = 0.0
     resume_context: bytes = b""
+    # Sent as the prompt goes to source_worker_id, before it is computed (first_token None): reserve the prompt's
+    # blocks and pull the layer groups KVProgress names; the DecodeRequest after PrefillDone (first_token set, same
+    # request id) names every page, and the rest is pulled then. kv_lease_left_s bounds the wait for it.
+    kv_pipelined: bool = False
 
 
 class TokenDelta(_Struct):
@@ -543,6 +574,7 @@ MESSAGES: dict[MsgType, type] = {
     MsgType.FIND_STREAM: FindStream,
     MsgType.STREAM_FOUND: StreamFound,
     MsgType.LEAVE_STREAM: LeaveStream,
+    MsgType.KV_PROGRESS: KVProgress,
 }
 _TYPES = {cls: t for t, cls in MESSAGES.items()}
 _HEADERS = {cls: bytes([t, PROTOCOL_VERSION]) for t, cls in MESSAGES.items()}

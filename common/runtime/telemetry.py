@@ -338,6 +338,17 @@ class WorkerMetrics:
         self.kv_blocks_reused = Counter(
             "tessera_worker_kv_blocks_reused", "Prompt blocks a decode worker took from its own prefix cache instead "
             "of pulling them (kv_delta_pull)", registry=r)
+        self.kv_pipelined = Counter(
+            "tessera_worker_kv_pipelined_pulls", "Pipelined hand-offs (pages pulled by layer group while the prompt "
+            "was computed) by how they ended: ok, recomputed (a pull failed), cancelled (aborted, or no PrefillDone)",
+            ["outcome"], registry=r)
+        self.kv_pipelined_bytes = Counter(
+            "tessera_worker_kv_pipelined_bytes", "KV bytes of pipelined hand-offs, pulled during_prefill (layer "
+            "groups, while the prompt was computed) or after_prefill (the rest)", ["when"], registry=r)
+        for outcome in ("ok", "recomputed", "cancelled"):
+            self.kv_pipelined.labels(outcome)
+        for when in ("during_prefill", "after_prefill"):
+            self.kv_pipelined_bytes.labels(when)
         self.kv_transfer_failures = Counter("tessera_worker_kv_transfer_failures",
                                             "KV pulls that failed or never started (prompt recomputed)", registry=r)
         self.kv_pull_outcomes = Counter(

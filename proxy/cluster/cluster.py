@@ -35,11 +35,11 @@ from common.config.roles import ProxyConfig
 from common.runtime.tracing import make_tracing
 from common.runtime.zmq_security import proxy_curve
 from common.protocol.sampling_params import SamplingParams
-from common.protocol.versions import STRUCTURED_SINCE
+from common.protocol.versions import PIPELINED_SINCE, STRUCTURED_SINCE
 from common.protocol.versions import MESSAGE_SINCE
 from common.protocol.wire import (PROTOCOL_VERSION, Abort, DecodeRequest, EmbedResult, FindStream, Goodbye, Heartbeat,
-                                  KVPulled, KVSnapshot, PrefillDone, PrefillRequest, Register, RegisterAck, ReleaseKV,
-                                  RequestFailed, Reregister, Standby, StreamFound, SwitchRole, TokenDeltas,
+                                  KVProgress, KVPulled, KVSnapshot, PrefillDone, PrefillRequest, Register, RegisterAck,
+                                  ReleaseKV, RequestFailed, Reregister, Standby, StreamFound, SwitchRole, TokenDeltas,
                                   TokenizerFiles, WireError, decode)
 from proxy.tenancy.admission import Admit, AdmissionController
 from proxy.cluster.embeddings import Embeddings
@@ -118,7 +118,7 @@ class Cluster:
             PrefillDone: self._on_prefill_done, KVPulled: self._on_kv_pulled, TokenDeltas: self._on_token_deltas,
             RequestFailed: self._on_request_failed, EmbedResult: self.embeddings.on_result,
             Standby: self._on_standby, TokenizerFiles: self.tokenizers.on_files, KVSnapshot: self.kv_events.on_snapshot,
-            StreamFound: self._on_stream_found,
+            StreamFound: self._on_stream_found, KVProgress: self._on_kv_progress,
         }
         self._searches: dict[str, _Search] = {}  # response id -> a takeover asked of the workers (``find_stream``)
         self._update_worker_gauges()
@@ -146,7 +146,7 @@ class Cluster:
             raise RuntimeError("the cluster has no worker link attached")
         if isinstance(msg, PrefillRequest):
             self.metrics.worker_requests.labels(worker_id, "prefill").inc()
-        elif isinstance(msg, DecodeRequest):
+        elif isinstance(msg, DecodeRequest) and not msg.kv_pipelined:
             self.metrics.worker_requests.labels(worker_id, "decode").inc()
         self._outbox(worker_id, msg, self.peer_versions.get(worker_id, PROTOCOL_VERSION))
 
@@ -317,7 +317,19 @@ class Cluster:
         if route.local:
             return sub.prefill_locally()
         self.policy.prefill_sent(route.worker, tokens)
-        return sub.start_prefill(route.worker, counter, now)
+        return sub.start_prefill(route.worker, counter, now, self._pipeline_to(sub, route.worker, tokens))
+
+    def _pipeline_to(self, sub: SubRequest, prefill: WorkerState, tokens: list[int]) -> WorkerState | None:
+        """The decode worker that pulls a long prompt's pages by layer group while ``prefill`` computes it
+        (``kv_pipeline.min_tokens``); None: pulled after PrefillDone. Both workers must speak protocol 21."""
+        min_tokens = self.config.kv_pipeline.min_tokens
+        if not min_tokens or len(tokens) < min_tokens or self._version(prefill.worker_id) < PIPELINED_SINCE:
+            return None
+        decoders = [w for w in self._candidates(sub) if self._version(w.worker_id) >= PIPELINED_SINCE]
+        return self.policy.pick_decode(tokens, decoders, sub.cache_salt, prefill)
+
+    def _version(self, worker_id: str) -> int:
+        return self.peer_versions.get(worker_id, PROTOCOL_VERSION)
 
     def _candidates(self, sub: SubRequest) -> list:
         """The workers ``sub`` may be routed to: those of its model version; a resumed one not to the worker it left
@@ -340,6 +352,9 @@ class Cluster:
         if sub.local and sub.route is not None:
             routed = self.registry.workers.get(sub.route.worker.worker_id)
             decoder = routed if routed is sub.route.worker and not routed.draining else None
+        elif sub.pipelined_to is not None:  # it holds the blocks, some pages pulled already
+            pipelined = self.registry.workers.get(sub.pipelined_to)
+            decoder = pipelined if pipelined is not None and not pipelined.draining else None
         tokens = sub.tokens
         source = None if sub.local else self.registry.workers.get(sub.prefill_worker)
         decoder = decoder or self.policy.pick_decode(tokens, self._candidates(sub), sub.cache_salt, source)
@@ -436,6 +451,14 @@ class Cluster:
         if sub is None or sender != sub.kv_holder:
             log.debug("releasing pages of stray PrefillDone %s from %r", msg.request_id, sender)
             self.send(sender, ReleaseKV(msg.request_id))
+
+    def _on_kv_progress(self, sender: str, msg: KVProgress, now: float) -> None:
+        """A pipelined prompt's layer group: relayed to its decode worker; a stray one is dropped (it holds
+        nothing: the pages are freed with the prompt)."""
+        sub = self._sub(msg.request_id)
+        sends = sub.on_kv_progress(msg, sender) if sub is not None else None
+        for worker_id, relayed in sends or ():
+            self.send(worker_id, relayed)
 
     def _on_kv_pulled(self, sender: str, msg: KVPulled, now: float) -> None:
         if msg.ok:

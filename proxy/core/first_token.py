@@ -11,7 +11,9 @@ handler (``proxy.core.requests.SubRequest``) sees the messages:
 - prefill: that message to the first token: PrefillRequest sent to PrefillDone received; for a local choice,
   DecodeRequest sent to its first token (the decode worker's prompt step).
 - decode_wait: PrefillDone to the DecodeRequest: the wait for a decode slot.
-- transfer: DecodeRequest sent to KVPulled received, with the bytes and the backend the decode worker reports.
+- transfer: DecodeRequest sent to KVPulled received, with the bytes and the backend the decode worker reports. For a
+  pipelined hand-off (``kv_pipeline.min_tokens``) the DecodeRequest after PrefillDone: the part of the pull left
+  once the prompt was computed (the layer groups pulled meanwhile are in the prefill part's time).
 - first_decode: KVPulled to the first TokenDelta that carries a token.
 
 A disaggregated choice's first token is PrefillDone's, streamed at once: the transfer and the first decode step

@@ -234,6 +234,9 @@ class ProxyMetrics:
                                              buckets=_TRANSFER_BUCKETS, registry=r)
         self.kv_transfer_failures = Counter("tessera_proxy_kv_transfer_failures", "KV pulls that failed",
                                             registry=r)
+        self.kv_pipelined = Counter("tessera_proxy_kv_pipelined", "Prompts sent with a pipelined hand-off: their "
+                                    "decode worker chosen at once, pulling layer groups as they are computed "
+                                    "(kv_pipeline.min_tokens)", registry=r)
         self.migrations = Counter("tessera_proxy_migrations",
                                   "Requests resumed on another worker after theirs was lost or gave them back",
                                   registry=r)

@@ -18,7 +18,11 @@ The stage (``Stage``) lives here alone, in ``SubRequest.stage``.
   (``deadline_exceeded``). Admission routes and starts it.
 - PREFILLING: PrefillRequest sent; deadline ``first_token_timeout_s``.
   PrefillDone streams the first token; the prefill worker holds the pages
-  until ReleaseKV.
+  until ReleaseKV. A pipelined one (``kv_pipeline.min_tokens``) also sent its
+  decode worker (``pipelined_to``) a DecodeRequest with ``kv_pipelined``, and
+  relays the prefill worker's KVProgress there; that worker's loss only ends
+  the pipelining (another is picked after PrefillDone), and every way out
+  aborts it there.
 - READY: waiting for a decode slot (at most ``queue_timeout_s``, then
   503; a local one keeps its admission deadline); admission then sends a DecodeRequest naming the pages to the
   decode worker the policy picks.
@@ -61,8 +65,8 @@ from dataclasses import dataclass
 from common.config.roles import ProxyConfig
 from common.protocol.sampling_params import SamplingParams
 from common.runtime.tracing import NoTracing, RequestTrace
-from common.protocol.wire import (Abort, DecodeRequest, KVPulled, LeaveStream, PrefillDone, PrefillRequest,
-                                  ReleaseKV, RequestFailed, TokenDelta)
+from common.protocol.wire import (Abort, DecodeRequest, KVProgress, KVPulled, LeaveStream, PrefillDone,
+                                  PrefillRequest, ReleaseKV, RequestFailed, TokenDelta)
 from proxy.core.errors import ApiError
 from proxy.core.first_token import FirstTokenParts
 from proxy.core.metrics import ProxyMetrics
@@ -137,6 +141,7 @@ class SubRequest:
         self.prefill_worker: str | None = None
         self.prefill_len = 0  # tokens its running prefill computes
         self.decode_worker: str | None = None
+        self.pipelined_to: str | None = None  # the decode worker reserving blocks for its pages while it prefills
         self.kv_holder: str | None = None  # prefill worker still holding this request's pages
         self._handoff: PrefillDone | None = None  # the prefill's result, while it waits for a decode slot
         self._lease_ends = 0.0  # when the prefill worker frees the handed-off pages (kv_lease_s after PrefillDone)
@@ -189,6 +194,8 @@ class SubRequest:
             holders.add(self.prefill_worker)
         if self.stage is Stage.DECODING:
             holders.add(self.decode_worker)
+        elif self.stage in (Stage.PREFILLING, Stage.READY):
+            holders.add(self.pipelined_to)
         return holders - {None}
 
     def wait_for_admission(self, deadline: float, client_deadline: float | None) -> None:
@@ -224,17 +231,43 @@ class SubRequest:
                 "gen_ai.request.seed": self.seed, "gen_ai.usage.input_tokens": len(self.prompt),
                 **(self.trace_attributes or {})})
 
-    def start_prefill(self, worker: WorkerState, counter: float, now: float) -> Sends:
-        """Admitted to prefill on ``worker``; ``counter``: the tenant's service counter, which workers preempt by."""
+    def start_prefill(self, worker: WorkerState, counter: float, now: float,
+                      pipeline_to: WorkerState | None = None) -> Sends:
+        """Admitted to prefill on ``worker``; ``counter``: the tenant's service counter, which workers preempt by.
+        ``pipeline_to``: the decode worker that pulls its pages by layer group as they are computed."""
         self._begin(worker.worker_id, now)
         self.stage = Stage.PREFILLING
         self.prefill_worker = worker.worker_id
         self.prefill_len = len(self.prompt) + len(self.output_ids)
-        return [(self.prefill_worker, PrefillRequest(
-            self.wire_id, self.prompt, self.params, self.seed, self._config.kv_lease_s,
+        config = self._config
+        sends: Sends = []
+        if pipeline_to is not None:
+            self.pipelined_to = pipeline_to.worker_id
+            self._metrics.kv_pipelined.inc()
+            # It waits for the DecodeRequest after PrefillDone at most as long as this choice may take to get there.
+            bound = config.requests.first_token_timeout_s + config.tenancy.queue_timeout_s + config.kv_lease_s
+            sends.append((self.pipelined_to, DecodeRequest(
+                self.wire_id, self.prompt, self.params, self.seed, source_worker_id=worker.worker_id,
+                kv_lease_left_s=bound, output_token_ids=self.output_ids, source_epoch=worker.epoch,
+                kv_pipelined=True, **self._tenant_fields(counter))))
+        return sends + [(self.prefill_worker, PrefillRequest(
+            self.wire_id, self.prompt, self.params, self.seed, config.kv_lease_s,
             output_token_ids=self.output_ids, **self._tenant_fields(counter),
             trace_context=self.trace.enter("proxy.prefill", {"tessera.worker_id": self.prefill_worker})
-            if self.trace else None))]
+            if self.trace else None,
+            kv_pipeline_layer_groups=config.kv_pipeline.layer_groups if pipeline_to is not None else 0))]
+
+    def on_kv_progress(self, msg: KVProgress, sender: str) -> Sends | None:
+        """A layer group of its prompt is computed: relayed to the decode worker pulling it (None: a stray)."""
+        if (self.stage is not Stage.PREFILLING or sender != self.prefill_worker or msg.request_id != self.wire_id
+                or self.pipelined_to is None):
+            return None
+        return [(self.pipelined_to, msg)]
+
+    def _unpipeline(self) -> Sends:
+        """The decode worker reserving blocks for its pages will not get them: it frees them on Abort."""
+        worker, self.pipelined_to = self.pipelined_to, None
+        return [] if worker is None else [(worker, Abort(self.wire_id))]
 
     def prefill_locally(self) -> Sends:
         """Admitted and routed to the decode worker that prefills it: it waits for a decode slot as it is."""
@@ -258,7 +291,7 @@ class SubRequest:
             self.index, msg.text, [msg.first_token], [msg.logprob] if msg.logprob is not None else None, top,
             msg.finish_reason, msg.stop_reason, msg.num_cached_tokens), now)
         if msg.finish_reason is not None:
-            return self._finish(now, msg.finish_reason)
+            return self._unpipeline() + self._finish(now, msg.finish_reason)
         self.stage = Stage.READY
         self._handoff = msg
         self._lease_ends = now + self._config.kv_lease_s
@@ -268,6 +301,8 @@ class SubRequest:
     def start_decode(self, decoder: WorkerState, counter: float, now: float) -> Sends:
         """Admission gave it a decode slot on ``decoder``: it pulls the pages there, or prefills there (local)."""
         msg = self._handoff
+        sends = self._unpipeline() if self.pipelined_to != decoder.worker_id else []
+        self.pipelined_to = None
         if msg is None:
             self._begin(decoder.worker_id, now, local=True)
             decode = DecodeRequest(self.wire_id, self.prompt, self.params, self.seed,
@@ -290,7 +325,7 @@ class SubRequest:
         self.decoding_since = now
         if self.trace:
             decode.trace_context = self.trace.enter("proxy.decode", {"tessera.worker_id": decoder.worker_id})
-        return [(decoder.worker_id, decode)]
+        return sends + [(decoder.worker_id, decode)]
 
     def adopt(self, worker_id: str, wire_id: str, output_ids: list[int], finish_reason: str | None, now: float) -> None:
         """Taken over, decoding on ``worker_id`` under ``wire_id`` (finished, with ``finish_reason``), from a proxy
@@ -447,6 +482,9 @@ class SubRequest:
             # Only the lender of the pages is gone: the decode worker's pull fails and it computes them itself.
             self.kv_holder = None
             return []
+        if worker_id == self.pipelined_to and worker_id not in (self.prefill_worker, self.kv_holder):
+            self.pipelined_to = None  # the prefill goes on; a decode worker is picked after PrefillDone
+            return []
         return self._resume(f"worker {worker_id!r} serving the request is gone: {reason}", now, gone=worker_id)
 
     def _resume(self, why: str, now: float, gone: str) -> Sends:
@@ -584,4 +622,5 @@ class SubRequest:
         sends: Sends = [(worker_id, Abort(self.wire_id)) for worker_id in sorted(self._holders() - {gone})]
         if self.kv_holder == gone:
             self.kv_holder = None
+        self.pipelined_to = None  # aborted above, or gone
         return sends + self._release_kv()

@@ -54,8 +54,9 @@ def previous_release(tmp_path: Path) -> Path:
 def test_a_worker_one_version_behind_serves_with_this_proxy(older, tiny_chat_model_dir, reference, tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
+    # Pipelining asked for every prompt: a prefill worker of the version before it never gets one.
     cluster = LocalCluster.for_tests(tiny_chat_model_dir, logs, prefill=0, decode=1,
-                                     proxy_overrides=["local_prefill_threshold=0"]).start()
+                                     proxy_overrides=["local_prefill_threshold=0", "kv_pipeline.min_tokens=1"]).start()
     behind = LocalCluster.for_tests(
         tiny_chat_model_dir, logs, prefill=1, decode=0, port=cluster.port, worker_port=cluster.worker_port,
         cwd=previous_release(tmp_path) if older == "previous-release" else None,
@@ -82,6 +83,7 @@ def test_a_worker_one_version_behind_serves_with_this_proxy(older, tiny_chat_mod
             assert texts == reference
             sent = cluster.metric("tessera_proxy_worker_requests_total")  # counted as each request was sent
             assert sent.get('{stage="prefill",worker_id="prefill-0"}', 0) >= len(PROMPTS), sent  # it prefilled them
+            assert sum(cluster.metric("tessera_proxy_kv_pipelined_total").values()) == 0
             embed = client.post("/v1/embeddings", json={"model": "SmolLM2-135M-Instruct", "input": "hi"})
             assert embed.status_code == 200, embed.text  # EmbedRequest is in version 11: the older worker serves it
         log = (logs / "proxy.log").read_text()

@@ -32,7 +32,8 @@ def test_committed_reference_matches_the_definitions():
 def test_every_section_and_field_is_in_the_reference():
     found = sections()
     names = [name for name, *_ in found]
-    assert names == ["proxy", "proxy.http", "proxy.requests", "proxy.sessions", "proxy.tenancy", "proxy.tenancy.tenants[]",
+    assert names == ["proxy", "proxy.http", "proxy.requests", "proxy.sessions", "proxy.kv_pipeline", "proxy.tenancy",
+                     "proxy.tenancy.tenants[]",
                      "proxy.shared_state", "proxy.slo", "proxy.planner", "proxy.observability", "proxy.security",
                      "worker",
                      "worker.engine", "worker.engine.kv_tiers", "worker.engine.ranks", "worker.engine.spec",

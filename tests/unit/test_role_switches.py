@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from common.config.roles import ProxyConfig
+from common.protocol.versions import MESSAGE_SINCE
 from common.protocol.wire import PROTOCOL_VERSION, KVLayoutInfo, Register, SwitchRole
 from proxy.cluster.role_switches import RoleSwitches
 from proxy.core.errors import ApiError
@@ -131,10 +132,11 @@ def test_an_unknown_worker_and_an_unknown_role_are_refused():
 def test_a_worker_of_the_protocol_before_switch_role_is_refused_with_the_reason():
     async def test():
         s = Switches(register("p0", "prefill"), register("d0", "decode"))
-        s.join(register("d1", "decode"), protocol=PROTOCOL_VERSION - 1)
+        before = MESSAGE_SINCE["SwitchRole"] - 1
+        s.join(register("d1", "decode"), protocol=before)
         error = s.refused("d1", "prefill")
         assert error.status == 409 and error.code == "protocol_too_old"
-        assert f"wire protocol {PROTOCOL_VERSION - 1}" in error.message and s.sent == []
+        assert f"wire protocol {before}" in error.message and s.sent == []
     run(test)
 
 

@@ -326,8 +326,11 @@ class LlamaForCausalLM(nn.Module):
                 return self.fused_decode(x, positions, ctx)
         rope = StepRope(self.rope, positions, x.dtype)
         residual = None
-        for layer in self.layers:
+        on_layers = getattr(get_step_context(), "on_layers", None)  # an embedding's EncodeContext has none
+        for i, layer in enumerate(self.layers):
             x, residual = layer(rope, x, residual)
+            if on_layers is not None:
+                on_layers(i + 1)
         x, _ = self.norm(x, residual)
         return x
 
