@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -16,8 +17,9 @@ from common.engine.models.loader import load_hf_config, load_model
 from common.engine.scheduler import StepPlan
 from common.engine.sequence import Sequence
 from common.engine.tensor_parallel import Parallel, pack_step, unpack_step
-from common.protocol.sampling_params import SamplingParams
+from common.protocol.sampling_params import SamplingParams, StructuredOutput
 from tests.tiny_models import build_tiny_model
+from tests.unit.test_structured_output import ENUM_SCHEMA
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -145,13 +147,16 @@ def test_a_rank_that_cannot_start_fails_the_worker_with_its_error(tmp_path):
 
 def test_the_schedulers_features_at_tp2_answer_as_at_tp1(tiny):
     """One engine at TP 2 with a pool small enough to preempt, prefix caching and the host tier (a prompt sent
-    again comes back from it), and n-gram speculation: the same greedy tokens as the same engine at TP 1."""
+    again comes back from it), n-gram speculation, and structured output (a JSON schema masks the logits rank 0
+    gathered): the same greedy tokens as the same engine at TP 1, and every page free after."""
     config = EngineConfig(model=str(tiny), num_kv_blocks=20, num_threads=1, max_num_seqs=4,
                           kv_tiers={"host_memory_bytes": 8 << 20}, spec={"method": "ngram", "num_tokens": 3})
     base = [(i * 53 + 7) % 49152 for i in range(60)]
     # each ends inside a repeated run, so the n-gram lookup proposes drafts from the first decode step
     prompts = [base + [(i * 11 + j % 4) % 49152 for j in range(40)] for i in range(4)]
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    json_greedy = SamplingParams(temperature=0.0, max_tokens=48, structured=StructuredOutput(
+        kind="json_schema", spec=json.dumps(ENUM_SCHEMA)))
     results = {}
     for tp in (1, 2):
         engine = LLMEngine(dataclasses.replace(config, tensor_parallel_size=tp))
@@ -160,9 +165,14 @@ def test_the_schedulers_features_at_tp2_answer_as_at_tp1(tiny):
             flood = [[(i * 97 + j) % 49152 for j in range(150)] for i in range(3)]  # evicts the cached prefix
             engine.generate(flood, SamplingParams(temperature=0.0, max_tokens=1))
             again = [o.outputs[0].token_ids for o in engine.generate(prompts[:1], greedy)]
+            shaped = [o.outputs[0] for o in engine.generate(prompts[1:3], json_greedy)]
+            assert all(o.finish_reason == "stop" and json.loads(o.text)["color"] in ("red", "green", "blue")
+                       for o in shaped), [o.text for o in shaped]
+            assert engine.block_manager.num_used_blocks == 0 and not engine.structured.live
             stats, host = engine.stats, engine.block_manager.host
-            results[tp] = (first, again, stats.num_preemptions > 0, stats.num_spec_drafts > 0, host.copies_in > 0)
+            results[tp] = (first, again, [o.token_ids for o in shaped], stats.num_preemptions > 0,
+                           stats.num_spec_drafts > 0, host.copies_in > 0)
         finally:
             engine.runner.close()
-    assert results[2][2:] == (True, True, True), "the pool preempted, speculation ran, the host tier reloaded"
+    assert results[2][3:] == (True, True, True), "the pool preempted, speculation ran, the host tier reloaded"
     assert results[2] == results[1]
