@@ -6,6 +6,7 @@ GPU. Each layout serves the same fresh random prompts (a batch at once: output t
 time per output token), greedy, and the outputs are checked equal.
 
     python -m bench.tensor_parallel --model embedded --tp 3 --threads 2
+    python -m bench.tensor_parallel --model embedded --tp 3 --threads 2 --quantization int8
 """
 from __future__ import annotations
 
@@ -51,9 +52,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantization", choices=["none", "int8"], default="none", help="engine.quantization")
     args = p.parse_args(argv)
     rng = random.Random(args.seed)
-    base = EngineConfig(model=args.model, dtype=args.dtype, num_kv_blocks=512)
+    base = EngineConfig(model=args.model, dtype=args.dtype, num_kv_blocks=512, quantization=args.quantization)
     rows = []
     for tp in (1, args.tp):
         # the same prompts for both layouts (separate engines: no cache is shared), so their outputs compare

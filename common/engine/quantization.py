@@ -17,6 +17,12 @@ weight-sized copy; each path computes on the int8 values:
   VNNI throughput, and ``torch._int_mm`` past it; both give the same int32
   sums exactly, so which one runs never changes an output.
 
+At tensor parallelism a row-parallel layer (the attention output and down projections) holds a slice of each
+weight row's columns and sees the same slice of each input row. Both scales are the whole row's, as in one
+process: a weight row's from the max over ranks of its slices' ranges (at load), an input row's from the max over
+ranks of each row's ``max|x|`` before quantizing (``row_max``: one small all-reduce per layer call, ``[rows]``
+float32), so each rank's int32 partial sums add up to the single process's.
+
 The embedding lookup widens only the looked-up rows. Activations, norms, the
 residual stream and the KV pool keep ``engine.dtype``.
 
@@ -64,10 +70,12 @@ TRIAL_ROWS = (16, 32, 64, 128, 256)
 _kernel_rows: dict[tuple[int, int], int] = {}
 
 
-def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per output row: ``(q [N, K] int8, scale [N] float32)``."""
+def quantize_rows(weight: torch.Tensor, row_max=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: ``(q [N, K] int8, scale [N] float32)``; ``row_max``: at tensor parallelism,
+    the max over ranks of each row's range (a row-parallel layer's rank holds some of each row's columns)."""
     w = weight.float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    absmax = w.abs().amax(dim=1)
+    scale = (absmax if row_max is None else row_max(absmax)).clamp(min=1e-8) / 127.0
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return q.contiguous(), scale.contiguous()
 
@@ -86,6 +94,19 @@ def quant_kernels():
     dequantize = kernel_function("quant", "tessera_dequantize_rows",
                                  (ctypes.c_void_p,) * 5 + (ctypes.c_int64, ctypes.c_int, ctypes.c_int))
     return quantize, dequantize
+
+
+@functools.cache
+def quantize_absmax_kernel():
+    """``tessera_quantize_rows_absmax`` of ``kernels/quant.c`` (quantizing from given row ranges), or None."""
+    return kernel_function("quant", "tessera_quantize_rows_absmax", (ctypes.c_void_p,) * 4 + (
+        ctypes.c_int64, ctypes.c_int, ctypes.c_int))
+
+
+@functools.cache
+def silu_mul_rows_kernel():
+    """``tessera_silu_mul_rows`` of ``kernels/quant.c`` (the MLP's middle, written out), or None."""
+    return kernel_function("quant", "tessera_silu_mul_rows", (ctypes.c_void_p,) * 5 + (ctypes.c_int64, ctypes.c_int))
 
 
 @functools.cache
@@ -141,9 +162,10 @@ def silu_mul_quantize_kernel():
 
 
 def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                weight_only_rows: int = INT8_WEIGHT_ONLY_ROWS) -> torch.Tensor:
+                weight_only_rows: int = INT8_WEIGHT_ONLY_ROWS, row_max=None) -> torch.Tensor:
     """``x @ (q * scale)^T + bias`` without materializing the dequantized weight: weight-only up to
-    ``weight_only_rows`` rows, W8A8 past them (0: always W8A8, whose rows never depend on each other)."""
+    ``weight_only_rows`` rows, W8A8 past them (0: always W8A8, whose rows never depend on each other).
+    ``row_max``: a row-parallel layer's (``quantize_activations``)."""
     rows = x.shape[0]
     if rows <= weight_only_rows and x.dim() == 2:
         kernel = linear_int8_kernel()
@@ -155,13 +177,26 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
                       q.shape[1], int(x.dtype is torch.bfloat16)) == 0:
                 return out
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    xq, x_scale = quantize_activations(x2)
+    xq, x_scale = quantize_activations(x2, row_max)
     out = dequantize(int_mm(xq, q), x_scale, scale, bias, x.dtype)
     return out.reshape(*x.shape[:-1], q.shape[0])
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [rows, k] as int8 with one float32 scale per row (``scale = max|x_row| / 127``)."""
+def quantize_activations(x: torch.Tensor, row_max=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [rows, k] as int8 with one float32 scale per row (``scale = max|x_row| / 127``). ``row_max``: at
+    tensor parallelism, for a row-parallel layer's input slice, the max over ranks of each row's ``max|x|``
+    (``Parallel.all_reduce_max``), so that the scale is the whole row's."""
+    if row_max is not None:
+        absmax = row_max(x.abs().amax(dim=1).float())
+        kernel = quantize_absmax_kernel()
+        if kernel is not None and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous():
+            xq = torch.empty(x.shape, dtype=torch.int8)
+            x_scale = torch.empty(x.shape[0], dtype=torch.float32)
+            kernel(x.data_ptr(), xq.data_ptr(), absmax.data_ptr(), x_scale.data_ptr(), x.shape[0], x.shape[1],
+                   int(x.dtype is torch.bfloat16))
+            return xq, x_scale
+        x_scale = absmax.clamp(min=1e-8) / 127.0
+        return torch.round(x.float() / x_scale[:, None]).to(torch.int8), x_scale
     quantize, _ = quant_kernels()
     if quantize is not None and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous():
         xq = torch.empty(x.shape, dtype=torch.int8)
@@ -191,16 +226,25 @@ def mlp_int8(x: torch.Tensor, gate_up: nn.Module, down: nn.Module,
              weight_only_rows: int = INT8_WEIGHT_ONLY_ROWS) -> torch.Tensor | None:
     """``down(silu(gate) * up)`` for a batch past ``weight_only_rows``, with int8 weights: gate_up's int32
     sums go to down's int8 input in one C pass (``tessera_silu_mul_quantize``). None where that kernel is
-    missing or the batch is small (the caller takes the layer-by-layer path)."""
+    missing or the batch is small (the caller takes the layer-by-layer path). At tensor parallelism (``down``
+    has a ``row_max``) the middle is written out (``tessera_silu_mul_rows``) and quantized with each row's range
+    over all ranks."""
     kernel = silu_mul_quantize_kernel()
     if kernel is None or x.dim() != 2 or x.shape[0] <= weight_only_rows:
         return None
     inter = gate_up.weight.shape[0] // 2
     xq, x_scale = quantize_activations(x.contiguous())
     acc = int_mm(xq, gate_up.weight)
+    bias = None if gate_up.bias is None else gate_up.bias.float().contiguous()
+    row_max = getattr(down, "row_max", None)
+    if row_max is not None:
+        middle = torch.empty((x.shape[0], inter), dtype=torch.float32)
+        silu_mul_rows_kernel()(acc.data_ptr(), x_scale.data_ptr(), gate_up.weight_scale.data_ptr(),
+                               None if bias is None else bias.data_ptr(), middle.data_ptr(), x.shape[0], inter)
+        aq, a_scale = quantize_activations(middle, row_max)
+        return dequantize(int_mm(aq, down.weight), a_scale, down.weight_scale, down.bias, x.dtype)
     threads = torch.get_num_threads()
     aq, a_scale = torch.empty((x.shape[0], inter), dtype=torch.int8), torch.empty(x.shape[0], dtype=torch.float32)
-    bias = None if gate_up.bias is None else gate_up.bias.float().contiguous()
     scratch = torch.empty((threads, inter))  # one float32 row per thread; held until the call returns
     kernel(acc.data_ptr(), x_scale.data_ptr(), gate_up.weight_scale.data_ptr(), None if bias is None else bias.data_ptr(),
            aq.data_ptr(), a_scale.data_ptr(), scratch.data_ptr(), x.shape[0], inter, threads)
@@ -280,10 +324,11 @@ def smooth_for_int8(model: nn.Module, run: Callable[[], object], alpha: float) -
 
 
 def quantize_model_int8(model: nn.Module) -> None:
-    """Replace every ``Linear``'s weight, and the embedding, by int8 rows with scales (in place)."""
+    """Replace every ``Linear``'s weight, and the embedding, by int8 rows with scales (in place); a row-parallel
+    layer's with the whole rows' scales (its ``row_max``)."""
     for module in model.modules():
         if isinstance(module, nn.Linear):
-            q, scale = quantize_rows(module.weight.data)
+            q, scale = quantize_rows(module.weight.data, getattr(module, "row_max", None))
             del module.weight
             module.register_buffer("weight", q)
             module.register_buffer("weight_scale", scale)

@@ -59,7 +59,8 @@ class Parallel:
         return wide if wide is x else wide.to(x.dtype)
 
     def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
-        """The element-wise max over ranks of ``x`` (float32), e.g. a column-parallel weight's channel range."""
+        """The element-wise max over ranks of ``x`` (float32): a column-parallel weight's channel ranges, and for
+        int8 a row-parallel layer's weight rows' and input rows' ranges (each rank holds a slice of every row)."""
         if self.size == 1:
             return x
         x = x.float().contiguous()

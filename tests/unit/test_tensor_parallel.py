@@ -15,6 +15,7 @@ from common.engine.model_runner import ModelRunner
 from common.engine.models.llama import check_divisible
 from common.engine.models.loader import load_hf_config, load_model
 from common.engine.scheduler import StepPlan
+from common.engine.quantization import quantize_activations, quantize_rows
 from common.engine.sequence import Sequence
 from common.engine.tensor_parallel import Parallel, pack_step, unpack_step
 from common.protocol.sampling_params import SamplingParams, StructuredOutput
@@ -176,3 +177,48 @@ def test_the_schedulers_features_at_tp2_answer_as_at_tp1(tiny):
             engine.runner.close()
     assert results[2][3:] == (True, True, True), "the pool preempted, speculation ran, the host tier reloaded"
     assert results[2] == results[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_split_in_two_quantizes_as_the_whole_row_with_the_max_over_the_halves(dtype):
+    """W8A8 at TP 2 on a row-parallel layer's input: each half of every row, quantized with the max of both halves'
+    ranges (what ``Parallel.all_reduce_max`` returns on each rank), is the whole row's int8 values and scale."""
+    x = (torch.randn(37, 96, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.1, 8, 96)).to(dtype)
+    x[5] = 0  # a row of zeros keeps the minimum scale
+    whole_q, whole_scale = quantize_activations(x)
+    halves = [x[:, :48].contiguous(), x[:, 48:].contiguous()]
+    ranges = [h.abs().amax(dim=1).float() for h in halves]
+    parts = [quantize_activations(h, lambda mine, other=ranges[1 - i]: torch.maximum(mine, other))
+             for i, h in enumerate(halves)]
+    assert torch.equal(torch.cat([q for q, _ in parts], dim=1), whole_q)
+    assert all(torch.equal(scale, whole_scale) for _, scale in parts)
+    weight = torch.randn(8, 96, generator=torch.Generator().manual_seed(4))
+    q, scale = quantize_rows(weight)
+    w_ranges = [weight[:, :48].abs().amax(dim=1), weight[:, 48:].abs().amax(dim=1)]
+    halves_q = [quantize_rows(weight[:, 48 * i:48 * (i + 1)], lambda mine, other=w_ranges[1 - i]:
+                              torch.maximum(mine, other)) for i in range(2)]
+    assert torch.equal(torch.cat([h for h, _ in halves_q], dim=1), q) and torch.equal(halves_q[1][1], scale)
+
+
+def test_int8_at_tp2_agrees_with_int8_at_tp1(tiny):
+    """int8 weights (SmoothQuant calibrated on each layout's own float forward) at TP 2 against TP 1, both through
+    the layer-by-layer path (TP 1's one-call decode kernel off): the row-parallel layers quantize with whole rows'
+    scales, so the prompt's logits agree within int8's rounding of the calibration's float differences, and so do
+    the greedy tokens."""
+    config = EngineConfig(model=str(tiny), num_kv_blocks=64, num_threads=1, quantization="int8",
+                          decode_kernel_max_batch=0)
+    ids = [(i * 37 + 11) % 49152 for i in range(64)]
+    prompts = [ids, ids[:17], [(i * 53 + 7) % 49152 for i in range(40)]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    results = {}
+    for tp in (1, 2):
+        engine = LLMEngine(dataclasses.replace(config, tensor_parallel_size=tp))
+        try:
+            results[tp] = (_prompt_logits(engine.runner, ids),
+                           [o.outputs[0].token_ids for o in engine.generate(prompts, greedy)])
+        finally:
+            engine.runner.close()
+    (want_logits, want), (got_logits, got) = results[1], results[2]
+    # each rank's own scales gave 1.2e-2 here, and the third prompt's first token differed
+    assert (got_logits - want_logits).abs().max() <= 5e-3 * want_logits.abs().max()
+    assert got == want

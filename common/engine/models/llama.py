@@ -79,7 +79,7 @@ class StepRope:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            scale: torch.Tensor | None = None, packed: torch.Tensor | None = None,
-           invariant: bool = False) -> torch.Tensor:
+           invariant: bool = False, row_max=None) -> torch.Tensor:
     """``F.linear``, except that int8 weights (with their per-row ``scale``) take the int8 paths
     (common/engine/quantization.py), one bfloat16 row on the CPU (a batch-1 decode step) takes the GEMV
     kernel, which streams the weights at memory speed where torch's bf16 matmul does not, and several rows
@@ -88,9 +88,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     ``invariant`` (engine.deterministic): each output row is the same function of its input row whatever else
     is in ``x``: int8 always W8A8 (exact int32 sums, per-row scales), bfloat16 and float32 through
-    kernels/gemm_invariant.c, whose every sum has one order for any row count and thread count."""
+    kernels/gemm_invariant.c, whose every sum has one order for any row count and thread count.
+
+    ``row_max`` (int8, a row-parallel layer at tensor parallelism): W8A8 quantizes each input row with the whole
+    row's range over the ranks (common/engine/quantization.py)."""
     if weight.dtype is torch.int8:
-        return linear_int8(x, weight, scale, bias, 0 if invariant else INT8_WEIGHT_ONLY_ROWS)
+        return linear_int8(x, weight, scale, bias, 0 if invariant else INT8_WEIGHT_ONLY_ROWS, row_max)
     if invariant:
         return linear_invariant(x, weight, bias)
     if (x.dtype is torch.bfloat16 and x.shape[0] == 1 and x.dim() == 2 and x.device.type == "cpu"
@@ -146,9 +149,11 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     invariant = False  # engine.deterministic: ``LlamaForCausalLM.make_deterministic``
+    row_max = None  # a row-parallel layer at tensor parallelism: ``Parallel.all_reduce_max``, for int8's scales
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, getattr(self, "weight_scale", None), self.packed, self.invariant)
+        return linear(x, self.weight, self.bias, getattr(self, "weight_scale", None), self.packed, self.invariant,
+                      self.row_max)
 
 
 class RMSNorm(nn.Module):
@@ -196,6 +201,8 @@ class Attention(nn.Module):
         o_bias = arch != "qwen2" and bool(getattr(cfg, "attention_bias", False)) and tp.rank == 0  # added once
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        if tp.size > 1:
+            self.o_proj.row_max = tp.all_reduce_max
         if arch == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -227,6 +234,8 @@ class MLP(nn.Module):
         self.intermediate = cfg.intermediate_size // tp.size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=bias)
         self.down_proj = Linear(self.intermediate, cfg.hidden_size, bias=bias and tp.rank == 0)  # added once
+        if tp.size > 1:
+            self.down_proj.row_max = tp.all_reduce_max
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {cfg.hidden_act!r} (only silu is supported)")
 
