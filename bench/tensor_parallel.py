@@ -64,13 +64,16 @@ def main(argv: list[str] | None = None) -> None:
         config = dataclasses.replace(base, tensor_parallel_size=tp, num_threads=threads)
         rows.append((tp, threads, measure(config, prompts[1:], prompts[0], args.output_len)))
         rng = random.Random(args.seed)
-    same = rows[0][2]["tokens"] == rows[1][2]["tokens"]
+    pairs = list(zip(rows[0][2]["tokens"], rows[1][2]["tokens"]))
+    same = sum(a == b for a, b in pairs)
+    agreeing = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in pairs)
     print(f"| TP | threads per rank | out tok/s, {args.num_prompts} prompts at once | ÷ TP 1 | TPOT, one stream | "
           f"÷ TP 1 |\n|---|---|---|---|---|---|")
     for tp, threads, r in rows:
         print(f"| {tp} | {threads} | {r['tok_s']:.1f} | {r['tok_s'] / rows[0][2]['tok_s']:.2f}× | "
               f"{r['tpot_ms']:.1f} ms | {r['tpot_ms'] / rows[0][2]['tpot_ms']:.2f}× |")
-    print(f"\ngreedy outputs equal across the layouts: {same}")
+    print(f"\ngreedy outputs equal across the layouts: {same} of {len(pairs)}; tokens before each one's first "
+          f"difference: {agreeing} of {sum(len(a) for a, _ in pairs)}")
 
 
 if __name__ == "__main__":

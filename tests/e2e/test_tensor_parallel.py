@@ -5,6 +5,7 @@ ranks exiting each time."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -18,16 +19,19 @@ from transformers import AutoModelForCausalLM
 from common.cli.local_cluster import LocalCluster
 from common.config.base import EngineConfig
 from common.engine.llm_engine import LLMEngine
-from common.protocol.sampling_params import SamplingParams
+from common.protocol.sampling_params import SamplingParams, StructuredOutput
+from bench.structured_schemas import prompt, schemas
 from tests.e2e.fault_scenarios import (
     check_nothing_lost, check_pages_freed, completion_bodies, no_fault_run, run_scenario, send_signal, wait_until,
 )
 from tests.e2e.test_cluster import MAX_TOKENS, MODEL, PROMPTS
-from tests.e2e.test_hot_cold_models import ask, models, until_served  # noqa: F401 -- models: a fixture
+from tests.e2e.test_hot_cold_models import models, until_served  # noqa: F401 -- models: a fixture
+from tests.e2e.test_structured_outputs import schema_body
 
 pytestmark = pytest.mark.slow
 TP = 3  # the embedded model's 9 heads and 3 KV heads split three ways
 KILL_PROMPTS, KILL_TOKENS = 8, 32
+SCHEMA_TOKENS = 40
 
 
 def complete(url: str, prompts: list[str], max_tokens: int = MAX_TOKENS) -> list[httpx.Response]:
@@ -75,6 +79,31 @@ def test_greedy_chat_at_tp3_equals_transformers(tp_cluster, reference):
     check_pages_freed(tp_cluster)
     transferred = tp_cluster.metric("tessera_proxy_kv_transfer_bytes_total")
     assert sum(transferred.values()) > 0, "the pages moved between the two parallelisms"
+
+
+@pytest.fixture(scope="module")
+def constrained(embedded_model_dir):
+    """Two JSON-schema chat requests (greedy, cut at SCHEMA_TOKENS) and the single-process engine's answers."""
+    cases = schemas(2)
+    engine = LLMEngine(EngineConfig(model=str(embedded_model_dir), num_kv_blocks=256))
+    chats = [engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt(i)}]) for i in range(2)]
+    params = [SamplingParams(temperature=0.0, max_tokens=SCHEMA_TOKENS, structured=StructuredOutput(
+        kind="json_schema", spec=json.dumps(s, separators=(",", ":")))) for s in cases]
+    answers = [o.outputs[0].text for o in engine.generate(chats, params)]
+    return [schema_body(i, s, temperature=0.0, max_tokens=SCHEMA_TOKENS) for i, s in enumerate(cases)], answers
+
+
+def test_json_schema_output_at_tp3_equals_the_single_process_engine(tp_cluster, constrained):
+    """The prefill worker samples the first token under the constraint, the decode worker the rest: at TP 3 either
+    one masks the logits its rank 0 gathered."""
+    bodies, answers = constrained
+    async def run():
+        async with httpx.AsyncClient(base_url=tp_cluster.url, timeout=300) as client:
+            return await asyncio.gather(*(client.post("/v1/chat/completions", json=body) for body in bodies))
+
+    responses = asyncio.run(run())
+    assert [r.status_code for r in responses] == [200] * len(bodies), [r.text for r in responses]
+    assert [r.json()["choices"][0]["message"]["content"] for r in responses] == answers
 
 
 def _alive(pid: int) -> bool:

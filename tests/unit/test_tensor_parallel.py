@@ -179,25 +179,31 @@ def test_the_schedulers_features_at_tp2_answer_as_at_tp1(tiny):
     assert results[2] == results[1]
 
 
+class _Halves:
+    """The all-reduce of two ranks, each holding half of every row, done by hand: what ``Parallel`` gives each."""
+
+    def __init__(self, rank: int, mine: list, other: list) -> None:
+        self.rank, self.mine, self.other = rank, iter(mine), iter(other)
+
+    def all_reduce_max(self, x):
+        assert torch.equal(x, next(self.mine))
+        return torch.maximum(x, next(self.other))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_split_in_two_quantizes_as_the_whole_row_with_the_max_over_the_halves(dtype):
-    """W8A8 at TP 2 on a row-parallel layer's input: each half of every row, quantized with the max of both halves'
-    ranges (what ``Parallel.all_reduce_max`` returns on each rank), is the whole row's int8 values and scale."""
+    """W8A8 at TP 2 on a row-parallel layer's input and weight rows: each half of every row, quantized with the
+    max of both halves' ranges, is the whole row's int8 values and scale."""
     x = (torch.randn(37, 96, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.1, 8, 96)).to(dtype)
     x[5] = 0  # a row of zeros keeps the minimum scale
-    whole_q, whole_scale = quantize_activations(x)
-    halves = [x[:, :48].contiguous(), x[:, 48:].contiguous()]
-    ranges = [h.abs().amax(dim=1).float() for h in halves]
-    parts = [quantize_activations(h, lambda mine, other=ranges[1 - i]: torch.maximum(mine, other))
-             for i, h in enumerate(halves)]
-    assert torch.equal(torch.cat([q for q, _ in parts], dim=1), whole_q)
-    assert all(torch.equal(scale, whole_scale) for _, scale in parts)
     weight = torch.randn(8, 96, generator=torch.Generator().manual_seed(4))
-    q, scale = quantize_rows(weight)
-    w_ranges = [weight[:, :48].abs().amax(dim=1), weight[:, 48:].abs().amax(dim=1)]
-    halves_q = [quantize_rows(weight[:, 48 * i:48 * (i + 1)], lambda mine, other=w_ranges[1 - i]:
-                              torch.maximum(mine, other)) for i in range(2)]
-    assert torch.equal(torch.cat([h for h, _ in halves_q], dim=1), q) and torch.equal(halves_q[1][1], scale)
+    for whole, quantize in ((x, quantize_activations), (weight, quantize_rows)):
+        want_q, want_scale = quantize(whole)
+        halves = [whole[:, :48].contiguous(), whole[:, 48:].contiguous()]
+        ranges = [h.abs().amax(dim=1).float() for h in halves]
+        parts = [quantize(h, _Halves(i, [ranges[i]], [ranges[1 - i]])) for i, h in enumerate(halves)]
+        assert torch.equal(torch.cat([q for q, _ in parts], dim=1), want_q)
+        assert all(torch.equal(scale, want_scale) for _, scale in parts)
 
 
 def test_int8_at_tp2_agrees_with_int8_at_tp1(tiny):

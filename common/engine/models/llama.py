@@ -79,7 +79,7 @@ class StepRope:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            scale: torch.Tensor | None = None, packed: torch.Tensor | None = None,
-           invariant: bool = False, row_max=None) -> torch.Tensor:
+           invariant: bool = False) -> torch.Tensor:
     """``F.linear``, except that int8 weights (with their per-row ``scale``) take the int8 paths
     (common/engine/quantization.py), one bfloat16 row on the CPU (a batch-1 decode step) takes the GEMV
     kernel, which streams the weights at memory speed where torch's bf16 matmul does not, and several rows
@@ -88,12 +88,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     ``invariant`` (engine.deterministic): each output row is the same function of its input row whatever else
     is in ``x``: int8 always W8A8 (exact int32 sums, per-row scales), bfloat16 and float32 through
-    kernels/gemm_invariant.c, whose every sum has one order for any row count and thread count.
-
-    ``row_max`` (int8, a row-parallel layer at tensor parallelism): W8A8 quantizes each input row with the whole
-    row's range over the ranks (common/engine/quantization.py)."""
+    kernels/gemm_invariant.c, whose every sum has one order for any row count and thread count."""
     if weight.dtype is torch.int8:
-        return linear_int8(x, weight, scale, bias, 0 if invariant else INT8_WEIGHT_ONLY_ROWS, row_max)
+        return linear_int8(x, weight, scale, bias, 0 if invariant else INT8_WEIGHT_ONLY_ROWS)
     if invariant:
         return linear_invariant(x, weight, bias)
     if (x.dtype is torch.bfloat16 and x.shape[0] == 1 and x.dim() == 2 and x.device.type == "cpu"
@@ -145,15 +142,24 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
 
 class Linear(nn.Linear):
     """``nn.Linear`` whose calls take ``linear``'s paths: the GEMV kernel for one bfloat16 row, the
-    prepacked weight (``packed``, set by ``LlamaForCausalLM.prepack_weights``) for several."""
+    prepacked weight (``packed``, set by ``LlamaForCausalLM.prepack_weights``) for several.
+
+    A row-parallel layer at tensor parallelism (``row_parallel``, its rank group) returns the sum over the ranks,
+    its bias (every rank holds it) added once; int8 weights sum their exact int32 products over the ranks
+    (common/engine/quantization.py), other weights their partial outputs."""
 
     packed: torch.Tensor | None = None
     invariant = False  # engine.deterministic: ``LlamaForCausalLM.make_deterministic``
-    row_max = None  # a row-parallel layer at tensor parallelism: ``Parallel.all_reduce_max``, for int8's scales
+    row_parallel: Parallel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, getattr(self, "weight_scale", None), self.packed, self.invariant,
-                      self.row_max)
+        tp, scale = self.row_parallel, getattr(self, "weight_scale", None)
+        if tp is None:
+            return linear(x, self.weight, self.bias, scale, self.packed, self.invariant)
+        if self.weight.dtype is torch.int8:
+            return linear_int8(x, self.weight, scale, self.bias, 0 if self.invariant else INT8_WEIGHT_ONLY_ROWS, tp)
+        return tp.all_reduce(linear(x, self.weight, self.bias if tp.rank == 0 else None, None, self.packed,
+                                    self.invariant))
 
 
 class RMSNorm(nn.Module):
@@ -185,12 +191,11 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """Self-attention over this rank's heads: q/k/v column-parallel (``tp``'s slice of the query and KV heads),
-    the output projection row-parallel (partial sums, all-reduced)."""
+    the output projection row-parallel (its partial sums all-reduced: ``Linear.row_parallel``)."""
 
     def __init__(self, cfg, layer_idx: int, arch: str, backend, tp: Parallel) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.tp = tp
         heads = cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         self.num_heads = heads // tp.size
@@ -198,11 +203,11 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         qkv_bias = arch == "qwen2" or bool(getattr(cfg, "attention_bias", False))
-        o_bias = arch != "qwen2" and bool(getattr(cfg, "attention_bias", False)) and tp.rank == 0  # added once
+        o_bias = arch != "qwen2" and bool(getattr(cfg, "attention_bias", False))
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias)
         if tp.size > 1:
-            self.o_proj.row_max = tp.all_reduce_max
+            self.o_proj.row_parallel = tp
         if arch == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -221,7 +226,7 @@ class Attention(nn.Module):
         q, k = rope(qk).split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         out = self.backend(q, k, v, self.layer_idx, self.scale)
-        return self.tp.all_reduce(self.o_proj(out.reshape(n, self.q_size)))
+        return self.o_proj(out.reshape(n, self.q_size))
 
 
 class MLP(nn.Module):
@@ -230,19 +235,15 @@ class MLP(nn.Module):
     def __init__(self, cfg, tp: Parallel) -> None:
         super().__init__()
         bias = bool(getattr(cfg, "mlp_bias", False))
-        self.tp = tp
         self.intermediate = cfg.intermediate_size // tp.size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=bias)
-        self.down_proj = Linear(self.intermediate, cfg.hidden_size, bias=bias and tp.rank == 0)  # added once
+        self.down_proj = Linear(self.intermediate, cfg.hidden_size, bias=bias)
         if tp.size > 1:
-            self.down_proj.row_max = tp.all_reduce_max
+            self.down_proj.row_parallel = tp
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {cfg.hidden_act!r} (only silu is supported)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self._partial(x))
-
-    def _partial(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj.weight.dtype is torch.int8:
             out = mlp_int8(x, self.gate_up_proj, self.down_proj,
                            0 if self.gate_up_proj.invariant else INT8_WEIGHT_ONLY_ROWS)
