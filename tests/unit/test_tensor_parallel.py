@@ -207,24 +207,57 @@ def test_a_row_split_in_two_quantizes_as_the_whole_row_with_the_max_over_the_hal
 
 
 def test_int8_at_tp2_agrees_with_int8_at_tp1(tiny):
-    """int8 weights (SmoothQuant calibrated on each layout's own float forward) at TP 2 against TP 1, both through
-    the layer-by-layer path (TP 1's one-call decode kernel off): the row-parallel layers quantize with whole rows'
-    scales, so the prompt's logits agree within int8's rounding of the calibration's float differences, and so do
-    the greedy tokens."""
+    """int8 weights at TP 2 against TP 1, both through the layer-by-layer path (TP 1's one-call decode kernel off).
+    The row-parallel layers quantize with whole rows' scales and sum exact int32 products over the ranks, so
+    without SmoothQuant the logits are TP 1's bit for bit; with it (the default), each layout calibrates on its own
+    float forward, whose last bits differ, and the logits differ by int8's rounding of that."""
     config = EngineConfig(model=str(tiny), num_kv_blocks=64, num_threads=1, quantization="int8",
                           decode_kernel_max_batch=0)
     ids = [(i * 37 + 11) % 49152 for i in range(64)]
     prompts = [ids, ids[:17], [(i * 53 + 7) % 49152 for i in range(40)]]
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     results = {}
-    for tp in (1, 2):
-        engine = LLMEngine(dataclasses.replace(config, tensor_parallel_size=tp))
+    for smoothing, tp in ((0.0, 1), (0.0, 2), (config.int8_smoothing, 1), (config.int8_smoothing, 2)):
+        engine = LLMEngine(dataclasses.replace(config, tensor_parallel_size=tp, int8_smoothing=smoothing))
         try:
-            results[tp] = (_prompt_logits(engine.runner, ids),
-                           [o.outputs[0].token_ids for o in engine.generate(prompts, greedy)])
+            results[smoothing, tp] = (_prompt_logits(engine.runner, ids),
+                                      [o.outputs[0].token_ids for o in engine.generate(prompts, greedy)])
         finally:
             engine.runner.close()
-    (want_logits, want), (got_logits, got) = results[1], results[2]
-    # each rank's own scales gave 1.2e-2 here, and the third prompt's first token differed
+    (want_logits, want), (got_logits, got) = results[0.0, 1], results[0.0, 2]
+    assert torch.equal(got_logits, want_logits) and got == want
+    (want_logits, want), (got_logits, got) = results[config.int8_smoothing, 1], results[config.int8_smoothing, 2]
+    # each rank's own scales and float sums gave 1.2e-2 here, and the third prompt's first token differed
     assert (got_logits - want_logits).abs().max() <= 5e-3 * want_logits.abs().max()
     assert got == want
+
+
+def test_row_parallel_biases_are_added_once_in_float_and_int8(tmp_path):
+    """A Llama with attention and MLP biases: every rank holds the output and down projections' biases whole;
+    the float path adds them on rank 0 before the all-reduce, int8's on every rank after its int32 all-reduce."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tests.tiny_models import COMMON
+
+    torch.manual_seed(5)
+    hf = AutoModelForCausalLM.from_config(LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    hf.save_pretrained(tmp_path)
+    ids = [(i * 37 + 11) % 320 for i in range(40)]
+    logits = {}
+    for quantization in ("none", "int8"):
+        config = EngineConfig(model=str(tmp_path), num_kv_blocks=16, num_threads=1, quantization=quantization,
+                              int8_smoothing=0.0, decode_kernel_max_batch=0)
+        for tp in (1, 2):
+            runner = ModelRunner(dataclasses.replace(config, tensor_parallel_size=tp), tmp_path)
+            try:
+                logits[quantization, tp] = _prompt_logits(runner, ids)
+            finally:
+                runner.close()
+    want = logits["none", 1]
+    assert (logits["none", 2] - want).abs().max() <= 1e-4 * want.abs().max()
+    assert torch.equal(logits["int8", 2], logits["int8", 1])
+    assert (logits["int8", 1] - want).abs().max() <= 0.1 * want.abs().max()  # int8, not garbage
