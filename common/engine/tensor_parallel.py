@@ -5,8 +5,9 @@ proxy it is one worker: rank 0 is the worker process (its sockets, scheduler, bl
 agent); it starts the other ranks (``RankProcesses``), which only execute. Each step rank 0 sends every rank the
 same inputs (the flat batch and its step context, ``send``) over a pipe; then all ranks run the same forward on
 their slices of the weights and KV heads, joined by ``Parallel``'s collectives (gloo on the CPU, NCCL on GPUs):
-an all-reduce after each attention output and MLP projection (row-parallel), one after the vocabulary-parallel
-embedding, and a gather of the vocabulary-parallel logits to rank 0, which alone samples.
+an all-reduce after each attention output and MLP projection (row-parallel; int8's W8A8 adds one of each input
+row's range before it, and sums in int32), one after the vocabulary-parallel embedding, and a gather of the
+vocabulary-parallel logits to rank 0, which alone samples.
 
 The KV pool is one rank-major buffer in shared memory (common/engine/kv_cache.py) that rank 0 makes and hands to
 the others, so rank 0's transfer agent, host tier and block copies reach every rank's slice of a block.
