@@ -4,11 +4,13 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from common.config.base import ConfigError, EngineConfig
 from common.engine.attention import EncodeContext, select_backend
+from common.engine.embedder import Embedder, Pooling
 from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.llm_engine import LLMEngine
 from common.engine.model_runner import ModelRunner
@@ -105,24 +107,32 @@ def _prompt_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     return runner.run(prepared.context, prepared.input_ids, prepared.positions, torch.arange(len(ids))).float()
 
 
+def _embeddings(runner: ModelRunner, inputs: list[list[int]]) -> np.ndarray:
+    return Embedder(runner.embedding_model, runner.device, Pooling(), 64, 0.5).embed(inputs)
+
+
 def test_tp2_agrees_with_tp1_on_logits_and_greedy_tokens(tiny):
-    """Two rank processes over gloo against one process: a 64-token prompt's logits within 1e-4 relative, and
-    the same greedy continuation."""
+    """Two rank processes over gloo against one process: a 64-token prompt's logits within 1e-4 relative, the
+    same greedy continuation, and the same embeddings (inputs of three lengths, in two padded batches)."""
     config = EngineConfig(model=str(tiny), num_kv_blocks=64, num_threads=1)
     ids = [(i * 37 + 11) % 49152 for i in range(64)]
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     one = LLMEngine(config)
     want_logits = _prompt_logits(one.runner, ids)
     want = [o.outputs[0].token_ids for o in one.generate([ids, ids[:17]], greedy)]
+    inputs = [ids[:9], ids[:40], ids[5:20]]
+    want_embeddings = _embeddings(one.runner, inputs)
     two = LLMEngine(dataclasses.replace(config, tensor_parallel_size=2))
     try:
         assert two.runner.kv_cache.pool.shape[0] == 2 and two.runner.model.layers[0].self_attn.num_kv_heads == 1
         got_logits = _prompt_logits(two.runner, ids)
         got = [o.outputs[0].token_ids for o in two.generate([ids, ids[:17]], greedy)]
+        got_embeddings = _embeddings(two.runner, inputs)
     finally:
         two.runner.close()
     assert (got_logits - want_logits).abs().max() <= 1e-4 * want_logits.abs().max()
     assert got == want
+    assert np.abs(got_embeddings - want_embeddings).max() <= 1e-5
 
 
 def test_rank_devices_are_checked_and_named():
