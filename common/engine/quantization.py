@@ -23,7 +23,8 @@ process: a weight row's from the max over ranks of its slices' ranges (at load),
 ranks of each row's ``max|x|`` before quantizing (one small all-reduce per W8A8 call, ``[rows]`` float32). The
 ranks then all-reduce their int32 sums, exactly, and each scales the whole sum back as one process does: a W8A8
 layer's output is the single process's, bit for bit (the weight-only path's float partial sums are all-reduced
-as a float layer's are).
+as a float layer's are). SmoothQuant's calibration (below) measures the same ranges at any parallelism, so a
+model's int8 weights are the same too.
 
 The embedding lookup widens only the looked-up rows. Activations, norms, the
 residual stream and the KV pool keep ``engine.dtype``.
@@ -298,10 +299,13 @@ def input_absmax(modules: list[nn.Module], run: Callable[[], object]) -> list[to
 
 def _smoothing(absmax: torch.Tensor, weight: torch.Tensor, alpha: float, reduce=None) -> torch.Tensor:
     """``reduce``: at tensor parallelism, the max over ranks of a column-parallel weight's channel ranges (each
-    rank holds some of its rows), so every rank scales the norm they share alike."""
+    rank holds some of its rows), so every rank scales the norm they share alike. The measured ranges are rounded
+    to bfloat16 first: a last bit that the order of a sum moved (``smooth_for_int8``) then almost never reaches
+    the smoothing."""
     w = weight.float().abs().amax(dim=0)
     if reduce is not None:
         w = reduce(w)
+    absmax = absmax.to(torch.bfloat16).float()
     return (absmax.clamp(min=1e-5) ** alpha / w.clamp(min=1e-5) ** (1 - alpha)).clamp(min=1e-5)
 
 
@@ -310,7 +314,11 @@ def smooth_for_int8(model: nn.Module, run: Callable[[], object], alpha: float) -
     """Rescales ``model`` in place (the same function, before quantizing): the inputs of each layer's q/k/v,
     gate/up and down projections, as measured by ``run()`` (a forward over the calibration text), lose a
     factor ``s`` per channel that their weights' columns gain. The attention output (o_proj's input) is
-    left alone: smoothing it measured worse (docs/benchmarks.md)."""
+    left alone: smoothing it measured worse (docs/benchmarks.md).
+
+    ``run`` sums its float linear layers in float64 (``models/llama.py`` ``wide_sums``, set by the model
+    runner), and the ranges are rounded to bfloat16 (``_smoothing``): what a worker measures does not depend on
+    the order of a sum, so a worker at any tensor parallelism smooths as one process does."""
     layers = list(model.layers)
     modules = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     absmax = iter(input_absmax(modules, run))

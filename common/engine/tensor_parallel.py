@@ -53,10 +53,10 @@ class Parallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of ``x`` (a row-parallel layer's partial output), in float32 for a narrower float
-        dtype; int32 (int8 matmuls' sums) as it is, exactly."""
+        dtype; float64 and int32 (int8 matmuls' sums) as they are."""
         if self.size == 1:
             return x
-        wide = x if x.dtype in (torch.float32, torch.int32) else x.float()
+        wide = x if x.dtype in (torch.float32, torch.float64, torch.int32) else x.float()
         dist.all_reduce(wide)
         return wide if wide is x else wide.to(x.dtype)
 

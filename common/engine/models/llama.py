@@ -13,6 +13,7 @@ checkpoint's separate tensors into them.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 
@@ -77,6 +78,26 @@ class StepRope:
         return rotate(qk, *self._gathered)
 
 
+_wide = [False]  # ``wide_sums``
+
+
+@contextlib.contextmanager
+def wide_sums():
+    """While it lasts, a float linear layer sums in float64 and rounds its output once (a row-parallel one after
+    summing over the ranks): int8's calibration forward (``ModelRunner``), whose activation ranges set the
+    smoothing, then measures the same values at any tensor parallelism, the ranks' partial sums in any order
+    rounding to one process's float32 (bfloat16) outputs."""
+    _wide[0] = True
+    try:
+        yield
+    finally:
+        _wide[0] = False
+
+
+def _linear_wide(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            scale: torch.Tensor | None = None, packed: torch.Tensor | None = None,
            invariant: bool = False) -> torch.Tensor:
@@ -93,6 +114,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return linear_int8(x, weight, scale, bias, 0 if invariant else INT8_WEIGHT_ONLY_ROWS)
     if invariant:
         return linear_invariant(x, weight, bias)
+    if _wide[0]:
+        return _linear_wide(x, weight, bias).to(x.dtype)
     if (x.dtype is torch.bfloat16 and x.shape[0] == 1 and x.dim() == 2 and x.device.type == "cpu"
             and weight.dtype is torch.bfloat16 and x.shape[1] <= GEMV_MAX_K and weight.is_contiguous()
             and (bias is None or bias.dtype is torch.bfloat16)):
@@ -158,6 +181,8 @@ class Linear(nn.Linear):
             return linear(x, self.weight, self.bias, scale, self.packed, self.invariant)
         if self.weight.dtype is torch.int8:
             return linear_int8(x, self.weight, scale, self.bias, 0 if self.invariant else INT8_WEIGHT_ONLY_ROWS, tp)
+        if _wide[0] and not self.invariant:
+            return tp.all_reduce(_linear_wide(x, self.weight, self.bias if tp.rank == 0 else None)).to(x.dtype)
         return tp.all_reduce(linear(x, self.weight, self.bias if tp.rank == 0 else None, None, self.packed,
                                     self.invariant))
 
