@@ -6,6 +6,7 @@ GPU. Each layout serves the same fresh random prompts (a batch at once: output t
 time per output token), greedy, and the outputs are checked equal.
 
     python -m bench.tensor_parallel --model embedded --tp 3 --threads 2
+    python -m bench.tensor_parallel --model embedded --tp 3 --threads 2 --quantization int8
 """
 from __future__ import annotations
 
@@ -51,9 +52,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantization", choices=["none", "int8"], default="none", help="engine.quantization")
     args = p.parse_args(argv)
     rng = random.Random(args.seed)
-    base = EngineConfig(model=args.model, dtype=args.dtype, num_kv_blocks=512)
+    base = EngineConfig(model=args.model, dtype=args.dtype, num_kv_blocks=512, quantization=args.quantization)
     rows = []
     for tp in (1, args.tp):
         # the same prompts for both layouts (separate engines: no cache is shared), so their outputs compare
@@ -62,13 +64,16 @@ def main(argv: list[str] | None = None) -> None:
         config = dataclasses.replace(base, tensor_parallel_size=tp, num_threads=threads)
         rows.append((tp, threads, measure(config, prompts[1:], prompts[0], args.output_len)))
         rng = random.Random(args.seed)
-    same = rows[0][2]["tokens"] == rows[1][2]["tokens"]
+    pairs = list(zip(rows[0][2]["tokens"], rows[1][2]["tokens"]))
+    same = sum(a == b for a, b in pairs)
+    agreeing = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in pairs)
     print(f"| TP | threads per rank | out tok/s, {args.num_prompts} prompts at once | ÷ TP 1 | TPOT, one stream | "
           f"÷ TP 1 |\n|---|---|---|---|---|---|")
     for tp, threads, r in rows:
         print(f"| {tp} | {threads} | {r['tok_s']:.1f} | {r['tok_s'] / rows[0][2]['tok_s']:.2f}× | "
               f"{r['tpot_ms']:.1f} ms | {r['tpot_ms'] / rows[0][2]['tpot_ms']:.2f}× |")
-    print(f"\ngreedy outputs equal across the layouts: {same}")
+    print(f"\ngreedy outputs equal across the layouts: {same} of {len(pairs)}; tokens before each one's first "
+          f"difference: {agreeing} of {sum(len(a) for a, _ in pairs)}")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from common.engine.attention import get_step_context, select_backend
 from common.config.base import EngineConfig
 from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.memory import device_memory_bytes, module_bytes, resident_bytes
-from common.engine.models.llama import FusedDecode, check_divisible
+from common.engine.models.llama import FusedDecode, check_divisible, wide_sums
 from common.engine.models.loader import load_hf_config, load_model
 from common.engine.native import gemv_bf16_kernel
 from common.engine.quantization import calibration_ids, choose_int8_matmul, quantize_model_int8, smooth_for_int8
@@ -136,7 +136,11 @@ class ModelRunner:
         if config.quantization == "int8":
             if config.int8_smoothing:
                 ids = calibration_ids(model_dir)
-                smooth_for_int8(self.model, lambda: self._calibrate(ids), config.int8_smoothing)
+
+                def calibrate() -> None:
+                    with wide_sums():  # the same ranges at any tensor parallelism
+                        self._calibrate(ids)
+                smooth_for_int8(self.model, calibrate, config.int8_smoothing)
             quantize_model_int8(self.model)  # in place: the layers keep make_deterministic's paths
             started = time.monotonic()
             chosen = choose_int8_matmul(tuple(m.weight.shape) for m in self.model.modules()

@@ -17,6 +17,15 @@ weight-sized copy; each path computes on the int8 values:
   VNNI throughput, and ``torch._int_mm`` past it; both give the same int32
   sums exactly, so which one runs never changes an output.
 
+At tensor parallelism a row-parallel layer (the attention output and down projections) holds a slice of each
+weight row's columns and sees the same slice of each input row. Both scales are the whole row's, as in one
+process: a weight row's from the max over ranks of its slices' ranges (at load), an input row's from the max over
+ranks of each row's ``max|x|`` before quantizing (one small all-reduce per W8A8 call, ``[rows]`` float32). The
+ranks then all-reduce their int32 sums, exactly, and each scales the whole sum back as one process does: a W8A8
+layer's output is the single process's, bit for bit (the weight-only path's float partial sums are all-reduced
+as a float layer's are). SmoothQuant's calibration (below) measures the same ranges at any parallelism, so a
+model's int8 weights are the same too.
+
 The embedding lookup widens only the looked-up rows. Activations, norms, the
 residual stream and the KV pool keep ``engine.dtype``.
 
@@ -64,10 +73,12 @@ TRIAL_ROWS = (16, 32, 64, 128, 256)
 _kernel_rows: dict[tuple[int, int], int] = {}
 
 
-def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per output row: ``(q [N, K] int8, scale [N] float32)``."""
+def quantize_rows(weight: torch.Tensor, tp=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: ``(q [N, K] int8, scale [N] float32)``; ``tp``: a row-parallel layer's rank
+    group (``Parallel``), whose ranks each hold some of every row's columns: the scale is the whole row's."""
     w = weight.float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    absmax = w.abs().amax(dim=1)
+    scale = (absmax if tp is None else tp.all_reduce_max(absmax)).clamp(min=1e-8) / 127.0
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return q.contiguous(), scale.contiguous()
 
@@ -86,6 +97,19 @@ def quant_kernels():
     dequantize = kernel_function("quant", "tessera_dequantize_rows",
                                  (ctypes.c_void_p,) * 5 + (ctypes.c_int64, ctypes.c_int, ctypes.c_int))
     return quantize, dequantize
+
+
+@functools.cache
+def quantize_absmax_kernel():
+    """``tessera_quantize_rows_absmax`` of ``kernels/quant.c`` (quantizing from given row ranges), or None."""
+    return kernel_function("quant", "tessera_quantize_rows_absmax", (ctypes.c_void_p,) * 4 + (
+        ctypes.c_int64, ctypes.c_int, ctypes.c_int))
+
+
+@functools.cache
+def silu_mul_rows_kernel():
+    """``tessera_silu_mul_rows`` of ``kernels/quant.c`` (the MLP's middle, written out), or None."""
+    return kernel_function("quant", "tessera_silu_mul_rows", (ctypes.c_void_p,) * 5 + (ctypes.c_int64, ctypes.c_int))
 
 
 @functools.cache
@@ -141,27 +165,44 @@ def silu_mul_quantize_kernel():
 
 
 def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                weight_only_rows: int = INT8_WEIGHT_ONLY_ROWS) -> torch.Tensor:
+                weight_only_rows: int = INT8_WEIGHT_ONLY_ROWS, tp=None) -> torch.Tensor:
     """``x @ (q * scale)^T + bias`` without materializing the dequantized weight: weight-only up to
-    ``weight_only_rows`` rows, W8A8 past them (0: always W8A8, whose rows never depend on each other)."""
+    ``weight_only_rows`` rows, W8A8 past them (0: always W8A8, whose rows never depend on each other).
+    ``tp``: a row-parallel layer's rank group (``Parallel``); the output is then the sum over the ranks, on
+    every rank, ``bias`` (which every rank holds) added once."""
     rows = x.shape[0]
     if rows <= weight_only_rows and x.dim() == 2:
         kernel = linear_int8_kernel()
         if kernel is not None:
             x = x.contiguous()
             out = torch.empty((rows, q.shape[0]), dtype=x.dtype)
+            bias = bias if tp is None or tp.rank == 0 else None
             bias_ptr = None if bias is None else bias.contiguous().data_ptr()
             if kernel(x.data_ptr(), q.data_ptr(), scale.data_ptr(), bias_ptr, out.data_ptr(), rows, q.shape[0],
                       q.shape[1], int(x.dtype is torch.bfloat16)) == 0:
-                return out
+                return out if tp is None else tp.all_reduce(out)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    xq, x_scale = quantize_activations(x2)
-    out = dequantize(int_mm(xq, q), x_scale, scale, bias, x.dtype)
+    xq, x_scale = quantize_activations(x2, tp)
+    acc = int_mm(xq, q)
+    out = dequantize(acc if tp is None else tp.all_reduce(acc), x_scale, scale, bias, x.dtype)
     return out.reshape(*x.shape[:-1], q.shape[0])
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [rows, k] as int8 with one float32 scale per row (``scale = max|x_row| / 127``)."""
+def quantize_activations(x: torch.Tensor, tp=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [rows, k] as int8 with one float32 scale per row (``scale = max|x_row| / 127``). ``tp``: a
+    row-parallel layer's rank group (``Parallel``), ``x`` this rank's slice of each row: the scale is the whole
+    row's, from the max over ranks of each row's ``max|x|``."""
+    if tp is not None:
+        absmax = tp.all_reduce_max(x.abs().amax(dim=1).float())
+        kernel = quantize_absmax_kernel()
+        if kernel is not None and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous():
+            xq = torch.empty(x.shape, dtype=torch.int8)
+            x_scale = torch.empty(x.shape[0], dtype=torch.float32)
+            kernel(x.data_ptr(), xq.data_ptr(), absmax.data_ptr(), x_scale.data_ptr(), x.shape[0], x.shape[1],
+                   int(x.dtype is torch.bfloat16))
+            return xq, x_scale
+        x_scale = absmax.clamp(min=1e-8) / 127.0
+        return torch.round(x.float() / x_scale[:, None]).to(torch.int8), x_scale
     quantize, _ = quant_kernels()
     if quantize is not None and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous():
         xq = torch.empty(x.shape, dtype=torch.int8)
@@ -191,16 +232,25 @@ def mlp_int8(x: torch.Tensor, gate_up: nn.Module, down: nn.Module,
              weight_only_rows: int = INT8_WEIGHT_ONLY_ROWS) -> torch.Tensor | None:
     """``down(silu(gate) * up)`` for a batch past ``weight_only_rows``, with int8 weights: gate_up's int32
     sums go to down's int8 input in one C pass (``tessera_silu_mul_quantize``). None where that kernel is
-    missing or the batch is small (the caller takes the layer-by-layer path)."""
+    missing or the batch is small (the caller takes the layer-by-layer path). At tensor parallelism (``down``
+    has a ``row_parallel`` group) the middle is written out (``tessera_silu_mul_rows``) and quantized with each
+    row's range over all ranks, and down's int32 sums are all-reduced: the output is the whole sum."""
     kernel = silu_mul_quantize_kernel()
     if kernel is None or x.dim() != 2 or x.shape[0] <= weight_only_rows:
         return None
     inter = gate_up.weight.shape[0] // 2
     xq, x_scale = quantize_activations(x.contiguous())
     acc = int_mm(xq, gate_up.weight)
+    bias = None if gate_up.bias is None else gate_up.bias.float().contiguous()
+    tp = getattr(down, "row_parallel", None)
+    if tp is not None:
+        middle = torch.empty((x.shape[0], inter), dtype=torch.float32)
+        silu_mul_rows_kernel()(acc.data_ptr(), x_scale.data_ptr(), gate_up.weight_scale.data_ptr(),
+                               None if bias is None else bias.data_ptr(), middle.data_ptr(), x.shape[0], inter)
+        aq, a_scale = quantize_activations(middle, tp)
+        return dequantize(tp.all_reduce(int_mm(aq, down.weight)), a_scale, down.weight_scale, down.bias, x.dtype)
     threads = torch.get_num_threads()
     aq, a_scale = torch.empty((x.shape[0], inter), dtype=torch.int8), torch.empty(x.shape[0], dtype=torch.float32)
-    bias = None if gate_up.bias is None else gate_up.bias.float().contiguous()
     scratch = torch.empty((threads, inter))  # one float32 row per thread; held until the call returns
     kernel(acc.data_ptr(), x_scale.data_ptr(), gate_up.weight_scale.data_ptr(), None if bias is None else bias.data_ptr(),
            aq.data_ptr(), a_scale.data_ptr(), scratch.data_ptr(), x.shape[0], inter, threads)
@@ -249,10 +299,13 @@ def input_absmax(modules: list[nn.Module], run: Callable[[], object]) -> list[to
 
 def _smoothing(absmax: torch.Tensor, weight: torch.Tensor, alpha: float, reduce=None) -> torch.Tensor:
     """``reduce``: at tensor parallelism, the max over ranks of a column-parallel weight's channel ranges (each
-    rank holds some of its rows), so every rank scales the norm they share alike."""
+    rank holds some of its rows), so every rank scales the norm they share alike. The measured ranges are rounded
+    to bfloat16 first: a last bit that the order of a sum moved (``smooth_for_int8``) then almost never reaches
+    the smoothing."""
     w = weight.float().abs().amax(dim=0)
     if reduce is not None:
         w = reduce(w)
+    absmax = absmax.to(torch.bfloat16).float()
     return (absmax.clamp(min=1e-5) ** alpha / w.clamp(min=1e-5) ** (1 - alpha)).clamp(min=1e-5)
 
 
@@ -261,7 +314,11 @@ def smooth_for_int8(model: nn.Module, run: Callable[[], object], alpha: float) -
     """Rescales ``model`` in place (the same function, before quantizing): the inputs of each layer's q/k/v,
     gate/up and down projections, as measured by ``run()`` (a forward over the calibration text), lose a
     factor ``s`` per channel that their weights' columns gain. The attention output (o_proj's input) is
-    left alone: smoothing it measured worse (docs/benchmarks.md)."""
+    left alone: smoothing it measured worse (docs/benchmarks.md).
+
+    ``run`` sums its float linear layers in float64 (``models/llama.py`` ``wide_sums``, set by the model
+    runner), and the ranges are rounded to bfloat16 (``_smoothing``): what a worker measures does not depend on
+    the order of a sum, so a worker at any tensor parallelism smooths as one process does."""
     layers = list(model.layers)
     modules = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     absmax = iter(input_absmax(modules, run))
@@ -280,10 +337,11 @@ def smooth_for_int8(model: nn.Module, run: Callable[[], object], alpha: float) -
 
 
 def quantize_model_int8(model: nn.Module) -> None:
-    """Replace every ``Linear``'s weight, and the embedding, by int8 rows with scales (in place)."""
+    """Replace every ``Linear``'s weight, and the embedding, by int8 rows with scales (in place); a row-parallel
+    layer's with the whole rows' scales (its ``row_parallel`` group)."""
     for module in model.modules():
         if isinstance(module, nn.Linear):
-            q, scale = quantize_rows(module.weight.data)
+            q, scale = quantize_rows(module.weight.data, getattr(module, "row_parallel", None))
             del module.weight
             module.register_buffer("weight", q)
             module.register_buffer("weight_scale", scale)

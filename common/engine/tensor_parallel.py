@@ -5,8 +5,9 @@ proxy it is one worker: rank 0 is the worker process (its sockets, scheduler, bl
 agent); it starts the other ranks (``RankProcesses``), which only execute. Each step rank 0 sends every rank the
 same inputs (the flat batch and its step context, ``send``) over a pipe; then all ranks run the same forward on
 their slices of the weights and KV heads, joined by ``Parallel``'s collectives (gloo on the CPU, NCCL on GPUs):
-an all-reduce after each attention output and MLP projection (row-parallel), one after the vocabulary-parallel
-embedding, and a gather of the vocabulary-parallel logits to rank 0, which alone samples.
+an all-reduce after each attention output and MLP projection (row-parallel; int8's W8A8 adds one of each input
+row's range before it, and sums in int32), one after the vocabulary-parallel embedding, and a gather of the
+vocabulary-parallel logits to rank 0, which alone samples.
 
 The KV pool is one rank-major buffer in shared memory (common/engine/kv_cache.py) that rank 0 makes and hands to
 the others, so rank 0's transfer agent, host tier and block copies reach every rank's slice of a block.
@@ -51,15 +52,17 @@ class Parallel:
         return self.rank * rows, rows
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum over ranks of ``x`` (a row-parallel layer's partial output), in float32 for a narrower dtype."""
+        """The sum over ranks of ``x`` (a row-parallel layer's partial output), in float32 for a narrower float
+        dtype; float64 and int32 (int8 matmuls' sums) as they are."""
         if self.size == 1:
             return x
-        wide = x if x.dtype is torch.float32 else x.float()
+        wide = x if x.dtype in (torch.float32, torch.float64, torch.int32) else x.float()
         dist.all_reduce(wide)
         return wide if wide is x else wide.to(x.dtype)
 
     def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
-        """The element-wise max over ranks of ``x`` (float32), e.g. a column-parallel weight's channel range."""
+        """The element-wise max over ranks of ``x`` (float32): a column-parallel weight's channel ranges, and for
+        int8 a row-parallel layer's weight rows' and input rows' ranges (each rank holds a slice of every row)."""
         if self.size == 1:
             return x
         x = x.float().contiguous()

@@ -2,22 +2,27 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
+import numpy as np
 import pytest
 import torch
 
 from common.config.base import ConfigError, EngineConfig
 from common.engine.attention import EncodeContext, select_backend
+from common.engine.embedder import Embedder, Pooling
 from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.llm_engine import LLMEngine
 from common.engine.model_runner import ModelRunner
 from common.engine.models.llama import check_divisible
 from common.engine.models.loader import load_hf_config, load_model
 from common.engine.scheduler import StepPlan
+from common.engine.quantization import quantize_activations, quantize_rows
 from common.engine.sequence import Sequence
 from common.engine.tensor_parallel import Parallel, pack_step, unpack_step
-from common.protocol.sampling_params import SamplingParams
+from common.protocol.sampling_params import SamplingParams, StructuredOutput
 from tests.tiny_models import build_tiny_model
+from tests.unit.test_structured_output import ENUM_SCHEMA
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -102,24 +107,32 @@ def _prompt_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     return runner.run(prepared.context, prepared.input_ids, prepared.positions, torch.arange(len(ids))).float()
 
 
+def _embeddings(runner: ModelRunner, inputs: list[list[int]]) -> np.ndarray:
+    return Embedder(runner.embedding_model, runner.device, Pooling(), 64, 0.5).embed(inputs)
+
+
 def test_tp2_agrees_with_tp1_on_logits_and_greedy_tokens(tiny):
-    """Two rank processes over gloo against one process: a 64-token prompt's logits within 1e-4 relative, and
-    the same greedy continuation."""
+    """Two rank processes over gloo against one process: a 64-token prompt's logits within 1e-4 relative, the
+    same greedy continuation, and the same embeddings (inputs of three lengths, in two padded batches)."""
     config = EngineConfig(model=str(tiny), num_kv_blocks=64, num_threads=1)
     ids = [(i * 37 + 11) % 49152 for i in range(64)]
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     one = LLMEngine(config)
     want_logits = _prompt_logits(one.runner, ids)
     want = [o.outputs[0].token_ids for o in one.generate([ids, ids[:17]], greedy)]
+    inputs = [ids[:9], ids[:40], ids[5:20]]
+    want_embeddings = _embeddings(one.runner, inputs)
     two = LLMEngine(dataclasses.replace(config, tensor_parallel_size=2))
     try:
         assert two.runner.kv_cache.pool.shape[0] == 2 and two.runner.model.layers[0].self_attn.num_kv_heads == 1
         got_logits = _prompt_logits(two.runner, ids)
         got = [o.outputs[0].token_ids for o in two.generate([ids, ids[:17]], greedy)]
+        got_embeddings = _embeddings(two.runner, inputs)
     finally:
         two.runner.close()
     assert (got_logits - want_logits).abs().max() <= 1e-4 * want_logits.abs().max()
     assert got == want
+    assert np.abs(got_embeddings - want_embeddings).max() <= 1e-5
 
 
 def test_rank_devices_are_checked_and_named():
@@ -145,13 +158,16 @@ def test_a_rank_that_cannot_start_fails_the_worker_with_its_error(tmp_path):
 
 def test_the_schedulers_features_at_tp2_answer_as_at_tp1(tiny):
     """One engine at TP 2 with a pool small enough to preempt, prefix caching and the host tier (a prompt sent
-    again comes back from it), and n-gram speculation: the same greedy tokens as the same engine at TP 1."""
+    again comes back from it), n-gram speculation, and structured output (a JSON schema masks the logits rank 0
+    gathered): the same greedy tokens as the same engine at TP 1, and every page free after."""
     config = EngineConfig(model=str(tiny), num_kv_blocks=20, num_threads=1, max_num_seqs=4,
                           kv_tiers={"host_memory_bytes": 8 << 20}, spec={"method": "ngram", "num_tokens": 3})
     base = [(i * 53 + 7) % 49152 for i in range(60)]
     # each ends inside a repeated run, so the n-gram lookup proposes drafts from the first decode step
     prompts = [base + [(i * 11 + j % 4) % 49152 for j in range(40)] for i in range(4)]
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    json_greedy = SamplingParams(temperature=0.0, max_tokens=48, structured=StructuredOutput(
+        kind="json_schema", spec=json.dumps(ENUM_SCHEMA)))
     results = {}
     for tp in (1, 2):
         engine = LLMEngine(dataclasses.replace(config, tensor_parallel_size=tp))
@@ -160,9 +176,96 @@ def test_the_schedulers_features_at_tp2_answer_as_at_tp1(tiny):
             flood = [[(i * 97 + j) % 49152 for j in range(150)] for i in range(3)]  # evicts the cached prefix
             engine.generate(flood, SamplingParams(temperature=0.0, max_tokens=1))
             again = [o.outputs[0].token_ids for o in engine.generate(prompts[:1], greedy)]
+            shaped = [o.outputs[0] for o in engine.generate(prompts[1:3], json_greedy)]
+            assert all(o.finish_reason == "stop" and json.loads(o.text)["color"] in ("red", "green", "blue")
+                       for o in shaped), [o.text for o in shaped]
+            assert engine.block_manager.num_used_blocks == 0 and not engine.structured.live
             stats, host = engine.stats, engine.block_manager.host
-            results[tp] = (first, again, stats.num_preemptions > 0, stats.num_spec_drafts > 0, host.copies_in > 0)
+            results[tp] = (first, again, [o.token_ids for o in shaped], stats.num_preemptions > 0,
+                           stats.num_spec_drafts > 0, host.copies_in > 0)
         finally:
             engine.runner.close()
-    assert results[2][2:] == (True, True, True), "the pool preempted, speculation ran, the host tier reloaded"
+    assert results[2][3:] == (True, True, True), "the pool preempted, speculation ran, the host tier reloaded"
     assert results[2] == results[1]
+
+
+class _Halves:
+    """The all-reduce of two ranks, each holding half of every row, done by hand: what ``Parallel`` gives each."""
+
+    def __init__(self, rank: int, mine: list, other: list) -> None:
+        self.rank, self.mine, self.other = rank, iter(mine), iter(other)
+
+    def all_reduce_max(self, x):
+        assert torch.equal(x, next(self.mine))
+        return torch.maximum(x, next(self.other))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_split_in_two_quantizes_as_the_whole_row_with_the_max_over_the_halves(dtype):
+    """W8A8 at TP 2 on a row-parallel layer's input and weight rows: each half of every row, quantized with the
+    max of both halves' ranges, is the whole row's int8 values and scale."""
+    x = (torch.randn(37, 96, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.1, 8, 96)).to(dtype)
+    x[5] = 0  # a row of zeros keeps the minimum scale
+    weight = torch.randn(8, 96, generator=torch.Generator().manual_seed(4))
+    for whole, quantize in ((x, quantize_activations), (weight, quantize_rows)):
+        want_q, want_scale = quantize(whole)
+        halves = [whole[:, :48].contiguous(), whole[:, 48:].contiguous()]
+        ranges = [h.abs().amax(dim=1).float() for h in halves]
+        parts = [quantize(h, _Halves(i, [ranges[i]], [ranges[1 - i]])) for i, h in enumerate(halves)]
+        assert torch.equal(torch.cat([q for q, _ in parts], dim=1), want_q)
+        assert all(torch.equal(scale, want_scale) for _, scale in parts)
+
+
+def test_int8_at_tp2_gives_tp1s_logits_bit_for_bit(tiny):
+    """int8 weights at TP 2 against TP 1, both through the layer-by-layer path (TP 1's one-call decode kernel off),
+    with SmoothQuant (the default) and without: the calibration measures the same ranges at either size, the
+    row-parallel layers quantize with whole rows' scales and sum exact int32 products over the ranks, so the
+    prompt's logits and the greedy tokens are TP 1's exactly (each rank's own scales and float sums gave logits
+    1.2e-2 apart here, and the third prompt's first token differed)."""
+    config = EngineConfig(model=str(tiny), num_kv_blocks=64, num_threads=1, quantization="int8",
+                          decode_kernel_max_batch=0)
+    ids = [(i * 37 + 11) % 49152 for i in range(64)]
+    prompts = [ids, ids[:17], [(i * 53 + 7) % 49152 for i in range(40)]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    results = {}
+    for smoothing, tp in ((config.int8_smoothing, 1), (config.int8_smoothing, 2), (0.0, 1), (0.0, 2)):
+        engine = LLMEngine(dataclasses.replace(config, tensor_parallel_size=tp, int8_smoothing=smoothing))
+        try:
+            results[smoothing, tp] = (_prompt_logits(engine.runner, ids),
+                                      [o.outputs[0].token_ids for o in engine.generate(prompts, greedy)])
+        finally:
+            engine.runner.close()
+    for smoothing in (config.int8_smoothing, 0.0):
+        (want_logits, want), (got_logits, got) = results[smoothing, 1], results[smoothing, 2]
+        assert torch.equal(got_logits, want_logits) and got == want, smoothing
+
+
+def test_row_parallel_biases_are_added_once_in_float_and_int8(tmp_path):
+    """A Llama with attention and MLP biases: every rank holds the output and down projections' biases whole;
+    the float path adds them on rank 0 before the all-reduce, int8's on every rank after its int32 all-reduce."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tests.tiny_models import COMMON
+
+    torch.manual_seed(5)
+    hf = AutoModelForCausalLM.from_config(LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    hf.save_pretrained(tmp_path)
+    ids = [(i * 37 + 11) % 320 for i in range(40)]
+    logits = {}
+    for quantization in ("none", "int8"):
+        config = EngineConfig(model=str(tmp_path), num_kv_blocks=16, num_threads=1, quantization=quantization,
+                              int8_smoothing=0.0, decode_kernel_max_batch=0)
+        for tp in (1, 2):
+            runner = ModelRunner(dataclasses.replace(config, tensor_parallel_size=tp), tmp_path)
+            try:
+                logits[quantization, tp] = _prompt_logits(runner, ids)
+            finally:
+                runner.close()
+    want = logits["none", 1]
+    assert (logits["none", 2] - want).abs().max() <= 1e-4 * want.abs().max()
+    assert torch.equal(logits["int8", 2], logits["int8", 1])
+    assert (logits["int8", 1] - want).abs().max() <= 0.1 * want.abs().max()  # int8, not garbage

@@ -11,6 +11,11 @@
  *                            a = silu(gate) * up, then a quantized per row as tessera_quantize_rows does. Neither
  *                            gate_up's output nor a is ever written out.
  *
+ * At tensor parallelism a row-parallel layer's input row is split over the ranks, and each must quantize its slice
+ * with the whole row's scale, as one process would: tessera_quantize_rows_absmax quantizes as tessera_quantize_rows
+ * from a given max|x_row| (the max over ranks), and tessera_silu_mul_rows writes the MLP's middle a (float32) for
+ * it, as tessera_silu_mul_quantize computes it.
+ *
  * Done with torch operators these were six passes over the batch, each with an allocation, and at 512 rows
  * they cost more than the int8 matmul saved (docs/history/benchmarks-rounds.md, "int8 at saturation").
  * Rows are split over torch's OpenMP threads; with AVX-512 a row goes 16 values at a time, and widths that
@@ -31,8 +36,7 @@ static inline float ld(const void *p, int bf16, int64_t i) {
 
 static inline int8_t q8(float v) { return (int8_t)fminf(127.f, fmaxf(-127.f, nearbyintf(v))); }
 
-static inline __attribute__((always_inline)) void quantize_row(const void *x, int8_t *q, float *scale,
-                                                               int64_t base, int k, const int bf16)
+static inline __attribute__((always_inline)) float row_absmax(const void *x, int64_t base, int k, const int bf16)
 {
     int i = 0;
     float amax = 0.f;
@@ -42,10 +46,17 @@ static inline __attribute__((always_inline)) void quantize_row(const void *x, in
     amax = _mm512_reduce_max_ps(vmax);
 #endif
     for (; i < k; i++) amax = fmaxf(amax, fabsf(ld(x, bf16, base + i)));
+    return amax;
+}
+
+/* q = round(x / s) with s = max(amax, MIN_ABSMAX) / 127, written to *scale */
+static inline __attribute__((always_inline)) void quantize_row_at(const void *x, int8_t *q, float *scale, float amax,
+                                                                  int64_t base, int k, const int bf16)
+{
     float s = fmaxf(amax, MIN_ABSMAX) / 127.f;
     float inv = 1.f / s;
     *scale = s;
-    i = 0;
+    int i = 0;
 #if defined(__AVX512F__)
     __m512 vinv = _mm512_set1_ps(inv);
     for (; i + 16 <= k; i += 16) {
@@ -56,12 +67,30 @@ static inline __attribute__((always_inline)) void quantize_row(const void *x, in
     for (; i < k; i++) q[base + i] = q8(ld(x, bf16, base + i) * inv);
 }
 
+static inline __attribute__((always_inline)) void quantize_row(const void *x, int8_t *q, float *scale,
+                                                               int64_t base, int k, const int bf16)
+{
+    quantize_row_at(x, q, scale, row_absmax(x, base, k, bf16), base, k, bf16);
+}
+
 int tessera_quantize_rows(const void *x, int8_t *q, float *scale, int64_t m, int k, int bf16)
 {
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < m; r++) {
         if (bf16) quantize_row(x, q, scale + r, r * k, k, 1);
         else quantize_row(x, q, scale + r, r * k, k, 0);
+    }
+    return 0;
+}
+
+/* absmax [m]: each row's max|x| over its whole width (at tensor parallelism, the max over the ranks' slices) */
+int tessera_quantize_rows_absmax(const void *x, int8_t *q, const float *absmax, float *scale, int64_t m, int k,
+                                 int bf16)
+{
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < m; r++) {
+        if (bf16) quantize_row_at(x, q, scale + r, absmax[r], r * k, k, 1);
+        else quantize_row_at(x, q, scale + r, absmax[r], r * k, k, 0);
     }
     return 0;
 }
@@ -136,5 +165,14 @@ int tessera_silu_mul_quantize(const int32_t *acc, const float *xs, const float *
         silu_mul_row(acc + r * 2 * (int64_t)inter, xs[r], ws, bias, a, inter);
         quantize_row(a, q + r * (int64_t)inter, scale + r, 0, inter, 0);
     }
+    return 0;
+}
+
+/* a [m, inter] float32: tessera_silu_mul_quantize's a, written out (bias as there) */
+int tessera_silu_mul_rows(const int32_t *acc, const float *xs, const float *ws, const float *bias, float *a,
+                          int64_t m, int inter)
+{
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < m; r++) silu_mul_row(acc + r * 2 * (int64_t)inter, xs[r], ws, bias, a + r * inter, inter);
     return 0;
 }

@@ -13,6 +13,7 @@ checkpoint's separate tensors into them.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 
@@ -77,6 +78,26 @@ class StepRope:
         return rotate(qk, *self._gathered)
 
 
+_wide = [False]  # ``wide_sums``
+
+
+@contextlib.contextmanager
+def wide_sums():
+    """While it lasts, a float linear layer sums in float64 and rounds its output once (a row-parallel one after
+    summing over the ranks): int8's calibration forward (``ModelRunner``), whose activation ranges set the
+    smoothing, then measures the same values at any tensor parallelism, the ranks' partial sums in any order
+    rounding to one process's float32 (bfloat16) outputs."""
+    _wide[0] = True
+    try:
+        yield
+    finally:
+        _wide[0] = False
+
+
+def _linear_wide(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            scale: torch.Tensor | None = None, packed: torch.Tensor | None = None,
            invariant: bool = False) -> torch.Tensor:
@@ -93,6 +114,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return linear_int8(x, weight, scale, bias, 0 if invariant else INT8_WEIGHT_ONLY_ROWS)
     if invariant:
         return linear_invariant(x, weight, bias)
+    if _wide[0]:
+        return _linear_wide(x, weight, bias).to(x.dtype)
     if (x.dtype is torch.bfloat16 and x.shape[0] == 1 and x.dim() == 2 and x.device.type == "cpu"
             and weight.dtype is torch.bfloat16 and x.shape[1] <= GEMV_MAX_K and weight.is_contiguous()
             and (bias is None or bias.dtype is torch.bfloat16)):
@@ -142,13 +165,26 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
 
 class Linear(nn.Linear):
     """``nn.Linear`` whose calls take ``linear``'s paths: the GEMV kernel for one bfloat16 row, the
-    prepacked weight (``packed``, set by ``LlamaForCausalLM.prepack_weights``) for several."""
+    prepacked weight (``packed``, set by ``LlamaForCausalLM.prepack_weights``) for several.
+
+    A row-parallel layer at tensor parallelism (``row_parallel``, its rank group) returns the sum over the ranks,
+    its bias (every rank holds it) added once; int8 weights sum their exact int32 products over the ranks
+    (common/engine/quantization.py), other weights their partial outputs."""
 
     packed: torch.Tensor | None = None
     invariant = False  # engine.deterministic: ``LlamaForCausalLM.make_deterministic``
+    row_parallel: Parallel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, getattr(self, "weight_scale", None), self.packed, self.invariant)
+        tp, scale = self.row_parallel, getattr(self, "weight_scale", None)
+        if tp is None:
+            return linear(x, self.weight, self.bias, scale, self.packed, self.invariant)
+        if self.weight.dtype is torch.int8:
+            return linear_int8(x, self.weight, scale, self.bias, 0 if self.invariant else INT8_WEIGHT_ONLY_ROWS, tp)
+        if _wide[0] and not self.invariant:
+            return tp.all_reduce(_linear_wide(x, self.weight, self.bias if tp.rank == 0 else None)).to(x.dtype)
+        return tp.all_reduce(linear(x, self.weight, self.bias if tp.rank == 0 else None, None, self.packed,
+                                    self.invariant))
 
 
 class RMSNorm(nn.Module):
@@ -180,12 +216,11 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """Self-attention over this rank's heads: q/k/v column-parallel (``tp``'s slice of the query and KV heads),
-    the output projection row-parallel (partial sums, all-reduced)."""
+    the output projection row-parallel (its partial sums all-reduced: ``Linear.row_parallel``)."""
 
     def __init__(self, cfg, layer_idx: int, arch: str, backend, tp: Parallel) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.tp = tp
         heads = cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         self.num_heads = heads // tp.size
@@ -193,9 +228,11 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         qkv_bias = arch == "qwen2" or bool(getattr(cfg, "attention_bias", False))
-        o_bias = arch != "qwen2" and bool(getattr(cfg, "attention_bias", False)) and tp.rank == 0  # added once
+        o_bias = arch != "qwen2" and bool(getattr(cfg, "attention_bias", False))
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        if tp.size > 1:
+            self.o_proj.row_parallel = tp
         if arch == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -214,7 +251,7 @@ class Attention(nn.Module):
         q, k = rope(qk).split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         out = self.backend(q, k, v, self.layer_idx, self.scale)
-        return self.tp.all_reduce(self.o_proj(out.reshape(n, self.q_size)))
+        return self.o_proj(out.reshape(n, self.q_size))
 
 
 class MLP(nn.Module):
@@ -223,17 +260,15 @@ class MLP(nn.Module):
     def __init__(self, cfg, tp: Parallel) -> None:
         super().__init__()
         bias = bool(getattr(cfg, "mlp_bias", False))
-        self.tp = tp
         self.intermediate = cfg.intermediate_size // tp.size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=bias)
-        self.down_proj = Linear(self.intermediate, cfg.hidden_size, bias=bias and tp.rank == 0)  # added once
+        self.down_proj = Linear(self.intermediate, cfg.hidden_size, bias=bias)
+        if tp.size > 1:
+            self.down_proj.row_parallel = tp
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {cfg.hidden_act!r} (only silu is supported)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self._partial(x))
-
-    def _partial(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj.weight.dtype is torch.int8:
             out = mlp_int8(x, self.gate_up_proj, self.down_proj,
                            0 if self.gate_up_proj.invariant else INT8_WEIGHT_ONLY_ROWS)

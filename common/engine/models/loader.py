@@ -9,7 +9,7 @@ its parameter and dropped, and the files are memory-mapped, not read whole.
 
 At tensor parallelism a rank reads only its slice of each sharded tensor
 (``_slice``): rows of q/k/v, gate/up, the embedding and LM head, columns of the
-output and down projections; their biases are added once, by rank 0.
+output and down projections, whose biases every rank holds whole (added once).
 
 The configuration (``load_hf_config``) is config.json read as it is when it is a Llama or Qwen2 one that states
 every field the models read without a default and leaves RoPE unscaled: the models' own defaults for the rest are
@@ -82,8 +82,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, backend,
                 if target is None:
                     continue
                 if target not in params:
-                    if tp.rank and target.endswith(("o_proj.bias", "down_proj.bias")):
-                        continue  # a row-parallel layer's bias: rank 0's alone
                     unexpected.append(name)
                     continue
                 _copy_into(params[target], target, part, _slice(f, name, target, part, model, tp), model)
