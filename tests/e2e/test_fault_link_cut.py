@@ -3,8 +3,10 @@
 The hosts of tests/e2e/test_multihost_netns.py: each role in its own network namespace behind a veth,
 started by its launch script (skipped, with the reason, without root and ``ip netns``). Sixteen
 streams (half greedy, half seeded with a frequency penalty) run once without a fault for the
-reference, then again while decode-1's ``eth0`` goes down once it holds a stream's pages (not once every
-stream has text: on loaded cores its first streams may have ended by then, leaving nothing to resume). No FIN
+reference, then by 16 clients sending them again and again while decode-1's ``eth0`` goes down once it holds a
+stream's pages (not once every stream has text: on loaded cores its first streams may have ended by then, leaving
+nothing to resume; nor with each stream sent once: under a full test run all of them could end before decode-1 was
+seen holding pages). No FIN
 crosses a downed link, so the proxy learns of it from the missed heartbeats
 (``heartbeat_timeout_s``) and resumes its streams on decode-0. Then the link comes back: decode-1's
 heartbeats reach the proxy again and are answered with Reregister, so it drops what it held and
@@ -58,7 +60,7 @@ def test_a_decode_hosts_link_cut_mid_stream_then_restored_loses_nothing(hosts): 
         set_link(VICTIM, "down"),
         wait_until(lambda run: alive(url, "decode") == 1, "the proxy dropped the cut host"),
         set_link(VICTIM, "up"),
-        wait_until(lambda run: alive(url) == 4, "the cut host registered again")]))
+        wait_until(lambda run: alive(url) == 4, "the cut host registered again")], steady=STREAMS))
     check_nothing_lost(results, reference, BODIES)
     assert total(url, "tessera_proxy_migrations_total") > migrations, f"nothing resumed off {VICTIM}"
     assert total(url, "tessera_proxy_heartbeats_missed_total", VICTIM) == 1  # counted as the proxy dropped it

@@ -1,6 +1,7 @@
 """The planner switches a real worker's role on its own when the load asks for it (issue 47), through real processes.
 
-A proxy with the adaptive controller on (``slo.tac_enabled``, a TTFT target, the planner's shipped settings), one prefill and two decode workers on the embedded model in float32. Eight clients send prompt-heavy
+A proxy with the adaptive controller on (``slo.tac_enabled``, a TTFT target, the planner's shipped settings), workers
+that calibrate their step costs at start as shipped (the tests' clusters otherwise skip it), one prefill and two decode workers on the embedded model in float32. Eight clients send prompt-heavy
 requests one after another (512-token prompts, 8 output tokens): one prefill worker cannot keep the queued prompt
 tokens within the TTFT target while two decode workers idle, so the planner orders a decode worker to prefill,
 with no admin call. Every request served before, during and after the switch carries the single-process engine's
@@ -20,7 +21,7 @@ from common.engine.llm_engine import LLMEngine
 from common.protocol.sampling_params import SamplingParams
 from tests.e2e.fault_scenarios import MODEL, check_nothing_lost, check_pages_freed, run_scenario, wait_until
 
-PROMPTS = 24
+PROMPTS = 16
 PROMPT_TOKENS = 512
 MAX_TOKENS = 8
 CLIENTS = 8
@@ -44,7 +45,8 @@ def cluster(embedded_model_dir, tmp_path_factory):
     c = LocalCluster.for_tests(
         embedded_model_dir, tmp_path_factory.mktemp("planner-cluster"), prefill=1, decode=2, dtype="float32",
         proxy_overrides=["slo.tac_enabled=true", "slo.ttft_slo_ms=2000"],
-        role_overrides=["decode:drain_timeout_s=1"]).start()
+        role_overrides=["decode:drain_timeout_s=1"],
+        worker_overrides=[f"engine.calibration_s={EngineConfig.calibration_s}"]).start()  # shipped: fits at once
     yield c
     codes = c.stop()
     assert all(code == 0 for code in codes.values()), codes

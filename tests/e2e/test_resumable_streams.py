@@ -46,15 +46,22 @@ def text_of(events: list[tuple[int | None, str]]) -> str:
 
 def read_some(lines, count: int) -> list[tuple[int | None, str]]:
     """The next ``count`` events from an open response's ``iter_lines()``."""
-    events, block = [], []
+    return read_ids(lines, count)[0]
+
+
+def read_ids(lines, count: int) -> tuple[list[tuple[int | None, str]], str | None]:
+    """The next ``count`` events (``read_some``) and the last one's whole id (``N.T``)."""
+    events, block, last = [], [], None
     for line in lines:
+        if line.startswith("id: "):
+            last = line[4:]
         if line:
             block.append(line)
             continue
         events += parse("\n".join(block) + "\n\n")
         block = []
         if len(events) == count:
-            return events
+            return events, last
     raise AssertionError(f"the stream ended after {len(events)} events")
 
 

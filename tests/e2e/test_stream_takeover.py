@@ -28,7 +28,7 @@ from tests.conditions import settle
 from tests.e2e.proxy_harness import (  # noqa: F401 - fixtures
     MODEL, PATIENCE_S, SCRIPT_TEXT, assert_openai_error, make_proxy, script, tokenizer, workers_of_every_proxy,
 )
-from tests.e2e.test_resumable_streams import RESUMABLE, parse, read_some, text_of
+from tests.e2e.test_resumable_streams import RESUMABLE, parse, read_ids, read_some, text_of
 from tests.redis_server import redis_server  # noqa: F401 - fixture
 from tests.scripted_worker import FakeWorker
 
@@ -190,22 +190,6 @@ def test_a_websocket_resume_takes_a_lost_proxys_stream_over(make_proxy, script):
     finally:
         for worker in workers:
             worker.stop(goodbye=False)
-
-
-def read_ids(lines, count: int) -> tuple[list, str]:
-    """The next ``count`` events (``read_some``) and the last one's whole id (``N.T``)."""
-    events, block, last = [], [], None
-    for line in lines:
-        if line.startswith("id: "):
-            last = line[4:]
-        if line:
-            block.append(line)
-            continue
-        events += parse("\n".join(block) + "\n\n")
-        block = []
-        if len(events) == count:
-            return events, last
-    raise AssertionError(f"the stream ended after {len(events)} events")
 
 
 def test_a_stream_whose_proxy_and_decode_worker_are_both_lost_is_computed_again(make_proxy, script,

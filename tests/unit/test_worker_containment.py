@@ -61,7 +61,7 @@ def test_a_failed_engine_turn_gives_its_requests_back_and_the_worker_goes_on(dec
     _handle(handler, request("victim"))
     original = handler.engine.runner.execute
 
-    def explode(plan, constrain=None):
+    def explode(*args, **kwargs):
         raise RuntimeError("kernel fault")
 
     monkeypatch.setattr(handler.engine.runner, "execute", explode)
