@@ -21,6 +21,8 @@ import yaml
 from common.cli.local_cluster import LocalCluster, free_port, post_json
 from tests.conditions import settle
 
+STARTUP_S = 60.0  # bounds the wait for Prometheus to listen and load its rules (a second alone; more on loaded cores)
+
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SHIPPED = DEPLOY / "prometheus"
 PROMETHEUS = shutil.which("prometheus")
@@ -54,9 +56,19 @@ def prometheus(cluster, tmp_path_factory):
     proc = subprocess.Popen([PROMETHEUS, f"--config.file={home / 'prometheus.yml'}",
                              f"--storage.tsdb.path={home / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
                             stdout=log, stderr=subprocess.STDOUT)
-    yield f"http://127.0.0.1:{port}"
+    base = f"http://127.0.0.1:{port}"
+    settle(lambda: _ready(base), bool, STARTUP_S, f"Prometheus answers /-/ready (log: {home / 'prometheus.log'})")
+    yield base
     proc.terminate()
     proc.wait(timeout=30)
+
+
+def _ready(base: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{base}/-/ready", timeout=5) as resp:
+            return resp.status == 200
+    except OSError:  # not listening yet, or still loading its rules (503)
+        return False
 
 
 def query(base: str, expr: str) -> list[dict]:
