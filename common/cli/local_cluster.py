@@ -22,6 +22,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -43,12 +44,26 @@ TEST_PROXY_OVERRIDES = ("heartbeat_timeout_s=3", "served_model_name=SmolLM2-135M
 TEST_WORKER_OVERRIDES = ("engine.kv_cache_memory_bytes=268435456", "heartbeat_interval_s=0.2", "engine.calibration_s=0")
 
 
+_RECENT: set[int] = set()  # the ports free_port gave out last (_RECENT_ORDER), never given out again meanwhile
+_RECENT_ORDER: deque[int] = deque()
+RECENT_PORTS = 1024
+
+
+def _remember(ports: range) -> None:
+    for port in ports:
+        _RECENT.add(port)
+        _RECENT_ORDER.append(port)
+    while len(_RECENT_ORDER) > RECENT_PORTS:
+        _RECENT.discard(_RECENT_ORDER.popleft())
+
+
 def free_port(span: int = 1) -> int:
     """A port free now (with the ``span - 1`` after it), below the kernel's ephemeral range, so that no socket another
     process binds to port 0 (a client's, gloo's or UCX's) takes it before the role that was given it binds it.
     ``TESSERA_FREE_PORTS=LOW-HIGH`` narrows the range: clusters started side by side (the test lanes,
     tests/conftest.py) each pick from their own, so that one never takes a port another picked but has not bound
-    yet."""
+    yet. Nor is a port given out again while it is among the last ``RECENT_PORTS`` this process gave out: two picks
+    made before either binds (a cluster's ports) never collide."""
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
@@ -60,7 +75,10 @@ def free_port(span: int = 1) -> int:
         start, end = int(start), int(end_text)
     for _ in range(200):
         port = random.randrange(start, max(start + 1, end - span + 1))
+        if not _RECENT.isdisjoint(range(port, port + span)):
+            continue  # given to a caller that may not have bound it yet (two picks of one cluster, say)
         if _bindable(range(port, port + span)):
+            _remember(range(port, port + span))
             return port
     for _ in range(200):  # a crowded range: any free port(s)
         with socket.socket() as s:

@@ -11,6 +11,7 @@ Skipped only when the ``prometheus`` binary is absent (.ci/run installs it).
 import json
 import shutil
 import subprocess
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -73,8 +74,11 @@ def _ready(base: str) -> bool:
 
 def query(base: str, expr: str) -> list[dict]:
     url = f"{base}/api/v1/query?{urllib.parse.urlencode({'query': expr})}"
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        body = json.loads(resp.read())
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            body = json.loads(resp.read())
+    except urllib.error.HTTPError as error:  # 400: a syntax error; 422: the query failed on the data it read
+        raise AssertionError(f"Prometheus answered {error.code} to {expr!r}: {error.read().decode()}") from None
     assert body["status"] == "success", body
     return body["data"]["result"]
 
