@@ -76,6 +76,7 @@ async def workers(request: Request) -> dict:
              "decode_slots": w.max_num_seqs, "prefill_tokens_queued": w.outstanding_prefill_tokens,
              "kv_pages_total": w.num_blocks, "kv_pages_free": w.free_blocks,
              "heartbeat_age_s": round(max(0.0, now - w.last_seen), 3), "core_group": w.core_group,
+             "step_model": w.step_cost is not None, "decode_capacity": w.latency_capacity,
              "tensor_parallel_size": w.tensor_parallel_size}
             for w in sorted(cluster.registry.workers.values(), key=lambda w: w.worker_id)]
     ready, reason = cluster.readiness()
