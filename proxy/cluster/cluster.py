@@ -10,7 +10,7 @@ Request life cycle, as queues and hops (one sub-request per choice):
             ends a role switch ordered (proxy/cluster/role_switches.py)
         KVSnapshot --> proxy/cluster/kv_events.py (the prefix index routing reads; its KVEvents come on a SUB socket)
         TokenizerFiles --> proxy/cluster/tokenizer_fetch.py (the tokenizer of a version the proxy has none of)
-        StreamFound --> a resumable stream of a lost proxy, taken over here (``find_stream``, ``_on_stream_found``)
+        StreamFound --> a resumable stream of a lost proxy, taken over here (proxy/cluster/stream_takeover.py)
         PrefillDone/KVPulled/RequestFailed, and each TokenDelta of a step's TokenDeltas --> that SubRequest
     SubRequest --events--> RequestGroup's EventSink (proxy/cluster/request_group.py) --> HTTP handler
 
@@ -37,7 +37,7 @@ from common.runtime.zmq_security import proxy_curve
 from common.protocol.sampling_params import SamplingParams
 from common.protocol.versions import PIPELINED_SINCE, STRUCTURED_SINCE
 from common.protocol.versions import MESSAGE_SINCE
-from common.protocol.wire import (PROTOCOL_VERSION, Abort, DecodeRequest, EmbedResult, FindStream, Goodbye, Heartbeat,
+from common.protocol.wire import (PROTOCOL_VERSION, Abort, DecodeRequest, EmbedResult, Goodbye, Heartbeat,
                                   KVProgress, KVPulled, KVSnapshot, PrefillDone, PrefillRequest, Register, RegisterAck,
                                   ReleaseKV, RequestFailed, Reregister, Standby, StreamFound, SwitchRole, TokenDeltas,
                                   TokenizerFiles, WireError, decode)
@@ -48,9 +48,10 @@ from proxy.core.errors import ApiError
 from proxy.core.metrics import ProxyMetrics
 from proxy.cluster.model_loading import ModelLoader
 from proxy.cluster.role_switches import RoleSwitches
+from proxy.cluster.stream_takeover import StreamTakeovers
 from proxy.core.workers import WorkerRegistry, WorkerState
-from proxy.core.requests import Sends, Stage, SubRequest, TokenEvent
-from proxy.core.resume_context import Context, ResumeInfo, decode as decode_context, delta_fields
+from proxy.core.requests import Sends, Stage, SubRequest
+from proxy.core.resume_context import Context, ResumeInfo
 from proxy.cluster.request_group import EventSink, RequestGroup
 from proxy.core.routing import RoutingPolicy, near
 from proxy.control.limits import CapacityLimits
@@ -63,22 +64,6 @@ from proxy.cluster.tokenizer_fetch import TokenizerFetcher
 log = logging.getLogger("tessera.proxy")
 
 Outbox = Callable[[str, object, int], None]  # (worker id, message, the protocol version to encode it in)
-
-
-class _Search:
-    """A ``FindStream`` asked of the workers: who has not answered, and what came back."""
-
-    def __init__(self, waiting: set[str], done: asyncio.Future) -> None:
-        self.waiting = waiting
-        self.done = done
-        self.owned = False  # a worker said a proxy still connected holds it
-        self.found: list[tuple[Context, SubRequest]] = []  # the choices taken over, each with its context
-        self.sink = EventSink()  # theirs, with their events so far
-
-    @property
-    def complete(self) -> bool:
-        """Every worker answered, or every choice of the response was found."""
-        return not self.waiting or (bool(self.found) and len(self.found) == self.found[0][0].choices)
 
 
 class Cluster:
@@ -104,6 +89,8 @@ class Cluster:
                                   clock)
         self.role_switches = RoleSwitches(config, self.registry, self.send, metrics, self.peer_versions, clock)
         self.tokenizers = TokenizerFetcher(config, self.send, metrics, self.peer_versions, clock=clock)
+        self.takeovers = StreamTakeovers(config, self.registry, self.send, metrics, self.peer_versions, self.tenants,
+                                         self.admission, self.inflight, self.tracing)  # a lost proxy's streams
         curve = proxy_curve(config)
         self.kv_events = KVEventSubscriber(policy.index, metrics.registry, self.send, clock,  # started by the app
                                            curve.keys if curve is not None else None)
@@ -118,9 +105,8 @@ class Cluster:
             PrefillDone: self._on_prefill_done, KVPulled: self._on_kv_pulled, TokenDeltas: self._on_token_deltas,
             RequestFailed: self._on_request_failed, EmbedResult: self.embeddings.on_result,
             Standby: self._on_standby, TokenizerFiles: self.tokenizers.on_files, KVSnapshot: self.kv_events.on_snapshot,
-            StreamFound: self._on_stream_found, KVProgress: self._on_kv_progress,
+            StreamFound: self.takeovers.on_found, KVProgress: self._on_kv_progress,
         }
-        self._searches: dict[str, _Search] = {}  # response id -> a takeover asked of the workers (``find_stream``)
         self._update_worker_gauges()
 
     async def joined(self) -> None:
@@ -500,92 +486,7 @@ class Cluster:
         if not self._on_request_message(sub, lambda: sub.on_failed(msg, sender, now)):
             log.debug("ignoring RequestFailed for unknown request %s from %r", msg.request_id, sender)
 
-    # -- a resumable stream of a lost proxy, taken over -------------------------------------------
-
-    async def find_stream(self, response_id: str, tenant: str | None
-                          ) -> tuple[list[Context], list[SubRequest], EventSink]:
-        """Ask every worker for resumable response ``response_id`` (``tenant``'s; None: anyone's) whose proxy is
-        lost, and take over each of its choices they hold: their contexts, their sub-requests, and the sink that
-        holds every event they emitted so far (no choice: none found). ApiError 503 when a proxy still connected
-        to its worker holds it, or no worker is registered here yet (the client retries).
-        Each worker answers at once; one silent for ``heartbeat_timeout_s`` is taken for one without it."""
-        asked = [w.worker_id for w in self.registry.workers.values()
-                 if self.peer_versions.get(w.worker_id, PROTOCOL_VERSION) >= MESSAGE_SINCE["FindStream"]]
-        if not asked:  # a proxy just started (its workers register within a heartbeat) or one left alone
-            raise ApiError(503, f"cannot look for response {response_id} now: no worker is registered with this "
-                           "proxy; try again", code="no_worker_available",
-                           retry_after_s=self.config.requests.retry_after_s)
-        search = _Search(set(asked), asyncio.get_running_loop().create_future())
-        if response_id in self._searches:
-            return [], [], search.sink
-        self._searches[response_id] = search
-        try:
-            for worker_id in asked:
-                self.send(worker_id, FindStream(response_id, tenant or ""))
-            try:
-                await asyncio.wait_for(asyncio.shield(search.done), self.config.heartbeat_timeout_s)
-            except asyncio.TimeoutError:
-                log.warning("response %s: %d worker(s) did not answer whether they hold it within "
-                            "heartbeat_timeout_s=%ss", response_id, len(search.waiting),
-                            self.config.heartbeat_timeout_s)
-        finally:
-            del self._searches[response_id]
-        if search.found:
-            self.metrics.streams_taken_over.inc()
-            found = sorted(search.found, key=lambda pair: pair[0].index)
-            return [context for context, _ in found], [sub for _, sub in found], search.sink
-        if search.owned:
-            raise ApiError(503, f"response {response_id} is still held by another proxy that its worker is connected "
-                           "to; try again", code="stream_busy", retry_after_s=self.config.requests.retry_after_s)
-        return [], [], search.sink
-
-    def _on_stream_found(self, sender: str, msg: StreamFound, now: float) -> None:
-        search = self._searches.get(msg.response_id)
-        if msg.status == "found" and search is None:  # nobody here wants it now (its search ended: an answer past
-            # heartbeat_timeout_s, or one of a protocol-20 worker's several, which do not say which is the last)
-            log.warning("response %s: worker %r handed over request %s that nobody asked for; aborting it",
-                        msg.response_id, sender, msg.request_id)
-            self.send(sender, Abort(msg.request_id))
-            return
-        if search is None:
-            return
-        if msg.last:  # a worker of protocol 20 says nothing of it: each answer may then be its last
-            search.waiting.discard(sender)
-        if msg.status == "owned":
-            search.owned = True
-        elif msg.status == "found":
-            try:
-                search.found.append(self._take_over(sender, msg, now, search.sink))
-            except ValueError as error:
-                log.warning("response %s: worker %r handed over request %s with a context this proxy cannot read "
-                            "(%s); aborting it", msg.response_id, sender, msg.request_id, error)
-                self.send(sender, Abort(msg.request_id))
-        if search.complete and not search.done.done():
-            search.done.set_result(None)
-
-    def _take_over(self, sender: str, msg: StreamFound, now: float, sink: EventSink) -> tuple[Context, SubRequest]:
-        """The choice is this proxy's from now on: a sub-request decoding on ``sender``, counted in a decode slot,
-        its events so far (the context's, then the worker's history, one event per step) in ``sink``."""
-        context = decode_context(msg.context)
-        events = context.events + [delta_fields(delta) for delta in msg.history]
-        tenant = self.tenants.tenants.get(context.tenant) or self.tenants.default
-        request_id = msg.request_id.split("~")[0]
-        sub = SubRequest(request_id, context.index, context.prompt, context.params, context.seed, self.config,
-                         self.metrics, self.tracing, sink, now, tenant=tenant.name, lane=tenant.lane,
-                         cache_salt=tenant.cache_salt)
-        sub.model = context.model
-        sub.resume = ResumeInfo(msg.response_id, self.config.requests.resume_window_s, context.static, list(events),
-                                context.index, context.prompt_index, context.choices)
-        for fields in events:
-            sink.put_nowait(TokenEvent(context.index, *fields))
-        sub.adopt(sender, msg.request_id, [t for event in events for t in event[1]], events[-1][4] if events else None,
-                  now)
-        if not sub.done:
-            self.inflight[request_id] = sub
-            self.admission.adopt(request_id, tenant, sub)
-        log.info("response %s: took over request %s on worker %r after %d event(s) from a lost proxy",
-                 msg.response_id, msg.request_id, sender, len(events))
-        return context, sub
+    # -- a resumable stream of a lost proxy that no worker holds ------------------------------------
 
     def recompute(self, response_id: str, context: Context, seen: int, sink: EventSink) -> SubRequest:
         """A choice of a resumable stream that no worker holds (its proxy and decode worker both lost, or it ended

@@ -4,7 +4,7 @@ too.
 
 A stream this proxy does not hold may be a lost proxy's (its process died, or was restarted): its workers keep such
 a stream's choices running for ``requests.resume_window_s`` (``common/runtime/proxy_links.py``). This proxy then
-asks every worker for it (``Cluster.find_stream``); each one holding a choice makes it this proxy's and sends what
+asks every worker for it (``StreamTakeovers.find_stream``, proxy/cluster/stream_takeover.py); each one holding a choice makes it this proxy's and sends what
 the lost proxy put in its context (``proxy.core.resume_context``: the request body, the choice's parameters, its
 first events) with every step it emitted since. From those the response is rebuilt as the lost proxy built it (the
 format, its tools, logprobs, the response id and time) and every event goes through it again, one event per step
@@ -105,7 +105,7 @@ async def find_or_take(services, response_id: str, tenant: str | None, point: Re
 async def _take_over(services, response_id: str, tenant: str | None, point: ResumePoint) -> None:
     await services.cluster.joined()  # a proxy just restarted asks its workers once they found it again
     cluster = services.cluster
-    contexts, subs, sink = await cluster.find_stream(response_id, tenant)
+    contexts, subs, sink = await cluster.takeovers.find_stream(response_id, tenant)
     taken, whole = list(subs), None
     try:
         whole = await _complete(services, response_id, tenant, point, contexts, subs, sink)
