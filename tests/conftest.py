@@ -24,6 +24,8 @@ from common.storage.model_store import resolve_model
 # a lane more gains only the sleeping. Earlier, moving seven e2e modules that wait but also compute (rolling upgrade,
 # failover, a cut link, fuzzing...) beside the compute lane made the run longer (1,268 s against 1,104 s), the two
 # lanes' clusters then contending for the cores: the waits lane holds only tests whose clusters are idle or tiny.
+# Later (2026-11-29, ccf1ed4, 1,765 tests): compute 1,140 s, beside 1,046, waits 415, the run 1,156 s; the device
+# check moved beside took 165 s there against 64 in the compute lane, next to the planner's and TP's clusters.
 BESIDE_E2E = {
     # scripted workers behind a proxy in a thread or a torch-free process
     "test_config_reload.py", "test_metering_file.py",
