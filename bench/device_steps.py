@@ -272,7 +272,7 @@ def throughput(args) -> dict:
 def pd_transfer(args) -> dict:
     import httpx
 
-    from bench.disagg_ttft import summarize, timed_completion, transfer_counters
+    from bench.disagg_ttft import summarize, transfer_counters, warm_then_timed
     from common.cli.local_cluster import LocalCluster
     from kv_transfer.factory import default_backend_name
 
@@ -291,10 +291,7 @@ def pd_transfer(args) -> dict:
         with httpx.Client(timeout=CHECK_PORT_TIMEOUT_S) as client:
             rng = random.Random(3)
             prompts = [[rng.randrange(1000, 20000) for _ in range(args.prefill_len)] for _ in range(4)]
-            timed_completion(client, cluster.url, prompts[0])  # warm-up
-            before = transfer_counters(cluster)
-            samples = [timed_completion(client, cluster.url, p) for p in prompts[1:]]
-            summary = summarize(samples, before, transfer_counters(cluster))
+            summary = warm_then_timed(client, cluster, prompts, transfer_counters, summarize)
     finally:
         exit_codes = cluster.stop()
     summary.pop("samples")

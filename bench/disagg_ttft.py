@@ -107,19 +107,32 @@ def summarize(samples: list[dict], before: dict[str, float], after: dict[str, fl
     }
 
 
+def warm_then_timed(client: httpx.Client, cluster: LocalCluster, prompts: list[list[int]], counters, summary) -> dict:
+    """The first of ``prompts`` as a warm-up, then the rest timed one after another:
+    ``summary(samples, before, after)``, with ``counters(cluster)`` read around the timed ones."""
+    warmup, *timed = prompts
+    timed_completion(client, cluster.url, warmup)
+    before = counters(cluster)
+    samples = [timed_completion(client, cluster.url, prompt) for prompt in timed]
+    return summary(samples, before, counters(cluster))
+
+
 def run_mode(model_dir: Path, log_dir: Path, backend: str, threshold: int,
              prompts: dict[int, list[list[int]]]) -> dict:
     log_dir.mkdir(parents=True, exist_ok=True)
     cluster = LocalCluster.for_tests(model_dir, log_dir, prefill=1, decode=1, transfer_backend=backend,
                       proxy_overrides=[f"local_prefill_threshold={threshold}"]).start()
+    return run_lengths(cluster, prompts, transfer_counters, summarize)
+
+
+def run_lengths(cluster: LocalCluster, prompts: dict[int, list[list[int]]], counters, summary) -> dict:
+    """Each length's prompts through ``cluster`` (``warm_then_timed``), then the cluster stopped: the summaries by
+    length and the processes' exit codes."""
     by_length = {}
     try:
         with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
-            for length, (warmup, *timed) in prompts.items():
-                timed_completion(client, cluster.url, warmup)
-                before = transfer_counters(cluster)
-                samples = [timed_completion(client, cluster.url, prompt) for prompt in timed]
-                by_length[length] = summarize(samples, before, transfer_counters(cluster))
+            for length, of_length in prompts.items():
+                by_length[length] = warm_then_timed(client, cluster, of_length, counters, summary)
     finally:
         exit_codes = cluster.stop()
     return {"lengths": by_length, "exit_codes": exit_codes}

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.disagg_ttft import MAX_TOKENS, REQUEST_TIMEOUT_S, make_prompts, timed_completion
+from bench.disagg_ttft import MAX_TOKENS, make_prompts, run_lengths
 from common.cli.local_cluster import LocalCluster
 from common.storage.model_store import resolve_model
 
@@ -42,6 +42,17 @@ def transfer_part(cluster: LocalCluster) -> tuple[float, float]:
                  for name in TRANSFER_PART)
 
 
+def summarize(samples: list[dict], before: tuple[float, float], after: tuple[float, float]) -> dict:
+    choices = after[1] - before[1]
+    return {
+        "ttft_median_s": statistics.median(s["ttft_s"] for s in samples),
+        "second_token_median_s": statistics.median(s["second_token_s"] for s in samples),
+        "gap_median_s": statistics.median(s["second_token_s"] - s["ttft_s"] for s in samples),
+        "transfer_part_mean_s": (after[0] - before[0]) / choices if choices else None,
+        "samples": samples,
+    }
+
+
 def run_mode(model_dir: Path | str, log_dir: Path, min_tokens: int, layer_groups: int,
              prompts: dict[int, list[list[int]]], cluster_options: dict) -> dict:
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -49,25 +60,7 @@ def run_mode(model_dir: Path | str, log_dir: Path, min_tokens: int, layer_groups
     overrides = [*options.pop("proxy_overrides", []), f"kv_pipeline.min_tokens={min_tokens}",
                  f"kv_pipeline.layer_groups={layer_groups}"]
     cluster = LocalCluster(model_dir, log_dir, prefill=1, decode=1, proxy_overrides=overrides, **options).start()
-    by_length = {}
-    try:
-        with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
-            for length, (warmup, *timed) in prompts.items():
-                timed_completion(client, cluster.url, warmup)
-                before = transfer_part(cluster)
-                samples = [timed_completion(client, cluster.url, prompt) for prompt in timed]
-                after = transfer_part(cluster)
-                choices = after[1] - before[1]
-                by_length[length] = {
-                    "ttft_median_s": statistics.median(s["ttft_s"] for s in samples),
-                    "second_token_median_s": statistics.median(s["second_token_s"] for s in samples),
-                    "gap_median_s": statistics.median(s["second_token_s"] - s["ttft_s"] for s in samples),
-                    "transfer_part_mean_s": (after[0] - before[0]) / choices if choices else None,
-                    "samples": samples,
-                }
-    finally:
-        exit_codes = cluster.stop()
-    return {"lengths": by_length, "exit_codes": exit_codes}
+    return run_lengths(cluster, prompts, transfer_part, summarize)
 
 
 def run_benchmark(model_dir: Path | str, log_dir: Path, lengths: list[int], requests: int, layer_groups: int,
