@@ -106,7 +106,12 @@ class SharedStreams:
                             "trying again every shared_state.interval_s", len(new) + len(renew),
                             type(exc).__name__, exc)
             self.up = False
+            # a stored context may expire during the outage, and PEXPIRE does not bring one back: the next flush
+            # that succeeds writes every kept context whole
+            self._new.update(self._kept)
             return
+        if not self.up:
+            log.info("the shared store took the resume contexts of %d stream(s) again", len(new) + len(renew))
         self.up = True
         self._new.difference_update(new)
         self._gone.difference_update(gone)
