@@ -291,9 +291,10 @@ async def sse_events(gen: Generation, group: RequestGroup, first: list[Event], w
     try:
         prelude = gen.fmt.stream_prelude(len(choices))
         if prelude and seen is None:
-            out.append(chunks.chunk(prelude))
-            if not coalesce:
-                yield out.pop()
+            if coalesce:
+                out.append(chunks.chunk(prelude))
+            else:
+                yield chunks.chunk(prelude)
         batch: list[Event] | None = first
         failure: FailureEvent | None = None
         while batch is not None:
@@ -312,9 +313,10 @@ async def sse_events(gen: Generation, group: RequestGroup, first: list[Event], w
                 text = chunks.event(state, event)
                 state.add(event, logprob_text)
                 if text is not None:
-                    out.append(text)
-                    if not coalesce:
-                        yield out.pop()
+                    if coalesce:
+                        out.append(text)
+                    else:
+                        yield text
             if failure is not None:
                 break
             for piece in _pieces(out, coalesce):
