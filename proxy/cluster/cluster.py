@@ -12,6 +12,7 @@ Request life cycle, as queues and hops (one sub-request per choice):
         TokenizerFiles --> proxy/cluster/tokenizer_fetch.py (the tokenizer of a version the proxy has none of)
         StreamFound --> a resumable stream of a lost proxy, taken over here (proxy/cluster/stream_takeover.py)
         PrefillDone/KVPulled/RequestFailed, and each TokenDelta of a step's TokenDeltas --> that SubRequest
+        KVProgress (a pipelined prompt's layer group) --> that SubRequest --> relayed to its decode worker
     SubRequest --events--> RequestGroup's EventSink (proxy/cluster/request_group.py) --> HTTP handler
 
 Everything here runs in the event loop and never awaits a socket: sending is ``outbox(worker_id, msg)``, which

@@ -4,7 +4,9 @@ found becomes this proxy's: a sub-request decoding where it was, in a decode slo
 lost proxy and the worker emitted so far in one sink. The edge (proxy/edge/takeover.py) rebuilds the response from
 them; what no worker holds, ``Cluster.recompute`` computes again.
 
-Only the cluster feeds it: ``on_found`` is its StreamFound handler, and it sends through the cluster's ``send``.
+The edge asks (``find_stream``, from proxy/edge/takeover.py); the cluster hands it the workers' answers
+(``on_found`` is its StreamFound handler) and its ``send``; a choice taken over joins the cluster's requests in
+flight and its tenant's admission, as any admitted choice.
 """
 from __future__ import annotations
 
@@ -71,10 +73,10 @@ class StreamTakeovers:
             raise ApiError(503, f"cannot look for response {response_id} now: no worker is registered with this "
                            "proxy; try again", code="no_worker_available",
                            retry_after_s=self.config.requests.retry_after_s)
-        search = _Search(set(asked), asyncio.get_running_loop().create_future())
-        if response_id in self._searches:
-            return [], [], search.sink
-        self._searches[response_id] = search
+        if response_id in self._searches:  # its choices are being taken over here: the client retries
+            raise ApiError(503, f"response {response_id} is being taken over by this proxy; try again",
+                           code="stream_busy", retry_after_s=self.config.requests.retry_after_s)
+        search = self._searches[response_id] = _Search(set(asked), asyncio.get_running_loop().create_future())
         try:
             for worker_id in asked:
                 self.send(worker_id, FindStream(response_id, tenant or ""))

@@ -97,6 +97,9 @@ def decode_stored(raw: bytes) -> list[Context]:
         raise ValueError(f"not the resume contexts of a stream: {error}") from None
     if not contexts or [c.index for c in contexts] != list(range(contexts[0].choices)):
         raise ValueError("not the resume contexts of every choice of a stream")
+    prompts = {c.prompt_index for c in contexts}
+    if prompts != set(range(len(prompts))):
+        raise ValueError("the choices' prompt indexes are not 0, 1, ... of their prompts")
     return contexts
 
 

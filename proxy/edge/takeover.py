@@ -4,18 +4,18 @@ too.
 
 A stream this proxy does not hold may be a lost proxy's (its process died, or was restarted): its workers keep such
 a stream's choices running for ``requests.resume_window_s`` (``common/runtime/proxy_links.py``). This proxy then
-asks every worker for it (``StreamTakeovers.find_stream``, proxy/cluster/stream_takeover.py); each one holding a choice makes it this proxy's and sends what
-the lost proxy put in its context (``proxy.core.resume_context``: the request body, the choice's parameters, its
-first events) with every step it emitted since. From those the response is rebuilt as the lost proxy built it (the
-format, its tools, logprobs, the response id and time) and every event goes through it again, one event per step
-as before. With a ``Last-Event-ID`` of this release (``N.T``, or ``N.T0.T1...`` for several choices: the client has
-T tokens of each choice through event N, ``proxy.edge.resumable.event_id``), each choice's first T tokens go
-through silently and the events after them are numbered N+1, N+2, ... in whatever order the choices' events come
-(``proxy.edge.replay``). With a plain ``N`` (a response of one choice only), the events come out numbered as the
-client saw them and those after N go to it. Then the live ones. Two clients asking at once: the first takes the
-stream over, the second then reconnects to it here (and ends the first's reader, as any reconnect does); on two
-proxies, the worker gives it to the first to ask and the other answers 503 with Retry-After while that proxy holds
-it.
+asks every worker for it (``StreamTakeovers.find_stream``, proxy/cluster/stream_takeover.py); each one holding a
+choice makes it this proxy's and sends what the lost proxy put in its context (``proxy.core.resume_context``: the
+request body, the choice's parameters, its first events) with every step it emitted since. From those the response
+is rebuilt as the lost proxy built it (the format, its tools, logprobs, the response id and time) and every event
+goes through it again, one event per step as before. With a ``Last-Event-ID`` of this release (``N.T``, or
+``N.T0.T1...`` for several choices: the client has T tokens of each choice through event N,
+``proxy.edge.resumable.event_id``), each choice's first T tokens go through silently and the events after them are
+numbered N+1, N+2, ... in whatever order the choices' events come (``proxy.edge.replay``). With a plain ``N`` (a
+response of one choice only), the events come out numbered as the client saw them and those after N go to it. Then
+the live ones. Two clients asking at once: the first takes the stream over, the second then reconnects to it here
+(and ends the first's reader, as any reconnect does); on two proxies, the worker gives it to the first to ask and
+the other answers 503 with Retry-After while that proxy holds it.
 
 A choice no worker holds (its decode worker died after its proxy: the double failure; or, of several, it ended
 before its proxy died, and its worker forgot it): with ``shared_state.redis_url``, the lost proxy stored every
@@ -138,9 +138,9 @@ async def _complete(services, response_id: str, tenant: str | None, point: Resum
                     subs: list, sink) -> list[Context] | None:
     """Every choice's context, by index, once each choice the workers did not hold is computed again (appended to
     ``subs``, into ``sink``); None when the stream cannot be taken over whole: a choice is missing and there is
-    no context to compute it from (no shared store, no token count in the client's id, another tenant's, another
-    proxy took it first), or the events of several choices cannot be numbered as the client saw them (a plain
-    event number)."""
+    no context to compute it from (no shared store, no token count in the client's id, one past the choice's
+    max_tokens, another tenant's, another proxy took it first), or the events of several choices cannot be
+    numbered as the client saw them (a plain event number)."""
     choices = contexts[0].choices if contexts else None
     if point.tokens is None:
         return contexts if choices == 1 else None
@@ -161,6 +161,8 @@ async def _complete(services, response_id: str, tenant: str | None, point: Resum
         return None
     if len(stored) != len(point.tokens) or (tenant is not None and tenant != stored[0].tenant):
         return None
+    if any(point.tokens[i] > stored[i].params.max_tokens for i in missing):
+        return None  # more tokens than the choice could have: no client of this stream has them
     for index in missing:  # ApiError 503 with no worker to run it: the client retries
         subs.append(services.cluster.recompute(response_id, stored[index], point.tokens[index], sink))
     if await shared.claim(response_id) is None:  # another proxy computes it

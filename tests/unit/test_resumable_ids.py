@@ -8,6 +8,7 @@ import asyncio
 import json
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 from common.protocol.sampling_params import SamplingParams
@@ -15,6 +16,7 @@ from common.text.tokenizer import TextState, Tokenizer
 from proxy.core.errors import ApiError
 from proxy.core.metrics import ProxyMetrics
 from proxy.core.requests import TokenEvent
+from proxy.core.resume_context import Context, decode_stored, kept
 from proxy.core.token_text import TokenText
 from proxy.edge.openai_api import Generation, counted, sse_events
 from proxy.edge.replay import SeenTokens
@@ -107,3 +109,17 @@ def test_a_stream_computed_again_in_speculative_steps_sends_only_what_the_client
         assert rest[-1][0] == "data: [DONE]\n\n" and rest[-1][1] == (len(output),)
         assert all(tokens[0] > seen_tokens for _, tokens in rest[:-2]), "no event the client had"
     assert straddled, "some resume point fell inside a speculative step"
+
+
+def test_stored_contexts_whose_prompt_indexes_have_a_gap_are_refused():
+    """The shared store's contexts are read as untrusted: choices of prompts 0 and 2 (no 1) would build a response
+    whose choice points past its prompts."""
+    def context(index: int, prompt_index: int) -> Context:
+        return Context(b"", "default", SamplingParams(max_tokens=4), 7, [1, 2], None, [], index, prompt_index, 2)
+
+    assert [c.prompt_index for c in decode_stored(kept([context(0, 0), context(1, 1)]))] == [0, 1]
+    assert [c.prompt_index for c in decode_stored(kept([context(0, 0), context(1, 0)]))] == [0, 0]
+    with pytest.raises(ValueError, match="prompt indexes"):
+        decode_stored(kept([context(0, 0), context(1, 2)]))
+    with pytest.raises(ValueError):
+        decode_stored(msgspec.msgpack.encode([1, 2]))
