@@ -235,13 +235,17 @@ class Cluster:
                 sub.model, sub.session = model, session
                 sub.trace_parent, sub.trace_attributes = trace_parent, trace_attributes
                 sub.resume = None if resume is None else resume.choice(index, p)
-                self.inflight[sub.request_id] = sub
-                if tenant.limited:
-                    tenant.limiter.charge_tokens(len(prompt), now)
-                self.admission.enqueue(sub.request_id, tenant, len(prompt), sub)
+                self._enqueue(sub, tenant, now)
                 subs.append(sub)
         self._dispatch()
-        return RequestGroup(subs, sink, self, self._clock)
+        return self.group(subs, sink)
+
+    def _enqueue(self, sub: SubRequest, tenant: Tenant, now: float) -> None:
+        """``sub`` waits for admission, in flight here, its prompt charged to its tenant's rate limit."""
+        self.inflight[sub.request_id] = sub
+        if tenant.limited:
+            tenant.limiter.charge_tokens(len(sub.prompt), now)
+        self.admission.enqueue(sub.request_id, tenant, len(sub.prompt), sub)
 
     def _check_decoders(self, model: tuple[str, str] | None) -> None:
         decoders = [w for w in self.registry.decode_side() if model is None or (w.model, w.model_version) == model]
@@ -251,7 +255,8 @@ class Cluster:
                                     f"(role decode or both) of its model version, and {why}")
 
     def group(self, subs: list[SubRequest], sink: EventSink) -> RequestGroup:
-        """A group of choices taken over or computed again (``find_stream``, ``recompute``) into ``sink``."""
+        """The choices of one response, their events into ``sink``: submitted, or taken over or computed again
+        (``find_stream``, ``recompute``)."""
         return RequestGroup(subs, sink, self, self._clock)
 
     def _dispatch(self) -> None:
@@ -508,13 +513,9 @@ class Cluster:
                          lane=tenant.lane, cache_salt=tenant.cache_salt)
         sub.wait_for_admission(now + self.config.tenancy.queue_timeout_s, None)
         sub.model = context.model
-        sub.resume = ResumeInfo(response_id, self.config.requests.resume_window_s, context.static, [], context.index,
-                                context.prompt_index, context.choices)
+        sub.resume = ResumeInfo.of(response_id, self.config.requests.resume_window_s, context, [])
         sub.adopted = seen
-        self.inflight[sub.request_id] = sub
-        if tenant.limited:
-            tenant.limiter.charge_tokens(len(context.prompt), now)
-        self.admission.enqueue(sub.request_id, tenant, len(context.prompt), sub)
+        self._enqueue(sub, tenant, now)
         self.metrics.streams_recomputed.inc()
         log.info("response %s: no worker holds choice %d; computing it again after the %d token(s) its client has",
                  response_id, context.index, seen)
@@ -660,19 +661,21 @@ class Cluster:
         another proxy to take over (``SubRequest.hand_over``); their response ids, whose readers the edge cuts."""
         handed = set()
         for sub in list(self.inflight.values()):
-            if sub.resume is not None and sub.stage is Stage.DECODING and self.peer_versions.get(
-                    sub.decode_worker, PROTOCOL_VERSION) >= MESSAGE_SINCE["LeaveStream"]:
+            if sub.resume is not None and self._can_hand_over(sub):
                 self._act(sub, Stage.DECODING, sub.hand_over())
                 handed.add(sub.resume.key)
         return handed
+
+    def _can_hand_over(self, sub: SubRequest) -> bool:
+        """Whether ``sub`` may be left to its decode worker for another proxy (``LeaveStream``)."""
+        return sub.stage is Stage.DECODING and self._version(sub.decode_worker) >= MESSAGE_SINCE["LeaveStream"]
 
     def give_back(self, subs: list[SubRequest], reason: str) -> None:
         """Choices this proxy took over from their workers (``find_stream``) but cannot serve after all
         (``reason``): back to those workers as a lost proxy's (``LeaveStream``), for the client's next try; one
         that ended, or on a worker too old for that, is cancelled."""
         for sub in subs:
-            if sub.stage is Stage.DECODING and self.peer_versions.get(
-                    sub.decode_worker, PROTOCOL_VERSION) >= MESSAGE_SINCE["LeaveStream"]:
+            if self._can_hand_over(sub):
                 self._act(sub, Stage.DECODING, sub.hand_over())
             else:
                 self.cancel(sub, reason)

@@ -132,8 +132,7 @@ class StreamTakeovers:
                          self.metrics, self.tracing, sink, now, tenant=tenant.name, lane=tenant.lane,
                          cache_salt=tenant.cache_salt)
         sub.model = context.model
-        sub.resume = ResumeInfo(msg.response_id, self.config.requests.resume_window_s, context.static, list(events),
-                                context.index, context.prompt_index, context.choices)
+        sub.resume = ResumeInfo.of(msg.response_id, self.config.requests.resume_window_s, context, list(events))
         for fields in events:
             sink.put_nowait(TokenEvent(context.index, *fields))
         sub.adopt(sender, msg.request_id, [t for event in events for t in event[1]], events[-1][4] if events else None,

@@ -41,6 +41,11 @@ class ResumeInfo:
     prompt_index: int = 0
     choices: int = 1
 
+    @classmethod
+    def of(cls, key: str, window_s: float, context: "Context", events: list[list]) -> "ResumeInfo":
+        """A choice's, from its stored or handed-over ``context``, with ``events`` so far."""
+        return cls(key, window_s, context.static, events, context.index, context.prompt_index, context.choices)
+
     def choice(self, index: int, prompt_index: int) -> "ResumeInfo":
         """The same response's, for its choice ``index`` (of prompt ``prompt_index``), with no events yet."""
         return ResumeInfo(self.key, self.window_s, self.static, [], index, prompt_index, self.choices)
