@@ -138,6 +138,17 @@ def run_lengths(cluster: LocalCluster, prompts: dict[int, list[list[int]]], coun
     return {"lengths": by_length, "exit_codes": exit_codes}
 
 
+def report(result: dict, log_dir: Path, out: Path | None, markdown: str | None) -> None:
+    """After the table: the modes whose processes exited with errors, the JSON to ``out``, the ``markdown``."""
+    failed = {mode: codes for mode, codes in result["exit_codes"].items() if any(codes.values())}
+    if failed:
+        print(f"processes exited with errors: {failed}; see the logs in {log_dir}")
+    if out is not None:
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    if markdown is not None:
+        print("\n" + markdown)
+
+
 def run_benchmark(model_dir: Path, log_dir: Path, lengths: list[int], requests: int, backend: str) -> dict:
     """Both modes on the same prompts; one row per length comparing them."""
     prompts = make_prompts(model_dir, lengths, requests)
@@ -243,13 +254,7 @@ def main(argv: list[str] | None = None) -> None:
                            [int(n) for n in args.lengths.split(",")], args.requests, args.backend)
     result["command"] = command
     print(render_text(result))
-    failed = {mode: codes for mode, codes in result["exit_codes"].items() if any(codes.values())}
-    if failed:
-        print(f"processes exited with errors: {failed}; see the logs in {log_dir}")
-    if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-    if args.markdown:
-        print("\n" + render_markdown(result, command))
+    report(result, log_dir, args.out, render_markdown(result, command) if args.markdown else None)
 
 
 if __name__ == "__main__":

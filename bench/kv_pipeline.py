@@ -18,7 +18,6 @@ computed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import statistics
@@ -26,9 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import httpx
-
-from bench.disagg_ttft import MAX_TOKENS, make_prompts, run_lengths
+from bench.disagg_ttft import MAX_TOKENS, make_prompts, report, run_lengths
 from common.cli.local_cluster import LocalCluster
 from common.storage.model_store import resolve_model
 
@@ -130,13 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     result["command"] = command
     header, rows = table(result)
     print("\n".join("  ".join(line) for line in [header, *rows]))
-    failed = {mode: codes for mode, codes in result["exit_codes"].items() if any(codes.values())}
-    if failed:
-        print(f"processes exited with errors: {failed}; see the logs in {log_dir}")
-    if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-    if args.markdown:
-        print("\n" + render_markdown(result))
+    report(result, log_dir, args.out, render_markdown(result) if args.markdown else None)
 
 
 if __name__ == "__main__":
