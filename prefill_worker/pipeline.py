@@ -52,10 +52,23 @@ class LayerProgress:
         self.generations.pop(request_id, None)
 
     def hook(self, epoch: int):
-        """``LLMEngine.step``'s ``on_layers`` for this step, or None while no pipelined prompt is computed."""
+        """``LLMEngine.step``'s ``on_layers``, or None while no pipelined prompt is computed."""
         if not self.prompts:
             return None
-        return lambda plan, layers_done: self._on_layers(plan, layers_done, epoch)
+        return lambda plan: self._for_step(plan, epoch)
+
+    def _for_step(self, plan, epoch: int):
+        """The layer counts after which ``plan``'s step reports, with the report (``ModelRunner.execute``'s
+        ``on_layers``): the group ends of the pipelined prompts whose chunk fills a block; None when none does (the
+        step runs as any other: on a GPU, each report waits for the device)."""
+        bs, at = self.block_size, set()
+        for seq, count in zip(plan.seqs, plan.num_new_tokens):
+            ends = self.prompts.get(seq.request_id)
+            if ends is not None and (seq.num_computed_tokens + count) // bs > seq.num_computed_tokens // bs:
+                at.update(ends)
+        if not at:
+            return None
+        return frozenset(at), lambda layers_done: self._on_layers(plan, layers_done, epoch)
 
     def _on_layers(self, plan, layers_done: int, epoch: int) -> None:
         bs = self.block_size

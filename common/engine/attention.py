@@ -72,9 +72,10 @@ class StepContext:
     chunks: list[PrefillChunk] = field(default_factory=list)
     # Filled lazily by a backend that needs its own form (e.g. flash-attn's cu_seqlens).
     backend_state: dict = field(default_factory=dict)
-    # Called with n after the model's first n layers ran, their KV written (a pipelined prompt's layer groups,
-    # prefill_worker/pipeline.py); rank 0 only.
+    # Called with n after the model's first n layers ran, their KV written, for each n in on_layers_at (a pipelined
+    # prompt's layer groups, prefill_worker/pipeline.py); rank 0 only.
     on_layers: Callable[[int], None] | None = None
+    on_layers_at: frozenset[int] = frozenset()
 
 
 @dataclass

@@ -353,8 +353,8 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------
     def step(self, on_layers=None) -> list[RequestOutput]:
-        """One step: plan, execute, apply. ``on_layers(plan, n)``: called as the step's first n layers are computed
-        (a prefill worker's pipelined hand-off, prefill_worker/pipeline.py)."""
+        """One step: plan, execute, apply. ``on_layers(plan)``: the step's ``ModelRunner.execute`` ``on_layers``,
+        or None (a prefill worker's pipelined hand-off, prefill_worker/pipeline.py)."""
         started = time.perf_counter()
         if self._speculating:
             self.speculator.propose(self.scheduler.running)
@@ -362,7 +362,7 @@ class LLMEngine:
         advanced: list[Sequence] = []
         if plan:
             shape = plan.shape()
-            hook = None if on_layers is None else (lambda n: on_layers(plan, n))
+            hook = None if on_layers is None else on_layers(plan)
             sample = self.runner.execute(plan, self.structured.mask if self.structured.live else None, hook)
             for i, seq in enumerate(sample.seqs):
                 if seq.params.logprobs is not None and sample.logprobs is not None:

@@ -374,8 +374,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan, constrain=None, on_layers=None) -> StepSample:
         """Run one step; returns what each sampling sequence emitted. ``constrain(logits, seqs, drafts)``: masks
-        the logits in place before sampling (structured output). ``on_layers(n)``: called as the step's first n
-        layers are done, their KV in the pool (on a GPU, once the device has written it)."""
+        the logits in place before sampling (structured output). ``on_layers``: ``(counts, call)``, ``call(n)`` as
+        the step's first n layers are done, for each n in ``counts``, their KV in the pool (on a GPU, once the device
+        has written it: only those layers wait for it)."""
         if self.fault_hang_token is not None and any(self.fault_hang_token in seq.prompt_token_ids
                                                      for seq in plan.seqs):
             log.warning("fault injection: this step hangs (testing.fault_hang_token)")
@@ -383,8 +384,9 @@ class ModelRunner:
                 time.sleep(3600)
         prepared = self.prepare(plan)
         if on_layers is not None:
-            prepared.context.on_layers = on_layers if self.device.type != "cuda" else _after_device(on_layers,
-                                                                                                    self.device)
+            counts, call = on_layers
+            prepared.context.on_layers = call if self.device.type != "cuda" else _after_device(call, self.device)
+            prepared.context.on_layers_at = counts
         if not prepared.sample_seqs:
             self.forward(prepared)
             return StepSample([], [])

@@ -68,9 +68,13 @@ def test_each_chunk_reports_the_blocks_it_fills_once_per_group_and_a_preemption_
     seq = SimpleNamespace(request_id="r", num_computed_tokens=6, num_preemptions=0, block_table=[10, 11, 12, 13])
     other = SimpleNamespace(request_id="plain", num_computed_tokens=0, num_preemptions=0, block_table=[20])
     plan = SimpleNamespace(seqs=[other, seq], num_new_tokens=[3, 8])  # tokens 6..13: blocks 1 and 2 fill
-    hook = progress.hook(epoch=9)
+    counts, report = progress.hook(epoch=9)(plan)
+    assert counts == {2, 4, 6}  # only the groups' ends: on a GPU each report waits for the device
+    short = SimpleNamespace(seqs=[other, seq], num_new_tokens=[3, 1])  # token 6 only: no block fills
+    assert progress.hook(epoch=9)(short) is None
     for layers_done in range(1, 7):
-        hook(plan, layers_done)
+        if layers_done in counts:
+            report(layers_done)
     assert [(m.first_block, m.block_ids, m.layer_start, m.layer_end) for m in sent] == [
         (1, [11, 12], 0, 2), (1, [11, 12], 2, 4), (1, [11, 12], 4, 6)]
     assert {(m.request_id, m.epoch, m.generation) for m in sent} == {("r", 9, 0)}

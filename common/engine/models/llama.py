@@ -361,10 +361,11 @@ class LlamaForCausalLM(nn.Module):
                 return self.fused_decode(x, positions, ctx)
         rope = StepRope(self.rope, positions, x.dtype)
         residual = None
-        on_layers = getattr(get_step_context(), "on_layers", None)  # an embedding's EncodeContext has none
+        ctx = get_step_context()
+        on_layers = getattr(ctx, "on_layers", None)  # an embedding's EncodeContext has none
         for i, layer in enumerate(self.layers):
             x, residual = layer(rope, x, residual)
-            if on_layers is not None:
+            if on_layers is not None and i + 1 in ctx.on_layers_at:
                 on_layers(i + 1)
         x, _ = self.norm(x, residual)
         return x
