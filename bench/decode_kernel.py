@@ -66,12 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-weight-only-rows", type=int, default=None,
                         help="int8: quantization.INT8_WEIGHT_ONLY_ROWS while the torch path runs (0: W8A8 for "
                         "every row), to compare the weight-only kernel with W8A8 at a few rows")
-    parser.add_argument("--max-batch", type=int, default=None,
-                        help="engine.decode_kernel_max_batch (the config's default when left out)")
+    parser.add_argument("--max-batch", type=int, default=64,
+                        help="engine.decode_kernel_max_batch: the most rows through the kernel (-1: as a worker "
+                        "chooses, timing both ways at load)")
     args = parser.parse_args(argv)
     sizes = [int(r) for r in args.rows.split(",")]
     torch.set_flush_denormal(True)  # as in a worker process
-    options = {} if args.max_batch is None else {"decode_kernel_max_batch": args.max_batch}
+    options = {"decode_kernel_max_batch": args.max_batch}
     from bench.peers.compare import served_model
     model_path = served_model(args.model, args.dtype).prepare(args.dtype)
     engine = LLMEngine(EngineConfig(model=str(model_path), dtype=args.dtype, quantization=args.quantization,

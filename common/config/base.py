@@ -339,10 +339,12 @@ class EngineConfig:
     enable_chunked_prefill: Bool = option(True, "split prompts longer than the step budget into chunks; "
                                           "off means a prompt must fit one step's token budget")
     num_threads: Int | None = option(None, "torch CPU threads; null keeps torch's default", ge=1)
-    decode_kernel_max_batch: Int = option(32, "CPU decode steps of at most this many rows (and no prompt chunk) "
+    decode_kernel_max_batch: Int = option(-1, "CPU decode steps of at most this many rows (and no prompt chunk) "
                                           "run the whole forward in one C call (kernels/decode_forward.c); "
-                                          "at most 8 with int8 or float32 weights or without AVX512-BF16; 0 "
-                                          "keeps every step on the torch path", ge=0, le=64)
+                                          "-1: as many as a step timed both ways at load finds the kernel ahead "
+                                          "of the torch path (which moves with the model's size), up to 32; at "
+                                          "most 8 with int8 or float32 weights or without AVX512-BF16; 0 keeps "
+                                          "every step on the torch path", ge=-1, le=64)
     prepack_weights: Bool = option(True, "CPU bfloat16: keep each linear weight a second time in oneDNN's "
                                    "blocked layout for steps of several rows (F.linear reorders the plain weight "
                                    "on every call); costs the linear weights' memory once more")

@@ -46,6 +46,24 @@ log = logging.getLogger(__name__)
 # Tokens per forward of the int8 calibration text (``ModelRunner._calibrate``): small enough for any pool a
 # worker serves with, so every worker measures the same ranges.
 CALIBRATION_WINDOW = 256
+# Row counts at which the one-call decode kernel is timed against the torch path at load; the last is the most it
+# takes by timing (``decode_kernel_max_batch: -1``).
+DECODE_ROW_RUNGS = (1, 2, 4, 8, 16, 24, 32)
+
+
+def largest_rung(rungs: list[int], ahead) -> int:
+    """The largest of ``rungs`` (ascending; the first taken as ahead untimed) at which ``ahead(rows)`` holds,
+    by bisection: a kernel ahead at some rows is taken to be ahead at fewer."""
+    if len(rungs) == 1 or ahead(rungs[-1]):
+        return rungs[-1]
+    low, high = 0, len(rungs) - 1  # ahead at low, behind at high
+    while high - low > 1:
+        middle = (low + high) // 2
+        if ahead(rungs[middle]):
+            low = middle
+        else:
+            high = middle
+    return rungs[low]
 
 
 @dataclass
@@ -157,9 +175,11 @@ class ModelRunner:
         # where the layer-by-layer path rounds (engine.deterministic needs both paths' rows to agree).
         if (self.device.type == "cpu" and self.attention.name == "cpu_paged" and config.decode_kernel_max_batch
                 and self.tp.size == 1):
-            self.model.fused_decode = FusedDecode(self.model, config.decode_kernel_max_batch)
-            if config.quantization == "int8":
-                self._choose_int8_decode_rows()
+            timed = config.decode_kernel_max_batch < 0
+            self.model.fused_decode = FusedDecode(self.model, DECODE_ROW_RUNGS[-1] if timed
+                                                  else config.decode_kernel_max_batch)
+            if timed:
+                self._choose_decode_rows()
         self.sampler = Sampler()
         if self.ranks is not None:
             self.ranks.wait_ready()
@@ -173,18 +193,22 @@ class ModelRunner:
             resident_bytes() / 2**30,
         )
 
-    def _choose_int8_decode_rows(self) -> None:
-        """int8: the most rows the weight-only one-call kernel keeps, from timing a decode step's forward both ways
-        now, on pages nothing owns yet. The kernel widens every int8 weight per row, while W8A8 through torch
-        pays a fixed cost per operator, so the crossover moves with the model (Zen 4: 4 rows at 135M, 1 at
-        1B; ``bench.decode_kernel --quantization int8 --torch-weight-only-rows 0``). Either way is exact to its
-        own numerics; only which one a step of a few rows takes changes."""
+    def _choose_decode_rows(self) -> None:
+        """The most rows the one-call kernel keeps, where ``decode_kernel_max_batch`` leaves it to timing (-1):
+        a decode step's forward timed through the kernel and through the torch path now, on pages nothing owns
+        yet, at rung counts of ``DECODE_ROW_RUNGS`` up to the kernel's limit. The kernel reads each weight once
+        for all its rows, so it wins while a step is bound by reading the weights; past a few rows of a large
+        model a step is bound by its products, where oneDNN's blocked matmuls win (bfloat16, Zen 4: the kernel
+        ahead up to 32 rows at 135M, up to 2 at the 1B shape; int8 widens every weight per row, against W8A8:
+        4 rows at 135M, 1 at 1B; ``bench.decode_kernel --model 1b``). Either way is exact to its own numerics;
+        only which one a step of some rows takes changes."""
         fused, bs = self.model.fused_decode, self.config.block_size
-        limit, chosen = fused.max_rows, 1
+        rungs = [rows for rows in DECODE_ROW_RUNGS if rows <= min(fused.max_rows, self.num_blocks)]
+        if not fused.available or not rungs:
+            return  # no kernel built (no compiler): every step takes the torch path
         started = time.monotonic()
-        for rows in (2, 4, 8):
-            if rows > limit or rows > self.num_blocks:
-                break
+
+        def kernel_ahead(rows: int) -> bool:
             seqs = []
             for i in range(rows):
                 seq = Sequence(f"timing-{i}", [1 + i] * bs, SamplingParams(), seed=0)
@@ -200,12 +224,12 @@ class ModelRunner:
                 self.model.fused_decode = None
                 self.forward(prepared)
                 kernel, torch_path = min(kernel, middle - start), min(torch_path, time.perf_counter() - middle)
-            if kernel > torch_path:
-                break
-            chosen = rows
+            return kernel <= torch_path
+
+        chosen = largest_rung(rungs, kernel_ahead)
         fused.max_rows, self.model.fused_decode = chosen, fused
-        log.info("int8 decode: the weight-only kernel up to %d row(s), W8A8 past them (timed in %.1fs)", chosen,
-                 time.monotonic() - started)
+        log.info("decode steps: kernels/decode_forward.c up to %d row(s), the torch path past them (timed in "
+                 "%.1fs; engine.decode_kernel_max_batch)", chosen, time.monotonic() - started)
 
     def _kv_budget(self) -> int:
         """The KV pool's bytes: ``kv_cache_memory_fraction`` of the device memory the weights leave, else

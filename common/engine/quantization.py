@@ -58,7 +58,7 @@ from common.text.tokenizer import Tokenizer
 SMALL_BATCH_ROWS = 8  # rows the small-batch kernels take with int8 or float32 weights: decode_forward.c
 # Rows up to which the torch path's int8 layers take the weight-only kernels (tessera_linear_int8, and the LM
 # head after the one-call kernel); more rows take W8A8. The one-call kernel's own limit for int8 is timed at
-# load (ModelRunner._choose_int8_decode_rows): widening int8 weights in registers reads them at memory speed for
+# load (ModelRunner._choose_decode_rows): widening int8 weights in registers reads them at memory speed for
 # one row but costs a conversion per product, so from two rows a lone layer's W8A8 wins (1B shape, Zen 4: one
 # row 25 ms against 32, two 36 against 31, eight 114 against 35;
 # ``python -m bench.decode_kernel --model 1b --quantization int8 --torch-weight-only-rows 0``).

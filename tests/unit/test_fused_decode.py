@@ -8,7 +8,7 @@ import torch
 
 from common.config.base import ConfigError, EngineConfig
 from common.engine.llm_engine import LLMEngine
-from common.engine.model_runner import ModelRunner
+from common.engine.model_runner import DECODE_ROW_RUNGS, ModelRunner, largest_rung
 from common.engine.models.llama import decode_forward_kernel
 from common.engine.native import cpu_has
 from common.engine.quantization import (INT8_WEIGHT_ONLY_ROWS, input_absmax, linear_int8, mlp_int8, quant_kernels,
@@ -60,6 +60,7 @@ def tiny_dir(request, tmp_path_factory):
 
 def runner_for(path, **options) -> ModelRunner:
     options.setdefault("num_kv_blocks", 64)
+    options.setdefault("decode_kernel_max_batch", 32)  # pinned: these tests choose each step's path themselves
     return ModelRunner(EngineConfig(model=str(path), block_size=16, **options), path)
 
 
@@ -104,11 +105,36 @@ def test_only_bfloat16_weights_take_more_than_eight_rows(tiny_dir):
     wide = 40 if cpu_has("avx512_bf16") else 8  # elsewhere bf16 weights are widened to float32 products too
     assert runner_for(tiny_dir, dtype="bfloat16", decode_kernel_max_batch=40).model.fused_decode.max_rows == wide
     assert runner_for(tiny_dir, decode_kernel_max_batch=40).model.fused_decode.max_rows == 8
-    # int8: as many as timing at load found the weight-only kernel ahead of W8A8, of at most 8
     int8 = runner_for(tiny_dir, dtype="bfloat16", quantization="int8", decode_kernel_max_batch=40)
-    assert int8.model.fused_decode.max_rows in (1, 2, 4, 8)
+    assert int8.model.fused_decode.max_rows == 8
     assert runner_for(tiny_dir, dtype="bfloat16", quantization="int8",
-                      decode_kernel_max_batch=3).model.fused_decode.max_rows in (1, 2)
+                      decode_kernel_max_batch=3).model.fused_decode.max_rows == 3
+
+
+@pytest.mark.parametrize("dtype,quantization", [("bfloat16", "none"), ("bfloat16", "int8"), ("float32", "none")])
+def test_left_to_timing_the_kernel_keeps_a_rung_within_its_limit(tiny_dir, dtype, quantization, caplog):
+    limit = 32 if dtype == "bfloat16" and quantization == "none" and cpu_has("avx512_bf16") else 8
+    with caplog.at_level("INFO", logger="common.engine.model_runner"):
+        runner = runner_for(tiny_dir, dtype=dtype, quantization=quantization, decode_kernel_max_batch=-1)
+    chosen = runner.model.fused_decode.max_rows
+    assert chosen in DECODE_ROW_RUNGS and chosen <= limit
+    assert f"decode_forward.c up to {chosen} row(s)" in caplog.text
+    # the pages the timing used are free again: nothing owns them, and a step on them still runs
+    fused, reference = logits_both_ways(runner, decoding_batch(runner, min(chosen, 3), seed=40))
+    assert fused.shape == reference.shape
+
+
+def test_the_largest_rung_is_found_by_bisection():
+    rungs = [1, 2, 4, 8, 16, 24, 32]
+    for crossover in rungs:
+        asked = []
+
+        def ahead(rows: int) -> bool:
+            asked.append(rows)
+            return rows <= crossover
+        assert largest_rung(rungs, ahead) == crossover
+        assert len(asked) <= 4 and 1 not in asked  # one row is the kernel's without timing
+    assert largest_rung([1], lambda rows: False) == 1
 
 
 def test_quantize_rows_is_within_half_a_step_of_every_weight():

@@ -437,12 +437,17 @@ class FusedDecode:
         # bf16 weights on a CPU with AVX512-BF16 take dot products 32 at a time and beat the torch path up to
         # about 48 rows (Zen 4); elsewhere, and for int8 and float32 weights, the kernel widens the weights to
         # float32 products, which past 8 rows lose to oneDNN.
-        # int8 weights: the model runner lowers this by timing it against W8A8 through torch at load.
+        # decode_kernel_max_batch -1: the model runner lowers this by timing it against the torch path at load.
         wide = model.layers[0].self_attn.qkv_proj.weight.dtype is torch.bfloat16 and cpu_has("avx512_bf16")
         self.max_rows = min(max_rows, FUSED_MAX_ROWS if wide else SMALL_BATCH_ROWS)
         self._kernel = decode_forward_kernel() if self.max_rows > 0 else None
         self._layers: torch.Tensor | None = None  # [num_layers, 18] int64 addresses, built on first use
         self._pool_key: tuple | None = None
+
+    @property
+    def available(self) -> bool:
+        """Whether the kernel was built (it needs a C compiler at run time)."""
+        return self._kernel is not None
 
     def usable(self, ctx, num_rows: int) -> bool:
         return (self._kernel is not None and not ctx.chunks and ctx.decode_rows is not None
