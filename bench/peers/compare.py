@@ -26,8 +26,9 @@ before each point is recorded with it, and for Tessera the share of its requests
 computed (from the proxy's ``/metrics``: prefill dispatches less failed KV pulls, over decode dispatches).
 
 The run also measures the machine's streaming read bandwidth (``bench.roofline.read_bandwidth``) before the
-first server starts: the weights' bytes over it is the least time a decode step of one stream can take, and
-the table gives each server's one-stream TPOT as a multiple of it.
+first server starts, and again before each server's one-stream point: the weights' bytes over it is the least
+time a decode step of one stream can take, and the table gives each server's one-stream TPOT as a multiple of
+the one measured just before it (on shared virtual machines the bandwidth drifts between servers).
 """
 from __future__ import annotations
 
@@ -191,7 +192,7 @@ def run_point(server: Server, point: Point, args, model: ServedModel, result_dir
                                                 "median_tpot_ms", "p99_tpot_ms", "median_itl_ms")}}
 
 
-def table(rows: list[dict], args, roofline_ms: float) -> str:
+def table(rows: list[dict], args, weight_bytes: int) -> str:
     by = {(row["server"], row["point"]): row for row in rows}
     sat, rate, one = (p.name for p in points(args))
     base = {key: by.get(("vllm", point)) for key, point in (("sat", sat), ("rate", rate), ("one", one))}
@@ -207,7 +208,8 @@ def table(rows: list[dict], args, roofline_ms: float) -> str:
 
     lines = [f"| server | out tok/s at saturation | TTFT p50 / p99 ms at saturation | TPOT p50 ms at {rate} | "
              f"TTFT p50 ms at {rate} | TPOT p50 ms, one stream | one-stream TPOT over the roofline (1.0: the "
-             "physical limit; lower is better) | prefilled by a prefill worker (sat / rate / one) | "
+             "physical limit; lower is better), at the read bandwidth measured just before | "
+             "prefilled by a prefill worker (sat / rate / one) | "
              "load before (sat / rate / one) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for server in SERVERS:
@@ -220,8 +222,10 @@ def table(rows: list[dict], args, roofline_ms: float) -> str:
         remote = " / ".join(f"{by[(server, p)]['remote_prefill']:.0%}"
                             if by.get((server, p), {}).get("remote_prefill") is not None else "—"
                             for p in (sat, rate, one))
-        one_tpot = (by.get((server, one)) or {}).get("median_tpot_ms")
-        over_roofline = f"{one_tpot / roofline_ms:.2f}×" if one_tpot else "—"
+        one_row = by.get((server, one)) or {}
+        one_tpot, bandwidth = one_row.get("median_tpot_ms"), one_row.get("read_bandwidth")
+        over_roofline = f"{one_tpot / (weight_bytes / bandwidth * 1e3):.2f}× ({bandwidth / 1e9:.1f} GB/s)" \
+            if one_tpot and bandwidth else "—"
         lines.append(f"| {server} | {cell(server, sat, 'output_throughput', 'sat')} | {ttft} | "
                      f"{cell(server, rate, 'median_tpot_ms', 'rate')} | {cell(server, rate, 'median_ttft_ms', 'rate')} | "
                      f"{cell(server, one, 'median_tpot_ms', 'one')} | {over_roofline} | {remote} | {loads} |")
@@ -232,6 +236,9 @@ def report(rows: list[dict], args, model: ServedModel, weights: tuple[int, int],
     """The results file: how the run was made, the model and its roofline, and the table."""
     parameters, weight_bytes = weights
     roofline_ms = weight_bytes / bandwidth * 1e3
+    measured = [row["read_bandwidth"] / 1e9 for row in rows if row.get("read_bandwidth")]
+    spread = (f" (before each server's one-stream point: {min(measured):.1f}-{max(measured):.1f} GB/s)"
+              if measured else "")
     model_flag = f"--model {args.model} " if model.label else ""
     command = (f"bash bench/peers/install_vllm.sh && .venv/bin/python -m bench.peers.compare {model_flag}"
                f"--dtype {args.dtype} --num-prompts {args.num_prompts} --single-prompts {args.single_prompts} "
@@ -243,11 +250,13 @@ def report(rows: list[dict], args, model: ServedModel, weights: tuple[int, int],
             f"server in turn, fresh prompts per point (seeds {args.seed}..{args.seed + 2}). Ratios are against "
             f"vLLM in this run (TPOT and TTFT: lower is better).\n\n"
             f"Model: {model.name}, {parameters:,} parameters, {weight_bytes / 1e9:.2f} GB of weights in "
-            f"{args.dtype}. Streaming read bandwidth in this run: {bandwidth / 1e9:.1f} GB/s (`sum()` over "
-            f"{READ_BYTES >> 30} GiB of float32 on every core, best of {READ_PASSES}), so one decode step, which "
-            f"reads every weight once, takes at least {roofline_ms:.2f} ms: the roofline. tessera-agg-int8 reads "
-            f"int8 weights, a byte each, fewer bytes than the roofline counts: its ratio can go below 1.0.\n\n"
-            f"    {command}\n\n{table(rows, args, roofline_ms)}")
+            f"{args.dtype}. Streaming read bandwidth at the start of this run: {bandwidth / 1e9:.1f} GB/s{spread} "
+            f"(`sum()` over {READ_BYTES >> 30} GiB of float32 on every core, best of {READ_PASSES}), so one decode "
+            f"step, which reads every weight once, takes at least {roofline_ms:.2f} ms: the roofline. On these "
+            f"virtual machines the bandwidth moves by a quarter within an hour, so each server's one-stream TPOT is "
+            f"set against the bandwidth measured just before its one-stream point. tessera-agg-int8 reads int8 "
+            f"weights, a byte each, fewer bytes than the roofline counts: its ratio can go below 1.0.\n\n"
+            f"    {command}\n\n{table(rows, args, weight_bytes)}")
 
 
 def cpu_line() -> str:
@@ -314,7 +323,10 @@ def main(argv: list[str] | None = None) -> int:
             server = Server(name, args, model, log_dir)
             try:
                 for point in points(args):
+                    # the memory-bound point against the bandwidth of its own minutes (it drifts on shared hosts)
+                    measured = read_bandwidth() if point.concurrency == 1 else None
                     row = run_point(server, point, args, model, Path(tmp))
+                    row["read_bandwidth"] = measured
                     print(json.dumps(row), flush=True)
                     rows.append(row)
             finally:

@@ -44,12 +44,15 @@ def test_results_files_name_the_model_unless_it_is_the_embedded_one():
 def test_the_report_gives_one_stream_tpot_over_the_roofline(tmp_path):
     args = argparse.Namespace(model="1b", dtype="bfloat16", input_len=256, output_len=64, num_prompts=8,
                               single_prompts=4, rate=2.0, seed=100)
+    # each server's one-stream TPOT against the bandwidth measured just before its point (roofline 10 and 20 ms)
     rows = [{"server": server, "point": "one stream", "load_before": 0.5, "remote_prefill": None,
-             "median_tpot_ms": tpot} for server, tpot in (("vllm", 20.0), ("tessera-agg", 13.0))]
+             "median_tpot_ms": tpot, "read_bandwidth": measured}
+            for server, tpot, measured in (("vllm", 20.0, 164.4302336e9), ("tessera-agg", 13.0, 82.2151168e9))]
     model = served_model("1b", "bfloat16", cache_dir=tmp_path)
     text = report(rows, args, model, (822_151_168, 1_644_302_336), bandwidth=164.4302336e9)  # roofline: 10 ms
     assert "Model: random-1b-bfloat16-s0, 822,151,168 parameters, 1.64 GB of weights in bfloat16" in text
     assert "164.4 GB/s" in text and "at least 10.00 ms" in text and "--model 1b " in text
     lines = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| ")}
     assert "one-stream TPOT over the roofline" in lines["| server"]
-    assert " | 2.00× | " in lines["| vllm"] and " | 1.30× | " in lines["| tessera-agg"]
+    assert " | 2.00× (164.4 GB/s) | " in lines["| vllm"] and " | 0.65× (82.2 GB/s) | " in lines["| tessera-agg"]
+    assert "before each server's one-stream point: 82.2-164.4 GB/s" in text
