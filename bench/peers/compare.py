@@ -253,7 +253,7 @@ def report(rows: list[dict], args, model: ServedModel, weights: tuple[int, int],
             f"{args.dtype}. Streaming read bandwidth at the start of this run: {bandwidth / 1e9:.1f} GB/s{spread} "
             f"(`sum()` over {READ_BYTES >> 30} GiB of float32 on every core, best of {READ_PASSES}), so one decode "
             f"step, which reads every weight once, takes at least {roofline_ms:.2f} ms: the roofline. On these "
-            f"virtual machines the bandwidth moves by a quarter within an hour, so each server's one-stream TPOT is "
+            f"virtual machines the bandwidth can move by half within one run, so each server's one-stream TPOT is "
             f"set against the bandwidth measured just before its one-stream point. tessera-agg-int8 reads int8 "
             f"weights, a byte each, fewer bytes than the roofline counts: its ratio can go below 1.0.\n\n"
             f"    {command}\n\n{table(rows, args, weight_bytes)}")
