@@ -341,10 +341,11 @@ class EngineConfig:
     num_threads: Int | None = option(None, "torch CPU threads; null keeps torch's default", ge=1)
     decode_kernel_max_batch: Int = option(-1, "CPU decode steps of at most this many rows (and no prompt chunk) "
                                           "run the whole forward in one C call (kernels/decode_forward.c); "
-                                          "-1: as many as a step timed both ways at load finds the kernel ahead "
-                                          "of the torch path (which moves with the model's size), up to 32; at "
-                                          "most 8 with int8 or float32 weights or without AVX512-BF16; 0 keeps "
-                                          "every step on the torch path", ge=-1, le=64)
+                                          "-1: with bfloat16 or int8 weights, as many as a step timed both ways "
+                                          "at load finds the kernel ahead of the torch path (which moves with the "
+                                          "model's size), up to 32, and 8 with float32 weights; at most 8 with "
+                                          "int8 or float32 weights or without AVX512-BF16; 0 keeps every step on "
+                                          "the torch path", ge=-1, le=64)
     prepack_weights: Bool = option(True, "CPU bfloat16: keep each linear weight a second time in oneDNN's "
                                    "blocked layout for steps of several rows (F.linear reorders the plain weight "
                                    "on every call); costs the linear weights' memory once more")

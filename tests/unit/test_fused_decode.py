@@ -111,7 +111,7 @@ def test_only_bfloat16_weights_take_more_than_eight_rows(tiny_dir):
                       decode_kernel_max_batch=3).model.fused_decode.max_rows == 3
 
 
-@pytest.mark.parametrize("dtype,quantization", [("bfloat16", "none"), ("bfloat16", "int8"), ("float32", "none")])
+@pytest.mark.parametrize("dtype,quantization", [("bfloat16", "none"), ("bfloat16", "int8"), ("float32", "int8")])
 def test_left_to_timing_the_kernel_keeps_a_rung_within_its_limit(tiny_dir, dtype, quantization, caplog):
     limit = 32 if dtype == "bfloat16" and quantization == "none" and cpu_has("avx512_bf16") else 8
     with caplog.at_level("INFO", logger="common.engine.model_runner"):
@@ -122,6 +122,12 @@ def test_left_to_timing_the_kernel_keeps_a_rung_within_its_limit(tiny_dir, dtype
     # the pages the timing used are free again: nothing owns them, and a step on them still runs
     fused, reference = logits_both_ways(runner, decoding_batch(runner, min(chosen, 3), seed=40))
     assert fused.shape == reference.shape
+
+
+def test_float32_weights_keep_the_kernels_fixed_limit_untimed(tiny_dir, caplog):
+    with caplog.at_level("INFO", logger="common.engine.model_runner"):
+        runner = runner_for(tiny_dir, dtype="float32", decode_kernel_max_batch=-1)
+    assert runner.model.fused_decode.max_rows == 8 and "decode_forward.c up to" not in caplog.text
 
 
 def test_the_largest_rung_is_found_by_bisection():
