@@ -130,7 +130,7 @@ def test_float32_weights_keep_the_kernels_fixed_limit_untimed(tiny_dir, caplog):
     assert runner.model.fused_decode.max_rows == 8 and "decode_forward.c up to" not in caplog.text
 
 
-def test_the_largest_rung_is_found_by_bisection():
+def test_the_kernel_keeps_the_rungs_below_the_first_it_falls_behind_at():
     rungs = [1, 2, 4, 8, 16, 24, 32]
     for crossover in rungs:
         asked = []
@@ -139,7 +139,10 @@ def test_the_largest_rung_is_found_by_bisection():
             asked.append(rows)
             return rows <= crossover
         assert largest_rung(rungs, ahead) == crossover
-        assert len(asked) <= 4 and 1 not in asked  # one row is the kernel's without timing
+        assert asked[0] == 32 and 1 not in asked  # one row is the kernel's without timing
+        assert len(asked) == (1 if crossover == 32 else 1 + rungs.index(crossover) + (crossover < 24))
+    # behind at 4 rows, ahead again at 8 (as at the 1B shape): the scan stops at the first rung it falls behind at
+    assert largest_rung(rungs, lambda rows: rows in (1, 2, 8)) == 2
     assert largest_rung([1], lambda rows: False) == 1
 
 
