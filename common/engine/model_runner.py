@@ -201,12 +201,12 @@ class ModelRunner:
     def _choose_decode_rows(self) -> None:
         """The most rows the one-call kernel keeps, where ``decode_kernel_max_batch`` leaves it to timing (-1):
         a decode step's forward timed through the kernel and through the torch path now, on pages nothing owns
-        yet, at rung counts of ``DECODE_ROW_RUNGS`` up to the kernel's limit (``largest_rung``). The kernel reads each weight once
-        for all its rows, so it wins while a step is bound by reading the weights; past a few rows of a large
-        model a step is bound by its products, where oneDNN's blocked matmuls win (bfloat16, Zen 4: the kernel
-        ahead up to 32 rows at 135M, up to 2 at the 1B shape; int8 widens every weight per row, against W8A8:
-        4 rows at 135M, 1 at 1B; ``bench.decode_kernel --model 1b``). Either way is exact to its own numerics;
-        only which one a step of some rows takes changes."""
+        yet, at rung counts of ``DECODE_ROW_RUNGS`` up to the kernel's limit (``largest_rung``). The kernel
+        reads each weight once for all its rows, so it wins while a step is bound by reading the weights; past
+        a few rows of a large model a step is bound by its products, where oneDNN's blocked matmuls win
+        (bfloat16, Zen 4: the kernel ahead up to 32 rows at 135M, up to 2 at the 1B shape; int8 widens every
+        weight per row, against W8A8: 4 rows at 135M, 1 at 1B; ``bench.decode_kernel --model 1b``). Either way
+        is exact to its own numerics; only which one a step of some rows takes changes."""
         fused, bs = self.model.fused_decode, self.config.block_size
         rungs = [rows for rows in DECODE_ROW_RUNGS if rows <= min(fused.max_rows, self.num_blocks)]
         if not fused.available or not rungs:
