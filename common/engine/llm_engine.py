@@ -161,11 +161,9 @@ class LLMEngine:
         self._aborted: list[str] = []  # reported (as finished) by the next step
         self._failed: list[str] = []  # failed in this step (non-finite logits): reported by it
         self.stats = EngineStats()
-        # What a step costs, fitted online from every step run here (heartbeats report it to the proxy). The
-        # one-call kernel's steps are a regime of their own only where it takes two or more row counts (a regime
-        # is reported once seen at two): a kernel kept for one row (a large model) fits with the torch path's.
+        # What a step costs, fitted online from every step run here (heartbeats report it to the proxy)
         fused = self.runner.model.fused_decode
-        self.step_timer = StepTimer(fused.max_rows if fused is not None and fused.max_rows >= 2 else 0)
+        self.step_timer = StepTimer(fused.max_rows if fused is not None else 0)
 
     # ---- requests -----------------------------------------------------------
     def add_request(

@@ -86,7 +86,9 @@ class StepTimer:
 
     def __init__(self, small_max_rows: int, half_life: float = 500.0, min_samples: int = 20,
                  refit_s: float = 0.5) -> None:
-        self.small_max_rows = small_max_rows
+        # a regime is reported once seen at two row counts: the kernel's steps of one row alone (a large model
+        # keeps it for one) could never be, so they fit with the torch path's
+        self.small_max_rows = small_max_rows if small_max_rows >= 2 else 0
         self.min_samples = min_samples
         self.refit_s = refit_s  # ``report`` refits at most this often
         decay = 0.5 ** (1.0 / half_life)

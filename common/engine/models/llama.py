@@ -434,10 +434,10 @@ class FusedDecode:
 
     def __init__(self, model, max_rows: int) -> None:
         self.model = model
-        # bf16 weights on a CPU with AVX512-BF16 take dot products 32 at a time and beat the torch path up to
-        # about 48 rows (Zen 4); elsewhere, and for int8 and float32 weights, the kernel widens the weights to
-        # float32 products, which past 8 rows lose to oneDNN.
-        # decode_kernel_max_batch -1: the model runner lowers this by timing it against the torch path at load.
+        # bf16 weights on a CPU with AVX512-BF16 take dot products 32 at a time, up to FUSED_MAX_ROWS rows;
+        # elsewhere, and for int8 and float32 weights, the kernel widens the weights to float32 products, which
+        # past 8 rows lose to oneDNN. Where it wins moves with the model (Zen 4, bf16: to about 48 rows at 135M,
+        # 2 at the 1B shape): with decode_kernel_max_batch -1 the model runner lowers this by timing at load.
         wide = model.layers[0].self_attn.qkv_proj.weight.dtype is torch.bfloat16 and cpu_has("avx512_bf16")
         self.max_rows = min(max_rows, FUSED_MAX_ROWS if wide else SMALL_BATCH_ROWS)
         self._kernel = decode_forward_kernel() if self.max_rows > 0 else None
