@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.device_steps import STEPS
+from bench.device_steps import GPU_TEST_FILES, STEPS
 
 # Each step's own limit in seconds on a GPU; the sum is over the budget on purpose, since each usually ends
 # well inside its limit and the budget clips the last ones.
@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokenizer-from", default=None, help="a model directory whose tokenizer the random "
                         "models take (default: the embedded model's; .whl/tokenizer on the lent machine)")
     parser.add_argument("--steps", default=",".join(TIMEOUTS_S), help="which steps, in their fixed order")
+    parser.add_argument("--gpu-tests", default=GPU_TEST_FILES, help="the gpu_tests step's test files, comma-separated "
+                        "(on a CPU their CUDA tests skip and the Triton kernel's run in its interpreter)")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="the whole check's limit")
     parser.add_argument("--timeout-scale", type=float, default=1.0, help="multiplies every step's own limit")
     parser.add_argument("--step", default=None, help=argparse.SUPPRESS)  # one step, in this process

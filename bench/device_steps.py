@@ -96,8 +96,11 @@ def model_dir(args, shape: str) -> Path:
     return Path(args.work) / "models" / f"random-{shape}-{args.dtype}"
 
 
+GPU_TEST_FILES = "tests/unit/test_triton_attention.py,tests/unit/test_gpu_path.py"
+
+
 def gpu_tests(args) -> dict:
-    files = ["tests/unit/test_triton_attention.py", "tests/unit/test_gpu_path.py"]
+    files = args.gpu_tests.split(",")
     # The engine-level greedy test needs the embedded model, which is downloaded: no network on the lent machine.
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *files,
                "--deselect", "tests/unit/test_gpu_path.py::test_gpu_engine_greedy_matches_cpu"]
