@@ -56,10 +56,6 @@ WAITS = {
     "test_tenants.py", "test_conversation_store.py", "test_stream_takeover.py", "test_sim_worker.py",
     # an idle cluster for many heartbeat timeouts; in this lane its module's cluster fixture starts one of its own
     "test_fault_scenarios.py::test_an_idle_cluster_then_a_burst",
-    # clusters whose KV pulls are held back past their lease (2.5 s a pull, prefill pages for four prompts at a
-    # time) or for 5 s while clients leave: 31 and 30 s in the compute lane, waiting for most of it
-    "test_fault_scenarios.py::test_a_kv_pull_delayed_past_the_lease_is_recomputed_never_read_from_freed_pages",
-    "test_fault_scenarios.py::test_aborts_while_waiting_for_remote_kv_leak_nothing",
 }
 COMPUTE_UNIT = {
     "test_embedder.py", "test_engine_embedded.py", "test_engine_resume.py", "test_fused_decode.py",
