@@ -60,11 +60,16 @@ static inline float act_at(const void *p, int bf16, int64_t i) {
 }
 
 #define ROW_BLOCK 4 /* weight rows per work item: four independent sums per x row keep the FMA units busy */
-/* From this many x rows, bf16 weights go through dot_block_bf16 (4 x rows against a block of weight rows) instead
- * of one x row at a time: 6-8 rows 10-40% faster, 2-4 rows 5% slower (Zen 4). */
+/* From this many x rows, bf16 weights go through dot_block_bf16 (up to X_BLOCK x rows against a block of weight
+ * rows) instead of one x row at a time: 6-8 rows 10-40% faster, 2-4 rows 5% slower (Zen 4). */
 #ifndef BLOCKED_ROWS_MIN
 #define BLOCKED_ROWS_MIN 5
 #endif
+/* x rows per pass over a block of weight rows: 6 x 4 sums in registers, 10 loads for 24 products. With 4 x rows
+ * (8 loads for 16), Zen 4's loads were the bound: at the 135M shape 6 rows made the linears of a 16-32 row step
+ * 10-13% faster, at the 1B shape 4-12%. Each sum is the same either way (one accumulator per x row and weight
+ * row, reduced by the same tree), so the row count per pass never changes a result. */
+#define X_BLOCK 6
 /* The weight rows W_PREFETCH_AHEAD blocks ahead are prefetched into L2 (prefetcht1) as a block is read. The
  * hardware prefetchers alone left a 1-row step at 20 GB/s of the weights on Zen 4; with this, 27 GB/s, and an
  * 8-row step went from 16 to 9 ms (an L1 prefetch helped far less: it holds one of L1's few miss buffers). */
@@ -138,14 +143,14 @@ static inline void dot_rows(const float *xr, const uint16_t *xb, const void *w, 
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-/* The dot products of MR (<= 4) bf16 x rows with ROW_BLOCK bf16 weight rows from row j, into sums[r * 4 + b]:
- * each weight vector is loaded once for every x row (two products per load instead of four per five), and
- * the 16 sums are reduced by one transpose-and-add instead of a horizontal sum each. */
+/* The dot products of mr (<= X_BLOCK) bf16 x rows with ROW_BLOCK bf16 weight rows from row j, into
+ * sums[r * 4 + b]: each weight vector is loaded once for every x row, and each 4 x rows' 16 sums are reduced by
+ * one transpose-and-add instead of a horizontal sum each. */
 static inline __attribute__((always_inline)) void dot_block_bf16(const uint16_t *xb, const uint16_t *w, int64_t j,
                                                                  int k, const int mr, float *sums)
 {
     const uint16_t *w0 = w + j * k;
-    __m512 acc[4][ROW_BLOCK];
+    __m512 acc[X_BLOCK][ROW_BLOCK];
     for (int r = 0; r < mr; r++)
         for (int b = 0; b < ROW_BLOCK; b++) acc[r][b] = _mm512_setzero_ps();
     for (int i = 0; i < k; i += 32) {
@@ -163,9 +168,12 @@ static inline __attribute__((always_inline)) void dot_block_bf16(const uint16_t 
             for (int b = 0; b < ROW_BLOCK; b++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
         }
     }
-    __m512 v[16];
-    for (int i = 0; i < 16; i++) v[i] = i < mr * ROW_BLOCK ? acc[i / ROW_BLOCK][i % ROW_BLOCK] : _mm512_setzero_ps();
-    _mm512_storeu_ps(sums, sum16x16(v));
+    for (int g = 0; g < mr; g += 4) {
+        __m512 v[16];
+        for (int i = 0; i < 16; i++)
+            v[i] = g + i / ROW_BLOCK < mr ? acc[g + i / ROW_BLOCK][i % ROW_BLOCK] : _mm512_setzero_ps();
+        _mm512_storeu_ps(sums + g * ROW_BLOCK, sum16x16(v));
+    }
 }
 #endif
 
@@ -186,15 +194,17 @@ static void linear_rows(const float *x, const uint16_t *xb, int m, int k, const 
         int nb = n - jb < ROW_BLOCK ? n - jb : ROW_BLOCK;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
         if (wtype == W_BF16 && nb == ROW_BLOCK && k % 32 == 0 && m >= BLOCKED_ROWS_MIN) {
-            for (int r0 = 0; r0 < m; r0 += 4) {
-                float sums[16];
+            for (int r0 = 0; r0 < m; r0 += X_BLOCK) {
+                float sums[8 * ROW_BLOCK]; /* X_BLOCK rows, reduced 4 at a time */
                 const uint16_t *xr = xb + (int64_t)r0 * k;
-                int mr = m - r0 < 4 ? m - r0 : 4;
+                int mr = m - r0 < X_BLOCK ? m - r0 : X_BLOCK;
                 switch (mr) { /* a copy per row count, so the accumulators stay in registers */
                 case 1: dot_block_bf16(xr, (const uint16_t *)w, jb, k, 1, sums); break;
                 case 2: dot_block_bf16(xr, (const uint16_t *)w, jb, k, 2, sums); break;
                 case 3: dot_block_bf16(xr, (const uint16_t *)w, jb, k, 3, sums); break;
-                default: dot_block_bf16(xr, (const uint16_t *)w, jb, k, 4, sums); break;
+                case 4: dot_block_bf16(xr, (const uint16_t *)w, jb, k, 4, sums); break;
+                case 5: dot_block_bf16(xr, (const uint16_t *)w, jb, k, 5, sums); break;
+                default: dot_block_bf16(xr, (const uint16_t *)w, jb, k, 6, sums); break;
                 }
                 for (int r = 0; r < mr; r++)
                     for (int b = 0; b < ROW_BLOCK; b++) {
