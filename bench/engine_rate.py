@@ -1,7 +1,7 @@
 """The engine alone at an arrival rate: TPOT and TTFT, and what its steps spent them on.
 
-    .venv/bin/python -m bench.engine_rate [--model 1b] [--rate 1] [--num-prompts 32] [--input-len 256] \
-        [--output-len 64] [--seed 7] [--set KEY=VALUE ...]
+    .venv/bin/python -m bench.engine_rate [--model 1b] [--quantization int8] [--rate 1] [--num-prompts 32] \
+        [--input-len 256] [--output-len 64] [--seed 7] [--set KEY=VALUE ...]
 
 The engine (in this process, ``--threads`` threads; ``--model`` as in bench/peers/compare.py) is sent
 ``--num-prompts`` random-token prompts at Poisson arrivals of ``--rate`` per second (seeded), each generating
@@ -19,9 +19,6 @@ import statistics
 import time
 from collections import defaultdict
 
-import torch
-
-from common.config.base import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.protocol.sampling_params import SamplingParams
 
@@ -114,34 +111,24 @@ def report(result: dict, title: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.peers.compare import served_model
-    from bench.profile_step import engine_overrides
+    from bench.profile_step import add_engine_arguments, engine_from_args
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="embedded", help="embedded, a random-weight shape (1b, 3b, ...) or a "
-                        "model directory")
-    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
-    parser.add_argument("--threads", type=int, default=2)
+    add_engine_arguments(parser)
     parser.add_argument("--rate", type=float, default=1.0, help="requests per second (Poisson)")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="an engine config field, as a worker's --set engine.KEY=VALUE (repeatable)")
     args = parser.parse_args(argv)
-    model = served_model(args.model, args.dtype)
-    path = model.prepare(args.dtype)
-    torch.set_flush_denormal(True)  # as in a worker process (common/cli/worker_command.py)
-    torch.set_num_threads(args.threads)
-    engine = LLMEngine(EngineConfig(model=str(path), dtype=args.dtype, num_threads=args.threads,
-                                    kv_cache_memory_bytes=2 << 30, **engine_overrides(args.set)))
+    model, engine = engine_from_args(args)
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     engine.add_request("warm-up", list(range(100, 100 + args.input_len)), warm)
     while engine.has_unfinished():
         engine.step()
     result = run(engine, args.rate, args.num_prompts, args.input_len, args.output_len, args.seed)
-    print(report(result, f"{model.name}, {args.dtype}, {args.threads} threads, {args.num_prompts} prompts of "
+    weights = ", int8 weights" if args.quantization == "int8" else ""
+    print(report(result, f"{model.name}, {args.dtype}{weights}, {args.threads} threads, {args.num_prompts} prompts of "
                          f"{args.input_len} in / {args.output_len} out at {args.rate:g} req/s (seed {args.seed})"))
     return 0
 

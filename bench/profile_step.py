@@ -91,19 +91,20 @@ def engine_overrides(items: list[str]) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of an engine benchmark's engine: model, dtype, quantization, threads and ``--set`` fields."""
+    parser.add_argument("--model", default="embedded", help="embedded, a random-weight shape (1b, 3b, ...) or a "
+                        "model directory")
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--quantization", default="none", choices=("none", "int8"))
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=20, help="decode steps profiled per scenario")
-    parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--model", default="embedded", help="embedded, a random-weight shape (1b, 3b, ...) or a "
-                        "model directory")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="an engine config field, as a worker's --set engine.KEY=VALUE (repeatable)")
-    parser.add_argument("--batches", default="1,8,64", help="decode batch sizes profiled, comma-separated")
-    args = parser.parse_args(argv)
+
+
+def engine_from_args(args: argparse.Namespace):
+    """The served model (``--model``, made in the cache on first use) and an engine on it in this process, set up
+    as a worker sets up its own."""
     from bench.peers.compare import served_model
     model = served_model(args.model, args.dtype)
     model_path = model.prepare(args.dtype)
@@ -112,6 +113,17 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(EngineConfig(model=str(model_path), dtype=args.dtype, quantization=args.quantization,
                                     num_threads=args.threads,
                                     kv_cache_memory_bytes=2 << 30, **engine_overrides(args.set)))
+    return model, engine
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_arguments(parser)
+    parser.add_argument("--steps", type=int, default=20, help="decode steps profiled per scenario")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--batches", default="1,8,64", help="decode batch sizes profiled, comma-separated")
+    args = parser.parse_args(argv)
+    model, engine = engine_from_args(args)
     cfg = engine.runner.model.config
     # every linear layer's weight (a parameter, or an int8 buffer), not the tied embedding
     flops_per_token = 2.0 * sum(m.weight.numel() for m in engine.runner.model.modules() if isinstance(m, nn.Linear))
