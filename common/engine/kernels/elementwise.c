@@ -84,11 +84,7 @@ static inline __attribute__((always_inline)) void silu_row(const void *gate_up, 
     int i = 0;
 #if defined(__AVX512F__)
     for (; i + 16 <= inter; i += 16) {
-        __m512 g = load16(gate_up, bf16, in + i);
-        __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
-        __m512 inv = _mm512_rcp14_ps(d); /* 1/d to 14 bits, one Newton step to full float32 */
-        inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(2.f)));
-        __m512 s = round16(_mm512_mul_ps(g, inv), bf16);
+        __m512 s = round16(silu16(load16(gate_up, bf16, in + i)), bf16);
         store16(out, bf16, o + i, _mm512_mul_ps(s, load16(gate_up, bf16, in + inter + i)));
     }
 #endif

@@ -50,6 +50,14 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
     return _mm512_scalef_ps(p, n);
 }
+
+/* silu(g) = g / (1 + e^-g): the reciprocal to 14 bits and one Newton step to full float32 */
+static inline __m512 silu16(__m512 g) {
+    __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+    __m512 inv = _mm512_rcp14_ps(d);
+    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(2.f)));
+    return _mm512_mul_ps(g, inv);
+}
 #endif
 
 #endif
