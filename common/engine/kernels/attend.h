@@ -23,11 +23,13 @@
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 256
 /* How far ahead, and into which cache, the K/V rows are prefetched (-D overrides them for A/B builds,
- * experiments.kernel_ab). Into L2 (prefetcht1) three blocks ahead: on Zen 4 a prefetch into L1 holds one of its
- * few miss buffers until the line arrives, which capped a 64-row step's K/V reads near 10 GB/s; into L2,
- * 13-16 GB/s (experiments.attention_kernels). */
+ * experiments.kernel_ab). Into L2 (prefetcht1): on Zen 4 a prefetch into L1 holds one of its few miss buffers
+ * until the line arrives, which capped a 64-row step's K/V reads near 10 GB/s; into L2, 13-16 GB/s
+ * (experiments.attention_kernels). One block ahead, not three: with an item per row (below) 1.02-1.11x faster
+ * over 8-64 rows of 290 and 1,000 tokens, and no slower for 1-8 rows of the whole forward (Zen 4, 2026-11-30;
+ * `perf` had put the kernel's hottest instructions just after these prefetches, the miss buffers full). */
 #ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 3 /* blocks */
+#define PREFETCH_AHEAD 1 /* blocks */
 #endif
 #ifndef PREFETCH_LOCALITY
 #define PREFETCH_LOCALITY 2 /* __builtin_prefetch's locality: 2 is prefetcht1 */
@@ -383,14 +385,15 @@ static inline __attribute__((always_inline)) void attend_one_avx512(
  * times. For batches with enough rows to keep every thread busy at one item per row.
  */
 #define ROW_MAX_KV_HEADS 16
-/* An item is a whole row from ROW_ITEMS_MIN rows whose mean context is at least ROW_MIN_CONTEXT tokens: at 64 rows
- * of 1,000 tokens 1.34x faster than an item per (row, kv head), at 64 of 290 tokens 12% slower (Zen 4,
- * experiments.kernel_ab decode_attention). -D overrides both for its A/B builds. */
+/* An item is a whole row from ROW_ITEMS_MIN rows whose mean context is at least ROW_MIN_CONTEXT tokens. With the
+ * prefetch three blocks ahead, an item per row was 1.34x faster than an item per (row, kv head) at 64 rows of 1,000
+ * tokens and 12% slower at 64 of 290, so it waited for 400 tokens; one block ahead, it is as fast or faster at
+ * every context measured (experiments.kernel_ab decode_attention, Zen 4). -D overrides both for A/B builds. */
 #ifndef ROW_ITEMS_MIN
 #define ROW_ITEMS_MIN 8
 #endif
 #ifndef ROW_MIN_CONTEXT
-#define ROW_MIN_CONTEXT 400
+#define ROW_MIN_CONTEXT 0
 #endif
 
 /* Whether a step's decode rows go one item per row (attend_row_avx512): enough rows to keep every thread busy. */
