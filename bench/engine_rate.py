@@ -19,6 +19,7 @@ import statistics
 import time
 from collections import defaultdict
 
+from bench.loadgen.metrics import latency_stats
 from common.engine.llm_engine import LLMEngine
 from common.protocol.sampling_params import SamplingParams
 
@@ -71,8 +72,8 @@ def run(engine: LLMEngine, rate: float, num_prompts: int, input_len: int, output
     finally:
         engine.runner.execute = execute
     ids = [f"r{i}" for i in range(num_prompts)]
-    tpot = [(last[r] - first[r]) / (tokens[r] - 1) * 1e3 for r in ids if tokens[r] > 1]
-    ttft = [(first[r] - arrivals[i]) * 1e3 for i, r in enumerate(ids)]
+    tpot = latency_stats("tpot", [(last[r] - first[r]) / (tokens[r] - 1) for r in ids if tokens[r] > 1], (99,))
+    ttft = latency_stats("ttft", [first[r] - arrivals[i] for i, r in enumerate(ids)], ())
     prompt_steps = [(shape, dt) for shape, dt in steps if shape[2] > 0]
     decode_steps: dict[int, list[float]] = defaultdict(list)
     for shape, dt in steps:
@@ -81,19 +82,14 @@ def run(engine: LLMEngine, rate: float, num_prompts: int, input_len: int, output
     busy = sum(dt for _, dt in steps)
     return {
         "tokens": [tokens[r] for r in ids], "wall_s": wall, "busy_s": busy,
-        "tpot_p50_ms": statistics.median(tpot), "tpot_p99_ms": _percentile(tpot, 99),
-        "ttft_p50_ms": statistics.median(ttft), "output_tok_per_s": sum(tokens.values()) / wall,
+        "tpot_p50_ms": tpot["median_tpot_ms"], "tpot_p99_ms": tpot["p99_tpot_ms"],
+        "ttft_p50_ms": ttft["median_ttft_ms"], "output_tok_per_s": sum(tokens.values()) / wall,
         "prompt_steps": len(prompt_steps), "prompt_steps_s": sum(dt for _, dt in prompt_steps),
         "prompt_tokens": sum(shape[2] for shape, _ in prompt_steps),
         "decode_rows_in_prompt_steps": sum(shape[0] for shape, _ in prompt_steps),
         "decode_steps": {rows: {"count": len(dts), "median_ms": 1e3 * statistics.median(dts)}
                          for rows, dts in sorted(decode_steps.items())},
     }
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
 def report(result: dict, title: str) -> str:

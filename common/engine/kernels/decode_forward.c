@@ -195,7 +195,7 @@ static void linear_rows(const float *x, const uint16_t *xb, int m, int k, const 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
         if (wtype == W_BF16 && nb == ROW_BLOCK && k % 32 == 0 && m >= BLOCKED_ROWS_MIN) {
             for (int r0 = 0; r0 < m; r0 += X_BLOCK) {
-                float sums[8 * ROW_BLOCK]; /* X_BLOCK rows, reduced 4 at a time */
+                float sums[(X_BLOCK + 3) / 4 * 4 * ROW_BLOCK]; /* X_BLOCK rows, reduced 4 at a time */
                 const uint16_t *xr = xb + (int64_t)r0 * k;
                 int mr = m - r0 < X_BLOCK ? m - r0 : X_BLOCK;
                 switch (mr) { /* a copy per row count, so the accumulators stay in registers */
