@@ -3,10 +3,10 @@
 The hosts of tests/e2e/test_multihost_netns.py: each role in its own network namespace behind a veth,
 started by its launch script (skipped, with the reason, without root and ``ip netns``). Sixteen
 streams (half greedy, half seeded with a frequency penalty) run once without a fault for the
-reference, then by 16 clients sending them again and again while decode-1's ``eth0`` goes down once it holds a
-stream's pages (not once every stream has text: on loaded cores its first streams may have ended by then, leaving
-nothing to resume; nor with each stream sent once: under a full test run all of them could end before decode-1 was
-seen holding pages). No FIN
+reference, then by 16 clients sending them again and again while decode-1's ``eth0`` goes down once decode-1's
+own metrics show a sequence running (not once every stream has text: on loaded cores its first streams may have
+ended by then, leaving nothing to resume; nor by the proxy's view of its KV pages, a heartbeat old, whose streams
+may all have ended; nor with each stream sent once: under a full test run all of them could end first). No FIN
 crosses a downed link, so the proxy learns of it from the missed heartbeats
 (``heartbeat_timeout_s``) and resumes its streams on decode-0. Then the link comes back: decode-1's
 heartbeats reach the proxy again and are answered with Reregister, so it drops what it held and
@@ -43,6 +43,11 @@ def set_link(host: str, state: str):
     return event
 
 
+def running(hosts, host: str) -> float:
+    """Sequences ``host`` decodes now, from its own metrics server (configs/multi-node: every address, port 9100)."""
+    return sum(_metric(f"http://{hosts.net.address(host)}:9100", "tessera_worker_running_sequences").values())
+
+
 def alive(url: str, role: str | None = None) -> float:
     return sum(v for labels, v in _metric(url, "tessera_proxy_workers_alive").items()
                if role is None or f'role="{role}"' in labels)
@@ -55,8 +60,7 @@ def test_a_decode_hosts_link_cut_mid_stream_then_restored_loses_nothing(hosts): 
     migrations = total(url, "tessera_proxy_migrations_total")
 
     results, _ = asyncio.run(run_scenario(hosts, BODIES, [
-        wait_until(lambda run: run.with_text and total(url, "tessera_proxy_kv_pages_used", VICTIM) > 0,
-                   f"a stream under way on {VICTIM}"),
+        wait_until(lambda run: run.with_text and running(hosts, VICTIM) > 0, f"a stream under way on {VICTIM}"),
         set_link(VICTIM, "down"),
         wait_until(lambda run: alive(url, "decode") == 1, "the proxy dropped the cut host"),
         set_link(VICTIM, "up"),
