@@ -11,8 +11,9 @@ is the reference: every other one's output is compared with it.
 - ``decode_attention``: ``tessera_paged_attention`` over all 30 layers of a pool shaped like the embedded model's
   (9 heads, 3 KV heads, head_dim 64, blocks of 16, bfloat16), the sequences' blocks drawn at random from a pool
   twice their size, as a long-running server leaves them; rows x context per case.
-- ``decode_forward``: the embedded model's whole decode forward (``tessera_decode_forward``, swapped into the
-  engine's ``FusedDecode``) for 1 to 8 rows, on sequences of 97 to 153 tokens.
+- ``decode_forward``: a model's whole decode forward (``tessera_decode_forward``, swapped into the engine's
+  ``FusedDecode``, which takes every row count here) for ``--rows`` rows (1, 2, 4, 6, 8 by default), on sequences
+  of 97 + 8i tokens; ``--model`` as bench.profile_step takes it (the embedded model by default, ``1b``, ...).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from bench.profile_step import add_engine_arguments
 from common.engine.native import CFLAGS, KERNEL_DIR, LDFLAGS
 
 REPO = KERNEL_DIR.parents[2]
@@ -116,24 +118,24 @@ def decode_attention(variants: dict, rounds: int) -> None:
         print(f"|   K/V read, GB/s | {rates} | |")
 
 
-def decode_forward(variants: dict, rounds: int) -> None:
-    from common.config.base import EngineConfig
-    from common.engine.llm_engine import LLMEngine
+def decode_forward(variants: dict, rounds: int, args: argparse.Namespace) -> None:
+    from bench.profile_step import engine_from_args
     from common.engine.scheduler import StepPlan
     from common.protocol.sampling_params import SamplingParams
-    engine = LLMEngine(EngineConfig(model="embedded", dtype="bfloat16", num_threads=torch.get_num_threads(),
-                                    kv_cache_memory_bytes=1 << 30))
+    count = max(args.rows)
+    args.set = [*args.set, f"decode_kernel_max_batch={count}"]  # the kernel takes every row count timed
+    _, engine = engine_from_args(args)
     runner, rng = engine.runner, random.Random(1)
     params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
-    for i in range(8):  # 97 + 8i tokens: neither the prompt nor the next position ends a block
+    for i in range(count):  # 97 + 8i tokens: neither the prompt nor the next position ends a block
         engine.add_request(f"r{i}", [rng.randrange(100, 40000) for _ in range(97 + 8 * i)], params)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for i in range(8) for s in engine.requests[f"r{i}"]):
+    while any(s.num_computed_tokens < s.num_prompt_tokens for i in range(count) for s in engine.requests[f"r{i}"]):
         engine.step()
-    seqs = [engine.requests[f"r{i}"][0] for i in range(8)]
+    seqs = [engine.requests[f"r{i}"][0] for i in range(count)]
     fused = runner.model.fused_decode
     if fused is None:
         raise SystemExit("the engine has no fused decode kernel here (no compiler, or not the CPU)")
-    for rows in (1, 2, 4, 6, 8):
+    for rows in args.rows:
         plan = StepPlan()
         for seq in seqs[:rows]:
             plan.add(seq, 1)
@@ -151,8 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("kernel", choices=sorted(SOURCES))
     parser.add_argument("variants", nargs="+", help="NAME=REV[:MACRO=VALUE,...]; REV may be WORKTREE")
-    parser.add_argument("--threads", type=int, default=2)
+    add_engine_arguments(parser)
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--rows", type=lambda text: [int(r) for r in text.split(",")], default=[1, 2, 4, 6, 8],
+                        help="decode_forward: the row counts timed, comma-separated")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)  # as in a worker process
@@ -160,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         variants = dict(build(args.kernel, spec, Path(tmp)) for spec in args.variants)
         print(f"{args.kernel}, {args.threads} threads, median of {args.rounds} alternating rounds\n")
         print("| case | " + " | ".join(["variants (speed-up over the first)", "outputs"]) + " |\n|---|---|---|")
-        {"decode_attention": decode_attention, "decode_forward": decode_forward}[args.kernel](variants, args.rounds)
+        if args.kernel == "decode_attention":
+            decode_attention(variants, args.rounds)
+        else:
+            decode_forward(variants, args.rounds, args)
     return 0
 
 

@@ -348,7 +348,8 @@ class EngineConfig:
                                           "the torch path", ge=-1, le=64)
     prepack_weights: Bool = option(True, "CPU bfloat16: keep each linear weight a second time in oneDNN's "
                                    "blocked layout for steps of several rows (F.linear reorders the plain weight "
-                                   "on every call); costs the linear weights' memory once more")
+                                   "on every call); costs the linear weights' memory once more. With it, on "
+                                   "AVX512-BF16, the decode kernel's panel layout takes the plain copy's place")
     seed: Int = option(0, "seed of the sampler's random streams")
     deterministic: Bool = option(
         False, "batch-invariant numerics: a token's logits depend only on the model, the dtype and its sequence, "

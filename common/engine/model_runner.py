@@ -30,7 +30,7 @@ from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.memory import device_memory_bytes, module_bytes, resident_bytes
 from common.engine.models.llama import FusedDecode, check_divisible, wide_sums
 from common.engine.models.loader import load_hf_config, load_model
-from common.engine.native import gemv_bf16_kernel
+from common.engine.native import cpu_has, gemv_bf16_kernel
 from common.engine.quantization import calibration_ids, choose_int8_matmul, quantize_model_int8, smooth_for_int8
 from common.engine.sampler import Sampler, SamplingRow
 from common.engine.scheduler import StepPlan
@@ -183,6 +183,10 @@ class ModelRunner:
             left = config.decode_kernel_max_batch < 0
             self.model.fused_decode = FusedDecode(self.model, DECODE_ROW_RUNGS[-1] if left
                                                   else config.decode_kernel_max_batch)
+            if (self.dtype is torch.bfloat16 and config.quantization != "int8" and not config.deterministic
+                    and self.model.fused_decode.available and cpu_has("avx512_bf16") and self.model.pack_panels()):
+                log.info("decode kernel: linear weights in its panel layout (kernels/panels_bf16.h), in place of "
+                         "the plain copy")
             if left and (self.dtype is torch.bfloat16 or config.quantization == "int8"):
                 self._choose_decode_rows()
         self.sampler = Sampler()
@@ -203,10 +207,11 @@ class ModelRunner:
         a decode step's forward timed through the kernel and through the torch path now, on pages nothing owns
         yet, at rung counts of ``DECODE_ROW_RUNGS`` up to the kernel's limit (``largest_rung``). The kernel
         reads each weight once for all its rows, so it wins while a step is bound by reading the weights; past
-        a few rows of a large model a step is bound by its products, where oneDNN's blocked matmuls win
-        (bfloat16, Zen 4: the kernel ahead up to 32 rows at 135M, up to 2 at the 1B shape; int8 widens every
-        weight per row, against W8A8: 4 rows at 135M, 1 at 1B; ``bench.decode_kernel --model 1b``). Either way
-        is exact to its own numerics; only which one a step of some rows takes changes."""
+        some rows a step is bound by its products, where oneDNN's blocked matmuls can win (bfloat16, Zen 4: with
+        the weights in panels, kernels/panels_bf16.h, the kernel ahead up to 32 rows at 135M and at the 1B
+        shape; in rows, up to 2 at 1B; int8 widens every weight per row, against W8A8: 4 rows at 135M, 1 at 1B;
+        ``bench.decode_kernel --model 1b``). Either way is exact to its own numerics; only which one a step of
+        some rows takes changes."""
         fused, bs = self.model.fused_decode, self.config.block_size
         rungs = [rows for rows in DECODE_ROW_RUNGS if rows <= min(fused.max_rows, self.num_blocks)]
         if not fused.available or not rungs:

@@ -71,10 +71,12 @@ def test_float32_decode_kernel_equals_the_torch_path(tiny_dir, rows):
     assert (fused - reference).abs().max().item() <= 1e-4
 
 
-# one x row at a time; four at a time; and attention an item per row (8 rows of 420-469 tokens)
+# one x row at a time; four at a time; and attention an item per row (8 rows of 420-469 tokens); the weights in
+# panels (with the oneDNN copy, on AVX512-BF16) and in rows (without)
+@pytest.mark.parametrize("prepack", [True, False], ids=["panels", "rows"])
 @pytest.mark.parametrize("rows,first", [(1, 9), (5, 9), (20, 9), (8, 420)])
-def test_bfloat16_decode_kernel_stays_within_bf16_rounding(tiny_dir, rows, first):
-    runner = runner_for(tiny_dir, dtype="bfloat16", num_kv_blocks=300)
+def test_bfloat16_decode_kernel_stays_within_bf16_rounding(tiny_dir, rows, first, prepack):
+    runner = runner_for(tiny_dir, dtype="bfloat16", num_kv_blocks=300, prepack_weights=prepack)
     if rows > runner.model.fused_decode.max_rows:
         pytest.skip("without AVX512-BF16 the kernel takes at most 8 rows of bf16 weights")
     fused, reference = logits_both_ways(runner, decoding_batch(runner, rows, seed=10 + rows, first=first))
@@ -276,3 +278,40 @@ def test_embedded_model_int8_stays_close_to_bf16(embedded_model_dir_bf16):
         ppl[name] = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(text_ids[1:])).exp().item()
     assert ppl["int8"] <= 1.04 * ppl["bf16"], ppl
 
+
+
+def panel_runner(tiny_dir, **options) -> ModelRunner:
+    if not cpu_has("avx512_bf16"):
+        pytest.skip("the panel layout is for CPUs with AVX512-BF16")
+    runner = runner_for(tiny_dir, dtype="bfloat16", **options)
+    if runner.model.layers[0].mlp.gate_up_proj.packed is None:
+        pytest.skip("this torch has no oneDNN to prepack for: the plain weights stay, in rows")
+    return runner
+
+
+def test_the_decode_kernels_panels_take_the_plain_weights_place(tiny_dir):
+    runner = panel_runner(tiny_dir)
+    plain = runner_for(tiny_dir, dtype="bfloat16", prepack_weights=False)  # no oneDNN copy: the plain one stays
+    held = plain_bytes = 0
+    for i, layer in enumerate(runner.model.layers):
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            module, weight = layer.get_submodule(name), plain.model.layers[i].get_submodule(name).weight
+            assert plain.model.layers[i].get_submodule(name).panels is None
+            n, k = weight.shape
+            assert module.weight.shape == (n, k) and module.weight.stride() == (0, 0)  # one value, broadcast
+            assert module.panels.shape == (n // 16, k // 2, 16, 2)
+            # panel p, pair kk, column c, element e is the weight of output 16p + c and input 2kk + e
+            assert torch.equal(module.panels.permute(0, 2, 1, 3).reshape(n, k), weight)
+            held += module.weight.untyped_storage().nbytes() + module.panels.nbytes
+            plain_bytes += weight.nbytes
+    assert held == plain_bytes + 2 * 4 * len(runner.model.layers)  # the panels in the plain copy's place
+
+
+def test_a_rows_outputs_through_the_panels_do_not_depend_on_the_other_rows(tiny_dir):
+    runner = panel_runner(tiny_dir)
+    rows = []
+    for count in (1, 3, 7):  # one, two and three tiles of x rows; the first sequence the same in each batch
+        prepared = runner.prepare(decoding_batch(runner, count, seed=50))
+        with torch.inference_mode():
+            rows.append(runner.forward(prepared)[:1])
+    assert torch.equal(rows[0], rows[1]) and torch.equal(rows[0], rows[2])

@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "attend.h"
+#include "panels_bf16.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -36,7 +37,9 @@
 #endif
 #define MAX_K 16384
 
-enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2 };
+/* W_BF16_PANELS: bf16 in panels_bf16.h's panel layout (common/engine/models/llama.py ``pack_panels``) */
+enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_BF16_PANELS = 3 };
+#define X_IN_BF16(wtype) ((wtype) == W_BF16 || (wtype) == W_BF16_PANELS) /* bf16 weights: x rounded to bf16 */
 
 /* Fields of one layer's entry in the layer table (int64 each; pointers as addresses, 0 for none). */
 enum {
@@ -189,6 +192,13 @@ static void linear_rows(const float *x, const uint16_t *xb, int m, int k, const 
     const void *w = (const void *)f[w_field];
     const float *scale = (const float *)f[w_field + 1];
     const void *bias = (const void *)f[w_field + 2];
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if (wtype == W_BF16_PANELS) {
+        float acc[MAX_ROWS * PANEL_GROUP * PANEL_COLS]; /* this thread's sums of a tile's panels */
+        panels_linear(xb, m, k, (const uint16_t *)w, n, bias, act_bf16, y, accumulate, acc);
+        return;
+    }
+#endif
     #pragma omp for schedule(static)
     for (int jb = 0; jb < n; jb += ROW_BLOCK) {
         int nb = n - jb < ROW_BLOCK ? n - jb : ROW_BLOCK;
@@ -287,8 +297,14 @@ int tessera_decode_forward(const int64_t *layers, int num_layers, const int64_t 
     const int q_size = heads * head_dim, kv_size = kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
     if (m < 1 || m > MAX_ROWS || heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP ||
         head_dim > MAX_HEAD_DIM || head_dim % 2 != 0 || block_size > MAX_BLOCK ||
-        hidden > MAX_K || inter > MAX_K || q_size > MAX_K || wtype < W_F32 || wtype > W_INT8)
+        hidden > MAX_K || inter > MAX_K || q_size > MAX_K || wtype < W_F32 || wtype > W_BF16_PANELS)
         return -1;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if (wtype == W_BF16_PANELS && ((qkv_size | hidden | 2 * inter) % PANEL_COLS != 0 || (hidden | q_size | inter) % 2))
+        return -1;
+#else
+    if (wtype == W_BF16_PANELS) return -1; /* no AVX512-BF16 here: the caller packs no panels */
+#endif
 
     const size_t widest = (size_t)(qkv_size > 2 * inter ? qkv_size : 2 * inter);
     float *h = (float *)malloc(sizeof(float) * (size_t)m * (2 * (size_t)hidden + inter + widest + q_size));
@@ -318,7 +334,7 @@ int tessera_decode_forward(const int64_t *layers, int num_layers, const int64_t 
             for (int r = 0; r < m; r++)
                 rms_norm(h + (int64_t)r * hidden, (const void *)f[F_IN_NORM], act_bf16, hidden, eps,
                          xn + (int64_t)r * hidden);
-            if (wtype == W_BF16) to_bf16_rows(xn, m, hidden, xb);
+            if (X_IN_BF16(wtype)) to_bf16_rows(xn, m, hidden, xb);
             linear_rows(xn, xb, m, hidden, f, F_QKV_W, wtype, act_bf16, wide, qkv_size, 0);
 
             /* q/k norm (Qwen3), RoPE, and the new K/V into the pool: one item per (row, head of q, k or v) */
@@ -376,14 +392,14 @@ int tessera_decode_forward(const int64_t *layers, int num_layers, const int64_t 
                                act_bf16, group, item % kv_heads);
                 }
             }
-            if (wtype == W_BF16) to_bf16_rows(attn, m, q_size, xb);
+            if (X_IN_BF16(wtype)) to_bf16_rows(attn, m, q_size, xb);
             linear_rows(attn, xb, m, q_size, f, F_O_W, wtype, act_bf16, h, hidden, 1);
 
             #pragma omp for schedule(static)
             for (int r = 0; r < m; r++)
                 rms_norm(h + (int64_t)r * hidden, (const void *)f[F_POST_NORM], act_bf16, hidden, eps,
                          xn + (int64_t)r * hidden);
-            if (wtype == W_BF16) to_bf16_rows(xn, m, hidden, xb);
+            if (X_IN_BF16(wtype)) to_bf16_rows(xn, m, hidden, xb);
             linear_rows(xn, xb, m, hidden, f, F_GU_W, wtype, act_bf16, wide, 2 * inter, 0);
             #pragma omp for schedule(static)
             for (int r = 0; r < m; r++) {
@@ -396,7 +412,7 @@ int tessera_decode_forward(const int64_t *layers, int num_layers, const int64_t 
 #endif
                 for (; i < inter; i++) a[i] = g[i] / (1.f + expf(-g[i])) * u[i];
             }
-            if (wtype == W_BF16) to_bf16_rows(act, m, inter, xb);
+            if (X_IN_BF16(wtype)) to_bf16_rows(act, m, inter, xb);
             linear_rows(act, xb, m, inter, f, F_DOWN_W, wtype, act_bf16, h, hidden, 1);
         }
         #pragma omp for schedule(static)

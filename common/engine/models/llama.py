@@ -163,6 +163,21 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+PANEL_COLS = 16  # kernels/panels_bf16.h
+
+
+def panels_of(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [n, k] (bfloat16, n a multiple of 16, k even) in kernels/panels_bf16.h's panel layout: n / 16
+    panels of [k / 2][16][2], a panel's 16 output columns' weights for each pair of inputs side by side."""
+    n, k = weight.shape
+    return weight.detach().view(n // PANEL_COLS, PANEL_COLS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def panels_fit(weight: torch.Tensor) -> bool:
+    n, k = weight.shape
+    return weight.dtype is torch.bfloat16 and n % PANEL_COLS == 0 and k % 2 == 0
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` whose calls take ``linear``'s paths: the GEMV kernel for one bfloat16 row, the
     prepacked weight (``packed``, set by ``LlamaForCausalLM.prepack_weights``) for several.
@@ -172,6 +187,7 @@ class Linear(nn.Linear):
     (common/engine/quantization.py), other weights their partial outputs."""
 
     packed: torch.Tensor | None = None
+    panels: torch.Tensor | None = None  # the weight in the decode kernel's layout (``LlamaForCausalLM.pack_panels``)
     invariant = False  # engine.deterministic: ``LlamaForCausalLM.make_deterministic``
     row_parallel: Parallel | None = None
 
@@ -388,6 +404,22 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.invariant, module.packed = True, None
 
+    def pack_panels(self) -> bool:
+        """Moves each decoder layer's linear weights into the decode kernel's panel layout (``panels_of``), where
+        every one of them has its oneDNN copy (``prepack_weights``) and fits the layout: the one-call kernel then
+        reads the panels (kernels/panels_bf16.h) and every other path the oneDNN copy, so the plain weight is
+        freed and the memory stays that of two copies. ``weight`` keeps its shape and dtype as a broadcast
+        of one value, which no path reads (``linear`` takes the oneDNN copy for any number of rows: the GEMV
+        kernel wants a contiguous weight). False, and nothing changed, where some layer does not fit."""
+        modules = [layer.get_submodule(name) for layer in self.layers for name in _LINEARS]
+        if not modules or not all(m.packed is not None and panels_fit(m.weight) for m in modules):
+            return False
+        for module in modules:
+            module.panels = panels_of(module.weight)
+            placeholder = torch.zeros(1, dtype=module.weight.dtype).expand(module.weight.shape)
+            module.weight = nn.Parameter(placeholder, requires_grad=False)
+        return True
+
     def prepack_weights(self) -> int:
         """Gives every bfloat16 linear layer, and a tied LM head, its oneDNN-blocked copy (``packed``, from
         ``prepack``); the plain weights stay for the one-row kernels. Returns the bytes added."""
@@ -414,6 +446,7 @@ class LlamaForCausalLM(nn.Module):
 # bfloat16 or int8 weights (``common/engine/quantization.py``). Anything else
 # keeps the torch path.
 _WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+W_BF16_PANELS = 3  # bfloat16 in panels (``Linear.panels``)
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 FUSED_MAX_ROWS = 64  # decode_forward.c's MAX_ROWS
 
@@ -436,8 +469,9 @@ class FusedDecode:
         self.model = model
         # bf16 weights on a CPU with AVX512-BF16 take dot products 32 at a time, up to FUSED_MAX_ROWS rows;
         # elsewhere, and for int8 and float32 weights, the kernel widens the weights to float32 products, which
-        # past 8 rows lose to oneDNN. Where it wins moves with the model (Zen 4, bf16: to about 48 rows at 135M,
-        # 2 at the 1B shape): with decode_kernel_max_batch -1 the model runner lowers this by timing at load.
+        # past 8 rows lose to oneDNN. Where it wins moves with the model and the weights' layout (Zen 4, bf16: in
+        # panels, 32 rows at 135M and at the 1B shape; in rows, 1-2 at 1B): with decode_kernel_max_batch -1 the
+        # model runner lowers this by timing at load.
         wide = model.layers[0].self_attn.qkv_proj.weight.dtype is torch.bfloat16 and cpu_has("avx512_bf16")
         self.max_rows = min(max_rows, FUSED_MAX_ROWS if wide else SMALL_BATCH_ROWS)
         self._kernel = decode_forward_kernel() if self.max_rows > 0 else None
@@ -466,8 +500,8 @@ class FusedDecode:
                    _address(attn.k_norm.weight if attn.k_norm is not None else None)]
             for name in _LINEARS:
                 module = layer.get_submodule(name)
-                row += [_address(module.weight), _address(getattr(module, "weight_scale", None)),
-                        _address(module.bias)]
+                weight = module.panels if module.panels is not None else module.weight
+                row += [_address(weight), _address(getattr(module, "weight_scale", None)), _address(module.bias)]
             k_cache, v_cache = ctx.kv_cache.layers[i]
             row += [(k_cache.data_ptr() - pool.data_ptr()) // itemsize,
                     (v_cache.data_ptr() - pool.data_ptr()) // itemsize]
@@ -480,7 +514,8 @@ class FusedDecode:
         # tessera_decode_forward's dims (D_* in decode_forward.c); rows and the table width are set per step
         self._dims = torch.tensor([0, cfg.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                    first.mlp.intermediate, k_cache.shape[1], 0, int(pool.dtype is torch.bfloat16),
-                                   _WEIGHT_TYPES[weight_dtype], pool.stride(0)], dtype=torch.int64)
+                                   W_BF16_PANELS if first.self_attn.qkv_proj.panels is not None
+                                   else _WEIGHT_TYPES[weight_dtype], pool.stride(0)], dtype=torch.int64)
         self._dims_view = self._dims.numpy()  # rows and table width change per step: set through numpy, no op
         self._eps = float(cfg.rms_norm_eps)
         self._scale = float(first.self_attn.scale)

@@ -1,0 +1,133 @@
+/*
+ * The panel layout of a bfloat16 linear weight, and y = x . w^T on it for the rows of a decode step.
+ *
+ * A weight w[n][k] (n a multiple of PANEL_COLS, k even) is held as n / 16 panels, each [k / 2][16][2]: panel p
+ * holds output columns 16p..16p+15, and for each pair of inputs (2kk, 2kk+1) their 16 columns' two weights side
+ * by side, 64 bytes. One AVX512-BF16 dot product (vdpbf16ps) then takes a panel's 64 bytes against one x row's
+ * pair of inputs broadcast to all 16 lanes, adding to 16 sums, one per output column: an outer product.
+ *
+ * Against the row layout (decode_forward.c's dot_block_bf16: a zmm of one weight row against a zmm of each x
+ * row, each sum reduced across lanes at the end), x is read as 4-byte broadcasts (L1 hits, lighter on the load ports
+ * than zmm loads) instead of full vectors, each panel is one sequential stream, and no sum is reduced across
+ * lanes. A tile of up to PANEL_TILE_ROWS x rows against PANEL_GROUP panels keeps 24 sums in registers; the
+ * panels' k range is taken PANEL_KBLOCK inputs at a time, every tile of rows reading the block from L1 before
+ * the next, whose lines every tile prefetches into L2 as it goes.
+ *
+ * Each output's sum runs over k in one order (k-blocks in turn, pairs in turn within one), whatever the number
+ * of rows or threads: a row's outputs do not depend on the other rows of the step.
+ *
+ * Measured on Zen 4, 2 threads, the 1B shape: the 16 layers' linears alone, from memory, 16 rows 39 ms against
+ * the row layout's 53 and 32 rows 60 against 84 (a scratch harness, in alternating rounds); in L2, 900+ GFLOP/s
+ * from 12 rows, near the machine's vdpbf16ps peak of about 990. The whole decode forward against the torch path
+ * (oneDNN's prepacked matmuls): bench.decode_kernel --model 1b, docs/benchmarks.md.
+ */
+#ifndef TESSERA_PANELS_BF16_H
+#define TESSERA_PANELS_BF16_H
+
+#include <stdint.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <omp.h>
+
+#define PANEL_COLS 16       /* output columns per panel: one zmm of float32 sums */
+#define PANEL_GROUP 4       /* panels per tile */
+#define PANEL_TILE_ROWS 6   /* x rows per tile: 6 x 4 sums, 4 panel loads and 6 broadcasts per input pair */
+#define PANEL_KBLOCK 256    /* inputs per k-block: a tile's 4 panels' block is 32 KB */
+#ifndef PANEL_PREFETCH
+#define PANEL_PREFETCH 8192 /* bytes ahead in a panel's stream: the same inputs of the next k-block */
+#endif
+
+/* acc[r][0..nz*16) (+)= x[r][2kk0..2kk1) . panels p..p+nz over the same inputs; acc rows PANEL_GROUP * 16 apart */
+static inline __attribute__((always_inline)) void panel_tile(const int mr, const int nz, const uint16_t *xb,
+                                                             int64_t ldx, const uint16_t *p, int64_t panel_stride,
+                                                             int kk0, int kk1, float *acc_out, int first)
+{
+    __m512 acc[PANEL_TILE_ROWS][PANEL_GROUP];
+    for (int r = 0; r < mr; r++)
+        for (int z = 0; z < nz; z++)
+            acc[r][z] = first ? _mm512_setzero_ps()
+                              : _mm512_loadu_ps(acc_out + (r * PANEL_GROUP + z) * PANEL_COLS);
+    for (int kk = kk0; kk < kk1; kk++) {
+        __m512bh wv[PANEL_GROUP];
+        for (int z = 0; z < nz; z++) {
+            const uint16_t *pz = p + z * panel_stride + (int64_t)kk * 2 * PANEL_COLS;
+            __builtin_prefetch((const char *)pz + PANEL_PREFETCH, 0, 2);
+            __m512i raw = _mm512_loadu_si512(pz);
+            __asm__("" : "+v"(raw)); /* one load per panel and pair, kept in a register for every row */
+            wv[z] = (__m512bh)raw;
+        }
+        for (int r = 0; r < mr; r++) {
+            int32_t pair;
+            __builtin_memcpy(&pair, xb + r * ldx + 2 * kk, sizeof pair);
+            __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            for (int z = 0; z < nz; z++) acc[r][z] = _mm512_dpbf16_ps(acc[r][z], xv, wv[z]);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int z = 0; z < nz; z++) _mm512_storeu_ps(acc_out + (r * PANEL_GROUP + z) * PANEL_COLS, acc[r][z]);
+}
+
+#define PANEL_TILE_CASE(MR, NZ) \
+    case (MR) * 8 + (NZ): panel_tile(MR, NZ, xb, ldx, p, panel_stride, kk0, kk1, acc_out, first); break;
+#define PANEL_TILE_ROW(MR) PANEL_TILE_CASE(MR, 1) PANEL_TILE_CASE(MR, 2) PANEL_TILE_CASE(MR, 3) PANEL_TILE_CASE(MR, 4)
+
+/* panel_tile with mr and nz as constants: a copy per shape, so the sums stay in registers */
+static void panel_tile_any(int mr, int nz, const uint16_t *xb, int64_t ldx, const uint16_t *p, int64_t panel_stride,
+                           int kk0, int kk1, float *acc_out, int first)
+{
+    switch (mr * 8 + nz) {
+    PANEL_TILE_ROW(1) PANEL_TILE_ROW(2) PANEL_TILE_ROW(3) PANEL_TILE_ROW(4) PANEL_TILE_ROW(5) PANEL_TILE_ROW(6)
+    default: break;
+    }
+}
+
+/*
+ * y[r][j] (+)= x[r] . w[j] (+ bias[j], float32 or bf16) for m (<= max_rows) bf16 rows xb [m][k] against panels
+ * (n / 16 of them),
+ * inside a parallel region: each thread takes a contiguous run of panels, and all meet at a barrier at the end
+ * (as an omp for would). acc: this thread's scratch, max_rows * PANEL_GROUP * 16 floats.
+ */
+static void panels_linear(const uint16_t *xb, int m, int k, const uint16_t *panels, int n, const void *bias,
+                          int bias_bf16, float *y, int accumulate, float *acc)
+{
+    const int np = n / PANEL_COLS, t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int begin = (int)((int64_t)np * t / nt), end = (int)((int64_t)np * (t + 1) / nt);
+    const int64_t panel_stride = (int64_t)k * PANEL_COLS; /* elements from one panel to the next */
+    for (int p0 = begin; p0 < end; p0 += PANEL_GROUP) {
+        const int nz = end - p0 < PANEL_GROUP ? end - p0 : PANEL_GROUP;
+        const uint16_t *p = panels + p0 * panel_stride;
+        for (int k0 = 0; k0 < k; k0 += PANEL_KBLOCK) {
+            const int k1 = k - k0 < PANEL_KBLOCK ? k : k0 + PANEL_KBLOCK;
+            for (int r0 = 0; r0 < m; r0 += PANEL_TILE_ROWS) {
+                const int mr = m - r0 < PANEL_TILE_ROWS ? m - r0 : PANEL_TILE_ROWS;
+                panel_tile_any(mr, nz, xb + (int64_t)r0 * k, k, p, panel_stride, k0 / 2, k1 / 2,
+                               acc + (int64_t)r0 * PANEL_GROUP * PANEL_COLS, k0 == 0);
+            }
+        }
+        for (int r = 0; r < m; r++) {
+            const float *a = acc + (int64_t)r * PANEL_GROUP * PANEL_COLS;
+            float *yr = y + (int64_t)r * n + (int64_t)p0 * PANEL_COLS;
+            for (int c = 0; c < nz * PANEL_COLS; c++) {
+                float v = a[c];
+                if (bias != NULL) {
+                    const int64_t j = (int64_t)p0 * PANEL_COLS + c;
+                    if (bias_bf16) {
+                        uint32_t bits = (uint32_t)((const uint16_t *)bias)[j] << 16;
+                        float b;
+                        __builtin_memcpy(&b, &bits, sizeof b);
+                        v += b;
+                    } else {
+                        v += ((const float *)bias)[j];
+                    }
+                }
+                if (accumulate) yr[c] += v;
+                else yr[c] = v;
+            }
+        }
+    }
+    #pragma omp barrier
+}
+#endif
+
+#endif
