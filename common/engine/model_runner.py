@@ -30,7 +30,7 @@ from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.memory import device_memory_bytes, module_bytes, resident_bytes
 from common.engine.models.llama import FusedDecode, check_divisible, wide_sums
 from common.engine.models.loader import load_hf_config, load_model
-from common.engine.native import cpu_has, gemv_bf16_kernel
+from common.engine.native import gemv_bf16_kernel
 from common.engine.quantization import calibration_ids, choose_int8_matmul, quantize_model_int8, smooth_for_int8
 from common.engine.sampler import Sampler, SamplingRow
 from common.engine.scheduler import StepPlan
@@ -184,7 +184,7 @@ class ModelRunner:
             self.model.fused_decode = FusedDecode(self.model, DECODE_ROW_RUNGS[-1] if left
                                                   else config.decode_kernel_max_batch)
             if (self.dtype is torch.bfloat16 and config.quantization != "int8" and not config.deterministic
-                    and self.model.fused_decode.available and cpu_has("avx512_bf16") and self.model.pack_panels()):
+                    and self.model.fused_decode.available and self.model.pack_panels()):
                 log.info("decode kernel: linear weights in its panel layout (kernels/panels_bf16.h), in place of "
                          "the plain copy")
             if left and (self.dtype is torch.bfloat16 or config.quantization == "int8"):

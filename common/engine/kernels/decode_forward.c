@@ -430,6 +430,16 @@ int tessera_decode_forward(const int64_t *layers, int num_layers, const int64_t 
     return 0;
 }
 
+/* 1 where this build takes W_BF16_PANELS (the compiler targets AVX512-BF16), else 0: the caller packs no panels. */
+int tessera_decode_forward_panels(void)
+{
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /*
  * y = x @ w^T * scale (+ bias) for a few rows of x against int8 weights with one float32 scale per
  * output row (an int8 model's LM head at decode). x, bias and y in the activation dtype (act_bf16).

@@ -410,9 +410,12 @@ class LlamaForCausalLM(nn.Module):
         reads the panels (kernels/panels_bf16.h) and every other path the oneDNN copy, so the plain weight is
         freed and the memory stays that of two copies. ``weight`` keeps its shape and dtype as a broadcast
         of one value, which no path reads (``linear`` takes the oneDNN copy for any number of rows: the GEMV
-        kernel wants a contiguous weight). False, and nothing changed, where some layer does not fit."""
+        kernel wants a contiguous weight). False, and nothing changed, where some layer does not fit or the
+        kernel was built without AVX512-BF16."""
         modules = [layer.get_submodule(name) for layer in self.layers for name in _LINEARS]
-        if not modules or not all(m.packed is not None and panels_fit(m.weight) for m in modules):
+        takes = kernel_function("decode_forward", "tessera_decode_forward_panels", ())
+        if (not modules or takes is None or not takes()
+                or not all(m.packed is not None and panels_fit(m.weight) for m in modules)):
             return False
         for module in modules:
             module.panels = panels_of(module.weight)
