@@ -425,7 +425,8 @@ class LlamaForCausalLM(nn.Module):
 
     def prepack_weights(self) -> int:
         """Gives every bfloat16 linear layer, and a tied LM head, its oneDNN-blocked copy (``packed``, from
-        ``prepack``); the plain weights stay for the one-row kernels. Returns the bytes added."""
+        ``prepack``); the plain weights stay for the one-row kernels (until ``pack_panels`` puts the decode
+        kernel's panels in their place). Returns the bytes added."""
         heads = [self.embed_tokens] if self.tie_word_embeddings else []
         added = 0
         for module in [m for m in self.modules() if isinstance(m, Linear)] + heads:
