@@ -67,6 +67,9 @@ class StandInProxy:
     def __init__(self) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
+        # No high-water mark: a ROUTER drops what it cannot queue for a peer, without a word, and the burst of
+        # frames outruns a worker the cores deschedule (a full run lost the last frames, the refused requests).
+        self.sock.setsockopt(zmq.SNDHWM, 0)
         self.address = f"tcp://127.0.0.1:{free_port()}"
         self.sock.bind(self.address)
         self.identity = b""
