@@ -183,8 +183,8 @@ class ModelRunner:
             left = config.decode_kernel_max_batch < 0
             self.model.fused_decode = FusedDecode(self.model, DECODE_ROW_RUNGS[-1] if left
                                                   else config.decode_kernel_max_batch)
-            if (self.dtype is torch.bfloat16 and config.quantization != "int8" and not config.deterministic
-                    and self.model.fused_decode.available and self.model.pack_panels()):
+            # only bfloat16 weights with oneDNN's copy take panels: not int8, float32 or engine.deterministic
+            if self.model.fused_decode.available and self.model.pack_panels():
                 log.info("decode kernel: linear weights in its panel layout (kernels/panels_bf16.h), in place of "
                          "the plain copy")
             if left and (self.dtype is torch.bfloat16 or config.quantization == "int8"):

@@ -9,8 +9,8 @@ import torch
 from common.config.base import ConfigError, EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.engine.model_runner import DECODE_ROW_RUNGS, ModelRunner, largest_rung
-from common.engine.models.llama import decode_forward_kernel
-from common.engine.native import cpu_has, kernel_function
+from common.engine.models.llama import decode_forward_kernel, decode_forward_takes_panels
+from common.engine.native import cpu_has
 from common.engine.quantization import (INT8_WEIGHT_ONLY_ROWS, input_absmax, linear_int8, mlp_int8, quant_kernels,
                                          quantize_rows, smooth_for_int8)
 from common.engine.scheduler import StepPlan
@@ -279,9 +279,8 @@ def test_embedded_model_int8_stays_close_to_bf16(embedded_model_dir_bf16):
     assert ppl["int8"] <= 1.04 * ppl["bf16"], ppl
 
 
-
 def panel_runner(tiny_dir, **options) -> ModelRunner:
-    if not kernel_function("decode_forward", "tessera_decode_forward_panels", ())():
+    if not decode_forward_takes_panels():
         pytest.skip("the panel layout is for CPUs (and compilers) with AVX512-BF16")
     runner = runner_for(tiny_dir, dtype="bfloat16", **options)
     if runner.model.layers[0].mlp.gate_up_proj.packed is None:

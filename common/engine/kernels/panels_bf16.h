@@ -26,6 +26,8 @@
 
 #include <stdint.h>
 
+#include "bf16.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #include <omp.h>
@@ -112,14 +114,7 @@ static void panels_linear(const uint16_t *xb, int m, int k, const uint16_t *pane
                 float v = a[c];
                 if (bias != NULL) {
                     const int64_t j = (int64_t)p0 * PANEL_COLS + c;
-                    if (bias_bf16) {
-                        uint32_t bits = (uint32_t)((const uint16_t *)bias)[j] << 16;
-                        float b;
-                        __builtin_memcpy(&b, &bits, sizeof b);
-                        v += b;
-                    } else {
-                        v += ((const float *)bias)[j];
-                    }
+                    v += bias_bf16 ? bf16_to_f32(((const uint16_t *)bias)[j]) : ((const float *)bias)[j];
                 }
                 if (accumulate) yr[c] += v;
                 else yr[c] = v;

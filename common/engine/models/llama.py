@@ -413,8 +413,7 @@ class LlamaForCausalLM(nn.Module):
         kernel wants a contiguous weight). False, and nothing changed, where some layer does not fit or the
         kernel was built without AVX512-BF16."""
         modules = [layer.get_submodule(name) for layer in self.layers for name in _LINEARS]
-        takes = kernel_function("decode_forward", "tessera_decode_forward_panels", ())
-        if (not modules or takes is None or not takes()
+        if (not modules or not decode_forward_takes_panels()
                 or not all(m.packed is not None and panels_fit(m.weight) for m in modules)):
             return False
         for module in modules:
@@ -460,6 +459,12 @@ def decode_forward_kernel():
     return kernel_function("decode_forward", "tessera_decode_forward",
                            (ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_float)
                            + (ctypes.c_void_p,) * 11)
+
+
+def decode_forward_takes_panels() -> bool:
+    """Whether this host's build of decode_forward.c takes weights in panels (compiled for AVX512-BF16)."""
+    takes = kernel_function("decode_forward", "tessera_decode_forward_panels", ())
+    return takes is not None and bool(takes())
 
 
 def _address(t: torch.Tensor | None) -> int:
