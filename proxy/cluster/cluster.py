@@ -18,7 +18,8 @@ Request life cycle, as queues and hops (one sub-request per choice):
 Everything here runs in the event loop and never awaits a socket: sending is ``outbox(worker_id, msg)``, which
 only queues for the link's sender task. A message for a request that is no longer here (or for an earlier attempt
 of one that resumed elsewhere) is answered so nothing leaks on the worker: PrefillDone gets ReleaseKV back, a
-TokenDelta gets Abort, a KVPulled releases the source's pages.
+TokenDelta gets Abort (not one of a stream left to its worker: proxy/cluster/stream_takeover.py), a KVPulled
+releases the source's pages.
 
 Workers come and go (Register, Heartbeat, Goodbye, a closed connection, a silent worker): a worker that leaves,
 however it leaves, ends in ``_worker_gone``: its requests resume elsewhere or fail, and the decode side learns the
@@ -477,7 +478,8 @@ class Cluster:
                 except Exception:  # a bug on one request must not cost the step's other requests their tokens
                     log.exception("error handling the tokens of request %s from worker %r", delta.request_id, sender)
                     continue
-                if delta.finish_reason is None and (sub is None or sender != sub.decode_worker):
+                if delta.finish_reason is None and (sub is None or sender != sub.decode_worker) and \
+                        not self.takeovers.was_left(delta.request_id, sender, now):
                     log.debug("aborting stray request %s on %r", delta.request_id, sender)
                     self.send(sender, Abort(delta.request_id))
         self.registry.observe_step(sender, msg.step_rows or len(msg.deltas), running_after, now, msg.step)
@@ -662,9 +664,14 @@ class Cluster:
         handed = set()
         for sub in list(self.inflight.values()):
             if sub.resume is not None and self._can_hand_over(sub):
-                self._act(sub, Stage.DECODING, sub.hand_over())
+                self._leave(sub)
                 handed.add(sub.resume.key)
         return handed
+
+    def _leave(self, sub: SubRequest) -> None:
+        """``sub`` is left to its decode worker for another proxy, or this one, to take over (``LeaveStream``)."""
+        self._act(sub, Stage.DECODING, sub.hand_over())
+        self.takeovers.left(sub, self._clock())
 
     def _can_hand_over(self, sub: SubRequest) -> bool:
         """Whether ``sub`` may be left to its decode worker for another proxy (``LeaveStream``)."""
@@ -676,7 +683,7 @@ class Cluster:
         that ended, or on a worker too old for that, is cancelled."""
         for sub in subs:
             if self._can_hand_over(sub):
-                self._act(sub, Stage.DECODING, sub.hand_over())
+                self._leave(sub)
             else:
                 self.cancel(sub, reason)
 

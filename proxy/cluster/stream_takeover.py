@@ -7,6 +7,11 @@ them; what no worker holds, ``Cluster.recompute`` computes again.
 The edge asks (``find_stream``, from proxy/edge/takeover.py); the cluster hands it the workers' answers
 (``on_found`` is its StreamFound handler) and its ``send``; a choice taken over joins the cluster's requests in
 flight and its tenant's admission, as any admitted choice.
+
+A choice given back (``Cluster.give_back``, or left as the proxy drains: ``LeaveStream``) is its worker's again, but
+the steps that worker sent before it read the LeaveStream still come here, after the choice left the requests in
+flight. They are late, not strays (``left``, ``was_left``): an Abort of one would follow this proxy's next
+FindStream to the worker, which would take it for the word of the proxy now holding the choice again and end it.
 """
 from __future__ import annotations
 
@@ -59,6 +64,8 @@ class StreamTakeovers:
         self.inflight = inflight  # the cluster's requests in flight, by request id: a choice taken over joins them
         self.tracing = tracing
         self._searches: dict[str, _Search] = {}  # response id -> a takeover asked of the workers (``find_stream``)
+        # a choice left to its worker: wire id -> (that worker, until when its late steps may come: its window)
+        self._left: dict[str, tuple[str, float]] = {}
 
     async def find_stream(self, response_id: str, tenant: str | None
                           ) -> tuple[list[Context], list[SubRequest], EventSink]:
@@ -121,10 +128,24 @@ class StreamTakeovers:
         if search.complete and not search.done.done():
             search.done.set_result(None)
 
+    def left(self, sub: SubRequest, now: float) -> None:
+        """``sub`` was left to its decode worker (``LeaveStream``): for its window, its late steps are no strays."""
+        left = self._left
+        while left and left[oldest := next(iter(left))][1] <= now:  # the oldest first (windows are alike)
+            del left[oldest]
+        left.pop(sub.wire_id, None)
+        left[sub.wire_id] = (sub.decode_worker, now + sub.resume.window_s)
+
+    def was_left(self, wire_id: str, sender: str, now: float) -> bool:
+        """Whether a message of ``wire_id`` from ``sender`` is of a choice this proxy left to that worker."""
+        worker, until = self._left.get(wire_id, (None, 0.0))
+        return worker == sender and now < until
+
     def _adopt(self, sender: str, msg: StreamFound, now: float, sink: EventSink) -> tuple[Context, SubRequest]:
         """The choice is this proxy's from now on: a sub-request decoding on ``sender``, counted in a decode slot,
         its events so far (the context's, then the worker's history, one event per step) in ``sink``."""
         context = decode_context(msg.context)
+        self._left.pop(msg.request_id, None)  # this proxy's again: what comes of it from now on is its own
         events = context.events + [delta_fields(delta) for delta in msg.history]
         tenant = self.tenants.tenants.get(context.tenant) or self.tenants.default
         request_id = msg.request_id.split("~")[0]
