@@ -73,13 +73,22 @@ def lane(nodeid: str) -> str:
 
 
 def pytest_configure(config) -> None:
-    """Each lane's clusters pick their ports from a band of their own (``free_port``), below the ephemeral range."""
+    """Each lane's clusters pick their ports from a band of their own (``free_port``), below the ephemeral range.
+
+    And each lane computes on one thread (torch in the lane's own process, and the processes it starts that do not
+    set ``engine.num_threads``): three lanes already keep both cores busy, and a second OpenMP thread only spins
+    for a core another lane holds (tests/unit/test_engine_embedded.py alone: 50 CPU-s at 2 threads, 33 at 1, for
+    26 s of wall time against 30)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
     if worker.startswith("gw") and count > 1:
         width = (32000 - 10000) // count
         start = 10000 + int(worker[2:]) * width
         os.environ["TESSERA_FREE_PORTS"] = f"{start}-{start + width}"
+        os.environ["OMP_NUM_THREADS"] = "1"
+        import torch
+
+        torch.set_num_threads(1)
 
 
 @pytest.hookimpl(optionalhook=True)
