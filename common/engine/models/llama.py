@@ -346,7 +346,9 @@ class LlamaForCausalLM(nn.Module):
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.rope = RotaryEmbedding(cfg, head_dim)
         self.vocab_start, vocab_rows = tp.vocab_rows(cfg.vocab_size)
-        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
+        # Its weight given, not drawn: an init under load_model's meta device would import torch._dynamo (1 s of CPU
+        # in every worker process), for values the checkpoint overwrites.
+        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size, _weight=torch.empty(vocab_rows, cfg.hidden_size))
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, arch, backend, tp) for i in range(cfg.num_hidden_layers)
         )
