@@ -131,6 +131,17 @@ def check(reference: list[Stream], faulted: list[Stream]) -> None:
         assert numbered == list(range(len(numbered))), f"stream {got.index}: event ids {numbered}"
 
 
+def metrics_of(cluster: LocalCluster, base: str) -> str:
+    """A proxy process's /metrics, once it answers: the killed one is the supervisor's to start again."""
+    def read() -> str | None:
+        try:
+            status, text = cluster.get("/metrics", base=base)
+        except OSError:
+            return None
+        return text if status == 200 else None
+    return settle(read, bool, PATIENCE_S, f"the proxy process at {base} serves again")
+
+
 def no_page_left(cluster: LocalCluster, workers) -> None:
     for worker in workers:
         settle(lambda w=worker: total(cluster.get("/metrics", base=cluster.worker_url(w))[1],
@@ -148,7 +159,7 @@ def test_a_stream_whose_proxy_and_decode_worker_both_die_is_computed_again(clust
     broke = [s.index for s in faulted if s.broke]
     print(f"{len(broke)} of {STREAMS} streams broke and were resumed: {broke}")
     check(reference, faulted)
-    recomputed = sum(total(cluster.get("/metrics", base=base)[1], "tessera_proxy_streams_recomputed_total")
+    recomputed = sum(total(metrics_of(cluster, base), "tessera_proxy_streams_recomputed_total")
                      for base in cluster.proxy_urls)
     print(f"{recomputed:g} computed again from Redis")
     assert recomputed > 0, "some stream of the killed proxy was on the killed worker"
