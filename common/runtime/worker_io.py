@@ -48,6 +48,10 @@ from common.runtime.zmq_security import Waker, apply_curve_client, worker_curve
 
 log = logging.getLogger(__name__)
 
+# The longest the I/O thread waits between turns with nothing to do: an orphaned stream's window closes, and the
+# watchdog (``alive``) sees the thread turn, within it (a turn every 10 ms costs an idle worker 1.4% of a core).
+POLL_MAX_S = 0.1
+
 
 @dataclass
 class LinkLost:
@@ -98,12 +102,12 @@ class WorkerIO:
         self.metrics = metrics
         self.inbox: queue.Queue = queue.Queue()
         self._outbox: queue.Queue = queue.Queue()
-        self._wake = Waker()  # else a queued token waits out the I/O thread's 10 ms poll
+        self._wake = Waker()  # else a queued token waits out the I/O thread's poll (up to ``POLL_MAX_S``)
         self.kv_events = kv_events
         self.load = Load()
         self.draining = False
         self.registered = threading.Event()
-        self.standby: wire.Standby | None = None  # sent instead of heartbeats while no model is loaded
+        self._standby: wire.Standby | None = None  # sent instead of heartbeats while no model is loaded
         self.refused: str | None = None
         self.links = [_Link(address) for address in proxy_addresses(config.proxy_address)]
         for link in self.links:
@@ -116,12 +120,21 @@ class WorkerIO:
         self.turned_at = time.monotonic()
 
     @property
+    def standby(self) -> wire.Standby | None:
+        return self._standby
+
+    @standby.setter
+    def standby(self, standby: wire.Standby | None) -> None:
+        self._standby = standby
+        self._wake.wake()  # a new Standby goes out at once
+
+    @property
     def speaks(self) -> int:
         """The protocol version every proxy reads."""
         return min(link.speaks for link in self.links)
 
     def alive(self, within_s: float) -> bool:
-        """Whether the I/O thread runs and has turned its loop (it turns at least every 10 ms) within ``within_s``."""
+        """Whether the I/O thread runs and has turned its loop (at least every ``POLL_MAX_S``) within ``within_s``."""
         return self._thread.is_alive() and time.monotonic() - self.turned_at < within_s
 
     def start(self) -> None:
@@ -214,7 +227,7 @@ class WorkerIO:
             self._flush_outbox()
             if self._stop.is_set():
                 return
-            ready = dict(poller.poll(timeout=10))
+            ready = dict(poller.poll(timeout=self._poll_ms(next_beat)))
             if self._wake.fd in ready:
                 self._wake.drain()
             for sock, index in sockets.items():
@@ -247,6 +260,16 @@ class WorkerIO:
                 for link in self.links:
                     self._send(link, beacon)
                 next_beat = now + self.config.heartbeat_interval_s
+
+    def _poll_ms(self, next_beat: float) -> int:
+        """How long the loop may wait for a socket or a wake-up: until the next heartbeat or registration try is
+        due, at most ``POLL_MAX_S`` (orphaned streams' windows, the watchdog's sign of life). What the compute loop
+        queues wakes it at once (``_wake``), so an idle worker's I/O thread turns a few times a second, not 100."""
+        due = next_beat
+        for link in self.links:
+            if not link.registered and link.may_register:
+                due = min(due, link.next_register)
+        return max(0, min(int((due - time.monotonic()) * 1000) + 1, int(POLL_MAX_S * 1000)))
 
     def _flush_outbox(self) -> None:
         while True:
