@@ -29,6 +29,12 @@ The run also measures the machine's streaming read bandwidth (``bench.roofline.r
 first server starts, and again before each server's one-stream point: the weights' bytes over it is the least
 time a decode step of one stream can take, and the table gives each server's one-stream TPOT as a multiple of
 the one measured just before it (on shared virtual machines the bandwidth drifts between servers).
+
+``--one-stream-rounds N`` measures the one-stream point the way ``experiments.kernel_ab`` times kernels, so that the
+drift hits every server alike: every server stays up after its other two points, and then the one-stream point
+runs in N rounds, the servers taking turns within each (in an order that rotates from round to round), each round
+on prompts of its own (seed + 2 + round). A server's TPOT is the median of its rounds, and its ratio to vLLM, and
+over the roofline, the median of each round's. Every server's memory is then held at once.
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -167,6 +174,41 @@ class Server:
                 os.killpg(self._proc.pid, 9)
 
 
+def alternate_one_stream(servers: list[Server], args, model: ServedModel, result_dir: Path,
+                         weight_bytes: int) -> list[dict]:
+    """The one-stream point in ``--one-stream-rounds`` rounds of every server in turn (module docstring): a row
+    per server, with its rounds."""
+    rounds = args.one_stream_rounds
+    prompts = max(2, -(-args.single_prompts // rounds))
+    runs: dict[str, list[dict]] = {server.name: [] for server in servers}
+    for r in range(rounds):
+        point = Point(f"one stream, round {r + 1}", args.seed + 2 + r, prompts, concurrency=1)
+        for server in servers[r % len(servers):] + servers[:r % len(servers)]:
+            measured = read_bandwidth()
+            row = run_point(server, point, args, model, result_dir)
+            row["read_bandwidth"] = measured
+            print(json.dumps(row), flush=True)
+            runs[server.name].append(row)
+    return [one_stream_row(name, runs[name], runs.get("vllm"), weight_bytes) for name in runs]
+
+
+def one_stream_row(name: str, runs: list[dict], reference: list[dict] | None, weight_bytes: int) -> dict:
+    """A server's one-stream row from its rounds: the median TPOT, the median of each round's ratio to vLLM's
+    TPOT in the same round, and of each round's TPOT over the roofline at the bandwidth measured just before."""
+    tpots = [run["median_tpot_ms"] for run in runs]
+    row = {"server": name, "point": "one stream", "load_before": runs[0]["load_before"],
+           "remote_prefill": None if runs[0]["remote_prefill"] is None else
+           statistics.mean(run["remote_prefill"] for run in runs),
+           "median_tpot_ms": statistics.median(tpots), "read_bandwidth": statistics.median(
+               run["read_bandwidth"] for run in runs), "rounds": tpots,
+           "over_roofline": statistics.median(run["median_tpot_ms"] / (weight_bytes / run["read_bandwidth"] * 1e3)
+                                              for run in runs)}
+    if reference is not None and name != "vllm":
+        row["ratio"] = statistics.median(run["median_tpot_ms"] / ref["median_tpot_ms"]
+                                         for run, ref in zip(runs, reference))
+    return row
+
+
 def run_point(server: Server, point: Point, args, model: ServedModel, result_dir: Path) -> dict:
     """One ``vllm bench serve`` run; its JSON result with the load average before it."""
     name = f"{server.name}-{re.sub(r'[^a-z0-9]+', '_', point.name)}.json"
@@ -202,7 +244,9 @@ def table(rows: list[dict], args, weight_bytes: int) -> str:
         if row is None or row.get(key) is None:
             return "—"
         text = f"{row[key]:,.1f}{unit}"
-        if server != "vllm" and reference is not None and reference.get(key):
+        if server != "vllm" and "ratio" in row and key == "median_tpot_ms":
+            text += f" ({row['ratio']:.2f}×, median of {len(row['rounds'])} rounds)"
+        elif server != "vllm" and reference is not None and reference.get(key):
             text += f" ({row[key] / reference[key]:.2f}×)"
         return text
 
@@ -224,8 +268,9 @@ def table(rows: list[dict], args, weight_bytes: int) -> str:
                             for p in (sat, rate, one))
         one_row = by.get((server, one)) or {}
         one_tpot, bandwidth = one_row.get("median_tpot_ms"), one_row.get("read_bandwidth")
-        over_roofline = f"{one_tpot / (weight_bytes / bandwidth * 1e3):.2f}× ({bandwidth / 1e9:.1f} GB/s)" \
-            if one_tpot and bandwidth else "—"
+        over = one_row.get("over_roofline") or (one_tpot / (weight_bytes / bandwidth * 1e3) if one_tpot and bandwidth
+                                                else None)
+        over_roofline = f"{over:.2f}× ({bandwidth / 1e9:.1f} GB/s)" if over else "—"
         lines.append(f"| {server} | {cell(server, sat, 'output_throughput', 'sat')} | {ttft} | "
                      f"{cell(server, rate, 'median_tpot_ms', 'rate')} | {cell(server, rate, 'median_ttft_ms', 'rate')} | "
                      f"{cell(server, one, 'median_tpot_ms', 'one')} | {over_roofline} | {remote} | {loads} |")
@@ -239,10 +284,18 @@ def report(rows: list[dict], args, model: ServedModel, weights: tuple[int, int],
     measured = [row["read_bandwidth"] / 1e9 for row in rows if row.get("read_bandwidth")]
     spread = (f" (before each server's one-stream point: {min(measured):.1f}-{max(measured):.1f} GB/s)"
               if measured else "")
-    model_flag = f"--model {args.model} " if model.label else ""
-    command = (f"bash bench/peers/install_vllm.sh && .venv/bin/python -m bench.peers.compare {model_flag}"
+    flags = f"--model {args.model} " if model.label else ""
+    rounds = getattr(args, "one_stream_rounds", 0)
+    rounds_flag = f" --one-stream-rounds {rounds}" if rounds else ""
+    servers = getattr(args, "servers", ",".join(SERVERS))
+    flags += f"--servers {servers} " if servers != ",".join(SERVERS) else ""
+    one_stream = (f"the one-stream point in {rounds} rounds of every server in turn, each round its own prompts "
+                  f"(seeds {args.seed + 2}..{args.seed + 1 + rounds}), a server's TPOT the median of its rounds and "
+                  f"its ratios the medians of each round's" if rounds else
+                  "each server's one-stream TPOT set against the bandwidth measured just before its one-stream point")
+    command = (f"bash bench/peers/install_vllm.sh && .venv/bin/python -m bench.peers.compare {flags}"
                f"--dtype {args.dtype} --num-prompts {args.num_prompts} --single-prompts {args.single_prompts} "
-               f"--rate {args.rate:g} --seed {args.seed} --write")
+               f"--rate {args.rate:g} --seed {args.seed}{rounds_flag} --write")
     return ("# Against vLLM's CPU build, same cores: the latest run on this CPU kind\n\n"
             "(`bench.peers.compare --write` replaces this file; docs/benchmarks.md quotes it.)\n\n"
             f"{time.strftime('%Y-%m-%d')}, {cpu_line()}, {args.dtype}, {args.input_len} in / "
@@ -253,8 +306,8 @@ def report(rows: list[dict], args, model: ServedModel, weights: tuple[int, int],
             f"{args.dtype}. Streaming read bandwidth at the start of this run: {bandwidth / 1e9:.1f} GB/s{spread} "
             f"(`sum()` over {READ_BYTES >> 30} GiB of float32 on every core, best of {READ_PASSES}), so one decode "
             f"step, which reads every weight once, takes at least {roofline_ms:.2f} ms: the roofline. On these "
-            f"virtual machines the bandwidth can move by half within one run, so each server's one-stream TPOT is "
-            f"set against the bandwidth measured just before its one-stream point. tessera-agg-int8 reads int8 "
+            f"virtual machines the bandwidth can move by half within one run, so {one_stream}. "
+            f"tessera-agg-int8 reads int8 "
             f"weights, a byte each, fewer bytes than the roofline counts: its ratio can go below 1.0.\n\n"
             f"    {command}\n\n{table(rows, args, weight_bytes)}")
 
@@ -298,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=2.0, help="arrival rate of the second point, req/s")
     parser.add_argument("--seed", type=int, default=int(time.time()) % 100000,
                         help="first point's prompt seed; the others take the next ones (default: from the clock)")
+    parser.add_argument("--one-stream-rounds", type=int, default=0,
+                        help="the one-stream point in this many rounds with every server up, taking turns (module "
+                        "docstring); 0: each server's one-stream point after its other two, then the server stops")
     parser.add_argument("--results", type=Path, help="also write the raw rows here (JSON)")
     parser.add_argument("--write", action="store_true",
                         help="write the table to docs/results/vllm-cpu-<vendor>-<isa>[-<model>].md (this CPU kind's "
@@ -315,21 +371,29 @@ def main(argv: list[str] | None = None) -> int:
           "bandwidth", flush=True)
     bandwidth = read_bandwidth()
     rows: list[dict] = []
+    alternate = args.one_stream_rounds > 0
+    kept: list[Server] = []  # with --one-stream-rounds: up until the rounds
     with tempfile.TemporaryDirectory(prefix="tessera-peers-") as tmp:
-        for name in args.servers.split(","):
-            log_dir = Path(tmp) / name
-            log_dir.mkdir()
-            print(f"{name}: starting", flush=True)
-            server = Server(name, args, model, log_dir)
-            try:
-                for point in points(args):
-                    # the memory-bound point against the bandwidth of its own minutes (it drifts on shared hosts)
-                    measured = read_bandwidth() if point.concurrency == 1 else None
-                    row = run_point(server, point, args, model, Path(tmp))
-                    row["read_bandwidth"] = measured
-                    print(json.dumps(row), flush=True)
-                    rows.append(row)
-            finally:
+        try:
+            for name in args.servers.split(","):
+                log_dir = Path(tmp) / name
+                log_dir.mkdir()
+                print(f"{name}: starting", flush=True)
+                server = Server(name, args, model, log_dir)
+                try:
+                    for point in points(args)[:2] if alternate else points(args):
+                        # the memory-bound point against the bandwidth of its own minutes (it drifts on shared hosts)
+                        measured = read_bandwidth() if point.concurrency == 1 else None
+                        row = run_point(server, point, args, model, Path(tmp))
+                        row["read_bandwidth"] = measured
+                        print(json.dumps(row), flush=True)
+                        rows.append(row)
+                finally:
+                    kept.append(server) if alternate else server.stop()
+            if alternate:
+                rows += alternate_one_stream(kept, args, model, Path(tmp), weight_bytes)
+        finally:
+            for server in kept:
                 server.stop()
     text = report(rows, args, model, (parameters, weight_bytes), bandwidth)
     print(text)

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from bench.peers.compare import report, results_file, served_model
+from bench.peers.compare import one_stream_row, report, results_file, served_model
 from bench.roofline import read_bandwidth
 from common.storage.model_store import EMBEDDED_MODEL
 from common.storage.random_model import SHAPES
@@ -56,3 +56,29 @@ def test_the_report_gives_one_stream_tpot_over_the_roofline(tmp_path):
     assert "one-stream TPOT over the roofline" in lines["| server"]
     assert " | 2.00× (164.4 GB/s) | " in lines["| vllm"] and " | 0.65× (82.2 GB/s) | " in lines["| tessera-agg"]
     assert "before each server's one-stream point: 82.2-164.4 GB/s" in text
+
+
+def test_alternating_rounds_give_medians_of_each_rounds_ratios(tmp_path):
+    """--one-stream-rounds: a server's TPOT is the median of its rounds; its ratio to vLLM and over the roofline
+    are the medians of each round's, so a round on a slow minute moves both servers alike."""
+    weight_bytes = 1_644_302_336
+
+    def run(tpot: float, gbps: float) -> dict:
+        return {"median_tpot_ms": tpot, "read_bandwidth": gbps * 1e9, "load_before": 0.1, "remote_prefill": None}
+
+    vllm = [run(40.0, 64.0), run(60.0, 40.0), run(44.0, 60.0)]
+    ours = [run(30.0, 64.0), run(48.0, 40.0), run(35.2, 60.0)]
+    row = one_stream_row("tessera-agg", ours, vllm, weight_bytes)
+    assert row["median_tpot_ms"] == 35.2 and row["rounds"] == [30.0, 48.0, 35.2]
+    assert row["ratio"] == pytest.approx(0.8)  # 0.75, 0.8, 0.8
+    assert row["over_roofline"] == pytest.approx(30.0 / (weight_bytes / 64e9 * 1e3))  # 1.17, 1.17, 1.28
+    assert "ratio" not in one_stream_row("vllm", vllm, vllm, weight_bytes)
+    args = argparse.Namespace(model="1b", dtype="bfloat16", input_len=256, output_len=64, num_prompts=8,
+                              single_prompts=6, rate=1.0, seed=100, one_stream_rounds=3, servers="vllm,tessera-agg")
+    rows = [one_stream_row("vllm", vllm, vllm, weight_bytes), row]
+    text = report(rows, args, served_model("1b", "bfloat16", cache_dir=tmp_path), (822_151_168, weight_bytes),
+                  bandwidth=64e9)
+    assert "--servers vllm,tessera-agg " in text and "--one-stream-rounds 3 --write" in text
+    assert "in 3 rounds of every server in turn" in text and "(seeds 102..104)" in text
+    tessera = next(line for line in text.splitlines() if line.startswith("| tessera-agg |"))
+    assert "35.2 (0.80×, median of 3 rounds)" in tessera
