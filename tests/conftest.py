@@ -18,14 +18,12 @@ from common.storage.model_store import resolve_model
 # lane runs the tests named in WAITS, which sleep through most of their time (an idle cluster's timers, KV pulls
 # held back on purpose, a hung step's watchdog): on 2 cores they cost the other lanes little, and a lane of their
 # own takes their waiting off the critical path. A new e2e module goes to the compute lane unless it is named
-# here; a new unit module to the beside lane. Measured (2026-11-29, `make test PYTEST_ARGS=--durations=0`): in two
-# lanes the compute lane's tests summed to 955 s, the beside lane's to 982 s, and the run took 997 s; in three, 874,
-# 881 and 197 s (waits), and 900 s. The suite keeps both cores busy (`/usr/bin/time`: 1.83 cores over the run), so
-# a lane more gains only the sleeping. Earlier, moving seven e2e modules that wait but also compute (rolling upgrade,
-# failover, a cut link, fuzzing...) beside the compute lane made the run longer (1,268 s against 1,104 s), the two
-# lanes' clusters then contending for the cores: the waits lane holds only tests whose clusters are idle or tiny.
-# Later (2026-11-29, ccf1ed4, 1,765 tests): compute 1,140 s, beside 1,046, waits 415, the run 1,156 s; the device
-# check moved beside took 165 s there against 64 in the compute lane, next to the planner's and TP's clusters.
+# here; a new unit module to the beside lane. Measured (2026-11-30, 1,809 tests, `make test
+# PYTEST_ARGS=--durations=0` under `/usr/bin/time`): the compute lane's tests summed to 951 s, the beside lane's to
+# 899, the waits lane's to 388; the run took 968 s on 1,803 CPU-s, both cores busy throughout, so a lane more would
+# gain only the sleeping. Tests that wait but also compute (rolling upgrade, failover, a cut link, fuzzing) made the
+# run longer beside the compute lane (their clusters contend for the cores): the waits lane holds only tests whose
+# clusters are idle or tiny.
 BESIDE_E2E = {
     # scripted workers behind a proxy in a thread or a torch-free process
     "test_config_reload.py", "test_metering_file.py",
