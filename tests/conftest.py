@@ -20,7 +20,7 @@ from common.storage.model_store import resolve_model
 # own takes their waiting off the critical path. A new e2e module goes to the compute lane unless it is named
 # here; a new unit module to the beside lane. Measured (2026-11-30, 1,809 tests, `make test
 # PYTEST_ARGS=--durations=0` under `/usr/bin/time`): the compute lane's tests summed to 951 s, the beside lane's to
-# 899, the waits lane's to 388; the run took 968 s on 1,803 CPU-s, both cores busy throughout, so a lane more would
+# 914, the waits lane's to 387; the run took 968 s on 1,803 CPU-s, both cores busy throughout, so a lane more would
 # gain only the sleeping. Tests that wait but also compute (rolling upgrade, failover, a cut link, fuzzing) made the
 # run longer beside the compute lane (their clusters contend for the cores): the waits lane holds only tests whose
 # clusters are idle or tiny.
