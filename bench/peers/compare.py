@@ -389,7 +389,10 @@ def main(argv: list[str] | None = None) -> int:
                         print(json.dumps(row), flush=True)
                         rows.append(row)
                 finally:
-                    kept.append(server) if alternate else server.stop()
+                    if alternate:
+                        kept.append(server)
+                    else:
+                        server.stop()
             if alternate:
                 rows += alternate_one_stream(kept, args, model, Path(tmp), weight_bytes)
         finally:

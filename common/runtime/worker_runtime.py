@@ -78,7 +78,8 @@ def serve(config: WorkerConfig, handler: RoleHandler, adopters: Mapping[str, Ado
     drain_deadline = None
     try:
         while True:
-            # each turn of this loop is a step or a wait of at most idle_poll_s; the I/O thread turns every 0.1 s or sooner
+            # each turn of this loop is a step or a wait of at most idle_poll_s; the I/O thread turns at least
+            # every worker_io.POLL_MAX_S
             watchdog.pet(watchdog.period is not None and io.alive(watchdog.period / 2))
             if signalled and drain_deadline is None:
                 log.info("draining: no new work; %.0fs for running requests", config.drain_timeout_s)
