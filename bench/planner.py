@@ -2,7 +2,7 @@
 shifts (proxy/control/planner.py), serve more requests within both targets than the best fixed split?
 
     python -m bench.planner [--workers 40] [--phase-s 120] [--phases prompt,decode,mixed] [--load 0.8]
-                            [--splits all | sampled | 4,20,36] [--no-tac] [--time-scale 4] [--json FILE]
+                            [--splits all | sampled | 4,20,36] [--no-tac] [--time-scale 4] [--json FILE [--resume]]
     python -m bench.planner measure-switch [--cycles 20]
 
 One proxy (``tessera proxy``, the adaptive controller on) and one ``tessera sim-worker`` process hosting
@@ -25,6 +25,12 @@ scaled alike: every figure reported is in simulated seconds. Goodput: requests t
 ``--tpot-ms`` (as the client measured them), per simulated second of the phase (or the whole trace);
 ``settled``: only those that arrived at least ``--settle-s`` (30) simulated seconds into their phase. The
 switches come from the simulated workers' own records, each placed in the phase it was ordered in.
+
+The whole check (``--splits all``: TAC and 39 fixed splits, each arm about 26 minutes at 2-minute phases) outlasts
+a working day on 2 cores, so it can run in pieces: ``--resume`` keeps the arms already in ``--json`` (run with the
+same settings, which it checks) and runs only the others, writing the file after each arm. Each arm records the
+commit it ran on. The fixed splits run in the order of their goodput over the whole trace by the model
+(``model_goodput``), best first, so that a partial run has tried the model's likeliest rivals of TAC.
 
 ``measure-switch``: what a real worker's switch costs beyond its drain: ``--cycles`` admin orders to an idle decode
 worker of a local cluster (prefill and back), each from the order to the answer; the median is the profile's
@@ -106,6 +112,24 @@ def served(profile: StepProfile, phase: str, prefill: int, decode: int, tpot_ms:
 def best_split(profile: StepProfile, phase: str, workers: int, tpot_ms: float) -> tuple[int, float]:
     return max(((p, served(profile, phase, p, workers - p, tpot_ms)) for p in range(1, workers)),
                key=lambda entry: entry[1])
+
+
+def model_goodput(profile: StepProfile, phases: list[dict], prefill: int, workers: int, tpot_ms: float,
+                  ttft_ms: float) -> float:
+    """What the model says a fixed split of ``prefill`` workers serves within the targets, in requests per
+    simulated second of the trace. A phase whose offered rate the split keeps up with is served whole. One it
+    does not builds a queue from the phase's start, growing at the difference of the two rates: the requests that
+    arrive before the queue's wait passes ``ttft_ms`` meet the target, none after (a fluid queue; no backlog is
+    carried between phases, so it still overrates a split that falls behind)."""
+    good = 0.0
+    for phase in phases:
+        offered, seconds = phase["offered_req_s"], phase["seconds"]
+        capacity = served(profile, phase["phase"], prefill, workers - prefill, tpot_ms)
+        if capacity >= offered:
+            good += offered * seconds
+        else:  # the wait reaches the target when the queue holds ttft x capacity requests
+            good += offered * min(seconds, ttft_ms / 1e3 * capacity / (offered - capacity))
+    return good / sum(phase["seconds"] for phase in phases)
 
 
 # -- the trace ------------------------------------------------------------------------------------------
@@ -262,6 +286,45 @@ def measure_switch(cycles: int) -> dict:
 
 # -- the command ------------------------------------------------------------------------------------------
 
+# The settings an arm's result depends on: a resumed run must match them all.
+RUN_SETTINGS = ("workers", "phases", "phase_s", "load", "settle_s", "ttft_ms", "tpot_ms", "time_scale",
+                "min_dwell_s", "load_window_s", "max_switching", "drain_s", "tail_s", "seed")
+
+
+def resumable(previous: dict, settings: dict) -> list[dict]:
+    """The arms of an earlier run (``--json``'s content) that a run with ``settings`` can keep; a ValueError
+    naming the first setting that differs where the earlier run's settings are not these."""
+    for key in RUN_SETTINGS:
+        if previous.get("settings", {}).get(key) != settings[key]:
+            raise ValueError(f"--resume: the earlier run's {key} was {previous.get('settings', {}).get(key)!r}, "
+                             f"this run's is {settings[key]!r}; resume with the same settings or use another --json")
+    return list(previous.get("arms", []))
+
+
+def summarize(result: dict, phases: list[str]) -> None:
+    """TAC's goodput over the best fixed split's, for the whole trace and per phase (settled), in ``result``."""
+    fixed = [a for a in result["arms"] if not a["planner"]]
+    tac = next((a for a in result["arms"] if a["planner"]), None)
+    if not fixed or tac is None:
+        return
+    best = max(fixed, key=lambda a: a["goodput"])
+    result["tac_over_best_fixed"] = round(tac["goodput"] / max(best["goodput"], 1e-9), 3)
+    result["best_fixed"] = best["arm"]
+    result["fixed_splits_run"] = f"{len(fixed)} of {result['workers'] - 1}"
+    result["tac_over_phase_best_settled"] = {
+        phase: round(tac["phases"][i]["goodput_settled"] / max(
+            max(a["phases"][i]["goodput_settled"] for a in fixed), 1e-9), 3)
+        for i, phase in enumerate(phases)}
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def pick_splits(spec: str, workers: int, bests: list[str]) -> list[int]:
     """``all``: every split with one of each role at least; ``sampled``: each phase's best (by the model), an
     even split, and the two extremes' neighbours; ``none``: no fixed split (TAC alone); else the prefill counts
@@ -299,9 +362,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cycles", type=int, default=20, help="measure-switch: switches ordered")
     parser.add_argument("--seed", type=int, default=47)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the arms already in --json (same settings) and run only the others")
     args = parser.parse_args(argv)
     if not 0 <= args.settle_s < args.phase_s:
         parser.error(f"--settle-s {args.settle_s:g} must be below --phase-s {args.phase_s:g}")
+    if args.resume and args.json is None:
+        parser.error("--resume needs --json, the file of the run it continues")
+    settings = {key: getattr(args, key) for key in RUN_SETTINGS}
+    kept: list[dict] = []
+    if args.resume and args.json.exists():
+        try:
+            kept = resumable(json.loads(args.json.read_text()), settings)
+        except ValueError as error:
+            parser.error(str(error))
     if args.action == "measure-switch":
         print(json.dumps(measure_switch(args.cycles)))
         return 0
@@ -311,28 +385,26 @@ def main(argv: list[str] | None = None) -> int:
     specs = specs_of(trace, tokens, args.seed)
     work = Path(tempfile.mkdtemp(prefix="tessera-planner-"))
     splits = pick_splits(args.splits, args.workers, [p["best_split"] for p in phases])
+    model = {p: model_goodput(profile, phases, p, args.workers, args.tpot_ms, args.ttft_ms) for p in splits}
+    splits.sort(key=lambda p: -model[p])
     arms = [] if args.no_tac else [("tac", args.workers // 2, True)]
     arms += [(f"fixed-{p}:{args.workers - p}", p, False) for p in splits]
     result = {"command": "python -m bench.planner " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "workers": args.workers, "time_scale": args.time_scale, "ttft_ms": args.ttft_ms,
-              "tpot_ms": args.tpot_ms, "load": args.load, "trace": phases, "requests": len(trace),
-              "splits_tried": [f"{p}:{args.workers - p}" for p in splits], "arms": []}
+              "settings": settings, "workers": args.workers, "time_scale": args.time_scale, "ttft_ms": args.ttft_ms,
+              "tpot_ms": args.tpot_ms, "load": args.load, "trace": phases, "requests": len(trace), "arms": kept}
+    done = {a["arm"] for a in result["arms"]}
     for name, prefill, planner in arms:
+        if name in done:
+            continue
         arm = run_arm(args, name, prefill, planner, trace, specs, work)
+        arm.update(commit=_commit(), model_req_s=None if planner else round(model[prefill], 3))
         result["arms"].append(arm)
+        result["splits_tried"] = [a["start_split"] for a in result["arms"] if not a["planner"]]
         print(json.dumps(arm), flush=True)
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))
-    fixed = [a for a in result["arms"] if not a["planner"]]
-    if fixed and not args.no_tac:
-        tac = result["arms"][0]
-        best = max(fixed, key=lambda a: a["goodput"])
-        result["tac_over_best_fixed"] = round(tac["goodput"] / max(best["goodput"], 1e-9), 3)
-        result["best_fixed"] = best["arm"]
-        result["tac_over_phase_best_settled"] = {
-            phase: round(tac["phases"][i]["goodput_settled"] / max(
-                max(a["phases"][i]["goodput_settled"] for a in fixed), 1e-9), 3)
-            for i, phase in enumerate(args.phases)}
+    result["splits_tried"] = [a["start_split"] for a in result["arms"] if not a["planner"]]
+    summarize(result, args.phases)
     print(json.dumps({k: v for k, v in result.items() if k != "arms"}, indent=1))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
