@@ -4,6 +4,7 @@ shifts (proxy/control/planner.py), serve more requests within both targets than 
     python -m bench.planner [--workers 40] [--phase-s 120] [--phases prompt,decode,mixed] [--load 0.8]
                             [--splits all | sampled | 4,20,36] [--no-tac] [--time-scale 4] [--json FILE [--resume]]
     python -m bench.planner measure-switch [--cycles 20]
+    python -m bench.planner report --json FILE
 
 One proxy (``tessera proxy``, the adaptive controller on) and one ``tessera sim-worker`` process hosting
 ``--workers`` simulated workers (bench/sim/: the real wire protocol and block manager, steps timed by the shipped
@@ -317,6 +318,34 @@ def summarize(result: dict, phases: list[str]) -> None:
         for i, phase in enumerate(phases)}
 
 
+def report(result: dict) -> str:
+    """A run's arms as the markdown table docs/benchmarks.md gives: goodput over the whole trace and per phase
+    (settled in brackets), switches per phase, failures, the sim's timing and the commit; TAC's ratios last."""
+    phases = [p["phase"] for p in result["trace"]]
+    head = ["arm", "whole trace", *(f"{p} (settled)" for p in phases), "switches per phase (most of one worker)",
+            "failed", "model req/s", "sim lag p99 / step p50", "commit"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    arms = sorted(result["arms"], key=lambda a: (not a["planner"], -a["goodput"]))
+    for arm in arms:
+        name = f"TAC, from {arm['start_split']}" if arm["planner"] else f"fixed {arm['start_split']}"
+        cells = [name, f"{arm['goodput']:.2f}",
+                 *(f"{p['goodput']:.2f} ({p['goodput_settled']:.2f})" for p in arm["phases"]),
+                 " / ".join(f"{p['switches']} ({p['most_switches_of_a_worker']})" for p in arm["phases"]),
+                 f"{arm['failed']} of {arm['requests']}",
+                 "" if arm.get("model_req_s") is None else f"{arm['model_req_s']:.2f}",
+                 f"{arm['sim_lag_p99_ms']:.1f} / {arm['sim_step_p50_ms']:.1f} ms"
+                 + ("" if arm["sim_timing_valid"] else " (not valid)"), arm.get("commit", "")]
+        rows.append("| " + " | ".join(cells) + " |")
+    summary = dict(result)
+    summarize(summary, phases)
+    if "tac_over_best_fixed" in summary:
+        per_phase = ", ".join(f"{p} {r:.2f}x" for p, r in summary["tac_over_phase_best_settled"].items())
+        rows.append(f"\nTAC over the best fixed split tried ({summary['best_fixed']}, {summary['fixed_splits_run']} "
+                    f"splits run): {summary['tac_over_best_fixed']:.2f}x over the whole trace; settled, per phase: "
+                    f"{per_phase}.")
+    return "\n".join(rows)
+
+
 def _commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -342,7 +371,7 @@ def pick_splits(spec: str, workers: int, bests: list[str]) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.planner", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", nargs="?", choices=("run", "measure-switch"), default="run")
+    parser.add_argument("action", nargs="?", choices=("run", "measure-switch", "report"), default="run")
     parser.add_argument("--workers", type=int, default=40)
     parser.add_argument("--phases", type=lambda s: s.split(","), default=["prompt", "decode", "mixed"])
     parser.add_argument("--phase-s", type=float, default=120.0, help="simulated seconds per phase")
@@ -378,6 +407,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(error))
     if args.action == "measure-switch":
         print(json.dumps(measure_switch(args.cycles)))
+        return 0
+    if args.action == "report":
+        if args.json is None or not args.json.exists():
+            parser.error("report needs --json, the file of a run")
+        print(report(json.loads(args.json.read_text())))
         return 0
     profile = StepProfile.load()
     trace, phases = make_trace(args, profile)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bench import planner
-from bench.planner import RUN_SETTINGS, main, model_goodput, resumable, served, summarize
+from bench.planner import RUN_SETTINGS, main, model_goodput, report, resumable, served, summarize
 from bench.sim.profile import StepProfile
 
 SETTINGS = {"workers": 40, "phases": ["prompt", "decode", "mixed"], "phase_s": 120.0, "load": 0.8,
@@ -16,7 +16,8 @@ SETTINGS = {"workers": 40, "phases": ["prompt", "decode", "mixed"], "phase_s": 1
 
 
 def _arm(name: str, goodput: float, settled: list[float], planner_on: bool = False) -> dict:
-    return {"arm": name, "planner": planner_on, "start_split": name.removeprefix("fixed-"), "goodput": goodput,
+    split = "20:20" if planner_on else name.removeprefix("fixed-")
+    return {"arm": name, "planner": planner_on, "start_split": split, "goodput": goodput,
             "phases": [{"goodput_settled": g} for g in settled]}
 
 
@@ -69,3 +70,17 @@ def test_resume_refuses_another_runs_file_before_starting_any_arm(tmp_path, monk
     with pytest.raises(SystemExit):
         main(["--resume"])  # no file to resume
     assert not started
+
+
+def test_the_report_gives_every_arm_tac_first_and_tacs_ratio_to_the_best_fixed_split():
+    def full(arm: dict, requests: int) -> dict:
+        arm["phases"] = [{**p, "goodput": p["goodput_settled"], "switches": 2, "most_switches_of_a_worker": 1}
+                         for p in arm["phases"]]
+        return {**arm, "failed": 0, "requests": requests, "sim_lag_p99_ms": 1.0, "sim_step_p50_ms": 30.0,
+                "sim_timing_valid": True, "commit": "abc1234", "model_req_s": None if arm["planner"] else 5.5}
+    result = {"workers": 40, "trace": [{"phase": p} for p in SETTINGS["phases"]],
+              "arms": [full(_arm("fixed-24:16", 5.0, [5, 7, 3]), 700), full(_arm("tac", 7.5, [5, 9, 8], True), 712)]}
+    lines = report(result).splitlines()
+    assert lines[2].startswith("| TAC, from 20:20 | 7.50 | 5.00 (5.00) |") and "0 of 712" in lines[2]
+    assert lines[3].startswith("| fixed 24:16 | 5.00 |") and "| 5.50 |" in lines[3] and "abc1234" in lines[3]
+    assert lines[-1].startswith("TAC over the best fixed split tried (fixed-24:16, 1 of 39 splits run): 1.50x")
