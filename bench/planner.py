@@ -27,11 +27,11 @@ scaled alike: every figure reported is in simulated seconds. Goodput: requests t
 ``settled``: only those that arrived at least ``--settle-s`` (30) simulated seconds into their phase. The
 switches come from the simulated workers' own records, each placed in the phase it was ordered in.
 
-The whole check (``--splits all``: TAC and 39 fixed splits, each arm about 26 minutes at 2-minute phases) outlasts
-a working day on 2 cores, so it can run in pieces: ``--resume`` keeps the arms already in ``--json`` (run with the
-same settings, which it checks) and runs only the others, writing the file after each arm. Each arm records the
-commit it ran on. The fixed splits run in the order of their goodput over the whole trace by the model
-(``model_goodput``), best first, so that a partial run has tried the model's likeliest rivals of TAC.
+``--resume`` keeps the arms already in ``--json`` whose run had the same settings, trace and step profile
+(bench/planner_results.py), runs only the others and writes the file after each arm; each arm records the commit
+its processes ran. The fixed splits run best first by the model's goodput over the whole trace (``model_goodput``),
+so that a run in pieces has tried the model's likeliest rivals of TAC first. ``report`` prints a run's file as a
+markdown table.
 
 ``measure-switch``: what a real worker's switch costs beyond its drain: ``--cycles`` admin orders to an idle decode
 worker of a local cluster (prefill and back), each from the order to the answer; the median is the profile's
@@ -59,7 +59,8 @@ from bench.loadgen.runner import http_client, run_point
 from bench.loadgen.tenants import Tenant
 from bench.loadgen.workloads import RequestSpec, TokenSource
 from bench.scale import http_ok, stop_sims_and_proxy, wait_for, _metric, _workers
-from bench.sim.profile import StepProfile
+from bench.planner_results import commit_of_tree, fingerprint, report, resumable, summarize, write_run
+from bench.sim.profile import DEFAULT_PROFILE, StepProfile
 from common.cli.local_cluster import free_port
 from common.storage.model_store import resolve_model
 
@@ -118,18 +119,23 @@ def best_split(profile: StepProfile, phase: str, workers: int, tpot_ms: float) -
 def model_goodput(profile: StepProfile, phases: list[dict], prefill: int, workers: int, tpot_ms: float,
                   ttft_ms: float) -> float:
     """What the model says a fixed split of ``prefill`` workers serves within the targets, in requests per
-    simulated second of the trace. A phase whose offered rate the split keeps up with is served whole. One it
-    does not builds a queue from the phase's start, growing at the difference of the two rates: the requests that
-    arrive before the queue's wait passes ``ttft_ms`` meet the target, none after (a fluid queue; no backlog is
-    carried between phases, so it still overrates a split that falls behind)."""
-    good = 0.0
+    simulated second of the trace: a fluid queue. In a phase offered ``l`` requests a second, of which the split
+    serves ``m``, the wait of a request arriving ``t`` seconds in is ``max(0, w0 + (l / m - 1) t)``, ``w0`` the
+    wait the phase before left; the requests whose wait is within ``ttft_ms`` meet the targets (the decode
+    workers' admission keeps TPOT, so an overloaded split queues rather than slows)."""
+    good, wait = 0.0, 0.0
+    ttft_s = ttft_ms / 1e3
     for phase in phases:
         offered, seconds = phase["offered_req_s"], phase["seconds"]
-        capacity = served(profile, phase["phase"], prefill, workers - prefill, tpot_ms)
-        if capacity >= offered:
-            good += offered * seconds
-        else:  # the wait reaches the target when the queue holds ttft x capacity requests
-            good += offered * min(seconds, ttft_ms / 1e3 * capacity / (offered - capacity))
+        growth = offered / served(profile, phase["phase"], prefill, workers - prefill, tpot_ms) - 1.0
+        if growth > 0:  # the wait grows: good until it passes the target
+            good_s = min(seconds, max(0.0, (ttft_s - wait) / growth))
+        elif wait > ttft_s:  # the wait shrinks: good from when it comes within the target
+            good_s = max(0.0, seconds - (wait - ttft_s) / -growth) if growth < 0 else 0.0
+        else:
+            good_s = seconds
+        good += offered * good_s
+        wait = max(0.0, wait + growth * seconds)
     return good / sum(phase["seconds"] for phase in phases)
 
 
@@ -287,73 +293,6 @@ def measure_switch(cycles: int) -> dict:
 
 # -- the command ------------------------------------------------------------------------------------------
 
-# The settings an arm's result depends on: a resumed run must match them all.
-RUN_SETTINGS = ("workers", "phases", "phase_s", "load", "settle_s", "ttft_ms", "tpot_ms", "time_scale",
-                "min_dwell_s", "load_window_s", "max_switching", "drain_s", "tail_s", "seed")
-
-
-def resumable(previous: dict, settings: dict) -> list[dict]:
-    """The arms of an earlier run (``--json``'s content) that a run with ``settings`` can keep; a ValueError
-    naming the first setting that differs where the earlier run's settings are not these."""
-    for key in RUN_SETTINGS:
-        if previous.get("settings", {}).get(key) != settings[key]:
-            raise ValueError(f"--resume: the earlier run's {key} was {previous.get('settings', {}).get(key)!r}, "
-                             f"this run's is {settings[key]!r}; resume with the same settings or use another --json")
-    return list(previous.get("arms", []))
-
-
-def summarize(result: dict, phases: list[str]) -> None:
-    """TAC's goodput over the best fixed split's, for the whole trace and per phase (settled), in ``result``."""
-    fixed = [a for a in result["arms"] if not a["planner"]]
-    tac = next((a for a in result["arms"] if a["planner"]), None)
-    if not fixed or tac is None:
-        return
-    best = max(fixed, key=lambda a: a["goodput"])
-    result["tac_over_best_fixed"] = round(tac["goodput"] / max(best["goodput"], 1e-9), 3)
-    result["best_fixed"] = best["arm"]
-    result["fixed_splits_run"] = f"{len(fixed)} of {result['workers'] - 1}"
-    result["tac_over_phase_best_settled"] = {
-        phase: round(tac["phases"][i]["goodput_settled"] / max(
-            max(a["phases"][i]["goodput_settled"] for a in fixed), 1e-9), 3)
-        for i, phase in enumerate(phases)}
-
-
-def report(result: dict) -> str:
-    """A run's arms as the markdown table docs/benchmarks.md gives: goodput over the whole trace and per phase
-    (settled in brackets), switches per phase, failures, the sim's timing and the commit; TAC's ratios last."""
-    phases = [p["phase"] for p in result["trace"]]
-    head = ["arm", "whole trace", *(f"{p} (settled)" for p in phases), "switches per phase (most of one worker)",
-            "failed", "model req/s", "sim lag p99 / step p50", "commit"]
-    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    arms = sorted(result["arms"], key=lambda a: (not a["planner"], -a["goodput"]))
-    for arm in arms:
-        name = f"TAC, from {arm['start_split']}" if arm["planner"] else f"fixed {arm['start_split']}"
-        cells = [name, f"{arm['goodput']:.2f}",
-                 *(f"{p['goodput']:.2f} ({p['goodput_settled']:.2f})" for p in arm["phases"]),
-                 " / ".join(f"{p['switches']} ({p['most_switches_of_a_worker']})" for p in arm["phases"]),
-                 f"{arm['failed']} of {arm['requests']}",
-                 "" if arm.get("model_req_s") is None else f"{arm['model_req_s']:.2f}",
-                 f"{arm['sim_lag_p99_ms']:.1f} / {arm['sim_step_p50_ms']:.1f} ms"
-                 + ("" if arm["sim_timing_valid"] else " (not valid)"), arm.get("commit", "")]
-        rows.append("| " + " | ".join(cells) + " |")
-    summary = dict(result)
-    summarize(summary, phases)
-    if "tac_over_best_fixed" in summary:
-        per_phase = ", ".join(f"{p} {r:.2f}x" for p, r in summary["tac_over_phase_best_settled"].items())
-        rows.append(f"\nTAC over the best fixed split tried ({summary['best_fixed']}, {summary['fixed_splits_run']} "
-                    f"splits run): {summary['tac_over_best_fixed']:.2f}x over the whole trace; settled, per phase: "
-                    f"{per_phase}.")
-    return "\n".join(rows)
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def pick_splits(spec: str, workers: int, bests: list[str]) -> list[int]:
     """``all``: every split with one of each role at least; ``sampled``: each phase's best (by the model), an
     even split, and the two extremes' neighbours; ``none``: no fixed split (TAC alone); else the prefill counts
@@ -365,10 +304,10 @@ def pick_splits(spec: str, workers: int, bests: list[str]) -> list[int]:
     if spec == "sampled":
         picks = {int(b.split(":")[0]) for b in bests} | {workers // 2, 2, workers - 2}
         return sorted(p for p in picks if 1 <= p < workers)
-    return [int(p) for p in spec.split(",")]
+    return list(dict.fromkeys(int(p) for p in spec.split(",")))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.planner", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("action", nargs="?", choices=("run", "measure-switch", "report"), default="run")
@@ -393,28 +332,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--resume", action="store_true",
                         help="keep the arms already in --json (same settings) and run only the others")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not 0 <= args.settle_s < args.phase_s:
         parser.error(f"--settle-s {args.settle_s:g} must be below --phase-s {args.phase_s:g}")
     if args.resume and args.json is None:
         parser.error("--resume needs --json, the file of the run it continues")
-    settings = {key: getattr(args, key) for key in RUN_SETTINGS}
-    kept: list[dict] = []
-    if args.resume and args.json.exists():
-        try:
-            kept = resumable(json.loads(args.json.read_text()), settings)
-        except ValueError as error:
-            parser.error(str(error))
     if args.action == "measure-switch":
         print(json.dumps(measure_switch(args.cycles)))
         return 0
     if args.action == "report":
-        if args.json is None or not args.json.exists():
-            parser.error("report needs --json, the file of a run")
-        print(report(json.loads(args.json.read_text())))
+        try:
+            print(report(json.loads(args.json.read_text())))
+        except (AttributeError, OSError, ValueError, KeyError, TypeError) as error:
+            parser.error(f"report needs --json, the file of a bench.planner run: {error!r}")
         return 0
     profile = StepProfile.load()
     trace, phases = make_trace(args, profile)
+    settings = fingerprint(args, DEFAULT_PROFILE)
+    previous: dict = {}
+    if args.resume and args.json.exists():
+        try:
+            previous = json.loads(args.json.read_text())
+            previous["arms"] = resumable(previous, settings, phases, len(trace))
+        except ValueError as error:
+            parser.error(str(error))
+    elif args.resume:
+        print(f"no earlier run at {args.json}: starting one", file=sys.stderr)
     tokens = TokenSource(_tokenizer())
     specs = specs_of(trace, tokens, args.seed)
     work = Path(tempfile.mkdtemp(prefix="tessera-planner-"))
@@ -423,25 +371,26 @@ def main(argv: list[str] | None = None) -> int:
     splits.sort(key=lambda p: -model[p])
     arms = [] if args.no_tac else [("tac", args.workers // 2, True)]
     arms += [(f"fixed-{p}:{args.workers - p}", p, False) for p in splits]
-    result = {"command": "python -m bench.planner " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "settings": settings, "workers": args.workers, "time_scale": args.time_scale, "ttft_ms": args.ttft_ms,
-              "tpot_ms": args.tpot_ms, "load": args.load, "trace": phases, "requests": len(trace), "arms": kept}
-    done = {a["arm"] for a in result["arms"]}
+    planned = previous.get("splits_planned", []) + [f"{p}:{args.workers - p}" for p in splits]
+    command = "python -m bench.planner " + " ".join(argv if argv is not None else sys.argv[1:])
+    result = {"commands": previous.get("commands", []) + [command], "settings": settings, "workers": args.workers,
+              "time_scale": args.time_scale, "ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms, "load": args.load,
+              "trace": phases, "requests": len(trace), "splits_planned": list(dict.fromkeys(planned)),
+              "arms": previous.get("arms", [])}
     for name, prefill, planner in arms:
-        if name in done:
+        if name in {a["arm"] for a in result["arms"]}:
             continue
+        commit = commit_of_tree()  # before the arm: its processes import the tree as it starts
         arm = run_arm(args, name, prefill, planner, trace, specs, work)
-        arm.update(commit=_commit(), model_req_s=None if planner else round(model[prefill], 3))
+        arm.update(commit=commit, model_req_s=None if planner else round(model[prefill], 3))
         result["arms"].append(arm)
-        result["splits_tried"] = [a["start_split"] for a in result["arms"] if not a["planner"]]
         print(json.dumps(arm), flush=True)
         if args.json:
-            args.json.write_text(json.dumps(result, indent=1))
-    result["splits_tried"] = [a["start_split"] for a in result["arms"] if not a["planner"]]
+            write_run(args.json, result)
     summarize(result, args.phases)
     print(json.dumps({k: v for k, v in result.items() if k != "arms"}, indent=1))
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+        write_run(args.json, result)
     return 0
 
 
