@@ -63,18 +63,21 @@ def summarize(result: dict, phases: list[str]) -> None:
     """Sets, in ``result``, TAC's goodput over the best fixed split's for the whole trace
     (``tac_over_best_fixed``), that split (``best_fixed``), how many of the splits ran (``fixed_splits_run``),
     and per phase TAC's settled goodput over the best fixed split's in that phase
-    (``tac_over_phase_best_settled``). Nothing without both a TAC arm and a fixed one."""
+    (``tac_over_phase_best_settled``); a ratio is None where no fixed split served any request within the
+    targets. Nothing without both a TAC arm and a fixed one."""
     fixed = [a for a in result["arms"] if not a["planner"]]
     tac = next((a for a in result["arms"] if a["planner"]), None)
     if not fixed or tac is None:
         return
+    def ratio(tac_value: float, best_value: float) -> float | None:
+        return round(tac_value / best_value, 3) if best_value > 0 else None
+
     best = max(fixed, key=lambda a: a["goodput"])
-    result["tac_over_best_fixed"] = round(tac["goodput"] / max(best["goodput"], 1e-9), 3)
+    result["tac_over_best_fixed"] = ratio(tac["goodput"], best["goodput"])
     result["best_fixed"] = best["arm"]
     result["fixed_splits_run"] = f"{len(fixed)} of {result['workers'] - 1}"
     result["tac_over_phase_best_settled"] = {
-        phase: round(tac["phases"][i]["goodput_settled"] / max(
-            max(a["phases"][i]["goodput_settled"] for a in fixed), 1e-9), 3)
+        phase: ratio(tac["phases"][i]["goodput_settled"], max(a["phases"][i]["goodput_settled"] for a in fixed))
         for i, phase in enumerate(phases)}
 
 
@@ -99,10 +102,12 @@ def report(result: dict) -> str:
         rows.append("| " + " | ".join(cells) + " |")
     summary = dict(result)
     summarize(summary, phases)
-    if "tac_over_best_fixed" in summary:
-        per_phase = ", ".join(f"{p} {r:.2f}x" for p, r in summary["tac_over_phase_best_settled"].items())
+    if "best_fixed" in summary:
+        def times(r: float | None) -> str:
+            return "no fixed split served any within the targets" if r is None else f"{r:.2f}x"
+        per_phase = ", ".join(f"{p} {times(r)}" for p, r in summary["tac_over_phase_best_settled"].items())
         rows.append(f"\nTAC over the best fixed split run ({summary['best_fixed']}, {summary['fixed_splits_run']} "
-                    f"splits run): {summary['tac_over_best_fixed']:.2f}x over the whole trace; settled, per phase: "
+                    f"splits run): {times(summary['tac_over_best_fixed'])} over the whole trace; settled, per phase: "
                     f"{per_phase}.")
     ran = {a["start_split"] for a in result["arms"] if not a["planner"]}
     pending = [s for s in result.get("splits_planned", []) if s not in ran]

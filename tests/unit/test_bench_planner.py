@@ -67,6 +67,7 @@ def test_a_run_in_pieces_runs_each_arm_once_and_keeps_the_file_whole(tmp_path, m
     monkeypatch.setattr(planner, "_tokenizer", lambda: None)
     monkeypatch.setattr(planner, "TokenSource", lambda tokenizer: None)
     monkeypatch.setattr(planner, "specs_of", lambda *a: [])
+    monkeypatch.setattr(planner.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
     path = tmp_path / "run.json"
     common = ["--phase-s", "30", "--settle-s", "15", "--json", str(path), "--resume"]
     assert main(["--splits", "24", *common]) == 0
@@ -105,6 +106,11 @@ def test_the_summary_sets_tac_against_the_best_fixed_split_whatever_the_arms_ord
     assert result["fixed_splits_run"] == "2 of 39"
     assert result["tac_over_phase_best_settled"] == {"prompt": round(5 / 6, 3), "decode": round(9 / 7, 3),
                                                      "mixed": round(8 / 3, 3)}
+    served_none = {"workers": 40, "arms": [_arm("tac", 7.5, [5, 9, 8], True), _arm("fixed-28:12", 2.0, [5, 0, 0])]}
+    summarize(served_none, SETTINGS["phases"])
+    assert served_none["tac_over_phase_best_settled"] == {"prompt": 1.0, "decode": None, "mixed": None}
+    assert "decode no fixed split served any within the targets" in report(
+        {**served_none, "trace": TRACE, "arms": [_full(a) for a in served_none["arms"]]})
     for arms in ([_arm("tac", 7.5, [5, 9, 8], True)], [_arm("fixed-24:16", 5.0, [5, 7, 3])]):
         alone = {"workers": 40, "arms": arms}
         summarize(alone, SETTINGS["phases"])
