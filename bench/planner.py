@@ -241,6 +241,7 @@ def score(args, trace: list[Sent], records: list[RequestRecord], sim: dict, star
         phases.append({"phase": phase, "requests": len(mine), "good": sum(g for _, g in mine),
                        "goodput": round(sum(g for _, g in mine) / args.phase_s, 3),
                        "goodput_settled": round(sum(late) / (args.phase_s - args.settle_s), 3),
+                       "settled_requests": len(late), "settled_good": sum(late),
                        "switches": len(ordered), "most_switches_of_a_worker": max(per_worker.values(), default=0)})
     failed = sum(not r.ok for r in records)
     return {"goodput": round(sum(good) / (args.phase_s * len(args.phases)), 3), "requests": len(records),

@@ -64,9 +64,14 @@ def summarize(result: dict, phases: list[str]) -> None:
     (``tac_over_best_fixed``), that split (``best_fixed``), how many of the splits ran (``fixed_splits_run``),
     and per phase TAC's settled goodput over the best fixed split's in that phase
     (``tac_over_phase_best_settled``); a ratio is None where no fixed split served any request within the
-    targets. Nothing without both a TAC arm and a fixed one."""
+    targets. Nothing of these without both a TAC arm and a fixed one. And, where TAC ran, the share of each
+    phase's settled requests it served within the targets (``tac_settled_share``): no split can serve more
+    than all of them, so this bounds TAC's settled ratio against every split, run or not."""
     fixed = [a for a in result["arms"] if not a["planner"]]
     tac = next((a for a in result["arms"] if a["planner"]), None)
+    if tac is not None and all("settled_requests" in p for p in tac["phases"]):
+        result["tac_settled_share"] = {phase: round(p["settled_good"] / max(p["settled_requests"], 1), 4)
+                                       for phase, p in zip(phases, tac["phases"])}
     if not fixed or tac is None:
         return
     def ratio(tac_value: float, best_value: float) -> float | None:
@@ -85,7 +90,8 @@ def report(result: dict) -> str:
     """A run's arms as a markdown table, TAC first, then the fixed splits by goodput: goodput over the whole
     trace and per phase (settled in brackets), switches per phase (the most of one worker in brackets), failed
     requests, the model's goodput for a fixed split, the simulated workers' loop lag against their step, and the
-    commit; then a line of TAC's ratios (``summarize``) where both kinds of arm ran, and the splits still to run."""
+    commit; then lines of TAC's ratios (``summarize``) where both kinds of arm ran, of its share of each phase's
+    settled requests where it ran, and of the splits still to run."""
     phases = [p["phase"] for p in result["trace"]]
     head = ["arm", "whole trace", *(f"{p} (settled)" for p in phases), "switches per phase (most of one worker)",
             "failed", "model req/s", "sim lag p99 / step p50", "commit"]
@@ -109,6 +115,10 @@ def report(result: dict) -> str:
         rows.append(f"\nTAC over the best fixed split run ({summary['best_fixed']}, {summary['fixed_splits_run']} "
                     f"splits run): {times(summary['tac_over_best_fixed'])} over the whole trace; settled, per phase: "
                     f"{per_phase}.")
+    if "tac_settled_share" in summary:
+        shares = ", ".join(f"{p} {share:.1%}" for p, share in summary["tac_settled_share"].items())
+        rows.append(f"\nTAC served within the targets, of each phase's settled requests: {shares} (no split "
+                    f"can serve more than all of them).")
     ran = {a["start_split"] for a in result["arms"] if not a["planner"]}
     pending = [s for s in result.get("splits_planned", []) if s not in ran]
     if pending:

@@ -27,8 +27,8 @@ def _arm(name: str, goodput: float, settled: list[float], planner_on: bool = Fal
 
 def _full(arm: dict, requests: int = 700) -> dict:
     """``arm`` with every field a run writes."""
-    phases = [{**p, "goodput": p["goodput_settled"], "switches": 2, "most_switches_of_a_worker": 1}
-              for p in arm["phases"]]
+    phases = [{**p, "goodput": p["goodput_settled"], "switches": 2, "most_switches_of_a_worker": 1,
+               "settled_requests": 200, "settled_good": int(p["goodput_settled"] * 18)} for p in arm["phases"]]
     return {**arm, "phases": phases, "failed": 0, "requests": requests, "sim_lag_p99_ms": 1.0,
             "sim_step_p50_ms": 30.0, "sim_timing_valid": True, "commit": "abc1234",
             "model_req_s": None if arm["planner"] else 5.5}
@@ -127,7 +127,9 @@ def test_the_report_gives_tac_first_its_ratios_and_the_splits_still_to_run():
     assert lines[2].startswith("| TAC, from 20:20 | 7.50 | 5.00 (5.00) |") and "0 of 700" in lines[2]
     assert lines[3].startswith("| fixed 24:16 | 5.00 |") and "| 5.50 |" in lines[3] and "abc1234" in lines[3]
     assert lines[4].startswith("| fixed 28:12 | 4.00 |") and lines[4].endswith("| 1.0 / 30.0 ms |  |")
-    assert "(fixed-24:16, 2 of 39 splits run): 1.50x over the whole trace" in lines[-3]
+    assert "(fixed-24:16, 2 of 39 splits run): 1.50x over the whole trace" in lines[-5]
+    assert lines[-3] == ("TAC served within the targets, of each phase's settled requests: prompt 45.0%, decode "
+                         "81.0%, mixed 72.0% (no split can serve more than all of them).")
     assert lines[-1] == "Not run yet (1, in the order planned): 30:10."
     no_tac = report({**result, "arms": result["arms"][:2]})
     assert "TAC over" not in no_tac
