@@ -184,11 +184,7 @@ def alternate_one_stream(servers: list[Server], args, model: ServedModel, result
     for r in range(rounds):
         point = Point(f"one stream, round {r + 1}", args.seed + 2 + r, prompts, concurrency=1)
         for server in servers[r % len(servers):] + servers[:r % len(servers)]:
-            measured = read_bandwidth()
-            row = run_point(server, point, args, model, result_dir)
-            row["read_bandwidth"] = measured
-            print(json.dumps(row), flush=True)
-            runs[server.name].append(row)
+            runs[server.name].append(measured_point(server, point, args, model, result_dir))
     return [one_stream_row(name, runs[name], runs.get("vllm"), weight_bytes) for name in runs]
 
 
@@ -206,6 +202,16 @@ def one_stream_row(name: str, runs: list[dict], reference: list[dict] | None, we
     if reference is not None and name != "vllm":
         row["ratio"] = statistics.median(run["median_tpot_ms"] / ref["median_tpot_ms"]
                                          for run, ref in zip(runs, reference))
+    return row
+
+
+def measured_point(server: Server, point: Point, args, model: ServedModel, result_dir: Path) -> dict:
+    """``run_point``, printed; a one-stream point, memory-bound, with the bandwidth of its own minutes measured
+    just before it (``read_bandwidth``: it drifts on shared hosts)."""
+    measured = read_bandwidth() if point.concurrency == 1 else None
+    row = run_point(server, point, args, model, result_dir)
+    row["read_bandwidth"] = measured
+    print(json.dumps(row), flush=True)
     return row
 
 
@@ -382,12 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                 server = Server(name, args, model, log_dir)
                 try:
                     for point in points(args)[:2] if alternate else points(args):
-                        # the memory-bound point against the bandwidth of its own minutes (it drifts on shared hosts)
-                        measured = read_bandwidth() if point.concurrency == 1 else None
-                        row = run_point(server, point, args, model, Path(tmp))
-                        row["read_bandwidth"] = measured
-                        print(json.dumps(row), flush=True)
-                        rows.append(row)
+                        rows.append(measured_point(server, point, args, model, Path(tmp)))
                 finally:
                     if alternate:
                         kept.append(server)
