@@ -130,10 +130,12 @@ def model_goodput(profile: StepProfile, phases: list[dict], prefill: int, worker
         growth = offered / served(profile, phase["phase"], prefill, workers - prefill, tpot_ms) - 1.0
         if growth > 0:  # the wait grows: good until it passes the target
             good_s = min(seconds, max(0.0, (ttft_s - wait) / growth))
-        elif wait > ttft_s:  # the wait shrinks: good from when it comes within the target
-            good_s = max(0.0, seconds - (wait - ttft_s) / -growth) if growth < 0 else 0.0
-        else:
+        elif wait <= ttft_s:
             good_s = seconds
+        elif growth < 0:  # the wait shrinks: good from when it comes within the target
+            good_s = max(0.0, seconds - (wait - ttft_s) / -growth)
+        else:  # the wait stays past the target
+            good_s = 0.0
         good += offered * good_s
         wait = max(0.0, wait + growth * seconds)
     return good / sum(phase["seconds"] for phase in phases)
@@ -374,10 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     arms += [(f"fixed-{p}:{args.workers - p}", p, False) for p in splits]
     planned = previous.get("splits_planned", []) + [f"{p}:{args.workers - p}" for p in splits]
     command = "python -m bench.planner " + " ".join(argv if argv is not None else sys.argv[1:])
-    result = {"commands": previous.get("commands", []) + [command], "settings": settings, "workers": args.workers,
-              "time_scale": args.time_scale, "ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms, "load": args.load,
-              "trace": phases, "requests": len(trace), "splits_planned": list(dict.fromkeys(planned)),
-              "arms": previous.get("arms", [])}
+    result = {"commands": previous.get("commands", []) + [command], "settings": settings, "trace": phases,
+              "requests": len(trace), "splits_planned": list(dict.fromkeys(planned)), "arms": previous.get("arms", [])}
     for name, prefill, planner in arms:
         if name in {a["arm"] for a in result["arms"]}:
             continue

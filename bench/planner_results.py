@@ -80,7 +80,7 @@ def summarize(result: dict, phases: list[str]) -> None:
     best = max(fixed, key=lambda a: a["goodput"])
     result["tac_over_best_fixed"] = ratio(tac["goodput"], best["goodput"])
     result["best_fixed"] = best["arm"]
-    result["fixed_splits_run"] = f"{len(fixed)} of {result['workers'] - 1}"
+    result["fixed_splits_run"] = f"{len(fixed)} of {result['settings']['workers'] - 1}"
     result["tac_over_phase_best_settled"] = {
         phase: ratio(tac["phases"][i]["goodput_settled"], max(a["phases"][i]["goodput_settled"] for a in fixed))
         for i, phase in enumerate(phases)}

@@ -17,6 +17,7 @@ SETTINGS = {"workers": 40, "phases": ["prompt", "decode", "mixed"], "phase_s": 1
             "load_window_s": 10.0, "max_switching": 10, "drain_s": 5.0, "tail_s": 40.0, "seed": 47,
             "profile_sha256": "0123456789abcdef"}
 TRACE = [{"phase": p} for p in SETTINGS["phases"]]
+RUN = {"settings": {"workers": 40}}  # what the summary reads of a run's settings
 
 
 def _arm(name: str, goodput: float, settled: list[float], planner_on: bool = False) -> dict:
@@ -99,20 +100,20 @@ def test_resume_refuses_another_runs_file_before_starting_any_arm(tmp_path, monk
 
 
 def test_the_summary_sets_tac_against_the_best_fixed_split_whatever_the_arms_order():
-    result = {"workers": 40, "arms": [_arm("fixed-24:16", 5.0, [5, 7, 3]), _arm("tac", 7.5, [5, 9, 8], True),
+    result = {**RUN, "arms": [_arm("fixed-24:16", 5.0, [5, 7, 3]), _arm("tac", 7.5, [5, 9, 8], True),
                                       _arm("fixed-20:20", 2.0, [6, 3, 0])]}
     summarize(result, SETTINGS["phases"])
     assert result["best_fixed"] == "fixed-24:16" and result["tac_over_best_fixed"] == 1.5
     assert result["fixed_splits_run"] == "2 of 39"
     assert result["tac_over_phase_best_settled"] == {"prompt": round(5 / 6, 3), "decode": round(9 / 7, 3),
                                                      "mixed": round(8 / 3, 3)}
-    served_none = {"workers": 40, "arms": [_arm("tac", 7.5, [5, 9, 8], True), _arm("fixed-28:12", 2.0, [5, 0, 0])]}
+    served_none = {**RUN, "arms": [_arm("tac", 7.5, [5, 9, 8], True), _arm("fixed-28:12", 2.0, [5, 0, 0])]}
     summarize(served_none, SETTINGS["phases"])
     assert served_none["tac_over_phase_best_settled"] == {"prompt": 1.0, "decode": None, "mixed": None}
     assert "decode no fixed split served any within the targets" in report(
         {**served_none, "trace": TRACE, "arms": [_full(a) for a in served_none["arms"]]})
     for arms in ([_arm("tac", 7.5, [5, 9, 8], True)], [_arm("fixed-24:16", 5.0, [5, 7, 3])]):
-        alone = {"workers": 40, "arms": arms}
+        alone = {**RUN, "arms": arms}
         summarize(alone, SETTINGS["phases"])
         assert "tac_over_best_fixed" not in alone
 
@@ -120,7 +121,7 @@ def test_the_summary_sets_tac_against_the_best_fixed_split_whatever_the_arms_ord
 def test_the_report_gives_tac_first_its_ratios_and_the_splits_still_to_run():
     older = _full(_arm("fixed-28:12", 4.0, [4, 1, 2]))
     del older["commit"], older["model_req_s"]  # an arm from before they were recorded
-    result = {"workers": 40, "trace": TRACE, "splits_planned": ["28:12", "24:16", "30:10"],
+    result = {**RUN, "trace": TRACE, "splits_planned": ["28:12", "24:16", "30:10"],
               "arms": [_full(_arm("fixed-24:16", 5.0, [5, 7, 3])), older, _full(_arm("tac", 7.5, [5, 9, 8], True))]}
     lines = report(result).splitlines()
     assert all(line.count("|") == lines[0].count("|") for line in lines[:5])
