@@ -96,7 +96,7 @@ def model_dir(args, shape: str) -> Path:
     return Path(args.work) / "models" / f"random-{shape}-{args.dtype}"
 
 
-GPU_TEST_FILES = "tests/unit/test_triton_attention.py,tests/unit/test_gpu_path.py"
+GPU_TEST_FILES = "tests/unit/test_triton_attention.py,tests/unit/test_gpu_path.py,tests/unit/test_kv_transfer.py"
 
 
 def gpu_tests(args) -> dict:

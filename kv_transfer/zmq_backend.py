@@ -16,10 +16,16 @@ epoch its pages were lent under (the server's published one, as the puller
 knows it); a server lending under another epoch now (its worker restarted
 under the same address, or registered again and freed what it lent) refuses
 it and says its own: those bytes hold other KV now. Page frames leave
-zero-copy: memoryviews of the pool's storage sent with ``copy=False``, one per
-merged segment. The puller copies each frame to its segment's local offset
-while holding the pull's lock, so an abort never races a late copy, and only
-then marks the pull DONE.
+zero-copy from a pool in CPU memory: memoryviews of the pool's storage sent
+with ``copy=False``, one per merged segment. The puller copies each frame to
+its segment's local offset while holding the pull's lock, so an abort never
+races a late copy, and only then marks the pull DONE.
+
+A pool in GPU memory (``PoolBytes`` over a CUDA tensor) goes through host
+memory: the server copies each segment to the host on the device's current
+stream (so after every kernel that wrote it), and the puller stages the frames
+in pinned host memory and copies them to the device before it marks the pull
+DONE. That is the path where NIXL is absent; NIXL moves GPU pages directly.
 
 CURVE (``common.runtime.zmq_security``): given a worker's ``curve`` keys, the ROUTER
 is a CURVE server whose ZAP authenticator admits only the peers' public keys
@@ -89,9 +95,42 @@ _PULL_DECODER = msgspec.msgpack.Decoder(PullRequest)
 _REPLY_DECODER = msgspec.msgpack.Decoder(PullReply)
 
 
-def pool_bytes(kv_cache) -> np.ndarray:
-    """The whole pool's storage (every rank) as one flat uint8 array (no copy)."""
-    return kv_cache.pool.view(-1).view(torch.uint8).numpy()
+class PoolBytes:
+    """The whole pool's storage (every rank) as flat bytes: read out for a reply, written from received frames.
+
+    In CPU memory reads are zero-copy views; in GPU memory they are host copies, and writes stage the frames in
+    one pinned host buffer and copy it to the device (synchronously, so DONE means the bytes are there).
+    """
+
+    def __init__(self, pool: torch.Tensor) -> None:
+        self._flat = pool.view(-1).view(torch.uint8)
+        self._on_cpu = self._flat.device.type == "cpu"
+        self._host = self._flat.numpy() if self._on_cpu else None
+
+    def __len__(self) -> int:
+        return self._flat.numel()
+
+    def read(self, offset: int, nbytes: int) -> memoryview:
+        if self._on_cpu:
+            return memoryview(self._host[offset:offset + nbytes])
+        return memoryview(self._flat[offset:offset + nbytes].cpu().numpy())
+
+    def write(self, pieces: list[tuple[int, memoryview]]) -> None:
+        """Copy each (offset, bytes) piece into the pool."""
+        if self._on_cpu:
+            for offset, data in pieces:
+                self._host[offset:offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+            return
+        staging = torch.empty(sum(len(data) for _, data in pieces), dtype=torch.uint8, pin_memory=True)
+        host = staging.numpy()
+        start = 0
+        for _, data in pieces:
+            host[start:start + len(data)] = np.frombuffer(data, dtype=np.uint8)
+            start += len(data)
+        start = 0
+        for offset, data in pieces:
+            self._flat[offset:offset + len(data)].copy_(staging[start:start + len(data)])
+            start += len(data)
 
 
 @dataclass
@@ -106,6 +145,7 @@ class _SocketState:
 class ZmqBackend(KVTransferBackend):
     name = "zmq"
     Metadata = ZmqMetadata
+    device_types = ("cpu", "cuda")
 
     def __init__(
         self,
@@ -138,11 +178,11 @@ class ZmqBackend(KVTransferBackend):
         self._waker = Waker()
         self._stopping = False
         self._io_error = ""
-        self._bytes: np.ndarray | None = None
+        self._bytes: PoolBytes | None = None
 
     # ---- the caller's thread ------------------------------------------------------------
     def _publish(self, kv_cache) -> ZmqMetadata:
-        self._bytes = pool_bytes(kv_cache)
+        self._bytes = PoolBytes(kv_cache.pool)
         self._context = zmq.Context(io_threads=1)
         if self._kv_server is not None:
             self._authenticator = start_authenticator(self._context, self._kv_server, "the zmq KV server")
@@ -307,7 +347,7 @@ class ZmqBackend(KVTransferBackend):
                 reply = [identity, REFUSED, _ENCODER.encode(
                     PullReply(WIRE_VERSION, transfer_id, f"bytes outside a pool of {size}"))]
             else:
-                pages = [memoryview(self._bytes[offset:offset + nbytes]) for offset, nbytes in segments]
+                pages = [self._bytes.read(offset, nbytes) for offset, nbytes in segments]
                 reply = [identity, PAGES, _ENCODER.encode(PullReply(WIRE_VERSION, transfer_id)), *pages]
             try:
                 router.send_multipart(reply, copy=False, flags=zmq.NOBLOCK)
@@ -341,9 +381,7 @@ class ZmqBackend(KVTransferBackend):
         with handle.lock:
             if handle.status.terminal:
                 return
-            for frame, segment in zip(frames, handle.segments):
-                start = segment.local_offset
-                self._bytes[start:start + segment.nbytes] = np.frombuffer(frame.buffer, dtype=np.uint8)
+            self._bytes.write([(segment.local_offset, frame.buffer) for frame, segment in zip(frames, handle.segments)])
             self._advance_locked(handle, TransferStatus.DONE)
 
 

@@ -1,4 +1,4 @@
-"""The KV transfer contract, run against the in-process fake backend."""
+"""The KV transfer contract, run against the in-process fake backend (and the ZeroMQ backend on each device)."""
 from __future__ import annotations
 
 import sys
@@ -158,6 +158,31 @@ def test_factory_names_the_known_backends():
 def test_default_backend_falls_back_to_zmq_without_nixl(monkeypatch):
     monkeypatch.setitem(sys.modules, "nixl._api", None)
     assert default_backend_name() == "zmq"
+
+
+# ---- the ZeroMQ backend, from a pool on each device --------------------------------------------------------------
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                     reason="needs a CUDA GPU; none is present on this machine"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_zmq_moves_exact_bytes_between_pools_on_the_device(device):
+    """Over TCP from a pool on ``device`` into another there: a GPU pool goes through host copies."""
+    lender, puller = make_backend("zmq"), make_backend("zmq")
+    source, target = KVCache(LAYOUT, 16, device=device), KVCache(LAYOUT, 8, device=device)
+    source.buffer.copy_(torch.randn(source.buffer.shape, generator=torch.Generator().manual_seed(3)))
+    try:
+        puller.register_pool(target)
+        puller.add_peer("p", lender.register_pool(source))
+        remote, local = [9, 3, 4, 12], [0, 5, 6, 2]
+        handle = puller.start_pull("r", "p", remote, local, DEADLINE_S)
+        assert wait(puller, handle) == TransferStatus.DONE, handle.error
+        assert torch.equal(target.buffer[local].cpu(), source.buffer[remote].cpu())
+        assert not target.buffer[[b for b in range(8) if b not in local]].any()
+        puller.release(handle)
+    finally:
+        puller.close()
+        lender.close()
 
 
 # ---- the fake backend ---------------------------------------------------------------------
