@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from common.config.base import EngineConfig
+from common.config.base import CpuConfig, EngineConfig
 from common.engine import quantization
 from common.engine.llm_engine import LLMEngine
 from common.engine.scheduler import StepPlan
@@ -67,12 +67,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="int8: quantization.INT8_WEIGHT_ONLY_ROWS while the torch path runs (0: W8A8 for "
                         "every row), to compare the weight-only kernel with W8A8 at a few rows")
     parser.add_argument("--max-batch", type=int, default=64,
-                        help="engine.decode_kernel_max_batch: the most rows through the kernel (-1: as a worker "
+                        help="engine.cpu.decode_kernel_max_batch: the most rows through the kernel (-1: as a worker "
                         "chooses, timing both ways at load)")
     args = parser.parse_args(argv)
     sizes = [int(r) for r in args.rows.split(",")]
     torch.set_flush_denormal(True)  # as in a worker process
-    options = {"decode_kernel_max_batch": args.max_batch}
+    options = {"cpu": CpuConfig(decode_kernel_max_batch=args.max_batch)}
     from bench.peers.compare import served_model
     model_path = served_model(args.model, args.dtype).prepare(args.dtype)
     engine = LLMEngine(EngineConfig(model=str(model_path), dtype=args.dtype, quantization=args.quantization,

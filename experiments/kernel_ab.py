@@ -123,7 +123,7 @@ def decode_forward(variants: dict, rounds: int, args: argparse.Namespace) -> Non
     from common.engine.scheduler import StepPlan
     from common.protocol.sampling_params import SamplingParams
     count = max(args.rows)
-    args.set = [*args.set, f"decode_kernel_max_batch={count}"]  # the kernel takes every row count timed
+    args.set = [*args.set, f"cpu.decode_kernel_max_batch={count}"]  # the kernel takes every row count timed
     _, engine = engine_from_args(args)
     runner, rng = engine.runner, random.Random(1)
     params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)

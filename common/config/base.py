@@ -294,6 +294,38 @@ class RanksConfig:
         "past it fails the worker", gt=0)
 
 
+@config_model("engine.cpu", was_flat=True)
+class CpuConfig:
+    """The CPU path's own kernels: the one-call decode kernel and the oneDNN copies of bfloat16 weights; ignored
+    on a GPU."""
+
+    decode_kernel_max_batch: Int = option(-1, "CPU decode steps of at most this many rows (and no prompt chunk) "
+                                          "run the whole forward in one C call (kernels/decode_forward.c); "
+                                          "-1: with bfloat16 or int8 weights, as many as a step timed both ways "
+                                          "at load finds the kernel ahead of the torch path (which moves with the "
+                                          "model's size), up to 32, and 8 with float32 weights; at most 8 with "
+                                          "int8 or float32 weights or without AVX512-BF16; 0 keeps every step on "
+                                          "the torch path", ge=-1, le=64)
+    prepack_weights: Bool = option(True, "CPU bfloat16: keep each linear weight a second time in oneDNN's "
+                                   "blocked layout for steps of several rows (F.linear reorders the plain weight "
+                                   "on every call); costs the linear weights' memory once more. With it, on "
+                                   "AVX512-BF16, the decode kernel's panel layout takes the plain copy's place")
+
+
+@config_model("engine.cuda_graphs")
+class CudaGraphsConfig:
+    """CUDA graphs for decode steps on a GPU: captured at start for a ladder of row counts, each step replayed
+    padded to the next one (common/engine/cuda_graphs.py); ignored on the CPU."""
+
+    enabled: Bool = option(True, "capture and replay decode steps on a GPU; false runs every step eagerly")
+    max_rows: Int = option(
+        256, "the ladder's largest rung: a decode step of more rows (sequences, and drafts being verified) runs "
+        "eagerly; capped at what max_num_seqs and the speculative drafts can make", ge=1)
+    max_context: Int = option(
+        8192, "the longest context (tokens) a graph's block tables cover: a step with a longer sequence runs "
+        "eagerly; each step copies rows x max_context / block_size block ids to the GPU", ge=1)
+
+
 @config_model("engine.kv_tiers", was_flat=True)
 class KvTiersConfig:
     """The KV tiers below the pool: whole blocks the pool evicts are kept in host memory, then on local disk,
@@ -339,17 +371,6 @@ class EngineConfig:
     enable_chunked_prefill: Bool = option(True, "split prompts longer than the step budget into chunks; "
                                           "off means a prompt must fit one step's token budget")
     num_threads: Int | None = option(None, "torch CPU threads; null keeps torch's default", ge=1)
-    decode_kernel_max_batch: Int = option(-1, "CPU decode steps of at most this many rows (and no prompt chunk) "
-                                          "run the whole forward in one C call (kernels/decode_forward.c); "
-                                          "-1: with bfloat16 or int8 weights, as many as a step timed both ways "
-                                          "at load finds the kernel ahead of the torch path (which moves with the "
-                                          "model's size), up to 32, and 8 with float32 weights; at most 8 with "
-                                          "int8 or float32 weights or without AVX512-BF16; 0 keeps every step on "
-                                          "the torch path", ge=-1, le=64)
-    prepack_weights: Bool = option(True, "CPU bfloat16: keep each linear weight a second time in oneDNN's "
-                                   "blocked layout for steps of several rows (F.linear reorders the plain weight "
-                                   "on every call); costs the linear weights' memory once more. With it, on "
-                                   "AVX512-BF16, the decode kernel's panel layout takes the plain copy's place")
     seed: Int = option(0, "seed of the sampler's random streams")
     deterministic: Bool = option(
         False, "batch-invariant numerics: a token's logits depend only on the model, the dtype and its sequence, "
@@ -367,6 +388,8 @@ class EngineConfig:
         "(common/engine/calibration.py); 0: none (the first fit then comes from the first traffic)", ge=0.0, le=60.0)
     kv_tiers: KvTiersConfig = section(KvTiersConfig)
     ranks: RanksConfig = section(RanksConfig)
+    cpu: CpuConfig = section(CpuConfig)
+    cuda_graphs: CudaGraphsConfig = section(CudaGraphsConfig)
     spec: SpecConfig = section(SpecConfig)
 
     def __post_init__(self) -> None:

@@ -14,7 +14,7 @@ query x key pairs (each chunk token attends to the context before it). The terms
 the matmuls are linear in the rows (at these sizes, past a few rows), attention linear in the keys read.
 
 Three regimes are fitted apart: decode-only steps of at most ``small_max_rows`` rows (the one-call decode
-kernel's, ``EngineConfig.decode_kernel_max_batch``), other decode-only steps (the torch path), and steps
+kernel's, ``EngineConfig.cpu.decode_kernel_max_batch``), other decode-only steps (the torch path), and steps
 with a prompt chunk. Each fit is a least-squares fit of the relative error (a 2 s prompt step must not
 outweigh a 20 ms decode step) whose old samples fade (``half_life`` steps), so the model follows the
 machine (a noisy neighbour, a frequency change) and the pool's fragmentation; coefficients are kept

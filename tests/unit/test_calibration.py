@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from common.config.base import EngineConfig
+from common.config.base import CpuConfig, EngineConfig
 from common.engine.calibration import CONTEXT_BLOCKS, PROMPT_BLOCKS, calibrate
 from common.engine.llm_engine import LLMEngine
 from common.protocol.sampling_params import SamplingParams
@@ -35,7 +35,7 @@ def assert_left_clean(engine: LLMEngine) -> None:
 
 @pytest.mark.parametrize("fused_rows", [0, 1, 8])
 def test_a_decode_and_prefill_calibration_leaves_a_fit_of_one_row_and_many(tiny_chat_model_dir, fused_rows):
-    engine = engine_of(tiny_chat_model_dir, num_kv_blocks=256, decode_kernel_max_batch=fused_rows)
+    engine = engine_of(tiny_chat_model_dir, num_kv_blocks=256, cpu=CpuConfig(decode_kernel_max_batch=fused_rows))
     timer = engine.step_timer
     # a kernel kept for one row (as timing keeps it for a large model) has no regime of its own: one row count
     # could never make it known
@@ -68,7 +68,7 @@ def test_the_engine_serves_as_before_after_calibrating(tiny_chat_model_dir):
 
 
 def test_a_small_pool_caps_the_rows_and_still_frees_every_page(tiny_chat_model_dir):
-    engine = engine_of(tiny_chat_model_dir, num_kv_blocks=12, max_num_seqs=6, decode_kernel_max_batch=0)
+    engine = engine_of(tiny_chat_model_dir, num_kv_blocks=12, max_num_seqs=6, cpu=CpuConfig(decode_kernel_max_batch=0))
 
     done = calibrate(engine, BUDGET_S, decode=True, prompts=False)
 

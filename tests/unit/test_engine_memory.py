@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.config.base import ConfigError, EngineConfig
+from common.config.base import ConfigError, CpuConfig, EngineConfig
 from common.engine.memory import device_memory_bytes, module_bytes, resident_bytes
 from common.engine.model_runner import ModelRunner
 from common.engine.models.loader import load_model
@@ -54,8 +54,9 @@ def test_the_pool_leaves_room_for_the_prepacked_copy(tiny_chat_model_dir):
     fraction = 0.02
     packed = ModelRunner(EngineConfig(model=str(tiny_chat_model_dir), dtype="bfloat16",
                                       kv_cache_memory_fraction=fraction), tiny_chat_model_dir)
-    plain = ModelRunner(EngineConfig(model=str(tiny_chat_model_dir), dtype="bfloat16", prepack_weights=False,
-                                     kv_cache_memory_fraction=fraction), tiny_chat_model_dir)
+    plain = ModelRunner(EngineConfig(model=str(tiny_chat_model_dir), dtype="bfloat16",
+                                     cpu=CpuConfig(prepack_weights=False), kv_cache_memory_fraction=fraction),
+                        tiny_chat_model_dir)
     model = plain.model
     copies = sum(m.weight.nbytes for m in model.modules() if isinstance(m, torch.nn.Linear))
     copies += model.embed_tokens.weight.nbytes if model.tie_word_embeddings else 0

@@ -6,7 +6,7 @@ from importlib import resources
 import pytest
 import torch
 
-from common.config.base import ConfigError, EngineConfig
+from common.config.base import ConfigError, CpuConfig, EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.engine.model_runner import DECODE_ROW_RUNGS, ModelRunner, largest_rung
 from common.engine.models.llama import decode_forward_kernel, decode_forward_takes_panels
@@ -60,8 +60,9 @@ def tiny_dir(request, tmp_path_factory):
 
 def runner_for(path, **options) -> ModelRunner:
     options.setdefault("num_kv_blocks", 64)
-    options.setdefault("decode_kernel_max_batch", 32)  # pinned: these tests choose each step's path themselves
-    return ModelRunner(EngineConfig(model=str(path), block_size=16, **options), path)
+    cpu = {name: options.pop(name) for name in ("decode_kernel_max_batch", "prepack_weights") if name in options}
+    cpu.setdefault("decode_kernel_max_batch", 32)  # pinned: these tests choose each step's path themselves
+    return ModelRunner(EngineConfig(model=str(path), block_size=16, cpu=CpuConfig(**cpu), **options), path)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
@@ -179,7 +180,7 @@ def test_embedded_model_greedy_output_is_the_same_with_and_without_the_kernel(em
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outputs = []
     for max_batch in (8, 0):
-        engine = LLMEngine(EngineConfig(model=str(embedded_model_dir), decode_kernel_max_batch=max_batch,
+        engine = LLMEngine(EngineConfig(model=str(embedded_model_dir), cpu=CpuConfig(decode_kernel_max_batch=max_batch),
                                         kv_cache_memory_bytes=64 << 20))
         outputs.append([out.outputs[0].token_ids for out in engine.generate(prompts, params)])
     assert outputs[0] == outputs[1]

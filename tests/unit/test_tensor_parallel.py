@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.config.base import ConfigError, EngineConfig
+from common.config.base import ConfigError, CpuConfig, EngineConfig
 from common.engine.attention import EncodeContext, select_backend
 from common.engine.embedder import Embedder, Pooling
 from common.engine.kv_cache import KVCache, KVLayout
@@ -223,7 +223,7 @@ def test_int8_at_tp2_gives_tp1s_logits_bit_for_bit(tiny):
     prompt's logits and the greedy tokens are TP 1's exactly (each rank's own scales and float sums gave logits
     1.2e-2 apart here, and the third prompt's first token differed)."""
     config = EngineConfig(model=str(tiny), num_kv_blocks=64, num_threads=1, quantization="int8",
-                          decode_kernel_max_batch=0)
+                          cpu=CpuConfig(decode_kernel_max_batch=0))
     ids = [(i * 37 + 11) % 49152 for i in range(64)]
     prompts = [ids, ids[:17], [(i * 53 + 7) % 49152 for i in range(40)]]
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -258,7 +258,7 @@ def test_row_parallel_biases_are_added_once_in_float_and_int8(tmp_path):
     logits = {}
     for quantization in ("none", "int8"):
         config = EngineConfig(model=str(tmp_path), num_kv_blocks=16, num_threads=1, quantization=quantization,
-                              int8_smoothing=0.0, decode_kernel_max_batch=0)
+                              int8_smoothing=0.0, cpu=CpuConfig(decode_kernel_max_batch=0))
         for tp in (1, 2):
             runner = ModelRunner(dataclasses.replace(config, tensor_parallel_size=tp), tmp_path)
             try:

@@ -446,7 +446,7 @@ class LlamaForCausalLM(nn.Module):
 # back the final normed hidden state of every row.
 #
 # It takes a step only when every row is a single-query decode row (no prompt
-# chunk), there are at most ``EngineConfig.decode_kernel_max_batch`` of them,
+# chunk), there are at most ``EngineConfig.cpu.decode_kernel_max_batch`` of them,
 # and the model, its weights and the KV pool are on the CPU in float32,
 # bfloat16 or int8 weights (``common/engine/quantization.py``). Anything else
 # keeps the torch path.
@@ -550,7 +550,7 @@ class FusedDecode:
         )
         if status != 0:
             raise RuntimeError("decode_forward kernel refused the model's shapes; "
-                               "set engine.decode_kernel_max_batch=0 to use the torch path")
+                               "set engine.cpu.decode_kernel_max_batch=0 to use the torch path")
         return out
 
 
