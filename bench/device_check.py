@@ -160,6 +160,9 @@ def render_markdown(report: dict) -> str:
         for row in thr["decode"]:
             lines.append(f"| {row['batch']} | {_fmt(row['tpot_ms'])} | {_fmt(row['tokens_per_s'])} | "
                          f"{_fmt(hf.get(row['batch'], '-'))} |")
+        for row in thr.get("decode_eager", []):
+            lines.append(f"| {row['batch']}, graphs off | {_fmt(row['tpot_ms'])} | {_fmt(row['tokens_per_s'])} | "
+                         f"{_fmt(hf.get(row['batch'], '-'))} |")
         p = thr["prefill"]
         lines += ["", f"Prefill: {p['prompts']} prompts of {p['length']} tokens, {_fmt(p['tokens_per_s'])} tok/s, "
                   f"{_fmt(p['tflops'])} TFLOP/s."]
@@ -168,6 +171,11 @@ def render_markdown(report: dict) -> str:
             lines.append(f"Roofline: batch-1 TPOT floor {_fmt(roof['batch1_tpot_floor_ms'])} ms (weights over read "
                          f"bandwidth); measured/floor {_fmt(roof['batch1_tpot_over_floor'])}; prefill at "
                          f"{100 * roof['prefill_share_of_matmul_rate']:.1f}% of the measured matmul rate.")
+        if thr.get("prefill_profile"):
+            lines += ["", "Prefill of one prompt, the kernels that took the most time:", "",
+                      "| kernel | ms | calls |", "|---|---|---|"]
+            lines += [f"| {r['name'].replace('|', '/')} | {_fmt(r['ms'])} | {r['calls']} |"
+                      for r in thr["prefill_profile"]]
         if "engine_over_transformers_best" in thr:
             lines.append(f"Engine at batch {thr['decode'][-1]['batch']} over transformers' best batch: "
                          f"{_fmt(thr['engine_over_transformers_best'])}x.")

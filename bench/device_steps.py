@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from common.config.base import CudaGraphsConfig
 from common.storage.random_model import SHAPES, make_random_model
 
 # Two log-probabilities of one token are a near-tie's difference apart when the engine and transformers sum in
@@ -96,7 +97,8 @@ def model_dir(args, shape: str) -> Path:
     return Path(args.work) / "models" / f"random-{shape}-{args.dtype}"
 
 
-GPU_TEST_FILES = "tests/unit/test_triton_attention.py,tests/unit/test_gpu_path.py,tests/unit/test_kv_transfer.py"
+GPU_TEST_FILES = ("tests/unit/test_triton_attention.py,tests/unit/test_gpu_path.py,tests/unit/test_kv_transfer.py,"
+                  "tests/unit/test_cuda_graphs.py")
 
 
 def gpu_tests(args) -> dict:
@@ -230,6 +232,28 @@ def _transformers_generate(args, shape: str, prompts_by_batch: dict[int, list[li
     return rows
 
 
+def _graphs_line(eng) -> str:
+    graphs = eng.runner.graphs
+    if graphs is None:
+        return "off: decode steps run eagerly"
+    return f"on, {len(graphs.ladder)} rungs of 1 to {graphs.max_rows} rows"
+
+
+def _prefill_profile(eng, prompt: list[int], top: int = 12) -> list[dict]:
+    """One prompt's prefill under torch's profiler: the kernels that took the most device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from common.protocol.sampling_params import SamplingParams
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        eng.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        _sync(str(eng.runner.device))
+    attr = "device_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, attr, 0), reverse=True)[:top]
+    return [{"name": e.key[:90], "ms": getattr(e, attr, 0) / 1000, "calls": e.count} for e in rows]
+
+
 def throughput(args) -> dict:
     shape = args.shapes[-1]
     ceilings = _read_step(args, "machine")
@@ -238,15 +262,24 @@ def throughput(args) -> dict:
     prompts = {b: _prompts(eng, b, DECODE_PROMPT, seed=b) for b in args.batches}
     _decode_rate(eng, prompts[args.batches[0]][:1], 4)  # warm-up: the kernels' first compile is not timed
     decode = [_decode_rate(eng, prompts[b], DECODE_TOKENS) for b in args.batches]
-    long_prompts = _prompts(eng, PREFILL_PROMPTS, args.prefill_len, seed=7)
+    long_prompts = _prompts(eng, PREFILL_PROMPTS + 1, args.prefill_len, seed=7)
     prefill = _prefill_rate(eng, long_prompts[:1])  # warm-up at this length
-    prefill = _prefill_rate(eng, long_prompts)
-    attention = eng.runner.attention.name
+    prefill = _prefill_rate(eng, long_prompts[1:])
+    profile_rows = _prefill_profile(eng, _prompts(eng, 1, args.prefill_len, seed=8)[0])
+    attention, graphs = eng.runner.attention.name, _graphs_line(eng)
     eng.runner.close()
     del eng
     _release(args)
     result = {"shape": shape, "attention_backend": attention, "decode": decode, "prefill": prefill,
-              "cuda_graphs": "not built: decode steps run eagerly (issue 50's CUDA graphs are not in this tree)"}
+              "cuda_graphs": graphs, "prefill_profile": profile_rows}
+    if args.device == "cuda":  # the same decode points eagerly, on prompts of their own
+        eng = engine(args, shape, cuda_graphs=CudaGraphsConfig(enabled=False))
+        eager = {b: _prompts(eng, b, DECODE_PROMPT, seed=100 + b) for b in args.batches[:2]}
+        _decode_rate(eng, eager[args.batches[0]][:1], 4)
+        result["decode_eager"] = [_decode_rate(eng, eager[b], DECODE_TOKENS) for b in eager]
+        eng.runner.close()
+        del eng
+        _release(args)
     weight_bytes = spec.weight_bytes(args.dtype)
     hidden, layers, n = spec.hidden_size, spec.num_hidden_layers, args.prefill_len
     # Matmul FLOPs of a prompt token (every weight but the embedding's lookup) plus causal attention's two
@@ -259,6 +292,8 @@ def throughput(args) -> dict:
             "weight_bytes": weight_bytes, "read_bytes_per_s": ceilings["copy_bytes_per_s"] / 2,
             "batch1_tpot_floor_ms": 1000 * floor_s,
             "batch1_tpot_over_floor": decode[0]["tpot_ms"] / (1000 * floor_s),
+            **({"batch1_eager_tpot_over_floor": result["decode_eager"][0]["tpot_ms"] / (1000 * floor_s)}
+               if "decode_eager" in result else {}),
             "matmul_flops_per_s": ceilings["matmul_flops_per_s"],
             "prefill_share_of_matmul_rate": 1e12 * result["prefill"]["tflops"] / ceilings["matmul_flops_per_s"],
         }

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from common.engine.attention import get_step_context, select_backend
+from common.engine.cuda_graphs import CudaGraph, DecodeGraphs
 from common.config.base import EngineConfig
 from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.memory import device_memory_bytes, module_bytes, resident_bytes
@@ -77,6 +78,21 @@ class PreparedStep:
     sample_seqs: list[Sequence]  # sequences that sample this step, in row order
     sample_rows: torch.Tensor  # their rows in the flat batch (1 + drafts rows for a verifying one)
     drafts: list[list[int]]  # per sample sequence, the draft tokens it verifies
+
+
+@dataclass
+class HostStep:
+    """One step's flat batch as host arrays, before any copy to the device (``ModelRunner.host_step``)."""
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    slot_blocks: np.ndarray  # the block each row's K/V goes to (its slot: position % block_size)
+    chunks: list[tuple[int, int, int, np.ndarray]]  # (first row, end row, tokens cached before, block table)
+    decode_tables: np.ndarray | None  # [decode rows, blocks], zero-padded; None: no decode row
+    decode_lens: np.ndarray | None  # [decode rows] context length, the row's own token included
+    sample_seqs: list[Sequence]
+    sample_rows: np.ndarray
+    drafts: list[list[int]]
 
 
 @dataclass
@@ -172,17 +188,17 @@ class ModelRunner:
                      time.monotonic() - started)
         if self.dtype is torch.bfloat16 and self.device.type == "cpu" and not config.deterministic:
             gemv_bf16_kernel()  # built now, not on the first batch-1 decode step (models/llama.py ``linear``)
-            if config.prepack_weights and (added := self.model.prepack_weights()):  # int8 weights: none packed
-                log.info("linear weights prepacked for oneDNN (+%.1f MiB; engine.prepack_weights)", added / 2**20)
+            if config.cpu.prepack_weights and (added := self.model.prepack_weights()):  # int8 weights: none packed
+                log.info("linear weights prepacked for oneDNN (+%.1f MiB; engine.cpu.prepack_weights)", added / 2**20)
         # The one-call kernel has no all-reduce between its layers, and keeps float32 activations between them
         # where the layer-by-layer path rounds (engine.deterministic needs both paths' rows to agree).
-        if (self.device.type == "cpu" and self.attention.name == "cpu_paged" and config.decode_kernel_max_batch
+        if (self.device.type == "cpu" and self.attention.name == "cpu_paged" and config.cpu.decode_kernel_max_batch
                 and self.tp.size == 1):
             # -1 with float32 weights keeps the kernel's fixed limit: it is well ahead there (1.4x at 8 rows,
             # 135M), and the exactness tests compare float32 outputs across processes, which timing could split
-            left = config.decode_kernel_max_batch < 0
+            left = config.cpu.decode_kernel_max_batch < 0
             self.model.fused_decode = FusedDecode(self.model, DECODE_ROW_RUNGS[-1] if left
-                                                  else config.decode_kernel_max_batch)
+                                                  else config.cpu.decode_kernel_max_batch)
             # only bfloat16 weights with oneDNN's copy take panels: not int8, float32 or engine.deterministic
             if self.model.fused_decode.available and self.model.pack_panels():
                 log.info("decode kernel: linear weights in its panel layout (kernels/panels_bf16.h), in place of "
@@ -190,6 +206,9 @@ class ModelRunner:
             if left and (self.dtype is torch.bfloat16 or config.quantization == "int8"):
                 self._choose_decode_rows()
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None  # decode steps replayed as CUDA graphs (``_capture_graphs``)
+        if self.device.type == "cuda" and rank == 0:
+            self._capture_graphs()
         if self.ranks is not None:
             self.ranks.wait_ready()
             self._serving = True
@@ -239,7 +258,38 @@ class ModelRunner:
         chosen = largest_rung(rungs, kernel_ahead)
         fused.max_rows, self.model.fused_decode = chosen, fused
         log.info("decode steps: kernels/decode_forward.c up to %d row(s), the torch path past them (timed in "
-                 "%.1fs; engine.decode_kernel_max_batch)", chosen, time.monotonic() - started)
+                 "%.1fs; engine.cpu.decode_kernel_max_batch)", chosen, time.monotonic() - started)
+
+    def _capture_graphs(self) -> None:
+        """CUDA graphs of decode steps up to ``engine.cuda_graphs.max_rows`` rows, or as many as a step can hold
+        (``max_num_seqs`` sequences, each with its drafts; ``max_num_batched_tokens``), where the attention
+        backend's K/V write skips padding rows."""
+        c = self.config
+        settings = c.cuda_graphs
+        if not settings.enabled:
+            log.info("CUDA graphs: off (engine.cuda_graphs.enabled); decode steps run eagerly")
+            return
+        if not getattr(self.attention, "graph_safe", False) or self.tp.size > 1:
+            log.warning("CUDA graphs: not with attention backend %s%s; decode steps run eagerly", self.attention.name,
+                        " at tensor parallelism" if self.tp.size > 1 else " (its K/V write takes no padding row)")
+            return
+        drafts = c.spec.num_tokens if c.spec.method != "off" else 0
+        max_rows = min(settings.max_rows, c.max_num_seqs * (1 + drafts), c.max_num_batched_tokens)
+        max_context = min(settings.max_context, self.max_model_len)
+        graphs = DecodeGraphs(self.model, self.kv_cache, c.block_size, max_rows, max_context, CudaGraph)
+        try:
+            seconds = graphs.capture()
+        except Exception as exc:  # a model or kernel that cannot be captured still serves, eagerly
+            log.warning("CUDA graphs: capture failed (%s: %s); decode steps run eagerly", type(exc).__name__, exc,
+                        exc_info=True)
+            del graphs
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            return
+        self.graphs = graphs
+        log.info("CUDA graphs: decode steps of 1 to %d rows captured in %d rungs (%s) for contexts up to %d tokens, "
+                 "in %.1fs (engine.cuda_graphs)", max_rows, len(self.graphs.ladder),
+                 ", ".join(map(str, self.graphs.ladder)), max_context, seconds)
 
     def _kv_budget(self) -> int:
         """The KV pool's bytes: ``kv_cache_memory_fraction`` of the device memory the weights leave, else
@@ -263,7 +313,7 @@ class ModelRunner:
         if self.config.quantization == "int8":
             shrunk = sum(w.nbytes - w.numel() - 4 * w.shape[0] for w in [*linears, embedding])
             return self.weight_bytes - shrunk
-        if (self.dtype is torch.bfloat16 and self.device.type == "cpu" and self.config.prepack_weights
+        if (self.dtype is torch.bfloat16 and self.device.type == "cpu" and self.config.cpu.prepack_weights
                 and not self.config.deterministic and torch.backends.mkldnn.is_available()):
             heads = [embedding] if self.model.tie_word_embeddings else []
             return self.weight_bytes + sum(w.nbytes for w in [*linears, *heads])
@@ -281,7 +331,31 @@ class ModelRunner:
         return self.kv_cache.host_tier(c.kv_tiers.host_memory_bytes, c.kv_tiers.disk_dir, c.kv_tiers.disk_bytes)
 
     def prepare(self, plan: StepPlan) -> PreparedStep:
-        """Flat batch: single-query rows first (decodes, and each draft being verified), then chunks.
+        """The step's flat batch on the device (``host_step``'s arrays copied there)."""
+        return self.to_device(self.host_step(plan))
+
+    def to_device(self, host: HostStep) -> PreparedStep:
+        ctx = StepContext(
+            kv_cache=self.kv_cache,
+            slot_blocks=self._tensor(host.slot_blocks),
+            slot_offsets=self._tensor(host.positions % self.config.block_size),
+            chunks=[PrefillChunk(start, end, done, self._tensor(table)) for start, end, done, table in host.chunks],
+        )
+        if host.decode_tables is not None:
+            ctx.decode_rows = self._tensor(np.arange(len(host.decode_lens)))
+            ctx.decode_block_tables = self._tensor(host.decode_tables)
+            ctx.decode_context_lens = self._tensor(host.decode_lens)
+        return PreparedStep(
+            input_ids=self._tensor(host.tokens),
+            positions=self._tensor(host.positions),
+            context=ctx,
+            sample_seqs=host.sample_seqs,
+            sample_rows=self._tensor(host.sample_rows),
+            drafts=host.drafts,
+        )
+
+    def host_step(self, plan: StepPlan) -> HostStep:
+        """Flat batch as host arrays: single-query rows first (decodes, and each draft being verified), then chunks.
 
         A verifying sequence's rows are decode rows too: row i attends to the
         context up to its own position, which the step writes before any
@@ -298,7 +372,7 @@ class ModelRunner:
         sample_seqs: list[Sequence] = []
         sample_rows: list[np.ndarray] = []
         drafts: list[list[int]] = []
-        chunks: list[PrefillChunk] = []
+        chunks: list[tuple[int, int, int, np.ndarray]] = []
         row = 0
         for seq, n, spec in decode + chunked:
             start = seq.num_computed_tokens
@@ -309,33 +383,19 @@ class ModelRunner:
             positions.append(pos)
             slot_blocks.append(table[pos // bs])
             if n > 1 and not spec:
-                chunks.append(PrefillChunk(row, row + n, start, self._tensor(table[: -(-(start + n) // bs)])))
+                chunks.append((row, row + n, start, table[: -(-(start + n) // bs)]))
             row += n
             if start + n == seq.num_tokens + len(spec):
                 sample_seqs.append(seq)
                 sample_rows.append(np.arange(row - 1 - len(spec), row))
                 drafts.append(spec)
+        tables, lens = self._decode_tables(decode) if decode else (None, None)
+        return HostStep(np.asarray(tokens, dtype=np.int64), np.concatenate(positions), np.concatenate(slot_blocks),
+                        chunks, tables, lens, sample_seqs,
+                        np.concatenate(sample_rows) if sample_rows else np.zeros(0, np.int64), drafts)
 
-        pos_all = np.concatenate(positions)
-        ctx = StepContext(
-            kv_cache=self.kv_cache,
-            slot_blocks=self._tensor(np.concatenate(slot_blocks)),
-            slot_offsets=self._tensor(pos_all % bs),
-            chunks=chunks,
-        )
-        if decode:
-            self._fill_decode(ctx, decode)
-        return PreparedStep(
-            input_ids=self._tensor(np.asarray(tokens, dtype=np.int64)),
-            positions=self._tensor(pos_all),
-            context=ctx,
-            sample_seqs=sample_seqs,
-            sample_rows=self._tensor(np.concatenate(sample_rows) if sample_rows else np.zeros(0, np.int64)),
-            drafts=drafts,
-        )
-
-    def _fill_decode(self, ctx: StepContext, decode: list[tuple[Sequence, int, list[int]]]) -> None:
-        """Per decode row: its context length and its sequence's block table."""
+    def _decode_tables(self, decode: list[tuple[Sequence, int, list[int]]]) -> tuple[np.ndarray, np.ndarray]:
+        """Per decode row: its sequence's block table (zero-padded to the longest) and its context length."""
         bs = self.config.block_size
         rows_per_seq = np.fromiter((n for _, n, _ in decode), dtype=np.int64, count=len(decode))
         first_len = np.fromiter((s.num_computed_tokens + 1 for s, _, _ in decode), dtype=np.int64, count=len(decode))
@@ -348,9 +408,7 @@ class ModelRunner:
         for i, (seq, _, _) in enumerate(decode):
             used = -(-int(last_len[i]) // bs)
             tables[i, :used] = seq.block_table[:used]
-        ctx.decode_rows = self._tensor(np.arange(len(seq_of_row)))
-        ctx.decode_block_tables = self._tensor(tables[seq_of_row] if len(seq_of_row) > len(decode) else tables)
-        ctx.decode_context_lens = self._tensor(lens)
+        return (tables[seq_of_row] if len(seq_of_row) > len(decode) else tables), lens
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
@@ -416,7 +474,15 @@ class ModelRunner:
             log.warning("fault injection: this step hangs (testing.fault_hang_token)")
             while True:
                 time.sleep(3600)
-        prepared = self.prepare(plan)
+        host = self.host_step(plan)
+        if self._replays(host) and on_layers is None:
+            logits = self.graphs.replay(host.tokens, host.positions, host.slot_blocks, host.decode_lens,
+                                        host.decode_tables)
+            rows = len(host.tokens)  # the copy below leaves the graphs' buffer to the next replay
+            logits = (logits if len(host.sample_rows) == rows else logits[self._tensor(host.sample_rows)]).to(
+                torch.float32, copy=True)
+            return self._sample_logits(logits, host.sample_seqs, host.drafts, constrain)
+        prepared = self.to_device(host)
         if on_layers is not None:
             counts, call = on_layers
             prepared.context.on_layers = call if self.device.type != "cuda" else _after_device(call, self.device)
@@ -425,23 +491,33 @@ class ModelRunner:
             self.forward(prepared)
             return StepSample([], [])
         logits = self.run(prepared.context, prepared.input_ids, prepared.positions, prepared.sample_rows).float()
+        return self._sample_logits(logits, prepared.sample_seqs, prepared.drafts, constrain)
+
+    def _replays(self, host: HostStep) -> bool:
+        """Whether the step replays a CUDA graph: decode rows only, as many as the largest rung, some sampling."""
+        return (self.graphs is not None and bool(host.sample_seqs) and host.decode_tables is not None
+                and self.graphs.fits(len(host.tokens), bool(host.chunks), host.decode_tables.shape[1]))
+
+    def _sample_logits(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
+                       constrain) -> StepSample:
+        """The sampled rows' float32 logits (their own copy) checked, masked and sampled."""
         if self.fault_nonfinite_token is not None:
-            self._poison(logits, prepared.sample_seqs, prepared.drafts)
+            self._poison(logits, seqs, drafts)
         bad_rows = nonfinite_rows(logits)  # before the masks, whose -inf are meant
         nonfinite = []
         if bad_rows:
             logits[bad_rows] = 0.0  # sampled, then dropped: the other rows are untouched
             # A verifying sequence has a row per draft and one more: the sequence of each bad row.
-            owner = np.repeat(np.arange(len(prepared.drafts)), [len(d) + 1 for d in prepared.drafts])
+            owner = np.repeat(np.arange(len(drafts)), [len(d) + 1 for d in drafts])
             nonfinite = sorted(set(owner[bad_rows].tolist()))
         if constrain is not None:
-            constrain(logits, prepared.sample_seqs, prepared.drafts)
-        sample = self.sample(logits, prepared.sample_seqs, prepared.drafts)
+            constrain(logits, seqs, drafts)
+        sample = self.sample(logits, seqs, drafts)
         for i in nonfinite:
             sample.token_ids[i], sample.num_drafts[i], sample.num_accepted[i] = [], 0, 0
             if sample.logprobs is not None:
                 sample.logprobs[i], sample.top_logprobs[i] = [], []
-        sample.nonfinite = [prepared.sample_seqs[i] for i in nonfinite]
+        sample.nonfinite = [seqs[i] for i in nonfinite]
         return sample
 
     def _poison(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> None:

@@ -10,8 +10,9 @@ Each program walks its sequence's context ``BLOCK_N`` keys at a time, looking ea
 table, with an online softmax in float32; nothing is gathered into contiguous tensors first.
 
 ``TritonAttention`` is the backend (``attention_backend: triton``, or ``auto`` on a GPU without flash-attn):
-it writes the step's new K/V into the pool, then launches the kernel once for the decode rows and once for
-all chunks of the step. Tests run the same kernel on CPU tensors through Triton's interpreter
+it writes the step's new K/V into the pool (``store_kv``: one launch for both, skipping rows whose block is
+negative, which a CUDA graph's padding rows carry), then launches the kernel once for the decode rows and once
+for all chunks of the step. Tests run the same kernel on CPU tensors through Triton's interpreter
 (``TRITON_INTERPRET=1``).
 """
 from __future__ import annotations
@@ -88,6 +89,38 @@ def _paged_attention_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, blocks_ptr, offsets_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch,
+                     HEAD_DIM: tl.constexpr, ROW: tl.constexpr, ROW_PAD: tl.constexpr):
+    token = tl.program_id(0)
+    block = tl.load(blocks_ptr + token)
+    if block >= 0:
+        slot = tl.load(offsets_ptr + token)
+        cols = tl.arange(0, ROW_PAD)
+        ok = cols < ROW
+        head, dim = cols // HEAD_DIM, cols % HEAD_DIM
+        target = block.to(tl.int64) * stride_cb + slot * stride_ct + head * stride_ch + dim
+        row = token.to(tl.int64)
+        tl.store(k_cache_ptr + target, tl.load(k_ptr + row * stride_kt + head * stride_kh + dim, mask=ok), mask=ok)
+        tl.store(v_cache_ptr + target, tl.load(v_ptr + row * stride_vt + head * stride_vh + dim, mask=ok), mask=ok)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> None:
+    """Token ``t``'s K/V (``[T, kv_heads, D]``, unit stride over D) into slot ``slot_offsets[t]`` of block
+    ``slot_blocks[t]`` of the pool's views; a negative block writes nothing (a graph's padding row)."""
+    tokens, heads, head_dim = k.shape
+    if not tokens:
+        return
+    if k.stride(2) != 1 or v.stride(2) != 1 or k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
+        raise ValueError("store_kv needs a unit stride over head_dim and K and V views of one pool")
+    _store_kv_kernel[(tokens,)](
+        k, v, k_cache, v_cache, slot_blocks, slot_offsets, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HEAD_DIM=head_dim, ROW=heads * head_dim, ROW_PAD=triton.next_power_of_2(heads * head_dim))
+
+
 def paged_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     tables: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor, ctx_lens: torch.Tensor,
                     max_q_len: int, scale: float) -> None:
@@ -149,6 +182,7 @@ class TritonAttention:
     nothing of attention.py, which imports it)."""
 
     name = "triton"
+    graph_safe = True  # its K/V write skips a CUDA graph's padding rows (``store_kv``)
 
     def __init__(self, get_step_context) -> None:
         self._get_step_context = get_step_context
@@ -159,8 +193,7 @@ class TritonAttention:
         if ctx.kv_cache is None:
             return ctx.attend(q, k, v, scale)
         k_cache, v_cache = ctx.kv_cache.layers[layer]
-        k_cache[ctx.slot_blocks, ctx.slot_offsets] = k
-        v_cache[ctx.slot_blocks, ctx.slot_offsets] = v
+        store_kv(k, v, k_cache, v_cache, ctx.slot_blocks, ctx.slot_offsets)
         if q.stride(2) != 1:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
