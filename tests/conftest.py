@@ -114,8 +114,12 @@ def embedded_model_dir_bf16() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_chat_model_dir(tmp_path_factory, embedded_model_dir) -> Path:
-    """A tiny random Llama with the embedded model's tokenizer: the whole engine in milliseconds."""
+def tiny_chat_model_dir(tmp_path_factory, request) -> Path:
+    """A tiny random Llama with the embedded model's tokenizer: the whole engine in milliseconds. Where the
+    embedded model cannot be prepared (the device check's machine, which has no network), TESSERA_TEST_TOKENIZER
+    names a model directory to take the same tokenizer from."""
     from tests.tiny_models import build_tiny_model
 
-    return build_tiny_model("llama", tmp_path_factory.mktemp("tiny-chat"), tokenizer_from=embedded_model_dir)
+    tokenizer = os.environ.get("TESSERA_TEST_TOKENIZER")
+    source = Path(tokenizer) if tokenizer else request.getfixturevalue("embedded_model_dir")
+    return build_tiny_model("llama", tmp_path_factory.mktemp("tiny-chat"), tokenizer_from=source)
