@@ -137,7 +137,8 @@ def render_markdown(report: dict) -> str:
     machine = steps.get("machine", {}).get("result")
     if machine:
         lines += [f"Machine: {machine.get('gpu', 'CPU')}, torch {machine['torch']}, copy "
-                  f"{machine['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + written), {machine['matmul_dtype']} "
+                  f"{machine['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + written), read "
+                  f"{machine['read_bytes_per_s'] / 1e12:.2f} TB/s (a reduction), {machine['matmul_dtype']} "
                   f"matmul {machine['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s ({machine['matmul_n']}^3).", ""]
     lines += ["| step | status | seconds |", "|---|---|---|"]
     for name, record in steps.items():
@@ -171,21 +172,26 @@ def render_markdown(report: dict) -> str:
             lines.append(f"Roofline: batch-1 TPOT floor {_fmt(roof['batch1_tpot_floor_ms'])} ms (weights over read "
                          f"bandwidth); measured/floor {_fmt(roof['batch1_tpot_over_floor'])}; prefill at "
                          f"{100 * roof['prefill_share_of_matmul_rate']:.1f}% of the measured matmul rate.")
-        if thr.get("prefill_profile"):
-            lines += ["", "Prefill of one prompt, the kernels that took the most time:", "",
-                      "| kernel | ms | calls |", "|---|---|---|"]
-            lines += [f"| {r['name'].replace('|', '/')} | {_fmt(r['ms'])} | {r['calls']} |"
-                      for r in thr["prefill_profile"]]
+        prof = thr.get("prefill_profile")
+        if prof:
+            lines += ["", f"Prefill of one prompt under the profiler: {_fmt(prof['wall_ms'])} ms wall, the device busy "
+                      f"{_fmt(prof['device_busy_ms'])} ms.", "", "| most device time (own) | ms | calls | "
+                      "most host time (own) | ms | calls |", "|---|---|---|---|---|---|"]
+            for d, h in zip(prof["device"], prof["host"]):
+                lines.append(f"| {d['name'].replace('|', '/')} | {_fmt(d['ms'])} | {d['calls']} | "
+                             f"{h['name'].replace('|', '/')} | {_fmt(h['ms'])} | {h['calls']} |")
         if "engine_over_transformers_best" in thr:
             lines.append(f"Engine at batch {thr['decode'][-1]['batch']} over transformers' best batch: "
                          f"{_fmt(thr['engine_over_transformers_best'])}x.")
-    pd = steps.get("pd_transfer", {}).get("result")
-    if pd:
+    for backend, pd in (steps.get("pd_transfer", {}).get("result") or {}).items():
+        if "error" in pd:
+            lines += ["", f"P/D on one device ({backend}): failed: {pd['error'].splitlines()[0][:200]}"]
+            continue
         share = pd.get("transfer_share_of_ttft")
-        lines += ["", f"P/D on one device ({pd['backend']}), {pd['prompt_length']}-token prompts: TTFT mean "
-                  f"{_fmt(1000 * pd['ttft_mean_s'])} ms, KV per request {_fmt(pd['kv_bytes_per_request'] / 2**20)} MiB,"
-                  f" pull {_fmt(pd['kv_pull_gb_per_s'])} GB/s, "
-                  f"share of TTFT {'-' if share is None else f'{100 * share:.1f}%'}."]
+        lines += ["", f"P/D on one device ({backend}), {pd['prompt_length']}-token prompts: TTFT mean "
+                  f"{_fmt(1000 * pd['ttft_mean_s'])} ms, second token {_fmt(1000 * pd['second_token_median_s'])} ms "
+                  f"(median), KV per request {_fmt(pd['kv_bytes_per_request'] / 2**20)} MiB, pull "
+                  f"{_fmt(pd['kv_pull_gb_per_s'])} GB/s, share of TTFT {'-' if share is None else f'{100 * share:.1f}%'}."]
     return "\n".join(lines) + "\n"
 
 

@@ -76,6 +76,8 @@ def machine(args) -> dict:
     src = torch.randn(nbytes // 4, device=args.device)
     dst = torch.empty_like(src)
     out["copy_bytes_per_s"] = 2 * nbytes / _timed(lambda: dst.copy_(src), args.device, 10)
+    # What a decode step's weights are: bytes read and not written, so a reduction's rate, not half a copy's
+    out["read_bytes_per_s"] = nbytes / _timed(lambda: src.sum(), args.device, 10)
     a = torch.randn((n, n), device=args.device).to(dtype)
     b = torch.randn((n, n), device=args.device).to(dtype)
     out["matmul_flops_per_s"] = 2 * n ** 3 / _timed(lambda: a @ b, args.device, 10)
@@ -241,19 +243,28 @@ def _graphs_line(eng) -> str:
     return f"on, {len(graphs.ladder)} rungs of 1 to {graphs.max_rows} rows"
 
 
-def _prefill_profile(eng, prompt: list[int], top: int = 12) -> list[dict]:
-    """One prompt's prefill under torch's profiler: the kernels that took the most device time."""
+def _prefill_profile(eng, prompt: list[int], top: int = 10) -> dict:
+    """One prompt's prefill under torch's profiler: its wall time, the device's busy time, the kernels that took
+    the most device time and the operations that took the most host time (their own)."""
     from torch.profiler import ProfilerActivity, profile
 
     from common.protocol.sampling_params import SamplingParams
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    on_gpu = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with profile(activities=activities) as prof:
+        started = time.perf_counter()
         eng.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
         _sync(str(eng.runner.device))
-    attr = "device_time_total" if torch.cuda.is_available() else "cpu_time_total"
-    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, attr, 0), reverse=True)[:top]
-    return [{"name": e.key[:90], "ms": getattr(e, attr, 0) / 1000, "calls": e.count} for e in rows]
+        wall = time.perf_counter() - started
+    events = prof.key_averages()
+    device = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+
+    def rows(attr: str) -> list[dict]:
+        ranked = sorted(events, key=lambda e: getattr(e, attr, 0), reverse=True)[:top]
+        return [{"name": e.key[:90], "ms": getattr(e, attr, 0) / 1000, "calls": e.count} for e in ranked]
+    return {"wall_ms": 1000 * wall, "device_busy_ms": sum(getattr(e, device, 0) for e in events) / 1000,
+            "device": rows(device), "host": rows("self_cpu_time_total")}
 
 
 def throughput(args) -> dict:
@@ -264,9 +275,9 @@ def throughput(args) -> dict:
     prompts = {b: _prompts(eng, b, DECODE_PROMPT, seed=b) for b in args.batches}
     _decode_rate(eng, prompts[args.batches[0]][:1], 4)  # warm-up: the kernels' first compile is not timed
     decode = [_decode_rate(eng, prompts[b], DECODE_TOKENS) for b in args.batches]
-    long_prompts = _prompts(eng, PREFILL_PROMPTS + 1, args.prefill_len, seed=7)
-    prefill = _prefill_rate(eng, long_prompts[:1])  # warm-up at this length
-    prefill = _prefill_rate(eng, long_prompts[1:])
+    # warm-up at this step's shape (the allocator's blocks, the matmuls' first calls), on prompts of its own
+    _prefill_rate(eng, _prompts(eng, PREFILL_PROMPTS, args.prefill_len, seed=6))
+    prefill = _prefill_rate(eng, _prompts(eng, PREFILL_PROMPTS, args.prefill_len, seed=7))
     profile_rows = _prefill_profile(eng, _prompts(eng, 1, args.prefill_len, seed=8)[0])
     attention, graphs = eng.runner.attention.name, _graphs_line(eng)
     eng.runner.close()
@@ -289,9 +300,10 @@ def throughput(args) -> dict:
     flops_per_token = 2 * (spec.parameter_count() - spec.vocab_size * hidden) + 4 * layers * hidden * n / 2
     result["prefill"]["tflops"] = flops_per_token * prefill["tokens_per_s"] / 1e12
     if ceilings:
-        floor_s = weight_bytes / (ceilings["copy_bytes_per_s"] / 2)
+        read = ceilings["read_bytes_per_s"]
+        floor_s = weight_bytes / read
         result["roofline"] = {
-            "weight_bytes": weight_bytes, "read_bytes_per_s": ceilings["copy_bytes_per_s"] / 2,
+            "weight_bytes": weight_bytes, "read_bytes_per_s": read,
             "batch1_tpot_floor_ms": 1000 * floor_s,
             "batch1_tpot_over_floor": decode[0]["tpot_ms"] / (1000 * floor_s),
             **({"batch1_eager_tpot_over_floor": result["decode_eager"][0]["tpot_ms"] / (1000 * floor_s)}
@@ -309,17 +321,15 @@ def throughput(args) -> dict:
     return result
 
 
-def pd_transfer(args) -> dict:
+def _pd_transfer(args, backend: str) -> dict:
     import httpx
 
     from bench.disagg_ttft import summarize, transfer_counters, warm_then_timed
     from common.cli.local_cluster import LocalCluster
-    from kv_transfer.factory import default_backend_name
 
     shape = args.shapes[-1]
-    backend = default_backend_name()
     kv_bytes = (8 << 30) if args.device == "cuda" else (64 << 20)
-    logs = Path(args.work) / "pd-logs"
+    logs = Path(args.work) / "pd-logs" / backend
     logs.mkdir(parents=True, exist_ok=True)
     cluster = LocalCluster.for_tests(
         model_dir(args, shape), logs, prefill=1, decode=1, transfer_backend=backend,
@@ -339,6 +349,22 @@ def pd_transfer(args) -> dict:
         summary["transfer_share_of_ttft"] = summary["kv_pull_mean_s"] / summary["ttft_mean_s"]
     return {"shape": shape, "backend": backend, "prompt_length": args.prefill_len, **summary,
             "exit_codes": exit_codes}
+
+
+def pd_transfer(args) -> dict:
+    """The P/D pair over each backend this machine has: NIXL where it imports (GPU to GPU), and ZeroMQ (through
+    host memory) always. A backend that fails is recorded and the next one still runs."""
+    from kv_transfer.factory import default_backend_name
+
+    results = {}
+    for backend in dict.fromkeys([default_backend_name(), "zmq"]):
+        try:
+            results[backend] = _pd_transfer(args, backend)
+        except Exception as exc:
+            results[backend] = {"error": f"{type(exc).__name__}: {exc}"}
+    if all("error" in r for r in results.values()):
+        raise RuntimeError("; ".join(f"{b}: {r['error']}" for b, r in results.items()))
+    return results
 
 
 def _read_step(args, name: str) -> dict | None:

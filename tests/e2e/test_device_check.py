@@ -28,7 +28,7 @@ def test_cpu_mode_runs_every_step(tmp_path):
     assert list(steps) == ["machine", "models", "logits", "throughput", "pd_transfer"]
     assert code == 0, {name: r.get("error") for name, r in steps.items() if not r["ok"]}
     machine = steps["machine"]["result"]
-    assert machine["copy_bytes_per_s"] > 0 and machine["matmul_flops_per_s"] > 0
+    assert machine["copy_bytes_per_s"] > 0 and machine["read_bytes_per_s"] > 0 and machine["matmul_flops_per_s"] > 0
     # float32 on the CPU, the same weights: the engine's greedy tokens are transformers' own.
     logits = steps["logits"]["result"]["tiny"]
     assert logits["positions"] == 8 * 32 and logits["greedy_equal"] and logits["max_logprob_difference"] < 1e-3
@@ -37,9 +37,11 @@ def test_cpu_mode_runs_every_step(tmp_path):
     assert all(row["tokens_per_s"] > 0 for row in throughput["decode"])
     assert throughput["prefill"]["length"] == 64 and throughput["roofline"]["batch1_tpot_floor_ms"] > 0
     assert [row["batch"] for row in throughput["transformers"]] == [1, 4]
-    pd = steps["pd_transfer"]["result"]
-    assert pd["kv_pulls"] == 3 and pd["kv_pull_failures"] == 0 and pd["kv_bytes_per_request"] > 0
-    assert all(c == 0 for c in pd["exit_codes"].values())
+    pd = steps["pd_transfer"]["result"]  # each backend this machine has: NIXL where it imports, and ZeroMQ
+    assert "zmq" in pd and set(pd) <= {"nixl", "zmq"}
+    for result in pd.values():
+        assert result["kv_pulls"] == 3 and result["kv_pull_failures"] == 0 and result["kv_bytes_per_request"] > 0
+        assert all(c == 0 for c in result["exit_codes"].values())
     assert "| tiny | 256 | 0 | True |" in markdown and "| 4 |" in markdown and "P/D on one device" in markdown
 
 
