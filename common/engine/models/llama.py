@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,8 @@ from common.engine.models.rope import RotaryEmbedding, rotate
 from common.engine.native import cpu_has, gemm_invariant_kernel, gemv_bf16_kernel, kernel_function
 from common.engine.quantization import INT8_WEIGHT_ONLY_ROWS, SMALL_BATCH_ROWS, linear_int8, mlp_int8
 from common.engine.tensor_parallel import Parallel
+
+log = logging.getLogger(__name__)
 
 GEMV_MAX_K = 16384  # kernels/gemv_bf16.c's limit on the input width
 
@@ -52,6 +55,46 @@ def elementwise_kernel(symbol: str):
     return kernel_function("elementwise", symbol, argtypes)
 
 
+@functools.cache
+def gpu_elementwise(device: str):
+    """common/engine/triton_elementwise.py for tensors on ``device`` (a GPU), once a small launch of each kernel
+    there agrees with the torch path; None where Triton does not import or a check fails (the torch path then
+    serves, with a warning)."""
+    try:
+        from common.engine import triton_elementwise as ops
+
+        def near(got: torch.Tensor, expected: torch.Tensor) -> bool:  # bfloat16: a rounding or two apart
+            return torch.allclose(got.float(), expected.float(), atol=3e-2, rtol=3e-2)
+
+        gen = torch.Generator().manual_seed(0)
+        x, r, gate_up = (torch.randn(shape, generator=gen).to(device, torch.bfloat16)
+                         for shape in ((3, 96), (3, 96), (3, 64)))
+        norm = RMSNorm(96, 1e-6).to(device, torch.bfloat16)
+        expected, expected_sum = RMSNorm.forward(norm, x, r.clone(), fused=False)
+        summed = r.clone()
+        close = near(ops.add_rms_norm(x, summed, norm.weight, 1e-6), expected) and near(summed, expected_sum)
+        close &= near(ops.silu_mul(gate_up, 32), F.silu(gate_up[:, :32]) * gate_up[:, 32:])
+        qk = torch.randn((3, 4, 64), generator=gen).to(device, torch.bfloat16)
+        positions = torch.tensor([0, 5, 9], device=device)
+        cos, sin = torch.rand((2, 16, 32), generator=gen).to(device)
+        close &= near(ops.rope_(qk.clone(), positions, cos, sin),
+                      rotate(qk, cos[positions, None].to(qk.dtype), sin[positions, None].to(qk.dtype)))
+        if not close:
+            raise RuntimeError("a kernel disagrees with the torch path")
+    except Exception as exc:  # an image where Triton cannot build them: torch's kernels serve
+        log.warning("elementwise ops on %s: torch's kernels (the Triton ones failed their check: %s: %s)", device,
+                    type(exc).__name__, exc)
+        return None
+    return ops
+
+
+def _gpu_rows(x: torch.Tensor):
+    """The Triton elementwise kernels for ``x`` where it is on a GPU with rows of unit stride, else None."""
+    if x.device.type != "cuda" or x.stride(-1) != 1:
+        return None
+    return gpu_elementwise(str(x.device))
+
+
 def _c_elementwise(x: torch.Tensor) -> bool:
     """Whether ``x`` (rows by the last dim, unit stride within a row) can take the C elementwise kernels."""
     return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1
@@ -73,6 +116,9 @@ class StepRope:
                       self.rope.sin.data_ptr(), qk.shape[0], qk.shape[1], qk.shape[2],
                       int(qk.dtype is torch.bfloat16)) == 0:
                 return qk
+        ops = _gpu_rows(qk)
+        if ops is not None:
+            return ops.rope_(qk, self.positions, self.rope.cos, self.rope.sin)
         if self._gathered is None:
             self._gathered = self.rope.table(self.positions, self.dtype)
         return rotate(qk, *self._gathered)
@@ -209,9 +255,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Normalize ``x`` (+ ``residual`` when given, returning the sum as the new residual: on the CPU the
-        sum is written over ``residual``)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, fused: bool = True):
+        """Normalize ``x`` (+ ``residual`` when given, returning the sum as the new residual: on the CPU and on a
+        GPU the sum is written over ``residual``). ``fused`` false keeps a GPU on the torch path (the Triton
+        kernels' start-up check)."""
+        ops = _gpu_rows(x) if fused and x.dim() == 2 and x.dtype is self.weight.dtype else None
+        if ops is not None and (residual is None or (residual.stride(-1) == 1 and residual.dtype is x.dtype)):
+            out = ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, residual)
         if (x.dim() == 2 and x.is_contiguous() and _c_elementwise(x) and x.dtype is self.weight.dtype
                 and (residual is None or (residual.is_contiguous() and residual.dtype is x.dtype))):
             kernel = elementwise_kernel("tessera_add_rms_norm")
@@ -297,6 +348,9 @@ class MLP(nn.Module):
             if kernel(gate_up.data_ptr(), act.data_ptr(), gate_up.shape[0], self.intermediate,
                       int(gate_up.dtype is torch.bfloat16)) == 0:
                 return self.down_proj(act)
+        ops = _gpu_rows(gate_up) if gate_up.dim() == 2 else None
+        if ops is not None:
+            return self.down_proj(ops.silu_mul(gate_up, self.intermediate))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
