@@ -19,7 +19,7 @@ from common.engine.attention import get_step_context  # noqa: E402
 from common.engine.cuda_graphs import CudaGraph, DecodeGraphs, EagerGraph, graph_ladder, rung_for  # noqa: E402
 from common.engine.llm_engine import LLMEngine  # noqa: E402
 from common.engine.triton_attention import TritonAttention  # noqa: E402
-from common.protocol.sampling_params import SamplingParams  # noqa: E402
+from common.protocol.sampling_params import SamplingParams, StructuredOutput  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -78,6 +78,23 @@ def test_decode_steps_through_graphs_match_eager_steps_and_padding_writes_no_kv(
     assert replays and any(rows not in graph_ladder(16) for rows in replays), replays
     if spec:  # some replay held a verifying sequence's rows: more rows than sequences
         assert max(replays) > len(prompts), replays
+
+
+def test_structured_output_masks_the_replayed_logits(tiny_chat_model_dir):
+    """A regex-constrained greedy sequence beside two free ones: the masks act on the logits a replay gave, and the
+    text is the eager engine's."""
+    pytest.importorskip("xgrammar", reason="structured output needs xgrammar (the Makefile installs it)")
+    prompts = [[5 + i for i in range(12)], [40, 41, 42, 43] * 5, list(range(100, 107))]
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    constrained = SamplingParams(temperature=0.0, max_tokens=12, structured=StructuredOutput(
+        kind="regex", spec="(yes|no)( [a-z]+){1,4}"))
+    texts = []
+    for graphs in (False, True):
+        eng, replays = _engine(tiny_chat_model_dir, graphs, spec=False)
+        outs = eng.generate(prompts, [constrained, free, free])
+        texts.append([o.outputs[0].text for o in outs])
+    assert texts[0] == texts[1] and texts[1][0].split(" ")[0] in ("yes", "no"), texts
+    assert replays
 
 
 def test_a_step_past_the_graphs_runs_eagerly(tiny_chat_model_dir):
