@@ -95,7 +95,7 @@ class OutputProcessor:
             if seq.is_finished and not state.flushed and seq.finish_reason not in (FinishReason.HANDOFF,
                                                                                    FinishReason.ERROR):
                 state.flush()
-            tokens = seq.output_token_ids[: state.num_tokens]
+            tokens = seq.token_ids[seq.num_prompt_tokens:seq.num_prompt_tokens + state.num_tokens]
             new_tokens = tokens[seq.reported_tokens:]
             wants_logprobs = seq.params.logprobs is not None
             out.outputs.append(CompletionOutput(

@@ -544,7 +544,9 @@ class ModelRunner:
             rows_of = starts[plain].tolist()
         if plain:
             picked = [seqs[i] for i in plain]
-            rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.seed) for s in picked]
+            # the output's copy only where the penalties read it: not a copy of every sequence each step
+            rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids if s.params.needs_penalties else (),
+                                s.seed, s.num_output_tokens) for s in picked]
             sampled = self.sampler(logits[rows_of] if verifying else logits, rows)
             for j, i in enumerate(plain):
                 out.token_ids[i] = [sampled.token_ids[j]]

@@ -39,13 +39,14 @@ LOGPROB_FLOOR = -9999.0
 @dataclass
 class SamplingRow:
     params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]  # generated before this step
+    prompt_token_ids: Sequence[int]  # read only by the penalties (``params.needs_penalties``)
+    output_token_ids: Sequence[int]  # generated before this step; read only by the penalties
     seed: int  # effective seed; the engine draws one for unseeded requests
+    num_generated: int = -1  # tokens generated before this step; -1: len(output_token_ids)
 
     @property
     def generation_index(self) -> int:
-        return len(self.output_token_ids)
+        return self.num_generated if self.num_generated >= 0 else len(self.output_token_ids)
 
 
 @dataclass

@@ -49,6 +49,7 @@ class Sequence:
         self.index = index  # sample index within the request (n > 1)
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
+        self._prompt = self.token_ids[:]  # the prompt never changes: one list, not a copy per step
         self.params = params
         self.seed = seed
         self.status = SequenceStatus.WAITING
@@ -92,7 +93,8 @@ class Sequence:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
+        """The prompt: the same list on every call (read it, never change it)."""
+        return self._prompt
 
     @property
     def output_token_ids(self) -> list[int]:
