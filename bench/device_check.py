@@ -191,7 +191,8 @@ def render_markdown(report: dict) -> str:
         lines += ["", f"P/D on one device ({backend}), {pd['prompt_length']}-token prompts: TTFT mean "
                   f"{_fmt(1000 * pd['ttft_mean_s'])} ms, second token {_fmt(1000 * pd['second_token_median_s'])} ms "
                   f"(median), KV per request {_fmt(pd['kv_bytes_per_request'] / 2**20)} MiB, pull "
-                  f"{_fmt(pd['kv_pull_gb_per_s'])} GB/s, share of TTFT {'-' if share is None else f'{100 * share:.1f}%'}."]
+                  f"{_fmt(pd['kv_pull_gb_per_s'])} GB/s, share of TTFT "
+                  f"{'-' if share is None else f'{100 * share:.1f}%'}."]
     return "\n".join(lines) + "\n"
 
 

@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 # worker serves with, so every worker measures the same ranges.
 CALIBRATION_WINDOW = 256
 # Row counts at which the one-call decode kernel is timed against the torch path at load; the last is the most it
-# takes by timing (``decode_kernel_max_batch: -1``).
+# takes by timing (``engine.cpu.decode_kernel_max_batch: -1``).
 DECODE_ROW_RUNGS = (1, 2, 4, 8, 16, 24, 32)
 # The kernel keeps a rung unless the torch path is this much faster there: near the crossover either is as fast,
 # and a choice that timing noise flips from one start to the next would change which numerics a batch gets.

@@ -50,7 +50,7 @@ def pool_blocks(runner: ModelRunner, weights: int, fraction: float) -> int:
 
 
 def test_the_pool_leaves_room_for_the_prepacked_copy(tiny_chat_model_dir):
-    """bfloat16 on the CPU keeps each linear weight twice (engine.prepack_weights): the pool is sized from both."""
+    """bfloat16 on the CPU keeps each linear weight twice (engine.cpu.prepack_weights): the pool is sized from both."""
     fraction = 0.02
     packed = ModelRunner(EngineConfig(model=str(tiny_chat_model_dir), dtype="bfloat16",
                                       kv_cache_memory_fraction=fraction), tiny_chat_model_dir)
