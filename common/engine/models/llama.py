@@ -1,4 +1,5 @@
-"""Llama-family decoder: Llama (incl. llama3 RoPE scaling), Mistral, Qwen2, Qwen3.
+"""Llama-family decoder: Llama (incl. llama3 RoPE scaling), Mistral, Qwen2, Qwen3 (one model; long because its layers
+choose among the CPU's C kernels, the GPU's Triton kernels, int8 and the batch-invariant paths).
 
 One implementation with switches read from the Hugging Face config:
 - Qwen2: bias on the q/k/v projections;
@@ -259,10 +260,6 @@ class RMSNorm(nn.Module):
         """Normalize ``x`` (+ ``residual`` when given, returning the sum as the new residual: on the CPU and on a
         GPU the sum is written over ``residual``). ``fused`` false keeps a GPU on the torch path (the Triton
         kernels' start-up check)."""
-        ops = _gpu_rows(x) if fused and x.dim() == 2 and x.dtype is self.weight.dtype else None
-        if ops is not None and (residual is None or (residual.stride(-1) == 1 and residual.dtype is x.dtype)):
-            out = ops.add_rms_norm(x, residual, self.weight, self.eps)
-            return out if residual is None else (out, residual)
         if (x.dim() == 2 and x.is_contiguous() and _c_elementwise(x) and x.dtype is self.weight.dtype
                 and (residual is None or (residual.is_contiguous() and residual.dtype is x.dtype))):
             kernel = elementwise_kernel("tessera_add_rms_norm")
@@ -271,6 +268,10 @@ class RMSNorm(nn.Module):
                                              self.weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
                                              self.eps, int(x.dtype is torch.bfloat16)) == 0:
                 return out if residual is None else (out, residual)
+        ops = _gpu_rows(x) if fused and x.dim() == 2 and x.dtype is self.weight.dtype else None
+        if ops is not None and (residual is None or (residual.stride(-1) == 1 and residual.dtype is x.dtype)):
+            out = ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, residual)
         if residual is not None:
             x = x + residual
             residual = x
