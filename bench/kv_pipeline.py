@@ -6,7 +6,8 @@
 Two clusters as ``tessera up`` starts them (one prefill and one decode worker time-sharing every core, the
 transfer backend ``auto``, float32), one after the other: first with ``kv_pipeline.min_tokens=0`` (the decode
 worker pulls the pages after PrefillDone), then with ``kv_pipeline.min_tokens=1`` (every prompt pipelined: the
-decode worker pulls each layer group of each prompt chunk as it is computed). Both get the same prompts
+decode worker pulls each layer group of each prompt chunk as it is computed); every prompt on a prefill worker
+(``local_prefill_threshold=0``). Both get the same prompts
 (``bench.disagg_ttft.make_prompts``: seeded random token ids, a new one per request, so no prefix cache hits); per
 length one warm-up request, then ``--requests`` sequential streams of ``MAX_TOKENS`` greedy tokens.
 
@@ -54,8 +55,10 @@ def run_mode(model_dir: Path | str, log_dir: Path, min_tokens: int, layer_groups
              prompts: dict[int, list[list[int]]], cluster_options: dict) -> dict:
     log_dir.mkdir(parents=True, exist_ok=True)
     options = dict(cluster_options)
+    # local_prefill_threshold=0: every prompt hands off (by default a short prompt may prefill on its decode
+    # worker, by measured costs, and then has no hand-off to measure).
     overrides = [*options.pop("proxy_overrides", []), f"kv_pipeline.min_tokens={min_tokens}",
-                 f"kv_pipeline.layer_groups={layer_groups}"]
+                 f"kv_pipeline.layer_groups={layer_groups}", "local_prefill_threshold=0"]
     cluster = LocalCluster(model_dir, log_dir, prefill=1, decode=1, proxy_overrides=overrides, **options).start()
     return run_lengths(cluster, prompts, transfer_part, summarize)
 
