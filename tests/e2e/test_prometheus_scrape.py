@@ -5,7 +5,7 @@ scrape interval shortened; the targets go into its file_sd files. After one
 completion through the proxy, Prometheus's query API must return the
 proxy's request counter and the workers' request counters, which proves
 every role's endpoint is scrapeable by the config operators will use. The
-same Prometheus then evaluates every query of the shipped Grafana dashboard.
+same Prometheus then evaluates every query of the shipped Grafana dashboard, once it holds the workers' rates.
 Skipped only when the ``prometheus`` binary is absent (.ci/run installs it).
 """
 import json
@@ -122,6 +122,10 @@ def test_prometheus_scrapes_every_role(cluster, prometheus):
 
 def test_every_dashboard_query_is_valid_promql(prometheus):
     dashboard = json.loads((DEPLOY / "grafana" / "tessera.json").read_text())
+    # Until each worker's counters have two scrapes joined to its identity: a rate over series that do not exist yet
+    # answers empty, and a join that cannot work (labels the "one" side lacks) fails only on data.
+    wait_for(prometheus, "count(rate(tessera_worker_requests_total[1m]) * on (instance) group_left "
+                         "tessera_worker_info)", 1)
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     assert exprs
     # The template variables as Grafana expands All for the =~ matchers that take them: a regex.
