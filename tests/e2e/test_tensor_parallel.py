@@ -49,13 +49,14 @@ def reference(embedded_model_dir):
     engine = LLMEngine(EngineConfig(model=str(embedded_model_dir), num_kv_blocks=256))
     chats = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
     short = engine.generate(chats, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    # Each answer is transformers' greedy one: one forward pass over the chat and the answer (teacher forcing)
+    # picks every answer token, EOS included, as its argmax (what its generate() would, a step at a time).
     hf = AutoModelForCausalLM.from_pretrained(embedded_model_dir, dtype=torch.float32).eval()
-    eos = set(engine.tokenizer.eos_token_ids)
     for ids, out in zip(chats, short):
+        answer = list(out.outputs[0].token_ids)
         with torch.inference_mode():
-            generated = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(ids):]
-        want = generated.tolist()[:len(out.outputs[0].token_ids)]
-        assert [t for t in out.outputs[0].token_ids if t not in eos] == [t for t in want if t not in eos]
+            logits = hf(torch.tensor([ids + answer])).logits[0, len(ids) - 1:len(ids) + len(answer) - 1]
+        assert logits.argmax(-1).tolist() == answer
     # the rank-kill test's answers: long enough that the kill lands mid-decode (the engine's own greedy output,
     # which the check above ties to transformers')
     long = engine.generate(chats[:KILL_PROMPTS], SamplingParams(temperature=0.0, max_tokens=KILL_TOKENS))
