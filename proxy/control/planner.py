@@ -12,7 +12,8 @@ counts in whatever role the registry then says, if any.
 A decision, in worker units (what the split must hold):
 
 - **Prefill need**: the prompt tokens that arrived over ``planner.load_window_s``, per second, over one prefill
-  worker's prompt throughput (its own step model at its token budget and the prompts' mean length); at least,
+  worker's prompt throughput (a step model that timed prompt steps, at its token budget and the prompts' mean
+  length; a decode worker's fit of decode steps alone says nothing of them); at least,
   the prompt tokens queued at the proxy (unless the decode cap holds every slot: then they wait for decode) and on
   the prefill workers over what one worker prefills in half of ``ttft_slo_ms`` (a burst is met before it waits
   past its target, not once the rate shows it).
@@ -281,10 +282,12 @@ class Planner:
         count = len(arrivals)
         prompt = sum(a[1] for a in arrivals) / count if count else ASSUMED_PROMPT
         output = (sum(a[2] for a in arrivals) / count if count else ASSUMED_OUTPUT) * self._output_ratio
-        cost_source = next((w for w in self.registry.workers.values() if w.step_cost is not None), None)
-        if cost_source is None:
+        reported = [w.step_cost for w in self.registry.workers.values() if w.step_cost is not None]
+        if not reported:
             return Need(0.0, 0.0, "no worker reported a step model yet")
-        cost = cost_source.step_cost
+        # the prompt rate from a fit that timed prompt steps: a decode worker that never prefilled reports its
+        # decode steps' alone, whose coefficients (which step_ms falls back to) say nothing of a prompt step
+        cost = next((c for c in reported if len(c.mixed) == len(c.large)), reported[0])
         budget = EngineConfig.max_num_batched_tokens
         prompt_rate = budget / max(cost.step_ms(0, 0, budget, int(budget * prompt / 2)), 1e-3) * 1e3  # tokens/s
         sent = sum(self.policy.outstanding_prefill_tokens(w.worker_id) for w in self.registry.prefill_side())

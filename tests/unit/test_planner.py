@@ -243,6 +243,21 @@ def test_a_burst_of_queued_prompts_moves_workers_before_the_rate_shows_it():
     assert orders and all(m.role == "prefill" for _, m in orders)
 
 
+def test_the_prompt_rate_comes_from_a_fit_that_timed_prompt_steps():
+    """A decode worker that never prefilled reports its decode steps' fit alone, which says nothing of a prompt
+    step's: the prefill need is read off a worker's fit that has a prompt regime, whichever registered first."""
+    decode_only = StepCostModel(small_max_rows=32, small=COST.small, large=COST.large, mixed=[])
+    needs = []
+    for first_fit in (decode_only, COST):
+        rig = Rig(prefill=0, decode=0)
+        for worker_id, role in (("d0", "decode"), ("p0", "prefill"), ("d1", "decode")):
+            rig.join(worker_id, role)
+        rig.registry.workers["d0"].step_cost = rig.registry.workers["d1"].step_cost = first_fit
+        rig.run(10.0, 2.0, 4096, 64)
+        needs.append(rig.planner.need.prefill)
+    assert needs[0] == pytest.approx(needs[1]) and needs[0] > 1.0
+
+
 def ended(planner: Planner, count: int, ttft_s: float, tpot_ms: float, waited_s: float = 0.0) -> None:
     for _ in range(count):
         first = 100.0 + ttft_s
