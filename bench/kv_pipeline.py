@@ -7,9 +7,9 @@ Two clusters as ``tessera up`` starts them (one prefill and one decode worker ti
 transfer backend ``auto``, float32), one after the other: first with ``kv_pipeline.min_tokens=0`` (the decode
 worker pulls the pages after PrefillDone), then with ``kv_pipeline.min_tokens=1`` (every prompt pipelined: the
 decode worker pulls each layer group of each prompt chunk as it is computed); every prompt on a prefill worker
-(``local_prefill_threshold=0``). Both get the same prompts
-(``bench.disagg_ttft.make_prompts``: seeded random token ids, a new one per request, so no prefix cache hits); per
-length one warm-up request, then ``--requests`` sequential streams of ``MAX_TOKENS`` greedy tokens.
+(``local_prefill_threshold=0``). Both get the same prompts (``bench.disagg_ttft.make_prompts``: seeded random
+token ids, a new one per request, so no prefix cache hits); per length one warm-up request, then ``--requests``
+sequential streams of ``MAX_TOKENS`` greedy tokens.
 
 At the client: TTFT (the prefill worker's first token) and the second token's time (after the pull and the decode
 worker's first step: what pipelining can shorten). From the proxy's hand-off parts (``/metrics``): the mean

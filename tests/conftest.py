@@ -21,9 +21,10 @@ from common.storage.model_store import resolve_model
 # here; a new unit module to the beside lane. Measured (2026-11-30, 1,845 tests, `make test
 # PYTEST_ARGS=--durations=0` under `/usr/bin/time`): the compute lane's tests summed to 1,074 s, the beside lane's
 # to 992, the waits lane's to 396; the run took 1,093 s on 2,014 CPU-s (an earlier run of 1,809 tests on a less
-# loaded machine: 968 s on 1,803), both cores busy nearly throughout, so a lane more would gain only the sleeping. Tests that wait but also compute (rolling upgrade, failover, a cut link, fuzzing) made the
-# run longer beside the compute lane (their clusters contend for the cores): the waits lane holds only tests whose
-# clusters are idle or tiny.
+# loaded machine: 968 s on 1,803), both cores busy nearly throughout, so a lane more would gain only the
+# sleeping. Tests that wait but also compute (rolling upgrade, failover, a cut link, fuzzing) made the run longer
+# beside the compute lane (their clusters contend for the cores): the waits lane holds only tests whose clusters
+# are idle or tiny.
 BESIDE_E2E = {
     # scripted workers behind a proxy in a thread or a torch-free process
     "test_config_reload.py", "test_metering_file.py",

@@ -351,10 +351,16 @@ class StepCostModel(_Struct):
     mixed: Annotated[list[Coefficient], msgspec.Meta(max_length=5)] = []
     samples: NonNegInt = 0
 
+    @property
+    def times_prompts(self) -> bool:
+        """Whether the fit has timed prompt steps (``mixed`` is known): without it ``step_ms`` reads a prompt
+        step off the decode steps' coefficients, which say nothing of one."""
+        return len(self.mixed) == 5
+
     def step_ms(self, decode_tokens: int, decode_context: int, prompt_tokens: int = 0,
                 prompt_pairs: int = 0) -> float:
         if prompt_tokens:
-            coef = self.mixed if len(self.mixed) == 5 else self.large
+            coef = self.mixed if self.times_prompts else self.large
         elif decode_tokens <= self.small_max_rows and len(self.small) == 5:
             coef = self.small
         else:

@@ -285,9 +285,8 @@ class Planner:
         reported = [w.step_cost for w in self.registry.workers.values() if w.step_cost is not None]
         if not reported:
             return Need(0.0, 0.0, "no worker reported a step model yet")
-        # the prompt rate from a fit that timed prompt steps: a decode worker that never prefilled reports its
-        # decode steps' alone, whose coefficients (which step_ms falls back to) say nothing of a prompt step
-        cost = next((c for c in reported if len(c.mixed) == len(c.large)), reported[0])
+        # the prompt rate from a fit that timed prompt steps (a decode worker that never prefilled has none)
+        cost = next((c for c in reported if c.times_prompts), reported[0])
         budget = EngineConfig.max_num_batched_tokens
         prompt_rate = budget / max(cost.step_ms(0, 0, budget, int(budget * prompt / 2)), 1e-3) * 1e3  # tokens/s
         sent = sum(self.policy.outstanding_prefill_tokens(w.worker_id) for w in self.registry.prefill_side())

@@ -250,8 +250,8 @@ class PrefixAwareRouting:
         suffix = len(view.tokens) - cached
         if self.local_prefill_threshold >= 0:
             return suffix < self.local_prefill_threshold
-        prefill_model = prefiller.step_cost if prefiller.step_cost and len(prefiller.step_cost.mixed) == 5 else None
-        decode_model = decoder.step_cost if decoder.step_cost and len(decoder.step_cost.mixed) == 5 else None
+        prefill_model = prefiller.step_cost if prefiller.step_cost and prefiller.step_cost.times_prompts else None
+        decode_model = decoder.step_cost if decoder.step_cost and decoder.step_cost.times_prompts else None
         if prefill_model is None:
             return suffix < decoder.block_size
         step_ms = _prompt_ms(decode_model or prefill_model, suffix, cached)

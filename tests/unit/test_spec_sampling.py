@@ -170,15 +170,13 @@ def plain_joint(tiny_pair, echo_prompt):
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_engine_distribution_with_speculation_equals_plain(method, tiny_pair, echo_prompt, plain_joint):
     target, draft = tiny_pair
-    num = SAMPLES
-    plain = plain_joint
     extra = {"method": "ngram", "ngram_min": 1} if method == "ngram" else {"method": "draft", "draft_model": str(draft)}
     # Other seeds: the counter RNG couples runs with equal seeds, and the test needs independent samples.
-    spec, stats = sample_joint(target, echo_prompt, num, first_seed=10**6,
+    spec, stats = sample_joint(target, echo_prompt, SAMPLES, first_seed=10**6,
                                spec={"adaptive": False, "num_tokens": 2, **extra})
-    assert stats.num_spec_drafts > num // 4, "speculation barely ran; the test would prove nothing"
+    assert stats.num_spec_drafts > SAMPLES // 4, "speculation barely ran; the test would prove nothing"
     assert 0 < stats.num_spec_accepted_tokens < stats.num_spec_draft_tokens, "need both accepts and rejects"
-    p_value = homogeneity(plain, spec)
-    print(f"{method}: {len(plain)} outcomes, acceptance "
+    p_value = homogeneity(plain_joint, spec)
+    print(f"{method}: {len(plain_joint)} outcomes, acceptance "
           f"{stats.num_spec_accepted_tokens / stats.num_spec_draft_tokens:.2f}, homogeneity p = {p_value:.3g}")
     assert p_value > ALPHA
