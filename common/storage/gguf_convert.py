@@ -1,10 +1,14 @@
-"""The embedded model's conversion, run as ``python -m common.storage.gguf_convert GGUF OUT_DIR DTYPE``.
+"""The embedded model's conversion, run as ``python -m common.storage.gguf_convert GGUF OUT_DIR DTYPE``, or
+from its float32 conversion to another dtype as ``python -m common.storage.gguf_convert --cast F32_DIR OUT_DIR
+DTYPE``.
 
-A module of its own, run in a child process by ``model_store.convert_gguf_to_hf``, so that only
-this process loads torch and transformers.
+A module of its own, run in a child process by ``model_store.convert_gguf_to_hf`` and ``cast_float32_dir``, so
+that only this process loads torch and transformers.
 """
 from __future__ import annotations
 
+import json
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -33,8 +37,36 @@ def convert(gguf: Path, out_dir: Path, dtype: str, log: Callable[[str], None]) -
     tokenizer.save_pretrained(out_dir)
 
 
+def cast(source: Path, out_dir: Path, dtype: str, skip: set[str], log: Callable[[str], None]) -> None:
+    """``source`` (the float32 conversion) with its weights cast to ``dtype``: the tensors ``convert`` writes for
+    ``dtype`` (transformers dequantizes to float32 and casts those; the tests compare the two), without parsing
+    the GGUF file's metadata again, which takes nearly all of a conversion's 20 s. Files named in ``skip`` (the
+    caller's marker) are left out."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    log(f"casting {source.name} to {dtype}")
+    for path in sorted(source.iterdir()):
+        if not path.is_file() or path.name in skip:
+            continue
+        if path.suffix == ".safetensors":
+            tensors = {name: t.to(getattr(torch, dtype)) for name, t in load_file(path).items()}
+            save_file(tensors, out_dir / path.name, metadata={"format": "pt"})
+        elif path.name == "config.json":
+            config = json.loads(path.read_text())
+            config["dtype"] = dtype
+            (out_dir / path.name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        else:
+            shutil.copyfile(path, out_dir / path.name)
 
 
 if __name__ == "__main__":
-    gguf_path, out, dtype_name = sys.argv[1:4]
-    convert(Path(gguf_path), Path(out), dtype_name, lambda message: print(f"tessera: {message}", file=sys.stderr))
+    def log(message: str) -> None:
+        print(f"tessera: {message}", file=sys.stderr)
+
+    if sys.argv[1] == "--cast":
+        source_dir, out, dtype_name, *skipped = sys.argv[2:]
+        cast(Path(source_dir), Path(out), dtype_name, set(skipped), log)
+    else:
+        gguf_path, out, dtype_name = sys.argv[1:4]
+        convert(Path(gguf_path), Path(out), dtype_name, log)

@@ -10,6 +10,10 @@ Preparing it is a one-time job per cache root and dtype:
     (config.json, model.safetensors, generation_config.json, tokenizer files
     with the chat template) -> rename it into place, with a marker file.
 
+A dtype other than float32, once float32 is prepared, is cast from that directory instead: the same files
+(gguf dequantizes to float32 and transformers casts to the model's dtype) in a few seconds where a
+conversion takes about twenty, nearly all of it parsing the GGUF file's metadata.
+
 The rename is the commit point, so an interrupted run never leaves a half
 model where ``resolve_model`` would find it; a lock makes processes that start
 together (a prefill and a decode worker, say) convert only once. A prepared
@@ -174,8 +178,12 @@ def prepare_embedded_model(
     """
     target = embedded_model_dir(dtype, cache_dir)
     if not _is_prepared(target, dtype):
-        _convert_once(target, dtype, cache_dir, fetch_gguf or fetch_embedded_gguf, convert or convert_gguf_to_hf,
-                      log or _log_to_stderr)
+        if convert is None:
+            convert = convert_gguf_to_hf
+            float32 = embedded_model_dir("float32", cache_dir)
+            if dtype != "float32" and _is_prepared(float32, "float32"):
+                convert = _cast_from(float32)
+        _convert_once(target, dtype, cache_dir, fetch_gguf or fetch_embedded_gguf, convert, log or _log_to_stderr)
     _register_embedded(target, dtype, cache_dir)
     return target
 
@@ -241,6 +249,14 @@ def convert_gguf_to_hf(gguf: Path, out_dir: Path, dtype: str, log: Log) -> None:
     log(f"converting {gguf.name} to {dtype} with transformers")
     subprocess.run([sys.executable, "-m", "common.storage.gguf_convert", str(gguf), str(out_dir), dtype],
                    check=True)
+
+
+def _cast_from(float32: Path) -> Converter:
+    """A converter that casts the prepared float32 directory (in a child process, as ``convert_gguf_to_hf``)."""
+    def cast(gguf: Path, out_dir: Path, dtype: str, log: Log) -> None:
+        subprocess.run([sys.executable, "-m", "common.storage.gguf_convert", "--cast", str(float32), str(out_dir),
+                        dtype, MARKER_FILE], check=True)
+    return cast
 
 
 def _check_dtype(dtype: str) -> None:

@@ -223,3 +223,30 @@ def test_dtype_auto_resolves_and_says_why(capsys):
     assert dtype_option("auto") == fastest_dtype()[0]
     assert "--dtype auto:" in capsys.readouterr().err
     assert dtype_option("float32") == "float32"
+
+
+def test_a_second_dtype_is_cast_from_the_prepared_float32_model(tmp_path, embedded_model_dir):
+    """With float32 prepared, bfloat16 comes from casting its weights (what transformers' conversion writes: gguf
+    dequantizes to float32, transformers casts), not from the GGUF file again; float32 itself always converts."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.tiny_models import build_tiny_model
+
+    source = FakeSource()
+    float32 = model_store.embedded_model_dir("float32", tmp_path)  # the argument is the suite's prepared model
+    build_tiny_model("llama", float32, tokenizer_from=embedded_model_dir)
+    (float32 / MARKER_FILE).write_text(json.dumps(model_store._marker("float32")))
+
+    bf16 = prepare_embedded_model("bfloat16", tmp_path, fetch_gguf=source.fetch, log=source.messages.append)
+    assert source.conversions == []
+    validate_model_dir(bf16)
+    assert json.loads((bf16 / MARKER_FILE).read_text())["dtype"] == "bfloat16"
+    assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
+    weights, cast = load_file(float32 / "model.safetensors"), load_file(bf16 / "model.safetensors")
+    assert weights.keys() == cast.keys()
+    assert all(cast[name].dtype == torch.bfloat16 and torch.equal(cast[name], t.to(torch.bfloat16))
+               for name, t in weights.items())
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (bf16 / name).read_bytes() == (float32 / name).read_bytes()
+    assert source.prepare("float32", tmp_path) == float32 and source.conversions == []  # already prepared
