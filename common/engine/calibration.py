@@ -13,10 +13,10 @@ What runs, within ``EngineConfig.calibration_s`` of steps (0: none):
   at two context lengths, the regime that holds one row first (``StepTimer.small``), then the larger rows'. The
   sequences enter as a decode worker's do, with pages "pulled" (``add_prefilled_request``, then ``kv_ready``):
   a decode step's cost does not depend on what its keys hold, so no prompt is computed for them;
-- prompt steps (a role that prefills): one-row prompts of two lengths, each a real prompt step.
+- prompt steps (a role that prefills): one-row prompts of three lengths, each a real prompt step.
 
-Each regime's calibration stops once the ``StepTimer`` would report it (``min_samples`` at two or more batch
-sizes). The steps are ordinary ``LLMEngine.step`` calls, so ``StepTimer.observe`` sees them like any other; their
+Each regime's calibration stops once the ``StepTimer`` would report it (``min_samples``, for prompt steps
+``min_prompt_samples``, at two or more batch sizes). The steps are ordinary ``LLMEngine.step`` calls, so ``StepTimer.observe`` sees them like any other; their
 weight fades with real steps (``half_life``). Everything is freed afterwards: prefix caching is off while it runs
 (``BlockManager.uncached``: no block of a dummy prompt is cached or announced in KV events), every page is free
 again, and the engine's counters are as they were before it (its steps are not traffic).
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 ROW_COUNTS = (1, 2, 4, 8, 16, 32)
 DECODE_STEPS_PER_GROUP = 2  # steps of one batch size in a row before the next size
-PROMPT_BLOCKS = (1, 2)  # prompt lengths of the prompt steps, in KV blocks
+PROMPT_BLOCKS = (1, 2, 4)  # prompt lengths of the prompt steps, in KV blocks: three, for the fit's three prompt terms
 CONTEXT_BLOCKS = (2, 16)  # context lengths of the decode rows, in KV blocks
 FIRST_TOKEN = 100  # dummy token ids count up from here (clear of the special tokens at the vocabulary's start)
 SUMMARY_CONTEXT = 256  # the context per row of the predictions logged

@@ -19,8 +19,8 @@ with a prompt chunk. Each fit is a least-squares fit of the relative error (a 2 
 outweigh a 20 ms decode step) whose old samples fade (``half_life`` steps), so the model follows the
 machine (a noisy neighbour, a frequency change) and the pool's fragmentation; coefficients are kept
 non-negative (a term that fits negative is dropped and the rest refitted), so the prediction never falls
-as a batch grows. A regime is reported only once it has seen ``min_samples`` steps at two or more batch
-sizes; until then the proxy treats that regime as unknown (the decode-only torch regime must be known for
+as a batch grows. A regime is reported only once it has seen ``min_samples`` steps (``min_prompt_samples``
+for steps with a prompt chunk) at two or more batch sizes; until then the proxy treats that regime as unknown (the decode-only torch regime must be known for
 any report).
 
 ``StepCostModel`` (common/protocol/wire.py) is what a heartbeat carries, and what the proxy predicts with.
@@ -35,6 +35,7 @@ import numpy as np
 from common.protocol.wire import StepCostModel, step_cost_features
 
 NUM_FEATURES = 5
+PROMPT_MIN_SAMPLES = 8  # steps with a prompt chunk before that regime is reported (``min_prompt_samples``)
 MAX_COEFFICIENT = 1e9  # the wire's bound (common/protocol/wire.py Coefficient)
 
 
@@ -85,11 +86,16 @@ class StepTimer:
     """Observes every step the engine runs and keeps the fit of each regime."""
 
     def __init__(self, small_max_rows: int, half_life: float = 500.0, min_samples: int = 20,
-                 refit_s: float = 0.5) -> None:
+                 refit_s: float = 0.5, min_prompt_samples: int | None = None) -> None:
         # a regime is reported once seen at two row counts: the kernel's steps of one row alone (a large model
         # keeps it for one) could never be, so they fit with the torch path's
         self.small_max_rows = small_max_rows if small_max_rows >= 2 else 0
         self.min_samples = min_samples
+        # the regime of steps with a prompt chunk: each such step is long against the noise a decode step sees (a
+        # scheduler tick, a neighbour's burst) and costs as much as tens of decode steps, so fewer samples fit it
+        # as well, and a calibration at load affords them
+        self.min_prompt_samples = min(min_samples, PROMPT_MIN_SAMPLES) if min_prompt_samples is None \
+            else min_prompt_samples
         self.refit_s = refit_s  # ``report`` refits at most this often
         decay = 0.5 ** (1.0 / half_life)
         self.small, self.large, self.mixed = _Fit(decay), _Fit(decay), _Fit(decay)
@@ -127,7 +133,8 @@ class StepTimer:
         self.relative_error += rate * (error - self.relative_error)
 
     def _ready(self, fit: _Fit) -> tuple[float, ...] | None:
-        if fit.count < self.min_samples or len(fit.row_counts) < 2:
+        least = self.min_prompt_samples if fit is self.mixed else self.min_samples
+        if fit.count < least or len(fit.row_counts) < 2:
             return None
         return fit.solve()
 

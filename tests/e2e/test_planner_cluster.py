@@ -1,11 +1,13 @@
 """The planner switches a real worker's role on its own when the load asks for it (issue 47), through real processes.
 
 A proxy with the adaptive controller on (``slo.tac_enabled``, a TTFT target, the planner's shipped settings), workers
-that calibrate their step costs at start as shipped (the tests' clusters otherwise skip it), one prefill and two decode workers on the embedded model in float32. Eight clients send prompt-heavy
-requests one after another (512-token prompts, 8 output tokens): one prefill worker cannot keep the queued prompt
-tokens within the TTFT target while two decode workers idle, so the planner orders a decode worker to prefill,
-with no admin call. Every request served before, during and after the switch carries the single-process engine's
-greedy text, no KV page is left in use, and ``/readyz`` then counts 2 prefill and 1 decode workers.
+that calibrate their step costs at start as shipped (the tests' clusters otherwise skip it), one prefill and two
+decode workers on the embedded model in float32. Eight clients send prompt-heavy requests one after another
+(512-token prompts, 8 output tokens): one prefill worker cannot keep the queued prompt tokens within the TTFT target
+while two decode workers idle, so the planner orders a decode worker to prefill, with no admin call. The load goes
+on until eight more streams have text after the switch. Every request served before, during and after the switch
+carries the single-process engine's greedy text, no KV page is left in use, and ``/readyz`` then counts 2 prefill
+and 1 decode workers.
 """
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ from common.cli.local_cluster import LocalCluster
 from common.config.base import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.protocol.sampling_params import SamplingParams
-from tests.e2e.fault_scenarios import MODEL, check_nothing_lost, check_pages_freed, run_scenario, wait_until
+from tests.e2e.fault_scenarios import (
+    MODEL, check_nothing_lost, check_pages_freed, run_scenario, streams_with_text, wait_until,
+)
 
 PROMPTS = 16
 PROMPT_TOKENS = 512
@@ -62,18 +66,25 @@ def switched(run) -> bool:
     return sum(v for k, v in ended.items() if 'outcome="done"' in k) >= 1 and layout(run.cluster)["prefill"] == 2
 
 
+def served_after_the_switch(count: int):
+    """Until ``count`` more streams have text (the load goes on through the new layout)."""
+    async def event(run) -> None:
+        await streams_with_text(run.with_text + count)(run)
+    return event
+
+
 def test_the_planner_moves_a_decode_worker_to_prefill_under_prompt_heavy_load(cluster, reference):
     bodies = [{"model": MODEL, "prompt": tokens, "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0.0,
                "stream": True, "stream_options": {"include_usage": True}} for tokens in prompts()]
     assert layout(cluster) == {"prefill": 1, "decode": 2, "both": 0}
     results, _ = asyncio.run(run_scenario(
-        cluster, bodies, [wait_until(switched, "the planner switched a decode worker to prefill", SWITCH_S)],
-        steady=CLIENTS))
+        cluster, bodies, [wait_until(switched, "the planner switched a decode worker to prefill", SWITCH_S),
+                          served_after_the_switch(CLIENTS)], steady=CLIENTS))
     decisions = cluster.metric("tessera_tac_planner_decisions_total")
     print(f"{len(results)} requests; planner decisions {decisions}; switches "
           f"{cluster.metric('tessera_tac_planner_switches_total')}")
     check_nothing_lost(results, [_Text(t) for t in reference], bodies)
-    assert len(results) > PROMPTS // 2  # a steady load: the switch came while requests ran
+    assert len(results) >= 2 * CLIENTS  # those in flight at the switch and those started after it
     check_pages_freed(cluster)
     assert layout(cluster) == {"prefill": 2, "decode": 1, "both": 0}
     assert sum(v for k, v in decisions.items() if 'direction="to_prefill"' in k) >= 1, decisions

@@ -43,7 +43,7 @@ def test_a_decode_and_prefill_calibration_leaves_a_fit_of_one_row_and_many(tiny_
 
     done = calibrate(engine, BUDGET_S, decode=True, prompts=True)
 
-    assert done.decode_steps >= timer.min_samples and done.prompt_steps >= timer.min_samples
+    assert done.decode_steps >= timer.min_samples and done.prompt_steps >= timer.min_prompt_samples
     assert timer.known(timer.large) and timer.known(timer.mixed)
     assert timer.known(timer.small) == (timer.small_max_rows > 0)
     assert {1, 32} <= timer.large.row_counts | timer.small.row_counts
@@ -85,7 +85,7 @@ def test_a_prefill_worker_runs_prompt_steps_only_and_zero_seconds_run_nothing(ti
 
     done = calibrate(engine, BUDGET_S, decode=False, prompts=True)
 
-    assert done.decode_steps == 0 and done.prompt_steps >= engine.step_timer.min_samples
+    assert done.decode_steps == 0 and done.prompt_steps >= engine.step_timer.min_prompt_samples
     assert engine.step_timer.large.count == engine.step_timer.small.count == 0
     assert_left_clean(engine)
 

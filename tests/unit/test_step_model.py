@@ -365,3 +365,16 @@ def test_a_choice_that_waited_for_its_slot_past_a_stall_teaches_the_capacity_not
     registry.observe_handoff("d0", 0.2, 32, 0.1)
     registry.observe_tpot("d0", now - 1.0, now, 32, 0.1)
     assert d0.lag.handoffs == 1 and d0.lag.residuals == 1
+
+
+def test_steps_with_a_prompt_chunk_are_reported_after_fewer_samples():
+    timer = StepTimer(small_max_rows=0, min_samples=20, refit_s=0.0)
+    assert timer.min_prompt_samples == 8
+    for i in range(20):
+        timer.observe(16 + i % 2 * 16, 2000, 0, 0, 0.03 + i % 2 * 0.02)
+    for i in range(timer.min_prompt_samples - 1):
+        timer.observe(0, 0, 64 << i % 3, 0, 0.05 * (1 + i % 3))
+    assert not timer.known(timer.mixed) and timer.report().mixed == []
+    timer.observe(0, 0, 128, 0, 0.1)
+    assert timer.known(timer.mixed) and len(timer.report().mixed) == 5
+    assert StepTimer(small_max_rows=0, min_samples=5).min_prompt_samples == 5  # never more than the others need
