@@ -20,8 +20,8 @@ outweigh a 20 ms decode step) whose old samples fade (``half_life`` steps), so t
 machine (a noisy neighbour, a frequency change) and the pool's fragmentation; coefficients are kept
 non-negative (a term that fits negative is dropped and the rest refitted), so the prediction never falls
 as a batch grows. A regime is reported only once it has seen ``min_samples`` steps (``min_prompt_samples``
-for steps with a prompt chunk) at two or more batch sizes; until then the proxy treats that regime as unknown (the decode-only torch regime must be known for
-any report).
+for steps with a prompt chunk) at two or more batch sizes; until then the proxy treats that regime as unknown
+(the decode-only torch regime must be known for any report).
 
 ``StepCostModel`` (common/protocol/wire.py) is what a heartbeat carries, and what the proxy predicts with.
 """
