@@ -19,9 +19,11 @@ Each regime's calibration stops once the ``StepTimer`` would report it (``min_sa
 ``min_prompt_samples``, at two or more batch sizes). The steps are ordinary ``LLMEngine.step`` calls, so
 ``StepTimer.observe`` sees them like any other; their weight fades with real steps (``half_life``). The prompt
 fit comes from short prompts (up to four blocks) and overestimates long ones (measured on the embedded model at
-one thread: 2x at 512 tokens) until real prompt steps refine it. Everything is freed afterwards: prefix caching is off while it runs
-(``BlockManager.uncached``: no block of a dummy prompt is cached or announced in KV events), every page is free
-again, and the engine's counters are as they were before it (its steps are not traffic).
+one thread: 2x at 512 tokens) until real prompt steps refine it.
+
+Everything is freed afterwards: prefix caching is off while it runs (``BlockManager.uncached``: no block of a
+dummy prompt is cached or announced in KV events), every page is free again, and the engine's counters are as they
+were before it (its steps are not traffic).
 """
 from __future__ import annotations
 
