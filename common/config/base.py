@@ -382,10 +382,12 @@ class EngineConfig:
         "one process and one device each; rank 0 holds the sockets and the scheduler. Must divide the model's "
         "attention and KV heads (common/engine/tensor_parallel.py)", ge=1, le=64)
     calibration_s: Float = option(
-        2.5, "seconds of engine steps (their own time, not waits for the core share) a worker runs on dummy "
-        "sequences after loading its model and before it registers, so that its first heartbeat carries a fit of "
-        "its step time covering one row and many; it stops sooner once every fit it runs is known "
-        "(common/engine/calibration.py); 0: none (the first fit then comes from the first traffic)", ge=0.0, le=60.0)
+        2.5, "seconds of engine steps a worker runs on dummy sequences after loading its model and before it "
+        "registers, so that its first heartbeat carries a fit of its step time covering one row and many: on CPU "
+        "the calibrating thread's CPU time (a busy host runs the steps an idle one would, within 4x this in wall "
+        "time), on a GPU the steps' wall time, never waits for the core share; it stops sooner once every fit it "
+        "runs is known (common/engine/calibration.py); 0: none (the first fit then comes from the first traffic)",
+        ge=0.0, le=60.0)
     kv_tiers: KvTiersConfig = section(KvTiersConfig)
     ranks: RanksConfig = section(RanksConfig)
     cpu: CpuConfig = section(CpuConfig)

@@ -4,11 +4,12 @@ engine's counters at zero."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
 from common.config.base import CpuConfig, EngineConfig
-from common.engine.calibration import CONTEXT_BLOCKS, PROMPT_BLOCKS, calibrate
+from common.engine.calibration import CONTEXT_BLOCKS, PROMPT_BLOCKS, WALL_CAP, calibrate
 from common.engine.llm_engine import LLMEngine
 from common.protocol.sampling_params import SamplingParams
 
@@ -95,3 +96,25 @@ def test_an_engine_holding_work_is_refused(tiny_chat_model_dir):
     engine.add_request("r", [100, 101, 102], SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="idle engine"):
         calibrate(engine, BUDGET_S, decode=True, prompts=True)
+
+
+def test_on_cpu_the_budget_is_the_steps_cpu_time_and_their_wall_time_caps_it(tiny_chat_model_dir, monkeypatch):
+    """A busy host (here: each step then waits 20 ms off the CPU) runs more of its budget's steps than their wall
+    time would allow, up to ``WALL_CAP`` times the budget in wall time."""
+    engine = engine_of(tiny_chat_model_dir, num_kv_blocks=64)
+    step = engine.step
+
+    def busy_step():
+        out = step()
+        time.sleep(0.02)
+        return out
+
+    monkeypatch.setattr(engine, "step", busy_step)
+    monkeypatch.setattr(engine.step_timer, "known", lambda fit: False)  # no fit ends it: only the budget
+    budget = 0.1
+    done = calibrate(engine, budget, decode=True, prompts=False)
+    assert done.spent(budget)
+    assert done.step_wall_s > 1.5 * done.step_s  # the waits count in wall time only
+    assert done.step_wall_s > budget  # so it ran past the budget in wall time
+    assert done.step_wall_s < WALL_CAP * budget + 0.5  # stopped by the cap (plus the last group's steps)
+    assert_left_clean(engine)
