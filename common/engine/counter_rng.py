@@ -51,13 +51,14 @@ def _mix64(z: torch.Tensor) -> torch.Tensor:
 def counter_uniforms(
     seeds: torch.Tensor, counters: torch.Tensor, columns: torch.Tensor
 ) -> torch.Tensor:
-    """Uniforms in (0, 1), float32, shape [len(seeds), len(columns)].
+    """Uniforms in (0, 1), float32, shape [len(seeds), m].
 
-    seeds, counters: int64 [n] (one pair per row); columns: int64 [m].
+    seeds, counters: int64 [n] (one pair per row); columns: int64 [m] (the same columns for every row) or
+    [n, m] (each row's own).
     """
     row_keys = _mix64(_mix64(seeds.long()) + (counters.long() + 1) * as_int64(_GAMMA))
     column_steps = (columns.long() + 1) * as_int64(_GAMMA)
-    z = _mix_rounds(row_keys[:, None] + column_steps[None, :])
+    z = _mix_rounds(row_keys[:, None] + (column_steps if column_steps.dim() == 2 else column_steps[None, :]))
     # SplitMix64's last step, z ^ (z >> 31), leaves the top 31 bits unchanged,
     # so the top 23 can be read before it.
     top = _shift_right(z, 64 - _UNIFORM_BITS)

@@ -33,6 +33,10 @@ _TOP_P_CANDIDATES = (256, 4096)
 # page-fault on each allocation; chunks of about this many elements run 2-3x
 # faster there. A GPU takes all rows at once.
 _CPU_CHUNK_ELEMENTS = 2**20
+# ``draw`` races only the tokens that can win where the widest row's support is at most the vocabulary over this.
+# Measured on CPU, 21 rows of 49,152 columns (one chunk): 2.6 ms against 14 ms at 4 tokens, 3.0 against 9.0 at 256,
+# 9.4 against 10.4 at 2,048, 21 against 9.3 at 6,144 (the top-k that finds the columns grows with them).
+_SPARSE_DRAW_RATIO = 32
 LOGPROB_FLOOR = -9999.0
 
 
@@ -187,9 +191,18 @@ def draw(probs: torch.Tensor, seeds: torch.Tensor, generation_indices: torch.Ten
     """Exponential race: argmax_v probs[b, v] / E[b, v] with E = -log(u).
 
     u is a pure function of (seed, generation index, v), so a row draws the
-    same token whatever its batch neighbours or position.
+    same token whatever its batch neighbours or position. Where every row can
+    draw from only a few tokens (top_k, top_p, min_p), the race runs over those
+    columns alone, in vocabulary order: the same uniforms, the same winner, for
+    a fraction of the hashing.
     """
-    vocab_ids = torch.arange(probs.shape[1], device=probs.device)
+    vocab = probs.shape[1]
+    support = int((probs > 0).sum(-1).max()) if len(probs) else 0
+    if 0 < support and support * _SPARSE_DRAW_RATIO <= vocab:
+        columns = probs.topk(support).indices.sort(-1).values
+        exponentials = counter_uniforms(seeds, generation_indices, columns).log_().neg_()
+        return columns.gather(1, (probs.gather(1, columns) / exponentials).argmax(-1, keepdim=True)).squeeze(1)
+    vocab_ids = torch.arange(vocab, device=probs.device)
     exponentials = counter_uniforms(seeds, generation_indices, vocab_ids).log_().neg_()
     return (probs / exponentials).argmax(-1)
 

@@ -135,6 +135,22 @@ def test_draw_takes_given_uniform_coordinates():
     assert torch.equal(draw(probs, seeds, steps), expected)
 
 
+def test_a_draw_over_a_small_support_races_only_it_and_picks_what_the_whole_race_would():
+    """Rows of a few possible tokens each (top_k, top_p): the same token as the race over every column, ties
+    included (both take the lowest id), for any support narrow enough to take that path."""
+    gen = torch.Generator().manual_seed(5)
+    vocab, rows = 4096, 64
+    for support in (1, 3, 40, vocab // sampler_module._SPARSE_DRAW_RATIO):
+        logits = torch.randn(rows, vocab, generator=gen)
+        probs = processed_probs(logits, [row(temperature=1.0, top_k=1 + i % support) for i in range(rows)])
+        probs[0] = 0.0
+        probs[0, [7, 9]] = 0.5  # equal probabilities: only the uniforms decide
+        seeds, steps = torch.arange(rows) * 7919, torch.arange(rows) % 5
+        whole = (probs / -counter_uniforms(seeds, steps, torch.arange(vocab)).log()).argmax(-1)
+        assert torch.equal(draw(probs, seeds, steps), whole), support
+        assert bool((probs.gather(1, whole[:, None]) > 0).all())
+
+
 # ---- filters -------------------------------------------------------------------
 
 
