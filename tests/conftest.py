@@ -55,9 +55,6 @@ WAITS = {
     "test_tenants.py", "test_conversation_store.py", "test_stream_takeover.py", "test_sim_worker.py",
     # an idle cluster for many heartbeat timeouts; in this lane its module's cluster fixture starts one of its own
     "test_fault_scenarios.py::test_an_idle_cluster_then_a_burst",
-    # bfloat16 streams resumed after a SIGSTOP (heartbeat timeouts) and kills; between those waits it computes, in
-    # this lane's idle time rather than on the compute lane's critical path (alone about 75 s of wall time, 80 of CPU)
-    "test_deterministic_cluster.py",
 }
 COMPUTE_UNIT = {
     "test_embedder.py", "test_engine_embedded.py", "test_engine_resume.py", "test_fused_decode.py",
