@@ -34,8 +34,6 @@ BESIDE_E2E = {
     # mostly scripted or tiny-model workers, and a few short requests through a real cluster
     "test_curve_security.py", "test_frame_fuzz.py", "test_hot_cold_models.py", "test_kv_transfer_processes.py",
     "test_prometheus_scrape.py", "test_resumable_streams.py", "test_websocket_stream.py", "test_nonfinite_logits.py",
-    # the device check's CPU mode: each step in a process of its own, on the tiny shape
-    "test_device_check.py",
     # the embedded model, computing little while others run
     "test_role_switch.py", "test_embeddings.py", "test_sessions.py", "test_protocol_versions.py",
     "test_planner_cluster.py",
