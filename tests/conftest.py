@@ -18,9 +18,9 @@ from common.storage.model_store import resolve_model
 # lane runs the tests named in WAITS, which sleep through most of their time (an idle cluster's timers, KV pulls
 # held back on purpose, a hung step's watchdog): on 2 cores they cost the other lanes little, and a lane of their
 # own takes their waiting off the critical path. A new e2e module goes to the compute lane unless it is named
-# here; a new unit module to the beside lane. Measured (2026-11-30, 1,845 tests, `make test
-# PYTEST_ARGS=--durations=0` under `/usr/bin/time`): the compute lane's tests summed to 1,074 s, the beside lane's
-# to 992, the waits lane's to 396; the run took 1,093 s on 2,014 CPU-s (an earlier run of 1,809 tests on a less
+# here; a new unit module to the beside lane. Measured (2026-11-30, 1,850 tests, `make test
+# PYTEST_ARGS=--durations=0` under `/usr/bin/time`): the compute lane's tests summed to 1,037 s, the beside lane's
+# to 923, the waits lane's to 409; the run took 1,058 s on 1,927 CPU-s (an earlier run of 1,809 tests on a less
 # loaded machine: 968 s on 1,803), both cores busy nearly throughout, so a lane more would gain only the
 # sleeping. Tests that wait but also compute (rolling upgrade, failover, a cut link, fuzzing) made the run longer
 # beside the compute lane (their clusters contend for the cores): the waits lane holds only tests whose clusters
