@@ -192,12 +192,13 @@ def draw(probs: torch.Tensor, seeds: torch.Tensor, generation_indices: torch.Ten
 
     u is a pure function of (seed, generation index, v), so a row draws the
     same token whatever its batch neighbours or position. Where every row can
-    draw from only a few tokens (top_k, top_p, min_p), the race runs over those
-    columns alone, in vocabulary order: the same uniforms, the same winner, for
-    a fraction of the hashing.
+    draw from only a few tokens (top_k, top_p, min_p), on CPU the race runs
+    over those columns alone, in vocabulary order: the same uniforms, the same
+    winner, for a fraction of the hashing.
     """
     vocab = probs.shape[1]
-    support = int((probs > 0).sum(-1).max()) if len(probs) else 0
+    # on CPU, where it was measured; on a GPU the hashing is cheap and the support's count a sync
+    support = int((probs > 0).sum(-1).max()) if len(probs) and probs.device.type == "cpu" else 0
     if 0 < support and support * _SPARSE_DRAW_RATIO <= vocab:
         columns = probs.topk(support).indices.sort(-1).values
         exponentials = counter_uniforms(seeds, generation_indices, columns).log_().neg_()

@@ -86,7 +86,7 @@ class StepTimer:
     """Observes every step the engine runs and keeps the fit of each regime."""
 
     def __init__(self, small_max_rows: int, half_life: float = 500.0, min_samples: int = 20,
-                 refit_s: float = 0.5, min_prompt_samples: int | None = None) -> None:
+                 refit_s: float = 0.5) -> None:
         # a regime is reported once seen at two row counts: the kernel's steps of one row alone (a large model
         # keeps it for one) could never be, so they fit with the torch path's
         self.small_max_rows = small_max_rows if small_max_rows >= 2 else 0
@@ -94,8 +94,7 @@ class StepTimer:
         # the regime of steps with a prompt chunk: each such step is long against the noise a decode step sees (a
         # scheduler tick, a neighbour's burst) and costs as much as tens of decode steps, so fewer samples fit it
         # as well, and a calibration at load affords them
-        self.min_prompt_samples = min(min_samples, PROMPT_MIN_SAMPLES) if min_prompt_samples is None \
-            else min_prompt_samples
+        self.min_prompt_samples = min(min_samples, PROMPT_MIN_SAMPLES)
         self.refit_s = refit_s  # ``report`` refits at most this often
         decay = 0.5 ** (1.0 / half_life)
         self.small, self.large, self.mixed = _Fit(decay), _Fit(decay), _Fit(decay)

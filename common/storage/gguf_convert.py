@@ -2,7 +2,7 @@
 from its float32 conversion to another dtype as ``python -m common.storage.gguf_convert --cast F32_DIR OUT_DIR
 DTYPE``.
 
-A module of its own, run in a child process by ``model_store.convert_gguf_to_hf`` and ``cast_float32_dir``, so
+A module of its own, run in a child process by ``model_store.convert_gguf_to_hf`` and ``model_store._cast_from``, so
 that only this process loads torch and transformers.
 """
 from __future__ import annotations
@@ -39,7 +39,8 @@ def convert(gguf: Path, out_dir: Path, dtype: str, log: Callable[[str], None]) -
 
 def cast(source: Path, out_dir: Path, dtype: str, skip: set[str], log: Callable[[str], None]) -> None:
     """``source`` (the float32 conversion) with its weights cast to ``dtype``: the tensors ``convert`` writes for
-    ``dtype`` (transformers dequantizes to float32 and casts those; the tests compare the two), without parsing
+    ``dtype`` (gguf dequantizes to float32 and transformers casts that: for the embedded model every file is
+    byte for byte the same), without parsing
     the GGUF file's metadata again, which takes nearly all of a conversion's 20 s. Files named in ``skip`` (the
     caller's marker) are left out."""
     import torch
