@@ -306,10 +306,12 @@ class CpuConfig:
                                           "model's size), up to 32, and 8 with float32 weights; at most 8 with "
                                           "int8 or float32 weights or without AVX512-BF16; 0 keeps every step on "
                                           "the torch path", ge=-1, le=64)
-    prepack_weights: Bool = option(True, "CPU bfloat16: keep each linear weight a second time in oneDNN's "
-                                   "blocked layout for steps of several rows (F.linear reorders the plain weight "
-                                   "on every call); costs the linear weights' memory once more. With it, on "
-                                   "AVX512-BF16, the decode kernel's panel layout takes the plain copy's place")
+    prepack_weights: Bool = option(True, "CPU bfloat16: keep a linear weight a second time in oneDNN's blocked "
+                                   "layout for steps of several rows (F.linear reorders the plain weight on every "
+                                   "call), at the cost of its memory once more. Where the decode kernel runs on "
+                                   "AVX512-BF16 the decoder's linear weights and the LM head are held once, in "
+                                   "its panel layout, which every step reads (kernels/linear_panels.c), and none "
+                                   "is copied (a head whose vocabulary is not a multiple of 16 is)")
 
 
 @config_model("engine.cuda_graphs")

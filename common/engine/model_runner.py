@@ -187,25 +187,26 @@ class ModelRunner:
             log.info("int8 matmul: kernels/int8_gemm.c up to %s rows, torch._int_mm past them (timed in %.1fs)",
                      ", ".join(f"{rows} for {n}x{k}" for (n, k), rows in chosen.items()),
                      time.monotonic() - started)
-        if self.dtype is torch.bfloat16 and self.device.type == "cpu" and not config.deterministic:
+        bf16_cpu = self.dtype is torch.bfloat16 and self.device.type == "cpu" and not config.deterministic
+        if bf16_cpu:
             gemv_bf16_kernel()  # built now, not on the first batch-1 decode step (models/llama.py ``linear``)
-            if config.cpu.prepack_weights and (added := self.model.prepack_weights()):  # int8 weights: none packed
-                log.info("linear weights prepacked for oneDNN (+%.1f MiB; engine.cpu.prepack_weights)", added / 2**20)
         # The one-call kernel has no all-reduce between its layers, and keeps float32 activations between them
         # where the layer-by-layer path rounds (engine.deterministic needs both paths' rows to agree).
-        if (self.device.type == "cpu" and self.attention.name == "cpu_paged" and config.cpu.decode_kernel_max_batch
-                and self.tp.size == 1):
+        left = config.cpu.decode_kernel_max_batch < 0
+        if self._fused_decode_kernel():
             # -1 with float32 weights keeps the kernel's fixed limit: it is well ahead there (1.4x at 8 rows,
             # 135M), and the exactness tests compare float32 outputs across processes, which timing could split
-            left = config.cpu.decode_kernel_max_batch < 0
             self.model.fused_decode = FusedDecode(self.model, DECODE_ROW_RUNGS[-1] if left
                                                   else config.cpu.decode_kernel_max_batch)
-            # only bfloat16 weights with oneDNN's copy take panels: not int8, float32 or engine.deterministic
-            if self.model.fused_decode.available and self.model.pack_panels():
-                log.info("decode kernel: linear weights in its panel layout (kernels/panels_bf16.h), in place of "
-                         "the plain copy")
-            if left and (self.dtype is torch.bfloat16 or config.quantization == "int8"):
-                self._choose_decode_rows()
+            # only bfloat16 weights take panels: not int8, float32 or engine.deterministic
+            if self.model.fused_decode.available and bf16_cpu and self.model.pack_panels():
+                log.info("linear weights in the panel layout (kernels/panels_bf16.h), their only copy: the decode "
+                         "kernel and kernels/linear_panels.c read them")
+        if bf16_cpu and config.cpu.prepack_weights and (added := self.model.prepack_weights()):  # int8: none
+            log.info("linear weights prepacked for oneDNN (+%.1f MiB; engine.cpu.prepack_weights)", added / 2**20)
+        if self.model.fused_decode is not None and left and (self.dtype is torch.bfloat16
+                                                              or config.quantization == "int8"):
+            self._choose_decode_rows()
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None  # decode steps replayed as CUDA graphs (``_capture_graphs``)
         if self.device.type == "cuda" and rank == 0:
@@ -227,11 +228,11 @@ class ModelRunner:
         a decode step's forward timed through the kernel and through the torch path now, on pages nothing owns
         yet, at rung counts of ``DECODE_ROW_RUNGS`` up to the kernel's limit (``largest_rung``). The kernel
         reads each weight once for all its rows, so it wins while a step is bound by reading the weights; past
-        some rows a step is bound by its products, where oneDNN's blocked matmuls can win (bfloat16, Zen 4: with
-        the weights in panels, kernels/panels_bf16.h, the kernel ahead up to 32 rows at 135M and at the 1B
-        shape; in rows, up to 2 at 1B; int8 widens every weight per row, against W8A8: 4 rows at 135M, 1 at 1B;
-        ``bench.decode_kernel --model 1b``). Either way is exact to its own numerics; only which one a step of
-        some rows takes changes."""
+        some rows a step is bound by its products, where the torch path's layer-by-layer matmuls can win
+        (bfloat16, Zen 4, against oneDNN's: with the weights in panels, kernels/panels_bf16.h, the kernel ahead up
+        to 32 rows at 135M and at the 1B shape; in rows, up to 2 at 1B; int8 widens every weight per row, against
+        W8A8: 4 rows at 135M, 1 at 1B; ``bench.decode_kernel --model 1b``). Either way is exact to its own
+        numerics; only which one a step of some rows takes changes."""
         fused, bs = self.model.fused_decode, self.config.block_size
         rungs = [rows for rows in DECODE_ROW_RUNGS if rows <= min(fused.max_rows, self.num_blocks)]
         if not fused.available or not rungs:
@@ -305,10 +306,17 @@ class ModelRunner:
                              f"{self.device} for a KV pool (kv_cache_memory_fraction)")
         return int(left * fraction)
 
+    def _fused_decode_kernel(self) -> bool:
+        """Whether this runner gets the one-call decode kernel (``FusedDecode``): the CPU, its paged attention,
+        ``decode_kernel_max_batch`` not 0, one rank."""
+        return (self.device.type == "cpu" and self.attention.name == "cpu_paged"
+                and self.config.cpu.decode_kernel_max_batch != 0 and self.tp.size == 1)
+
     def _serving_weight_bytes(self) -> int:
         """The weights' bytes once the load has quantized or prepacked them (the pool is sized before either):
         int8 holds a linear weight (and the embedding) in a byte per value plus a float32 scale per row; the
-        oneDNN prepack keeps a second copy of every bfloat16 linear weight and of a tied LM head."""
+        oneDNN prepack keeps a second copy of every bfloat16 linear weight, and of a tied LM head, not in panels
+        (``pack_panels``, where the decode kernel is built: the only copy of the layers it takes)."""
         linears = [m.weight for m in self.model.modules() if isinstance(m, torch.nn.Linear)]
         embedding = self.model.embed_tokens.weight
         if self.config.quantization == "int8":
@@ -316,8 +324,11 @@ class ModelRunner:
             return self.weight_bytes - shrunk
         if (self.dtype is torch.bfloat16 and self.device.type == "cpu" and self.config.cpu.prepack_weights
                 and not self.config.deterministic and torch.backends.mkldnn.is_available()):
-            heads = [embedding] if self.model.tie_word_embeddings else []
-            return self.weight_bytes + sum(w.nbytes for w in [*linears, *heads])
+            panels = set(self.model.panel_layers()) if self._fused_decode_kernel() and self.model.panels_fit() else ()
+            copied = [m for m in self.model.modules() if isinstance(m, torch.nn.Linear) and m not in panels]
+            if self.model.tie_word_embeddings and self.model.embed_tokens not in panels:
+                copied.append(self.model.embed_tokens)
+            return self.weight_bytes + sum(m.weight.nbytes for m in copied)
         return self.weight_bytes
 
     @property

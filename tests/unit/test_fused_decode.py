@@ -9,7 +9,7 @@ import torch
 from common.config.base import ConfigError, CpuConfig, EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.engine.model_runner import DECODE_ROW_RUNGS, ModelRunner, largest_rung
-from common.engine.models.llama import decode_forward_kernel, decode_forward_takes_panels
+from common.engine.models.llama import LlamaForCausalLM, decode_forward_kernel, decode_forward_takes_panels
 from common.engine.native import cpu_has
 from common.engine.quantization import (INT8_WEIGHT_ONLY_ROWS, input_absmax, linear_int8, mlp_int8, quant_kernels,
                                          quantize_rows, smooth_for_int8)
@@ -73,11 +73,13 @@ def test_float32_decode_kernel_equals_the_torch_path(tiny_dir, rows):
 
 
 # one x row at a time; four at a time; and attention an item per row (8 rows of 420-469 tokens); the weights in
-# panels (with the oneDNN copy, on AVX512-BF16) and in rows (without)
-@pytest.mark.parametrize("prepack", [True, False], ids=["panels", "rows"])
+# panels (on AVX512-BF16) and in rows (where the panels do not fit a layer)
+@pytest.mark.parametrize("panels", [True, False], ids=["panels", "rows"])
 @pytest.mark.parametrize("rows,first", [(1, 9), (5, 9), (20, 9), (8, 420)])
-def test_bfloat16_decode_kernel_stays_within_bf16_rounding(tiny_dir, rows, first, prepack):
-    runner = runner_for(tiny_dir, dtype="bfloat16", num_kv_blocks=300, prepack_weights=prepack)
+def test_bfloat16_decode_kernel_stays_within_bf16_rounding(tiny_dir, rows, first, panels, monkeypatch):
+    if not panels:
+        monkeypatch.setattr(LlamaForCausalLM, "panels_fit", lambda model: False)
+    runner = runner_for(tiny_dir, dtype="bfloat16", num_kv_blocks=300)
     if rows > runner.model.fused_decode.max_rows:
         pytest.skip("without AVX512-BF16 the kernel takes at most 8 rows of bf16 weights")
     fused, reference = logits_both_ways(runner, decoding_batch(runner, rows, seed=10 + rows, first=first))
@@ -284,19 +286,21 @@ def panel_runner(tiny_dir, **options) -> ModelRunner:
     if not decode_forward_takes_panels():
         pytest.skip("the panel layout is for CPUs (and compilers) with AVX512-BF16")
     runner = runner_for(tiny_dir, dtype="bfloat16", **options)
-    if runner.model.layers[0].mlp.gate_up_proj.packed is None:
-        pytest.skip("this torch has no oneDNN to prepack for: the plain weights stay, in rows")
+    if runner.model.layers[0].mlp.gate_up_proj.panels is None:
+        pytest.skip("kernels/linear_panels.c was not built for AVX512-BF16: the plain weights stay, in rows")
     return runner
 
 
-def test_the_decode_kernels_panels_take_the_plain_weights_place(tiny_dir):
+def test_the_panels_are_the_decoder_linears_only_copy(tiny_dir):
     runner = panel_runner(tiny_dir)
-    plain = runner_for(tiny_dir, dtype="bfloat16", prepack_weights=False)  # no oneDNN copy: the plain one stays
+    # without the decode kernel no panels: the plain weights stay, with oneDNN's copy beside them
+    plain = runner_for(tiny_dir, dtype="bfloat16", decode_kernel_max_batch=0)
     held = plain_bytes = 0
     for i, layer in enumerate(runner.model.layers):
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
             module, weight = layer.get_submodule(name), plain.model.layers[i].get_submodule(name).weight
             assert plain.model.layers[i].get_submodule(name).panels is None
+            assert module.packed is None  # no oneDNN copy of a layer in panels
             n, k = weight.shape
             assert module.weight.shape == (n, k) and module.weight.stride() == (0, 0)  # one value, broadcast
             assert module.panels.shape == (n // 16, k // 2, 16, 2)
@@ -305,6 +309,22 @@ def test_the_decode_kernels_panels_take_the_plain_weights_place(tiny_dir):
             held += module.weight.untyped_storage().nbytes() + module.panels.nbytes
             plain_bytes += weight.nbytes
     assert held == plain_bytes + 2 * 4 * len(runner.model.layers)  # the panels in the plain copy's place
+
+
+def test_a_head_in_panels_gives_the_embeddings_and_the_logits_of_the_plain_one(tiny_dir):
+    runner = panel_runner(tiny_dir)
+    plain = runner_for(tiny_dir, dtype="bfloat16", decode_kernel_max_batch=0, prepack_weights=False)
+    model, reference = runner.model, plain.model
+    head = model.head()
+    if head not in model.panel_layers():
+        pytest.skip("the tiny model's vocabulary is not a multiple of 16: its head keeps the plain layout")
+    assert head.panels is not None and head.weight.stride() == (0, 0) and getattr(head, "packed", None) is None
+    ids = torch.tensor([0, 1, 15, 16, 17, head.weight.shape[0] - 1])
+    if model.tie_word_embeddings:
+        assert torch.equal(model.embed(ids), reference.embed(ids))  # gathered from the panels, bit for bit
+    hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    logits, expected = model.compute_logits(hidden).float(), reference.compute_logits(hidden).float()
+    assert (logits - expected).abs().max().item() <= 0.02 * expected.abs().max().item()
 
 
 def test_a_rows_outputs_through_the_panels_do_not_depend_on_the_other_rows(tiny_dir):

@@ -18,8 +18,9 @@
  *
  * Measured on Zen 4, 2 threads, the 1B shape: the 16 layers' linears alone, from memory, 16 rows 39 ms against
  * the row layout's 53 and 32 rows 60 against 84 (a scratch harness, in alternating rounds); in L2, 900+ GFLOP/s
- * from 12 rows, near the machine's vdpbf16ps peak of about 990. The whole decode forward against the torch path
- * (oneDNN's prepacked matmuls): bench.decode_kernel --model 1b, docs/benchmarks.md.
+ * from 12 rows, near the machine's vdpbf16ps peak of about 990. The whole decode forward against the torch path:
+ * bench.decode_kernel --model 1b; the layout's GEMM for any rows (linear_panels.c) against oneDNN's:
+ * bench.panel_gemm; docs/benchmarks.md.
  */
 #ifndef TESSERA_PANELS_BF16_H
 #define TESSERA_PANELS_BF16_H
@@ -84,14 +85,31 @@ static void panel_tile_any(int mr, int nz, const uint16_t *xb, int64_t ldx, cons
     }
 }
 
+/* y16[0..nz*16) = bf16 of a[0..nz*16) (+ bias from column j0, float32 or bf16), nearest even, 16 at a time */
+static inline void panels_store_bf16(const float *a, int nz, const void *bias, int bias_bf16, int64_t j0,
+                                     uint16_t *y16)
+{
+    for (int z = 0; z < nz; z++) {
+        __m512 v = _mm512_loadu_ps(a + z * PANEL_COLS);
+        const int64_t j = j0 + (int64_t)z * PANEL_COLS;
+        if (bias != NULL && bias_bf16) {
+            const __m256i b16 = _mm256_loadu_si256((const __m256i *)((const uint16_t *)bias + j));
+            v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b16), 16)));
+        } else if (bias != NULL) {
+            v = _mm512_add_ps(v, _mm512_loadu_ps((const float *)bias + j));
+        }
+        _mm256_storeu_si256((__m256i *)(y16 + z * PANEL_COLS), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
 /*
  * y[r][j] (+)= x[r] . w[j] (+ bias[j], float32 or bf16) for m (<= max_rows) bf16 rows xb [m][k] against panels
- * (n / 16 of them),
- * inside a parallel region: each thread takes a contiguous run of panels, and all meet at a barrier at the end
- * (as an omp for would). acc: this thread's scratch, max_rows * PANEL_GROUP * 16 floats.
+ * (n / 16 of them), or, where y16 is given, y16[r][j] = the same in bfloat16 (nearest even; y and accumulate
+ * unused), inside a parallel region: each thread takes a contiguous run of panels, and all meet at a barrier at
+ * the end (as an omp for would). acc: this thread's scratch, max_rows * PANEL_GROUP * 16 floats.
  */
 static void panels_linear(const uint16_t *xb, int m, int k, const uint16_t *panels, int n, const void *bias,
-                          int bias_bf16, float *y, int accumulate, float *acc)
+                          int bias_bf16, float *y, uint16_t *y16, int accumulate, float *acc)
 {
     const int np = n / PANEL_COLS, t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int begin = (int)((int64_t)np * t / nt), end = (int)((int64_t)np * (t + 1) / nt);
@@ -106,6 +124,12 @@ static void panels_linear(const uint16_t *xb, int m, int k, const uint16_t *pane
                 panel_tile_any(mr, nz, xb + (int64_t)r0 * k, k, p, panel_stride, k0 / 2, k1 / 2,
                                acc + (int64_t)r0 * PANEL_GROUP * PANEL_COLS, k0 == 0);
             }
+        }
+        if (y16 != NULL) {
+            for (int r = 0; r < m; r++)
+                panels_store_bf16(acc + (int64_t)r * PANEL_GROUP * PANEL_COLS, nz, bias, bias_bf16,
+                                  (int64_t)p0 * PANEL_COLS, y16 + (int64_t)r * n + (int64_t)p0 * PANEL_COLS);
+            continue;
         }
         for (int r = 0; r < m; r++) {
             const float *a = acc + (int64_t)r * PANEL_GROUP * PANEL_COLS;

@@ -25,7 +25,7 @@ from torch import nn
 
 from common.engine.attention import get_step_context
 from common.engine.models.rope import RotaryEmbedding, rotate
-from common.engine.native import cpu_has, gemm_invariant_kernel, gemv_bf16_kernel, kernel_function
+from common.engine.native import cpu_has, gemm_invariant_kernel, gemv_bf16_kernel, kernel_function, linear_panels_kernel
 from common.engine.quantization import INT8_WEIGHT_ONLY_ROWS, SMALL_BATCH_ROWS, linear_int8, mlp_int8
 from common.engine.tensor_parallel import Parallel
 
@@ -147,12 +147,13 @@ def _linear_wide(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            scale: torch.Tensor | None = None, packed: torch.Tensor | None = None,
-           invariant: bool = False) -> torch.Tensor:
+           invariant: bool = False, panels: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, except that int8 weights (with their per-row ``scale``) take the int8 paths
-    (common/engine/quantization.py), one bfloat16 row on the CPU (a batch-1 decode step) takes the GEMV
-    kernel, which streams the weights at memory speed where torch's bf16 matmul does not, and several rows
-    take ``packed``, the weight in oneDNN's blocked layout (``prepack``), where there is one
-    (docs/benchmarks.md).
+    (common/engine/quantization.py), a bfloat16 weight in the panel layout (``panels``, where it is the weight's
+    only copy: ``weight`` is then a placeholder) takes kernels/linear_panels.c for any rows, one bfloat16 row on
+    the CPU (a batch-1 decode step) takes the GEMV kernel, which streams the weights at memory speed where
+    torch's bf16 matmul does not, and several rows take ``packed``, the weight in oneDNN's blocked layout
+    (``prepack``), where there is one (docs/benchmarks.md).
 
     ``invariant`` (engine.deterministic): each output row is the same function of its input row whatever else
     is in ``x``: int8 always W8A8 (exact int32 sums, per-row scales), bfloat16 and float32 through
@@ -161,6 +162,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return linear_int8(x, weight, scale, bias, 0 if invariant else INT8_WEIGHT_ONLY_ROWS)
     if invariant:
         return linear_invariant(x, weight, bias)
+    if panels is not None:
+        return _linear_panels(x, panels, weight.shape[0], bias)
     if _wide[0]:
         return _linear_wide(x, weight, bias).to(x.dtype)
     if (x.dtype is torch.bfloat16 and x.shape[0] == 1 and x.dim() == 2 and x.device.type == "cpu"
@@ -176,6 +179,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if packed is not None and x.dtype is torch.bfloat16:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def _linear_panels(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x`` (bfloat16 rows on the CPU) through kernels/linear_panels.c against a weight of ``n`` outputs in
+    panels; ``LlamaForCausalLM.pack_panels`` gives panels only where the kernel runs and to bfloat16 layers."""
+    kernel = linear_panels_kernel()
+    x2 = x.reshape(-1, x.shape[-1])
+    if kernel is None or x.dtype is not torch.bfloat16 or x.device.type != "cpu" or (
+            bias is not None and bias.dtype is not torch.bfloat16):
+        raise RuntimeError(f"a weight in panels takes bfloat16 rows on the CPU through kernels/linear_panels.c "
+                           f"(rows {x.dtype} on {x.device}, bias {None if bias is None else bias.dtype})")
+    out = torch.empty((x2.shape[0], n), dtype=torch.bfloat16)
+    if x2.shape[0]:
+        x2 = x2.contiguous()
+        if kernel(x2.data_ptr(), panels.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
+                  out.data_ptr(), x2.shape[0], n, x2.shape[1]) != 0:
+            raise RuntimeError(f"kernels/linear_panels.c refused {tuple(x2.shape)} x {n} outputs")
+    return out.reshape(*x.shape[:-1], n)
 
 
 def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -226,8 +247,9 @@ def panels_fit(weight: torch.Tensor) -> bool:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose calls take ``linear``'s paths: the GEMV kernel for one bfloat16 row, the
-    prepacked weight (``packed``, set by ``LlamaForCausalLM.prepack_weights``) for several.
+    """``nn.Linear`` whose calls take ``linear``'s paths: the panel GEMM where the weight is in panels (``panels``,
+    set by ``LlamaForCausalLM.pack_panels``), else the GEMV kernel for one bfloat16 row and the prepacked weight
+    (``packed``, set by ``LlamaForCausalLM.prepack_weights``) for several.
 
     A row-parallel layer at tensor parallelism (``row_parallel``, its rank group) returns the sum over the ranks,
     its bias (every rank holds it) added once; int8 weights sum their exact int32 products over the ranks
@@ -241,7 +263,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp, scale = self.row_parallel, getattr(self, "weight_scale", None)
         if tp is None:
-            return linear(x, self.weight, self.bias, scale, self.packed, self.invariant)
+            return linear(x, self.weight, self.bias, scale, self.packed, self.invariant, self.panels)
         if self.weight.dtype is torch.int8:
             return linear_int8(x, self.weight, scale, self.bias, 0 if self.invariant else INT8_WEIGHT_ONLY_ROWS, tp)
         if _wide[0] and not self.invariant:
@@ -420,6 +442,9 @@ class LlamaForCausalLM(nn.Module):
         """The token embeddings: at tensor parallelism each rank looks up the ids in its rows, zeros the others,
         and the all-reduce sums the one row that holds each."""
         if self.tp.size == 1:
+            panels = getattr(self.embed_tokens, "panels", None)
+            if panels is not None:  # a tied head in panels (``pack_panels``): row v is column v % 16 of panel v // 16
+                return panels[input_ids // PANEL_COLS, :, input_ids % PANEL_COLS, :].reshape(*input_ids.shape, -1)
             return self.embed_tokens(input_ids)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.embed_tokens.weight.shape[0])
@@ -446,9 +471,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The logits of ``hidden``'s rows; at tensor parallelism rank 0 gathers every rank's slice of the
         vocabulary and the other ranks get None."""
-        head = self.embed_tokens if self.tie_word_embeddings else self.lm_head
+        head = self.head()
         logits = linear(hidden, head.weight, None, getattr(head, "weight_scale", None), getattr(head, "packed", None),
-                        self.deterministic)
+                        self.deterministic, getattr(head, "panels", None))
         return self.tp.gather_vocab(logits, self.config.vocab_size)
 
     def make_deterministic(self) -> None:
@@ -461,31 +486,50 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.invariant, module.packed = True, None
 
-    def pack_panels(self) -> bool:
-        """Moves each decoder layer's linear weights into the decode kernel's panel layout (``panels_of``), where
-        every one of them has its oneDNN copy (``prepack_weights``) and fits the layout: the one-call kernel then
-        reads the panels (kernels/panels_bf16.h) and every other path the oneDNN copy, so the plain weight is
-        freed and the memory stays that of two copies. ``weight`` keeps its shape and dtype as a broadcast
-        of one value, which no path reads (``linear`` takes the oneDNN copy for any number of rows: the GEMV
-        kernel wants a contiguous weight). False, and nothing changed, where some layer does not fit or the
-        kernel was built without AVX512-BF16."""
+    def head(self) -> nn.Module:
+        """The LM head's module: the embedding where the two are tied."""
+        return self.embed_tokens if self.tie_word_embeddings else self.lm_head
+
+    def panel_layers(self) -> list[nn.Module]:
+        """The layers ``pack_panels`` moves into panels: the decoder's linears, and the LM head where its shape
+        fits the layout (a tied head's embedding lookups then read the panels too)."""
+        layers = [layer.get_submodule(name) for layer in self.layers for name in _LINEARS]
+        head = self.head()
+        return layers + ([head] if head.weight.dtype is torch.bfloat16 and panels_fit(head.weight) else [])
+
+    def panels_fit(self) -> bool:
+        """Whether ``pack_panels`` would move the decoder's linear weights into panels: every one bfloat16 on the
+        CPU and of a shape the layout takes, and the kernels built for AVX512-BF16."""
         modules = [layer.get_submodule(name) for layer in self.layers for name in _LINEARS]
-        if (not modules or not decode_forward_takes_panels()
-                or not all(m.packed is not None and panels_fit(m.weight) for m in modules)):
+        return (bool(modules) and decode_forward_takes_panels() and linear_panels_kernel() is not None
+                and all(panels_fit(m.weight) and m.weight.device.type == "cpu" for m in modules))
+
+    def pack_panels(self) -> bool:
+        """Moves each decoder layer's linear weights, and the LM head's where they fit, into the panel layout
+        (``panels_of``, ``panel_layers``), the only copy they keep: the one-call decode kernel reads the layers'
+        there (kernels/panels_bf16.h), every other step and the head through kernels/linear_panels.c
+        (``linear``), a tied head's embedding lookups by gathering from them (``embed``), so none of them needs
+        a oneDNN copy (``prepack_weights`` leaves them out, and one already made is dropped). ``weight`` keeps
+        its shape and dtype as a broadcast of one value, which no path reads. False, and nothing changed, where
+        ``panels_fit`` is not so."""
+        if not self.panels_fit():
             return False
-        for module in modules:
+        for module in self.panel_layers():
             module.panels = panels_of(module.weight)
+            module.packed = None
             placeholder = torch.zeros(1, dtype=module.weight.dtype).expand(module.weight.shape)
             module.weight = nn.Parameter(placeholder, requires_grad=False)
         return True
 
     def prepack_weights(self) -> int:
-        """Gives every bfloat16 linear layer, and a tied LM head, its oneDNN-blocked copy (``packed``, from
-        ``prepack``); the plain weights stay for the one-row kernels (until ``pack_panels`` puts the decode
-        kernel's panels in their place). Returns the bytes added."""
+        """Gives every bfloat16 linear layer, and a tied LM head, not in panels (``pack_panels``: with them, none
+        but a head whose shape the panels do not fit) its oneDNN-blocked copy (``packed``, from ``prepack``); the
+        plain weights stay for the one-row kernels. Returns the bytes added."""
         heads = [self.embed_tokens] if self.tie_word_embeddings else []
         added = 0
         for module in [m for m in self.modules() if isinstance(m, Linear)] + heads:
+            if getattr(module, "panels", None) is not None:
+                continue
             module.packed = prepack(module.weight)
             added += module.weight.nbytes if module.packed is not None else 0
         return added

@@ -1,0 +1,69 @@
+"""kernels/linear_panels.c: bfloat16 rows against a weight in the panel layout, any number of rows, as
+``models/llama.py``'s ``linear`` runs the layers whose only copy is in panels."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.engine.models.llama import linear, panels_of
+from common.engine.native import linear_panels_kernel
+
+pytestmark = pytest.mark.skipif(linear_panels_kernel() is None,
+                                reason="kernels/linear_panels.c needs a C compiler and AVX512-BF16")
+
+
+def weights(n: int, k: int, seed: int, bias: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(torch.bfloat16)
+    b = (torch.randn(n, generator=gen) * 0.1).to(torch.bfloat16) if bias else None
+    return w, b
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 40, 513, 1100])
+@pytest.mark.parametrize("n,k,bias", [(48, 64, False), (80, 200, True), (1024, 96, False)])
+def test_the_panels_give_the_linear_layer_within_one_bf16_rounding(rows, n, k, bias):
+    w, b = weights(n, k, seed=rows + n, bias=bias)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    placeholder = torch.zeros(1, dtype=torch.bfloat16).expand(n, k)  # what a layer in panels keeps as its weight
+    out = linear(x, placeholder, b, panels=panels_of(w))
+    assert out.dtype is torch.bfloat16 and out.shape == (rows, n)
+    exact = x.double() @ w.double().T + (0 if b is None else b.double())
+    # float32 sums in another order than the exact one, then one rounding to bf16
+    assert ((out.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3).all()
+
+
+def test_a_rows_outputs_do_not_depend_on_the_other_rows_or_their_number():
+    w, _ = weights(96, 128, seed=1)
+    panels = panels_of(w)
+    placeholder = torch.zeros(1, dtype=torch.bfloat16).expand(96, 128)
+    x = torch.randn(1030, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    full = linear(x, placeholder, panels=panels)
+    for rows in (1, 7, 512, 513):  # within one tile, one chunk of rows, and across chunks
+        assert torch.equal(linear(x[-rows:], placeholder, panels=panels), full[-rows:])
+
+
+def test_leading_dimensions_and_no_rows_keep_their_shape():
+    w, _ = weights(32, 16, seed=3)
+    placeholder = torch.zeros(1, dtype=torch.bfloat16).expand(32, 16)
+    x = torch.randn(2, 3, 16).to(torch.bfloat16)
+    out = linear(x, placeholder, panels=panels_of(w))
+    assert out.shape == (2, 3, 32) and torch.equal(out.reshape(6, 32), linear(x.reshape(6, 16), placeholder,
+                                                                              panels=panels_of(w)))
+    assert linear(torch.empty(0, 16, dtype=torch.bfloat16), placeholder, panels=panels_of(w)).shape == (0, 32)
+
+
+def test_the_kernel_refuses_a_shape_outside_the_layout():
+    kernel = linear_panels_kernel()
+    x, y = torch.zeros(2, 16, dtype=torch.bfloat16), torch.zeros(2, 24, dtype=torch.bfloat16)
+    panels = torch.zeros(24 * 16, dtype=torch.bfloat16)
+    assert kernel(x.data_ptr(), panels.data_ptr(), None, y.data_ptr(), 2, 24, 16) == -1  # 24 outputs: not 16s
+    assert kernel(x.data_ptr(), panels.data_ptr(), None, y.data_ptr(), 0, 16, 16) == -1
+
+
+def test_the_benchmark_writes_a_row_per_row_count(capsys):
+    from bench.panel_gemm import main
+
+    assert main(["--model", "embedded", "--layers", "1", "--rows", "1", "7", "--repeat", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [line.split(" | ")[0] for line in rows] == ["| 1", "| 7"]
+    assert all(float(line.split(" | ")[5].rstrip(" |")) <= 2.0 for line in rows)  # sums in other orders, rounded
