@@ -195,7 +195,8 @@ static void linear_rows(const float *x, const uint16_t *xb, int m, int k, const 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     if (wtype == W_BF16_PANELS) {
         float acc[MAX_ROWS * PANEL_GROUP * PANEL_COLS]; /* this thread's sums of a tile's panels */
-        panels_linear(xb, m, k, (const uint16_t *)w, n, bias, act_bf16, y, NULL, accumulate, acc);
+        panels_linear(xb, m, k, (const uint16_t *)w, n, bias, act_bf16, y, NULL, accumulate, acc,
+                      PANEL_KBLOCK);
         return;
     }
 #endif

@@ -5,9 +5,11 @@
  * oneDNN's blocked layout.
  *
  * The rows go through ROW_CHUNK at a time: within a chunk each thread takes a run of panels, and for each group
- * of PANEL_GROUP panels and each k-block every tile of rows reads the block from L1 (panels_linear). A chunk's
- * rows of one k-block (ROW_CHUNK x 512 bytes) and its sums (ROW_CHUNK x PANEL_GROUP x 16 floats) stay in L2;
- * each chunk reads the weights once more.
+ * of PANEL_GROUP panels and each k-block every tile of rows reads the block (panels_linear): PANEL_KBLOCK inputs
+ * for a step of a few rows, bound by reading the weights, as the decode kernel takes them; PANEL_WIDE_KBLOCK from
+ * PANEL_WIDE_ROWS rows, bound by the products, where fewer round trips of the tiles' sums count more than the
+ * block's staying in L1. A chunk's sums (ROW_CHUNK x PANEL_GROUP x 16 floats) stay in L2; each chunk reads the
+ * weights once more.
  *
  * Float32 sums, one order per output whatever the rows or threads (panels_bf16.h); each result rounded to
  * bfloat16, nearest even, as torch's bf16 linear rounds its own.
@@ -53,7 +55,8 @@ int tessera_linear_panels(const uint16_t *x, const uint16_t *panels, const uint1
         if (!any)
             for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
                 const int mr = (int)(m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK);
-                panels_linear(x + r0 * k, mr, (int)k, panels, (int)n, bias, 1, NULL, y + r0 * n, 0, acc);
+                panels_linear(x + r0 * k, mr, (int)k, panels, (int)n, bias, 1, NULL, y + r0 * n, 0, acc,
+                              m >= PANEL_WIDE_ROWS ? PANEL_WIDE_KBLOCK : PANEL_KBLOCK);
             }
         free(acc);
     }
