@@ -30,6 +30,24 @@ def shapes(model_dir) -> list[tuple[str, int, int]]:
             ("gate/up", 2 * inter, hidden), ("down", hidden, inter), ("LM head", cfg["vocab_size"], hidden)]
 
 
+def add_shape_arguments(parser: argparse.ArgumentParser, rows: list[int], repeat: int) -> None:
+    """The flags of a benchmark over a model's linear shapes: its model, the rows, threads and rounds."""
+    parser.add_argument("--model", default="1b", help="embedded, a random-weight shape (1b, 3b, ...) or a model "
+                        "directory (bench/peers/compare.py's --model; only its config is read)")
+    parser.add_argument("--rows", type=int, nargs="+", default=rows)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=repeat, help="rounds per way (the best is kept)")
+
+
+def shape_model(args: argparse.Namespace):
+    """``args.model`` (``add_shape_arguments``), made or prepared in the cache, with torch on ``args.threads``
+    threads: (the served model, its directory)."""
+    from bench.peers.compare import served_model
+    torch.set_num_threads(args.threads)
+    model = served_model(args.model, "bfloat16")
+    return model, model.prepare("bfloat16")
+
+
 def best_ms(fn, repeat: int) -> float:
     best = float("inf")
     for _ in range(repeat):
@@ -41,19 +59,12 @@ def best_ms(fn, repeat: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="1b", help="embedded, a random-weight shape (1b, 3b, ...) or a model "
-                        "directory (bench/peers/compare.py's --model; only its config is read)")
-    parser.add_argument("--rows", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64, 128, 256])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=5, help="rounds per way (the best is kept)")
+    add_shape_arguments(parser, [2, 4, 8, 16, 32, 64, 128, 256], 5)
     args = parser.parse_args(argv)
-    from bench.peers.compare import served_model
-    torch.set_num_threads(args.threads)
     kernel = int8_gemm_kernel()
     if kernel is None:
         raise SystemExit("no C compiler: kernels/int8_gemm.c cannot be built")
-    model = served_model(args.model, "bfloat16")
-    model_dir = model.prepare("bfloat16")
+    model, model_dir = shape_model(args)
     print(f"{model.name}'s shapes, {args.threads} threads; ms per call (best of {args.repeat}, alternating)\n")
     print("| layer (n x k) | rows | int8_gemm.c | torch._int_mm | speed-up |")
     print("|---|---|---|---|---|")

@@ -13,33 +13,25 @@ largest difference, in units of the output's bf16 spacing, is printed per row co
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
 
-from bench.int8_gemm import shapes
+from bench.int8_gemm import add_shape_arguments, shape_model, shapes
 from common.engine.models.llama import panels_of, prepack
 from common.engine.native import linear_panels_kernel
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="1b", help="embedded, a random-weight shape (1b, 3b, ...) or a model "
-                        "directory (bench/peers/compare.py's --model; only its config is read)")
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256, 512, 2048])
+    add_shape_arguments(parser, [1, 8, 32, 64, 128, 256, 512, 2048], 3)
     parser.add_argument("--layers", type=int, default=0, help="decoder layers (0: the model's)")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=3, help="rounds per way (the best is kept)")
     args = parser.parse_args(argv)
-    import json
-
-    from bench.peers.compare import served_model
-    torch.set_num_threads(args.threads)
     kernel = linear_panels_kernel()
     if kernel is None:
         raise SystemExit("kernels/linear_panels.c needs a C compiler and AVX512-BF16")
-    model = served_model(args.model, "bfloat16")
-    model_dir = model.prepare("bfloat16")
+    model, model_dir = shape_model(args)
     layers = args.layers or json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
     linears = [(name, n, k) for name, n, k in shapes(model_dir) if name != "LM head"]
     gen = torch.Generator().manual_seed(0)

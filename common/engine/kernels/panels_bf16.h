@@ -42,6 +42,7 @@
  * in bench.panel_gemm, Zen 4: 0.94-0.98x oneDNN's speed from 256 rows at 256, 1.00-1.05x at 4,096) */
 #define PANEL_WIDE_KBLOCK 4096
 #define PANEL_WIDE_ROWS 48
+#define PANEL_DECODE_WIDE_ROWS 65
 #ifndef PANEL_PREFETCH
 #define PANEL_PREFETCH 8192 /* bytes ahead in a panel's stream: the same inputs of the next k-block */
 #endif
