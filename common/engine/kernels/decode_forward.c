@@ -196,7 +196,7 @@ static void linear_rows(const float *x, const uint16_t *xb, int m, int k, const 
     if (wtype == W_BF16_PANELS) {
         float acc[MAX_ROWS * PANEL_GROUP * PANEL_COLS]; /* this thread's sums of a tile's panels */
         panels_linear(xb, m, k, (const uint16_t *)w, n, bias, act_bf16, y, NULL, accumulate, acc,
-                      m >= PANEL_DECODE_WIDE_ROWS ? PANEL_WIDE_KBLOCK : PANEL_KBLOCK);
+                      PANEL_KBLOCK);
         return;
     }
 #endif
