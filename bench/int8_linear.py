@@ -4,7 +4,8 @@
 
 Per number of rows, the summed time of the four linear layers of one decoder
 layer (q/k/v, o, gate/up, down; shapes from the model's config), ms:
-- bf16: the weight prepacked for oneDNN, as bfloat16 serving runs it;
+- bf16: the weight prepacked for oneDNN, as bfloat16 serving runs it without AVX512-BF16 (with it, the
+  panels: bench.panel_gemm, at 1.00-1.06x this from 24 rows);
 - W8A8, torch passes: per-row activation quantization and dequantization as
   torch operators around ``torch._int_mm`` (the second round's path);
 - W8A8: the same with the C passes (``kernels/quant.c``), as served now;
