@@ -30,7 +30,7 @@ from common.engine.cuda_graphs import CudaGraph, DecodeGraphs
 from common.config.base import EngineConfig
 from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.memory import device_memory_bytes, module_bytes, resident_bytes
-from common.engine.models.llama import FusedDecode, check_divisible, wide_sums
+from common.engine.models.llama import FusedDecode, check_divisible, onednn_beside_panels, wide_sums
 from common.engine.models.loader import load_hf_config, load_model
 from common.engine.native import gemv_bf16_kernel
 from common.engine.quantization import calibration_ids, choose_int8_matmul, quantize_model_int8, smooth_for_int8
@@ -190,6 +190,11 @@ class ModelRunner:
         bf16_cpu = self.dtype is torch.bfloat16 and self.device.type == "cpu" and not config.deterministic
         if bf16_cpu:
             gemv_bf16_kernel()  # built now, not on the first batch-1 decode step (models/llama.py ``linear``)
+        # only bfloat16 weights take panels: not int8, float32 or engine.deterministic; one rank
+        if self._panels_planned() and self.model.pack_panels():
+            log.info("linear weights in the panel layout (kernels/panels_bf16.h), which the decode kernel and "
+                     "kernels/linear_panels.c read: %s", "with oneDNN's copy for wide steps (AMX)"
+                     if onednn_beside_panels() and config.cpu.prepack_weights else "their only copy")
         # The one-call kernel has no all-reduce between its layers, and keeps float32 activations between them
         # where the layer-by-layer path rounds (engine.deterministic needs both paths' rows to agree).
         left = config.cpu.decode_kernel_max_batch < 0
@@ -198,10 +203,6 @@ class ModelRunner:
             # 135M), and the exactness tests compare float32 outputs across processes, which timing could split
             self.model.fused_decode = FusedDecode(self.model, DECODE_ROW_RUNGS[-1] if left
                                                   else config.cpu.decode_kernel_max_batch)
-            # only bfloat16 weights take panels: not int8, float32 or engine.deterministic
-            if self.model.fused_decode.available and bf16_cpu and self.model.pack_panels():
-                log.info("linear weights in the panel layout (kernels/panels_bf16.h), their only copy: the decode "
-                         "kernel and kernels/linear_panels.c read them")
         if bf16_cpu and config.cpu.prepack_weights and (added := self.model.prepack_weights()):  # int8: none
             log.info("linear weights prepacked for oneDNN (+%.1f MiB; engine.cpu.prepack_weights)", added / 2**20)
         if self.model.fused_decode is not None and left and (self.dtype is torch.bfloat16
@@ -306,6 +307,12 @@ class ModelRunner:
                              f"{self.device} for a KV pool (kv_cache_memory_fraction)")
         return int(left * fraction)
 
+    def _panels_planned(self) -> bool:
+        """Whether the load moves the linear weights into panels (``LlamaForCausalLM.pack_panels``): bfloat16 on
+        the CPU, not engine.deterministic, one rank, and shapes and kernels that take them."""
+        return (self.dtype is torch.bfloat16 and self.device.type == "cpu" and not self.config.deterministic
+                and self.tp.size == 1 and self.model.panels_fit())
+
     def _fused_decode_kernel(self) -> bool:
         """Whether this runner gets the one-call decode kernel (``FusedDecode``): the CPU, its paged attention,
         ``decode_kernel_max_batch`` not 0, one rank."""
@@ -316,7 +323,7 @@ class ModelRunner:
         """The weights' bytes once the load has quantized or prepacked them (the pool is sized before either):
         int8 holds a linear weight (and the embedding) in a byte per value plus a float32 scale per row; the
         oneDNN prepack keeps a second copy of every bfloat16 linear weight, and of a tied LM head, not in panels
-        (``pack_panels``, where the decode kernel is built: the only copy of the layers it takes)."""
+        (``pack_panels``: the only copy of the layers it takes, but where oneDNN has AMX)."""
         linears = [m.weight for m in self.model.modules() if isinstance(m, torch.nn.Linear)]
         embedding = self.model.embed_tokens.weight
         if self.config.quantization == "int8":
@@ -324,7 +331,7 @@ class ModelRunner:
             return self.weight_bytes - shrunk
         if (self.dtype is torch.bfloat16 and self.device.type == "cpu" and self.config.cpu.prepack_weights
                 and not self.config.deterministic and torch.backends.mkldnn.is_available()):
-            panels = set(self.model.panel_layers()) if self._fused_decode_kernel() and self.model.panels_fit() else ()
+            panels = set(self.model.panel_layers()) if self._panels_planned() and not onednn_beside_panels() else ()
             copied = [m for m in self.model.modules() if isinstance(m, torch.nn.Linear) and m not in panels]
             if self.model.tie_word_embeddings and self.model.embed_tokens not in panels:
                 copied.append(self.model.embed_tokens)

@@ -9,7 +9,8 @@ import torch
 from common.config.base import ConfigError, CpuConfig, EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.engine.model_runner import DECODE_ROW_RUNGS, ModelRunner, largest_rung
-from common.engine.models.llama import LlamaForCausalLM, decode_forward_kernel, decode_forward_takes_panels
+from common.engine.models.llama import (LlamaForCausalLM, decode_forward_kernel, decode_forward_takes_panels,
+                                        onednn_beside_panels)
 from common.engine.native import cpu_has
 from common.engine.quantization import (INT8_WEIGHT_ONLY_ROWS, input_absmax, linear_int8, mlp_int8, quant_kernels,
                                          quantize_rows, smooth_for_int8)
@@ -188,7 +189,8 @@ def test_embedded_model_greedy_output_is_the_same_with_and_without_the_kernel(em
     assert outputs[0] == outputs[1]
 
 
-def test_prepacked_bfloat16_weights_give_the_plain_weights_logits_bit_for_bit(tiny_dir):
+def test_prepacked_bfloat16_weights_give_the_plain_weights_logits_bit_for_bit(tiny_dir, monkeypatch):
+    monkeypatch.setattr(LlamaForCausalLM, "panels_fit", lambda model: False)  # the weights in rows, as without them
     packed = runner_for(tiny_dir, dtype="bfloat16", decode_kernel_max_batch=0)
     plain = runner_for(tiny_dir, dtype="bfloat16", decode_kernel_max_batch=0, prepack_weights=False)
     layer = packed.model.layers[0]
@@ -291,16 +293,22 @@ def panel_runner(tiny_dir, **options) -> ModelRunner:
     return runner
 
 
-def test_the_panels_are_the_decoder_linears_only_copy(tiny_dir):
+def plain_runner(tiny_dir, monkeypatch) -> ModelRunner:
+    """The weights in rows, with oneDNN's copy beside them: what a load does where the panels do not fit."""
+    with monkeypatch.context() as patch:
+        patch.setattr(LlamaForCausalLM, "panels_fit", lambda model: False)
+        return runner_for(tiny_dir, dtype="bfloat16", decode_kernel_max_batch=0)
+
+
+def test_the_panels_are_the_decoder_linears_only_copy(tiny_dir, monkeypatch):
     runner = panel_runner(tiny_dir)
-    # without the decode kernel no panels: the plain weights stay, with oneDNN's copy beside them
-    plain = runner_for(tiny_dir, dtype="bfloat16", decode_kernel_max_batch=0)
+    plain = plain_runner(tiny_dir, monkeypatch)
     held = plain_bytes = 0
     for i, layer in enumerate(runner.model.layers):
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
             module, weight = layer.get_submodule(name), plain.model.layers[i].get_submodule(name).weight
             assert plain.model.layers[i].get_submodule(name).panels is None
-            assert module.packed is None  # no oneDNN copy of a layer in panels
+            assert (module.packed is not None) == onednn_beside_panels()  # oneDNN's copy beside them only on AMX
             n, k = weight.shape
             assert module.weight.shape == (n, k) and module.weight.stride() == (0, 0)  # one value, broadcast
             assert module.panels.shape == (n // 16, k // 2, 16, 2)
@@ -311,14 +319,15 @@ def test_the_panels_are_the_decoder_linears_only_copy(tiny_dir):
     assert held == plain_bytes + 2 * 4 * len(runner.model.layers)  # the panels in the plain copy's place
 
 
-def test_a_head_in_panels_gives_the_embeddings_and_the_logits_of_the_plain_one(tiny_dir):
+def test_a_head_in_panels_gives_the_embeddings_and_the_logits_of_the_plain_one(tiny_dir, monkeypatch):
     runner = panel_runner(tiny_dir)
-    plain = runner_for(tiny_dir, dtype="bfloat16", decode_kernel_max_batch=0, prepack_weights=False)
+    plain = plain_runner(tiny_dir, monkeypatch)
     model, reference = runner.model, plain.model
     head = model.head()
     if head not in model.panel_layers():
         pytest.skip("the tiny model's vocabulary is not a multiple of 16: its head keeps the plain layout")
-    assert head.panels is not None and head.weight.stride() == (0, 0) and getattr(head, "packed", None) is None
+    assert head.panels is not None and head.weight.stride() == (0, 0)
+    assert (getattr(head, "packed", None) is not None) == onednn_beside_panels()
     ids = torch.tensor([0, 1, 15, 16, 17, head.weight.shape[0] - 1])
     if model.tie_word_embeddings:
         assert torch.equal(model.embed(ids), reference.embed(ids))  # gathered from the panels, bit for bit

@@ -20,7 +20,8 @@ def weights(n: int, k: int, seed: int, bias: bool = False):
 
 
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 40, 513, 1100])
-@pytest.mark.parametrize("n,k,bias", [(48, 64, False), (80, 200, True), (1024, 96, False)])
+@pytest.mark.parametrize("n,k,bias", [(48, 64, False), (80, 200, True), (1024, 96, False), (32, 600, False),
+                                      (16, 5000, True)])
 def test_the_panels_give_the_linear_layer_within_one_bf16_rounding(rows, n, k, bias):
     w, b = weights(n, k, seed=rows + n, bias=bias)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
@@ -40,6 +41,14 @@ def test_a_rows_outputs_do_not_depend_on_the_other_rows_or_their_number():
     full = linear(x, placeholder, panels=panels)
     for rows in (1, 7, 512, 513):  # within one tile, one chunk of rows, and across chunks
         assert torch.equal(linear(x[-rows:], placeholder, panels=panels), full[-rows:])
+
+
+@pytest.mark.parametrize("k", [600, 5000])  # k-blocks of 256 inputs below 24 rows, of 4,096 from there
+def test_the_wide_k_block_sums_in_the_same_order(k):
+    w, _ = weights(48, k, seed=k)
+    placeholder = torch.zeros(1, dtype=torch.bfloat16).expand(48, k)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+    assert torch.equal(linear(x[:5], placeholder, panels=panels_of(w)), linear(x, placeholder, panels=panels_of(w))[:5])
 
 
 def test_leading_dimensions_and_no_rows_keep_their_shape():

@@ -1,5 +1,6 @@
 /*
- * The panel layout of a bfloat16 linear weight, and y = x . w^T on it for the rows of a decode step.
+ * The panel layout of a bfloat16 linear weight, and y = x . w^T on it: the decode kernel's rows (decode_forward.c)
+ * and any step's (linear_panels.c).
  *
  * A weight w[n][k] (n a multiple of PANEL_COLS, k even) is held as n / 16 panels, each [k / 2][16][2]: panel p
  * holds output columns 16p..16p+15, and for each pair of inputs (2kk, 2kk+1) their 16 columns' two weights side
@@ -10,8 +11,9 @@
  * row, each sum reduced across lanes at the end), x is read as 4-byte broadcasts (L1 hits, lighter on the load ports
  * than zmm loads) instead of full vectors, each panel is one sequential stream, and no sum is reduced across
  * lanes. A tile of up to PANEL_TILE_ROWS x rows against PANEL_GROUP panels keeps 24 sums in registers; the
- * panels' k range is taken PANEL_KBLOCK inputs at a time, every tile of rows reading the block from L1 before
- * the next, whose lines every tile prefetches into L2 as it goes.
+ * panels' k range is taken a k-block at a time, every tile of rows reading the block before the next: at
+ * PANEL_KBLOCK inputs (a decode step's few rows) from L1, with the next block's lines prefetched into L2 as each
+ * tile goes; at PANEL_WIDE_KBLOCK (wide steps, bound by their products) from L2.
  *
  * Each output's sum runs over k in one order (k-blocks in turn, pairs in turn within one), whatever the number
  * of rows or threads: a row's outputs do not depend on the other rows of the step.
@@ -45,7 +47,7 @@
 #define PANEL_WIDE_KBLOCK 4096
 #define PANEL_WIDE_ROWS 24
 #ifndef PANEL_PREFETCH
-#define PANEL_PREFETCH 8192 /* bytes ahead in a panel's stream: the same inputs of the next k-block */
+#define PANEL_PREFETCH 8192 /* bytes ahead in a panel's stream: at PANEL_KBLOCK, the same inputs of the next block */
 #endif
 
 /* acc[r][0..nz*16) (+)= x[r][2kk0..2kk1) . panels p..p+nz over the same inputs; acc rows PANEL_GROUP * 16 apart */

@@ -162,7 +162,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return linear_int8(x, weight, scale, bias, 0 if invariant else INT8_WEIGHT_ONLY_ROWS)
     if invariant:
         return linear_invariant(x, weight, bias)
-    if panels is not None:
+    if panels is not None and (packed is None or x.dim() != 2 or x.shape[0] < ONEDNN_BESIDE_PANELS_ROWS):
         return _linear_panels(x, panels, weight.shape[0], bias)
     if _wide[0]:
         return _linear_wide(x, weight, bias).to(x.dtype)
@@ -190,10 +190,13 @@ def _linear_panels(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Te
             bias is not None and bias.dtype is not torch.bfloat16):
         raise RuntimeError(f"a weight in panels takes bfloat16 rows on the CPU through kernels/linear_panels.c "
                            f"(rows {x.dtype} on {x.device}, bias {None if bias is None else bias.dtype})")
+    if panels.numel() != n * x2.shape[1] or not panels.is_contiguous() or (bias is not None and bias.numel() != n):
+        raise RuntimeError(f"rows of {x2.shape[1]} inputs against panels of {tuple(panels.shape)} for {n} outputs")
     out = torch.empty((x2.shape[0], n), dtype=torch.bfloat16)
     if x2.shape[0]:
         x2 = x2.contiguous()
-        if kernel(x2.data_ptr(), panels.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
+        bias = None if bias is None else bias.contiguous()  # held until the call returns
+        if kernel(x2.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(),
                   out.data_ptr(), x2.shape[0], n, x2.shape[1]) != 0:
             raise RuntimeError(f"kernels/linear_panels.c refused {tuple(x2.shape)} x {n} outputs")
     return out.reshape(*x.shape[:-1], n)
@@ -232,6 +235,15 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 PANEL_COLS = 16  # kernels/panels_bf16.h
+# Where oneDNN runs bf16 matmuls on AMX tiles (Intel Xeon from Sapphire Rapids), the panels' vdpbf16ps cannot keep
+# up on prompt steps: layers in panels keep oneDNN's copy too (``prepack_weights``) for steps of this many rows or
+# more. Not measured on such a host (none lent); on Zen 4 (no AMX) the panels match oneDNN at every row count.
+ONEDNN_BESIDE_PANELS_ROWS = 64
+
+
+def onednn_beside_panels() -> bool:
+    """Whether layers in panels also keep oneDNN's copy for wide steps: where oneDNN has AMX tiles."""
+    return cpu_has("amx_bf16")
 
 
 def panels_of(weight: torch.Tensor) -> torch.Tensor:
@@ -444,7 +456,8 @@ class LlamaForCausalLM(nn.Module):
         if self.tp.size == 1:
             panels = getattr(self.embed_tokens, "panels", None)
             if panels is not None:  # a tied head in panels (``pack_panels``): row v is column v % 16 of panel v // 16
-                return panels[input_ids // PANEL_COLS, :, input_ids % PANEL_COLS, :].reshape(*input_ids.shape, -1)
+                rows = panels[input_ids // PANEL_COLS, :, input_ids % PANEL_COLS, :]
+                return rows.reshape(*input_ids.shape, 2 * panels.shape[1])
             return self.embed_tokens(input_ids)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.embed_tokens.weight.shape[0])
@@ -524,11 +537,18 @@ class LlamaForCausalLM(nn.Module):
     def prepack_weights(self) -> int:
         """Gives every bfloat16 linear layer, and a tied LM head, not in panels (``pack_panels``: with them, none
         but a head whose shape the panels do not fit) its oneDNN-blocked copy (``packed``, from ``prepack``); the
-        plain weights stay for the one-row kernels. Returns the bytes added."""
+        plain weights stay for the one-row kernels. Where oneDNN has AMX (``onednn_beside_panels``) the layers in
+        panels get one too, for steps of ``ONEDNN_BESIDE_PANELS_ROWS`` rows or more. Returns the bytes added."""
         heads = [self.embed_tokens] if self.tie_word_embeddings else []
         added = 0
+        beside = onednn_beside_panels()
         for module in [m for m in self.modules() if isinstance(m, Linear)] + heads:
-            if getattr(module, "panels", None) is not None:
+            if getattr(module, "panels", None) is not None and not beside:
+                continue
+            if getattr(module, "panels", None) is not None:  # the panels' shape: the copy comes from them
+                n, k = module.weight.shape
+                module.packed = prepack(module.panels.permute(0, 2, 1, 3).reshape(n, k))
+                added += module.weight.nbytes if module.packed is not None else 0
                 continue
             module.packed = prepack(module.weight)
             added += module.weight.nbytes if module.packed is not None else 0
