@@ -101,10 +101,11 @@ def gemv_bf16_kernel():
     return kernel_function("gemv_bf16", "tessera_gemv_bf16", (ctypes.c_void_p,) * 4 + (ctypes.c_int,) * 3)
 
 
+@functools.cache
 def linear_panels_kernel():
     """``tessera_linear_panels(x, panels, bias, y, m, n, k)`` (``kernels/linear_panels.c``): bf16 rows against a
     weight in the panel layout, any number of rows; None without a compiler or where the build has no
-    AVX512-BF16 (the kernel would refuse every call)."""
+    AVX512-BF16 (the kernel would refuse every call). Looked up once: every linear layer of every step calls it."""
     available = kernel_function("linear_panels", "tessera_linear_panels_available", ())
     if available is None or not available():
         return None

@@ -253,6 +253,12 @@ def panels_of(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().view(n // PANEL_COLS, PANEL_COLS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+def weight_of_panels(panels: torch.Tensor) -> torch.Tensor:
+    """The [n, k] weight that ``panels_of`` laid out as ``panels``."""
+    groups, pairs, cols, two = panels.shape
+    return panels.permute(0, 2, 1, 3).reshape(groups * cols, pairs * two)
+
+
 def panels_fit(weight: torch.Tensor) -> bool:
     n, k = weight.shape
     return weight.dtype is torch.bfloat16 and n % PANEL_COLS == 0 and k % 2 == 0
@@ -503,17 +509,20 @@ class LlamaForCausalLM(nn.Module):
         """The LM head's module: the embedding where the two are tied."""
         return self.embed_tokens if self.tie_word_embeddings else self.lm_head
 
+    def _decoder_linears(self) -> list[Linear]:
+        return [layer.get_submodule(name) for layer in self.layers for name in _LINEARS]
+
     def panel_layers(self) -> list[nn.Module]:
         """The layers ``pack_panels`` moves into panels: the decoder's linears, and the LM head where its shape
         fits the layout (a tied head's embedding lookups then read the panels too)."""
-        layers = [layer.get_submodule(name) for layer in self.layers for name in _LINEARS]
         head = self.head()
-        return layers + ([head] if head.weight.dtype is torch.bfloat16 and panels_fit(head.weight) else [])
+        return self._decoder_linears() + ([head] if head.weight.dtype is torch.bfloat16 and panels_fit(head.weight)
+                                          else [])
 
     def panels_fit(self) -> bool:
         """Whether ``pack_panels`` would move the decoder's linear weights into panels: every one bfloat16 on the
         CPU and of a shape the layout takes, and the kernels built for AVX512-BF16."""
-        modules = [layer.get_submodule(name) for layer in self.layers for name in _LINEARS]
+        modules = self._decoder_linears()
         return (bool(modules) and decode_forward_takes_panels() and linear_panels_kernel() is not None
                 and all(panels_fit(m.weight) and m.weight.device.type == "cpu" for m in modules))
 
@@ -543,14 +552,10 @@ class LlamaForCausalLM(nn.Module):
         added = 0
         beside = onednn_beside_panels()
         for module in [m for m in self.modules() if isinstance(m, Linear)] + heads:
-            if getattr(module, "panels", None) is not None and not beside:
+            panels = getattr(module, "panels", None)
+            if panels is not None and not beside:
                 continue
-            if getattr(module, "panels", None) is not None:  # the panels' shape: the copy comes from them
-                n, k = module.weight.shape
-                module.packed = prepack(module.panels.permute(0, 2, 1, 3).reshape(n, k))
-                added += module.weight.nbytes if module.packed is not None else 0
-                continue
-            module.packed = prepack(module.weight)
+            module.packed = prepack(module.weight if panels is None else weight_of_panels(panels))
             added += module.weight.nbytes if module.packed is not None else 0
         return added
 
