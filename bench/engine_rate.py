@@ -1,11 +1,11 @@
 """The engine alone at an arrival rate: TPOT and TTFT, and what its steps spent them on.
 
     .venv/bin/python -m bench.engine_rate [--model 1b] [--quantization int8] [--rate 1] [--num-prompts 32] \
-        [--input-len 256] [--output-len 64] [--seed 7] [--set KEY=VALUE ...]
+        [--input-len 256] [--output-len 64] [--seed 7] [--temperature 0.8 [--top-p 0.9]] [--set KEY=VALUE ...]
 
 The engine (in this process, ``--threads`` threads; ``--model`` as in bench/peers/compare.py) is sent
 ``--num-prompts`` random-token prompts at Poisson arrivals of ``--rate`` per second (seeded), each generating
-exactly ``--output-len`` tokens (greedy, ``ignore_eos``), with no server, client or other process between them. A
+exactly ``--output-len`` tokens (greedy unless ``--temperature``, ``ignore_eos``), with no server, client or other process between them. A
 request's TTFT runs from its arrival to its first token, its TPOT from the first token to the last over the tokens
 between, as ``vllm bench serve`` counts them. Every step is recorded with its shape: the steps that carry prompt
 tokens (with the decode rows riding in them) and the decode-only steps by row count, and how busy the engine was.
@@ -24,7 +24,8 @@ from common.engine.llm_engine import LLMEngine
 from common.protocol.sampling_params import SamplingParams
 
 
-def run(engine: LLMEngine, rate: float, num_prompts: int, input_len: int, output_len: int, seed: int) -> dict:
+def run(engine: LLMEngine, rate: float, num_prompts: int, input_len: int, output_len: int, seed: int,
+        temperature: float = 0.0, top_p: float = 1.0) -> dict:
     """Send the trace to ``engine`` in real time; the per-request latencies and every step's shape and time."""
     rng = random.Random(seed)
     vocab = engine.runner.vocab_size
@@ -33,7 +34,7 @@ def run(engine: LLMEngine, rate: float, num_prompts: int, input_len: int, output
         t += rng.expovariate(rate)
         arrivals.append(t)
     prompts = [[rng.randrange(100, vocab - 1) for _ in range(input_len)] for _ in range(num_prompts)]
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=output_len, ignore_eos=True)
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     tokens: dict[str, int] = defaultdict(int)
@@ -116,16 +117,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled, a seed per request")
+    parser.add_argument("--top-p", type=float, default=1.0)
     args = parser.parse_args(argv)
     model, engine = engine_from_args(args)
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     engine.add_request("warm-up", list(range(100, 100 + args.input_len)), warm)
     while engine.has_unfinished():
         engine.step()
-    result = run(engine, args.rate, args.num_prompts, args.input_len, args.output_len, args.seed)
+    result = run(engine, args.rate, args.num_prompts, args.input_len, args.output_len, args.seed, args.temperature,
+                 args.top_p)
     weights = ", int8 weights" if args.quantization == "int8" else ""
+    sampled = f", temperature {args.temperature:g}, top_p {args.top_p:g}" if args.temperature > 0 else ""
     print(report(result, f"{model.name}, {args.dtype}{weights}, {args.threads} threads, {args.num_prompts} prompts of "
-                         f"{args.input_len} in / {args.output_len} out at {args.rate:g} req/s (seed {args.seed})"))
+                         f"{args.input_len} in / {args.output_len} out at {args.rate:g} req/s (seed {args.seed}"
+                         f"{sampled})"))
     return 0
 
 

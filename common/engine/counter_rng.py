@@ -8,9 +8,11 @@ speculative decoding's re-draws need.
 
 The hash is SplitMix64 (Steele et al., 2014): the row key is the mixed
 (seed, counter) pair, and column c reads the (c + 1)-th output of the
-SplitMix64 stream started at that key. Torch has no unsigned 64-bit shifts, so
-the arithmetic runs on int64 with two's-complement wrap-around and logical
-right shifts are arithmetic shifts with the sign bits masked off.
+SplitMix64 stream started at that key (column -1: the key's own mix). Torch has
+no unsigned 64-bit shifts, so the arithmetic runs on int64 with two's-complement
+wrap-around and logical right shifts are arithmetic shifts with the sign bits
+masked off. ``counter_uniforms`` gives float32 uniforms of 23 bits over many
+columns; ``counter_uniform64`` one float64 uniform of 52 bits per row.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ _MIX_2 = 0x94D049BB133111EB
 # u = (k + 0.5) / 2**23 for a 23-bit k: k + 0.5 needs 24 significant bits,
 # exactly float32's, so u is exact and never rounds to 0 or 1 (E = -log u > 0).
 _UNIFORM_BITS = 23
+_UNIFORM64_BITS = 52
 
 
 def as_int64(value: int) -> int:
@@ -56,10 +59,22 @@ def counter_uniforms(
     seeds, counters: int64 [n] (one pair per row); columns: int64 [m] (the same columns for every row) or
     [n, m] (each row's own).
     """
-    row_keys = _mix64(_mix64(seeds.long()) + (counters.long() + 1) * as_int64(_GAMMA))
     column_steps = (columns.long() + 1) * as_int64(_GAMMA)
-    z = _mix_rounds(row_keys[:, None] + (column_steps if column_steps.dim() == 2 else column_steps[None, :]))
+    z = _mix_rounds(_row_keys(seeds, counters)[:, None]
+                    + (column_steps if column_steps.dim() == 2 else column_steps[None, :]))
     # SplitMix64's last step, z ^ (z >> 31), leaves the top 31 bits unchanged,
     # so the top 23 can be read before it.
     top = _shift_right(z, 64 - _UNIFORM_BITS)
     return top.float().add_(0.5).mul_(2.0**-_UNIFORM_BITS)
+
+
+def counter_uniform64(seeds: torch.Tensor, counters: torch.Tensor, column: int) -> torch.Tensor:
+    """One uniform in (0, 1) per row, float64 [len(seeds)]: the top 52 bits of the row's whole SplitMix64 output
+    at ``column``. (k + 0.5) / 2**52 for a 52-bit k needs 53 significant bits, float64's, so u is exact and never
+    0 or 1."""
+    z = _mix64(_row_keys(seeds, counters) + as_int64((column + 1) * _GAMMA))
+    return _shift_right(z, 64 - _UNIFORM64_BITS).double().add_(0.5).mul_(2.0**-_UNIFORM64_BITS)
+
+
+def _row_keys(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    return _mix64(_mix64(seeds.long()) + (counters.long() + 1) * as_int64(_GAMMA))

@@ -6,8 +6,9 @@ token ids):
     raw logits --log_softmax--> logprobs (chosen token + top alternatives)
     raw logits -> penalties -> greedy rows: argmax
                             -> other rows: / temperature -> min_p -> top_k
-                                  -> top_p -> softmax -> draw: argmax(probs / E),
-                                     E = -log(u), u from the counter RNG
+                                  -> top_p -> softmax -> draw: the first token whose
+                                     cumulative probability passes u, one uniform
+                                     per row from the counter RNG
 
 ``processed_probs`` and ``draw`` are separate so that speculative decoding can
 score draft tokens against the same target distribution and redraw with the
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.engine.counter_rng import as_int64, counter_uniforms
+from common.engine.counter_rng import as_int64, counter_uniform64
 from common.protocol.sampling_params import SamplingParams
 
 # top_p looks for the nucleus among the highest logits, widening through these
@@ -33,10 +34,8 @@ _TOP_P_CANDIDATES = (256, 4096)
 # page-fault on each allocation; chunks of about this many elements run 2-3x
 # faster there. A GPU takes all rows at once.
 _CPU_CHUNK_ELEMENTS = 2**20
-# ``draw`` races only the tokens that can win where the widest row's support is at most the vocabulary over this.
-# Measured on CPU, 21 rows of 49,152 columns (one chunk): 2.6 ms against 14 ms at 4 tokens, 3.0 against 9.0 at 256,
-# 9.4 against 10.4 at 2,048, 21 against 9.3 at 6,144 (the top-k that finds the columns grows with them).
-_SPARSE_DRAW_RATIO = 32
+# The counter RNG's column that ``draw`` reads (no token's: spec_verify's acceptance test reads column ``vocab``).
+DRAW_COLUMN = -1
 LOGPROB_FLOOR = -9999.0
 
 
@@ -188,24 +187,25 @@ def _nucleus_floor_within(
 
 
 def draw(probs: torch.Tensor, seeds: torch.Tensor, generation_indices: torch.Tensor) -> torch.Tensor:
-    """Exponential race: argmax_v probs[b, v] / E[b, v] with E = -log(u).
+    """Inverse transform: the first token whose cumulative probability passes u times the row's total.
 
-    u is a pure function of (seed, generation index, v), so a row draws the
-    same token whatever its batch neighbours or position. Where every row can
-    draw from only a few tokens (top_k, top_p, min_p), on CPU the race runs
-    over those columns alone, in vocabulary order: the same uniforms, the same
-    winner, for a fraction of the hashing.
+    u is a pure function of (seed, generation index) (``counter_uniform64`` at ``DRAW_COLUMN``) and a row's
+    running sum reads that row alone, so a row draws the same token whatever its batch neighbours or position.
+    One uniform and one pass over the vocabulary per row; the sums in float64, so a token's share is kept to
+    about 1e-16 of the total (23-bit uniforms would round shares to 2**-23). A token without mass is never drawn:
+    the first sum past the point is one that a positive probability raised.
     """
-    vocab = probs.shape[1]
-    # on CPU, where it was measured; on a GPU the hashing is cheap and the support's count a sync
-    support = int((probs > 0).sum(-1).max()) if len(probs) and probs.device.type == "cpu" else 0
-    if 0 < support and support * _SPARSE_DRAW_RATIO <= vocab:
-        columns = probs.topk(support).indices.sort(-1).values
-        exponentials = counter_uniforms(seeds, generation_indices, columns).log_().neg_()
-        return columns.gather(1, (probs.gather(1, columns) / exponentials).argmax(-1, keepdim=True)).squeeze(1)
-    vocab_ids = torch.arange(vocab, device=probs.device)
-    exponentials = counter_uniforms(seeds, generation_indices, vocab_ids).log_().neg_()
-    return (probs / exponentials).argmax(-1)
+    u = counter_uniform64(seeds.to(probs.device), generation_indices.to(probs.device), DRAW_COLUMN)
+    tokens = torch.empty(len(probs), dtype=torch.long, device=probs.device)
+    # on CPU in chunks whose float64 sums take what a chunk of float32 logits does (``_CPU_CHUNK_ELEMENTS``)
+    rows = max(1, _CPU_CHUNK_ELEMENTS // 2 // probs.shape[1]) if probs.device.type == "cpu" else max(1, len(probs))
+    for start in range(0, len(probs), rows):
+        sums = torch.cumsum(probs[start:start + rows], -1, dtype=torch.float64)
+        total = sums[:, -1:]
+        # u < 1, but u * total can round up to the total, past which no sum lies: keep the point just under it
+        point = torch.minimum(u[start:start + rows, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+        tokens[start:start + rows] = torch.searchsorted(sums, point, right=True).squeeze(1)
+    return tokens
 
 
 class Sampler:

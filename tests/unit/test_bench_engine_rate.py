@@ -20,3 +20,10 @@ def test_every_request_completes_and_every_token_is_in_a_recorded_step(tmp_path,
     assert 0 < result["busy_s"] <= result["wall_s"] and result["ttft_p50_ms"] > 0 and result["tpot_p50_ms"] > 0
     text = report(result, "tiny")
     assert "| decode rows | decode-only steps | median step ms |" in text and "240 prompt tokens" in text
+
+
+def test_sampled_requests_get_their_tokens_too(tmp_path, embedded_model_dir):
+    model = make_random_model(tmp_path / "tiny", SHAPES["tiny"], "float32", seed=5, tokenizer_from=embedded_model_dir)
+    engine = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=64))
+    result = run(engine, rate=200.0, num_prompts=4, input_len=16, output_len=6, seed=3, temperature=0.8, top_p=0.9)
+    assert result["tokens"] == [6] * 4 and not engine.has_unfinished()
