@@ -5,10 +5,11 @@
 
 The engine (in this process, ``--threads`` threads; ``--model`` as in bench/peers/compare.py) is sent
 ``--num-prompts`` random-token prompts at Poisson arrivals of ``--rate`` per second (seeded), each generating
-exactly ``--output-len`` tokens (greedy unless ``--temperature``, ``ignore_eos``), with no server, client or other process between them. A
-request's TTFT runs from its arrival to its first token, its TPOT from the first token to the last over the tokens
-between, as ``vllm bench serve`` counts them. Every step is recorded with its shape: the steps that carry prompt
-tokens (with the decode rows riding in them) and the decode-only steps by row count, and how busy the engine was.
+exactly ``--output-len`` tokens (greedy unless ``--temperature``, ``ignore_eos``), with no server, client or other
+process between them. A request's TTFT runs from its arrival to its first token, its TPOT from the first token to
+the last over the tokens between, as ``vllm bench serve`` counts them. Every step is recorded with its shape: the
+steps that carry prompt tokens (with the decode rows riding in them) and the decode-only steps by row count, and how
+busy the engine was.
 So a server's TPOT at a rate can be split into what the engine's steps cost and what the rest of the stack adds.
 """
 from __future__ import annotations

@@ -156,8 +156,8 @@ def test_a_draw_never_lands_on_a_token_without_mass(u, monkeypatch):
     """The uniform at its extremes (its least and greatest values), over rows whose first and last tokens have no
     mass, unnormalized rows (a residual) and one-hot rows: the token drawn always has mass, the extremes take the
     first and the last token that has."""
-    monkeypatch.setattr(sampler_module, "counter_uniform64", lambda seeds, steps, column: torch.full((len(seeds),), u,
-                                                                                                    dtype=torch.float64))
+    monkeypatch.setattr(sampler_module, "counter_uniform64",
+                        lambda seeds, steps, column: torch.full((len(seeds),), u, dtype=torch.float64))
     gen = torch.Generator().manual_seed(5)
     probs = torch.rand(64, 4096, generator=gen) * (torch.rand(64, 4096, generator=gen) < 0.01)
     probs[:, :3] = 0.0
