@@ -205,7 +205,9 @@ def draw(probs: torch.Tensor, seeds: torch.Tensor, generation_indices: torch.Ten
         # u < 1, but u * total can round up to the total, past which no sum lies: keep the point just under it
         point = torch.minimum(u[start:start + rows, None] * total, torch.nextafter(total, torch.zeros_like(total)))
         tokens[start:start + rows] = torch.searchsorted(sums, point, right=True).squeeze(1)
-    return tokens
+    # a row without mass (none reaches here: non-finite logits are refused, and a grammar allows a token) stays
+    # inside the vocabulary
+    return tokens.clamp_(max=probs.shape[1] - 1)
 
 
 class Sampler:
