@@ -189,21 +189,26 @@ def _nucleus_floor_within(
 def draw(probs: torch.Tensor, seeds: torch.Tensor, generation_indices: torch.Tensor) -> torch.Tensor:
     """Inverse transform: the first token whose cumulative probability passes u times the row's total.
 
-    u is a pure function of (seed, generation index) (``counter_uniform64`` at ``DRAW_COLUMN``) and a row's
-    running sum reads that row alone, so a row draws the same token whatever its batch neighbours or position.
-    One uniform and one pass over the vocabulary per row; the sums in float64, so a token's share is kept to
-    about 1e-16 of the total (23-bit uniforms would round shares to 2**-23). A token without mass is never drawn:
-    the first sum past the point is one that a positive probability raised.
+    u is a pure function of (seed, generation index) (``counter_uniform64`` at ``DRAW_COLUMN``; u <= 1 - 2**-53,
+    so u times the total rounds below the total), and on CPU a row's running sum is a sequential scan of that row
+    alone, so a row draws the same token whatever its batch neighbours, position or chunk. (A GPU's scan groups
+    the additions by the batch's shape, which can move a sum by an ulp: a rare flip between neighbours, as its
+    logits have anyway.) One uniform and one pass over the vocabulary per row; the sums in float64, so a token's
+    share is kept to about 1e-16 of the total (23-bit uniforms would round shares to 2**-23). A token without mass
+    is never drawn: the first sum past the point is one that a positive probability raised, on a GPU too, where
+    the sums are made flat at such tokens and never decreasing.
     """
     u = counter_uniform64(seeds.to(probs.device), generation_indices.to(probs.device), DRAW_COLUMN)
     tokens = torch.empty(len(probs), dtype=torch.long, device=probs.device)
+    on_cpu = probs.device.type == "cpu"
     # on CPU in chunks whose float64 sums take what a chunk of float32 logits does (``_CPU_CHUNK_ELEMENTS``)
-    rows = max(1, _CPU_CHUNK_ELEMENTS // 2 // probs.shape[1]) if probs.device.type == "cpu" else max(1, len(probs))
+    rows = max(1, _CPU_CHUNK_ELEMENTS // 2 // probs.shape[1]) if on_cpu else max(1, len(probs))
     for start in range(0, len(probs), rows):
-        sums = torch.cumsum(probs[start:start + rows], -1, dtype=torch.float64)
-        total = sums[:, -1:]
-        # u < 1, but u * total can round up to the total, past which no sum lies: keep the point just under it
-        point = torch.minimum(u[start:start + rows, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+        chunk = probs[start:start + rows]
+        sums = torch.cumsum(chunk, -1, dtype=torch.float64)
+        if not on_cpu:  # a parallel scan's partial sums can differ by an ulp where a sequential one adds exact 0s
+            sums = torch.where(chunk > 0, sums, 0.0).cummax(-1).values
+        point = u[start:start + rows, None] * sums[:, -1:]
         tokens[start:start + rows] = torch.searchsorted(sums, point, right=True).squeeze(1)
     # a row without mass (none reaches here: non-finite logits are refused, and a grammar allows a token) stays
     # inside the vocabulary

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.engine.counter_rng import as_int64, counter_uniforms
+from common.engine.counter_rng import as_int64, counter_uniform64
 from common.engine.sampler import SamplingRow, draw, processed_probs, token_logprobs
 from common.engine.sequence import Sequence
 
@@ -109,8 +109,10 @@ def _accept_sampled(
     for d, q, start in zip(drafts, draft_probs, starts):
         if q is not None and d:
             q_draft[start:start + len(d)] = q[: len(d)].gather(1, torch.tensor(d, device=device)[:, None]).squeeze(1)
-    uniforms = counter_uniforms(seeds, steps, torch.tensor([vocab], device=device)).squeeze(1)
-    passes = (uniforms * q_draft <= p_draft).tolist()
+    # 52-bit uniforms, compared in float64: a 23-bit u (at least 2**-24) would never accept a draft whose p/q is
+    # below that
+    uniforms = counter_uniform64(seeds, steps, vocab)
+    passes = (uniforms * q_draft.double() <= p_draft.double()).tolist()
 
     accepted, final_rows = [], []
     for d, start in zip(drafts, starts):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from common.engine import sampler as sampler_module
-from common.engine.counter_rng import counter_uniform64, counter_uniforms
+from common.engine.counter_rng import counter_uniform64
 from common.engine.sampler import DRAW_COLUMN, Sampler, SamplingRow, apply_penalties, draw, processed_probs
 from common.protocol.sampling_params import SamplingParams
 
@@ -44,38 +44,24 @@ def uniform_reference(seed: int, counter: int, column: int) -> float:
     gamma = 0x9E3779B97F4A7C15
     key = splitmix64_reference((splitmix64_reference(seed & MASK64) + (counter + 1) * gamma) & MASK64)
     z = splitmix64_reference((key + (column + 1) * gamma) & MASK64)
-    return ((z >> 41) + 0.5) / 2**23
+    return ((z >> 12) + 0.5) / 2**52
 
 
 def test_uniforms_are_splitmix64_with_wraparound():
     seeds = [0, 1, 2**62 + 12345, 2**63 - 1, -(2**63), -7]  # int64 views of uint64 seeds
     counters = [0, 1, 17, 5000, 2**31, 3]
-    columns = [0, 1, 2, 1000, 49151, 2**20]
-    got = counter_uniforms(torch.tensor(seeds), torch.tensor(counters), torch.tensor(columns))
-    for i, (seed, counter) in enumerate(zip(seeds, counters)):
-        for j, column in enumerate(columns):
-            assert got[i, j].item() == uniform_reference(seed, counter, column)
-
-
-def test_the_row_uniform_is_splitmix64s_whole_output():
-    seeds = [0, 1, 2**62 + 12345, 2**63 - 1, -(2**63), -7]
-    counters = [0, 1, 17, 5000, 2**31, 3]
-    gamma = 0x9E3779B97F4A7C15
-    for column in (DRAW_COLUMN, 0, 49152):
+    for column in (DRAW_COLUMN, 0, 1, 49152, 2**20):
         got = counter_uniform64(torch.tensor(seeds), torch.tensor(counters), column)
         assert got.dtype is torch.float64
         for i, (seed, counter) in enumerate(zip(seeds, counters)):
-            key = splitmix64_reference((splitmix64_reference(seed & MASK64) + (counter + 1) * gamma) & MASK64)
-            z = splitmix64_reference((key + (column + 1) * gamma) & MASK64)
-            assert got[i].item() == ((z >> 12) + 0.5) / 2**52
-            if column >= 0:  # the float32 uniform of the same coordinates is its top 23 bits
-                assert math.floor(got[i].item() * 2**23) + 0.5 == uniform_reference(seed, counter, column) * 2**23
+            assert got[i].item() == uniform_reference(seed, counter, column)
 
 
 def test_uniforms_look_uniform_and_uncorrelated():
-    seeds, steps = torch.arange(64), torch.arange(64) * 3
-    u = counter_uniforms(seeds, steps, torch.arange(16384)).double()
-    n = u.numel()
+    n = 2**20
+    seeds, steps = torch.arange(n) // 64, torch.arange(n) % 64 * 3
+    u = counter_uniform64(seeds, steps, DRAW_COLUMN)
+    assert 0 < u.min().item() and u.max().item() < 1
     sigma_mean = math.sqrt(1 / 12 / n)
     assert abs(u.mean().item() - 0.5) < 5 * sigma_mean
     assert abs(u.var().item() - 1 / 12) < 0.002
@@ -87,11 +73,10 @@ def test_uniforms_look_uniform_and_uncorrelated():
         return torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()
 
     bound = 5 / math.sqrt(n)  # five standard errors of a zero correlation
-    assert abs(correlation(u[:, :-1], u[:, 1:])) < bound  # neighbouring vocab ids
-    next_step = counter_uniforms(seeds, steps + 1, torch.arange(16384)).double()
-    assert abs(correlation(u, next_step)) < bound  # consecutive generation indices
-    next_seed = counter_uniforms(seeds + 1, steps, torch.arange(16384)).double()
-    assert abs(correlation(u, next_seed)) < bound  # neighbouring seeds
+    assert abs(correlation(u, counter_uniform64(seeds, steps + 1, DRAW_COLUMN))) < bound  # next generation index
+    assert abs(correlation(u, counter_uniform64(seeds + 1, steps, DRAW_COLUMN))) < bound  # neighbouring seeds
+    # the other column of the same coordinates: speculative decoding's acceptance test
+    assert abs(correlation(u, counter_uniform64(seeds, steps, 49152))) < bound
 
 
 # ---- reproducibility and the empirical distribution ---------------------------
@@ -174,6 +159,22 @@ def test_a_draw_never_lands_on_a_token_without_mass(u, monkeypatch):
         assert torch.equal(tokens, first)
     elif u > 0.5:
         assert torch.equal(tokens, last)
+
+
+def test_a_draw_over_several_chunks_equals_one_over_the_whole_batch(monkeypatch):
+    gen = torch.Generator().manual_seed(8)
+    probs = torch.rand(37, 1000, generator=gen) ** 8
+    seeds, steps = torch.arange(37) * 31, torch.arange(37) % 4
+    whole = draw(probs, seeds, steps)
+    monkeypatch.setattr(sampler_module, "_CPU_CHUNK_ELEMENTS", 2 * 3 * 1000)  # 3 rows a chunk: 13 chunks
+    assert torch.equal(draw(probs, seeds, steps), whole)
+    assert torch.equal(torch.cat([draw(probs[i:i + 1], seeds[i:i + 1], steps[i:i + 1]) for i in range(37)]), whole)
+
+
+def test_a_row_without_mass_still_draws_a_token_of_the_vocabulary():
+    probs = torch.tensor([[0.0, 0.0, 0.0], [float("nan"), 0.5, 0.5], [0.2, 0.3, 0.5]])
+    tokens = draw(probs, torch.tensor([1, 2, 3]), torch.tensor([0, 0, 0]))
+    assert all(0 <= t < 3 for t in tokens.tolist())
 
 
 # ---- filters -------------------------------------------------------------------

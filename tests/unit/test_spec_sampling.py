@@ -14,6 +14,7 @@ orders of magnitude (checked in the last test, which shows the tests have power)
 from __future__ import annotations
 
 import collections
+import math
 
 import pytest
 import torch
@@ -107,6 +108,20 @@ def test_the_chi_square_check_has_power():
     """Taking drafts without verification is caught: that is what the test guards against."""
     counts = first_tokens(P_LOGITS, Q, n_gram=False, accept_all=True)
     assert goodness_of_fit(counts, P_LOGITS[0].softmax(-1).double()) < 1e-12
+
+
+def test_a_draft_far_less_likely_under_the_target_can_still_be_accepted(monkeypatch):
+    """p/q of 1e-9, below any 23-bit uniform (at least 2**-24): accepted when the uniform is below it, as the rule
+    says, because the test uses 52-bit uniforms and compares in float64."""
+    from common.engine import spec_verify
+    logits = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    logits[0, 1] = math.log(1e-9 * 2 / (1 - 1e-9))  # p(1) = 1e-9 at the first row, under a draft q(1) = 1
+    params = SamplingParams(temperature=1.0)
+    for u, accepted in ((1e-12, 1), (1e-6, 0)):
+        monkeypatch.setattr(spec_verify, "counter_uniform64",
+                            lambda seeds, steps, column, u=u: torch.full((len(seeds),), u, dtype=torch.float64))
+        out = verify_drafts(logits, [Sequence("r", [1, 2], params, seed=5)], [[1]], [None])
+        assert out.num_accepted == [accepted]
 
 
 def bigram_model(directory, source, seed, noise=0.0):
