@@ -206,13 +206,19 @@ def draw(probs: torch.Tensor, seeds: torch.Tensor, generation_indices: torch.Ten
     for start in range(0, len(probs), rows):
         chunk = probs[start:start + rows]
         sums = torch.cumsum(chunk, -1, dtype=torch.float64)
-        if not on_cpu:  # a parallel scan's partial sums can differ by an ulp where a sequential one adds exact 0s
-            sums = torch.where(chunk > 0, sums, 0.0).cummax(-1).values
+        if not on_cpu:
+            sums = _flat_where_no_mass(chunk, sums)
         point = u[start:start + rows, None] * sums[:, -1:]
         tokens[start:start + rows] = torch.searchsorted(sums, point, right=True).squeeze(1)
     # a row without mass (none reaches here: non-finite logits are refused, and a grammar allows a token) stays
     # inside the vocabulary
     return tokens.clamp_(max=probs.shape[1] - 1)
+
+
+def _flat_where_no_mass(probs: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+    """``sums`` equal to the sum before them at tokens without mass, and never decreasing: what a sequential scan
+    gives, which a parallel one (a GPU's) can miss by an ulp where its partial sums meet."""
+    return torch.where(probs > 0, sums, 0.0).cummax(-1).values
 
 
 class Sampler:

@@ -171,6 +171,18 @@ def test_a_draw_over_several_chunks_equals_one_over_the_whole_batch(monkeypatch)
     assert torch.equal(torch.cat([draw(probs[i:i + 1], seeds[i:i + 1], steps[i:i + 1]) for i in range(37)]), whole)
 
 
+def test_a_parallel_scans_sums_are_made_flat_at_tokens_without_mass_and_never_decreasing():
+    """A GPU's scan (``draw`` off the CPU): partial sums that met an ulp apart, around tokens without mass."""
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.25, 0.0, 0.5, 0.0]])
+    ulp = 2.0**-53
+    sums = torch.tensor([[ulp, 0.25, 0.25 + ulp, 0.5 - ulp, 0.5, 1.0, 1.0 - ulp]], dtype=torch.float64)
+    flat = sampler_module._flat_where_no_mass(probs, sums)
+    assert flat.tolist() == [[0.0, 0.25, 0.25, 0.5 - ulp, 0.5 - ulp, 1.0, 1.0]]
+    for point in (0.0, 0.25, 0.5 - ulp, 0.75, 1.0 - ulp):
+        token = int(torch.searchsorted(flat, torch.tensor([[point]], dtype=torch.float64), right=True))
+        assert probs[0, token] > 0, point
+
+
 def test_a_row_without_mass_still_draws_a_token_of_the_vocabulary():
     probs = torch.tensor([[0.0, 0.0, 0.0], [float("nan"), 0.5, 0.5], [0.2, 0.3, 0.5]])
     tokens = draw(probs, torch.tensor([1, 2, 3]), torch.tensor([0, 0, 0]))
