@@ -563,9 +563,11 @@ class ModelRunner:
             rows_of = starts[plain].tolist()
         if plain:
             picked = [seqs[i] for i in plain]
-            # the output's copy only where the penalties read it: not a copy of every sequence each step
-            rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids if s.params.needs_penalties else (),
-                                s.seed, s.num_output_tokens) for s in picked]
+            # the output's copy only where the penalties read it, the prompt's distinct ids only where the
+            # repetition penalty does (made once a sequence): not a copy of every sequence each step
+            rows = [SamplingRow(s.params, _distinct_prompt_ids(s) if s.params.repetition_penalty != 1.0 else (),
+                                s.output_token_ids if s.params.needs_penalties else (), s.seed, s.num_output_tokens)
+                    for s in picked]
             sampled = self.sampler(logits[rows_of] if verifying else logits, rows)
             for j, i in enumerate(plain):
                 out.token_ids[i] = [sampled.token_ids[j]]
@@ -587,6 +589,13 @@ class ModelRunner:
                     out.logprobs[i] = verified.logprobs[j]
                     out.top_logprobs[i] = verified.top_logprobs[j]
         return out
+
+
+def _distinct_prompt_ids(seq: Sequence) -> torch.Tensor:
+    """The prompt's distinct token ids, computed on the sequence's first penalized step and kept with it."""
+    if seq.distinct_prompt_ids is None:
+        seq.distinct_prompt_ids = torch.unique(torch.tensor(seq.prompt_token_ids, dtype=torch.long))
+    return seq.distinct_prompt_ids
 
 
 def serve_rank(config: EngineConfig, model_dir: str, rank: int, rendezvous: str, link) -> None:

@@ -42,7 +42,8 @@ LOGPROB_FLOOR = -9999.0
 @dataclass
 class SamplingRow:
     params: SamplingParams
-    prompt_token_ids: Sequence[int]  # read only by the penalties (``params.needs_penalties``)
+    # read only by the repetition penalty; its distinct ids as a tensor will do (``Sequence.distinct_prompt_ids``)
+    prompt_token_ids: Sequence[int] | torch.Tensor
     output_token_ids: Sequence[int]  # generated before this step; read only by the penalties
     seed: int  # effective seed; the engine draws one for unseeded requests
     num_generated: int = -1  # tokens generated before this step; -1: len(output_token_ids)
@@ -64,7 +65,9 @@ class SamplerOutput:
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Repetition (prompt + output tokens) then frequency/presence (output only).
 
-    Returns ``logits`` itself when no row has penalties, else a new tensor.
+    Returns ``logits`` itself when no row has penalties, else a new tensor. Only the tokens a row has seen are
+    read and written (keys row * vocab + id): the cost follows the rows' token counts, not rows x vocabulary, and
+    each logit gets the same float32 operations, in the same order, as a dense pass over the whole rows would.
     """
     index = [i for i, row in enumerate(rows) if row.params.needs_penalties]
     if not index:
@@ -72,31 +75,36 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     params = [rows[i].params for i in index]
     sub = logits[index]
     vocab, device = sub.shape[1], logits.device
-    output_counts = _token_counts([rows[i].output_token_ids for i in index], vocab, device)
-    seen = _token_counts([rows[i].prompt_token_ids for i in index], vocab, device) > 0
-    seen |= output_counts > 0
+    flat = sub.view(-1)
 
     def column(name: str) -> torch.Tensor:
-        return torch.tensor([getattr(p, name) for p in params], device=device)[:, None]
+        return torch.tensor([getattr(p, name) for p in params], device=device)
 
-    repetition = column("repetition_penalty")
-    # HF/vLLM: shrink a seen token's logit towards zero on either side.
-    sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
-    sub -= column("frequency_penalty") * output_counts
-    sub -= column("presence_penalty") * (output_counts > 0)
+    output_keys, output_counts = _token_keys([rows[i].output_token_ids for i in index], vocab, device)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        prompt_keys, _ = _token_keys([rows[i].prompt_token_ids for i in index], vocab, device)
+        seen = torch.unique(torch.cat([prompt_keys, output_keys]))
+        repetition = column("repetition_penalty")[seen // vocab]
+        values = flat[seen]
+        # HF/vLLM: shrink a seen token's logit towards zero on either side.
+        flat[seen] = torch.where(values > 0, values / repetition, values * repetition)
+    row_of = output_keys // vocab
+    values = flat[output_keys] - column("frequency_penalty")[row_of] * output_counts
+    flat[output_keys] = values - column("presence_penalty")[row_of]
     return logits.index_copy(0, torch.tensor(index, device=device), sub)
 
 
-def _token_counts(id_lists: list[Sequence[int]], vocab: int, device) -> torch.Tensor:
-    """[n, vocab] float histogram of each row's ids: one bincount for the batch."""
-    flat = torch.tensor([t for ids in id_lists for t in ids], dtype=torch.long)
-    if len(flat) and int(flat.max()) >= vocab:
-        # bincount over row * vocab + id would count it in the next row.
-        raise ValueError(f"token id {int(flat.max())} outside the logits' vocab of {vocab}")
-    lengths = torch.tensor([len(ids) for ids in id_lists])
-    row_of = torch.repeat_interleave(torch.arange(len(id_lists)), lengths)
-    counts = torch.bincount((row_of * vocab + flat).to(device), minlength=len(id_lists) * vocab)
-    return counts.view(len(id_lists), vocab).float()
+def _token_keys(id_lists: list[Sequence[int] | torch.Tensor], vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's distinct ids as sorted keys row * vocab + id, and how often each occurs (float32)."""
+    ids = [torch.as_tensor(row_ids, dtype=torch.long) for row_ids in id_lists]
+    flat = torch.cat(ids) if ids else torch.empty(0, dtype=torch.long)
+    if len(flat) and (int(flat.max()) >= vocab or int(flat.min()) < 0):
+        # a key row * vocab + id past the row's vocabulary would be another row's token
+        raise ValueError(f"token id {int(flat.max()) if int(flat.max()) >= vocab else int(flat.min())} outside the "
+                         f"logits' vocab of {vocab}")
+    row_of = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor([len(x) for x in ids], dtype=torch.long))
+    keys, counts = torch.unique(row_of * vocab + flat, return_counts=True)
+    return keys.to(device), counts.to(device=device, dtype=torch.float32)
 
 
 def processed_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

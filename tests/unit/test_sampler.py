@@ -13,7 +13,7 @@ from common.protocol.sampling_params import SamplingParams
 
 
 def row(seed: int = 0, output: list[int] | None = None, prompt: list[int] | None = None, **params) -> SamplingRow:
-    return SamplingRow(SamplingParams(**params), prompt or [], output or [], seed)
+    return SamplingRow(SamplingParams(**params), [] if prompt is None else prompt, output or [], seed)
 
 
 def chi_square_critical(dof: int, z: float = 4.75) -> float:
@@ -290,9 +290,46 @@ def test_penalties_match_hand_computed_values():
     assert torch.equal(logits, original)
 
 
+def dense_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The penalties over every logit of every row: a histogram of each row's tokens, then whole-row operations."""
+    out = logits.clone()
+    for i, r in enumerate(rows):
+        if not r.params.needs_penalties:
+            continue
+        counts = torch.bincount(torch.tensor(list(r.output_token_ids), dtype=torch.long),
+                                minlength=logits.shape[1]).float()
+        seen = counts > 0
+        seen[torch.as_tensor(r.prompt_token_ids, dtype=torch.long)] = True
+        rep = torch.tensor(r.params.repetition_penalty)
+        x = torch.where(seen, torch.where(out[i] > 0, out[i] / rep, out[i] * rep), out[i])
+        x -= torch.tensor(r.params.frequency_penalty) * counts
+        x -= torch.tensor(r.params.presence_penalty) * (counts > 0)
+        out[i] = x
+    return out
+
+
+def test_penalties_touch_only_seen_tokens_and_equal_the_dense_pass_bit_for_bit():
+    gen = torch.Generator().manual_seed(4)
+    vocab = 3000
+    logits = torch.randn(9, vocab, generator=gen) * 4
+    logits[2, 7] = -math.inf  # a token a grammar masked
+    ids = torch.randint(0, vocab, (9, 400), generator=gen).tolist()
+    rows = [row(prompt=ids[i][:300], output=ids[i][300:300 + 10 * i], repetition_penalty=(1.0, 1.3, 0.8)[i % 3],
+                frequency_penalty=(0.0, 0.7, -0.4)[i % 3] if i != 4 else 0.0,
+                presence_penalty=(0.2, 0.0, 1.1)[i % 3] if i != 5 else 0.0) for i in range(8)]
+    rows.append(row(prompt=[7, 8], output=[7, 7, 9], temperature=0.5))  # no penalties: untouched
+    rows[2] = row(prompt=torch.tensor([7, 11, 12]), output=[7, 13, 13], repetition_penalty=1.2,
+                  frequency_penalty=0.3)  # the prompt as its distinct ids, as the model runner passes it
+    got = apply_penalties(logits, rows)
+    assert torch.equal(got, dense_penalties(logits, rows))
+    assert torch.equal(got[8], logits[8]) and got[2, 7].item() == -math.inf
+
+
 def test_token_ids_outside_the_vocab_are_rejected():
     with pytest.raises(ValueError, match="outside the logits' vocab"):
         apply_penalties(torch.zeros(2, 5), [row(output=[5], presence_penalty=1.0), row(presence_penalty=1.0)])
+    with pytest.raises(ValueError, match="token id -1 outside"):
+        apply_penalties(torch.zeros(1, 5), [row(prompt=[-1], repetition_penalty=1.5)])
 
 
 # ---- greedy and logprobs -------------------------------------------------------
