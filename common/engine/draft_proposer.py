@@ -126,7 +126,8 @@ class DraftProposer:
         prepared = self.runner.prepare(plan)
         hidden = self.runner.forward(prepared)
         logits = self.runner.model.compute_logits(hidden[prepared.sample_rows]).float()
-        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.seed) for s in shadows]
+        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids if s.params.needs_penalties else (),
+                            s.seed, s.num_output_tokens) for s in shadows]
         sampled = [not s.params.greedy for s in shadows]
         qs: list[torch.Tensor | None] = [None] * len(shadows)
         if any(sampled):

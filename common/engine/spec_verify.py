@@ -86,9 +86,12 @@ def _rows(seqs: list[Sequence], drafts: list[list[int]]) -> list[SamplingRow]:
     """One sampling row per verification row; drafts before it count as output."""
     rows = []
     for seq, d in zip(seqs, drafts):
-        prompt, output = seq.prompt_token_ids, seq.output_token_ids
+        generated = seq.num_output_tokens
+        # the output's copies only where the penalties read them, not k + 1 copies of every output each step
+        output = seq.output_token_ids if seq.params.needs_penalties else None
         for i in range(len(d) + 1):
-            rows.append(SamplingRow(seq.params, prompt, output + d[:i], seq.seed))
+            rows.append(SamplingRow(seq.params, seq.prompt_token_ids, () if output is None else output + d[:i],
+                                    seq.seed, generated + i))
     return rows
 
 
