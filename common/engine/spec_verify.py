@@ -17,9 +17,9 @@ output, then temperature, min_p, top_k, top_p), so:
   exactly as plain sampling's.
 
 All uniforms come from the counter RNG keyed by (seed, generation index):
-the acceptance test reads column ``vocab`` and the draws read column
-``sampler.DRAW_COLUMN``, so the two are independent, and a redraw never reuses
-a uniform that decided an earlier emitted token.
+the acceptance test reads column ``vocab`` and the draws read columns
+``0..vocab-1``, so the two are independent, and a redraw never reuses a
+uniform that decided an earlier emitted token.
 """
 from __future__ import annotations
 

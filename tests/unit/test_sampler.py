@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from common.engine import sampler as sampler_module
-from common.engine.counter_rng import counter_uniform64
-from common.engine.sampler import DRAW_COLUMN, Sampler, SamplingRow, apply_penalties, draw, processed_probs
+from common.engine.counter_rng import counter_uniform64, counter_uniforms
+from common.engine.sampler import Sampler, SamplingRow, apply_penalties, draw, processed_probs
 from common.protocol.sampling_params import SamplingParams
 
 
@@ -44,24 +44,38 @@ def uniform_reference(seed: int, counter: int, column: int) -> float:
     gamma = 0x9E3779B97F4A7C15
     key = splitmix64_reference((splitmix64_reference(seed & MASK64) + (counter + 1) * gamma) & MASK64)
     z = splitmix64_reference((key + (column + 1) * gamma) & MASK64)
-    return ((z >> 12) + 0.5) / 2**52
+    return ((z >> 41) + 0.5) / 2**23
 
 
 def test_uniforms_are_splitmix64_with_wraparound():
     seeds = [0, 1, 2**62 + 12345, 2**63 - 1, -(2**63), -7]  # int64 views of uint64 seeds
     counters = [0, 1, 17, 5000, 2**31, 3]
-    for column in (DRAW_COLUMN, 0, 1, 49152, 2**20):
+    columns = [0, 1, 2, 1000, 49151, 2**20]
+    got = counter_uniforms(torch.tensor(seeds), torch.tensor(counters), torch.tensor(columns))
+    for i, (seed, counter) in enumerate(zip(seeds, counters)):
+        for j, column in enumerate(columns):
+            assert got[i, j].item() == uniform_reference(seed, counter, column)
+
+
+def test_the_row_uniform_is_splitmix64s_whole_output():
+    seeds = [0, 1, 2**62 + 12345, 2**63 - 1, -(2**63), -7]
+    counters = [0, 1, 17, 5000, 2**31, 3]
+    gamma = 0x9E3779B97F4A7C15
+    for column in (0, 49152):
         got = counter_uniform64(torch.tensor(seeds), torch.tensor(counters), column)
         assert got.dtype is torch.float64
         for i, (seed, counter) in enumerate(zip(seeds, counters)):
-            assert got[i].item() == uniform_reference(seed, counter, column)
+            key = splitmix64_reference((splitmix64_reference(seed & MASK64) + (counter + 1) * gamma) & MASK64)
+            z = splitmix64_reference((key + (column + 1) * gamma) & MASK64)
+            assert got[i].item() == ((z >> 12) + 0.5) / 2**52
+            # the float32 uniform of the same coordinates is its top 23 bits
+            assert math.floor(got[i].item() * 2**23) + 0.5 == uniform_reference(seed, counter, column) * 2**23
 
 
 def test_uniforms_look_uniform_and_uncorrelated():
-    n = 2**20
-    seeds, steps = torch.arange(n) // 64, torch.arange(n) % 64 * 3
-    u = counter_uniform64(seeds, steps, DRAW_COLUMN)
-    assert 0 < u.min().item() and u.max().item() < 1
+    seeds, steps = torch.arange(64), torch.arange(64) * 3
+    u = counter_uniforms(seeds, steps, torch.arange(16384)).double()
+    n = u.numel()
     sigma_mean = math.sqrt(1 / 12 / n)
     assert abs(u.mean().item() - 0.5) < 5 * sigma_mean
     assert abs(u.var().item() - 1 / 12) < 0.002
@@ -73,10 +87,11 @@ def test_uniforms_look_uniform_and_uncorrelated():
         return torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()
 
     bound = 5 / math.sqrt(n)  # five standard errors of a zero correlation
-    assert abs(correlation(u, counter_uniform64(seeds, steps + 1, DRAW_COLUMN))) < bound  # next generation index
-    assert abs(correlation(u, counter_uniform64(seeds + 1, steps, DRAW_COLUMN))) < bound  # neighbouring seeds
-    # the other column of the same coordinates: speculative decoding's acceptance test
-    assert abs(correlation(u, counter_uniform64(seeds, steps, 49152))) < bound
+    assert abs(correlation(u[:, :-1], u[:, 1:])) < bound  # neighbouring vocab ids
+    next_step = counter_uniforms(seeds, steps + 1, torch.arange(16384)).double()
+    assert abs(correlation(u, next_step)) < bound  # consecutive generation indices
+    next_seed = counter_uniforms(seeds + 1, steps, torch.arange(16384)).double()
+    assert abs(correlation(u, next_seed)) < bound  # neighbouring seeds
 
 
 # ---- reproducibility and the empirical distribution ---------------------------
@@ -127,66 +142,28 @@ def test_draws_follow_softmax_of_tempered_logits():
     assert total_variation < 0.01
 
 
-def test_draw_takes_the_inverse_cdf_at_the_rows_uniform():
-    probs = torch.tensor([[0.2, 0.3, 0.5], [0.2, 0.3, 0.5], [0.0, 0.0, 1.0], [0.25, 0.0, 0.75]])
-    seeds, steps = torch.tensor([11, 12, 13, 14]), torch.tensor([4, 4, 9, 2])
-    u = counter_uniform64(seeds, steps, DRAW_COLUMN)
-    sums = probs.double().cumsum(-1)
-    expected = torch.tensor([int((sums[i] <= u[i] * sums[i, -1]).sum()) for i in range(len(probs))])
+def test_draw_takes_given_uniform_coordinates():
+    probs = torch.tensor([[0.2, 0.3, 0.5], [0.2, 0.3, 0.5]])
+    seeds, steps = torch.tensor([11, 11]), torch.tensor([4, 4])
+    u = counter_uniforms(seeds, steps, torch.arange(3))
+    expected = (probs / -u.log()).argmax(-1)
     assert torch.equal(draw(probs, seeds, steps), expected)
 
 
-@pytest.mark.parametrize("u", [2.0**-53, 0.5, 1 - 2.0**-53])
-def test_a_draw_never_lands_on_a_token_without_mass(u, monkeypatch):
-    """The uniform at its extremes (its least and greatest values), over rows whose first and last tokens have no
-    mass, unnormalized rows (a residual) and one-hot rows: the token drawn always has mass, the extremes take the
-    first and the last token that has."""
-    monkeypatch.setattr(sampler_module, "counter_uniform64",
-                        lambda seeds, steps, column: torch.full((len(seeds),), u, dtype=torch.float64))
+def test_a_draw_over_a_small_support_races_only_it_and_picks_what_the_whole_race_would():
+    """Rows of a few possible tokens each (top_k, top_p): the same token as the race over every column, ties
+    included (both take the lowest id), for any support narrow enough to take that path."""
     gen = torch.Generator().manual_seed(5)
-    probs = torch.rand(64, 4096, generator=gen) * (torch.rand(64, 4096, generator=gen) < 0.01)
-    probs[:, :3] = 0.0
-    probs[:, -5:] = 0.0
-    probs[0] = 0.0
-    probs[0, 4000] = 1.0
-    probs[1] = 0.0
-    probs[1, 3] = 1e-30  # one token of tiny mass is still the only one to draw
-    tokens = draw(probs, torch.arange(64), torch.zeros(64, dtype=torch.long))
-    assert bool((probs.gather(1, tokens[:, None]) > 0).all())
-    positive = probs > 0
-    first, last = positive.int().argmax(-1), probs.shape[1] - 1 - positive.flip(-1).int().argmax(-1)
-    if u < 0.5:
-        assert torch.equal(tokens, first)
-    elif u > 0.5:
-        assert torch.equal(tokens, last)
-
-
-def test_a_draw_over_several_chunks_equals_one_over_the_whole_batch(monkeypatch):
-    gen = torch.Generator().manual_seed(8)
-    probs = torch.rand(37, 1000, generator=gen) ** 8
-    seeds, steps = torch.arange(37) * 31, torch.arange(37) % 4
-    whole = draw(probs, seeds, steps)
-    monkeypatch.setattr(sampler_module, "_CPU_CHUNK_ELEMENTS", 2 * 3 * 1000)  # 3 rows a chunk: 13 chunks
-    assert torch.equal(draw(probs, seeds, steps), whole)
-    assert torch.equal(torch.cat([draw(probs[i:i + 1], seeds[i:i + 1], steps[i:i + 1]) for i in range(37)]), whole)
-
-
-def test_a_parallel_scans_sums_are_made_flat_at_tokens_without_mass_and_never_decreasing():
-    """A GPU's scan (``draw`` off the CPU): partial sums that met an ulp apart, around tokens without mass."""
-    probs = torch.tensor([[0.0, 0.25, 0.0, 0.25, 0.0, 0.5, 0.0]])
-    ulp = 2.0**-53
-    sums = torch.tensor([[ulp, 0.25, 0.25 + ulp, 0.5 - ulp, 0.5, 1.0, 1.0 - ulp]], dtype=torch.float64)
-    flat = sampler_module._flat_where_no_mass(probs, sums)
-    assert flat.tolist() == [[0.0, 0.25, 0.25, 0.5 - ulp, 0.5 - ulp, 1.0, 1.0]]
-    for point in (0.0, 0.25, 0.5 - ulp, 0.75, 1.0 - ulp):
-        token = int(torch.searchsorted(flat, torch.tensor([[point]], dtype=torch.float64), right=True))
-        assert probs[0, token] > 0, point
-
-
-def test_a_row_without_mass_still_draws_a_token_of_the_vocabulary():
-    probs = torch.tensor([[0.0, 0.0, 0.0], [float("nan"), 0.5, 0.5], [0.2, 0.3, 0.5]])
-    tokens = draw(probs, torch.tensor([1, 2, 3]), torch.tensor([0, 0, 0]))
-    assert all(0 <= t < 3 for t in tokens.tolist())
+    vocab, rows = 4096, 64
+    for support in (1, 3, 40, vocab // sampler_module._SPARSE_DRAW_RATIO):
+        logits = torch.randn(rows, vocab, generator=gen)
+        probs = processed_probs(logits, [row(temperature=1.0, top_k=1 + i % support) for i in range(rows)])
+        probs[0] = 0.0
+        probs[0, [7, 9]] = 0.5  # equal probabilities: only the uniforms decide
+        seeds, steps = torch.arange(rows) * 7919, torch.arange(rows) % 5
+        whole = (probs / -counter_uniforms(seeds, steps, torch.arange(vocab)).log()).argmax(-1)
+        assert torch.equal(draw(probs, seeds, steps), whole), support
+        assert bool((probs.gather(1, whole[:, None]) > 0).all())
 
 
 # ---- filters -------------------------------------------------------------------
