@@ -9,10 +9,9 @@ decoding's acceptance test the column after them).
 
 The hash is SplitMix64 (Steele et al., 2014): the row key is the mixed
 (seed, counter) pair, and column c reads the (c + 1)-th output of the
-SplitMix64 stream started at that key (column -1: the key's own mix). Torch has
-no unsigned 64-bit shifts, so the arithmetic runs on int64 with two's-complement
-wrap-around and logical right shifts are arithmetic shifts with the sign bits
-masked off. ``counter_uniforms`` gives float32 uniforms of 23 bits over many
+SplitMix64 stream started at that key. Torch has no unsigned 64-bit shifts, so
+the arithmetic runs on int64 with two's-complement wrap-around and logical
+right shifts are arithmetic shifts with the sign bits masked off. ``counter_uniforms`` gives float32 uniforms of 23 bits over many
 columns (the sampler's race, a column a token); ``counter_uniform64`` one float64
 uniform of 52 bits per row (speculative decoding's acceptance test).
 """

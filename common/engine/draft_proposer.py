@@ -34,7 +34,7 @@ from common.config.base import EngineConfig, RanksConfig, SpecConfig
 from common.engine.counter_rng import as_int64
 from common.engine.model_runner import ModelRunner
 from common.storage.model_store import resolve_model
-from common.engine.sampler import SamplingRow, draw, processed_probs
+from common.engine.sampler import SamplingRow, draw, penalty_prompt_ids, processed_probs
 from common.engine.scheduler import StepPlan
 from common.engine.sequence import Sequence
 
@@ -126,7 +126,7 @@ class DraftProposer:
         prepared = self.runner.prepare(plan)
         hidden = self.runner.forward(prepared)
         logits = self.runner.model.compute_logits(hidden[prepared.sample_rows]).float()
-        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids if s.params.needs_penalties else (),
+        rows = [SamplingRow(s.params, penalty_prompt_ids(s), s.output_token_ids if s.params.needs_penalties else (),
                             s.seed, s.num_output_tokens) for s in shadows]
         sampled = [not s.params.greedy for s in shadows]
         qs: list[torch.Tensor | None] = [None] * len(shadows)

@@ -34,7 +34,7 @@ from common.engine.models.llama import FusedDecode, check_divisible, onednn_besi
 from common.engine.models.loader import load_hf_config, load_model
 from common.engine.native import gemv_bf16_kernel
 from common.engine.quantization import calibration_ids, choose_int8_matmul, quantize_model_int8, smooth_for_int8
-from common.engine.sampler import Sampler, SamplingRow
+from common.engine.sampler import Sampler, SamplingRow, penalty_prompt_ids
 from common.engine.scheduler import StepPlan
 from common.engine.sequence import Sequence
 from common.engine.spec_verify import verify_drafts
@@ -565,9 +565,8 @@ class ModelRunner:
             picked = [seqs[i] for i in plain]
             # the output's copy only where the penalties read it, the prompt's distinct ids only where the
             # repetition penalty does (made once a sequence): not a copy of every sequence each step
-            rows = [SamplingRow(s.params, _distinct_prompt_ids(s) if s.params.repetition_penalty != 1.0 else (),
-                                s.output_token_ids if s.params.needs_penalties else (), s.seed, s.num_output_tokens)
-                    for s in picked]
+            rows = [SamplingRow(s.params, penalty_prompt_ids(s), s.output_token_ids if s.params.needs_penalties
+                                else (), s.seed, s.num_output_tokens) for s in picked]
             sampled = self.sampler(logits[rows_of] if verifying else logits, rows)
             for j, i in enumerate(plain):
                 out.token_ids[i] = [sampled.token_ids[j]]
@@ -589,13 +588,6 @@ class ModelRunner:
                     out.logprobs[i] = verified.logprobs[j]
                     out.top_logprobs[i] = verified.top_logprobs[j]
         return out
-
-
-def _distinct_prompt_ids(seq: Sequence) -> torch.Tensor:
-    """The prompt's distinct token ids, computed on the sequence's first penalized step and kept with it."""
-    if seq.distinct_prompt_ids is None:
-        seq.distinct_prompt_ids = torch.unique(torch.tensor(seq.prompt_token_ids, dtype=torch.long))
-    return seq.distinct_prompt_ids
 
 
 def serve_rank(config: EngineConfig, model_dir: str, rank: int, rendezvous: str, link) -> None:

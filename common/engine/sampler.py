@@ -43,7 +43,7 @@ LOGPROB_FLOOR = -9999.0
 @dataclass
 class SamplingRow:
     params: SamplingParams
-    # read only by the repetition penalty; its distinct ids as a tensor will do (``Sequence.distinct_prompt_ids``)
+    # read only by the repetition penalty; its distinct ids as a tensor will do (``penalty_prompt_ids``)
     prompt_token_ids: Sequence[int] | torch.Tensor
     output_token_ids: Sequence[int]  # generated before this step; read only by the penalties
     seed: int  # effective seed; the engine draws one for unseeded requests
@@ -95,14 +95,26 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return logits.index_copy(0, torch.tensor(index, device=device), sub)
 
 
-def _token_keys(id_lists: list[Sequence[int] | torch.Tensor], vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def penalty_prompt_ids(seq) -> Sequence[int] | torch.Tensor:
+    """What a sequence's rows pass as ``prompt_token_ids``: its prompt's distinct ids (a tensor, made on its first
+    step with a repetition penalty and kept on it, ``Sequence.distinct_prompt_ids``), or nothing when no penalty
+    reads the prompt."""
+    if seq.params.repetition_penalty == 1.0:
+        return ()
+    if seq.distinct_prompt_ids is None:
+        seq.distinct_prompt_ids = torch.unique(torch.tensor(seq.prompt_token_ids, dtype=torch.long))
+    return seq.distinct_prompt_ids
+
+
+def _token_keys(id_lists: list[Sequence[int] | torch.Tensor], vocab: int,
+                device) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's distinct ids as sorted keys row * vocab + id, and how often each occurs (float32)."""
     ids = [torch.as_tensor(row_ids, dtype=torch.long) for row_ids in id_lists]
     flat = torch.cat(ids) if ids else torch.empty(0, dtype=torch.long)
-    if len(flat) and (int(flat.max()) >= vocab or int(flat.min()) < 0):
-        # a key row * vocab + id past the row's vocabulary would be another row's token
-        raise ValueError(f"token id {int(flat.max()) if int(flat.max()) >= vocab else int(flat.min())} outside the "
-                         f"logits' vocab of {vocab}")
+    # a key row * vocab + id past the row's vocabulary would be another row's token
+    bad = flat[(flat < 0) | (flat >= vocab)]
+    if len(bad):
+        raise ValueError(f"token id {int(bad[0])} outside the logits' vocab of {vocab}")
     row_of = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor([len(x) for x in ids], dtype=torch.long))
     keys, counts = torch.unique(row_of * vocab + flat, return_counts=True)
     return keys.to(device), counts.to(device=device, dtype=torch.float32)

@@ -82,8 +82,8 @@ class Sequence:
         self.spec_draft_probs: Any = None
         # Structured output: the grammar matcher that has accepted its output (common.engine.structured_output).
         self.grammar: Any = None
-        # The prompt's distinct token ids (a tensor) for the repetition penalty, made on first use by the model
-        # runner (``model_runner._distinct_prompt_ids``): the prompt never changes.
+        # The prompt's distinct token ids (a tensor) for the repetition penalty, made on first use by
+        # ``sampler.penalty_prompt_ids``: the prompt never changes.
         self.distinct_prompt_ids: Any = None
 
     @property

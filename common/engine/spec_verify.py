@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from common.engine.counter_rng import as_int64, counter_uniform64
-from common.engine.sampler import SamplingRow, draw, processed_probs, token_logprobs
+from common.engine.sampler import SamplingRow, draw, penalty_prompt_ids, processed_probs, token_logprobs
 from common.engine.sequence import Sequence
 
 
@@ -86,12 +86,12 @@ def _rows(seqs: list[Sequence], drafts: list[list[int]]) -> list[SamplingRow]:
     """One sampling row per verification row; drafts before it count as output."""
     rows = []
     for seq, d in zip(seqs, drafts):
-        generated = seq.num_output_tokens
+        generated, prompt = seq.num_output_tokens, penalty_prompt_ids(seq)
         # the output's copies only where the penalties read them, not k + 1 copies of every output each step
         output = seq.output_token_ids if seq.params.needs_penalties else None
         for i in range(len(d) + 1):
-            rows.append(SamplingRow(seq.params, seq.prompt_token_ids, () if output is None else output + d[:i],
-                                    seq.seed, generated + i))
+            rows.append(SamplingRow(seq.params, prompt, () if output is None else output + d[:i], seq.seed,
+                                    generated + i))
     return rows
 
 
