@@ -41,17 +41,19 @@ CONFIGS = {
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
-def build_tiny_model(kind: str, directory: Path, seed: int = 0, tokenizer_from: Path | None = None) -> Path:
+def build_tiny_model(kind: str, directory: Path, seed: int = 0, tokenizer_from: Path | None = None,
+                     vocab_size: int = 49152) -> Path:
     """Save a random model of ``kind`` into ``directory``; returns it.
 
     With ``tokenizer_from`` (a model directory), the tokenizer files are copied
-    in and the vocabulary sized to match, so the whole engine (text in, text
-    out) runs on a model that computes in milliseconds.
+    in and the vocabulary sized to match (``vocab_size``: a smaller head, whose
+    ids the tokenizer still decodes, where a test's cost is the head's), so the
+    whole engine (text in, text out) runs on a model that computes in milliseconds.
     """
     torch.manual_seed(seed)
     config = CONFIGS[kind]()
     if tokenizer_from is not None:
-        config.vocab_size = 49152
+        config.vocab_size = vocab_size
         config.eos_token_id = 2
         config.bos_token_id = 1
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

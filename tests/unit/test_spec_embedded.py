@@ -1,4 +1,4 @@
-"""N-gram speculation on the embedded model: greedy output unchanged on 36 prompts.
+"""N-gram speculation on the embedded model: greedy output unchanged on 30 prompts.
 
 The prompts are the load generator's own: its copy-heavy ones (repeat or
 lightly edit a passage, where prompt lookups pay) and its plain chat ones
@@ -24,7 +24,7 @@ def chats(embedded_model_dir):
     prompt_set = json.loads(resources.files("bench.loadgen").joinpath("prompt_set.json").read_text())
     copy = [f"{instruction}\n\n{passage}" for instruction in prompt_set["copy_instructions"]
             for passage in prompt_set["passages"][:5]]
-    plain = [p["prompt"] for p in prompt_set["prompts"][:16]]
+    plain = [p["prompt"] for p in prompt_set["prompts"][:10]]
     engine = LLMEngine(EngineConfig(model=str(embedded_model_dir), num_kv_blocks=8))
     return [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in copy + plain]
 

@@ -124,11 +124,16 @@ def test_a_draft_far_less_likely_under_the_target_can_still_be_accepted(monkeypa
         assert out.num_accepted == [accepted]
 
 
+# The bigram models' vocabulary: the engine's cost here is the head and the sampler's passes over [rows, vocab], and
+# the joint distributions under test live on a few tokens of it (top_k=4).
+BIGRAM_VOCAB = 2048
+
+
 def bigram_model(directory, source, seed, noise=0.0):
     """A tiny Llama whose layers add nothing (o_proj, down_proj zeroed): its next-token
     distribution depends on the last token only, so lookups can predict it. With ``noise``,
     the same model with a perturbed output head: a draft close to, but not equal to, the target."""
-    build_tiny_model("llama", directory, seed=seed, tokenizer_from=source)
+    build_tiny_model("llama", directory, seed=seed, tokenizer_from=source, vocab_size=BIGRAM_VOCAB)
     path = directory / "model.safetensors"
     tensors = load_file(path)
     for name in tensors:
