@@ -37,6 +37,8 @@ BESIDE_E2E = {
     # the embedded model, computing little while others run
     "test_role_switch.py", "test_embeddings.py", "test_sessions.py", "test_protocol_versions.py",
     "test_planner_cluster.py",
+    # the device check's CPU mode: each step a process of its own on the tiny shape (imports, two small clusters)
+    "test_device_check.py",
     # four small clusters with a worker at tensor parallelism 3 and one of tiny models at TP 2 (about 120 s alone;
     # under the compute lane's load each TP step's 61 all-reduces wait on the scheduler, so it keeps few decode
     # steps: 16 to 40 tokens)
