@@ -6,8 +6,9 @@ token ids):
     raw logits --log_softmax--> logprobs (chosen token + top alternatives)
     raw logits -> penalties -> greedy rows: argmax
                             -> other rows: / temperature -> min_p -> top_k
-                                  -> top_p -> softmax -> draw: argmax(probs / E),
-                                     E = -log(u), u from the counter RNG
+                                  -> top_p -> softmax -> draw: argmax(mass / E) over blocks of
+                                     tokens, then argmax(probs / E) in the block, E = -log(u), u
+                                     from the counter RNG
 
 ``processed_probs`` and ``draw`` are separate so that speculative decoding can
 score draft tokens against the same target distribution and redraw with the
@@ -33,10 +34,8 @@ _TOP_P_CANDIDATES = (256, 4096)
 # page-fault on each allocation; chunks of about this many elements run 2-3x
 # faster there. A GPU takes all rows at once.
 _CPU_CHUNK_ELEMENTS = 2**20
-# ``draw`` races only the tokens that can win where the widest row's support is at most the vocabulary over this.
-# Measured on CPU, 21 rows of 49,152 columns (one chunk): 2.6 ms against 14 ms at 4 tokens, 3.0 against 9.0 at 256,
-# 9.4 against 10.4 at 2,048, 21 against 9.3 at 6,144 (the top-k that finds the columns grows with them).
-_SPARSE_DRAW_RATIO = 32
+# ``draw``'s first round races blocks of this many tokens by their mass, its second the winning block's tokens.
+_DRAW_BLOCK = 256
 LOGPROB_FLOOR = -9999.0
 
 
@@ -208,24 +207,26 @@ def _nucleus_floor_within(
 
 
 def draw(probs: torch.Tensor, seeds: torch.Tensor, generation_indices: torch.Tensor) -> torch.Tensor:
-    """Exponential race: argmax_v probs[b, v] / E[b, v] with E = -log(u).
-
-    u is a pure function of (seed, generation index, v), so a row draws the
-    same token whatever its batch neighbours or position. Where every row can
-    draw from only a few tokens (top_k, top_p, min_p), on CPU the race runs
-    over those columns alone, in vocabulary order: the same uniforms, the same
-    winner, for a fraction of the hashing.
+    """An exponential race in two rounds: first among blocks of ``_DRAW_BLOCK`` tokens, by their mass, then among
+    the winning block's tokens. Each round is the race argmax_i w_i / E_i with E_i = -log(u_i), which picks i with
+    probability w_i / sum(w): a block with its mass's share, then a token with its share of that mass, so a token
+    with its probability. u is a pure function of (seed, generation index, column): a token's column is its id, a
+    block's comes after the vocabulary and speculative decoding's acceptance column (vocab + 1 + block). So a row
+    draws the same token whatever its batch neighbours or position, and hashes a block's worth of columns and one
+    per block instead of one per token (at 128,256 tokens, 757 instead of 128,256). A near-tie in either round is
+    all that float noise in the logits can flip, as in a one-round race.
     """
-    vocab = probs.shape[1]
-    # on CPU, where it was measured; on a GPU the hashing is cheap and the support's count a sync
-    support = int((probs > 0).sum(-1).max()) if len(probs) and probs.device.type == "cpu" else 0
-    if 0 < support and support * _SPARSE_DRAW_RATIO <= vocab:
-        columns = probs.topk(support).indices.sort(-1).values
-        exponentials = counter_uniforms(seeds, generation_indices, columns).log_().neg_()
-        return columns.gather(1, (probs.gather(1, columns) / exponentials).argmax(-1, keepdim=True)).squeeze(1)
-    vocab_ids = torch.arange(vocab, device=probs.device)
-    exponentials = counter_uniforms(seeds, generation_indices, vocab_ids).log_().neg_()
-    return (probs / exponentials).argmax(-1)
+    rows, vocab = probs.shape
+    blocks = -(-vocab // _DRAW_BLOCK)
+    if blocks * _DRAW_BLOCK != vocab:  # zero mass past the vocabulary: never drawn
+        probs = torch.nn.functional.pad(probs, (0, blocks * _DRAW_BLOCK - vocab))
+    by_block = probs.reshape(rows, blocks, _DRAW_BLOCK)
+    block_columns = torch.arange(vocab + 1, vocab + 1 + blocks, device=probs.device)
+    block_exponentials = counter_uniforms(seeds, generation_indices, block_columns).log_().neg_()
+    block = (by_block.sum(-1) / block_exponentials).argmax(-1)
+    columns = block[:, None] * _DRAW_BLOCK + torch.arange(_DRAW_BLOCK, device=probs.device)
+    exponentials = counter_uniforms(seeds, generation_indices, columns).log_().neg_()
+    return columns.gather(1, (probs.gather(1, columns) / exponentials).argmax(-1, keepdim=True)).squeeze(1)
 
 
 class Sampler:

@@ -142,28 +142,50 @@ def test_draws_follow_softmax_of_tempered_logits():
     assert total_variation < 0.01
 
 
-def test_draw_takes_given_uniform_coordinates():
-    probs = torch.tensor([[0.2, 0.3, 0.5], [0.2, 0.3, 0.5]])
-    seeds, steps = torch.tensor([11, 11]), torch.tensor([4, 4])
-    u = counter_uniforms(seeds, steps, torch.arange(3))
-    expected = (probs / -u.log()).argmax(-1)
-    assert torch.equal(draw(probs, seeds, steps), expected)
+def reference_draw(probs: torch.Tensor, seed: int, step: int, block: int) -> int:
+    """One row's two-round race, the obvious way: the blocks' masses against their uniforms, then the winning
+    block's tokens against theirs (columns: a token's id; a block's vocab + 1 + its index)."""
+    vocab = probs.shape[0]
+    blocks = -(-vocab // block)
+    seeds, steps = torch.tensor([seed]), torch.tensor([step])
+    padded = torch.cat([probs, probs.new_zeros(blocks * block - vocab)])
+    masses = torch.stack([padded[b * block:(b + 1) * block].sum() for b in range(blocks)])
+    exponentials = -counter_uniforms(seeds, steps, torch.arange(vocab + 1, vocab + 1 + blocks))[0].log()
+    won = int((masses / exponentials).argmax())
+    ids = torch.arange(won * block, min(vocab, (won + 1) * block))
+    return int(ids[(probs[ids] / -counter_uniforms(seeds, steps, ids)[0].log()).argmax()])
 
 
-def test_a_draw_over_a_small_support_races_only_it_and_picks_what_the_whole_race_would():
-    """Rows of a few possible tokens each (top_k, top_p): the same token as the race over every column, ties
-    included (both take the lowest id), for any support narrow enough to take that path."""
-    gen = torch.Generator().manual_seed(5)
-    vocab, rows = 4096, 64
-    for support in (1, 3, 40, vocab // sampler_module._SPARSE_DRAW_RATIO):
-        logits = torch.randn(rows, vocab, generator=gen)
-        probs = processed_probs(logits, [row(temperature=1.0, top_k=1 + i % support) for i in range(rows)])
-        probs[0] = 0.0
-        probs[0, [7, 9]] = 0.5  # equal probabilities: only the uniforms decide
-        seeds, steps = torch.arange(rows) * 7919, torch.arange(rows) % 5
-        whole = (probs / -counter_uniforms(seeds, steps, torch.arange(vocab)).log()).argmax(-1)
-        assert torch.equal(draw(probs, seeds, steps), whole), support
-        assert bool((probs.gather(1, whole[:, None]) > 0).all())
+@pytest.mark.parametrize("vocab", [3, 256, 700, 4096])
+def test_draw_takes_given_uniform_coordinates(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 24
+    probs = processed_probs(torch.randn(rows, vocab, generator=gen) * 3,
+                            [row(temperature=1.0, top_k=[0, 1, 5, 300][i % 4]) for i in range(rows)])
+    seeds, steps = torch.arange(rows) * 7919, torch.arange(rows) % 5
+    expected = [reference_draw(probs[i], int(seeds[i]), int(steps[i]), sampler_module._DRAW_BLOCK)
+                for i in range(rows)]
+    drawn = draw(probs, seeds, steps)
+    assert drawn.tolist() == expected
+    assert bool((probs.gather(1, drawn[:, None]) > 0).all())
+
+
+def test_draws_across_blocks_follow_the_distribution():
+    """Mass spread over several blocks, unevenly, and a block of zero mass: the two rounds draw each token with its
+    probability (and a block with its mass)."""
+    vocab, draws = 5 * sampler_module._DRAW_BLOCK + 40, 60000
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.full((vocab,), -math.inf)
+    picked = torch.randperm(vocab, generator=gen)[:60]
+    picked = picked[picked // sampler_module._DRAW_BLOCK != 2]  # block 2 holds nothing
+    logits[picked] = torch.randn(len(picked), generator=gen)
+    probs = logits.softmax(-1)
+    rows = probs.expand(draws, -1)
+    tokens = draw(rows, torch.arange(draws) * 31 + 5, torch.arange(draws) % 7)
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    statistic, dof = chi_square(counts, probs.double())
+    assert statistic < chi_square_critical(dof)
+    assert counts[2 * sampler_module._DRAW_BLOCK:3 * sampler_module._DRAW_BLOCK].sum() == 0
 
 
 # ---- filters -------------------------------------------------------------------
