@@ -133,12 +133,20 @@ def send_signal(pick: Pick, sig: int) -> Event:
     return event
 
 
+# wait_until checks every POLL_S for FAST_POLL_S, then every SLOW_POLL_S: most conditions read /metrics (about 11
+# ms of CPU between the proxy and the test a scrape), and a wait of a minute at 50 ms (a planner's switch, a restart
+# under load) took a tenth of a core from the cluster it waits on. What must follow an event at once (a kill while
+# a prompt is prefilled, while streams have text) is found within the fast period.
+POLL_S, FAST_POLL_S, SLOW_POLL_S = 0.05, 2.0, 0.25
+
+
 def wait_until(condition: Callable[[Run], bool], what: str, timeout: float = 120) -> Event:
     async def event(run: Run) -> None:
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
         while not await asyncio.to_thread(condition, run):
-            assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
-            await asyncio.sleep(0.05)
+            waited = time.monotonic() - start
+            assert waited < timeout, f"not within {timeout}s: {what}"
+            await asyncio.sleep(POLL_S if waited < FAST_POLL_S else SLOW_POLL_S)
     return event
 
 
