@@ -18,11 +18,11 @@ from common.storage.model_store import resolve_model
 # lane runs the tests named in WAITS, which sleep through most of their time (an idle cluster's timers, KV pulls
 # held back on purpose, a hung step's watchdog): on 2 cores they cost the other lanes little, and a lane of their
 # own takes their waiting off the critical path. A new e2e module goes to the compute lane unless it is named
-# here; a new unit module to the beside lane. Measured (2026-11-30, 1,850 tests, `make test
-# PYTEST_ARGS=--durations=0` under `/usr/bin/time`): the compute lane's tests summed to 1,037 s, the beside lane's
-# to 923, the waits lane's to 409; the run took 1,058 s on 1,927 CPU-s (an earlier run of 1,809 tests on a less
-# loaded machine: 968 s on 1,803), both cores busy nearly throughout, so a lane more would gain only the
-# sleeping. Tests that wait but also compute (rolling upgrade, failover, a cut link, fuzzing) made the run longer
+# here; a new unit module to the beside lane. Measured (2026-12-01, 1,908 tests, `make test
+# PYTEST_ARGS=--durations=0` under `/usr/bin/time`): the compute lane's tests summed to 1,065 s, the beside lane's
+# to 993, the waits lane's to 399; the run took 1,080 s on 1,998 CPU-s, both cores busy nearly throughout, so a
+# lane more would gain only the sleeping (the gRPC and worker-tokenizer modules, 36 s, moved to the beside lane
+# after it). Tests that wait but also compute (rolling upgrade, failover, a cut link, fuzzing) made the run longer
 # beside the compute lane (their clusters contend for the cores): the waits lane holds only tests whose clusters
 # are idle or tiny.
 BESIDE_E2E = {
@@ -34,6 +34,7 @@ BESIDE_E2E = {
     # mostly scripted or tiny-model workers, and a few short requests through a real cluster
     "test_curve_security.py", "test_frame_fuzz.py", "test_hot_cold_models.py", "test_kv_transfer_processes.py",
     "test_prometheus_scrape.py", "test_resumable_streams.py", "test_websocket_stream.py", "test_nonfinite_logits.py",
+    "test_worker_tokenizer.py", "test_grpc_api.py",
     # the embedded model, computing little while others run
     "test_role_switch.py", "test_embeddings.py", "test_sessions.py", "test_protocol_versions.py",
     "test_planner_cluster.py",
