@@ -4,15 +4,17 @@ A stateful generator makes a row's draw depend on how many numbers its batch
 neighbours consumed before it. Hashing the coordinates instead gives every
 (seed, generation index, column) its own fixed uniform, on any device and in
 any batch layout, which is what reproducible seeded sampling and speculative
-decoding's re-draws need (the sampler's draw reads a column a token, speculative
-decoding's acceptance test the column after them).
+decoding's re-draws need (the sampler's draw reads a column a token and one a
+block of tokens, after the vocabulary; speculative decoding's acceptance test
+the column right after the tokens').
 
 The hash is SplitMix64 (Steele et al., 2014): the row key is the mixed
 (seed, counter) pair, and column c reads the (c + 1)-th output of the
 SplitMix64 stream started at that key. Torch has no unsigned 64-bit shifts, so
 the arithmetic runs on int64 with two's-complement wrap-around and logical
-right shifts are arithmetic shifts with the sign bits masked off. ``counter_uniforms`` gives float32 uniforms of 23 bits over many
-columns (the sampler's race, a column a token); ``counter_uniform64`` one float64
+right shifts are arithmetic shifts with the sign bits masked off.
+``counter_uniforms`` gives float32 uniforms of 23 bits over many columns (the
+sampler's race); ``counter_uniform64`` one float64
 uniform of 52 bits per row (speculative decoding's acceptance test).
 """
 from __future__ import annotations

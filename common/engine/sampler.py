@@ -212,21 +212,27 @@ def draw(probs: torch.Tensor, seeds: torch.Tensor, generation_indices: torch.Ten
     probability w_i / sum(w): a block with its mass's share, then a token with its share of that mass, so a token
     with its probability. u is a pure function of (seed, generation index, column): a token's column is its id, a
     block's comes after the vocabulary and speculative decoding's acceptance column (vocab + 1 + block). So a row
-    draws the same token whatever its batch neighbours or position, and hashes a block's worth of columns and one
-    per block instead of one per token (at 128,256 tokens, 757 instead of 128,256). A near-tie in either round is
-    all that float noise in the logits can flip, as in a one-round race.
+    draws the same token whatever its batch neighbours or position (on CPU, where each block's sum runs in one order
+    whatever the batch; a GPU's reduction may split a sum by the batch's shape, so a near-tie of two blocks could go
+    either way there), and hashes a block's worth of columns and one per block instead of one per token (at 128,256
+    tokens, 757 instead of 128,256). A near-tie in either round is all that float noise in the logits can flip, as
+    in a one-round race.
     """
     rows, vocab = probs.shape
-    blocks = -(-vocab // _DRAW_BLOCK)
-    if blocks * _DRAW_BLOCK != vocab:  # zero mass past the vocabulary: never drawn
-        probs = torch.nn.functional.pad(probs, (0, blocks * _DRAW_BLOCK - vocab))
-    by_block = probs.reshape(rows, blocks, _DRAW_BLOCK)
+    whole = vocab // _DRAW_BLOCK
+    probs = probs.contiguous()
+    masses = probs.as_strided((rows, whole, _DRAW_BLOCK), (vocab, _DRAW_BLOCK, 1)).sum(-1)
+    if whole * _DRAW_BLOCK != vocab:  # the last block: the tokens past the whole ones
+        masses = torch.cat([masses, probs[:, whole * _DRAW_BLOCK:].sum(-1, keepdim=True)], dim=1)
+    blocks = masses.shape[1]
     block_columns = torch.arange(vocab + 1, vocab + 1 + blocks, device=probs.device)
     block_exponentials = counter_uniforms(seeds, generation_indices, block_columns).log_().neg_()
-    block = (by_block.sum(-1) / block_exponentials).argmax(-1)
+    block = (masses / block_exponentials).argmax(-1)
     columns = block[:, None] * _DRAW_BLOCK + torch.arange(_DRAW_BLOCK, device=probs.device)
+    outside = columns >= vocab  # the last block's columns past the vocabulary: no mass, never drawn
+    weights = probs.gather(1, columns.clamp(max=vocab - 1)).masked_fill_(outside, 0.0)
     exponentials = counter_uniforms(seeds, generation_indices, columns).log_().neg_()
-    return columns.gather(1, (probs.gather(1, columns) / exponentials).argmax(-1, keepdim=True)).squeeze(1)
+    return columns.gather(1, (weights / exponentials).argmax(-1, keepdim=True)).squeeze(1)
 
 
 class Sampler:

@@ -17,9 +17,10 @@ output, then temperature, min_p, top_k, top_p), so:
   exactly as plain sampling's.
 
 All uniforms come from the counter RNG keyed by (seed, generation index):
-the acceptance test reads column ``vocab`` and the draws read columns
-``0..vocab-1``, so the two are independent, and a redraw never reuses a
-uniform that decided an earlier emitted token.
+the acceptance test reads column ``vocab``, and the draws read a token's
+column (its id, below ``vocab``) and a block's (``vocab + 1`` on: the
+sampler's two-round race), so the two are independent, and a redraw never
+reuses a uniform that decided an earlier emitted token.
 """
 from __future__ import annotations
 
