@@ -28,7 +28,9 @@ def _lines_of(text: str, name: str) -> str:
     """The sample lines named ``name``, alone: parsed without their family's HELP and TYPE lines, each keeps its own
     name and labels (an untyped family of one name), and the parser reads a few lines instead of the scrape (a
     proxy's scrape has hundreds; a test polling one counter spent 6 ms a scrape parsing the rest)."""
-    return "\n".join(line for line in text.splitlines() if line.startswith((name + "{", name + " ")))
+    prefixes = (name + "{", name + " ")
+    # "\n" alone ends a line in the format (a label value may hold other line breaks, unescaped)
+    return "\n".join(line for line in text.split("\n") if line.lstrip().startswith(prefixes))
 
 
 def samples(text: str, name: str) -> dict[str, float]:
