@@ -34,9 +34,9 @@ BESIDE_E2E = {
     # mostly scripted or tiny-model workers, and a few short requests through a real cluster
     "test_curve_security.py", "test_frame_fuzz.py", "test_hot_cold_models.py", "test_kv_transfer_processes.py",
     "test_prometheus_scrape.py", "test_resumable_streams.py", "test_websocket_stream.py", "test_nonfinite_logits.py",
-    "test_worker_tokenizer.py", "test_grpc_api.py",
+    "test_worker_tokenizer.py",
     # the embedded model, computing little while others run
-    "test_role_switch.py", "test_embeddings.py", "test_sessions.py", "test_protocol_versions.py",
+    "test_grpc_api.py", "test_role_switch.py", "test_embeddings.py", "test_sessions.py", "test_protocol_versions.py",
     "test_planner_cluster.py",
     # the device check's CPU mode: each step a process of its own on the tiny shape (imports, two small clusters)
     "test_device_check.py",

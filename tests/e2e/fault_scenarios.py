@@ -133,20 +133,20 @@ def send_signal(pick: Pick, sig: int) -> Event:
     return event
 
 
-# wait_until checks every POLL_S for FAST_POLL_S, then every SLOW_POLL_S: most conditions read /metrics (about 11
-# ms of CPU between the proxy and the test a scrape), and a wait of a minute at 50 ms (a planner's switch, a restart
-# under load) took a tenth of a core from the cluster it waits on. What must follow an event at once (a kill while
-# a prompt is prefilled, while streams have text) is found within the fast period.
+# wait_until checks every POLL_S; a patient wait (one that reads /metrics or /readyz for long stretches: a cluster
+# made whole again, a planner's switch under load) every POLL_S for FAST_POLL_S, then every SLOW_POLL_S. A scrape
+# costs about 5 ms of the proxy's CPU, and a minute at 50 ms took a tenth of a core from the cluster waited on. The
+# others keep 50 ms: what follows them must land at once (a kill while a prompt is prefilled, while streams run).
 POLL_S, FAST_POLL_S, SLOW_POLL_S = 0.05, 2.0, 0.25
 
 
-def wait_until(condition: Callable[[Run], bool], what: str, timeout: float = 120) -> Event:
+def wait_until(condition: Callable[[Run], bool], what: str, timeout: float = 120, patient: bool = False) -> Event:
     async def event(run: Run) -> None:
         start = time.monotonic()
         while not await asyncio.to_thread(condition, run):
             waited = time.monotonic() - start
             assert waited < timeout, f"not within {timeout}s: {what}"
-            await asyncio.sleep(POLL_S if waited < FAST_POLL_S else SLOW_POLL_S)
+            await asyncio.sleep(SLOW_POLL_S if patient and waited >= FAST_POLL_S else POLL_S)
     return event
 
 
@@ -165,7 +165,7 @@ def restored(timeout: float = 180) -> Event:
     def whole(run: Run) -> bool:
         run.supervisor.check()
         return not run.cluster.dead() and workers_alive(run.cluster) == run.cluster.num_workers
-    return wait_until(whole, "the cluster whole again", timeout)
+    return wait_until(whole, "the cluster whole again", timeout, patient=True)
 
 
 def abandon(indices: list[int]) -> Event:

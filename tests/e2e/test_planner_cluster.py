@@ -77,9 +77,9 @@ def test_the_planner_moves_a_decode_worker_to_prefill_under_prompt_heavy_load(cl
     bodies = [{"model": MODEL, "prompt": tokens, "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0.0,
                "stream": True, "stream_options": {"include_usage": True}} for tokens in prompts()]
     assert layout(cluster) == {"prefill": 1, "decode": 2, "both": 0}
-    results, _ = asyncio.run(run_scenario(
-        cluster, bodies, [wait_until(switched, "the planner switched a decode worker to prefill", SWITCH_S),
-                          served_after_the_switch(CLIENTS)], steady=CLIENTS))
+    planner_switched = wait_until(switched, "the planner switched a decode worker to prefill", SWITCH_S, patient=True)
+    results, _ = asyncio.run(run_scenario(cluster, bodies, [planner_switched, served_after_the_switch(CLIENTS)],
+                                          steady=CLIENTS))
     decisions = cluster.metric("tessera_tac_planner_decisions_total")
     print(f"{len(results)} requests; planner decisions {decisions}; switches "
           f"{cluster.metric('tessera_tac_planner_switches_total')}")
