@@ -19,10 +19,9 @@ from common.storage.model_store import resolve_model
 # held back on purpose, a hung step's watchdog): on 2 cores they cost the other lanes little, and a lane of their
 # own takes their waiting off the critical path. A new e2e module goes to the compute lane unless it is named
 # here; a new unit module to the beside lane. Measured (2026-12-01, 1,908 tests, `make test
-# PYTEST_ARGS=--durations=0` under `/usr/bin/time`): the compute lane's tests summed to 1,065 s, the beside lane's
-# to 993, the waits lane's to 399; the run took 1,080 s on 1,998 CPU-s, both cores busy nearly throughout, so a
-# lane more would gain only the sleeping (the gRPC and worker-tokenizer modules, 36 s, moved to the beside lane
-# after it). Tests that wait but also compute (rolling upgrade, failover, a cut link, fuzzing) made the run longer
+# PYTEST_ARGS=--durations=0` under `/usr/bin/time`): the compute lane's tests summed to 1,045 s, the beside lane's
+# to 1,052, the waits lane's to 396; the run took 1,068 s on 2,025 CPU-s, both cores busy nearly throughout, so a
+# lane more would gain only the sleeping. Tests that wait but also compute (rolling upgrade, failover, a cut link, fuzzing) made the run longer
 # beside the compute lane (their clusters contend for the cores): the waits lane holds only tests whose clusters
 # are idle or tiny.
 BESIDE_E2E = {
