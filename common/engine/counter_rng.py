@@ -14,8 +14,8 @@ SplitMix64 stream started at that key. Torch has no unsigned 64-bit shifts, so
 the arithmetic runs on int64 with two's-complement wrap-around and logical
 right shifts are arithmetic shifts with the sign bits masked off.
 ``counter_uniforms`` gives float32 uniforms of 23 bits over many columns (the
-sampler's race); ``counter_uniform64`` one float64
-uniform of 52 bits per row (speculative decoding's acceptance test).
+sampler's race); ``counter_uniform64`` one float64 uniform of 52 bits per row
+(speculative decoding's acceptance test).
 """
 from __future__ import annotations
 

@@ -132,8 +132,8 @@ class DraftProposer:
         qs: list[torch.Tensor | None] = [None] * len(shadows)
         if any(sampled):
             probs = processed_probs(logits, rows)
-            seeds = torch.tensor([as_int64(r.seed) for r in rows], device=probs.device)
-            steps = torch.tensor([r.generation_index for r in rows], device=probs.device)
+            seeds = torch.tensor([as_int64(r.seed) for r in rows])
+            steps = torch.tensor([r.generation_index for r in rows])
             tokens = draw(probs, seeds, steps).tolist()
             qs = [probs[i] if sampled[i] else None for i in range(len(shadows))]
         else:

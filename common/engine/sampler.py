@@ -219,6 +219,7 @@ def draw(probs: torch.Tensor, seeds: torch.Tensor, generation_indices: torch.Ten
     in a one-round race.
     """
     rows, vocab = probs.shape
+    seeds, generation_indices = seeds.to(probs.device), generation_indices.to(probs.device)
     whole = vocab // _DRAW_BLOCK
     probs = probs.contiguous()
     masses = probs.as_strided((rows, whole, _DRAW_BLOCK), (vocab, _DRAW_BLOCK, 1)).sum(-1)
