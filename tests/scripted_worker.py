@@ -102,6 +102,7 @@ class FakeWorker:
         self.draining = False
         self.step_cost = None  # a StepCostModel its heartbeats report, as a real worker's fitted step time
         self.received: list = []  # every message from the proxy, in order
+        self.error: BaseException | None = None  # what ended the worker's thread, if anything did
         self._lock = threading.Condition()
         self._host: SimHost | None = None
         self._worker: _Scripted | None = None
@@ -156,6 +157,11 @@ class FakeWorker:
         self._stop.set()
         self._thread.join(timeout)
 
+    @property
+    def alive(self) -> bool:
+        """Its thread still serves (a script or message that raised there ends it, ``error`` says how)."""
+        return self._thread.is_alive()
+
     def lose_proxy(self, link: int) -> None:
         """Proxy ``link`` is lost, as a real worker's I/O thread finds when that proxy's connection closes
         (common/runtime/worker_io.py): its requests are aborted, its resumable streams kept for another proxy to take
@@ -193,6 +199,9 @@ class FakeWorker:
             self._host = host
             self._ready.set()
             host.run(self._stop.is_set)
+        except BaseException as error:
+            self.error = error
+            raise
         finally:
             self._ready.set()
             if self._goodbye and self._worker is not None:

@@ -21,7 +21,8 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
 from common.cli.local_cluster import LocalCluster
-from tests.e2e.proxy_harness import MODEL, ProxyProcess, script_for, tokenizer, wait_until  # noqa: F401
+from tests.e2e.proxy_harness import (HEARTBEAT_TIMEOUT_S, MODEL, ProxyProcess, script_for, tokenizer,  # noqa: F401
+                                     wait_until)
 from tests.scripted_worker import FakeWorker
 
 CASES_PER_OPERATION = 500
@@ -29,11 +30,17 @@ CASES_PER_OPERATION = 500
 
 @pytest.fixture(scope="module")
 def fuzz_proxy(tokenizer, embedded_model_dir, tmp_path_factory):
-    """One proxy process with a prefill and a decode worker, shared by every generated case."""
-    proxy = ProxyProcess(embedded_model_dir, tmp_path_factory.mktemp("fuzz") / "proxy.log")
+    """One proxy process with a prefill and a decode worker, shared by every generated case.
+
+    The scripted workers heartbeat from a thread of this process, which the case generation keeps busy: at the
+    harness's 1 s a loaded machine can starve that thread past the timeout and the proxy drops the workers. The
+    default timeout is what a deployment runs, and worker loss is not what this module tests."""
+    proxy = ProxyProcess(embedded_model_dir, tmp_path_factory.mktemp("fuzz") / "proxy.log",
+                         settings=[f"heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}"])
     workers = [FakeWorker(proxy.endpoint, worker_id, role, script_for(tokenizer)).start_and_wait()
                for worker_id, role in (("p0", "prefill"), ("d0", "decode"))]
     wait_until(lambda: proxy.http.get("/readyz").status_code == 200, what="/readyz")
+    proxy.workers = workers
     yield proxy
     for worker in workers:
         worker.stop(goodbye=False)
@@ -66,6 +73,8 @@ def test_no_server_error_for_any_generated_request(fuzz_proxy, path):
             case.body["model"] = MODEL  # past the 404, into validation, tokenization and the cluster
         response = case.call(base_url=fuzz_proxy.url, timeout=30)
         assert fuzz_proxy.proc.poll() is None, f"the proxy exited: {fuzz_proxy.log()}"
+        for worker in fuzz_proxy.workers:  # a case that ends a scripted worker is found at that case
+            assert worker.alive, (worker.worker_id, repr(worker.error), case.body)
         check(case, response)
         statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
 
@@ -77,8 +86,10 @@ def test_no_server_error_for_any_generated_request(fuzz_proxy, path):
 
 def test_the_proxy_still_serves_after_the_fuzzing(fuzz_proxy):
     assert fuzz_proxy.proc.poll() is None, fuzz_proxy.log()
+    for worker in fuzz_proxy.workers:
+        assert worker.alive, (worker.worker_id, repr(worker.error))
     response = fuzz_proxy.http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3})
-    assert response.status_code == 200, response.text
+    assert response.status_code == 200, (response.text, fuzz_proxy.log())
 
 
 def test_the_document_describes_every_generation_field(fuzz_proxy):
