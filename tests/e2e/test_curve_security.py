@@ -36,6 +36,7 @@ from tests.scripted_worker import DEFAULT_LAYOUT
 from tests.e2e.proxy_harness import MODEL, make_proxy, tokenizer  # noqa: F401
 
 REFUSAL_WINDOW_S = 2.0  # how long a refused worker is watched for any sign of getting in
+SEND_TIMEOUT_MS = 10_000  # bounds a raw worker's Register send (a test that breaks fails, never hangs)
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE support")
 
@@ -69,7 +70,14 @@ class RawWorker:
         self.sock.connect(endpoint)
         register = Register(worker_id, "both", time.time_ns(), MODEL, "test", DEFAULT_LAYOUT, 1024, 8192, "fake",
                             b"fake:" + worker_id.encode())
-        self.sock.send_multipart(encode(register))  # queued until (unless) the handshake completes
+        # Queued on the connection's pipe until (unless) the handshake completes. A refused handshake can tear
+        # that pipe down before the send, and a DEALER with no pipe blocks a send for good: bounded, and a
+        # Register that could not leave is a refusal seen early.
+        self.sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+        try:
+            self.sock.send_multipart(encode(register))
+        except zmq.Again:
+            pass
 
     def reply(self, timeout_s: float):
         if not self.sock.poll(int(timeout_s * 1000)):
