@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.engine.attention import get_step_context
+from common.engine.huge_pages import HugePageArena
 from common.engine.models.rope import RotaryEmbedding, rotate
 from common.engine.native import cpu_has, gemm_invariant_kernel, gemv_bf16_kernel, kernel_function, linear_panels_kernel
 from common.engine.quantization import INT8_WEIGHT_ONLY_ROWS, SMALL_BATCH_ROWS, linear_int8, mlp_int8
@@ -246,11 +247,18 @@ def onednn_beside_panels() -> bool:
     return cpu_has("amx_bf16")
 
 
-def panels_of(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [n, k] (bfloat16, n a multiple of 16, k even) in kernels/panels_bf16.h's panel layout: n / 16
-    panels of [k / 2][16][2], a panel's 16 output columns' weights for each pair of inputs side by side."""
+def panels_shape(weight: torch.Tensor) -> tuple[int, int, int, int]:
     n, k = weight.shape
-    return weight.detach().view(n // PANEL_COLS, PANEL_COLS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return n // PANEL_COLS, k // 2, PANEL_COLS, 2
+
+
+def panels_of(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight`` [n, k] (bfloat16, n a multiple of 16, k even) in kernels/panels_bf16.h's panel layout: n / 16
+    panels of [k / 2][16][2], a panel's 16 output columns' weights for each pair of inputs side by side; written
+    into ``out`` (contiguous, of ``panels_shape``) where one is given."""
+    n, k = weight.shape
+    laid_out = weight.detach().view(n // PANEL_COLS, PANEL_COLS, k // 2, 2).permute(0, 2, 1, 3)
+    return laid_out.contiguous() if out is None else out.copy_(laid_out)
 
 
 def weight_of_panels(panels: torch.Tensor) -> torch.Tensor:
@@ -449,6 +457,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.panel_arena: HugePageArena | None = None  # the memory of the weights in panels (``pack_panels``)
         if not self.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, vocab_rows, bias=False)
         self.requires_grad_(False)
@@ -536,8 +545,13 @@ class LlamaForCausalLM(nn.Module):
         ``panels_fit`` is not so."""
         if not self.panels_fit():
             return False
-        for module in self.panel_layers():
-            module.panels = panels_of(module.weight)
+        modules = self.panel_layers()
+        # one arena in huge pages for them all (common/engine/huge_pages.py), each module's panels written there
+        # straight from its weight, which is then dropped: no second copy of a module is ever held
+        arena = HugePageArena(HugePageArena.span([m.weight.nbytes for m in modules]))
+        self.panel_arena = arena
+        for module in modules:
+            module.panels = panels_of(module.weight, arena.take(panels_shape(module.weight), module.weight.dtype))
             module.packed = None
             placeholder = torch.zeros(1, dtype=module.weight.dtype).expand(module.weight.shape)
             module.weight = nn.Parameter(placeholder, requires_grad=False)

@@ -1,0 +1,92 @@
+"""Host memory in transparent huge pages, for the weights a decode step streams from memory.
+
+A decode step of a few rows reads every weight once, at the memory's streaming rate. In 4 KB pages that read
+takes a TLB miss every 4 KB and the hardware prefetchers stop at every page's end; in 2 MB pages neither happens
+once per 4 KB. A ``HugePageArena`` is one private anonymous mapping, advised ``MADV_HUGEPAGE`` before any of its
+pages is touched (so that a first write faults a whole 2 MB page in), starting on a 2 MB boundary, and carved into
+tensors 4 KB apart. Where the kernel has no transparent huge pages, or its policy says ``never``, the advice does
+nothing and the mapping is ordinary memory; with the policy ``madvise`` (a common default) only advised memory
+gets them, which torch's allocator never asks for.
+
+The mapping lives as long as any tensor carved from it (each holds the arena's bytes, which hold the mapping).
+"""
+from __future__ import annotations
+
+import math
+import mmap
+from pathlib import Path
+
+import torch
+
+HUGE_PAGE_BYTES = 2 << 20
+ALIGN_BYTES = 4096  # between two tensors of an arena: no two share a cache line, nor a 4 KB page
+_THP_POLICY = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def thp_policy() -> str:
+    """The kernel's transparent huge page policy (``always``, ``madvise`` or ``never``), or ``unavailable``."""
+    try:
+        text = _THP_POLICY.read_text()
+    except OSError:
+        return "unavailable"
+    chosen = [word.strip("[]") for word in text.split() if word.startswith("[")]
+    return chosen[0] if chosen else "unavailable"
+
+
+class HugePageArena:
+    """``nbytes`` of host memory advised into huge pages, handed out as tensors (``take``) in order."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._map = mmap.mmap(-1, max(nbytes, 1) + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            self._map.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError):  # a kernel built without transparent huge pages, or another platform
+            pass
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._start = (-self._bytes.data_ptr()) % HUGE_PAGE_BYTES
+        self._next = self._start
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised contiguous tensor of ``shape`` and ``dtype`` from the arena's next free bytes."""
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        end = self._next + size
+        if end > self._start + self.nbytes:
+            raise ValueError(f"the arena holds {self.nbytes} bytes; {end - self._start} asked for")
+        tensor = self._bytes[self._next:end].view(dtype).view(shape)
+        self._next += -(-size // ALIGN_BYTES) * ALIGN_BYTES
+        return tensor
+
+    @staticmethod
+    def span(sizes: list[int]) -> int:
+        """The arena bytes that tensors of ``sizes`` bytes take, in order."""
+        return sum(-(-size // ALIGN_BYTES) * ALIGN_BYTES for size in sizes)
+
+    def address(self) -> int:
+        return self._bytes.data_ptr() + self._start
+
+
+def mapping_fields(address: int, smaps: Path = Path("/proc/self/smaps")) -> dict[str, int]:
+    """The ``/proc/self/smaps`` fields (in bytes where they are sizes, else as the number given) of the mapping
+    that holds ``address``; empty where there is no such file or mapping."""
+    try:
+        lines = smaps.read_text().splitlines()
+    except OSError:
+        return {}
+    fields: dict[str, int] | None = None
+    for line in lines:
+        head = line.split(maxsplit=1)[0] if line.strip() else ""
+        if "-" in head and not head.endswith(":"):
+            if fields is not None:
+                return fields
+            low, _, high = head.partition("-")
+            try:
+                inside = int(low, 16) <= address < int(high, 16)
+            except ValueError:
+                inside = False
+            fields = {} if inside else None
+        elif fields is not None and head.endswith(":"):
+            parts = line.split()
+            if len(parts) >= 2 and parts[1].isdigit():
+                fields[head[:-1]] = int(parts[1]) * (1024 if parts[-1] == "kB" else 1)
+    return fields or {}

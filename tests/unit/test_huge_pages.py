@@ -1,0 +1,88 @@
+"""The huge-page arena the weights in panels live in (common/engine/huge_pages.py), and the smaps reading that
+reports it."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from common.engine.huge_pages import (ALIGN_BYTES, HUGE_PAGE_BYTES, HugePageArena, mapping_fields, thp_policy)
+from common.engine.models.llama import LlamaForCausalLM, panels_of, panels_shape
+
+
+def test_tensors_are_carved_in_order_4kb_apart_from_a_2mb_boundary_and_outlive_the_arena():
+    sizes = [3 * 5 * 4, 1 << 20, 4096 * 2]
+    arena = HugePageArena(HugePageArena.span(sizes))
+    a = arena.take((3, 5), torch.float32)
+    b = arena.take((1 << 19,), torch.bfloat16)
+    c = arena.take((4096,), torch.int16)
+    assert a.data_ptr() % HUGE_PAGE_BYTES == 0 and a.data_ptr() == arena.address()
+    assert b.data_ptr() - a.data_ptr() == ALIGN_BYTES and c.data_ptr() - b.data_ptr() == 1 << 20
+    for i, t in enumerate((a, b, c)):
+        assert t.is_contiguous()
+        t.fill_(i + 1)
+    with pytest.raises(ValueError, match="holds"):
+        arena.take((1,), torch.int8)
+    del arena
+    gc.collect()
+    assert a.sum().item() == 15 and b.float().sum().item() == 2 * (1 << 19) and c.sum().item() == 3 * 4096
+
+
+def test_the_mapping_of_an_address_is_read_from_smaps(tmp_path):
+    smaps = tmp_path / "smaps"
+    smaps.write_text(
+        "00400000-00452000 r-xp 00000000 08:02 173521      /usr/bin/dbus-daemon\n"
+        "Size:                328 kB\nAnonHugePages:         0 kB\nTHPeligible:    0\nVmFlags: rd ex mr mw me dw\n"
+        "7f0000000000-7f0000600000 rw-p 00000000 00:00 0 \n"
+        "Size:               6144 kB\nRss:                4096 kB\nAnonHugePages:      4096 kB\n"
+        "THPeligible:    1\nVmFlags: rd wr mr mw me ac hg\n"
+        "7f0000600000-7f0000601000 rw-p 00000000 00:00 0 \nSize:                  4 kB\n")
+    fields = mapping_fields(0x7f0000200000, smaps)
+    assert fields == {"Size": 6144 << 10, "Rss": 4096 << 10, "AnonHugePages": 4096 << 10, "THPeligible": 1}
+    assert mapping_fields(0x7f0000600000, smaps) == {"Size": 4096}
+    assert mapping_fields(0x10, smaps) == {} and mapping_fields(0x10, tmp_path / "none") == {}
+
+
+def test_the_arena_is_advised_into_huge_pages_where_the_kernel_has_them():
+    policy = thp_policy()
+    if policy not in ("always", "madvise"):
+        pytest.skip(f"transparent huge pages here: {policy}")
+    arena = HugePageArena(4 * HUGE_PAGE_BYTES)
+    arena.take((4 * HUGE_PAGE_BYTES,), torch.uint8).fill_(1)
+    fields = mapping_fields(arena.address())
+    # eligible, not necessarily granted: the kernel falls back to 4 KB pages where it finds no free 2 MB
+    assert fields["Size"] >= 4 * HUGE_PAGE_BYTES and fields["THPeligible"] == 1
+
+
+def test_panels_written_into_given_memory_equal_the_contiguous_layout():
+    weight = torch.randn(48, 36).to(torch.bfloat16)
+    arena = HugePageArena(weight.nbytes)
+    out = panels_of(weight, arena.take(panels_shape(weight), weight.dtype))
+    assert out.data_ptr() == arena.address() and torch.equal(out, panels_of(weight))
+
+
+def test_a_models_panels_all_live_in_its_arena(tiny_chat_model_dir):
+    from common.config.base import EngineConfig
+    from common.engine.model_runner import ModelRunner
+    runner = ModelRunner(EngineConfig(model=str(tiny_chat_model_dir), dtype="bfloat16", num_kv_blocks=16),
+                         tiny_chat_model_dir)
+    model: LlamaForCausalLM = runner.model
+    if model.panel_arena is None:
+        pytest.skip("the weights take no panels on this CPU (no AVX512-BF16) or dtype")
+    start, end = model.panel_arena.address(), model.panel_arena.address() + model.panel_arena.nbytes
+    panels = [m.panels for m in model.panel_layers()]
+    assert panels and all(start <= p.data_ptr() and p.data_ptr() + p.nbytes <= end for p in panels)
+
+
+def test_the_benchmark_writes_a_row_per_batch_size(capsys, monkeypatch):
+    import bench.huge_pages
+
+    monkeypatch.setattr(bench.huge_pages, "read_bandwidth", lambda passes: 50e9)  # its table, not this host's memory
+    assert bench.huge_pages.main(["--model", "tiny", "--rows", "1,3", "--steps", "4", "--window", "2"]) == 0
+    out = capsys.readouterr().out
+    if "no panels" in out:
+        pytest.skip("the weights take no panels on this CPU (no AVX512-BF16)")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [line.split(" | ")[0] for line in rows] == ["| 1", "| 3"]
+    assert rows[0].split(" | ")[4] == "50.0-50.0" and "×" in rows[0].split(" | ")[5]
