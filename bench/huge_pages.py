@@ -9,7 +9,8 @@ fresh prompts (128 random tokens each, their own seed) are prefilled, then ``--s
 model reading one copy or the other, switching every ``--window`` steps, so that the host's drift in memory
 bandwidth hits both alike. Each row of the table: the median step of each copy, the median over consecutive window
 pairs of their ratio, and the streaming read bandwidth (``bench.roofline.read_bandwidth``) measured between windows,
-against which one row's step is set as a multiple of the roofline (all the weights' bytes over that bandwidth).
+against which one row's step is set as a multiple of the roofline (the bytes of the weights in panels over that
+bandwidth). The KV pool holds every point's sequences whole (``--rows`` x (128 + ``--steps`` + 2) tokens).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from common.protocol.sampling_params import SamplingParams
 
 PROMPT_TOKENS = 128
 PROBE_EVERY = 8  # windows between two bandwidth probes
+BLOCK_SIZE = 16
 
 
 def small_page_copies(panels: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -65,7 +67,7 @@ def run_point(engine: LLMEngine, modules, copies: dict[str, list[torch.Tensor]],
         for module, panels in zip(modules, copies[name]):
             module.panels = panels
         if kernel is not None:
-            kernel._layers = None  # the layer table holds the weights' addresses: built again on the next step
+            kernel.weights_moved()
         spent = []
         for _ in range(args.window):
             if not engine.has_unfinished():
@@ -94,8 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from bench.peers.compare import served_model
     model_path = served_model(args.model, "bfloat16").prepare("bfloat16")
+    tokens = PROMPT_TOKENS + args.steps + 2
+    blocks = max(int(r) for r in args.rows.split(",")) * -(-tokens // BLOCK_SIZE) + 1
     engine = LLMEngine(EngineConfig(model=str(model_path), dtype="bfloat16", num_threads=args.threads,
-                                    kv_cache_memory_bytes=1 << 30))
+                                    block_size=BLOCK_SIZE, num_kv_blocks=blocks))
     model = engine.runner.model
     if model.panel_arena is None:
         print("the weights take no panels here (they need bfloat16 and a CPU with AVX512-BF16): nothing to compare")

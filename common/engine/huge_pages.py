@@ -1,14 +1,17 @@
 """Host memory in transparent huge pages, for the weights a decode step streams from memory.
 
-A decode step of a few rows reads every weight once, at the memory's streaming rate. In 4 KB pages that read
-takes a TLB miss every 4 KB and the hardware prefetchers stop at every page's end; in 2 MB pages neither happens
-once per 4 KB. A ``HugePageArena`` is one private anonymous mapping, advised ``MADV_HUGEPAGE`` before any of its
-pages is touched (so that a first write faults a whole 2 MB page in), starting on a 2 MB boundary, and carved into
-tensors 4 KB apart. Where the kernel has no transparent huge pages, or its policy says ``never``, the advice does
-nothing and the mapping is ordinary memory; with the policy ``madvise`` (a common default) only advised memory
-gets them, which torch's allocator never asks for.
+A decode step of a few rows reads every weight once, at the memory's streaming rate; in 4 KB pages that read
+takes a TLB miss every 4 KB, in 2 MB pages one every 2 MB. A ``HugePageArena`` is one private anonymous mapping,
+advised ``MADV_HUGEPAGE`` before any of its pages is touched (so that a first write faults a whole 2 MB page in),
+starting on a 2 MB boundary, and carved into tensors 4 KB apart. Where the kernel has no transparent huge pages, or
+its policy says ``never``, the advice does nothing and the mapping is ordinary memory; with the policy ``madvise``
+(a common default) only advised memory gets them, which torch's allocator does not ask for by default. Its switch
+(``THP_MEM_ALLOC_ENABLE``) would advise every allocation of 2 MB or more, a step's temporaries too, whose faults
+(and, under the ``madvise`` defrag policy, compaction) would then land inside serving steps; the weights are
+written once, at load.
 
-The mapping lives as long as any tensor carved from it (each holds the arena's bytes, which hold the mapping).
+The mapping lives as long as any tensor carved from it: each holds the arena's bytes, whose storage holds the
+``mmap`` object. Never close that object while they live (``mmap.close`` would succeed and leave them dangling).
 """
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ class HugePageArena:
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous tensor of ``shape`` and ``dtype`` from the arena's next free bytes."""
-        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        size = math.prod(shape) * dtype.itemsize
         end = self._next + size
         if end > self._start + self.nbytes:
             raise ValueError(f"the arena holds {self.nbytes} bytes; {end - self._start} asked for")
@@ -63,14 +66,15 @@ class HugePageArena:
         return sum(-(-size // ALIGN_BYTES) * ALIGN_BYTES for size in sizes)
 
     def address(self) -> int:
+        """Where the first tensor ``take`` hands out starts (a 2 MB boundary)."""
         return self._bytes.data_ptr() + self._start
 
 
 def mapping_fields(address: int, smaps: Path = Path("/proc/self/smaps")) -> dict[str, int]:
     """The ``/proc/self/smaps`` fields (in bytes where they are sizes, else as the number given) of the mapping
     that holds ``address``; empty where there is no such file or mapping."""
-    try:
-        lines = smaps.read_text().splitlines()
+    try:  # mapped files' names are printed as their bytes, which need not be UTF-8
+        lines = smaps.read_text(errors="replace").splitlines()
     except OSError:
         return {}
     fields: dict[str, int] | None = None

@@ -194,13 +194,13 @@ class ModelRunner:
         # only bfloat16 weights take panels: not int8, float32 or engine.deterministic; one rank
         if self._panels_planned() and self.model.pack_panels():
             arena = self.model.panel_arena
+            pages = ("in 4 KB pages" if arena is None else "%.0f of their %.0f MiB in 2 MB pages" % (
+                min(arena.nbytes, mapping_fields(arena.address()).get("AnonHugePages", 0)) / 2**20,
+                arena.nbytes / 2**20))
             log.info("linear weights in the panel layout (kernels/panels_bf16.h), which the decode kernel and "
-                     "kernels/linear_panels.c read: %s; %.0f of their %.0f MiB in 2 MB pages (transparent huge "
-                     "pages: %s)", "with oneDNN's copy for wide steps (AMX)"
-                     if onednn_beside_panels() and config.cpu.prepack_weights else "their only copy",
-                     min(arena.nbytes, mapping_fields(arena.address()).get("AnonHugePages", 0)) / 2**20,
-                     arena.nbytes / 2**20,
-                     thp_policy())
+                     "kernels/linear_panels.c read: %s; %s (transparent huge pages: %s)",
+                     "with oneDNN's copy for wide steps (AMX)" if onednn_beside_panels() and config.cpu.prepack_weights
+                     else "their only copy", pages, thp_policy())
         # The one-call kernel has no all-reduce between its layers, and keeps float32 activations between them
         # where the layer-by-layer path rounds (engine.deterministic needs both paths' rows to agree).
         left = config.cpu.decode_kernel_max_batch < 0

@@ -546,12 +546,20 @@ class LlamaForCausalLM(nn.Module):
         if not self.panels_fit():
             return False
         modules = self.panel_layers()
-        # one arena in huge pages for them all (common/engine/huge_pages.py), each module's panels written there
-        # straight from its weight, which is then dropped: no second copy of a module is ever held
-        arena = HugePageArena(HugePageArena.span([m.weight.nbytes for m in modules]))
-        self.panel_arena = arena
+        # One arena in huge pages for them all (common/engine/huge_pages.py), each module's panels written there
+        # straight from its weight, which is then dropped: no second copy of the whole set is ever held. Its
+        # mapping is committed whole at once, which a strict overcommit policy (vm.overcommit_memory=2) or an
+        # address-space limit may refuse while the weights are still held: then each module's panels come from
+        # torch's allocator, in 4 KB pages, one module at a time, as before the arena.
+        try:
+            self.panel_arena = HugePageArena(HugePageArena.span([m.weight.nbytes for m in modules]))
+        except OSError as exc:
+            log.warning("the weights in panels stay in 4 KB pages: mapping their %.0f MiB at once failed (%s)",
+                        sum(m.weight.nbytes for m in modules) / 2**20, exc)
+        arena = self.panel_arena
         for module in modules:
-            module.panels = panels_of(module.weight, arena.take(panels_shape(module.weight), module.weight.dtype))
+            out = arena.take(panels_shape(module.weight), module.weight.dtype) if arena is not None else None
+            module.panels = panels_of(module.weight, out)
             module.packed = None
             placeholder = torch.zeros(1, dtype=module.weight.dtype).expand(module.weight.shape)
             module.weight = nn.Parameter(placeholder, requires_grad=False)
@@ -631,6 +639,11 @@ class FusedDecode:
     def available(self) -> bool:
         """Whether the kernel was built (it needs a C compiler at run time)."""
         return self._kernel is not None
+
+    def weights_moved(self) -> None:
+        """The model's weights are elsewhere now (bench.huge_pages swaps copies): the layer table, which holds their
+        addresses, is built again on the next call."""
+        self._layers = None
 
     def usable(self, ctx, num_rows: int) -> bool:
         return (self._kernel is not None and not ctx.chunks and ctx.decode_rows is not None
