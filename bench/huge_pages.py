@@ -4,7 +4,7 @@
 
 One engine (bfloat16, 2 threads) loads ``--model`` (as bench/peers/compare.py's ``--model``); its weights in panels
 live in the huge-page arena the engine makes (common/engine/huge_pages.py). A second copy of every panel goes into
-a mapping advised ``MADV_NOHUGEPAGE`` (4 KB pages whatever the kernel's policy). For each ``--rows`` count, that many
+an arena advised ``MADV_NOHUGEPAGE`` (4 KB pages whatever the kernel's policy). For each ``--rows`` count, that many
 fresh prompts (128 random tokens each, their own seed) are prefilled, then ``--steps`` decode steps run with the
 model reading one copy or the other, switching every ``--window`` steps, so that the host's drift in memory
 bandwidth hits both alike. Each row of the table: the median step of each copy, the median over consecutive window
@@ -15,7 +15,6 @@ bandwidth). The KV pool holds every point's sequences whole (``--rows`` x (128 +
 from __future__ import annotations
 
 import argparse
-import mmap
 import random
 import statistics
 import time
@@ -24,7 +23,7 @@ import torch
 
 from bench.roofline import read_bandwidth
 from common.config.base import EngineConfig
-from common.engine.huge_pages import HUGE_PAGE_BYTES, HugePageArena, mapping_fields, thp_policy
+from common.engine.huge_pages import HugePageArena, thp_policy
 from common.engine.llm_engine import LLMEngine
 from common.protocol.sampling_params import SamplingParams
 
@@ -34,17 +33,9 @@ BLOCK_SIZE = 16
 
 
 def small_page_copies(panels: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of ``panels`` in one mapping advised out of huge pages (which lives as long as they do)."""
-    total = HugePageArena.span([p.nbytes for p in panels])
-    mapping = mmap.mmap(-1, total + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mapping.madvise(mmap.MADV_NOHUGEPAGE)
-    memory = torch.frombuffer(mapping, dtype=torch.uint8)
-    copies, offset = [], 0
-    for p in panels:
-        copy = memory[offset:offset + p.nbytes].view(p.dtype).view(p.shape)
-        copies.append(copy.copy_(p))
-        offset += HugePageArena.span([p.nbytes])
-    return copies
+    """Copies of ``panels`` in one arena advised out of huge pages (which lives as long as they do)."""
+    arena = HugePageArena(HugePageArena.span([p.nbytes for p in panels]), huge=False)
+    return [arena.take(p.shape, p.dtype).copy_(p) for p in panels]
 
 
 def run_point(engine: LLMEngine, modules, copies: dict[str, list[torch.Tensor]], rows: int, args,
@@ -109,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     small = small_page_copies(huge)
     copies = {"2 MB pages": huge, "4 KB pages": small}
     weight_bytes = sum(p.nbytes for p in huge)
-    in_huge = min(weight_bytes, mapping_fields(model.panel_arena.address()).get("AnonHugePages", 0))
+    in_huge = model.panel_arena.huge_bytes()
     print(f"{model_path.name}: {weight_bytes / 2**20:.0f} MiB in panels, {in_huge / 2**20:.0f} MiB of them in 2 MB "
           f"pages (transparent huge pages: {thp_policy()}); {args.threads} threads, {args.steps} steps per point, "
           f"switching every {args.window}\n")

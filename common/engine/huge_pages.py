@@ -36,14 +36,19 @@ def thp_policy() -> str:
     return chosen[0] if chosen else "unavailable"
 
 
-class HugePageArena:
-    """``nbytes`` of host memory advised into huge pages, handed out as tensors (``take``) in order."""
+def _aligned(size: int) -> int:
+    return -(-size // ALIGN_BYTES) * ALIGN_BYTES
 
-    def __init__(self, nbytes: int) -> None:
+
+class HugePageArena:
+    """``nbytes`` of host memory advised into huge pages (``huge=False``: out of them, whatever the kernel's policy;
+    a benchmark's baseline), handed out as tensors (``take``) in order."""
+
+    def __init__(self, nbytes: int, huge: bool = True) -> None:
         self.nbytes = nbytes
         self._map = mmap.mmap(-1, max(nbytes, 1) + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         try:
-            self._map.madvise(mmap.MADV_HUGEPAGE)
+            self._map.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
         except (AttributeError, OSError):  # a kernel built without transparent huge pages, or another platform
             pass
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
@@ -57,17 +62,21 @@ class HugePageArena:
         if end > self._start + self.nbytes:
             raise ValueError(f"the arena holds {self.nbytes} bytes; {end - self._start} asked for")
         tensor = self._bytes[self._next:end].view(dtype).view(shape)
-        self._next += -(-size // ALIGN_BYTES) * ALIGN_BYTES
+        self._next += _aligned(size)
         return tensor
 
     @staticmethod
     def span(sizes: list[int]) -> int:
         """The arena bytes that tensors of ``sizes`` bytes take, in order."""
-        return sum(-(-size // ALIGN_BYTES) * ALIGN_BYTES for size in sizes)
+        return sum(_aligned(size) for size in sizes)
 
     def address(self) -> int:
         """Where the first tensor ``take`` hands out starts (a 2 MB boundary)."""
         return self._bytes.data_ptr() + self._start
+
+    def huge_bytes(self) -> int:
+        """How many of its ``nbytes`` the kernel holds in huge pages now (``/proc/self/smaps``; 0 where unknown)."""
+        return min(self.nbytes, mapping_fields(self.address()).get("AnonHugePages", 0))
 
 
 def mapping_fields(address: int, smaps: Path = Path("/proc/self/smaps")) -> dict[str, int]:

@@ -29,7 +29,7 @@ from common.engine.attention import get_step_context, select_backend
 from common.engine.cuda_graphs import CudaGraph, DecodeGraphs
 from common.config.base import EngineConfig
 from common.engine.kv_cache import KVCache, KVLayout
-from common.engine.huge_pages import mapping_fields, thp_policy
+from common.engine.huge_pages import thp_policy
 from common.engine.memory import device_memory_bytes, module_bytes, resident_bytes
 from common.engine.models.llama import FusedDecode, check_divisible, onednn_beside_panels, wide_sums
 from common.engine.models.loader import load_hf_config, load_model
@@ -194,9 +194,8 @@ class ModelRunner:
         # only bfloat16 weights take panels: not int8, float32 or engine.deterministic; one rank
         if self._panels_planned() and self.model.pack_panels():
             arena = self.model.panel_arena
-            pages = ("in 4 KB pages" if arena is None else "%.0f of their %.0f MiB in 2 MB pages" % (
-                min(arena.nbytes, mapping_fields(arena.address()).get("AnonHugePages", 0)) / 2**20,
-                arena.nbytes / 2**20))
+            pages = ("in 4 KB pages" if arena is None else
+                     "%.0f of their %.0f MiB in 2 MB pages" % (arena.huge_bytes() / 2**20, arena.nbytes / 2**20))
             log.info("linear weights in the panel layout (kernels/panels_bf16.h), which the decode kernel and "
                      "kernels/linear_panels.c read: %s; %s (transparent huge pages: %s)",
                      "with oneDNN's copy for wide steps (AMX)" if onednn_beside_panels() and config.cpu.prepack_weights
