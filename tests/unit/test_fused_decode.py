@@ -10,7 +10,7 @@ from common.config.base import ConfigError, CpuConfig, EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.engine.model_runner import DECODE_ROW_RUNGS, ModelRunner, largest_rung
 from common.engine.models.llama import (LlamaForCausalLM, decode_forward_kernel, decode_forward_takes_panels,
-                                        onednn_beside_panels)
+                                        onednn_beside_panels, weight_of_panels)
 from common.engine.native import cpu_has
 from common.engine.quantization import (INT8_WEIGHT_ONLY_ROWS, input_absmax, linear_int8, mlp_int8, quant_kernels,
                                          quantize_rows, smooth_for_int8)
@@ -311,9 +311,14 @@ def test_the_panels_are_the_decoder_linears_only_copy(tiny_dir, monkeypatch):
             assert (module.packed is not None) == onednn_beside_panels()  # oneDNN's copy beside them only on AMX
             n, k = weight.shape
             assert module.weight.shape == (n, k) and module.weight.stride() == (0, 0)  # one value, broadcast
-            assert module.panels.shape == (n // 16, k // 2, 16, 2)
-            # panel p, pair kk, column c, element e is the weight of output 16p + c and input 2kk + e
-            assert torch.equal(module.panels.permute(0, 2, 1, 3).reshape(n, k), weight)
+            assert module.panels.shape == (n * k,)
+            # panel p, pair kk, column c, element e is the weight of output 16p + c and input 2kk + e; the panels
+            # in tiles of 4 (the last one narrower where n / 16 is not a multiple of 4), interleaved by pair
+            tile, z = divmod(n // 16 - 1, 4)
+            width = min(4, n // 16 - 4 * tile)
+            kk = k // 2 - 1  # the last pair of the last panel's last column
+            assert module.panels[tile * 64 * k + kk * width * 32 + z * 32 + 15 * 2 + 1] == weight[n - 1, k - 1]
+            assert torch.equal(weight_of_panels(module.panels, n, k), weight)
             held += module.weight.untyped_storage().nbytes() + module.panels.nbytes
             plain_bytes += weight.nbytes
     assert held == plain_bytes + 2 * 4 * len(runner.model.layers)  # the panels in the plain copy's place

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.engine.models.llama import linear, panels_of
+from common.engine.models.llama import linear, panels_of, weight_of_panels
 from common.engine.native import linear_panels_kernel
 
 pytestmark = pytest.mark.skipif(linear_panels_kernel() is None,
@@ -76,3 +76,18 @@ def test_the_benchmark_writes_a_row_per_row_count(capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [line.split(" | ")[0] for line in rows] == ["| 1", "| 7"]
     assert all(float(line.split(" | ")[5].rstrip(" |")) <= 2.0 for line in rows)  # sums in other orders, rounded
+
+
+@pytest.mark.parametrize("n", [16, 48, 64, 80, 192, 208])  # a narrow tile alone, whole tiles, and both
+def test_the_layout_interleaves_each_tiles_panels_by_pair_and_comes_back_whole(n):
+    k = 6
+    w = torch.arange(n * k, dtype=torch.float32).view(n, k)  # every value distinct (the layout moves any dtype)
+    panels = panels_of(w)
+    assert panels.shape == (n * k,)
+    tiles, width = n // 64, n // 16 % 4
+    for j in sorted({0, 15, min(16, n - 1), n - 1}):
+        tile, z, c = j // 64, j // 16 % 4, j % 16
+        wide = 4 if tile < tiles else width
+        for i in range(k):  # tile, pair, panel in the tile, column, element of the pair
+            assert panels[tile * 64 * k + (i // 2) * wide * 32 + z * 32 + c * 2 + i % 2] == w[j, i]
+    assert torch.equal(weight_of_panels(panels, n, k), w)

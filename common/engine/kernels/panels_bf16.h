@@ -2,18 +2,23 @@
  * The panel layout of a bfloat16 linear weight, and y = x . w^T on it: the decode kernel's rows (decode_forward.c)
  * and any step's (linear_panels.c).
  *
- * A weight w[n][k] (n a multiple of PANEL_COLS, k even) is held as n / 16 panels, each [k / 2][16][2]: panel p
- * holds output columns 16p..16p+15, and for each pair of inputs (2kk, 2kk+1) their 16 columns' two weights side
- * by side, 64 bytes. One AVX512-BF16 dot product (vdpbf16ps) then takes a panel's 64 bytes against one x row's
- * pair of inputs broadcast to all 16 lanes, adding to 16 sums, one per output column: an outer product.
+ * A weight w[n][k] (n a multiple of PANEL_COLS, k even) is held as n / 16 panels: panel p holds output columns
+ * 16p..16p+15, and for each pair of inputs (2kk, 2kk+1) their 16 columns' two weights side by side, 64 bytes. One
+ * AVX512-BF16 dot product (vdpbf16ps) then takes a panel's 64 bytes against one x row's pair of inputs broadcast to
+ * all 16 lanes, adding to 16 sums, one per output column: an outer product. The panels go in tiles of PANEL_GROUP,
+ * whose 64-byte pieces interleave by pair: a tile is [k / 2][4][16][2] (the last one [k / 2][n / 16 % 4][16][2]
+ * where n / 16 is not a multiple of 4), so the tile a kernel takes at once is one sequential stream of memory.
+ * Four panels one after the other were four streams a panel's size apart (64 KB at k = 2,048, a power of two): on
+ * Zen 4 with 2 threads, a scratch harness read them at 50 GB/s in the minutes when one stream read at 60 (0.85x;
+ * 0.94x when the memory was slower), which a decode step of a few rows, bound by reading the weights, paid in full.
  *
  * Against the row layout (decode_forward.c's dot_block_bf16: a zmm of one weight row against a zmm of each x
  * row, each sum reduced across lanes at the end), x is read as 4-byte broadcasts (L1 hits, lighter on the load ports
- * than zmm loads) instead of full vectors, each panel is one sequential stream, and no sum is reduced across
- * lanes. A tile of up to PANEL_TILE_ROWS x rows against PANEL_GROUP panels keeps 24 sums in registers; the
- * panels' k range is taken a k-block at a time, every tile of rows reading the block before the next: at
- * PANEL_KBLOCK inputs (a decode step's few rows) from L1, with the next block's lines prefetched into L2 as each
- * tile goes; at PANEL_WIDE_KBLOCK (wide steps, bound by their products) from L2.
+ * than zmm loads) instead of full vectors, and no sum is reduced across lanes. A tile of up to PANEL_TILE_ROWS x
+ * rows against a tile's panels keeps 24 sums in registers; the panels' k range is taken a k-block at a time, every
+ * tile of rows reading the block before the next: at PANEL_KBLOCK inputs (a decode step's few rows) from L1, with
+ * the next block's lines prefetched into L2 as each tile goes; at PANEL_WIDE_KBLOCK (wide steps, bound by their
+ * products) from L2.
  *
  * Each output's sum runs over k in one order (k-blocks in turn, pairs in turn within one), whatever the number
  * of rows or threads: a row's outputs do not depend on the other rows of the step.
@@ -38,7 +43,7 @@
 #define PANEL_COLS 16       /* output columns per panel: one zmm of float32 sums */
 #define PANEL_GROUP 4       /* panels per tile */
 #define PANEL_TILE_ROWS 6   /* x rows per tile: 6 x 4 sums, 4 panel loads and 6 broadcasts per input pair */
-#define PANEL_KBLOCK 256    /* inputs per k-block: a tile's 4 panels' block is 32 KB */
+#define PANEL_KBLOCK 256    /* inputs per k-block: a tile's block is 32 KB */
 /* the k-block of steps of PANEL_WIDE_ROWS rows or more (linear_panels.c): their products bound them, not the
  * weights' reads, and a tile's sums then go to memory and back once per 4,096 inputs instead of 256 (measured
  * in bench.panel_gemm, Zen 4: 0.94-0.98x oneDNN's speed from 256 rows at 256, 1.00-1.05x at 4,096; at 24-40
@@ -46,14 +51,25 @@
  * bought it nothing (bench.decode_kernel --model 1b, 32 rows: 138-143 ms at 256, 143-144 ms wide) */
 #define PANEL_WIDE_KBLOCK 4096
 #define PANEL_WIDE_ROWS 24
-#ifndef PANEL_PREFETCH
-#define PANEL_PREFETCH 8192 /* bytes ahead in a panel's stream: at PANEL_KBLOCK, the same inputs of the next block */
-#endif
+/* How far ahead in its tile's stream a tile prefetches: for steps of up to PANEL_NEAR_ROWS rows, which take a
+ * block's pairs fastest, PANEL_NEAR_PREFETCH bytes; up to PANEL_WIDE_ROWS, PANEL_MID_PREFETCH bytes and PANEL_KBLOCK
+ * inputs (32 KB in a whole tile: at that k-block, the same inputs of the next block, which the tile reads once every
+ * tile of rows has read this one); for wide steps, PANEL_KBLOCK inputs alone. Measured on Zen 4, 2 threads, the 1B
+ * shape's linears from memory against the four-stream layout (which prefetched 8 KB ahead in each panel),
+ * alternating in one process: 1 row 0.84x its time at 2 KB ahead in a fast hour of the memory (0.96-0.99x in a slow
+ * one), 0.88x at 1 KB or none, 1.06x at 32 KB; 2 rows 0.78x at 2 KB; 3 rows 0.95-1.01x at 2 KB, 1.06x at 32 KB; 4 to
+ * 16 rows 0.94-0.99x at 4 KB and 32 KB, 0.95-1.05x at 32 KB alone, 1.1-1.7x at 2 KB alone; 256 rows 0.995x at 32 KB
+ * alone, 1.01x with none, 1.04x at 4 KB and 32 KB. */
+#define PANEL_NEAR_ROWS 3
+#define PANEL_NEAR_PREFETCH 2048
+#define PANEL_MID_PREFETCH 4096
 
-/* acc[r][0..nz*16) (+)= x[r][2kk0..2kk1) . panels p..p+nz over the same inputs; acc rows PANEL_GROUP * 16 apart */
+/* acc[r][0..nz*16) (+)= x[r][2kk0..2kk1) . panels p..p+nz of one tile over the same inputs, the tile's pairs
+ * pair_stride elements apart (its panels' count x 32); acc rows PANEL_GROUP * 16 apart */
 static inline __attribute__((always_inline)) void panel_tile(const int mr, const int nz, const uint16_t *xb,
-                                                             int64_t ldx, const uint16_t *p, int64_t panel_stride,
-                                                             int kk0, int kk1, float *acc_out, int first)
+                                                             int64_t ldx, const uint16_t *p, int64_t pair_stride,
+                                                             int kk0, int kk1, float *acc_out, int first,
+                                                             int64_t near, int64_t far)
 {
     __m512 acc[PANEL_TILE_ROWS][PANEL_GROUP];
     for (int r = 0; r < mr; r++)
@@ -62,9 +78,11 @@ static inline __attribute__((always_inline)) void panel_tile(const int mr, const
                               : _mm512_loadu_ps(acc_out + (r * PANEL_GROUP + z) * PANEL_COLS);
     for (int kk = kk0; kk < kk1; kk++) {
         __m512bh wv[PANEL_GROUP];
+        const uint16_t *pk = p + (int64_t)kk * pair_stride;
         for (int z = 0; z < nz; z++) {
-            const uint16_t *pz = p + z * panel_stride + (int64_t)kk * 2 * PANEL_COLS;
-            __builtin_prefetch((const char *)pz + PANEL_PREFETCH, 0, 2);
+            const uint16_t *pz = pk + z * 2 * PANEL_COLS;
+            if (near) __builtin_prefetch((const char *)pz + near, 0, 2);
+            if (far) __builtin_prefetch((const char *)pz + far, 0, 2);
             __m512i raw = _mm512_loadu_si512(pz);
             __asm__("" : "+v"(raw)); /* one load per panel and pair, kept in a register for every row */
             wv[z] = (__m512bh)raw;
@@ -81,12 +99,12 @@ static inline __attribute__((always_inline)) void panel_tile(const int mr, const
 }
 
 #define PANEL_TILE_CASE(MR, NZ) \
-    case (MR) * 8 + (NZ): panel_tile(MR, NZ, xb, ldx, p, panel_stride, kk0, kk1, acc_out, first); break;
+    case (MR) * 8 + (NZ): panel_tile(MR, NZ, xb, ldx, p, pair_stride, kk0, kk1, acc_out, first, near, far); break;
 #define PANEL_TILE_ROW(MR) PANEL_TILE_CASE(MR, 1) PANEL_TILE_CASE(MR, 2) PANEL_TILE_CASE(MR, 3) PANEL_TILE_CASE(MR, 4)
 
 /* panel_tile with mr and nz as constants: a copy per shape, so the sums stay in registers */
-static void panel_tile_any(int mr, int nz, const uint16_t *xb, int64_t ldx, const uint16_t *p, int64_t panel_stride,
-                           int kk0, int kk1, float *acc_out, int first)
+static void panel_tile_any(int mr, int nz, const uint16_t *xb, int64_t ldx, const uint16_t *p, int64_t pair_stride,
+                           int kk0, int kk1, float *acc_out, int first, int64_t near, int64_t far)
 {
     switch (mr * 8 + nz) {
     PANEL_TILE_ROW(1) PANEL_TILE_ROW(2) PANEL_TILE_ROW(3) PANEL_TILE_ROW(4) PANEL_TILE_ROW(5) PANEL_TILE_ROW(6)
@@ -114,25 +132,32 @@ static inline void panels_store_bf16(const float *a, int nz, const void *bias, i
 /*
  * y[r][j] (+)= x[r] . w[j] (+ bias[j], float32 or bf16) for m (<= max_rows) bf16 rows xb [m][k] against panels
  * (n / 16 of them), or, where y16 is given, y16[r][j] = the same in bfloat16 (nearest even; y and accumulate
- * unused), inside a parallel region: each thread takes a contiguous run of panels, and all meet at a barrier at
- * the end (as an omp for would). acc: this thread's scratch, max_rows * PANEL_GROUP * 16 floats. kblock: inputs
- * per k-block (even; PANEL_KBLOCK, or PANEL_WIDE_KBLOCK for wide steps).
+ * unused), inside a parallel region: each thread takes a contiguous run of panels (the piece of a tile at either
+ * end of its run too, so the threads' shares stay even), and all meet at a barrier at the end (as an omp for
+ * would). acc: this thread's scratch, max_rows * PANEL_GROUP * 16 floats. kblock: inputs per k-block (even;
+ * PANEL_KBLOCK, or PANEL_WIDE_KBLOCK for wide steps).
  */
 static void panels_linear(const uint16_t *xb, int m, int k, const uint16_t *panels, int n, const void *bias,
                           int bias_bf16, float *y, uint16_t *y16, int accumulate, float *acc, int kblock)
 {
     const int np = n / PANEL_COLS, t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int begin = (int)((int64_t)np * t / nt), end = (int)((int64_t)np * (t + 1) / nt);
-    const int64_t panel_stride = (int64_t)k * PANEL_COLS; /* elements from one panel to the next */
-    for (int p0 = begin; p0 < end; p0 += PANEL_GROUP) {
-        const int nz = end - p0 < PANEL_GROUP ? end - p0 : PANEL_GROUP;
-        const uint16_t *p = panels + p0 * panel_stride;
+    const int whole = np / PANEL_GROUP; /* tiles of PANEL_GROUP panels; the rest make one narrower tile */
+    for (int p0 = begin, nz; p0 < end; p0 += nz) {
+        const int tile = p0 / PANEL_GROUP, first = tile * PANEL_GROUP;
+        const int width = tile < whole ? PANEL_GROUP : np - first; /* the tile's panels */
+        nz = (end < first + width ? end : first + width) - p0;     /* this thread's of them, from p0 */
+        const int64_t pair_stride = (int64_t)width * 2 * PANEL_COLS;
+        const uint16_t *p = panels + (int64_t)first * k * PANEL_COLS + (int64_t)(p0 - first) * 2 * PANEL_COLS;
+        /* bytes ahead a tile prefetches (PANEL_NEAR_ROWS) */
+        const int64_t near = m <= PANEL_NEAR_ROWS ? PANEL_NEAR_PREFETCH : m < PANEL_WIDE_ROWS ? PANEL_MID_PREFETCH : 0;
+        const int64_t far = m <= PANEL_NEAR_ROWS ? 0 : (int64_t)PANEL_KBLOCK * pair_stride;
         for (int k0 = 0; k0 < k; k0 += kblock) {
             const int k1 = k - k0 < kblock ? k : k0 + kblock;
             for (int r0 = 0; r0 < m; r0 += PANEL_TILE_ROWS) {
                 const int mr = m - r0 < PANEL_TILE_ROWS ? m - r0 : PANEL_TILE_ROWS;
-                panel_tile_any(mr, nz, xb + (int64_t)r0 * k, k, p, panel_stride, k0 / 2, k1 / 2,
-                               acc + (int64_t)r0 * PANEL_GROUP * PANEL_COLS, k0 == 0);
+                panel_tile_any(mr, nz, xb + (int64_t)r0 * k, k, p, pair_stride, k0 / 2, k1 / 2,
+                               acc + (int64_t)r0 * PANEL_GROUP * PANEL_COLS, k0 == 0, near, far);
             }
         }
         if (y16 != NULL) {

@@ -236,6 +236,7 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 PANEL_COLS = 16  # kernels/panels_bf16.h
+PANEL_GROUP = 4  # panels per tile, as kernels/panels_bf16.h interleaves them
 # Where oneDNN runs bf16 matmuls on AMX tiles (Intel Xeon from Sapphire Rapids), the panels' vdpbf16ps cannot keep
 # up on prompt steps: layers in panels keep oneDNN's copy too (``prepack_weights``) for steps of this many rows or
 # more. Not measured on such a host (none lent); on Zen 4 (no AMX) the panels match oneDNN at every row count.
@@ -247,24 +248,51 @@ def onednn_beside_panels() -> bool:
     return cpu_has("amx_bf16")
 
 
-def panels_shape(weight: torch.Tensor) -> tuple[int, int, int, int]:
-    n, k = weight.shape
-    return n // PANEL_COLS, k // 2, PANEL_COLS, 2
+def panels_shape(weight: torch.Tensor) -> tuple[int]:
+    """The shape of ``weight``'s panels (``panels_of``): flat, as its tiles differ in width."""
+    return (weight.numel(),)
+
+
+def _tiles(n: int, k: int, panels: torch.Tensor) -> list[tuple[torch.Tensor, slice]]:
+    """The views of flat ``panels`` (of an [n, k] weight) as tiles of [k / 2][panels][16][2] (kernels/panels_bf16.h):
+    the whole tiles of PANEL_GROUP panels, then the narrower one where n / 16 is not a multiple of it; each with the
+    weight's rows it holds."""
+    whole = n // (PANEL_COLS * PANEL_GROUP) * PANEL_COLS * PANEL_GROUP
+    views = []
+    if whole:
+        views.append((panels[:whole * k].view(whole // (PANEL_COLS * PANEL_GROUP), k // 2, PANEL_GROUP, PANEL_COLS, 2),
+                      slice(0, whole)))
+    if n > whole:
+        views.append((panels[whole * k:].view(1, k // 2, (n - whole) // PANEL_COLS, PANEL_COLS, 2), slice(whole, n)))
+    return views
 
 
 def panels_of(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``weight`` [n, k] (bfloat16, n a multiple of 16, k even) in kernels/panels_bf16.h's panel layout: n / 16
-    panels of [k / 2][16][2], a panel's 16 output columns' weights for each pair of inputs side by side; written
-    into ``out`` (contiguous, of ``panels_shape``) where one is given."""
+    panels, a panel's 16 output columns' weights for each pair of inputs side by side, in tiles of 4 panels
+    interleaved by pair; written into ``out`` (contiguous, of ``panels_shape``) where one is given."""
     n, k = weight.shape
-    laid_out = weight.detach().view(n // PANEL_COLS, PANEL_COLS, k // 2, 2).permute(0, 2, 1, 3)
-    return laid_out.contiguous() if out is None else out.copy_(laid_out)
+    out = torch.empty(panels_shape(weight), dtype=weight.dtype) if out is None else out
+    for tiles, rows in _tiles(n, k, out):
+        count, _, width, _, _ = tiles.shape
+        tiles.copy_(weight.detach()[rows].view(count, width, PANEL_COLS, k // 2, 2).permute(0, 3, 1, 2, 4))
+    return out
 
 
-def weight_of_panels(panels: torch.Tensor) -> torch.Tensor:
+def weight_of_panels(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The [n, k] weight that ``panels_of`` laid out as ``panels``."""
-    groups, pairs, cols, two = panels.shape
-    return panels.permute(0, 2, 1, 3).reshape(groups * cols, pairs * two)
+    weight = torch.empty(n, k, dtype=panels.dtype)
+    for tiles, rows in _tiles(n, k, panels):
+        weight[rows] = tiles.permute(0, 2, 3, 1, 4).reshape(rows.stop - rows.start, k)
+    return weight
+
+
+def panel_rows(panels: torch.Tensor, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of the [n, k] weight in ``panels`` (n a multiple of 64: whole tiles), as an embedding lookup
+    gathers them: row v is column v % 16 of the tile v // 64's panel v // 16 % 4."""
+    (tiles, _), = _tiles(n, k, panels)
+    rows = tiles[ids // (PANEL_COLS * PANEL_GROUP), :, ids // PANEL_COLS % PANEL_GROUP, ids % PANEL_COLS, :]
+    return rows.reshape(*ids.shape, k)
 
 
 def panels_fit(weight: torch.Tensor) -> bool:
@@ -470,9 +498,8 @@ class LlamaForCausalLM(nn.Module):
         and the all-reduce sums the one row that holds each."""
         if self.tp.size == 1:
             panels = getattr(self.embed_tokens, "panels", None)
-            if panels is not None:  # a tied head in panels (``pack_panels``): row v is column v % 16 of panel v // 16
-                rows = panels[input_ids // PANEL_COLS, :, input_ids % PANEL_COLS, :]
-                return rows.reshape(*input_ids.shape, 2 * panels.shape[1])
+            if panels is not None:  # a tied head in panels (``pack_panels``)
+                return panel_rows(panels, *self.embed_tokens.weight.shape, input_ids)
             return self.embed_tokens(input_ids)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.embed_tokens.weight.shape[0])
@@ -523,10 +550,11 @@ class LlamaForCausalLM(nn.Module):
 
     def panel_layers(self) -> list[nn.Module]:
         """The layers ``pack_panels`` moves into panels: the decoder's linears, and the LM head where its shape
-        fits the layout (a tied head's embedding lookups then read the panels too)."""
+        fits the layout (a tied head's embedding lookups then read the panels too, in whole tiles: ``panel_rows``)."""
         head = self.head()
-        return self._decoder_linears() + ([head] if head.weight.dtype is torch.bfloat16 and panels_fit(head.weight)
-                                          else [])
+        fits = head.weight.dtype is torch.bfloat16 and panels_fit(head.weight) and (
+            head is not self.embed_tokens or head.weight.shape[0] % (PANEL_COLS * PANEL_GROUP) == 0)
+        return self._decoder_linears() + ([head] if fits else [])
 
     def panels_fit(self) -> bool:
         """Whether ``pack_panels`` would move the decoder's linear weights into panels: every one bfloat16 on the
@@ -577,7 +605,7 @@ class LlamaForCausalLM(nn.Module):
             panels = getattr(module, "panels", None)
             if panels is not None and not beside:
                 continue
-            module.packed = prepack(module.weight if panels is None else weight_of_panels(panels))
+            module.packed = prepack(module.weight if panels is None else weight_of_panels(panels, *module.weight.shape))
             added += module.weight.nbytes if module.packed is not None else 0
         return added
 
