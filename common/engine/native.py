@@ -54,14 +54,15 @@ def cpu_has(flag: str) -> bool:
 
 
 @functools.cache
-def load_kernel(name: str) -> ctypes.CDLL | None:
-    """Compile (if needed) and load ``kernels/<name>.c``; None when that is impossible."""
+def load_kernel(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """Compile (if needed) and load ``kernels/<name>.c``, with ``defines`` (``NAME=VALUE``, as ``-D`` gives them:
+    a benchmark's variant of a kernel) where given; None when that is impossible."""
     source = KERNEL_DIR / f"{name}.c"
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         log.warning("no C compiler found; %s runs on the slower pure-torch path", name)
         return None
-    cflags = CFLAGS + (STRICT_CFLAGS if name in STRICT_KERNELS else [])
+    cflags = CFLAGS + (STRICT_CFLAGS if name in STRICT_KERNELS else []) + [f"-D{d}" for d in defines]
     digest = hashlib.sha256(
         source.read_bytes() + b"".join(h.read_bytes() for h in sorted(KERNEL_DIR.glob("*.h")))
         + " ".join(cflags + LDFLAGS).encode() + _cpu_signature().encode()

@@ -91,3 +91,13 @@ def test_the_layout_interleaves_each_tiles_panels_by_pair_and_comes_back_whole(n
         for i in range(k):  # tile, pair, panel in the tile, column, element of the pair
             assert panels[tile * 64 * k + (i // 2) * wide * 32 + z * 32 + c * 2 + i % 2] == w[j, i]
     assert torch.equal(weight_of_panels(panels, n, k), w)
+
+
+def test_the_layout_benchmark_gives_both_layouts_the_same_outputs(capsys, monkeypatch):
+    import bench.panel_layout
+
+    monkeypatch.setattr(bench.panel_layout, "read_bandwidth", lambda: 50e9)  # its table, not this host's memory
+    assert bench.panel_layout.main(["--model", "embedded", "--layers", "1", "--rows", "1", "7", "--repeat", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [line.split(" | ")[0] for line in rows] == ["| 1", "| 7"]
+    assert all(line.split(" | ")[5] == "50.0-50.0" and line.endswith("| yes |") for line in rows)  # bit for bit

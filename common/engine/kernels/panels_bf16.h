@@ -61,15 +61,21 @@
  * 16 rows 0.94-0.99x at 4 KB and 32 KB, 0.95-1.05x at 32 KB alone, 1.1-1.7x at 2 KB alone; 256 rows 0.995x at 32 KB
  * alone, 1.01x with none, 1.04x at 4 KB and 32 KB. */
 #define PANEL_NEAR_ROWS 3
+/* 0: each panel whole after the one before, four streams a panel's size apart (the layout before the tiles, which
+ * bench.panel_layout builds to compare against): not a layout the engine packs */
+#ifndef PANEL_INTERLEAVED
+#define PANEL_INTERLEAVED 1
+#endif
 #define PANEL_NEAR_PREFETCH 2048
 #define PANEL_MID_PREFETCH 4096
 
 /* acc[r][0..nz*16) (+)= x[r][2kk0..2kk1) . panels p..p+nz of one tile over the same inputs, the tile's pairs
- * pair_stride elements apart (its panels' count x 32); acc rows PANEL_GROUP * 16 apart */
+ * pair_stride elements apart (its panels' count x 32) and its panels z_stride apart (32); acc rows PANEL_GROUP * 16
+ * apart */
 static inline __attribute__((always_inline)) void panel_tile(const int mr, const int nz, const uint16_t *xb,
                                                              int64_t ldx, const uint16_t *p, int64_t pair_stride,
-                                                             int kk0, int kk1, float *acc_out, int first,
-                                                             int64_t near, int64_t far)
+                                                             int64_t z_stride, int kk0, int kk1, float *acc_out,
+                                                             int first, int64_t near, int64_t far)
 {
     __m512 acc[PANEL_TILE_ROWS][PANEL_GROUP];
     for (int r = 0; r < mr; r++)
@@ -80,7 +86,7 @@ static inline __attribute__((always_inline)) void panel_tile(const int mr, const
         __m512bh wv[PANEL_GROUP];
         const uint16_t *pk = p + (int64_t)kk * pair_stride;
         for (int z = 0; z < nz; z++) {
-            const uint16_t *pz = pk + z * 2 * PANEL_COLS;
+            const uint16_t *pz = pk + z * z_stride;
             if (near) __builtin_prefetch((const char *)pz + near, 0, 2);
             if (far) __builtin_prefetch((const char *)pz + far, 0, 2);
             __m512i raw = _mm512_loadu_si512(pz);
@@ -99,12 +105,14 @@ static inline __attribute__((always_inline)) void panel_tile(const int mr, const
 }
 
 #define PANEL_TILE_CASE(MR, NZ) \
-    case (MR) * 8 + (NZ): panel_tile(MR, NZ, xb, ldx, p, pair_stride, kk0, kk1, acc_out, first, near, far); break;
+    case (MR) * 8 + (NZ): \
+        panel_tile(MR, NZ, xb, ldx, p, pair_stride, z_stride, kk0, kk1, acc_out, first, near, far); \
+        break;
 #define PANEL_TILE_ROW(MR) PANEL_TILE_CASE(MR, 1) PANEL_TILE_CASE(MR, 2) PANEL_TILE_CASE(MR, 3) PANEL_TILE_CASE(MR, 4)
 
 /* panel_tile with mr and nz as constants: a copy per shape, so the sums stay in registers */
 static void panel_tile_any(int mr, int nz, const uint16_t *xb, int64_t ldx, const uint16_t *p, int64_t pair_stride,
-                           int kk0, int kk1, float *acc_out, int first, int64_t near, int64_t far)
+                           int64_t z_stride, int kk0, int kk1, float *acc_out, int first, int64_t near, int64_t far)
 {
     switch (mr * 8 + nz) {
     PANEL_TILE_ROW(1) PANEL_TILE_ROW(2) PANEL_TILE_ROW(3) PANEL_TILE_ROW(4) PANEL_TILE_ROW(5) PANEL_TILE_ROW(6)
@@ -144,19 +152,27 @@ static void panels_linear(const uint16_t *xb, int m, int k, const uint16_t *pane
     const int begin = (int)((int64_t)np * t / nt), end = (int)((int64_t)np * (t + 1) / nt);
     const int whole = np / PANEL_GROUP; /* tiles of PANEL_GROUP panels; the rest make one narrower tile */
     for (int p0 = begin, nz; p0 < end; p0 += nz) {
+#if PANEL_INTERLEAVED
         const int tile = p0 / PANEL_GROUP, first = tile * PANEL_GROUP;
         const int width = tile < whole ? PANEL_GROUP : np - first; /* the tile's panels */
         nz = (end < first + width ? end : first + width) - p0;     /* this thread's of them, from p0 */
-        const int64_t pair_stride = (int64_t)width * 2 * PANEL_COLS;
+        const int64_t pair_stride = (int64_t)width * 2 * PANEL_COLS, z_stride = 2 * PANEL_COLS;
         const uint16_t *p = panels + (int64_t)first * k * PANEL_COLS + (int64_t)(p0 - first) * 2 * PANEL_COLS;
         /* bytes ahead a tile prefetches (PANEL_NEAR_ROWS) */
         const int64_t near = m <= PANEL_NEAR_ROWS ? PANEL_NEAR_PREFETCH : m < PANEL_WIDE_ROWS ? PANEL_MID_PREFETCH : 0;
         const int64_t far = m <= PANEL_NEAR_ROWS ? 0 : (int64_t)PANEL_KBLOCK * pair_stride;
+#else
+        (void)whole;
+        nz = end - p0 < PANEL_GROUP ? end - p0 : PANEL_GROUP;
+        const int64_t pair_stride = 2 * PANEL_COLS, z_stride = (int64_t)k * PANEL_COLS;
+        const uint16_t *p = panels + (int64_t)p0 * k * PANEL_COLS;
+        const int64_t near = 8192, far = 0; /* what this layout prefetched: 8 KB ahead in each panel */
+#endif
         for (int k0 = 0; k0 < k; k0 += kblock) {
             const int k1 = k - k0 < kblock ? k : k0 + kblock;
             for (int r0 = 0; r0 < m; r0 += PANEL_TILE_ROWS) {
                 const int mr = m - r0 < PANEL_TILE_ROWS ? m - r0 : PANEL_TILE_ROWS;
-                panel_tile_any(mr, nz, xb + (int64_t)r0 * k, k, p, pair_stride, k0 / 2, k1 / 2,
+                panel_tile_any(mr, nz, xb + (int64_t)r0 * k, k, p, pair_stride, z_stride, k0 / 2, k1 / 2,
                                acc + (int64_t)r0 * PANEL_GROUP * PANEL_COLS, k0 == 0, near, far);
             }
         }
