@@ -8,9 +8,10 @@
  * all 16 lanes, adding to 16 sums, one per output column: an outer product. The panels go in tiles of PANEL_GROUP,
  * whose 64-byte pieces interleave by pair: a tile is [k / 2][4][16][2] (the last one [k / 2][n / 16 % 4][16][2]
  * where n / 16 is not a multiple of 4), so the tile a kernel takes at once is one sequential stream of memory.
- * Four panels one after the other were four streams a panel's size apart (64 KB at k = 2,048, a power of two): on
- * Zen 4 with 2 threads, a scratch harness read them at 50 GB/s in the minutes when one stream read at 60 (0.85x;
- * 0.94x when the memory was slower), which a decode step of a few rows, bound by reading the weights, paid in full.
+ * Four panels one after the other were four streams a panel's size apart (64 KB at k = 2,048, a power of two),
+ * which a decode step of a few rows, bound by reading the weights, paid in full: on Zen 4 with 2 threads, the
+ * tiles take 0.80-0.86x the time of one or two rows when the memory reads fast, 0.91-0.99x from 4 to 32 rows,
+ * the same at 256 (bench.panel_layout, docs/benchmarks.md).
  *
  * Against the row layout (decode_forward.c's dot_block_bf16: a zmm of one weight row against a zmm of each x
  * row, each sum reduced across lanes at the end), x is read as 4-byte broadcasts (L1 hits, lighter on the load ports
@@ -59,15 +60,15 @@
  * alternating in one process: 1 row 0.84x its time at 2 KB ahead in a fast hour of the memory (0.96-0.99x in a slow
  * one), 0.88x at 1 KB or none, 1.06x at 32 KB; 2 rows 0.78x at 2 KB; 3 rows 0.95-1.01x at 2 KB, 1.06x at 32 KB; 4 to
  * 16 rows 0.94-0.99x at 4 KB and 32 KB, 0.95-1.05x at 32 KB alone, 1.1-1.7x at 2 KB alone; 256 rows 0.995x at 32 KB
- * alone, 1.01x with none, 1.04x at 4 KB and 32 KB. */
+ * alone, 1.01x with none, 1.04x at 4 KB and 32 KB (scratch builds of bench.panel_layout's comparison). */
 #define PANEL_NEAR_ROWS 3
+#define PANEL_NEAR_PREFETCH 2048
+#define PANEL_MID_PREFETCH 4096
 /* 0: each panel whole after the one before, four streams a panel's size apart (the layout before the tiles, which
  * bench.panel_layout builds to compare against): not a layout the engine packs */
 #ifndef PANEL_INTERLEAVED
 #define PANEL_INTERLEAVED 1
 #endif
-#define PANEL_NEAR_PREFETCH 2048
-#define PANEL_MID_PREFETCH 4096
 
 /* acc[r][0..nz*16) (+)= x[r][2kk0..2kk1) . panels p..p+nz of one tile over the same inputs, the tile's pairs
  * pair_stride elements apart (its panels' count x 32) and its panels z_stride apart (32); acc rows PANEL_GROUP * 16
