@@ -18,7 +18,6 @@ The two sum every output in the same order, so their outputs are checked bit for
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import statistics
 import time
@@ -29,7 +28,7 @@ from bench.int8_gemm import add_shape_arguments, shape_model, shapes
 from bench.roofline import read_bandwidth
 from common.engine.huge_pages import HugePageArena
 from common.engine.models.llama import PANEL_COLS, panels_of, panels_shape
-from common.engine.native import linear_panels_kernel, load_kernel
+from common.engine.native import linear_panels_kernel
 
 WAYS = ("tiles", "panels one after another")
 
@@ -46,12 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     add_shape_arguments(parser, [1, 2, 4, 8, 32, 256], 12)
     parser.add_argument("--layers", type=int, default=0, help="decoder layers (0: the model's)")
     args = parser.parse_args(argv)
-    tiled = linear_panels_kernel()
-    other = load_kernel("linear_panels", ("PANEL_INTERLEAVED=0",))
-    if tiled is None or other is None:
+    tiled, untiled = linear_panels_kernel(), linear_panels_kernel(("PANEL_INTERLEAVED=0",))
+    if tiled is None or untiled is None:
         raise SystemExit("kernels/linear_panels.c needs a C compiler and AVX512-BF16")
-    untiled = other.tessera_linear_panels
-    untiled.restype, untiled.argtypes = ctypes.c_int, (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3
     model, model_dir = shape_model(args)
     layers = args.layers or json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
     linears = [(n, k) for name, n, k in shapes(model_dir) if name != "LM head"] * layers

@@ -85,10 +85,10 @@ def load_kernel(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
 
 
 @functools.cache
-def kernel_function(name: str, symbol: str, argtypes: tuple):
-    """``symbol`` of ``kernels/<name>.c`` as a ctypes function returning int (0: done, -1: shapes refused),
-    or None without a compiler."""
-    lib = load_kernel(name)
+def kernel_function(name: str, symbol: str, argtypes: tuple, defines: tuple[str, ...] = ()):
+    """``symbol`` of ``kernels/<name>.c`` (built with ``defines``: ``load_kernel``) as a ctypes function returning
+    int (0: done, -1: shapes refused), or None without a compiler."""
+    lib = load_kernel(name, defines)
     if lib is None:
         return None
     fn = getattr(lib, symbol)
@@ -103,14 +103,16 @@ def gemv_bf16_kernel():
 
 
 @functools.cache
-def linear_panels_kernel():
-    """``tessera_linear_panels(x, panels, bias, y, m, n, k)`` (``kernels/linear_panels.c``): bf16 rows against a
-    weight in the panel layout, any number of rows; None without a compiler or where the build has no
-    AVX512-BF16 (the kernel would refuse every call). Looked up once: every linear layer of every step calls it."""
-    available = kernel_function("linear_panels", "tessera_linear_panels_available", ())
+def linear_panels_kernel(defines: tuple[str, ...] = ()):
+    """``tessera_linear_panels(x, panels, bias, y, m, n, k)`` (``kernels/linear_panels.c``, built with ``defines``
+    where a benchmark gives them): bf16 rows against a weight in the panel layout, any number of rows; None without
+    a compiler or where the build has no AVX512-BF16 (the kernel would refuse every call). Looked up once: every
+    linear layer of every step calls it."""
+    available = kernel_function("linear_panels", "tessera_linear_panels_available", (), defines)
     if available is None or not available():
         return None
-    return kernel_function("linear_panels", "tessera_linear_panels", (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3)
+    return kernel_function("linear_panels", "tessera_linear_panels", (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3,
+                           defines)
 
 
 def gemm_invariant_kernel():
