@@ -260,6 +260,8 @@ class WorkerIO:
                 for link in self.links:
                     self._send(link, beacon)
                 next_beat = now + self.config.heartbeat_interval_s
+            elif now >= next_beat:  # nothing to beat yet (not registered): the poll must not run to a past time
+                next_beat = now + self.config.heartbeat_interval_s
 
     def _poll_ms(self, next_beat: float) -> int:
         """How long the loop may wait for a socket or a wake-up: until the next heartbeat or registration try is

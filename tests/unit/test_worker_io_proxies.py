@@ -123,3 +123,33 @@ def test_owners_forget_a_request_with_its_last_message_or_when_idle():
     clock[0] = IDLE_S + 61
     assert owners.route(wire.Heartbeat("w0", 1, 0, 0, 0, 0)) == [(None, wire.Heartbeat("w0", 1, 0, 0, 0, 0))]
     assert len(owners) == 0
+
+
+def test_a_worker_whose_proxy_does_not_answer_waits_between_its_registration_tries(tmp_path):
+    """Before any proxy acknowledges it, the I/O thread sends its Register once a heartbeat interval and sleeps
+    between: its loop turns a few times a second (it once polled with a zero timeout, a core busy until a proxy
+    answered)."""
+    context = zmq.Context()
+    proxy = Proxy(context)
+    config = WorkerConfig(worker_id="w0", role="decode", heartbeat_interval_s=0.2, proxy_address=proxy.address)
+    registration = wire.Register("w0", "decode", 7, "m", "v", LAYOUT, 64, 256, "fake", b"")
+    io = WorkerIO(config, registration, WorkerMetrics(config), tmp_path)
+    turns = 0
+    flush = io._flush_outbox
+
+    def counted() -> None:
+        nonlocal turns
+        turns += 1
+        flush()
+
+    io._flush_outbox = counted
+    io._thread.start()
+    try:
+        tries = [proxy.receive(wire.Register) for _ in range(4)]  # a Register each interval, none acknowledged
+        assert all(msg.worker_id == "w0" for msg in tries)
+        # 4 tries span 3 intervals (0.6 s): about 6 polls of at most POLL_MAX_S and the 4 sends' turns
+        assert turns < 100
+    finally:
+        io.stop("test over")
+        proxy.sock.close(0)
+        context.term()
