@@ -21,7 +21,9 @@ from common.storage.model_store import resolve_model
 # here; a new unit module to the beside lane. Measured (2026-12-01, 1,908 tests, `make test
 # PYTEST_ARGS=--durations=0` under `/usr/bin/time`): the compute lane's tests summed to 1,045 s, the beside lane's
 # to 1,052, the waits lane's to 396; the run took 1,068 s on 2,025 CPU-s, both cores busy nearly throughout, so a
-# lane more would gain only the sleeping. Tests that wait but also compute (rolling upgrade, failover, a cut link,
+# lane more would gain only the sleeping: the run is as long as its CPU-seconds, which tests/cpu_report.py counts
+# per module (a later run: 2,046 of its 2,077 CPU-s counted; the ten costliest modules, nine of them e2e modules
+# that start clusters, took 47%). Tests that wait but also compute (rolling upgrade, failover, a cut link,
 # fuzzing) made the run longer beside the compute lane (their clusters contend for the cores): the waits lane holds
 # only tests whose clusters are idle or tiny.
 BESIDE_E2E = {

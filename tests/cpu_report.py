@@ -1,0 +1,79 @@
+"""Where the suite's CPU time goes, per test and per module: what a shorter CI run has to cut.
+
+``make test`` is bound by the two cores (its lanes keep both busy), so its length is the CPU-seconds of its tests,
+not their wall time. Load this plugin with a directory to write to, and each test process (every xdist lane) records
+for each test its wall time, its own CPU time and that of the processes it reaped (the clusters it started and
+stopped: a module's cluster, stopped at the module's end, counts for its last test):
+
+    TESSERA_CPU_REPORT=/tmp/cpu make test PYTEST_ARGS="-p tests.cpu_report"
+    .venv/bin/python -m tests.cpu_report /tmp/cpu            # modules by CPU-seconds; --tests: tests
+
+A process that outlives the test that started it, or is never reaped, is not counted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+ENV = "TESSERA_CPU_REPORT"
+
+
+def _cpu() -> tuple[float, float]:
+    own, reaped = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, reaped.ru_utime + reaped.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    directory = os.environ.get(ENV)
+    if not directory:
+        yield
+        return
+    own, reaped = _cpu()
+    start = time.monotonic()
+    yield
+    own_after, reaped_after = _cpu()
+    record = {"test": item.nodeid, "wall": time.monotonic() - start, "own": own_after - own,
+              "reaped": reaped_after - reaped}
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    with open(Path(directory) / f"cpu-{os.getpid()}.jsonl", "a") as out:
+        out.write(json.dumps(record) + "\n")
+
+
+def table(directory: Path, by_test: bool, top: int) -> str:
+    """The records of ``directory`` summed by module (or by test), most CPU-seconds first."""
+    sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    for path in sorted(directory.glob("cpu-*.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            key = record["test"] if by_test else record["test"].partition("::")[0]
+            for i, field in enumerate(("wall", "own", "reaped")):
+                sums[key][i] += record[field]
+    total = sum(own + reaped for _, own, reaped in sums.values())
+    lines = [f"{len(sums)} {'tests' if by_test else 'modules'}, {total:,.0f} CPU-s in all",
+             f"{'CPU-s':>8} {'share':>6} {'wall s':>8} {'own':>7} {'reaped':>7}  name"]
+    ranked = sorted(sums.items(), key=lambda item: -(item[1][1] + item[1][2]))
+    for name, (wall, own, reaped) in ranked[:top]:
+        lines.append(f"{own + reaped:8.1f} {(own + reaped) / max(total, 1e-9):6.1%} {wall:8.1f} {own:7.1f} "
+                     f"{reaped:7.1f}  {name}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("--tests", action="store_true", help="one row per test rather than per module")
+    parser.add_argument("--top", type=int, default=40)
+    args = parser.parse_args()
+    print(table(args.directory, args.tests, args.top))
+
+
+if __name__ == "__main__":
+    main()

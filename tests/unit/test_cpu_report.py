@@ -1,0 +1,23 @@
+"""The suite's CPU report (tests/cpu_report.py): records summed by module or by test, most CPU-seconds first."""
+from __future__ import annotations
+
+import json
+
+from tests.cpu_report import table
+
+
+def test_records_of_every_lane_sum_by_module_and_rank_by_cpu(tmp_path):
+    lanes = {
+        "cpu-1.jsonl": [{"test": "tests/e2e/test_a.py::test_one", "wall": 10.0, "own": 1.0, "reaped": 2.0},
+                        {"test": "tests/unit/test_b.py::test_two", "wall": 2.0, "own": 6.0, "reaped": 0.0}],
+        "cpu-2.jsonl": [{"test": "tests/e2e/test_a.py::test_three", "wall": 5.0, "own": 0.5, "reaped": 4.5}],
+    }
+    for name, records in lanes.items():
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+    modules = table(tmp_path, by_test=False, top=10).splitlines()
+    assert modules[0] == "2 modules, 14 CPU-s in all"
+    assert modules[2].split() == ["8.0", "57.1%", "15.0", "1.5", "6.5", "tests/e2e/test_a.py"]
+    assert modules[3].split() == ["6.0", "42.9%", "2.0", "6.0", "0.0", "tests/unit/test_b.py"]
+    tests = table(tmp_path, by_test=True, top=1).splitlines()
+    assert tests[0] == "3 tests, 14 CPU-s in all" and len(tests) == 3
+    assert tests[2].endswith("tests/unit/test_b.py::test_two")
