@@ -1,7 +1,10 @@
 """Build and load the engine's small C kernels (``common/engine/kernels/*.c``) with ctypes.
 
 The kernels are plain C with OpenMP, compiled once per source version and CPU
-into the Tessera cache (a second or two with gcc), then loaded with ctypes.
+into the Tessera cache (a second or two with gcc, decode_forward.c about 7), then
+loaded with ctypes. Processes that need the same kernel at once (a cluster's
+workers starting on a fresh machine) build it once: the others wait on a lock
+beside it (``BUILD_WAIT_S``) and load what the first one built.
 No torch headers are involved, which keeps the build fast. The library links
 ``libgomp.so.1``; torch has already loaded its own copy under that name, so
 the kernel shares torch's thread pool instead of starting a second one.
@@ -11,7 +14,9 @@ pure-torch path; the log says so once.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -20,6 +25,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from common.storage.model_store import default_cache_root
@@ -36,6 +42,9 @@ LDFLAGS = ["-shared", "-fopenmp"]
 # an FMA the compiler might make in one copy of a loop and not in another.
 STRICT_KERNELS = {"gemm_invariant"}
 STRICT_CFLAGS = ["-fno-fast-math", "-ffp-contract=off"]
+# How long a process waits for another one's build of the same kernel before building it itself; a build takes
+# seconds, so only a stuck compiler holds the lock this long, and then the waiter goes on as if there were no lock.
+BUILD_WAIT_S = 300.0
 
 
 def _cpu_signature() -> str:
@@ -70,18 +79,45 @@ def load_kernel(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     target = default_cache_root() / "kernels" / f"{name}-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built, obj = Path(tmp) / target.name, Path(tmp) / f"{name}.o"
-            result = subprocess.run([compiler, *cflags, "-c", str(source), "-o", str(obj)],
-                                    capture_output=True, text=True)
-            if result.returncode == 0:
-                result = subprocess.run([compiler, *LDFLAGS, str(obj), "-o", str(built), "-lm"],
-                                        capture_output=True, text=True)
-            if result.returncode != 0:
-                log.warning("building %s failed; using the pure-torch path:\n%s", name, result.stderr[-2000:])
+        with _build_lock(target):
+            if not target.exists() and not _build(compiler, cflags, source, target):
                 return None
-            os.replace(built, target)  # atomic: concurrent builders never see half a file
     return ctypes.CDLL(str(target))
+
+
+@contextlib.contextmanager
+def _build_lock(target: Path):
+    """Held while this process builds ``target``: another process building it holds it first, and this one waits
+    for it (at most ``BUILD_WAIT_S``, then builds without it)."""
+    with open(target.with_name(target.name + ".lock"), "w") as lock:
+        deadline = time.monotonic() + BUILD_WAIT_S
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    log.warning("another process has been building %s for %.0f s (BUILD_WAIT_S); building it here "
+                                "too", target.name, BUILD_WAIT_S)
+                    break
+                time.sleep(0.05)
+        yield  # the lock goes with the file's closing, or with the process
+
+
+def _build(compiler: str, cflags: list[str], source: Path, target: Path) -> bool:
+    """Compiles ``source`` to ``target``; False (and the compiler's words logged) where that fails."""
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built, obj = Path(tmp) / target.name, Path(tmp) / f"{source.stem}.o"
+        result = subprocess.run([compiler, *cflags, "-c", str(source), "-o", str(obj)], capture_output=True,
+                                text=True)
+        if result.returncode == 0:
+            result = subprocess.run([compiler, *LDFLAGS, str(obj), "-o", str(built), "-lm"], capture_output=True,
+                                    text=True)
+        if result.returncode != 0:
+            log.warning("building %s failed; using the pure-torch path:\n%s", source.stem, result.stderr[-2000:])
+            return False
+        os.replace(built, target)  # atomic: a process that loads it without the lock never sees half a file
+    return True
 
 
 @functools.cache

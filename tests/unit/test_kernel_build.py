@@ -1,11 +1,17 @@
 """Every C kernel builds where CI runs: without a compiler the engine falls back to torch and the kernel tests
-skip, which CI must not take for a pass (.ci/run sets CI=true)."""
+skip, which CI must not take for a pass (.ci/run sets CI=true). Processes building the same kernel at once build
+it once."""
 from __future__ import annotations
 
+import fcntl
 import os
+import subprocess
+import sys
+import threading
 
 import pytest
 
+from common.engine import native
 from common.engine.native import KERNEL_DIR, load_kernel
 
 KERNELS = sorted(path.stem for path in KERNEL_DIR.glob("*.c"))
@@ -17,3 +23,52 @@ def test_the_kernel_builds_and_loads(name):
         if os.environ.get("CI"):
             pytest.fail(f"kernels/{name}.c did not build in CI: install a C compiler (gcc) with OpenMP")
         pytest.skip(f"kernels/{name}.c did not build here (no C compiler?): the engine runs its torch path")
+
+
+def test_a_build_waits_while_another_process_builds_the_same_kernel(tmp_path):
+    target = tmp_path / "kernel-0123.so"
+    inside = threading.Event()
+
+    def build() -> None:
+        with native._build_lock(target):
+            inside.set()
+
+    with open(tmp_path / "kernel-0123.so.lock", "w") as other:  # another builder's lock (a file of its own)
+        fcntl.flock(other, fcntl.LOCK_EX)
+        waiter = threading.Thread(target=build)
+        waiter.start()
+        assert not inside.wait(0.5), "entered while another builder held the lock"
+    assert inside.wait(30), "still waiting after the other builder let go"
+    waiter.join()
+
+
+def test_a_build_held_past_the_wait_goes_on_without_the_lock(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(native, "BUILD_WAIT_S", 0.2)
+    target = tmp_path / "kernel-0123.so"
+    with open(tmp_path / "kernel-0123.so.lock", "w") as other:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        with native._build_lock(target):
+            pass
+    assert "BUILD_WAIT_S" in caplog.text
+
+
+def test_three_processes_needing_a_kernel_on_a_fresh_cache_build_it_once(tmp_path):
+    """Each process logs the compiler runs it makes; together they make one (compile and link) per kernel."""
+    script = (
+        "import subprocess, sys\n"
+        "from common.engine import native\n"
+        "real = subprocess.run\n"
+        "def counted(command, **kw):\n"
+        "    print('compiler run', flush=True)\n"
+        "    return real(command, **kw)\n"
+        "native.subprocess.run = counted\n"
+        "sys.exit(0 if native.load_kernel('token_mask') is not None else 3)\n"
+    )
+    env = {**os.environ, "TESSERA_CACHE_DIR": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    outputs = [proc.communicate(timeout=300)[0] for proc in procs]
+    if any(proc.returncode == 3 for proc in procs):
+        pytest.skip("kernels/token_mask.c did not build here (no C compiler?)")
+    assert all(proc.returncode == 0 for proc in procs), outputs
+    assert sum(out.count("compiler run") for out in outputs) == 2, outputs  # one compile, one link
