@@ -26,9 +26,11 @@ before each point is recorded with it, and for Tessera the share of its requests
 computed (from the proxy's ``/metrics``: prefill dispatches less failed KV pulls, over decode dispatches).
 
 The run also measures the machine's streaming read bandwidth (``bench.roofline.read_bandwidth``) before the
-first server starts, and again before each server's one-stream point: the weights' bytes over it is the least
-time a decode step of one stream can take, and the table gives each server's one-stream TPOT as a multiple of
-the one measured just before it (on shared virtual machines the bandwidth drifts between servers).
+first server starts, and again just before and just after each server's one-stream point: the weights' bytes over
+it is the least time a decode step of one stream can take, and the table gives each server's one-stream TPOT as a
+multiple of that at the faster of the two probes around it (the stricter ratio; on shared virtual machines the
+bandwidth drifts between servers, and within a minute). ``bench.served_overhead`` sets a served stream against the
+engine alone in the same minute, for what the probe cannot pin down.
 
 ``--one-stream-rounds N`` measures the one-stream point the way ``experiments.kernel_ab`` times kernels, so that the
 drift hits every server alike: every server stays up after its other two points, and then the one-stream point
@@ -190,7 +192,7 @@ def alternate_one_stream(servers: list[Server], args, model: ServedModel, result
 
 def one_stream_row(name: str, runs: list[dict], reference: list[dict] | None, weight_bytes: int) -> dict:
     """A server's one-stream row from its rounds: the median TPOT, the median of each round's ratio to vLLM's
-    TPOT in the same round, and of each round's TPOT over the roofline at the bandwidth measured just before."""
+    TPOT in the same round, and of each round's TPOT over the roofline at the faster probe around it."""
     tpots = [run["median_tpot_ms"] for run in runs]
     row = {"server": name, "point": "one stream", "load_before": runs[0]["load_before"],
            "remote_prefill": None if runs[0]["remote_prefill"] is None else
@@ -206,11 +208,15 @@ def one_stream_row(name: str, runs: list[dict], reference: list[dict] | None, we
 
 
 def measured_point(server: Server, point: Point, args, model: ServedModel, result_dir: Path) -> dict:
-    """``run_point``, printed; a one-stream point, memory-bound, with the bandwidth of its own minutes measured
-    just before it (``read_bandwidth``: it drifts on shared hosts)."""
-    measured = read_bandwidth() if point.concurrency == 1 else None
+    """``run_point``, printed; a one-stream point, memory-bound, with the bandwidth of its own minutes probed just
+    before and just after it (``read_bandwidth``: it drifts on shared hosts): ``read_bandwidth`` is the faster probe,
+    ``read_bandwidth_probes`` both."""
+    before = read_bandwidth() if point.concurrency == 1 else None
     row = run_point(server, point, args, model, result_dir)
-    row["read_bandwidth"] = measured
+    row["read_bandwidth"] = None
+    if before is not None:
+        row["read_bandwidth_probes"] = (before, read_bandwidth())
+        row["read_bandwidth"] = max(row["read_bandwidth_probes"])
     print(json.dumps(row), flush=True)
     return row
 
@@ -258,7 +264,7 @@ def table(rows: list[dict], args, weight_bytes: int) -> str:
 
     lines = [f"| server | out tok/s at saturation | TTFT p50 / p99 ms at saturation | TPOT p50 ms at {rate} | "
              f"TTFT p50 ms at {rate} | TPOT p50 ms, one stream | one-stream TPOT over the roofline (1.0: the "
-             "physical limit; lower is better), at the read bandwidth measured just before | "
+             "physical limit; lower is better), at the faster read bandwidth probed just before and after | "
              "prefilled by a prefill worker (sat / rate / one) | "
              "load before (sat / rate / one) |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -288,8 +294,8 @@ def report(rows: list[dict], args, model: ServedModel, weights: tuple[int, int],
     parameters, weight_bytes = weights
     roofline_ms = weight_bytes / bandwidth * 1e3
     measured = [row["read_bandwidth"] / 1e9 for row in rows if row.get("read_bandwidth")]
-    spread = (f" (before each server's one-stream point: {min(measured):.1f}-{max(measured):.1f} GB/s)"
-              if measured else "")
+    spread = (f" (the faster probe around each server's one-stream point: "
+              f"{min(measured):.1f}-{max(measured):.1f} GB/s)" if measured else "")
     flags = f"--model {args.model} " if model.label else ""
     rounds = getattr(args, "one_stream_rounds", 0)
     rounds_flag = f" --one-stream-rounds {rounds}" if rounds else ""
@@ -298,7 +304,8 @@ def report(rows: list[dict], args, model: ServedModel, weights: tuple[int, int],
     one_stream = (f"the one-stream point in {rounds} rounds of every server in turn, each round its own prompts "
                   f"(seeds {args.seed + 2}..{args.seed + 1 + rounds}), a server's TPOT the median of its rounds and "
                   f"its ratios the medians of each round's" if rounds else
-                  "each server's one-stream TPOT set against the bandwidth measured just before its one-stream point")
+                  "each server's one-stream TPOT set against the faster of the probes just before and after its "
+                  "one-stream point")
     command = (f"bash bench/peers/install_vllm.sh && .venv/bin/python -m bench.peers.compare {flags}"
                f"--dtype {args.dtype} --num-prompts {args.num_prompts} --single-prompts {args.single_prompts} "
                f"--rate {args.rate:g} --seed {args.seed}{rounds_flag} --write")

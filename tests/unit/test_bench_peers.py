@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 
+from bench.peers import compare
 from bench.peers.compare import one_stream_row, report, results_file, served_model
 from bench.roofline import read_bandwidth
 from common.storage.model_store import EMBEDDED_MODEL
@@ -55,7 +56,7 @@ def test_the_report_gives_one_stream_tpot_over_the_roofline(tmp_path):
     lines = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| ")}
     assert "one-stream TPOT over the roofline" in lines["| server"]
     assert " | 2.00× (164.4 GB/s) | " in lines["| vllm"] and " | 0.65× (82.2 GB/s) | " in lines["| tessera-agg"]
-    assert "before each server's one-stream point: 82.2-164.4 GB/s" in text
+    assert "the faster probe around each server's one-stream point: 82.2-164.4 GB/s" in text
 
 
 def test_alternating_rounds_give_medians_of_each_rounds_ratios(tmp_path):
@@ -82,3 +83,14 @@ def test_alternating_rounds_give_medians_of_each_rounds_ratios(tmp_path):
     assert "in 3 rounds of every server in turn" in text and "(seeds 102..104)" in text
     tessera = next(line for line in text.splitlines() if line.startswith("| tessera-agg |"))
     assert "35.2 (0.80×, median of 3 rounds)" in tessera
+
+
+def test_a_one_stream_point_is_set_against_the_faster_probe_around_it(monkeypatch, tmp_path):
+    probes = iter([40e9, 55e9])
+    monkeypatch.setattr(compare, "read_bandwidth", lambda: next(probes))
+    monkeypatch.setattr(compare, "run_point", lambda *a: {"median_tpot_ms": 30.0})
+    point = compare.Point("one stream", 5, 4, concurrency=1)
+    row = compare.measured_point(None, point, None, None, tmp_path)
+    assert row["read_bandwidth_probes"] == (40e9, 55e9) and row["read_bandwidth"] == 55e9
+    saturation = compare.measured_point(None, compare.Point("saturation", 6, 4), None, None, tmp_path)
+    assert saturation["read_bandwidth"] is None
