@@ -113,6 +113,8 @@ def served(url: str, model: str, seed: int, input_len: int, output_len: int, tim
                 stamps.append(time.perf_counter())
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
+    if not stamps:
+        raise RuntimeError(f"{url} streamed no token for prompt seed {seed}")
     return {"ttft_s": stamps[0] - start, "tpot_s": tpot_s(stamps, tokens)}
 
 
