@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import select
 import statistics
 import subprocess
 import sys
@@ -80,6 +81,12 @@ class EngineAlone:
             raise RuntimeError("the engine child did not start")
 
     def _answer(self) -> dict:
+        """The child's next line, within ``timeout_s`` (``--timeout-s``); a child that exits or stays silent past
+        it is an error, the silent one killed."""
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout_s)
+        if not ready:
+            self.proc.kill()
+            raise TimeoutError(f"the engine child did not answer within {self.timeout_s:g} s (--timeout-s)")
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"the engine child exited ({self.proc.wait(self.timeout_s)})")

@@ -1,6 +1,8 @@
 """bench/served_overhead.py: its TPOT count, its rounds' rows and table, and the engine child on a tiny model."""
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 from bench.served_overhead import EngineAlone, prompt_tokens, report, round_row, tpot_s
@@ -37,3 +39,10 @@ def test_the_engine_child_answers_each_round_with_its_latencies(tiny_chat_model_
     assert alone.proc.returncode == 0
     for run in (first, second):
         assert run["ttft_s"] > 0 and run["tpot_s"] > 0
+
+
+def test_an_engine_child_that_stays_silent_is_killed_at_the_timeout(monkeypatch):
+    popen = subprocess.Popen
+    monkeypatch.setattr(subprocess, "Popen", lambda argv, **kw: popen(["sleep", "30"], **kw))  # answers nothing
+    with pytest.raises(TimeoutError, match="--timeout-s"):
+        EngineAlone("unused", threads=1, timeout_s=0.2)
