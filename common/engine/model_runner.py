@@ -236,8 +236,8 @@ class ModelRunner:
         reads each weight once for all its rows, so it wins while a step is bound by reading the weights; past
         some rows a step is bound by its products, where the torch path's layer-by-layer matmuls can win
         (bfloat16, Zen 4, against oneDNN's: with the weights in panels, kernels/panels_bf16.h, the kernel ahead up
-        to 32 rows at 135M and at the 1B shape; in rows, up to 2 at 1B; int8 widens every weight per row, against
-        W8A8: 4 rows at 135M, 1 at 1B; ``bench.decode_kernel --model 1b``). Either way is exact to its own
+        to 32 rows at 135M and at the 1B shape; in rows, up to 2 at 1B; int8, in integer sums against W8A8: ahead
+        1.1-1.5x at 1-4 rows at 1B, even at 8; ``bench.decode_kernel --model 1b``). Either way is exact to its own
         numerics; only which one a step of some rows takes changes."""
         fused, bs = self.model.fused_decode, self.config.block_size
         rungs = [rows for rows in DECODE_ROW_RUNGS if rows <= min(fused.max_rows, self.num_blocks)]

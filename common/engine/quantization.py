@@ -7,8 +7,10 @@ weight-sized copy; each path computes on the int8 values:
 
 - decode steps of a few rows: the one-call decode kernel (up to the rows
   timed at load), and for the LM head of one row ``tessera_linear_int8``
-  (both ``kernels/decode_forward.c``), widen the int8 weights in registers
-  against float32 activations (weight-only);
+  (both ``kernels/decode_forward.c``), round each activation row to int16
+  steps of its own range (15 bits, far finer than the weights' 8) and sum
+  its products with the int8 weights, widened in registers, exactly in
+  integers: a row's output depends on nothing else in the step;
 - larger batches and prompt chunks: the activations are quantized per row
   (``scale_x = max|x_row| / 127``) and multiplied by the int8 weights in
   int8 with int32 sums, then scaled back: W8A8 with dynamic per-token scales.
@@ -56,12 +58,10 @@ from common.engine.native import kernel_function
 from common.text.tokenizer import Tokenizer
 
 SMALL_BATCH_ROWS = 8  # rows the small-batch kernels take with int8 or float32 weights: decode_forward.c
-# Rows up to which the torch path's int8 layers take the weight-only kernels (tessera_linear_int8, and the LM
-# head after the one-call kernel); more rows take W8A8. The one-call kernel's own limit for int8 is timed at
-# load (ModelRunner._choose_decode_rows): widening int8 weights in registers reads them at memory speed for
-# one row but costs a conversion per product, so from two rows a lone layer's W8A8 wins (1B shape, Zen 4: one
-# row 25 ms against 32, two 36 against 31, eight 114 against 35;
-# ``python -m bench.decode_kernel --model 1b --quantization int8 --torch-weight-only-rows 0``).
+# Rows up to which the torch path's int8 layers take the weight-only kernel (tessera_linear_int8, and the LM
+# head after the one-call kernel); more rows take W8A8, whose int8 activations halve the products' cost where a
+# step is bound by them. The one-call kernel's own limit for int8 is timed at load
+# (ModelRunner._choose_decode_rows; ``python -m bench.decode_kernel --model 1b --quantization int8``).
 INT8_WEIGHT_ONLY_ROWS = 1
 # The int8 matmul's choice between kernels/int8_gemm.c and torch._int_mm, per weight shape (n, k): the most
 # rows the C kernel takes. ``choose_int8_matmul`` times both on this CPU at load (the crossover moves with the

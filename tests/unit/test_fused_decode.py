@@ -159,17 +159,56 @@ def test_quantize_rows_is_within_half_a_step_of_every_weight():
     assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-6).all()
 
 
+XQ_MAX = 16383  # decode_forward.c: an int8 layer's input rows in int16 steps of max|x| / XQ_MAX
+
+
 @pytest.mark.parametrize("rows", [1, 8, 40])  # the weight-only kernel, and W8A8 (int8_gemm.c or torch._int_mm)
 def test_int8_linear_matches_the_dequantized_product(rows):
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 96, generator=gen)
     q, scale = quantize_rows(torch.randn(64, 96, generator=gen))
     bias = torch.randn(64, generator=gen)
-    reference = x @ (q.float() * scale[:, None]).t() + bias
+    w = q.float() * scale[:, None]
+    reference = x @ w.t() + bias
     out = linear_int8(x, q, scale, bias)
-    # Weight-only rows are exact up to float32 sums; W8A8 adds the activations' rounding (<= 1/254 of max|x|).
-    tolerance = 1e-4 if rows <= INT8_WEIGHT_ONLY_ROWS else 0.02 * reference.abs().max().item()
-    assert out.shape == reference.shape and (out - reference).abs().max().item() <= tolerance
+    assert out.shape == reference.shape
+    if rows <= INT8_WEIGHT_ONLY_ROWS:
+        # Weight-only: each x value moves by at most half a step of its row (max|x| / XQ_MAX), each product by
+        # that times its weight; the rest is float32 rounding.
+        bound = (x.abs().amax(dim=1, keepdim=True) / XQ_MAX / 2) * w.abs().sum(dim=1) + 1e-5
+        assert ((out - reference).abs() <= bound).all()
+    else:  # W8A8 adds the activations' rounding to int8 (<= 1/254 of max|x|)
+        assert (out - reference).abs().max().item() <= 0.02 * reference.abs().max().item()
+
+
+def test_int8_weight_only_rows_are_integer_sums_that_no_other_row_changes():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 160, generator=gen)
+    x[2] *= 1000.0  # a row of another range: each row has its own step
+    x[4, :40] = 0.0
+    q, scale = quantize_rows(torch.randn(72, 160, generator=gen))  # 72 rows: a last block of 4 is whole
+    together = linear_int8(x, q, scale, None, weight_only_rows=8)
+    alone = torch.cat([linear_int8(x[r:r + 1], q, scale, None) for r in range(6)])
+    assert torch.equal(together, alone)
+    amax = x.abs().amax(dim=1)
+    xq = torch.round(x * (XQ_MAX / amax)[:, None]).clamp(-XQ_MAX, XQ_MAX).long()
+    sums = xq @ q.long().t()  # exact in int64, as the kernel's int32 lanes are
+    reference = (sums.double() * (amax / XQ_MAX).double()[:, None] * scale.double()).float()
+    assert torch.allclose(together, reference, rtol=1e-6, atol=0)
+    odd = linear_int8(x[:, :150], q[:, :150].contiguous(), scale, None, weight_only_rows=8)  # k % 32 != 0: scalar
+    assert torch.equal(odd, torch.cat([linear_int8(x[r:r + 1, :150], q[:, :150].contiguous(), scale, None)
+                                       for r in range(6)]))
+
+
+def test_a_non_finite_input_row_gives_nan_outputs_in_its_row_alone():
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 64, generator=gen)
+    x[1, 7] = float("nan")
+    x[2, 9] = float("inf")
+    q, scale = quantize_rows(torch.randn(16, 64, generator=gen))
+    out = linear_int8(torch.cat([x, torch.zeros(1, 64)]), q, scale, None, weight_only_rows=8)
+    assert torch.isfinite(out[0]).all() and out[1:3].isnan().all()
+    assert torch.equal(out[3], torch.zeros(16))  # a row of zeros: zero sums, no division by its range
 
 
 def test_int8_needs_the_cpu():

@@ -14,10 +14,13 @@
  * -> down_proj added to the residual. Then the final RMSNorm.
  *
  * Weights are float32, bfloat16, or int8 with one float32 scale per output
- * row (symmetric, weight-only: the int8 values are widened in registers and
- * multiplied by the float32 activations; the scale is applied to each sum).
- * Activations, the residual stream and every sum stay in float32 inside the
- * call; the K/V written to the pool and the final hidden state take the
+ * row (symmetric). An int8 layer's input row is rounded to int16 steps of its
+ * own range (15 bits: ``to_int16_rows``) and its products summed in integers,
+ * exactly, the weights widened to int16 in registers: the scales are applied
+ * to each whole sum, so an int8 output does not depend on the step's other
+ * rows, the threads or the instruction set.
+ * Activations, the residual stream and every float sum stay in float32 inside
+ * the call; the K/V written to the pool and the final hidden state take the
  * model dtype (bfloat16 rounds to nearest even).
  */
 #include <math.h>
@@ -83,8 +86,8 @@ static inline float act_at(const void *p, int bf16, int64_t i) {
 #define W_PREFETCH_LOCALITY 2 /* __builtin_prefetch's locality: 2 is prefetcht1 */
 #endif
 
-/* Dot products of one x row (float32, and bfloat16 in xb when the weights are bf16) with ROW_BLOCK
- * weight rows starting at row j; nb < ROW_BLOCK rows at the end of a matrix. */
+/* Dot products of one x row (float32, and bfloat16 in xb when the weights are bf16) with ROW_BLOCK float32 or
+ * bf16 weight rows starting at row j; nb < ROW_BLOCK rows at the end of a matrix (int8: linear_rows_int8). */
 static inline void dot_rows(const float *xr, const uint16_t *xb, const void *w, int wtype, int64_t j, int nb,
                             int k, float *sums)
 {
@@ -108,38 +111,15 @@ static inline void dot_rows(const float *xr, const uint16_t *xb, const void *w, 
         return;
     }
 #endif
-#if defined(__AVX512F__)
-    if (wtype == W_INT8 && nb == ROW_BLOCK && k % 16 == 0) {
-        /* int8 widened in registers (no dequantized copy), float32 products */
-        const int8_t *w0 = (const int8_t *)w + j * k;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int i = 0; i < k; i += 16) {
-            if (W_PREFETCH_AHEAD > 0 && i % 64 == 0)
-                for (int b = 0; b < ROW_BLOCK; b++)
-                    __builtin_prefetch(w0 + (int64_t)(W_PREFETCH_AHEAD * ROW_BLOCK + b) * k + i, 0, W_PREFETCH_LOCALITY);
-            __m512 xv = _mm512_loadu_ps(xr + i);
-            a0 = _mm512_fmadd_ps(xv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w0 + i)))), a0);
-            a1 = _mm512_fmadd_ps(xv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w0 + k + i)))), a1);
-            a2 = _mm512_fmadd_ps(xv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w0 + 2 * k + i)))), a2);
-            a3 = _mm512_fmadd_ps(xv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w0 + 3 * k + i)))), a3);
-        }
-        sums[0] = _mm512_reduce_add_ps(a0); sums[1] = _mm512_reduce_add_ps(a1);
-        sums[2] = _mm512_reduce_add_ps(a2); sums[3] = _mm512_reduce_add_ps(a3);
-        return;
-    }
-#endif
     (void)xb;
     for (int b = 0; b < nb; b++) {
         float acc = 0.f;
         if (wtype == W_F32) {
             const float *wr = (const float *)w + (j + b) * k;
             for (int i = 0; i < k; i++) acc += xr[i] * wr[i];
-        } else if (wtype == W_BF16) {
+        } else {
             const uint16_t *wr = (const uint16_t *)w + (j + b) * k;
             for (int i = 0; i < k; i++) acc += xr[i] * bf16_to_f32(wr[i]);
-        } else {
-            const int8_t *wr = (const int8_t *)w + (j + b) * k;
-            for (int i = 0; i < k; i++) acc += xr[i] * (float)wr[i];
         }
         sums[b] = acc;
     }
@@ -180,18 +160,176 @@ static inline __attribute__((always_inline)) void dot_block_bf16(const uint16_t 
 }
 #endif
 
+/* An int8 layer's input: each row rounded to integer steps of xs = max|x| / XQ_MAX. Each int32 lane of a sum takes
+ * k / 16 products of at most XQ_MAX * 127, which stays within int32 up to MAX_K: the sums are exact. */
+#define XQ_MAX 16383
+#ifndef INT8_STREAM_ROWS
+#define INT8_STREAM_ROWS 3 /* dot_block_int8 */
+#endif
+#define XQ_BLOCK 4 /* x rows per pass over a block of int8 weight rows: 4 x 4 int32 sums in registers */
+
+/* xq = x rounded to XQ_MAX steps of each row's own range, xs its step (rows split over the team). A row with a
+ * NaN or an infinity gets xs = NaN, so that every output of that row is NaN, as a float product would make it. */
+static void to_int16_rows(const float *x, int m, int k, int16_t *xq, float *xs)
+{
+    #pragma omp for schedule(static)
+    for (int r = 0; r < m; r++) {
+        const float *xr = x + (int64_t)r * k;
+        int16_t *q = xq + (int64_t)r * k;
+        float amax = 0.f;
+        int bad = 0, i = 0;
+#if defined(__AVX512F__)
+        __m512 vmax = _mm512_setzero_ps();
+        __mmask16 nan = 0;
+        for (; i + 16 <= k; i += 16) {
+            __m512 v = _mm512_loadu_ps(xr + i);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+        }
+        amax = _mm512_reduce_max_ps(vmax);
+        bad = nan != 0;
+#endif
+        for (; i < k; i++) {
+            bad |= isnan(xr[i]);
+            amax = fabsf(xr[i]) > amax ? fabsf(xr[i]) : amax;
+        }
+        if (bad || isinf(amax) || amax == 0.f) {
+            xs[r] = bad || isinf(amax) ? NAN : 0.f;
+            memset(q, 0, sizeof(int16_t) * (size_t)k);
+            continue;
+        }
+        const float inv = (float)XQ_MAX / amax;
+        xs[r] = amax / (float)XQ_MAX;
+        i = 0;
+#if defined(__AVX512F__)
+        const __m512i lo = _mm512_set1_epi32(-XQ_MAX), hi = _mm512_set1_epi32(XQ_MAX);
+        for (; i + 16 <= k; i += 16) { /* rounds to nearest even, as nearbyintf below */
+            __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xr + i), _mm512_set1_ps(inv)));
+            v = _mm512_min_epi32(_mm512_max_epi32(v, lo), hi);
+            _mm256_storeu_si256((__m256i *)(q + i), _mm512_cvtepi32_epi16(v));
+        }
+#endif
+        for (; i < k; i++) {
+            float v = nearbyintf(xr[i] * inv);
+            q[i] = (int16_t)(v > XQ_MAX ? XQ_MAX : v < -XQ_MAX ? -XQ_MAX : v);
+        }
+    }
+}
+
+#if defined(__AVX512BW__)
+/* acc + the pairwise products of a and b (int16), summed into int32 lanes: one instruction with AVX512-VNNI */
+static inline __m512i dot_i16(__m512i acc, __m512i a, __m512i b) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+/* The sum of v's 16 int32 lanes, in int64 (each lane fits int32, their sum may not). */
+static inline int64_t sum_lanes_i64(__m512i v) {
+    return _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(v)),
+                                                    _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(v, 1))));
+}
+
+/* sums[r * 4 + b] = xq[r] . w[j + b] for mr (<= XQ_BLOCK) x rows, in integers. k % 32 == 0. The block's 4 weight
+ * rows lie one after another in memory: up to INT8_STREAM_ROWS x rows it is read in that order, one stream (a step of
+ * 1-3 rows read the 1B shape's weights at 41-46 GB/s so, where the probe read 44-48, against 32-36 taking the 4 rows
+ * side by side); for more x rows the 4 rows go side by side, each weight vector widened once for every x row. */
+static inline __attribute__((always_inline)) void dot_block_int8(const int16_t *xq, const int8_t *w, int64_t j,
+                                                                 int k, const int mr, int64_t *sums)
+{
+    const int8_t *w0 = w + j * k;
+    const int64_t ahead = (int64_t)W_PREFETCH_AHEAD * ROW_BLOCK * k; /* the bytes prefetched ahead into L2 */
+    __m512i acc[XQ_BLOCK][ROW_BLOCK];
+    for (int r = 0; r < mr; r++)
+        for (int b = 0; b < ROW_BLOCK; b++) acc[r][b] = _mm512_setzero_si512();
+    if (mr <= INT8_STREAM_ROWS) {
+        for (int b = 0; b < ROW_BLOCK; b++) {
+            const int8_t *wb = w0 + (int64_t)b * k;
+            for (int i = 0; i < k; i += 32) {
+                if (W_PREFETCH_AHEAD > 0 && i % 64 == 0) __builtin_prefetch(wb + ahead + i, 0, W_PREFETCH_LOCALITY);
+                __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wb + i)));
+                for (int r = 0; r < mr; r++)
+                    acc[r][b] = dot_i16(acc[r][b], _mm512_loadu_si512(xq + (int64_t)r * k + i), wv);
+            }
+        }
+    } else {
+        for (int i = 0; i < k; i += 32) {
+            if (W_PREFETCH_AHEAD > 0 && i % 64 == 0)
+                for (int b = 0; b < ROW_BLOCK; b++)
+                    __builtin_prefetch(w0 + ahead + (int64_t)b * k + i, 0, W_PREFETCH_LOCALITY);
+            __m512i wv[ROW_BLOCK];
+            for (int b = 0; b < ROW_BLOCK; b++)
+                wv[b] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w0 + (int64_t)b * k + i)));
+            for (int r = 0; r < mr; r++) {
+                __m512i xv = _mm512_loadu_si512(xq + (int64_t)r * k + i);
+                for (int b = 0; b < ROW_BLOCK; b++) acc[r][b] = dot_i16(acc[r][b], xv, wv[b]);
+            }
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int b = 0; b < ROW_BLOCK; b++) sums[r * ROW_BLOCK + b] = sum_lanes_i64(acc[r][b]);
+}
+#endif
+
+/* linear_rows for int8 weights, from the rows' int16 steps (to_int16_rows): y = sum * xs[r] * scale[j] + bias,
+ * the integer sum exact (the same with or without AVX512), rounded to float32 once. */
+static void linear_rows_int8(const int16_t *xq, const float *xs, int m, int k, const int8_t *w, const float *scale,
+                             const void *bias, int act_bf16, float *y, int n, int accumulate)
+{
+    #pragma omp for schedule(static)
+    for (int jb = 0; jb < n; jb += ROW_BLOCK) {
+        int nb = n - jb < ROW_BLOCK ? n - jb : ROW_BLOCK;
+        for (int r0 = 0; r0 < m; r0 += XQ_BLOCK) {
+            int mr = m - r0 < XQ_BLOCK ? m - r0 : XQ_BLOCK;
+            int64_t sums[XQ_BLOCK * ROW_BLOCK];
+            const int16_t *xr = xq + (int64_t)r0 * k;
+#if defined(__AVX512BW__)
+            if (nb == ROW_BLOCK && k % 32 == 0) {
+                switch (mr) { /* a copy per row count, so the accumulators stay in registers */
+                case 1: dot_block_int8(xr, w, jb, k, 1, sums); break;
+                case 2: dot_block_int8(xr, w, jb, k, 2, sums); break;
+                case 3: dot_block_int8(xr, w, jb, k, 3, sums); break;
+                default: dot_block_int8(xr, w, jb, k, 4, sums); break;
+                }
+            } else
+#endif
+            for (int r = 0; r < mr; r++)
+                for (int b = 0; b < nb; b++) {
+                    const int8_t *wr = w + (int64_t)(jb + b) * k;
+                    int64_t s = 0;
+                    for (int i = 0; i < k; i++) s += (int32_t)xr[(int64_t)r * k + i] * wr[i];
+                    sums[r * ROW_BLOCK + b] = s;
+                }
+            for (int r = 0; r < mr; r++)
+                for (int b = 0; b < nb; b++) {
+                    int j = jb + b;
+                    float v = (float)((double)sums[r * ROW_BLOCK + b] * (double)xs[r0 + r] * (double)scale[j])
+                              + (bias != NULL ? act_at(bias, act_bf16, j) : 0.f);
+                    if (accumulate) y[(int64_t)(r0 + r) * n + j] += v;
+                    else y[(int64_t)(r0 + r) * n + j] = v;
+                }
+        }
+    }
+}
+
 /*
  * y[r, j] (+)= x[r, :] . w[j, :] (* scale[j]) + bias[j] for m rows of x, the output rows split over the
  * team in blocks of ROW_BLOCK (call inside a parallel region). A block of weight rows is read from memory
  * once; the other x rows find it in L1. xb: x in bfloat16 (bf16 weights only; the products then round
- * x to bf16, as torch's bf16 linear does).
+ * x to bf16, as torch's bf16 linear does), or for int8 weights x's int16 steps, xs their sizes (prepare_input).
  */
-static void linear_rows(const float *x, const uint16_t *xb, int m, int k, const int64_t *f, int w_field,
-                        int wtype, int act_bf16, float *y, int n, int accumulate)
+static void linear_rows(const float *x, const uint16_t *xb, const float *xs, int m, int k, const int64_t *f,
+                        int w_field, int wtype, int act_bf16, float *y, int n, int accumulate)
 {
     const void *w = (const void *)f[w_field];
     const float *scale = (const float *)f[w_field + 1];
     const void *bias = (const void *)f[w_field + 2];
+    if (wtype == W_INT8) {
+        linear_rows_int8((const int16_t *)xb, xs, m, k, (const int8_t *)w, scale, bias, act_bf16, y, n, accumulate);
+        return;
+    }
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     if (wtype == W_BF16_PANELS) {
         float acc[MAX_ROWS * PANEL_GROUP * PANEL_COLS]; /* this thread's sums of a tile's panels */
@@ -233,7 +371,7 @@ static void linear_rows(const float *x, const uint16_t *xb, int m, int k, const 
             dot_rows(x + (int64_t)r * k, xb + (int64_t)r * k, w, wtype, jb, nb, k, sums);
             for (int b = 0; b < nb; b++) {
                 int j = jb + b;
-                float v = sums[b] * (wtype == W_INT8 ? scale[j] : 1.f) + (bias != NULL ? act_at(bias, act_bf16, j) : 0.f);
+                float v = sums[b] + (bias != NULL ? act_at(bias, act_bf16, j) : 0.f);
                 if (accumulate) y[(int64_t)r * n + j] += v;
                 else y[(int64_t)r * n + j] = v;
             }
@@ -246,6 +384,13 @@ static void to_bf16_rows(const float *x, int m, int k, uint16_t *xb) {
     #pragma omp for schedule(static)
     for (int r = 0; r < m; r++)
         for (int i = 0; i < k; i++) xb[(int64_t)r * k + i] = f32_to_bf16(x[(int64_t)r * k + i]);
+}
+
+/* A linear layer's input as its weights take it, into xb (and xs): rounded to bf16 for bf16 weights, to int16
+ * steps for int8 (to_int16_rows); float32 weights read x itself. */
+static void prepare_input(const float *x, int m, int k, int wtype, uint16_t *xb, float *xs) {
+    if (X_IN_BF16(wtype)) to_bf16_rows(x, m, k, xb);
+    else if (wtype == W_INT8) to_int16_rows(x, m, k, (int16_t *)xb, xs);
 }
 
 static inline void rms_norm(const float *x, const void *w, int bf16, int d, float eps, float *out) {
@@ -319,8 +464,9 @@ int tessera_decode_forward(const int64_t *layers, int num_layers, const int64_t 
     const int group = heads / kv_heads, half = head_dim / 2;
 
     const int widest_k = inter > q_size ? (inter > hidden ? inter : hidden) : (q_size > hidden ? q_size : hidden);
-    uint16_t *xb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)m * (size_t)widest_k);
+    uint16_t *xb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)m * (size_t)widest_k); /* bf16 or int16 input */
     if (xb == NULL) { free(h); return -1; }
+    float xs[MAX_ROWS]; /* an int8 layer's input: each row's step (to_int16_rows) */
 #if defined(__AVX512F__)
     const int by_row = attend_by_row(m, context_lens, head_dim, kv_heads);
 #endif
@@ -335,8 +481,8 @@ int tessera_decode_forward(const int64_t *layers, int num_layers, const int64_t 
             for (int r = 0; r < m; r++)
                 rms_norm(h + (int64_t)r * hidden, (const void *)f[F_IN_NORM], act_bf16, hidden, eps,
                          xn + (int64_t)r * hidden);
-            if (X_IN_BF16(wtype)) to_bf16_rows(xn, m, hidden, xb);
-            linear_rows(xn, xb, m, hidden, f, F_QKV_W, wtype, act_bf16, wide, qkv_size, 0);
+            prepare_input(xn, m, hidden, wtype, xb, xs);
+            linear_rows(xn, xb, xs, m, hidden, f, F_QKV_W, wtype, act_bf16, wide, qkv_size, 0);
 
             /* q/k norm (Qwen3), RoPE, and the new K/V into the pool: one item per (row, head of q, k or v) */
             #pragma omp for schedule(static)
@@ -393,15 +539,15 @@ int tessera_decode_forward(const int64_t *layers, int num_layers, const int64_t 
                                act_bf16, group, item % kv_heads);
                 }
             }
-            if (X_IN_BF16(wtype)) to_bf16_rows(attn, m, q_size, xb);
-            linear_rows(attn, xb, m, q_size, f, F_O_W, wtype, act_bf16, h, hidden, 1);
+            prepare_input(attn, m, q_size, wtype, xb, xs);
+            linear_rows(attn, xb, xs, m, q_size, f, F_O_W, wtype, act_bf16, h, hidden, 1);
 
             #pragma omp for schedule(static)
             for (int r = 0; r < m; r++)
                 rms_norm(h + (int64_t)r * hidden, (const void *)f[F_POST_NORM], act_bf16, hidden, eps,
                          xn + (int64_t)r * hidden);
-            if (X_IN_BF16(wtype)) to_bf16_rows(xn, m, hidden, xb);
-            linear_rows(xn, xb, m, hidden, f, F_GU_W, wtype, act_bf16, wide, 2 * inter, 0);
+            prepare_input(xn, m, hidden, wtype, xb, xs);
+            linear_rows(xn, xb, xs, m, hidden, f, F_GU_W, wtype, act_bf16, wide, 2 * inter, 0);
             #pragma omp for schedule(static)
             for (int r = 0; r < m; r++) {
                 const float *g = wide + (int64_t)r * 2 * inter, *u = g + inter;
@@ -413,8 +559,8 @@ int tessera_decode_forward(const int64_t *layers, int num_layers, const int64_t 
 #endif
                 for (; i < inter; i++) a[i] = g[i] / (1.f + expf(-g[i])) * u[i];
             }
-            if (X_IN_BF16(wtype)) to_bf16_rows(act, m, inter, xb);
-            linear_rows(act, xb, m, inter, f, F_DOWN_W, wtype, act_bf16, h, hidden, 1);
+            prepare_input(act, m, inter, wtype, xb, xs);
+            linear_rows(act, xb, xs, m, inter, f, F_DOWN_W, wtype, act_bf16, h, hidden, 1);
         }
         #pragma omp for schedule(static)
         for (int r = 0; r < m; r++) {
@@ -443,19 +589,25 @@ int tessera_decode_forward_panels(void)
 
 /*
  * y = x @ w^T * scale (+ bias) for a few rows of x against int8 weights with one float32 scale per
- * output row (an int8 model's LM head at decode). x, bias and y in the activation dtype (act_bf16).
+ * output row (an int8 model's LM head at decode), x rounded to int16 steps as in the layers (to_int16_rows).
+ * x, bias and y in the activation dtype (act_bf16).
  */
 int tessera_linear_int8(const void *x, const int8_t *w, const float *scale, const void *bias, void *y,
                         int m, int n, int k, int act_bf16)
 {
     if (m < 1 || m > MAX_ROWS || k < 1 || k > MAX_K) return -1;
-    float *xf = (float *)malloc(sizeof(float) * (size_t)m * ((size_t)k + (size_t)n));
+    float *xf = (float *)malloc(sizeof(float) * (size_t)m * ((size_t)k + (size_t)n) + sizeof(int16_t) * (size_t)m * k);
     if (xf == NULL) return -1;
     float *yf = xf + (size_t)m * k;
+    int16_t *xq = (int16_t *)(yf + (size_t)m * n);
+    float xs[MAX_ROWS];
     for (int64_t i = 0; i < (int64_t)m * k; i++) xf[i] = act_at(x, act_bf16, i);
     const int64_t f[3] = {(int64_t)w, (int64_t)scale, (int64_t)bias};
     #pragma omp parallel
-    linear_rows(xf, NULL, m, k, f, 0, W_INT8, act_bf16, yf, n, 0);
+    {
+        to_int16_rows(xf, m, k, xq, xs);
+        linear_rows(xf, (const uint16_t *)xq, xs, m, k, f, 0, W_INT8, act_bf16, yf, n, 0);
+    }
     for (int r = 0; r < m; r++) store(y, act_bf16, (int64_t)r * n, yf + (int64_t)r * n, n);
     free(xf);
     return 0;

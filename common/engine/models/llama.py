@@ -653,10 +653,11 @@ class FusedDecode:
     def __init__(self, model, max_rows: int) -> None:
         self.model = model
         # bf16 weights on a CPU with AVX512-BF16 take dot products 32 at a time, up to FUSED_MAX_ROWS rows;
-        # elsewhere, and for int8 and float32 weights, the kernel widens the weights to float32 products, which
-        # past 8 rows lose to oneDNN. Where it wins moves with the model and the weights' layout (Zen 4, bf16: in
-        # panels, 32 rows at 135M and at the 1B shape; in rows, 1-2 at 1B): with decode_kernel_max_batch -1 the
-        # model runner lowers this by timing at load.
+        # elsewhere the kernel widens bf16 and float32 weights to float32 products, and int8 weights to int16
+        # products in integers, which past 8 rows lose to oneDNN's matmuls and W8A8's int8 products. Where it
+        # wins moves with the model and the weights' layout (Zen 4, bf16: in panels, 32 rows at 135M and at the
+        # 1B shape; in rows, 1-2 at 1B): with decode_kernel_max_batch -1 the model runner lowers this by timing
+        # at load.
         wide = model.layers[0].self_attn.qkv_proj.weight.dtype is torch.bfloat16 and cpu_has("avx512_bf16")
         self.max_rows = min(max_rows, FUSED_MAX_ROWS if wide else SMALL_BATCH_ROWS)
         self._kernel = decode_forward_kernel() if self.max_rows > 0 else None
