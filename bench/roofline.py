@@ -32,6 +32,7 @@ import itertools
 import os
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -133,11 +134,39 @@ def copy_bandwidth() -> float:
     return 2 * nbytes / seconds
 
 
-def read_bandwidth(nbytes: int = READ_BYTES, passes: int = READ_PASSES) -> float:
-    """Bytes/s of reading ``nbytes`` once with ``sum()``, on as many torch threads as this process has cores.
+def _meminfo_bytes(field: str) -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _l3_bytes() -> int:
+    try:
+        size = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+    except OSError:
+        return 32 << 20
+    return int(size[:-1]) << {"K": 10, "M": 20, "G": 30}[size[-1]] if size[-1] in "KMG" else int(size)
+
+
+def read_probe_bytes() -> int:
+    """The read probe's buffer: ``READ_BYTES``, or a quarter of the memory available now where that is less (a
+    server under test can hold most of the host, and a probe must not push it out of memory: a vLLM worker serving
+    the 8B shape on a 24 GB host was killed so), but at least eight times this CPU's last-level cache."""
+    available = _meminfo_bytes("MemAvailable")
+    return max(min(READ_BYTES, (available if available is not None else READ_BYTES * 4) // 4), 8 * _l3_bytes())
+
+
+def read_bandwidth(nbytes: int | None = None, passes: int = READ_PASSES) -> float:
+    """Bytes/s of reading ``nbytes`` (``read_probe_bytes()`` by default) once with ``sum()``, on as many torch
+    threads as this process has cores.
 
     The best pass: other processes only ever slow one down. The threads are set back as they were after.
     """
+    nbytes = read_probe_bytes() if nbytes is None else nbytes
     previous = torch.get_num_threads()
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     try:

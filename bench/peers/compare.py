@@ -239,6 +239,10 @@ def run_point(server: Server, point: Point, args, model: ServedModel, result_dir
         raise RuntimeError(f"vllm bench serve failed against {server.name} ({point.name}):\n"
                            f"{completed.stdout[-3000:]}\n{completed.stderr[-3000:]}")
     result = json.loads((result_dir / name).read_text())
+    if (result.get("completed") or 0) < point.num_prompts:
+        raise RuntimeError(f"{server.name} completed {result.get('completed') or 0} of the {point.num_prompts} "
+                           f"requests of its {point.name} point: it failed under the load (its log is in the run's "
+                           f"log directory; a host short of memory kills the largest process)")
     after = server.dispatches()
     remote = None if before is None else (after[0] - before[0]) / max(after[1] - before[1], 1)
     return {"server": server.name, "point": point.name, "load_before": load, "remote_prefill": remote,
@@ -317,7 +321,8 @@ def report(rows: list[dict], args, model: ServedModel, weights: tuple[int, int],
             f"vLLM in this run (TPOT and TTFT: lower is better).\n\n"
             f"Model: {model.name}, {parameters:,} parameters, {weight_bytes / 1e9:.2f} GB of weights in "
             f"{args.dtype}. Streaming read bandwidth at the start of this run: {bandwidth / 1e9:.1f} GB/s{spread} "
-            f"(`sum()` over {READ_BYTES >> 30} GiB of float32 on every core, best of {READ_PASSES}), so one decode "
+            f"(`sum()` over up to {READ_BYTES >> 30} GiB of float32 on every core, a quarter of the memory "
+            f"available where that is less, best of {READ_PASSES}), so one decode "
             f"step, which reads every weight once, takes at least {roofline_ms:.2f} ms: the roofline. On these "
             f"virtual machines the bandwidth can move by half within one run, so {one_stream}. "
             f"tessera-agg-int8 reads int8 "

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
 
 import pytest
 import torch
 
+from bench import roofline
 from bench.peers import compare
 from bench.peers.compare import one_stream_row, report, results_file, served_model
 from bench.roofline import read_bandwidth
@@ -94,3 +96,30 @@ def test_a_one_stream_point_is_set_against_the_faster_probe_around_it(monkeypatc
     assert row["read_bandwidth_probes"] == (40e9, 55e9) and row["read_bandwidth"] == 55e9
     saturation = compare.measured_point(None, compare.Point("saturation", 6, 4), None, None, tmp_path)
     assert saturation["read_bandwidth"] is None
+
+
+def test_a_point_that_completed_fewer_requests_than_it_sent_is_an_error(monkeypatch, tmp_path):
+    class Stub:
+        name, url = "vllm", "http://127.0.0.1:1"
+
+        def dispatches(self):
+            return None
+
+    def bench_serve(command, **kwargs):  # what `vllm bench serve` leaves when the server died mid-point
+        (tmp_path / command[command.index("--result-filename") + 1]).write_text('{"completed": 0}')
+        return subprocess.CompletedProcess(command, 0, "", "")
+    monkeypatch.setattr(compare.subprocess, "run", bench_serve)
+    args = argparse.Namespace(vllm_venv=tmp_path, input_len=8, output_len=4)
+    model = compare.ServedModel("m", tmp_path, "")
+    with pytest.raises(RuntimeError, match="vllm completed 0 of the 6 requests of its one stream point"):
+        compare.run_point(Stub(), compare.Point("one stream", 5, 6, concurrency=1), args, model, tmp_path)
+
+
+def test_the_read_probe_shrinks_to_a_quarter_of_the_memory_available_but_not_into_the_cache(monkeypatch):
+    monkeypatch.setattr(roofline, "_l3_bytes", lambda: 32 << 20)
+    monkeypatch.setattr(roofline, "_meminfo_bytes", lambda field: 20 << 30)
+    assert roofline.read_probe_bytes() == roofline.READ_BYTES
+    monkeypatch.setattr(roofline, "_meminfo_bytes", lambda field: 2 << 30)
+    assert roofline.read_probe_bytes() == 512 << 20
+    monkeypatch.setattr(roofline, "_meminfo_bytes", lambda field: 100 << 20)
+    assert roofline.read_probe_bytes() == 256 << 20  # eight times the last-level cache
