@@ -200,15 +200,32 @@ def test_int8_weight_only_rows_are_integer_sums_that_no_other_row_changes():
                                        for r in range(6)]))
 
 
-def test_a_non_finite_input_row_gives_nan_outputs_in_its_row_alone():
+@pytest.mark.parametrize("at", [7, 68])  # in the vector body, and in the scalar tail (k = 70)
+def test_a_non_finite_input_row_gives_nan_outputs_in_its_row_alone(at):
     gen = torch.Generator().manual_seed(6)
-    x = torch.randn(3, 64, generator=gen)
-    x[1, 7] = float("nan")
-    x[2, 9] = float("inf")
-    q, scale = quantize_rows(torch.randn(16, 64, generator=gen))
-    out = linear_int8(torch.cat([x, torch.zeros(1, 64)]), q, scale, None, weight_only_rows=8)
+    x = torch.randn(5, 70, generator=gen)
+    x[1, at] = float("nan")
+    x[2, at] = float("inf")
+    x[3] = 0.0
+    x[4] = 0.0
+    x[4, at] = 1e-36  # a range so small that its step's inverse overflows: its products vanish in float32
+    q, scale = quantize_rows(torch.randn(16, 70, generator=gen))
+    out = linear_int8(x, q, scale, None, weight_only_rows=8)
     assert torch.isfinite(out[0]).all() and out[1:3].isnan().all()
-    assert torch.equal(out[3], torch.zeros(16))  # a row of zeros: zero sums, no division by its range
+    assert torch.equal(out[3], torch.zeros(16)) and torch.equal(out[4], torch.zeros(16))
+
+
+def test_the_widest_input_at_its_extremes_sums_without_overflow():
+    k = 16384  # decode_forward.c's MAX_K: each int32 lane then holds 1,024 products of up to 16,383 x 127
+    x = torch.full((2, k), 3.0)
+    x[1, ::2] = -3.0
+    q = torch.full((4, k), 127, dtype=torch.int8)
+    q[1] = -127
+    scale = torch.ones(4)
+    out = linear_int8(x, q, scale, None, weight_only_rows=8)
+    top = k * XQ_MAX * 127  # 3.4e10: past int32, as each whole sum may be
+    sums = torch.tensor([[top, -top, top, top], [0, 0, 0, 0]], dtype=torch.float64)
+    assert torch.equal(out.double(), (sums * (3.0 / XQ_MAX)).float().double())
 
 
 def test_int8_needs_the_cpu():

@@ -163,6 +163,7 @@ static inline __attribute__((always_inline)) void dot_block_bf16(const uint16_t 
 /* An int8 layer's input: each row rounded to integer steps of xs = max|x| / XQ_MAX. Each int32 lane of a sum takes
  * k / 16 products of at most XQ_MAX * 127, which stays within int32 up to MAX_K: the sums are exact. */
 #define XQ_MAX 16383
+_Static_assert((int64_t)(MAX_K / 16) * XQ_MAX * 127 <= INT32_MAX, "an int32 lane of an int8 sum could overflow");
 #ifndef INT8_STREAM_ROWS
 #define INT8_STREAM_ROWS 3 /* dot_block_int8 */
 #endif
@@ -199,6 +200,11 @@ static void to_int16_rows(const float *x, int m, int k, int16_t *xq, float *xs)
             continue;
         }
         const float inv = (float)XQ_MAX / amax;
+        if (isinf(inv)) { /* a range under XQ_MAX / FLT_MAX (~5e-35): its products vanish in float32 anyway */
+            xs[r] = 0.f;
+            memset(q, 0, sizeof(int16_t) * (size_t)k);
+            continue;
+        }
         xs[r] = amax / (float)XQ_MAX;
         i = 0;
 #if defined(__AVX512F__)
@@ -274,7 +280,7 @@ static inline __attribute__((always_inline)) void dot_block_int8(const int16_t *
 #endif
 
 /* linear_rows for int8 weights, from the rows' int16 steps (to_int16_rows): y = sum * xs[r] * scale[j] + bias,
- * the integer sum exact (the same with or without AVX512), rounded to float32 once. */
+ * the integer sum exact (the same with or without AVX512), scaled in double and then rounded to float32. */
 static void linear_rows_int8(const int16_t *xq, const float *xs, int m, int k, const int8_t *w, const float *scale,
                              const void *bias, int act_bf16, float *y, int n, int accumulate)
 {
