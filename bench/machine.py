@@ -6,7 +6,6 @@ import platform
 import subprocess
 
 import torch
-import transformers
 
 # The lscpu fields that decide CPU throughput; the rest is noise in a report.
 LSCPU_FIELDS = ("Model name", "CPU(s)", "Thread(s) per core", "Core(s) per socket", "L2 cache", "L3 cache",
@@ -22,18 +21,26 @@ def _lscpu() -> dict[str, str]:
     return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in text.splitlines()) if v}
 
 
-def _memory_gib() -> float | None:
+def meminfo_bytes(field: str) -> int | None:
+    """``/proc/meminfo``'s ``field`` (``MemTotal``, ``MemAvailable``, ...) in bytes; None where it cannot be read."""
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) / 2**20
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
 
 
+def _memory_gib() -> float | None:
+    total = meminfo_bytes("MemTotal")
+    return None if total is None else total / 2**30
+
+
 def describe_machine() -> dict:
+    import transformers  # here: bench.roofline imports this module for meminfo_bytes alone
+
     cpu = _lscpu()
     flags = set(cpu.get("Flags", "").split())
     return {

@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench.machine import meminfo_bytes
+
 COPY_BYTES = 512 << 20  # far beyond the last-level cache
 # Eight times the largest last-level cache of the CPUs measured (an EPYC socket's 384 MiB L3 included).
 READ_BYTES = 3 << 30
@@ -134,16 +136,6 @@ def copy_bandwidth() -> float:
     return 2 * nbytes / seconds
 
 
-def _meminfo_bytes(field: str) -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def _l3_bytes() -> int:
     try:
         size = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
@@ -156,7 +148,7 @@ def read_probe_bytes() -> int:
     """The read probe's buffer: ``READ_BYTES``, or a quarter of the memory available now where that is less (a
     server under test can hold most of the host, and a probe must not push it out of memory: a vLLM worker serving
     the 8B shape on a 24 GB host was killed so), but at least eight times this CPU's last-level cache."""
-    available = _meminfo_bytes("MemAvailable")
+    available = meminfo_bytes("MemAvailable")
     return max(min(READ_BYTES, (available if available is not None else READ_BYTES * 4) // 4), 8 * _l3_bytes())
 
 

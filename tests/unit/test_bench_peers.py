@@ -117,9 +117,9 @@ def test_a_point_that_completed_fewer_requests_than_it_sent_is_an_error(monkeypa
 
 def test_the_read_probe_shrinks_to_a_quarter_of_the_memory_available_but_not_into_the_cache(monkeypatch):
     monkeypatch.setattr(roofline, "_l3_bytes", lambda: 32 << 20)
-    monkeypatch.setattr(roofline, "_meminfo_bytes", lambda field: 20 << 30)
+    monkeypatch.setattr(roofline, "meminfo_bytes", lambda field: 20 << 30)
     assert roofline.read_probe_bytes() == roofline.READ_BYTES
-    monkeypatch.setattr(roofline, "_meminfo_bytes", lambda field: 2 << 30)
+    monkeypatch.setattr(roofline, "meminfo_bytes", lambda field: 2 << 30)
     assert roofline.read_probe_bytes() == 512 << 20
-    monkeypatch.setattr(roofline, "_meminfo_bytes", lambda field: 100 << 20)
+    monkeypatch.setattr(roofline, "meminfo_bytes", lambda field: 100 << 20)
     assert roofline.read_probe_bytes() == 256 << 20  # eight times the last-level cache

@@ -194,14 +194,10 @@ static void to_int16_rows(const float *x, int m, int k, int16_t *xq, float *xs)
             bad |= isnan(xr[i]);
             amax = fabsf(xr[i]) > amax ? fabsf(xr[i]) : amax;
         }
-        if (bad || isinf(amax) || amax == 0.f) {
-            xs[r] = bad || isinf(amax) ? NAN : 0.f;
-            memset(q, 0, sizeof(int16_t) * (size_t)k);
-            continue;
-        }
         const float inv = (float)XQ_MAX / amax;
-        if (isinf(inv)) { /* a range under XQ_MAX / FLT_MAX (~5e-35): its products vanish in float32 anyway */
-            xs[r] = 0.f;
+        /* a zero row, or a range under XQ_MAX / FLT_MAX (~5e-35, whose products vanish in float32): zeros */
+        if (bad || isinf(amax) || isinf(inv)) {
+            xs[r] = bad || isinf(amax) ? NAN : 0.f;
             memset(q, 0, sizeof(int16_t) * (size_t)k);
             continue;
         }
