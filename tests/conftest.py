@@ -76,12 +76,19 @@ def lane(nodeid: str) -> str:
 
 
 def pytest_configure(config) -> None:
-    """Each lane's clusters pick their ports from a band of their own (``free_port``), below the ephemeral range.
+    """Each test process forks its clusters' processes from fork servers (tests/fork_server.py: 2.3 CPU-s less per
+    worker, 1 per proxy).
+
+    Each lane's clusters pick their ports from a band of their own (``free_port``), below the ephemeral range.
 
     And each lane computes on one thread (torch in the lane's own process, and the processes it starts that do not
     set ``engine.num_threads``): three lanes already keep both cores busy, and a second OpenMP thread only spins
     for a core another lane holds (tests/unit/test_engine_embedded.py alone: 50 CPU-s at 2 threads, 33 at 1, for
     26 s of wall time against 30)."""
+    from common.cli.local_cluster import LocalCluster
+    from tests import fork_server
+
+    LocalCluster.launch = staticmethod(fork_server.spawn)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
     if worker.startswith("gw") and count > 1:

@@ -25,7 +25,7 @@ import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Callable, ClassVar
 
 from common.config.base import ConfigError
 from common.config.roles import ProxyConfig, WorkerConfig, has_field, split_override
@@ -125,8 +125,14 @@ class LocalCluster:
     own_session: bool = False  # start the processes in their own session (a terminal's Ctrl-C skips them)
     entry_module: str = "common.cli.main"  # what ``python -m`` runs for each role (tests wrap it)
     cwd: Path | None = None  # the processes' working directory (``python -m`` imports from there first)
-    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)  # or what ``launch`` returns
     metrics_ports: dict[str, int] = field(default_factory=dict)  # worker name -> its /metrics port
+
+    # How a process may start other than as a fresh ``python -m entry_module``: called with its arguments,
+    # environment, log file and whether it gets its own session, it returns a handle with ``subprocess.Popen``'s
+    # pid, poll, wait, returncode and signals, or None for a fresh interpreter. The test suite forks its clusters'
+    # processes from one that has imported them already (tests/fork_server.py); None everywhere else.
+    launch: ClassVar[Callable[[list[str], dict, IO | None, bool], object | None] | None] = None
 
     def __post_init__(self) -> None:
         self.worker_port = self.worker_port or free_port(self.proxy_processes)
@@ -248,7 +254,11 @@ class LocalCluster:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if self.threads:
             env["OMP_NUM_THREADS"] = str(self.threads)
-        self.procs[name] = subprocess.Popen(
+        launch = type(self).launch
+        proc = None
+        if launch is not None and self.entry_module == "common.cli.main" and self.cwd is None:
+            proc = launch(args, env, log, self.own_session)
+        self.procs[name] = proc or subprocess.Popen(
             [sys.executable, "-m", self.entry_module, *args], stdout=log, stderr=subprocess.STDOUT if log else None,
             env=env, start_new_session=self.own_session, cwd=self.cwd,
         )

@@ -25,6 +25,7 @@ import psutil
 import pytest
 
 from common.cli.local_cluster import LocalCluster
+from tests import fork_server
 
 HANG_TOKEN = 4242
 PERIOD_S = 2.0
@@ -135,7 +136,8 @@ def _systemd_reason() -> str | None:
 
 
 @pytest.mark.skipif(_systemd_reason() is not None, reason=_systemd_reason() or "")
-def test_systemd_restarts_a_worker_whose_step_hangs(tiny_chat_model_dir, tmp_path):
+def test_systemd_restarts_a_worker_whose_step_hangs(tiny_chat_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv(fork_server.ENV, "0")  # a fresh interpreter: its command line is what systemd runs below
     c = LocalCluster.for_tests(tiny_chat_model_dir, tmp_path, prefill=0, decode=0, both=1,
                                role_overrides=[f"both:testing.fault_hang_token={HANG_TOKEN}"]).start()
     unit = f"tessera-watchdog-test-{os.getpid()}"

@@ -1,0 +1,296 @@
+"""The tests' cluster processes, forked from a process that has imported them already.
+
+A worker process spends some 2.3 of its 3 CPU-s of start-up importing torch and the engine, a proxy 1 of its 1.4
+importing its web stack, and the suite starts some 170 workers and 90 proxies (``make test`` on 2 cores is as long
+as its CPU-seconds: tests/conftest.py). So each test lane keeps a fork server for each command: a process that
+imports what that command's process imports (``PRELOAD``; it never runs a torch operation, so no thread pool exists
+to fork) and then forks one child per request. The child becomes what ``python -m common.cli.main COMMAND ARGS``
+would be: its own environment, its output on the log file's descriptor, a new session if asked, default signal
+handlers, ``sys.argv`` and ``__main__`` as under ``-m``, and at the end the interpreter's exit steps (non-daemon
+threads joined, ``atexit`` run) before its exit status. The server reaps its children and reports each one's
+status, which the test's handle (``ForkedProcess``: ``subprocess.Popen``'s pid, poll, wait, returncode and signals)
+reads.
+
+A process whose environment differs in a variable that a library reads when it loads (``LOAD_TIME_PREFIXES``:
+OpenMP's, torch's, the interpreter's) is forked from a server started under that environment. What stays a fresh
+interpreter: commands of another tree or entry module (``LocalCluster``'s ``entry_module`` and ``cwd``), every
+process the children start themselves (tensor-parallel ranks, the proxies a ``--processes`` supervisor runs), and
+all of them with ``TESSERA_TEST_FORK_SERVER=0``. Where a test needs a process's own command line or initial
+environment in ``/proc`` (a forked one shows the server's), it starts fresh that way.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import IO
+
+ENV = "TESSERA_TEST_FORK_SERVER"
+# What each command's server imports before it forks: what that command's process imports on its way to serving
+# (the worker's torch and engine; the proxy's web stack, which imports no torch).
+WORKER_PRELOAD = ("torch", "common.cli.main", "decode_worker.worker", "prefill_worker.worker", "kv_transfer.factory")
+PROXY_PRELOAD = ("common.cli.main", "proxy.main", "proxy.app", "proxy.server", "proxy.reload", "proxy.edge.listener",
+                 "proxy.tenancy.metering", "common.config.tls", "uvicorn", "uvloop")
+PRELOAD = {"prefill": WORKER_PRELOAD, "decode": WORKER_PRELOAD, "both": WORKER_PRELOAD, "proxy": PROXY_PRELOAD}
+# A variable with one of these prefixes is read when its library loads (libgomp's OMP_* and GOMP_*, torch's), or by
+# the interpreter at its start: each set of their values has a server of its own.
+LOAD_TIME_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "TORCH", "PYTORCH", "PYTHON", "LD_", "MALLOC_", "CUDA",
+                      "TRITON", "UCX_", "NIXL")
+UNCHECKED = ("PYTHONUNBUFFERED",)  # the child sets its own output unbuffered as under this variable
+START_TIMEOUT_S = 180.0  # the server's imports, on a loaded 2-core machine
+MESSAGE_BYTES = 1 << 20
+
+
+def _load_time(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(LOAD_TIME_PREFIXES) and k not in UNCHECKED}
+
+
+class ForkedProcess:
+    """A forked child seen as ``subprocess.Popen`` sees its child: its exit status comes from the server."""
+
+    def __init__(self, server: "ForkServer", pid: int, args: list[str]) -> None:
+        self.server, self.pid, self.args = server, pid, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.server.exit_code(self.pid, timeout=0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.returncode = self.server.exit_code(self.pid, timeout=0.5 if left is None else min(0.5, left))
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # as Popen: never signal a pid that may have been reused
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkServer:
+    """The client side: starts the server on first use and talks to it over a Unix socket pair."""
+
+    def __init__(self, env: dict[str, str], preload: tuple[str, ...]) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.fork_server", str(theirs.fileno()), *preload],
+                                     pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+        theirs.close()
+        self.sock, self.lock, self.codes = ours, threading.Lock(), {}
+        message = self._receive(START_TIMEOUT_S)
+        if message != ("ready",):
+            raise RuntimeError(f"the tests' fork server did not start ({message!r}; exit {self.proc.poll()})")
+
+    def spawn(self, args: list[str], env: dict[str, str], log: IO | None, new_session: bool) -> ForkedProcess | None:
+        """A child running ``common.cli.main`` with ``args``, or None where it must start as a fresh interpreter."""
+        if self.proc.poll() is not None:
+            return None
+        out, err = (log.fileno(), log.fileno()) if log is not None else (1, 2)  # as Popen's child inherits them
+        with self.lock:
+            socket.send_fds(self.sock, [pickle.dumps(("spawn", args, env, new_session))], [out, err])
+            while True:
+                message = self._receive(START_TIMEOUT_S)
+                if message[0] == "pid":
+                    return ForkedProcess(self, message[1], args)
+                self._record(message)
+
+    def exit_code(self, pid: int, timeout: float) -> int | None:
+        with self.lock:
+            if pid not in self.codes:
+                deadline = time.monotonic() + timeout
+                while pid not in self.codes:
+                    message = self._receive(max(0.0, deadline - time.monotonic()), quiet=True)
+                    if message is None:
+                        break
+                    self._record(message)
+            return self.codes.pop(pid, None)
+
+    def close(self) -> None:
+        self.sock.close()  # the server exits at the end of its socket; its children live on, as Popen's would
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+    def _record(self, message: tuple) -> None:
+        global reaped_cpu_s
+        if message[0] == "exit":
+            self.codes[message[1]] = message[2]
+            reaped_cpu_s += message[3]
+
+    def _receive(self, timeout: float, quiet: bool = False) -> tuple | None:
+        if not select.select([self.sock], [], [], timeout)[0]:
+            if quiet:
+                return None
+            raise TimeoutError(f"the tests' fork server answered nothing in {timeout:.0f} s")
+        data = self.sock.recv(MESSAGE_BYTES)
+        if not data:
+            raise RuntimeError(f"the tests' fork server exited ({self.proc.poll()})")
+        return pickle.loads(data)
+
+
+# The CPU-seconds of the children whose exit this process has read, as RUSAGE_CHILDREN counts a Popen's child once
+# it is reaped (tests/cpu_report.py adds them).
+reaped_cpu_s = 0.0
+# One for each command's imports and environment of load-time variables: in a lane, one for the workers and one
+# for the proxies.
+_servers: dict[tuple, ForkServer] = {}
+_servers_lock = threading.Lock()
+
+
+def spawn(args: list[str], env: dict[str, str], log: IO | None, new_session: bool) -> ForkedProcess | None:
+    """``LocalCluster.launch`` in the tests: the process forked from the server of its command whose libraries
+    loaded under the same variables as the process's would (started on the first such process), or None: start it
+    fresh."""
+    if os.environ.get(ENV, "1") == "0" or args[0] not in PRELOAD:
+        return None
+    from common.cli.main import GOMP_SPINCOUNT
+
+    env = {"GOMP_SPINCOUNT": GOMP_SPINCOUNT, **env}  # as the command sets it before it imports torch
+    key = (PRELOAD[args[0]], frozenset(_load_time(env).items()))
+    with _servers_lock:
+        if key not in _servers:
+            _servers[key] = ForkServer(env, key[0])
+            atexit.register(_servers[key].close)
+        server = _servers[key]
+    return server.spawn(args, env, log, new_session)
+
+
+# The server process.
+
+def _serve(sock: socket.socket, preload: list[str]) -> None:
+    import importlib
+
+    for name in preload:
+        importlib.import_module(name)
+    from common.cli.main import build_parser
+
+    build_parser()  # the entry points' registrars and what they import
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_write)
+    sock.send(pickle.dumps(("ready",)))
+    while True:
+        readable = select.select([sock, wake_read], [], [])[0]
+        if wake_read in readable:
+            os.read(wake_read, 4096)
+            _reap(sock)
+        if sock in readable:
+            data, fds, _, _ = socket.recv_fds(sock, MESSAGE_BYTES, 2)
+            if not data:
+                return  # the test process closed its end: no more children to start
+            _, args, env, new_session = pickle.loads(data)
+            started_read, started_write = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                for fd in (wake_read, wake_write, started_read):
+                    os.close(fd)
+                _child(sock, args, env, new_session, fds, started_write)
+            for fd in (*fds, started_write):
+                os.close(fd)
+            os.read(started_read, 1)  # as Popen returns: the child has its session and its descriptors (or died)
+            os.close(started_read)
+            sock.send(pickle.dumps(("pid", pid)))
+            _reap(sock)
+
+
+def _reap(sock: socket.socket) -> None:
+    while True:
+        try:
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        cpu = usage.ru_utime + usage.ru_stime  # the child's and that of the processes it reaped
+        sock.send(pickle.dumps(("exit", pid, os.waitstatus_to_exitcode(status), cpu)))
+
+
+def _child(sock: socket.socket, args: list[str], env: dict[str, str], new_session: bool, fds: list[int],
+           started: int) -> None:
+    """Never returns: becomes ``python -m common.cli.main ARGS`` and exits as that interpreter would."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        sock.close()
+        if new_session:
+            os.setsid()
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        os.dup2(fds[0], 1)
+        os.dup2(fds[1], 2)
+        for fd in fds:
+            os.close(fd)
+        sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
+        sys.stdout.reconfigure(write_through=True)
+        sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
+        sys.stderr.reconfigure(write_through=True)
+        os.environ.clear()
+        os.environ.update(env)
+        os.write(started, b"1")
+        os.close(started)
+        import common.cli.main as entry
+
+        sys.argv = [entry.__file__, *args]
+        sys.modules["__main__"] = entry  # what multiprocessing's spawn imports in a rank as the main module
+        code = entry.main(args)
+    except SystemExit as stop:
+        code = stop.code
+    except BaseException:  # as the interpreter: the traceback on stderr, status 1
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        os._exit(_finish(code))
+
+
+def _finish(code) -> int:
+    """The interpreter's exit steps for status ``code`` (SystemExit's: None, an int, or a message)."""
+    try:
+        threading._shutdown()  # noqa: SLF001 -- the join of non-daemon threads that Py_Finalize runs
+        atexit._run_exitfuncs()  # noqa: SLF001
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = code or 1
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code & 0xFF
+    else:
+        print(code, file=sys.stderr)
+        status = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    return status
+
+
+if __name__ == "__main__":
+    _serve(socket.socket(fileno=int(sys.argv[1])), sys.argv[2:])
