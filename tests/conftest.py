@@ -23,7 +23,10 @@ from common.storage.model_store import resolve_model
 # to 1,052, the waits lane's to 396; the run took 1,068 s on 2,025 CPU-s, both cores busy nearly throughout, so a
 # lane more would gain only the sleeping: the run is as long as its CPU-seconds, which tests/cpu_report.py counts
 # per module (a later run: 2,046 of its 2,077 CPU-s counted; the ten costliest modules, nine of them e2e modules
-# that start clusters, took 47%). Tests that wait but also compute (rolling upgrade, failover, a cut link,
+# that start clusters, took 47%). Since the clusters fork their processes from fork servers (tests/fork_server.py),
+# a run took 1,011 s on 1,810 CPU-s (1,749 counted), the beside lane's tests 990 s of wall time, the compute
+# lane's 868, the waits lane's 391; the device check's CPU mode (66 s, a process of its own for each step) then
+# moved from the beside lane to the compute lane. Tests that wait but also compute (rolling upgrade, failover, a cut link,
 # fuzzing) made the run longer beside the compute lane (their clusters contend for the cores): the waits lane holds
 # only tests whose clusters are idle or tiny.
 BESIDE_E2E = {
@@ -39,8 +42,6 @@ BESIDE_E2E = {
     # the embedded model, computing little while others run
     "test_grpc_api.py", "test_role_switch.py", "test_embeddings.py", "test_sessions.py", "test_protocol_versions.py",
     "test_planner_cluster.py",
-    # the device check's CPU mode: each step a process of its own on the tiny shape (imports, two small clusters)
-    "test_device_check.py",
     # four small clusters with a worker at tensor parallelism 3 and one of tiny models at TP 2 (about 120 s alone;
     # under the compute lane's load each TP step's 61 all-reduces wait on the scheduler, so it keeps few decode
     # steps: 16 to 40 tokens)
