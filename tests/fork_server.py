@@ -5,18 +5,19 @@ importing its web stack, and the suite starts some 170 workers and 90 proxies (`
 as its CPU-seconds: tests/conftest.py). So each test lane keeps a fork server for each command: a process that
 imports what that command's process imports (``PRELOAD``; it never runs a torch operation, so no thread pool exists
 to fork) and then forks one child per request. The child becomes what ``python -m common.cli.main COMMAND ARGS``
-would be: its own environment, its output on the log file's descriptor, a new session if asked, default signal
-handlers, ``sys.argv`` and ``__main__`` as under ``-m``, and at the end the interpreter's exit steps (non-daemon
-threads joined, ``atexit`` run) before its exit status. The server reaps its children and reports each one's
-status, which the test's handle (``ForkedProcess``: ``subprocess.Popen``'s pid, poll, wait, returncode and signals)
-reads.
+would be: its own environment and the working directory of the test that asked, its output on the log file's
+descriptor, a new session if asked, default signal handlers, ``sys.argv`` and ``__main__`` as under ``-m``, and at
+the end the interpreter's exit steps (non-daemon threads joined, ``atexit`` run) before its exit status. The server
+reaps its children and reports each one's status, which the test's handle (``ForkedProcess``:
+``subprocess.Popen``'s pid, poll, wait, returncode and signals) reads.
 
 A process whose environment differs in a variable that a library reads when it loads (``LOAD_TIME_PREFIXES``:
 OpenMP's, torch's, the interpreter's) is forked from a server started under that environment. What stays a fresh
 interpreter: commands of another tree or entry module (``LocalCluster``'s ``entry_module`` and ``cwd``), every
-process the children start themselves (tensor-parallel ranks, the proxies a ``--processes`` supervisor runs), and
-all of them with ``TESSERA_TEST_FORK_SERVER=0``. Where a test needs a process's own command line or initial
-environment in ``/proc`` (a forked one shows the server's), it starts fresh that way.
+process the children start themselves (tensor-parallel ranks, the proxies a ``--processes`` supervisor runs), all
+of them with ``TESSERA_TEST_FORK_SERVER=0``, and any where a server did not start or could not fork (each said on
+stderr; a server's own output is in a file of its own in the temporary directory). Where a test needs a process's
+own command line or initial environment in ``/proc`` (a forked one shows the server's), it starts fresh that way.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import IO
@@ -41,10 +43,12 @@ PROXY_PRELOAD = ("common.cli.main", "proxy.main", "proxy.app", "proxy.server", "
 PRELOAD = {"prefill": WORKER_PRELOAD, "decode": WORKER_PRELOAD, "both": WORKER_PRELOAD, "proxy": PROXY_PRELOAD}
 # A variable with one of these prefixes is read when its library loads (libgomp's OMP_* and GOMP_*, torch's), or by
 # the interpreter at its start: each set of their values has a server of its own.
-LOAD_TIME_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "TORCH", "PYTORCH", "PYTHON", "LD_", "MALLOC_", "CUDA",
-                      "TRITON", "UCX_", "NIXL")
+LOAD_TIME_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO_", "TORCH", "PYTORCH", "PYTHON", "LD_",
+                      "MALLOC_", "CUDA", "TRITON", "UCX_", "NIXL", "LC_", "LANG")
 UNCHECKED = ("PYTHONUNBUFFERED",)  # the child sets its own output unbuffered as under this variable
 START_TIMEOUT_S = 180.0  # the server's imports, on a loaded 2-core machine
+WAIT_SLICE_S = 0.05  # a waiting handle holds the server's socket this long at a time: others poll in between
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where ``-m tests.fork_server`` imports from
 MESSAGE_BYTES = 1 << 20
 
 
@@ -60,17 +64,22 @@ class ForkedProcess:
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self.server.exit_code(self.pid, timeout=0)
-        return self.returncode
+        return self._read(0)
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
+        while self._read(0) is None:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise subprocess.TimeoutExpired(self.args, timeout)
-            self.returncode = self.server.exit_code(self.pid, timeout=0.5 if left is None else min(0.5, left))
+            self._read(WAIT_SLICE_S if left is None else min(WAIT_SLICE_S, left))
+        return self.returncode
+
+    def _read(self, timeout: float) -> int | None:
+        if self.returncode is None:  # once known, it stays: another thread may have read it
+            code = self.server.exit_code(self.pid, timeout)
+            if code is not None:
+                self.returncode = code
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
@@ -92,13 +101,19 @@ class ForkServer:
 
     def __init__(self, env: dict[str, str], preload: tuple[str, ...]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.fork_server", str(theirs.fileno()), *preload],
-                                     pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+        # Its own output (a failed import's traceback) in a file of its own: not the capture of whichever test
+        # started it.
+        self.log_path = os.path.join(tempfile.gettempdir(), f"tessera-fork-server-{os.getpid()}-{len(_servers)}.log")
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.fork_server", str(theirs.fileno()), *preload],
+                                         pass_fds=[theirs.fileno()], env=env, cwd=ROOT, stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=subprocess.STDOUT)
         theirs.close()
         self.sock, self.lock, self.codes = ours, threading.Lock(), {}
         message = self._receive(START_TIMEOUT_S)
         if message != ("ready",):
-            raise RuntimeError(f"the tests' fork server did not start ({message!r}; exit {self.proc.poll()})")
+            raise RuntimeError(f"the tests' fork server did not start ({message!r}; exit {self.proc.poll()}; "
+                               f"log: {self.log_path})")
 
     def spawn(self, args: list[str], env: dict[str, str], log: IO | None, new_session: bool) -> ForkedProcess | None:
         """A child running ``common.cli.main`` with ``args``, or None where it must start as a fresh interpreter."""
@@ -106,14 +121,20 @@ class ForkServer:
             return None
         out, err = (log.fileno(), log.fileno()) if log is not None else (1, 2)  # as Popen's child inherits them
         with self.lock:
-            socket.send_fds(self.sock, [pickle.dumps(("spawn", args, env, new_session))], [out, err])
+            request = pickle.dumps(("spawn", args, env, new_session, os.getcwd()))
+            socket.send_fds(self.sock, [request], [out, err])
             while True:
                 message = self._receive(START_TIMEOUT_S)
                 if message[0] == "pid":
+                    self.codes.pop(message[1], None)  # an unread status of an earlier child with this pid
                     return ForkedProcess(self, message[1], args)
+                if message[0] == "error":  # the fork itself failed: a fresh interpreter instead
+                    print(f"the tests' fork server could not fork {args[0]}: {message[1]}", file=sys.stderr)
+                    return None
                 self._record(message)
 
     def exit_code(self, pid: int, timeout: float) -> int | None:
+        """Child ``pid``'s exit status once the server has reported it (waiting up to ``timeout`` for news)."""
         with self.lock:
             if pid not in self.codes:
                 deadline = time.monotonic() + timeout
@@ -122,7 +143,7 @@ class ForkServer:
                     if message is None:
                         break
                     self._record(message)
-            return self.codes.pop(pid, None)
+            return self.codes.get(pid)
 
     def close(self) -> None:
         self.sock.close()  # the server exits at the end of its socket; its children live on, as Popen's would
@@ -130,6 +151,8 @@ class ForkServer:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        if os.path.exists(self.log_path) and os.path.getsize(self.log_path) == 0:
+            os.remove(self.log_path)  # kept where it says something
 
     def _record(self, message: tuple) -> None:
         global reaped_cpu_s
@@ -153,7 +176,7 @@ class ForkServer:
 reaped_cpu_s = 0.0
 # One for each command's imports and environment of load-time variables: in a lane, one for the workers and one
 # for the proxies.
-_servers: dict[tuple, ForkServer] = {}
+_servers: dict[tuple, ForkServer | None] = {}  # None: it did not start
 _servers_lock = threading.Lock()
 
 
@@ -169,10 +192,14 @@ def spawn(args: list[str], env: dict[str, str], log: IO | None, new_session: boo
     key = (PRELOAD[args[0]], frozenset(_load_time(env).items()))
     with _servers_lock:
         if key not in _servers:
-            _servers[key] = ForkServer(env, key[0])
-            atexit.register(_servers[key].close)
+            try:
+                _servers[key] = ForkServer(env, key[0])
+                atexit.register(_servers[key].close)
+            except (OSError, RuntimeError, TimeoutError) as error:  # fresh interpreters from now on
+                print(f"the tests' fork server for {args[0]} did not start: {error}", file=sys.stderr)
+                _servers[key] = None
         server = _servers[key]
-    return server.spawn(args, env, log, new_session)
+    return server.spawn(args, env, log, new_session) if server is not None else None
 
 
 # The server process.
@@ -199,13 +226,20 @@ def _serve(sock: socket.socket, preload: list[str]) -> None:
             data, fds, _, _ = socket.recv_fds(sock, MESSAGE_BYTES, 2)
             if not data:
                 return  # the test process closed its end: no more children to start
-            _, args, env, new_session = pickle.loads(data)
-            started_read, started_write = os.pipe()
-            pid = os.fork()
+            try:
+                _, args, env, new_session, cwd = pickle.loads(data)
+                started_read, started_write = os.pipe()
+                pid = os.fork()
+            except Exception as error:  # noqa: BLE001 -- answered: the test starts a fresh interpreter instead
+                for fd in fds:
+                    os.close(fd)
+                sock.send(pickle.dumps(("error", repr(error))))
+                continue
             if pid == 0:
+                signal.set_wakeup_fd(-1)  # before its descriptor closes: no signal is written to a reused one
                 for fd in (wake_read, wake_write, started_read):
                     os.close(fd)
-                _child(sock, args, env, new_session, fds, started_write)
+                _child(sock, args, env, new_session, cwd, fds, started_write)
             for fd in (*fds, started_write):
                 os.close(fd)
             os.read(started_read, 1)  # as Popen returns: the child has its session and its descriptors (or died)
@@ -226,16 +260,16 @@ def _reap(sock: socket.socket) -> None:
         sock.send(pickle.dumps(("exit", pid, os.waitstatus_to_exitcode(status), cpu)))
 
 
-def _child(sock: socket.socket, args: list[str], env: dict[str, str], new_session: bool, fds: list[int],
+def _child(sock: socket.socket, args: list[str], env: dict[str, str], new_session: bool, cwd: str, fds: list[int],
            started: int) -> None:
     """Never returns: becomes ``python -m common.cli.main ARGS`` and exits as that interpreter would."""
     code = 1
     try:
-        signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         sock.close()
         if new_session:
             os.setsid()
+        os.chdir(cwd)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
@@ -258,6 +292,10 @@ def _child(sock: socket.socket, args: list[str], env: dict[str, str], new_sessio
         code = entry.main(args)
     except SystemExit as stop:
         code = stop.code
+    except KeyboardInterrupt:  # as the interpreter: it dies of SIGINT (after its exit steps)
+        _finish(None)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     except BaseException:  # as the interpreter: the traceback on stderr, status 1
         import traceback
 
@@ -269,14 +307,13 @@ def _child(sock: socket.socket, args: list[str], env: dict[str, str], new_sessio
 
 def _finish(code) -> int:
     """The interpreter's exit steps for status ``code`` (SystemExit's: None, an int, or a message)."""
-    try:
-        threading._shutdown()  # noqa: SLF001 -- the join of non-daemon threads that Py_Finalize runs
-        atexit._run_exitfuncs()  # noqa: SLF001
-    except BaseException:
-        import traceback
+    for step in (threading._shutdown, atexit._run_exitfuncs):  # noqa: SLF001 -- what Py_Finalize runs, in order
+        try:
+            step()
+        except BaseException:  # reported, and the next step runs, as the interpreter does
+            import traceback
 
-        traceback.print_exc()
-        code = code or 1
+            traceback.print_exc()
     if code is None:
         status = 0
     elif isinstance(code, int):

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -42,18 +43,22 @@ def test_a_forked_command_exits_and_writes_as_a_fresh_interpreter(args, env, tmp
     assert proc.poll() == code and proc.returncode == code
 
 
-def test_a_forked_worker_takes_signals_in_its_own_session(env, tmp_path, tiny_chat_model_dir):
+def test_a_forked_worker_takes_signals_in_its_own_session(env, tmp_path, tiny_chat_model_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     # a worker whose proxy never answers: it waits to register until it is stopped
     args = ["both", "--set", f"engine.model={tiny_chat_model_dir}", "--set", "proxy_address=tcp://127.0.0.1:9",
             "--set", "observability.metrics_port=0"]
     proc = forked(args, env, tmp_path / "log", new_session=True)
     assert os.getsid(proc.pid) == proc.pid
+    assert os.readlink(f"/proc/{proc.pid}/cwd") == str(tmp_path), "the working directory of the test that started it"
     with pytest.raises(subprocess.TimeoutExpired):
         proc.wait(timeout=0.5)
     assert proc.poll() is None
     counted = fork_server.reaped_cpu_s
     proc.kill()
-    assert proc.wait(timeout=60) == -signal.SIGKILL
+    with ThreadPoolExecutor(4) as pool:  # several threads waiting on one handle all see its status
+        codes = list(pool.map(lambda _: proc.wait(timeout=60), range(4)))
+    assert codes == [-signal.SIGKILL] * 4 and proc.poll() == -signal.SIGKILL
     assert fork_server.reaped_cpu_s > counted, "its CPU time counts as a reaped child's (tests/cpu_report.py)"
     proc.kill()  # exited: as Popen, nothing is signalled
 
