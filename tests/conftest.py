@@ -26,9 +26,9 @@ from common.storage.model_store import resolve_model
 # that start clusters, took 47%). Since the clusters fork their processes from fork servers (tests/fork_server.py),
 # a run took 1,011 s on 1,810 CPU-s (1,749 counted), the beside lane's tests 990 s of wall time, the compute
 # lane's 868, the waits lane's 391; the device check's CPU mode (66 s, a process of its own for each step) then
-# moved from the beside lane to the compute lane. Tests that wait but also compute (rolling upgrade, failover, a cut link,
-# fuzzing) made the run longer beside the compute lane (their clusters contend for the cores): the waits lane holds
-# only tests whose clusters are idle or tiny.
+# moved from the beside lane to the compute lane. Tests that wait but also compute (rolling upgrade, failover, a
+# cut link, fuzzing) made the run longer beside the compute lane (their clusters contend for the cores): the waits
+# lane holds only tests whose clusters are idle or tiny.
 BESIDE_E2E = {
     # scripted workers behind a proxy in a thread or a torch-free process
     "test_config_reload.py", "test_metering_file.py",

@@ -22,6 +22,7 @@ own command line or initial environment in ``/proc`` (a forked one shows the ser
 from __future__ import annotations
 
 import atexit
+import io
 import os
 import pickle
 import select
@@ -277,10 +278,7 @@ def _child(sock: socket.socket, args: list[str], env: dict[str, str], new_sessio
         os.dup2(fds[1], 2)
         for fd in fds:
             os.close(fd)
-        sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
-        sys.stdout.reconfigure(write_through=True)
-        sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
-        sys.stderr.reconfigure(write_through=True)
+        sys.stdout, sys.stderr = (_unbuffered(fd) for fd in (1, 2))
         os.environ.clear()
         os.environ.update(env)
         os.write(started, b"1")
@@ -303,6 +301,12 @@ def _child(sock: socket.socket, args: list[str], env: dict[str, str], new_sessio
         code = 1
     finally:
         os._exit(_finish(code))
+
+
+def _unbuffered(fd: int) -> io.TextIOWrapper:
+    """Text on ``fd`` as under PYTHONUNBUFFERED: each write reaches the descriptor."""
+    return io.TextIOWrapper(open(fd, "wb", buffering=0, closefd=False), encoding="utf-8", errors="backslashreplace",
+                            line_buffering=True, write_through=True)
 
 
 def _finish(code) -> int:

@@ -254,10 +254,9 @@ class LocalCluster:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if self.threads:
             env["OMP_NUM_THREADS"] = str(self.threads)
-        launch = type(self).launch
         proc = None
-        if launch is not None and self.entry_module == "common.cli.main" and self.cwd is None:
-            proc = launch(args, env, log, self.own_session)
+        if self.launch is not None and self.entry_module == "common.cli.main" and self.cwd is None:
+            proc = self.launch(args, env, log, self.own_session)
         self.procs[name] = proc or subprocess.Popen(
             [sys.executable, "-m", self.entry_module, *args], stdout=log, stderr=subprocess.STDOUT if log else None,
             env=env, start_new_session=self.own_session, cwd=self.cwd,
