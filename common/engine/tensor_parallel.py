@@ -23,11 +23,13 @@ import ctypes
 import logging
 import os
 import pickle
+import shutil
 import signal
 import tempfile
 import threading
 import time
 from datetime import timedelta
+from multiprocessing import util as mp_util
 from multiprocessing.connection import Connection, wait
 
 import torch
@@ -155,8 +157,8 @@ class RankProcesses:
             self.links.append(parent)
             self.procs.append(proc)
         self._closing = False
-        log.info("tensor parallel: started ranks 1..%d (pids %s) on %s", len(self.procs),
-                 [p.pid for p in self.procs], config.devices[1:])
+        log.info("tensor parallel: started ranks 1..%d (pids %s) on %s, rendezvous %s", len(self.procs),
+                 [p.pid for p in self.procs], config.devices[1:], self.rendezvous)
 
     def join(self) -> None:
         """Joins the group as rank 0; a rank that ends before joining fails the worker with its own error."""
@@ -207,6 +209,10 @@ class RankProcesses:
         dead = [p for p in self.procs if p.sentinel in ended]
         log.critical("tensor parallel rank %s (pid %s) ended with exit code %s: the worker exits",
                      dead[0].name, dead[0].pid, dead[0].exitcode)
+        self._remove_files()
+        # os._exit skips multiprocessing's exit steps, which remove its temporary directory (the
+        # listener the ranks' shared tensors went through): removed here, as they would have.
+        shutil.rmtree(mp_util.get_temp_dir(), ignore_errors=True)
         logging.shutdown()
         os._exit(70)
 
@@ -232,6 +238,10 @@ class RankProcesses:
                 proc.join()
         for link in self.links:
             link.close()
+        self._remove_files()
+
+    def _remove_files(self) -> None:
+        """The group's rendezvous file, which the ranks' file store leaves when a rank dies."""
         try:
             os.unlink(self.rendezvous)
         except OSError:

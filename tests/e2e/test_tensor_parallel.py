@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 
@@ -145,6 +146,8 @@ def test_a_rank_killed_under_load_ends_its_worker_and_loses_no_request(embedded_
         assert [r.status_code for r in responses] == [200] * len(prompts)
         assert [r.json()["choices"][0]["message"]["content"] for r in responses] == reference["long"]
         assert c.procs["decode-0"].wait(timeout=60) != 0  # the worker went with its rank
+        rendezvous = re.search(r"rendezvous (\S+)", (tmp_path / "decode-0.log").read_text()).group(1)
+        assert not os.path.exists(rendezvous), "the dead group's rendezvous file was left behind"
         deadline = time.monotonic() + 30
         while any(_alive(p.pid) for p in ranks) and time.monotonic() < deadline:
             time.sleep(0.1)
