@@ -89,7 +89,7 @@ class DrainingServer(uvicorn.Server):
         cluster = self._cluster
         cluster.start_draining()
         if self._streams is not None and getattr(cluster.limits.share, "proxies", 0) > 1:
-            handed = cluster.hand_over_streams()
+            handed = cluster.hand_over_streams(self._streams.streams.keys())
             if handed:
                 log.info("draining: %d resumable stream(s) handed over for another proxy to take over", len(handed))
                 self._streams.sever(handed)

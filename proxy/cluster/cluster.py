@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from common.runtime.telemetry import bind_request, request_scope
 from common.config.roles import ProxyConfig
@@ -658,12 +658,14 @@ class Cluster:
             log.info("draining: /readyz answers 503, new requests are refused, %d in flight", len(self.inflight))
         self.draining = True
 
-    def hand_over_streams(self) -> set[str]:
-        """Draining while another proxy is up: the resumable streams decoding here are left to their workers for
-        another proxy to take over (``SubRequest.hand_over``); their response ids, whose readers the edge cuts."""
+    def hand_over_streams(self, response_ids: Collection[str]) -> set[str]:
+        """Draining while another proxy is up: the resumable streams decoding here whose clients hold their response
+        ids (``response_ids``: those the edge streams) are left to their workers for another proxy to take over
+        (``SubRequest.hand_over``); their response ids, whose readers the edge cuts. A stream whose client has not
+        had its first event (nor so its response id) could not be found elsewhere: it drains here."""
         handed = set()
         for sub in list(self.inflight.values()):
-            if sub.resume is not None and self._can_hand_over(sub):
+            if sub.resume is not None and sub.resume.key in response_ids and self._can_hand_over(sub):
                 self._leave(sub)
                 handed.add(sub.resume.key)
         return handed

@@ -15,6 +15,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
+from proxy.core.errors import ApiError
 from proxy.core.requests import Event, FailureEvent, SubRequest
 
 
@@ -67,7 +68,7 @@ class RequestGroup:
 
     async def next_batch(self) -> list[Event] | None:
         """The sub-requests' events that came since the last call, in arrival order (waiting for one); None once
-        each sub-request has sent its terminal event.
+        each sub-request has sent its terminal event (one that ended without sending it gets a failure).
 
         The wait is bounded by the earliest deadline of the live ones; a sub-request past its deadline fails
         itself, which ends its stream. The timer is moved only when a deadline comes sooner than it fires (a
@@ -75,6 +76,8 @@ class RequestGroup:
         """
         sink, live = self._sink, self._live
         while live:
+            if not sink.events:
+                self._end_silent(sink)
             if not sink.events:
                 await self._wait(sink)
                 if not sink.events:
@@ -89,6 +92,16 @@ class RequestGroup:
             return batch
         self._stop_timer()
         return None
+
+    def _end_silent(self, sink: EventSink) -> None:
+        """A live choice that ended without a terminal event (one handed over to another proxy ends that way) sends
+        nothing more: it fails here, before the reader waits (whose wait, bounded by the deadlines of the choices
+        not yet done, would otherwise end at once, again and again, once no other choice is left)."""
+        for sub in self.subs:
+            if sub.index in self._live and sub.done:
+                sink.events.append(FailureEvent(sub.index, ApiError(
+                    503, "this proxy is shutting down and handed the stream to another; send the request again",
+                    code="proxy_shutting_down")))
 
     def _stop_timer(self) -> None:
         if self._timer is not None:

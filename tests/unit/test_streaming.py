@@ -136,6 +136,40 @@ def test_a_group_past_its_deadline_fails_the_choice_that_passed_it():
     asyncio.run(run())
 
 
+def test_a_choice_that_ends_without_a_terminal_event_fails_and_its_reader_does_not_spin():
+    """A choice handed over to another proxy (``SubRequest.hand_over``) ends without a terminal event; a reader
+    waiting for it is woken by its deadline and gets a failure for it, rather than looking again at once forever
+    (which would hold the event loop: the owner here stops that after 100 looks)."""
+    class Counting(Owner):
+        def check_deadline(self, sub, now: float) -> None:
+            super().check_deadline(sub, now)
+            assert len(self.checked) < 100, "the reader looks again and again without waiting"
+
+    async def run():
+        sink, owner = EventSink(), Counting()
+        subs = [Sub(0, sink, time.monotonic() + 0.05), Sub(1, sink, time.monotonic() + 60)]
+        group = RequestGroup(subs, sink, owner)
+        subs[0].done = True  # handed over: no event comes of it
+        sink.put_nowait(TokenEvent(1, "a", [1]))
+        assert [e.text for e in await group.next_batch()] == ["a"]
+        batch = await asyncio.wait_for(group.next_batch(), 5)
+        assert [(e.index, e.error.status, e.error.code) for e in batch] == [(0, 503, "proxy_shutting_down")]
+        sink.put_nowait(TokenEvent(1, "b", [2], finish_reason="stop"))
+        assert [e.text for e in await group.next_batch()] == ["b"]
+        assert await group.next_batch() is None
+
+        sink, owner = EventSink(), Counting()
+        alone = Sub(0, sink, time.monotonic() + 60)
+        group = RequestGroup([alone], sink, owner)
+        waiting = asyncio.ensure_future(group.next_batch())
+        await asyncio.sleep(0.01)
+        alone.done, alone.deadline = True, time.monotonic()  # handed over while its reader waits; then the timer
+        group._timer_fired()
+        assert [e.error.status for e in await asyncio.wait_for(waiting, 5)] == [503]
+        assert await group.next_batch() is None
+    asyncio.run(run())
+
+
 def test_written_through_events_keep_their_order_behind_waiting_ones():
     async def run():
         group, sink, _ = group_of(1)

@@ -79,3 +79,30 @@ def test_a_step_the_worker_sent_before_the_stream_came_back_does_not_end_it_when
         assert [link for link, _ in owners.route(step(3))] == [TAKER], "the stream goes on to the proxy that took it"
 
     asyncio.run(asyncio.wait_for(run(), 30))  # a bound against a hang, not a timing
+
+
+def test_a_draining_proxy_hands_over_only_the_streams_whose_clients_hold_their_response_ids():
+    """``Cluster.hand_over_streams``: a resumable stream whose client has no response id yet (its edge stream not
+    started) could not be found through another proxy, so it stays and drains here; one the edge streams is left to
+    its worker (``LeaveStream``)."""
+    cluster = Cluster(ProxyConfig(), PrefixAwareRouting(), ProxyMetrics())
+    sent: list = []
+    cluster.attach(lambda worker_id, msg, version: sent.append((worker_id, msg)))
+    assert cluster.registry.register(register("d1", "decode"), 0.0).ack.accepted
+    owners = Owners()
+    choice_of_a_lost_proxy(owners)
+
+    async def run() -> None:
+        search = asyncio.create_task(cluster.takeovers.find_stream(RESPONSE, None))
+        await asyncio.sleep(0)
+        for _, msg in sent:
+            for answer in owners.take_over(msg, TAKER, "d1") if isinstance(msg, wire.FindStream) else []:
+                cluster.on_frames(b"d1", wire.encode(answer))
+        _, subs, _ = await search
+        sent.clear()
+        assert cluster.hand_over_streams({"cmpl-other"}) == set()
+        assert [sub.stage.name for sub in subs] == ["DECODING"] and not sent
+        assert cluster.hand_over_streams({RESPONSE, "cmpl-other"}) == {RESPONSE}
+        assert [type(msg).__name__ for _, msg in sent] == ["LeaveStream"] and not cluster.inflight
+
+    asyncio.run(asyncio.wait_for(run(), 30))  # a bound against a hang, not a timing
