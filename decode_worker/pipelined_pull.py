@@ -89,14 +89,15 @@ class PipelinedPull:
             part.layers.start < layers.end and layers.start < part.layers.end)) for part in self.parts)
 
     def _start(self, blocks: list[int], source_ids: list[int], layers: Layers | None, transfer,
-               deadline_s: float) -> None:
+               deadline_s: float, deadline_setting: str = "kv_pull_timeout_s") -> None:
         self.pulls += 1
         staging = None
         if layers is None and self.staged:
             staging = self.staging[:len(blocks)]
         try:
             handle = transfer.start_pull(f"{self.request_id}#{self.pulls}", self.source, source_ids,
-                                         [self.block_ids[b] for b in blocks], deadline_s, staging, layers)
+                                         [self.block_ids[b] for b in blocks], deadline_s, staging, layers,
+                                         deadline_setting=deadline_setting)
         except Exception as exc:  # a backend refusing a pull must not take the worker down
             log.warning("request %s: a pipelined pull failed to start: %s", self.request_id, exc)
             if layers is None:
@@ -122,7 +123,7 @@ class PipelinedPull:
             transfer.release(part.handle)
             if not ok:
                 if part.layers is None:
-                    self.failed = part.handle.error or "transfer failed or timed out"
+                    self.failed = part.handle.error or "the transfer failed"
                 continue
             if part.layers is not None:
                 self.bytes_during += part.handle.num_bytes
@@ -145,8 +146,10 @@ class PipelinedPull:
                 self.failed = "the pages' lease (the proxy's kv_lease_s) ran out before the pull could start"
             else:
                 self.rest.update(todo)
-                self._start(todo, [self.final_ids[b] for b in todo], None, transfer,
-                            min(deadline_s, self.lease_ends - now))
+                lease_left_s = self.lease_ends - now
+                bound = "kv_pull_timeout_s" if deadline_s <= lease_left_s else "the pages' lease: the proxy's kv_lease_s"
+                self._start(todo, [self.final_ids[b] for b in todo], None, transfer, min(deadline_s, lease_left_s),
+                            bound)
                 return None
         if self.parts:
             return None

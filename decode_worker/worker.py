@@ -250,9 +250,12 @@ class DecodeHandler(WorkerBase):
                 problem = "no free KV blocks to stage the pages of a prefill worker of another tensor parallelism"
         if problem is None:
             try:
+                timeout_s = self.config.kv_pull_timeout_s
                 handle = self.transfer.start_pull(
                     msg.request_id, msg.source_worker_id, msg.source_block_ids[held:], missing,
-                    min(self.config.kv_pull_timeout_s, lease_ends - started), staging or None,
+                    min(timeout_s, lease_ends - started), staging or None,
+                    deadline_setting="kv_pull_timeout_s" if timeout_s <= lease_ends - started
+                    else "the pages' lease: the proxy's kv_lease_s",
                 )
             except Exception as exc:  # a backend refusing a pull must not take the worker down
                 problem = f"pull failed to start: {exc}"
@@ -317,7 +320,7 @@ class DecodeHandler(WorkerBase):
         self.transfer.release(pull.handle)
         self.engine.free_blocks(pull.staging)  # no byte lands in them once release returned
         now = time.monotonic()
-        error = "" if ok else "transfer failed or timed out"
+        error = "" if ok else pull.handle.error or "the transfer failed"
         if ok and now > pull.lease_ends:  # done, but seen too late to know it read the pages before they were freed
             ok, error = False, "the pull ended after the pages' lease (the proxy's kv_lease_s)"
         seconds = now - pull.started

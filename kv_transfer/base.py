@@ -187,6 +187,7 @@ class TransferHandle:
     epoch: int = 0  # the epoch of the peer's pages this pull reads (0: not checked)
     refused: bool = False  # the peer refused it: its pages are of another epoch now
     retried: bool = False  # its first read failed and it was read again by another way (kv_transfer/retry.py)
+    deadline_setting: str = "deadline_s"  # what set ``deadline``, named when the pull fails for passing it
     # Serialises status changes against an I/O thread writing local blocks.
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -303,7 +304,9 @@ class KVTransferBackend(ABC):
         deadline_s: float,
         staging_block_ids: list[int] | None = None,
         layers: Layers | None = None,
+        deadline_setting: str = "deadline_s",
     ) -> TransferHandle:
+        """``deadline_setting``: what set ``deadline_s``, named when the pull fails for passing it."""
         self._require_pool("start_pull")
         if not deadline_s > 0:
             raise ValueError(f"deadline_s must be > 0 seconds, got {deadline_s!r}")
@@ -324,6 +327,7 @@ class KVTransferBackend(ABC):
         handle = self.handle_type(
             transfer_id, peer_id, [], round(len(local_block_ids) * self._geometry.bytes_per_block * share),
             started=now, deadline=now + deadline_s, epoch=peer.metadata.epoch if peer is not None else 0,
+            deadline_setting=deadline_setting,
         )
         self._inflight[transfer_id] = handle
         if peer is None:
@@ -347,7 +351,8 @@ class KVTransferBackend(ABC):
         if handle.status.terminal:
             return handle.status
         if time.monotonic() >= handle.deadline:
-            self.abort(handle, reason=f"deadline of {handle.deadline - handle.started:.3g}s passed")
+            self.abort(handle, reason=f"not done within {handle.deadline - handle.started:.3g}s "
+                                      f"({handle.deadline_setting})")
             return handle.status
         try:
             self._progress(handle)

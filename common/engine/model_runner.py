@@ -132,7 +132,7 @@ class ModelRunner:
         # whose prompt holds this token id.
         self.fault_nonfinite_token: int | None = None
         self.fault_hang_token: int | None = None  # testing.fault_hang_token: a step holding it never returns
-        self.tp = Parallel(rank, config.tensor_parallel_size)
+        self.tp = Parallel(rank, config.tensor_parallel_size, config.ranks.timeout_s)
         self.ranks: RankProcesses | None = None
         self._serving = False  # rank 0 sends steps to the other ranks once all of them are up
         if self.tp.size > 1:

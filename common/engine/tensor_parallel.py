@@ -44,8 +44,14 @@ log = logging.getLogger(__name__)
 class Parallel:
     """This process's place in its worker's rank group, and the collectives the sharded model calls."""
 
-    def __init__(self, rank: int = 0, size: int = 1) -> None:
+    def __init__(self, rank: int = 0, size: int = 1, timeout_s: float | None = None) -> None:
         self.rank, self.size = rank, size
+        self.timeout_s = timeout_s  # engine.ranks.timeout_s: the group's bound on each collective
+
+    def _failed(self, what: str, exc: Exception) -> RuntimeError:
+        """A collective that failed (a rank gone, or silent past the group's timeout), with the setting named."""
+        return RuntimeError(f"tensor parallel {what} across the worker's {self.size} ranks failed (each waits at most "
+                            f"engine.ranks.timeout_s = {self.timeout_s}s): {exc}")
 
     def vocab_rows(self, vocab_size: int) -> tuple[int, int]:
         """(first row, rows) of this rank's slice of the embedding and LM head: the vocabulary split into equal
@@ -59,7 +65,10 @@ class Parallel:
         if self.size == 1:
             return x
         wide = x if x.dtype in (torch.float32, torch.float64, torch.int32) else x.float()
-        dist.all_reduce(wide)
+        try:
+            dist.all_reduce(wide)
+        except RuntimeError as exc:
+            raise self._failed("all-reduce", exc) from exc
         return wide if wide is x else wide.to(x.dtype)
 
     def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,7 +77,10 @@ class Parallel:
         if self.size == 1:
             return x
         x = x.float().contiguous()
-        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        try:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        except RuntimeError as exc:
+            raise self._failed("all-reduce", exc) from exc
         return x
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
@@ -76,12 +88,12 @@ class Parallel:
         if self.size == 1:
             return logits
         logits = logits.contiguous()
-        if self.rank != 0:
-            dist.gather(logits, None, dst=0)
-            return None
-        parts = [torch.empty_like(logits) for _ in range(self.size)]
-        dist.gather(logits, parts, dst=0)
-        return torch.cat(parts, dim=-1)[:, :vocab_size]
+        parts = [torch.empty_like(logits) for _ in range(self.size)] if self.rank == 0 else None
+        try:
+            dist.gather(logits, parts, dst=0)
+        except RuntimeError as exc:
+            raise self._failed("gather of the logits", exc) from exc
+        return None if parts is None else torch.cat(parts, dim=-1)[:, :vocab_size]
 
 
 def join_group(config, rank: int, rendezvous: str) -> None:

@@ -61,8 +61,8 @@ class SharedStreams:
             async with asyncio.timeout(self._timeout_s):
                 return await self._client.get(self._prefix + response_id)
         except Exception as exc:  # noqa: BLE001 - any Redis failure: the fallback is not there
-            log.warning("response %s: could not read its resume context from the shared store (%s: %s)",
-                        response_id, type(exc).__name__, exc)
+            log.warning("response %s: could not read its resume context from the shared store (%s)",
+                        response_id, self._why(exc))
             return None
 
     async def claim(self, response_id: str) -> bytes | None:
@@ -73,9 +73,14 @@ class SharedStreams:
                     raw, _ = await pipe.get(self._prefix + response_id).delete(self._prefix + response_id).execute()
             return raw
         except Exception as exc:  # noqa: BLE001
-            log.warning("response %s: could not take its resume context from the shared store (%s: %s)",
-                        response_id, type(exc).__name__, exc)
+            log.warning("response %s: could not take its resume context from the shared store (%s)",
+                        response_id, self._why(exc))
             return None
+
+    def _why(self, exc: Exception) -> str:
+        if isinstance(exc, TimeoutError):
+            return f"no answer within shared_state.timeout_s ({self._timeout_s}s)"
+        return f"{type(exc).__name__}: {exc}"
 
     async def run(self) -> None:
         """Runs for the proxy's life: flushes what changed every ``shared_state.interval_s``."""
@@ -102,9 +107,8 @@ class SharedStreams:
                     await pipe.execute()
         except Exception as exc:  # noqa: BLE001 - any Redis failure: tried again at the next flush
             if self.up:
-                log.warning("could not store the resume contexts of %d stream(s) in the shared store (%s: %s); "
-                            "trying again every shared_state.interval_s", len(new) + len(renew),
-                            type(exc).__name__, exc)
+                log.warning("could not store the resume contexts of %d stream(s) in the shared store (%s); "
+                            "trying again every shared_state.interval_s", len(new) + len(renew), self._why(exc))
             self.up = False
             # a stored context may expire during the outage, and PEXPIRE does not bring one back: the next flush
             # that succeeds writes every kept context whole

@@ -99,7 +99,7 @@ def run_out(decode, sent) -> tuple[list[int], list[wire.KVPulled]]:
 @pytest.mark.parametrize("lease_left_s, why", [
     (0.0, "lease (the proxy's kv_lease_s) ran out before the pull could start"),
     (LEASE_MARGIN_S, "lease (the proxy's kv_lease_s) ran out before the pull could start"),
-    (LEASE_MARGIN_S + PULL_S / 3, "timed out"),  # started, and cut at the lease
+    (LEASE_MARGIN_S + PULL_S / 3, "(the pages' lease: the proxy's kv_lease_s)"),  # started, and cut at the lease
 ])
 def test_a_pull_that_cannot_end_within_the_lease_is_recomputed(tiny_chat_model_dir, prefilled, clock, lease_left_s,
                                                                 why):

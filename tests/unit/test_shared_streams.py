@@ -3,6 +3,7 @@ a context that expired while the store was unreachable is written again, whole, 
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import redis
 import redis.asyncio as aioredis
@@ -38,3 +39,25 @@ def test_a_context_that_expired_during_an_outage_is_written_again(redis_server):
         await down.aclose()
 
     asyncio.run(run())
+
+
+def test_a_store_that_never_answers_is_given_up_on_naming_the_setting(caplog):
+    """A Redis that takes the connection and says nothing: each read gives up after shared_state.timeout_s, and the
+    warning names it."""
+    silent = socket.create_server(("127.0.0.1", 0))  # the kernel accepts; nobody reads or answers
+    config = ProxyConfig(shared_state={"redis_url": "redis://unused", "timeout_s": 0.3})
+
+    async def run() -> None:
+        client = aioredis.Redis(host="127.0.0.1", port=silent.getsockname()[1])
+        shared = SharedStreams(config, client)
+        assert await shared.peek("r1") is None and await shared.claim("r1") is None
+        shared.keep("r1", b"context")
+        await shared.flush()
+        assert not shared.up
+        await client.aclose()
+
+    with caplog.at_level("WARNING", logger="tessera.proxy.shared"):
+        asyncio.run(asyncio.wait_for(run(), 30))  # a bound against a hang, not a timing
+    silent.close()
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 3 and all("no answer within shared_state.timeout_s (0.3s)" in w for w in warnings), warnings

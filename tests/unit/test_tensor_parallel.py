@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from common.engine.models.loader import load_hf_config, load_model
 from common.engine.scheduler import StepPlan
 from common.engine.quantization import quantize_activations, quantize_rows
 from common.engine.sequence import Sequence
-from common.engine.tensor_parallel import Parallel, pack_step, unpack_step
+from common.engine.tensor_parallel import Parallel, join_group, pack_step, unpack_step
 from common.protocol.sampling_params import SamplingParams, StructuredOutput
 from tests.tiny_models import build_tiny_model
 from tests.unit.test_structured_output import ENUM_SCHEMA
@@ -154,6 +155,40 @@ def test_a_rank_that_cannot_start_fails_the_worker_with_its_error(tmp_path):
     tiny = build_tiny_model("llama", tmp_path / "m")
     with pytest.raises(ValueError, match="does not divide"):
         ModelRunner(EngineConfig(model=str(tiny), num_kv_blocks=8, tensor_parallel_size=3), tiny)
+
+
+def _rank(rank: int, rendezvous: str, link) -> None:
+    """A rank of a group of 2 whose collectives wait 1 s: rank 0 all-reduces, rank 1 never does (a silent rank)."""
+    config = EngineConfig(model="m", tensor_parallel_size=2, ranks={"timeout_s": 1.0})
+    try:
+        join_group(config, rank, rendezvous)
+        if rank == 0:
+            Parallel(0, 2, config.ranks.timeout_s).all_reduce(torch.ones(4))
+            link.send("no error")
+        else:
+            link.recv()  # until the test is done
+    except Exception as exc:
+        link.send(str(exc))
+
+
+def test_a_collective_a_rank_never_joins_fails_naming_the_setting(tmp_path):
+    """Rank 0's all-reduce with a rank that stays silent fails once engine.ranks.timeout_s passes, and says so."""
+    context = multiprocessing.get_context("fork")
+    rendezvous = str(tmp_path / "rendezvous")
+    links = [context.Pipe() for _ in range(2)]
+    ranks = [context.Process(target=_rank, args=(r, rendezvous, links[r][1]), daemon=True) for r in range(2)]
+    for proc in ranks:
+        proc.start()
+    try:
+        assert links[0][0].poll(60), "rank 0 never answered"
+        error = links[0][0].recv()
+        assert "all-reduce" in error and "engine.ranks.timeout_s = 1.0s" in error, error
+    finally:
+        links[1][0].send("done")
+        for proc in ranks:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
 
 
 def test_the_schedulers_features_at_tp2_answer_as_at_tp1(tiny):
