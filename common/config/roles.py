@@ -51,6 +51,9 @@ class HttpConfig:
         10.0, "a connection must deliver a request's headers within this, else it is closed", gt=0)
     request_body_timeout_s: Float = option(
         30.0, "a request's body must arrive whole within this after its headers, else 408", gt=0)
+    write_timeout_s: Float = option(
+        60.0, "an HTTP connection whose client reads nothing of its response for this long (the send buffer full "
+        "throughout) is closed, and its request cancelled", gt=0)
     access_log: Bool = option(True, "a line per HTTP request (uvicorn's access log, at info level); its cost "
                               "is about a tenth of a short request's CPU in the proxy")
     grpc_port: Int = option(0, "TCP port of the gRPC API (proxy/edge/grpc_api/tessera.proto) on host; 0: no gRPC", ge=0)

@@ -9,11 +9,17 @@ uses (``tessera proxy`` and the tests):
 - ``max_connections``: uvicorn's ``limit_concurrency``; a request arriving
   with that many connections (or requests) open gets 503.
 - ``keep_alive_timeout_s``: an idle keep-alive connection is closed.
-- ``request_header_timeout_s``: ``HeaderTimeoutProtocol`` closes a
+- ``request_header_timeout_s``: ``TimedHttpProtocol`` closes a
   connection that has not delivered a complete request head in time, from
   its first byte (a new connection: from its opening). uvicorn has no such
   timeout of its own, so a client sending headers a byte at a time
   (slowloris) would hold a connection forever.
+- ``write_timeout_s``: ``TimedHttpProtocol`` closes a connection whose
+  response has waited that long for its client to read (the connection's
+  send buffer full the whole time); its request is then cancelled as a
+  disconnected client's. uvicorn's writes wait for the client without end,
+  so a client that stops reading a stream would hold its connection (and
+  its handler) for as long as the peer's kernel keeps the window shut.
 
 HTTP is parsed by uvicorn's httptools protocol (llhttp, in C): writing a
 streamed token's chunk through it costs a fraction of what its h11 protocol
@@ -36,13 +42,37 @@ from common.config.roles import ProxyConfig
 from proxy.core.errors import ApiError
 
 
-class HeaderTimeoutProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, closing connections whose request head is not complete in time."""
+class TimedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, closing connections whose request head is not complete in time, or whose
+    client has read nothing of the response for ``write_timeout_s``."""
 
-    def __init__(self, *args, header_timeout_s: float, **kwargs) -> None:
+    def __init__(self, *args, header_timeout_s: float, write_timeout_s: float, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._header_timeout_s = header_timeout_s
         self._header_timer: asyncio.TimerHandle | None = None
+        self._write_timeout_s = write_timeout_s
+        self._write_timer: asyncio.TimerHandle | None = None
+
+    def pause_writing(self) -> None:  # the send buffer is full: the client reads slower than it is written to
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self._write_timeout_s, self._on_write_timeout)
+
+    def resume_writing(self) -> None:
+        self._disarm_write_timer()
+        super().resume_writing()
+
+    def _disarm_write_timer(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _on_write_timeout(self) -> None:
+        self._write_timer = None
+        if not self.transport.is_closing():
+            self.logger.warning("closed a connection from %s: its client read none of the response within "
+                                "http.write_timeout_s=%ss", self.client, self._write_timeout_s)
+            self.transport.abort()  # close() would wait for the buffered bytes the client does not read
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -72,6 +102,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
+        self._disarm_write_timer()
         super().connection_lost(exc)
 
     def _arm_header_timer(self) -> None:
@@ -90,12 +121,12 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
             self.transport.close()
 
 
-# the scope key of the server's own ``send`` (HeaderTimeoutProtocol): a streamed response sends its start through
+# the scope key of the server's own ``send`` (TimedHttpProtocol): a streamed response sends its start through
 # every middleware, which may change it (BodyDeadline adds ``connection: close``), and its body chunks, which no
 # layer changes, straight to the server (proxy.edge.openai_api.EventStreamResponse): one coroutine a chunk, not six
 RAW_SEND = "tessera.send"
 # the scope key of a function that writes a streamed response's body chunk at once, when it can without waiting
-# (HeaderTimeoutProtocol._write_body): a token's chunk then goes out from the handler that received the token
+# (TimedHttpProtocol._write_body): a token's chunk then goes out from the handler that received the token
 RAW_WRITE = "tessera.write"
 
 
@@ -143,7 +174,8 @@ def listener_config(app, config: ProxyConfig, **settings) -> uvicorn.Config:
         tls = {"ssl_certfile": config.security.tls_cert_file, "ssl_keyfile": config.security.tls_key_file}
         if config.security.tls_ca_file:
             tls |= {"ssl_ca_certs": config.security.tls_ca_file, "ssl_cert_reqs": ssl.CERT_REQUIRED}
-    protocol = functools.partial(HeaderTimeoutProtocol, header_timeout_s=config.http.request_header_timeout_s)
+    protocol = functools.partial(TimedHttpProtocol, header_timeout_s=config.http.request_header_timeout_s,
+                                 write_timeout_s=config.http.write_timeout_s)
     options = {"host": config.host, "port": config.port, "http": protocol,
                "limit_concurrency": config.http.max_connections, "timeout_keep_alive": config.http.keep_alive_timeout_s,
                # a /v1/stream message larger than this closes its socket (1009); smaller ones are checked

@@ -371,7 +371,7 @@ class EventStreamResponse(Response):
 
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        send = scope.get(RAW_SEND, send)  # the server's own (proxy.edge.listener.HeaderTimeoutProtocol)
+        send = scope.get(RAW_SEND, send)  # the server's own (proxy.edge.listener.TimedHttpProtocol)
         self._generation.write = scope.get(RAW_WRITE)  # sse_events' tokens, from the handler (token_writer)
         async with aclosing(self._content) as pieces:
             async for piece in pieces:

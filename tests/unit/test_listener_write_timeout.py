@@ -1,0 +1,72 @@
+"""The proxy's listener closes a connection whose client stopped reading its response (``http.write_timeout_s``):
+the real uvicorn server with the listener's protocol (proxy/edge/listener.py), a real socket whose client never
+reads, and an app streaming until it is told the client is gone."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+
+import uvicorn
+
+from common.cli.local_cluster import free_port
+from common.config.roles import ProxyConfig
+from proxy.edge.listener import listener_config
+
+CHUNK = b"x" * (256 << 10)
+
+
+class Streamer:
+    """An ASGI app streaming CHUNKs to each request until its client disconnects; how many it saw disconnect."""
+
+    def __init__(self) -> None:
+        self.disconnected = threading.Event()
+        self.sent = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        gone = asyncio.Event()
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+
+        watcher = asyncio.create_task(watch())
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        while not gone.is_set():
+            await send({"type": "http.response.body", "body": CHUNK, "more_body": True})  # waits while paused
+            self.sent += 1
+            await asyncio.sleep(0)  # a send to a closed connection returns at once: let the watcher run
+        await watcher
+        self.disconnected.set()
+
+
+def test_a_client_that_reads_nothing_is_disconnected_after_the_write_timeout(caplog):
+    config = ProxyConfig(port=free_port(), http={"write_timeout_s": 0.3})
+    app = Streamer()
+    server = uvicorn.Server(listener_config(app, config, log_config=None))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        with caplog.at_level(logging.WARNING):
+            for _ in range(600):  # until it listens (a bound, not a timing)
+                if server.started:
+                    break
+                threading.Event().wait(0.05)
+            client = socket.socket()
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.connect(("127.0.0.1", config.port))
+            client.sendall(b"GET / HTTP/1.1\r\nHost: proxy\r\n\r\n")  # and never reads
+            assert app.disconnected.wait(60), "the connection stayed open with its client reading nothing"
+            client.close()
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    assert app.sent >= 1
+    assert any("http.write_timeout_s=0.3" in r.getMessage() for r in caplog.records), caplog.text
