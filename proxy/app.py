@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -50,6 +51,9 @@ from proxy.core.routing import PrefixAwareRouting, RoutingPolicy
 from proxy.cluster.served_models import ServedModels
 from proxy.core.token_text import TokenText
 from proxy.cluster.worker_link import WorkerLink
+
+
+log = logging.getLogger("tessera.proxy")
 
 
 def _tessera_version() -> str:
@@ -152,7 +156,11 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
             cluster.cancel_all("the proxy is shutting down")
             if metering is not None:  # after the cancellations, so that their usage is in the last record
                 metering.close()
-                await asyncio.wait([metering_task])  # had it failed, the socket must still be closed
+                _, late = await asyncio.wait([metering_task], timeout=config.drain_timeout_s)  # whatever came of it,
+                if late:  # the sockets below must still be closed
+                    log.warning("metering: the last usage record was not written within drain_timeout_s=%gs",
+                                config.drain_timeout_s)
+                    metering_task.cancel()
             await services.streams.close()
             if contexts is not None:  # the contexts of the streams that ended: deleted
                 await contexts.flush()

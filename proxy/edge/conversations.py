@@ -62,6 +62,7 @@ class ConversationStore:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conversations")
         self._db: sqlite3.Connection | None = None
         self._next_sweep = 0.0
+        self._closed = False
         self._executor.submit(self._open).result()  # a bad path fails the start, not a request
 
     def _open(self) -> None:
@@ -126,11 +127,20 @@ class ConversationStore:
                      self.retention_s)
 
     def close(self) -> None:
+        """Closes the database once the call in progress (if any) ends, waiting for that at most
+        ``conversation_store_timeout_s`` beyond its own bound; past that the close is left queued behind it."""
         def close_db() -> None:
             if self._db is not None:
                 self._db.close()
-        self._executor.submit(close_db).result()
-        self._executor.shutdown()
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._executor.submit(close_db).result(timeout=2 * self.timeout_s)
+        except TimeoutError:
+            log.warning("conversation store: not closed, a call still runs past sessions.conversation_store_timeout_s="
+                        "%gs (the database keeps what was committed)", self.timeout_s)
+        self._executor.shutdown(wait=False)
 
 
 async def continue_turn(services, body, session: str | None, tenant: str):

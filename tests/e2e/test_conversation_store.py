@@ -2,6 +2,7 @@
 model version; one that sends another starts over; the turns read back; old turns are swept."""
 from __future__ import annotations
 
+import logging
 import sqlite3
 import threading
 import time
@@ -68,8 +69,9 @@ def test_turns_past_the_retention_are_swept_at_start(two_versions, make_proxy, m
 
 
 def test_a_stalled_store_costs_the_turn_only_its_keeping(two_versions, make_proxy, make_worker, tmp_path,
-                                                         monkeypatch):
-    """Past conversation_store_timeout_s the turn is served anyway; the read-back answers 503 naming the setting."""
+                                                         monkeypatch, caplog):
+    """Past conversation_store_timeout_s the turn is served anyway; the read-back answers 503 naming the setting;
+    closing the store at shutdown does not wait for the stalled call past its bound."""
     from proxy.edge.conversations import ConversationStore
 
     proxy = start(make_proxy, make_worker, tmp_path / "conversations.sqlite")
@@ -82,5 +84,8 @@ def test_a_stalled_store_costs_the_turn_only_its_keeping(two_versions, make_prox
         assert turn(proxy, [{"role": "user", "content": "Hi."}])[0] == f"{NAME}@v1"
         stalled = proxy.http.get("/v1/sessions/chat-1")
         assert stalled.status_code == 503 and "conversation_store_timeout_s" in stalled.text
+        with caplog.at_level(logging.WARNING, logger="tessera.proxy"):
+            store.close()  # a call still stalls: the close gives up waiting for it (the proxy's shutdown goes on)
+        assert "not closed" in caplog.text and "conversation_store_timeout_s=0.2" in caplog.text, caplog.text
     finally:
         stalled_until.set()  # its thread finishes what was queued, and the proxy can close it
