@@ -13,7 +13,8 @@ The KV pool is one rank-major buffer in shared memory (common/engine/kv_cache.py
 the others, so rank 0's transfer agent, host tier and block copies reach every rank's slice of a block.
 
 A rank's death is the worker's death: rank 0 watches the others' process sentinels and exits at once when one
-ends (the proxy sees one worker gone and resumes its requests elsewhere); a rank whose pipe from rank 0 closes
+ends (the proxy sees one worker gone and resumes its requests elsewhere), and a collective that fails on rank 0 (a
+rank silent past engine.ranks.timeout_s) ends the worker too (``RankGroupBroken``); a rank whose pipe from rank 0 closes
 (rank 0 died) exits, and the kernel kills it too when its parent goes (PR_SET_PDEATHSIG). Ranks ignore SIGTERM and
 SIGINT: rank 0 drains on them and then closes the ranks (``close``).
 """
@@ -41,6 +42,11 @@ from common.engine.attention import EncodeContext, PrefillChunk, StepContext
 log = logging.getLogger(__name__)
 
 
+class RankGroupBroken(RuntimeError):
+    """A collective failed: a rank is gone, or silent past engine.ranks.timeout_s. The ranks can no longer agree on
+    which collective is which (a silent rank that wakes would join the next step's), so the worker ends."""
+
+
 class Parallel:
     """This process's place in its worker's rank group, and the collectives the sharded model calls."""
 
@@ -48,9 +54,9 @@ class Parallel:
         self.rank, self.size = rank, size
         self.timeout_s = timeout_s  # engine.ranks.timeout_s: the group's bound on each collective
 
-    def _failed(self, what: str, exc: Exception) -> RuntimeError:
+    def _failed(self, what: str, exc: Exception) -> RankGroupBroken:
         """A collective that failed (a rank gone, or silent past the group's timeout), with the setting named."""
-        return RuntimeError(f"tensor parallel {what} across the worker's {self.size} ranks failed (each waits at most "
+        return RankGroupBroken(f"tensor parallel {what} across the worker's {self.size} ranks failed (each waits at most "
                             f"engine.ranks.timeout_s = {self.timeout_s}s): {exc}")
 
     def vocab_rows(self, vocab_size: int) -> tuple[int, int]:
@@ -239,8 +245,9 @@ class RankProcesses:
         self._closing = True
         for link in self.links:
             try:
+                os.set_blocking(link.fileno(), False)  # a rank that reads nothing (stuck) must not hold the close
                 link.send_bytes(b"")
-            except OSError:
+            except OSError:  # BlockingIOError among them: that rank is killed below
                 pass
         deadline = time.monotonic() + self.config.ranks.timeout_s
         for proc in self.procs:

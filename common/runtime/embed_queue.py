@@ -14,6 +14,7 @@ import logging
 from collections import deque
 
 from common.engine.embedder import Embedder, pooling_of
+from common.engine.tensor_parallel import RankGroupBroken
 from common.protocol import wire
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,9 @@ class EmbedQueue:
         try:
             with self.worker.cores:
                 vectors = self.embedder.embed(inputs)
+        except RankGroupBroken:
+            self.queue.extendleft(reversed(taken))  # failed back with the rest as the worker ends (worker_runtime)
+            raise
         except Exception as exc:  # those requests end with an error; the worker goes on
             log.exception("embedding %d input(s) failed", len(inputs))
             self.worker.metrics.internal_errors.inc()

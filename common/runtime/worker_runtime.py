@@ -34,9 +34,11 @@ import signal
 import time
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
+from typing import NoReturn
 
 from common.config.roles import WorkerConfig
 from common.engine.llm_engine import RequestError
+from common.engine.tensor_parallel import RankGroupBroken
 from common.protocol import wire
 from common.runtime import sd_notify
 from common.runtime.core_share import CoreShare
@@ -165,13 +167,22 @@ def _take_messages(io: WorkerIO, handler: RoleHandler, switch: ModelSwitch, role
 
 def _turn(handler: RoleHandler) -> None:
     """One turn of work; a failure (a bug, or an input no check foresaw) gives every request back to the proxy,
-    which resumes them elsewhere, and the worker goes on serving."""
+    which resumes them elsewhere, and the worker goes on serving; a broken rank group ends the worker (exit 70)."""
     try:
         handler.tick()
+    except RankGroupBroken as exc:
+        _end_worker(exc)
     except Exception as exc:
         log.exception("a turn of the engine failed; giving every request back to the proxy")
         handler.metrics.internal_errors.inc()
         handler.fail_all(f"the worker hit an internal error ({type(exc).__name__}: {exc})")
+
+
+def _end_worker(exc: RankGroupBroken) -> NoReturn:
+    """The ranks' group broke: no later step could be trusted, so the worker ends (serve's cleanup gives every
+    request back to the proxy, which resumes them elsewhere)."""
+    log.critical("%s: the worker exits, giving every request back to the proxy", exc)
+    raise SystemExit(70) from exc
 
 
 def _handle(handler: RoleHandler, msg) -> None:
@@ -179,6 +190,8 @@ def _handle(handler: RoleHandler, msg) -> None:
     handler.last_request = time.monotonic()  # model_idle_unload_s counts from here
     try:
         handler.handle(msg)
+    except RankGroupBroken as exc:
+        _end_worker(exc)
     except Exception as exc:
         log.exception("handling %s failed", type(msg).__name__)
         handler.metrics.internal_errors.inc()

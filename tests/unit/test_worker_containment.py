@@ -11,6 +11,7 @@ from common.config.base import EngineConfig
 from common.config.roles import WorkerConfig
 from common.protocol import wire
 from common.protocol.sampling_params import SamplingParams
+from common.engine.tensor_parallel import RankGroupBroken
 from common.runtime.worker_runtime import _handle, _turn
 from decode_worker.worker import DecodeHandler
 from tests.fake_transfer import FakeBackend
@@ -71,6 +72,26 @@ def test_a_failed_engine_turn_gives_its_requests_back_and_the_worker_goes_on(dec
     assert not handler.busy() and handler.engine.block_manager.num_used_blocks == 0
     monkeypatch.setattr(handler.engine.runner, "execute", original)
     assert run(handler, sent, "next")[-1].finish_reason == "length"
+
+
+def test_a_broken_rank_group_ends_the_worker_rather_than_serving_on(decode, monkeypatch):
+    """A collective that failed (``RankGroupBroken``: a rank silent past engine.ranks.timeout_s) ends the worker with
+    exit code 70, in a turn and in a message's handling alike: a rank that woke later would pair its collectives
+    with the next step's."""
+    handler, _ = decode
+    _handle(handler, request("victim"))
+
+    def broken(*args, **kwargs):
+        raise RankGroupBroken("tensor parallel all-reduce across the worker's 2 ranks failed")
+
+    monkeypatch.setattr(handler.engine.runner, "execute", broken)
+    with pytest.raises(SystemExit) as ended:
+        _turn(handler)
+    assert ended.value.code == 70
+    monkeypatch.setattr(handler, "handle", broken)
+    with pytest.raises(SystemExit) as ended:
+        _handle(handler, request("next"))
+    assert ended.value.code == 70
 
 
 def test_a_request_whose_step_cannot_be_reported_ends_alone(decode, monkeypatch):
