@@ -36,7 +36,8 @@ def add_up_command(subparsers) -> None:
     parser.add_argument("--model", default="embedded", help="model directory or embedded name")
     add_dtype_option(parser, "weight and compute dtype of every role")
     parser.add_argument("--transfer-backend", default="auto", choices=("auto", "nixl", "zmq"))
-    parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: cores / workers)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: every core, the workers "
+                        "taking turns; cores / workers with --no-share-cores)")
     parser.add_argument("--share-cores", action=argparse.BooleanOptionalAction, default=True,
                         help="every worker uses every core, the workers taking turns one engine step at a "
                         "time (default); --no-share-cores splits the cores between them")

@@ -100,7 +100,8 @@ MUST_SET = (
     ),
     (
         "latency targets",
-        "`slo.ttft_slo_ms`, `slo.tpot_slo_ms` (0: none), optionally `slo.tac_enabled`",
+        "`slo.ttft_slo_ms` (0: none), `slo.tpot_slo_ms` (0: twice each worker's predicted one-sequence step), "
+        "optionally `slo.tac_enabled`",
         "nothing",
     ),
     (
