@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -30,6 +31,16 @@ import msgspec
 from common.storage.manifest import (  # noqa: F401 - validate_model_dir and RegistryError are this module's API too
     MANIFEST_FORMAT, Manifest, RegistryError, combined_sha256, describe, extract, hash_weights, validate_model_dir,
 )
+
+# A change waits this long for another process's change (its lock) to end; a process stopped while it holds the lock
+# (a suspended `tessera model register`, a hung file system) then gets an error rather than a wait without end.
+LOCK_WAIT_S = 30.0
+LOCK_POLL_S = 0.05
+
+
+class RegistryLocked(RegistryError):
+    """Another process held the registry's lock for all of ``LOCK_WAIT_S``."""
+
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".zip")
@@ -251,7 +262,17 @@ class ModelRegistry:
     def _lock(self) -> Iterator[None]:
         self.root.mkdir(parents=True, exist_ok=True)
         with open(self.root / ".lock", "a") as lock_file:  # closing it releases the lock, on every path
-            fcntl.flock(lock_file, fcntl.LOCK_EX)
+            deadline = time.monotonic() + LOCK_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise RegistryLocked(f"the model registry at {str(self.root)!r} stayed locked by another "
+                                             f"process for {LOCK_WAIT_S:g}s (its .lock file): try again once "
+                                             "that process is done") from None
+                    time.sleep(LOCK_POLL_S)
             yield
 
 

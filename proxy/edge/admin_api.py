@@ -34,7 +34,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from common.storage.registry import RegistryError
+from common.storage.registry import RegistryError, RegistryLocked
 from proxy.core.errors import ApiError
 from proxy.edge.openapi import error_responses, request_body
 from proxy.edge.protocol import read_model
@@ -131,14 +131,15 @@ async def promote(name: str, request: Request) -> dict:
     """Serve ``version`` to its canary share of the traffic, or to all of it."""
     authorize(request)
     body = await read_model(request, PromoteRequest, ADMIN_BODY_BYTES)
-    return _apply(request, name, "promote", lambda store: store.promote(name, body.version, body.canary_percent))
+    return await _apply(request, name, "promote",
+                        lambda store: store.promote(name, body.version, body.canary_percent))
 
 
 @router.post("/models/{name}/rollback", responses=error_responses(400, 401))
 async def rollback(name: str, request: Request) -> dict:
     """End the canary; without one, serve the version promoted before."""
     authorize(request)
-    return _apply(request, name, "rollback", lambda store: store.rollback(name))
+    return await _apply(request, name, "rollback", lambda store: store.rollback(name))
 
 
 class DrainRequest(BaseModel):
@@ -167,11 +168,14 @@ async def drain(name: str, request: Request) -> dict:
             "waited_s": round(time.monotonic() - started, 3)}
 
 
-def _apply(request: Request, name: str, action: str, change) -> dict:
+async def _apply(request: Request, name: str, action: str, change) -> dict:
+    """``change`` to the registry, in a thread: its file lock may wait on another process (registry.LOCK_WAIT_S)."""
     models = request.app.state.services.models
     try:
-        state = change(models.store)
+        state = await asyncio.to_thread(change, models.store)
         models.draining -= {(name, state.promoted), (name, state.canary and state.canary.version)}
+    except RegistryLocked as error:
+        raise ApiError(503, str(error), code="registry_locked", retry_after_s=1) from None
     except RegistryError as error:
         raise ApiError(400, str(error), code="invalid_value", param="name") from None
     log.info("admin %s of model %s: promoted %s, canary %s", action, name, state.promoted, state.canary)

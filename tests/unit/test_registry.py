@@ -2,12 +2,15 @@
 the ``tessera model`` registry commands, and ``--model N@V`` through ``model_store``."""
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import io
 import json
 import os
 import shutil
+import signal
 import tarfile
+import time
 import zipfile
 from datetime import datetime
 from pathlib import Path
@@ -17,7 +20,8 @@ import pytest
 from common.cli.main import main
 from common.storage import manifest as manifest_module
 from common.storage.model_store import prepare_embedded_model, resolve_model, resolve_registered
-from common.storage.registry import Canary, ModelRegistry, RegistryError, State
+from common.storage import registry as registry_module
+from common.storage.registry import Canary, ModelRegistry, RegistryError, RegistryLocked, State
 
 
 @pytest.fixture
@@ -211,6 +215,34 @@ def test_promote_canary_and_rollback(registry, model):
     with pytest.raises(RegistryError, match="tiny has nothing to roll back"):
         registry.rollback("tiny")
     assert registry.state("tiny") == State("v1", [], None)
+
+
+def test_a_change_while_another_process_holds_the_lock_gives_up_naming_it(registry, model, monkeypatch):
+    """A process stopped while it holds the registry's lock (a suspended `tessera model register`): a change waits
+    registry.LOCK_WAIT_S for it, then fails with an error that says so, instead of waiting for good."""
+    registry.register(model, "tiny", "v1")
+    monkeypatch.setattr(registry_module, "LOCK_WAIT_S", 0.2)
+    with open(registry.root / ".lock", "a") as held:
+        holder = os.fork()
+        if holder == 0:  # the other process: takes the lock and keeps it until killed
+            fcntl.flock(held, fcntl.LOCK_EX)
+            time.sleep(60)
+            os._exit(0)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until the other process holds it
+            with open(registry.root / ".lock", "a") as probe:
+                try:
+                    fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    break
+            time.sleep(0.01)
+        with pytest.raises(RegistryLocked, match="stayed locked by another process for 0.2s"):
+            registry.promote("tiny", "v1")
+    finally:
+        os.kill(holder, signal.SIGKILL)
+        os.waitpid(holder, 0)
+    assert registry.promote("tiny", "v1") == State("v1", [], None)  # its death released the lock
 
 
 @pytest.mark.parametrize("percent", [0, 100, -5, float("nan")])
