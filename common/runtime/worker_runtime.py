@@ -18,7 +18,8 @@ then what is left is failed back to the proxy (retryable), KV held for others is
 sockets closed. Under systemd (``Type=notify``) a worker reports READY=1 once its
 model is loaded and its registration acknowledged, STOPPING=1 when it drains. The signal handler only appends to a
 list (a threading.Event's lock, taken again by a second signal interrupting the first handler, deadlocked); the loop
-looks at it once per turn, at most ``idle_poll_s`` apart. Further signals change nothing.
+looks at it once per turn, at most ``idle_poll_s`` apart. A second signal during the drain ends it at once: what
+runs is failed back to the proxy (which resumes it elsewhere), as when ``drain_timeout_s`` passes.
 
 A proxy that does not know this worker (it restarted, or expired the worker) answers its heartbeats with Reregister:
 the worker fails what that proxy sent it and registers with it again (``worker_io`` says how with one proxy and with
@@ -89,7 +90,8 @@ def serve(config: WorkerConfig, handler: RoleHandler, adopters: Mapping[str, Ado
                 io.draining = handler.draining = handler.metrics.status.draining = True
                 drain_deadline = time.monotonic() + config.drain_timeout_s
             loaded = handler.engine is not None  # not while a worker with standby models holds none
-            if drain_deadline is not None and _drained(handler, loaded, drain_deadline, config.drain_timeout_s):
+            if drain_deadline is not None and _drained(handler, loaded, drain_deadline, config.drain_timeout_s,
+                                                       len(signalled) > 1):
                 break
             if not _take_messages(io, handler, switch, role_switch, handler.wait_s(config.idle_poll_s) if loaded
                                   else config.idle_poll_s):
@@ -115,9 +117,13 @@ def serve(config: WorkerConfig, handler: RoleHandler, adopters: Mapping[str, Ado
         log.info("worker %s stopped", config.worker_id)
 
 
-def _drained(handler: RoleHandler, loaded: bool, deadline: float, drain_timeout_s: float) -> bool:
-    """Whether a drain is over: nothing held any more, or its time is up (said, naming the setting)."""
+def _drained(handler: RoleHandler, loaded: bool, deadline: float, drain_timeout_s: float, cut: bool = False) -> bool:
+    """Whether a drain is over: nothing held any more, its time is up (said, naming the setting), or ``cut`` (a
+    second signal came)."""
     if not (loaded and handler.busy()):
+        return True
+    if cut:
+        log.warning("draining: a second signal came; failing the requests still held back to the proxy")
         return True
     if time.monotonic() <= deadline:
         return False

@@ -12,6 +12,7 @@ process then died of it (exit -15) instead of exiting with 0.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import re
@@ -22,6 +23,7 @@ import time
 import pytest
 
 from common.cli.local_cluster import LocalCluster
+from tests.e2e.fault_scenarios import completion_bodies, exited, run_scenario, send_signal, wait_until
 
 PATTERNS = {"sigterm-sigterm": (signal.SIGTERM, signal.SIGTERM), "sigint-sigterm": (signal.SIGINT, signal.SIGTERM)}
 WORKERS_PER_PATTERN = 2
@@ -93,3 +95,37 @@ def test_the_proxy_exits_cleanly_after_two_quick_signals(tiny_chat_model_dir, tm
     finally:
         proxy.stop()
     assert code == 0, (tmp_path / "proxy.log").read_text()[-2000:]
+
+
+def test_a_second_signal_cuts_a_drain_short_and_its_streams_resume_elsewhere(embedded_model_dir, tmp_path):
+    """Two aggregated workers; one holding a running stream gets SIGTERM (its drain would let the stream finish, within
+    a long drain_timeout_s), then another once the drain started: it gives its streams back at once and exits, and
+    each stream completes on the other worker, every token counted once."""
+    c = LocalCluster.for_tests(embedded_model_dir, tmp_path, prefill=0, decode=0, both=2,
+                               worker_overrides=["drain_timeout_s=300"]).start()
+    bodies = completion_bodies(2, 300)
+
+    def running(name: str) -> bool:
+        return sum(c.metric("tessera_worker_running_sequences", c.worker_url(name)).values()) >= 1
+
+    def drain_started(run) -> bool:
+        return "draining: no new work" in (c.log_dir / f"{run.victims[-1]}.log").read_text()
+
+    def second_signal(run) -> None:
+        return send_signal(run.victims[-1], signal.SIGTERM)(run)
+
+    try:
+        results, run = asyncio.run(run_scenario(c, bodies, [
+            wait_until(lambda run: running("both-0") and running("both-1"), "a stream on each worker"),
+            send_signal("both-0", signal.SIGTERM), wait_until(drain_started, "the drain started"), second_signal,
+            exited("both-0")]))
+        log = (c.log_dir / "both-0.log").read_text()
+        assert "draining: a second signal came" in log and "worker both-0 stopped" in log, log[-2000:]
+        assert c.procs["both-0"].returncode == 0
+        lost = [(s.status, s.done, s.completion_tokens, s.errors) for _, s in results
+                if s.lost or s.completion_tokens != 300]
+        assert not lost, lost
+        assert sum(c.metric("tessera_proxy_migrations_total").values()) >= 1, "no stream resumed on both-1"
+    finally:
+        codes = c.stop()
+    assert codes.get("proxy") == 0, codes
