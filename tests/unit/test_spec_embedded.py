@@ -38,7 +38,7 @@ def run(model_dir, prompts, params, **kw):
 
 def test_ngram_speculation_keeps_greedy_output(embedded_model_dir, chats):
     assert len(chats) >= 30
-    params = [SamplingParams(temperature=0.0, max_tokens=40 + 3 * (i % 5), stop=["\n\n"] if i % 3 == 0 else [])
+    params = [SamplingParams(temperature=0.0, max_tokens=28 + 3 * (i % 5), stop=["\n\n"] if i % 3 == 0 else [])
               for i in range(len(chats))]
     plain, _ = run(embedded_model_dir, chats, params)
     spec, stats = run(embedded_model_dir, chats, params,
