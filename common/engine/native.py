@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import functools
 import hashlib
 import logging
@@ -25,9 +24,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
+from common.storage.file_lock import lock_within
 from common.storage.model_store import default_cache_root
 
 log = logging.getLogger(__name__)
@@ -90,17 +89,9 @@ def _build_lock(target: Path):
     """Held while this process builds ``target``: another process building it holds it first, and this one waits
     for it (at most ``BUILD_WAIT_S``, then builds without it)."""
     with open(target.with_name(target.name + ".lock"), "w") as lock:
-        deadline = time.monotonic() + BUILD_WAIT_S
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    log.warning("another process has been building %s for %.0f s (BUILD_WAIT_S); building it here "
-                                "too", target.name, BUILD_WAIT_S)
-                    break
-                time.sleep(0.05)
+        if not lock_within(lock, BUILD_WAIT_S):
+            log.warning("another process has been building %s for %.0f s (BUILD_WAIT_S); building it here too",
+                        target.name, BUILD_WAIT_S)
         yield  # the lock goes with the file's closing, or with the process
 
 

@@ -14,13 +14,11 @@ take no lock. Torch-free, so that the proxy and ``tessera model`` read it withou
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -31,11 +29,11 @@ import msgspec
 from common.storage.manifest import (  # noqa: F401 - validate_model_dir and RegistryError are this module's API too
     MANIFEST_FORMAT, Manifest, RegistryError, combined_sha256, describe, extract, hash_weights, validate_model_dir,
 )
+from common.storage.file_lock import lock_within
 
 # A change waits this long for another process's change (its lock) to end; a process stopped while it holds the lock
 # (a suspended `tessera model register`, a hung file system) then gets an error rather than a wait without end.
 LOCK_WAIT_S = 30.0
-LOCK_POLL_S = 0.05
 
 
 class RegistryLocked(RegistryError):
@@ -262,17 +260,9 @@ class ModelRegistry:
     def _lock(self) -> Iterator[None]:
         self.root.mkdir(parents=True, exist_ok=True)
         with open(self.root / ".lock", "a") as lock_file:  # closing it releases the lock, on every path
-            deadline = time.monotonic() + LOCK_WAIT_S
-            while True:
-                try:
-                    fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise RegistryLocked(f"the model registry at {str(self.root)!r} stayed locked by another "
-                                             f"process for {LOCK_WAIT_S:g}s (its .lock file): try again once "
-                                             "that process is done") from None
-                    time.sleep(LOCK_POLL_S)
+            if not lock_within(lock_file, LOCK_WAIT_S):
+                raise RegistryLocked(f"the model registry at {str(self.root)!r} stayed locked by another process for "
+                                     f"{LOCK_WAIT_S:g}s (its .lock file): try again once that process is done")
             yield
 
 
