@@ -42,53 +42,74 @@ from common.config.roles import ProxyConfig
 from proxy.core.errors import ApiError
 
 
+class _Deadline:
+    """One of a connection's timeouts: armed, disarmed, or run out, when it closes the connection naming its
+    setting (``abort``: at once, dropping what is buffered for a client that does not read it)."""
+
+    def __init__(self, protocol: TimedHttpProtocol, setting: str, timeout_s: float, what: str, abort: bool) -> None:
+        self._protocol, self._setting, self._timeout_s, self._what, self._abort = (
+            protocol, setting, timeout_s, what, abort)
+        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def armed(self) -> bool:
+        return self._timer is not None
+
+    def arm(self) -> None:
+        self._timer = self._protocol.loop.call_later(self._timeout_s, self._run_out)
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _run_out(self) -> None:
+        self._timer = None
+        protocol = self._protocol
+        if not protocol.transport.is_closing():
+            protocol.logger.warning("closed a connection from %s: %s within %s=%ss", protocol.client, self._what,
+                                    self._setting, self._timeout_s)
+            if self._abort:
+                protocol.transport.abort()
+            else:
+                protocol.transport.close()
+
+
 class TimedHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, closing connections whose request head is not complete in time, or whose
     client has read nothing of the response for ``write_timeout_s``."""
 
     def __init__(self, *args, header_timeout_s: float, write_timeout_s: float, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._header_timeout_s = header_timeout_s
-        self._header_timer: asyncio.TimerHandle | None = None
-        self._write_timeout_s = write_timeout_s
-        self._write_timer: asyncio.TimerHandle | None = None
-
-    def pause_writing(self) -> None:  # the send buffer is full: the client reads slower than it is written to
-        super().pause_writing()
-        if self._write_timer is None:
-            self._write_timer = self.loop.call_later(self._write_timeout_s, self._on_write_timeout)
-
-    def resume_writing(self) -> None:
-        self._disarm_write_timer()
-        super().resume_writing()
-
-    def _disarm_write_timer(self) -> None:
-        if self._write_timer is not None:
-            self._write_timer.cancel()
-            self._write_timer = None
-
-    def _on_write_timeout(self) -> None:
-        self._write_timer = None
-        if not self.transport.is_closing():
-            self.logger.warning("closed a connection from %s: its client read none of the response within "
-                                "http.write_timeout_s=%ss", self.client, self._write_timeout_s)
-            self.transport.abort()  # close() would wait for the buffered bytes the client does not read
+        self._header_deadline = _Deadline(self, "http.request_header_timeout_s", header_timeout_s,
+                                          "no complete request head", abort=False)
+        self._write_deadline = _Deadline(self, "http.write_timeout_s", write_timeout_s,
+                                         "its client read none of the response", abort=True)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        self._arm_header_timer()
+        self._header_deadline.arm()
 
     def on_message_begin(self) -> None:  # the first byte of a request
         super().on_message_begin()
-        if self._header_timer is None:
-            self._arm_header_timer()
+        if not self._header_deadline.armed:
+            self._header_deadline.arm()
 
     def on_headers_complete(self) -> None:
-        self._disarm_header_timer()
+        self._header_deadline.disarm()
         super().on_headers_complete()
         if getattr(self.cycle, "scope", None) is self.scope:  # an HTTP request (not a WebSocket's)
             self.scope[RAW_SEND] = self.cycle.send
             self.scope[RAW_WRITE] = functools.partial(self._write_body, self.cycle)
+
+    def pause_writing(self) -> None:  # the send buffer is full: the client reads slower than it is written to
+        super().pause_writing()
+        if not self._write_deadline.armed:
+            self._write_deadline.arm()
+
+    def resume_writing(self) -> None:
+        self._write_deadline.disarm()
+        super().resume_writing()
 
     def _write_body(self, cycle, body: bytes) -> bool:
         """Write a chunk of ``cycle``'s streamed (chunked) response body at once, as its ``send`` would; False,
@@ -101,24 +122,9 @@ class TimedHttpProtocol(HttpToolsProtocol):
         return True
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm_header_timer()
-        self._disarm_write_timer()
+        self._header_deadline.disarm()
+        self._write_deadline.disarm()
         super().connection_lost(exc)
-
-    def _arm_header_timer(self) -> None:
-        self._header_timer = self.loop.call_later(self._header_timeout_s, self._on_header_timeout)
-
-    def _disarm_header_timer(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
-
-    def _on_header_timeout(self) -> None:
-        self._header_timer = None
-        if not self.transport.is_closing():
-            self.logger.warning("closed a connection from %s: no complete request head within "
-                                "http.request_header_timeout_s=%ss", self.client, self._header_timeout_s)
-            self.transport.close()
 
 
 # the scope key of the server's own ``send`` (TimedHttpProtocol): a streamed response sends its start through
