@@ -51,12 +51,10 @@ class _Deadline:
             protocol, setting, timeout_s, what, abort)
         self._timer: asyncio.TimerHandle | None = None
 
-    @property
-    def armed(self) -> bool:
-        return self._timer is not None
-
     def arm(self) -> None:
-        self._timer = self._protocol.loop.call_later(self._timeout_s, self._run_out)
+        """From now, unless it runs already."""
+        if self._timer is None:
+            self._timer = self._protocol.loop.call_later(self._timeout_s, self._run_out)
 
     def disarm(self) -> None:
         if self._timer is not None:
@@ -92,8 +90,7 @@ class TimedHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:  # the first byte of a request
         super().on_message_begin()
-        if not self._header_deadline.armed:
-            self._header_deadline.arm()
+        self._header_deadline.arm()
 
     def on_headers_complete(self) -> None:
         self._header_deadline.disarm()
@@ -104,8 +101,7 @@ class TimedHttpProtocol(HttpToolsProtocol):
 
     def pause_writing(self) -> None:  # the send buffer is full: the client reads slower than it is written to
         super().pause_writing()
-        if not self._write_deadline.armed:
-            self._write_deadline.arm()
+        self._write_deadline.arm()
 
     def resume_writing(self) -> None:
         self._write_deadline.disarm()
