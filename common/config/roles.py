@@ -52,8 +52,9 @@ class HttpConfig:
     request_body_timeout_s: Float = option(
         30.0, "a request's body must arrive whole within this after its headers, else 408", gt=0)
     write_timeout_s: Float = option(
-        60.0, "an HTTP connection whose client reads nothing of its response for this long (the send buffer full "
-        "throughout) is closed, and its request cancelled", gt=0)
+        60.0, "an HTTP connection whose client reads nothing of its response for this long (its send buffer full, or "
+        "the connection closing with bytes the client has not read) is aborted; its request ends as a disconnected "
+        "client's (cancelled; a resumable stream runs on for its resume window)", gt=0)
     access_log: Bool = option(True, "a line per HTTP request (uvicorn's access log, at info level); its cost "
                               "is about a tenth of a short request's CPU in the proxy")
     grpc_port: Int = option(0, "TCP port of the gRPC API (proxy/edge/grpc_api/tessera.proto) on host; 0: no gRPC", ge=0)

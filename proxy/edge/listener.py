@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import ssl
+from collections.abc import Callable
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -44,16 +45,22 @@ from proxy.core.errors import ApiError
 
 class _Deadline:
     """One of a connection's timeouts: armed, disarmed, or run out, when it closes the connection naming its
-    setting (``abort``: at once, dropping what is buffered for a client that does not read it)."""
+    setting. ``pending`` (the write timeout's): the bytes waiting for the client; a deadline that runs out with
+    fewer waiting than when it was armed saw the client read, and runs again from then; one that runs out without
+    (a client that read nothing) aborts the connection, dropping what is buffered, even one already closing (whose
+    close would wait for those bytes)."""
 
-    def __init__(self, protocol: TimedHttpProtocol, setting: str, timeout_s: float, what: str, abort: bool) -> None:
-        self._protocol, self._setting, self._timeout_s, self._what, self._abort = (
-            protocol, setting, timeout_s, what, abort)
+    def __init__(self, protocol: TimedHttpProtocol, setting: str, timeout_s: float, what: str,
+                 pending: Callable[[], int] | None = None) -> None:
+        self._protocol, self._setting, self._timeout_s, self._what, self._pending = (
+            protocol, setting, timeout_s, what, pending)
         self._timer: asyncio.TimerHandle | None = None
+        self._mark = 0
 
     def arm(self) -> None:
         """From now, unless it runs already."""
         if self._timer is None:
+            self._mark = self._pending() if self._pending is not None else 0
             self._timer = self._protocol.loop.call_later(self._timeout_s, self._run_out)
 
     def disarm(self) -> None:
@@ -64,13 +71,18 @@ class _Deadline:
     def _run_out(self) -> None:
         self._timer = None
         protocol = self._protocol
-        if not protocol.transport.is_closing():
-            protocol.logger.warning("closed a connection from %s: %s within %s=%ss", protocol.client, self._what,
-                                    self._setting, self._timeout_s)
-            if self._abort:
-                protocol.transport.abort()
-            else:
-                protocol.transport.close()
+        if self._pending is not None:
+            if self._pending() < self._mark:  # the client read some: it has another period
+                self.arm()
+                return
+        elif protocol.transport.is_closing():
+            return
+        protocol.logger.warning("closed a connection from %s: %s within %s=%ss", protocol.client, self._what,
+                                self._setting, self._timeout_s)
+        if self._pending is not None:
+            protocol.transport.abort()
+        else:
+            protocol.transport.close()
 
 
 class TimedHttpProtocol(HttpToolsProtocol):
@@ -80,9 +92,9 @@ class TimedHttpProtocol(HttpToolsProtocol):
     def __init__(self, *args, header_timeout_s: float, write_timeout_s: float, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._header_deadline = _Deadline(self, "http.request_header_timeout_s", header_timeout_s,
-                                          "no complete request head", abort=False)
+                                          "no complete request head")
         self._write_deadline = _Deadline(self, "http.write_timeout_s", write_timeout_s,
-                                         "its client read none of the response", abort=True)
+                                         "its client read none of the response", self._waiting_bytes)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -106,6 +118,9 @@ class TimedHttpProtocol(HttpToolsProtocol):
     def resume_writing(self) -> None:
         self._write_deadline.disarm()
         super().resume_writing()
+
+    def _waiting_bytes(self) -> int:
+        return self.transport.get_write_buffer_size()
 
     def _write_body(self, cycle, body: bytes) -> bool:
         """Write a chunk of ``cycle``'s streamed (chunked) response body at once, as its ``send`` would; False,

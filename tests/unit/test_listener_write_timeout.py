@@ -8,6 +8,7 @@ import logging
 import socket
 import threading
 
+import pytest
 import uvicorn
 
 from common.cli.local_cluster import free_port
@@ -70,3 +71,45 @@ def test_a_client_that_reads_nothing_is_disconnected_after_the_write_timeout(cap
         thread.join(30)
     assert app.sent >= 1
     assert any("http.write_timeout_s=0.3" in r.getMessage() for r in caplog.records), caplog.text
+
+
+async def _one_body(scope, receive, send) -> None:
+    """An app answering every request with one 8 MB body (not streamed), as a large JSON response is sent."""
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    body = b"x" * (8 << 20)
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def test_a_closing_connection_whose_client_reads_nothing_is_aborted_too(caplog):
+    """The response is whole and the server closes the connection (``connection: close``), but the close waits for
+    the buffered bytes, which a client that reads nothing never takes: the write timeout aborts it."""
+    config = ProxyConfig(port=free_port(), http={"write_timeout_s": 0.3})
+    server = uvicorn.Server(listener_config(_one_body, config, log_config=None))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        with caplog.at_level(logging.WARNING):
+            for _ in range(600):  # until it listens (a bound, not a timing)
+                if server.started:
+                    break
+                threading.Event().wait(0.05)
+            client = socket.socket()
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.connect(("127.0.0.1", config.port))
+            client.sendall(b"GET / HTTP/1.1\r\nHost: proxy\r\n\r\n")  # and never reads
+            for _ in range(600):  # until the listener gives up on it
+                if any("http.write_timeout_s=0.3" in r.getMessage() for r in caplog.records):
+                    break
+                threading.Event().wait(0.05)
+            else:
+                pytest.fail("the closing connection stayed open with its client reading nothing")
+            client.close()
+    finally:
+        server.should_exit = True
+        thread.join(30)
