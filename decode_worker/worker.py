@@ -413,12 +413,12 @@ class DecodeHandler(WorkerBase):
                 self.transfer.abort(pull.handle)
                 pull.aborted = True
         deadline = time.monotonic() + self.config.kv_pull_timeout_s
-        while any(map(mine, self.pulls)) and time.monotonic() < deadline:
-            self.tick()
+        while any(map(mine, self.pulls)) and time.monotonic() < deadline and self.engine.runner.tp.broken is None:
+            self.tick()  # (no step runs on a broken rank group: those pulls' requests fail below all the same)
             time.sleep(0.001)
         for request_id in [r for r in self.engine.requests if mine(r)]:
             self.fail(request_id, "decode", DECODE_SPAN, reason)
-        if only is None and self.engine.has_unfinished():
+        if only is None and self.engine.has_unfinished() and self.engine.runner.tp.broken is None:
             self.engine.step()  # with ``only`` the next turn reports the aborts, and the others' tokens with them
 
 

@@ -170,6 +170,6 @@ class PrefillHandler(WorkerBase):
                         "prompts are recomputed where they decode)", self.config.drain_timeout_s, len(lent))
         for request_id in lent:
             self._release(request_id)
-        if only is None and self.engine.has_unfinished():
+        if only is None and self.engine.has_unfinished() and self.engine.runner.tp.broken is None:
             self.engine.step()  # reports the aborts, so the engine forgets them (with ``only``: the next turn does,
             # which reports what the other requests computed too)

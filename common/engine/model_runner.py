@@ -445,6 +445,7 @@ class ModelRunner:
         ``logits_rows`` the logits of those rows (None on ranks other than 0). Rank 0 first sends the other
         ranks the same inputs, so every rank runs the same forward on its slice."""
         if self._serving:
+            self.tp.check()  # a broken group's ranks may not read what is sent
             self.ranks.send(pack_step(ctx, input_ids, positions, logits_rows))
         with step_context(ctx):
             hidden = self.model(input_ids, positions)

@@ -53,11 +53,18 @@ class Parallel:
     def __init__(self, rank: int = 0, size: int = 1, timeout_s: float | None = None) -> None:
         self.rank, self.size = rank, size
         self.timeout_s = timeout_s  # engine.ranks.timeout_s: the group's bound on each collective
+        self.broken: RankGroupBroken | None = None  # once a collective failed, every later one fails at once
 
     def _failed(self, what: str, exc: Exception) -> RankGroupBroken:
         """A collective that failed (a rank gone, or silent past the group's timeout), with the setting named."""
-        return RankGroupBroken(f"tensor parallel {what} across the worker's {self.size} ranks failed (each waits at most "
-                            f"engine.ranks.timeout_s = {self.timeout_s}s): {exc}")
+        self.broken = RankGroupBroken(f"tensor parallel {what} across the worker's {self.size} ranks failed (each "
+                                      f"waits at most engine.ranks.timeout_s = {self.timeout_s}s): {exc}")
+        return self.broken
+
+    def check(self) -> None:
+        """Raises the group's failure, if a collective failed before: no step runs on a broken group."""
+        if self.broken is not None:
+            raise self.broken
 
     def vocab_rows(self, vocab_size: int) -> tuple[int, int]:
         """(first row, rows) of this rank's slice of the embedding and LM head: the vocabulary split into equal
@@ -71,6 +78,7 @@ class Parallel:
         if self.size == 1:
             return x
         wide = x if x.dtype in (torch.float32, torch.float64, torch.int32) else x.float()
+        self.check()
         try:
             dist.all_reduce(wide)
         except RuntimeError as exc:
@@ -83,6 +91,7 @@ class Parallel:
         if self.size == 1:
             return x
         x = x.float().contiguous()
+        self.check()
         try:
             dist.all_reduce(x, op=dist.ReduceOp.MAX)
         except RuntimeError as exc:
@@ -95,6 +104,7 @@ class Parallel:
             return logits
         logits = logits.contiguous()
         parts = [torch.empty_like(logits) for _ in range(self.size)] if self.rank == 0 else None
+        self.check()
         try:
             dist.gather(logits, parts, dst=0)
         except RuntimeError as exc:

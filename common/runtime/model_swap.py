@@ -29,6 +29,7 @@ import time
 from dataclasses import replace
 
 from common.engine.calibration import calibrate
+from common.engine.tensor_parallel import RankGroupBroken
 from common.engine.llm_engine import LLMEngine
 from common.protocol import wire
 from common.protocol.versions import sendable
@@ -174,6 +175,8 @@ class ModelSwitch:
         spec, name = self.models[key]
         try:
             load_model(self.handler, spec, name)
+        except RankGroupBroken:
+            raise  # the worker ends (worker_runtime)
         except Exception as exc:  # a broken model must not take the worker down: it stands by without it
             log.exception("loading %s failed; it is no longer offered", key)
             if self.handler.transfer is not None:  # built before the failure

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from common.engine.calibration import calibrate
+from common.engine.tensor_parallel import RankGroupBroken
 from common.protocol import wire
 from common.runtime.telemetry import relabel_logs
 from common.runtime.worker_contracts import Adopt, RoleHandler
@@ -118,6 +119,8 @@ class RoleSwitch:
         try:
             calibrated = calibrate(handler.engine, self.config.engine.calibration_s, decode=handler.role != "prefill",
                                    prompts=handler.role != "decode", cores=handler.cores)
+        except RankGroupBroken:
+            raise  # the worker ends (worker_runtime)
         except RuntimeError as exc:  # something of the old role still held: the fit then comes from traffic
             log.warning("no step-cost calibration for the role %s: %s", handler.role, exc)
             return

@@ -109,10 +109,15 @@ def serve(config: WorkerConfig, handler: RoleHandler, adopters: Mapping[str, Ado
             io.load = handler.load()
             handler.metrics.status.registered = io.registered.is_set()
             handler.publish_metrics()
+    except RankGroupBroken as exc:  # from a switch, a swap or a lost proxy's requests as well as from a turn
+        _end_worker(exc)
     finally:
         if handler.engine is not None:
-            handler.fail_all("worker is shutting down")
-            handler.tick()  # lets the handler queue its last messages
+            try:
+                handler.fail_all("worker is shutting down")
+                handler.tick()  # lets the handler queue its last messages
+            except RankGroupBroken as exc:  # no step runs on a broken group: what could not be told, the Goodbye
+                log.error("giving the requests back stopped short: %s", exc)  # tells (the proxy resumes them)
         io.stop("drained" if signalled else "I/O failure")
         log.info("worker %s stopped", config.worker_id)
 

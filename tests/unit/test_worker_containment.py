@@ -94,6 +94,20 @@ def test_a_broken_rank_group_ends_the_worker_rather_than_serving_on(decode, monk
     assert ended.value.code == 70
 
 
+def test_a_broken_rank_group_steps_no_more_and_its_requests_are_still_given_back(decode):
+    """Once a collective failed, every later one fails at once (no second wait of engine.ranks.timeout_s), and the
+    cleanup gives each request back to the proxy without stepping the engine."""
+    handler, sent = decode
+    _handle(handler, request("victim"))
+    tp = handler.engine.runner.tp
+    tp.broken = RankGroupBroken("tensor parallel all-reduce across the worker's 2 ranks failed")
+    with pytest.raises(RankGroupBroken):
+        tp.check()
+    handler.fail_all("worker is shutting down")
+    (failed,) = [m for m in sent if isinstance(m, wire.RequestFailed)]
+    assert failed.request_id == "victim" and failed.retryable
+
+
 def test_a_request_whose_step_cannot_be_reported_ends_alone(decode, monkeypatch):
     """A step's tokens travel in one TokenDeltas: failing to build one request's delta ends that request and
     still sends the others theirs."""
