@@ -232,8 +232,8 @@ class ModelRegistry:
                              if manifest.weights.get(f) != weights.get(f))
             raise RegistryError(f"the weights of {manifest.spec} changed since they were registered: "
                                 f"{', '.join(changed)} in {manifest.source} differ; register them as a new version")
-        with self._lock():
-            _write_atomic(verified, json.dumps(record).encode())
+        with suppress(RegistryLocked), self._lock():  # the record only saves the next check a hash: not worth a
+            _write_atomic(verified, json.dumps(record).encode())  # failed resolve while another change runs
 
     def _check_known(self, name: str) -> None:
         _check_name("name", name)

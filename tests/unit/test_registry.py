@@ -239,6 +239,8 @@ def test_a_change_while_another_process_holds_the_lock_gives_up_naming_it(regist
             time.sleep(0.01)
         with pytest.raises(RegistryLocked, match="stayed locked by another process for 0.2s"):
             registry.promote("tiny", "v1")
+        (registry.root / "tiny" / "v1" / "verified.json").unlink(missing_ok=True)
+        assert registry.resolve("tiny").version == "v1"  # a read still resolves: only its verify record is not kept
     finally:
         os.kill(holder, signal.SIGKILL)
         os.waitpid(holder, 0)
