@@ -66,7 +66,13 @@ def _run(args: argparse.Namespace) -> int:
     stopping = False
 
     def stop(*_):
+        """The first Ctrl-C (or SIGTERM) stops the cluster, each process draining; another cuts their drains short
+        (each process takes a second signal so)."""
         nonlocal stopping
+        if stopping:
+            for proc in list(cluster.procs.values()):
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
         stopping = True
 
     signal.signal(signal.SIGINT, stop)
