@@ -59,5 +59,5 @@ def test_a_store_that_never_answers_is_given_up_on_naming_the_setting(caplog):
     with caplog.at_level("WARNING", logger="tessera.proxy.shared"):
         asyncio.run(asyncio.wait_for(run(), 30))  # a bound against a hang, not a timing
     silent.close()
-    warnings = [r.getMessage() for r in caplog.records]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "tessera.proxy.shared"]
     assert len(warnings) == 3 and all("no answer within shared_state.timeout_s (0.3s)" in w for w in warnings), warnings

@@ -137,9 +137,10 @@ def test_a_group_past_its_deadline_fails_the_choice_that_passed_it():
 
 
 def test_a_choice_that_ends_without_a_terminal_event_fails_and_its_reader_does_not_spin():
-    """A choice handed over to another proxy (``SubRequest.hand_over``) ends without a terminal event; a reader
-    waiting for it is woken by its deadline and gets a failure for it, rather than looking again at once forever
-    (which would hold the event loop: the owner here stops that after 100 looks)."""
+    """A choice handed over to another proxy (``SubRequest.hand_over``) ends without a terminal event; its reader
+    gets a failure for it at its next look (the first case), or when its wait ends (the second: the deadline's timer,
+    fired here by hand), rather than looking again at once forever (which would hold the event loop: the owner here
+    stops that after 100 looks)."""
     class Counting(Owner):
         def check_deadline(self, sub, now: float) -> None:
             super().check_deadline(sub, now)
