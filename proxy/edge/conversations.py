@@ -32,8 +32,9 @@ import json
 import logging
 import sqlite3
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
+from proxy.core.daemon_executor import DaemonExecutor
 
 log = logging.getLogger("tessera.proxy")
 SWEEP_INTERVAL_S = 3600.0
@@ -59,7 +60,7 @@ class ConversationStore:
         self.path = path
         self.retention_s = retention_s
         self.timeout_s = timeout_s
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conversations")
+        self._executor = DaemonExecutor("conversations")  # a stuck call does not hold the proxy's exit
         self._db: sqlite3.Connection | None = None
         self._next_sweep = 0.0
         self._closed = False

@@ -31,6 +31,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from common.config.base import ConfigError
+from proxy.core.daemon_executor import DaemonExecutor
 from proxy.core.metrics import ProxyMetrics, TenantUsage
 
 log = logging.getLogger("tessera.proxy.metering")
@@ -77,6 +78,7 @@ class MeteringLog:
         self._written = metrics.tenant_usage()  # the totals the file has accounted for
         self._written_at = clock()
         self._closing = asyncio.Event()
+        self._files = DaemonExecutor("metering")  # a write stuck on the file system does not hold the proxy's exit
 
     async def run(self) -> None:
         """Every ``interval_s`` a record, until ``close``; then the final one."""
@@ -91,6 +93,7 @@ class MeteringLog:
             closing = self._closing.is_set()
             await self.flush(final=closing)
             if closing:
+                self._files.shutdown(wait=False)
                 return
             due = max(due + self.interval_s, loop.time())
 
@@ -105,7 +108,7 @@ class MeteringLog:
         if lines:
             text = "".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines)
             try:
-                await asyncio.to_thread(self._append, text)
+                await asyncio.get_running_loop().run_in_executor(self._files, self._append, text)
             except OSError as exc:
                 log.error("could not append usage to metering_path %r (kept for the next record): %s",
                           str(self.path), exc)
