@@ -26,7 +26,7 @@ class DaemonExecutor:
         self._calls.put((future, fn, args, kwargs))
         return future
 
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+    def shutdown(self, wait: bool = True) -> None:
         """The thread ends after the calls already submitted (``wait``: this waits for them, without bound)."""
         self._calls.put(None)
         if wait:

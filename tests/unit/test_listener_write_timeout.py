@@ -4,6 +4,7 @@ reads, and an app streaming until it is told the client is gone."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import threading
@@ -48,27 +49,33 @@ class Streamer:
         self.disconnected.set()
 
 
-def test_a_client_that_reads_nothing_is_disconnected_after_the_write_timeout(caplog):
-    config = ProxyConfig(port=free_port(), http={"write_timeout_s": 0.3})
-    app = Streamer()
+@contextlib.contextmanager
+def silent_client(app, write_timeout_s: float):
+    """The real listener serving ``app`` in a thread, and a socket that sent it a request and reads nothing."""
+    config = ProxyConfig(port=free_port(), http={"write_timeout_s": write_timeout_s})
     server = uvicorn.Server(listener_config(app, config, log_config=None))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
-        with caplog.at_level(logging.WARNING):
-            for _ in range(600):  # until it listens (a bound, not a timing)
-                if server.started:
-                    break
-                threading.Event().wait(0.05)
-            client = socket.socket()
-            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            client.connect(("127.0.0.1", config.port))
-            client.sendall(b"GET / HTTP/1.1\r\nHost: proxy\r\n\r\n")  # and never reads
-            assert app.disconnected.wait(60), "the connection stayed open with its client reading nothing"
-            client.close()
+        for _ in range(600):  # until it listens (a bound, not a timing)
+            if server.started:
+                break
+            threading.Event().wait(0.05)
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect(("127.0.0.1", config.port))
+        client.sendall(b"GET / HTTP/1.1\r\nHost: proxy\r\n\r\n")  # and never reads
+        yield
+        client.close()
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def test_a_client_that_reads_nothing_is_disconnected_after_the_write_timeout(caplog):
+    app = Streamer()
+    with caplog.at_level(logging.WARNING), silent_client(app, 0.3):
+        assert app.disconnected.wait(60), "the connection stayed open with its client reading nothing"
     assert app.sent >= 1
     assert any("http.write_timeout_s=0.3" in r.getMessage() for r in caplog.records), caplog.text
 
@@ -89,27 +96,10 @@ async def _one_body(scope, receive, send) -> None:
 def test_a_closing_connection_whose_client_reads_nothing_is_aborted_too(caplog):
     """The response is whole and the server closes the connection (``connection: close``), but the close waits for
     the buffered bytes, which a client that reads nothing never takes: the write timeout aborts it."""
-    config = ProxyConfig(port=free_port(), http={"write_timeout_s": 0.3})
-    server = uvicorn.Server(listener_config(_one_body, config, log_config=None))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        with caplog.at_level(logging.WARNING):
-            for _ in range(600):  # until it listens (a bound, not a timing)
-                if server.started:
-                    break
-                threading.Event().wait(0.05)
-            client = socket.socket()
-            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            client.connect(("127.0.0.1", config.port))
-            client.sendall(b"GET / HTTP/1.1\r\nHost: proxy\r\n\r\n")  # and never reads
-            for _ in range(600):  # until the listener gives up on it
-                if any("http.write_timeout_s=0.3" in r.getMessage() for r in caplog.records):
-                    break
-                threading.Event().wait(0.05)
-            else:
-                pytest.fail("the closing connection stayed open with its client reading nothing")
-            client.close()
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    with caplog.at_level(logging.WARNING), silent_client(_one_body, 0.3):
+        for _ in range(600):  # until the listener gives up on it
+            if any("http.write_timeout_s=0.3" in r.getMessage() for r in caplog.records):
+                break
+            threading.Event().wait(0.05)
+        else:
+            pytest.fail("the closing connection stayed open with its client reading nothing")
