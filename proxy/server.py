@@ -85,19 +85,27 @@ class DrainingServer(uvicorn.Server):
         if self._drain_task is None:
             self._drain_task = asyncio.create_task(self._drain(), name="drain")
 
+    def _hand_over(self) -> None:
+        """With another proxy up: the resumable streams whose clients hold their response ids are left to their
+        workers for it to take over (``Cluster.hand_over_streams``), and their readers here cut."""
+        cluster = self._cluster
+        if self._streams is None or getattr(cluster.limits.share, "proxies", 0) <= 1:
+            return
+        handed = cluster.hand_over_streams(self._streams.streams.keys())
+        if handed:
+            log.info("draining: %d resumable stream(s) handed over for another proxy to take over", len(handed))
+            self._streams.sever(handed)
+
     async def _drain(self) -> None:
         cluster = self._cluster
         cluster.start_draining()
-        if self._streams is not None and getattr(cluster.limits.share, "proxies", 0) > 1:
-            handed = cluster.hand_over_streams(self._streams.streams.keys())
-            if handed:
-                log.info("draining: %d resumable stream(s) handed over for another proxy to take over", len(handed))
-                self._streams.sever(handed)
+        self._hand_over()
         sd_notify.stopping(f"draining {len(cluster.inflight)} request(s) for up to {self._drain_timeout_s}s")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._drain_timeout_s
         while cluster.inflight and loop.time() < deadline and not self._drain_cut:
             await asyncio.sleep(0.05)
+            self._hand_over()  # a stream whose client got its response id since
         if cluster.inflight:
             why = "a second signal came" if self._drain_cut else f"drain timeout ({self._drain_timeout_s}s) reached"
             log.warning("%s: cancelling %d request(s) still in flight", why, len(cluster.inflight))
