@@ -290,8 +290,12 @@ class RanksConfig:
         [], "each rank's device, one per rank (rank 0 first), e.g. [cuda:4, cuda:5]; empty: every rank on cpu, or "
         "on consecutive GPUs from engine.device's index")
     timeout_s: Float = option(
-        120.0, "longest wait for the ranks to start and load their slices, and for one collective of a step; a rank "
-        "past it fails the worker", gt=0)
+        120.0, "longest wait for the ranks to start and load their slices (and for the collectives of that load); a "
+        "rank past it fails the worker's start", gt=0)
+    step_timeout_s: Float = option(
+        30.0, "longest wait for one collective of a serving step: a rank silent past it ends the worker, whose "
+        "requests resume elsewhere; keep it under the proxy's requests.token_timeout_s, which otherwise ends them "
+        "first", gt=0)
 
 
 @config_model("engine.cpu", was_flat=True)

@@ -219,6 +219,7 @@ class ModelRunner:
             self._capture_graphs()
         if self.ranks is not None:
             self.ranks.wait_ready()
+            self.tp.serve_steps(config.ranks.step_timeout_s)  # with every rank, once each said it is ready
             self._serving = True
         log.info(
             "model loaded in %.1fs: %s layers, dtype %s, weights %s (%.2f GiB%s), attention %s; KV pool %d blocks "
@@ -609,6 +610,7 @@ def serve_rank(config: EngineConfig, model_dir: str, rank: int, rendezvous: str,
             os._exit(1)
     link.send(("ready", ""))
     try:
+        runner.tp.serve_steps(config.ranks.step_timeout_s)  # with rank 0, once every rank said it is ready
         while (data := next_step(link)) is not None:
             runner.run(*unpack_step(data, runner.kv_cache, runner.device))
     except BaseException:

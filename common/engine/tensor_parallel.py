@@ -14,9 +14,9 @@ the others, so rank 0's transfer agent, host tier and block copies reach every r
 
 A rank's death is the worker's death: rank 0 watches the others' process sentinels and exits at once when one
 ends (the proxy sees one worker gone and resumes its requests elsewhere), and a collective that fails on rank 0 (a
-rank silent past engine.ranks.timeout_s) ends the worker too (``RankGroupBroken``); a rank whose pipe from rank 0 closes
-(rank 0 died) exits, and the kernel kills it too when its parent goes (PR_SET_PDEATHSIG). Ranks ignore SIGTERM and
-SIGINT: rank 0 drains on them and then closes the ranks (``close``).
+rank silent past engine.ranks.step_timeout_s) ends the worker too (``RankGroupBroken``); a rank whose pipe from
+rank 0 closes (rank 0 died) exits, and the kernel kills it too when its parent goes (PR_SET_PDEATHSIG). Ranks
+ignore SIGTERM and SIGINT: rank 0 drains on them and then closes the ranks (``close``).
 """
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ log = logging.getLogger(__name__)
 
 
 class RankGroupBroken(RuntimeError):
-    """A collective failed: a rank is gone, or silent past engine.ranks.timeout_s. The ranks can no longer agree on
-    which collective is which (a silent rank that wakes would join the next step's), so the worker ends."""
+    """A collective failed: a rank is gone, or silent past engine.ranks.step_timeout_s. The ranks can no longer agree
+    on which collective is which (a silent rank that wakes would join the next step's), so the worker ends."""
 
 
 class Parallel:
@@ -52,13 +52,23 @@ class Parallel:
 
     def __init__(self, rank: int = 0, size: int = 1, timeout_s: float | None = None) -> None:
         self.rank, self.size = rank, size
-        self.timeout_s = timeout_s  # engine.ranks.timeout_s: the group's bound on each collective
+        # the bound on each collective, and the setting it comes from: the load's (the group's own) until
+        # ``serve_steps`` gives the steps a group of their own
+        self.timeout_s, self.setting = timeout_s, "engine.ranks.timeout_s"
+        self.group = None  # None: the default group
         self.broken: RankGroupBroken | None = None  # once a collective failed, every later one fails at once
+
+    def serve_steps(self, step_timeout_s: float) -> None:
+        """From now on the collectives go through a group of every rank whose bound is engine.ranks.step_timeout_s
+        (the load's may be long: a rank loads its slice at its own pace). Every rank calls it once loaded: rank 0
+        after every other said it is ready (model_runner.py)."""
+        self.group = dist.new_group(list(range(self.size)), timeout=timedelta(seconds=step_timeout_s))
+        self.timeout_s, self.setting = step_timeout_s, "engine.ranks.step_timeout_s"
 
     def _failed(self, what: str, exc: Exception) -> RankGroupBroken:
         """A collective that failed (a rank gone, or silent past the group's timeout), with the setting named."""
         self.broken = RankGroupBroken(f"tensor parallel {what} across the worker's {self.size} ranks failed (each "
-                                      f"waits at most engine.ranks.timeout_s = {self.timeout_s}s): {exc}")
+                                      f"waits at most {self.setting} = {self.timeout_s}s): {exc}")
         return self.broken
 
     def check(self) -> None:
@@ -80,7 +90,7 @@ class Parallel:
         wide = x if x.dtype in (torch.float32, torch.float64, torch.int32) else x.float()
         self.check()
         try:
-            dist.all_reduce(wide)
+            dist.all_reduce(wide, group=self.group)
         except RuntimeError as exc:
             raise self._failed("all-reduce", exc) from exc
         return wide if wide is x else wide.to(x.dtype)
@@ -93,7 +103,7 @@ class Parallel:
         x = x.float().contiguous()
         self.check()
         try:
-            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
         except RuntimeError as exc:
             raise self._failed("all-reduce", exc) from exc
         return x
@@ -106,7 +116,7 @@ class Parallel:
         parts = [torch.empty_like(logits) for _ in range(self.size)] if self.rank == 0 else None
         self.check()
         try:
-            dist.gather(logits, parts, dst=0)
+            dist.gather(logits, parts, dst=0, group=self.group)
         except RuntimeError as exc:
             raise self._failed("gather of the logits", exc) from exc
         return None if parts is None else torch.cat(parts, dim=-1)[:, :vocab_size]

@@ -158,12 +158,15 @@ def test_a_rank_that_cannot_start_fails_the_worker_with_its_error(tmp_path):
 
 
 def _rank(rank: int, rendezvous: str, link) -> None:
-    """A rank of a group of 2 whose collectives wait 1 s: rank 0 all-reduces, rank 1 never does (a silent rank)."""
-    config = EngineConfig(model="m", tensor_parallel_size=2, ranks={"timeout_s": 1.0})
+    """A rank of a group of 2 whose steps' collectives wait 1 s: rank 0 all-reduces, rank 1 never does (a silent
+    rank)."""
+    config = EngineConfig(model="m", tensor_parallel_size=2, ranks={"timeout_s": 30.0, "step_timeout_s": 1.0})
     try:
         join_group(config, rank, rendezvous)
+        tp = Parallel(rank, 2, config.ranks.timeout_s)
+        tp.serve_steps(config.ranks.step_timeout_s)  # as each rank does once loaded
         if rank == 0:
-            Parallel(0, 2, config.ranks.timeout_s).all_reduce(torch.ones(4))
+            tp.all_reduce(torch.ones(4))
             link.send("no error")
         else:
             link.recv()  # until the test is done
@@ -172,7 +175,8 @@ def _rank(rank: int, rendezvous: str, link) -> None:
 
 
 def test_a_collective_a_rank_never_joins_fails_naming_the_setting(tmp_path):
-    """Rank 0's all-reduce with a rank that stays silent fails once engine.ranks.timeout_s passes, and says so."""
+    """Rank 0's all-reduce with a rank that stays silent fails once engine.ranks.step_timeout_s passes (not the
+    start's longer engine.ranks.timeout_s), and says so."""
     context = multiprocessing.get_context("fork")
     rendezvous = str(tmp_path / "rendezvous")
     links = [context.Pipe() for _ in range(2)]
@@ -182,7 +186,7 @@ def test_a_collective_a_rank_never_joins_fails_naming_the_setting(tmp_path):
     try:
         assert links[0][0].poll(60), "rank 0 never answered"
         error = links[0][0].recv()
-        assert "all-reduce" in error and "engine.ranks.timeout_s = 1.0s" in error, error
+        assert "all-reduce" in error and "engine.ranks.step_timeout_s = 1.0s" in error, error
     finally:
         links[1][0].send("done")
         for proc in ranks:

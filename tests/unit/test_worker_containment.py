@@ -75,8 +75,8 @@ def test_a_failed_engine_turn_gives_its_requests_back_and_the_worker_goes_on(dec
 
 
 def test_a_broken_rank_group_ends_the_worker_rather_than_serving_on(decode, monkeypatch):
-    """A collective that failed (``RankGroupBroken``: a rank silent past engine.ranks.timeout_s) ends the worker with
-    exit code 70, in a turn and in a message's handling alike: a rank that woke later would pair its collectives
+    """A collective that failed (``RankGroupBroken``: a rank silent past engine.ranks.step_timeout_s) ends the worker
+    with exit code 70, in a turn and in a message's handling alike: a rank that woke later would pair its collectives
     with the next step's."""
     handler, _ = decode
     _handle(handler, request("victim"))
@@ -95,7 +95,7 @@ def test_a_broken_rank_group_ends_the_worker_rather_than_serving_on(decode, monk
 
 
 def test_a_broken_rank_group_steps_no_more_and_its_requests_are_still_given_back(decode):
-    """Once a collective failed, every later one fails at once (no second wait of engine.ranks.timeout_s), and the
+    """Once a collective failed, every later one fails at once (no second wait of engine.ranks.step_timeout_s), and the
     cleanup gives each request back to the proxy without stepping the engine."""
     handler, sent = decode
     _handle(handler, request("victim"))
