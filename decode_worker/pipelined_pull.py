@@ -28,6 +28,13 @@ from kv_transfer.segments import Layers
 log = logging.getLogger(__name__)
 
 
+def pull_bound(timeout_s: float, lease_left_s: float) -> tuple[float, str]:
+    """A pull's deadline in seconds, ``kv_pull_timeout_s`` or what is left of the pages' lease if that ends sooner,
+    and the setting it comes from (named when the pull fails for passing it)."""
+    return (timeout_s, "kv_pull_timeout_s") if timeout_s <= lease_left_s else (
+        lease_left_s, "the pages' lease: the proxy's kv_lease_s")
+
+
 @dataclass
 class Part:
     """One pull in flight: blocks (indexes into the prompt's blocks), from ``source_ids``, ``layers`` of them (None:
@@ -146,10 +153,8 @@ class PipelinedPull:
                 self.failed = "the pages' lease (the proxy's kv_lease_s) ran out before the pull could start"
             else:
                 self.rest.update(todo)
-                lease_left_s = self.lease_ends - now
-                bound = "kv_pull_timeout_s" if deadline_s <= lease_left_s else "the pages' lease: the proxy's kv_lease_s"
-                self._start(todo, [self.final_ids[b] for b in todo], None, transfer, min(deadline_s, lease_left_s),
-                            bound)
+                self._start(todo, [self.final_ids[b] for b in todo], None, transfer,
+                            *pull_bound(deadline_s, self.lease_ends - now))
                 return None
         if self.parts:
             return None

@@ -34,7 +34,7 @@ from common.protocol import wire
 from common.engine.sequence import FinishReason, Sequence
 from common.runtime.embed_queue import EmbedQueue
 from common.runtime.worker_runtime import WorkerBase
-from decode_worker.pipelined_pull import Outcome, PipelinedPull
+from decode_worker.pipelined_pull import Outcome, PipelinedPull, pull_bound
 from kv_transfer.base import TransferStatus
 
 log = logging.getLogger(__name__)
@@ -250,13 +250,9 @@ class DecodeHandler(WorkerBase):
                 problem = "no free KV blocks to stage the pages of a prefill worker of another tensor parallelism"
         if problem is None:
             try:
-                timeout_s = self.config.kv_pull_timeout_s
-                handle = self.transfer.start_pull(
-                    msg.request_id, msg.source_worker_id, msg.source_block_ids[held:], missing,
-                    min(timeout_s, lease_ends - started), staging or None,
-                    deadline_setting="kv_pull_timeout_s" if timeout_s <= lease_ends - started
-                    else "the pages' lease: the proxy's kv_lease_s",
-                )
+                deadline_s, setting = pull_bound(self.config.kv_pull_timeout_s, lease_ends - started)
+                handle = self.transfer.start_pull(msg.request_id, msg.source_worker_id, msg.source_block_ids[held:],
+                                                  missing, deadline_s, staging or None, deadline_setting=setting)
             except Exception as exc:  # a backend refusing a pull must not take the worker down
                 problem = f"pull failed to start: {exc}"
         if problem is not None:
