@@ -14,9 +14,9 @@ uses (``tessera proxy`` and the tests):
   its first byte (a new connection: from its opening). uvicorn has no such
   timeout of its own, so a client sending headers a byte at a time
   (slowloris) would hold a connection forever.
-- ``write_timeout_s``: ``TimedHttpProtocol`` closes a connection whose
-  response has waited that long for its client to read (the connection's
-  send buffer full the whole time); its request is then cancelled as a
+- ``write_timeout_s``: ``TimedHttpProtocol`` aborts a connection whose
+  client read none of its response for that long (its send buffer full, or
+  the connection closing with bytes unread); its request then ends as a
   disconnected client's. uvicorn's writes wait for the client without end,
   so a client that stops reading a stream would hold its connection (and
   its handler) for as long as the peer's kernel keeps the window shut.
