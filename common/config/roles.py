@@ -1,4 +1,5 @@
-"""Per-process configuration of the cluster roles, loaded from YAML plus overrides.
+"""Per-process configuration of the cluster roles, loaded from YAML plus overrides (one concept, every role's
+settings with their checks; long because each setting is declared with its doc and bounds here).
 
 One frozen pydantic dataclass per role (``common.config.base.config_model``),
 its settings in sections of at most 25 fields, one per concern (the proxy's
