@@ -31,17 +31,15 @@ from common.storage.model_store import resolve_model
 # lane holds only tests whose clusters are idle or tiny.
 BESIDE_E2E = {
     # scripted workers behind a proxy in a thread or a torch-free process
-    "test_config_reload.py", "test_metering_file.py",
-    "test_proxy_api.py", "test_proxy_failures.py", "test_proxy_limits.py",
-    "test_proxy_migration.py", "test_proxy_tls.py", "test_recovery_phases.py", "test_request_logs.py",
-    "test_status_command.py",
+    "test_config_reload.py", "test_metering_file.py", "test_proxy_tls.py", "test_recovery_phases.py",
+    "test_request_logs.py", "test_status_command.py",
     # mostly scripted or tiny-model workers, and a few short requests through a real cluster
-    "test_curve_security.py", "test_frame_fuzz.py", "test_hot_cold_models.py", "test_kv_transfer_processes.py",
-    "test_prometheus_scrape.py", "test_resumable_streams.py", "test_websocket_stream.py", "test_nonfinite_logits.py",
-    "test_worker_tokenizer.py",
+    "test_nonfinite_logits.py", "test_worker_tokenizer.py",
     # the embedded model, computing little while others run
     "test_grpc_api.py", "test_role_switch.py", "test_embeddings.py", "test_sessions.py", "test_protocol_versions.py",
     "test_planner_cluster.py",
+    # processes of the tiny models' signal tests, and of `tessera generate`: each starts, answers a little, exits
+    "test_worker_signals.py", "test_generate_command.py",
     # four small clusters with a worker at tensor parallelism 3 and one of tiny models at TP 2 (about 120 s alone;
     # under the compute lane's load each TP step's 61 all-reduces wait on the scheduler, so it keeps few decode
     # steps: 16 to 40 tokens)
@@ -60,6 +58,11 @@ WAITS = {
     "test_tenants.py", "test_conversation_store.py", "test_stream_takeover.py", "test_sim_worker.py",
     # an idle cluster for many heartbeat timeouts; in this lane its module's cluster fixture starts one of its own
     "test_fault_scenarios.py::test_an_idle_cluster_then_a_burst",
+    # scripted or tiny-model workers that wait on timeouts, reconnects and restarts far longer than they compute
+    # (in the beside lane, 2026-12-02: 197 s of wall time for 75 CPU-s, the beside lane then the run's longest)
+    "test_proxy_api.py", "test_proxy_failures.py", "test_proxy_limits.py", "test_proxy_migration.py",
+    "test_curve_security.py", "test_frame_fuzz.py", "test_hot_cold_models.py", "test_kv_transfer_processes.py",
+    "test_prometheus_scrape.py", "test_resumable_streams.py", "test_websocket_stream.py",
 }
 COMPUTE_UNIT = {
     "test_embedder.py", "test_engine_embedded.py", "test_engine_resume.py", "test_fused_decode.py",
@@ -85,7 +88,8 @@ def pytest_configure(config) -> None:
     And each lane computes on one thread (torch in the lane's own process, and the processes it starts that do not
     set ``engine.num_threads``): three lanes already keep both cores busy, and a second OpenMP thread only spins
     for a core another lane holds (tests/unit/test_engine_embedded.py alone: 50 CPU-s at 2 threads, 33 at 1, for
-    26 s of wall time against 30)."""
+    26 s of wall time against 30). A test whose engine or benchmark sets its own thread count (``engine.num_threads``
+    sets torch's for the whole process) has it set back after it (``one_thread_per_lane``)."""
     from common.cli.local_cluster import LocalCluster
     from tests import fork_server
 
@@ -100,6 +104,20 @@ def pytest_configure(config) -> None:
         import torch
 
         torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def one_thread_per_lane():
+    """In a lane, torch back on one thread after each test: the in-process benchmarks' engines (bench/huge_pages.py,
+    bench/offline.py) set two, and every later test of that lane then ran its model steps with a second OpenMP thread
+    spinning for a core the other lanes hold (tests/unit/test_spec_embedded.py: 42 CPU-s in 22 s of wall time, and
+    31 in 32 on one thread)."""
+    yield
+    if os.environ.get("OMP_NUM_THREADS") == "1" and os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        if torch.get_num_threads() != 1:
+            torch.set_num_threads(1)
 
 
 @pytest.hookimpl(optionalhook=True)
