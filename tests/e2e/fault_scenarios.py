@@ -95,6 +95,8 @@ class Run:
     supervisor: Supervisor
     tasks: list[asyncio.Task] = field(default_factory=list)  # the clients
     with_text: int = 0  # streams that have some text
+    sent: int = 0  # streams sent so far
+    sent_with_text: list[int] = field(default_factory=list)  # the send order (0, 1, ...) of each stream with text
     victims: list[str] = field(default_factory=list)  # the processes signalled, in order
     events_done: bool = False
 
@@ -190,15 +192,17 @@ async def run_scenario(cluster: LocalCluster, bodies: list[dict], events: list[E
     run = Run(cluster, Supervisor(cluster, backoff_s=0.1))
     results: list[tuple[int, Stream]] = []
 
-    def on_text() -> None:
+    def on_text(order: int) -> None:
         run.with_text += 1
+        run.sent_with_text.append(order)
 
     async def client(http: httpx.AsyncClient, first: int) -> None:
         index = first  # a steady client sends bodies first, first + steady, ... round and round
         while True:
             i = index % len(bodies)
+            order, run.sent = run.sent, run.sent + 1
             try:
-                results.append((i, await stream(http, cluster.url, bodies[i], on_text)))
+                results.append((i, await stream(http, cluster.url, bodies[i], lambda: on_text(order))))
             except asyncio.CancelledError:
                 results.append((i, Stream(abandoned=True)))
                 return
