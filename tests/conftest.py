@@ -18,17 +18,14 @@ from common.storage.model_store import resolve_model
 # lane runs the tests named in WAITS, which sleep through most of their time (an idle cluster's timers, KV pulls
 # held back on purpose, a hung step's watchdog): on 2 cores they cost the other lanes little, and a lane of their
 # own takes their waiting off the critical path. A new e2e module goes to the compute lane unless it is named
-# here; a new unit module to the beside lane. Measured (2026-12-01, 1,908 tests, `make test
-# PYTEST_ARGS=--durations=0` under `/usr/bin/time`): the compute lane's tests summed to 1,045 s, the beside lane's
-# to 1,052, the waits lane's to 396; the run took 1,068 s on 2,025 CPU-s, both cores busy nearly throughout, so a
-# lane more would gain only the sleeping: the run is as long as its CPU-seconds, which tests/cpu_report.py counts
-# per module (a later run: 2,046 of its 2,077 CPU-s counted; the ten costliest modules, nine of them e2e modules
-# that start clusters, took 47%). Since the clusters fork their processes from fork servers (tests/fork_server.py),
-# a run took 1,011 s on 1,810 CPU-s (1,749 counted), the beside lane's tests 990 s of wall time, the compute
-# lane's 868, the waits lane's 391; the device check's CPU mode (66 s, a process of its own for each step) then
-# moved from the beside lane to the compute lane. Tests that wait but also compute (rolling upgrade, failover, a
-# cut link, fuzzing) made the run longer beside the compute lane (their clusters contend for the cores): the waits
-# lane holds only tests whose clusters are idle or tiny.
+# here; a new unit module to the beside lane. The run is as long as its CPU-seconds, both cores busy nearly
+# throughout, so a lane more would gain only the sleeping; tests/cpu_report.py counts them per test and module, and
+# each lane's tests' wall time shows how even the lanes are. Tests that wait but also compute (rolling upgrade,
+# failover, a cut link, fuzzing) made the run longer in the waits lane (their clusters contend with the compute
+# lane's for the cores): it holds the tests whose clusters are idle, scripted or tiny. Measured (2026-12-02, 1,958
+# tests, `TESSERA_CPU_REPORT=DIR make test PYTEST_ARGS="-p tests.cpu_report"`): two runs of 954 and 1,033 s on 1,812
+# and 1,950 CPU-s, the compute lane's tests 932 and 1,008 s of wall time, the beside lane's 934 and 998, the waits
+# lane's 599 and 635.
 BESIDE_E2E = {
     # scripted workers behind a proxy in a thread or a torch-free process
     "test_config_reload.py", "test_metering_file.py", "test_proxy_tls.py", "test_recovery_phases.py",

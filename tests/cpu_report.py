@@ -8,6 +8,9 @@ stopped: a module's cluster, stopped at the module's end, counts for its last te
     TESSERA_CPU_REPORT=/tmp/cpu make test PYTEST_ARGS="-p tests.cpu_report"
     .venv/bin/python -m tests.cpu_report /tmp/cpu            # modules by CPU-seconds; --tests: tests
 
+The first lines sum each lane's tests (tests/conftest.py ``lane``): the run is as long as its longest lane, or as
+its CPU-seconds over the two cores, whichever is more.
+
 A process that outlives the test that started it, or is never reaped, is not counted.
 """
 from __future__ import annotations
@@ -53,16 +56,25 @@ def pytest_runtest_protocol(item, nextitem):
 
 def table(directory: Path, by_test: bool, top: int) -> str:
     """The records of ``directory`` summed by module (or by test), most CPU-seconds first."""
+    from tests.conftest import lane
+
     sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    lanes: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])  # tests, wall, CPU
     for path in sorted(directory.glob("cpu-*.jsonl")):
         for line in path.read_text().splitlines():
             record = json.loads(line)
             key = record["test"] if by_test else record["test"].partition("::")[0]
             for i, field in enumerate(("wall", "own", "reaped")):
                 sums[key][i] += record[field]
+            counts = lanes[lane(record["test"])]
+            counts[0] += 1
+            counts[1] += record["wall"]
+            counts[2] += record["own"] + record["reaped"]
     total = sum(own + reaped for _, own, reaped in sums.values())
-    lines = [f"{len(sums)} {'tests' if by_test else 'modules'}, {total:,.0f} CPU-s in all",
-             f"{'CPU-s':>8} {'share':>6} {'wall s':>8} {'own':>7} {'reaped':>7}  name"]
+    lines = [f"lane {name}: {tests} test{'' if tests == 1 else 's'}, {wall:,.0f} s of wall time, {cpu:,.0f} CPU-s"
+             for name, (tests, wall, cpu) in sorted(lanes.items())]
+    lines += [f"{len(sums)} {'tests' if by_test else 'modules'}, {total:,.0f} CPU-s in all",
+              f"{'CPU-s':>8} {'share':>6} {'wall s':>8} {'own':>7} {'reaped':>7}  name"]
     ranked = sorted(sums.items(), key=lambda item: -(item[1][1] + item[1][2]))
     for name, (wall, own, reaped) in ranked[:top]:
         lines.append(f"{own + reaped:8.1f} {(own + reaped) / max(total, 1e-9):6.1%} {wall:8.1f} {own:7.1f} "

@@ -1,4 +1,5 @@
-"""The suite's CPU report (tests/cpu_report.py): records summed by module or by test, most CPU-seconds first."""
+"""The suite's CPU report (tests/cpu_report.py): records summed by lane, then by module or by test, most CPU-seconds
+first."""
 from __future__ import annotations
 
 import json
@@ -15,9 +16,12 @@ def test_records_of_every_lane_sum_by_module_and_rank_by_cpu(tmp_path):
     for name, records in lanes.items():
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in records))
     modules = table(tmp_path, by_test=False, top=10).splitlines()
-    assert modules[0] == "2 modules, 14 CPU-s in all"
-    assert modules[2].split() == ["8.0", "57.1%", "15.0", "1.5", "6.5", "tests/e2e/test_a.py"]
-    assert modules[3].split() == ["6.0", "42.9%", "2.0", "6.0", "0.0", "tests/unit/test_b.py"]
+    # the lanes of tests/conftest.py: an e2e module not named there computes, a unit module runs beside
+    assert modules[:2] == ["lane beside: 1 test, 2 s of wall time, 6 CPU-s",
+                           "lane compute: 2 tests, 15 s of wall time, 8 CPU-s"]
+    assert modules[2] == "2 modules, 14 CPU-s in all"
+    assert modules[4].split() == ["8.0", "57.1%", "15.0", "1.5", "6.5", "tests/e2e/test_a.py"]
+    assert modules[5].split() == ["6.0", "42.9%", "2.0", "6.0", "0.0", "tests/unit/test_b.py"]
     tests = table(tmp_path, by_test=True, top=1).splitlines()
-    assert tests[0] == "3 tests, 14 CPU-s in all" and len(tests) == 3
-    assert tests[2].endswith("tests/unit/test_b.py::test_two")
+    assert tests[2] == "3 tests, 14 CPU-s in all" and len(tests) == 5
+    assert tests[4].endswith("tests/unit/test_b.py::test_two")
