@@ -159,12 +159,13 @@ def two_free_ports() -> int:
 def test_proxy_workers_share_one_port_and_each_serves_the_workers(tmp_path, embedded_model_dir, script,
                                                                    redis_server):  # noqa: F811
     """``tessera proxy --processes 2``: two processes on one HTTP port, worker ports base and base + 1, each process
-    also on its own port (``process_port``) for its metrics."""
+    also on its own port (``process_port``) for its metrics. The shipped heartbeat timeout: the scripted workers
+    heartbeat from a thread of this busy process, and one dropped at a shorter timeout never registers again."""
     http_port, worker_port, own_port = free_port(), two_free_ports(), two_free_ports()
     log = open(tmp_path / "proxy.log", "w")
     settings = [f"model={embedded_model_dir}", f"port={http_port}", f"worker_bind=tcp://127.0.0.1:{worker_port}",
-                f"shared_state.redis_url={redis_server.url}", "heartbeat_timeout_s=1.0", "drain_timeout_s=5",
-                f"http.process_port={own_port}"]
+                f"shared_state.redis_url={redis_server.url}", f"heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}",
+                "drain_timeout_s=5", f"http.process_port={own_port}"]
     proc = subprocess.Popen([sys.executable, "-m", "common.cli.main", "proxy", "--processes", "2",
                              *itertools.chain.from_iterable(("--set", s) for s in settings)],
                             stdout=log, stderr=subprocess.STDOUT)
