@@ -611,9 +611,23 @@ class Cluster:
                               expected=False)
 
     async def watch_heartbeats(self) -> None:
-        """Runs for the proxy's life: removes workers that went silent."""
+        """Runs for the proxy's life: removes workers that went silent. A turn that comes more than a turn late (this
+        process itself did not run: a long pause, a starved core) removes no one: the heartbeats that arrived
+        meanwhile wait unread in the socket, so the next turn judges, after the reader has had them; never two
+        such turns in a row, so a proxy that is always late still removes silent workers."""
+        loop = asyncio.get_running_loop()
+        period = self.config.heartbeat_timeout_s / 4
+        excused = False
         while True:
-            await asyncio.sleep(self.config.heartbeat_timeout_s / 4)
+            due = loop.time() + period
+            await asyncio.sleep(period)
+            late_s = loop.time() - due
+            if late_s > period and not excused:
+                excused = True
+                log.warning("the proxy did not run for %.1fs: its heartbeat check waits a turn for the heartbeats that "
+                            "came meanwhile", late_s)
+                continue
+            excused = False
             try:
                 self.expire_workers()
             except Exception:  # a bug here must not leave dead workers registered forever
