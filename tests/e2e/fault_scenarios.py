@@ -17,6 +17,7 @@ runs in a thread, so that the streams keep flowing meanwhile.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -94,11 +95,15 @@ class Run:
     cluster: LocalCluster
     supervisor: Supervisor
     tasks: list[asyncio.Task] = field(default_factory=list)  # the clients
-    with_text: int = 0  # streams that have some text
     sent: int = 0  # streams sent so far
     sent_with_text: list[int] = field(default_factory=list)  # the send order (0, 1, ...) of each stream with text
     victims: list[str] = field(default_factory=list)  # the processes signalled, in order
     events_done: bool = False
+
+    @property
+    def with_text(self) -> int:
+        """Streams that have some text."""
+        return len(self.sent_with_text)
 
     def live_workers(self) -> list[str]:
         return [n for n, p in self.cluster.procs.items() if n != "proxy" and p.poll() is None]
@@ -192,17 +197,14 @@ async def run_scenario(cluster: LocalCluster, bodies: list[dict], events: list[E
     run = Run(cluster, Supervisor(cluster, backoff_s=0.1))
     results: list[tuple[int, Stream]] = []
 
-    def on_text(order: int) -> None:
-        run.with_text += 1
-        run.sent_with_text.append(order)
-
     async def client(http: httpx.AsyncClient, first: int) -> None:
         index = first  # a steady client sends bodies first, first + steady, ... round and round
         while True:
             i = index % len(bodies)
             order, run.sent = run.sent, run.sent + 1
             try:
-                results.append((i, await stream(http, cluster.url, bodies[i], lambda: on_text(order))))
+                text = functools.partial(run.sent_with_text.append, order)
+                results.append((i, await stream(http, cluster.url, bodies[i], text)))
             except asyncio.CancelledError:
                 results.append((i, Stream(abandoned=True)))
                 return
