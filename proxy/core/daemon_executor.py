@@ -18,19 +18,16 @@ class DaemonExecutor:
 
     def __init__(self, name: str) -> None:
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
         future: Future = Future()
         self._calls.put((future, fn, args, kwargs))
         return future
 
-    def shutdown(self, wait: bool = True) -> None:
-        """The thread ends after the calls already submitted (``wait``: this waits for them, without bound)."""
+    def shutdown(self) -> None:
+        """The thread ends after the calls already submitted; this does not wait for them."""
         self._calls.put(None)
-        if wait:
-            self._thread.join()
 
     def _run(self) -> None:
         while (call := self._calls.get()) is not None:

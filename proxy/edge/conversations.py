@@ -141,7 +141,7 @@ class ConversationStore:
         except TimeoutError:
             log.warning("conversation store: not closed, a call still runs past sessions.conversation_store_timeout_s="
                         "%gs (the database keeps what was committed)", self.timeout_s)
-        self._executor.shutdown(wait=False)
+        self._executor.shutdown()
 
 
 async def continue_turn(services, body, session: str | None, tenant: str):

@@ -93,7 +93,7 @@ class MeteringLog:
             closing = self._closing.is_set()
             await self.flush(final=closing)
             if closing:
-                self._files.shutdown(wait=False)
+                self._files.shutdown()
                 return
             due = max(due + self.interval_s, loop.time())
 

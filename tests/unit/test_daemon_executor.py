@@ -30,6 +30,6 @@ def test_calls_run_in_order_and_hand_back_results_and_errors():
 
 def test_a_stuck_call_does_not_hold_the_exit():
     script = ("import threading, time\nfrom proxy.core.daemon_executor import DaemonExecutor\n"
-              "e = DaemonExecutor('stuck')\ne.submit(threading.Event().wait)\ne.shutdown(wait=False)\nprint('out')\n")
+              "e = DaemonExecutor('stuck')\ne.submit(threading.Event().wait)\ne.shutdown()\nprint('out')\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout == "out\n", done.stderr
