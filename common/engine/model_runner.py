@@ -27,6 +27,8 @@ import torch.distributed as dist
 
 from common.engine.attention import get_step_context, select_backend
 from common.engine.cuda_graphs import CudaGraph, DecodeGraphs
+from common.engine.greedy_head import GreedyHead
+from common.engine.greedy_head import MAX_ROWS as GREEDY_HEAD_MAX_ROWS
 from common.config.base import EngineConfig
 from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.huge_pages import thp_policy
@@ -35,7 +37,7 @@ from common.engine.models.llama import FusedDecode, check_divisible, onednn_besi
 from common.engine.models.loader import load_hf_config, load_model
 from common.engine.native import gemv_bf16_kernel
 from common.engine.quantization import calibration_ids, choose_int8_matmul, quantize_model_int8, smooth_for_int8
-from common.engine.sampler import Sampler, SamplingRow, penalty_prompt_ids
+from common.engine.sampler import Sampler, SamplingRow, argmax_suffices, penalty_prompt_ids
 from common.engine.scheduler import StepPlan
 from common.engine.sequence import Sequence
 from common.engine.spec_verify import verify_drafts
@@ -208,6 +210,12 @@ class ModelRunner:
             # 135M), and the exactness tests compare float32 outputs across processes, which timing could split
             self.model.fused_decode = FusedDecode(self.model, DECODE_ROW_RUNGS[-1] if left
                                                   else config.cpu.decode_kernel_max_batch)
+        # greedy rows' tokens from an int8 copy of a head in panels, and the few tokens it cannot rule out
+        self.greedy_head = GreedyHead.of(self.model.head()) if self._greedy_head_planned() else None
+        if self.greedy_head is not None:
+            log.info("greedy LM head: an int8 copy of the head (+%.1f MiB) rules out all but a few tokens, whose "
+                     "exact logits come from the panels (common/engine/greedy_head.py; engine.cpu.greedy_head)",
+                     self.greedy_head.nbytes / 2**20)
         if bf16_cpu and config.cpu.prepack_weights and (added := self.model.prepack_weights()):  # int8: none
             log.info("linear weights prepacked for oneDNN (+%.1f MiB; engine.cpu.prepack_weights)", added / 2**20)
         if self.model.fused_decode is not None and left and (self.dtype is torch.bfloat16
@@ -319,6 +327,11 @@ class ModelRunner:
         return (self.dtype is torch.bfloat16 and self.device.type == "cpu" and not self.config.deterministic
                 and self.tp.size == 1 and self.model.panels_fit())
 
+    def _greedy_head_planned(self) -> bool:
+        """Whether the load gives the head a greedy copy (``GreedyHead``): engine.cpu.greedy_head, the weights in
+        panels (not int8; ``GreedyHead.of`` checks the head itself), one rank."""
+        return self.config.cpu.greedy_head and self.config.quantization == "none" and self._panels_planned()
+
     def _fused_decode_kernel(self) -> bool:
         """Whether this runner gets the one-call decode kernel (``FusedDecode``): the CPU, its paged attention,
         ``decode_kernel_max_batch`` not 0, one rank."""
@@ -326,10 +339,16 @@ class ModelRunner:
                 and self.config.cpu.decode_kernel_max_batch != 0 and self.tp.size == 1)
 
     def _serving_weight_bytes(self) -> int:
-        """The weights' bytes once the load has quantized or prepacked them (the pool is sized before either):
-        int8 holds a linear weight (and the embedding) in a byte per value plus a float32 scale per row; the
-        oneDNN prepack keeps a second copy of every bfloat16 linear weight, and of a tied LM head, not in panels
-        (``pack_panels``: the only copy of the layers it takes, but where oneDNN has AMX)."""
+        """The weights' bytes once the load has quantized or prepacked them (the pool is sized before either),
+        and the greedy head's copy (``GreedyHead.nbytes``: a byte per head weight, three float32 per token)."""
+        head = self.model.head().weight
+        return self._stored_weight_bytes() + (head.numel() + 12 * head.shape[0] if self._greedy_head_planned() else 0)
+
+    def _stored_weight_bytes(self) -> int:
+        """The weights' own bytes as served: int8 holds a linear weight (and the embedding) in a byte per value
+        plus a float32 scale per row; the oneDNN prepack keeps a second copy of every bfloat16 linear weight, and
+        of a tied LM head, not in panels (``pack_panels``: the only copy of the layers it takes, but where oneDNN
+        has AMX)."""
         linears = [m.weight for m in self.model.modules() if isinstance(m, torch.nn.Linear)]
         embedding = self.model.embed_tokens.weight
         if self.config.quantization == "int8":
@@ -516,8 +535,24 @@ class ModelRunner:
         if not prepared.sample_seqs:
             self.forward(prepared)
             return StepSample([], [])
-        logits = self.run(prepared.context, prepared.input_ids, prepared.positions, prepared.sample_rows).float()
+        if self._greedy_only(prepared.sample_seqs, prepared.drafts, constrain):
+            hidden = self.forward(prepared)[prepared.sample_rows]
+            tokens = self.greedy_head.argmax(hidden)
+            if tokens is not None:
+                seqs = prepared.sample_seqs
+                return StepSample(seqs, [[t] for t in tokens.tolist()], num_drafts=[0] * len(seqs),
+                                  num_accepted=[0] * len(seqs))
+            logits = self.model.compute_logits(hidden).float()
+        else:
+            logits = self.run(prepared.context, prepared.input_ids, prepared.positions, prepared.sample_rows).float()
         return self._sample_logits(logits, prepared.sample_seqs, prepared.drafts, constrain)
+
+    def _greedy_only(self, seqs: list[Sequence], drafts: list[list[int]], constrain) -> bool:
+        """Whether a step's sampled rows may take the greedy head: every one greedy with nothing that reads its
+        logits (penalties, logprobs, a mask, drafts to verify, fault injection), no more rows than it takes."""
+        return (self.greedy_head is not None and constrain is None and self.fault_nonfinite_token is None
+                and len(seqs) <= GREEDY_HEAD_MAX_ROWS and not any(drafts)
+                and all(argmax_suffices(seq.params) for seq in seqs))
 
     def _replays(self, host: HostStep) -> bool:
         """Whether the step replays a CUDA graph: decode rows only, as many as the largest rung, some sampling."""

@@ -142,6 +142,17 @@ def linear_panels_kernel(defines: tuple[str, ...] = ()):
                            defines)
 
 
+@functools.cache
+def linear_panels_tiles_kernel():
+    """``tessera_linear_panels_tiles(x, panels, tiles, count, y, m, n, k)`` (``kernels/linear_panels.c``): bf16
+    rows against chosen whole tiles of a weight in panels (the greedy LM head's exact logits), or None where
+    ``linear_panels_kernel`` is."""
+    if linear_panels_kernel() is None:
+        return None
+    return kernel_function("linear_panels", "tessera_linear_panels_tiles",
+                           (ctypes.c_void_p,) * 3 + (ctypes.c_int64,) + (ctypes.c_void_p,) + (ctypes.c_int64,) * 3)
+
+
 def gemm_invariant_kernel():
     """``tessera_gemm_invariant(x, w, bias, y, m, n, k, is_bf16)`` (``kernels/gemm_invariant.c``), or None
     without a compiler."""

@@ -240,7 +240,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         if len(rows) != logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} logit rows but {len(rows)} sampling rows")
-        if all(_argmax_suffices(r.params) for r in rows):
+        if all(argmax_suffices(r.params) for r in rows):
             return SamplerOutput(logits.argmax(-1).tolist(), None, None)
 
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
@@ -265,7 +265,8 @@ def _row_chunks(index: list[int], logits: torch.Tensor) -> list[list[int]]:
     return [index[start:start + size] for start in range(0, len(index), size)]
 
 
-def _argmax_suffices(params: SamplingParams) -> bool:
+def argmax_suffices(params: SamplingParams) -> bool:
+    """Whether a row's token is its logits' argmax and nothing else reads them (the model runner's greedy head)."""
     return params.greedy and not params.needs_penalties and params.logprobs is None
 
 

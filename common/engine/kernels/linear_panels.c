@@ -66,3 +66,43 @@ int tessera_linear_panels(const uint16_t *x, const uint16_t *panels, const uint1
     return -1;
 #endif
 }
+
+/* The outputs of chosen whole tiles only: y[i] = x . w[tiles[i] * 64 : tiles[i] * 64 + 64]^T for i < count, as
+ * y: [count][m][64] bf16 (tile-major), each tile's sums as tessera_linear_panels computes them (the same k-blocks
+ * for the same m, one order per output), so every value equals that call's bit for bit: the greedy LM head
+ * (common/engine/greedy_head.py) computes the few tokens its int8 bound cannot rule out. w: [n, k] in panels with
+ * n a multiple of 64 (whole tiles). Returns -1 (and writes nothing) for shapes it does not take. */
+int tessera_linear_panels_tiles(const uint16_t *x, const uint16_t *panels, const int32_t *tiles, int64_t count,
+                                uint16_t *y, int64_t m, int64_t n, int64_t k)
+{
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    const int64_t width = PANEL_COLS * PANEL_GROUP;
+    if (m < 1 || m > ROW_CHUNK || count < 1 || n < width || n % width != 0 || k < 2 || k % 2 != 0
+        || n > INT32_MAX || k > INT32_MAX)
+        return -1;
+    for (int64_t i = 0; i < count; i++)
+        if (tiles[i] < 0 || tiles[i] >= n / width) return -1;
+    int failed = 0;
+    #pragma omp parallel
+    {
+        float *acc = (float *)malloc(sizeof(float) * ROW_CHUNK * PANEL_GROUP * PANEL_COLS);
+        int any;
+        if (acc == NULL) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp barrier
+        #pragma omp atomic read
+        any = failed;
+        if (!any)
+            for (int64_t i = 0; i < count; i++) /* the team splits each tile's panels, as it splits a whole call's */
+                panels_linear(x, (int)m, (int)k, panels + (int64_t)tiles[i] * width * k, (int)width, NULL, 1, NULL,
+                              y + i * m * width, 0, acc, m >= PANEL_WIDE_ROWS ? PANEL_WIDE_KBLOCK : PANEL_KBLOCK);
+        free(acc);
+    }
+    return failed ? -1 : 0;
+#else
+    (void)x; (void)panels; (void)tiles; (void)count; (void)y; (void)m; (void)n; (void)k;
+    return -1;
+#endif
+}

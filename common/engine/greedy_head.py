@@ -1,0 +1,125 @@
+"""The greedy LM head: the argmax of a row's logits, exactly as the bfloat16 head computes it, from far fewer bytes.
+
+A decode step at one stream reads every weight once; the LM head is 6-20% of them (a 49,152-token vocabulary in
+bfloat16: 201 MB of the 1B shape's 1.64 GB, 56 MB of the 135M model's 270 MB). A greedy row needs only the
+argmax, so the head is read twice, cheaply:
+
+1. An int8 copy of the head (a byte per weight, a float32 scale per token: half the bytes) gives every token's
+   approximate logit, through the int8 one-row kernel (kernels/decode_forward.c: the row rounded to int16 steps,
+   exact integer sums, scaled in double). For token i its distance from the logit the bfloat16 head would compute
+   before rounding is at most
+       ``|x| |w_i - w8_i| + (step / 2) |w8_i|_1 + 2k 2^-24 |x| |w_i|`` (+ 2^-22 of the approximation itself),
+   the int8 weight's error (Cauchy-Schwarz), the row's int16 rounding, and the bfloat16 kernel's float32 sums
+   of k products (at most k 2^-24 of the sum of their sizes, which Cauchy-Schwarz bounds by |x| |w_i|; taken
+   twice); the per-token norms are kept beside the copy, and the whole bound is taken 1% wider.
+2. The token whose lower bound is highest beats every token whose upper bound is below that one by more than two
+   bfloat16 steps at the logits' size (so their rounded logits cannot tie it either); the others, typically
+   a few dozen, are candidates. The 64-token tiles that hold them get their exact logits through the panel
+   kernel (``tessera_linear_panels_tiles``), whose every sum has the order the whole head's call gives it: the
+   argmax over those tiles, first index on a tie, is the whole head's argmax, bit for bit.
+
+When the candidates' tiles would be more than ``MAX_TILE_SHARE`` of the head, or a row is not finite, ``argmax``
+returns None and the caller computes the whole head. The copy costs a byte per head weight of memory (reported at
+load; ``engine.cpu.greedy_head`` turns it off).
+"""
+from __future__ import annotations
+
+import torch
+
+from common.engine.models.llama import PANEL_COLS, PANEL_GROUP, weight_of_panels
+from common.engine.native import linear_panels_tiles_kernel
+from common.engine.quantization import linear_int8_kernel, quantize_rows
+
+TILE = PANEL_COLS * PANEL_GROUP  # outputs per tile of the panel layout
+XQ_MAX = 16383  # kernels/decode_forward.c's int16 step count (to_int16_rows)
+SUM_ERROR = 2 * 2.0**-24  # per input: the float32 sums of the panel kernel's k products, against |x| |w_i|
+APPROX_ROUNDING = 2.0**-22  # the approximation's own float32 rounding (from a double), relative, with room
+WIDER = 1.01  # every bound taken this much wider
+TIE_STEPS = 2.0**-6  # two bfloat16 steps, relative to the logits' size (bfloat16 keeps 8 significant bits)
+FLUSHED = 1e-30  # products under float32's normal range that the kernels flush to zero: k of them, at most
+MAX_TILE_SHARE = 0.25  # past this share of the head's tiles, the whole head costs less
+MAX_ROWS = 4  # rows a step may have: past them the int8 sums and the candidates cost more than the whole head
+BUILD_ROWS = 4096  # head rows quantized at a time at load (no second whole copy of the head)
+
+
+class GreedyHead:
+    """The greedy argmax of a bfloat16 LM head held in panels (``LlamaForCausalLM.pack_panels``)."""
+
+    def __init__(self, panels: torch.Tensor, n: int, k: int) -> None:
+        if n % TILE:
+            raise ValueError(f"the greedy head takes whole tiles of {TILE} tokens (vocabulary {n})")
+        self.panels, self.n, self.k = panels, n, k
+        self.q = torch.empty((n, k), dtype=torch.int8)
+        self.scale = torch.empty(n, dtype=torch.float32)
+        # per token: |w_i - w8_i| + SUM_ERROR k |w_i|, and |w8_i|_1 / (2 XQ_MAX), both WIDER (float64, then rounded up)
+        self.weight_error = torch.empty(n, dtype=torch.float32)
+        self.step_error = torch.empty(n, dtype=torch.float32)
+        for start in range(0, n, BUILD_ROWS):
+            rows = slice(start, min(n, start + BUILD_ROWS))
+            tiles = panels[start * k:rows.stop * k]  # whole tiles: BUILD_ROWS is a multiple of TILE
+            w = weight_of_panels(tiles, rows.stop - start, k)
+            self.q[rows], self.scale[rows] = quantize_rows(w)
+            exact = w.double()
+            approx = self.q[rows].double() * self.scale[rows].double()[:, None]
+            self.weight_error[rows] = _rounded_up(((exact - approx).norm(dim=1) + SUM_ERROR * k * exact.norm(dim=1))
+                                                  * WIDER)
+            self.step_error[rows] = _rounded_up(approx.abs().sum(1) / (2 * XQ_MAX) * WIDER)
+        self.approximate = linear_int8_kernel()
+        self.exact = linear_panels_tiles_kernel()
+
+    @classmethod
+    def of(cls, head: torch.nn.Module) -> GreedyHead | None:
+        """The greedy head of ``head`` (an LM head module): None unless it is in panels, of whole tiles, with both
+        kernels built."""
+        panels = getattr(head, "panels", None)
+        n, k = head.weight.shape
+        if panels is None or n % TILE or linear_int8_kernel() is None or linear_panels_tiles_kernel() is None:
+            return None
+        return cls(panels, n, k)
+
+    @property
+    def nbytes(self) -> int:
+        """The memory it adds to the head's."""
+        return sum(t.nbytes for t in (self.q, self.scale, self.weight_error, self.step_error))
+
+    def candidate_tiles(self, x: torch.Tensor) -> torch.Tensor:
+        """The tiles (ascending) that hold every token the bound cannot rule out for any row of ``x`` (float32)."""
+        approx = torch.empty((x.shape[0], self.n), dtype=torch.float32)
+        if self.approximate(x.data_ptr(), self.q.data_ptr(), self.scale.data_ptr(), None, approx.data_ptr(),
+                            x.shape[0], self.n, self.k, 0) != 0:
+            raise RuntimeError(f"the int8 head kernel refused {tuple(x.shape)} x {self.n} outputs")
+        norm = x.double().norm(dim=1, keepdim=True).float() * WIDER
+        step = x.abs().amax(dim=1, keepdim=True) / XQ_MAX * WIDER
+        margin = (self.weight_error * norm).add_(self.step_error * step).add_(approx.abs(), alpha=APPROX_ROUNDING)
+        margin.add_(FLUSHED)
+        lower = (approx - margin).amax(dim=1, keepdim=True)
+        upper = approx.add_(margin)
+        size = torch.maximum(lower.abs(), upper.amax(dim=1, keepdim=True).abs())
+        candidates = upper >= lower - TIE_STEPS * size
+        return torch.unique(candidates.nonzero()[:, 1] // TILE).to(torch.int32)
+
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's greedy token (int64), as ``logits(hidden).argmax(-1)`` of the bfloat16 head; None where the
+        whole head is the cheaper or the only sound way (too many candidates, a row not finite, too many rows)."""
+        rows = hidden.shape[0]
+        if not 0 < rows <= MAX_ROWS or hidden.dtype is not torch.bfloat16:
+            return None
+        hidden = hidden.contiguous()
+        x = hidden.float()
+        if not torch.isfinite(x).all():
+            return None
+        tiles = self.candidate_tiles(x)
+        if len(tiles) > MAX_TILE_SHARE * self.n / TILE:
+            return None
+        logits = torch.empty((len(tiles), rows, TILE), dtype=torch.bfloat16)
+        if self.exact(hidden.data_ptr(), self.panels.data_ptr(), tiles.data_ptr(), len(tiles), logits.data_ptr(),
+                      rows, self.n, self.k) != 0:
+            raise RuntimeError(f"kernels/linear_panels.c refused {len(tiles)} tiles of {tuple(hidden.shape)}")
+        best = logits.permute(1, 0, 2).reshape(rows, -1).float().argmax(dim=1)
+        return tiles.long()[best // TILE] * TILE + best % TILE
+
+
+def _rounded_up(values: torch.Tensor) -> torch.Tensor:
+    """float64 values as the float32 at or above each."""
+    rounded = values.float()
+    return torch.where(rounded.double() < values, torch.nextafter(rounded, torch.tensor(float("inf"))), rounded)

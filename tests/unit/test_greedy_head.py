@@ -1,0 +1,144 @@
+"""The greedy LM head (common/engine/greedy_head.py): the same token as the whole bfloat16 head's argmax, ties and
+near-ties included, from the int8 copy and the exact logits of the tiles it cannot rule out."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.config.base import CpuConfig, EngineConfig
+from common.engine.greedy_head import MAX_ROWS, TILE, GreedyHead
+from common.engine.llm_engine import LLMEngine
+from common.engine.models.llama import _linear_panels, panels_of
+from common.engine.native import linear_panels_tiles_kernel
+from common.protocol.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(linear_panels_tiles_kernel() is None,
+                                reason="the greedy head reads a head in panels: a C compiler and AVX512-BF16")
+
+
+def head(n: int, k: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, k, generator=gen) * k ** -0.5).to(torch.bfloat16)
+
+
+def whole_head_argmax(panels: torch.Tensor, n: int, x: torch.Tensor) -> torch.Tensor:
+    return _linear_panels(x, panels, n, None).float().argmax(dim=1)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 30])
+def test_chosen_tiles_get_the_whole_calls_values_bit_for_bit(rows):
+    n, k = 1024, 320
+    panels = panels_of(head(n, k, seed=rows))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    whole = _linear_panels(x, panels, n, None)
+    tiles = torch.tensor([0, 3, 4, 15], dtype=torch.int32)
+    out = torch.empty((len(tiles), rows, TILE), dtype=torch.bfloat16)
+    assert linear_panels_tiles_kernel()(x.data_ptr(), panels.data_ptr(), tiles.data_ptr(), len(tiles),
+                                        out.data_ptr(), rows, n, k) == 0
+    for i, t in enumerate(tiles.tolist()):
+        assert torch.equal(out[i], whole[:, t * TILE:(t + 1) * TILE])
+
+
+def test_the_tiles_kernel_refuses_a_tile_outside_the_head():
+    n, k = 128, 64
+    panels = panels_of(head(n, k, seed=1))
+    x = torch.zeros(1, k, dtype=torch.bfloat16)
+    out = torch.empty((1, 1, TILE), dtype=torch.bfloat16)
+    for tile in (-1, n // TILE):
+        tiles = torch.tensor([tile], dtype=torch.int32)
+        assert linear_panels_tiles_kernel()(x.data_ptr(), panels.data_ptr(), tiles.data_ptr(), 1, out.data_ptr(), 1,
+                                            n, k) == -1
+
+
+@pytest.mark.parametrize("rows", list(range(1, MAX_ROWS + 1)))
+def test_random_rows_get_the_whole_heads_argmax(rows):
+    n, k = 8192, 512
+    panels = panels_of(head(n, k, seed=rows))
+    greedy = GreedyHead(panels, n, k)
+    gen = torch.Generator().manual_seed(100 + rows)
+    for scale in (1e-3, 1.0, 30.0):
+        for _ in range(5):
+            x = (torch.randn(rows, k, generator=gen) * scale).to(torch.bfloat16)
+            tokens = greedy.argmax(x)
+            assert tokens is not None
+            assert torch.equal(tokens, whole_head_argmax(panels, n, x))
+
+
+def test_ties_and_near_ties_go_as_the_whole_heads():
+    """Tokens whose weights are equal (an exact tie: the first index wins) or one bfloat16 step apart in a
+    coordinate, spread over different tiles, with rows that single them out."""
+    n, k = 4096, 256
+    w = head(n, k, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    twins = [(5, 3000), (70, 71), (1000, 4095)]
+    for a, b in twins:
+        w[b] = w[a]
+    nudged = w[200].clone()
+    nudged[0] = torch.nextafter(nudged[0].float(), torch.tensor(10.0)).to(torch.bfloat16)
+    w[2500] = nudged
+    panels = panels_of(w)
+    greedy = GreedyHead(panels, n, k)
+    picked = []
+    for a in [a for a, _ in twins] + [200]:
+        for _ in range(3):
+            x = (w[a].float() * 20 + torch.randn(k, generator=gen) * 0.05).to(torch.bfloat16)[None]
+            tokens = greedy.argmax(x)
+            assert tokens is not None
+            assert torch.equal(tokens, whole_head_argmax(panels, n, x))
+            picked.append(int(tokens))
+    assert {5, 70, 1000} <= set(picked)  # the twins' first index, never the second
+    assert not {3000, 71, 4095} & set(picked)
+
+
+def test_what_it_cannot_settle_goes_to_the_whole_head():
+    n, k = 1024, 128
+    panels = panels_of(head(n, k, seed=3))
+    greedy = GreedyHead(panels, n, k)
+    x = torch.randn(MAX_ROWS + 1, k).to(torch.bfloat16)
+    assert greedy.argmax(x) is None  # more rows than it takes
+    x = x[:1].clone()
+    x[0, 5] = float("nan")
+    assert greedy.argmax(x) is None
+    flat = panels_of(torch.full((n, k), 0.01, dtype=torch.bfloat16))  # every token ties: all are candidates
+    assert GreedyHead(flat, n, k).argmax(torch.ones(1, k, dtype=torch.bfloat16)) is None
+
+
+def test_a_head_not_in_whole_tiles_is_refused():
+    with pytest.raises(ValueError, match="whole tiles"):
+        GreedyHead(panels_of(head(TILE + 16, 32, seed=1)), TILE + 16, 32)
+
+
+def generate(model_dir, greedy_head: bool, params: SamplingParams) -> tuple[list[list[int]], LLMEngine]:
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16", kv_cache_memory_bytes=64 << 20,
+                                    cpu=CpuConfig(greedy_head=greedy_head)))
+    gen = torch.Generator().manual_seed(11)
+    for i in range(3):
+        engine.add_request(f"r{i}", torch.randint(100, 40000, (20 + 9 * i,), generator=gen).tolist(), params)
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+    return [outputs[f"r{i}"] for i in range(3)], engine
+
+
+def test_an_engine_generates_the_same_tokens_with_and_without_it(embedded_model_dir_bf16, monkeypatch):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    calls = []
+    argmax = GreedyHead.argmax
+    monkeypatch.setattr(GreedyHead, "argmax", lambda self, hidden: calls.append(len(hidden)) or argmax(self, hidden))
+    with_it, engine = generate(embedded_model_dir_bf16, True, params)
+    assert engine.runner.greedy_head is not None and calls
+    without, engine = generate(embedded_model_dir_bf16, False, params)
+    assert engine.runner.greedy_head is None
+    assert with_it == without
+
+
+def test_rows_that_read_their_logits_do_not_take_it(embedded_model_dir_bf16, monkeypatch):
+    calls = []
+    monkeypatch.setattr(GreedyHead, "argmax", lambda self, hidden: calls.append(len(hidden)))
+    for params in (SamplingParams(temperature=0.0, max_tokens=3, logprobs=2),
+                   SamplingParams(temperature=0.0, max_tokens=3, presence_penalty=0.5),
+                   SamplingParams(temperature=0.7, max_tokens=3, seed=1)):
+        generate(embedded_model_dir_bf16, True, params)
+    assert calls == []
