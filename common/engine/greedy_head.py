@@ -13,21 +13,25 @@ argmax, so the head is read twice, cheaply:
    of k products (at most k 2^-24 of the sum of their sizes, which Cauchy-Schwarz bounds by |x| |w_i|; taken
    twice); the per-token norms are kept beside the copy, and the whole bound is taken 1% wider.
 2. The token whose lower bound is highest beats every token whose upper bound is below that one by more than two
-   bfloat16 steps at the logits' size (so their rounded logits cannot tie it either); the others, typically
-   a few dozen, are candidates. The 64-token tiles that hold them get their exact logits through the panel
-   kernel (``tessera_linear_panels_tiles``), whose every sum has the order the whole head's call gives it: the
-   argmax over those tiles, first index on a tie, is the whole head's argmax, bit for bit.
+   bfloat16 steps at the logits' size (so their rounded logits cannot tie it either); the others, typically a few
+   dozen, are candidates (kernels/greedy_bound.c). The 64-token tiles that hold them get their exact logits through
+   the panel kernel (``tessera_linear_panels_tiles``), whose every sum has the order the whole head's call gives it:
+   the argmax over those tiles, first index on a tie, is the whole head's argmax, bit for bit.
 
 When the candidates' tiles would be more than ``MAX_TILE_SHARE`` of the head, or a row is not finite, ``argmax``
 returns None and the caller computes the whole head. The copy costs a byte per head weight of memory (reported at
-load; ``engine.cpu.greedy_head`` turns it off).
+load). The int8 sums cost per row where the bytes do not, so past a few rows (fewer, the smaller the hidden size)
+the whole head is the faster: ``timed_max_rows`` finds how many at load (``engine.cpu.greedy_head_max_rows``).
 """
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 import torch
 
 from common.engine.models.llama import PANEL_COLS, PANEL_GROUP, weight_of_panels
-from common.engine.native import linear_panels_tiles_kernel
+from common.engine.native import greedy_tiles_kernel, linear_panels_tiles_kernel
 from common.engine.quantization import linear_int8_kernel, quantize_rows
 
 TILE = PANEL_COLS * PANEL_GROUP  # outputs per tile of the panel layout
@@ -38,7 +42,8 @@ WIDER = 1.01  # every bound taken this much wider
 TIE_STEPS = 2.0**-6  # two bfloat16 steps, relative to the logits' size (bfloat16 keeps 8 significant bits)
 FLUSHED = 1e-30  # products under float32's normal range that the kernels flush to zero: k of them, at most
 MAX_TILE_SHARE = 0.25  # past this share of the head's tiles, the whole head costs less
-MAX_ROWS = 4  # rows a step may have: past them the int8 sums and the candidates cost more than the whole head
+MAX_ROWS = 4  # the most rows ``timed_max_rows`` tries: 1B shape, Zen 4: ahead at 4 rows, behind at 8
+FLUSH_BYTES = 256 << 20  # read between timed calls, as a decode step's weights pass through the caches
 BUILD_ROWS = 4096  # head rows quantized at a time at load (no second whole copy of the head)
 
 
@@ -49,6 +54,7 @@ class GreedyHead:
         if n % TILE:
             raise ValueError(f"the greedy head takes whole tiles of {TILE} tokens (vocabulary {n})")
         self.panels, self.n, self.k = panels, n, k
+        self.max_rows = MAX_ROWS
         self.q = torch.empty((n, k), dtype=torch.int8)
         self.scale = torch.empty(n, dtype=torch.float32)
         # per token: |w_i - w8_i| + SUM_ERROR k |w_i|, and |w8_i|_1 / (2 XQ_MAX), both WIDER (float64, then rounded up)
@@ -65,6 +71,7 @@ class GreedyHead:
                                                   * WIDER)
             self.step_error[rows] = _rounded_up(approx.abs().sum(1) / (2 * XQ_MAX) * WIDER)
         self.approximate = linear_int8_kernel()
+        self.bound = greedy_tiles_kernel()
         self.exact = linear_panels_tiles_kernel()
 
     @classmethod
@@ -73,9 +80,38 @@ class GreedyHead:
         kernels built."""
         panels = getattr(head, "panels", None)
         n, k = head.weight.shape
-        if panels is None or n % TILE or linear_int8_kernel() is None or linear_panels_tiles_kernel() is None:
+        if panels is None or n % TILE or None in (linear_int8_kernel(), greedy_tiles_kernel(),
+                                                  linear_panels_tiles_kernel()):
             return None
         return cls(panels, n, k)
+
+    def timed_max_rows(self, whole: Callable[[torch.Tensor], torch.Tensor], limit: int = MAX_ROWS,
+                       repeat: int = 5) -> int:
+        """The most rows, up to ``limit``, for which this head was ahead of ``whole`` (the whole head and its argmax)
+        at every count up to them, both timed now on random rows (best of ``repeat``), each call after reading
+        ``FLUSH_BYTES`` so that neither finds its weights in the caches, as in a decode step; 0 where it was behind
+        at one row. Sets ``max_rows`` to it."""
+        flush = torch.ones(FLUSH_BYTES // 4)
+        gen = torch.Generator().manual_seed(0)
+        chosen = 0
+        for rows in range(1, limit + 1):
+            self.max_rows = rows
+            x = torch.randn(rows, self.k, generator=gen).to(torch.bfloat16)
+            ours = theirs = float("inf")
+            for _ in range(repeat):
+                flush.sum()
+                start = time.perf_counter()
+                settled = self.argmax(x) is not None
+                ours = min(ours, time.perf_counter() - start if settled else float("inf"))
+                flush.sum()
+                start = time.perf_counter()
+                whole(x)
+                theirs = min(theirs, time.perf_counter() - start)
+            if ours >= theirs:
+                break
+            chosen = rows
+        self.max_rows = chosen
+        return chosen
 
     @property
     def nbytes(self) -> int:
@@ -88,21 +124,21 @@ class GreedyHead:
         if self.approximate(x.data_ptr(), self.q.data_ptr(), self.scale.data_ptr(), None, approx.data_ptr(),
                             x.shape[0], self.n, self.k, 0) != 0:
             raise RuntimeError(f"the int8 head kernel refused {tuple(x.shape)} x {self.n} outputs")
-        norm = x.double().norm(dim=1, keepdim=True).float() * WIDER
-        step = x.abs().amax(dim=1, keepdim=True) / XQ_MAX * WIDER
-        margin = (self.weight_error * norm).add_(self.step_error * step).add_(approx.abs(), alpha=APPROX_ROUNDING)
-        margin.add_(FLUSHED)
-        lower = (approx - margin).amax(dim=1, keepdim=True)
-        upper = approx.add_(margin)
-        size = torch.maximum(lower.abs(), upper.amax(dim=1, keepdim=True).abs())
-        candidates = upper >= lower - TIE_STEPS * size
-        return torch.unique(candidates.nonzero()[:, 1] // TILE).to(torch.int32)
+        norm = x.double().norm(dim=1).float() * WIDER
+        step = x.abs().amax(dim=1) / XQ_MAX * WIDER
+        tiles = torch.empty(self.n // TILE, dtype=torch.int32)
+        count = self.bound(approx.data_ptr(), self.weight_error.data_ptr(), self.step_error.data_ptr(),
+                           norm.data_ptr(), step.data_ptr(), x.shape[0], self.n, TILE, APPROX_ROUNDING, FLUSHED,
+                           TIE_STEPS, tiles.data_ptr())
+        if count < 0:
+            raise RuntimeError(f"kernels/greedy_bound.c refused {tuple(approx.shape)} in tiles of {TILE}")
+        return tiles[:count]
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Each row's greedy token (int64), as ``logits(hidden).argmax(-1)`` of the bfloat16 head; None where the
         whole head is the cheaper or the only sound way (too many candidates, a row not finite, too many rows)."""
         rows = hidden.shape[0]
-        if not 0 < rows <= MAX_ROWS or hidden.dtype is not torch.bfloat16:
+        if not 0 < rows <= self.max_rows or hidden.dtype is not torch.bfloat16:
             return None
         hidden = hidden.contiguous()
         x = hidden.float()

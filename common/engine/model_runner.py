@@ -28,7 +28,6 @@ import torch.distributed as dist
 from common.engine.attention import get_step_context, select_backend
 from common.engine.cuda_graphs import CudaGraph, DecodeGraphs
 from common.engine.greedy_head import GreedyHead
-from common.engine.greedy_head import MAX_ROWS as GREEDY_HEAD_MAX_ROWS
 from common.config.base import EngineConfig
 from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.huge_pages import thp_policy
@@ -213,9 +212,7 @@ class ModelRunner:
         # greedy rows' tokens from an int8 copy of a head in panels, and the few tokens it cannot rule out
         self.greedy_head = GreedyHead.of(self.model.head()) if self._greedy_head_planned() else None
         if self.greedy_head is not None:
-            log.info("greedy LM head: an int8 copy of the head (+%.1f MiB) rules out all but a few tokens, whose "
-                     "exact logits come from the panels (common/engine/greedy_head.py; engine.cpu.greedy_head)",
-                     self.greedy_head.nbytes / 2**20)
+            self._choose_greedy_rows()
         if bf16_cpu and config.cpu.prepack_weights and (added := self.model.prepack_weights()):  # int8: none
             log.info("linear weights prepacked for oneDNN (+%.1f MiB; engine.cpu.prepack_weights)", added / 2**20)
         if self.model.fused_decode is not None and left and (self.dtype is torch.bfloat16
@@ -277,6 +274,26 @@ class ModelRunner:
         log.info("decode steps: kernels/decode_forward.c up to %d row(s), the torch path past them (timed in "
                  "%.1fs; engine.cpu.decode_kernel_max_batch)", chosen, time.monotonic() - started)
 
+    def _choose_greedy_rows(self) -> None:
+        """The most rows a step's greedy rows take the greedy head for: ``greedy_head_max_rows``, or where that is
+        -1, as many as it was timed ahead of the whole head (``GreedyHead.timed_max_rows``); at none, the copy is
+        dropped."""
+        head, setting = self.greedy_head, self.config.cpu.greedy_head_max_rows
+        started = time.monotonic()
+        if setting < 0:
+            head.timed_max_rows(lambda rows: self.model.compute_logits(rows).float().argmax(dim=-1))
+        else:
+            head.max_rows = setting
+        how = f"timed in {time.monotonic() - started:.1f}s" if setting < 0 else "as set"
+        if head.max_rows == 0:
+            self.greedy_head = None
+            log.info("greedy LM head: behind the whole head at one row here (%s): off "
+                     "(engine.cpu.greedy_head_max_rows)", how)
+            return
+        log.info("greedy LM head for steps of up to %d row(s) (%s): an int8 copy of the head (+%.1f MiB) rules out "
+                 "all but a few tokens, whose exact logits come from the panels (common/engine/greedy_head.py; "
+                 "engine.cpu.greedy_head_max_rows)", head.max_rows, how, head.nbytes / 2**20)
+
     def _capture_graphs(self) -> None:
         """CUDA graphs of decode steps up to ``engine.cuda_graphs.max_rows`` rows, or as many as a step can hold
         (``max_num_seqs`` sequences, each with its drafts; ``max_num_batched_tokens``), where the attention
@@ -328,9 +345,10 @@ class ModelRunner:
                 and self.tp.size == 1 and self.model.panels_fit())
 
     def _greedy_head_planned(self) -> bool:
-        """Whether the load gives the head a greedy copy (``GreedyHead``): engine.cpu.greedy_head, the weights in
-        panels (not int8; ``GreedyHead.of`` checks the head itself), one rank."""
-        return self.config.cpu.greedy_head and self.config.quantization == "none" and self._panels_planned()
+        """Whether the load gives the head a greedy copy (``GreedyHead``): engine.cpu.greedy_head_max_rows not 0, the
+        weights in panels (not int8; ``GreedyHead.of`` checks the head itself), one rank."""
+        return (self.config.cpu.greedy_head_max_rows != 0 and self.config.quantization == "none"
+                and self._panels_planned())
 
     def _fused_decode_kernel(self) -> bool:
         """Whether this runner gets the one-call decode kernel (``FusedDecode``): the CPU, its paged attention,
@@ -551,7 +569,7 @@ class ModelRunner:
         """Whether a step's sampled rows may take the greedy head: every one greedy with nothing that reads its
         logits (penalties, logprobs, a mask, drafts to verify, fault injection), no more rows than it takes."""
         return (self.greedy_head is not None and constrain is None and self.fault_nonfinite_token is None
-                and len(seqs) <= GREEDY_HEAD_MAX_ROWS and not any(drafts)
+                and len(seqs) <= self.greedy_head.max_rows and not any(drafts)
                 and all(argmax_suffices(seq.params) for seq in seqs))
 
     def _replays(self, host: HostStep) -> bool:

@@ -153,6 +153,14 @@ def linear_panels_tiles_kernel():
                            (ctypes.c_void_p,) * 3 + (ctypes.c_int64,) + (ctypes.c_void_p,) + (ctypes.c_int64,) * 3)
 
 
+@functools.cache
+def greedy_tiles_kernel():
+    """``tessera_greedy_tiles(approx, weight_error, step_error, norm, step, m, n, tile, rounding, flushed,
+    tie_steps, tiles)`` (``kernels/greedy_bound.c``): the greedy head's candidate tiles, or None without a compiler."""
+    return kernel_function("greedy_bound", "tessera_greedy_tiles",
+                           (ctypes.c_void_p,) * 5 + (ctypes.c_int64,) * 3 + (ctypes.c_float,) * 3 + (ctypes.c_void_p,))
+
+
 def gemm_invariant_kernel():
     """``tessera_gemm_invariant(x, w, bias, y, m, n, k, is_bf16)`` (``kernels/gemm_invariant.c``), or None
     without a compiler."""

@@ -2,6 +2,8 @@
 near-ties included, from the int8 copy and the exact logits of the tiles it cannot rule out."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -108,9 +110,9 @@ def test_a_head_not_in_whole_tiles_is_refused():
         GreedyHead(panels_of(head(TILE + 16, 32, seed=1)), TILE + 16, 32)
 
 
-def generate(model_dir, greedy_head: bool, params: SamplingParams) -> tuple[list[list[int]], LLMEngine]:
+def generate(model_dir, max_rows: int, params: SamplingParams) -> tuple[list[list[int]], LLMEngine]:
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16", kv_cache_memory_bytes=64 << 20,
-                                    cpu=CpuConfig(greedy_head=greedy_head)))
+                                    cpu=CpuConfig(greedy_head_max_rows=max_rows)))
     gen = torch.Generator().manual_seed(11)
     for i in range(3):
         engine.add_request(f"r{i}", torch.randint(100, 40000, (20 + 9 * i,), generator=gen).tolist(), params)
@@ -127,9 +129,9 @@ def test_an_engine_generates_the_same_tokens_with_and_without_it(embedded_model_
     calls = []
     argmax = GreedyHead.argmax
     monkeypatch.setattr(GreedyHead, "argmax", lambda self, hidden: calls.append(len(hidden)) or argmax(self, hidden))
-    with_it, engine = generate(embedded_model_dir_bf16, True, params)
-    assert engine.runner.greedy_head is not None and calls
-    without, engine = generate(embedded_model_dir_bf16, False, params)
+    with_it, engine = generate(embedded_model_dir_bf16, MAX_ROWS, params)  # set, not timed: the path is taken
+    assert engine.runner.greedy_head is not None and calls and max(calls) == 3  # the three streams' steps
+    without, engine = generate(embedded_model_dir_bf16, 0, params)
     assert engine.runner.greedy_head is None
     assert with_it == without
 
@@ -140,5 +142,29 @@ def test_rows_that_read_their_logits_do_not_take_it(embedded_model_dir_bf16, mon
     for params in (SamplingParams(temperature=0.0, max_tokens=3, logprobs=2),
                    SamplingParams(temperature=0.0, max_tokens=3, presence_penalty=0.5),
                    SamplingParams(temperature=0.7, max_tokens=3, seed=1)):
-        generate(embedded_model_dir_bf16, True, params)
+        generate(embedded_model_dir_bf16, MAX_ROWS, params)
     assert calls == []
+
+
+def test_the_load_times_how_many_rows_it_takes(embedded_model_dir_bf16, monkeypatch):
+    """-1 (the default): the rows come from timing both ways at load, whichever way that goes on this host; the
+    runner keeps the copy only where it took at least one row."""
+    chosen = []
+    timed = GreedyHead.timed_max_rows
+    monkeypatch.setattr(GreedyHead, "timed_max_rows", lambda self, whole: chosen.append(timed(self, whole, repeat=2)))
+    _, engine = generate(embedded_model_dir_bf16, -1, SamplingParams(temperature=0.0, max_tokens=2))
+    assert len(chosen) == 1 and 0 <= chosen[0] <= MAX_ROWS
+    head = engine.runner.greedy_head
+    assert (head is None) == (chosen[0] == 0)
+    assert head is None or head.max_rows == chosen[0]
+
+
+def test_timing_stops_at_the_first_row_count_it_is_behind():
+    n, k = 1024, 128
+    greedy = GreedyHead(panels_of(head(n, k, seed=5)), n, k)
+    assert greedy.timed_max_rows(lambda rows: None, repeat=1) == 0  # a whole head that costs nothing
+    assert greedy.max_rows == 0 and greedy.argmax(torch.ones(1, k, dtype=torch.bfloat16)) is None
+
+    def slow(rows):
+        time.sleep(0.05 if len(rows) < 3 else 0.0)
+    assert greedy.timed_max_rows(slow, repeat=1) == 2
