@@ -144,6 +144,10 @@ class Server:
                                          proxy_overrides=[f"served_model_name={model.name}"],
                                          share_cores=not name.endswith("-split"),
                                          **layout).start(READY_TIMEOUT_S)
+            for path in sorted(log_dir.glob("*.log")):  # what each worker's load chose, timed (the greedy head)
+                for line in path.read_text(errors="replace").splitlines():
+                    if "greedy LM head" in line:
+                        print(f"{name}, {path.stem}: {line[line.index('greedy LM head'):][:100]}", flush=True)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
