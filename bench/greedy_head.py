@@ -6,8 +6,8 @@
 One engine (``--model`` as in bench/peers/compare.py, bfloat16, ``--threads`` threads) serves ``--streams``
 greedy streams at once (``ignore_eos``) in each of ``--rounds`` rounds, once with the greedy head
 (common/engine/greedy_head.py, engine.cpu.greedy_head) and once with the whole head (the runner's ``greedy_head``
-set aside; the head taking up to 4 rows whatever the load's timing would choose, which the report gives too), the
-order alternating from round to round so that the host's drifting memory bandwidth hits both
+set aside; the head taking up to 4 rows whatever the default for the model's size, which the report gives too,
+with what a timing now finds), the order alternating from round to round so that the host's drifting memory bandwidth hits both
 alike; every stream has a prompt of its own. TPOT runs from a stream's first token to its last; a round's ratio is
 greedy over whole, and the report gives each way's median and the median of the rounds' ratios, with the bytes a
 one-row step reads each way. Then the head alone: ``GreedyHead.argmax`` against the whole head and its argmax on
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.dtype != "bfloat16":
         parser.error("the greedy head reads a bfloat16 head: --dtype bfloat16")
-    args.set.append(f"cpu={{greedy_head_max_rows: {MAX_ROWS}}}")  # set, not timed (the report gives the timing's)
+    args.set.append(f"cpu={{greedy_head_max_rows: {MAX_ROWS}}}")  # whatever the default for this size
     model, engine = engine_from_args(args)
     runner = engine.runner
     greedy = runner.greedy_head
@@ -101,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ngreedy over whole: median of the rounds' ratios {statistics.median(ratios):.3f} "
           f"({', '.join(f'{r:.2f}' for r in ratios)})")
     whole_head = lambda x: runner.model.compute_logits(x).float().argmax(dim=-1)  # noqa: E731
-    print(f"the load's timing (engine.cpu.greedy_head_max_rows -1) chose {greedy.timed_max_rows(whole_head)} row(s) "
-          f"now")
+    print(f"timed now, both ways with the caches flushed (GreedyHead.timed_max_rows): ahead up to "
+          f"{greedy.timed_max_rows(whole_head)} row(s); by default a worker takes it up to "
+          f"{GreedyHead.default_rows(greedy.k)} (hidden size {greedy.k})")
     greedy.max_rows = MAX_ROWS
     rows = torch.cat(hidden)
     print("\n| rows | greedy head ms | whole head and argmax ms | candidate tiles (of %d) |\n|---|---|---|---|"

@@ -323,8 +323,8 @@ class CpuConfig:
                                        "from an int8 copy of the LM head, which rules out all but a few tokens, "
                                        "and those tokens' exact logits: the whole head's token for half its bytes, "
                                        "at a byte per head weight of memory (common/engine/greedy_head.py); -1: "
-                                       "as many as a timing at load finds it ahead, up to 4 (none: no copy kept); "
-                                       "0: off", ge=-1, le=8)
+                                       "3 where the hidden size is at least 2048, none below (where the int8 "
+                                       "pass was measured ahead: docs/benchmarks.md); 0: off", ge=-1, le=8)
 
 
 @config_model("engine.cuda_graphs")

@@ -20,8 +20,12 @@ argmax, so the head is read twice, cheaply:
 
 When the candidates' tiles would be more than ``MAX_TILE_SHARE`` of the head, or a row is not finite, ``argmax``
 returns None and the caller computes the whole head. The copy costs a byte per head weight of memory (reported at
-load). The int8 sums cost per row where the bytes do not, so past a few rows (fewer, the smaller the hidden size)
-the whole head is the faster: ``timed_max_rows`` finds how many at load (``engine.cpu.greedy_head_max_rows``).
+load). The int8 sums cost per row where the bytes do not, and a short row (a small hidden size) spreads the int8
+kernel's cost per token over few inputs: on Zen 4 it was ahead of the whole head at 1-3 rows at the 1B shape (hidden
+2048) and not even at one row at 135M (576). So by default (``default_rows``) it takes up to ``DEFAULT_ROWS`` rows
+from ``MIN_HIDDEN`` and none below; ``engine.cpu.greedy_head_max_rows`` sets another count. ``timed_max_rows``
+times both ways now (``bench.greedy_head``): not at load, where a worker's timing runs beside the other workers'
+loads on shared cores and came out either way.
 """
 from __future__ import annotations
 
@@ -43,6 +47,8 @@ TIE_STEPS = 2.0**-6  # two bfloat16 steps, relative to the logits' size (bfloat1
 FLUSHED = 1e-30  # products under float32's normal range that the kernels flush to zero: k of them, at most
 MAX_TILE_SHARE = 0.25  # past this share of the head's tiles, the whole head costs less
 MAX_ROWS = 4  # the most rows ``timed_max_rows`` tries: 1B shape, Zen 4: ahead at 4 rows, behind at 8
+DEFAULT_ROWS = 3  # rows it takes by default (``default_rows``): 1B shape, Zen 4, timed ahead at 3 or 4
+MIN_HIDDEN = 2048  # the smallest hidden size it takes by default (measured at 576 and 2048: docs/benchmarks.md)
 FLUSH_BYTES = 256 << 20  # read between timed calls, as a decode step's weights pass through the caches
 BUILD_ROWS = 4096  # head rows quantized at a time at load (no second whole copy of the head)
 
@@ -84,6 +90,11 @@ class GreedyHead:
                                                   linear_panels_tiles_kernel()):
             return None
         return cls(panels, n, k)
+
+    @staticmethod
+    def default_rows(hidden_size: int) -> int:
+        """The rows a head of ``hidden_size`` inputs takes by default (``MIN_HIDDEN``, ``DEFAULT_ROWS``)."""
+        return DEFAULT_ROWS if hidden_size >= MIN_HIDDEN else 0
 
     def timed_max_rows(self, whole: Callable[[torch.Tensor], torch.Tensor], limit: int = MAX_ROWS,
                        repeat: int = 5) -> int:

@@ -276,23 +276,13 @@ class ModelRunner:
 
     def _choose_greedy_rows(self) -> None:
         """The most rows a step's greedy rows take the greedy head for: ``greedy_head_max_rows``, or where that is
-        -1, as many as it was timed ahead of the whole head (``GreedyHead.timed_max_rows``); at none, the copy is
-        dropped."""
+        -1, ``GreedyHead.default_rows`` of the model's hidden size (``_greedy_head_planned`` made no copy where
+        that is none)."""
         head, setting = self.greedy_head, self.config.cpu.greedy_head_max_rows
-        started = time.monotonic()
-        if setting < 0:
-            head.timed_max_rows(lambda rows: self.model.compute_logits(rows).float().argmax(dim=-1))
-        else:
-            head.max_rows = setting
-        how = f"timed in {time.monotonic() - started:.1f}s" if setting < 0 else "as set"
-        if head.max_rows == 0:
-            self.greedy_head = None
-            log.info("greedy LM head: behind the whole head at one row here (%s): off "
-                     "(engine.cpu.greedy_head_max_rows)", how)
-            return
-        log.info("greedy LM head for steps of up to %d row(s) (%s): an int8 copy of the head (+%.1f MiB) rules out "
-                 "all but a few tokens, whose exact logits come from the panels (common/engine/greedy_head.py; "
-                 "engine.cpu.greedy_head_max_rows)", head.max_rows, how, head.nbytes / 2**20)
+        head.max_rows = setting if setting > 0 else GreedyHead.default_rows(head.k)
+        log.info("greedy LM head for steps of up to %d row(s): an int8 copy of the head (+%.1f MiB) rules out all but "
+                 "a few tokens, whose exact logits come from the panels (common/engine/greedy_head.py; "
+                 "engine.cpu.greedy_head_max_rows)", head.max_rows, head.nbytes / 2**20)
 
     def _capture_graphs(self) -> None:
         """CUDA graphs of decode steps up to ``engine.cuda_graphs.max_rows`` rows, or as many as a step can hold
@@ -345,10 +335,12 @@ class ModelRunner:
                 and self.tp.size == 1 and self.model.panels_fit())
 
     def _greedy_head_planned(self) -> bool:
-        """Whether the load gives the head a greedy copy (``GreedyHead``): engine.cpu.greedy_head_max_rows not 0, the
-        weights in panels (not int8; ``GreedyHead.of`` checks the head itself), one rank."""
-        return (self.config.cpu.greedy_head_max_rows != 0 and self.config.quantization == "none"
-                and self._panels_planned())
+        """Whether the load gives the head a greedy copy (``GreedyHead``): engine.cpu.greedy_head_max_rows above 0,
+        or -1 and a hidden size it takes by default; the weights in panels (not int8; ``GreedyHead.of`` checks the
+        head itself), one rank."""
+        setting = self.config.cpu.greedy_head_max_rows
+        wanted = setting > 0 or (setting < 0 and GreedyHead.default_rows(self.model.config.hidden_size) > 0)
+        return wanted and self.config.quantization == "none" and self._panels_planned()
 
     def _fused_decode_kernel(self) -> bool:
         """Whether this runner gets the one-call decode kernel (``FusedDecode``): the CPU, its paged attention,

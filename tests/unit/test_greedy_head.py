@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common.config.base import CpuConfig, EngineConfig
-from common.engine.greedy_head import MAX_ROWS, TILE, GreedyHead
+from common.engine.greedy_head import DEFAULT_ROWS, MAX_ROWS, MIN_HIDDEN, TILE, GreedyHead
 from common.engine.llm_engine import LLMEngine
 from common.engine.models.llama import _linear_panels, panels_of
 from common.engine.native import linear_panels_tiles_kernel
@@ -146,17 +146,14 @@ def test_rows_that_read_their_logits_do_not_take_it(embedded_model_dir_bf16, mon
     assert calls == []
 
 
-def test_the_load_times_how_many_rows_it_takes(embedded_model_dir_bf16, monkeypatch):
-    """-1 (the default): the rows come from timing both ways at load, whichever way that goes on this host; the
-    runner keeps the copy only where it took at least one row."""
-    chosen = []
-    timed = GreedyHead.timed_max_rows
-    monkeypatch.setattr(GreedyHead, "timed_max_rows", lambda self, whole: chosen.append(timed(self, whole, repeat=2)))
+def test_by_default_it_takes_the_hidden_sizes_it_was_measured_ahead_at(embedded_model_dir_bf16):
+    """-1 (the default): up to DEFAULT_ROWS rows from MIN_HIDDEN inputs, and no copy at all below (the embedded
+    model's 576)."""
+    assert GreedyHead.default_rows(MIN_HIDDEN) == DEFAULT_ROWS and GreedyHead.default_rows(MIN_HIDDEN - 1) == 0
     _, engine = generate(embedded_model_dir_bf16, -1, SamplingParams(temperature=0.0, max_tokens=2))
-    assert len(chosen) == 1 and 0 <= chosen[0] <= MAX_ROWS
-    head = engine.runner.greedy_head
-    assert (head is None) == (chosen[0] == 0)
-    assert head is None or head.max_rows == chosen[0]
+    assert engine.runner.model.config.hidden_size < MIN_HIDDEN and engine.runner.greedy_head is None
+    _, engine = generate(embedded_model_dir_bf16, 2, SamplingParams(temperature=0.0, max_tokens=2))
+    assert engine.runner.greedy_head.max_rows == 2
 
 
 def test_timing_stops_at_the_first_row_count_it_is_behind():
