@@ -3,16 +3,16 @@
     .venv/bin/python -m bench.greedy_head [--model 1b] [--rounds 8] [--input-len 256] [--output-len 64] \
         [--streams 1] [--seed 1] [--set KEY=VALUE ...]
 
-One engine (``--model`` as in bench/peers/compare.py, bfloat16, ``--threads`` threads) serves ``--streams``
-greedy streams at once (``ignore_eos``) in each of ``--rounds`` rounds, once with the greedy head
-(common/engine/greedy_head.py, engine.cpu.greedy_head) and once with the whole head (the runner's ``greedy_head``
-set aside; the head taking up to 4 rows whatever the default for the model's size, which the report gives too,
-with what a timing now finds), the order alternating from round to round so that the host's drifting memory bandwidth hits both
-alike; every stream has a prompt of its own. TPOT runs from a stream's first token to its last; a round's ratio is
-greedy over whole, and the report gives each way's median and the median of the rounds' ratios, with the bytes a
-one-row step reads each way. Then the head alone: ``GreedyHead.argmax`` against the whole head and its argmax on
-the rounds' own hidden states, each call after reading 256 MB (the caches flushed, as a decode step's weights
-flush them), in steps of ``--head-rows`` rows (the greedy head taking up to 4; past them it is
+One engine (``--model`` as in bench/peers/compare.py, bfloat16, ``--threads`` threads) serves ``--streams`` greedy
+streams at once (``ignore_eos``) in each of ``--rounds`` rounds, once with the greedy head
+(common/engine/greedy_head.py, engine.cpu.greedy_head_max_rows) and once with the whole head (the runner's
+``greedy_head`` set aside; the head taking up to 4 rows whatever the default for the model's size, which the report
+gives too, with what a timing now finds), the order alternating from round to round so that the host's drifting
+memory bandwidth hits both alike; every stream has a prompt of its own. TPOT runs from a stream's first token to its
+last; a round's ratio is greedy over whole, and the report gives each way's median and the median of the rounds'
+ratios, with the bytes a one-row step reads each way. Then the head alone: ``GreedyHead.argmax`` against the whole
+head and its argmax on the rounds' own hidden states, each call after reading 256 MB (the caches flushed, as a
+decode step's weights flush them), in steps of ``--head-rows`` rows (the greedy head taking up to 4; past them it is
 timed all the same), with how many tiles each step's candidates took.
 """
 from __future__ import annotations
@@ -132,7 +132,8 @@ def head_alone(model, greedy: GreedyHead, rows: torch.Tensor, repeat: int) -> st
         settled = greedy.argmax(rows) is not None
     finally:
         greedy.max_rows = MAX_ROWS
-    tiles = len(greedy.candidate_tiles(rows.float()))
+    candidates = greedy.candidate_tiles(rows.float())
+    tiles = "—" if candidates is None else len(candidates)
     return (f"| {len(rows)} | {1e3 * statistics.median(times[WAYS[0]]):.2f}"
             f"{'' if settled else ' (too many candidates: the whole head then runs too)'} | "
             f"{1e3 * statistics.median(times[WAYS[1]]):.2f} | {tiles} |")

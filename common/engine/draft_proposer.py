@@ -47,6 +47,7 @@ class DraftProposer:
             config, model=config.spec.draft_model, num_kv_blocks=None,
             kv_cache_memory_bytes=config.spec.draft_kv_cache_memory_bytes, spec=SpecConfig(),
             tensor_parallel_size=1, ranks=RanksConfig(), device=config.devices[0],  # whole, beside rank 0
+            cpu=dataclasses.replace(config.cpu, greedy_head_max_rows=0),  # it proposes from whole logits
         )
         self.runner = ModelRunner(draft_config, resolve_model(config.spec.draft_model, config.dtype))
         if self.runner.vocab_size != target.vocab_size:

@@ -50,7 +50,8 @@ MAX_ROWS = 4  # the most rows ``timed_max_rows`` tries: 1B shape, Zen 4: ahead a
 DEFAULT_ROWS = 3  # rows it takes by default (``default_rows``): 1B shape, Zen 4, timed ahead at 3 or 4
 MIN_HIDDEN = 2048  # the smallest hidden size it takes by default (measured at 576 and 2048: docs/benchmarks.md)
 FLUSH_BYTES = 256 << 20  # read between timed calls, as a decode step's weights pass through the caches
-BUILD_ROWS = 4096  # head rows quantized at a time at load (no second whole copy of the head)
+BUILD_BYTES = 16 << 20  # each float64 temporary of the copy's build at load (no second whole copy of the head)
+MAX_K = 16384  # kernels/decode_forward.c's widest row
 
 
 class GreedyHead:
@@ -63,30 +64,32 @@ class GreedyHead:
         self.max_rows = MAX_ROWS
         self.q = torch.empty((n, k), dtype=torch.int8)
         self.scale = torch.empty(n, dtype=torch.float32)
-        # per token: |w_i - w8_i| + SUM_ERROR k |w_i|, and |w8_i|_1 / (2 XQ_MAX), both WIDER (float64, then rounded up)
+        # per token: |w_i - w8_i| + SUM_ERROR k |w_i| (times |x|) and |w8_i|_1 / 2 (times the row's int16 step), both
+        # WIDER (float64, then rounded up)
         self.weight_error = torch.empty(n, dtype=torch.float32)
         self.step_error = torch.empty(n, dtype=torch.float32)
-        for start in range(0, n, BUILD_ROWS):
-            rows = slice(start, min(n, start + BUILD_ROWS))
-            tiles = panels[start * k:rows.stop * k]  # whole tiles: BUILD_ROWS is a multiple of TILE
+        build_rows = max(TILE, BUILD_BYTES // (8 * k) // TILE * TILE)
+        for start in range(0, n, build_rows):
+            rows = slice(start, min(n, start + build_rows))
+            tiles = panels[start * k:rows.stop * k]  # whole tiles: build_rows is a multiple of TILE
             w = weight_of_panels(tiles, rows.stop - start, k)
             self.q[rows], self.scale[rows] = quantize_rows(w)
             exact = w.double()
             approx = self.q[rows].double() * self.scale[rows].double()[:, None]
             self.weight_error[rows] = _rounded_up(((exact - approx).norm(dim=1) + SUM_ERROR * k * exact.norm(dim=1))
                                                   * WIDER)
-            self.step_error[rows] = _rounded_up(approx.abs().sum(1) / (2 * XQ_MAX) * WIDER)
+            self.step_error[rows] = _rounded_up(approx.abs().sum(1) / 2 * WIDER)
         self.approximate = linear_int8_kernel()
         self.bound = greedy_tiles_kernel()
         self.exact = linear_panels_tiles_kernel()
 
     @classmethod
     def of(cls, head: torch.nn.Module) -> GreedyHead | None:
-        """The greedy head of ``head`` (an LM head module): None unless it is in panels, of whole tiles, with both
-        kernels built."""
+        """The greedy head of ``head`` (an LM head module): None unless it is in panels, of whole tiles and rows the
+        int8 kernel takes, with the kernels built."""
         panels = getattr(head, "panels", None)
         n, k = head.weight.shape
-        if panels is None or n % TILE or None in (linear_int8_kernel(), greedy_tiles_kernel(),
+        if panels is None or n % TILE or k > MAX_K or None in (linear_int8_kernel(), greedy_tiles_kernel(),
                                                   linear_panels_tiles_kernel()):
             return None
         return cls(panels, n, k)
@@ -129,25 +132,36 @@ class GreedyHead:
         """The memory it adds to the head's."""
         return sum(t.nbytes for t in (self.q, self.scale, self.weight_error, self.step_error))
 
-    def candidate_tiles(self, x: torch.Tensor) -> torch.Tensor:
-        """The tiles (ascending) that hold every token the bound cannot rule out for any row of ``x`` (float32)."""
+    def margins(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each token's approximate logit for each row of ``x`` (float32, finite) [rows, n], and the row's two
+        factors of its bound, each taken wider: its norm (times ``weight_error``) and its int16 step (times
+        ``step_error``) [rows]; a token's margin is these plus APPROX_ROUNDING of its approximation and FLUSHED."""
         approx = torch.empty((x.shape[0], self.n), dtype=torch.float32)
         if self.approximate(x.data_ptr(), self.q.data_ptr(), self.scale.data_ptr(), None, approx.data_ptr(),
                             x.shape[0], self.n, self.k, 0) != 0:
             raise RuntimeError(f"the int8 head kernel refused {tuple(x.shape)} x {self.n} outputs")
         norm = x.double().norm(dim=1).float() * WIDER
-        step = x.abs().amax(dim=1) / XQ_MAX * WIDER
+        step = x.abs().amax(dim=1) / XQ_MAX * WIDER  # to_int16_rows's step (its own rounding is within WIDER)
+        return approx, norm, step
+
+    def candidate_tiles(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The tiles (ascending) that hold every token the bound cannot rule out for any row of ``x`` (float32,
+        finite); None where the bound is not finite (a row too large for float32 sums)."""
+        approx, norm, step = self.margins(x)
+        if not (torch.isfinite(norm).all() and torch.isfinite(step).all()):
+            return None
         tiles = torch.empty(self.n // TILE, dtype=torch.int32)
         count = self.bound(approx.data_ptr(), self.weight_error.data_ptr(), self.step_error.data_ptr(),
                            norm.data_ptr(), step.data_ptr(), x.shape[0], self.n, TILE, APPROX_ROUNDING, FLUSHED,
                            TIE_STEPS, tiles.data_ptr())
-        if count < 0:
+        if count == -1:
             raise RuntimeError(f"kernels/greedy_bound.c refused {tuple(approx.shape)} in tiles of {TILE}")
-        return tiles[:count]
+        return tiles[:count] if count > 0 else None  # -2: an approximation or a bound not finite
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Each row's greedy token (int64), as ``logits(hidden).argmax(-1)`` of the bfloat16 head; None where the
-        whole head is the cheaper or the only sound way (too many candidates, a row not finite, too many rows)."""
+        whole head is the cheaper or the only sound way (too many candidates, a row or a logit not finite, too many
+        rows)."""
         rows = hidden.shape[0]
         if not 0 < rows <= self.max_rows or hidden.dtype is not torch.bfloat16:
             return None
@@ -156,13 +170,16 @@ class GreedyHead:
         if not torch.isfinite(x).all():
             return None
         tiles = self.candidate_tiles(x)
-        if len(tiles) > MAX_TILE_SHARE * self.n / TILE:
+        if tiles is None or len(tiles) > MAX_TILE_SHARE * self.n / TILE:
             return None
         logits = torch.empty((len(tiles), rows, TILE), dtype=torch.bfloat16)
         if self.exact(hidden.data_ptr(), self.panels.data_ptr(), tiles.data_ptr(), len(tiles), logits.data_ptr(),
                       rows, self.n, self.k) != 0:
             raise RuntimeError(f"kernels/linear_panels.c refused {len(tiles)} tiles of {tuple(hidden.shape)}")
-        best = logits.permute(1, 0, 2).reshape(rows, -1).float().argmax(dim=1)
+        logits = logits.permute(1, 0, 2).reshape(rows, -1).float()
+        if not torch.isfinite(logits).all():  # overflowed: the whole head's rows go to the non-finite check
+            return None
+        best = logits.argmax(dim=1)
         return tiles.long()[best // TILE] * TILE + best % TILE
 
 

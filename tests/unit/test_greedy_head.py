@@ -7,12 +7,13 @@ import time
 import pytest
 import torch
 
-from common.config.base import CpuConfig, EngineConfig
-from common.engine.greedy_head import DEFAULT_ROWS, MAX_ROWS, MIN_HIDDEN, TILE, GreedyHead
+from common.config.base import CpuConfig, EngineConfig, SpecConfig
+from common.engine.greedy_head import (APPROX_ROUNDING, DEFAULT_ROWS, FLUSHED, MAX_ROWS, MIN_HIDDEN, TILE, XQ_MAX,
+                                       GreedyHead)
 from common.engine.llm_engine import LLMEngine
 from common.engine.models.llama import _linear_panels, panels_of
 from common.engine.native import linear_panels_tiles_kernel
-from common.protocol.sampling_params import SamplingParams
+from common.protocol.sampling_params import SamplingParams, StructuredOutput
 
 pytestmark = pytest.mark.skipif(linear_panels_tiles_kernel() is None,
                                 reason="the greedy head reads a head in panels: a C compiler and AVX512-BF16")
@@ -29,11 +30,11 @@ def whole_head_argmax(panels: torch.Tensor, n: int, x: torch.Tensor) -> torch.Te
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 30])
 def test_chosen_tiles_get_the_whole_calls_values_bit_for_bit(rows):
-    n, k = 1024, 320
+    n, k = 1088, 320  # 68 panels: two threads split the whole call inside tile 8, which is chosen
     panels = panels_of(head(n, k, seed=rows))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
     whole = _linear_panels(x, panels, n, None)
-    tiles = torch.tensor([0, 3, 4, 15], dtype=torch.int32)
+    tiles = torch.tensor([0, 3, 8, 16], dtype=torch.int32)
     out = torch.empty((len(tiles), rows, TILE), dtype=torch.bfloat16)
     assert linear_panels_tiles_kernel()(x.data_ptr(), panels.data_ptr(), tiles.data_ptr(), len(tiles),
                                         out.data_ptr(), rows, n, k) == 0
@@ -75,9 +76,10 @@ def test_ties_and_near_ties_go_as_the_whole_heads():
     twins = [(5, 3000), (70, 71), (1000, 4095)]
     for a, b in twins:
         w[b] = w[a]
-    nudged = w[200].clone()
-    nudged[0] = torch.nextafter(nudged[0].float(), torch.tensor(10.0)).to(torch.bfloat16)
+    nudged = w[200].clone()  # one bfloat16 step up in its first input: a different token, logits a hair apart
+    nudged[0] = (nudged[0:1].view(torch.int16) + (1 if nudged[0] > 0 else -1)).view(torch.bfloat16)[0]
     w[2500] = nudged
+    assert not torch.equal(w[2500], w[200])
     panels = panels_of(w)
     greedy = GreedyHead(panels, n, k)
     picked = []
@@ -90,6 +92,32 @@ def test_ties_and_near_ties_go_as_the_whole_heads():
             picked.append(int(tokens))
     assert {5, 70, 1000} <= set(picked)  # the twins' first index, never the second
     assert not {3000, 71, 4095} & set(picked)
+    assert {200, 2500} & set(picked)
+
+
+def test_the_bound_holds_where_the_int8_copy_is_exact_and_the_row_rounds_worst():
+    """Head rows on the int8 grid (the copy's only error is then the row's int16 rounding) and a row with one spike
+    and every other input half a step, signed as the token's weights: each token's approximation is within its
+    margin of the exact logit, and the rounding term is what covers the target token."""
+    n, k = 1024, 512
+    gen = torch.Generator().manual_seed(21)
+    q = torch.randint(-127, 128, (n, k), generator=gen)
+    q[:, 0] = 127  # every row's scale is 2^-10 exactly: the copy recovers each weight exactly
+    w = (q.double() * 2.0**-10).to(torch.bfloat16)
+    greedy = GreedyHead(panels_of(w), n, k)
+    for target in (3, 500, 1023):
+        half = torch.sign(w[target].double()) * (0.5 / XQ_MAX)
+        half[0] = 1.0  # the spike: the row's range, whose steps are 1 / XQ_MAX
+        x = half.to(torch.bfloat16)[None]
+        approx, norm, step = greedy.margins(x.float())
+        margin = greedy.weight_error * norm + greedy.step_error * step + APPROX_ROUNDING * approx.abs() + FLUSHED
+        exact = (x.double() @ w.double().T)[0]
+        error = (approx[0].double() - exact).abs()
+        assert (error <= margin[0].double()).all()
+        without_rounding = (margin[0] - greedy.step_error * step)[target]  # the margin less the int16 rounding's term
+        assert error[target] > without_rounding
+        tokens = greedy.argmax(x)
+        assert tokens is None or torch.equal(tokens, whole_head_argmax(greedy.panels, n, x))
 
 
 def test_what_it_cannot_settle_goes_to_the_whole_head():
@@ -128,9 +156,15 @@ def test_an_engine_generates_the_same_tokens_with_and_without_it(embedded_model_
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     calls = []
     argmax = GreedyHead.argmax
-    monkeypatch.setattr(GreedyHead, "argmax", lambda self, hidden: calls.append(len(hidden)) or argmax(self, hidden))
-    with_it, engine = generate(embedded_model_dir_bf16, MAX_ROWS, params)  # set, not timed: the path is taken
-    assert engine.runner.greedy_head is not None and calls and max(calls) == 3  # the three streams' steps
+
+    def recorded(self, hidden):
+        tokens = argmax(self, hidden)
+        calls.append((len(hidden), tokens is not None))
+        return tokens
+    monkeypatch.setattr(GreedyHead, "argmax", recorded)
+    with_it, engine = generate(embedded_model_dir_bf16, MAX_ROWS, params)  # set: this hidden size's default is 0
+    assert engine.runner.greedy_head is not None
+    assert max(rows for rows, _ in calls) == 3 and sum(decided for _, decided in calls) > len(calls) // 2
     without, engine = generate(embedded_model_dir_bf16, 0, params)
     assert engine.runner.greedy_head is None
     assert with_it == without
@@ -144,6 +178,30 @@ def test_rows_that_read_their_logits_do_not_take_it(embedded_model_dir_bf16, mon
                    SamplingParams(temperature=0.7, max_tokens=3, seed=1)):
         generate(embedded_model_dir_bf16, MAX_ROWS, params)
     assert calls == []
+
+
+def test_masked_rows_and_drafts_do_not_take_it(embedded_model_dir_bf16, monkeypatch):
+    """Structured output masks the logits; a sequence verifying n-gram drafts reads a row per draft."""
+    pytest.importorskip("xgrammar", reason="structured output needs xgrammar (the Makefile installs it)")
+    calls = []
+    argmax = GreedyHead.argmax
+    monkeypatch.setattr(GreedyHead, "argmax", lambda self, hidden: calls.append(len(hidden)) or argmax(self, hidden))
+    engine = LLMEngine(EngineConfig(model=str(embedded_model_dir_bf16), dtype="bfloat16",
+                                    kv_cache_memory_bytes=64 << 20, cpu=CpuConfig(greedy_head_max_rows=MAX_ROWS),
+                                    spec=SpecConfig(method="ngram", num_tokens=4)))
+    masked = SamplingParams(temperature=0.0, max_tokens=8, structured=StructuredOutput(kind="regex", spec="(yes|no)"))
+    engine.generate([[5, 6, 7, 8]], [masked])
+    assert calls == []
+    repeating = [40, 41, 42, 43] * 6  # n-gram drafts from the prompt from the first decode step on
+    before = engine.runner.execute
+    drafted = []
+
+    def execute(plan, *args, **kwargs):
+        drafted.append(any(plan.spec_token_ids))
+        return before(plan, *args, **kwargs)
+    engine.runner.execute = execute
+    engine.generate([repeating], [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)])
+    assert any(drafted) and len(calls) == drafted.count(False)  # the prompt's step took it, those with drafts not
 
 
 def test_by_default_it_takes_the_hidden_sizes_it_was_measured_ahead_at(embedded_model_dir_bf16):
