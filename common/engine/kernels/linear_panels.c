@@ -32,14 +32,15 @@ int tessera_linear_panels_available(void)
 #endif
 }
 
-/* x: [m, k] bf16 rows (row-major), panels: w [n, k] in panels (n a multiple of 16, k even), bias: [n] bf16 or
- * NULL, y: [m, n] bf16. Returns -1 (and writes nothing) for shapes it does not take or without AVX512-BF16. */
-int tessera_linear_panels(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t m,
-                          int64_t n, int64_t k)
-{
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-    if (m < 1 || n < PANEL_COLS || n % PANEL_COLS != 0 || k < 2 || k % 2 != 0 || n > INT32_MAX || k > INT32_MAX)
-        return -1;
+/* The team's pass: with tiles NULL, y = x . w^T (+ bias) for every output, the rows ROW_CHUNK at a time; else only
+ * the whole tiles listed (count of them, m <= ROW_CHUNK), y: [count][m][64]. Each tile's panels split over the team
+ * as a whole call splits them, so either way every output's sum runs in its one order. -1 without memory. */
+static int panels_team(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t m,
+                       int64_t n, int64_t k, const int32_t *tiles, int64_t count)
+{
+    const int64_t width = PANEL_COLS * PANEL_GROUP;
+    const int kblock = m >= PANEL_WIDE_ROWS ? PANEL_WIDE_KBLOCK : PANEL_KBLOCK;
     int failed = 0;
     #pragma omp parallel
     {
@@ -52,15 +53,30 @@ int tessera_linear_panels(const uint16_t *x, const uint16_t *panels, const uint1
         #pragma omp barrier
         #pragma omp atomic read
         any = failed;
-        if (!any)
+        if (!any && tiles == NULL)
             for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
                 const int mr = (int)(m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK);
-                panels_linear(x + r0 * k, mr, (int)k, panels, (int)n, bias, 1, NULL, y + r0 * n, 0, acc,
-                              m >= PANEL_WIDE_ROWS ? PANEL_WIDE_KBLOCK : PANEL_KBLOCK);
+                panels_linear(x + r0 * k, mr, (int)k, panels, (int)n, bias, 1, NULL, y + r0 * n, 0, acc, kblock);
             }
+        else if (!any)
+            for (int64_t i = 0; i < count; i++)
+                panels_linear(x, (int)m, (int)k, panels + (int64_t)tiles[i] * width * k, (int)width, NULL, 1, NULL,
+                              y + i * m * width, 0, acc, kblock);
         free(acc);
     }
     return failed ? -1 : 0;
+}
+#endif
+
+/* x: [m, k] bf16 rows (row-major), panels: w [n, k] in panels (n a multiple of 16, k even), bias: [n] bf16 or
+ * NULL, y: [m, n] bf16. Returns -1 (and writes nothing) for shapes it does not take or without AVX512-BF16. */
+int tessera_linear_panels(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t m,
+                          int64_t n, int64_t k)
+{
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if (m < 1 || n < PANEL_COLS || n % PANEL_COLS != 0 || k < 2 || k % 2 != 0 || n > INT32_MAX || k > INT32_MAX)
+        return -1;
+    return panels_team(x, panels, bias, y, m, n, k, NULL, 0);
 #else
     (void)x; (void)panels; (void)bias; (void)y; (void)m; (void)n; (void)k;
     return -1;
@@ -82,25 +98,7 @@ int tessera_linear_panels_tiles(const uint16_t *x, const uint16_t *panels, const
         return -1;
     for (int64_t i = 0; i < count; i++)
         if (tiles[i] < 0 || tiles[i] >= n / width) return -1;
-    int failed = 0;
-    #pragma omp parallel
-    {
-        float *acc = (float *)malloc(sizeof(float) * ROW_CHUNK * PANEL_GROUP * PANEL_COLS);
-        int any;
-        if (acc == NULL) {
-            #pragma omp atomic write
-            failed = 1;
-        }
-        #pragma omp barrier
-        #pragma omp atomic read
-        any = failed;
-        if (!any)
-            for (int64_t i = 0; i < count; i++) /* the team splits each tile's panels, as it splits a whole call's */
-                panels_linear(x, (int)m, (int)k, panels + (int64_t)tiles[i] * width * k, (int)width, NULL, 1, NULL,
-                              y + i * m * width, 0, acc, m >= PANEL_WIDE_ROWS ? PANEL_WIDE_KBLOCK : PANEL_KBLOCK);
-        free(acc);
-    }
-    return failed ? -1 : 0;
+    return panels_team(x, panels, NULL, y, m, n, k, tiles, count);
 #else
     (void)x; (void)panels; (void)tiles; (void)count; (void)y; (void)m; (void)n; (void)k;
     return -1;
