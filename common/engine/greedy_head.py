@@ -18,12 +18,13 @@ argmax, so the head is read twice, cheaply:
    the panel kernel (``tessera_linear_panels_tiles``), whose every sum has the order the whole head's call gives it:
    the argmax over those tiles, first index on a tie, is the whole head's argmax, bit for bit.
 
-When the candidates' tiles would be more than ``MAX_TILE_SHARE`` of the head, or a row is not finite, ``argmax``
-returns None and the caller computes the whole head. The copy costs a byte per head weight of memory (reported at
-load). The int8 sums cost per row where the bytes do not, and a short row (a small hidden size) spreads the int8
-kernel's cost per token over few inputs: on Zen 4 it was ahead of the whole head at 1-3 rows at the 1B shape (hidden
-2048) and not even at one row at 135M (576). So by default (``default_rows``) it takes up to ``DEFAULT_ROWS`` rows
-from ``MIN_HIDDEN`` and none below; ``engine.cpu.greedy_head_max_rows`` sets another count. ``timed_max_rows``
+When the candidates' tiles would be more than ``MAX_TILE_SHARE`` of the head, or a row, a bound or a candidate's
+logit is not finite, ``argmax`` returns None and the caller computes the whole head. The copy costs a byte per head
+weight of memory (reported at load). The int8 sums cost per row where the bytes do not, and a short row (a small
+hidden size) spreads the int8 kernel's cost per token over few inputs: on Zen 4, timed with the caches flushed, it
+was ahead of the whole head up to 1-4 rows at the 1B shape (hidden 2048; 3 in most timings) and at 135M (576) level
+at one row in one timing, ahead up to 2 in another. So by default (``default_rows``) it takes up to ``DEFAULT_ROWS``
+rows from ``MIN_HIDDEN`` and none below; ``engine.cpu.greedy_head_max_rows`` sets another count. ``timed_max_rows``
 times both ways now (``bench.greedy_head``): not at load, where a worker's timing runs beside the other workers'
 loads on shared cores and came out either way.
 """
@@ -47,7 +48,7 @@ TIE_STEPS = 2.0**-6  # two bfloat16 steps, relative to the logits' size (bfloat1
 FLUSHED = 1e-30  # products under float32's normal range that the kernels flush to zero: k of them, at most
 MAX_TILE_SHARE = 0.25  # past this share of the head's tiles, the whole head costs less
 MAX_ROWS = 4  # the most rows ``timed_max_rows`` tries: 1B shape, Zen 4: ahead at 4 rows, behind at 8
-DEFAULT_ROWS = 3  # rows it takes by default (``default_rows``): 1B shape, Zen 4, timed ahead at 3 or 4
+DEFAULT_ROWS = 3  # rows it takes by default (``default_rows``): 1B shape, Zen 4, timed ahead up to 1-4 rows, 3 mostly
 MIN_HIDDEN = 2048  # the smallest hidden size it takes by default (measured at 576 and 2048: docs/benchmarks.md)
 FLUSH_BYTES = 256 << 20  # read between timed calls, as a decode step's weights pass through the caches
 BUILD_BYTES = 16 << 20  # each float64 temporary of the copy's build at load (no second whole copy of the head)
