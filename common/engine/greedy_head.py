@@ -128,13 +128,18 @@ class GreedyHead:
         self.max_rows = chosen
         return chosen
 
+    @staticmethod
+    def copy_bytes(n: int, k: int) -> int:
+        """The memory the copy of an [n, k] head adds: a byte per weight, three float32 per token."""
+        return n * k + 12 * n
+
     @property
     def nbytes(self) -> int:
         """The memory it adds to the head's."""
-        return sum(t.nbytes for t in (self.q, self.scale, self.weight_error, self.step_error))
+        return self.copy_bytes(self.n, self.k)
 
     def margins(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Each token's approximate logit for each row of ``x`` (float32, finite) [rows, n], and the row's two
+        """Each token's approximate logit for each row of ``x`` (float32) [rows, n], and the row's two
         factors of its bound, each taken wider: its norm (times ``weight_error``) and its int16 step (times
         ``step_error``) [rows]; a token's margin is these plus APPROX_ROUNDING of its approximation and FLUSHED."""
         approx = torch.empty((x.shape[0], self.n), dtype=torch.float32)
@@ -146,11 +151,9 @@ class GreedyHead:
         return approx, norm, step
 
     def candidate_tiles(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The tiles (ascending) that hold every token the bound cannot rule out for any row of ``x`` (float32,
-        finite); None where the bound is not finite (a row too large for float32 sums)."""
+        """The tiles (ascending) that hold every token the bound cannot rule out for any row of ``x`` (float32);
+        None where a bound is not finite (a row not finite, whose int8 sums are NaN, or too large for float32)."""
         approx, norm, step = self.margins(x)
-        if not (torch.isfinite(norm).all() and torch.isfinite(step).all()):
-            return None
         tiles = torch.empty(self.n // TILE, dtype=torch.int32)
         count = self.bound(approx.data_ptr(), self.weight_error.data_ptr(), self.step_error.data_ptr(),
                            norm.data_ptr(), step.data_ptr(), x.shape[0], self.n, TILE, APPROX_ROUNDING, FLUSHED,
@@ -167,10 +170,7 @@ class GreedyHead:
         if not 0 < rows <= self.max_rows or hidden.dtype is not torch.bfloat16:
             return None
         hidden = hidden.contiguous()
-        x = hidden.float()
-        if not torch.isfinite(x).all():
-            return None
-        tiles = self.candidate_tiles(x)
+        tiles = self.candidate_tiles(hidden.float())
         if tiles is None or len(tiles) > MAX_TILE_SHARE * self.n / TILE:
             return None
         logits = torch.empty((len(tiles), rows, TILE), dtype=torch.bfloat16)

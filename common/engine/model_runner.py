@@ -210,9 +210,13 @@ class ModelRunner:
             self.model.fused_decode = FusedDecode(self.model, DECODE_ROW_RUNGS[-1] if left
                                                   else config.cpu.decode_kernel_max_batch)
         # greedy rows' tokens from an int8 copy of a head in panels, and the few tokens it cannot rule out
-        self.greedy_head = GreedyHead.of(self.model.head()) if self._greedy_head_planned() else None
+        greedy_rows = self._greedy_head_rows()
+        self.greedy_head = GreedyHead.of(self.model.head()) if greedy_rows else None
         if self.greedy_head is not None:
-            self._choose_greedy_rows()
+            self.greedy_head.max_rows = greedy_rows
+            log.info("greedy LM head for steps of up to %d row(s): an int8 copy of the head (+%.1f MiB) rules out all "
+                     "but a few tokens, whose exact logits come from the panels (common/engine/greedy_head.py; "
+                     "engine.cpu.greedy_head_max_rows)", greedy_rows, self.greedy_head.nbytes / 2**20)
         if bf16_cpu and config.cpu.prepack_weights and (added := self.model.prepack_weights()):  # int8: none
             log.info("linear weights prepacked for oneDNN (+%.1f MiB; engine.cpu.prepack_weights)", added / 2**20)
         if self.model.fused_decode is not None and left and (self.dtype is torch.bfloat16
@@ -274,16 +278,6 @@ class ModelRunner:
         log.info("decode steps: kernels/decode_forward.c up to %d row(s), the torch path past them (timed in "
                  "%.1fs; engine.cpu.decode_kernel_max_batch)", chosen, time.monotonic() - started)
 
-    def _choose_greedy_rows(self) -> None:
-        """The most rows a step's greedy rows take the greedy head for: ``greedy_head_max_rows``, or where that is
-        -1, ``GreedyHead.default_rows`` of the model's hidden size (``_greedy_head_planned`` made no copy where
-        that is none)."""
-        head, setting = self.greedy_head, self.config.cpu.greedy_head_max_rows
-        head.max_rows = setting if setting > 0 else GreedyHead.default_rows(head.k)
-        log.info("greedy LM head for steps of up to %d row(s): an int8 copy of the head (+%.1f MiB) rules out all but "
-                 "a few tokens, whose exact logits come from the panels (common/engine/greedy_head.py; "
-                 "engine.cpu.greedy_head_max_rows)", head.max_rows, head.nbytes / 2**20)
-
     def _capture_graphs(self) -> None:
         """CUDA graphs of decode steps up to ``engine.cuda_graphs.max_rows`` rows, or as many as a step can hold
         (``max_num_seqs`` sequences, each with its drafts; ``max_num_batched_tokens``), where the attention
@@ -334,13 +328,13 @@ class ModelRunner:
         return (self.dtype is torch.bfloat16 and self.device.type == "cpu" and not self.config.deterministic
                 and self.tp.size == 1 and self.model.panels_fit())
 
-    def _greedy_head_planned(self) -> bool:
-        """Whether the load gives the head a greedy copy (``GreedyHead``): engine.cpu.greedy_head_max_rows above 0,
-        or -1 and a hidden size it takes by default; the weights in panels (not int8; ``GreedyHead.of`` checks the
-        head itself), one rank."""
+    def _greedy_head_rows(self) -> int:
+        """The most rows of a step the head's greedy copy (``GreedyHead``) takes: engine.cpu.greedy_head_max_rows,
+        or for -1 ``GreedyHead.default_rows`` of the hidden size; 0 (no copy) but with the weights in panels, not
+        int8, one rank (``GreedyHead.of`` checks the head itself)."""
         setting = self.config.cpu.greedy_head_max_rows
-        wanted = setting > 0 or (setting < 0 and GreedyHead.default_rows(self.model.config.hidden_size) > 0)
-        return wanted and self.config.quantization == "none" and self._panels_planned()
+        rows = setting if setting >= 0 else GreedyHead.default_rows(self.model.config.hidden_size)
+        return rows if self.config.quantization == "none" and self._panels_planned() else 0
 
     def _fused_decode_kernel(self) -> bool:
         """Whether this runner gets the one-call decode kernel (``FusedDecode``): the CPU, its paged attention,
@@ -351,8 +345,8 @@ class ModelRunner:
     def _serving_weight_bytes(self) -> int:
         """The weights' bytes once the load has quantized or prepacked them (the pool is sized before either),
         and the greedy head's copy (``GreedyHead.nbytes``: a byte per head weight, three float32 per token)."""
-        head = self.model.head().weight
-        return self._stored_weight_bytes() + (head.numel() + 12 * head.shape[0] if self._greedy_head_planned() else 0)
+        copy = GreedyHead.copy_bytes(*self.model.head().weight.shape) if self._greedy_head_rows() else 0
+        return self._stored_weight_bytes() + copy
 
     def _stored_weight_bytes(self) -> int:
         """The weights' own bytes as served: int8 holds a linear weight (and the embedding) in a byte per value

@@ -72,7 +72,7 @@ def test_the_pool_leaves_room_for_the_prepacked_copies(tiny_chat_model_dir, monk
         copies = sum(m.weight.nbytes for m in model.modules() if getattr(m, "packed", None) is not None)
         copies += model.embed_tokens.weight.nbytes if getattr(model.embed_tokens, "packed", None) is not None else 0
         head = model.head().weight  # its int8 copy, reserved where planned (the load's timing may drop it)
-        greedy = head.numel() + 12 * head.shape[0] if in_panels and packed._greedy_head_planned() else 0
+        greedy = head.numel() + 12 * head.shape[0] if in_panels and packed._greedy_head_rows() else 0
         assert packed.num_blocks == pool_blocks(packed, packed.weight_bytes + copies + greedy, fraction)
         assert packed.num_blocks <= plain.num_blocks
         heads = [model.embed_tokens] if model.tie_word_embeddings else []
