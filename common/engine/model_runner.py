@@ -1,5 +1,6 @@
 """Executes one step plan: builds the flat batch and step context, runs the model, samples (one concept, a step's
-execution; long because how a device runs it, chosen at load, belongs to it: the CPU's decode kernel and greedy head, CUDA graphs).
+execution; long because how a device runs it, chosen at load, belongs to it: the CPU's decode kernel and greedy
+head, CUDA graphs).
 
 The runner owns the model, the KV pool and the sampler. It never reaches
 into the scheduler: it reads the plan (sequences and how many tokens each
