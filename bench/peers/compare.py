@@ -34,11 +34,14 @@ multiple of that at the faster of the two probes around it (the stricter ratio; 
 bandwidth drifts between servers, and within a minute). ``bench.served_overhead`` sets a served stream against the
 engine alone in the same minute, for what the probe cannot pin down.
 
-``--one-stream-rounds N`` measures the one-stream point the way ``experiments.kernel_ab`` times kernels, so that the
-drift hits every server alike: every server stays up after its other two points, and then the one-stream point
-runs in N rounds, the servers taking turns within each (in an order that rotates from round to round), each round
-on prompts of its own (seed + 2 + round). A server's TPOT is the median of its rounds, and its ratio to vLLM, and
-over the roofline, the median of each round's. Every server's memory is then held at once.
+``--rounds N`` measures every point the way ``experiments.kernel_ab`` times kernels, so that the host's drift hits
+every server alike: every server starts and stays up, and then each point runs in N rounds, the servers taking
+turns within each (in an order that rotates from round to round), each round on prompts of its own (a saturation or
+rate round all ``--num-prompts``; the one-stream point's ``--single-prompts`` shared out among its rounds). A server's
+measures are the medians of its rounds, and its ratios to vLLM (and the one stream's over the roofline) the medians
+of each round's. ``--one-stream-rounds N`` does so for the one-stream point alone, after each server's other two
+points on its own (or sets the one stream's rounds apart from ``--rounds``). Every server's memory is then held at
+once. Seeds: each point's rounds take the next seeds after the rounds of the points before it.
 """
 from __future__ import annotations
 
@@ -184,34 +187,57 @@ class Server:
                 os.killpg(self._proc.pid, 9)
 
 
-def alternate_one_stream(servers: list[Server], args, model: ServedModel, result_dir: Path,
-                         weight_bytes: int) -> list[dict]:
-    """The one-stream point in ``--one-stream-rounds`` rounds of every server in turn (module docstring): a row
-    per server, with its rounds."""
-    rounds = args.one_stream_rounds
-    prompts = max(2, -(-args.single_prompts // rounds))
-    runs: dict[str, list[dict]] = {server.name: [] for server in servers}
-    for r in range(rounds):
-        point = Point(f"one stream, round {r + 1}", args.seed + 2 + r, prompts, concurrency=1)
-        for server in servers[r % len(servers):] + servers[:r % len(servers)]:
-            runs[server.name].append(measured_point(server, point, args, model, result_dir))
-    return [one_stream_row(name, runs[name], runs.get("vllm"), weight_bytes) for name in runs]
+def in_rounds(servers: list[Server], args, model: ServedModel, result_dir: Path, weight_bytes: int,
+              which: range) -> list[dict]:
+    """The points ``which`` (indices into ``points``) in rounds of every server in turn (module docstring): a row per
+    server and point, with its rounds."""
+    rows = []
+    for index in which:
+        base, rounds = points(args)[index], point_rounds(args, index)
+        prompts = base.num_prompts if base.concurrency is None else max(2, -(-base.num_prompts // rounds))
+        runs: dict[str, list[dict]] = {server.name: [] for server in servers}
+        for r in range(rounds):
+            point = Point(f"{base.name}, round {r + 1}", round_seed(args, index, r), prompts, base.rate,
+                          base.concurrency)
+            for server in servers[r % len(servers):] + servers[:r % len(servers)]:
+                runs[server.name].append(measured_point(server, point, args, model, result_dir))
+        rows += [rounds_row(name, base.name, runs[name], runs.get("vllm"), weight_bytes) for name in runs]
+    return rows
 
 
-def one_stream_row(name: str, runs: list[dict], reference: list[dict] | None, weight_bytes: int) -> dict:
-    """A server's one-stream row from its rounds: the median TPOT, the median of each round's ratio to vLLM's
-    TPOT in the same round, and of each round's TPOT over the roofline at the faster probe around it."""
-    tpots = [run["median_tpot_ms"] for run in runs]
-    row = {"server": name, "point": "one stream", "load_before": runs[0]["load_before"],
+def point_rounds(args, index: int) -> int:
+    """How many rounds point ``index`` runs in: ``--rounds``, the one-stream point ``--one-stream-rounds`` where
+    given; 1: not in rounds."""
+    rounds = getattr(args, "rounds", 0) or 1
+    return (getattr(args, "one_stream_rounds", 0) or rounds) if index == 2 else rounds
+
+
+def round_seed(args, index: int, r: int) -> int:
+    """The prompts' seed of point ``index``'s round ``r``: each point's rounds take the next seeds after the points
+    before theirs (seed, seed + 1, seed + 2 for three points not in rounds), so no two draw the same prompts."""
+    return args.seed + sum(point_rounds(args, earlier) for earlier in range(index)) + r
+
+
+ROUND_KEYS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms")
+
+
+def rounds_row(name: str, point: str, runs: list[dict], reference: list[dict] | None, weight_bytes: int) -> dict:
+    """A server's row for a point from its rounds: each measure the median of its rounds; ``ratios``: for each, the
+    median of each round's ratio to vLLM's in the same round; a one-stream point's ``over_roofline`` the median of
+    each round's TPOT over the roofline at the faster probe around it."""
+    row = {"server": name, "point": point, "load_before": runs[0]["load_before"],
            "remote_prefill": None if runs[0]["remote_prefill"] is None else
-           statistics.mean(run["remote_prefill"] for run in runs),
-           "median_tpot_ms": statistics.median(tpots), "read_bandwidth": statistics.median(
-               run["read_bandwidth"] for run in runs), "rounds": tpots,
-           "over_roofline": statistics.median(run["median_tpot_ms"] / (weight_bytes / run["read_bandwidth"] * 1e3)
-                                              for run in runs)}
+           statistics.mean(run["remote_prefill"] for run in runs), "rounds": runs,
+           **{key: statistics.median(run[key] for run in runs) for key in ROUND_KEYS
+              if all(run.get(key) is not None for run in runs)}}
+    bandwidths = [run["read_bandwidth"] for run in runs if run.get("read_bandwidth")]
+    row["read_bandwidth"] = statistics.median(bandwidths) if bandwidths else None
+    if len(bandwidths) == len(runs):
+        row["over_roofline"] = statistics.median(run["median_tpot_ms"] / (weight_bytes / run["read_bandwidth"] * 1e3)
+                                                 for run in runs)
     if reference is not None and name != "vllm":
-        row["ratio"] = statistics.median(run["median_tpot_ms"] / ref["median_tpot_ms"]
-                                         for run, ref in zip(runs, reference))
+        row["ratios"] = {key: statistics.median(run[key] / ref[key] for run, ref in zip(runs, reference))
+                         for key in ROUND_KEYS if key in row and all(ref.get(key) for ref in reference)}
     return row
 
 
@@ -268,8 +294,8 @@ def table(rows: list[dict], args, weight_bytes: int) -> str:
         if row is None or row.get(key) is None:
             return "—"
         text = f"{row[key]:,.1f}{unit}"
-        if server != "vllm" and "ratio" in row and key == "median_tpot_ms":
-            text += f" ({row['ratio']:.2f}×, median of {len(row['rounds'])} rounds)"
+        if server != "vllm" and key in row.get("ratios", {}):
+            text += f" ({row['ratios'][key]:.2f}×, median of {len(row['rounds'])} rounds)"
         elif server != "vllm" and reference is not None and reference.get(key):
             text += f" ({row[key] / reference[key]:.2f}×)"
         return text
@@ -309,15 +335,22 @@ def report(rows: list[dict], args, model: ServedModel, weights: tuple[int, int],
     spread = (f" (the faster probe around each server's one-stream point: "
               f"{min(measured):.1f}-{max(measured):.1f} GB/s)" if measured else "")
     flags = f"--model {args.model} " if model.label else ""
-    rounds = getattr(args, "one_stream_rounds", 0)
-    rounds_flag = f" --one-stream-rounds {rounds}" if rounds else ""
+    rounds, one_rounds = getattr(args, "rounds", 0), getattr(args, "one_stream_rounds", 0)
+    rounds_flag = ((f" --rounds {rounds}" if rounds else "") +
+                   (f" --one-stream-rounds {one_rounds}" if one_rounds else ""))
     servers = getattr(args, "servers", ",".join(DEFAULT_SERVERS))
     flags += f"--servers {servers} " if servers != ",".join(DEFAULT_SERVERS) else ""
-    one_stream = (f"the one-stream point in {rounds} rounds of every server in turn, each round its own prompts "
-                  f"(seeds {args.seed + 2}..{args.seed + 1 + rounds}), a server's TPOT the median of its rounds and "
-                  f"its ratios the medians of each round's" if rounds else
-                  "each server's one-stream TPOT set against the faster of the probes just before and after its "
+    last_seed = round_seed(args, 2, point_rounds(args, 2) - 1)
+    one_stream = ("each server's one-stream TPOT set against the faster of the probes just before and after its "
                   "one-stream point")
+    if rounds:
+        one_stream = (f"every point ran in rounds ({rounds}, the one stream {point_rounds(args, 2)}) of every server "
+                      f"in turn, each round its own prompts, a server's measures the medians of its rounds and its "
+                      f"ratios the medians of each round's")
+    elif one_rounds:
+        one_stream = (f"the one-stream point in {one_rounds} rounds of every server in turn, each round its own "
+                      f"prompts (seeds {args.seed + 2}..{last_seed}), a server's TPOT the median of its rounds and "
+                      f"its ratios the medians of each round's")
     command = (f"bash bench/peers/install_vllm.sh && .venv/bin/python -m bench.peers.compare {flags}"
                f"--dtype {args.dtype} --num-prompts {args.num_prompts} --single-prompts {args.single_prompts} "
                f"--rate {args.rate:g} --seed {args.seed}{rounds_flag} --write")
@@ -325,7 +358,7 @@ def report(rows: list[dict], args, model: ServedModel, weights: tuple[int, int],
             "(`bench.peers.compare --write` replaces this file; docs/benchmarks.md quotes it.)\n\n"
             f"{time.strftime('%Y-%m-%d')}, {cpu_line()}, {args.dtype}, {args.input_len} in / "
             f"{args.output_len} out, `vllm bench serve` (random, ignore_eos, greedy, 2 warm-ups) against each "
-            f"server in turn, fresh prompts per point (seeds {args.seed}..{args.seed + 2}). Ratios are against "
+            f"server in turn, fresh prompts per point (seeds {args.seed}..{last_seed}). Ratios are against "
             f"vLLM in this run (TPOT and TTFT: lower is better).\n\n"
             f"Model: {model.name}, {parameters:,} parameters, {weight_bytes / 1e9:.2f} GB of weights in "
             f"{args.dtype}. Streaming read bandwidth at the start of this run: {bandwidth / 1e9:.1f} GB/s{spread} "
@@ -382,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--one-stream-rounds", type=int, default=0,
                         help="the one-stream point in this many rounds with every server up, taking turns (module "
                         "docstring); 0: each server's one-stream point after its other two, then the server stops")
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="every point in this many rounds with every server up, taking turns (module docstring; "
+                        "the one stream in --one-stream-rounds where given); 0: each server's points on its own")
     parser.add_argument("--results", type=Path, help="also write the raw rows here (JSON)")
     parser.add_argument("--write", action="store_true",
                         help="write the table to docs/results/vllm-cpu-<vendor>-<isa>[-<model>].md (this CPU kind's "
@@ -399,8 +435,9 @@ def main(argv: list[str] | None = None) -> int:
           "bandwidth", flush=True)
     bandwidth = read_bandwidth()
     rows: list[dict] = []
-    alternate = args.one_stream_rounds > 0
-    kept: list[Server] = []  # with --one-stream-rounds: up until the rounds
+    alternate = args.rounds > 0 or args.one_stream_rounds > 0  # every server up until the rounds
+    first = 0 if args.rounds else 2 if alternate else 3  # the points each server runs on its own, at its start
+    kept: list[Server] = []
     with tempfile.TemporaryDirectory(prefix="tessera-peers-") as tmp:
         try:
             for name in args.servers.split(","):
@@ -409,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}: starting", flush=True)
                 server = Server(name, args, model, log_dir)
                 try:
-                    for point in points(args)[:2] if alternate else points(args):
+                    for point in points(args)[:first]:
                         rows.append(measured_point(server, point, args, model, Path(tmp)))
                 finally:
                     if alternate:
@@ -417,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         server.stop()
             if alternate:
-                rows += alternate_one_stream(kept, args, model, Path(tmp), weight_bytes)
+                rows += in_rounds(kept, args, model, Path(tmp), weight_bytes, range(first, 3))
         finally:
             for server in kept:
                 server.stop()

@@ -10,7 +10,7 @@ import torch
 
 from bench import roofline
 from bench.peers import compare
-from bench.peers.compare import one_stream_row, report, results_file, served_model
+from bench.peers.compare import report, results_file, rounds_row, served_model
 from bench.roofline import read_bandwidth
 from common.storage.model_store import EMBEDDED_MODEL
 from common.storage.random_model import SHAPES
@@ -71,20 +71,48 @@ def test_alternating_rounds_give_medians_of_each_rounds_ratios(tmp_path):
 
     vllm = [run(40.0, 64.0), run(60.0, 40.0), run(44.0, 60.0)]
     ours = [run(30.0, 64.0), run(48.0, 40.0), run(35.2, 60.0)]
-    row = one_stream_row("tessera-agg", ours, vllm, weight_bytes)
-    assert row["median_tpot_ms"] == 35.2 and row["rounds"] == [30.0, 48.0, 35.2]
-    assert row["ratio"] == pytest.approx(0.8)  # 0.75, 0.8, 0.8
+    row = rounds_row("tessera-agg", "one stream", ours, vllm, weight_bytes)
+    assert row["median_tpot_ms"] == 35.2 and row["rounds"] == ours
+    assert row["ratios"]["median_tpot_ms"] == pytest.approx(0.8)  # 0.75, 0.8, 0.8
     assert row["over_roofline"] == pytest.approx(30.0 / (weight_bytes / 64e9 * 1e3))  # 1.17, 1.17, 1.28
-    assert "ratio" not in one_stream_row("vllm", vllm, vllm, weight_bytes)
+    assert "ratios" not in rounds_row("vllm", "one stream", vllm, vllm, weight_bytes)
     args = argparse.Namespace(model="1b", dtype="bfloat16", input_len=256, output_len=64, num_prompts=8,
                               single_prompts=6, rate=1.0, seed=100, one_stream_rounds=3, servers="vllm,tessera-agg")
-    rows = [one_stream_row("vllm", vllm, vllm, weight_bytes), row]
+    rows = [rounds_row("vllm", "one stream", vllm, vllm, weight_bytes), row]
     text = report(rows, args, served_model("1b", "bfloat16", cache_dir=tmp_path), (822_151_168, weight_bytes),
                   bandwidth=64e9)
     assert "--servers vllm,tessera-agg " in text and "--one-stream-rounds 3 --write" in text
     assert "in 3 rounds of every server in turn" in text and "(seeds 102..104)" in text
     tessera = next(line for line in text.splitlines() if line.startswith("| tessera-agg |"))
     assert "35.2 (0.80×, median of 3 rounds)" in tessera
+
+
+def test_every_point_in_rounds_takes_seeds_of_its_own_and_medians_of_each_rounds_ratios(monkeypatch, tmp_path):
+    """--rounds: each point's rounds draw the seeds after the rounds before them; the servers take turns in an order
+    that rotates; a saturation row's throughput ratio is the median of each round's, not the ratio of medians."""
+    args = argparse.Namespace(seed=100, rounds=3, one_stream_rounds=0, num_prompts=8, single_prompts=5, rate=1.0)
+    assert [compare.round_seed(args, index, r) for index in range(3) for r in range(3)] == list(range(100, 109))
+    args.one_stream_rounds = 2
+    assert compare.round_seed(args, 2, 1) == 107 and compare.point_rounds(args, 2) == 2
+    args.one_stream_rounds = 0
+    throughput = {("vllm", 100): 50.0, ("ours", 100): 55.0, ("vllm", 101): 100.0, ("ours", 101): 90.0,
+                  ("vllm", 102): 60.0, ("ours", 102): 63.0}
+    calls = []
+
+    def measured(server, point, *rest):
+        calls.append((server.name, point.seed, point.num_prompts))
+        return {"server": server.name, "point": point.name, "load_before": 0.0, "remote_prefill": None,
+                "output_throughput": throughput.get((server.name, point.seed), 1.0), "median_tpot_ms": 10.0,
+                "read_bandwidth": 50e9 if point.concurrency == 1 else None}
+    monkeypatch.setattr(compare, "measured_point", measured)
+    servers = [argparse.Namespace(name="vllm"), argparse.Namespace(name="ours")]
+    rows = compare.in_rounds(servers, args, None, tmp_path, 1_000_000_000, range(3))
+    assert calls[:6] == [("vllm", 100, 8), ("ours", 100, 8), ("ours", 101, 8), ("vllm", 101, 8),
+                         ("vllm", 102, 8), ("ours", 102, 8)]
+    assert {prompts for name, seed, prompts in calls if seed >= 106} == {2}  # 5 one-stream prompts over 3 rounds
+    ours = next(row for row in rows if row["server"] == "ours" and row["point"] == "saturation")
+    assert ours["output_throughput"] == 63.0 and ours["ratios"]["output_throughput"] == pytest.approx(1.05)
+    assert [row["point"] for row in rows] == ["saturation"] * 2 + ["1 req/s"] * 2 + ["one stream"] * 2
 
 
 def test_a_one_stream_point_is_set_against_the_faster_probe_around_it(monkeypatch, tmp_path):
