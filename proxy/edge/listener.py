@@ -16,7 +16,7 @@ uses (``tessera proxy`` and the tests):
   (slowloris) would hold a connection forever.
 - ``write_timeout_s``: ``TimedHttpProtocol`` aborts a connection whose
   client read none of its response for that long (its send buffer full, or
-  the connection closing with bytes unread); its request then ends as a
+  the connection closing with any bytes unread); its request then ends as a
   disconnected client's. uvicorn's writes wait for the client without end,
   so a client that stops reading a stream would hold its connection (and
   its handler) for as long as the peer's kernel keeps the window shut.
@@ -118,6 +118,24 @@ class TimedHttpProtocol(HttpToolsProtocol):
     def resume_writing(self) -> None:
         self._write_deadline.disarm()
         super().resume_writing()
+
+    def on_response_complete(self) -> None:  # also where a response whose connection closes (not kept alive) ends
+        super().on_response_complete()
+        self._closing()
+
+    def timeout_keep_alive_handler(self) -> None:
+        super().timeout_keep_alive_handler()
+        self._closing()
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._closing()
+
+    def _closing(self) -> None:
+        """A close waits for the bytes still buffered for the client, and below the high-water mark no
+        ``pause_writing`` armed the write timeout: a client that reads none of them is aborted by it too."""
+        if self.transport.is_closing() and self._waiting_bytes():
+            self._write_deadline.arm()
 
     def _waiting_bytes(self) -> int:
         return self.transport.get_write_buffer_size()

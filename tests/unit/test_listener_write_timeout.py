@@ -50,10 +50,13 @@ class Streamer:
 
 
 @contextlib.contextmanager
-def silent_client(app, write_timeout_s: float):
-    """The real listener serving ``app`` in a thread, and a socket that sent it a request and reads nothing."""
+def silent_client(app, write_timeout_s: float, state: dict | None = None):
+    """The real listener serving ``app`` in a thread, and a socket that sent it a request and reads nothing;
+    ``state["server"]``: the uvicorn server."""
     config = ProxyConfig(port=free_port(), http={"write_timeout_s": write_timeout_s})
     server = uvicorn.Server(listener_config(app, config, log_config=None))
+    if state is not None:
+        state["server"] = server
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -103,3 +106,33 @@ def test_a_closing_connection_whose_client_reads_nothing_is_aborted_too(caplog):
             threading.Event().wait(0.05)
         else:
             pytest.fail("the closing connection stayed open with its client reading nothing")
+
+
+def test_a_connection_closing_with_less_than_the_high_water_mark_unread_is_aborted_too(caplog):
+    """The kernel's buffers full and a few KiB more buffered in the transport, below the 64 KiB at which
+    ``pause_writing`` arms the write timeout: the response ends, the close waits for those bytes, and the client
+    never reads them. The write timeout aborts it as well, rather than the connection staying open for good."""
+    state: dict = {}
+
+    async def fills_then_closes(scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        (protocol,) = state["server"].server_state.connections
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"connection", b"close")]})
+        while protocol.transport.get_write_buffer_size() == 0:  # until the kernel takes no more
+            await send({"type": "http.response.body", "body": b"x" * (4 << 10), "more_body": True})
+            await asyncio.sleep(0)
+        state["waiting"] = protocol.transport.get_write_buffer_size()
+        await send({"type": "http.response.body", "body": b""})
+
+    with caplog.at_level(logging.WARNING), silent_client(fills_then_closes, 0.3, state):
+        for _ in range(600):  # until the listener gives up on it
+            if any("http.write_timeout_s=0.3" in r.getMessage() for r in caplog.records):
+                break
+            threading.Event().wait(0.05)
+        else:
+            pytest.fail("the closing connection stayed open with its client reading nothing")
+    assert 0 < state["waiting"] < 64 << 10
