@@ -28,10 +28,7 @@ class Streamer:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
-            while (message := await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
+            return await lifespan(receive, send)
         gone = asyncio.Event()
 
         async def watch() -> None:
@@ -47,6 +44,22 @@ class Streamer:
             await asyncio.sleep(0)  # a send to a closed connection returns at once: let the watcher run
         await watcher
         self.disconnected.set()
+
+
+async def lifespan(receive, send) -> None:
+    """An app's side of uvicorn's lifespan protocol: started, and shut down when told."""
+    while (await receive())["type"] != "lifespan.shutdown":
+        await send({"type": "lifespan.startup.complete"})
+    await send({"type": "lifespan.shutdown.complete"})
+
+
+def wait_for_abort(caplog) -> None:
+    """Until the listener logs that it gave up on the connection (``http.write_timeout_s``, 0.3 s here)."""
+    for _ in range(600):  # a bound, not a timing
+        if any("http.write_timeout_s=0.3" in r.getMessage() for r in caplog.records):
+            return
+        threading.Event().wait(0.05)
+    pytest.fail("the closing connection stayed open with its client reading nothing")
 
 
 @contextlib.contextmanager
@@ -86,10 +99,7 @@ def test_a_client_that_reads_nothing_is_disconnected_after_the_write_timeout(cap
 async def _one_body(scope, receive, send) -> None:
     """An app answering every request with one 8 MB body (not streamed), as a large JSON response is sent."""
     if scope["type"] == "lifespan":
-        while (await receive())["type"] != "lifespan.shutdown":
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
-        return
+        return await lifespan(receive, send)
     body = b"x" * (8 << 20)
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
@@ -100,12 +110,7 @@ def test_a_closing_connection_whose_client_reads_nothing_is_aborted_too(caplog):
     """The response is whole and the server closes the connection (``connection: close``), but the close waits for
     the buffered bytes, which a client that reads nothing never takes: the write timeout aborts it."""
     with caplog.at_level(logging.WARNING), silent_client(_one_body, 0.3):
-        for _ in range(600):  # until the listener gives up on it
-            if any("http.write_timeout_s=0.3" in r.getMessage() for r in caplog.records):
-                break
-            threading.Event().wait(0.05)
-        else:
-            pytest.fail("the closing connection stayed open with its client reading nothing")
+        wait_for_abort(caplog)
 
 
 def test_a_connection_closing_with_less_than_the_high_water_mark_unread_is_aborted_too(caplog):
@@ -116,10 +121,7 @@ def test_a_connection_closing_with_less_than_the_high_water_mark_unread_is_abort
 
     async def fills_then_closes(scope, receive, send) -> None:
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
+            return await lifespan(receive, send)
         (protocol,) = state["server"].server_state.connections
         await send({"type": "http.response.start", "status": 200, "headers": [(b"connection", b"close")]})
         while protocol.transport.get_write_buffer_size() == 0:  # until the kernel takes no more
@@ -129,10 +131,5 @@ def test_a_connection_closing_with_less_than_the_high_water_mark_unread_is_abort
         await send({"type": "http.response.body", "body": b""})
 
     with caplog.at_level(logging.WARNING), silent_client(fills_then_closes, 0.3, state):
-        for _ in range(600):  # until the listener gives up on it
-            if any("http.write_timeout_s=0.3" in r.getMessage() for r in caplog.records):
-                break
-            threading.Event().wait(0.05)
-        else:
-            pytest.fail("the closing connection stayed open with its client reading nothing")
+        wait_for_abort(caplog)
     assert 0 < state["waiting"] < 64 << 10
