@@ -90,10 +90,14 @@ class GreedyHead:
         int8 kernel takes, with the kernels built."""
         panels = getattr(head, "panels", None)
         n, k = head.weight.shape
-        if panels is None or n % TILE or k > MAX_K or None in (linear_int8_kernel(), greedy_tiles_kernel(),
-                                                  linear_panels_tiles_kernel()):
-            return None
-        return cls(panels, n, k)
+        return cls(panels, n, k) if panels is not None and cls.takes(n, k) else None
+
+    @staticmethod
+    def takes(n: int, k: int) -> bool:
+        """Whether an [n, k] head in panels can have the copy: whole tiles, rows the int8 kernel takes, the kernels
+        built (what the load checks before it sizes the KV pool with ``copy_bytes`` reserved)."""
+        return n % TILE == 0 and k <= MAX_K and None not in (linear_int8_kernel(), greedy_tiles_kernel(),
+                                                                linear_panels_tiles_kernel())
 
     @staticmethod
     def default_rows(hidden_size: int) -> int:

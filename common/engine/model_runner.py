@@ -332,10 +332,12 @@ class ModelRunner:
     def _greedy_head_rows(self) -> int:
         """The most rows of a step the head's greedy copy (``GreedyHead``) takes: engine.cpu.greedy_head_max_rows,
         or for -1 ``GreedyHead.default_rows`` of the hidden size; 0 (no copy) but with the weights in panels, not
-        int8, one rank (``GreedyHead.of`` checks the head itself)."""
+        int8, one rank, and a head ``GreedyHead.takes``."""
         setting = self.config.cpu.greedy_head_max_rows
         rows = setting if setting >= 0 else GreedyHead.default_rows(self.model.config.hidden_size)
-        return rows if self.config.quantization == "none" and self._panels_planned() else 0
+        if not rows or self.config.quantization != "none" or not self._panels_planned():
+            return 0
+        return rows if GreedyHead.takes(*self.model.head().weight.shape) else 0
 
     def _fused_decode_kernel(self) -> bool:
         """Whether this runner gets the one-call decode kernel (``FusedDecode``): the CPU, its paged attention,
@@ -345,7 +347,7 @@ class ModelRunner:
 
     def _serving_weight_bytes(self) -> int:
         """The weights' bytes once the load has quantized or prepacked them (the pool is sized before either),
-        and the greedy head's copy (``GreedyHead.nbytes``: a byte per head weight, three float32 per token)."""
+        and the greedy head's copy (``GreedyHead.copy_bytes``: a byte per head weight, three float32 per token)."""
         copy = GreedyHead.copy_bytes(*self.model.head().weight.shape) if self._greedy_head_rows() else 0
         return self._stored_weight_bytes() + copy
 
