@@ -5,12 +5,13 @@
 For each scenario the engine (in this process; ``--model`` as in bench/peers/compare.py: the embedded
 model, a random-weight Llama shape made in the cache on first use, or a model directory) is brought
 to the state the scenario names, then ``--steps`` steps run under
-``torch.profiler``. The table gives the step's wall time and, per group of
-operators, their share of it: the matmuls (``aten::addmm``/``mm``/``linear``,
-with their achieved GFLOP/s), attention (the paged kernels and SDPA),
-normalisation and RoPE elementwise work, sampling, and what is left: Python
-in the scheduler, the runner's batch preparation and output processing,
-between the kernels. Prompts are random token ids, each scenario its own.
+``torch.profiler``, the engine's C kernels named in it (``native.name_kernel_calls``). The table gives the
+step's wall time and, per group of operators, their share of it: the one-call decode kernel (a decode step's
+whole forward where it runs: linears, attention and norms in one call, so not split further), the matmuls
+(``linear_panels`` and the other C linears, ``aten::addmm``/``mm``/``linear``, with their achieved GFLOP/s),
+attention (the paged kernels and SDPA), normalisation, RoPE and SiLU, sampling, and what is left: Python in the
+scheduler, the runner's batch preparation and output processing, between the kernels. Prompts are random token
+ids, each scenario its own.
 """
 from __future__ import annotations
 
@@ -25,17 +26,22 @@ from torch.profiler import ProfilerActivity, profile
 
 from common.config.base import EngineConfig
 from common.engine.llm_engine import LLMEngine
+from common.engine.native import name_kernel_calls
 from common.protocol.sampling_params import SamplingParams
 
-GROUPS = (
+GROUPS = (  # the first group with a key in an event's name takes it; tessera::* are the C kernels (native.py)
+    ("decode kernel (one call: linears, attention, norms)", ("tessera::decode_forward",)),
     ("matmul", ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "aten::bmm", "aten::_int_mm",
-                "mkldnn::_linear_pointwise")),
-    ("attention", ("tessera", "paged", "scaled_dot_product", "attention", "aten::_scaled_dot")),
-    ("sampling", ("argmax", "softmax", "topk", "multinomial", "sort", "log_softmax", "aten::max")),
+                "mkldnn::_linear_pointwise", "tessera::linear_panels", "tessera::gemv_bf16", "tessera::gemm_invariant",
+                "tessera::int8_gemm", "tessera::linear_int8")),
+    ("attention", ("tessera::paged_attention", "tessera::chunk_attention", "paged", "scaled_dot_product",
+                   "attention", "aten::_scaled_dot")),
+    ("sampling", ("argmax", "softmax", "topk", "multinomial", "sort", "log_softmax", "aten::max",
+                  "tessera::greedy_tiles", "tessera::apply_token_mask")),
     ("copies and casts", ("aten::copy_", "aten::to", "aten::_to_copy", "aten::index", "aten::cat",
                           "aten::contiguous", "aten::clone", "aten::embedding", "aten::index_select")),
     ("elementwise (norm, rope, silu)", ("aten::mul", "aten::add", "aten::pow", "aten::mean", "aten::rsqrt",
-                                        "aten::silu", "aten::sub", "aten::neg", "aten::rms_norm")),
+                                        "aten::silu", "aten::sub", "aten::neg", "aten::rms_norm", "tessera::")),
 )
 
 
@@ -70,11 +76,12 @@ def scenario(engine: LLMEngine, name: str, batch: int, prompt_len: int, decode: 
     shares: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
         shares[group_of(event.key)] += event.self_cpu_time_total / 1e6
+    linear_s = shares["matmul"] + shares[GROUPS[0][0]]  # the one-call kernel runs the decode step's linears
     computed = batch * steps if decode else min(batch * prompt_len, engine.config.max_num_batched_tokens)
     op_total = sum(shares.values())
     shares["Python and glue (wall minus operators)"] = max(wall - op_total, 0.0)
     row = {"scenario": name, "step_ms": 1000 * wall / (steps if decode else 1), "tokens": computed,
-           "matmul_gflops": flops_per_token * computed / shares["matmul"] / 1e9 if shares["matmul"] else 0.0,
+           "linear_gflops": flops_per_token * computed / linear_s / 1e9 if linear_s else 0.0,
            "shares": {k: v / wall for k, v in sorted(shares.items(), key=lambda kv: -kv[1])}}
     return row
 
@@ -123,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--batches", default="1,8,64", help="decode batch sizes profiled, comma-separated")
     args = parser.parse_args(argv)
+    name_kernel_calls()  # the C kernels' time under their own names, not "Python and glue"
     model, engine = engine_from_args(args)
-    cfg = engine.runner.model.config
     # every linear layer's weight (a parameter, or an int8 buffer), not the tied embedding
     flops_per_token = 2.0 * sum(m.weight.numel() for m in engine.runner.model.modules() if isinstance(m, nn.Linear))
     rng = random.Random(args.seed)
@@ -134,14 +141,16 @@ def main(argv: list[str] | None = None) -> int:
     rows += [scenario(engine, f"decode batch {b}", b, 256, True, args.steps, rng, flops_per_token)
              for b in map(int, args.batches.split(","))]
     weights = "int8 weights, " if args.quantization == "int8" else ""
-    print(f"{model.name}, {args.dtype}, {weights}{args.threads} threads; matmul GFLOP/s counts 2 x non-embedding parameters per token "
-          "(the LM head's FLOPs are in the time but not the count)\n")
+    print(f"{model.name}, {args.dtype}, {weights}{args.threads} threads; linear GFLOP/s: 2 x the non-embedding "
+          "parameters per token over the time of the matmuls and the one-call decode kernel (which holds a decode "
+          "step's attention and norms too; the LM head's FLOPs are in the time but not the count)\n")
     groups = [g for g, _ in GROUPS] + ["other operators", "Python and glue (wall minus operators)"]
-    print("| scenario | step ms | tokens | matmul GFLOP/s | " + " | ".join(groups) + " |")
+    print("| scenario | step ms | tokens | linear GFLOP/s | " + " | ".join(groups) + " |")
     print("|---|---|---|---|" + "---|" * len(groups))
     for row in rows:
         cells = [f"{100 * row['shares'].get(g, 0.0):.0f}%" for g in groups]
-        print(f"| {row['scenario']} | {row['step_ms']:.1f} | {row['tokens']} | {row['matmul_gflops']:.0f} | "
+        rate = f"{row['linear_gflops']:.0f}" if row["linear_gflops"] else "—"
+        print(f"| {row['scenario']} | {row['step_ms']:.1f} | {row['tokens']} | {rate} | "
               + " | ".join(cells) + " |")
     return 0
 

@@ -236,13 +236,12 @@ class CpuAttention(TorchAttention):
         rows, tables = meta
         pool = ctx.kv_cache.buffer
         itemsize = pool.element_size()
-        with torch.profiler.record_function("tessera::chunk_attention"):
-            status = self._chunk_kernel(
-                q.data_ptr(), q.stride(0), pool.data_ptr(), pool.stride(0),
-                (k_cache.data_ptr() - pool.data_ptr()) // itemsize, (v_cache.data_ptr() - pool.data_ptr()) // itemsize,
-                rows.data_ptr(), rows.shape[0], tables.data_ptr(), tables.shape[1], out.data_ptr(),
-                q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale,
-            )
+        status = self._chunk_kernel(
+            q.data_ptr(), q.stride(0), pool.data_ptr(), pool.stride(0),
+            (k_cache.data_ptr() - pool.data_ptr()) // itemsize, (v_cache.data_ptr() - pool.data_ptr()) // itemsize,
+            rows.data_ptr(), rows.shape[0], tables.data_ptr(), tables.shape[1], out.data_ptr(),
+            q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale,
+        )
         if status != 0:
             raise RuntimeError(f"chunk attention kernel refused the shapes (status {status})")
 
@@ -257,15 +256,14 @@ class CpuAttention(TorchAttention):
         out = torch.empty_like(q)
         pool = ctx.kv_cache.buffer
         itemsize = pool.element_size()
-        with torch.profiler.record_function("tessera::paged_attention"):
-            status = self._kernel(
-                q.data_ptr(), pool.data_ptr(), pool.stride(0),
-                (k_cache.data_ptr() - pool.data_ptr()) // itemsize,
-                (v_cache.data_ptr() - pool.data_ptr()) // itemsize,
-                tables.data_ptr(), tables.shape[1], context_lens.data_ptr(), out.data_ptr(),
-                rows, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale,
-                int(q.dtype == torch.bfloat16),
-            )
+        status = self._kernel(
+            q.data_ptr(), pool.data_ptr(), pool.stride(0),
+            (k_cache.data_ptr() - pool.data_ptr()) // itemsize,
+            (v_cache.data_ptr() - pool.data_ptr()) // itemsize,
+            tables.data_ptr(), tables.shape[1], context_lens.data_ptr(), out.data_ptr(),
+            rows, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale,
+            int(q.dtype == torch.bfloat16),
+        )
         if status != 0:
             raise RuntimeError("paged attention kernel refused the shapes (group, head_dim or block size too large)")
         return out

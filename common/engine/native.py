@@ -111,17 +111,41 @@ def _build(compiler: str, cflags: list[str], source: Path, target: Path) -> bool
     return True
 
 
+_named_calls = [False]  # name_kernel_calls() was asked for
+
+
+def name_kernel_calls() -> None:
+    """Run every kernel looked up from now on inside ``torch.profiler.record_function("tessera::<its symbol>")``:
+    torch's profiler sees a ctypes call only as the Python around it, so without the names a profile puts the
+    engine's linears, attention and norms under "Python and glue" (bench.profile_step). A few microseconds a call,
+    so only a profiling process asks, and before its engine looks up any kernel: the lookups are cached, and one
+    made before would stay unnamed."""
+    if kernel_function.cache_info().currsize:
+        raise RuntimeError("name_kernel_calls() after kernels were looked up: call it before the engine loads")
+    _named_calls[0] = True
+
+
+def _named(label: str, fn):
+    from torch.profiler import record_function
+
+    def call(*args):
+        with record_function(label):
+            return fn(*args)
+    return call
+
+
 @functools.cache
 def kernel_function(name: str, symbol: str, argtypes: tuple, defines: tuple[str, ...] = ()):
     """``symbol`` of ``kernels/<name>.c`` (built with ``defines``: ``load_kernel``) as a ctypes function returning
-    int (0: done, -1: shapes refused), or None without a compiler."""
+    int (0: done, -1: shapes refused), or None without a compiler; named in a profile after
+    ``name_kernel_calls``."""
     lib = load_kernel(name, defines)
     if lib is None:
         return None
     fn = getattr(lib, symbol)
     fn.restype = ctypes.c_int
     fn.argtypes = list(argtypes)
-    return fn
+    return _named("tessera::" + symbol.removeprefix("tessera_"), fn) if _named_calls[0] else fn
 
 
 def gemv_bf16_kernel():

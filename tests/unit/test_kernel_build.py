@@ -72,3 +72,49 @@ def test_three_processes_needing_a_kernel_on_a_fresh_cache_build_it_once(tmp_pat
         pytest.skip("kernels/token_mask.c did not build here (no C compiler?)")
     assert all(proc.returncode == 0 for proc in procs), outputs
     assert sum(out.count("compiler run") for out in outputs) == 2, outputs  # one compile, one link
+
+
+NAMED_CALL = """
+import torch
+from torch.profiler import ProfilerActivity, profile
+from common.engine import native
+native.name_kernel_calls()
+available = native.kernel_function("linear_panels", "tessera_linear_panels_available", ())
+if available is None:
+    raise SystemExit(3)
+with profile(activities=[ProfilerActivity.CPU]) as prof:
+    available()
+print(sorted(event.key for event in prof.key_averages() if event.key.startswith("tessera::")))
+try:
+    native.name_kernel_calls()
+except RuntimeError as error:
+    print("refused:", error)
+"""
+
+
+def test_a_profiling_process_sees_each_kernel_call_under_its_own_name():
+    """bench.profile_step names the C kernels' calls (torch's profiler sees a ctypes call only as the Python around
+    it); asking once kernels are already looked up, which would leave those unnamed, is refused. A process of its
+    own: the lookups are cached for the life of a process."""
+    run = subprocess.run([sys.executable, "-c", NAMED_CALL], capture_output=True, text=True, timeout=300,
+                         cwd=KERNEL_DIR.parents[2])
+    if run.returncode == 3:
+        pytest.skip("no C compiler here: the kernels did not build")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0] == "['tessera::linear_panels_available']"
+    assert lines[1].startswith("refused: name_kernel_calls() after kernels were looked up")
+
+
+def test_the_profile_groups_each_kernel_where_its_time_belongs():
+    from bench.profile_step import group_of
+
+    assert group_of("tessera::decode_forward").startswith("decode kernel")
+    assert group_of("tessera::decode_forward_panels").startswith("decode kernel")
+    for name in ("tessera::linear_panels", "tessera::linear_panels_tiles", "tessera::linear_int8",
+                 "tessera::int8_gemm", "tessera::gemv_bf16", "mkldnn::_linear_pointwise"):
+        assert group_of(name) == "matmul", name
+    assert group_of("tessera::paged_attention") == group_of("tessera::chunk_attention") == "attention"
+    assert group_of("tessera::greedy_tiles") == "sampling"
+    for name in ("tessera::silu_mul", "tessera::add_rms_norm", "tessera::rope"):
+        assert group_of(name).startswith("elementwise"), name
