@@ -99,7 +99,8 @@ def create_app(config: ProxyConfig, *, tokenizer: Tokenizer | None = None,
                                                    config.shared_state.key_prefix + "planner_leader",
                                                    cluster.limits.share.proxy_id, config.planner.leader_lease_s,
                                                    config.shared_state.timeout_s)
-    models = ServedModels(config, cluster.registry, registry_for(None), model_identity(config.model, config.dtype),
+    store = registry_for(None, config.http.registry_lock_timeout_s, "proxy.http.registry_lock_timeout_s")
+    models = ServedModels(config, cluster.registry, store, model_identity(config.model, config.dtype),
                           tokenizer, model_dir, cluster.tokenizers)
     models.loader = cluster.loader  # versions workers may load on demand (standby_models)
     conversations = ConversationStore(config.sessions.conversation_store_path, config.sessions.conversation_retention_s,

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import msgspec
 
-from common.cli.options import add_model_options, add_renamed_option, positive_int
+from common.cli.options import add_model_options, add_renamed_option, positive_float, positive_int
 from common.storage.model_store import default_cache_root, prepare_embedded_model, registry_for
 from common.storage.manifest import Manifest
 from common.storage.random_model import (DEFAULT_SEED, SHAPES, embedded_tokenizer_dir, make_random_model,
                                          random_model_dir, shape_label)
-from common.storage.registry import Canary, State
+from common.storage.registry import LOCK_WAIT_S, Canary, State
 
 
 # ``tessera model random`` flags and the shape fields they replace.
@@ -95,6 +95,7 @@ def add_model_command(subparsers) -> None:
     register.add_argument("--sha256", metavar="HEX",
                           help="refuse the weights unless their checksum (see docs/models.md) is this")
     _add_cache_dir(register)
+    _add_lock_timeout(register)
     register.set_defaults(handler=_register)
 
     listing = actions.add_parser("list", help="list registered versions",
@@ -114,6 +115,7 @@ def add_model_command(subparsers) -> None:
     promote.add_argument("version", metavar="VERSION")
     promote.add_argument("--canary", type=float, metavar="PCT", help="percent of traffic, above 0 and below 100")
     _add_cache_dir(promote)
+    _add_lock_timeout(promote)
     _add_proxy(promote)
     promote.set_defaults(handler=_promote)
 
@@ -125,6 +127,7 @@ def add_model_command(subparsers) -> None:
     )
     rollback.add_argument("name", metavar="NAME")
     _add_cache_dir(rollback)
+    _add_lock_timeout(rollback)
     _add_proxy(rollback)
     rollback.set_defaults(handler=_rollback)
 
@@ -145,6 +148,17 @@ def _add_cache_dir(parser: argparse.ArgumentParser) -> None:
     # The registry commands take no --dtype, so only this part of add_model_options.
     parser.add_argument("--cache-dir", help="cache root holding the registry (default: $TESSERA_CACHE_DIR, else "
                         f"~/.cache/tessera; now {default_cache_root()})")
+
+
+def _add_lock_timeout(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lock-timeout-s", type=positive_float, default=LOCK_WAIT_S, metavar="S",
+                        help="how long to wait for another process's change to the registry (its lock) before "
+                        f"failing (default: {LOCK_WAIT_S:g})")
+
+
+def _changes(args: argparse.Namespace):
+    """The registry ``args`` change, waiting ``--lock-timeout-s`` for another process's change."""
+    return registry_for(args.cache_dir, args.lock_timeout_s, "--lock-timeout-s")
 
 
 def _add_proxy(parser: argparse.ArgumentParser) -> None:
@@ -191,7 +205,7 @@ def _make_random_model(args: argparse.Namespace) -> int:
 
 
 def _register(args: argparse.Namespace) -> int:
-    manifest = registry_for(args.cache_dir).register(args.source, args.name, args.version, args.notes, args.sha256)
+    manifest = _changes(args).register(args.source, args.name, args.version, args.notes, args.sha256)
     print(_summary(manifest))
     return 0
 
@@ -215,14 +229,14 @@ def _list(args: argparse.Namespace) -> int:
 def _promote(args: argparse.Namespace) -> int:
     if args.proxy:
         return _print_admin(_admin_call(args, "promote", {"version": args.version, "canary_percent": args.canary}))
-    print(_describe_state(args.name, registry_for(args.cache_dir).promote(args.name, args.version, args.canary)))
+    print(_describe_state(args.name, _changes(args).promote(args.name, args.version, args.canary)))
     return 0
 
 
 def _rollback(args: argparse.Namespace) -> int:
     if args.proxy:
         return _print_admin(_admin_call(args, "rollback", {}))
-    print(_describe_state(args.name, registry_for(args.cache_dir).rollback(args.name)))
+    print(_describe_state(args.name, _changes(args).rollback(args.name)))
     return 0
 
 

@@ -18,6 +18,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number above 0 (got {text})")
+    return value
+
+
 def dtype_option(text: str) -> str:
     """``--dtype``: a dtype, or ``auto``, which picks the fastest this CPU runs and says which and why."""
     if text == "auto":

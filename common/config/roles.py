@@ -67,6 +67,9 @@ class HttpConfig:
         "(DEADLINE_EXCEEDED) and its requests are cancelled", gt=0)
     process_port: Int = option(0, "with tessera proxy --processes N, process i also listens on this port + i (the same "
                                "API, its own: for scraping its /metrics and probing it); 0: none", ge=0, le=65535)
+    registry_lock_timeout_s: Float = option(
+        30.0, "how long an admin API request that changes the proxy host's model registry (promote, rollback) waits "
+        "for another process's change to end; past it the request gets 503 registry_locked", gt=0)
 
 
 

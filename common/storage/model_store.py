@@ -94,9 +94,12 @@ def embedded_model_dir(dtype: str, cache_dir: str | Path | None = None) -> Path:
     return _models_root(cache_dir) / f"{EMBEDDED_MODEL}-{dtype}"
 
 
-def registry_for(cache_dir: str | Path | None) -> ModelRegistry:
-    """The model registry of a cache root: ``<cache root>/registry``."""
-    return ModelRegistry(_cache_root(cache_dir) / "registry")
+def registry_for(cache_dir: str | Path | None, lock_wait_s: float | None = None,
+                 lock_setting: str = "") -> ModelRegistry:
+    """The model registry of a cache root: ``<cache root>/registry``; its changes wait ``lock_wait_s`` for another
+    process's (``lock_setting`` gave it), or the registry's default."""
+    root = _cache_root(cache_dir) / "registry"
+    return ModelRegistry(root) if lock_wait_s is None else ModelRegistry(root, lock_wait_s, lock_setting)
 
 
 def resolve_model(name_or_path: str, dtype: str, cache_dir: str | Path | None = None) -> Path:

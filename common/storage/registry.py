@@ -31,13 +31,15 @@ from common.storage.manifest import (  # noqa: F401 - validate_model_dir and Reg
 )
 from common.storage.file_lock import lock_within
 
-# A change waits this long for another process's change (its lock) to end; a process stopped while it holds the lock
-# (a suspended `tessera model register`, a hung file system) then gets an error rather than a wait without end.
+# How long a change waits for another process's change (its lock) to end, unless its caller's setting says
+# otherwise (``proxy.http.registry_lock_timeout_s``, ``tessera model ... --lock-timeout-s``): a process stopped while
+# it holds the lock (a suspended `tessera model register`, a hung file system) then gets an error naming that
+# setting rather than a wait without end.
 LOCK_WAIT_S = 30.0
 
 
 class RegistryLocked(RegistryError):
-    """Another process held the registry's lock for all of ``LOCK_WAIT_S``."""
+    """Another process held the registry's lock for all of the wait its ``ModelRegistry`` was given."""
 
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -69,8 +71,13 @@ class Row(msgspec.Struct, frozen=True):  # one version in ModelRegistry.list
 
 
 class ModelRegistry:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, lock_wait_s: float = LOCK_WAIT_S,
+                 lock_setting: str = "the registry's default lock wait") -> None:
+        """The registry under ``root``; a change waits at most ``lock_wait_s`` for another process's, then fails
+        with an error that names ``lock_setting`` (the setting that gave the wait)."""
         self.root = Path(root)
+        self.lock_wait_s = lock_wait_s
+        self.lock_setting = lock_setting
 
     def register(self, source: str | Path, name: str, version: str, notes: str = "",
                  expected_sha256: str | None = None) -> Manifest:
@@ -260,9 +267,10 @@ class ModelRegistry:
     def _lock(self) -> Iterator[None]:
         self.root.mkdir(parents=True, exist_ok=True)
         with open(self.root / ".lock", "a") as lock_file:  # closing it releases the lock, on every path
-            if not lock_within(lock_file, LOCK_WAIT_S):
+            if not lock_within(lock_file, self.lock_wait_s):
                 raise RegistryLocked(f"the model registry at {str(self.root)!r} stayed locked by another process for "
-                                     f"{LOCK_WAIT_S:g}s (its .lock file): try again once that process is done")
+                                     f"{self.lock_wait_s:g}s ({self.lock_setting}; its .lock file): try again once "
+                                     "that process is done")
             yield
 
 

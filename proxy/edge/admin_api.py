@@ -169,7 +169,8 @@ async def drain(name: str, request: Request) -> dict:
 
 
 async def _apply(request: Request, name: str, action: str, change) -> dict:
-    """``change`` to the registry, in a thread: its file lock may wait on another process (registry.LOCK_WAIT_S)."""
+    """``change`` to the registry, in a thread: its file lock may wait on another process's change (at most
+    ``proxy.http.registry_lock_timeout_s``)."""
     models = request.app.state.services.models
     try:
         state = await asyncio.to_thread(change, models.store)

@@ -20,7 +20,6 @@ import pytest
 from common.cli.main import main
 from common.storage import manifest as manifest_module
 from common.storage.model_store import prepare_embedded_model, resolve_model, resolve_registered
-from common.storage import registry as registry_module
 from common.storage.registry import Canary, ModelRegistry, RegistryError, RegistryLocked, State
 
 
@@ -217,11 +216,12 @@ def test_promote_canary_and_rollback(registry, model):
     assert registry.state("tiny") == State("v1", [], None)
 
 
-def test_a_change_while_another_process_holds_the_lock_gives_up_naming_it(registry, model, monkeypatch):
+def test_a_change_while_another_process_holds_the_lock_gives_up_naming_it(registry, model, capsys):
     """A process stopped while it holds the registry's lock (a suspended `tessera model register`): a change waits
-    registry.LOCK_WAIT_S for it, then fails with an error that says so, instead of waiting for good."""
+    the wait its setting gives (the proxy's proxy.http.registry_lock_timeout_s, the CLI's --lock-timeout-s) for it,
+    then fails with an error that names the setting, instead of waiting for good."""
     registry.register(model, "tiny", "v1")
-    monkeypatch.setattr(registry_module, "LOCK_WAIT_S", 0.2)
+    proxys = ModelRegistry(registry.root, 0.2, "proxy.http.registry_lock_timeout_s")
     with open(registry.root / ".lock", "a") as held:
         holder = os.fork()
         if holder == 0:  # the other process: takes the lock and keeps it until killed
@@ -237,8 +237,13 @@ def test_a_change_while_another_process_holds_the_lock_gives_up_naming_it(regist
                 except BlockingIOError:
                     break
             time.sleep(0.01)
-        with pytest.raises(RegistryLocked, match="stayed locked by another process for 0.2s"):
-            registry.promote("tiny", "v1")
+        named = r"stayed locked by another process for 0.2s \(proxy.http.registry_lock_timeout_s"
+        with pytest.raises(RegistryLocked, match=named):
+            proxys.promote("tiny", "v1")
+        cache = str(registry.root.parent)
+        capsys.readouterr()
+        assert main(["model", "rollback", "tiny", "--cache-dir", cache, "--lock-timeout-s", "0.2"]) != 0
+        assert "stayed locked by another process for 0.2s (--lock-timeout-s" in capsys.readouterr().err
         (registry.root / "tiny" / "v1" / "verified.json").unlink(missing_ok=True)
         assert registry.resolve("tiny").version == "v1"  # a read still resolves: only its verify record is not kept
     finally:
