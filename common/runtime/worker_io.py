@@ -15,7 +15,11 @@ answered here, and a window that closes unclaimed becomes ``OrphansExpired`` for
 
 With several proxies one of them being away must not stall the others: a message for a proxy that is not
 connected, or not reading, is dropped and counted (``tessera_worker_messages_unsent_total``; ZMQ_IMMEDIATE, so
-nothing queues for a proxy not connected), where with one proxy a send waits for it as before. Each proxy sends
+nothing queues for a proxy not connected). With one proxy its messages wait for it, in order, nothing dropped: what
+its socket will not take now (the proxy stopped reading, or is away with ZeroMQ's queue full) waits on the link
+(``_Link.unsent``) while the thread goes on turning, receiving and heartbeating into that queue, and goes out as the
+socket takes it; the thread never blocks in a send, so the watchdog (``alive``) does not take a stopped proxy for
+a stuck worker. Each proxy sends
 its own Peers (the prefill workers it knows); the handler gets their union, so a proxy that knows fewer (it is
 starting, or lost one on its own) does not take the others' away.
 
@@ -30,6 +34,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +56,8 @@ log = logging.getLogger(__name__)
 # The longest the I/O thread waits between turns with nothing to do: an orphaned stream's window closes, and the
 # watchdog (``alive``) sees the thread turn, within it (a turn every 10 ms costs an idle worker 1.4% of a core).
 POLL_MAX_S = 0.1
+# On stop, how long what waits for a proxy that is not reading may take to go out: the sockets' linger (LINGER).
+LAST_SENDS_S = 1.0
 
 
 @dataclass
@@ -87,6 +94,7 @@ class _Link:
         self.next_register = 0.0  # when the Register is (re)sent while unacknowledged
         self.speaks = 0  # the older of this proxy's protocol version and this worker's setting
         self.monitor = None  # with several proxies: the socket's disconnection events
+        self.unsent: deque[list[bytes]] = deque()  # with one proxy: what its socket would not take yet, in order
 
 
 class WorkerIO:
@@ -188,7 +196,7 @@ class WorkerIO:
             for link in self.links:
                 link.sock = ctx.socket(zmq.DEALER)
                 link.sock.setsockopt(zmq.IDENTITY, self.config.worker_id.encode())
-                link.sock.setsockopt(zmq.LINGER, 1000)
+                link.sock.setsockopt(zmq.LINGER, int(LAST_SENDS_S * 1000))
                 if self.owners is not None:
                     link.sock.setsockopt(zmq.IMMEDIATE, 1)
                 if self._curve is not None:
@@ -226,8 +234,13 @@ class WorkerIO:
             self.turned_at = time.monotonic()  # the watchdog's sign of life (``alive``)
             self._flush_outbox()
             if self._stop.is_set():
+                self._last_sends()
                 return
+            for link in self.links:  # wake when a proxy's socket takes what waits for it
+                poller.modify(link.sock, zmq.POLLIN | (zmq.POLLOUT if link.unsent else 0))
             ready = dict(poller.poll(timeout=self._poll_ms(next_beat)))
+            for link in self.links:
+                self._send_unsent(link)
             if self._wake.fd in ready:
                 self._wake.drain()
             for sock, index in sockets.items():
@@ -292,13 +305,34 @@ class WorkerIO:
 
     def _send(self, link: _Link, msg) -> None:
         frames = wire.encode(msg, link.speaks)
-        if self.owners is None:
-            link.sock.send_multipart(frames)  # one proxy: wait for it
+        if self.owners is None:  # one proxy: its messages wait for it, in order, on the link if need be
+            link.unsent.append(frames)
+            self._send_unsent(link)
             return
         try:
             link.sock.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
             self.metrics.messages_unsent.inc()
+
+    @staticmethod
+    def _send_unsent(link: _Link) -> None:
+        """Hand the socket what waits on ``link``, oldest first, as much as it takes now."""
+        while link.unsent:
+            try:
+                link.sock.send_multipart(link.unsent[0], zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            link.unsent.popleft()
+
+    def _last_sends(self) -> None:
+        """On stop: what still waits on a link (the Goodbye last) gets as long as the socket's linger to go out."""
+        deadline = time.monotonic() + LAST_SENDS_S
+        for link in self.links:
+            while link.unsent and (left := deadline - time.monotonic()) > 0:
+                if link.sock.poll(int(left * 1000) + 1, zmq.POLLOUT):
+                    self._send_unsent(link)
+            if link.unsent:
+                log.warning("stopping with %d messages the proxy at %s did not take", len(link.unsent), link.address)
 
     def _receive(self, index: int) -> None:
         link = self.links[index]
