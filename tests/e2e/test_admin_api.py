@@ -2,6 +2,7 @@
 role switch refused or timed out (tests/e2e/test_role_switch.py switches real workers)."""
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import subprocess
 import sys
@@ -115,3 +116,18 @@ def test_a_role_switch_is_refused_as_the_cluster_needs_and_times_out_naming_the_
     counts = {labels: value for labels, value in samples(proxy.http.get("/metrics").text,
                                                           "tessera_proxy_role_switches_total").items() if value}
     assert counts == {'{outcome="refused"}': 2, '{outcome="timed_out"}': 1}
+
+
+def test_a_change_while_the_registry_is_locked_answers_503_naming_the_setting(two_versions, make_proxy):
+    """Another process in the middle of a change (its lock on the registry): the admin API's change waits
+    http.registry_lock_timeout_s for it, then answers 503 registry_locked, naming the setting, and works once the
+    lock is gone."""
+    proxy = make_proxy(security={"admin_api_key_sha256": hashlib.sha256(ADMIN_KEY.encode()).hexdigest()},
+                       http={"registry_lock_timeout_s": 0.2})
+    with open(two_versions.root / ".lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # an open file of its own: the proxy's flock waits for it
+        locked = admin(proxy, "promote", version="v2")
+    assert locked.status_code == 503
+    error = locked.json()["error"]
+    assert error["code"] == "registry_locked" and "http.registry_lock_timeout_s" in error["message"]
+    assert admin(proxy, "promote", version="v2").json()["promoted"] == "v2"
