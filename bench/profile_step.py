@@ -29,8 +29,9 @@ from common.engine.llm_engine import LLMEngine
 from common.engine.native import name_kernel_calls
 from common.protocol.sampling_params import SamplingParams
 
+DECODE_KERNEL = "decode kernel (one call: linears, attention, norms)"
 GROUPS = (  # the first group with a key in an event's name takes it; tessera::* are the C kernels (native.py)
-    ("decode kernel (one call: linears, attention, norms)", ("tessera::decode_forward",)),
+    (DECODE_KERNEL, ("tessera::decode_forward",)),
     ("matmul", ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "aten::bmm", "aten::_int_mm",
                 "mkldnn::_linear_pointwise", "tessera::linear_panels", "tessera::gemv_bf16", "tessera::gemm_invariant",
                 "tessera::int8_gemm", "tessera::linear_int8")),
@@ -76,7 +77,7 @@ def scenario(engine: LLMEngine, name: str, batch: int, prompt_len: int, decode: 
     shares: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
         shares[group_of(event.key)] += event.self_cpu_time_total / 1e6
-    linear_s = shares["matmul"] + shares[GROUPS[0][0]]  # the one-call kernel runs the decode step's linears
+    linear_s = shares["matmul"] + shares[DECODE_KERNEL]  # the one-call kernel runs the decode step's linears
     computed = batch * steps if decode else min(batch * prompt_len, engine.config.max_num_batched_tokens)
     op_total = sum(shares.values())
     shares["Python and glue (wall minus operators)"] = max(wall - op_total, 0.0)

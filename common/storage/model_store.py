@@ -37,7 +37,7 @@ from pathlib import Path
 
 from common.protocol.names import DTYPES
 from common.storage.manifest import Manifest, file_sha256, validate_model_dir
-from common.storage.registry import ModelRegistry
+from common.storage.registry import DEFAULT_LOCK_SETTING, LOCK_WAIT_S, ModelRegistry
 
 EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
 EMBEDDED_NAMES = ("embedded", "SmolLM2-135M-Instruct", "smollm2")
@@ -94,12 +94,11 @@ def embedded_model_dir(dtype: str, cache_dir: str | Path | None = None) -> Path:
     return _models_root(cache_dir) / f"{EMBEDDED_MODEL}-{dtype}"
 
 
-def registry_for(cache_dir: str | Path | None, lock_wait_s: float | None = None,
-                 lock_setting: str = "") -> ModelRegistry:
+def registry_for(cache_dir: str | Path | None, lock_wait_s: float = LOCK_WAIT_S,
+                 lock_setting: str = DEFAULT_LOCK_SETTING) -> ModelRegistry:
     """The model registry of a cache root: ``<cache root>/registry``; its changes wait ``lock_wait_s`` for another
-    process's (``lock_setting`` gave it), or the registry's default."""
-    root = _cache_root(cache_dir) / "registry"
-    return ModelRegistry(root) if lock_wait_s is None else ModelRegistry(root, lock_wait_s, lock_setting)
+    process's (``lock_setting`` gave it)."""
+    return ModelRegistry(_cache_root(cache_dir) / "registry", lock_wait_s, lock_setting)
 
 
 def resolve_model(name_or_path: str, dtype: str, cache_dir: str | Path | None = None) -> Path:

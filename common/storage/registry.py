@@ -36,6 +36,7 @@ from common.storage.file_lock import lock_within
 # it holds the lock (a suspended `tessera model register`, a hung file system) then gets an error naming that
 # setting rather than a wait without end.
 LOCK_WAIT_S = 30.0
+DEFAULT_LOCK_SETTING = "the registry's default lock wait"  # what a lock error names where no setting gave the wait
 
 
 class RegistryLocked(RegistryError):
@@ -71,8 +72,7 @@ class Row(msgspec.Struct, frozen=True):  # one version in ModelRegistry.list
 
 
 class ModelRegistry:
-    def __init__(self, root: Path, lock_wait_s: float = LOCK_WAIT_S,
-                 lock_setting: str = "the registry's default lock wait") -> None:
+    def __init__(self, root: Path, lock_wait_s: float = LOCK_WAIT_S, lock_setting: str = DEFAULT_LOCK_SETTING) -> None:
         """The registry under ``root``; a change waits at most ``lock_wait_s`` for another process's, then fails
         with an error that names ``lock_setting`` (the setting that gave the wait)."""
         self.root = Path(root)
