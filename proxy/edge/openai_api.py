@@ -140,17 +140,20 @@ async def _serve(request: Request, request_model, format_cls, endpoint: str) -> 
         log.info("request %s from user %r", generation.response_id, body.user)
     watcher = DisconnectWatcher(request, group)
     streaming = False  # once True, the stream owns the watcher and the group
+    if resumable:
+        services.streams.share(generation.response_id, shared_context(group))
     try:
         if body.stream:
             first = await group.next_batch()
             if not isinstance(first[0], FailureEvent) and resumable:
+                await services.streams.shared_in(generation.response_id)
                 streaming = True
                 watcher.stop()  # from here, a client that leaves only detaches from the stream
                 response = services.streams.start(
                     request, generation.response_id, tenant.name,
                     lambda stream: counted(generation, sse_events(generation, group, first, watcher, metrics,
                                                                   endpoint, lambda: stream.expired)),
-                    group.cancel, shared_context(group))
+                    group.cancel)
                 response.headers.update(generation.served)
                 return response
             if not isinstance(first[0], FailureEvent):
@@ -166,6 +169,8 @@ async def _serve(request: Request, request_model, format_cls, endpoint: str) -> 
         if not streaming:  # also when this handler is cancelled
             watcher.stop()
             group.cancel("the request ended")  # the other choices, after one failed; otherwise a no-op
+            if resumable:
+                services.streams.unshare(generation.response_id)
     metrics.requests.labels(endpoint, "client_closed" if watcher.disconnected else status).inc()
     return response
 

@@ -222,30 +222,45 @@ class StreamStore:
     def over_budget(self) -> bool:
         return self.size > self.max_bytes
 
+    def share(self, response_id: str, context: bytes | None) -> None:
+        """A resumable stream just admitted: its resume context goes to the shared store
+        (``proxy.edge.shared_streams``) while its prompt is computed, if there is one; ``unshare`` if it fails
+        before streaming."""
+        if context is not None and self.shared is not None:
+            self.shared.keep(response_id, context)
+
+    async def shared_in(self, response_id: str) -> None:
+        """Until ``share``'s context is stored (see ``SharedStreams.stored``): before the stream's first event."""
+        if self.shared is not None:
+            await self.shared.stored(response_id)
+
+    def unshare(self, response_id: str) -> None:
+        if self.shared is not None:
+            self.shared.forget(response_id)
+
     def start(self, request: Request, response_id: str, tenant: str,
-              produce: Produce, cancel: Callable[[str], None], context: bytes | None = None) -> StreamingResponse:
+              produce: Produce, cancel: Callable[[str], None]) -> StreamingResponse:
         """A new stream, fed by ``produce(stream)`` (``data: ...`` events, each with the tokens of each choice
-        through it) from a task of its own, and its first reader's response. ``context``: its resume context,
-        kept in the shared store while it runs (``proxy.edge.shared_streams``), if there is one."""
-        stream, reader = self.open(response_id, tenant, produce, cancel, context)
+        through it) from a task of its own, and its first reader's response."""
+        stream, reader = self.open(response_id, tenant, produce, cancel)
         return respond(request, stream, reader, -1)
 
-    def open(self, response_id: str, tenant: str, produce: Produce, cancel: Callable[[str], None],
-             context: bytes | None = None) -> tuple[ResumableStream, int]:
+    def open(self, response_id: str, tenant: str, produce: Produce,
+             cancel: Callable[[str], None]) -> tuple[ResumableStream, int]:
         """A new stream fed as ``start`` says, and its first reader (an HTTP response, or a WebSocket's request:
         ``proxy.edge.websocket_api``)."""
-        stream = self.feed(response_id, tenant, produce, cancel, context)
+        stream = self.feed(response_id, tenant, produce, cancel)
         return stream, stream.attach(-1)
 
     def feed(self, response_id: str, tenant: str, produce: Produce, cancel: Callable[[str], None],
              context: bytes | None = None, first: int = 0) -> ResumableStream:
         """A new stream fed as ``start`` says, nobody reading it yet (a stream taken over: ``proxy.edge.takeover``
-        attaches its reader once the events it asks for are in); its first event is numbered ``first``."""
+        attaches its reader once the events it asks for are in); its first event is numbered ``first``. ``context``:
+        its resume context for the shared store (``share``), if it was not given there at admission."""
         stream = ResumableStream(response_id, tenant, self, cancel)
         stream.next_id = first
         self.streams[response_id] = stream
-        if context is not None and self.shared is not None:
-            self.shared.keep(response_id, context)
+        self.share(response_id, context)
         task = asyncio.create_task(self._feed(stream, produce(stream)), name=f"produce-{response_id}")
         stream.producer = task
         self._producers.add(task)
@@ -259,8 +274,6 @@ class StreamStore:
                 stream.append(data, tokens)
         finally:
             stream.finish()
-            if self.shared is not None:  # ended here (a stream handed over stays for the proxy taking it)
-                self.shared.forget(stream.response_id, keep=stream.severed)
 
     def find(self, response_id: str, tenant: str | None) -> ResumableStream:
         stream = self.streams.get(response_id)
@@ -280,6 +293,8 @@ class StreamStore:
             self.grow(stream, -stream.size)
             stream.events.clear()
             stream.dropped = True
+            if self.shared is not None:  # a stream handed over stays there for the proxy taking it
+                self.shared.forget(stream.response_id, keep=stream.severed)
 
     def sever(self, response_ids: set[str]) -> None:
         """Streams handed over to another proxy (``Cluster.hand_over_streams``): their producers stop, their readers'

@@ -1,20 +1,22 @@
-"""The resume contexts of a proxy's resumable streams in the shared store, for the double failure: its proxy and the
-decode worker holding a stream both lost.
+"""The resume contexts of a proxy's resumable streams in the shared store, for the double failure (its proxy and the
+decode worker holding a stream both lost) and for a stream whose last events its proxy produced but its client had not
+read when the proxy died (no worker holds it any more).
 
 With ``shared_state.redis_url`` set, a resumable stream keeps its choices' resume contexts
 (``proxy.core.resume_context.stored``: the request body, each choice's parameters, seed, prompt, model and tenant;
-not their events) under ``<key_prefix>stream:<response id>`` while it runs on this proxy (``keep``), and they are
-deleted when the stream ends here (``forget``; a stream handed over to another proxy as this one drains is left
-there for it). Each key expires ``resume_window_s`` plus two refresh periods after this proxy last renewed it
-(``REFRESHES_PER_WINDOW`` times a window), so the contexts outlive their proxy by at least the window in which its
-client may come back. A proxy taking a stream over when no worker holds a choice of it reads them back (``peek``),
-takes them (``claim``: read and deleted in one transaction, so that one proxy computes them again) and keeps them as
-its own from then on (``proxy.edge.takeover``).
+not their events) under ``<key_prefix>stream:<response id>`` from its admission (``keep``; the flush starts at once,
+while the prompt is computed) until it leaves this proxy's resume buffer (``forget``: the window after its last reader
+left, or an eviction; a stream handed over to another proxy as this one drains is left there for it). Its first event
+goes to the client only once the context is stored (``stored``; not waited for while the store is away), so a client
+that saw an event of a stream can have it computed again. Each key expires ``resume_window_s`` plus two refresh
+periods after this proxy last renewed it (``REFRESHES_PER_WINDOW`` times a window), so the contexts outlive their
+proxy by at least the window in which its client may come back. A proxy taking a stream over when no worker holds a
+choice of it reads them back (``peek``), takes them (``claim``: read and deleted in one transaction, so that one proxy
+computes them again) and keeps them as its own from then on (``proxy.edge.takeover``).
 
-Writes are batched: what changed since the last flush goes in one pipeline every ``shared_state.interval_s``, each
-round trip bounded by ``shared_state.timeout_s``. A stream that started less than that before its proxy died has no
-context stored yet; one that finished (its last event produced) has none either, whether or not its client read
-that event. Redis being away loses nothing but this fallback: the failure is logged once, and the next flush that
+Writes are batched: what changed since the last flush goes in one pipeline, at once for a new stream and every
+``shared_state.interval_s`` otherwise, each round trip bounded by ``shared_state.timeout_s``. Redis being away loses
+nothing but this fallback: the failure is logged once, new streams do not wait for it, and the next flush that
 succeeds writes what is kept.
 """
 from __future__ import annotations
@@ -37,19 +39,36 @@ class SharedStreams:
         self._timeout_s = config.shared_state.timeout_s
         self._refresh_s = config.requests.resume_window_s / REFRESHES_PER_WINDOW
         self._ttl_ms = int((config.requests.resume_window_s + 2 * self._refresh_s) * 1e3)
-        self._kept: dict[str, bytes] = {}  # response id -> its context, while its stream runs here
+        self._kept: dict[str, bytes] = {}  # response id -> its context, from admission until it leaves this proxy
         self._new: set[str] = set()  # kept since the last flush
         self._gone: set[str] = set()  # to delete at the next flush
         self._refreshed = 0.0  # when every kept key's expiry was last renewed (loop time)
+        self._wake = asyncio.Event()  # a new stream: flush now, not at the next interval
+        self._round: asyncio.Future | None = None  # resolved as a flush ends, for ``stored``
         self.up = True
 
     def keep(self, response_id: str, context: bytes) -> None:
         self._kept[response_id] = context
         self._new.add(response_id)
         self._gone.discard(response_id)
+        self._wake.set()
+
+    async def stored(self, response_id: str) -> None:
+        """Until ``response_id``'s context is in the store, a flush that tried it failed, or it was forgotten; at
+        once while the store is away. Bounded by two flushes' ``shared_state.timeout_s`` (a flusher not running)."""
+        try:
+            async with asyncio.timeout(2 * self._timeout_s + self._interval_s):
+                while self.up and response_id in self._new:
+                    if self._round is None:
+                        self._round = asyncio.get_running_loop().create_future()
+                    await asyncio.shield(self._round)
+        except TimeoutError:
+            log.warning("response %s: its resume context was not stored within two flushes' shared_state.timeout_s "
+                        "(%ss); streaming it without", response_id, self._timeout_s)
 
     def forget(self, response_id: str, keep: bool = False) -> None:
-        """The stream ended here; ``keep``: its key stays for another proxy (it was handed over), unrenewed."""
+        """The stream left this proxy (its resume buffer, or it failed before streaming); ``keep``: its key stays for
+        another proxy (it was handed over), unrenewed."""
         if self._kept.pop(response_id, None) is not None:
             self._new.discard(response_id)
             if not keep:
@@ -83,12 +102,25 @@ class SharedStreams:
         return f"{type(exc).__name__}: {exc}"
 
     async def run(self) -> None:
-        """Runs for the proxy's life: flushes what changed every ``shared_state.interval_s``."""
+        """Runs for the proxy's life: flushes what changed every ``shared_state.interval_s``, and at once when a
+        stream is new."""
         while True:
-            await asyncio.sleep(self._interval_s)
+            try:
+                await asyncio.wait_for(self._wake.wait(), self._interval_s)
+            except TimeoutError:
+                pass
+            self._wake.clear()
             await self.flush()
 
     async def flush(self) -> None:
+        try:
+            await self._flush()
+        finally:  # its waiters look again: one kept during this flush waits for the next
+            round_, self._round = self._round, None
+            if round_ is not None:
+                round_.set_result(None)
+
+    async def _flush(self) -> None:
         now = asyncio.get_running_loop().time()
         refresh = now - self._refreshed >= self._refresh_s
         new, gone = {r: self._kept[r] for r in self._new}, list(self._gone)

@@ -131,6 +131,7 @@ async def _take_over(services, response_id: str, tenant: str | None, point: Resu
         response_id, contexts[0].tenant,
         lambda s: counted(generation, _produce(generation, group, services.metrics, endpoint, s, seen)),
         group.cancel, kept(contexts), 0 if seen is None else point.event + 1)
+    await services.streams.shared_in(response_id)  # the contexts it claimed are in the store again, as its own
     await stream.until(point.event)
 
 

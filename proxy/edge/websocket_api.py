@@ -177,17 +177,27 @@ class StreamSocket:
             services.metrics.requests.labels(endpoint, str(error.status)).inc()
             raise
         self.groups[cid] = group
-        first = await group.next_batch()
-        if isinstance(first[0], FailureEvent):
-            group.cancel("the request ended")
-            services.metrics.requests.labels(endpoint, str(first[0].error.status)).inc()
-            raise first[0].error
+        if resumable:
+            services.streams.share(generation.response_id, shared_context(group))
+        streaming = False  # once True, the resumable stream owns its shared context
+        try:
+            first = await group.next_batch()
+            if isinstance(first[0], FailureEvent):
+                group.cancel("the request ended")
+                services.metrics.requests.labels(endpoint, str(first[0].error.status)).inc()
+                raise first[0].error
+            if resumable:
+                await services.streams.shared_in(generation.response_id)
+                streaming = True
+        finally:  # also when this request's task is cancelled (its socket closed)
+            if resumable and not streaming:
+                services.streams.unshare(generation.response_id)
         if resumable:
             stream, reader = services.streams.open(
                 generation.response_id, tenant.name,
                 lambda s: counted(generation, sse_events(generation, group, first, _NO_WATCHER, services.metrics,
                                                          endpoint, lambda: s.expired)),
-                group.cancel, shared_context(group))
+                group.cancel)
             await self._forward(cid, stream.read(reader, -1))
         else:
             await self._forward(cid, sse_events(generation, group, first, _NO_WATCHER, services.metrics,

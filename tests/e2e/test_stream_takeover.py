@@ -209,9 +209,10 @@ def test_a_stream_whose_proxy_and_decode_worker_are_both_lost_is_computed_again(
         body = {"model": MODEL, "max_tokens": 40, "stream": True, "logprobs": True,
                 "messages": [{"role": "user", "content": "Hi"}], "stream_options": {"include_usage": True}}
         headers = {**RESUMABLE, "Authorization": "Bearer sk-a"}
-        whole = parse(a.http.post("/v1/chat/completions", json=body, headers=headers).text)
-        settle(lambda: store.keys(key + "*"), lambda keys: not keys, PATIENCE_S,
-               "a stream that ended leaves no context in Redis")
+        ended = a.http.post("/v1/chat/completions", json=body, headers=headers)
+        whole = parse(ended.text)
+        assert store.get(key + ended.headers["x-response-id"]), "an ended stream's context stays while it is in " \
+            "its proxy's resume buffer: its client may not have read its end when the proxy dies"
         with a.http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
             response_id = response.headers["x-response-id"]
             first, last = read_ids(response.iter_lines(), 6)
@@ -242,7 +243,38 @@ def test_a_stream_whose_proxy_and_decode_worker_are_both_lost_is_computed_again(
                "the stream computed again ends on the proxy that took it")
         survivor = other if holder is decode else decode
         assert survivor.decoding() == 0
-        settle(lambda: store.keys(key + "*"), lambda keys: not keys, PATIENCE_S, "and leaves no context in Redis")
+        settle(lambda: store.get(key + response_id), bool, PATIENCE_S,
+               "the proxy that took the context from Redis keeps it there as its own")
+    finally:
+        frozen.set()
+        for worker in workers:
+            worker.stop(goodbye=False)
+
+
+def test_a_stream_its_proxy_finished_but_its_client_had_not_read_is_computed_again(make_proxy, script,
+                                                                                   redis_server):  # noqa: F811
+    """The proxy produced the stream's last event, then died with its client still reading: its worker forgot the
+    choice (it ended), and the context its proxy kept in Redis while the stream was in its buffer is what the proxy
+    the client reconnects to computes it again from."""
+    workers, frozen = [], threading.Event()
+    try:
+        (a, b), decode = start(make_proxy, script, workers, shared_state={"redis_url": redis_server.url})
+        body = {"model": MODEL, "max_tokens": 40, "stream": True, "messages": [{"role": "user", "content": "Hi"}]}
+        whole = parse(a.http.post("/v1/chat/completions", json=body, headers=RESUMABLE).text)
+        with a.http.stream("POST", "/v1/chat/completions", json=body, headers=RESUMABLE) as response:
+            response_id = response.headers["x-response-id"]
+            first, last = read_ids(response.iter_lines(), 6)
+            settle(lambda: a.services.streams.streams[response_id].finished, bool, PATIENCE_S,
+                   "the proxy produced the stream's last event; its client has read six")
+            a.services.link._loop.call_soon_threadsafe(frozen.wait, 4 * PATIENCE_S)  # the proxy hangs: dead
+            decode.lose_proxy(0)
+            assert not decode._worker.owners.orphans, "the worker forgot the choice that ended"
+            resumed = b.http.get(f"/v1/streams/{response_id}", headers={"Last-Event-ID": last})
+        assert resumed.status_code == 200, resumed.text
+        rest = parse(resumed.text)
+        assert [n for n, _ in first + rest] == list(range(len(whole))), "no event repeated or missing"
+        assert bodies(first + rest) == bodies(whole)
+        assert total(b.http.get("/metrics").text, "tessera_proxy_streams_recomputed_total") == 1
     finally:
         frozen.set()
         for worker in workers:

@@ -1,5 +1,7 @@
-"""The resume contexts a proxy keeps in the shared store (proxy/edge/shared_streams.py) across an outage of the store:
-a context that expired while the store was unreachable is written again, whole, by the first flush that succeeds."""
+"""The resume contexts a proxy keeps in the shared store (proxy/edge/shared_streams.py): a new stream's is written at
+once and its first event waits for it; a finished stream's stays until the stream leaves the proxy's resume buffer;
+across an outage of the store, a context that expired while the store was unreachable is written again, whole, by the
+first flush that succeeds."""
 from __future__ import annotations
 
 import asyncio
@@ -10,6 +12,8 @@ import redis.asyncio as aioredis
 
 from common.cli.local_cluster import free_port
 from common.config.roles import ProxyConfig
+from proxy.core.metrics import ProxyMetrics
+from proxy.edge.resumable import StreamStore
 from proxy.edge.shared_streams import SharedStreams
 from tests.redis_server import redis_server  # noqa: F401 - fixture
 
@@ -61,3 +65,65 @@ def test_a_store_that_never_answers_is_given_up_on_naming_the_setting(caplog):
     silent.close()
     warnings = [r.getMessage() for r in caplog.records if r.name == "tessera.proxy.shared"]
     assert len(warnings) == 3 and all("no answer within shared_state.timeout_s (0.3s)" in w for w in warnings), warnings
+
+
+def test_a_new_streams_context_is_stored_before_its_first_event_and_not_waited_for_while_the_store_is_away(
+        redis_server):  # noqa: F811
+    """``stored`` returns once a flush wrote the context (the flusher woken by ``keep``, not at its interval, which
+    is set far longer than the test's bound); with the store away, once a flush failed, and at once after."""
+    config = ProxyConfig(shared_state={"redis_url": redis_server.url, "interval_s": 10, "timeout_s": 0.5})
+    store = redis.Redis.from_url(redis_server.url)
+    key = config.shared_state.key_prefix + "stream:"
+
+    async def run() -> None:
+        live = aioredis.Redis.from_url(redis_server.url)
+        shared = SharedStreams(config, live)
+        flusher = asyncio.create_task(shared.run())
+        await asyncio.sleep(0)  # the flusher waits for its wakeup
+        shared.keep("r1", b"context-1")
+        await shared.stored("r1")
+        assert store.get(key + "r1") == b"context-1"
+        down = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}")  # nothing listens there
+        shared._client = down
+        shared.keep("r2", b"context-2")
+        await shared.stored("r2")  # the flush that tried it failed
+        assert not shared.up and store.get(key + "r2") is None
+        shared.keep("r3", b"context-3")
+        await shared.stored("r3")  # the store is away: no wait
+        flusher.cancel()
+        for client in (live, down):
+            await client.aclose()
+
+    asyncio.run(asyncio.wait_for(run(), 30))  # a bound against a hang, not a timing
+
+
+def test_a_finished_streams_context_stays_until_it_leaves_the_resume_buffer(redis_server):  # noqa: F811
+    """Its client may not have read its last events when its proxy dies, and its worker forgot it: the context is
+    what lets another proxy compute it again. It goes when the stream leaves the buffer; a stream handed over keeps
+    its key for the proxy taking it."""
+    config = ProxyConfig(shared_state={"redis_url": redis_server.url})
+    store = redis.Redis.from_url(redis_server.url)
+    key = config.shared_state.key_prefix + "stream:"
+
+    async def produce(stream):
+        yield "data: {}\n\n", (1,)
+
+    async def run() -> None:
+        live = aioredis.Redis.from_url(redis_server.url)
+        streams = StreamStore(config, ProxyMetrics())
+        streams.shared = SharedStreams(config, live)
+        for response_id in ("ended", "handed"):
+            streams.share(response_id, b"context-" + response_id.encode())
+            await streams.shared.flush()
+            stream = streams.feed(response_id, "default", produce, lambda why: None)
+            await stream.producer
+            assert stream.finished
+        await streams.shared.flush()
+        assert store.get(key + "ended") == b"context-ended" and store.get(key + "handed") == b"context-handed"
+        streams.drop(streams.streams["ended"])
+        streams.sever({"handed"})
+        await streams.shared.flush()
+        assert store.get(key + "ended") is None and store.get(key + "handed") == b"context-handed"
+        await live.aclose()
+
+    asyncio.run(asyncio.wait_for(run(), 30))
