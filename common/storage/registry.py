@@ -239,8 +239,10 @@ class ModelRegistry:
                              if manifest.weights.get(f) != weights.get(f))
             raise RegistryError(f"the weights of {manifest.spec} changed since they were registered: "
                                 f"{', '.join(changed)} in {manifest.source} differ; register them as a new version")
-        with suppress(RegistryLocked), self._lock():  # the record only saves the next check a hash: not worth a
-            _write_atomic(verified, json.dumps(record).encode())  # failed resolve while another change runs
+        # The record only saves the next check a hash: not worth a failed resolve, nor a wait, while another
+        # process's change holds the lock (one try).
+        with suppress(RegistryLocked), self._lock(wait_s=0):
+            _write_atomic(verified, json.dumps(record).encode())
 
     def _check_known(self, name: str) -> None:
         _check_name("name", name)
@@ -264,10 +266,11 @@ class ModelRegistry:
         _write_atomic(path, msgspec.json.format(msgspec.json.encode(value), indent=2) + b"\n")
 
     @contextmanager
-    def _lock(self) -> Iterator[None]:
+    def _lock(self, wait_s: float | None = None) -> Iterator[None]:
+        """The registry's lock, waiting ``wait_s`` (None: ``lock_wait_s``) for another process's change."""
         self.root.mkdir(parents=True, exist_ok=True)
         with open(self.root / ".lock", "a") as lock_file:  # closing it releases the lock, on every path
-            if not lock_within(lock_file, self.lock_wait_s):
+            if not lock_within(lock_file, self.lock_wait_s if wait_s is None else wait_s):
                 raise RegistryLocked(f"the model registry at {str(self.root)!r} stayed locked by another process for "
                                      f"{self.lock_wait_s:g}s ({self.lock_setting}; its .lock file): try again once "
                                      "that process is done")
