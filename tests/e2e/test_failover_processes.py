@@ -6,7 +6,9 @@ for the reference, then again while one decode worker is killed with SIGKILL aft
 have started. Every stream must complete with the reference's text, each token once (``usage``
 counts them), the proxy must have dropped the killed worker for its closed connection (not for
 missing ``heartbeat_timeout_s`` of heartbeats), the supervisor must restart the killed worker,
-and no KV page may stay in use on any worker.
+and no KV page may stay in use on any worker. The KV moves as the shipped default moves it
+(``transfer_backend=auto``: NIXL where it loads, as here; the other fault tests run the zmq backend), so the killed
+worker's NIXL agent dies with reads of the prefill worker's pages behind it.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ BODIES = completion_bodies(STREAMS, MAX_TOKENS)
 
 @pytest.fixture
 def cluster(embedded_model_dir, tmp_path):
-    c = LocalCluster.for_tests(embedded_model_dir, tmp_path, prefill=1, decode=2,
+    c = LocalCluster.for_tests(embedded_model_dir, tmp_path, prefill=1, decode=2, transfer_backend="auto",
                                proxy_overrides=["heartbeat_timeout_s=30"]).start()
     yield c
     c.stop()
