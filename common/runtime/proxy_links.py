@@ -19,13 +19,16 @@ A resumable stream outlives its proxy. A DecodeRequest with a ``resume_key`` (it
 ``resume_window_s`` (an Abort from the lost proxy's link changes nothing then). A ``FindStream`` from any proxy
 (``take_over``) makes the request that proxy's: it gets the history and the proxy's opaque ``resume_context`` at
 once, then the live deltas, in order (one thread routes both). The first to ask wins; one asking while another
-connected proxy holds the stream hears ``owned``. A draining proxy hands its streams over the same way (``leave``). A window that closes with nobody taking the stream over ends it
+connected proxy holds the stream hears ``owned``, and so does one asking for a stream that ended here (its last
+delta sent to its connected proxy, which keeps the events for a client that comes back, until its window closes
+or that proxy is lost): the client is to reach that proxy, not have the stream computed again. A draining proxy hands its streams over the same way (``leave``). A window that closes with nobody taking the stream over ends it
 (``expire``): the compute loop aborts it and frees its pages.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from common.protocol import wire
 
@@ -50,6 +53,14 @@ class Resumable:
     orphaned_until: float | None = None  # its proxy is lost: it ends then unless another takes it over
 
 
+class Ended(NamedTuple):
+    """A resumable stream that ended on this worker while its proxy was connected (``Owners.take_over``)."""
+    link: int  # its proxy
+    request_id: str  # one of its requests
+    tenant: str
+    until: float  # its window's end: that proxy keeps its events no longer
+
+
 @dataclass
 class Owned:
     link: int  # the index of the proxy that sent it
@@ -69,6 +80,9 @@ class Owners:
         self._sweep_at = clock() + SWEEP_S
         self._steps = 0  # TokenDeltas routed: the worker's steps
         self.orphans = 0  # requests whose proxy is lost, waiting to be taken over
+        # a resumable stream that ended here while its proxy was connected, by response id: that proxy may still
+        # hold its last events for a client that reconnects to another
+        self._ended: dict[str, Ended] = {}
 
     def __len__(self) -> int:
         return len(self._of)
@@ -107,6 +121,8 @@ class Owners:
         resumable ones running on are orphaned instead, for their window."""
         now = self._clock()
         failed = set()
+        for response_id in [r for r, ended in self._ended.items() if ended.link == link]:
+            del self._ended[response_id]  # what it held of them is lost with it
         for request_id, owned in list(self._of.items()):
             if owned.link != link:
                 continue
@@ -138,6 +154,12 @@ class Owners:
                                           list(kept.history)))
             if kept.finished:  # the new proxy has all of it
                 self._forget(request_id)
+        ended = self._ended.get(msg.response_id)
+        if (ended is not None and not found and ended.link != link and self._clock() < ended.until
+                and (not msg.tenant or msg.tenant == ended.tenant)):
+            # it ended here, and its proxy, still connected, holds its events until its window closes: the client
+            # is to reach that proxy (or, once it is lost, one that computes the stream again)
+            found.append(wire.StreamFound(msg.response_id, worker_id, "owned", ended.request_id))
         for answer in found[:-1]:
             answer.last = False
         return found or [wire.StreamFound(msg.response_id, worker_id, "absent")]
@@ -193,6 +215,8 @@ class Owners:
             return None  # a delta is kept for whoever takes it over
         if last:
             del self._of[request_id]
+            if kept is not None and delta is not None:  # delivered whole to its proxy
+                self._ended[kept.response_id] = Ended(owned.link, request_id, kept.tenant, now + kept.window_s)
         return owned.link
 
     def _forget(self, request_id: str) -> None:
@@ -201,6 +225,8 @@ class Owners:
             self.orphans -= 1
 
     def _sweep(self, now: float) -> None:
+        for response_id in [r for r, ended in self._ended.items() if now >= ended.until]:
+            del self._ended[response_id]
         for request_id in [r for r, owned in self._of.items() if now - owned.heard >= IDLE_S and not (
                 owned.resumable is not None and owned.resumable.orphaned_until is not None)]:
             self._forget(request_id)

@@ -76,6 +76,23 @@ def test_a_stream_that_finished_while_orphaned_is_handed_over_whole_and_forgotte
     assert len(owners) == 0 and owners.expire() == set()
 
 
+def test_a_stream_that_ended_on_its_connected_proxy_is_that_proxys_until_its_window_closes_or_it_is_lost(owners):
+    """Its last delta went to proxy 0, which keeps its events for the window: a client that reconnects to another
+    proxy hears ``owned`` (503, try again) and reaches proxy 0, rather than a 404 or a stream computed again."""
+    owners.took(resumable("r1-0"), 0)
+    owners.route(step("r1-0", 5, finish="length"))
+    assert len(owners) == 0  # its history is not kept: its proxy has all of it
+    assert [f.status for f in owners.take_over(wire.FindStream("chatcmpl-1", "t1"), 1, "w0")] == ["owned"]
+    assert [f.status for f in owners.take_over(wire.FindStream("chatcmpl-1", "t2"), 1, "w0")] == ["absent"]
+    assert [f.status for f in owners.take_over(wire.FindStream("chatcmpl-1"), 0, "w0")] == ["absent"]
+    owners.clock[0] = 30.0  # its window closed: its proxy let its events go
+    assert [f.status for f in owners.take_over(wire.FindStream("chatcmpl-1"), 1, "w0")] == ["absent"]
+    owners.took(resumable("r2-0", "chatcmpl-2"), 0)
+    owners.route(step("r2-0", 5, finish="stop"))
+    owners.forget(0)  # its proxy is lost, its events with it: computed again from the shared store, if any
+    assert [f.status for f in owners.take_over(wire.FindStream("chatcmpl-2"), 1, "w0")] == ["absent"]
+
+
 def test_an_abort_from_a_proxy_that_does_not_own_the_request_changes_nothing(owners):
     owners.took(resumable("r1-0"), 0)
     assert not owners.took(wire.Abort("r1-0"), 1)  # proxy 1 took a delta for a stray: the abort is dropped
