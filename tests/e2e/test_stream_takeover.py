@@ -251,43 +251,15 @@ def test_a_stream_whose_proxy_and_decode_worker_are_both_lost_is_computed_again(
             worker.stop(goodbye=False)
 
 
-def test_a_stream_its_proxy_finished_but_its_client_had_not_read_is_computed_again(make_proxy, script,
-                                                                                   redis_server):  # noqa: F811
-    """The proxy produced the stream's last event, then died with its client still reading: its worker forgot the
-    choice (it ended), and the context its proxy kept in Redis while the stream was in its buffer is what the proxy
-    the client reconnects to computes it again from."""
+@pytest.mark.parametrize("proxy_lost", [False, True], ids=["proxy-alive", "proxy-lost"])
+def test_a_stream_that_ended_on_its_proxy_before_its_client_read_it_all(make_proxy, script, redis_server,  # noqa: F811
+                                                                         proxy_lost):
+    """The worker sent the stream's last delta to the first proxy and forgot the choice; the client had left after six
+    events. That proxy alive: a client that reconnects to the other (as the kernel spreads connections over one port)
+    hears 503 while the worker remembers whose the stream was, and the first proxy sends it the rest, nothing
+    computed again. That proxy lost: the context it kept in Redis while the stream was in its buffer is what the
+    other computes the stream again from."""
     workers, frozen = [], threading.Event()
-    try:
-        (a, b), decode = start(make_proxy, script, workers, shared_state={"redis_url": redis_server.url})
-        body = {"model": MODEL, "max_tokens": 40, "stream": True, "messages": [{"role": "user", "content": "Hi"}]}
-        whole = parse(a.http.post("/v1/chat/completions", json=body, headers=RESUMABLE).text)
-        with a.http.stream("POST", "/v1/chat/completions", json=body, headers=RESUMABLE) as response:
-            response_id = response.headers["x-response-id"]
-            first, last = read_ids(response.iter_lines(), 6)
-            settle(lambda: a.services.streams.streams[response_id].finished, bool, PATIENCE_S,
-                   "the proxy produced the stream's last event; its client has read six")
-            a.services.link._loop.call_soon_threadsafe(frozen.wait, 4 * PATIENCE_S)  # the proxy hangs: dead
-            decode.lose_proxy(0)  # it forgot the choice as it sent its last delta; now it forgets whose it was
-            # until the worker has handled the loss, it answers that the stream is the first proxy's: 503, try again
-            resumed = settle(lambda: b.http.get(f"/v1/streams/{response_id}", headers={"Last-Event-ID": last}),
-                             lambda r: r.status_code != 503, PATIENCE_S, "the worker has handled its proxy's loss")
-        assert resumed.status_code == 200, resumed.text
-        rest = parse(resumed.text)
-        assert [n for n, _ in first + rest] == list(range(len(whole))), "no event repeated or missing"
-        assert bodies(first + rest) == bodies(whole)
-        assert total(b.http.get("/metrics").text, "tessera_proxy_streams_recomputed_total") == 1
-    finally:
-        frozen.set()
-        for worker in workers:
-            worker.stop(goodbye=False)
-
-
-def test_a_stream_that_ended_on_a_live_proxy_is_read_there_not_computed_again(make_proxy, script,
-                                                                              redis_server):  # noqa: F811
-    """Its worker sent the last delta to the first proxy, which keeps the events: a client that reconnects to the
-    other proxy (as the kernel spreads connections over one port) hears 503 and tries again, and the first proxy
-    sends it the rest; nothing is computed again."""
-    workers = []
     try:
         (a, b), decode = start(make_proxy, script, workers, shared_state={"redis_url": redis_server.url})
         body = {"model": MODEL, "max_tokens": 40, "stream": True, "messages": [{"role": "user", "content": "Hi"}]}
@@ -297,15 +269,24 @@ def test_a_stream_that_ended_on_a_live_proxy_is_read_there_not_computed_again(ma
             first, last = read_ids(response.iter_lines(), 6)
         settle(lambda: a.services.streams.streams[response_id].finished, bool, PATIENCE_S,
                "the proxy produced the stream's last event; its client left after six")
-        assert_openai_error(b.http.get(f"/v1/streams/{response_id}", headers={"Last-Event-ID": last}), 503,
-                            "held by another proxy")
-        resumed = a.http.get(f"/v1/streams/{response_id}", headers={"Last-Event-ID": last})
+
+        def resume():
+            return b.http.get(f"/v1/streams/{response_id}", headers={"Last-Event-ID": last})
+        if proxy_lost:
+            a.services.link._loop.call_soon_threadsafe(frozen.wait, 4 * PATIENCE_S)  # the proxy hangs: dead
+            decode.lose_proxy(0)
+            # until the worker has handled the loss, it answers that the stream is the first proxy's: 503, try again
+            resumed = settle(resume, lambda r: r.status_code != 503, PATIENCE_S, "the worker handled the loss")
+        else:
+            assert_openai_error(resume(), 503, "held by another proxy")
+            resumed = a.http.get(f"/v1/streams/{response_id}", headers={"Last-Event-ID": last})
         assert resumed.status_code == 200, resumed.text
         rest = parse(resumed.text)
         assert [n for n, _ in first + rest] == list(range(len(whole))), "no event repeated or missing"
         assert bodies(first + rest) == bodies(whole)
-        assert total(b.http.get("/metrics").text, "tessera_proxy_streams_recomputed_total") == 0
+        assert total(b.http.get("/metrics").text, "tessera_proxy_streams_recomputed_total") == int(proxy_lost)
     finally:
+        frozen.set()
         for worker in workers:
             worker.stop(goodbye=False)
 
