@@ -1,8 +1,8 @@
 """What the proxy itself costs per request and per streamed token, with workers that cost nothing.
 
     python -m bench.proxy_cost [--streams 256] [--tokens 256] [--token-interval-s 0.02] [--seconds 20]
-                               [--workers 4] [--baseline TREE | --scale-out N [--independent]] [--repeat K]
-                               [--profile FILE] [--json FILE]
+                               [--workers 4] [--baseline TREE [--baseline-set K=V] | --scale-out N [--independent]]
+                               [--repeat K] [--profile FILE] [--json FILE]
 
 One ``tessera proxy`` process (its own, so that its CPU time can be read from ``/proc``) serves ``--workers``
 simulated prefill and as many simulated decode workers (bench/sim/: the real wire protocol and block manager,
@@ -116,6 +116,7 @@ class StreamClient:
                 break
             tail = (tail + data[:-2])[-4096:]
         for event in reversed(tail.split(b"\n\n")):
+            event = event[max(event.find(b"data: "), 0):]  # a resumable stream's events: their id line first
             if event.startswith(b'data: {"id"') and b'"usage":{' in event:
                 return json.loads(event[6:])["usage"], ""
             if event.startswith(b"data: {"):
@@ -214,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=4, help="scripted prefill workers, and as many decode")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a setting of this tree's proxy (e.g. http.access_log=false); repeatable")
+    parser.add_argument("--baseline-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting of the baseline's proxy (--set is this tree's alone: a setting may be new); "
+                             "repeatable")
     parser.add_argument("--baseline", type=Path, help="another checkout whose proxy is measured first, as the base")
     parser.add_argument("--scale-out", type=int, metavar="N",
                         help="one proxy first, then N processes (--processes N) sharing a Redis server")
@@ -239,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         runs["this"] = measure(args, model_dir, None, args.profile, args.scale_out or 1)
         result = {**runs["this"], "streams": args.streams, "tokens_per_request": args.tokens,
                   "token_interval_s": args.token_interval_s, "workers": 2 * args.workers,
-                  "profiled": bool(args.profile), "settings": args.set}
+                  "profiled": bool(args.profile), "settings": args.set, "baseline_settings": args.baseline_set}
         if compared:
             base = runs["baseline"]
             result["baseline"] = {**base, "tree": str(args.baseline or "this, one proxy")}
@@ -266,7 +270,7 @@ def measure(args, model_dir: Path, tree: Path | None, profile: Path | None, proc
     with their own workers and clients."""
     port, worker_port = free_port(), free_port()
     redis = None
-    extra = list(args.set if tree is None else [])
+    extra = list(args.set if tree is None else args.baseline_set)
     if processes > 1 and not args.independent:
         redis_port = free_port()
         redis = subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
