@@ -140,7 +140,7 @@ async def _serve(request: Request, request_model, format_cls, endpoint: str) -> 
         log.info("request %s from user %r", generation.response_id, body.user)
     watcher = DisconnectWatcher(request, group)
     streaming = False  # once True, the stream owns the watcher and the group
-    if resumable:
+    if resumable and services.streams.sharing:
         services.streams.share(generation.response_id, shared_context(group))
     try:
         if body.stream:

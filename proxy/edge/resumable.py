@@ -222,6 +222,12 @@ class StreamStore:
     def over_budget(self) -> bool:
         return self.size > self.max_bytes
 
+    @property
+    def sharing(self) -> bool:
+        """Whether streams' resume contexts go to a shared store (``shared_state.redis_url``): only then is one
+        encoded for ``share``."""
+        return self.shared is not None
+
     def share(self, response_id: str, context: bytes | None) -> None:
         """A resumable stream just admitted: its resume context goes to the shared store
         (``proxy.edge.shared_streams``) while its prompt is computed, if there is one; ``unshare`` if it fails

@@ -177,7 +177,7 @@ class StreamSocket:
             services.metrics.requests.labels(endpoint, str(error.status)).inc()
             raise
         self.groups[cid] = group
-        if resumable:
+        if resumable and services.streams.sharing:
             services.streams.share(generation.response_id, shared_context(group))
         streaming = False  # once True, the resumable stream owns its shared context
         try:
