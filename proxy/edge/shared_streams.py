@@ -4,7 +4,8 @@ read when the proxy died (no worker holds it any more).
 
 With ``shared_state.redis_url`` set, a resumable stream keeps its choices' resume contexts
 (``proxy.core.resume_context.stored``: the request body, each choice's parameters, seed, prompt, model and tenant;
-not their events) under ``<key_prefix>stream:<response id>`` from its admission (``keep``; the flush starts at once,
+not their events) under ``<key_prefix>stream:<response id>`` (a hash: ``context``, and ``owner``, the proxy process
+keeping it, a token of its own) from its admission (``keep``; the flush starts at once,
 while the prompt is computed) until it leaves this proxy's resume buffer (``forget``: the window after its last reader
 left, or an eviction; a stream handed over to another proxy as this one drains is left there for it). Its first event
 goes to the client only once the context is stored (``stored``; not waited for while the store is away), so a client
@@ -12,7 +13,10 @@ that saw an event of a stream can have it computed again. Each key expires ``res
 periods after this proxy last renewed it (``REFRESHES_PER_WINDOW`` times a window), so the contexts outlive their
 proxy by at least the window in which its client may come back. A proxy taking a stream over when no worker holds a
 choice of it reads them back (``peek``), takes them (``claim``: read and deleted in one transaction, so that one proxy
-computes them again) and keeps them as its own from then on (``proxy.edge.takeover``).
+computes them again) and keeps them as its own from then on (``proxy.edge.takeover``). A proxy writes, renews and
+deletes a key only while it is the key's owner (one script each time, so the check and the change are one step): a
+proxy that still held a stream another proxy took over (its worker's memory of the stream's end having expired)
+neither deletes nor overwrites the taker's context when the stream leaves its buffer.
 
 Writes are batched: what changed since the last flush goes in one pipeline, at once for a new stream and every
 ``shared_state.interval_s`` otherwise, each round trip bounded by ``shared_state.timeout_s``. Redis being away loses
@@ -23,17 +27,33 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 
 from common.config.roles import ProxyConfig
 
 log = logging.getLogger("tessera.proxy.shared")
 REFRESHES_PER_WINDOW = 4
+# KEYS[1]: a stream's key; ARGV: this proxy's owner token, the change ("set", "renew" or "delete"), the key's time
+# to live (ms), the context (for "set"). A key another proxy owns is left as it is; "set" also writes an absent one.
+_OWNED = """
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if ARGV[2] == 'set' then
+  if owner and owner ~= ARGV[1] then return 0 end
+  redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'context', ARGV[4])
+  return redis.call('PEXPIRE', KEYS[1], ARGV[3])
+end
+if owner ~= ARGV[1] then return 0 end
+if ARGV[2] == 'delete' then return redis.call('DEL', KEYS[1]) end
+return redis.call('PEXPIRE', KEYS[1], ARGV[3])
+"""
 
 
 class SharedStreams:
     def __init__(self, config: ProxyConfig, client) -> None:
         """``client``: the redis.asyncio client of the proxy's shared state (``proxy.tenancy.shared_state``)."""
         self._client = client
+        self._sha: str | None = None  # _OWNED's, once the store has it
+        self.owner = secrets.token_hex(8)  # this process's: a restarted proxy owns none of its predecessor's keys
         self._prefix = config.shared_state.key_prefix + "stream:"
         self._interval_s = config.shared_state.interval_s
         self._timeout_s = config.shared_state.timeout_s
@@ -78,7 +98,7 @@ class SharedStreams:
         """The context stored for ``response_id``; None when there is none or Redis does not answer."""
         try:
             async with asyncio.timeout(self._timeout_s):
-                return await self._client.get(self._prefix + response_id)
+                return await self._client.hget(self._prefix + response_id, "context")
         except Exception as exc:  # noqa: BLE001 - any Redis failure: the fallback is not there
             log.warning("response %s: could not read its resume context from the shared store (%s)",
                         response_id, self._why(exc))
@@ -89,7 +109,8 @@ class SharedStreams:
         try:
             async with asyncio.timeout(self._timeout_s):
                 async with self._client.pipeline(transaction=True) as pipe:
-                    raw, _ = await pipe.get(self._prefix + response_id).delete(self._prefix + response_id).execute()
+                    key = self._prefix + response_id
+                    raw, _ = await pipe.hget(key, "context").delete(key).execute()
             return raw
         except Exception as exc:  # noqa: BLE001
             log.warning("response %s: could not take its resume context from the shared store (%s)",
@@ -100,6 +121,9 @@ class SharedStreams:
         if isinstance(exc, TimeoutError):
             return f"no answer within shared_state.timeout_s ({self._timeout_s}s)"
         return f"{type(exc).__name__}: {exc}"
+
+    def _change(self, pipe, response_id: str, change: str, context: bytes = b"") -> None:
+        pipe.evalsha(self._sha, 1, self._prefix + response_id, self.owner, change, self._ttl_ms, context)
 
     async def run(self) -> None:
         """Runs for the proxy's life: flushes what changed every ``shared_state.interval_s``, and at once when a
@@ -129,15 +153,18 @@ class SharedStreams:
             return
         try:
             async with asyncio.timeout(self._timeout_s):
+                if self._sha is None:
+                    self._sha = await self._client.script_load(_OWNED)
                 async with self._client.pipeline(transaction=False) as pipe:
                     for response_id, context in new.items():
-                        pipe.set(self._prefix + response_id, context, px=self._ttl_ms)
+                        self._change(pipe, response_id, "set", context)
                     for response_id in renew:
-                        pipe.pexpire(self._prefix + response_id, self._ttl_ms)
-                    if gone:
-                        pipe.delete(*(self._prefix + r for r in gone))
+                        self._change(pipe, response_id, "renew")
+                    for response_id in gone:
+                        self._change(pipe, response_id, "delete")
                     await pipe.execute()
         except Exception as exc:  # noqa: BLE001 - any Redis failure: tried again at the next flush
+            self._sha = None  # loaded again: a store that restarted lost it
             if self.up:
                 log.warning("could not store the resume contexts of %d stream(s) in the shared store (%s); "
                             "trying again every shared_state.interval_s", len(new) + len(renew), self._why(exc))

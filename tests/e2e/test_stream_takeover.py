@@ -211,12 +211,12 @@ def test_a_stream_whose_proxy_and_decode_worker_are_both_lost_is_computed_again(
         headers = {**RESUMABLE, "Authorization": "Bearer sk-a"}
         ended = a.http.post("/v1/chat/completions", json=body, headers=headers)
         whole = parse(ended.text)
-        assert store.get(key + ended.headers["x-response-id"]), "an ended stream's context stays while it is in " \
-            "its proxy's resume buffer: its client may not have read its end when the proxy dies"
+        assert store.hget(key + ended.headers["x-response-id"], "context"), "an ended stream's context stays " \
+            "while it is in its proxy's resume buffer: its client may not have read its end when the proxy dies"
         with a.http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
             response_id = response.headers["x-response-id"]
             first, last = read_ids(response.iter_lines(), 6)
-            settle(lambda: store.get(key + response_id), bool, PATIENCE_S, "its context is in Redis")
+            settle(lambda: store.hget(key + response_id, "context"), bool, PATIENCE_S, "its context is in Redis")
         assert last.startswith("5.") and int(last[2:]) >= 5, "the event's number, then the tokens through it"
         a.services.link._loop.call_soon_threadsafe(frozen.wait, 4 * PATIENCE_S)  # the first proxy hangs: dead
         for worker in (decode, other):
@@ -243,7 +243,8 @@ def test_a_stream_whose_proxy_and_decode_worker_are_both_lost_is_computed_again(
                "the stream computed again ends on the proxy that took it")
         survivor = other if holder is decode else decode
         assert survivor.decoding() == 0
-        settle(lambda: store.get(key + response_id), bool, PATIENCE_S,
+        taker = b.services.streams.shared.owner.encode()
+        settle(lambda: store.hget(key + response_id, "owner"), lambda owner: owner == taker, PATIENCE_S,
                "the proxy that took the context from Redis keeps it there as its own")
     finally:
         frozen.set()
@@ -313,8 +314,8 @@ def test_a_response_of_several_choices_is_taken_over_choice_by_choice(make_proxy
         with a.http.stream("POST", "/v1/completions", json=body, headers=RESUMABLE) as response:
             response_id = response.headers["x-response-id"]
             first, last = read_ids(response.iter_lines(), 10)
-            settle(lambda: redis.Redis.from_url(redis_server.url).get("tessera:stream:" + response_id), bool,
-                   PATIENCE_S, "its contexts are in Redis")
+            settle(lambda: redis.Redis.from_url(redis_server.url).hget("tessera:stream:" + response_id, "context"),
+                   bool, PATIENCE_S, "its contexts are in Redis")
         assert len(last.split(".")) == 5, "the event's number, then the tokens of each of the four choices"
         a.services.link._loop.call_soon_threadsafe(frozen.wait, 4 * PATIENCE_S)  # the first proxy hangs: dead
         for worker in decoders:

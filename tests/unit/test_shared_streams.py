@@ -29,7 +29,7 @@ def test_a_context_that_expired_during_an_outage_is_written_again(redis_server):
         shared = SharedStreams(config, live)
         shared.keep("first", b"context-1")
         await shared.flush()
-        assert store.get(key + "first") == b"context-1" and shared.up
+        assert store.hget(key + "first", "context") == b"context-1" and shared.up
         store.delete(key + "first")  # its key expires while the store cannot be reached
         shared._client = down
         shared.keep("second", b"context-2")
@@ -38,7 +38,7 @@ def test_a_context_that_expired_during_an_outage_is_written_again(redis_server):
         shared._client = live
         await shared.flush()
         assert shared.up
-        assert store.get(key + "first") == b"context-1" and store.get(key + "second") == b"context-2"
+        assert store.hget(key + "first", "context") == b"context-1" and store.hget(key + "second", "context") == b"context-2"
         await live.aclose()
         await down.aclose()
 
@@ -82,12 +82,12 @@ def test_a_new_streams_context_is_stored_before_its_first_event_and_not_waited_f
         await asyncio.sleep(0)  # the flusher waits for its wakeup
         shared.keep("r1", b"context-1")
         await shared.stored("r1")
-        assert store.get(key + "r1") == b"context-1"
+        assert store.hget(key + "r1", "context") == b"context-1"
         down = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}")  # nothing listens there
         shared._client = down
         shared.keep("r2", b"context-2")
         await shared.stored("r2")  # the flush that tried it failed
-        assert not shared.up and store.get(key + "r2") is None
+        assert not shared.up and store.hget(key + "r2", "context") is None
         shared.keep("r3", b"context-3")
         await shared.stored("r3")  # the store is away: no wait
         flusher.cancel()
@@ -119,11 +119,43 @@ def test_a_finished_streams_context_stays_until_it_leaves_the_resume_buffer(redi
             await stream.producer
             assert stream.finished
         await streams.shared.flush()
-        assert store.get(key + "ended") == b"context-ended" and store.get(key + "handed") == b"context-handed"
+        assert store.hget(key + "ended", "context") == b"context-ended" and store.hget(key + "handed", "context") == b"context-handed"
         streams.drop(streams.streams["ended"])
         streams.sever({"handed"})
         await streams.shared.flush()
-        assert store.get(key + "ended") is None and store.get(key + "handed") == b"context-handed"
+        assert store.hget(key + "ended", "context") is None and store.hget(key + "handed", "context") == b"context-handed"
+        await live.aclose()
+
+    asyncio.run(asyncio.wait_for(run(), 30))
+
+
+def test_a_proxy_leaves_alone_a_context_another_proxy_took_over(redis_server):  # noqa: F811
+    """Proxy A still holds a stream when proxy B takes it over (claims its context and keeps it as its own): A's
+    renewal, its rewrite after an outage and its delete when the stream leaves its buffer do not touch B's key."""
+    config = ProxyConfig(shared_state={"redis_url": redis_server.url})
+    store = redis.Redis.from_url(redis_server.url)
+    key = config.shared_state.key_prefix + "stream:r1"
+
+    async def run() -> None:
+        live = aioredis.Redis.from_url(redis_server.url)
+        a, b = SharedStreams(config, live), SharedStreams(config, live)
+        a.keep("r1", b"context-a")
+        await a.flush()
+        assert store.hgetall(key) == {b"owner": a.owner.encode(), b"context": b"context-a"}
+        assert await b.claim("r1") == b"context-a" and not store.exists(key)
+        b.keep("r1", b"context-b")
+        await b.flush()
+        a._refreshed = -1e9  # A's next flush renews its keys
+        a._new.add("r1")  # and writes again what it keeps, as after an outage
+        await a.flush()
+        assert store.hgetall(key) == {b"owner": b.owner.encode(), b"context": b"context-b"}
+        ttl = store.pttl(key)
+        a.forget("r1")
+        await a.flush()
+        assert store.hget(key, "context") == b"context-b" and store.pttl(key) <= ttl
+        b.forget("r1")  # its owner deletes it
+        await b.flush()
+        assert not store.exists(key)
         await live.aclose()
 
     asyncio.run(asyncio.wait_for(run(), 30))
