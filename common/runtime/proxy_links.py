@@ -19,17 +19,18 @@ A resumable stream outlives its proxy. A DecodeRequest with a ``resume_key`` (it
 ``resume_window_s`` (an Abort from the lost proxy's link changes nothing then). A ``FindStream`` from any proxy
 (``take_over``) makes the request that proxy's: it gets the history and the proxy's opaque ``resume_context`` at
 once, then the live deltas, in order (one thread routes both). The first to ask wins; one asking while another
-connected proxy holds the stream hears ``owned``, and so does one asking for a stream that ended here (its last
-delta sent to its connected proxy, which keeps the events for a client that comes back, until its window closes
-or that proxy is lost): the client is to reach that proxy, not have the stream computed again. A draining proxy hands its streams over the same way (``leave``). A window that closes with nobody taking the stream over ends it
-(``expire``): the compute loop aborts it and frees its pages.
+connected proxy holds the stream hears ``owned``: the client is to reach that proxy. A stream whose last delta went
+to its connected proxy is kept too, with its history, for its window after that delta (that proxy keeps its events
+for a client that comes back): while that proxy is connected, another hears ``owned``; once it is lost, the stream
+is orphaned like a running one and the first proxy to ask gets all of it, so a client that had not read its end
+gets it without the stream being computed again. A draining proxy hands its streams over the same way (``leave``). A
+window that closes with nobody taking the stream over ends it (``expire``): the compute loop aborts it and frees its
+pages.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
-
 from common.protocol import wire
 
 IDLE_S = 600.0  # a request neither side spoke of for this long is forgotten
@@ -51,14 +52,9 @@ class Resumable:
     history: list[wire.TokenDelta] = field(default_factory=list)
     finished: bool = False
     orphaned_until: float | None = None  # its proxy is lost: it ends then unless another takes it over
-
-
-class Ended(NamedTuple):
-    """A resumable stream that ended on this worker while its proxy was connected (``Owners.take_over``)."""
-    link: int  # its proxy
-    request_id: str  # one of its requests
-    tenant: str
-    until: float  # its window's end: that proxy keeps its events no longer
+    # its last delta went to its connected proxy, which keeps its events for the window: kept until then, for the
+    # case that proxy is lost before its client read them
+    ended_until: float | None = None
 
 
 @dataclass
@@ -80,9 +76,6 @@ class Owners:
         self._sweep_at = clock() + SWEEP_S
         self._steps = 0  # TokenDeltas routed: the worker's steps
         self.orphans = 0  # requests whose proxy is lost, waiting to be taken over
-        # a resumable stream that ended here while its proxy was connected, by response id: that proxy may still
-        # hold its last events for a client that reconnects to another
-        self._ended: dict[str, Ended] = {}
 
     def __len__(self) -> int:
         return len(self._of)
@@ -121,13 +114,13 @@ class Owners:
         resumable ones running on are orphaned instead, for their window."""
         now = self._clock()
         failed = set()
-        for response_id in [r for r, ended in self._ended.items() if ended.link == link]:
-            del self._ended[response_id]  # what it held of them is lost with it
         for request_id, owned in list(self._of.items()):
             if owned.link != link:
                 continue
             kept = owned.resumable
-            if kept is not None and kept.orphaned_until is None:
+            if kept is not None and kept.ended_until is not None and now >= kept.ended_until:
+                del self._of[request_id]  # its client's window closed before its proxy was lost
+            elif kept is not None and kept.orphaned_until is None:
                 kept.orphaned_until = now + kept.window_s
                 self.orphans += 1
             elif kept is None:
@@ -138,28 +131,27 @@ class Owners:
     def take_over(self, msg: wire.FindStream, link: int, worker_id: str) -> list[wire.StreamFound]:
         """Proxy ``link`` asks for response ``msg.response_id``'s requests: each orphaned one becomes its own, with
         its history; an absent answer when there is none here. Every answer but the last says so (``last``)."""
-        found = []
+        found, now = [], self._clock()
         for request_id, owned in list(self._of.items()):
             kept = owned.resumable
             if kept is None or kept.response_id != msg.response_id or (msg.tenant and msg.tenant != kept.tenant):
                 continue
+            if kept.orphaned_until is None and kept.ended_until is not None and now >= kept.ended_until:
+                self._forget(request_id)  # its window closed: its proxy let its events go
+                continue
             if kept.orphaned_until is None and owned.link != link:
+                # running for a connected proxy, or ended there and its events kept by it for the window: the
+                # client is to reach that proxy (or, once it is lost, any)
                 found.append(wire.StreamFound(msg.response_id, worker_id, "owned", request_id))
                 continue
             if kept.orphaned_until is not None:
                 kept.orphaned_until = None
                 self.orphans -= 1
-            owned.link, owned.heard = link, self._clock()
+            owned.link, owned.heard = link, now
             found.append(wire.StreamFound(msg.response_id, worker_id, "found", request_id, kept.context,
                                           list(kept.history)))
             if kept.finished:  # the new proxy has all of it
                 self._forget(request_id)
-        ended = self._ended.get(msg.response_id)
-        if (ended is not None and not found and ended.link != link and self._clock() < ended.until
-                and (not msg.tenant or msg.tenant == ended.tenant)):
-            # it ended here, and its proxy, still connected, holds its events until its window closes: the client
-            # is to reach that proxy (or, once it is lost, one that computes the stream again)
-            found.append(wire.StreamFound(msg.response_id, worker_id, "owned", ended.request_id))
         for answer in found[:-1]:
             answer.last = False
         return found or [wire.StreamFound(msg.response_id, worker_id, "absent")]
@@ -213,10 +205,10 @@ class Owners:
             if last and delta is None:  # failed: nothing is left to take over
                 self._forget(request_id)
             return None  # a delta is kept for whoever takes it over
-        if last:
+        if last and kept is not None and delta is not None:  # delivered whole to its proxy: kept for its window
+            kept.ended_until = now + kept.window_s
+        elif last:
             del self._of[request_id]
-            if kept is not None and delta is not None:  # delivered whole to its proxy
-                self._ended[kept.response_id] = Ended(owned.link, request_id, kept.tenant, now + kept.window_s)
         return owned.link
 
     def _forget(self, request_id: str) -> None:
@@ -225,9 +217,11 @@ class Owners:
             self.orphans -= 1
 
     def _sweep(self, now: float) -> None:
-        for response_id in [r for r, ended in self._ended.items() if now >= ended.until]:
-            del self._ended[response_id]
-        for request_id in [r for r, owned in self._of.items() if now - owned.heard >= IDLE_S and not (
-                owned.resumable is not None and owned.resumable.orphaned_until is not None)]:
-            self._forget(request_id)
+        for request_id, owned in list(self._of.items()):
+            kept = owned.resumable
+            if kept is not None and kept.orphaned_until is not None:
+                continue  # ``expire``'s
+            if now - owned.heard >= IDLE_S or (kept is not None and kept.ended_until is not None
+                                               and now >= kept.ended_until):
+                self._forget(request_id)
         self._sweep_at = now + SWEEP_S

@@ -1,6 +1,6 @@
 """The resume contexts of a proxy's resumable streams in the shared store, for the double failure (its proxy and the
-decode worker holding a stream both lost) and for a stream whose last events its proxy produced but its client had not
-read when the proxy died (no worker holds it any more).
+decode worker holding a stream both lost, running or ended: a worker keeps an ended stream only for its window after
+its last delta, which may close before the proxy lets the stream go).
 
 With ``shared_state.redis_url`` set, a resumable stream keeps its choices' resume contexts
 (``proxy.core.resume_context.stored``: the request body, each choice's parameters, seed, prompt, model and tenant;

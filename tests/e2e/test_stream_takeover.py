@@ -5,7 +5,8 @@ Two real proxies (HTTP, ZeroMQ, admission) in front of the tests' scripted worke
 first proxy's loss is the worker's: ``lose_proxy(0)`` is what its I/O thread does when that proxy's connection
 closes (tests/unit/test_orphaned_streams.py holds that part on real sockets; tests/e2e/test_proxy_death.py kills a
 real proxy process). The double failure (the decode worker lost after the proxy) needs the proxies' Redis: the
-stream is computed again from its context there (proxy/edge/shared_streams.py).
+stream is computed again from its context there (proxy/edge/shared_streams.py); a stream that ended on its lost proxy
+is taken over whole from the worker that kept it for its window.
 """
 from __future__ import annotations
 
@@ -48,6 +49,14 @@ def start(make_proxy, script, workers: list, **options) -> tuple:
 def lose_first_proxy(decode: FakeWorker) -> None:
     decode.lose_proxy(0)
     settle(lambda: decode._worker.owners.orphans, bool, PATIENCE_S, "the worker keeps the lost proxy's stream")
+
+
+def held(worker: FakeWorker, response_id: str) -> tuple[int, int]:
+    """How many of ``response_id``'s choices ``worker`` keeps, and how many of those as a lost proxy's (a worker
+    also keeps, for its window, a stream that ended on a connected proxy: another response in these tests)."""
+    kept = [o.resumable for o in list(worker._worker.owners._of.values())
+            if o.resumable is not None and o.resumable.response_id == response_id]
+    return len(kept), sum(k.orphaned_until is not None for k in kept)
 
 
 def bodies(events: list) -> list:
@@ -221,9 +230,9 @@ def test_a_stream_whose_proxy_and_decode_worker_are_both_lost_is_computed_again(
         a.services.link._loop.call_soon_threadsafe(frozen.wait, 4 * PATIENCE_S)  # the first proxy hangs: dead
         for worker in (decode, other):
             worker.lose_proxy(0)
-        settle(lambda: decode._worker.owners.orphans + other._worker.owners.orphans, bool, PATIENCE_S,
+        settle(lambda: held(decode, response_id)[1] + held(other, response_id)[1], bool, PATIENCE_S,
                "a worker keeps the lost proxy's stream")
-        holder = decode if decode._worker.owners.orphans else other
+        holder = decode if held(decode, response_id)[1] else other
         holder.stop(goodbye=False)
         settle(lambda: holder.worker_id in b.services.cluster.registry.workers, lambda known: not known, PATIENCE_S,
                "the proxy sees the worker gone")
@@ -252,17 +261,25 @@ def test_a_stream_whose_proxy_and_decode_worker_are_both_lost_is_computed_again(
             worker.stop(goodbye=False)
 
 
-@pytest.mark.parametrize("proxy_lost", [False, True], ids=["proxy-alive", "proxy-lost"])
+@pytest.mark.parametrize("lost", ["nothing", "proxy", "proxy-and-worker"])
 def test_a_stream_that_ended_on_its_proxy_before_its_client_read_it_all(make_proxy, script, redis_server,  # noqa: F811
-                                                                         proxy_lost):
-    """The worker sent the stream's last delta to the first proxy and forgot the choice; the client had left after six
-    events. That proxy alive: a client that reconnects to the other (as the kernel spreads connections over one port)
-    hears 503 while the worker remembers whose the stream was, and the first proxy sends it the rest, nothing
-    computed again. That proxy lost: the context it kept in Redis while the stream was in its buffer is what the
-    other computes the stream again from."""
+                                                                         lost):
+    """The worker sent the stream's last delta to the first proxy; the client had left after six events. That proxy
+    alive: a client that reconnects to the other (as the kernel spreads connections over one port) hears 503 while
+    the worker keeps the stream as that proxy's, and the first proxy sends it the rest, nothing computed again. That
+    proxy lost: the worker kept the ended stream for its window, and the other proxy takes it over whole, nothing
+    computed again. Its worker lost too: the context the first proxy kept in Redis while the stream was in its buffer
+    is what the other computes the stream again from, on another worker."""
     workers, frozen = [], threading.Event()
     try:
         (a, b), decode = start(make_proxy, script, workers, shared_state={"redis_url": redis_server.url})
+        decoders = [decode]
+        if lost == "proxy-and-worker":
+            other = FakeWorker(",".join(p.endpoint for p in (a, b)), "d1", "decode", script * REPEATS,
+                               token_interval_s=0.02)
+            workers.append(other.start())
+            settle(lambda: other._worker is not None and other._worker.registered, bool, PATIENCE_S, "d1 registers")
+            decoders.append(other)
         body = {"model": MODEL, "max_tokens": 40, "stream": True, "messages": [{"role": "user", "content": "Hi"}]}
         whole = parse(a.http.post("/v1/chat/completions", json=body, headers=RESUMABLE).text)
         with a.http.stream("POST", "/v1/chat/completions", json=body, headers=RESUMABLE) as response:
@@ -273,19 +290,27 @@ def test_a_stream_that_ended_on_its_proxy_before_its_client_read_it_all(make_pro
 
         def resume():
             return b.http.get(f"/v1/streams/{response_id}", headers={"Last-Event-ID": last})
-        if proxy_lost:
-            a.services.link._loop.call_soon_threadsafe(frozen.wait, 4 * PATIENCE_S)  # the proxy hangs: dead
-            decode.lose_proxy(0)
-            # until the worker has handled the loss, it answers that the stream is the first proxy's: 503, try again
-            resumed = settle(resume, lambda r: r.status_code != 503, PATIENCE_S, "the worker handled the loss")
-        else:
+        if lost == "nothing":
             assert_openai_error(resume(), 503, "held by another proxy")
             resumed = a.http.get(f"/v1/streams/{response_id}", headers={"Last-Event-ID": last})
+        else:
+            a.services.link._loop.call_soon_threadsafe(frozen.wait, 4 * PATIENCE_S)  # the proxy hangs: dead
+            for worker in decoders:
+                worker.lose_proxy(0)
+            settle(lambda: sum(held(w, response_id)[1] for w in decoders), bool, PATIENCE_S,
+                   "a worker keeps the lost proxy's ended stream")
+            if lost == "proxy-and-worker":
+                holder = max(decoders, key=lambda w: held(w, response_id)[1])
+                holder.stop(goodbye=False)
+                settle(lambda: holder.worker_id in b.services.cluster.registry.workers, lambda known: not known,
+                       PATIENCE_S, "the proxy sees the worker gone")
+            resumed = resume()
         assert resumed.status_code == 200, resumed.text
         rest = parse(resumed.text)
         assert [n for n, _ in first + rest] == list(range(len(whole))), "no event repeated or missing"
         assert bodies(first + rest) == bodies(whole)
-        assert total(b.http.get("/metrics").text, "tessera_proxy_streams_recomputed_total") == int(proxy_lost)
+        recomputed = total(b.http.get("/metrics").text, "tessera_proxy_streams_recomputed_total")
+        assert recomputed == (lost == "proxy-and-worker")
     finally:
         frozen.set()
         for worker in workers:
@@ -320,9 +345,9 @@ def test_a_response_of_several_choices_is_taken_over_choice_by_choice(make_proxy
         a.services.link._loop.call_soon_threadsafe(frozen.wait, 4 * PATIENCE_S)  # the first proxy hangs: dead
         for worker in decoders:
             worker.lose_proxy(0)
-        settle(lambda: sum(w._worker.owners.orphans for w in decoders), lambda n: n == 4, PATIENCE_S,
+        settle(lambda: sum(held(w, response_id)[1] for w in decoders), lambda n: n == 4, PATIENCE_S,
                "the workers keep every choice")
-        lost = max(decoders, key=lambda w: w._worker.owners.orphans)
+        lost = max(decoders, key=lambda w: held(w, response_id)[1])
         live = [w for w in decoders if w is not lost] if lose_worker else decoders
         if lose_worker:
             lost.stop(goodbye=False)
@@ -332,10 +357,10 @@ def test_a_response_of_several_choices_is_taken_over_choice_by_choice(make_proxy
                             404, "resume_window_s")  # a plain event number: the choices' order is unknown
         # That try took the live workers' choices and gave them back (LeaveStream), but one that had ended by then
         # its worker forgot as it handed it over: computed again too (how many ended is the machine's timing).
-        settle(lambda: [(len(w._worker.owners), w._worker.owners.orphans) for w in live],
-               lambda held: all(kept == orphans for kept, orphans in held), PATIENCE_S,
+        settle(lambda: [held(w, response_id) for w in live],
+               lambda counts: all(kept == orphans for kept, orphans in counts), PATIENCE_S,
                "the live workers hold what the proxy gave back as a lost proxy's")
-        recomputed = 4 - sum(w._worker.owners.orphans for w in live)
+        recomputed = 4 - sum(held(w, response_id)[1] for w in live)
         print(f"{recomputed} of the 4 choices to compute again")
         resumed = b.http.get(f"/v1/streams/{response_id}", headers={"Last-Event-ID": last})
         assert resumed.status_code == 200, resumed.text

@@ -56,13 +56,14 @@ def test_unknown_stream_and_another_tenants_stream_are_absent(owners):
 def test_a_window_that_closes_unclaimed_ends_the_stream(owners):
     owners.took(resumable("r1-0"), 0)
     owners.took(resumable("r2-0", "chatcmpl-2"), 0)
-    owners.route(step("r2-0", 5, finish="length"))  # finished before its proxy was lost: forgotten with it
+    owners.route(step("r2-0", 5, finish="length"))  # finished before its proxy was lost: kept, not to abort
     owners.forget(0)
     owners.clock[0] = 29.0
     assert owners.expire() == set()
     owners.clock[0] = 30.0
     assert owners.expire() == {"r1-0"}  # to abort: its pages are freed
     assert owners.take_over(wire.FindStream("chatcmpl-1"), 1, "w0")[0].status == "absent"
+    assert owners.take_over(wire.FindStream("chatcmpl-2"), 1, "w0")[0].status == "absent"
     assert owners.orphans == 0 and len(owners) == 0
 
 
@@ -78,19 +79,45 @@ def test_a_stream_that_finished_while_orphaned_is_handed_over_whole_and_forgotte
 
 def test_a_stream_that_ended_on_its_connected_proxy_is_that_proxys_until_its_window_closes_or_it_is_lost(owners):
     """Its last delta went to proxy 0, which keeps its events for the window: a client that reconnects to another
-    proxy hears ``owned`` (503, try again) and reaches proxy 0, rather than a 404 or a stream computed again."""
+    proxy hears ``owned`` (503, try again) and reaches proxy 0, rather than a 404 or a stream computed again. Once
+    proxy 0 is lost, its events with it, the first proxy to ask gets the whole stream from the worker."""
     owners.took(resumable("r1-0"), 0)
     owners.route(step("r1-0", 5, finish="length"))
-    assert len(owners) == 0  # its history is not kept: its proxy has all of it
     assert [f.status for f in owners.take_over(wire.FindStream("chatcmpl-1", "t1"), 1, "w0")] == ["owned"]
     assert [f.status for f in owners.take_over(wire.FindStream("chatcmpl-1", "t2"), 1, "w0")] == ["absent"]
-    assert [f.status for f in owners.take_over(wire.FindStream("chatcmpl-1"), 0, "w0")] == ["absent"]
-    owners.clock[0] = 30.0  # its window closed: its proxy let its events go
+    owners.clock[0] = 30.0  # its window closed: its proxy let its events go, and so does the worker
     assert [f.status for f in owners.take_over(wire.FindStream("chatcmpl-1"), 1, "w0")] == ["absent"]
+    assert len(owners) == 0
+    owners.took(resumable("r2-0", "chatcmpl-2"), 0)
+    owners.route(step("r2-0", 6))
+    owners.route(step("r2-0", 7, finish="stop"))
+    owners.clock[0] = 50.0
+    owners.forget(0)  # its proxy is lost within the window, its events with it
+    assert owners.orphans == 1
+    [found] = owners.take_over(wire.FindStream("chatcmpl-2", "t1"), 1, "w0")
+    assert (found.status, found.context) == ("found", b"ctx")
+    assert [(d.token_ids, d.finish_reason) for d in found.history] == [([6], None), ([7], "stop")]
+    assert owners.orphans == 0 and len(owners) == 0  # the new proxy has all of it
+    assert [f.status for f in owners.take_over(wire.FindStream("chatcmpl-2"), 0, "w0")] == ["absent"]
+
+
+def test_a_stream_that_ended_is_found_by_its_own_proxy_and_forgotten_after_its_window(owners):
+    """Its proxy asking for it (its events had left its buffer early) gets it back whole; one whose window closed
+    before its proxy was lost is forgotten, not orphaned; a periodic sweep forgets the rest."""
+    owners.took(resumable("r1-0"), 0)
+    owners.route(step("r1-0", 5, finish="stop"))
+    [found] = owners.take_over(wire.FindStream("chatcmpl-1"), 0, "w0")
+    assert found.status == "found" and len(owners) == 0
     owners.took(resumable("r2-0", "chatcmpl-2"), 0)
     owners.route(step("r2-0", 5, finish="stop"))
-    owners.forget(0)  # its proxy is lost, its events with it: computed again from the shared store, if any
-    assert [f.status for f in owners.take_over(wire.FindStream("chatcmpl-2"), 1, "w0")] == ["absent"]
+    owners.clock[0] = 31.0
+    owners.forget(0)
+    assert owners.orphans == 0 and len(owners) == 0
+    owners.took(resumable("r3-0", "chatcmpl-3"), 1)
+    owners.route(step("r3-0", 5, finish="stop"))
+    owners.clock[0] = 31.0 + 61.0  # past the window and the sweep's period: the next routed message sweeps
+    owners.route(step("other", 1))
+    assert len(owners) == 0
 
 
 def test_an_abort_from_a_proxy_that_does_not_own_the_request_changes_nothing(owners):
