@@ -6,7 +6,9 @@ stream's text equals its no-fault run's, no event id repeats, and no page is lef
 SIGTERM, whose drain hands the streams over at once instead of waiting them out, and with the decode worker killed
 right after the proxy (the double failure): there are two decode workers, so that the streams the dead worker held
 are computed again on the other from their contexts in Redis (proxy/edge/shared_streams.py) while the rest are taken
-over from the live one, and no restart has to be waited for; a restarted decode worker would only add that wait.
+over from the live one, and no restart has to be waited for; a restarted decode worker would only add that wait. And
+without Redis, a stream that ended on the killed process before its client read it: the worker kept it for its
+window, and the other process takes it over (common/runtime/proxy_links.py).
 
 Half the streams start on the killed process's own port (``http.process_port``), so that some certainly break;
 the other half on the shared port, where the kernel spreads them. The issue's check (16 streams of 160 tokens) runs
@@ -164,3 +166,51 @@ def test_a_stream_whose_proxy_and_decode_worker_both_die_is_computed_again(clust
     print(f"{recomputed:g} computed again from Redis")
     assert recomputed > 0, "some stream of the killed proxy was on the killed worker"
     no_page_left(cluster, ("prefill-0", "decode-1"))
+
+
+def test_a_stream_that_ended_before_its_client_read_it_is_taken_over_without_redis(embedded_model_dir, tmp_path):
+    """No Redis: a client reads three events of a stream on proxy process 0 and leaves; the stream ends (its decode
+    worker sent the last delta to process 0, which keeps the events for the client); then process 0 is killed. The
+    worker kept the ended stream for its window, so the client, reconnecting to the shared port, gets the rest from
+    the other process, and the text is the no-fault run's."""
+    c = LocalCluster.for_tests(embedded_model_dir, tmp_path, dtype="float32", transfer_backend="zmq",
+                               proxy_processes=2).start()
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": TOKENS,
+                "temperature": 0.0, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=httpx.Timeout(120, connect=10)) as client:
+            reference = client.post(c.url + "/v1/chat/completions", json=body)
+            with client.stream("POST", c.proxy_urls[0] + "/v1/chat/completions", json=body,
+                               headers={"X-Resumable": "true"}) as response:
+                response_id, last, first = response.headers["x-response-id"], None, []
+                for line in response.iter_lines():
+                    if line.startswith("id: "):
+                        last = line[4:]
+                    elif line.startswith("data: "):
+                        first.append(line)
+                        if len(first) == 3:
+                            break
+            no_page_left(c, ("prefill-0", "decode-0"))  # the stream ended on the worker, delivered to process 0
+            os.kill(c.proxy_children()["proxy-0"], signal.SIGKILL)
+
+            def resume() -> httpx.Response | None:
+                try:
+                    return client.get(f"{c.url}/v1/streams/{response_id}", headers={"Last-Event-ID": last})
+                except httpx.TransportError:
+                    return None
+            # 503 until the worker has seen process 0's connection close (the stream is that process's till then)
+            resumed = settle(resume, lambda r: r is not None and r.status_code != 503, PATIENCE_S,
+                             "a proxy process takes the stream over")
+        assert resumed.status_code == 200, resumed.text
+        rest = [line for line in resumed.text.splitlines() if line.startswith("data: ")]
+        ids = [int(line[4:].partition(".")[0]) for line in resumed.text.splitlines() if line.startswith("id: ")]
+        assert ids and ids[0] == int(last.partition(".")[0]) + 1 and ids == list(range(ids[0], ids[0] + len(ids)))
+
+        def text(lines: list[str]) -> str:
+            return "".join(choice["delta"].get("content") or "" for line in lines if line != "data: [DONE]"
+                           for choice in json.loads(line[6:]).get("choices", []))
+        whole = [line for line in reference.text.splitlines() if line.startswith("data: ")]
+        assert text(first + rest) == text(whole) and rest[-1] == "data: [DONE]"
+        assert sum(total(metrics_of(c, base), "tessera_proxy_streams_recomputed_total") for base in c.proxy_urls) == 0
+    finally:
+        c.stop()
