@@ -168,13 +168,17 @@ def test_a_stream_whose_proxy_and_decode_worker_both_die_is_computed_again(clust
     no_page_left(cluster, ("prefill-0", "decode-1"))
 
 
-def test_a_stream_that_ended_before_its_client_read_it_is_taken_over_without_redis(embedded_model_dir, tmp_path):
-    """No Redis: a client reads three events of a stream on proxy process 0 and leaves; the stream ends (its decode
-    worker sent the last delta to process 0, which keeps the events for the client); then process 0 is killed. The
-    worker kept the ended stream for its window, so the client, reconnecting to the shared port, gets the rest from
-    the other process, and the text is the no-fault run's."""
+@pytest.mark.parametrize("kill", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9-no-redis", "sigterm"])
+def test_a_stream_that_ended_before_its_client_read_it_is_taken_over(embedded_model_dir, tmp_path, request, kill):
+    """A client reads three events of a stream on proxy process 0 and leaves; the stream ends (its decode worker
+    sent the last delta to process 0, which keeps the events for the client); then process 0 is killed with no
+    Redis, or drains on SIGTERM with Redis (nothing is in flight: it exits at once, and the stream's context stays
+    in Redis). Either way its connection closes and the worker, which kept the ended stream for its window, orphans
+    it: the client, reconnecting to the shared port, gets the rest from the other process, nothing computed again,
+    and the text is the no-fault run's."""
+    redis_url = request.getfixturevalue("redis_server").url if kill == signal.SIGTERM else ""
     c = LocalCluster.for_tests(embedded_model_dir, tmp_path, dtype="float32", transfer_backend="zmq",
-                               proxy_processes=2).start()
+                               proxy_processes=2, redis_url=redis_url).start()
     try:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": TOKENS,
                 "temperature": 0.0, "ignore_eos": True, "stream": True}
@@ -191,7 +195,7 @@ def test_a_stream_that_ended_before_its_client_read_it_is_taken_over_without_red
                         if len(first) == 3:
                             break
             no_page_left(c, ("prefill-0", "decode-0"))  # the stream ended on the worker, delivered to process 0
-            os.kill(c.proxy_children()["proxy-0"], signal.SIGKILL)
+            os.kill(c.proxy_children()["proxy-0"], kill)
 
             def resume() -> httpx.Response | None:
                 try:
