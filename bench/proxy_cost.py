@@ -11,6 +11,10 @@ no model, all in one thread of a process of their own; a decode worker runs a st
 requests). ``--streams`` closed-loop clients stream chat completions of
 ``--tokens`` tokens each. Over ``--seconds`` after a warm-up, the proxy's user + system CPU time is divided by the
 requests completed and by the tokens streamed (counted from each response's ``usage``, not from its SSE events).
+The time from each request's last byte sent to its response's first event (``first_event_ms_p50``/``_p99``) is
+reported beside them: the workers cost nothing, so it is what the proxy puts before a first token (admission,
+routing, the prefill's round trips, and for a resumable stream with ``shared_state.redis_url`` the wait for its
+context to be stored).
 
 ``--baseline TREE`` measures the proxy of another checkout first (e.g. ``git worktree add /tmp/base <rev>``), in
 the same run against the same workers and clients, and reports this tree's cost as a ratio of it. The proxy
@@ -97,31 +101,34 @@ class StreamClient:
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
-    async def stream(self, body: bytes) -> tuple[dict | None, str]:
-        """(the usage chunk's usage, or None, and why not)."""
+    async def stream(self, body: bytes) -> tuple[dict | None, str, float]:
+        """(the usage chunk's usage, or None, and why not; the seconds to the first event)."""
         if self.writer is None or self.writer.is_closing():
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         self.writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        sent, first = time.monotonic(), 0.0
         head = await self.reader.readuntil(b"\r\n\r\n")
         if not head.startswith(b"HTTP/1.1 200"):
             self.writer.close()  # the error body is not read: a new connection for the next request
             self.writer = None
-            return None, head.split(b"\r\n", 1)[0].decode()
+            return None, head.split(b"\r\n", 1)[0].decode(), 0.0
         tail = b""  # the end of the body so far: the usage chunk and [DONE] come last
         while True:
             size = int((await self.reader.readuntil(b"\r\n"))[:-2], 16)
             data = await self.reader.readexactly(size + 2)
             if size == 0:
                 break
+            if not first:
+                first = time.monotonic() - sent
             tail = (tail + data[:-2])[-4096:]
         for event in reversed(tail.split(b"\n\n")):
             event = event[max(event.find(b"data: "), 0):]  # a resumable stream's events: their id line first
             if event.startswith(b'data: {"id"') and b'"usage":{' in event:
-                return json.loads(event[6:])["usage"], ""
+                return json.loads(event[6:])["usage"], "", first
             if event.startswith(b"data: {"):
-                return None, event[6:200].decode(errors="replace")
-        return None, "no usage chunk"
+                return None, event[6:200].decode(errors="replace"), first
+        return None, "no usage chunk", first
 
     def close(self) -> None:
         if self.writer is not None:
@@ -134,6 +141,7 @@ async def drive(url: str, streams: int, tokens: int, seconds: float, warmup_s: f
     body = {"model": MODEL, "max_tokens": tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     window = {"requests": 0, "tokens": 0, "errors": 0}
+    firsts: list[float] = []  # each completed request's seconds to its first event
     reasons: list[str] = []  # the first errors' reasons
     measuring = False
     stop_at = time.monotonic() + warmup_s + seconds
@@ -148,9 +156,9 @@ async def drive(url: str, streams: int, tokens: int, seconds: float, warmup_s: f
                 n += 1
                 messages = [{"role": "user", "content": f"Stream {i}, request {n}: tell me a story."}]
                 try:
-                    usage, why = await connection.stream(json.dumps({**body, "messages": messages}).encode())
+                    usage, why, first = await connection.stream(json.dumps({**body, "messages": messages}).encode())
                 except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
-                    usage, why = None, repr(exc)
+                    usage, why, first = None, repr(exc), 0.0
                     connection.close()
                     connection = StreamClient(host, int(port))
                 if measuring:
@@ -161,6 +169,7 @@ async def drive(url: str, streams: int, tokens: int, seconds: float, warmup_s: f
                     else:
                         window["requests"] += 1
                         window["tokens"] += usage["completion_tokens"]
+                        firsts.append(first)
         finally:
             connection.close()
 
@@ -188,6 +197,7 @@ async def drive(url: str, streams: int, tokens: int, seconds: float, warmup_s: f
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     done = max(window["requests"], 1)
+    firsts.sort()
     return {"requests": window["requests"], "tokens": window["tokens"], "errors": window["errors"],
             "seconds": round(elapsed, 1), "req_per_s": round(window["requests"] / elapsed, 1),
             "tokens_per_s": round(window["tokens"] / elapsed),
@@ -195,6 +205,8 @@ async def drive(url: str, streams: int, tokens: int, seconds: float, warmup_s: f
             "proxy_cpu_s": round(cpu, 2), "proxy_cores": round(cpu / elapsed, 2),
             "proxy_system_share": round(system / max(cpu, 1e-9), 2), "cpu_ms_per_request": round(1e3 * cpu / done, 2),
             "cpu_us_per_token": round(1e6 * cpu / max(window["tokens"], 1), 1), "error_reasons": reasons,
+            "first_event_ms_p50": round(1e3 * firsts[len(firsts) // 2], 2) if firsts else None,
+            "first_event_ms_p99": round(1e3 * firsts[int(0.99 * (len(firsts) - 1))], 2) if firsts else None,
             "proxy_processes": len(pids) - (len(pids) > 1),  # the supervisor is counted, not named
             **({"redis_cpu_ms_per_request": round(1e3 * redis_cpu / done, 3)} if redis_pid else {})}
 
@@ -250,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
             result["cpu_per_token_vs_baseline"] = round(result["cpu_us_per_token"] / base["cpu_us_per_token"], 3)
             result["cpu_per_request_vs_baseline"] = round(result["cpu_ms_per_request"] / base["cpu_ms_per_request"],
                                                           3)
+            if result["first_event_ms_p50"] and base["first_event_ms_p50"]:
+                result["first_event_p50_vs_baseline"] = round(result["first_event_ms_p50"] /
+                                                              base["first_event_ms_p50"], 3)
         print(json.dumps(result), flush=True)
         rounds.append(result)
     if len(rounds) > 1:
