@@ -118,7 +118,8 @@ class Owners:
             if owned.link != link:
                 continue
             kept = owned.resumable
-            if kept is not None and kept.ended_until is not None and now >= kept.ended_until:
+            if (kept is not None and kept.orphaned_until is None and kept.ended_until is not None
+                    and now >= kept.ended_until):
                 del self._of[request_id]  # its client's window closed before its proxy was lost
             elif kept is not None and kept.orphaned_until is None:
                 kept.orphaned_until = now + kept.window_s
@@ -130,7 +131,9 @@ class Owners:
 
     def take_over(self, msg: wire.FindStream, link: int, worker_id: str) -> list[wire.StreamFound]:
         """Proxy ``link`` asks for response ``msg.response_id``'s requests: each orphaned one becomes its own, with
-        its history; an absent answer when there is none here. Every answer but the last says so (``last``)."""
+        its history, and so does one of its own (its events had left its buffer); ``owned`` for one another
+        connected proxy holds; an absent answer when there is none here. Every answer but the last says so
+        (``last``)."""
         found, now = [], self._clock()
         for request_id, owned in list(self._of.items()):
             kept = owned.resumable

@@ -228,12 +228,12 @@ class StreamStore:
         encoded for ``share``."""
         return self.shared is not None
 
-    def share(self, response_id: str, context: bytes | None) -> None:
+    def share(self, response_id: str, context: bytes | None, taken: bool = False) -> None:
         """A resumable stream just admitted: its resume context goes to the shared store
         (``proxy.edge.shared_streams``) while its prompt is computed, if there is one; ``unshare`` if it fails
-        before streaming."""
+        before streaming. ``taken``: a stream taken over from another proxy, whose key this one's replaces."""
         if context is not None and self.shared is not None:
-            self.shared.keep(response_id, context)
+            self.shared.keep(response_id, context, taken)
 
     async def shared_in(self, response_id: str) -> None:
         """Until ``share``'s context is stored (see ``SharedStreams.stored``): before the stream's first event."""
@@ -262,11 +262,12 @@ class StreamStore:
              context: bytes | None = None, first: int = 0) -> ResumableStream:
         """A new stream fed as ``start`` says, nobody reading it yet (a stream taken over: ``proxy.edge.takeover``
         attaches its reader once the events it asks for are in); its first event is numbered ``first``. ``context``:
-        its resume context for the shared store (``share``), if it was not given there at admission."""
+        its resume context for the shared store (``share``), if it was not given there at admission: a stream taken
+        over, which this proxy keeps there as its own from now on."""
         stream = ResumableStream(response_id, tenant, self, cancel)
         stream.next_id = first
         self.streams[response_id] = stream
-        self.share(response_id, context)
+        self.share(response_id, context, taken=True)
         task = asyncio.create_task(self._feed(stream, produce(stream)), name=f"produce-{response_id}")
         stream.producer = task
         self._producers.add(task)

@@ -4,19 +4,22 @@ its last delta, which may close before the proxy lets the stream go).
 
 With ``shared_state.redis_url`` set, a resumable stream keeps its choices' resume contexts
 (``proxy.core.resume_context.stored``: the request body, each choice's parameters, seed, prompt, model and tenant;
-not their events) under ``<key_prefix>stream:<response id>`` (a hash: ``context``, and ``owner``, the proxy process
-keeping it, a token of its own) from its admission (``keep``; the flush starts at once,
-while the prompt is computed) until it leaves this proxy's resume buffer (``forget``: the window after its last reader
-left, or an eviction; a stream handed over to another proxy as this one drains is left there for it). Its first event
-goes to the client only once the context is stored (``stored``; not waited for while the store is away), so a client
-that saw an event of a stream can have it computed again. Each key expires ``resume_window_s`` plus two refresh
-periods after this proxy last renewed it (``REFRESHES_PER_WINDOW`` times a window), so the contexts outlive their
-proxy by at least the window in which its client may come back. A proxy taking a stream over when no worker holds a
-choice of it reads them back (``peek``), takes them (``claim``: read and deleted in one transaction, so that one proxy
-computes them again) and keeps them as its own from then on (``proxy.edge.takeover``). A proxy writes, renews and
-deletes a key only while it is the key's owner (one script each time, so the check and the change are one step): a
-proxy that still held a stream another proxy took over (its worker's memory of the stream's end having expired)
-neither deletes nor overwrites the taker's context when the stream leaves its buffer.
+not their events) under ``<key_prefix>stream-context:<response id>`` (a hash: ``context``, and ``owner``, a token
+of the proxy process keeping it) from its admission (``keep``; the flush starts at once, while the prompt is
+computed) until it leaves this proxy's resume buffer (``forget``: the window after its last reader left, or an
+eviction; a stream handed over to another proxy as this one drains is left there for it). Its first event goes to
+the client only once the context is stored (``stored``; not waited for while the store is away), so a client that
+saw an event of a stream can have it computed again. Each key expires ``resume_window_s`` plus two refresh periods
+after this proxy last renewed it (``REFRESHES_PER_WINDOW`` times a window), so the contexts outlive their proxy by
+at least the window in which its client may come back.
+
+A proxy taking a stream over keeps its context as its own from then on (``keep(taken=True)``,
+``proxy.edge.takeover``): from the workers that held its choices, or, when no worker holds a choice, by reading
+the context back (``peek``) and taking it (``claim``: read and deleted in one transaction, so that one proxy computes
+the stream again). Its write replaces the key whoever owns it; any other change (a new stream's write, its rewrite
+after an outage, a renewal, a delete) is made only while this proxy owns the key (one script, so the check and the
+change are one step). So a proxy that still held a stream another took over neither deletes nor overwrites the
+taker's context as the stream leaves its buffer.
 
 Writes are batched: what changed since the last flush goes in one pipeline, at once for a new stream and every
 ``shared_state.interval_s`` otherwise, each round trip bounded by ``shared_state.timeout_s``. Redis being away loses
@@ -29,16 +32,21 @@ import asyncio
 import logging
 import secrets
 
+from redis.exceptions import NoScriptError
+
 from common.config.roles import ProxyConfig
 
 log = logging.getLogger("tessera.proxy.shared")
 REFRESHES_PER_WINDOW = 4
-# KEYS[1]: a stream's key; ARGV: this proxy's owner token, the change ("set", "renew" or "delete"), the key's time
-# to live (ms), the context (for "set"). A key another proxy owns is left as it is; "set" also writes an absent one.
+KEY = "stream-context:"  # then the response id: a hash (the string keys of old were under "stream:")
+# KEYS[1]: a stream's key; ARGV: this proxy's owner token, the change ("set", "take", "renew" or "delete"), the
+# key's time to live (ms), the context (for "set" and "take"). A key another proxy owns is left as it is, but by
+# "take" (this proxy took the stream over: the worker's answer or ``claim`` decided it is this proxy's); "set" and
+# "take" also write an absent one. 0: the key is another's.
 _OWNED = """
 local owner = redis.call('HGET', KEYS[1], 'owner')
-if ARGV[2] == 'set' then
-  if owner and owner ~= ARGV[1] then return 0 end
+if ARGV[2] == 'set' or ARGV[2] == 'take' then
+  if ARGV[2] == 'set' and owner and owner ~= ARGV[1] then return 0 end
   redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'context', ARGV[4])
   return redis.call('PEXPIRE', KEYS[1], ARGV[3])
 end
@@ -54,22 +62,27 @@ class SharedStreams:
         self._client = client
         self._sha: str | None = None  # _OWNED's, once the store has it
         self.owner = secrets.token_hex(8)  # this process's: a restarted proxy owns none of its predecessor's keys
-        self._prefix = config.shared_state.key_prefix + "stream:"
+        self._prefix = config.shared_state.key_prefix + KEY
         self._interval_s = config.shared_state.interval_s
         self._timeout_s = config.shared_state.timeout_s
         self._refresh_s = config.requests.resume_window_s / REFRESHES_PER_WINDOW
         self._ttl_ms = int((config.requests.resume_window_s + 2 * self._refresh_s) * 1e3)
         self._kept: dict[str, bytes] = {}  # response id -> its context, from admission until it leaves this proxy
         self._new: set[str] = set()  # kept since the last flush
+        self._taken: set[str] = set()  # of those, the streams this proxy took over: written whoever owns the key
         self._gone: set[str] = set()  # to delete at the next flush
         self._refreshed = 0.0  # when every kept key's expiry was last renewed (loop time)
         self._wake = asyncio.Event()  # a new stream: flush now, not at the next interval
         self._round: asyncio.Future | None = None  # resolved as a flush ends, for ``stored``
         self.up = True
 
-    def keep(self, response_id: str, context: bytes) -> None:
+    def keep(self, response_id: str, context: bytes, taken: bool = False) -> None:
+        """``response_id``'s context, from now until ``forget``; ``taken``: the stream was taken over from another
+        proxy, whose key this one's replaces."""
         self._kept[response_id] = context
         self._new.add(response_id)
+        if taken:
+            self._taken.add(response_id)
         self._gone.discard(response_id)
         self._wake.set()
 
@@ -91,6 +104,7 @@ class SharedStreams:
         another proxy (it was handed over), unrenewed."""
         if self._kept.pop(response_id, None) is not None:
             self._new.discard(response_id)
+            self._taken.discard(response_id)
             if not keep:
                 self._gone.add(response_id)
 
@@ -122,8 +136,22 @@ class SharedStreams:
             return f"no answer within shared_state.timeout_s ({self._timeout_s}s)"
         return f"{type(exc).__name__}: {exc}"
 
-    def _change(self, pipe, response_id: str, change: str, context: bytes = b"") -> None:
-        pipe.evalsha(self._sha, 1, self._prefix + response_id, self.owner, change, self._ttl_ms, context)
+    async def _apply(self, changes: list[tuple[str, str, bytes]]) -> list:
+        """Each (response id, change, context) through ``_OWNED``, in one pipeline: each one's result, or its error
+        (a store that restarted lost the script: loaded again, and the changes tried once more)."""
+        if self._sha is None:
+            self._sha = await self._client.script_load(_OWNED)
+        results = await self._pipeline(changes)
+        if any(isinstance(result, NoScriptError) for result in results):
+            self._sha = await self._client.script_load(_OWNED)
+            results = await self._pipeline(changes)
+        return results
+
+    async def _pipeline(self, changes: list[tuple[str, str, bytes]]) -> list:
+        async with self._client.pipeline(transaction=False) as pipe:
+            for response_id, change, context in changes:
+                pipe.evalsha(self._sha, 1, self._prefix + response_id, self.owner, change, self._ttl_ms, context)
+            return await pipe.execute(raise_on_error=False)
 
     async def run(self) -> None:
         """Runs for the proxy's life: flushes what changed every ``shared_state.interval_s``, and at once when a
@@ -151,20 +179,12 @@ class SharedStreams:
         renew = [r for r in self._kept if r not in self._new] if refresh else []
         if not new and not gone and not renew:
             return
+        changes = [(r, "take" if r in self._taken else "set", context) for r, context in new.items()]
+        changes += [(r, "renew", b"") for r in renew] + [(r, "delete", b"") for r in gone]
         try:
             async with asyncio.timeout(self._timeout_s):
-                if self._sha is None:
-                    self._sha = await self._client.script_load(_OWNED)
-                async with self._client.pipeline(transaction=False) as pipe:
-                    for response_id, context in new.items():
-                        self._change(pipe, response_id, "set", context)
-                    for response_id in renew:
-                        self._change(pipe, response_id, "renew")
-                    for response_id in gone:
-                        self._change(pipe, response_id, "delete")
-                    await pipe.execute()
+                results = await self._apply(changes)
         except Exception as exc:  # noqa: BLE001 - any Redis failure: tried again at the next flush
-            self._sha = None  # loaded again: a store that restarted lost it
             if self.up:
                 log.warning("could not store the resume contexts of %d stream(s) in the shared store (%s); "
                             "trying again every shared_state.interval_s", len(new) + len(renew), self._why(exc))
@@ -176,7 +196,15 @@ class SharedStreams:
         if not self.up:
             log.info("the shared store took the resume contexts of %d stream(s) again", len(new) + len(renew))
         self.up = True
+        for (response_id, change, _), result in zip(changes, results):
+            if isinstance(result, Exception):  # this key's alone (the others were written): not tried again
+                log.warning("response %s: the shared store refused its resume context's %s (%s)", response_id,
+                            change, self._why(result))
+            elif result == 0 and change == "set":
+                log.info("response %s: its resume context in the shared store is another proxy's, which took the "
+                         "stream over; left to it", response_id)
         self._new.difference_update(new)
+        self._taken.difference_update(new)
         self._gone.difference_update(gone)
         if refresh:
             self._refreshed = now

@@ -214,7 +214,7 @@ def test_a_stream_whose_proxy_and_decode_worker_are_both_lost_is_computed_again(
         workers.append(other.start())
         settle(lambda: other._worker is not None and other._worker.registered, bool, PATIENCE_S, "d1 registers")
         store = redis.Redis.from_url(redis_server.url)
-        key = "tessera:stream:"
+        key = "tessera:stream-context:"
         body = {"model": MODEL, "max_tokens": 40, "stream": True, "logprobs": True,
                 "messages": [{"role": "user", "content": "Hi"}], "stream_options": {"include_usage": True}}
         headers = {**RESUMABLE, "Authorization": "Bearer sk-a"}
@@ -339,8 +339,9 @@ def test_a_response_of_several_choices_is_taken_over_choice_by_choice(make_proxy
         with a.http.stream("POST", "/v1/completions", json=body, headers=RESUMABLE) as response:
             response_id = response.headers["x-response-id"]
             first, last = read_ids(response.iter_lines(), 10)
-            settle(lambda: redis.Redis.from_url(redis_server.url).hget("tessera:stream:" + response_id, "context"),
-                   bool, PATIENCE_S, "its contexts are in Redis")
+            store = redis.Redis.from_url(redis_server.url)
+            settle(lambda: store.hget("tessera:stream-context:" + response_id, "context"), bool, PATIENCE_S,
+                   "its contexts are in Redis")
         assert len(last.split(".")) == 5, "the event's number, then the tokens of each of the four choices"
         a.services.link._loop.call_soon_threadsafe(frozen.wait, 4 * PATIENCE_S)  # the first proxy hangs: dead
         for worker in decoders:

@@ -166,3 +166,19 @@ def test_an_orphan_nobody_takes_over_is_given_to_the_compute_loop_to_abort(two_p
     assert isinstance(io.inbox.get(timeout=5), LinkLost)
     expired = io.inbox.get(timeout=5)
     assert isinstance(expired, OrphansExpired) and expired.request_ids == {"r1-0"}
+
+
+def test_an_ended_stream_orphaned_past_its_end_window_is_counted_until_it_goes(owners):
+    """Handed over (LeaveStream) just after it ended, its proxy lost after the end's window: still an orphan for
+    the window from the hand-over, counted as one, taken over whole or expired."""
+    owners.took(resumable("r1-0"), 0)
+    owners.route(step("r1-0", 5, finish="stop"))
+    owners.clock[0] = 10.0
+    owners.leave("r1-0", 0)
+    assert owners.orphans == 1
+    owners.clock[0] = 35.0  # past the end's window (30), within the orphan's (40)
+    owners.forget(0)
+    assert owners.orphans == 1 and len(owners) == 1
+    owners.clock[0] = 40.0
+    assert owners.expire() == set()  # ended: nothing to abort
+    assert owners.orphans == 0 and len(owners) == 0

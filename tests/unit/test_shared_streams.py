@@ -21,7 +21,7 @@ from tests.redis_server import redis_server  # noqa: F401 - fixture
 def test_a_context_that_expired_during_an_outage_is_written_again(redis_server):  # noqa: F811
     config = ProxyConfig(shared_state={"redis_url": redis_server.url, "timeout_s": 0.5})
     store = redis.Redis.from_url(redis_server.url)
-    key = config.shared_state.key_prefix + "stream:"
+    key = config.shared_state.key_prefix + "stream-context:"
 
     async def run() -> None:
         live = aioredis.Redis.from_url(redis_server.url)
@@ -38,7 +38,8 @@ def test_a_context_that_expired_during_an_outage_is_written_again(redis_server):
         shared._client = live
         await shared.flush()
         assert shared.up
-        assert store.hget(key + "first", "context") == b"context-1" and store.hget(key + "second", "context") == b"context-2"
+        assert store.hget(key + "first", "context") == b"context-1"
+        assert store.hget(key + "second", "context") == b"context-2"
         await live.aclose()
         await down.aclose()
 
@@ -73,7 +74,7 @@ def test_a_new_streams_context_is_stored_before_its_first_event_and_not_waited_f
     is set far longer than the test's bound); with the store away, once a flush failed, and at once after."""
     config = ProxyConfig(shared_state={"redis_url": redis_server.url, "interval_s": 10, "timeout_s": 0.5})
     store = redis.Redis.from_url(redis_server.url)
-    key = config.shared_state.key_prefix + "stream:"
+    key = config.shared_state.key_prefix + "stream-context:"
 
     async def run() -> None:
         live = aioredis.Redis.from_url(redis_server.url)
@@ -103,7 +104,7 @@ def test_a_finished_streams_context_stays_until_it_leaves_the_resume_buffer(redi
     its key for the proxy taking it."""
     config = ProxyConfig(shared_state={"redis_url": redis_server.url})
     store = redis.Redis.from_url(redis_server.url)
-    key = config.shared_state.key_prefix + "stream:"
+    key = config.shared_state.key_prefix + "stream-context:"
 
     async def produce(stream):
         yield "data: {}\n\n", (1,)
@@ -119,11 +120,13 @@ def test_a_finished_streams_context_stays_until_it_leaves_the_resume_buffer(redi
             await stream.producer
             assert stream.finished
         await streams.shared.flush()
-        assert store.hget(key + "ended", "context") == b"context-ended" and store.hget(key + "handed", "context") == b"context-handed"
+        assert store.hget(key + "ended", "context") == b"context-ended"
+        assert store.hget(key + "handed", "context") == b"context-handed"
         streams.drop(streams.streams["ended"])
         streams.sever({"handed"})
         await streams.shared.flush()
-        assert store.hget(key + "ended", "context") is None and store.hget(key + "handed", "context") == b"context-handed"
+        assert store.hget(key + "ended", "context") is None
+        assert store.hget(key + "handed", "context") == b"context-handed"
         await live.aclose()
 
     asyncio.run(asyncio.wait_for(run(), 30))
@@ -134,7 +137,7 @@ def test_a_proxy_leaves_alone_a_context_another_proxy_took_over(redis_server):  
     renewal, its rewrite after an outage and its delete when the stream leaves its buffer do not touch B's key."""
     config = ProxyConfig(shared_state={"redis_url": redis_server.url})
     store = redis.Redis.from_url(redis_server.url)
-    key = config.shared_state.key_prefix + "stream:r1"
+    key = config.shared_state.key_prefix + "stream-context:r1"
 
     async def run() -> None:
         live = aioredis.Redis.from_url(redis_server.url)
@@ -156,6 +159,55 @@ def test_a_proxy_leaves_alone_a_context_another_proxy_took_over(redis_server):  
         b.forget("r1")  # its owner deletes it
         await b.flush()
         assert not store.exists(key)
+        await live.aclose()
+
+    asyncio.run(asyncio.wait_for(run(), 30))
+
+
+def test_a_proxy_that_took_a_stream_over_from_its_worker_replaces_the_lost_proxys_key(redis_server):  # noqa: F811
+    """Taken over from the workers (no ``claim``: they held every choice), the stream's key is still the lost
+    proxy's: the taker's write replaces it, and from then on it renews and deletes it; a plain write is refused
+    and says so."""
+    config = ProxyConfig(shared_state={"redis_url": redis_server.url})
+    store = redis.Redis.from_url(redis_server.url)
+    key = config.shared_state.key_prefix + "stream-context:r1"
+
+    async def run() -> None:
+        live = aioredis.Redis.from_url(redis_server.url)
+        lost, plain, taker = (SharedStreams(config, live) for _ in range(3))
+        lost.keep("r1", b"context-lost")
+        await lost.flush()
+        plain.keep("r1", b"context-plain")
+        await plain.flush()
+        assert store.hget(key, "owner") == lost.owner.encode()
+        taker.keep("r1", b"context-taker", taken=True)
+        await taker.flush()
+        assert store.hgetall(key) == {b"owner": taker.owner.encode(), b"context": b"context-taker"}
+        taker._new.add("r1")  # written again, as after an outage: still its own
+        await taker.flush()
+        assert store.hget(key, "owner") == taker.owner.encode()
+        taker.forget("r1")
+        await taker.flush()
+        assert not store.exists(key)
+        await live.aclose()
+
+    asyncio.run(asyncio.wait_for(run(), 30))
+
+
+def test_a_store_that_lost_the_script_gets_it_again_in_the_same_flush(redis_server):  # noqa: F811
+    """A Redis that restarted (its script cache empty) is no outage: the flush loads the script again and writes."""
+    config = ProxyConfig(shared_state={"redis_url": redis_server.url})
+    store = redis.Redis.from_url(redis_server.url)
+
+    async def run() -> None:
+        live = aioredis.Redis.from_url(redis_server.url)
+        shared = SharedStreams(config, live)
+        shared.keep("r1", b"context-1")
+        await shared.flush()
+        store.script_flush()
+        shared.keep("r2", b"context-2")
+        await shared.flush()
+        assert shared.up and store.hget(config.shared_state.key_prefix + "stream-context:r2", "context") == b"context-2"
         await live.aclose()
 
     asyncio.run(asyncio.wait_for(run(), 30))
