@@ -311,6 +311,10 @@ def test_a_stream_that_ended_on_its_proxy_before_its_client_read_it_all(make_pro
         assert bodies(first + rest) == bodies(whole)
         recomputed = total(b.http.get("/metrics").text, "tessera_proxy_streams_recomputed_total")
         assert recomputed == (lost == "proxy-and-worker")
+        if lost != "nothing":  # the lost proxy's key is the taker's now, whichever way it took the stream
+            store, taker = redis.Redis.from_url(redis_server.url), b.services.streams.shared.owner.encode()
+            settle(lambda: store.hget("tessera:stream-context:" + response_id, "owner"), lambda o: o == taker,
+                   PATIENCE_S, "the proxy that took the stream over keeps its context in Redis as its own")
     finally:
         frozen.set()
         for worker in workers:
