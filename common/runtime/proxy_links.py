@@ -161,10 +161,12 @@ class Owners:
 
     def expire(self) -> set[str]:
         """The orphaned requests whose window closed, forgotten; those still running, for the compute loop to
-        abort."""
+        abort. Called on every turn of the I/O loop, it also sweeps (``SWEEP_S``) a worker that routes nothing."""
+        now = self._clock()
+        if now >= self._sweep_at:
+            self._sweep(now)
         if not self.orphans:
             return set()
-        now = self._clock()
         ended = set()
         for request_id, owned in list(self._of.items()):
             kept = owned.resumable
