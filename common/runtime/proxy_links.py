@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+
 from common.protocol import wire
 
 IDLE_S = 600.0  # a request neither side spoke of for this long is forgotten
@@ -55,6 +56,10 @@ class Resumable:
     # its last delta went to its connected proxy, which keeps its events for the window: kept until then, for the
     # case that proxy is lost before its client read them
     ended_until: float | None = None
+
+    def lapsed(self, now: float) -> bool:
+        """It ended on its connected proxy and that window closed: its proxy let its events go, and so does this."""
+        return self.orphaned_until is None and self.ended_until is not None and now >= self.ended_until
 
 
 @dataclass
@@ -118,8 +123,7 @@ class Owners:
             if owned.link != link:
                 continue
             kept = owned.resumable
-            if (kept is not None and kept.orphaned_until is None and kept.ended_until is not None
-                    and now >= kept.ended_until):
+            if kept is not None and kept.lapsed(now):
                 del self._of[request_id]  # its client's window closed before its proxy was lost
             elif kept is not None and kept.orphaned_until is None:
                 kept.orphaned_until = now + kept.window_s
@@ -139,8 +143,8 @@ class Owners:
             kept = owned.resumable
             if kept is None or kept.response_id != msg.response_id or (msg.tenant and msg.tenant != kept.tenant):
                 continue
-            if kept.orphaned_until is None and kept.ended_until is not None and now >= kept.ended_until:
-                self._forget(request_id)  # its window closed: its proxy let its events go
+            if kept.lapsed(now):
+                self._forget(request_id)
                 continue
             if kept.orphaned_until is None and owned.link != link:
                 # running for a connected proxy, or ended there and its events kept by it for the window: the
@@ -226,7 +230,6 @@ class Owners:
             kept = owned.resumable
             if kept is not None and kept.orphaned_until is not None:
                 continue  # ``expire``'s
-            if now - owned.heard >= IDLE_S or (kept is not None and kept.ended_until is not None
-                                               and now >= kept.ended_until):
+            if now - owned.heard >= IDLE_S or (kept is not None and kept.lapsed(now)):
                 self._forget(request_id)
         self._sweep_at = now + SWEEP_S
