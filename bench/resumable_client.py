@@ -8,8 +8,8 @@ the connection breaks before ``[DONE]`` (its proxy process died, or the client d
 ``httpx`` client that keeps no idle connection, each try is a new connection, which the kernel gives to any of the
 proxy processes. A reconnect answered 404, 503 or not at all is tried again every ``RETRY_PAUSE_S`` until
 ``patience_s`` after the break: a proxy that has not taken the stream over yet, or one asked for a stream another
-live process holds (running, or ended with its events kept), answers 503, and one that cannot take it over 404. A timeout reading is a break like any other. Each
-reconnect is recorded in ``Stream.reconnects``.
+live process holds (running, or ended with its events kept), answers 503, and one that cannot take it over 404. A
+timeout reading is a break like any other. Each reconnect is recorded in ``Stream.reconnects``.
 
 Lost, besides ``bench.fault_harness.outcome``'s ways: ``event_ids`` (an event id repeated or skipped: the first id
 after a reconnect must follow the last one read), ``resume_<status>`` or ``resume_connection`` (no reconnect got
