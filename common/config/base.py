@@ -309,7 +309,10 @@ class CpuConfig:
                                           "at load finds the kernel ahead of the torch path (which moves with the "
                                           "model's size), up to 32, and 8 with float32 weights; at most 8 with "
                                           "int8 or float32 weights or without AVX512-BF16; 0 keeps every step on "
-                                          "the torch path", ge=-1, le=64)
+                                          "the torch path. With engine.deterministic it takes every row of every "
+                                          "step, prompt rows too, or none: -1 for bfloat16 weights in the panel "
+                                          "layout (AVX512-BF16) only, a count for any weights, 0 for none",
+                                          ge=-1, le=64)
     prepack_weights: Bool = option(True, "CPU bfloat16: keep a linear weight a second time in oneDNN's blocked "
                                    "layout for steps of several rows (F.linear reorders the plain weight on every "
                                    "call), at the cost of its memory once more. On AVX512-BF16 (one rank, not "

@@ -78,6 +78,28 @@ class StepContext:
     on_layers_at: frozenset[int] = frozenset()
 
 
+def row_tables(ctx: StepContext, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row of a step with prompt chunks as a decode row (engine.deterministic: ``DeterministicCpuAttention``
+    and models/llama.py ``FusedDecode.every_row``): each row's block table, zero-padded to the widest, and its
+    context length, a row at position p attending the first p + 1 tokens. The decode rows come first in the flat
+    batch, then the chunks, one span of rows."""
+    decode = 0 if ctx.decode_rows is None else ctx.decode_rows.shape[0]
+    widest = max([c.block_table.shape[0] for c in ctx.chunks]
+                 + ([ctx.decode_block_tables.shape[1]] if decode else []))
+    tables = torch.zeros((num_rows, widest), dtype=torch.int64)
+    lens = torch.empty(num_rows, dtype=torch.int64)
+    if decode:
+        tables[:decode, :ctx.decode_block_tables.shape[1]] = ctx.decode_block_tables
+        lens[:decode] = ctx.decode_context_lens
+    for chunk in ctx.chunks:
+        s, e = chunk.token_start, chunk.token_end
+        tables[s:e, :chunk.block_table.shape[0]] = chunk.block_table
+        lens[s:e] = torch.arange(chunk.num_computed + 1, chunk.context_len + 1)
+    if decode + sum(c.token_end - c.token_start for c in ctx.chunks) != num_rows:
+        raise RuntimeError("the step's decode rows and chunks do not cover its rows")
+    return tables, lens
+
+
 @dataclass
 class EncodeContext:
     """A step that keeps no KV (embeddings): whole inputs attend among themselves, padded into one batch.
@@ -292,17 +314,10 @@ class DeterministicCpuAttention(CpuAttention):
     @staticmethod
     def _chunk_row_tables(ctx: StepContext) -> tuple[int, torch.Tensor, torch.Tensor]:
         """The chunks' rows (one span of the flat batch, after the decode rows): where they start, and each
-        row's block table and context length, a row at position p attending the first p + 1 tokens."""
+        row's block table and context length (``row_tables``)."""
         start, end = ctx.chunks[0].token_start, ctx.chunks[-1].token_end
-        if sum(c.token_end - c.token_start for c in ctx.chunks) != end - start:
-            raise RuntimeError("the step's chunks do not form one span of rows")
-        tables = torch.zeros((end - start, max(c.block_table.shape[0] for c in ctx.chunks)), dtype=torch.int64)
-        lens = torch.empty(end - start, dtype=torch.int64)
-        for chunk in ctx.chunks:
-            s, e = chunk.token_start - start, chunk.token_end - start
-            tables[s:e, :chunk.block_table.shape[0]] = chunk.block_table
-            lens[s:e] = torch.arange(chunk.num_computed + 1, chunk.context_len + 1)
-        return start, tables, lens
+        tables, lens = row_tables(ctx, end)
+        return start, tables[start:], lens[start:]
 
 
 class FlashAttention:

@@ -193,7 +193,8 @@ class ModelRunner:
         bf16_cpu = self.dtype is torch.bfloat16 and self.device.type == "cpu" and not config.deterministic
         if bf16_cpu:
             gemv_bf16_kernel()  # built now, not on the first batch-1 decode step (models/llama.py ``linear``)
-        # only bfloat16 weights take panels: not int8, float32 or engine.deterministic; one rank
+        # only bfloat16 weights take panels: not int8 or float32; one rank (engine.deterministic too: a panel's
+        # every sum runs over k in one order at any rows, kernels/panels_bf16.h)
         if self._panels_planned() and self.model.pack_panels():
             arena = self.model.panel_arena
             pages = ("in 4 KB pages" if arena is None else
@@ -203,13 +204,15 @@ class ModelRunner:
                      "with oneDNN's copy for wide steps (AMX)" if onednn_beside_panels() and config.cpu.prepack_weights
                      else "their only copy", pages, thp_policy())
         # The one-call kernel has no all-reduce between its layers, and keeps float32 activations between them
-        # where the layer-by-layer path rounds (engine.deterministic needs both paths' rows to agree).
-        left = config.cpu.decode_kernel_max_batch < 0
+        # where the layer-by-layer path rounds: engine.deterministic takes it for every row of every step (its
+        # rows are batch-invariant, and a prompt's rows then write the K/V its decode steps would have) or for
+        # none (``_fused_decode_kernel``).
+        left = config.cpu.decode_kernel_max_batch < 0 and not config.deterministic
         if self._fused_decode_kernel():
             # -1 with float32 weights keeps the kernel's fixed limit: it is well ahead there (1.4x at 8 rows,
             # 135M), and the exactness tests compare float32 outputs across processes, which timing could split
             self.model.fused_decode = FusedDecode(self.model, DECODE_ROW_RUNGS[-1] if left
-                                                  else config.cpu.decode_kernel_max_batch)
+                                                  else config.cpu.decode_kernel_max_batch, config.deterministic)
         # greedy rows' tokens from an int8 copy of a head in panels, and the few tokens it cannot rule out
         greedy_rows = self._greedy_head_rows()
         self.greedy_head = GreedyHead.of(self.model.head()) if greedy_rows else None
@@ -325,9 +328,9 @@ class ModelRunner:
 
     def _panels_planned(self) -> bool:
         """Whether the load moves the linear weights into panels (``LlamaForCausalLM.pack_panels``): bfloat16 on
-        the CPU, not engine.deterministic, one rank, and shapes and kernels that take them."""
-        return (self.dtype is torch.bfloat16 and self.device.type == "cpu" and not self.config.deterministic
-                and self.tp.size == 1 and self.model.panels_fit())
+        the CPU, one rank, and shapes and kernels that take them."""
+        return (self.dtype is torch.bfloat16 and self.device.type == "cpu" and self.tp.size == 1
+                and self.model.panels_fit())
 
     def _greedy_head_rows(self) -> int:
         """The most rows of a step the head's greedy copy (``GreedyHead``) takes: engine.cpu.greedy_head_max_rows,
@@ -341,9 +344,16 @@ class ModelRunner:
 
     def _fused_decode_kernel(self) -> bool:
         """Whether this runner gets the one-call decode kernel (``FusedDecode``): the CPU, its paged attention,
-        ``decode_kernel_max_batch`` not 0, one rank."""
-        return (self.device.type == "cpu" and self.attention.name == "cpu_paged"
-                and self.config.cpu.decode_kernel_max_batch != 0 and self.tp.size == 1)
+        ``decode_kernel_max_batch`` not 0, one rank. Under engine.deterministic, where the kernel takes every row
+        of every step, -1 gives it to bfloat16 weights in panels only. There it is ahead of the layer path at
+        any rows (135M, Zen 4: 0.95x the mode-off throughput against 0.49x, 1.09x its one-stream TPOT against
+        1.97x); with int8 or float32 weights its prompt rows are behind the layer path's matmuls (int8: 0.54x
+        against 0.91x at saturation, for 0.85x against 2.79x at one stream; ``bench.deterministic``)."""
+        setting = self.config.cpu.decode_kernel_max_batch
+        if self.config.deterministic and setting < 0 and self.model.layers[0].self_attn.qkv_proj.panels is None:
+            return False
+        return (self.device.type == "cpu" and self.attention.name in ("cpu_paged", "cpu_paged_deterministic")
+                and setting != 0 and self.tp.size == 1)
 
     def _serving_weight_bytes(self) -> int:
         """The weights' bytes once the load has quantized or prepacked them (the pool is sized before either),

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from common.config.base import ConfigError, EngineConfig
 from common.engine.attention import select_backend
 from common.engine.llm_engine import LLMEngine
+from common.engine.models.llama import LlamaForCausalLM, decode_forward_takes_panels
 from common.engine.native import gemm_invariant_kernel
 from common.protocol.sampling_params import SamplingParams
 from tests.tiny_models import build_tiny_model
@@ -70,8 +71,9 @@ def tiny_models(tmp_path_factory, embedded_model_dir):
 class Probe:
     """One watched request run in different company; ``seen`` is what its logprobs were at each position."""
 
-    def __init__(self, model, dtype: str, quantization: str, deterministic: bool = True) -> None:
-        self.settings = dict(model=str(model), dtype=dtype, quantization=quantization, deterministic=deterministic)
+    def __init__(self, model, dtype: str, quantization: str, deterministic: bool = True, **settings) -> None:
+        self.settings = dict(model=str(model), dtype=dtype, quantization=quantization, deterministic=deterministic,
+                             **settings)
         self.rng = random.Random(7)
         self.prompt = self.tokens(70)
 
@@ -134,7 +136,37 @@ class Probe:
 @pytest.mark.parametrize("kind,dtype,quantization", [("llama", *n) for n in NUMERICS] + [("qwen3", *NUMERICS[0])])
 def test_a_sequences_logits_do_not_depend_on_its_batch_its_chunks_the_cache_or_recomputation(tiny_models, kind,
                                                                                                dtype, quantization):
-    assert Probe(tiny_models(kind), dtype, quantization).differences() == []
+    probe = Probe(tiny_models(kind), dtype, quantization)
+    fused = probe.engine().runner.model.fused_decode
+    # the paths the mode takes by default: bfloat16 weights in panels (on a CPU with AVX512-BF16), every row of
+    # every step through the one-call kernel; int8 and float32 weights layer by layer
+    in_panels = dtype == "bfloat16" and quantization == "none" and decode_forward_takes_panels()
+    assert (fused is not None and fused.every_row) == in_panels
+    assert probe.differences() == []
+
+
+@pytest.mark.parametrize("dtype,quantization", NUMERICS[1:])
+def test_the_kernel_taking_every_row_holds_int8_and_float32_too(tiny_models, dtype, quantization):
+    """decode_kernel_max_batch set: the one-call kernel takes every row of int8 and float32 steps as well."""
+    probe = Probe(tiny_models("llama"), dtype, quantization, cpu={"decode_kernel_max_batch": 8})
+    assert probe.engine().runner.model.fused_decode.every_row
+    assert probe.differences() == []
+
+
+@pytest.mark.parametrize("kind,path", [("llama", "layer by layer"), ("qwen3", "weights in rows")])
+def test_the_mode_holds_on_its_other_bfloat16_paths(tiny_models, kind, path, monkeypatch):
+    """Without the one-call kernel (decode_kernel_max_batch 0: every row layer by layer, the attention through
+    ``DeterministicCpuAttention``), and with the kernel asked for (a count) where panels do not fit a layer: its
+    sums of 1-4 rows of weights in rows then reduce by the tree its blocks of 5 and more rows use."""
+    if path == "layer by layer":
+        settings = {"cpu": {"decode_kernel_max_batch": 0}}
+    else:
+        monkeypatch.setattr(LlamaForCausalLM, "panels_fit", lambda model: False)
+        settings = {"cpu": {"decode_kernel_max_batch": 32}}
+    probe = Probe(tiny_models(kind), "bfloat16", "none", **settings)
+    fused = probe.engine().runner.model.fused_decode
+    assert (fused is None) == (path == "layer by layer")
+    assert probe.differences() == []
 
 
 def test_without_the_mode_bfloat16_logits_do_depend_on_the_batch(tiny_models):

@@ -106,8 +106,13 @@ static inline void dot_rows(const float *xr, const uint16_t *xb, const void *w, 
             a2 = _mm512_dpbf16_ps(a2, xv, (__m512bh)_mm512_loadu_si512(w0 + 2 * k + i));
             a3 = _mm512_dpbf16_ps(a3, xv, (__m512bh)_mm512_loadu_si512(w0 + 3 * k + i));
         }
-        sums[0] = _mm512_reduce_add_ps(a0); sums[1] = _mm512_reduce_add_ps(a1);
-        sums[2] = _mm512_reduce_add_ps(a2); sums[3] = _mm512_reduce_add_ps(a3);
+        /* reduced by dot_block_bf16's tree (sum16x16), not _mm512_reduce_add_ps's (halves first): a row's sums
+         * are then the same below and from BLOCKED_ROWS_MIN rows, which engine.deterministic needs */
+        const __m512 zero = _mm512_setzero_ps();
+        const __m512 v[16] = {a0, a1, a2, a3, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero};
+        float all[16];
+        _mm512_storeu_ps(all, sum16x16(v));
+        memcpy(sums, all, sizeof(float) * ROW_BLOCK);
         return;
     }
 #endif

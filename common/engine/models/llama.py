@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.engine.attention import get_step_context
+from common.engine.attention import get_step_context, row_tables
 from common.engine.huge_pages import HugePageArena
 from common.engine.models.rope import RotaryEmbedding, rotate
 from common.engine.native import cpu_has, gemm_invariant_kernel, gemv_bf16_kernel, kernel_function, linear_panels_kernel
@@ -157,12 +157,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (``prepack``), where there is one (docs/benchmarks.md).
 
     ``invariant`` (engine.deterministic): each output row is the same function of its input row whatever else
-    is in ``x``: int8 always W8A8 (exact int32 sums, per-row scales), bfloat16 and float32 through
-    kernels/gemm_invariant.c, whose every sum has one order for any row count and thread count."""
+    is in ``x``: int8 always W8A8 (exact int32 sums, per-row scales), a weight in panels through
+    kernels/linear_panels.c (each sum in one order, k in turn, at any rows), other bfloat16 and float32 weights
+    through kernels/gemm_invariant.c, whose every sum has one order for any row count and thread count."""
     if weight.dtype is torch.int8:
         return linear_int8(x, weight, scale, bias, 0 if invariant else INT8_WEIGHT_ONLY_ROWS)
     if invariant:
-        return linear_invariant(x, weight, bias)
+        return (linear_invariant(x, weight, bias) if panels is None
+                else _linear_panels(x, panels, weight.shape[0], bias))
     if panels is not None and (packed is None or x.dim() != 2 or x.shape[0] < ONEDNN_BESIDE_PANELS_ROWS):
         return _linear_panels(x, panels, weight.shape[0], bias)
     if _wide[0]:
@@ -511,7 +513,11 @@ class LlamaForCausalLM(nn.Module):
         if self.fused_decode is not None:
             ctx = get_step_context()
             if self.fused_decode.usable(ctx, x.shape[0]):
-                return self.fused_decode(x, positions, ctx)
+                out = self.fused_decode(x, positions, ctx)
+                if getattr(ctx, "on_layers", None) is not None:  # every layer ran: each group's K/V is written
+                    for n in sorted(ctx.on_layers_at):
+                        ctx.on_layers(n)
+                return out
         rope = StepRope(self.rope, positions, x.dtype)
         residual = None
         ctx = get_step_context()
@@ -534,8 +540,8 @@ class LlamaForCausalLM(nn.Module):
     def make_deterministic(self) -> None:
         """engine.deterministic: every linear layer and the LM head on the batch-invariant paths (``linear``'s
         ``invariant``), so a row's logits depend only on its own tokens; the attention backend must be
-        ``attention.DeterministicCpuAttention`` and the one-call decode kernel off (the model runner sees to
-        both)."""
+        ``attention.DeterministicCpuAttention``, and the one-call decode kernel take every row of every step or
+        none (``FusedDecode.every_row``; the model runner sees to both)."""
         self.deterministic = True
         for module in self.modules():
             if isinstance(module, Linear):
@@ -648,10 +654,19 @@ def _address(t: torch.Tensor | None) -> int:
 
 
 class FusedDecode:
-    """Runs ``model``'s forward for up to ``max_rows`` decode rows in one kernel call."""
+    """Runs ``model``'s forward for up to ``max_rows`` decode rows in one kernel call; with ``every_row``
+    (engine.deterministic), every row of every step, a prompt chunk's too, in calls of up to FUSED_MAX_ROWS rows.
 
-    def __init__(self, model, max_rows: int) -> None:
+    The kernel computes each row as the same sequence of operations whatever the other rows (each output a sum in
+    one order, each row's attention over its own context from position 0, threads splitting outputs and rows,
+    never a sum), so a row's hidden state depends only on its tokens and the pages it reads. A prompt's rows then
+    get exactly the K/V its decode steps would have written, which is what the deterministic mode needs; the
+    chunk rows go after every earlier row's K/V is in the pool (each call runs all layers for its rows, and the
+    calls go in row order)."""
+
+    def __init__(self, model, max_rows: int, every_row: bool = False) -> None:
         self.model = model
+        self.every_row = every_row
         # bf16 weights on a CPU with AVX512-BF16 take dot products 32 at a time, up to FUSED_MAX_ROWS rows;
         # elsewhere the kernel widens bf16 and float32 weights to float32 products, and int8 weights to int16
         # products in integers, which past 8 rows lose to oneDNN's matmuls and W8A8's int8 products. Where it
@@ -659,7 +674,7 @@ class FusedDecode:
         # 1B shape; in rows, 1-2 at 1B): with decode_kernel_max_batch -1 the model runner lowers this by timing
         # at load.
         wide = model.layers[0].self_attn.qkv_proj.weight.dtype is torch.bfloat16 and cpu_has("avx512_bf16")
-        self.max_rows = min(max_rows, FUSED_MAX_ROWS if wide else SMALL_BATCH_ROWS)
+        self.max_rows = FUSED_MAX_ROWS if every_row else min(max_rows, FUSED_MAX_ROWS if wide else SMALL_BATCH_ROWS)
         self._kernel = decode_forward_kernel() if self.max_rows > 0 else None
         self._layers: torch.Tensor | None = None  # [num_layers, 18] int64 addresses, built on first use
         self._pool_key: tuple | None = None
@@ -675,8 +690,11 @@ class FusedDecode:
         self._layers = None
 
     def usable(self, ctx, num_rows: int) -> bool:
-        return (self._kernel is not None and not ctx.chunks and ctx.decode_rows is not None
-                and num_rows <= self.max_rows and ctx.kv_cache.buffer.device.type == "cpu"
+        if self._kernel is None or ctx.kv_cache is None:  # an embedding's step keeps no KV
+            return False
+        if not self.every_row and (ctx.chunks or ctx.decode_rows is None or num_rows > self.max_rows):
+            return False
+        return (ctx.kv_cache.buffer.device.type == "cpu"
                 and ctx.kv_cache.buffer.dtype is self.model.norm.weight.dtype)
 
     def _build(self, ctx) -> None:
@@ -716,22 +734,30 @@ class FusedDecode:
         """Normed last hidden states ``[rows, hidden]`` of the step's decode rows (``x``: their embeddings)."""
         if self._layers is None or self._pool_key != (ctx.kv_cache.buffer.data_ptr(), ctx.kv_cache.buffer.shape):
             self._build(ctx)
-        tables = ctx.decode_block_tables
-        self._dims_view[0], self._dims_view[7] = x.shape[0], tables.shape[1]  # D_ROWS, D_MAX_BLOCKS
+        tables, lens = ((ctx.decode_block_tables, ctx.decode_context_lens) if not ctx.chunks
+                        else row_tables(ctx, x.shape[0]))
         x = x.contiguous()
         out = torch.empty_like(x)
         rope = self.model.rope
-        status = self._kernel(
-            self._layers.data_ptr(), self._layers.shape[0], self._dims.data_ptr(), self._eps, self._scale,
-            x.data_ptr(), positions.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr(),
-            ctx.kv_cache.buffer.data_ptr(), tables.data_ptr(), ctx.decode_context_lens.data_ptr(),
-            ctx.slot_blocks.data_ptr(), ctx.slot_offsets.data_ptr(), self.model.norm.weight.data_ptr(),
-            out.data_ptr(),
-        )
-        if status != 0:
-            raise RuntimeError("decode_forward kernel refused the model's shapes; "
-                               "set engine.cpu.decode_kernel_max_batch=0 to use the torch path")
+        # x, positions, tables, lens, the slots and out are contiguous, row-major: a call's rows at an offset
+        row_bytes, tables_row = x.stride(0) * x.element_size(), tables.stride(0) * 8
+        self._dims_view[7] = tables.shape[1]  # D_MAX_BLOCKS
+        for start in range(0, x.shape[0], self.max_rows):
+            rows = min(self.max_rows, x.shape[0] - start)
+            self._dims_view[0] = rows  # D_ROWS
+            status = self._kernel(
+                self._layers.data_ptr(), self._layers.shape[0], self._dims.data_ptr(), self._eps, self._scale,
+                x.data_ptr() + start * row_bytes, positions.data_ptr() + start * 8, rope.cos.data_ptr(),
+                rope.sin.data_ptr(), ctx.kv_cache.buffer.data_ptr(), tables.data_ptr() + start * tables_row,
+                lens.data_ptr() + start * 8, ctx.slot_blocks.data_ptr() + start * 8,
+                ctx.slot_offsets.data_ptr() + start * 8, self.model.norm.weight.data_ptr(),
+                out.data_ptr() + start * row_bytes,
+            )
+            if status != 0:
+                raise RuntimeError("decode_forward kernel refused the model's shapes; "
+                                   "set engine.cpu.decode_kernel_max_batch=0 to use the torch path")
         return out
+
 
 
 def architecture_of(cfg) -> str:
