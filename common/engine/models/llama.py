@@ -633,7 +633,7 @@ class LlamaForCausalLM(nn.Module):
 _WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 W_BF16_PANELS = 3  # bfloat16 in panels (``Linear.panels``)
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-FUSED_MAX_ROWS = 64  # decode_forward.c's MAX_ROWS
+FUSED_MAX_ROWS = 256  # decode_forward.c's MAX_ROWS
 
 
 def decode_forward_kernel():
