@@ -315,8 +315,8 @@ class CpuConfig:
                                           ge=-1, le=64)
     prepack_weights: Bool = option(True, "CPU bfloat16: keep a linear weight a second time in oneDNN's blocked "
                                    "layout for steps of several rows (F.linear reorders the plain weight on every "
-                                   "call), at the cost of its memory once more. On AVX512-BF16 (one rank, not "
-                                   "engine.deterministic) the decoder's linear weights and the LM head are held "
+                                   "call), at the cost of its memory once more (none under engine.deterministic). "
+                                   "On AVX512-BF16 (one rank) the decoder's linear weights and the LM head are held "
                                    "once, in the decode kernel's panel layout, which every step reads "
                                    "(kernels/linear_panels.c), and none is copied (a head whose vocabulary is "
                                    "not a multiple of 16 is); but where oneDNN has AMX tiles, steps of 64 rows or "

@@ -213,6 +213,10 @@ class ModelRunner:
             # 135M), and the exactness tests compare float32 outputs across processes, which timing could split
             self.model.fused_decode = FusedDecode(self.model, DECODE_ROW_RUNGS[-1] if left
                                                   else config.cpu.decode_kernel_max_batch, config.deterministic)
+            if self.model.fused_decode.available and not self.model.fused_decode.takes_shapes(config.block_size):
+                log.warning("the one-call decode kernel (kernels/decode_forward.c) does not take this model's shapes "
+                            "at block_size %d: every step takes the torch path", config.block_size)
+                self.model.fused_decode = None
         # greedy rows' tokens from an int8 copy of a head in panels, and the few tokens it cannot rule out
         greedy_rows = self._greedy_head_rows()
         self.greedy_head = GreedyHead.of(self.model.head()) if greedy_rows else None

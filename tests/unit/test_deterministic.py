@@ -153,19 +153,21 @@ def test_the_kernel_taking_every_row_holds_int8_and_float32_too(tiny_models, dty
     assert probe.differences() == []
 
 
-@pytest.mark.parametrize("kind,path", [("llama", "layer by layer"), ("qwen3", "weights in rows")])
+@pytest.mark.parametrize("kind,path", [("llama", "layer by layer"), ("llama", "invariant matmul"),
+                                       ("qwen3", "weights in rows")])
 def test_the_mode_holds_on_its_other_bfloat16_paths(tiny_models, kind, path, monkeypatch):
-    """Without the one-call kernel (decode_kernel_max_batch 0: every row layer by layer, the attention through
-    ``DeterministicCpuAttention``), and with the kernel asked for (a count) where panels do not fit a layer: its
-    sums of 1-4 rows of weights in rows then reduce by the tree its blocks of 5 and more rows use."""
-    if path == "layer by layer":
-        settings = {"cpu": {"decode_kernel_max_batch": 0}}
-    else:
+    """Without the one-call kernel (decode_kernel_max_batch 0: every row layer by layer, the linear layers in
+    panels, the attention through ``DeterministicCpuAttention``); where panels do not fit a layer (layer by layer,
+    the linear layers through kernels/gemm_invariant.c); and there with the kernel asked for (a count): its sums
+    of 1-4 rows of weights in rows then reduce by the tree its blocks of 5 and more rows use."""
+    settings = {"cpu": {"decode_kernel_max_batch": {"layer by layer": 0, "invariant matmul": -1}.get(path, 32)}}
+    if path != "layer by layer":
         monkeypatch.setattr(LlamaForCausalLM, "panels_fit", lambda model: False)
-        settings = {"cpu": {"decode_kernel_max_batch": 32}}
     probe = Probe(tiny_models(kind), "bfloat16", "none", **settings)
-    fused = probe.engine().runner.model.fused_decode
-    assert (fused is None) == (path == "layer by layer")
+    model = probe.engine().runner.model
+    assert (model.fused_decode is None) == (path != "weights in rows")
+    assert (model.layers[0].mlp.down_proj.panels is None) == (path != "layer by layer" or
+                                                              not decode_forward_takes_panels())
     assert probe.differences() == []
 
 

@@ -5,6 +5,7 @@ from importlib import resources
 
 import pytest
 import torch
+from transformers import LlamaConfig
 
 from common.config.base import ConfigError, CpuConfig, EngineConfig
 from common.engine.llm_engine import LLMEngine
@@ -17,7 +18,7 @@ from common.engine.quantization import (INT8_WEIGHT_ONLY_ROWS, input_absmax, lin
 from common.engine.scheduler import StepPlan
 from common.engine.sequence import Sequence
 from common.protocol.sampling_params import SamplingParams
-from tests.tiny_models import CONFIGS, build_tiny_model
+from tests.tiny_models import COMMON, CONFIGS, build_tiny_model
 
 pytestmark = pytest.mark.skipif(decode_forward_kernel() is None, reason="no C compiler to build the decode kernel")
 
@@ -105,6 +106,19 @@ def test_more_rows_than_the_limit_or_a_prompt_chunk_take_the_torch_path(tiny_dir
     seq.block_table = [60, 61]
     assert not runner.model.fused_decode.usable(runner.prepare(StepPlan([seq], [20])).context, 20)
     assert runner_for(tiny_dir, decode_kernel_max_batch=0).model.fused_decode is None
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_model_past_the_kernels_limits_keeps_the_torch_path(tmp_path, monkeypatch, caplog, deterministic):
+    """An intermediate size past decode_forward.c's 16,384 (Llama 3 70B's is 28,672): the kernel is declined at
+    load, with a warning, and decode steps take the torch path instead of failing."""
+    monkeypatch.setitem(CONFIGS, "wide-mlp", lambda: LlamaConfig(**{**COMMON, "intermediate_size": 16400}))
+    path = build_tiny_model("wide-mlp", tmp_path)
+    runner = runner_for(path, dtype="bfloat16", deterministic=deterministic)
+    assert runner.model.fused_decode is None and "does not take this model's shapes" in caplog.text
+    with torch.inference_mode():
+        hidden = runner.forward(runner.prepare(decoding_batch(runner, 3, seed=5)))
+    assert torch.isfinite(runner.model.compute_logits(hidden)).all()
 
 
 def test_only_bfloat16_weights_take_more_than_eight_rows(tiny_dir):

@@ -431,6 +431,35 @@ static inline void store(void *base, int bf16, int64_t offset, const float *src,
     }
 }
 
+/* Scratch on a 64-byte boundary whatever the allocator gives: the compiler's vectorized loops over a row (the
+ * RMSNorm's sum of squares) then take one path for every call, never one that peels a misaligned start, so a
+ * row's sums do not move with where a call's scratch lands (engine.deterministic). */
+static void *alloc64(size_t bytes) {
+    return aligned_alloc(64, (bytes + 63) / 64 * 64);
+}
+
+/* 0 where tessera_decode_forward takes a model of these dims (all but D_ROWS, D_MAX_BLOCKS and D_BLOCK_STRIDE),
+ * else -1: the caller asks once, at load, and keeps its torch path for a model this kernel does not take. */
+int tessera_decode_forward_shapes(const int64_t *dims)
+{
+    const int hidden = (int)dims[D_HIDDEN], heads = (int)dims[D_HEADS], kv_heads = (int)dims[D_KV_HEADS];
+    const int head_dim = (int)dims[D_HEAD_DIM], inter = (int)dims[D_INTER], block_size = (int)dims[D_BLOCK_SIZE];
+    const int wtype = (int)dims[D_WEIGHT_TYPE];
+    const int q_size = heads * head_dim, qkv_size = q_size + 2 * kv_heads * head_dim;
+    if (kv_heads < 1 || heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP || head_dim > MAX_HEAD_DIM ||
+        head_dim % 2 != 0 || block_size > MAX_BLOCK || hidden > MAX_K || inter > MAX_K || q_size > MAX_K ||
+        wtype < W_F32 || wtype > W_BF16_PANELS)
+        return -1;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if (wtype == W_BF16_PANELS && ((qkv_size | hidden | 2 * inter) % PANEL_COLS != 0 || (hidden | q_size | inter) % 2))
+        return -1;
+#else
+    (void)qkv_size;
+    if (wtype == W_BF16_PANELS) return -1; /* no AVX512-BF16 here: the caller packs no panels */
+#endif
+    return 0;
+}
+
 /*
  * layers:       [num_layers, NUM_FIELDS] int64 (see the F_ enum)
  * dims:         [NUM_DIMS] int64 (see the D_ enum)
@@ -455,19 +484,10 @@ int tessera_decode_forward(const int64_t *layers, int num_layers, const int64_t 
     const int wtype = (int)dims[D_WEIGHT_TYPE];
     const int64_t max_blocks = dims[D_MAX_BLOCKS], block_stride = dims[D_BLOCK_STRIDE];
     const int q_size = heads * head_dim, kv_size = kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
-    if (m < 1 || m > MAX_ROWS || heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP ||
-        head_dim > MAX_HEAD_DIM || head_dim % 2 != 0 || block_size > MAX_BLOCK ||
-        hidden > MAX_K || inter > MAX_K || q_size > MAX_K || wtype < W_F32 || wtype > W_BF16_PANELS)
-        return -1;
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-    if (wtype == W_BF16_PANELS && ((qkv_size | hidden | 2 * inter) % PANEL_COLS != 0 || (hidden | q_size | inter) % 2))
-        return -1;
-#else
-    if (wtype == W_BF16_PANELS) return -1; /* no AVX512-BF16 here: the caller packs no panels */
-#endif
+    if (m < 1 || m > MAX_ROWS || tessera_decode_forward_shapes(dims) != 0) return -1;
 
     const size_t widest = (size_t)(qkv_size > 2 * inter ? qkv_size : 2 * inter);
-    float *h = (float *)malloc(sizeof(float) * (size_t)m * (2 * (size_t)hidden + inter + widest + q_size));
+    float *h = (float *)alloc64(sizeof(float) * (size_t)m * (2 * (size_t)hidden + inter + widest + q_size));
     if (h == NULL) return -1;
     float *xn = h + (size_t)m * hidden;      /* [m, hidden] normed input of a linear layer */
     float *act = xn + (size_t)m * hidden;    /* [m, inter] SiLU(gate) * up */
@@ -478,7 +498,7 @@ int tessera_decode_forward(const int64_t *layers, int num_layers, const int64_t 
     const int group = heads / kv_heads, half = head_dim / 2;
 
     const int widest_k = inter > q_size ? (inter > hidden ? inter : hidden) : (q_size > hidden ? q_size : hidden);
-    uint16_t *xb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)m * (size_t)widest_k); /* bf16 or int16 input */
+    uint16_t *xb = (uint16_t *)alloc64(sizeof(uint16_t) * (size_t)m * (size_t)widest_k); /* bf16 or int16 input */
     if (xb == NULL) { free(h); return -1; }
     float xs[MAX_ROWS]; /* an int8 layer's input: each row's step (to_int16_rows) */
 #if defined(__AVX512F__)

@@ -48,8 +48,9 @@
 /* the k-block of steps of PANEL_WIDE_ROWS rows or more (linear_panels.c): their products bound them, not the
  * weights' reads, and a tile's sums then go to memory and back once per 4,096 inputs instead of 256 (measured
  * in bench.panel_gemm, Zen 4: 0.94-0.98x oneDNN's speed from 256 rows at 256, 1.00-1.05x at 4,096; at 24-40
- * rows 3-8% faster than at 256). The decode kernel keeps PANEL_KBLOCK at any rows: from 16 rows the wide block
- * bought it nothing (bench.decode_kernel --model 1b, 32 rows: 138-143 ms at 256, 143-144 ms wide) */
+ * rows 3-8% faster than at 256). The decode kernel keeps PANEL_KBLOCK for decode steps (up to 64 rows): from 16
+ * rows the wide block bought it nothing (bench.decode_kernel --model 1b, 32 rows: 138-143 ms at 256, 143-144 ms
+ * wide); its calls of more rows (engine.deterministic's prompts) take the wide block */
 #define PANEL_WIDE_KBLOCK 4096
 #define PANEL_WIDE_ROWS 24
 /* How far ahead in its tile's stream a tile prefetches: for steps of up to PANEL_NEAR_ROWS rows, which take a

@@ -716,22 +716,34 @@ class FusedDecode:
                     (v_cache.data_ptr() - pool.data_ptr()) // itemsize]
             rows.append(row)
         self._layers = torch.tensor(rows, dtype=torch.int64)
-        first = self.model.layers[0]
-        weight_dtype = first.self_attn.qkv_proj.weight.dtype
-        cfg = self.model.config
-        attn = first.self_attn
-        # tessera_decode_forward's dims (D_* in decode_forward.c); rows and the table width are set per step
-        self._dims = torch.tensor([0, cfg.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                   first.mlp.intermediate, k_cache.shape[1], 0, int(pool.dtype is torch.bfloat16),
-                                   W_BF16_PANELS if first.self_attn.qkv_proj.panels is not None
-                                   else _WEIGHT_TYPES[weight_dtype], pool.stride(0)], dtype=torch.int64)
+        self._dims = self._dims_of(k_cache.shape[1], pool.dtype is torch.bfloat16, pool.stride(0))
         self._dims_view = self._dims.numpy()  # rows and table width change per step: set through numpy, no op
-        self._eps = float(cfg.rms_norm_eps)
-        self._scale = float(first.self_attn.scale)
+        self._eps = float(self.model.config.rms_norm_eps)
+        self._scale = float(self.model.layers[0].self_attn.scale)
         self._pool_key = (pool.data_ptr(), pool.shape)
 
+    def _dims_of(self, block_size: int, pool_bf16: bool, block_stride: int) -> torch.Tensor:
+        """tessera_decode_forward's dims (D_* in decode_forward.c); the rows and the table width are set per step."""
+        first = self.model.layers[0]
+        attn = first.self_attn
+        weight_type = W_BF16_PANELS if attn.qkv_proj.panels is not None else _WEIGHT_TYPES[attn.qkv_proj.weight.dtype]
+        return torch.tensor([0, self.model.config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                             first.mlp.intermediate, block_size, 0, int(pool_bf16), weight_type, block_stride],
+                            dtype=torch.int64)
+
+    def takes_shapes(self, block_size: int) -> bool:
+        """Whether the kernel takes this model at ``block_size`` (decode_forward.c's limits: an intermediate size
+        or a layer's inputs up to 16,384, head_dim up to 256, blocks up to 256 tokens, ...): asked once, at load,
+        so a model past them keeps the torch path instead of failing its first step."""
+        shapes = kernel_function("decode_forward", "tessera_decode_forward_shapes", (ctypes.c_void_p,))
+        if self._kernel is None or shapes is None:
+            return False
+        dims = self._dims_of(block_size, self.model.norm.weight.dtype is torch.bfloat16, 0)
+        return shapes(dims.data_ptr()) == 0
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
-        """Normed last hidden states ``[rows, hidden]`` of the step's decode rows (``x``: their embeddings)."""
+        """Normed last hidden states ``[rows, hidden]`` of the step's rows (``x``: their embeddings): its decode
+        rows, or with ``every_row`` its chunks' rows too."""
         if self._layers is None or self._pool_key != (ctx.kv_cache.buffer.data_ptr(), ctx.kv_cache.buffer.shape):
             self._build(ctx)
         tables, lens = ((ctx.decode_block_tables, ctx.decode_context_lens) if not ctx.chunks
