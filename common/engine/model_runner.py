@@ -217,6 +217,10 @@ class ModelRunner:
                 log.warning("the one-call decode kernel (kernels/decode_forward.c) does not take this model's shapes "
                             "at block_size %d: every step takes the torch path", config.block_size)
                 self.model.fused_decode = None
+        if config.deterministic:
+            log.info("engine.deterministic: every row of every step %s (engine.cpu.decode_kernel_max_batch)",
+                     "through kernels/decode_forward.c" if self.model.fused_decode is not None
+                     else "layer by layer, through the batch-invariant matmuls")
         # greedy rows' tokens from an int8 copy of a head in panels, and the few tokens it cannot rule out
         greedy_rows = self._greedy_head_rows()
         self.greedy_head = GreedyHead.of(self.model.head()) if greedy_rows else None
