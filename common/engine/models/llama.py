@@ -765,11 +765,10 @@ class FusedDecode:
                 ctx.slot_offsets.data_ptr() + start * 8, self.model.norm.weight.data_ptr(),
                 out.data_ptr() + start * row_bytes,
             )
-            if status != 0:
-                raise RuntimeError("decode_forward kernel refused the model's shapes; "
+            if status != 0:  # the shapes were checked at load (``takes_shapes``): what is left is its scratch
+                raise RuntimeError(f"decode_forward kernel failed on {rows} rows (no memory for its scratch); "
                                    "set engine.cpu.decode_kernel_max_batch=0 to use the torch path")
         return out
-
 
 
 def architecture_of(cfg) -> str:
