@@ -43,12 +43,16 @@ def test_a_rows_outputs_do_not_depend_on_the_other_rows_or_their_number():
         assert torch.equal(linear(x[-rows:], placeholder, panels=panels), full[-rows:])
 
 
-@pytest.mark.parametrize("k", [600, 5000])  # k-blocks of 256 inputs below 24 rows, of 4,096 from there
-def test_the_wide_k_block_sums_in_the_same_order(k):
+@pytest.mark.parametrize("k", [600, 5000])
+def test_every_k_block_and_prefetch_policy_sums_in_the_same_order(k):
+    # below 24 rows k-blocks of 256 inputs; from 24, of 1,024 with the tiles of rows made even and sharing the next
+    # block's prefetches; from 256, of 4,096 (kernels/panels_bf16.h)
     w, _ = weights(48, k, seed=k)
     placeholder = torch.zeros(1, dtype=torch.bfloat16).expand(48, k)
-    x = torch.randn(40, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
-    assert torch.equal(linear(x[:5], placeholder, panels=panels_of(w)), linear(x, placeholder, panels=panels_of(w))[:5])
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+    full = linear(x, placeholder, panels=panels_of(w))
+    for rows in (5, 23, 24, 31, 100, 255):
+        assert torch.equal(linear(x[:rows], placeholder, panels=panels_of(w)), full[:rows]), rows
 
 
 def test_leading_dimensions_and_no_rows_keep_their_shape():
@@ -91,6 +95,16 @@ def test_the_layout_interleaves_each_tiles_panels_by_pair_and_comes_back_whole(n
         for i in range(k):  # tile, pair, panel in the tile, column, element of the pair
             assert panels[tile * 64 * k + (i // 2) * wide * 32 + z * 32 + c * 2 + i % 2] == w[j, i]
     assert torch.equal(weight_of_panels(panels, n, k), w)
+
+
+def test_the_prefetch_benchmark_gives_both_builds_the_same_outputs(capsys):
+    import bench.panel_prefetch
+
+    assert bench.panel_prefetch.main(["--model", "embedded", "--rows", "7", "30", "--repeat", "1",
+                                      "--decode-rows", "25"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [line.split(" | ")[0] for line in rows] == ["| 7", "| 30", "| 25"]
+    assert all(line.endswith("| yes |") for line in rows)  # bit for bit
 
 
 def test_the_layout_benchmark_gives_both_layouts_the_same_outputs(capsys, monkeypatch):

@@ -42,10 +42,6 @@
                         * throughput against 0.95-1.01x at 135M, bench.deterministic) */
 #endif
 #define MAX_K 16384
-/* Past this many rows (only engine.deterministic's prompt rows), the weights in panels go a PANEL_WIDE_KBLOCK at a
- * time, as linear_panels.c's wide steps: a k-block's size does not change a sum (each output's runs over k in one
- * order, kernels/panels_bf16.h) */
-#define WIDE_CALL_ROWS 64
 
 /* W_BF16_PANELS: bf16 in panels_bf16.h's panel layout (common/engine/models/llama.py ``pack_panels``) */
 enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_BF16_PANELS = 3 };
@@ -347,8 +343,7 @@ static void linear_rows(const float *x, const uint16_t *xb, const float *xs, int
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     if (wtype == W_BF16_PANELS) {
         float acc[MAX_ROWS * PANEL_GROUP * PANEL_COLS]; /* this thread's sums of a tile's panels */
-        panels_linear(xb, m, k, (const uint16_t *)w, n, bias, act_bf16, y, NULL, accumulate, acc,
-                      m > WIDE_CALL_ROWS ? PANEL_WIDE_KBLOCK : PANEL_KBLOCK);
+        panels_linear(xb, m, k, (const uint16_t *)w, n, bias, act_bf16, y, NULL, accumulate, acc);
         return;
     }
 #endif

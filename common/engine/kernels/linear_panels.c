@@ -5,11 +5,9 @@
  * oneDNN's blocked layout.
  *
  * The rows go through ROW_CHUNK at a time: within a chunk each thread takes a run of panels, and for each group
- * of PANEL_GROUP panels and each k-block every tile of rows reads the block (panels_linear): PANEL_KBLOCK inputs
- * for a step of a few rows, bound by reading the weights, as the decode kernel takes them; PANEL_WIDE_KBLOCK from
- * PANEL_WIDE_ROWS rows, bound by the products, where fewer round trips of the tiles' sums count more than the
- * block's staying in L1. A chunk's sums (ROW_CHUNK x PANEL_GROUP x 16 floats) stay in L2; each chunk reads the
- * weights once more.
+ * of PANEL_GROUP panels and each k-block every tile of rows reads the block (panels_linear), as the decode kernel
+ * does: a block's size and how its lines are prefetched follow the rows (panels_bf16.h). A chunk's sums
+ * (ROW_CHUNK x PANEL_GROUP x 16 floats) stay in L2; each chunk reads the weights once more.
  *
  * Float32 sums, one order per output whatever the rows or threads (panels_bf16.h); each result rounded to
  * bfloat16, nearest even, as torch's bf16 linear rounds its own.
@@ -40,7 +38,6 @@ static int panels_team(const uint16_t *x, const uint16_t *panels, const uint16_t
                        int64_t n, int64_t k, const int32_t *tiles, int64_t count)
 {
     const int64_t width = PANEL_COLS * PANEL_GROUP;
-    const int kblock = m >= PANEL_WIDE_ROWS ? PANEL_WIDE_KBLOCK : PANEL_KBLOCK;
     int failed = 0;
     #pragma omp parallel
     {
@@ -56,12 +53,12 @@ static int panels_team(const uint16_t *x, const uint16_t *panels, const uint16_t
         if (!any && tiles == NULL)
             for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
                 const int mr = (int)(m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK);
-                panels_linear(x + r0 * k, mr, (int)k, panels, (int)n, bias, 1, NULL, y + r0 * n, 0, acc, kblock);
+                panels_linear(x + r0 * k, mr, (int)k, panels, (int)n, bias, 1, NULL, y + r0 * n, 0, acc);
             }
         else if (!any)
             for (int64_t i = 0; i < count; i++)
                 panels_linear(x, (int)m, (int)k, panels + (int64_t)tiles[i] * width * k, (int)width, NULL, 1, NULL,
-                              y + i * m * width, 0, acc, kblock);
+                              y + i * m * width, 0, acc);
         free(acc);
     }
     return failed ? -1 : 0;

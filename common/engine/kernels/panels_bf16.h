@@ -18,8 +18,9 @@
  * than zmm loads) instead of full vectors, and no sum is reduced across lanes. A tile of up to PANEL_TILE_ROWS x
  * rows against a tile's panels keeps 24 sums in registers; the panels' k range is taken a k-block at a time, every
  * tile of rows reading the block before the next: at PANEL_KBLOCK inputs (a decode step's few rows) from L1, with
- * the next block's lines prefetched into L2 as each tile goes; at PANEL_WIDE_KBLOCK (wide steps, bound by their
- * products) from L2.
+ * the next block's lines prefetched into L2 as each tile goes; at PANEL_MID_KBLOCK (16-255 rows) from L2, every
+ * tile of rows prefetching its share of the next block; at PANEL_WIDE_KBLOCK (wide steps, bound by their products)
+ * from L2.
  *
  * Each output's sum runs over k in one order (k-blocks in turn, pairs in turn within one), whatever the number
  * of rows or threads: a row's outputs do not depend on the other rows of the step.
@@ -44,24 +45,40 @@
 #define PANEL_COLS 16       /* output columns per panel: one zmm of float32 sums */
 #define PANEL_GROUP 4       /* panels per tile */
 #define PANEL_TILE_ROWS 6   /* x rows per tile: 6 x 4 sums, 4 panel loads and 6 broadcasts per input pair */
-#define PANEL_KBLOCK 256    /* inputs per k-block: a tile's block is 32 KB */
-/* the k-block of steps of PANEL_WIDE_ROWS rows or more (linear_panels.c): their products bound them, not the
- * weights' reads, and a tile's sums then go to memory and back once per 4,096 inputs instead of 256 (measured
- * in bench.panel_gemm, Zen 4: 0.94-0.98x oneDNN's speed from 256 rows at 256, 1.00-1.05x at 4,096; at 24-40
- * rows 3-8% faster than at 256). The decode kernel keeps PANEL_KBLOCK for decode steps (up to 64 rows): from 16
- * rows the wide block bought it nothing (bench.decode_kernel --model 1b, 32 rows: 138-143 ms at 256, 143-144 ms
- * wide); its calls of more rows (engine.deterministic's prompts) take the wide block */
+#define PANEL_KBLOCK 256    /* inputs per k-block of a step of a few rows: a tile's block is 32 KB, read from L1 */
+/* From PANEL_SPREAD_ROWS rows a step's products weigh as much as its weights' reads. With one tile of rows
+ * prefetching the next k-block, the reads ran under that tile's products alone and the other tiles of rows only
+ * multiplied, out of the caches. Now a tile takes PANEL_MID_KBLOCK inputs a block, and each of its tiles of rows
+ * prefetches its share of the next block's lines (g of G: the lines of pairs g, g + G, g + 2G, ...), so the reads
+ * run under all of the block's products; the tiles of rows are made even (26 rows: 6, 5, 5, 5, 5) so that every
+ * share is read over as long. Measured on Zen 4, 2 threads, weights from memory, against the build before it
+ * (bench.panel_prefetch, alternating in one process): the 1B shape's linears 0.77x the time at 24 and 32 rows,
+ * 0.87x at 48, 0.88x at 64, 0.95x at 128 (at 32 rows with blocks of 256 inputs 0.83-0.85x, of 512 0.81x, of
+ * 4,096 0.86x); the embedded model's 0.88-0.89x at 24-48 rows, 0.92x at 64; the 1B decode kernel's whole forward
+ * 0.92-0.95x at 24-64 rows. At 16 rows, bound by the reads, it lost 2-5%.
+ * Steps of PANEL_WIDE_ROWS rows or more, bound by their products, take PANEL_WIDE_KBLOCK and the first tile of rows
+ * prefetches: a tile's sums go to memory and back once per 4,096 inputs instead of 256 (bench.panel_gemm, Zen 4:
+ * 0.94-0.98x oneDNN's speed from 256 rows at 256, 1.00-1.05x at 4,096). A k-block's size changes no sum: each
+ * output's runs over k in one order. */
+#ifndef PANEL_SPREAD_ROWS /* a benchmark's build may set these */
+#define PANEL_SPREAD_ROWS 24
+#endif
+#ifndef PANEL_WIDE_ROWS
+#define PANEL_WIDE_ROWS 256
+#endif
+#ifndef PANEL_MID_KBLOCK
+#define PANEL_MID_KBLOCK 1024
+#endif
 #define PANEL_WIDE_KBLOCK 4096
-#define PANEL_WIDE_ROWS 24
-/* How far ahead in its tile's stream a tile prefetches: for steps of up to PANEL_NEAR_ROWS rows, which take a
- * block's pairs fastest, PANEL_NEAR_PREFETCH bytes; up to PANEL_WIDE_ROWS, PANEL_MID_PREFETCH bytes and PANEL_KBLOCK
- * inputs (32 KB in a whole tile: at that k-block, the same inputs of the next block, which the tile reads once every
- * tile of rows has read this one); for wide steps, PANEL_KBLOCK inputs alone. Measured on Zen 4, 2 threads, the 1B
- * shape's linears from memory against the four-stream layout (which prefetched 8 KB ahead in each panel),
- * alternating in one process: 1 row 0.84x its time at 2 KB ahead in a fast hour of the memory (0.96-0.99x in a slow
- * one), 0.88x at 1 KB or none, 1.06x at 32 KB; 2 rows 0.78x at 2 KB; 3 rows 0.95-1.01x at 2 KB, 1.06x at 32 KB; 4 to
- * 16 rows 0.94-0.99x at 4 KB and 32 KB, 0.95-1.05x at 32 KB alone, 1.1-1.7x at 2 KB alone; 256 rows 0.995x at 32 KB
- * alone, 1.01x with none, 1.04x at 4 KB and 32 KB (scratch builds of bench.panel_layout's comparison). */
+/* How far ahead in its tile's stream a tile prefetches (besides the spread share above): for steps of up to
+ * PANEL_NEAR_ROWS rows, which take a block's pairs fastest, PANEL_NEAR_PREFETCH bytes; below PANEL_SPREAD_ROWS,
+ * PANEL_MID_PREFETCH bytes and PANEL_KBLOCK inputs (32 KB in a whole tile: the same inputs of the next block, which
+ * the tile reads once every tile of rows has read this one); for wide steps, PANEL_KBLOCK inputs alone. Measured on
+ * Zen 4, 2 threads, the 1B shape's linears from memory against the four-stream layout (which prefetched 8 KB ahead in
+ * each panel), alternating in one process: 1 row 0.84x its time at 2 KB ahead in a fast hour of the memory (0.96-0.99x
+ * in a slow one), 0.88x at 1 KB or none, 1.06x at 32 KB; 2 rows 0.78x at 2 KB; 3 rows 0.95-1.01x at 2 KB, 1.06x at 32
+ * KB; 4 to 16 rows 0.94-0.99x at 4 KB and 32 KB, 0.95-1.05x at 32 KB alone, 1.1-1.7x at 2 KB alone; 256 rows 0.995x at
+ * 32 KB alone, 1.01x with none, 1.04x at 4 KB and 32 KB (scratch builds of bench.panel_layout's comparison). */
 #define PANEL_NEAR_ROWS 3
 #define PANEL_NEAR_PREFETCH 2048
 #define PANEL_MID_PREFETCH 4096
@@ -77,8 +94,10 @@
 static inline __attribute__((always_inline)) void panel_tile(const int mr, const int nz, const uint16_t *xb,
                                                              int64_t ldx, const uint16_t *p, int64_t pair_stride,
                                                              int64_t z_stride, int kk0, int kk1, float *acc_out,
-                                                             int first, int64_t near, int64_t far)
+                                                             int first, int64_t near, int64_t far, int share,
+                                                             int shares)
 {
+    int next = kk0 + share; /* with shares > 1, the next pair whose lines far ahead this tile of rows prefetches */
     __m512 acc[PANEL_TILE_ROWS][PANEL_GROUP];
     for (int r = 0; r < mr; r++)
         for (int z = 0; z < nz; z++)
@@ -90,10 +109,14 @@ static inline __attribute__((always_inline)) void panel_tile(const int mr, const
         for (int z = 0; z < nz; z++) {
             const uint16_t *pz = pk + z * z_stride;
             if (near) __builtin_prefetch((const char *)pz + near, 0, 2);
-            if (far) __builtin_prefetch((const char *)pz + far, 0, 2);
+            if (far && shares == 1) __builtin_prefetch((const char *)pz + far, 0, 2);
             __m512i raw = _mm512_loadu_si512(pz);
             __asm__("" : "+v"(raw)); /* one load per panel and pair, kept in a register for every row */
             wv[z] = (__m512bh)raw;
+        }
+        if (shares > 1 && kk == next) { /* this tile of rows' share of the lines far ahead: one pair in every shares */
+            for (int z = 0; z < nz; z++) __builtin_prefetch((const char *)(pk + z * z_stride) + far, 0, 2);
+            next += shares;
         }
         for (int r = 0; r < mr; r++) {
             int32_t pair;
@@ -108,13 +131,14 @@ static inline __attribute__((always_inline)) void panel_tile(const int mr, const
 
 #define PANEL_TILE_CASE(MR, NZ) \
     case (MR) * 8 + (NZ): \
-        panel_tile(MR, NZ, xb, ldx, p, pair_stride, z_stride, kk0, kk1, acc_out, first, near, far); \
+        panel_tile(MR, NZ, xb, ldx, p, pair_stride, z_stride, kk0, kk1, acc_out, first, near, far, share, shares); \
         break;
 #define PANEL_TILE_ROW(MR) PANEL_TILE_CASE(MR, 1) PANEL_TILE_CASE(MR, 2) PANEL_TILE_CASE(MR, 3) PANEL_TILE_CASE(MR, 4)
 
 /* panel_tile with mr and nz as constants: a copy per shape, so the sums stay in registers */
 static void panel_tile_any(int mr, int nz, const uint16_t *xb, int64_t ldx, const uint16_t *p, int64_t pair_stride,
-                           int64_t z_stride, int kk0, int kk1, float *acc_out, int first, int64_t near, int64_t far)
+                           int64_t z_stride, int kk0, int kk1, float *acc_out, int first, int64_t near, int64_t far,
+                           int share, int shares)
 {
     switch (mr * 8 + nz) {
     PANEL_TILE_ROW(1) PANEL_TILE_ROW(2) PANEL_TILE_ROW(3) PANEL_TILE_ROW(4) PANEL_TILE_ROW(5) PANEL_TILE_ROW(6)
@@ -144,15 +168,21 @@ static inline void panels_store_bf16(const float *a, int nz, const void *bias, i
  * (n / 16 of them), or, where y16 is given, y16[r][j] = the same in bfloat16 (nearest even; y and accumulate
  * unused), inside a parallel region: each thread takes a contiguous run of panels (the piece of a tile at either
  * end of its run too, so the threads' shares stay even), and all meet at a barrier at the end (as an omp for
- * would). acc: this thread's scratch, max_rows * PANEL_GROUP * 16 floats. kblock: inputs per k-block (even;
- * PANEL_KBLOCK, or PANEL_WIDE_KBLOCK for wide steps).
+ * would). acc: this thread's scratch, max_rows * PANEL_GROUP * 16 floats. The k-block and the prefetches follow
+ * m (panels_kblock and the comments above).
  */
+static inline int panels_kblock(int m)
+{
+    return m >= PANEL_WIDE_ROWS ? PANEL_WIDE_KBLOCK : m >= PANEL_SPREAD_ROWS ? PANEL_MID_KBLOCK : PANEL_KBLOCK;
+}
+
 static void panels_linear(const uint16_t *xb, int m, int k, const uint16_t *panels, int n, const void *bias,
-                          int bias_bf16, float *y, uint16_t *y16, int accumulate, float *acc, int kblock)
+                          int bias_bf16, float *y, uint16_t *y16, int accumulate, float *acc)
 {
     const int np = n / PANEL_COLS, t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int begin = (int)((int64_t)np * t / nt), end = (int)((int64_t)np * (t + 1) / nt);
     const int whole = np / PANEL_GROUP; /* tiles of PANEL_GROUP panels; the rest make one narrower tile */
+    const int kblock = panels_kblock(m), tiles_of_rows = (m + PANEL_TILE_ROWS - 1) / PANEL_TILE_ROWS;
     for (int p0 = begin, nz; p0 < end; p0 += nz) {
 #if PANEL_INTERLEAVED
         const int tile = p0 / PANEL_GROUP, first = tile * PANEL_GROUP;
@@ -160,22 +190,30 @@ static void panels_linear(const uint16_t *xb, int m, int k, const uint16_t *pane
         nz = (end < first + width ? end : first + width) - p0;     /* this thread's of them, from p0 */
         const int64_t pair_stride = (int64_t)width * 2 * PANEL_COLS, z_stride = 2 * PANEL_COLS;
         const uint16_t *p = panels + (int64_t)first * k * PANEL_COLS + (int64_t)(p0 - first) * 2 * PANEL_COLS;
-        /* bytes ahead a tile prefetches (PANEL_NEAR_ROWS) */
-        const int64_t near = m <= PANEL_NEAR_ROWS ? PANEL_NEAR_PREFETCH : m < PANEL_WIDE_ROWS ? PANEL_MID_PREFETCH : 0;
-        const int64_t far = m <= PANEL_NEAR_ROWS ? 0 : (int64_t)PANEL_KBLOCK * pair_stride;
+        /* bytes ahead a tile prefetches, and whether its tiles of rows share the next k-block's lines */
+        const int spread = m >= PANEL_SPREAD_ROWS && m < PANEL_WIDE_ROWS;
+        const int64_t near = m <= PANEL_NEAR_ROWS ? PANEL_NEAR_PREFETCH
+                             : m < PANEL_SPREAD_ROWS ? PANEL_MID_PREFETCH : 0;
+        const int64_t far = m <= PANEL_NEAR_ROWS ? 0 : (int64_t)(spread ? kblock : PANEL_KBLOCK) * pair_stride;
 #else
         (void)whole;
         nz = end - p0 < PANEL_GROUP ? end - p0 : PANEL_GROUP;
         const int64_t pair_stride = 2 * PANEL_COLS, z_stride = (int64_t)k * PANEL_COLS;
         const uint16_t *p = panels + (int64_t)p0 * k * PANEL_COLS;
         const int64_t near = 8192, far = 0; /* what this layout prefetched: 8 KB ahead in each panel */
+        const int spread = 0;
 #endif
         for (int k0 = 0; k0 < k; k0 += kblock) {
             const int k1 = k - k0 < kblock ? k : k0 + kblock;
-            for (int r0 = 0; r0 < m; r0 += PANEL_TILE_ROWS) {
-                const int mr = m - r0 < PANEL_TILE_ROWS ? m - r0 : PANEL_TILE_ROWS;
+            for (int g = 0, r0 = 0; g < tiles_of_rows; g++) {
+                /* spread: even tiles of rows (their shares of the prefetches then take as long); else full ones */
+                const int left = tiles_of_rows - g;
+                const int mr = spread ? (m - r0 + left - 1) / left
+                                      : m - r0 < PANEL_TILE_ROWS ? m - r0 : PANEL_TILE_ROWS;
                 panel_tile_any(mr, nz, xb + (int64_t)r0 * k, k, p, pair_stride, z_stride, k0 / 2, k1 / 2,
-                               acc + (int64_t)r0 * PANEL_GROUP * PANEL_COLS, k0 == 0, near, far);
+                               acc + (int64_t)r0 * PANEL_GROUP * PANEL_COLS, k0 == 0, near, far,
+                               spread ? g : 0, spread ? tiles_of_rows : 1);
+                r0 += mr;
             }
         }
         if (y16 != NULL) {

@@ -636,11 +636,12 @@ _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.d
 FUSED_MAX_ROWS = 256  # decode_forward.c's MAX_ROWS
 
 
-def decode_forward_kernel():
-    """``tessera_decode_forward`` (see its C comment for the arguments), or None without a compiler."""
+def decode_forward_kernel(defines: tuple[str, ...] = ()):
+    """``tessera_decode_forward`` (see its C comment for the arguments; built with ``defines`` where a benchmark
+    gives them), or None without a compiler."""
     return kernel_function("decode_forward", "tessera_decode_forward",
                            (ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_float)
-                           + (ctypes.c_void_p,) * 11)
+                           + (ctypes.c_void_p,) * 11, defines)
 
 
 def decode_forward_takes_panels() -> bool:
@@ -683,6 +684,10 @@ class FusedDecode:
     def available(self) -> bool:
         """Whether the kernel was built (it needs a C compiler at run time)."""
         return self._kernel is not None
+
+    def use_build(self, defines: tuple[str, ...]) -> None:
+        """Calls go to decode_forward.c built with ``defines`` from now on (bench.panel_prefetch compares builds)."""
+        self._kernel = decode_forward_kernel(defines)
 
     def weights_moved(self) -> None:
         """The model's weights are elsewhere now (bench.huge_pages swaps copies): the layer table, which holds their
