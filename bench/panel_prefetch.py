@@ -88,7 +88,6 @@ def decode_steps(args: argparse.Namespace, model_dir, baseline: tuple[str, ...])
     from common.engine.scheduler import StepPlan
     from common.protocol.sampling_params import SamplingParams
     most = max(args.decode_rows)
-    torch.set_flush_denormal(True)  # as in a worker process
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16", num_threads=args.threads,
                                     kv_cache_memory_bytes=1 << 30, cpu=CpuConfig(decode_kernel_max_batch=most)))
     runner, rng = engine.runner, random.Random(1)
