@@ -88,14 +88,25 @@ def scenario(engine: LLMEngine, name: str, batch: int, prompt_len: int, decode: 
 
 
 def engine_overrides(items: list[str]) -> dict:
-    """``--set KEY=VALUE`` items as EngineConfig keyword arguments (``engine.`` optional), values as YAML reads them."""
+    """``--set KEY=VALUE`` items as EngineConfig keyword arguments (``engine.`` optional), values as YAML reads them;
+    a dotted key sets a field of a section (``cpu.decode_kernel_max_batch=8``), merged with the section's others."""
     import yaml
-    out = {}
+    out: dict = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"--set {item!r}: give KEY=VALUE")
-        out[key.removeprefix("engine.")] = yaml.safe_load(value)
+        *sections, name = key.removeprefix("engine.").split(".")
+        into = out
+        for part in sections:
+            into = into.setdefault(part, {})
+            if not isinstance(into, dict):
+                raise SystemExit(f"--set {item!r}: {part} is a field, not a section")
+        parsed = yaml.safe_load(value)
+        if isinstance(parsed, dict) and isinstance(into.get(name), dict):
+            into[name].update(parsed)
+        else:
+            into[name] = parsed
     return out
 
 

@@ -122,8 +122,9 @@ def decode_forward(variants: dict, rounds: int, args: argparse.Namespace) -> Non
     from bench.profile_step import engine_from_args
     from common.engine.scheduler import StepPlan
     from common.protocol.sampling_params import SamplingParams
-    count = max(args.rows)
-    args.set = [*args.set, f"cpu.decode_kernel_max_batch={count}"]  # the kernel takes every row count timed
+    most = max(args.rows)
+    args.set = [*args.set, f"cpu.decode_kernel_max_batch={most}"]  # the kernel takes every row count timed
+    count = most + most // 8 + 1  # a few spare: a sequence whose next position needs a new block is left out
     _, engine = engine_from_args(args)
     runner, rng = engine.runner, random.Random(1)
     params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
@@ -131,7 +132,8 @@ def decode_forward(variants: dict, rounds: int, args: argparse.Namespace) -> Non
         engine.add_request(f"r{i}", [rng.randrange(100, 40000) for _ in range(97 + 8 * i)], params)
     while any(s.num_computed_tokens < s.num_prompt_tokens for i in range(count) for s in engine.requests[f"r{i}"]):
         engine.step()
-    seqs = [engine.requests[f"r{i}"][0] for i in range(count)]
+    seqs = [s for s in (engine.requests[f"r{i}"][0] for i in range(count))
+            if len(s.block_table) * engine.config.block_size > s.num_computed_tokens]
     fused = runner.model.fused_decode
     if fused is None:
         raise SystemExit("the engine has no fused decode kernel here (no compiler, or not the CPU)")

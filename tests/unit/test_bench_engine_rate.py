@@ -27,3 +27,13 @@ def test_sampled_requests_get_their_tokens_too(tmp_path, embedded_model_dir):
     engine = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=64))
     result = run(engine, rate=200.0, num_prompts=4, input_len=16, output_len=6, seed=3, temperature=0.8, top_p=0.9)
     assert result["tokens"] == [6] * 4 and not engine.has_unfinished()
+
+
+def test_set_takes_a_sections_fields_dotted_or_whole_and_merges_them():
+    from bench.profile_step import engine_overrides
+
+    overrides = engine_overrides(["cpu={greedy_head_max_rows: 3}", "engine.cpu.decode_kernel_max_batch=8",
+                                  "block_size=32"])
+    assert overrides == {"cpu": {"greedy_head_max_rows": 3, "decode_kernel_max_batch": 8}, "block_size": 32}
+    config = EngineConfig(model="unused", **overrides)
+    assert (config.cpu.greedy_head_max_rows, config.cpu.decode_kernel_max_batch, config.block_size) == (3, 8, 32)
