@@ -54,6 +54,21 @@ def torch_path(runner, weight_only_rows: int | None):
         runner.model.fused_decode, quantization.INT8_WEIGHT_ONLY_ROWS = kernel, rows
 
 
+def decode_sequences(engine, rows: int) -> list:
+    """At least ``rows`` sequences prefilled in ``engine``, ready for a decode step: prompts of 97, 105, 113, ...
+    tokens, greedy, and only those whose next position has its block already (a decode step prepared from them
+    allocates none; sequences whose prompt finished in an earlier step have decoded since)."""
+    rng = random.Random(1)
+    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    count = rows + rows // 8 + 1  # a few spare for those left out
+    for i in range(count):
+        engine.add_request(f"r{i}", [rng.randrange(100, 40000) for _ in range(97 + 8 * i)], params)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for i in range(count) for s in engine.requests[f"r{i}"]):
+        engine.step()
+    return [s for s in (engine.requests[f"r{i}"][0] for i in range(count))
+            if len(s.block_table) * engine.config.block_size > s.num_computed_tokens]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
@@ -77,17 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     model_path = served_model(args.model, args.dtype).prepare(args.dtype)
     engine = LLMEngine(EngineConfig(model=str(model_path), dtype=args.dtype, quantization=args.quantization,
                                     num_threads=args.threads, kv_cache_memory_bytes=1 << 30, **options))
-    runner, rng = engine.runner, random.Random(1)
-    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
-    count = max(sizes) + max(sizes) // 8 + 1  # a few spare: see below
-    for i in range(count):
-        engine.add_request(f"r{i}", [rng.randrange(100, 40000) for _ in range(97 + 8 * i)], params)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for i in range(count) for s in engine.requests[f"r{i}"]):
-        engine.step()
-    # Sequences whose prompt finished in an earlier step have decoded since; keep those whose next position
-    # has its block already (a decode step prepared here allocates none).
-    seqs = [s for s in (engine.requests[f"r{i}"][0] for i in range(count))
-            if len(s.block_table) * engine.config.block_size > s.num_computed_tokens]
+    runner, seqs = engine.runner, decode_sequences(engine, max(sizes))
     kernel = runner.model.fused_decode
     print(f"{args.dtype}, weights {args.quantization if args.quantization != 'none' else args.dtype}, "
           f"{args.threads} threads, the kernel taking up to {kernel.max_rows if kernel else 0} rows; forward of "

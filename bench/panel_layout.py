@@ -40,6 +40,16 @@ def one_after_another(weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         weight.view(n // PANEL_COLS, PANEL_COLS, k // 2, 2).permute(0, 2, 1, 3)).view(-1)
 
 
+def one_pass(kernel, linears: list[tuple[int, int]], weights: list[torch.Tensor], xs: dict[int, torch.Tensor],
+             outs: list[torch.Tensor], rows: int) -> float:
+    """Seconds for ``kernel`` (kernels/linear_panels.c's) over every weight once: ``xs[k]`` rows into ``outs``."""
+    start = time.perf_counter()
+    for (n, k), w, y in zip(linears, weights, outs):
+        if kernel(xs[k].data_ptr(), w.data_ptr(), None, y.data_ptr(), rows, n, k) != 0:
+            raise RuntimeError("kernels/linear_panels.c refused a shape")
+    return time.perf_counter() - start
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shape_arguments(parser, [1, 2, 4, 8, 32, 256], 12)
@@ -71,11 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         outs = {way: [torch.empty(rows, n, dtype=torch.bfloat16) for n, _ in linears] for way in WAYS}
 
         def run(way: str) -> float:
-            kernel, start = kernels[way], time.perf_counter()
-            for (n, k), w, y in zip(linears, weights[way], outs[way]):
-                if kernel(xs[k].data_ptr(), w.data_ptr(), None, y.data_ptr(), rows, n, k) != 0:
-                    raise RuntimeError("kernels/linear_panels.c refused a shape")
-            return time.perf_counter() - start
+            return one_pass(kernels[way], linears, weights[way], xs, outs[way], rows)
 
         times: dict[str, list[float]] = {way: [] for way in WAYS}
         ratios, bandwidths = [], []

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import time
 
 import torch
 
+from bench.decode_kernel import decode_sequences
 from bench.int8_gemm import add_shape_arguments, shape_model, shapes
+from bench.panel_layout import one_pass
 from common.engine.huge_pages import HugePageArena
 from common.engine.models.llama import panels_of, panels_shape
 from common.engine.native import linear_panels_kernel
@@ -68,11 +69,7 @@ def linears(args: argparse.Namespace, model_dir, baseline: tuple[str, ...]) -> N
         outs = {way: [torch.empty(rows, n, dtype=torch.bfloat16) for n, _ in weights_shapes] for way in WAYS}
 
         def run(way: str) -> float:
-            kernel, start = kernels[way], time.perf_counter()
-            for (n, k), w, y in zip(weights_shapes, weights, outs[way]):
-                if kernel(xs[k].data_ptr(), w.data_ptr(), None, y.data_ptr(), rows, n, k) != 0:
-                    raise RuntimeError("kernels/linear_panels.c refused a shape")
-            return time.perf_counter() - start
+            return one_pass(kernels[way], weights_shapes, weights, xs, outs[way], rows)
 
         for way in WAYS:
             run(way)  # warm: page faults of the outputs
@@ -86,22 +83,14 @@ def decode_steps(args: argparse.Namespace, model_dir, baseline: tuple[str, ...])
     from common.config.base import CpuConfig, EngineConfig
     from common.engine.llm_engine import LLMEngine
     from common.engine.scheduler import StepPlan
-    from common.protocol.sampling_params import SamplingParams
     most = max(args.decode_rows)
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16", num_threads=args.threads,
                                     kv_cache_memory_bytes=1 << 30, cpu=CpuConfig(decode_kernel_max_batch=most)))
-    runner, rng = engine.runner, random.Random(1)
+    runner = engine.runner
     fused = runner.model.fused_decode
     if fused is None or not fused.available:
         raise SystemExit("the decode kernel is off for this model or host")
-    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
-    count = most + most // 8 + 1  # a few spare: a sequence whose next position needs a new block is left out
-    for i in range(count):
-        engine.add_request(f"r{i}", [rng.randrange(100, 40000) for _ in range(97 + 8 * i)], params)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for i in range(count) for s in engine.requests[f"r{i}"]):
-        engine.step()
-    seqs = [s for s in (engine.requests[f"r{i}"][0] for i in range(count))
-            if len(s.block_table) * engine.config.block_size > s.num_computed_tokens]
+    seqs = decode_sequences(engine, most)
     builds = {WAYS[0]: (), WAYS[1]: baseline}
     print(f"\nA decode step's forward through the one-call kernel, ms (median of {args.repeat} rounds)\n")
     print("| rows | this build | baseline | this build / baseline (median of rounds) | outputs equal |")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import random
 import statistics
 import subprocess
 import tempfile
@@ -119,21 +118,13 @@ def decode_attention(variants: dict, rounds: int) -> None:
 
 
 def decode_forward(variants: dict, rounds: int, args: argparse.Namespace) -> None:
+    from bench.decode_kernel import decode_sequences
     from bench.profile_step import engine_from_args
     from common.engine.scheduler import StepPlan
-    from common.protocol.sampling_params import SamplingParams
     most = max(args.rows)
     args.set = [*args.set, f"cpu.decode_kernel_max_batch={most}"]  # the kernel takes every row count timed
-    count = most + most // 8 + 1  # a few spare: a sequence whose next position needs a new block is left out
     _, engine = engine_from_args(args)
-    runner, rng = engine.runner, random.Random(1)
-    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
-    for i in range(count):  # 97 + 8i tokens: neither the prompt nor the next position ends a block
-        engine.add_request(f"r{i}", [rng.randrange(100, 40000) for _ in range(97 + 8 * i)], params)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for i in range(count) for s in engine.requests[f"r{i}"]):
-        engine.step()
-    seqs = [s for s in (engine.requests[f"r{i}"][0] for i in range(count))
-            if len(s.block_table) * engine.config.block_size > s.num_computed_tokens]
+    runner, seqs = engine.runner, decode_sequences(engine, most)
     fused = runner.model.fused_decode
     if fused is None:
         raise SystemExit("the engine has no fused decode kernel here (no compiler, or not the CPU)")
