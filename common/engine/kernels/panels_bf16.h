@@ -94,10 +94,10 @@
 static inline __attribute__((always_inline)) void panel_tile(const int mr, const int nz, const uint16_t *xb,
                                                              int64_t ldx, const uint16_t *p, int64_t pair_stride,
                                                              int64_t z_stride, int kk0, int kk1, float *acc_out,
-                                                             int first, int64_t near, int64_t far, int share,
-                                                             int shares)
+                                                             int first, int64_t near, int64_t far,
+                                                             const int spread, int share, int shares)
 {
-    int next = kk0 + share; /* with shares > 1, the next pair whose lines far ahead this tile of rows prefetches */
+    int next = kk0 + share; /* spread: the next pair whose lines far ahead this tile of rows prefetches */
     __m512 acc[PANEL_TILE_ROWS][PANEL_GROUP];
     for (int r = 0; r < mr; r++)
         for (int z = 0; z < nz; z++)
@@ -109,12 +109,12 @@ static inline __attribute__((always_inline)) void panel_tile(const int mr, const
         for (int z = 0; z < nz; z++) {
             const uint16_t *pz = pk + z * z_stride;
             if (near) __builtin_prefetch((const char *)pz + near, 0, 2);
-            if (far && shares == 1) __builtin_prefetch((const char *)pz + far, 0, 2);
+            if (far && !spread) __builtin_prefetch((const char *)pz + far, 0, 2);
             __m512i raw = _mm512_loadu_si512(pz);
             __asm__("" : "+v"(raw)); /* one load per panel and pair, kept in a register for every row */
             wv[z] = (__m512bh)raw;
         }
-        if (shares > 1 && kk == next) { /* this tile of rows' share of the lines far ahead: one pair in every shares */
+        if (spread && kk == next) { /* this tile of rows' share of the lines far ahead: one pair in every shares */
             for (int z = 0; z < nz; z++) __builtin_prefetch((const char *)(pk + z * z_stride) + far, 0, 2);
             next += shares;
         }
@@ -129,19 +129,26 @@ static inline __attribute__((always_inline)) void panel_tile(const int mr, const
         for (int z = 0; z < nz; z++) _mm512_storeu_ps(acc_out + (r * PANEL_GROUP + z) * PANEL_COLS, acc[r][z]);
 }
 
-#define PANEL_TILE_CASE(MR, NZ) \
-    case (MR) * 8 + (NZ): \
-        panel_tile(MR, NZ, xb, ldx, p, pair_stride, z_stride, kk0, kk1, acc_out, first, near, far, share, shares); \
+#define PANEL_TILE_CASE(SP, MR, NZ) \
+    case (SP) * 64 + (MR) * 8 + (NZ): \
+        panel_tile(MR, NZ, xb, ldx, p, pair_stride, z_stride, kk0, kk1, acc_out, first, near, far, SP, share, \
+                   shares); \
         break;
-#define PANEL_TILE_ROW(MR) PANEL_TILE_CASE(MR, 1) PANEL_TILE_CASE(MR, 2) PANEL_TILE_CASE(MR, 3) PANEL_TILE_CASE(MR, 4)
+#define PANEL_TILE_ROW(SP, MR) \
+    PANEL_TILE_CASE(SP, MR, 1) PANEL_TILE_CASE(SP, MR, 2) PANEL_TILE_CASE(SP, MR, 3) PANEL_TILE_CASE(SP, MR, 4)
+#define PANEL_TILE_ROWS_OF(SP) \
+    PANEL_TILE_ROW(SP, 1) PANEL_TILE_ROW(SP, 2) PANEL_TILE_ROW(SP, 3) PANEL_TILE_ROW(SP, 4) PANEL_TILE_ROW(SP, 5) \
+    PANEL_TILE_ROW(SP, 6)
 
-/* panel_tile with mr and nz as constants: a copy per shape, so the sums stay in registers */
+/* panel_tile with mr, nz and whether its tiles of rows share the prefetches as constants: a copy per shape, so the
+ * sums stay in registers, and a step that does not share them runs no test for it (one per pair cost steps of
+ * 8-16 rows 2-10%, bench.panel_prefetch at the 3B shape) */
 static void panel_tile_any(int mr, int nz, const uint16_t *xb, int64_t ldx, const uint16_t *p, int64_t pair_stride,
                            int64_t z_stride, int kk0, int kk1, float *acc_out, int first, int64_t near, int64_t far,
                            int share, int shares)
 {
-    switch (mr * 8 + nz) {
-    PANEL_TILE_ROW(1) PANEL_TILE_ROW(2) PANEL_TILE_ROW(3) PANEL_TILE_ROW(4) PANEL_TILE_ROW(5) PANEL_TILE_ROW(6)
+    switch ((shares > 1) * 64 + mr * 8 + nz) {
+    PANEL_TILE_ROWS_OF(0) PANEL_TILE_ROWS_OF(1)
     default: break;
     }
 }
