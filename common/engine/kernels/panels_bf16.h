@@ -18,7 +18,7 @@
  * than zmm loads) instead of full vectors, and no sum is reduced across lanes. A tile of up to PANEL_TILE_ROWS x
  * rows against a tile's panels keeps 24 sums in registers; the panels' k range is taken a k-block at a time, every
  * tile of rows reading the block before the next: at PANEL_KBLOCK inputs (a decode step's few rows) from L1, with
- * the next block's lines prefetched into L2 as each tile goes; at PANEL_MID_KBLOCK (16-255 rows) from L2, every
+ * the next block's lines prefetched into L2 as each tile goes; at PANEL_MID_KBLOCK (24-255 rows) from L2, every
  * tile of rows prefetching its share of the next block; at PANEL_WIDE_KBLOCK (wide steps, bound by their products)
  * from L2.
  *
@@ -190,6 +190,8 @@ static void panels_linear(const uint16_t *xb, int m, int k, const uint16_t *pane
     const int begin = (int)((int64_t)np * t / nt), end = (int)((int64_t)np * (t + 1) / nt);
     const int whole = np / PANEL_GROUP; /* tiles of PANEL_GROUP panels; the rest make one narrower tile */
     const int kblock = panels_kblock(m), tiles_of_rows = (m + PANEL_TILE_ROWS - 1) / PANEL_TILE_ROWS;
+    /* whether the tiles of rows share the next k-block's lines (the layout before the tiles never did) */
+    const int spread = PANEL_INTERLEAVED && m >= PANEL_SPREAD_ROWS && m < PANEL_WIDE_ROWS;
     for (int p0 = begin, nz; p0 < end; p0 += nz) {
 #if PANEL_INTERLEAVED
         const int tile = p0 / PANEL_GROUP, first = tile * PANEL_GROUP;
@@ -197,8 +199,7 @@ static void panels_linear(const uint16_t *xb, int m, int k, const uint16_t *pane
         nz = (end < first + width ? end : first + width) - p0;     /* this thread's of them, from p0 */
         const int64_t pair_stride = (int64_t)width * 2 * PANEL_COLS, z_stride = 2 * PANEL_COLS;
         const uint16_t *p = panels + (int64_t)first * k * PANEL_COLS + (int64_t)(p0 - first) * 2 * PANEL_COLS;
-        /* bytes ahead a tile prefetches, and whether its tiles of rows share the next k-block's lines */
-        const int spread = m >= PANEL_SPREAD_ROWS && m < PANEL_WIDE_ROWS;
+        /* bytes ahead a tile prefetches */
         const int64_t near = m <= PANEL_NEAR_ROWS ? PANEL_NEAR_PREFETCH
                              : m < PANEL_SPREAD_ROWS ? PANEL_MID_PREFETCH : 0;
         const int64_t far = m <= PANEL_NEAR_ROWS ? 0 : (int64_t)(spread ? kblock : PANEL_KBLOCK) * pair_stride;
@@ -208,7 +209,6 @@ static void panels_linear(const uint16_t *xb, int m, int k, const uint16_t *pane
         const int64_t pair_stride = 2 * PANEL_COLS, z_stride = (int64_t)k * PANEL_COLS;
         const uint16_t *p = panels + (int64_t)p0 * k * PANEL_COLS;
         const int64_t near = 8192, far = 0; /* what this layout prefetched: 8 KB ahead in each panel */
-        const int spread = 0;
 #endif
         for (int k0 = 0; k0 < k; k0 += kblock) {
             const int k1 = k - k0 < kblock ? k : k0 + kblock;
