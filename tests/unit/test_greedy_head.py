@@ -139,9 +139,14 @@ def test_a_head_not_in_whole_tiles_is_refused():
         GreedyHead(panels_of(head(TILE + 16, 32, seed=1)), TILE + 16, 32)
 
 
-def generate(model_dir, max_rows: int, params: SamplingParams) -> tuple[list[list[int]], LLMEngine]:
+def generate(model_dir, max_rows: int, params: SamplingParams,
+             decode_kernel_rows: int = 8) -> tuple[list[list[int]], LLMEngine]:
+    """Three greedy sequences through an engine whose decode steps take ``decode_kernel_rows`` fixed: left to its
+    timing at load (the default, -1), two engines under a loaded machine chose differently, and the torch path's
+    bfloat16 hidden states differ from the kernel's (a greedy token of the embedded model flipped between them)."""
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16", kv_cache_memory_bytes=64 << 20,
-                                    cpu=CpuConfig(greedy_head_max_rows=max_rows)))
+                                    cpu=CpuConfig(greedy_head_max_rows=max_rows,
+                                                  decode_kernel_max_batch=decode_kernel_rows)))
     gen = torch.Generator().manual_seed(11)
     for i in range(3):
         engine.add_request(f"r{i}", torch.randint(100, 40000, (20 + 9 * i,), generator=gen).tolist(), params)
@@ -153,7 +158,9 @@ def generate(model_dir, max_rows: int, params: SamplingParams) -> tuple[list[lis
     return [outputs[f"r{i}"] for i in range(3)], engine
 
 
-def test_an_engine_generates_the_same_tokens_with_and_without_it(embedded_model_dir_bf16, monkeypatch):
+@pytest.mark.parametrize("decode_kernel_rows", [8, 0], ids=["decode-kernel", "torch-path"])
+def test_an_engine_generates_the_same_tokens_with_and_without_it(embedded_model_dir_bf16, monkeypatch,
+                                                                  decode_kernel_rows):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     calls = []
     argmax = GreedyHead.argmax
@@ -163,10 +170,10 @@ def test_an_engine_generates_the_same_tokens_with_and_without_it(embedded_model_
         calls.append((len(hidden), tokens is not None))
         return tokens
     monkeypatch.setattr(GreedyHead, "argmax", recorded)
-    with_it, engine = generate(embedded_model_dir_bf16, MAX_ROWS, params)  # set: this hidden size's default is 0
+    with_it, engine = generate(embedded_model_dir_bf16, MAX_ROWS, params, decode_kernel_rows)  # set: default 0 here
     assert engine.runner.greedy_head is not None
     assert max(rows for rows, _ in calls) == 3 and sum(decided for _, decided in calls) > len(calls) // 2
-    without, engine = generate(embedded_model_dir_bf16, 0, params)
+    without, engine = generate(embedded_model_dir_bf16, 0, params, decode_kernel_rows)
     assert engine.runner.greedy_head is None
     assert with_it == without
 
