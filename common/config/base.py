@@ -321,6 +321,11 @@ class CpuConfig:
                                    "(kernels/linear_panels.c), and none is copied (a head whose vocabulary is "
                                    "not a multiple of 16 is); but where oneDNN has AMX tiles, steps of 64 rows or "
                                    "more keep its copy")
+    compact_panels: Bool = option(False, "CPU bfloat16 with the weights in panels: hold the decoder's linear "
+                                  "weights in 12 bits a weight instead of 16, lossless (kernels/compact_panels.h; "
+                                  "every output the same, bit for bit): steps of 1-3 rows, bound by reading the "
+                                  "weights, take about 0.8x the time, steps of 24 rows or more about 1.2-1.3x "
+                                  "(docs/benchmarks.md); for few streams at a time")
     greedy_head_max_rows: Int = option(-1, "CPU bfloat16 with the weights in panels: greedy rows (no logprobs, "
                                        "penalties or masks) of steps of at most this many rows take their token "
                                        "from an int8 copy of the LM head, which rules out all but a few tokens, "

@@ -195,12 +195,14 @@ class ModelRunner:
             gemv_bf16_kernel()  # built now, not on the first batch-1 decode step (models/llama.py ``linear``)
         # only bfloat16 weights take panels: not int8 or float32; one rank (engine.deterministic too: a panel's
         # every sum runs over k in one order at any rows, kernels/panels_bf16.h)
-        if self._panels_planned() and self.model.pack_panels():
+        if self._panels_planned() and self.model.pack_panels(config.cpu.compact_panels):
             arena = self.model.panel_arena
             pages = ("in 4 KB pages" if arena is None else
                      "%.0f of their %.0f MiB in 2 MB pages" % (arena.huge_bytes() / 2**20, arena.nbytes / 2**20))
-            log.info("linear weights in the panel layout (kernels/panels_bf16.h), which the decode kernel and "
+            compact = self.model.layers[0].self_attn.qkv_proj.panels.dtype is torch.uint8
+            log.info("linear weights in the panel layout (kernels/panels_bf16.h%s), which the decode kernel and "
                      "kernels/linear_panels.c read: %s; %s (transparent huge pages: %s)",
+                     "; the decoder's in compact panels, kernels/compact_panels.h" if compact else "",
                      "with oneDNN's copy for wide steps (AMX)" if onednn_beside_panels() and config.cpu.prepack_weights
                      else "their only copy", pages, thp_policy())
         # The one-call kernel has no all-reduce between its layers, and keeps float32 activations between them

@@ -178,6 +178,26 @@ def linear_panels_tiles_kernel():
 
 
 @functools.cache
+def linear_compact_kernel():
+    """``tessera_linear_compact(x, blob, bias, y, m, n, k)`` (``kernels/linear_panels.c``): bf16 rows against a
+    weight in compact panels (kernels/compact_panels.h), or None where ``linear_panels_kernel`` is."""
+    if linear_panels_kernel() is None:
+        return None
+    return kernel_function("linear_panels", "tessera_linear_compact", (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3)
+
+
+@functools.cache
+def compact_encode_kernels():
+    """``(tessera_compact_bytes(w, n, k, bytes), tessera_compact_encode(w, n, k, blob, bytes))``
+    (``kernels/compact_encode.c``), or ``(None, None)`` without a compiler."""
+    size = kernel_function("compact_encode", "tessera_compact_bytes", (ctypes.c_void_p,) + (ctypes.c_int64,) * 2
+                           + (ctypes.c_void_p,))
+    encode = kernel_function("compact_encode", "tessera_compact_encode", (ctypes.c_void_p,) + (ctypes.c_int64,) * 2
+                             + (ctypes.c_void_p, ctypes.c_int64))
+    return size, encode
+
+
+@functools.cache
 def greedy_tiles_kernel():
     """``tessera_greedy_tiles(approx, weight_error, step_error, norm, step, m, n, tile, rounding, flushed,
     tie_steps, tiles)`` (``kernels/greedy_bound.c``): the greedy head's candidate tiles, or None without a compiler."""

@@ -44,8 +44,10 @@
 #define MAX_K 16384
 
 /* W_BF16_PANELS: bf16 in panels_bf16.h's panel layout (common/engine/models/llama.py ``pack_panels``) */
-enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_BF16_PANELS = 3 };
-#define X_IN_BF16(wtype) ((wtype) == W_BF16 || (wtype) == W_BF16_PANELS) /* bf16 weights: x rounded to bf16 */
+/* W_BF16_COMPACT: the same in compact_panels.h's lossless 12.25 bits a weight (common/engine/compact_panels.py) */
+enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_BF16_PANELS = 3, W_BF16_COMPACT = 4 };
+#define IN_PANELS(wtype) ((wtype) == W_BF16_PANELS || (wtype) == W_BF16_COMPACT)
+#define X_IN_BF16(wtype) ((wtype) == W_BF16 || IN_PANELS(wtype)) /* bf16 weights: x rounded to bf16 */
 
 /* Fields of one layer's entry in the layer table (int64 each; pointers as addresses, 0 for none). */
 enum {
@@ -341,9 +343,11 @@ static void linear_rows(const float *x, const uint16_t *xb, const float *xs, int
         return;
     }
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-    if (wtype == W_BF16_PANELS) {
+    if (IN_PANELS(wtype)) {
         float acc[MAX_ROWS * PANEL_GROUP * PANEL_COLS]; /* this thread's sums of a tile's panels */
-        panels_linear(xb, m, k, (const uint16_t *)w, n, bias, act_bf16, y, NULL, accumulate, acc);
+        const int compact = wtype == W_BF16_COMPACT;
+        panels_linear(xb, m, k, compact ? NULL : (const uint16_t *)w, compact ? (const uint8_t *)w : NULL, n, bias,
+                      act_bf16, y, NULL, accumulate, acc);
         return;
     }
 #endif
@@ -443,14 +447,14 @@ int tessera_decode_forward_shapes(const int64_t *dims)
     const int q_size = heads * head_dim, qkv_size = q_size + 2 * kv_heads * head_dim;
     if (kv_heads < 1 || heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP || head_dim > MAX_HEAD_DIM ||
         head_dim % 2 != 0 || block_size > MAX_BLOCK || hidden > MAX_K || inter > MAX_K || q_size > MAX_K ||
-        wtype < W_F32 || wtype > W_BF16_PANELS)
+        wtype < W_F32 || wtype > W_BF16_COMPACT)
         return -1;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-    if (wtype == W_BF16_PANELS && ((qkv_size | hidden | 2 * inter) % PANEL_COLS != 0 || (hidden | q_size | inter) % 2))
+    if (IN_PANELS(wtype) && ((qkv_size | hidden | 2 * inter) % PANEL_COLS != 0 || (hidden | q_size | inter) % 2))
         return -1;
 #else
     (void)qkv_size;
-    if (wtype == W_BF16_PANELS) return -1; /* no AVX512-BF16 here: the caller packs no panels */
+    if (IN_PANELS(wtype)) return -1; /* no AVX512-BF16 here: the caller packs no panels */
 #endif
     return 0;
 }

@@ -34,8 +34,8 @@ int tessera_linear_panels_available(void)
 /* The team's pass: with tiles NULL, y = x . w^T (+ bias) for every output, the rows ROW_CHUNK at a time; else only
  * the whole tiles listed (count of them, m <= ROW_CHUNK), y: [count][m][64]. Each tile's panels split over the team
  * as a whole call splits them, so either way every output's sum runs in its one order. -1 without memory. */
-static int panels_team(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t m,
-                       int64_t n, int64_t k, const int32_t *tiles, int64_t count)
+static int panels_team(const uint16_t *x, const uint16_t *panels, const uint8_t *compact, const uint16_t *bias,
+                       uint16_t *y, int64_t m, int64_t n, int64_t k, const int32_t *tiles, int64_t count)
 {
     const int64_t width = PANEL_COLS * PANEL_GROUP;
     int failed = 0;
@@ -53,12 +53,12 @@ static int panels_team(const uint16_t *x, const uint16_t *panels, const uint16_t
         if (!any && tiles == NULL)
             for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
                 const int mr = (int)(m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK);
-                panels_linear(x + r0 * k, mr, (int)k, panels, (int)n, bias, 1, NULL, y + r0 * n, 0, acc);
+                panels_linear(x + r0 * k, mr, (int)k, panels, compact, (int)n, bias, 1, NULL, y + r0 * n, 0, acc);
             }
         else if (!any)
             for (int64_t i = 0; i < count; i++)
-                panels_linear(x, (int)m, (int)k, panels + (int64_t)tiles[i] * width * k, (int)width, NULL, 1, NULL,
-                              y + i * m * width, 0, acc);
+                panels_linear(x, (int)m, (int)k, panels + (int64_t)tiles[i] * width * k, NULL, (int)width, NULL, 1,
+                              NULL, y + i * m * width, 0, acc);
         free(acc);
     }
     return failed ? -1 : 0;
@@ -73,9 +73,25 @@ int tessera_linear_panels(const uint16_t *x, const uint16_t *panels, const uint1
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     if (m < 1 || n < PANEL_COLS || n % PANEL_COLS != 0 || k < 2 || k % 2 != 0 || n > INT32_MAX || k > INT32_MAX)
         return -1;
-    return panels_team(x, panels, bias, y, m, n, k, NULL, 0);
+    return panels_team(x, panels, NULL, bias, y, m, n, k, NULL, 0);
 #else
     (void)x; (void)panels; (void)bias; (void)y; (void)m; (void)n; (void)k;
+    return -1;
+#endif
+}
+
+/* tessera_linear_panels on the same weight as compact panels (compact_panels.h: blob, of an [n, k] weight); the
+ * same outputs bit for bit. */
+int tessera_linear_compact(const uint16_t *x, const uint8_t *blob, const uint16_t *bias, uint16_t *y, int64_t m,
+                           int64_t n, int64_t k)
+{
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if (m < 1 || n < PANEL_COLS || n % PANEL_COLS != 0 || k < 2 || k % 2 != 0 || n > INT32_MAX || k > INT32_MAX
+        || compact_check(blob, n, k) != 0)
+        return -1;
+    return panels_team(x, NULL, blob, bias, y, m, n, k, NULL, 0);
+#else
+    (void)x; (void)blob; (void)bias; (void)y; (void)m; (void)n; (void)k;
     return -1;
 #endif
 }
@@ -95,7 +111,7 @@ int tessera_linear_panels_tiles(const uint16_t *x, const uint16_t *panels, const
         return -1;
     for (int64_t i = 0; i < count; i++)
         if (tiles[i] < 0 || tiles[i] >= n / width) return -1;
-    return panels_team(x, panels, NULL, y, m, n, k, tiles, count);
+    return panels_team(x, panels, NULL, NULL, y, m, n, k, tiles, count);
 #else
     (void)x; (void)panels; (void)tiles; (void)count; (void)y; (void)m; (void)n; (void)k;
     return -1;

@@ -88,14 +88,18 @@
 #define PANEL_INTERLEAVED 1
 #endif
 
+#include "compact_panels.h"
+
 /* acc[r][0..nz*16) (+)= x[r][2kk0..2kk1) . panels p..p+nz of one tile over the same inputs, the tile's pairs
  * pair_stride elements apart (its panels' count x 32) and its panels z_stride apart (32); acc rows PANEL_GROUP * 16
- * apart */
+ * apart. far (unless NULL): the lines a pair kk prefetches far ahead start at far + kk * far_step bytes, 64 apart
+ * (the same tile's a k-block ahead in panels; the next chunk's records in compact panels) */
 static inline __attribute__((always_inline)) void panel_tile(const int mr, const int nz, const uint16_t *xb,
                                                              int64_t ldx, const uint16_t *p, int64_t pair_stride,
                                                              int64_t z_stride, int kk0, int kk1, float *acc_out,
-                                                             int first, int64_t near, int64_t far,
-                                                             const int spread, int share, int shares)
+                                                             int first, int64_t near, const char *far,
+                                                             int64_t far_step, const int spread, int share,
+                                                             int shares)
 {
     int next = kk0 + share; /* spread: the next pair whose lines far ahead this tile of rows prefetches */
     __m512 acc[PANEL_TILE_ROWS][PANEL_GROUP];
@@ -109,13 +113,13 @@ static inline __attribute__((always_inline)) void panel_tile(const int mr, const
         for (int z = 0; z < nz; z++) {
             const uint16_t *pz = pk + z * z_stride;
             if (near) __builtin_prefetch((const char *)pz + near, 0, 2);
-            if (far && !spread) __builtin_prefetch((const char *)pz + far, 0, 2);
+            if (far != NULL && !spread) __builtin_prefetch(far + kk * far_step + z * 64, 0, 2);
             __m512i raw = _mm512_loadu_si512(pz);
             __asm__("" : "+v"(raw)); /* one load per panel and pair, kept in a register for every row */
             wv[z] = (__m512bh)raw;
         }
         if (spread && kk == next) { /* this tile of rows' share of the lines far ahead: one pair in every shares */
-            for (int z = 0; z < nz; z++) __builtin_prefetch((const char *)(pk + z * z_stride) + far, 0, 2);
+            for (int z = 0; z < nz; z++) __builtin_prefetch(far + kk * far_step + z * 64, 0, 2);
             next += shares;
         }
         for (int r = 0; r < mr; r++) {
@@ -131,8 +135,8 @@ static inline __attribute__((always_inline)) void panel_tile(const int mr, const
 
 #define PANEL_TILE_CASE(SP, MR, NZ) \
     case (SP) * 64 + (MR) * 8 + (NZ): \
-        panel_tile(MR, NZ, xb, ldx, p, pair_stride, z_stride, kk0, kk1, acc_out, first, near, far, SP, share, \
-                   shares); \
+        panel_tile(MR, NZ, xb, ldx, p, pair_stride, z_stride, kk0, kk1, acc_out, first, near, far, far_step, SP, \
+                   share, shares); \
         break;
 #define PANEL_TILE_ROW(SP, MR) \
     PANEL_TILE_CASE(SP, MR, 1) PANEL_TILE_CASE(SP, MR, 2) PANEL_TILE_CASE(SP, MR, 3) PANEL_TILE_CASE(SP, MR, 4)
@@ -144,12 +148,72 @@ static inline __attribute__((always_inline)) void panel_tile(const int mr, const
  * sums stay in registers, and a step that does not share them runs no test for it (one per pair cost steps of
  * 8-16 rows 2-10%, bench.panel_prefetch at the 3B shape) */
 static void panel_tile_any(int mr, int nz, const uint16_t *xb, int64_t ldx, const uint16_t *p, int64_t pair_stride,
-                           int64_t z_stride, int kk0, int kk1, float *acc_out, int first, int64_t near, int64_t far,
-                           int share, int shares)
+                           int64_t z_stride, int kk0, int kk1, float *acc_out, int first, int64_t near,
+                           const char *far, int64_t far_step, int share, int shares)
 {
     switch ((shares > 1) * 64 + mr * 8 + nz) {
     PANEL_TILE_ROWS_OF(0) PANEL_TILE_ROWS_OF(1)
     default: break;
+    }
+}
+
+#define COMPACT_FUSED_ROWS 3
+/* acc[r][0..nz*16) = x[r][0..k) . the first nz panels of a tile of compact panels (compact_panels.h, c at its
+ * first pair), for mr (<= COMPACT_FUSED_ROWS) rows: each pair's lines decoded into registers and multiplied at once,
+ * the sums over k in the panels' order */
+static inline __attribute__((always_inline)) void compact_rows(const int mr, const int nz, const uint16_t *xb,
+                                                               int64_t ldx, compact_tile_t *c, int k, float *acc_out)
+{
+    __m512 acc[COMPACT_FUSED_ROWS][PANEL_GROUP];
+    for (int r = 0; r < mr; r++)
+        for (int z = 0; z < nz; z++) acc[r][z] = _mm512_setzero_ps();
+    for (int kk = 0; kk < k / 2; kk++) {
+        __m512i w[PANEL_GROUP];
+        compact_pair(c, kk, w, COMPACT_AHEAD);
+        for (int r = 0; r < mr; r++) {
+            int32_t pair;
+            __builtin_memcpy(&pair, xb + r * ldx + 2 * kk, sizeof pair);
+            __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            for (int z = 0; z < nz; z++) acc[r][z] = _mm512_dpbf16_ps(acc[r][z], xv, (__m512bh)w[z]);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int z = 0; z < nz; z++) _mm512_storeu_ps(acc_out + (r * PANEL_GROUP + z) * PANEL_COLS, acc[r][z]);
+}
+
+#define COMPACT_ROWS_CASE(MR, NZ) \
+    case (MR) * 8 + (NZ): compact_rows(MR, NZ, xb, k, &c, k, acc); break;
+#define COMPACT_ROWS_OF(MR) \
+    COMPACT_ROWS_CASE(MR, 1) COMPACT_ROWS_CASE(MR, 2) COMPACT_ROWS_CASE(MR, 3) COMPACT_ROWS_CASE(MR, 4)
+
+/* acc[r][0..nz*16) = x[r] . tile t's first nz panels, for m rows [m][k]: up to COMPACT_FUSED_ROWS rows with the
+ * lines in registers (compact_rows; from 4 rows, their sums and the decoder's registers do not fit the 32 zmm); more,
+ * a chunk of pairs decoded into L1 as panels, then every tile of rows over it (panel_tile), each prefetching its
+ * share of the next chunk's records (all of them where there is one tile of rows), so that the reads run under all
+ * of the chunk's products */
+static void compact_linear_tile(const uint16_t *xb, int m, int k, const uint8_t *blob, int t, int nz, float *acc)
+{
+    compact_tile_t c = compact_tile_at(blob, k, t, 0);
+    if (m <= COMPACT_FUSED_ROWS) {
+        switch (m * 8 + nz) {
+        COMPACT_ROWS_OF(1) COMPACT_ROWS_OF(2) COMPACT_ROWS_OF(3)
+        default: break;
+        }
+        return;
+    }
+    __m512i scratch[COMPACT_CHUNK_PAIRS * PANEL_GROUP];
+    const int tiles_of_rows = (m + PANEL_TILE_ROWS - 1) / PANEL_TILE_ROWS;
+    for (int k0 = 0; k0 < k; k0 += 2 * COMPACT_CHUNK_PAIRS) {
+        const int k1 = k - k0 < 2 * COMPACT_CHUNK_PAIRS ? k : k0 + 2 * COMPACT_CHUNK_PAIRS;
+        for (int kk = k0 / 2; kk < k1 / 2; kk++) compact_pair(&c, kk, scratch + (kk - k0 / 2) * PANEL_GROUP, 0);
+        const char *next = (const char *)c.records + (int64_t)(k1 / 2) * COMPACT_RECORD;
+        for (int g = 0, r0 = 0; g < tiles_of_rows; g++) { /* even tiles of rows: their shares take as long */
+            const int left = tiles_of_rows - g, mr = (m - r0 + left - 1) / left;
+            panel_tile_any(mr, nz, xb + (int64_t)r0 * k + k0, k, (const uint16_t *)scratch, PANEL_GROUP * 32, 32, 0,
+                           (k1 - k0) / 2, acc + (int64_t)r0 * PANEL_GROUP * PANEL_COLS, k0 == 0, 0, next,
+                           COMPACT_RECORD, g, tiles_of_rows);
+            r0 += mr;
+        }
     }
 }
 
@@ -183,11 +247,14 @@ static inline int panels_kblock(int m)
     return m >= PANEL_WIDE_ROWS ? PANEL_WIDE_KBLOCK : m >= PANEL_SPREAD_ROWS ? PANEL_MID_KBLOCK : PANEL_KBLOCK;
 }
 
-static void panels_linear(const uint16_t *xb, int m, int k, const uint16_t *panels, int n, const void *bias,
-                          int bias_bf16, float *y, uint16_t *y16, int accumulate, float *acc)
+static void panels_linear(const uint16_t *xb, int m, int k, const uint16_t *panels, const uint8_t *compact, int n,
+                          const void *bias, int bias_bf16, float *y, uint16_t *y16, int accumulate, float *acc)
 {
     const int np = n / PANEL_COLS, t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int begin = (int)((int64_t)np * t / nt), end = (int)((int64_t)np * (t + 1) / nt);
+    /* compact panels split by whole tiles (a tile's records are decoded whole) */
+    const int64_t unit = compact != NULL ? PANEL_GROUP : 1, units = (np + unit - 1) / unit;
+    const int64_t stop = units * (t + 1) / nt * unit;
+    const int begin = (int)(units * t / nt * unit), end = (int)(stop < np ? stop : np);
     const int whole = np / PANEL_GROUP; /* tiles of PANEL_GROUP panels; the rest make one narrower tile */
     const int kblock = panels_kblock(m), tiles_of_rows = (m + PANEL_TILE_ROWS - 1) / PANEL_TILE_ROWS;
     /* whether the tiles of rows share the next k-block's lines (the layout before the tiles never did) */
@@ -210,6 +277,11 @@ static void panels_linear(const uint16_t *xb, int m, int k, const uint16_t *pane
         const uint16_t *p = panels + (int64_t)p0 * k * PANEL_COLS;
         const int64_t near = 8192, far = 0; /* what this layout prefetched: 8 KB ahead in each panel */
 #endif
+#if PANEL_INTERLEAVED
+        if (compact != NULL) {
+            compact_linear_tile(xb, m, k, compact, tile, nz, acc);
+        } else
+#endif
         for (int k0 = 0; k0 < k; k0 += kblock) {
             const int k1 = k - k0 < kblock ? k : k0 + kblock;
             for (int g = 0, r0 = 0; g < tiles_of_rows; g++) {
@@ -218,7 +290,8 @@ static void panels_linear(const uint16_t *xb, int m, int k, const uint16_t *pane
                 const int mr = spread ? (m - r0 + left - 1) / left
                                       : m - r0 < PANEL_TILE_ROWS ? m - r0 : PANEL_TILE_ROWS;
                 panel_tile_any(mr, nz, xb + (int64_t)r0 * k, k, p, pair_stride, z_stride, k0 / 2, k1 / 2,
-                               acc + (int64_t)r0 * PANEL_GROUP * PANEL_COLS, k0 == 0, near, far,
+                               acc + (int64_t)r0 * PANEL_GROUP * PANEL_COLS, k0 == 0, near,
+                               far ? (const char *)p + far : NULL, 2 * pair_stride,
                                spread ? g : 0, spread ? tiles_of_rows : 1);
                 r0 += mr;
             }

@@ -23,10 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.engine import compact_panels
 from common.engine.attention import get_step_context, row_tables
 from common.engine.huge_pages import HugePageArena
 from common.engine.models.rope import RotaryEmbedding, rotate
-from common.engine.native import cpu_has, gemm_invariant_kernel, gemv_bf16_kernel, kernel_function, linear_panels_kernel
+from common.engine.native import (cpu_has, gemm_invariant_kernel, gemv_bf16_kernel, kernel_function,
+                                  linear_compact_kernel, linear_panels_kernel)
 from common.engine.quantization import INT8_WEIGHT_ONLY_ROWS, SMALL_BATCH_ROWS, linear_int8, mlp_int8
 from common.engine.tensor_parallel import Parallel
 
@@ -186,14 +188,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _linear_panels(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
     """``x`` (bfloat16 rows on the CPU) through kernels/linear_panels.c against a weight of ``n`` outputs in
-    panels; ``LlamaForCausalLM.pack_panels`` gives panels only where the kernel runs and to bfloat16 layers."""
-    kernel = linear_panels_kernel()
+    panels, or in compact panels (a uint8 blob: common/engine/compact_panels.py); ``LlamaForCausalLM.pack_panels``
+    gives panels only where the kernel runs and to bfloat16 layers."""
+    compact = panels.dtype is torch.uint8  # compact panels (common/engine/compact_panels.py)
+    kernel = linear_compact_kernel() if compact else linear_panels_kernel()
     x2 = x.reshape(-1, x.shape[-1])
     if kernel is None or x.dtype is not torch.bfloat16 or x.device.type != "cpu" or (
             bias is not None and bias.dtype is not torch.bfloat16):
         raise RuntimeError(f"a weight in panels takes bfloat16 rows on the CPU through kernels/linear_panels.c "
                            f"(rows {x.dtype} on {x.device}, bias {None if bias is None else bias.dtype})")
-    if panels.numel() != n * x2.shape[1] or not panels.is_contiguous() or (bias is not None and bias.numel() != n):
+    if (not compact and panels.numel() != n * x2.shape[1]) or not panels.is_contiguous() or (
+            bias is not None and bias.numel() != n):
         raise RuntimeError(f"rows of {x2.shape[1]} inputs against panels of {tuple(panels.shape)} for {n} outputs")
     out = torch.empty((x2.shape[0], n), dtype=torch.bfloat16)
     if x2.shape[0]:
@@ -201,7 +206,8 @@ def _linear_panels(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Te
         bias = None if bias is None else bias.contiguous()  # held until the call returns
         if kernel(x2.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(),
                   out.data_ptr(), x2.shape[0], n, x2.shape[1]) != 0:
-            raise RuntimeError(f"kernels/linear_panels.c refused {tuple(x2.shape)} x {n} outputs")
+            raise RuntimeError(f"kernels/linear_panels.c refused {tuple(x2.shape)} x {n} outputs"
+                               + (" (compact panels of another shape)" if compact else ""))
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -287,6 +293,11 @@ def weight_of_panels(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
     for tiles, rows in _tiles(n, k, panels):
         weight[rows] = tiles.permute(0, 2, 3, 1, 4).reshape(rows.stop - rows.start, k)
     return weight
+
+
+def weight_of_any_panels(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The [n, k] weight in ``panels``, or in compact panels (a uint8 blob: ``compact_panels.weight_of_compact``)."""
+    return compact_panels.weight_of_compact(panels) if panels.dtype is torch.uint8 else weight_of_panels(panels, n, k)
 
 
 def panel_rows(panels: torch.Tensor, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
@@ -569,31 +580,39 @@ class LlamaForCausalLM(nn.Module):
         return (bool(modules) and decode_forward_takes_panels() and linear_panels_kernel() is not None
                 and all(panels_fit(m.weight) and m.weight.device.type == "cpu" for m in modules))
 
-    def pack_panels(self) -> bool:
+    def pack_panels(self, compact: bool = False) -> bool:
         """Moves each decoder layer's linear weights, and the LM head's where they fit, into the panel layout
         (``panels_of``, ``panel_layers``), the only copy they keep: the one-call decode kernel reads the layers'
         there (kernels/panels_bf16.h), every other step and the head through kernels/linear_panels.c
         (``linear``), a tied head's embedding lookups by gathering from them (``embed``), so none of them needs
         a oneDNN copy (``prepack_weights`` leaves them out, and one already made is dropped). ``weight`` keeps
-        its shape and dtype as a broadcast of one value, which no path reads. False, and nothing changed, where
-        ``panels_fit`` is not so."""
+        its shape and dtype as a broadcast of one value, which no path reads. With ``compact`` (engine.cpu.
+        compact_panels, where ``compact_panels.available``), the decoder's linears go into compact panels instead,
+        12 bits a weight (a uint8 ``panels``; the head stays in panels, which the greedy head reads). False, and
+        nothing changed, where ``panels_fit`` is not so."""
         if not self.panels_fit():
             return False
         modules = self.panel_layers()
+        compacted = set(self._decoder_linears()) if compact and compact_panels.available() else set()
+        sizes = [compact_panels.compact_bytes(m.weight) if m in compacted else m.weight.nbytes for m in modules]
         # One arena in huge pages for them all (common/engine/huge_pages.py), each module's panels written there
         # straight from its weight, which is then dropped: no second copy of the whole set is ever held. Its
         # mapping is committed whole at once, which a strict overcommit policy (vm.overcommit_memory=2) or an
         # address-space limit may refuse while the weights are still held: then each module's panels come from
         # torch's allocator, in 4 KB pages, one module at a time, as before the arena.
         try:
-            self.panel_arena = HugePageArena(HugePageArena.span([m.weight.nbytes for m in modules]))
+            self.panel_arena = HugePageArena(HugePageArena.span(sizes))
         except OSError as exc:
             log.warning("the weights in panels stay in 4 KB pages: mapping their %.0f MiB at once failed (%s)",
-                        sum(m.weight.nbytes for m in modules) / 2**20, exc)
+                        sum(sizes) / 2**20, exc)
         arena = self.panel_arena
-        for module in modules:
-            out = arena.take(panels_shape(module.weight), module.weight.dtype) if arena is not None else None
-            module.panels = panels_of(module.weight, out)
+        for module, size in zip(modules, sizes):
+            if module in compacted:
+                out = arena.take((size,), torch.uint8) if arena is not None else None
+                module.panels = compact_panels.compact_of(module.weight, out)
+            else:
+                out = arena.take(panels_shape(module.weight), module.weight.dtype) if arena is not None else None
+                module.panels = panels_of(module.weight, out)
             module.packed = None
             placeholder = torch.zeros(1, dtype=module.weight.dtype).expand(module.weight.shape)
             module.weight = nn.Parameter(placeholder, requires_grad=False)
@@ -611,7 +630,8 @@ class LlamaForCausalLM(nn.Module):
             panels = getattr(module, "panels", None)
             if panels is not None and not beside:
                 continue
-            module.packed = prepack(module.weight if panels is None else weight_of_panels(panels, *module.weight.shape))
+            weight = module.weight if panels is None else weight_of_any_panels(panels, *module.weight.shape)
+            module.packed = prepack(weight)
             added += module.weight.nbytes if module.packed is not None else 0
         return added
 
@@ -632,6 +652,7 @@ class LlamaForCausalLM(nn.Module):
 # keeps the torch path.
 _WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 W_BF16_PANELS = 3  # bfloat16 in panels (``Linear.panels``)
+W_BF16_COMPACT = 4  # bfloat16 in compact panels (a uint8 ``Linear.panels``: common/engine/compact_panels.py)
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 FUSED_MAX_ROWS = 256  # decode_forward.c's MAX_ROWS
 
@@ -731,7 +752,9 @@ class FusedDecode:
         """tessera_decode_forward's dims (D_* in decode_forward.c); the rows and the table width are set per step."""
         first = self.model.layers[0]
         attn = first.self_attn
-        weight_type = W_BF16_PANELS if attn.qkv_proj.panels is not None else _WEIGHT_TYPES[attn.qkv_proj.weight.dtype]
+        panels = attn.qkv_proj.panels
+        weight_type = (_WEIGHT_TYPES[attn.qkv_proj.weight.dtype] if panels is None
+                       else W_BF16_COMPACT if panels.dtype is torch.uint8 else W_BF16_PANELS)
         return torch.tensor([0, self.model.config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                              first.mlp.intermediate, block_size, 0, int(pool_bf16), weight_type, block_stride],
                             dtype=torch.int64)
