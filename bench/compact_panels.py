@@ -26,7 +26,7 @@ import torch
 from bench.decode_kernel import decode_sequences
 from bench.int8_gemm import add_shape_arguments, shape_model, shapes
 from bench.panel_layout import one_pass
-from bench.panel_prefetch import WAYS, alternate
+from bench.panel_prefetch import WAYS, table_row
 from common.engine.compact_panels import available, compact_bytes, compact_of, header
 from common.engine.huge_pages import HugePageArena
 from common.engine.models.llama import panels_of, panels_shape
@@ -85,12 +85,7 @@ def linears(args: argparse.Namespace, model_dir) -> None:
         def run(way: str) -> float:
             return one_pass(kernels[way], weights_shapes, weights[way], xs, outs[way], rows)
 
-        for way in WAYS:
-            run(way)  # warm: page faults of the outputs
-        ms, ratio = alternate(run, args.repeat)
-        equal = all(torch.equal(a, b) for a, b in zip(*outs.values()))
-        print(f"| {rows} | {ms[WAYS[0]]:.1f} | {ms[WAYS[1]]:.1f} | {ratio:.3f} | {'yes' if equal else 'NO'} |",
-              flush=True)
+        table_row(rows, run, args.repeat, lambda: all(torch.equal(a, b) for a, b in zip(*outs.values())))
 
 
 def decode_steps(args: argparse.Namespace, model_dir) -> None:
@@ -124,12 +119,7 @@ def decode_steps(args: argparse.Namespace, model_dir) -> None:
                 outs[way] = runners[way].forward(prepared[way])
                 return time.perf_counter() - start
 
-        for way in WAYS:
-            run(way)
-        ms, ratio = alternate(run, args.repeat)
-        equal = torch.equal(*outs.values())
-        print(f"| {rows} | {ms[WAYS[0]]:.1f} | {ms[WAYS[1]]:.1f} | {ratio:.3f} | {'yes' if equal else 'NO'} |",
-              flush=True)
+        table_row(rows, run, args.repeat, lambda: torch.equal(*outs.values()))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,6 +48,16 @@ def alternate(run, repeat: int) -> tuple[dict[str, float], float]:
     return {way: 1e3 * statistics.median(t) for way, t in times.items()}, ratio
 
 
+def table_row(rows: int, run, repeat: int, equal) -> None:
+    """One row of the tables: ``run(way)`` once each way (page faults, caches), then ``alternate``; ``equal()``
+    says whether the two ways' outputs agree bit for bit."""
+    for way in WAYS:
+        run(way)
+    ms, ratio = alternate(run, repeat)
+    print(f"| {rows} | {ms[WAYS[0]]:.1f} | {ms[WAYS[1]]:.1f} | {ratio:.3f} | {'yes' if equal() else 'NO'} |",
+          flush=True)
+
+
 def linears(args: argparse.Namespace, model_dir, baseline: tuple[str, ...]) -> None:
     kernels = dict(zip(WAYS, (linear_panels_kernel(), linear_panels_kernel(baseline))))
     if None in kernels.values():
@@ -71,12 +81,7 @@ def linears(args: argparse.Namespace, model_dir, baseline: tuple[str, ...]) -> N
         def run(way: str) -> float:
             return one_pass(kernels[way], weights_shapes, weights, xs, outs[way], rows)
 
-        for way in WAYS:
-            run(way)  # warm: page faults of the outputs
-        ms, ratio = alternate(run, args.repeat)
-        equal = all(torch.equal(a, b) for a, b in zip(*outs.values()))
-        print(f"| {rows} | {ms[WAYS[0]]:.1f} | {ms[WAYS[1]]:.1f} | {ratio:.3f} | {'yes' if equal else 'NO'} |",
-              flush=True)
+        table_row(rows, run, args.repeat, lambda: all(torch.equal(a, b) for a, b in zip(*outs.values())))
 
 
 def decode_steps(args: argparse.Namespace, model_dir, baseline: tuple[str, ...]) -> None:
@@ -111,12 +116,7 @@ def decode_steps(args: argparse.Namespace, model_dir, baseline: tuple[str, ...])
                 outs[way] = runner.forward(prepared)
                 return time.perf_counter() - start
 
-        for way in WAYS:
-            run(way)
-        ms, ratio = alternate(run, args.repeat)
-        equal = torch.equal(*outs.values())
-        print(f"| {rows} | {ms[WAYS[0]]:.1f} | {ms[WAYS[1]]:.1f} | {ratio:.3f} | {'yes' if equal else 'NO'} |",
-              flush=True)
+        table_row(rows, run, args.repeat, lambda: torch.equal(*outs.values()))
     fused.use_build(())
 
 
