@@ -33,7 +33,8 @@ from common.config.base import EngineConfig
 from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.huge_pages import thp_policy
 from common.engine.memory import device_memory_bytes, module_bytes, resident_bytes
-from common.engine.models.llama import FusedDecode, check_divisible, onednn_beside_panels, wide_sums
+from common.engine.models.llama import (FusedDecode, check_divisible, onednn_beside_panels, onednn_prepacks_bf16,
+                                       wide_sums)
 from common.engine.models.loader import load_hf_config, load_model
 from common.engine.native import gemv_bf16_kernel
 from common.engine.quantization import calibration_ids, choose_int8_matmul, quantize_model_int8, smooth_for_int8
@@ -382,7 +383,7 @@ class ModelRunner:
             shrunk = sum(w.nbytes - w.numel() - 4 * w.shape[0] for w in [*linears, embedding])
             return self.weight_bytes - shrunk
         if (self.dtype is torch.bfloat16 and self.device.type == "cpu" and self.config.cpu.prepack_weights
-                and not self.config.deterministic and torch.backends.mkldnn.is_available()):
+                and not self.config.deterministic and onednn_prepacks_bf16()):
             panels = set(self.model.panel_layers()) if self._panels_planned() and not onednn_beside_panels() else ()
             copied = [m for m in self.model.modules() if isinstance(m, torch.nn.Linear) and m not in panels]
             if self.model.tie_word_embeddings and self.model.embed_tokens not in panels:

@@ -243,6 +243,13 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+@functools.cache
+def onednn_prepacks_bf16() -> bool:
+    """Whether this host's oneDNN reorders a bf16 weight at all (``prepack``): torch has oneDNN, and the CPU the
+    instructions its bf16 path needs (AVX512-BW/VL/DQ or AVX-NE-CONVERT: not on an AVX2-only host)."""
+    return prepack(torch.zeros(64, 64, dtype=torch.bfloat16)) is not None
+
+
 PANEL_COLS = 16  # kernels/panels_bf16.h
 PANEL_GROUP = 4  # panels per tile, as kernels/panels_bf16.h interleaves them
 # Where oneDNN runs bf16 matmuls on AMX tiles (Intel Xeon from Sapphire Rapids), the panels' vdpbf16ps cannot keep
