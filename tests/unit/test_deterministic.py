@@ -8,6 +8,7 @@ on the embedded model. The same checks without the mode find differences, which 
 """
 from __future__ import annotations
 
+import ctypes
 import random
 
 import pytest
@@ -18,7 +19,7 @@ from common.config.base import ConfigError, EngineConfig
 from common.engine.attention import select_backend
 from common.engine.llm_engine import LLMEngine
 from common.engine.models.llama import LlamaForCausalLM, decode_forward_takes_panels
-from common.engine.native import gemm_invariant_kernel
+from common.engine.native import cpu_has, gemm_invariant_kernel, kernel_function
 from common.protocol.sampling_params import SamplingParams
 from tests.tiny_models import build_tiny_model
 
@@ -28,9 +29,15 @@ NUMERICS = [("bfloat16", "none"), ("bfloat16", "int8"), ("float32", "none")]
 WATCHED = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=5)
 
 
-def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+def portable_gemm_kernel():
+    """The kernel built with TESSERA_PORTABLE: its lane-at-a-time loop, on any CPU."""
+    return kernel_function("gemm_invariant", "tessera_gemm_invariant",
+                           (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3 + (ctypes.c_int,), ("TESSERA_PORTABLE",))
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kernel=None) -> torch.Tensor:
     y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype)
-    assert gemm_invariant_kernel()(x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
+    assert (kernel or gemm_invariant_kernel())(x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
                                    x.shape[0], w.shape[0], x.shape[1], int(x.dtype is torch.bfloat16)) == 0
     return y
 
@@ -54,6 +61,26 @@ def test_a_row_of_the_invariant_matmul_is_the_same_in_every_batch_and_at_every_t
     exact = F.linear(x.double(), w.double(), b.double())  # and it is a matmul: float32 sums of exact products
     tolerance = 1e-2 * exact.abs().max() if dtype is torch.bfloat16 else 1e-5 * exact.abs().max()
     assert (alone.double() - exact).abs().max() <= tolerance
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_vector_paths_give_the_portable_loops_bits(dtype):
+    """AVX2 and AVX-512 (float32, and bfloat16 without AVX512-BF16 dot products) do the portable loop's
+    operations, so hosts of either instruction set agree: every tile shape, edge and tail, at 1 and 2 threads."""
+    if dtype is torch.bfloat16 and cpu_has("avx512_bf16"):
+        pytest.skip("bfloat16 with AVX512-BF16 sums pairs of products in one instruction: other bits by design")
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for m, n, k in ((1, 7, 16), (2, 65, 33), (3, 130, 77), (5, 64, 15), (67, 131, 576), (8, 260, 1000)):
+                gen = torch.Generator().manual_seed(m * n * k)
+                w, x = torch.randn(n, k, generator=gen).to(dtype), torch.randn(m, k, generator=gen).to(dtype)
+                b = torch.randn(n, generator=gen).to(dtype)
+                assert torch.equal(gemm(x, w, b), gemm(x, w, b, portable_gemm_kernel())), (m, n, k)
+                assert torch.equal(gemm(x, w, None), gemm(x, w, None, portable_gemm_kernel())), (m, n, k)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

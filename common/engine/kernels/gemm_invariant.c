@@ -15,14 +15,22 @@
  * load serves four rows); threads split the weight rows, never a sum. Built without fast-math (native.py) so
  * that the compiler cannot reorder a sum differently in two copies of the tile.
  *
- * Without AVX-512 the same holds with a portable loop over sixteen lanes (slower, and other bits than the
- * AVX-512 paths: a cluster must run one instruction set for its outputs to match across workers).
+ * With AVX2 and FMA (no AVX-512) the sixteen lanes are two 8-float registers, each lane summing the same
+ * products in the same order with the same FMAs, the tail zero-padded as the masked loads pad it: so float32,
+ * and bfloat16 on a CPU without AVX512-BF16, give the AVX-512 paths' bits, and workers of a cluster agree across
+ * those hosts (bfloat16 with AVX512-BF16 dot products gives other bits: a cluster mixing it with them does not).
+ * Tiles of 2 rows by 3 weight rows (1 by 4, prefetching, for a decode step's single row) keep their 12 or 8 pairs
+ * of sums in the sixteen registers. Elsewhere (or built with TESSERA_PORTABLE, which the tests compare the
+ * vector paths with) a portable loop does the same operations one lane at a time, far slower.
  */
 #include <stdint.h>
 
+#include <math.h>
+#include <stdlib.h>
+
 #include "bf16.h"
 
-#if defined(__AVX512F__)
+#if (defined(__AVX512F__) || defined(__AVX2__)) && !defined(TESSERA_PORTABLE)
 #include <immintrin.h>
 #endif
 
@@ -30,7 +38,7 @@
 #define TILE_N 4
 #define BLOCK_N 64 /* weight rows per work item: 64 x k bf16 stays in L2 while every row tile passes */
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && !defined(TESSERA_PORTABLE)
 /* The fixed tree: 16 lanes -> 8 -> 4 -> 2 -> 1 */
 static inline float lanes_sum(__m512 v) {
     __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
@@ -208,19 +216,146 @@ static void gemm(const void *x, const void *w, const void *bias, void *y, int64_
         }
     }
 }
-#else
-/* Portable: sixteen float32 lanes, each summing every sixteenth product in order, then the same tree. */
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(TESSERA_PORTABLE)
+/* 8 floats of a row from element i: float32, or bfloat16 widened (exact) */
+static inline __m256 load8(const void *p, const int is_bf16, int64_t i) {
+    if (is_bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+static inline float elem(const void *p, const int is_bf16, int64_t i) {
+    return is_bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* The fixed tree of the AVX-512 paths, over lanes 0-7 (lo) and 8-15 (hi): 16 -> 8 -> 4 -> 2 -> 1 */
+static inline float lanes_sum(__m256 lo, __m256 hi) {
+    __m256 h = _mm256_add_ps(lo, hi);
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_movehdup_ps(q));
+    return _mm_cvtss_f32(q);
+}
+
+static inline void store_out(void *y, int is_bf16, int64_t at, float s, const void *bias, int64_t j) {
+    if (bias != 0) s += elem(bias, is_bf16, j);
+    if (is_bf16) ((uint16_t *)y)[at] = f32_to_bf16(s);
+    else ((float *)y)[at] = s;
+}
+
+#define PREFETCH_AHEAD 4 /* weight tiles ahead of a single row's tile, prefetched into L2 */
+
+/* mr x nr outputs (constants once inlined: mr <= 2, nr <= 4, mr * nr <= 8), every one a pair of 8-lane sums;
+ * xf: the x rows in float32 (bfloat16 ones widened once, by gemm) */
+static inline __attribute__((always_inline)) void tile(
+    const float *xf, const void *w, const void *bias, void *y, int64_t r0, int64_t j0, int64_t n, int64_t k,
+    const int mr, const int nr, const int is_bf16)
+{
+    __m256 lo[2][4], hi[2][4];
+#pragma GCC unroll 2
+    for (int a = 0; a < mr; a++)
+#pragma GCC unroll 4
+        for (int b = 0; b < nr; b++) lo[a][b] = hi[a][b] = _mm256_setzero_ps();
+    const int64_t full = k - k % 16, es = is_bf16 ? 2 : 4;
+    const char *wbase = (const char *)w + j0 * k * es;
+    for (int64_t i = 0; i < full; i += 16) {
+        if (mr == 1)
+#pragma GCC unroll 4
+            for (int b = 0; b < nr; b++) __builtin_prefetch(wbase + ((PREFETCH_AHEAD * nr + b) * k + i) * es, 0, 2);
+        if (is_bf16) {
+#pragma GCC unroll 4
+            for (int b = 0; b < nr; b++) { /* each weight vector widened once, for every row */
+                __m256 wl = load8(w, 1, (j0 + b) * k + i), wh = load8(w, 1, (j0 + b) * k + i + 8);
+#pragma GCC unroll 2
+                for (int a = 0; a < mr; a++) {
+                    lo[a][b] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + (r0 + a) * k + i), wl, lo[a][b]);
+                    hi[a][b] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + (r0 + a) * k + i + 8), wh, hi[a][b]);
+                }
+            }
+        } else { /* float32: a row's two vectors held, the weights read from L1 as they are (faster here) */
+#pragma GCC unroll 2
+            for (int a = 0; a < mr; a++) {
+                __m256 xl = _mm256_loadu_ps(xf + (r0 + a) * k + i), xh = _mm256_loadu_ps(xf + (r0 + a) * k + i + 8);
+#pragma GCC unroll 4
+                for (int b = 0; b < nr; b++) {
+                    lo[a][b] = _mm256_fmadd_ps(xl, load8(w, 0, (j0 + b) * k + i), lo[a][b]);
+                    hi[a][b] = _mm256_fmadd_ps(xh, load8(w, 0, (j0 + b) * k + i + 8), hi[a][b]);
+                }
+            }
+        }
+    }
+    if (full < k) { /* the tail, zero-padded to sixteen as the AVX-512 paths' masked loads pad it */
+        float xt[2][16], wt[4][16];
+        for (int a = 0; a < mr; a++)
+            for (int l = 0; l < 16; l++) xt[a][l] = full + l < k ? xf[(r0 + a) * k + full + l] : 0.f;
+        for (int b = 0; b < nr; b++)
+            for (int l = 0; l < 16; l++) wt[b][l] = full + l < k ? elem(w, is_bf16, (j0 + b) * k + full + l) : 0.f;
+        for (int a = 0; a < mr; a++)
+            for (int b = 0; b < nr; b++) {
+                lo[a][b] = _mm256_fmadd_ps(_mm256_loadu_ps(xt[a]), _mm256_loadu_ps(wt[b]), lo[a][b]);
+                hi[a][b] = _mm256_fmadd_ps(_mm256_loadu_ps(xt[a] + 8), _mm256_loadu_ps(wt[b] + 8), hi[a][b]);
+            }
+    }
+    for (int a = 0; a < mr; a++)
+        for (int b = 0; b < nr; b++)
+            store_out(y, is_bf16, (r0 + a) * n + j0 + b, lanes_sum(lo[a][b], hi[a][b]), bias, j0 + b);
+}
+
+/* One block of weight rows [j1, j_end) against every row: 2-row tiles of 3 weight rows, a last odd row in tiles
+ * of 4; the weight rows left over one at a time. */
+static inline __attribute__((always_inline)) void block(
+    const float *xf, const void *w, const void *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t j1,
+    int64_t j_end, const int is_bf16)
+{
+    int64_t r0 = 0;
+    for (; r0 + 2 <= m; r0 += 2) {
+        int64_t j0 = j1;
+        for (; j0 + 3 <= j_end; j0 += 3) tile(xf, w, bias, y, r0, j0, n, k, 2, 3, is_bf16);
+        for (; j0 < j_end; j0++) tile(xf, w, bias, y, r0, j0, n, k, 2, 1, is_bf16);
+    }
+    if (r0 < m) {
+        int64_t j0 = j1;
+        for (; j0 + 4 <= j_end; j0 += 4) tile(xf, w, bias, y, r0, j0, n, k, 1, 4, is_bf16);
+        for (; j0 < j_end; j0++) tile(xf, w, bias, y, r0, j0, n, k, 1, 1, is_bf16);
+    }
+}
+
 static void gemm(const void *x, const void *w, const void *bias, void *y, int64_t m, int64_t n, int64_t k,
                  const int is_bf16)
 {
+    float *widened = NULL; /* bfloat16 x rows in float32 (exact): read by every tile of every weight block */
+    if (is_bf16) {
+        widened = malloc(sizeof(float) * (size_t)(m * k));
+        if (widened == NULL) abort();
+        for (int64_t i = 0; i < m * k; i++) widened[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+    }
+    const float *xf = is_bf16 ? widened : (const float *)x;
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t j1 = 0; j1 < n; j1 += BLOCK_N) {
+        int64_t j_end = j1 + BLOCK_N < n ? j1 + BLOCK_N : n;
+        if (is_bf16) block(xf, w, bias, y, m, n, k, j1, j_end, 1);
+        else block(xf, w, bias, y, m, n, k, j1, j_end, 0);
+    }
+    free(widened);
+}
+#else
+/* Portable: sixteen float32 lanes, each summing every sixteenth product in order with an FMA (the tail padded
+ * with zeros to sixteen), then the same tree: the vector paths' operations, one lane at a time. */
+static void gemm(const void *x, const void *w, const void *bias, void *y, int64_t m, int64_t n, int64_t k,
+                 const int is_bf16)
+{
+    const int64_t padded = (k + 15) / 16 * 16;
     #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t j = 0; j < n; j++) {
         for (int64_t r = 0; r < m; r++) {
             float lane[16] = {0};
-            for (int64_t i = 0; i < k; i++) {
-                float xv = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[r * k + i]) : ((const float *)x)[r * k + i];
-                float wv = is_bf16 ? bf16_to_f32(((const uint16_t *)w)[j * k + i]) : ((const float *)w)[j * k + i];
-                lane[i % 16] += xv * wv;
+            for (int64_t i = 0; i < padded; i++) {
+                float xv = i >= k ? 0.f : is_bf16 ? bf16_to_f32(((const uint16_t *)x)[r * k + i])
+                                                  : ((const float *)x)[r * k + i];
+                float wv = i >= k ? 0.f : is_bf16 ? bf16_to_f32(((const uint16_t *)w)[j * k + i])
+                                                  : ((const float *)w)[j * k + i];
+                lane[i % 16] = fmaf(xv, wv, lane[i % 16]);
             }
             for (int width = 8; width >= 1; width /= 2)
                 for (int l = 0; l < width; l++) lane[l] += lane[l + width];
