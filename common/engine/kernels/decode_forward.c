@@ -31,7 +31,7 @@
 #include "attend.h"
 #include "panels_bf16.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -167,6 +167,45 @@ static inline __attribute__((always_inline)) void dot_block_bf16(const uint16_t 
             v[i] = g + i / ROW_BLOCK < mr ? acc[g + i / ROW_BLOCK][i % ROW_BLOCK] : _mm512_setzero_ps();
         _mm512_storeu_ps(sums + g * ROW_BLOCK, sum16x16(v));
     }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define X_BLOCK_AVX2 2 /* x rows per pass with 8-float registers: 2 x 4 sums, the 4 weight vectors and an x vector */
+/* float32 weights, or bf16 ones on a CPU without AVX512-BF16 (widened; x stays float32, as in dot_rows): the dot
+ * products of mr (<= X_BLOCK_AVX2) x rows with ROW_BLOCK weight rows from row j, into sums[r * 4 + b]. Each sum is
+ * one 8-lane accumulator over k in order, then one fixed tree, whatever mr is: a row's result never depends on
+ * the rows beside it (engine.deterministic with a count). k % 8 == 0. */
+static inline __attribute__((always_inline)) void dot_block_avx2(const float *x, const void *w, const int bf16,
+                                                                 int64_t j, int k, const int mr, float *sums)
+{
+    __m256 acc[X_BLOCK_AVX2][ROW_BLOCK];
+    for (int r = 0; r < mr; r++)
+        for (int b = 0; b < ROW_BLOCK; b++) acc[r][b] = _mm256_setzero_ps();
+    const int64_t es = bf16 ? 2 : 4;
+    const char *w0 = (const char *)w + j * k * es;
+    for (int i = 0; i < k; i += 8) {
+        if (W_PREFETCH_AHEAD > 0 && i % (64 / es) == 0)
+            for (int b = 0; b < ROW_BLOCK; b++)
+                __builtin_prefetch(w0 + ((int64_t)(W_PREFETCH_AHEAD * ROW_BLOCK + b) * k + i) * es, 0,
+                                   W_PREFETCH_LOCALITY);
+        __m256 wv[ROW_BLOCK];
+        for (int b = 0; b < ROW_BLOCK; b++)
+            wv[b] = bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+                               (const __m128i *)(w0 + ((int64_t)b * k + i) * 2))), 16))
+                         : _mm256_loadu_ps((const float *)(w0 + ((int64_t)b * k + i) * 4));
+        for (int r = 0; r < mr; r++) {
+            __m256 xv = _mm256_loadu_ps(x + (int64_t)r * k + i);
+            for (int b = 0; b < ROW_BLOCK; b++) acc[r][b] = _mm256_fmadd_ps(xv, wv[b], acc[r][b]);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int b = 0; b < ROW_BLOCK; b++) {
+            __m128 q = _mm_add_ps(_mm256_castps256_ps128(acc[r][b]), _mm256_extractf128_ps(acc[r][b], 1));
+            q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+            q = _mm_add_ss(q, _mm_movehdup_ps(q));
+            sums[r * ROW_BLOCK + b] = _mm_cvtss_f32(q);
+        }
 }
 #endif
 
@@ -368,6 +407,30 @@ static void linear_rows(const float *x, const uint16_t *xb, const float *xs, int
                 case 5: dot_block_bf16(xr, (const uint16_t *)w, jb, k, 5, sums); break;
                 default: dot_block_bf16(xr, (const uint16_t *)w, jb, k, 6, sums); break;
                 }
+                for (int r = 0; r < mr; r++)
+                    for (int b = 0; b < ROW_BLOCK; b++) {
+                        int j = jb + b;
+                        float v = sums[r * ROW_BLOCK + b] + (bias != NULL ? act_at(bias, act_bf16, j) : 0.f);
+                        if (accumulate) y[(int64_t)(r0 + r) * n + j] += v;
+                        else y[(int64_t)(r0 + r) * n + j] = v;
+                    }
+            }
+            continue;
+        }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512BF16__)
+        const int by_avx2 = wtype == W_F32;
+#else
+        const int by_avx2 = wtype == W_F32 || wtype == W_BF16;
+#endif
+        if (by_avx2 && nb == ROW_BLOCK && k % 8 == 0) {
+            for (int r0 = 0; r0 < m; r0 += X_BLOCK_AVX2) {
+                float sums[X_BLOCK_AVX2 * ROW_BLOCK];
+                const float *xr = x + (int64_t)r0 * k;
+                int mr = m - r0 < X_BLOCK_AVX2 ? m - r0 : X_BLOCK_AVX2;
+                if (mr == 1) dot_block_avx2(xr, w, wtype == W_BF16, jb, k, 1, sums);
+                else dot_block_avx2(xr, w, wtype == W_BF16, jb, k, 2, sums);
                 for (int r = 0; r < mr; r++)
                     for (int b = 0; b < ROW_BLOCK; b++) {
                         int j = jb + b;
