@@ -139,7 +139,10 @@ def _env_file(path: Path, net: Network, host: str, model_dir: Path, backend: str
         "TESSERA_MODEL": model_dir, "TESSERA_DTYPE": "float32", "TESSERA_THREADS": 1,
         "TESSERA_PROXY_HOST": net.address("proxy"), "TESSERA_HOST_ADDRESS": net.address(host),
         "TESSERA_TRANSFER_BACKEND": backend, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0",
-        "TESSERA_PROXY_SET": f'"heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S} requests.first_token_timeout_s=60"',
+        # local_prefill_threshold=0: every prompt through a prefill host and a pull across the veths, the path under
+        # test (with the derived default an idle decode host prefilled the short prompts itself on a slow CPU)
+        "TESSERA_PROXY_SET": f'"heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S} requests.first_token_timeout_s=60 '
+                             f'local_prefill_threshold=0"',
         "TESSERA_PREFILL_SET": '"heartbeat_interval_s=0.3 engine.kv_cache_memory_bytes=134217728"',
         "TESSERA_DECODE_SET": '"heartbeat_interval_s=0.3 kv_pull_timeout_s=20 '
                               'engine.kv_cache_memory_bytes=134217728"',
