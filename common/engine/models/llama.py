@@ -709,13 +709,17 @@ class FusedDecode:
     def __init__(self, model, max_rows: int, every_row: bool = False) -> None:
         self.model = model
         self.every_row = every_row
-        # bf16 weights on a CPU with AVX512-BF16 take dot products 32 at a time, up to FUSED_MAX_ROWS rows;
-        # elsewhere the kernel widens bf16 and float32 weights to float32 products, and int8 weights to int16
+        # bf16 weights on a CPU with AVX512-BF16 take dot products 32 at a time, up to FUSED_MAX_ROWS rows, and
+        # float32 weights on an AVX2 CPU without AVX-512 two rows a pass in FMAs, ahead of torch's float32 path up to
+        # 32 rows (1.19x there, 2.77x at 8: bench.decode_kernel --dtype float32, first-generation Zen); elsewhere the
+        # kernel widens bf16 and float32 weights to float32 products, and int8 weights to int16
         # products in integers, which past 8 rows lose to oneDNN's matmuls and W8A8's int8 products. Where it
         # wins moves with the model and the weights' layout (Zen 4, bf16: in panels, 32 rows at 135M and at the
         # 1B shape; in rows, 1-2 at 1B): with decode_kernel_max_batch -1 the model runner lowers this by timing
         # at load.
-        wide = model.layers[0].self_attn.qkv_proj.weight.dtype is torch.bfloat16 and cpu_has("avx512_bf16")
+        weight_dtype = model.layers[0].self_attn.qkv_proj.weight.dtype
+        wide = ((weight_dtype is torch.bfloat16 and cpu_has("avx512_bf16"))
+                or (weight_dtype is torch.float32 and cpu_has("avx2") and cpu_has("fma") and not cpu_has("avx512f")))
         self.max_rows = FUSED_MAX_ROWS if every_row else min(max_rows, FUSED_MAX_ROWS if wide else SMALL_BATCH_ROWS)
         self._kernel = decode_forward_kernel() if self.max_rows > 0 else None
         self._layers: torch.Tensor | None = None  # [num_layers, 18] int64 addresses, built on first use
