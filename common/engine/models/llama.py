@@ -258,8 +258,8 @@ def onednn_prepacks_bf16() -> bool:
 @functools.cache
 def bf16_matmul_widens() -> bool:
     """Whether torch's bf16 matmul on this CPU is its reference loop (no oneDNN bf16 path: ``onednn_prepacks_bf16``,
-    an AVX2 host), which kernels/gemm_invariant.c beats at every row count: 0.27 against 0.49 ms a row of the
-    135M model's 1536 x 576 layer, 9.8 against 22.4 ms for 64 rows, on a first-generation Zen."""
+    an AVX2 host), which kernels/gemm_invariant.c beats at every row count (first-generation Zen, the 135M model's
+    shapes: 1.43x at 1 row, 2.98x at 8, 3.74x at 64; ``bench.invariant_gemm``, docs/benchmarks.md)."""
     return not onednn_prepacks_bf16() and gemm_invariant_kernel() is not None
 
 
