@@ -37,8 +37,9 @@ def portable_gemm_kernel():
 
 def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kernel=None) -> torch.Tensor:
     y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype)
-    assert (kernel or gemm_invariant_kernel())(x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
-                                   x.shape[0], w.shape[0], x.shape[1], int(x.dtype is torch.bfloat16)) == 0
+    kernel = kernel or gemm_invariant_kernel()
+    assert kernel(x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
+                  x.shape[0], w.shape[0], x.shape[1], int(x.dtype is torch.bfloat16)) == 0
     return y
 
 

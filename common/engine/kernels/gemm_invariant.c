@@ -19,8 +19,8 @@
  * products in the same order with the same FMAs, the tail zero-padded as the masked loads pad it: so float32,
  * and bfloat16 on a CPU without AVX512-BF16, give the AVX-512 paths' bits, and workers of a cluster agree across
  * those hosts (bfloat16 with AVX512-BF16 dot products gives other bits: a cluster mixing it with them does not).
- * Tiles of 2 rows by 3 weight rows (1 by 4, prefetching, for a decode step's single row) keep their 12 or 8 pairs
- * of sums in the sixteen registers. Elsewhere (or built with TESSERA_PORTABLE, which the tests compare the
+ * Tiles of 2 rows by 3 weight rows (1 by 4, prefetching, for a decode step's single row) keep their 6 or 4 pairs
+ * of sums (12 or 8 registers) in the sixteen. Elsewhere (or built with TESSERA_PORTABLE, which the tests compare the
  * vector paths with) a portable loop does the same operations one lane at a time, far slower.
  */
 #include <stdint.h>
@@ -185,8 +185,8 @@ done:
         for (int b = 0; b < nr; b++) store_out(y, is_bf16, (r0 + a) * n + j0 + b, lanes_sum(acc[a][b]), bias, j0 + b);
 }
 
-static void gemm(const void *x, const void *w, const void *bias, void *y, int64_t m, int64_t n, int64_t k,
-                 const int is_bf16)
+static int gemm(const void *x, const void *w, const void *bias, void *y, int64_t m, int64_t n, int64_t k,
+                const int is_bf16)
 {
     #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t j1 = 0; j1 < n; j1 += BLOCK_N) {
@@ -215,6 +215,7 @@ static void gemm(const void *x, const void *w, const void *bias, void *y, int64_
             }
         }
     }
+    return 0;
 }
 #elif defined(__AVX2__) && defined(__FMA__) && !defined(TESSERA_PORTABLE)
 /* 8 floats of a row from element i: float32, or bfloat16 widened (exact) */
@@ -321,13 +322,13 @@ static inline __attribute__((always_inline)) void block(
     }
 }
 
-static void gemm(const void *x, const void *w, const void *bias, void *y, int64_t m, int64_t n, int64_t k,
-                 const int is_bf16)
+static int gemm(const void *x, const void *w, const void *bias, void *y, int64_t m, int64_t n, int64_t k,
+                const int is_bf16)
 {
     float *widened = NULL; /* bfloat16 x rows in float32 (exact): read by every tile of every weight block */
     if (is_bf16) {
         widened = malloc(sizeof(float) * (size_t)(m * k));
-        if (widened == NULL) abort();
+        if (widened == NULL) return -2;
         for (int64_t i = 0; i < m * k; i++) widened[i] = bf16_to_f32(((const uint16_t *)x)[i]);
     }
     const float *xf = is_bf16 ? widened : (const float *)x;
@@ -338,12 +339,13 @@ static void gemm(const void *x, const void *w, const void *bias, void *y, int64_
         else block(xf, w, bias, y, m, n, k, j1, j_end, 0);
     }
     free(widened);
+    return 0;
 }
 #else
 /* Portable: sixteen float32 lanes, each summing every sixteenth product in order with an FMA (the tail padded
  * with zeros to sixteen), then the same tree: the vector paths' operations, one lane at a time. */
-static void gemm(const void *x, const void *w, const void *bias, void *y, int64_t m, int64_t n, int64_t k,
-                 const int is_bf16)
+static int gemm(const void *x, const void *w, const void *bias, void *y, int64_t m, int64_t n, int64_t k,
+                const int is_bf16)
 {
     const int64_t padded = (k + 15) / 16 * 16;
     #pragma omp parallel for schedule(dynamic, 1)
@@ -365,14 +367,15 @@ static void gemm(const void *x, const void *w, const void *bias, void *y, int64_
             else ((float *)y)[r * n + j] = s;
         }
     }
+    return 0;
 }
 #endif
 
-/* x, w, bias and y all bfloat16 (is_bf16) or all float32. Returns -1 (writing nothing) for an empty shape. */
+/* x, w, bias and y all bfloat16 (is_bf16) or all float32. Returns -1 (writing nothing) for an empty shape, -2 where
+ * the widened copy of bfloat16 rows could not be allocated. */
 int tessera_gemm_invariant(const void *x, const void *w, const void *bias, void *y, int64_t m, int64_t n,
                            int64_t k, int is_bf16)
 {
     if (m < 1 || n < 1 || k < 1) return -1;
-    gemm(x, w, bias, y, m, n, k, is_bf16);
-    return 0;
+    return gemm(x, w, bias, y, m, n, k, is_bf16);
 }

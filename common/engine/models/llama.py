@@ -156,9 +156,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     only copy: ``weight`` is then a placeholder) takes kernels/linear_panels.c for any rows, one bfloat16 row on
     the CPU (a batch-1 decode step) takes the GEMV kernel, which streams the weights at memory speed where
     torch's bf16 matmul does not, and several rows take ``packed``, the weight in oneDNN's blocked layout
-    (``prepack``), where there is one (docs/benchmarks.md). Where oneDNN has no bf16 path at all (an AVX2 CPU:
-    ``bf16_matmul_widens``), torch widens one product at a time, and bf16 rows take kernels/gemm_invariant.c
-    instead, about twice as fast at every row count (and batch-invariant as a side effect).
+    (``prepack``), where there is one (docs/benchmarks.md). Where oneDNN has no bf16 path at all and the invariant
+    matmul has a vector path (an AVX2 CPU: ``bf16_matmul_widens``), torch widens one product at a time, and bf16
+    rows, one included, take kernels/gemm_invariant.c instead: 1.4-3.7x torch's speed (and batch-invariant as a
+    side effect).
 
     ``invariant`` (engine.deterministic): each output row is the same function of its input row whatever else
     is in ``x``: int8 always W8A8 (exact int32 sums, per-row scales), a weight in panels through
@@ -224,6 +225,9 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                            "kernels/gemm_invariant.c")
     if weight.dtype is not x.dtype or (bias is not None and bias.dtype is not x.dtype):
         raise RuntimeError(f"kernels/gemm_invariant.c takes one dtype: input {x.dtype}, weight {weight.dtype}")
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1] or (bias is not None and bias.numel() != weight.shape[0]):
+        raise RuntimeError(f"kernels/gemm_invariant.c: rows of {x.shape[-1]} inputs against a weight of "
+                           f"{tuple(weight.shape)}" + ("" if bias is None else f" and a bias of {bias.numel()}"))
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     weight = weight.contiguous()
     bias = None if bias is None else bias.contiguous()
@@ -231,7 +235,8 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if x2.shape[0] and kernel(x2.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                               out.data_ptr(), x2.shape[0], weight.shape[0], x2.shape[1],
                               int(x.dtype is torch.bfloat16)) != 0:
-        raise RuntimeError(f"kernels/gemm_invariant.c refused the shape {tuple(x2.shape)} x {tuple(weight.shape)}")
+        raise RuntimeError(f"kernels/gemm_invariant.c refused the shape {tuple(x2.shape)} x {tuple(weight.shape)} "
+                           "(or could not allocate the widened rows)")
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -257,10 +262,12 @@ def onednn_prepacks_bf16() -> bool:
 
 @functools.cache
 def bf16_matmul_widens() -> bool:
-    """Whether torch's bf16 matmul on this CPU is its reference loop (no oneDNN bf16 path: ``onednn_prepacks_bf16``,
-    an AVX2 host), which kernels/gemm_invariant.c beats at every row count (first-generation Zen, the 135M model's
-    shapes: 1.43x at 1 row, 2.98x at 8, 3.74x at 64; ``bench.invariant_gemm``, docs/benchmarks.md)."""
-    return not onednn_prepacks_bf16() and gemm_invariant_kernel() is not None
+    """Whether torch's bf16 matmul on this CPU is its reference loop (no oneDNN bf16 path: ``onednn_prepacks_bf16``)
+    where kernels/gemm_invariant.c has a vector path (AVX2 and FMA, or AVX-512): an AVX2 host, where the kernel
+    beats it at every row count (first-generation Zen, the 135M model's shapes: 1.43x at 1 row, 2.98x at 8, 3.74x
+    at 64; ``bench.invariant_gemm``, docs/benchmarks.md). Not where only its portable loop builds, which is slower."""
+    vector = (cpu_has("avx2") and cpu_has("fma")) or cpu_has("avx512f")
+    return vector and not onednn_prepacks_bf16() and gemm_invariant_kernel() is not None
 
 
 PANEL_COLS = 16  # kernels/panels_bf16.h
@@ -336,7 +343,8 @@ def panels_fit(weight: torch.Tensor) -> bool:
 class Linear(nn.Linear):
     """``nn.Linear`` whose calls take ``linear``'s paths: the panel GEMM where the weight is in panels (``panels``,
     set by ``LlamaForCausalLM.pack_panels``), else the GEMV kernel for one bfloat16 row and the prepacked weight
-    (``packed``, set by ``LlamaForCausalLM.prepack_weights``) for several.
+    (``packed``, set by ``LlamaForCausalLM.prepack_weights``) for several, or, where oneDNN has no bf16 path, the
+    invariant matmul for any rows.
 
     A row-parallel layer at tensor parallelism (``row_parallel``, its rank group) returns the sum over the ranks,
     its bias (every rank holds it) added once; int8 weights sum their exact int32 products over the ranks
@@ -710,8 +718,9 @@ class FusedDecode:
         self.model = model
         self.every_row = every_row
         # bf16 weights on a CPU with AVX512-BF16 take dot products 32 at a time, up to FUSED_MAX_ROWS rows, and
-        # float32 weights on an AVX2 CPU without AVX-512 two rows a pass in FMAs, ahead of torch's float32 path up to
-        # 32 rows (1.19x there, 2.77x at 8: bench.decode_kernel --dtype float32, first-generation Zen); elsewhere the
+        # float32 weights on an AVX2 CPU without AVX-512 (two rows a pass in FMAs, as on any CPU with AVX2) are
+        # ahead of torch's float32 path up to 32 rows (1.19x there, 2.77x at 8: bench.decode_kernel --dtype
+        # float32, first-generation Zen; on AVX-512 hosts not measured, so 8 there); elsewhere the
         # kernel widens bf16 and float32 weights to float32 products, and int8 weights to int16
         # products in integers, which past 8 rows lose to oneDNN's matmuls and W8A8's int8 products. Where it
         # wins moves with the model and the weights' layout (Zen 4, bf16: in panels, 32 rows at 135M and at the
