@@ -143,25 +143,14 @@ def test_redis_stopping_mid_run_loses_nothing_and_the_proxies_resync(make_proxy,
             worker.stop(goodbye=False)
 
 
-def two_free_ports() -> int:
-    """A port p with p + 1 free too."""
-    while True:
-        with socket.socket() as first, socket.socket() as second:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            try:
-                second.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-
-
 def test_proxy_workers_share_one_port_and_each_serves_the_workers(tmp_path, embedded_model_dir, script,
                                                                    redis_server):  # noqa: F811
     """``tessera proxy --processes 2``: two processes on one HTTP port, worker ports base and base + 1, each process
     also on its own port (``process_port``) for its metrics. The shipped heartbeat timeout: the scripted workers
     heartbeat from a thread of this busy process, and one dropped at a shorter timeout never registers again."""
-    http_port, worker_port, own_port = free_port(), two_free_ports(), two_free_ports()
+    # free_port(2): two ports in a row below the ephemeral range (a port from bind(0) lies in it, and another lane's
+    # outgoing connection took one before the proxy bound it)
+    http_port, worker_port, own_port = free_port(), free_port(2), free_port(2)
     log = open(tmp_path / "proxy.log", "w")
     settings = [f"model={embedded_model_dir}", f"port={http_port}", f"worker_bind=tcp://127.0.0.1:{worker_port}",
                 f"shared_state.redis_url={redis_server.url}", f"heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}",
