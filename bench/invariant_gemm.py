@@ -16,16 +16,13 @@ with AVX512-BF16) bfloat16.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import time
 
 import torch
 import torch.nn.functional as F
 
 from bench.int8_gemm import add_shape_arguments, shape_model, shapes
-from common.engine.native import gemm_invariant_kernel, kernel_function
-
-ARGTYPES = (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3 + (ctypes.c_int,)
+from common.engine.native import gemm_invariant_kernel
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     vector = gemm_invariant_kernel()
     if vector is None:
         raise SystemExit("kernels/gemm_invariant.c needs a C compiler")
-    portable = kernel_function("gemm_invariant", "tessera_gemm_invariant", ARGTYPES, ("TESSERA_PORTABLE",))
+    portable = gemm_invariant_kernel(("TESSERA_PORTABLE",))
     model, model_dir = shape_model(args)
     linears = shapes(model_dir)
     print(f"{model.name}: {', '.join(f'{name} {n}x{k}' for name, n, k in linears)}, {args.threads} threads; ms per "

@@ -205,8 +205,9 @@ def greedy_tiles_kernel():
                            (ctypes.c_void_p,) * 5 + (ctypes.c_int64,) * 3 + (ctypes.c_float,) * 3 + (ctypes.c_void_p,))
 
 
-def gemm_invariant_kernel():
-    """``tessera_gemm_invariant(x, w, bias, y, m, n, k, is_bf16)`` (``kernels/gemm_invariant.c``), or None
-    without a compiler."""
+def gemm_invariant_kernel(defines: tuple[str, ...] = ()):
+    """``tessera_gemm_invariant(x, w, bias, y, m, n, k, is_bf16)`` (``kernels/gemm_invariant.c``, built with
+    ``defines``: ``("TESSERA_PORTABLE",)`` is its portable loop, which tests and bench.invariant_gemm compare), or
+    None without a compiler."""
     return kernel_function("gemm_invariant", "tessera_gemm_invariant",
-                           (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3 + (ctypes.c_int,))
+                           (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3 + (ctypes.c_int,), defines)

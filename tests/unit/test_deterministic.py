@@ -8,7 +8,6 @@ on the embedded model. The same checks without the mode find differences, which 
 """
 from __future__ import annotations
 
-import ctypes
 import random
 
 import pytest
@@ -19,7 +18,7 @@ from common.config.base import ConfigError, EngineConfig
 from common.engine.attention import select_backend
 from common.engine.llm_engine import LLMEngine
 from common.engine.models.llama import LlamaForCausalLM, decode_forward_takes_panels
-from common.engine.native import cpu_has, gemm_invariant_kernel, kernel_function
+from common.engine.native import cpu_has, gemm_invariant_kernel
 from common.protocol.sampling_params import SamplingParams
 from tests.tiny_models import build_tiny_model
 
@@ -27,12 +26,6 @@ pytestmark = pytest.mark.skipif(gemm_invariant_kernel() is None, reason="no C co
 
 NUMERICS = [("bfloat16", "none"), ("bfloat16", "int8"), ("float32", "none")]
 WATCHED = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=5)
-
-
-def portable_gemm_kernel():
-    """The kernel built with TESSERA_PORTABLE: its lane-at-a-time loop, on any CPU."""
-    return kernel_function("gemm_invariant", "tessera_gemm_invariant",
-                           (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3 + (ctypes.c_int,), ("TESSERA_PORTABLE",))
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kernel=None) -> torch.Tensor:
@@ -70,6 +63,7 @@ def test_the_vector_paths_give_the_portable_loops_bits(dtype):
     operations, so hosts of either instruction set agree: every tile shape, edge and tail, at 1 and 2 threads."""
     if dtype is torch.bfloat16 and cpu_has("avx512_bf16"):
         pytest.skip("bfloat16 with AVX512-BF16 sums pairs of products in one instruction: other bits by design")
+    portable = gemm_invariant_kernel(("TESSERA_PORTABLE",))
     threads = torch.get_num_threads()
     try:
         for t in (1, 2):
@@ -78,8 +72,8 @@ def test_the_vector_paths_give_the_portable_loops_bits(dtype):
                 gen = torch.Generator().manual_seed(m * n * k)
                 w, x = torch.randn(n, k, generator=gen).to(dtype), torch.randn(m, k, generator=gen).to(dtype)
                 b = torch.randn(n, generator=gen).to(dtype)
-                assert torch.equal(gemm(x, w, b), gemm(x, w, b, portable_gemm_kernel())), (m, n, k)
-                assert torch.equal(gemm(x, w, None), gemm(x, w, None, portable_gemm_kernel())), (m, n, k)
+                assert torch.equal(gemm(x, w, b), gemm(x, w, b, portable)), (m, n, k)
+                assert torch.equal(gemm(x, w, None), gemm(x, w, None, portable)), (m, n, k)
     finally:
         torch.set_num_threads(threads)
 

@@ -31,7 +31,7 @@
 #include "attend.h"
 #include "panels_bf16.h"
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -191,8 +191,7 @@ static inline __attribute__((always_inline)) void dot_block_avx2(const float *x,
                                    W_PREFETCH_LOCALITY);
         __m256 wv[ROW_BLOCK];
         for (int b = 0; b < ROW_BLOCK; b++)
-            wv[b] = bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
-                               (const __m128i *)(w0 + ((int64_t)b * k + i) * 2))), 16))
+            wv[b] = bf16 ? widen8_bf16((const uint16_t *)(w0 + ((int64_t)b * k + i) * 2))
                          : _mm256_loadu_ps((const float *)(w0 + ((int64_t)b * k + i) * 4));
         for (int r = 0; r < mr; r++) {
             __m256 xv = _mm256_loadu_ps(x + (int64_t)r * k + i);
@@ -200,12 +199,7 @@ static inline __attribute__((always_inline)) void dot_block_avx2(const float *x,
         }
     }
     for (int r = 0; r < mr; r++)
-        for (int b = 0; b < ROW_BLOCK; b++) {
-            __m128 q = _mm_add_ps(_mm256_castps256_ps128(acc[r][b]), _mm256_extractf128_ps(acc[r][b], 1));
-            q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-            q = _mm_add_ss(q, _mm_movehdup_ps(q));
-            sums[r * ROW_BLOCK + b] = _mm_cvtss_f32(q);
-        }
+        for (int b = 0; b < ROW_BLOCK; b++) sums[r * ROW_BLOCK + b] = sum8(acc[r][b]);
 }
 #endif
 
@@ -365,6 +359,19 @@ static void linear_rows_int8(const int16_t *xq, const float *xs, int m, int k, c
     }
 }
 
+/* y[r0 + r, jb + b] (+)= sums[r * ROW_BLOCK + b] + bias[jb + b] for mr rows and nb outputs: linear_rows' writes */
+static inline void put_sums(const float *sums, int r0, int mr, int jb, int nb, const void *bias, int act_bf16,
+                            float *y, int n, int accumulate)
+{
+    for (int r = 0; r < mr; r++)
+        for (int b = 0; b < nb; b++) {
+            int j = jb + b;
+            float v = sums[r * ROW_BLOCK + b] + (bias != NULL ? act_at(bias, act_bf16, j) : 0.f);
+            if (accumulate) y[(int64_t)(r0 + r) * n + j] += v;
+            else y[(int64_t)(r0 + r) * n + j] = v;
+        }
+}
+
 /*
  * y[r, j] (+)= x[r, :] . w[j, :] (* scale[j]) + bias[j] for m rows of x, the output rows split over the
  * team in blocks of ROW_BLOCK (call inside a parallel region). A block of weight rows is read from memory
@@ -407,13 +414,7 @@ static void linear_rows(const float *x, const uint16_t *xb, const float *xs, int
                 case 5: dot_block_bf16(xr, (const uint16_t *)w, jb, k, 5, sums); break;
                 default: dot_block_bf16(xr, (const uint16_t *)w, jb, k, 6, sums); break;
                 }
-                for (int r = 0; r < mr; r++)
-                    for (int b = 0; b < ROW_BLOCK; b++) {
-                        int j = jb + b;
-                        float v = sums[r * ROW_BLOCK + b] + (bias != NULL ? act_at(bias, act_bf16, j) : 0.f);
-                        if (accumulate) y[(int64_t)(r0 + r) * n + j] += v;
-                        else y[(int64_t)(r0 + r) * n + j] = v;
-                    }
+                put_sums(sums, r0, mr, jb, ROW_BLOCK, bias, act_bf16, y, n, accumulate);
             }
             continue;
         }
@@ -431,13 +432,7 @@ static void linear_rows(const float *x, const uint16_t *xb, const float *xs, int
                 int mr = m - r0 < X_BLOCK_AVX2 ? m - r0 : X_BLOCK_AVX2;
                 if (mr == 1) dot_block_avx2(xr, w, wtype == W_BF16, jb, k, 1, sums);
                 else dot_block_avx2(xr, w, wtype == W_BF16, jb, k, 2, sums);
-                for (int r = 0; r < mr; r++)
-                    for (int b = 0; b < ROW_BLOCK; b++) {
-                        int j = jb + b;
-                        float v = sums[r * ROW_BLOCK + b] + (bias != NULL ? act_at(bias, act_bf16, j) : 0.f);
-                        if (accumulate) y[(int64_t)(r0 + r) * n + j] += v;
-                        else y[(int64_t)(r0 + r) * n + j] = v;
-                    }
+                put_sums(sums, r0, mr, jb, ROW_BLOCK, bias, act_bf16, y, n, accumulate);
             }
             continue;
         }
@@ -445,12 +440,7 @@ static void linear_rows(const float *x, const uint16_t *xb, const float *xs, int
         for (int r = 0; r < m; r++) {
             float sums[ROW_BLOCK];
             dot_rows(x + (int64_t)r * k, xb + (int64_t)r * k, w, wtype, jb, nb, k, sums);
-            for (int b = 0; b < nb; b++) {
-                int j = jb + b;
-                float v = sums[b] + (bias != NULL ? act_at(bias, act_bf16, j) : 0.f);
-                if (accumulate) y[(int64_t)r * n + j] += v;
-                else y[(int64_t)r * n + j] = v;
-            }
+            put_sums(sums, r, 1, jb, nb, bias, act_bf16, y, n, accumulate);
         }
     }
 }

@@ -29,6 +29,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "simd.h"
 
 #if (defined(__AVX512F__) || defined(__AVX2__)) && !defined(TESSERA_PORTABLE)
 #include <immintrin.h>
@@ -220,10 +221,7 @@ static int gemm(const void *x, const void *w, const void *bias, void *y, int64_t
 #elif defined(__AVX2__) && defined(__FMA__) && !defined(TESSERA_PORTABLE)
 /* 8 floats of a row from element i: float32, or bfloat16 widened (exact) */
 static inline __m256 load8(const void *p, const int is_bf16, int64_t i) {
-    if (is_bf16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
-    return _mm256_loadu_ps((const float *)p + i);
+    return is_bf16 ? widen8_bf16((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
 }
 
 static inline float elem(const void *p, const int is_bf16, int64_t i) {
@@ -232,11 +230,7 @@ static inline float elem(const void *p, const int is_bf16, int64_t i) {
 
 /* The fixed tree of the AVX-512 paths, over lanes 0-7 (lo) and 8-15 (hi): 16 -> 8 -> 4 -> 2 -> 1 */
 static inline float lanes_sum(__m256 lo, __m256 hi) {
-    __m256 h = _mm256_add_ps(lo, hi);
-    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    q = _mm_add_ss(q, _mm_movehdup_ps(q));
-    return _mm_cvtss_f32(q);
+    return sum8(_mm256_add_ps(lo, hi));
 }
 
 static inline void store_out(void *y, int is_bf16, int64_t at, float s, const void *bias, int64_t j) {

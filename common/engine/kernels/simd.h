@@ -1,4 +1,5 @@
-/* AVX-512 helpers for the engine's C kernels: 16 floats from/to float32 or bfloat16, and e^x. */
+/* Vector helpers for the engine's C kernels: with AVX-512, 16 floats from/to float32 or bfloat16, and e^x; with AVX2,
+ * 8 bfloat16 widened and the fixed tree that sums 8 lanes. */
 #ifndef TESSERA_SIMD_H
 #define TESSERA_SIMD_H
 
@@ -57,6 +58,25 @@ static inline __m512 silu16(__m512 g) {
     __m512 inv = _mm512_rcp14_ps(d);
     inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(2.f)));
     return _mm512_mul_ps(g, inv);
+}
+#endif
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#include <stdint.h>
+
+/* 8 bfloat16 widened to float32 (exact) */
+static inline __m256 widen8_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* The sum of 8 lanes by one fixed tree, 8 -> 4 -> 2 -> 1 (lane l + lane l + 4 first): the AVX-512 reductions'
+ * last three steps, so sums through either instruction set can match */
+static inline float sum8(__m256 v) {
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_movehdup_ps(q));
+    return _mm_cvtss_f32(q);
 }
 #endif
 
