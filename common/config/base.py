@@ -307,7 +307,7 @@ class CpuConfig:
                                           "run the whole forward in one C call (kernels/decode_forward.c); "
                                           "-1: with bfloat16 or int8 weights, as many as a step timed both ways "
                                           "at load finds the kernel ahead of the torch path (which moves with the "
-                                          "model's size), up to 32, and 8 with float32 weights (32 on an AVX2 "
+                                          "model's size), up to 32, and 8 with float32 weights (16 on an AVX2 "
                                           "CPU without AVX-512); at most 8 with int8 weights, bfloat16 ones "
                                           "without AVX512-BF16, or float32 ones with AVX-512; 0 keeps every step on "
                                           "the torch path. With engine.deterministic it takes every row of every "

@@ -122,7 +122,7 @@ def test_a_model_past_the_kernels_limits_keeps_the_torch_path(tmp_path, monkeypa
 
 
 def float32_takes_wide_steps() -> bool:
-    """float32 weights on an AVX2 CPU without AVX-512: the kernel's two-row passes, ahead up to 32 rows."""
+    """float32 weights on an AVX2 CPU without AVX-512: the kernel's two-row passes, ahead up to 16 rows."""
     return cpu_has("avx2") and cpu_has("fma") and not cpu_has("avx512f")
 
 
@@ -130,7 +130,7 @@ def test_only_the_kernels_fast_paths_take_more_than_eight_rows(tiny_dir):
     wide = 40 if cpu_has("avx512_bf16") else 8  # elsewhere bf16 weights are widened to float32 products too
     assert runner_for(tiny_dir, dtype="bfloat16", decode_kernel_max_batch=40).model.fused_decode.max_rows == wide
     float32 = runner_for(tiny_dir, decode_kernel_max_batch=40).model.fused_decode.max_rows
-    assert float32 == (40 if float32_takes_wide_steps() else 8)
+    assert float32 == (16 if float32_takes_wide_steps() else 8)
     int8 = runner_for(tiny_dir, dtype="bfloat16", quantization="int8", decode_kernel_max_batch=40)
     assert int8.model.fused_decode.max_rows == 8
     assert runner_for(tiny_dir, dtype="bfloat16", quantization="int8",
@@ -153,7 +153,7 @@ def test_left_to_timing_the_kernel_keeps_a_rung_within_its_limit(tiny_dir, dtype
 def test_float32_weights_keep_the_kernels_fixed_limit_untimed(tiny_dir, caplog):
     with caplog.at_level("INFO", logger="common.engine.model_runner"):
         runner = runner_for(tiny_dir, dtype="float32", decode_kernel_max_batch=-1)
-    limit = 32 if float32_takes_wide_steps() else 8
+    limit = 16 if float32_takes_wide_steps() else 8
     assert runner.model.fused_decode.max_rows == limit and "decode_forward.c up to" not in caplog.text
 
 

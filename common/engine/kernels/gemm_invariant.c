@@ -19,9 +19,10 @@
  * products in the same order with the same FMAs, the tail zero-padded as the masked loads pad it: so float32,
  * and bfloat16 on a CPU without AVX512-BF16, give the AVX-512 paths' bits, and workers of a cluster agree across
  * those hosts (bfloat16 with AVX512-BF16 dot products gives other bits: a cluster mixing it with them does not).
- * Tiles of 2 rows by 3 weight rows (1 by 4, prefetching, for a decode step's single row) keep their 6 or 4 pairs
- * of sums (12 or 8 registers) in the sixteen. Elsewhere (or built with TESSERA_PORTABLE, which the tests compare the
- * vector paths with) a portable loop does the same operations one lane at a time, far slower.
+ * Tiles of 4 rows by 3 weight rows sum each output's lanes 0-7 and 8-15 in separate passes (12 sums in the
+ * sixteen registers: `tile_halves`); a single row takes 4 weight rows at a time, both halves at once, prefetching.
+ * Elsewhere (or built with TESSERA_PORTABLE, which the tests compare the vector paths with) a portable loop does
+ * the same operations one lane at a time, far slower.
  */
 #include <stdint.h>
 
@@ -241,78 +242,125 @@ static inline void store_out(void *y, int is_bf16, int64_t at, float s, const vo
 
 #define PREFETCH_AHEAD 4 /* weight tiles ahead of a single row's tile, prefetched into L2 */
 
-/* mr x nr outputs (constants once inlined: mr <= 2, nr <= 4, mr * nr <= 8), every one a pair of 8-lane sums;
+/* One row r against nr (<= 4, a constant once inlined) weight rows from j0, each output a pair of 8-lane sums (8 of
+ * the sixteen registers), the weights prefetched ahead: a decode step's single row streams them from memory.
  * xf: the x rows in float32 (bfloat16 ones widened once, by gemm) */
-static inline __attribute__((always_inline)) void tile(
-    const float *xf, const void *w, const void *bias, void *y, int64_t r0, int64_t j0, int64_t n, int64_t k,
-    const int mr, const int nr, const int is_bf16)
+static inline __attribute__((always_inline)) void tile_row(
+    const float *xf, const void *w, const void *bias, void *y, int64_t r, int64_t j0, int64_t n, int64_t k,
+    const int nr, const int is_bf16)
 {
-    __m256 lo[2][4], hi[2][4];
-#pragma GCC unroll 2
-    for (int a = 0; a < mr; a++)
+    __m256 lo[4], hi[4];
 #pragma GCC unroll 4
-        for (int b = 0; b < nr; b++) lo[a][b] = hi[a][b] = _mm256_setzero_ps();
+    for (int b = 0; b < nr; b++) lo[b] = hi[b] = _mm256_setzero_ps();
     const int64_t full = k - k % 16, es = is_bf16 ? 2 : 4;
     const char *wbase = (const char *)w + j0 * k * es;
+    const float *xr = xf + r * k;
     for (int64_t i = 0; i < full; i += 16) {
-        if (mr == 1)
 #pragma GCC unroll 4
-            for (int b = 0; b < nr; b++) __builtin_prefetch(wbase + ((PREFETCH_AHEAD * nr + b) * k + i) * es, 0, 2);
-        if (is_bf16) {
+        for (int b = 0; b < nr; b++) __builtin_prefetch(wbase + ((PREFETCH_AHEAD * nr + b) * k + i) * es, 0, 2);
+        const __m256 xl = _mm256_loadu_ps(xr + i), xh = _mm256_loadu_ps(xr + i + 8);
 #pragma GCC unroll 4
-            for (int b = 0; b < nr; b++) { /* each weight vector widened once, for every row */
-                __m256 wl = load8(w, 1, (j0 + b) * k + i), wh = load8(w, 1, (j0 + b) * k + i + 8);
-#pragma GCC unroll 2
-                for (int a = 0; a < mr; a++) {
-                    lo[a][b] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + (r0 + a) * k + i), wl, lo[a][b]);
-                    hi[a][b] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + (r0 + a) * k + i + 8), wh, hi[a][b]);
-                }
-            }
-        } else { /* float32: a row's two vectors held, the weights read from L1 as they are (faster here) */
-#pragma GCC unroll 2
-            for (int a = 0; a < mr; a++) {
-                __m256 xl = _mm256_loadu_ps(xf + (r0 + a) * k + i), xh = _mm256_loadu_ps(xf + (r0 + a) * k + i + 8);
-#pragma GCC unroll 4
-                for (int b = 0; b < nr; b++) {
-                    lo[a][b] = _mm256_fmadd_ps(xl, load8(w, 0, (j0 + b) * k + i), lo[a][b]);
-                    hi[a][b] = _mm256_fmadd_ps(xh, load8(w, 0, (j0 + b) * k + i + 8), hi[a][b]);
-                }
-            }
+        for (int b = 0; b < nr; b++) {
+            lo[b] = _mm256_fmadd_ps(xl, load8(w, is_bf16, (j0 + b) * k + i), lo[b]);
+            hi[b] = _mm256_fmadd_ps(xh, load8(w, is_bf16, (j0 + b) * k + i + 8), hi[b]);
         }
     }
     if (full < k) { /* the tail, zero-padded to sixteen as the AVX-512 paths' masked loads pad it */
-        float xt[2][16], wt[4][16];
+        float xt[16], wt[4][16];
+        for (int l = 0; l < 16; l++) xt[l] = full + l < k ? xr[full + l] : 0.f;
+        for (int b = 0; b < nr; b++)
+            for (int l = 0; l < 16; l++) wt[b][l] = full + l < k ? elem(w, is_bf16, (j0 + b) * k + full + l) : 0.f;
+        for (int b = 0; b < nr; b++) {
+            lo[b] = _mm256_fmadd_ps(_mm256_loadu_ps(xt), _mm256_loadu_ps(wt[b]), lo[b]);
+            hi[b] = _mm256_fmadd_ps(_mm256_loadu_ps(xt + 8), _mm256_loadu_ps(wt[b] + 8), hi[b]);
+        }
+    }
+    for (int b = 0; b < nr; b++) store_out(y, is_bf16, r * n + j0 + b, lanes_sum(lo[b], hi[b]), bias, j0 + b);
+}
+
+#define HALF_CHUNK 512 /* k per pass of a half: a 4-row by 3-weight-row tile's chunk (14 KB in float32) stays in L1 */
+
+/* mr x nr outputs of several rows (constants once inlined: mr <= 4, nr <= 3), each output's lanes 0-7 and 8-15
+ * summed in separate passes over a chunk of k (a lane's products stay in order: lanes never meet before the tree),
+ * so one 8-float register per output: 12 sums, 3 weight vectors and an x vector in the sixteen registers, and 7
+ * loads for 12 FMAs (2 x 3 tiles holding both halves need 10). Between passes the sums wait in memory. */
+static inline __attribute__((always_inline)) void tile_halves(
+    const float *xf, const void *w, const void *bias, void *y, int64_t r0, int64_t j0, int64_t n, int64_t k,
+    const int mr, const int nr, const int is_bf16)
+{
+    __m256 sums[2][4][3];
+#pragma GCC unroll 4
+    for (int a = 0; a < mr; a++)
+#pragma GCC unroll 3
+        for (int b = 0; b < nr; b++) sums[0][a][b] = sums[1][a][b] = _mm256_setzero_ps();
+    const int64_t full = k - k % 16;
+    for (int64_t c = 0; c < full; c += HALF_CHUNK) {
+        const int64_t end = c + HALF_CHUNK < full ? c + HALF_CHUNK : full;
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            __m256 s[4][3];
+#pragma GCC unroll 4
+            for (int a = 0; a < mr; a++)
+#pragma GCC unroll 3
+                for (int b = 0; b < nr; b++) s[a][b] = sums[h][a][b];
+            for (int64_t i = c + 8 * h; i < end; i += 16) {
+                __m256 wv[3];
+#pragma GCC unroll 3
+                for (int b = 0; b < nr; b++) wv[b] = load8(w, is_bf16, (j0 + b) * k + i);
+#pragma GCC unroll 4
+                for (int a = 0; a < mr; a++) {
+                    const __m256 xv = _mm256_loadu_ps(xf + (r0 + a) * k + i);
+#pragma GCC unroll 3
+                    for (int b = 0; b < nr; b++) s[a][b] = _mm256_fmadd_ps(xv, wv[b], s[a][b]);
+                }
+            }
+#pragma GCC unroll 4
+            for (int a = 0; a < mr; a++)
+#pragma GCC unroll 3
+                for (int b = 0; b < nr; b++) sums[h][a][b] = s[a][b];
+        }
+    }
+    if (full < k) { /* the tail, zero-padded to sixteen as the AVX-512 paths' masked loads pad it */
+        float xt[4][16], wt[3][16];
         for (int a = 0; a < mr; a++)
             for (int l = 0; l < 16; l++) xt[a][l] = full + l < k ? xf[(r0 + a) * k + full + l] : 0.f;
         for (int b = 0; b < nr; b++)
             for (int l = 0; l < 16; l++) wt[b][l] = full + l < k ? elem(w, is_bf16, (j0 + b) * k + full + l) : 0.f;
-        for (int a = 0; a < mr; a++)
-            for (int b = 0; b < nr; b++) {
-                lo[a][b] = _mm256_fmadd_ps(_mm256_loadu_ps(xt[a]), _mm256_loadu_ps(wt[b]), lo[a][b]);
-                hi[a][b] = _mm256_fmadd_ps(_mm256_loadu_ps(xt[a] + 8), _mm256_loadu_ps(wt[b] + 8), hi[a][b]);
-            }
+        for (int h = 0; h < 2; h++)
+            for (int a = 0; a < mr; a++)
+                for (int b = 0; b < nr; b++)
+                    sums[h][a][b] = _mm256_fmadd_ps(_mm256_loadu_ps(xt[a] + 8 * h), _mm256_loadu_ps(wt[b] + 8 * h),
+                                                    sums[h][a][b]);
     }
     for (int a = 0; a < mr; a++)
         for (int b = 0; b < nr; b++)
-            store_out(y, is_bf16, (r0 + a) * n + j0 + b, lanes_sum(lo[a][b], hi[a][b]), bias, j0 + b);
+            store_out(y, is_bf16, (r0 + a) * n + j0 + b, lanes_sum(sums[0][a][b], sums[1][a][b]), bias, j0 + b);
 }
 
-/* One block of weight rows [j1, j_end) against every row: 2-row tiles of 3 weight rows, a last odd row in tiles
- * of 4; the weight rows left over one at a time. */
+/* rows [r0, r0 + mr) (mr <= 4) against the weight rows [j1, j_end): tiles of 3 weight rows, then one at a time */
+static inline __attribute__((always_inline)) void row_tiles(
+    const float *xf, const void *w, const void *bias, void *y, int64_t r0, int64_t n, int64_t k, int64_t j1,
+    int64_t j_end, const int mr, const int is_bf16)
+{
+    int64_t j0 = j1;
+    for (; j0 + 3 <= j_end; j0 += 3) tile_halves(xf, w, bias, y, r0, j0, n, k, mr, 3, is_bf16);
+    for (; j0 < j_end; j0++) tile_halves(xf, w, bias, y, r0, j0, n, k, mr, 1, is_bf16);
+}
+
+/* One block of weight rows [j1, j_end) against every row: 4-row tiles, then the 2 or 3 rows left over; a single
+ * row (a decode step's, or one left over) in tiles of 4 weight rows that prefetch the weights ahead. */
 static inline __attribute__((always_inline)) void block(
     const float *xf, const void *w, const void *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t j1,
     int64_t j_end, const int is_bf16)
 {
     int64_t r0 = 0;
-    for (; r0 + 2 <= m; r0 += 2) {
+    for (; r0 + 4 <= m; r0 += 4) row_tiles(xf, w, bias, y, r0, n, k, j1, j_end, 4, is_bf16);
+    if (m - r0 == 3) row_tiles(xf, w, bias, y, r0, n, k, j1, j_end, 3, is_bf16);
+    else if (m - r0 == 2) row_tiles(xf, w, bias, y, r0, n, k, j1, j_end, 2, is_bf16);
+    else if (m - r0 == 1) {
         int64_t j0 = j1;
-        for (; j0 + 3 <= j_end; j0 += 3) tile(xf, w, bias, y, r0, j0, n, k, 2, 3, is_bf16);
-        for (; j0 < j_end; j0++) tile(xf, w, bias, y, r0, j0, n, k, 2, 1, is_bf16);
-    }
-    if (r0 < m) {
-        int64_t j0 = j1;
-        for (; j0 + 4 <= j_end; j0 += 4) tile(xf, w, bias, y, r0, j0, n, k, 1, 4, is_bf16);
-        for (; j0 < j_end; j0++) tile(xf, w, bias, y, r0, j0, n, k, 1, 1, is_bf16);
+        for (; j0 + 4 <= j_end; j0 += 4) tile_row(xf, w, bias, y, r0, j0, n, k, 4, is_bf16);
+        for (; j0 < j_end; j0++) tile_row(xf, w, bias, y, r0, j0, n, k, 1, is_bf16);
     }
 }
 

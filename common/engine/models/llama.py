@@ -159,7 +159,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (``prepack``), where there is one (docs/benchmarks.md). Where oneDNN has no bf16 path at all and the invariant
     matmul has a vector path (an AVX2 CPU: ``bf16_matmul_widens``), torch widens one product at a time, and bf16
     rows, one included, take kernels/gemm_invariant.c instead: 1.4-3.7x torch's speed (and batch-invariant as a
-    side effect).
+    side effect). There, too, float32 steps of up to ``float32_invariant_rows`` rows take it.
 
     ``invariant`` (engine.deterministic): each output row is the same function of its input row whatever else
     is in ``x``: int8 always W8A8 (exact int32 sums, per-row scales), a weight in panels through
@@ -176,6 +176,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return _linear_wide(x, weight, bias).to(x.dtype)
     if (packed is None and x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16 and x.device.type == "cpu"
             and (bias is None or bias.dtype is torch.bfloat16) and bf16_matmul_widens()):
+        return linear_invariant(x, weight, bias)
+    if (x.dtype is torch.float32 and weight.dtype is torch.float32 and x.device.type == "cpu"
+            and (bias is None or bias.dtype is torch.float32) and x.numel() <= x.shape[-1] * float32_invariant_rows()):
         return linear_invariant(x, weight, bias)
     if (x.dtype is torch.bfloat16 and x.shape[0] == 1 and x.dim() == 2 and x.device.type == "cpu"
             and weight.dtype is torch.bfloat16 and x.shape[1] <= GEMV_MAX_K and weight.is_contiguous()
@@ -268,6 +271,21 @@ def bf16_matmul_widens() -> bool:
     at 64; ``bench.invariant_gemm``, docs/benchmarks.md). Not where only its portable loop builds, which is slower."""
     vector = (cpu_has("avx2") and cpu_has("fma")) or cpu_has("avx512f")
     return vector and not onednn_prepacks_bf16() and gemm_invariant_kernel() is not None
+
+
+# Up to this many rows, float32 linears on an AVX2 CPU without AVX-512 take kernels/gemm_invariant.c: at the 135M
+# model's five shapes on first-generation Zen it is 2.7x torch's F.linear at 16 rows, 1.5x at 64, 1.18x at 256,
+# 1.05x at 512 and 0.96x at 2,048 (bench.invariant_gemm --dtypes float32, docs/benchmarks.md).
+FLOAT32_INVARIANT_MAX_ROWS = 512
+
+
+@functools.cache
+def float32_invariant_rows() -> int:
+    """How many rows of a float32 linear take kernels/gemm_invariant.c rather than torch's matmul (0: none): on a
+    CPU with AVX2 and FMA but not AVX-512, where torch's float32 matmul is slower up to FLOAT32_INVARIANT_MAX_ROWS;
+    not measured elsewhere (AVX-512 hosts keep torch's)."""
+    vector = cpu_has("avx2") and cpu_has("fma") and not cpu_has("avx512f")
+    return FLOAT32_INVARIANT_MAX_ROWS if vector and gemm_invariant_kernel() is not None else 0
 
 
 PANEL_COLS = 16  # kernels/panels_bf16.h
@@ -683,6 +701,10 @@ W_BF16_PANELS = 3  # bfloat16 in panels (``Linear.panels``)
 W_BF16_COMPACT = 4  # bfloat16 in compact panels (a uint8 ``Linear.panels``: common/engine/compact_panels.py)
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 FUSED_MAX_ROWS = 256  # decode_forward.c's MAX_ROWS
+# float32 weights on an AVX2 CPU without AVX-512: the kernel's linears against the torch path's, whose linears take
+# kernels/gemm_invariant.c there (``float32_invariant_rows``), on first-generation Zen at 135M (bench.decode_kernel
+# --dtype float32): 1.64x at 4 rows, 1.27x at 8, 1.02x at 16, 0.90x at 32.
+FUSED_FLOAT32_AVX2_ROWS = 16
 
 
 def decode_forward_kernel(defines: tuple[str, ...] = ()):
@@ -718,18 +740,20 @@ class FusedDecode:
         self.model = model
         self.every_row = every_row
         # bf16 weights on a CPU with AVX512-BF16 take dot products 32 at a time, up to FUSED_MAX_ROWS rows, and
-        # float32 weights on an AVX2 CPU without AVX-512 (two rows a pass in FMAs, as on any CPU with AVX2) are
-        # ahead of torch's float32 path up to 32 rows (1.19x there, 2.77x at 8: bench.decode_kernel --dtype
-        # float32, first-generation Zen; on AVX-512 hosts not measured, so 8 there); elsewhere the
-        # kernel widens bf16 and float32 weights to float32 products, and int8 weights to int16
-        # products in integers, which past 8 rows lose to oneDNN's matmuls and W8A8's int8 products. Where it
-        # wins moves with the model and the weights' layout (Zen 4, bf16: in panels, 32 rows at 135M and at the
-        # 1B shape; in rows, 1-2 at 1B): with decode_kernel_max_batch -1 the model runner lowers this by timing
-        # at load.
+        # float32 weights on an AVX2 CPU without AVX-512 (two rows a pass in FMAs, as on any CPU with AVX2) up to
+        # FUSED_FLOAT32_AVX2_ROWS; elsewhere the kernel widens bf16 and float32 weights to float32 products, and
+        # int8 weights to int16 products in integers, which past 8 rows lose to oneDNN's matmuls and W8A8's int8
+        # products. Where it wins moves with the model and the weights' layout (Zen 4, bf16: in panels, 32 rows at
+        # 135M and at the 1B shape; in rows, 1-2 at 1B): with decode_kernel_max_batch -1 the model runner lowers
+        # this by timing at load.
         weight_dtype = model.layers[0].self_attn.qkv_proj.weight.dtype
-        wide = ((weight_dtype is torch.bfloat16 and cpu_has("avx512_bf16"))
-                or (weight_dtype is torch.float32 and cpu_has("avx2") and cpu_has("fma") and not cpu_has("avx512f")))
-        self.max_rows = FUSED_MAX_ROWS if every_row else min(max_rows, FUSED_MAX_ROWS if wide else SMALL_BATCH_ROWS)
+        if weight_dtype is torch.bfloat16 and cpu_has("avx512_bf16"):
+            widest = FUSED_MAX_ROWS
+        elif weight_dtype is torch.float32 and cpu_has("avx2") and cpu_has("fma") and not cpu_has("avx512f"):
+            widest = FUSED_FLOAT32_AVX2_ROWS
+        else:
+            widest = SMALL_BATCH_ROWS
+        self.max_rows = FUSED_MAX_ROWS if every_row else min(max_rows, widest)
         self._kernel = decode_forward_kernel() if self.max_rows > 0 else None
         self._layers: torch.Tensor | None = None  # [num_layers, 18] int64 addresses, built on first use
         self._pool_key: tuple | None = None
