@@ -8,7 +8,9 @@ oneDNN has no bfloat16 path, an AVX2 one) why bfloat16 rows take it even without
 
 The model's four linear shapes and its LM head (from its config.json, no weights loaded) with random weights, one
 copy per shape; per dtype and number of rows, each way's time for one pass over the five (the best of ``--repeat``
-rounds, the ways alternating, so the machine's drift biases none), and the kernel's speed over torch's. With
+rounds, the ways alternating, so the machine's drift biases none), and the kernel's speed over torch's; oneDNN's
+on the weights in its blocked layout (``llama.prepack``, the engine's copy for steps of several rows) where this
+host's oneDNN takes the dtype. With
 ``--portable`` also the kernel built with TESSERA_PORTABLE (the loop a CPU without AVX2 or AVX-512 runs), and
 whether its outputs equal the vector path's bit for bit, which the CPU's vector path promises for float32 and (but
 with AVX512-BF16) bfloat16.
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.int8_gemm import add_shape_arguments, shape_model, shapes
+from common.engine.models.llama import prepack
 from common.engine.native import gemm_invariant_kernel
 
 
@@ -40,12 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     linears = shapes(model_dir)
     print(f"{model.name}: {', '.join(f'{name} {n}x{k}' for name, n, k in linears)}, {args.threads} threads; ms per "
           f"pass over the five (best of {args.repeat}, alternating)\n")
-    print("| dtype | rows | gemm_invariant | torch F.linear | kernel speed over torch | GFLOP/s, kernel"
-          + (" | portable loop | its bits equal |" if args.portable else " |"))
-    print("|---|---|---|---|---|---" + ("|---|---|" if args.portable else "|"))
+    print("| dtype | rows | gemm_invariant | torch F.linear | kernel speed over torch | GFLOP/s, kernel | oneDNN, "
+          "prepacked | its speed over torch" + (" | portable loop | its bits equal |" if args.portable else " |"))
+    print("|---|---|---|---|---|---|---|---" + ("|---|---|" if args.portable else "|"))
     gen = torch.Generator().manual_seed(0)
+    packed: dict[torch.dtype, list[torch.Tensor] | None] = {}
     for dtype in (getattr(torch, name) for name in args.dtypes):
         weights = [(torch.randn(n, k, generator=gen) * k ** -0.5).to(dtype) for _, n, k in linears]
+        copies = [prepack(w) for w in weights]
+        packed[dtype] = None if any(c is None for c in copies) else copies
         for rows in args.rows:
             xs = [torch.randn(rows, k, generator=gen).to(dtype) for _, _, k in linears]
             outs = {way: [torch.empty(rows, n, dtype=dtype) for _, n, _ in linears] for way in ("vector", "portable")}
@@ -63,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
                     F.linear(x, w)
 
             ways = {"vector": through(vector, "vector"), "torch": run_torch}
+            if packed[dtype] is not None:
+                def run_onednn():
+                    for x, p in zip(xs, packed[dtype]):
+                        torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+                ways["onednn"] = run_onednn
             if args.portable:
                 ways["portable"] = through(portable, "portable")
             best = dict.fromkeys(ways, float("inf"))
@@ -72,9 +83,11 @@ def main(argv: list[str] | None = None) -> int:
                     fn()
                     best[way] = min(best[way], time.perf_counter() - start)
             flops = 2 * rows * sum(n * k for _, n, k in linears)
+            onednn = (f" {1e3 * best['onednn']:.2f} | {best['torch'] / best['onednn']:.2f}x |" if "onednn" in best
+                      else " — | — |")
             row = (f"| {str(dtype).removeprefix('torch.')} | {rows} | {1e3 * best['vector']:.2f} | "
                    f"{1e3 * best['torch']:.2f} | {best['torch'] / best['vector']:.2f}x | "
-                   f"{flops / best['vector'] / 1e9:.1f} |")
+                   f"{flops / best['vector'] / 1e9:.1f} |{onednn}")
             if args.portable:
                 equal = all(torch.equal(a, b) for a, b in zip(outs["vector"], outs["portable"]))
                 row += f" {1e3 * best['portable']:.2f} | {'yes' if equal else 'no'} |"

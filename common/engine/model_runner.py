@@ -34,7 +34,7 @@ from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.huge_pages import thp_policy
 from common.engine.memory import device_memory_bytes, module_bytes, resident_bytes
 from common.engine.models.llama import (FusedDecode, check_divisible, onednn_beside_panels, onednn_prepacks_bf16,
-                                       wide_sums)
+                                       onednn_prepacks_float32, wide_sums)
 from common.engine.models.loader import load_hf_config, load_model
 from common.engine.native import gemv_bf16_kernel
 from common.engine.quantization import calibration_ids, choose_int8_matmul, quantize_model_int8, smooth_for_int8
@@ -233,8 +233,9 @@ class ModelRunner:
             log.info("greedy LM head for steps of up to %d row(s): an int8 copy of the head (+%.1f MiB) rules out all "
                      "but a few tokens, whose exact logits come from the panels (common/engine/greedy_head.py; "
                      "engine.cpu.greedy_head_max_rows)", greedy_rows, self.greedy_head.nbytes / 2**20)
-        if bf16_cpu and config.cpu.prepack_weights and (added := self.model.prepack_weights()):  # int8: none
-            log.info("linear weights prepacked for oneDNN (+%.1f MiB; engine.cpu.prepack_weights)", added / 2**20)
+        if self._prepacks() and (added := self.model.prepack_weights()):
+            log.info("%s linear weights prepacked for oneDNN (+%.1f MiB; engine.cpu.prepack_weights)",
+                     str(self.dtype).removeprefix("torch."), added / 2**20)
         if self.model.fused_decode is not None and left and (self.dtype is torch.bfloat16
                                                               or config.quantization == "int8"):
             self._choose_decode_rows()
@@ -373,9 +374,19 @@ class ModelRunner:
         copy = GreedyHead.copy_bytes(*self.model.head().weight.shape) if self._greedy_head_rows() else 0
         return self._stored_weight_bytes() + copy
 
+    def _prepacks(self) -> bool:
+        """Whether the load gives the linear weights oneDNN's blocked copy (engine.cpu.prepack_weights): bfloat16
+        ones where this CPU's oneDNN has a bf16 path, float32 ones on an AVX2 CPU without AVX-512
+        (``onednn_prepacks_float32``); never int8 weights or under engine.deterministic."""
+        if (self.device.type != "cpu" or not self.config.cpu.prepack_weights or self.config.deterministic
+                or self.config.quantization == "int8"):
+            return False
+        return ((self.dtype is torch.bfloat16 and onednn_prepacks_bf16())
+                or (self.dtype is torch.float32 and onednn_prepacks_float32()))
+
     def _stored_weight_bytes(self) -> int:
         """The weights' own bytes as served: int8 holds a linear weight (and the embedding) in a byte per value
-        plus a float32 scale per row; the oneDNN prepack keeps a second copy of every bfloat16 linear weight, and
+        plus a float32 scale per row; the oneDNN prepack (``_prepacks``) keeps a second copy of every linear weight, and
         of a tied LM head, not in panels (``pack_panels``: the only copy of the layers it takes, but where oneDNN
         has AMX)."""
         linears = [m.weight for m in self.model.modules() if isinstance(m, torch.nn.Linear)]
@@ -383,8 +394,7 @@ class ModelRunner:
         if self.config.quantization == "int8":
             shrunk = sum(w.nbytes - w.numel() - 4 * w.shape[0] for w in [*linears, embedding])
             return self.weight_bytes - shrunk
-        if (self.dtype is torch.bfloat16 and self.device.type == "cpu" and self.config.cpu.prepack_weights
-                and not self.config.deterministic and onednn_prepacks_bf16()):
+        if self._prepacks():
             panels = set(self.model.panel_layers()) if self._panels_planned() and not onednn_beside_panels() else ()
             copied = [m for m in self.model.modules() if isinstance(m, torch.nn.Linear) and m not in panels]
             if self.model.tie_word_embeddings and self.model.embed_tokens not in panels:
@@ -532,7 +542,8 @@ class ModelRunner:
     def _forward_prompt(self, token_ids: list[int]) -> torch.Tensor:
         """One prompt's forward outside any schedule (calibration), written over the pool's first blocks:
         only at load, before the pool has an owner."""
-        ids = [t % self.vocab_size for t in token_ids][: min(self.max_model_len, self.num_blocks * self.config.block_size)]
+        room = min(self.max_model_len, self.num_blocks * self.config.block_size)
+        ids = [t % self.vocab_size for t in token_ids][:room]
         seq = Sequence("calibration", ids, SamplingParams(), seed=0)
         seq.block_table = list(range(-(-len(ids) // self.config.block_size)))
         return self.forward(self.prepare(StepPlan([seq], [len(ids)])))

@@ -158,8 +158,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     torch's bf16 matmul does not, and several rows take ``packed``, the weight in oneDNN's blocked layout
     (``prepack``), where there is one (docs/benchmarks.md). Where oneDNN has no bf16 path at all and the invariant
     matmul has a vector path (an AVX2 CPU: ``bf16_matmul_widens``), torch widens one product at a time, and bf16
-    rows, one included, take kernels/gemm_invariant.c instead: 1.4-3.7x torch's speed (and batch-invariant as a
-    side effect). There, too, float32 steps of up to ``float32_invariant_rows`` rows take it.
+    rows, one included, take kernels/gemm_invariant.c instead: 1.4-4.4x torch's speed (and batch-invariant as a
+    side effect). There float32 weights have oneDNN's copy (``onednn_prepacks_float32``), or without one (with
+    engine.cpu.prepack_weights off) take the invariant matmul for up to ``float32_invariant_rows`` rows.
 
     ``invariant`` (engine.deterministic): each output row is the same function of its input row whatever else
     is in ``x``: int8 always W8A8 (exact int32 sums, per-row scales), a weight in panels through
@@ -177,7 +178,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if (packed is None and x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16 and x.device.type == "cpu"
             and (bias is None or bias.dtype is torch.bfloat16) and bf16_matmul_widens()):
         return linear_invariant(x, weight, bias)
-    if (x.dtype is torch.float32 and weight.dtype is torch.float32 and x.device.type == "cpu"
+    if (packed is None and x.dtype is torch.float32 and weight.dtype is torch.float32 and x.device.type == "cpu"
             and (bias is None or bias.dtype is torch.float32) and x.numel() <= x.shape[-1] * float32_invariant_rows()):
         return linear_invariant(x, weight, bias)
     if (x.dtype is torch.bfloat16 and x.shape[0] == 1 and x.dim() == 2 and x.device.type == "cpu"
@@ -190,7 +191,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             bias_ptr = None if bias is None else bias.contiguous().data_ptr()
             if kernel(x.data_ptr(), weight.data_ptr(), bias_ptr, out.data_ptr(), 1, weight.shape[0], x.shape[1]) == 0:
                 return out
-    if packed is not None and x.dtype is torch.bfloat16:
+    if packed is not None and x.dtype is weight.dtype and (bias is None or bias.dtype is weight.dtype):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
@@ -244,11 +245,13 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` (bfloat16, on the CPU) reordered once into oneDNN's blocked layout, or None where torch
-    has no oneDNN. ``F.linear`` on a plain bf16 weight reorders it on every call: 15-25% of a 64-row decode
-    step's matmul time here, and over a third of a one-row call's
-    (``python -m experiments.gemv_bf16 --rows 1 8 64 256``). The result is bit-identical to ``F.linear``'s."""
-    if weight.dtype is not torch.bfloat16 or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    """``weight`` (bfloat16 or float32, on the CPU) reordered once into oneDNN's blocked layout, or None where torch
+    has no oneDNN (or its oneDNN no path for the dtype on this CPU). ``F.linear`` on a plain bf16 weight reorders
+    it on every call: 15-25% of a 64-row decode step's matmul time here, and over a third of a one-row call's
+    (``python -m experiments.gemv_bf16 --rows 1 8 64 256``); the bf16 result is bit-identical to ``F.linear``'s.
+    float32 ``F.linear`` takes torch's own GEMM, whose sums oneDNN's differ from by rounding."""
+    if (weight.dtype not in (torch.bfloat16, torch.float32) or weight.device.type != "cpu"
+            or not torch.backends.mkldnn.is_available()):
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 64)
@@ -261,6 +264,17 @@ def onednn_prepacks_bf16() -> bool:
     """Whether this host's oneDNN reorders a bf16 weight at all (``prepack``): torch has oneDNN, and the CPU the
     instructions its bf16 path needs (AVX512-BW/VL/DQ or AVX-NE-CONVERT: not on an AVX2-only host)."""
     return prepack(torch.zeros(64, 64, dtype=torch.bfloat16)) is not None
+
+
+@functools.cache
+def onednn_prepacks_float32() -> bool:
+    """Whether float32 linear weights get oneDNN's blocked copy too (``prepack``, engine.cpu.prepack_weights): on
+    an AVX2 CPU without AVX-512, where oneDNN's float32 matmul on it is ahead of torch's ``F.linear`` and of
+    kernels/gemm_invariant.c at every row count (first-generation Zen, the 135M model's shapes: 1.2-4.4x F.linear
+    from 8 rows, 1.1-1.3x the invariant matmul; ``bench.invariant_gemm``, docs/benchmarks.md). Not measured on
+    AVX-512 hosts, which keep F.linear."""
+    avx2_only = cpu_has("avx2") and cpu_has("fma") and not cpu_has("avx512f")
+    return avx2_only and prepack(torch.zeros(64, 64)) is not None
 
 
 @functools.cache
@@ -665,7 +679,8 @@ class LlamaForCausalLM(nn.Module):
         return True
 
     def prepack_weights(self) -> int:
-        """Gives every bfloat16 linear layer, and a tied LM head, not in panels (``pack_panels``: with them, none
+        """Gives every linear layer (bfloat16, or float32 where ``onednn_prepacks_float32``: the model runner
+        decides), and a tied LM head, not in panels (``pack_panels``: with them, none
         but a head whose shape the panels do not fit) its oneDNN-blocked copy (``packed``, from ``prepack``); the
         plain weights stay for the one-row kernels. Where oneDNN has AMX (``onednn_beside_panels``) the layers in
         panels get one too, for steps of ``ONEDNN_BESIDE_PANELS_ROWS`` rows or more. Returns the bytes added."""
