@@ -12,6 +12,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -441,7 +442,126 @@ static inline __attribute__((always_inline)) void attend_row_avx512(
 }
 #endif
 
-/* One (row, kv head): the AVX-512 path where it applies, else the scalar one. */
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/*
+ * The same with AVX2 and FMA, for head_dim a multiple of 8 (a CPU without AVX-512): dimensions 8 at a time,
+ * bf16 K/V widened on load; the 8 scores of a tile of keys are one transpose-and-add of 8 partial vectors
+ * (sum8x8), the softmax's exponentials 8 at a time (exp8). One item is one (row, kv head), as above.
+ */
+#define CHUNKS_MAX (MAX_HEAD_DIM / 8)
+
+static inline __m256 load8_any(const void *p, int bf16, int64_t i) {
+    return bf16 ? widen8_bf16((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
+}
+
+static inline __attribute__((always_inline)) void attend_one_avx2(
+    const void *q, const int q_bf16, const void *kv, int64_t block_stride, int64_t k_offset, int64_t v_offset,
+    const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens, void *out, const int out_bf16,
+    int num_heads, int num_kv_heads, const int head_dim, int block_size, float scale, const int is_bf16,
+    int group, int64_t item)
+{
+    const int elem = is_bf16 ? 2 : 4, nc = head_dim / 8, row_bytes = head_dim * elem;
+    int r = (int)(item / num_kv_heads), kvh = (int)(item % num_kv_heads);
+    int64_t len = context_lens[r];
+    const int64_t *table = block_tables + (int64_t)r * max_blocks;
+    const int64_t token_stride = (int64_t)num_kv_heads * head_dim, token_bytes = token_stride * elem;
+    __m256 qv[MAX_GROUP][CHUNKS_MAX], acc[MAX_GROUP][CHUNKS_MAX], part[8];
+    float m[MAX_GROUP], l[MAX_GROUP];
+    float scores[MAX_GROUP][MAX_BLOCK + 8];
+    const __m256 lane = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+
+    for (int h = 0; h < group; h++) {
+        int64_t qoff = ((int64_t)r * num_heads + kvh * group + h) * head_dim;
+        for (int c = 0; c < nc; c++) {
+            qv[h][c] = _mm256_mul_ps(load8_any(q, q_bf16, qoff + 8 * c), _mm256_set1_ps(scale));
+            acc[h][c] = _mm256_setzero_ps();
+        }
+        m[h] = -INFINITY;
+        l[h] = 0.f;
+    }
+    prefetch_first_blocks(kv, table, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim, elem,
+                         token_bytes);
+    for (int64_t start = 0; start < len; start += block_size) {
+        int64_t block = table[start / block_size];
+        int n = (int)(len - start < block_size ? len - start : block_size);
+        int64_t kbase = block * block_stride + k_offset + (int64_t)kvh * head_dim;
+        int64_t vbase = block * block_stride + v_offset + (int64_t)kvh * head_dim;
+        const char *pk, *pv;
+        next_block_rows(kv, table, start, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim, elem,
+                        PREFETCH_AHEAD, &pk, &pv);
+        for (int h = 0; h < group; h++) {
+            for (int t0 = 0; t0 < n; t0 += 8) { /* a head's scores of 8 keys: 8 partial vectors, one sum8x8 */
+                int tn = n - t0 < 8 ? n - t0 : 8;
+                const int64_t ko = kbase + t0 * token_stride;
+                if (h == 0)
+                    for (int t = 0; t < tn; t++) prefetch_row(pk, t0 + t, token_bytes, row_bytes);
+                if (tn == 8) { /* the 8 keys' sums side by side: 8 independent FMA chains, not one per key */
+#pragma GCC unroll 8
+                    for (int t = 0; t < 8; t++) part[t] = _mm256_setzero_ps();
+                    for (int c = 0; c < nc; c++)
+#pragma GCC unroll 8
+                        for (int t = 0; t < 8; t++)
+                            part[t] = _mm256_fmadd_ps(qv[h][c], load8_any(kv, is_bf16, ko + t * token_stride + 8 * c),
+                                                      part[t]);
+                } else {
+                    for (int t = 0; t < 8; t++) part[t] = _mm256_setzero_ps();
+                    for (int t = 0; t < tn; t++)
+                        for (int c = 0; c < nc; c++)
+                            part[t] = _mm256_fmadd_ps(qv[h][c], load8_any(kv, is_bf16, ko + t * token_stride + 8 * c),
+                                                      part[t]);
+                }
+                _mm256_storeu_ps(scores[h] + t0, sum8x8(part));
+            }
+            float bmax = m[h];
+            for (int t = 0; t < n; t++) bmax = scores[h][t] > bmax ? scores[h][t] : bmax;
+            float correction = expf(m[h] - bmax);
+            __m256 sum = _mm256_setzero_ps(), vmax = _mm256_set1_ps(bmax);
+            for (int t = 0; t < n; t += 8) { /* keys past n (a block's last tile) weigh nothing */
+                __m256 keep = _mm256_cmp_ps(lane, _mm256_set1_ps((float)(n - t)), _CMP_LT_OQ);
+                __m256 p = _mm256_and_ps(keep, exp8(_mm256_sub_ps(_mm256_loadu_ps(scores[h] + t), vmax)));
+                _mm256_storeu_ps(scores[h] + t, p);
+                sum = _mm256_add_ps(sum, p);
+            }
+            l[h] = l[h] * correction + sum8(sum);
+            m[h] = bmax;
+            if (correction != 1.f)
+                for (int c = 0; c < nc; c++) acc[h][c] = _mm256_mul_ps(acc[h][c], _mm256_set1_ps(correction));
+        }
+        for (int t = 0; t < n; t++) prefetch_row(pv, t, token_bytes, row_bytes);
+        for (int h = 0; h < group; h++) /* a head's accumulators held over the block's V rows (L1 after head 0) */
+            for (int c0 = 0; c0 < nc; c0 += 8) {
+                const int cn = nc - c0 < 8 ? nc - c0 : 8;
+                __m256 a[8];
+#pragma GCC unroll 8
+                for (int c = 0; c < 8; c++) a[c] = c < cn ? acc[h][c0 + c] : _mm256_setzero_ps();
+                for (int t = 0; t < n; t++) {
+                    const __m256 p = _mm256_set1_ps(scores[h][t]);
+                    const int64_t vo = vbase + t * token_stride + 8 * c0;
+#pragma GCC unroll 8
+                    for (int c = 0; c < 8; c++)
+                        if (c < cn) a[c] = _mm256_fmadd_ps(p, load8_any(kv, is_bf16, vo + 8 * c), a[c]);
+                }
+#pragma GCC unroll 8
+                for (int c = 0; c < 8; c++)
+                    if (c < cn) acc[h][c0 + c] = a[c];
+            }
+    }
+    for (int h = 0; h < group; h++) {
+        __m256 inv = _mm256_set1_ps(l[h] > 0.f ? 1.f / l[h] : 0.f);
+        int64_t ooff = ((int64_t)r * num_heads + kvh * group + h) * head_dim;
+        for (int c = 0; c < nc; c++) {
+            float o[8];
+            _mm256_storeu_ps(o, _mm256_mul_ps(acc[h][c], inv));
+            if (out_bf16)
+                for (int i = 0; i < 8; i++) ((uint16_t *)out)[ooff + 8 * c + i] = f32_to_bf16(o[i]);
+            else
+                memcpy((float *)out + ooff + 8 * c, o, sizeof o);
+        }
+    }
+}
+#endif
+
+/* One (row, kv head): the AVX-512 path where it applies (or the AVX2 one), else the scalar one. */
 static inline __attribute__((always_inline)) void attend_one(
     const void *q, const int q_bf16, const void *kv, int64_t block_stride, int64_t k_offset, int64_t v_offset,
     const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens, void *out, const int out_bf16,
@@ -452,6 +572,13 @@ static inline __attribute__((always_inline)) void attend_one(
     if (head_dim % 16 == 0) {
         attend_one_avx512(q, q_bf16, kv, block_stride, k_offset, v_offset, block_tables, max_blocks, context_lens,
                           out, out_bf16, num_heads, num_kv_heads, head_dim, block_size, scale, is_bf16, group, item);
+        return;
+    }
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+    if (head_dim % 8 == 0) {
+        attend_one_avx2(q, q_bf16, kv, block_stride, k_offset, v_offset, block_tables, max_blocks, context_lens,
+                        out, out_bf16, num_heads, num_kv_heads, head_dim, block_size, scale, is_bf16, group, item);
         return;
     }
 #endif

@@ -1,5 +1,5 @@
 /* Vector helpers for the engine's C kernels: with AVX-512, 16 floats from/to float32 or bfloat16, and e^x; with AVX2,
- * 8 bfloat16 widened and the fixed tree that sums 8 lanes. */
+ * 8 bfloat16 widened, e^x, the sums of 8 vectors' lanes, and the fixed tree that sums 8 lanes. */
 #ifndef TESSERA_SIMD_H
 #define TESSERA_SIMD_H
 
@@ -68,6 +68,33 @@ static inline __m512 silu16(__m512 g) {
 /* 8 bfloat16 widened to float32 (exact) */
 static inline __m256 widen8_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* e^x, float32, as exp16 (the same polynomial, clamped to [-87, 88]), 2^n made in the exponent bits */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147180559945f)); /* 2^(t-n) = e^r */
+    __m256 p = _mm256_set1_ps(1.f / 5040.f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    /* n is in [-126, 127] after the clamp: 2^n is the normal float with exponent field n + 127 */
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* r[i] = the sum of the 8 lanes of v[i], for 8 vectors */
+static inline __m256 sum8x8(const __m256 *v) {
+    __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+    __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+    __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3); /* v0-v3's halves, then v4-v7's */
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
 }
 
 /* The sum of 8 lanes by one fixed tree, 8 -> 4 -> 2 -> 1 (lane l + lane l + 4 first): the AVX-512 reductions'
