@@ -9,7 +9,7 @@ on disk), built with the engine's flags (common/engine/native.py) and the given 
 is the reference: every other one's output is compared with it.
 
 - ``decode_attention``: ``tessera_paged_attention`` over all 30 layers of a pool shaped like the embedded model's
-  (9 heads, 3 KV heads, head_dim 64, blocks of 16, bfloat16), the sequences' blocks drawn at random from a pool
+  (9 heads, 3 KV heads, head_dim 64, blocks of 16, ``--dtype``: bfloat16 by default), the sequences' blocks drawn at random from a pool
   twice their size, as a long-running server leaves them; rows x context per case.
 - ``decode_forward``: a model's whole decode forward (``tessera_decode_forward``, swapped into the engine's
   ``FusedDecode``, which takes every row count here) for ``--rows`` rows (1, 2, 4, 6, 8 by default), on sequences
@@ -89,29 +89,32 @@ def report(label: str, medians: dict[str, float], outputs: dict[str, torch.Tenso
     print(f"| {label} | {cells} | max diff from the first {diff:.3g} |")
 
 
-def decode_attention(variants: dict, rounds: int) -> None:
+def decode_attention(variants: dict, rounds: int, dtype: str) -> None:
     from common.engine.kv_cache import KVCache, KVLayout
     heads, kv_heads, dim, block, layers = 9, 3, 64, 16, 30
+    bf16 = dtype == "bfloat16"
+    size = 2 if bf16 else 4
     for batch, context in ((8, 290), (24, 290), (64, 290), (64, 1000)):
         per_seq = -(-context // block)
         cache = KVCache(KVLayout(num_layers=layers, block_size=block, num_kv_heads=kv_heads, head_dim=dim,
-                                 dtype="bfloat16"), 2 * batch * per_seq)
+                                 dtype=dtype), 2 * batch * per_seq)
         cache.buffer.normal_()
         pool = cache.buffer
-        q = torch.randn(batch, heads, dim).bfloat16()
+        q = torch.randn(batch, heads, dim).to(pool.dtype)
         lens = torch.full((batch,), context, dtype=torch.int64)
         tables = torch.randperm(2 * batch * per_seq)[:batch * per_seq].view(batch, per_seq).contiguous()
 
         def run(fn):
             out = torch.empty_like(q)
             for k, v in cache.layers:
-                status = fn(q.data_ptr(), pool.data_ptr(), pool.stride(0), (k.data_ptr() - pool.data_ptr()) // 2,
-                            (v.data_ptr() - pool.data_ptr()) // 2, tables.data_ptr(), tables.shape[1],
-                            lens.data_ptr(), out.data_ptr(), batch, heads, kv_heads, dim, block, dim ** -0.5, 1)
+                status = fn(q.data_ptr(), pool.data_ptr(), pool.stride(0), (k.data_ptr() - pool.data_ptr()) // size,
+                            (v.data_ptr() - pool.data_ptr()) // size, tables.data_ptr(), tables.shape[1],
+                            lens.data_ptr(), out.data_ptr(), batch, heads, kv_heads, dim, block, dim ** -0.5,
+                            int(bf16))
                 assert status == 0, status
             return out
         medians, outputs = alternate(variants, run, rounds)
-        gigabytes = batch * context * kv_heads * dim * 2 * 2 * layers / 1e9
+        gigabytes = batch * context * kv_heads * dim * 2 * size * layers / 1e9
         rates = "  ".join(f"{n} {gigabytes / ms * 1000:.1f}" for n, ms in medians.items())
         report(f"{batch} x {context}", medians, outputs)
         print(f"|   K/V read, GB/s | {rates} | |")
@@ -158,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.kernel}, {args.threads} threads, median of {args.rounds} alternating rounds\n")
         print("| case | " + " | ".join(["variants (speed-up over the first)", "outputs"]) + " |\n|---|---|---|")
         if args.kernel == "decode_attention":
-            decode_attention(variants, args.rounds)
+            decode_attention(variants, args.rounds, args.dtype)
         else:
             decode_forward(variants, args.rounds, args)
     return 0

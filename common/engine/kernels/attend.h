@@ -380,6 +380,180 @@ static inline __attribute__((always_inline)) void attend_one_avx512(
     attend_finish(&st, out, out_bf16, r, kvh, num_heads, head_dim, is_bf16, group);
 }
 
+#endif
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/*
+ * The same with AVX2 and FMA, for head_dim a multiple of 8 and a float32 pool (a CPU without AVX-512:
+ * ATTEND_VECTOR_KV): dimensions 8 at a time; the 8 scores of a tile of keys are 8 independent FMA chains summed by one
+ * transpose-and-add (sum8x8), the softmax's exponentials 8 at a time (exp8), and a head's accumulators stay in
+ * registers over a block's V rows. Items per (row, kv head) or per row (attend_by_row), as above.
+ */
+#define CHUNKS_MAX (MAX_HEAD_DIM / 8)
+
+static inline __m256 load8_any(const void *p, int bf16, int64_t i) {
+    return bf16 ? widen8_bf16((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
+}
+
+/* The running state of the G query heads of one (row, kv head): q scaled, the float32 accumulators, and each
+ * head's running max and sum. */
+typedef struct {
+    __m256 qv[MAX_GROUP][CHUNKS_MAX], acc[MAX_GROUP][CHUNKS_MAX];
+    float m[MAX_GROUP], l[MAX_GROUP];
+} attend_state;
+
+/* One block's scores per head (8 past the block for the last tile's lanes). */
+typedef struct {
+    float scores[MAX_GROUP][MAX_BLOCK + 8];
+} attend_scratch;
+
+static inline __attribute__((always_inline)) void attend_init(
+    attend_state *st, const void *q, const int q_bf16, int64_t r, int kvh, int num_heads, const int head_dim,
+    float scale, const int is_bf16, int group)
+{
+    (void)is_bf16; /* the AVX-512 path's pairing needs it; here q is in order whatever the pool */
+    for (int h = 0; h < group; h++) {
+        int64_t qoff = ((int64_t)r * num_heads + kvh * group + h) * head_dim;
+        for (int c = 0; c < head_dim / 8; c++) {
+            st->qv[h][c] = _mm256_mul_ps(load8_any(q, q_bf16, qoff + 8 * c), _mm256_set1_ps(scale));
+            st->acc[h][c] = _mm256_setzero_ps();
+        }
+        st->m[h] = -INFINITY;
+        st->l[h] = 0.f;
+    }
+}
+
+/* One block's n keys (K rows from kbase, V rows from vbase) folded into st; pk / pv: the rows to prefetch. */
+static inline __attribute__((always_inline)) void attend_block(
+    attend_state *st, attend_scratch *sc, const void *kv, int64_t kbase, int64_t vbase, int n, const char *pk,
+    const char *pv, int64_t token_stride, const int head_dim, const int is_bf16, int group)
+{
+    const int nc = head_dim / 8, row_bytes = head_dim * (is_bf16 ? 2 : 4);
+    const int64_t token_bytes = token_stride * (is_bf16 ? 2 : 4);
+    const __m256 lane = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+    __m256 part[8];
+    for (int t = 0; t < n; t++) prefetch_row(pk, t, token_bytes, row_bytes);
+    for (int h = 0; h < group; h++) {
+        float *scores = sc->scores[h];
+        for (int t0 = 0; t0 < n; t0 += 8) { /* a head's scores of 8 keys: 8 partial vectors, one sum8x8 */
+            int tn = n - t0 < 8 ? n - t0 : 8;
+            const int64_t ko = kbase + t0 * token_stride;
+            if (tn == 8) { /* the 8 keys' sums side by side: 8 independent FMA chains, not one per key */
+#pragma GCC unroll 8
+                for (int t = 0; t < 8; t++) part[t] = _mm256_setzero_ps();
+                for (int c = 0; c < nc; c++)
+#pragma GCC unroll 8
+                    for (int t = 0; t < 8; t++)
+                        part[t] = _mm256_fmadd_ps(st->qv[h][c], load8_any(kv, is_bf16, ko + t * token_stride + 8 * c),
+                                                  part[t]);
+            } else {
+                for (int t = 0; t < 8; t++) part[t] = _mm256_setzero_ps();
+                for (int t = 0; t < tn; t++)
+                    for (int c = 0; c < nc; c++)
+                        part[t] = _mm256_fmadd_ps(st->qv[h][c], load8_any(kv, is_bf16, ko + t * token_stride + 8 * c),
+                                                  part[t]);
+            }
+            _mm256_storeu_ps(scores + t0, sum8x8(part));
+        }
+        float bmax = st->m[h];
+        for (int t = 0; t < n; t++) bmax = scores[t] > bmax ? scores[t] : bmax;
+        float correction = expf(st->m[h] - bmax);
+        __m256 sum = _mm256_setzero_ps(), vmax = _mm256_set1_ps(bmax);
+        for (int t = 0; t < n; t += 8) { /* keys past n (a block's last tile) weigh nothing */
+            __m256 keep = _mm256_cmp_ps(lane, _mm256_set1_ps((float)(n - t)), _CMP_LT_OQ);
+            __m256 p = _mm256_and_ps(keep, exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + t), vmax)));
+            _mm256_storeu_ps(scores + t, p);
+            sum = _mm256_add_ps(sum, p);
+        }
+        st->l[h] = st->l[h] * correction + sum8(sum);
+        st->m[h] = bmax;
+        if (correction != 1.f)
+            for (int c = 0; c < nc; c++) st->acc[h][c] = _mm256_mul_ps(st->acc[h][c], _mm256_set1_ps(correction));
+    }
+    for (int t = 0; t < n; t++) prefetch_row(pv, t, token_bytes, row_bytes);
+    for (int h = 0; h < group; h++) /* a head's accumulators held over the block's V rows (L1 after head 0) */
+        for (int c0 = 0; c0 < nc; c0 += 8) {
+            const int cn = nc - c0 < 8 ? nc - c0 : 8;
+            __m256 a[8];
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++) a[c] = c < cn ? st->acc[h][c0 + c] : _mm256_setzero_ps();
+            for (int t = 0; t < n; t++) {
+                const __m256 p = _mm256_set1_ps(sc->scores[h][t]);
+                const int64_t vo = vbase + t * token_stride + 8 * c0;
+#pragma GCC unroll 8
+                for (int c = 0; c < 8; c++)
+                    if (c < cn) a[c] = _mm256_fmadd_ps(p, load8_any(kv, is_bf16, vo + 8 * c), a[c]);
+            }
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++)
+                if (c < cn) st->acc[h][c0 + c] = a[c];
+        }
+}
+
+static inline __attribute__((always_inline)) void attend_finish(
+    const attend_state *st, void *out, const int out_bf16, int64_t r, int kvh, int num_heads, const int head_dim,
+    const int is_bf16, int group)
+{
+    (void)is_bf16;
+    for (int h = 0; h < group; h++) {
+        __m256 inv = _mm256_set1_ps(st->l[h] > 0.f ? 1.f / st->l[h] : 0.f);
+        int64_t ooff = ((int64_t)r * num_heads + kvh * group + h) * head_dim;
+        for (int c = 0; c < head_dim / 8; c++) {
+            float o[8];
+            _mm256_storeu_ps(o, _mm256_mul_ps(st->acc[h][c], inv));
+            if (out_bf16)
+                for (int i = 0; i < 8; i++) ((uint16_t *)out)[ooff + 8 * c + i] = f32_to_bf16(o[i]);
+            else
+                memcpy((float *)out + ooff + 8 * c, o, sizeof o);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void attend_one_avx2(
+    const void *q, const int q_bf16, const void *kv, int64_t block_stride, int64_t k_offset, int64_t v_offset,
+    const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens, void *out, const int out_bf16,
+    int num_heads, int num_kv_heads, const int head_dim, int block_size, float scale, const int is_bf16,
+    int group, int64_t item)
+{
+    const int elem = is_bf16 ? 2 : 4;
+    int r = (int)(item / num_kv_heads), kvh = (int)(item % num_kv_heads);
+    int64_t len = context_lens[r];
+    const int64_t *table = block_tables + (int64_t)r * max_blocks;
+    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+    attend_state st;
+    attend_scratch sc;
+
+    attend_init(&st, q, q_bf16, r, kvh, num_heads, head_dim, scale, is_bf16, group);
+    prefetch_first_blocks(kv, table, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim, elem,
+                         token_stride * elem);
+    for (int64_t start = 0; start < len; start += block_size) {
+        int64_t block = table[start / block_size];
+        int n = (int)(len - start < block_size ? len - start : block_size);
+        int64_t base = block * block_stride + (int64_t)kvh * head_dim;
+        const char *pk, *pv;
+        next_block_rows(kv, table, start, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim, elem,
+                        PREFETCH_AHEAD, &pk, &pv);
+        attend_block(&st, &sc, kv, base + k_offset, base + v_offset, n, pk, pv, token_stride, head_dim, is_bf16,
+                     group);
+    }
+    attend_finish(&st, out, out_bf16, r, kvh, num_heads, head_dim, is_bf16, group);
+}
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+/* The vector paths (AVX-512, or AVX2 and FMA) take head sizes of this many dimensions at a time and rows as items */
+#define ATTEND_BY_ROW 1
+#if defined(__AVX512F__)
+#define ATTEND_DIM_STEP 16
+#define ATTEND_VECTOR_KV(is_bf16) 1
+#else
+#define ATTEND_DIM_STEP 8
+/* AVX2 takes float32 pools only: widening a bf16 pool's K rows once per query head of a group cost more than the
+ * scalar loop, which widens each row once (first-generation Zen, 135M shapes: 0.92-0.99x; experiments.kernel_ab
+ * decode_attention --dtype bfloat16) */
+#define ATTEND_VECTOR_KV(is_bf16) (!(is_bf16))
+#endif
+
 /*
  * Every kv head of one row, block by block: each block's K (V) rows of this layer are one contiguous range
  * that the heads read one after another, instead of three items reading every third row of it at different
@@ -397,18 +571,20 @@ static inline __attribute__((always_inline)) void attend_one_avx512(
 #define ROW_MIN_CONTEXT 0
 #endif
 
-/* Whether a step's decode rows go one item per row (attend_row_avx512): enough rows to keep every thread busy. */
-static inline int attend_by_row(int rows, const int64_t *context_lens, int head_dim, int num_kv_heads) {
+/* Whether a step's decode rows go one item per row (attend_row): a pool the vector path takes, and enough rows to
+ * keep every thread busy. */
+static inline int attend_by_row(int rows, const int64_t *context_lens, int head_dim, int num_kv_heads, int is_bf16) {
+    if (!ATTEND_VECTOR_KV(is_bf16)) return 0;
 #ifdef _OPENMP
     if (rows < omp_get_max_threads()) return 0;
 #endif
-    if (rows < ROW_ITEMS_MIN || head_dim % 16 != 0 || num_kv_heads > ROW_MAX_KV_HEADS) return 0;
+    if (rows < ROW_ITEMS_MIN || head_dim % ATTEND_DIM_STEP != 0 || num_kv_heads > ROW_MAX_KV_HEADS) return 0;
     int64_t total = 0;
     for (int r = 0; r < rows; r++) total += context_lens[r];
     return total >= (int64_t)ROW_MIN_CONTEXT * rows;
 }
 
-static inline __attribute__((always_inline)) void attend_row_avx512(
+static inline __attribute__((always_inline)) void attend_row(
     const void *q, const int q_bf16, const void *kv, int64_t block_stride, int64_t k_offset, int64_t v_offset,
     const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens, void *out, const int out_bf16,
     int num_heads, int num_kv_heads, const int head_dim, int block_size, float scale, const int is_bf16,
@@ -442,126 +618,7 @@ static inline __attribute__((always_inline)) void attend_row_avx512(
 }
 #endif
 
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-/*
- * The same with AVX2 and FMA, for head_dim a multiple of 8 (a CPU without AVX-512): dimensions 8 at a time,
- * bf16 K/V widened on load; the 8 scores of a tile of keys are one transpose-and-add of 8 partial vectors
- * (sum8x8), the softmax's exponentials 8 at a time (exp8). One item is one (row, kv head), as above.
- */
-#define CHUNKS_MAX (MAX_HEAD_DIM / 8)
-
-static inline __m256 load8_any(const void *p, int bf16, int64_t i) {
-    return bf16 ? widen8_bf16((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
-}
-
-static inline __attribute__((always_inline)) void attend_one_avx2(
-    const void *q, const int q_bf16, const void *kv, int64_t block_stride, int64_t k_offset, int64_t v_offset,
-    const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens, void *out, const int out_bf16,
-    int num_heads, int num_kv_heads, const int head_dim, int block_size, float scale, const int is_bf16,
-    int group, int64_t item)
-{
-    const int elem = is_bf16 ? 2 : 4, nc = head_dim / 8, row_bytes = head_dim * elem;
-    int r = (int)(item / num_kv_heads), kvh = (int)(item % num_kv_heads);
-    int64_t len = context_lens[r];
-    const int64_t *table = block_tables + (int64_t)r * max_blocks;
-    const int64_t token_stride = (int64_t)num_kv_heads * head_dim, token_bytes = token_stride * elem;
-    __m256 qv[MAX_GROUP][CHUNKS_MAX], acc[MAX_GROUP][CHUNKS_MAX], part[8];
-    float m[MAX_GROUP], l[MAX_GROUP];
-    float scores[MAX_GROUP][MAX_BLOCK + 8];
-    const __m256 lane = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
-
-    for (int h = 0; h < group; h++) {
-        int64_t qoff = ((int64_t)r * num_heads + kvh * group + h) * head_dim;
-        for (int c = 0; c < nc; c++) {
-            qv[h][c] = _mm256_mul_ps(load8_any(q, q_bf16, qoff + 8 * c), _mm256_set1_ps(scale));
-            acc[h][c] = _mm256_setzero_ps();
-        }
-        m[h] = -INFINITY;
-        l[h] = 0.f;
-    }
-    prefetch_first_blocks(kv, table, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim, elem,
-                         token_bytes);
-    for (int64_t start = 0; start < len; start += block_size) {
-        int64_t block = table[start / block_size];
-        int n = (int)(len - start < block_size ? len - start : block_size);
-        int64_t kbase = block * block_stride + k_offset + (int64_t)kvh * head_dim;
-        int64_t vbase = block * block_stride + v_offset + (int64_t)kvh * head_dim;
-        const char *pk, *pv;
-        next_block_rows(kv, table, start, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim, elem,
-                        PREFETCH_AHEAD, &pk, &pv);
-        for (int h = 0; h < group; h++) {
-            for (int t0 = 0; t0 < n; t0 += 8) { /* a head's scores of 8 keys: 8 partial vectors, one sum8x8 */
-                int tn = n - t0 < 8 ? n - t0 : 8;
-                const int64_t ko = kbase + t0 * token_stride;
-                if (h == 0)
-                    for (int t = 0; t < tn; t++) prefetch_row(pk, t0 + t, token_bytes, row_bytes);
-                if (tn == 8) { /* the 8 keys' sums side by side: 8 independent FMA chains, not one per key */
-#pragma GCC unroll 8
-                    for (int t = 0; t < 8; t++) part[t] = _mm256_setzero_ps();
-                    for (int c = 0; c < nc; c++)
-#pragma GCC unroll 8
-                        for (int t = 0; t < 8; t++)
-                            part[t] = _mm256_fmadd_ps(qv[h][c], load8_any(kv, is_bf16, ko + t * token_stride + 8 * c),
-                                                      part[t]);
-                } else {
-                    for (int t = 0; t < 8; t++) part[t] = _mm256_setzero_ps();
-                    for (int t = 0; t < tn; t++)
-                        for (int c = 0; c < nc; c++)
-                            part[t] = _mm256_fmadd_ps(qv[h][c], load8_any(kv, is_bf16, ko + t * token_stride + 8 * c),
-                                                      part[t]);
-                }
-                _mm256_storeu_ps(scores[h] + t0, sum8x8(part));
-            }
-            float bmax = m[h];
-            for (int t = 0; t < n; t++) bmax = scores[h][t] > bmax ? scores[h][t] : bmax;
-            float correction = expf(m[h] - bmax);
-            __m256 sum = _mm256_setzero_ps(), vmax = _mm256_set1_ps(bmax);
-            for (int t = 0; t < n; t += 8) { /* keys past n (a block's last tile) weigh nothing */
-                __m256 keep = _mm256_cmp_ps(lane, _mm256_set1_ps((float)(n - t)), _CMP_LT_OQ);
-                __m256 p = _mm256_and_ps(keep, exp8(_mm256_sub_ps(_mm256_loadu_ps(scores[h] + t), vmax)));
-                _mm256_storeu_ps(scores[h] + t, p);
-                sum = _mm256_add_ps(sum, p);
-            }
-            l[h] = l[h] * correction + sum8(sum);
-            m[h] = bmax;
-            if (correction != 1.f)
-                for (int c = 0; c < nc; c++) acc[h][c] = _mm256_mul_ps(acc[h][c], _mm256_set1_ps(correction));
-        }
-        for (int t = 0; t < n; t++) prefetch_row(pv, t, token_bytes, row_bytes);
-        for (int h = 0; h < group; h++) /* a head's accumulators held over the block's V rows (L1 after head 0) */
-            for (int c0 = 0; c0 < nc; c0 += 8) {
-                const int cn = nc - c0 < 8 ? nc - c0 : 8;
-                __m256 a[8];
-#pragma GCC unroll 8
-                for (int c = 0; c < 8; c++) a[c] = c < cn ? acc[h][c0 + c] : _mm256_setzero_ps();
-                for (int t = 0; t < n; t++) {
-                    const __m256 p = _mm256_set1_ps(scores[h][t]);
-                    const int64_t vo = vbase + t * token_stride + 8 * c0;
-#pragma GCC unroll 8
-                    for (int c = 0; c < 8; c++)
-                        if (c < cn) a[c] = _mm256_fmadd_ps(p, load8_any(kv, is_bf16, vo + 8 * c), a[c]);
-                }
-#pragma GCC unroll 8
-                for (int c = 0; c < 8; c++)
-                    if (c < cn) acc[h][c0 + c] = a[c];
-            }
-    }
-    for (int h = 0; h < group; h++) {
-        __m256 inv = _mm256_set1_ps(l[h] > 0.f ? 1.f / l[h] : 0.f);
-        int64_t ooff = ((int64_t)r * num_heads + kvh * group + h) * head_dim;
-        for (int c = 0; c < nc; c++) {
-            float o[8];
-            _mm256_storeu_ps(o, _mm256_mul_ps(acc[h][c], inv));
-            if (out_bf16)
-                for (int i = 0; i < 8; i++) ((uint16_t *)out)[ooff + 8 * c + i] = f32_to_bf16(o[i]);
-            else
-                memcpy((float *)out + ooff + 8 * c, o, sizeof o);
-        }
-    }
-}
-#endif
-
-/* One (row, kv head): the AVX-512 path where it applies (or the AVX2 one), else the scalar one. */
+/* One (row, kv head): the AVX-512 path where it applies (or the AVX2 one, float32 pools), else the scalar one. */
 static inline __attribute__((always_inline)) void attend_one(
     const void *q, const int q_bf16, const void *kv, int64_t block_stride, int64_t k_offset, int64_t v_offset,
     const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens, void *out, const int out_bf16,
@@ -576,7 +633,7 @@ static inline __attribute__((always_inline)) void attend_one(
     }
 #endif
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-    if (head_dim % 8 == 0) {
+    if (head_dim % 8 == 0 && !is_bf16) {
         attend_one_avx2(q, q_bf16, kv, block_stride, k_offset, v_offset, block_tables, max_blocks, context_lens,
                         out, out_bf16, num_heads, num_kv_heads, head_dim, block_size, scale, is_bf16, group, item);
         return;

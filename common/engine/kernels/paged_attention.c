@@ -20,7 +20,7 @@
 #define ATTEND(D, BF16) attend_one(q, BF16, kv, block_stride, k_offset, v_offset, block_tables, max_blocks, \
     context_lens, out, BF16, num_heads, num_kv_heads, D, block_size, scale, BF16, group, item)
 
-#define ATTEND_ROW(D, BF16) attend_row_avx512(q, BF16, kv, block_stride, k_offset, v_offset, block_tables, \
+#define ATTEND_ROW(D, BF16) attend_row(q, BF16, kv, block_stride, k_offset, v_offset, block_tables, \
     max_blocks, context_lens, out, BF16, num_heads, num_kv_heads, D, block_size, scale, BF16, group, states, r)
 
 int tessera_paged_attention(
@@ -33,9 +33,9 @@ int tessera_paged_attention(
         num_heads % num_kv_heads != 0)
         return -1;
 
-#if defined(__AVX512F__)
+#if defined(ATTEND_BY_ROW)
     /* Enough rows to keep every thread busy at one item per row: each row reads its blocks' K/V ranges whole */
-    if (attend_by_row(rows, context_lens, head_dim, num_kv_heads)) {
+    if (attend_by_row(rows, context_lens, head_dim, num_kv_heads, is_bf16)) {
         #pragma omp parallel
         {
             attend_state *states = aligned_alloc(64, sizeof(attend_state) * num_kv_heads);
