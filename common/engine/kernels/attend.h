@@ -385,9 +385,9 @@ static inline __attribute__((always_inline)) void attend_one_avx512(
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 /*
  * The same with AVX2 and FMA, for head_dim a multiple of 8 and a float32 pool (a CPU without AVX-512:
- * ATTEND_VECTOR_KV): dimensions 8 at a time; the 8 scores of a tile of keys are 8 independent FMA chains summed by one
- * transpose-and-add (sum8x8), the softmax's exponentials 8 at a time (exp8), and a head's accumulators stay in
- * registers over a block's V rows. Items per (row, kv head) or per row (attend_by_row), as above.
+ * ATTEND_VECTOR_KV): dimensions 8 at a time; the 8 scores of a tile of keys are 8 independent FMA chains summed
+ * by one transpose-and-add (sum8x8), the softmax's exponentials 8 at a time (exp8), and a head's accumulators stay
+ * in registers over a block's V rows. Items per (row, kv head) or per row (attend_by_row), as above.
  */
 #define CHUNKS_MAX (MAX_HEAD_DIM / 8)
 
