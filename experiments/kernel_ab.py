@@ -9,8 +9,8 @@ on disk), built with the engine's flags (common/engine/native.py) and the given 
 is the reference: every other one's output is compared with it.
 
 - ``decode_attention``: ``tessera_paged_attention`` over all 30 layers of a pool shaped like the embedded model's
-  (9 heads, 3 KV heads, head_dim 64, blocks of 16, ``--dtype``: bfloat16 by default), the sequences' blocks drawn at random from a pool
-  twice their size, as a long-running server leaves them; rows x context per case.
+  (9 heads, 3 KV heads, head_dim 64, blocks of 16, in ``--dtype``: bfloat16 by default), the sequences' blocks
+  drawn at random from a pool twice their size, as a long-running server leaves them; rows x context per case.
 - ``decode_forward``: a model's whole decode forward (``tessera_decode_forward``, swapped into the engine's
   ``FusedDecode``, which takes every row count here) for ``--rows`` rows (1, 2, 4, 6, 8 by default), on sequences
   of 97 + 8i tokens; ``--model`` as bench.profile_step takes it (the embedded model by default, ``1b``, ...).

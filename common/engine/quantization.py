@@ -334,10 +334,8 @@ def smooth_for_int8(model: nn.Module, run: Callable[[], object], alpha: float) -
         if gate_up.bias is not None:
             gate_up.bias[layer.mlp.intermediate:].copy_(gate_up.bias[layer.mlp.intermediate:].float() / s)
         down.weight.copy_(down.weight.float() * s)
-    from common.engine.models.llama import prepack  # llama imports this module
-    for module in modules:  # a oneDNN copy of a rescaled weight (``LlamaForCausalLM.prepack_weights``) made again
-        if getattr(module, "packed", None) is not None:
-            module.packed = prepack(module.weight)
+    for module in modules:  # a oneDNN copy of a weight before its rescaling (``LlamaForCausalLM.prepack_weights``)
+        module.packed = None
 
 
 def quantize_model_int8(model: nn.Module) -> None:
