@@ -350,36 +350,6 @@ static inline __attribute__((always_inline)) void attend_finish(
     }
 }
 
-static inline __attribute__((always_inline)) void attend_one_avx512(
-    const void *q, const int q_bf16, const void *kv, int64_t block_stride, int64_t k_offset, int64_t v_offset,
-    const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens, void *out, const int out_bf16,
-    int num_heads, int num_kv_heads, const int head_dim, int block_size, float scale, const int is_bf16,
-    int group, int64_t item)
-{
-    const int elem = is_bf16 ? 2 : 4;
-    int r = (int)(item / num_kv_heads), kvh = (int)(item % num_kv_heads);
-    int64_t len = context_lens[r];
-    const int64_t *table = block_tables + (int64_t)r * max_blocks;
-    int64_t token_stride = (int64_t)num_kv_heads * head_dim;
-    attend_state st;
-    attend_scratch sc;
-
-    attend_init(&st, q, q_bf16, r, kvh, num_heads, head_dim, scale, is_bf16, group);
-    prefetch_first_blocks(kv, table, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim, elem,
-                         token_stride * elem);
-    for (int64_t start = 0; start < len; start += block_size) {
-        int64_t block = table[start / block_size];
-        int n = (int)(len - start < block_size ? len - start : block_size);
-        int64_t base = block * block_stride + (int64_t)kvh * head_dim;
-        const char *pk, *pv;
-        next_block_rows(kv, table, start, len, block_size, block_stride, k_offset, v_offset, kvh, head_dim, elem,
-                        PREFETCH_AHEAD, &pk, &pv);
-        attend_block(&st, &sc, kv, base + k_offset, base + v_offset, n, pk, pv, token_stride, head_dim, is_bf16,
-                     group);
-    }
-    attend_finish(&st, out, out_bf16, r, kvh, num_heads, head_dim, is_bf16, group);
-}
-
 #endif
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
@@ -509,7 +479,24 @@ static inline __attribute__((always_inline)) void attend_finish(
     }
 }
 
-static inline __attribute__((always_inline)) void attend_one_avx2(
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+/* A vector path (AVX-512, or AVX2 and FMA): head sizes of ATTEND_DIM_STEP dimensions at a time, rows as items */
+#define ATTEND_VECTOR 1
+#if defined(__AVX512F__)
+#define ATTEND_DIM_STEP 16
+#define ATTEND_VECTOR_KV(is_bf16) 1
+#else
+#define ATTEND_DIM_STEP 8
+/* AVX2 takes float32 pools only: widening a bf16 pool's K rows once per query head of a group cost more than the
+ * scalar loop, which widens each row once (first-generation Zen, 135M shapes: 0.92-0.99x; experiments.kernel_ab
+ * decode_attention --dtype bfloat16) */
+#define ATTEND_VECTOR_KV(is_bf16) (!(is_bf16))
+#endif
+
+/* One (row, kv head) through the vector path's attend_init, attend_block and attend_finish. */
+static inline __attribute__((always_inline)) void attend_one_vector(
     const void *q, const int q_bf16, const void *kv, int64_t block_stride, int64_t k_offset, int64_t v_offset,
     const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens, void *out, const int out_bf16,
     int num_heads, int num_kv_heads, const int head_dim, int block_size, float scale, const int is_bf16,
@@ -519,7 +506,7 @@ static inline __attribute__((always_inline)) void attend_one_avx2(
     int r = (int)(item / num_kv_heads), kvh = (int)(item % num_kv_heads);
     int64_t len = context_lens[r];
     const int64_t *table = block_tables + (int64_t)r * max_blocks;
-    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+    int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     attend_state st;
     attend_scratch sc;
 
@@ -538,21 +525,6 @@ static inline __attribute__((always_inline)) void attend_one_avx2(
     }
     attend_finish(&st, out, out_bf16, r, kvh, num_heads, head_dim, is_bf16, group);
 }
-#endif
-
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-/* The vector paths (AVX-512, or AVX2 and FMA) take head sizes of this many dimensions at a time and rows as items */
-#define ATTEND_BY_ROW 1
-#if defined(__AVX512F__)
-#define ATTEND_DIM_STEP 16
-#define ATTEND_VECTOR_KV(is_bf16) 1
-#else
-#define ATTEND_DIM_STEP 8
-/* AVX2 takes float32 pools only: widening a bf16 pool's K rows once per query head of a group cost more than the
- * scalar loop, which widens each row once (first-generation Zen, 135M shapes: 0.92-0.99x; experiments.kernel_ab
- * decode_attention --dtype bfloat16) */
-#define ATTEND_VECTOR_KV(is_bf16) (!(is_bf16))
-#endif
 
 /*
  * Every kv head of one row, block by block: each block's K (V) rows of this layer are one contiguous range
@@ -625,17 +597,10 @@ static inline __attribute__((always_inline)) void attend_one(
     int num_heads, int num_kv_heads, const int head_dim, int block_size, float scale, const int is_bf16,
     int group, int64_t item)
 {
-#if defined(__AVX512F__)
-    if (head_dim % 16 == 0) {
-        attend_one_avx512(q, q_bf16, kv, block_stride, k_offset, v_offset, block_tables, max_blocks, context_lens,
+#if defined(ATTEND_VECTOR)
+    if (head_dim % ATTEND_DIM_STEP == 0 && ATTEND_VECTOR_KV(is_bf16)) {
+        attend_one_vector(q, q_bf16, kv, block_stride, k_offset, v_offset, block_tables, max_blocks, context_lens,
                           out, out_bf16, num_heads, num_kv_heads, head_dim, block_size, scale, is_bf16, group, item);
-        return;
-    }
-#endif
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-    if (head_dim % 8 == 0 && !is_bf16) {
-        attend_one_avx2(q, q_bf16, kv, block_stride, k_offset, v_offset, block_tables, max_blocks, context_lens,
-                        out, out_bf16, num_heads, num_kv_heads, head_dim, block_size, scale, is_bf16, group, item);
         return;
     }
 #endif

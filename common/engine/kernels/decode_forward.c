@@ -553,12 +553,12 @@ int tessera_decode_forward(const int64_t *layers, int num_layers, const int64_t 
     uint16_t *xb = (uint16_t *)alloc64(sizeof(uint16_t) * (size_t)m * (size_t)widest_k); /* bf16 or int16 input */
     if (xb == NULL) { free(h); return -1; }
     float xs[MAX_ROWS]; /* an int8 layer's input: each row's step (to_int16_rows) */
-#if defined(ATTEND_BY_ROW)
+#if defined(ATTEND_VECTOR)
     const int by_row = attend_by_row(m, context_lens, head_dim, kv_heads, act_bf16);
 #endif
     #pragma omp parallel
     {
-#if defined(ATTEND_BY_ROW)
+#if defined(ATTEND_VECTOR)
         attend_state *states = by_row ? aligned_alloc(64, sizeof(attend_state) * (size_t)kv_heads) : NULL;
 #endif
         for (int l = 0; l < num_layers; l++) {
@@ -595,7 +595,7 @@ int tessera_decode_forward(const int64_t *layers, int num_layers, const int64_t 
 
             /* attention: one item per row (every kv head, block by block) for many rows of long contexts, else
              * per (row, kv head); q rows sit at the start of each row's qkv */
-#if defined(ATTEND_BY_ROW)
+#if defined(ATTEND_VECTOR)
             if (by_row) {
                 #pragma omp for schedule(dynamic, 1)
                 for (int r = 0; r < m; r++) {
@@ -654,7 +654,7 @@ int tessera_decode_forward(const int64_t *layers, int num_layers, const int64_t 
             rms_norm(h + (int64_t)r * hidden, final_norm, act_bf16, hidden, eps, tmp);
             store(out, act_bf16, (int64_t)r * hidden, tmp, hidden);
         }
-#if defined(ATTEND_BY_ROW)
+#if defined(ATTEND_VECTOR)
         free(states);
 #endif
     }

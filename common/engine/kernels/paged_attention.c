@@ -33,7 +33,7 @@ int tessera_paged_attention(
         num_heads % num_kv_heads != 0)
         return -1;
 
-#if defined(ATTEND_BY_ROW)
+#if defined(ATTEND_VECTOR)
     /* Enough rows to keep every thread busy at one item per row: each row reads its blocks' K/V ranges whole */
     if (attend_by_row(rows, context_lens, head_dim, num_kv_heads, is_bf16)) {
         #pragma omp parallel

@@ -3,6 +3,12 @@
 #ifndef TESSERA_SIMD_H
 #define TESSERA_SIMD_H
 
+/* e^r for |r| <= ln(2) / 2 as its Taylor series to r^7 (Horner's rule), in any vector width: FMA(a, b, c) = a * b +
+ * c and SET1(x) broadcasts x (exp16 and exp8 share it, so the two widths give the same values) */
+#define EXP_TAYLOR(FMA, SET1, r)                                                                                  \
+    FMA(FMA(FMA(FMA(FMA(FMA(FMA(SET1(1.f / 5040.f), r, SET1(1.f / 720.f)), r, SET1(1.f / 120.f)), r,             \
+                        SET1(1.f / 24.f)), r, SET1(1.f / 6.f)), r, SET1(0.5f)), r, SET1(1.f)), r, SET1(1.f))
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #include <stdint.h>
@@ -41,15 +47,7 @@ static inline __m512 exp16(__m512 x) {
     __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
     __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945f)); /* 2^(t-n) = e^r */
-    __m512 p = _mm512_set1_ps(1.f / 5040.f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
+    return _mm512_scalef_ps(EXP_TAYLOR(_mm512_fmadd_ps, _mm512_set1_ps, r), n);
 }
 
 /* silu(g) = g / (1 + e^-g): the reciprocal to 14 bits and one Newton step to full float32 */
@@ -76,17 +74,9 @@ static inline __m256 exp8(__m256 x) {
     __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
     __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147180559945f)); /* 2^(t-n) = e^r */
-    __m256 p = _mm256_set1_ps(1.f / 5040.f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
     /* n is in [-126, 127] after the clamp: 2^n is the normal float with exponent field n + 127 */
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_mul_ps(EXP_TAYLOR(_mm256_fmadd_ps, _mm256_set1_ps, r), _mm256_castsi256_ps(e));
 }
 
 /* r[i] = the sum of the 8 lanes of v[i], for 8 vectors */
