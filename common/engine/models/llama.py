@@ -266,6 +266,11 @@ def onednn_prepacks_bf16() -> bool:
     return prepack(torch.zeros(64, 64, dtype=torch.bfloat16)) is not None
 
 
+def avx2_without_avx512() -> bool:
+    """A CPU with AVX2 and FMA but no AVX-512 (first-generation Zen here): where the float32 choices below differ."""
+    return cpu_has("avx2") and cpu_has("fma") and not cpu_has("avx512f")
+
+
 @functools.cache
 def onednn_prepacks_float32() -> bool:
     """Whether float32 linear weights get oneDNN's blocked copy too (``prepack``, engine.cpu.prepack_weights): on
@@ -273,8 +278,7 @@ def onednn_prepacks_float32() -> bool:
     kernels/gemm_invariant.c at every row count (first-generation Zen, the 135M model's shapes: 1.2-4.4x F.linear
     from 8 rows, 1.1-1.3x the invariant matmul; ``bench.invariant_gemm``, docs/benchmarks.md). Not measured on
     AVX-512 hosts, which keep F.linear."""
-    avx2_only = cpu_has("avx2") and cpu_has("fma") and not cpu_has("avx512f")
-    return avx2_only and prepack(torch.zeros(64, 64)) is not None
+    return avx2_without_avx512() and prepack(torch.zeros(64, 64)) is not None
 
 
 @functools.cache
@@ -298,8 +302,7 @@ def float32_invariant_rows() -> int:
     """How many rows of a float32 linear take kernels/gemm_invariant.c rather than torch's matmul (0: none): on a
     CPU with AVX2 and FMA but not AVX-512, where torch's float32 matmul is slower up to FLOAT32_INVARIANT_MAX_ROWS;
     not measured elsewhere (AVX-512 hosts keep torch's)."""
-    vector = cpu_has("avx2") and cpu_has("fma") and not cpu_has("avx512f")
-    return FLOAT32_INVARIANT_MAX_ROWS if vector and gemm_invariant_kernel() is not None else 0
+    return FLOAT32_INVARIANT_MAX_ROWS if avx2_without_avx512() and gemm_invariant_kernel() is not None else 0
 
 
 PANEL_COLS = 16  # kernels/panels_bf16.h
@@ -764,7 +767,7 @@ class FusedDecode:
         weight_dtype = model.layers[0].self_attn.qkv_proj.weight.dtype
         if weight_dtype is torch.bfloat16 and cpu_has("avx512_bf16"):
             widest = FUSED_MAX_ROWS
-        elif weight_dtype is torch.float32 and cpu_has("avx2") and cpu_has("fma") and not cpu_has("avx512f"):
+        elif weight_dtype is torch.float32 and avx2_without_avx512():
             widest = FUSED_FLOAT32_AVX2_ROWS
         else:
             widest = SMALL_BATCH_ROWS
