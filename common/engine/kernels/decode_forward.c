@@ -642,6 +642,9 @@ int tessera_decode_forward(const int64_t *layers, int num_layers, const int64_t 
 #if defined(__AVX512F__)
                 for (; i + 16 <= inter; i += 16) /* as the torch path's elementwise kernel, without its rounding */
                     _mm512_storeu_ps(a + i, _mm512_mul_ps(silu16(_mm512_loadu_ps(g + i)), _mm512_loadu_ps(u + i)));
+#elif defined(__AVX2__) && defined(__FMA__)
+                for (; i + 8 <= inter; i += 8)
+                    _mm256_storeu_ps(a + i, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
 #endif
                 for (; i < inter; i++) a[i] = g[i] / (1.f + expf(-g[i])) * u[i];
             }

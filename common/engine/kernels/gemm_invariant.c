@@ -220,11 +220,6 @@ static int gemm(const void *x, const void *w, const void *bias, void *y, int64_t
     return 0;
 }
 #elif defined(__AVX2__) && defined(__FMA__) && !defined(TESSERA_PORTABLE)
-/* 8 floats of a row from element i: float32, or bfloat16 widened (exact) */
-static inline __m256 load8(const void *p, const int is_bf16, int64_t i) {
-    return is_bf16 ? widen8_bf16((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
-}
-
 static inline float elem(const void *p, const int is_bf16, int64_t i) {
     return is_bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }

@@ -1,5 +1,6 @@
-/* Vector helpers for the engine's C kernels: with AVX-512, 16 floats from/to float32 or bfloat16, and e^x; with AVX2,
- * 8 bfloat16 widened, e^x, the sums of 8 vectors' lanes, and the fixed tree that sums 8 lanes. */
+/* Vector helpers for the engine's C kernels: with AVX-512, 16 floats from/to float32 or bfloat16, e^x and SiLU; with
+ * AVX2, 8 floats from/to float32 or bfloat16, e^x and SiLU, the sums of 8 vectors' lanes, and the fixed tree that sums
+ * 8 lanes. */
 #ifndef TESSERA_SIMD_H
 #define TESSERA_SIMD_H
 
@@ -77,6 +78,43 @@ static inline __m256 exp8(__m256 x) {
     /* n is in [-126, 127] after the clamp: 2^n is the normal float with exponent field n + 127 */
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(EXP_TAYLOR(_mm256_fmadd_ps, _mm256_set1_ps, r), _mm256_castsi256_ps(e));
+}
+
+/* silu(g) = g / (1 + e^-g) as silu16 computes it: the reciprocal to 12 bits and one Newton step */
+static inline __m256 silu8(__m256 g) {
+    __m256 d = _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)));
+    __m256 inv = _mm256_rcp_ps(d);
+    inv = _mm256_mul_ps(inv, _mm256_fnmadd_ps(d, inv, _mm256_set1_ps(2.f)));
+    return _mm256_mul_ps(g, inv);
+}
+
+/* 8 values from float32 or bfloat16 (widened, exact) */
+static inline __m256 load8(const void *p, int bf16, int64_t i) {
+    return bf16 ? widen8_bf16((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
+}
+
+/* float32 bits rounded to the nearest even bfloat16, in the high half (NaN inputs are not expected here) */
+static inline __m256i round8_bits(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+}
+
+/* v rounded to bfloat16 and widened back (a no-op for float32) */
+static inline __m256 round8(__m256 v, int bf16) {
+    if (!bf16) return v;
+    return _mm256_castsi256_ps(_mm256_and_si256(round8_bits(v), _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+/* 8 values to float32, or rounded to bfloat16 */
+static inline void store8(void *p, int bf16, int64_t i, __m256 v) {
+    if (!bf16) {
+        _mm256_storeu_ps((float *)p + i, v);
+        return;
+    }
+    __m256i hi = _mm256_srli_epi32(round8_bits(v), 16); /* 8 x 32-bit words, each < 2^16 */
+    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+    _mm_storeu_si128((__m128i *)((uint16_t *)p + i), packed);
 }
 
 /* r[i] = the sum of the 8 lanes of v[i], for 8 vectors */
