@@ -4,7 +4,8 @@
 
 - Prompt chunks (bfloat16): ``tessera_chunk_attention`` (kernels/paged_attention.c), reading K/V from the
   paged pool, against torch's SDPA on the chunk's own K/V (what ``TorchAttention`` runs for a fresh prompt),
-  for one to eight prompts per step and for longer prompts. Time is per layer.
+  for one to eight prompts per step and for longer prompts. Time is per layer (``bench.chunk_attention``, which
+  also takes float32, is the current tool).
 - Decode rows (bfloat16): the paged decode kernel over every layer of a 30-layer pool, the sequences' blocks
   spread at random over the pool as a long-running server leaves them, against the same rows all reading one
   sequence's blocks (cache-resident): the gap is what memory costs the kernel.
@@ -12,55 +13,15 @@
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
-import torch.nn.functional as F
 
-from common.engine.attention import CpuAttention, PrefillChunk, StepContext, step_context
+from bench.chunk_attention import BLOCK, HEAD_DIM, HEADS, KV_HEADS, chunk_row, per_call_ms
+from common.engine.attention import CpuAttention, StepContext
 from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.native import load_kernel
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
-
-
-def per_call_ms(fn, repeat: int) -> float:
-    fn()
-    start = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    return 1000 * (time.perf_counter() - start) / repeat
-
-
-def chunk_row(attention: CpuAttention, lengths: list[int], repeat: int) -> tuple[float, float]:
-    rows = sum(lengths)
-    blocks = sum(-(-n // BLOCK) for n in lengths)
-    cache = KVCache(KVLayout(num_layers=1, block_size=BLOCK, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                             dtype="bfloat16"), blocks)
-    perm = torch.randperm(blocks)
-    qkv = torch.randn(rows, HEADS + 2 * KV_HEADS, HEAD_DIM).bfloat16()
-    q, k, v = qkv.split([HEADS, KV_HEADS, KV_HEADS], dim=1)
-    chunks, slot_blocks, start, used = [], [], 0, 0
-    for n in lengths:
-        table = perm[used:used + -(-n // BLOCK)]
-        used += table.shape[0]
-        slot_blocks.append(table[torch.arange(n) // BLOCK])
-        chunks.append(PrefillChunk(start, start + n, 0, table))
-        start += n
-    offsets = torch.cat([torch.arange(n) % BLOCK for n in lengths])
-    ctx = StepContext(kv_cache=cache, slot_blocks=torch.cat(slot_blocks), slot_offsets=offsets, chunks=chunks)
-
-    def kernel():
-        with step_context(ctx):
-            attention(q, k, v, 0, HEAD_DIM ** -0.5)
-
-    def sdpa():
-        for c in chunks:
-            s, e = c.token_start, c.token_end
-            F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None],
-                                           v[s:e].transpose(0, 1)[None], is_causal=True, enable_gqa=True,
-                                           scale=HEAD_DIM ** -0.5)
-    return per_call_ms(kernel, repeat), per_call_ms(sdpa, repeat)
+LAYERS = 30
 
 
 def decode_row(attention: CpuAttention, batch: int, context: int, repeat: int) -> tuple[float, float, float]:
@@ -96,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     if load_kernel("paged_attention") is None:
         raise SystemExit("no C compiler: the kernels cannot be built")
     attention = CpuAttention()
-    if attention._chunk_kernel is None:
+    if torch.bfloat16 not in attention._chunk_dtypes:
         print("this CPU or compiler has no AVX512-BF16: prompt chunks stay on SDPA; skipping the chunk table\n")
     else:
         print("Prompt chunks, bfloat16, per layer\n\n| prompts x tokens | kernel ms | SDPA ms | speed-up |\n|---|---|---|---|")

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from common.engine.kv_cache import KVCache
-from common.engine.native import kernel_function, load_kernel
+from common.engine.native import avx2_without_avx512, kernel_function, load_kernel
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ _DECODE_ARGS = ((ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int6
                 + (ctypes.c_int,) * 5 + (ctypes.c_float, ctypes.c_int))
 _CHUNK_ARGS = ((ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p) + (ctypes.c_int64,) * 3
                + (ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
-               + (ctypes.c_int,) * 4 + (ctypes.c_float,))
+               + (ctypes.c_int,) * 4 + (ctypes.c_float, ctypes.c_int))
 
 
 class CpuAttention(TorchAttention):
@@ -236,13 +236,23 @@ class CpuAttention(TorchAttention):
     def __init__(self) -> None:
         self._kernel = kernel_function("paged_attention", "tessera_paged_attention", _DECODE_ARGS)
         chunk = kernel_function("paged_attention", "tessera_chunk_attention", _CHUNK_ARGS)
-        # bfloat16 chunks take the kernel where it was built with AVX512-BF16 (-3 otherwise: SDPA stays).
-        self._chunk_kernel = chunk if chunk(*([None, 0, None, 0, 0, 0, None, 0, None, 0, None]
-                                               + [1, 1, 64, 16, 1.0])) == 0 else None
+        # The dtypes whose prompt chunks take the chunk kernel (-3 from it: SDPA stays): bfloat16 where it was built
+        # with AVX512-BF16; float32 where it was built with AVX2 and FMA on a CPU without AVX-512, where it is
+        # ahead of SDPA (first-generation Zen, 135M shapes: ``bench.chunk_attention``, docs/benchmarks.md; not
+        # measured on AVX-512 hosts, which keep SDPA for float32).
+        self._chunk_dtypes = set()
+        for dtype in (torch.bfloat16, torch.float32):
+            if dtype is torch.float32 and not avx2_without_avx512():
+                continue
+            probe = [None, 0, None, 0, 0, 0, None, 0, None, 0, None, 1, 1, 64, 16, 1.0, int(dtype is torch.bfloat16)]
+            if chunk is not None and chunk(*probe) == 0:
+                self._chunk_dtypes.add(dtype)
+        self._chunk_kernel = chunk if self._chunk_dtypes else None
 
     def _attend_chunks(self, q, k, v, k_cache, v_cache, ctx: StepContext, scale: float, out: torch.Tensor) -> None:
-        """bfloat16 chunks in one kernel call over every chunk of the step; anything else through SDPA."""
-        if (self._chunk_kernel is None or q.dtype is not torch.bfloat16 or q.shape[2] % 32 or q.shape[2] > 256
+        """Chunks in one kernel call over every chunk of the step where the kernel takes q's dtype (``__init__``);
+        anything else through SDPA."""
+        if (q.dtype not in self._chunk_dtypes or q.shape[2] % 32 or q.shape[2] > 256
                 or q.stride(2) != 1 or q.stride(1) != q.shape[2]):
             super()._attend_chunks(q, k, v, k_cache, v_cache, ctx, scale, out)
             return
@@ -262,7 +272,7 @@ class CpuAttention(TorchAttention):
             q.data_ptr(), q.stride(0), pool.data_ptr(), pool.stride(0),
             (k_cache.data_ptr() - pool.data_ptr()) // itemsize, (v_cache.data_ptr() - pool.data_ptr()) // itemsize,
             rows.data_ptr(), rows.shape[0], tables.data_ptr(), tables.shape[1], out.data_ptr(),
-            q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale,
+            q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, int(q.dtype is torch.bfloat16),
         )
         if status != 0:
             raise RuntimeError(f"chunk attention kernel refused the shapes (status {status})")

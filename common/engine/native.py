@@ -61,6 +61,12 @@ def cpu_has(flag: str) -> bool:
     return flag in _cpu_signature().split()
 
 
+def avx2_without_avx512() -> bool:
+    """A CPU with AVX2 and FMA but no AVX-512 (first-generation Zen here): where the engine's float32 choices differ
+    (models/llama.py's linears, attention.py's prompt chunks)."""
+    return cpu_has("avx2") and cpu_has("fma") and not cpu_has("avx512f")
+
+
 @functools.cache
 def load_kernel(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """Compile (if needed) and load ``kernels/<name>.c``, with ``defines`` (``NAME=VALUE``, as ``-D`` gives them:

@@ -72,8 +72,8 @@ int tessera_paged_attention(
 /*
  * Attention for rows that compute several tokens of one sequence (a prompt, a prompt chunk, a recompute):
  * causal, grouped-query, K/V read from the paged pool (the step has already written the chunk's own K/V
- * there), so a chunk that continues a cached prefix needs no gathered copy. bfloat16 with AVX512-BF16 only:
- * elsewhere the function returns -3 and the caller keeps torch's SDPA.
+ * there), so a chunk that continues a cached prefix needs no gathered copy. bfloat16 with AVX512-BF16, float32
+ * with AVX2 and FMA: elsewhere the function returns -3 and the caller keeps torch's SDPA.
  *
  * One work item is (chunk, kv head, tile of up to CHUNK_QT queries): the tile's G * CHUNK_QT query vectors
  * share every K/V tile read. Keys go CHUNK_KT = 16 at a time. K is laid out as pairs of dimensions by key,
@@ -85,6 +85,7 @@ int tessera_paged_attention(
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include "simd.h"
 
+#define CHUNK_BF16 1
 #define CHUNK_QT 16
 #define CHUNK_KT 16
 #define CHUNK_MAX_VECS 64 /* query vectors per item: the query tile shrinks for large groups */
@@ -223,24 +224,221 @@ static inline __attribute__((always_inline)) void chunk_item(
 #endif
 
 /*
- * q:            bf16 query rows, row t at q + t * q_row_stride (heads, then head_dim, contiguous in a row)
+ * The float32 chunk item with AVX2 and FMA, as the bfloat16 one: (chunk, kv head, tile of up to F32_QT queries),
+ * keys F32_KT = 16 at a time, every query vector with a running softmax. 16 keys' K, transposed 8 x 8 a block at
+ * a time, is a dimension's 16 keys in two vectors, so F32_VB query vectors' scores against the tile are 2 * F32_VB
+ * independent FMA chains of one broadcast query value and a K vector each. The outputs take F32_PV query vectors
+ * x 32 dimensions at a time, a V row's 4 vectors against each vector's broadcast probability. Key tiles past a
+ * vector group's last query are skipped, so a prompt does the causal half of the work that SDPA does in full at
+ * these lengths.
+ */
+#if defined(__AVX2__) && defined(__FMA__)
+#include "simd.h"
+
+#define CHUNK_F32 1
+#ifndef F32_QT
+#define F32_QT 16
+#endif
+#define F32_KT 16
+#ifndef F32_MAX_VECS
+#define F32_MAX_VECS 48 /* query vectors per item, a multiple of F32_VB: the query tile shrinks for large groups */
+#endif
+#ifndef F32_VB
+#define F32_VB 6        /* query vectors scored together: 12 sums, two K vectors and a broadcast in registers */
+#endif
+#ifndef F32_PV
+#define F32_PV 3        /* query vectors accumulated together, 4 vectors of dimensions each: 12 sums */
+#endif
+/* A query's running max m moves only when a tile's max passes it by more than this: the probabilities e^(s - m)
+ * stay below e^8, their sum far from float32's range, and the branch is taken about once per query */
+#define F32_MAX_SLACK 8.f
+
+/* r[0..8) as an 8 x 8 matrix of floats, transposed in place */
+static inline __attribute__((always_inline)) void transpose8x8(__m256 *r) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) { /* u[4i + c]: column c (low half) and c + 4 (high half) of rows 4i..4i+3 */
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+    }
+    for (int c = 0; c < 4; c++) {
+        r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+        r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+    }
+}
+
+static inline __attribute__((always_inline)) void chunk_item_f32(
+    const float *q, int64_t q_row_stride, const float *kv, int64_t block_stride, int64_t k_offset,
+    int64_t v_offset, const int64_t *table, int64_t token_start, int64_t num_computed, int q_first, int nq,
+    float *out, int num_heads, int num_kv_heads, const int head_dim, int block_size, float scale,
+    int group, int kvh)
+{
+    const int nv = nq * group, nvp = (nv + F32_VB - 1) / F32_VB * F32_VB;
+    float qs[F32_MAX_VECS * MAX_HEAD_DIM] __attribute__((aligned(32)));  /* [vector][dim], scaled */
+    float acc[F32_MAX_VECS * MAX_HEAD_DIM] __attribute__((aligned(32))); /* [vector][dim] */
+    float p[F32_MAX_VECS][F32_KT] __attribute__((aligned(32)));          /* the tile's probabilities */
+    __m256 kt[MAX_HEAD_DIM][2];                                          /* [dim] -> keys 0-7, 8-15 */
+    float m[F32_MAX_VECS];
+    __m256 l[F32_MAX_VECS]; /* each query's softmax sum, lane by lane: summed across lanes once, at the end */
+    int64_t pos[F32_MAX_VECS];
+    for (int v = 0; v < nvp; v++) {
+        int qi = v / group, g = v % group;
+        float *dst = qs + (int64_t)v * head_dim;
+        if (v < nv) {
+            const float *src = q + (token_start + q_first + qi) * q_row_stride + (int64_t)(kvh * group + g) * head_dim;
+            for (int i = 0; i < head_dim; i++) dst[i] = src[i] * scale;
+        } else {
+            for (int i = 0; i < head_dim; i++) dst[i] = 0.f;
+        }
+        for (int i = 0; i < head_dim; i++) acc[(int64_t)v * head_dim + i] = 0.f;
+        m[v] = -INFINITY;
+        l[v] = _mm256_setzero_ps();
+        pos[v] = num_computed + q_first + (v < nv ? qi : nq - 1);
+    }
+    const __m256 lane_lo = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+    const __m256 lane_hi = _mm256_add_ps(lane_lo, _mm256_set1_ps(8.f));
+    int64_t key_end = num_computed + q_first + nq; /* keys [0, key_end) are visible to some query of the tile */
+    int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+    for (int64_t start = 0; start < key_end;) {
+        int64_t in_block = start % block_size;
+        int n = F32_KT;
+        if (block_size - in_block < n) n = (int)(block_size - in_block);
+        if (key_end - start < n) n = (int)(key_end - start);
+        int64_t block = table[start / block_size];
+        const float *kb = kv + block * block_stride + k_offset + in_block * token_stride + (int64_t)kvh * head_dim;
+        const float *vb = kv + block * block_stride + v_offset + in_block * token_stride + (int64_t)kvh * head_dim;
+        for (int h = 0; h < 2; h++) /* keys 8h..8h+7, each 8 dimensions at a time, transposed */
+            for (int d = 0; d < head_dim; d += 8) {
+                __m256 r[8];
+                for (int t = 0; t < 8; t++)
+                    r[t] = 8 * h + t < n ? _mm256_loadu_ps(kb + (8 * h + t) * token_stride + d) : _mm256_setzero_ps();
+                transpose8x8(r);
+                for (int t = 0; t < 8; t++) kt[d + t][h] = r[t];
+            }
+        for (int v0 = 0; v0 < nvp; v0 += F32_VB) {
+            if (pos[v0 + F32_VB - 1] < start) continue; /* every query of the group is before this key tile */
+            __m256 s[F32_VB][2];
+            for (int j = 0; j < F32_VB; j++) s[j][0] = s[j][1] = _mm256_setzero_ps();
+            for (int d = 0; d < head_dim; d++) {
+                __m256 k0 = kt[d][0], k1 = kt[d][1];
+                for (int j = 0; j < F32_VB; j++) {
+                    __m256 b = _mm256_broadcast_ss(qs + (int64_t)(v0 + j) * head_dim + d);
+                    s[j][0] = _mm256_fmadd_ps(b, k0, s[j][0]);
+                    s[j][1] = _mm256_fmadd_ps(b, k1, s[j][1]);
+                }
+            }
+            /* the sums out to memory by constant indices, so they stay in registers through the loop above */
+            float scores[F32_VB][F32_KT] __attribute__((aligned(32)));
+#pragma GCC unroll 16
+            for (int j = 0; j < F32_VB; j++) {
+                _mm256_store_ps(scores[j], s[j][0]);
+                _mm256_store_ps(scores[j] + 8, s[j][1]);
+            }
+            for (int j = 0; j < F32_VB; j++) {
+                int v = v0 + j;
+                int64_t visible = pos[v] + 1 - start;
+                if (visible > n) visible = n;
+                if (v >= nv || visible <= 0) {
+                    for (int t = 0; t < F32_KT; t++) p[v][t] = 0.f;
+                    continue;
+                }
+                __m256 vis = _mm256_set1_ps((float)visible);
+                __m256 keep0 = _mm256_cmp_ps(lane_lo, vis, _CMP_LT_OQ), keep1 = _mm256_cmp_ps(lane_hi, vis, _CMP_LT_OQ);
+                __m256 ninf = _mm256_set1_ps(-INFINITY);
+                __m256 s0 = _mm256_load_ps(scores[j]), s1 = _mm256_load_ps(scores[j] + 8);
+                __m256 mx = _mm256_max_ps(_mm256_blendv_ps(ninf, s0, keep0), _mm256_blendv_ps(ninf, s1, keep1));
+                mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 1)); /* every lane: the tile's max */
+                mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0x4e));
+                mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0xb1));
+                float tile_max = _mm256_cvtss_f32(mx);
+                if (tile_max > m[v] + F32_MAX_SLACK) { /* the first tile, then rarely: a predictable branch */
+                    __m256 c = _mm256_set1_ps(expf(m[v] - tile_max));
+                    l[v] = _mm256_mul_ps(l[v], c);
+                    float *a = acc + (int64_t)v * head_dim;
+                    for (int i = 0; i < head_dim; i += 8) _mm256_store_ps(a + i, _mm256_mul_ps(_mm256_load_ps(a + i), c));
+                    m[v] = tile_max;
+                }
+                __m256 mv = _mm256_set1_ps(m[v]);
+                __m256 p0 = _mm256_and_ps(keep0, exp8(_mm256_sub_ps(s0, mv)));
+                __m256 p1 = _mm256_and_ps(keep1, exp8(_mm256_sub_ps(s1, mv)));
+                _mm256_store_ps(p[v], p0);
+                _mm256_store_ps(p[v] + 8, p1);
+                l[v] = _mm256_add_ps(l[v], _mm256_add_ps(p0, p1));
+            }
+        }
+        for (int v0 = 0; v0 < nvp; v0 += F32_PV) {
+            if (pos[v0 + F32_PV - 1] < start) continue;
+            for (int d = 0; d < head_dim; d += 32) {
+                __m256 a[F32_PV][4];
+                for (int j = 0; j < F32_PV; j++)
+                    for (int i = 0; i < 4; i++) a[j][i] = _mm256_load_ps(acc + (int64_t)(v0 + j) * head_dim + d + 8 * i);
+                for (int t = 0; t < n; t++) {
+                    const float *vr = vb + t * token_stride + d;
+                    __m256 b[F32_PV];
+                    for (int j = 0; j < F32_PV; j++) b[j] = _mm256_broadcast_ss(&p[v0 + j][t]);
+                    for (int i = 0; i < 4; i++) {
+                        __m256 x = _mm256_loadu_ps(vr + 8 * i);
+                        for (int j = 0; j < F32_PV; j++) a[j][i] = _mm256_fmadd_ps(b[j], x, a[j][i]);
+                    }
+                }
+                for (int j = 0; j < F32_PV; j++)
+                    for (int i = 0; i < 4; i++) _mm256_store_ps(acc + (int64_t)(v0 + j) * head_dim + d + 8 * i, a[j][i]);
+            }
+        }
+        start += n;
+    }
+    for (int v = 0; v < nv; v++) {
+        float sum = sum8(l[v]);
+        __m256 inv = _mm256_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
+        float *o = out + ((token_start + q_first + v / group) * num_heads + kvh * group + v % group) * (int64_t)head_dim;
+        for (int i = 0; i < head_dim; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_load_ps(acc + (int64_t)v * head_dim + i), inv));
+    }
+}
+#endif
+
+/*
+ * q:            query rows (bf16, or float32 with is_bf16 0), row t at q + t * q_row_stride (heads, then head_dim,
+ *               contiguous in a row)
  * chunks:       [num_chunks, 3] int64: the chunk's first row in q/out, its number of rows, and how many of
  *               the sequence's tokens were cached before it (its first row's position)
  * block_tables: [num_chunks, max_blocks] int64, covering each chunk's whole context
- * out:          [rows, num_heads, head_dim] bf16; only the chunks' rows are written
- * The pool and its offsets are as for tessera_paged_attention.
- * Returns 0, -1 for shapes it does not take, -3 where the CPU or compiler lacks AVX512-BF16.
+ * out:          [rows, num_heads, head_dim], q's dtype; only the chunks' rows are written
+ * The pool (q's dtype) and its offsets are as for tessera_paged_attention.
+ * Returns 0, -1 for shapes it does not take, -3 where the CPU or compiler has no kernel for the dtype (bfloat16:
+ * AVX512-BF16; float32: AVX2 and FMA).
  */
 int tessera_chunk_attention(
     const void *q, int64_t q_row_stride, const void *kv, int64_t block_stride, int64_t k_offset,
     int64_t v_offset, const int64_t *chunks, int num_chunks, const int64_t *block_tables, int64_t max_blocks,
-    void *out, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale)
+    void *out, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int is_bf16)
 {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-    if (num_heads % num_kv_heads != 0) return -1;
+#if defined(CHUNK_BF16) || defined(CHUNK_F32)
+    int max_vecs, max_queries; /* query vectors and queries per item */
+    if (is_bf16) {
+#if defined(CHUNK_BF16)
+        max_vecs = CHUNK_MAX_VECS;
+        max_queries = CHUNK_QT;
+#else
+        return -3;
+#endif
+    } else {
+#if defined(CHUNK_F32)
+        max_vecs = F32_MAX_VECS;
+        max_queries = F32_QT;
+#else
+        return -3;
+#endif
+    }
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return -1;
     int group = num_heads / num_kv_heads;
-    if (group > CHUNK_MAX_VECS || head_dim > MAX_HEAD_DIM || head_dim % 32 != 0) return -1;
-    int qt = CHUNK_MAX_VECS / group < CHUNK_QT ? CHUNK_MAX_VECS / group : CHUNK_QT;
+    if (group > max_vecs || head_dim > MAX_HEAD_DIM || head_dim % 32 != 0) return -1;
+    int qt = max_vecs / group < max_queries ? max_vecs / group : max_queries;
     int64_t total = 0;
     for (int c = 0; c < num_chunks; c++) total += (chunks[3 * c + 1] + qt - 1) / qt * num_kv_heads;
     /* work items (chunk, tile, kv head), each chunk's latest (heaviest) tiles first */
@@ -260,21 +458,29 @@ int tessera_chunk_attention(
         int64_t left = chunks[3 * c + 1] - tile * qt;
         int nq = (int)(left < qt ? left : qt);
         const int64_t *table = block_tables + c * max_blocks;
-        if (head_dim == 64)
-            chunk_item((const uint16_t *)q, q_row_stride, (const uint16_t *)kv, block_stride, k_offset, v_offset,
-                       table, chunks[3 * c], chunks[3 * c + 2], (int)(tile * qt), nq, (uint16_t *)out, num_heads,
-                       num_kv_heads, 64, block_size, scale, group, kvh);
-        else
-            chunk_item((const uint16_t *)q, q_row_stride, (const uint16_t *)kv, block_stride, k_offset, v_offset,
-                       table, chunks[3 * c], chunks[3 * c + 2], (int)(tile * qt), nq, (uint16_t *)out, num_heads,
-                       num_kv_heads, head_dim, block_size, scale, group, kvh);
+#define CHUNK_ARGS(T, D) (const T *)q, q_row_stride, (const T *)kv, block_stride, k_offset, v_offset, table, \
+    chunks[3 * c], chunks[3 * c + 2], (int)(tile * qt), nq, (T *)out, num_heads, num_kv_heads, D, block_size, scale, \
+    group, kvh
+        if (is_bf16) {
+#if defined(CHUNK_BF16)
+            if (head_dim == 64) chunk_item(CHUNK_ARGS(uint16_t, 64));
+            else chunk_item(CHUNK_ARGS(uint16_t, head_dim));
+#endif
+        } else {
+#if defined(CHUNK_F32)
+            if (head_dim == 64) chunk_item_f32(CHUNK_ARGS(float, 64));
+            else if (head_dim == 128) chunk_item_f32(CHUNK_ARGS(float, 128));
+            else chunk_item_f32(CHUNK_ARGS(float, head_dim));
+#endif
+        }
+#undef CHUNK_ARGS
     }
     free(items);
     return 0;
 #else
     (void)q; (void)q_row_stride; (void)kv; (void)block_stride; (void)k_offset; (void)v_offset; (void)chunks;
     (void)num_chunks; (void)block_tables; (void)max_blocks; (void)out; (void)num_heads; (void)num_kv_heads;
-    (void)head_dim; (void)block_size; (void)scale;
+    (void)head_dim; (void)block_size; (void)scale; (void)is_bf16;
     return -3;
 #endif
 }

@@ -27,8 +27,8 @@ from common.engine import compact_panels
 from common.engine.attention import get_step_context, row_tables
 from common.engine.huge_pages import HugePageArena
 from common.engine.models.rope import RotaryEmbedding, rotate
-from common.engine.native import (cpu_has, gemm_invariant_kernel, gemv_bf16_kernel, kernel_function,
-                                  linear_compact_kernel, linear_panels_kernel)
+from common.engine.native import (avx2_without_avx512, cpu_has, gemm_invariant_kernel, gemv_bf16_kernel,
+                                  kernel_function, linear_compact_kernel, linear_panels_kernel)
 from common.engine.quantization import INT8_WEIGHT_ONLY_ROWS, SMALL_BATCH_ROWS, linear_int8, mlp_int8
 from common.engine.tensor_parallel import Parallel
 
@@ -264,11 +264,6 @@ def onednn_prepacks_bf16() -> bool:
     """Whether this host's oneDNN reorders a bf16 weight at all (``prepack``): torch has oneDNN, and the CPU the
     instructions its bf16 path needs (AVX512-BW/VL/DQ or AVX-NE-CONVERT: not on an AVX2-only host)."""
     return prepack(torch.zeros(64, 64, dtype=torch.bfloat16)) is not None
-
-
-def avx2_without_avx512() -> bool:
-    """A CPU with AVX2 and FMA but no AVX-512 (first-generation Zen here): where the float32 choices below differ."""
-    return cpu_has("avx2") and cpu_has("fma") and not cpu_has("avx512f")
 
 
 @functools.cache
