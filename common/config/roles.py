@@ -78,7 +78,9 @@ class HttpConfig:
 class RequestsConfig:
     """One request's limits and deadlines, and resumable streams' buffers."""
 
-    first_token_timeout_s: Float = option(120.0, "longest wait for a request's first token before 504", gt=0)
+    first_token_timeout_s: Float = option(
+        120.0, "longest wait for a request's first token in which the worker computing its prompt finishes no "
+        "prompt, before 504 (a request queued behind others waits while they finish)", gt=0)
     token_timeout_s: Float = option(60.0, "longest gap between two messages of a running request before 504", gt=0)
     max_tokens_default: Int = option(256, "max_tokens of a request that gives none", gt=0)
     max_tokens_limit: Int = option(32768, "most tokens a request may ask to generate (max_tokens)", gt=0)

@@ -177,8 +177,16 @@ class Cluster:
             self.admission.requeue(sub.request_id, before)
 
     def check_deadline(self, sub: SubRequest, now: float) -> None:
-        self._act(sub, sub.stage, sub.check_deadline(now))  # the stage before the handler runs
+        worker = self.registry.workers.get(sub.computing_prompt_on() or "")
+        # the stage before the handler runs
+        self._act(sub, sub.stage, sub.check_deadline(now, worker.prompt_done_at if worker is not None else None))
         self._dispatch()
+
+    def _prompt_done(self, sender: str, now: float) -> None:
+        """``sender`` finished a prompt: the requests waiting in its queue for theirs wait on (``check_deadline``)."""
+        worker = self.registry.workers.get(sender)
+        if worker is not None:
+            worker.prompt_done_at = now
 
     def cancel(self, sub: SubRequest, reason: str, status: int = 499) -> None:
         self._act(sub, sub.stage, sub.cancel(reason, status))
@@ -438,6 +446,7 @@ class Cluster:
         return True
 
     def _on_prefill_done(self, sender: str, msg: PrefillDone, now: float) -> None:
+        self._prompt_done(sender, now)
         sub = self._sub(msg.request_id)
         if self._on_request_message(sub, lambda: sub.on_prefill_done(msg, sender, now)):
             return
@@ -472,7 +481,10 @@ class Cluster:
             with request_scope(delta.request_id, sub.tenant if sub is not None else None):
                 try:  # _apply, inlined: this runs for every token
                     before = sub.stage if sub is not None else None
+                    awaiting = sub is not None and sub.first_token_at is None
                     if sub is not None and (sends := sub.on_token_delta(delta, sender, now)) is not None:
+                        if awaiting and sub.first_token_at is not None:  # its first token: a local prompt finished
+                            self._prompt_done(sender, now)
                         self._act(sub, before, sends)
                         continue
                 except Exception:  # a bug on one request must not cost the step's other requests their tokens

@@ -16,7 +16,8 @@ The stage (``Stage``) lives here alone, in ``SubRequest.stage``.
   ``queue_timeout_s`` or the client's own deadline, whichever is first;
   past it the request is dropped, never run: 503 (queue timeout) or 504
   (``deadline_exceeded``). Admission routes and starts it.
-- PREFILLING: PrefillRequest sent; deadline ``first_token_timeout_s``.
+- PREFILLING: PrefillRequest sent; deadline ``first_token_timeout_s``, moved on while its worker finishes other
+  prompts (``check_deadline``: a burst waits its turn in the worker's queue, as long as the queue moves).
   PrefillDone streams the first token; the prefill worker holds the pages
   until ReleaseKV. A pipelined one (``kv_pipeline.min_tokens``) also sent its
   decode worker (``pipelined_to``) a DecodeRequest with ``kv_pipelined``, and
@@ -554,9 +555,27 @@ class SubRequest:
         self.recovery.recovered(now)
         self.recovery = None
 
-    def check_deadline(self, now: float) -> Sends:
+    def computing_prompt_on(self) -> str | None:
+        """The worker that owes it a prompt's first token: its prefill worker while PREFILLING, its decode worker
+        while it prefills there (local) before its first token; None otherwise."""
+        if self.stage is Stage.PREFILLING:
+            return self.prefill_worker
+        if self.stage is Stage.DECODING and self.first_token_at is None:
+            return self.decode_worker
+        return None
+
+    def check_deadline(self, now: float, prompt_done_at: float | None = None) -> Sends:
+        """Fail it if its deadline passed. ``prompt_done_at``: when the worker computing its prompt
+        (``computing_prompt_on``) last finished one: ``first_token_timeout_s`` bounds the wait with no prompt
+        finished there, so a request queued behind others on a slow model waits while the queue moves (as
+        vLLM's does), and one on a worker that finishes none fails."""
         if self.done or now < self.deadline:
             return []
+        if prompt_done_at is not None and self.computing_prompt_on() is not None:
+            moved = prompt_done_at + self._config.requests.first_token_timeout_s
+            if now < moved:
+                self.deadline = moved
+                return []
         if self.stage is Stage.QUEUED or (self.stage is Stage.READY and self.local):
             return self._drop_unadmitted(now)
         if self.stage is Stage.READY:
@@ -564,7 +583,10 @@ class SubRequest:
             return self._fail(ApiError(503, f"the cluster is saturated: no decode slot freed up within "
                                        f"tenancy.queue_timeout_s={self._config.tenancy.queue_timeout_s:g}s after the prefill",
                                        code="queue_timeout", retry_after_s=self._config.requests.retry_after_s))
-        if self.first_token_at is None:
+        if self.computing_prompt_on() is not None:
+            why = (f"no first token within requests.first_token_timeout_s={self._config.requests.first_token_timeout_s}s"
+                   " in which its worker finished no prompt")
+        elif self.first_token_at is None:
             why = f"no first token within requests.first_token_timeout_s={self._config.requests.first_token_timeout_s}s"
         else:
             why = f"no message from the worker within requests.token_timeout_s={self._config.requests.token_timeout_s}s"

@@ -72,6 +72,7 @@ class WorkerState:
     host: str = ""  # the host it runs on (Register); "": not reported, paired with no one by host
     interconnect_domain: str = ""  # its GPU's NVLink fabric (Register); "": none, paired with no one by fabric
     lag: StepLag = field(default_factory=StepLag)  # its steps as they come, against its model
+    prompt_done_at: float | None = None  # when it last finished a prompt (a first token); None: not yet
 
     def __setattr__(self, name: str, value) -> None:
         if name in _SLOT_FIELDS:
