@@ -1,14 +1,12 @@
-"""The CPU attention kernels against torch, on the embedded model's shapes (9 heads, 3 KV heads, head_dim 64).
+"""The CPU decode attention kernel against its cache-resident best, on the embedded model's shapes (9 heads, 3 KV
+heads, head_dim 64).
 
     .venv/bin/python -m experiments.attention_kernels [--threads 2]
 
-- Prompt chunks (bfloat16): ``tessera_chunk_attention`` (kernels/paged_attention.c), reading K/V from the
-  paged pool, against torch's SDPA on the chunk's own K/V (what ``TorchAttention`` runs for a fresh prompt),
-  for one to eight prompts per step and for longer prompts. Time is per layer (``bench.chunk_attention``, which
-  also takes float32, is the current tool).
-- Decode rows (bfloat16): the paged decode kernel over every layer of a 30-layer pool, the sequences' blocks
-  spread at random over the pool as a long-running server leaves them, against the same rows all reading one
-  sequence's blocks (cache-resident): the gap is what memory costs the kernel.
+Decode rows (bfloat16): the paged decode kernel over every layer of a 30-layer pool, the sequences' blocks spread at
+random over the pool as a long-running server leaves them, against the same rows all reading one sequence's blocks
+(cache-resident): the gap is what memory costs the kernel. Prompt chunks against SDPA, which this module also timed
+once, are ``bench.chunk_attention``'s now.
 """
 from __future__ import annotations
 
@@ -16,7 +14,7 @@ import argparse
 
 import torch
 
-from bench.chunk_attention import BLOCK, HEAD_DIM, HEADS, KV_HEADS, chunk_row, per_call_ms
+from bench.chunk_attention import BLOCK, HEAD_DIM, HEADS, KV_HEADS, per_call_ms
 from common.engine.attention import CpuAttention, StepContext
 from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.native import load_kernel
@@ -57,15 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     if load_kernel("paged_attention") is None:
         raise SystemExit("no C compiler: the kernels cannot be built")
     attention = CpuAttention()
-    if torch.bfloat16 not in attention._chunk_dtypes:
-        print("this CPU or compiler has no AVX512-BF16: prompt chunks stay on SDPA; skipping the chunk table\n")
-    else:
-        print("Prompt chunks, bfloat16, per layer\n\n| prompts x tokens | kernel ms | SDPA ms | speed-up |\n|---|---|---|---|")
-        for lengths in ([256], [256] * 4, [256] * 8, [1000], [2048]):
-            ours, sdpa = chunk_row(attention, lengths, args.repeat)
-            label = f"{len(lengths)} x {lengths[0]}"
-            print(f"| {label} | {ours:.3f} | {sdpa:.3f} | {sdpa / ours:.2f}x |")
-    print("\nDecode rows, bfloat16, all 30 layers of one step\n\n"
+    print("Decode rows, bfloat16, all 30 layers of one step\n\n"
           "| rows x context | blocks spread over the pool, ms | blocks shared (cache-resident), ms | KV read, GB/s |\n"
           "|---|---|---|---|")
     for batch, context in ((8, 290), (64, 290)):
