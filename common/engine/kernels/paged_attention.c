@@ -1,5 +1,6 @@
 /*
- * Paged attention for single query rows (decode) on the CPU.
+ * Paged attention on the CPU, read in place from the block-major pool: single query rows (decode) here, then prompt
+ * chunks (tessera_chunk_attention, below; one file because both walk the same pool through block tables).
  *
  * Reads K/V straight from the block-major pool through each row's block
  * table, so no gathered copy of the context is ever made. One work item is
