@@ -1,11 +1,11 @@
 """Multi-turn chat over the P/D layout: the KV bytes each turn moves and its time to first token, with and without
-delta pull (``kv_delta_pull``), one invocation.
+delta pull (``transfer.delta_pull``), one invocation.
 
     python -m bench.delta_pull [--conversations 4] [--turns 6] [--system-tokens 1500] [--user-tokens 40] \
         [--max-tokens 32] [--markdown]
 
 For each mode a cluster starts as ``tessera up`` starts it (one prefill and one decode worker on loopback,
-sharing the cores, the shipped configs; ``--set decode:kv_delta_pull=false`` for the second mode). Each of
+sharing the cores, the shipped configs; ``--set decode:transfer.delta_pull=false`` for the second mode). Each of
 ``--conversations`` conversations, one after the other, has its own system prompt of about ``--system-tokens``
 tokens and ``--turns`` user messages of about ``--user-tokens`` tokens; each turn sends the whole history as a
 chat completion (greedy, ``--max-tokens`` tokens, no session header: as a client that knows nothing of Tessera
@@ -36,7 +36,7 @@ from common.text.tokenizer import Tokenizer
 MODEL = "SmolLM2-135M-Instruct"
 REQUEST_TIMEOUT_S = 300.0
 KV_BYTES = "tessera_proxy_kv_transfer_bytes_total"
-MODES = {"delta pull": "true", "whole pull": "false"}  # mode -> decode:kv_delta_pull
+MODES = {"delta pull": "true", "whole pull": "false"}  # mode -> decode:transfer.delta_pull
 BYTES_TARGET = 0.10  # turns 2.. KV bytes per request / turn 1's
 TTFT_TARGET = 0.15  # turns 2.. TTFT p50 / turn 1's
 
@@ -91,7 +91,7 @@ def one_turn(client: httpx.Client, cluster: LocalCluster, messages: list[dict], 
 def run_mode(log_dir: Path, delta: str, conversations: list[dict], max_tokens: int) -> dict:
     log_dir.mkdir(parents=True, exist_ok=True)
     cluster = LocalCluster("embedded", log_dir, prefill=1, decode=1, transfer_backend="auto", threads=0,
-                           role_overrides=[f"decode:kv_delta_pull={delta}"]).start()
+                           role_overrides=[f"decode:transfer.delta_pull={delta}"]).start()
     turns: list[list[dict]] = []
     try:
         with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:

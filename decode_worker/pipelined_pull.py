@@ -3,7 +3,7 @@ computes the prompt, and the rest once it is done.
 
 Life cycle (``decode_worker/worker.py`` drives it; it alone owns the pulls and the blocks it names):
   DecodeRequest(kv_pipelined) -> the prompt's blocks reserved (``LLMEngine.reserve_prompt``: the leading ones this
-  pool already holds are kept, ``kv_delta_pull``) -> each KVProgress: one pull of those layers of those blocks,
+  pool already holds are kept, ``transfer.delta_pull``) -> each KVProgress: one pull of those layers of those blocks,
   leaving out the blocks held here and any with a pull of the same layers still in flight -> the DecodeRequest
   after PrefillDone (``finish``: the sequence, every page's id, the lease) -> once no pull of a block is in flight,
   one pull of the whole of each block not yet complete under the prompt's last generation (the prefill worker's

@@ -2,7 +2,7 @@
 
 Request life cycle:
   DecodeRequest with pages -> the leading blocks its own prefix cache already
-  holds are taken as they are (``kv_delta_pull``), local blocks reserved for
+  holds are taken as they are (``transfer.delta_pull``), local blocks reserved for
   the rest -> one-sided pull of those from the prefill worker's pool
   (kv_transfer, polled each turn, with a deadline; none when every block was held)
   -> KVPulled to the proxy (which tells the prefill worker to release) ->
@@ -137,7 +137,7 @@ class DecodeHandler(WorkerBase):
                 or (msg.source_epoch and msg.source_epoch != self.peers[source])):
             return  # the pages are pulled after PrefillDone, as without pipelining
         reserved = self.engine.reserve_prompt(msg.prompt_token_ids + msg.output_token_ids, msg.cache_salt,
-                                              self.config.kv_delta_pull)
+                                              self.config.transfer.delta_pull)
         if reserved is None:
             return
         wait_s = self.config.kv_pull_timeout_s if msg.kv_lease_left_s is None else msg.kv_lease_left_s
@@ -167,7 +167,7 @@ class DecodeHandler(WorkerBase):
         the rest of the pages is pulled once the layer groups in flight are in."""
         seq = self.intake(msg, "decode", lambda params: self.engine.add_prefilled_request(
             msg.request_id, msg.prompt_token_ids, msg.first_token, params, msg.seed, msg.first_logprob,
-            list(msg.first_top_logprobs or []), msg.output_token_ids, msg.cache_salt, self.config.kv_delta_pull,
+            list(msg.first_top_logprobs or []), msg.output_token_ids, msg.cache_salt, self.config.transfer.delta_pull,
             reserved=(state.block_ids, state.held)))
         if seq is None:
             self.pipelined[msg.request_id] = state
@@ -206,7 +206,7 @@ class DecodeHandler(WorkerBase):
             return
         seq = self.intake(msg, "decode", lambda params: self.engine.add_prefilled_request(
             msg.request_id, msg.prompt_token_ids, msg.first_token, params, msg.seed, msg.first_logprob,
-            list(msg.first_top_logprobs or []), msg.output_token_ids, msg.cache_salt, self.config.kv_delta_pull))
+            list(msg.first_top_logprobs or []), msg.output_token_ids, msg.cache_salt, self.config.transfer.delta_pull))
         if seq is None:
             return
         _set_fairness(seq, msg)
@@ -221,7 +221,7 @@ class DecodeHandler(WorkerBase):
 
     def _pull(self, msg: wire.DecodeRequest, seq: Sequence, lease_ends: float) -> None:
         """Pull the pages of the blocks this worker lacks: its own cached copies of the leading ones
-        (``seq.num_cached_blocks``, with ``kv_delta_pull``) stay as they are."""
+        (``seq.num_cached_blocks``, with ``transfer.delta_pull``) stay as they are."""
         problem = None
         started = time.monotonic()  # a shared-memory pull may complete inside start_pull
         held = seq.num_cached_blocks

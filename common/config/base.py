@@ -100,7 +100,7 @@ FORMER_NAMES = {
     "shared_state.interval_s": "shared_state_interval_s", "shared_state.timeout_s": "shared_state_timeout_s",
     "shared_state.key_prefix": "shared_state_prefix",
     "kv_tiers.host_memory_bytes": "host_kv_cache_memory_bytes", "kv_tiers.disk_dir": "disk_kv_cache_dir",
-    "kv_tiers.disk_bytes": "disk_kv_cache_bytes",
+    "kv_tiers.disk_bytes": "disk_kv_cache_bytes", "transfer.delta_pull": "kv_delta_pull",
     **{f"spec.{name}": f"spec_{name}" for name in (
         "method", "num_tokens", "ngram_min", "ngram_max", "draft_model", "draft_kv_cache_memory_bytes",
         "max_batch_size", "adaptive", "min_acceptance")},
@@ -350,6 +350,25 @@ class CudaGraphsConfig:
         "eagerly; each step copies rows x max_context / block_size block ids to the GPU", ge=1)
 
 
+@config_model("engine.steps", was_flat=True)
+class StepsConfig:
+    """The engine's steps: the ones it runs at load to measure what a step costs (common/engine/calibration.py),
+    and how it runs one after another (common/engine/llm_engine.py, ``LLMEngine.step``)."""
+
+    calibration_s: Float = option(
+        2.5, "seconds of engine steps a worker runs on dummy sequences after loading its model and before it "
+        "registers, so that its first heartbeat carries a fit of its step time covering one row and many: on CPU "
+        "the calibrating thread's CPU time (a busy host runs the steps an idle one would, within 4x this in wall "
+        "time), on a GPU the steps' wall time, never waits for the core share; it stops sooner once every fit it "
+        "runs is known (common/engine/calibration.py); 0: none (the first fit then comes from the first traffic)",
+        ge=0.0, le=60.0)
+    overlap: Literal["auto", "always", "never"] = option(
+        "auto", "queue each step on the device and, while it runs, detokenize and report the step before it "
+        "(step() then returns a step's tokens one call later, and a stop string ends its sequence a step later, "
+        "that step's token dropped); auto: where the device computes apart from the host (a GPU), never on the "
+        "CPU, whose cores do both")
+
+
 @config_model("engine.kv_tiers", was_flat=True)
 class KvTiersConfig:
     """The KV tiers below the pool: whole blocks the pool evicts are kept in host memory, then on local disk,
@@ -405,17 +424,11 @@ class EngineConfig:
         1, "ranks the model is split across inside this worker (attention and KV heads, the MLP, the vocabulary), "
         "one process and one device each; rank 0 holds the sockets and the scheduler. Must divide the model's "
         "attention and KV heads (common/engine/tensor_parallel.py)", ge=1, le=64)
-    calibration_s: Float = option(
-        2.5, "seconds of engine steps a worker runs on dummy sequences after loading its model and before it "
-        "registers, so that its first heartbeat carries a fit of its step time covering one row and many: on CPU "
-        "the calibrating thread's CPU time (a busy host runs the steps an idle one would, within 4x this in wall "
-        "time), on a GPU the steps' wall time, never waits for the core share; it stops sooner once every fit it "
-        "runs is known (common/engine/calibration.py); 0: none (the first fit then comes from the first traffic)",
-        ge=0.0, le=60.0)
     kv_tiers: KvTiersConfig = section(KvTiersConfig)
     ranks: RanksConfig = section(RanksConfig)
     cpu: CpuConfig = section(CpuConfig)
     cuda_graphs: CudaGraphsConfig = section(CudaGraphsConfig)
+    steps: StepsConfig = section(StepsConfig)
     spec: SpecConfig = section(SpecConfig)
 
     def __post_init__(self) -> None:

@@ -422,6 +422,19 @@ class WorkerSecurityConfig:
         _pair(self, "curve_secret_key_file", "curve_proxy_public_key_file")
 
 
+@config_model("worker.transfer", was_flat=True)
+class WorkerTransferConfig:
+    """How KV pages move between this worker's pool and its peers', beside transfer_backend and transfer_host."""
+
+    delta_pull: Bool = option(
+        True, "a decode worker pulls only the prompt blocks its own prefix cache (and host tier) lacks, so a "
+        "conversation's next turn moves its new tokens rather than its whole history; false: every block, always")
+    cuda_ipc: Bool = option(
+        True, "a GPU pool's pages go to a decode worker on the same host by a device-to-device copy over CUDA IPC "
+        "(kv_transfer/cuda_ipc.py), whatever transfer_backend is; false: through the backend (host memory for zmq, "
+        "UCX's choice for nixl)")
+
+
 @config_model("worker.testing", was_flat=True)
 class WorkerTestingConfig:
     """Fault injection for tests: the shipped configs never set these."""
@@ -481,9 +494,6 @@ class WorkerConfig:
         "", "the host this worker runs on, as the proxy pairs prefill and decode workers: a prefilled request goes "
         "to a decode worker of its prefill worker's host when one has room, so its pages move over shared memory "
         "rather than the network; empty: this machine's host name")
-    kv_delta_pull: Bool = option(
-        True, "a decode worker pulls only the prompt blocks its own prefix cache (and host tier) lacks, so a "
-        "conversation's next turn moves its new tokens rather than its whole history; false: every block, always")
     drain_timeout_s: Float = option(30.0, "on SIGTERM, how long running requests may run on", gt=0)
     idle_poll_s: Float = option(0.05, "how long the loop waits for work when it has none", gt=0)
     core_share: Str = option("", "a file every worker of this host that time-shares its cores names: each "
@@ -492,6 +502,7 @@ class WorkerConfig:
                              "its own")
     core_share_timeout_s: Float = option(
         10.0, "longest wait for a turn on the shared cores; past it the step runs anyway, with a warning", gt=0)
+    transfer: WorkerTransferConfig = section(WorkerTransferConfig)
     observability: WorkerObservabilityConfig = section(WorkerObservabilityConfig)
     security: WorkerSecurityConfig = section(WorkerSecurityConfig)
     testing: WorkerTestingConfig = section(WorkerTestingConfig)

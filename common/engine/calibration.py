@@ -7,7 +7,7 @@ are 4-8 rows), which predicts the one-sequence step badly; the proxy's TPOT targ
 off that prediction (proxy/core/capacity.py), so a cold cluster's capacity swung from twice the right value to a
 fraction of it within its first seconds (docs/benchmarks.md, "Cold start").
 
-What runs, within ``EngineConfig.calibration_s`` of steps (0: none):
+What runs, within ``engine.steps.calibration_s`` of steps (0: none):
 
 - decode steps (a role that decodes): groups of 1, 2, 4, ... rows (capped by ``max_num_seqs`` and the KV pool)
   at two context lengths, the regime that holds one row first (``StepTimer.small``), then the larger rows'. The
@@ -71,7 +71,7 @@ class Calibration:
         ran = (f"{self.decode_steps} decode and {self.prompt_steps} prompt steps in {self.step_s:.2f}s "
                f"({self.step_wall_s:.2f}s of wall time, {self.seconds:.2f}s with waits for the cores)")
         if report is None:
-            return f"{ran}: too few for a fit (raise engine.calibration_s)"
+            return f"{ran}: too few for a fit (raise engine.steps.calibration_s)"
         many = ROW_COUNTS[-1]
         one, most = report.step_ms(1, SUMMARY_CONTEXT), report.step_ms(many, many * SUMMARY_CONTEXT)
         return (f"{ran}: "

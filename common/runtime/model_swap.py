@@ -50,7 +50,7 @@ def load_model(worker, spec: str, name: str = "") -> None:
     config = worker.config
     worker.engine = LLMEngine(replace(config.engine, model=spec))
     # Before fault injection (a dummy prompt must not trip it), each step holding the core share as traffic's do
-    calibrated = calibrate(worker.engine, config.engine.calibration_s, decode=worker.role != "prefill",
+    calibrated = calibrate(worker.engine, config.engine.steps.calibration_s, decode=worker.role != "prefill",
                            prompts=worker.role != "decode", cores=worker.cores)
     if calibrated.seconds:
         log.info("step-cost calibration: %s", calibrated.summary(worker.engine.step_timer))

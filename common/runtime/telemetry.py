@@ -337,7 +337,7 @@ class WorkerMetrics:
                                              buckets=_TRANSFER_BUCKETS, registry=r)
         self.kv_blocks_reused = Counter(
             "tessera_worker_kv_blocks_reused", "Prompt blocks a decode worker took from its own prefix cache instead "
-            "of pulling them (kv_delta_pull)", registry=r)
+            "of pulling them (transfer.delta_pull)", registry=r)
         self.kv_pipelined = Counter(
             "tessera_worker_kv_pipelined_pulls", "Pipelined hand-offs (pages pulled by layer group while the prompt "
             "was computed) by how they ended: ok, recomputed (a pull failed), cancelled (aborted, or no PrefillDone)",

@@ -14,7 +14,7 @@ from tests.conditions import settle
 
 def test_a_new_cluster_knows_its_decode_capacity_before_its_first_request(tiny_chat_model_dir, tmp_path):
     cluster = LocalCluster.for_tests(tiny_chat_model_dir, tmp_path, transfer_backend="zmq",
-                                     worker_overrides=["engine.calibration_s=30"]).start()
+                                     worker_overrides=["engine.steps.calibration_s=30"]).start()
     try:
         def proxy(name: str, worker_id: str) -> float:
             return total(httpx.get(cluster.url + "/metrics", timeout=10).text, name, worker_id=worker_id)

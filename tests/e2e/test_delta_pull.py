@@ -1,5 +1,5 @@
 """A conversation's turns through a prefill and a decode worker, without a session: from the second turn on the
-decode worker pulls only the blocks its prefix cache lacks (``kv_delta_pull``), and the replies stay the
+decode worker pulls only the blocks its prefix cache lacks (``transfer.delta_pull``), and the replies stay the
 single-process engine's."""
 from __future__ import annotations
 

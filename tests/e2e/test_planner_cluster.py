@@ -18,7 +18,7 @@ import random
 import pytest
 
 from common.cli.local_cluster import LocalCluster
-from common.config.base import EngineConfig
+from common.config.base import EngineConfig, StepsConfig
 from common.engine.llm_engine import LLMEngine
 from common.protocol.sampling_params import SamplingParams
 from tests.e2e.fault_scenarios import (
@@ -50,7 +50,7 @@ def cluster(embedded_model_dir, tmp_path_factory):
         embedded_model_dir, tmp_path_factory.mktemp("planner-cluster"), prefill=1, decode=2, dtype="float32",
         proxy_overrides=["slo.tac_enabled=true", "slo.ttft_slo_ms=2000"],
         role_overrides=["decode:drain_timeout_s=1"],
-        worker_overrides=[f"engine.calibration_s={EngineConfig.calibration_s}"]).start()  # shipped: fits at once
+        worker_overrides=[f"engine.steps.calibration_s={StepsConfig().calibration_s}"]).start()  # shipped: fits at once
     yield c
     codes = c.stop()
     assert all(code == 0 for code in codes.values()), codes

@@ -8,7 +8,7 @@ fast this machine is: every decoding sequence has less slack than any prompt cos
 gives each decode worker one slot, so the cluster has two decode workers: the stream holds one slot and the
 second request finds the other free, so it is the gate that holds it, not the cap (with one slot, the gate is
 asked only once the stream is predicted to end within one prefill, a window of a token or two). The workers
-calibrate their step models at start, as shipped (``engine.calibration_s``), so the gate can weigh from the
+calibrate their step models at start, as shipped (``engine.steps.calibration_s``), so the gate can weigh from the
 first request. What it holds under a real target and load is bench/tac_goodput.py's (docs/benchmarks.md)."""
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ GATES = {  # which gate: its settings, and the counter of the prompts it held
 def start(model_dir, log_dir, shared: bool, overrides: list[str]) -> LocalCluster:
     options = {"threads": 0, "share_cores": True} if shared else {"threads": 1}
     admin = f"security.admin_api_key_sha256={hashlib.sha256(ADMIN_KEY.encode()).hexdigest()}"
-    calibration = f"engine.calibration_s={WorkerConfig().engine.calibration_s}"  # the shipped default
+    calibration = f"engine.steps.calibration_s={WorkerConfig().engine.steps.calibration_s}"  # the shipped default
     return LocalCluster.for_tests(model_dir, log_dir, transfer_backend="zmq", decode=2,
                                   proxy_overrides=[*overrides, admin], worker_overrides=[calibration],
                                   **options).start()

@@ -37,8 +37,8 @@ def test_every_section_and_field_is_in_the_reference():
                      "proxy.shared_state", "proxy.slo", "proxy.planner", "proxy.observability", "proxy.security",
                      "worker",
                      "worker.engine", "worker.engine.kv_tiers", "worker.engine.ranks", "worker.engine.cpu",
-                     "worker.engine.cuda_graphs", "worker.engine.spec",
-                     "worker.observability", "worker.security", "worker.testing"]
+                     "worker.engine.cuda_graphs", "worker.engine.steps", "worker.engine.spec",
+                     "worker.transfer", "worker.observability", "worker.security", "worker.testing"]
     text = render()
     for name, cls, *_ in found:
         part = text.split(f"## `{name}`\n")[1].split("\n## ")[0]

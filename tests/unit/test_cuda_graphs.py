@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernel is decorated, at import
 triton = pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
 
-from common.config.base import CudaGraphsConfig, EngineConfig, SpecConfig  # noqa: E402
+from common.config.base import CudaGraphsConfig, EngineConfig, SpecConfig, StepsConfig  # noqa: E402
 from common.engine.attention import get_step_context  # noqa: E402
 from common.engine.cuda_graphs import CudaGraph, DecodeGraphs, EagerGraph, graph_ladder, rung_for  # noqa: E402
 from common.engine.llm_engine import LLMEngine  # noqa: E402
@@ -36,7 +36,7 @@ def test_the_ladder_pads_little_and_ends_at_its_largest_rung():
 def _engine(model_dir, graphs: bool, spec: bool) -> tuple[LLMEngine, list[int]]:
     """An engine whose attention is the Triton backend; with ``graphs``, its decode steps replay graphs of up to
     16 rows (``EagerGraph`` off a GPU). Returns it and a list that counts the rows of each replay."""
-    config = EngineConfig(model=str(model_dir), device=DEVICE, num_kv_blocks=64, max_num_seqs=4, calibration_s=0.0,
+    config = EngineConfig(model=str(model_dir), device=DEVICE, num_kv_blocks=64, max_num_seqs=4, steps=StepsConfig(calibration_s=0.0),
                           attention_backend="torch", cuda_graphs=CudaGraphsConfig(enabled=False),
                           spec=SpecConfig(method="draft", draft_model=str(model_dir), num_tokens=3, adaptive=False)
                           if spec else SpecConfig())

@@ -153,7 +153,7 @@ def test_a_prefill_worker_lends_its_pages_until_they_are_released_then_serves_as
         assert not timer.known(timer.small)  # a prefill worker never timed a decode step
         new = switch.act()
         assert isinstance(new, DecodeHandler) and new.role == "decode" and new.embeds is None
-        # it calibrated its decode steps before registering (engine.calibration_s), keeping its traffic's counters
+        # it calibrated its decode steps before registering (engine.steps.calibration_s), keeping its traffic's counters
         assert timer.known(timer.small) and new.engine.stats == stats and stats.num_computed_tokens >= len(PROMPT)
         assert not new.engine.has_unfinished() and new.engine.block_manager.num_used_blocks == 0
         assert not io.owners.release_ends and io.registration.role == "decode"
