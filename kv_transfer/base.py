@@ -24,6 +24,11 @@ back, and before the pull reads DONE the staging is re-laid into the local
 blocks (heads regrouped for the local ranks). Staging blocks stay the caller's;
 it may reuse them once release() has returned.
 
+CUDA IPC. Where the backend's ``cuda_ipc`` is on (the factory sets it from ``transfer.cuda_ipc``), a GPU pool's
+metadata carries its CUDA IPC export, and a peer on the same host whose export this side can map is pulled from by
+a device-to-device copy (kv_transfer/cuda_ipc.py) rather than by the backend's own path; the ladder, deadlines and
+release rules are the same. A peer on another host, or one whose handle CUDA will not open, takes the backend's path.
+
 Hooks, who calls them, and what a failure does:
   register_pool(kv_cache) -> bytes   both roles, once at start-up. Registers the
       whole pool (every rank); returns this side's metadata (``PoolMetadata``,
@@ -95,11 +100,12 @@ import msgspec
 from msgspec.structs import replace as replace_struct
 
 from common.protocol.names import TRANSFER_BACKENDS
+from kv_transfer.cuda_ipc import IpcCopy, IpcExport, IpcPeer, export_pool, open_peer
 from kv_transfer.segments import Layers, PoolGeometry, Segment, Staging, check_layers, pull_segments, relayout
 
 log = logging.getLogger(__name__)
 
-METADATA_VERSION = 4  # 4: the epoch the pages are lent under
+METADATA_VERSION = 5  # 4: the epoch the pages are lent under; 5: a GPU pool's CUDA IPC export
 BACKENDS = tuple(name for name in TRANSFER_BACKENDS if name != "auto")  # what make_backend builds
 
 
@@ -128,6 +134,7 @@ class PoolMetadata(msgspec.Struct, forbid_unknown_fields=True):
     num_blocks: Positive  # per rank
     fields: msgspec.Raw
     epoch: Annotated[int, msgspec.Meta(ge=0)] = 0  # the lender's epoch (set_epoch); 0: not set, never checked
+    ipc: IpcExport | None = None  # a GPU pool that workers on its host may map (kv_transfer/cuda_ipc.py)
 
     def geometry(self) -> PoolGeometry:
         return PoolGeometry(self.tp_size, self.num_blocks, self.bytes_per_block, self.num_layers)
@@ -136,6 +143,7 @@ class PoolMetadata(msgspec.Struct, forbid_unknown_fields=True):
 class Peer(NamedTuple):
     metadata: PoolMetadata
     conn: Any  # the backend's connection
+    ipc: IpcPeer | None = None  # its pool mapped here: pulls copy GPU to GPU instead of taking the backend's path
 
 
 class TransferStatus(IntEnum):
@@ -188,6 +196,7 @@ class TransferHandle:
     refused: bool = False  # the peer refused it: its pages are of another epoch now
     retried: bool = False  # its first read failed and it was read again by another way (kv_transfer/retry.py)
     deadline_setting: str = "deadline_s"  # what set ``deadline``, named when the pull fails for passing it
+    ipc: IpcCopy | None = None  # its copies over CUDA IPC, where the peer's pool is mapped here
     # Serialises status changes against an I/O thread writing local blocks.
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -218,6 +227,9 @@ class KVTransferBackend(ABC):
     Metadata: ClassVar[type[msgspec.Struct]]  # the backend's own fields of the published metadata
     handle_type: ClassVar[type[TransferHandle]] = TransferHandle
     device_types: ClassVar[tuple[str, ...]] = ("cpu",)  # where the registered pool may live
+    # Export a GPU pool and map the exports of peers on this host (kv_transfer/cuda_ipc.py): set by the factory on
+    # the backend a worker runs, from ``transfer.cuda_ipc``, before register_pool.
+    cuda_ipc: bool = False
 
     def __init__(self) -> None:
         self._pool = None
@@ -247,7 +259,8 @@ class KVTransferBackend(ABC):
         fields = msgspec.Raw(msgspec.msgpack.encode(self._publish(kv_cache)))
         self._envelope = PoolMetadata(
             METADATA_VERSION, self.name, *(getattr(layout, name) for name in LAYOUT_FIELDS), layout.tp_size,
-            layout.bytes_per_block, kv_cache.num_blocks, fields)
+            layout.bytes_per_block, kv_cache.num_blocks, fields,
+            ipc=export_pool(kv_cache.pool) if self.cuda_ipc else None)
         return msgspec.msgpack.encode(self._envelope)
 
     def set_epoch(self, epoch: int) -> bytes:
@@ -277,7 +290,8 @@ class KVTransferBackend(ABC):
         self._require_pool("add_peer")
         envelope, fields = self._decode_metadata(peer_id, metadata)
         self.remove_peer(peer_id)
-        self._peers[peer_id] = Peer(envelope, self._connect(peer_id, fields))
+        ipc = open_peer(peer_id, envelope.ipc, self._pool.pool) if self.cuda_ipc and envelope.ipc else None
+        self._peers[peer_id] = Peer(envelope, self._connect(peer_id, fields), ipc)
 
     def remove_peer(self, peer_id: str) -> None:
         peer = self._peers.pop(peer_id, None)
@@ -342,7 +356,11 @@ class KVTransferBackend(ABC):
                 targets = staging_block_ids
             handle.segments = pull_segments(remote, self._geometry, remote_block_ids, targets, layers)
             try:
-                self._submit(handle, peer.conn)
+                if peer.ipc is not None:
+                    handle.ipc = peer.ipc.copy(handle.segments)
+                    self._advance(handle, TransferStatus.TRANSFERRING)
+                else:
+                    self._submit(handle, peer.conn)
             except Exception as exc:  # the backend refused the post: this pull fails, the worker goes on
                 self.abort(handle, reason=f"{self.name} could not post the pull: {exc}")
         return handle
@@ -355,7 +373,10 @@ class KVTransferBackend(ABC):
                                       f"({handle.deadline_setting})")
             return handle.status
         try:
-            self._progress(handle)
+            if handle.ipc is None:
+                self._progress(handle)
+            elif handle.ipc.done():
+                self._advance(handle, TransferStatus.DONE)
         except Exception as exc:
             self.abort(handle, reason=f"{self.name} reported an error: {exc}")
         return handle.status
@@ -364,7 +385,10 @@ class KVTransferBackend(ABC):
         if not self._fail(handle, reason):
             return
         try:
-            self._cancel(handle)
+            if handle.ipc is None:
+                self._cancel(handle)
+            else:
+                handle.ipc.wait()  # queued copies cannot be called back: they finish before the blocks are reused
         except Exception:
             log.exception("KV pull %s: %s could not cancel it cleanly", handle.transfer_id, self.name)
 
@@ -393,7 +417,8 @@ class KVTransferBackend(ABC):
             self._counters.outcomes[outcome(handle)] += 1
         self._inflight.pop(handle.transfer_id, None)
         try:
-            self._free(handle)
+            if handle.ipc is None:
+                self._free(handle)
         except Exception:
             log.exception("KV pull %s: %s could not free its resources", handle.transfer_id, self.name)
 

@@ -31,7 +31,15 @@ def default_backend_name() -> str:
 def backend_for(config) -> KVTransferBackend:
     """The backend a worker config asks for (``transfer_backend``; ``auto`` picks as above). NIXL comes with a
     ZeroMQ retry path (``kv_transfer/retry.py``): a failed NIXL read is read once more over ZeroMQ before the prompt
-    is recomputed. Without it where CURVE is on but no peer keys are given: the ZeroMQ server could admit no peer."""
+    is recomputed. Without it where CURVE is on but no peer keys are given: the ZeroMQ server could admit no peer.
+    Peers on this host with GPU pools are pulled from over CUDA IPC where ``transfer.cuda_ipc`` is on (kv_transfer/
+    cuda_ipc.py), whichever backend this is."""
+    backend = _backend_for(config)
+    backend.cuda_ipc = config.transfer.cuda_ipc
+    return backend
+
+
+def _backend_for(config) -> KVTransferBackend:
     from common.runtime.zmq_security import worker_curve
 
     name = config.transfer_backend

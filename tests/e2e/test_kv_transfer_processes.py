@@ -252,3 +252,71 @@ def test_zmq_server_drops_malformed_requests_and_keeps_serving():
         context.term()
         puller.close()
         server.close()
+
+
+# ---- GPU pools on one host: CUDA IPC ------------------------------------------------------------------------------
+NO_GPU = "" if torch.cuda.is_available() else "needs a CUDA GPU; none is present on this machine"
+
+
+def serve_gpu(backend_name: str, conn) -> None:
+    """A prefill process with its pool on the GPU, exported over CUDA IPC: serve until told to stop, or die."""
+    backend = make_backend(backend_name)
+    backend.cuda_ipc = True
+    pool = KVCache(LAYOUT, NUM_BLOCKS, device="cuda")
+    pool.buffer.copy_(source_pool().buffer)
+    torch.cuda.synchronize()
+    conn.send(backend.register_pool(pool))
+    conn.poll(WAIT_S)
+    backend.close()
+
+
+def pull_gpu(backend_name: str, metadata: bytes, conn) -> None:
+    """The decode process, its pool on the GPU: one pull; status, error, whether it took CUDA IPC, the landed bytes,
+    whether other blocks were touched. Then, told the lender is gone, a second pull's status, and whether this
+    process's CUDA still computes."""
+    backend = make_backend(backend_name, **PULLER_OPTIONS[backend_name])
+    backend.cuda_ipc = True
+    pool = KVCache(LAYOUT, NUM_BLOCKS, device="cuda")
+    backend.register_pool(pool)
+    backend.add_peer("prefill", metadata)
+    handle = backend.start_pull("req-1", "prefill", REMOTE_IDS, LOCAL_IDS, WAIT_S)
+    settle(lambda: backend.poll(handle), lambda status: status.terminal, WAIT_S, "the pull ends")
+    backend.release(handle)
+    untouched = [b for b in range(NUM_BLOCKS) if b not in LOCAL_IDS]
+    conn.send((int(handle.status), handle.error, handle.ipc is not None,
+               pool.buffer[LOCAL_IDS].cpu().view(torch.uint8).numpy().tobytes(), bool(pool.buffer[untouched].any())))
+    conn.poll(WAIT_S)
+    conn.recv()
+    late = backend.start_pull("req-2", "prefill", REMOTE_IDS, LOCAL_IDS, DEADLINE_S)
+    settle(lambda: backend.poll(late), lambda status: status.terminal, WAIT_S, "the pull from a dead lender ends")
+    backend.release(late)
+    backend.remove_peer("prefill")
+    computes = bool((torch.ones(4, device="cuda") * 2).sum().item() == 8)
+    conn.send((int(late.status), computes))
+    backend.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(bool(NO_GPU), reason=NO_GPU or "-")
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_gpu_pools_on_one_host_copy_over_cuda_ipc(backend_name):
+    """Two processes, two GPU pools: the pull copies device to device (CUDA IPC), the exact bytes, into the named
+    blocks only; once the lender is killed, a pull from its mapping ends (either way) and the puller's CUDA works."""
+    prefill, to_prefill = start(serve_gpu, backend_name)
+    try:
+        metadata = receive(to_prefill, prefill)
+        decode, from_decode = start(pull_gpu, backend_name, metadata)
+        status, error, via_ipc, landed, touched_others = receive(from_decode, decode)
+        prefill.kill()
+        prefill.join(WAIT_S)
+        from_decode.send("lender gone")
+        late_status, computes = receive(from_decode, decode)
+        decode.join(WAIT_S)
+    finally:
+        prefill.kill()
+    assert TransferStatus(status) == TransferStatus.DONE, error
+    assert via_ipc
+    assert landed == source_pool().buffer[REMOTE_IDS].view(torch.uint8).numpy().tobytes()
+    assert not touched_others
+    assert TransferStatus(late_status).terminal and computes
+    assert decode.exitcode == 0

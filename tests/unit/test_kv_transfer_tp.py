@@ -127,8 +127,8 @@ def test_metadata_carries_the_layout_and_tp_size(backends):
     assert {k: v for k, v in metadata.items() if k != "fields"} == {
         "v": METADATA_VERSION, "backend": "fake", "num_layers": 2, "block_size": 4, "num_kv_heads": HEADS,
         "head_dim": 8, "dtype": "float32", "tp_size": 4, "bytes_per_block": layout(1).bytes_per_block,
-        "num_blocks": 3, "epoch": 0}
-    assert METADATA_VERSION == 4
+        "num_blocks": 3, "epoch": 0, "ipc": None}
+    assert METADATA_VERSION == 5
 
 
 def test_a_peer_of_another_model_is_refused_at_any_tp_size(backends):
