@@ -22,11 +22,11 @@ import numpy as np
 from common.engine.attention import block_size_for, flash_attn_available
 from common.engine.block_manager import BlockManager
 from common.config.base import EngineConfig
-from common.engine.model_runner import ModelRunner
+from common.engine.model_runner import LaunchedStep, ModelRunner
 from common.engine.step_timer import StepTimer
 from common.storage.model_store import resolve_model
 from common.protocol.sampling_params import SamplingParams
-from common.engine.scheduler import Scheduler
+from common.engine.scheduler import Scheduler, StepPlan
 from common.engine.sequence import FinishReason, Sequence
 from common.engine.speculator import make_speculator
 from common.engine.structured_output import GrammarError, StructuredOutputs
@@ -130,6 +130,16 @@ class EngineStats:
     num_nonfinite_logits: int = 0  # requests failed because a step's logits for them held a NaN or Inf
 
 
+@dataclass
+class _Launched:
+    """A step queued on the device, not yet applied: its plan, shape (for the step timer) and when it was planned."""
+
+    plan: StepPlan
+    shape: tuple
+    launched: LaunchedStep
+    started: float
+
+
 class RequestError(ValueError):
     """A request the engine refuses (prompt too long, duplicate id, ...)."""
 
@@ -164,6 +174,10 @@ class LLMEngine:
         # What a step costs, fitted online from every step run here (heartbeats report it to the proxy)
         fused = self.runner.model.fused_decode
         self.step_timer = StepTimer(fused.max_rows if fused is not None else 0)
+        # Whether steps overlap (``step``); may change between any two calls
+        self.overlap = config.steps.overlap == "always" or (config.steps.overlap == "auto" and
+                                                             config.device_type == "cuda")
+        self._inflight: _Launched | None = None  # the step queued by the last call (overlapped), not yet applied
 
     # ---- requests -----------------------------------------------------------
     def add_request(
@@ -268,6 +282,7 @@ class LLMEngine:
         if seq.logprobs and first_logprob is not None:
             seq.logprobs[-1] = first_logprob
             seq.top_logprobs[-1] = list(first_top_logprobs or [])
+        self._device_settled()
         self.scheduler.await_remote_kv(seq, reuse_cached, reserved)
         return seq
 
@@ -276,6 +291,7 @@ class LLMEngine:
         """Blocks for the KV of ``token_ids`` before its request is added (a pipelined pull lands its layer groups
         there as they are computed elsewhere): (their ids, how many leading ones this pool had cached), or None when
         the pool cannot take them. They go to ``add_prefilled_request(reserved=...)`` or back (``free_blocks``)."""
+        self._device_settled()
         return self.scheduler.reserve_prompt(token_ids, cache_salt, reuse_cached)
 
     def kv_ready(self, seq: Sequence) -> None:
@@ -283,6 +299,7 @@ class LLMEngine:
 
     def reserve_blocks(self, n: int) -> list[int]:
         """``n`` KV blocks for the caller's own use (a KV pull's staging), or [] when the pool cannot spare them."""
+        self._device_settled()
         return self.scheduler.reserve(n)
 
     def free_blocks(self, block_ids: list[int]) -> None:
@@ -345,42 +362,78 @@ class LLMEngine:
         return bool(self.requests)
 
     def has_work(self) -> bool:
-        """Whether a step would do anything: a sequence to schedule, or an abort to report.
+        """Whether a step would do anything: a sequence to schedule, an abort to report, or a queued step to apply.
 
         False while every unfinished request waits for something outside the engine (remote KV pages).
         """
-        return self.scheduler.has_work() or bool(self._aborted)
+        return self.scheduler.has_work() or bool(self._aborted) or self._inflight is not None
+
+    def _device_settled(self) -> None:
+        """Before blocks leave the steps' hands (a pull lands in them): a queued step, which may still write a block
+        freed since it was planned (a stop string, an abort), has run."""
+        if self._inflight is not None:
+            self.runner.wait_device()
 
     # ---- the step -----------------------------------------------------------
     def step(self, on_layers=None) -> list[RequestOutput]:
-        """One step: plan, execute, apply. ``on_layers(plan)``: the step's ``ModelRunner.execute`` ``on_layers``,
-        or None (a prefill worker's pipelined hand-off, prefill_worker/pipeline.py)."""
+        """One step: plan, execute, apply, report. ``on_layers(plan)``: the step's ``ModelRunner.execute``
+        ``on_layers``, or None (a prefill worker's pipelined hand-off, prefill_worker/pipeline.py).
+
+        Overlapped (``steps.overlap``, a step without ``on_layers``): the step queued by the call before is applied
+        (its tokens sampled and appended), this one is planned and queued on the device, and while the device runs
+        it the step before is detokenized and reported: the outputs returned are that step's. A stop string found
+        then ends its sequence, which the queued step computes too: that token is dropped when it is applied."""
+        prior = self._apply(self._inflight) if self._inflight is not None else []
+        self._inflight = None
+        if self.overlap and on_layers is None:
+            self._inflight = self._launch(None)
+            self._detokenize(prior)
+            return self._collect_outputs(prior)
+        self._detokenize(prior)
+        launched = self._launch(on_layers)
+        advanced = self._apply(launched) if launched is not None else []
+        self._detokenize(advanced)
+        return self._collect_outputs(prior + advanced)
+
+    def _detokenize(self, advanced: list[Sequence]) -> None:
+        """The new tokens' text; a stop string ends its sequence, whose draft KV the speculator then drops."""
+        self.output_processor.process(advanced, self.scheduler.finish)
+        if self._speculating:
+            self.speculator.retain(self.scheduler.running)
+
+    def _launch(self, on_layers) -> _Launched | None:
+        """Plan a step and queue it on the device (None: nothing to run)."""
         started = time.perf_counter()
         if self._speculating:
             self.speculator.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
-        advanced: list[Sequence] = []
-        if plan:
-            shape = plan.shape()
-            hook = None if on_layers is None else on_layers(plan)
-            sample = self.runner.execute(plan, self.structured.mask if self.structured.live else None, hook)
-            for i, seq in enumerate(sample.seqs):
-                if seq.params.logprobs is not None and sample.logprobs is not None:
-                    seq.logprobs.extend(sample.logprobs[i])
-                    seq.top_logprobs.extend(sample.top_logprobs[i])
-            before = {seq.seq_id: seq.num_tokens for seq in sample.seqs}
-            advanced = self.scheduler.update(plan, dict(zip((s.seq_id for s in sample.seqs), sample.token_ids)))
-            if self.structured.live:
-                self.structured.advance(advanced, before, self.scheduler.finish)
-            self._count(plan, sample, sum(s.num_tokens - before[s.seq_id] for s in advanced))
-            self.output_processor.process(advanced, self.scheduler.finish)
-            for seq in sample.nonfinite:
+        if not plan:
+            return None
+        shape = plan.shape()
+        hook = None if on_layers is None else on_layers(plan)
+        launched = self.runner.launch(plan, self.structured.mask if self.structured.live else None, hook)
+        return _Launched(plan, shape, launched, started)
+
+    def _apply(self, step: _Launched) -> list[Sequence]:
+        """Sample a queued step and apply its tokens; the sequences that advanced. A sequence finished since the step
+        was planned (a stop string, an abort) takes nothing from it."""
+        sample = self.runner.finish(step.launched)
+        for i, seq in enumerate(sample.seqs):
+            if seq.params.logprobs is not None and sample.logprobs is not None and not seq.is_finished:
+                seq.logprobs.extend(sample.logprobs[i])
+                seq.top_logprobs.extend(sample.top_logprobs[i])
+        before = {seq.seq_id: seq.num_tokens for seq in sample.seqs}
+        advanced = self.scheduler.update(step.plan, dict(zip((s.seq_id for s in sample.seqs), sample.token_ids)))
+        if self.structured.live:
+            self.structured.advance(advanced, before, self.scheduler.finish)
+        self._count(step.plan, sample, sum(s.num_tokens - before[s.seq_id] for s in advanced))
+        for seq in sample.nonfinite:
+            if not seq.is_finished:
                 self._fail_nonfinite(seq)
-            if self._speculating:
-                self.speculator.observe(sample)
-                self.speculator.retain(self.scheduler.running)
-            self.step_timer.observe(*shape, time.perf_counter() - started)
-        return self._collect_outputs(advanced)
+        if self._speculating:
+            self.speculator.observe(sample)
+        self.step_timer.observe(*step.shape, time.perf_counter() - step.started)
+        return advanced
 
     def _fail_nonfinite(self, seq: Sequence) -> None:
         """A sequence's logits held a NaN or Inf: its request ends with FinishReason.ERROR, the batch goes on.

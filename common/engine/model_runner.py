@@ -15,6 +15,7 @@ its own slice (``run``), and alone gets the logits and samples
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -111,6 +112,18 @@ class StepSample:
     num_drafts: list[int] = field(default_factory=list)  # proposed, per sequence
     num_accepted: list[int] = field(default_factory=list)
     nonfinite: list[Sequence] = field(default_factory=list)  # logits with a NaN or Inf: sampled nothing
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device (``ModelRunner.launch``): the sampling sequences, their drafts, the mask to apply,
+    and the float32 logits of their rows, or the greedy head's tokens, or neither (a step that samples nothing)."""
+
+    seqs: list[Sequence]
+    drafts: list[list[int]]
+    constrain: object = None
+    logits: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
 
 
 def nonfinite_rows(logits: torch.Tensor) -> list[int]:
@@ -444,6 +457,12 @@ class ModelRunner:
         context up to its own position, which the step writes before any
         attention runs, so drafts need no chunk path.
         """
+        if plan.seqs and max(plan.num_new_tokens) == 1 and not any(plan.spec_token_ids):
+            return self._decode_host_step(plan.seqs)
+        return self._mixed_host_step(plan)
+
+    def _mixed_host_step(self, plan: StepPlan) -> HostStep:
+        """``host_step`` of any step, a sequence at a time."""
         bs = self.config.block_size
         entries = list(zip(plan.seqs, plan.num_new_tokens, plan.spec_token_ids))
         decode = [e for e in entries if e[1] == 1 or e[2]]
@@ -476,6 +495,27 @@ class ModelRunner:
         return HostStep(np.asarray(tokens, dtype=np.int64), np.concatenate(positions), np.concatenate(slot_blocks),
                         chunks, tables, lens, sample_seqs,
                         np.concatenate(sample_rows) if sample_rows else np.zeros(0, np.int64), drafts)
+
+    def _decode_host_step(self, seqs: list[Sequence]) -> HostStep:
+        """``host_step`` of a step of one row per sequence and no drafts (a decode step), in whole arrays: the
+        general path's per-sequence work, at 256 rows, was most of a GPU decode step's host time."""
+        bs, n = self.config.block_size, len(seqs)
+        pos = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
+        tokens = np.fromiter((s.token_ids[s.num_computed_tokens] for s in seqs), dtype=np.int64, count=n)
+        samples = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=n) == pos + 1
+        counts = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
+        flat = np.fromiter(itertools.chain.from_iterable(s.block_table for s in seqs), dtype=np.int64,
+                           count=int(counts.sum()))
+        used = (pos + bs) // bs  # blocks up to and including the row's own position
+        row = np.repeat(np.arange(n), counts)
+        col = np.arange(len(flat)) - np.repeat(np.cumsum(counts) - counts, counts)
+        keep = col < used[row]
+        tables = np.zeros((n, int(used.max())), dtype=np.int64)
+        tables[row[keep], col[keep]] = flat[keep]
+        sample_rows = np.arange(n) if samples.all() else np.flatnonzero(samples)
+        sample_seqs = list(seqs) if len(sample_rows) == n else [seqs[i] for i in sample_rows.tolist()]
+        return HostStep(tokens, pos, tables[np.arange(n), pos // bs], [], tables, pos + 1, sample_seqs, sample_rows,
+                        [[] for _ in sample_seqs])
 
     def _decode_tables(self, decode: list[tuple[Sequence, int, list[int]]]) -> tuple[np.ndarray, np.ndarray]:
         """Per decode row: its sequence's block table (zero-padded to the longest) and its context length."""
@@ -519,6 +559,11 @@ class ModelRunner:
         """The model as the embedder calls it: at tensor parallelism, run on every rank."""
         return self.model if self.tp.size == 1 else _AllRanks(self)
 
+    def wait_device(self) -> None:
+        """Until the device has run what was queued on it (nothing to wait for on the CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
     def close(self) -> None:
         """Stops the other ranks and leaves their group (tensor parallelism); nothing to do otherwise."""
         if self.ranks is not None:
@@ -548,12 +593,17 @@ class ModelRunner:
         seq.block_table = list(range(-(-len(ids) // self.config.block_size)))
         return self.forward(self.prepare(StepPlan([seq], [len(ids)])))
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan, constrain=None, on_layers=None) -> StepSample:
         """Run one step; returns what each sampling sequence emitted. ``constrain(logits, seqs, drafts)``: masks
         the logits in place before sampling (structured output). ``on_layers``: ``(counts, call)``, ``call(n)`` as
         the step's first n layers are done, for each n in ``counts``, their KV in the pool (on a GPU, once the device
         has written it: only those layers wait for it)."""
+        return self.finish(self.launch(plan, constrain, on_layers))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, constrain=None, on_layers=None) -> LaunchedStep:
+        """``execute``'s first half: the step queued on the device (on a GPU it runs on while this returns); what
+        ``finish`` samples from. ``constrain`` runs in ``finish``, on the state the caller has then."""
         if self.fault_hang_token is not None and any(self.fault_hang_token in seq.prompt_token_ids
                                                      for seq in plan.seqs):
             log.warning("fault injection: this step hangs (testing.fault_hang_token)")
@@ -566,7 +616,7 @@ class ModelRunner:
             rows = len(host.tokens)  # the copy below leaves the graphs' buffer to the next replay
             logits = (logits if len(host.sample_rows) == rows else logits[self._tensor(host.sample_rows)]).to(
                 torch.float32, copy=True)
-            return self._sample_logits(logits, host.sample_seqs, host.drafts, constrain)
+            return LaunchedStep(host.sample_seqs, host.drafts, constrain, logits=logits)
         prepared = self.to_device(host)
         if on_layers is not None:
             counts, call = on_layers
@@ -574,18 +624,27 @@ class ModelRunner:
             prepared.context.on_layers_at = counts
         if not prepared.sample_seqs:
             self.forward(prepared)
-            return StepSample([], [])
+            return LaunchedStep([], [], None)
         if self._greedy_only(prepared.sample_seqs, prepared.drafts, constrain):
             hidden = self.forward(prepared)[prepared.sample_rows]
             tokens = self.greedy_head.argmax(hidden)
             if tokens is not None:
-                seqs = prepared.sample_seqs
-                return StepSample(seqs, [[t] for t in tokens.tolist()], num_drafts=[0] * len(seqs),
-                                  num_accepted=[0] * len(seqs))
+                return LaunchedStep(prepared.sample_seqs, prepared.drafts, None, tokens=tokens)
             logits = self.model.compute_logits(hidden).float()
         else:
             logits = self.run(prepared.context, prepared.input_ids, prepared.positions, prepared.sample_rows).float()
-        return self._sample_logits(logits, prepared.sample_seqs, prepared.drafts, constrain)
+        return LaunchedStep(prepared.sample_seqs, prepared.drafts, constrain, logits=logits)
+
+    @torch.inference_mode()
+    def finish(self, launched: LaunchedStep) -> StepSample:
+        """``execute``'s second half: waits for the device's logits (or tokens) and samples them."""
+        seqs = launched.seqs
+        if launched.tokens is not None:
+            return StepSample(seqs, [[t] for t in launched.tokens.tolist()], num_drafts=[0] * len(seqs),
+                              num_accepted=[0] * len(seqs))
+        if launched.logits is None:
+            return StepSample([], [])
+        return self._sample_logits(launched.logits, seqs, launched.drafts, launched.constrain)
 
     def _greedy_only(self, seqs: list[Sequence], drafts: list[list[int]], constrain) -> bool:
         """Whether a step's sampled rows may take the greedy head: every one greedy with nothing that reads its
@@ -631,6 +690,9 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> StepSample:
         """Plain sequences through the sampler, verifying ones through ``verify_drafts``."""
+        if not any(drafts) and all(argmax_suffices(s.params) for s in seqs):  # no row's sampling reads more
+            tokens = logits.argmax(-1).tolist()
+            return StepSample(seqs, [[t] for t in tokens], num_drafts=[0] * len(seqs), num_accepted=[0] * len(seqs))
         plain = [i for i, d in enumerate(drafts) if not d]
         verifying = [i for i, d in enumerate(drafts) if d]
         out = StepSample(seqs, [[] for _ in seqs], num_drafts=[len(d) for d in drafts], num_accepted=[0] * len(seqs))

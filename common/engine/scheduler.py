@@ -247,10 +247,12 @@ class Scheduler:
         accepted drafts only. Token-level stops (EOS, stop ids, max_tokens,
         context limit) end the run at the token that hits them, so nothing
         past a stop is appended. Stop strings are the output processor's.
-        Returns the sequences that received tokens.
+        Returns the sequences that received tokens. A sequence finished since the plan was made takes nothing.
         """
         advanced = []
         for seq, num_new, spec in zip(plan.seqs, plan.num_new_tokens, plan.spec_token_ids):
+            if seq.is_finished:  # since the plan (an overlapped step's stop string, an abort): its blocks are gone
+                continue
             tokens = sampled.get(seq.seq_id)
             known = seq.token_ids
             if spec:

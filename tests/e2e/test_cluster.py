@@ -73,11 +73,12 @@ def test_greedy_output_equals_the_single_process_engine(cluster, reference):
     assert sum(transferred.values()) > 0, "prompts went through the prefill worker's pages"
 
 
-def test_stream_deltas_concatenate_to_the_full_text(cluster, reference):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": MAX_TOKENS,
+def stream_text(url: str, content: str) -> str:
+    """A streamed chat completion's deltas, concatenated (its usage chunk checked)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     text, usage = "", None
-    with httpx.stream("POST", cluster.url + "/v1/chat/completions", json=body, timeout=120) as resp:
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as resp:
         for line in resp.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -86,8 +87,12 @@ def test_stream_deltas_concatenate_to_the_full_text(cluster, reference):
                 usage = chunk["usage"]
             for choice in chunk["choices"]:
                 text += choice["delta"].get("content") or ""
-    assert text == reference[1]
     assert usage["completion_tokens"] > 0
+    return text
+
+
+def test_stream_deltas_concatenate_to_the_full_text(cluster, reference):
+    assert stream_text(cluster.url, PROMPTS[1]) == reference[1]
 
 
 def test_client_disconnect_frees_pages_on_every_worker(cluster):
@@ -160,12 +165,17 @@ def test_two_prefill_two_decode_spread_and_survive_a_worker_stopping(embedded_mo
         cluster.stop()
 
 
-def test_aggregated_worker_serves_alone_and_matches(embedded_model_dir, tmp_path, reference):
-    cluster = LocalCluster.for_tests(embedded_model_dir, tmp_path, prefill=0, decode=0, both=1).start()
+@pytest.mark.parametrize("overlap", ["auto", "always"])
+def test_aggregated_worker_serves_alone_and_matches(embedded_model_dir, tmp_path, reference, overlap):
+    """``always``: the worker's steps overlapped as on a GPU (engine.steps.overlap), its tokens reported a step later."""
+    cluster = LocalCluster.for_tests(embedded_model_dir, tmp_path, prefill=0, decode=0, both=1,
+                                     worker_overrides=[f"engine.steps.overlap={overlap}"]).start()
     try:
         for i in (0, 2, 4):
             status, body = chat(cluster.url, PROMPTS[i])
             assert status == 200 and body["choices"][0]["message"]["content"] == reference[i]
+        streamed = stream_text(cluster.url, PROMPTS[1])
+        assert streamed == reference[1]
         assert sum(cluster.metric("tessera_proxy_kv_transfer_bytes_total").values()) == 0
     finally:
         assert all(code == 0 for code in cluster.stop().values())

@@ -1,0 +1,100 @@
+"""Overlapped steps (``engine.steps.overlap``, common/engine/llm_engine.py): the same outputs as steps run one at a
+time, a call later.
+
+On a GPU the engine queues a step and reports the one before while the device runs it; on the CPU (here) the queued
+step has already run when ``launch`` returns, so these tests check what the overlap changes in the engine's
+bookkeeping, not its speed: the tokens, text, finish reasons and log-probabilities of every request, stop strings
+found a step late, aborts while a step is queued, and that no block is left behind.
+"""
+from __future__ import annotations
+
+import pytest
+
+from common.config.base import EngineConfig, StepsConfig
+from common.engine.llm_engine import LLMEngine
+from common.protocol.sampling_params import SamplingParams
+
+PROMPTS = [[5 + i, 17, 300 + 7 * i, 41, 9] * (1 + i % 3) for i in range(6)]
+
+
+def make_engine(model_dir, overlap: str) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=128, steps=StepsConfig(overlap=overlap)))
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_chat_model_dir):
+    return {mode: make_engine(tiny_chat_model_dir, mode) for mode in ("never", "always")}
+
+
+def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]], abort_at: dict[str, int] = ()):
+    """Every request through ``step()`` calls: per request, its final output and the text deltas in order, and the
+    call at which its first token arrived; ``abort_at``: request id -> the call after which it is aborted."""
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    finals, deltas, first_call, call = {}, {r: [] for r in requests}, {}, 0
+    while engine.has_unfinished():
+        call += 1
+        for out in engine.step():
+            for completion in out.outputs:
+                deltas[out.request_id].append(completion.text_delta)
+                if completion.token_ids:
+                    first_call.setdefault(out.request_id, call)
+            if out.finished:
+                finals[out.request_id] = out
+        for request_id, at in dict(abort_at).items():
+            if call == at:
+                engine.abort_request(request_id)
+        assert call < 500, "the requests never finished"
+    assert engine.block_manager.num_used_blocks == 0, "a block was left behind"
+    return finals, deltas, first_call
+
+
+def summary(out):
+    return [(c.index, c.token_ids, c.text, c.finish_reason, c.logprobs) for c in out.outputs]
+
+
+def test_every_request_ends_the_same_and_its_first_token_one_call_later(engines):
+    reference, _, _ = run(engines["never"], {"probe": (PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12))})
+    probe = reference["probe"].outputs[0]
+    stop_text = probe.text[len(probe.text) // 2:][:3].strip() or probe.text[-2:]
+    requests = {
+        "greedy": (PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=16)),
+        "sampled": (PROMPTS[1], SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=16)),
+        "two": (PROMPTS[2], SamplingParams(temperature=0.8, n=2, seed=3, max_tokens=10)),
+        "logprobs": (PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)),
+        "stop-string": (PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12, stop=[stop_text])),
+        "stop-token": (PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12,
+                                                  stop_token_ids=[probe.token_ids[4]])),
+        "penalised": (PROMPTS[4], SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3)),
+    }
+    off, off_deltas, off_first = run(engines["never"], requests)
+    on, on_deltas, on_first = run(engines["always"], requests)
+    assert on.keys() == off.keys() == requests.keys()
+    for request_id in requests:
+        assert summary(on[request_id]) == summary(off[request_id]), request_id
+        assert "".join(on_deltas[request_id]) == "".join(off_deltas[request_id]), request_id
+        assert on_first[request_id] == off_first[request_id] + 1, request_id
+    assert on["stop-string"].outputs[0].finish_reason == "stop"
+    assert len(on["stop-string"].outputs[0].token_ids) < 12, "the stop string was not hit: pick another"
+
+
+def test_an_abort_while_a_step_is_queued_takes_nothing_from_it(engines):
+    requests = {"kept": (PROMPTS[5], SamplingParams(temperature=0.0, max_tokens=14)),
+                "aborted": (PROMPTS[4], SamplingParams(temperature=0.0, max_tokens=14))}
+    off, _, _ = run(engines["never"], requests)
+    on, _, _ = run(engines["always"], {r: (p, s) for r, (p, s) in requests.items()}, abort_at={"aborted": 5})
+    assert summary(on["kept"]) == summary(off["kept"])
+    aborted = on["aborted"].outputs[0]
+    assert aborted.finish_reason == "abort"
+    full = off["aborted"].outputs[0].token_ids
+    assert 0 < len(aborted.token_ids) < len(full) and aborted.token_ids == full[:len(aborted.token_ids)]
+
+
+def test_a_queued_step_counts_as_work(engines):
+    engine = engines["always"]
+    engine.add_request("w", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=1))
+    engine.step()  # the prompt step, queued
+    assert engine.has_work()
+    outputs = engine.step()  # applied: its one token, and the request is done
+    assert [o.request_id for o in outputs] == ["w"] and outputs[0].finished
+    assert not engine.has_work() and not engine.has_unfinished()
