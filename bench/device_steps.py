@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from common.config.base import CudaGraphsConfig
+from common.config.base import CudaGraphsConfig, StepsConfig
 from common.storage.random_model import SHAPES, make_random_model
 
 # Two log-probabilities of one token are a near-tie's difference apart when the engine and transformers sum in
@@ -101,7 +101,8 @@ def model_dir(args, shape: str) -> Path:
 
 
 GPU_TEST_FILES = ("tests/unit/test_triton_attention.py,tests/unit/test_gpu_path.py,tests/unit/test_kv_transfer.py,"
-                  "tests/unit/test_cuda_graphs.py")
+                  "tests/unit/test_cuda_graphs.py,"
+                  "tests/e2e/test_kv_transfer_processes.py::test_gpu_pools_on_one_host_copy_over_cuda_ipc")
 
 
 def gpu_tests(args) -> dict:
@@ -124,7 +125,7 @@ def engine(args, shape: str, **settings):
 
     kv_bytes = (16 << 30) if args.device == "cuda" else (64 << 20)
     config = EngineConfig(model=str(model_dir(args, shape)), dtype=args.dtype, device=args.device,
-                          kv_cache_memory_bytes=kv_bytes, max_num_seqs=max(args.batches), calibration_s=0.0,
+                          kv_cache_memory_bytes=kv_bytes, max_num_seqs=max(args.batches), steps=StepsConfig(calibration_s=0.0),
                           max_num_batched_tokens=max(8192, args.prefill_len), **settings)
     return LLMEngine(config)
 
@@ -208,6 +209,51 @@ def _decode_rate(eng, prompts: list[list[int]], tokens: int) -> dict:
             "tokens_per_s": generated / seconds}
 
 
+def _step_phases(eng, prompts: list[list[int]], tokens: int) -> dict:
+    """Where a decode step's time goes at ``len(prompts)`` rows: milliseconds per step in each of the step's calls
+    (host work, except ``execute``, which also waits for the device's sampled tokens), over ``tokens - 1`` steps."""
+    import functools
+    from collections import Counter
+
+    spent: Counter = Counter()
+    calls = {"schedule": (eng.scheduler, "schedule"), "host_step": (eng.runner, "host_step"),
+             "execute": (eng.runner, "execute"), "update": (eng.scheduler, "update"),
+             "detokenize": (eng.output_processor, "process"), "outputs": (eng, "_collect_outputs")}
+
+    def timed(label, fn):
+        @functools.wraps(fn)
+        def call(*a, **k):
+            started = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[label] += time.perf_counter() - started
+        return call
+    for label, (owner, name) in calls.items():
+        setattr(owner, name, timed(label, getattr(owner, name)))
+    from common.protocol.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    try:
+        for i, prompt in enumerate(prompts):
+            eng.add_request(f"phases{len(prompts)}-{i}", prompt, params)
+        while any(len(s.output_token_ids) == 0 for s in eng.scheduler.running) or eng.scheduler.waiting:
+            eng.step()
+        _sync(str(eng.runner.device))
+        spent.clear()
+        started, steps = time.perf_counter(), 0
+        while eng.has_unfinished():
+            eng.step()
+            steps += 1
+        _sync(str(eng.runner.device))
+        seconds = time.perf_counter() - started
+    finally:
+        for owner, name in calls.values():
+            vars(owner).pop(name, None)
+    return {"batch": len(prompts), "tpot_ms": 1000 * seconds / steps,
+            "ms_per_step": {label: 1000 * spent[label] / steps for label in calls}}
+
+
 def _prefill_rate(eng, prompts: list[list[int]]) -> dict:
     from common.protocol.sampling_params import SamplingParams
 
@@ -275,6 +321,13 @@ def throughput(args) -> dict:
     prompts = {b: _prompts(eng, b, DECODE_PROMPT, seed=b) for b in args.batches}
     _decode_rate(eng, prompts[args.batches[0]][:1], 4)  # warm-up: the kernels' first compile is not timed
     decode = [_decode_rate(eng, prompts[b], DECODE_TOKENS) for b in args.batches]
+    phases = [_step_phases(eng, _prompts(eng, b, DECODE_PROMPT, seed=200 + b), DECODE_TOKENS)
+              for b in (args.batches[0], args.batches[-1])]
+    overlap = eng.overlap
+    eng.overlap = False  # the same points with each step run to its end before the next is planned
+    serial = [_decode_rate(eng, _prompts(eng, b, DECODE_PROMPT, seed=300 + b), DECODE_TOKENS)
+              for b in (args.batches[0], args.batches[-1])]
+    eng.overlap = overlap
     # warm-up at this step's shape (the allocator's blocks, the matmuls' first calls), on prompts of its own
     _prefill_rate(eng, _prompts(eng, PREFILL_PROMPTS, args.prefill_len, seed=6))
     prefill = _prefill_rate(eng, _prompts(eng, PREFILL_PROMPTS, args.prefill_len, seed=7))
@@ -283,7 +336,9 @@ def throughput(args) -> dict:
     eng.runner.close()
     del eng
     _release(args)
-    result = {"shape": shape, "attention_backend": attention, "decode": decode, "prefill": prefill,
+    result = {"shape": shape, "attention_backend": attention, "overlap_steps": overlap, "decode": decode,
+              "decode_serial": serial, "step_phases": phases,
+              "prefill": prefill,
               "cuda_graphs": graphs, "prefill_profile": profile_rows}
     if args.device == "cuda":  # the same decode points eagerly, on prompts of their own
         eng = engine(args, shape, cuda_graphs=CudaGraphsConfig(enabled=False))
@@ -321,7 +376,10 @@ def throughput(args) -> dict:
     return result
 
 
-def _pd_transfer(args, backend: str) -> dict:
+IPC_LOG_LINE = "CUDA IPC, GPU to GPU on this host"  # the decode worker's, for a peer it maps (kv_transfer/cuda_ipc.py)
+
+
+def _pd_transfer(args, backend: str, cuda_ipc: bool) -> dict:
     import httpx
 
     from bench.disagg_ttft import summarize, transfer_counters, warm_then_timed
@@ -329,13 +387,14 @@ def _pd_transfer(args, backend: str) -> dict:
 
     shape = args.shapes[-1]
     kv_bytes = (8 << 30) if args.device == "cuda" else (64 << 20)
-    logs = Path(args.work) / "pd-logs" / backend
+    logs = Path(args.work) / "pd-logs" / f"{backend}{'' if cuda_ipc else '-no-ipc'}"
     logs.mkdir(parents=True, exist_ok=True)
     cluster = LocalCluster.for_tests(
         model_dir(args, shape), logs, prefill=1, decode=1, transfer_backend=backend,
         worker_overrides=[f"engine.device={args.device}", f"engine.dtype={args.dtype}",
                           f"engine.kv_cache_memory_bytes={kv_bytes}",
-                          f"engine.max_num_batched_tokens={max(2048, args.prefill_len)}"],
+                          f"engine.max_num_batched_tokens={max(2048, args.prefill_len)}",
+                          f"transfer.cuda_ipc={str(cuda_ipc).lower()}"],
     ).start()
     try:
         with httpx.Client(timeout=CHECK_PORT_TIMEOUT_S) as client:
@@ -347,21 +406,26 @@ def _pd_transfer(args, backend: str) -> dict:
     summary.pop("samples")
     if summary["kv_pull_mean_s"] is not None:
         summary["transfer_share_of_ttft"] = summary["kv_pull_mean_s"] / summary["ttft_mean_s"]
-    return {"shape": shape, "backend": backend, "prompt_length": args.prefill_len, **summary,
-            "exit_codes": exit_codes}
+    took_ipc = any(IPC_LOG_LINE in path.read_text(errors="replace") for path in logs.glob("*.log"))
+    return {"shape": shape, "backend": backend, "cuda_ipc_setting": cuda_ipc, "cuda_ipc_taken": took_ipc,
+            "prompt_length": args.prefill_len, **summary, "exit_codes": exit_codes}
 
 
 def pd_transfer(args) -> dict:
-    """The P/D pair over each backend this machine has: NIXL where it imports (GPU to GPU), and ZeroMQ (through
-    host memory) always. A backend that fails is recorded and the next one still runs."""
+    """The P/D pair as shipped (``transfer.cuda_ipc`` on: GPU pools on one host copy over CUDA IPC) over each backend
+    this machine has (NIXL where it imports, ZeroMQ always), then over each with CUDA IPC off (NIXL's own GPU read;
+    ZeroMQ through host memory). A run that fails is recorded and the next one still runs."""
     from kv_transfer.factory import default_backend_name
 
     results = {}
-    for backend in dict.fromkeys([default_backend_name(), "zmq"]):
+    backends = list(dict.fromkeys([default_backend_name(), "zmq"]))
+    runs = [(b, True) for b in backends] + ([(b, False) for b in backends] if args.device == "cuda" else [])
+    for backend, cuda_ipc in runs:
+        key = backend if cuda_ipc else f"{backend}, no CUDA IPC"
         try:
-            results[backend] = _pd_transfer(args, backend)
+            results[key] = _pd_transfer(args, backend, cuda_ipc)
         except Exception as exc:
-            results[backend] = {"error": f"{type(exc).__name__}: {exc}"}
+            results[key] = {"error": f"{type(exc).__name__}: {exc}"}
     if all("error" in r for r in results.values()):
         raise RuntimeError("; ".join(f"{b}: {r['error']}" for b, r in results.items()))
     return results
