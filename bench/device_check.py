@@ -169,7 +169,8 @@ def render_markdown(report: dict) -> str:
                          f"{_fmt(hf.get(row['batch'], '-'))} |")
         if thr.get("step_phases"):
             labels = list(thr["step_phases"][0]["ms_per_step"])
-            lines += ["", "Where a decode step's time goes, ms per step (`execute` also waits for the device's tokens):",
+            lines += ["", "Where a decode step's time goes, ms per step (`launch` holds `host_step`; `finish` waits for the "
+                      "device's logits):",
                       "", "| batch | TPOT ms | " + " | ".join(labels) + " |", "|---" * (len(labels) + 2) + "|"]
             for row in thr["step_phases"]:
                 lines.append(f"| {row['batch']} | {_fmt(row['tpot_ms'])} | "
@@ -190,6 +191,17 @@ def render_markdown(report: dict) -> str:
             for d, h in zip(prof["device"], prof["host"]):
                 lines.append(f"| {d['name'].replace('|', '/')} | {_fmt(d['ms'])} | {d['calls']} | "
                              f"{h['name'].replace('|', '/')} | {_fmt(h['ms'])} | {h['calls']} |")
+        for prof in thr.get("decode_profiles", []):
+            if "error" in prof:
+                lines += ["", f"Decode at batch {prof['batch']} under the profiler: failed: {prof['error'][:200]}"]
+                continue
+            lines += ["", f"Decode at batch {prof['batch']} under the profiler, per step: {_fmt(prof['wall_ms'])} ms "
+                      f"wall, the device busy {_fmt(prof['device_busy_ms'])} ms.", "",
+                      "| most device time (own) | ms | calls | most host time (own) | ms | calls |",
+                      "|---|---|---|---|---|---|"]
+            for d, h in zip(prof["device"], prof["host"]):
+                lines.append(f"| {d['name'].replace('|', '/')} | {_fmt(d['ms'])} | {_fmt(d['calls'])} | "
+                             f"{h['name'].replace('|', '/')} | {_fmt(h['ms'])} | {_fmt(h['calls'])} |")
         if "engine_over_transformers_best" in thr:
             lines.append(f"Engine at batch {thr['decode'][-1]['batch']} over transformers' best batch: "
                          f"{_fmt(thr['engine_over_transformers_best'])}x.")

@@ -211,13 +211,14 @@ def _decode_rate(eng, prompts: list[list[int]], tokens: int) -> dict:
 
 def _step_phases(eng, prompts: list[list[int]], tokens: int) -> dict:
     """Where a decode step's time goes at ``len(prompts)`` rows: milliseconds per step in each of the step's calls
-    (host work, except ``execute``, which also waits for the device's sampled tokens), over ``tokens - 1`` steps."""
+    (host work; ``launch`` holds ``host_step``, and ``finish`` waits for the device's logits), over ``tokens - 1``
+    steps."""
     import functools
     from collections import Counter
 
     spent: Counter = Counter()
     calls = {"schedule": (eng.scheduler, "schedule"), "host_step": (eng.runner, "host_step"),
-             "execute": (eng.runner, "execute"), "update": (eng.scheduler, "update"),
+             "launch": (eng.runner, "launch"), "finish": (eng.runner, "finish"), "update": (eng.scheduler, "update"),
              "detokenize": (eng.output_processor, "process"), "outputs": (eng, "_collect_outputs")}
 
     def timed(label, fn):
@@ -289,18 +290,16 @@ def _graphs_line(eng) -> str:
     return f"on, {len(graphs.ladder)} rungs of 1 to {graphs.max_rows} rows"
 
 
-def _prefill_profile(eng, prompt: list[int], top: int = 10) -> dict:
-    """One prompt's prefill under torch's profiler: its wall time, the device's busy time, the kernels that took
-    the most device time and the operations that took the most host time (their own)."""
+def _profiled(eng, run, top: int = 10) -> dict:
+    """``run()`` under torch's profiler: its wall time, the device's busy time, the kernels that took the most
+    device time and the operations that took the most host time (their own)."""
     from torch.profiler import ProfilerActivity, profile
-
-    from common.protocol.sampling_params import SamplingParams
 
     on_gpu = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with profile(activities=activities) as prof:
         started = time.perf_counter()
-        eng.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        run()
         _sync(str(eng.runner.device))
         wall = time.perf_counter() - started
     events = prof.key_averages()
@@ -311,6 +310,36 @@ def _prefill_profile(eng, prompt: list[int], top: int = 10) -> dict:
         return [{"name": e.key[:90], "ms": getattr(e, attr, 0) / 1000, "calls": e.count} for e in ranked]
     return {"wall_ms": 1000 * wall, "device_busy_ms": sum(getattr(e, device, 0) for e in events) / 1000,
             "device": rows(device), "host": rows("self_cpu_time_total")}
+
+
+def _prefill_profile(eng, prompt: list[int]) -> dict:
+    """One prompt's prefill under the profiler."""
+    from common.protocol.sampling_params import SamplingParams
+
+    return _profiled(eng, lambda: eng.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1,
+                                                                        ignore_eos=True)))
+
+
+def _decode_profile(eng, prompts: list[list[int]], steps: int) -> dict:
+    """``steps`` decode steps at ``len(prompts)`` rows under the profiler (prompts first, not profiled); per step."""
+    from common.protocol.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        eng.add_request(f"profile{len(prompts)}-{i}", prompt, params)
+    while any(len(s.output_token_ids) == 0 for s in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()
+
+    def decode():
+        while eng.has_unfinished():
+            eng.step()
+    result = _profiled(eng, decode)
+    for key in ("wall_ms", "device_busy_ms"):
+        result[key] /= steps
+    for row in result["device"] + result["host"]:
+        row["ms"] /= steps
+        row["calls"] /= steps
+    return {"batch": len(prompts), "per_step": True, **result}
 
 
 def throughput(args) -> dict:
@@ -332,6 +361,12 @@ def throughput(args) -> dict:
     _prefill_rate(eng, _prompts(eng, PREFILL_PROMPTS, args.prefill_len, seed=6))
     prefill = _prefill_rate(eng, _prompts(eng, PREFILL_PROMPTS, args.prefill_len, seed=7))
     profile_rows = _prefill_profile(eng, _prompts(eng, 1, args.prefill_len, seed=8)[0])
+    decode_profiles = []
+    for batch in (args.batches[0], args.batches[-1]):
+        try:
+            decode_profiles.append(_decode_profile(eng, _prompts(eng, batch, DECODE_PROMPT, seed=400 + batch), 16))
+        except Exception as exc:  # the profiler's trouble is recorded, not the step's failure
+            decode_profiles.append({"batch": batch, "error": f"{type(exc).__name__}: {exc}"})
     attention, graphs = eng.runner.attention.name, _graphs_line(eng)
     eng.runner.close()
     del eng
@@ -339,7 +374,7 @@ def throughput(args) -> dict:
     result = {"shape": shape, "attention_backend": attention, "overlap_steps": overlap, "decode": decode,
               "decode_serial": serial, "step_phases": phases,
               "prefill": prefill,
-              "cuda_graphs": graphs, "prefill_profile": profile_rows}
+              "cuda_graphs": graphs, "prefill_profile": profile_rows, "decode_profiles": decode_profiles}
     if args.device == "cuda":  # the same decode points eagerly, on prompts of their own
         eng = engine(args, shape, cuda_graphs=CudaGraphsConfig(enabled=False))
         eager = {b: _prompts(eng, b, DECODE_PROMPT, seed=100 + b) for b in args.batches[:2]}
