@@ -33,8 +33,8 @@ Hooks, who calls them, and what a failure does:
   register_pool(kv_cache) -> bytes   both roles, once at start-up. Registers the
       whole pool (every rank); returns this side's metadata (``PoolMetadata``,
       version 4: the KV layout, tp_size, bytes per whole block, blocks per rank,
-      the epoch) for the proxy to publish. Raises if the pool cannot be
-      registered: the worker cannot start.
+      the epoch; version 5 with a GPU pool's CUDA IPC export) for the proxy to
+      publish. Raises if the pool cannot be registered: the worker cannot start.
   set_epoch(epoch) -> bytes          both roles, after register_pool and whenever the
       worker's epoch changes (it registers again). Pages are lent under an
       epoch: from now on a pull that names another one is refused where the
@@ -105,7 +105,10 @@ from kv_transfer.segments import Layers, PoolGeometry, Segment, Staging, check_l
 
 log = logging.getLogger(__name__)
 
-METADATA_VERSION = 5  # 4: the epoch the pages are lent under; 5: a GPU pool's CUDA IPC export
+# 4: the epoch the pages are lent under; 5: a GPU pool's CUDA IPC export. A pool without an export publishes 4, which
+# the release before reads, and this one reads both.
+METADATA_VERSION = 5
+READ_VERSIONS = (4, 5)
 BACKENDS = tuple(name for name in TRANSFER_BACKENDS if name != "auto")  # what make_backend builds
 
 
@@ -119,7 +122,7 @@ class _Version(msgspec.Struct):
     v: int
 
 
-class PoolMetadata(msgspec.Struct, forbid_unknown_fields=True):
+class PoolMetadata(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """What a worker publishes about its pool (``register_pool``); ``fields`` are its backend's ``Metadata``."""
 
     v: int
@@ -257,10 +260,11 @@ class KVTransferBackend(ABC):
         layout = kv_cache.layout
         self._geometry = PoolGeometry(layout.tp_size, kv_cache.num_blocks, layout.bytes_per_block, layout.num_layers)
         fields = msgspec.Raw(msgspec.msgpack.encode(self._publish(kv_cache)))
+        ipc = export_pool(kv_cache.pool) if self.cuda_ipc else None
         self._envelope = PoolMetadata(
-            METADATA_VERSION, self.name, *(getattr(layout, name) for name in LAYOUT_FIELDS), layout.tp_size,
-            layout.bytes_per_block, kv_cache.num_blocks, fields,
-            ipc=export_pool(kv_cache.pool) if self.cuda_ipc else None)
+            METADATA_VERSION if ipc is not None else READ_VERSIONS[0], self.name,
+            *(getattr(layout, name) for name in LAYOUT_FIELDS), layout.tp_size, layout.bytes_per_block,
+            kv_cache.num_blocks, fields, ipc=ipc)
         return msgspec.msgpack.encode(self._envelope)
 
     def set_epoch(self, epoch: int) -> bytes:
@@ -461,13 +465,13 @@ class KVTransferBackend(ABC):
         """The peer's envelope and its backend fields (this backend's ``Metadata``); ValueError names the field."""
         try:
             version = msgspec.msgpack.decode(metadata, type=_Version).v
-            envelope = msgspec.msgpack.decode(metadata, type=PoolMetadata) if version == METADATA_VERSION else None
+            envelope = msgspec.msgpack.decode(metadata, type=PoolMetadata) if version in READ_VERSIONS else None
         except msgspec.ValidationError as exc:
             raise ValueError(f"peer {peer_id!r}: transfer metadata: {exc}") from None
         except msgspec.DecodeError as exc:
             raise ValueError(f"peer {peer_id!r}: transfer metadata is not msgpack: {exc}") from None
         if envelope is None:
-            raise ValueError(f"peer {peer_id!r}: transfer metadata is version {version}, not {METADATA_VERSION}")
+            raise ValueError(f"peer {peer_id!r}: transfer metadata is version {version}, not one of {READ_VERSIONS}")
         if envelope.backend != self.name:
             raise ValueError(f"peer {peer_id!r} publishes {envelope.backend!r} metadata, this side runs {self.name!r}")
         layout = self._pool.layout

@@ -23,7 +23,8 @@ from common.protocol.wire import PROTOCOL_VERSION
 from tests.conditions import settle
 
 PREVIOUS_RELEASE = "792a3fb"  # the last landed commit of protocol version 20
-NEWER_SETTINGS = ()  # the tests' worker settings PREVIOUS_RELEASE does not know
+NEWER_SETTINGS = ("engine.steps.",)  # the tests' worker settings PREVIOUS_RELEASE does not know
+FORMER_SETTINGS = ["engine.calibration_s=0"]  # what PREVIOUS_RELEASE called the tests' engine.steps.calibration_s=0
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["Tell me about the sea.", "What is a hash table?", "Count to five."]
 MAX_TOKENS = 10
@@ -65,6 +66,7 @@ def test_a_worker_one_version_behind_serves_with_this_proxy(older, tiny_chat_mod
         + ([f"protocol_version={PROTOCOL_VERSION - 1}"] if older == "this-release-set-back" else []))
     if older == "previous-release":  # a setting added since: the previous release refuses what it does not know
         behind.worker_overrides = [o for o in behind.worker_overrides if not o.startswith(NEWER_SETTINGS)]
+        behind.worker_overrides += FORMER_SETTINGS
     try:
         behind.start_worker("prefill", 0)
 
