@@ -40,14 +40,14 @@ def run(engine: LLMEngine, rate: float, num_prompts: int, input_len: int, output
     last: dict[str, float] = {}
     tokens: dict[str, int] = defaultdict(int)
     steps: list[tuple[tuple[int, int, int, int], float]] = []
-    execute = engine.runner.execute
+    launch = engine.runner.launch
     shapes: list[tuple[int, int, int, int]] = []
 
     def recorded(plan, *args, **kwargs):
         shapes.append(plan.shape())
-        return execute(plan, *args, **kwargs)
+        return launch(plan, *args, **kwargs)
 
-    engine.runner.execute = recorded
+    engine.runner.launch = recorded
     try:
         start, sent = time.perf_counter(), 0
         while sent < num_prompts or engine.has_unfinished():
@@ -72,7 +72,7 @@ def run(engine: LLMEngine, rate: float, num_prompts: int, input_len: int, output
                     last[output.request_id] = ended - start
         wall = time.perf_counter() - start
     finally:
-        engine.runner.execute = execute
+        engine.runner.launch = launch
     ids = [f"r{i}" for i in range(num_prompts)]
     tpot = latency_stats("tpot", [(last[r] - first[r]) / (tokens[r] - 1) for r in ids if tokens[r] > 1], (99,))
     ttft = latency_stats("ttft", [first[r] - arrivals[i] for i, r in enumerate(ids)], ())

@@ -457,7 +457,7 @@ class ModelRunner:
         context up to its own position, which the step writes before any
         attention runs, so drafts need no chunk path.
         """
-        if plan.seqs and max(plan.num_new_tokens) == 1 and not any(plan.spec_token_ids):
+        if plan.seqs and min(plan.num_new_tokens) == max(plan.num_new_tokens) == 1 and not any(plan.spec_token_ids):
             return self._decode_host_step(plan.seqs)
         return self._mixed_host_step(plan)
 

@@ -201,13 +201,13 @@ def test_masked_rows_and_drafts_do_not_take_it(embedded_model_dir_bf16, monkeypa
     engine.generate([[5, 6, 7, 8]], [masked])
     assert calls == []
     repeating = [40, 41, 42, 43] * 6  # n-gram drafts from the prompt from the first decode step on
-    before = engine.runner.execute
+    before = engine.runner.launch
     drafted = []
 
-    def execute(plan, *args, **kwargs):
+    def launch(plan, *args, **kwargs):
         drafted.append(any(plan.spec_token_ids))
         return before(plan, *args, **kwargs)
-    engine.runner.execute = execute
+    engine.runner.launch = launch
     engine.generate([repeating], [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)])
     assert any(drafted) and len(calls) == drafted.count(False)  # the prompt's step took it, those with drafts not
 

@@ -60,17 +60,17 @@ def test_a_message_that_makes_the_handler_fail_ends_only_its_request(decode, mon
 def test_a_failed_engine_turn_gives_its_requests_back_and_the_worker_goes_on(decode, monkeypatch):
     handler, sent = decode
     _handle(handler, request("victim"))
-    original = handler.engine.runner.execute
+    original = handler.engine.runner.launch
 
     def explode(*args, **kwargs):
         raise RuntimeError("kernel fault")
 
-    monkeypatch.setattr(handler.engine.runner, "execute", explode)
+    monkeypatch.setattr(handler.engine.runner, "launch", explode)
     _turn(handler)
     (failed,) = [m for m in sent if isinstance(m, wire.RequestFailed)]
     assert failed.request_id == "victim" and failed.retryable and "kernel fault" in failed.message
     assert not handler.busy() and handler.engine.block_manager.num_used_blocks == 0
-    monkeypatch.setattr(handler.engine.runner, "execute", original)
+    monkeypatch.setattr(handler.engine.runner, "launch", original)
     assert run(handler, sent, "next")[-1].finish_reason == "length"
 
 
@@ -84,7 +84,7 @@ def test_a_broken_rank_group_ends_the_worker_rather_than_serving_on(decode, monk
     def broken(*args, **kwargs):
         raise RankGroupBroken("tensor parallel all-reduce across the worker's 2 ranks failed")
 
-    monkeypatch.setattr(handler.engine.runner, "execute", broken)
+    monkeypatch.setattr(handler.engine.runner, "launch", broken)
     with pytest.raises(SystemExit) as ended:
         _turn(handler)
     assert ended.value.code == 70
