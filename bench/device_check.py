@@ -142,7 +142,9 @@ def render_markdown(report: dict) -> str:
                   f"matmul {machine['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s ({machine['matmul_n']}^3).", ""]
     lines += ["| step | status | seconds |", "|---|---|---|"]
     for name, record in steps.items():
-        status = "ok" if record["ok"] else "failed: " + record["error"].splitlines()[0].replace("|", "/")[:150]
+        summary = (record.get("result") or {}).get("summary") if record["ok"] else None
+        status = (f"ok ({summary.split(' in ')[0]})" if summary else "ok") if record["ok"] else \
+            "failed: " + record["error"].splitlines()[0].replace("|", "/")[:150]
         lines.append(f"| {name} | {status} | {record.get('seconds', 0):.1f} |")
     logits = steps.get("logits", {}).get("result")
     if logits:
@@ -203,8 +205,8 @@ def render_markdown(report: dict) -> str:
                 lines.append(f"| {d['name'].replace('|', '/')} | {_fmt(d['ms'])} | {_fmt(d['calls'])} | "
                              f"{h['name'].replace('|', '/')} | {_fmt(h['ms'])} | {_fmt(h['calls'])} |")
         if "engine_over_transformers_best" in thr:
-            lines.append(f"Engine at batch {thr['decode'][-1]['batch']} over transformers' best batch: "
-                         f"{_fmt(thr['engine_over_transformers_best'])}x.")
+            lines += ["", f"Engine at batch {thr['decode'][-1]['batch']} over transformers' best batch: "
+                         f"{_fmt(thr['engine_over_transformers_best'])}x."]
     for backend, pd in (steps.get("pd_transfer", {}).get("result") or {}).items():
         if "error" in pd:
             lines += ["", f"P/D on one device ({backend}): failed: {pd['error'].splitlines()[0][:200]}"]
