@@ -171,8 +171,8 @@ def render_markdown(report: dict) -> str:
                          f"{_fmt(hf.get(row['batch'], '-'))} |")
         if thr.get("step_phases"):
             labels = list(thr["step_phases"][0]["ms_per_step"])
-            lines += ["", "Where a decode step's time goes, ms per step (`launch` holds `host_step`; `finish` waits for the "
-                      "device's logits):",
+            lines += ["", "Where a decode step's time goes, ms per step (`launch` holds `host_step`; `finish` waits "
+                      "for the device's logits):",
                       "", "| batch | TPOT ms | " + " | ".join(labels) + " |", "|---" * (len(labels) + 2) + "|"]
             for row in thr["step_phases"]:
                 lines.append(f"| {row['batch']} | {_fmt(row['tpot_ms'])} | "

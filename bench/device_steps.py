@@ -125,7 +125,8 @@ def engine(args, shape: str, **settings):
 
     kv_bytes = (16 << 30) if args.device == "cuda" else (64 << 20)
     config = EngineConfig(model=str(model_dir(args, shape)), dtype=args.dtype, device=args.device,
-                          kv_cache_memory_bytes=kv_bytes, max_num_seqs=max(args.batches), steps=StepsConfig(calibration_s=0.0),
+                          kv_cache_memory_bytes=kv_bytes, max_num_seqs=max(args.batches),
+                          steps=StepsConfig(calibration_s=0.0),
                           max_num_batched_tokens=max(8192, args.prefill_len), **settings)
     return LLMEngine(config)
 

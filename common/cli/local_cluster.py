@@ -43,9 +43,10 @@ STOP_TIMEOUT_S = 60
 # a decode slot, and were dropped. Tests of the shedding set their own (tests/e2e/test_tenants.py).
 TEST_PROXY_OVERRIDES = ("heartbeat_timeout_s=3", "served_model_name=SmolLM2-135M-Instruct", "local_prefill_threshold=0",
                         "tenancy.queue_timeout_s=300")
-# engine.steps.calibration_s=0: no step-cost calibration at start (about 1.5 s a worker, serialized on shared cores); the
-# tests of capacity set it back (tests/e2e/test_calibration.py).
-TEST_WORKER_OVERRIDES = ("engine.kv_cache_memory_bytes=268435456", "heartbeat_interval_s=0.2", "engine.steps.calibration_s=0")
+# engine.steps.calibration_s=0: no step-cost calibration at start (about 1.5 s a worker, serialized on shared cores);
+# the tests of capacity set it back (tests/e2e/test_calibration.py).
+TEST_WORKER_OVERRIDES = ("engine.kv_cache_memory_bytes=268435456", "heartbeat_interval_s=0.2",
+                         "engine.steps.calibration_s=0")
 
 
 _RECENT: set[int] = set()  # the ports free_port gave out last (_RECENT_ORDER), never given out again meanwhile

@@ -11,7 +11,8 @@ The worker then:
 3. hands what it holds (the engine with its prefix cache, the KV transfer agent, metrics, the health server, tracing,
    the cores) to a handler of the new role (``WorkerBase.adopt``) under a new epoch;
 4. calibrates the step costs the new role needs and the old one never measured (``common/engine/calibration.py``,
-   within ``engine.steps.calibration_s``: a former prefill worker's decode steps, a former decode worker's prompt steps),
+   within ``engine.steps.calibration_s``: a former prefill worker's decode steps, a former decode worker's prompt
+   steps),
    so that its first heartbeat in the new role carries a step model the proxy can size its capacity by, as at load;
    a fit it already has is not measured again. Then it registers again.
 
@@ -117,8 +118,9 @@ class RoleSwitch:
         """The new role's step costs that ``handler``'s engine has no fit of yet, measured as at load (its counters
         kept: they count traffic, not calibration)."""
         try:
-            calibrated = calibrate(handler.engine, self.config.engine.steps.calibration_s, decode=handler.role != "prefill",
-                                   prompts=handler.role != "decode", cores=handler.cores)
+            calibrated = calibrate(handler.engine, self.config.engine.steps.calibration_s,
+                                   decode=handler.role != "prefill", prompts=handler.role != "decode",
+                                   cores=handler.cores)
         except RankGroupBroken:
             raise  # the worker ends (worker_runtime)
         except RuntimeError as exc:  # something of the old role still held: the fit then comes from traffic

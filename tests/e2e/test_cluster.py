@@ -167,7 +167,8 @@ def test_two_prefill_two_decode_spread_and_survive_a_worker_stopping(embedded_mo
 
 @pytest.mark.parametrize("overlap", ["auto", "always"])
 def test_aggregated_worker_serves_alone_and_matches(embedded_model_dir, tmp_path, reference, overlap):
-    """``always``: the worker's steps overlapped as on a GPU (engine.steps.overlap), its tokens reported a step later."""
+    """``always``: the worker's steps overlapped as on a GPU (engine.steps.overlap), its tokens reported a step
+    later."""
     cluster = LocalCluster.for_tests(embedded_model_dir, tmp_path, prefill=0, decode=0, both=1,
                                      worker_overrides=[f"engine.steps.overlap={overlap}"]).start()
     try:

@@ -36,7 +36,8 @@ def test_the_ladder_pads_little_and_ends_at_its_largest_rung():
 def _engine(model_dir, graphs: bool, spec: bool) -> tuple[LLMEngine, list[int]]:
     """An engine whose attention is the Triton backend; with ``graphs``, its decode steps replay graphs of up to
     16 rows (``EagerGraph`` off a GPU). Returns it and a list that counts the rows of each replay."""
-    config = EngineConfig(model=str(model_dir), device=DEVICE, num_kv_blocks=64, max_num_seqs=4, steps=StepsConfig(calibration_s=0.0),
+    config = EngineConfig(model=str(model_dir), device=DEVICE, num_kv_blocks=64, max_num_seqs=4,
+                          steps=StepsConfig(calibration_s=0.0),
                           attention_backend="torch", cuda_graphs=CudaGraphsConfig(enabled=False),
                           spec=SpecConfig(method="draft", draft_model=str(model_dir), num_tokens=3, adaptive=False)
                           if spec else SpecConfig())

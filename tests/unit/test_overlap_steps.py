@@ -18,7 +18,8 @@ PROMPTS = [[5 + i, 17, 300 + 7 * i, 41, 9] * (1 + i % 3) for i in range(6)]
 
 
 def make_engine(model_dir, overlap: str) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=128, steps=StepsConfig(overlap=overlap)))
+    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=128,
+                                  steps=StepsConfig(overlap=overlap)))
 
 
 @pytest.fixture(scope="module")
