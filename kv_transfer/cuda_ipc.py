@@ -145,8 +145,8 @@ def open_peer(peer_id: str, export: IpcExport, local: torch.Tensor) -> IpcPeer |
     if reason is None:
         try:
             peer = IpcPeer(export, local)
-        except RuntimeError as exc:
-            reason = f"CUDA could not open its IPC handle: {exc}"
+        except Exception as exc:  # a handle CUDA refuses, or an export that does not describe one
+            reason = f"CUDA could not open its IPC handle: {type(exc).__name__}: {exc}"
         else:
             log.info("KV pulls from %s: CUDA IPC, GPU to GPU on this host", peer_id)
             return peer

@@ -383,8 +383,8 @@ class LLMEngine:
         (its tokens sampled and appended), this one is planned and queued on the device, and while the device runs
         it the step before is detokenized and reported: the outputs returned are that step's. A stop string found
         then ends its sequence, which the queued step computes too: that token is dropped when it is applied."""
-        prior = self._apply(self._inflight) if self._inflight is not None else []
-        self._inflight = None
+        inflight, self._inflight = self._inflight, None  # a step whose sampling raises is not applied twice
+        prior = self._apply(inflight) if inflight is not None else []
         if self.overlap and on_layers is None:
             self._inflight = self._launch(None)
             self._detokenize(prior)

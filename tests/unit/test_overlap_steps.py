@@ -99,3 +99,23 @@ def test_a_queued_step_counts_as_work(engines):
     outputs = engine.step()  # applied: its one token, and the request is done
     assert [o.request_id for o in outputs] == ["w"] and outputs[0].finished
     assert not engine.has_work() and not engine.has_unfinished()
+
+
+def test_a_queued_step_whose_sampling_raises_is_dropped_not_applied_again(engines, monkeypatch):
+    """A kernel fault shows when the queued step is sampled: that call raises (the worker fails its requests,
+    common/runtime/worker_runtime.py), and the next call does not meet the same step again."""
+    engine = engines["always"]
+    engine.add_request("fault", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=4))
+    engine.step()  # queued
+    finish = engine.runner.finish
+
+    def fault(launched):
+        raise RuntimeError("kernel fault")
+    monkeypatch.setattr(engine.runner, "finish", fault)
+    with pytest.raises(RuntimeError, match="kernel fault"):
+        engine.step()
+    monkeypatch.setattr(engine.runner, "finish", finish)
+    engine.abort_request("fault")
+    outputs = engine.step()
+    assert [o.outputs[0].finish_reason for o in outputs] == ["abort"]
+    assert not engine.has_unfinished() and engine.block_manager.num_used_blocks == 0
