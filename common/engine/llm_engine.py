@@ -387,19 +387,22 @@ class LLMEngine:
         prior = self._apply(inflight) if inflight is not None else []
         if self.overlap and on_layers is None:
             self._inflight = self._launch(None)
-            self._detokenize(prior)
+            self._detokenize(prior, inflight)
             return self._collect_outputs(prior)
-        self._detokenize(prior)
+        self._detokenize(prior, inflight)
         launched = self._launch(on_layers)
         advanced = self._apply(launched) if launched is not None else []
-        self._detokenize(advanced)
+        self._detokenize(advanced, launched)
         return self._collect_outputs(prior + advanced)
 
-    def _detokenize(self, advanced: list[Sequence]) -> None:
-        """The new tokens' text; a stop string ends its sequence, whose draft KV the speculator then drops."""
+    def _detokenize(self, advanced: list[Sequence], step: _Launched | None) -> None:
+        """The new tokens' text; a stop string ends its sequence, whose draft KV the speculator then drops. Then
+        ``step``'s cost, from its planning to its text, goes to the step timer (the proxy sizes capacity by it)."""
         self.output_processor.process(advanced, self.scheduler.finish)
         if self._speculating:
             self.speculator.retain(self.scheduler.running)
+        if step is not None:
+            self.step_timer.observe(*step.shape, time.perf_counter() - step.started)
 
     def _launch(self, on_layers) -> _Launched | None:
         """Plan a step and queue it on the device (None: nothing to run)."""
@@ -432,7 +435,6 @@ class LLMEngine:
                 self._fail_nonfinite(seq)
         if self._speculating:
             self.speculator.observe(sample)
-        self.step_timer.observe(*step.shape, time.perf_counter() - step.started)
         return advanced
 
     def _fail_nonfinite(self, seq: Sequence) -> None:
