@@ -157,18 +157,17 @@ def render_markdown(report: dict) -> str:
     if thr:
         lines += ["", f"Throughput, {thr['shape']} shape, attention {thr['attention_backend']}; CUDA graphs: "
                   f"{thr['cuda_graphs']}; steps overlapped: {thr.get('overlap_steps')}.", "",
-                  "| batch | engine TPOT ms | engine tok/s | transformers generate tok/s |", "|---|---|---|---|"]
+                  "| batch | engine TPOT ms | engine tok/s | steps run ahead | transformers generate tok/s |",
+                  "|---|---|---|---|---|"]
         hf = {r["batch"]: r["tokens_per_s"] for r in thr["transformers"]} if isinstance(thr.get("transformers"),
                                                                                         list) else {}
-        for row in thr["decode"]:
-            lines.append(f"| {row['batch']} | {_fmt(row['tpot_ms'])} | {_fmt(row['tokens_per_s'])} | "
-                         f"{_fmt(hf.get(row['batch'], '-'))} |")
-        for row in thr.get("decode_serial", []):
-            lines.append(f"| {row['batch']}, steps not overlapped | {_fmt(row['tpot_ms'])} | "
-                         f"{_fmt(row['tokens_per_s'])} | {_fmt(hf.get(row['batch'], '-'))} |")
-        for row in thr.get("decode_eager", []):
-            lines.append(f"| {row['batch']}, graphs off | {_fmt(row['tpot_ms'])} | {_fmt(row['tokens_per_s'])} | "
-                         f"{_fmt(hf.get(row['batch'], '-'))} |")
+        def ahead(row) -> str:
+            return f"{row['steps_ahead']} of {row['steps']}" if "steps_ahead" in row else "-"
+        for label, rows in (("", thr["decode"]), (", steps not overlapped", thr.get("decode_serial", [])),
+                            (", graphs off", thr.get("decode_eager", []))):
+            for row in rows:
+                lines.append(f"| {row['batch']}{label} | {_fmt(row['tpot_ms'])} | {_fmt(row['tokens_per_s'])} | "
+                             f"{ahead(row)} | {_fmt(hf.get(row['batch'], '-'))} |")
         if thr.get("step_phases"):
             labels = list(thr["step_phases"][0]["ms_per_step"])
             lines += ["", "Where a decode step's time goes, ms per step (`launch` holds `host_step`; `finish` waits "

@@ -200,6 +200,7 @@ def _decode_rate(eng, prompts: list[list[int]], tokens: int) -> dict:
         eng.step()
     _sync(str(eng.runner.device))
     started, steps, before = time.perf_counter(), 0, eng.stats.num_generated_tokens
+    ahead = eng.stats.num_steps_ahead
     while eng.has_unfinished():
         eng.step()
         steps += 1
@@ -207,7 +208,7 @@ def _decode_rate(eng, prompts: list[list[int]], tokens: int) -> dict:
     seconds = time.perf_counter() - started
     generated = eng.stats.num_generated_tokens - before
     return {"batch": len(prompts), "steps": steps, "tpot_ms": 1000 * seconds / steps,
-            "tokens_per_s": generated / seconds}
+            "tokens_per_s": generated / seconds, "steps_ahead": eng.stats.num_steps_ahead - ahead}
 
 
 def _step_phases(eng, prompts: list[list[int]], tokens: int) -> dict:
@@ -220,6 +221,7 @@ def _step_phases(eng, prompts: list[list[int]], tokens: int) -> dict:
     spent: Counter = Counter()
     calls = {"schedule": (eng.scheduler, "schedule"), "host_step": (eng.runner, "host_step"),
              "launch": (eng.runner, "launch"), "finish": (eng.runner, "finish"), "update": (eng.scheduler, "update"),
+             "run_ahead": (eng.scheduler, "run_ahead"), "settle": (eng.scheduler, "settle"),
              "detokenize": (eng.output_processor, "process"), "outputs": (eng, "_collect_outputs")}
 
     def timed(label, fn):

@@ -365,8 +365,9 @@ class StepsConfig:
     overlap: Literal["auto", "always", "never"] = option(
         "auto", "queue each step on the device and, while it runs, detokenize and report the step before it "
         "(step() then returns a step's tokens one call later, and a stop string ends its sequence a step later, "
-        "that step's token dropped); auto: where the device computes apart from the host (a GPU), never on the "
-        "CPU, whose cores do both")
+        "that step's token dropped; a greedy decode step is queued before the step before it has its tokens on the "
+        "host, which it reads on the device); auto: where the device computes apart from the host (a GPU), never "
+        "on the CPU, whose cores do both")
 
 
 @config_model("engine.kv_tiers", was_flat=True)

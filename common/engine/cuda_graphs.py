@@ -151,13 +151,16 @@ class DecodeGraphs:
         return time.monotonic() - started
 
     def replay(self, tokens: np.ndarray, positions: np.ndarray, slot_blocks: np.ndarray, context_lens: np.ndarray,
-               tables: np.ndarray) -> torch.Tensor:
+               tables: np.ndarray, feed=None) -> torch.Tensor:
         """The logits ``[rows, vocab]`` of a decode step given as host arrays (``tables``: one row of block ids per
-        row, zero-padded); a view of the graphs' output buffer, valid until the next replay."""
+        row, zero-padded); a view of the graphs' output buffer, valid until the next replay. ``feed(input_ids)``:
+        writes input tokens the host does not have yet into the device's copy, before the graph reads it."""
         rows = len(tokens)
         rung = rung_for(self.ladder, rows)
         self._stage(rows, rung, tokens, positions, slot_blocks, context_lens, tables)
         self._copy(rung)
+        if feed is not None:
+            feed(self._views_on_device["input_ids"])
         self._rungs[rung].graph.replay()
         return self._logits[:rows]
 

@@ -22,7 +22,7 @@ import numpy as np
 from common.engine.attention import block_size_for, flash_attn_available
 from common.engine.block_manager import BlockManager
 from common.config.base import EngineConfig
-from common.engine.model_runner import LaunchedStep, ModelRunner
+from common.engine.model_runner import LaunchedStep, ModelRunner, StepSample
 from common.engine.step_timer import StepTimer
 from common.storage.model_store import resolve_model
 from common.protocol.sampling_params import SamplingParams
@@ -128,6 +128,7 @@ class EngineStats:
     num_spec_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
     num_nonfinite_logits: int = 0  # requests failed because a step's logits for them held a NaN or Inf
+    num_steps_ahead: int = 0  # steps queued before the step before had its tokens on the host (``_step_ahead``)
 
 
 @dataclass
@@ -384,6 +385,8 @@ class LLMEngine:
         it the step before is detokenized and reported: the outputs returned are that step's. A stop string found
         then ends its sequence, which the queued step computes too: that token is dropped when it is applied."""
         inflight, self._inflight = self._inflight, None  # a step whose sampling raises is not applied twice
+        if self.overlap and on_layers is None and inflight is not None and self._runs_ahead(inflight):
+            return self._step_ahead(inflight)
         prior = self._apply(inflight) if inflight is not None else []
         if self.overlap and on_layers is None:
             self._inflight = self._launch(None)
@@ -395,6 +398,39 @@ class LLMEngine:
         self._detokenize(advanced, launched)
         return self._collect_outputs(prior + advanced)
 
+    def _runs_ahead(self, step: _Launched) -> bool:
+        """Whether the next step may be planned and queued before ``step``'s tokens reach the host: ``step`` took
+        its tokens on the device (so each row is greedy, without penalties or logprobs: ``ModelRunner._argmax_only``),
+        and each of its rows is a decode row of a sequence past its first output token whose next token nothing
+        else reads first (no drafts to propose, no structured output, no prefill hand-off)."""
+        plan = step.plan
+        return (step.launched.tokens is not None and not self._speculating and not self.structured.live
+                and len(step.launched.seqs) == len(plan.seqs) and max(plan.num_new_tokens) == 1
+                and all(seq.num_output_tokens > 0 and not seq.prefill_only for seq in plan.seqs))
+
+    def _step_ahead(self, inflight: _Launched) -> list[RequestOutput]:
+        """``step`` running ahead: the next step is planned as if ``inflight``'s tokens were in (each sequence a
+        placeholder token, ``Scheduler.run_ahead``) and queued on the device, reading those tokens there; then
+        ``inflight`` is finished and its tokens replace the placeholders (``Scheduler.settle``), while the device
+        runs the next. The device so never waits for the host between decode steps. A sequence that a token of
+        ``inflight`` ends (EOS, a stop id or string) computed a row of the next step for nothing: dropped when it
+        is applied; one that ``max_tokens`` or the context limit ends is left out of that plan."""
+        ahead, hold = self.scheduler.run_ahead(inflight.plan)
+        sample = StepSample([], [])
+        try:
+            queued = self._launch(None, hold, inflight.launched)
+            sample = self.runner.finish(inflight.launched)
+        finally:  # the placeholders never outlive this call: where it raised, they are taken back (no token)
+            advanced = self.scheduler.settle(ahead, dict(zip((s.seq_id for s in sample.seqs), sample.token_ids)))
+        self._inflight = queued
+        self.stats.num_steps_ahead += 1
+        self._count(inflight.plan, sample, len(advanced))
+        for seq in sample.nonfinite:
+            if not seq.is_finished:
+                self._fail_nonfinite(seq)
+        self._detokenize(advanced, inflight)
+        return self._collect_outputs(advanced)
+
     def _detokenize(self, advanced: list[Sequence], step: _Launched | None) -> None:
         """The new tokens' text; a stop string ends its sequence, whose draft KV the speculator then drops. Then
         ``step``'s cost, from its planning to its text, goes to the step timer (the proxy sizes capacity by it)."""
@@ -404,17 +440,18 @@ class LLMEngine:
         if step is not None:
             self.step_timer.observe(*step.shape, time.perf_counter() - step.started)
 
-    def _launch(self, on_layers) -> _Launched | None:
-        """Plan a step and queue it on the device (None: nothing to run)."""
+    def _launch(self, on_layers, hold: set[int] = frozenset(), after=None) -> _Launched | None:
+        """Plan a step and queue it on the device (None: nothing to run). ``hold``, ``after``: a step that runs
+        ahead of the queued one (``_step_ahead``)."""
         started = time.perf_counter()
         if self._speculating:
             self.speculator.propose(self.scheduler.running)
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(hold)
         if not plan:
             return None
         shape = plan.shape()
         hook = None if on_layers is None else on_layers(plan)
-        launched = self.runner.launch(plan, self.structured.mask if self.structured.live else None, hook)
+        launched = self.runner.launch(plan, self.structured.mask if self.structured.live else None, hook, after)
         return _Launched(plan, shape, launched, started)
 
     def _apply(self, step: _Launched) -> list[Sequence]:

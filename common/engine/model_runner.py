@@ -123,7 +123,26 @@ class LaunchedStep:
     drafts: list[list[int]]
     constrain: object = None
     logits: torch.Tensor | None = None
-    tokens: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None  # on the device: a step that runs ahead reads its input tokens here
+    # With ``tokens`` from the logits (``_argmax_step``): each row's token on the host, -1 where its logits were not
+    # finite, once ``ready`` (None: at once) has passed
+    reported: torch.Tensor | None = None
+    ready: object = None
+
+
+def _argmax_step(seqs: list[Sequence], logits: torch.Tensor) -> LaunchedStep:
+    """A step whose rows all take their logits' argmax, queued on the device: the tokens, and for the host each
+    row's token or -1 where its logits were not finite (a row's float32 sum is not finite exactly when one of its
+    logits is not: finite logits would have to pass 1e33 to overflow it). On a GPU the host's copy is queued now,
+    so that ``finish`` waits for this step alone, not for a step queued after it."""
+    tokens = logits.argmax(-1)
+    reported = torch.where(torch.isfinite(logits.sum(-1, dtype=torch.float32)), tokens, -1)
+    if tokens.device.type != "cuda":
+        return LaunchedStep(seqs, [[] for _ in seqs], None, tokens=tokens, reported=reported)
+    ready = torch.cuda.Event()
+    reported = reported.to("cpu", non_blocking=True)  # into pinned memory, ordered on the stream
+    ready.record()
+    return LaunchedStep(seqs, [[] for _ in seqs], None, tokens=tokens, reported=reported, ready=ready)
 
 
 def nonfinite_rows(logits: torch.Tensor) -> list[int]:
@@ -536,6 +555,13 @@ class ModelRunner:
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
 
+    def _queued_tensor(self, array: np.ndarray) -> torch.Tensor:
+        """``_tensor`` without waiting for the device: on a GPU, from pinned memory, in stream order (a copy from
+        pageable memory would wait for every step queued before it)."""
+        if self.device.type != "cuda":
+            return self._tensor(array)
+        return torch.from_numpy(np.ascontiguousarray(array)).pin_memory().to(self.device, non_blocking=True)
+
     # ---- execution ----------------------------------------------------------
     @torch.inference_mode()
     def run(self, ctx, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -601,23 +627,32 @@ class ModelRunner:
         return self.finish(self.launch(plan, constrain, on_layers))
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan, constrain=None, on_layers=None) -> LaunchedStep:
+    def launch(self, plan: StepPlan, constrain=None, on_layers=None, after: LaunchedStep | None = None
+               ) -> LaunchedStep:
         """``execute``'s first half: the step queued on the device (on a GPU it runs on while this returns); what
-        ``finish`` samples from. ``constrain`` runs in ``finish``, on the state the caller has then."""
+        ``finish`` samples from. ``constrain`` runs in ``finish``, on the state the caller has then.
+
+        ``after``: the step queued before, not yet finished, whose sequences this plan continues (the engine's
+        ``Scheduler.run_ahead``): their input tokens are its sampled ``tokens``, read on the device."""
         if self.fault_hang_token is not None and any(self.fault_hang_token in seq.prompt_token_ids
                                                      for seq in plan.seqs):
             log.warning("fault injection: this step hangs (testing.fault_hang_token)")
             while True:
                 time.sleep(3600)
         host = self.host_step(plan)
+        feed = self._feed(plan, after) if after is not None else None
+        argmax = self._argmax_only(host.sample_seqs, host.drafts, constrain)
         if self._replays(host) and on_layers is None:
             logits = self.graphs.replay(host.tokens, host.positions, host.slot_blocks, host.decode_lens,
-                                        host.decode_tables)
-            rows = len(host.tokens)  # the copy below leaves the graphs' buffer to the next replay
-            logits = (logits if len(host.sample_rows) == rows else logits[self._tensor(host.sample_rows)]).to(
-                torch.float32, copy=True)
-            return LaunchedStep(host.sample_seqs, host.drafts, constrain, logits=logits)
+                                        host.decode_tables, feed)
+            rows = len(host.tokens)  # what is read below leaves the graphs' buffer to the next replay
+            logits = logits if len(host.sample_rows) == rows else logits[self._tensor(host.sample_rows)]
+            if argmax:
+                return _argmax_step(host.sample_seqs, logits)
+            return LaunchedStep(host.sample_seqs, host.drafts, constrain, logits=logits.to(torch.float32, copy=True))
         prepared = self.to_device(host)
+        if feed is not None:
+            feed(prepared.input_ids)
         if on_layers is not None:
             counts, call = on_layers
             prepared.context.on_layers = call if self.device.type != "cuda" else _after_device(call, self.device)
@@ -625,32 +660,62 @@ class ModelRunner:
         if not prepared.sample_seqs:
             self.forward(prepared)
             return LaunchedStep([], [], None)
-        if self._greedy_only(prepared.sample_seqs, prepared.drafts, constrain):
+        if argmax and self.greedy_head is not None and len(prepared.sample_seqs) <= self.greedy_head.max_rows:
             hidden = self.forward(prepared)[prepared.sample_rows]
             tokens = self.greedy_head.argmax(hidden)
             if tokens is not None:
                 return LaunchedStep(prepared.sample_seqs, prepared.drafts, None, tokens=tokens)
-            logits = self.model.compute_logits(hidden).float()
+            logits = self.model.compute_logits(hidden)
         else:
-            logits = self.run(prepared.context, prepared.input_ids, prepared.positions, prepared.sample_rows).float()
-        return LaunchedStep(prepared.sample_seqs, prepared.drafts, constrain, logits=logits)
+            logits = self.run(prepared.context, prepared.input_ids, prepared.positions, prepared.sample_rows)
+        if argmax:
+            return _argmax_step(prepared.sample_seqs, logits)
+        return LaunchedStep(prepared.sample_seqs, prepared.drafts, constrain, logits=logits.float())
+
+    def _feed(self, plan: StepPlan, after: LaunchedStep):
+        """For a plan that runs ahead of ``after``: what writes the input token of each of its rows that continue
+        ``after``'s sequences from ``after.tokens`` into the step's input ids (on the device, queued), or None.
+        Those rows are decode rows, which come first in the flat batch in plan order (``host_step``)."""
+        index = {seq.seq_id: i for i, seq in enumerate(after.seqs)}
+        n = len(plan.seqs)
+        src = np.fromiter((index.get(seq.seq_id, -1) for seq in plan.seqs), dtype=np.int64, count=n)
+        new = np.asarray(plan.num_new_tokens, dtype=np.int64)
+        decode = (new == 1) | np.fromiter(map(bool, plan.spec_token_ids), dtype=bool, count=n)
+        decode_rows = np.where(decode, new, 0)
+        dst = (np.cumsum(decode_rows) - decode_rows)[decode & (src >= 0)]
+        src = src[decode & (src >= 0)]
+        tokens, k = after.tokens, len(dst)
+        if not k:
+            return None
+        if dst[-1] == k - 1 and src[-1] == k - 1 and (src == np.arange(k)).all():  # the same rows, in order
+            return lambda ids: ids[:k].copy_(tokens[:k])
+        dst_rows, src_rows = self._queued_tensor(dst), self._queued_tensor(src)
+        return lambda ids: ids.index_copy_(0, dst_rows, tokens[src_rows])
 
     @torch.inference_mode()
     def finish(self, launched: LaunchedStep) -> StepSample:
         """``execute``'s second half: waits for the device's logits (or tokens) and samples them."""
         seqs = launched.seqs
         if launched.tokens is not None:
-            return StepSample(seqs, [[t] for t in launched.tokens.tolist()], num_drafts=[0] * len(seqs),
-                              num_accepted=[0] * len(seqs))
+            sample = StepSample(seqs, [], num_drafts=[0] * len(seqs), num_accepted=[0] * len(seqs))
+            if launched.reported is None:
+                sample.token_ids = [[t] for t in launched.tokens.tolist()]
+                return sample
+            if launched.ready is not None:
+                launched.ready.synchronize()
+            tokens = launched.reported.tolist()  # a row whose logits were not finite reads -1 and samples nothing
+            sample.token_ids = [[t] if t >= 0 else [] for t in tokens]
+            if min(tokens, default=0) < 0:
+                sample.nonfinite = [seq for seq, t in zip(seqs, tokens) if t < 0]
+            return sample
         if launched.logits is None:
             return StepSample([], [])
         return self._sample_logits(launched.logits, seqs, launched.drafts, launched.constrain)
 
-    def _greedy_only(self, seqs: list[Sequence], drafts: list[list[int]], constrain) -> bool:
-        """Whether a step's sampled rows may take the greedy head: every one greedy with nothing that reads its
-        logits (penalties, logprobs, a mask, drafts to verify, fault injection), no more rows than it takes."""
-        return (self.greedy_head is not None and constrain is None and self.fault_nonfinite_token is None
-                and len(seqs) <= self.greedy_head.max_rows and not any(drafts)
+    def _argmax_only(self, seqs: list[Sequence], drafts: list[list[int]], constrain) -> bool:
+        """Whether a step's sampled rows take their logits' argmax on the device: every one greedy with nothing that
+        reads its logits (penalties, logprobs, a mask, drafts to verify, fault injection)."""
+        return (bool(seqs) and constrain is None and self.fault_nonfinite_token is None and not any(drafts)
                 and all(argmax_suffices(seq.params) for seq in seqs))
 
     def _replays(self, host: HostStep) -> bool:

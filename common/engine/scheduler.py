@@ -21,6 +21,10 @@ free pool). ``update`` then takes the tokens the verifier emitted and rolls
 the rest back: the computed count covers only the accepted drafts, and
 blocks that held nothing but rejected positions go back to the pool.
 
+Running ahead (overlapped greedy decode, ``LLMEngine._step_ahead``): the next plan is made while the step before
+it is still on the device. ``run_ahead`` advances that step's sequences as if their tokens were in (a placeholder
+each), ``schedule(hold=...)`` plans the next positions, and ``settle`` puts the sampled tokens in their place.
+
 Preemption picks the running sequence with the largest (priority lane,
 fairness counter, admission order): the lowest lane's most-served request,
 and among equals the most recently admitted one.
@@ -33,6 +37,10 @@ from dataclasses import dataclass, field
 from common.engine.block_manager import BlockManager
 from common.config.base import EngineConfig
 from common.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+# The token a sequence holds at a position whose token a queued step has not yet sampled (``run_ahead``); a valid
+# id, which the step that runs ahead reads from the queued step's sampled tokens on the device instead.
+AHEAD_PLACEHOLDER = 0
 
 
 @dataclass
@@ -135,13 +143,17 @@ class Scheduler:
         return len(self.waiting) + sum(len(v) for v in self._fork_waiters.values())
 
     # ---- planning ----------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def schedule(self, hold: frozenset[int] | set[int] = frozenset()) -> StepPlan:
+        """The next step's plan. ``hold``: ids of running sequences to leave out of it (they stay running)."""
         plan = StepPlan()
         budget = self.token_budget
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.seq_id in hold:
+                i += 1
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             spec = self._spec_tokens(seq, num_new, budget)
             if spec and not self._allocate_slots(seq, num_new + len(spec)):
@@ -278,6 +290,47 @@ class Scheduler:
             advanced.append(seq)
             if seq.prefill_only and not seq.is_finished:
                 self.finish(seq, FinishReason.HANDOFF)
+        return advanced
+
+    # ---- running ahead: a step planned before the one queued before it has its tokens ----
+    def run_ahead(self, plan: StepPlan) -> tuple[list[Sequence], set[int]]:
+        """``plan`` is queued and its tokens not known yet: each of its sequences, every one a decode row that
+        samples, is advanced as if its token were in (computed count, a placeholder token), so the next plan takes
+        its next position. Returns those sequences and the ids of the ones certain to finish on that token
+        (``max_tokens``, the context limit): ``schedule(hold=...)`` leaves them out. ``settle`` puts the tokens in."""
+        ahead, hold = [], set()
+        for seq in plan.seqs:
+            if seq.is_finished:  # aborted since: no token will come
+                continue
+            seq.num_computed_tokens += 1
+            seq.token_ids.append(AHEAD_PLACEHOLDER)
+            ahead.append(seq)
+            if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                hold.add(seq.seq_id)
+        return ahead, hold
+
+    def settle(self, ahead: list[Sequence], sampled: dict[int, list[int]]) -> list[Sequence]:
+        """``update`` for sequences ``run_ahead`` advanced: each placeholder replaced by the token sampled for it
+        (its full blocks then cached, its stops checked), or taken back where none came (a non-finite row, whose
+        request fails). A sequence the plan made since preempted (back in ``waiting``, nothing computed) takes its
+        token all the same, and leaves ``waiting`` if that token ends it. The sequences that received a token."""
+        advanced = []
+        for seq in ahead:
+            tokens = sampled.get(seq.seq_id)
+            if not tokens:
+                seq.token_ids.pop()
+                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+                continue
+            token = seq.token_ids[-1] = tokens[0]
+            seq.num_cached_blocks = self.blocks.cache_full_blocks(
+                seq.block_table, seq.token_ids, seq.num_cached_blocks,
+                seq.num_computed_tokens // self.block_size, seq.cache_salt,
+            )
+            waiting = seq.status is SequenceStatus.WAITING
+            self._check_token_stop(seq, token)
+            if waiting and seq.is_finished:
+                self.waiting.remove(seq)
+            advanced.append(seq)
         return advanced
 
     def _check_token_stop(self, seq: Sequence, token: int) -> None:

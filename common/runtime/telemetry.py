@@ -176,6 +176,7 @@ class Snapshot:
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
     nonfinite_logits: int = 0
+    steps_ahead: int = 0
     step_predicted_ms: float | None = None  # decode steps: the step model's prediction, a moving average
     step_measured_ms: float | None = None  # and what they took
     step_model_error: float | None = None  # the moving average of |predicted - measured| / measured
@@ -198,7 +199,7 @@ class Snapshot:
             spec_drafts=stats.num_spec_drafts, spec_draft_tokens=stats.num_spec_draft_tokens,
             spec_accepted_tokens=stats.num_spec_accepted_tokens,
             spec_accepted_per_position=tuple(stats.spec_accepted_per_position),
-            nonfinite_logits=stats.num_nonfinite_logits,
+            nonfinite_logits=stats.num_nonfinite_logits, steps_ahead=stats.num_steps_ahead,
             step_predicted_ms=engine.step_timer.predicted_ms, step_measured_ms=engine.step_timer.measured_ms,
             step_model_error=engine.step_timer.relative_error,
         )
@@ -271,6 +272,8 @@ class _SnapshotCollector:
             yield _counter("tessera_worker_kv_disk_writes", "KV pages written to the disk tier", s.disk_writes)
             yield _counter("tessera_worker_kv_disk_reads", "KV pages read back from the disk tier", s.disk_reads)
         yield _counter("tessera_worker_steps", "Engine steps run", s.steps)
+        yield _counter("tessera_worker_steps_ahead", "Engine steps queued on the device before the step before had "
+                       "its tokens on the host (overlapped greedy decode)", s.steps_ahead)
         yield _counter("tessera_worker_computed_tokens", "Tokens run through the model (prompt, recompute, decode)",
                        s.computed_tokens)
         yield _counter("tessera_worker_generation_tokens", "Tokens generated", s.generated_tokens)

@@ -48,3 +48,25 @@ def test_gpu_engine_greedy_matches_cpu(tiny_chat_model_dir):
     gpu = LLMEngine(EngineConfig(model=str(tiny_chat_model_dir), num_kv_blocks=64, device="cuda"))
     ref = [o.outputs[0].token_ids for o in cpu.generate(prompts, params)]
     assert [o.outputs[0].token_ids for o in gpu.generate(prompts, params)] == ref
+
+
+def test_gpu_steps_run_ahead_and_end_as_steps_one_at_a_time(tiny_chat_model_dir):
+    """On a GPU greedy decode steps are queued before the step before has its tokens on the host, reading them on
+    the device (CUDA graphs replayed; a small pool, which preempts where the attention backend keeps blocks of 16):
+    every request ends as with steps run one at a time."""
+    from common.config.base import StepsConfig
+    from common.engine.llm_engine import LLMEngine
+    from tests.unit.test_overlap_steps import GREEDY, PROMPTS, run, summary
+
+    def engine(overlap: str) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=str(tiny_chat_model_dir), dtype="float32", device="cuda",
+                                      num_kv_blocks=12, block_size=16, steps=StepsConfig(overlap=overlap)))
+    requests = dict(GREEDY)
+    requests.update({f"long{i}": (PROMPTS[i] + [70 + i], SamplingParams(temperature=0.0, max_tokens=48,
+                                                                        ignore_eos=True)) for i in range(4)})
+    serial, ahead = engine("never"), engine("auto")
+    off, _, _ = run(serial, requests)
+    on, _, _ = run(ahead, requests)
+    assert ahead.overlap and ahead.stats.num_steps_ahead > 20
+    for request_id in requests:
+        assert summary(on[request_id]) == summary(off[request_id]), request_id

@@ -9,9 +9,11 @@ found a step late, aborts while a step is queued, and that no block is left behi
 from __future__ import annotations
 
 import pytest
+import torch
 
 from common.config.base import EngineConfig, StepsConfig
 from common.engine.llm_engine import LLMEngine
+from common.engine.sequence import SequenceStatus
 from common.protocol.sampling_params import SamplingParams
 
 PROMPTS = [[5 + i, 17, 300 + 7 * i, 41, 9] * (1 + i % 3) for i in range(6)]
@@ -119,3 +121,93 @@ def test_a_queued_step_whose_sampling_raises_is_dropped_not_applied_again(engine
     outputs = engine.step()
     assert [o.outputs[0].finish_reason for o in outputs] == ["abort"]
     assert not engine.has_unfinished() and engine.block_manager.num_used_blocks == 0
+
+
+# ---- running ahead: the next step queued before the step before has its tokens on the host ----
+GREEDY = {f"g{i}": (PROMPTS[i % len(PROMPTS)] + [60 + i], SamplingParams(temperature=0.0, max_tokens=m))
+          for i, m in enumerate([1, 2, 3, 5, 9, 17, 24, 30])}
+
+
+def test_greedy_decode_runs_ahead_and_every_request_ends_the_same(engines):
+    """Every greedy decode step after the first is planned before the step before it has its tokens: the same
+    tokens, text and finish reasons, stop strings and stop ids a step late, max_tokens met exactly."""
+    reference, _, _ = run(engines["never"], {"probe": (PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=20))})
+    probe = reference["probe"].outputs[0]
+    requests = dict(GREEDY)
+    requests["stop-string"] = (PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=20,
+                                                          stop=[probe.text[len(probe.text) // 2:][:3].strip()]))
+    requests["stop-id"] = (PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=20,
+                                                      stop_token_ids=[probe.token_ids[6]]))
+    requests["sampled"] = (PROMPTS[3], SamplingParams(temperature=0.8, seed=5, max_tokens=12))  # not ahead
+    off, off_deltas, _ = run(engines["never"], requests)
+    engine = engines["always"]
+    before = engine.stats.num_steps_ahead
+    on, on_deltas, _ = run(engine, requests)
+    for request_id in requests:
+        assert summary(on[request_id]) == summary(off[request_id]), request_id
+        assert "".join(on_deltas[request_id]) == "".join(off_deltas[request_id]), request_id
+    assert len(on["stop-string"].outputs[0].token_ids) < 20 and len(on["stop-id"].outputs[0].token_ids) < 20
+    assert engine.stats.num_steps_ahead - before > 10
+
+
+def test_running_ahead_under_preemption_and_aborts(tiny_chat_model_dir):
+    """A pool too small for every sequence: the plan that runs ahead preempts sequences whose tokens are still on
+    the device (they take them, and recompute later); an abort lands while a step is queued ahead."""
+    small = {mode: LLMEngine(EngineConfig(model=str(tiny_chat_model_dir), dtype="float32", num_kv_blocks=10,
+                                          block_size=16, steps=StepsConfig(overlap=mode))) for mode in ("never", "always")}
+    requests = {f"p{i}": (PROMPTS[i % len(PROMPTS)] + [90 + i], SamplingParams(temperature=0.0, max_tokens=40,
+                                                                                ignore_eos=True)) for i in range(6)}
+    scheduler, preempted_ahead = small["always"].scheduler, []
+    settle = scheduler.settle
+
+    def settle_counting(ahead, sampled):  # the sequences the plan run ahead preempted before their token came
+        preempted_ahead.extend(seq for seq in ahead if seq.status is SequenceStatus.WAITING)
+        return settle(ahead, sampled)
+    scheduler.settle = settle_counting
+    off, _, _ = run(small["never"], requests)
+    on, _, _ = run(small["always"], requests)
+    assert preempted_ahead and small["always"].stats.num_steps_ahead > 0
+    for request_id in requests:
+        assert summary(on[request_id]) == summary(off[request_id]), request_id
+    aborted, _, _ = run(small["always"], requests, abort_at={"p3": 12})
+    assert aborted["p3"].outputs[0].finish_reason == "abort"
+    for request_id in set(requests) - {"p3"}:
+        assert summary(aborted[request_id]) == summary(off[request_id]), request_id
+
+
+def test_a_step_that_raises_while_running_ahead_leaves_no_placeholder(engines, monkeypatch):
+    """Planning ahead raised: the queued step's tokens are not taken, the placeholders go, and the requests, once
+    the fault is gone, end as if it had never happened."""
+    engine = engines["always"]
+    reference, _, _ = run(engines["never"], {"r": (PROMPTS[5], SamplingParams(temperature=0.0, max_tokens=10))})
+    engine.add_request("r", PROMPTS[5], SamplingParams(temperature=0.0, max_tokens=10))
+    for _ in range(3):
+        engine.step()
+    seq, = engine.requests["r"]
+    tokens = list(seq.token_ids)
+    launch = engine.runner.launch
+
+    def fault(*args):
+        raise RuntimeError("launch fault")
+    monkeypatch.setattr(engine.runner, "launch", fault)
+    with pytest.raises(RuntimeError, match="launch fault"):
+        engine.step()
+    assert seq.token_ids == tokens and seq.num_computed_tokens == seq.num_tokens - 1
+    monkeypatch.setattr(engine.runner, "launch", launch)
+    final = None
+    while engine.has_unfinished():
+        final = next((out for out in engine.step() if out.finished), final)
+    assert summary(final) == summary(reference["r"]) and engine.block_manager.num_used_blocks == 0
+
+
+def test_a_row_whose_logits_are_not_finite_samples_nothing():
+    """The device's argmax step marks a row whose logits hold a NaN or Inf; ``finish`` gives it no token (and the
+    step's tokens, which a step run ahead reads, stay valid ids)."""
+    from common.engine.model_runner import ModelRunner, _argmax_step
+    from common.engine.sequence import Sequence
+    seqs = [Sequence(f"s{i}", [1, 2, 3], SamplingParams(temperature=0.0), seed=0) for i in range(3)]
+    logits = torch.tensor([[0.0, 2.0, 1.0], [float("nan"), 0.0, 1.0], [3.0, 0.0, float("inf")]])
+    launched = _argmax_step(seqs, logits)
+    sample = ModelRunner.finish(None, launched)
+    assert sample.token_ids == [[1], [], []] and sample.nonfinite == seqs[1:]
+    assert 0 <= int(launched.tokens.min()) and int(launched.tokens.max()) < logits.shape[1]
