@@ -9,6 +9,7 @@ its KV blocks go back to the pool. Each ``step()`` is plan -> execute -> apply, 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -420,10 +421,19 @@ class LLMEngine:
         try:
             queued = self._launch(None, hold, inflight.launched)
             sample = self.runner.finish(inflight.launched)
+        except BaseException:
+            # Nothing stays queued unowned: what ran on the device has run before its blocks can go elsewhere.
+            with contextlib.suppress(Exception):
+                self.runner.wait_device()
+            raise
         finally:  # the placeholders never outlive this call: where it raised, they are taken back (no token)
             advanced = self.scheduler.settle(ahead, dict(zip((s.seq_id for s in sample.seqs), sample.token_ids)))
+        if queued is not None:
+            # Its cost is timed from here, where the device starts it (``_detokenize``): from its planning, it
+            # would take in the rest of the step before it.
+            queued.started = time.perf_counter()
+            self.stats.num_steps_ahead += 1
         self._inflight = queued
-        self.stats.num_steps_ahead += 1
         self._count(inflight.plan, sample, len(advanced))
         for seq in sample.nonfinite:
             if not seq.is_finished:

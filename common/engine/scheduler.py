@@ -313,7 +313,8 @@ class Scheduler:
         """``update`` for sequences ``run_ahead`` advanced: each placeholder replaced by the token sampled for it
         (its full blocks then cached, its stops checked), or taken back where none came (a non-finite row, whose
         request fails). A sequence the plan made since preempted (back in ``waiting``, nothing computed) takes its
-        token all the same, and leaves ``waiting`` if that token ends it. The sequences that received a token."""
+        token all the same; whatever ends it then (a stop id here, a stop string when its text is made) takes it
+        out of ``waiting`` (``finish``). The sequences that received a token."""
         advanced = []
         for seq in ahead:
             tokens = sampled.get(seq.seq_id)
@@ -326,10 +327,7 @@ class Scheduler:
                 seq.block_table, seq.token_ids, seq.num_cached_blocks,
                 seq.num_computed_tokens // self.block_size, seq.cache_salt,
             )
-            waiting = seq.status is SequenceStatus.WAITING
-            self._check_token_stop(seq, token)
-            if waiting and seq.is_finished:
-                self.waiting.remove(seq)
+            self._check_token_stop(seq, token)  # ``finish`` takes a preempted one out of ``waiting`` too
             advanced.append(seq)
         return advanced
 
@@ -366,6 +364,7 @@ class Scheduler:
             if seq.finish_reason is FinishReason.HANDOFF and reason is FinishReason.STOP:
                 seq.finish_reason, seq.stop_reason = reason, stop_reason
             return
+        waiting = seq.status is SequenceStatus.WAITING  # e.g. preempted by a plan run ahead of its last token
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
@@ -373,6 +372,8 @@ class Scheduler:
             self._release(seq)
         if seq in self.running:
             self.running.remove(seq)
+        elif waiting and seq in self.waiting:
+            self.waiting.remove(seq)
 
     def release_held(self, seq: Sequence) -> None:
         """Free the blocks a finished prefill-only sequence kept for its decode worker."""

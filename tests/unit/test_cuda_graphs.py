@@ -33,11 +33,11 @@ def test_the_ladder_pads_little_and_ends_at_its_largest_rung():
     assert [rung_for(ladder, rows) for rows in (1, 3, 9, 17, 255, 256, 257)] == [1, 4, 16, 32, 256, 256, None]
 
 
-def _engine(model_dir, graphs: bool, spec: bool) -> tuple[LLMEngine, list[int]]:
+def _engine(model_dir, graphs: bool, spec: bool, overlap: str = "auto") -> tuple[LLMEngine, list[int]]:
     """An engine whose attention is the Triton backend; with ``graphs``, its decode steps replay graphs of up to
     16 rows (``EagerGraph`` off a GPU). Returns it and a list that counts the rows of each replay."""
     config = EngineConfig(model=str(model_dir), device=DEVICE, num_kv_blocks=64, max_num_seqs=4,
-                          steps=StepsConfig(calibration_s=0.0),
+                          steps=StepsConfig(calibration_s=0.0, overlap=overlap),
                           attention_backend="torch", cuda_graphs=CudaGraphsConfig(enabled=False),
                           spec=SpecConfig(method="draft", draft_model=str(model_dir), num_tokens=3, adaptive=False)
                           if spec else SpecConfig())
@@ -105,3 +105,16 @@ def test_a_step_past_the_graphs_runs_eagerly(tiny_chat_model_dir):
     assert graphs.fits(16, False, graphs.width) and graphs.fits(1, False, 1)
     assert not graphs.fits(17, False, 1) and not graphs.fits(4, False, graphs.width + 1) and not graphs.fits(
         4, True, 1)
+
+
+def test_steps_run_ahead_feed_the_replayed_graphs_their_input_tokens(tiny_chat_model_dir):
+    """Overlapped greedy decode through the graphs: each step is staged before the step before has its tokens on
+    the host, and its input ids are written into the graphs' buffer from that step's tokens (``replay(feed=...)``):
+    the same tokens as the eager engine one step at a time, sequences ending at different steps."""
+    prompts = [[5 + i for i in range(12)], [40, 41, 42, 43] * 5, list(range(100, 107))]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (10, 4, 7)]
+    eager, _ = _engine(tiny_chat_model_dir, graphs=False, spec=False, overlap="never")
+    expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    eng, replays = _engine(tiny_chat_model_dir, graphs=True, spec=False, overlap="always")
+    assert [o.outputs[0].token_ids for o in eng.generate(prompts, params)] == expected
+    assert eng.stats.num_steps_ahead >= 5 and replays

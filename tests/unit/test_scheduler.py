@@ -233,3 +233,33 @@ def test_eos_and_stop_tokens_finish():
     run_step(s, token=7)
     assert b.finish_reason is FinishReason.STOP and b.stop_reason == 7
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_plan_run_ahead_preempts_a_sequence_that_its_token_then_ends():
+    """Planning ahead of a queued step preempts a sequence whose token is still on the device: it takes its token
+    all the same (``settle``), and a stop found then, a stop id or (in its text, later) a stop string, ends it for
+    good: out of ``waiting`` as well, never admitted again."""
+    for stop_by in ("token", "string"):
+        s, bm = make(num_blocks=5, block_size=4, budget=64)
+        (a,) = seq("a", 7, max_tokens=10)  # 17 tokens at most: the whole pool's 5 blocks
+        (b,) = seq("b", 7, max_tokens=20, start=50)
+        s.add_sequences([a])
+        s.add_sequences([b])
+        run_step(s)  # both prompts in, one token each: 2 blocks each
+        queued = s.schedule()  # both decode, each now in its last block's last slot
+        ahead, hold = s.run_ahead(queued)
+        assert not hold and [q.token_ids[-1] for q in ahead] == [0, 0]  # the placeholders
+        plan = s.schedule(hold)  # each next position needs a new block: one left, so b is preempted
+        assert plan.preempted == [b] and b in s.waiting and b.num_computed_tokens == 0
+        advanced = s.settle(ahead, {a.seq_id: [7], b.seq_id: [0 if stop_by == "token" else 9]})
+        assert advanced == [a, b] and b.token_ids[-1] == (0 if stop_by == "token" else 9)
+        if stop_by == "string":  # what the output processor does when the token's text completes a stop string
+            assert not b.is_finished
+            s.finish(b, FinishReason.STOP, "stop")
+        assert b.is_finished and b not in s.waiting and b not in s.running and not b.block_table
+        assert a in s.running and a.num_computed_tokens == 8 and a.token_ids[-1] == 7
+        s.update(plan, {a.seq_id: [7]})
+        for _ in range(20):
+            if s.has_work():
+                run_step(s)
+        assert a.finish_reason is FinishReason.LENGTH and b.num_output_tokens == 2 and bm.num_free_blocks == 5
