@@ -9,10 +9,11 @@ Per vocabulary and row count, random float32 logits: each way's time per call (b
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 import torch
+
+from bench.nonfinite_check import best_of_alternating
 
 
 def with_numpy(logits: torch.Tensor) -> torch.Tensor:
@@ -21,13 +22,6 @@ def with_numpy(logits: torch.Tensor) -> torch.Tensor:
 
 def with_torch(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
-
-
-def timed(fn, logits: torch.Tensor, calls: int) -> float:
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn(logits)
-    return (time.perf_counter() - start) / calls
 
 
 def main() -> None:
@@ -44,10 +38,7 @@ def main() -> None:
         for rows in args.rows:
             logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows * vocab))
             same = bool((with_numpy(logits) == with_torch(logits)).all())
-            ours = theirs = float("inf")
-            for _ in range(args.repeat):
-                ours = min(ours, timed(with_numpy, logits, args.calls))
-                theirs = min(theirs, timed(with_torch, logits, args.calls))
+            ours, theirs = best_of_alternating(with_numpy, with_torch, logits, args.calls, args.repeat)
             print(f"| {vocab} | {rows} | {ours * 1e3:.3f} | {theirs * 1e3:.3f} | {ours / theirs:.2f}x | {same} |")
 
 
