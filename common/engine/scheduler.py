@@ -364,7 +364,7 @@ class Scheduler:
             if seq.finish_reason is FinishReason.HANDOFF and reason is FinishReason.STOP:
                 seq.finish_reason, seq.stop_reason = reason, stop_reason
             return
-        waiting = seq.status is SequenceStatus.WAITING  # e.g. preempted by a plan run ahead of its last token
+        waiting = seq.status is SequenceStatus.WAITING  # an abort's, or preempted by a plan run ahead of it
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
@@ -446,7 +446,5 @@ class Scheduler:
         aborted += [s for s in self.waiting if s.request_id == request_id]
         aborted += self._fork_waiters.pop(request_id, [])
         for seq in aborted:
-            if seq in self.waiting:
-                self.waiting.remove(seq)
-            self.finish(seq, reason)
+            self.finish(seq, reason)  # out of ``running`` or ``waiting``, wherever it is
         return aborted
