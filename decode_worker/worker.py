@@ -368,13 +368,10 @@ class DecodeHandler(WorkerBase):
         n = len(o.token_ids_delta)
         if n == 0 and not o.text_delta and o.finish_reason is None:
             return None
-        wants = o.logprobs is not None
         return wire.TokenDelta(
             request_id=out.request_id, token_ids=o.token_ids_delta, text=o.text_delta,
             finish_reason=o.finish_reason, stop_reason=o.stop_reason,
-            logprobs=o.logprobs[len(o.logprobs) - n:] if wants else None,
-            top_logprobs=o.top_logprobs[len(o.top_logprobs) - n:]
-            if wants else None,
+            logprobs=o.logprobs_delta, top_logprobs=o.top_logprobs_delta,
             num_cached_tokens=out.num_cached_tokens,
         )
 

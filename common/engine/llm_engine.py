@@ -42,21 +42,54 @@ log = logging.getLogger(__name__)
 # detokenization that never splits a UTF-8 character), applies stop strings
 # (which may span tokens and are held back until resolved), and reports each
 # touched request once per step.
-@dataclass
 class CompletionOutput:
-    index: int
-    text: str  # all text so far
-    text_delta: str  # text added since the previous report
-    token_ids: list[int]
-    token_ids_delta: list[int]
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
+    """One sequence's report: what it added since the previous report (the deltas, what a server streams), and
+    everything so far (``text``, ``token_ids``, ``logprobs``, ``top_logprobs``: read from the sequence when asked,
+    as they stood at the report, so that a report costs the same at the thousandth token as at the first)."""
+
+    __slots__ = ("index", "text_delta", "token_ids_delta", "logprobs_delta", "top_logprobs_delta", "finish_reason",
+                 "stop_reason", "_seq", "_num_tokens", "_text_length")
+
+    def __init__(self, index: int, text_delta: str, token_ids_delta: list[int], seq: Sequence, num_tokens: int,
+                 text_length: int, logprobs_delta: list[float] | None = None,
+                 top_logprobs_delta: list[list[tuple[int, float]]] | None = None, finish_reason: str | None = None,
+                 stop_reason: int | str | None = None) -> None:
+        self.index = index
+        self.text_delta = text_delta
+        self.token_ids_delta = token_ids_delta
+        self.logprobs_delta = logprobs_delta
+        self.top_logprobs_delta = top_logprobs_delta
+        self.finish_reason = finish_reason
+        self.stop_reason = stop_reason
+        self._seq = seq
+        self._num_tokens = num_tokens
+        self._text_length = text_length
+
+    @property
+    def text(self) -> str:
+        """All text so far."""
+        return self._seq.text_state.text[:self._text_length]
+
+    @property
+    def token_ids(self) -> list[int]:
+        start = self._seq.num_prompt_tokens
+        return self._seq.token_ids[start:start + self._num_tokens]
+
+    @property
+    def logprobs(self) -> list[float] | None:
+        return self._seq.logprobs[:self._num_tokens] if self.logprobs_delta is not None else None
+
+    @property
+    def top_logprobs(self) -> list[list[tuple[int, float]]] | None:
+        return self._seq.top_logprobs[:self._num_tokens] if self.top_logprobs_delta is not None else None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids}, "
+                f"finish_reason={self.finish_reason!r})")
 
 
 @dataclass
@@ -96,21 +129,18 @@ class OutputProcessor:
             if seq.is_finished and not state.flushed and seq.finish_reason not in (FinishReason.HANDOFF,
                                                                                    FinishReason.ERROR):
                 state.flush()
-            tokens = seq.token_ids[seq.num_prompt_tokens:seq.num_prompt_tokens + state.num_tokens]
-            new_tokens = tokens[seq.reported_tokens:]
+            start, reported, num_tokens = seq.num_prompt_tokens, seq.reported_tokens, state.num_tokens
+            text_delta = state.take_delta()
             wants_logprobs = seq.params.logprobs is not None
             out.outputs.append(CompletionOutput(
-                index=seq.index,
-                text=state.text,
-                text_delta=state.take_delta(),
-                token_ids=tokens,
-                token_ids_delta=new_tokens,
-                logprobs=seq.logprobs[: len(tokens)] if wants_logprobs else None,
-                top_logprobs=seq.top_logprobs[: len(tokens)] if wants_logprobs else None,
+                seq.index, text_delta, seq.token_ids[start + reported:start + num_tokens], seq, num_tokens,
+                state.text_length,
+                logprobs_delta=seq.logprobs[reported:num_tokens] if wants_logprobs else None,
+                top_logprobs_delta=seq.top_logprobs[reported:num_tokens] if wants_logprobs else None,
                 finish_reason=seq.finish_reason.value if seq.finish_reason else None,
                 stop_reason=seq.stop_reason,
             ))
-            seq.reported_tokens = len(tokens)
+            seq.reported_tokens = num_tokens
         return out
 
 

@@ -282,11 +282,21 @@ class TextState:
         # request wants its stop in the output.
         ending_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else tokenizer.eos_token_ids)
         self._silent_ids = set() if params.include_stop_str_in_output else ending_ids
-        self.text = ""  # all text released so far
+        self._stopping = bool(params.stop)  # without stop strings the checker is passed by (it would hold nothing)
+        self._pieces: list[str] = []  # the text released so far, in the pieces released (joined when read)
+        self.text_length = 0  # of ``text``
         self.num_tokens = 0  # output tokens consumed; none after a stop string
         self.stop_string: str | None = None
         self.flushed = False
         self._untaken = ""
+
+    @property
+    def text(self) -> str:
+        """All text released so far."""
+        pieces = self._pieces
+        if len(pieces) > 1:
+            pieces[:] = ["".join(pieces)]
+        return pieces[0] if pieces else ""
 
     def update(self, new_token_ids: Sequence[int]) -> tuple[str, str | None]:
         """Consume new output tokens; (text delta, stop string matched now or None).
@@ -294,9 +304,17 @@ class TextState:
         Tokens are taken one at a time so that a stop string stops the
         sequence at the token that completed it; later ones are not consumed.
         """
+        if self.stop_string is not None or self.flushed:
+            return "", None
+        if not self._stopping:  # the common case, one step's token: no stop string to look for
+            silent = self._silent_ids
+            self.num_tokens += len(new_token_ids)
+            spoken = [t for t in new_token_ids if t not in silent] if silent else new_token_ids
+            add = self._detokenizer.add
+            return self._release(add(spoken) if len(spoken) == 1 else "".join(add([t]) for t in spoken)), None
         released, matched = [], None
         for token_id in new_token_ids:
-            if self.stop_string is not None or self.flushed:
+            if self.stop_string is not None:
                 break
             self.num_tokens += 1
             if token_id not in self._silent_ids:
@@ -320,6 +338,8 @@ class TextState:
         return delta
 
     def _release(self, text: str) -> str:
-        self.text += text
-        self._untaken += text
+        if text:
+            self._pieces.append(text)
+            self.text_length += len(text)
+            self._untaken += text
         return text

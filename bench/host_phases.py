@@ -1,0 +1,66 @@
+"""The host's work per decode step at many rows: what a GPU's step waits for when the host is slower than the device.
+
+    .venv/bin/python -m bench.host_phases [--rows 256] [--tokens 64,320] [--repeats 3]
+
+On a GPU the device runs a step while the host reports and detokenizes the step before and plans the next; at 256
+rows the two took about as long on the lent H200 (docs/gpu.md), so each millisecond of host work per step is one
+the device may wait. This measures that work on this machine's CPU: the engine on the ``tiny`` random-weight shape
+(a model so small that the host's work is most of a step), ``--rows`` sequences decoding together for ``--tokens``
+output tokens (greedy, ``ignore_eos``), each of the step's calls timed as in the device check's phase profile
+(bench/device_steps.py ``_step_phases``): ``schedule`` (planning), ``host_step`` (the batch's host arrays),
+``update`` (applying the sampled tokens), ``detokenize`` (each sequence's text delta and stop strings),
+``outputs`` (each request's report). The best of ``--repeats`` runs, each on fresh prompts, per length: a report
+whose cost grows with the tokens so far shows as a longer run costing more per step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+from bench.device_steps import _step_phases
+from common.config.base import EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.storage.random_model import SHAPES, embedded_tokenizer_dir, make_random_model, random_model_dir
+
+HOST_PHASES = ("schedule", "host_step", "update", "detokenize", "outputs")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--tokens", default="64,320", help="output tokens per sequence, one run per length")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON as well")
+    args = ap.parse_args()
+    model = random_model_dir("tiny", "float32")
+    if not model.is_dir():
+        make_random_model(model, SHAPES["tiny"], "float32", tokenizer_from=embedded_tokenizer_dir())
+    engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", max_num_seqs=args.rows,
+                                    num_kv_blocks=args.rows * 32))
+    rng = random.Random(4242)
+    rows = []
+    print(f"Host work per decode step, {args.rows} rows, tiny shape, float32 (ms; best of {args.repeats})\n")
+    print("| output tokens | " + " | ".join(HOST_PHASES) + " | host total | step |")
+    print("|---" * (len(HOST_PHASES) + 3) + "|")
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        best = None
+        for _ in range(args.repeats):
+            prompts = [[rng.randrange(100, 40000) for _ in range(args.prompt_tokens)] for _ in range(args.rows)]
+            run = _step_phases(engine, prompts, tokens)
+            host = sum(run["ms_per_step"][phase] for phase in HOST_PHASES)
+            if best is None or host < best[0]:
+                best = (host, run)
+        host, run = best
+        row = {"tokens": tokens, "host_ms": host, "step_ms": run["tpot_ms"],
+               **{phase: run["ms_per_step"][phase] for phase in HOST_PHASES}}
+        rows.append(row)
+        print(f"| {tokens} | " + " | ".join(f"{row[p]:.3f}" for p in HOST_PHASES)
+              + f" | {host:.3f} | {run['tpot_ms']:.2f} |")
+    if args.json:
+        print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
