@@ -8,9 +8,10 @@ the device may wait. This measures that work on this machine's CPU: the engine o
 (a model so small that the host's work is most of a step), ``--rows`` sequences decoding together for ``--tokens``
 output tokens (greedy, ``ignore_eos``), each of the step's calls timed as in the device check's phase profile
 (bench/device_steps.py ``_step_phases``): ``schedule`` (planning), ``host_step`` (the batch's host arrays),
-``update`` (applying the sampled tokens), ``detokenize`` (each sequence's text delta and stop strings),
-``outputs`` (each request's report). The best of ``--repeats`` runs, each on fresh prompts, per length: a report
-whose cost grows with the tokens so far shows as a longer run costing more per step.
+``update`` (applying the sampled tokens; ``run_ahead`` and ``settle`` where steps run ahead), ``detokenize``
+(each sequence's text delta and stop strings), ``outputs`` (each request's report). The best of ``--repeats``
+runs, each on fresh prompts, per length: a report whose cost grows with the tokens so far shows as a longer run
+costing more per step.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from common.config.base import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.storage.random_model import SHAPES, embedded_tokenizer_dir, make_random_model, random_model_dir
 
-HOST_PHASES = ("schedule", "host_step", "update", "detokenize", "outputs")
+# with steps run ahead (a GPU's default) the sampled tokens are applied by run_ahead and settle, not update
+HOST_PHASES = ("schedule", "host_step", "update", "run_ahead", "settle", "detokenize", "outputs")
 
 
 def main() -> None:
@@ -37,14 +39,16 @@ def main() -> None:
     model = random_model_dir("tiny", "float32")
     if not model.is_dir():
         make_random_model(model, SHAPES["tiny"], "float32", tokenizer_from=embedded_tokenizer_dir())
-    engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", max_num_seqs=args.rows,
-                                    num_kv_blocks=args.rows * 32))
+    lengths = [int(t) for t in args.tokens.split(",")]
+    blocks = -(-(args.prompt_tokens + max(lengths)) // 16) + 1  # each sequence's, whole: no preemption
+    engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", max_num_seqs=args.rows, block_size=16,
+                                    num_kv_blocks=args.rows * blocks))
     rng = random.Random(4242)
     rows = []
     print(f"Host work per decode step, {args.rows} rows, tiny shape, float32 (ms; best of {args.repeats})\n")
     print("| output tokens | " + " | ".join(HOST_PHASES) + " | host total | step |")
     print("|---" * (len(HOST_PHASES) + 3) + "|")
-    for tokens in [int(t) for t in args.tokens.split(",")]:
+    for tokens in lengths:
         best = None
         for _ in range(args.repeats):
             prompts = [[rng.randrange(100, 40000) for _ in range(args.prompt_tokens)] for _ in range(args.rows)]

@@ -44,44 +44,46 @@ log = logging.getLogger(__name__)
 # touched request once per step.
 class CompletionOutput:
     """One sequence's report: what it added since the previous report (the deltas, what a server streams), and
-    everything so far (``text``, ``token_ids``, ``logprobs``, ``top_logprobs``: read from the sequence when asked,
-    as they stood at the report, so that a report costs the same at the thousandth token as at the first)."""
+    everything so far (``text``, ``token_ids``, ``logprobs``, ``top_logprobs``: read when asked from the sequence's
+    lists, which only grow past what was reported, as they stood at the report; so a report costs the same at the
+    thousandth token as at the first). It holds those lists and the text state, not the sequence (nor what the
+    sequence holds: a draft's probabilities on the device, a grammar's matcher)."""
 
     __slots__ = ("index", "text_delta", "token_ids_delta", "logprobs_delta", "top_logprobs_delta", "finish_reason",
-                 "stop_reason", "_seq", "_num_tokens", "_text_length")
+                 "stop_reason", "_token_ids", "_start", "_num_tokens", "_logprobs", "_top_logprobs", "_text",
+                 "_text_length")
 
-    def __init__(self, index: int, text_delta: str, token_ids_delta: list[int], seq: Sequence, num_tokens: int,
-                 text_length: int, logprobs_delta: list[float] | None = None,
-                 top_logprobs_delta: list[list[tuple[int, float]]] | None = None, finish_reason: str | None = None,
-                 stop_reason: int | str | None = None) -> None:
-        self.index = index
+    def __init__(self, seq: Sequence, text_delta: str, token_ids_delta: list[int],
+                 logprobs_delta: list[float] | None = None,
+                 top_logprobs_delta: list[list[tuple[int, float]]] | None = None) -> None:
+        state = seq.text_state
+        self.index = seq.index
         self.text_delta = text_delta
         self.token_ids_delta = token_ids_delta
         self.logprobs_delta = logprobs_delta
         self.top_logprobs_delta = top_logprobs_delta
-        self.finish_reason = finish_reason
-        self.stop_reason = stop_reason
-        self._seq = seq
-        self._num_tokens = num_tokens
-        self._text_length = text_length
+        self.finish_reason = seq.finish_reason.value if seq.finish_reason else None
+        self.stop_reason = seq.stop_reason
+        self._token_ids, self._start, self._num_tokens = seq.token_ids, seq.num_prompt_tokens, state.num_tokens
+        self._logprobs, self._top_logprobs = seq.logprobs, seq.top_logprobs
+        self._text, self._text_length = state, state.text_length
 
     @property
     def text(self) -> str:
         """All text so far."""
-        return self._seq.text_state.text[:self._text_length]
+        return self._text.text[:self._text_length]
 
     @property
     def token_ids(self) -> list[int]:
-        start = self._seq.num_prompt_tokens
-        return self._seq.token_ids[start:start + self._num_tokens]
+        return self._token_ids[self._start:self._start + self._num_tokens]
 
     @property
     def logprobs(self) -> list[float] | None:
-        return self._seq.logprobs[:self._num_tokens] if self.logprobs_delta is not None else None
+        return self._logprobs[:self._num_tokens] if self.logprobs_delta is not None else None
 
     @property
     def top_logprobs(self) -> list[list[tuple[int, float]]] | None:
-        return self._seq.top_logprobs[:self._num_tokens] if self.top_logprobs_delta is not None else None
+        return self._top_logprobs[:self._num_tokens] if self.top_logprobs_delta is not None else None
 
     @property
     def finished(self) -> bool:
@@ -130,15 +132,11 @@ class OutputProcessor:
                                                                                    FinishReason.ERROR):
                 state.flush()
             start, reported, num_tokens = seq.num_prompt_tokens, seq.reported_tokens, state.num_tokens
-            text_delta = state.take_delta()
             wants_logprobs = seq.params.logprobs is not None
             out.outputs.append(CompletionOutput(
-                seq.index, text_delta, seq.token_ids[start + reported:start + num_tokens], seq, num_tokens,
-                state.text_length,
+                seq, state.take_delta(), seq.token_ids[start + reported:start + num_tokens],
                 logprobs_delta=seq.logprobs[reported:num_tokens] if wants_logprobs else None,
                 top_logprobs_delta=seq.top_logprobs[reported:num_tokens] if wants_logprobs else None,
-                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-                stop_reason=seq.stop_reason,
             ))
             seq.reported_tokens = num_tokens
         return out

@@ -90,9 +90,10 @@ def test_the_planner_moves_a_decode_worker_to_prefill_under_prompt_heavy_load(cl
     # planner.min_dwell_s after the switch, and prefill on the shared cores then slows decode past its TPOT target,
     # so the planner may turn the split back once it waited out the dwell; an order given as the load ends is
     # waited for (an idle cluster gives none: the load window empties)
-    deadline = time.monotonic() + SWITCH_S
-    while not (view := planned(cluster))["settled"] and time.monotonic() < deadline:
-        time.sleep(0.5)
+    deadline, before = time.monotonic() + SWITCH_S, None
+    while not ((view := planned(cluster))["settled"] and view == before) and time.monotonic() < deadline:
+        before = view  # settled at two reads a second apart: no order came between one's three reads
+        time.sleep(1.0)
     print(f"{len(results)} requests; {view}")
     assert view["to_prefill"] >= 1, view
     assert view["settled"], f"the planner's orders did not all end in the layout they make: {view}"
