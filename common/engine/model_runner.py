@@ -453,22 +453,25 @@ class ModelRunner:
         return self.to_device(self.host_step(plan))
 
     def to_device(self, host: HostStep) -> PreparedStep:
+        """On a GPU the copies are queued behind the steps before (from pinned memory): a step run eagerly (a prompt
+        chunk in it, or past the graphs' rows) is prepared while the one before runs, as a replayed one is."""
         ctx = StepContext(
             kv_cache=self.kv_cache,
-            slot_blocks=self._tensor(host.slot_blocks),
-            slot_offsets=self._tensor(host.positions % self.config.block_size),
-            chunks=[PrefillChunk(start, end, done, self._tensor(table)) for start, end, done, table in host.chunks],
+            slot_blocks=self._queued_tensor(host.slot_blocks),
+            slot_offsets=self._queued_tensor(host.positions % self.config.block_size),
+            chunks=[PrefillChunk(start, end, done, self._queued_tensor(table))
+                    for start, end, done, table in host.chunks],
         )
         if host.decode_tables is not None:
-            ctx.decode_rows = self._tensor(np.arange(len(host.decode_lens)))
-            ctx.decode_block_tables = self._tensor(host.decode_tables)
-            ctx.decode_context_lens = self._tensor(host.decode_lens)
+            ctx.decode_rows = self._queued_tensor(np.arange(len(host.decode_lens)))
+            ctx.decode_block_tables = self._queued_tensor(host.decode_tables)
+            ctx.decode_context_lens = self._queued_tensor(host.decode_lens)
         return PreparedStep(
-            input_ids=self._tensor(host.tokens),
-            positions=self._tensor(host.positions),
+            input_ids=self._queued_tensor(host.tokens),
+            positions=self._queued_tensor(host.positions),
             context=ctx,
             sample_seqs=host.sample_seqs,
-            sample_rows=self._tensor(host.sample_rows),
+            sample_rows=self._queued_tensor(host.sample_rows),
             drafts=host.drafts,
         )
 
@@ -649,7 +652,7 @@ class ModelRunner:
             logits = self.graphs.replay(host.tokens, host.positions, host.slot_blocks, host.decode_lens,
                                         host.decode_tables, feed)
             rows = len(host.tokens)  # what is read below leaves the graphs' buffer to the next replay
-            logits = logits if len(host.sample_rows) == rows else logits[self._tensor(host.sample_rows)]
+            logits = logits if len(host.sample_rows) == rows else logits[self._queued_tensor(host.sample_rows)]
             if argmax:
                 return _argmax_step(host.sample_seqs, logits)
             return LaunchedStep(host.sample_seqs, host.drafts, constrain, logits=logits.to(torch.float32, copy=True))
