@@ -128,11 +128,15 @@ def engine(args, shape: str, **settings):
                           kv_cache_memory_bytes=kv_bytes, max_num_seqs=max(args.batches),
                           steps=StepsConfig(calibration_s=0.0),
                           max_num_batched_tokens=max(8192, args.prefill_len), **settings)
-    return LLMEngine(config)
+    built = LLMEngine(config)
+    gc.collect()
+    gc.freeze()  # as a worker does once its model is loaded (common/runtime/model_swap.py); _release thaws it
+    return built
 
 
 def _release(args) -> None:
     """Give the device memory of a dropped engine or model back before the next one loads."""
+    gc.unfreeze()
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()

@@ -22,6 +22,7 @@ One model's memory at a time is the point: on a GPU the old weights and KV pool 
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import queue
@@ -74,8 +75,25 @@ def load_model(worker, spec: str, name: str = "") -> None:
              worker.model_version, worker.load_s, worker.transfer_name)
     worker.last_request = time.monotonic()
     worker.reset()
+    freeze_heap()
     status.model_loaded = True
     worker.metrics.model_load_seconds.labels(f"{worker.model_name}@{worker.model_version}").set(worker.load_s)
+
+
+def freeze_heap() -> None:
+    """What the worker holds now (its model loaded, its role's handler built) lives as long as the model: the
+    collector need not walk it again at each full collection, which the objects of many streams make frequent (a
+    pause of ~100 ms each at 256 streams of the tiny shape on 2 CPU cores, bench/host_phases.py). Whatever an
+    earlier freeze kept that is garbage now (a role's old handler) is collected first; unload_model thaws it all."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+    if not _thawed_at_exit:  # else what is frozen is never finalized: bindings report their objects leaked
+        atexit.register(gc.unfreeze)
+        _thawed_at_exit.append(True)
+
+
+_thawed_at_exit: list[bool] = []
 
 
 def unload_model(worker) -> None:
@@ -85,6 +103,7 @@ def unload_model(worker) -> None:
     device = worker.engine.runner.kv_cache.buffer.device
     worker.engine = worker.transfer = None
     worker.metrics.status.model_loaded = False
+    gc.unfreeze()  # the model's objects, frozen at its load, are the collector's again
     gc.collect()
     if device.type == "cuda":
         import torch
@@ -182,6 +201,7 @@ class ModelSwitch:
             if self.handler.transfer is not None:  # built before the failure
                 self.handler.transfer.close()
             self.handler.engine = self.handler.transfer = None
+            gc.unfreeze()  # what the failed load froze, if it got that far
             gc.collect()
             self.models.pop(key)
             self.error = f"loading {key} failed: {type(exc).__name__}: {exc}"

@@ -45,7 +45,7 @@ from common.runtime import sd_notify
 from common.runtime.core_share import CoreShare
 from common.runtime.health_server import HealthServer
 from common.runtime.kv_events import KVEventFeed, KVEventPublisher
-from common.runtime.model_swap import ModelSwitch, load_model
+from common.runtime.model_swap import ModelSwitch, freeze_heap, load_model
 from common.runtime.registration import registration, rejoin
 from common.runtime.role_switch import RoleSwitch
 from common.runtime.telemetry import WorkerMetrics, request_scope
@@ -100,7 +100,10 @@ def serve(config: WorkerConfig, handler: RoleHandler, adopters: Mapping[str, Ado
             if time.monotonic() >= switch.check_at:  # a LoadModel to act on, or an idle model to unload
                 switch.act()
             if time.monotonic() >= role_switch.check_at:  # a SwitchRole to act on: maybe a new role's handler
-                handler = switch.handler = kv_feed.handler = role_switch.act()
+                serving = role_switch.act()
+                if serving is not handler:
+                    handler = switch.handler = kv_feed.handler = serving
+                    freeze_heap()  # the old role's handler, frozen with the load and let go now, collected
             if handler.engine is None:  # standing by: nothing to step
                 handler.metrics.status.tick()
                 continue
