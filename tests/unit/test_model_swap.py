@@ -2,9 +2,12 @@
 when asked, unloading an idle one, standing by, and surviving a model that fails to load."""
 from __future__ import annotations
 
+import gc
 import queue
 import shutil
 import time
+import weakref
+
 import pytest
 
 from common.config.base import EngineConfig
@@ -110,8 +113,11 @@ def test_an_idle_model_is_unloaded_and_the_worker_stands_by_until_asked_again(mo
     switch.act()  # not idle long enough yet
     assert handler.engine is not None and switch.check_at == pytest.approx(handler.last_request + 30)
     handler.last_request -= 31  # its last request, as if 31 s ago
+    assert gc.get_freeze_count() > 0  # what the load built is out of the collector's sight
+    engine = weakref.ref(handler.engine)
     switch.act()
     assert handler.engine is None and handler.transfer is None
+    assert gc.get_freeze_count() == 0 and engine() is None  # thawed, and the engine collected
     standby = switch.io.standby
     assert isinstance(standby, wire.Standby) and set(standby.models) == set(switch.models) and not standby.error
     sent.clear()
