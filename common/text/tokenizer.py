@@ -272,6 +272,13 @@ class StopChecker:
         )
 
 
+def joined(pieces: list[str]) -> str:
+    """The text of ``pieces`` (a string built a piece at a time, joined only when read), left as one piece."""
+    if len(pieces) > 1:
+        pieces[:] = ["".join(pieces)]
+    return pieces[0] if pieces else ""
+
+
 class TextState:
     """One output sequence's text: what the output processor calls per step."""
 
@@ -293,10 +300,7 @@ class TextState:
     @property
     def text(self) -> str:
         """All text released so far."""
-        pieces = self._pieces
-        if len(pieces) > 1:
-            pieces[:] = ["".join(pieces)]
-        return pieces[0] if pieces else ""
+        return joined(self._pieces)
 
     def update(self, new_token_ids: Sequence[int]) -> tuple[str, str | None]:
         """Consume new output tokens; (text delta, stop string matched now or None).

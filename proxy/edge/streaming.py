@@ -20,6 +20,7 @@ from json.encoder import encode_basestring
 
 import msgspec
 
+from common.text.tokenizer import joined
 from proxy.core.requests import Event, TokenEvent
 from proxy.core.token_text import TokenText, chat_logprobs, completion_logprobs
 
@@ -45,10 +46,7 @@ class ChoiceState:
 
     @property
     def text(self) -> str:
-        parts = self._parts
-        if len(parts) > 1:
-            parts[:] = ["".join(parts)]
-        return parts[0] if parts else ""
+        return joined(self._parts)
 
     def add(self, event: TokenEvent, token_text: TokenText | None) -> None:
         if event.text:
