@@ -78,6 +78,15 @@ class StepContext:
     on_layers_at: frozenset[int] = frozenset()
 
 
+def queued_copy(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``: on a GPU copied from pinned memory, queued behind the work before it on the
+    stream (a copy from pageable memory waits for all of it: a step's input prepared while the step before runs,
+    or a layer's argument, would wait for every layer queued before)."""
+    if device.type != "cuda":
+        return values.to(device)
+    return values.pin_memory().to(device, non_blocking=True)
+
+
 def row_tables(ctx: StepContext, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Every row of a step with prompt chunks as a decode row (engine.deterministic: ``DeterministicCpuAttention``
     and models/llama.py ``FusedDecode.every_row``): each row's block table, zero-padded to the widest, and its
@@ -348,9 +357,9 @@ class FlashAttention:
         k_cache[ctx.slot_blocks, ctx.slot_offsets] = k
         v_cache[ctx.slot_blocks, ctx.slot_offsets] = v
         out = torch.empty_like(q)
+        state = ctx.backend_state
         if ctx.decode_rows is not None:
             n = ctx.decode_rows.shape[0]
-            state = ctx.backend_state
             if "tables" not in state:
                 state["tables"] = ctx.decode_block_tables.to(torch.int32)
                 state["lens"] = ctx.decode_context_lens.to(torch.int32)
@@ -358,11 +367,13 @@ class FlashAttention:
                 q[:n].unsqueeze(1), k_cache, v_cache, cache_seqlens=state["lens"],
                 block_table=state["tables"], softmax_scale=scale, causal=True,
             ).squeeze(1)
-        for chunk in ctx.chunks:
+        if ctx.chunks and "chunk_lens" not in state:  # each chunk's context length, once a step
+            state["chunk_lens"] = queued_copy(torch.tensor([c.context_len for c in ctx.chunks], dtype=torch.int32),
+                                              q.device)
+        for i, chunk in enumerate(ctx.chunks):
             s, e = chunk.token_start, chunk.token_end
-            lens = torch.tensor([chunk.context_len], dtype=torch.int32, device=q.device)
             out[s:e] = self._kernel(
-                q[s:e].unsqueeze(0), k_cache, v_cache, cache_seqlens=lens,
+                q[s:e].unsqueeze(0), k_cache, v_cache, cache_seqlens=state["chunk_lens"][i:i + 1],
                 block_table=chunk.block_table.to(torch.int32).unsqueeze(0),
                 softmax_scale=scale, causal=True,
             ).squeeze(0)

@@ -46,7 +46,7 @@ from common.engine.spec_verify import verify_drafts
 from common.engine.tensor_parallel import (Parallel, RankProcesses, become_rank, join_group, next_step, pack_step,
                                            unpack_step)
 from common.protocol.sampling_params import SamplingParams
-from common.engine.attention import PrefillChunk, StepContext, step_context
+from common.engine.attention import PrefillChunk, StepContext, queued_copy, step_context
 
 log = logging.getLogger(__name__)
 
@@ -564,9 +564,7 @@ class ModelRunner:
     def _queued_tensor(self, array: np.ndarray) -> torch.Tensor:
         """``_tensor`` without waiting for the device: on a GPU, from pinned memory, in stream order (a copy from
         pageable memory would wait for every step queued before it)."""
-        if self.device.type != "cuda":
-            return self._tensor(array)
-        return torch.from_numpy(np.ascontiguousarray(array)).pin_memory().to(self.device, non_blocking=True)
+        return queued_copy(torch.from_numpy(np.ascontiguousarray(array)), self.device)
 
     # ---- execution ----------------------------------------------------------
     @torch.inference_mode()

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from common.engine.attention import queued_copy
+
 # Query rows (tokens x heads of one KV group) and keys of one program's tile: tl.dot wants at least 16 of each.
 MIN_DOT = 16
 CHUNK_TILE_ROWS = 64
@@ -223,6 +225,6 @@ def _chunk_meta(ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
     tables = torch.zeros((len(ctx.chunks), width), dtype=torch.int64, device=device)
     for i, chunk in enumerate(ctx.chunks):
         tables[i, :chunk.block_table.shape[0]] = chunk.block_table
-    rows = torch.tensor([[c.token_start, c.token_end - c.token_start, c.context_len] for c in ctx.chunks],
-                        dtype=torch.int64).T.contiguous().to(device)
+    rows = queued_copy(torch.tensor([[c.token_start, c.token_end - c.token_start, c.context_len]
+                                     for c in ctx.chunks], dtype=torch.int64).T.contiguous(), device)
     return tables, rows[0], rows[1], rows[2], max(c.token_end - c.token_start for c in ctx.chunks)
