@@ -129,6 +129,7 @@ def engine(args, shape: str, **settings):
                           steps=StepsConfig(calibration_s=0.0),
                           max_num_batched_tokens=max(8192, args.prefill_len), **settings)
     built = LLMEngine(config)
+    gc.unfreeze()
     gc.collect()
     gc.freeze()  # as a worker does once its model is loaded (common/runtime/model_swap.py); _release thaws it
     return built
