@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from common.engine.kv_cache import KVCache
 from common.engine.native import avx2_without_avx512, kernel_function, load_kernel
+from common.engine.queued_copies import queued_copy
 
 log = logging.getLogger(__name__)
 
@@ -76,15 +77,6 @@ class StepContext:
     # prompt's layer groups, prefill_worker/pipeline.py); rank 0 only.
     on_layers: Callable[[int], None] | None = None
     on_layers_at: frozenset[int] = frozenset()
-
-
-def queued_copy(values: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``: on a GPU copied from pinned memory, queued behind the work before it on the
-    stream (a copy from pageable memory waits for all of it: a step's input prepared while the step before runs,
-    or a layer's argument, would wait for every layer queued before)."""
-    if device.type != "cuda":
-        return values.to(device)
-    return values.pin_memory().to(device, non_blocking=True)
 
 
 def row_tables(ctx: StepContext, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:

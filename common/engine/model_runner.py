@@ -31,6 +31,7 @@ from common.engine.attention import get_step_context, select_backend
 from common.engine.cuda_graphs import CudaGraph, DecodeGraphs
 from common.engine.greedy_head import GreedyHead
 from common.config.base import EngineConfig
+from common.engine.queued_copies import queued_copy
 from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.huge_pages import thp_policy
 from common.engine.memory import device_memory_bytes, module_bytes, resident_bytes
@@ -46,7 +47,7 @@ from common.engine.spec_verify import verify_drafts
 from common.engine.tensor_parallel import (Parallel, RankProcesses, become_rank, join_group, next_step, pack_step,
                                            unpack_step)
 from common.protocol.sampling_params import SamplingParams
-from common.engine.attention import PrefillChunk, StepContext, queued_copy, step_context
+from common.engine.attention import PrefillChunk, StepContext, step_context
 
 log = logging.getLogger(__name__)
 
@@ -558,12 +559,8 @@ class ModelRunner:
             tables[i, :used] = seq.block_table[:used]
         return (tables[seq_of_row] if len(seq_of_row) > len(decode) else tables), lens
 
-    def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
-
     def _queued_tensor(self, array: np.ndarray) -> torch.Tensor:
-        """``_tensor`` without waiting for the device: on a GPU, from pinned memory, in stream order (a copy from
-        pageable memory would wait for every step queued before it)."""
+        """``array`` on the device, without waiting for the steps queued there (common/engine/queued_copies.py)."""
         return queued_copy(torch.from_numpy(np.ascontiguousarray(array)), self.device)
 
     # ---- execution ----------------------------------------------------------

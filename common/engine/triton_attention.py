@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from common.engine.attention import queued_copy
+from common.engine.queued_copies import queued_copy
 
 # Query rows (tokens x heads of one KV group) and keys of one program's tile: tl.dot wants at least 16 of each.
 MIN_DOT = 16
