@@ -17,7 +17,6 @@ a measure that cannot be taken (no CUDA graphs built, transformers missing) is r
 """
 from __future__ import annotations
 
-import gc
 import json
 import os
 import random
@@ -122,6 +121,7 @@ def gpu_tests(args) -> dict:
 def engine(args, shape: str, **settings):
     from common.config.base import EngineConfig
     from common.engine.llm_engine import LLMEngine
+    from common.runtime.model_swap import freeze_heap
 
     kv_bytes = (16 << 30) if args.device == "cuda" else (64 << 20)
     config = EngineConfig(model=str(model_dir(args, shape)), dtype=args.dtype, device=args.device,
@@ -129,16 +129,15 @@ def engine(args, shape: str, **settings):
                           steps=StepsConfig(calibration_s=0.0),
                           max_num_batched_tokens=max(8192, args.prefill_len), **settings)
     built = LLMEngine(config)
-    gc.unfreeze()
-    gc.collect()
-    gc.freeze()  # as a worker does once its model is loaded (common/runtime/model_swap.py); _release thaws it
+    freeze_heap()  # as a worker does once its model is loaded; _release thaws it
     return built
 
 
 def _release(args) -> None:
     """Give the device memory of a dropped engine or model back before the next one loads."""
-    gc.unfreeze()
-    gc.collect()
+    from common.runtime.model_swap import thaw_heap
+
+    thaw_heap()
     if args.device == "cuda":
         torch.cuda.empty_cache()
 

@@ -26,6 +26,7 @@ import time
 from bench.device_steps import _step_phases
 from common.config.base import EngineConfig
 from common.engine.llm_engine import LLMEngine
+from common.runtime.model_swap import freeze_heap
 from common.storage.random_model import SHAPES, embedded_tokenizer_dir, make_random_model, random_model_dir
 
 # with steps run ahead (a GPU's default) the sampled tokens are applied by run_ahead and settle, not update
@@ -33,7 +34,7 @@ HOST_PHASES = ("schedule", "host_step", "update", "run_ahead", "settle", "detoke
 
 
 class Collector:
-    """The garbage collector's time while it is watched: per generation, and the longest single collection."""
+    """The garbage collector's time while it is watched, in all and its longest single collection."""
 
     def __init__(self) -> None:
         self.seconds, self.longest, self._started = 0.0, 0.0, 0.0
@@ -58,8 +59,7 @@ def set_collector(mode: str) -> None:
     """``frozen``: what was built so far moved out of the collector's sight (``gc.freeze``, as a worker does once
     its model is loaded: common/runtime/model_swap.py); ``default``: back in it."""
     if mode == "frozen":
-        gc.collect()
-        gc.freeze()
+        freeze_heap()
     else:
         gc.unfreeze()
 

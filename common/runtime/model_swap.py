@@ -85,15 +85,17 @@ def freeze_heap() -> None:
     collector need not walk it again at each full collection, which the objects of many streams make frequent (a
     pause of ~100 ms each at 256 streams of the tiny shape on 2 CPU cores, bench/host_phases.py). Whatever an
     earlier freeze kept that is garbage now (a role's old handler) is collected first; unload_model thaws it all."""
+    thaw_heap()
+    gc.freeze()
+
+
+def thaw_heap() -> None:
+    """What ``freeze_heap`` froze back in the collector's sight, and what of it is garbage now collected."""
     gc.unfreeze()
     gc.collect()
-    gc.freeze()
-    if not _thawed_at_exit:  # else what is frozen is never finalized: bindings report their objects leaked
-        atexit.register(gc.unfreeze)
-        _thawed_at_exit.append(True)
 
 
-_thawed_at_exit: list[bool] = []
+atexit.register(gc.unfreeze)  # else what is frozen at exit is never finalized: bindings report their objects leaked
 
 
 def unload_model(worker) -> None:
@@ -103,8 +105,7 @@ def unload_model(worker) -> None:
     device = worker.engine.runner.kv_cache.buffer.device
     worker.engine = worker.transfer = None
     worker.metrics.status.model_loaded = False
-    gc.unfreeze()  # the model's objects, frozen at its load, are the collector's again
-    gc.collect()
+    thaw_heap()  # the model's objects, frozen at its load
     if device.type == "cuda":
         import torch
 
@@ -201,8 +202,7 @@ class ModelSwitch:
             if self.handler.transfer is not None:  # built before the failure
                 self.handler.transfer.close()
             self.handler.engine = self.handler.transfer = None
-            gc.unfreeze()  # what the failed load froze, if it got that far
-            gc.collect()
+            thaw_heap()  # what the failed load froze, if it got that far
             self.models.pop(key)
             self.error = f"loading {key} failed: {type(exc).__name__}: {exc}"
             self._stand_by()
