@@ -3,15 +3,15 @@ the panels, alternating in one process: the model's linears from memory (kernels
 step's forward in two engines, one of each (kernels/decode_forward.c).
 
     .venv/bin/python -m bench.compact_panels [--model 1b] [--rows 1 2 3 4 8 16 24 32 64 256] [--repeat 8] \
-        [--decode-rows 1 2 4 8 16 32]
+        [--decode-rows 1 2 4 8 16 32] [--mode beside|only]
 
 First the bytes: the model's linears (random bf16 weights of its shape, as the engine makes them) and the embedded
 model's real weights, compact against panels, and the share of a tile's records kept whole (a weight no code of its
 lane holds: kernels/compact_panels.h). The linears: the model's q/k/v, o, gate/up and down of every decoder layer with
 random bf16 weights, each way in its own arena of 2 MB pages as the engine holds them; per number of rows, each round
 times one pass over every weight each way, in an order that turns each round. The decode step: the model's engine
-twice (compact panels on, off), as many sequences as the most ``--decode-rows`` prefilled in each with the same
-prompts (97, 105, 113, ... tokens), then one decode step of the first M timed in each engine in turn. Each table
+twice (engine.cpu.compact_panels ``--mode`` and off), as many sequences as the most ``--decode-rows`` prefilled in
+each with the same prompts (97, 105, 113, ... tokens), then one decode step of the first M timed in each engine in turn. Each table
 gives the median pass and the median over rounds of the ratio of the two in that round. Both ways sum every output
 in the same order, so their outputs are checked bit for bit.
 """
@@ -97,7 +97,8 @@ def decode_steps(args: argparse.Namespace, model_dir) -> None:
     for way in WAYS:
         engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16", num_threads=args.threads,
                                         kv_cache_memory_bytes=512 << 20,
-                                        cpu=CpuConfig(decode_kernel_max_batch=most, compact_panels=way == WAYS[0])))
+                                        cpu=CpuConfig(decode_kernel_max_batch=most,
+                                                      compact_panels=args.mode if way == WAYS[0] else "off")))
         if engine.runner.model.fused_decode is None:
             raise SystemExit("the decode kernel is off for this model or host")
         runners[way], seqs[way] = engine.runner, decode_sequences(engine, most)
@@ -127,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     add_shape_arguments(parser, [1, 2, 3, 4, 8, 16, 24, 32, 64, 256], 8)
     parser.add_argument("--decode-rows", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32],
                         help="decode steps' rows in the engines (none: the linears alone)")
+    parser.add_argument("--mode", choices=("beside", "only"), default="beside",
+                        help="the compact engine's engine.cpu.compact_panels: a copy beside the panels for steps "
+                        "of up to 3 rows (the default's), or the compact panels alone for every step")
     args = parser.parse_args(argv)
     if not available():
         raise SystemExit("compact panels need a C compiler and AVX512-BF16")

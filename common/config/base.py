@@ -322,11 +322,13 @@ class CpuConfig:
                                    "(kernels/linear_panels.c), and none is copied (a head whose vocabulary is "
                                    "not a multiple of 16 is); but where oneDNN has AMX tiles, steps of 64 rows or "
                                    "more keep its copy")
-    compact_panels: Bool = option(False, "CPU bfloat16 with the weights in panels: hold the decoder's linear "
-                                  "weights in 12 bits a weight instead of 16, lossless (kernels/compact_panels.h; "
-                                  "every output the same, bit for bit): steps of 1-3 rows, bound by reading the "
-                                  "weights, take about 0.8x the time, steps of 24 rows or more about 1.2-1.3x "
-                                  "(docs/benchmarks.md); for few streams at a time")
+    compact_panels: Literal["auto", "beside", "only", "off"] = option(
+        "auto", "CPU bfloat16 with the weights in panels: the decoder's linear weights also in compact panels, 12 "
+        "bits a weight, lossless (kernels/compact_panels.h; every output the same, bit for bit). Steps of 1-3 rows, "
+        "bound by reading the weights, take about 0.8x the time over them, steps of 4 rows or more lose. beside: a "
+        "compact copy beside the panels for steps of up to 3 rows (+0.8x the decoder's weights in memory); only: the "
+        "compact copy alone, for every step (0.8x the memory; steps of 24 rows or more take 1.1-1.4x the time); "
+        "auto: beside where the copy is at most 1/16 of the host's memory, else off (docs/benchmarks.md)")
     greedy_head_max_rows: Int = option(-1, "CPU bfloat16 with the weights in panels: greedy rows (no logprobs, "
                                        "penalties or masks) of steps of at most this many rows take their token "
                                        "from an int8 copy of the LM head, which rules out all but a few tokens, "

@@ -35,8 +35,9 @@ from common.engine.queued_copies import queued_copy
 from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.huge_pages import thp_policy
 from common.engine.memory import device_memory_bytes, module_bytes, resident_bytes
-from common.engine.models.llama import (FusedDecode, check_divisible, onednn_beside_panels, onednn_prepacks_bf16,
-                                       onednn_prepacks_float32, wide_sums)
+from common.engine import compact_panels
+from common.engine.models.llama import (COMPACT_BESIDE_ROWS, FusedDecode, check_divisible, onednn_beside_panels,
+                                       onednn_prepacks_bf16, onednn_prepacks_float32, wide_sums)
 from common.engine.models.loader import load_hf_config, load_model
 from common.engine.native import gemv_bf16_kernel
 from common.engine.quantization import calibration_ids, choose_int8_matmul, quantize_model_int8, smooth_for_int8
@@ -60,6 +61,12 @@ DECODE_ROW_RUNGS = (1, 2, 4, 8, 16, 24, 32)
 # The kernel keeps a rung unless the torch path is this much faster there: near the crossover either is as fast,
 # and a choice that timing noise flips from one start to the next would change which numerics a batch gets.
 KERNEL_MARGIN = 1.05
+# engine.cpu.compact_panels "auto": a compact copy beside the panels where it takes at most this share of the host's
+# memory (the 1B shape's, 1.1 GB, on a 24 GB host; not the 3B shape's 4.5 GB, whose two P/D workers and pools would
+# then not fit there), its size estimated from the weights' at COMPACT_RATIO (0.79-0.81x measured:
+# kernels/compact_panels.h).
+COMPACT_AUTO_SHARE = 1 / 16
+COMPACT_RATIO = 0.82
 
 
 def largest_rung(rungs: list[int], ahead) -> int:
@@ -232,14 +239,17 @@ class ModelRunner:
             gemv_bf16_kernel()  # built now, not on the first batch-1 decode step (models/llama.py ``linear``)
         # only bfloat16 weights take panels: not int8 or float32; one rank (engine.deterministic too: a panel's
         # every sum runs over k in one order at any rows, kernels/panels_bf16.h)
-        if self._panels_planned() and self.model.pack_panels(config.cpu.compact_panels):
+        if self._panels_planned() and self.model.pack_panels(self._compact_mode()):
             arena = self.model.panel_arena
             pages = ("in 4 KB pages" if arena is None else
                      "%.0f of their %.0f MiB in 2 MB pages" % (arena.huge_bytes() / 2**20, arena.nbytes / 2**20))
-            compact = self.model.layers[0].self_attn.qkv_proj.panels.dtype is torch.uint8
+            compact = ("; the decoder's in compact panels, kernels/compact_panels.h"
+                       if self.model.layers[0].self_attn.qkv_proj.panels.dtype is torch.uint8
+                       else "; the decoder's also in compact panels (%.0f MiB, kernels/compact_panels.h) for steps "
+                       "of up to %d rows" % (self.model.compact_bytes() / 2**20, COMPACT_BESIDE_ROWS)
+                       if self.model.compact_bytes() else "")
             log.info("linear weights in the panel layout (kernels/panels_bf16.h%s), which the decode kernel and "
-                     "kernels/linear_panels.c read: %s; %s (transparent huge pages: %s)",
-                     "; the decoder's in compact panels, kernels/compact_panels.h" if compact else "",
+                     "kernels/linear_panels.c read: %s; %s (transparent huge pages: %s)", compact,
                      "with oneDNN's copy for wide steps (AMX)" if onednn_beside_panels() and config.cpu.prepack_weights
                      else "their only copy", pages, thp_policy())
         # The one-call kernel has no all-reduce between its layers, and keeps float32 activations between them
@@ -381,6 +391,19 @@ class ModelRunner:
         return (self.dtype is torch.bfloat16 and self.device.type == "cpu" and self.tp.size == 1
                 and self.model.panels_fit())
 
+    def _compact_mode(self) -> str:
+        """engine.cpu.compact_panels for ``pack_panels``, "auto" settled: "beside" where compact panels are built
+        here and the copy (about 0.8x the decoder's linear weights) is at most COMPACT_AUTO_SHARE of the host's
+        memory, else "off". The copy serves the steps of a few rows (a host's one or two streams), where its bytes
+        save 13-18% of a step at the 1B shape; bigger models keep the memory for the KV pool (docs/benchmarks.md)."""
+        mode = self.config.cpu.compact_panels
+        if mode != "auto":
+            return mode
+        if not compact_panels.available():
+            return "off"
+        copy = COMPACT_RATIO * sum(m.weight.nbytes for m in self.model.decoder_linears())
+        return "beside" if copy <= COMPACT_AUTO_SHARE * device_memory_bytes(self.device) else "off"
+
     def _greedy_head_rows(self) -> int:
         """The most rows of a step the head's greedy copy (``GreedyHead``) takes: engine.cpu.greedy_head_max_rows,
         or for -1 ``GreedyHead.default_rows`` of the hidden size; 0 (no copy) but with the weights in panels, not
@@ -406,8 +429,11 @@ class ModelRunner:
 
     def _serving_weight_bytes(self) -> int:
         """The weights' bytes once the load has quantized or prepacked them (the pool is sized before either),
-        and the greedy head's copy (``GreedyHead.copy_bytes``: a byte per head weight, three float32 per token)."""
+        the greedy head's copy (``GreedyHead.copy_bytes``: a byte per head weight, three float32 per token) and
+        the compact copy beside the panels (``_compact_mode``, estimated at COMPACT_RATIO)."""
         copy = GreedyHead.copy_bytes(*self.model.head().weight.shape) if self._greedy_head_rows() else 0
+        if self._panels_planned() and self._compact_mode() == "beside":
+            copy += int(COMPACT_RATIO * sum(m.weight.nbytes for m in self.model.decoder_linears()))
         return self._stored_weight_bytes() + copy
 
     def _prepacks(self) -> bool:

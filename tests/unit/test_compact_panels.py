@@ -2,6 +2,8 @@
 the panels' bit for bit, in the GEMM and through an engine."""
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -67,28 +69,86 @@ def test_a_blob_of_another_shape_is_refused():
         compact_of(weight(64, 128, seed=1).float())
 
 
-def generate(model_dir, compact: bool, decode_kernel_rows: int) -> tuple[list[list[int]], LLMEngine]:
+def generate(model_dir, compact: str, decode_kernel_rows: int, prompts: int = 5) -> tuple[list, LLMEngine]:
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16", kv_cache_memory_bytes=64 << 20,
                                     cpu=CpuConfig(compact_panels=compact, decode_kernel_max_batch=decode_kernel_rows)))
     gen = torch.Generator().manual_seed(5)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
-    for i in range(5):
+    for i in range(prompts):
         engine.add_request(f"r{i}", torch.randint(100, 40000, (12 + 11 * i,), generator=gen).tolist(), params)
     outputs = {}
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].logprobs)
-    return [outputs[f"r{i}"] for i in range(5)], engine
+    return [outputs[f"r{i}"] for i in range(prompts)], engine
 
 
 @pytest.mark.parametrize("decode_kernel_rows", [8, 0], ids=["decode-kernel", "torch-path"])
 def test_an_engine_generates_the_same_tokens_and_logprobs(embedded_model_dir_bf16, decode_kernel_rows):
-    compact, engine = generate(embedded_model_dir_bf16, True, decode_kernel_rows)
+    compact, engine = generate(embedded_model_dir_bf16, "only", decode_kernel_rows)
     qkv = engine.runner.model.layers[0].self_attn.qkv_proj.panels
     assert qkv is not None and qkv.dtype is torch.uint8
     assert engine.runner.model.head().panels.dtype is torch.bfloat16  # the head stays in panels
     assert (engine.runner.model.fused_decode is not None) == (decode_kernel_rows > 0)
-    plain, engine = generate(embedded_model_dir_bf16, False, decode_kernel_rows)
+    plain, engine = generate(embedded_model_dir_bf16, "off", decode_kernel_rows)
     assert engine.runner.model.layers[0].self_attn.qkv_proj.panels.dtype is torch.bfloat16
+    assert engine.runner.model.compact_bytes() == 0
     assert compact == plain
+
+
+@pytest.mark.parametrize("decode_kernel_rows", [8, 0], ids=["decode-kernel", "torch-path"])
+def test_a_copy_beside_the_panels_serves_the_few_row_steps(embedded_model_dir_bf16, decode_kernel_rows, monkeypatch):
+    """"beside": steps of up to 3 rows read the compact copy, wider ones the panels; the same tokens and logprobs
+    as without it, one sequence at a time (every step 1 row) and five at once (5 rows, then fewer as they end)."""
+    from common.engine.models import llama
+    read = []  # (outputs, rows, compact) of each linear call in panels, (None, rows, compact) of each kernel call
+    recording = [False]
+    real_linear, real_kernel = llama._linear_panels, llama.decode_forward_kernel
+
+    def linear_spy(x, panels, n, bias):
+        if recording[0]:
+            read.append((n, x.numel() // x.shape[-1], panels.dtype is torch.uint8))
+        return real_linear(x, panels, n, bias)
+
+    def kernel_spy(defines=()):
+        kernel = real_kernel(defines)
+
+        def call(layers, count, dims, *args):
+            d = (ctypes.c_int64 * 11).from_address(dims)
+            if recording[0]:
+                read.append((None, d[0], d[9] == llama.W_BF16_COMPACT))
+            return kernel(layers, count, dims, *args)
+        return call
+
+    monkeypatch.setattr(llama, "_linear_panels", linear_spy)
+    monkeypatch.setattr(llama, "decode_forward_kernel", kernel_spy)
+    for prompts in (1, 5):
+        recording[0] = True
+        beside, engine = generate(embedded_model_dir_bf16, "beside", decode_kernel_rows, prompts)
+        recording[0] = False
+        model = engine.runner.model
+        qkv = model.layers[0].self_attn.qkv_proj
+        assert qkv.panels.dtype is torch.bfloat16 and qkv.compact is not None and qkv.compact.dtype is torch.uint8
+        assert model.compact_bytes() == sum(m.compact.nbytes for m in model.decoder_linears())
+        assert torch.equal(weight_of_compact(qkv.compact).view(torch.int16),
+                           llama.weight_of_panels(qkv.panels, *qkv.weight.shape).view(torch.int16))
+        plain, _ = generate(embedded_model_dir_bf16, "off", decode_kernel_rows, prompts)
+        assert beside == plain
+    vocab = model.head().weight.shape[0]  # the LM head holds no copy
+    calls = [(rows, compact) for n, rows, compact in read if n != vocab]
+    few = [compact for rows, compact in calls if rows <= llama.COMPACT_BESIDE_ROWS]
+    assert few and all(few)
+    assert not any(compact for rows, compact in calls if rows > llama.COMPACT_BESIDE_ROWS)
+    assert any(rows > llama.COMPACT_BESIDE_ROWS for rows, _ in calls)
+
+
+def test_auto_holds_the_copy_where_it_is_a_small_share_of_the_memory(embedded_model_dir_bf16, monkeypatch):
+    from common.engine import model_runner
+    gib = 1 << 30
+    monkeypatch.setattr(model_runner, "device_memory_bytes", lambda device: 24 * gib)
+    _, engine = generate(embedded_model_dir_bf16, "auto", 8, prompts=1)
+    assert engine.runner.model.compact_bytes() > 0  # 135M: about 0.2 GB
+    monkeypatch.setattr(model_runner, "device_memory_bytes", lambda device: gib)
+    _, engine = generate(embedded_model_dir_bf16, "auto", 8, prompts=1)
+    assert engine.runner.model.compact_bytes() == 0

@@ -65,7 +65,11 @@ static inline int compact_check(const uint8_t *blob, int64_t n, int64_t k)
 #include <immintrin.h>
 
 #ifndef COMPACT_AHEAD /* a benchmark's build may set these */
-#define COMPACT_AHEAD 6144 /* bytes ahead in its tile's records the decoder prefetches: 32 pairs */
+/* bytes ahead in its tile's records the decoder prefetches: 10-11 pairs, as the panels' few-row steps prefetch 2 KB
+ * ahead. The 1B shape's linears from memory at 1 row, against the panels in one process (a scratch build of
+ * bench.compact_panels's, 3 runs of 8 rounds, the memory at 28-35 GB/s): 0.75-0.82x the panels' time at 2 KB ahead
+ * (or none), 0.83-0.89x at 6 KB, the ratio of the bytes being 0.79x */
+#define COMPACT_AHEAD 2048
 #endif
 #ifndef COMPACT_CHUNK_PAIRS
 #define COMPACT_CHUNK_PAIRS 64 /* pairs decoded into L1 at once for steps of more than one tile of rows: 16 KB */

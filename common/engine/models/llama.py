@@ -308,6 +308,13 @@ PANEL_GROUP = 4  # panels per tile, as kernels/panels_bf16.h interleaves them
 ONEDNN_BESIDE_PANELS_ROWS = 64
 
 
+# Steps of up to this many rows read the compact copy where a layer holds one beside its panels
+# (engine.cpu.compact_panels "beside"): bound by the weights' reads, they take 0.82-0.87x the time at the 1B shape;
+# from 4 rows the decoding costs more than the bytes save (docs/benchmarks.md). kernels/panels_bf16.h's
+# COMPACT_FUSED_ROWS: the rows it multiplies straight from the decoded registers.
+COMPACT_BESIDE_ROWS = 3
+
+
 def onednn_beside_panels() -> bool:
     """Whether layers in panels also keep oneDNN's copy for wide steps: where oneDNN has AMX tiles."""
     return cpu_has("amx_bf16")
@@ -382,13 +389,18 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     panels: torch.Tensor | None = None  # the weight in the decode kernel's layout (``LlamaForCausalLM.pack_panels``)
+    # the same weight in compact panels beside ``panels``, for steps of up to COMPACT_BESIDE_ROWS rows (``pack_panels``)
+    compact: torch.Tensor | None = None
     invariant = False  # engine.deterministic: ``LlamaForCausalLM.make_deterministic``
     row_parallel: Parallel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp, scale = self.row_parallel, getattr(self, "weight_scale", None)
         if tp is None:
-            return linear(x, self.weight, self.bias, scale, self.packed, self.invariant, self.panels)
+            panels = self.panels
+            if self.compact is not None and x.numel() <= COMPACT_BESIDE_ROWS * x.shape[-1]:
+                panels = self.compact  # the same outputs bit for bit, over 0.8x the bytes
+            return linear(x, self.weight, self.bias, scale, self.packed, self.invariant, panels)
         if self.weight.dtype is torch.int8:
             return linear_int8(x, self.weight, scale, self.bias, 0 if self.invariant else INT8_WEIGHT_ONLY_ROWS, tp)
         if _wide[0] and not self.invariant:
@@ -620,7 +632,8 @@ class LlamaForCausalLM(nn.Module):
         """The LM head's module: the embedding where the two are tied."""
         return self.embed_tokens if self.tie_word_embeddings else self.lm_head
 
-    def _decoder_linears(self) -> list[Linear]:
+    def decoder_linears(self) -> list[Linear]:
+        """Every decoder layer's linears (``_LINEARS``), layer by layer."""
         return [layer.get_submodule(name) for layer in self.layers for name in _LINEARS]
 
     def panel_layers(self) -> list[nn.Module]:
@@ -629,30 +642,38 @@ class LlamaForCausalLM(nn.Module):
         head = self.head()
         fits = head.weight.dtype is torch.bfloat16 and panels_fit(head.weight) and (
             head is not self.embed_tokens or head.weight.shape[0] % (PANEL_COLS * PANEL_GROUP) == 0)
-        return self._decoder_linears() + ([head] if fits else [])
+        return self.decoder_linears() + ([head] if fits else [])
 
     def panels_fit(self) -> bool:
         """Whether ``pack_panels`` would move the decoder's linear weights into panels: every one bfloat16 on the
         CPU and of a shape the layout takes, and the kernels built for AVX512-BF16."""
-        modules = self._decoder_linears()
+        modules = self.decoder_linears()
         return (bool(modules) and decode_forward_takes_panels() and linear_panels_kernel() is not None
                 and all(panels_fit(m.weight) and m.weight.device.type == "cpu" for m in modules))
 
-    def pack_panels(self, compact: bool = False) -> bool:
+    def pack_panels(self, compact: str = "off") -> bool:
         """Moves each decoder layer's linear weights, and the LM head's where they fit, into the panel layout
         (``panels_of``, ``panel_layers``), the only copy they keep: the one-call decode kernel reads the layers'
         there (kernels/panels_bf16.h), every other step and the head through kernels/linear_panels.c
         (``linear``), a tied head's embedding lookups by gathering from them (``embed``), so none of them needs
         a oneDNN copy (``prepack_weights`` leaves them out, and one already made is dropped). ``weight`` keeps
-        its shape and dtype as a broadcast of one value, which no path reads. With ``compact`` (engine.cpu.
-        compact_panels, where ``compact_panels.available``), the decoder's linears go into compact panels instead,
-        12 bits a weight (a uint8 ``panels``; the head stays in panels, which the greedy head reads). False, and
-        nothing changed, where ``panels_fit`` is not so."""
+        its shape and dtype as a broadcast of one value, which no path reads. ``compact`` (engine.cpu.
+        compact_panels, where ``compact_panels.available``; "auto" is the model runner's to settle): "beside"
+        gives the decoder's linears a copy in compact panels too, 12 bits a weight (``Linear.compact``), which
+        steps of up to COMPACT_BESIDE_ROWS rows read; "only" puts them in compact panels instead (a uint8
+        ``panels``); the head stays in panels, which the greedy head reads. False, and nothing changed, where
+        ``panels_fit`` is not so."""
+        if compact not in ("off", "beside", "only"):
+            raise ValueError(f"pack_panels: compact is off, beside or only, not {compact!r}")
         if not self.panels_fit():
             return False
         modules = self.panel_layers()
-        compacted = set(self._decoder_linears()) if compact and compact_panels.available() else set()
-        sizes = [compact_panels.compact_bytes(m.weight) if m in compacted else m.weight.nbytes for m in modules]
+        compacted = set(self.decoder_linears()) if compact != "off" and compact_panels.available() else set()
+        beside = compact == "beside"
+        compact_sizes = {m: compact_panels.compact_bytes(m.weight) for m in compacted}
+        sizes = [compact_sizes[m] if m in compacted and not beside else m.weight.nbytes for m in modules]
+        if beside:
+            sizes += [compact_sizes[m] for m in modules if m in compacted]
         # One arena in huge pages for them all (common/engine/huge_pages.py), each module's panels written there
         # straight from its weight, which is then dropped: no second copy of the whole set is ever held. Its
         # mapping is committed whole at once, which a strict overcommit policy (vm.overcommit_memory=2) or an
@@ -664,17 +685,27 @@ class LlamaForCausalLM(nn.Module):
             log.warning("the weights in panels stay in 4 KB pages: mapping their %.0f MiB at once failed (%s)",
                         sum(sizes) / 2**20, exc)
         arena = self.panel_arena
-        for module, size in zip(modules, sizes):
+        for module in modules:
             if module in compacted:
+                size = compact_sizes[module]
                 out = arena.take((size,), torch.uint8) if arena is not None else None
-                module.panels = compact_panels.compact_of(module.weight, out)
-            else:
+                blob = compact_panels.compact_of(module.weight, out)
+                if beside:
+                    module.compact = blob
+                else:
+                    module.panels = blob
+            if module not in compacted or beside:
                 out = arena.take(panels_shape(module.weight), module.weight.dtype) if arena is not None else None
                 module.panels = panels_of(module.weight, out)
             module.packed = None
             placeholder = torch.zeros(1, dtype=module.weight.dtype).expand(module.weight.shape)
             module.weight = nn.Parameter(placeholder, requires_grad=False)
         return True
+
+    def compact_bytes(self) -> int:
+        """The bytes of the decoder's linears' compact copy beside their panels (``pack_panels`` "beside"), 0 for
+        none."""
+        return sum(m.compact.nbytes for m in self.decoder_linears() if m.compact is not None)
 
     def prepack_weights(self) -> int:
         """Gives every linear layer (bfloat16, or float32 where ``onednn_prepacks_float32``: the model runner
@@ -769,6 +800,9 @@ class FusedDecode:
         self.max_rows = FUSED_MAX_ROWS if every_row else min(max_rows, widest)
         self._kernel = decode_forward_kernel() if self.max_rows > 0 else None
         self._layers: torch.Tensor | None = None  # [num_layers, 18] int64 addresses, built on first use
+        # the same with the compact copies beside the panels (``Linear.compact``), for calls of up to
+        # COMPACT_BESIDE_ROWS rows; None where the layers hold none
+        self._compact_layers: torch.Tensor | None = None
         self._pool_key: tuple | None = None
 
     @property
@@ -797,22 +831,32 @@ class FusedDecode:
         """The layer table: weight, scale and bias addresses per layer, and its K/V offsets in the pool."""
         pool = ctx.kv_cache.buffer
         itemsize = pool.element_size()
-        rows = []
-        for i, layer in enumerate(self.model.layers):
-            attn = layer.self_attn
-            row = [_address(layer.input_layernorm.weight), _address(layer.post_attention_layernorm.weight),
-                   _address(attn.q_norm.weight if attn.q_norm is not None else None),
-                   _address(attn.k_norm.weight if attn.k_norm is not None else None)]
-            for name in _LINEARS:
-                module = layer.get_submodule(name)
-                weight = module.panels if module.panels is not None else module.weight
-                row += [_address(weight), _address(getattr(module, "weight_scale", None)), _address(module.bias)]
-            k_cache, v_cache = ctx.kv_cache.layers[i]
-            row += [(k_cache.data_ptr() - pool.data_ptr()) // itemsize,
-                    (v_cache.data_ptr() - pool.data_ptr()) // itemsize]
-            rows.append(row)
-        self._layers = torch.tensor(rows, dtype=torch.int64)
+
+        def table(compact: bool) -> torch.Tensor:
+            rows = []
+            for i, layer in enumerate(self.model.layers):
+                attn = layer.self_attn
+                row = [_address(layer.input_layernorm.weight), _address(layer.post_attention_layernorm.weight),
+                       _address(attn.q_norm.weight if attn.q_norm is not None else None),
+                       _address(attn.k_norm.weight if attn.k_norm is not None else None)]
+                for name in _LINEARS:
+                    module = layer.get_submodule(name)
+                    weight = (module.compact if compact else module.panels if module.panels is not None
+                              else module.weight)
+                    row += [_address(weight), _address(getattr(module, "weight_scale", None)), _address(module.bias)]
+                k_cache, v_cache = ctx.kv_cache.layers[i]
+                row += [(k_cache.data_ptr() - pool.data_ptr()) // itemsize,
+                        (v_cache.data_ptr() - pool.data_ptr()) // itemsize]
+                rows.append(row)
+            return torch.tensor(rows, dtype=torch.int64)
+
+        self._layers = table(False)
+        beside = all(layer.get_submodule(name).compact is not None for layer in self.model.layers
+                     for name in _LINEARS)
+        self._compact_layers = table(True) if beside else None
+        k_cache = ctx.kv_cache.layers[0][0]
         self._dims = self._dims_of(k_cache.shape[1], pool.dtype is torch.bfloat16, pool.stride(0))
+        self._weight_type = int(self._dims[9])
         self._dims_view = self._dims.numpy()  # rows and table width change per step: set through numpy, no op
         self._eps = float(self.model.config.rms_norm_eps)
         self._scale = float(self.model.layers[0].self_attn.scale)
@@ -855,8 +899,12 @@ class FusedDecode:
         for start in range(0, x.shape[0], self.max_rows):
             rows = min(self.max_rows, x.shape[0] - start)
             self._dims_view[0] = rows  # D_ROWS
+            # the compact copy where there is one, for few rows: the same outputs bit for bit, over 0.8x the bytes
+            compact = self._compact_layers is not None and rows <= COMPACT_BESIDE_ROWS
+            layers = self._compact_layers if compact else self._layers
+            self._dims_view[9] = W_BF16_COMPACT if compact else self._weight_type  # D_WEIGHT_TYPE
             status = self._kernel(
-                self._layers.data_ptr(), self._layers.shape[0], self._dims.data_ptr(), self._eps, self._scale,
+                layers.data_ptr(), layers.shape[0], self._dims.data_ptr(), self._eps, self._scale,
                 x.data_ptr() + start * row_bytes, positions.data_ptr() + start * 8, rope.cos.data_ptr(),
                 rope.sin.data_ptr(), ctx.kv_cache.buffer.data_ptr(), tables.data_ptr() + start * tables_row,
                 lens.data_ptr() + start * 8, ctx.slot_blocks.data_ptr() + start * 8,
