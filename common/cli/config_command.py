@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from common.config.base import ConfigError, json_schema
-from common.config.roles import ProxyConfig, WorkerConfig, load_config, parse_overrides
+from common.config.roles import ProxyConfig, WorkerConfig, load_config, load_yaml, parse_overrides
 from common.config.tls import check_tls_files
 from common.protocol.names import ROLES
 from common.runtime.zmq_security import proxy_curve, worker_curve
@@ -55,7 +55,7 @@ def add_config_command(subparsers) -> None:
 
 def check_config(path: str, role: str | None, overrides: list[str]) -> ProxyConfig | WorkerConfig:
     """Load and validate like the role's start-up does, plus open its key and certificate files."""
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    data = load_yaml(Path(path).read_text()) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     file_role = data.get("role")
@@ -97,7 +97,7 @@ def summary(config: ProxyConfig | WorkerConfig, data: dict) -> list[str]:
 def _check_command(args: argparse.Namespace) -> int:
     try:
         config = check_config(args.file, args.role, args.overrides)
-        data = yaml.safe_load(Path(args.file).read_text()) or {}
+        data = load_yaml(Path(args.file).read_text()) or {}
     except (ConfigError, OSError, yaml.YAMLError) as exc:
         print(f"tessera config check: {args.file}: invalid: {exc}", file=sys.stderr)
         return 2

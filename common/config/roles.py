@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -544,6 +545,24 @@ def _pair(cfg, first: str, second: str) -> None:
 OVERRIDE_ROLES = ("proxy", "prefill", "decode", "both")
 
 
+class _ConfigLoader(yaml.SafeLoader):
+    """YAML as a config reads it: YAML 1.2's booleans, only ``true`` and ``false``. YAML 1.1 (PyYAML's default) also
+    reads ``on``, ``off``, ``yes`` and ``no`` as booleans, which would turn ``spec.method: off`` or
+    ``compact_panels: off`` into ``False`` and the setting's own choice into an error."""
+
+
+_ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                    list("tTfF"))
+
+
+def load_yaml(text: str):
+    """``text`` (a config file, or an override's value) as YAML with 1.2's booleans (``_ConfigLoader``)."""
+    return yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 - a SafeLoader
+
+
 def split_override(item: str) -> tuple[str | None, str, str]:
     """``[ROLE:]KEY=VALUE`` as (ROLE or None, KEY, VALUE); a ':' after the '=' is the value's (an address)."""
     head, sep, raw = item.partition("=")
@@ -569,7 +588,7 @@ def parse_overrides(pairs: list[str], role: str | None = None) -> dict:
         *parents, leaf = key.split(".")
         for p in parents:
             node = node.setdefault(p, {})
-        node[leaf] = yaml.safe_load(raw)
+        node[leaf] = load_yaml(raw)
     return out
 
 
@@ -581,7 +600,7 @@ def has_field(cls, key: str) -> bool:
 def load_config(cls, path: str | Path | None = None, overrides: dict | None = None):
     data: dict = {}
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        loaded = load_yaml(Path(path).read_text()) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level")
         data = loaded

@@ -240,3 +240,17 @@ def test_the_schema_command_prints_the_json_schema_that_validates(capsys):
     assert engine["dtype"]["enum"] == ["float32", "bfloat16"]
     assert engine["max_num_seqs"]["minimum"] == 1 and engine["max_num_seqs"]["default"] == 128
     assert schema["additionalProperties"] is False and "role" in schema["properties"]
+
+
+def test_yaml_off_and_on_stay_words_so_a_settings_choice_of_them_loads(tmp_path):
+    """YAML 1.1 reads off/on/yes/no as booleans; a config reads YAML 1.2's (true and false only), so a choice named
+    off loads from a file and from an override, and a boolean field given one of those words names what it wants."""
+    path = tmp_path / "worker.yaml"
+    path.write_text("engine:\n  spec:\n    method: off\n  cpu:\n    compact_panels: off\n")
+    config = load_config(WorkerConfig, path, parse_overrides(["engine.cpu.prepack_weights=false"]))
+    assert (config.engine.spec.method, config.engine.cpu.compact_panels) == ("off", "off")
+    assert config.engine.cpu.prepack_weights is False
+    assert parse_overrides(["engine.spec.method=off", "engine.cpu.prepack_weights=true"]) == {
+        "engine": {"spec": {"method": "off"}, "cpu": {"prepack_weights": True}}}
+    with pytest.raises(ConfigError, match="prepack_weights' = 'no' is invalid: expected bool"):
+        load_config(WorkerConfig, None, parse_overrides(["engine.cpu.prepack_weights=no"]))
