@@ -243,11 +243,12 @@ class ModelRunner:
             arena = self.model.panel_arena
             pages = ("in 4 KB pages" if arena is None else
                      "%.0f of their %.0f MiB in 2 MB pages" % (arena.huge_bytes() / 2**20, arena.nbytes / 2**20))
-            compact = ("; the decoder's in compact panels, kernels/compact_panels.h"
-                       if self.model.layers[0].self_attn.qkv_proj.panels.dtype is torch.uint8
-                       else "; the decoder's also in compact panels (%.0f MiB, kernels/compact_panels.h) for steps "
-                       "of up to %d rows" % (self.model.compact_bytes() / 2**20, COMPACT_BESIDE_ROWS)
-                       if self.model.compact_bytes() else "")
+            compact = ""
+            if self.model.layers[0].self_attn.qkv_proj.panels.dtype is torch.uint8:
+                compact = "; the decoder's in compact panels, kernels/compact_panels.h"
+            elif self.model.compact_bytes():
+                compact = ("; the decoder's also in compact panels (%.0f MiB, kernels/compact_panels.h) for steps of "
+                           "up to %d rows" % (self.model.compact_bytes() / 2**20, COMPACT_BESIDE_ROWS))
             log.info("linear weights in the panel layout (kernels/panels_bf16.h%s), which the decode kernel and "
                      "kernels/linear_panels.c read: %s; %s (transparent huge pages: %s)", compact,
                      "with oneDNN's copy for wide steps (AMX)" if onednn_beside_panels() and config.cpu.prepack_weights
@@ -401,8 +402,12 @@ class ModelRunner:
             return mode
         if not compact_panels.available():
             return "off"
-        copy = COMPACT_RATIO * sum(m.weight.nbytes for m in self.model.decoder_linears())
-        return "beside" if copy <= COMPACT_AUTO_SHARE * device_memory_bytes(self.device) else "off"
+        fits = self._compact_copy_bytes() <= COMPACT_AUTO_SHARE * device_memory_bytes(self.device)
+        return "beside" if fits else "off"
+
+    def _compact_copy_bytes(self) -> int:
+        """The compact copy's bytes before it is built: the decoder's linear weights' at COMPACT_RATIO."""
+        return int(COMPACT_RATIO * sum(m.weight.nbytes for m in self.model.decoder_linears()))
 
     def _greedy_head_rows(self) -> int:
         """The most rows of a step the head's greedy copy (``GreedyHead``) takes: engine.cpu.greedy_head_max_rows,
@@ -433,7 +438,7 @@ class ModelRunner:
         the compact copy beside the panels (``_compact_mode``, estimated at COMPACT_RATIO)."""
         copy = GreedyHead.copy_bytes(*self.model.head().weight.shape) if self._greedy_head_rows() else 0
         if self._panels_planned() and self._compact_mode() == "beside":
-            copy += int(COMPACT_RATIO * sum(m.weight.nbytes for m in self.model.decoder_linears()))
+            copy += self._compact_copy_bytes()
         return self._stored_weight_bytes() + copy
 
     def _prepacks(self) -> bool:

@@ -671,9 +671,12 @@ class LlamaForCausalLM(nn.Module):
         compacted = set(self.decoder_linears()) if compact != "off" and compact_panels.available() else set()
         beside = compact == "beside"
         compact_sizes = {m: compact_panels.compact_bytes(m.weight) for m in compacted}
-        sizes = [compact_sizes[m] if m in compacted and not beside else m.weight.nbytes for m in modules]
-        if beside:
-            sizes += [compact_sizes[m] for m in modules if m in compacted]
+        sizes = []  # in the order the loop below takes them from the arena
+        for m in modules:
+            if m in compacted:
+                sizes.append(compact_sizes[m])
+            if m not in compacted or beside:
+                sizes.append(m.weight.nbytes)
         # One arena in huge pages for them all (common/engine/huge_pages.py), each module's panels written there
         # straight from its weight, which is then dropped: no second copy of the whole set is ever held. Its
         # mapping is committed whole at once, which a strict overcommit policy (vm.overcommit_memory=2) or an
@@ -851,9 +854,7 @@ class FusedDecode:
             return torch.tensor(rows, dtype=torch.int64)
 
         self._layers = table(False)
-        beside = all(layer.get_submodule(name).compact is not None for layer in self.model.layers
-                     for name in _LINEARS)
-        self._compact_layers = table(True) if beside else None
+        self._compact_layers = table(True) if self.model.compact_bytes() else None  # pack_panels: all or none
         k_cache = ctx.kv_cache.layers[0][0]
         self._dims = self._dims_of(k_cache.shape[1], pool.dtype is torch.bfloat16, pool.stride(0))
         self._weight_type = int(self._dims[9])
