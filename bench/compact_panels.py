@@ -3,7 +3,7 @@ the panels, alternating in one process: the model's linears from memory (kernels
 step's forward in two engines, one of each (kernels/decode_forward.c).
 
     .venv/bin/python -m bench.compact_panels [--model 1b] [--rows 1 2 3 4 8 16 24 32 64 256] [--repeat 8] \
-        [--decode-rows 1 2 4 8 16 32] [--mode beside|only]
+        [--decode-rows 1 2 4 8 16 32] [--mode beside|only] [--defines COMPACT_AHEAD=6144]
 
 First the bytes: the model's linears (random bf16 weights of its shape, as the engine makes them) and the embedded
 model's real weights, compact against panels, and the share of a tile's records kept whole (a weight no code of its
@@ -11,9 +11,9 @@ lane holds: kernels/compact_panels.h). The linears: the model's q/k/v, o, gate/u
 random bf16 weights, each way in its own arena of 2 MB pages as the engine holds them; per number of rows, each round
 times one pass over every weight each way, in an order that turns each round. The decode step: the model's engine
 twice (engine.cpu.compact_panels ``--mode`` and off), as many sequences as the most ``--decode-rows`` prefilled in
-each with the same prompts (97, 105, 113, ... tokens), then one decode step of the first M timed in each engine in turn. Each table
-gives the median pass and the median over rounds of the ratio of the two in that round. Both ways sum every output
-in the same order, so their outputs are checked bit for bit.
+each with the same prompts (97, 105, 113, ... tokens), then one decode step of the first M timed in each engine in
+turn. Each table gives the median pass and the median over rounds of the ratio of the two in that round. Both ways
+sum every output in the same order, so their outputs are checked bit for bit.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def embedded_bytes() -> str:
 
 
 def linears(args: argparse.Namespace, model_dir) -> None:
-    kernels = {WAYS[0]: linear_compact_kernel(), WAYS[1]: linear_panels_kernel()}
+    kernels = {WAYS[0]: linear_compact_kernel(tuple(args.defines)), WAYS[1]: linear_panels_kernel()}
     layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
     weights_shapes = [(n, k) for name, n, k in shapes(model_dir) if name != "LM head"] * layers
     gen = torch.Generator().manual_seed(0)
@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     add_shape_arguments(parser, [1, 2, 3, 4, 8, 16, 24, 32, 64, 256], 8)
     parser.add_argument("--decode-rows", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32],
                         help="decode steps' rows in the engines (none: the linears alone)")
+    parser.add_argument("--defines", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="the linears' compact kernel built with these (kernels/compact_panels.h's "
+                        "COMPACT_AHEAD=6144: how far ahead its decoder prefetched before 2 KB)")
     parser.add_argument("--mode", choices=("beside", "only"), default="beside",
                         help="the compact engine's engine.cpu.compact_panels: a copy beside the panels for steps "
                         "of up to 3 rows (the default's), or the compact panels alone for every step")

@@ -184,12 +184,14 @@ def linear_panels_tiles_kernel():
 
 
 @functools.cache
-def linear_compact_kernel():
-    """``tessera_linear_compact(x, blob, bias, y, m, n, k)`` (``kernels/linear_panels.c``): bf16 rows against a
-    weight in compact panels (kernels/compact_panels.h), or None where ``linear_panels_kernel`` is."""
+def linear_compact_kernel(defines: tuple[str, ...] = ()):
+    """``tessera_linear_compact(x, blob, bias, y, m, n, k)`` (``kernels/linear_panels.c``, built with ``defines``
+    where a benchmark gives them): bf16 rows against a weight in compact panels (kernels/compact_panels.h), or None
+    where ``linear_panels_kernel`` is."""
     if linear_panels_kernel() is None:
         return None
-    return kernel_function("linear_panels", "tessera_linear_compact", (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3)
+    return kernel_function("linear_panels", "tessera_linear_compact", (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3,
+                           defines)
 
 
 @functools.cache
