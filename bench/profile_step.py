@@ -90,7 +90,7 @@ def scenario(engine: LLMEngine, name: str, batch: int, prompt_len: int, decode: 
 def engine_overrides(items: list[str]) -> dict:
     """``--set KEY=VALUE`` items as EngineConfig keyword arguments (``engine.`` optional), values as YAML reads them;
     a dotted key sets a field of a section (``cpu.decode_kernel_max_batch=8``), merged with the section's others."""
-    import yaml
+    from common.config.roles import load_yaml  # a config's YAML: off and on stay words
     out: dict = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -102,7 +102,7 @@ def engine_overrides(items: list[str]) -> dict:
             into = into.setdefault(part, {})
             if not isinstance(into, dict):
                 raise SystemExit(f"--set {item!r}: {part} is a field, not a section")
-        parsed = yaml.safe_load(value)
+        parsed = load_yaml(value)
         if isinstance(parsed, dict) and isinstance(into.get(name), dict):
             into[name].update(parsed)
         else:
