@@ -113,7 +113,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         # a step's token budget: max_num_batched_tokens, or less while the proxy's adaptive controller says so
         self.token_budget = config.max_num_batched_tokens
-        self.decoding_prompt_tokens = config.decoding_prompt_tokens
         # the worker time-shares its cores with others (worker.core_share): their streams wait through each of its
         # steps, so every step takes at most decoding_prompt_tokens of prompt, as if a stream of its own decoded
         self.shares_cores = False
@@ -209,7 +208,7 @@ class Scheduler:
         """The prompt tokens this step may take: ``steps.decoding_prompt_tokens`` while a running sequence is
         decoding (so a stream waits at most one such chunk's work between two tokens) or the cores are shared, else
         the whole budget; the whole budget without chunked prefill, where a prompt must fit one step."""
-        cap = self.decoding_prompt_tokens
+        cap = self.config.decoding_prompt_tokens
         if cap <= 0 or cap >= self.token_budget or not self.config.enable_chunked_prefill:
             return self.token_budget
         if hold or self.shares_cores or any(s.num_tokens - s.num_computed_tokens <= 1 and s.num_tokens > s.num_prompt_tokens
