@@ -33,7 +33,7 @@ FIELD_SINCE: dict[str, dict[str, int]] = {"PrefillRequest": {"keep_s": 11, "kv_p
                                           "SamplingParams": {"structured": 13},
                                           "TokenDeltas": {"step_rows": 14, "step": 14},
                                           "RequestFailed": {"code": 16}, "KVPulled": {"backend": 18},
-                                          "StreamFound": {"last": 21},
+                                          "StreamFound": {"last": 21}, "Heartbeat": {"last_decode_taken": 22},
                                           "Register": {"standby": 12, "load_s": 12, "tokenizer_sha256": 15,
                                                        "tensor_parallel_size": 17, "kv_events_endpoint": 19,
                                                        "kv_events_public_key": 19, "host": 19,

@@ -99,9 +99,9 @@ class _Struct(msgspec.Struct, forbid_unknown_fields=True):
 # 19: Register.kv_events_endpoint, kv_events_public_key, host, KVEvents, KVSnapshotRequest, KVSnapshot; 20: SwitchRole,
 # DecodeRequest.resume_key, resume_window_s, resume_context, FindStream, StreamFound, LeaveStream; 21:
 # PrefillRequest.kv_pipeline_layer_groups, DecodeRequest.kv_pipelined, KVProgress, Register.interconnect_domain,
-# StreamFound.last.
+# StreamFound.last; 22: Heartbeat.last_decode_taken.
 # Versions one apart interoperate (versions.py).
-PROTOCOL_VERSION = 21
+PROTOCOL_VERSION = 22
 
 
 class MsgType(enum.IntEnum):
@@ -379,6 +379,10 @@ class Heartbeat(_Struct):
     draining: bool = False
     context_tokens: NonNegInt = 0  # the running sequences' tokens (prompt and output), summed
     step_cost: StepCostModel | None = None  # None until the worker has fitted its step time
+    # The last DecodeRequest from this proxy that the worker's compute loop took before this load was measured
+    # (its request_id), so the load counts it and every one this proxy sent before it; "": none yet since it
+    # registered with this proxy; None: not said (an older worker): the proxy takes the load to count all it sent.
+    last_decode_taken: str | None = None
 
 
 class PrefillRequest(_Struct):

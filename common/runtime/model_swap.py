@@ -221,7 +221,7 @@ class ModelSwitch:
         kept = []
         while True:
             try:
-                msg = self.io.inbox.get_nowait()
+                msg = self.io.take()
             except queue.Empty:
                 break
             if isinstance(msg, REQUEST_MESSAGES):

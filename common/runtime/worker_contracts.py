@@ -20,6 +20,7 @@ class Load:
     outstanding_prefill_tokens: int = 0
     context_tokens: int = 0  # the running sequences' tokens, summed
     step_cost: wire.StepCostModel | None = None  # the engine's fit of its step time (common/engine/model_runner.py)
+    decodes_taken: int = 0  # DecodeRequests the compute loop took from the inbox before this load was measured
 
 
 class RoleHandler(Protocol):

@@ -38,6 +38,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -95,6 +96,7 @@ class _Link:
         self.speaks = 0  # the older of this proxy's protocol version and this worker's setting
         self.monitor = None  # with several proxies: the socket's disconnection events
         self.unsent: deque[list[bytes]] = deque()  # with one proxy: what its socket would not take yet, in order
+        self.last_decode_taken = ""  # its last DecodeRequest the load counts (Heartbeat.last_decode_taken)
 
 
 class WorkerIO:
@@ -122,6 +124,10 @@ class WorkerIO:
             link.speaks = config.protocol_version
         self.owners = Owners(config.role == "prefill") if len(self.links) > 1 else None
         self._peers: list[list[wire.PeerInfo]] = [[] for _ in self.links]  # each proxy's last Peers
+        # Each DecodeRequest put in the inbox, (link, request_id) in order, until a load counts it (_heartbeat).
+        self._decodes_queued: deque[tuple[int, str]] = deque()
+        self._decodes_counted = 0  # of them, popped off _decodes_queued
+        self.decodes_taken = 0  # of them, taken by the compute loop (``take``); only the compute loop writes it
         self._started = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="worker-io", daemon=True)
@@ -258,14 +264,7 @@ class WorkerIO:
                     self._send(link, self.registration)  # the proxy may be down: retried
                     link.next_register = now + self.config.heartbeat_interval_s
             if self.registered.is_set() and now >= next_beat:
-                load = self.load
-                beat = wire.Heartbeat(
-                    self.config.worker_id, self.registration.epoch, load.free_blocks, load.num_running,
-                    load.num_waiting, load.outstanding_prefill_tokens, self.draining, load.context_tokens,
-                    load.step_cost)
-                for link in self.links:
-                    if link.registered:
-                        self._send(link, beat)
+                self._heartbeat()
                 self.metrics.heartbeats_sent.inc()
                 next_beat = now + self.config.heartbeat_interval_s
             elif self.standby is not None and (now >= next_beat or self.standby is not beacon):  # a new one: now
@@ -275,6 +274,31 @@ class WorkerIO:
                 next_beat = now + self.config.heartbeat_interval_s
             elif now >= next_beat:  # nothing to beat yet (not registered): the poll must not run to a past time
                 next_beat = now + self.config.heartbeat_interval_s
+
+    def _heartbeat(self) -> None:
+        """The latest load to each proxy registered with, naming the last of that proxy's DecodeRequests it counts:
+        the proxy counts those it sent since as load on top (proxy/core/routing.py), so a burst that arrives while
+        the compute loop is in a step is not forgotten by a heartbeat measured before the loop took it."""
+        load = self.load
+        while self._decodes_counted < load.decodes_taken and self._decodes_queued:
+            index, request_id = self._decodes_queued.popleft()
+            self.links[index].last_decode_taken = request_id
+            self._decodes_counted += 1
+        beat = wire.Heartbeat(
+            self.config.worker_id, self.registration.epoch, load.free_blocks, load.num_running,
+            load.num_waiting, load.outstanding_prefill_tokens, self.draining, load.context_tokens,
+            load.step_cost)
+        for link in self.links:
+            if link.registered:
+                self._send(link, msgspec.structs.replace(beat, last_decode_taken=link.last_decode_taken))
+
+    def take(self, wait_s: float = 0.0):
+        """The next message of the inbox, waiting up to ``wait_s`` (0: none there raises ``queue.Empty``); the
+        compute loop's one way to take one, so the loads it measures count the DecodeRequests taken."""
+        msg = self.inbox.get(timeout=wait_s) if wait_s > 0 else self.inbox.get_nowait()
+        if isinstance(msg, wire.DecodeRequest):
+            self.decodes_taken += 1
+        return msg
 
     def _poll_ms(self, next_beat: float) -> int:
         """How long the loop may wait for a socket or a wake-up: until the next heartbeat or registration try is
@@ -380,6 +404,8 @@ class WorkerIO:
                     self._send(link, snapshot)
             else:
                 if self.owners is None or self.owners.took(msg, index):
+                    if isinstance(msg, wire.DecodeRequest):
+                        self._decodes_queued.append((index, msg.request_id))
                     self.inbox.put(msg)
 
     def _merged_peers(self) -> wire.Peers:
@@ -402,6 +428,7 @@ class WorkerIO:
                 self.inbox.put(None)
                 return
         link.registered = True
+        link.last_decode_taken = ""  # a new registration: the proxy counts what it sends from here on
         self.registered.set()
 
     def _watch(self, index: int) -> None:

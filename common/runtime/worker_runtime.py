@@ -109,7 +109,9 @@ def serve(config: WorkerConfig, handler: RoleHandler, adopters: Mapping[str, Ado
                 continue
             _turn(handler)
             kv_feed.flush()
-            io.load = handler.load()
+            load = handler.load()
+            load.decodes_taken = io.decodes_taken  # each one taken before it is in this load
+            io.load = load
             handler.metrics.status.registered = io.registered.is_set()
             handler.publish_metrics()
     except RankGroupBroken as exc:  # from a switch, a swap or a lost proxy's requests as well as from a turn
@@ -145,7 +147,7 @@ def _take_messages(io: WorkerIO, handler: RoleHandler, switch: ModelSwitch, role
     """Hand every queued message to the handler, waiting up to ``wait_s`` for the first; False when the I/O
     thread died."""
     try:
-        msg = io.inbox.get(timeout=wait_s) if wait_s > 0 else io.inbox.get_nowait()
+        msg = io.take(wait_s)
     except queue.Empty:
         return True
     while True:
@@ -174,7 +176,7 @@ def _take_messages(io: WorkerIO, handler: RoleHandler, switch: ModelSwitch, role
             with request_scope(getattr(msg, "request_id", None), getattr(msg, "tenant", None)):
                 _handle(handler, msg)
         try:
-            msg = io.inbox.get_nowait()
+            msg = io.take()
         except queue.Empty:
             return True
 

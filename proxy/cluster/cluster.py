@@ -159,6 +159,8 @@ class Cluster:
             self.policy.prefill_ended(sub.prefill_worker, sub.prefill_len)
         if sub.done:
             ended = self.inflight.pop(sub.request_id, None) is not None  # else a later look at a done one
+            if sub.decode_worker:
+                self.policy.decode_ended(sub.decode_worker, sub.wire_id)
             self.admission.leave(sub.request_id, before)
             if sub.stage is Stage.FINISHED and len(sub.output_ids) > 2 and not (sub.migrations or sub.preemptions
                                                                                  or sub.adopted):
@@ -363,7 +365,7 @@ class Cluster:
             return sub.reject(self._unavailable("no decode worker is available to continue the request"))
         if source is not None:
             self.metrics.kv_pairings.labels(near(source, decoder) or "cross_host").inc()
-        self.policy.decode_sent(decoder, tokens, session=sub.session)
+        self.policy.decode_sent(decoder, tokens, session=sub.session, request_id=sub.wire_id)
         return sub.start_decode(decoder, self.admission.counters[sub.tenant], now)
 
     def switch_role(self, worker_id: str, role: str, force: bool = False) -> asyncio.Future:

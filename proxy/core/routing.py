@@ -14,8 +14,8 @@ request's tenant's, the root of its block hashes on the workers):
   bracket a PrefillRequest, on every path out (PrefillDone, failure, abort,
   worker loss); the cluster says which worker and how many tokens, so the
   policy keeps no per-request state.
-- ``decode_sent`` when a DecodeRequest goes out (with the request's session, if any); ``heartbeat`` when a
-  worker reports its load; ``kv_pulled`` when a decode worker reports a pull's bytes and seconds;
+- ``decode_sent`` when a DecodeRequest goes out (with the request's session, if any, and its wire id);
+  ``decode_ended`` when that request ends; ``heartbeat`` when a worker reports its load; ``kv_pulled`` when a decode worker reports a pull's bytes and seconds;
   ``worker_removed`` when it is gone.
 
 ``PrefixAwareRouting`` (the default) routes on ``index``, the exact prefix index (``proxy/core/kv_index.py``, fed
@@ -35,9 +35,10 @@ epoch are gone from the index the moment it registers again.
   does not, or when it must compute them itself (local prefill); then fewest running. So a
   conversation's history draws its next turn to the worker holding it, a shared system prompt's block or two
   does not pile every request onto one worker, and a prefill worker's pages go to a decode worker of its own
-  host unless one elsewhere already holds nearly all of them or has far more room. Both counts add what the proxy
-  sent since the worker's last heartbeat, so a burst between two
-  heartbeats spreads instead of piling onto one worker.
+  host unless one elsewhere already holds nearly all of them or has far more room. Running counts the requests
+  waiting there too. Both counts add what the proxy sent that the worker's last heartbeat does not count yet
+  (the worker names the last DecodeRequest its load counts: one sent while its compute loop was in a step is
+  not in the next heartbeat's load), so a burst spreads instead of piling onto one worker.
 - Conditional disaggregation, on the *uncached suffix* on that decode worker (the prompt's tokens it does not
   hold): with ``local_prefill_threshold`` >= 0, a suffix shorter than it prefills there (0: never), and every
   prompt does when no prefill-role worker is available. With -1 (the default: derived) the threshold is the
@@ -101,17 +102,47 @@ class RoutingPolicy(Protocol):
     def prefill_sent(self, worker: WorkerState, prompt: Sequence[int]) -> None: ...
     def prefill_ended(self, worker_id: str, num_tokens: int) -> None: ...
     def outstanding_prefill_tokens(self, worker_id: str) -> int: ...
-    def decode_sent(self, worker: WorkerState, prompt: Sequence[int], session: str | None = None) -> None: ...
+    def decode_sent(self, worker: WorkerState, prompt: Sequence[int], session: str | None = None,
+                    request_id: str | None = None) -> None: ...
+    def decode_ended(self, worker_id: str, request_id: str) -> None: ...
     def heartbeat(self, worker: WorkerState) -> None: ...
     def kv_pulled(self, worker_id: str, num_bytes: int, seconds: float) -> None: ...
     def worker_removed(self, worker_id: str) -> None: ...
 
 
-@dataclass
 class _Pending:
-    """What this proxy sent a worker since its last heartbeat."""
-    blocks: int = 0
-    requests: int = 0
+    """What this proxy sent a decode worker that its last heartbeat's load does not count yet: each DecodeRequest
+    (request_id -> its prompt's blocks) in the order sent, which is the order the worker takes them in (one
+    connection). A heartbeat naming one it took (``WorkerState.last_decode_taken``) counts it and every one before."""
+
+    def __init__(self) -> None:
+        self._sent: OrderedDict[str, int] = OrderedDict()
+        self.blocks = 0
+
+    @property
+    def requests(self) -> int:
+        return len(self._sent)
+
+    def add(self, request_id: str, blocks: int) -> None:
+        self._sent[request_id] = self._sent.pop(request_id, 0) + blocks
+        self.blocks += blocks
+
+    def counted(self, last_taken: str | None) -> None:
+        """A heartbeat's load counts the requests through ``last_taken`` (None: all of them; one not here: those it
+        counted earlier, or none this proxy still waits on)."""
+        if last_taken is None:
+            self._sent.clear()
+            self.blocks = 0
+        elif last_taken in self._sent:
+            while self._sent:
+                request_id, blocks = self._sent.popitem(last=False)
+                self.blocks -= blocks
+                if request_id == last_taken:
+                    return
+
+    def ended(self, request_id: str) -> None:
+        """The request ended before a heartbeat counted it (refused, aborted, or finished at once)."""
+        self.blocks -= self._sent.pop(request_id, 0)
 
 
 class _Prompt:
@@ -147,6 +178,7 @@ class PrefixAwareRouting:
         self._sessions: OrderedDict[str, tuple[str, float]] = OrderedDict()  # session -> (decode worker, when)
         self._prefill_tokens: dict[str, int] = defaultdict(int)  # worker -> tokens sent, not yet done
         self._pending: dict[str, _Pending] = defaultdict(_Pending)
+        self._sent_count = 0  # DecodeRequests, a key for those sent without an id
         self._prefills_sent: dict[str, int] = defaultdict(int)
         self._pull_rate: dict[str, float] = {}  # decode worker -> bytes per second its pulls measured
         self.weights: dict[str, float] = {}  # worker -> routing weight, when not 1 (the adaptive controller's)
@@ -184,7 +216,8 @@ class PrefixAwareRouting:
         if worker_id in self._prefill_tokens:  # a removed worker's count is gone already
             self._prefill_tokens[worker_id] = max(self._prefill_tokens[worker_id] - num_tokens, 0)
 
-    def decode_sent(self, worker: WorkerState, prompt: Sequence[int], session: str | None = None) -> None:
+    def decode_sent(self, worker: WorkerState, prompt: Sequence[int], session: str | None = None,
+                    request_id: str | None = None) -> None:
         if session is not None:
             now = time.monotonic()
             self._sessions[session] = (worker.worker_id, now)
@@ -192,12 +225,16 @@ class PrefixAwareRouting:
             while self._sessions and (len(self._sessions) > MAX_SESSIONS
                                       or now - next(iter(self._sessions.values()))[1] > self.session_ttl_s):
                 self._sessions.popitem(last=False)
-        pending = self._pending[worker.worker_id]
-        pending.blocks += -(-len(prompt) // worker.block_size)
-        pending.requests += 1
+        self._sent_count += 1
+        self._pending[worker.worker_id].add(request_id or f"#{self._sent_count}", -(-len(prompt) // worker.block_size))
+
+    def decode_ended(self, worker_id: str, request_id: str) -> None:
+        if (pending := self._pending.get(worker_id)) is not None:
+            pending.ended(request_id)
 
     def heartbeat(self, worker: WorkerState) -> None:
-        self._pending.pop(worker.worker_id, None)
+        if (pending := self._pending.get(worker.worker_id)) is not None:
+            pending.counted(worker.last_decode_taken)
 
     def kv_pulled(self, worker_id: str, num_bytes: int, seconds: float) -> None:
         if num_bytes and seconds > 0:
@@ -268,7 +305,7 @@ class PrefixAwareRouting:
 
     def _decode_load(self, worker: WorkerState) -> tuple:
         pending = self._pending.get(worker.worker_id, _Pending())
-        running = worker.num_running + pending.requests
+        running = worker.num_running + worker.num_waiting + pending.requests
         # a worker at its TPOT capacity (proxy/core/capacity.py) comes after any below it
         full = running >= worker.tpot_capacity
         weight = self.weights.get(worker.worker_id, 1.0)

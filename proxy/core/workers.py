@@ -58,6 +58,7 @@ class WorkerState:
     last_seen: float
     free_blocks: int = 0
     num_running: int = 0
+    num_waiting: int = 0  # requests it holds that wait for a slot or for blocks (heartbeat)
     outstanding_prefill_tokens: int = 0
     draining: bool = False
     max_num_seqs: int = EngineConfig.max_num_seqs  # decode slots; the engine's default when not reported
@@ -73,6 +74,9 @@ class WorkerState:
     interconnect_domain: str = ""  # its GPU's NVLink fabric (Register); "": none, paired with no one by fabric
     lag: StepLag = field(default_factory=StepLag)  # its steps as they come, against its model
     prompt_done_at: float | None = None  # when it last finished a prompt (a first token); None: not yet
+    # The last DecodeRequest of this proxy's its heartbeat's load counts (Heartbeat.last_decode_taken); None: the
+    # worker does not say, so the load counts all this proxy sent.
+    last_decode_taken: str | None = None
 
     def __setattr__(self, name: str, value) -> None:
         if name in _SLOT_FIELDS:
@@ -184,6 +188,8 @@ class WorkerRegistry:
         worker.last_seen = now
         worker.free_blocks = msg.free_blocks
         worker.num_running = msg.num_running
+        worker.num_waiting = msg.num_waiting
+        worker.last_decode_taken = msg.last_decode_taken
         worker.outstanding_prefill_tokens = msg.outstanding_prefill_tokens
         worker.step_cost = msg.step_cost
         if not msg.num_running:

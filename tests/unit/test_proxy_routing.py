@@ -238,6 +238,34 @@ def test_requests_sent_since_the_last_heartbeat_count_against_a_decode_worker():
     assert policy.pick_decode(prompt(160), workers) is chosen  # equal again: the first in order
 
 
+def test_a_heartbeat_counts_only_the_requests_its_worker_took():
+    """A heartbeat measured before the worker's compute loop took a request (it was in a step) must not erase that
+    request from the load: two requests sent into that window still go to two idle workers."""
+    registry = WorkerRegistry(5.0)
+    workers = add(registry, ("d1", "decode"), ("d2", "decode"))
+    policy = PrefixAwareRouting()
+    first = policy.pick_decode(prompt(8), workers)
+    policy.decode_sent(first, prompt(8), request_id="r1")
+    registry.heartbeat(Heartbeat(first.worker_id, 1, 100, 0, 0, 0, last_decode_taken=""), 1.0)  # taken: none yet
+    policy.heartbeat(first)
+    second = policy.pick_decode(prompt(8), workers)
+    assert second is not first
+    policy.decode_sent(second, prompt(8), request_id="r2")
+    policy.decode_sent(first, prompt(8), request_id="r3")
+    # first took r1 and holds it (waiting for a slot: blocks not yet taken); r3 is still on the way
+    registry.heartbeat(Heartbeat(first.worker_id, 1, 100, 0, 1, 0, last_decode_taken="r1"), 1.0)
+    policy.heartbeat(first)
+    assert policy._decode_load(first) == (False, -99, 2)  # r1 waits there, r3 (1 block) pending
+    policy.decode_ended(first.worker_id, "r3")  # refused, say, before its worker took it
+    assert policy._decode_load(first) == (False, -100, 1)
+    registry.heartbeat(Heartbeat(first.worker_id, 1, 100, 0, 0, 0, last_decode_taken="r0"), 1.0)  # one it does
+    policy.heartbeat(first)                                                                   # not know: kept
+    assert policy._decode_load(second)[2] == 1
+    registry.heartbeat(heartbeat(second.worker_id), 1.0)  # an older worker (no last_decode_taken): counts all
+    policy.heartbeat(second)
+    assert policy._decode_load(second) == (False, -100, 0)
+
+
 def test_draining_workers_get_nothing_new():
     registry = WorkerRegistry(5.0)
     workers = add(registry, ("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"), ("d2", "decode"))

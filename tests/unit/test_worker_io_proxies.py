@@ -14,6 +14,7 @@ from common.protocol import wire
 from common.protocol.sampling_params import SamplingParams
 from common.runtime.proxy_links import IDLE_S, Owners
 from common.runtime.telemetry import WorkerMetrics
+from common.runtime.worker_contracts import Load
 from common.runtime.worker_io import LinkLost, WorkerIO
 
 LAYOUT = wire.KVLayoutInfo(2, 16, 2, 8, "float32")
@@ -85,6 +86,32 @@ def test_each_request_is_answered_to_its_proxy_and_heartbeats_go_to_both(two_pro
     assert [[d.request_id for d in m.deltas] for m in got_a] == [["ra"]]  # a stray request's goes nowhere
     assert [type(m) for m in got_b] == [wire.TokenDeltas, wire.KVPulled]
     assert [d.request_id for d in got_b[0].deltas] == ["rb"]
+
+
+def test_each_heartbeat_names_the_last_request_of_its_proxy_that_its_load_counts(two_proxies):
+    """Requests the compute loop has not taken yet are not in the load a heartbeat carries: it names the last one of
+    that proxy's it counts, so the proxy keeps counting the rest as on their way."""
+    io, (a, b) = two_proxies
+    assert a.receive(wire.Heartbeat).last_decode_taken == b.receive(wire.Heartbeat).last_decode_taken == ""
+    a.send(request("ra1"))
+    b.send(request("rb1"))
+    a.send(request("ra2"))
+    taken = [io.take(5).request_id for _ in range(3)]
+    # the compute loop takes them, then measures its load ...
+    io.send(MARK)
+    a.until_mark(), b.until_mark()
+    assert a.receive(wire.Heartbeat).last_decode_taken == ""  # ... not measured yet
+    io.load = Load(decodes_taken=2)  # a load measured after it took the first two
+    io.send(MARK)
+    a.until_mark(), b.until_mark()
+    beats = a.receive(wire.Heartbeat), b.receive(wire.Heartbeat)
+    first_two = taken[:2]
+    assert beats[0].last_decode_taken == ("ra1" if "ra2" not in first_two else "ra2")
+    assert beats[1].last_decode_taken == ("rb1" if "rb1" in first_two else "")
+    io.load = Load(decodes_taken=3)
+    io.send(MARK)
+    a.until_mark(), b.until_mark()
+    assert (a.receive(wire.Heartbeat).last_decode_taken, b.receive(wire.Heartbeat).last_decode_taken) == ("ra2", "rb1")
 
 
 def test_a_proxy_that_lost_the_worker_gets_its_requests_failed_and_a_new_register(two_proxies):
