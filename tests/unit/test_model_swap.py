@@ -37,6 +37,9 @@ class FakeIO:
         self.events: list[str] = []
         self.inbox = queue.Queue()
 
+    def take(self, wait_s: float = 0.0):
+        return self.inbox.get(timeout=wait_s) if wait_s > 0 else self.inbox.get_nowait()
+
     def leave(self, reason: str) -> None:
         self.events.append(f"goodbye: {reason}")
 

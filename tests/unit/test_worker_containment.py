@@ -144,7 +144,8 @@ def test_a_tune_from_the_proxy_sets_the_engines_token_budget_and_speculation_and
                                   speculator=make_speculator(config, runner=None)),
                               metrics=SimpleNamespace(tuned=lambda *values: [
                                   setattr(g, "value", v) for g, v in zip(gauges.values(), values)]))
-    io = SimpleNamespace(inbox=queue.Queue())
+    inbox = queue.Queue()
+    io = SimpleNamespace(inbox=inbox, take=lambda wait_s=0.0: inbox.get_nowait())
     io.inbox.put(wire.Tune(512, spec_num_tokens=2, spec_max_batch_size=0))
     assert _take_messages(io, handler, None, None, 0)
     assert budgets == [512] and {n: g.value for n, g in gauges.items()} == {
