@@ -183,6 +183,8 @@ class LLMEngine:
         self.config = config
         self.model_dir = resolve_model(config.model, config.dtype)
         self.tokenizer = Tokenizer(self.model_dir)
+        for skip_special_tokens in (True, False):  # built now, not in the first request's step
+            self.tokenizer.byte_pieces(skip_special_tokens)
         self.runner = ModelRunner(config, self.model_dir)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           self.runner.host_tier())

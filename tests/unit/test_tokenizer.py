@@ -17,7 +17,8 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from common.protocol.sampling_params import SamplingParams
-from common.text.tokenizer import IncrementalDetokenizer, StopChecker, TextState, Tokenizer
+from common.text.tokenizer import (ByteLevelDetokenizer, IncrementalDetokenizer, StopChecker, TextState, Tokenizer,
+                                   _byte_pieces, detokenizer)
 
 SPECIALS = ["<|eos|>", "<|user|>", "<|assistant|>", "<|end|>"]  # ids 0..3
 EOS, END = 0, 3
@@ -121,6 +122,7 @@ def test_streamed_valid_text_is_exact_and_never_broken(tokenizer, text, prompt):
     assert "".join(deltas) == tokenizer.decode(ids)
 
 
+@pytest.mark.parametrize("kind", ["bytes", "windows"])
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     ids=st.lists(st.integers(0, 329), max_size=30),
@@ -128,19 +130,63 @@ def test_streamed_valid_text_is_exact_and_never_broken(tokenizer, text, prompt):
     skip_special_tokens=st.booleans(),
     chunks=st.lists(st.integers(1, 4), min_size=30, max_size=30),
 )
-def test_deltas_concatenate_to_the_full_decode_for_any_ids(tokenizer, ids, prompt, skip_special_tokens, chunks):
-    """Even for byte soup that is not valid UTF-8, and for multi-token steps.
+def test_deltas_concatenate_to_the_full_decode_for_any_ids(tokenizer, kind, ids, prompt, skip_special_tokens, chunks):
+    """Even for byte soup that is not valid UTF-8, and for multi-token steps, by either detokenizer: the byte-level
+    one (each token's bytes through an incremental UTF-8 decoder) and the one that decodes windows again.
 
     The prompt is text, so it ends on a character boundary; output bytes that
     complete a character the prompt's ids left open would join that character.
     """
-    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode(prompt), skip_special_tokens)
+    if kind == "bytes":
+        detokenizer = ByteLevelDetokenizer(tokenizer.byte_pieces(skip_special_tokens))
+    else:
+        detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode(prompt), skip_special_tokens)
     deltas, start = [], 0
     for size in chunks:
         deltas.append(detokenizer.add(ids[start:start + size]))
         start += size
     deltas.append(detokenizer.flush())
     assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_a_byte_level_tokenizer_streams_by_bytes_and_any_other_by_windows(tokenizer, tmp_path):
+    """The tiny test vocabulary and SmolLM2's are byte-level BPE: each token's piece is the bytes the library
+    decodes it to. A SentencePiece-style (Metaspace) tokenizer has no such pieces and streams by windows, exactly."""
+    for skip in (True, False):
+        pieces = tokenizer.byte_pieces(skip)
+        assert [p.decode("utf-8", "replace") for p in pieces] == \
+            [tokenizer.decode([t], skip_special_tokens=skip) for t in range(tokenizer.vocab_size)]
+    assert tokenizer.byte_pieces(True)[EOS] == b"" and tokenizer.byte_pieces(False)[EOS] == b"<|eos|>"
+    assert isinstance(detokenizer(tokenizer, [], True), ByteLevelDetokenizer)
+    raw = RawTokenizer(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace()
+    raw.decoder = decoders.Metaspace()
+    raw.train_from_iterator(CORPUS * 20, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "</s>"]))
+    raw.save(str(tmp_path / "tokenizer.json"))
+    metaspace = Tokenizer(tmp_path)
+    assert metaspace.byte_pieces(True) is None
+    assert isinstance(detokenizer(metaspace, [], True), IncrementalDetokenizer)
+    ids, prompt = metaspace.encode("hello world, hello tokens"), metaspace.encode("the quick")
+    streamed = "".join(stream(TextState(metaspace, prompt, SamplingParams()), ids))
+    assert streamed == " hello world, hello tokens"  # as it reads after the prompt, its first space kept
+
+
+def test_byte_pieces_that_differ_from_the_library_decode_are_not_used(tokenizer):
+    """The pieces are held to the library's own decode of every id: one that differs (a decoder this code does not
+    foresee) turns the byte path off."""
+    class Differs:
+        def __init__(self, backend) -> None:
+            self._backend = backend
+
+        def __getattr__(self, name):
+            return getattr(self._backend, name)
+
+        def decode_batch(self, batch, skip_special_tokens):
+            texts = self._backend.decode_batch(batch, skip_special_tokens=skip_special_tokens)
+            return [*texts[:7], texts[7] + "x", *texts[8:]]
+
+    assert _byte_pieces(tokenizer.backend, True) is not None
+    assert _byte_pieces(Differs(tokenizer.backend), True) is None
 
 
 def test_terminating_eos_adds_no_text_even_when_special_tokens_show(tokenizer):
