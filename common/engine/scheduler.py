@@ -113,9 +113,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         # a step's token budget: max_num_batched_tokens, or less while the proxy's adaptive controller says so
         self.token_budget = config.max_num_batched_tokens
-        # the worker time-shares its cores with others (worker.core_share): their streams wait through each of its
-        # steps, so every step takes at most decoding_prompt_tokens of prompt, as if a stream of its own decoded
-        self.shares_cores = False
         self._fork_waiters: dict[str, list[Sequence]] = {}  # request id -> samples 2..n
 
     def set_token_budget(self, tokens: int) -> int:
@@ -206,12 +203,14 @@ class Scheduler:
 
     def _prompt_room(self, hold: frozenset[int] | set[int]) -> int:
         """The prompt tokens this step may take: ``steps.decoding_prompt_tokens`` while a running sequence is
-        decoding (so a stream waits at most one such chunk's work between two tokens) or the cores are shared, else
-        the whole budget; the whole budget without chunked prefill, where a prompt must fit one step."""
+        decoding (so a stream waits at most one such chunk's work between two tokens), else the whole budget; the
+        whole budget without chunked prefill, where a prompt must fit one step. A prefill worker time-sharing its
+        cores with a decode worker takes whole steps: capping them cost 7% of the served throughput at saturation
+        and bought nothing measurable (docs/benchmarks.md, "Prompt work in a step beside decoding streams")."""
         cap = self.config.decoding_prompt_tokens
         if cap <= 0 or cap >= self.token_budget or not self.config.enable_chunked_prefill:
             return self.token_budget
-        if hold or self.shares_cores or any(s.num_tokens - s.num_computed_tokens <= 1 and s.num_tokens > s.num_prompt_tokens
+        if hold or any(s.num_tokens - s.num_computed_tokens <= 1 and s.num_tokens > s.num_prompt_tokens
                        for s in self.running):
             return cap
         return self.token_budget

@@ -55,7 +55,6 @@ def load_model(worker, spec: str, name: str = "") -> None:
                            prompts=worker.role != "decode", cores=worker.cores)
     if calibrated.seconds:
         log.info("step-cost calibration: %s", calibrated.summary(worker.engine.step_timer))
-    worker.engine.scheduler.shares_cores = bool(config.core_share)  # a co-located peer's streams wait on its steps
     if config.testing.fault_nonfinite_logits_token is not None:
         log.warning("fault injection: a prompt holding token %d gets NaN logits (testing.fault_nonfinite_logits_token)",
                     config.testing.fault_nonfinite_logits_token)

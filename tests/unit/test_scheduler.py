@@ -83,16 +83,6 @@ def test_without_a_decoding_sequence_a_step_takes_the_whole_budget_for_prompts()
     assert run_step(s).num_new_tokens == [20, 12]
 
 
-def test_a_worker_sharing_its_cores_caps_every_step_for_its_peers_streams():
-    s, _ = make(budget=64, steps=StepsConfig(decoding_prompt_tokens=8))
-    s.shares_cores = True
-    (a,) = seq("a", 20)
-    (b,) = seq("b", 12, start=100)
-    s.add_sequences([a])
-    s.add_sequences([b])
-    assert [run_step(s).num_new_tokens for _ in range(3)] == [[8], [8], [4, 4]]
-
-
 def test_decoding_prompt_tokens_0_leaves_only_the_budget():
     s, _ = make(budget=16, steps=StepsConfig(decoding_prompt_tokens=0))
     (a,) = seq("a", 8)
