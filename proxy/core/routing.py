@@ -15,8 +15,8 @@ request's tenant's, the root of its block hashes on the workers):
   worker loss); the cluster says which worker and how many tokens, so the
   policy keeps no per-request state.
 - ``decode_sent`` when a DecodeRequest goes out (with the request's session, if any, and its wire id);
-  ``decode_ended`` when that request ends; ``heartbeat`` when a worker reports its load; ``kv_pulled`` when a decode worker reports a pull's bytes and seconds;
-  ``worker_removed`` when it is gone.
+  ``decode_ended`` when that request ends; ``heartbeat`` when a worker reports its load; ``kv_pulled`` when a
+  decode worker reports a pull's bytes and seconds; ``worker_removed`` when it is gone.
 
 ``PrefixAwareRouting`` (the default) routes on ``index``, the exact prefix index (``proxy/core/kv_index.py``, fed
 by the workers' KV events): for a prompt's chained block hashes, salted as the workers salt them, how many leading

@@ -74,7 +74,7 @@ class WorkerState:
     interconnect_domain: str = ""  # its GPU's NVLink fabric (Register); "": none, paired with no one by fabric
     lag: StepLag = field(default_factory=StepLag)  # its steps as they come, against its model
     prompt_done_at: float | None = None  # when it last finished a prompt (a first token); None: not yet
-    # The last DecodeRequest of this proxy's its heartbeat's load counts (Heartbeat.last_decode_taken); None: the
+    # The last of this proxy's DecodeRequests that its heartbeat's load counts (Heartbeat.last_decode_taken); None: the
     # worker does not say, so the load counts all this proxy sent.
     last_decode_taken: str | None = None
 
