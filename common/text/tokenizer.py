@@ -56,11 +56,10 @@ def _byte_chars() -> dict[int, int]:
     """Byte-level BPE's alphabet (GPT-2's): the character that stands for each byte in a vocabulary string, as
     ``str.translate``'s table to the byte's own code point; every other code point below 256 maps past latin-1, so
     a string holding one fails to encode (the library's decoder keeps such a token's UTF-8 bytes instead)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
-                 *range(ord("\xae"), ord("\xff") + 1)]
-    table = {code: 0x110000 - 1 for code in range(256)}  # U+10FFFF: not latin-1
-    table.update({code: code for code in printable})
-    shifted = (byte for byte in range(256) if byte not in set(printable))
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)}
+    table = {code: code if code in printable else 0x110000 - 1 for code in range(256)}  # U+10FFFF: not latin-1
+    shifted = [byte for byte in range(256) if byte not in printable]
     table.update({256 + n: byte for n, byte in enumerate(shifted)})
     return table
 
