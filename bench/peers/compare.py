@@ -24,8 +24,9 @@ own name for it):
 - ``tessera-pd-no-compact``, ``tessera-agg-no-compact``: the same with ``engine.cpu.compact_panels=off``, no compact
   copy beside the panels for steps of a few rows (which "auto" keeps where it fits the memory), its baseline;
 - ``tessera-pd-uncapped``, ``tessera-agg-uncapped``: the same with ``engine.steps.decoding_prompt_tokens=0``, a step
-  with decoding streams taking prompt tokens up to the whole step budget as vLLM's do (the default caps them at 256
-  on the CPU: common/engine/scheduler.py), its baseline.
+  with decoding streams, or a prefill worker's step while its decode worker on the same cores has streams, taking
+  prompt tokens up to the whole step budget as vLLM's do (the default caps them at 256 on the CPU:
+  common/engine/scheduler.py, common/runtime/core_share.py), its baseline.
 
 The client is vLLM's own ``vllm bench serve`` from that virtualenv (random dataset, ``--input-len`` /
 ``--output-len`` tokens, ``ignore_eos``, greedy, 2 warm-ups), run against each server for three points:
@@ -49,7 +50,8 @@ rate round all ``--num-prompts``; the one-stream point's ``--single-prompts`` sh
 measures are the medians of its rounds, and its ratios to vLLM (and the one stream's over the roofline) the medians
 of each round's. ``--one-stream-rounds N`` does so for the one-stream point alone, after each server's other two
 points on its own (or sets the one stream's rounds apart from ``--rounds``). Every server's memory is then held at
-once. Seeds: each point's rounds take the next seeds after the rounds of the points before it.
+once, and the run stops if they leave under a tenth of the host's memory (``check_memory_left``). Seeds: each
+point's rounds take the next seeds after the rounds of the points before it.
 """
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.machine import describe_machine
+from bench.machine import describe_machine, meminfo_bytes
 from bench.roofline import READ_BYTES, READ_PASSES, read_bandwidth
 from common.cli.local_cluster import LocalCluster, free_port
 from common.runtime.prometheus_text import total
@@ -84,6 +86,7 @@ VARIANTS = {"-int8": "engine.quantization=int8", "-whole-head": "engine.cpu.gree
             "-no-compact": "engine.cpu.compact_panels=off", "-uncapped": "engine.steps.decoding_prompt_tokens=0",
             "-compact": "engine.cpu.compact_panels=only"}  # suffix: setting (the first that a name ends with)
 READY_TIMEOUT_S = 600
+MEMORY_FLOOR = 0.10  # of the host's memory left available with every server of a run in rounds up (check_memory_left)
 
 
 @dataclass(frozen=True)
@@ -216,6 +219,18 @@ def in_rounds(servers: list[Server], args, model: ServedModel, result_dir: Path,
                 runs[server.name].append(measured_point(server, point, args, model, result_dir))
         rows += [rounds_row(name, base.name, runs[name], runs.get("vllm"), weight_bytes) for name in runs]
     return rows
+
+
+def check_memory_left(held: list[str]) -> None:
+    """In rounds every server stays up: refuse to measure once they leave under ``MEMORY_FLOOR`` of the host's
+    memory, where the kernel reclaims the page cache and the servers' own pages between steps and every point
+    measures that instead (a 1B tessera-pd, tessera-agg and vLLM together on 24 GiB did)."""
+    available, whole = meminfo_bytes("MemAvailable"), meminfo_bytes("MemTotal")
+    if available is None or whole is None or available >= MEMORY_FLOOR * whole:
+        return
+    raise SystemExit(f"{', '.join(held)} held at once leave {available / 2**30:.1f} GiB of {whole / 2**30:.1f} GiB "
+                     f"available (under {MEMORY_FLOOR:.0%}): run fewer servers together (--servers), or without "
+                     "--rounds / --one-stream-rounds, each server on its own")
 
 
 def point_rounds(args, index: int) -> int:
@@ -466,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
                         kept.append(server)
                     else:
                         server.stop()
+                if alternate:
+                    check_memory_left([server.name for server in kept])
             if alternate:
                 rows += in_rounds(kept, args, model, Path(tmp), weight_bytes, range(first, 3))
         finally:

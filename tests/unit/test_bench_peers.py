@@ -151,3 +151,14 @@ def test_the_read_probe_shrinks_to_a_quarter_of_the_memory_available_but_not_int
     assert roofline.read_probe_bytes() == 512 << 20
     monkeypatch.setattr(roofline, "meminfo_bytes", lambda field: 100 << 20)
     assert roofline.read_probe_bytes() == 256 << 20  # eight times the last-level cache
+
+
+def test_servers_held_at_once_must_leave_a_tenth_of_the_memory(monkeypatch):
+    meminfo = {"MemTotal": 24 << 30, "MemAvailable": 3 << 30}
+    monkeypatch.setattr(compare, "meminfo_bytes", meminfo.get)
+    compare.check_memory_left(["vllm", "tessera-pd"])  # 12.5% left: measured
+    meminfo["MemAvailable"] = 1 << 30
+    with pytest.raises(SystemExit, match=r"vllm, tessera-pd held at once leave 1\.0 GiB of 24\.0 GiB available"):
+        compare.check_memory_left(["vllm", "tessera-pd"])
+    monkeypatch.setattr(compare, "meminfo_bytes", lambda field: None)  # no /proc/meminfo: nothing to go by
+    compare.check_memory_left(["vllm"])
