@@ -42,6 +42,16 @@ log = logging.getLogger(__name__)
 REQUEST_MESSAGES = (wire.PrefillRequest, wire.DecodeRequest, wire.EmbedRequest)
 
 
+def engine_config(engine, spec: str, role: str):
+    """The engine settings a worker of ``role`` loads ``spec`` with: a prefill worker's ``engine.cpu.compact_panels``
+    "auto" is "off", since the compact copy serves steps of 1-3 rows, which prompt steps are not (1.1 GB at the 1B
+    shape; a worker switched to decoding later decodes from the panels alone, the same tokens)."""
+    engine = replace(engine, model=spec)
+    if role == "prefill" and engine.cpu.compact_panels == "auto":
+        engine = replace(engine, cpu=replace(engine.cpu, compact_panels="off"))
+    return engine
+
+
 def load_model(worker, spec: str, name: str = "") -> None:
     """Give ``worker`` (a ``WorkerBase``) the engine of ``spec``, a KV transfer agent over its pool, the hash of its
     tokenizer files and a new epoch; ``name``: the name to announce instead of the model's own (``model_name``)."""
@@ -49,7 +59,8 @@ def load_model(worker, spec: str, name: str = "") -> None:
     status.model_loaded, status.last_tick = False, None  # /healthz: starting, not stalled
     started = time.monotonic()
     config = worker.config
-    worker.engine = LLMEngine(replace(config.engine, model=spec))
+    worker.engine = LLMEngine(engine_config(config.engine, spec, worker.role))
+    worker.engine.scheduler.peers_decoding = worker.cores.peers_decoding  # core_share.py: their streams wait too
     # Before fault injection (a dummy prompt must not trip it), each step holding the core share as traffic's do
     calibrated = calibrate(worker.engine, config.engine.steps.calibration_s, decode=worker.role != "prefill",
                            prompts=worker.role != "decode", cores=worker.cores)

@@ -10,13 +10,13 @@ import weakref
 
 import pytest
 
-from common.config.base import EngineConfig
+from common.config.base import CpuConfig, EngineConfig
 from common.config.roles import WorkerConfig
 from common.engine.llm_engine import LLMEngine
 from common.protocol import wire
 from common.protocol.versions import MESSAGE_SINCE
 from common.protocol.sampling_params import SamplingParams
-from common.runtime.model_swap import ModelSwitch
+from common.runtime.model_swap import ModelSwitch, engine_config
 from common.runtime.worker_runtime import _handle, _take_messages, _turn
 from decode_worker.worker import DecodeHandler
 from tests.fake_transfer import FakeBackend
@@ -155,3 +155,13 @@ def test_a_worker_answering_a_proxy_of_the_protocol_before_standby_keeps_its_idl
     handler.last_request -= 31
     switch.act()
     assert handler.engine is not None and switch.io.standby is None and switch.check_at == float("inf")
+
+
+def test_a_prefill_worker_holds_no_compact_copy_for_steps_it_never_runs():
+    auto = EngineConfig(model="x")
+    assert engine_config(auto, "m2", "prefill").cpu.compact_panels == "off"
+    assert engine_config(auto, "m2", "prefill").model == "m2"
+    for role in ("decode", "both"):
+        assert engine_config(auto, "m2", role).cpu.compact_panels == "auto"
+    chosen = EngineConfig(model="x", cpu=CpuConfig(compact_panels="beside"))  # a choice of the user's stands
+    assert engine_config(chosen, "m2", "prefill").cpu.compact_panels == "beside"
