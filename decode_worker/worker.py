@@ -310,8 +310,6 @@ class DecodeHandler(WorkerBase):
                     deltas.append(delta)
             if deltas:
                 self.send(wire.TokenDeltas(deltas))
-        # a prefill worker time-sharing the cores caps its prompt steps while streams decode here (core_share.py)
-        self.cores.decoding(self.engine.scheduler.decoding())
 
     def _finish_pull(self, request_id: str, pull: Pull, ok: bool) -> None:
         del self.pulls[request_id]

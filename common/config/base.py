@@ -367,10 +367,9 @@ class StepsConfig:
         "runs is known (common/engine/calibration.py); 0: none (the first fit then comes from the first traffic)",
         ge=0.0, le=60.0)
     decoding_prompt_tokens: Int = option(
-        -1, "the most prompt tokens (prompt chunks, recomputes) a step takes while a sequence in it, or on a worker "
-        "time-sharing its cores (worker.core_share), is decoding, so a running stream waits at most one such chunk's "
-        "work between two tokens, however many prompts queue; a step with no sequence decoding takes "
-        "max_num_batched_tokens; -1: 256 on the CPU, where a prompt step's matmuls "
+        -1, "the most prompt tokens (prompt chunks, recomputes) a step takes while a sequence in it is decoding, so "
+        "a running stream waits at most one such chunk's work between two tokens, however many prompts queue; a step "
+        "with no sequence decoding takes max_num_batched_tokens; -1: 256 on the CPU, where a prompt step's matmuls "
         "run at full speed from about that many rows, and no cap on a GPU; 0: no cap but max_num_batched_tokens",
         ge=-1)
     overlap: Literal["auto", "always", "never"] = option(

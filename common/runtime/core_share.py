@@ -27,15 +27,6 @@ decode worker, against the split of one thread each (docs/benchmarks.md):
 saturation 325 -> 401 output tok/s, TPOT at 2 req/s 24.3 -> 19.2 ms, TTFT at
 2 req/s 188 -> 138 ms, one stream's TPOT 12.1 -> 8.8 ms. Hence ``tessera
 up``'s default.
-
-A worker whose sequences are decoding holds a shared lock on byte 2 from the
-step after its first decoding sequence until the step after its last one ends
-(``decoding``), and a prefill worker asks whether another holds it
-(``peers_decoding``) when it plans a step: while someone decodes it takes at
-most ``engine.steps.decoding_prompt_tokens`` of prompt a step, as one engine
-would beside its own streams, so that a stream on the decode worker waits for
-one such chunk between two tokens rather than for a step of every queued
-prompt (common/engine/scheduler.py, ``_prompt_room``).
 """
 from __future__ import annotations
 
@@ -48,7 +39,7 @@ import time
 
 log = logging.getLogger(__name__)
 
-_SHARE, _WAITERS, _DECODING = 0, 1, 2  # the byte ranges: the share, the waiters' presence, the decoders' presence
+_SHARE, _WAITERS = 0, 1  # the byte ranges: the share itself, and the waiters' presence
 HANDOFF_S = 0.002  # longest a releaser waits for a waiter to take the share
 _HANDOFF_POLL_S = 20e-6
 
@@ -74,7 +65,6 @@ class CoreShare:
         """``handoff_s``: how long a releaser leaves the share to a waiter before it may take it back."""
         self.path, self.timeout_s, self.handoff_s = path, timeout_s, handoff_s
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        self._decoding = False  # whether this process holds the decoders' byte
 
     def __enter__(self) -> "CoreShare":
         try:
@@ -118,42 +108,5 @@ class CoreShare:
         fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, _WAITERS)
         return False
 
-    def decoding(self, active: bool) -> None:
-        """Say whether this worker has sequences decoding now (a lock held or dropped on a change only)."""
-        if active != self._decoding:
-            fcntl.lockf(self._fd, fcntl.LOCK_SH if active else fcntl.LOCK_UN, 1, _DECODING)
-            self._decoding = active
-
-    def peers_decoding(self) -> bool:
-        """Whether a worker sharing these cores has sequences decoding. True while this one says it has: a record
-        lock's probe by its own holder would replace the holder's lock, and its own streams cap its steps anyway."""
-        if self._decoding:
-            return True
-        try:
-            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, _DECODING)
-        except OSError:
-            return True
-        fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, _DECODING)
-        return False
-
     def close(self) -> None:
         os.close(self._fd)
-
-
-class NoShare:
-    """The cores of a worker that shares them with no one: the same calls, none doing anything."""
-
-    def __enter__(self) -> "NoShare":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-    def decoding(self, active: bool) -> None:
-        return None
-
-    def peers_decoding(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        return None

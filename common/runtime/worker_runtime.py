@@ -34,6 +34,7 @@ import queue
 import signal
 import time
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from typing import NoReturn
 
 from common.config.roles import WorkerConfig
@@ -41,7 +42,7 @@ from common.engine.llm_engine import RequestError
 from common.engine.tensor_parallel import RankGroupBroken
 from common.protocol import wire
 from common.runtime import sd_notify
-from common.runtime.core_share import CoreShare, NoShare
+from common.runtime.core_share import CoreShare
 from common.runtime.health_server import HealthServer
 from common.runtime.kv_events import KVEventFeed, KVEventPublisher
 from common.runtime.model_swap import ModelSwitch, freeze_heap, load_model
@@ -240,7 +241,7 @@ class WorkerBase:
         self.kv_events_public_key = ""  # that socket's CURVE public key (z85), with CURVE on
         # Held for each engine step (``with self.cores``) where co-located workers time-share the cores; built
         # before the model loads, whose calibration's steps hold it too.
-        self.cores = CoreShare(config.core_share, config.core_share_timeout_s) if config.core_share else NoShare()
+        self.cores = CoreShare(config.core_share, config.core_share_timeout_s) if config.core_share else nullcontext()
         load_model(self, config.engine.model, config.model_name)  # engine, transfer agent, identity, epoch
         self._send = None
 
@@ -256,7 +257,6 @@ class WorkerBase:
         new.metrics.config = config  # tessera_worker_info names the new role
         new.metrics.identify(new.model_name, new.model_version)
         new.reset()
-        new.cores.decoding(False)  # every request of the old role failed back: nothing decodes here now
         old.successor = new
         return new
 
@@ -353,7 +353,8 @@ class WorkerBase:
             self.transfer.close()
         if self.engine is not None:
             self.engine.runner.close()  # the other tensor-parallel ranks, if any
-        self.cores.close()
+        if isinstance(self.cores, CoreShare):
+            self.cores.close()
         self.tracing.shutdown()
         if self.health is not None:
             self.health.close()

@@ -97,47 +97,6 @@ def test_a_hung_holder_costs_at_most_the_timeout(tmp_path, caplog):
         holder.join(10)
 
 
-def _decoder_with_value(path: str, value, say, said, quit) -> None:
-    """A decode worker's side of the signal: says ``value`` (decoding or not) each time it is told to."""
-    share = CoreShare(path, timeout_s=30)
-    while not quit.is_set():
-        if say.wait(0.01):
-            say.clear()
-            share.decoding(bool(value.value))
-            said.set()
-    share.close()
-
-
-def test_a_prefill_worker_sees_its_peer_decode_from_the_first_stream_to_the_last_and_not_past_its_death(tmp_path):
-    path = str(tmp_path / "cores")
-    say, said, quit = CTX.Event(), CTX.Event(), CTX.Event()
-    value = CTX.Value("i", 0)  # what the decoder is told to say
-    decoder = CTX.Process(target=_decoder_with_value, args=(path, value, say, said, quit))
-    decoder.start()
-    prefill = CoreShare(path, timeout_s=30)
-    try:
-        assert not prefill.peers_decoding()
-        for active in (1, 1, 0, 1):  # a repeat changes nothing; each change is seen as soon as it is said
-            value.value = active
-            said.clear()
-            say.set()
-            assert said.wait(60)
-            assert prefill.peers_decoding() is bool(active)
-            assert prefill.peers_decoding() is bool(active)  # the probe leaves the peer's lock as it was
-        decoder.kill()  # decoding when it died: the kernel drops its lock
-        decoder.join(10)
-        assert not prefill.peers_decoding()
-        prefill.decoding(True)  # its own streams: True, with no probe (which would replace its own lock)
-        assert prefill.peers_decoding()
-        prefill.decoding(False)
-        assert not prefill.peers_decoding()
-    finally:
-        quit.set()
-        decoder.kill()
-        decoder.join(10)
-        prefill.close()
-
-
 @pytest.mark.parametrize("shared", [False, True])
 def test_local_cluster_names_one_share_file_only_when_asked(shared):
     from common.cli.local_cluster import LocalCluster

@@ -83,20 +83,6 @@ def test_without_a_decoding_sequence_a_step_takes_the_whole_budget_for_prompts()
     assert run_step(s).num_new_tokens == [20, 12]
 
 
-def test_a_prefill_engine_caps_its_steps_while_a_worker_sharing_its_cores_decodes():
-    s, _ = make(budget=64, steps=StepsConfig(decoding_prompt_tokens=8))
-    peer = {"decoding": True}
-    s.peers_decoding = lambda: peer["decoding"]  # common/runtime/core_share.py: a decode worker on these cores
-    (a,) = seq("a", 20)
-    (b,) = seq("b", 12, start=100)
-    s.add_sequences([a])
-    s.add_sequences([b])
-    assert not s.decoding()  # nothing of its own decodes: the cap is the peer's
-    assert [run_step(s).num_new_tokens for _ in range(2)] == [[8], [8]]
-    peer["decoding"] = False  # the peer's last stream ended: the rest of the prompts in one step
-    assert run_step(s).num_new_tokens == [4, 12]
-
-
 def test_decoding_prompt_tokens_0_leaves_only_the_budget():
     s, _ = make(budget=16, steps=StepsConfig(decoding_prompt_tokens=0))
     (a,) = seq("a", 8)
