@@ -60,7 +60,6 @@ def load_model(worker, spec: str, name: str = "") -> None:
     started = time.monotonic()
     config = worker.config
     worker.engine = LLMEngine(engine_config(config.engine, spec, worker.role))
-    worker.engine.scheduler.peers_decoding = worker.cores.peers_decoding  # core_share.py: their streams wait too
     # Before fault injection (a dummy prompt must not trip it), each step holding the core share as traffic's do
     calibrated = calibrate(worker.engine, config.engine.steps.calibration_s, decode=worker.role != "prefill",
                            prompts=worker.role != "decode", cores=worker.cores)
