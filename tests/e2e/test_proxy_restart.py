@@ -123,15 +123,24 @@ def test_requests_of_the_dead_proxy_free_their_pages(cluster):
                                      status=status) for status in statuses)
         return count("completed"), count("failed", "aborted")
 
+    def prefill_pages() -> tuple[bool, float]:
+        """(whether prefill-0's snapshot counts a step run since ``steps_before``, its pages in use then): one
+        /metrics, so both are of the one snapshot its loop published after a turn."""
+        text = cluster.get("/metrics", base=cluster.worker_url("prefill-0"))[1]
+        return total(text, "tessera_worker_steps_total") > steps_before, total(text, "tessera_worker_kv_pages_used")
+
     completed_before, dropped_before = decode_outcomes()
+    steps_before = worker_metric(cluster, "prefill-0", "tessera_worker_steps_total")
     with httpx.Client(timeout=60) as client, \
             client.stream("POST", cluster.url + "/v1/chat/completions", json=long_request) as stream:
         lines = stream.iter_lines()
         assert next(lines).startswith("data: ")  # decoding on decode-0, which now has no free slot
         # The first token comes with the prefill; until decode-0 has pulled them, prefill-0 still holds the long
-        # request's pages. Only once those are released do pages on prefill-0 mean the waiting request's.
-        settle(lambda: worker_metric(cluster, "prefill-0", "tessera_worker_kv_pages_used"), lambda used: used == 0,
-               PATIENCE_S, "the long request's pages pulled by decode-0 and released on prefill-0")
+        # request's pages. Only once those are released do pages on prefill-0 mean the waiting request's. The
+        # worker publishes its page count after the turn that sent the first token, so a count of 0 alone may be
+        # the one from before the prompt's step (then the long request's pages were taken for the waiting one's).
+        settle(prefill_pages, lambda seen: seen == (True, 0), PATIENCE_S,
+               "the long request's pages pulled by decode-0 and released on prefill-0, after its prompt's step")
         waiter = threading.Thread(target=waiting_request)
         waiter.start()
         settle(lambda: worker_metric(cluster, "prefill-0", "tessera_worker_kv_pages_used"), lambda used: used > 0,
