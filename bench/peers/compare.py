@@ -24,9 +24,8 @@ own name for it):
 - ``tessera-pd-no-compact``, ``tessera-agg-no-compact``: the same with ``engine.cpu.compact_panels=off``, no compact
   copy beside the panels for steps of a few rows (which "auto" keeps where it fits the memory), its baseline;
 - ``tessera-pd-uncapped``, ``tessera-agg-uncapped``: the same with ``engine.steps.decoding_prompt_tokens=0``, a step
-  with decoding streams, or a prefill worker's step while its decode worker on the same cores has streams, taking
-  prompt tokens up to the whole step budget as vLLM's do (the default caps them at 256 on the CPU:
-  common/engine/scheduler.py, common/runtime/core_share.py), its baseline.
+  with decoding streams taking prompt tokens up to the whole step budget as vLLM's do (the default caps them at 256
+  on the CPU: common/engine/scheduler.py), its baseline.
 
 The client is vLLM's own ``vllm bench serve`` from that virtualenv (random dataset, ``--input-len`` /
 ``--output-len`` tokens, ``ignore_eos``, greedy, 2 warm-ups), run against each server for three points:
