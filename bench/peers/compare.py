@@ -54,6 +54,12 @@ of each round's. ``--one-stream-rounds N`` does so for the one-stream point alon
 points on its own (or sets the one stream's rounds apart from ``--rounds``). Every server's memory is then held at
 once, and the run stops if they leave under a tenth of the host's memory (``check_memory_left``). Seeds: each
 point's rounds take the next seeds after the rounds of the points before it.
+
+``--rate-of-vllm F`` (with ``--rounds``) sets the rate point's arrivals to F times the requests a second vLLM served
+at saturation in the same run, in place of ``--rate``: a fixed rate is near capacity on a fast host and far past it
+on one that serves half as much (1 req/s of 256 in / 64 out at the 1B shape, against vLLM's 94-100 output tok/s on
+one day's hosts and 49-51 on later ones), and past capacity TPOT measures how a server splits its cores between
+waiting prompts and running streams rather than how fast it decodes under load.
 """
 from __future__ import annotations
 
@@ -228,7 +234,21 @@ def in_rounds(servers: list[Server], args, model: ServedModel, result_dir: Path,
             for server in servers[r % len(servers):] + servers[:r % len(servers)]:
                 runs[server.name].append(measured_point(server, point, args, model, result_dir))
         rows += [rounds_row(name, base.name, runs[name], runs.get("vllm"), weight_bytes) for name in runs]
+        if index == 0 and getattr(args, "rate_of_vllm", 0):
+            args.rate = rate_of_vllm(rows, args)
+            print(f"the rate point: {args.rate:g} req/s, {args.rate_of_vllm:g} of vLLM's saturation throughput",
+                  flush=True)
     return rows
+
+
+def rate_of_vllm(rows: list[dict], args) -> float:
+    """``--rate-of-vllm`` of the requests a second vLLM served at saturation in this run (its saturation row's
+    output tokens a second over ``--output-len``), to 3 significant digits."""
+    served = next((row["output_throughput"] for row in rows if row["server"] == "vllm"
+                   and row["point"] == "saturation" and row.get("output_throughput")), None)
+    if served is None:
+        raise RuntimeError("--rate-of-vllm: no saturation throughput of vllm in this run to take the rate from")
+    return float(f"{args.rate_of_vllm * served / args.output_len:.3g}")
 
 
 def check_memory_left(held: list[str]) -> None:
@@ -389,9 +409,13 @@ def report(rows: list[dict], args, model: ServedModel, weights: tuple[int, int],
         one_stream = (f"the one-stream point in {one_rounds} rounds of every server in turn, each round its own "
                       f"prompts (seeds {args.seed + 2}..{last_seed}), a server's TPOT the median of its rounds and "
                       f"its ratios the medians of each round's")
+    share = getattr(args, "rate_of_vllm", 0)
+    rate_flag = f"--rate-of-vllm {share:g}" if share else f"--rate {args.rate:g}"
+    rate_note = (f" The rate point's {args.rate:g} req/s is {share:g} of the requests vLLM served a second at "
+                 f"saturation in this run." if share else "")
     command = (f"bash bench/peers/install_vllm.sh && .venv/bin/python -m bench.peers.compare {flags}"
                f"--dtype {args.dtype} --num-prompts {args.num_prompts} --single-prompts {args.single_prompts} "
-               f"--rate {args.rate:g} --seed {args.seed}{rounds_flag} --write")
+               f"{rate_flag} --seed {args.seed}{rounds_flag} --write")
     return ("# Against vLLM's CPU build, same cores: the latest run on this CPU kind\n\n"
             "(`bench.peers.compare --write` replaces this file; docs/benchmarks.md quotes it.)\n\n"
             f"{time.strftime('%Y-%m-%d')}, {cpu_line()}, {args.dtype}, {args.input_len} in / "
@@ -406,7 +430,7 @@ def report(rows: list[dict], args, model: ServedModel, weights: tuple[int, int],
             f"virtual machines the bandwidth can move by half within one run, so {one_stream}. "
             f"tessera-agg-int8 reads int8 weights, a byte each, and greedy tokens read the LM head in int8 and a "
             f"few of its tiles in bfloat16 (but for tessera-agg-whole-head), fewer bytes than the roofline counts: "
-            f"a ratio can go below 1.0.\n\n"
+            f"a ratio can go below 1.0.{rate_note}\n\n"
             f"    {command}\n\n{table(rows, args, weight_bytes)}")
 
 
@@ -448,6 +472,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=64, help="prompts of the saturation and rate points")
     parser.add_argument("--single-prompts", type=int, default=16, help="prompts of the one-stream point")
     parser.add_argument("--rate", type=float, default=2.0, help="arrival rate of the second point, req/s")
+    parser.add_argument("--rate-of-vllm", type=float, default=0.0,
+                        help="the second point's rate as this share of the requests a second vLLM served at "
+                        "saturation in this run (needs --rounds and vllm among the servers; --rate is then ignored), "
+                        "so that it sits as near capacity on a slow host as on a fast one; 0: --rate")
     parser.add_argument("--seed", type=int, default=int(time.time()) % 100000,
                         help="first point's prompt seed; the others take the next ones (default: from the clock)")
     parser.add_argument("--one-stream-rounds", type=int, default=0,
@@ -461,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="write the table to docs/results/vllm-cpu-<vendor>-<isa>[-<model>].md (this CPU kind's "
                         "latest; the model named unless it is the embedded one)")
     args = parser.parse_args(argv)
+    if args.rate_of_vllm and (not args.rounds or "vllm" not in args.servers.split(",")):
+        parser.error("--rate-of-vllm needs --rounds and vllm among --servers")
     if not (args.vllm_venv / "bin" / "vllm").exists():
         parser.error(f"no vLLM in {args.vllm_venv}: run bash bench/peers/install_vllm.sh first")
     try:

@@ -175,3 +175,37 @@ def test_every_tessera_server_name_asks_for_settings_its_roles_accept():
     assert compare.variant_settings("tessera-pd") == ([], [])
     assert compare.variant_settings("tessera-pd-local") == ([], ["local_prefill_threshold=1048576"])
     assert compare.variant_settings("tessera-agg-no-compact") == (["engine.cpu.compact_panels=off"], [])
+
+
+def test_the_rate_point_can_sit_at_a_share_of_vllms_measured_saturation(monkeypatch, tmp_path):
+    """--rate-of-vllm: the rate rounds arrive at that share of the requests a second vLLM's saturation rounds served
+    (their median), and the report gives the flag, not the rate it came to."""
+    args = argparse.Namespace(seed=100, rounds=2, one_stream_rounds=0, num_prompts=8, single_prompts=4, rate=1.0,
+                              rate_of_vllm=0.8, output_len=64, input_len=256, model="1b", dtype="bfloat16",
+                              servers="vllm,ours")
+    served = {100: 48.0, 101: 52.0}  # vLLM's saturation rounds: a median of 50 tok/s, 0.78 req/s of 64 tokens
+    rates = []
+
+    def measured(server, point, *rest):
+        if point.name.startswith("saturation"):
+            throughput = served[point.seed] if server.name == "vllm" else 55.0
+        else:
+            rates.extend([point.rate] if point.concurrency is None else [])
+            throughput = 40.0
+        return {"server": server.name, "point": point.name, "load_before": 0.0, "remote_prefill": None,
+                "output_throughput": throughput, "median_tpot_ms": 10.0, "median_ttft_ms": 100.0,
+                "read_bandwidth": 50e9 if point.concurrency == 1 else None}
+    monkeypatch.setattr(compare, "measured_point", measured)
+    servers = [argparse.Namespace(name="vllm"), argparse.Namespace(name="ours")]
+    rows = compare.in_rounds(servers, args, None, tmp_path, 1_000_000_000, range(3))
+    assert args.rate == 0.625 and set(rates) == {"0.625"}
+    assert {row["point"] for row in rows} == {"saturation", "0.625 req/s", "one stream"}
+    text = report(rows, args, served_model("1b", "bfloat16", cache_dir=tmp_path), (822_151_168, 1_644_302_336),
+                  bandwidth=64e9)
+    assert "--rate-of-vllm 0.8 --seed 100 --rounds 2 --write" in text and "TPOT p50 ms at 0.625 req/s" in text
+    assert "The rate point's 0.625 req/s is 0.8 of the requests vLLM served a second at saturation" in text
+    with pytest.raises(SystemExit):
+        compare.main(["--rate-of-vllm", "0.8", "--servers", "vllm,tessera-pd"])  # without --rounds
+    args.servers, rows = "ours", [row for row in rows if row["server"] != "vllm"]
+    with pytest.raises(RuntimeError, match="no saturation throughput of vllm"):
+        compare.rate_of_vllm(rows, args)
