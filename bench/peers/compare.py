@@ -489,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="write the table to docs/results/vllm-cpu-<vendor>-<isa>[-<model>].md (this CPU kind's "
                         "latest; the model named unless it is the embedded one)")
     args = parser.parse_args(argv)
+    if args.rate_of_vllm < 0:
+        parser.error("--rate-of-vllm must be a positive share (0: --rate)")
     if args.rate_of_vllm and (not args.rounds or "vllm" not in args.servers.split(",")):
         parser.error("--rate-of-vllm needs --rounds and vllm among --servers")
     if not (args.vllm_venv / "bin" / "vllm").exists():

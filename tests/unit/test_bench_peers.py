@@ -206,6 +206,8 @@ def test_the_rate_point_can_sit_at_a_share_of_vllms_measured_saturation(monkeypa
     assert "The rate point's 0.625 req/s is 0.8 of the requests vLLM served a second at saturation" in text
     with pytest.raises(SystemExit):
         compare.main(["--rate-of-vllm", "0.8", "--servers", "vllm,tessera-pd"])  # without --rounds
+    with pytest.raises(SystemExit):
+        compare.main(["--rate-of-vllm", "-1", "--rounds", "2"])
     args.servers, rows = "ours", [row for row in rows if row["server"] != "vllm"]
     with pytest.raises(RuntimeError, match="no saturation throughput of vllm"):
         compare.rate_of_vllm(rows, args)
