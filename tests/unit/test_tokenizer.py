@@ -17,6 +17,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from common.protocol.sampling_params import SamplingParams
+from common.text import tokenizer as tokenizer_module
 from common.text.tokenizer import (ByteLevelDetokenizer, IncrementalDetokenizer, StopChecker, TextState, Tokenizer,
                                    _byte_pieces, detokenizer)
 
@@ -187,6 +188,34 @@ def test_byte_pieces_that_differ_from_the_library_decode_are_not_used(tokenizer)
 
     assert _byte_pieces(tokenizer.backend, True) is not None
     assert _byte_pieces(Differs(tokenizer.backend), True) is None
+
+
+def test_tokenizers_of_one_file_share_its_parse_and_byte_pieces_and_a_changed_file_is_read_again(tmp_path):
+    """Two model directories with the same tokenizer.json (a random-weight model beside the one whose tokenizer it
+    took) share one parse and one table per process; a file that differs by a byte is its own; the process keeps a
+    bounded number of files."""
+    first = save_tiny_tokenizer(tmp_path / "first", generation_eos=EOS)
+    second = tmp_path / "second"
+    second.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (second / name).write_bytes((first / name).read_bytes())
+    a, b = Tokenizer(first), Tokenizer(second)
+    assert a.backend is b.backend and a.byte_pieces(True) is b.byte_pieces(True)
+    assert a.byte_pieces(True) is not a.byte_pieces(False)
+    spec = json.loads((second / "tokenizer.json").read_text())
+    spec["model"]["vocab"]["<extra>"] = len(spec["model"]["vocab"])
+    (second / "tokenizer.json").write_text(json.dumps(spec))
+    changed = Tokenizer(second)
+    assert changed.backend is not a.backend and changed.vocab_size == a.vocab_size + 1
+    assert len(changed.byte_pieces(True)) == len(a.byte_pieces(True)) + 1
+    for n in range(tokenizer_module._KEPT_FILES):
+        other = tmp_path / f"other-{n}"
+        other.mkdir()
+        spec["model"]["vocab"][f"<extra-{n}>"] = len(spec["model"]["vocab"])
+        (other / "tokenizer.json").write_text(json.dumps(spec))
+        Tokenizer(other)
+    assert len(tokenizer_module._FILES) == tokenizer_module._KEPT_FILES
+    assert Tokenizer(first).backend is not a.backend  # let go as the least recently read, and read again
 
 
 def test_terminating_eos_adds_no_text_even_when_special_tokens_show(tokenizer):
