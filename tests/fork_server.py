@@ -213,6 +213,7 @@ def _serve(sock: socket.socket, preload: list[str]) -> None:
     from common.cli.main import build_parser
 
     build_parser()  # the entry points' registrars and what they import
+    _read_the_embedded_tokenizer()
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)
@@ -247,6 +248,30 @@ def _serve(sock: socket.socket, preload: list[str]) -> None:
             os.close(started_read)
             sock.send(pickle.dumps(("pid", pid)))
             _reap(sock)
+
+
+def _read_the_embedded_tokenizer() -> None:
+    """The embedded model's tokenizer.json parsed and its byte pieces built here, once, for every child to find
+    (common/text/tokenizer.py keeps them per file): most of the suite's workers and proxies read that file, the tiny
+    models' copies of it included, and each child would spend 0.2-0.3 CPU-s on it. The library's thread pool stays
+    unstarted, as a fork needs it (TOKENIZERS_PARALLELISM for the while)."""
+    from common.storage.model_store import embedded_model_dir
+    from common.text.tokenizer import Tokenizer
+
+    model_dir = embedded_model_dir("float32")
+    if not (model_dir / "tokenizer.json").is_file():
+        return  # not prepared (yet): each child reads its own
+    previous = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        tokenizer = Tokenizer(model_dir)
+        for skip_special_tokens in (True, False):
+            tokenizer.byte_pieces(skip_special_tokens)
+    finally:
+        if previous is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = previous
 
 
 def _reap(sock: socket.socket) -> None:
