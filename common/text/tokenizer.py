@@ -33,6 +33,7 @@ import gc
 import hashlib
 import json
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from datetime import datetime
@@ -245,20 +246,22 @@ class _TokenizerFile:
 
 
 _FILES: OrderedDict[str, _TokenizerFile] = OrderedDict()
+_FILES_LOCK = threading.Lock()
 
 
 def _read(data: bytes) -> _TokenizerFile:
     """The tokenizer of a tokenizer.json's bytes, parsed once a process while its digest is among the last
     ``_KEPT_FILES`` read."""
     digest = hashlib.sha256(data).hexdigest()
-    known = _FILES.get(digest)
-    if known is not None:
-        _FILES.move_to_end(digest)
-        return known
-    _FILES[digest] = read = _TokenizerFile(_Backend.from_str(data.decode("utf-8")))
-    while len(_FILES) > _KEPT_FILES:
-        _FILES.popitem(last=False)
-    return read
+    with _FILES_LOCK:  # the cache is the process's, whichever thread builds a tokenizer
+        known = _FILES.get(digest)
+        if known is not None:
+            _FILES.move_to_end(digest)
+            return known
+        _FILES[digest] = read = _TokenizerFile(_Backend.from_str(data.decode("utf-8")))
+        while len(_FILES) > _KEPT_FILES:
+            _FILES.popitem(last=False)
+        return read
 
 
 def _byte_pieces(backend: _Backend, skip_special_tokens: bool) -> list[bytes] | None:
