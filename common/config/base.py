@@ -368,9 +368,11 @@ class StepsConfig:
         ge=0.0, le=60.0)
     decoding_prompt_tokens: Int = option(
         -1, "the most prompt tokens (prompt chunks, recomputes) a step takes while a sequence in it is decoding, so "
-        "a running stream waits at most one such chunk's work between two tokens, however many prompts queue; a step "
-        "with no sequence decoding takes max_num_batched_tokens; -1: 256 on the CPU, where a prompt step's matmuls "
-        "run at full speed from about that many rows, and no cap on a GPU; 0: no cap but max_num_batched_tokens",
+        "a running stream waits at most one such chunk's work between two tokens while a few prompts queue; a step "
+        "with no sequence decoding, or with more prompt tokens queued than max_num_batched_tokens (a burst, a load "
+        "past capacity, where the streams wait through all of them in any order), takes max_num_batched_tokens; -1: "
+        "256 on the CPU, where a prompt step's matmuls run at full speed from about that many rows, and no cap on a "
+        "GPU; 0: no cap but max_num_batched_tokens",
         ge=-1)
     overlap: Literal["auto", "always", "never"] = option(
         "auto", "queue each step on the device and, while it runs, detokenize and report the step before it "

@@ -74,6 +74,26 @@ def test_a_step_with_a_decoding_sequence_takes_at_most_the_decoding_prompt_token
     assert [p.num_new_tokens for p in plans] == [[1, 8], [1, 8], [1, 4, 4], [1, 1, 1]]
 
 
+def test_a_queue_of_prompts_that_fills_the_budget_by_itself_is_not_capped():
+    """Past capacity (a burst, saturation) the decoding streams wait through all the queued prompt work whatever its
+    order: full steps then, and the cap again once what is left would not fill one."""
+    s, _ = make(budget=32, max_seqs=16, steps=StepsConfig(decoding_prompt_tokens=8))
+    (a,) = seq("a", 8, max_tokens=20)
+    s.add_sequences([a])
+    assert run_step(s).num_new_tokens == [8]
+    queued = [seq(name, 12, max_tokens=20, start=100 * (i + 1))[0] for i, name in enumerate("bcd")]
+    for q in queued:
+        s.add_sequences([q])
+    # 36 prompt tokens queued against a budget of 32: a whole step (a's token, then 31 of them)
+    plan = run_step(s)
+    assert plan.num_new_tokens == [1, 12, 12, 7]
+    # 5 left of d's prompt: the cap holds again
+    (e,) = seq("e", 12, max_tokens=20, start=900)
+    s.add_sequences([e])
+    plan = run_step(s)
+    assert sum(plan.num_new_tokens[i] for i, q in enumerate(plan.seqs) if q in (queued[2], e)) == 8
+
+
 def test_without_a_decoding_sequence_a_step_takes_the_whole_budget_for_prompts():
     s, _ = make(budget=64, steps=StepsConfig(decoding_prompt_tokens=8))
     (a,) = seq("a", 20)
