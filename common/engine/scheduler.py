@@ -222,10 +222,11 @@ class Scheduler:
         return self.token_budget if self._queued_prompt_tokens_reach(self.token_budget) else cap
 
     def _queued_prompt_tokens_reach(self, tokens: int) -> bool:
-        """Whether the prompt tokens not yet computed (running prompts' chunks to come, then the waiting queue's)
-        come to ``tokens``: counted sequence by sequence until they do."""
+        """Whether the prompt tokens not yet computed (the waiting queue's, then running prompts' chunks to come)
+        come to ``tokens``: counted sequence by sequence until they do, the queue first, since a deep one settles it
+        before the running streams are walked."""
         queued = 0
-        for seq in itertools.chain(self.running, self.waiting):
+        for seq in itertools.chain(self.waiting, self.running):
             left = seq.num_tokens - seq.num_computed_tokens
             if left > 1 or seq.status is SequenceStatus.WAITING:
                 queued += left
