@@ -45,8 +45,9 @@ def add_generate_command(subparsers) -> None:
     )
     parser.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--deterministic", action="store_true",
-                        help="batch-invariant numerics (engine.deterministic): the same tokens a cluster in this "
-                        "mode gives for the same prompt, whatever the batch")
+                        help="batch-invariant numerics (engine.deterministic) with any weights: the same tokens a "
+                        "cluster in this mode gives for the same prompt, whatever the batch (default: auto, on for "
+                        "bfloat16 weights where it costs little, as a worker's engine.deterministic)")
     parser.set_defaults(handler=run_generate)
 
 
@@ -87,7 +88,7 @@ def _load_engine(args: argparse.Namespace):
     from common.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(model=str(model_dir), dtype=args.dtype, num_threads=args.threads,
-                                  deterministic=args.deterministic))
+                                  deterministic=True if args.deterministic else "auto"))
 
 
 def _as_input(engine, messages: list[dict], chat: bool) -> str | list[int]:

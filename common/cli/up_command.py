@@ -43,9 +43,10 @@ def add_up_command(subparsers) -> None:
                         "time (default); --no-share-cores splits the cores between them")
     parser.add_argument(
         "--deterministic", action="store_true",
-        help="batch-invariant numerics on every worker (engine.deterministic): a token's logits depend only on its "
-        "sequence, so a stream resumed after a failover continues exactly, in bfloat16 and int8 too; costs "
-        "throughput (README)")
+        help="batch-invariant numerics on every worker whatever its weights (engine.deterministic true): a token's "
+        "logits depend only on its sequence, so a stream resumed after a failover continues exactly, with float32 "
+        "and int8 weights too, where it costs throughput; without it, engine.deterministic auto turns it on for "
+        "bfloat16 weights where it costs little (README)")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="[ROLE:]KEY=VALUE",
         help="override a config field of every process whose config has it (engine.dtype=bfloat16: the workers), "

@@ -157,7 +157,7 @@ def type_name(annotation) -> str:
     """How the docs and errors write a field's type: ``int``, ``str``, ``float | None``, ``list[str]``."""
     inner, nullable = _unwrap(annotation)
     if typing.get_origin(inner) is Literal:
-        name = type(typing.get_args(inner)[0]).__name__
+        name = " | ".join(dict.fromkeys(type(c).__name__ for c in typing.get_args(inner)))
     elif typing.get_origin(inner) is tuple:
         item = typing.get_args(inner)[0]
         name = "list[mapping]" if dataclasses.is_dataclass(item) else f"list[{type_name(item)}]"
@@ -172,7 +172,8 @@ def allowed_values(info: FieldInfo) -> str:
     """What a field accepts, in words, from its schema: for error messages and the docs."""
     inner, nullable = _unwrap(info.annotation)
     if typing.get_origin(inner) is Literal:
-        return "one of " + ", ".join(repr(c) for c in typing.get_args(inner))
+        return "one of " + ", ".join(str(c).lower() if isinstance(c, bool) else repr(c)
+                                     for c in typing.get_args(inner))
     text = " and ".join(f"{symbol} {getattr(m, key)}" for m in info.metadata
                         for key, symbol in _BOUNDS if getattr(m, key, None) is not None)
     if text and nullable:
@@ -428,11 +429,14 @@ class EngineConfig:
                                           "off means a prompt must fit one step's token budget")
     num_threads: Int | None = option(None, "torch CPU threads; null keeps torch's default", ge=1)
     seed: Int = option(0, "seed of the sampler's random streams")
-    deterministic: Bool = option(
-        False, "batch-invariant numerics: a token's logits depend only on the model, the dtype and its sequence, "
+    deterministic: Literal["auto", True, False] = option(
+        "auto", "batch-invariant numerics: a token's logits depend only on the model, the dtype and its sequence, "
         "not on the rest of the batch, the prompt's chunking, the cache, or whether its KV came from a prompt "
-        "step or decode steps, so a stream recomputed after failover or preemption continues exactly; CPU only, "
-        "costs throughput (README, docs/benchmarks.md)")
+        "step or decode steps, so a stream recomputed after failover or preemption continues exactly; CPU only. "
+        "auto: on for bfloat16 weights in the panel layout (AVX512-BF16, one rank, no quantization, no AMX), "
+        "where it costs 0-2% of the throughput, off elsewhere, with a line saying which and why "
+        "(common/engine/deterministic.py); true turns it on for float32 and int8 weights too, which it costs "
+        "1.7-2.8x the one-stream TPOT (int8 9% of the throughput too; README, docs/benchmarks.md)")
     tensor_parallel_size: Int = option(
         1, "ranks the model is split across inside this worker (attention and KV heads, the MLP, the vocabulary), "
         "one process and one device each; rank 0 holds the sockets and the scheduler. Must divide the model's "
@@ -457,7 +461,7 @@ class EngineConfig:
         cuda = [d for d in self.devices if d != "cpu"]
         if len(set(cuda)) != len(cuda):
             raise ConfigError(f"config field 'ranks.devices' is invalid: {self.devices} gives two ranks one GPU")
-        if self.deterministic and self.device_type != "cpu":
+        if self.deterministic is True and self.device_type != "cpu":
             raise ConfigError("config field 'deterministic' = True is invalid: its batch-invariant kernels run on "
                               "the CPU only (device 'cpu')")
         if self.quantization == "int8" and self.device_type != "cpu":

@@ -186,6 +186,7 @@ class LLMEngine:
         for skip_special_tokens in (True, False):  # built now, not in the first request's step
             self.tokenizer.byte_pieces(skip_special_tokens)
         self.runner = ModelRunner(config, self.model_dir)
+        config = self.config = self.runner.config  # with engine.deterministic settled (common/engine/deterministic.py)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           self.runner.host_tier())
         self.max_model_len = self.runner.max_model_len

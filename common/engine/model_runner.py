@@ -35,7 +35,7 @@ from common.engine.queued_copies import queued_copy
 from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.huge_pages import thp_policy
 from common.engine.memory import device_memory_bytes, module_bytes, resident_bytes
-from common.engine import compact_panels
+from common.engine import compact_panels, deterministic
 from common.engine.models.llama import (COMPACT_BESIDE_ROWS, FusedDecode, check_divisible, onednn_beside_panels,
                                        onednn_prepacks_bf16, onednn_prepacks_float32, wide_sums)
 from common.engine.models.loader import load_hf_config, load_model
@@ -173,7 +173,7 @@ class ModelRunner:
         (``serve_rank``) passes its ``rank``, its pipe from rank 0 and the group's ``rendezvous`` file."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.config = config
+        config = self.config = deterministic.settle(config, model_dir)
         # Fault injection for tests (a worker's testing.fault_nonfinite_logits_token): NaN logits for a sequence
         # whose prompt holds this token id.
         self.fault_nonfinite_token: int | None = None

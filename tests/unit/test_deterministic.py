@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from common.config.base import ConfigError, EngineConfig
+from common.engine import deterministic
 from common.engine.attention import select_backend
 from common.engine.llm_engine import LLMEngine
 from common.engine.models.llama import LlamaForCausalLM, decode_forward_takes_panels
@@ -231,3 +232,43 @@ def test_the_mode_runs_on_the_cpu_only():
         EngineConfig(model="embedded", deterministic=True, device="cuda")
     with pytest.raises(RuntimeError, match="engine.deterministic"):
         select_backend("torch", "cpu", 16, deterministic=True)
+
+
+# ---- engine.deterministic: auto ---------------------------------------------------------------------------------
+
+PANELS_HERE = cpu_has("avx512_bf16") and not cpu_has("amx_bf16") and decode_forward_takes_panels()
+
+
+@pytest.mark.parametrize("settings, why", [
+    (dict(dtype="float32"), "float32 weights"),
+    (dict(dtype="bfloat16", quantization="int8"), "int8"),
+    (dict(dtype="bfloat16", device="cuda"), "a GPU"),
+    (dict(dtype="bfloat16", tensor_parallel_size=2), "tensor parallelism"),
+    (dict(dtype="bfloat16", cpu={"decode_kernel_max_batch": 8}), "engine.cpu.decode_kernel_max_batch 8"),
+    (dict(dtype="bfloat16", attention_backend="torch"), "attention_backend torch"),
+])
+def test_auto_is_off_where_the_mode_would_cost_more_and_says_why(tiny_models, caplog, settings, why):
+    config = EngineConfig(model=str(tiny_models("llama")), **settings)
+    with caplog.at_level("INFO", logger="common.engine.deterministic"):
+        settled = deterministic.settle(config, config.model)
+    assert settled.deterministic is False
+    assert f"engine.deterministic auto: off ({why}" in caplog.text
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_true_and_false_are_kept_as_they_are(tiny_models, value):
+    config = EngineConfig(model=str(tiny_models("llama")), dtype="float32", deterministic=value)
+    assert deterministic.settle(config, config.model) is config
+
+
+@pytest.mark.skipif(not PANELS_HERE, reason="auto is on only with AVX512-BF16 (panels), no AMX and a C compiler")
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_auto_is_on_for_bfloat16_weights_in_panels_and_the_engine_runs_the_mode(tiny_models, kind):
+    """The engine settles auto before its runner loads the model: the runner, the engine and the attention all see
+    the mode on, and the property holds in every scenario of the probe."""
+    probe = Probe(tiny_models(kind), "bfloat16", "none", deterministic="auto")
+    engine = probe.engine()
+    assert engine.config.deterministic is True and engine.runner.config.deterministic is True
+    assert engine.runner.attention.name == "cpu_paged_deterministic"
+    assert engine.runner.model.fused_decode is not None and engine.runner.model.fused_decode.every_row
+    assert probe.differences() == []

@@ -1,0 +1,71 @@
+"""engine.deterministic's ``auto``, settled for this host, model and config before a runner loads the model.
+
+``auto`` is on where batch-invariant numerics cost about nothing: bfloat16 weights in the panel layout that the one-call
+decode kernel reads (the CPU with AVX512-BF16 and a C compiler, one rank, no quantization), the kernel's share left to
+the engine (``cpu.decode_kernel_max_batch`` -1) and the CPU's own attention. There every row of every step, a prompt's
+too, goes through that kernel (common/engine/models/llama.py, ``FusedDecode``), and on AMD Zen 4 the engine served 0.98x
+and 1.00x the throughput of the mode off at 135M and at the 1B shape, for 1.03x and 0.98x the one-stream TPOT
+(docs/benchmarks.md, "Deterministic numerics: what they cost"). A stream recomputed after a failover, a preemption or a
+migration then continues exactly in bfloat16, as float32 always did.
+
+Off everywhere else: float32 and int8 weights (the mode keeps them layer by layer: 1.7-2.8x the one-stream TPOT, int8
+0.91x the throughput too), a GPU (no batch-invariant kernels there), tensor parallelism (the kernel takes one rank), and
+CPUs with AMX tiles, where oneDNN's copy runs the wide prompt steps that the mode would take from it (not measured: no
+such host was lent since the kernel's prompt path was made fast). ``true`` and ``false`` set it as they say.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+from common.config.base import EngineConfig
+from common.engine.models.llama import PANEL_COLS, decode_forward_takes_panels, onednn_beside_panels
+from common.engine.models.loader import load_hf_config
+from common.engine.native import cpu_has, linear_panels_kernel
+
+log = logging.getLogger(__name__)
+
+MAX_HEAD_DIM = 256  # kernels/attend.h: the one-call kernel's largest head
+
+
+def settle(config: EngineConfig, model_dir: str | Path) -> EngineConfig:
+    """``config`` with engine.deterministic a bool: ``auto`` settled as the module says, with a line saying why."""
+    if config.deterministic != "auto":
+        return config
+    why = _why_not(config, model_dir)
+    if why:
+        log.info("engine.deterministic auto: off (%s)", why)
+    else:
+        log.info("engine.deterministic auto: on (bfloat16 weights in panels, every row through the one-call "
+                 "decode kernel: a stream resumed after a failover continues exactly)")
+    return dataclasses.replace(config, deterministic=not why)
+
+
+def _why_not(config: EngineConfig, model_dir: str | Path) -> str:
+    """What keeps ``auto`` off here, or "" where it is on."""
+    if config.device_type != "cpu":
+        return "a GPU: batch-invariant kernels run on the CPU only"
+    if config.dtype != "bfloat16" or config.quantization != "none":
+        weights = "int8" if config.quantization == "int8" else config.dtype
+        return f"{weights} weights: the mode costs little with bfloat16 weights in panels only"
+    if config.tensor_parallel_size != 1:
+        return "tensor parallelism: the one-call decode kernel takes one rank"
+    if config.cpu.decode_kernel_max_batch != -1:
+        return (f"engine.cpu.decode_kernel_max_batch {config.cpu.decode_kernel_max_batch}: the split between the "
+                "kernel and the layer path it sets")
+    if config.attention_backend not in ("auto", "cpu_paged"):
+        return f"attention_backend {config.attention_backend}"
+    if not cpu_has("avx512_bf16") or not decode_forward_takes_panels() or linear_panels_kernel() is None:
+        return "this CPU has no AVX512-BF16 or no C compiler built the kernels: no panel layout"
+    if onednn_beside_panels():
+        return "this CPU has AMX tiles, which oneDNN's copy uses for the prompt steps"
+    hf = load_hf_config(model_dir)
+    heads, kv_heads, hidden = hf.num_attention_heads, hf.num_key_value_heads, hf.hidden_size
+    head_dim = getattr(hf, "head_dim", None) or hidden // heads
+    inter = hf.intermediate_size
+    linears = (((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim), (2 * inter, hidden),
+               (hidden, inter))
+    if head_dim > MAX_HEAD_DIM or head_dim % 16 or any(n % PANEL_COLS or k % 2 for n, k in linears):
+        return "the model's shapes do not fit the panel layout or the one-call kernel"
+    return ""
