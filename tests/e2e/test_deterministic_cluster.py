@@ -1,7 +1,8 @@
 """engine.deterministic through the cluster, in bfloat16: every stream equal to its reference, faults or not.
 
 A proxy, 2 prefill and 2 decode workers on the embedded model in bfloat16 with the mode on (what
-``tessera up --dtype bfloat16 --deterministic`` runs). Sixteen streams of 48 tokens, half greedy, half seeded
+``tessera up --dtype bfloat16`` runs on a CPU with AVX512-BF16 and no AMX, engine.deterministic's ``auto``, and
+``--deterministic`` anywhere; the mode is set here, so that the test holds on every CPU). Sixteen streams of 48 tokens, half greedy, half seeded
 with a frequency penalty. The greedy ones equal the offline engine (``tessera generate --deterministic``); then
 a decode worker is stopped past ``heartbeat_timeout_s`` (its streams resume elsewhere, recomputed by a prompt
 step in another batch), one is killed mid-stream, and a prefill worker is killed mid-prefill; every stream's
