@@ -34,6 +34,16 @@ Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]  # an int is still accepted, and stored as a float
 Str = Annotated[str, Strict()]
 Bool = Annotated[bool, Strict()]
+
+
+def _bool_or_auto(value):
+    """A ``BoolOrAuto``'s value as it is, where it is a bool or "auto": 1, 0 or "yes" are refused, as ``Bool`` does."""
+    if isinstance(value, bool) or value == "auto":
+        return value
+    raise ValueError("one of 'auto', true, false")
+
+
+BoolOrAuto = Annotated[Literal["auto", True, False], pydantic.BeforeValidator(_bool_or_auto)]
 Device = Annotated[str, Strict(), pydantic.StringConstraints(pattern=DEVICE_PATTERN)]
 BlockSize = Literal[8, 16, 32, 64, 128, 256]
 # Verifying one more draft token, in plain decode steps, at batch 1 (bench/spec_crossover.py).
@@ -429,7 +439,7 @@ class EngineConfig:
                                           "off means a prompt must fit one step's token budget")
     num_threads: Int | None = option(None, "torch CPU threads; null keeps torch's default", ge=1)
     seed: Int = option(0, "seed of the sampler's random streams")
-    deterministic: Literal["auto", True, False] = option(
+    deterministic: BoolOrAuto = option(
         "auto", "batch-invariant numerics: a token's logits depend only on the model, the dtype and its sequence, "
         "not on the rest of the batch, the prompt's chunking, the cache, or whether its KV came from a prompt "
         "step or decode steps, so a stream recomputed after failover or preemption continues exactly; CPU only. "

@@ -12,6 +12,9 @@ Off everywhere else: float32 and int8 weights (the mode keeps them layer by laye
 0.91x the throughput too), a GPU (no batch-invariant kernels there), tensor parallelism (the kernel takes one rank), and
 CPUs with AMX tiles, where oneDNN's copy runs the wide prompt steps that the mode would take from it (not measured: no
 such host was lent since the kernel's prompt path was made fast). ``true`` and ``false`` set it as they say.
+
+Each worker settles it for itself: a cluster whose prefill and decode hosts settle it differently (one with AMX, one
+without) keeps streams exact across a failover only with ``true`` on every worker (``tessera up --deterministic``).
 """
 from __future__ import annotations
 
@@ -22,11 +25,14 @@ from pathlib import Path
 from common.config.base import EngineConfig
 from common.engine.models.llama import PANEL_COLS, decode_forward_takes_panels, onednn_beside_panels
 from common.engine.models.loader import load_hf_config
-from common.engine.native import cpu_has, linear_panels_kernel
+from common.engine.native import cpu_has, linear_panels_kernel, load_kernel
 
 log = logging.getLogger(__name__)
 
-MAX_HEAD_DIM = 256  # kernels/attend.h: the one-call kernel's largest head
+# decode_forward.c's limits (tessera_decode_forward_shapes): a model past them would run the mode layer by layer
+MAX_HEAD_DIM = 256  # kernels/attend.h
+MAX_GROUP = 32  # query heads per KV head, kernels/attend.h
+MAX_K = 16384  # a layer's inputs, and the intermediate size
 
 
 def settle(config: EngineConfig, model_dir: str | Path) -> EngineConfig:
@@ -56,7 +62,8 @@ def _why_not(config: EngineConfig, model_dir: str | Path) -> str:
                 "kernel and the layer path it sets")
     if config.attention_backend not in ("auto", "cpu_paged"):
         return f"attention_backend {config.attention_backend}"
-    if not cpu_has("avx512_bf16") or not decode_forward_takes_panels() or linear_panels_kernel() is None:
+    if (not cpu_has("avx512_bf16") or not decode_forward_takes_panels() or linear_panels_kernel() is None
+            or load_kernel("paged_attention") is None):
         return "this CPU has no AVX512-BF16 or no C compiler built the kernels: no panel layout"
     if onednn_beside_panels():
         return "this CPU has AMX tiles, which oneDNN's copy uses for the prompt steps"
@@ -66,6 +73,7 @@ def _why_not(config: EngineConfig, model_dir: str | Path) -> str:
     inter = hf.intermediate_size
     linears = (((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim), (2 * inter, hidden),
                (hidden, inter))
-    if head_dim > MAX_HEAD_DIM or head_dim % 16 or any(n % PANEL_COLS or k % 2 for n, k in linears):
+    if (head_dim > MAX_HEAD_DIM or head_dim % 16 or heads % kv_heads or heads // kv_heads > MAX_GROUP
+            or max(hidden, inter, heads * head_dim) > MAX_K or any(n % PANEL_COLS or k % 2 for n, k in linears)):
         return "the model's shapes do not fit the panel layout or the one-call kernel"
     return ""

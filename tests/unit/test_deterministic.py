@@ -9,6 +9,7 @@ on the embedded model. The same checks without the mode find differences, which 
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -272,3 +273,23 @@ def test_auto_is_on_for_bfloat16_weights_in_panels_and_the_engine_runs_the_mode(
     assert engine.runner.attention.name == "cpu_paged_deterministic"
     assert engine.runner.model.fused_decode is not None and engine.runner.model.fused_decode.every_row
     assert probe.differences() == []
+
+
+@pytest.mark.skipif(not PANELS_HERE, reason="the shapes are looked at only where auto could be on")
+@pytest.mark.parametrize("change", [dict(intermediate_size=18944), dict(num_attention_heads=64, num_key_value_heads=1),
+                                    dict(head_dim=320)])
+def test_auto_is_off_for_a_model_the_one_call_kernel_does_not_take(tiny_models, monkeypatch, caplog, change):
+    """Past decode_forward.c's limits (an intermediate size over 16,384, as Qwen2.5-7B's; more than 32 query heads
+    a KV head; a head over 256) the mode would run layer by layer, at about half the throughput: auto stays off."""
+    real = deterministic.load_hf_config
+    monkeypatch.setattr(deterministic, "load_hf_config", lambda d: SimpleNamespace(**{**vars(real(d)), **change}))
+    config = EngineConfig(model=str(tiny_models("llama")), dtype="bfloat16")
+    with caplog.at_level("INFO", logger="common.engine.deterministic"):
+        assert deterministic.settle(config, config.model).deterministic is False
+    assert "the model's shapes do not fit" in caplog.text
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", "true"])
+def test_the_setting_takes_a_bool_or_auto_only(value):
+    with pytest.raises(ConfigError, match="config field 'deterministic' = .* is invalid: one of 'auto', true, false"):
+        EngineConfig(model="embedded", deterministic=value)
