@@ -23,16 +23,12 @@ import logging
 from pathlib import Path
 
 from common.config.base import EngineConfig
-from common.engine.models.llama import PANEL_COLS, decode_forward_takes_panels, onednn_beside_panels
+from common.engine.models.llama import (W_BF16_PANELS, decode_forward_dims, decode_forward_takes,
+                                       decode_forward_takes_panels, onednn_beside_panels)
 from common.engine.models.loader import load_hf_config
 from common.engine.native import cpu_has, linear_panels_kernel, load_kernel
 
 log = logging.getLogger(__name__)
-
-# decode_forward.c's limits (tessera_decode_forward_shapes): a model past them would run the mode layer by layer
-MAX_HEAD_DIM = 256  # kernels/attend.h
-MAX_GROUP = 32  # query heads per KV head, kernels/attend.h
-MAX_K = 16384  # a layer's inputs, and the intermediate size
 
 
 def settle(config: EngineConfig, model_dir: str | Path) -> EngineConfig:
@@ -67,13 +63,10 @@ def _why_not(config: EngineConfig, model_dir: str | Path) -> str:
         return "this CPU has no AVX512-BF16 or no C compiler built the kernels: no panel layout"
     if onednn_beside_panels():
         return "this CPU has AMX tiles, which oneDNN's copy uses for the prompt steps"
-    hf = load_hf_config(model_dir)
-    heads, kv_heads, hidden = hf.num_attention_heads, hf.num_key_value_heads, hf.hidden_size
-    head_dim = getattr(hf, "head_dim", None) or hidden // heads
-    inter = hf.intermediate_size
-    linears = (((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim), (2 * inter, hidden),
-               (hidden, inter))
-    if (head_dim > MAX_HEAD_DIM or head_dim % 16 or heads % kv_heads or heads // kv_heads > MAX_GROUP
-            or max(hidden, inter, heads * head_dim) > MAX_K or any(n % PANEL_COLS or k % 2 for n, k in linears)):
+    hf = load_hf_config(model_dir)  # past the kernel's limits the mode would run layer by layer, at half the speed
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    if not decode_forward_takes(decode_forward_dims(hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads,
+                                                    head_dim, hf.intermediate_size, config.block_size, True,
+                                                    W_BF16_PANELS)):
         return "the model's shapes do not fit the panel layout or the one-call kernel"
     return ""

@@ -768,6 +768,21 @@ def decode_forward_takes_panels() -> bool:
     return takes is not None and bool(takes())
 
 
+def decode_forward_dims(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, block_size: int,
+                        pool_bf16: bool, weight_type: int, block_stride: int = 0) -> torch.Tensor:
+    """tessera_decode_forward's dims (D_* in decode_forward.c); the rows and the table width are set per step."""
+    return torch.tensor([0, hidden, heads, kv_heads, head_dim, intermediate, block_size, 0, int(pool_bf16),
+                         weight_type, block_stride], dtype=torch.int64)
+
+
+def decode_forward_takes(dims: torch.Tensor) -> bool:
+    """Whether the one-call kernel takes a model of these dims (``decode_forward_dims``; decode_forward.c's
+    limits: an intermediate size or a layer's inputs up to 16,384, head_dim up to 256, up to 32 query heads a KV
+    head, blocks up to 256 tokens, and in panels their multiples of 16), or False where it did not build."""
+    shapes = kernel_function("decode_forward", "tessera_decode_forward_shapes", (ctypes.c_void_p,))
+    return shapes is not None and shapes(dims.data_ptr()) == 0
+
+
 def _address(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -870,19 +885,14 @@ class FusedDecode:
         panels = attn.qkv_proj.panels
         weight_type = (_WEIGHT_TYPES[attn.qkv_proj.weight.dtype] if panels is None
                        else W_BF16_COMPACT if panels.dtype is torch.uint8 else W_BF16_PANELS)
-        return torch.tensor([0, self.model.config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                             first.mlp.intermediate, block_size, 0, int(pool_bf16), weight_type, block_stride],
-                            dtype=torch.int64)
+        return decode_forward_dims(self.model.config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                   first.mlp.intermediate, block_size, pool_bf16, weight_type, block_stride)
 
     def takes_shapes(self, block_size: int) -> bool:
-        """Whether the kernel takes this model at ``block_size`` (decode_forward.c's limits: an intermediate size
-        or a layer's inputs up to 16,384, head_dim up to 256, blocks up to 256 tokens, ...): asked once, at load,
-        so a model past them keeps the torch path instead of failing its first step."""
-        shapes = kernel_function("decode_forward", "tessera_decode_forward_shapes", (ctypes.c_void_p,))
-        if self._kernel is None or shapes is None:
-            return False
-        dims = self._dims_of(block_size, self.model.norm.weight.dtype is torch.bfloat16, 0)
-        return shapes(dims.data_ptr()) == 0
+        """Whether the kernel takes this model at ``block_size`` (``decode_forward_takes``): asked once, at load,
+        so a model past its limits keeps the torch path instead of failing its first step."""
+        return self._kernel is not None and decode_forward_takes(
+            self._dims_of(block_size, self.model.norm.weight.dtype is torch.bfloat16, 0))
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """Normed last hidden states ``[rows, hidden]`` of the step's rows (``x``: their embeddings): its decode
