@@ -53,8 +53,9 @@ def pool_blocks(runner: ModelRunner, weights: int, fraction: float) -> int:
 
 def test_the_pool_leaves_room_for_the_prepacked_copies(tiny_chat_model_dir, monkeypatch):
     """bfloat16 on the CPU keeps a linear weight twice (engine.cpu.prepack_weights: oneDNN's copy) unless the
-    panel layout is its only copy (AVX512-BF16 without AMX), and a head in panels an int8 copy for greedy rows
-    (engine.cpu.greedy_head_max_rows): the pool is sized from what the load holds."""
+    panel layout is its only copy (AVX512-BF16 without AMX), a head in panels an int8 copy for greedy rows
+    (engine.cpu.greedy_head_max_rows), and the decoder's weights a compact copy beside the panels: the pool is sized
+    from what the load holds."""
     fraction = 0.02
 
     def runner(**cpu) -> ModelRunner:
@@ -74,7 +75,10 @@ def test_the_pool_leaves_room_for_the_prepacked_copies(tiny_chat_model_dir, monk
         copies += model.embed_tokens.weight.nbytes if getattr(model.embed_tokens, "packed", None) is not None else 0
         head = model.head().weight  # its int8 copy, reserved where planned (the load's timing may drop it)
         greedy = head.numel() + 12 * head.shape[0] if in_panels and packed._greedy_head_rows() else 0
-        assert packed.num_blocks == pool_blocks(packed, packed.weight_bytes + copies + greedy, fraction)
+        # the compact copy beside the panels (engine.cpu.compact_panels), reserved at its estimate before it is built
+        compact = packed._compact_copy_bytes() if in_panels and packed._compact_mode() == "beside" else 0
+        assert (compact > 0) == (model.compact_bytes() > 0)
+        assert packed.num_blocks == pool_blocks(packed, packed.weight_bytes + copies + greedy + compact, fraction)
         assert packed.num_blocks <= plain.num_blocks
         heads = [model.embed_tokens] if model.tie_word_embeddings else []
         copied = [m for m in model.modules() if isinstance(m, torch.nn.Linear)] + heads

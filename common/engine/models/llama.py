@@ -303,9 +303,13 @@ def float32_invariant_rows() -> int:
 PANEL_COLS = 16  # kernels/panels_bf16.h
 PANEL_GROUP = 4  # panels per tile, as kernels/panels_bf16.h interleaves them
 # Where oneDNN runs bf16 matmuls on AMX tiles (Intel Xeon from Sapphire Rapids), the panels' vdpbf16ps cannot keep
-# up on prompt steps: layers in panels keep oneDNN's copy too (``prepack_weights``) for steps of this many rows or
-# more. Not measured on such a host (none lent); on Zen 4 (no AMX) the panels match oneDNN at every row count.
-ONEDNN_BESIDE_PANELS_ROWS = 64
+# up past a few rows: layers in panels keep oneDNN's copy too (``prepack_weights``) for steps of this many rows or
+# more. On an AMX Xeon (2 cores, `bench.panel_gemm`) the panels were ahead up to 4 rows at the 1B shape (1.09x) and
+# up to 8 at 135M (1.02x), 0.26x oneDNN's speed at 64 rows at both; decode steps of 4 rows or more leave this to
+# the one-call kernel's timing at load (the torch path it is timed against takes oneDNN's copy from here), and
+# other steps of that many rows are prompt chunks, where oneDNN wins. On Zen 4 (no AMX) the panels match oneDNN at
+# every row count, and no copy is kept.
+ONEDNN_BESIDE_PANELS_ROWS = 4
 
 
 # Steps of up to this many rows read the compact copy where a layer holds one beside its panels
