@@ -27,7 +27,7 @@ import torch
 from bench.int8_gemm import add_shape_arguments, shape_model, shapes
 from bench.roofline import read_bandwidth
 from common.engine.huge_pages import HugePageArena
-from common.engine.models.llama import PANEL_COLS, panels_of, panels_shape
+from common.engine.models.llama import NO_AMX_TILES, PANEL_COLS, panels_of, panels_shape
 from common.engine.native import linear_panels_kernel
 
 WAYS = ("tiles", "panels one after another")
@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     add_shape_arguments(parser, [1, 2, 4, 8, 32, 256], 12)
     parser.add_argument("--layers", type=int, default=0, help="decoder layers (0: the model's)")
     args = parser.parse_args(argv)
-    tiled, untiled = linear_panels_kernel(), linear_panels_kernel(("PANEL_INTERLEAVED=0",))
+    tiled = linear_panels_kernel(NO_AMX_TILES)  # the layouts under vdpbf16ps alike, not AMX tiles
+    untiled = linear_panels_kernel(("PANEL_INTERLEAVED=0",) + NO_AMX_TILES)
     if tiled is None or untiled is None:
         raise SystemExit("kernels/linear_panels.c needs a C compiler and AVX512-BF16")
     model, model_dir = shape_model(args)

@@ -10,8 +10,9 @@ migration then continues exactly in bfloat16, as float32 always did.
 
 Off everywhere else: float32 and int8 weights (the mode keeps them layer by layer: 1.7-2.8x the one-stream TPOT, int8
 0.91x the throughput too), a GPU (no batch-invariant kernels there), tensor parallelism (the kernel takes one rank), and
-CPUs with AMX tiles, where oneDNN's copy runs the wide prompt steps that the mode would take from it (not measured: no
-such host was lent since the kernel's prompt path was made fast). ``true`` and ``false`` set it as they say.
+CPUs with AMX tiles, where the panel kernels multiply steps of 4 rows or more with the tiles (kernels/panels_bf16.h),
+whose sums round otherwise than vdpbf16ps': the mode's build, without them, took 6x as long per prompt token at the 1B
+shape on an AMX Xeon (8.2 ms against 1.4). ``true`` and ``false`` set it as they say.
 
 Each worker settles it for itself: a cluster whose prefill and decode hosts settle it differently (one with AMX, one
 without) keeps streams exact across a failover only with ``true`` on every worker (``tessera up --deterministic``).
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from common.config.base import EngineConfig
 from common.engine.models.llama import (W_BF16_PANELS, decode_forward_dims, decode_forward_takes,
-                                       decode_forward_takes_panels, onednn_beside_panels)
+                                       decode_forward_takes_panels)
 from common.engine.models.loader import load_hf_config
 from common.engine.native import cpu_has, linear_panels_kernel, load_kernel
 
@@ -61,8 +62,9 @@ def _why_not(config: EngineConfig, model_dir: str | Path) -> str:
     if (not cpu_has("avx512_bf16") or not decode_forward_takes_panels() or linear_panels_kernel() is None
             or load_kernel("paged_attention") is None):
         return "this CPU has no AVX512-BF16 or no C compiler built the kernels: no panel layout"
-    if onednn_beside_panels():
-        return "this CPU has AMX tiles, which oneDNN's copy uses for the prompt steps"
+    if cpu_has("amx_bf16"):
+        return ("this CPU has AMX tiles, which the panel kernels (or oneDNN's copy) multiply steps of several rows "
+                "with outside the mode")
     hf = load_hf_config(model_dir)  # past the kernel's limits the mode would run layer by layer, at half the speed
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     if not decode_forward_takes(decode_forward_dims(hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads,

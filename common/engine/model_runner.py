@@ -39,7 +39,7 @@ from common.engine import compact_panels, deterministic
 from common.engine.models.llama import (COMPACT_BESIDE_ROWS, FusedDecode, check_divisible, onednn_beside_panels,
                                        onednn_prepacks_bf16, onednn_prepacks_float32, wide_sums)
 from common.engine.models.loader import load_hf_config, load_model
-from common.engine.native import gemv_bf16_kernel
+from common.engine.native import gemv_bf16_kernel, panels_amx_rows
 from common.engine.quantization import calibration_ids, choose_int8_matmul, quantize_model_int8, smooth_for_int8
 from common.engine.sampler import Sampler, SamplingRow, argmax_suffices, penalty_prompt_ids
 from common.engine.scheduler import StepPlan
@@ -252,7 +252,9 @@ class ModelRunner:
             log.info("linear weights in the panel layout (kernels/panels_bf16.h%s), which the decode kernel and "
                      "kernels/linear_panels.c read: %s; %s (transparent huge pages: %s)", compact,
                      "with oneDNN's copy for wide steps (AMX)" if onednn_beside_panels() and config.cpu.prepack_weights
-                     else "their only copy", pages, thp_policy())
+                     else "their only copy" + (f", AMX tiles from {amx} rows" if (amx := panels_amx_rows())
+                                               and not config.deterministic else ""),
+                     pages, thp_policy())
         # The one-call kernel has no all-reduce between its layers, and keeps float32 activations between them
         # where the layer-by-layer path rounds: engine.deterministic takes it for every row of every step (its
         # rows are batch-invariant, and a prompt's rows then write the K/V its decode steps would have) or for

@@ -173,6 +173,15 @@ def linear_panels_kernel(defines: tuple[str, ...] = ()):
 
 
 @functools.cache
+def panels_amx_rows(defines: tuple[str, ...] = ()) -> int:
+    """From how many rows kernels/linear_panels.c (built with ``defines``) multiplies with AMX tiles, where their
+    sums round differently from the rows below (kernels/panels_bf16.h's PANEL_AMX_ROWS); 0 where it never does."""
+    if linear_panels_kernel(defines) is None:
+        return 0
+    return kernel_function("linear_panels", "tessera_linear_panels_amx_rows", (), defines)()
+
+
+@functools.cache
 def linear_panels_tiles_kernel():
     """``tessera_linear_panels_tiles(x, panels, tiles, count, y, m, n, k)`` (``kernels/linear_panels.c``): bf16
     rows against chosen whole tiles of a weight in panels (the greedy LM head's exact logits), or None where

@@ -11,7 +11,8 @@ from common.config.base import CpuConfig, EngineConfig
 from common.engine import compact_panels
 from common.engine.compact_panels import compact_bytes, compact_of, header, weight_of_compact
 from common.engine.llm_engine import LLMEngine
-from common.engine.models.llama import _linear_panels, panels_of
+from common.engine.models.llama import COMPACT_BESIDE_ROWS, _linear_panels, panels_of
+from common.engine.native import panels_amx_rows
 from common.protocol.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not compact_panels.available(),
@@ -56,9 +57,12 @@ def test_outputs_equal_the_panels_bit_for_bit(n, k, rows):
     w = weight(n, k, seed=7 * n + k, zeros=0.05)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
     bias = torch.randn(n).to(torch.bfloat16)
-    panels = _linear_panels(x, panels_of(w), n, bias)
+    # the panels' vdpbf16ps sums (on a CPU with AMX, steps of 4 rows or more take its tiles there: not compact panels)
+    panels = _linear_panels(x, panels_of(w), n, bias, invariant=True)
     compact = _linear_panels(x, compact_of(w), n, bias)
     assert torch.equal(compact.view(torch.int16), panels.view(torch.int16))
+    if rows <= COMPACT_BESIDE_ROWS:  # the rows a copy beside the panels serves: the same bits as the panels' build
+        assert torch.equal(_linear_panels(x, panels_of(w), n, bias).view(torch.int16), panels.view(torch.int16))
 
 
 def test_a_blob_of_another_shape_is_refused():
@@ -69,9 +73,13 @@ def test_a_blob_of_another_shape_is_refused():
         compact_of(weight(64, 128, seed=1).float())
 
 
-def generate(model_dir, compact: str, decode_kernel_rows: int, prompts: int = 5) -> tuple[list, LLMEngine]:
+def generate(model_dir, compact: str, decode_kernel_rows: int, prompts: int = 5,
+             no_tiles: bool = False) -> tuple[list, LLMEngine]:
+    """``no_tiles``: on a CPU with AMX, where the panels' steps of several rows take its tiles and compact panels
+    never do, engine.deterministic, which gives both the build without them."""
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16", kv_cache_memory_bytes=64 << 20,
-                                    cpu=CpuConfig(compact_panels=compact, decode_kernel_max_batch=decode_kernel_rows)))
+                                    cpu=CpuConfig(compact_panels=compact, decode_kernel_max_batch=decode_kernel_rows),
+                                    deterministic=True if no_tiles and panels_amx_rows() else "auto"))
     gen = torch.Generator().manual_seed(5)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
     for i in range(prompts):
@@ -86,12 +94,12 @@ def generate(model_dir, compact: str, decode_kernel_rows: int, prompts: int = 5)
 
 @pytest.mark.parametrize("decode_kernel_rows", [8, 0], ids=["decode-kernel", "torch-path"])
 def test_an_engine_generates_the_same_tokens_and_logprobs(embedded_model_dir_bf16, decode_kernel_rows):
-    compact, engine = generate(embedded_model_dir_bf16, "only", decode_kernel_rows)
+    compact, engine = generate(embedded_model_dir_bf16, "only", decode_kernel_rows, no_tiles=True)
     qkv = engine.runner.model.layers[0].self_attn.qkv_proj.panels
     assert qkv is not None and qkv.dtype is torch.uint8
     assert engine.runner.model.head().panels.dtype is torch.bfloat16  # the head stays in panels
     assert (engine.runner.model.fused_decode is not None) == (decode_kernel_rows > 0)
-    plain, engine = generate(embedded_model_dir_bf16, "off", decode_kernel_rows)
+    plain, engine = generate(embedded_model_dir_bf16, "off", decode_kernel_rows, no_tiles=True)
     assert engine.runner.model.layers[0].self_attn.qkv_proj.panels.dtype is torch.bfloat16
     assert engine.runner.model.compact_bytes() == 0
     assert compact == plain
@@ -106,10 +114,10 @@ def test_a_copy_beside_the_panels_serves_the_few_row_steps(embedded_model_dir_bf
     recording = [False]
     real_linear, real_kernel = llama._linear_panels, llama.decode_forward_kernel
 
-    def linear_spy(x, panels, n, bias):
+    def linear_spy(x, panels, n, bias, invariant=False):
         if recording[0]:
             read.append((n, x.numel() // x.shape[-1], panels.dtype is torch.uint8))
-        return real_linear(x, panels, n, bias)
+        return real_linear(x, panels, n, bias, invariant)
 
     def kernel_spy(defines=()):
         kernel = real_kernel(defines)

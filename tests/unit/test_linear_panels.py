@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.engine.models.llama import linear, panels_of, weight_of_panels
-from common.engine.native import linear_panels_kernel
+from common.engine.models.llama import NO_AMX_TILES, linear, panels_of, weight_of_panels
+from common.engine.native import linear_panels_kernel, panels_amx_rows
 
 pytestmark = pytest.mark.skipif(linear_panels_kernel() is None,
                                 reason="kernels/linear_panels.c needs a C compiler and AVX512-BF16")
@@ -34,13 +34,37 @@ def test_the_panels_give_the_linear_layer_within_one_bf16_rounding(rows, n, k, b
 
 
 def test_a_rows_outputs_do_not_depend_on_the_other_rows_or_their_number():
+    # engine.deterministic's build (no AMX tiles): any rows, on every CPU with AVX512-BF16
     w, _ = weights(96, 128, seed=1)
     panels = panels_of(w)
     placeholder = torch.zeros(1, dtype=torch.bfloat16).expand(96, 128)
     x = torch.randn(1030, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    full = linear(x, placeholder, panels=panels, invariant=True)
+    for rows in (1, 4, 7, 512, 513):  # within one tile, one chunk of rows, and across chunks
+        assert torch.equal(linear(x[-rows:], placeholder, panels=panels, invariant=True), full[-rows:])
+    assert panels_amx_rows(NO_AMX_TILES) == 0
+
+
+@pytest.mark.parametrize("k", [128, 200])  # whole 32-input steps of the tiles, and 8 inputs past them
+def test_with_amx_tiles_a_rows_outputs_depend_only_on_which_side_of_their_threshold_the_step_is(k):
+    # the default build: on a CPU with AMX, steps of panels_amx_rows() rows or more take the tiles, whose sums
+    # round otherwise; within either side a row's outputs do not depend on the other rows
+    w, _ = weights(80, k, seed=k)  # a whole tile of 4 panels and a narrow one
+    panels = panels_of(w)
+    placeholder = torch.zeros(1, dtype=torch.bfloat16).expand(80, k)
+    x = torch.randn(600, k, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     full = linear(x, placeholder, panels=panels)
-    for rows in (1, 7, 512, 513):  # within one tile, one chunk of rows, and across chunks
-        assert torch.equal(linear(x[-rows:], placeholder, panels=panels), full[-rows:])
+    threshold = panels_amx_rows()
+    for rows in (threshold or 4, 15, 16, 17, 33, 512, 513):
+        assert torch.equal(linear(x[-rows:], placeholder, panels=panels), full[-rows:]), rows
+    one = linear(x[-1:], placeholder, panels=panels)
+    invariant = linear(x[-1:], placeholder, panels=panels, invariant=True)
+    assert torch.equal(one, invariant)  # one row never takes the tiles
+    if threshold:
+        assert threshold > 3  # the greedy head's tiles of up to 3 rows give the whole head's bits either way
+        assert torch.equal(linear(x[-threshold + 1:], placeholder, panels=panels)[-1:], one)
+        exact = x[-1:].double() @ w.double().T
+        assert ((full[-1:].double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3).all()
 
 
 @pytest.mark.parametrize("k", [600, 5000])

@@ -30,6 +30,17 @@ int tessera_linear_panels_available(void)
 #endif
 }
 
+/* From how many rows a call multiplies with AMX tiles (panels_bf16.h's PANEL_AMX_ROWS), 0 where it never does: a
+ * build without them (no AMX, or engine.deterministic's) or Linux refusing their state */
+int tessera_linear_panels_amx_rows(void)
+{
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && PANEL_AMX_ROWS > 0
+    return panel_amx_ready() ? PANEL_AMX_ROWS : 0;
+#else
+    return 0;
+#endif
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 /* The team's pass: with tiles NULL, y = x . w^T (+ bias) for every output, the rows ROW_CHUNK at a time; else only
  * the whole tiles listed (count of them, m <= ROW_CHUNK), y: [count][m][64]. Each tile's panels split over the team

@@ -217,6 +217,103 @@ static void compact_linear_tile(const uint16_t *xb, int m, int k, const uint8_t 
     }
 }
 
+/* AMX tiles (Intel Xeon from Sapphire Rapids): a panel's 16 pairs of inputs are 16 rows of 64 bytes, a tile's
+ * pair_stride apart, which is the B operand of tdpbf16ps as it stands (16 columns, each row a pair of inputs per
+ * column); x's rows, 32 inputs at a time, are its A operand. So steps of PANEL_AMX_ROWS rows or more multiply the
+ * panels with tiles: up to 16 rows against a tile's 4 panels, 4 sum tiles of 16 x 16 floats, over k 32 inputs at a
+ * time (a k that is not a multiple of 32 takes its last pairs through panel_tile). Measured on an AMX Xeon, 2 cores,
+ * the 1B shape's linears (bench.panel_gemm): vdpbf16ps reaches about 200 GFLOP/s there, oneDNN's tiles 1.7
+ * TFLOP/s. The tiles add each pair's two products in their own order (each output's sums still run over k in one
+ * order for a given row count), so a row's outputs from a step of PANEL_AMX_ROWS rows or more differ in rounding
+ * from one of fewer: engine.deterministic takes a build with PANEL_AMX_ROWS 0 (no tiles). The kernel asks Linux for
+ * the tiles' state once (arch_prctl ARCH_REQ_XCOMP_PERM); where it is refused, every step takes vdpbf16ps. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && PANEL_INTERLEAVED
+#ifndef PANEL_AMX_ROWS
+#define PANEL_AMX_ROWS 4
+#endif
+#else
+#undef PANEL_AMX_ROWS
+#define PANEL_AMX_ROWS 0
+#endif
+
+#if PANEL_AMX_ROWS > 0
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define PANEL_AMX_M 16 /* rows of a tile */
+#ifndef PANEL_AMX_AHEAD
+#define PANEL_AMX_AHEAD 8192
+#endif
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} panel_amx_config_t;
+
+/* 1 once Linux lets this process use the tiles (asked on the first call), else 0 */
+static int panel_amx_ready(void)
+{
+    static int state; /* 0: not asked yet, 1: granted, -1: refused */
+    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (s == 0) {
+        s = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
+        __atomic_store_n(&state, s, __ATOMIC_RELEASE);
+    }
+    return s > 0;
+}
+
+/* tiles 0-3: the sums of mr rows x 16 floats of 4 panels; 4: mr rows of x over 32 inputs; 5-7: a panel's 16 pairs */
+static void panel_amx_configure(int mr)
+{
+    panel_amx_config_t cfg;
+    __builtin_memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = t < 5 ? (uint8_t)mr : 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* acc[r][0..nz*16) = x[r][0..2 * pairs) . panels p..p+nz of one tile (pairs a multiple of 16), for the mr rows the
+ * tiles are configured for; acc rows PANEL_GROUP * 16 floats apart */
+static void panel_amx_rows(int nz, const uint16_t *xb, int64_t ldx, const uint16_t *p, int64_t pair_stride,
+                           int pairs, float *acc)
+{
+    const int64_t bstride = pair_stride * 2, astride = ldx * 2, cstride = PANEL_GROUP * PANEL_COLS * 4;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int kk = 0; kk < pairs; kk += 16) {
+        const uint16_t *pk = p + (int64_t)kk * pair_stride;
+#if PANEL_AMX_AHEAD > 0
+        for (int64_t b = 0; b < bstride * 16; b += 64) __builtin_prefetch((const char *)pk + PANEL_AMX_AHEAD + b, 0, 2);
+#endif
+        _tile_loadd(4, xb + 2 * kk, astride);
+        _tile_loadd(5, pk, bstride);
+        _tile_dpbf16ps(0, 4, 5);
+        if (nz > 1) {
+            _tile_loadd(6, pk + 32, bstride);
+            _tile_dpbf16ps(1, 4, 6);
+        }
+        if (nz > 2) {
+            _tile_loadd(7, pk + 64, bstride);
+            _tile_dpbf16ps(2, 4, 7);
+        }
+        if (nz > 3) {
+            _tile_loadd(5, pk + 96, bstride);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+    }
+    _tile_stored(0, acc, cstride);
+    if (nz > 1) _tile_stored(1, acc + PANEL_COLS, cstride);
+    if (nz > 2) _tile_stored(2, acc + 2 * PANEL_COLS, cstride);
+    if (nz > 3) _tile_stored(3, acc + 3 * PANEL_COLS, cstride);
+}
+#endif
+
 /* y16[0..nz*16) = bf16 of a[0..nz*16) (+ bias from column j0, float32 or bf16), nearest even, 16 at a time */
 static inline void panels_store_bf16(const float *a, int nz, const void *bias, int bias_bf16, int64_t j0,
                                      uint16_t *y16)
@@ -259,6 +356,10 @@ static void panels_linear(const uint16_t *xb, int m, int k, const uint16_t *pane
     const int kblock = panels_kblock(m), tiles_of_rows = (m + PANEL_TILE_ROWS - 1) / PANEL_TILE_ROWS;
     /* whether the tiles of rows share the next k-block's lines (the layout before the tiles never did) */
     const int spread = PANEL_INTERLEAVED && m >= PANEL_SPREAD_ROWS && m < PANEL_WIDE_ROWS;
+#if PANEL_AMX_ROWS > 0
+    const int amx = compact == NULL && m >= PANEL_AMX_ROWS && panel_amx_ready();
+    int configured = 0; /* the rows the tiles are configured for in this call, 0: none yet */
+#endif
     for (int p0 = begin, nz; p0 < end; p0 += nz) {
 #if PANEL_INTERLEAVED
         const int tile = p0 / PANEL_GROUP, first = tile * PANEL_GROUP;
@@ -280,6 +381,28 @@ static void panels_linear(const uint16_t *xb, int m, int k, const uint16_t *pane
 #if PANEL_INTERLEAVED
         if (compact != NULL) {
             compact_linear_tile(xb, m, k, compact, tile, nz, acc);
+        } else
+#endif
+#if PANEL_AMX_ROWS > 0
+        if (amx) {
+            const int pairs = k / 32 * 16; /* the pairs the tiles take; the rest through panel_tile */
+            /* each tile of rows over all the pairs: the panels' 4 sum tiles stay in the tiles (taking the pairs a
+             * k-block at a time, every tile of rows adding a block to its sums from memory, cost 1.3x at 256-512
+             * rows) */
+            for (int r0 = 0; r0 < m && pairs; r0 += PANEL_AMX_M) {
+                const int mr = m - r0 < PANEL_AMX_M ? m - r0 : PANEL_AMX_M;
+                if (mr != configured) panel_amx_configure(configured = mr);
+                panel_amx_rows(nz, xb + (int64_t)r0 * k, k, p, pair_stride, pairs,
+                               acc + (int64_t)r0 * PANEL_GROUP * PANEL_COLS);
+            }
+            for (int r0 = 0; r0 < m; r0 += PANEL_AMX_M) {
+                const int mr = m - r0 < PANEL_AMX_M ? m - r0 : PANEL_AMX_M;
+                float *a = acc + (int64_t)r0 * PANEL_GROUP * PANEL_COLS;
+                for (int r1 = 0; pairs < k / 2 && r1 < mr; r1 += PANEL_TILE_ROWS)
+                    panel_tile_any(mr - r1 < PANEL_TILE_ROWS ? mr - r1 : PANEL_TILE_ROWS, nz,
+                                   xb + (int64_t)(r0 + r1) * k, k, p, pair_stride, z_stride, pairs, k / 2,
+                                   a + (int64_t)r1 * PANEL_GROUP * PANEL_COLS, pairs == 0, 0, NULL, 0, 0, 1);
+            }
         } else
 #endif
         for (int k0 = 0; k0 < k; k0 += kblock) {
@@ -316,6 +439,9 @@ static void panels_linear(const uint16_t *xb, int m, int k, const uint16_t *pane
             }
         }
     }
+#if PANEL_AMX_ROWS > 0
+    if (configured) _tile_release();
+#endif
     #pragma omp barrier
 }
 #endif

@@ -28,7 +28,8 @@ from common.engine.attention import get_step_context, row_tables
 from common.engine.huge_pages import HugePageArena
 from common.engine.models.rope import RotaryEmbedding, rotate
 from common.engine.native import (avx2_without_avx512, cpu_has, gemm_invariant_kernel, gemv_bf16_kernel,
-                                  kernel_function, linear_compact_kernel, linear_panels_kernel)
+                                  kernel_function, linear_compact_kernel, linear_panels_kernel,
+                                  panels_amx_rows)
 from common.engine.quantization import INT8_WEIGHT_ONLY_ROWS, SMALL_BATCH_ROWS, linear_int8, mlp_int8
 from common.engine.tensor_parallel import Parallel
 
@@ -170,7 +171,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return linear_int8(x, weight, scale, bias, 0 if invariant else INT8_WEIGHT_ONLY_ROWS)
     if invariant:
         return (linear_invariant(x, weight, bias) if panels is None
-                else _linear_panels(x, panels, weight.shape[0], bias))
+                else _linear_panels(x, panels, weight.shape[0], bias, invariant=True))
     if panels is not None and (packed is None or x.dim() != 2 or x.shape[0] < ONEDNN_BESIDE_PANELS_ROWS):
         return _linear_panels(x, panels, weight.shape[0], bias)
     if _wide[0]:
@@ -196,12 +197,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def _linear_panels(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+def _linear_panels(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None,
+                   invariant: bool = False) -> torch.Tensor:
     """``x`` (bfloat16 rows on the CPU) through kernels/linear_panels.c against a weight of ``n`` outputs in
     panels, or in compact panels (a uint8 blob: common/engine/compact_panels.py); ``LlamaForCausalLM.pack_panels``
-    gives panels only where the kernel runs and to bfloat16 layers."""
+    gives panels only where the kernel runs and to bfloat16 layers. ``invariant`` (engine.deterministic): the build
+    without AMX tiles (``NO_AMX_TILES``), whose every row's outputs are the same whatever the step's rows."""
     compact = panels.dtype is torch.uint8  # compact panels (common/engine/compact_panels.py)
-    kernel = linear_compact_kernel() if compact else linear_panels_kernel()
+    kernel = linear_compact_kernel() if compact else linear_panels_kernel(NO_AMX_TILES if invariant else ())
     x2 = x.reshape(-1, x.shape[-1])
     if kernel is None or x.dtype is not torch.bfloat16 or x.device.type != "cpu" or (
             bias is not None and bias.dtype is not torch.bfloat16):
@@ -303,13 +306,16 @@ def float32_invariant_rows() -> int:
 PANEL_COLS = 16  # kernels/panels_bf16.h
 PANEL_GROUP = 4  # panels per tile, as kernels/panels_bf16.h interleaves them
 # Where oneDNN runs bf16 matmuls on AMX tiles (Intel Xeon from Sapphire Rapids), the panels' vdpbf16ps cannot keep
-# up past a few rows: layers in panels keep oneDNN's copy too (``prepack_weights``) for steps of this many rows or
-# more. On an AMX Xeon (2 cores, `bench.panel_gemm`) the panels were ahead up to 4 rows at the 1B shape (1.09x) and
-# up to 8 at 135M (1.02x), 0.26x oneDNN's speed at 64 rows at both; decode steps of 4 rows or more leave this to
-# the one-call kernel's timing at load (the torch path it is timed against takes oneDNN's copy from here), and
-# other steps of that many rows are prompt chunks, where oneDNN wins. On Zen 4 (no AMX) the panels match oneDNN at
-# every row count, and no copy is kept.
+# up past a few rows: on an AMX Xeon (2 cores, `bench.panel_gemm`) they were ahead up to 4 rows at the 1B shape
+# (1.09x) and up to 8 at 135M (1.02x), and 0.26x oneDNN's speed at 64 rows at both. So the panel kernels multiply
+# with AMX tiles themselves from PANEL_AMX_ROWS rows (kernels/panels_bf16.h), and the panels stay the weights' only
+# copy. Where those kernels have no tiles (``onednn_beside_panels``), layers in panels keep oneDNN's copy too
+# (``prepack_weights``) for steps of this many rows or more; decode steps of that many rows are then left to the
+# one-call kernel's timing at load (the torch path it is timed against takes oneDNN's copy from here).
 ONEDNN_BESIDE_PANELS_ROWS = 4
+# The panel kernels' build for engine.deterministic (kernels/panels_bf16.h): without AMX tiles, whose sums round
+# differently from vdpbf16ps', so a row's outputs do not depend on how many rows its step has.
+NO_AMX_TILES = ("PANEL_AMX_ROWS=0",)
 
 
 # Steps of up to this many rows read the compact copy where a layer holds one beside its panels
@@ -320,8 +326,10 @@ COMPACT_BESIDE_ROWS = 3
 
 
 def onednn_beside_panels() -> bool:
-    """Whether layers in panels also keep oneDNN's copy for wide steps: where oneDNN has AMX tiles."""
-    return cpu_has("amx_bf16")
+    """Whether layers in panels also keep oneDNN's copy for steps of ``ONEDNN_BESIDE_PANELS_ROWS`` rows or more:
+    where oneDNN has AMX tiles and the panel kernels do not (``panels_amx_rows``: a compiler without them, or Linux
+    refusing their state)."""
+    return cpu_has("amx_bf16") and panels_amx_rows() == 0
 
 
 def panels_shape(weight: torch.Tensor) -> tuple[int]:
@@ -718,8 +726,9 @@ class LlamaForCausalLM(nn.Module):
         """Gives every linear layer (bfloat16, or float32 where ``onednn_prepacks_float32``: the model runner
         decides), and a tied LM head, not in panels (``pack_panels``: with them, none
         but a head whose shape the panels do not fit) its oneDNN-blocked copy (``packed``, from ``prepack``); the
-        plain weights stay for the one-row kernels. Where oneDNN has AMX (``onednn_beside_panels``) the layers in
-        panels get one too, for steps of ``ONEDNN_BESIDE_PANELS_ROWS`` rows or more. Returns the bytes added."""
+        plain weights stay for the one-row kernels. Where oneDNN has AMX and the panel kernels do not
+        (``onednn_beside_panels``) the layers in panels get one too, for steps of ``ONEDNN_BESIDE_PANELS_ROWS`` rows or
+        more. Returns the bytes added."""
         heads = [self.embed_tokens] if self.tie_word_embeddings else []
         added = 0
         beside = onednn_beside_panels()
@@ -820,7 +829,7 @@ class FusedDecode:
         else:
             widest = SMALL_BATCH_ROWS
         self.max_rows = FUSED_MAX_ROWS if every_row else min(max_rows, widest)
-        self._kernel = decode_forward_kernel() if self.max_rows > 0 else None
+        self._kernel = decode_forward_kernel(NO_AMX_TILES if every_row else ()) if self.max_rows > 0 else None
         self._layers: torch.Tensor | None = None  # [num_layers, 18] int64 addresses, built on first use
         # the same with the compact copies beside the panels (``Linear.compact``), for calls of up to
         # COMPACT_BESIDE_ROWS rows; None where the layers hold none
