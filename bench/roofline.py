@@ -147,9 +147,12 @@ def _l3_bytes() -> int:
 def read_probe_bytes() -> int:
     """The read probe's buffer: ``READ_BYTES``, or a quarter of the memory available now where that is less (a
     server under test can hold most of the host, and a probe must not push it out of memory: a vLLM worker serving
-    the 8B shape on a 24 GB host was killed so), but at least eight times this CPU's last-level cache."""
+    the 8B shape on a 24 GB host was killed so), but at least eight times this CPU's last-level cache, unless that
+    is more than the quarter: a virtual machine may report its host's whole cache (480 MB on an AMX Xeon of 2 cores,
+    whose 3.8 GB probe had vLLM beside Tessera's two workers at the 1B shape killed)."""
     available = meminfo_bytes("MemAvailable")
-    return max(min(READ_BYTES, (available if available is not None else READ_BYTES * 4) // 4), 8 * _l3_bytes())
+    quarter = (available if available is not None else READ_BYTES * 4) // 4
+    return min(max(min(READ_BYTES, quarter), 8 * _l3_bytes()), max(quarter, 2 * _l3_bytes()))
 
 
 def read_bandwidth(nbytes: int | None = None, passes: int = READ_PASSES) -> float:

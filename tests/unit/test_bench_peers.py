@@ -145,13 +145,22 @@ def test_a_point_that_completed_fewer_requests_than_it_sent_is_an_error(monkeypa
 
 
 def test_the_read_probe_shrinks_to_a_quarter_of_the_memory_available_but_not_into_the_cache(monkeypatch):
+    # at least eight times the last-level cache, at most a quarter of the memory available, never under twice the cache
     monkeypatch.setattr(roofline, "_l3_bytes", lambda: 32 << 20)
     monkeypatch.setattr(roofline, "meminfo_bytes", lambda field: 20 << 30)
     assert roofline.read_probe_bytes() == roofline.READ_BYTES
     monkeypatch.setattr(roofline, "meminfo_bytes", lambda field: 2 << 30)
     assert roofline.read_probe_bytes() == 512 << 20
+    monkeypatch.setattr(roofline, "meminfo_bytes", lambda field: 1600 << 20)
+    assert roofline.read_probe_bytes() == 400 << 20
     monkeypatch.setattr(roofline, "meminfo_bytes", lambda field: 100 << 20)
-    assert roofline.read_probe_bytes() == 256 << 20  # eight times the last-level cache
+    assert roofline.read_probe_bytes() == 64 << 20  # twice the last-level cache, past the quarter
+    # a virtual machine reporting its host's whole cache: eight times it would be past the quarter
+    monkeypatch.setattr(roofline, "_l3_bytes", lambda: 480 << 20)
+    monkeypatch.setattr(roofline, "meminfo_bytes", lambda field: 8 << 30)
+    assert roofline.read_probe_bytes() == 2 << 30
+    monkeypatch.setattr(roofline, "meminfo_bytes", lambda field: 60 << 30)
+    assert roofline.read_probe_bytes() == 8 * (480 << 20)
 
 
 def test_servers_held_at_once_must_leave_a_tenth_of_the_memory(monkeypatch):
