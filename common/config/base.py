@@ -333,8 +333,8 @@ class CpuConfig:
                                    "On AVX512-BF16 (one rank) the decoder's linear weights and the LM head are held "
                                    "once, in the decode kernel's panel layout, which every step reads "
                                    "(kernels/linear_panels.c), and none is copied (a head whose vocabulary is "
-                                   "not a multiple of 16 is); but where oneDNN has AMX tiles, steps of 4 rows or "
-                                   "more keep its copy")
+                                   "not a multiple of 16 is); but where oneDNN has AMX tiles, steps of 64 rows or "
+                                   "more (4 where the panel kernels have no tiles) keep its copy")
     compact_panels: Literal["auto", "beside", "only", "off"] = option(
         "auto", "CPU bfloat16 with the weights in panels: the decoder's linear weights also in compact panels, 12 "
         "bits a weight, lossless (kernels/compact_panels.h; every output the same, bit for bit). Steps of 1-3 rows, "

@@ -37,7 +37,7 @@ from common.engine.huge_pages import thp_policy
 from common.engine.memory import device_memory_bytes, module_bytes, resident_bytes
 from common.engine import compact_panels, deterministic
 from common.engine.models.llama import (COMPACT_BESIDE_ROWS, FusedDecode, check_divisible, onednn_beside_panels,
-                                       onednn_prepacks_bf16, onednn_prepacks_float32, wide_sums)
+                                       onednn_prepacks_bf16, onednn_prepacks_float32, onednn_rows, wide_sums)
 from common.engine.models.loader import load_hf_config, load_model
 from common.engine.native import gemv_bf16_kernel, panels_amx_rows
 from common.engine.quantization import calibration_ids, choose_int8_matmul, quantize_model_int8, smooth_for_int8
@@ -249,12 +249,13 @@ class ModelRunner:
             elif self.model.compact_bytes():
                 compact = ("; the decoder's also in compact panels (%.0f MiB, kernels/compact_panels.h) for steps of "
                            "up to %d rows" % (self.model.compact_bytes() / 2**20, COMPACT_BESIDE_ROWS))
+            copies = ("with oneDNN's copy for steps of %d rows or more (AMX)" % onednn_rows()
+                      if onednn_beside_panels() and config.cpu.prepack_weights else "their only copy")
+            if (amx := panels_amx_rows()) and not config.deterministic:
+                copies += f", AMX tiles from {amx} rows"
             log.info("linear weights in the panel layout (kernels/panels_bf16.h%s), which the decode kernel and "
                      "kernels/linear_panels.c read: %s; %s (transparent huge pages: %s)", compact,
-                     "with oneDNN's copy for wide steps (AMX)" if onednn_beside_panels() and config.cpu.prepack_weights
-                     else "their only copy" + (f", AMX tiles from {amx} rows" if (amx := panels_amx_rows())
-                                               and not config.deterministic else ""),
-                     pages, thp_policy())
+                     copies, pages, thp_policy())
         # The one-call kernel has no all-reduce between its layers, and keeps float32 activations between them
         # where the layer-by-layer path rounds: engine.deterministic takes it for every row of every step (its
         # rows are batch-invariant, and a prompt's rows then write the K/V its decode steps would have) or for

@@ -82,7 +82,7 @@ def test_the_pool_leaves_room_for_the_prepacked_copies(tiny_chat_model_dir, monk
         assert packed.num_blocks <= plain.num_blocks
         heads = [model.embed_tokens] if model.tie_word_embeddings else []
         copied = [m for m in model.modules() if isinstance(m, torch.nn.Linear)] + heads
-        if not onednn_beside_panels():  # AMX without the panel kernels' tiles: the layers in panels keep its copy too
+        if not onednn_beside_panels():  # where oneDNN has AMX, the layers in panels keep its copy too
             copied = [m for m in copied if m not in in_panels]
         if not onednn_prepacks_bf16():  # a host without AVX512-BW/VL/DQ: oneDNN has no bf16 reorder, nor a copy
             copied = []

@@ -386,8 +386,7 @@ def test_the_panels_are_the_decoder_linears_only_copy(tiny_dir, monkeypatch):
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
             module, weight = layer.get_submodule(name), plain.model.layers[i].get_submodule(name).weight
             assert plain.model.layers[i].get_submodule(name).panels is None
-            # oneDNN's copy beside them only on AMX where the panel kernels have no tiles
-            assert (module.packed is not None) == onednn_beside_panels()
+            assert (module.packed is not None) == onednn_beside_panels()  # oneDNN's copy beside them only on AMX
             n, k = weight.shape
             assert module.weight.shape == (n, k) and module.weight.stride() == (0, 0)  # one value, broadcast
             assert module.panels.shape == (n * k,)

@@ -172,7 +172,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if invariant:
         return (linear_invariant(x, weight, bias) if panels is None
                 else _linear_panels(x, panels, weight.shape[0], bias, invariant=True))
-    if panels is not None and (packed is None or x.dim() != 2 or x.shape[0] < ONEDNN_BESIDE_PANELS_ROWS):
+    if panels is not None and (packed is None or x.dim() != 2 or x.shape[0] < onednn_rows()):
         return _linear_panels(x, panels, weight.shape[0], bias)
     if _wide[0]:
         return _linear_wide(x, weight, bias).to(x.dtype)
@@ -305,14 +305,17 @@ def float32_invariant_rows() -> int:
 
 PANEL_COLS = 16  # kernels/panels_bf16.h
 PANEL_GROUP = 4  # panels per tile, as kernels/panels_bf16.h interleaves them
-# Where oneDNN runs bf16 matmuls on AMX tiles (Intel Xeon from Sapphire Rapids), the panels' vdpbf16ps cannot keep
-# up past a few rows: on an AMX Xeon (2 cores, `bench.panel_gemm`) they were ahead up to 4 rows at the 1B shape
-# (1.09x) and up to 8 at 135M (1.02x), and 0.26x oneDNN's speed at 64 rows at both. So the panel kernels multiply
-# with AMX tiles themselves from PANEL_AMX_ROWS rows (kernels/panels_bf16.h), and the panels stay the weights' only
-# copy. Where those kernels have no tiles (``onednn_beside_panels``), layers in panels keep oneDNN's copy too
-# (``prepack_weights``) for steps of this many rows or more; decode steps of that many rows are then left to the
-# one-call kernel's timing at load (the torch path it is timed against takes oneDNN's copy from here).
+# Where oneDNN runs bf16 matmuls on AMX tiles (Intel Xeon from Sapphire Rapids), layers in panels keep its copy too
+# (``prepack_weights``, ``onednn_beside_panels``) for steps of ``onednn_rows()`` rows or more. On an AMX Xeon (2 cores,
+# `bench.panel_gemm`) the panels' vdpbf16ps were ahead of it up to 4 rows at the 1B shape (1.09x) and up to 8 at 135M
+# (1.02x), and at 0.26x its speed at 64 rows at both; so the panel kernels multiply with AMX tiles themselves from
+# PANEL_AMX_ROWS rows (kernels/panels_bf16.h): 1.04-1.15x oneDNN's speed at 4-32 rows at the 1B shape, level at 64,
+# but 0.77-0.95x from 128 (0.52x at 2,048 rows at 135M), where oneDNN's blocking keeps its operands closer. Wide
+# steps (prompts) take oneDNN's copy from ONEDNN_WIDE_ROWS rows, at the cost of the weights' memory once more; where
+# the panel kernels have no tiles, from ONEDNN_BESIDE_PANELS_ROWS, decode steps of that many rows then left to the
+# one-call kernel's timing at load (the torch path it is timed against takes oneDNN's copy from there).
 ONEDNN_BESIDE_PANELS_ROWS = 4
+ONEDNN_WIDE_ROWS = 64
 # The panel kernels' build for engine.deterministic (kernels/panels_bf16.h): without AMX tiles, whose sums round
 # differently from vdpbf16ps', so a row's outputs do not depend on how many rows its step has.
 NO_AMX_TILES = ("PANEL_AMX_ROWS=0",)
@@ -326,10 +329,17 @@ COMPACT_BESIDE_ROWS = 3
 
 
 def onednn_beside_panels() -> bool:
-    """Whether layers in panels also keep oneDNN's copy for steps of ``ONEDNN_BESIDE_PANELS_ROWS`` rows or more:
-    where oneDNN has AMX tiles and the panel kernels do not (``panels_amx_rows``: a compiler without them, or Linux
-    refusing their state)."""
-    return cpu_has("amx_bf16") and panels_amx_rows() == 0
+    """Whether layers in panels also keep oneDNN's copy, for steps of ``onednn_rows()`` rows or more: where oneDNN
+    has AMX tiles."""
+    return cpu_has("amx_bf16")
+
+
+@functools.cache
+def onednn_rows() -> int:
+    """From how many rows a layer in panels with oneDNN's copy beside them (``onednn_beside_panels``) takes the
+    copy: ONEDNN_WIDE_ROWS where the panel kernels multiply with AMX tiles, ONEDNN_BESIDE_PANELS_ROWS where they
+    have none (a compiler without them, or Linux refusing their state: ``panels_amx_rows``)."""
+    return ONEDNN_WIDE_ROWS if panels_amx_rows() else ONEDNN_BESIDE_PANELS_ROWS
 
 
 def panels_shape(weight: torch.Tensor) -> tuple[int]:
@@ -726,9 +736,8 @@ class LlamaForCausalLM(nn.Module):
         """Gives every linear layer (bfloat16, or float32 where ``onednn_prepacks_float32``: the model runner
         decides), and a tied LM head, not in panels (``pack_panels``: with them, none
         but a head whose shape the panels do not fit) its oneDNN-blocked copy (``packed``, from ``prepack``); the
-        plain weights stay for the one-row kernels. Where oneDNN has AMX and the panel kernels do not
-        (``onednn_beside_panels``) the layers in panels get one too, for steps of ``ONEDNN_BESIDE_PANELS_ROWS`` rows or
-        more. Returns the bytes added."""
+        plain weights stay for the one-row kernels. Where oneDNN has AMX (``onednn_beside_panels``) the layers in
+        panels get one too, for steps of ``onednn_rows()`` rows or more. Returns the bytes added."""
         heads = [self.embed_tokens] if self.tie_word_embeddings else []
         added = 0
         beside = onednn_beside_panels()
