@@ -337,7 +337,8 @@ class CpuConfig:
                                    "more (4 where the panel kernels have no tiles) keep its copy")
     compact_panels: Literal["auto", "beside", "only", "off"] = option(
         "auto", "CPU bfloat16 with the weights in panels: the decoder's linear weights also in compact panels, 12 "
-        "bits a weight, lossless (kernels/compact_panels.h; every output the same, bit for bit). Steps of 1-3 rows, "
+        "bits a weight, lossless (kernels/compact_panels.h; every output the same, bit for bit, but on a CPU with AMX, "
+        "whose tiles the panels take from 4 rows and compact panels never). Steps of 1-3 rows, "
         "bound by reading the weights, take about 0.8x the time over them, steps of 4 rows or more lose. beside: a "
         "compact copy beside the panels for steps of up to 3 rows (+0.8x the decoder's weights in memory); only: the "
         "compact copy alone, for every step (0.8x the memory; steps of 24 rows or more take 1.1-1.4x the time); "

@@ -415,11 +415,14 @@ class ModelRunner:
     def _greedy_head_rows(self) -> int:
         """The most rows of a step the head's greedy copy (``GreedyHead``) takes: engine.cpu.greedy_head_max_rows,
         or for -1 ``GreedyHead.default_rows`` of the hidden size; 0 (no copy) but with the weights in panels, not
-        int8, one rank, and a head ``GreedyHead.takes``."""
+        int8, one rank, and a head ``GreedyHead.takes``. On a CPU with AMX, fewer rows than the whole head's call
+        takes its tiles or oneDNN's copy from, so that the copy's exact logits have that call's bits."""
         setting = self.config.cpu.greedy_head_max_rows
         rows = setting if setting >= 0 else GreedyHead.default_rows(self.model.config.hidden_size)
         if not rows or self.config.quantization != "none" or not self._panels_planned():
             return 0
+        if onednn_beside_panels():  # AMX: the whole head's steps of more rows take tiles or oneDNN, the copy's never
+            rows = min(rows, onednn_rows() - 1, (panels_amx_rows() or rows + 1) - 1)
         return rows if GreedyHead.takes(*self.model.head().weight.shape) else 0
 
     def _fused_decode_kernel(self) -> bool:

@@ -12,8 +12,8 @@ from common.engine import greedy_head as greedy_head_module
 from common.engine.greedy_head import (APPROX_ROUNDING, DEFAULT_ROWS, FLUSHED, MAX_ROWS, MIN_HIDDEN, TILE, XQ_MAX,
                                        GreedyHead)
 from common.engine.llm_engine import LLMEngine
-from common.engine.models.llama import _linear_panels, panels_of
-from common.engine.native import linear_panels_tiles_kernel
+from common.engine.models.llama import _linear_panels, onednn_beside_panels, onednn_rows, panels_of
+from common.engine.native import linear_panels_tiles_kernel, panels_amx_rows
 from common.protocol.sampling_params import SamplingParams, StructuredOutput
 
 pytestmark = pytest.mark.skipif(linear_panels_tiles_kernel() is None,
@@ -235,3 +235,11 @@ def test_timing_stops_at_the_first_row_count_it_is_behind(monkeypatch):
     def slow(rows):
         clock[0] += 0.05 if len(rows) < 3 else 0.0
     assert greedy.timed_max_rows(slow, repeat=1) == 2
+
+
+def test_on_amx_it_takes_fewer_rows_than_the_whole_head_takes_tiles_or_onednn_from(embedded_model_dir_bf16):
+    """The copy's exact logits come from the panels' vdpbf16ps; where a whole head's call of more rows takes AMX
+    tiles or oneDNN's copy, it rounds otherwise, so the greedy copy stops below those rows."""
+    _, engine = generate(embedded_model_dir_bf16, MAX_ROWS, SamplingParams(temperature=0.0, max_tokens=2))
+    limit = min(onednn_rows(), panels_amx_rows() or MAX_ROWS + 1) - 1 if onednn_beside_panels() else MAX_ROWS
+    assert engine.runner.greedy_head.max_rows == min(MAX_ROWS, limit)

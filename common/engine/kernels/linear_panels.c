@@ -4,13 +4,14 @@
  * steps past the kernel's rows) here too, so the panels are the weights' only copy, not one of two beside
  * oneDNN's blocked layout.
  *
- * The rows go through ROW_CHUNK at a time: within a chunk each thread takes a run of panels, and for each group
- * of PANEL_GROUP panels and each k-block every tile of rows reads the block (panels_linear), as the decode kernel
- * does: a block's size and how its lines are prefetched follow the rows (panels_bf16.h). A chunk's sums
- * (ROW_CHUNK x PANEL_GROUP x 16 floats) stay in L2; each chunk reads the weights once more.
+ * The rows go through in chunks of at most ROW_CHUNK, even ones: within a chunk each thread takes a run of panels,
+ * and for each group of PANEL_GROUP panels and each k-block every tile of rows reads the block (panels_linear), as
+ * the decode kernel does: a block's size and how its lines are prefetched follow the rows (panels_bf16.h). A chunk's
+ * sums (ROW_CHUNK x PANEL_GROUP x 16 floats) stay in L2; each chunk reads the weights once more.
  *
- * Float32 sums, one order per output whatever the rows or threads (panels_bf16.h); each result rounded to
- * bfloat16, nearest even, as torch's bf16 linear rounds its own.
+ * Float32 sums, one order per output whatever the rows or threads (panels_bf16.h; with AMX tiles, one order per
+ * output on either side of PANEL_AMX_ROWS); each result rounded to bfloat16, nearest even, as torch's bf16 linear
+ * rounds its own.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -61,11 +62,16 @@ static int panels_team(const uint16_t *x, const uint16_t *panels, const uint8_t 
         #pragma omp barrier
         #pragma omp atomic read
         any = failed;
-        if (!any && tiles == NULL)
-            for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
-                const int mr = (int)(m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK);
-                panels_linear(x + r0 * k, mr, (int)k, panels, compact, (int)n, bias, 1, NULL, y + r0 * n, 0, acc);
+        if (!any && tiles == NULL) {
+            /* chunks of even rows: none of fewer than PANEL_AMX_ROWS in a call of more, whose rows then all take the
+             * AMX tiles or none does */
+            const int64_t chunks = (m + ROW_CHUNK - 1) / ROW_CHUNK;
+            for (int64_t c = 0; c < chunks; c++) {
+                const int64_t r0 = m * c / chunks, mr = m * (c + 1) / chunks - r0;
+                panels_linear(x + r0 * k, (int)mr, (int)k, panels, compact, (int)n, bias, 1, NULL, y + r0 * n, 0,
+                              acc);
             }
+        }
         else if (!any)
             for (int64_t i = 0; i < count; i++)
                 panels_linear(x, (int)m, (int)k, panels + (int64_t)tiles[i] * width * k, NULL, (int)width, NULL, 1,
