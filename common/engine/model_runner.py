@@ -421,8 +421,8 @@ class ModelRunner:
         rows = setting if setting >= 0 else GreedyHead.default_rows(self.model.config.hidden_size)
         if not rows or self.config.quantization != "none" or not self._panels_planned():
             return 0
-        if onednn_beside_panels():  # AMX: the whole head's steps of more rows take tiles or oneDNN, the copy's never
-            rows = min(rows, onednn_rows() - 1, (panels_amx_rows() or rows + 1) - 1)
+        if onednn_beside_panels():  # AMX: the whole head's calls of more rows take its tiles, or oneDNN's copy
+            rows = min(rows, (panels_amx_rows() or onednn_rows()) - 1)
         return rows if GreedyHead.takes(*self.model.head().weight.shape) else 0
 
     def _fused_decode_kernel(self) -> bool:

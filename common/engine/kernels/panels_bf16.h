@@ -395,14 +395,10 @@ static void panels_linear(const uint16_t *xb, int m, int k, const uint16_t *pane
                 panel_amx_rows(nz, xb + (int64_t)r0 * k, k, p, pair_stride, pairs,
                                acc + (int64_t)r0 * PANEL_GROUP * PANEL_COLS);
             }
-            for (int r0 = 0; r0 < m; r0 += PANEL_AMX_M) {
-                const int mr = m - r0 < PANEL_AMX_M ? m - r0 : PANEL_AMX_M;
-                float *a = acc + (int64_t)r0 * PANEL_GROUP * PANEL_COLS;
-                for (int r1 = 0; pairs < k / 2 && r1 < mr; r1 += PANEL_TILE_ROWS)
-                    panel_tile_any(mr - r1 < PANEL_TILE_ROWS ? mr - r1 : PANEL_TILE_ROWS, nz,
-                                   xb + (int64_t)(r0 + r1) * k, k, p, pair_stride, z_stride, pairs, k / 2,
-                                   a + (int64_t)r1 * PANEL_GROUP * PANEL_COLS, pairs == 0, 0, NULL, 0, 0, 1);
-            }
+            for (int r0 = 0; pairs < k / 2 && r0 < m; r0 += PANEL_TILE_ROWS) /* the pairs past the tiles' */
+                panel_tile_any(m - r0 < PANEL_TILE_ROWS ? m - r0 : PANEL_TILE_ROWS, nz, xb + (int64_t)r0 * k, k, p,
+                               pair_stride, z_stride, pairs, k / 2, acc + (int64_t)r0 * PANEL_GROUP * PANEL_COLS,
+                               pairs == 0, 0, NULL, 0, 0, 1);
         } else
 #endif
         for (int k0 = 0; k0 < k; k0 += kblock) {
