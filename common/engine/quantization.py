@@ -14,9 +14,10 @@ weight-sized copy; each path computes on the int8 values:
 - larger batches and prompt chunks: the activations are quantized per row
   (``scale_x = max|x_row| / 127``) and multiplied by the int8 weights in
   int8 with int32 sums, then scaled back: W8A8 with dynamic per-token scales.
-  The int8 matmul (``int_mm``) is ``kernels/int8_gemm.c`` up to
-  ``INT8_GEMM_MAX_ROWS`` rows, where torch's reaches a fraction of the CPU's
-  VNNI throughput, and ``torch._int_mm`` past it; both give the same int32
+  The int8 matmul (``int_mm``) is ``kernels/int8_gemm.c`` up to the rows
+  timed at load per weight shape (its VNNI path takes up to 256 rows, where
+  torch's reaches a fraction of the CPU's VNNI throughput; on AMX its tiles
+  take any rows), and ``torch._int_mm`` past them; both give the same int32
   sums exactly, so which one runs never changes an output.
 
 At tensor parallelism a row-parallel layer (the attention output and down projections) holds a slice of each
@@ -67,9 +68,10 @@ INT8_WEIGHT_ONLY_ROWS = 1
 # rows the C kernel takes. ``choose_int8_matmul`` times both on this CPU at load (the crossover moves with the
 # shape, 32 to over 256 rows on Zen 4, and with the CPU: ``python -m bench.int8_gemm --model 1b``); a shape not
 # timed takes DEFAULT_KERNEL_ROWS. The sums are the same either way, so the choice never changes an output.
-INT8_GEMM_MAX_ROWS = 256  # kernels/int8_gemm.c's MAX_ROWS
+# TRIAL_ROWS past the kernel's own limit (``int8_gemm_max_rows``: 256 rows with VNNI, any on AMX tiles) are
+# skipped; the last is a step's token budget by default (engine.max_num_batched_tokens).
 DEFAULT_KERNEL_ROWS = 32
-TRIAL_ROWS = (16, 32, 64, 128, 256)
+TRIAL_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 _kernel_rows: dict[tuple[int, int], int] = {}
 
 
@@ -118,9 +120,27 @@ def int8_gemm_kernel():
     return kernel_function("int8_gemm", "tessera_int8_gemm", (ctypes.c_void_p,) * 3 + (ctypes.c_int,) * 3)
 
 
+@functools.cache
+def int8_gemm_max_rows() -> int:
+    """The most rows ``kernels/int8_gemm.c`` takes on this CPU: 256 with AVX512-VNNI, any (2**30) where AMX tiles
+    serve it, 0 without a compiler or VNNI."""
+    if int8_gemm_kernel() is None:
+        return 0
+    return kernel_function("int8_gemm", "tessera_int8_gemm_max_rows", ())()
+
+
+@functools.cache
+def int8_gemm_amx_rows() -> int:
+    """The fewest rows ``kernels/int8_gemm.c`` multiplies on AMX tiles (0: no tiles on this CPU or build)."""
+    if int8_gemm_kernel() is None:
+        return 0
+    return kernel_function("int8_gemm", "tessera_int8_gemm_amx_rows", ())()
+
+
 def int_mm(xq: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """``xq [m, k] int8 @ q [n, k]^T`` as int32 sums, exactly ``torch._int_mm(xq, q.t())``: the VNNI kernel
-    up to the rows chosen for ``q``'s shape (``choose_int8_matmul``), where the CPU has it; torch's otherwise."""
+    """``xq [m, k] int8 @ q [n, k]^T`` as int32 sums, exactly ``torch._int_mm(xq, q.t())``: kernels/int8_gemm.c
+    (VNNI, or AMX tiles from ``int8_gemm_amx_rows()`` rows) up to the rows chosen for ``q``'s shape
+    (``choose_int8_matmul``), where the CPU has it; torch's otherwise."""
     if xq.shape[0] <= _kernel_rows.get(tuple(q.shape), DEFAULT_KERNEL_ROWS) and xq.is_contiguous() \
             and q.is_contiguous():
         kernel = int8_gemm_kernel()
@@ -139,7 +159,7 @@ def choose_int8_matmul(shapes, repeat: int = 3) -> dict[tuple[int, int], int]:
     for n, k in shapes:
         w = torch.zeros((n, k), dtype=torch.int8).random_(-127, 128)
         rows = 0
-        for m in [m for m in TRIAL_ROWS if m <= INT8_GEMM_MAX_ROWS] if kernel is not None else ():
+        for m in [m for m in TRIAL_ROWS if m <= int8_gemm_max_rows()]:
             x = torch.zeros((m, k), dtype=torch.int8).random_(-127, 128)
             out = torch.empty((m, n), dtype=torch.int32)
             ours = theirs = float("inf")

@@ -36,7 +36,7 @@ int tessera_linear_panels_available(void)
 int tessera_linear_panels_amx_rows(void)
 {
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && PANEL_AMX_ROWS > 0
-    return panel_amx_ready() ? PANEL_AMX_ROWS : 0;
+    return amx_ready() ? PANEL_AMX_ROWS : 0;
 #else
     return 0;
 #endif

@@ -226,7 +226,7 @@ static void compact_linear_tile(const uint16_t *xb, int m, int k, const uint8_t 
  * TFLOP/s. The tiles add each pair's two products in their own order (each output's sums still run over k in one
  * order for a given row count), so a row's outputs from a step of PANEL_AMX_ROWS rows or more differ in rounding
  * from one of fewer: engine.deterministic takes a build with PANEL_AMX_ROWS 0 (no tiles). The kernel asks Linux for
- * the tiles' state once (arch_prctl ARCH_REQ_XCOMP_PERM); where it is refused, every step takes vdpbf16ps. */
+ * the tiles' state once (amx.h); where it is refused, every step takes vdpbf16ps. */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && PANEL_INTERLEAVED
 #ifndef PANEL_AMX_ROWS
 #define PANEL_AMX_ROWS 4
@@ -237,43 +237,18 @@ static void compact_linear_tile(const uint16_t *xb, int m, int k, const uint8_t 
 #endif
 
 #if PANEL_AMX_ROWS > 0
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
 #define PANEL_AMX_M 16 /* rows of a tile */
 #ifndef PANEL_AMX_AHEAD
 #define PANEL_AMX_AHEAD 8192
 #endif
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} panel_amx_config_t;
-
-/* 1 once Linux lets this process use the tiles (asked on the first call), else 0 */
-static int panel_amx_ready(void)
-{
-    static int state; /* 0: not asked yet, 1: granted, -1: refused */
-    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
-    if (s == 0) {
-        s = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
-        __atomic_store_n(&state, s, __ATOMIC_RELEASE);
-    }
-    return s > 0;
-}
-
 /* tiles 0-3: the sums of mr rows x 16 floats of 4 panels; 4: mr rows of x over 32 inputs; 5-7: a panel's 16 pairs */
 static void panel_amx_configure(int mr)
 {
-    panel_amx_config_t cfg;
-    __builtin_memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = t < 5 ? (uint8_t)mr : 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    const uint8_t m = (uint8_t)mr, rows[8] = {m, m, m, m, m, 16, 16, 16};
+    amx_configure(rows);
 }
 
 /* acc[r][0..nz*16) = x[r][0..2 * pairs) . panels p..p+nz of one tile (pairs a multiple of 16), for the mr rows the
@@ -357,7 +332,7 @@ static void panels_linear(const uint16_t *xb, int m, int k, const uint16_t *pane
     /* whether the tiles of rows share the next k-block's lines (the layout before the tiles never did) */
     const int spread = PANEL_INTERLEAVED && m >= PANEL_SPREAD_ROWS && m < PANEL_WIDE_ROWS;
 #if PANEL_AMX_ROWS > 0
-    const int amx = compact == NULL && m >= PANEL_AMX_ROWS && panel_amx_ready();
+    const int amx = compact == NULL && m >= PANEL_AMX_ROWS && amx_ready();
     int configured = 0; /* the rows the tiles are configured for in this call, 0: none yet */
 #endif
     for (int p0 = begin, nz; p0 < end; p0 += nz) {
