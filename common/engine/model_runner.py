@@ -40,7 +40,9 @@ from common.engine.models.llama import (COMPACT_BESIDE_ROWS, FusedDecode, check_
                                        onednn_prepacks_bf16, onednn_prepacks_float32, onednn_rows, wide_sums)
 from common.engine.models.loader import load_hf_config, load_model
 from common.engine.native import gemv_bf16_kernel, panels_amx_rows
-from common.engine.quantization import calibration_ids, choose_int8_matmul, quantize_model_int8, smooth_for_int8
+from common.engine.heap import keep_freed_memory
+from common.engine.quantization import (calibration_ids, choose_int8_matmul, kernel_row_ranges, quantize_model_int8,
+                                        smooth_for_int8)
 from common.engine.sampler import Sampler, SamplingRow, argmax_suffices, penalty_prompt_ids
 from common.engine.scheduler import StepPlan
 from common.engine.sequence import Sequence
@@ -192,6 +194,8 @@ class ModelRunner:
             else:
                 join_group(config, rank, rendezvous)
         self.device = torch.device(config.devices[rank])
+        if self.device.type == "cpu" and config.cpu.keep_freed_memory:
+            keep_freed_memory()  # for this process: every engine in it is on the CPU
         self.dtype = getattr(torch, config.dtype)
         self.attention = select_backend(config.attention_backend, str(self.device), config.block_size,
                                         config.deterministic)
@@ -231,8 +235,8 @@ class ModelRunner:
             chosen = choose_int8_matmul(tuple(m.weight.shape) for m in self.model.modules()
                                         if isinstance(getattr(m, "weight", None), torch.Tensor)
                                         and m.weight.dtype is torch.int8)
-            log.info("int8 matmul: kernels/int8_gemm.c up to %s rows, torch._int_mm past them (timed in %.1fs)",
-                     ", ".join(f"{rows} for {n}x{k}" for (n, k), rows in chosen.items()),
+            log.info("int8 matmul: kernels/int8_gemm.c at %s rows, torch._int_mm at the others (timed in %.1fs)",
+                     "; ".join(f"{kernel_row_ranges(shape)} for {shape[0]}x{shape[1]}" for shape in chosen),
                      time.monotonic() - started)
         bf16_cpu = self.dtype is torch.bfloat16 and self.device.type == "cpu" and not config.deterministic
         if bf16_cpu:

@@ -45,8 +45,10 @@ perplexity) is in docs/benchmarks.md.
 """
 from __future__ import annotations
 
+import bisect
 import ctypes
 import functools
+import threading
 import time
 from collections.abc import Callable
 from importlib import resources
@@ -64,15 +66,17 @@ SMALL_BATCH_ROWS = 8  # rows the small-batch kernels take with int8 or float32 w
 # step is bound by them. The one-call kernel's own limit for int8 is timed at load
 # (ModelRunner._choose_decode_rows; ``python -m bench.decode_kernel --model 1b --quantization int8``).
 INT8_WEIGHT_ONLY_ROWS = 1
-# The int8 matmul's choice between kernels/int8_gemm.c and torch._int_mm, per weight shape (n, k): the most
-# rows the C kernel takes. ``choose_int8_matmul`` times both on this CPU at load (the crossover moves with the
-# shape, 32 to over 256 rows on Zen 4, and with the CPU: ``python -m bench.int8_gemm --model 1b``); a shape not
-# timed takes DEFAULT_KERNEL_ROWS. The sums are the same either way, so the choice never changes an output.
-# TRIAL_ROWS past the kernel's own limit (``int8_gemm_max_rows``: 256 rows with VNNI, any on AMX tiles) are
-# skipped; the last is a step's token budget by default (engine.max_num_batched_tokens).
+# The int8 matmul's choice between kernels/int8_gemm.c and torch._int_mm, per weight shape (n, k) and number of
+# rows. ``choose_int8_matmul`` times both on this CPU at load at TRIAL_ROWS (the crossover moves with the shape,
+# 32 to over 256 rows on Zen 4, and with the CPU; on AMX tiles the kernel leads at most rows, but not everywhere at
+# 135M's k of 576: ``python -m bench.int8_gemm --model 1b``); a call takes the way that was faster at the first
+# trial of as many rows or more (the last trial's past them). A shape not timed takes the kernel up to
+# DEFAULT_KERNEL_ROWS. The sums are the same either way, so the choice never changes an output. TRIAL_ROWS past
+# the kernel's own limit (``int8_gemm_max_rows``: 256 rows with VNNI, any on AMX tiles) take torch's; the last
+# is a step's token budget by default (engine.max_num_batched_tokens).
 DEFAULT_KERNEL_ROWS = 32
 TRIAL_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)
-_kernel_rows: dict[tuple[int, int], int] = {}
+_kernel_trials: dict[tuple[int, int], tuple[bool, ...]] = {}  # per shape, per TRIAL_ROWS: the kernel was faster
 
 
 def quantize_rows(weight: torch.Tensor, tp=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,29 +141,70 @@ def int8_gemm_amx_rows() -> int:
     return kernel_function("int8_gemm", "tessera_int8_gemm_amx_rows", ())()
 
 
-def int_mm(xq: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+_sums = threading.local()  # this thread's buffer for a matmul's int32 sums (``sums_buffer``)
+
+
+def sums_buffer(rows: int, n: int) -> torch.Tensor:
+    """An int32 ``[rows, n]`` view of this thread's buffer for an int8 matmul's sums, grown to the largest asked
+    and kept. The sums live only until the caller's next step (dequantizing them, the MLP's middle); a fresh tensor
+    that size (past glibc's 32 MB threshold, where it maps new pages: 1B's gate/up from about 700 rows) takes a
+    page fault per 4 KB on every call, a third of a 1,024-row prompt step's int8 matmuls (bench.int8_gemm)."""
+    buffer = getattr(_sums, "buffer", None)
+    if buffer is None or buffer.numel() < rows * n:
+        buffer = _sums.buffer = torch.empty(rows * n, dtype=torch.int32)
+    return buffer[:rows * n].view(rows, n)
+
+
+def int_mm(xq: torch.Tensor, q: torch.Tensor, transient: bool = False) -> torch.Tensor:
     """``xq [m, k] int8 @ q [n, k]^T`` as int32 sums, exactly ``torch._int_mm(xq, q.t())``: kernels/int8_gemm.c
-    (VNNI, or AMX tiles from ``int8_gemm_amx_rows()`` rows) up to the rows chosen for ``q``'s shape
-    (``choose_int8_matmul``), where the CPU has it; torch's otherwise."""
-    if xq.shape[0] <= _kernel_rows.get(tuple(q.shape), DEFAULT_KERNEL_ROWS) and xq.is_contiguous() \
-            and q.is_contiguous():
+    (VNNI, or AMX tiles from ``int8_gemm_amx_rows()`` rows) where ``choose_int8_matmul`` chose it for ``q``'s
+    shape and as many rows, torch's otherwise. ``transient``: the sums go to ``sums_buffer`` (valid until the next
+    transient call on this thread)."""
+    m, n = xq.shape[0], q.shape[0]
+    out = sums_buffer(m, n) if transient else torch.empty((m, n), dtype=torch.int32)
+    if _takes_kernel(tuple(q.shape), m) and xq.is_contiguous() and q.is_contiguous():
         kernel = int8_gemm_kernel()
-        if kernel is not None:
-            out = torch.empty((xq.shape[0], q.shape[0]), dtype=torch.int32)
-            if kernel(xq.data_ptr(), q.data_ptr(), out.data_ptr(), xq.shape[0], q.shape[0], xq.shape[1]) == 0:
-                return out
-    return torch._int_mm(xq, q.t())
+        if kernel is not None and kernel(xq.data_ptr(), q.data_ptr(), out.data_ptr(), m, n, xq.shape[1]) == 0:
+            return out
+    return torch._int_mm(xq, q.t(), out=out)
 
 
-def choose_int8_matmul(shapes, repeat: int = 3) -> dict[tuple[int, int], int]:
+def _takes_kernel(shape: tuple[int, int], rows: int) -> bool:
+    """Whether ``rows`` rows against a weight of ``shape`` take kernels/int8_gemm.c (``choose_int8_matmul``)."""
+    trials = _kernel_trials.get(shape)
+    if trials is None:
+        return rows <= DEFAULT_KERNEL_ROWS
+    return trials[min(bisect.bisect_left(TRIAL_ROWS, rows), len(TRIAL_ROWS) - 1)]
+
+
+def kernel_row_ranges(shape: tuple[int, int]) -> str:
+    """The row counts that take the kernel for ``shape``, as ranges (``1-32, 257-2048+``), for the load's log."""
+    trials, ranges, low = _kernel_trials.get(shape, ()), [], 1
+    for i, wins in enumerate(trials):
+        top = TRIAL_ROWS[i]
+        if wins and ranges and ranges[-1][1] == low - 1:
+            ranges[-1][1] = top
+        elif wins:
+            ranges.append([low, top])
+        low = top + 1
+    if not ranges:
+        return "none"
+    last = TRIAL_ROWS[-1]
+    return ", ".join(f"{a}-{b}{'+' if b == last else ''}" for a, b in ranges)
+
+
+def choose_int8_matmul(shapes, repeat: int = 3) -> dict[tuple[int, int], tuple[int, ...]]:
     """Times the int8 matmul both ways on this CPU for each weight shape ``(n, k)`` at ``TRIAL_ROWS``, the two
-    alternating, best of ``repeat``, and keeps per shape the most rows up to which the C kernel was never the
-    slower (0 where it cannot run). Returns the choice; ``int_mm`` follows it from now on."""
+    alternating, best of ``repeat``, and keeps per shape and trial which was faster (torch's where the kernel
+    cannot run). Returns per shape the trial rows the kernel took; ``int_mm`` follows the choice from now on."""
     kernel, shapes = int8_gemm_kernel(), sorted(set(shapes))
     for n, k in shapes:
         w = torch.zeros((n, k), dtype=torch.int8).random_(-127, 128)
-        rows = 0
-        for m in [m for m in TRIAL_ROWS if m <= int8_gemm_max_rows()]:
+        wins = []
+        for m in TRIAL_ROWS:
+            if m > int8_gemm_max_rows():
+                wins.append(False)
+                continue
             x = torch.zeros((m, k), dtype=torch.int8).random_(-127, 128)
             out = torch.empty((m, n), dtype=torch.int32)
             ours = theirs = float("inf")
@@ -170,11 +215,9 @@ def choose_int8_matmul(shapes, repeat: int = 3) -> dict[tuple[int, int], int]:
                 middle = time.perf_counter()
                 torch._int_mm(x, w.t())
                 ours, theirs = min(ours, middle - start), min(theirs, time.perf_counter() - middle)
-            if ours > theirs:
-                break
-            rows = m
-        _kernel_rows[(n, k)] = rows
-    return {shape: _kernel_rows[shape] for shape in shapes}
+            wins.append(ours <= theirs < float("inf"))  # inf: the kernel refused the shape
+        _kernel_trials[(n, k)] = tuple(wins)
+    return {shape: tuple(m for m, won in zip(TRIAL_ROWS, _kernel_trials[shape]) if won) for shape in shapes}
 
 
 @functools.cache
@@ -203,7 +246,7 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
                 return out if tp is None else tp.all_reduce(out)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     xq, x_scale = quantize_activations(x2, tp)
-    acc = int_mm(xq, q)
+    acc = int_mm(xq, q, transient=True)
     out = dequantize(acc if tp is None else tp.all_reduce(acc), x_scale, scale, bias, x.dtype)
     return out.reshape(*x.shape[:-1], q.shape[0])
 
@@ -260,7 +303,7 @@ def mlp_int8(x: torch.Tensor, gate_up: nn.Module, down: nn.Module,
         return None
     inter = gate_up.weight.shape[0] // 2
     xq, x_scale = quantize_activations(x.contiguous())
-    acc = int_mm(xq, gate_up.weight)
+    acc = int_mm(xq, gate_up.weight, transient=True)  # read into the middle before down's sums reuse it
     bias = None if gate_up.bias is None else gate_up.bias.float().contiguous()
     tp = getattr(down, "row_parallel", None)
     if tp is not None:
@@ -268,13 +311,14 @@ def mlp_int8(x: torch.Tensor, gate_up: nn.Module, down: nn.Module,
         silu_mul_rows_kernel()(acc.data_ptr(), x_scale.data_ptr(), gate_up.weight_scale.data_ptr(),
                                None if bias is None else bias.data_ptr(), middle.data_ptr(), x.shape[0], inter)
         aq, a_scale = quantize_activations(middle, tp)
-        return dequantize(tp.all_reduce(int_mm(aq, down.weight)), a_scale, down.weight_scale, down.bias, x.dtype)
+        return dequantize(tp.all_reduce(int_mm(aq, down.weight, transient=True)), a_scale, down.weight_scale,
+                          down.bias, x.dtype)
     threads = torch.get_num_threads()
     aq, a_scale = torch.empty((x.shape[0], inter), dtype=torch.int8), torch.empty(x.shape[0], dtype=torch.float32)
     scratch = torch.empty((threads, inter))  # one float32 row per thread; held until the call returns
     kernel(acc.data_ptr(), x_scale.data_ptr(), gate_up.weight_scale.data_ptr(), None if bias is None else bias.data_ptr(),
            aq.data_ptr(), a_scale.data_ptr(), scratch.data_ptr(), x.shape[0], inter, threads)
-    return dequantize(int_mm(aq, down.weight), a_scale, down.weight_scale, down.bias, x.dtype)
+    return dequantize(int_mm(aq, down.weight, transient=True), a_scale, down.weight_scale, down.bias, x.dtype)
 
 
 class Int8Embedding(nn.Module):

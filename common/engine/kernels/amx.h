@@ -42,7 +42,9 @@ static void amx_configure(const uint8_t rows[8])
         cfg.rows[t] = rows[t];
         cfg.colsb[t] = 64;
     }
-    _tile_loadconfig(&cfg);
+    /* not _tile_loadconfig: GCC 12's tells the compiler it reads 8 bytes of the configuration, so the stores of
+     * the rest may be dropped (an invalid configuration: the tiles fault); the whole struct as the operand */
+    __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
 }
 #endif
 

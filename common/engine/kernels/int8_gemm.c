@@ -90,8 +90,18 @@ static inline __attribute__((always_inline)) void block(const int8_t *x, const i
 #ifndef INT8_AMX_ROWS
 #define INT8_AMX_ROWS 4 /* the fewest rows that take the tiles */
 #endif
+/* Which operand x is: a call of m rows transposes 4 sum tiles per pair of x blocks and weight pair where the weights
+ * are the A operand (m / 8 per pair), k / 32 words blocks where the weight pair is packed as B (per pass); so x is
+ * A (wide) from INT8_AMX_WIDE_ROWS rows where m >= k / 4 (bench.int8_gemm: at 256-2048 rows, 1.2-1.9x the other
+ * way at 135M's k of 576-1536, 1.3-1.6x at 1024-2048 rows of 1B's k of 2048; the other way ahead below) */
+#ifndef INT8_AMX_WIDE_ROWS
+#define INT8_AMX_WIDE_ROWS 128
+#endif
 #ifndef INT8_AMX_MC
-#define INT8_AMX_MC 256 /* x rows per pass over the weights */
+#define INT8_AMX_MC 256 /* x rows per pass over the weights, weights as A: their packed copy stays in L2 */
+#endif
+#ifndef INT8_AMX_WIDE_MC
+#define INT8_AMX_WIDE_MC 1024 /* x rows per pass, x as A: every pass packs each weight pair again */
 #endif
 #ifndef INT8_AMX_STREAM_BYTES
 #define INT8_AMX_STREAM_BYTES (2 << 20) /* a y from this size on is written past the caches */
@@ -120,8 +130,8 @@ static inline __attribute__((always_inline)) void transpose16x16_epi32(__m512i r
     }
 }
 
-/* x's block of 16 rows from row r0 (mr of them real, the rest zero), as the tiles' B operand for each 64 inputs:
- * xp[c][g][j] = the 4 bytes x[r0 + j][64c + 4g .. 64c + 4g + 3], one KB per c */
+/* a block of 16 rows of x or of the weights (mr of them real, the rest zero), k apart, as the tiles' B operand for
+ * each 64 inputs: xp[c][g][j] = the 4 bytes x[j][64c + 4g .. 64c + 4g + 3], one KB per c */
 static void int8_amx_pack(const int8_t *x, int64_t k, int mr, int8_t *xp)
 {
     for (int64_t c = 0; c < k / 64; c++) {
@@ -209,40 +219,117 @@ static void int8_amx_item(const int8_t *w, int64_t k, int nw, const int8_t *xp, 
     }
 }
 
-/* x's packed copy, per calling thread, grown to the largest call's (m rounded up to 16) x k bytes and kept */
-static __thread int8_t *int8_amx_buffer;
-static __thread size_t int8_amx_capacity;
+/* y[r][j0 .. j0 + 16 * nw) for the x rows of one pass (m of them, a multiple of 16, row-major in x), nw (1 or 2)
+ * weight blocks from row j0, the weight blocks first packed into wp (the tiles' B operand, 2 * k bytes): pairs of
+ * x blocks over the whole k in 2 x 2 sum tiles (tiles 0-3; 4-5: the x blocks, 6-7: the weight blocks), each tile
+ * of 16 x rows x 16 weight rows stored as y holds it (no transposes; through buf when y is written past the
+ * caches) */
+static void int8_amx_item_wide(const int8_t *w, int64_t k, int nw, const int8_t *x, int m, int32_t *y, int64_t n,
+                               int64_t j0, int8_t *wp, int stream)
+{
+    const int64_t kc = k / 64;
+    for (int b = 0; b < nw; b++) int8_amx_pack(w + (j0 + 16 * b) * k, k, 16, wp + b * kc * 1024);
+    const int8_t *wp0 = wp, *wp1 = wp + kc * 1024;
+    int32_t buf[256] __attribute__((aligned(64)));
+    for (int r = 0; r < m; r += 32) {
+        const int two = r + 16 < m;
+        const int8_t *x0 = x + (int64_t)r * k, *x1 = x0 + 16 * k;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t c = 0; c < kc; c++) {
+            _tile_loadd(4, x0 + 64 * c, k);
+            _tile_loadd(6, wp0 + 1024 * c, 64);
+            _tile_dpbssd(0, 4, 6);
+            if (nw > 1) {
+                _tile_loadd(7, wp1 + 1024 * c, 64);
+                _tile_dpbssd(1, 4, 7);
+            }
+            if (two) {
+                _tile_loadd(5, x1 + 64 * c, k);
+                _tile_dpbssd(2, 5, 6);
+                if (nw > 1) _tile_dpbssd(3, 5, 7);
+            }
+        }
+        int32_t *y0 = y + (int64_t)r * n + j0, *y1 = y0 + 16 * n;
+#define INT8_AMX_WIDE_STORE(t, yt)                                                                                 \
+    do {                                                                                                           \
+        if (stream) {                                                                                              \
+            _tile_stored(t, buf, 64);                                                                              \
+            for (int i_ = 0; i_ < 16; i_++)                                                                        \
+                _mm512_stream_si512((__m512i *)((yt) + (int64_t)i_ * n), _mm512_load_si512(buf + 16 * i_));       \
+        } else {                                                                                                   \
+            _tile_stored(t, (yt), n * 4);                                                                          \
+        }                                                                                                          \
+    } while (0)
+        INT8_AMX_WIDE_STORE(0, y0);
+        if (nw > 1) INT8_AMX_WIDE_STORE(1, y0 + 16);
+        if (two) {
+            INT8_AMX_WIDE_STORE(2, y1);
+            if (nw > 1) INT8_AMX_WIDE_STORE(3, y1 + 16);
+        }
+#undef INT8_AMX_WIDE_STORE
+    }
+}
+
+/* x's packed copy (the rows the narrow items take), per calling thread, grown to the largest call's and kept; and
+ * per OpenMP thread, the weight pair a wide item packs */
+static __thread int8_t *int8_amx_buffer, *int8_amx_wbuffer;
+static __thread size_t int8_amx_capacity, int8_amx_wcapacity;
+
+static int8_t *int8_amx_grow(int8_t **buffer, size_t *capacity, size_t need)
+{
+    if (need > *capacity) {
+        free(*buffer);
+        *buffer = aligned_alloc(64, need);
+        *capacity = *buffer != NULL ? need : 0;
+    }
+    return *buffer;
+}
 
 static int int8_amx_gemm(const int8_t *x, const int8_t *w, int32_t *y, int m, int n, int k)
 {
-    const int blocks = (m + 15) / 16;
-    const size_t need = (size_t)blocks * 16 * k;
-    if (need > int8_amx_capacity) {
-        free(int8_amx_buffer);
-        int8_amx_buffer = aligned_alloc(64, need);
-        int8_amx_capacity = int8_amx_buffer != NULL ? need : 0;
-        if (int8_amx_buffer == NULL) return -1;
-    }
-    int8_t *xp = int8_amx_buffer;
+    /* wide: the whole blocks of 16 rows take x as the tiles' A operand, each weight pair packed once per pass; the
+     * rows past them (and every row of a narrow call) are packed and take the weights as A */
+    const int m16 = m >= INT8_AMX_WIDE_ROWS && 4 * (int64_t)m >= k ? m / 16 * 16 : 0, tail = m - m16;
+    const int tail_blocks = (tail + 15) / 16;
+    int8_t *xp = int8_amx_grow(&int8_amx_buffer, &int8_amx_capacity, (size_t)(tail_blocks > 0 ? tail_blocks : 1)
+                               * 16 * k);
+    if (xp == NULL) return -1;
     /* non-temporal stores need y's rows 64-byte aligned; a y this large leaves the core's caches anyway, and
      * writing it past them saves reading each line before it is written (1.3-1.5x at 256-1024 rows of the 1B
      * shape's gate/up and LM head, bench.int8_gemm) */
     const int stream = (int64_t)m * n * 4 >= INT8_AMX_STREAM_BYTES && ((uintptr_t)y & 63) == 0 && n % 16 == 0;
     const int wblocks = n / 16, items = (wblocks + 1) / 2;
-    #pragma omp parallel
+    int failed = 0;
+    #pragma omp parallel reduction(|: failed)
     {
         #pragma omp for schedule(static)
-        for (int b = 0; b < blocks; b++)
-            int8_amx_pack(x + (int64_t)b * 16 * k, k, m - b * 16 < 16 ? m - b * 16 : 16, xp + (int64_t)b * 16 * k);
+        for (int b = 0; b < tail_blocks; b++)
+            int8_amx_pack(x + (int64_t)(m16 + b * 16) * k, k, tail - b * 16 < 16 ? tail - b * 16 : 16,
+                          xp + (int64_t)b * 16 * k);
+        int8_t *wp = m16 > 0 ? int8_amx_grow(&int8_amx_wbuffer, &int8_amx_wcapacity, (size_t)32 * k) : NULL;
+        failed = m16 > 0 && wp == NULL;
         const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
         amx_configure(rows);
         int8_amx_out_t out = {.y = {NULL, NULL, NULL, NULL}, .stream = stream};
-        for (int r0 = 0; r0 < m; r0 += INT8_AMX_MC) {
-            const int mc = m - r0 < INT8_AMX_MC ? m - r0 : INT8_AMX_MC;
+        /* wide passes of INT8_AMX_WIDE_MC rows, the tail riding in the last (the weight pair still in L2); or
+         * narrow passes of INT8_AMX_MC rows */
+        const int per_pass = m16 > 0 ? INT8_AMX_WIDE_MC : INT8_AMX_MC, rows_passed = m16 > 0 ? m16 : tail;
+        const int passes = (rows_passed + per_pass - 1) / per_pass;
+        for (int pass = 0; pass < passes; pass++) {
+            const int r0 = pass * per_pass, mc = rows_passed - r0 < per_pass ? rows_passed - r0 : per_pass;
             #pragma omp for schedule(static)
             for (int it = 0; it < items; it++) {
                 const int nw = 2 * it + 1 < wblocks ? 2 : 1;
-                int8_amx_item(w, k, nw, xp + (int64_t)r0 * k, mc, y + (int64_t)r0 * n, n, (int64_t)it * 32, &out);
+                if (m16 == 0)
+                    int8_amx_item(w, k, nw, xp + (int64_t)r0 * k, mc, y + (int64_t)r0 * n, n, (int64_t)it * 32, &out);
+                else if (wp != NULL)
+                    int8_amx_item_wide(w, k, nw, x + (int64_t)r0 * k, mc, y + (int64_t)r0 * n, n, (int64_t)it * 32,
+                                       wp, stream);
+                if (m16 > 0 && tail > 0 && pass == passes - 1)
+                    int8_amx_item(w, k, nw, xp, tail, y + (int64_t)m16 * n, n, (int64_t)it * 32, &out);
             }
             int8_amx_flush(&out, n); /* this thread's last tiles of the pass */
             if (stream) _mm_sfence(); /* the non-temporal stores seen before the call returns */
@@ -256,7 +343,7 @@ static int int8_amx_gemm(const int8_t *x, const int8_t *w, int32_t *y, int m, in
                 y[(int64_t)r * n + j] = s;
             }
     }
-    return 0;
+    return failed ? -1 : 0;
 }
 #define INT8_AMX 1
 #else
