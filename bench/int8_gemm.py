@@ -1,13 +1,13 @@
-"""The int8 matmul of W8A8 at a decode step's rows: kernels/int8_gemm.c against torch._int_mm, per layer shape.
+"""The int8 matmul of W8A8 at a step's rows: kernels/int8_gemm.c against torch._int_mm, per layer shape.
 
-    .venv/bin/python -m bench.int8_gemm [--model 1b] [--rows 2 4 8 16 32 64 128 256] [--threads 2]
+    .venv/bin/python -m bench.int8_gemm [--model 1b] [--rows 2 4 8 16 32 64 128 256 1024 2048] [--threads 2]
 
 For the model's four linear shapes (q/k/v, o, gate/up, down; from its config.json, no weights loaded) and its
 LM head, random int8 activations and weights, per number of rows: each way's time per call, ms (the best of
 ``--repeat`` rounds, the two ways alternating, so the machine's drift biases neither), and their ratio. The
-two give the same int32 sums (checked on every shape). The last lines give, per shape, the most rows up to
-which the kernel was never the slower: what ``quantization.choose_int8_matmul`` decides at load, on its own
-trial rows.
+two give the same int32 sums (checked on every shape). The last lines give, per shape, the row counts where
+the kernel was the faster: ``quantization.choose_int8_matmul`` decides so at load, per trial row count. The
+kernel takes at most 256 rows with VNNI, any number on AMX tiles (``quantization.int8_gemm_max_rows``).
 """
 from __future__ import annotations
 
@@ -68,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{model.name}'s shapes, {args.threads} threads; ms per call (best of {args.repeat}, alternating)\n")
     print("| layer (n x k) | rows | int8_gemm.c | torch._int_mm | speed-up |")
     print("|---|---|---|---|---|")
-    ahead: dict[str, int] = {}
-    for name, n, k in shapes(model_dir):
+    ahead: dict[str, list[int]] = {}
+    layer_shapes = list(shapes(model_dir))
+    for name, n, k in layer_shapes:
         w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
         for rows in args.rows:
             x = torch.randint(-127, 128, (rows, k), dtype=torch.int8)
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
 
             def ours() -> None:
                 if kernel(x.data_ptr(), w.data_ptr(), out.data_ptr(), rows, n, k) != 0:
-                    raise SystemExit(f"int8_gemm.c refused {rows} x {k} @ {n} x {k} (needs AVX512-VNNI, k % 64 == 0)")
+                    raise SystemExit(f"int8_gemm.c refused {rows} x {k} @ {n} x {k} (needs AVX512-VNNI, k % 64 == 0, "
+                                     "at most 256 rows without AMX tiles)")
 
             def theirs() -> torch.Tensor:
                 return torch._int_mm(x, w.t())
@@ -88,12 +90,12 @@ def main(argv: list[str] | None = None) -> int:
             a = b = float("inf")
             for _ in range(args.repeat):
                 a, b = min(a, best_ms(ours, 1)), min(b, best_ms(theirs, 1))
-            if ahead.get(name, 0) >= 0:  # still never slower: extend, or stop at the first loss
-                ahead[name] = rows if a <= b else -ahead.get(name, 0) - 1
+            if a <= b:
+                ahead.setdefault(name, []).append(rows)
             print(f"| {name} ({n} x {k}) | {rows} | {a:.2f} | {b:.2f} | {b / a:.2f}× |")
     print()
-    for name, rows in ahead.items():
-        print(f"{name}: the kernel never the slower up to {rows if rows >= 0 else -rows - 1} rows")
+    for name, *_ in layer_shapes:
+        print(f"{name}: the kernel the faster at {', '.join(map(str, ahead.get(name, []))) or 'no'} rows")
     return 0
 
 

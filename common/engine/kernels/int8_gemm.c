@@ -86,6 +86,7 @@ static inline __attribute__((always_inline)) void block(const int8_t *x, const i
 #include <omp.h>
 
 #include "amx.h"
+#include "simd.h"
 
 #ifndef INT8_AMX_ROWS
 #define INT8_AMX_ROWS 4 /* the fewest rows that take the tiles */
@@ -111,25 +112,6 @@ static inline __attribute__((always_inline)) void block(const int8_t *x, const i
 #endif
 
 
-/* r[0..16) transposed as a 16 x 16 matrix of 32-bit words: bit b of the row and column indices swapped, b = 8..1 */
-static inline __attribute__((always_inline)) void transpose16x16_epi32(__m512i r[16])
-{
-    for (int b = 8; b >= 1; b >>= 1) {
-        int lo[16], hi[16];
-        for (int c = 0; c < 16; c++) {
-            lo[c] = c & b ? 16 + c - b : c;
-            hi[c] = c & b ? 16 + c : c + b;
-        }
-        const __m512i lo_idx = _mm512_loadu_si512(lo), hi_idx = _mm512_loadu_si512(hi);
-        for (int i = 0; i < 16; i++)
-            if (!(i & b)) {
-                const __m512i a = r[i], c = r[i + b];
-                r[i] = _mm512_permutex2var_epi32(a, lo_idx, c);
-                r[i + b] = _mm512_permutex2var_epi32(a, hi_idx, c);
-            }
-    }
-}
-
 /* a block of 16 rows of x or of the weights (mr of them real, the rest zero), k apart, as the tiles' B operand for
  * each 64 inputs: xp[c][g][j] = the 4 bytes x[j][64c + 4g .. 64c + 4g + 3], one KB per c */
 static void int8_amx_pack(const int8_t *x, int64_t k, int mr, int8_t *xp)
@@ -138,7 +120,7 @@ static void int8_amx_pack(const int8_t *x, int64_t k, int mr, int8_t *xp)
         __m512i r[16];
         for (int j = 0; j < 16; j++)
             r[j] = j < mr ? _mm512_loadu_si512(x + (int64_t)j * k + 64 * c) : _mm512_setzero_si512();
-        transpose16x16_epi32(r);
+        transpose16x16(r);
         for (int g = 0; g < 16; g++) _mm512_storeu_si512(xp + c * 1024 + g * 64, r[g]);
     }
 }
@@ -159,7 +141,7 @@ static void int8_amx_flush(int8_amx_out_t *out, int64_t n)
         if (out->y[t] == NULL) continue;
         __m512i v[16];
         for (int i = 0; i < 16; i++) v[i] = _mm512_load_si512(out->buf[t] + 16 * i);
-        transpose16x16_epi32(v);
+        transpose16x16(v);
         if (out->stream)
             for (int j = 0; j < out->rows[t]; j++) _mm512_stream_si512((__m512i *)(out->y[t] + (int64_t)j * n), v[j]);
         else

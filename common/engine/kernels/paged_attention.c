@@ -92,33 +92,6 @@ int tessera_paged_attention(
 #define CHUNK_MAX_VECS 64 /* query vectors per item: the query tile shrinks for large groups */
 #define VB 4              /* query vectors computed together: independent FMA chains */
 
-/* r[0..16) as a 16 x 16 matrix of 32-bit words, transposed in place (64 shuffles) */
-static inline __attribute__((always_inline)) void transpose16x16(__m512i *r) {
-    __m512i t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) { /* r[4i + c], 128-bit lane L: word 4L + c of rows 4i..4i+3 */
-        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int c = 0; c < 4; c++) {
-        t[4 * c] = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44);
-        t[4 * c + 1] = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xee);
-        t[4 * c + 2] = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
-        t[4 * c + 3] = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xee);
-    }
-    for (int c = 0; c < 4; c++) {
-        r[c] = _mm512_shuffle_i32x4(t[4 * c], t[4 * c + 2], 0x88);
-        r[4 + c] = _mm512_shuffle_i32x4(t[4 * c], t[4 * c + 2], 0xdd);
-        r[8 + c] = _mm512_shuffle_i32x4(t[4 * c + 1], t[4 * c + 3], 0x88);
-        r[12 + c] = _mm512_shuffle_i32x4(t[4 * c + 1], t[4 * c + 3], 0xdd);
-    }
-}
-
 static inline __attribute__((always_inline)) void chunk_item(
     const uint16_t *q, int64_t q_row_stride, const uint16_t *kv, int64_t block_stride, int64_t k_offset,
     int64_t v_offset, const int64_t *table, int64_t token_start, int64_t num_computed, int q_first, int nq,
@@ -220,6 +193,153 @@ static inline __attribute__((always_inline)) void chunk_item(
         uint16_t *o = out + ((token_start + q_first + v / group) * num_heads + kvh * group + v % group) * (int64_t)head_dim;
         for (int b = 0; b < dblocks; b++)
             _mm256_storeu_si256((__m256i *)(o + 16 * b), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[v][b], inv)));
+    }
+}
+#endif
+
+/*
+ * The bfloat16 chunk item on AMX tiles (Intel Xeon from Sapphire Rapids), for head sizes of 32-128 in steps of 32:
+ * the same item, keys AMX_KT = 32 at a time, 16 query vectors a tile of rows. The scores of a tile of queries
+ * against 32 keys are two tdpbf16ps sums (16 x 16 floats each) over the head's dimensions, 32 at a time: the
+ * queries (bf16, scaled) are the A operand as they are held, 16 keys' K as pairs of dimensions by key (kt, as the
+ * vdpbf16ps item lays it out) the B operand. The running softmax is the item's (vector code, a row at a time); the
+ * probabilities (rounded to bf16, as there) are the A operand of the second product, V as pairs of keys by
+ * dimension its B operand, 16 dimensions a sum tile, added into each query's float32 accumulator. The tiles add a
+ * pair's two products in their own order, so the outputs differ from the vdpbf16ps item's in rounding; prompt
+ * chunks never run under engine.deterministic (every row a decode row there).
+ */
+#if defined(CHUNK_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "amx.h"
+
+#define CHUNK_AMX 1
+#define AMX_KT 32
+#define AMX_MAX_HEAD_DIM 128
+
+static inline __attribute__((always_inline)) void chunk_item_amx(
+    const uint16_t *q, int64_t q_row_stride, const uint16_t *kv, int64_t block_stride, int64_t k_offset,
+    int64_t v_offset, const int64_t *table, int64_t token_start, int64_t num_computed, int q_first, int nq,
+    uint16_t *out, int num_heads, int num_kv_heads, const int head_dim, int block_size, float scale,
+    int group, int kvh)
+{
+    const int pairs = head_dim / 2, dblocks = head_dim / 16, dchunks = head_dim / 32;
+    const int nv = nq * group, tiles = (nv + 15) / 16;
+    uint16_t qb[CHUNK_MAX_VECS][AMX_MAX_HEAD_DIM] __attribute__((aligned(64))); /* scaled queries, zero past nv */
+    float acc[CHUNK_MAX_VECS][AMX_MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float m[CHUNK_MAX_VECS];
+    __m512 l[CHUNK_MAX_VECS];
+    int64_t pos[CHUNK_MAX_VECS];
+    __m512i kt[2][AMX_MAX_HEAD_DIM / 2];                          /* per 16 keys: [pair of dims] -> 16 keys */
+    uint32_t vt[AMX_KT / 2][AMX_MAX_HEAD_DIM] __attribute__((aligned(64))); /* [pair of keys][dim] */
+    float sc[16][AMX_KT] __attribute__((aligned(64)));            /* a tile of queries' scores */
+    uint16_t pb[16][AMX_KT] __attribute__((aligned(64)));         /* their probabilities, bf16 */
+    float ob[16][16] __attribute__((aligned(64)));                /* a sum tile of P V */
+    for (int v = 0; v < tiles * 16; v++) {
+        uint16_t *dst = qb[v];
+        if (v < nv) {
+            const uint16_t *src = q + (token_start + q_first + v / group) * q_row_stride
+                                  + (int64_t)(kvh * group + v % group) * head_dim;
+            for (int i = 0; i < head_dim; i++) dst[i] = f32_to_bf16(bf16_to_f32(src[i]) * scale);
+        } else {
+            for (int i = 0; i < head_dim; i++) dst[i] = 0;
+        }
+        for (int i = 0; i < head_dim; i++) acc[v][i] = 0.f;
+        m[v] = -INFINITY;
+        l[v] = _mm512_setzero_ps();
+        pos[v] = num_computed + q_first + (v < nv ? v / group : nq - 1);
+    }
+    /* tiles 0-1: the scores against keys 0-15 and 16-31; 2: a sum tile of P V; 3: queries or probabilities (A);
+     * 4: K or V (B); every tile 16 rows of 64 bytes */
+    const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    amx_configure(rows);
+    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+    const int64_t key_end = num_computed + q_first + nq; /* keys [0, key_end) are visible to some query of the item */
+    for (int64_t start = 0; start < key_end; start += AMX_KT) {
+        const int n = key_end - start < AMX_KT ? (int)(key_end - start) : AMX_KT;
+        const uint16_t *kr[AMX_KT], *vr[AMX_KT]; /* each key's K and V row in the pool */
+        for (int t = 0; t < n; t++) {
+            const int64_t s = start + t, block = table[s / block_size], in_block = s % block_size;
+            const int64_t at = block * block_stride + in_block * token_stride + (int64_t)kvh * head_dim;
+            kr[t] = kv + k_offset + at;
+            vr[t] = kv + v_offset + at;
+        }
+        for (int h = 0; h < 2; h++)
+            for (int i = 0; i < pairs; i += 16) { /* 16 keys x 16 pairs of dimensions, transposed */
+                for (int t = 0; t < 16; t++)
+                    kt[h][i + t] = 16 * h + t < n ? _mm512_loadu_si512(kr[16 * h + t] + 2 * i) : _mm512_setzero_si512();
+                transpose16x16(kt[h] + i);
+            }
+        for (int tp = 0; tp < AMX_KT / 2; tp++)
+            for (int b = 0; b < dblocks; b++) {
+                const int t0 = 2 * tp, t1 = t0 + 1;
+                __m512i lo = t0 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr[t0] + 16 * b)))
+                                    : _mm512_setzero_si512();
+                __m512i hi = t1 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr[t1] + 16 * b)))
+                                    : _mm512_setzero_si512();
+                _mm512_store_si512(vt[tp] + 16 * b, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            }
+        for (int qt = 0; qt < tiles; qt++) {
+            const int v0 = 16 * qt, last = v0 + 15 < nv ? v0 + 15 : nv - 1;
+            if (pos[last] < start) continue; /* every query of the tile is before this key tile */
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int c = 0; c < dchunks; c++) {
+                _tile_loadd(3, qb[v0] + 32 * c, AMX_MAX_HEAD_DIM * 2);
+                _tile_loadd(4, kt[0] + 16 * c, 64);
+                _tile_dpbf16ps(0, 3, 4);
+                if (n > 16) {
+                    _tile_loadd(4, kt[1] + 16 * c, 64);
+                    _tile_dpbf16ps(1, 3, 4);
+                }
+            }
+            _tile_stored(0, sc[0], AMX_KT * 4);
+            _tile_stored(1, sc[0] + 16, AMX_KT * 4);
+            for (int j = 0; j < 16; j++) {
+                const int v = v0 + j;
+                int64_t visible = v < nv ? pos[v] + 1 - start : 0;
+                if (visible > n) visible = n;
+                if (visible <= 0) {
+                    _mm512_store_si512(pb[j], _mm512_setzero_si512());
+                    continue;
+                }
+                const __mmask16 keep0 = (__mmask16)(visible >= 16 ? 0xffffu : (1u << visible) - 1u);
+                const __mmask16 keep1 = (__mmask16)(visible >= 32 ? 0xffffu : visible > 16 ? (1u << (visible - 16)) - 1u : 0u);
+                const __m512 s0 = _mm512_load_ps(sc[j]), s1 = _mm512_load_ps(sc[j] + 16);
+                const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep0, s0),
+                                                                    _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep1, s1)));
+                if (mx > m[v]) { /* rescale only when the running max moves */
+                    const __m512 c = _mm512_set1_ps(expf(m[v] - mx));
+                    l[v] = _mm512_mul_ps(l[v], c);
+                    for (int b = 0; b < dblocks; b++)
+                        _mm512_store_ps(acc[v] + 16 * b, _mm512_mul_ps(_mm512_load_ps(acc[v] + 16 * b), c));
+                    m[v] = mx;
+                }
+                const __m512 mv = _mm512_set1_ps(m[v]);
+                const __m512 p0 = _mm512_maskz_mov_ps(keep0, exp16(_mm512_sub_ps(s0, mv)));
+                const __m512 p1 = _mm512_maskz_mov_ps(keep1, exp16(_mm512_sub_ps(s1, mv)));
+                l[v] = _mm512_add_ps(l[v], _mm512_add_ps(p0, p1));
+                _mm256_store_si256((__m256i *)pb[j], (__m256i)_mm512_cvtneps_pbh(p0));
+                _mm256_store_si256((__m256i *)(pb[j] + 16), (__m256i)_mm512_cvtneps_pbh(p1));
+            }
+            _tile_loadd(3, pb[0], AMX_KT * 2);
+            for (int b = 0; b < dblocks; b++) {
+                _tile_zero(2);
+                _tile_loadd(4, vt[0] + 16 * b, AMX_MAX_HEAD_DIM * 4);
+                _tile_dpbf16ps(2, 3, 4);
+                _tile_stored(2, ob[0], 64);
+                for (int j = 0; j < 16 && v0 + j < nv; j++)
+                    _mm512_store_ps(acc[v0 + j] + 16 * b,
+                                    _mm512_add_ps(_mm512_load_ps(acc[v0 + j] + 16 * b), _mm512_load_ps(ob[j])));
+            }
+        }
+    }
+    _tile_release();
+    for (int v = 0; v < nv; v++) {
+        const float sum = _mm512_reduce_add_ps(l[v]);
+        const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
+        uint16_t *o = out + ((token_start + q_first + v / group) * num_heads + kvh * group + v % group) * (int64_t)head_dim;
+        for (int b = 0; b < dblocks; b++)
+            _mm256_storeu_si256((__m256i *)(o + 16 * b),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc[v] + 16 * b), inv)));
     }
 }
 #endif
@@ -451,6 +571,14 @@ int tessera_chunk_attention(
         for (int64_t tile = tiles - 1; tile >= 0; tile--)
             for (int h = 0; h < num_kv_heads; h++) { items[2 * k] = c; items[2 * k + 1] = tile * num_kv_heads + h; k++; }
     }
+#if defined(CHUNK_AMX)
+    /* the tiles where Linux grants them, for head sizes they take (CHUNK_AMX_OFF: a benchmark's build without) */
+#ifdef CHUNK_AMX_OFF
+    const int amx = 0;
+#else
+    const int amx = is_bf16 && head_dim <= AMX_MAX_HEAD_DIM && amx_ready();
+#endif
+#endif
     #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t it = 0; it < total; it++) {
         int c = (int)items[2 * it];
@@ -463,6 +591,11 @@ int tessera_chunk_attention(
     chunks[3 * c], chunks[3 * c + 2], (int)(tile * qt), nq, (T *)out, num_heads, num_kv_heads, D, block_size, scale, \
     group, kvh
         if (is_bf16) {
+#if defined(CHUNK_AMX)
+            if (amx && head_dim == 64) chunk_item_amx(CHUNK_ARGS(uint16_t, 64));
+            else if (amx) chunk_item_amx(CHUNK_ARGS(uint16_t, head_dim));
+            else
+#endif
 #if defined(CHUNK_BF16)
             if (head_dim == 64) chunk_item(CHUNK_ARGS(uint16_t, 64));
             else chunk_item(CHUNK_ARGS(uint16_t, head_dim));

@@ -1,6 +1,6 @@
-/* Vector helpers for the engine's C kernels: with AVX-512, 16 floats from/to float32 or bfloat16, e^x and SiLU; with
- * AVX2, 8 floats from/to float32 or bfloat16, e^x and SiLU, the sums of 8 vectors' lanes, and the fixed tree that sums
- * 8 lanes. */
+/* Vector helpers for the engine's C kernels: with AVX-512, 16 floats from/to float32 or bfloat16, e^x and SiLU, and a
+ * 16 x 16 transpose of 32-bit words; with AVX2, 8 floats from/to float32 or bfloat16, e^x and SiLU, the sums of 8
+ * vectors' lanes, and the fixed tree that sums 8 lanes. */
 #ifndef TESSERA_SIMD_H
 #define TESSERA_SIMD_H
 
@@ -58,6 +58,33 @@ static inline __m512 silu16(__m512 g) {
     inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(2.f)));
     return _mm512_mul_ps(g, inv);
 }
+/* r[0..16) as a 16 x 16 matrix of 32-bit words, transposed in place (64 shuffles) */
+static inline __attribute__((always_inline)) void transpose16x16(__m512i *r) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* r[4i + c], 128-bit lane L: word 4L + c of rows 4i..4i+3 */
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        t[4 * c] = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44);
+        t[4 * c + 1] = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xee);
+        t[4 * c + 2] = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+        t[4 * c + 3] = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xee);
+    }
+    for (int c = 0; c < 4; c++) {
+        r[c] = _mm512_shuffle_i32x4(t[4 * c], t[4 * c + 2], 0x88);
+        r[4 + c] = _mm512_shuffle_i32x4(t[4 * c], t[4 * c + 2], 0xdd);
+        r[8 + c] = _mm512_shuffle_i32x4(t[4 * c + 1], t[4 * c + 3], 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(t[4 * c + 1], t[4 * c + 3], 0xdd);
+    }
+}
+
 #endif
 
 #if defined(__AVX2__)
