@@ -151,7 +151,8 @@ def sums_buffer(rows: int, n: int) -> torch.Tensor:
     page fault per 4 KB on every call, a third of a 1,024-row prompt step's int8 matmuls (bench.int8_gemm)."""
     buffer = getattr(_sums, "buffer", None)
     if buffer is None or buffer.numel() < rows * n:
-        buffer = _sums.buffer = torch.empty(rows * n, dtype=torch.int32)
+        with torch.inference_mode(False):  # a plain tensor: torch's matmul writes it in either mode
+            buffer = _sums.buffer = torch.empty(rows * n, dtype=torch.int32)
     return buffer[:rows * n].view(rows, n)
 
 
@@ -195,8 +196,9 @@ def kernel_row_ranges(shape: tuple[int, int]) -> str:
 
 def choose_int8_matmul(shapes, repeat: int = 3) -> dict[tuple[int, int], tuple[int, ...]]:
     """Times the int8 matmul both ways on this CPU for each weight shape ``(n, k)`` at ``TRIAL_ROWS``, the two
-    alternating, best of ``repeat``, and keeps per shape and trial which was faster (torch's where the kernel
-    cannot run). Returns per shape the trial rows the kernel took; ``int_mm`` follows the choice from now on."""
+    alternating, best of ``repeat`` (of at most 2 past 256 rows), and keeps per shape and trial which was faster
+    (torch's where the kernel cannot run). Returns per shape the trial rows the kernel took; ``int_mm`` follows the
+    choice from now on."""
     kernel, shapes = int8_gemm_kernel(), sorted(set(shapes))
     for n, k in shapes:
         w = torch.zeros((n, k), dtype=torch.int8).random_(-127, 128)
@@ -208,12 +210,12 @@ def choose_int8_matmul(shapes, repeat: int = 3) -> dict[tuple[int, int], tuple[i
             x = torch.zeros((m, k), dtype=torch.int8).random_(-127, 128)
             out = torch.empty((m, n), dtype=torch.int32)
             ours = theirs = float("inf")
-            for _ in range(repeat):
+            for _ in range(repeat if m <= 256 else min(repeat, 2)):  # calls past 256 rows take 1 ms or more
                 start = time.perf_counter()
                 if kernel(x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k) != 0:
                     break
                 middle = time.perf_counter()
-                torch._int_mm(x, w.t())
+                torch._int_mm(x, w.t(), out=out)  # into the same sums as in use (``sums_buffer``)
                 ours, theirs = min(ours, middle - start), min(theirs, time.perf_counter() - middle)
             wins.append(ours <= theirs < float("inf"))  # inf: the kernel refused the shape
         _kernel_trials[(n, k)] = tuple(wins)
