@@ -1,5 +1,6 @@
 /*
- * y = x @ w^T in int8 with int32 sums, for the few rows of a decode step (W8A8, common/engine/quantization.py).
+ * y = x @ w^T in int8 with int32 sums (W8A8, common/engine/quantization.py): a decode step's few rows with
+ * AVX512-VNNI, any number of rows on AMX tiles.
  *
  *   tessera_int8_gemm(x [m, k] int8, w [n, k] int8 (row-major, as the model keeps it), y [m, n] int32, m, n, k)
  *
@@ -17,8 +18,9 @@
  * tiles' other operand (per 64 inputs, 16 rows of 4 bytes for each of 16 x rows: a 16 x 16 transpose of 4-byte
  * words), and the sums (16 weight rows x 16 x rows) are transposed back into y. Work items are pairs of weight
  * blocks (32 rows), each against pairs of x blocks (2 x 2 sum tiles over the whole k); x's rows go INT8_AMX_MC at
- * a time, so their copy stays in L2 while the threads' weight pairs meet it. Integer sums are exact, so this gives
- * the same int32 as the path without tiles and as torch._int_mm.
+ * a time, so their copy stays in L2 while the threads' weight pairs meet it. Calls of many rows against a short k
+ * swap the operands (int8_amx_item_wide: x as A, each weight pair packed as B). Integer sums are exact, so this
+ * gives the same int32 as the path without tiles and as torch._int_mm.
  */
 #include <stdint.h>
 
@@ -91,10 +93,10 @@ static inline __attribute__((always_inline)) void block(const int8_t *x, const i
 #ifndef INT8_AMX_ROWS
 #define INT8_AMX_ROWS 4 /* the fewest rows that take the tiles */
 #endif
-/* Which operand x is: a call of m rows transposes 4 sum tiles per pair of x blocks and weight pair where the weights
- * are the A operand (m / 8 per pair), k / 32 words blocks where the weight pair is packed as B (per pass); so x is
- * A (wide) from INT8_AMX_WIDE_ROWS rows where m >= k / 4 (bench.int8_gemm: at 256-2048 rows, 1.2-1.9x the other
- * way at 135M's k of 576-1536, 1.3-1.6x at 1024-2048 rows of 1B's k of 2048; the other way ahead below) */
+/* Which operand x is. With the weights as A, each weight pair transposes its 4 sum tiles per pair of x blocks: m / 8
+ * transposes; with x as A, it packs its two blocks as B once per pass instead: k / 32. So x is A (wide) from
+ * INT8_AMX_WIDE_ROWS rows where m >= k / 4 (bench.int8_gemm: at 256-2048 rows, 1.2-1.9x the other way at 135M's k
+ * of 576-1536, 1.3-1.6x at 1024-2048 rows of 1B's k of 2048; the other way ahead below) */
 #ifndef INT8_AMX_WIDE_ROWS
 #define INT8_AMX_WIDE_ROWS 128
 #endif
