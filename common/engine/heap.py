@@ -6,8 +6,10 @@ temporaries (the 1B shape's MLP outputs at a prompt step of 1,000-2,048 rows: 23
 zeroed by the kernel, 4 KB at a time, on every step. ``keep_freed_memory`` has this process take every block from
 its heap (``M_MMAP_MAX`` 0) and keep what is freed there (``M_TRIM_THRESHOLD`` past any step), so the next step's
 temporaries reuse the same pages: the process keeps its high-water mark resident, as a GPU allocator's cache does.
-vLLM's CPU backend gets the same from tcmalloc, preloaded. Set by the model runner on the CPU unless
-``engine.cpu.keep_freed_memory`` is off; measured in docs/benchmarks.md.
+vLLM's CPU backend gets the same from tcmalloc, preloaded. Set by the model runner on the CPU where
+``engine.cpu.keep_freed_memory`` is on (off by default): torch asks for 64-byte-aligned blocks, which a freed block
+of the same size cannot serve, so where small blocks follow it the heap can grow by a block a step; measured in
+docs/benchmarks.md.
 """
 from __future__ import annotations
 

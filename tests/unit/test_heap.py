@@ -1,12 +1,11 @@
-"""A CPU worker's heap policy (common/engine/heap.py): a large temporary is served from the heap, not from pages
-mapped for it, and the next one of its size reuses the memory the last one freed. Each case runs in a fresh
-interpreter, since the policy is the whole process's."""
+"""A CPU worker's heap policy (common/engine/heap.py, engine.cpu.keep_freed_memory): a large temporary is served
+from the heap, not from pages mapped for it. Each case runs in a fresh interpreter, since the policy is the whole
+process's. (Whether the next one reuses the memory depends on what was allocated after it: the policy's hazard,
+docs/benchmarks.md.)"""
 import subprocess
 import sys
 
 import pytest
-
-from common.engine.heap import keep_freed_memory
 
 PROBE = """
 import ctypes, sys, torch
@@ -23,10 +22,7 @@ if sys.argv[1] == "keep":
     assert keep_freed_memory() and keep_freed_memory()  # once set, it stays set
 size = 96 << 20  # past glibc's largest mmap threshold (32 MB)
 first = torch.empty(size, dtype=torch.uint8)
-mapped, heap = libc.mallinfo2().hblkhd, libc.mallinfo2().arena
-del first
-second = torch.empty(size, dtype=torch.uint8)
-print(mapped >= size, libc.mallinfo2().arena - heap < size // 2)  # mapped for itself; the heap did not grow again
+print(libc.mallinfo2().hblkhd >= size)  # mapped for itself
 """
 
 
@@ -36,15 +32,11 @@ def probe(mode: str) -> str:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and mallinfo2: Linux")
-def test_a_large_temporary_comes_from_the_heap_and_its_memory_is_reused():
-    assert probe("keep") == ["False", "True"]  # not mapped for it; the next one reuses the memory freed
+def test_a_large_temporary_comes_from_the_heap():
+    assert probe("keep") == ["False"]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and mallinfo2: Linux")
 def test_without_the_policy_glibc_maps_a_large_temporary():
     """The case the policy exists for: the block is mapped for itself (and unmapped when freed)."""
-    assert probe("default")[0] == "True"
-
-
-def test_the_policy_is_set_once_and_reports_it():
-    assert keep_freed_memory() is keep_freed_memory()
+    assert probe("default") == ["True"]
