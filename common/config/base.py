@@ -350,13 +350,6 @@ class CpuConfig:
                                        "at a byte per head weight of memory (common/engine/greedy_head.py); -1: "
                                        "3 where the hidden size is at least 2048, none below (where the int8 "
                                        "pass was measured ahead: docs/benchmarks.md); 0: off", ge=-1, le=8)
-    keep_freed_memory: Bool = option(False, "CPU: the worker's C heap serves every block and keeps what is freed "
-                                     "(glibc mallopt, common/engine/heap.py), so a step's large temporaries reuse "
-                                     "earlier steps' pages instead of faulting in fresh ones (1.08x the engine's "
-                                     "throughput at 1B bf16 on an AMX Xeon). Off by default: a freed block cannot "
-                                     "take a 64-byte-aligned request of its own size, so with small blocks after "
-                                     "it the heap can grow by a block a step (tests/unit/test_heap.py); not "
-                                     "bounded yet")
 
 
 @config_model("engine.cuda_graphs")

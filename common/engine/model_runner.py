@@ -40,7 +40,6 @@ from common.engine.models.llama import (COMPACT_BESIDE_ROWS, FusedDecode, check_
                                        onednn_prepacks_bf16, onednn_prepacks_float32, onednn_rows, wide_sums)
 from common.engine.models.loader import load_hf_config, load_model
 from common.engine.native import gemv_bf16_kernel, panels_amx_rows
-from common.engine.heap import keep_freed_memory
 from common.engine.quantization import (calibration_ids, choose_int8_matmul, int8_gemm_amx_rows, kernel_row_ranges,
                                         quantize_model_int8, smooth_for_int8)
 from common.engine.sampler import Sampler, SamplingRow, argmax_suffices, penalty_prompt_ids
@@ -194,8 +193,6 @@ class ModelRunner:
             else:
                 join_group(config, rank, rendezvous)
         self.device = torch.device(config.devices[rank])
-        if self.device.type == "cpu" and config.cpu.keep_freed_memory:
-            keep_freed_memory()  # for this process: every engine in it is on the CPU
         self.dtype = getattr(torch, config.dtype)
         self.attention = select_backend(config.attention_backend, str(self.device), config.block_size,
                                         config.deterministic)

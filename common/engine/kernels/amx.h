@@ -1,6 +1,7 @@
 /*
  * AMX tiles (Intel Xeon from Sapphire Rapids): asking Linux for them and configuring them, shared by the kernels
- * that multiply on them (panels_bf16.h for bfloat16 panels, int8_gemm.c for W8A8). Linux gives a process the
+ * that multiply on them (panels_bf16.h for bfloat16 panels, int8_gemm.c for W8A8, paged_attention.c for prompt
+ * chunks). Linux gives a process the
  * tiles' state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); amx_ready asks on its first
  * call and remembers the answer, so a kernel where it is refused takes its path without tiles.
  */

@@ -32,6 +32,18 @@
 #define W_BLOCK 4 /* weight rows per work item */
 #define W_PREFETCH_AHEAD 4 /* weight blocks prefetched ahead into L2, as decode_forward.c does */
 
+/* y[r][j] for every x row r and the weight rows j0..j1 (a matrix's last rows, past its whole blocks), plainly */
+static __attribute__((unused)) void int8_rows_plain(const int8_t *x, const int8_t *w, int32_t *y, int m, int n,
+                                                    int k, int j0, int j1)
+{
+    for (int j = j0; j < j1; j++)
+        for (int r = 0; r < m; r++) {
+            int32_t s = 0;
+            for (int i = 0; i < k; i++) s += (int32_t)x[(int64_t)r * k + i] * w[(int64_t)j * k + i];
+            y[(int64_t)r * n + j] = s;
+        }
+}
+
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 /* The 16 lane-sums of v[0..15] in one vector (lane i: the sum of v[i]'s lanes): a transpose-and-add. */
 static inline __m512i sum16x16_epi32(const __m512i *v)
@@ -319,13 +331,8 @@ static int int8_amx_gemm(const int8_t *x, const int8_t *w, int32_t *y, int m, in
             if (stream) _mm_sfence(); /* the non-temporal stores seen before the call returns */
         }
         _tile_release();
-        #pragma omp for schedule(static)
-        for (int j = wblocks * 16; j < n; j++) /* the last rows of a matrix whose height is not a multiple of 16 */
-            for (int r = 0; r < m; r++) {
-                int32_t s = 0;
-                for (int i = 0; i < k; i++) s += (int32_t)x[(int64_t)r * k + i] * w[(int64_t)j * k + i];
-                y[(int64_t)r * n + j] = s;
-            }
+        #pragma omp single /* the last rows of a matrix whose height is not a multiple of 16 */
+        int8_rows_plain(x, w, y, m, n, k, wblocks * 16, n);
     }
     return failed ? -1 : 0;
 }
@@ -369,12 +376,7 @@ int tessera_int8_gemm(const int8_t *x, const int8_t *w, int32_t *y, int m, int n
     #pragma omp parallel for schedule(static)
     for (int jb = 0; jb < n; jb += W_BLOCK) {
         if (n - jb < W_BLOCK) { /* the last rows of a matrix whose height is not a multiple of 4 */
-            for (int j = jb; j < n; j++)
-                for (int r = 0; r < m; r++) {
-                    int32_t s = 0;
-                    for (int i = 0; i < k; i++) s += (int32_t)x[(int64_t)r * k + i] * w[(int64_t)j * k + i];
-                    y[(int64_t)r * n + j] = s;
-                }
+            int8_rows_plain(x, w, y, m, n, k, jb, n);
             continue;
         }
         const int8_t *w0 = w + (int64_t)jb * k;
