@@ -24,8 +24,9 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from common.config.base import EngineConfig
+from common.config.base import CpuConfig, EngineConfig
 from common.engine.llm_engine import LLMEngine
+from common.engine.malloc import use_configured_malloc
 from common.engine.native import name_kernel_calls
 from common.protocol.sampling_params import SamplingParams
 
@@ -125,13 +126,15 @@ def engine_from_args(args: argparse.Namespace):
     """The served model (``--model``, made in the cache on first use) and an engine on it in this process, set up
     as a worker sets up its own."""
     from bench.peers.compare import served_model
+    overrides = engine_overrides(args.set)
+    use_configured_malloc(CpuConfig(**overrides.get("cpu", {})).malloc)  # may start this process again, on it
     model = served_model(args.model, args.dtype)
     model_path = model.prepare(args.dtype)
     torch.set_flush_denormal(True)  # as in a worker process (common/cli/worker_command.py)
     torch.set_num_threads(args.threads)
     engine = LLMEngine(EngineConfig(model=str(model_path), dtype=args.dtype, quantization=args.quantization,
                                     num_threads=args.threads,
-                                    kv_cache_memory_bytes=2 << 30, **engine_overrides(args.set)))
+                                    kv_cache_memory_bytes=2 << 30, **overrides))
     return model, engine
 
 

