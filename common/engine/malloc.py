@@ -37,6 +37,7 @@ CHOICES = (JEMALLOC, SYSTEM)
 JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
 # Set in the re-executed process's environment: one re-execution at most, whatever the loader did with the library.
 REEXEC_ENV = "TESSERA_MALLOC_REEXEC"
+MALLCTL_ARENAS_ALL = 4096  # jemalloc's index for "every arena" in an ``arena.<i>`` name
 _SEARCH_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
 
 
@@ -56,6 +57,21 @@ def loaded_allocator() -> str:
     except OSError:
         return SYSTEM
     return JEMALLOC if "libjemalloc" in maps else SYSTEM
+
+
+def release_freed_memory() -> bool:
+    """Give the pages of every freed block back to the kernel, once (jemalloc's ``arena.<all>.purge``): after a
+    model's load, whose temporaries (a checkpoint's tensors, a layout's conversion, the kernels' timing trials) the
+    kept pages would otherwise hold for the life of the process. True where jemalloc did it; a no-op elsewhere."""
+    if loaded_allocator() != JEMALLOC:
+        return False
+    try:
+        mallctl = ctypes.CDLL(None).mallctl
+    except (OSError, AttributeError):
+        return False
+    mallctl.argtypes = (ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    mallctl.restype = ctypes.c_int
+    return mallctl(b"arena.%d.purge" % MALLCTL_ARENAS_ALL, None, None, None, 0) == 0
 
 
 def preload_environment(env: dict[str, str], library: str) -> dict[str, str]:

@@ -35,7 +35,7 @@ from common.engine.queued_copies import queued_copy
 from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.huge_pages import thp_policy
 from common.engine.memory import device_memory_bytes, module_bytes, resident_bytes
-from common.engine.malloc import loaded_allocator
+from common.engine.malloc import loaded_allocator, release_freed_memory
 from common.engine import compact_panels, deterministic
 from common.engine.models.llama import (COMPACT_BESIDE_ROWS, FusedDecode, check_divisible, onednn_beside_panels,
                                        onednn_prepacks_bf16, onednn_prepacks_float32, onednn_rows, wide_sums)
@@ -300,6 +300,7 @@ class ModelRunner:
             self.ranks.wait_ready()
             self.tp.serve_steps(config.ranks.step_timeout_s)  # with every rank, once each said it is ready
             self._serving = True
+        release_freed_memory()  # the load's temporaries: jemalloc keeps freed pages for the steps (engine.cpu.malloc)
         log.info(
             "model loaded in %.1fs: %s layers, dtype %s, weights %s (%.2f GiB%s), attention %s; KV pool %d blocks "
             "x %d tokens (%.1f MiB); resident %.2f GiB; malloc %s (engine.cpu.malloc)",

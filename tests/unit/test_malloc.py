@@ -106,3 +106,30 @@ def test_jemalloc_keeps_freed_pages_without_growing():
     base, *sizes = [int(size) for size in script.stdout.split()]
     assert sizes[-1] - sizes[0] < 96, f"resident MiB before and by round: {base} {sizes}"  # no block more since
     assert sizes[0] - base >= 96 + 40 - 8, f"resident MiB before and by round: {base} {sizes}"  # freed pages kept
+
+
+@needs_jemalloc
+def test_a_purge_gives_freed_pages_back():
+    """After a model's load (model_runner): its temporaries' kept pages go back to the kernel."""
+    script = """
+import torch
+from common.engine.malloc import release_freed_memory, use_configured_malloc
+assert use_configured_malloc("jemalloc") == "jemalloc"
+def rss_mib():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20
+block = torch.ones(200 << 20, dtype=torch.uint8)
+del block
+kept = rss_mib()
+print(release_freed_memory(), kept - rss_mib())
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                          env=clean_env(), cwd=ROOT, timeout=120)
+    purged, freed_mib = done.stdout.split()
+    assert purged == "True" and int(freed_mib) >= 190, done.stdout
+
+
+def test_no_purge_without_jemalloc():
+    done = subprocess.run([sys.executable, "-c", "from common.engine.malloc import release_freed_memory as r; "
+                           "print(r())"], capture_output=True, text=True, check=True, env=clean_env(), cwd=ROOT,
+                          timeout=120)
+    assert done.stdout.split() == ["False"]
