@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.engine.models.llama import NO_AMX_TILES, linear, panels_of, weight_of_panels
+from common.engine.models.llama import NO_AMX_TILES, linear, panel_rows, panels_of, weight_of_panels
 from common.engine.native import linear_panels_kernel, panels_amx_rows
 
 pytestmark = pytest.mark.skipif(linear_panels_kernel() is None,
@@ -153,3 +153,14 @@ def test_a_call_past_one_chunk_of_rows_splits_them_evenly():
     full = linear(x, placeholder, panels=panels)
     for rows in (513, 514, 515):
         assert torch.equal(linear(x[:rows], placeholder, panels=panels)[-3:], full[rows - 3:rows]), rows
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_an_embedding_lookup_in_the_panels_gives_the_weights_rows(dtype):
+    """A tied head in panels serves the embedding lookups too (``panel_rows``): any ids, any shape of them."""
+    n, k = 192, 10
+    w = torch.randn(n, k).to(dtype)
+    panels = panels_of(w)
+    ids = torch.tensor([[0, 63, 64, 191], [17, 17, 130, 5]])
+    assert torch.equal(panel_rows(panels, n, k, ids), w[ids])
+    assert panel_rows(panels, n, k, torch.tensor([], dtype=torch.long)).shape == (0, k)
