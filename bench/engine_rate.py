@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import resource
 import statistics
 import time
 from collections import defaultdict
@@ -48,6 +49,7 @@ def run(engine: LLMEngine, rate: float, num_prompts: int, input_len: int, output
         return launch(plan, *args, **kwargs)
 
     engine.runner.launch = recorded
+    used = resource.getrusage(resource.RUSAGE_SELF)
     try:
         start, sent = time.perf_counter(), 0
         while sent < num_prompts or engine.has_unfinished():
@@ -73,6 +75,7 @@ def run(engine: LLMEngine, rate: float, num_prompts: int, input_len: int, output
         wall = time.perf_counter() - start
     finally:
         engine.runner.launch = launch
+    after = resource.getrusage(resource.RUSAGE_SELF)
     ids = [f"r{i}" for i in range(num_prompts)]
     tpot = latency_stats("tpot", [(last[r] - first[r]) / (tokens[r] - 1) for r in ids if tokens[r] > 1], (99,))
     ttft = latency_stats("ttft", [first[r] - arrivals[i] for i, r in enumerate(ids)], ())
@@ -84,6 +87,8 @@ def run(engine: LLMEngine, rate: float, num_prompts: int, input_len: int, output
     busy = sum(dt for _, dt in steps)
     return {
         "tokens": [tokens[r] for r in ids], "wall_s": wall, "busy_s": busy,
+        "user_s": after.ru_utime - used.ru_utime, "system_s": after.ru_stime - used.ru_stime,
+        "minor_faults": after.ru_minflt - used.ru_minflt,
         "tpot_p50_ms": tpot["median_tpot_ms"], "tpot_p99_ms": tpot["p99_tpot_ms"],
         "ttft_p50_ms": ttft["median_ttft_ms"], "output_tok_per_s": sum(tokens.values()) / wall,
         "prompt_steps": len(prompt_steps), "prompt_steps_s": sum(dt for _, dt in prompt_steps),
@@ -99,7 +104,8 @@ def report(result: dict, title: str) -> str:
     lines = [title, "",
              f"TPOT p50 {result['tpot_p50_ms']:.1f} ms (p99 {result['tpot_p99_ms']:.1f}), TTFT p50 "
              f"{result['ttft_p50_ms']:.0f} ms, {result['output_tok_per_s']:.1f} output tok/s; the engine busy "
-             f"{busy:.1f} of {result['wall_s']:.1f} s ({busy / result['wall_s']:.0%})",
+             f"{busy:.1f} of {result['wall_s']:.1f} s ({busy / result['wall_s']:.0%}); CPU {result['user_s']:.1f} s "
+             f"user, {result['system_s']:.1f} s system, {result['minor_faults']:,} minor page faults",
              f"steps with prompt tokens: {result['prompt_steps']}, {prompt_s:.1f} s ({prompt_s / busy:.0%} of busy), "
              f"{result['prompt_tokens']} prompt tokens ({1e3 * prompt_s / max(result['prompt_tokens'], 1):.2f} ms "
              f"each), {result['decode_rows_in_prompt_steps']} decode rows riding in them", "",

@@ -20,6 +20,7 @@ def test_every_request_completes_and_every_token_is_in_a_recorded_step(tmp_path,
     assert 0 < result["busy_s"] <= result["wall_s"] and result["ttft_p50_ms"] > 0 and result["tpot_p50_ms"] > 0
     text = report(result, "tiny")
     assert "| decode rows | decode-only steps | median step ms |" in text and "240 prompt tokens" in text
+    assert result["user_s"] > 0 and result["minor_faults"] >= 0 and "minor page faults" in text  # the serving's CPU
 
 
 def test_sampled_requests_get_their_tokens_too(tmp_path, embedded_model_dir):
