@@ -84,8 +84,9 @@ def preload_environment(env: dict[str, str], library: str) -> dict[str, str]:
 
 def use_configured_malloc(choice: str, *, what: str = "engine.cpu.malloc") -> str:
     """Make this process run on ``choice`` (``jemalloc`` or ``system``): where jemalloc is asked for, found and not
-    yet loaded, re-execute the process with it preloaded (this call then does not return). Returns the allocator the
-    process runs on; where it differs from ``choice`` the reason is logged once, naming ``what``."""
+    yet loaded, or loaded without ``MALLOC_CONF`` (preloaded by hand), re-execute the process with it preloaded and
+    configured (this call then does not return). Returns the allocator the process runs on; where it differs from
+    ``choice`` the reason is logged once, naming ``what``."""
     if choice not in CHOICES:
         raise ValueError(f"{what}={choice!r}: expected one of {', '.join(CHOICES)}")
     running = loaded_allocator()
@@ -96,9 +97,12 @@ def use_configured_malloc(choice: str, *, what: str = "engine.cpu.malloc") -> st
         return running
     library = find_jemalloc()
     if running == JEMALLOC:
-        os.environ.pop(REEXEC_ENV, None)
-        if library is not None:  # whatever this process starts runs on it too
-            os.environ.update(preload_environment(dict(os.environ), library))
+        again = os.environ.pop(REEXEC_ENV, None)
+        if library is not None:
+            env = preload_environment(dict(os.environ), library)
+            if "MALLOC_CONF" not in os.environ and not again:  # preloaded by hand, on jemalloc's own settings
+                _start_again(env)
+            os.environ.update(env)  # whatever this process starts runs on it too
         return running
     if library is None:
         log.warning("%s=jemalloc, but libjemalloc.so.2 is not installed (Debian/Ubuntu: apt install libjemalloc2): "
@@ -108,9 +112,12 @@ def use_configured_malloc(choice: str, *, what: str = "engine.cpu.malloc") -> st
         log.warning("%s=jemalloc: %s was preloaded but is not in this process (the loader refused it): running on "
                     "the C library's malloc", what, library)
         return SYSTEM
-    env = preload_environment(dict(os.environ), library)
-    env[REEXEC_ENV] = "1"
+    _start_again(preload_environment(dict(os.environ), library))
+    raise AssertionError("unreachable: execve returned")  # pragma: no cover
+
+
+def _start_again(env: dict[str, str]) -> None:
+    """Replace this process's image with the same command under ``env`` (and the one-time marker); never returns."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
-    raise AssertionError("unreachable: execve returned")  # pragma: no cover
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**env, REEXEC_ENV: "1"})

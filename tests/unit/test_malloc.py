@@ -133,3 +133,12 @@ def test_no_purge_without_jemalloc():
                            "print(r())"], capture_output=True, text=True, check=True, env=clean_env(), cwd=ROOT,
                           timeout=120)
     assert done.stdout.split() == ["False"]
+
+
+@needs_jemalloc
+def test_jemalloc_preloaded_by_hand_gets_the_settings():
+    """An operator's ``LD_PRELOAD`` without ``MALLOC_CONF``: started again once with Tessera's; their own wins."""
+    running, _, conf, marker, _ = probe("jemalloc", clean_env(LD_PRELOAD=find_jemalloc()))
+    assert (running, conf, marker) == ("jemalloc", JEMALLOC_CONF, "-")
+    running, _, conf, _, _ = probe("jemalloc", clean_env(LD_PRELOAD=find_jemalloc(), MALLOC_CONF="narenas:2"))
+    assert (running, conf) == ("jemalloc", "narenas:2")
