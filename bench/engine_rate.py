@@ -115,7 +115,7 @@ def report(result: dict, title: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.profile_step import add_engine_arguments, engine_from_args
+    from bench.profile_step import add_engine_arguments, engine_from_args, use_engines_malloc
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_arguments(parser)
@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled, a seed per request")
     parser.add_argument("--top-p", type=float, default=1.0)
     args = parser.parse_args(argv)
+    use_engines_malloc(args)
     model, engine = engine_from_args(args)
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     engine.add_request("warm-up", list(range(100, 100 + args.input_len)), warm)

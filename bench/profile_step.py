@@ -122,12 +122,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="an engine config field, as a worker's --set engine.KEY=VALUE (repeatable)")
 
 
+def use_engines_malloc(args: argparse.Namespace) -> None:
+    """Run this benchmark on the allocator a worker would (``engine.cpu.malloc``, given by ``--set``): first thing in
+    a benchmark's ``main``, as it may start the process again (common/engine/malloc.py)."""
+    use_configured_malloc(CpuConfig(**engine_overrides(args.set).get("cpu", {})).malloc)
+
+
 def engine_from_args(args: argparse.Namespace):
     """The served model (``--model``, made in the cache on first use) and an engine on it in this process, set up
     as a worker sets up its own."""
     from bench.peers.compare import served_model
     overrides = engine_overrides(args.set)
-    use_configured_malloc(CpuConfig(**overrides.get("cpu", {})).malloc)  # may start this process again, on it
     model = served_model(args.model, args.dtype)
     model_path = model.prepare(args.dtype)
     torch.set_flush_denormal(True)  # as in a worker process (common/cli/worker_command.py)
@@ -145,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--batches", default="1,8,64", help="decode batch sizes profiled, comma-separated")
     args = parser.parse_args(argv)
+    use_engines_malloc(args)
     name_kernel_calls()  # the C kernels' time under their own names, not "Python and glue"
     model, engine = engine_from_args(args)
     # every linear layer's weight (a parameter, or an int8 buffer), not the tied embedding

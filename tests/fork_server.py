@@ -43,6 +43,7 @@ ENV = "TESSERA_TEST_FORK_SERVER"
 WORKER_PRELOAD = ("torch", "common.cli.main", "decode_worker.worker", "prefill_worker.worker", "kv_transfer.factory")
 PROXY_PRELOAD = ("common.cli.main", "proxy.main", "proxy.app", "proxy.server", "proxy.reload", "proxy.edge.listener",
                  "proxy.tenancy.metering", "common.config.tls", "uvicorn", "uvloop")
+WORKER_COMMANDS = ("prefill", "decode", "both")
 PRELOAD = {"prefill": WORKER_PRELOAD, "decode": WORKER_PRELOAD, "both": WORKER_PRELOAD, "proxy": PROXY_PRELOAD}
 # A variable with one of these prefixes is read when its library loads (libgomp's OMP_* and GOMP_*, torch's), or by
 # the interpreter at its start: each set of their values has a server of its own.
@@ -315,8 +316,8 @@ def _child(sock: socket.socket, args: list[str], env: dict[str, str], new_sessio
         sys.stdout, sys.stderr = (_unbuffered(fd) for fd in (1, 2))
         os.environ.clear()
         os.environ.update(env)
-        # Never re-executed for its allocator (common/engine/malloc.py): its command line is the server's.
-        os.environ[REEXEC_ENV] = "1"
+        if args[0] in WORKER_COMMANDS:  # never re-executed for its allocator (common/engine/malloc.py): its
+            os.environ[REEXEC_ENV] = "1"  # command line is the server's
         os.write(started, b"1")
         os.close(started)
         import common.cli.main as entry

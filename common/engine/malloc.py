@@ -89,6 +89,7 @@ def use_configured_malloc(choice: str, *, what: str = "engine.cpu.malloc") -> st
     ``choice`` the reason is logged once, naming ``what``."""
     if choice not in CHOICES:
         raise ValueError(f"{what}={choice!r}: expected one of {', '.join(CHOICES)}")
+    again = os.environ.pop(REEXEC_ENV, None)  # never handed on to what this process starts
     running = loaded_allocator()
     if choice == SYSTEM:
         if running == JEMALLOC:
@@ -97,7 +98,6 @@ def use_configured_malloc(choice: str, *, what: str = "engine.cpu.malloc") -> st
         return running
     library = find_jemalloc()
     if running == JEMALLOC:
-        again = os.environ.pop(REEXEC_ENV, None)
         if library is not None:
             env = preload_environment(dict(os.environ), library)
             if "MALLOC_CONF" not in os.environ and not again:  # preloaded by hand, on jemalloc's own settings
@@ -108,16 +108,21 @@ def use_configured_malloc(choice: str, *, what: str = "engine.cpu.malloc") -> st
         log.warning("%s=jemalloc, but libjemalloc.so.2 is not installed (Debian/Ubuntu: apt install libjemalloc2): "
                     "running on the C library's malloc, whose large blocks are mapped afresh on every step", what)
         return SYSTEM
-    if os.environ.get(REEXEC_ENV):
+    if again:
         log.warning("%s=jemalloc: %s was preloaded but is not in this process (the loader refused it): running on "
                     "the C library's malloc", what, library)
         return SYSTEM
     _start_again(preload_environment(dict(os.environ), library))
-    raise AssertionError("unreachable: execve returned")  # pragma: no cover
+    return SYSTEM  # execve failed (logged)
 
 
 def _start_again(env: dict[str, str]) -> None:
-    """Replace this process's image with the same command under ``env`` (and the one-time marker); never returns."""
+    """Replace this process's image with the same command under ``env`` (and the one-time marker); returns only
+    where ``execve`` fails, which is logged."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**env, REEXEC_ENV: "1"})
+    try:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**env, REEXEC_ENV: "1"})
+    except OSError as error:
+        log.warning("engine.cpu.malloc: could not start this process again with jemalloc (%s): it keeps its malloc",
+                    error)

@@ -164,3 +164,4 @@ def test_an_embedding_lookup_in_the_panels_gives_the_weights_rows(dtype):
     ids = torch.tensor([[0, 63, 64, 191], [17, 17, 130, 5]])
     assert torch.equal(panel_rows(panels, n, k, ids), w[ids])
     assert panel_rows(panels, n, k, torch.tensor([], dtype=torch.long)).shape == (0, k)
+    assert torch.equal(panel_rows(panels, n, k, torch.tensor(130)), w[130])

@@ -395,7 +395,8 @@ def panel_rows(panels: torch.Tensor, n: int, k: int, ids: torch.Tensor) -> torch
     # took 7x the time: 8 ms for a 256-token prompt's lookups at the 1B shape)
     word = {1: torch.int16, 2: torch.int32, 4: torch.int64}[tiles.element_size()]
     words = tiles.reshape(tiles.shape[0], tiles.shape[1], 2 * width).view(word)
-    rows = words.permute(0, 2, 1)[ids // width, ids % width]
+    flat = ids.reshape(-1)  # a 0-d index would take the strided view, not a copy
+    rows = words.permute(0, 2, 1)[flat // width, flat % width]
     return rows.view(tiles.dtype).reshape(*ids.shape, k)
 
 
