@@ -142,3 +142,9 @@ def test_jemalloc_preloaded_by_hand_gets_the_settings():
     assert (running, conf, marker) == ("jemalloc", JEMALLOC_CONF, "-")
     running, _, conf, _, _ = probe("jemalloc", clean_env(LD_PRELOAD=find_jemalloc(), MALLOC_CONF="narenas:2"))
     assert (running, conf) == ("jemalloc", "narenas:2")
+
+
+def test_an_operators_own_preloaded_allocator_is_kept():
+    """No second malloc beside one the operator preloaded (a name the loader may not even find here)."""
+    running, preload, conf, _, _ = probe("jemalloc", clean_env(LD_PRELOAD="libtcmalloc_minimal.so.4"))
+    assert (running, preload, conf) == ("system", "libtcmalloc_minimal.so.4", "-")
