@@ -96,7 +96,8 @@ def use_configured_malloc(choice: str, *, what: str = "engine.cpu.malloc") -> st
             log.info("%s=system, but this process was started with jemalloc preloaded (LD_PRELOAD): it keeps it",
                      what)
         return running
-    other = [e for e in os.environ.get("LD_PRELOAD", "").replace(" ", ":").split(":") if "malloc" in e]
+    preloaded = os.environ.get("LD_PRELOAD", "").replace(" ", ":").split(":")
+    other = [entry for entry in preloaded if "malloc" in entry and JEMALLOC not in entry]
     if running != JEMALLOC and other:  # an operator's own allocator (tcmalloc, mimalloc): never a second one
         log.info("%s=jemalloc, but %s is preloaded (LD_PRELOAD): this process keeps it", what, other[0])
         return SYSTEM
