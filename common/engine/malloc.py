@@ -74,9 +74,14 @@ def release_freed_memory() -> bool:
     return mallctl(b"arena.%d.purge" % MALLCTL_ARENAS_ALL, None, None, None, 0) == 0
 
 
+def _preloaded(env) -> list[str]:
+    """The libraries ``env``'s ``LD_PRELOAD`` names (the loader takes spaces or colons between them)."""
+    return [entry for entry in env.get("LD_PRELOAD", "").replace(" ", ":").split(":") if entry]
+
+
 def preload_environment(env: dict[str, str], library: str) -> dict[str, str]:
     """``env`` with ``library`` first in ``LD_PRELOAD`` and Tessera's ``MALLOC_CONF`` unless one is set."""
-    preload = [entry for entry in env.get("LD_PRELOAD", "").replace(" ", ":").split(":") if entry]
+    preload = _preloaded(env)
     out = dict(env, LD_PRELOAD=":".join([library, *(e for e in preload if e != library)]))
     out.setdefault("MALLOC_CONF", JEMALLOC_CONF)
     return out
@@ -85,7 +90,7 @@ def preload_environment(env: dict[str, str], library: str) -> dict[str, str]:
 def use_configured_malloc(choice: str, *, what: str = "engine.cpu.malloc") -> str:
     """Make this process run on ``choice`` (``jemalloc`` or ``system``): where jemalloc is asked for, found and not
     yet loaded, or loaded without ``MALLOC_CONF`` (preloaded by hand), re-execute the process with it preloaded and
-    configured (this call then does not return). Returns the allocator the process runs on; where it differs from
+    configured (this call then returns only where ``execve`` failed, logged). Returns the allocator the process runs on; where it differs from
     ``choice`` the reason is logged once, naming ``what``."""
     if choice not in CHOICES:
         raise ValueError(f"{what}={choice!r}: expected one of {', '.join(CHOICES)}")
@@ -96,8 +101,7 @@ def use_configured_malloc(choice: str, *, what: str = "engine.cpu.malloc") -> st
             log.info("%s=system, but this process was started with jemalloc preloaded (LD_PRELOAD): it keeps it",
                      what)
         return running
-    preloaded = os.environ.get("LD_PRELOAD", "").replace(" ", ":").split(":")
-    other = [entry for entry in preloaded if "malloc" in entry and JEMALLOC not in entry]
+    other = [entry for entry in _preloaded(os.environ) if "malloc" in entry and JEMALLOC not in entry]
     if running != JEMALLOC and other:  # an operator's own allocator (tcmalloc, mimalloc): never a second one
         log.info("%s=jemalloc, but %s is preloaded (LD_PRELOAD): this process keeps it", what, other[0])
         return SYSTEM
