@@ -11,15 +11,25 @@ per layer per block. Each layer still sees the usual ``[num_blocks, block_size, 
 At tp_size > 1 the pool lives in shared memory (``share``): rank 0 of a worker (common/engine/tensor_parallel.py)
 makes it and hands it to the other ranks, so one transfer agent, the host tier and the block copies on rank 0
 reach every rank's slice of a block.
+
+A CPU pool of one rank lives in transparent huge pages where the kernel grants them (``new_pool``,
+common/engine/huge_pages.py): a decode step reads each sequence's blocks of a layer from all over the pool, a TLB
+miss for every block's K and V in 4 KB pages; in 2 MB pages the paged attention kernel read the same blocks
+1.09-1.13x faster (docs/benchmarks.md, "The KV pool in huge pages").
 """
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from common.engine.disk_tier import DiskTier
 from common.engine.host_tier import HostTier
+from common.engine.huge_pages import HugePageArena, mapping_fields
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -56,6 +66,23 @@ class KVLayout:
         return budget_bytes // self.bytes_per_block
 
 
+def new_pool(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device,
+             huge: bool = True) -> torch.Tensor:
+    """A zeroed pool of ``shape`` (tp_size first): on the CPU at one rank, in a huge-page arena (``huge=False``: one
+    advised out of them, a benchmark's baseline), every page faulted in now rather than in a serving step; shared
+    pools (tp_size > 1, which ``share`` moves to shared memory) and device pools as torch allocates them."""
+    if torch.device(device).type != "cpu" or shape[0] > 1:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    try:
+        arena = HugePageArena(nbytes, huge=huge)
+    except OSError as exc:  # an address-space limit, or a strict overcommit policy, refusing the mapping
+        log.warning("the KV pool stays in torch's memory, in 4 KB pages: mapping its %.0f MiB failed (%s)",
+                    nbytes / 2**20, exc)
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return arena.take(shape, dtype).zero_()
+
+
 class KVCache:
     def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu", rank: int = 0,
                  pool: torch.Tensor | None = None) -> None:
@@ -71,7 +98,7 @@ class KVCache:
         shape = (layout.tp_size, num_blocks, layout.num_layers, 2, layout.block_size, layout.rank_heads,
                  layout.head_dim)
         if pool is None:
-            pool = torch.zeros(shape, dtype=layout.torch_dtype, device=device)
+            pool = new_pool(shape, layout.torch_dtype, device)
         elif tuple(pool.shape) != shape or pool.dtype != layout.torch_dtype:
             raise ValueError(f"a shared KV pool of {tuple(pool.shape)} {pool.dtype}, expected {shape}")
         self.pool = pool
@@ -118,3 +145,9 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.pool.numel() * self.pool.element_size()
+
+    def huge_page_bytes(self) -> int:
+        """How many of the pool's bytes the kernel holds in 2 MB pages now (``new_pool``; 0 on a device)."""
+        if self.pool.device.type != "cpu":
+            return 0
+        return min(self.nbytes, mapping_fields(self.pool.data_ptr()).get("AnonHugePages", 0))

@@ -303,10 +303,12 @@ class ModelRunner:
         release_freed_memory()  # the load's temporaries: jemalloc keeps freed pages for the steps (engine.cpu.malloc)
         log.info(
             "model loaded in %.1fs: %s layers, dtype %s, weights %s (%.2f GiB%s), attention %s; KV pool %d blocks "
-            "x %d tokens (%.1f MiB); resident %.2f GiB; malloc %s (engine.cpu.malloc)",
+            "x %d tokens (%.1f MiB%s); resident %.2f GiB; malloc %s (engine.cpu.malloc)",
             self.load_s, hf.num_hidden_layers, config.dtype, "int8" if config.quantization == "int8" else config.dtype,
             module_bytes(self.model) / 2**30, f", rank {rank} of {self.tp.size}" if self.tp.size > 1 else "",
             self.attention.name, self.kv_cache.num_blocks, config.block_size, self.kv_cache.nbytes / 2**20,
+            f", {self.kv_cache.huge_page_bytes() / 2**20:.0f} MiB of it in 2 MB pages" if self.device.type == "cpu"
+            else "",
             resident_bytes() / 2**30, loaded_allocator(),
         )
 

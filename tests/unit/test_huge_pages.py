@@ -95,7 +95,7 @@ def test_a_mapping_the_kernel_refuses_leaves_the_panels_in_torchs_memory(tiny_ch
     from common.config.base import EngineConfig
     from common.engine.model_runner import ModelRunner
 
-    def refused(self, nbytes):
+    def refused(self, nbytes, huge=True):
         raise OSError(12, "Cannot allocate memory")  # what mmap says under vm.overcommit_memory=2 past the limit
 
     monkeypatch.setattr(HugePageArena, "__init__", refused)
@@ -107,3 +107,48 @@ def test_a_mapping_the_kernel_refuses_leaves_the_panels_in_torchs_memory(tiny_ch
         pytest.skip("the weights take no panels on this CPU (no AVX512-BF16) or dtype")
     assert model.panel_arena is None and all(p is not None and p.is_contiguous() for p in panels)
     assert any("stay in 4 KB pages" in r.getMessage() for r in caplog.records)
+    assert runner.kv_cache.pool.is_contiguous()  # the pool in torch's memory too (the load's timed steps wrote it)
+    assert any("KV pool stays in torch's memory" in r.getMessage() for r in caplog.records)
+
+
+def test_a_one_rank_cpu_kv_pool_is_zeroed_in_an_arena_advised_into_huge_pages():
+    from common.engine.kv_cache import KVCache, KVLayout, new_pool
+
+    layout = KVLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=64, dtype="bfloat16")
+    cache = KVCache(layout, 64)
+    assert cache.pool.shape == (1, 64, 2, 2, 16, 2, 64) and cache.pool.dtype == torch.bfloat16
+    assert cache.pool.is_contiguous() and cache.pool.data_ptr() % HUGE_PAGE_BYTES == 0
+    assert not cache.pool.any()
+    fields = mapping_fields(cache.pool.data_ptr())
+    if thp_policy() in ("always", "madvise") and "THPeligible" in fields:
+        assert fields["THPeligible"] == 1
+    small = new_pool((1, 64, 2, 2, 16, 2, 64), torch.bfloat16, "cpu", huge=False)
+    if "THPeligible" in mapping_fields(small.data_ptr()):
+        assert mapping_fields(small.data_ptr())["THPeligible"] == 0
+    # a pool the ranks share stays torch's own memory, which share_memory_ moves
+    shared = KVCache(KVLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=64, dtype="bfloat16",
+                              tp_size=2), 8)
+    assert shared.share().is_shared() and not shared.pool.any()
+
+
+def test_the_kv_pages_benchmark_gives_both_pools_the_same_output(capsys):
+    import bench.kv_pages
+
+    assert bench.kv_pages.main(["--model", "embedded", "--cases", "3x40,2x17", "--rounds", "1", "--spread", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [line.split(" | ")[0] for line in rows] == ["| 3 x 40", "| 2 x 17"]
+    assert all(line.rstrip(" |").endswith("True") for line in rows)
+
+
+def test_the_load_line_says_how_much_of_the_kv_pool_is_in_huge_pages(tiny_chat_model_dir, caplog):
+    import logging
+
+    from common.config.base import EngineConfig
+    from common.engine.model_runner import ModelRunner
+
+    with caplog.at_level(logging.INFO, logger="common.engine.model_runner"):
+        runner = ModelRunner(EngineConfig(model=str(tiny_chat_model_dir), dtype="bfloat16", num_kv_blocks=16),
+                             tiny_chat_model_dir)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("model loaded"))
+    assert f"{runner.kv_cache.huge_page_bytes() / 2**20:.0f} MiB of it in 2 MB pages" in line
+    assert 0 <= runner.kv_cache.huge_page_bytes() <= runner.kv_cache.nbytes
