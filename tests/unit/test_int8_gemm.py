@@ -89,3 +89,22 @@ def test_a_call_takes_the_way_timed_faster_at_the_first_trial_of_as_many_rows(mo
                      5000: False}
     assert kernel_row_ranges((96, 64)) == "1-32, 65-1024"
     assert quantization._takes_kernel((1, 1), 32) and not quantization._takes_kernel((1, 1), 33)  # never timed
+
+
+@pytest.mark.parametrize("rows, n, k", [(16, 64, 64), (33, 48, 1024), (600, 64, 192)])
+def test_sums_written_past_the_caches_are_the_same(rows, n, k):
+    """A y from INT8_AMX_STREAM_BYTES on is written with non-temporal stores: half the L3 on a host that reports it,
+    which no test's y reaches; a build that streams every y gives the same sums."""
+    import ctypes
+
+    from common.engine.native import kernel_function
+
+    if not int8_gemm_amx_rows():
+        pytest.skip("the tiles' path (AMX-INT8) is the one that streams")
+    kernel = kernel_function("int8_gemm", "tessera_int8_gemm", (ctypes.c_void_p,) * 3 + (ctypes.c_int,) * 3,
+                             ("INT8_AMX_STREAM_BYTES=0",))
+    x, w = draw(rows, n, k)
+    out = torch.zeros((rows, n), dtype=torch.int32)
+    assert out.data_ptr() % 64 == 0  # non-temporal stores need y's rows aligned, as torch's allocations are
+    assert kernel(x.data_ptr(), w.data_ptr(), out.data_ptr(), rows, n, k) == 0
+    assert torch.equal(out, reference(x, w))

@@ -98,6 +98,7 @@ static inline __attribute__((always_inline)) void block(const int8_t *x, const i
 #if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #include <stdlib.h>
 #include <omp.h>
+#include <unistd.h>
 
 #include "amx.h"
 #include "simd.h"
@@ -118,9 +119,23 @@ static inline __attribute__((always_inline)) void block(const int8_t *x, const i
 #ifndef INT8_AMX_WIDE_MC
 #define INT8_AMX_WIDE_MC 1024 /* x rows per pass, x as A: every pass packs each weight pair again */
 #endif
+/* A y from this size on is written past the caches: half the last-level cache (at least L2's 2 MB). Every y is read
+ * again at once (tessera_dequantize_rows, tessera_silu_mul_quantize): one that fits the L3 is read from there, one
+ * streamed past it from memory. Streamed from 2 MB, a 1,024-token prompt step of the int8 135M model took 1.06-1.08x
+ * the time and one of the 1B shape 1.02x, its consumers' reads of the sums twice as long (Intel Xeon with AMX, its
+ * L3 480 MB; docs/benchmarks.md); the matmul alone was 1.3-1.5x faster streamed. -D sets a size for A/B builds. */
 #ifndef INT8_AMX_STREAM_BYTES
-#define INT8_AMX_STREAM_BYTES (2 << 20) /* a y from this size on is written past the caches */
+#define INT8_AMX_STREAM_BYTES int8_stream_bytes()
 #endif
+static int64_t int8_stream_bytes(void)
+{
+    static int64_t bytes; /* found once; two threads finding it at once find the same */
+    if (bytes == 0) {
+        long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE); /* 0 or -1 where the C library does not know it */
+        bytes = l3 / 2 > (2 << 20) ? l3 / 2 : (2 << 20);
+    }
+    return bytes;
+}
 #ifndef INT8_AMX_AHEAD
 #define INT8_AMX_AHEAD 512 /* bytes ahead prefetched in each weight row, on a block's first pass */
 #endif
