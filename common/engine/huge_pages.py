@@ -15,6 +15,7 @@ The mapping lives as long as any tensor carved from it: each holds the arena's b
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 from pathlib import Path
@@ -46,12 +47,17 @@ class HugePageArena:
 
     def __init__(self, nbytes: int, huge: bool = True) -> None:
         self.nbytes = nbytes
-        self._map = mmap.mmap(-1, max(nbytes, 1) + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        length = _aligned(max(nbytes, 1)) + HUGE_PAGE_BYTES + ALIGN_BYTES  # the last page: a guard (below)
+        self._map = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         try:
             self._map.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
         except (AttributeError, OSError):  # a kernel built without transparent huge pages, or another platform
             pass
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        # The kernel merges neighbouring anonymous mappings of the same flags into one, whose smaps line would then
+        # count another arena's huge pages as this one's (``huge_bytes``): a last page no one may touch keeps the
+        # arena a mapping of its own. Nothing is carved from it; where mprotect fails only that count suffers.
+        _protect_none(self._bytes.data_ptr() + length - ALIGN_BYTES, ALIGN_BYTES)
         self._start = (-self._bytes.data_ptr()) % HUGE_PAGE_BYTES
         self._next = self._start
 
@@ -77,6 +83,15 @@ class HugePageArena:
     def huge_bytes(self) -> int:
         """How many of its ``nbytes`` the kernel holds in huge pages now (``/proc/self/smaps``; 0 where unknown)."""
         return min(self.nbytes, mapping_fields(self.address()).get("AnonHugePages", 0))
+
+
+def _protect_none(address: int, length: int) -> None:
+    """``mprotect(address, length, PROT_NONE)`` where the C library has it; nothing where it fails."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mprotect(ctypes.c_void_p(address), ctypes.c_size_t(length), 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def mapping_fields(address: int, smaps: Path = Path("/proc/self/smaps")) -> dict[str, int]:

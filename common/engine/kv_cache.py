@@ -27,7 +27,7 @@ import torch
 
 from common.engine.disk_tier import DiskTier
 from common.engine.host_tier import HostTier
-from common.engine.huge_pages import HugePageArena, mapping_fields
+from common.engine.huge_pages import ALIGN_BYTES, HUGE_PAGE_BYTES, HugePageArena, mapping_fields
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +146,12 @@ class KVCache:
     def nbytes(self) -> int:
         return self.pool.numel() * self.pool.element_size()
 
-    def huge_page_bytes(self) -> int:
-        """How many of the pool's bytes the kernel holds in 2 MB pages now (``new_pool``; 0 on a device)."""
+    def huge_page_bytes(self) -> int | None:
+        """How many of the pool's bytes the kernel holds in 2 MB pages now (``new_pool``; 0 on a device); None
+        where the mapping that holds the pool holds more than it (torch's memory), so its count is not the pool's."""
         if self.pool.device.type != "cpu":
             return 0
-        return min(self.nbytes, mapping_fields(self.pool.data_ptr()).get("AnonHugePages", 0))
+        fields = mapping_fields(self.pool.data_ptr())
+        if fields.get("Size", 0) > self.nbytes + HUGE_PAGE_BYTES + ALIGN_BYTES:
+            return None
+        return min(self.nbytes, fields.get("AnonHugePages", 0))

@@ -208,3 +208,39 @@ def test_rope_in_place_matches_torch(dtype):
     torch.testing.assert_close(out, expected, **(dict(rtol=1e-5, atol=1e-5) if dtype is torch.float32
                                                  else dict(rtol=1.6e-2, atol=1e-2)))
     assert torch.equal(qkv[:, 12 * 64:], v_before)  # V untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [2, 9])  # an item per (row, kv head), and per row from 8 rows (attend_by_row)
+def test_v_rows_folded_into_several_heads_at_once_give_the_same_bits(dtype, rows):
+    """kernels/attend.h folds a block's V rows into up to 8 heads' accumulators at once (accumulate_heads): the same
+    products in the same order as a head at a time (-DATTEND_ACC_CHUNKS=0), so the outputs are equal to the bit, at
+    every group size and head size (a half pair of 16 dimensions included)."""
+    from common.engine.attention import _DECODE_ARGS
+    from common.engine.native import kernel_function
+
+    chunked = kernel_function("paged_attention", "tessera_paged_attention", _DECODE_ARGS)
+    by_head = kernel_function("paged_attention", "tessera_paged_attention", _DECODE_ARGS, ("ATTEND_ACC_CHUNKS=0",))
+    if chunked is None or by_head is None:
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(rows)
+    block, kv_heads, context = 16, 2, 40
+    for group in (1, 3, 7, 8, 9, 16, 32):
+        for head_dim in (16, 32, 48, 64, 112, 128):
+            cache = KVCache(KVLayout(num_layers=1, block_size=block, num_kv_heads=kv_heads, head_dim=head_dim,
+                                     dtype=str(dtype).removeprefix("torch.")), rows * 3 + 2)
+            cache.buffer.copy_(torch.randn(cache.buffer.shape, generator=gen).to(dtype))
+            pool, (k, v) = cache.buffer, cache.layers[0]
+            q = torch.randn(rows, group * kv_heads, head_dim, generator=gen).to(dtype)
+            tables = torch.randperm(rows * 3 + 2, generator=gen)[:rows * 3].view(rows, 3).contiguous()
+            lens = torch.tensor([context - r % 5 for r in range(rows)], dtype=torch.int64)
+            outs = []
+            for kernel in (chunked, by_head):
+                out = torch.empty_like(q)
+                size = pool.element_size()
+                assert kernel(q.data_ptr(), pool.data_ptr(), pool.stride(0), (k.data_ptr() - pool.data_ptr()) // size,
+                              (v.data_ptr() - pool.data_ptr()) // size, tables.data_ptr(), tables.shape[1],
+                              lens.data_ptr(), out.data_ptr(), rows, group * kv_heads, kv_heads, head_dim, block,
+                              head_dim ** -0.5, int(dtype is torch.bfloat16)) == 0
+                outs.append(out)
+            assert torch.equal(outs[0], outs[1]), (group, head_dim)

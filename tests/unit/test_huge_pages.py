@@ -102,26 +102,31 @@ def test_a_mapping_the_kernel_refuses_leaves_the_panels_in_torchs_memory(tiny_ch
     runner = ModelRunner(EngineConfig(model=str(tiny_chat_model_dir), dtype="bfloat16", num_kv_blocks=16),
                          tiny_chat_model_dir)
     model: LlamaForCausalLM = runner.model
+    assert runner.kv_cache.pool.is_contiguous()  # the pool in torch's memory too (the load's timed steps wrote it)
+    assert any("KV pool stays in torch's memory" in r.getMessage() for r in caplog.records)
     panels = [getattr(m, "panels", None) for m in model.panel_layers()]
     if not any(p is not None for p in panels):
         pytest.skip("the weights take no panels on this CPU (no AVX512-BF16) or dtype")
     assert model.panel_arena is None and all(p is not None and p.is_contiguous() for p in panels)
     assert any("stay in 4 KB pages" in r.getMessage() for r in caplog.records)
-    assert runner.kv_cache.pool.is_contiguous()  # the pool in torch's memory too (the load's timed steps wrote it)
-    assert any("KV pool stays in torch's memory" in r.getMessage() for r in caplog.records)
 
 
 def test_a_one_rank_cpu_kv_pool_is_zeroed_in_an_arena_advised_into_huge_pages():
     from common.engine.kv_cache import KVCache, KVLayout, new_pool
 
     layout = KVLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=64, dtype="bfloat16")
-    cache = KVCache(layout, 64)
-    assert cache.pool.shape == (1, 64, 2, 2, 16, 2, 64) and cache.pool.dtype == torch.bfloat16
+    cache = KVCache(layout, 256)  # 4 MiB: a whole 2 MiB range inside the mapping, wherever it lands
+    assert cache.pool.shape == (1, 256, 2, 2, 16, 2, 64) and cache.pool.dtype == torch.bfloat16
     assert cache.pool.is_contiguous() and cache.pool.data_ptr() % HUGE_PAGE_BYTES == 0
     assert not cache.pool.any()
     fields = mapping_fields(cache.pool.data_ptr())
+    if "Rss" in fields:  # zeroed at once: every page faulted in now, not in a serving step
+        assert fields["Rss"] >= cache.nbytes
     if thp_policy() in ("always", "madvise") and "THPeligible" in fields:
         assert fields["THPeligible"] == 1
+    # a mapping of its own (its last page a guard), so its smaps count is the pool's
+    assert fields.get("Size", 0) <= cache.nbytes + HUGE_PAGE_BYTES + ALIGN_BYTES
+    assert cache.huge_page_bytes() is not None
     small = new_pool((1, 64, 2, 2, 16, 2, 64), torch.bfloat16, "cpu", huge=False)
     if "THPeligible" in mapping_fields(small.data_ptr()):
         assert mapping_fields(small.data_ptr())["THPeligible"] == 0
@@ -134,7 +139,7 @@ def test_a_one_rank_cpu_kv_pool_is_zeroed_in_an_arena_advised_into_huge_pages():
 def test_the_kv_pages_benchmark_gives_both_pools_the_same_output(capsys):
     import bench.kv_pages
 
-    assert bench.kv_pages.main(["--model", "embedded", "--cases", "3x40,2x17", "--rounds", "1", "--spread", "2"]) == 0
+    assert bench.kv_pages.main(["--model", "tiny", "--cases", "3x40,2x17", "--rounds", "1", "--spread", "2"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [line.split(" | ")[0] for line in rows] == ["| 3 x 40", "| 2 x 17"]
     assert all(line.rstrip(" |").endswith("True") for line in rows)
@@ -150,5 +155,6 @@ def test_the_load_line_says_how_much_of_the_kv_pool_is_in_huge_pages(tiny_chat_m
         runner = ModelRunner(EngineConfig(model=str(tiny_chat_model_dir), dtype="bfloat16", num_kv_blocks=16),
                              tiny_chat_model_dir)
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("model loaded"))
-    assert f"{runner.kv_cache.huge_page_bytes() / 2**20:.0f} MiB of it in 2 MB pages" in line
-    assert 0 <= runner.kv_cache.huge_page_bytes() <= runner.kv_cache.nbytes
+    huge = runner.kv_cache.huge_page_bytes()  # the arena is a mapping of its own: its count is the pool's
+    assert huge is not None and 0 <= huge <= runner.kv_cache.nbytes
+    assert f"{huge / 2**20:.0f} MiB of it in 2 MB pages" in line

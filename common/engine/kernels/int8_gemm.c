@@ -127,15 +127,18 @@ static inline __attribute__((always_inline)) void block(const int8_t *x, const i
 #ifndef INT8_AMX_STREAM_BYTES
 #define INT8_AMX_STREAM_BYTES int8_stream_bytes()
 #endif
-static int64_t int8_stream_bytes(void)
+static int64_t int8_stream_from = 2 << 20;
+
+/* found once, as the library loads, before any call can read it */
+__attribute__((constructor)) static void int8_find_stream_bytes(void)
 {
-    static int64_t bytes; /* found once; two threads finding it at once find the same */
-    if (bytes == 0) {
-        long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE); /* 0 or -1 where the C library does not know it */
-        bytes = l3 / 2 > (2 << 20) ? l3 / 2 : (2 << 20);
-    }
-    return bytes;
+#ifdef _SC_LEVEL3_CACHE_SIZE
+    long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE); /* 0 or -1 where the C library does not know it */
+    if (l3 / 2 > int8_stream_from) int8_stream_from = l3 / 2;
+#endif
 }
+
+static inline int64_t int8_stream_bytes(void) { return int8_stream_from; }
 #ifndef INT8_AMX_AHEAD
 #define INT8_AMX_AHEAD 512 /* bytes ahead prefetched in each weight row, on a block's first pass */
 #endif
