@@ -6,7 +6,7 @@ Two pools of one model's KV layout (``--model``'s heads, KV heads, head size and
 tokens), each ``--spread`` times the blocks the largest case's sequences hold, made as a one-rank CPU worker makes
 its pool (``kv_cache.new_pool``): one advised into transparent huge pages, the other out of them, both filled with
 the same random K/V. Each case (``ROWSxCONTEXT``) draws its sequences' blocks at random from the whole pool, as a
-long-running server leaves them, and times the CPU attention backend's decode call (``CpuAttention._decode``,
+long-running server leaves them, and times the CPU attention backend's decode call (``CpuAttention._paged``,
 kernels/paged_attention.c) over every layer, the two pools taking turns round by round. Each row: the median time
 of each, their ratio (2 MB over 4 KB: below 1.0 is faster), the K/V bytes read per second, and that both gave the
 same output. What the kernel's blocks cost in TLB misses is what differs: the arithmetic and the bytes are the same.
@@ -14,13 +14,14 @@ same output. What the kernel's blocks cost in TLB misses is what differs: the ar
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
 import torch
 
 from common.engine.attention import CpuAttention, StepContext
-from common.engine.huge_pages import mapping_fields, thp_policy
+from common.engine.huge_pages import thp_policy
 from common.engine.kv_cache import KVCache, KVLayout, new_pool
 from common.storage.model_store import embedded_model_dir
 from common.storage.random_model import SHAPES
@@ -31,19 +32,11 @@ BLOCK_SIZE = 16
 def model_shape(name: str) -> tuple[int, int, int, int]:
     """(heads, KV heads, head size, layers) of ``--model``: the embedded model's, or a named random shape's."""
     if name == "embedded":
-        import json
         config = json.loads((embedded_model_dir("bfloat16") / "config.json").read_text())
     else:
         config = vars(SHAPES[name])
     heads = config["num_attention_heads"]
     return heads, config["num_key_value_heads"], config["hidden_size"] // heads, config["num_hidden_layers"]
-
-
-def timed(run, rounds: int) -> float:
-    started = time.perf_counter()
-    for _ in range(rounds):
-        run()
-    return (time.perf_counter() - started) / rounds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,11 +60,10 @@ def main(argv: list[str] | None = None) -> int:
               for pages in ("2 MB", "4 KB")}
     caches["2 MB"].pool.normal_()
     caches["4 KB"].pool.copy_(caches["2 MB"].pool)
-    in_huge = {pages: min(cache.nbytes, mapping_fields(cache.pool.data_ptr()).get("AnonHugePages", 0))
-               for pages, cache in caches.items()}
+    in_huge = " and ".join(f"{(cache.huge_page_bytes() or 0) / 2**30:.2f}" for cache in caches.values())
     attention = CpuAttention()
     print(f"{args.model}: {heads} heads, {kv_heads} KV heads of {head_dim}, {layers} layers; pools of {blocks} blocks "
-          f"({caches['2 MB'].nbytes / 2**30:.2f} GiB each, {in_huge['2 MB'] / 2**30:.2f} and {in_huge['4 KB'] / 2**30:.2f} GiB in 2 MB pages; "
+          f"({caches['2 MB'].nbytes / 2**30:.2f} GiB each, {in_huge} GiB in 2 MB pages; "
           f"transparent huge pages: {thp_policy()}); {args.threads} threads, {args.rounds} rounds\n")
     print("| rows x context | 2 MB pages | 4 KB pages | 2 MB / 4 KB | K/V read, GB/s (2 MB / 4 KB) | same output |")
     print("|---|---|---|---|---|---|")
@@ -91,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
             run(cache, pages)
         for _ in range(args.rounds):
             for pages, cache in caches.items():
-                times[pages].append(timed(lambda: run(cache, pages), 1))
+                started = time.perf_counter()
+                run(cache, pages)
+                times[pages].append(time.perf_counter() - started)
         huge, small = (statistics.median(times[p]) for p in ("2 MB", "4 KB"))
         read = rows * context * kv_heads * head_dim * 2 * 2 * layers
         same = bool(torch.equal(outputs["2 MB"], outputs["4 KB"]))

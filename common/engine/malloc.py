@@ -90,8 +90,8 @@ def preload_environment(env: dict[str, str], library: str) -> dict[str, str]:
 def use_configured_malloc(choice: str, *, what: str = "engine.cpu.malloc") -> str:
     """Make this process run on ``choice`` (``jemalloc`` or ``system``): where jemalloc is asked for, found and not
     yet loaded, or loaded without ``MALLOC_CONF`` (preloaded by hand), re-execute the process with it preloaded and
-    configured (this call then returns only where ``execve`` failed, logged). Returns the allocator the process runs on; where it differs from
-    ``choice`` the reason is logged once, naming ``what``."""
+    configured (this call then returns only where ``execve`` failed, logged). Returns the allocator the process runs
+    on; where it differs from ``choice`` the reason is logged once, naming ``what``."""
     if choice not in CHOICES:
         raise ValueError(f"{what}={choice!r}: expected one of {', '.join(CHOICES)}")
     again = os.environ.pop(REEXEC_ENV, None)  # never handed on to what this process starts

@@ -125,7 +125,7 @@ static inline __attribute__((always_inline)) void block(const int8_t *x, const i
  * the time and one of the 1B shape 1.02x, its consumers' reads of the sums twice as long (Intel Xeon with AMX, its
  * L3 480 MB; docs/benchmarks.md); the matmul alone was 1.3-1.5x faster streamed. -D sets a size for A/B builds. */
 #ifndef INT8_AMX_STREAM_BYTES
-#define INT8_AMX_STREAM_BYTES int8_stream_bytes()
+#define INT8_AMX_STREAM_BYTES int8_stream_from
 #endif
 static int64_t int8_stream_from = 2 << 20;
 
@@ -138,7 +138,6 @@ __attribute__((constructor)) static void int8_find_stream_bytes(void)
 #endif
 }
 
-static inline int64_t int8_stream_bytes(void) { return int8_stream_from; }
 #ifndef INT8_AMX_AHEAD
 #define INT8_AMX_AHEAD 512 /* bytes ahead prefetched in each weight row, on a block's first pass */
 #endif
