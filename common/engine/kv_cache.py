@@ -155,3 +155,10 @@ class KVCache:
         if fields.get("Size", 0) > self.nbytes + HUGE_PAGE_BYTES + ALIGN_BYTES:
             return None
         return min(self.nbytes, fields.get("AnonHugePages", 0))
+
+    def pages_note(self) -> str:
+        """What a worker's load line says of the pool's pages: how much is in 2 MB pages (CPU), else nothing."""
+        if self.pool.device.type != "cpu":
+            return ""
+        huge = self.huge_page_bytes()
+        return ", in torch's memory" if huge is None else f", {huge / 2**20:.0f} MiB of it in 2 MB pages"

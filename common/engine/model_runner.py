@@ -158,13 +158,6 @@ def _argmax_step(seqs: list[Sequence], logits: torch.Tensor) -> LaunchedStep:
     return LaunchedStep(seqs, [[] for _ in seqs], None, tokens=tokens, reported=reported, ready=ready)
 
 
-def kv_pages_note(huge_bytes: int | None) -> str:
-    """What the load line says of a CPU KV pool's pages (``KVCache.huge_page_bytes``)."""
-    if huge_bytes is None:
-        return ", in torch's memory"
-    return f", {huge_bytes / 2**20:.0f} MiB of it in 2 MB pages"
-
-
 def nonfinite_rows(logits: torch.Tensor) -> list[int]:
     """The rows that hold a NaN or Inf. A row's sum is not finite when one of its logits is not, or when finite
     logits overflow it, which the exact check on those rows then clears: one pass over the logits, 0.03-0.25x of
@@ -314,7 +307,7 @@ class ModelRunner:
             self.load_s, hf.num_hidden_layers, config.dtype, "int8" if config.quantization == "int8" else config.dtype,
             module_bytes(self.model) / 2**30, f", rank {rank} of {self.tp.size}" if self.tp.size > 1 else "",
             self.attention.name, self.kv_cache.num_blocks, config.block_size, self.kv_cache.nbytes / 2**20,
-            kv_pages_note(self.kv_cache.huge_page_bytes()) if self.device.type == "cpu" else "",
+            self.kv_cache.pages_note(),
             resident_bytes() / 2**30, loaded_allocator(),
         )
 
