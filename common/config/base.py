@@ -28,7 +28,8 @@ import pydantic
 from pydantic import ConfigDict, Strict, ValidationError
 from pydantic.fields import FieldInfo
 
-from common.protocol.names import DEVICE_PATTERN, AttentionBackend, Dtype, Quantization, SpecMethod
+from common.protocol.names import (DEVICE_PATTERN, AttentionBackend, Dtype, KvCacheDtype, Quantization,
+                                   SpecMethod)
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]  # an int is still accepted, and stored as a float
@@ -420,7 +421,7 @@ class EngineConfig:
     dtype: Dtype = option("float32", "weight and compute dtype")
     quantization: Quantization = option("none", "weight quantization applied at load: 'int8' stores every "
                                         "linear layer and the embedding as int8 with one scale per output row "
-                                        "(common/engine/quantization.py); activations and the KV pool keep dtype")
+                                        "(common/engine/quantization.py); activations keep dtype, the KV pool kv_cache_dtype")
     int8_smoothing: Float = option(0.6, "with int8 weights, how much of each input channel's range moves from "
                                    "the activations into the weights before quantizing (SmoothQuant's alpha, "
                                    "calibrated on a fixed text at load); 0 turns it off", ge=0.0, le=1.0)
@@ -428,6 +429,11 @@ class EngineConfig:
                             "with tensor_parallel_size > 1 on a GPU, rank r takes cuda:r unless ranks.devices says")
     attention_backend: AttentionBackend = option("auto", "attention kernel; auto picks the best one the device has")
     block_size: BlockSize = option(16, "tokens per KV cache block")
+    kv_cache_dtype: KvCacheDtype = option(
+        "auto", "what the KV pool stores: auto, the model's dtype; int8, each token's K and V rows per head as int8 "
+        "with one float32 scale (common/engine/kv_int8.py), 0.53x bfloat16's bytes at head_dim 64, so a decode "
+        "step's attention reads about half and the same memory holds 1.9x the tokens, at an accuracy cost "
+        "docs/benchmarks.md reports; CPU only. Prefill and decode workers of one model must agree on it")
     kv_cache_memory_bytes: Int = option(2 << 30, "memory budget the KV pool is sized from, unless "
                                         "kv_cache_memory_fraction or num_kv_blocks is set", ge=1 << 20)
     kv_cache_memory_fraction: Float | None = option(
@@ -483,6 +489,9 @@ class EngineConfig:
                               "the CPU only (device 'cpu')")
         if self.quantization == "int8" and self.device_type != "cpu":
             raise ConfigError("config field 'quantization' = 'int8' is invalid: its kernels run on the CPU only "
+                              "(device 'cpu')")
+        if self.kv_cache_dtype == "int8" and self.device_type != "cpu":
+            raise ConfigError("config field 'kv_cache_dtype' = 'int8' is invalid: its kernels run on the CPU only "
                               "(device 'cpu')")
         if self.max_num_batched_tokens < self.block_size:
             raise ConfigError(f"config field 'max_num_batched_tokens' = {self.max_num_batched_tokens!r} is "

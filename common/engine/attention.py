@@ -20,6 +20,8 @@ Backends:
   chunks through that file's chunk kernel (AVX512-BF16 dot products, the
   pages read in place, 2.6x torch's SDPA on a 256-token prompt); float32
   chunks, or a CPU without AVX512-BF16, as below.
+  Over an int8 pool (``engine.kv_cache_dtype: int8``, common/engine/kv_int8.py) decode rows take
+  kernels/kv_int8.c's paged kernel, and chunks the chunk kernel over their contexts staged in q's dtype.
 - ``TorchAttention`` (GPU without flash-attn or Triton, or CPU without a C compiler):
   decode rows in one padded, masked batch over gathered pages; each chunk in
   one SDPA call.
@@ -40,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from common.engine import kv_int8
 from common.engine.kv_cache import KVCache
 from common.engine.native import avx2_without_avx512, kernel_function, load_kernel
 from common.engine.queued_copies import queued_copy
@@ -157,9 +160,8 @@ class TorchAttention:
         ctx = get_step_context()
         if ctx.kv_cache is None:
             return ctx.attend(q, k, v, scale)
+        ctx.kv_cache.write(layer, ctx.slot_blocks, ctx.slot_offsets, k, v)
         k_cache, v_cache = ctx.kv_cache.layers[layer]
-        k_cache[ctx.slot_blocks, ctx.slot_offsets] = k
-        v_cache[ctx.slot_blocks, ctx.slot_offsets] = v
         if not ctx.chunks:
             return self._decode(q, k_cache, v_cache, ctx, scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D] contiguous, whatever q's strides
@@ -173,7 +175,7 @@ class TorchAttention:
         """Every chunk's rows of ``out``: one SDPA call per chunk."""
         for chunk in ctx.chunks:
             s, e = chunk.token_start, chunk.token_end
-            out[s:e] = self._chunk(q[s:e], k[s:e], v[s:e], k_cache, v_cache, chunk, scale)
+            out[s:e] = self._chunk(q[s:e], k[s:e], v[s:e], k_cache, v_cache, chunk, scale, ctx.kv_cache)
 
     @staticmethod
     def _decode(q, k_cache, v_cache, ctx: StepContext, scale: float) -> torch.Tensor:
@@ -181,8 +183,11 @@ class TorchAttention:
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
         tables = ctx.decode_block_tables
-        keys = k_cache[tables].view(bsz, -1, num_kv_heads, head_dim)
-        values = v_cache[tables].view(bsz, -1, num_kv_heads, head_dim)
+        keys, values = k_cache[tables], v_cache[tables]
+        if ctx.kv_cache.layout.quantized:
+            keys, values = kv_int8.dequantize(keys, q.dtype), kv_int8.dequantize(values, q.dtype)
+        keys = keys.view(bsz, -1, num_kv_heads, head_dim)
+        values = values.view(bsz, -1, num_kv_heads, head_dim)
         qg = q.view(bsz, num_kv_heads, group, head_dim)
         scores = torch.einsum("bkgd,blkd->bkgl", qg, keys).float()
         scores.mul_(scale).add_(TorchAttention._decode_mask(ctx, keys.shape[1]))
@@ -203,8 +208,9 @@ class TorchAttention:
         return mask
 
     @staticmethod
-    def _chunk(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: float) -> torch.Tensor:
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    def _chunk(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: float, kv_cache: KVCache) -> torch.Tensor:
+        """One chunk's attention: SDPA over its own K/V where it is its whole context, else over its context
+        read back from the pool (an int8 pool's cached tokens dequantized, the chunk's own taken as computed)."""
         qt = q.transpose(0, 1).unsqueeze(0)
         if chunk.num_computed == 0:
             # The chunk is its own whole context: no need to read the pool back.
@@ -213,8 +219,14 @@ class TorchAttention:
             out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
         else:
             n = chunk.context_len
-            kt = k_cache[chunk.block_table].view(-1, num_kv_heads, head_dim)[:n].transpose(0, 1).unsqueeze(0)
-            vt = v_cache[chunk.block_table].view(-1, num_kv_heads, head_dim)[:n].transpose(0, 1).unsqueeze(0)
+            if kv_cache.layout.quantized:  # the cached prefix as stored, this chunk's own rows as computed
+                cached = chunk.num_computed
+                keys = torch.cat([kv_cache.gather(k_cache, chunk.block_table, cached, q.dtype), k])
+                values = torch.cat([kv_cache.gather(v_cache, chunk.block_table, cached, q.dtype), v])
+            else:
+                keys = kv_cache.gather(k_cache, chunk.block_table, n, q.dtype)
+                values = kv_cache.gather(v_cache, chunk.block_table, n, q.dtype)
+            kt, vt = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
             q_pos = torch.arange(chunk.num_computed, n, device=q.device)
             mask = torch.arange(n, device=q.device)[None, :] <= q_pos[:, None]
             out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -236,6 +248,7 @@ class CpuAttention(TorchAttention):
 
     def __init__(self) -> None:
         self._kernel = kernel_function("paged_attention", "tessera_paged_attention", _DECODE_ARGS)
+        self._kernel_i8 = kv_int8.attend_kernel()  # over an int8 pool (engine.kv_cache_dtype)
         chunk = kernel_function("paged_attention", "tessera_chunk_attention", _CHUNK_ARGS)
         # The dtypes whose prompt chunks take the chunk kernel (-3 from it: SDPA stays): bfloat16 where it was built
         # with AVX512-BF16; float32 where it was built with AVX2 and FMA on a CPU without AVX-512, where it is
@@ -252,7 +265,8 @@ class CpuAttention(TorchAttention):
 
     def _attend_chunks(self, q, k, v, k_cache, v_cache, ctx: StepContext, scale: float, out: torch.Tensor) -> None:
         """Chunks in one kernel call over every chunk of the step where the kernel takes q's dtype (``__init__``);
-        anything else through SDPA."""
+        anything else through SDPA. Over an int8 pool the kernel reads the chunks' contexts staged in q's dtype
+        (``_staged``)."""
         if (q.dtype not in self._chunk_dtypes or q.shape[2] % 32 or q.shape[2] > 256
                 or q.stride(2) != 1 or q.stride(1) != q.shape[2]):
             super()._attend_chunks(q, k, v, k_cache, v_cache, ctx, scale, out)
@@ -267,16 +281,48 @@ class CpuAttention(TorchAttention):
                                 dtype=torch.int64)
             meta = ctx.backend_state["chunks"] = (rows, tables)
         rows, tables = meta
-        pool = ctx.kv_cache.buffer
-        itemsize = pool.element_size()
+        if ctx.kv_cache.layout.quantized:
+            pool, tables, k_offset, v_offset = self._staged(q, k, v, k_cache, v_cache, ctx)
+        else:
+            pool = ctx.kv_cache.buffer
+            itemsize = pool.element_size()
+            k_offset = (k_cache.data_ptr() - pool.data_ptr()) // itemsize
+            v_offset = (v_cache.data_ptr() - pool.data_ptr()) // itemsize
         status = self._chunk_kernel(
-            q.data_ptr(), q.stride(0), pool.data_ptr(), pool.stride(0),
-            (k_cache.data_ptr() - pool.data_ptr()) // itemsize, (v_cache.data_ptr() - pool.data_ptr()) // itemsize,
+            q.data_ptr(), q.stride(0), pool.data_ptr(), pool.stride(0), k_offset, v_offset,
             rows.data_ptr(), rows.shape[0], tables.data_ptr(), tables.shape[1], out.data_ptr(),
             q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, int(q.dtype is torch.bfloat16),
         )
         if status != 0:
             raise RuntimeError(f"chunk attention kernel refused the shapes (status {status})")
+
+    @staticmethod
+    def _staged(q, k, v, k_cache, v_cache, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """The step's chunks' contexts over an int8 pool, in q's dtype, in a pool of their own for the chunk kernel:
+        each chunk's cached tokens dequantized, then its own K/V as computed, in consecutive blocks, every K block
+        before every V block. The pool and its tables are made once a step and filled for each layer. Returns the
+        pool (``[K or V, blocks, block_size, kv heads, head_dim]``), the tables and the offsets of K and V."""
+        block_size, heads, head_dim = k_cache.shape[1], k_cache.shape[2], q.shape[2]
+        staged = ctx.backend_state.get("staged")
+        if staged is None:
+            spans = [-(-chunk.context_len // block_size) for chunk in ctx.chunks]
+            firsts = [sum(spans[:i]) for i in range(len(spans))]
+            tables = torch.zeros((len(spans), max(spans)), dtype=torch.int64)
+            for i, (first, span) in enumerate(zip(firsts, spans)):
+                tables[i, :span] = torch.arange(first, first + span)
+            pool = torch.zeros((2, sum(spans), block_size, heads, head_dim), dtype=q.dtype)
+            staged = ctx.backend_state["staged"] = (pool, tables, firsts)
+        pool, tables, firsts = staged
+        for chunk, first in zip(ctx.chunks, firsts):
+            s, e, cached = chunk.token_start, chunk.token_end, chunk.num_computed
+            for side, (cache, own) in enumerate(((k_cache, k[s:e]), (v_cache, v[s:e]))):
+                rows = pool[side].view(-1, heads, head_dim)[first * block_size:]
+                if cached:
+                    rows[:cached] = ctx.kv_cache.gather(cache, chunk.block_table, cached, q.dtype)
+                rows[cached:cached + e - s] = own
+        # the chunk kernel's block stride is the pool's first one: a view whose first dimension is the blocks
+        blocks = pool.view(2 * pool.shape[1], block_size, heads, head_dim)
+        return blocks, tables, 0, pool[0].numel()
 
     def _decode(self, q, k_cache, v_cache, ctx: StepContext, scale: float) -> torch.Tensor:
         return self._paged(q, k_cache, v_cache, ctx, scale, ctx.decode_block_tables, ctx.decode_context_lens)
@@ -288,6 +334,16 @@ class CpuAttention(TorchAttention):
         q = q.contiguous()
         out = torch.empty_like(q)
         pool = ctx.kv_cache.buffer
+        if ctx.kv_cache.layout.quantized:
+            status = self._kernel_i8(
+                q.data_ptr(), int(q.dtype == torch.bfloat16), pool.data_ptr(), pool.stride(0),
+                k_cache.data_ptr() - pool.data_ptr(), v_cache.data_ptr() - pool.data_ptr(),
+                tables.data_ptr(), tables.shape[1], context_lens.data_ptr(), out.data_ptr(),
+                rows, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale)
+            if status != 0:
+                raise RuntimeError("int8 paged attention kernel refused the shapes (group, head_dim or block size "
+                                   "too large)")
+            return out
         itemsize = pool.element_size()
         status = self._kernel(
             q.data_ptr(), pool.data_ptr(), pool.stride(0),

@@ -8,6 +8,10 @@ registered once with the transfer agent and a request's pages travel as a few me
 per layer per block. Each layer still sees the usual ``[num_blocks, block_size, kv_heads, head_dim]`` K and V
 (strided views of the rank's slice). At tensor parallelism 1 the pool is one rank's slice.
 
+An int8 pool (``KVLayout.dtype`` "int8", ``engine.kv_cache_dtype: int8``) holds rows of ``head_dim`` int8 values
+and their float32 scale (common/engine/kv_int8.py): its last dimension is ``row_width`` bytes, not ``head_dim``;
+``KVCache.write`` and ``KVCache.gather`` quantize into it and read it back.
+
 At tp_size > 1 the pool lives in shared memory (``share``): rank 0 of a worker (common/engine/tensor_parallel.py)
 makes it and hands it to the other ranks, so one transfer agent, the host tier and the block copies on rank 0
 reach every rank's slice of a block.
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.engine import kv_int8
 from common.engine.disk_tier import DiskTier
 from common.engine.host_tier import HostTier
 from common.engine.huge_pages import ALIGN_BYTES, HUGE_PAGE_BYTES, HugePageArena, mapping_fields
@@ -40,7 +45,7 @@ class KVLayout:
     block_size: int
     num_kv_heads: int
     head_dim: int
-    dtype: str  # "float32" | "bfloat16"
+    dtype: str  # "float32" | "bfloat16" | "int8" (kv_int8's rows)
     tp_size: int = field(default=1, compare=False)  # ranks the KV heads are split across; blocks stay exchangeable
     # Derived once here: the runner, the attention layers and the transfer backends read them every step.
     torch_dtype: torch.dtype = field(init=False, compare=False)
@@ -55,7 +60,17 @@ class KVLayout:
         object.__setattr__(self, "torch_dtype", torch_dtype)
         # A whole block, every rank's heads: what two workers of one model agree on at any parallelism
         object.__setattr__(self, "bytes_per_block",
-                           self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize)
+                           self.num_layers * 2 * self.block_size * self.num_kv_heads * self.row_width * itemsize)
+
+    @property
+    def quantized(self) -> bool:
+        """int8 rows with their scales (kv_int8.py), not values of the model's dtype."""
+        return self.dtype == "int8"
+
+    @property
+    def row_width(self) -> int:
+        """Elements of one (token, KV head) row of K or V in the pool: head_dim, or an int8 row's bytes."""
+        return self.head_dim + kv_int8.SCALE_BYTES if self.quantized else self.head_dim
 
     @property
     def rank_heads(self) -> int:
@@ -96,16 +111,34 @@ class KVCache:
         self.layout = layout
         self.num_blocks = num_blocks
         shape = (layout.tp_size, num_blocks, layout.num_layers, 2, layout.block_size, layout.rank_heads,
-                 layout.head_dim)
+                 layout.row_width)
         if pool is None:
             pool = new_pool(shape, layout.torch_dtype, device)
         elif tuple(pool.shape) != shape or pool.dtype != layout.torch_dtype:
             raise ValueError(f"a shared KV pool of {tuple(pool.shape)} {pool.dtype}, expected {shape}")
         self.pool = pool
         self.buffer = pool[rank]  # this rank's slice: contiguous
-        # K and V of each layer, each ``[num_blocks, block_size, kv_heads, head_dim]`` (views, made once).
+        # K and V of each layer, each ``[num_blocks, block_size, kv_heads, row_width]`` (views, made once).
         self.layers = [(self.buffer[:, i, 0], self.buffer[:, i, 1]) for i in range(layout.num_layers)]
         self.host_buffer: torch.Tensor | None = None  # the host tier's blocks (host_tier), when one is made
+
+    def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """A step's new K and V ``[tokens, kv heads, head_dim]`` into ``layer``'s pages, token i at slot
+        ``offsets[i]`` of block ``blocks[i]``: as they are, or quantized into an int8 pool's rows."""
+        k_cache, v_cache = self.layers[layer]
+        if self.layout.quantized:
+            kv_int8.store(k_cache, v_cache, self.buffer, blocks, offsets, k, v)
+            return
+        k_cache[blocks, offsets] = k
+        v_cache[blocks, offsets] = v
+
+    def gather(self, cache: torch.Tensor, table: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """The first ``n`` tokens of ``table``'s blocks in one layer's K or V (``cache``, from ``layers``) as
+        ``[n, kv heads, head_dim]`` of ``dtype``: a copy, dequantized from an int8 pool."""
+        if self.layout.quantized:
+            return kv_int8.gather(cache, self.buffer, table, n, dtype)
+        return cache[table].reshape(-1, *cache.shape[2:])[:n].to(dtype)
 
     def host_tier(self, budget_bytes: int, disk_dir: str = "", disk_bytes: int = 0) -> HostTier | None:
         """A host tier of whole blocks within ``budget_bytes`` (None for a budget under one block): a second

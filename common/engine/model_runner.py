@@ -206,7 +206,8 @@ class ModelRunner:
         hf = self.model.config
         attn = self.model.layers[0].self_attn
         self.layout = KVLayout(hf.num_hidden_layers, config.block_size, attn.num_kv_heads * self.tp.size,
-                               attn.head_dim, config.dtype, self.tp.size)
+                               attn.head_dim, "int8" if config.kv_cache_dtype == "int8" else config.dtype,
+                               self.tp.size)
         if rank == 0:
             num_blocks = config.num_kv_blocks or self.layout.blocks_for_budget(self._kv_budget())
             self.kv_cache = KVCache(self.layout, num_blocks, self.device)

@@ -12,6 +12,7 @@ from typing import Literal, get_args
 Role = Literal["prefill", "decode", "both"]
 Dtype = Literal["float32", "bfloat16"]
 Quantization = Literal["none", "int8"]  # weights only; see common/engine/quantization.py
+KvCacheDtype = Literal["auto", "int8"]  # the KV pool's: auto keeps the model's dtype; see common/engine/kv_int8.py
 DEVICE_PATTERN = r"^(cpu|cuda(:[0-9]+)?)$"  # a torch device a worker's rank may take: cpu, cuda, cuda:N
 AttentionBackend = Literal["auto", "torch", "cpu_paged", "flash_attn", "triton"]
 SpecMethod = Literal["off", "ngram", "draft"]

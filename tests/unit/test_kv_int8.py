@@ -1,0 +1,182 @@
+"""The int8 KV pool (engine.kv_cache_dtype: int8): its rows, its C kernels against the torch code, and the engine on it.
+
+The kernels (kernels/kv_int8.c) are held to the torch code of common/engine/kv_int8.py: the store to its bits, the
+gather exactly, the paged attention within float32 summation order; the engine on an int8 pool keeps every exact
+property that does not depend on the pool's precision (a prefill handed to another engine continues as one engine
+would, a batch-invariant engine's rows do not depend on the batch, no block leaks).
+"""
+import pytest
+import torch
+
+from common.config.base import ConfigError, EngineConfig
+from common.engine import kv_int8
+from common.engine.attention import CpuAttention, StepContext, TorchAttention
+from common.engine.kv_cache import KVCache, KVLayout
+from common.engine.llm_engine import LLMEngine
+from common.protocol.sampling_params import SamplingParams
+from tests.unit.test_engine_handoff import run_decode, run_prefill
+
+needs_kernel = pytest.mark.skipif(kv_int8.attend_kernel() is None, reason="no C compiler: the kernels do not build")
+
+
+def test_a_row_is_its_values_and_their_scale_and_round_trips_within_half_a_step():
+    x = torch.randn(5, 3, 64) * torch.tensor([0.01, 1.0, 300.0]).view(1, 3, 1)
+    x[0, 0] = 0.0  # an all-zero row: scale 0, values 0
+    rows = kv_int8.quantize(x)
+    assert rows.dtype is torch.int8 and rows.shape == (5, 3, 64 + kv_int8.SCALE_BYTES)
+    scale = rows[..., 64:].contiguous().view(torch.float32)
+    assert torch.equal(scale, x.abs().amax(-1, keepdim=True) * (1.0 / 127.0))
+    assert rows[..., :64].abs().max() <= 127 and rows[0, 0].eq(0).all()
+    back = kv_int8.dequantize(rows, torch.float32)
+    assert ((back - x).abs() <= scale / 2 * (1 + 1e-5)).all()
+
+
+def test_the_layout_of_an_int8_pool_moves_blocks_a_bfloat16_worker_cannot_read():
+    bf16, int8 = KVLayout(30, 16, 3, 64, "bfloat16"), KVLayout(30, 16, 3, 64, "int8")
+    assert int8 != bf16 and int8.quantized and not bf16.quantized  # prefill and decode must agree on it
+    assert int8.row_width == 68 and int8.bytes_per_block / bf16.bytes_per_block == 68 / 128
+    cache = KVCache(int8, 4)
+    assert cache.pool.dtype is torch.int8 and cache.nbytes == 4 * int8.bytes_per_block
+    assert cache.layers[0][0].shape == (4, 16, 3, 68)
+
+
+def test_int8_kv_runs_on_the_cpu_only():
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        EngineConfig(model="embedded", kv_cache_dtype="int8", device="cuda")
+
+
+def filled_cache(layers: int, block: int, kv_heads: int, head_dim: int, blocks: int, seed: int) -> KVCache:
+    """An int8 pool whose every row is the quantized form of random values, each row its own range."""
+    cache = KVCache(KVLayout(layers, block, kv_heads, head_dim, "int8"), blocks)
+    g = torch.Generator().manual_seed(seed)
+    for k_cache, v_cache in cache.layers:
+        for cache_side in (k_cache, v_cache):
+            values = torch.randn(cache_side.shape[:-1] + (head_dim,), generator=g)
+            values *= torch.rand(cache_side.shape[:-1] + (1,), generator=g) * 4
+            cache_side.copy_(kv_int8.quantize(values))
+    return cache
+
+
+@needs_kernel
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+def test_the_store_kernel_writes_the_torch_codes_rows(src_dtype):
+    head_dim, heads = 64, 3
+    cache = KVCache(KVLayout(2, 16, heads, head_dim, "int8"), 8)
+    g = torch.Generator().manual_seed(3)
+    qkv = (torch.randn(21, 4 * heads * head_dim, generator=g) * 3).to(src_dtype)  # k, v strided views, as a step's
+    k = qkv[:, :heads * head_dim].view(21, heads, head_dim)
+    v = qkv[:, 2 * heads * head_dim:3 * heads * head_dim].view(21, heads, head_dim)
+    blocks = torch.randperm(8, generator=g)[:2].repeat_interleave(16)[:21].contiguous()
+    offsets = (torch.arange(21) % 16).contiguous()
+    cache.write(1, blocks, offsets, k, v)
+    k_cache, v_cache = cache.layers[1]
+    for side, src in ((k_cache, k), (v_cache, v)):
+        stored, expected = side[blocks, offsets], kv_int8.quantize(src)
+        assert torch.equal(stored[..., head_dim:], expected[..., head_dim:])  # the scales, bit for bit
+        # the values: the same product rounded, where a compiler's reciprocal may move a tie by one step
+        assert (stored[..., :head_dim].int() - expected[..., :head_dim].int()).abs().max() <= 1
+    assert cache.layers[0][0].eq(0).all()  # another layer's rows untouched
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gather_kernel_dequantizes_as_torch_does(dtype):
+    cache = filled_cache(2, 16, 3, 64, 10, seed=4)
+    table = torch.tensor([7, 2, 9], dtype=torch.int64)
+    k_cache = cache.layers[1][0]
+    ours = cache.gather(k_cache, table, 40, dtype)
+    expected = kv_int8.dequantize(k_cache[table].reshape(-1, 3, 68)[:40], dtype)
+    assert ours.shape == (40, 3, 64) and torch.equal(ours, expected)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,heads,kv_heads,head_dim", [
+    (1, 9, 3, 64),     # one row: an item per (row, kv head)
+    (7, 9, 3, 64),     # the embedded model's heads, an item per row
+    (5, 32, 8, 64),    # the 1B shape's
+    (3, 8, 2, 128),
+    (4, 6, 6, 48),     # no grouping, a head_dim the vector path steps through 16 at a time
+    (2, 4, 2, 20),     # a head_dim the vector path does not take: the plain loops
+])
+def test_the_paged_kernel_equals_attention_over_the_dequantized_pool(dtype, rows, heads, kv_heads, head_dim):
+    block = 16
+    cache = filled_cache(2, block, kv_heads, head_dim, 40, seed=rows)
+    g = torch.Generator().manual_seed(rows + heads)
+    lens = torch.randint(1, 6 * block, (rows,), generator=g)
+    lens[0] = 5 * block  # one context ending on a block's edge
+    width = int(-(-lens.max() // block))
+    tables = torch.stack([torch.randperm(40, generator=g)[:width] for _ in range(rows)]).contiguous()
+    q = torch.randn(rows, heads, head_dim, generator=g).to(dtype)
+    ctx = StepContext(cache, None, None, decode_block_tables=tables, decode_context_lens=lens.contiguous())
+    k_cache, v_cache = cache.layers[1]
+    scale = head_dim ** -0.5
+    ours = CpuAttention()._paged(q, k_cache, v_cache, ctx, scale, tables, ctx.decode_context_lens)
+    reference = TorchAttention._decode(q.float(), k_cache, v_cache, ctx, scale)
+    # float32: q in int16 steps of its range where the scores are integer sums (AVX512-VNNI), 1/65534 of it; bf16:
+    # the output's rounding
+    tolerance = 2e-4 if dtype is torch.float32 else 2e-2
+    assert (ours.float() - reference).abs().max() <= tolerance * reference.abs().max()
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+PROMPTS = ["Hello there, how are you today?", "Count to five:", "x " * 40, "The end."]
+
+
+def generate(engine: LLMEngine, prompts, params=GREEDY) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in engine.generate(list(prompts), params)]
+
+
+def test_a_prefill_handed_to_another_int8_engine_continues_as_one_engine(tiny_chat_model_dir):
+    config = dict(model=str(tiny_chat_model_dir), num_kv_blocks=64, block_size=16, kv_cache_dtype="int8")
+    reference, prefill, decode = (LLMEngine(EngineConfig(**config)) for _ in range(3))
+    assert decode.runner.kv_cache.pool.dtype is torch.int8
+    for i, prompt in enumerate(PROMPTS):
+        (expected,) = generate(reference, [prompt])
+        seq, out = run_prefill(prefill, f"p-{i}", prompt, GREEDY, 0)
+        _, tokens, _ = run_decode(decode, prefill, seq, out, GREEDY, 0)
+        assert tokens == expected
+    for engine in (reference, prefill, decode):
+        assert engine.block_manager.num_used_blocks == 0
+
+
+def test_chunked_prompts_and_prefix_hits_read_the_int8_pool_back(tiny_chat_model_dir):
+    """A prompt in 16-token chunks reads its cached part back dequantized (the staged chunk path): a prefix hit
+    repeats its tokens, and its first token is the whole-prompt step's on this tiny model."""
+    chunked = LLMEngine(EngineConfig(model=str(tiny_chat_model_dir), num_kv_blocks=64, kv_cache_dtype="int8",
+                                     max_num_batched_tokens=16))
+    whole = LLMEngine(EngineConfig(model=str(tiny_chat_model_dir), num_kv_blocks=64, kv_cache_dtype="int8"))
+    first = generate(chunked, PROMPTS)
+    again = chunked.generate(list(PROMPTS), GREEDY)  # every prompt but its last block a prefix hit now
+    assert [out.outputs[0].token_ids for out in again] == first
+    assert sum(out.num_cached_tokens for out in again) >= 32  # the 40-token prompt's two whole blocks
+    for ours, reference in zip(first, generate(whole, PROMPTS)):
+        assert ours[0] == reference[0]
+    assert chunked.block_manager.num_used_blocks == 0 and whole.block_manager.num_used_blocks == 0
+
+
+def test_a_batch_invariant_engine_on_an_int8_pool_gives_each_prompt_the_same_tokens_in_any_batch(tiny_chat_model_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_chat_model_dir), num_kv_blocks=64, kv_cache_dtype="int8",
+                                    deterministic=True, max_num_batched_tokens=32))
+    together = generate(engine, PROMPTS)
+    alone = [generate(engine, [prompt])[0] for prompt in PROMPTS]
+    assert together == alone
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_int8_kv_on_the_embedded_model_keeps_the_greedy_text_close(embedded_model_dir):
+    """The accuracy cost on the real model, bounded: on float32 weights the int8 pool's greedy tokens agree with the
+    float32 pool's over most of 16 tokens (bench.quant_accuracy measures it in full: docs/benchmarks.md)."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Why is the sky blue?", "List three primary colors."]
+    results = {}
+    for kv in ("auto", "int8"):
+        engine = LLMEngine(EngineConfig(model=str(embedded_model_dir), dtype="float32", num_kv_blocks=128,
+                                        kv_cache_dtype=kv))
+        chat = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        results[kv] = generate(engine, chat)
+        assert engine.block_manager.num_used_blocks == 0
+    agreeing = 0
+    for ours, reference in zip(results["int8"], results["auto"]):
+        assert ours[0] == reference[0]  # the prompt step attends its own K/V as computed: the first token is exact
+        agreeing += next((i for i, (a, b) in enumerate(zip(ours, reference)) if a != b), len(ours))
+    assert agreeing >= len(prompts) * 16 // 2
