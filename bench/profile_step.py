@@ -137,9 +137,9 @@ def engine_from_args(args: argparse.Namespace):
     model_path = model.prepare(args.dtype)
     torch.set_flush_denormal(True)  # as in a worker process (common/cli/worker_command.py)
     torch.set_num_threads(args.threads)
+    overrides.setdefault("kv_cache_memory_bytes", 2 << 30)  # a --set of it takes its place
     engine = LLMEngine(EngineConfig(model=str(model_path), dtype=args.dtype, quantization=args.quantization,
-                                    num_threads=args.threads,
-                                    kv_cache_memory_bytes=2 << 30, **overrides))
+                                    num_threads=args.threads, **overrides))
     return model, engine
 
 

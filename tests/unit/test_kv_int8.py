@@ -180,3 +180,19 @@ def test_int8_kv_on_the_embedded_model_keeps_the_greedy_text_close(embedded_mode
         assert ours[0] == reference[0]  # the prompt step attends its own K/V as computed: the first token is exact
         agreeing += next((i for i, (a, b) in enumerate(zip(ours, reference)) if a != b), len(ours))
     assert agreeing >= len(prompts) * 16 // 2
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows,first", [(1, 9), (3, 9), (8, 420)])  # an item per (row, kv head), then per row
+def test_the_one_call_decode_kernel_stores_and_attends_the_int8_pool_as_the_layers_do(tiny_chat_model_dir, dtype,
+                                                                                        rows, first):
+    from tests.unit.test_fused_decode import decoding_batch, logits_both_ways, runner_for
+    runner = runner_for(tiny_chat_model_dir, dtype=dtype, kv_cache_dtype="int8", num_kv_blocks=300)
+    if runner.model.fused_decode is None or rows > runner.model.fused_decode.max_rows:
+        pytest.skip("the one-call kernel does not take this many rows of these weights here")
+    fused, reference = logits_both_ways(runner, decoding_batch(runner, rows, seed=rows, first=first))
+    # float32: a new K/V row computed in another order may round one of its values to the next int8 step; bfloat16:
+    # the kernel keeps activations in float32 where torch rounds each op (and quantizes K/V before rounding them)
+    tolerance = 2e-3 if dtype == "float32" else 0.05
+    assert (fused - reference).abs().max().item() <= tolerance * reference.abs().max().item()

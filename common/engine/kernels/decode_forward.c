@@ -21,7 +21,8 @@
  * rows, the threads or the instruction set.
  * Activations, the residual stream and every float sum stay in float32 inside
  * the call; the K/V written to the pool and the final hidden state take the
- * model dtype (bfloat16 rounds to nearest even).
+ * model dtype (bfloat16 rounds to nearest even), or the K/V an int8 pool's rows
+ * (D_POOL_INT8: kv_int8.h, whose attention then reads them).
  */
 #include <math.h>
 #include <stdint.h>
@@ -29,6 +30,7 @@
 #include <string.h>
 
 #include "attend.h"
+#include "kv_int8.h"
 #include "panels_bf16.h"
 
 #if defined(__AVX512F__)
@@ -63,7 +65,7 @@ enum {
 /* Shapes, in the dims array. */
 enum {
     D_ROWS, D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_BLOCK_SIZE, D_MAX_BLOCKS,
-    D_ACT_BF16, D_WEIGHT_TYPE, D_BLOCK_STRIDE, NUM_DIMS
+    D_ACT_BF16, D_WEIGHT_TYPE, D_BLOCK_STRIDE, D_POOL_INT8, NUM_DIMS
 };
 
 static inline float act_at(const void *p, int bf16, int64_t i) {
@@ -534,6 +536,7 @@ int tessera_decode_forward(const int64_t *layers, int num_layers, const int64_t 
     const int kv_heads = (int)dims[D_KV_HEADS], head_dim = (int)dims[D_HEAD_DIM], inter = (int)dims[D_INTER];
     const int block_size = (int)dims[D_BLOCK_SIZE], act_bf16 = (int)dims[D_ACT_BF16];
     const int wtype = (int)dims[D_WEIGHT_TYPE];
+    const int pool_int8 = (int)dims[D_POOL_INT8]; /* the pool holds kv_int8.h's rows, not the model dtype's */
     const int64_t max_blocks = dims[D_MAX_BLOCKS], block_stride = dims[D_BLOCK_STRIDE];
     const int q_size = heads * head_dim, kv_size = kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
     if (m < 1 || m > MAX_ROWS || tessera_decode_forward_shapes(dims) != 0) return -1;
@@ -554,13 +557,18 @@ int tessera_decode_forward(const int64_t *layers, int num_layers, const int64_t 
     if (xb == NULL) { free(h); return -1; }
     float xs[MAX_ROWS]; /* an int8 layer's input: each row's step (to_int16_rows) */
 #if defined(ATTEND_VECTOR)
-    const int by_row = attend_by_row(m, context_lens, head_dim, kv_heads, act_bf16);
+    const int by_row = !pool_int8 && attend_by_row(m, context_lens, head_dim, kv_heads, act_bf16);
+#endif
+    int i8_by_row = 1; /* over an int8 pool: an item per row where that keeps every thread busy, as kv_int8.c */
+#ifdef _OPENMP
+    i8_by_row = m >= 2 * omp_get_max_threads();
 #endif
     #pragma omp parallel
     {
 #if defined(ATTEND_VECTOR)
         attend_state *states = by_row ? aligned_alloc(64, sizeof(attend_state) * (size_t)kv_heads) : NULL;
 #endif
+        i8_state *i8 = pool_int8 ? i8_thread_state(heads, head_dim) : NULL;
         for (int l = 0; l < num_layers; l++) {
             const int64_t *f = layers + (int64_t)l * NUM_FIELDS;
             #pragma omp for schedule(static)
@@ -587,14 +595,26 @@ int tessera_decode_forward(const int64_t *layers, int num_layers, const int64_t 
                 if (hd >= heads) {
                     int is_v = hd >= heads + kv_heads;
                     int kvh = hd - heads - (is_v ? kv_heads : 0);
-                    int64_t slot = slot_blocks[r] * block_stride + f[is_v ? F_V_OFFSET : F_K_OFFSET]
-                                   + (slot_offsets[r] * kv_heads + kvh) * head_dim;
-                    store(pool, act_bf16, slot, v, head_dim);
+                    int64_t row = slot_offsets[r] * kv_heads + kvh, at = slot_blocks[r] * block_stride
+                                                                    + f[is_v ? F_V_OFFSET : F_K_OFFSET];
+                    if (pool_int8) quantize_row(v, 0, 0, head_dim, (int8_t *)pool + at + row * (head_dim + I8_SCALE_BYTES));
+                    else store(pool, act_bf16, at + row * head_dim, v, head_dim);
                 }
             }
 
             /* attention: one item per row (every kv head, block by block) for many rows of long contexts, else
              * per (row, kv head); q rows sit at the start of each row's qkv */
+            if (pool_int8) {
+                #pragma omp for schedule(dynamic, 1)
+                for (int64_t item = 0; item < (i8_by_row ? m : (int64_t)m * kv_heads); item++) {
+                    int r = (int)(i8_by_row ? item : item / kv_heads);
+                    int kvh0 = i8_by_row ? 0 : (int)(item % kv_heads), kvh1 = i8_by_row ? kv_heads : kvh0 + 1;
+                    attend_i8(i8, wide + (int64_t)r * qkv_size, 0, (const int8_t *)pool, block_stride, f[F_K_OFFSET],
+                              f[F_V_OFFSET], block_tables + (int64_t)r * max_blocks, context_lens[r],
+                              attn + (int64_t)r * q_size, 0, kvh0, kvh1, heads, kv_heads, head_dim, block_size,
+                              attn_scale, group);
+                }
+            } else
 #if defined(ATTEND_VECTOR)
             if (by_row) {
                 #pragma omp for schedule(dynamic, 1)
@@ -660,6 +680,7 @@ int tessera_decode_forward(const int64_t *layers, int num_layers, const int64_t 
 #if defined(ATTEND_VECTOR)
         free(states);
 #endif
+        i8_thread_state_free(i8);
     }
     free(xb);
     free(h);

@@ -797,10 +797,12 @@ def decode_forward_takes_panels() -> bool:
 
 
 def decode_forward_dims(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, block_size: int,
-                        pool_bf16: bool, weight_type: int, block_stride: int = 0) -> torch.Tensor:
-    """tessera_decode_forward's dims (D_* in decode_forward.c); the rows and the table width are set per step."""
+                        pool_bf16: bool, weight_type: int, block_stride: int = 0, pool_int8: bool = False
+                        ) -> torch.Tensor:
+    """tessera_decode_forward's dims (D_* in decode_forward.c); the rows and the table width are set per step.
+    ``pool_bf16``: the activations' (and a float pool's) dtype; ``pool_int8``: the pool holds kv_int8's rows."""
     return torch.tensor([0, hidden, heads, kv_heads, head_dim, intermediate, block_size, 0, int(pool_bf16),
-                         weight_type, block_stride], dtype=torch.int64)
+                         weight_type, block_stride, int(pool_int8)], dtype=torch.int64)
 
 
 def decode_forward_takes(dims: torch.Tensor) -> bool:
@@ -871,7 +873,7 @@ class FusedDecode:
         if not self.every_row and (ctx.chunks or ctx.decode_rows is None or num_rows > self.max_rows):
             return False
         return (ctx.kv_cache.buffer.device.type == "cpu"
-                and ctx.kv_cache.buffer.dtype is self.model.norm.weight.dtype)
+                and (ctx.kv_cache.layout.quantized or ctx.kv_cache.buffer.dtype is self.model.norm.weight.dtype))
 
     def _build(self, ctx) -> None:
         """The layer table: weight, scale and bias addresses per layer, and its K/V offsets in the pool."""
@@ -899,14 +901,15 @@ class FusedDecode:
         self._layers = table(False)
         self._compact_layers = table(True) if self.model.compact_bytes() else None  # pack_panels: all or none
         k_cache = ctx.kv_cache.layers[0][0]
-        self._dims = self._dims_of(k_cache.shape[1], pool.dtype is torch.bfloat16, pool.stride(0))
+        self._dims = self._dims_of(k_cache.shape[1], self.model.norm.weight.dtype is torch.bfloat16, pool.stride(0),
+                                   ctx.kv_cache.layout.quantized)
         self._weight_type = int(self._dims[9])
         self._dims_view = self._dims.numpy()  # rows and table width change per step: set through numpy, no op
         self._eps = float(self.model.config.rms_norm_eps)
         self._scale = float(self.model.layers[0].self_attn.scale)
         self._pool_key = (pool.data_ptr(), pool.shape)
 
-    def _dims_of(self, block_size: int, pool_bf16: bool, block_stride: int) -> torch.Tensor:
+    def _dims_of(self, block_size: int, pool_bf16: bool, block_stride: int, pool_int8: bool = False) -> torch.Tensor:
         """tessera_decode_forward's dims (D_* in decode_forward.c); the rows and the table width are set per step."""
         first = self.model.layers[0]
         attn = first.self_attn
@@ -914,7 +917,7 @@ class FusedDecode:
         weight_type = (_WEIGHT_TYPES[attn.qkv_proj.weight.dtype] if panels is None
                        else W_BF16_COMPACT if panels.dtype is torch.uint8 else W_BF16_PANELS)
         return decode_forward_dims(self.model.config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                   first.mlp.intermediate, block_size, pool_bf16, weight_type, block_stride)
+                                   first.mlp.intermediate, block_size, pool_bf16, weight_type, block_stride, pool_int8)
 
     def takes_shapes(self, block_size: int) -> bool:
         """Whether the kernel takes this model at ``block_size`` (``decode_forward_takes``): asked once, at load,
