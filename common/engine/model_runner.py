@@ -304,10 +304,12 @@ class ModelRunner:
         release_freed_memory()  # the load's temporaries: jemalloc keeps freed pages for the steps (engine.cpu.malloc)
         log.info(
             "model loaded in %.1fs: %s layers, dtype %s, weights %s (%.2f GiB%s), attention %s; KV pool %d blocks "
-            "x %d tokens (%.1f MiB%s); resident %.2f GiB; malloc %s (engine.cpu.malloc)",
+            "x %d tokens of %s (%.1f MiB%s); resident %.2f GiB; malloc %s (engine.cpu.malloc)",
             self.load_s, hf.num_hidden_layers, config.dtype, "int8" if config.quantization == "int8" else config.dtype,
             module_bytes(self.model) / 2**30, f", rank {rank} of {self.tp.size}" if self.tp.size > 1 else "",
-            self.attention.name, self.kv_cache.num_blocks, config.block_size, self.kv_cache.nbytes / 2**20,
+            self.attention.name, self.kv_cache.num_blocks, config.block_size,
+            "int8 rows (engine.kv_cache_dtype)" if self.layout.quantized else self.layout.dtype,
+            self.kv_cache.nbytes / 2**20,
             self.kv_cache.pages_note(),
             resident_bytes() / 2**30, loaded_allocator(),
         )

@@ -140,18 +140,18 @@ def test_a_prefill_handed_to_another_int8_engine_continues_as_one_engine(tiny_ch
         assert engine.block_manager.num_used_blocks == 0
 
 
-def test_chunked_prompts_and_prefix_hits_read_the_int8_pool_back(tiny_chat_model_dir):
-    """A prompt in 16-token chunks reads its cached part back dequantized (the staged chunk path): a prefix hit
-    repeats its tokens, and its first token is the whole-prompt step's on this tiny model."""
+def test_chunked_prompts_and_prefix_hits_attend_what_a_whole_prompt_does(tiny_chat_model_dir):
+    """A prompt step reads its context back from an int8 pool, its own rows too: in 16-token chunks, as a whole, or
+    after a prefix hit, a prompt attends the same K/V and gives the same tokens."""
     chunked = LLMEngine(EngineConfig(model=str(tiny_chat_model_dir), num_kv_blocks=64, kv_cache_dtype="int8",
                                      max_num_batched_tokens=16))
     whole = LLMEngine(EngineConfig(model=str(tiny_chat_model_dir), num_kv_blocks=64, kv_cache_dtype="int8"))
     first = generate(chunked, PROMPTS)
-    again = chunked.generate(list(PROMPTS), GREEDY)  # every prompt but its last block a prefix hit now
+    again = whole.generate(list(PROMPTS), GREEDY)
     assert [out.outputs[0].token_ids for out in again] == first
-    assert sum(out.num_cached_tokens for out in again) >= 32  # the 40-token prompt's two whole blocks
-    for ours, reference in zip(first, generate(whole, PROMPTS)):
-        assert ours[0] == reference[0]
+    hits = whole.generate(list(PROMPTS), GREEDY)  # every prompt but its last block a prefix hit now
+    assert sum(out.num_cached_tokens for out in hits) >= 32  # the 40-token prompt's two whole blocks
+    assert [out.outputs[0].token_ids for out in hits] == first
     assert chunked.block_manager.num_used_blocks == 0 and whole.block_manager.num_used_blocks == 0
 
 
@@ -177,7 +177,6 @@ def test_int8_kv_on_the_embedded_model_keeps_the_greedy_text_close(embedded_mode
         assert engine.block_manager.num_used_blocks == 0
     agreeing = 0
     for ours, reference in zip(results["int8"], results["auto"]):
-        assert ours[0] == reference[0]  # the prompt step attends its own K/V as computed: the first token is exact
         agreeing += next((i for i, (a, b) in enumerate(zip(ours, reference)) if a != b), len(ours))
     assert agreeing >= len(prompts) * 16 // 2
 
