@@ -197,7 +197,7 @@ static inline __attribute__((always_inline)) void widen_tile(
  * transpose-and-add, then scaled by q's step and each row's scale. */
 static inline __attribute__((always_inline)) void score_tile_int(
     i8_state *st, const int8_t *block, const int8_t *next, int t0, int tn, int64_t token_bytes, int64_t head_at,
-    const int head_dim, int hg, int group)
+    const int head_dim, int hg, int group, int pos)
 {
     const int64_t row_bytes = head_dim + I8_SCALE_BYTES;
     const int np = head_dim / 32;
@@ -224,7 +224,7 @@ static inline __attribute__((always_inline)) void score_tile_int(
         }
         for (int t = tn; t < 16; t++) part[t] = _mm512_setzero_ps();
         __m512 scale = _mm512_mul_ps(ks, _mm512_set1_ps(st->q_step[hg + g]));
-        _mm512_storeu_ps(st->scores + (hg + g) * (MAX_BLOCK + 16) + t0, _mm512_mul_ps(sum16x16(part), scale));
+        _mm512_storeu_ps(st->scores + (hg + g) * (MAX_BLOCK + 16) + pos + t0, _mm512_mul_ps(sum16x16(part), scale));
     }
 }
 #else
@@ -266,91 +266,112 @@ static inline __attribute__((always_inline)) void attend_i8_vector(
         st->q_step[h] = step;
 #endif
     }
-    for (int64_t start = 0; start < len; start += block_size) {
-        int n = (int)(len - start < block_size ? len - start : block_size);
-        const int8_t *kb = pool + table[start / block_size] * block_stride + k_offset;
-        const int8_t *vb = kb - k_offset + v_offset;
-        const int8_t *pk = 0, *pv = 0;
-        if (start + block_size < len) {
-            pk = pool + table[start / block_size + 1] * block_stride + k_offset;
-            pv = pk - k_offset + v_offset;
-        }
-        for (int kvh = kvh0; kvh < kvh1; kvh++) {
-            const int64_t head_at = kvh * row_bytes;
-            const int hg = kvh * group;
-            for (int t0 = 0; t0 < n; t0 += 16) {
-                int tn = n - t0 < 16 ? n - t0 : 16;
+    /* A span of whole blocks at a time (up to MAX_BLOCK tokens): each block's scores for every kv head, one step of
+     * the running softmax per head over the span, then each block's V rows; the next block's rows (then the span's
+     * first V rows, the next span's first K rows) prefetched while a block is read. */
+    const int64_t span = (int64_t)(MAX_BLOCK / block_size) * block_size;
+    const int64_t num_blocks = (len + block_size - 1) / block_size;
+#define BLOCK_AT(b, offset) (pool + table[b] * block_stride + (offset))
+    for (int64_t start = 0; start < len; start += span) {
+        const int n = (int)(len - start < span ? len - start : span);
+        const int64_t first = start / block_size, last = (start + n - 1) / block_size; /* the span's blocks */
+        for (int64_t b = first; b <= last; b++) {
+            const int nt = (int)(len - b * block_size < block_size ? len - b * block_size : block_size);
+            const int pos = (int)(b * block_size - start);
+            const int8_t *kb = BLOCK_AT(b, k_offset);
+            const int8_t *pk = b < last ? BLOCK_AT(b + 1, k_offset) : BLOCK_AT(first, v_offset);
+            for (int kvh = kvh0; kvh < kvh1; kvh++) {
+                const int64_t head_at = kvh * row_bytes;
+                const int hg = kvh * group;
+                for (int t0 = 0; t0 < nt; t0 += 16) {
+                    int tn = nt - t0 < 16 ? nt - t0 : 16;
 #if I8_INT_SCORES
-                if (head_dim % 32 == 0) { /* int16 pairs, 32 dimensions a vector */
-                    score_tile_int(st, kb, pk, t0, tn, token_bytes, head_at, head_dim, hg, group);
-                    continue;
-                }
+                    if (head_dim % 32 == 0) { /* int16 pairs, 32 dimensions a vector */
+                        score_tile_int(st, kb, pk, t0, tn, token_bytes, head_at, head_dim, hg, group, pos);
+                        continue;
+                    }
 #endif
-                widen_tile(st, kb, pk, t0, tn, token_bytes, head_at, head_dim);
-                __m512 ks = _mm512_load_ps(st->tile_scale);
-                for (int g = 0; g < group; g++) {
-                    const float *qh = st->q + (hg + g) * head_dim;
-                    __m512 qv[MAX_HEAD_DIM / 16], part[16];
-                    for (int c = 0; c < nc; c++) qv[c] = _mm512_load_ps(qh + 16 * c);
-                    for (int t = 0; t < tn; t++) {
-                        const float *kf = st->tile + t * head_dim;
-                        __m512 s = _mm512_mul_ps(qv[0], _mm512_load_ps(kf));
-                        for (int c = 1; c < nc; c++) s = _mm512_fmadd_ps(qv[c], _mm512_load_ps(kf + 16 * c), s);
-                        part[t] = s;
-                    }
-                    for (int t = tn; t < 16; t++) part[t] = _mm512_setzero_ps();
-                    _mm512_storeu_ps(st->scores + (hg + g) * (MAX_BLOCK + 16) + t0, _mm512_mul_ps(sum16x16(part), ks));
-                }
-            }
-            for (int g = 0; g < group; g++) { /* the running softmax: each score becomes its weight in the block */
-                int h = hg + g;
-                float *sc = st->scores + h * (MAX_BLOCK + 16);
-                __m512 top = _mm512_set1_ps(st->m[h]);
-                for (int t = 0; t < n; t += 16) {
-                    __mmask16 live = (__mmask16)(n - t >= 16 ? 0xffff : (1u << (n - t)) - 1);
-                    top = _mm512_mask_max_ps(top, live, top, _mm512_loadu_ps(sc + t));
-                }
-                float bmax = _mm512_reduce_max_ps(top);
-                float correction = expf(st->m[h] - bmax);
-                st->l[h] *= correction;
-                if (correction != 1.f) {
-                    float *acc = st->acc + h * head_dim;
-                    for (int c = 0; c < nc; c++)
-                        _mm512_store_ps(acc + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc + 16 * c), _mm512_set1_ps(correction)));
-                }
-                __m512 sum = _mm512_setzero_ps(), bm = _mm512_set1_ps(bmax);
-                for (int t = 0; t < n; t += 16) {
-                    __mmask16 live = (__mmask16)(n - t >= 16 ? 0xffff : (1u << (n - t)) - 1);
-                    __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + t), bm)));
-                    _mm512_storeu_ps(sc + t, e);
-                    sum = _mm512_add_ps(sum, e);
-                }
-                st->l[h] += _mm512_reduce_add_ps(sum);
-                st->m[h] = bmax;
-            }
-            for (int t0 = 0; t0 < n; t0 += 16) {
-                int tn = n - t0 < 16 ? n - t0 : 16;
-                widen_tile(st, vb, pv, t0, tn, token_bytes, head_at, head_dim);
-                /* heads side by side, as many as keep their accumulators in 16 registers: independent FMA chains */
-                const int per = nc >= 16 ? 1 : 16 / nc;
-                for (int g0 = 0; g0 < group; g0 += per) {
-                    const int gn = group - g0 < per ? group - g0 : per;
-                    __m512 a[16];
-                    for (int g = 0; g < gn; g++)
-                        for (int c = 0; c < nc; c++) a[g * nc + c] = _mm512_load_ps(st->acc + (hg + g0 + g) * head_dim + 16 * c);
-                    for (int t = 0; t < tn; t++) {
-                        const float *vf = st->tile + t * head_dim;
-                        for (int g = 0; g < gn; g++) {
-                            __m512 p = _mm512_set1_ps(st->scores[(hg + g0 + g) * (MAX_BLOCK + 16) + t0 + t] * st->tile_scale[t]);
-                            for (int c = 0; c < nc; c++) a[g * nc + c] = _mm512_fmadd_ps(p, _mm512_load_ps(vf + 16 * c), a[g * nc + c]);
+                    widen_tile(st, kb, pk, t0, tn, token_bytes, head_at, head_dim);
+                    __m512 ks = _mm512_load_ps(st->tile_scale);
+                    for (int g = 0; g < group; g++) {
+                        const float *qh = st->q + (hg + g) * head_dim;
+                        __m512 qv[MAX_HEAD_DIM / 16], part[16];
+                        for (int c = 0; c < nc; c++) qv[c] = _mm512_load_ps(qh + 16 * c);
+                        for (int t = 0; t < tn; t++) {
+                            const float *kf = st->tile + t * head_dim;
+                            __m512 s = _mm512_mul_ps(qv[0], _mm512_load_ps(kf));
+                            for (int c = 1; c < nc; c++) s = _mm512_fmadd_ps(qv[c], _mm512_load_ps(kf + 16 * c), s);
+                            part[t] = s;
                         }
+                        for (int t = tn; t < 16; t++) part[t] = _mm512_setzero_ps();
+                        _mm512_storeu_ps(st->scores + (hg + g) * (MAX_BLOCK + 16) + pos + t0,
+                                         _mm512_mul_ps(sum16x16(part), ks));
                     }
-                    for (int g = 0; g < gn; g++)
-                        for (int c = 0; c < nc; c++) _mm512_store_ps(st->acc + (hg + g0 + g) * head_dim + 16 * c, a[g * nc + c]);
+                }
+            }
+        }
+        for (int h = h0; h < h1; h++) { /* the running softmax: each score becomes its weight in the span */
+            float *sc = st->scores + h * (MAX_BLOCK + 16);
+            __m512 top = _mm512_set1_ps(st->m[h]);
+            for (int t = 0; t < n; t += 16) {
+                __mmask16 live = (__mmask16)(n - t >= 16 ? 0xffff : (1u << (n - t)) - 1);
+                top = _mm512_mask_max_ps(top, live, top, _mm512_loadu_ps(sc + t));
+            }
+            float bmax = _mm512_reduce_max_ps(top);
+            float correction = expf(st->m[h] - bmax);
+            st->l[h] *= correction;
+            if (correction != 1.f) {
+                float *acc = st->acc + h * head_dim;
+                for (int c = 0; c < nc; c++)
+                    _mm512_store_ps(acc + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc + 16 * c), _mm512_set1_ps(correction)));
+            }
+            __m512 sum = _mm512_setzero_ps(), bm = _mm512_set1_ps(bmax);
+            for (int t = 0; t < n; t += 16) {
+                __mmask16 live = (__mmask16)(n - t >= 16 ? 0xffff : (1u << (n - t)) - 1);
+                __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + t), bm)));
+                _mm512_storeu_ps(sc + t, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            st->l[h] += _mm512_reduce_add_ps(sum);
+            st->m[h] = bmax;
+        }
+        for (int64_t b = first; b <= last; b++) {
+            const int nt = (int)(len - b * block_size < block_size ? len - b * block_size : block_size);
+            const int pos = (int)(b * block_size - start);
+            const int8_t *vb = BLOCK_AT(b, v_offset);
+            const int8_t *pv = b < last ? BLOCK_AT(b + 1, v_offset) : b + 1 < num_blocks ? BLOCK_AT(b + 1, k_offset) : 0;
+            for (int kvh = kvh0; kvh < kvh1; kvh++) {
+                const int64_t head_at = kvh * row_bytes;
+                const int hg = kvh * group;
+                for (int t0 = 0; t0 < nt; t0 += 16) {
+                    int tn = nt - t0 < 16 ? nt - t0 : 16;
+                    widen_tile(st, vb, pv, t0, tn, token_bytes, head_at, head_dim);
+                    /* heads side by side, as many as keep their accumulators in 16 registers: independent chains */
+                    const int per = nc >= 16 ? 1 : 16 / nc;
+                    for (int g0 = 0; g0 < group; g0 += per) {
+                        const int gn = group - g0 < per ? group - g0 : per;
+                        const float *w = st->scores + (hg + g0) * (MAX_BLOCK + 16) + pos + t0;
+                        __m512 a[16];
+                        for (int g = 0; g < gn; g++)
+                            for (int c = 0; c < nc; c++)
+                                a[g * nc + c] = _mm512_load_ps(st->acc + (hg + g0 + g) * head_dim + 16 * c);
+                        for (int t = 0; t < tn; t++) {
+                            const float *vf = st->tile + t * head_dim;
+                            for (int g = 0; g < gn; g++) {
+                                __m512 p = _mm512_set1_ps(w[g * (MAX_BLOCK + 16) + t] * st->tile_scale[t]);
+                                for (int c = 0; c < nc; c++)
+                                    a[g * nc + c] = _mm512_fmadd_ps(p, _mm512_load_ps(vf + 16 * c), a[g * nc + c]);
+                            }
+                        }
+                        for (int g = 0; g < gn; g++)
+                            for (int c = 0; c < nc; c++)
+                                _mm512_store_ps(st->acc + (hg + g0 + g) * head_dim + 16 * c, a[g * nc + c]);
+                    }
                 }
             }
         }
     }
+#undef BLOCK_AT
     for (int h = h0; h < h1; h++) {
         __m512 inv = _mm512_set1_ps(st->l[h] > 0.f ? 1.f / st->l[h] : 0.f);
         const float *acc = st->acc + h * head_dim;
