@@ -16,7 +16,8 @@ pool (``engine.kv_cache_dtype=int8``).
 - Perplexity: the shipped prompt set's passages, joined, as one sequence of
   up to ``--ppl-tokens`` tokens, scored in prompt steps of ``--ppl-chunk``
   tokens (the W8A8 path for int8), each attending the ones before it from the
-  pool, so an int8 pool's rounding is in every chunk but the first.
+  pool; over an int8 pool every chunk attends its own rows as the pool holds
+  them too.
 """
 from __future__ import annotations
 

@@ -330,6 +330,8 @@ class CpuAttention(TorchAttention):
         out = torch.empty_like(q)
         pool = ctx.kv_cache.buffer
         if ctx.kv_cache.layout.quantized:
+            if self._kernel_i8 is None:  # kernels/kv_int8.c did not build (the log said why): the torch path
+                return TorchAttention._decode(q, k_cache, v_cache, _with_tables(ctx, tables, context_lens), scale)
             status = self._kernel_i8(
                 q.data_ptr(), int(q.dtype == torch.bfloat16), pool.data_ptr(), pool.stride(0),
                 k_cache.data_ptr() - pool.data_ptr(), v_cache.data_ptr() - pool.data_ptr(),
@@ -351,6 +353,15 @@ class CpuAttention(TorchAttention):
         if status != 0:
             raise RuntimeError("paged attention kernel refused the shapes (group, head_dim or block size too large)")
         return out
+
+
+def _with_tables(ctx: StepContext, tables: torch.Tensor, context_lens: torch.Tensor) -> StepContext:
+    """``ctx`` with ``tables`` and ``context_lens`` as its decode rows' (a chunk's rows read as decode rows): for
+    the torch path's decode, which reads them from the context."""
+    if tables is ctx.decode_block_tables and context_lens is ctx.decode_context_lens:
+        return ctx
+    return StepContext(ctx.kv_cache, ctx.slot_blocks, ctx.slot_offsets, decode_block_tables=tables,
+                       decode_context_lens=context_lens)
 
 
 class DeterministicCpuAttention(CpuAttention):
@@ -396,9 +407,8 @@ class FlashAttention:
         ctx = get_step_context()
         if ctx.kv_cache is None:
             return ctx.attend(q, k, v, scale)
+        ctx.kv_cache.write(layer, ctx.slot_blocks, ctx.slot_offsets, k, v)
         k_cache, v_cache = ctx.kv_cache.layers[layer]
-        k_cache[ctx.slot_blocks, ctx.slot_offsets] = k
-        v_cache[ctx.slot_blocks, ctx.slot_offsets] = v
         out = torch.empty_like(q)
         state = ctx.backend_state
         if ctx.decode_rows is not None:

@@ -46,7 +46,8 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     x = x.float()
     amax = x.abs().amax(dim=-1, keepdim=True)
     scale = amax * (1.0 / 127.0)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # one correctly rounded division, as the C code's (a scalar over a tensor would take its reciprocal first)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     values = torch.round(x * inv).clamp_(-127, 127).to(torch.int8)
     return torch.cat([values, scale.contiguous().view(torch.int8)], dim=-1)
 
@@ -68,6 +69,7 @@ def store(k_cache: torch.Tensor, v_cache: torch.Tensor, pool: torch.Tensor, bloc
         v_cache[blocks, offsets] = quantize(v)
         return
     k, v = _rows_contiguous(k), _rows_contiguous(v)
+    blocks, offsets = blocks.to(torch.int64).contiguous(), offsets.to(torch.int64).contiguous()
     kernel(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), int(k.dtype is torch.bfloat16),
            blocks.data_ptr(), offsets.data_ptr(), k.shape[0], pool.data_ptr(), pool.stride(0),
            k_cache.data_ptr() - pool.data_ptr(), v_cache.data_ptr() - pool.data_ptr(), k.shape[1], k.shape[2])
@@ -80,7 +82,7 @@ def gather(cache: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, n: int,
     kernel = gather_kernel() if pool.device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) else None
     if kernel is None:
         return dequantize(cache[table].reshape(-1, heads, width)[:n], dtype)
-    table = table.contiguous()
+    table = table.to(torch.int64).contiguous()
     out = torch.empty((n, heads, width - SCALE_BYTES), dtype=dtype)
     kernel(pool.data_ptr(), pool.stride(0), cache.data_ptr() - pool.data_ptr(), table.data_ptr(), n, block_size,
            heads, width - SCALE_BYTES, out.data_ptr(), int(dtype is torch.bfloat16))

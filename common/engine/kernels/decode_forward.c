@@ -597,8 +597,13 @@ int tessera_decode_forward(const int64_t *layers, int num_layers, const int64_t 
                     int kvh = hd - heads - (is_v ? kv_heads : 0);
                     int64_t row = slot_offsets[r] * kv_heads + kvh, at = slot_blocks[r] * block_stride
                                                                     + f[is_v ? F_V_OFFSET : F_K_OFFSET];
-                    if (pool_int8) quantize_row(v, 0, 0, head_dim, (int8_t *)pool + at + row * (head_dim + I8_SCALE_BYTES));
-                    else store(pool, act_bf16, at + row * head_dim, v, head_dim);
+                    if (pool_int8) { /* rounded to the model dtype first, as the layer path's K/V are */
+                        float kv[MAX_HEAD_DIM];
+                        for (int d = 0; d < head_dim; d++) kv[d] = act_bf16 ? bf16_to_f32(f32_to_bf16(v[d])) : v[d];
+                        quantize_row(kv, 0, 0, head_dim, (int8_t *)pool + at + row * (head_dim + I8_SCALE_BYTES));
+                    } else {
+                        store(pool, act_bf16, at + row * head_dim, v, head_dim);
+                    }
                 }
             }
 

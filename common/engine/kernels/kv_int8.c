@@ -56,9 +56,10 @@ int tessera_paged_attention_i8(
     const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens, void *out, int rows,
     int num_heads, int num_kv_heads, int head_dim, int block_size, float scale)
 {
-    int group = num_heads / num_kv_heads;
-    if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK || num_heads % num_kv_heads != 0)
+    if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > MAX_GROUP
+        || head_dim > MAX_HEAD_DIM || block_size < 1 || block_size > MAX_BLOCK)
         return -1;
+    const int group = num_heads / num_kv_heads;
     /* An item per row where that keeps every thread busy (its heads share each block's reads), else per (row, kv
      * head). */
     int per_row = 1;
