@@ -4,7 +4,7 @@
 
 Two pools of one model's KV layout (``--model``'s heads, KV heads, head size and layers; blocks of 16 tokens), each
 ``--spread`` times the blocks the largest case's sequences hold, as a one-rank CPU worker makes them: one bfloat16,
-filled with random K/V, the other int8 (``engine.kv_cache_dtype: int8``, common/engine/kv_int8.py) holding the same
+filled with random K/V, the other int8 (``engine.cpu.kv_cache_dtype: int8``, common/engine/kv_int8.py) holding the same
 values quantized. Each case (``ROWSxCONTEXT``) draws its sequences' blocks at random from the whole pool, as a
 long-running server leaves them, and times the CPU attention backend's decode call (``CpuAttention._paged``:
 kernels/paged_attention.c over the bfloat16 pool, kernels/kv_int8.c over the int8 one) over every layer, the pools

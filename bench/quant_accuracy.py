@@ -6,7 +6,7 @@ Six engines on the embedded model, one after the other: float32, bfloat16,
 and bfloat16 activations with int8 weights (``engine.quantization=int8``),
 with and without the smoothing that int8 applies by default
 (``engine.int8_smoothing``); then bfloat16 and int8 weights over an int8 KV
-pool (``engine.kv_cache_dtype=int8``).
+pool (``engine.cpu.kv_cache_dtype=int8``).
 - Greedy agreement: every prompt of the shipped prompt set
   (``bench/loadgen/prompt_set.json``, as chat messages) runs greedily for
   ``--max-tokens`` tokens; against the bfloat16 outputs, the share of
@@ -28,13 +28,13 @@ from importlib import resources
 
 import torch
 
-from common.config.base import EngineConfig
+from common.config.base import CpuConfig, EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.engine.scheduler import StepPlan
 from common.engine.sequence import Sequence
 from common.protocol.sampling_params import SamplingParams
 
-# (dtype, quantization, int8_smoothing, kv_cache_dtype): None keeps the configured default
+# (dtype, quantization, int8_smoothing, cpu.kv_cache_dtype): None keeps the configured default
 SETTINGS = (("float32", "none", None, "auto"), ("bfloat16", "none", None, "auto"), ("bfloat16", "int8", 0.0, "auto"),
             ("bfloat16", "int8", None, "auto"), ("bfloat16", "none", None, "int8"), ("bfloat16", "int8", None, "int8"))
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         smoothing_option = {} if smoothing is None else {"int8_smoothing": smoothing}
         engine = LLMEngine(EngineConfig(model="embedded", dtype=dtype, quantization=quantization, **smoothing_option,
                                         num_threads=args.threads, kv_cache_memory_bytes=1 << 30,
-                                        kv_cache_dtype=kv))
+                                        cpu=CpuConfig(kv_cache_dtype=kv)))
         tok = engine.tokenizer
         prompts = [tok.apply_chat_template([{"role": "user", "content": p["prompt"]}]) for p in prompt_set["prompts"]]
         outputs[setting] = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]

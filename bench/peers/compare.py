@@ -21,7 +21,7 @@ own name for it):
 - ``tessera-agg``: a proxy and one ``both`` worker with every core;
 - ``tessera-agg-int8``: the same with ``engine.quantization=int8`` (int8 weights, common/engine/quantization.py);
 - ``tessera-pd-kv-int8``, ``tessera-agg-kv-int8``, ``tessera-agg-int8-kv-int8``: ``tessera-pd``, ``tessera-agg`` and
-  ``tessera-agg-int8`` over an int8 KV pool (``engine.kv_cache_dtype=int8``, common/engine/kv_int8.py);
+  ``tessera-agg-int8`` over an int8 KV pool (``engine.cpu.kv_cache_dtype=int8``, common/engine/kv_int8.py);
 - ``tessera-agg-whole-head``: the same with ``engine.cpu.greedy_head_max_rows=0``, every greedy token from the whole
   bfloat16 LM head (common/engine/greedy_head.py), the baseline of that path in the same run;
 - ``tessera-pd-compact``, ``tessera-agg-compact``: ``tessera-pd`` and ``tessera-agg`` with
@@ -101,8 +101,8 @@ SERVERS = ("vllm", "tessera-pd", "tessera-pd-split", "tessera-agg", "tessera-agg
            "vllm-system-malloc", "vllm-no-iomp", "tessera-agg-system-malloc", "tessera-pd-system-malloc")
 DEFAULT_SERVERS = SERVERS[:5]  # the whole head's and the compact panels' runs are A/Bs for --servers to ask for
 # suffix: settings (the first that a name ends with)
-VARIANTS = {"-int8-kv-int8": ("engine.quantization=int8", "engine.kv_cache_dtype=int8"),
-            "-kv-int8": ("engine.kv_cache_dtype=int8",), "-int8": ("engine.quantization=int8",),
+VARIANTS = {"-int8-kv-int8": ("engine.quantization=int8", "engine.cpu.kv_cache_dtype=int8"),
+            "-kv-int8": ("engine.cpu.kv_cache_dtype=int8",), "-int8": ("engine.quantization=int8",),
             "-whole-head": ("engine.cpu.greedy_head_max_rows=0",), "-no-compact": ("engine.cpu.compact_panels=off",),
             "-uncapped": ("engine.steps.decoding_prompt_tokens=0",), "-compact": ("engine.cpu.compact_panels=only",),
             "-system-malloc": ("engine.cpu.malloc=system",)}

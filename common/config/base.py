@@ -314,8 +314,8 @@ class RanksConfig:
 
 @config_model("engine.cpu", was_flat=True)
 class CpuConfig:
-    """The CPU path's own kernels: the one-call decode kernel and the oneDNN copies of bfloat16 weights; ignored
-    on a GPU."""
+    """The CPU path's own kernels and formats: the one-call decode kernel, the oneDNN copies of bfloat16 weights, an
+    int8 KV pool; ignored on a GPU (an int8 pool refused there)."""
 
     decode_kernel_max_batch: Int = option(-1, "CPU decode steps of at most this many rows (and no prompt chunk) "
                                           "run the whole forward in one C call (kernels/decode_forward.c); "
@@ -344,6 +344,12 @@ class CpuConfig:
         "compact copy beside the panels for steps of up to 3 rows (+0.8x the decoder's weights in memory); only: the "
         "compact copy alone, for every step (0.8x the memory; steps of 24 rows or more take 1.1-1.4x the time); "
         "auto: beside where the copy is at most 1/16 of the host's memory, else off (docs/benchmarks.md)")
+    kv_cache_dtype: KvCacheDtype = option(
+        "auto", "what the KV pool stores: auto, the model's dtype; int8, each token's K and V rows per head as int8 "
+        "with one float32 scale (common/engine/kv_int8.py), 0.53x bfloat16's bytes at head_dim 64: a decode "
+        "step's attention reads 0.53x the bytes and the same memory holds 1.9x the tokens, at an accuracy cost "
+        "docs/benchmarks.md reports (\"An int8 KV pool\"); refused on a GPU; its kernels vectorized for AVX-512 "
+        "(plain loops elsewhere). Prefill and decode workers of one model must agree on it")
     malloc: Literal["jemalloc", "system"] = option(
         "jemalloc", "The C allocator a worker process runs on (its host memory on a GPU too). jemalloc: the worker "
         "starts again at once with libjemalloc preloaded (Debian/Ubuntu: apt install libjemalloc2), told to keep the "
@@ -421,7 +427,8 @@ class EngineConfig:
     dtype: Dtype = option("float32", "weight and compute dtype")
     quantization: Quantization = option("none", "weight quantization applied at load: 'int8' stores every "
                                         "linear layer and the embedding as int8 with one scale per output row "
-                                        "(common/engine/quantization.py); activations keep dtype, the KV pool kv_cache_dtype")
+                                        "(common/engine/quantization.py); activations keep dtype, the KV pool "
+                                        "cpu.kv_cache_dtype")
     int8_smoothing: Float = option(0.6, "with int8 weights, how much of each input channel's range moves from "
                                    "the activations into the weights before quantizing (SmoothQuant's alpha, "
                                    "calibrated on a fixed text at load); 0 turns it off", ge=0.0, le=1.0)
@@ -429,11 +436,6 @@ class EngineConfig:
                             "with tensor_parallel_size > 1 on a GPU, rank r takes cuda:r unless ranks.devices says")
     attention_backend: AttentionBackend = option("auto", "attention kernel; auto picks the best one the device has")
     block_size: BlockSize = option(16, "tokens per KV cache block")
-    kv_cache_dtype: KvCacheDtype = option(
-        "auto", "what the KV pool stores: auto, the model's dtype; int8, each token's K and V rows per head as int8 "
-        "with one float32 scale (common/engine/kv_int8.py), 0.53x bfloat16's bytes at head_dim 64, so a decode "
-        "step's attention reads about half and the same memory holds 1.9x the tokens, at an accuracy cost "
-        "docs/benchmarks.md reports; CPU only. Prefill and decode workers of one model must agree on it")
     kv_cache_memory_bytes: Int = option(2 << 30, "memory budget the KV pool is sized from, unless "
                                         "kv_cache_memory_fraction or num_kv_blocks is set", ge=1 << 20)
     kv_cache_memory_fraction: Float | None = option(
@@ -490,8 +492,8 @@ class EngineConfig:
         if self.quantization == "int8" and self.device_type != "cpu":
             raise ConfigError("config field 'quantization' = 'int8' is invalid: its kernels run on the CPU only "
                               "(device 'cpu')")
-        if self.kv_cache_dtype == "int8" and self.device_type != "cpu":
-            raise ConfigError("config field 'kv_cache_dtype' = 'int8' is invalid: its kernels run on the CPU only "
+        if self.cpu.kv_cache_dtype == "int8" and self.device_type != "cpu":
+            raise ConfigError("config field 'cpu.kv_cache_dtype' = 'int8' is invalid: its kernels run on the CPU only "
                               "(device 'cpu')")
         if self.max_num_batched_tokens < self.block_size:
             raise ConfigError(f"config field 'max_num_batched_tokens' = {self.max_num_batched_tokens!r} is "

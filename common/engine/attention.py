@@ -20,7 +20,7 @@ Backends:
   chunks through that file's chunk kernel (AVX512-BF16 dot products, the
   pages read in place, 2.6x torch's SDPA on a 256-token prompt); float32
   chunks, or a CPU without AVX512-BF16, as below.
-  Over an int8 pool (``engine.kv_cache_dtype: int8``, common/engine/kv_int8.py) decode rows take
+  Over an int8 pool (``engine.cpu.kv_cache_dtype: int8``, common/engine/kv_int8.py) decode rows take
   kernels/kv_int8.c's paged kernel, and chunks the chunk kernel over their contexts staged in q's dtype.
 - ``TorchAttention`` (GPU without flash-attn or Triton, or CPU without a C compiler):
   decode rows in one padded, masked batch over gathered pages; each chunk in
@@ -212,7 +212,7 @@ class TorchAttention:
         """One chunk's attention: SDPA over its own K/V where it is its whole context, else over its context
         read back from the pool. Over an int8 pool always from the pool, the chunk's own rows too: a prompt then
         attends the same K/V whether its prefix was cached, computed in an earlier chunk or in this one, as its
-        decode steps will, so prefix hits, chunking and a recompute after failover change no token."""
+        decode steps will."""
         qt = q.transpose(0, 1).unsqueeze(0)
         if chunk.num_computed == 0 and not kv_cache.layout.quantized:
             # The chunk is its own whole context: no need to read the pool back.
@@ -245,7 +245,7 @@ class CpuAttention(TorchAttention):
 
     def __init__(self) -> None:
         self._kernel = kernel_function("paged_attention", "tessera_paged_attention", _DECODE_ARGS)
-        self._kernel_i8 = kv_int8.attend_kernel()  # over an int8 pool (engine.kv_cache_dtype)
+        self._kernel_i8 = kv_int8.attend_kernel()  # over an int8 pool (engine.cpu.kv_cache_dtype)
         chunk = kernel_function("paged_attention", "tessera_chunk_attention", _CHUNK_ARGS)
         # The dtypes whose prompt chunks take the chunk kernel (-3 from it: SDPA stays): bfloat16 where it was built
         # with AVX512-BF16; float32 where it was built with AVX2 and FMA on a CPU without AVX-512, where it is

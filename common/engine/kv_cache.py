@@ -8,7 +8,7 @@ registered once with the transfer agent and a request's pages travel as a few me
 per layer per block. Each layer still sees the usual ``[num_blocks, block_size, kv_heads, head_dim]`` K and V
 (strided views of the rank's slice). At tensor parallelism 1 the pool is one rank's slice.
 
-An int8 pool (``KVLayout.dtype`` "int8", ``engine.kv_cache_dtype: int8``) holds rows of ``head_dim`` int8 values
+An int8 pool (``KVLayout.dtype`` "int8", ``engine.cpu.kv_cache_dtype: int8``) holds rows of ``head_dim`` int8 values
 and their float32 scale (common/engine/kv_int8.py): its last dimension is ``row_width`` bytes, not ``head_dim``;
 ``KVCache.write`` and ``KVCache.gather`` quantize into it and read it back.
 

@@ -1,4 +1,4 @@
-"""The int8 KV pool's row format (``engine.kv_cache_dtype: int8``): storing a step's K/V into it, reading it back.
+"""The int8 KV pool's row format (``engine.cpu.kv_cache_dtype: int8``): storing a step's K/V into it, reading it back.
 
 A row is one (token, KV head) of one layer's K or V: ``head_dim`` int8 values, then their float32 scale, so a row
 is ``head_dim + SCALE_BYTES`` bytes and ``x = scale * q``. Symmetric, one scale per row: ``scale = max|x| / 127``,

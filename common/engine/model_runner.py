@@ -206,7 +206,7 @@ class ModelRunner:
         hf = self.model.config
         attn = self.model.layers[0].self_attn
         self.layout = KVLayout(hf.num_hidden_layers, config.block_size, attn.num_kv_heads * self.tp.size,
-                               attn.head_dim, "int8" if config.kv_cache_dtype == "int8" else config.dtype,
+                               attn.head_dim, "int8" if config.cpu.kv_cache_dtype == "int8" else config.dtype,
                                self.tp.size)
         if rank == 0:
             num_blocks = config.num_kv_blocks or self.layout.blocks_for_budget(self._kv_budget())
@@ -308,7 +308,7 @@ class ModelRunner:
             self.load_s, hf.num_hidden_layers, config.dtype, "int8" if config.quantization == "int8" else config.dtype,
             module_bytes(self.model) / 2**30, f", rank {rank} of {self.tp.size}" if self.tp.size > 1 else "",
             self.attention.name, self.kv_cache.num_blocks, config.block_size,
-            "int8 rows (engine.kv_cache_dtype)" if self.layout.quantized else self.layout.dtype,
+            "int8 rows (engine.cpu.kv_cache_dtype)" if self.layout.quantized else self.layout.dtype,
             self.kv_cache.nbytes / 2**20,
             self.kv_cache.pages_note(),
             resident_bytes() / 2**30, loaded_allocator(),

@@ -185,7 +185,7 @@ def test_every_tessera_server_name_asks_for_settings_its_roles_accept():
     assert compare.variant_settings("tessera-pd-local") == ([], ["local_prefill_threshold=1048576"])
     assert compare.variant_settings("tessera-agg-no-compact") == (["engine.cpu.compact_panels=off"], [])
     assert compare.variant_settings("tessera-agg-int8-kv-int8") == (
-        ["engine.quantization=int8", "engine.kv_cache_dtype=int8"], [])
+        ["engine.quantization=int8", "engine.cpu.kv_cache_dtype=int8"], [])
 
 
 def test_the_rate_point_can_sit_at_a_share_of_vllms_measured_saturation(monkeypatch, tmp_path):

@@ -62,7 +62,8 @@ def tiny_dir(request, tmp_path_factory):
 
 def runner_for(path, **options) -> ModelRunner:
     options.setdefault("num_kv_blocks", 64)
-    cpu = {name: options.pop(name) for name in ("decode_kernel_max_batch", "prepack_weights") if name in options}
+    cpu = {name: options.pop(name) for name in ("decode_kernel_max_batch", "prepack_weights", "kv_cache_dtype")
+           if name in options}
     cpu.setdefault("decode_kernel_max_batch", 32)  # pinned: these tests choose each step's path themselves
     options.setdefault("deterministic", False)  # so is the mode, which would take every row (test_deterministic.py)
     return ModelRunner(EngineConfig(model=str(path), block_size=16, cpu=CpuConfig(**cpu), **options), path)

@@ -1,4 +1,4 @@
-"""The int8 KV pool (engine.kv_cache_dtype: int8): its rows, its C kernels against the torch code, and the engine on it.
+"""The int8 KV pool (engine.cpu.kv_cache_dtype: int8): its rows, its C kernels against the torch code, the engine on it.
 
 The kernels (kernels/kv_int8.c) are held to the torch code of common/engine/kv_int8.py: the store to its bits, the
 gather exactly, the paged attention within float32 summation order; the engine on an int8 pool keeps every exact
@@ -8,7 +8,7 @@ would, a batch-invariant engine's rows do not depend on the batch, no block leak
 import pytest
 import torch
 
-from common.config.base import ConfigError, EngineConfig
+from common.config.base import ConfigError, CpuConfig, EngineConfig
 from common.engine import kv_int8
 from common.engine.attention import CpuAttention, PrefillChunk, StepContext, TorchAttention
 from common.engine.kv_cache import KVCache, KVLayout
@@ -16,6 +16,7 @@ from common.engine.llm_engine import LLMEngine
 from common.protocol.sampling_params import SamplingParams
 from tests.unit.test_engine_handoff import run_decode, run_prefill
 
+INT8_POOL = CpuConfig(kv_cache_dtype="int8")
 needs_kernel = pytest.mark.skipif(kv_int8.attend_kernel() is None, reason="no C compiler: the kernels do not build")
 
 
@@ -42,7 +43,7 @@ def test_the_layout_of_an_int8_pool_moves_blocks_a_bfloat16_worker_cannot_read()
 
 def test_int8_kv_runs_on_the_cpu_only():
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
-        EngineConfig(model="embedded", kv_cache_dtype="int8", device="cuda")
+        EngineConfig(model="embedded", cpu=INT8_POOL, device="cuda")
 
 
 def filled_cache(layers: int, block: int, kv_heads: int, head_dim: int, blocks: int, seed: int) -> KVCache:
@@ -166,7 +167,7 @@ def generate(engine: LLMEngine, prompts, params=GREEDY) -> list[list[int]]:
 
 
 def test_a_prefill_handed_to_another_int8_engine_continues_as_one_engine(tiny_chat_model_dir):
-    config = dict(model=str(tiny_chat_model_dir), num_kv_blocks=64, block_size=16, kv_cache_dtype="int8")
+    config = dict(model=str(tiny_chat_model_dir), num_kv_blocks=64, block_size=16, cpu=INT8_POOL)
     reference, prefill, decode = (LLMEngine(EngineConfig(**config)) for _ in range(3))
     assert decode.runner.kv_cache.pool.dtype is torch.int8
     for i, prompt in enumerate(PROMPTS):
@@ -183,7 +184,7 @@ def test_chunked_prompts_and_prefix_hits_attend_what_a_whole_prompt_does(tiny_ch
     """A prompt step reads its context back from an int8 pool, its own rows too: in 16-token chunks, as a whole, or
     after a prefix hit, a prompt attends the same K/V and gives the same tokens (by construction with the
     batch-invariant numerics; without them too on this tiny float32 model)."""
-    options = dict(model=str(tiny_chat_model_dir), num_kv_blocks=64, kv_cache_dtype="int8", deterministic=deterministic)
+    options = dict(model=str(tiny_chat_model_dir), num_kv_blocks=64, cpu=INT8_POOL, deterministic=deterministic)
     chunked = LLMEngine(EngineConfig(**options, max_num_batched_tokens=16))
     whole = LLMEngine(EngineConfig(**options))
     first = generate(chunked, PROMPTS)
@@ -196,7 +197,7 @@ def test_chunked_prompts_and_prefix_hits_attend_what_a_whole_prompt_does(tiny_ch
 
 
 def test_a_batch_invariant_engine_on_an_int8_pool_gives_each_prompt_the_same_tokens_in_any_batch(tiny_chat_model_dir):
-    engine = LLMEngine(EngineConfig(model=str(tiny_chat_model_dir), num_kv_blocks=64, kv_cache_dtype="int8",
+    engine = LLMEngine(EngineConfig(model=str(tiny_chat_model_dir), num_kv_blocks=64, cpu=INT8_POOL,
                                     deterministic=True, max_num_batched_tokens=32))
     together = generate(engine, PROMPTS)
     alone = [generate(engine, [prompt])[0] for prompt in PROMPTS]
@@ -211,7 +212,7 @@ def test_int8_kv_on_the_embedded_model_keeps_the_greedy_text_close(embedded_mode
     results = {}
     for kv in ("auto", "int8"):
         engine = LLMEngine(EngineConfig(model=str(embedded_model_dir), dtype="float32", num_kv_blocks=128,
-                                        kv_cache_dtype=kv))
+                                        cpu=CpuConfig(kv_cache_dtype=kv)))
         chat = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
         results[kv] = generate(engine, chat)
         assert engine.block_manager.num_used_blocks == 0

@@ -1,5 +1,5 @@
 /*
- * The int8 KV pool's entry points (engine.kv_cache_dtype: int8; the row format and the attention in kv_int8.h): the
+ * The int8 KV pool's entry points (engine.cpu.kv_cache_dtype: int8; the row format and the attention in kv_int8.h): the
  * store that quantizes a step's new K/V into its rows, the dequantizing read of a prompt chunk's cached context, and
  * the paged decode attention over every decode row of a step.
  */

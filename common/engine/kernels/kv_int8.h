@@ -1,5 +1,5 @@
 /*
- * The int8 KV pool's row format (engine.kv_cache_dtype: int8) and its paged decode attention, shared by kv_int8.c
+ * The int8 KV pool's row format (engine.cpu.kv_cache_dtype: int8) and its paged decode attention, shared by kv_int8.c
  * (the pool's store, gather and attention entry points) and decode_forward.c (the one-call decode step, which
  * stores its new K/V and attends over such a pool itself); common/engine/kv_int8.py mirrors the format in torch.
  *
@@ -191,10 +191,10 @@ static inline __attribute__((always_inline)) void widen_tile(
 
 #if defined(__AVX512VNNI__)
 #define I8_INT_SCORES 1
-/* The scores of up to 16 K rows (from t0 of a block, kv head kvh; head_dim a multiple of 32) for the G query heads of kv head hg / group in
- * integer sums: each row widened to int16 once (the tile), each head's int16 q against it two dimensions a lane
- * (AVX512-VNNI's vpdpwssd, 32 products an instruction), the 16 rows' sums added across lanes by one
- * transpose-and-add, then scaled by q's step and each row's scale. */
+/* The scores of up to 16 K rows (from t0 of a block, at head_at; head_dim a multiple of 32) for the G query heads
+ * from hg, written at pos + t0 of their scores, in integer sums: each row widened to int16 once (the tile), each
+ * head's int16 q against it two dimensions a lane (AVX512-VNNI's vpdpwssd, 32 products an instruction), the 16 rows'
+ * sums added across lanes by one transpose-and-add, then scaled by q's step and each row's scale. */
 static inline __attribute__((always_inline)) void score_tile_int(
     i8_state *st, const int8_t *block, const int8_t *next, int t0, int tn, int64_t token_bytes, int64_t head_at,
     const int head_dim, int hg, int group, int pos)
@@ -323,7 +323,8 @@ static inline __attribute__((always_inline)) void attend_i8_vector(
             if (correction != 1.f) {
                 float *acc = st->acc + h * head_dim;
                 for (int c = 0; c < nc; c++)
-                    _mm512_store_ps(acc + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc + 16 * c), _mm512_set1_ps(correction)));
+                    _mm512_store_ps(acc + 16 * c,
+                                    _mm512_mul_ps(_mm512_load_ps(acc + 16 * c), _mm512_set1_ps(correction)));
             }
             __m512 sum = _mm512_setzero_ps(), bm = _mm512_set1_ps(bmax);
             for (int t = 0; t < n; t += 16) {
@@ -339,7 +340,8 @@ static inline __attribute__((always_inline)) void attend_i8_vector(
             const int nt = (int)(len - b * block_size < block_size ? len - b * block_size : block_size);
             const int pos = (int)(b * block_size - start);
             const int8_t *vb = BLOCK_AT(b, v_offset);
-            const int8_t *pv = b < last ? BLOCK_AT(b + 1, v_offset) : b + 1 < num_blocks ? BLOCK_AT(b + 1, k_offset) : 0;
+            const int8_t *pv = b < last ? BLOCK_AT(b + 1, v_offset)
+                             : b + 1 < num_blocks ? BLOCK_AT(b + 1, k_offset) : 0;
             for (int kvh = kvh0; kvh < kvh1; kvh++) {
                 const int64_t head_at = kvh * row_bytes;
                 const int hg = kvh * group;
@@ -376,7 +378,8 @@ static inline __attribute__((always_inline)) void attend_i8_vector(
         __m512 inv = _mm512_set1_ps(st->l[h] > 0.f ? 1.f / st->l[h] : 0.f);
         const float *acc = st->acc + h * head_dim;
         for (int c = 0; c < nc; c++)
-            store16(out, q_bf16, (r * num_heads + h) * head_dim + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc + 16 * c), inv));
+            store16(out, q_bf16, (r * num_heads + h) * head_dim + 16 * c,
+                    _mm512_mul_ps(_mm512_load_ps(acc + 16 * c), inv));
     }
 }
 #endif
