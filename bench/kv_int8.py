@@ -14,33 +14,16 @@ largest difference over the largest output, the last layer's call).
 """
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
-
 import torch
 
-from bench.kv_pages import BLOCK_SIZE, model_shape
+from bench.kv_pages import BLOCK_SIZE, alternate_pools, pool_cases
 from common.engine import kv_int8
-from common.engine.attention import CpuAttention, StepContext
+from common.engine.attention import CpuAttention
 from common.engine.kv_cache import KVCache, KVLayout
-from common.storage.random_model import SHAPES
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="embedded", choices=["embedded", *SHAPES])
-    parser.add_argument("--cases", default="8x290,64x290,64x1000", help="ROWSxCONTEXT, comma-separated")
-    parser.add_argument("--spread", type=int, default=2, help="the pool's blocks over the largest case's")
-    parser.add_argument("--rounds", type=int, default=9, help="turns of each pool per case")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=1)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    heads, kv_heads, head_dim, layers = model_shape(args.model)
-    cases = [tuple(int(v) for v in case.split("x")) for case in args.cases.split(",")]
-    blocks = args.spread * max(rows * -(-context // BLOCK_SIZE) for rows, context in cases)
+    args, (heads, kv_heads, head_dim, layers), cases, blocks = pool_cases(__doc__, argv)
     caches = {dtype: KVCache(KVLayout(num_layers=layers, block_size=BLOCK_SIZE, num_kv_heads=kv_heads,
                                       head_dim=head_dim, dtype=dtype), blocks)
               for dtype in ("bfloat16", "int8")}
@@ -56,25 +39,8 @@ def main(argv: list[str] | None = None) -> int:
           "int8's largest difference |")
     print("|---|---|---|---|---|---|")
     for rows, context in cases:
-        per_seq = -(-context // BLOCK_SIZE)
-        tables = torch.randperm(blocks)[:rows * per_seq].view(rows, per_seq).contiguous()
-        lens = torch.full((rows,), context, dtype=torch.int64)
-        q = torch.randn(rows, heads, head_dim).to(torch.bfloat16)
-        outputs, times = {}, {dtype: [] for dtype in caches}
-
-        def run(cache: KVCache, dtype: str) -> None:
-            ctx = StepContext(kv_cache=cache, slot_blocks=lens, slot_offsets=lens)
-            for k_cache, v_cache in cache.layers:
-                outputs[dtype] = attention._paged(q, k_cache, v_cache, ctx, head_dim ** -0.5, tables, lens)
-
-        for dtype, cache in caches.items():  # a warm-up call each
-            run(cache, dtype)
-        for _ in range(args.rounds):
-            for dtype, cache in caches.items():
-                started = time.perf_counter()
-                run(cache, dtype)
-                times[dtype].append(time.perf_counter() - started)
-        bf16, int8 = (statistics.median(times[d]) for d in caches)
+        medians, outputs = alternate_pools(caches, attention, rows, context, blocks, heads, args.rounds)
+        bf16, int8 = medians["bfloat16"], medians["int8"]
         read = {dtype: rows * context * 2 * layers * cache.layout.bytes_per_block // (2 * layers * BLOCK_SIZE)
                 for dtype, cache in caches.items()}
         reference = outputs["bfloat16"].float()

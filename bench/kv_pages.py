@@ -39,8 +39,39 @@ def model_shape(name: str) -> tuple[int, int, int, int]:
     return heads, config["num_key_value_heads"], config["hidden_size"] // heads, config["num_hidden_layers"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def alternate_pools(caches: dict[str, KVCache], attention: CpuAttention, rows: int, context: int, blocks: int,
+                    heads: int, rounds: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """One case over each pool of ``caches`` (the same blocks of the same layout): ``rows`` sequences of ``context``
+    tokens in blocks drawn at random from all ``blocks``, one decode call of every layer
+    (``CpuAttention._paged``), the pools taking turns over ``rounds`` after a warm-up call each. Each pool's median
+    time and its last layer's output."""
+    per_seq = -(-context // BLOCK_SIZE)
+    tables = torch.randperm(blocks)[:rows * per_seq].view(rows, per_seq).contiguous()
+    lens = torch.full((rows,), context, dtype=torch.int64)
+    head_dim = next(iter(caches.values())).layout.head_dim
+    q = torch.randn(rows, heads, head_dim).to(torch.bfloat16)
+    outputs, times = {}, {name: [] for name in caches}
+
+    def run(cache: KVCache, name: str) -> None:
+        ctx = StepContext(kv_cache=cache, slot_blocks=lens, slot_offsets=lens)
+        for k_cache, v_cache in cache.layers:
+            outputs[name] = attention._paged(q, k_cache, v_cache, ctx, head_dim ** -0.5, tables, lens)
+
+    for name, cache in caches.items():  # a warm-up call each
+        run(cache, name)
+    for _ in range(rounds):
+        for name, cache in caches.items():
+            started = time.perf_counter()
+            run(cache, name)
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(t) for name, t in times.items()}, outputs
+
+
+def pool_cases(doc: str, argv: list[str] | None) -> tuple[argparse.Namespace, tuple[int, int, int, int],
+                                                        list[tuple[int, int]], int]:
+    """A two-pool benchmark's command line (``doc`` its help): the arguments, the model's (heads, KV heads, head
+    size, layers), the cases (rows, context) and the blocks each pool holds; the threads and the seed set."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="embedded", choices=["embedded", *SHAPES])
     parser.add_argument("--cases", default="8x290,64x290,64x1000", help="ROWSxCONTEXT, comma-separated")
     parser.add_argument("--spread", type=int, default=2, help="the pool's blocks over the largest case's")
@@ -50,9 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    heads, kv_heads, head_dim, layers = model_shape(args.model)
     cases = [tuple(int(v) for v in case.split("x")) for case in args.cases.split(",")]
     blocks = args.spread * max(rows * -(-context // BLOCK_SIZE) for rows, context in cases)
+    return args, model_shape(args.model), cases, blocks
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, (heads, kv_heads, head_dim, layers), cases, blocks = pool_cases(__doc__, argv)
     layout = KVLayout(num_layers=layers, block_size=BLOCK_SIZE, num_kv_heads=kv_heads, head_dim=head_dim,
                       dtype="bfloat16")
     shape = (1, blocks, layers, 2, BLOCK_SIZE, kv_heads, head_dim)
@@ -68,25 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| rows x context | 2 MB pages | 4 KB pages | 2 MB / 4 KB | K/V read, GB/s (2 MB / 4 KB) | same output |")
     print("|---|---|---|---|---|---|")
     for rows, context in cases:
-        per_seq = -(-context // BLOCK_SIZE)
-        tables = torch.randperm(blocks)[:rows * per_seq].view(rows, per_seq).contiguous()
-        lens = torch.full((rows,), context, dtype=torch.int64)
-        q = torch.randn(rows, heads, head_dim).to(torch.bfloat16)
-        outputs, times = {}, {pages: [] for pages in caches}
-
-        def run(cache: KVCache, pages: str) -> None:
-            ctx = StepContext(kv_cache=cache, slot_blocks=lens, slot_offsets=lens)
-            for k_cache, v_cache in cache.layers:
-                outputs[pages] = attention._paged(q, k_cache, v_cache, ctx, head_dim ** -0.5, tables, lens)
-
-        for pages, cache in caches.items():  # a warm-up call each
-            run(cache, pages)
-        for _ in range(args.rounds):
-            for pages, cache in caches.items():
-                started = time.perf_counter()
-                run(cache, pages)
-                times[pages].append(time.perf_counter() - started)
-        huge, small = (statistics.median(times[p]) for p in ("2 MB", "4 KB"))
+        medians, outputs = alternate_pools(caches, attention, rows, context, blocks, heads, args.rounds)
+        huge, small = medians["2 MB"], medians["4 KB"]
         read = rows * context * kv_heads * head_dim * 2 * 2 * layers
         same = bool(torch.equal(outputs["2 MB"], outputs["4 KB"]))
         print(f"| {rows} x {context} | {1e3 * huge:.2f} ms | {1e3 * small:.2f} ms | {huge / small:.3f} | "

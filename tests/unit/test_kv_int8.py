@@ -236,3 +236,13 @@ def test_the_one_call_decode_kernel_stores_and_attends_the_int8_pool_as_the_laye
     # the kernel keeps activations in float32 where torch rounds each op (and quantizes K/V before rounding them)
     tolerance = 2e-3 if dtype == "float32" else 0.05
     assert (fused - reference).abs().max().item() <= tolerance * reference.abs().max().item()
+
+
+@needs_kernel
+def test_the_kv_int8_benchmark_times_both_pools_and_bounds_the_difference(capsys):
+    import bench.kv_int8
+
+    assert bench.kv_int8.main(["--model", "tiny", "--cases", "3x40,2x17", "--rounds", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [line.split(" | ")[0] for line in rows] == ["| 3 x 40", "| 2 x 17"]
+    assert all(float(line.rstrip(" |").rsplit("| ", 1)[1]) < 0.05 for line in rows)  # the int8 pool's difference
