@@ -308,3 +308,25 @@ def test_row_parallel_biases_are_added_once_in_float_and_int8(tmp_path):
     assert (logits["none", 2] - want).abs().max() <= 1e-4 * want.abs().max()
     assert torch.equal(logits["int8", 2], logits["int8", 1])
     assert (logits["int8", 1] - want).abs().max() <= 0.1 * want.abs().max()  # int8, not garbage
+
+
+def test_an_int8_kv_pool_at_tp2_gives_tp1s_tokens(tiny):
+    """An int8 KV pool split by KV heads over two ranks (each rank's rows in its slice of the shared pool) against
+    one process: each (token, KV head) row is quantized alike wherever its head lives, so the prompt's logits agree
+    within float32 summation order and the greedy tokens are the same."""
+    config = EngineConfig(model=str(tiny), num_kv_blocks=64, num_threads=1,
+                          cpu=CpuConfig(kv_cache_dtype="int8", decode_kernel_max_batch=0))
+    ids = [(i * 37 + 11) % 49152 for i in range(64)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    results = {}
+    for tp in (1, 2):
+        engine = LLMEngine(dataclasses.replace(config, tensor_parallel_size=tp))
+        try:
+            assert engine.runner.kv_cache.pool.dtype is torch.int8 and engine.runner.kv_cache.pool.shape[0] == tp
+            results[tp] = (_prompt_logits(engine.runner, ids),
+                           [o.outputs[0].token_ids for o in engine.generate([ids, ids[:17]], greedy)])
+        finally:
+            engine.runner.close()
+    (want_logits, want), (got_logits, got) = results[1], results[2]
+    assert (got_logits - want_logits).abs().max() <= 1e-4 * want_logits.abs().max()
+    assert got == want
