@@ -81,6 +81,21 @@ static inline __attribute__((always_inline)) void prefetch_first_blocks(
     }
 }
 
+/* One block's n scores into one head's running softmax (its max m and sum l; its accumulator acc rescaled to the
+ * new max), each score becoming its weight in the block: the plain loops' step, here and in kv_int8.h. */
+static inline void softmax_block(float *scores, int n, float *acc, int head_dim, float *m, float *l) {
+    float bmax = *m;
+    for (int t = 0; t < n; t++) bmax = scores[t] > bmax ? scores[t] : bmax;
+    float correction = expf(*m - bmax), sum = *l * correction;
+    for (int i = 0; i < head_dim; i++) acc[i] *= correction;
+    for (int t = 0; t < n; t++) {
+        scores[t] = expf(scores[t] - bmax);
+        sum += scores[t];
+    }
+    *m = bmax;
+    *l = sum;
+}
+
 /*
  * q:            [rows, num_heads, head_dim]
  * kv:           pool base; element (block, token, kv_head, dim) of this layer's K is at
@@ -138,18 +153,7 @@ static inline __attribute__((always_inline)) void attend_one_scalar(
                     scores[g][t] = s;
                 }
             }
-            for (int g = 0; g < group; g++) {
-                float bmax = m[g];
-                for (int t = 0; t < n; t++) bmax = scores[g][t] > bmax ? scores[g][t] : bmax;
-                float correction = expf(m[g] - bmax);
-                l[g] *= correction;
-                for (int i = 0; i < head_dim; i++) acc[g][i] *= correction;
-                for (int t = 0; t < n; t++) {
-                    scores[g][t] = expf(scores[g][t] - bmax);
-                    l[g] += scores[g][t];
-                }
-                m[g] = bmax;
-            }
+            for (int g = 0; g < group; g++) softmax_block(scores[g], n, acc[g], head_dim, &m[g], &l[g]);
             for (int t = 0; t < n; t++) {
                 prefetch_row(pv, t, token_stride * elem, head_dim * elem);
                 load_row(kv, vbase + t * token_stride, is_bf16, head_dim, krow);

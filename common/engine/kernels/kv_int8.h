@@ -32,20 +32,14 @@ static inline float row_scale(const int8_t *row, int head_dim) {
     return s;
 }
 
-static inline float load_value(const void *src, int bf16, int64_t i) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)src)[i]) : ((const float *)src)[i];
-}
-
-/* One row of head_dim values (float32 or bf16 at src) into dst: values, then the scale. */
+/* One row of head_dim values (float32 or bf16 at element `at` of src) into dst: values, then the scale. */
 static inline void quantize_row(const void *src, int bf16, int64_t at, int head_dim, int8_t *dst) {
-    float amax = 0.f;
-    for (int d = 0; d < head_dim; d++) {
-        float a = fabsf(load_value(src, bf16, at + d));
-        amax = a > amax ? a : amax;
-    }
+    float row[MAX_HEAD_DIM], amax = 0.f;
+    load_row(src, at, bf16, head_dim, row);
+    for (int d = 0; d < head_dim; d++) amax = fabsf(row[d]) > amax ? fabsf(row[d]) : amax;
     float scale = amax * (1.0f / 127.0f), inv = amax > 0.f ? 127.0f / amax : 0.f;
     for (int d = 0; d < head_dim; d++) {
-        float x = nearbyintf(load_value(src, bf16, at + d) * inv);
+        float x = nearbyintf(row[d] * inv);
         dst[d] = (int8_t)(x > 127.f ? 127.f : x < -127.f ? -127.f : x);
     }
     memcpy(dst + head_dim, &scale, sizeof scale);
@@ -61,9 +55,9 @@ static void attend_i8_scalar(
     float qv[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
     float scores[MAX_GROUP][MAX_BLOCK];
     for (int g = 0; g < group; g++) {
-        int64_t qoff = (r * num_heads + kvh * group + g) * head_dim;
+        load_row(q, (r * num_heads + kvh * group + g) * head_dim, q_bf16, head_dim, qv[g]);
         for (int d = 0; d < head_dim; d++) {
-            qv[g][d] = load_value(q, q_bf16, qoff + d) * scale;
+            qv[g][d] *= scale;
             acc[g][d] = 0.f;
         }
         m[g] = -INFINITY;
@@ -82,18 +76,7 @@ static void attend_i8_scalar(
                 scores[g][t] = dot * s;
             }
         }
-        for (int g = 0; g < group; g++) {
-            float bmax = m[g];
-            for (int t = 0; t < n; t++) bmax = scores[g][t] > bmax ? scores[g][t] : bmax;
-            float correction = expf(m[g] - bmax);
-            l[g] *= correction;
-            for (int d = 0; d < head_dim; d++) acc[g][d] *= correction;
-            for (int t = 0; t < n; t++) {
-                scores[g][t] = expf(scores[g][t] - bmax);
-                l[g] += scores[g][t];
-            }
-            m[g] = bmax;
-        }
+        for (int g = 0; g < group; g++) softmax_block(scores[g], n, acc[g], head_dim, &m[g], &l[g]);
         for (int t = 0; t < n; t++) {
             const int8_t *row = vb + t * token_bytes;
             float s = row_scale(row, head_dim);
@@ -254,7 +237,7 @@ static inline __attribute__((always_inline)) void attend_i8_vector(
         st->m[h] = -INFINITY;
         st->l[h] = 0.f;
 #if I8_INT_SCORES
-        /* q in int16 steps of its own range (15 bits, where K has 8): the scores' products summed exactly */
+        /* q in int16 steps of its own range (15 bits, where K has 8): each lane's products summed exactly in int32 */
         __m512 amax = _mm512_setzero_ps();
         for (int c = 0; c < nc; c++) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_load_ps(qh + 16 * c)));
         float top = _mm512_reduce_max_ps(amax), step = top * (1.0f / 32767.0f);
