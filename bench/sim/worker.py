@@ -57,11 +57,6 @@ MAX_LAG_SHARE = 0.05  # simulated latencies are published only while the loop's 
 LAYOUT = KVLayoutInfo(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="bfloat16")
 
 
-def _row_bytes(head_dim: int, dtype: str) -> int:
-    """One (token, KV head) row of K or V: an int8 pool's carries a float32 scale (common/engine/kv_int8.py)."""
-    return head_dim + 4 if dtype == "int8" else head_dim * (4 if dtype == "float32" else 2)
-
-
 @dataclass
 class SimSpec:
     """One simulated worker, as a real worker's config would describe it."""
@@ -106,8 +101,7 @@ class SimWorker:
         self.stepping = False  # a step is in flight (its end is a timer)
         self.pulls: dict[str, SimSequence] = {}  # decode: pages being pulled
         self.deferred: deque[SimSequence] = deque()  # pulled, waiting for blocks
-        self.bytes_per_token = (2 * spec.kv_layout.num_layers * spec.kv_layout.num_kv_heads
-                                * _row_bytes(spec.kv_layout.head_dim, spec.kv_layout.dtype))
+        self.bytes_per_token = spec.kv_layout.bytes_per_token
         self.step_seconds: deque[float] = deque(maxlen=4096)  # recent steps' durations, for the lag's yardstick
         self.requests = 0
         self.tokens = 0

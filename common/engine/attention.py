@@ -314,7 +314,7 @@ class CpuAttention(TorchAttention):
         for chunk, first in zip(ctx.chunks, firsts):
             for side, cache in enumerate((k_cache, v_cache)):
                 rows = pool[side].view(-1, heads, head_dim)[first * block_size:first * block_size + chunk.context_len]
-                rows.copy_(ctx.kv_cache.gather(cache, chunk.block_table, chunk.context_len, q.dtype))
+                ctx.kv_cache.gather(cache, chunk.block_table, chunk.context_len, q.dtype, out=rows)
         # the chunk kernel's block stride is the pool's first one: a view whose first dimension is the blocks
         blocks = pool.view(2 * pool.shape[1], block_size, heads, head_dim)
         return blocks, tables, 0, pool[0].numel()

@@ -133,12 +133,15 @@ class KVCache:
         k_cache[blocks, offsets] = k
         v_cache[blocks, offsets] = v
 
-    def gather(self, cache: torch.Tensor, table: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    def gather(self, cache: torch.Tensor, table: torch.Tensor, n: int, dtype: torch.dtype,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """The first ``n`` tokens of ``table``'s blocks in one layer's K or V (``cache``, from ``layers``) as
-        ``[n, kv heads, head_dim]`` of ``dtype``: a copy, dequantized from an int8 pool."""
+        ``[n, kv heads, head_dim]`` of ``dtype``: a copy, dequantized from an int8 pool; into ``out`` (contiguous)
+        where given."""
         if self.layout.quantized:
-            return kv_int8.gather(cache, self.buffer, table, n, dtype)
-        return cache[table].reshape(-1, *cache.shape[2:])[:n].to(dtype)
+            return kv_int8.gather(cache, self.buffer, table, n, dtype, out)
+        rows = cache[table].reshape(-1, *cache.shape[2:])[:n]
+        return rows.to(dtype) if out is None else out.copy_(rows)
 
     def host_tier(self, budget_bytes: int, disk_dir: str = "", disk_bytes: int = 0) -> HostTier | None:
         """A host tier of whole blocks within ``budget_bytes`` (None for a budget under one block): a second

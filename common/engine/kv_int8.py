@@ -16,8 +16,9 @@ import ctypes
 import torch
 
 from common.engine.native import kernel_function
+from common.protocol.wire import KV_INT8_SCALE_BYTES
 
-SCALE_BYTES = 4  # a float32 after the values
+SCALE_BYTES = KV_INT8_SCALE_BYTES  # a float32 after the values (the wire's KVLayoutInfo counts it too)
 
 _STORE_ARGS = ((ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p) + (ctypes.c_int64,) * 3 + (ctypes.c_int,) * 2)
@@ -75,15 +76,18 @@ def store(k_cache: torch.Tensor, v_cache: torch.Tensor, pool: torch.Tensor, bloc
            k_cache.data_ptr() - pool.data_ptr(), v_cache.data_ptr() - pool.data_ptr(), k.shape[1], k.shape[2])
 
 
-def gather(cache: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+def gather(cache: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, n: int, dtype: torch.dtype,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """The first ``n`` tokens of ``table``'s blocks in one layer's K or V (``cache``, a view of ``pool``), dequantized:
-    ``[n, heads, head_dim]`` of ``dtype``."""
+    ``[n, heads, head_dim]`` of ``dtype``, into ``out`` (contiguous) where given."""
     blocks, block_size, heads, width = cache.shape
     kernel = gather_kernel() if pool.device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) else None
     if kernel is None:
-        return dequantize(cache[table].reshape(-1, heads, width)[:n], dtype)
+        rows = dequantize(cache[table].reshape(-1, heads, width)[:n], dtype)
+        return rows if out is None else out.copy_(rows)
     table = table.to(torch.int64).contiguous()
-    out = torch.empty((n, heads, width - SCALE_BYTES), dtype=dtype)
+    if out is None:
+        out = torch.empty((n, heads, width - SCALE_BYTES), dtype=dtype)
     kernel(pool.data_ptr(), pool.stride(0), cache.data_ptr() - pool.data_ptr(), table.data_ptr(), n, block_size,
            heads, width - SCALE_BYTES, out.data_ptr(), int(dtype is torch.bfloat16))
     return out

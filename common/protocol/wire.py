@@ -153,12 +153,24 @@ TOKENIZER_MAX_BYTES = 64 << 20
 FileName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9._-]*$", max_length=255)]
 
 
+# A KV element's bytes by the pool's dtype; an int8 pool's rows carry a float32 scale each after their values
+# (common/engine/kv_int8.py)
+KV_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "fp8": 1}
+KV_INT8_SCALE_BYTES = 4
+
+
 class KVLayoutInfo(_Struct):
     num_layers: Annotated[int, msgspec.Meta(ge=1, le=4096)]
     block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
     num_kv_heads: Annotated[int, msgspec.Meta(ge=1, le=4096)]
     head_dim: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
     dtype: str
+
+    @property
+    def bytes_per_token(self) -> int:
+        """One token's K and V over every layer and KV head (2 bytes an element for a dtype not named)."""
+        row = self.head_dim * KV_DTYPE_BYTES.get(self.dtype, 2) + (KV_INT8_SCALE_BYTES if self.dtype == "int8" else 0)
+        return 2 * self.num_layers * self.num_kv_heads * row
 
 
 class Register(_Struct):

@@ -82,8 +82,6 @@ PULL_RATE_WEIGHT = 0.2  # of each pull in the moving average of a decode worker'
 # between hosts 0.4-1.3 GB/s (../shared/NOTES-nixl.md); the order of the decode candidates is what it sets. One
 # NVLink fabric counts as one host: its GPUs read each other's memory over NVLink.
 CROSS_HOST_PULL_COST = 16
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "fp8": 1}
-INT8_ROW_SCALE_BYTES = 4  # after each int8 KV row (common/engine/kv_int8.py SCALE_BYTES)
 
 
 @dataclass(frozen=True)
@@ -320,12 +318,7 @@ def _prompt_ms(model: StepCostModel, tokens: int, cached: int) -> float:
 
 def _block_bytes(worker: WorkerState) -> int:
     """One KV block's bytes (every layer's K and V) in ``worker``'s layout."""
-    layout = worker.kv_layout
-    # an int8 pool's rows carry a float32 scale each (common/engine/kv_int8.py)
-    row = layout.head_dim * DTYPE_BYTES.get(layout.dtype, 2)
-    if layout.dtype == "int8":
-        row += INT8_ROW_SCALE_BYTES
-    return 2 * layout.num_layers * layout.num_kv_heads * layout.block_size * row
+    return worker.kv_layout.bytes_per_token * worker.kv_layout.block_size
 
 
 def near(source: WorkerState | None, worker: WorkerState) -> str:
