@@ -25,6 +25,32 @@ def family(pid: int) -> list[int]:
     return [pid, *(int(c) for c in children.read_text().split())] if children.exists() else [pid]
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` (children, theirs, ...), not ``pid`` itself; those gone meanwhile are skipped."""
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        try:
+            children = [int(c) for c in Path(f"/proc/{parent}/task/{parent}/children").read_text().split()]
+        except OSError:
+            continue
+        found += children
+        frontier += children
+    return found
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """The CPU-seconds of ``pid`` and of every process under it that is still running (an exited one's are lost
+    unless ``pid`` reaped it, when they count in its own children's times, which /proc does not give)."""
+    spent = 0.0
+    for each in (pid, *descendants(pid)):
+        try:
+            spent += cpu_seconds(each)
+        except OSError:
+            pass
+    return spent
+
+
 def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

@@ -44,6 +44,9 @@ Each point draws its prompts from its own seed, so no point finds another's prom
 the servers see the same prompts for the same point, and each server starts cold. The load average
 before each point is recorded with it, and for Tessera the share of its requests whose prompt a prefill worker
 computed (from the proxy's ``/metrics``: prefill dispatches less failed KV pulls, over decode dispatches).
+Each point also records, from ``/proc``, the CPU-seconds of each of the server's processes and of the client over
+it, and the report gives them per output token at saturation (``cpu_table``): what the proxy, each worker and
+vLLM's API server and engine core spend beside the model's steps, and how busy they kept the cores.
 
 The run also measures the machine's streaming read bandwidth (``bench.roofline.read_bandwidth``) before the
 first server starts, and again just before and just after each server's one-stream point: the weights' bytes over
@@ -74,6 +77,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -84,6 +88,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.machine import describe_machine, meminfo_bytes
+from bench.processes import cpu_seconds, descendants, tree_cpu_seconds
 from common.engine.malloc import find_jemalloc, preload_environment
 from bench.roofline import READ_BYTES, READ_PASSES, read_bandwidth
 from common.cli.local_cluster import LocalCluster, free_port
@@ -227,6 +232,21 @@ class Server:
             total(text, "tessera_proxy_kv_transfer_failures_total")
         return remote, total(text, "tessera_proxy_worker_requests_total", stage="decode")
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU-seconds so far of each of the server's processes: Tessera's by role (``proxy``, ``prefill-0``, ...,
+        each with the processes under it), vLLM's API server and each process under it by its name (the engine
+        core's ``VLLM::EngineCore``)."""
+        if self._cluster is not None:
+            return {name: tree_cpu_seconds(proc.pid) for name, proc in self._cluster.procs.items()}
+        spent = {"api server": cpu_seconds(self._proc.pid)}
+        for pid in descendants(self._proc.pid):
+            try:
+                label = Path(f"/proc/{pid}/comm").read_text().strip()
+                spent[label] = spent.get(label, 0.0) + cpu_seconds(pid)
+            except OSError:
+                pass  # gone since
+        return spent
+
     def stop(self) -> None:
         if self._cluster is not None:
             self._cluster.stop()
@@ -307,6 +327,10 @@ def rounds_row(name: str, point: str, runs: list[dict], reference: list[dict] | 
            statistics.mean(run["remote_prefill"] for run in runs), "rounds": runs,
            **{key: statistics.median(run[key] for run in runs) for key in ROUND_KEYS
               if all(run.get(key) is not None for run in runs)}}
+    if all(run.get("cpu_s") and run.get("duration") for run in runs):  # summed over the rounds
+        row["cpu_s"] = {name: sum(run["cpu_s"].get(name, 0.0) for run in runs) for name in runs[0]["cpu_s"]}
+        row["duration"] = sum(run["duration"] for run in runs)
+        row["completed"] = sum(run["completed"] or 0 for run in runs)
     bandwidths = [run["read_bandwidth"] for run in runs if run.get("read_bandwidth")]
     row["read_bandwidth"] = statistics.median(bandwidths) if bandwidths else None
     if len(bandwidths) == len(runs):
@@ -345,7 +369,9 @@ def run_point(server: Server, point: Point, args, model: ServedModel, result_dir
     if point.concurrency is not None:
         command += ["--max-concurrency", str(point.concurrency)]
     load, before = os.getloadavg()[0], server.dispatches()
+    cpu_before, client_before = server.cpu_seconds(), resource.getrusage(resource.RUSAGE_CHILDREN)
     completed = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    cpu_after, client_after = server.cpu_seconds(), resource.getrusage(resource.RUSAGE_CHILDREN)
     if completed.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed against {server.name} ({point.name}):\n"
                            f"{completed.stdout[-3000:]}\n{completed.stderr[-3000:]}")
@@ -356,9 +382,15 @@ def run_point(server: Server, point: Point, args, model: ServedModel, result_dir
                            f"log directory; a host short of memory kills the largest process)")
     after = server.dispatches()
     remote = None if before is None else (after[0] - before[0]) / max(after[1] - before[1], 1)
+    # Where the cores' time went during the point (its warm-ups included): each server process's CPU-seconds, the
+    # client's (``vllm bench serve`` and its children: the only processes reaped meanwhile), and the duration.
+    cpu = {name: round(cpu_after[name] - cpu_before.get(name, 0.0), 2) for name in cpu_after}
+    cpu["client"] = round(client_after.ru_utime + client_after.ru_stime - client_before.ru_utime -
+                          client_before.ru_stime, 2)
     return {"server": server.name, "point": point.name, "load_before": load, "remote_prefill": remote,
-            **{key: result.get(key) for key in ("completed", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
-                                                "median_tpot_ms", "p99_tpot_ms", "median_itl_ms")}}
+            "cpu_s": cpu, **{key: result.get(key) for key in ("completed", "duration", "output_throughput",
+                                                              "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
+                                                              "p99_tpot_ms", "median_itl_ms")}}
 
 
 def table(rows: list[dict], args, weight_bytes: int) -> str:
@@ -402,6 +434,24 @@ def table(rows: list[dict], args, weight_bytes: int) -> str:
                      f"{cell(server, rate, 'median_tpot_ms', 'rate')} | {cell(server, rate, 'median_ttft_ms', 'rate')} | "
                      f"{cell(server, one, 'median_tpot_ms', 'one')} | {over_roofline} | {remote} | {loads} |")
     return "\n".join(lines)
+
+
+def cpu_table(rows: list[dict], args) -> str:
+    """Where the cores' time went at saturation: each server's processes' (and the client's) CPU per output token
+    over the point's rounds, and how busy that kept the cores over the client's measured duration (warm-ups and the
+    client's start outside it, their CPU inside: an over-estimate, alike for every server)."""
+    sat = points(args)[0].name
+    cores = os.cpu_count() or 1
+    lines = ["| server | CPU ms per output token, by process | all of them | cores busy |", "|---|---|---|---|"]
+    for row in rows:
+        if row["point"] != sat or not row.get("cpu_s") or not row.get("completed"):
+            continue
+        tokens = row["completed"] * args.output_len
+        spent = {name: seconds * 1e3 / tokens for name, seconds in row["cpu_s"].items() if seconds > 0.05}
+        parts = ", ".join(f"{name} {ms:.2f}" for name, ms in sorted(spent.items(), key=lambda item: -item[1]))
+        busy = sum(row["cpu_s"].values()) / (row["duration"] * cores)
+        lines.append(f"| {row['server']} | {parts} | {sum(spent.values()):.2f} | {busy:.0%} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def report(rows: list[dict], args, model: ServedModel, weights: tuple[int, int], bandwidth: float) -> str:
@@ -450,7 +500,10 @@ def report(rows: list[dict], args, model: ServedModel, weights: tuple[int, int],
             f"tessera-agg-int8 reads int8 weights, a byte each, and greedy tokens read the LM head in int8 and a "
             f"few of its tiles in bfloat16 (but for tessera-agg-whole-head), fewer bytes than the roofline counts: "
             f"a ratio can go below 1.0.{rate_note}\n\n"
-            f"    {command}\n\n{table(rows, args, weight_bytes)}")
+            f"    {command}\n\n{table(rows, args, weight_bytes)}\n" +
+            (f"\nWhere the cores' time went at saturation, from /proc (the client: `vllm bench serve`; cores busy: "
+             f"all of it over the client's measured duration and the {os.cpu_count()} cores):\n\n{cpu}\n"
+             if (cpu := cpu_table(rows, args)) else ""))
 
 
 def cpu_line() -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 
@@ -134,6 +135,9 @@ def test_a_point_that_completed_fewer_requests_than_it_sent_is_an_error(monkeypa
         def dispatches(self):
             return None
 
+        def cpu_seconds(self):
+            return {}
+
     def bench_serve(command, **kwargs):  # what `vllm bench serve` leaves when the server died mid-point
         (tmp_path / command[command.index("--result-filename") + 1]).write_text('{"completed": 0}')
         return subprocess.CompletedProcess(command, 0, "", "")
@@ -142,6 +146,39 @@ def test_a_point_that_completed_fewer_requests_than_it_sent_is_an_error(monkeypa
     model = compare.ServedModel("m", tmp_path, "")
     with pytest.raises(RuntimeError, match="vllm completed 0 of the 6 requests of its one stream point"):
         compare.run_point(Stub(), compare.Point("one stream", 5, 6, concurrency=1), args, model, tmp_path)
+
+
+def test_a_point_records_each_processs_cpu_and_the_report_gives_it_per_output_token(monkeypatch, tmp_path):
+    """Each server process's CPU-seconds over the point (a process that appeared meanwhile counts from zero), summed
+    over the rounds, per output token in the report's table, with the cores' busy share over the duration."""
+    class Stub:
+        name, url = "tessera-pd", "http://127.0.0.1:1"
+        readings = iter([{"proxy": 10.0, "decode-0": 100.0}, {"proxy": 12.0, "decode-0": 130.0, "prefill-0": 8.0}])
+
+        def dispatches(self):
+            return None
+
+        def cpu_seconds(self):
+            return next(self.readings)
+
+    def bench_serve(command, **kwargs):
+        (tmp_path / command[command.index("--result-filename") + 1]).write_text(
+            json.dumps({"completed": 4, "duration": 20.0, "output_throughput": 10.0}))
+        return subprocess.CompletedProcess(command, 0, "", "")
+    monkeypatch.setattr(compare.subprocess, "run", bench_serve)
+    args = argparse.Namespace(vllm_venv=tmp_path, input_len=8, output_len=5, num_prompts=4, single_prompts=2, seed=1,
+                              rate=1.0, rounds=2, one_stream_rounds=0)
+    run = compare.run_point(Stub(), compare.Point("saturation", 5, 4), args, compare.ServedModel("m", tmp_path, ""),
+                            tmp_path)
+    assert {key: run["cpu_s"][key] for key in ("proxy", "decode-0", "prefill-0")} == \
+        {"proxy": 2.0, "decode-0": 30.0, "prefill-0": 8.0}
+    assert run["cpu_s"]["client"] >= 0 and run["duration"] == 20.0
+    run["cpu_s"]["client"] = 0.0
+    row = rounds_row("tessera-pd", "saturation", [run, run], None, 1)
+    assert row["cpu_s"]["decode-0"] == 60.0 and row["duration"] == 40.0 and row["completed"] == 8
+    monkeypatch.setattr(compare.os, "cpu_count", lambda: 2)
+    table = compare.cpu_table([row], args)  # 40 output tokens: decode 60 s -> 1,500 ms each
+    assert "| tessera-pd | decode-0 1500.00, prefill-0 400.00, proxy 100.00 | 2000.00 | 100% |" in table
 
 
 def test_the_read_probe_shrinks_to_a_quarter_of_the_memory_available_but_not_into_the_cache(monkeypatch):
