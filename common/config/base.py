@@ -321,13 +321,13 @@ class CpuConfig:
                                           "run the whole forward in one C call (kernels/decode_forward.c); "
                                           "-1: with bfloat16 or int8 weights, as many as a step timed both ways "
                                           "at load finds the kernel ahead of the torch path (which moves with the "
-                                          "model's size), up to 32, and 8 with float32 weights (16 on an AVX2 "
+                                          "model's size), up to 64, and 8 with float32 weights (16 on an AVX2 "
                                           "CPU without AVX-512); at most 8 with int8 weights, bfloat16 ones "
                                           "without AVX512-BF16, or float32 ones with AVX-512; 0 keeps every step on "
                                           "the torch path. With engine.deterministic it takes every row of every "
                                           "step, prompt rows too, or none: -1 for bfloat16 weights in the panel "
                                           "layout (AVX512-BF16) only, a count for any weights, 0 for none",
-                                          ge=-1, le=64)
+                                          ge=-1, le=256)
     prepack_weights: Bool = option(True, "CPU bfloat16: keep a linear weight a second time in oneDNN's blocked "
                                    "layout for steps of several rows (F.linear reorders the plain weight on every "
                                    "call), at the cost of its memory once more (none under engine.deterministic). "

@@ -58,8 +58,11 @@ log = logging.getLogger(__name__)
 # worker serves with, so every worker measures the same ranges.
 CALIBRATION_WINDOW = 256
 # Row counts at which the one-call decode kernel is timed against the torch path at load; the last is the most it
-# takes by timing (``engine.cpu.decode_kernel_max_batch: -1``).
-DECODE_ROW_RUNGS = (1, 2, 4, 8, 16, 24, 32)
+# takes by timing (``engine.cpu.decode_kernel_max_batch: -1``). 48 and 64: on an Intel Xeon with AMX the kernel
+# was 1.24x the torch path's speed there at 135M and 1.13x and 1.06x at the 1B shape (bench.decode_kernel
+# --max-batch 64 --rows 32,48,64; docs/benchmarks.md), where the rungs stopping at 32 left saturation's 64-row
+# steps to the torch path's ~40 operators a layer.
+DECODE_ROW_RUNGS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 # The kernel keeps a rung unless the torch path is this much faster there: near the crossover either is as fast,
 # and a choice that timing noise flips from one start to the next would change which numerics a batch gets.
 KERNEL_MARGIN = 1.05

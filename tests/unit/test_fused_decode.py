@@ -141,7 +141,7 @@ def test_only_the_kernels_fast_paths_take_more_than_eight_rows(tiny_dir):
 
 @pytest.mark.parametrize("dtype,quantization", [("bfloat16", "none"), ("bfloat16", "int8"), ("float32", "int8")])
 def test_left_to_timing_the_kernel_keeps_a_rung_within_its_limit(tiny_dir, dtype, quantization, caplog):
-    limit = 32 if dtype == "bfloat16" and quantization == "none" and cpu_has("avx512_bf16") else 8
+    limit = DECODE_ROW_RUNGS[-1] if dtype == "bfloat16" and quantization == "none" and cpu_has("avx512_bf16") else 8
     with caplog.at_level("INFO", logger="common.engine.model_runner"):
         runner = runner_for(tiny_dir, dtype=dtype, quantization=quantization, decode_kernel_max_batch=-1)
     chosen = runner.model.fused_decode.max_rows
