@@ -33,9 +33,10 @@ BESIDE_E2E = {
     # mostly scripted or tiny-model workers, and a few short requests through a real cluster
     "test_nonfinite_logits.py", "test_worker_tokenizer.py",
     # the embedded model, computing little while others run
-    "test_role_switch.py", "test_embeddings.py", "test_protocol_versions.py", "test_planner_cluster.py",
-    # processes of the tiny models' signal tests: each starts, answers a little, exits
-    "test_worker_signals.py",
+    "test_grpc_api.py", "test_role_switch.py", "test_embeddings.py", "test_sessions.py", "test_protocol_versions.py",
+    "test_planner_cluster.py",
+    # processes of the tiny models' signal tests, and of `tessera generate`: each starts, answers a little, exits
+    "test_worker_signals.py", "test_generate_command.py",
     # four small clusters with a worker at tensor parallelism 3 and one of tiny models at TP 2 (about 120 s alone;
     # under the compute lane's load each TP step's 61 all-reduces wait on the scheduler, so it keeps few decode
     # steps: 16 to 40 tokens)
@@ -59,9 +60,6 @@ WAITS = {
     "test_proxy_api.py", "test_proxy_failures.py", "test_proxy_limits.py", "test_proxy_migration.py",
     "test_curve_security.py", "test_frame_fuzz.py", "test_hot_cold_models.py", "test_kv_transfer_processes.py",
     "test_prometheus_scrape.py", "test_resumable_streams.py", "test_websocket_stream.py",
-    # the embedded model behind gRPC and sessions, and `tessera generate`'s processes (each starts, answers a little,
-    # exits): in the beside lane (2026-12-06) 141 s of wall time for 80 CPU-s, that lane then the run's longest
-    "test_grpc_api.py", "test_sessions.py", "test_generate_command.py",
 }
 COMPUTE_UNIT = {
     "test_embedder.py", "test_engine_embedded.py", "test_engine_resume.py", "test_fused_decode.py",
