@@ -44,9 +44,10 @@ Each point draws its prompts from its own seed, so no point finds another's prom
 the servers see the same prompts for the same point, and each server starts cold. The load average
 before each point is recorded with it, and for Tessera the share of its requests whose prompt a prefill worker
 computed (from the proxy's ``/metrics``: prefill dispatches less failed KV pulls, over decode dispatches).
-Each point also records, from ``/proc``, the CPU-seconds of each of the server's processes and of the client over
-it, and the report gives them per output token at saturation (``cpu_table``): what the proxy, each worker and
-vLLM's API server and engine core spend beside the model's steps, and how busy they kept the cores.
+Each point also records, from ``/proc``, the CPU-seconds of each of the server's processes over the client's measured
+window (sampled every ``CPU_SAMPLE_S``) and the client's over its whole run, and the report gives them per output
+token at saturation (``cpu_table``): what the proxy, each worker and vLLM's API server and engine core spend, and
+how busy the server kept the cores.
 
 The run also measures the machine's streaming read bandwidth (``bench.roofline.read_bandwidth``) before the
 first server starts, and again just before and just after each server's one-stream point: the weights' bytes over
@@ -82,6 +83,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -234,8 +236,8 @@ class Server:
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU-seconds so far of each of the server's processes: Tessera's by role (``proxy``, ``prefill-0``, ...,
-        each with the processes under it), vLLM's API server and each process under it by its name (the engine
-        core's ``VLLM::EngineCore``)."""
+        each with the processes under it), vLLM's API server and each process under it by its name (``/proc``'s,
+        cut to 15 characters: the engine core's ``VLLM::EngineCor``)."""
         if self._cluster is not None:
             return {name: tree_cpu_seconds(proc.pid) for name, proc in self._cluster.procs.items()}
         spent = {"api server": cpu_seconds(self._proc.pid)}
@@ -315,6 +317,7 @@ def round_seed(args, index: int, r: int) -> int:
     return args.seed + sum(point_rounds(args, earlier) for earlier in range(index)) + r
 
 
+CPU_SAMPLE_S = 0.25  # how often a point reads its server's CPU-seconds (``run_point``)
 ROUND_KEYS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms")
 
 
@@ -328,7 +331,8 @@ def rounds_row(name: str, point: str, runs: list[dict], reference: list[dict] | 
            **{key: statistics.median(run[key] for run in runs) for key in ROUND_KEYS
               if all(run.get(key) is not None for run in runs)}}
     if all(run.get("cpu_s") and run.get("duration") for run in runs):  # summed over the rounds
-        row["cpu_s"] = {name: sum(run["cpu_s"].get(name, 0.0) for run in runs) for name in runs[0]["cpu_s"]}
+        names = dict.fromkeys(name for run in runs for name in run["cpu_s"])  # a process of some rounds only too
+        row["cpu_s"] = {name: sum(run["cpu_s"].get(name, 0.0) for run in runs) for name in names}
         row["duration"] = sum(run["duration"] for run in runs)
         row["completed"] = sum(run["completed"] or 0 for run in runs)
     bandwidths = [run["read_bandwidth"] for run in runs if run.get("read_bandwidth")]
@@ -369,9 +373,21 @@ def run_point(server: Server, point: Point, args, model: ServedModel, result_dir
     if point.concurrency is not None:
         command += ["--max-concurrency", str(point.concurrency)]
     load, before = os.getloadavg()[0], server.dispatches()
-    cpu_before, client_before = server.cpu_seconds(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=3600)
-    cpu_after, client_after = server.cpu_seconds(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    readings, client_before = [(time.monotonic(), server.cpu_seconds())], resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = threading.Event()
+
+    def sample() -> None:  # the server's CPU every CPU_SAMPLE_S, to take it over the client's measured window
+        while not done.wait(CPU_SAMPLE_S):
+            readings.append((time.monotonic(), server.cpu_seconds()))
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        completed = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    finally:
+        done.set()
+        sampler.join()
+    readings.append((time.monotonic(), server.cpu_seconds()))
+    client_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if completed.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed against {server.name} ({point.name}):\n"
                            f"{completed.stdout[-3000:]}\n{completed.stderr[-3000:]}")
@@ -382,9 +398,14 @@ def run_point(server: Server, point: Point, args, model: ServedModel, result_dir
                            f"log directory; a host short of memory kills the largest process)")
     after = server.dispatches()
     remote = None if before is None else (after[0] - before[0]) / max(after[1] - before[1], 1)
-    # Where the cores' time went during the point (its warm-ups included): each server process's CPU-seconds, the
-    # client's (``vllm bench serve`` and its children: the only processes reaped meanwhile), and the duration.
-    cpu = {name: round(cpu_after[name] - cpu_before.get(name, 0.0), 2) for name in cpu_after}
+    # Where the cores' time went: each server process's CPU-seconds over the client's measured window (the last
+    # ``duration`` seconds before it exited, to the sampling's CPU_SAMPLE_S: not its start nor its warm-ups), and
+    # the client's over its whole run (``vllm bench serve`` and its children, the only processes reaped meanwhile).
+    end = readings[-1][0]
+    first = max((reading for reading in readings if reading[0] <= end - (result.get("duration") or 0.0)),
+                key=lambda reading: reading[0], default=readings[0])[1]
+    last = readings[-1][1]
+    cpu = {name: round(max(0.0, last[name] - first.get(name, 0.0)), 2) for name in last}  # an exited one: 0
     cpu["client"] = round(client_after.ru_utime + client_after.ru_stime - client_before.ru_utime -
                           client_before.ru_stime, 2)
     return {"server": server.name, "point": point.name, "load_before": load, "remote_prefill": remote,
@@ -437,19 +458,20 @@ def table(rows: list[dict], args, weight_bytes: int) -> str:
 
 
 def cpu_table(rows: list[dict], args) -> str:
-    """Where the cores' time went at saturation: each server's processes' (and the client's) CPU per output token
-    over the point's rounds, and how busy that kept the cores over the client's measured duration (warm-ups and the
-    client's start outside it, their CPU inside: an over-estimate, alike for every server)."""
+    """Where the cores' time went at saturation: each server process's CPU per output token over the client's
+    measured windows of the point's rounds, the client's over its whole runs (its start and warm-ups too), and how
+    busy the server's processes kept the cores over those windows."""
     sat = points(args)[0].name
     cores = os.cpu_count() or 1
-    lines = ["| server | CPU ms per output token, by process | all of them | cores busy |", "|---|---|---|---|"]
+    lines = ["| server | CPU ms per output token, by process | all of them | cores the server kept busy |",
+             "|---|---|---|---|"]
     for row in rows:
         if row["point"] != sat or not row.get("cpu_s") or not row.get("completed"):
             continue
         tokens = row["completed"] * args.output_len
         spent = {name: seconds * 1e3 / tokens for name, seconds in row["cpu_s"].items() if seconds > 0.05}
         parts = ", ".join(f"{name} {ms:.2f}" for name, ms in sorted(spent.items(), key=lambda item: -item[1]))
-        busy = sum(row["cpu_s"].values()) / (row["duration"] * cores)
+        busy = sum(seconds for name, seconds in row["cpu_s"].items() if name != "client") / (row["duration"] * cores)
         lines.append(f"| {row['server']} | {parts} | {sum(spent.values()):.2f} | {busy:.0%} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
@@ -501,8 +523,9 @@ def report(rows: list[dict], args, model: ServedModel, weights: tuple[int, int],
             f"few of its tiles in bfloat16 (but for tessera-agg-whole-head), fewer bytes than the roofline counts: "
             f"a ratio can go below 1.0.{rate_note}\n\n"
             f"    {command}\n\n{table(rows, args, weight_bytes)}\n" +
-            (f"\nWhere the cores' time went at saturation, from /proc (the client: `vllm bench serve`; cores busy: "
-             f"all of it over the client's measured duration and the {os.cpu_count()} cores):\n\n{cpu}\n"
+            (f"\nWhere the cores' time went at saturation, from /proc: each server process over the client's measured "
+             f"windows, the client (`vllm bench serve`) over its whole runs; the servers' share of the "
+             f"{os.cpu_count()} cores over those windows:\n\n{cpu}\n"
              if (cpu := cpu_table(rows, args)) else ""))
 
 

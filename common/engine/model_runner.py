@@ -74,16 +74,21 @@ COMPACT_AUTO_SHARE = 1 / 16
 COMPACT_RATIO = 0.82
 
 
-def largest_rung(rungs: list[int], ahead) -> int:
+def largest_rung(rungs: list[int], ahead, settled: int = 32) -> int:
     """The largest of ``rungs`` (ascending; the first taken as ahead untimed) below the first at which
     ``ahead(rows)`` fails, asking the last rung first (where the kernel is ahead there, as on a small model, one
-    timing settles it). Scanned upwards rather than bisected: the kernel's lead is not monotone in the rows (1B
-    shape, Zen 4: 14% behind at 4 rows, 7% at 8)."""
+    timing settles it). Past ``settled`` (the rungs every CPU kind was measured at) the rungs are asked downwards
+    from the last, so a kernel behind at 64 rows but ahead at 32 keeps 32 with a timing or two; below it they are
+    scanned upwards rather than bisected: the kernel's lead is not monotone in the rows (1B shape, Zen 4: 14%
+    behind at 4 rows, 7% at 8)."""
     if len(rungs) == 1 or ahead(rungs[-1]):
         return rungs[-1]
+    for rows in reversed([rows for rows in rungs[1:-1] if rows >= settled]):
+        if ahead(rows):
+            return rows
     chosen = rungs[0]
     for rows in rungs[1:-1]:
-        if not ahead(rows):
+        if rows >= settled or not ahead(rows):
             break
         chosen = rows
     return chosen
@@ -269,7 +274,7 @@ class ModelRunner:
         # none (``_fused_decode_kernel``).
         left = config.cpu.decode_kernel_max_batch < 0 and not config.deterministic
         if self._fused_decode_kernel():
-            # -1 with float32 weights keeps the kernel's fixed limit (``FusedDecode``: 8 rows, 32 on an AVX2 CPU
+            # -1 with float32 weights keeps the kernel's fixed limit (``FusedDecode``: 8 rows, 16 on an AVX2 CPU
             # without AVX-512): it is well ahead there (1.4x at 8 rows, 135M, Zen 4; 1.19x at 32 on a first Zen),
             # and the exactness tests compare float32 outputs across processes, which timing could split
             self.model.fused_decode = FusedDecode(self.model, DECODE_ROW_RUNGS[-1] if left
@@ -324,7 +329,8 @@ class ModelRunner:
         reads each weight once for all its rows, so it wins while a step is bound by reading the weights; past
         some rows a step is bound by its products, where the torch path's layer-by-layer matmuls can win
         (bfloat16, Zen 4, against oneDNN's: with the weights in panels, kernels/panels_bf16.h, the kernel ahead up
-        to 32 rows at 135M and at the 1B shape; in rows, up to 2 at 1B; int8, in integer sums against W8A8: ahead
+        to 32 rows at 135M and at the 1B shape, the rungs' end then; Intel with AMX: ahead at 64 too; in rows, up
+        to 2 at 1B; int8, in integer sums against W8A8: ahead
         1.1-1.5x at 1-4 rows at 1B, even at 8; ``bench.decode_kernel --model 1b``). Either way is exact to its own
         numerics; only which one a step of some rows takes changes."""
         fused, bs = self.model.fused_decode, self.config.block_size

@@ -153,13 +153,13 @@ def test_a_point_records_each_processs_cpu_and_the_report_gives_it_per_output_to
     over the rounds, per output token in the report's table, with the cores' busy share over the duration."""
     class Stub:
         name, url = "tessera-pd", "http://127.0.0.1:1"
-        readings = iter([{"proxy": 10.0, "decode-0": 100.0}, {"proxy": 12.0, "decode-0": 130.0, "prefill-0": 8.0}])
+        readings = [{"proxy": 10.0, "decode-0": 100.0}, {"proxy": 12.0, "decode-0": 130.0, "prefill-0": 8.0}]
 
         def dispatches(self):
             return None
 
-        def cpu_seconds(self):
-            return next(self.readings)
+        def cpu_seconds(self):  # the first reading, then the last one whenever sampled
+            return self.readings.pop(0) if len(self.readings) > 1 else self.readings[0]
 
     def bench_serve(command, **kwargs):
         (tmp_path / command[command.index("--result-filename") + 1]).write_text(
@@ -178,7 +178,11 @@ def test_a_point_records_each_processs_cpu_and_the_report_gives_it_per_output_to
     assert row["cpu_s"]["decode-0"] == 60.0 and row["duration"] == 40.0 and row["completed"] == 8
     monkeypatch.setattr(compare.os, "cpu_count", lambda: 2)
     table = compare.cpu_table([row], args)  # 40 output tokens: decode 60 s -> 1,500 ms each
+    # the servers' 80 CPU-s over 40 s on 2 cores (the client's, here none, is not the server's)
     assert "| tessera-pd | decode-0 1500.00, prefill-0 400.00, proxy 100.00 | 2000.00 | 100% |" in table
+    # a process of a later round only is counted, an exited one's reading gives 0, never less
+    later = dict(run, cpu_s={"proxy": 1.0, "decode-0": 2.0, "client": 0.0, "prefill-1": 3.0})
+    assert rounds_row("tessera-pd", "saturation", [run, later], None, 1)["cpu_s"]["prefill-1"] == 3.0
 
 
 def test_the_read_probe_shrinks_to_a_quarter_of_the_memory_available_but_not_into_the_cache(monkeypatch):

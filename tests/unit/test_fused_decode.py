@@ -173,6 +173,12 @@ def test_the_kernel_keeps_the_rungs_below_the_first_it_falls_behind_at():
     # behind at 4 rows, ahead again at 8 (as at the 1B shape): the scan stops at the first rung it falls behind at
     assert largest_rung(rungs, lambda rows: rows in (1, 2, 8)) == 2
     assert largest_rung([1], lambda rows: False) == 1
+    # past the rungs every CPU kind was measured at (32), downwards from the last: behind at 64 and 48, ahead at 32
+    asked = []
+    assert largest_rung([1, 2, 4, 8, 16, 24, 32, 48, 64], lambda rows: asked.append(rows) or rows <= 32) == 32
+    assert asked == [64, 48, 32]
+    assert largest_rung([1, 2, 4, 8, 16, 24, 32, 48, 64], lambda rows: rows in (1, 2, 48)) == 48
+    assert largest_rung([1, 2, 4, 8, 16, 24, 32, 48, 64], lambda rows: rows <= 16) == 16
 
 
 def test_quantize_rows_is_within_half_a_step_of_every_weight():
