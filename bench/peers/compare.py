@@ -460,7 +460,9 @@ def table(rows: list[dict], args, weight_bytes: int) -> str:
 def cpu_table(rows: list[dict], args) -> str:
     """Where the cores' time went at saturation: each server process's CPU per output token over the client's
     measured windows of the point's rounds, the client's over its whole runs (its start and warm-ups too), and how
-    busy the server's processes kept the cores over those windows."""
+    busy the server's processes kept the cores over those windows. A window ends at the client's exit, after it
+    wrote its results, so it starts that much before the measured requests: on a short point it takes in some of
+    the warm-ups (vLLM read 101% of 2 cores at 32 prompts, seed 141500). Compare servers, not absolute shares."""
     sat = points(args)[0].name
     cores = os.cpu_count() or 1
     lines = ["| server | CPU ms per output token, by process | all of them | cores the server kept busy |",
