@@ -401,10 +401,9 @@ def run_point(server: Server, point: Point, args, model: ServedModel, result_dir
     # Where the cores' time went: each server process's CPU-seconds over the client's measured window (the last
     # ``duration`` seconds before it exited, to the sampling's CPU_SAMPLE_S: not its start nor its warm-ups), and
     # the client's over its whole run (``vllm bench serve`` and its children, the only processes reaped meanwhile).
-    end = readings[-1][0]
-    first = max((reading for reading in readings if reading[0] <= end - (result.get("duration") or 0.0)),
-                key=lambda reading: reading[0], default=readings[0])[1]
-    last = readings[-1][1]
+    end, last = readings[-1]
+    start = end - (result.get("duration") or 0.0)
+    first = next((cpu for at, cpu in reversed(readings) if at <= start), readings[0][1])  # readings in time order
     cpu = {name: round(max(0.0, last[name] - first.get(name, 0.0)), 2) for name in last}  # an exited one: 0
     cpu["client"] = round(client_after.ru_utime + client_after.ru_stime - client_before.ru_utime -
                           client_before.ru_stime, 2)
