@@ -10,8 +10,11 @@ input (Ctrl-D) leaves and /reset forgets the conversation.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
+import json
 import sys
+from pathlib import Path
 
 from common.cli.options import add_model_options, positive_int
 from common.storage.model_store import resolve_model
@@ -66,11 +69,18 @@ def run_generate(args: argparse.Namespace) -> int:
         prompts = [line.strip() for line in sys.stdin if line.strip()]
         if not prompts:
             raise ValueError("no prompts: give --prompt TEXT, or prompt lines on stdin")
-    engine = _load_engine(args)
-    if interactive:
+    model_dir = resolve_model(args.model, args.dtype, args.cache_dir)
+    # Imported here: torch and the model code take seconds to load, and `tessera --help` should not wait for them.
+    from common.text.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(model_dir)
+    inputs = None if interactive else [_as_input(tokenizer, [{"role": "user", "content": p}], args.chat)
+                                       for p in prompts]
+    engine = _load_engine(args, model_dir, None if inputs is None else [
+        len(tokenizer.encode(i) if isinstance(i, str) else i) + args.max_tokens for i in inputs])
+    if inputs is None:
         _chat(engine, params, args.chat)
         return 0
-    inputs = [_as_input(engine, [{"role": "user", "content": p}], args.chat) for p in prompts]
     if len(inputs) == 1:
         engine.add_request("prompt-0", inputs[0], params)
         _print_until_done(engine)
@@ -80,20 +90,30 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_engine(args: argparse.Namespace):
-    model_dir = resolve_model(args.model, args.dtype, args.cache_dir)
-    # Imported here: torch and the model code take seconds to load, and
-    # `tessera --help` should not wait for them.
+def _load_engine(args: argparse.Namespace, model_dir: Path, tokens: list[int] | None):
+    """The offline engine, its KV pool sized to the work: ``tokens`` for each prompt (its own and --max-tokens),
+    else (the chat) one conversation of the model's whole context; at most what engine.kv_cache_memory_bytes'
+    default holds, past which the batch queues. A one-shot prompt maps a few MiB, not 2 GiB (faulted in at load,
+    which a VM whose host takes back free memory makes slow: engine.cpu.huge_pages)."""
     from common.config.base import EngineConfig
+    from common.engine.kv_cache import KVLayout
     from common.engine.llm_engine import LLMEngine
 
-    return LLMEngine(EngineConfig(model=str(model_dir), dtype=args.dtype, num_threads=args.threads,
-                                  deterministic=True if args.deterministic else "auto"))
+    config = EngineConfig(model=str(model_dir), dtype=args.dtype, num_threads=args.threads,
+                          deterministic=True if args.deterministic else "auto")
+    hf = json.loads((model_dir / "config.json").read_text())
+    heads = hf["num_attention_heads"]
+    layout = KVLayout(hf["num_hidden_layers"], config.block_size, hf.get("num_key_value_heads", heads),
+                      hf.get("head_dim") or hf["hidden_size"] // heads, config.dtype)
+    counts = tokens if tokens is not None else [hf.get("max_position_embeddings", 8192)]
+    needed = sum(-(-count // config.block_size) + 1 for count in counts)
+    blocks = min(needed, layout.blocks_for_budget(config.kv_cache_memory_bytes))
+    return LLMEngine(dataclasses.replace(config, num_kv_blocks=blocks))
 
 
-def _as_input(engine, messages: list[dict], chat: bool) -> str | list[int]:
+def _as_input(tokenizer, messages: list[dict], chat: bool) -> str | list[int]:
     """The chat template's token ids for ``messages``, or the last message's raw text without it."""
-    return engine.tokenizer.apply_chat_template(messages) if chat else messages[-1]["content"]
+    return tokenizer.apply_chat_template(messages) if chat else messages[-1]["content"]
 
 
 def _print_until_done(engine) -> str:
@@ -128,7 +148,7 @@ def _chat(engine, params: SamplingParams, use_template: bool) -> None:
         # Without the template each line stands alone, so history stays empty.
         messages = [*history, {"role": "user", "content": line}]
         try:
-            engine.add_request(f"chat-{turn}", _as_input(engine, messages, use_template), params)
+            engine.add_request(f"chat-{turn}", _as_input(engine.tokenizer, messages, use_template), params)
         except ValueError as error:
             # Typically the conversation outgrew the context; the chat goes on.
             print(f"tessera: error: {error} ({CHAT_HELP})", file=sys.stderr)
