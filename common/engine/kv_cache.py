@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -84,7 +85,8 @@ class KVLayout:
 def new_pool(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device,
              huge: bool = True) -> torch.Tensor:
     """A zeroed pool of ``shape`` (tp_size first): on the CPU at one rank, in a huge-page arena (``huge=False``: one
-    advised out of them, a benchmark's baseline), every page faulted in now rather than in a serving step; shared
+    advised out of them: engine.cpu.huge_pages off, or a benchmark's baseline), every page faulted in now rather
+    than in a serving step; shared
     pools (tp_size > 1, which ``share`` moves to shared memory) and device pools as torch allocates them."""
     if torch.device(device).type != "cpu" or shape[0] > 1:
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -100,9 +102,10 @@ def new_pool(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.dev
 
 class KVCache:
     def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu", rank: int = 0,
-                 pool: torch.Tensor | None = None) -> None:
+                 pool: torch.Tensor | None = None, huge_pages: bool = True) -> None:
         """A pool of ``num_blocks`` blocks, this process being ``rank`` of ``layout.tp_size``; ``pool``: the
-        whole pool another rank made (``share``), else a new one."""
+        whole pool another rank made (``share``), else a new one (``new_pool``, in 2 MB pages unless
+        ``huge_pages`` is false: engine.cpu.huge_pages)."""
         if num_blocks < 1:
             raise ValueError(
                 f"the KV budget holds no block of {layout.bytes_per_block} bytes; "
@@ -112,11 +115,13 @@ class KVCache:
         self.num_blocks = num_blocks
         shape = (layout.tp_size, num_blocks, layout.num_layers, 2, layout.block_size, layout.rank_heads,
                  layout.row_width)
+        started = time.monotonic()
         if pool is None:
-            pool = new_pool(shape, layout.torch_dtype, device)
+            pool = new_pool(shape, layout.torch_dtype, device, huge=huge_pages)
         elif tuple(pool.shape) != shape or pool.dtype != layout.torch_dtype:
             raise ValueError(f"a shared KV pool of {tuple(pool.shape)} {pool.dtype}, expected {shape}")
         self.pool = pool
+        self.fault_s = time.monotonic() - started  # mapping and faulting the pool in: the load line gives it
         self.buffer = pool[rank]  # this rank's slice: contiguous
         # K and V of each layer, each ``[num_blocks, block_size, kv_heads, row_width]`` (views, made once).
         self.layers = [(self.buffer[:, i, 0], self.buffer[:, i, 1]) for i in range(layout.num_layers)]
@@ -197,4 +202,5 @@ class KVCache:
         if self.pool.device.type != "cpu":
             return ""
         huge = self.huge_page_bytes()
-        return ", in torch's memory" if huge is None else f", {huge / 2**20:.0f} MiB of it in 2 MB pages"
+        where = "in torch's memory" if huge is None else f"{huge / 2**20:.0f} MiB of it in 2 MB pages"
+        return f", {where}, faulted in in {self.fault_s:.1f}s"

@@ -218,7 +218,7 @@ class ModelRunner:
                                self.tp.size)
         if rank == 0:
             num_blocks = config.num_kv_blocks or self.layout.blocks_for_budget(self._kv_budget())
-            self.kv_cache = KVCache(self.layout, num_blocks, self.device)
+            self.kv_cache = KVCache(self.layout, num_blocks, self.device, huge_pages=config.cpu.huge_pages)
             if self.ranks is not None:
                 self.ranks.share_pool(self.kv_cache.share())
         else:
@@ -251,7 +251,7 @@ class ModelRunner:
             gemv_bf16_kernel()  # built now, not on the first batch-1 decode step (models/llama.py ``linear``)
         # only bfloat16 weights take panels: not int8 or float32; one rank (engine.deterministic too: a panel's
         # every sum runs over k in one order at any rows, kernels/panels_bf16.h)
-        if self._panels_planned() and self.model.pack_panels(self._compact_mode()):
+        if self._panels_planned() and self.model.pack_panels(self._compact_mode(), config.cpu.huge_pages):
             arena = self.model.panel_arena
             pages = ("in 4 KB pages" if arena is None else
                      "%.0f of their %.0f MiB in 2 MB pages" % (arena.huge_bytes() / 2**20, arena.nbytes / 2**20))
@@ -267,7 +267,7 @@ class ModelRunner:
                 copies += f", AMX tiles from {amx} rows"
             log.info("linear weights in the panel layout (kernels/panels_bf16.h%s), which the decode kernel and "
                      "kernels/linear_panels.c read: %s; %s (transparent huge pages: %s)", compact,
-                     copies, pages, thp_policy())
+                     copies, pages, thp_policy() if config.cpu.huge_pages else "off, engine.cpu.huge_pages")
         # The one-call kernel has no all-reduce between its layers, and keeps float32 activations between them
         # where the layer-by-layer path rounds: engine.deterministic takes it for every row of every step (its
         # rows are batch-invariant, and a prompt's rows then write the K/V its decode steps would have) or for

@@ -77,8 +77,11 @@ def generate(model_dir, compact: str, decode_kernel_rows: int, prompts: int = 5,
              no_tiles: bool = False) -> tuple[list, LLMEngine]:
     """``no_tiles``: on a CPU with AMX, where the panels' steps of several rows take its tiles and compact panels
     never do, engine.deterministic, which gives both the build without them."""
+    # 4 KB pages (engine.cpu.huge_pages): the same bytes, loaded in a fraction of the CPU where 2 MB pages fault in
+    # slowly (common/cli/local_cluster.py TEST_WORKER_OVERRIDES)
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16", kv_cache_memory_bytes=64 << 20,
-                                    cpu=CpuConfig(compact_panels=compact, decode_kernel_max_batch=decode_kernel_rows),
+                                    cpu=CpuConfig(compact_panels=compact, decode_kernel_max_batch=decode_kernel_rows,
+                                                  huge_pages=False),
                                     deterministic=True if no_tiles and panels_amx_rows() else "auto"))
     gen = torch.Generator().manual_seed(5)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)

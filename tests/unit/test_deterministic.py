@@ -96,6 +96,9 @@ class Probe:
     """One watched request run in different company; ``seen`` is what its logprobs were at each position."""
 
     def __init__(self, model, dtype: str, quantization: str, deterministic: bool = True, **settings) -> None:
+        # 4 KB pages (engine.cpu.huge_pages): the same bytes, loaded in a fraction of the CPU where 2 MB pages fault
+        # in slowly (common/cli/local_cluster.py TEST_WORKER_OVERRIDES)
+        settings["cpu"] = {"huge_pages": False, **settings.get("cpu", {})}
         self.settings = dict(model=str(model), dtype=dtype, quantization=quantization, deterministic=deterministic,
                              **settings)
         self.rng = random.Random(7)

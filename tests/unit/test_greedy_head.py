@@ -144,8 +144,10 @@ def generate(model_dir, max_rows: int, params: SamplingParams,
     """Three greedy sequences through an engine whose decode steps take ``decode_kernel_rows`` fixed: left to its
     timing at load (the default, -1), two engines under a loaded machine chose differently, and the torch path's
     bfloat16 hidden states differ from the kernel's (a greedy token of the embedded model flipped between them)."""
+    # 4 KB pages (engine.cpu.huge_pages): the same bytes, loaded in a fraction of the CPU where 2 MB pages fault in
+    # slowly (common/cli/local_cluster.py TEST_WORKER_OVERRIDES)
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16", kv_cache_memory_bytes=64 << 20,
-                                    cpu=CpuConfig(greedy_head_max_rows=max_rows,
+                                    cpu=CpuConfig(greedy_head_max_rows=max_rows, huge_pages=False,
                                                   decode_kernel_max_batch=decode_kernel_rows)))
     gen = torch.Generator().manual_seed(11)
     for i in range(3):
@@ -195,7 +197,7 @@ def test_masked_rows_and_drafts_do_not_take_it(embedded_model_dir_bf16, monkeypa
     argmax = GreedyHead.argmax
     monkeypatch.setattr(GreedyHead, "argmax", lambda self, hidden: calls.append(len(hidden)) or argmax(self, hidden))
     engine = LLMEngine(EngineConfig(model=str(embedded_model_dir_bf16), dtype="bfloat16",
-                                    kv_cache_memory_bytes=64 << 20, cpu=CpuConfig(greedy_head_max_rows=MAX_ROWS),
+                                    kv_cache_memory_bytes=64 << 20, cpu=CpuConfig(greedy_head_max_rows=MAX_ROWS, huge_pages=False),
                                     spec=SpecConfig(method="ngram", num_tokens=4)))
     masked = SamplingParams(temperature=0.0, max_tokens=8, structured=StructuredOutput(kind="regex", spec="(yes|no)"))
     engine.generate([[5, 6, 7, 8]], [masked])

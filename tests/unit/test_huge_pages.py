@@ -77,6 +77,30 @@ def test_a_models_panels_all_live_in_its_arena(tiny_chat_model_dir):
     assert panels and all(start <= p.data_ptr() and p.data_ptr() + p.nbytes <= end for p in panels)
 
 
+@pytest.mark.parametrize("huge_pages", [True, False])
+def test_engine_cpu_huge_pages_advises_the_pool_and_the_panels_in_or_out(tiny_chat_model_dir, huge_pages, caplog):
+    from common.config.base import CpuConfig, EngineConfig
+    from common.engine.model_runner import ModelRunner
+
+    caplog.set_level("INFO")
+    runner = ModelRunner(EngineConfig(model=str(tiny_chat_model_dir), dtype="bfloat16", num_kv_blocks=2048,
+                                      cpu=CpuConfig(huge_pages=huge_pages)), tiny_chat_model_dir)
+    # the pool (6 MiB: whole 2 MB ranges inside, wherever it lands) advised in or out; the panels' arena (smaller
+    # than 2 MB, so perhaps eligible for none) out where the setting is off
+    arenas = {runner.kv_cache.pool.data_ptr(): True}
+    if runner.model.panel_arena is not None:
+        arenas[runner.model.panel_arena.address()] = not huge_pages
+    for address, checked in arenas.items():
+        fields = mapping_fields(address)
+        if checked and "THPeligible" in fields and (thp_policy() in ("always", "madvise") or not huge_pages):
+            assert fields["THPeligible"] == int(huge_pages), (address, fields)
+        if not huge_pages:
+            assert fields.get("AnonHugePages", 0) == 0
+    assert runner.kv_cache.fault_s >= 0
+    loaded = [r.getMessage() for r in caplog.records if r.getMessage().startswith("model loaded")]
+    assert len(loaded) == 1 and "MiB of it in 2 MB pages, faulted in in " in loaded[0]
+
+
 def test_the_benchmark_writes_a_row_per_batch_size(tiny_chat_model_dir, capsys, monkeypatch):
     import bench.huge_pages
 

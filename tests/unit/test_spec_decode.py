@@ -13,7 +13,7 @@ import random
 import numpy as np
 import pytest
 
-from common.config.base import ConfigError, EngineConfig
+from common.config.base import ConfigError, CpuConfig, EngineConfig
 from common.engine.llm_engine import LLMEngine, RequestError
 from common.engine.ngram_proposer import lookup
 from common.protocol.sampling_params import SamplingParams
@@ -42,6 +42,9 @@ def prompts(count=32, seed=0):
 
 
 def generate(model_dir, prompt_ids, params, **engine_kw):
+    # 4 KB pages (engine.cpu.huge_pages) for its pool and a draft model's: the same bytes, loaded in a fraction of the
+    # CPU where 2 MB pages fault in slowly (common/cli/local_cluster.py TEST_WORKER_OVERRIDES)
+    engine_kw.setdefault("cpu", CpuConfig(huge_pages=False))
     engine = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=256, **engine_kw))
     outs = engine.generate(prompt_ids, params)
     assert engine.block_manager.num_used_blocks == 0, "KV blocks leaked"

@@ -679,7 +679,7 @@ class LlamaForCausalLM(nn.Module):
         return (bool(modules) and decode_forward_takes_panels() and linear_panels_kernel() is not None
                 and all(panels_fit(m.weight) and m.weight.device.type == "cpu" for m in modules))
 
-    def pack_panels(self, compact: str = "off") -> bool:
+    def pack_panels(self, compact: str = "off", huge_pages: bool = True) -> bool:
         """Moves each decoder layer's linear weights, and the LM head's where they fit, into the panel layout
         (``panels_of``, ``panel_layers``), the only copy they keep: the one-call decode kernel reads the layers'
         there (kernels/panels_bf16.h), every other step and the head through kernels/linear_panels.c
@@ -689,8 +689,8 @@ class LlamaForCausalLM(nn.Module):
         compact_panels, where ``compact_panels.available``; "auto" is the model runner's to settle): "beside"
         gives the decoder's linears a copy in compact panels too, 12 bits a weight (``Linear.compact``), which
         steps of up to COMPACT_BESIDE_ROWS rows read; "only" puts them in compact panels instead (a uint8
-        ``panels``); the head stays in panels, which the greedy head reads. False, and nothing changed, where
-        ``panels_fit`` is not so."""
+        ``panels``); the head stays in panels, which the greedy head reads. ``huge_pages`` false: their arena
+        in 4 KB pages (engine.cpu.huge_pages). False, and nothing changed, where ``panels_fit`` is not so."""
         if compact not in ("off", "beside", "only"):
             raise ValueError(f"pack_panels: compact is off, beside or only, not {compact!r}")
         if not self.panels_fit():
@@ -711,7 +711,7 @@ class LlamaForCausalLM(nn.Module):
         # address-space limit may refuse while the weights are still held: then each module's panels come from
         # torch's allocator, in 4 KB pages, one module at a time, as before the arena.
         try:
-            self.panel_arena = HugePageArena(HugePageArena.span(sizes))
+            self.panel_arena = HugePageArena(HugePageArena.span(sizes), huge=huge_pages)
         except OSError as exc:
             log.warning("the weights in panels stay in 4 KB pages: mapping their %.0f MiB at once failed (%s)",
                         sum(sizes) / 2**20, exc)
