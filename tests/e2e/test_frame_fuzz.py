@@ -103,7 +103,8 @@ def worker(tiny_chat_model_dir, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "common.cli.main", "both", "--set", "worker_id=fuzzed",
                              "--set", f"proxy_address={proxy.address}", "--set", f"engine.model={tiny_chat_model_dir}",
                              "--set", "engine.num_threads=1", "--set", "observability.metrics_port=0", "--set", "transfer_backend=zmq",
-                             "--set", "heartbeat_interval_s=0.5"], stdout=log, stderr=subprocess.STDOUT)
+                             "--set", "heartbeat_interval_s=0.5", "--set", "engine.cpu.huge_pages=false"],
+                            stdout=log, stderr=subprocess.STDOUT)
     register = proxy.recv_until(lambda m: isinstance(m, wire.Register), timeout_s=120)
     proxy.send(wire.encode(wire.RegisterAck(register.worker_id, True)))
     yield proxy, proc, tmp_path / "worker.log"

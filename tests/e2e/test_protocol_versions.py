@@ -24,7 +24,8 @@ from common.protocol.wire import PROTOCOL_VERSION
 from tests.conditions import settle
 
 PREVIOUS_RELEASE = "7bb9c0b"  # the last landed commit of protocol version 21
-NEWER_SETTINGS: tuple[str, ...] = ()  # the tests' worker settings PREVIOUS_RELEASE does not know: none
+# the tests' worker settings PREVIOUS_RELEASE does not know
+NEWER_SETTINGS: tuple[str, ...] = ("engine.cpu.huge_pages=",)
 FORMER_SETTINGS: list[str] = []  # what PREVIOUS_RELEASE called those
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["Tell me about the sea.", "What is a hash table?", "Count to five."]

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.cli.local_cluster import LocalCluster
-from common.config.base import EngineConfig
+from common.config.base import CpuConfig, EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.protocol.sampling_params import SamplingParams, StructuredOutput
 from bench.structured_schemas import prompt, schemas
@@ -47,7 +47,7 @@ def complete(url: str, prompts: list[str], max_tokens: int = MAX_TOKENS) -> list
 @pytest.fixture(scope="module")
 def reference(embedded_model_dir):
     """The single-process engine's greedy chat answers, each checked token for token against transformers'."""
-    engine = LLMEngine(EngineConfig(model=str(embedded_model_dir), num_kv_blocks=256))
+    engine = LLMEngine(EngineConfig(model=str(embedded_model_dir), num_kv_blocks=256, cpu=CpuConfig(huge_pages=False)))
     chats = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
     short = engine.generate(chats, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     # Each answer is transformers' greedy one: one forward pass over the chat and the answer (teacher forcing)
@@ -87,7 +87,7 @@ def test_greedy_chat_at_tp3_equals_transformers(tp_cluster, reference):
 def constrained(embedded_model_dir):
     """Two JSON-schema chat requests (greedy, cut at SCHEMA_TOKENS) and the single-process engine's answers."""
     cases = schemas(2)
-    engine = LLMEngine(EngineConfig(model=str(embedded_model_dir), num_kv_blocks=256))
+    engine = LLMEngine(EngineConfig(model=str(embedded_model_dir), num_kv_blocks=256, cpu=CpuConfig(huge_pages=False)))
     chats = [engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt(i)}]) for i in range(2)]
     params = [SamplingParams(temperature=0.0, max_tokens=SCHEMA_TOKENS, structured=StructuredOutput(
         kind="json_schema", spec=json.dumps(s, separators=(",", ":")))) for s in cases]

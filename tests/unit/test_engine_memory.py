@@ -12,6 +12,10 @@ from common.engine.models.llama import LlamaForCausalLM, onednn_beside_panels, o
 from common.engine.models.loader import load_model
 from common.engine.attention import select_backend
 
+# 4 KB pages in this module (engine.cpu.huge_pages): pools of the same size, loaded in a fraction of the CPU where
+# 2 MB pages fault in slowly (common/cli/local_cluster.py TEST_WORKER_OVERRIDES)
+SMALL_PAGES = CpuConfig(huge_pages=False)
+
 
 def test_the_weights_are_allocated_in_their_dtype(tiny_chat_model_dir):
     model = load_model(tiny_chat_model_dir, torch.bfloat16, "cpu", select_backend("auto", "cpu", 16))
@@ -22,7 +26,7 @@ def test_the_weights_are_allocated_in_their_dtype(tiny_chat_model_dir):
 
 
 def test_the_pool_is_a_fraction_of_the_memory_the_weights_leave(tiny_chat_model_dir, caplog):
-    config = EngineConfig(model=str(tiny_chat_model_dir), kv_cache_memory_fraction=0.01)
+    config = EngineConfig(model=str(tiny_chat_model_dir), kv_cache_memory_fraction=0.01, cpu=SMALL_PAGES)
     with caplog.at_level("INFO"):
         runner = ModelRunner(config, tiny_chat_model_dir)
     # the weights as served: with oneDNN's copy where the load makes one (bf16, or float32 on an AVX2 host)
@@ -59,7 +63,8 @@ def test_the_pool_leaves_room_for_the_prepacked_copies(tiny_chat_model_dir, monk
     fraction = 0.02
 
     def runner(**cpu) -> ModelRunner:
-        return ModelRunner(EngineConfig(model=str(tiny_chat_model_dir), dtype="bfloat16", cpu=CpuConfig(**cpu),
+        return ModelRunner(EngineConfig(model=str(tiny_chat_model_dir), dtype="bfloat16",
+                                        cpu=CpuConfig(huge_pages=False, **cpu),
                                         kv_cache_memory_fraction=fraction, deterministic=False), tiny_chat_model_dir)
 
     with_panels = runner()
@@ -92,5 +97,5 @@ def test_the_pool_leaves_room_for_the_prepacked_copies(tiny_chat_model_dir, monk
 def test_an_int8_pool_is_sized_from_the_int8_weights(tiny_chat_model_dir):
     fraction = 0.02
     runner = ModelRunner(EngineConfig(model=str(tiny_chat_model_dir), dtype="bfloat16", quantization="int8",
-                                      kv_cache_memory_fraction=fraction), tiny_chat_model_dir)
+                                      kv_cache_memory_fraction=fraction, cpu=SMALL_PAGES), tiny_chat_model_dir)
     assert runner.num_blocks == pool_blocks(runner, module_bytes(runner.model), fraction)

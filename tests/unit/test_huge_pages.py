@@ -182,3 +182,14 @@ def test_the_load_line_says_how_much_of_the_kv_pool_is_in_huge_pages(tiny_chat_m
     huge = runner.kv_cache.huge_page_bytes()  # the arena is a mapping of its own: its count is the pool's
     assert huge is not None and 0 <= huge <= runner.kv_cache.nbytes
     assert f"{huge / 2**20:.0f} MiB of it in 2 MB pages" in line
+
+
+def test_the_fault_in_benchmark_gives_both_ways_for_memory_and_an_engine(tiny_chat_model_dir, capsys):
+    import bench.page_faults
+
+    assert bench.page_faults.main(["--mib", "8", "--rounds", "2", "--model", str(tiny_chat_model_dir),
+                                   "--kv-mib", "8"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| 2 MB pages") or line.startswith("| 4 KB pages")]
+    assert len(rows) == 4 and all(len(line.split(" | ")) == 4 for line in rows)
+    assert "CPU time, 2 MB / 4 KB pages:" in out and "load CPU time, 2 MB / 4 KB pages:" in out
