@@ -1,13 +1,16 @@
 """What 2 MB pages cost a start: memory faulted in at load in 2 MB pages against 4 KB pages, and an engine's load
 with engine.cpu.huge_pages on and off, taking turns.
 
-    .venv/bin/python -m bench.page_faults [--mib 1024] [--rounds 3] [--model embedded] [--kv-mib 2048]
+    .venv/bin/python -m bench.page_faults [--mib 1024] [--rounds 3] [--model embedded] [--kv-mib 2048] \
+        [--settle-s 5]
 
 Memory: each round maps ``--mib`` afresh in an arena advised into huge pages and in one advised out of them
 (common/engine/huge_pages.py), in turns, and zeroes it on one thread, as a KV pool is at load: wall time and the
 process's CPU time (user and system) per GiB. A kernel faults a 2 MB page in by zeroing it; on bare metal that runs
 at memory speed, but in a VM whose host takes back its guests' free memory (free page reporting, as Firecracker
-does), each page the guest reuses costs the host its own faults first. Engine: each round loads ``--model`` in
+does), each page the guest reuses costs the host its own faults first. Before each, the benchmark waits
+``--settle-s`` so that the memory the last one freed is handed back as it would be long before a new worker starts
+(the guest reports free memory 2 s after it is freed); 0 measures memory freed a moment ago. Engine: each round loads ``--model`` in
 bfloat16 with a ``--kv-mib`` pool once each way (2 threads, the decode rungs' timing left out), and gives the load's
 wall and CPU time and the pool's fault-in time (``KVCache.fault_s``). The medians over rounds and their ratios.
 """
@@ -68,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", default="embedded", help="as bench/peers/compare.py's --model; none: no engine")
     parser.add_argument("--kv-mib", type=int, default=2048, help="the engine's KV pool (default: 2048, the default)")
+    parser.add_argument("--settle-s", type=float, default=5.0, help="wait before each fault-in and load (default: 5)")
     args = parser.parse_args(argv)
     print(f"transparent huge pages: {thp_policy()}; {args.rounds} rounds, the ways in turns", flush=True)
     memory: dict[str, list[tuple[float, float, int]]] = {way: [] for way in WAYS}
@@ -75,9 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         order = list(WAYS) if r % 2 == 0 else list(WAYS)[::-1]
         for way in order:
+            time.sleep(args.settle_s)
             memory[way].append(fault_in(args.mib << 20, WAYS[way]))
         if args.model != "none":
             for way in order:
+                time.sleep(args.settle_s)
                 engines[way].append(load_engine(args.model, args.kv_mib << 20, WAYS[way]))
     gib = args.mib / 1024
     print(f"\n| {args.mib} MiB zeroed on one thread | wall s per GiB | CPU s per GiB | in 2 MB pages |\n"

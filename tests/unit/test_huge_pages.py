@@ -188,7 +188,7 @@ def test_the_fault_in_benchmark_gives_both_ways_for_memory_and_an_engine(tiny_ch
     import bench.page_faults
 
     assert bench.page_faults.main(["--mib", "8", "--rounds", "2", "--model", str(tiny_chat_model_dir),
-                                   "--kv-mib", "8"]) == 0
+                                   "--kv-mib", "8", "--settle-s", "0"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| 2 MB pages") or line.startswith("| 4 KB pages")]
     assert len(rows) == 4 and all(len(line.split(" | ")) == 4 for line in rows)
