@@ -22,10 +22,10 @@ from common.storage.model_store import resolve_model
 # throughout, so a lane more would gain only the sleeping; tests/cpu_report.py counts them per test and module, and
 # each lane's tests' wall time shows how even the lanes are. Tests that wait but also compute (rolling upgrade,
 # failover, a cut link, fuzzing) made the run longer in the waits lane (their clusters contend with the compute
-# lane's for the cores): it holds the tests whose clusters are idle, scripted or tiny. Measured (2026-12-05, 2,129
-# tests, `TESSERA_CPU_REPORT=DIR make test PYTEST_ARGS="-p tests.cpu_report"`): 891 s on 1,591 CPU-s, the compute
-# lane's tests 836 s of wall time, the beside lane's 869, the waits lane's 569 (1,738 CPU-s and 996 s at 48ec48b,
-# when every engine a test built parsed its tokenizer again: common/text/tokenizer.py).
+# lane's for the cores): it holds the tests whose clusters are idle, scripted or tiny. Measured (2026-12-06, 2,254
+# tests, `TESSERA_CPU_REPORT=DIR make test PYTEST_ARGS="-p tests.cpu_report"`): 983 s on 1,790 CPU-s, the compute
+# lane's tests 932 s of wall time, the beside lane's 968, the waits lane's 566 (2,124 CPU-s and 1,200 s before the
+# tests' workers and engines took 4 KB pages, engine.cpu.huge_pages; 891 s on 1,591 CPU-s on 2026-12-05).
 BESIDE_E2E = {
     # scripted workers behind a proxy in a thread or a torch-free process
     "test_config_reload.py", "test_metering_file.py", "test_proxy_tls.py", "test_recovery_phases.py",

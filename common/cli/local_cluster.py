@@ -46,9 +46,10 @@ TEST_PROXY_OVERRIDES = ("heartbeat_timeout_s=3", "served_model_name=SmolLM2-135M
 # engine.steps.calibration_s=0: no step-cost calibration at start (about 1.5 s a worker, serialized on shared cores);
 # the tests of capacity set it back (tests/e2e/test_calibration.py).
 # engine.cpu.huge_pages=false: the pool and the panels in 4 KB pages, which hold the same bytes; where faulting in a
-# 2 MB page is slow (the development and CI machines, VMs whose host takes back free memory: about 22 ms of CPU a
-# page), 2 MB pages cost each worker's start about 3 CPU-s for its 256 MiB pool, the suite 350 CPU-s of its 2,100
-# (docs/benchmarks.md). The default's pages are tested in tests/unit/test_huge_pages.py.
+# 2 MB page is slow (the development and CI machines, VMs whose host takes back free memory: 12 CPU-s a GiB), 2 MB
+# pages cost each worker's start about 3 CPU-s for its 256 MiB pool; with the tests' engines in 4 KB pages too the
+# suite went from 2,124 CPU-s to 1,790 (docs/benchmarks.md, "A worker's start"). The default's pages are tested in
+# tests/unit/test_huge_pages.py.
 TEST_WORKER_OVERRIDES = ("engine.kv_cache_memory_bytes=268435456", "heartbeat_interval_s=0.2",
                          "engine.steps.calibration_s=0", "engine.cpu.huge_pages=false")
 
