@@ -190,8 +190,11 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           self.runner.host_tier())
         self.max_model_len = self.runner.max_model_len
+        # No sequence grows past what the whole pool holds: there it ends as at the context limit ("length"), where
+        # it would otherwise preempt itself, compute its tokens again and outgrow the pool again, without end.
         self.scheduler = Scheduler(
-            config, self.block_manager, self.max_model_len, frozenset(self.tokenizer.eos_token_ids)
+            config, self.block_manager, min(self.max_model_len, self.block_manager.num_blocks * config.block_size),
+            frozenset(self.tokenizer.eos_token_ids)
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured = StructuredOutputs(self.model_dir, self.runner.vocab_size, self.tokenizer.eos_token_ids)

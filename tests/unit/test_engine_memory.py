@@ -99,3 +99,16 @@ def test_an_int8_pool_is_sized_from_the_int8_weights(tiny_chat_model_dir):
     runner = ModelRunner(EngineConfig(model=str(tiny_chat_model_dir), dtype="bfloat16", quantization="int8",
                                       kv_cache_memory_fraction=fraction, cpu=SMALL_PAGES), tiny_chat_model_dir)
     assert runner.num_blocks == pool_blocks(runner, module_bytes(runner.model), fraction)
+
+
+def test_a_request_that_outgrows_the_whole_pool_ends_there_as_at_the_context_limit(tiny_chat_model_dir):
+    """Alone in a pool of 4 blocks (64 tokens) it would otherwise preempt itself, compute again and outgrow it again."""
+    from common.engine.llm_engine import LLMEngine
+    from common.protocol.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_chat_model_dir), num_kv_blocks=4, block_size=16, cpu=SMALL_PAGES))
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    [out] = engine.generate([list(range(5, 15))], params)
+    assert out.outputs[0].finish_reason == "length"
+    assert 10 + len(out.outputs[0].token_ids) == 4 * 16
+    assert engine.block_manager.num_used_blocks == 0 and engine.max_model_len > 64  # the context limit is not it
