@@ -24,8 +24,8 @@ from common.storage.model_store import resolve_model
 # failover, a cut link, fuzzing) made the run longer in the waits lane (their clusters contend with the compute
 # lane's for the cores): it holds the tests whose clusters are idle, scripted or tiny. Measured (2026-12-06, 2,254
 # tests, `TESSERA_CPU_REPORT=DIR make test PYTEST_ARGS="-p tests.cpu_report"`): 983 s on 1,790 CPU-s, the compute
-# lane's tests 932 s of wall time, the beside lane's 968, the waits lane's 566 (2,124 CPU-s and 1,200 s before the
-# tests' workers and engines took 4 KB pages, engine.cpu.huge_pages; 891 s on 1,591 CPU-s on 2026-12-05).
+# lane's tests 932 s of wall time, the beside lane's 968, the waits lane's 566 (2,124 CPU-s and 1,200 s at 45528d2,
+# before the tests' workers and engines took 4 KB pages, engine.cpu.huge_pages; 891 s on 1,591 CPU-s on 2026-12-05).
 BESIDE_E2E = {
     # scripted workers behind a proxy in a thread or a torch-free process
     "test_config_reload.py", "test_metering_file.py", "test_proxy_tls.py", "test_recovery_phases.py",

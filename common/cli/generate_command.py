@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import sys
 from pathlib import Path
 
@@ -70,17 +69,16 @@ def run_generate(args: argparse.Namespace) -> int:
         if not prompts:
             raise ValueError("no prompts: give --prompt TEXT, or prompt lines on stdin")
     model_dir = resolve_model(args.model, args.dtype, args.cache_dir)
+    if interactive:
+        _chat(_load_engine(args, model_dir, None), params, args.chat)
+        return 0
     # Imported here: torch and the model code take seconds to load, and `tessera --help` should not wait for them.
     from common.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(model_dir)
-    inputs = None if interactive else [_as_input(tokenizer, [{"role": "user", "content": p}], args.chat)
-                                       for p in prompts]
-    engine = _load_engine(args, model_dir, None if inputs is None else [
-        len(tokenizer.encode(i) if isinstance(i, str) else i) + args.max_tokens for i in inputs])
-    if inputs is None:
-        _chat(engine, params, args.chat)
-        return 0
+    inputs = [_as_input(tokenizer, [{"role": "user", "content": p}], args.chat) for p in prompts]
+    engine = _load_engine(args, model_dir, [len(tokenizer.encode(i) if isinstance(i, str) else i) + args.max_tokens
+                                            for i in inputs])
     if len(inputs) == 1:
         engine.add_request("prompt-0", inputs[0], params)
         _print_until_done(engine)
@@ -98,14 +96,15 @@ def _load_engine(args: argparse.Namespace, model_dir: Path, tokens: list[int] | 
     from common.config.base import EngineConfig
     from common.engine.kv_cache import KVLayout
     from common.engine.llm_engine import LLMEngine
+    from common.engine.models.loader import load_hf_config
 
     config = EngineConfig(model=str(model_dir), dtype=args.dtype, num_threads=args.threads,
                           deterministic=True if args.deterministic else "auto")
-    hf = json.loads((model_dir / "config.json").read_text())
-    heads = hf["num_attention_heads"]
-    layout = KVLayout(hf["num_hidden_layers"], config.block_size, hf.get("num_key_value_heads", heads),
-                      hf.get("head_dim") or hf["hidden_size"] // heads, config.dtype)
-    counts = tokens if tokens is not None else [hf.get("max_position_embeddings", 8192)]
+    hf = load_hf_config(model_dir)
+    heads = hf.num_attention_heads  # as the model's attention layers and rope read them (models/llama.py, rope.py)
+    layout = KVLayout(hf.num_hidden_layers, config.block_size, getattr(hf, "num_key_value_heads", None) or heads,
+                      getattr(hf, "head_dim", None) or hf.hidden_size // heads, config.dtype)
+    counts = tokens if tokens is not None else [int(getattr(hf, "max_position_embeddings", 4096))]
     needed = sum(-(-count // config.block_size) + 1 for count in counts)
     blocks = min(needed, layout.blocks_for_budget(config.kv_cache_memory_bytes))
     return LLMEngine(dataclasses.replace(config, num_kv_blocks=blocks))

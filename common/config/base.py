@@ -354,11 +354,12 @@ class CpuConfig:
         True, "Hold the KV pool of a one-rank CPU worker and its weights in the panel layout in 2 MB pages (one "
         "mapping each, advised MADV_HUGEPAGE and faulted in at load), so a decode step's reads take a TLB miss "
         "every 2 MB rather than every 4 KB: 0.86-0.96x the attention's time and 0.93-0.99x a decode step's. "
-        "false: 4 KB pages whatever the kernel's policy, for a start that must be quick where faulting in a 2 MB "
-        "page is slow: in a VM whose host takes back its guests' free memory (free page reporting, as Firecracker "
-        "does) 2 MB pages took 12 CPU-s a GiB against 0.4 in 4 KB pages, and the embedded model's worker with the "
-        "default pool loaded in 18.5 s against 1.6; on bare metal both are fast (docs/benchmarks.md, "
-        "bench.page_faults). The load line gives the pool's fault-in time")
+        "false: those two mappings advised out of huge pages, whatever the kernel's policy (memory torch allocates, "
+        "as for a pool the tensor-parallel ranks share, follows the policy), for a start that must be quick where "
+        "faulting in a 2 MB page is slow: on these VMs, whose host takes back its guests' free memory, 2 MB pages "
+        "took 12 CPU-s a GiB against 0.4 in 4 KB pages, and the embedded model's engine with the default pool "
+        "loaded in 18.5 s against 1.6 (docs/benchmarks.md, bench.page_faults). The load line gives the pool's "
+        "fault-in time")
     malloc: Literal["jemalloc", "system"] = option(
         "jemalloc", "The C allocator a worker process runs on (its host memory on a GPU too). jemalloc: the worker "
         "starts again at once with libjemalloc preloaded (Debian/Ubuntu: apt install libjemalloc2), told to keep the "

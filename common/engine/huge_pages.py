@@ -42,8 +42,8 @@ def _aligned(size: int) -> int:
 
 
 class HugePageArena:
-    """``nbytes`` of host memory advised into huge pages (``huge=False``: out of them, whatever the kernel's policy;
-    a benchmark's baseline), handed out as tensors (``take``) in order."""
+    """``nbytes`` of host memory advised into huge pages (``huge=False``: out of them, whatever the kernel's policy:
+    engine.cpu.huge_pages off, or a benchmark's baseline), handed out as tensors (``take``) in order."""
 
     def __init__(self, nbytes: int, huge: bool = True) -> None:
         self.nbytes = nbytes
@@ -94,27 +94,36 @@ def _protect_none(address: int, length: int) -> None:
         pass
 
 
-def mapping_fields(address: int, smaps: Path = Path("/proc/self/smaps")) -> dict[str, int]:
-    """The ``/proc/self/smaps`` fields (in bytes where they are sizes, else as the number given) of the mapping
-    that holds ``address``; empty where there is no such file or mapping."""
+def mapping_lines(address: int, smaps: Path = Path("/proc/self/smaps")) -> list[str]:
+    """The field lines of the ``smaps`` entry of the mapping that holds ``address`` (``VmFlags`` among them: ``hg``
+    advised into huge pages, ``nh`` out of them); empty where there is no such file or mapping."""
     try:  # mapped files' names are printed as their bytes, which need not be UTF-8
         lines = smaps.read_text(errors="replace").splitlines()
     except OSError:
-        return {}
-    fields: dict[str, int] | None = None
+        return []
+    found: list[str] | None = None
     for line in lines:
         head = line.split(maxsplit=1)[0] if line.strip() else ""
         if "-" in head and not head.endswith(":"):
-            if fields is not None:
-                return fields
+            if found is not None:
+                return found
             low, _, high = head.partition("-")
             try:
                 inside = int(low, 16) <= address < int(high, 16)
             except ValueError:
                 inside = False
-            fields = {} if inside else None
-        elif fields is not None and head.endswith(":"):
-            parts = line.split()
-            if len(parts) >= 2 and parts[1].isdigit():
-                fields[head[:-1]] = int(parts[1]) * (1024 if parts[-1] == "kB" else 1)
-    return fields or {}
+            found = [] if inside else None
+        elif found is not None and head.endswith(":"):
+            found.append(line)
+    return found or []
+
+
+def mapping_fields(address: int, smaps: Path = Path("/proc/self/smaps")) -> dict[str, int]:
+    """The ``/proc/self/smaps`` fields (in bytes where they are sizes, else as the number given) of the mapping
+    that holds ``address``; empty where there is no such file or mapping."""
+    fields: dict[str, int] = {}
+    for line in mapping_lines(address, smaps):
+        parts = line.split()
+        if len(parts) >= 2 and parts[1].isdigit():
+            fields[parts[0][:-1]] = int(parts[1]) * (1024 if parts[-1] == "kB" else 1)
+    return fields

@@ -86,8 +86,8 @@ def new_pool(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.dev
              huge: bool = True) -> torch.Tensor:
     """A zeroed pool of ``shape`` (tp_size first): on the CPU at one rank, in a huge-page arena (``huge=False``: one
     advised out of them: engine.cpu.huge_pages off, or a benchmark's baseline), every page faulted in now rather
-    than in a serving step; shared
-    pools (tp_size > 1, which ``share`` moves to shared memory) and device pools as torch allocates them."""
+    than in a serving step; shared pools (tp_size > 1, which ``share`` moves to shared memory) and device pools as
+    torch allocates them (in huge pages or not by the kernel's policy alone)."""
     if torch.device(device).type != "cpu" or shape[0] > 1:
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
@@ -115,6 +115,7 @@ class KVCache:
         self.num_blocks = num_blocks
         shape = (layout.tp_size, num_blocks, layout.num_layers, 2, layout.block_size, layout.rank_heads,
                  layout.row_width)
+        self.huge_pages = huge_pages
         started = time.monotonic()
         if pool is None:
             pool = new_pool(shape, layout.torch_dtype, device, huge=huge_pages)
@@ -202,5 +203,10 @@ class KVCache:
         if self.pool.device.type != "cpu":
             return ""
         huge = self.huge_page_bytes()
-        where = "in torch's memory" if huge is None else f"{huge / 2**20:.0f} MiB of it in 2 MB pages"
-        return f", {where}, faulted in in {self.fault_s:.1f}s"
+        if huge is None:
+            where = "in torch's memory"
+        elif not self.huge_pages:
+            where = "in 4 KB pages (engine.cpu.huge_pages)"
+        else:
+            where = f"{huge / 2**20:.0f} MiB of it in 2 MB pages"
+        return f", {where}, {self.fault_s:.1f}s to fault in"
