@@ -10,7 +10,6 @@ input (Ctrl-D) leaves and /reset forgets the conversation.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import sys
 from pathlib import Path
@@ -89,25 +88,16 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _load_engine(args: argparse.Namespace, model_dir: Path, tokens: list[int] | None):
-    """The offline engine, its KV pool sized to the work: ``tokens`` for each prompt (its own and --max-tokens),
-    else (the chat) one conversation of the model's whole context; at most what engine.kv_cache_memory_bytes'
-    default holds, past which the batch queues. A one-shot prompt maps a few MiB, not 2 GiB (faulted in at load,
-    which a VM whose host takes back free memory makes slow: engine.cpu.huge_pages)."""
+    """The offline engine, its KV pool sized to the work (``ModelRunner``'s ``kv_tokens``): ``tokens`` for each
+    prompt (its own and --max-tokens), else (the chat) one conversation of the model's whole context; at most what
+    engine.kv_cache_memory_bytes' default holds, past which the batch queues. A one-shot prompt maps a few MiB, not
+    2 GiB (faulted in at load, which a VM whose host takes back free memory makes slow: engine.cpu.huge_pages)."""
     from common.config.base import EngineConfig
-    from common.engine.kv_cache import KVLayout
     from common.engine.llm_engine import LLMEngine
-    from common.engine.models.loader import load_hf_config
 
     config = EngineConfig(model=str(model_dir), dtype=args.dtype, num_threads=args.threads,
                           deterministic=True if args.deterministic else "auto")
-    hf = load_hf_config(model_dir)
-    heads = hf.num_attention_heads  # as the model's attention layers and rope read them (models/llama.py, rope.py)
-    layout = KVLayout(hf.num_hidden_layers, config.block_size, getattr(hf, "num_key_value_heads", None) or heads,
-                      getattr(hf, "head_dim", None) or hf.hidden_size // heads, config.dtype)
-    counts = tokens if tokens is not None else [int(getattr(hf, "max_position_embeddings", 4096))]
-    needed = sum(-(-count // config.block_size) + 1 for count in counts)
-    blocks = min(needed, layout.blocks_for_budget(config.kv_cache_memory_bytes))
-    return LLMEngine(dataclasses.replace(config, num_kv_blocks=blocks))
+    return LLMEngine(config, kv_tokens=tokens if tokens is not None else [sys.maxsize])  # the chat: the context
 
 
 def _as_input(tokenizer, messages: list[dict], chat: bool) -> str | list[int]:

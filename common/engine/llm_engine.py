@@ -175,7 +175,8 @@ class RequestError(ValueError):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, kv_tokens: list[int] | None = None) -> None:
+        """``kv_tokens``: the sequences whose tokens are all the KV pool need hold at once (``ModelRunner``)."""
         block_size = block_size_for(config.attention_backend, config.device_type, config.block_size,
                                     config.max_num_batched_tokens, flash_attn_available())
         if block_size != config.block_size:
@@ -185,7 +186,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.model_dir)
         for skip_special_tokens in (True, False):  # built now, not in the first request's step
             self.tokenizer.byte_pieces(skip_special_tokens)
-        self.runner = ModelRunner(config, self.model_dir)
+        self.runner = ModelRunner(config, self.model_dir, kv_tokens=kv_tokens)
         config = self.config = self.runner.config  # with engine.deterministic settled (common/engine/deterministic.py)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           self.runner.host_tier())

@@ -178,9 +178,11 @@ def nonfinite_rows(logits: torch.Tensor) -> list[int]:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str | Path, rank: int = 0, rank_link=None,
-                 rendezvous: str = "") -> None:
+                 rendezvous: str = "", kv_tokens: list[int] | None = None) -> None:
         """Rank 0 (the worker's own runner) starts the other ranks at tensor_parallel_size > 1; a rank process
-        (``serve_rank``) passes its ``rank``, its pipe from rank 0 and the group's ``rendezvous`` file."""
+        (``serve_rank``) passes its ``rank``, its pipe from rank 0 and the group's ``rendezvous`` file.
+        ``kv_tokens``: the sequences whose tokens (each at most the context) are all the pool need hold at once,
+        where that is fewer blocks than its budget (``tessera generate``, whose prompts are known)."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         config = self.config = deterministic.settle(config, model_dir)
@@ -216,8 +218,13 @@ class ModelRunner:
         self.layout = KVLayout(hf.num_hidden_layers, config.block_size, attn.num_kv_heads * self.tp.size,
                                attn.head_dim, "int8" if config.cpu.kv_cache_dtype == "int8" else config.dtype,
                                self.tp.size)
+        limit = self.model.rope.max_positions
+        self.max_model_len = min(config.max_model_len or limit, limit)
         if rank == 0:
             num_blocks = config.num_kv_blocks or self.layout.blocks_for_budget(self._kv_budget())
+            if kv_tokens is not None:  # each sequence's blocks whole, and one more
+                num_blocks = min(num_blocks, sum(-(-min(tokens, self.max_model_len) // config.block_size) + 1
+                                                 for tokens in kv_tokens))
             self.kv_cache = KVCache(self.layout, num_blocks, self.device, huge_pages=config.cpu.huge_pages)
             if self.ranks is not None:
                 self.ranks.share_pool(self.kv_cache.share())
@@ -226,8 +233,6 @@ class ModelRunner:
                 raise RuntimeError(f"rank 0 sent no KV pool within engine.ranks.timeout_s ({config.ranks.timeout_s}s)")
             pool = rank_link.recv()
             self.kv_cache = KVCache(self.layout, pool.shape[1], self.device, rank, pool)
-        limit = self.model.rope.max_positions
-        self.max_model_len = min(config.max_model_len or limit, limit)
         self.vocab_size = hf.vocab_size
         if config.quantization == "int8":
             if config.int8_smoothing:

@@ -112,3 +112,19 @@ def test_a_request_that_outgrows_the_whole_pool_ends_there_as_at_the_context_lim
     assert out.outputs[0].finish_reason == "length"
     assert 10 + len(out.outputs[0].token_ids) == 4 * 16
     assert engine.block_manager.num_used_blocks == 0 and engine.max_model_len > 64  # the context limit is not it
+
+
+def test_a_pool_sized_to_known_sequences_holds_each_whole_at_most_the_budget(tiny_chat_model_dir):
+    """``kv_tokens`` (tessera generate): each sequence's blocks and one more, a sequence at most the context."""
+    def blocks(kv_tokens, **settings) -> int:
+        config = EngineConfig(model=str(tiny_chat_model_dir), block_size=16, cpu=SMALL_PAGES, **settings)
+        return ModelRunner(config, tiny_chat_model_dir, kv_tokens=kv_tokens).num_blocks
+
+    assert blocks([40, 50]) == (3 + 1) + (4 + 1)
+    context = ModelRunner(EngineConfig(model=str(tiny_chat_model_dir), num_kv_blocks=4, cpu=SMALL_PAGES),
+                          tiny_chat_model_dir).max_model_len
+    assert blocks([10 ** 9]) == -(-context // 16) + 1
+    budget = 1 << 20  # never more than the budget holds: past it, the batch queues
+    runner = ModelRunner(EngineConfig(model=str(tiny_chat_model_dir), kv_cache_memory_bytes=budget, block_size=16,
+                                      cpu=SMALL_PAGES), tiny_chat_model_dir)
+    assert blocks([10 ** 9] * 8, kv_cache_memory_bytes=budget) == runner.num_blocks < 8 * (-(-context // 16) + 1)
