@@ -48,7 +48,9 @@ computed (from the proxy's ``/metrics``: prefill dispatches less failed KV pulls
 Each point also records, from ``/proc``, the CPU-seconds of each of the server's processes over the client's measured
 window (sampled every ``CPU_SAMPLE_S``) and the client's over its whole run, and the report gives them per output
 token at saturation (``cpu_table``): what the proxy, each worker and vLLM's API server and engine core spend, and
-how busy the server kept the cores.
+how busy the server kept the cores. Over the same window it reads what the host's kernel did
+(``host_table``): its reclaim and compaction threads' CPU, system time and steal, reclaim and compaction counters,
+what another server's memory up beside can cost the one measured, which that one's own CPU does not show.
 
 The run also measures the machine's streaming read bandwidth (``bench.roofline.read_bandwidth``) before the
 first server starts, and again just before and just after each server's one-stream point: the weights' bytes over
@@ -91,7 +93,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.machine import describe_machine, meminfo_bytes
-from bench.processes import cpu_seconds, descendants, tree_cpu_seconds
+from bench.processes import cpu_seconds, descendants, host_counters, memory_threads, tree_cpu_seconds
 from common.engine.malloc import find_jemalloc, preload_environment
 from bench.roofline import READ_BYTES, READ_PASSES, read_bandwidth
 from common.cli.local_cluster import LocalCluster, free_port
@@ -336,6 +338,8 @@ def rounds_row(name: str, point: str, runs: list[dict], reference: list[dict] | 
         row["cpu_s"] = {name: sum(run["cpu_s"].get(name, 0.0) for run in runs) for name in names}
         row["duration"] = sum(run["duration"] for run in runs)
         row["completed"] = sum(run["completed"] or 0 for run in runs)
+    if all(run.get("host") for run in runs):  # summed over the rounds too
+        row["host"] = {key: sum(run["host"].get(key, 0.0) for run in runs) for key in runs[0]["host"]}
     bandwidths = [run["read_bandwidth"] for run in runs if run.get("read_bandwidth")]
     row["read_bandwidth"] = statistics.median(bandwidths) if bandwidths else None
     if len(bandwidths) == len(runs):
@@ -373,13 +377,16 @@ def run_point(server: Server, point: Point, args, model: ServedModel, result_dir
                "--save-result", "--result-dir", str(result_dir), "--result-filename", name]
     if point.concurrency is not None:
         command += ["--max-concurrency", str(point.concurrency)]
-    load, before = os.getloadavg()[0], server.dispatches()
-    readings, client_before = [(time.monotonic(), server.cpu_seconds())], resource.getrusage(resource.RUSAGE_CHILDREN)
+    load, before, kernel = os.getloadavg()[0], server.dispatches(), memory_threads()
+
+    def reading() -> tuple[float, dict[str, float], dict[str, float]]:
+        return time.monotonic(), server.cpu_seconds(), host_counters(kernel)
+    readings, client_before = [reading()], resource.getrusage(resource.RUSAGE_CHILDREN)
     done = threading.Event()
 
     def sample() -> None:  # the server's CPU every CPU_SAMPLE_S, to take it over the client's measured window
         while not done.wait(CPU_SAMPLE_S):
-            readings.append((time.monotonic(), server.cpu_seconds()))
+            readings.append(reading())
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
@@ -387,7 +394,7 @@ def run_point(server: Server, point: Point, args, model: ServedModel, result_dir
     finally:
         done.set()
         sampler.join()
-    readings.append((time.monotonic(), server.cpu_seconds()))
+    readings.append(reading())
     client_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if completed.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed against {server.name} ({point.name}):\n"
@@ -402,14 +409,16 @@ def run_point(server: Server, point: Point, args, model: ServedModel, result_dir
     # Where the cores' time went: each server process's CPU-seconds over the client's measured window (the last
     # ``duration`` seconds before it exited, to the sampling's CPU_SAMPLE_S: not its start nor its warm-ups), and
     # the client's over its whole run (``vllm bench serve`` and its children, the only processes reaped meanwhile).
-    end, last = readings[-1]
+    end, last, host_last = readings[-1]
     start = end - (result.get("duration") or 0.0)
-    first = next((cpu for at, cpu in reversed(readings) if at <= start), readings[0][1])  # readings in time order
+    _, first, host_first = next((each for each in reversed(readings) if each[0] <= start), readings[0])  # time order
     cpu = {name: round(max(0.0, last[name] - first.get(name, 0.0)), 2) for name in last}  # an exited one: 0
+    host = {key: round(host_last[key] - host_first.get(key, 0.0), 2) for key in host_last}  # the host over the window
     cpu["client"] = round(client_after.ru_utime + client_after.ru_stime - client_before.ru_utime -
                           client_before.ru_stime, 2)
     return {"server": server.name, "point": point.name, "load_before": load, "remote_prefill": remote,
-            "cpu_s": cpu, **{key: result.get(key) for key in ("completed", "duration", "output_throughput",
+            "cpu_s": cpu, "host": host,
+            **{key: result.get(key) for key in ("completed", "duration", "output_throughput",
                                                               "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
                                                               "p99_tpot_ms", "median_itl_ms")}}
 
@@ -478,6 +487,26 @@ def cpu_table(rows: list[dict], args) -> str:
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
+def host_table(rows: list[dict]) -> str:
+    """What the host's kernel did over each point's measured windows (``bench.processes.host_counters``): the CPU of
+    its reclaim and compaction threads, the system time and steal over every core, and its reclaim and compaction
+    counters. A second server up beside (``--rounds``) can cost the one measured here, which its own CPU does not
+    show."""
+    lines = ["| server | point | kernel memory threads, CPU-s | system time, share of the cores | steal | pages "
+             "kswapd scanned | direct compaction stalls (failed) | 2 MB faults that fell back |",
+             "|---|---|---|---|---|---|---|---|"]
+    cores = os.cpu_count() or 1
+    for row in rows:
+        host, seconds = row.get("host"), row.get("duration")
+        if not host or not seconds:
+            continue
+        lines.append(f"| {row['server']} | {row['point']} | {host['memory_threads_s']:.2f} | "
+                     f"{host['system_s'] / (seconds * cores):.1%} | {host['steal_s'] / (seconds * cores):.1%} | "
+                     f"{host.get('pgscan_kswapd', 0):,.0f} | {host.get('compact_stall', 0):,.0f} "
+                     f"({host.get('compact_fail', 0):,.0f}) | {host.get('thp_fault_fallback', 0):,.0f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def report(rows: list[dict], args, model: ServedModel, weights: tuple[int, int], bandwidth: float) -> str:
     """The results file: how the run was made, the model and its roofline, and the table."""
     parameters, weight_bytes = weights
@@ -528,7 +557,9 @@ def report(rows: list[dict], args, model: ServedModel, weights: tuple[int, int],
             (f"\nWhere the cores' time went at saturation, from /proc: each server process over the client's measured "
              f"windows, the client (`vllm bench serve`) over its whole runs; the servers' share of the "
              f"{os.cpu_count()} cores over those windows:\n\n{cpu}\n"
-             if (cpu := cpu_table(rows, args)) else ""))
+             if (cpu := cpu_table(rows, args)) else "") +
+            (f"\nWhat the host's kernel did over each point's measured windows (`/proc/stat`, `/proc/vmstat`, its "
+             f"reclaim and compaction threads):\n\n{hosts}\n" if (hosts := host_table(rows)) else ""))
 
 
 def cpu_line() -> str:

@@ -12,6 +12,7 @@ import torch
 from bench import roofline
 from bench.peers import compare
 from bench.peers.compare import report, results_file, rounds_row, served_model
+from bench.processes import VMSTAT_KEYS, host_counters, memory_threads
 from bench.roofline import read_bandwidth
 from common.config.roles import ProxyConfig, WorkerConfig, load_config, parse_overrides
 from common.storage.model_store import EMBEDDED_MODEL
@@ -183,6 +184,48 @@ def test_a_point_records_each_processs_cpu_and_the_report_gives_it_per_output_to
     # a process of a later round only is counted, an exited one's reading gives 0, never less
     later = dict(run, cpu_s={"proxy": 1.0, "decode-0": 2.0, "client": 0.0, "prefill-1": 3.0})
     assert rounds_row("tessera-pd", "saturation", [run, later], None, 1)["cpu_s"]["prefill-1"] == 3.0
+
+
+def test_a_point_records_what_the_hosts_kernel_did_and_the_report_tabulates_it(monkeypatch, tmp_path):
+    """The host's reclaim, compaction, system time and steal over the point, summed over rounds, in their own table
+    (another server's memory up beside shows there, not in the measured server's CPU)."""
+    class Stub:
+        name, url = "tessera-pd", "http://127.0.0.1:1"
+
+        def dispatches(self):
+            return None
+
+        def cpu_seconds(self):
+            return {"decode-0": 1.0}
+    readings = [{"system_s": 100.0, "idle_s": 50.0, "steal_s": 1.0, "memory_threads_s": 3.0, "pgscan_kswapd": 10.0,
+                 "compact_stall": 2.0, "compact_fail": 1.0, "thp_fault_fallback": 0.0},
+                {"system_s": 104.0, "idle_s": 52.0, "steal_s": 1.4, "memory_threads_s": 4.5,
+                 "pgscan_kswapd": 5010.0, "compact_stall": 9.0, "compact_fail": 6.0, "thp_fault_fallback": 3.0}]
+    monkeypatch.setattr(compare, "host_counters", lambda threads: readings.pop(0) if len(readings) > 1 else readings[0])
+
+    def bench_serve(command, **kwargs):
+        (tmp_path / command[command.index("--result-filename") + 1]).write_text(
+            json.dumps({"completed": 4, "duration": 20.0, "output_throughput": 10.0}))
+        return subprocess.CompletedProcess(command, 0, "", "")
+    monkeypatch.setattr(compare.subprocess, "run", bench_serve)
+    args = argparse.Namespace(vllm_venv=tmp_path, input_len=8, output_len=5, num_prompts=4, single_prompts=2, seed=1,
+                              rate=1.0, rounds=2, one_stream_rounds=0)
+    run = compare.run_point(Stub(), compare.Point("saturation", 5, 4), args, compare.ServedModel("m", tmp_path, ""),
+                            tmp_path)
+    assert run["host"] == {"system_s": 4.0, "idle_s": 2.0, "steal_s": 0.4, "memory_threads_s": 1.5,
+                           "pgscan_kswapd": 5000.0, "compact_stall": 7.0, "compact_fail": 5.0,
+                           "thp_fault_fallback": 3.0}
+    row = rounds_row("tessera-pd", "saturation", [run, run], None, 1)
+    assert row["host"]["pgscan_kswapd"] == 10000.0 and row["duration"] == 40.0
+    monkeypatch.setattr(compare.os, "cpu_count", lambda: 2)
+    # 8 s of system time over 40 s on 2 cores: 10%; steal 0.8 s: 1%
+    assert "| tessera-pd | saturation | 3.00 | 10.0% | 1.0% | 10,000 | 14 (10) | 6 |" in compare.host_table([row])
+
+
+def test_the_hosts_counters_read_this_kernel():
+    counters = host_counters(memory_threads())
+    assert counters["system_s"] > 0 and counters["idle_s"] > 0 and counters["memory_threads_s"] >= 0
+    assert set(VMSTAT_KEYS) <= set(counters)  # 0 where a kernel lacks one
 
 
 def test_the_read_probe_shrinks_to_a_quarter_of_the_memory_available_but_not_into_the_cache(monkeypatch):
