@@ -36,6 +36,7 @@ PULLER_OPTIONS = {"nixl": {"progress_thread": False}, "zmq": {}}
 IDLE_SETTINGS = [
     ("nixl", {"progress_delay_us": 0}, "progress thread, delay 0 (NIXL's own)"),
     ("nixl", {"progress_delay_us": 1000}, "progress thread, delay 1000 us (default)"),
+    ("nixl", {"progress_delay_us": 20000}, "progress thread, delay 20000 us"),
     ("nixl", {"progress_thread": False}, "no progress thread"),
     ("zmq", {}, "I/O thread"),
 ]
