@@ -66,7 +66,8 @@ rate round all ``--num-prompts``; the one-stream point's ``--single-prompts`` sh
 measures are the medians of its rounds, and its ratios to vLLM (and the one stream's over the roofline) the medians
 of each round's. ``--one-stream-rounds N`` does so for the one-stream point alone, after each server's other two
 points on its own (or sets the one stream's rounds apart from ``--rounds``). Every server's memory is then held at
-once, and the run stops if they leave under a tenth of the host's memory (``check_memory_left``). Seeds: each
+once, and the run stops if they leave under a tenth of the host's memory (``check_memory_left``), or before a
+server starts that would, by what one of its kind already up holds (``check_room_for``). Seeds: each
 point's rounds take the next seeds after the rounds of the points before it.
 
 ``--rate-of-vllm F`` (with ``--rounds``) sets the rate point's arrivals to F times the requests a second vLLM served
@@ -93,7 +94,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.machine import describe_machine, meminfo_bytes
-from bench.processes import cpu_seconds, descendants, host_counters, memory_threads, tree_cpu_seconds
+from bench.processes import (cpu_seconds, descendants, host_counters, memory_threads, rss_mib,
+                              tree_cpu_seconds)
 from common.engine.malloc import find_jemalloc, preload_environment
 from bench.roofline import READ_BYTES, READ_PASSES, read_bandwidth
 from common.cli.local_cluster import LocalCluster, free_port
@@ -252,6 +254,18 @@ class Server:
                 pass  # gone since
         return spent
 
+    def resident_bytes(self) -> int:
+        """What the server's processes hold resident now (``VmRSS``, summed; one gone meanwhile counts 0)."""
+        roots = ([proc.pid for proc in self._cluster.procs.values()] if self._cluster is not None
+                 else [self._proc.pid] if self._proc is not None else [])
+        held = 0.0
+        for pid in [each for root in roots for each in (root, *descendants(root))]:
+            try:
+                held += rss_mib(pid)
+            except OSError:
+                pass
+        return int(held * 2**20)
+
     def stop(self) -> None:
         if self._cluster is not None:
             self._cluster.stop()
@@ -305,6 +319,25 @@ def check_memory_left(held: list[str]) -> None:
     raise SystemExit(f"{', '.join(held)} held at once leave {available / 2**30:.1f} GiB of {whole / 2**30:.1f} GiB "
                      f"available (under {MEMORY_FLOOR:.0%}): run fewer servers together (--servers), or without "
                      "--rounds / --one-stream-rounds, each server on its own")
+
+
+def server_family(name: str) -> str:
+    """Which servers hold about the same memory: ``vllm``, ``tessera-pd`` (two workers) or ``tessera-agg`` (one)."""
+    return next(prefix for prefix in ("tessera-pd", "tessera-agg", "vllm") if name.startswith(prefix))
+
+
+def check_room_for(name: str, held: list[Server]) -> None:
+    """Before a server starts beside those ``held`` (in rounds): refuse where one of its family already up holds
+    more than it would leave of ``MEMORY_FLOOR`` of the host's memory, before the kernel kills a process of it or
+    of another mid-run (two 1B tessera-pd on 24 GiB: a decode worker of 6.8 GB)."""
+    same = [server.resident_bytes() for server in held if server_family(server.name) == server_family(name)]
+    available, whole = meminfo_bytes("MemAvailable"), meminfo_bytes("MemTotal")
+    if not same or available is None or whole is None or available - max(same) >= MEMORY_FLOOR * whole:
+        return
+    raise SystemExit(f"{name} would need about {max(same) / 2**30:.1f} GiB, as the {server_family(name)} server up "
+                     f"holds, of the {available / 2**30:.1f} GiB available, leaving under {MEMORY_FLOOR:.0%} of "
+                     f"{whole / 2**30:.1f} GiB: run fewer servers together (--servers), or without --rounds / "
+                     "--one-stream-rounds, each server on its own")
 
 
 def point_rounds(args, index: int) -> int:
@@ -641,6 +674,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in args.servers.split(","):
                 log_dir = Path(tmp) / name
                 log_dir.mkdir()
+                if alternate:
+                    check_room_for(name, kept)
                 print(f"{name}: starting", flush=True)
                 server = Server(name, args, model, log_dir)
                 try:

@@ -258,6 +258,36 @@ def test_servers_held_at_once_must_leave_a_tenth_of_the_memory(monkeypatch):
     compare.check_memory_left(["vllm"])
 
 
+def test_a_server_that_would_not_fit_beside_those_up_is_refused_before_it_starts(monkeypatch):
+    """In rounds, a second server of a family already up needs about what that one holds."""
+    class Up:
+        def __init__(self, name, held):
+            self.name, self.held = name, held
+
+        def resident_bytes(self):
+            return self.held
+    meminfo = {"MemTotal": 24 << 30, "MemAvailable": 11 << 30}
+    monkeypatch.setattr(compare, "meminfo_bytes", meminfo.get)
+    up = [Up("vllm", 8 << 30), Up("tessera-pd", 12 << 30)]
+    compare.check_room_for("tessera-agg", up)  # no agg up to go by: the check after its start applies
+    compare.check_room_for("vllm-no-iomp", up)  # 11 - 8 = 3 GiB left, over 10% of 24
+    with pytest.raises(SystemExit, match=r"tessera-pd-local would need about 12\.0 GiB, as the tessera-pd server up "
+                                         r"holds, of the 11\.0 GiB available"):
+        compare.check_room_for("tessera-pd-local", up)
+    assert compare.server_family("tessera-pd-split") == "tessera-pd"
+    assert compare.server_family("tessera-agg-int8") == "tessera-agg"
+
+
+def test_a_servers_resident_memory_is_read_from_its_processes():
+    server = compare.Server.__new__(compare.Server)
+    server._cluster, server._proc = None, subprocess.Popen(["sleep", "30"])
+    try:
+        assert 0 < server.resident_bytes() < 1 << 30
+    finally:
+        server._proc.kill()
+        server._proc.wait()
+
+
 def test_every_tessera_server_name_asks_for_settings_its_roles_accept():
     for name in compare.SERVERS:
         if name == "vllm":
