@@ -78,18 +78,20 @@ def memory_threads() -> list[int]:
 def host_counters(threads: list[int]) -> dict[str, float]:
     """What the whole host did so far, beside any process's own CPU: ``/proc/stat``'s system, steal and idle
     seconds over all cores, the CPU-seconds of the memory ``threads`` (``memory_threads``), and ``/proc/vmstat``'s
-    reclaim and compaction counters (``VMSTAT_KEYS``). Differences of two readings say what a window cost the host:
+    reclaim and compaction counters (``VMSTAT_KEYS``), each only where this host has it. Differences of two readings
+    say what a window cost the host:
     another process's memory (a second server up beside) shows as reclaim and compaction here, not in its CPU."""
     with open("/proc/stat") as stat:
         fields = stat.readline().split()[1:9]  # user nice system idle iowait irq softirq steal
     counters = {"system_s": int(fields[2]) / CLK_TCK, "idle_s": int(fields[3]) / CLK_TCK,
-                "steal_s": int(fields[7]) / CLK_TCK, "memory_threads_s": 0.0,
-                **dict.fromkeys(VMSTAT_KEYS, 0.0)}  # 0 where the kernel has no such counter (no compaction built in)
-    for pid in threads:
-        try:
-            counters["memory_threads_s"] += cpu_seconds(pid)
-        except OSError:
-            pass
+                "steal_s": int(fields[7]) / CLK_TCK}
+    if threads:  # none visible inside a PID namespace: left out, as a counter this kernel lacks is
+        counters["memory_threads_s"] = 0.0
+        for pid in threads:
+            try:
+                counters["memory_threads_s"] += cpu_seconds(pid)
+            except OSError:
+                pass
     with open("/proc/vmstat") as vmstat:
         for line in vmstat:
             key, _, value = line.partition(" ")

@@ -12,25 +12,24 @@ thread: without it the first remote READ fails with
 NIXL_ERR_REMOTE_DISCONNECT. The stock ``nixl_agent`` hard-codes its delay to
 0, and the thread then spins on the UCX worker. With a delay the thread sleeps
 in poll() on the worker's event fd and wakes on traffic, or after the delay at
-the latest (NIXL rounds it up to whole milliseconds). Measured on the shared
-2-core development machine (NIXL 1.5.1, UCX, an idle agent with a registered
-pool; user + system CPU time over 5 s, ``python -m bench.kv_transfer
---idle-cpu``):
-  progress_delay_us=0      0.99 of a core (0.69-0.75 when the load average was 3)
+the latest (NIXL rounds it up to whole milliseconds). Measured on a 2-core
+Intel Xeon with AMX (NIXL 1.5.1, UCX, an idle agent with a registered pool;
+user + system CPU time over 5 s, ``python -m bench.kv_transfer --idle-cpu``,
+2026-12-06):
+  progress_delay_us=0      0.99 of a core
   progress_delay_us=1000   0.024 of a core: 1,000 wakes a second (the default)
   progress_delay_us=20000  0.003 of a core
   progress_thread=False    0.001 of a core
 Pulls do not wait for the delay: 1 and 16 MiB READs took the same time with
 the reader's peer at 1, 10 and 100 ms, over shared memory (0.5 and 2.3 ms)
-and over TCP (UCX_TLS=tcp: 1.0-1.5 and 5.8-7.6 ms). A spinning thread
-competes with the reader for the cores (TCP 16 MiB: 27-38 ms against 19-29 ms
-at 1 ms). The default stays at 1 ms all the same: served P/D on these 2-core
-virtual machines streamed one sequence 14% slower with both workers' threads
-at 20 ms (135M, three interleaved rounds each, 18.9 against 16.2 ms a token;
-saturation and 2 req/s level). A vCPU left idle longer wakes slower (a
-cross-core pipe round trip: 60 us busy, 145 us after 2 ms idle, 212 us after
-10 ms, 156 us with a thread waking every 1 ms beside it): the likeliest
-reason, not proven.
+and over TCP (UCX_TLS=tcp: 1.0-1.5 and 5.8-7.6 ms). The default stays at 1
+ms all the same: served P/D on these 2-core virtual machines took 17% longer
+a token on one stream with both workers' threads at 20 ms (135M, three
+interleaved rounds each, 18.9 against 16.2 ms; saturation and 2 req/s
+level). A vCPU left idle longer wakes slower (a cross-core pipe round trip:
+60 us busy, 145 us after 2 ms idle, 212 us after 10 ms, 156 us with a thread
+waking every 1 ms beside it): the likeliest reason, not proven. NIXL's own
+delay of 0 spins a core that a co-located worker's steps need.
 
 Options:
   agent_name         NIXL agent name, unique per process (default: derived from the pid).

@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import resource
@@ -261,9 +262,10 @@ class Server:
         held = 0.0
         for pid in [each for root in roots for each in (root, *descendants(root))]:
             try:
-                held += rss_mib(pid)
+                mib = rss_mib(pid)
             except OSError:
-                pass
+                continue
+            held += 0.0 if math.isnan(mib) else mib  # a zombie (killed, not yet reaped) has no VmRSS
         return int(held * 2**20)
 
     def stop(self) -> None:
@@ -327,9 +329,9 @@ def server_family(name: str) -> str:
 
 
 def check_room_for(name: str, held: list[Server]) -> None:
-    """Before a server starts beside those ``held`` (in rounds): refuse where one of its family already up holds
-    more than it would leave of ``MEMORY_FLOOR`` of the host's memory, before the kernel kills a process of it or
-    of another mid-run (two 1B tessera-pd on 24 GiB: a decode worker of 6.8 GB)."""
+    """Before a server starts beside those ``held`` (in rounds): refuse where another server holding what one of
+    its family already up holds would leave under ``MEMORY_FLOOR`` of the host's memory available, before the
+    kernel kills a process of it or of another mid-run (two 1B tessera-pd on 24 GiB: a decode worker of 6.8 GB)."""
     same = [server.resident_bytes() for server in held if server_family(server.name) == server_family(name)]
     available, whole = meminfo_bytes("MemAvailable"), meminfo_bytes("MemTotal")
     if not same or available is None or whole is None or available - max(same) >= MEMORY_FLOOR * whole:
@@ -372,7 +374,8 @@ def rounds_row(name: str, point: str, runs: list[dict], reference: list[dict] | 
         row["duration"] = sum(run["duration"] for run in runs)
         row["completed"] = sum(run["completed"] or 0 for run in runs)
     if all(run.get("host") for run in runs):  # summed over the rounds too
-        row["host"] = {key: sum(run["host"].get(key, 0.0) for run in runs) for key in runs[0]["host"]}
+        row["host"] = {key: sum(run["host"][key] for run in runs) for key in runs[0]["host"]
+                       if all(key in run["host"] for run in runs)}
     bandwidths = [run["read_bandwidth"] for run in runs if run.get("read_bandwidth")]
     row["read_bandwidth"] = statistics.median(bandwidths) if bandwidths else None
     if len(bandwidths) == len(runs):
@@ -446,7 +449,7 @@ def run_point(server: Server, point: Point, args, model: ServedModel, result_dir
     start = end - (result.get("duration") or 0.0)
     _, first, host_first = next((each for each in reversed(readings) if each[0] <= start), readings[0])  # time order
     cpu = {name: round(max(0.0, last[name] - first.get(name, 0.0)), 2) for name in last}  # an exited one: 0
-    host = {key: round(host_last[key] - host_first.get(key, 0.0), 2) for key in host_last}  # the host over the window
+    host = {key: round(host_last[key] - host_first[key], 2) for key in host_last if key in host_first}  # the window
     cpu["client"] = round(client_after.ru_utime + client_after.ru_stime - client_before.ru_utime -
                           client_before.ru_stime, 2)
     return {"server": server.name, "point": point.name, "load_before": load, "remote_prefill": remote,
@@ -533,10 +536,12 @@ def host_table(rows: list[dict]) -> str:
         host, seconds = row.get("host"), row.get("duration")
         if not host or not seconds:
             continue
-        lines.append(f"| {row['server']} | {row['point']} | {host['memory_threads_s']:.2f} | "
+        def count(key: str, form: str = ",.0f") -> str:  # n/a: a counter this host lacks
+            return "n/a" if key not in host else format(host[key], form)
+        lines.append(f"| {row['server']} | {row['point']} | {count('memory_threads_s', '.2f')} | "
                      f"{host['system_s'] / (seconds * cores):.1%} | {host['steal_s'] / (seconds * cores):.1%} | "
-                     f"{host.get('pgscan_kswapd', 0):,.0f} | {host.get('compact_stall', 0):,.0f} "
-                     f"({host.get('compact_fail', 0):,.0f}) | {host.get('thp_fault_fallback', 0):,.0f} |")
+                     f"{count('pgscan_kswapd')} | {count('compact_stall')} ({count('compact_fail')}) | "
+                     f"{count('thp_fault_fallback')} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 

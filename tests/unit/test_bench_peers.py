@@ -5,6 +5,7 @@ import argparse
 import json
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,9 +224,28 @@ def test_a_point_records_what_the_hosts_kernel_did_and_the_report_tabulates_it(m
 
 
 def test_the_hosts_counters_read_this_kernel():
-    counters = host_counters(memory_threads())
-    assert counters["system_s"] > 0 and counters["idle_s"] > 0 and counters["memory_threads_s"] >= 0
-    assert set(VMSTAT_KEYS) <= set(counters)  # 0 where a kernel lacks one
+    threads = memory_threads()
+    names = ("kswapd", "kcompactd", "khugepaged")
+    assert all(Path(f"/proc/{pid}/comm").read_text().startswith(names) for pid in threads)  # kernel threads stay
+    kswapd = [pid for pid in threads if Path(f"/proc/{pid}/comm").read_text().startswith("kswapd")]
+    assert bool(kswapd) == any(Path(f"/proc/{pid}/comm").read_text().startswith("kswapd")
+                               for pid in range(1, 200) if Path(f"/proc/{pid}/comm").exists())  # started at boot
+    counters = host_counters(threads)
+    vmstat = {key: float(value) for key, value in
+              (line.split() for line in Path("/proc/vmstat").read_text().splitlines())}
+    after = host_counters(threads)
+    assert 0 < counters["system_s"] <= after["system_s"] and 0 < counters["idle_s"] <= after["idle_s"]
+    # each counter the kernel has, read as it counts (never more than a moment later), and none it lacks
+    assert {key for key in VMSTAT_KEYS if key in counters} == {key for key in VMSTAT_KEYS if key in vmstat}
+    assert all(counters[key] <= vmstat[key] <= after[key] for key in VMSTAT_KEYS if key in vmstat)
+    assert ("memory_threads_s" in counters) == bool(threads)
+
+
+def test_the_host_table_says_n_a_for_a_counter_this_host_lacks(monkeypatch):
+    monkeypatch.setattr(compare.os, "cpu_count", lambda: 2)
+    row = {"server": "vllm", "point": "one stream", "duration": 10.0,
+           "host": {"system_s": 1.0, "idle_s": 5.0, "steal_s": 0.0, "pgscan_kswapd": 12.0}}
+    assert "| vllm | one stream | n/a | 5.0% | 0.0% | 12 | n/a (n/a) | n/a |" in compare.host_table([row])
 
 
 def test_the_read_probe_shrinks_to_a_quarter_of_the_memory_available_but_not_into_the_cache(monkeypatch):
