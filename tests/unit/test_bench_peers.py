@@ -150,6 +150,20 @@ def test_a_point_that_completed_fewer_requests_than_it_sent_is_an_error(monkeypa
         compare.run_point(Stub(), compare.Point("one stream", 5, 6, concurrency=1), args, model, tmp_path)
 
 
+def point_of(server, monkeypatch, tmp_path) -> tuple[dict, argparse.Namespace]:
+    """A saturation point of 4 requests run against ``server`` by a stand-in for ``vllm bench serve`` that reports
+    20 s; its row, and the arguments it ran under."""
+    def bench_serve(command, **kwargs):
+        (tmp_path / command[command.index("--result-filename") + 1]).write_text(
+            json.dumps({"completed": 4, "duration": 20.0, "output_throughput": 10.0}))
+        return subprocess.CompletedProcess(command, 0, "", "")
+    monkeypatch.setattr(compare.subprocess, "run", bench_serve)
+    args = argparse.Namespace(vllm_venv=tmp_path, input_len=8, output_len=5, num_prompts=4, single_prompts=2, seed=1,
+                              rate=1.0, rounds=2, one_stream_rounds=0)
+    return compare.run_point(server, compare.Point("saturation", 5, 4), args, compare.ServedModel("m", tmp_path, ""),
+                             tmp_path), args
+
+
 def test_a_point_records_each_processs_cpu_and_the_report_gives_it_per_output_token(monkeypatch, tmp_path):
     """Each server process's CPU-seconds over the point (a process that appeared meanwhile counts from zero), summed
     over the rounds, per output token in the report's table, with the cores' busy share over the duration."""
@@ -163,15 +177,7 @@ def test_a_point_records_each_processs_cpu_and_the_report_gives_it_per_output_to
         def cpu_seconds(self):  # the first reading, then the last one whenever sampled
             return self.readings.pop(0) if len(self.readings) > 1 else self.readings[0]
 
-    def bench_serve(command, **kwargs):
-        (tmp_path / command[command.index("--result-filename") + 1]).write_text(
-            json.dumps({"completed": 4, "duration": 20.0, "output_throughput": 10.0}))
-        return subprocess.CompletedProcess(command, 0, "", "")
-    monkeypatch.setattr(compare.subprocess, "run", bench_serve)
-    args = argparse.Namespace(vllm_venv=tmp_path, input_len=8, output_len=5, num_prompts=4, single_prompts=2, seed=1,
-                              rate=1.0, rounds=2, one_stream_rounds=0)
-    run = compare.run_point(Stub(), compare.Point("saturation", 5, 4), args, compare.ServedModel("m", tmp_path, ""),
-                            tmp_path)
+    run, args = point_of(Stub(), monkeypatch, tmp_path)
     assert {key: run["cpu_s"][key] for key in ("proxy", "decode-0", "prefill-0")} == \
         {"proxy": 2.0, "decode-0": 30.0, "prefill-0": 8.0}
     assert run["cpu_s"]["client"] >= 0 and run["duration"] == 20.0
@@ -204,15 +210,7 @@ def test_a_point_records_what_the_hosts_kernel_did_and_the_report_tabulates_it(m
                  "pgscan_kswapd": 5010.0, "compact_stall": 9.0, "compact_fail": 6.0, "thp_fault_fallback": 3.0}]
     monkeypatch.setattr(compare, "host_counters", lambda threads: readings.pop(0) if len(readings) > 1 else readings[0])
 
-    def bench_serve(command, **kwargs):
-        (tmp_path / command[command.index("--result-filename") + 1]).write_text(
-            json.dumps({"completed": 4, "duration": 20.0, "output_throughput": 10.0}))
-        return subprocess.CompletedProcess(command, 0, "", "")
-    monkeypatch.setattr(compare.subprocess, "run", bench_serve)
-    args = argparse.Namespace(vllm_venv=tmp_path, input_len=8, output_len=5, num_prompts=4, single_prompts=2, seed=1,
-                              rate=1.0, rounds=2, one_stream_rounds=0)
-    run = compare.run_point(Stub(), compare.Point("saturation", 5, 4), args, compare.ServedModel("m", tmp_path, ""),
-                            tmp_path)
+    run, _ = point_of(Stub(), monkeypatch, tmp_path)
     assert run["host"] == {"system_s": 4.0, "idle_s": 2.0, "steal_s": 0.4, "memory_threads_s": 1.5,
                            "pgscan_kswapd": 5000.0, "compact_stall": 7.0, "compact_fail": 5.0,
                            "thp_fault_fallback": 3.0}
