@@ -306,6 +306,18 @@ def test_a_servers_resident_memory_is_read_from_its_processes():
         server._proc.wait()
 
 
+def test_a_runs_own_worker_settings_are_checked_at_once_and_named_in_the_reports_command(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        compare.main(["--vllm-venv", str(tmp_path), "--set", "engine.no_such_setting=1"])
+    assert "--set: " in capsys.readouterr().err
+    args = argparse.Namespace(model="1b", dtype="bfloat16", input_len=8, output_len=5, num_prompts=4, single_prompts=2,
+                              seed=1, rate=1.0, rounds=0, one_stream_rounds=0, servers="tessera-pd",
+                              set=["engine.kv_cache_memory_bytes=1073741824"])
+    text = report([], args, served_model("1b", "bfloat16", cache_dir=tmp_path), (822_151_168, 1_644_302_336),
+                  bandwidth=164.4302336e9)
+    assert "--servers tessera-pd --set engine.kv_cache_memory_bytes=1073741824 --dtype bfloat16" in text
+
+
 def test_every_tessera_server_name_asks_for_settings_its_roles_accept():
     for name in compare.SERVERS:
         if name == "vllm":
