@@ -84,6 +84,7 @@ import math
 import os
 import re
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -100,7 +101,7 @@ from bench.processes import (cpu_seconds, descendants, host_counters, memory_thr
 from common.engine.malloc import find_jemalloc, preload_environment
 from bench.roofline import READ_BYTES, READ_PASSES, read_bandwidth
 from common.cli.local_cluster import LocalCluster, free_port
-from common.config.roles import WorkerConfig, load_config, parse_overrides
+from common.config.roles import WorkerConfig, load_config, parse_overrides, split_override
 from common.runtime.prometheus_text import total
 from common.storage.model_store import EMBEDDED_MODEL, EMBEDDED_NAMES, embedded_model_dir, resolve_model
 from common.storage.random_model import SHAPES, LlamaShape, make_random_model, random_model_dir
@@ -560,7 +561,7 @@ def report(rows: list[dict], args, model: ServedModel, weights: tuple[int, int],
                    (f" --one-stream-rounds {one_rounds}" if one_rounds else ""))
     servers = getattr(args, "servers", ",".join(DEFAULT_SERVERS))
     flags += f"--servers {servers} " if servers != ",".join(DEFAULT_SERVERS) else ""
-    flags += "".join(f"--set {setting} " for setting in getattr(args, "set", None) or [])
+    flags += "".join(f"--set {shlex.quote(setting)} " for setting in getattr(args, "set", None) or [])
     last_seed = round_seed(args, 2, point_rounds(args, 2) - 1)
     one_stream = ("each server's one-stream TPOT set against the faster of the probes just before and after its "
                   "one-stream point")
@@ -656,7 +657,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", metavar="KEY=VALUE",
                         help="a worker setting for every Tessera server of the run (repeatable; a server's variant "
                         "wins where both set a key), e.g. engine.kv_cache_memory_bytes=1073741824 so that more "
-                        "servers fit the memory in rounds; the report's command carries it")
+                        "servers fit the memory in rounds; the report's command carries it. It comes after the "
+                        "harness's own settings (worker_id, proxy_address, engine.num_threads, engine.dtype), so "
+                        "it can override them too")
     parser.add_argument("--results", type=Path, help="also write the raw rows here (JSON)")
     parser.add_argument("--write", action="store_true",
                         help="write the table to docs/results/vllm-cpu-<vendor>-<isa>[-<model>].md (this CPU kind's "
@@ -666,9 +669,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rate-of-vllm must be a positive share (0: --rate)")
     if args.rate_of_vllm and (not args.rounds or "vllm" not in args.servers.split(",")):
         parser.error("--rate-of-vllm needs --rounds and vllm among --servers")
+    if any(split_override(setting)[0] for setting in args.set or []):
+        parser.error("--set: KEY=VALUE without a ROLE: prefix; it sets every worker of every Tessera server")
     try:  # a setting no worker takes fails here, not after the first server's start
         load_config(WorkerConfig, overrides=parse_overrides(args.set or [], "decode"))
-    except ValueError as error:  # ConfigError too
+    except (ValueError, TypeError) as error:  # ConfigError is a ValueError
         parser.error(f"--set: {error}")
     if not (args.vllm_venv / "bin" / "vllm").exists():
         parser.error(f"no vLLM in {args.vllm_venv}: run bash bench/peers/install_vllm.sh first")

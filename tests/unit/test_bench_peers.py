@@ -310,6 +310,9 @@ def test_a_runs_own_worker_settings_are_checked_at_once_and_named_in_the_reports
     with pytest.raises(SystemExit):
         compare.main(["--vllm-venv", str(tmp_path), "--set", "engine.no_such_setting=1"])
     assert "--set: " in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a role's prefix would reach some servers' workers only, or none
+        compare.main(["--vllm-venv", str(tmp_path), "--set", "prefill:engine.kv_cache_memory_bytes=1073741824"])
+    assert "without a ROLE: prefix" in capsys.readouterr().err
     args = argparse.Namespace(model="1b", dtype="bfloat16", input_len=8, output_len=5, num_prompts=4, single_prompts=2,
                               seed=1, rate=1.0, rounds=0, one_stream_rounds=0, servers="tessera-pd",
                               set=["engine.kv_cache_memory_bytes=1073741824"])
