@@ -2,6 +2,7 @@
 the environment that runs another checkout's tree (``bench.proxy_cost --baseline``)."""
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -51,6 +52,19 @@ def tree_cpu_seconds(pid: int) -> float:
     return spent
 
 
+def tree_rss_bytes(pid: int) -> int:
+    """What ``pid`` and every process under it hold resident now (``VmRSS``); one gone meanwhile, or a zombie
+    (killed, not yet reaped: no ``VmRSS``), counts 0."""
+    held = 0.0
+    for each in (pid, *descendants(pid)):
+        try:
+            mib = rss_mib(each)
+        except OSError:
+            continue
+        held += 0.0 if math.isnan(mib) else mib
+    return int(held * 2**20)
+
+
 def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -79,8 +93,8 @@ def host_counters(threads: list[int]) -> dict[str, float]:
     """What the whole host did so far, beside any process's own CPU: ``/proc/stat``'s system, steal and idle
     seconds over all cores, the CPU-seconds of the memory ``threads`` (``memory_threads``), and ``/proc/vmstat``'s
     reclaim and compaction counters (``VMSTAT_KEYS``), each only where this host has it. Differences of two readings
-    say what a window cost the host:
-    another process's memory (a second server up beside) shows as reclaim and compaction here, not in its CPU."""
+    say what a window cost the host: another process's memory (a second server up beside) shows as reclaim and
+    compaction here, not in its CPU."""
     with open("/proc/stat") as stat:
         fields = stat.readline().split()[1:9]  # user nice system idle iowait irq softirq steal
     counters = {"system_s": int(fields[2]) / CLK_TCK, "idle_s": int(fields[3]) / CLK_TCK,

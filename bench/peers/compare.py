@@ -80,7 +80,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import resource
@@ -96,8 +95,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.machine import describe_machine, meminfo_bytes
-from bench.processes import (cpu_seconds, descendants, host_counters, memory_threads, rss_mib,
-                              tree_cpu_seconds)
+from bench.processes import (cpu_seconds, descendants, host_counters, memory_threads, tree_cpu_seconds,
+                              tree_rss_bytes)
 from common.engine.malloc import find_jemalloc, preload_environment
 from bench.roofline import READ_BYTES, READ_PASSES, read_bandwidth
 from common.cli.local_cluster import LocalCluster, free_port
@@ -262,14 +261,7 @@ class Server:
         """What the server's processes hold resident now (``VmRSS``, summed; one gone meanwhile counts 0)."""
         roots = ([proc.pid for proc in self._cluster.procs.values()] if self._cluster is not None
                  else [self._proc.pid] if self._proc is not None else [])
-        held = 0.0
-        for pid in [each for root in roots for each in (root, *descendants(root))]:
-            try:
-                mib = rss_mib(pid)
-            except OSError:
-                continue
-            held += 0.0 if math.isnan(mib) else mib  # a zombie (killed, not yet reaped) has no VmRSS
-        return int(held * 2**20)
+        return sum(tree_rss_bytes(pid) for pid in roots)
 
     def stop(self) -> None:
         if self._cluster is not None:
@@ -535,16 +527,17 @@ def host_table(rows: list[dict]) -> str:
              "kswapd scanned | direct compaction stalls (failed) | 2 MB faults that fell back |",
              "|---|---|---|---|---|---|---|---|"]
     cores = os.cpu_count() or 1
+
+    def count(host: dict, key: str, form: str = ",.0f") -> str:  # n/a: a counter this host lacks
+        return "n/a" if key not in host else format(host[key], form)
     for row in rows:
         host, seconds = row.get("host"), row.get("duration")
         if not host or not seconds:
             continue
-        def count(key: str, form: str = ",.0f") -> str:  # n/a: a counter this host lacks
-            return "n/a" if key not in host else format(host[key], form)
-        lines.append(f"| {row['server']} | {row['point']} | {count('memory_threads_s', '.2f')} | "
+        lines.append(f"| {row['server']} | {row['point']} | {count(host, 'memory_threads_s', '.2f')} | "
                      f"{host['system_s'] / (seconds * cores):.1%} | {host['steal_s'] / (seconds * cores):.1%} | "
-                     f"{count('pgscan_kswapd')} | {count('compact_stall')} ({count('compact_fail')}) | "
-                     f"{count('thp_fault_fallback')} |")
+                     f"{count(host, 'pgscan_kswapd')} | {count(host, 'compact_stall')} "
+                     f"({count(host, 'compact_fail')}) | {count(host, 'thp_fault_fallback')} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
