@@ -1,5 +1,6 @@
-"""vLLM's CPU build and Tessera's two layouts, back to back on this machine, with one client: the issue-12 table
-(one concept, the comparison: long because its servers, points, rounds and report are one run's parts).
+"""vLLM's CPU build and Tessera's two layouts, back to back on this machine, with one client: the table that
+docs/benchmarks.md quotes (one concept, the comparison: long because its servers, points, rounds and report are one
+run's parts).
 
     bash bench/peers/install_vllm.sh                 # once: vLLM into a virtualenv of its own
     .venv/bin/python -m bench.peers.compare --write  # ~25 minutes; --write puts the table in docs/results/
