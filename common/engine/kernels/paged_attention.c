@@ -199,21 +199,55 @@ static inline __attribute__((always_inline)) void chunk_item(
 
 /*
  * The bfloat16 chunk item on AMX tiles (Intel Xeon from Sapphire Rapids), for head sizes of 32-128 in steps of 32:
- * the same item, keys AMX_KT = 32 at a time, 16 query vectors a tile of rows. The scores of a tile of queries
- * against 32 keys are two tdpbf16ps sums (16 x 16 floats each) over the head's dimensions, 32 at a time: the
- * queries (bf16, scaled) are the A operand as they are held, 16 keys' K as pairs of dimensions by key (kt, as the
- * vdpbf16ps item lays it out) the B operand. The running softmax is the item's (vector code, a row at a time); the
- * probabilities (rounded to bf16, as there) are the A operand of the second product, V as pairs of keys by
- * dimension its B operand, 16 dimensions a sum tile, added into each query's float32 accumulator. The tiles add a
- * pair's two products in their own order, so the outputs differ from the vdpbf16ps item's in rounding; prompt
- * chunks never run under engine.deterministic (every row a decode row there).
+ * (chunk, up to AMX_QT queries, kv head), at most AMX_MAX_VECS query vectors (eight tiles of 16 rows), so that
+ * each block of keys' K and V, put in the tiles' layouts once, serves up to eight tiles of queries. Keys go
+ * AMX_KB = 64 at a time. A tile of queries' scores against them are four tdpbf16ps sums (16 x 16 floats each)
+ * over the head's dimensions, 32 at a time: the queries (bf16, scaled) are the A operand as they are held, 16
+ * keys' K as pairs of dimensions by key (kt, as the vdpbf16ps item lays it out) the B operand. The running softmax
+ * is the item's (vector code, a row at a time), its maximum moved only when a block's passes it by more than
+ * AMX_SLACK (each probability then stays below e^AMX_SLACK, which float32 sums and bfloat16 hold). The
+ * probabilities, rounded to bf16 as there, are the A operand of the second product (two tiles of 32 keys), V as
+ * pairs of keys by dimension its B operand: the queries' float32 accumulators, up to four blocks of 16 dimensions,
+ * are loaded into their own sum tiles, the products issued into them together, and stored back (speeds:
+ * bench.chunk_attention, docs/benchmarks.md). The tiles add a pair's two products in their own order, so the
+ * outputs differ from the vdpbf16ps item's in rounding; prompt chunks never run under engine.deterministic (every
+ * row a decode row there).
  */
 #if defined(CHUNK_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include "amx.h"
 
 #define CHUNK_AMX 1
-#define AMX_KT 32
+#define AMX_KB 64          /* keys a block: four score tiles of 16 keys */
+#define AMX_MAX_VECS 128   /* query vectors an item: eight tiles of 16 rows */
+#define AMX_QT 64          /* queries an item at most */
 #define AMX_MAX_HEAD_DIM 128
+#define AMX_SLACK 8.f
+#define AMX_VT_STRIDE (AMX_MAX_HEAD_DIM * 4)
+
+/* the sums of dimension block b0 + T of P V (T: its tile, 0-3) over the block's one or two A tiles of 32 keys */
+#define AMX_PV_SUM(T)                                                                        \
+    if (nb > T) {                                                                            \
+        _tile_loadd(T, acc[v0] + 16 * (b0 + T), AMX_MAX_HEAD_DIM * 4);                       \
+        _tile_loadd(6, vt[0] + 16 * (b0 + T), AMX_VT_STRIDE);                                \
+        _tile_dpbf16ps(T, 4, 6);                                                             \
+        if (n > 32) {                                                                        \
+            _tile_loadd(7, vt[16] + 16 * (b0 + T), AMX_VT_STRIDE);                           \
+            _tile_dpbf16ps(T, 5, 7);                                                         \
+        }                                                                                    \
+    }
+
+/* e^x for the softmax's x = score - running max (at most AMX_SLACK): exp16 without its clamp, whose bounds such an x
+ * never passes below (scalef makes 0 of what underflows) nor above, and Taylor to r^5 (relative error ~3e-6, far
+ * below the bfloat16 rounding each probability takes) */
+static inline __m512 exp16_softmax(__m512 x) {
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945f));
+    __m512 e = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_fmadd_ps(
+        _mm512_set1_ps(1.f / 120.f), r, _mm512_set1_ps(1.f / 24.f)), r, _mm512_set1_ps(1.f / 6.f)), r,
+        _mm512_set1_ps(0.5f)), r, _mm512_set1_ps(1.f)), r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(e, n);
+}
 
 static inline __attribute__((always_inline)) void chunk_item_amx(
     const uint16_t *q, int64_t q_row_stride, const uint16_t *kv, int64_t block_stride, int64_t k_offset,
@@ -223,112 +257,138 @@ static inline __attribute__((always_inline)) void chunk_item_amx(
 {
     const int pairs = head_dim / 2, dblocks = head_dim / 16, dchunks = head_dim / 32;
     const int nv = nq * group, tiles = (nv + 15) / 16;
-    uint16_t qb[CHUNK_MAX_VECS][AMX_MAX_HEAD_DIM] __attribute__((aligned(64))); /* scaled queries, zero past nv */
-    float acc[CHUNK_MAX_VECS][AMX_MAX_HEAD_DIM] __attribute__((aligned(64)));
-    float m[CHUNK_MAX_VECS];
-    __m512 l[CHUNK_MAX_VECS];
-    int64_t pos[CHUNK_MAX_VECS];
-    __m512i kt[2][AMX_MAX_HEAD_DIM / 2];                          /* per 16 keys: [pair of dims] -> 16 keys */
-    uint32_t vt[AMX_KT / 2][AMX_MAX_HEAD_DIM] __attribute__((aligned(64))); /* [pair of keys][dim] */
-    float sc[16][AMX_KT] __attribute__((aligned(64)));            /* a tile of queries' scores */
-    uint16_t pb[16][AMX_KT] __attribute__((aligned(64)));         /* their probabilities, bf16 */
-    float ob[16][16] __attribute__((aligned(64)));                /* a sum tile of P V */
+    uint16_t qb[AMX_MAX_VECS][AMX_MAX_HEAD_DIM] __attribute__((aligned(64))); /* scaled queries, zero past nv */
+    float acc[AMX_MAX_VECS][AMX_MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float m[AMX_MAX_VECS];
+    __m512 l[AMX_MAX_VECS];
+    int64_t pos[AMX_MAX_VECS];
+    __m512i kt[AMX_KB / 16][AMX_MAX_HEAD_DIM / 2];                         /* per 16 keys: [pair of dims] -> 16 keys */
+    uint32_t vt[AMX_KB / 2][AMX_MAX_HEAD_DIM] __attribute__((aligned(64))); /* [pair of keys][dim] */
+    float sc[16][AMX_KB] __attribute__((aligned(64)));                    /* a tile of queries' scores */
+    uint16_t pb[16][AMX_KB] __attribute__((aligned(64)));                 /* their probabilities, bf16 */
+    const __m512 vscale = _mm512_set1_ps(scale);
     for (int v = 0; v < tiles * 16; v++) {
-        uint16_t *dst = qb[v];
         if (v < nv) {
             const uint16_t *src = q + (token_start + q_first + v / group) * q_row_stride
                                   + (int64_t)(kvh * group + v % group) * head_dim;
-            for (int i = 0; i < head_dim; i++) dst[i] = f32_to_bf16(bf16_to_f32(src[i]) * scale);
+            for (int i = 0; i < head_dim; i += 16)
+                _mm256_store_si256((__m256i *)(qb[v] + i),
+                                   (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(load16(src, 1, i), vscale)));
         } else {
-            for (int i = 0; i < head_dim; i++) dst[i] = 0;
+            for (int i = 0; i < head_dim; i += 32) _mm512_store_si512(qb[v] + i, _mm512_setzero_si512());
         }
-        for (int i = 0; i < head_dim; i++) acc[v][i] = 0.f;
+        for (int i = 0; i < head_dim; i += 16) _mm512_store_ps(acc[v] + i, _mm512_setzero_ps());
         m[v] = -INFINITY;
         l[v] = _mm512_setzero_ps();
         pos[v] = num_computed + q_first + (v < nv ? v / group : nq - 1);
     }
-    /* tiles 0-1: the scores against keys 0-15 and 16-31; 2: a sum tile of P V; 3: queries or probabilities (A);
-     * 4: K or V (B); every tile 16 rows of 64 bytes */
+    /* tiles 0-3: scores against 16 keys each, then sums of P V; 4-5: queries or probabilities (A); 6-7 and 5: K
+     * or V (B); every tile 16 rows of 64 bytes */
     const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
     amx_configure(rows);
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     const int64_t key_end = num_computed + q_first + nq; /* keys [0, key_end) are visible to some query of the item */
-    for (int64_t start = 0; start < key_end; start += AMX_KT) {
-        const int n = key_end - start < AMX_KT ? (int)(key_end - start) : AMX_KT;
-        const uint16_t *kr[AMX_KT], *vr[AMX_KT]; /* each key's K and V row in the pool */
+    for (int64_t start = 0; start < key_end; start += AMX_KB) {
+        const int n = key_end - start < AMX_KB ? (int)(key_end - start) : AMX_KB;
+        const int kgroups = (n + 15) / 16, kpairs = (n > 32 ? 32 : 16); /* pairs of keys V's layout holds */
+        const uint16_t *kr[AMX_KB], *vr[AMX_KB]; /* each key's K and V row in the pool */
         for (int t = 0; t < n; t++) {
             const int64_t s = start + t, block = table[s / block_size], in_block = s % block_size;
             const int64_t at = block * block_stride + in_block * token_stride + (int64_t)kvh * head_dim;
             kr[t] = kv + k_offset + at;
             vr[t] = kv + v_offset + at;
         }
-        for (int h = 0; h < 2; h++)
+        for (int h = 0; h < kgroups; h++)
             for (int i = 0; i < pairs; i += 16) { /* 16 keys x 16 pairs of dimensions, transposed */
                 for (int t = 0; t < 16; t++)
                     kt[h][i + t] = 16 * h + t < n ? _mm512_loadu_si512(kr[16 * h + t] + 2 * i) : _mm512_setzero_si512();
                 transpose16x16(kt[h] + i);
             }
-        for (int tp = 0; tp < AMX_KT / 2; tp++)
+        for (int tp = 0; tp < kpairs; tp++) {
+            const int t0 = 2 * tp, t1 = t0 + 1;
             for (int b = 0; b < dblocks; b++) {
-                const int t0 = 2 * tp, t1 = t0 + 1;
                 __m512i lo = t0 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr[t0] + 16 * b)))
                                     : _mm512_setzero_si512();
                 __m512i hi = t1 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr[t1] + 16 * b)))
                                     : _mm512_setzero_si512();
                 _mm512_store_si512(vt[tp] + 16 * b, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
             }
+        }
         for (int qt = 0; qt < tiles; qt++) {
             const int v0 = 16 * qt, last = v0 + 15 < nv ? v0 + 15 : nv - 1;
-            if (pos[last] < start) continue; /* every query of the tile is before this key tile */
+            if (pos[last] < start) continue; /* every query of the tile is before this key block */
             _tile_zero(0);
-            _tile_zero(1);
+            if (kgroups > 1) _tile_zero(1);
+            if (kgroups > 2) _tile_zero(2);
+            if (kgroups > 3) _tile_zero(3);
             for (int c = 0; c < dchunks; c++) {
-                _tile_loadd(3, qb[v0] + 32 * c, AMX_MAX_HEAD_DIM * 2);
-                _tile_loadd(4, kt[0] + 16 * c, 64);
-                _tile_dpbf16ps(0, 3, 4);
-                if (n > 16) {
-                    _tile_loadd(4, kt[1] + 16 * c, 64);
-                    _tile_dpbf16ps(1, 3, 4);
+                _tile_loadd(4, qb[v0] + 32 * c, AMX_MAX_HEAD_DIM * 2);
+                _tile_loadd(6, kt[0] + 16 * c, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (kgroups > 1) {
+                    _tile_loadd(7, kt[1] + 16 * c, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                if (kgroups > 2) {
+                    _tile_loadd(5, kt[2] + 16 * c, 64);
+                    _tile_dpbf16ps(2, 4, 5);
+                }
+                if (kgroups > 3) {
+                    _tile_loadd(6, kt[3] + 16 * c, 64);
+                    _tile_dpbf16ps(3, 4, 6);
                 }
             }
-            _tile_stored(0, sc[0], AMX_KT * 4);
-            _tile_stored(1, sc[0] + 16, AMX_KT * 4);
+            _tile_stored(0, sc[0], AMX_KB * 4);
+            if (kgroups > 1) _tile_stored(1, sc[0] + 16, AMX_KB * 4);
+            if (kgroups > 2) _tile_stored(2, sc[0] + 32, AMX_KB * 4);
+            if (kgroups > 3) _tile_stored(3, sc[0] + 48, AMX_KB * 4);
             for (int j = 0; j < 16; j++) {
                 const int v = v0 + j;
                 int64_t visible = v < nv ? pos[v] + 1 - start : 0;
                 if (visible > n) visible = n;
                 if (visible <= 0) {
                     _mm512_store_si512(pb[j], _mm512_setzero_si512());
+                    _mm512_store_si512(pb[j] + 32, _mm512_setzero_si512());
                     continue;
                 }
-                const __mmask16 keep0 = (__mmask16)(visible >= 16 ? 0xffffu : (1u << visible) - 1u);
-                const __mmask16 keep1 = (__mmask16)(visible >= 32 ? 0xffffu : visible > 16 ? (1u << (visible - 16)) - 1u : 0u);
-                const __m512 s0 = _mm512_load_ps(sc[j]), s1 = _mm512_load_ps(sc[j] + 16);
-                const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep0, s0),
-                                                                    _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep1, s1)));
-                if (mx > m[v]) { /* rescale only when the running max moves */
-                    const __m512 c = _mm512_set1_ps(expf(m[v] - mx));
+                __mmask16 keep[4];
+                __m512 s[4], mx = _mm512_set1_ps(-INFINITY);
+                for (int g = 0; g < 4; g++) {
+                    const int64_t in = visible - 16 * g;
+                    keep[g] = (__mmask16)(in >= 16 ? 0xffffu : in > 0 ? (1u << in) - 1u : 0u);
+                    s[g] = _mm512_load_ps(sc[j] + 16 * g);
+                    mx = _mm512_mask_max_ps(mx, keep[g], mx, s[g]);
+                }
+                const float block_max = _mm512_reduce_max_ps(mx);
+                if (block_max > m[v] + AMX_SLACK) { /* the first block, then rarely: the running maximum moves */
+                    const __m512 c = _mm512_set1_ps(expf(m[v] - block_max));
                     l[v] = _mm512_mul_ps(l[v], c);
                     for (int b = 0; b < dblocks; b++)
                         _mm512_store_ps(acc[v] + 16 * b, _mm512_mul_ps(_mm512_load_ps(acc[v] + 16 * b), c));
-                    m[v] = mx;
+                    m[v] = block_max;
                 }
                 const __m512 mv = _mm512_set1_ps(m[v]);
-                const __m512 p0 = _mm512_maskz_mov_ps(keep0, exp16(_mm512_sub_ps(s0, mv)));
-                const __m512 p1 = _mm512_maskz_mov_ps(keep1, exp16(_mm512_sub_ps(s1, mv)));
-                l[v] = _mm512_add_ps(l[v], _mm512_add_ps(p0, p1));
-                _mm256_store_si256((__m256i *)pb[j], (__m256i)_mm512_cvtneps_pbh(p0));
-                _mm256_store_si256((__m256i *)(pb[j] + 16), (__m256i)_mm512_cvtneps_pbh(p1));
+                __m512 p[4], sum = l[v];
+                for (int g = 0; g < 4; g++) {
+                    p[g] = _mm512_maskz_mov_ps(keep[g], exp16_softmax(_mm512_sub_ps(s[g], mv)));
+                    sum = _mm512_add_ps(sum, p[g]);
+                }
+                l[v] = sum;
+                _mm512_store_si512(pb[j], (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+                _mm512_store_si512(pb[j] + 32, (__m512i)_mm512_cvtne2ps_pbh(p[3], p[2]));
             }
-            _tile_loadd(3, pb[0], AMX_KT * 2);
-            for (int b = 0; b < dblocks; b++) {
-                _tile_zero(2);
-                _tile_loadd(4, vt[0] + 16 * b, AMX_MAX_HEAD_DIM * 4);
-                _tile_dpbf16ps(2, 3, 4);
-                _tile_stored(2, ob[0], 64);
-                for (int j = 0; j < 16 && v0 + j < nv; j++)
-                    _mm512_store_ps(acc[v0 + j] + 16 * b,
-                                    _mm512_add_ps(_mm512_load_ps(acc[v0 + j] + 16 * b), _mm512_load_ps(ob[j])));
+            _tile_loadd(4, pb[0], AMX_KB * 2);
+            if (n > 32) _tile_loadd(5, pb[0] + 32, AMX_KB * 2);
+            for (int b0 = 0; b0 < dblocks; b0 += 4) {
+                const int nb = dblocks - b0 < 4 ? dblocks - b0 : 4;
+                AMX_PV_SUM(0)
+                AMX_PV_SUM(1)
+                AMX_PV_SUM(2)
+                AMX_PV_SUM(3)
+                _tile_stored(0, acc[v0] + 16 * b0, AMX_MAX_HEAD_DIM * 4);
+                if (nb > 1) _tile_stored(1, acc[v0] + 16 * (b0 + 1), AMX_MAX_HEAD_DIM * 4);
+                if (nb > 2) _tile_stored(2, acc[v0] + 16 * (b0 + 2), AMX_MAX_HEAD_DIM * 4);
+                if (nb > 3) _tile_stored(3, acc[v0] + 16 * (b0 + 3), AMX_MAX_HEAD_DIM * 4);
             }
         }
     }
@@ -342,6 +402,7 @@ static inline __attribute__((always_inline)) void chunk_item_amx(
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc[v] + 16 * b), inv)));
     }
 }
+#undef AMX_PV_SUM
 #endif
 
 /*
@@ -559,6 +620,18 @@ int tessera_chunk_attention(
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return -1;
     int group = num_heads / num_kv_heads;
     if (group > max_vecs || head_dim > MAX_HEAD_DIM || head_dim % 32 != 0) return -1;
+#if defined(CHUNK_AMX)
+    /* the tiles where Linux grants them, for head sizes they take (CHUNK_AMX_OFF: a benchmark's build without) */
+#ifdef CHUNK_AMX_OFF
+    const int amx = 0;
+#else
+    const int amx = is_bf16 && head_dim <= AMX_MAX_HEAD_DIM && amx_ready();
+#endif
+    if (amx) { /* larger items: a block of keys laid out for the tiles serves more queries */
+        max_vecs = AMX_MAX_VECS;
+        max_queries = AMX_QT;
+    }
+#endif
     int qt = max_vecs / group < max_queries ? max_vecs / group : max_queries;
     int64_t total = 0;
     for (int c = 0; c < num_chunks; c++) total += (chunks[3 * c + 1] + qt - 1) / qt * num_kv_heads;
@@ -571,14 +644,6 @@ int tessera_chunk_attention(
         for (int64_t tile = tiles - 1; tile >= 0; tile--)
             for (int h = 0; h < num_kv_heads; h++) { items[2 * k] = c; items[2 * k + 1] = tile * num_kv_heads + h; k++; }
     }
-#if defined(CHUNK_AMX)
-    /* the tiles where Linux grants them, for head sizes they take (CHUNK_AMX_OFF: a benchmark's build without) */
-#ifdef CHUNK_AMX_OFF
-    const int amx = 0;
-#else
-    const int amx = is_bf16 && head_dim <= AMX_MAX_HEAD_DIM && amx_ready();
-#endif
-#endif
     #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t it = 0; it < total; it++) {
         int c = (int)items[2 * it];
