@@ -4,8 +4,8 @@
  *
  * On the torch path each of these is four to eight operators, each a pass over the whole batch with an
  * allocation and an OpenMP region of its own; for a 2048-token prompt step that was a tenth of the step.
- * Rows are split over torch's OpenMP threads; with AVX-512 a row goes 16 values at a time, with AVX2 8 (widths that
- * are not a multiple of the vector take the scalar loop). Arithmetic is float32; a bfloat16 result is rounded where the
+ * Rows are split over torch's OpenMP threads; with AVX-512 a row (for RoPE, a head's half) goes 16 values at a time,
+ * with AVX2 8 (widths that are not a multiple of the vector take the scalar loop). Arithmetic is float32; a bfloat16 result is rounded where the
  * torch path rounds it (the residual sum, the normalized row before the weight, the SiLU before the
  * product), so both paths agree up to the order of the mean's sum and the last bit of e^x.
  */
@@ -144,7 +144,23 @@ int tessera_rope(void *qk, int64_t row_stride, const int64_t *positions, const f
         const float *c = cos_table + positions[r] * half, *s = sin_table + positions[r] * half;
         for (int h = 0; h < heads; h++) {
             int64_t base = r * row_stride + (int64_t)h * head_dim;
-            for (int i = 0; i < half; i++) {
+            int i = 0;
+#if defined(__AVX512F__)
+            for (; i + 16 <= half; i += 16) {
+                __m512 cc = round16(_mm512_loadu_ps(c + i), bf16), ss = round16(_mm512_loadu_ps(s + i), bf16);
+                __m512 x1 = load16(qk, bf16, base + i), x2 = load16(qk, bf16, base + half + i);
+                store16(qk, bf16, base + i, _mm512_fmsub_ps(x1, cc, _mm512_mul_ps(x2, ss)));
+                store16(qk, bf16, base + half + i, _mm512_fmadd_ps(x2, cc, _mm512_mul_ps(x1, ss)));
+            }
+#elif defined(__AVX2__) && defined(__FMA__)
+            for (; i + 8 <= half; i += 8) {
+                __m256 cc = round8(_mm256_loadu_ps(c + i), bf16), ss = round8(_mm256_loadu_ps(s + i), bf16);
+                __m256 x1 = load8(qk, bf16, base + i), x2 = load8(qk, bf16, base + half + i);
+                store8(qk, bf16, base + i, _mm256_fmsub_ps(x1, cc, _mm256_mul_ps(x2, ss)));
+                store8(qk, bf16, base + half + i, _mm256_fmadd_ps(x2, cc, _mm256_mul_ps(x1, ss)));
+            }
+#endif
+            for (; i < half; i++) {
                 float x1 = ld(qk, bf16, base + i), x2 = ld(qk, bf16, base + half + i);
                 float cc = rnd(c[i], bf16), ss = rnd(s[i], bf16);
                 st(qk, bf16, base + i, x1 * cc - x2 * ss);
