@@ -1,5 +1,6 @@
-"""What a benchmark reads about the processes it starts, from ``/proc``: CPU time, resident memory, children; and
-the environment that runs another checkout's tree (``bench.proxy_cost --baseline``)."""
+"""What a benchmark reads about the processes it starts, from ``/proc``: CPU time, resident memory, children, what
+the host's kernel did (and its memory compacted before a server starts, ``compact_memory``); and the environment
+that runs another checkout's tree (``bench.proxy_cost --baseline``)."""
 from __future__ import annotations
 
 import math
@@ -112,3 +113,14 @@ def host_counters(threads: list[int]) -> dict[str, float]:
             if key in VMSTAT_KEYS:
                 counters[key] = float(value)
     return counters
+
+
+def compact_memory(control: Path = Path("/proc/sys/vm/compact_memory")) -> bool:
+    """Ask the kernel to compact the host's free memory into contiguous blocks now, so that a server started next
+    finds 2 MB pages for its weights whatever the runs before it left fragmented; whether it could (root only)."""
+    try:
+        control.write_text("1")
+    except OSError:
+        return False
+    return True
+

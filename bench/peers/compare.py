@@ -96,8 +96,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.machine import describe_machine, meminfo_bytes
-from bench.processes import (cpu_seconds, descendants, host_counters, memory_threads, tree_cpu_seconds,
-                              tree_rss_bytes)
+from bench.processes import (compact_memory, cpu_seconds, descendants, host_counters, memory_threads,
+                              tree_cpu_seconds, tree_rss_bytes)
 from common.engine.malloc import find_jemalloc, preload_environment
 from bench.roofline import READ_BYTES, READ_PASSES, read_bandwidth
 from common.cli.local_cluster import LocalCluster, free_port
@@ -124,6 +124,7 @@ VARIANTS = {"-int8-kv-int8": ("engine.quantization=int8", "engine.cpu.kv_cache_d
 # suffix: the proxy's setting; every prompt to the prefill worker, or every one (up to 2^20 tokens) prefilled locally
 PROXY_VARIANTS = {"-remote": "local_prefill_threshold=0", "-local": "local_prefill_threshold=1048576"}
 READY_TIMEOUT_S = 600
+HUGE_PAGES_SAID = re.compile(r"\d+ of their \d+ MiB in 2 MB pages")  # a worker's load (common/engine/model_runner.py)
 MEMORY_FLOOR = 0.10  # of the host's memory left available with every server of a run in rounds up (check_memory_left)
 
 
@@ -218,6 +219,8 @@ class Server:
                     for said in ("greedy LM head", "compact panels ("):
                         if said in line:
                             print(f"{name}, {path.stem}: {line[line.index(said):][:100]}", flush=True)
+                    if pages := HUGE_PAGES_SAID.search(line):  # the weights' share of 2 MB pages
+                        print(f"{name}, {path.stem}: weights' panels {pages.group(0)}", flush=True)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -571,6 +574,9 @@ def report(rows: list[dict], args, model: ServedModel, weights: tuple[int, int],
     rate_flag = f"--rate-of-vllm {share:g}" if share else f"--rate {args.rate:g}"
     rate_note = (f" The rate point's {args.rate:g} req/s is {share:g} of the requests vLLM served a second at "
                  f"saturation in this run." if share else "")
+    compacted = (" The host's memory was compacted before each server started (`/proc/sys/vm/compact_memory`), so "
+                 "each found 2 MB pages for its weights however the runs before it had left memory fragmented."
+                 if getattr(args, "compacted", False) else "")
     command = (f"bash bench/peers/install_vllm.sh && .venv/bin/python -m bench.peers.compare {flags}"
                f"--dtype {args.dtype} --num-prompts {args.num_prompts} --single-prompts {args.single_prompts} "
                f"{rate_flag} --seed {args.seed}{rounds_flag} --write")
@@ -588,7 +594,7 @@ def report(rows: list[dict], args, model: ServedModel, weights: tuple[int, int],
             f"virtual machines the bandwidth can move by half within one run, so {one_stream}. "
             f"tessera-agg-int8 reads int8 weights, a byte each, and greedy tokens read the LM head in int8 and a "
             f"few of its tiles in bfloat16 (but for tessera-agg-whole-head), fewer bytes than the roofline counts: "
-            f"a ratio can go below 1.0.{rate_note}\n\n"
+            f"a ratio can go below 1.0.{rate_note}{compacted}\n\n"
             f"    {command}\n\n{table(rows, args, weight_bytes)}\n" +
             (f"\nWhere the cores' time went at saturation, from /proc: each server process over the client's measured "
              f"windows, the client (`vllm bench serve`) over its whole runs; the servers' share of the "
@@ -691,6 +697,7 @@ def main(argv: list[str] | None = None) -> int:
                 log_dir.mkdir()
                 if alternate:
                     check_room_for(name, kept)
+                args.compacted = compact_memory() and getattr(args, "compacted", True)
                 print(f"{name}: starting", flush=True)
                 server = Server(name, args, model, log_dir)
                 try:

@@ -13,7 +13,7 @@ import torch
 from bench import roofline
 from bench.peers import compare
 from bench.peers.compare import report, results_file, rounds_row, served_model
-from bench.processes import VMSTAT_KEYS, host_counters, memory_threads
+from bench.processes import VMSTAT_KEYS, compact_memory, host_counters, memory_threads
 from bench.roofline import read_bandwidth
 from common.config.roles import ProxyConfig, WorkerConfig, load_config, parse_overrides
 from common.storage.model_store import EMBEDDED_MODEL
@@ -237,6 +237,25 @@ def test_the_hosts_counters_read_this_kernel():
     assert {key for key in VMSTAT_KEYS if key in counters} == {key for key in VMSTAT_KEYS if key in vmstat}
     assert all(counters[key] <= vmstat[key] <= after[key] for key in VMSTAT_KEYS if key in vmstat)
     assert ("memory_threads_s" in counters) == bool(threads)
+
+
+def test_memory_is_compacted_before_a_server_starts_where_the_kernel_lets_the_harness(tmp_path):
+    """compact_memory writes the kernel's control file when it can (root), and says so; elsewhere it says it could
+    not, and the report then claims nothing. A worker's load line gives its weights' share of 2 MB pages."""
+    control = tmp_path / "compact_memory"
+    assert compact_memory(control) and control.read_text() == "1"
+    assert not compact_memory(tmp_path / "absent" / "compact_memory")
+    args = argparse.Namespace(model="1b", dtype="bfloat16", input_len=256, output_len=64, num_prompts=8,
+                              single_prompts=4, rate=2.0, seed=100)
+    model = served_model("1b", "bfloat16", cache_dir=tmp_path)
+    said = "The host's memory was compacted before each server started"
+    assert said not in report([], args, model, (822_151_168, 1_644_302_336), bandwidth=64e9)
+    args.compacted = True
+    assert said in report([], args, model, (822_151_168, 1_644_302_336), bandwidth=64e9)
+    line = ("linear weights in the panel layout (kernels/panels_bf16.h), which the decode kernel and "
+            "kernels/linear_panels.c read: their only copy; 1530 of their 1568 MiB in 2 MB pages (transparent "
+            "huge pages: madvise)")
+    assert compare.HUGE_PAGES_SAID.search(line).group(0) == "1530 of their 1568 MiB in 2 MB pages"
 
 
 def test_the_host_table_says_n_a_for_a_counter_this_host_lacks(monkeypatch):
