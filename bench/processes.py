@@ -117,10 +117,10 @@ def host_counters(threads: list[int]) -> dict[str, float]:
 
 def compact_memory(control: Path = Path("/proc/sys/vm/compact_memory")) -> bool:
     """Ask the kernel to compact the host's free memory into contiguous blocks now, so that a server started next
-    finds 2 MB pages for its weights whatever the runs before it left fragmented; whether it could (root only)."""
+    can find 2 MB pages for its weights however the runs before it left memory fragmented; whether it could ask
+    (root only)."""
     try:
         control.write_text("1")
     except OSError:
         return False
     return True
-

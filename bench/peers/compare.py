@@ -71,6 +71,11 @@ once, and the run stops if they leave under a tenth of the host's memory (``chec
 server starts that would, by what one of its kind already up holds (``check_room_for``). Seeds: each
 point's rounds take the next seeds after the rounds of the points before it.
 
+Before each server starts, the host's memory is compacted where the harness may (root:
+``bench.processes.compact_memory``; the report says so), so that a server loading its weights after the runs
+before it can find as many 2 MB pages as the first one did; a Tessera worker's load line gives how much of its
+panel-layout linear weights landed in them.
+
 ``--rate-of-vllm F`` (with ``--rounds``) sets the rate point's arrivals to F times the requests a second vLLM served
 at saturation in the same run, in place of ``--rate``: a fixed rate is near capacity on a fast host and far past it
 on one that serves half as much (1 req/s of 256 in / 64 out at the 1B shape, against vLLM's 94-100 output tok/s on
@@ -124,7 +129,7 @@ VARIANTS = {"-int8-kv-int8": ("engine.quantization=int8", "engine.cpu.kv_cache_d
 # suffix: the proxy's setting; every prompt to the prefill worker, or every one (up to 2^20 tokens) prefilled locally
 PROXY_VARIANTS = {"-remote": "local_prefill_threshold=0", "-local": "local_prefill_threshold=1048576"}
 READY_TIMEOUT_S = 600
-HUGE_PAGES_SAID = re.compile(r"\d+ of their \d+ MiB in 2 MB pages")  # a worker's load (common/engine/model_runner.py)
+HUGE_PAGES_SAID = re.compile(r"\d+ of their \d+ MiB in 2 MB pages|in 4 KB pages")  # a worker's load (common/engine/model_runner.py)
 MEMORY_FLOOR = 0.10  # of the host's memory left available with every server of a run in rounds up (check_memory_left)
 
 
@@ -575,7 +580,7 @@ def report(rows: list[dict], args, model: ServedModel, weights: tuple[int, int],
     rate_note = (f" The rate point's {args.rate:g} req/s is {share:g} of the requests vLLM served a second at "
                  f"saturation in this run." if share else "")
     compacted = (" The host's memory was compacted before each server started (`/proc/sys/vm/compact_memory`), so "
-                 "each found 2 MB pages for its weights however the runs before it had left memory fragmented."
+                 "that each could find as many 2 MB pages as the first; a Tessera worker's load says how many it got."
                  if getattr(args, "compacted", False) else "")
     command = (f"bash bench/peers/install_vllm.sh && .venv/bin/python -m bench.peers.compare {flags}"
                f"--dtype {args.dtype} --num-prompts {args.num_prompts} --single-prompts {args.single_prompts} "

@@ -45,8 +45,9 @@ def attend_f32(q, keys, values, positions, scale):
 
 
 @pytest.mark.parametrize("dtype", CHUNK_DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (16, 2, 128), (8, 1, 64)])
-def test_chunks_and_decode_rows_in_one_step_match_float32(dtype, heads, kv_heads, head_dim):
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (16, 2, 128), (8, 1, 64), (8, 2, 96)])
+@pytest.mark.parametrize("spike", [False, True])  # a late key far above the rest: the running maximum moves on
+def test_chunks_and_decode_rows_in_one_step_match_float32(dtype, heads, kv_heads, head_dim, spike):
     gen = torch.Generator().manual_seed(heads * head_dim)
     torch_dtype = getattr(torch, dtype)
     # (tokens cached before the step, tokens computed in it): two decode rows, a fresh prompt that is not a
@@ -66,6 +67,8 @@ def test_chunks_and_decode_rows_in_one_step_match_float32(dtype, heads, kv_heads
         used += table.shape[0]
         keys = torch.randn(total, kv_heads, head_dim, generator=gen).to(torch_dtype)
         values = torch.randn(total, kv_heads, head_dim, generator=gen).to(torch_dtype)
+        if spike:  # scores against this key ~30x the others': past the AMX item's slack of 8 for most queries
+            keys[total * 3 // 4] *= 30
         past = torch.arange(cached)
         k_cache[table[past // BLOCK], past % BLOCK] = keys[:cached]
         v_cache[table[past // BLOCK], past % BLOCK] = values[:cached]

@@ -5,7 +5,8 @@
  * On the torch path each of these is four to eight operators, each a pass over the whole batch with an
  * allocation and an OpenMP region of its own; for a 2048-token prompt step that was a tenth of the step.
  * Rows are split over torch's OpenMP threads; with AVX-512 a row (for RoPE, a head's half) goes 16 values at a time,
- * with AVX2 8 (widths that are not a multiple of the vector take the scalar loop). Arithmetic is float32; a bfloat16 result is rounded where the
+ * with AVX2 8 (what is left past the last whole vector, and a norm's whole row where its width is not a multiple of
+ * the vector, takes the scalar loop). Arithmetic is float32; a bfloat16 result is rounded where the
  * torch path rounds it (the residual sum, the normalized row before the weight, the SiLU before the
  * product), so both paths agree up to the order of the mean's sum and the last bit of e^x.
  */

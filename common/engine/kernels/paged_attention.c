@@ -80,8 +80,11 @@ int tessera_paged_attention(
  * share every K/V tile read. Keys go CHUNK_KT = 16 at a time. K is laid out as pairs of dimensions by key,
  * so one `dpbf16` gives 16 keys' partial scores with no horizontal sums; V as pairs of keys by dimension,
  * so the probabilities (rounded to bf16, as the second matmul of a bf16 SDPA does) fold in two keys per
- * instruction. Every query keeps a running softmax (max, sum, float32 accumulator). Keys past a query's
- * position are masked; key tiles past the tile's last query are never read.
+ * instruction. The queries stay as they are held, and the scale goes on the float32 scores (a query scaled and
+ * rounded to bf16 first, where the scale is not a power of 2, is off by up to half a bf16 unit, so a score far
+ * above the others, which the softmax then exponentiates, is off by as much relative to them). Every query keeps a
+ * running softmax (max, sum, float32 accumulator). Keys past a query's position are masked; key tiles past the
+ * tile's last query are never read.
  */
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include "simd.h"
@@ -101,7 +104,7 @@ static inline __attribute__((always_inline)) void chunk_item(
     const int pairs = head_dim / 2, dblocks = head_dim / 16;
     int nv = nq * group;
     int nvp = (nv + VB - 1) / VB * VB;
-    uint32_t qp[CHUNK_MAX_VECS][MAX_HEAD_DIM / 2]; /* scaled queries, bf16 pairs */
+    uint32_t qp[CHUNK_MAX_VECS][MAX_HEAD_DIM / 2]; /* the queries, bf16 pairs (the scale goes on the float sums) */
     __m512 acc[CHUNK_MAX_VECS][MAX_HEAD_DIM / 16];
     float m[CHUNK_MAX_VECS];
     __m512 l[CHUNK_MAX_VECS]; /* each query's softmax sum, lane by lane: summed across lanes once, at the end */
@@ -113,7 +116,7 @@ static inline __attribute__((always_inline)) void chunk_item(
         uint16_t *dst = (uint16_t *)qp[v];
         if (v < nv) {
             const uint16_t *src = q + (token_start + q_first + qi) * q_row_stride + (int64_t)(kvh * group + g) * head_dim;
-            for (int i = 0; i < head_dim; i++) dst[i] = f32_to_bf16(bf16_to_f32(src[i]) * scale);
+            for (int i = 0; i < head_dim; i++) dst[i] = src[i];
         } else {
             for (int i = 0; i < head_dim; i++) dst[i] = 0;
         }
@@ -156,6 +159,7 @@ static inline __attribute__((always_inline)) void chunk_item(
                 for (int j = 0; j < VB; j++)
                     s[j] = _mm512_dpbf16_ps(s[j], (__m512bh)_mm512_set1_epi32((int)qp[v0 + j][i]), kv2);
             }
+            for (int j = 0; j < VB; j++) s[j] = _mm512_mul_ps(s[j], _mm512_set1_ps(scale));
             uint32_t pp[VB][CHUNK_KT / 2];
             for (int j = 0; j < VB; j++) {
                 int v = v0 + j;
@@ -202,10 +206,10 @@ static inline __attribute__((always_inline)) void chunk_item(
  * (chunk, up to AMX_QT queries, kv head), at most AMX_MAX_VECS query vectors (eight tiles of 16 rows), so that
  * each block of keys' K and V, put in the tiles' layouts once, serves up to eight tiles of queries. Keys go
  * AMX_KB = 64 at a time. A tile of queries' scores against them are four tdpbf16ps sums (16 x 16 floats each)
- * over the head's dimensions, 32 at a time: the queries (bf16, scaled) are the A operand as they are held, 16
+ * over the head's dimensions, 32 at a time (scaled afterwards, as above): the queries are the A operand as held, 16
  * keys' K as pairs of dimensions by key (kt, as the vdpbf16ps item lays it out) the B operand. The running softmax
  * is the item's (vector code, a row at a time), its maximum moved only when a block's passes it by more than
- * AMX_SLACK (each probability then stays below e^AMX_SLACK, which float32 sums and bfloat16 hold). The
+ * AMX_SLACK (each probability then at most e^AMX_SLACK, which float32 sums and bfloat16 hold). The
  * probabilities, rounded to bf16 as there, are the A operand of the second product (two tiles of 32 keys), V as
  * pairs of keys by dimension its B operand: the queries' float32 accumulators, up to four blocks of 16 dimensions,
  * are loaded into their own sum tiles, the products issued into them together, and stored back (speeds:
@@ -236,11 +240,11 @@ static inline __attribute__((always_inline)) void chunk_item(
         }                                                                                    \
     }
 
-/* e^x for the softmax's x = score - running max (at most AMX_SLACK): exp16 without its clamp, whose bounds such an x
- * never passes below (scalef makes 0 of what underflows) nor above, and Taylor to r^5 (relative error ~3e-6, far
- * below the bfloat16 rounding each probability takes) */
+/* e^x for the softmax's x = score - running max (at most AMX_SLACK): exp16 clamped below only (at -87, so no
+ * subnormal results, and 0 rather than NaN for an x of -inf), and Taylor to r^5 (relative error ~3e-6, far below
+ * the bfloat16 rounding each probability takes) */
 static inline __m512 exp16_softmax(__m512 x) {
-    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
     __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945f));
     __m512 e = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_fmadd_ps(
@@ -257,7 +261,7 @@ static inline __attribute__((always_inline)) void chunk_item_amx(
 {
     const int pairs = head_dim / 2, dblocks = head_dim / 16, dchunks = head_dim / 32;
     const int nv = nq * group, tiles = (nv + 15) / 16;
-    uint16_t qb[AMX_MAX_VECS][AMX_MAX_HEAD_DIM] __attribute__((aligned(64))); /* scaled queries, zero past nv */
+    uint16_t qb[AMX_MAX_VECS][AMX_MAX_HEAD_DIM] __attribute__((aligned(64))); /* the queries, zero past nv */
     float acc[AMX_MAX_VECS][AMX_MAX_HEAD_DIM] __attribute__((aligned(64)));
     float m[AMX_MAX_VECS];
     __m512 l[AMX_MAX_VECS];
@@ -271,9 +275,8 @@ static inline __attribute__((always_inline)) void chunk_item_amx(
         if (v < nv) {
             const uint16_t *src = q + (token_start + q_first + v / group) * q_row_stride
                                   + (int64_t)(kvh * group + v % group) * head_dim;
-            for (int i = 0; i < head_dim; i += 16)
-                _mm256_store_si256((__m256i *)(qb[v] + i),
-                                   (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(load16(src, 1, i), vscale)));
+            for (int i = 0; i < head_dim; i += 32)
+                _mm512_store_si512(qb[v] + i, _mm512_loadu_si512(src + i));
         } else {
             for (int i = 0; i < head_dim; i += 32) _mm512_store_si512(qb[v] + i, _mm512_setzero_si512());
         }
@@ -282,8 +285,8 @@ static inline __attribute__((always_inline)) void chunk_item_amx(
         l[v] = _mm512_setzero_ps();
         pos[v] = num_computed + q_first + (v < nv ? v / group : nq - 1);
     }
-    /* tiles 0-3: scores against 16 keys each, then sums of P V; 4-5: queries or probabilities (A); 6-7 and 5: K
-     * or V (B); every tile 16 rows of 64 bytes */
+    /* tiles 0-3: scores against 16 keys each, then sums of P V; 4-5: queries or probabilities (A); 6, 7 (and 5
+     * for K): K or V (B); every tile 16 rows of 64 bytes */
     const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
     amx_configure(rows);
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
@@ -356,7 +359,7 @@ static inline __attribute__((always_inline)) void chunk_item_amx(
                 for (int g = 0; g < 4; g++) {
                     const int64_t in = visible - 16 * g;
                     keep[g] = (__mmask16)(in >= 16 ? 0xffffu : in > 0 ? (1u << in) - 1u : 0u);
-                    s[g] = _mm512_load_ps(sc[j] + 16 * g);
+                    s[g] = _mm512_mul_ps(_mm512_load_ps(sc[j] + 16 * g), vscale);
                     mx = _mm512_mask_max_ps(mx, keep[g], mx, s[g]);
                 }
                 const float block_max = _mm512_reduce_max_ps(mx);
