@@ -129,7 +129,8 @@ VARIANTS = {"-int8-kv-int8": ("engine.quantization=int8", "engine.cpu.kv_cache_d
 # suffix: the proxy's setting; every prompt to the prefill worker, or every one (up to 2^20 tokens) prefilled locally
 PROXY_VARIANTS = {"-remote": "local_prefill_threshold=0", "-local": "local_prefill_threshold=1048576"}
 READY_TIMEOUT_S = 600
-HUGE_PAGES_SAID = re.compile(r"\d+ of their \d+ MiB in 2 MB pages|in 4 KB pages")  # a worker's load (common/engine/model_runner.py)
+# what a worker's load logs of its panels' pages (common/engine/model_runner.py)
+HUGE_PAGES_SAID = re.compile(r"\d+ of their \d+ MiB in 2 MB pages|in 4 KB pages")
 MEMORY_FLOOR = 0.10  # of the host's memory left available with every server of a run in rounds up (check_memory_left)
 
 
@@ -695,6 +696,7 @@ def main(argv: list[str] | None = None) -> int:
     alternate = args.rounds > 0 or args.one_stream_rounds > 0  # every server up until the rounds
     first = 0 if args.rounds else 2 if alternate else 3  # the points each server runs on its own, at its start
     kept: list[Server] = []
+    compacted = True  # the host's memory before every server's start (compact_memory)
     with tempfile.TemporaryDirectory(prefix="tessera-peers-") as tmp:
         try:
             for name in args.servers.split(","):
@@ -702,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
                 log_dir.mkdir()
                 if alternate:
                     check_room_for(name, kept)
-                args.compacted = compact_memory() and getattr(args, "compacted", True)
+                compacted = compact_memory() and compacted
                 print(f"{name}: starting", flush=True)
                 server = Server(name, args, model, log_dir)
                 try:
@@ -720,6 +722,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for server in kept:
                 server.stop()
+    args.compacted = compacted
     text = report(rows, args, model, (parameters, weight_bytes), bandwidth)
     print(text)
     if args.results:

@@ -240,19 +240,6 @@ static inline __attribute__((always_inline)) void chunk_item(
         }                                                                                    \
     }
 
-/* e^x for the softmax's x = score - running max (at most AMX_SLACK): exp16 clamped below only (at -87, so no
- * subnormal results, and 0 rather than NaN for an x of -inf), and Taylor to r^5 (relative error ~3e-6, far below
- * the bfloat16 rounding each probability takes) */
-static inline __m512 exp16_softmax(__m512 x) {
-    __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945f));
-    __m512 e = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_fmadd_ps(
-        _mm512_set1_ps(1.f / 120.f), r, _mm512_set1_ps(1.f / 24.f)), r, _mm512_set1_ps(1.f / 6.f)), r,
-        _mm512_set1_ps(0.5f)), r, _mm512_set1_ps(1.f)), r, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(e, n);
-}
-
 static inline __attribute__((always_inline)) void chunk_item_amx(
     const uint16_t *q, int64_t q_row_stride, const uint16_t *kv, int64_t block_stride, int64_t k_offset,
     int64_t v_offset, const int64_t *table, int64_t token_start, int64_t num_computed, int q_first, int nq,
@@ -373,7 +360,7 @@ static inline __attribute__((always_inline)) void chunk_item_amx(
                 const __m512 mv = _mm512_set1_ps(m[v]);
                 __m512 p[4], sum = l[v];
                 for (int g = 0; g < 4; g++) {
-                    p[g] = _mm512_maskz_mov_ps(keep[g], exp16_softmax(_mm512_sub_ps(s[g], mv)));
+                    p[g] = _mm512_maskz_mov_ps(keep[g], exp16_short(_mm512_sub_ps(s[g], mv)));
                     sum = _mm512_add_ps(sum, p[g]);
                 }
                 l[v] = sum;
