@@ -1,7 +1,7 @@
 """The CPU kernels of the torch path against torch on the same inputs.
 
 - The chunk-attention kernel (kernels/paged_attention.c, ``tessera_chunk_attention``; bfloat16 with AVX512-BF16,
-  float32 with AVX2 on a CPU without AVX-512) against float32 attention over the same paged K/V: fresh prompts,
+  float32 with AVX2 on a CPU without AVX-512) against float64 attention over the same paged K/V: fresh prompts,
   chunks that continue a cached prefix, chunks that start mid-block, several chunks beside decode rows in one
   step, and group sizes from 1 to 8.
 - The paged decode kernel alone, float32 and bfloat16 pools, head sizes that fill whole 32-dimension pairs
@@ -35,11 +35,12 @@ def make_cache(num_blocks: int, kv_heads: int, head_dim: int, dtype: str = "bflo
                             dtype=dtype), num_blocks)
 
 
-def attend_f32(q, keys, values, positions, scale):
-    """Reference: every query row attends in float32 to keys [0, its position]."""
+def attend_f64(q, keys, values, positions, scale):
+    """Reference: every query row attends in float64 to keys [0, its position] (a float32 reference's own error is
+    as large as the float32 kernel's where a spike key's scores are large)."""
     mask = torch.arange(keys.shape[0])[None, :] <= positions[:, None]
-    out = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], keys.float().transpose(0, 1)[None],
-                                         values.float().transpose(0, 1)[None], attn_mask=mask, scale=scale,
+    out = F.scaled_dot_product_attention(q.double().transpose(0, 1)[None], keys.double().transpose(0, 1)[None],
+                                         values.double().transpose(0, 1)[None], attn_mask=mask, scale=scale,
                                          enable_gqa=True)
     return out[0].transpose(0, 1)
 
@@ -79,7 +80,7 @@ def test_chunks_and_decode_rows_in_one_step_match_float32(dtype, heads, kv_heads
         new_v.append(values[cached:])
         q = torch.randn(n, heads, head_dim, generator=gen).to(torch_dtype)
         q_rows.append(q)
-        refs.append(attend_f32(q, keys, values, new, scale))
+        refs.append(attend_f64(q, keys, values, new, scale))
         if n == 1:
             decode_tables.append(table)
             decode_lens.append(total)
@@ -105,8 +106,8 @@ def test_chunks_and_decode_rows_in_one_step_match_float32(dtype, heads, kv_heads
     sdpa_err = (sdpa - reference).abs().max().item()
     if dtype == "bfloat16":  # bf16 inputs and a bf16 output: torch's bf16 SDPA is the measure of what rounding costs
         assert ours_err <= 2 * sdpa_err + 1e-3, (ours_err, sdpa_err)
-    else:  # float32 throughout: a few units in the last place of outputs of order 1, as SDPA's own error
-        assert ours_err <= 1e-5 and sdpa_err <= 1e-5, (ours_err, sdpa_err)
+    else:  # float32 throughout: no worse than torch's float32 SDPA, whose error grows with the scores' size
+        assert ours_err <= 2 * sdpa_err + 1e-6 and sdpa_err <= 1e-5, (ours_err, sdpa_err)
     assert torch.isfinite(ours).all()
 
 
@@ -137,12 +138,12 @@ def test_decode_rows_match_float32_attention(dtype, heads, kv_heads, head_dim, b
         pos = torch.arange(n)
         k_cache[table[pos // block_size], pos % block_size] = keys
         v_cache[table[pos // block_size], pos % block_size] = values
-        refs.append(attend_f32(q[i:i + 1], keys, values, torch.tensor([n - 1]), scale))
+        refs.append(attend_f64(q[i:i + 1], keys, values, torch.tensor([n - 1]), scale))
     ctx = StepContext(kv_cache=cache, slot_blocks=tables[:, 0], slot_offsets=torch.zeros(len(lengths)),
                       decode_rows=torch.arange(len(lengths)), decode_block_tables=tables,
                       decode_context_lens=torch.tensor(lengths))
     ours = CPU._decode(q, k_cache, v_cache, ctx, scale).float()
-    reference = torch.cat(refs)
+    reference = torch.cat(refs).float()
     if dtype == "float32":
         torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-5)
     else:  # the output is rounded to bf16: within a rounding of the float32 result
