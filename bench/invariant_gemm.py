@@ -10,7 +10,8 @@ The model's four linear shapes and its LM head (from its config.json, no weights
 copy per shape; per dtype and number of rows, each way's time for one pass over the five (the best of ``--repeat``
 rounds, the ways alternating, so the machine's drift biases none), and the kernel's speed over torch's; oneDNN's
 on the weights in its blocked layout (``llama.prepack``, the engine's copy for steps of several rows) where this
-host's oneDNN takes the dtype. With
+host's oneDNN takes the dtype, and for bfloat16 where it does not but its float32 path leads (an AVX2 CPU), on a
+float32 copy with the rows widened (``llama.onednn_widens_bf16``). With
 ``--portable`` also the kernel built with TESSERA_PORTABLE (the loop a CPU without AVX2 or AVX-512 runs), and
 whether its outputs equal the vector path's bit for bit, which the CPU's vector path promises for float32 and (but
 with AVX512-BF16) bfloat16.
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.int8_gemm import add_shape_arguments, shape_model, shapes
-from common.engine.models.llama import prepack
+from common.engine.models.llama import onednn_widens_bf16, prepack
 from common.engine.native import gemm_invariant_kernel
 
 
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         weights = [(torch.randn(n, k, generator=gen) * k ** -0.5).to(dtype) for _, n, k in linears]
         copies = [prepack(w) for w in weights]
         packed[dtype] = None if any(c is None for c in copies) else copies
+        widened = None  # bf16 weights' float32 copy where oneDNN has no bf16 path (``llama.onednn_widens_bf16``)
+        if dtype is torch.bfloat16 and packed[dtype] is None and onednn_widens_bf16():
+            widened = [prepack(w.float()) for w in weights]
         for rows in args.rows:
             xs = [torch.randn(rows, k, generator=gen).to(dtype) for _, _, k in linears]
             outs = {way: [torch.empty(rows, n, dtype=dtype) for _, n, _ in linears] for way in ("vector", "portable")}
@@ -74,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
                     for x, p in zip(xs, packed[dtype]):
                         torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
                 ways["onednn"] = run_onednn
+            elif widened is not None:  # bf16 rows widened against the weights' float32 copy, as ``linear`` does
+                def run_widened():
+                    for x, p in zip(xs, widened):
+                        torch.ops.mkldnn._linear_pointwise(x.float(), p, None, "none", [], "").to(dtype)
+                ways["onednn"] = run_widened
             if args.portable:
                 ways["portable"] = through(portable, "portable")
             best = dict.fromkeys(ways, float("inf"))

@@ -35,6 +35,10 @@ own name for it):
   with decoding streams taking prompt tokens up to the whole step budget as vLLM's do (the default caps them at 256
   on the CPU: common/engine/scheduler.py), its baseline;
 - ``tessera-pd-system-malloc``, ``tessera-agg-system-malloc``: the same with ``engine.cpu.malloc=system``;
+- ``tessera-pd-bf16``, ``tessera-agg-bf16``: the same serving the model's weights in bfloat16 (``engine.dtype``) whatever
+  ``--dtype`` serves the rest in: with ``--dtype float32`` on a CPU without AVX512-BF16, where vLLM's float32 is its
+  fastest, Tessera's bf16 weights beside oneDNN's float32 copy of them (common/engine/models/llama.py,
+  ``onednn_widens_bf16``);
 - ``tessera-pd-remote``, ``tessera-pd-local``: the P/D layout with the proxy's ``local_prefill_threshold`` at 0 (every
   prompt to the prefill worker) or past any prompt (every prompt prefilled on the decode worker, in its decoding
   steps), against the derived threshold of the default (proxy/core/routing.py).
@@ -118,14 +122,15 @@ SERVERS = ("vllm", "tessera-pd", "tessera-pd-split", "tessera-agg", "tessera-agg
            "tessera-pd-kv-int8", "tessera-agg-kv-int8", "tessera-agg-int8-kv-int8",
            "tessera-pd-compact", "tessera-agg-compact", "tessera-pd-no-compact", "tessera-agg-no-compact",
            "tessera-pd-uncapped", "tessera-agg-uncapped", "tessera-pd-remote", "tessera-pd-local",
-           "vllm-system-malloc", "vllm-no-iomp", "tessera-agg-system-malloc", "tessera-pd-system-malloc")
+           "vllm-system-malloc", "vllm-no-iomp", "tessera-agg-system-malloc", "tessera-pd-system-malloc",
+           "tessera-pd-bf16", "tessera-agg-bf16")
 DEFAULT_SERVERS = SERVERS[:5]  # the whole head's and the compact panels' runs are A/Bs for --servers to ask for
 # suffix: settings (the first that a name ends with)
 VARIANTS = {"-int8-kv-int8": ("engine.quantization=int8", "engine.cpu.kv_cache_dtype=int8"),
             "-kv-int8": ("engine.cpu.kv_cache_dtype=int8",), "-int8": ("engine.quantization=int8",),
             "-whole-head": ("engine.cpu.greedy_head_max_rows=0",), "-no-compact": ("engine.cpu.compact_panels=off",),
             "-uncapped": ("engine.steps.decoding_prompt_tokens=0",), "-compact": ("engine.cpu.compact_panels=only",),
-            "-system-malloc": ("engine.cpu.malloc=system",)}
+            "-system-malloc": ("engine.cpu.malloc=system",), "-bf16": ("engine.dtype=bfloat16",)}
 # suffix: the proxy's setting; every prompt to the prefill worker, or every one (up to 2^20 tokens) prefilled locally
 PROXY_VARIANTS = {"-remote": "local_prefill_threshold=0", "-local": "local_prefill_threshold=1048576"}
 READY_TIMEOUT_S = 600
@@ -586,6 +591,9 @@ def report(rows: list[dict], args, model: ServedModel, weights: tuple[int, int],
     command = (f"bash bench/peers/install_vllm.sh && .venv/bin/python -m bench.peers.compare {flags}"
                f"--dtype {args.dtype} --num-prompts {args.num_prompts} --single-prompts {args.single_prompts} "
                f"{rate_flag} --seed {args.seed}{rounds_flag} --write")
+    bf16_note = (" The servers named -bf16 serve the weights in bfloat16 (`engine.dtype`), half the bytes a decode "
+                 "step reads, which the roofline counts in " + args.dtype + "."
+                 if args.dtype != "bfloat16" and any(row.get("server", "").endswith("-bf16") for row in rows) else "")
     return ("# Against vLLM's CPU build, same cores: the latest run on this CPU kind\n\n"
             "(`bench.peers.compare --write` replaces this file; docs/benchmarks.md quotes it.)\n\n"
             f"{time.strftime('%Y-%m-%d')}, {cpu_line()}, {args.dtype}, {args.input_len} in / "
@@ -600,7 +608,7 @@ def report(rows: list[dict], args, model: ServedModel, weights: tuple[int, int],
             f"virtual machines the bandwidth can move by half within one run, so {one_stream}. "
             f"tessera-agg-int8 reads int8 weights, a byte each, and greedy tokens read the LM head in int8 and a "
             f"few of its tiles in bfloat16 (but for tessera-agg-whole-head), fewer bytes than the roofline counts: "
-            f"a ratio can go below 1.0.{rate_note}{compacted}\n\n"
+            f"a ratio can go below 1.0.{bf16_note}{rate_note}{compacted}\n\n"
             f"    {command}\n\n{table(rows, args, weight_bytes)}\n" +
             (f"\nWhere the cores' time went at saturation, from /proc: each server process over the client's measured "
              f"windows, the client (`vllm bench serve`) over its whole runs; the servers' share of the "

@@ -38,7 +38,8 @@ from common.engine.memory import device_memory_bytes, module_bytes, resident_byt
 from common.engine.malloc import loaded_allocator, release_freed_memory
 from common.engine import compact_panels, deterministic
 from common.engine.models.llama import (COMPACT_BESIDE_ROWS, FusedDecode, check_divisible, onednn_beside_panels,
-                                       onednn_prepacks_bf16, onednn_prepacks_float32, onednn_rows, wide_sums)
+                                       onednn_prepacks_bf16, onednn_prepacks_float32, onednn_rows, onednn_widens_bf16,
+                                       wide_sums)
 from common.engine.models.loader import load_hf_config, load_model
 from common.engine.native import gemv_bf16_kernel, panels_amx_rows
 from common.engine.quantization import (calibration_ids, choose_int8_matmul, int8_gemm_amx_rows, kernel_row_ranges,
@@ -472,11 +473,12 @@ class ModelRunner:
     def _prepacks(self) -> bool:
         """Whether the load gives the linear weights oneDNN's blocked copy (engine.cpu.prepack_weights): bfloat16
         ones where this CPU's oneDNN has a bf16 path, float32 ones on an AVX2 CPU without AVX-512
-        (``onednn_prepacks_float32``); never int8 weights or under engine.deterministic."""
+        (``onednn_prepacks_float32``), and there bfloat16 ones as a float32 copy (``onednn_widens_bf16``); never int8
+        weights or under engine.deterministic."""
         if (self.device.type != "cpu" or not self.config.cpu.prepack_weights or self.config.deterministic
                 or self.config.quantization == "int8"):
             return False
-        return ((self.dtype is torch.bfloat16 and onednn_prepacks_bf16())
+        return ((self.dtype is torch.bfloat16 and (onednn_prepacks_bf16() or onednn_widens_bf16()))
                 or (self.dtype is torch.float32 and onednn_prepacks_float32()))
 
     def _stored_weight_bytes(self) -> int:
@@ -494,7 +496,8 @@ class ModelRunner:
             copied = [m for m in self.model.modules() if isinstance(m, torch.nn.Linear) and m not in panels]
             if self.model.tie_word_embeddings and self.model.embed_tokens not in panels:
                 copied.append(self.model.embed_tokens)
-            return self.weight_bytes + sum(m.weight.nbytes for m in copied)
+            widened = 2 if self.dtype is torch.bfloat16 and onednn_widens_bf16() else 1  # a float32 copy
+            return self.weight_bytes + widened * sum(m.weight.nbytes for m in copied)
         return self.weight_bytes
 
     @property

@@ -11,7 +11,7 @@ from common.config.base import ConfigError, CpuConfig, EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.engine.model_runner import DECODE_ROW_RUNGS, ModelRunner, largest_rung
 from common.engine.models.llama import (LlamaForCausalLM, decode_forward_kernel, decode_forward_takes_panels,
-                                        onednn_beside_panels, weight_of_panels)
+                                        onednn_beside_panels, onednn_widens_bf16, weight_of_panels)
 from common.engine.native import cpu_has, panels_amx_rows
 from common.engine.quantization import (INT8_WEIGHT_ONLY_ROWS, input_absmax, linear_int8, mlp_int8, quant_kernels,
                                          quantize_rows, smooth_for_int8)
@@ -274,7 +274,7 @@ def test_embedded_model_greedy_output_is_the_same_with_and_without_the_kernel(em
     assert outputs[0] == outputs[1]
 
 
-def test_prepacked_bfloat16_weights_give_the_plain_weights_logits_bit_for_bit(tiny_dir, monkeypatch):
+def test_prepacked_bfloat16_weights_give_the_plain_weights_logits(tiny_dir, monkeypatch):
     monkeypatch.setattr(LlamaForCausalLM, "panels_fit", lambda model: False)  # the weights in rows, as without them
     packed = runner_for(tiny_dir, dtype="bfloat16", decode_kernel_max_batch=0)
     plain = runner_for(tiny_dir, dtype="bfloat16", decode_kernel_max_batch=0, prepack_weights=False)
@@ -294,7 +294,13 @@ def test_prepacked_bfloat16_weights_give_the_plain_weights_logits_bit_for_bit(ti
         with torch.inference_mode():
             prepared = runner.prepare(plan)
             logits.append(runner.model.compute_logits(runner.forward(prepared)))
-    assert torch.equal(logits[0], logits[1])
+    if not onednn_widens_bf16():
+        assert torch.equal(logits[0], logits[1])
+        return
+    # an AVX2 host: oneDNN's copy is the weights in float32 (steps of WIDENED_COPY_ROWS rows and more, as this one
+    # of 46), which sums in another order than the bf16 path: within two bf16 steps of the largest logit (seen: one)
+    ours, plain_logits = logits[0].float(), logits[1].float()
+    assert (ours - plain_logits).abs().max() <= 2 ** -6 * plain_logits.abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

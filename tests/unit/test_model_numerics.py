@@ -111,3 +111,25 @@ def test_the_bf16_gemv_kernel_matches_torch_linear_for_one_row():
     # float32: torch's matmul, or the invariant one where that is faster (an AVX2 host: float32_invariant_rows)
     float32 = linear_invariant if float32_invariant_rows() else F.linear
     assert torch.equal(linear(x4[:1].float(), w.float()), float32(x4[:1].float(), w.float(), None))
+
+
+def test_bf16_rows_take_a_float32_copy_of_the_weight_from_its_row_count():
+    """``llama.onednn_widens_bf16``'s path (an AVX2 host, where oneDNN has no bf16 matmul): steps of
+    WIDENED_COPY_ROWS rows or more widen their bf16 rows and multiply by the weight's float32 copy in oneDNN's
+    layout, and round the result once; fewer rows read the bf16 weight as without the copy."""
+    from common.engine.models.llama import WIDENED_COPY_ROWS, linear, prepack
+
+    gen = torch.Generator().manual_seed(5)
+    w = (torch.randn(96, 64, generator=gen) * 0.1).to(torch.bfloat16)
+    b = torch.randn(96, generator=gen).to(torch.bfloat16)
+    packed = prepack(w.float())
+    if packed is None:
+        pytest.skip("this torch has no oneDNN to prepack for")
+    for rows in (WIDENED_COPY_ROWS, 40):
+        x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
+        out = linear(x, w, b, packed=packed)
+        exact = x.double() @ w.double().T + b.double()
+        assert out.dtype is torch.bfloat16 and out.shape == (rows, 96)
+        assert torch.allclose(out.double(), exact, rtol=2 ** -8, atol=1e-6), (out.double() - exact).abs().max()
+    x = torch.randn(WIDENED_COPY_ROWS - 1, 64, generator=gen).to(torch.bfloat16)
+    assert torch.equal(linear(x, w, b, packed=packed), linear(x, w, b))

@@ -176,6 +176,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return _linear_panels(x, panels, weight.shape[0], bias)
     if _wide[0]:
         return _linear_wide(x, weight, bias).to(x.dtype)
+    if packed is not None and packed.dtype is not weight.dtype:  # a bf16 weight's float32 copy (``onednn_widens_bf16``)
+        if x.dtype is torch.bfloat16 and x.numel() >= x.shape[-1] * WIDENED_COPY_ROWS and x.device.type == "cpu":
+            return torch.ops.mkldnn._linear_pointwise(x.float(), packed, None if bias is None else bias.float(),
+                                                      "none", [], "").to(torch.bfloat16)
+        packed = None
     if (packed is None and x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16 and x.device.type == "cpu"
             and (bias is None or bias.dtype is torch.bfloat16) and bf16_matmul_widens()):
         return linear_invariant(x, weight, bias)
@@ -280,6 +285,15 @@ def onednn_prepacks_float32() -> bool:
 
 
 @functools.cache
+def onednn_widens_bf16() -> bool:
+    """Whether bfloat16 linear weights get oneDNN's blocked copy in float32 (``prepack_weights``): where oneDNN has
+    no bf16 path but its float32 matmul leads (``onednn_prepacks_float32``: an AVX2 CPU without AVX-512). Steps of
+    ``WIDENED_COPY_ROWS`` rows or more widen their rows to float32 and multiply against it; fewer rows, and the one-call
+    decode kernel, read the bf16 weight, half the bytes of float32's."""
+    return onednn_prepacks_float32() and not onednn_prepacks_bf16()
+
+
+@functools.cache
 def bf16_matmul_widens() -> bool:
     """Whether torch's bf16 matmul on this CPU is its reference loop (no oneDNN bf16 path: ``onednn_prepacks_bf16``)
     where kernels/gemm_invariant.c has a vector path (AVX2 and FMA, or AVX-512): an AVX2 host, where the kernel
@@ -288,6 +302,10 @@ def bf16_matmul_widens() -> bool:
     vector = (cpu_has("avx2") and cpu_has("fma")) or cpu_has("avx512f")
     return vector and not onednn_prepacks_bf16() and gemm_invariant_kernel() is not None
 
+
+# From this many rows, bfloat16 linears with a float32 copy in oneDNN's layout (``onednn_widens_bf16``) take it rather
+# than kernels/gemm_invariant.c on the bf16 weight: PLACEHOLDER
+WIDENED_COPY_ROWS = 16
 
 # Up to this many rows, float32 linears on an AVX2 CPU without AVX-512 take kernels/gemm_invariant.c: at the 135M
 # model's five shapes on first-generation Zen it is 2.7x torch's F.linear at 16 rows, 1.5x at 64, 1.18x at 256,
@@ -740,7 +758,7 @@ class LlamaForCausalLM(nn.Module):
 
     def prepack_weights(self) -> int:
         """Gives every linear layer (bfloat16, or float32 where ``onednn_prepacks_float32``: the model runner
-        decides), and a tied LM head, not in panels (``pack_panels``: with them, none
+        decides; a bfloat16 one in float32 where ``onednn_widens_bf16``), and a tied LM head, not in panels (``pack_panels``: with them, none
         but a head whose shape the panels do not fit) its oneDNN-blocked copy (``packed``, from ``prepack``); the
         plain weights stay for the one-row kernels. Where oneDNN has AMX (``onednn_beside_panels``) the layers in
         panels get one too, for steps of ``onednn_rows()`` rows or more. Returns the bytes added."""
@@ -752,8 +770,9 @@ class LlamaForCausalLM(nn.Module):
             if panels is not None and not beside:
                 continue
             weight = module.weight if panels is None else weight_of_any_panels(panels, *module.weight.shape)
-            module.packed = prepack(weight)
-            added += module.weight.nbytes if module.packed is not None else 0
+            widen = weight.dtype is torch.bfloat16 and onednn_widens_bf16()
+            module.packed = prepack(weight.float() if widen else weight)
+            added += module.weight.nbytes * (2 if widen else 1) if module.packed is not None else 0
         return added
 
 
