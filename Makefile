@@ -39,7 +39,8 @@ $(SETUP_STAMP): pyproject.toml
 prepare: setup
 	for dtype in $(DTYPE); do $(BIN)/tessera model prepare --dtype $$dtype || exit 1; done
 
-# The fastest dtype this machine computes (bfloat16 with AVX512-BF16 or AMX, else float32); RUN_DTYPE=float32 overrides.
+# The fastest dtype this machine computes (bfloat16 with AVX512-BF16 or AMX, or on AVX2 without AVX-512, else float32);
+# RUN_DTYPE=float32 overrides.
 # Passed by name: the tessera commands' own default is float32, the dtype `make prepare` makes.
 RUN_DTYPE ?= auto
 

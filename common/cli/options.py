@@ -43,7 +43,8 @@ def add_dtype_option(parser: argparse.ArgumentParser, what: str = "weight and co
     the model the others load; ``auto`` is chosen by name (``make run`` does)."""
     parser.add_argument(
         "--dtype", type=dtype_option, default=default, metavar="{float32,bfloat16,auto}",
-        help=f"{what}; auto: bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX), else float32, "
+        help=f"{what}; auto: bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX) or on an AVX2 CPU "
+        "without AVX-512 (beside oneDNN's float32 copy of the weights), else float32, "
         f"with a line saying which (default: {default})")
 
 

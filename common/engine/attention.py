@@ -248,9 +248,10 @@ class CpuAttention(TorchAttention):
         self._kernel_i8 = kv_int8.attend_kernel()  # over an int8 pool (engine.cpu.kv_cache_dtype)
         chunk = kernel_function("paged_attention", "tessera_chunk_attention", _CHUNK_ARGS)
         # The dtypes whose prompt chunks take the chunk kernel (-3 from it: SDPA stays): bfloat16 where it was built
-        # with AVX512-BF16; float32 where it was built with AVX2 and FMA on a CPU without AVX-512, where it is
-        # ahead of SDPA (first-generation Zen, 135M shapes: ``bench.chunk_attention``, docs/benchmarks.md; not
-        # measured on AVX-512 hosts, which keep SDPA for float32).
+        # with AVX512-BF16, or with AVX2 and FMA (its float32 item widening the bf16 rows: torch's bf16 SDPA
+        # multiplies with its reference loop there); float32 where it was built with AVX2 and FMA on a CPU without
+        # AVX-512, where it is ahead of SDPA (first-generation Zen, 135M shapes: ``bench.chunk_attention``,
+        # docs/benchmarks.md; not measured on AVX-512 hosts, which keep SDPA for float32).
         self._chunk_dtypes = set()
         for dtype in (torch.bfloat16, torch.float32):
             if dtype is torch.float32 and not avx2_without_avx512():

@@ -59,10 +59,16 @@ Converter = Callable[[Path, Path, str, Log], None]  # (gguf file, output dir, dt
 # CPU features with native bfloat16 dot products; without them torch emulates bf16 matmuls, about 2x
 # slower than float32 on the CPUs measured (docs/benchmarks.md).
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+# An AVX2 CPU without AVX-512: bfloat16 weights there keep oneDNN's float32 copy for steps of many rows
+# (common/engine/models/llama.py, ``onednn_widens_bf16``) and the kernels widen them for a few rows, reading half
+# float32's bytes: on AMD Zen 3 ahead of float32 at 135M (1.02x the engine's saturation throughput) and at the 1B
+# shape (1.10x; one stream 0.80x the TPOT; docs/benchmarks.md).
+AVX2_FLAGS = ("avx2", "fma")
 
 
 def fastest_dtype(cpu_flags: set[str] | None = None) -> tuple[str, str]:
-    """(the dtype that serves fastest on this CPU, why): bfloat16 with AVX512-BF16 or AMX, else float32."""
+    """(the dtype that serves fastest on this CPU, why): bfloat16 with AVX512-BF16 or AMX, or on an AVX2 CPU
+    without AVX-512; else float32."""
     if cpu_flags is None:
         cpu_flags = set()
         try:
@@ -75,8 +81,11 @@ def fastest_dtype(cpu_flags: set[str] | None = None) -> tuple[str, str]:
     found = [flag for flag in BF16_CPU_FLAGS if flag in cpu_flags]
     if found:
         return "bfloat16", f"this CPU computes bfloat16 natively ({', '.join(found)})"
-    return "float32", ("this CPU has neither AVX512-BF16 nor AMX (or they cannot be read): bfloat16 would be "
-                       "emulated and slower than float32")
+    if all(flag in cpu_flags for flag in AVX2_FLAGS) and "avx512f" not in cpu_flags:
+        return "bfloat16", ("an AVX2 CPU without AVX-512: bfloat16 weights, widened by Tessera's kernels for a few "
+                            "rows and multiplied by oneDNN's float32 copy of them for many, read half the bytes")
+    return "float32", ("this CPU has neither AVX512-BF16 nor AMX (or they cannot be read), nor is it an AVX2 CPU "
+                       "without AVX-512: bfloat16 would be emulated and slower than float32")
 
 
 def default_cache_root() -> Path:

@@ -1,7 +1,7 @@
 """The CPU kernels of the torch path against torch on the same inputs.
 
 - The chunk-attention kernel (kernels/paged_attention.c, ``tessera_chunk_attention``; bfloat16 with AVX512-BF16,
-  float32 with AVX2 on a CPU without AVX-512) against float64 attention over the same paged K/V: fresh prompts,
+  or through the float32 item with AVX2, float32 with AVX2 on a CPU without AVX-512) against float64 attention over the same paged K/V: fresh prompts,
   chunks that continue a cached prefix, chunks that start mid-block, several chunks beside decode rows in one
   step, and group sizes from 1 to 8.
 - The paged decode kernel alone, float32 and bfloat16 pools, head sizes that fill whole 32-dimension pairs
@@ -24,7 +24,7 @@ KERNEL = load_kernel("paged_attention")
 CPU = CpuAttention() if KERNEL is not None else None
 CHUNK_DTYPES = [pytest.param(dtype, marks=pytest.mark.skipif(
     CPU is None or getattr(torch, dtype) not in CPU._chunk_dtypes, reason=f"no {dtype} chunk kernel here: it needs a "
-    "C compiler and " + ("AVX512-BF16" if dtype == "bfloat16" else "AVX2 and FMA on a CPU without AVX-512")))
+    "C compiler and " + ("AVX512-BF16 or AVX2" if dtype == "bfloat16" else "AVX2 and FMA on a CPU without AVX-512")))
     for dtype in ("bfloat16", "float32")]
 needs_elementwise = pytest.mark.skipif(elementwise_kernel("tessera_rope") is None, reason="no C compiler")
 

@@ -211,8 +211,10 @@ def test_the_fastest_dtype_follows_the_cpu_features():
 
     assert fastest_dtype({"avx2", "avx512f", "avx512_bf16"})[0] == "bfloat16"
     assert fastest_dtype({"amx_bf16", "amx_tile"})[0] == "bfloat16"
-    dtype, why = fastest_dtype({"avx2", "avx512f"})
+    dtype, why = fastest_dtype({"avx2", "fma", "avx512f"})
     assert dtype == "float32" and "AVX512-BF16" in why
+    dtype, why = fastest_dtype({"avx2", "fma"})  # bf16 weights beside oneDNN's float32 copy of them
+    assert dtype == "bfloat16" and "AVX2" in why
     assert fastest_dtype(set())[0] == "float32"
 
 

@@ -74,7 +74,8 @@ int tessera_paged_attention(
  * Attention for rows that compute several tokens of one sequence (a prompt, a prompt chunk, a recompute):
  * causal, grouped-query, K/V read from the paged pool (the step has already written the chunk's own K/V
  * there), so a chunk that continues a cached prefix needs no gathered copy. bfloat16 with AVX512-BF16, float32
- * with AVX2 and FMA: elsewhere the function returns -3 and the caller keeps torch's SDPA.
+ * with AVX2 and FMA, and bfloat16 there too through the float32 item (each row widened as it is read): elsewhere
+ * the function returns -3 and the caller keeps torch's SDPA.
  *
  * One work item is (chunk, kv head, tile of up to CHUNK_QT queries): the tile's G * CHUNK_QT query vectors
  * share every K/V tile read. Keys go CHUNK_KT = 16 at a time. K is laid out as pairs of dimensions by key,
@@ -396,7 +397,8 @@ static inline __attribute__((always_inline)) void chunk_item_amx(
 #endif
 
 /*
- * The float32 chunk item with AVX2 and FMA, as the bfloat16 one: (chunk, kv head, tile of up to F32_QT queries),
+ * The float32 chunk item with AVX2 and FMA (a bf16 pool, queries and output where AVX512-BF16 is not there: bf16 1,
+ * every value widened as it is loaded and the output rounded once), as the bfloat16 one: (chunk, kv head, tile of up to F32_QT queries),
  * keys F32_KT = 16 at a time, every query vector with a running softmax. 16 keys' K, transposed 8 x 8 a block at
  * a time, is a dimension's 16 keys in two vectors, so F32_VB query vectors' scores against the tile are 2 * F32_VB
  * independent FMA chains of one broadcast query value and a K vector each. The outputs take F32_PV query vectors
@@ -445,10 +447,10 @@ static inline __attribute__((always_inline)) void transpose8x8(__m256 *r) {
 }
 
 static inline __attribute__((always_inline)) void chunk_item_f32(
-    const float *q, int64_t q_row_stride, const float *kv, int64_t block_stride, int64_t k_offset,
+    const void *q, int64_t q_row_stride, const void *kv, int64_t block_stride, int64_t k_offset,
     int64_t v_offset, const int64_t *table, int64_t token_start, int64_t num_computed, int q_first, int nq,
-    float *out, int num_heads, int num_kv_heads, const int head_dim, int block_size, float scale,
-    int group, int kvh)
+    void *out, int num_heads, int num_kv_heads, const int head_dim, int block_size, float scale,
+    int group, int kvh, const int bf16)
 {
     const int nv = nq * group, nvp = (nv + F32_VB - 1) / F32_VB * F32_VB;
     float qs[F32_MAX_VECS * MAX_HEAD_DIM] __attribute__((aligned(32)));  /* [vector][dim], scaled */
@@ -462,8 +464,9 @@ static inline __attribute__((always_inline)) void chunk_item_f32(
         int qi = v / group, g = v % group;
         float *dst = qs + (int64_t)v * head_dim;
         if (v < nv) {
-            const float *src = q + (token_start + q_first + qi) * q_row_stride + (int64_t)(kvh * group + g) * head_dim;
-            for (int i = 0; i < head_dim; i++) dst[i] = src[i] * scale;
+            int64_t src = (token_start + q_first + qi) * q_row_stride + (int64_t)(kvh * group + g) * head_dim;
+            for (int i = 0; i < head_dim; i += 8)
+                _mm256_store_ps(dst + i, _mm256_mul_ps(load8(q, bf16, src + i), _mm256_set1_ps(scale)));
         } else {
             for (int i = 0; i < head_dim; i++) dst[i] = 0.f;
         }
@@ -482,13 +485,14 @@ static inline __attribute__((always_inline)) void chunk_item_f32(
         if (block_size - in_block < n) n = (int)(block_size - in_block);
         if (key_end - start < n) n = (int)(key_end - start);
         int64_t block = table[start / block_size];
-        const float *kb = kv + block * block_stride + k_offset + in_block * token_stride + (int64_t)kvh * head_dim;
-        const float *vb = kv + block * block_stride + v_offset + in_block * token_stride + (int64_t)kvh * head_dim;
+        /* the block's K and V rows of this kv head, as element offsets into the pool */
+        const int64_t kb = block * block_stride + k_offset + in_block * token_stride + (int64_t)kvh * head_dim;
+        const int64_t vb = block * block_stride + v_offset + in_block * token_stride + (int64_t)kvh * head_dim;
         for (int h = 0; h < 2; h++) /* keys 8h..8h+7, each 8 dimensions at a time, transposed */
             for (int d = 0; d < head_dim; d += 8) {
                 __m256 r[8];
                 for (int t = 0; t < 8; t++)
-                    r[t] = 8 * h + t < n ? _mm256_loadu_ps(kb + (8 * h + t) * token_stride + d) : _mm256_setzero_ps();
+                    r[t] = 8 * h + t < n ? load8(kv, bf16, kb + (8 * h + t) * token_stride + d) : _mm256_setzero_ps();
                 transpose8x8(r);
                 for (int t = 0; t < 8; t++) kt[d + t][h] = r[t];
             }
@@ -550,11 +554,11 @@ static inline __attribute__((always_inline)) void chunk_item_f32(
                 for (int j = 0; j < F32_PV; j++)
                     for (int i = 0; i < 4; i++) a[j][i] = _mm256_load_ps(acc + (int64_t)(v0 + j) * head_dim + d + 8 * i);
                 for (int t = 0; t < n; t++) {
-                    const float *vr = vb + t * token_stride + d;
+                    const int64_t vr = vb + t * token_stride + d;
                     __m256 b[F32_PV];
                     for (int j = 0; j < F32_PV; j++) b[j] = _mm256_broadcast_ss(&p[v0 + j][t]);
                     for (int i = 0; i < 4; i++) {
-                        __m256 x = _mm256_loadu_ps(vr + 8 * i);
+                        __m256 x = load8(kv, bf16, vr + 8 * i);
                         for (int j = 0; j < F32_PV; j++) a[j][i] = _mm256_fmadd_ps(b[j], x, a[j][i]);
                     }
                 }
@@ -567,9 +571,9 @@ static inline __attribute__((always_inline)) void chunk_item_f32(
     for (int v = 0; v < nv; v++) {
         float sum = sum8(l[v]);
         __m256 inv = _mm256_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
-        float *o = out + ((token_start + q_first + v / group) * num_heads + kvh * group + v % group) * (int64_t)head_dim;
+        int64_t o = ((token_start + q_first + v / group) * num_heads + kvh * group + v % group) * (int64_t)head_dim;
         for (int i = 0; i < head_dim; i += 8)
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_load_ps(acc + (int64_t)v * head_dim + i), inv));
+            store8(out, bf16, o + i, _mm256_mul_ps(_mm256_load_ps(acc + (int64_t)v * head_dim + i), inv));
     }
 }
 #endif
@@ -583,7 +587,7 @@ static inline __attribute__((always_inline)) void chunk_item_f32(
  * out:          [rows, num_heads, head_dim], q's dtype; only the chunks' rows are written
  * The pool (q's dtype) and its offsets are as for tessera_paged_attention.
  * Returns 0, -1 for shapes it does not take, -3 where the CPU or compiler has no kernel for the dtype (bfloat16:
- * AVX512-BF16; float32: AVX2 and FMA).
+ * AVX512-BF16, or AVX2 and FMA through the float32 item; float32: AVX2 and FMA).
  */
 int tessera_chunk_attention(
     const void *q, int64_t q_row_stride, const void *kv, int64_t block_stride, int64_t k_offset,
@@ -596,6 +600,9 @@ int tessera_chunk_attention(
 #if defined(CHUNK_BF16)
         max_vecs = CHUNK_MAX_VECS;
         max_queries = CHUNK_QT;
+#elif defined(CHUNK_F32)
+        max_vecs = F32_MAX_VECS; /* the float32 item, widening a bf16 pool's rows as it reads them */
+        max_queries = F32_QT;
 #else
         return -3;
 #endif
@@ -654,12 +661,16 @@ int tessera_chunk_attention(
 #if defined(CHUNK_BF16)
             if (head_dim == 64) chunk_item(CHUNK_ARGS(uint16_t, 64));
             else chunk_item(CHUNK_ARGS(uint16_t, head_dim));
+#elif defined(CHUNK_F32)
+            if (head_dim == 64) chunk_item_f32(CHUNK_ARGS(void, 64), 1);
+            else if (head_dim == 128) chunk_item_f32(CHUNK_ARGS(void, 128), 1);
+            else chunk_item_f32(CHUNK_ARGS(void, head_dim), 1);
 #endif
         } else {
 #if defined(CHUNK_F32)
-            if (head_dim == 64) chunk_item_f32(CHUNK_ARGS(float, 64));
-            else if (head_dim == 128) chunk_item_f32(CHUNK_ARGS(float, 128));
-            else chunk_item_f32(CHUNK_ARGS(float, head_dim));
+            if (head_dim == 64) chunk_item_f32(CHUNK_ARGS(void, 64), 0);
+            else if (head_dim == 128) chunk_item_f32(CHUNK_ARGS(void, 128), 0);
+            else chunk_item_f32(CHUNK_ARGS(void, head_dim), 0);
 #endif
         }
 #undef CHUNK_ARGS
