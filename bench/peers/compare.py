@@ -35,9 +35,9 @@ own name for it):
   with decoding streams taking prompt tokens up to the whole step budget as vLLM's do (the default caps them at 256
   on the CPU: common/engine/scheduler.py), its baseline;
 - ``tessera-pd-system-malloc``, ``tessera-agg-system-malloc``: the same with ``engine.cpu.malloc=system``;
-- ``tessera-pd-bf16``, ``tessera-agg-bf16``: the same serving the model's weights in bfloat16 (``engine.dtype``) whatever
-  ``--dtype`` serves the rest in: with ``--dtype float32`` on a CPU without AVX512-BF16, where vLLM's float32 is its
-  fastest, Tessera's bf16 weights beside oneDNN's float32 copy of them (common/engine/models/llama.py,
+- ``tessera-pd-bf16``, ``tessera-agg-bf16``: the same serving the model's weights in bfloat16 (``engine.dtype``)
+  whatever ``--dtype`` serves the rest in: with ``--dtype float32`` on an AVX2 CPU without AVX-512, where vLLM's float32
+  is its fastest, Tessera's bf16 weights beside oneDNN's float32 copy of them (common/engine/models/llama.py,
   ``onednn_widens_bf16``);
 - ``tessera-pd-remote``, ``tessera-pd-local``: the P/D layout with the proxy's ``local_prefill_threshold`` at 0 (every
   prompt to the prefill worker) or past any prompt (every prompt prefilled on the decode worker, in its decoding

@@ -335,7 +335,9 @@ class CpuConfig:
                                    "once, in the decode kernel's panel layout, which every step reads "
                                    "(kernels/linear_panels.c), and none is copied (a head whose vocabulary is "
                                    "not a multiple of 16 is); but where oneDNN has AMX tiles, steps of 64 rows or "
-                                   "more (4 where the panel kernels have no tiles) keep its copy")
+                                   "more (4 where the panel kernels have no tiles) keep its copy. On an AVX2 CPU "
+                                   "without AVX-512, where oneDNN has no bf16 matmul, the copy is in float32 (twice "
+                                   "the bf16 bytes), for steps of 16 rows or more; float32 weights get one there too")
     compact_panels: Literal["auto", "beside", "only", "off"] = option(
         "auto", "CPU bfloat16 with the weights in panels: the decoder's linear weights also in compact panels, 12 "
         "bits a weight, lossless (kernels/compact_panels.h; every output the same, bit for bit, but on a CPU with AMX, "

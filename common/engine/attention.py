@@ -18,8 +18,9 @@ Backends:
 - ``CpuAttention``: decode rows through a small C kernel that reads the
   pages in place (``common/engine/kernels/paged_attention.c``); bfloat16
   chunks through that file's chunk kernel (AVX512-BF16 dot products, the
-  pages read in place, 2.6x torch's SDPA on a 256-token prompt); float32
-  chunks, or a CPU without AVX512-BF16, as below.
+  pages read in place, 2.6x torch's SDPA on a 256-token prompt; on an AVX2
+  CPU without AVX-512 its float32 item, which takes float32 chunks there too
+  and widens bf16 ones); other chunks as below.
   Over an int8 pool (``engine.cpu.kv_cache_dtype: int8``, common/engine/kv_int8.py) decode rows take
   kernels/kv_int8.c's paged kernel, and chunks the chunk kernel over their contexts staged in q's dtype.
 - ``TorchAttention`` (GPU without flash-attn or Triton, or CPU without a C compiler):
@@ -248,10 +249,10 @@ class CpuAttention(TorchAttention):
         self._kernel_i8 = kv_int8.attend_kernel()  # over an int8 pool (engine.cpu.kv_cache_dtype)
         chunk = kernel_function("paged_attention", "tessera_chunk_attention", _CHUNK_ARGS)
         # The dtypes whose prompt chunks take the chunk kernel (-3 from it: SDPA stays): bfloat16 where it was built
-        # with AVX512-BF16, or with AVX2 and FMA (its float32 item widening the bf16 rows: torch's bf16 SDPA
-        # multiplies with its reference loop there); float32 where it was built with AVX2 and FMA on a CPU without
-        # AVX-512, where it is ahead of SDPA (first-generation Zen, 135M shapes: ``bench.chunk_attention``,
-        # docs/benchmarks.md; not measured on AVX-512 hosts, which keep SDPA for float32).
+        # with AVX512-BF16, or with AVX2 and FMA on a CPU without AVX-512 (its float32 item widening the bf16 rows:
+        # torch's bf16 SDPA multiplies with its reference loop there); float32 where it was built with AVX2 and FMA
+        # on a CPU without AVX-512, where it is ahead of SDPA (first-generation Zen, 135M shapes:
+        # ``bench.chunk_attention``, docs/benchmarks.md; not measured on AVX-512 hosts, which keep SDPA for float32).
         self._chunk_dtypes = set()
         for dtype in (torch.bfloat16, torch.float32):
             if dtype is torch.float32 and not avx2_without_avx512():
@@ -291,7 +292,9 @@ class CpuAttention(TorchAttention):
             rows.data_ptr(), rows.shape[0], tables.data_ptr(), tables.shape[1], out.data_ptr(),
             q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, int(q.dtype is torch.bfloat16),
         )
-        if status != 0:
+        if status == -1 and not ctx.kv_cache.layout.quantized:  # a query group past the build's item: SDPA
+            super()._attend_chunks(q, k, v, k_cache, v_cache, ctx, scale, out)
+        elif status != 0:
             raise RuntimeError(f"chunk attention kernel refused the shapes (status {status})")
 
     @staticmethod

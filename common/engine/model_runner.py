@@ -302,8 +302,9 @@ class ModelRunner:
                      "but a few tokens, whose exact logits come from the panels (common/engine/greedy_head.py; "
                      "engine.cpu.greedy_head_max_rows)", greedy_rows, self.greedy_head.nbytes / 2**20)
         if self._prepacks() and (added := self.model.prepack_weights()):
-            log.info("%s linear weights prepacked for oneDNN (+%.1f MiB; engine.cpu.prepack_weights)",
-                     str(self.dtype).removeprefix("torch."), added / 2**20)
+            log.info("%s linear weights prepacked for oneDNN%s (+%.1f MiB; engine.cpu.prepack_weights)",
+                     str(self.dtype).removeprefix("torch."),
+                     " in float32" if self.dtype is torch.bfloat16 and onednn_widens_bf16() else "", added / 2**20)
         if self.model.fused_decode is not None and left and (self.dtype is torch.bfloat16
                                                               or config.quantization == "int8"):
             self._choose_decode_rows()
@@ -485,7 +486,8 @@ class ModelRunner:
         """The weights' own bytes as served: int8 holds a linear weight (and the embedding) in a byte per value
         plus a float32 scale per row; the oneDNN prepack (``_prepacks``) keeps a second copy of every linear weight, and
         of a tied LM head, not in panels (``pack_panels``: the only copy of the layers it takes, but where oneDNN
-        has AMX)."""
+        has AMX); a bf16 weight's copy in float32 (``onednn_widens_bf16``) twice its bytes. Not counted: the load's
+        float32 temporary of one weight at a time while its copy is made."""
         linears = [m.weight for m in self.model.modules() if isinstance(m, torch.nn.Linear)]
         embedding = self.model.embed_tokens.weight
         if self.config.quantization == "int8":

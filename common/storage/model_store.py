@@ -61,9 +61,16 @@ Converter = Callable[[Path, Path, str, Log], None]  # (gguf file, output dir, dt
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 # An AVX2 CPU without AVX-512: bfloat16 weights there keep oneDNN's float32 copy for steps of many rows
 # (common/engine/models/llama.py, ``onednn_widens_bf16``) and the kernels widen them for a few rows, reading half
-# float32's bytes: on AMD Zen 3 ahead of float32 at 135M (1.02x the engine's saturation throughput) and at the 1B
-# shape (1.10x; one stream 0.80x the TPOT; docs/benchmarks.md).
+# float32's bytes: on AMD Zen 3 level with float32 at 135M at saturation (1.02x the engine's throughput), ahead on
+# one row (1.26x) and at the 1B shape (served: 1.10x at saturation, 0.80x the one-stream TPOT; docs/benchmarks.md).
+# Not where the CPU converts bf16 itself (AVX-NE-CONVERT: oneDNN's bf16 path there, unmeasured) or no C compiler
+# builds the kernels (torch's bf16 loops, far slower).
 AVX2_FLAGS = ("avx2", "fma")
+
+
+def _c_compiler() -> bool:
+    """Whether the engine's C kernels can be built here (common/engine/native.py looks for the same)."""
+    return bool(os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc"))
 
 
 def fastest_dtype(cpu_flags: set[str] | None = None) -> tuple[str, str]:
@@ -81,11 +88,13 @@ def fastest_dtype(cpu_flags: set[str] | None = None) -> tuple[str, str]:
     found = [flag for flag in BF16_CPU_FLAGS if flag in cpu_flags]
     if found:
         return "bfloat16", f"this CPU computes bfloat16 natively ({', '.join(found)})"
-    if all(flag in cpu_flags for flag in AVX2_FLAGS) and "avx512f" not in cpu_flags:
+    if (all(flag in cpu_flags for flag in AVX2_FLAGS) and "avx512f" not in cpu_flags
+            and "avx_ne_convert" not in cpu_flags and _c_compiler()):
         return "bfloat16", ("an AVX2 CPU without AVX-512: bfloat16 weights, widened by Tessera's kernels for a few "
                             "rows and multiplied by oneDNN's float32 copy of them for many, read half the bytes")
     return "float32", ("this CPU has neither AVX512-BF16 nor AMX (or they cannot be read), nor is it an AVX2 CPU "
-                       "without AVX-512: bfloat16 would be emulated and slower than float32")
+                       "without AVX-512 with a C compiler for the kernels: bfloat16 would be emulated and slower "
+                       "than float32")
 
 
 def default_cache_root() -> Path:

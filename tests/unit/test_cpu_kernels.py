@@ -1,9 +1,9 @@
 """The CPU kernels of the torch path against torch on the same inputs.
 
 - The chunk-attention kernel (kernels/paged_attention.c, ``tessera_chunk_attention``; bfloat16 with AVX512-BF16,
-  or through the float32 item with AVX2, float32 with AVX2 on a CPU without AVX-512) against float64 attention over the same paged K/V: fresh prompts,
-  chunks that continue a cached prefix, chunks that start mid-block, several chunks beside decode rows in one
-  step, and group sizes from 1 to 8.
+  or through the float32 item with AVX2, float32 with AVX2 on a CPU without AVX-512) against float64 attention over the
+  same paged K/V: fresh prompts, chunks that continue a cached prefix, chunks that start mid-block, several chunks
+  beside decode rows in one step, and group sizes from 1 to 8.
 - The paged decode kernel alone, float32 and bfloat16 pools, head sizes that fill whole 32-dimension pairs
   and ones that end on half a pair, blocks of 16 and 32 tokens scattered over the pool.
 - The elementwise kernels (kernels/elementwise.c) against the torch operators they replace in
@@ -107,7 +107,7 @@ def test_chunks_and_decode_rows_in_one_step_match_float32(dtype, heads, kv_heads
     if dtype == "bfloat16":  # bf16 inputs and a bf16 output: torch's bf16 SDPA is the measure of what rounding costs
         assert ours_err <= 2 * sdpa_err + 1e-3, (ours_err, sdpa_err)
     else:  # float32 throughout: no worse than torch's float32 SDPA, whose error grows with the scores' size
-        assert ours_err <= 2 * sdpa_err + 1e-6 and sdpa_err <= 1e-5, (ours_err, sdpa_err)
+        assert ours_err <= 2 * sdpa_err + 1e-6 and sdpa_err <= 1e-4, (ours_err, sdpa_err)
     assert torch.isfinite(ours).all()
 
 

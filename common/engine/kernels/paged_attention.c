@@ -74,8 +74,8 @@ int tessera_paged_attention(
  * Attention for rows that compute several tokens of one sequence (a prompt, a prompt chunk, a recompute):
  * causal, grouped-query, K/V read from the paged pool (the step has already written the chunk's own K/V
  * there), so a chunk that continues a cached prefix needs no gathered copy. bfloat16 with AVX512-BF16, float32
- * with AVX2 and FMA, and bfloat16 there too through the float32 item (each row widened as it is read): elsewhere
- * the function returns -3 and the caller keeps torch's SDPA.
+ * with AVX2 and FMA, and bfloat16 through the float32 item on an AVX2 CPU without AVX-512 (each row widened as
+ * it is read): elsewhere the function returns -3 and the caller keeps torch's SDPA.
  *
  * One work item is (chunk, kv head, tile of up to CHUNK_QT queries): the tile's G * CHUNK_QT query vectors
  * share every K/V tile read. Keys go CHUNK_KT = 16 at a time. K is laid out as pairs of dimensions by key,
@@ -397,13 +397,13 @@ static inline __attribute__((always_inline)) void chunk_item_amx(
 #endif
 
 /*
- * The float32 chunk item with AVX2 and FMA (a bf16 pool, queries and output where AVX512-BF16 is not there: bf16 1,
- * every value widened as it is loaded and the output rounded once), as the bfloat16 one: (chunk, kv head, tile of up to F32_QT queries),
- * keys F32_KT = 16 at a time, every query vector with a running softmax. 16 keys' K, transposed 8 x 8 a block at
- * a time, is a dimension's 16 keys in two vectors, so F32_VB query vectors' scores against the tile are 2 * F32_VB
- * independent FMA chains of one broadcast query value and a K vector each. The outputs take F32_PV query vectors
- * x 32 dimensions at a time, a V row's 4 vectors against each vector's broadcast probability. Key tiles past a
- * vector group's last query are skipped, so a prompt does the causal half of the work that SDPA does in full at
+ * The float32 chunk item with AVX2 and FMA (bf16 1: a bf16 pool, queries and output on a CPU without AVX-512, each
+ * value widened as it is loaded, the output rounded once), as the bfloat16 one: (chunk, kv head, tile of up to F32_QT
+ * queries), keys F32_KT = 16 at a time, every query vector with a running softmax. 16 keys' K, transposed 8 x 8 a block
+ * at a time, is a dimension's 16 keys in two vectors, so F32_VB query vectors' scores against the tile are 2 * F32_VB
+ * independent FMA chains of one broadcast query value and a K vector each. The outputs take F32_PV query vectors x 32
+ * dimensions at a time, a V row's 4 vectors against each vector's broadcast probability. Key tiles past a vector
+ * group's last query are skipped, so a prompt does the causal half of the work that SDPA does in full at
  * these lengths.
  */
 #if defined(__AVX2__) && defined(__FMA__)
@@ -587,7 +587,7 @@ static inline __attribute__((always_inline)) void chunk_item_f32(
  * out:          [rows, num_heads, head_dim], q's dtype; only the chunks' rows are written
  * The pool (q's dtype) and its offsets are as for tessera_paged_attention.
  * Returns 0, -1 for shapes it does not take, -3 where the CPU or compiler has no kernel for the dtype (bfloat16:
- * AVX512-BF16, or AVX2 and FMA through the float32 item; float32: AVX2 and FMA).
+ * AVX512-BF16, or AVX2 and FMA without AVX-512 through the float32 item; float32: AVX2 and FMA).
  */
 int tessera_chunk_attention(
     const void *q, int64_t q_row_stride, const void *kv, int64_t block_stride, int64_t k_offset,
@@ -600,8 +600,8 @@ int tessera_chunk_attention(
 #if defined(CHUNK_BF16)
         max_vecs = CHUNK_MAX_VECS;
         max_queries = CHUNK_QT;
-#elif defined(CHUNK_F32)
-        max_vecs = F32_MAX_VECS; /* the float32 item, widening a bf16 pool's rows as it reads them */
+#elif defined(CHUNK_F32) && !defined(__AVX512F__)
+        max_vecs = F32_MAX_VECS; /* the float32 item, widening a bf16 pool's rows as it reads them (AVX2 only) */
         max_queries = F32_QT;
 #else
         return -3;
@@ -661,7 +661,7 @@ int tessera_chunk_attention(
 #if defined(CHUNK_BF16)
             if (head_dim == 64) chunk_item(CHUNK_ARGS(uint16_t, 64));
             else chunk_item(CHUNK_ARGS(uint16_t, head_dim));
-#elif defined(CHUNK_F32)
+#elif defined(CHUNK_F32) && !defined(__AVX512F__)
             if (head_dim == 64) chunk_item_f32(CHUNK_ARGS(void, 64), 1);
             else if (head_dim == 128) chunk_item_f32(CHUNK_ARGS(void, 128), 1);
             else chunk_item_f32(CHUNK_ARGS(void, head_dim), 1);

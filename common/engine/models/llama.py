@@ -160,8 +160,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (``prepack``), where there is one (docs/benchmarks.md). Where oneDNN has no bf16 path at all and the invariant
     matmul has a vector path (an AVX2 CPU: ``bf16_matmul_widens``), torch widens one product at a time, and bf16
     rows, one included, take kernels/gemm_invariant.c instead: 1.4-4.4x torch's speed (and batch-invariant as a
-    side effect). There float32 weights have oneDNN's copy (``onednn_prepacks_float32``), or without one (with
-    engine.cpu.prepack_weights off) take the invariant matmul for up to ``float32_invariant_rows`` rows.
+    side effect), but for steps of WIDENED_COPY_ROWS rows or more where ``packed`` is the weight's float32 copy
+    (``onednn_widens_bf16``): widened, multiplied there, rounded once. There float32 weights have oneDNN's copy
+    (``onednn_prepacks_float32``), or without one (with engine.cpu.prepack_weights off) take the invariant matmul for up
+    to ``float32_invariant_rows`` rows.
 
     ``invariant`` (engine.deterministic): each output row is the same function of its input row whatever else
     is in ``x``: int8 always W8A8 (exact int32 sums, per-row scales), a weight in panels through
@@ -304,7 +306,9 @@ def bf16_matmul_widens() -> bool:
 
 
 # From this many rows, bfloat16 linears with a float32 copy in oneDNN's layout (``onednn_widens_bf16``) take it rather
-# than kernels/gemm_invariant.c on the bf16 weight: PLACEHOLDER
+# than kernels/gemm_invariant.c on the bf16 weight: on AMD Zen 3 at the 135M model's shapes the two were level at 16
+# rows, the copy 1.12x at 32, 1.63x at 64 and 1.60x at 256, the bf16 weight 1.98x at 1 row and 1.17x at 8
+# (bench.invariant_gemm, docs/benchmarks.md).
 WIDENED_COPY_ROWS = 16
 
 # Up to this many rows, float32 linears on an AVX2 CPU without AVX-512 take kernels/gemm_invariant.c: at the 135M
@@ -427,7 +431,7 @@ class Linear(nn.Linear):
     """``nn.Linear`` whose calls take ``linear``'s paths: the panel GEMM where the weight is in panels (``panels``,
     set by ``LlamaForCausalLM.pack_panels``), else the GEMV kernel for one bfloat16 row and the prepacked weight
     (``packed``, set by ``LlamaForCausalLM.prepack_weights``) for several, or, where oneDNN has no bf16 path, the
-    invariant matmul for any rows.
+    invariant matmul, but for steps of many rows where ``packed`` is the weight's float32 copy.
 
     A row-parallel layer at tensor parallelism (``row_parallel``, its rank group) returns the sum over the ranks,
     its bias (every rank holds it) added once; int8 weights sum their exact int32 products over the ranks
@@ -758,10 +762,11 @@ class LlamaForCausalLM(nn.Module):
 
     def prepack_weights(self) -> int:
         """Gives every linear layer (bfloat16, or float32 where ``onednn_prepacks_float32``: the model runner
-        decides; a bfloat16 one in float32 where ``onednn_widens_bf16``), and a tied LM head, not in panels (``pack_panels``: with them, none
-        but a head whose shape the panels do not fit) its oneDNN-blocked copy (``packed``, from ``prepack``); the
-        plain weights stay for the one-row kernels. Where oneDNN has AMX (``onednn_beside_panels``) the layers in
-        panels get one too, for steps of ``onednn_rows()`` rows or more. Returns the bytes added."""
+        decides; a bfloat16 one in float32 where ``onednn_widens_bf16``), and a tied LM head, not in panels
+        (``pack_panels``: with them, none but a head whose shape the panels do not fit) its oneDNN-blocked copy
+        (``packed``, from ``prepack``); the plain weights stay for the one-row kernels. Where oneDNN has AMX
+        (``onednn_beside_panels``) the layers in panels get one too, for steps of ``onednn_rows()`` rows or more.
+        Returns the bytes added."""
         heads = [self.embed_tokens] if self.tie_word_embeddings else []
         added = 0
         beside = onednn_beside_panels()
