@@ -38,8 +38,8 @@ from common.engine.memory import device_memory_bytes, module_bytes, resident_byt
 from common.engine.malloc import loaded_allocator, release_freed_memory
 from common.engine import compact_panels, deterministic
 from common.engine.models.llama import (COMPACT_BESIDE_ROWS, FusedDecode, check_divisible, onednn_beside_panels,
-                                       onednn_prepacks_bf16, onednn_prepacks_float32, onednn_rows, onednn_widens_bf16,
-                                       wide_sums)
+                                       onednn_copy_dtype, onednn_prepacks_bf16, onednn_prepacks_float32, onednn_rows,
+                                       onednn_widens_bf16, wide_sums)
 from common.engine.models.loader import load_hf_config, load_model
 from common.engine.native import gemv_bf16_kernel, panels_amx_rows
 from common.engine.quantization import (calibration_ids, choose_int8_matmul, int8_gemm_amx_rows, kernel_row_ranges,
@@ -304,7 +304,7 @@ class ModelRunner:
         if self._prepacks() and (added := self.model.prepack_weights()):
             log.info("%s linear weights prepacked for oneDNN%s (+%.1f MiB; engine.cpu.prepack_weights)",
                      str(self.dtype).removeprefix("torch."),
-                     " in float32" if self.dtype is torch.bfloat16 and onednn_widens_bf16() else "", added / 2**20)
+                     " in float32" if onednn_copy_dtype(self.dtype) is not self.dtype else "", added / 2**20)
         if self.model.fused_decode is not None and left and (self.dtype is torch.bfloat16
                                                               or config.quantization == "int8"):
             self._choose_decode_rows()
@@ -498,8 +498,7 @@ class ModelRunner:
             copied = [m for m in self.model.modules() if isinstance(m, torch.nn.Linear) and m not in panels]
             if self.model.tie_word_embeddings and self.model.embed_tokens not in panels:
                 copied.append(self.model.embed_tokens)
-            widened = 2 if self.dtype is torch.bfloat16 and onednn_widens_bf16() else 1  # a float32 copy
-            return self.weight_bytes + widened * sum(m.weight.nbytes for m in copied)
+            return self.weight_bytes + onednn_copy_dtype(self.dtype).itemsize * sum(m.weight.numel() for m in copied)
         return self.weight_bytes
 
     @property

@@ -410,6 +410,9 @@ static inline __attribute__((always_inline)) void chunk_item_amx(
 #include "simd.h"
 
 #define CHUNK_F32 1
+#if !defined(__AVX512F__)
+#define CHUNK_BF16_WIDENED 1 /* bf16 chunks through this item too, where no AVX-512 item builds (an AVX2-only CPU) */
+#endif
 #ifndef F32_QT
 #define F32_QT 16
 #endif
@@ -600,8 +603,8 @@ int tessera_chunk_attention(
 #if defined(CHUNK_BF16)
         max_vecs = CHUNK_MAX_VECS;
         max_queries = CHUNK_QT;
-#elif defined(CHUNK_F32) && !defined(__AVX512F__)
-        max_vecs = F32_MAX_VECS; /* the float32 item, widening a bf16 pool's rows as it reads them (AVX2 only) */
+#elif defined(CHUNK_BF16_WIDENED)
+        max_vecs = F32_MAX_VECS; /* the float32 item, widening a bf16 pool's rows as it reads them */
         max_queries = F32_QT;
 #else
         return -3;
@@ -661,7 +664,7 @@ int tessera_chunk_attention(
 #if defined(CHUNK_BF16)
             if (head_dim == 64) chunk_item(CHUNK_ARGS(uint16_t, 64));
             else chunk_item(CHUNK_ARGS(uint16_t, head_dim));
-#elif defined(CHUNK_F32) && !defined(__AVX512F__)
+#elif defined(CHUNK_BF16_WIDENED)
             if (head_dim == 64) chunk_item_f32(CHUNK_ARGS(void, 64), 1);
             else if (head_dim == 128) chunk_item_f32(CHUNK_ARGS(void, 128), 1);
             else chunk_item_f32(CHUNK_ARGS(void, head_dim), 1);

@@ -295,6 +295,12 @@ def onednn_widens_bf16() -> bool:
     return onednn_prepacks_float32() and not onednn_prepacks_bf16()
 
 
+def onednn_copy_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of oneDNN's copy of a weight of ``dtype`` (``prepack_weights``): float32 for bfloat16 where
+    ``onednn_widens_bf16``, else its own."""
+    return torch.float32 if dtype is torch.bfloat16 and onednn_widens_bf16() else dtype
+
+
 @functools.cache
 def bf16_matmul_widens() -> bool:
     """Whether torch's bf16 matmul on this CPU is its reference loop (no oneDNN bf16 path: ``onednn_prepacks_bf16``)
@@ -775,9 +781,9 @@ class LlamaForCausalLM(nn.Module):
             if panels is not None and not beside:
                 continue
             weight = module.weight if panels is None else weight_of_any_panels(panels, *module.weight.shape)
-            widen = weight.dtype is torch.bfloat16 and onednn_widens_bf16()
-            module.packed = prepack(weight.float() if widen else weight)
-            added += module.weight.nbytes * (2 if widen else 1) if module.packed is not None else 0
+            copy_dtype = onednn_copy_dtype(weight.dtype)
+            module.packed = prepack(weight.to(copy_dtype))
+            added += weight.numel() * copy_dtype.itemsize if module.packed is not None else 0
         return added
 
 
