@@ -162,8 +162,11 @@ def heavy_and_light(make_proxy, script, workers, slots: int, token_interval_s: f
                     **proxy_options) -> tuple:
     """A proxy with tenants heavy (sk-heavy) and light (sk-light), a prefill worker, and a decode worker of
     ``slots`` slots that emits a token every ``token_interval_s`` and reports a step of ``step_ms[0]`` ms plus
-    ``step_ms[1]`` ms a sequence; once the proxy has that model."""
-    proxy = make_proxy(**merge({"tenancy": {"auth_enabled": True, "tenants": HEAVY_AND_LIGHT}}, proxy_options))
+    ``step_ms[1]`` ms a sequence; once the proxy has that model. Its streams run for seconds and none of its tests
+    loses a worker, so the proxy keeps heartbeat_timeout_s's default: the harness's 1 s dropped d0 when a loaded
+    machine held its heartbeats back (d0, a scripted worker, does not rejoin), and its streams never ended."""
+    proxy = make_proxy(**merge({"heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+                                "tenancy": {"auth_enabled": True, "tenants": HEAVY_AND_LIGHT}}, proxy_options))
     decode = FakeWorker(proxy.endpoint, "d0", "decode", script, token_interval_s=token_interval_s)
     decode.register_msg = msgspec.structs.replace(decode.register_msg, max_num_seqs=slots)
     decode.step_cost = StepCostModel(small_max_rows=0, small=[], large=[*step_ms, 0.0, 0.0, 0.0])
