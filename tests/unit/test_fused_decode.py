@@ -69,9 +69,10 @@ def runner_for(path, **options) -> ModelRunner:
     return ModelRunner(EngineConfig(model=str(path), block_size=16, cpu=CpuConfig(**cpu), **options), path)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
+# 8 and 21 rows: on an AVX2 CPU without AVX-512, the linears' tiled passes (an odd last row at 21)
+@pytest.mark.parametrize("rows", [1, 3, 8, 21])
 def test_float32_decode_kernel_equals_the_torch_path(tiny_dir, rows):
-    runner = runner_for(tiny_dir)
+    runner = runner_for(tiny_dir, num_kv_blocks=300)
     fused, reference = logits_both_ways(runner, decoding_batch(runner, rows, seed=rows))
     assert (fused - reference).abs().max().item() <= 1e-4
 
@@ -85,10 +86,26 @@ def test_bfloat16_decode_kernel_stays_within_bf16_rounding(tiny_dir, rows, first
         monkeypatch.setattr(LlamaForCausalLM, "panels_fit", lambda model: False)
     runner = runner_for(tiny_dir, dtype="bfloat16", num_kv_blocks=300)
     if rows > runner.model.fused_decode.max_rows:
-        pytest.skip("without AVX512-BF16 the kernel takes at most 8 rows of bf16 weights")
+        pytest.skip("with AVX-512 but not AVX512-BF16 the kernel takes at most 8 rows of bf16 weights")
     fused, reference = logits_both_ways(runner, decoding_batch(runner, rows, seed=10 + rows, first=first))
     # The kernel keeps activations in float32 between layers where torch rounds each op to bf16.
     assert (fused - reference).abs().max().item() <= 0.05 * reference.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_rows_hidden_state_is_the_same_bits_in_a_step_of_many_rows(tiny_dir, dtype):
+    """Each linear output is one accumulator over k in order whatever the step's rows, so a row in a step of 3
+    (two-row passes) and in one of 40 (on an AVX2 CPU without AVX-512: passes over tiles of the weights, from 8
+    float32 rows or 32 bf16 ones) gets the same bits."""
+    runner = runner_for(tiny_dir, dtype=dtype, num_kv_blocks=400, decode_kernel_max_batch=40)
+    plan = decoding_batch(runner, runner.model.fused_decode.max_rows, seed=50)
+    few = StepPlan()
+    for seq in plan.seqs[:3]:
+        few.add(seq, 1)
+    with torch.inference_mode():
+        many = runner.forward(runner.prepare(plan))[:3].clone()
+        alone = runner.forward(runner.prepare(few))
+    assert torch.equal(many, alone)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -123,16 +140,18 @@ def test_a_model_past_the_kernels_limits_keeps_the_torch_path(tmp_path, monkeypa
     assert torch.isfinite(runner.model.compute_logits(hidden)).all()
 
 
-def float32_takes_wide_steps() -> bool:
-    """float32 weights on an AVX2 CPU without AVX-512: the kernel's two-row passes, ahead up to 16 rows."""
+def avx2_takes_wide_steps() -> bool:
+    """An AVX2 CPU without AVX-512: the kernel's passes in float32 FMAs, ahead up to 24 rows of float32 weights
+    and up to 64 rows of bf16 ones (llama.FUSED_FLOAT32_AVX2_ROWS, FUSED_AVX2_ROWS)."""
     return cpu_has("avx2") and cpu_has("fma") and not cpu_has("avx512f")
 
 
 def test_only_the_kernels_fast_paths_take_more_than_eight_rows(tiny_dir):
-    wide = 40 if cpu_has("avx512_bf16") else 8  # elsewhere bf16 weights are widened to float32 products too
+    # with AVX-512 but not AVX512-BF16, bf16 weights are widened to float32 products one row at a time
+    wide = 40 if cpu_has("avx512_bf16") or avx2_takes_wide_steps() else 8
     assert runner_for(tiny_dir, dtype="bfloat16", decode_kernel_max_batch=40).model.fused_decode.max_rows == wide
     float32 = runner_for(tiny_dir, decode_kernel_max_batch=40).model.fused_decode.max_rows
-    assert float32 == (16 if float32_takes_wide_steps() else 8)
+    assert float32 == (24 if avx2_takes_wide_steps() else 8)
     int8 = runner_for(tiny_dir, dtype="bfloat16", quantization="int8", decode_kernel_max_batch=40)
     assert int8.model.fused_decode.max_rows == 8
     assert runner_for(tiny_dir, dtype="bfloat16", quantization="int8",
@@ -141,7 +160,8 @@ def test_only_the_kernels_fast_paths_take_more_than_eight_rows(tiny_dir):
 
 @pytest.mark.parametrize("dtype,quantization", [("bfloat16", "none"), ("bfloat16", "int8"), ("float32", "int8")])
 def test_left_to_timing_the_kernel_keeps_a_rung_within_its_limit(tiny_dir, dtype, quantization, caplog):
-    limit = DECODE_ROW_RUNGS[-1] if dtype == "bfloat16" and quantization == "none" and cpu_has("avx512_bf16") else 8
+    wide = cpu_has("avx512_bf16") or avx2_takes_wide_steps()
+    limit = DECODE_ROW_RUNGS[-1] if dtype == "bfloat16" and quantization == "none" and wide else 8
     with caplog.at_level("INFO", logger="common.engine.model_runner"):
         runner = runner_for(tiny_dir, dtype=dtype, quantization=quantization, decode_kernel_max_batch=-1)
     chosen = runner.model.fused_decode.max_rows
@@ -155,7 +175,7 @@ def test_left_to_timing_the_kernel_keeps_a_rung_within_its_limit(tiny_dir, dtype
 def test_float32_weights_keep_the_kernels_fixed_limit_untimed(tiny_dir, caplog):
     with caplog.at_level("INFO", logger="common.engine.model_runner"):
         runner = runner_for(tiny_dir, dtype="float32", decode_kernel_max_batch=-1)
-    limit = 16 if float32_takes_wide_steps() else 8
+    limit = 24 if avx2_takes_wide_steps() else 8
     assert runner.model.fused_decode.max_rows == limit and "decode_forward.c up to" not in caplog.text
 
 

@@ -203,6 +203,85 @@ static inline __attribute__((always_inline)) void dot_block_avx2(const float *x,
     for (int r = 0; r < mr; r++)
         for (int b = 0; b < ROW_BLOCK; b++) sums[r * ROW_BLOCK + b] = sum8(acc[r][b]);
 }
+
+/* From this many x rows, float32 weights (bf16: TILED_ROWS_MIN_BF16) go through dot_block_tiled instead of
+ * dot_block_avx2's passes over whole weight rows: a float32 block of 4 rows (32-128 KB) leaves L1 between two
+ * passes, a bf16 one (half that) stays and is widened in registers, so tiles win from fewer float32 rows. With
+ * them a decode step's forward at 135M on Zen 3 against the torch path (bench.decode_kernel; docs/benchmarks.md):
+ * float32 1.34x at 8 rows, 1.29x at 24; bf16 1.19-1.41x at 32, 1.01x (64) to 1.35x (48). */
+#if defined(__AVX512F__) /* unmeasured with AVX-512 (the float32 kernel takes 8 rows there): never */
+#define TILED_ROWS_MIN_DEFAULT (MAX_ROWS + 1)
+#else
+#define TILED_ROWS_MIN_DEFAULT 8
+#endif
+#ifndef TILED_ROWS_MIN_F32
+#define TILED_ROWS_MIN_F32 TILED_ROWS_MIN_DEFAULT
+#endif
+#ifndef TILED_ROWS_MIN_BF16
+#define TILED_ROWS_MIN_BF16 (TILED_ROWS_MIN_DEFAULT > 32 ? TILED_ROWS_MIN_DEFAULT : 32)
+#endif
+#define K_TILE 512      /* weight columns per tile: a block's 4 rows of them, 8 KB in float32, stay in L1 */
+#define TILED_ROWS 64   /* x rows per call of dot_block_tiled: their 4 x 8-lane sums a weight row, 8 KB */
+
+/* One x row pair's (mr <= X_BLOCK_AVX2) pass over a tile of kt columns from column i0: the 4 weight rows' tile at
+ * wt (row b at wt + b * ws), the rows' running sums in acc[r * ROW_BLOCK + b]. */
+static inline __attribute__((always_inline)) void tile_pass(const float *x, int k, const float *wt, int64_t ws,
+                                                            int i0, int kt, const int mr, __m256 *acc)
+{
+    __m256 a[X_BLOCK_AVX2][ROW_BLOCK];
+    for (int r = 0; r < mr; r++)
+        for (int b = 0; b < ROW_BLOCK; b++) a[r][b] = acc[r * ROW_BLOCK + b];
+    for (int i = 0; i < kt; i += 8) {
+        __m256 xv[X_BLOCK_AVX2];
+        for (int r = 0; r < mr; r++) xv[r] = _mm256_loadu_ps(x + (int64_t)r * k + i0 + i);
+        for (int b = 0; b < ROW_BLOCK; b++) {
+            __m256 wv = _mm256_loadu_ps(wt + b * ws + i);
+            for (int r = 0; r < mr; r++) a[r][b] = _mm256_fmadd_ps(xv[r], wv, a[r][b]);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int b = 0; b < ROW_BLOCK; b++) acc[r * ROW_BLOCK + b] = a[r][b];
+}
+
+/* dot_block_avx2's sums for m (<= TILED_ROWS) x rows, the weight rows read in tiles of K_TILE columns that every
+ * row pair takes while they are in L1 (bf16 ones widened once into wt, float32 ones read where they are). Each sum
+ * is the same 8-lane accumulator over k in order and the same tree as dot_block_avx2's, so a row's result is the
+ * same whichever of the two computes it. */
+static void dot_block_tiled(const float *x, const void *w, const int bf16, int64_t j, int k, int m, float *sums)
+{
+    float wt[ROW_BLOCK * K_TILE] __attribute__((aligned(32)));
+    __m256 acc[TILED_ROWS * ROW_BLOCK];
+    for (int q = 0; q < m * ROW_BLOCK; q++) acc[q] = _mm256_setzero_ps();
+    const int64_t es = bf16 ? 2 : 4;
+    const char *w0 = (const char *)w + j * k * es;
+    for (int i0 = 0; i0 < k; i0 += K_TILE) {
+        const int kt = k - i0 < K_TILE ? k - i0 : K_TILE;
+        const float *tile = wt;
+        int64_t ws = K_TILE;
+        if (bf16) {
+            for (int b = 0; b < ROW_BLOCK; b++)
+                for (int i = 0; i < kt; i += 8) {
+                    const char *at = w0 + ((int64_t)b * k + i0 + i) * 2;
+                    if (W_PREFETCH_AHEAD > 0 && i % 32 == 0)
+                        __builtin_prefetch(at + (int64_t)W_PREFETCH_AHEAD * ROW_BLOCK * k * 2, 0, W_PREFETCH_LOCALITY);
+                    _mm256_store_ps(wt + b * K_TILE + i, widen8_bf16((const uint16_t *)at));
+                }
+        } else {
+            tile = (const float *)w0 + i0;
+            ws = k;
+            if (W_PREFETCH_AHEAD > 0)
+                for (int b = 0; b < ROW_BLOCK; b++)
+                    for (int i = 0; i < kt; i += 16)
+                        __builtin_prefetch(tile + (int64_t)(W_PREFETCH_AHEAD * ROW_BLOCK + b) * k + i, 0,
+                                           W_PREFETCH_LOCALITY);
+        }
+        int r0 = 0;
+        for (; r0 + X_BLOCK_AVX2 <= m; r0 += X_BLOCK_AVX2)
+            tile_pass(x + (int64_t)r0 * k, k, tile, ws, i0, kt, X_BLOCK_AVX2, acc + r0 * ROW_BLOCK);
+        for (; r0 < m; r0++) tile_pass(x + (int64_t)r0 * k, k, tile, ws, i0, kt, 1, acc + r0 * ROW_BLOCK);
+    }
+    for (int q = 0; q < m * ROW_BLOCK; q++) sums[q] = sum8(acc[q]);
+}
 #endif
 
 /* An int8 layer's input: each row rounded to integer steps of xs = max|x| / XQ_MAX. Each int32 lane of a sum takes
@@ -428,6 +507,15 @@ static void linear_rows(const float *x, const uint16_t *xb, const float *xs, int
         const int by_avx2 = wtype == W_F32 || wtype == W_BF16;
 #endif
         if (by_avx2 && nb == ROW_BLOCK && k % 8 == 0) {
+            if (m >= (wtype == W_BF16 ? TILED_ROWS_MIN_BF16 : TILED_ROWS_MIN_F32)) {
+                float sums[TILED_ROWS * ROW_BLOCK];
+                for (int r0 = 0; r0 < m; r0 += TILED_ROWS) {
+                    int mr = m - r0 < TILED_ROWS ? m - r0 : TILED_ROWS;
+                    dot_block_tiled(x + (int64_t)r0 * k, w, wtype == W_BF16, jb, k, mr, sums);
+                    put_sums(sums, r0, mr, jb, ROW_BLOCK, bias, act_bf16, y, n, accumulate);
+                }
+                continue;
+            }
             for (int r0 = 0; r0 < m; r0 += X_BLOCK_AVX2) {
                 float sums[X_BLOCK_AVX2 * ROW_BLOCK];
                 const float *xr = x + (int64_t)r0 * k;
