@@ -280,8 +280,8 @@ class ModelRunner:
         # none (``_fused_decode_kernel``).
         left = config.cpu.decode_kernel_max_batch < 0 and not config.deterministic
         if self._fused_decode_kernel():
-            # -1 with float32 weights keeps the kernel's fixed limit (``FusedDecode``: 8 rows, 24 on an AVX2 CPU
-            # without AVX-512): it is well ahead there (1.4x at 8 rows, 135M, Zen 4; 1.29x at 24 on Zen 3),
+            # -1 with float32 weights keeps the kernel's fixed limit (``FusedDecode``: 8 rows, 16 on an AVX2 CPU
+            # without AVX-512): it is ahead there (1.4x at 8 rows, 135M, Zen 4; on Zen 3 1.08x at 16, 1.02x at 1B),
             # and the exactness tests compare float32 outputs across processes, which timing could split
             self.model.fused_decode = FusedDecode(self.model, DECODE_ROW_RUNGS[-1] if left
                                                   else config.cpu.decode_kernel_max_batch, config.deterministic)

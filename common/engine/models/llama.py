@@ -811,10 +811,11 @@ FUSED_MAX_ROWS = 256  # decode_forward.c's MAX_ROWS
 # path (float32: kernels/gemm_invariant.c up to ``float32_invariant_rows``, then oneDNN; bf16: the invariant bf16
 # matmul, then oneDNN's float32 copy from WIDENED_COPY_ROWS), a decode step's forward at 135M on Zen 3
 # (bench.decode_kernel, docs/benchmarks.md): float32 1.34x at 8 rows, 1.08x at 16, 1.29x at 24; bf16 1.60x at 8,
-# 1.47x at 16, 1.19x at 32, 1.01x at 64. bf16's limit is timed at load (``ModelRunner._choose_decode_rows``);
-# float32's is fixed (the exactness tests compare float32 outputs across processes): the most rows measured.
+# 1.47x at 16, 1.19x at 32, 1.01x at 64; at the 1B shape float32 1.27x at 8 rows, 1.02x at 16 (0.84x before the
+# tiles). bf16's limit is timed at load (``ModelRunner._choose_decode_rows``); float32's is fixed (the exactness
+# tests compare float32 outputs across processes): 16, level at the 1B shape.
 FUSED_AVX2_ROWS = 64
-FUSED_FLOAT32_AVX2_ROWS = 24
+FUSED_FLOAT32_AVX2_ROWS = 16
 
 
 def decode_forward_kernel(defines: tuple[str, ...] = ()):
