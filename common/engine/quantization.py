@@ -60,7 +60,7 @@ from torch import nn
 from common.engine.native import kernel_function
 from common.text.tokenizer import Tokenizer
 
-SMALL_BATCH_ROWS = 8  # rows the small-batch kernels take with int8 or float32 weights: decode_forward.c
+SMALL_BATCH_ROWS = 8  # rows decode_forward.c takes of int8 weights, and of others off its fast paths (llama.py)
 # Rows up to which the torch path's int8 layers take the weight-only kernel (tessera_linear_int8, and the LM
 # head after the one-call kernel); more rows take W8A8, whose int8 activations halve the products' cost where a
 # step is bound by them. The one-call kernel's own limit for int8 is timed at load

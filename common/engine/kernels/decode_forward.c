@@ -38,8 +38,8 @@
 #endif
 
 #ifndef MAX_ROWS
-#define MAX_ROWS 256 /* decode steps: up to 64 rows (engine.cpu.decode_kernel_max_batch), int8 and float32 weights 8
-                        * (common/engine/models/llama.py); engine.deterministic: every row of a step, in calls of
+#define MAX_ROWS 256 /* decode steps: up to 64 rows (engine.cpu.decode_kernel_max_batch), int8 weights 8, float32
+                        * 8 (16 on AVX2 without AVX-512: common/engine/models/llama.py); engine.deterministic: every row of a step, in calls of
                         * up to 256 rows (64 went over the weights 4 times as often: 0.89-0.94x the mode-off
                         * throughput against 0.95-1.01x at 135M, bench.deterministic) */
 #endif
@@ -220,7 +220,9 @@ static inline __attribute__((always_inline)) void dot_block_avx2(const float *x,
 #ifndef TILED_ROWS_MIN_BF16
 #define TILED_ROWS_MIN_BF16 (TILED_ROWS_MIN_DEFAULT > 32 ? TILED_ROWS_MIN_DEFAULT : 32)
 #endif
-#define K_TILE 512      /* weight columns per tile: a block's 4 rows of them, 8 KB in float32, stay in L1 */
+#ifndef K_TILE
+#define K_TILE 512      /* weight columns per tile (a multiple of 8): a block's 4 rows of them, 8 KB, stay in L1 */
+#endif
 #define TILED_ROWS 64   /* x rows per call of dot_block_tiled: their 4 x 8-lane sums a weight row, 8 KB */
 
 /* One x row pair's (mr <= X_BLOCK_AVX2) pass over a tile of kt columns from column i0: the 4 weight rows' tile at

@@ -806,7 +806,7 @@ W_BF16_PANELS = 3  # bfloat16 in panels (``Linear.panels``)
 W_BF16_COMPACT = 4  # bfloat16 in compact panels (a uint8 ``Linear.panels``: common/engine/compact_panels.py)
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 FUSED_MAX_ROWS = 256  # decode_forward.c's MAX_ROWS
-# float32 and bf16 weights on an AVX2 CPU without AVX-512: the most rows the kernel is timed for at load. Its linears
+# bf16 and float32 weights on an AVX2 CPU without AVX-512: the most rows the kernel takes (bf16: timed). Its linears
 # take many rows in tiles of the weights that stay in L1 (decode_forward.c ``dot_block_tiled``); against the torch
 # path (float32: kernels/gemm_invariant.c up to ``float32_invariant_rows``, then oneDNN; bf16: the invariant bf16
 # matmul, then oneDNN's float32 copy from WIDENED_COPY_ROWS), a decode step's forward at 135M on Zen 3
@@ -869,11 +869,12 @@ class FusedDecode:
         self.every_row = every_row
         # bf16 weights on a CPU with AVX512-BF16 take dot products 32 at a time, up to FUSED_MAX_ROWS rows, and
         # bf16 and float32 weights on an AVX2 CPU without AVX-512 (float32 FMAs, bf16 widened) up to
-        # FUSED_AVX2_ROWS and FUSED_FLOAT32_AVX2_ROWS; elsewhere (AVX-512 without AVX512-BF16) the kernel widens
-        # bf16 and float32 weights to float32 products, and int8 weights to int16 products in integers, which past
-        # 8 rows lose to oneDNN's matmuls and W8A8's int8 products. Where it wins moves with the model and the
-        # weights' layout (Zen 4, bf16: in panels, 32 rows at 135M and at the 1B shape; in rows, 1-2 at 1B): with
-        # decode_kernel_max_batch -1 the model runner lowers this by timing at load (bf16 and int8 weights).
+        # FUSED_AVX2_ROWS and FUSED_FLOAT32_AVX2_ROWS; elsewhere (AVX-512 without AVX512-BF16, or no AVX2) the
+        # kernel widens bf16 and float32 weights to float32 products, and int8 weights to int16 products in
+        # integers, which past 8 rows lose to oneDNN's matmuls and W8A8's int8 products. Where it wins moves with
+        # the model and the weights' layout (Zen 4, bf16: in panels, 32 rows at 135M and at the 1B shape; in rows,
+        # 1-2 at 1B): with decode_kernel_max_batch -1 the model runner lowers this by timing at load (bf16 and
+        # int8 weights).
         weight_dtype = model.layers[0].self_attn.qkv_proj.weight.dtype
         if weight_dtype is torch.bfloat16 and cpu_has("avx512_bf16"):
             widest = FUSED_MAX_ROWS
