@@ -1,7 +1,7 @@
 """The one-call decode kernel against the torch path: forward time and logits, per batch size.
 
     .venv/bin/python -m bench.decode_kernel [--dtype bfloat16] [--quantization none|int8] [--threads 2] \
-        [--rows 1,2,4,8,16,32,64] [--max-batch 64]
+        [--rows 1,2,4,8,16,32,64] [--max-batch 64] [--other-build NAME=VALUE ...]
 
 The embedded model (or ``--model``: a random-weight shape such as ``1b``, or a model directory) in this process. As many sequences as the largest ``--rows``, with prompts of 97, 105, 113, ...
 tokens (neither a prompt nor its next position ends a KV block), are prefilled; then for each M of ``--rows`` one
@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-weight-only-rows", type=int, default=None,
                         help="int8: quantization.INT8_WEIGHT_ONLY_ROWS while the torch path runs (0: W8A8 for "
                         "every row), to compare the weight-only kernel with W8A8 at a few rows")
+    parser.add_argument("--other-build", action="append", default=[], metavar="NAME=VALUE",
+                        help="also time the kernel built with these defines (repeatable; e.g. TILED_ROWS_MIN_F32=257 "
+                        "for the AVX2 float32 passes without tiles), in the same rounds: a column more")
     parser.add_argument("--max-batch", type=int, default=64,
                         help="engine.cpu.decode_kernel_max_batch: the most rows through the kernel (-1: as a worker "
                         "chooses, timing both ways at load)")
@@ -97,8 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.dtype}, weights {args.quantization if args.quantization != 'none' else args.dtype}, "
           f"{args.threads} threads, the kernel taking up to {kernel.max_rows if kernel else 0} rows; forward of "
           f"one decode step, ms (mean of {args.repeat}, the two ways alternating in rounds of {ROUND})\n")
-    print("| rows | decode kernel | torch path | speed-up | max abs logit difference | argmax agreement |")
-    print("|---|---|---|---|---|---|")
+    other = tuple(args.other_build)
+    extra = f" kernel built with {' '.join(other)} | its speed-up |" if other else ""
+    print(f"| rows | decode kernel | torch path | speed-up | max abs logit difference | argmax agreement |{extra}")
+    print("|---|---|---|---|---|---|" + ("---|---|" if other else ""))
     for rows in sizes:
         if rows > len(seqs) or (kernel is not None and rows > kernel.max_rows):
             print(f"| {rows} | — | — | — | — | — |")
@@ -107,19 +112,24 @@ def main(argv: list[str] | None = None) -> int:
         for seq in seqs[:rows]:
             plan.add(seq, 1)
         prepared = runner.prepare(plan)
-        fused_ms = torch_ms = 0.0
+        fused_ms = torch_ms = other_ms = 0.0
         for _ in range(-(-args.repeat // ROUND)):
             fused_ms += forward_ms(runner, prepared, ROUND)
             with torch_path(runner, args.torch_weight_only_rows):
                 torch_ms += forward_ms(runner, prepared, ROUND)
+            if other:
+                kernel.use_build(other)
+                other_ms += forward_ms(runner, prepared, ROUND)
+                kernel.use_build(())
         rounds = -(-args.repeat // ROUND)
-        fused_ms, torch_ms = fused_ms / rounds, torch_ms / rounds
+        fused_ms, torch_ms, other_ms = fused_ms / rounds, torch_ms / rounds, other_ms / rounds
         fused = logits(runner, prepared)
         with torch_path(runner, args.torch_weight_only_rows):
             reference = logits(runner, prepared)
         agree = (fused.argmax(-1) == reference.argmax(-1)).float().mean().item()
+        extra = f" {other_ms:.2f} | {torch_ms / other_ms:.2f}× |" if other else ""
         print(f"| {rows} | {fused_ms:.2f} | {torch_ms:.2f} | {torch_ms / fused_ms:.2f}× | "
-              f"{(fused - reference).abs().max().item():.3g} | {100 * agree:.0f}% |")
+              f"{(fused - reference).abs().max().item():.3g} | {100 * agree:.0f}% |{extra}")
     return 0
 
 
