@@ -39,9 +39,10 @@
 
 #ifndef MAX_ROWS
 #define MAX_ROWS 256 /* decode steps: up to 64 rows (engine.cpu.decode_kernel_max_batch), int8 weights 8, float32
-                        * 8 (16 on AVX2 without AVX-512: common/engine/models/llama.py); engine.deterministic: every row of a step, in calls of
-                        * up to 256 rows (64 went over the weights 4 times as often: 0.89-0.94x the mode-off
-                        * throughput against 0.95-1.01x at 135M, bench.deterministic) */
+                        * 8 (16 on AVX2 without AVX-512: common/engine/models/llama.py); engine.deterministic:
+                        * every row of a step, in calls of up to 256 rows (64 went over the weights 4 times as
+                        * often: 0.89-0.94x the mode-off throughput against 0.95-1.01x at 135M,
+                        * bench.deterministic) */
 #endif
 #define MAX_K 16384
 
