@@ -1,6 +1,8 @@
-"""The int8 matmul of W8A8 at a step's rows: kernels/int8_gemm.c against torch._int_mm, per layer shape.
+"""The int8 matmul of W8A8 at a step's rows: kernels/int8_gemm.c (or, ``--way float32``, the float32 sums a CPU
+without an int8 dot product takes: ``quantization.sums_in_float32``) against torch._int_mm, per layer shape.
 
     .venv/bin/python -m bench.int8_gemm [--model 1b] [--rows 2 4 8 16 32 64 128 256 1024 2048] [--threads 2]
+        [--way kernel|float32]
 
 For the model's four linear shapes (q/k/v, o, gate/up, down; from its config.json, no weights loaded) and its
 LM head, random int8 activations and weights, per number of rows: each way's time per call, ms (the best of
@@ -17,7 +19,7 @@ import time
 
 import torch
 
-from common.engine.quantization import int8_gemm_kernel
+from common.engine.quantization import _int_mm_float32, int8_gemm_kernel, int8_gemm_max_rows
 
 
 def shapes(model_dir) -> list[tuple[str, int, int]]:
@@ -60,13 +62,18 @@ def best_ms(fn, repeat: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shape_arguments(parser, [2, 4, 8, 16, 32, 64, 128, 256], 5)
+    parser.add_argument("--way", choices=("kernel", "float32"), default=None,
+                        help="what is timed against torch._int_mm: kernels/int8_gemm.c, or the exact float32 sums "
+                             "(default: the kernel where this CPU has VNNI or AMX, else float32)")
     args = parser.parse_args(argv)
     kernel = int8_gemm_kernel()
-    if kernel is None:
+    way = args.way or ("kernel" if int8_gemm_max_rows() else "float32")
+    if way == "kernel" and kernel is None:
         raise SystemExit("no C compiler: kernels/int8_gemm.c cannot be built")
     model, model_dir = shape_model(args)
     print(f"{model.name}'s shapes, {args.threads} threads; ms per call (best of {args.repeat}, alternating)\n")
-    print("| layer (n x k) | rows | int8_gemm.c | torch._int_mm | speed-up |")
+    label = "int8_gemm.c" if way == "kernel" else "float32 sums"
+    print(f"| layer (n x k) | rows | {label} | torch._int_mm | speed-up |")
     print("|---|---|---|---|---|")
     ahead: dict[str, list[int]] = {}
     layer_shapes = list(shapes(model_dir))
@@ -77,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
             out = torch.empty((rows, n), dtype=torch.int32)
 
             def ours() -> None:
-                if kernel(x.data_ptr(), w.data_ptr(), out.data_ptr(), rows, n, k) != 0:
+                if way == "float32":
+                    _int_mm_float32(x, w, out)
+                elif kernel(x.data_ptr(), w.data_ptr(), out.data_ptr(), rows, n, k) != 0:
                     raise SystemExit(f"int8_gemm.c refused {rows} x {k} @ {n} x {k} (needs AVX512-VNNI, k % 64 == 0, "
                                      "at most 256 rows without AMX tiles)")
 
@@ -95,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {name} ({n} x {k}) | {rows} | {a:.2f} | {b:.2f} | {b / a:.2f}× |")
     print()
     for name, *_ in layer_shapes:
-        print(f"{name}: the kernel the faster at {', '.join(map(str, ahead.get(name, []))) or 'no'} rows")
+        print(f"{name}: {label} the faster at {', '.join(map(str, ahead.get(name, []))) or 'no'} rows")
     return 0
 
 

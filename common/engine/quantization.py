@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from common.engine.native import kernel_function
+from common.engine.native import cpu_has, kernel_function
 from common.text.tokenizer import Tokenizer
 
 SMALL_BATCH_ROWS = 8  # rows decode_forward.c takes of int8 weights, and of others off its fast paths (llama.py)
@@ -77,6 +77,17 @@ INT8_WEIGHT_ONLY_ROWS = 1
 DEFAULT_KERNEL_ROWS = 32
 TRIAL_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 _kernel_trials: dict[tuple[int, int], tuple[bool, ...]] = {}  # per shape, per TRIAL_ROWS: the kernel was faster
+# Where the CPU has no int8 dot product (no VNNI, AVX-VNNI or AMX: AVX2 CPUs such as Zen 3, AVX-512 ones before
+# Cascade Lake), torch._int_mm has no fast path: a 584 x 576 by 576 x 1,536 product took 348 ms on a Zen 3 core
+# where the same values as float32 took 20. ``int_mm`` then computes the sums in float32, exactly: every product
+# of two int8 values and every partial sum over at most EXACT_FLOAT_K of them is an integer of magnitude at most
+# 128 * 128 * 1024 = 2**24, which float32 holds exactly in any order of summation; longer rows are summed a
+# chunk of EXACT_FLOAT_K at a time, each chunk's sums added in int32. The weight is widened FLOAT_BLOCK_ROWS rows
+# at a time (never a weight-sized copy), and only at float32 matmul precision "highest" (otherwise oneDNN may
+# compute float32 products in bfloat16).
+EXACT_FLOAT_K = 1024
+FLOAT_BLOCK_ROWS = 256
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 
 
 def quantize_rows(weight: torch.Tensor, tp=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,7 +178,36 @@ def int_mm(xq: torch.Tensor, q: torch.Tensor, transient: bool = False) -> torch.
         kernel = int8_gemm_kernel()
         if kernel is not None and kernel(xq.data_ptr(), q.data_ptr(), out.data_ptr(), m, n, xq.shape[1]) == 0:
             return out
+    if sums_in_float32():
+        return _int_mm_float32(xq, q, out)
     return torch._int_mm(xq, q.t(), out=out)
+
+
+@functools.cache
+def _no_int8_dot_product() -> bool:
+    return not any(cpu_has(flag) for flag in INT8_DOT_FLAGS)
+
+
+def sums_in_float32() -> bool:
+    """Whether ``int_mm``'s sums past the kernel are computed in float32 (EXACT_FLOAT_K) rather than by
+    torch._int_mm: on a CPU without an int8 dot product, at float32 matmul precision "highest"."""
+    return _no_int8_dot_product() and torch.get_float32_matmul_precision() == "highest"
+
+
+def _int_mm_float32(xq: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``xq @ q^T`` into the int32 ``out``, computed in float32 and exact (EXACT_FLOAT_K)."""
+    k, n = xq.shape[1], q.shape[0]
+    x = xq.float()
+    for n0 in range(0, n, FLOAT_BLOCK_ROWS):
+        w = q[n0:n0 + FLOAT_BLOCK_ROWS].float()
+        block = out[:, n0:n0 + FLOAT_BLOCK_ROWS]
+        for k0 in range(0, k, EXACT_FLOAT_K):
+            sums = x[:, k0:k0 + EXACT_FLOAT_K] @ w[:, k0:k0 + EXACT_FLOAT_K].t()
+            if k0 == 0:
+                block.copy_(sums)
+            else:
+                block.add_(sums.to(torch.int32))
+    return out
 
 
 def _takes_kernel(shape: tuple[int, int], rows: int) -> bool:

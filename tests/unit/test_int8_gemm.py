@@ -1,6 +1,7 @@
 """The W8A8 int8 matmul (``quantization.int_mm``: kernels/int8_gemm.c, VNNI or AMX tiles, up to the rows
-``choose_int8_matmul`` times) against exact integer sums: the same int32 sums at every row count either way
-takes, and for shapes the kernel refuses."""
+``choose_int8_matmul`` times; past them torch._int_mm, or float32 sums on a CPU without an int8 dot product)
+against exact integer sums: the same int32 sums at every row count either way takes, and for shapes the kernel
+refuses."""
 import pytest
 import torch
 
@@ -108,3 +109,21 @@ def test_sums_written_past_the_caches_are_the_same(rows, n, k):
     assert out.data_ptr() % 64 == 0  # non-temporal stores need y's rows aligned, as torch's allocations are
     assert kernel(x.data_ptr(), w.data_ptr(), out.data_ptr(), rows, n, k) == 0
     assert torch.equal(out, reference(x, w))
+
+
+@pytest.mark.parametrize("rows, n, k", [(1, 300, 64), (40, 257, 1024), (7, 513, 1025), (33, 70, 3000)])
+def test_sums_in_float32_are_exact_at_the_ends_of_the_range(rows, n, k):
+    """The float32 way (``_int_mm_float32``), whatever this CPU takes: products of -128 and 127 summed over a
+    chunk of EXACT_FLOAT_K (2**24 at most, which float32 holds), chunks and blocks of weight rows that do not
+    divide k and n, and random values beside them."""
+    x, w = draw(rows, n, k)
+    x[0], w[0], w[1] = -128, -128, 127
+    out = torch.empty((rows, n), dtype=torch.int32)
+    assert torch.equal(quantization._int_mm_float32(x, w, out), reference(x, w))
+
+
+def test_int_mm_sums_in_float32_only_without_an_int8_dot_product_and_at_full_precision(monkeypatch):
+    expected = not any(cpu_has(flag) for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
+    assert quantization.sums_in_float32() == expected
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "medium")  # oneDNN may multiply in bf16
+    assert not quantization.sums_in_float32()
