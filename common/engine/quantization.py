@@ -17,7 +17,8 @@ weight-sized copy; each path computes on the int8 values:
   The int8 matmul (``int_mm``) is ``kernels/int8_gemm.c`` up to the rows
   timed at load per weight shape (its VNNI path takes up to 256 rows, where
   torch's reaches a fraction of the CPU's VNNI throughput; on AMX its tiles
-  take any rows), and ``torch._int_mm`` past them; both give the same int32
+  take any rows), and past them ``torch._int_mm``, or float32 sums on a CPU
+  without an int8 dot product (``EXACT_FLOAT_K``); all give the same int32
   sums exactly, so which one runs never changes an output.
 
 At tensor parallelism a row-parallel layer (the attention output and down projections) holds a slice of each
