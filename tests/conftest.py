@@ -151,3 +151,15 @@ def tiny_chat_model_dir(tmp_path_factory, request) -> Path:
     tokenizer = os.environ.get("TESSERA_TEST_TOKENIZER")
     source = Path(tokenizer) if tokenizer else request.getfixturevalue("embedded_model_dir")
     return build_tiny_model("llama", tmp_path_factory.mktemp("tiny-chat"), tokenizer_from=source)
+
+
+@pytest.fixture(scope="session")
+def short_model_dir(tmp_path_factory, request) -> Path:
+    """The embedded model's shape in 4 layers of random weights, with its tokenizer (tests/tiny_models.py
+    ``build_short_model``), in float32: what the e2e tests of streams, faults and processes serve.
+    TESSERA_TEST_TOKENIZER as for ``tiny_chat_model_dir``."""
+    from tests.tiny_models import build_short_model
+
+    tokenizer = os.environ.get("TESSERA_TEST_TOKENIZER")
+    source = Path(tokenizer) if tokenizer else request.getfixturevalue("embedded_model_dir")
+    return build_short_model(tmp_path_factory.mktemp("short-model"), tokenizer_from=source)

@@ -73,6 +73,42 @@ def build_tiny_model(kind: str, directory: Path, seed: int = 0, tokenizer_from: 
     return directory
 
 
+# The short model: the embedded model's width, heads (9 query, 3 KV: tensor parallelism up to 3), MLP and
+# vocabulary, in SHORT_LAYERS layers of random weights. The e2e tests whose checks are about streams, pages and
+# processes, not the model's words, serve it: a decode step costs about a third of the embedded model's (its head,
+# 28M of its 42M parameters, is most of it) and a prompt step a seventh, through the same kernels at the same
+# widths. Its head is scaled so that logits spread (a standard deviation of about 9, against 0.5 unscaled): greedy
+# picks its token by a clear margin, never by a tie that rounding in one batch and not another could flip, and each
+# prompt's text is its own (random tokens, not the few words of a truncated trained model).
+SHORT_LAYERS = 4
+SHORT_HEAD_SCALE = 20.0
+# SmolLM2-135M-Instruct's config.json (the embedded model), less its 30 layers
+EMBEDDED_SHAPE = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+    head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0, bos_token_id=1,
+    eos_token_id=2, pad_token_id=2,
+)
+
+
+def build_short_model(directory: Path, tokenizer_from: Path, seed: int = 0, layers: int = SHORT_LAYERS) -> Path:
+    """Save the short model (``SHORT_LAYERS``) with the tokenizer files of ``tokenizer_from`` (a directory holding
+    the embedded model's) into ``directory``; returns it."""
+    config = dict(EMBEDDED_SHAPE, num_hidden_layers=layers, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**config), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+        model.lm_head.weight.mul_(SHORT_HEAD_SCALE)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_from / name).exists():
+            shutil.copy(tokenizer_from / name, directory / name)
+    return directory
+
+
 def run_steps(runner, ids, steps, block_table):
     """Feed ``ids`` through the runner in the given step sizes; logits of every row."""
     seq = Sequence("r", ids, SamplingParams(), seed=0)

@@ -16,15 +16,15 @@ KV_BYTES = "tessera_proxy_kv_transfer_bytes_total"
 
 
 @pytest.fixture(scope="module")
-def cluster(embedded_model_dir, tmp_path_factory):
-    c = LocalCluster.for_tests(embedded_model_dir, tmp_path_factory.mktemp("delta-pull-logs"), prefill=1,
+def cluster(short_model_dir, tmp_path_factory):
+    c = LocalCluster.for_tests(short_model_dir, tmp_path_factory.mktemp("delta-pull-logs"), prefill=1,
                                decode=1).start()
     yield c
     codes = c.stop()
     assert all(code == 0 for code in codes.values()), codes
 
 
-def test_later_turns_pull_only_what_is_new(cluster, embedded_model_dir):
+def test_later_turns_pull_only_what_is_new(cluster, short_model_dir):
     history = [{"role": "system", "content": SYSTEM}]
     pulled, answers = [], []
     with httpx.Client(base_url=cluster.url, timeout=120) as client:
@@ -43,4 +43,4 @@ def test_later_turns_pull_only_what_is_new(cluster, embedded_model_dir):
     assert all(0 < later <= 0.3 * pulled[0] for later in pulled[1:]), pulled
     reused = cluster.metric("tessera_worker_kv_blocks_reused_total", cluster.worker_url("decode-0"))
     assert sum(reused.values()) > 0
-    assert_replies_are_the_engines(embedded_model_dir, MESSAGES, answers, MAX_TOKENS, system=SYSTEM)
+    assert_replies_are_the_engines(short_model_dir, MESSAGES, answers, MAX_TOKENS, system=SYSTEM)

@@ -1,6 +1,6 @@
 """Decode failover with real processes: kill -9 a decode worker mid-stream and lose nothing.
 
-Proxy + 1 prefill + 2 decode workers on the embedded model, each its own process. Sixteen
+Proxy + 1 prefill + 2 decode workers on the short model (tests/tiny_models.py), each its own process. Sixteen
 concurrent streams (greedy, and seeded sampling with a frequency penalty) run once without a fault
 for the reference, then again while one decode worker is killed with SIGKILL after the streams
 have started. Every stream must complete with the reference's text, each token once (``usage``
@@ -29,8 +29,8 @@ BODIES = completion_bodies(STREAMS, MAX_TOKENS)
 
 
 @pytest.fixture
-def cluster(embedded_model_dir, tmp_path):
-    c = LocalCluster.for_tests(embedded_model_dir, tmp_path, prefill=1, decode=2, transfer_backend="auto",
+def cluster(short_model_dir, tmp_path):
+    c = LocalCluster.for_tests(short_model_dir, tmp_path, prefill=1, decode=2, transfer_backend="auto",
                                proxy_overrides=["heartbeat_timeout_s=30"]).start()
     yield c
     c.stop()

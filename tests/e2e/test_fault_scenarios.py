@@ -1,9 +1,9 @@
 """Fault scenarios with real processes: nothing lost, nothing duplicated, nothing leaked (issue 13).
 
-A proxy, 2 prefill and 2 decode workers on the embedded model, each its own process, driven by the
-scenario runner (``tests/e2e/fault_scenarios.py``). Sixteen streams of 48 tokens (half greedy, half
-seeded with a frequency penalty) run once without a fault for the reference; each scenario then
-checks every stream's text against it, its ``usage`` against ``max_tokens``, and that no KV page
+A proxy, 2 prefill and 2 decode workers on the short model (the embedded model's shape in 4 layers:
+tests/tiny_models.py), each its own process, driven by the scenario runner (``tests/e2e/fault_scenarios.py``). Sixteen
+streams of 48 tokens (half greedy, half seeded with a frequency penalty) run once without a fault for the reference;
+each scenario then checks every stream's text against it, its ``usage`` against ``max_tokens``, and that no KV page
 stays in use on any worker or in the proxy's view.
 
 1. kill -9 of a prefill worker while it prefills: its prompts resume on the other one.
@@ -48,8 +48,8 @@ def total(cluster: LocalCluster, name: str, base: str | None = None, worker: str
 
 
 @pytest.fixture(scope="module")
-def cluster(embedded_model_dir, tmp_path_factory):
-    c = LocalCluster.for_tests(embedded_model_dir, tmp_path_factory.mktemp("faults"), prefill=2, decode=2,
+def cluster(short_model_dir, tmp_path_factory):
+    c = LocalCluster.for_tests(short_model_dir, tmp_path_factory.mktemp("faults"), prefill=2, decode=2,
                                proxy_overrides=[f"heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}"]).start()
     yield c
     c.stop()
@@ -125,9 +125,9 @@ def delayed_pull_cluster(model_dir: Path, log_dir: Path, lease_s: float, delay_s
 
 
 def test_a_kv_pull_delayed_past_the_lease_is_recomputed_never_read_from_freed_pages(
-        embedded_model_dir, tmp_path, reference):
+        short_model_dir, tmp_path, reference):
     # Four blocks per prefill worker: the prompts after the first four reuse the pages whose lease ran out.
-    cluster = delayed_pull_cluster(embedded_model_dir, tmp_path, 1, 2.5, "engine.num_kv_blocks=4")
+    cluster = delayed_pull_cluster(short_model_dir, tmp_path, 1, 2.5, "engine.num_kv_blocks=4")
     try:
         results, _ = asyncio.run(run_scenario(cluster, BODIES))
         check_nothing_lost(results, reference, BODIES)
@@ -139,8 +139,8 @@ def test_a_kv_pull_delayed_past_the_lease_is_recomputed_never_read_from_freed_pa
         cluster.stop()
 
 
-def test_aborts_while_waiting_for_remote_kv_leak_nothing(embedded_model_dir, tmp_path, reference):
-    cluster = delayed_pull_cluster(embedded_model_dir, tmp_path, 120, 5)
+def test_aborts_while_waiting_for_remote_kv_leak_nothing(short_model_dir, tmp_path, reference):
+    cluster = delayed_pull_cluster(short_model_dir, tmp_path, 120, 5)
     try:
         left = list(range(0, STREAMS, 2)) + [1, 3]
         results, _ = asyncio.run(run_scenario(cluster, BODIES, [streams_with_text(STREAMS), abandon(left)]))

@@ -1,6 +1,6 @@
 """The gRPC API through the real proxy, with the generated client (docs/examples/grpc_client.py).
 
-On the embedded model's cluster (`make run`'s layout): Generate streams greedy output equal to HTTP's, chat and
+On the short model's cluster (`make run`'s layout): Generate streams greedy output equal to HTTP's, chat and
 completion; cancelling a call, or a request on a GenerateStream call, frees its pages; GenerateStream multiplexes
 and sends no more messages than the client granted credits for; Embed, Tokenize and Admin answer as HTTP does.
 With scripted workers: a tenant over its rate gets RESOURCE_EXHAUSTED with a RetryInfo detail, and a missing API
@@ -30,9 +30,9 @@ PAGES_FREED_S = ProxyConfig().kv_lease_s  # pages are freed as a request ends, o
 
 
 @pytest.fixture(scope="module")
-def served(embedded_model_dir, tmp_path_factory):
+def served(short_model_dir, tmp_path_factory):
     port = free_port()
-    cluster = LocalCluster.for_tests(embedded_model_dir, tmp_path_factory.mktemp("logs"),
+    cluster = LocalCluster.for_tests(short_model_dir, tmp_path_factory.mktemp("logs"),
                                      proxy_overrides=[f"http.grpc_port={port}"]).start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     yield cluster, channel

@@ -1,4 +1,4 @@
-"""The proxy's exact prefix index through a real cluster (proxy, prefill and decode processes on the embedded model,
+"""The proxy's exact prefix index through a real cluster (proxy, prefill and decode processes on the short model,
 the shipped defaults): a workload of shared prefixes under eviction pressure (a 48-block pool per worker), where
 the cached tokens the index predicts on the worker each request is routed to must match the ``cached_tokens`` the
 response reports for at least 95% of requests; and after a worker restarts, none of its old epoch's blocks is
@@ -19,7 +19,7 @@ PREFIX_BLOCKS = 10
 ORDER = [0, 1, 0, 2, 1, 3, 0, 4, 2, 0, 1, 3, 4, 0, 2, 1, 4, 3, 0, 1, 2, 0, 3, 4, 1, 0, 2, 4, 3, 1]
 AGREEMENT = 0.95
 # Bounds a wait for the restarted worker's registration and its first KV snapshot: heartbeat_timeout_s=3 (the test
-# proxy's) at most twice, and a worker's start on the embedded model.
+# proxy's) at most twice, and a worker's start.
 RESTART_S = 120.0
 
 
@@ -34,8 +34,8 @@ def outcomes(cluster: LocalCluster) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def cluster(embedded_model_dir, tmp_path_factory):
-    c = LocalCluster.for_tests(embedded_model_dir, tmp_path_factory.mktemp("kv-index-logs"), prefill=1, decode=1,
+def cluster(short_model_dir, tmp_path_factory):
+    c = LocalCluster.for_tests(short_model_dir, tmp_path_factory.mktemp("kv-index-logs"), prefill=1, decode=1,
                                proxy_overrides=["local_prefill_threshold=-1"],  # the shipped default
                                role_overrides=[f"engine.num_kv_blocks={POOL_BLOCKS}"]).start()
     yield c

@@ -18,11 +18,11 @@ PROCESSES = 2
 
 
 @pytest.fixture(scope="module")
-def cluster(embedded_model_dir, tmp_path_factory):
+def cluster(short_model_dir, tmp_path_factory):
     if not have_redis_server():
         pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run installs it)")
     redis = RedisServer()
-    c = LocalCluster.for_tests(embedded_model_dir, tmp_path_factory.mktemp("kv-index-proxies-logs"), prefill=1,
+    c = LocalCluster.for_tests(short_model_dir, tmp_path_factory.mktemp("kv-index-proxies-logs"), prefill=1,
                                decode=1, proxy_processes=PROCESSES, redis_url=redis.url,
                                proxy_overrides=["local_prefill_threshold=-1"],  # the shipped default
                                role_overrides=[f"engine.num_kv_blocks={POOL_BLOCKS}"]).start()

@@ -30,9 +30,9 @@ def total(cluster: LocalCluster, name: str, base: str | None = None, label: str 
 
 
 @pytest.fixture(scope="module")
-def reference(embedded_model_dir, tmp_path_factory):
+def reference(short_model_dir, tmp_path_factory):
     """The streams of BODIES through a cluster that pulls the pages after the first token."""
-    plain = LocalCluster.for_tests(embedded_model_dir, tmp_path_factory.mktemp("plain-handoff"), prefill=1, decode=1,
+    plain = LocalCluster.for_tests(short_model_dir, tmp_path_factory.mktemp("plain-handoff"), prefill=1, decode=1,
                                    role_overrides=WORKERS).start()
     try:
         results, _ = asyncio.run(run_scenario(plain, BODIES))
@@ -44,8 +44,8 @@ def reference(embedded_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster(embedded_model_dir, tmp_path_factory):
-    c = LocalCluster.for_tests(embedded_model_dir, tmp_path_factory.mktemp("kv-pipeline"), prefill=2, decode=1,
+def cluster(short_model_dir, tmp_path_factory):
+    c = LocalCluster.for_tests(short_model_dir, tmp_path_factory.mktemp("kv-pipeline"), prefill=2, decode=1,
                                proxy_overrides=PIPELINE, role_overrides=WORKERS).start()
     yield c
     c.stop()

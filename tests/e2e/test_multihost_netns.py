@@ -231,7 +231,7 @@ class Hosts:
 
 
 @pytest.fixture(scope="module")
-def hosts(embedded_model_dir, tmp_path_factory):
+def hosts(short_model_dir, tmp_path_factory):
     reason = _netns_unavailable()
     if reason:
         pytest.skip(reason)
@@ -239,7 +239,7 @@ def hosts(embedded_model_dir, tmp_path_factory):
     started = None
     try:
         net.create()
-        started = Hosts(net, tmp_path_factory.mktemp("netns"), embedded_model_dir)
+        started = Hosts(net, tmp_path_factory.mktemp("netns"), short_model_dir)
         started.start()
         started.wait_ready()
         yield started
@@ -250,8 +250,8 @@ def hosts(embedded_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(embedded_model_dir):
-    engine = LLMEngine(EngineConfig(model=str(embedded_model_dir), num_kv_blocks=64, num_threads=1))
+def reference(short_model_dir):
+    engine = LLMEngine(EngineConfig(model=str(short_model_dir), num_kv_blocks=64, num_threads=1))
     chats = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
     outs = engine.generate(chats, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     return {p: o.outputs[0].text for p, o in zip(PROMPTS, outs)}
@@ -287,13 +287,13 @@ def test_every_role_reports_ready_to_its_service_manager(hosts):
         assert "READY=1" in fields and any(f.startswith("STATUS=") for f in fields), (host, fields)
 
 
-def test_greedy_outputs_match_and_kv_pages_cross_the_veths(hosts, reference, embedded_model_dir):
+def test_greedy_outputs_match_and_kv_pages_cross_the_veths(hosts, reference, short_model_dir):
     before = _traffic(hosts)
     answers = _chat_all(hosts.url, BEFORE_CUT)
     assert [a["choices"][0]["message"]["content"] for a in answers] == [reference[p] for p in BEFORE_CUT]
     after = _traffic(hosts)
     grown = {k: after[k] - before[k] for k in after}
-    prompt_kv = sum(a["usage"]["prompt_tokens"] for a in answers) * _kv_bytes_per_token(embedded_model_dir)
+    prompt_kv = sum(a["usage"]["prompt_tokens"] for a in answers) * _kv_bytes_per_token(short_model_dir)
     assert grown["pulled"] >= prompt_kv, (grown, prompt_kv)
     assert grown["prefill_tx"] >= grown["pulled"], f"KV pages did not leave the prefill hosts' eth0: {grown}"
     assert grown["decode_rx"] >= grown["pulled"], f"KV pages did not reach the decode hosts' eth0: {grown}"

@@ -17,16 +17,16 @@ BODY = {"model": "SmolLM2-135M-Instruct", "max_tokens": 24, "temperature": 0, "i
 
 
 @pytest.fixture(scope="module")
-def mark_token(embedded_model_dir) -> int:
-    tokenizer = Tokenizer(embedded_model_dir)
+def mark_token(short_model_dir) -> int:
+    tokenizer = Tokenizer(short_model_dir)
     (token,) = tokenizer.encode(MARK, add_special_tokens=False)
     assert all(token not in tokenizer.encode(p) for p in PROMPTS)
     return token
 
 
 @pytest.fixture(params=["decode", "prefill"])
-def cluster(request, embedded_model_dir, mark_token, tmp_path):
-    c = LocalCluster.for_tests(embedded_model_dir, tmp_path, prefill=1, decode=1,
+def cluster(request, short_model_dir, mark_token, tmp_path):
+    c = LocalCluster.for_tests(short_model_dir, tmp_path, prefill=1, decode=1,
                                role_overrides=[f"{request.param}:testing.fault_nonfinite_logits_token={mark_token}"])
     c.start()
     yield c, request.param

@@ -112,15 +112,15 @@ def test_sigterm_stops_the_fuzzed_proxy_cleanly(fuzz_proxy):
     assert fuzz_proxy.stop() == 0, fuzz_proxy.log()
 
 
-# -- against real workers on the embedded model --------------------------------------------------
+# -- against real workers on the short model (tests/tiny_models.py) --------------------------------------------
 
 REAL_CASES_PER_OPERATION = 150
 CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "n": 2, "best_of": 2}  # what the engines get to generate
 
 
 @pytest.fixture(scope="module")
-def real_cluster(embedded_model_dir, tmp_path_factory):
-    cluster = LocalCluster.for_tests(embedded_model_dir, tmp_path_factory.mktemp("fuzz-real"),
+def real_cluster(short_model_dir, tmp_path_factory):
+    cluster = LocalCluster.for_tests(short_model_dir, tmp_path_factory.mktemp("fuzz-real"),
                                      proxy_overrides=["http.max_prompt_bytes=4096", "requests.first_token_timeout_s=30",
                                                       f"requests.max_tokens_default={CAPS['max_tokens']}"]).start()
     yield cluster

@@ -1,13 +1,13 @@
 """The planner switches a real worker's role on its own when the load asks for it (issue 47), through real processes.
 
 A proxy with the adaptive controller on (``slo.tac_enabled``, a TTFT target, the planner's shipped settings), workers
-that calibrate their step costs at start as shipped (the tests' clusters otherwise skip it), one prefill and two
-decode workers on the embedded model in float32. Eight clients send prompt-heavy requests one after another
+that calibrate their step costs at start as shipped (the tests' clusters otherwise skip it), one prefill and two decode
+workers on the short model (tests/tiny_models.py) in float32. Eight clients send prompt-heavy requests one after another
 (512-token prompts, 8 output tokens): one prefill worker cannot keep the queued prompt tokens within the TTFT target
-while two decode workers idle, so the planner orders a decode worker to prefill, with no admin call. The load goes
-on until eight streams sent after the switch have text. Every request served before, during and after the switch
-carries the single-process engine's greedy text, no KV page is left in use, and ``/readyz`` then counts the
-workers the planner's orders put in each role (2 prefill and 1 decode, unless it turned the split back).
+while two decode workers idle, so the planner orders a decode worker to prefill, with no admin call. The load goes on
+until eight streams sent after the switch have text. Every request served before, during and after the switch carries
+the single-process engine's greedy text, no KV page is left in use, and ``/readyz`` then counts the workers the
+planner's orders put in each role (2 prefill and 1 decode, unless it turned the split back).
 """
 from __future__ import annotations
 
@@ -39,16 +39,16 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(embedded_model_dir):
-    engine = LLMEngine(EngineConfig(model=str(embedded_model_dir), dtype="float32", num_kv_blocks=1024))
+def reference(short_model_dir):
+    engine = LLMEngine(EngineConfig(model=str(short_model_dir), dtype="float32", num_kv_blocks=1024))
     outs = engine.generate(prompts(), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
     return [o.outputs[0].text for o in outs]
 
 
 @pytest.fixture(scope="module")
-def cluster(embedded_model_dir, tmp_path_factory):
+def cluster(short_model_dir, tmp_path_factory):
     c = LocalCluster.for_tests(
-        embedded_model_dir, tmp_path_factory.mktemp("planner-cluster"), prefill=1, decode=2, dtype="float32",
+        short_model_dir, tmp_path_factory.mktemp("planner-cluster"), prefill=1, decode=2, dtype="float32",
         proxy_overrides=["slo.tac_enabled=true", "slo.ttft_slo_ms=2000"],
         role_overrides=["decode:drain_timeout_s=1"],
         worker_overrides=[f"engine.steps.calibration_s={StepsConfig().calibration_s}"]).start()  # shipped: fits at once

@@ -1,18 +1,17 @@
 """No stream lost to a proxy's death: ``tessera proxy --processes 2`` on one port sharing Redis, a real prefill and
-decode worker on the embedded model (float32), greedy resumable streams, and ``kill -9`` of one proxy process while
-they run. Every client whose connection broke reconnects to the shared port with its last event id; the other
-proxy process (or the restarted one) takes its stream over from the decode worker (proxy/edge/takeover.py). Each
+decode worker on the short model (float32; tests/tiny_models.py), greedy resumable streams, and ``kill -9`` of one proxy
+process while they run. Every client whose connection broke reconnects to the shared port with its last event id; the
+other proxy process (or the restarted one) takes its stream over from the decode worker (proxy/edge/takeover.py). Each
 stream's text equals its no-fault run's, no event id repeats, and no page is left in use afterwards. The same with
-SIGTERM, whose drain hands the streams over at once instead of waiting them out, and with the decode worker killed
-right after the proxy (the double failure): there are two decode workers, so that the streams the dead worker held
-are computed again on the other from their contexts in Redis (proxy/edge/shared_streams.py) while the rest are taken
-over from the live one, and no restart has to be waited for; a restarted decode worker would only add that wait. And
-without Redis, a stream that ended on the killed process before its client read it: the worker kept it for its
-window, and the other process takes it over (common/runtime/proxy_links.py).
-
-Half the streams start on the killed process's own port (``http.process_port``), so that some certainly break;
-the other half on the shared port, where the kernel spreads them. The issue's check (16 streams of 160 tokens) runs
-as ``STREAMS=16 TOKENS=160`` (about 45 s a signal on two cores); the suite runs 8 of 48, about 15 s a signal.
+SIGTERM, whose drain hands the streams over at once instead of waiting them out, and with the decode worker killed right
+after the proxy (the double failure): there are two decode workers, so that the streams the dead worker held are
+computed again on the other from their contexts in Redis (proxy/edge/shared_streams.py) while the rest are taken over
+from the live one, and no restart has to be waited for; a restarted decode worker would only add that wait. And without
+Redis, a stream that ended on the killed process before its client read it: the worker kept it for its window, and the
+other process takes it over (common/runtime/proxy_links.py). Half the streams start on the killed process's own port
+(``http.process_port``), so that some certainly break; the other half on the shared port, where the kernel spreads them.
+The issue's check (16 streams of 160 tokens) runs as ``STREAMS=16 TOKENS=160`` (about 45 s a signal on two cores); the
+suite runs 8 of 48, about 15 s a signal.
 """
 from __future__ import annotations
 
@@ -38,10 +37,10 @@ RECONNECT_S = 0.2  # the test client's pause before it tries again after a 503 o
 
 
 @pytest.fixture
-def cluster(embedded_model_dir, redis_server, tmp_path, request):  # noqa: F811
+def cluster(short_model_dir, redis_server, tmp_path, request):  # noqa: F811
     """``tessera proxy --processes 2`` sharing the Redis server (LocalCluster's ``proxy_processes``), with
     ``request.param`` decode workers (1 unless the test says)."""
-    c = LocalCluster.for_tests(embedded_model_dir, tmp_path, dtype="float32", transfer_backend="zmq",
+    c = LocalCluster.for_tests(short_model_dir, tmp_path, dtype="float32", transfer_backend="zmq",
                                proxy_processes=2, redis_url=redis_server.url, decode=getattr(request, "param", 1),
                                proxy_overrides=["slo.tpot_slo_scope=never"]).start()
     yield c
@@ -169,7 +168,7 @@ def test_a_stream_whose_proxy_and_decode_worker_both_die_is_computed_again(clust
 
 
 @pytest.mark.parametrize("kill", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9-no-redis", "sigterm"])
-def test_a_stream_that_ended_before_its_client_read_it_is_taken_over(embedded_model_dir, tmp_path, request, kill):
+def test_a_stream_that_ended_before_its_client_read_it_is_taken_over(short_model_dir, tmp_path, request, kill):
     """A client reads three events of a stream on proxy process 0 and leaves; the stream ends (its decode worker
     sent the last delta to process 0, which keeps the events for the client); then process 0 is killed with no
     Redis, or drains on SIGTERM with Redis (nothing is in flight: it exits at once, and the stream's context stays
@@ -177,7 +176,7 @@ def test_a_stream_that_ended_before_its_client_read_it_is_taken_over(embedded_mo
     it: the client, reconnecting to the shared port, gets the rest from the other process, nothing computed again,
     and the text is the no-fault run's."""
     redis_url = request.getfixturevalue("redis_server").url if kill == signal.SIGTERM else ""
-    c = LocalCluster.for_tests(embedded_model_dir, tmp_path, dtype="float32", transfer_backend="zmq",
+    c = LocalCluster.for_tests(short_model_dir, tmp_path, dtype="float32", transfer_backend="zmq",
                                proxy_processes=2, redis_url=redis_url).start()
     try:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": TOKENS,

@@ -1,6 +1,6 @@
 """A worker switches roles under load, through real processes (issue 47's check).
 
-A proxy, one prefill and two decode workers on the embedded model in float32. Sixteen greedy streams of 48 tokens
+A proxy, one prefill and two decode workers on the short model in float32. Sixteen greedy streams of 48 tokens
 run once without a switch for the reference. Then, while they run again, the admin API orders the busier decode
 worker to become a prefill worker (``POST /admin/workers/{id}/role``): it drains for its ``drain_timeout_s`` (1 s,
 so that the streams still on it are handed back and resume on the other decode worker, as after a drain), says
@@ -33,9 +33,9 @@ CALL_TIMEOUT_S = ProxyConfig().planner.role_switch_timeout_s + 30
 
 
 @pytest.fixture(scope="module")
-def cluster(embedded_model_dir, tmp_path_factory):
+def cluster(short_model_dir, tmp_path_factory):
     c = LocalCluster.for_tests(
-        embedded_model_dir, tmp_path_factory.mktemp("role-switch"), prefill=1, decode=2, dtype="float32",
+        short_model_dir, tmp_path_factory.mktemp("role-switch"), prefill=1, decode=2, dtype="float32",
         proxy_overrides=[f"security.admin_api_key_sha256={hashlib.sha256(ADMIN_KEY.encode()).hexdigest()}"],
         role_overrides=[f"decode:drain_timeout_s={DRAIN_S}"]).start()
     yield c

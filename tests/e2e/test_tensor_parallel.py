@@ -30,7 +30,7 @@ from tests.e2e.test_hot_cold_models import models, until_served  # noqa: F401 --
 from tests.e2e.test_structured_outputs import schema_body
 
 pytestmark = pytest.mark.slow
-TP = 3  # the embedded model's 9 heads and 3 KV heads split three ways
+TP = 3  # the short model's (the embedded model's) 9 heads and 3 KV heads split three ways
 KILL_PROMPTS, KILL_TOKENS = 8, 32
 SCHEMA_TOKENS = 40
 
@@ -45,14 +45,14 @@ def complete(url: str, prompts: list[str], max_tokens: int = MAX_TOKENS) -> list
 
 
 @pytest.fixture(scope="module")
-def reference(embedded_model_dir):
+def reference(short_model_dir):
     """The single-process engine's greedy chat answers, each checked token for token against transformers'."""
-    engine = LLMEngine(EngineConfig(model=str(embedded_model_dir), num_kv_blocks=256, cpu=CpuConfig(huge_pages=False)))
+    engine = LLMEngine(EngineConfig(model=str(short_model_dir), num_kv_blocks=256, cpu=CpuConfig(huge_pages=False)))
     chats = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
     short = engine.generate(chats, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     # Each answer is transformers' greedy one: one forward pass over the chat and the answer (teacher forcing)
     # picks every answer token, EOS included, as its argmax (what its generate() would, a step at a time).
-    hf = AutoModelForCausalLM.from_pretrained(embedded_model_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(short_model_dir, dtype=torch.float32).eval()
     for ids, out in zip(chats, short):
         answer = list(out.outputs[0].token_ids)
         with torch.inference_mode():
@@ -65,9 +65,9 @@ def reference(embedded_model_dir):
 
 
 @pytest.fixture(scope="module", params=["decode", "prefill"])
-def tp_cluster(request, embedded_model_dir, tmp_path_factory):
-    """The embedded model with the ``request.param`` worker at TP 3 and the other at TP 1."""
-    c = LocalCluster.for_tests(embedded_model_dir, tmp_path_factory.mktemp(f"tp-{request.param}"),
+def tp_cluster(request, short_model_dir, tmp_path_factory):
+    """The short model with the ``request.param`` worker at TP 3 and the other at TP 1."""
+    c = LocalCluster.for_tests(short_model_dir, tmp_path_factory.mktemp(f"tp-{request.param}"),
                                role_overrides=[f"{request.param}:engine.tensor_parallel_size={TP}"]).start()
     yield c
     codes = c.stop()
@@ -84,10 +84,10 @@ def test_greedy_chat_at_tp3_equals_transformers(tp_cluster, reference):
 
 
 @pytest.fixture(scope="module")
-def constrained(embedded_model_dir):
+def constrained(short_model_dir):
     """Two JSON-schema chat requests (greedy, cut at SCHEMA_TOKENS) and the single-process engine's answers."""
     cases = schemas(2)
-    engine = LLMEngine(EngineConfig(model=str(embedded_model_dir), num_kv_blocks=256, cpu=CpuConfig(huge_pages=False)))
+    engine = LLMEngine(EngineConfig(model=str(short_model_dir), num_kv_blocks=256, cpu=CpuConfig(huge_pages=False)))
     chats = [engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt(i)}]) for i in range(2)]
     params = [SamplingParams(temperature=0.0, max_tokens=SCHEMA_TOKENS, structured=StructuredOutput(
         kind="json_schema", spec=json.dumps(s, separators=(",", ":")))) for s in cases]
@@ -120,8 +120,8 @@ def _ranks(pid: int) -> list[psutil.Process]:
     return [p for p in psutil.Process(pid).children() if "spawn_main" in " ".join(p.cmdline()) and _alive(p.pid)]
 
 
-def test_a_rank_killed_under_load_ends_its_worker_and_loses_no_request(embedded_model_dir, tmp_path, reference):
-    c = LocalCluster.for_tests(embedded_model_dir, tmp_path, decode=2,
+def test_a_rank_killed_under_load_ends_its_worker_and_loses_no_request(short_model_dir, tmp_path, reference):
+    c = LocalCluster.for_tests(short_model_dir, tmp_path, decode=2,
                                role_overrides=[f"decode-0:engine.tensor_parallel_size={TP}"]).start()
     try:
         worker = psutil.Process(c.procs["decode-0"].pid)
@@ -158,20 +158,20 @@ def test_a_rank_killed_under_load_ends_its_worker_and_loses_no_request(embedded_
 
 
 def test_a_split_the_model_refuses_stops_the_worker_and_a_cluster_that_never_started_leaves_nothing(
-        embedded_model_dir, tmp_path):
+        short_model_dir, tmp_path):
     """TP 2 on 9 heads: the decode worker exits naming the setting; the cluster's start fails, and stops the rest."""
-    c = LocalCluster.for_tests(embedded_model_dir, tmp_path, role_overrides=["decode:engine.tensor_parallel_size=2"])
+    c = LocalCluster.for_tests(short_model_dir, tmp_path, role_overrides=["decode:engine.tensor_parallel_size=2"])
     with pytest.raises(RuntimeError, match="cluster processes exited"):
         c.start(timeout=300)
     assert all(proc.poll() is not None for proc in c.procs.values()), "a process outlived the failed start"
     assert "engine.tensor_parallel_size 2 does not divide" in (tmp_path / "decode-0.log").read_text()
 
 
-def test_streams_of_a_tp1_decode_worker_killed_mid_stream_finish_unchanged_on_a_tp3_one(embedded_model_dir, tmp_path):
+def test_streams_of_a_tp1_decode_worker_killed_mid_stream_finish_unchanged_on_a_tp3_one(short_model_dir, tmp_path):
     """decode-1 (TP 1) is killed while it streams: its requests resume on decode-0 (TP 3), whose re-prefilled pages
     come from the TP 1 prefill worker, and every greedy stream ends as it did without the fault."""
     bodies = [{**body, "temperature": 0.0} for body in completion_bodies(6, 32)]
-    c = LocalCluster.for_tests(embedded_model_dir, tmp_path, decode=2,
+    c = LocalCluster.for_tests(short_model_dir, tmp_path, decode=2,
                                role_overrides=[f"decode-0:engine.tensor_parallel_size={TP}"]).start()
     ranks = []
     try:

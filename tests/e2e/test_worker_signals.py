@@ -97,11 +97,11 @@ def test_the_proxy_exits_cleanly_after_two_quick_signals(tiny_chat_model_dir, tm
     assert code == 0, (tmp_path / "proxy.log").read_text()[-2000:]
 
 
-def test_a_second_signal_cuts_a_drain_short_and_its_streams_resume_elsewhere(embedded_model_dir, tmp_path):
+def test_a_second_signal_cuts_a_drain_short_and_its_streams_resume_elsewhere(short_model_dir, tmp_path):
     """Two aggregated workers; one holding a running stream gets SIGTERM (its drain would let the stream finish, within
     a long drain_timeout_s), then another once the drain started: it gives its streams back at once and exits, and
     each stream completes on the other worker, every token counted once."""
-    c = LocalCluster.for_tests(embedded_model_dir, tmp_path, prefill=0, decode=0, both=2,
+    c = LocalCluster.for_tests(short_model_dir, tmp_path, prefill=0, decode=0, both=2,
                                worker_overrides=["drain_timeout_s=300"]).start()
     bodies = completion_bodies(2, 300)
 
