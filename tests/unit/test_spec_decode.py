@@ -41,16 +41,25 @@ def prompts(count=32, seed=0):
     return out
 
 
-def generate(model_dir, prompt_ids, params, **engine_kw):
+def make_engine(model_dir, **engine_kw) -> LLMEngine:
     # 4 KB pages (engine.cpu.huge_pages) for its pool and a draft model's: the same bytes, loaded in a fraction of the
     # CPU where 2 MB pages fault in slowly (common/cli/local_cluster.py TEST_WORKER_OVERRIDES)
     engine_kw.setdefault("cpu", CpuConfig(huge_pages=False))
-    engine = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=256, **engine_kw))
+    return LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=256, **engine_kw))
+
+
+def generate_on(engine: LLMEngine, prompt_ids, params):
+    """``engine``'s outputs for the prompts, every KV block (its own and its draft model's) back in the pool after."""
     outs = engine.generate(prompt_ids, params)
     assert engine.block_manager.num_used_blocks == 0, "KV blocks leaked"
     draft = engine.speculator.proposers.get("draft")
     assert draft is None or draft.num_blocks_in_use == 0, "draft KV blocks leaked"
-    return [o.outputs[0] for o in outs], engine.stats
+    return [o.outputs[0] for o in outs]
+
+
+def generate(model_dir, prompt_ids, params, **engine_kw):
+    engine = make_engine(model_dir, **engine_kw)
+    return generate_on(engine, prompt_ids, params), engine.stats
 
 
 def check_acceptance_stats(stats, k=K):
@@ -91,26 +100,28 @@ def test_greedy_output_is_identical_with_speculation(method, tiny_chat_model_dir
 def test_stops_inside_an_accepted_run_end_the_output_there(tiny_chat_model_dir):
     """Self-drafting accepts whole runs, so EOS-like stop ids, max_tokens and stop strings land inside them."""
     ids = prompts(16, seed=3)
-    plain_out, _ = generate(tiny_chat_model_dir, ids, GREEDY)
+    plain_engine = make_engine(tiny_chat_model_dir)  # each engine serves every request below, one at a time
+    spec_engine = make_engine(tiny_chat_model_dir,
+                              spec={**SPEC, "method": "draft", "draft_model": str(tiny_chat_model_dir)})
+    plain_out = generate_on(plain_engine, ids, GREEDY)
     # Stop on a token each output really produces, somewhere in its middle.
     for i, (prompt, ref) in enumerate(zip(ids, plain_out)):
         stop_id = ref.token_ids[7 + i % 9]
         params = SamplingParams(temperature=0.0, max_tokens=10 + i % 7, stop_token_ids=[stop_id], ignore_eos=True)
-        (plain,), _ = generate(tiny_chat_model_dir, [prompt], params)
-        (spec,), stats = generate(tiny_chat_model_dir, [prompt], params,
-                                  spec={**SPEC, "method": "draft", "draft_model": str(tiny_chat_model_dir)})
+        (plain,) = generate_on(plain_engine, [prompt], params)
+        drafts = spec_engine.stats.num_spec_drafts
+        (spec,) = generate_on(spec_engine, [prompt], params)
         assert spec.token_ids == plain.token_ids and spec.finish_reason == plain.finish_reason
         assert len(spec.token_ids) <= params.max_tokens
-        if stats.num_spec_drafts:
-            check_acceptance_stats(stats)
+        if spec_engine.stats.num_spec_drafts > drafts:
+            check_acceptance_stats(spec_engine.stats)
     for prompt, ref in zip(ids, plain_out):
         stop_text = ref.text[len(ref.text) // 2:][:3]
         if not stop_text.strip():
             continue
         params = SamplingParams(temperature=0.0, max_tokens=24, stop=[stop_text], ignore_eos=True)
-        (plain,), _ = generate(tiny_chat_model_dir, [prompt], params)
-        (spec,), _ = generate(tiny_chat_model_dir, [prompt], params,
-                              spec={**SPEC, "method": "draft", "draft_model": str(tiny_chat_model_dir)})
+        (plain,) = generate_on(plain_engine, [prompt], params)
+        (spec,) = generate_on(spec_engine, [prompt], params)
         assert (spec.text, spec.token_ids, spec.finish_reason) == (plain.text, plain.token_ids, plain.finish_reason)
 
 
