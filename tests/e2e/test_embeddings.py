@@ -1,8 +1,8 @@
 """/v1/embeddings through the whole cluster: proxy, prefill worker and decode worker processes.
 
-The vectors equal transformers' (mean-pooled, normalized last hidden state) on the same weights, through the
-official ``openai`` client; bad inputs get OpenAI-style errors naming the field; a prefill worker that dies
-with embeddings in flight does not fail them where another prefill-capable worker is left.
+The vectors equal transformers' (mean-pooled, normalized last hidden state) on the same weights (the short model's:
+tests/tiny_models.py), through the official ``openai`` client; bad inputs get OpenAI-style errors naming the field; a
+prefill worker that dies with embeddings in flight does not fail them where another prefill-capable worker is left.
 """
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paged attention keeps 
 
 
 @pytest.fixture(scope="module")
-def reference(embedded_model_dir):
-    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir)
-    model = AutoModel.from_pretrained(embedded_model_dir, dtype=torch.float32).eval()
+def reference(short_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(short_model_dir)
+    model = AutoModel.from_pretrained(short_model_dir, dtype=torch.float32).eval()
 
     def embed(texts: list[str]) -> np.ndarray:
         with torch.no_grad():
@@ -36,8 +36,8 @@ def reference(embedded_model_dir):
 
 
 @pytest.fixture(scope="module")
-def cluster(embedded_model_dir, tmp_path_factory):
-    c = LocalCluster.for_tests(embedded_model_dir, tmp_path_factory.mktemp("logs-embeddings"), prefill=1, decode=1,
+def cluster(short_model_dir, tmp_path_factory):
+    c = LocalCluster.for_tests(short_model_dir, tmp_path_factory.mktemp("logs-embeddings"), prefill=1, decode=1,
                                both=1).start()
     yield c
     codes = c.stop()
