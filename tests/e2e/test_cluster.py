@@ -140,8 +140,8 @@ def test_sixteen_concurrent_requests_complete(cluster):
     check_pages_freed(cluster)
 
 
-def test_two_prefill_two_decode_spread_and_survive_a_worker_stopping(embedded_model_dir, tmp_path):
-    cluster = LocalCluster.for_tests(embedded_model_dir, tmp_path, prefill=2, decode=2, transfer_backend=BACKENDS[-1]).start()
+def test_two_prefill_two_decode_spread_and_survive_a_worker_stopping(short_model_dir, tmp_path):
+    cluster = LocalCluster.for_tests(short_model_dir, tmp_path, prefill=2, decode=2, transfer_backend=BACKENDS[-1]).start()
     try:
         async def burst():
             async with httpx.AsyncClient(timeout=300) as client:

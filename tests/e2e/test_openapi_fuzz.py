@@ -8,7 +8,7 @@ answer no 500, 502 or 504, a 503 only with Retry-After, keep serving and
 never exit; at the end SIGTERM stops it cleanly.
 
 Then the same against a real cluster (proxy, prefill and decode worker
-processes on the embedded model): what passes the proxy's validation reaches
+processes on the short model): what passes the proxy's validation reaches
 the engines, with ``max_tokens`` and ``n`` capped so that it runs in minutes (a body that names no ``max_tokens``
 gets the proxy's ``max_tokens_default``, set to the same cap).
 No process may exit, and no KV page may stay in use.
