@@ -26,8 +26,9 @@ from common.storage.model_store import resolve_model
 # tests, `TESSERA_CPU_REPORT=DIR make test PYTEST_ARGS="-p tests.cpu_report"`): 983 s on 1,790 CPU-s, the compute
 # lane's tests 932 s of wall time, the beside lane's 968, the waits lane's 566 (2,124 CPU-s and 1,200 s at 45528d2,
 # before the tests' workers and engines took 4 KB pages, engine.cpu.huge_pages; 891 s on 1,591 CPU-s on 2026-12-05).
-# On an AMD EPYC (Zen 3, no AVX-512), 2026-12-07: 875 s on 1,575 CPU-s, the lanes' tests 835, 846 and 617 s, once most
-# e2e clusters served the short model (``short_model_dir``); 1,417 s on 2,518 CPU-s the day before, on the embedded one.
+# Those runs were on an Intel Xeon with AMX. On an AMD EPYC (Zen 3, no AVX-512), whose kernels are slower: 1,417 s on
+# 2,518 CPU-s (2026-12-06, e96c6ea), then 875 s on 1,575 CPU-s (2026-12-07, the lanes' tests 835, 846 and 617 s) once
+# most e2e clusters served the short model (``short_model_dir``) instead of the embedded one.
 BESIDE_E2E = {
     # scripted workers behind a proxy in a thread or a torch-free process
     "test_config_reload.py", "test_metering_file.py", "test_proxy_tls.py", "test_recovery_phases.py",

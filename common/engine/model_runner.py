@@ -43,7 +43,7 @@ from common.engine.models.llama import (COMPACT_BESIDE_ROWS, FusedDecode, check_
 from common.engine.models.loader import load_hf_config, load_model
 from common.engine.native import gemv_bf16_kernel, panels_amx_rows
 from common.engine.quantization import (calibration_ids, choose_int8_matmul, int8_gemm_amx_rows, kernel_row_ranges,
-                                        quantize_model_int8, smooth_for_int8)
+                                        quantize_model_int8, smooth_for_int8, sums_in_float32)
 from common.engine.sampler import Sampler, SamplingRow, argmax_suffices, penalty_prompt_ids
 from common.engine.scheduler import StepPlan
 from common.engine.sequence import Sequence
@@ -248,9 +248,10 @@ class ModelRunner:
             chosen = choose_int8_matmul(tuple(m.weight.shape) for m in self.model.modules()
                                         if isinstance(getattr(m, "weight", None), torch.Tensor)
                                         and m.weight.dtype is torch.int8)
-            log.info("int8 matmul: kernels/int8_gemm.c (%s) at %s rows, torch._int_mm at the others (timed in "
-                     "%.1fs)", f"AMX tiles from {int8_gemm_amx_rows()} rows" if int8_gemm_amx_rows() else "VNNI",
+            log.info("int8 matmul: kernels/int8_gemm.c (%s) at %s rows, %s at the others (timed in %.1fs)",
+                     f"AMX tiles from {int8_gemm_amx_rows()} rows" if int8_gemm_amx_rows() else "VNNI",
                      "; ".join(f"{kernel_row_ranges(shape)} for {shape[0]}x{shape[1]}" for shape in chosen),
+                     "exact float32 sums (no int8 dot product on this CPU)" if sums_in_float32() else "torch._int_mm",
                      time.monotonic() - started)
         bf16_cpu = self.dtype is torch.bfloat16 and self.device.type == "cpu" and not config.deterministic
         if bf16_cpu:

@@ -171,7 +171,7 @@ def sums_buffer(rows: int, n: int) -> torch.Tensor:
 def int_mm(xq: torch.Tensor, q: torch.Tensor, transient: bool = False) -> torch.Tensor:
     """``xq [m, k] int8 @ q [n, k]^T`` as int32 sums, exactly ``torch._int_mm(xq, q.t())``: kernels/int8_gemm.c
     (VNNI, or AMX tiles from ``int8_gemm_amx_rows()`` rows) where ``choose_int8_matmul`` chose it for ``q``'s
-    shape and as many rows, torch's otherwise. ``transient``: the sums go to ``sums_buffer`` (valid until the next
+    shape and as many rows; otherwise float32 sums where ``sums_in_float32()``, else torch's. ``transient``: the sums go to ``sums_buffer`` (valid until the next
     transient call on this thread)."""
     m, n = xq.shape[0], q.shape[0]
     out = sums_buffer(m, n) if transient else torch.empty((m, n), dtype=torch.int32)
@@ -191,8 +191,16 @@ def _no_int8_dot_product() -> bool:
 
 def sums_in_float32() -> bool:
     """Whether ``int_mm``'s sums past the kernel are computed in float32 (EXACT_FLOAT_K) rather than by
-    torch._int_mm: on a CPU without an int8 dot product, at float32 matmul precision "highest"."""
-    return _no_int8_dot_product() and torch.get_float32_matmul_precision() == "highest"
+    torch._int_mm: on a CPU without an int8 dot product, where neither torch's float32 matmul precision nor
+    oneDNN's own (``torch.backends.mkldnn.matmul.fp32_precision``) lets a float32 product be computed in less."""
+    if not _no_int8_dot_product():
+        return False
+    onednn = getattr(getattr(torch.backends.mkldnn, "matmul", None), "fp32_precision", "none")
+    try:
+        legacy = torch.get_float32_matmul_precision()
+    except RuntimeError:  # the legacy and the per-backend settings both used: torch will not say which holds
+        return False
+    return legacy == "highest" and onednn in ("none", "ieee")
 
 
 def _int_mm_float32(xq: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -35,17 +35,17 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def reference(short_model_dir, prompts):
-    engine = LLMEngine(EngineConfig(model=str(short_model_dir), num_kv_blocks=512))
+def reference(embedded_model_dir, prompts):
+    engine = LLMEngine(EngineConfig(model=str(embedded_model_dir), num_kv_blocks=512))
     chats = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     outs = engine.generate(chats, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     return [o.outputs[0].text for o in outs]
 
 
 @pytest.fixture(scope="module")
-def cluster(short_model_dir, tmp_path_factory):
+def cluster(embedded_model_dir, tmp_path_factory):
     backend = default_backend_name()
-    c = LocalCluster.for_tests(short_model_dir, tmp_path_factory.mktemp("logs-spec"), transfer_backend=backend,
+    c = LocalCluster.for_tests(embedded_model_dir, tmp_path_factory.mktemp("logs-spec"), transfer_backend=backend,
                 worker_overrides=["engine.spec.method=ngram", "engine.spec.max_batch_size=16"]).start()
     yield c
     codes = c.stop()

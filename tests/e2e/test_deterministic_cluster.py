@@ -91,10 +91,11 @@ def test_streams_resumed_after_a_kill_9_continue_exactly(cluster, reference):
 
 
 def test_prompts_recomputed_after_a_kill_9_of_a_prefill_worker_continue_exactly(cluster):
-    # prompts of about 500 tokens: the prefill workers' backlog lasts long enough for the kill to find one mid-prompt
-    # (with prompts of 130, the mode's prompt steps through the one-call kernel could clear it first under load)
+    # prompts of about 1,000 tokens: the prefill workers' backlog lasts long enough for the kill to find one
+    # mid-prompt (on the embedded model, with prompts of 130, the mode's prompt steps through the one-call kernel
+    # could clear it first under load; the short model computes a seventh of that work a prompt token)
     bodies = completion_bodies(STREAMS, 32, prompt=lambda i: f"Chapter {i}. " + (
-        "The animal walked slowly through the quiet forest, looking closely at every tree and every stone. " * 24))
+        "The animal walked slowly through the quiet forest, looking closely at every tree and every stone. " * 48))
     reference = no_fault_run(cluster, bodies)
     before = migrations(cluster)
     results, _ = asyncio.run(run_scenario(cluster, bodies, kill_a_prefilling_worker(cluster)))

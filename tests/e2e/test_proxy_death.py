@@ -10,8 +10,8 @@ from the live one, and no restart has to be waited for; a restarted decode worke
 Redis, a stream that ended on the killed process before its client read it: the worker kept it for its window, and the
 other process takes it over (common/runtime/proxy_links.py). Half the streams start on the killed process's own port
 (``http.process_port``), so that some certainly break; the other half on the shared port, where the kernel spreads them.
-The issue's check (16 streams of 160 tokens) runs as ``STREAMS=16 TOKENS=160`` (about 45 s a signal on two cores); the
-suite runs 8 of 48, about 15 s a signal.
+The issue's check (16 streams of 160 tokens) runs as ``STREAMS=16 TOKENS=160`` (about 45 s a signal on two cores, on
+the embedded model); the suite runs 8 of 48.
 """
 from __future__ import annotations
 

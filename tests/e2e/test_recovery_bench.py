@@ -10,7 +10,7 @@ import json
 from bench.recovery import PHASES, main
 
 
-def test_one_trial_resumes_the_killed_workers_streams_loses_none_and_times_every_phase(short_model_dir,
+def test_one_trial_resumes_the_killed_workers_streams_loses_none_and_times_every_phase(embedded_model_dir,
                                                                                       tmp_path, capsys):
     out = tmp_path / "recovery.json"
     main(["--trials", "1", "--streams", "4", "--max-tokens", "32", "--kill-after-tokens", "4",

@@ -201,7 +201,7 @@ def test_the_request_keeps_running_on_its_worker_while_the_client_is_away(slow_c
 
 
 def test_a_real_cluster_resumes_a_stream_with_the_text_it_would_have_sent(short_model_dir, tmp_path):
-    """Embedded model, real processes: leave after a few events, come back, and the text equals a whole run."""
+    """The short model, real processes: leave after a few events, come back, and the text equals a whole run."""
     cluster = LocalCluster.for_tests(short_model_dir, tmp_path).start()
     try:
         request = {"model": "SmolLM2-135M-Instruct", "prompt": "The history of the lighthouse", "max_tokens": 48,

@@ -31,10 +31,10 @@ SERVED_S = 120.0
 
 
 @pytest.fixture(scope="module")
-def versions(tmp_path_factory, short_model_dir):
+def versions(tmp_path_factory, embedded_model_dir):
     """tiny@v1 and tiny@v2, registered in a registry of their own, and each one's greedy answer to each prompt."""
     cache, by_model = registered_versions(tmp_path_factory.mktemp("upgrade"), [("tiny@v1", 1), ("tiny@v2", 2)],
-                                          PROMPTS, MAX_TOKENS, short_model_dir)
+                                          PROMPTS, MAX_TOKENS, embedded_model_dir)
     answers = {model.partition("@")[2]: texts for model, texts in by_model.items()}
     assert answers["v1"] != answers["v2"]
     return cache, ModelRegistry(cache / "registry"), answers

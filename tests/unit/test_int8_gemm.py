@@ -127,3 +127,8 @@ def test_int_mm_sums_in_float32_only_without_an_int8_dot_product_and_at_full_pre
     assert quantization.sums_in_float32() == expected
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "medium")  # oneDNN may multiply in bf16
     assert not quantization.sums_in_float32()
+    monkeypatch.undo()
+    from types import SimpleNamespace  # not torch's own setting: setting it would change every later test's matmuls
+
+    monkeypatch.setattr(torch.backends.mkldnn, "matmul", SimpleNamespace(fp32_precision="bf16"), raising=False)
+    assert not quantization.sums_in_float32()

@@ -100,8 +100,10 @@ def test_greedy_output_is_identical_with_speculation(method, tiny_chat_model_dir
 def test_stops_inside_an_accepted_run_end_the_output_there(tiny_chat_model_dir):
     """Self-drafting accepts whole runs, so EOS-like stop ids, max_tokens and stop strings land inside them."""
     ids = prompts(16, seed=3)
-    plain_engine = make_engine(tiny_chat_model_dir)  # each engine serves every request below, one at a time
-    spec_engine = make_engine(tiny_chat_model_dir,
+    # Each engine serves every request below, one at a time; no prefix cache, so that each prompt is computed alone
+    # on both sides (the plain engine's first batch would otherwise have cached its prompts' KV from a batch of 16).
+    plain_engine = make_engine(tiny_chat_model_dir, enable_prefix_caching=False)
+    spec_engine = make_engine(tiny_chat_model_dir, enable_prefix_caching=False,
                               spec={**SPEC, "method": "draft", "draft_model": str(tiny_chat_model_dir)})
     plain_out = generate_on(plain_engine, ids, GREEDY)
     # Stop on a token each output really produces, somewhere in its middle.
