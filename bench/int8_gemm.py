@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from common.engine.quantization import _int_mm_float32, int8_gemm_kernel, int8_gemm_max_rows
+from common.engine.quantization import int_mm_float32, int8_gemm_kernel, int8_gemm_max_rows
 
 
 def shapes(model_dir) -> list[tuple[str, int, int]]:
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
             def ours() -> None:
                 if way == "float32":
-                    _int_mm_float32(x, w, out)
+                    int_mm_float32(x, w, out)
                 elif kernel(x.data_ptr(), w.data_ptr(), out.data_ptr(), rows, n, k) != 0:
                     raise SystemExit(f"int8_gemm.c refused {rows} x {k} @ {n} x {k} (needs AVX512-VNNI, k % 64 == 0, "
                                      "at most 256 rows without AMX tiles)")

@@ -57,13 +57,22 @@ def build_tiny_model(kind: str, directory: Path, seed: int = 0, tokenizer_from: 
         config.eos_token_id = 2
         config.bos_token_id = 1
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _spread(model)
+    return _save(model, directory, tokenizer_from)
+
+
+def _spread(model) -> None:
+    """Random init leaves biases at zero and norms at one; make them matter."""
     with torch.no_grad():
-        # Random init leaves biases at zero; make them matter.
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
             elif "norm" in name:
                 p.uniform_(0.5, 1.5)
+
+
+def _save(model, directory: Path, tokenizer_from: Path | None) -> Path:
+    """``model`` saved into ``directory`` with the tokenizer files of ``tokenizer_from``, if given."""
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     if tokenizer_from is not None:
@@ -96,17 +105,10 @@ def build_short_model(directory: Path, tokenizer_from: Path, seed: int = 0, laye
     config = dict(EMBEDDED_SHAPE, num_hidden_layers=layers, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**config), dtype=torch.float32)
+    _spread(model)  # a Llama has no biases: its norms only
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
         model.lm_head.weight.mul_(SHORT_HEAD_SCALE)
-    directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_from / name).exists():
-            shutil.copy(tokenizer_from / name, directory / name)
-    return directory
+    return _save(model, directory, tokenizer_from)
 
 
 def run_steps(runner, ids, steps, block_table):

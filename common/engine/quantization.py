@@ -84,8 +84,8 @@ _kernel_trials: dict[tuple[int, int], tuple[bool, ...]] = {}  # per shape, per T
 # of two int8 values and every partial sum over at most EXACT_FLOAT_K of them is an integer of magnitude at most
 # 128 * 128 * 1024 = 2**24, which float32 holds exactly in any order of summation; longer rows are summed a
 # chunk of EXACT_FLOAT_K at a time, each chunk's sums added in int32. The weight is widened FLOAT_BLOCK_ROWS rows
-# at a time (never a weight-sized copy), and only at float32 matmul precision "highest" (otherwise oneDNN may
-# compute float32 products in bfloat16).
+# at a time (never a weight-sized copy), and only where no setting lets a float32 product be computed in less
+# (``sums_in_float32``: oneDNN may otherwise multiply float32 in bfloat16).
 EXACT_FLOAT_K = 1024
 FLOAT_BLOCK_ROWS = 256
 INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
@@ -171,8 +171,8 @@ def sums_buffer(rows: int, n: int) -> torch.Tensor:
 def int_mm(xq: torch.Tensor, q: torch.Tensor, transient: bool = False) -> torch.Tensor:
     """``xq [m, k] int8 @ q [n, k]^T`` as int32 sums, exactly ``torch._int_mm(xq, q.t())``: kernels/int8_gemm.c
     (VNNI, or AMX tiles from ``int8_gemm_amx_rows()`` rows) where ``choose_int8_matmul`` chose it for ``q``'s
-    shape and as many rows; otherwise float32 sums where ``sums_in_float32()``, else torch's. ``transient``: the sums go to ``sums_buffer`` (valid until the next
-    transient call on this thread)."""
+    shape and as many rows; otherwise float32 sums where ``sums_in_float32()``, else torch's. ``transient``: the
+    sums go to ``sums_buffer`` (valid until the next transient call on this thread)."""
     m, n = xq.shape[0], q.shape[0]
     out = sums_buffer(m, n) if transient else torch.empty((m, n), dtype=torch.int32)
     if _takes_kernel(tuple(q.shape), m) and xq.is_contiguous() and q.is_contiguous():
@@ -180,7 +180,7 @@ def int_mm(xq: torch.Tensor, q: torch.Tensor, transient: bool = False) -> torch.
         if kernel is not None and kernel(xq.data_ptr(), q.data_ptr(), out.data_ptr(), m, n, xq.shape[1]) == 0:
             return out
     if sums_in_float32():
-        return _int_mm_float32(xq, q, out)
+        return int_mm_float32(xq, q, out)
     return torch._int_mm(xq, q.t(), out=out)
 
 
@@ -203,7 +203,7 @@ def sums_in_float32() -> bool:
     return legacy == "highest" and onednn in ("none", "ieee")
 
 
-def _int_mm_float32(xq: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def int_mm_float32(xq: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``xq @ q^T`` into the int32 ``out``, computed in float32 and exact (EXACT_FLOAT_K)."""
     k, n = xq.shape[1], q.shape[0]
     x = xq.float()

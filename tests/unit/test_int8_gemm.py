@@ -113,13 +113,13 @@ def test_sums_written_past_the_caches_are_the_same(rows, n, k):
 
 @pytest.mark.parametrize("rows, n, k", [(1, 300, 64), (40, 257, 1024), (7, 513, 1025), (33, 70, 3000)])
 def test_sums_in_float32_are_exact_at_the_ends_of_the_range(rows, n, k):
-    """The float32 way (``_int_mm_float32``), whatever this CPU takes: products of -128 and 127 summed over a
+    """The float32 way (``int_mm_float32``), whatever this CPU takes: products of -128 and 127 summed over a
     chunk of EXACT_FLOAT_K (2**24 at most, which float32 holds), chunks and blocks of weight rows that do not
     divide k and n, and random values beside them."""
     x, w = draw(rows, n, k)
     x[0], w[0], w[1] = -128, -128, 127
     out = torch.empty((rows, n), dtype=torch.int32)
-    assert torch.equal(quantization._int_mm_float32(x, w, out), reference(x, w))
+    assert torch.equal(quantization.int_mm_float32(x, w, out), reference(x, w))
 
 
 def test_int_mm_sums_in_float32_only_without_an_int8_dot_product_and_at_full_precision(monkeypatch):
