@@ -5,7 +5,7 @@
 Six engines on the embedded model, one after the other: float32, bfloat16,
 and bfloat16 activations with int8 weights (``engine.quantization=int8``),
 with and without the smoothing that int8 applies by default
-(``engine.int8_smoothing``); then bfloat16 and int8 weights over an int8 KV
+(``engine.int8.smoothing``); then bfloat16 and int8 weights over an int8 KV
 pool (``engine.cpu.kv_cache_dtype=int8``).
 - Greedy agreement: every prompt of the shipped prompt set
   (``bench/loadgen/prompt_set.json``, as chat messages) runs greedily for
@@ -28,13 +28,13 @@ from importlib import resources
 
 import torch
 
-from common.config.base import CpuConfig, EngineConfig
+from common.config.base import CpuConfig, EngineConfig, Int8Config
 from common.engine.llm_engine import LLMEngine
 from common.engine.scheduler import StepPlan
 from common.engine.sequence import Sequence
 from common.protocol.sampling_params import SamplingParams
 
-# (dtype, quantization, int8_smoothing, cpu.kv_cache_dtype): None keeps the configured default
+# (dtype, quantization, int8.smoothing, cpu.kv_cache_dtype): None keeps the configured default
 SETTINGS = (("float32", "none", None, "auto"), ("bfloat16", "none", None, "auto"), ("bfloat16", "int8", 0.0, "auto"),
             ("bfloat16", "int8", None, "auto"), ("bfloat16", "none", None, "int8"), ("bfloat16", "int8", None, "int8"))
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     outputs, ppl = {}, {}
     for setting in SETTINGS:
         dtype, quantization, smoothing, kv = setting
-        smoothing_option = {} if smoothing is None else {"int8_smoothing": smoothing}
+        smoothing_option = {} if smoothing is None else {"int8": Int8Config(smoothing=smoothing)}
         engine = LLMEngine(EngineConfig(model="embedded", dtype=dtype, quantization=quantization, **smoothing_option,
                                         num_threads=args.threads, kv_cache_memory_bytes=1 << 30,
                                         cpu=CpuConfig(kv_cache_dtype=kv)))

@@ -114,6 +114,7 @@ FORMER_NAMES = {
     "shared_state.key_prefix": "shared_state_prefix",
     "kv_tiers.host_memory_bytes": "host_kv_cache_memory_bytes", "kv_tiers.disk_dir": "disk_kv_cache_dir",
     "kv_tiers.disk_bytes": "disk_kv_cache_bytes", "transfer.delta_pull": "kv_delta_pull",
+    "int8.smoothing": "int8_smoothing",
     **{f"spec.{name}": f"spec_{name}" for name in (
         "method", "num_tokens", "ngram_min", "ngram_max", "draft_model", "draft_kv_cache_memory_bytes",
         "max_batch_size", "adaptive", "min_acceptance")},
@@ -433,17 +434,28 @@ class KvTiersConfig:
     disk_bytes: Int = option(0, "what the disk tier may hold, in bytes of whole KV blocks", ge=0)
 
 
+@config_model("engine.int8", was_flat=True)
+class Int8Config:
+    """int8 weights' preparation at load (engine.quantization: int8; common/engine/quantization.py): the
+    smoothing, and the calibration that measures it, kept on disk (common/engine/int8_ranges.py)."""
+
+    smoothing: Float = option(0.6, "how much of each input channel's range moves from the activations into the "
+                              "weights before quantizing (SmoothQuant's alpha, calibrated on a fixed text at load); "
+                              "0 turns it off", ge=0.0, le=1.0)
+    calibration_wait_s: Float = option(
+        600.0, "how long a worker waits for another process on this host calibrating the same model files before "
+        "it calibrates them itself (the one that waited reads what the other measured, from the cache under "
+        "$TESSERA_CACHE_DIR/int8-ranges)", ge=0.0)
+
+
 @config_model("engine")
 class EngineConfig:
     model: Str = option(doc="model directory (Hugging Face layout) or an embedded model name ('embedded')")
     dtype: Dtype = option("float32", "weight and compute dtype")
     quantization: Quantization = option("none", "weight quantization applied at load: 'int8' stores every "
                                         "linear layer and the embedding as int8 with one scale per output row "
-                                        "(common/engine/quantization.py); activations keep dtype, the KV pool "
-                                        "cpu.kv_cache_dtype")
-    int8_smoothing: Float = option(0.6, "with int8 weights, how much of each input channel's range moves from "
-                                   "the activations into the weights before quantizing (SmoothQuant's alpha, "
-                                   "calibrated on a fixed text at load); 0 turns it off", ge=0.0, le=1.0)
+                                        "(common/engine/quantization.py; its preparation: int8); activations keep "
+                                        "dtype, the KV pool cpu.kv_cache_dtype")
     device: Device = option("cpu", "where the model runs: cpu, cuda (the first GPU the process sees) or cuda:N; "
                             "with tensor_parallel_size > 1 on a GPU, rank r takes cuda:r unless ranks.devices says")
     attention_backend: AttentionBackend = option("auto", "attention kernel; auto picks the best one the device has")
@@ -484,6 +496,7 @@ class EngineConfig:
     cuda_graphs: CudaGraphsConfig = section(CudaGraphsConfig)
     steps: StepsConfig = section(StepsConfig)
     spec: SpecConfig = section(SpecConfig)
+    int8: Int8Config = section(Int8Config)
 
     def __post_init__(self) -> None:
         if not self.model:

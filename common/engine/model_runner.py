@@ -15,6 +15,7 @@ its own slice (``run``), and alone gets the logits and samples
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -26,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from common.engine.attention import get_step_context, select_backend
 from common.engine.cuda_graphs import CudaGraph, DecodeGraphs
@@ -34,6 +36,7 @@ from common.config.base import EngineConfig
 from common.engine.queued_copies import queued_copy
 from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.huge_pages import thp_policy
+from common.engine.int8_ranges import cached_ranges, ranges_key
 from common.engine.memory import device_memory_bytes, module_bytes, resident_bytes
 from common.engine.malloc import loaded_allocator, release_freed_memory
 from common.engine import compact_panels, deterministic
@@ -42,8 +45,8 @@ from common.engine.models.llama import (COMPACT_BESIDE_ROWS, FusedDecode, check_
                                        onednn_widens_bf16, wide_sums)
 from common.engine.models.loader import load_hf_config, load_model
 from common.engine.native import gemv_bf16_kernel, panels_amx_rows
-from common.engine.quantization import (calibration_ids, choose_int8_matmul, int8_gemm_amx_rows, kernel_row_ranges,
-                                        quantize_model_int8, smooth_for_int8, sums_in_float32)
+from common.engine.quantization import (calibration_ids, choose_int8_matmul, input_absmax, int8_gemm_amx_rows,
+                                        kernel_row_ranges, quantize_model_int8, smooth_for_int8, sums_in_float32)
 from common.engine.sampler import Sampler, SamplingRow, argmax_suffices, penalty_prompt_ids
 from common.engine.scheduler import StepPlan
 from common.engine.sequence import Sequence
@@ -55,9 +58,10 @@ from common.engine.attention import PrefillChunk, StepContext, step_context
 
 log = logging.getLogger(__name__)
 
-# Tokens per forward of the int8 calibration text (``ModelRunner._calibrate``): small enough for any pool a
+# Tokens per prompt of the int8 calibration text (``ModelRunner._input_ranges``): small enough for any pool a
 # worker serves with, so every worker measures the same ranges.
 CALIBRATION_WINDOW = 256
+CALIBRATION_ROWS = 1024  # at most this many of the calibration's tokens in one forward (its windows side by side)
 # Row counts at which the one-call decode kernel is timed against the torch path at load; the last is the most it
 # takes by timing (``engine.cpu.decode_kernel_max_batch: -1``). 48 and 64: on an Intel Xeon with AMX the kernel
 # was 1.24x the torch path's speed there at 135M and 1.13x and 1.06x at the 1B shape (bench.decode_kernel
@@ -236,13 +240,8 @@ class ModelRunner:
             self.kv_cache = KVCache(self.layout, pool.shape[1], self.device, rank, pool)
         self.vocab_size = hf.vocab_size
         if config.quantization == "int8":
-            if config.int8_smoothing:
-                ids = calibration_ids(model_dir)
-
-                def calibrate() -> None:
-                    with wide_sums():  # the same ranges at any tensor parallelism
-                        self._calibrate(ids)
-                smooth_for_int8(self.model, calibrate, config.int8_smoothing)
+            if config.int8.smoothing:
+                smooth_for_int8(self.model, functools.partial(self._input_ranges, model_dir), config.int8.smoothing)
             quantize_model_int8(self.model)  # in place: the layers keep make_deterministic's paths
             started = time.monotonic()
             chosen = choose_int8_matmul(tuple(m.weight.shape) for m in self.model.modules()
@@ -664,25 +663,46 @@ class ModelRunner:
         if self.tp.size > 1 and dist.is_initialized():
             dist.destroy_process_group()
 
-    def _calibrate(self, token_ids: list[int]) -> None:
-        """The int8 calibration text's forward, in windows of CALIBRATION_WINDOW tokens, each its own prompt: what
-        the smoothing measures then does not depend on the pool's size or max_model_len (two workers with
-        different pools would otherwise quantize different models), unless either is below one window."""
+    def _input_ranges(self, model_dir: str | Path, modules: list[nn.Module]) -> list[torch.Tensor]:
+        """Per module, the largest ``|x|`` of each input channel over the int8 calibration text's forward, in
+        windows of CALIBRATION_WINDOW tokens, each its own prompt: what the smoothing measures then does not depend
+        on the pool's size or max_model_len (two workers with different pools would otherwise quantize different
+        models), unless either is below one window. Read from the cache where this layout measured them before."""
+        token_ids = calibration_ids(model_dir)
         window = min(CALIBRATION_WINDOW, self.max_model_len, self.num_blocks * self.config.block_size)
         if window < CALIBRATION_WINDOW:
             log.warning("int8 calibration in windows of %d tokens (KV pool or max_model_len below %d): this worker's "
                         "smoothing differs from one with a larger pool", window, CALIBRATION_WINDOW)
-        for start in range(0, len(token_ids), window):
-            self._forward_prompt(token_ids[start:start + window])
 
-    def _forward_prompt(self, token_ids: list[int]) -> torch.Tensor:
-        """One prompt's forward outside any schedule (calibration), written over the pool's first blocks:
-        only at load, before the pool has an owner."""
+        windows = [token_ids[start:start + window] for start in range(0, len(token_ids), window)]
+        per_forward = max(1, min(self.num_blocks // -(-window // self.config.block_size), CALIBRATION_ROWS // window))
+
+        def forward() -> None:
+            with wide_sums():  # the same ranges at any tensor parallelism
+                for first in range(0, len(windows), per_forward):  # each weight widened once per forward
+                    self._forward_prompts(windows[first:first + per_forward])
+        key = ranges_key(model_dir, dtype=self.config.dtype, device_type=self.device.type, token_ids=token_ids,
+                         window=window, tp_size=self.tp.size, rank=self.tp.rank,
+                         deterministic=self.config.deterministic)
+        return cached_ranges(key, modules, lambda: input_absmax(modules, forward), self.tp,
+                             self.config.int8.calibration_wait_s)
+
+    def _forward_prompts(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Prompts' forward outside any schedule (calibration), in one step, each its own sequence, their blocks
+        one after another from the pool's first (which must hold them all): only at load, before the pool has an
+        owner."""
         room = min(self.max_model_len, self.num_blocks * self.config.block_size)
-        ids = [t % self.vocab_size for t in token_ids][:room]
-        seq = Sequence("calibration", ids, SamplingParams(), seed=0)
-        seq.block_table = list(range(-(-len(ids) // self.config.block_size)))
-        return self.forward(self.prepare(StepPlan([seq], [len(ids)])))
+        plan, next_block = StepPlan(), 0
+        for i, token_ids in enumerate(prompts):
+            ids = [t % self.vocab_size for t in token_ids][:room]
+            seq = Sequence(f"calibration-{i}", ids, SamplingParams(), seed=0)
+            blocks = -(-len(ids) // self.config.block_size)
+            seq.block_table = list(range(next_block, next_block + blocks))
+            next_block += blocks
+            plan.add(seq, len(ids))
+        if next_block > self.num_blocks:
+            raise ValueError(f"{len(prompts)} prompts need {next_block} KV blocks; the pool has {self.num_blocks}")
+        return self.forward(self.prepare(plan))
 
     def execute(self, plan: StepPlan, constrain=None, on_layers=None) -> StepSample:
         """Run one step; returns what each sampling sequence emitted. ``constrain(logits, seqs, drafts)``: masks

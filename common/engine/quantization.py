@@ -38,7 +38,7 @@ outlier channels set its scale. Before quantizing, ``smooth_for_int8``
 (SmoothQuant, Xiao et al. 2023) moves part of each input channel's range from
 the activations into the weights: ``s_j = max|x_j|^a / max|w_j|^(1-a)``, with
 ``max|x_j|`` measured on a fixed calibration text (``data/calibration.txt``)
-and ``a`` = ``engine.int8_smoothing``. The division by ``s`` is folded into
+and ``a`` = ``engine.int8.smoothing``. The division by ``s`` is folded into
 what produces the activation (the RMSNorm weight before q/k/v and gate/up,
 the up rows before down), so the model computes the same function and no
 step does extra work. The accuracy cost (greedy agreement with bfloat16,
@@ -88,17 +88,28 @@ _kernel_trials: dict[tuple[int, int], tuple[bool, ...]] = {}  # per shape, per T
 # (``sums_in_float32``: oneDNN may otherwise multiply float32 in bfloat16).
 EXACT_FLOAT_K = 1024
 FLOAT_BLOCK_ROWS = 256
+SCALE_BLOCK_ROWS = 256  # ``row_blocks``
 INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 
 
 def quantize_rows(weight: torch.Tensor, tp=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per output row: ``(q [N, K] int8, scale [N] float32)``; ``tp``: a row-parallel layer's rank
     group (``Parallel``), whose ranks each hold some of every row's columns: the scale is the whole row's."""
-    w = weight.float()
-    absmax = w.abs().amax(dim=1)
+    absmax = torch.cat([block.abs().amax(dim=1) for _, block in row_blocks(weight)]).float()
     scale = (absmax if tp is None else tp.all_reduce_max(absmax)).clamp(min=1e-8) / 127.0
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q.contiguous(), scale.contiguous()
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    for start, block in row_blocks(weight):
+        rows = slice(start, start + block.shape[0])
+        q[rows] = torch.round(block.float() / scale[rows, None]).clamp_(-127, 127)
+    return q, scale.contiguous()
+
+
+def row_blocks(weight: torch.Tensor):
+    """``(first row, block)`` over ``weight``'s rows, SCALE_BLOCK_ROWS at a time: a load's float32 work on a
+    weight (smoothing, quantizing) a block at a time, its copies in the caches and never weight-sized (the same
+    values: every step is per element or per row)."""
+    for start in range(0, weight.shape[0], SCALE_BLOCK_ROWS):
+        yield start, weight[start:start + SCALE_BLOCK_ROWS]
 
 
 def linear_int8_kernel():
@@ -417,7 +428,7 @@ def _smoothing(absmax: torch.Tensor, weight: torch.Tensor, alpha: float, reduce=
     rank holds some of its rows), so every rank scales the norm they share alike. The measured ranges are rounded
     to bfloat16 first: a last bit that the order of a sum moved (``smooth_for_int8``) then almost never reaches
     the smoothing."""
-    w = weight.float().abs().amax(dim=0)
+    w = torch.stack([block.abs().amax(dim=0) for _, block in row_blocks(weight)]).amax(dim=0).float()
     if reduce is not None:
         w = reduce(w)
     absmax = absmax.to(torch.bfloat16).float()
@@ -425,30 +436,34 @@ def _smoothing(absmax: torch.Tensor, weight: torch.Tensor, alpha: float, reduce=
 
 
 @torch.no_grad()
-def smooth_for_int8(model: nn.Module, run: Callable[[], object], alpha: float) -> None:
+def smooth_for_int8(model: nn.Module, ranges: Callable[[list[nn.Module]], list[torch.Tensor]],
+                    alpha: float) -> None:
     """Rescales ``model`` in place (the same function, before quantizing): the inputs of each layer's q/k/v,
-    gate/up and down projections, as measured by ``run()`` (a forward over the calibration text), lose a
+    gate/up and down projections, their ranges per channel as ``ranges(modules)`` gives them (``input_absmax``
+    over a forward of the calibration text, or the cache of what one measured: ``int8_ranges.py``), lose a
     factor ``s`` per channel that their weights' columns gain. The attention output (o_proj's input) is
     left alone: smoothing it measured worse (docs/benchmarks.md).
 
-    ``run`` sums its float linear layers in float64 (``models/llama.py`` ``wide_sums``, set by the model
-    runner), and the ranges are rounded to bfloat16 (``_smoothing``): what a worker measures does not depend on
-    the order of a sum, so a worker at any tensor parallelism smooths as one process does."""
+    The model runner's forward sums its float linear layers in float64 (``models/llama.py`` ``wide_sums``), and
+    the ranges are rounded to bfloat16 (``_smoothing``): what a worker measures does not depend on the order of a
+    sum, so a worker at any tensor parallelism smooths as one process does."""
     layers = list(model.layers)
     modules = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    absmax = iter(input_absmax(modules, run))
+    absmax = iter(ranges(modules))
     for layer in layers:
         qkv, gate_up, down = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
         for norm, linear in ((layer.input_layernorm, qkv), (layer.post_attention_layernorm, gate_up)):
             s = _smoothing(next(absmax), linear.weight, alpha=alpha, reduce=model.tp.all_reduce_max)
             norm.weight.copy_(norm.weight.float() / s)
-            linear.weight.copy_(linear.weight.float() * s)
+            for _, block in row_blocks(linear.weight):
+                block.copy_(block.float() * s)
         s = _smoothing(next(absmax), down.weight, alpha=alpha)
-        up = gate_up.weight[layer.mlp.intermediate:]
-        up.copy_(up.float() / s[:, None])
+        for start, block in row_blocks(gate_up.weight[layer.mlp.intermediate:]):
+            block.copy_(block.float() / s[start:start + block.shape[0], None])
         if gate_up.bias is not None:
             gate_up.bias[layer.mlp.intermediate:].copy_(gate_up.bias[layer.mlp.intermediate:].float() / s)
-        down.weight.copy_(down.weight.float() * s)
+        for _, block in row_blocks(down.weight):
+            block.copy_(block.float() * s)
     for module in modules:  # a oneDNN copy of a weight before its rescaling (``LlamaForCausalLM.prepack_weights``)
         module.packed = None
 

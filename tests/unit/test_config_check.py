@@ -199,11 +199,12 @@ def test_check_opens_the_curve_key_files(tmp_path, capsys):
     (WorkerConfig, {"metrics_port": 9100}, "observability.metrics_port"),
     (WorkerConfig, {"fault_kv_pull_delay_s": 1.0}, "testing.fault_kv_pull_delay_s"),
     (WorkerConfig, {"engine": {"spec_method": "ngram"}}, "engine.spec.method"),
+    (WorkerConfig, {"engine": {"int8_smoothing": 0.5}}, "engine.int8.smoothing"),
 ])
 def test_a_key_from_before_the_sections_names_its_new_place(cls, data, place):
     assert f"has moved into a section: set {place}" in error_of(cls, data)
     key = next(iter(data))
-    overrides = parse_overrides([f"{key}.spec_method=ngram" if key == "engine" else f"{key}=1"])
+    overrides = parse_overrides([f"{key}.{next(iter(data[key]))}=1" if key == "engine" else f"{key}=1"])
     assert place in error_of(cls, overrides)
 
 

@@ -37,7 +37,7 @@ def test_every_section_and_field_is_in_the_reference():
                      "proxy.shared_state", "proxy.slo", "proxy.planner", "proxy.observability", "proxy.security",
                      "worker",
                      "worker.engine", "worker.engine.kv_tiers", "worker.engine.ranks", "worker.engine.cpu",
-                     "worker.engine.cuda_graphs", "worker.engine.steps", "worker.engine.spec",
+                     "worker.engine.cuda_graphs", "worker.engine.steps", "worker.engine.spec", "worker.engine.int8",
                      "worker.transfer", "worker.observability", "worker.security", "worker.testing"]
     text = render()
     for name, cls, *_ in found:

@@ -357,11 +357,12 @@ def test_smoothing_keeps_the_function_and_narrows_the_activations(tiny_dir):
     plain = runner_for(tiny_dir)
     smoothed = runner_for(tiny_dir)
     ids = list(range(3, 40))
-    before = input_absmax([smoothed.model.layers[0].mlp.down_proj], lambda: smoothed._forward_prompt(ids))[0]
-    smooth_for_int8(smoothed.model, lambda: smoothed._forward_prompt(ids), alpha=0.6)
-    after = input_absmax([smoothed.model.layers[0].mlp.down_proj], lambda: smoothed._forward_prompt(ids))[0]
+    before = input_absmax([smoothed.model.layers[0].mlp.down_proj], lambda: smoothed._forward_prompts([ids]))[0]
+    smooth_for_int8(smoothed.model, lambda modules: input_absmax(modules, lambda: smoothed._forward_prompts([ids])),
+                    alpha=0.6)
+    after = input_absmax([smoothed.model.layers[0].mlp.down_proj], lambda: smoothed._forward_prompts([ids]))[0]
     # float32: the rescaled model computes what the original did, up to rounding
-    assert torch.allclose(smoothed._forward_prompt(ids), plain._forward_prompt(ids), atol=1e-4, rtol=1e-4)
+    assert torch.allclose(smoothed._forward_prompts([ids]), plain._forward_prompts([ids]), atol=1e-4, rtol=1e-4)
     # the activations' spread across channels (what per-token scales lose) shrinks
     assert (after.max() / after.min()).item() < (before.max() / before.min()).item()
 
@@ -397,7 +398,7 @@ def test_embedded_model_int8_stays_close_to_bf16(embedded_model_dir_bf16):
         text_ids = engine.tokenizer.encode("\n\n".join(prompt_set["passages"]))[:1024]
         runner = engine.runner
         with torch.inference_mode():
-            logits = runner.model.compute_logits(runner._forward_prompt(text_ids)).float()
+            logits = runner.model.compute_logits(runner._forward_prompts([text_ids])).float()
         ppl[name] = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(text_ids[1:])).exp().item()
     assert ppl["int8"] <= 1.04 * ppl["bf16"], ppl
 

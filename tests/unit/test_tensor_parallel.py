@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.config.base import ConfigError, CpuConfig, EngineConfig
+from common.config.base import ConfigError, CpuConfig, EngineConfig, Int8Config
 from common.engine.attention import EncodeContext, select_backend
 from common.engine.embedder import Embedder, Pooling
 from common.engine.kv_cache import KVCache, KVLayout
@@ -267,14 +267,15 @@ def test_int8_at_tp2_gives_tp1s_logits_bit_for_bit(tiny):
     prompts = [ids, ids[:17], [(i * 53 + 7) % 49152 for i in range(40)]]
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     results = {}
-    for smoothing, tp in ((config.int8_smoothing, 1), (config.int8_smoothing, 2), (0.0, 1), (0.0, 2)):
-        engine = LLMEngine(dataclasses.replace(config, tensor_parallel_size=tp, int8_smoothing=smoothing))
+    for smoothing, tp in ((config.int8.smoothing, 1), (config.int8.smoothing, 2), (0.0, 1), (0.0, 2)):
+        engine = LLMEngine(dataclasses.replace(config, tensor_parallel_size=tp,
+                                               int8=Int8Config(smoothing=smoothing)))
         try:
             results[smoothing, tp] = (_prompt_logits(engine.runner, ids),
                                       [o.outputs[0].token_ids for o in engine.generate(prompts, greedy)])
         finally:
             engine.runner.close()
-    for smoothing in (config.int8_smoothing, 0.0):
+    for smoothing in (config.int8.smoothing, 0.0):
         (want_logits, want), (got_logits, got) = results[smoothing, 1], results[smoothing, 2]
         assert torch.equal(got_logits, want_logits) and got == want, smoothing
 
@@ -297,7 +298,7 @@ def test_row_parallel_biases_are_added_once_in_float_and_int8(tmp_path):
     logits = {}
     for quantization in ("none", "int8"):
         config = EngineConfig(model=str(tmp_path), num_kv_blocks=16, num_threads=1, quantization=quantization,
-                              int8_smoothing=0.0, cpu=CpuConfig(decode_kernel_max_batch=0))
+                              int8=Int8Config(smoothing=0.0), cpu=CpuConfig(decode_kernel_max_batch=0))
         for tp in (1, 2):
             runner = ModelRunner(dataclasses.replace(config, tensor_parallel_size=tp), tmp_path)
             try:
