@@ -252,7 +252,8 @@ class CpuAttention(TorchAttention):
         # with AVX512-BF16, or with AVX2 and FMA on a CPU without AVX-512 (its float32 item widening the bf16 rows:
         # torch's bf16 SDPA multiplies with its reference loop there); float32 where it was built with AVX2 and FMA
         # on a CPU without AVX-512, where it is ahead of SDPA (first-generation Zen, 135M shapes:
-        # ``bench.chunk_attention``, docs/benchmarks.md; not measured on AVX-512 hosts, which keep SDPA for float32).
+        # ``bench.chunk_attention``; docs/history/benchmarks-rounds.md, "Against vLLM's CPU build (moved 2026-12-07)";
+        # not measured on AVX-512 hosts, which keep SDPA for float32).
         self._chunk_dtypes = set()
         for dtype in (torch.bfloat16, torch.float32):
             if dtype is torch.float32 and not avx2_without_avx512():

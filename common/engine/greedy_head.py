@@ -49,7 +49,9 @@ FLUSHED = 1e-30  # products under float32's normal range that the kernels flush 
 MAX_TILE_SHARE = 0.25  # past this share of the head's tiles, the whole head costs less
 MAX_ROWS = 4  # the most rows ``timed_max_rows`` tries: 1B shape, Zen 4: ahead at 4 rows, behind at 8
 DEFAULT_ROWS = 3  # rows it takes by default (``default_rows``): 1B shape, Zen 4, timed ahead up to 1-4 rows, 3 mostly
-MIN_HIDDEN = 2048  # the smallest hidden size it takes by default (measured at 576 and 2048: docs/benchmarks.md)
+# The smallest hidden size it takes by default (measured at 576 and 2048: docs/history/benchmarks-rounds.md,
+# "At 1B parameters (moved 2026-12-07)").
+MIN_HIDDEN = 2048
 FLUSH_BYTES = 256 << 20  # read between timed calls, as a decode step's weights pass through the caches
 BUILD_BYTES = 16 << 20  # each float64 temporary of the copy's build at load (no second whole copy of the head)
 MAX_K = 16384  # kernels/decode_forward.c's widest row

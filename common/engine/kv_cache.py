@@ -19,7 +19,8 @@ reach every rank's slice of a block.
 A CPU pool of one rank lives in transparent huge pages where the kernel grants them (``new_pool``,
 common/engine/huge_pages.py): a decode step reads each sequence's blocks of a layer from all over the pool, a TLB
 miss for every block's K and V in 4 KB pages; in 2 MB pages the paged attention kernel read the same blocks up to
-1.17x faster (``bench.kv_pages``; docs/benchmarks.md, "Decode attention and the int8 sums").
+1.17x faster (``bench.kv_pages``; docs/history/benchmarks-rounds.md, "Decode attention and the int8 sums: what the
+caches hold").
 """
 from __future__ import annotations
 

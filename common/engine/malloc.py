@@ -6,8 +6,8 @@ a prompt step of 1,000-2,048 rows: 23-92 MB) are faulted in and zeroed by the ke
 step. Told to keep such blocks (``mallopt``) glibc grows instead: torch asks for 64-byte-aligned blocks, which a
 freed block of the same size cannot serve. jemalloc serves aligned blocks from its size classes and, with
 ``dirty_decay_ms:-1``, keeps the pages of freed blocks for the next ones of their class, so the process stays at the
-high-water mark of its steps, as a GPU allocator's cache does (docs/benchmarks.md, "the C allocator"). vLLM's CPU
-backend preloads tcmalloc for the same reason.
+high-water mark of its steps, as a GPU allocator's cache does (docs/history/benchmarks-rounds.md, "The C allocator:
+jemalloc on both sides"). vLLM's CPU backend preloads tcmalloc for the same reason.
 
 An allocator has to be in place before the process's first ``malloc``, so it cannot be loaded by a running
 interpreter: ``use_configured_malloc`` re-executes the process (same pid, arguments and environment) with the

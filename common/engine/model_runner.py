@@ -65,7 +65,8 @@ CALIBRATION_ROWS = 1024  # at most this many of the calibration's tokens in one 
 # Row counts at which the one-call decode kernel is timed against the torch path at load; the last is the most it
 # takes by timing (``engine.cpu.decode_kernel_max_batch: -1``). 48 and 64: on an Intel Xeon with AMX the kernel
 # was 1.24x the torch path's speed there at 135M and 1.13x and 1.06x at the 1B shape (bench.decode_kernel
-# --max-batch 64 --rows 32,48,64; docs/benchmarks.md), where the rungs stopping at 32 left saturation's 64-row
+# --max-batch 64 --rows 32,48,64; docs/history/benchmarks-rounds.md, "Where a saturated server's cores go, and 64-row
+# steps in one call"), where the rungs stopping at 32 left saturation's 64-row
 # steps to the torch path's ~40 operators a layer.
 DECODE_ROW_RUNGS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 # The kernel keeps a rung unless the torch path is this much faster there: near the crossover either is as fast,
@@ -174,7 +175,8 @@ def _argmax_step(seqs: list[Sequence], logits: torch.Tensor) -> LaunchedStep:
 def nonfinite_rows(logits: torch.Tensor) -> list[int]:
     """The rows that hold a NaN or Inf. A row's sum is not finite when one of its logits is not, or when finite
     logits overflow it, which the exact check on those rows then clears: one pass over the logits, 0.03-0.25x of
-    isfinite over every logit (``python -m bench.nonfinite_check``, docs/benchmarks.md)."""
+    isfinite over every logit (``python -m bench.nonfinite_check``; docs/history/benchmarks-rounds.md, "Where an engine
+    step's time goes")."""
     suspect = (~torch.isfinite(logits.sum(-1))).nonzero().flatten()
     if not len(suspect):
         return []
@@ -423,7 +425,8 @@ class ModelRunner:
         """engine.cpu.compact_panels for ``pack_panels``, "auto" settled: "beside" where compact panels are built
         here and the copy (about 0.8x the decoder's linear weights) is at most COMPACT_AUTO_SHARE of the host's
         memory, else "off". The copy serves the steps of a few rows (a host's one or two streams), where its bytes
-        save 13-18% of a step at the 1B shape; bigger models keep the memory for the KV pool (docs/benchmarks.md)."""
+        save 13-18% of a step at the 1B shape; bigger models keep the memory for the KV pool
+        (docs/history/benchmarks-rounds.md, "At 1B parameters (moved 2026-12-07)")."""
         mode = self.config.cpu.compact_panels
         if mode != "auto":
             return mode

@@ -23,10 +23,11 @@ OpenMP barrier of the step that holds the share waits for a thread that
 anything else running preempts. Sharing was slower under load until the
 prefill worker's loop stopped spinning while its pages waited to be pulled
 (``wait_s`` of the role handlers). Measured on 2 cores, one prefill and one
-decode worker, against the split of one thread each (docs/benchmarks.md):
-saturation 325 -> 401 output tok/s, TPOT at 2 req/s 24.3 -> 19.2 ms, TTFT at
-2 req/s 188 -> 138 ms, one stream's TPOT 12.1 -> 8.8 ms. Hence ``tessera
-up``'s default.
+decode worker, against the split of one thread each
+(docs/history/benchmarks-rounds.md, "Shared cores are `tessera up`'s
+default"): saturation 325 -> 401 output tok/s, TPOT at 2 req/s 24.3 -> 19.2
+ms, TTFT at 2 req/s 188 -> 138 ms, one stream's TPOT 12.1 -> 8.8 ms. Hence
+``tessera up``'s default.
 """
 from __future__ import annotations
 

@@ -68,7 +68,8 @@ static inline int compact_check(const uint8_t *blob, int64_t n, int64_t k)
 /* bytes ahead in its tile's records the decoder prefetches: 10-11 pairs, as the panels' few-row steps prefetch 2 KB
  * ahead. The 1B shape's linears from memory at 1 row, against the panels in one process (runs of 8 rounds, the memory
  * at 28-56 GB/s; bench.compact_panels --defines COMPACT_AHEAD=6144 builds the other): 0.75-0.82x the panels' time at
- * 2 KB ahead (or none), 0.83-0.89x at 6 KB, the ratio of the bytes being 0.79x (docs/benchmarks.md) */
+ * 2 KB ahead (or none), 0.83-0.89x at 6 KB, the ratio of the bytes being 0.79x (docs/history/benchmarks-rounds.md,
+ * "At 1B parameters (moved 2026-12-07)") */
 #define COMPACT_AHEAD 2048
 #endif
 #ifndef COMPACT_CHUNK_PAIRS

@@ -209,7 +209,8 @@ static inline __attribute__((always_inline)) void dot_block_avx2(const float *x,
  * dot_block_avx2's passes over whole weight rows: a float32 block of 4 rows (32-128 KB at the 1B shape's widths,
  * 9-24 KB at 135M's) leaves L1 between two passes where it is large, a bf16 one (half that) more rarely, and is
  * widened in registers. With them a decode step's forward on Zen 3 against the torch path (bench.decode_kernel;
- * docs/benchmarks.md): at 1B float32 1.02x at 16 rows (0.84x before); at 135M float32 1.34x at 8 rows, bf16
+ * docs/history/benchmarks-rounds.md, "Decode steps of many rows on an AVX2 CPU: the kernel's linears in tiles"): at 1B
+ * float32 1.02x at 16 rows (0.84x before); at 135M float32 1.34x at 8 rows, bf16
  * 1.19-1.41x at 32, 1.01x (64) to 1.35x (48). */
 #if defined(__AVX512F__) /* unmeasured with AVX-512 (the float32 kernel takes 8 rows there): never */
 #define TILED_ROWS_MIN_DEFAULT (MAX_ROWS + 1)

@@ -123,7 +123,8 @@ static inline __attribute__((always_inline)) void block(const int8_t *x, const i
  * again at once (tessera_dequantize_rows, tessera_silu_mul_quantize): one that fits the L3 is read from there, one
  * streamed past it from memory. Streamed from 2 MB, a 1,024-token prompt step of the int8 135M model took 1.06-1.08x
  * the time and one of the 1B shape 1.02x, its consumers' reads of the sums twice as long (Intel Xeon with AMX, its
- * L3 480 MB; docs/benchmarks.md); the matmul alone was 1.3-1.5x faster streamed. -D sets a size for A/B builds. */
+ * L3 480 MB; docs/history/benchmarks-rounds.md, "Decode attention and the int8 sums: what the caches hold"); the matmul
+ * alone was 1.3-1.5x faster streamed. -D sets a size for A/B builds. */
 #ifndef INT8_AMX_STREAM_BYTES
 #define INT8_AMX_STREAM_BYTES int8_stream_from
 #endif

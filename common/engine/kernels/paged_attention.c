@@ -214,7 +214,8 @@ static inline __attribute__((always_inline)) void chunk_item(
  * probabilities, rounded to bf16 as there, are the A operand of the second product (two tiles of 32 keys), V as
  * pairs of keys by dimension its B operand: the queries' float32 accumulators, up to four blocks of 16 dimensions,
  * are loaded into their own sum tiles, the products issued into them together, and stored back (speeds:
- * bench.chunk_attention, docs/benchmarks.md). The tiles add a pair's two products in their own order, so the
+ * bench.chunk_attention; docs/history/benchmarks-rounds.md, "On an Intel Xeon with AMX"). The tiles add a pair's two
+ * products in their own order, so the
  * outputs differ from the vdpbf16ps item's in rounding; prompt chunks never run under engine.deterministic (every
  * row a decode row there).
  */

@@ -11,7 +11,7 @@
  * Four panels one after the other were four streams a panel's size apart (64 KB at k = 2,048, a power of two),
  * which a decode step of a few rows, bound by reading the weights, paid in full: on Zen 4 with 2 threads, the
  * tiles take 0.80-0.86x the time of one or two rows when the memory reads fast, 0.91-0.99x from 4 to 32 rows,
- * the same at 256 (bench.panel_layout, docs/benchmarks.md).
+ * the same at 256 (bench.panel_layout; docs/history/benchmarks-rounds.md, "At 1B parameters (moved 2026-12-07)").
  *
  * Against the row layout (decode_forward.c's dot_block_bf16: a zmm of one weight row against a zmm of each x
  * row, each sum reduced across lanes at the end), x is read as 4-byte broadcasts (L1 hits, lighter on the load ports
@@ -29,7 +29,7 @@
  * the row layout's 53 and 32 rows 60 against 84 (a scratch harness, in alternating rounds); in L2, 900+ GFLOP/s
  * from 12 rows, near the machine's vdpbf16ps peak of about 990. The whole decode forward against the torch path:
  * bench.decode_kernel --model 1b; the layout's GEMM for any rows (linear_panels.c) against oneDNN's:
- * bench.panel_gemm; docs/benchmarks.md.
+ * bench.panel_gemm; docs/history/benchmarks-rounds.md, "At 1B parameters (moved 2026-12-07)".
  */
 #ifndef TESSERA_PANELS_BF16_H
 #define TESSERA_PANELS_BF16_H

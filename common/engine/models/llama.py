@@ -281,8 +281,8 @@ def onednn_prepacks_float32() -> bool:
     """Whether float32 linear weights get oneDNN's blocked copy too (``prepack``, engine.cpu.prepack_weights): on
     an AVX2 CPU without AVX-512, where oneDNN's float32 matmul on it is ahead of torch's ``F.linear`` and of
     kernels/gemm_invariant.c at every row count (first-generation Zen, the 135M model's shapes: 1.2-4.4x F.linear
-    from 8 rows, 1.1-1.3x the invariant matmul; ``bench.invariant_gemm``, docs/benchmarks.md). Not measured on
-    AVX-512 hosts, which keep F.linear."""
+    from 8 rows, 1.1-1.3x the invariant matmul; ``bench.invariant_gemm``, docs/history/benchmarks-rounds.md, "Against
+    vLLM's CPU build (moved 2026-12-07)"). Not measured on AVX-512 hosts, which keep F.linear."""
     return avx2_without_avx512() and prepack(torch.zeros(64, 64)) is not None
 
 
@@ -306,7 +306,8 @@ def bf16_matmul_widens() -> bool:
     """Whether torch's bf16 matmul on this CPU is its reference loop (no oneDNN bf16 path: ``onednn_prepacks_bf16``)
     where kernels/gemm_invariant.c has a vector path (AVX2 and FMA, or AVX-512): an AVX2 host, where the kernel
     beats it at every row count (first-generation Zen, the 135M model's shapes: 1.43x at 1 row, 2.98x at 8, 3.74x
-    at 64; ``bench.invariant_gemm``, docs/benchmarks.md). Not where only its portable loop builds, which is slower."""
+    at 64; ``bench.invariant_gemm``, docs/history/benchmarks-rounds.md, "Against vLLM's CPU build (moved 2026-12-07)").
+    Not where only its portable loop builds, which is slower."""
     vector = (cpu_has("avx2") and cpu_has("fma")) or cpu_has("avx512f")
     return vector and not onednn_prepacks_bf16() and gemm_invariant_kernel() is not None
 
@@ -314,12 +315,14 @@ def bf16_matmul_widens() -> bool:
 # From this many rows, bfloat16 linears with a float32 copy in oneDNN's layout (``onednn_widens_bf16``) take it rather
 # than kernels/gemm_invariant.c on the bf16 weight: on AMD Zen 3 at the 135M model's shapes the two were level at 16
 # rows, the copy 1.12x at 32, 1.63x at 64 and 1.60x at 256, the bf16 weight 1.98x at 1 row and 1.17x at 8
-# (bench.invariant_gemm, docs/benchmarks.md).
+# (bench.invariant_gemm; docs/history/benchmarks-rounds.md, "bfloat16 weights on an AVX2 CPU: oneDNN's float32 copy for
+# steps of many rows").
 WIDENED_COPY_ROWS = 16
 
 # Up to this many rows, float32 linears on an AVX2 CPU without AVX-512 take kernels/gemm_invariant.c: at the 135M
 # model's five shapes on first-generation Zen it is 2.7x torch's F.linear at 16 rows, 1.5x at 64, 1.18x at 256,
-# 1.05x at 512 and 0.96x at 2,048 (bench.invariant_gemm --dtypes float32, docs/benchmarks.md).
+# 1.05x at 512 and 0.96x at 2,048 (bench.invariant_gemm --dtypes float32; docs/history/benchmarks-rounds.md, "Against
+# vLLM's CPU build (moved 2026-12-07)").
 FLOAT32_INVARIANT_MAX_ROWS = 512
 
 
@@ -351,7 +354,8 @@ NO_AMX_TILES = ("PANEL_AMX_ROWS=0",)
 
 # Steps of up to this many rows read the compact copy where a layer holds one beside its panels
 # (engine.cpu.compact_panels "beside"): bound by the weights' reads, they take 0.82-0.87x the time at the 1B shape;
-# from 4 rows the decoding costs more than the bytes save (docs/benchmarks.md). kernels/panels_bf16.h's
+# from 4 rows the decoding costs more than the bytes save (docs/history/benchmarks-rounds.md, "At 1B parameters (moved
+# 2026-12-07)"). kernels/panels_bf16.h's
 # COMPACT_FUSED_ROWS: the rows it multiplies straight from the decoded registers.
 COMPACT_BESIDE_ROWS = 3
 
@@ -810,7 +814,8 @@ FUSED_MAX_ROWS = 256  # decode_forward.c's MAX_ROWS
 # take many rows in tiles of the weights that stay in L1 (decode_forward.c ``dot_block_tiled``); against the torch
 # path (float32: kernels/gemm_invariant.c up to ``float32_invariant_rows``, then oneDNN; bf16: the invariant bf16
 # matmul, then oneDNN's float32 copy from WIDENED_COPY_ROWS), a decode step's forward at 135M on Zen 3
-# (bench.decode_kernel, docs/benchmarks.md): float32 1.34x at 8 rows, 1.08x at 16, 1.29x at 24; bf16 1.60x at 8,
+# (bench.decode_kernel; docs/history/benchmarks-rounds.md, "Decode steps of many rows on an AVX2 CPU: the kernel's
+# linears in tiles"): float32 1.34x at 8 rows, 1.08x at 16, 1.29x at 24; bf16 1.60x at 8,
 # 1.47x at 16, 1.19x at 32, 1.01x at 64; at the 1B shape float32 1.27x at 8 rows, 1.02x at 16 (0.84x before the
 # tiles). bf16's limit is timed at load (``ModelRunner._choose_decode_rows``); float32's is fixed (the exactness
 # tests compare float32 outputs across processes): 16, level at the 1B shape.
