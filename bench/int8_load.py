@@ -49,7 +49,7 @@ def one_load(model: str, dtype: str, threads: int) -> dict:
     found = next((m for m in map(CALIBRATION.search, lines) if m), None)
     calibration = float(found["read"] or found["measured"]) if found else 0.0
     return {"total_s": round(total, 2), "weights_s": round(runner.load_s, 2), "calibration_s": round(calibration, 2),
-            "calibration": "read" if found and found["read"] else "measured",
+            "calibration": "none logged" if not found else "read" if found["read"] else "measured",
             "rest_s": round(total - runner.load_s - calibration, 2)}
 
 

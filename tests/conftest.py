@@ -120,6 +120,17 @@ def one_thread_per_lane():
             torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def int8_ranges_of_the_test(tmp_path_factory, monkeypatch):
+    """The int8 calibration's cache (common/engine/int8_ranges.py) in this session's temporary directory, not the
+    user's: a test's int8 runner measures its ranges as a worker's first load does, and the suite's many temporary
+    models never push a developer's entries out. Worker processes a test starts keep the user's cache."""
+    from common.engine import int8_ranges
+
+    root = tmp_path_factory.getbasetemp() / "int8-ranges-cache"
+    monkeypatch.setattr(int8_ranges, "default_cache_root", lambda: root)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """Under xdist, each lane is one unit of work, run in collection order by one worker."""

@@ -437,15 +437,16 @@ class KvTiersConfig:
 @config_model("engine.int8", was_flat=True)
 class Int8Config:
     """int8 weights' preparation at load (engine.quantization: int8; common/engine/quantization.py): the
-    smoothing, and the calibration that measures it, kept on disk (common/engine/int8_ranges.py)."""
+    smoothing, and the calibration whose measured ranges set it, kept on disk (common/engine/int8_ranges.py)."""
 
     smoothing: Float = option(0.6, "how much of each input channel's range moves from the activations into the "
                               "weights before quantizing (SmoothQuant's alpha, calibrated on a fixed text at load); "
                               "0 turns it off", ge=0.0, le=1.0)
     calibration_wait_s: Float = option(
-        600.0, "how long a worker waits for another process on this host calibrating the same model files before "
-        "it calibrates them itself (the one that waited reads what the other measured, from the cache under "
-        "$TESSERA_CACHE_DIR/int8-ranges)", ge=0.0)
+        600.0, "how long a one-rank worker waits for another process on this host calibrating the same model files "
+        "before it calibrates them itself (the one that waited reads what the other measured, from the cache under "
+        "$TESSERA_CACHE_DIR/int8-ranges, else ~/.cache/tessera/int8-ranges); the ranks of a tensor-parallel worker "
+        "never wait, each reads its own entry or they all measure", ge=0.0)
 
 
 @config_model("engine")
@@ -454,8 +455,8 @@ class EngineConfig:
     dtype: Dtype = option("float32", "weight and compute dtype")
     quantization: Quantization = option("none", "weight quantization applied at load: 'int8' stores every "
                                         "linear layer and the embedding as int8 with one scale per output row "
-                                        "(common/engine/quantization.py; its preparation: int8); activations keep "
-                                        "dtype, the KV pool cpu.kv_cache_dtype")
+                                        "(common/engine/quantization.py; how it is prepared: the int8 section); "
+                                        "activations keep dtype, the KV pool cpu.kv_cache_dtype")
     device: Device = option("cpu", "where the model runs: cpu, cuda (the first GPU the process sees) or cuda:N; "
                             "with tensor_parallel_size > 1 on a GPU, rank r takes cuda:r unless ranks.devices says")
     attention_backend: AttentionBackend = option("auto", "attention kernel; auto picks the best one the device has")

@@ -1,15 +1,16 @@
 """The int8 smoothing's measured input ranges, kept on disk: a worker's next load of the same model files reads them
 instead of running the calibration forward again (float64 sums over the calibration text: at the 1B shape on two
-cores about half of an int8 load, minutes at 8B).
+cores half to two thirds of an int8 load, minutes at 8B).
 
 An entry lives under ``$TESSERA_CACHE_DIR/int8-ranges/`` (default ``~/.cache/tessera``), named by a digest of
 everything that decides the ranges: the model's ``config.json`` and its weight files' names, sizes and modification
-times, the dtype, the device's kind, the calibration tokens and window, the parallelism and rank,
-``engine.deterministic``, and the engine's source (a change to the code that runs the forward measures again).
-One process at a time measures a model on a host (a lock beside the entries, ``engine.int8.calibration_wait_s``),
-so the second of two workers started together reads what the first measured. At tensor parallelism each rank
-reads its own entry, and they all measure if any rank lacks one, since the forward's collectives need every rank.
-An entry that cannot be read or written costs a calibration, never a load.
+times, the dtype, the device's kind, the attention backend, the KV block size and pool dtype, the calibration tokens
+and window, the parallelism and rank, ``engine.deterministic``, the CPU's flags, torch's version and the engine's
+source (a change to the code that runs the forward measures again). One process at a time measures a model on a
+host (a lock beside the entries, ``engine.int8.calibration_wait_s``), so the second of two one-rank workers started
+together reads what the first measured. At tensor parallelism each rank reads its own entry, without the lock, and
+they all measure if any rank lacks one, since the forward's collectives need every rank. An entry that cannot be
+named, read or written costs a calibration, never a load.
 """
 from __future__ import annotations
 
@@ -31,8 +32,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from common.engine.native import cpu_signature
 from common.storage.file_lock import lock_within
 from common.storage.model_store import default_cache_root
+from common.storage.safetensors_files import checkpoint_files
 
 if TYPE_CHECKING:
     from common.engine.tensor_parallel import Parallel
@@ -41,6 +44,8 @@ log = logging.getLogger(__name__)
 
 ENTRY_FORMAT = 1  # raise when what an entry holds, or how the ranges are measured, changes
 MAX_ENTRIES = 64  # the newest kept; each is a few MB at most (8B: 2.9 MB of float32 ranges per rank)
+LEFTOVER_NS = 3600 * 10**9  # a partial file (an entry being written, safetensors' own temporary) older than this
+OLD_LOCK_NS = 24 * 3600 * 10**9  # a lock file older than this (``_write``)
 ENGINE_DIR = Path(__file__).parent
 
 
@@ -53,20 +58,36 @@ class RangesKey:
     described: dict
 
 
-def ranges_key(model_dir: str | Path, *, dtype: str, device_type: str, token_ids: list[int], window: int,
-               tp_size: int, rank: int, deterministic: bool) -> RangesKey:
+def ranges_key(model_dir: str | Path, *, dtype: str, device_type: str, attention: str, block_size: int,
+               kv_dtype: str, token_ids: list[int], window: int, tp_size: int, rank: int,
+               deterministic: bool) -> RangesKey | None:
+    """The key of this rank's entry, from what decides its ranges (the module's docstring); None where the model
+    directory cannot be read for it (the load then measures, without the cache)."""
     model_dir = Path(model_dir)
-    files = sorted(model_dir.glob("*.safetensors"))
-    described = {
-        "format": ENTRY_FORMAT, "model": str(model_dir.resolve()), "dtype": dtype, "device": device_type,
-        "config": hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest(),
-        "weights": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files],
-        "tokens": hashlib.sha256(json.dumps(token_ids).encode()).hexdigest(), "window": window,
-        "tensor_parallel_size": tp_size, "deterministic": deterministic, "engine_source": engine_source_digest(),
-    }
+    try:
+        files = [model_dir / "config.json", *sorted(model_dir.glob("*.safetensors.index.json")),
+                 *checkpoint_files(model_dir)]
+        described = {
+            "format": ENTRY_FORMAT, "model": str(model_dir.resolve()), "dtype": dtype, "device": device_type,
+            "attention": attention, "block_size": block_size, "kv_dtype": kv_dtype,
+            "config": hashlib.sha256(files[0].read_bytes()).hexdigest(),
+            "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files],
+            "tokens": hashlib.sha256(json.dumps(token_ids).encode()).hexdigest(), "window": window,
+            "tensor_parallel_size": tp_size, "deterministic": deterministic, "cpu": cpu_flags(),
+            "torch": torch.__version__, "engine_source": engine_source_digest(),
+        }
+    except (OSError, ValueError) as exc:
+        log.warning("int8 calibration: %s cannot be keyed for the cache (%s); measuring without it", model_dir, exc)
+        return None
     layout = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:24]
     entry = hashlib.sha256(f"{layout}:{rank}".encode()).hexdigest()[:24]
     return RangesKey(entry, layout, dict(described, rank=rank))
+
+
+def cpu_flags() -> str:
+    """The CPU's instruction-set flags that pick the engine's kernels (a cache shared by hosts of other kinds)."""
+    return " ".join(flag for flag in sorted(set(cpu_signature().split()))
+                    if flag.startswith(("avx", "amx", "fma", "f16c", "sse4")))
 
 
 @functools.cache
@@ -79,15 +100,16 @@ def engine_source_digest() -> str:
     return h.hexdigest()
 
 
-def cached_ranges(key: RangesKey, modules: list[nn.Module], measure: Callable[[], list[torch.Tensor]], tp: Parallel,
-                  wait_s: float, root: Path | None = None) -> list[torch.Tensor]:
+def cached_ranges(key: RangesKey | None, modules: list[nn.Module], measure: Callable[[], list[torch.Tensor]],
+                  tp: Parallel, wait_s: float, root: Path | None = None) -> list[torch.Tensor]:
     """Per module, its input channels' ranges: this rank's entry's, or ``measure()``'s (then written as the
-    entry). ``tp``: the model's ``Parallel`` (its ranks decide together whether to measure)."""
+    entry). ``tp``: the model's ``Parallel`` (its ranks decide together whether to measure); ``key`` None:
+    measure, without the cache."""
     root = root if root is not None else default_cache_root() / "int8-ranges"
-    path = root / f"{key.entry}.safetensors"
+    path = root / f"{key.entry}.safetensors" if key is not None else None
     with _measuring(root, key, tp.size, wait_s):
         started = time.monotonic()
-        ranges = _read(path, modules)
+        ranges = _read(path, modules) if path is not None else None
         missing = ranges is None
         if tp.size > 1:
             flag = torch.tensor([1.0 if missing else 0.0], device=modules[0].weight.device)
@@ -96,30 +118,35 @@ def cached_ranges(key: RangesKey, modules: list[nn.Module], measure: Callable[[]
             log.info("int8 calibration: the input ranges read from %s (%.2f s)", path, time.monotonic() - started)
             return [r.to(modules[0].weight.device) for r in ranges]
         ranges = measure()
-        log.info("int8 calibration: the input ranges measured in %.1f s; kept in %s", time.monotonic() - started,
-                 path)
-        _write(root, path, ranges, key)
+        log.info("int8 calibration: the input ranges measured in %.1f s%s", time.monotonic() - started,
+                 f"; kept in {path}" if path is not None else "")
+        if path is not None:
+            _write(root, path, ranges, key)
         return ranges
 
 
 @contextlib.contextmanager
-def _measuring(root: Path, key: RangesKey, tp_size: int, wait_s: float):
+def _measuring(root: Path, key: RangesKey | None, tp_size: int, wait_s: float):
     """Held while this process reads or measures one layout's ranges. Only where the model is one process: ranks
     waiting on locks could hold each other's collectives (each rank measures then)."""
-    if tp_size > 1:
+    if tp_size > 1 or key is None:
         yield
         return
     try:
         root.mkdir(parents=True, exist_ok=True)
         lock = open(root / f"{key.layout}.lock", "w")
     except OSError as exc:
-        log.warning("int8 calibration: no lock in %s (%s); measuring without it", root, exc)
+        log.warning("int8 calibration: no lock in %s (%s); reading or measuring the ranges without it", root, exc)
         yield
         return
     with lock:
+        started = time.monotonic()
         if not lock_within(lock, wait_s):
             log.warning("int8 calibration: another process has held %s for %.0f s (engine.int8.calibration_wait_s);"
                         " measuring here too", lock.name, wait_s)
+        elif time.monotonic() - started > 1.0:
+            log.info("int8 calibration: waited %.1f s for another process calibrating the same model",
+                     time.monotonic() - started)
         yield
 
 
@@ -129,7 +156,7 @@ def _read(path: Path, modules: list[nn.Module]) -> list[torch.Tensor] | None:
         return None
     try:
         tensors = load_file(str(path))
-    except (OSError, SafetensorError) as exc:
+    except Exception as exc:  # noqa: BLE001 - any unreadable entry (at TP, a rank must reach the flag's all-reduce)
         log.warning("int8 calibration: %s cannot be read (%s); measuring again", path, exc)
         return None
     ranges = [tensors.get(str(i)) for i in range(len(modules))]
@@ -143,7 +170,9 @@ def _read(path: Path, modules: list[nn.Module]) -> list[torch.Tensor] | None:
 
 
 def _write(root: Path, path: Path, ranges: list[torch.Tensor], key: RangesKey) -> None:
-    """Writes the entry whole (a reader never sees half of one), then drops the oldest past MAX_ENTRIES."""
+    """Writes the entry whole (a reader never sees half of one), then drops the oldest entries past MAX_ENTRIES, a
+    crashed writer's leftovers and lock files a day old (not younger: removing one another process holds would let
+    two processes hold "the lock", and a calibration takes minutes at most)."""
     try:
         root.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=root, suffix=".partial", delete=False) as tmp:
@@ -154,20 +183,24 @@ def _write(root: Path, path: Path, ranges: list[torch.Tensor], key: RangesKey) -
             os.replace(partial, path)
         finally:
             partial.unlink(missing_ok=True)
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:
         log.warning("int8 calibration: the ranges could not be kept in %s (%s); the next load measures again",
                     root, exc)
         return
-    for pattern in ("*.safetensors", "*.lock"):
-        _prune(root, pattern)
+    _prune(root)
 
 
-def _prune(root: Path, pattern: str) -> None:
-    """Removes all but the MAX_ENTRIES newest files of ``pattern`` (another process may be removing them too)."""
-    dated = []
-    for path in root.glob(pattern):
+def _prune(root: Path) -> None:
+    """Removes all but the MAX_ENTRIES newest entries, partial files over an hour old and lock files over a day old
+    (another process may be removing them too)."""
+    dated, now = [], time.time_ns()
+    for path in root.iterdir():
         with contextlib.suppress(OSError):
-            dated.append((path.stat().st_mtime_ns, path))
+            modified = path.stat().st_mtime_ns
+            if path.suffix == ".safetensors":
+                dated.append((modified, path))
+            elif now - modified > (OLD_LOCK_NS if path.suffix == ".lock" else LEFTOVER_NS):
+                path.unlink()
     for _, old in sorted(dated, reverse=True)[MAX_ENTRIES:]:
         with contextlib.suppress(OSError):
             old.unlink()

@@ -684,9 +684,10 @@ class ModelRunner:
             with wide_sums():  # the same ranges at any tensor parallelism
                 for first in range(0, len(windows), per_forward):  # each weight widened once per forward
                     self._forward_prompts(windows[first:first + per_forward])
-        key = ranges_key(model_dir, dtype=self.config.dtype, device_type=self.device.type, token_ids=token_ids,
-                         window=window, tp_size=self.tp.size, rank=self.tp.rank,
-                         deterministic=self.config.deterministic)
+        key = ranges_key(model_dir, dtype=self.config.dtype, device_type=self.device.type,
+                         attention=self.attention.name, block_size=self.config.block_size,
+                         kv_dtype=self.layout.dtype, token_ids=token_ids, window=window, tp_size=self.tp.size,
+                         rank=self.tp.rank, deterministic=self.config.deterministic)
         return cached_ranges(key, modules, lambda: input_absmax(modules, forward), self.tp,
                              self.config.int8.calibration_wait_s)
 

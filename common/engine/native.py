@@ -46,7 +46,8 @@ STRICT_CFLAGS = ["-fno-fast-math", "-ffp-contract=off"]
 BUILD_WAIT_S = 300.0
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
+    """The CPU's flags line of ``/proc/cpuinfo`` (the processor's name where that cannot be read)."""
     try:
         flags = next(
             line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
@@ -58,7 +59,7 @@ def _cpu_signature() -> str:
 
 def cpu_has(flag: str) -> bool:
     """Whether this CPU lists ``flag`` (``/proc/cpuinfo``'s name, e.g. ``avx512_bf16``); False where unknown."""
-    return flag in _cpu_signature().split()
+    return flag in cpu_signature().split()
 
 
 def avx2_without_avx512() -> bool:
@@ -79,7 +80,7 @@ def load_kernel(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     cflags = CFLAGS + (STRICT_CFLAGS if name in STRICT_KERNELS else []) + [f"-D{d}" for d in defines]
     digest = hashlib.sha256(
         source.read_bytes() + b"".join(h.read_bytes() for h in sorted(KERNEL_DIR.glob("*.h")))
-        + " ".join(cflags + LDFLAGS).encode() + _cpu_signature().encode()
+        + " ".join(cflags + LDFLAGS).encode() + cpu_signature().encode()
     ).hexdigest()[:16]
     target = default_cache_root() / "kernels" / f"{name}-{digest}.so"
     if not target.exists():

@@ -88,7 +88,7 @@ _kernel_trials: dict[tuple[int, int], tuple[bool, ...]] = {}  # per shape, per T
 # (``sums_in_float32``: oneDNN may otherwise multiply float32 in bfloat16).
 EXACT_FLOAT_K = 1024
 FLOAT_BLOCK_ROWS = 256
-SCALE_BLOCK_ROWS = 256  # ``row_blocks``
+LOAD_BLOCK_ROWS = 256  # ``row_blocks``
 INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 
 
@@ -105,11 +105,11 @@ def quantize_rows(weight: torch.Tensor, tp=None) -> tuple[torch.Tensor, torch.Te
 
 
 def row_blocks(weight: torch.Tensor):
-    """``(first row, block)`` over ``weight``'s rows, SCALE_BLOCK_ROWS at a time: a load's float32 work on a
-    weight (smoothing, quantizing) a block at a time, its copies in the caches and never weight-sized (the same
-    values: every step is per element or per row)."""
-    for start in range(0, weight.shape[0], SCALE_BLOCK_ROWS):
-        yield start, weight[start:start + SCALE_BLOCK_ROWS]
+    """``(first row, block)`` over ``weight``'s rows, LOAD_BLOCK_ROWS at a time: a load's float32 work on a
+    weight (smoothing, quantizing) a block at a time, its copies in the caches and never weight-sized. The values
+    are the whole weight's: every step is per element, or a max (exact in any order)."""
+    for start in range(0, weight.shape[0], LOAD_BLOCK_ROWS):
+        yield start, weight[start:start + LOAD_BLOCK_ROWS]
 
 
 def linear_int8_kernel():

@@ -111,3 +111,4 @@ def test_final_stage_runs_tessera_as_the_manifests_user(dockerfile):
         mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
         # The C kernels are built beside the prepared model, in a writable volume.
         assert mounts["kernels"] == f"{env['TESSERA_CACHE_DIR']}/kernels", path.name
+        assert mounts["int8-ranges"] == f"{env['TESSERA_CACHE_DIR']}/int8-ranges", path.name  # int8's calibration

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from common.config.base import EngineConfig
+from common.config.base import CpuConfig, EngineConfig
 from common.engine import int8_ranges
 from common.engine.int8_ranges import RangesKey, cached_ranges, ranges_key
 from common.engine.model_runner import ModelRunner
@@ -66,9 +66,11 @@ def test_a_second_load_reads_the_ranges_and_quantizes_the_same_weights(cache_roo
 def test_what_changes_the_ranges_measures_again(cache_root, model_dir, monkeypatch):
     forwards = count_forwards(monkeypatch)
     int8_runner(model_dir)
-    for change in ({"dtype": "bfloat16"}, {"deterministic": True}):
+    for change in ({"dtype": "bfloat16"}, {"deterministic": True}, {"cpu": CpuConfig(kv_cache_dtype="int8")},
+                   {"block_size": 32}):
+        change.setdefault("block_size", 16)
         before = forwards[0]
-        ModelRunner(EngineConfig(model=str(model_dir), num_kv_blocks=64, block_size=16, quantization="int8",
+        ModelRunner(EngineConfig(model=str(model_dir), num_kv_blocks=64, quantization="int8",
                                  **{"dtype": "float32", "deterministic": False, **change}), model_dir)
         assert forwards[0] > before, change
     before = forwards[0]
@@ -76,19 +78,23 @@ def test_what_changes_the_ranges_measures_again(cache_root, model_dir, monkeypat
     os.utime(weights, ns=(time.time_ns(), weights.stat().st_mtime_ns + 1_000_000_000))  # rewritten weights
     int8_runner(model_dir)
     assert forwards[0] > before
-    assert len(list(cache_root.glob("*.safetensors"))) == 4
+    assert len(list(cache_root.glob("*.safetensors"))) == 6
 
 
 def test_the_key_covers_the_rank_and_layout(model_dir):
     def key(**change):
-        return ranges_key(**{"model_dir": model_dir, "dtype": "float32", "device_type": "cpu",
-                             "token_ids": [1, 2, 3], "window": 256, "tp_size": 2, "rank": 0,
-                             "deterministic": False, **change})
+        return ranges_key(**{"model_dir": model_dir, "dtype": "float32", "device_type": "cpu", "attention": "torch",
+                             "block_size": 16, "kv_dtype": "float32", "token_ids": [1, 2, 3], "window": 256,
+                             "tp_size": 2, "rank": 0, "deterministic": False, **change})
     base = key()
     assert key().entry == base.entry
     assert key(rank=1).layout == base.layout and key(rank=1).entry != base.entry
-    for change in ({"tp_size": 1}, {"window": 128}, {"token_ids": [1, 2]}, {"device_type": "cuda"}):
+    for change in ({"tp_size": 1}, {"window": 128}, {"token_ids": [1, 2]}, {"device_type": "cuda"},
+                   {"attention": "cpu_paged"}, {"block_size": 32}, {"kv_dtype": "int8"}):
         assert key(**change).layout != base.layout, change
+    assert {"cpu", "torch", "engine_source"} <= base.described.keys()
+    (model_dir / "config.json").unlink()  # a directory that cannot be read: measured, without the cache
+    assert key() is None
 
 
 def modules(*widths) -> list[nn.Module]:
@@ -123,24 +129,41 @@ def test_an_unwritable_cache_costs_a_calibration_not_a_load(tmp_path, caplog):
     blocked.write_text("not a directory")
     measured = [torch.ones(4)]
     assert cached_ranges(key_for("b"), modules(4), lambda: measured, Parallel(), 1.0, blocked / "ranges") is measured
-    assert "measuring without it" in caplog.text
+    assert "no lock in" in caplog.text and "could not be kept" in caplog.text
 
 
-def test_a_process_waits_for_another_measuring_and_reads_what_it_wrote(tmp_path):
+def test_a_process_waits_for_another_measuring_and_reads_what_it_wrote(tmp_path, monkeypatch):
     key, layers = key_for("c"), modules(4)
-    started, finish = threading.Event(), threading.Event()
+    measuring, waiting = threading.Event(), threading.Event()
+    lock_within = int8_ranges.lock_within
+
+    def noticed_wait(file, wait_s):  # the second caller finds the lock held, then lets the first finish
+        if wait_s == 30.0:
+            if not lock_within(file, 0.0):
+                waiting.set()
+                return lock_within(file, wait_s)
+            return True
+        return lock_within(file, wait_s)
+    monkeypatch.setattr(int8_ranges, "lock_within", noticed_wait)
 
     def slow_measure():
-        started.set()
-        finish.wait(10)
+        measuring.set()
+        assert waiting.wait(30), "the second process never waited"
         return [torch.full((4,), 2.0)]
-    first = threading.Thread(target=cached_ranges, args=(key, layers, slow_measure, Parallel(), 1.0, tmp_path))
-    first.start()
-    assert started.wait(10)
-    threading.Timer(0.2, finish.set).start()
+    failed = []
+
+    def first():
+        try:
+            cached_ranges(key, layers, slow_measure, Parallel(), 1.0, tmp_path)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            failed.append(exc)
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert measuring.wait(30)
     read = cached_ranges(key, layers, lambda: pytest.fail("measured twice"), Parallel(), 30.0, tmp_path)
-    first.join()
-    assert torch.equal(read[0], torch.full((4,), 2.0))
+    thread.join(30)
+    assert not failed and not thread.is_alive()
+    assert waiting.is_set() and torch.equal(read[0], torch.full((4,), 2.0))
 
 
 def test_past_the_wait_a_process_measures_itself(tmp_path, caplog):
@@ -153,11 +176,17 @@ def test_past_the_wait_a_process_measures_itself(tmp_path, caplog):
     assert "engine.int8.calibration_wait_s" in caplog.text
 
 
-def test_the_oldest_entries_go(tmp_path, monkeypatch):
+def test_the_oldest_entries_and_stale_files_go(tmp_path, monkeypatch):
     monkeypatch.setattr(int8_ranges, "MAX_ENTRIES", 2)
     for i, name in enumerate("efg"):
         cached_ranges(key_for(name), modules(4), lambda: [torch.ones(4)], Parallel(), 1.0, tmp_path)
         for path in tmp_path.glob(f"*-{name}.*"):  # distinct times, whatever the file system's resolution
             os.utime(path, ns=(i * 10**9, i * 10**9))
+    (tmp_path / "crashed.partial").touch()
+    os.utime(tmp_path / "crashed.partial", ns=(0, 0))
+    (tmp_path / "writing.partial").touch()  # another process's, now
     cached_ranges(key_for("h"), modules(4), lambda: [torch.ones(4)], Parallel(), 1.0, tmp_path)
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["entry-g.safetensors", "entry-h.safetensors"]
+    # lock files a day old go (e, f and g's, dated 1970), a crashed writer's leftovers too
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".safetensors") == [
+        "layout-h.lock", "writing.partial"]
