@@ -123,8 +123,9 @@ def one_thread_per_lane():
 @pytest.fixture(autouse=True)
 def int8_ranges_of_the_test(tmp_path_factory, monkeypatch):
     """The int8 calibration's cache (common/engine/int8_ranges.py) in this session's temporary directory, not the
-    user's: a test's int8 runner measures its ranges as a worker's first load does, and the suite's many temporary
-    models never push a developer's entries out. Worker processes a test starts keep the user's cache."""
+    user's, so the suite's many temporary models never push a developer's entries out; a test's int8 runner measures
+    its ranges unless an earlier test of its lane measured the same model's. Processes a test starts (workers, the
+    tensor-parallel ranks past 0) keep the user's cache."""
     from common.engine import int8_ranges
 
     root = tmp_path_factory.getbasetemp() / "int8-ranges-cache"

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 ENTRY_FORMAT = 1  # raise when what an entry holds, or how the ranges are measured, changes
 MAX_ENTRIES = 64  # the newest kept; each is a few MB at most (8B: 2.9 MB of float32 ranges per rank)
-LEFTOVER_NS = 3600 * 10**9  # a partial file (an entry being written, safetensors' own temporary) older than this
+LEFTOVER_NS = 3600 * 10**9  # a partial file (an entry being written) older than this: a crashed writer's
 OLD_LOCK_NS = 24 * 3600 * 10**9  # a lock file older than this (``_write``)
 ENGINE_DIR = Path(__file__).parent
 
@@ -152,10 +152,10 @@ def _measuring(root: Path, key: RangesKey | None, tp_size: int, wait_s: float):
 
 def _read(path: Path, modules: list[nn.Module]) -> list[torch.Tensor] | None:
     """The entry's ranges, or None where it is absent or does not fit ``modules`` (logged: measured again)."""
-    if not path.is_file():
-        return None
     try:
         tensors = load_file(str(path))
+    except FileNotFoundError:
+        return None
     except Exception as exc:  # noqa: BLE001 - any unreadable entry (at TP, a rank must reach the flag's all-reduce)
         log.warning("int8 calibration: %s cannot be read (%s); measuring again", path, exc)
         return None
@@ -194,12 +194,16 @@ def _prune(root: Path) -> None:
     """Removes all but the MAX_ENTRIES newest entries, partial files over an hour old and lock files over a day old
     (another process may be removing them too)."""
     dated, now = [], time.time_ns()
-    for path in root.iterdir():
+    try:
+        paths = list(root.iterdir())
+    except OSError:
+        return
+    for path in paths:
         with contextlib.suppress(OSError):
             modified = path.stat().st_mtime_ns
             if path.suffix == ".safetensors":
                 dated.append((modified, path))
-            elif now - modified > (OLD_LOCK_NS if path.suffix == ".lock" else LEFTOVER_NS):
+            elif now - modified > {".lock": OLD_LOCK_NS, ".partial": LEFTOVER_NS}.get(path.suffix, now):
                 path.unlink()
     for _, old in sorted(dated, reverse=True)[MAX_ENTRIES:]:
         with contextlib.suppress(OSError):

@@ -122,6 +122,11 @@ def test_an_entry_that_does_not_fit_or_cannot_be_read_is_measured_again(tmp_path
     assert cached_ranges(key, wider, lambda: again, Parallel(), 1.0, tmp_path) is again
     assert "cannot be read" in caplog.text
     assert cached_ranges(key, wider, lambda: pytest.fail("measured again"), Parallel(), 1.0, tmp_path)
+    # an entry that is not a file (any error reading it but its absence is logged, and measured past)
+    other = key_for("dir")
+    (tmp_path / f"{other.entry}.safetensors").mkdir()
+    assert cached_ranges(other, wider, lambda: again, Parallel(), 1.0, tmp_path) is again
+    assert f"{other.entry}.safetensors cannot be read" in caplog.text
 
 
 def test_an_unwritable_cache_costs_a_calibration_not_a_load(tmp_path, caplog):
