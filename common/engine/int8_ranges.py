@@ -19,8 +19,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,12 +27,13 @@ from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import nn
 
 from common.engine.native import cpu_signature
 from common.storage.file_lock import lock_within
 from common.storage.model_store import default_cache_root
+from common.storage.registry import write_atomic
 from common.storage.safetensors_files import checkpoint_files
 
 if TYPE_CHECKING:
@@ -44,7 +43,7 @@ log = logging.getLogger(__name__)
 
 ENTRY_FORMAT = 1  # raise when what an entry holds, or how the ranges are measured, changes
 MAX_ENTRIES = 64  # the newest kept; each is a few MB at most (8B: 2.9 MB of float32 ranges per rank)
-LEFTOVER_NS = 3600 * 10**9  # a partial file (an entry being written) older than this: a crashed writer's
+LEFTOVER_NS = 3600 * 10**9  # an entry's temporary file (``write_atomic``) older than this: a crashed writer's
 OLD_LOCK_NS = 24 * 3600 * 10**9  # a lock file older than this (``_write``)
 ENGINE_DIR = Path(__file__).parent
 
@@ -175,14 +174,8 @@ def _write(root: Path, path: Path, ranges: list[torch.Tensor], key: RangesKey) -
     two processes hold "the lock", and a calibration takes minutes at most)."""
     try:
         root.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=root, suffix=".partial", delete=False) as tmp:
-            partial = Path(tmp.name)
-        try:
-            save_file({str(i): r.detach().float().cpu().contiguous() for i, r in enumerate(ranges)}, str(partial),
-                      metadata={"key": json.dumps(key.described, sort_keys=True)})
-            os.replace(partial, path)
-        finally:
-            partial.unlink(missing_ok=True)
+        write_atomic(path, save({str(i): r.detach().float().cpu().contiguous() for i, r in enumerate(ranges)},
+                                metadata={"key": json.dumps(key.described, sort_keys=True)}))
     except (OSError, SafetensorError) as exc:
         log.warning("int8 calibration: the ranges could not be kept in %s (%s); the next load measures again",
                     root, exc)
@@ -201,10 +194,12 @@ def _prune(root: Path) -> None:
     for path in paths:
         with contextlib.suppress(OSError):
             modified = path.stat().st_mtime_ns
-            if path.suffix == ".safetensors":
+            if path.suffix == ".safetensors" and not path.name.startswith("."):
                 dated.append((modified, path))
-            elif now - modified > {".lock": OLD_LOCK_NS, ".partial": LEFTOVER_NS}.get(path.suffix, now):
+            elif path.suffix == ".lock" and now - modified > OLD_LOCK_NS:
                 path.unlink()
+            elif path.name.startswith(".") and ".safetensors." in path.name and now - modified > LEFTOVER_NS:
+                path.unlink()  # write_atomic's temporary file, left by a crashed writer
     for _, old in sorted(dated, reverse=True)[MAX_ENTRIES:]:
         with contextlib.suppress(OSError):
             old.unlink()

@@ -104,12 +104,13 @@ def quantize_rows(weight: torch.Tensor, tp=None) -> tuple[torch.Tensor, torch.Te
     return q, scale.contiguous()
 
 
-def row_blocks(weight: torch.Tensor):
-    """``(first row, block)`` over ``weight``'s rows, LOAD_BLOCK_ROWS at a time: a load's float32 work on a
-    weight (smoothing, quantizing) a block at a time, its copies in the caches and never weight-sized. The values
-    are the whole weight's: every step is per element, or a max (exact in any order)."""
-    for start in range(0, weight.shape[0], LOAD_BLOCK_ROWS):
-        yield start, weight[start:start + LOAD_BLOCK_ROWS]
+def row_blocks(weight: torch.Tensor, rows: int | None = None):
+    """``(first row, block)`` over ``weight``'s rows, ``rows`` (LOAD_BLOCK_ROWS) at a time: float32 work on a
+    weight a block at a time, its copies in the caches and never weight-sized. At load (smoothing, quantizing) the
+    values are the whole weight's: every step is per element, or a max (exact in any order)."""
+    rows = rows or LOAD_BLOCK_ROWS
+    for start in range(0, weight.shape[0], rows):
+        yield start, weight[start:start + rows]
 
 
 def linear_int8_kernel():
@@ -216,11 +217,11 @@ def sums_in_float32() -> bool:
 
 def int_mm_float32(xq: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``xq @ q^T`` into the int32 ``out``, computed in float32 and exact (EXACT_FLOAT_K)."""
-    k, n = xq.shape[1], q.shape[0]
+    k = xq.shape[1]
     x = xq.float()
-    for n0 in range(0, n, FLOAT_BLOCK_ROWS):
-        w = q[n0:n0 + FLOAT_BLOCK_ROWS].float()
-        block = out[:, n0:n0 + FLOAT_BLOCK_ROWS]
+    for n0, rows in row_blocks(q, FLOAT_BLOCK_ROWS):
+        w = rows.float()
+        block = out[:, n0:n0 + rows.shape[0]]
         for k0 in range(0, k, EXACT_FLOAT_K):
             sums = x[:, k0:k0 + EXACT_FLOAT_K] @ w[:, k0:k0 + EXACT_FLOAT_K].t()
             if k0 == 0:

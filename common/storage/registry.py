@@ -242,7 +242,7 @@ class ModelRegistry:
         # The record only saves the next check a hash: not worth a failed resolve, nor a wait, while another
         # process's change holds the lock (one try).
         with suppress(RegistryLocked), self._lock(wait_s=0):
-            _write_atomic(verified, json.dumps(record).encode())
+            write_atomic(verified, json.dumps(record).encode())
 
     def _check_known(self, name: str) -> None:
         _check_name("name", name)
@@ -263,7 +263,7 @@ class ModelRegistry:
         return _decode(self.root / name / "state.json", State) or State()
 
     def _write(self, path: Path, value: msgspec.Struct) -> None:
-        _write_atomic(path, msgspec.json.format(msgspec.json.encode(value), indent=2) + b"\n")
+        write_atomic(path, msgspec.json.format(msgspec.json.encode(value), indent=2) + b"\n")
 
     @contextmanager
     def _lock(self, wait_s: float | None = None) -> Iterator[None]:
@@ -299,8 +299,9 @@ def _decode(path: Path, type_: type[StructT]) -> StructT | None:
         raise RegistryError(f"{path} is damaged: {error}") from None
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` whole: a temp file in the same directory, fsynced, renamed over it."""
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` whole: a temp file in the same directory (``.NAME.`` and a random tail; removed on any
+    failure here), fsynced, renamed over it."""
     fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as sink:

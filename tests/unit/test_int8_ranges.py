@@ -187,11 +187,13 @@ def test_the_oldest_entries_and_stale_files_go(tmp_path, monkeypatch):
         cached_ranges(key_for(name), modules(4), lambda: [torch.ones(4)], Parallel(), 1.0, tmp_path)
         for path in tmp_path.glob(f"*-{name}.*"):  # distinct times, whatever the file system's resolution
             os.utime(path, ns=(i * 10**9, i * 10**9))
-    (tmp_path / "crashed.partial").touch()
-    os.utime(tmp_path / "crashed.partial", ns=(0, 0))
-    (tmp_path / "writing.partial").touch()  # another process's, now
+    (tmp_path / ".entry-x.safetensors.crashed").touch()  # write_atomic's temporary files
+    os.utime(tmp_path / ".entry-x.safetensors.crashed", ns=(0, 0))
+    (tmp_path / ".entry-y.safetensors.writing").touch()  # another process's, now
+    (tmp_path / "notes.txt").touch()  # not the cache's: kept at any age
+    os.utime(tmp_path / "notes.txt", ns=(0, 0))
     cached_ranges(key_for("h"), modules(4), lambda: [torch.ones(4)], Parallel(), 1.0, tmp_path)
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["entry-g.safetensors", "entry-h.safetensors"]
     # lock files a day old go (e, f and g's, dated 1970), a crashed writer's leftovers too
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".safetensors") == [
-        "layout-h.lock", "writing.partial"]
+        ".entry-y.safetensors.writing", "layout-h.lock", "notes.txt"]
