@@ -163,9 +163,7 @@ def tiny_chat_model_dir(tmp_path_factory, request) -> Path:
     names a model directory to take the same tokenizer from."""
     from tests.tiny_models import build_tiny_model
 
-    tokenizer = os.environ.get("TESSERA_TEST_TOKENIZER")
-    source = Path(tokenizer) if tokenizer else request.getfixturevalue("embedded_model_dir")
-    return build_tiny_model("llama", tmp_path_factory.mktemp("tiny-chat"), tokenizer_from=source)
+    return build_tiny_model("llama", tmp_path_factory.mktemp("tiny-chat"), tokenizer_from=tokenizer_source(request))
 
 
 @pytest.fixture(scope="session")
@@ -175,6 +173,10 @@ def short_model_dir(tmp_path_factory, request) -> Path:
     TESSERA_TEST_TOKENIZER as for ``tiny_chat_model_dir``."""
     from tests.tiny_models import build_short_model
 
+    return build_short_model(tmp_path_factory.mktemp("short-model"), tokenizer_from=tokenizer_source(request))
+
+
+def tokenizer_source(request) -> Path:
+    """The model directory a test model takes its tokenizer from: TESSERA_TEST_TOKENIZER, else the embedded model."""
     tokenizer = os.environ.get("TESSERA_TEST_TOKENIZER")
-    source = Path(tokenizer) if tokenizer else request.getfixturevalue("embedded_model_dir")
-    return build_short_model(tmp_path_factory.mktemp("short-model"), tokenizer_from=source)
+    return Path(tokenizer) if tokenizer else request.getfixturevalue("embedded_model_dir")
