@@ -11,6 +11,7 @@ stopped: a module's cluster, stopped at the module's end, counts for its last te
 The first lines sum each lane's tests (tests/conftest.py ``lane``): the run is as long as its longest lane, or as
 its CPU-seconds over the two cores, whichever is more.
 
+Then the processes the fork servers forked (tests/fork_server.py), by command: how many, and their CPU-seconds.
 A process that outlives the test that started it, or is never reaped, is not counted.
 """
 from __future__ import annotations
@@ -43,12 +44,19 @@ def pytest_runtest_protocol(item, nextitem):
     if not directory:
         yield
         return
+    from tests import fork_server
+
     own, reaped = _cpu()
+    forked = {command: list(counts) for command, counts in fork_server.reaped_by_command.items()}
     start = time.monotonic()
     yield
     own_after, reaped_after = _cpu()
     record = {"test": item.nodeid, "wall": time.monotonic() - start, "own": own_after - own,
-              "reaped": reaped_after - reaped}
+              "reaped": reaped_after - reaped,
+              "forked": {command: [counts[0] - forked.get(command, [0, 0.0])[0],
+                                   counts[1] - forked.get(command, [0, 0.0])[1]]
+                         for command, counts in fork_server.reaped_by_command.items()
+                         if counts[0] != forked.get(command, [0, 0.0])[0]}}
     Path(directory).mkdir(parents=True, exist_ok=True)
     with open(Path(directory) / f"cpu-{os.getpid()}.jsonl", "a") as out:
         out.write(json.dumps(record) + "\n")
@@ -60,12 +68,16 @@ def table(directory: Path, by_test: bool, top: int) -> str:
 
     sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
     lanes: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])  # tests, wall, CPU
+    forked: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # command: processes, CPU-s
     for path in sorted(directory.glob("cpu-*.jsonl")):
         for line in path.read_text().splitlines():
             record = json.loads(line)
             key = record["test"] if by_test else record["test"].partition("::")[0]
             for i, field in enumerate(("wall", "own", "reaped")):
                 sums[key][i] += record[field]
+            for command, (processes, cpu) in record.get("forked", {}).items():
+                forked[command][0] += processes
+                forked[command][1] += cpu
             counts = lanes[lane(record["test"])]
             counts[0] += 1
             counts[1] += record["wall"]
@@ -73,6 +85,8 @@ def table(directory: Path, by_test: bool, top: int) -> str:
     total = sum(own + reaped for _, own, reaped in sums.values())
     lines = [f"lane {name}: {tests} test{'' if tests == 1 else 's'}, {wall:,.0f} s of wall time, {cpu:,.0f} CPU-s"
              for name, (tests, wall, cpu) in sorted(lanes.items())]
+    lines += [f"forked {command}: {processes:,} processes, {cpu:,.0f} CPU-s ({cpu / processes:.2f} each)"
+              for command, (processes, cpu) in sorted(forked.items())]
     lines += [f"{len(sums)} {'tests' if by_test else 'modules'}, {total:,.0f} CPU-s in all",
               f"{'CPU-s':>8} {'share':>6} {'wall s':>8} {'own':>7} {'reaped':>7}  name"]
     ranked = sorted(sums.items(), key=lambda item: -(item[1][1] + item[1][2]))

@@ -22,6 +22,7 @@ own command line or initial environment in ``/proc`` (a forked one shows the ser
 from __future__ import annotations
 
 import atexit
+import collections
 import io
 import os
 import pickle
@@ -114,6 +115,7 @@ class ForkServer:
                                          stdout=log, stderr=subprocess.STDOUT)
         theirs.close()
         self.sock, self.lock, self.codes = ours, threading.Lock(), {}
+        self.commands: dict[int, str] = {}  # a child's pid -> its command (``args[0]``), until its exit is read
         message = self._receive(START_TIMEOUT_S)
         if message != ("ready",):
             raise RuntimeError(f"the tests' fork server did not start ({message!r}; exit {self.proc.poll()}; "
@@ -131,6 +133,7 @@ class ForkServer:
                 message = self._receive(START_TIMEOUT_S)
                 if message[0] == "pid":
                     self.codes.pop(message[1], None)  # an unread status of an earlier child with this pid
+                    self.commands[message[1]] = args[0]
                     return ForkedProcess(self, message[1], args)
                 if message[0] == "error":  # the fork itself failed: a fresh interpreter instead
                     print(f"the tests' fork server could not fork {args[0]}: {message[1]}", file=sys.stderr)
@@ -163,6 +166,9 @@ class ForkServer:
         if message[0] == "exit":
             self.codes[message[1]] = message[2]
             reaped_cpu_s += message[3]
+            counts = reaped_by_command[self.commands.pop(message[1], "?")]
+            counts[0] += 1
+            counts[1] += message[3]
 
     def _receive(self, timeout: float, quiet: bool = False) -> tuple | None:
         if not select.select([self.sock], [], [], timeout)[0]:
@@ -178,6 +184,8 @@ class ForkServer:
 # The CPU-seconds of the children whose exit this process has read, as RUSAGE_CHILDREN counts a Popen's child once
 # it is reaped (tests/cpu_report.py adds them).
 reaped_cpu_s = 0.0
+# The same by command (``prefill``, ``decode``, ``both``, ``proxy``): [children, CPU-seconds].
+reaped_by_command: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
 # One for each command's imports and environment of load-time variables: in a lane, one for the workers and one
 # for the proxies.
 _servers: dict[tuple, ForkServer | None] = {}  # None: it did not start

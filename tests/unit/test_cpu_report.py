@@ -25,3 +25,14 @@ def test_records_of_every_lane_sum_by_module_and_rank_by_cpu(tmp_path):
     tests = table(tmp_path, by_test=True, top=1).splitlines()
     assert tests[2] == "3 tests, 14 CPU-s in all" and len(tests) == 5
     assert tests[4].endswith("tests/unit/test_b.py::test_two")
+
+
+def test_the_forked_processes_sum_by_command(tmp_path):
+    records = [{"test": "tests/e2e/test_a.py::test_one", "wall": 4.0, "own": 0.5, "reaped": 7.0,
+                "forked": {"decode": [1, 4.0], "proxy": [1, 1.0]}},
+               {"test": "tests/e2e/test_a.py::test_two", "wall": 4.0, "own": 0.5, "reaped": 2.0,
+                "forked": {"decode": [2, 2.0]}}]
+    (tmp_path / "cpu-1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    lines = table(tmp_path, by_test=False, top=10).splitlines()
+    assert lines[1:3] == ["forked decode: 3 processes, 6 CPU-s (2.00 each)",
+                          "forked proxy: 1 processes, 1 CPU-s (1.00 each)"]
