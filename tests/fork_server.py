@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import gc
 import io
 import os
 import pickle
@@ -232,6 +233,11 @@ def _serve(sock: socket.socket, preload: list[str]) -> None:
 
     build_parser()  # the entry points' registrars and what they import
     _read_the_embedded_tokenizer()
+    # What the children inherit from here is never garbage: out of the collector's sight, a child's collections
+    # (a worker's at its model's load: common/runtime/model_swap.py, freeze_heap) skip it, and never write to
+    # its pages, which stay shared.
+    gc.collect()
+    gc.freeze()
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)

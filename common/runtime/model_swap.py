@@ -94,17 +94,27 @@ def freeze_heap() -> None:
     """What the worker holds now (its model loaded, its role's handler built) lives as long as the model: the
     collector need not walk it again at each full collection, which the objects of many streams make frequent (a
     pause of ~100 ms each at 256 streams of the tiny shape on 2 CPU cores, bench/host_phases.py). Whatever an
-    earlier freeze kept that is garbage now (a role's old handler) is collected first; unload_model thaws it all."""
-    thaw_heap()
+    earlier freeze kept that is garbage now (a role's old handler) is collected first; unload_model thaws it all.
+    The first freeze collects only what is in the collector's sight: what a parent froze before forking this
+    process (the tests' fork server, tests/fork_server.py) stays frozen, unwalked."""
+    global _frozen
+    if _frozen:
+        thaw_heap()
+    else:
+        gc.collect()
     gc.freeze()
+    _frozen = True
 
 
 def thaw_heap() -> None:
     """What ``freeze_heap`` froze back in the collector's sight, and what of it is garbage now collected."""
+    global _frozen
     gc.unfreeze()
+    _frozen = False
     gc.collect()
 
 
+_frozen = False  # whether freeze_heap froze since the last thaw_heap
 atexit.register(gc.unfreeze)  # else what is frozen at exit is never finalized: bindings report their objects leaked
 
 
