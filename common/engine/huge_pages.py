@@ -96,25 +96,29 @@ def _protect_none(address: int, length: int) -> None:
 
 def mapping_lines(address: int, smaps: Path = Path("/proc/self/smaps")) -> list[str]:
     """The field lines of the ``smaps`` entry of the mapping that holds ``address`` (``VmFlags`` among them: ``hg``
-    advised into huge pages, ``nh`` out of them); empty where there is no such file or mapping."""
+    advised into huge pages, ``nh`` out of them); empty where there is no such file or mapping. Read up to that
+    entry and no further: the kernel writes each entry as it is read, walking that mapping's page tables to count
+    its pages, and the entries past the arenas (torch's libraries) need not be walked. A read still walks the
+    heap's tables before them (tens of milliseconds in a worker, more in a long-lived process): callers that only
+    log the count ask for it where the log line is written."""
+    found: list[str] | None = None
     try:  # mapped files' names are printed as their bytes, which need not be UTF-8
-        lines = smaps.read_text(errors="replace").splitlines()
+        with open(smaps, errors="replace") as entries:
+            for line in entries:
+                head = line.split(maxsplit=1)[0] if line.strip() else ""
+                if "-" in head and not head.endswith(":"):
+                    if found is not None:
+                        return found
+                    low, _, high = head.partition("-")
+                    try:
+                        inside = int(low, 16) <= address < int(high, 16)
+                    except ValueError:
+                        inside = False
+                    found = [] if inside else None
+                elif found is not None and head.endswith(":"):
+                    found.append(line.rstrip("\n"))
     except OSError:
         return []
-    found: list[str] | None = None
-    for line in lines:
-        head = line.split(maxsplit=1)[0] if line.strip() else ""
-        if "-" in head and not head.endswith(":"):
-            if found is not None:
-                return found
-            low, _, high = head.partition("-")
-            try:
-                inside = int(low, 16) <= address < int(high, 16)
-            except ValueError:
-                inside = False
-            found = [] if inside else None
-        elif found is not None and head.endswith(":"):
-            found.append(line)
     return found or []
 
 

@@ -259,7 +259,8 @@ class ModelRunner:
             gemv_bf16_kernel()  # built now, not on the first batch-1 decode step (models/llama.py ``linear``)
         # only bfloat16 weights take panels: not int8 or float32; one rank (engine.deterministic too: a panel's
         # every sum runs over k in one order at any rows, kernels/panels_bf16.h)
-        if self._panels_planned() and self.model.pack_panels(self._compact_mode(), config.cpu.huge_pages):
+        if (self._panels_planned() and self.model.pack_panels(self._compact_mode(), config.cpu.huge_pages)
+                and log.isEnabledFor(logging.INFO)):  # the arena's page count reads /proc/self/smaps
             arena = self.model.panel_arena
             pages = ("in 4 KB pages" if arena is None else
                      "%.0f of their %.0f MiB in 2 MB pages" % (arena.huge_bytes() / 2**20, arena.nbytes / 2**20))
@@ -319,17 +320,19 @@ class ModelRunner:
             self.tp.serve_steps(config.ranks.step_timeout_s)  # with every rank, once each said it is ready
             self._serving = True
         release_freed_memory()  # the load's temporaries: jemalloc keeps freed pages for the steps (engine.cpu.malloc)
-        log.info(
-            "model loaded in %.1fs: %s layers, dtype %s, weights %s (%.2f GiB%s), attention %s; KV pool %d blocks "
-            "x %d tokens of %s (%.1f MiB%s); resident %.2f GiB; malloc %s (engine.cpu.malloc)",
-            self.load_s, hf.num_hidden_layers, config.dtype, "int8" if config.quantization == "int8" else config.dtype,
-            module_bytes(self.model) / 2**30, f", rank {rank} of {self.tp.size}" if self.tp.size > 1 else "",
-            self.attention.name, self.kv_cache.num_blocks, config.block_size,
-            "int8 rows (engine.cpu.kv_cache_dtype)" if self.layout.quantized else self.layout.dtype,
-            self.kv_cache.nbytes / 2**20,
-            self.kv_cache.pages_note(),
-            resident_bytes() / 2**30, loaded_allocator(),
-        )
+        if log.isEnabledFor(logging.INFO):  # its pool's page count reads /proc/self/smaps (huge_pages.py)
+            log.info(
+                "model loaded in %.1fs: %s layers, dtype %s, weights %s (%.2f GiB%s), attention %s; KV pool %d blocks "
+                "x %d tokens of %s (%.1f MiB%s); resident %.2f GiB; malloc %s (engine.cpu.malloc)",
+                self.load_s, hf.num_hidden_layers, config.dtype,
+                "int8" if config.quantization == "int8" else config.dtype,
+                module_bytes(self.model) / 2**30, f", rank {rank} of {self.tp.size}" if self.tp.size > 1 else "",
+                self.attention.name, self.kv_cache.num_blocks, config.block_size,
+                "int8 rows (engine.cpu.kv_cache_dtype)" if self.layout.quantized else self.layout.dtype,
+                self.kv_cache.nbytes / 2**20,
+                self.kv_cache.pages_note(),
+                resident_bytes() / 2**30, loaded_allocator(),
+            )
 
     def _choose_decode_rows(self) -> None:
         """The most rows the one-call kernel keeps, where ``decode_kernel_max_batch`` leaves it to timing (-1):
