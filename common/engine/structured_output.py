@@ -35,6 +35,7 @@ import torch
 from common.engine.native import kernel_function
 from common.engine.sequence import FinishReason, Sequence
 from common.protocol.sampling_params import StructuredOutput
+from common.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,35 @@ def apply_token_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
+def tokenizer_info(xgr, model_dir: Path, vocab_size: int, stop_token_ids: list[int]):
+    """xgrammar's view of the model's tokenizer (``TokenizerInfo``), read from its tokenizer.json with the tokenizers
+    library as xgrammar's ``from_huggingface`` reads a fast tokenizer: the vocabulary with its added tokens, each at
+    its id, and the vocabulary type and prefix-space rule that the tokenizer's JSON implies. Without transformers'
+    ``AutoTokenizer``, whose imports and load cost a worker's first constrained request 2-4 CPU-s on 2 cores. Where
+    there is no tokenizer.json, where the JSON's vocabulary type and the vocabulary's own disagree (xgrammar then
+    probes the tokenizer's encoding, which needs transformers) or where this xgrammar lacks the helpers, through
+    ``from_huggingface`` itself (tests/unit/test_structured_output.py holds the two equal)."""
+    if (Path(model_dir) / "tokenizer.json").is_file():
+        backend = Tokenizer(model_dir).backend  # the process's parse of the file, shared
+        vocab = backend.get_vocab(with_added_tokens=True)
+        try:
+            metadata = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
+            own_type = xgr.TokenizerInfo._detect_vocab_type_from_vocab(vocab)
+        except AttributeError:  # another xgrammar than the one pinned (Makefile): its own reading
+            metadata, own_type = None, None
+        if metadata is not None and own_type in (None, metadata["vocab_type"]):
+            encoded = [""] * vocab_size
+            for token, index in vocab.items():
+                if index < vocab_size:
+                    encoded[index] = token
+            return xgr.TokenizerInfo(encoded, vocab_type=metadata["vocab_type"], vocab_size=vocab_size,
+                                     stop_token_ids=stop_token_ids, add_prefix_space=metadata["add_prefix_space"])
+    from transformers import AutoTokenizer  # the worker has it; only this path needs it
+
+    return xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(model_dir), vocab_size=vocab_size,
+                                              stop_token_ids=stop_token_ids)
+
+
 class StructuredOutputs:
     """One engine's grammar compiler, its constrained sequences, and the step's token mask."""
 
@@ -101,10 +131,7 @@ class StructuredOutputs:
         with self._lock:
             if self._compiler is None:
                 xgr = _xgrammar()
-                from transformers import AutoTokenizer  # the worker has it; only this path needs it
-                hf = AutoTokenizer.from_pretrained(self.model_dir)
-                info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.stop_token_ids)
+                info = tokenizer_info(xgr, self.model_dir, self.vocab_size, self.stop_token_ids)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self.threads, cache_enabled=True,
                                                      cache_limit_bytes=COMPILED_CACHE_BYTES)
                 self._batch = xgr.BatchGrammarMatcher(max_threads=self.threads)

@@ -207,3 +207,48 @@ def test_a_malformed_constraint_is_a_400_naming_the_field(extra, param):
     with pytest.raises(ApiError) as caught:
         chat(**extra)
     assert caught.value.status == 400 and caught.value.param == param
+
+
+def _byte_fallback_tokenizer_dir(path):
+    """A SentencePiece-style tokenizer (BPE with byte fallback, a metaspace pre-tokenizer): the other vocabulary
+    type xgrammar tells apart from byte-level BPE's."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ("\u2581", "a", "b", "c", "\u2581a", "\u2581b", "ab", "\u2581ab", "bc"):
+        vocab[piece] = len(vocab)
+    merges = [("\u2581", "a"), ("\u2581", "b"), ("a", "b"), ("\u2581a", "b"), ("b", "c")]
+    tokenizer = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                           decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                            "unk_token": "<unk>",
+                                                            "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return path
+
+
+@pytest.mark.parametrize("which", ["embedded", "byte-fallback"])
+def test_the_tokenizer_info_read_from_tokenizer_json_is_xgrammars_own(which, embedded_model_dir, tmp_path):
+    """The worker reads xgrammar's view of the tokenizer from tokenizer.json without transformers
+    (``structured_output.tokenizer_info``): the same vocabulary, type, prefix-space rule, stop and special tokens
+    as xgrammar's own reading of transformers' tokenizer, and (a padded vocabulary, as a model's often is) past
+    the tokenizer's ids."""
+    xgrammar = pytest.importorskip("xgrammar")
+    from transformers import AutoTokenizer
+
+    model_dir = embedded_model_dir if which == "embedded" else _byte_fallback_tokenizer_dir(tmp_path)
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    vocab_size = len(hf.get_vocab()) + 7
+    stop = [hf.eos_token_id]
+    ours = structured_output.tokenizer_info(xgrammar, model_dir, vocab_size, stop)
+    theirs = xgrammar.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop)
+    assert ours.vocab_type == theirs.vocab_type == (xgrammar.VocabType.BYTE_LEVEL if which == "embedded"
+                                                    else xgrammar.VocabType.BYTE_FALLBACK)
+    assert (ours.vocab_size, ours.add_prefix_space, ours.stop_token_ids, ours.special_token_ids) == \
+        (theirs.vocab_size, theirs.add_prefix_space, theirs.stop_token_ids, theirs.special_token_ids)
+    assert ours.decoded_vocab == theirs.decoded_vocab
+    assert ours.dump_metadata() == theirs.dump_metadata()
