@@ -85,13 +85,10 @@ class KVLayout:
 
 def new_pool(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device,
              huge: bool = True) -> torch.Tensor:
-    """A zeroed pool of ``shape`` (tp_size first): on the CPU at one rank, in a huge-page arena, every page faulted
-    in now rather than in a serving step (a 2 MB page's first write costs milliseconds where the host hands out
-    memory slowly); with ``huge=False`` (engine.cpu.huge_pages off, or a benchmark's baseline) in an arena advised
-    out of them, each 4 KB page zero-filled by the kernel at its first write, microseconds in the step that first
-    uses its block, and none at the start (0.25 CPU-s for a worker's 256 MiB pool on the development machines);
-    shared pools (tp_size > 1, which ``share`` moves to shared memory) and device pools as torch allocates them (in
-    huge pages or not by the kernel's policy alone)."""
+    """A zeroed pool of ``shape`` (tp_size first): on the CPU at one rank, in a huge-page arena (``huge=False``: one
+    advised out of them: engine.cpu.huge_pages off, or a benchmark's baseline), every page faulted in now rather
+    than in a serving step; shared pools (tp_size > 1, which ``share`` moves to shared memory) and device pools as
+    torch allocates them (in huge pages or not by the kernel's policy alone)."""
     if torch.device(device).type != "cpu" or shape[0] > 1:
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
@@ -101,8 +98,7 @@ def new_pool(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.dev
         log.warning("the KV pool stays in torch's memory, in 4 KB pages: mapping its %.0f MiB failed (%s)",
                     nbytes / 2**20, exc)
         return torch.zeros(shape, dtype=dtype, device=device)
-    pool = arena.take(shape, dtype)
-    return pool.zero_() if huge else pool  # a new anonymous mapping reads as zeros
+    return arena.take(shape, dtype).zero_()
 
 
 class KVCache:
@@ -211,7 +207,7 @@ class KVCache:
         if huge is None:
             where = "in torch's memory"
         elif not self.huge_pages:
-            return ", in 4 KB pages (engine.cpu.huge_pages), each faulted in at its first write"
+            where = "in 4 KB pages (engine.cpu.huge_pages)"
         else:
             where = f"{huge / 2**20:.0f} MiB of it in 2 MB pages"
         return f", {where}, {self.fault_s:.1f}s to fault in"
