@@ -47,7 +47,7 @@ def pytest_runtest_protocol(item, nextitem):
     from tests import fork_server
 
     own, reaped = _cpu()
-    forked = {command: list(counts) for command, counts in fork_server.reaped_by_command.items()}
+    forked = {command: list(counts) for command, counts in list(fork_server.reaped_by_command.items())}
     start = time.monotonic()
     yield
     own_after, reaped_after = _cpu()
@@ -55,7 +55,7 @@ def pytest_runtest_protocol(item, nextitem):
               "reaped": reaped_after - reaped,
               "forked": {command: [counts[0] - forked.get(command, [0, 0.0])[0],
                                    counts[1] - forked.get(command, [0, 0.0])[1]]
-                         for command, counts in fork_server.reaped_by_command.items()
+                         for command, counts in list(fork_server.reaped_by_command.items())
                          if counts[0] != forked.get(command, [0, 0.0])[0]}}
     Path(directory).mkdir(parents=True, exist_ok=True)
     with open(Path(directory) / f"cpu-{os.getpid()}.jsonl", "a") as out:
@@ -85,7 +85,8 @@ def table(directory: Path, by_test: bool, top: int) -> str:
     total = sum(own + reaped for _, own, reaped in sums.values())
     lines = [f"lane {name}: {tests} test{'' if tests == 1 else 's'}, {wall:,.0f} s of wall time, {cpu:,.0f} CPU-s"
              for name, (tests, wall, cpu) in sorted(lanes.items())]
-    lines += [f"forked {command}: {processes:,} processes, {cpu:,.0f} CPU-s ({cpu / processes:.2f} each)"
+    lines += [f"forked {command}: {processes:,} process{'' if processes == 1 else 'es'}, {cpu:,.0f} CPU-s "
+              f"({cpu / processes:.2f} each)"
               for command, (processes, cpu) in sorted(forked.items())]
     lines += [f"{len(sums)} {'tests' if by_test else 'modules'}, {total:,.0f} CPU-s in all",
               f"{'CPU-s':>8} {'share':>6} {'wall s':>8} {'own':>7} {'reaped':>7}  name"]

@@ -234,10 +234,12 @@ def _serve(sock: socket.socket, preload: list[str]) -> None:
     build_parser()  # the entry points' registrars and what they import
     _read_the_embedded_tokenizer()
     # What the children inherit from here is never garbage: out of the collector's sight, a child's collections
-    # (a worker's at its model's load: common/runtime/model_swap.py, freeze_heap) skip it, and never write to
-    # its pages, which stay shared.
+    # (a worker's at its model's load: common/runtime/model_swap.py, freeze_heap) skip it, and so do not write to
+    # its pages (reference counts still do, where a child touches an object). Thawed at this process's exit, as a
+    # worker's is, so that what it holds is finalized.
     gc.collect()
     gc.freeze()
+    atexit.register(gc.unfreeze)
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)

@@ -362,7 +362,7 @@ class CpuConfig:
         "faulting in a 2 MB page is slow: on these VMs, whose host takes back its guests' free memory, 2 MB pages "
         "took 12 CPU-s a GiB against 0.4 in 4 KB pages, and the embedded model's engine with the default pool "
         "loaded in 18.5 s against 1.6 (docs/benchmarks.md, bench.page_faults). The load line gives the pool's "
-        "fault-in time; in 4 KB pages the pool is not faulted in at load, each page at its first write")
+        "fault-in time")
     malloc: Literal["jemalloc", "system"] = option(
         "jemalloc", "The C allocator a worker process runs on (its host memory on a GPU too). jemalloc: the worker "
         "starts again at once with libjemalloc preloaded (Debian/Ubuntu: apt install libjemalloc2), told to keep the "

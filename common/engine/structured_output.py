@@ -97,9 +97,10 @@ def tokenizer_info(xgr, model_dir: Path, vocab_size: int, stop_token_ids: list[i
         try:
             metadata = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
             own_type = xgr.TokenizerInfo._detect_vocab_type_from_vocab(vocab)
-        except AttributeError:  # another xgrammar than the one pinned (Makefile): its own reading
+        except (AttributeError, TypeError, ValueError):  # an xgrammar other than the one pinned (Makefile)
             metadata, own_type = None, None
-        if metadata is not None and own_type in (None, metadata["vocab_type"]):
+        if (isinstance(metadata, dict) and {"vocab_type", "add_prefix_space"} <= metadata.keys()
+                and own_type in (None, metadata["vocab_type"])):
             encoded = [""] * vocab_size
             for token, index in vocab.items():
                 if index < vocab_size:

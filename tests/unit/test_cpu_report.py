@@ -35,4 +35,4 @@ def test_the_forked_processes_sum_by_command(tmp_path):
     (tmp_path / "cpu-1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     lines = table(tmp_path, by_test=False, top=10).splitlines()
     assert lines[1:3] == ["forked decode: 3 processes, 6 CPU-s (2.00 each)",
-                          "forked proxy: 1 processes, 1 CPU-s (1.00 each)"]
+                          "forked proxy: 1 process, 1 CPU-s (1.00 each)"]

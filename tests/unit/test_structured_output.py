@@ -232,7 +232,8 @@ def _byte_fallback_tokenizer_dir(path):
 
 
 @pytest.mark.parametrize("which", ["embedded", "byte-fallback"])
-def test_the_tokenizer_info_read_from_tokenizer_json_is_xgrammars_own(which, embedded_model_dir, tmp_path):
+def test_the_tokenizer_info_read_from_tokenizer_json_is_xgrammars_own(which, embedded_model_dir, tmp_path,
+                                                                        monkeypatch):
     """The worker reads xgrammar's view of the tokenizer from tokenizer.json without transformers
     (``structured_output.tokenizer_info``): the same vocabulary, type, prefix-space rule, stop and special tokens
     as xgrammar's own reading of transformers' tokenizer, and (a padded vocabulary, as a model's often is) past
@@ -244,8 +245,13 @@ def test_the_tokenizer_info_read_from_tokenizer_json_is_xgrammars_own(which, emb
     hf = AutoTokenizer.from_pretrained(model_dir)
     vocab_size = len(hf.get_vocab()) + 7
     stop = [hf.eos_token_id]
-    ours = structured_output.tokenizer_info(xgrammar, model_dir, vocab_size, stop)
     theirs = xgrammar.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop)
+
+    def not_this_way(*args, **kwargs):
+        raise AssertionError("tokenizer_info went through from_huggingface")
+
+    monkeypatch.setattr(xgrammar.TokenizerInfo, "from_huggingface", not_this_way)
+    ours = structured_output.tokenizer_info(xgrammar, model_dir, vocab_size, stop)
     assert ours.vocab_type == theirs.vocab_type == (xgrammar.VocabType.BYTE_LEVEL if which == "embedded"
                                                     else xgrammar.VocabType.BYTE_FALLBACK)
     assert (ours.vocab_size, ours.add_prefix_space, ours.stop_token_ids, ours.special_token_ids) == \
