@@ -30,7 +30,7 @@ import pytest
 from common.cli.local_cluster import LocalCluster
 from tests.e2e.fault_scenarios import (
     Stream, abandon, busiest, check_nothing_lost, check_pages_freed, completion_bodies, exited,
-    kill_a_prefilling_worker, last_victim, no_fault_run, restored, run_scenario, send_signal, streams_with_text,
+    kill_mid_prefill, last_victim, no_fault_run, restored, run_scenario, send_signal, streams_with_text,
     wait_until, workers_alive,
 )
 
@@ -65,11 +65,7 @@ def test_kill_9_of_a_prefill_worker_mid_prefill_loses_nothing(cluster):
     # 130-token prompts that kept a prefill worker busy long enough for the kill on the embedded model are too short
     bodies = completion_bodies(STREAMS, 32, prompt=lambda i: f"Chapter {i}. " + (
         "The animal walked slowly through the quiet forest, looking closely at every tree and every stone. " * 24))
-    reference = no_fault_run(cluster, bodies)
-    migrations = total(cluster, "tessera_proxy_migrations_total")
-    results, run = asyncio.run(run_scenario(cluster, bodies, kill_a_prefilling_worker(cluster)))
-    check_nothing_lost(results, reference, bodies)
-    assert total(cluster, "tessera_proxy_migrations_total") > migrations, "no prompt was lost mid-prefill"
+    _, run = kill_mid_prefill(cluster, bodies, no_fault_run(cluster, bodies))
     assert run.supervisor.restarts == {run.victims[0]: 1}
     check_pages_freed(cluster)
 
