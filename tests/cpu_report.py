@@ -35,7 +35,24 @@ def _cpu() -> tuple[float, float]:
     from tests import fork_server
 
     own, reaped = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime, reaped.ru_utime + reaped.ru_stime + fork_server.reaped_cpu_s
+    return own.ru_utime + own.ru_stime, reaped.ru_utime + reaped.ru_stime + fork_server.reaped_cpu_s()
+
+
+def _forked() -> dict[str, tuple[int, float]]:
+    """The fork servers' children reaped so far, by command: (how many, their CPU-seconds)."""
+    from tests import fork_server
+
+    return {command: (processes, cpu) for command, (processes, cpu) in list(fork_server.reaped_by_command.items())}
+
+
+def _forked_since(before: dict[str, tuple[int, float]]) -> dict[str, list[float]]:
+    """What ``_forked`` counts now beyond ``before``, for the commands with children reaped since."""
+    since = {}
+    for command, (processes, cpu) in _forked().items():
+        earlier_processes, earlier_cpu = before.get(command, (0, 0.0))
+        if processes != earlier_processes:
+            since[command] = [processes - earlier_processes, cpu - earlier_cpu]
+    return since
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -44,19 +61,13 @@ def pytest_runtest_protocol(item, nextitem):
     if not directory:
         yield
         return
-    from tests import fork_server
-
     own, reaped = _cpu()
-    forked = {command: list(counts) for command, counts in list(fork_server.reaped_by_command.items())}
+    forked = _forked()
     start = time.monotonic()
     yield
     own_after, reaped_after = _cpu()
     record = {"test": item.nodeid, "wall": time.monotonic() - start, "own": own_after - own,
-              "reaped": reaped_after - reaped,
-              "forked": {command: [counts[0] - forked.get(command, [0, 0.0])[0],
-                                   counts[1] - forked.get(command, [0, 0.0])[1]]
-                         for command, counts in list(fork_server.reaped_by_command.items())
-                         if counts[0] != forked.get(command, [0, 0.0])[0]}}
+              "reaped": reaped_after - reaped, "forked": _forked_since(forked)}
     Path(directory).mkdir(parents=True, exist_ok=True)
     with open(Path(directory) / f"cpu-{os.getpid()}.jsonl", "a") as out:
         out.write(json.dumps(record) + "\n")

@@ -163,10 +163,8 @@ class ForkServer:
             os.remove(self.log_path)  # kept where it says something
 
     def _record(self, message: tuple) -> None:
-        global reaped_cpu_s
         if message[0] == "exit":
             self.codes[message[1]] = message[2]
-            reaped_cpu_s += message[3]
             counts = reaped_by_command[self.commands.pop(message[1], "?")]
             counts[0] += 1
             counts[1] += message[3]
@@ -182,11 +180,14 @@ class ForkServer:
         return pickle.loads(data)
 
 
-# The CPU-seconds of the children whose exit this process has read, as RUSAGE_CHILDREN counts a Popen's child once
-# it is reaped (tests/cpu_report.py adds them).
-reaped_cpu_s = 0.0
-# The same by command (``prefill``, ``decode``, ``both``, ``proxy``): [children, CPU-seconds].
+# The children whose exit this process has read, by command (``prefill``, ``decode``, ``both``, ``proxy``):
+# [children, their CPU-seconds], as RUSAGE_CHILDREN counts a Popen's child once it is reaped (tests/cpu_report.py).
 reaped_by_command: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+
+
+def reaped_cpu_s() -> float:
+    """The CPU-seconds of every child whose exit this process has read."""
+    return sum(cpu for _, cpu in list(reaped_by_command.values()))
 # One for each command's imports and environment of load-time variables: in a lane, one for the workers and one
 # for the proxies.
 _servers: dict[tuple, ForkServer | None] = {}  # None: it did not start

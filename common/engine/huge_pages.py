@@ -106,20 +106,24 @@ def mapping_lines(address: int, smaps: Path = Path("/proc/self/smaps")) -> list[
         with open(smaps, errors="replace") as entries:
             for line in entries:
                 head = line.split(maxsplit=1)[0] if line.strip() else ""
-                if "-" in head and not head.endswith(":"):
+                if "-" in head and not head.endswith(":"):  # an entry's first line: its address range
                     if found is not None:
                         return found
-                    low, _, high = head.partition("-")
-                    try:
-                        inside = int(low, 16) <= address < int(high, 16)
-                    except ValueError:
-                        inside = False
-                    found = [] if inside else None
+                    found = [] if _holds(head, address) else None
                 elif found is not None and head.endswith(":"):
                     found.append(line.rstrip("\n"))
     except OSError:
         return []
     return found or []
+
+
+def _holds(address_range: str, address: int) -> bool:
+    """Whether smaps' ``LOW-HIGH`` (hexadecimal) holds ``address``."""
+    low, _, high = address_range.partition("-")
+    try:
+        return int(low, 16) <= address < int(high, 16)
+    except ValueError:
+        return False
 
 
 def mapping_fields(address: int, smaps: Path = Path("/proc/self/smaps")) -> dict[str, int]:

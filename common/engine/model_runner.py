@@ -259,24 +259,8 @@ class ModelRunner:
             gemv_bf16_kernel()  # built now, not on the first batch-1 decode step (models/llama.py ``linear``)
         # only bfloat16 weights take panels: not int8 or float32; one rank (engine.deterministic too: a panel's
         # every sum runs over k in one order at any rows, kernels/panels_bf16.h)
-        if (self._panels_planned() and self.model.pack_panels(self._compact_mode(), config.cpu.huge_pages)
-                and log.isEnabledFor(logging.INFO)):  # the arena's page count reads /proc/self/smaps
-            arena = self.model.panel_arena
-            pages = ("in 4 KB pages" if arena is None else
-                     "%.0f of their %.0f MiB in 2 MB pages" % (arena.huge_bytes() / 2**20, arena.nbytes / 2**20))
-            compact = ""
-            if self.model.layers[0].self_attn.qkv_proj.panels.dtype is torch.uint8:
-                compact = "; the decoder's in compact panels, kernels/compact_panels.h"
-            elif self.model.compact_bytes():
-                compact = ("; the decoder's also in compact panels (%.0f MiB, kernels/compact_panels.h) for steps of "
-                           "up to %d rows" % (self.model.compact_bytes() / 2**20, COMPACT_BESIDE_ROWS))
-            copies = ("with oneDNN's copy for steps of %d rows or more (AMX)" % onednn_rows()
-                      if onednn_beside_panels() and config.cpu.prepack_weights else "their only copy")
-            if (amx := panels_amx_rows()) and not config.deterministic:
-                copies += f", AMX tiles from {amx} rows"
-            log.info("linear weights in the panel layout (kernels/panels_bf16.h%s), which the decode kernel and "
-                     "kernels/linear_panels.c read: %s; %s (transparent huge pages: %s)", compact,
-                     copies, pages, thp_policy() if config.cpu.huge_pages else "off, engine.cpu.huge_pages")
+        if self._panels_planned() and self.model.pack_panels(self._compact_mode(), config.cpu.huge_pages):
+            self._log_panels()
         # The one-call kernel has no all-reduce between its layers, and keeps float32 activations between them
         # where the layer-by-layer path rounds: engine.deterministic takes it for every row of every step (its
         # rows are batch-invariant, and a prompt's rows then write the K/V its decode steps would have) or for
@@ -320,19 +304,49 @@ class ModelRunner:
             self.tp.serve_steps(config.ranks.step_timeout_s)  # with every rank, once each said it is ready
             self._serving = True
         release_freed_memory()  # the load's temporaries: jemalloc keeps freed pages for the steps (engine.cpu.malloc)
-        if log.isEnabledFor(logging.INFO):  # its pool's page count reads /proc/self/smaps (huge_pages.py)
-            log.info(
-                "model loaded in %.1fs: %s layers, dtype %s, weights %s (%.2f GiB%s), attention %s; KV pool %d blocks "
-                "x %d tokens of %s (%.1f MiB%s); resident %.2f GiB; malloc %s (engine.cpu.malloc)",
-                self.load_s, hf.num_hidden_layers, config.dtype,
-                "int8" if config.quantization == "int8" else config.dtype,
-                module_bytes(self.model) / 2**30, f", rank {rank} of {self.tp.size}" if self.tp.size > 1 else "",
-                self.attention.name, self.kv_cache.num_blocks, config.block_size,
-                "int8 rows (engine.cpu.kv_cache_dtype)" if self.layout.quantized else self.layout.dtype,
-                self.kv_cache.nbytes / 2**20,
-                self.kv_cache.pages_note(),
-                resident_bytes() / 2**30, loaded_allocator(),
-            )
+        self._log_load(rank)
+
+    def _log_load(self, rank: int) -> None:
+        """The load's summary line (where INFO is logged: the pool's page count reads /proc/self/smaps,
+        common/engine/huge_pages.py)."""
+        if not log.isEnabledFor(logging.INFO):
+            return
+        config, hf = self.config, self.model.config
+        log.info(
+            "model loaded in %.1fs: %s layers, dtype %s, weights %s (%.2f GiB%s), attention %s; KV pool %d blocks "
+            "x %d tokens of %s (%.1f MiB%s); resident %.2f GiB; malloc %s (engine.cpu.malloc)",
+            self.load_s, hf.num_hidden_layers, config.dtype,
+            "int8" if config.quantization == "int8" else config.dtype,
+            module_bytes(self.model) / 2**30, f", rank {rank} of {self.tp.size}" if self.tp.size > 1 else "",
+            self.attention.name, self.kv_cache.num_blocks, config.block_size,
+            "int8 rows (engine.cpu.kv_cache_dtype)" if self.layout.quantized else self.layout.dtype,
+            self.kv_cache.nbytes / 2**20,
+            self.kv_cache.pages_note(),
+            resident_bytes() / 2**30, loaded_allocator(),
+        )
+
+    def _log_panels(self) -> None:
+        """The load's line on the weights in panels (where INFO is logged: the arena's page count reads
+        /proc/self/smaps, common/engine/huge_pages.py)."""
+        if not log.isEnabledFor(logging.INFO):
+            return
+        config = self.config
+        arena = self.model.panel_arena
+        pages = ("in 4 KB pages" if arena is None else
+                 "%.0f of their %.0f MiB in 2 MB pages" % (arena.huge_bytes() / 2**20, arena.nbytes / 2**20))
+        compact = ""
+        if self.model.layers[0].self_attn.qkv_proj.panels.dtype is torch.uint8:
+            compact = "; the decoder's in compact panels, kernels/compact_panels.h"
+        elif self.model.compact_bytes():
+            compact = ("; the decoder's also in compact panels (%.0f MiB, kernels/compact_panels.h) for steps of "
+                       "up to %d rows" % (self.model.compact_bytes() / 2**20, COMPACT_BESIDE_ROWS))
+        copies = ("with oneDNN's copy for steps of %d rows or more (AMX)" % onednn_rows()
+                  if onednn_beside_panels() and config.cpu.prepack_weights else "their only copy")
+        if (amx := panels_amx_rows()) and not config.deterministic:
+            copies += f", AMX tiles from {amx} rows"
+        log.info("linear weights in the panel layout (kernels/panels_bf16.h%s), which the decode kernel and "
+                 "kernels/linear_panels.c read: %s; %s (transparent huge pages: %s)", compact,
+                 copies, pages, thp_policy() if config.cpu.huge_pages else "off, engine.cpu.huge_pages")
 
     def _choose_decode_rows(self) -> None:
         """The most rows the one-call kernel keeps, where ``decode_kernel_max_batch`` leaves it to timing (-1):

@@ -288,6 +288,11 @@ def kill_a_prefilling_worker(cluster: LocalCluster) -> list[Event]:
 KILL_ATTEMPTS = 3  # runs ``kill_mid_prefill`` tries before it fails
 
 
+def migrations(cluster: LocalCluster) -> float:
+    """The streams and prompts the proxy has resumed elsewhere, all told."""
+    return sum(cluster.metric("tessera_proxy_migrations_total").values())
+
+
 def kill_mid_prefill(cluster: LocalCluster, bodies: list[dict],
                      reference: list[Stream]) -> tuple[list[tuple[int, Stream]], Run]:
     """``bodies`` run with a prefill worker killed while it holds a prompt (``kill_a_prefilling_worker``), every
@@ -295,13 +300,10 @@ def kill_mid_prefill(cluster: LocalCluster, bodies: list[dict],
     counts a migration. Seen from outside, the kill can land just after the prompt it saw was answered (the /metrics
     reads and the signal are not one step; under the other lanes' load they are tens of milliseconds apart), and
     such a run loses nothing to recover; up to ``KILL_ATTEMPTS`` runs. Returns the run that lost one."""
-    def migrations() -> float:
-        return sum(cluster.metric("tessera_proxy_migrations_total").values())
-
     for _ in range(KILL_ATTEMPTS):
-        before = migrations()
+        before = migrations(cluster)
         results, run = asyncio.run(run_scenario(cluster, bodies, kill_a_prefilling_worker(cluster)))
         check_nothing_lost(results, reference, bodies)
-        if migrations() > before:
+        if migrations(cluster) > before:
             return results, run
     raise AssertionError(f"no prompt was lost mid-prefill in {KILL_ATTEMPTS} runs, each kill too late")

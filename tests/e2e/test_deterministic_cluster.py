@@ -26,7 +26,8 @@ from common.engine.llm_engine import LLMEngine
 from common.protocol.sampling_params import SamplingParams
 from tests.e2e.fault_scenarios import (
     Stream, busiest, check_nothing_lost, check_pages_freed, completion_bodies, exited, kill_mid_prefill,
-    last_victim, no_fault_run, restored, run_scenario, send_signal, streams_with_text, wait_until, workers_alive,
+    last_victim, migrations, no_fault_run, restored, run_scenario, send_signal, streams_with_text, wait_until,
+    workers_alive,
 )
 
 STREAMS = 16
@@ -36,10 +37,6 @@ HEARTBEAT_TIMEOUT_S = 2.0
 DETERMINISTIC = os.environ.get("TESSERA_TEST_DETERMINISTIC", "true")  # "false": the control run (README)
 # The offline engine's pool as the workers' (TEST_WORKER_OVERRIDES): 256 MiB in 4 KB pages, a quicker load
 OFFLINE = {"kv_cache_memory_bytes": 256 << 20, "cpu": CpuConfig(huge_pages=False)}
-
-
-def migrations(cluster: LocalCluster) -> float:
-    return sum(cluster.metric("tessera_proxy_migrations_total").values())
 
 
 @pytest.fixture(scope="module")

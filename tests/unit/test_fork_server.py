@@ -65,12 +65,12 @@ def test_a_forked_worker_takes_signals_in_its_own_session(env, tmp_path, tiny_ch
     with pytest.raises(subprocess.TimeoutExpired):
         proc.wait(timeout=0.5)
     assert proc.poll() is None
-    counted = fork_server.reaped_cpu_s
+    counted = fork_server.reaped_cpu_s()
     proc.kill()
     with ThreadPoolExecutor(4) as pool:  # several threads waiting on one handle all see its status
         codes = list(pool.map(lambda _: proc.wait(timeout=60), range(4)))
     assert codes == [-signal.SIGKILL] * 4 and proc.poll() == -signal.SIGKILL
-    assert fork_server.reaped_cpu_s > counted, "its CPU time counts as a reaped child's (tests/cpu_report.py)"
+    assert fork_server.reaped_cpu_s() > counted, "its CPU time counts as a reaped child's (tests/cpu_report.py)"
     proc.kill()  # exited: as Popen, nothing is signalled
 
 
