@@ -3,8 +3,9 @@
 A worker process spends some 2.3 of its 3 CPU-s of start-up importing torch and the engine, a proxy 1 of its 1.4
 importing its web stack, and the suite starts some 170 workers and 90 proxies (``make test`` on 2 cores is as long
 as its CPU-seconds: tests/conftest.py). So each test lane keeps a fork server for each command: a process that
-imports what that command's process imports (``PRELOAD``; it never runs a torch operation, so no thread pool exists
-to fork) and then forks one child per request. The child becomes what ``python -m common.cli.main COMMAND ARGS``
+imports what that command's process imports (``PRELOAD``) and then forks one child per request; a worker server also
+loads a worker's model before forking it, for the child to adopt (``_preload``). It runs torch on one thread
+only, so no thread pool exists to fork. The child becomes what ``python -m common.cli.main COMMAND ARGS``
 would be: its own environment and the working directory of the test that asked, its output on the log file's
 descriptor, a new session if asked, default signal handlers, ``sys.argv`` and ``__main__`` as under ``-m``, and at
 the end the interpreter's exit steps (non-daemon threads joined, ``atexit`` run) before its exit status. The server
@@ -232,7 +233,7 @@ def _serve(sock: socket.socket, preload: list[str]) -> None:
         importlib.import_module(name)
     from common.cli.main import build_parser
 
-    build_parser()  # the entry points' registrars and what they import
+    parser = build_parser()  # the entry points' registrars and what they import
     _read_the_embedded_tokenizer()
     # What the children inherit from here is never garbage: out of the collector's sight, a child's collections
     # (a worker's at its model's load: common/runtime/model_swap.py, freeze_heap) skip it, and so do not write to
@@ -257,6 +258,7 @@ def _serve(sock: socket.socket, preload: list[str]) -> None:
                 return  # the test process closed its end: no more children to start
             try:
                 _, args, env, new_session, cwd = pickle.loads(data)
+                _preload(parser, args, env, cwd)
                 started_read, started_write = os.pipe()
                 pid = os.fork()
             except Exception as error:  # noqa: BLE001 -- answered: the test starts a fresh interpreter instead
@@ -299,6 +301,40 @@ def _read_the_embedded_tokenizer() -> None:
             del os.environ["TOKENIZERS_PARALLELISM"]
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = previous
+
+
+def _preload(parser, args: list[str], env: dict[str, str], cwd: str) -> None:
+    """A worker's model loaded here, before the worker is forked, for it to adopt (common/engine/models/preloaded.py):
+    the suite starts many workers of a few models, and each would read the same checkpoint and prepack the same
+    weights (float32 on one rank only; the short model on an AVX2 host: about 0.6 of a worker's 1.0-1.5 CPU-s of
+    load, nearly all of it faulting in fresh pages). Under the child's environment and working directory, which
+    its settings and its model's path may read. Only where torch computes on one thread here (a lane's
+    OMP_NUM_THREADS=1, tests/conftest.py): the load's operators then start no OpenMP threads, which a fork would
+    leave behind. What fails here is said in this server's log and left to the child, which then loads its model
+    itself, as it would have."""
+    if args[0] not in WORKER_COMMANDS:
+        return
+    import torch
+
+    if torch.get_num_threads() != 1:
+        return
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    try:
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        from common.cli.worker_command import worker_config
+        from common.engine.model_runner import preload
+        from common.runtime.model_swap import engine_config
+
+        config = worker_config(parser.parse_args(args))
+        preload(engine_config(config.engine, config.engine.model, config.role))
+    except BaseException as error:  # noqa: BLE001 -- argparse's SystemExit too: the child meets it on its own
+        print(f"no model preloaded for {args}: {error!r}", flush=True)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        os.chdir(saved_cwd)
 
 
 def _reap(sock: socket.socket) -> None:

@@ -28,10 +28,15 @@ def add_worker_parser(subparsers, role: str, text: str, make_handler: Callable[[
     parser.set_defaults(handler=lambda args: run_worker(args, make_handler), role=role)
 
 
-def run_worker(args: argparse.Namespace, make_handler: Callable[[WorkerConfig], object]) -> int:
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    """The settings a worker command's parsed ``args`` give it."""
     overrides = parse_overrides(args.overrides, args.role)
     overrides["role"] = args.role
-    config = load_config(WorkerConfig, args.config, overrides)
+    return load_config(WorkerConfig, args.config, overrides)
+
+
+def run_worker(args: argparse.Namespace, make_handler: Callable[[WorkerConfig], object]) -> int:
+    config = worker_config(args)
     configure_logging(args.log_level, args.log_format, role=config.role, worker_id=config.worker_id)
     from common.engine.malloc import use_configured_malloc
 

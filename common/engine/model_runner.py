@@ -43,6 +43,7 @@ from common.engine import compact_panels, deterministic
 from common.engine.models.llama import (COMPACT_BESIDE_ROWS, FusedDecode, check_divisible, onednn_beside_panels,
                                        onednn_copy_dtype, onednn_prepacks_bf16, onednn_prepacks_float32, onednn_rows,
                                        onednn_widens_bf16, wide_sums)
+from common.engine.models import preloaded
 from common.engine.models.loader import load_hf_config, load_model
 from common.engine.native import gemv_bf16_kernel, panels_amx_rows
 from common.engine.quantization import (calibration_ids, choose_int8_matmul, input_absmax, int8_gemm_amx_rows,
@@ -50,6 +51,7 @@ from common.engine.quantization import (calibration_ids, choose_int8_matmul, inp
 from common.engine.sampler import Sampler, SamplingRow, argmax_suffices, penalty_prompt_ids
 from common.engine.scheduler import StepPlan
 from common.engine.sequence import Sequence
+from common.storage.model_store import resolve_model
 from common.engine.spec_verify import verify_drafts
 from common.engine.tensor_parallel import (Parallel, RankProcesses, become_rank, join_group, next_step, pack_step,
                                            unpack_step)
@@ -183,6 +185,39 @@ def nonfinite_rows(logits: torch.Tensor) -> list[int]:
     return suspect[~torch.isfinite(logits[suspect]).all(-1)].tolist()
 
 
+def prepacks_weights(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the load gives the linear weights oneDNN's blocked copy (engine.cpu.prepack_weights): bfloat16
+    ones where this CPU's oneDNN has a bf16 path, float32 ones on an AVX2 CPU without AVX-512
+    (``onednn_prepacks_float32``), and there bfloat16 ones as a float32 copy (``onednn_widens_bf16``); never int8
+    weights or under engine.deterministic."""
+    if (device.type != "cpu" or not config.cpu.prepack_weights or config.deterministic
+            or config.quantization == "int8"):
+        return False
+    return ((dtype is torch.bfloat16 and (onednn_prepacks_bf16() or onednn_widens_bf16()))
+            or (dtype is torch.float32 and onednn_prepacks_float32()))
+
+
+def preload(config: EngineConfig) -> bool:
+    """Loads (and prepacks) the weights an engine of ``config`` would, for the engines this process forks from now
+    on to adopt (common/engine/models/preloaded.py); whether they are kept now. Nothing where that load's weights
+    cannot be kept, or are kept already."""
+    model_dir = resolve_model(config.model, config.dtype)
+    config = deterministic.settle(config, model_dir)
+    if config.tensor_parallel_size != 1:
+        return False
+    device, dtype = torch.device(config.devices[0]), getattr(torch, config.dtype)
+    attention = select_backend(config.attention_backend, str(device), config.block_size, config.deterministic)
+    prepacks = prepacks_weights(config, device, dtype)
+    model_key = preloaded.key(config, model_dir, str(device), attention.name, prepacks)
+    if model_key is None or preloaded.has(model_key):
+        return False
+    model = load_model(model_dir, dtype, str(device), attention)
+    if prepacks:
+        model.prepack_weights()
+    preloaded.keep(model_key, model)
+    return True
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str | Path, rank: int = 0, rank_link=None,
                  rendezvous: str = "", kv_tokens: list[int] | None = None) -> None:
@@ -215,7 +250,16 @@ class ModelRunner:
         self.attention = select_backend(config.attention_backend, str(self.device), config.block_size,
                                         config.deterministic)
         started = time.monotonic()
-        self.model = load_model(model_dir, self.dtype, str(self.device), self.attention, self.tp)
+        kept = preloaded.take(preloaded.key(config, model_dir, str(self.device), self.attention.name,
+                                            prepacks_weights(config, self.device, self.dtype))
+                              if self.tp.size == 1 else None)
+        self.adopted = kept is not None  # the weights a parent process loaded and prepacked (``preload``)
+        if kept is not None:
+            self.model = kept
+            for layer in self.model.layers:
+                layer.self_attn.backend = self.attention
+        else:
+            self.model = load_model(model_dir, self.dtype, str(self.device), self.attention, self.tp)
         if config.deterministic:  # before int8 calibration too, so its ranges do not depend on the thread count
             self.model.make_deterministic()
         self.load_s = time.monotonic() - started
@@ -288,7 +332,7 @@ class ModelRunner:
             log.info("greedy LM head for steps of up to %d row(s): an int8 copy of the head (+%.1f MiB) rules out all "
                      "but a few tokens, whose exact logits come from the panels (common/engine/greedy_head.py; "
                      "engine.cpu.greedy_head_max_rows)", greedy_rows, self.greedy_head.nbytes / 2**20)
-        if self._prepacks() and (added := self.model.prepack_weights()):
+        if self._prepacks() and not self.adopted and (added := self.model.prepack_weights()):
             log.info("%s linear weights prepacked for oneDNN%s (+%.1f MiB; engine.cpu.prepack_weights)",
                      str(self.dtype).removeprefix("torch."),
                      " in float32" if onednn_copy_dtype(self.dtype) is not self.dtype else "", added / 2**20)
@@ -313,9 +357,10 @@ class ModelRunner:
             return
         config, hf = self.config, self.model.config
         log.info(
-            "model loaded in %.1fs: %s layers, dtype %s, weights %s (%.2f GiB%s), attention %s; KV pool %d blocks "
+            "model loaded in %.1fs%s: %s layers, dtype %s, weights %s (%.2f GiB%s), attention %s; KV pool %d blocks "
             "x %d tokens of %s (%.1f MiB%s); resident %.2f GiB; malloc %s (engine.cpu.malloc)",
-            self.load_s, hf.num_hidden_layers, config.dtype,
+            self.load_s, " (its weights the parent process's, loaded before it forked this one)" if self.adopted
+            else "", hf.num_hidden_layers, config.dtype,
             "int8" if config.quantization == "int8" else config.dtype,
             module_bytes(self.model) / 2**30, f", rank {rank} of {self.tp.size}" if self.tp.size > 1 else "",
             self.attention.name, self.kv_cache.num_blocks, config.block_size,
@@ -492,15 +537,7 @@ class ModelRunner:
         return self._stored_weight_bytes() + copy
 
     def _prepacks(self) -> bool:
-        """Whether the load gives the linear weights oneDNN's blocked copy (engine.cpu.prepack_weights): bfloat16
-        ones where this CPU's oneDNN has a bf16 path, float32 ones on an AVX2 CPU without AVX-512
-        (``onednn_prepacks_float32``), and there bfloat16 ones as a float32 copy (``onednn_widens_bf16``); never int8
-        weights or under engine.deterministic."""
-        if (self.device.type != "cpu" or not self.config.cpu.prepack_weights or self.config.deterministic
-                or self.config.quantization == "int8"):
-            return False
-        return ((self.dtype is torch.bfloat16 and (onednn_prepacks_bf16() or onednn_widens_bf16()))
-                or (self.dtype is torch.float32 and onednn_prepacks_float32()))
+        return prepacks_weights(self.config, self.device, self.dtype)
 
     def _stored_weight_bytes(self) -> int:
         """The weights' own bytes as served: int8 holds a linear weight (and the embedding) in a byte per value
