@@ -98,7 +98,7 @@ def new_pool(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.dev
         log.warning("the KV pool stays in torch's memory, in 4 KB pages: mapping its %.0f MiB failed (%s)",
                     nbytes / 2**20, exc)
         return torch.zeros(shape, dtype=dtype, device=device)
-    return arena.take(shape, dtype).zero_()
+    return arena.take_zeroed(shape, dtype)
 
 
 class KVCache:
@@ -203,11 +203,10 @@ class KVCache:
         """What a worker's load line says of the pool's pages: how much is in 2 MB pages (CPU), else nothing."""
         if self.pool.device.type != "cpu":
             return ""
-        huge = self.huge_page_bytes()
-        if huge is None:
-            where = "in torch's memory"
-        elif not self.huge_pages:
+        if not self.huge_pages:  # said without reading smaps (``huge_page_bytes``: a walk of the heap's pages)
             where = "in 4 KB pages (engine.cpu.huge_pages)"
+        elif (huge := self.huge_page_bytes()) is None:
+            where = "in torch's memory"
         else:
             where = f"{huge / 2**20:.0f} MiB of it in 2 MB pages"
         return f", {where}, {self.fault_s:.1f}s to fault in"
