@@ -49,15 +49,15 @@ def rung_for(ladder: list[int], rows: int) -> int | None:
 
 
 class EagerGraph:
-    """A stand-in for ``torch.cuda.CUDAGraph`` off a GPU: ``capture`` keeps the function, ``replay`` calls it again
-    over the same buffers."""
+    """A stand-in for ``torch.cuda.CUDAGraph`` off a GPU: ``capture`` keeps the function without running it, as a
+    CUDA graph's capture records kernels without running them (``DecodeGraphs.capture``'s warm-up run has run it);
+    ``replay`` calls it over the same buffers."""
 
     def __init__(self, pool=None) -> None:
         self._function: Callable[[], None] | None = None
 
     def capture(self, function: Callable[[], None]) -> None:
         self._function = function
-        function()
 
     def replay(self) -> None:
         self._function()
