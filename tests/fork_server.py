@@ -4,8 +4,8 @@ A worker process spends some 2.3 of its 3 CPU-s of start-up importing torch and 
 importing its web stack, and the suite starts some 170 workers and 90 proxies (``make test`` on 2 cores is as long
 as its CPU-seconds: tests/conftest.py). So each test lane keeps a fork server for each command: a process that
 imports what that command's process imports (``PRELOAD``) and then forks one child per request; a worker server also
-loads a worker's model before forking it, for the child to adopt (``_preload``). It runs torch on one thread
-only, so no thread pool exists to fork. The child becomes what ``python -m common.cli.main COMMAND ARGS``
+loads a worker's model before forking it, for the child to adopt (``_preload``), where torch computes on one thread
+there, so that no thread pool exists to fork. The child becomes what ``python -m common.cli.main COMMAND ARGS``
 would be: its own environment and the working directory of the test that asked, its output on the log file's
 descriptor, a new session if asked, default signal handlers, ``sys.argv`` and ``__main__`` as under ``-m``, and at
 the end the interpreter's exit steps (non-daemon threads joined, ``atexit`` run) before its exit status. The server

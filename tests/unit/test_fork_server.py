@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -80,3 +81,22 @@ def test_other_load_time_variables_get_a_server_of_their_own(env, tmp_path):
     assert first.wait(timeout=120) == other.wait(timeout=120) == 0
     assert first.server is not other.server
     assert fork_server.spawn(["status"], env, None, False) is None, "a command without a server starts fresh"
+
+
+def test_a_forked_worker_adopts_the_model_its_server_loaded(env, tmp_path, tiny_chat_model_dir, monkeypatch):
+    """On one thread (a lane's OMP_NUM_THREADS=1) the server loads a float32 worker's model before forking it, and
+    the worker serves those weights rather than loading its own (common/engine/models/preloaded.py)."""
+    monkeypatch.chdir(tmp_path)
+    args = ["both", "--set", f"engine.model={tiny_chat_model_dir}", "--set", "proxy_address=tcp://127.0.0.1:9",
+            "--set", "observability.metrics_port=0"]
+    log = tmp_path / "log"
+    proc = forked(args, {**env, "OMP_NUM_THREADS": "1"}, log)
+    try:
+        for _ in range(1200):  # its load line, then it waits to register until it is stopped
+            if "model loaded in" in log.read_text() or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert "its weights the parent process's" in log.read_text(), log.read_text()
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
