@@ -66,9 +66,6 @@ WAITS = {
     # (in the beside lane, 2026-12-07: 153 s of wall time for 83 CPU-s, the beside lane then the run's longest at
     # 1,035 s and the waits lane done after 677)
     "test_worker_tokenizer.py", "test_sessions.py", "test_embeddings.py", "test_grpc_api.py",
-    # the device check's steps, each a fresh interpreter on a tiny model: the compute lane's longest at 2026-12-07's
-    # dd9193f (108 s of wall time, 92 CPU-s), with that lane then the run's longest
-    "test_device_check.py",
 }
 COMPUTE_UNIT = {
     "test_embedder.py", "test_engine_embedded.py", "test_engine_resume.py", "test_fused_decode.py",

@@ -136,6 +136,7 @@ class ForkServer:
                 if message[0] == "pid":
                     self.codes.pop(message[1], None)  # an unread status of an earlier child with this pid
                     self.commands[message[1]] = args[0]
+                    reaped_by_command[args[0]][1] += message[2]  # the server's load of its model (``_preload``)
                     return ForkedProcess(self, message[1], args)
                 if message[0] == "error":  # the fork itself failed: a fresh interpreter instead
                     print(f"the tests' fork server could not fork {args[0]}: {message[1]}", file=sys.stderr)
@@ -182,7 +183,8 @@ class ForkServer:
 
 
 # The children whose exit this process has read, by command (``prefill``, ``decode``, ``both``, ``proxy``):
-# [children, their CPU-seconds], as RUSAGE_CHILDREN counts a Popen's child once it is reaped (tests/cpu_report.py).
+# [children, their CPU-seconds], as RUSAGE_CHILDREN counts a Popen's child once it is reaped (tests/cpu_report.py);
+# the seconds include what their server spent loading their models for them (``_preload``), counted at the fork.
 reaped_by_command: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
 
 
@@ -258,7 +260,7 @@ def _serve(sock: socket.socket, preload: list[str]) -> None:
                 return  # the test process closed its end: no more children to start
             try:
                 _, args, env, new_session, cwd = pickle.loads(data)
-                _preload(parser, args, env, cwd)
+                preload_s = _preload(parser, args, env, cwd)
                 started_read, started_write = os.pipe()
                 pid = os.fork()
             except Exception as error:  # noqa: BLE001 -- answered: the test starts a fresh interpreter instead
@@ -275,7 +277,7 @@ def _serve(sock: socket.socket, preload: list[str]) -> None:
                 os.close(fd)
             os.read(started_read, 1)  # as Popen returns: the child has its session and its descriptors (or died)
             os.close(started_read)
-            sock.send(pickle.dumps(("pid", pid)))
+            sock.send(pickle.dumps(("pid", pid, preload_s)))
             _reap(sock)
 
 
@@ -303,7 +305,7 @@ def _read_the_embedded_tokenizer() -> None:
             os.environ["TOKENIZERS_PARALLELISM"] = previous
 
 
-def _preload(parser, args: list[str], env: dict[str, str], cwd: str) -> None:
+def _preload(parser, args: list[str], env: dict[str, str], cwd: str) -> float:
     """A worker's model loaded here, before the worker is forked, for it to adopt (common/engine/models/preloaded.py):
     the suite starts many workers of a few models, and each would read the same checkpoint and prepack the same
     weights (float32 on one rank only; the short model on an AVX2 host: about 0.6 of a worker's 1.0-1.5 CPU-s of
@@ -311,13 +313,14 @@ def _preload(parser, args: list[str], env: dict[str, str], cwd: str) -> None:
     its settings and its model's path may read. Only where torch computes on one thread here (a lane's
     OMP_NUM_THREADS=1, tests/conftest.py): the load's operators then start no OpenMP threads, which a fork would
     leave behind. What fails here is said in this server's log and left to the child, which then loads its model
-    itself, as it would have."""
+    itself, as it would have. Returns the CPU-seconds it took."""
     if args[0] not in WORKER_COMMANDS:
-        return
+        return 0.0
     import torch
 
     if torch.get_num_threads() != 1:
-        return
+        return 0.0
+    started = time.process_time()
     saved_env, saved_cwd = dict(os.environ), os.getcwd()
     try:
         os.environ.clear()
@@ -329,12 +332,13 @@ def _preload(parser, args: list[str], env: dict[str, str], cwd: str) -> None:
 
         config = worker_config(parser.parse_args(args))
         preload(engine_config(config.engine, config.engine.model, config.role))
-    except BaseException as error:  # noqa: BLE001 -- argparse's SystemExit too: the child meets it on its own
+    except (Exception, SystemExit) as error:  # noqa: BLE001 -- argparse's exit too: the child meets it on its own
         print(f"no model preloaded for {args}: {error!r}", flush=True)
     finally:
         os.environ.clear()
         os.environ.update(saved_env)
         os.chdir(saved_cwd)
+    return time.process_time() - started
 
 
 def _reap(sock: socket.socket) -> None:

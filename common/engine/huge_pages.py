@@ -25,7 +25,7 @@ import torch
 HUGE_PAGE_BYTES = 2 << 20
 ALIGN_BYTES = 4096  # between two tensors of an arena: no two share a cache line, nor a 4 KB page
 _THP_POLICY = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux's value; the module names it from 3.13
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux's value, where the mmap module has no name
 
 
 def thp_policy() -> str:

@@ -51,11 +51,11 @@ from common.engine.quantization import (calibration_ids, choose_int8_matmul, inp
 from common.engine.sampler import Sampler, SamplingRow, argmax_suffices, penalty_prompt_ids
 from common.engine.scheduler import StepPlan
 from common.engine.sequence import Sequence
-from common.storage.model_store import resolve_model
 from common.engine.spec_verify import verify_drafts
 from common.engine.tensor_parallel import (Parallel, RankProcesses, become_rank, join_group, next_step, pack_step,
                                            unpack_step)
 from common.protocol.sampling_params import SamplingParams
+from common.storage.model_store import resolve_model
 from common.engine.attention import PrefillChunk, StepContext, step_context
 
 log = logging.getLogger(__name__)
@@ -200,18 +200,18 @@ def prepacks_weights(config: EngineConfig, device: torch.device, dtype: torch.dt
 def preload(config: EngineConfig) -> bool:
     """Loads (and prepacks) the weights an engine of ``config`` would, for the engines this process forks from now
     on to adopt (common/engine/models/preloaded.py); whether they are kept now. Nothing where that load's weights
-    cannot be kept, or are kept already."""
+    cannot be kept (``preloaded.eligible``: checked first, so that nothing else runs here, no device probed), or
+    are kept already. The layers' attention backend is the adopting runner's to set."""
+    if not preloaded.eligible(config):
+        return False
     model_dir = resolve_model(config.model, config.dtype)
     config = deterministic.settle(config, model_dir)
-    if config.tensor_parallel_size != 1:
-        return False
     device, dtype = torch.device(config.devices[0]), getattr(torch, config.dtype)
-    attention = select_backend(config.attention_backend, str(device), config.block_size, config.deterministic)
     prepacks = prepacks_weights(config, device, dtype)
-    model_key = preloaded.key(config, model_dir, str(device), attention.name, prepacks)
-    if model_key is None or preloaded.has(model_key):
+    model_key = preloaded.key(config, model_dir, str(device), prepacks)
+    if model_key is None or preloaded.kept(model_key):
         return False
-    model = load_model(model_dir, dtype, str(device), attention)
+    model = load_model(model_dir, dtype, str(device), None)
     if prepacks:
         model.prepack_weights()
     preloaded.keep(model_key, model)
@@ -250,9 +250,9 @@ class ModelRunner:
         self.attention = select_backend(config.attention_backend, str(self.device), config.block_size,
                                         config.deterministic)
         started = time.monotonic()
-        kept = preloaded.take(preloaded.key(config, model_dir, str(self.device), self.attention.name,
+        kept = preloaded.take(preloaded.key(config, model_dir, str(self.device),
                                             prepacks_weights(config, self.device, self.dtype))
-                              if self.tp.size == 1 else None)
+                              if self.tp.size == 1 and preloaded.held() else None)
         self.adopted = kept is not None  # the weights a parent process loaded and prepacked (``preload``)
         if kept is not None:
             self.model = kept

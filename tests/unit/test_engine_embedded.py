@@ -41,21 +41,25 @@ def chat_prompts(engine):
 
 
 @pytest.fixture(scope="module")
-def reference(engine, hf_model, chat_prompts):
+def proposals(engine, chat_prompts):
+    """The engine's greedy tokens for the prompts in one batch, its cache cold (nothing computed before)."""
+    return [out.outputs[0].token_ids for out in engine.generate(chat_prompts, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def reference(proposals, hf_model, chat_prompts):
     """transformers' greedy tokens for each prompt, up to GREEDY's max_tokens or an EOS (included), as its
-    ``generate`` gives them, found by teacher forcing: the engine's greedy output is the proposal, and one forward
-    of transformers' model over the prompt and the proposal gives, at each position, transformers' argmax after the
-    tokens before it. The reference takes those argmaxes while they agree with the proposal and ends at the first
-    that does not (or at an EOS, or at max_tokens, or one past a proposal that stopped short): it equals the
-    engine's output exactly when every token of that is transformers' greedy choice, and a divergence fails each
-    test that compares with it. One forward a prompt instead of ``generate``'s one a token (4 CPU-s of
-    transformers for the 12 prompts rather than 30)."""
+    ``generate`` gives them, found by teacher forcing: one forward of transformers' model over the prompt and the
+    engine's ``proposals`` gives, at each position, transformers' argmax after the tokens before it. The
+    reference takes those argmaxes while they agree with the proposal and ends at the first that does not (or at
+    an EOS, or at max_tokens, or one past a proposal that stopped short): it equals the proposal exactly when each
+    of its tokens is transformers' greedy choice. One forward a prompt instead of ``generate``'s one a token (4
+    CPU-s of transformers for the 12 prompts rather than 30)."""
     eos = hf_model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
     outs = []
     with torch.no_grad():
-        for ids, out in zip(chat_prompts, engine.generate(chat_prompts, GREEDY)):
-            proposal = out.outputs[0].token_ids
+        for ids, proposal in zip(chat_prompts, proposals):
             greedy = hf_model(torch.tensor([ids + proposal])).logits[0, len(ids) - 1:].argmax(-1).tolist()
             ref: list[int] = []
             for position, token in enumerate(greedy):
@@ -91,7 +95,10 @@ def test_prompt_logits_match_transformers(engine, hf_model, chat_prompts):
         assert (ours - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
 
 
-def test_greedy_batch_equals_transformers_generate(engine, chat_prompts, reference):
+def test_greedy_batch_equals_transformers_generate(engine, chat_prompts, proposals, reference):
+    """Cold (the proposals: nothing cached) and again with every prompt's blocks cached."""
+    for proposal, ref in zip(proposals, reference):
+        assert _matches(proposal, ref)
     outs = engine.generate(chat_prompts, GREEDY)
     for out, ref in zip(outs, reference):
         assert _matches(out.outputs[0].token_ids, ref)

@@ -168,6 +168,23 @@ def test_a_one_rank_cpu_kv_pool_is_zeroed_in_an_arena_advised_into_huge_pages():
     assert shared.share().is_shared() and not shared.pool.any()
 
 
+@pytest.mark.parametrize("advice", ["populate", "refused"])
+def test_a_zeroed_take_is_zeros_and_resident_either_way(advice, monkeypatch):
+    """The kernel's populate faults a fresh arena's pages in as zeros; where it refuses the advice (an older
+    kernel), ``zero_`` writes them."""
+    from common.engine import huge_pages
+
+    if advice == "refused":
+        monkeypatch.setattr(huge_pages, "MADV_POPULATE_WRITE", -1)  # EINVAL, as a kernel before 5.14 answers
+    arena = HugePageArena(8 << 20, huge=False)
+    arena.take((4096,), torch.uint8)
+    tensor = arena.take_zeroed((1 << 20,), torch.float32)
+    assert not tensor.any()
+    fields = mapping_fields(tensor.data_ptr())
+    if "Rss" in fields:
+        assert fields["Rss"] >= tensor.nbytes
+
+
 def test_the_kv_pages_benchmark_gives_both_pools_the_same_output(capsys):
     import bench.kv_pages
 

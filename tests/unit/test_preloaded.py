@@ -33,7 +33,7 @@ def test_a_preloaded_model_is_adopted_once_and_answers_as_a_loaded_one(tiny_chat
     config = config_of(tiny_chat_model_dir)
     assert preload(config) and not preload(config), "kept once"
     adopted = LLMEngine(config)
-    assert adopted.runner.adopted and not preloaded._models, "taken: the process owns it alone"
+    assert adopted.runner.adopted and not preloaded.held(), "taken: the process owns it alone"
     loaded = LLMEngine(config)
     assert not loaded.runner.adopted
     assert adopted.runner.model is not loaded.runner.model
@@ -45,7 +45,7 @@ def test_a_preloaded_model_is_adopted_once_and_answers_as_a_loaded_one(tiny_chat
 @pytest.mark.parametrize("changes", [{"dtype": "bfloat16"}, {"quantization": "int8"}, {"deterministic": True}],
                          ids=["bfloat16", "int8", "deterministic"])
 def test_weights_changed_after_the_load_are_never_kept(tiny_chat_model_dir, changes):
-    assert not preload(config_of(tiny_chat_model_dir, **changes)) and not preloaded._models
+    assert not preload(config_of(tiny_chat_model_dir, **changes)) and not preloaded.held()
 
 
 def test_a_model_directory_written_again_is_loaded_from_its_files(tiny_chat_model_dir):
@@ -60,10 +60,14 @@ def test_a_model_directory_written_again_is_loaded_from_its_files(tiny_chat_mode
         os.utime(config_json, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
 
-def test_the_newest_models_are_kept():
+def test_the_newest_models_are_kept_and_a_load_drops_them_all():
     for n in range(preloaded.MAX_MODELS + 1):
         preloaded.keep(("model", n), nn.Linear(1, 1))
-    assert not preloaded.has(("model", 0))
-    assert all(preloaded.has(("model", n)) for n in range(1, preloaded.MAX_MODELS + 1))
-    assert preloaded.take(("model", 2)) is not None and not preloaded._models, "the others dropped"
-    assert preloaded.take(None) is None and preloaded.take(("model", 3)) is None
+    assert not preloaded.kept(("model", 0))
+    assert preloaded.kept(("model", 1)), "found again: the newest now"
+    preloaded.keep(("model", 9), nn.Linear(1, 1))
+    assert preloaded.kept(("model", 1)) and not preloaded.kept(("model", 2))
+    assert preloaded.take(("model", 3)) is not None and not preloaded.held(), "the others dropped"
+    preloaded.keep(("model", 1), nn.Linear(1, 1))
+    assert preloaded.take(("model", 5)) is None and not preloaded.held(), "dropped by a load that takes none too"
+    assert preloaded.take(None) is None

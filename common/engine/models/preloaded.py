@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from common.config.base import EngineConfig
@@ -24,24 +25,40 @@ MAX_MODELS = 3  # the newest kept: a test lane's clusters serve one or two model
 _models: collections.OrderedDict[tuple, nn.Module] = collections.OrderedDict()
 
 
-def key(config: EngineConfig, model_dir: str | Path, device: str, attention: str, prepacked: bool) -> tuple | None:
+def key(config: EngineConfig, model_dir: str | Path, device: str, prepacked: bool) -> tuple | None:
     """What decides the weights a load builds, or None where a load cannot be kept or adopted (``config`` settled:
-    engine.deterministic a bool). The files' sizes and modification times are in it: a directory written again
-    holds other weights."""
-    if (config.dtype != "float32" or config.quantization != "none" or config.tensor_parallel_size != 1
-            or config.deterministic or not device.startswith("cpu")):
+    engine.deterministic a bool). The files' identities are in it (inode, size, modification and change times): a
+    directory written again holds other weights. So is torch's thread count, under which oneDNN chose the
+    prepacked layout."""
+    if not eligible(config) or not device.startswith("cpu"):
         return None
     model_dir = Path(model_dir).resolve()
     try:
         files = [model_dir / "config.json", *checkpoint_files(model_dir)]
-        stats = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+        stats = tuple((f.name, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for f in files if (s := f.stat()))
     except (OSError, ValueError):
         return None
-    return str(model_dir), stats, device, attention, prepacked
+    return str(model_dir), stats, device, prepacked, torch.get_num_threads()
 
 
-def has(model_key: tuple) -> bool:
-    return model_key in _models
+def eligible(config: EngineConfig) -> bool:
+    """Whether nothing after a load of ``config`` changes its weights in place: float32, no int8, one rank, on the
+    CPU, and not engine.deterministic (its float32 "auto" is off)."""
+    return (config.dtype == "float32" and config.quantization == "none" and config.tensor_parallel_size == 1
+            and config.device_type == "cpu" and config.deterministic is not True)
+
+
+def held() -> bool:
+    """Whether any model is kept (a forked engine's load looks for one only then)."""
+    return bool(_models)
+
+
+def kept(model_key: tuple) -> bool:
+    """Whether a model is kept under ``model_key``; one that is becomes the newest."""
+    if model_key not in _models:
+        return False
+    _models.move_to_end(model_key)
+    return True
 
 
 def keep(model_key: tuple, model: nn.Module) -> None:
@@ -53,10 +70,11 @@ def keep(model_key: tuple, model: nn.Module) -> None:
 
 
 def take(model_key: tuple | None) -> nn.Module | None:
-    """The kept model of ``model_key``, which this process then owns alone (None: none kept). The others are
-    dropped: a forked engine serves one model, and holding its parent's others would count in its resident memory."""
-    if model_key is None or model_key not in _models:
+    """The kept model of ``model_key``, which this process then owns alone (None: none kept). Every other is
+    dropped whether or not one is taken: a forked engine loads one model, and its parent's others would count in
+    its resident memory (and a later load, a swap's or a draft's, must not find one it did not ask for)."""
+    if not _models:
         return None
-    model = _models.pop(model_key)
+    model = _models.pop(model_key, None) if model_key is not None else None
     _models.clear()
     return model
