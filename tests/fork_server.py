@@ -327,7 +327,7 @@ def _preload(parser, args: list[str], env: dict[str, str], cwd: str) -> float:
         os.environ.update(env)
         os.chdir(cwd)
         from common.cli.worker_command import worker_config
-        from common.engine.model_runner import preload
+        from common.engine.models.preloaded import preload
         from common.runtime.model_swap import engine_config
 
         config = worker_config(parser.parse_args(args))

@@ -34,7 +34,7 @@ from common.engine.native import cpu_signature
 from common.storage.file_lock import lock_within
 from common.storage.model_store import default_cache_root
 from common.storage.registry import write_atomic
-from common.storage.safetensors_files import checkpoint_files
+from common.storage.safetensors_files import model_files
 
 if TYPE_CHECKING:
     from common.engine.tensor_parallel import Parallel
@@ -64,8 +64,7 @@ def ranges_key(model_dir: str | Path, *, dtype: str, device_type: str, attention
     directory cannot be read for it (the load then measures, without the cache)."""
     model_dir = Path(model_dir)
     try:
-        files = [model_dir / "config.json", *sorted(model_dir.glob("*.safetensors.index.json")),
-                 *checkpoint_files(model_dir)]
+        files = model_files(model_dir)
         described = {
             "format": ENTRY_FORMAT, "model": str(model_dir.resolve()), "dtype": dtype, "device": device_type,
             "attention": attention, "block_size": block_size, "kv_dtype": kv_dtype,

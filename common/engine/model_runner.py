@@ -41,8 +41,7 @@ from common.engine.memory import device_memory_bytes, module_bytes, resident_byt
 from common.engine.malloc import loaded_allocator, release_freed_memory
 from common.engine import compact_panels, deterministic
 from common.engine.models.llama import (COMPACT_BESIDE_ROWS, FusedDecode, check_divisible, onednn_beside_panels,
-                                       onednn_copy_dtype, onednn_prepacks_bf16, onednn_prepacks_float32, onednn_rows,
-                                       onednn_widens_bf16, wide_sums)
+                                       onednn_copy_dtype, onednn_rows, prepacks_weights, wide_sums)
 from common.engine.models import preloaded
 from common.engine.models.loader import load_hf_config, load_model
 from common.engine.native import gemv_bf16_kernel, panels_amx_rows
@@ -55,7 +54,6 @@ from common.engine.spec_verify import verify_drafts
 from common.engine.tensor_parallel import (Parallel, RankProcesses, become_rank, join_group, next_step, pack_step,
                                            unpack_step)
 from common.protocol.sampling_params import SamplingParams
-from common.storage.model_store import resolve_model
 from common.engine.attention import PrefillChunk, StepContext, step_context
 
 log = logging.getLogger(__name__)
@@ -183,39 +181,6 @@ def nonfinite_rows(logits: torch.Tensor) -> list[int]:
     if not len(suspect):
         return []
     return suspect[~torch.isfinite(logits[suspect]).all(-1)].tolist()
-
-
-def prepacks_weights(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the load gives the linear weights oneDNN's blocked copy (engine.cpu.prepack_weights): bfloat16
-    ones where this CPU's oneDNN has a bf16 path, float32 ones on an AVX2 CPU without AVX-512
-    (``onednn_prepacks_float32``), and there bfloat16 ones as a float32 copy (``onednn_widens_bf16``); never int8
-    weights or under engine.deterministic."""
-    if (device.type != "cpu" or not config.cpu.prepack_weights or config.deterministic
-            or config.quantization == "int8"):
-        return False
-    return ((dtype is torch.bfloat16 and (onednn_prepacks_bf16() or onednn_widens_bf16()))
-            or (dtype is torch.float32 and onednn_prepacks_float32()))
-
-
-def preload(config: EngineConfig) -> bool:
-    """Loads (and prepacks) the weights an engine of ``config`` would, for the engines this process forks from now
-    on to adopt (common/engine/models/preloaded.py); whether they are kept now. Nothing where that load's weights
-    cannot be kept (``preloaded.eligible``: checked first, so that nothing else runs here, no device probed), or
-    are kept already. The layers' attention backend is the adopting runner's to set."""
-    if not preloaded.eligible(config):
-        return False
-    model_dir = resolve_model(config.model, config.dtype)
-    config = deterministic.settle(config, model_dir)
-    device, dtype = torch.device(config.devices[0]), getattr(torch, config.dtype)
-    prepacks = prepacks_weights(config, device, dtype)
-    model_key = preloaded.key(config, model_dir, str(device), prepacks)
-    if model_key is None or preloaded.kept(model_key):
-        return False
-    model = load_model(model_dir, dtype, str(device), None)
-    if prepacks:
-        model.prepack_weights()
-    preloaded.keep(model_key, model)
-    return True
 
 
 class ModelRunner:

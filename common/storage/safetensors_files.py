@@ -34,6 +34,13 @@ class TensorEntry:
         return math.prod(self.shape)
 
 
+def model_files(model_dir: Path) -> list[Path]:
+    """The files that decide a model directory's weights: its ``config.json`` first, then any safetensors index,
+    then the weight files (``checkpoint_files``)."""
+    return [model_dir / "config.json", *sorted(model_dir.glob("*.safetensors.index.json")),
+            *checkpoint_files(model_dir)]
+
+
 def checkpoint_files(model_dir: Path) -> list[Path]:
     """The directory's weight files: the index's shards, else ``model.safetensors``."""
     index = model_dir / INDEX_FILE

@@ -1,5 +1,5 @@
 """A model loaded before a fork, adopted by the engine that would load the same weights
-(common/engine/models/preloaded.py, ``common.engine.model_runner.preload``); what cannot be kept loads as ever."""
+(common/engine/models/preloaded.py); what cannot be kept loads as ever."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,8 +10,8 @@ from torch import nn
 
 from common.config.base import EngineConfig
 from common.engine.llm_engine import LLMEngine
-from common.engine.model_runner import preload
 from common.engine.models import preloaded
+from common.engine.models.preloaded import preload
 from common.protocol.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

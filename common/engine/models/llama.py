@@ -301,6 +301,18 @@ def onednn_copy_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype is torch.bfloat16 and onednn_widens_bf16() else dtype
 
 
+def prepacks_weights(config, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a load of ``config`` (an EngineConfig) gives the linear weights oneDNN's blocked copy
+    (``LlamaForCausalLM.prepack_weights``, engine.cpu.prepack_weights): bfloat16 ones where this CPU's oneDNN has
+    a bf16 path, float32 ones on an AVX2 CPU without AVX-512 (``onednn_prepacks_float32``), and there bfloat16 ones
+    as a float32 copy (``onednn_widens_bf16``); never int8 weights or under engine.deterministic."""
+    if (device.type != "cpu" or not config.cpu.prepack_weights or config.deterministic
+            or config.quantization == "int8"):
+        return False
+    return ((dtype is torch.bfloat16 and (onednn_prepacks_bf16() or onednn_widens_bf16()))
+            or (dtype is torch.float32 and onednn_prepacks_float32()))
+
+
 @functools.cache
 def bf16_matmul_widens() -> bool:
     """Whether torch's bf16 matmul on this CPU is its reference loop (no oneDNN bf16 path: ``onednn_prepacks_bf16``)

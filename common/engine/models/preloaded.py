@@ -1,7 +1,7 @@
 """Models loaded before this process was forked: a forked engine's load adopts one instead of building its weights.
 
-A process that forks engines (the tests' fork server, tests/fork_server.py) loads a model once, through
-``ModelRunner``'s own load (``common.engine.model_runner.preload``), and keeps it here. A child's ``ModelRunner``
+A process that forks engines (the tests' fork server, tests/fork_server.py) loads a model once (``preload``, through
+the functions ``ModelRunner``'s load calls) and keeps it here. A child's ``ModelRunner``
 whose load would build the same weights takes it (``take``): its pages are the parent's, shared copy-on-write, so
 the child neither reads the checkpoint nor prepacks the weights again (the short test model in float32 on an AVX2
 host: about 0.6 of a worker's 1.0-1.5 CPU-s of load, nearly all of it faulting in fresh pages). Only loads whose
@@ -18,7 +18,11 @@ import torch
 from torch import nn
 
 from common.config.base import EngineConfig
-from common.storage.safetensors_files import checkpoint_files
+from common.engine import deterministic
+from common.engine.models.llama import prepacks_weights
+from common.engine.models.loader import load_model
+from common.storage.model_store import resolve_model
+from common.storage.safetensors_files import model_files
 
 MAX_MODELS = 3  # the newest kept: a test lane's clusters serve one or two models at a time
 
@@ -34,11 +38,15 @@ def key(config: EngineConfig, model_dir: str | Path, device: str, prepacked: boo
         return None
     model_dir = Path(model_dir).resolve()
     try:
-        files = [model_dir / "config.json", *checkpoint_files(model_dir)]
-        stats = tuple((f.name, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for f in files if (s := f.stat()))
+        stats = tuple(_identity(path) for path in model_files(model_dir))
     except (OSError, ValueError):
         return None
     return str(model_dir), stats, device, prepacked, torch.get_num_threads()
+
+
+def _identity(path: Path) -> tuple:
+    stat = path.stat()
+    return path.name, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
 
 
 def eligible(config: EngineConfig) -> bool:
@@ -78,3 +86,24 @@ def take(model_key: tuple | None) -> nn.Module | None:
     model = _models.pop(model_key, None) if model_key is not None else None
     _models.clear()
     return model
+
+
+def preload(config: EngineConfig) -> bool:
+    """Loads (and prepacks) the weights an engine of ``config`` would, for the engines this process forks from now
+    on to adopt; whether they are kept now. Nothing where that load's weights cannot be kept (``eligible``: checked
+    first, so that nothing else runs here, no device probed), or are kept already. The layers' attention backend is
+    the adopting runner's to set."""
+    if not eligible(config):
+        return False
+    model_dir = resolve_model(config.model, config.dtype)
+    config = deterministic.settle(config, model_dir)
+    device, dtype = torch.device(config.devices[0]), getattr(torch, config.dtype)
+    prepacks = prepacks_weights(config, device, dtype)
+    model_key = key(config, model_dir, str(device), prepacks)
+    if model_key is None or kept(model_key):
+        return False
+    model = load_model(model_dir, dtype, str(device), None)
+    if prepacks:
+        model.prepack_weights()
+    keep(model_key, model)
+    return True
