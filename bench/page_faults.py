@@ -5,14 +5,16 @@ with engine.cpu.huge_pages on and off, taking turns.
         [--settle-s 5]
 
 Memory: each round maps ``--mib`` afresh in an arena advised into huge pages and in one advised out of them
-(common/engine/huge_pages.py), in turns, and zeroes it on one thread, as a KV pool is at load: wall time and the
-process's CPU time (user and system) per GiB. A kernel faults a 2 MB page in by zeroing it; on bare metal that runs
-at memory speed, but in a VM whose host takes back its guests' free memory (free page reporting, as Firecracker
-does), each page the guest reuses costs the host its own faults first. Before each, the benchmark waits
-``--settle-s`` so that the memory the last one freed is handed back as it would be long before a new worker starts
-(the guest reports free memory 2 s after it is freed); 0 measures memory freed a moment ago. Engine: each round loads ``--model`` in
-bfloat16 with a ``--kv-mib`` pool once each way (2 threads, the decode rungs' timing left out), and gives the load's
-wall and CPU time and the pool's fault-in time (``KVCache.fault_s``). The medians over rounds and their ratios.
+(common/engine/huge_pages.py), in turns, and zeroes it on one thread as a KV pool is at load (the kernel populates
+it, ``take_zeroed``), then once more in 4 KB pages zeroed by writes (``zero_``: each page faulted in by its first
+write), the populate's baseline: wall time and the process's CPU time (user and system) per GiB. A kernel
+faults a 2 MB page in by zeroing it; on bare metal that runs at memory speed, but in a VM whose host takes back
+its guests' free memory (free page reporting, as Firecracker does), each page the guest reuses costs the host its
+own faults first. Before each, the benchmark waits ``--settle-s`` so that the memory the last one freed is handed
+back as it would be long before a new worker starts (the guest reports free memory 2 s after it is freed); 0
+measures memory freed a moment ago. Engine: each round loads ``--model`` in bfloat16 with a ``--kv-mib`` pool
+once each way (2 threads, the decode rungs' timing left out), and gives the load's wall and CPU time and the
+pool's fault-in time (``KVCache.fault_s``). The medians over rounds and their ratios.
 """
 from __future__ import annotations
 
@@ -34,14 +36,19 @@ def cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def fault_in(nbytes: int, huge: bool) -> tuple[float, float, int]:
-    """A fresh arena of ``nbytes`` zeroed on one thread: (wall s, CPU s, bytes the kernel put in 2 MB pages)."""
+def fault_in(nbytes: int, huge: bool, written: bool = False) -> tuple[float, float, int]:
+    """A fresh arena of ``nbytes`` zeroed on one thread as a KV pool is (``take_zeroed``: the kernel populates it),
+    or ``written`` by ``zero_`` (each page faulted in by its first write): (wall s, CPU s, bytes the kernel put in
+    2 MB pages)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         wall, cpu = time.perf_counter(), cpu_s()
         arena = HugePageArena(nbytes, huge=huge)
-        arena.take((nbytes,), torch.uint8).zero_()
+        if written:
+            arena.take((nbytes,), torch.uint8).zero_()
+        else:
+            arena.take_zeroed((nbytes,), torch.uint8)
         wall, cpu = time.perf_counter() - wall, cpu_s() - cpu
         return wall, cpu, arena.huge_bytes()
     finally:
@@ -75,12 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print(f"transparent huge pages: {thp_policy()}; {args.rounds} rounds, the ways in turns", flush=True)
     memory: dict[str, list[tuple[float, float, int]]] = {way: [] for way in WAYS}
+    written: list[tuple[float, float, int]] = []  # 4 KB pages zeroed by writes: the populate's baseline
     engines: dict[str, list[tuple[float, float, float]]] = {way: [] for way in WAYS}
     for r in range(args.rounds):
         order = list(WAYS) if r % 2 == 0 else list(WAYS)[::-1]
         for way in order:
             time.sleep(args.settle_s)
             memory[way].append(fault_in(args.mib << 20, WAYS[way]))
+        time.sleep(args.settle_s)
+        written.append(fault_in(args.mib << 20, False, written=True))
         if args.model != "none":
             for way in order:
                 time.sleep(args.settle_s)
@@ -88,12 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     gib = args.mib / 1024
     print(f"\n| {args.mib} MiB zeroed on one thread | wall s per GiB | CPU s per GiB | in 2 MB pages |\n"
           "|---|---|---|---|")
-    for way, runs in memory.items():
+    for way, runs in [*memory.items(), ("4 KB pages, zeroed by writes", written)]:
         print(f"| {way} | {statistics.median(w for w, _, _ in runs) / gib:.2f} | "
               f"{statistics.median(c for _, c, _ in runs) / gib:.2f} | "
               f"{statistics.median(h for _, _, h in runs) / 2**20:.0f} MiB |")
     ratio = statistics.median(a[1] / b[1] for a, b in zip(*memory.values()))
     print(f"\nCPU time, 2 MB / 4 KB pages: {ratio:.1f}x (median over rounds)")
+    ratio = statistics.median(a[1] / b[1] for a, b in zip(memory["4 KB pages"], written))
+    print(f"CPU time in 4 KB pages, populated / zeroed by writes: {ratio:.2f}x (median over rounds)")
     if args.model != "none":
         print(f"\n| {args.model}, bfloat16, {args.kv_mib} MiB pool | load wall s | load CPU s | pool fault-in s |"
               "\n|---|---|---|---|")

@@ -216,5 +216,6 @@ def test_the_fault_in_benchmark_gives_both_ways_for_memory_and_an_engine(tiny_ch
                                    "--kv-mib", "8", "--settle-s", "0"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| 2 MB pages") or line.startswith("| 4 KB pages")]
-    assert len(rows) == 4 and all(len(line.split(" | ")) == 4 for line in rows)
+    assert len(rows) == 5 and all(len(line.split(" | ")) == 4 for line in rows)  # and 4 KB pages zeroed by writes
     assert "CPU time, 2 MB / 4 KB pages:" in out and "load CPU time, 2 MB / 4 KB pages:" in out
+    assert "CPU time in 4 KB pages, populated / zeroed by writes:" in out
