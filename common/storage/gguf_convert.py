@@ -4,6 +4,13 @@ DTYPE``.
 
 A module of its own, run in a child process by ``model_store.convert_gguf_to_hf`` and ``model_store._cast_from``, so
 that only this process loads torch and transformers.
+
+transformers reads the GGUF file's metadata once for the config, once for the tokenizer and once more for the
+weights (49,152 tokens and their merges parsed in Python each time), and builds gguf's tensor-name map for every
+submodule of the model where one serves them all. In this process, and only
+here, ``gguf.GGUFReader`` and ``gguf.get_tensor_name_map`` are memoized (``_parse_once``): the file is parsed once
+and the map built once, and the files written are byte for byte the same. A fresh `tessera model prepare --dtype
+float32` (the download included) took 49.5 and 56.0 s before, 29.6 and 31.6 s after (2 cores, AMD EPYC Zen 3).
 """
 from __future__ import annotations
 
@@ -11,7 +18,20 @@ import json
 import shutil
 import sys
 from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path
+
+
+def _parse_once() -> None:
+    """Memoize gguf's reader and tensor-name map (module docstring): transformers imports both from ``gguf`` at
+    each call, so the memoized ones are what it gets. The reader maps the file read-only and is only read."""
+    import gguf
+
+    if not hasattr(gguf.GGUFReader, "cache_info"):
+        reader = lru_cache(maxsize=2)(gguf.GGUFReader)
+        gguf.GGUFReader = lambda path, mode="r": reader(str(path), mode)
+        gguf.GGUFReader.cache_info = reader.cache_info
+        gguf.get_tensor_name_map = lru_cache(maxsize=8)(gguf.get_tensor_name_map)
 
 
 def convert(gguf: Path, out_dir: Path, dtype: str, log: Callable[[str], None]) -> None:
@@ -20,6 +40,7 @@ def convert(gguf: Path, out_dir: Path, dtype: str, log: Callable[[str], None]) -
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
+    _parse_once()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # Without dequantize=True transformers keeps the GGUF blocks packed when a
     # kernel for them is installed, and such a model refuses save_pretrained.

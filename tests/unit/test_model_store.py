@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -252,3 +254,37 @@ def test_a_second_dtype_is_cast_from_the_prepared_float32_model(tmp_path, embedd
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (bf16 / name).read_bytes() == (float32 / name).read_bytes()
     assert source.prepare("float32", tmp_path) == float32 and source.conversions == []  # already prepared
+
+
+_PARSE_ONCE = """
+import sys
+import gguf
+import numpy as np
+from common.storage.gguf_convert import _parse_once
+
+path = sys.argv[1]
+writer = gguf.GGUFWriter(path, "llama")
+writer.add_block_count(2)
+writer.add_tensor("token_embd.weight", np.ones((4, 8), dtype=np.float32))
+writer.write_header_to_file()
+writer.write_kv_data_to_file()
+writer.write_tensors_to_file()
+writer.close()
+_parse_once()
+_parse_once()  # a second call wraps nothing again
+first, second = gguf.GGUFReader(path), gguf.GGUFReader(path)
+assert first is second and gguf.GGUFReader.cache_info().misses == 1, gguf.GGUFReader.cache_info()
+assert [t.name for t in first.tensors] == ["token_embd.weight"] and not first.tensors[0].data.flags.writeable
+names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is names
+assert names.get_name("model.layers.1.self_attn.q_proj") == "blk.1.attn_q"
+"""
+
+
+def test_the_conversion_parses_the_gguf_file_once_and_builds_one_name_map(tmp_path):
+    """gguf_convert's memoized reader and name map (its docstring), in a process of their own as the conversion
+    runs: one reader for the file however often transformers asks, mapped read-only; one map for a model."""
+    pytest.importorskip("gguf", reason="the prepare extra (gguf) is not installed")
+    done = subprocess.run([sys.executable, "-c", _PARSE_ONCE, str(tmp_path / "small.gguf")], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
