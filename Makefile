@@ -18,6 +18,12 @@ PORT ?= 8000
 PIP := $(BIN)/python -m pip --quiet
 # Reinstalls when the dependencies change; an existing venv without it is reused, not rebuilt.
 SETUP_STAMP := $(VENV)/.tessera-setup
+# Bytecode is written wherever make runs Python: make setup installs without compiling (below), and the tests
+# start some 300 Python processes (cluster processes, ranks, commands). Where the environment sets
+# PYTHONDONTWRITEBYTECODE (as the development machines do), each would compile what it imports again, and each
+# lane would rewrite every test module's asserts again: with bytecode written (the checkout's __pycache__ is
+# ignored by git) a worker starts on 0.2 CPU-s less and a lane collects on 6 instead of 12.
+BYTECODE_ENV := env -u PYTHONDONTWRITEBYTECODE
 
 .PHONY: setup prepare run test test-repeat install
 
@@ -26,20 +32,20 @@ setup: $(SETUP_STAMP)
 $(SETUP_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	# Every install --no-compile: compiling all 15,600 modules took 74 s of 138 on two cores; the last line
-	# compiles what the processes import (tests/compile_imports.py).
+	# Every install --no-compile; the last line compiles what the processes import (tests/compile_imports.py;
+	# docs/benchmarks.md, "The test suite on two cores").
 	$(PIP) install --no-compile torch==$(TORCH_VERSION)
 	$(PIP) install --no-compile -e '.[dev]'
 	# NIXL the lean way: its own dependencies would pull CUDA torch (pip check
 	# then reports nixl-cu13 and torch as missing; both are unneeded on CPU).
-	# xgrammar (structured output) without its dependencies (triton, next, is installed on its own).
+	# xgrammar (structured output) without its dependencies; triton, one of them, pinned beside it.
 	$(PIP) install --no-compile --no-deps nixl==$(NIXL_VERSION) nixl-cu12==$(NIXL_VERSION) \
 		xgrammar==$(XGRAMMAR_VERSION) triton==$(TRITON_VERSION)
-	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m tests.compile_imports
+	$(BYTECODE_ENV) $(BIN)/python -m tests.compile_imports
 	touch $@
 
 prepare: setup
-	for dtype in $(DTYPE); do $(BIN)/tessera model prepare --dtype $$dtype || exit 1; done
+	for dtype in $(DTYPE); do $(BYTECODE_ENV) $(BIN)/tessera model prepare --dtype $$dtype || exit 1; done
 
 # The fastest dtype this machine computes (bfloat16 with AVX512-BF16 or AMX, or on AVX2 without AVX-512, else float32);
 # RUN_DTYPE=float32 overrides.
@@ -47,24 +53,19 @@ prepare: setup
 RUN_DTYPE ?= auto
 
 run: setup
-	$(BIN)/tessera model prepare --dtype $(RUN_DTYPE)
-	$(BIN)/tessera up --dtype $(RUN_DTYPE) --port $(PORT)
+	$(BYTECODE_ENV) $(BIN)/tessera model prepare --dtype $(RUN_DTYPE)
+	$(BYTECODE_ENV) $(BIN)/tessera up --dtype $(RUN_DTYPE) --port $(PORT)
 
 # Three lanes side by side (tests/conftest.py says which test runs in which); LANES= runs the tests one at a time.
 LANES ?= --numprocesses=3
-# The tests start some 300 Python processes (cluster processes, ranks, commands). Where the environment sets
-# PYTHONDONTWRITEBYTECODE (as the development machines do), each would compile the project's modules again, and
-# each lane would rewrite every test module's asserts again: with bytecode written to the checkout's __pycache__
-# (ignored by git) a worker starts on 0.2 CPU-s less and a lane collects on 6 instead of 12.
-TEST_ENV := env -u PYTHONDONTWRITEBYTECODE
 test: setup prepare
-	$(TEST_ENV) $(BIN)/python -m pytest -q $(LANES) $(PYTEST_ARGS)
+	$(BYTECODE_ENV) $(BIN)/python -m pytest -q $(LANES) $(PYTEST_ARGS)
 
 # Flake finder: the e2e tests (or REPEAT_ARGS) REPEAT times, then every test that failed in any round.
 REPEAT ?= 3
 REPEAT_ARGS ?= tests/e2e
 test-repeat: setup prepare
-	$(TEST_ENV) $(BIN)/python -m tests.repeat --count $(REPEAT) $(REPEAT_ARGS) $(LANES)
+	$(BYTECODE_ENV) $(BIN)/python -m tests.repeat --count $(REPEAT) $(REPEAT_ARGS) $(LANES)
 
 # A production install: a virtualenv at PREFIX with the project (not editable) and its runtime dependencies only,
 # the CPU build of torch, NIXL and xgrammar; no test or dev tools. On a GPU host install the CUDA torch build first

@@ -1,24 +1,29 @@
 """Bytecode for what the cluster's processes and the test lanes import, written once by `make setup`.
 
-pip installs the virtualenv with ``--no-compile``: compiling each of its 15,600 modules one after another took 74
-of the setup's 138 s on two cores, and a process imports a fifth of them. Importing here what a worker, the proxy,
-the CLI and a test lane import compiles that fifth in one process (about 30 CPU-s) and writes its ``__pycache__``.
-A module that only some test or command reaches is compiled by the first process that imports it, and written then
-(in one suite run, 1,300 modules at 4-6 ms each, schemathesis' and setuptools' most). Compiling every package small
-enough instead (4,500 more modules) cost more than that. Run with PYTHONDONTWRITEBYTECODE unset (the Makefile does).
+pip installs the virtualenv with ``--no-compile``: compiling every one of its 15,600 modules, one after another, was
+most of the setup's time, and a process imports a fifth of them. Importing here what a worker, the proxy, the CLI,
+the embedded model's conversion and a test lane import compiles that fifth in one process and writes it. A module
+that only some test or command reaches is compiled by the first process that imports it, and written then where
+PYTHONDONTWRITEBYTECODE is unset, as the Makefile's targets unset it. The measurements, and what compiling more
+here cost: docs/benchmarks.md, "The test suite on two cores".
 """
 import importlib
 import sys
 import time
 
-# Third-party first, in the order the processes meet them, then the project's entry points.
-MODULES = (
+# Third-party, in the order the processes meet them; a package this machine lacks is left to its users to report.
+THIRD_PARTY = (
     "torch", "safetensors.torch", "tokenizers", "transformers", "transformers.models.llama.modeling_llama",
     "zmq", "msgpack", "msgspec", "pydantic", "fastapi", "uvicorn", "uvloop", "httptools", "prometheus_client",
-    "yaml", "grpc", "redis", "jinja2", "xgrammar", "nixl._api", "triton",
+    "yaml", "grpc", "grpc_status", "google.protobuf.json_format", "redis", "jinja2", "xgrammar", "nixl._api",
+    "triton", "gguf", "accelerate", "transformers.modeling_gguf_pytorch_utils", "transformers.integrations.ggml",
     "pytest", "xdist.dsession", "xdist.remote", "execnet", "hypothesis", "schemathesis", "httpx", "openai",
-    "common.cli.main", "proxy.app", "prefill_worker.worker", "decode_worker.worker", "common.engine.model_runner",
-    "kv_transfer.nixl_backend", "kv_transfer.zmq_backend", "bench.device_check",
+)
+# The project's entry points: each must import, or setup fails.
+PROJECT = (
+    "common.cli.main", "proxy.app", "proxy.edge.grpc_api.service", "prefill_worker.worker", "decode_worker.worker",
+    "common.engine.model_runner", "common.storage.gguf_convert", "kv_transfer.nixl_backend",
+    "kv_transfer.zmq_backend", "bench.device_check",
 )
 
 
@@ -28,11 +33,13 @@ def main() -> int:
         return 2
     started = time.monotonic()
     missing = []
-    for name in MODULES:
+    for name in THIRD_PARTY:
         try:
             importlib.import_module(name)
-        except ImportError as exc:  # an optional package absent on this machine: its users skip or say so
+        except ImportError as exc:
             missing.append(f"{name} ({exc})")
+    for name in PROJECT:
+        importlib.import_module(name)
     print(f"compile_imports: {len(sys.modules)} modules imported in {time.monotonic() - started:.1f}s"
           + (f"; not importable here: {', '.join(missing)}" if missing else ""))
     return 0

@@ -5,12 +5,12 @@ DTYPE``.
 A module of its own, run in a child process by ``model_store.convert_gguf_to_hf`` and ``model_store._cast_from``, so
 that only this process loads torch and transformers.
 
-transformers reads the GGUF file's metadata once for the config, once for the tokenizer and once more for the
-weights (49,152 tokens and their merges parsed in Python each time), and builds gguf's tensor-name map for every
-submodule of the model where one serves them all. In this process, and only
-here, ``gguf.GGUFReader`` and ``gguf.get_tensor_name_map`` are memoized (``_parse_once``): the file is parsed once
-and the map built once, and the files written are byte for byte the same. A fresh `tessera model prepare --dtype
-float32` (the download included) took 49.5 and 56.0 s before, 29.6 and 31.6 s after (2 cores, AMD EPYC Zen 3).
+transformers opens the GGUF file three times, for the config, the tokenizer and the weights, and builds gguf's
+tensor-name map again for every submodule of the model. In this process, and only here, ``gguf.GGUFReader`` and
+``gguf.get_tensor_name_map`` are memoized (``_parse_once``): gguf reads the file's fields once and builds the map
+once, while transformers still converts the fields it reads (the 49,152 tokens among them) at each of its three
+calls. The files written are byte for byte the same; what it saves: docs/benchmarks.md, "The test suite on two
+cores".
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def cast(source: Path, out_dir: Path, dtype: str, skip: set[str], log: Callable[
     """``source`` (the float32 conversion) with its weights cast to ``dtype``: the tensors ``convert`` writes for
     ``dtype`` (gguf dequantizes to float32 and transformers casts that: for the embedded model every file is
     byte for byte the same), without parsing
-    the GGUF file's metadata again, which takes nearly all of a conversion's 20 s. Files named in ``skip`` (the
+    the GGUF file's metadata again, which takes most of a conversion's time. Files named in ``skip`` (the
     caller's marker) are left out."""
     import torch
     from safetensors.torch import load_file, save_file

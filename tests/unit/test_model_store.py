@@ -271,19 +271,31 @@ writer.write_kv_data_to_file()
 writer.write_tensors_to_file()
 writer.close()
 _parse_once()
-_parse_once()  # a second call wraps nothing again
+wrapped = gguf.GGUFReader, gguf.get_tensor_name_map
+_parse_once()
+assert (gguf.GGUFReader, gguf.get_tensor_name_map) == wrapped  # a second call wraps nothing again
 first, second = gguf.GGUFReader(path), gguf.GGUFReader(path)
 assert first is second and gguf.GGUFReader.cache_info().misses == 1, gguf.GGUFReader.cache_info()
 assert [t.name for t in first.tensors] == ["token_embd.weight"] and not first.tensors[0].data.flags.writeable
 names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
 assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is names
 assert names.get_name("model.layers.1.self_attn.q_proj") == "blk.1.attn_q"
+# transformers takes both from the gguf module inside the functions that use them (read from its source, not
+# imported), so what it gets at each call is the memoized pair.
+import ast, importlib.util, pathlib
+package = pathlib.Path(importlib.util.find_spec("transformers").submodule_search_locations[0])
+tree = ast.parse((package / "modeling_gguf_pytorch_utils.py").read_text())
+local = {alias.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+         for inner in ast.walk(node) if isinstance(inner, ast.ImportFrom) and inner.module == "gguf"
+         for alias in inner.names}
+assert {"GGUFReader", "get_tensor_name_map"} <= local, local
 """
 
 
 def test_the_conversion_parses_the_gguf_file_once_and_builds_one_name_map(tmp_path):
     """gguf_convert's memoized reader and name map (its docstring), in a process of their own as the conversion
-    runs: one reader for the file however often transformers asks, mapped read-only; one map for a model."""
+    runs: one reader for the file however often transformers asks, mapped read-only; one map for a model; and
+    transformers still importing both from gguf when it calls them, which is what makes the memoizing count."""
     pytest.importorskip("gguf", reason="the prepare extra (gguf) is not installed")
     done = subprocess.run([sys.executable, "-c", _PARSE_ONCE, str(tmp_path / "small.gguf")], capture_output=True,
                           text=True, timeout=120)
