@@ -28,10 +28,11 @@ from common.storage.model_store import resolve_model
 # before the tests' workers and engines took 4 KB pages, engine.cpu.huge_pages; 891 s on 1,591 CPU-s on 2026-12-05).
 # Those runs were on an Intel Xeon with AMX. On an AMD EPYC (Zen 3, no AVX-512), whose kernels are slower: 1,417 s on
 # 2,518 CPU-s (2026-12-06, e96c6ea), then 875 s on 1,575 CPU-s (2026-12-07, the lanes' tests 835, 846 and 617 s) once
-# most e2e clusters served the short model (``short_model_dir``) instead of the embedded one. The same host later
-# ran the same code 13-17% slower or faster from one run to the next (docs/benchmarks.md, "The test suite on two
-# cores"): 1,011 s on 1,813 CPU-s at dd9193f (the lanes' tests 986, 954 and 771 s), once the worker servers preloaded
-# float32 models (tests/fork_server.py) and WAITS' last four modules came from the beside lane, then its longest.
+# most e2e clusters served the short model (``short_model_dir``) instead of the embedded one. The same host later ran
+# a run up to 17% slower than the one before it with no more work (docs/benchmarks.md, "The test suite on two
+# cores", and its history): 1,011 s on 1,813 CPU-s at dd9193f (the lanes' tests 986, 954 and 771 s), once the
+# worker servers preloaded float32 models (tests/fork_server.py) and WAITS' last four modules came from the beside
+# lane, then its longest.
 BESIDE_E2E = {
     # scripted workers behind a proxy in a thread or a torch-free process
     "test_config_reload.py", "test_metering_file.py", "test_proxy_tls.py", "test_recovery_phases.py",
