@@ -113,8 +113,10 @@ def test_chunks_and_decode_rows_in_one_step_match_float32(dtype, heads, kv_heads
 
 @pytest.mark.skipif(CPU is None, reason="the decode kernel needs a C compiler")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# (4, 2, 128, 128): blocks past AVX2's widening scratch (attend.h WIDEN_FLOATS): a bf16 pool's scalar path there
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size",
-                         [(9, 3, 64, 16), (8, 1, 128, 32), (6, 2, 48, 16), (4, 4, 80, 16), (2, 2, 16, 32)])
+                         [(9, 3, 64, 16), (8, 1, 128, 32), (6, 2, 48, 16), (4, 4, 80, 16), (2, 2, 16, 32),
+                          (4, 2, 128, 128)])
 @pytest.mark.parametrize("long", [False, True])  # an item per (row, kv head); many long rows: an item per row
 def test_decode_rows_match_float32_attention(dtype, heads, kv_heads, head_dim, block_size, long):
     gen = torch.Generator().manual_seed(head_dim * block_size + heads + long)

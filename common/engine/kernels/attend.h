@@ -519,12 +519,17 @@ static inline __attribute__((always_inline)) void attend_finish(
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 /*
- * The same with AVX2 and FMA, for head_dim a multiple of 8 and a float32 pool (a CPU without AVX-512:
- * ATTEND_VECTOR_KV): dimensions 8 at a time; the 8 scores of a tile of keys are 8 independent FMA chains summed
- * by one transpose-and-add (sum8x8), the softmax's exponentials 8 at a time (exp8), and a head's accumulators stay
- * in registers over a block's V rows. Items per (row, kv head) or per row (attend_by_row), as above.
+ * The same with AVX2 and FMA, for head_dim a multiple of 8 (a CPU without AVX-512): dimensions 8 at a time; the 8
+ * scores of a tile of keys are 8 independent FMA chains summed by one transpose-and-add (sum8x8), the softmax's
+ * exponentials 8 at a time (exp8), and a head's accumulators stay in registers over a block's V rows. A bf16 pool's
+ * block is widened to float32 once, K rows then V rows, into a scratch that stays in L1 (WIDEN_FLOATS), which every
+ * query head of the group then reads: widening each K row once per head cost more than the scalar loop
+ * (first-generation Zen, 135M shapes: 0.92-0.99x). Items per (row, kv head) or per row (attend_by_row), as above.
  */
 #define CHUNKS_MAX (MAX_HEAD_DIM / 8)
+/* The most floats of a bf16 block's K (or V) rows widened at once: 32 KB, blocks of up to 64 tokens of 128
+ * dimensions (16 x 64 is 4 KB); larger blocks of a bf16 pool take the scalar path (ATTEND_VECTOR_KV). */
+#define WIDEN_FLOATS 8192
 
 static inline __m256 load8_any(const void *p, int bf16, int64_t i) {
     return bf16 ? widen8_bf16((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
@@ -537,10 +542,20 @@ typedef struct {
     float m[MAX_GROUP], l[MAX_GROUP];
 } attend_state;
 
-/* One block's scores per head (8 past the block for the last tile's lanes). */
+/* One block's scores per head (8 past the block for the last tile's lanes), and a bf16 block's rows widened. */
 typedef struct {
     float scores[MAX_GROUP][MAX_BLOCK + 8];
+    float rows[WIDEN_FLOATS] __attribute__((aligned(32)));
 } attend_scratch;
+
+/* n rows of head_dim bf16 values from base (token_stride apart) as float32 rows side by side in dst */
+static inline __attribute__((always_inline)) void widen_rows(float *dst, const void *kv, int64_t base, int n,
+                                                             int64_t token_stride, const int head_dim)
+{
+    for (int t = 0; t < n; t++)
+        for (int c = 0; c < head_dim; c += 8)
+            _mm256_store_ps(dst + t * head_dim + c, widen8_bf16((const uint16_t *)kv + base + t * token_stride + c));
+}
 
 static inline __attribute__((always_inline)) void attend_init(
     attend_state *st, const void *q, const int q_bf16, int64_t r, int kvh, int num_heads, const int head_dim,
@@ -568,25 +583,32 @@ static inline __attribute__((always_inline)) void attend_block(
     const __m256 lane = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
     __m256 part[8];
     for (int t = 0; t < n; t++) prefetch_row(pk, t, token_bytes, row_bytes);
+    /* the rows the heads read: the pool's own (float32), or the block's widened in sc->rows (bf16) */
+    const float *rows = (const float *)kv;
+    int64_t kb = kbase, vb = vbase, stride = token_stride;
+    if (is_bf16) {
+        widen_rows(sc->rows, kv, kbase, n, token_stride, head_dim);
+        rows = sc->rows;
+        kb = vb = 0;
+        stride = head_dim;
+    }
     for (int h = 0; h < group; h++) {
         float *scores = sc->scores[h];
         for (int t0 = 0; t0 < n; t0 += 8) { /* a head's scores of 8 keys: 8 partial vectors, one sum8x8 */
             int tn = n - t0 < 8 ? n - t0 : 8;
-            const int64_t ko = kbase + t0 * token_stride;
+            const float *ko = rows + kb + t0 * stride;
             if (tn == 8) { /* the 8 keys' sums side by side: 8 independent FMA chains, not one per key */
 #pragma GCC unroll 8
                 for (int t = 0; t < 8; t++) part[t] = _mm256_setzero_ps();
                 for (int c = 0; c < nc; c++)
 #pragma GCC unroll 8
                     for (int t = 0; t < 8; t++)
-                        part[t] = _mm256_fmadd_ps(st->qv[h][c], load8_any(kv, is_bf16, ko + t * token_stride + 8 * c),
-                                                  part[t]);
+                        part[t] = _mm256_fmadd_ps(st->qv[h][c], _mm256_loadu_ps(ko + t * stride + 8 * c), part[t]);
             } else {
                 for (int t = 0; t < 8; t++) part[t] = _mm256_setzero_ps();
                 for (int t = 0; t < tn; t++)
                     for (int c = 0; c < nc; c++)
-                        part[t] = _mm256_fmadd_ps(st->qv[h][c], load8_any(kv, is_bf16, ko + t * token_stride + 8 * c),
-                                                  part[t]);
+                        part[t] = _mm256_fmadd_ps(st->qv[h][c], _mm256_loadu_ps(ko + t * stride + 8 * c), part[t]);
             }
             _mm256_storeu_ps(scores + t0, sum8x8(part));
         }
@@ -606,6 +628,7 @@ static inline __attribute__((always_inline)) void attend_block(
             for (int c = 0; c < nc; c++) st->acc[h][c] = _mm256_mul_ps(st->acc[h][c], _mm256_set1_ps(correction));
     }
     for (int t = 0; t < n; t++) prefetch_row(pv, t, token_bytes, row_bytes);
+    if (is_bf16) widen_rows(sc->rows, kv, vbase, n, token_stride, head_dim); /* the K rows are done with */
     for (int h = 0; h < group; h++) /* a head's accumulators held over the block's V rows (L1 after head 0) */
         for (int c0 = 0; c0 < nc; c0 += 8) {
             const int cn = nc - c0 < 8 ? nc - c0 : 8;
@@ -614,10 +637,10 @@ static inline __attribute__((always_inline)) void attend_block(
             for (int c = 0; c < 8; c++) a[c] = c < cn ? st->acc[h][c0 + c] : _mm256_setzero_ps();
             for (int t = 0; t < n; t++) {
                 const __m256 p = _mm256_set1_ps(sc->scores[h][t]);
-                const int64_t vo = vbase + t * token_stride + 8 * c0;
+                const float *vo = rows + vb + t * stride + 8 * c0;
 #pragma GCC unroll 8
                 for (int c = 0; c < 8; c++)
-                    if (c < cn) a[c] = _mm256_fmadd_ps(p, load8_any(kv, is_bf16, vo + 8 * c), a[c]);
+                    if (c < cn) a[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vo + 8 * c), a[c]);
             }
 #pragma GCC unroll 8
             for (int c = 0; c < 8; c++)
@@ -651,13 +674,12 @@ static inline __attribute__((always_inline)) void attend_finish(
 #define ATTEND_VECTOR 1
 #if defined(__AVX512F__)
 #define ATTEND_DIM_STEP 16
-#define ATTEND_VECTOR_KV(is_bf16) 1
+#define ATTEND_VECTOR_KV(is_bf16, block_size, head_dim) 1
 #else
 #define ATTEND_DIM_STEP 8
-/* AVX2 takes float32 pools only: widening a bf16 pool's K rows once per query head of a group cost more than the
- * scalar loop, which widens each row once (first-generation Zen, 135M shapes: 0.92-0.99x; experiments.kernel_ab
- * decode_attention --dtype bfloat16) */
-#define ATTEND_VECTOR_KV(is_bf16) (!(is_bf16))
+/* AVX2 takes a bf16 pool whose block's rows fit the widening scratch */
+#define ATTEND_VECTOR_KV(is_bf16, block_size, head_dim) \
+    (!(is_bf16) || (int64_t)(block_size) * (head_dim) <= WIDEN_FLOATS)
 #endif
 
 /* One (row, kv head) through the vector path's attend_init, attend_block and attend_finish. */
@@ -710,8 +732,9 @@ static inline __attribute__((always_inline)) void attend_one_vector(
 
 /* Whether a step's decode rows go one item per row (attend_row): a pool the vector path takes, and enough rows to
  * keep every thread busy. */
-static inline int attend_by_row(int rows, const int64_t *context_lens, int head_dim, int num_kv_heads, int is_bf16) {
-    if (!ATTEND_VECTOR_KV(is_bf16)) return 0;
+static inline int attend_by_row(int rows, const int64_t *context_lens, int head_dim, int num_kv_heads, int block_size,
+                                int is_bf16) {
+    if (!ATTEND_VECTOR_KV(is_bf16, block_size, head_dim)) return 0;
 #ifdef _OPENMP
     if (rows < omp_get_max_threads()) return 0;
 #endif
@@ -755,7 +778,7 @@ static inline __attribute__((always_inline)) void attend_row(
 }
 #endif
 
-/* One (row, kv head): the AVX-512 path where it applies (or the AVX2 one, float32 pools), else the scalar one. */
+/* One (row, kv head): the vector path where it applies (ATTEND_VECTOR_KV), else the scalar one. */
 static inline __attribute__((always_inline)) void attend_one(
     const void *q, const int q_bf16, const void *kv, int64_t block_stride, int64_t k_offset, int64_t v_offset,
     const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens, void *out, const int out_bf16,
@@ -763,7 +786,7 @@ static inline __attribute__((always_inline)) void attend_one(
     int group, int64_t item)
 {
 #if defined(ATTEND_VECTOR)
-    if (head_dim % ATTEND_DIM_STEP == 0 && ATTEND_VECTOR_KV(is_bf16)) {
+    if (head_dim % ATTEND_DIM_STEP == 0 && ATTEND_VECTOR_KV(is_bf16, block_size, head_dim)) {
         attend_one_vector(q, q_bf16, kv, block_stride, k_offset, v_offset, block_tables, max_blocks, context_lens,
                           out, out_bf16, num_heads, num_kv_heads, head_dim, block_size, scale, is_bf16, group, item);
         return;

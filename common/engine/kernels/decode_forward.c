@@ -650,7 +650,7 @@ int tessera_decode_forward(const int64_t *layers, int num_layers, const int64_t 
     if (xb == NULL) { free(h); return -1; }
     float xs[MAX_ROWS]; /* an int8 layer's input: each row's step (to_int16_rows) */
 #if defined(ATTEND_VECTOR)
-    const int by_row = !pool_int8 && attend_by_row(m, context_lens, head_dim, kv_heads, act_bf16);
+    const int by_row = !pool_int8 && attend_by_row(m, context_lens, head_dim, kv_heads, block_size, act_bf16);
 #endif
     int i8_by_row = 1; /* over an int8 pool: an item per row where that keeps every thread busy, as kv_int8.c */
 #ifdef _OPENMP

@@ -36,7 +36,7 @@ int tessera_paged_attention(
 
 #if defined(ATTEND_VECTOR)
     /* Enough rows to keep every thread busy at one item per row: each row reads its blocks' K/V ranges whole */
-    if (attend_by_row(rows, context_lens, head_dim, num_kv_heads, is_bf16)) {
+    if (attend_by_row(rows, context_lens, head_dim, num_kv_heads, block_size, is_bf16)) {
         #pragma omp parallel
         {
             attend_state *states = aligned_alloc(64, sizeof(attend_state) * num_kv_heads);
