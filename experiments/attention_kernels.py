@@ -14,12 +14,13 @@ import argparse
 
 import torch
 
-from bench.chunk_attention import BLOCK, HEAD_DIM, HEADS, KV_HEADS, per_call_ms
+from bench.chunk_attention import BLOCK, HEAD_DIM, SHAPES, per_call_ms
 from common.engine.attention import CpuAttention, StepContext
 from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.native import load_kernel
 
 LAYERS = 30
+HEADS, KV_HEADS = SHAPES["embedded"]
 
 
 def decode_row(attention: CpuAttention, batch: int, context: int, repeat: int) -> tuple[float, float, float]:
