@@ -98,7 +98,7 @@ def test_bfloat16_decode_kernel_stays_within_bf16_rounding(tiny_dir, rows, first
 def test_a_rows_hidden_state_is_the_same_bits_in_a_step_of_many_rows(tiny_dir, dtype):
     """Each linear output is one accumulator over k in order whatever the step's rows, so a row in a step of 3
     (two-row passes) and in one of the kernel's most rows (on an AVX2 CPU without AVX-512: 16 float32 rows and 40
-    bf16 ones, passes over tiles of the weights from 8 and 32 rows) gets the same bits. Built with tiles of 48
+    bf16 ones, passes over tiles of the weights from 8 and 12 rows) gets the same bits. Built with tiles of 48
     columns, so that the tiny models' inputs of 64 and 128 take several tiles and a shorter last one."""
     runner = runner_for(tiny_dir, dtype=dtype, num_kv_blocks=400, decode_kernel_max_batch=40)
     fused = runner.model.fused_decode
