@@ -522,9 +522,11 @@ static inline __attribute__((always_inline)) void attend_finish(
  * The same with AVX2 and FMA, for head_dim a multiple of 8 (a CPU without AVX-512): dimensions 8 at a time; the 8
  * scores of a tile of keys are 8 independent FMA chains summed by one transpose-and-add (sum8x8), the softmax's
  * exponentials 8 at a time (exp8), and a head's accumulators stay in registers over a block's V rows. A bf16 pool's
- * block is widened to float32 once, K rows then V rows, into a scratch that stays in L1 (WIDEN_FLOATS), which every
- * query head of the group then reads: widening each K row once per head cost more than the scalar loop
- * (first-generation Zen, 135M shapes: 0.92-0.99x). Items per (row, kv head) or per row (attend_by_row), as above.
+ * block is widened to float32 once, K rows then V rows, into a scratch (WIDEN_FLOATS; in L1 at the common sizes, 4 KB
+ * for 16 tokens of 64 dimensions) that every query head of the group then reads: widening each K row once per head
+ * had cost more than the scalar loop (first-generation Zen, 135M shapes: 0.92-0.99x), the scratch gains 1.02-1.15x
+ * over it (Zen 3; experiments.kernel_ab decode_attention --dtype bfloat16). Items per (row, kv head) or per row
+ * (attend_by_row), as above.
  */
 #define CHUNKS_MAX (MAX_HEAD_DIM / 8)
 /* The most floats of a bf16 block's K (or V) rows widened at once: 32 KB, blocks of up to 64 tokens of 128

@@ -212,7 +212,8 @@ static inline __attribute__((always_inline)) void dot_block_avx2(const float *x,
  * docs/history/benchmarks-rounds.md, "Decode steps of many rows on an AVX2 CPU: the kernel's linears in tiles"): at 1B
  * float32 1.02x at 16 rows (0.84x before); at 135M float32 1.34x at 8 rows, bf16
  * 1.19-1.41x at 32, 1.01x (64) to 1.35x (48). bf16 tiles against the passes (experiments.kernel_ab decode_forward,
- * 135M): 1.12-1.21x at 12-24 rows, level at 8 (within the runs' 5%), slower at 2-4 (0.90-0.92x). */
+ * 135M, the builds with TILED_ROWS_MIN_BF16=2, 8 and 12): 1.12-1.21x at 12-24 rows, level at 8 (within the runs'
+ * 5%), slower at 2-4 (0.90-0.92x). */
 #if defined(__AVX512F__) /* unmeasured with AVX-512 (the float32 kernel takes 8 rows there): never */
 #define TILED_ROWS_MIN_DEFAULT (MAX_ROWS + 1)
 #else
