@@ -10,7 +10,8 @@ is the reference: every other one's output is compared with it.
 
 - ``decode_attention``: ``tessera_paged_attention`` over all 30 layers of a pool shaped like the embedded model's
   (9 heads, 3 KV heads, head_dim 64, blocks of 16, in ``--dtype``: bfloat16 by default), the sequences' blocks
-  drawn at random from a pool twice their size, as a long-running server leaves them; rows x context per case.
+  drawn at random from a pool twice their size, as a long-running server leaves them; rows x context per case
+  (``--cases``: 8x290, 24x290, 64x290 and 64x1000 by default).
 - ``decode_forward``: a model's whole decode forward (``tessera_decode_forward``, swapped into the engine's
   ``FusedDecode``, which takes every row count here) for ``--rows`` rows (1, 2, 4, 6, 8 by default), on sequences
   of 97 + 8i tokens; ``--model`` as bench.profile_step takes it (the embedded model by default, ``1b``, ...).
@@ -89,12 +90,12 @@ def report(label: str, medians: dict[str, float], outputs: dict[str, torch.Tenso
     print(f"| {label} | {cells} | max diff from the first {diff:.3g} |")
 
 
-def decode_attention(variants: dict, rounds: int, dtype: str) -> None:
+def decode_attention(variants: dict, rounds: int, dtype: str, cases: list[tuple[int, int]]) -> None:
     from common.engine.kv_cache import KVCache, KVLayout
     heads, kv_heads, dim, block, layers = 9, 3, 64, 16, 30
     bf16 = dtype == "bfloat16"
     size = 2 if bf16 else 4
-    for batch, context in ((8, 290), (24, 290), (64, 290), (64, 1000)):
+    for batch, context in cases:
         per_seq = -(-context // block)
         cache = KVCache(KVLayout(num_layers=layers, block_size=block, num_kv_heads=kv_heads, head_dim=dim,
                                  dtype=dtype), 2 * batch * per_seq)
@@ -153,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--rows", type=lambda text: [int(r) for r in text.split(",")], default=[1, 2, 4, 6, 8],
                         help="decode_forward: the row counts timed, comma-separated")
+    parser.add_argument("--cases", type=lambda text: [tuple(int(n) for n in c.split("x")) for c in text.split(",")],
+                        default=[(8, 290), (24, 290), (64, 290), (64, 1000)],
+                        help="decode_attention: rows x context per case, comma-separated (8x290,24x290,...)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)  # as in a worker process
@@ -161,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.kernel}, {args.threads} threads, median of {args.rounds} alternating rounds\n")
         print("| case | " + " | ".join(["variants (speed-up over the first)", "outputs"]) + " |\n|---|---|---|")
         if args.kernel == "decode_attention":
-            decode_attention(variants, args.rounds, args.dtype)
+            decode_attention(variants, args.rounds, args.dtype, args.cases)
         else:
             decode_forward(variants, args.rounds, args)
     return 0
